@@ -1,0 +1,1 @@
+"""aioexperts: stream the routed experts of MoE GGUF models from SSD."""

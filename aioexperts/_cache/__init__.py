@@ -1,0 +1,1 @@
+"""cache layer of aioexperts (private)."""

@@ -1,0 +1,1 @@
+"""compute layer of aioexperts (private)."""

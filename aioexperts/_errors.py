@@ -1,0 +1,88 @@
+"""One exception tree for everything aioexperts raises on purpose.
+
+``AioExpertsError`` is the root. Errors about bad input are also ``ValueError`` so that callers who
+already catch that keep working; I/O failures keep the original ``OSError`` as ``__cause__``.
+Following trio's vocabulary, a resource *you* closed raises :class:`EngineClosedError`, one that
+something outside broke raises :class:`ExpertReadError`, one that is fully in use raises
+:class:`SlabExhaustedError`.
+"""
+
+from __future__ import annotations
+
+__all__ = (
+    "AioExpertsError",
+    "BackendUnavailableError",
+    "ConfigError",
+    "EngineClosedError",
+    "ExpertReadError",
+    "FormatError",
+    "InvalidRequestError",
+    "LayoutError",
+    "MissingShardError",
+    "SlabExhaustedError",
+    "StaleMapError",
+    "UnsupportedTypeError",
+)
+
+
+class AioExpertsError(Exception):
+    """Root of every error aioexperts raises on purpose."""
+
+
+class FormatError(AioExpertsError, ValueError):
+    """A model or map file is malformed: bad magic, truncated, an offset or size out of range."""
+
+
+class MissingShardError(FormatError):
+    """A shard of a split GGUF set is missing or does not belong to the set.
+
+    Attributes:
+        path: the shard file that was expected.
+    """
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class LayoutError(FormatError):
+    """The expert tensors break a rule of the expert layout (FORMATS.md sections 1 and 2)."""
+
+
+class UnsupportedTypeError(FormatError):
+    """A ggml type or architecture aioexperts cannot handle."""
+
+
+class StaleMapError(FormatError):
+    """A ``WEEPF001`` expert map does not match the model it is used with; regenerate it."""
+
+
+class ConfigError(AioExpertsError, ValueError):
+    """An argument is out of range or inconsistent (slot count, backend name, depth)."""
+
+
+class InvalidRequestError(AioExpertsError, ValueError):
+    """A request names a layer or expert that the model does not have; the engine stays usable."""
+
+
+class BackendUnavailableError(AioExpertsError):
+    """A backend that was asked for explicitly cannot run here (io_uring disabled, no O_DIRECT)."""
+
+
+class ExpertReadError(AioExpertsError):
+    """Reading an expert failed (an ``OSError``, a short read before end of file).
+
+    The original error is attached as ``__cause__``. Every waiter of that expert gets the same
+    exception; the slot is freed and the engine stays usable.
+    """
+
+
+class EngineClosedError(AioExpertsError):
+    """The engine was closed by its owner; no further requests are accepted."""
+
+
+class SlabExhaustedError(AioExpertsError):
+    """Every slot of the slab is pinned, so the request cannot be served: the slab is too small.
+
+    Raise the slot count, request fewer experts at once, or ask to wait for a free slot.
+    """

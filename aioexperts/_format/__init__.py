@@ -1,0 +1,1 @@
+"""format layer of aioexperts (private)."""

@@ -1,0 +1,1 @@
+"""predict layer of aioexperts (private)."""
