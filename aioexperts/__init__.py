@@ -1,1 +1,68 @@
-"""aioexperts: stream the routed experts of MoE GGUF models from SSD."""
+"""aioexperts: stream the routed experts of Mixture-of-Experts GGUF models from SSD.
+
+The public API is re-exported here; the implementation lives in private modules.
+"""
+
+from ._cache.stats import EngineStatistics as EngineStatistics
+from ._engine import Engine as Engine
+from ._engine import open as open  # noqa: A004
+from ._errors import AioExpertsError as AioExpertsError
+from ._errors import BackendUnavailableError as BackendUnavailableError
+from ._errors import ConfigError as ConfigError
+from ._errors import EngineClosedError as EngineClosedError
+from ._errors import ExpertReadError as ExpertReadError
+from ._errors import FormatError as FormatError
+from ._errors import InvalidRequestError as InvalidRequestError
+from ._errors import LayoutError as LayoutError
+from ._errors import MissingShardError as MissingShardError
+from ._errors import SlabExhaustedError as SlabExhaustedError
+from ._errors import StaleMapError as StaleMapError
+from ._errors import UnsupportedTypeError as UnsupportedTypeError
+from ._format.expert_map import ExpertMap as ExpertMap
+from ._format.expert_map import read_expert_map as read_expert_map
+from ._format.expert_map import write_expert_map as write_expert_map
+from ._format.layout import Bank as Bank
+from ._format.layout import ExpertLayout as ExpertLayout
+from ._format.layout import ExpertLocation as ExpertLocation
+from ._format.layout import MoELayer as MoELayer
+from ._format.layout import Segment as Segment
+from ._format.layout import build_layout as build_layout
+from ._format.model import GGUFModel as GGUFModel
+from ._format.model import TensorInfo as TensorInfo
+from ._format.model import open_model as open_model
+from ._format.views import ExpertView as ExpertView
+from ._format.views import ProjectionView as ProjectionView
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "AioExpertsError",
+    "BackendUnavailableError",
+    "Bank",
+    "ConfigError",
+    "Engine",
+    "EngineClosedError",
+    "EngineStatistics",
+    "ExpertLayout",
+    "ExpertLocation",
+    "ExpertMap",
+    "ExpertReadError",
+    "ExpertView",
+    "FormatError",
+    "GGUFModel",
+    "InvalidRequestError",
+    "LayoutError",
+    "MissingShardError",
+    "MoELayer",
+    "ProjectionView",
+    "Segment",
+    "SlabExhaustedError",
+    "StaleMapError",
+    "TensorInfo",
+    "UnsupportedTypeError",
+    "build_layout",
+    "open",
+    "open_model",
+    "read_expert_map",
+    "write_expert_map",
+)

@@ -1,0 +1,176 @@
+"""Counters and latency samples of an engine, and the frozen record ``statistics()`` returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ("Counters", "EngineStatistics", "LatencyWindow")
+
+
+class LatencyWindow:
+    """The last ``capacity`` latency samples (seconds), for percentiles without unbounded memory."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self._samples = np.zeros(capacity, dtype=np.float64)
+        self._n = 0
+
+    def add(self, seconds: float) -> None:
+        """Record one sample."""
+        self._samples[self._n % len(self._samples)] = seconds
+        self._n += 1
+
+    @property
+    def count(self) -> int:
+        """Samples ever recorded."""
+        return self._n
+
+    def percentile(self, q: float) -> float | None:
+        """The ``q``-th percentile (0..100) in seconds of the kept samples, or None if there are none."""
+        if self._n == 0:
+            return None
+        return float(np.percentile(self._samples[: min(self._n, len(self._samples))], q))
+
+    def clear(self) -> None:
+        """Forget every sample."""
+        self._n = 0
+
+
+@dataclass(slots=True)
+class Counters:
+    """Mutable counters updated on the loop thread by the cache and the scheduler."""
+
+    requests: int = 0
+    hits: int = 0
+    inflight_joins: int = 0
+    misses: int = 0
+    prefetch_issued: int = 0
+    prefetch_hits: int = 0
+    prefetch_dropped: int = 0
+    prefetch_wasted: int = 0
+    evictions: int = 0
+    reads: int = 0
+    read_retries: int = 0
+    read_errors: int = 0
+    bytes_read: int = 0
+    payload_bytes: int = 0
+    submissions: int = 0
+    max_batch: int = 0
+    tokens: int = 0
+    expert_latency: LatencyWindow = field(default_factory=LatencyWindow)
+    token_latency: LatencyWindow = field(default_factory=LatencyWindow)
+
+    def reset(self) -> None:
+        """Zero every counter and forget the latency samples."""
+        for name in self.__slots__:  # type: ignore[attr-defined]
+            value = getattr(self, name)
+            if isinstance(value, LatencyWindow):
+                value.clear()
+            else:
+                setattr(self, name, 0)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    """A snapshot of an engine's counters (``engine.statistics()``).
+
+    Counts are since open (or the last ``reset_statistics()``). Every expert a request names once
+    is one of ``hits`` (resident), ``inflight_joins`` (a read already under way was shared) or
+    ``misses`` (a new read), so ``requests == hits + inflight_joins + misses``.
+
+    Attributes:
+        backend: ``"io_uring"``, ``"threads"`` or ``"fake"``.
+        direct_io: reads bypass the page cache (``O_DIRECT``).
+        fallback_reason: why ``backend="auto"`` did not get io_uring, else None.
+        buffered_reason: why direct I/O is off, else None.
+        backend_features: backend details (registered buffers, threads, ...).
+        n_slots, slot_bytes: slab geometry (slot size in bytes).
+        alignment: bytes reads are aligned to.
+        requests, hits, inflight_joins, misses: see above.
+        prefetch_issued: expert loads started by prefetch.
+        prefetch_hits: requests served by a prefetched expert (resident or in flight).
+        prefetch_dropped: prefetches dropped before submission (no longer wanted).
+        prefetch_wasted: prefetched experts evicted before any request used them.
+        evictions: READY experts evicted to make room.
+        reads: read operations submitted (an expert is one to three reads; retries included).
+        read_retries: reads submitted again after a short read.
+        read_errors: expert loads that failed.
+        bytes_read: bytes the reads returned (alignment padding included).
+        payload_bytes: expert bytes (gate + up + down) loaded.
+        submissions: backend submit calls; ``reads / submissions`` is the batch size.
+        max_batch: most reads in one submission.
+        in_flight: reads in flight now.
+        tokens: tokens run through ``moe``/``run_token``.
+        expert_latency_p50_ms, expert_latency_p99_ms: per expert load, submit to ready (ms).
+        token_latency_p50_ms, token_latency_p99_ms: per token, all MoE layers (ms).
+    """
+
+    backend: str
+    direct_io: bool
+    fallback_reason: str | None
+    buffered_reason: str | None
+    backend_features: dict[str, Any]
+    n_slots: int
+    slot_bytes: int
+    alignment: int
+    requests: int
+    hits: int
+    inflight_joins: int
+    misses: int
+    prefetch_issued: int
+    prefetch_hits: int
+    prefetch_dropped: int
+    prefetch_wasted: int
+    evictions: int
+    reads: int
+    read_retries: int
+    read_errors: int
+    bytes_read: int
+    payload_bytes: int
+    submissions: int
+    max_batch: int
+    in_flight: int
+    tokens: int
+    expert_latency_p50_ms: float | None
+    expert_latency_p99_ms: float | None
+    token_latency_p50_ms: float | None
+    token_latency_p99_ms: float | None
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / requests`` (0.0 with no requests)."""
+        return self.hits / self.requests if self.requests else 0.0
+
+    @classmethod
+    def snapshot(cls, c: Counters, **fixed: Any) -> EngineStatistics:
+        """Build a record from live counters plus the fixed engine facts in ``fixed``."""
+        return cls(
+            **fixed,
+            requests=c.requests,
+            hits=c.hits,
+            inflight_joins=c.inflight_joins,
+            misses=c.misses,
+            prefetch_issued=c.prefetch_issued,
+            prefetch_hits=c.prefetch_hits,
+            prefetch_dropped=c.prefetch_dropped,
+            prefetch_wasted=c.prefetch_wasted,
+            evictions=c.evictions,
+            reads=c.reads,
+            read_retries=c.read_retries,
+            read_errors=c.read_errors,
+            bytes_read=c.bytes_read,
+            payload_bytes=c.payload_bytes,
+            submissions=c.submissions,
+            max_batch=c.max_batch,
+            tokens=c.tokens,
+            expert_latency_p50_ms=_ms(c.expert_latency.percentile(50)),
+            expert_latency_p99_ms=_ms(c.expert_latency.percentile(99)),
+            token_latency_p50_ms=_ms(c.token_latency.percentile(50)),
+            token_latency_p99_ms=_ms(c.token_latency.percentile(99)),
+        )

@@ -1,0 +1,181 @@
+"""The ``WEEPF001`` expert map: a small binary index of every expert's byte ranges (FORMATS.md section 3).
+
+Layout (little-endian)::
+
+    char[8] magic "WEEPF001"
+    u64 model file size (bytes), u64 st_dev, u64 st_ino, u64 st_mtime (ns)
+    u32 n_layers                          one record per MoE layer, in block order
+    per layer: u32 n_experts (1..512), then per expert 3 x (u64 offset, u64 length) for gate, up, down
+
+The format has no layer numbers: record ``i`` is the ``i``-th MoE layer of the model (layers
+below ``leading_dense_block_count`` have no record). It has no shard field either, so it
+describes single-file models only; :func:`write_expert_map` refuses a split set.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+
+from .._errors import ConfigError, FormatError, StaleMapError
+from .layout import ExpertLayout
+from .model import GGUFModel, ShardInfo
+
+__all__ = ("EXPERT_MAP_MAGIC", "ExpertMap", "check_map_matches_layout", "read_expert_map", "write_expert_map")
+
+EXPERT_MAP_MAGIC = b"WEEPF001"
+MAX_EXPERTS_PER_LAYER = 512
+MAX_RANGE_BYTES = 8 << 20
+MAX_LAYERS = 4096
+_HEADER = struct.Struct("<8sQQQQI")
+_COUNT = struct.Struct("<I")
+_RANGE_BYTES = 16
+_EXPERT_BYTES = 3 * _RANGE_BYTES
+_MAX_FILE = _HEADER.size + MAX_LAYERS * (4 + MAX_EXPERTS_PER_LAYER * _EXPERT_BYTES)
+
+Range = tuple[int, int]
+ExpertRanges = tuple[Range, Range, Range]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertMap:
+    """A parsed expert map.
+
+    Attributes:
+        model_size, dev, ino, mtime_ns: identity of the model file the map was made for.
+        layers: per MoE layer, per expert, ``((offset, length) gate, up, down)`` in bytes.
+    """
+
+    model_size: int
+    dev: int
+    ino: int
+    mtime_ns: int
+    layers: tuple[tuple[ExpertRanges, ...], ...]
+
+    def check_model(self, shard: ShardInfo) -> None:
+        """Refuse a map made for another file or an older version of it.
+
+        Raises:
+            StaleMapError: size, device, inode or mtime differ.
+        """
+        theirs = (self.model_size, self.dev, self.ino, self.mtime_ns)
+        ours = (shard.size, shard.dev, shard.ino, shard.mtime_ns)
+        if theirs != ours:
+            names = ("size", "device", "inode", "mtime")
+            diff = ", ".join(f"{n} {a} != {b}" for n, a, b in zip(names, theirs, ours, strict=True) if a != b)
+            raise StaleMapError(f"the map does not match the model {shard.path} ({diff}); regenerate it")
+
+
+def _layout_ranges(layout: ExpertLayout) -> list[list[ExpertRanges]]:
+    out: list[list[ExpertRanges]] = []
+    for moe in layout.layers.values():
+        rows: list[ExpertRanges] = []
+        for e in range(moe.n_experts):
+            loc = moe.locate(e)
+            g, u, d = loc.gate, loc.up, loc.down
+            rows.append(((g.offset, g.n_bytes), (u.offset, u.n_bytes), (d.offset, d.n_bytes)))
+        out.append(rows)
+    return out
+
+
+def write_expert_map(model: GGUFModel, layout: ExpertLayout, path: str | os.PathLike[str]) -> None:
+    """Write the map of ``layout`` for the single-file ``model`` to ``path`` (atomically: temp + rename).
+
+    Raises:
+        ConfigError: ``model`` is a split set, or an expert or layer count or range length is
+            outside what the format can hold (lengths are at most 8 MiB).
+    """
+    if len(model.shards) != 1:
+        raise ConfigError(f"WEEPF001 maps describe one file; {model.path} is a split set of {len(model.shards)}")
+    shard = model.shards[0]
+    layers = _layout_ranges(layout)
+    if not 1 <= len(layers) <= MAX_LAYERS:
+        raise ConfigError(f"WEEPF001 holds 1..{MAX_LAYERS} layers, the model has {len(layers)}")
+    parts = [_HEADER.pack(EXPERT_MAP_MAGIC, shard.size, shard.dev, shard.ino, shard.mtime_ns, len(layers))]
+    for rows in layers:
+        if not 1 <= len(rows) <= MAX_EXPERTS_PER_LAYER:
+            raise ConfigError(f"WEEPF001 holds 1..{MAX_EXPERTS_PER_LAYER} experts a layer, got {len(rows)}")
+        parts.append(_COUNT.pack(len(rows)))
+        for ranges in rows:
+            for off, n in ranges:
+                if not 1 <= n <= MAX_RANGE_BYTES:
+                    raise ConfigError(f"WEEPF001 ranges are 1..{MAX_RANGE_BYTES} bytes, an expert needs {n}")
+                parts.append(struct.pack("<QQ", off, n))
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    fd, tmp = tempfile.mkstemp(prefix=".weepf-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"".join(parts))
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def read_expert_map(path: str | os.PathLike[str], model: ShardInfo | None = None) -> ExpertMap:
+    """Read and validate a map; with ``model``, also refuse one made for another file.
+
+    Raises:
+        FormatError: wrong magic, truncated, trailing bytes, a count, offset or length out of range.
+        StaleMapError: ``model`` differs in size, device, inode or mtime.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        blob = f.read(_MAX_FILE + 1)
+    if len(blob) > _MAX_FILE:
+        raise FormatError(f"{path}: larger than any WEEPF001 map can be ({_MAX_FILE} bytes)")
+    if len(blob) < _HEADER.size:
+        raise FormatError(f"{path}: truncated WEEPF001 header ({len(blob)} bytes)")
+    magic, size, dev, ino, mtime_ns, n_layers = _HEADER.unpack_from(blob, 0)
+    if magic != EXPERT_MAP_MAGIC:
+        raise FormatError(f"{path}: magic {magic!r} is not {EXPERT_MAP_MAGIC!r}")
+    if not 1 <= n_layers <= MAX_LAYERS:
+        raise FormatError(f"{path}: n_layers={n_layers}, expected 1..{MAX_LAYERS}")
+    pos = _HEADER.size
+    layers: list[tuple[ExpertRanges, ...]] = []
+    for li in range(n_layers):
+        if pos + 4 > len(blob):
+            raise FormatError(f"{path}: truncated at layer {li} of {n_layers}")
+        (n_experts,) = _COUNT.unpack_from(blob, pos)
+        pos += 4
+        if not 1 <= n_experts <= MAX_EXPERTS_PER_LAYER:
+            raise FormatError(f"{path}: layer {li} has n_experts={n_experts}, expected 1..{MAX_EXPERTS_PER_LAYER}")
+        end = pos + n_experts * _EXPERT_BYTES
+        if end > len(blob):
+            raise FormatError(f"{path}: truncated in layer {li} ({n_experts} experts need {end} bytes)")
+        values = struct.unpack_from(f"<{n_experts * 6}Q", blob, pos)
+        pos = end
+        rows: list[ExpertRanges] = []
+        for e in range(n_experts):
+            v = values[6 * e : 6 * e + 6]
+            ranges = ((v[0], v[1]), (v[2], v[3]), (v[4], v[5]))
+            for off, n in ranges:
+                if not 1 <= n <= MAX_RANGE_BYTES or off + n > size:
+                    raise FormatError(
+                        f"{path}: layer {li} expert {e}: range offset={off} length={n} is outside "
+                        f"1..{MAX_RANGE_BYTES} bytes within a {size}-byte model"
+                    )
+            rows.append(ranges)
+        layers.append(tuple(rows))
+    if pos != len(blob):
+        raise FormatError(f"{path}: {len(blob) - pos} trailing bytes after the last layer")
+    emap = ExpertMap(size, dev, ino, mtime_ns, tuple(layers))
+    if model is not None:
+        emap.check_model(model)
+    return emap
+
+
+def check_map_matches_layout(emap: ExpertMap, layout: ExpertLayout, where: str = "expert map") -> None:
+    """Refuse a map whose ranges are not the ones the model's header gives.
+
+    Raises:
+        StaleMapError: a different layer or expert count, or any range differs.
+    """
+    ours = _layout_ranges(layout)
+    if len(ours) != len(emap.layers):
+        raise StaleMapError(f"{where}: {len(emap.layers)} layers, the model has {len(ours)} MoE layers; regenerate it")
+    for li, (a, b) in enumerate(zip(emap.layers, ours, strict=True)):
+        if list(a) != b:
+            raise StaleMapError(f"{where}: MoE layer record {li} differs from the model; regenerate it")

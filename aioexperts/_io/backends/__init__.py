@@ -1,0 +1,1 @@
+"""Read backends: one interface (``base``), io_uring, a thread pool, and a scriptable fake for tests."""

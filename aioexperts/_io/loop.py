@@ -1,0 +1,137 @@
+"""The few event-loop services the I/O layer needs, for asyncio (uvloop included) and trio.
+
+aioexperts never starts an event loop; it adapts to the one it is awaited from. The I/O layer
+needs: run a callback soon on the loop thread (once per tick, to batch submissions), run one from
+another thread, watch a file descriptor for readability (the io_uring eventfd), and an event
+that many tasks can wait on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, Protocol
+
+__all__ = ("AsyncEvent", "LoopAdapter", "current_loop")
+
+
+class AsyncEvent(Protocol):
+    """An event many tasks can wait on; ``set`` is called on the loop thread."""
+
+    def set(self) -> None: ...
+    def is_set(self) -> bool: ...
+    async def wait(self) -> Any: ...
+
+
+class LoopAdapter(ABC):
+    """The event-loop services the I/O layer uses; one instance per engine."""
+
+    #: ``"asyncio"`` or ``"trio"``.
+    name: str
+
+    @abstractmethod
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop thread after the current step (not re-entrantly)."""
+
+    @abstractmethod
+    def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
+        """Like :meth:`call_soon`, from any thread."""
+
+    @abstractmethod
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the loop thread whenever ``fd`` is readable."""
+
+    @abstractmethod
+    def remove_reader(self, fd: int) -> None:
+        """Stop watching ``fd``; call before closing it."""
+
+    @abstractmethod
+    def new_event(self) -> AsyncEvent:
+        """A fresh :class:`AsyncEvent`."""
+
+
+class _AsyncioLoop(LoopAdapter):
+    name = "asyncio"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        self.loop.call_soon(callback)
+
+    def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
+        self.loop.call_soon_threadsafe(callback)
+
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
+        self.loop.add_reader(fd, callback)
+
+    def remove_reader(self, fd: int) -> None:
+        self.loop.remove_reader(fd)
+
+    def new_event(self) -> AsyncEvent:
+        return asyncio.Event()
+
+
+class _TrioLoop(LoopAdapter):
+    name = "trio"
+
+    def __init__(self) -> None:
+        import trio
+
+        self._trio = trio
+        self._token = trio.lowlevel.current_trio_token()
+        self._readers: dict[int, Any] = {}
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        self._token.run_sync_soon(callback)
+
+    def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
+        self._token.run_sync_soon(callback)
+
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
+        trio = self._trio
+        scope = trio.CancelScope()
+
+        async def watch() -> None:
+            with scope:
+                try:
+                    while True:
+                        await trio.lowlevel.wait_readable(fd)
+                        callback()
+                except trio.ClosedResourceError:
+                    pass
+
+        self._readers[fd] = scope
+        trio.lowlevel.spawn_system_task(watch, name=f"aioexperts-reader-{fd}")
+
+    def remove_reader(self, fd: int) -> None:
+        scope = self._readers.pop(fd, None)
+        if scope is not None:
+            self._trio.lowlevel.notify_closing(fd)
+            scope.cancel()
+
+    def new_event(self) -> AsyncEvent:
+        return self._trio.Event()
+
+
+def current_loop() -> LoopAdapter:
+    """The adapter for the event loop running in this thread.
+
+    Raises:
+        RuntimeError: no supported event loop is running here.
+    """
+    try:
+        return _AsyncioLoop(asyncio.get_running_loop())
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_task()
+        except RuntimeError:
+            pass
+        else:
+            return _TrioLoop()
+    raise RuntimeError("aioexperts must be used from a running asyncio (or uvloop) or trio event loop")

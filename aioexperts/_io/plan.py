@@ -1,0 +1,88 @@
+"""Turn an expert's byte segments into aligned reads and a layout inside one slot.
+
+Each segment (gate, up, down) is widened to the alignment; widened ranges of the same shard that
+overlap or touch are merged into one read (a merged ``gate_up`` run is one segment pair that
+always merges). Reads are packed one after another from the start of the slot, so every read
+starts at a multiple of the alignment in page-aligned slot memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._format.layout import ExpertLayout, ExpertLocation
+from .align import widen
+
+__all__ = ("ExpertPlan", "PlannedRead", "max_plan_bytes", "plan_expert")
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedRead:
+    """One aligned read of an expert.
+
+    Attributes:
+        shard: file index.
+        file_offset: aligned start in the file (bytes).
+        n_bytes: aligned length (bytes).
+        slot_offset: where in the slot the read lands (bytes, aligned).
+        needed: bytes from ``file_offset`` that hold payload: a read that stops at end of file
+            after at least this many bytes is complete.
+    """
+
+    shard: int
+    file_offset: int
+    n_bytes: int
+    slot_offset: int
+    needed: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertPlan:
+    """The reads of one expert and where its payloads sit in the slot.
+
+    Attributes:
+        location: the expert.
+        reads: the aligned reads, in slot order.
+        payload_offsets: slot offsets (bytes) of the gate, up and down payloads.
+        slot_bytes: bytes of the slot the reads occupy.
+    """
+
+    location: ExpertLocation
+    reads: tuple[PlannedRead, ...]
+    payload_offsets: tuple[int, int, int]
+    slot_bytes: int
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes the reads request (payload plus alignment padding)."""
+        return sum(r.n_bytes for r in self.reads)
+
+
+def plan_expert(location: ExpertLocation, alignment: int) -> ExpertPlan:
+    """Plan the aligned reads of ``location`` (``alignment`` a power of two, in bytes)."""
+    segments = location.segments
+    order = sorted(range(3), key=lambda i: (segments[i].shard, segments[i].offset))
+    groups: list[tuple[int, int, int, list[int]]] = []  # shard, start, end, member indices
+    for i in order:
+        seg = segments[i]
+        start, length, _ = widen(seg.offset, seg.n_bytes, alignment)
+        if groups and groups[-1][0] == seg.shard and start <= groups[-1][2]:
+            shard, g_start, g_end, members = groups[-1]
+            groups[-1] = (shard, g_start, max(g_end, start + length), [*members, i])
+        else:
+            groups.append((seg.shard, start, start + length, [i]))
+    reads: list[PlannedRead] = []
+    payload = [0, 0, 0]
+    slot_offset = 0
+    for shard, start, end, members in groups:
+        needed = max(segments[i].end for i in members) - start
+        reads.append(PlannedRead(shard, start, end - start, slot_offset, needed))
+        for i in members:
+            payload[i] = slot_offset + segments[i].offset - start
+        slot_offset += end - start
+    return ExpertPlan(location, tuple(reads), (payload[0], payload[1], payload[2]), slot_offset)
+
+
+def max_plan_bytes(layout: ExpertLayout, alignment: int) -> int:
+    """The slot size (bytes) that holds the plan of every expert of ``layout``."""
+    return max(plan_expert(loc, alignment).slot_bytes for loc in layout)

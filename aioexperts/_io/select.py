@@ -1,0 +1,90 @@
+"""Choose the read backend once, by probing, and say why when it is not io_uring."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .._errors import BackendUnavailableError, ConfigError
+from .backends.base import IOBackend
+from .backends.threads import ThreadBackend
+from .files import ShardFiles
+from .loop import LoopAdapter
+from .slab import Slab
+
+__all__ = ("BACKEND_NAMES", "BackendFactory", "create_backend", "io_uring_disabled_sysctl")
+
+log = logging.getLogger("aioexperts")
+
+BACKEND_NAMES = ("auto", "io_uring", "threads")
+#: A callable that builds a backend, for tests and custom backends.
+BackendFactory = Callable[[ShardFiles, Slab, LoopAdapter, int], IOBackend]
+_SYSCTL = Path("/proc/sys/kernel/io_uring_disabled")
+
+
+def io_uring_disabled_sysctl() -> int | None:
+    """Value of ``kernel.io_uring_disabled`` (0 on, 1 root/group only, 2 off), None if absent."""
+    try:
+        return int(_SYSCTL.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _why_no_uring(exc: BaseException) -> str:
+    if isinstance(exc, ImportError):
+        return f"the liburing package cannot be imported ({exc})"
+    assert isinstance(exc, OSError)
+    name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    if exc.errno == errno.EPERM:
+        sysctl = io_uring_disabled_sysctl()
+        hint = f"kernel.io_uring_disabled={sysctl}" if sysctl else "a seccomp filter or container policy"
+        return f"io_uring_setup failed with {name} ({hint})"
+    if exc.errno == errno.ENOSYS:
+        return f"io_uring_setup failed with {name} (the kernel has no io_uring)"
+    return f"io_uring_setup failed with {name} ({exc.strerror})"
+
+
+def create_backend(
+    backend: str | BackendFactory,
+    files: ShardFiles,
+    slab: Slab,
+    loop: LoopAdapter,
+    depth: int,
+    **options: Any,
+) -> tuple[IOBackend, str | None]:
+    """Build the backend named ``backend`` (or call a factory).
+
+    ``"auto"`` takes io_uring when its ring can be set up, else the thread pool, logging one
+    warning line with the reason. ``"io_uring"`` and ``"threads"`` force one.
+
+    Args:
+        options: ``fixed_buffers``, ``sqe_async`` (io_uring), ``n_threads`` (threads).
+
+    Returns:
+        ``(backend, fallback_reason)``; the reason is None unless ``auto`` fell back.
+
+    Raises:
+        ConfigError: an unknown backend name.
+        BackendUnavailableError: ``"io_uring"`` was forced and cannot be set up.
+    """
+    if callable(backend):
+        return backend(files, slab, loop, depth), None
+    if backend not in BACKEND_NAMES:
+        raise ConfigError(f"backend must be one of {', '.join(BACKEND_NAMES)} or a factory, got {backend!r}")
+    reason = None
+    if backend in ("auto", "io_uring"):
+        try:
+            from .backends.uring import UringBackend
+
+            uring_options = {k: options[k] for k in ("fixed_buffers", "sqe_async") if k in options}
+            return UringBackend(files, slab, loop, depth, **uring_options), None
+        except (ImportError, OSError) as exc:
+            reason = _why_no_uring(exc)
+            if backend == "io_uring":
+                raise BackendUnavailableError(f"io_uring was requested but {reason}") from exc
+            log.warning("aioexperts: %s; falling back to the thread-pool preadv backend", reason)
+    thread_options = {k: options[k] for k in ("n_threads",) if k in options}
+    return ThreadBackend(files, slab, loop, depth, **thread_options), reason
