@@ -1,0 +1,186 @@
+"""Routing: router logits to the selected experts and their weights, exactly as llama.cpp does it.
+
+The reference is ``llm_graph_context::build_moe_ffn`` in llama.cpp's ``src/llama-graph.cpp``; each step
+below names the ggml operation it mirrors. Everything is float32, vectorised over tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from aioexperts._errors import ConfigError, InvalidRequestError
+from aioexperts._format.hparams import GatingFunc, MoEHParams
+
+__all__ = ("WEIGHTS_SUM_MIN", "select_experts", "sigmoid", "softmax")
+
+WEIGHTS_SUM_MIN = np.float32(6.103515625e-5)
+"""Lower clamp of the weight sum before normalising: the smallest normal float16 (llama.cpp)."""
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax in float32, as ``ggml_soft_max`` computes it.
+
+    ``exp(x - max)`` per row, summed in float64 (ggml's ``ggml_float``), then multiplied by the
+    reciprocal of the sum.
+
+    Args:
+        logits: ``(n_tokens, n)`` float32.
+
+    Returns:
+        ``(n_tokens, n)`` float32 probabilities; a new array.
+    """
+    x = np.asarray(logits, dtype=np.float32)
+    out = x - x.max(axis=-1, keepdims=True)
+    np.exp(out, out=out)
+    total = out.sum(axis=-1, keepdims=True, dtype=np.float64)
+    out *= (1.0 / total).astype(np.float32)
+    return out
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """``1 / (1 + exp(-x))`` in float32 (``ggml_sigmoid``); no overflow warnings for large ``|x|``.
+
+    Args:
+        x: float32 array of any shape.
+
+    Returns:
+        A new float32 array of the same shape.
+    """
+    out = np.negative(np.asarray(x, dtype=np.float32))
+    with np.errstate(over="ignore"):
+        np.exp(out, out=out)
+    out += np.float32(1.0)
+    np.reciprocal(out, out=out)
+    return out
+
+
+def _top_k_desc(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values per row, largest first; ties keep the lower index first.
+
+    ``ggml_argsort_top_k`` is a descending ``ggml_argsort`` cut to k. ggml's CPU argsort is a
+    ``std::sort``, which for rows of at most 16 elements is an insertion sort and so stable; a stable
+    sort is the deterministic choice for longer rows too.
+    """
+    order = np.argsort(-scores, axis=-1, kind="stable")
+    return order[..., :k]
+
+
+def select_experts(
+    logits: np.ndarray,
+    hparams: MoEHParams,
+    selection_bias: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Choose each token's experts and their weights from the router logits.
+
+    Mirrors llama.cpp ``build_moe_ffn`` (src/llama-graph.cpp) step by step:
+
+    1. probabilities (``ffn_moe_probs``): ``softmax(logits)`` (gating 1), ``sigmoid(logits)``
+       (gating 2), or the raw logits (gating 3, ``SOFTMAX_WEIGHT``);
+    2. selection scores (``ffn_moe_probs_biased``): ``probs + selection_bias`` when a bias
+       (``exp_probs_b``) is given; the bias only steers the choice, the weights come from ``probs``;
+    3. group-limited selection when ``hparams.n_expert_groups > 1`` (``ffn_moe_probs_masked``): the
+       experts are split into ``n_expert_groups`` consecutive groups, a group scores the sum of its
+       two largest selection scores, the ``n_group_used`` best groups are kept and every expert of the
+       other groups gets ``-inf`` (not 0: biased scores can be negative);
+    4. top-k (``ffn_moe_topk``): the ``n_expert_used`` largest selection scores, largest first;
+    5. weights (``ffn_moe_weights``): ``probs`` gathered at the selected ids; for gating 3 a softmax
+       over those k values (``ffn_moe_weights_softmax``);
+    6. ``weights_norm`` (``ffn_moe_weights_norm``): divide by the row sum clamped below at
+       6.103515625e-5;
+    7. ``weights_scale`` (``ffn_moe_weights_scaled``): multiply when the scale is not 0 or 1.
+
+    Args:
+        logits: ``(n_tokens, n_expert)`` float32 router logits. ``n_expert`` is this layer's router
+            width, which for a pruned mixed-tier layer may be smaller than ``hparams.n_expert``.
+        hparams: the model's MoE parameters (gating, k, groups, norm, scale).
+        selection_bias: optional ``(n_expert,)`` float32 selection bias (``blk.L.exp_probs_b.bias``).
+
+    Returns:
+        ``(ids, weights)``: ``ids`` ``(n_tokens, k)`` int32 in llama.cpp's order (descending selection
+        score, ties to the lower id); ``weights`` ``(n_tokens, k)`` float32, the final routing weights
+        of those ids.
+
+    Raises:
+        InvalidRequestError: ``logits`` or ``selection_bias`` is not float32 or has the wrong shape.
+        ConfigError: ``k`` exceeds the layer's experts, or the groups do not divide them.
+    """
+    if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or logits.ndim != 2:
+        raise InvalidRequestError(
+            f"logits must be a 2-D float32 array (n_tokens, n_expert), got {_describe(logits)}"
+        )
+    n_tokens, n_expert = logits.shape
+    k = hparams.n_expert_used
+    if not 0 < k <= n_expert:
+        raise ConfigError(f"cannot select top-{k} experts from a router with {n_expert} outputs")
+
+    gating = hparams.gating_func
+    if gating == GatingFunc.SOFTMAX:
+        probs = softmax(logits)
+    elif gating == GatingFunc.SIGMOID:
+        probs = sigmoid(logits)
+    elif gating == GatingFunc.SOFTMAX_WEIGHT:
+        probs = logits
+    else:  # pragma: no cover - GatingFunc is closed
+        raise ConfigError(f"unsupported gating function {gating!r}")
+
+    if selection_bias is not None:
+        if (
+            not isinstance(selection_bias, np.ndarray)
+            or selection_bias.dtype != np.float32
+            or selection_bias.shape != (n_expert,)
+        ):
+            raise InvalidRequestError(
+                f"selection_bias must be a float32 array of shape ({n_expert},), "
+                f"got {_describe(selection_bias)}"
+            )
+        selection = probs + selection_bias
+    else:
+        selection = probs
+
+    if hparams.n_expert_groups > 1 and n_tokens > 0:
+        selection = _mask_groups(selection, hparams.n_expert_groups, hparams.n_group_used, k)
+
+    ids = _top_k_desc(selection, k)
+    weights = np.take_along_axis(probs, ids, axis=1)
+    if gating == GatingFunc.SOFTMAX_WEIGHT:
+        weights = softmax(weights)
+    if hparams.weights_norm:
+        total = weights.sum(axis=1, keepdims=True, dtype=np.float32)
+        np.maximum(total, WEIGHTS_SUM_MIN, out=total)
+        weights = weights / total
+    scale = hparams.weights_scale
+    if scale != 0.0 and scale != 1.0:
+        weights = weights * np.float32(scale)
+    return ids.astype(np.int32), np.ascontiguousarray(weights, dtype=np.float32)
+
+
+def _mask_groups(selection: np.ndarray, n_groups: int, n_group_used: int, k: int) -> np.ndarray:
+    """Keep the ``n_group_used`` best groups of experts, set every other expert to ``-inf``.
+
+    A group's score is the sum of its two largest selection scores (``ggml_argsort_top_k(.., 2)``,
+    ``ggml_get_rows``, ``ggml_sum_rows``); the kept groups are the top ``n_group_used`` of those
+    scores; the rest are filled with ``-INFINITY`` (``ggml_fill`` + ``ggml_set_rows``).
+    """
+    n_tokens, n_expert = selection.shape
+    if n_expert % n_groups:
+        raise ConfigError(f"{n_groups} expert groups do not divide a router with {n_expert} outputs")
+    per_group = n_expert // n_groups
+    if not 0 < n_group_used <= n_groups:
+        raise ConfigError(f"n_group_used must be in 1..{n_groups}, got {n_group_used}")
+    if k > n_group_used * per_group:
+        raise ConfigError(f"top-{k} cannot be chosen from {n_group_used} groups of {per_group} experts")
+    grouped = selection.reshape(n_tokens, n_groups, per_group)
+    top = min(2, per_group)
+    best = -np.sort(-grouped, axis=2)[:, :, :top]
+    group_scores = best.sum(axis=2, dtype=np.float32)
+    kept = _top_k_desc(group_scores, n_group_used)
+    keep = np.zeros((n_tokens, n_groups), dtype=bool)
+    np.put_along_axis(keep, kept, True, axis=1)
+    masked = np.where(keep[:, :, None], grouped, np.float32(-np.inf))
+    return masked.reshape(n_tokens, n_expert)
+
+
+def _describe(a: object) -> str:
+    if isinstance(a, np.ndarray):
+        return f"{a.dtype} array of shape {a.shape}"
+    return type(a).__name__
