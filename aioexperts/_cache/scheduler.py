@@ -244,10 +244,18 @@ class ReadScheduler:
         if n >= op.n_bytes:
             return
         end = op.file_offset + n
-        if end == self.file_sizes[op.shard] and end - read.file_offset >= read.needed:
-            return  # the short read that ends exactly at end of file, after all the payload
+        file_size = self.file_sizes[op.shard]
+        if end == file_size:
+            if end - read.file_offset >= read.needed:
+                return  # the short read that ends exactly at end of file, after all the payload
+            self._fail(
+                load, None, op,
+                f"the file ends at byte {file_size}, before the end of the expert's data at byte "
+                f"{read.file_offset + read.needed} (truncated?)",
+            )
+            return
         if n == 0:
-            self._fail(load, None, op, f"unexpected end of file at byte {op.file_offset}")
+            self._fail(load, None, op, f"unexpected end of file at byte {op.file_offset} (file shrank?)")
             return
         advance = align_down(n, self.alignment)
         load._stalls = load._stalls + 1 if advance == 0 else 0

@@ -1,0 +1,89 @@
+"""The direct-I/O read path: unaligned payloads, end-of-file short reads, O_DIRECT really used."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import pytest
+
+import aioexperts
+from ioutil import drop_cache, pread_segment, read_segments, resident_pages, write_shifted_moe
+
+pytestmark = pytest.mark.anyio
+BACKENDS = ["io_uring", "threads"]
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> Path:
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(64 * 1024))
+    return path
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_read_4097_bytes_at_offset_10_through_the_direct_path(data_file: Path, backend: str) -> None:
+    want = data_file.read_bytes()
+    segments = [(0, 10, 4097), (0, 20000, 1), (0, 40000 + 3, 5000)]
+    got, counters, files = await read_segments([data_file], segments, backend=backend, direct=True)
+    assert files.direct_io
+    assert got[0] == want[10 : 10 + 4097]
+    assert got[1] == want[20000:20001]
+    assert got[2] == want[40003:45003]
+    assert counters.read_retries == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_short_read_ending_exactly_at_eof_is_accepted(tmp_path: Path, backend: str) -> None:
+    path = tmp_path / "small.bin"
+    path.write_bytes(os.urandom(4864))
+    want = path.read_bytes()
+    # alignment 4096: the read of [4096, 8192) comes back with the 768 bytes left in the file
+    got, counters, _ = await read_segments(
+        [path], [(0, 4096, 768), (0, 0, 10), (0, 100, 10)], backend=backend, direct=True, alignment=4096
+    )
+    assert got[0] == want[4096:4864]
+    assert counters.bytes_read == 4096 + 768  # the merged read of [0, 4096) and the short one
+    assert counters.read_retries == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_payload_past_the_end_of_the_file_is_an_error(tmp_path: Path, backend: str) -> None:
+    path = tmp_path / "small.bin"
+    path.write_bytes(os.urandom(4864))
+    with pytest.raises(aioexperts.ExpertReadError, match="file ends at byte 4864"):
+        await read_segments([path], [(0, 4096, 1000), (0, 0, 10), (0, 100, 10)], backend=backend, direct=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_expert_1152_bytes_past_a_page_boundary_reads_right_with_direct_io(
+    tmp_path: Path, backend: str
+) -> None:
+    path = write_shifted_moe(tmp_path / "shifted.gguf", target_mod=1152)
+    model = aioexperts.open_model(path)
+    loc = aioexperts.build_layout(model).locate(0, 1)
+    assert model.tensor("blk.0.ffn_gate_exps.weight").data_offset % 4096 == 1152
+    async with aioexperts.open(path, slots=2, backend=backend) as engine:
+        drop_cache(path)  # parsing the header may have read ahead into the experts
+        assert resident_pages(path, loc.gate.offset, loc.gate.n_bytes) == 0
+        assert engine.statistics().direct_io
+        files = engine._files
+        assert files is not None and all(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT for fd in files.fds)
+        async with engine.experts(0, [0, 1]) as views:
+            got = {
+                view.expert: [bytes(p.data) for p in (view.gate, view.up, view.down)]
+                for view in views
+                if view is not None
+            }
+        # the reads bypassed the page cache: none of the experts' pages became resident
+        for e in (0, 1):
+            for seg in engine.layout.locate(0, e).segments:
+                assert resident_pages(path, seg.offset, seg.n_bytes) == 0
+    for e in (0, 1):
+        want = [pread_segment(model, seg) for seg in model_layout(model).locate(0, e).segments]
+        assert got[e] == want
+
+
+def model_layout(model: aioexperts.GGUFModel) -> aioexperts.ExpertLayout:
+    return aioexperts.build_layout(model)
