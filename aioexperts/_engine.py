@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Sequence
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -19,6 +22,9 @@ from ._errors import ConfigError, EngineClosedError, InvalidRequestError
 from ._format.expert_map import check_map_matches_layout, read_expert_map
 from ._format.layout import ExpertLayout, build_layout
 from ._format.model import GGUFModel, open_model
+from ._compute.executor import ResidentLayer, moe_forward, route
+from ._compute.resident import load_residents
+from ._format.hparams import MoEHParams
 from ._format.views import ExpertView, ProjectionView
 from ._io.backends.base import IOBackend
 from ._io.files import ShardFiles, open_shards
@@ -26,8 +32,11 @@ from ._io.loop import LoopAdapter, current_loop
 from ._io.plan import ExpertPlan, max_plan_bytes, plan_expert
 from ._io.select import BackendFactory, create_backend
 from ._io.slab import Slab
+from ._pipeline import ComputeStep, TokenResult, run_layer_step
+from ._predict.predictors import PREDICTORS, Predictor, make_predictor
+from ._predict.trace import RoutingTrace, TraceRecorder
 
-__all__ = ("DEFAULT_CACHE_BYTES", "Engine", "open")
+__all__ = ("DEFAULT_CACHE_BYTES", "Engine", "MoEResult", "open")
 
 DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_QUEUE_DEPTH = 64
@@ -51,6 +60,9 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
     fixed_buffers: bool = True,
     sqe_async: bool = False,
     n_threads: int | None = None,
+    prefetch: str | Predictor = "router",
+    prefetch_budget: int | None = None,
+    record_trace: bool = False,
 ) -> Engine:
     """Prepare an engine for the GGUF model at ``path``; start it with ``async with``.
 
@@ -80,6 +92,12 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         fixed_buffers: register the slab with io_uring (``READV_FIXED``) where allowed.
         sqe_async: io_uring ``IOSQE_ASYNC`` (submit returns at once; kernel workers issue reads).
         n_threads: worker threads of the thread backend.
+        prefetch: how :meth:`Engine.moe` predicts the next layer's experts: ``"router"`` (the next
+            layer's router on the current hidden state), ``"previous"`` (the previous token's
+            choice), ``"frequency"``, ``"none"``, or a ``Predictor`` instance.
+        prefetch_budget: experts prefetched per layer step (default: ``expert_used_count``).
+        record_trace: record every routing decision of :meth:`Engine.moe` (see
+            :meth:`Engine.routing_trace`).
 
     Raises:
         ConfigError: an argument is out of range (raised here, before any I/O).
@@ -93,6 +111,10 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
     if max_bytes_in_flight < 1:
         raise ConfigError(f"max_bytes_in_flight must be >= 1, got {max_bytes_in_flight}")
     eviction = make_policy(policy) if isinstance(policy, str) else policy
+    if isinstance(prefetch, str) and prefetch not in PREDICTORS:
+        raise ConfigError(f"prefetch must be one of {', '.join(sorted(PREDICTORS))} or a Predictor, got {prefetch!r}")
+    if prefetch_budget is not None and prefetch_budget < 0:
+        raise ConfigError(f"prefetch_budget must be >= 0, got {prefetch_budget}")
     options: dict[str, Any] = {"fixed_buffers": fixed_buffers, "sqe_async": sqe_async}
     if n_threads is not None:
         options["n_threads"] = n_threads
@@ -110,7 +132,33 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         hugepages=hugepages,
         lock_memory=lock_memory,
         backend_options=options,
+        prefetch=prefetch,
+        prefetch_budget=prefetch_budget,
+        record_trace=record_trace,
     )
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MoEResult:
+    """One MoE layer on a batch of tokens (:meth:`Engine.moe_result`).
+
+    Attributes:
+        ids: ``(n_tokens, k)`` int32 selected experts, llama.cpp's order.
+        weights: ``(n_tokens, k)`` float32 routing weights (normalised and scaled).
+        moe_out: ``(n_tokens, n_embd)`` float32 routed experts' weighted sum.
+        shared_out: ``(n_tokens, n_embd)`` float32 shared expert output, or None.
+        ffn_out: ``moe_out + shared_out``, ``(n_tokens, n_embd)`` float32.
+        io_wait_seconds: time waited for experts after routing.
+        compute_seconds: executor time in the worker thread.
+    """
+
+    ids: np.ndarray
+    weights: np.ndarray
+    moe_out: np.ndarray
+    shared_out: np.ndarray | None
+    ffn_out: np.ndarray
+    io_wait_seconds: float
+    compute_seconds: float
 
 
 class Engine:
@@ -136,8 +184,19 @@ class Engine:
         hugepages: bool,
         lock_memory: bool,
         backend_options: dict[str, Any],
+        prefetch: str | Predictor = "router",
+        prefetch_budget: int | None = None,
+        record_trace: bool = False,
     ) -> None:
         self.path = path
+        self._prefetch_arg = prefetch
+        self._prefetch_budget_arg = prefetch_budget
+        self._record_trace = record_trace
+        self._hparams: MoEHParams | None = None
+        self._residents: dict[int, ResidentLayer] | None = None
+        self._residents_lock = anyio.Lock()
+        self._predictor: Predictor | None = None
+        self._recorder: TraceRecorder | None = None
         self._slots_arg = slots
         self._cache_bytes = cache_bytes
         self._backend_arg = backend
@@ -218,6 +277,14 @@ class Engine:
     def _parse(self) -> tuple[GGUFModel, ExpertLayout]:
         model = open_model(self.path)
         layout = build_layout(model)
+        self._hparams = MoEHParams.from_metadata(model.architecture, model.metadata)
+        if self._record_trace:
+            self._recorder = TraceRecorder(
+                list(layout.layers),
+                [m.n_experts for m in layout.layers.values()],
+                layout.n_expert_used,
+                metadata={"model": os.path.basename(self.path)},
+            )
         if self._expert_map is not None:
             if len(model.shards) != 1:
                 raise ConfigError("a WEEPF001 expert map describes one file; this model is a split set")
@@ -396,6 +463,212 @@ class Engine:
                         pass
             cache.release(entries)
 
+    # -- MoE execution ------------------------------------------------------------------------
+
+    @property
+    def hparams(self) -> MoEHParams:
+        """The model's MoE hyper-parameters (gating, top-k, normalisation, scale)."""
+        self._check_started()
+        assert self._hparams is not None
+        return self._hparams
+
+    async def load_resident(self) -> Mapping[int, ResidentLayer]:
+        """Read and dequantize every MoE layer's resident weights once (router, biases, shared expert).
+
+        Runs in a worker thread the first time; :meth:`moe` calls it on first use.
+
+        Raises:
+            FormatError, ConfigError: a resident tensor is missing, truncated or misshaped.
+        """
+        self._check_running()
+        async with self._residents_lock:
+            if self._residents is None:
+                self._residents = await anyio.to_thread.run_sync(
+                    load_residents, self.model, self.layout, self.hparams
+                )
+        return self._residents
+
+    def next_moe_layer(self, layer: int) -> int | None:
+        """The block index of the MoE layer after ``layer``, or None for the last one."""
+        layers = list(self.layout.layers)
+        i = layers.index(layer)
+        return layers[i + 1] if i + 1 < len(layers) else None
+
+    @property
+    def predictor(self) -> Predictor:
+        """The next-layer predictor used for prefetching (built on first use)."""
+        if self._predictor is None:
+            arg = self._prefetch_arg
+            if not isinstance(arg, str):
+                self._predictor = arg
+            elif arg == "router":
+                if self._residents is None:
+                    raise ConfigError("the router predictor needs the resident weights: await load_resident() first")
+                self._predictor = make_predictor("router", residents=self._residents, hparams=self.hparams)
+            else:
+                self._predictor = make_predictor(arg)
+        return self._predictor
+
+    @property
+    def prefetch_budget(self) -> int:
+        """Experts prefetched per layer step."""
+        budget = self._prefetch_budget_arg
+        return self.layout.n_expert_used if budget is None else budget
+
+    def _prefetch_keys(self, layer: int, x: np.ndarray | None, predictor: Predictor | None) -> list[Key]:
+        nxt = self.next_moe_layer(layer)
+        if predictor is None or nxt is None or self.prefetch_budget == 0:
+            return []
+        return [(nxt, e) for e in predictor.predict(layer, nxt, x, self.prefetch_budget)]
+
+    async def moe(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """Run MoE layer ``layer`` on ``x``: route, fetch the experts, compute (``ffn_out``).
+
+        ``y = await engine.moe(layer, x)``. The router is resident; the chosen experts come
+        through the cache; the executor runs in a worker thread while the next layer's predicted
+        experts are prefetched.
+
+        Args:
+            layer: block index of a MoE layer.
+            x: ``(n_tokens, n_embd)`` float32, the MoE block's input (after the FFN norm).
+
+        Returns:
+            ``(n_tokens, n_embd)`` float32: routed experts plus shared experts (llama.cpp's
+            ``ffn_out``; add it to the residual stream).
+
+        Raises:
+            InvalidRequestError: no such layer, or ``x`` has the wrong dtype or shape.
+            SlabExhaustedError, ExpertReadError, EngineClosedError: as :meth:`experts`.
+
+        Cancellation handling:
+            As :meth:`experts`; an executor call already running finishes in its thread first.
+        """
+        return (await self.moe_result(layer, x)).ffn_out
+
+    async def moe_result(self, layer: int, x: np.ndarray, *, prefetch: bool = True) -> MoEResult:
+        """Like :meth:`moe`, returning the routing and every partial output.
+
+        Args:
+            prefetch: start the prefetch of the next layer's predicted experts.
+        """
+        self._check_running()
+        self.layout.layer(layer)
+        residents = await self.load_resident()
+        resident, hparams = residents[layer], self.hparams
+        ids, weights = route(x, resident, hparams)
+        if self._recorder is not None:
+            self._recorder.record(layer, ids)
+        predictor = self.predictor if prefetch else None
+        if predictor is not None:
+            predictor.observe(layer, x, ids)
+
+        # A prefill batch may choose more experts than the slab holds: run them in groups that fit.
+        unique = list(dict.fromkeys(int(e) for e in ids[ids >= 0]))
+        limit = self.statistics().n_slots
+        groups = [unique[i : i + limit] for i in range(0, len(unique), limit)] or [[]]
+        moe_out: np.ndarray | None = None
+        shared_out: np.ndarray | None = None
+        io_wait = compute_s = 0.0
+        for g, group in enumerate(groups):
+            group_ids = ids if len(groups) == 1 else np.where(np.isin(ids, group), ids, -1).astype(ids.dtype)
+            group_resident = resident if g == 0 else _without_shared(resident)
+
+            def compute(
+                _layer: int, xx: np.ndarray, views: Mapping[int, ExpertView], ii: np.ndarray, ww: np.ndarray,
+                _resident: ResidentLayer = group_resident,
+            ) -> Any:
+                return moe_forward(xx, ii, ww, views, _resident, hparams)
+
+            last = g == len(groups) - 1
+            step = await run_layer_step(
+                self.cache, self._view, layer, x, group_ids, weights, compute,
+                prefetch=self._prefetch_keys(layer, x, predictor) if last else (), wait=self.wait_for_slots,
+            )
+            out = step.output
+            moe_out = out.moe_out if moe_out is None else moe_out + out.moe_out
+            shared_out = out.shared_out if g == 0 else shared_out
+            io_wait += step.io_wait_seconds
+            compute_s += step.compute_seconds
+        assert moe_out is not None
+        ffn_out = moe_out if shared_out is None else moe_out + shared_out
+        if len(groups) == 1:
+            ffn_out = out.ffn_out
+        return MoEResult(ids, weights, moe_out, shared_out, ffn_out, io_wait, compute_s)
+
+    async def run_token(
+        self,
+        x: np.ndarray,
+        *,
+        route_step: Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None,
+        compute: ComputeStep | None = None,
+        predictor: Predictor | None = None,
+        prefetch: bool = True,
+    ) -> TokenResult:
+        """Run every MoE layer for one token (or a batch), in order, with prefetch of the next layer.
+
+        A driver for measuring the I/O and compute overlap with any compute step: layer ``N+1``
+        gets ``x + y`` of layer ``N`` (a residual stream without attention), so it is not a model
+        forward pass. Per-token latency and the token count go into :meth:`statistics`.
+
+        Args:
+            x: ``(n_tokens, n_embd)`` float32 input of the first MoE layer.
+            route_step: ``(layer, x) -> (ids, weights)``; default: the layer's resident router.
+            compute: the compute step (see ``ComputeStep``); default: the numpy executor.
+            predictor: overrides the engine's predictor for this call.
+            prefetch: prefetch the next layer's predicted experts.
+
+        Raises:
+            As :meth:`moe`.
+        """
+        self._check_running()
+        t0 = time.perf_counter()
+        need_residents = route_step is None or compute is None or (predictor is None and prefetch)
+        residents = await self.load_resident() if need_residents else {}
+        hparams = self.hparams
+        chosen = (predictor or self.predictor) if prefetch else None
+        steps = []
+        for layer in self.layout.layers:
+            if route_step is None:
+                ids, weights = route(x, residents[layer], hparams)
+            else:
+                ids, weights = route_step(layer, x)
+            if self._recorder is not None:
+                self._recorder.record(layer, ids)
+            if chosen is not None:
+                chosen.observe(layer, x, ids)
+            step_compute = compute or _executor_step(residents[layer], hparams)
+            step = await run_layer_step(
+                self.cache, self._view, layer, x, ids, weights, step_compute,
+                prefetch=self._prefetch_keys(layer, x, chosen), wait=self.wait_for_slots,
+            )
+            steps.append(step)
+            x = x + step.output
+        seconds = time.perf_counter() - t0
+        self.counters.tokens += len(x)
+        self.counters.token_latency.add(seconds)
+        return TokenResult(x, tuple(steps), seconds)
+
+    def routing_trace(self) -> RoutingTrace:
+        """Every routing decision recorded so far (``record_trace=True``).
+
+        Raises:
+            ConfigError: the engine was opened without ``record_trace=True``.
+        """
+        if self._recorder is None:
+            raise ConfigError("open the engine with record_trace=True to record routing")
+        return self._recorder.trace()
+
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._cache is not None else "not started"
         return f"<aioexperts.Engine {self.path!r} {state}>"
+
+
+def _without_shared(resident: ResidentLayer) -> ResidentLayer:
+    return dataclasses.replace(resident, shexp_gate=None, shexp_up=None, shexp_down=None, shexp_gate_inp=None)
+
+
+def _executor_step(resident: ResidentLayer, hparams: MoEHParams) -> ComputeStep:
+    def compute(_layer: int, x: np.ndarray, views: Mapping[int, ExpertView], ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return moe_forward(x, ids, w, views, resident, hparams).ffn_out
+
+    return compute

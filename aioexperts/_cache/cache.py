@@ -7,8 +7,9 @@ before submission). The invariants (DESIGN.md):
    cancelled: LOADING entries are never eviction candidates, and a slot returns to the free list
    only from a load's completion (or from a load dropped before it was submitted).
 2. A pinned slot is never evicted. When a request cannot get enough slots because every slot is
-   pinned or loading, it fails with :class:`SlabExhaustedError` or, if it asked to, waits for a
-   slot to be released (holding no pins while it waits, so waiting requests cannot deadlock).
+   pinned, it fails with :class:`SlabExhaustedError` or, if it asked to, waits for a slot to be
+   released (holding no pins while it waits, so waiting requests cannot deadlock). Slots that are
+   only loading (a prefetch, or a read whose waiters were cancelled) are always waited for.
 3. A failed load fails every waiter of that expert with the same error, frees the slot, and
    leaves the cache usable.
 
@@ -118,8 +119,13 @@ class ExpertCache:
 
     # -- acquire / release ----------------------------------------------------------------------
 
-    async def acquire(self, keys: Sequence[Key], *, wait: bool = False) -> list[Entry]:
+    async def acquire(
+        self, keys: Sequence[Key], *, wait: bool = False, after_pin: Callable[[], object] | None = None
+    ) -> list[Entry]:
         """Pin every expert of ``keys`` (duplicates allowed) and wait until all are READY.
+
+        ``after_pin`` runs right after the entries are pinned and their loads queued, before
+        waiting: the place to start prefetches, which then cannot evict what this call needs.
 
         Returns:
             The pinned entries, one per unique key in first-seen order. Release them with
@@ -128,7 +134,7 @@ class ExpertCache:
         Raises:
             InvalidRequestError: a key the model does not have (nothing was pinned).
             SlabExhaustedError: more unique keys than slots, or (``wait=False``) not enough
-                slots that are free or evictable.
+                slots that are free, evictable, or loading without a pin (those are waited for).
             ExpertReadError: a load failed; the same error for every waiter of that expert.
             EngineClosedError: the cache was closed (also while waiting).
 
@@ -147,7 +153,7 @@ class ExpertCache:
             pinned = self._pin_all(unique, plans)
             if pinned is not None:
                 break
-            if not wait:
+            if not wait and not self._unpinned_loads():
                 raise SlabExhaustedError(
                     f"no free slot for {len(unique)} experts: {self.pinned_slots} of {self.n_slots} slots are "
                     "pinned and the rest are loading; open with more slots or acquire with wait=True"
@@ -155,6 +161,8 @@ class ExpertCache:
             await self._wait_for_space()
             self._check_open()
         try:
+            if after_pin is not None:
+                after_pin()
             for entry in pinned:
                 if entry.state is SlotState.LOADING:
                     await entry.event.wait()
@@ -319,6 +327,10 @@ class ExpertCache:
             if entry.pins == 0:
                 self._signal_space()
         entry.event.set()
+
+    def _unpinned_loads(self) -> bool:
+        """Some slot is LOADING with no pin: it becomes evictable when its read completes."""
+        return any(e.state is SlotState.LOADING and e.pins == 0 for e in self.entries.values())
 
     def _signal_space(self) -> None:
         if self._space is not None:

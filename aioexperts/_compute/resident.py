@@ -1,0 +1,35 @@
+"""Load the resident (always-in-memory) weights of every MoE layer: routers, biases, shared experts."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._format.hparams import MoEHParams
+from .._format.layout import ExpertLayout
+from .._format.model import GGUFModel
+from .executor import ResidentLayer
+from .quant import dequantize
+
+__all__ = ("load_residents",)
+
+
+def load_residents(model: GGUFModel, layout: ExpertLayout, hparams: MoEHParams) -> dict[int, ResidentLayer]:
+    """Read and dequantize (once) the resident tensors of every MoE layer of ``layout``.
+
+    Blocking (plain ``pread`` of small tensors): call from a worker thread under an event loop.
+
+    Returns:
+        block index -> :class:`ResidentLayer` (float32 arrays).
+
+    Raises:
+        FormatError: a tensor is truncated.
+        ConfigError: a tensor has the wrong shape for the layer.
+    """
+
+    def tensor(name: str) -> np.ndarray | None:
+        info = model.tensors.get(name)
+        if info is None:
+            return None
+        return dequantize(model.read_tensor_bytes(name), info.ggml_type, info.shape)
+
+    return {layer: ResidentLayer.from_tensors(layer, tensor, hparams) for layer in layout.layers}

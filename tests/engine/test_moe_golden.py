@@ -1,0 +1,69 @@
+"""``engine.moe`` on every shared fixture, against llama.cpp's own outputs (the goldens)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import aioexperts
+from conftest import shared_fixture_paths
+
+pytestmark = pytest.mark.anyio
+
+FIXTURES = [p for p in shared_fixture_paths() if p.with_suffix(".golden.npz").exists()]
+
+
+def tolerance(path: Path) -> float:
+    """README of the fixtures: F32 <= 1e-5, BF16 <= 1e-2, quantized and mixed <= 4e-2."""
+    if path.stem.endswith("-f32"):
+        return 1e-5
+    if path.stem.endswith("-bf16"):
+        return 1e-2
+    return 4e-2
+
+
+def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+@pytest.mark.parametrize("backend", ["io_uring", "threads"])
+async def test_engine_moe_matches_llama_cpp(path: Path, backend: str, anyio_backend: object) -> None:
+    golden = np.load(path.with_suffix(".golden.npz"))
+    tol = tolerance(path)
+    checked = 0
+    async with aioexperts.open(path, slots=4, backend=backend) as engine:
+        for layer in engine.layout.layers:
+            if f"moe_in-{layer}" not in golden or f"topk-{layer}" not in golden:
+                continue
+            x = np.atleast_2d(golden[f"moe_in-{layer}"]).astype(np.float32)
+            result = await engine.moe_result(layer, x)
+            np.testing.assert_array_equal(result.ids, np.atleast_2d(golden[f"topk-{layer}"]))
+            np.testing.assert_allclose(result.weights, np.atleast_2d(golden[f"weights-{layer}"]), rtol=1e-4, atol=1e-6)
+            assert rel_l2(result.moe_out, np.atleast_2d(golden[f"moe_out-{layer}"])) <= tol
+            if f"shared_out-{layer}" in golden:
+                assert result.shared_out is not None
+                assert rel_l2(result.shared_out, np.atleast_2d(golden[f"shared_out-{layer}"])) <= tol
+            if f"ffn_out-{layer}" in golden:
+                assert rel_l2(result.ffn_out, np.atleast_2d(golden[f"ffn_out-{layer}"])) <= tol
+                y = await engine.moe(layer, x)
+                np.testing.assert_array_equal(y, result.ffn_out)
+            checked += 1
+        st = engine.statistics()
+        assert st.requests == st.hits + st.inflight_joins + st.misses
+    assert checked >= 1
+
+
+async def test_moe_rejects_bad_input_and_stays_usable(anyio_backend: object) -> None:
+    if not FIXTURES:
+        pytest.skip("shared fixtures not found")
+    path = next(p for p in FIXTURES if p.stem == "qwen3moe-f32")
+    async with aioexperts.open(path, slots=4) as engine:
+        with pytest.raises(aioexperts.InvalidRequestError):
+            await engine.moe(0, np.zeros((2, 17), dtype=np.float32))
+        with pytest.raises(aioexperts.InvalidRequestError):
+            await engine.moe(9, np.zeros((2, 256), dtype=np.float32))
+        y = await engine.moe(0, np.ones((2, 256), dtype=np.float32))
+        assert y.shape == (2, 256) and y.dtype == np.float32 and np.isfinite(y).all()
