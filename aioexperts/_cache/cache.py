@@ -191,7 +191,8 @@ class ExpertCache:
             slot = self._take_slot(lambda k: True)
             if slot is None:
                 for entry in started:
-                    self._undo_start(entry)
+                    if not self._undo_start(entry):  # pragma: no cover - loads go out a tick later
+                        entry.pins -= 1
                 for entry in present:
                     entry.pins -= 1
                 return None
@@ -264,8 +265,7 @@ class ExpertCache:
             entry = self.entries.get(key)
             if entry is None or entry.load is not load or entry.pins or keep(key):
                 continue
-            if self.scheduler.drop(load):
-                self._undo_start(entry)
+            if self._undo_start(entry):
                 dropped += 1
         self.counters.prefetch_dropped += dropped
         if dropped:
@@ -300,15 +300,16 @@ class ExpertCache:
         self.scheduler.enqueue(entry.load)
         return entry
 
-    def _undo_start(self, entry: Entry) -> None:
-        """Forget an entry whose load was never submitted."""
+    def _undo_start(self, entry: Entry) -> bool:
+        """Forget an entry whose load was never submitted; False (and no change) if it was."""
         assert entry.load is not None
-        if not self.scheduler.drop(entry.load):  # pragma: no cover - loads are submitted a tick later
-            entry.pins = 0
-            return
+        if not self.scheduler.drop(entry.load):
+            return False
         del self.entries[entry.key]
         entry.state = SlotState.FREE
+        entry.load = None
         self.free_slots.append(entry.slot)
+        return True
 
     def _loaded(self, entry: Entry, load: Load) -> None:
         entry.load = None

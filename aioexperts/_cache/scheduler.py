@@ -175,6 +175,7 @@ class ReadScheduler:
     # -- submission -------------------------------------------------------------------------
 
     def _fits(self, n_ops: int, n_bytes: int) -> bool:
+        """``n_ops`` more reads of ``n_bytes`` stay within the bounds (the batch so far is counted)."""
         if self._ops_in_flight + n_ops > self.depth:
             return False
         return self._ops_in_flight == 0 or self._bytes_in_flight + n_bytes <= self.max_bytes_in_flight
@@ -183,7 +184,7 @@ class ReadScheduler:
         """Submit as many queued reads as the bounds allow, in priority order, as one batch."""
         batch: list[ReadOp] = []
         now = time.perf_counter_ns()
-        while self._retries and self._fits(len(batch) + 1, self._retries[0].n_bytes):
+        while self._retries and self._fits(1, self._retries[0].n_bytes):
             op = self._retries.popleft()
             self._account(op, batch)
         for priority in (Priority.DEMAND, Priority.PREFETCH):
@@ -191,7 +192,7 @@ class ReadScheduler:
             while queue:
                 load = queue[0]
                 reads = load.plan.reads
-                if not self._fits(len(batch) + len(reads), load.read_bytes):
+                if not self._fits(len(reads), load.read_bytes):
                     break
                 queue.popleft()
                 load.state = LoadState.SUBMITTED

@@ -1,0 +1,312 @@
+"""The expert cache and scheduler: slot safety under cancellation, faults, batching and load."""
+
+from __future__ import annotations
+
+import errno
+import random
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+import aioexperts
+from aioexperts._cache.cache import SlotState
+from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from cacheutil import CheckedFake, fake_factory, settle
+from ioutil import pread_segment
+
+pytestmark = pytest.mark.anyio
+
+SMALL = SyntheticSpec(n_layer=3, n_embd=256, n_ff=256, n_expert=8, n_expert_used=2)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "small.gguf"
+    write_synthetic_model(path, SMALL)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model_path: Path) -> dict[tuple[int, int], list[bytes]]:
+    model = aioexperts.open_model(model_path)
+    layout = aioexperts.build_layout(model)
+    return {(loc.layer, loc.expert): [pread_segment(model, s) for s in loc.segments] for loc in layout}
+
+
+def as_bytes(view: aioexperts.ExpertView | None) -> list[bytes]:
+    assert view is not None
+    return [bytes(p.data) for p in (view.gate, view.up, view.down)]
+
+
+async def test_cancelled_waiter_leaves_slots_loading_until_their_own_completion(
+    model_path: Path, reference: dict[tuple[int, int], list[bytes]], anyio_backend: object
+) -> None:
+    holder: dict[str, CheckedFake] = {}
+    engine = aioexperts.open(model_path, slots=8, backend=fake_factory(holder, auto=False))
+    await engine.start()
+    fake, cache = holder["fake"], engine.cache
+    cancelled = False
+
+    async def want_all() -> None:
+        nonlocal cancelled
+        try:
+            async with engine.experts(0, range(8)):
+                raise AssertionError("must not get the experts")
+        except anyio.get_cancelled_exc_class():
+            cancelled = True
+            raise
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(want_all)
+        await settle()
+        assert len(fake.pending) == 24 and fake.batches == [24]  # eight experts, one submission
+        slot0 = cache.entries[(0, 0)].slot
+        for op in fake.ops_for_slot(slot0):
+            fake.complete(op)
+        await settle()
+        tg.cancel_scope.cancel()
+    assert cancelled
+    assert cache.state_of((0, 0)) is SlotState.READY
+    loading = {e: cache.entries[(0, e)].slot for e in range(1, 8)}
+    assert all(cache.state_of((0, e)) is SlotState.LOADING for e in loading)
+    assert cache.pinned_slots == 0
+
+    # the same slots, requested at once for other experts: only slot0 is reusable, so the request
+    # cannot be served now (those LOADING slots are not pinned: it waits for them)
+    got: list[list[bytes]] = []
+
+    async def want_other_layer() -> None:
+        async with engine.experts(1, range(8), wait=True) as views:
+            got.extend(as_bytes(v) for v in views)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(want_other_layer)
+        await settle()
+        assert len(fake.pending) == 21  # nothing new was submitted into a loading slot
+        for e, slot in loading.items():
+            assert cache.state_of((0, e)) is SlotState.LOADING
+            for op in fake.ops_for_slot(slot):
+                fake.complete(op)
+            await settle()
+            assert cache.state_of((0, e)) is SlotState.READY or (0, e) not in cache.entries
+        await settle()
+        fake.complete_all()  # the other layer's reads
+        await settle()
+    assert got == [reference[(1, e)] for e in range(8)]
+    assert fake.violations == []
+
+    # close() waits for every read in flight
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: engine.cache.acquire([(2, 0)]))
+        await settle()
+        assert len(fake.pending) == 3
+        closed = anyio.Event()
+
+        async def close() -> None:
+            await engine.aclose()
+            closed.set()
+
+        tg.start_soon(close)
+        await settle()
+        assert not closed.is_set() and not fake.closed
+        fake.complete_all()
+        await settle()
+        assert closed.is_set() and fake.closed
+    assert fake.violations == []
+
+
+async def test_out_of_order_and_half_reads_are_completed_at_the_right_offset(
+    model_path: Path, reference: dict[tuple[int, int], list[bytes]], anyio_backend: object
+) -> None:
+    halved: set[int] = set()
+
+    def half_once(op):  # type: ignore[no-untyped-def]
+        load, read = op.context  # the first attempt of every planned read comes back half
+        if id(read) in halved:
+            return None
+        halved.add(id(read))
+        return op.n_bytes // 2
+
+    holder: dict[str, CheckedFake] = {}
+    factory = fake_factory(holder, order="shuffle", fault=half_once, seed=3)
+    async with aioexperts.open(model_path, slots=5, backend=factory) as engine:
+        for layer in engine.layout.layers:
+            async with engine.experts(layer, [0, 3, 5, 7]) as views:
+                assert [as_bytes(v) for v in views] == [reference[(layer, e)] for e in (0, 3, 5, 7)]
+        st = engine.statistics()
+        assert st.read_retries == 36  # every read came back half; the rest was read again
+        assert st.read_errors == 0
+    assert holder["fake"].violations == []
+
+
+async def test_zero_bytes_before_eof_fails_every_waiter_and_frees_the_slot(
+    model_path: Path, reference: dict[tuple[int, int], list[bytes]], anyio_backend: object
+) -> None:
+    poison = {"on": True}
+
+    def zero_for_expert3(op):  # type: ignore[no-untyped-def]
+        load, _read = op.context
+        if poison["on"] and load.plan.location.expert == 3:
+            return 0
+        return None
+
+    async with aioexperts.open(model_path, slots=4, backend=fake_factory({}, fault=zero_for_expert3)) as engine:
+        errors: list[BaseException] = []
+
+        async def waiter() -> None:
+            try:
+                async with engine.experts(0, [3, 1]):
+                    pass
+            except aioexperts.ExpertReadError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(waiter)
+        assert len(errors) == 3 and all(e is errors[0] for e in errors)
+        assert "unexpected end of file" in str(errors[0])
+        assert engine.cache.state_of((0, 3)) is SlotState.FREE
+        assert engine.cache.state_of((0, 1)) is SlotState.READY  # the other expert is fine
+        assert engine.statistics().read_errors == 1
+        poison["on"] = False
+        async with engine.experts(0, [3]) as views:  # usable, and the expert can be read again
+            assert as_bytes(views[0]) == reference[(0, 3)]
+        assert len(engine.cache.free_slots) + len(engine.cache.entries) == 4
+
+
+async def test_os_error_keeps_the_cause(model_path: Path, anyio_backend: object) -> None:
+    def eio(op):  # type: ignore[no-untyped-def]
+        return OSError(errno.EIO, "Input/output error")
+
+    async with aioexperts.open(model_path, slots=4, backend=fake_factory({}, fault=eio)) as engine:
+        with pytest.raises(aioexperts.ExpertReadError, match="Input/output error") as info:
+            async with engine.experts(0, [2]):
+                pass
+        assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.EIO
+        assert engine.cache.entries == {}
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threads", "fake"])
+async def test_1000_tasks_overlapping_experts_through_16_slots(
+    model_path: Path, reference: dict[tuple[int, int], list[bytes]], backend: str, anyio_backend: object
+) -> None:
+    rng = random.Random(7)
+    requests = [(rng.randrange(3), rng.sample(range(8), rng.randint(1, 3))) for _ in range(1000)]
+    holder: dict[str, CheckedFake] = {}
+    chosen = fake_factory(holder, order="shuffle") if backend == "fake" else backend
+    ok = 0
+    async with aioexperts.open(model_path, slots=16, backend=chosen, wait_for_slots=True) as engine:
+
+        async def one(layer: int, ids: list[int]) -> None:
+            nonlocal ok
+            async with engine.experts(layer, ids) as views:
+                await anyio.sleep(0)
+                assert [as_bytes(v) for v in views] == [reference[(layer, e)] for e in ids]
+                ok += 1
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for layer, ids in requests:
+                    tg.start_soon(one, layer, ids)
+        st = engine.statistics()
+        assert ok == 1000
+        assert st.requests == sum(len(ids) for _, ids in requests)
+        assert st.requests == st.hits + st.inflight_joins + st.misses
+        assert st.misses >= 24 and st.evictions == st.misses - len(engine.cache.entries)
+        assert st.read_errors == 0 and st.in_flight == 0
+        assert engine.cache.pinned_slots == 0
+    if holder:
+        assert holder["fake"].violations == []
+
+
+async def test_requests_of_one_tick_go_in_one_submission(model_path: Path, anyio_backend: object) -> None:
+    holder: dict[str, CheckedFake] = {}
+    async with aioexperts.open(model_path, slots=16, backend=fake_factory(holder)) as engine:
+
+        async def one(e: int) -> None:
+            async with engine.experts(0, [e]):
+                pass
+
+        async with anyio.create_task_group() as tg:
+            for e in range(5):
+                tg.start_soon(one, e)
+        assert holder["fake"].batches == [15]
+        assert engine.statistics().submissions == 1
+
+
+async def test_demand_goes_before_prefetch_and_depth_is_bounded(model_path: Path, anyio_backend: object) -> None:
+    holder: dict[str, CheckedFake] = {}
+    async with aioexperts.open(model_path, slots=16, backend=fake_factory(holder), queue_depth=6) as engine:
+        cache = engine.cache
+        assert cache.prefetch([(1, e) for e in range(4)]) == 4
+        async with engine.experts(2, [0, 1]) as views:
+            assert len(views) == 2
+        fake = holder["fake"]
+        first = fake.submitted[0]
+        assert len(first) == 6 and {op.context[0].plan.location.layer for op in first} == {2}
+        await settle(20)
+        assert max(len(b) for b in fake.submitted) <= 6
+        st = engine.statistics()
+        assert st.prefetch_issued == 4 and st.max_batch <= 6
+        async with engine.experts(1, [0]):
+            pass
+        assert engine.statistics().prefetch_hits == 1
+
+
+async def test_bytes_in_flight_are_bounded(model_path: Path, anyio_backend: object) -> None:
+    holder: dict[str, CheckedFake] = {}
+    expert = SMALL.expert_bytes()
+    async with aioexperts.open(
+        model_path, slots=16, backend=fake_factory(holder), max_bytes_in_flight=2 * expert
+    ) as engine:
+        async with engine.experts(0, range(6)):
+            pass
+        for batch in holder["fake"].submitted:
+            assert sum(op.n_bytes for op in batch) <= 2 * expert + 3 * 4096
+
+
+async def test_stale_prefetch_is_dropped_before_submission(model_path: Path, anyio_backend: object) -> None:
+    holder: dict[str, CheckedFake] = {}
+    async with aioexperts.open(model_path, slots=16, backend=fake_factory(holder)) as engine:
+        cache = engine.cache
+        cache.prefetch([(1, 4), (1, 5), (2, 0)])
+        dropped = cache.drop_prefetches(keep=lambda key: key[0] == 2)
+        assert dropped == 2
+        await settle()
+        layers = {op.context[0].plan.location.layer for batch in holder["fake"].submitted for op in batch}
+        assert layers == {2}
+        st = engine.statistics()
+        assert (st.prefetch_issued, st.prefetch_dropped) == (3, 2)
+        assert len(cache.free_slots) == 15
+
+
+async def test_prefetch_never_evicts_pinned_or_its_own_layer(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=4, backend=fake_factory({})) as engine:
+        cache = engine.cache
+        async with engine.experts(0, [0, 1]):
+            async with engine.experts(1, [0, 1]):
+                pass  # layer 1's experts are now READY and unpinned
+            # free slots: none; evictable: layer 1's two. A prefetch for layer 1 may not evict them,
+            assert cache.prefetch([(1, 5), (1, 6)]) == 0
+            # a prefetch for layer 2 may evict layer 1's, never layer 0's pinned ones.
+            assert cache.prefetch([(2, 5), (2, 6), (2, 7)]) == 2
+            assert cache.state_of((0, 0)) is not SlotState.FREE and cache.state_of((0, 1)) is not SlotState.FREE
+        await settle()
+
+
+async def test_trace_is_recorded_and_replayed(model_path: Path, anyio_backend: object) -> None:
+    from aioexperts._cache.replay import replay
+
+    async with aioexperts.open(model_path, slots=6, record_trace=True, prefetch="none") as engine:
+        rng = np.random.default_rng(0)
+        for _ in range(5):
+            x = rng.standard_normal((1, SMALL.n_embd)).astype(np.float32)
+            await engine.run_token(x)
+        trace = engine.routing_trace()
+        st = engine.statistics()
+    assert trace.ids.shape == (5, 3, 2) and st.tokens == 5
+    assert st.token_latency_p50_ms is not None
+    result = replay(trace, 6, ("lru",))["lru"]
+    assert result.hits == st.hits and result.misses == st.misses
