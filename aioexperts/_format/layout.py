@@ -10,6 +10,7 @@ tensor is the byte run ``[data_offset + e*B, data_offset + (e+1)*B)``,
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -22,7 +23,11 @@ from .model import GGUFModel, TensorInfo
 __all__ = ("Bank", "ExpertLayout", "ExpertLocation", "MoELayer", "Segment", "build_layout")
 
 MAX_BANKS = 4
-_EXPERT_TENSOR_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps(?:_tier(\d+))?\.weight$")
+# Canonical names only (llama.cpp writes ``blk.%d.``): no leading zeros, ASCII digits, at most 6.
+_LAYER = r"(0|[1-9][0-9]{0,5})"
+_EXPERT_TENSOR_RE = re.compile(rf"^blk\.{_LAYER}\.ffn_(gate|up|down|gate_up)_exps(?:_tier([1-9]))?\.weight$")
+_ROUTER_RE = re.compile(rf"^blk\.{_LAYER}\.ffn_gate_inp\.weight$")
+_LOOKS_LIKE_MOE_RE = re.compile(r"^blk\.[^.]*\.ffn_(?:(?:gate|up|down|gate_up)_exps(?:_tier[^.]*)?|gate_inp)\.weight$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +175,10 @@ class MoELayer:
         Raises:
             InvalidRequestError: ``expert`` is not in ``[0, n_experts)``.
         """
+        try:
+            expert = operator.index(expert)
+        except TypeError:
+            raise InvalidRequestError(f"expert ids must be ints, got {expert!r}") from None
         if not 0 <= expert < self.n_experts:
             raise InvalidRequestError(
                 f"layer {self.index} has experts 0..{self.n_experts - 1}; expert {expert} does not exist"
@@ -263,16 +272,17 @@ def build_layout(model: GGUFModel) -> ExpertLayout:
     for name, info in model.tensors.items():
         m = _EXPERT_TENSOR_RE.match(name)
         if m is None:
+            if _LOOKS_LIKE_MOE_RE.match(name) and not _ROUTER_RE.match(name):
+                raise LayoutError(
+                    f"tensor {name[:80]!r} looks like an expert or router tensor but its layer or tier "
+                    "number is not canonical (blk.N. with N in 0..999999 without leading zeros, _tier1.._tier3)"
+                )
             continue
         tier = int(m[3]) if m[3] is not None else 0
         if m[3] is not None and not 1 <= tier < MAX_BANKS:
             raise LayoutError(f"{name}: tier {tier} is out of range (1..{MAX_BANKS - 1})")
         by_layer.setdefault(int(m[1]), {})[(m[2], tier)] = info
-    routers = {
-        int(name.split(".")[1]): info
-        for name, info in model.tensors.items()
-        if re.fullmatch(r"blk\.\d+\.ffn_gate_inp\.weight", name)
-    }
+    routers = {int(m[1]): info for name, info in model.tensors.items() if (m := _ROUTER_RE.match(name))}
     layers: dict[int, MoELayer] = {}
     for index in sorted(set(by_layer) | set(routers)):
         if index not in routers:

@@ -254,6 +254,20 @@ class _CheckedReader(GGUFReader):
                 )
         return super()._get_field_parts(orig_offs, raw_type)
 
+    def _build_fields(self, offs: int, count: int) -> int:
+        # a key/value pair takes at least 8 (key length) + 4 (type) + 1 (smallest value) bytes
+        if int(count) * 13 > len(self.data) - offs:
+            raise FormatError(f"GGUF.kv_count={int(count)} is more than the {len(self.data)}-byte file can hold")
+        return int(super()._build_fields(offs, count))
+
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[Any]]:
+        # a tensor info takes at least 8 (name length) + 4 (n_dims) + 8 (one dim) + 4 (type) + 8 (offset)
+        if int(count) * 32 > len(self.data) - offs:
+            raise FormatError(
+                f"GGUF.tensor_count={int(count)} is more tensor infos than the {len(self.data)}-byte file can hold"
+            )
+        return super()._build_tensor_info(offs, count)  # type: ignore[no-any-return]
+
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         self.raw_tensor_fields = fields
         self.tensor_data_start = int(start_offs)
@@ -269,8 +283,14 @@ def _parse_file(path: str, index: int) -> _ParsedFile:
         raise FormatError(f"{path}: {exc}") from None
     except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError) as exc:
         raise FormatError(f"{path}: not a valid GGUF file: {exc}") from exc
+    if reader.byte_order != "I":
+        raise FormatError(
+            f"{path}: a big-endian GGUF; this host is little-endian (llama.cpp refuses it too: convert the file)"
+        )
     metadata, skipped = _metadata(path, reader)
     alignment = int(reader.alignment)
+    if alignment <= 0 or alignment & (alignment - 1):  # gguf >= 0.18 checks this too; older ones did not
+        raise FormatError(f"{path}: general.alignment={alignment} is not a positive power of two")
     tensors = _tensor_infos(path, index, reader, st.st_size, alignment)
     del reader  # only plain Python values survive, so the reader's memmap is unmapped here
     shard = ShardInfo(path, index, st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns)

@@ -155,12 +155,6 @@ def test_write_refuses_a_split_set(tmp_path: Path) -> None:
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".weepf")]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: expert_map.py write_expert_map packs st_mtime_ns as u64 with struct.pack; a model whose "
-    "mtime is before 1970 (negative st_mtime_ns) makes it raise struct.error ('argument out of range') "
-    "instead of a ConfigError",
-)
 def test_write_with_a_pre_1970_mtime(tmp_path: Path, model_copy: Path) -> None:
     os.utime(model_copy, ns=(-(10**9), -(10**9)))
     if os.stat(model_copy).st_mtime_ns >= 0:  # pragma: no cover - file system without negative times
