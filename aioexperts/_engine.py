@@ -62,6 +62,7 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
     n_threads: int | None = None,
     prefetch: str | Predictor = "router",
     prefetch_budget: int | None = None,
+    prefetch_depth: int = 2,
     record_trace: bool = False,
 ) -> Engine:
     """Prepare an engine for the GGUF model at ``path``; start it with ``async with``.
@@ -95,7 +96,9 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         prefetch: how :meth:`Engine.moe` predicts the next layer's experts: ``"router"`` (the next
             layer's router on the current hidden state), ``"previous"`` (the previous token's
             choice), ``"frequency"``, ``"none"``, or a ``Predictor`` instance.
-        prefetch_budget: experts prefetched per layer step (default: ``expert_used_count``).
+        prefetch_budget: experts prefetched per predicted layer (default: ``expert_used_count``).
+        prefetch_depth: how many MoE layers ahead to prefetch (default 2: the I/O queue never
+            runs dry at a layer boundary; 1 synchronises I/O and compute at every layer).
         record_trace: record every routing decision of :meth:`Engine.moe` (see
             :meth:`Engine.routing_trace`).
 
@@ -115,6 +118,8 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         raise ConfigError(f"prefetch must be one of {', '.join(sorted(PREDICTORS))} or a Predictor, got {prefetch!r}")
     if prefetch_budget is not None and prefetch_budget < 0:
         raise ConfigError(f"prefetch_budget must be >= 0, got {prefetch_budget}")
+    if prefetch_depth < 0:
+        raise ConfigError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
     options: dict[str, Any] = {"fixed_buffers": fixed_buffers, "sqe_async": sqe_async}
     if n_threads is not None:
         options["n_threads"] = n_threads
@@ -134,6 +139,7 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         backend_options=options,
         prefetch=prefetch,
         prefetch_budget=prefetch_budget,
+        prefetch_depth=prefetch_depth,
         record_trace=record_trace,
     )
 
@@ -186,11 +192,13 @@ class Engine:
         backend_options: dict[str, Any],
         prefetch: str | Predictor = "router",
         prefetch_budget: int | None = None,
+        prefetch_depth: int = 2,
         record_trace: bool = False,
     ) -> None:
         self.path = path
         self._prefetch_arg = prefetch
         self._prefetch_budget_arg = prefetch_budget
+        self.prefetch_depth = prefetch_depth
         self._record_trace = record_trace
         self._hparams: MoEHParams | None = None
         self._residents: dict[int, ResidentLayer] | None = None
@@ -488,11 +496,19 @@ class Engine:
                 )
         return self._residents
 
-    def next_moe_layer(self, layer: int) -> int | None:
-        """The block index of the MoE layer after ``layer``, or None for the last one."""
+    def next_moe_layer(self, layer: int, ahead: int = 1) -> int:
+        """The block index of the MoE layer ``ahead`` layers after ``layer``, wrapping around.
+
+        Prefetch wraps around: while the last layers compute, the next token's first layers are
+        predicted.
+        """
         layers = list(self.layout.layers)
-        i = layers.index(layer)
-        return layers[i + 1] if i + 1 < len(layers) else None
+        return layers[(layers.index(layer) + ahead) % len(layers)]
+
+    def upcoming_layers(self, layer: int) -> list[int]:
+        """The MoE layers prefetched while ``layer`` computes (``prefetch_depth`` of them, nearest first)."""
+        n = len(self.layout.layers)
+        return [self.next_moe_layer(layer, d) for d in range(1, min(self.prefetch_depth, n - 1) + 1)]
 
     @property
     def predictor(self) -> Predictor:
@@ -516,10 +532,11 @@ class Engine:
         return self.layout.n_expert_used if budget is None else budget
 
     def _prefetch_keys(self, layer: int, x: np.ndarray | None, predictor: Predictor | None) -> list[Key]:
-        nxt = self.next_moe_layer(layer)
-        if predictor is None or nxt is None or self.prefetch_budget == 0:
+        if predictor is None or self.prefetch_budget == 0:
             return []
-        return [(nxt, e) for e in predictor.predict(layer, nxt, x, self.prefetch_budget)]
+        return [
+            (nxt, e) for nxt in self.upcoming_layers(layer) for e in predictor.predict(layer, nxt, x, self.prefetch_budget)
+        ]
 
     async def moe(self, layer: int, x: np.ndarray) -> np.ndarray:
         """Run MoE layer ``layer`` on ``x``: route, fetch the experts, compute (``ffn_out``).
@@ -582,7 +599,8 @@ class Engine:
             last = g == len(groups) - 1
             step = await run_layer_step(
                 self.cache, self._view, layer, x, group_ids, weights, compute,
-                prefetch=self._prefetch_keys(layer, x, predictor) if last else (), wait=self.wait_for_slots,
+                prefetch=self._prefetch_keys(layer, x, predictor) if last else (),
+                upcoming=self.upcoming_layers(layer), wait=self.wait_for_slots,
             )
             out = step.output
             moe_out = out.moe_out if moe_out is None else moe_out + out.moe_out
@@ -639,7 +657,8 @@ class Engine:
             step_compute = compute or _executor_step(residents[layer], hparams)
             step = await run_layer_step(
                 self.cache, self._view, layer, x, ids, weights, step_compute,
-                prefetch=self._prefetch_keys(layer, x, chosen), wait=self.wait_for_slots,
+                prefetch=self._prefetch_keys(layer, x, chosen),
+                upcoming=self.upcoming_layers(layer), wait=self.wait_for_slots,
             )
             steps.append(step)
             x = x + step.output

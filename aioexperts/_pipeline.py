@@ -93,12 +93,14 @@ async def run_layer_step(
     compute: ComputeStep,
     *,
     prefetch: Sequence[Key] = (),
+    upcoming: Sequence[int] = (),
     wait: bool = False,
 ) -> LayerStep:
     """Pin ``layer``'s experts for ``ids``, prefetch ``prefetch``, wait, compute in a thread, unpin.
 
-    Queued prefetches that this step no longer wants (its own layer's that it does not use, and
-    any of earlier layers) are dropped before anything is submitted.
+    Queued prefetches that are no longer wanted (this layer's that it does not use, and those of
+    any layer that is not in ``upcoming``, the layers still ahead) are dropped before anything is
+    submitted.
 
     Raises:
         InvalidRequestError, SlabExhaustedError, ExpertReadError, EngineClosedError: as
@@ -112,7 +114,8 @@ async def run_layer_step(
     active = ids[ids >= 0]
     keys = [(layer, int(e)) for e in dict.fromkeys(active.tolist())]
     wanted = set(keys)
-    cache.drop_prefetches(keep=lambda key: key[0] > layer or key in wanted)
+    ahead = set(upcoming) - {layer}
+    cache.drop_prefetches(keep=lambda key: key in wanted or key[0] in ahead)
     started = 0
 
     def start_prefetch() -> None:

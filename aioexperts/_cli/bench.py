@@ -20,6 +20,7 @@ from rich.table import Table
 from .. import __version__
 from .._errors import AioExpertsError
 from .readbench import PassResult, run_read_bench
+from .tokenbench import TokenBenchResult, TokenRun, run_token_bench
 from .synthetic import BENCH_SPEC, write_synthetic_model
 
 __all__ = ("default_model_path", "main")
@@ -87,6 +88,53 @@ def render_reads(results: list[PassResult], console: Console) -> None:
             console.print(f"  [dim]{r.method} {r.phase}: {r.note}[/dim]")
 
 
+def render_tokens(result: TokenBenchResult, console: Console) -> None:
+    """Print the per-token tables: runs, overlap, policies and the trace replay."""
+    title = (
+        f"per-token pipeline ({result.compute} compute, slab {result.slots} of {result.n_experts_total} experts, "
+        f"median of {result.repeat})"
+    )
+    table = Table(title=title)
+    for col in ("run", "tok/s", "ms/token", "p50 ms", "p99 ms", "I/O wait ms", "compute ms", "hit rate", "prefetch hits"):
+        table.add_column(col, justify="left" if col == "run" else "right", no_wrap=True)
+
+    def row(r: TokenRun) -> None:
+        table.add_row(
+            r.name, f"{r.tokens_per_s:.2f}", f"{r.ms_per_token:.1f}", f"{r.p50_ms:.1f}", f"{r.p99_ms:.1f}",
+            f"{r.io_wait_s / r.tokens * 1e3:.1f}", f"{r.compute_s / r.tokens * 1e3:.1f}", f"{r.hit_rate:.1%}",
+            f"{r.prefetch_hits}/{r.requests}",
+        )
+
+    for r in result.runs:
+        row(r)
+    console.print(table)
+    console.print(
+        f"I/O alone {result.io_ms_per_token:.1f} ms/token, compute alone {result.compute_ms_per_token:.1f} ms/token; "
+        f"overlap = pipelined token time / max(I/O, compute) = [bold]{result.overlap:.2f}[/bold] "
+        "(1.0: fully hidden; 2.0: no overlap)"
+    )
+    console.print(
+        f"  against the I/O time with one core busy elsewhere ({result.io_loaded_ms_per_token:.1f} ms/token): "
+        f"{result.overlap_loaded:.2f}"
+    )
+    for name, value in result.other_overlaps.items():
+        console.print(f"  overlap with {name.split('compute ')[1]}: {value:.2f}")
+    policies = Table(title="eviction policies on a skewed trace (no prefetch)")
+    for col in ("policy", "tok/s", "hit rate"):
+        policies.add_column(col, justify="left" if col == "policy" else "right")
+    for r in result.policy_runs:
+        policies.add_row(r.name.split()[1], f"{r.tokens_per_s:.2f}", f"{r.hit_rate:.1%}")
+    console.print(policies)
+    replay = Table(title="trace replay: hit rate by slab size (Belady = optimal)")
+    names = list(next(iter(next(iter(result.replay.values())).values())))
+    for col in ("trace", "slab", *names):
+        replay.add_column(col, justify="left" if col == "trace" else "right")
+    for trace_name, by_fraction in result.replay.items():
+        for fraction, by_policy in by_fraction.items():
+            replay.add_row(trace_name, f"{fraction:.0%}", *(f"{by_policy[n].hit_rate:.1%}" for n in names))
+    console.print(replay)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``aioexperts-bench``."""
     p = argparse.ArgumentParser(
@@ -100,6 +148,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=64, help="reads in flight: engine queue depth and fio iodepth")
     p.add_argument("--repeat", type=int, default=3, help="runs per method; the median is reported (default 3)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument(
+        "--mode",
+        choices=("reads", "tokens", "all"),
+        default="reads",
+        help="reads: per-expert read rates (default); tokens: per-token pipeline; all: both",
+    )
+    p.add_argument(
+        "--compute",
+        choices=("synthetic", "executor"),
+        default="synthetic",
+        help="tokens mode: a synthetic compute step as long as the I/O, or the real numpy executor",
+    )
+    p.add_argument("--slab-fraction", type=float, default=0.25, help="tokens mode: slab size / all experts")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return p
@@ -107,37 +168,72 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
-    args = build_parser().parse_args(argv)
-    console = Console(stderr=args.json)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
-        console.print(f"[red]unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}[/red]")
-        return 2
+        parser.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     if args.repeat < 1 or args.depth < 1 or (args.tokens is not None and args.tokens < 1):
-        console.print("[red]--repeat, --depth and --tokens must be >= 1[/red]")
-        return 2
+        parser.error("--repeat, --depth and --tokens must be >= 1")
+    if not 0 < args.slab_fraction <= 1:
+        parser.error("--slab-fraction must be in (0, 1]")
+    stream = sys.stderr if args.json else sys.stdout
+    console = Console(file=stream, width=None if stream.isatty() else 132)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    say = lambda line: console.print(f"[dim]{line}[/dim]")  # noqa: E731
+    out: dict[str, object] = {}
     try:
         path = Path(args.model) if args.model else default_model_path(console, args.rebuild)
-        results = run_read_bench(
-            os.fspath(path),
-            n_tokens=args.tokens,
-            seed=args.seed,
-            depth=args.depth,
-            repeat=args.repeat,
-            methods=methods,
-            progress=lambda line: console.print(f"[dim]{line}[/dim]"),
-        )
+        out["model"] = os.fspath(path)
+        if args.mode in ("reads", "all"):
+            reads = run_read_bench(
+                os.fspath(path), n_tokens=args.tokens, seed=args.seed, depth=args.depth,
+                repeat=args.repeat, methods=methods, progress=say,
+            )
+            out["reads"] = [r.as_dict() for r in reads]
+            if not args.json:
+                render_reads(reads, console)
+        if args.mode in ("tokens", "all"):
+            tokens = run_token_bench(
+                os.fspath(path), n_tokens=args.tokens or 24, seed=args.seed, slab_fraction=args.slab_fraction,
+                depth=args.depth, compute=args.compute, repeat=args.repeat, progress=say,
+            )
+            out["tokens"] = _token_json(tokens)
+            if not args.json:
+                render_tokens(tokens, console)
     except (AioExpertsError, OSError) as exc:
         console.print(f"[red]error: {exc}[/red]")
         return 1
     if args.json:
-        json.dump({"model": os.fspath(path), "reads": [r.as_dict() for r in results]}, sys.stdout, indent=2)
+        json.dump(out, sys.stdout, indent=2)
         print()
-    else:
-        render_reads(results, console)
     return 0
+
+
+def _token_json(result: TokenBenchResult) -> dict[str, object]:
+    def run(r: TokenRun) -> dict[str, object]:
+        d = dict(vars(r))
+        d.update(tokens_per_s=r.tokens_per_s, ms_per_token=r.ms_per_token)
+        return d
+
+    return {
+        "compute": result.compute,
+        "slots": result.slots,
+        "n_experts_total": result.n_experts_total,
+        "io_ms_per_token": result.io_ms_per_token,
+        "compute_ms_per_token": result.compute_ms_per_token,
+        "overlap": result.overlap,
+        "other_overlaps": result.other_overlaps,
+        "io_loaded_ms_per_token": result.io_loaded_ms_per_token,
+        "overlap_loaded": result.overlap_loaded,
+        "runs": [run(r) for r in result.runs],
+        "policies": [run(r) for r in result.policy_runs],
+        "replay": {
+            trace: {str(f): {p: r.hit_rate for p, r in by.items()} for f, by in fr.items()}
+            for trace, fr in result.replay.items()
+        },
+    }
 
 
 if __name__ == "__main__":  # pragma: no cover
