@@ -64,9 +64,9 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def render_reads(results: list[PassResult], console: Console) -> None:
     """Print the read-rate table and the ratios to fio and to mmap."""
-    table = Table(title="per-expert read rates (payload GB/s = 1e9 bytes/s)")
-    for col in ("method", "pass", "GB/s", "experts/s", "p50 ms", "p99 ms", "CPU s/GiB", "x fio", "x mmap"):
-        table.add_column(col, justify="left" if col in ("method", "pass") else "right")
+    table = Table(title="per-expert read rates (payload GB/s = 1e9 bytes/s; median and range over the repeats)")
+    for col in ("method", "pass", "GB/s", "range", "experts/s", "p50 ms", "p99 ms", "CPU s/GiB", "x fio", "x mmap"):
+        table.add_column(col, justify="left" if col in ("method", "pass") else "right", no_wrap=True)
     by = {(r.method, r.phase): r for r in results}
     fio = by.get(("fio", "cold"))
     for r in results:
@@ -75,6 +75,7 @@ def render_reads(results: list[PassResult], console: Console) -> None:
             r.method,
             r.phase,
             f"{r.gb_per_s:.2f}",
+            f"{r.gb_per_s_range[0]:.2f}-{r.gb_per_s_range[1]:.2f}" if r.gb_per_s_range else "-",
             f"{r.experts_per_s:,.0f}",
             _fmt(r.p50_ms, ".2f"),
             _fmt(r.p99_ms, ".2f"),

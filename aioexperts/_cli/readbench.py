@@ -18,6 +18,7 @@ methods); warm is the second pass over the same experts (engine: slab hits; buff
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import mmap
@@ -58,6 +59,7 @@ class PassResult:
             included; for fio, fio's own CPU).
         p50_ms, p99_ms: per-expert latency percentiles (ms); None when not measured.
         note: how the method ran (depth, threads, fallbacks).
+        gb_per_s_range: lowest and highest GB/s over the repeats (None for a single run).
     """
 
     method: str
@@ -69,6 +71,7 @@ class PassResult:
     p50_ms: float | None
     p99_ms: float | None
     note: str = ""
+    gb_per_s_range: tuple[float, float] | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -370,4 +373,9 @@ def run_read_bench(
                 progress(f"run {r + 1}/{repeat}: {method.name}")
             for result in method.run(model, layout, steps):
                 runs.setdefault((result.method, result.phase), []).append(result)
-    return [sorted(rs, key=lambda x: x.seconds)[len(rs) // 2] for rs in runs.values()]
+    medians = []
+    for rs in runs.values():
+        median = sorted(rs, key=lambda x: x.seconds)[len(rs) // 2]
+        rates = [x.gb_per_s for x in rs]
+        medians.append(dataclasses.replace(median, gb_per_s_range=(min(rates), max(rates))) if len(rs) > 1 else median)
+    return medians

@@ -1,9 +1,10 @@
 """Write valid MoE GGUF files of any geometry, for benchmarks and tests.
 
 The files are written with the ``gguf`` package's ``GGUFWriter`` (split sets with its
-``split_max_tensors``). Weights are random: quantized blocks get random quant bytes and small,
-finite scales so that the executor computes finite numbers on them; float tensors get small
-normal values. The default :class:`SyntheticSpec` is the Qwen3-30B-A3B expert geometry.
+``split_max_tensors``). Weights are random: quantized blocks get random quant bytes and finite
+scales, rescaled so that each matrix's weights have a standard deviation of about
+``1 / sqrt(ne0)`` (a matrix product keeps the size of its input, as in a trained model); float
+tensors get small normal values. The default :class:`SyntheticSpec` is the Qwen3-30B-A3B expert geometry.
 """
 
 from __future__ import annotations
@@ -111,13 +112,37 @@ def _random_weights(
         raw = (values >> 16).astype(np.uint16).view(np.uint8).copy()
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     blocks = raw.reshape(-1, type_size)
-    for offset, kind in _SCALE_FIELDS.get(ggml_type, ()):
+    fields = _SCALE_FIELDS.get(ggml_type, ())
+    for offset, kind in fields:
         if kind == "f16":
-            scale = (rng.random(len(blocks), dtype=np.float32) * 0.004 + 0.001).astype(np.float16)
+            scale = (rng.random(len(blocks), dtype=np.float32) + 0.5).astype(np.float16)
             blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(-1, 2)
         else:
             blocks[:, offset] = rng.integers(118, 124, len(blocks), dtype=np.uint8)
+    if fields and fields[0][1] == "f16":
+        _rescale(blocks, ggml_type, fields, target_std=ne0**-0.5)
     return raw.reshape(ne2, ne1, ne0 // block_size * type_size)
+
+
+def _rescale(
+    blocks: np.ndarray, ggml_type: GGMLQuantizationType, fields: tuple[tuple[int, str], ...], target_std: float
+) -> None:
+    """Scale the f16 scale fields so the weights' standard deviation is about ``target_std``.
+
+    Every value of these types is linear in its f16 scales (``d * sc * q - dmin * m``), so
+    multiplying them all by one factor scales the weights by it: like a trained layer, the output
+    of a matrix product keeps the size of its input.
+    """
+    from .._compute.quant import dequantize
+
+    sample = np.ascontiguousarray(blocks[: min(len(blocks), 4096)])
+    block_size = GGML_QUANT_SIZES[ggml_type][0]
+    std = float(dequantize(sample.reshape(-1), ggml_type, (len(sample), block_size)).std())
+    if not np.isfinite(std) or std == 0:
+        return
+    for offset, _kind in fields:
+        scale = blocks[:, offset : offset + 2].copy().view(np.float16).astype(np.float32)
+        blocks[:, offset : offset + 2] = (scale * (target_std / std)).astype(np.float16).view(np.uint8).reshape(-1, 2)
 
 
 def _layer_tensors(spec: SyntheticSpec, rng: np.random.Generator, block: int) -> list[tuple[str, Callable[[], np.ndarray], GGMLQuantizationType, int]]:

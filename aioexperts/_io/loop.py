@@ -95,12 +95,13 @@ class _TrioLoop(LoopAdapter):
         scope = trio.CancelScope()
 
         async def watch() -> None:
+            # a system task must never raise: trio would tear down the whole run
             with scope:
                 try:
-                    while True:
+                    while not scope.cancel_called:
                         await trio.lowlevel.wait_readable(fd)
                         callback()
-                except trio.ClosedResourceError:
+                except (trio.ClosedResourceError, OSError):  # the fd was closed under us: we are done
                     pass
 
         self._readers[fd] = scope

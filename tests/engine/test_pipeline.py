@@ -1,0 +1,126 @@
+"""The per-token pipeline: prefetch of the next layers, dropping stale prefetches, chunked prefill,
+and cancellation while the compute step runs."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+import aioexperts
+from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts._cli.tokenbench import OraclePredictor
+from aioexperts._predict.trace import uniform_random_trace
+
+pytestmark = pytest.mark.anyio
+
+SPEC = SyntheticSpec(n_layer=4, n_embd=256, n_ff=256, n_expert=8, n_expert_used=2, leading_dense=1)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("pipe") / "m.gguf"
+    write_synthetic_model(path, SPEC)
+    return path
+
+
+async def test_layer_order_and_lookahead(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=8, prefetch_depth=2) as engine:
+        assert list(engine.layout.layers) == [1, 2, 3, 4]
+        assert [engine.next_moe_layer(layer) for layer in (1, 2, 3, 4)] == [2, 3, 4, 1]  # wraps to the next token
+        assert engine.upcoming_layers(3) == [4, 1]
+    async with aioexperts.open(model_path, slots=8, prefetch_depth=9) as engine:
+        assert engine.upcoming_layers(1) == [2, 3, 4]  # never the layer itself
+
+
+def route_from(trace: aioexperts._predict.trace.RoutingTrace, token: list[int]):  # type: ignore[name-defined,no-untyped-def]
+    def route(layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ids = trace.ids[token[0], trace.layer_index(layer)][None, :].astype(np.int32)
+        return ids, np.full(ids.shape, 0.5, dtype=np.float32)
+
+    return route
+
+
+async def test_oracle_prefetch_turns_misses_into_prefetch_hits(model_path: Path, anyio_backend: object) -> None:
+    trace = uniform_random_trace(6, [1, 2, 3, 4], 8, 2, seed=3)
+    results = {}
+    for prefetch in (False, True):
+        async with aioexperts.open(model_path, slots=12, prefetch="none") as engine:
+            token = [0]
+            predictor = OraclePredictor(trace)
+            x = np.full((1, 256), 0.01, dtype=np.float32)  # random weights: keep the residual small
+            for t in range(trace.n_tokens):
+                token[0] = predictor.token = t
+                out = await engine.run_token(x, route_step=route_from(trace, token), predictor=predictor,
+                                             prefetch=prefetch)
+                assert out.output.shape == (1, 256) and np.isfinite(out.output).all()
+                assert [s.layer for s in out.steps] == [1, 2, 3, 4]
+            results[prefetch] = engine.statistics()
+    off, on = results[False], results[True]
+    assert off.prefetch_issued == 0 and off.misses > 0
+    assert on.prefetch_issued > 0 and on.prefetch_hits > 0
+    # the oracle is never wrong: everything it prefetched was used, nothing wasted
+    assert on.prefetch_wasted == 0 and on.prefetch_hits + on.prefetch_dropped >= on.prefetch_issued - 4
+    assert on.misses < off.misses
+    assert on.tokens == off.tokens == 6 and on.token_latency_p50_ms is not None
+
+
+async def test_prefetch_none_issues_nothing(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=12, prefetch="none") as engine:
+        await engine.run_token(np.full((1, 256), 0.01, dtype=np.float32))
+        assert engine.statistics().prefetch_issued == 0
+
+
+async def test_router_prefetch_with_the_real_executor(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=12, prefetch="router") as engine:
+        rng = np.random.default_rng(0)
+        for _ in range(3):
+            await engine.run_token(0.01 * rng.standard_normal((1, 256)).astype(np.float32))
+        st = engine.statistics()
+        assert st.prefetch_issued > 0 and st.requests == st.hits + st.inflight_joins + st.misses
+
+
+async def test_prefill_larger_than_the_slab_runs_in_groups(model_path: Path, anyio_backend: object) -> None:
+    x = 0.1 * np.random.default_rng(1).standard_normal((32, 256)).astype(np.float32)
+    async with aioexperts.open(model_path, slots=64) as engine:
+        whole = await engine.moe_result(2, x)
+    assert len(np.unique(whole.ids)) > 3
+    async with aioexperts.open(model_path, slots=3) as engine:
+        grouped = await engine.moe_result(2, x)
+        assert engine.statistics().misses >= len(np.unique(whole.ids))
+    np.testing.assert_array_equal(grouped.ids, whole.ids)
+    np.testing.assert_allclose(grouped.ffn_out, whole.ffn_out, rtol=1e-5, atol=1e-6)
+
+
+async def test_cancel_during_compute_keeps_slots_pinned_until_the_thread_ends(
+    model_path: Path, anyio_backend: object
+) -> None:
+    started, finish = threading.Event(), threading.Event()
+
+    def slow_compute(layer, x, views, ids, weights):  # type: ignore[no-untyped-def]
+        started.set()
+        finish.wait(10)
+        return np.zeros_like(x)
+
+    async with aioexperts.open(model_path, slots=8, prefetch="none") as engine:
+        done = anyio.Event()
+
+        async def token() -> None:
+            try:
+                await engine.run_token(np.ones((1, 256), dtype=np.float32), compute=slow_compute)
+            finally:
+                done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(token)
+            while not started.is_set():
+                await anyio.sleep(0.005)
+            tg.cancel_scope.cancel()
+            await anyio.sleep(0.05)
+            assert not done.is_set()  # the task waits for its compute thread
+            assert engine.cache.pinned_slots == 2  # and the experts stay pinned meanwhile
+            finish.set()
+        assert done.is_set() and engine.cache.pinned_slots == 0
