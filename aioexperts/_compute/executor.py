@@ -7,8 +7,9 @@ names the formula it mirrors.
 Performance notes: everything is float32; the matrix products are BLAS ``sgemm`` calls on whole token
 groups; tokens are grouped by expert, so a prefill batch dequantizes each selected expert exactly once
 per call whatever the number of tokens that chose it; the only Python loops run over the distinct
-experts of the call and over the k slots, never over tokens; the per-expert scratch buffers live in a
-per-thread workspace that is reused from call to call (the executor runs in worker threads).
+experts of the call (and over the k slots for the final sum, in llama.cpp's order), never over
+tokens; the per-expert scratch buffers live in a per-thread workspace that is reused from call to
+call (the executor runs in worker threads).
 """
 
 from __future__ import annotations
@@ -351,8 +352,9 @@ def moe_forward(
     ids, weights = _check_routing(ids, weights, n_tokens, resident.n_layer_experts)
     k = ids.shape[1]
 
-    moe_out = np.zeros((n_tokens, n_embd), dtype=np.float32)
-    slot_out = np.zeros((n_tokens, k, n_embd), dtype=np.float32) if expert_out else None
+    # every slot's expert output, then the weighted sum over the k slots in slot order, as
+    # llama.cpp adds them (ffn_moe_weighted, then ggml_add of slot 0, 1, ..., k-1)
+    slot_out = np.zeros((n_tokens, k, n_embd), dtype=np.float32)
 
     flat = ids.reshape(-1)
     positions = np.flatnonzero(flat >= 0)
@@ -364,23 +366,22 @@ def moe_forward(
         uniq, starts = np.unique(chosen, return_index=True)
         views = _lookup_views(experts, uniq, resident.layer)
         ends = np.append(starts[1:], chosen.size)
-        w_flat = weights.reshape(-1)
         ws = _workspace()
         for e, view, lo, hi in zip(uniq.tolist(), views, starts.tolist(), ends.tolist(), strict=True):
             pos = positions[lo:hi]
-            rows = pos // k
-            out = _expert_forward(x, rows, e, view, resident, hparams, ws)
-            if slot_out is not None:
-                slot_out[rows, pos % k] = out
-            out *= w_flat[pos][:, None]
-            if rows.size > 1 and np.any(rows[1:] == rows[:-1]):
-                np.add.at(moe_out, rows, out)  # the same expert twice in a token's slots
-            else:
-                moe_out[rows] += out
+            slot_out[pos // k, pos % k] = _expert_forward(x, pos // k, e, view, resident, hparams, ws)
+
+    active_weights = np.where(ids >= 0, weights, np.float32(0.0))  # an inactive slot's weight never counts
+    weighted = slot_out * active_weights[:, :, None]
+    moe_out = weighted[:, 0].copy()
+    for i in range(1, k):
+        moe_out += weighted[:, i]
 
     shared_out = _shared_forward(x, resident) if resident.has_shared else None
     ffn_out = moe_out if shared_out is None else moe_out + shared_out
-    return MoEOutput(moe_out=moe_out, shared_out=shared_out, ffn_out=ffn_out, expert_out=slot_out)
+    return MoEOutput(
+        moe_out=moe_out, shared_out=shared_out, ffn_out=ffn_out, expert_out=slot_out if expert_out else None
+    )
 
 
 # --------------------------------------------------------------------------------------------------

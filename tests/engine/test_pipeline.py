@@ -107,20 +107,29 @@ async def test_cancel_during_compute_keeps_slots_pinned_until_the_thread_ends(
 
     async with aioexperts.open(model_path, slots=8, prefetch="none") as engine:
         done = anyio.Event()
+        scope = anyio.CancelScope()
+        cancelled = []
 
         async def token() -> None:
-            try:
-                await engine.run_token(np.ones((1, 256), dtype=np.float32), compute=slow_compute)
-            finally:
-                done.set()
+            with scope:
+                try:
+                    await engine.run_token(np.ones((1, 256), dtype=np.float32), compute=slow_compute)
+                except anyio.get_cancelled_exc_class():
+                    cancelled.append(True)
+                    raise
+            done.set()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(token)
-            while not started.is_set():
-                await anyio.sleep(0.005)
-            tg.cancel_scope.cancel()
+            with anyio.fail_after(5):
+                while not started.is_set():
+                    await anyio.sleep(0.005)
+            scope.cancel()
             await anyio.sleep(0.05)
             assert not done.is_set()  # the task waits for its compute thread
             assert engine.cache.pinned_slots == 2  # and the experts stay pinned meanwhile
             finish.set()
-        assert done.is_set() and engine.cache.pinned_slots == 0
+            with anyio.fail_after(5):
+                await done.wait()
+        assert cancelled == [True]  # the cancellation was delivered, not turned into another error
+        assert engine.cache.pinned_slots == 0
