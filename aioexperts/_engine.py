@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import dataclasses
+import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -18,13 +19,13 @@ from ._cache.cache import Entry, ExpertCache, Key
 from ._cache.eviction import EvictionPolicy, make_policy
 from ._cache.scheduler import ReadScheduler
 from ._cache.stats import Counters, EngineStatistics
-from ._errors import ConfigError, EngineClosedError, InvalidRequestError
-from ._format.expert_map import check_map_matches_layout, read_expert_map
-from ._format.layout import ExpertLayout, build_layout
-from ._format.model import GGUFModel, open_model
 from ._compute.executor import ResidentLayer, moe_forward, route
 from ._compute.resident import load_residents
+from ._errors import ConfigError, EngineClosedError, InvalidRequestError
+from ._format.expert_map import check_map_matches_layout, read_expert_map
 from ._format.hparams import MoEHParams
+from ._format.layout import ExpertLayout, build_layout
+from ._format.model import GGUFModel, open_model
 from ._format.views import ExpertView, ProjectionView
 from ._io.backends.base import IOBackend
 from ._io.files import ShardFiles, open_shards
@@ -37,6 +38,8 @@ from ._predict.predictors import PREDICTORS, Predictor, make_predictor
 from ._predict.trace import RoutingTrace, TraceRecorder
 
 __all__ = ("DEFAULT_CACHE_BYTES", "Engine", "MoEResult", "open")
+
+log = logging.getLogger("aioexperts")
 
 DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_QUEUE_DEPTH = 64
@@ -491,9 +494,14 @@ class Engine:
         self._check_running()
         async with self._residents_lock:
             if self._residents is None:
-                self._residents = await anyio.to_thread.run_sync(
-                    load_residents, self.model, self.layout, self.hparams
-                )
+                if not self.hparams.verified:
+                    log.warning(
+                        "aioexperts: architecture %r is not one whose MoE routing was checked against "
+                        "llama.cpp; computing with the generic rules (gating and normalisation from the "
+                        "metadata, SwiGLU experts): outputs may differ from llama.cpp",
+                        self.hparams.arch,
+                    )
+                self._residents = await anyio.to_thread.run_sync(load_residents, self.model, self.layout, self.hparams)
         return self._residents
 
     def next_moe_layer(self, layer: int, ahead: int = 1) -> int:
@@ -535,7 +543,9 @@ class Engine:
         if predictor is None or self.prefetch_budget == 0:
             return []
         return [
-            (nxt, e) for nxt in self.upcoming_layers(layer) for e in predictor.predict(layer, nxt, x, self.prefetch_budget)
+            (nxt, e)
+            for nxt in self.upcoming_layers(layer)
+            for e in predictor.predict(layer, nxt, x, self.prefetch_budget)
         ]
 
     async def moe(self, layer: int, x: np.ndarray) -> np.ndarray:
@@ -591,16 +601,27 @@ class Engine:
             group_resident = resident if g == 0 else _without_shared(resident)
 
             def compute(
-                _layer: int, xx: np.ndarray, views: Mapping[int, ExpertView], ii: np.ndarray, ww: np.ndarray,
+                _layer: int,
+                xx: np.ndarray,
+                views: Mapping[int, ExpertView],
+                ii: np.ndarray,
+                ww: np.ndarray,
                 _resident: ResidentLayer = group_resident,
             ) -> Any:
                 return moe_forward(xx, ii, ww, views, _resident, hparams)
 
             last = g == len(groups) - 1
             step = await run_layer_step(
-                self.cache, self._view, layer, x, group_ids, weights, compute,
+                self.cache,
+                self._view,
+                layer,
+                x,
+                group_ids,
+                weights,
+                compute,
                 prefetch=self._prefetch_keys(layer, x, predictor) if last else (),
-                upcoming=self.upcoming_layers(layer), wait=self.wait_for_slots,
+                upcoming=self.upcoming_layers(layer),
+                wait=self.wait_for_slots,
             )
             out = step.output
             moe_out = out.moe_out if moe_out is None else moe_out + out.moe_out
@@ -656,9 +677,16 @@ class Engine:
                 chosen.observe(layer, x, ids)
             step_compute = compute or _executor_step(residents[layer], hparams)
             step = await run_layer_step(
-                self.cache, self._view, layer, x, ids, weights, step_compute,
+                self.cache,
+                self._view,
+                layer,
+                x,
+                ids,
+                weights,
+                step_compute,
                 prefetch=self._prefetch_keys(layer, x, chosen),
-                upcoming=self.upcoming_layers(layer), wait=self.wait_for_slots,
+                upcoming=self.upcoming_layers(layer),
+                wait=self.wait_for_slots,
             )
             steps.append(step)
             x = x + step.output
@@ -687,7 +715,9 @@ def _without_shared(resident: ResidentLayer) -> ResidentLayer:
 
 
 def _executor_step(resident: ResidentLayer, hparams: MoEHParams) -> ComputeStep:
-    def compute(_layer: int, x: np.ndarray, views: Mapping[int, ExpertView], ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+    def compute(
+        _layer: int, x: np.ndarray, views: Mapping[int, ExpertView], ids: np.ndarray, w: np.ndarray
+    ) -> np.ndarray:
         return moe_forward(x, ids, w, views, resident, hparams).ffn_out
 
     return compute

@@ -83,9 +83,7 @@ def bit_exact(a: np.ndarray, b: np.ndarray) -> bool:
     return bool((np.isnan(a) == nan).all() and (a.view(np.uint32)[~nan] == b.view(np.uint32)[~nan]).all())
 
 
-def bench_type(
-    qtype: GGMLQuantizationType, shape: tuple[int, int], repeat: int, rng: np.random.Generator
-) -> dict:
+def bench_type(qtype: GGMLQuantizationType, shape: tuple[int, int], repeat: int, rng: np.random.Generator) -> dict:
     rows_bytes = make_tensor(qtype, shape, rng)
     flat_bytes = rows_bytes.reshape(-1)
     view = memoryview(flat_bytes).toreadonly()
@@ -157,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=10, help="timed repetitions, best is kept (10)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument(
-        "--shapes", default="768x2048,2048x768", help="comma-separated ROWSxCOLS (768x2048,2048x768)"
-    )
+    parser.add_argument("--shapes", default="768x2048,2048x768", help="comma-separated ROWSxCOLS (768x2048,2048x768)")
     parser.add_argument("--types", default="", help="comma-separated ggml type names (all with a kernel)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-warm", action="store_true", help="skip the 8 MiB malloc warm-up")
@@ -175,11 +171,12 @@ def main(argv: list[str] | None = None) -> int:
         warm.fill(0)
         del warm
 
-    results = []
     started = time.perf_counter()
-    for shape in shapes:
-        for qtype in types:
-            results.append(bench_type(qtype, shape, max(1, args.repeat), rng))  # type: ignore[arg-type]
+    results = [
+        bench_type(qtype, shape, max(1, args.repeat), rng)  # type: ignore[arg-type]
+        for shape in shapes
+        for qtype in types
+    ]
     elapsed = time.perf_counter() - started
     if args.json:
         meta = {"numpy": np.__version__, "python": platform.python_version(), "repeat": args.repeat}

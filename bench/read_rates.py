@@ -29,10 +29,15 @@ def main() -> int:
     args = parser.parse_args()
     console = Console(file=sys.stderr if args.json else sys.stdout, width=132)
     path = args.model or os.fspath(default_model_path(console))
-    results = run_read_bench(path, repeat=args.repeat, depth=args.depth, progress=lambda s: console.print(f"[dim]{s}[/dim]"))
+    results = run_read_bench(
+        path, repeat=args.repeat, depth=args.depth, progress=lambda s: console.print(f"[dim]{s}[/dim]")
+    )
     by = {(r.method, r.phase): r for r in results}
     uring, fio, mmap = by[("aioexperts io_uring", "cold")], by.get(("fio", "cold")), by[("mmap", "cold")]
-    verdicts = {"x_mmap": uring.gb_per_s / mmap.gb_per_s, "x_fio": uring.gb_per_s / fio.gb_per_s if fio else None}
+    verdicts = {
+        "x_mmap": uring.gb_per_s / mmap.gb_per_s,
+        "x_fio": uring.gb_per_s / fio.gb_per_s if fio else None,
+    }
     if args.json:
         json.dump({"reads": [r.as_dict() for r in results], "targets": verdicts}, sys.stdout, indent=2)
         return 0

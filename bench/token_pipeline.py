@@ -31,14 +31,20 @@ def main() -> int:
     console = Console(width=132)
     path = args.model or os.fspath(default_model_path(console))
     result = run_token_bench(
-        path, n_tokens=args.tokens, compute=args.compute, repeat=args.repeat, slab_fraction=args.slab_fraction,
+        path,
+        n_tokens=args.tokens,
+        compute=args.compute,
+        repeat=args.repeat,
+        slab_fraction=args.slab_fraction,
         progress=lambda s: console.print(f"[dim]{s}[/dim]"),
     )
     render_tokens(result, console)
     if args.compute == "synthetic":
         ok = "met" if result.overlap <= 1.1 else "NOT met"
-        console.print(f"target overlap <= 1.1: {result.overlap:.2f} ({ok}); "
-                      f"against the I/O time under the same CPU load: {result.overlap_loaded:.2f}")
+        console.print(
+            f"target overlap <= 1.1: {result.overlap:.2f} ({ok}); "
+            f"against the I/O time under the same CPU load: {result.overlap_loaded:.2f}"
+        )
     else:
         ratio = result.compute_ms_per_token / result.io_ms_per_token
         console.print(

@@ -99,9 +99,7 @@ def _flatten(trace: RoutingTrace) -> _Steps:
     keys = (ids + offsets[None, :, None])[active]  # row-major: token, then layer, then id
     counts = active.sum(axis=2).reshape(-1)
     bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
-    key_tuples = [
-        (layer, e) for layer, n in zip(trace.layers, trace.n_experts, strict=True) for e in range(n)
-    ]
+    key_tuples = [(layer, e) for layer, n in zip(trace.layers, trace.n_experts, strict=True) for e in range(n)]
     return _Steps(keys.tolist(), bounds, key_tuples)
 
 
@@ -359,8 +357,7 @@ def format_replay_table(
     left = {2}  # the policy column is text
     lines = [
         "  ".join(
-            cell.ljust(w) if c in left else cell.rjust(w)
-            for c, (cell, w) in enumerate(zip(row, widths, strict=True))
+            cell.ljust(w) if c in left else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths, strict=True))
         )
         for row in table
     ]

@@ -250,7 +250,9 @@ class ReadScheduler:
             if end - read.file_offset >= read.needed:
                 return  # the short read that ends exactly at end of file, after all the payload
             self._fail(
-                load, None, op,
+                load,
+                None,
+                op,
                 f"the file ends at byte {file_size}, before the end of the expert's data at byte "
                 f"{read.file_offset + read.needed} (truncated?)",
             )
@@ -266,7 +268,12 @@ class ReadScheduler:
         self.counters.read_retries += 1
         load.ops_left += 1
         retry = ReadOp(
-            op.shard, op.file_offset + advance, op.n_bytes - advance, op.slot, op.slot_offset + advance, op.context
+            op.shard,
+            op.file_offset + advance,
+            op.n_bytes - advance,
+            op.slot,
+            op.slot_offset + advance,
+            op.context,
         )
         self._retries.append(retry)
 

@@ -20,8 +20,8 @@ from rich.table import Table
 from .. import __version__
 from .._errors import AioExpertsError
 from .readbench import PassResult, run_read_bench
-from .tokenbench import TokenBenchResult, TokenRun, run_token_bench
 from .synthetic import BENCH_SPEC, write_synthetic_model
+from .tokenbench import TokenBenchResult, TokenRun, run_token_bench
 
 __all__ = ("default_model_path", "main")
 
@@ -65,7 +65,18 @@ def _fmt(x: float | None, spec: str) -> str:
 def render_reads(results: list[PassResult], console: Console) -> None:
     """Print the read-rate table and the ratios to fio and to mmap."""
     table = Table(title="per-expert read rates (payload GB/s = 1e9 bytes/s; median and range over the repeats)")
-    for col in ("method", "pass", "GB/s", "range", "experts/s", "p50 ms", "p99 ms", "CPU s/GiB", "x fio", "x mmap"):
+    for col in (
+        "method",
+        "pass",
+        "GB/s",
+        "range",
+        "experts/s",
+        "p50 ms",
+        "p99 ms",
+        "CPU s/GiB",
+        "x fio",
+        "x mmap",
+    ):
         table.add_column(col, justify="left" if col in ("method", "pass") else "right", no_wrap=True)
     by = {(r.method, r.phase): r for r in results}
     fio = by.get(("fio", "cold"))
@@ -96,13 +107,29 @@ def render_tokens(result: TokenBenchResult, console: Console) -> None:
         f"median of {result.repeat})"
     )
     table = Table(title=title)
-    for col in ("run", "tok/s", "ms/token", "p50 ms", "p99 ms", "I/O wait ms", "compute ms", "hit rate", "prefetch hits"):
+    for col in (
+        "run",
+        "tok/s",
+        "ms/token",
+        "p50 ms",
+        "p99 ms",
+        "I/O wait ms",
+        "compute ms",
+        "hit rate",
+        "prefetch hits",
+    ):
         table.add_column(col, justify="left" if col == "run" else "right", no_wrap=True)
 
     def row(r: TokenRun) -> None:
         table.add_row(
-            r.name, f"{r.tokens_per_s:.2f}", f"{r.ms_per_token:.1f}", f"{r.p50_ms:.1f}", f"{r.p99_ms:.1f}",
-            f"{r.io_wait_s / r.tokens * 1e3:.1f}", f"{r.compute_s / r.tokens * 1e3:.1f}", f"{r.hit_rate:.1%}",
+            r.name,
+            f"{r.tokens_per_s:.2f}",
+            f"{r.ms_per_token:.1f}",
+            f"{r.p50_ms:.1f}",
+            f"{r.p99_ms:.1f}",
+            f"{r.io_wait_s / r.tokens * 1e3:.1f}",
+            f"{r.compute_s / r.tokens * 1e3:.1f}",
+            f"{r.hit_rate:.1%}",
             f"{r.prefetch_hits}/{r.requests}",
         )
 
@@ -189,16 +216,27 @@ def main(argv: list[str] | None = None) -> int:
         out["model"] = os.fspath(path)
         if args.mode in ("reads", "all"):
             reads = run_read_bench(
-                os.fspath(path), n_tokens=args.tokens, seed=args.seed, depth=args.depth,
-                repeat=args.repeat, methods=methods, progress=say,
+                os.fspath(path),
+                n_tokens=args.tokens,
+                seed=args.seed,
+                depth=args.depth,
+                repeat=args.repeat,
+                methods=methods,
+                progress=say,
             )
             out["reads"] = [r.as_dict() for r in reads]
             if not args.json:
                 render_reads(reads, console)
         if args.mode in ("tokens", "all"):
             tokens = run_token_bench(
-                os.fspath(path), n_tokens=args.tokens or 24, seed=args.seed, slab_fraction=args.slab_fraction,
-                depth=args.depth, compute=args.compute, repeat=args.repeat, progress=say,
+                os.fspath(path),
+                n_tokens=args.tokens or 24,
+                seed=args.seed,
+                slab_fraction=args.slab_fraction,
+                depth=args.depth,
+                compute=args.compute,
+                repeat=args.repeat,
+                progress=say,
             )
             out["tokens"] = _token_json(tokens)
             if not args.json:

@@ -166,7 +166,7 @@ async def _engine_passes(
             engine.reset_statistics()
             gate = asyncio.Semaphore(window)
 
-            async def one(step: Step) -> None:
+            async def one(step: Step, gate: asyncio.Semaphore = gate) -> None:
                 async with gate, engine.experts(step[0], step[1]):
                     pass
 
@@ -183,7 +183,17 @@ async def _engine_passes(
                 p50, p99 = clock.seconds / max(len(steps), 1) * 1e3, None
                 note += " (warm latency: mean per step)"
             results.append(
-                PassResult(f"aioexperts {backend}", phase, n_experts, payload, clock.seconds, clock.cpu, p50, p99, note)
+                PassResult(
+                    f"aioexperts {backend}",
+                    phase,
+                    n_experts,
+                    payload,
+                    clock.seconds,
+                    clock.cpu,
+                    p50,
+                    p99,
+                    note,
+                )
             )
     return results
 
@@ -229,8 +239,15 @@ def buffered_pread_method(n_threads: int) -> Method:
                 p50, p99 = _percentiles(lat)
                 results.append(
                     PassResult(
-                        "buffered pread", phase, len(locs), sum(x.n_bytes for x in locs), clock.seconds,
-                        clock.cpu, p50, p99, f"{n_threads} threads, page cache dropped before cold",
+                        "buffered pread",
+                        phase,
+                        len(locs),
+                        sum(x.n_bytes for x in locs),
+                        clock.seconds,
+                        clock.cpu,
+                        p50,
+                        p99,
+                        f"{n_threads} threads, page cache dropped before cold",
                     )
                 )
             return results
@@ -268,8 +285,15 @@ def mmap_method() -> Method:
                 p50, p99 = _percentiles(lat)
                 results.append(
                     PassResult(
-                        "mmap", phase, len(locs), sum(x.n_bytes for x in locs), clock.seconds, clock.cpu,
-                        p50, p99, "1 thread copying from the mapping, default readahead",
+                        "mmap",
+                        phase,
+                        len(locs),
+                        sum(x.n_bytes for x in locs),
+                        clock.seconds,
+                        clock.cpu,
+                        p50,
+                        p99,
+                        "1 thread copying from the mapping, default readahead",
                     )
                 )
             return results
@@ -295,9 +319,19 @@ def fio_method(depth: int) -> Method | None:
         io_size = max(block, payload // block * block)
         files = ":".join(s.path.replace(":", "\\:") for s in model.shards)
         cmd = [
-            fio, "--name=aioexperts-device", f"--filename={files}", "--readonly", "--rw=randread",
-            f"--bs={block}", f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1", "--numjobs=1",
-            f"--io_size={io_size}", "--randrepeat=1", "--output-format=json",
+            fio,
+            "--name=aioexperts-device",
+            f"--filename={files}",
+            "--readonly",
+            "--rw=randread",
+            f"--bs={block}",
+            f"--iodepth={depth}",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--numjobs=1",
+            f"--io_size={io_size}",
+            "--randrepeat=1",
+            "--output-format=json",
         ]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
         job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
@@ -310,7 +344,14 @@ def fio_method(depth: int) -> Method | None:
         n = read["total_ios"]
         return [
             PassResult(
-                "fio", "cold", n, read["io_bytes"], seconds, cpu, p50 and p50 / 1e6, p99 and p99 / 1e6,
+                "fio",
+                "cold",
+                n,
+                read["io_bytes"],
+                seconds,
+                cpu,
+                p50 and p50 / 1e6,
+                p99 and p99 / 1e6,
                 f"io_uring O_DIRECT randread bs={block} iodepth={depth} (latency per read, not per expert)",
             )
         ]

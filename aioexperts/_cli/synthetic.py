@@ -125,7 +125,10 @@ def _random_weights(
 
 
 def _rescale(
-    blocks: np.ndarray, ggml_type: GGMLQuantizationType, fields: tuple[tuple[int, str], ...], target_std: float
+    blocks: np.ndarray,
+    ggml_type: GGMLQuantizationType,
+    fields: tuple[tuple[int, str], ...],
+    target_std: float,
 ) -> None:
     """Scale the f16 scale fields so the weights' standard deviation is about ``target_std``.
 
@@ -145,7 +148,9 @@ def _rescale(
         blocks[:, offset : offset + 2] = (scale * (target_std / std)).astype(np.float16).view(np.uint8).reshape(-1, 2)
 
 
-def _layer_tensors(spec: SyntheticSpec, rng: np.random.Generator, block: int) -> list[tuple[str, Callable[[], np.ndarray], GGMLQuantizationType, int]]:
+def _layer_tensors(
+    spec: SyntheticSpec, rng: np.random.Generator, block: int
+) -> list[tuple[str, Callable[[], np.ndarray], GGMLQuantizationType, int]]:
     """``(name, make_data, type, n_bytes)`` for one MoE block, in file order."""
     out: list[tuple[str, Callable[[], np.ndarray], GGMLQuantizationType, int]] = []
     n_tier = sum(n for n, _ in spec.tiers)
@@ -153,13 +158,18 @@ def _layer_tensors(spec: SyntheticSpec, rng: np.random.Generator, block: int) ->
     if n_base < 1:
         raise ConfigError(f"tiers hold {n_tier} of {spec.n_expert} experts; the base bank needs at least one")
     e, f = spec.n_embd, spec.n_ff
-    out.append((
-        f"blk.{block}.ffn_gate_inp.weight",
-        lambda: rng.standard_normal((spec.n_expert, e), dtype=np.float32),
-        Q.F32,
-        4 * e * spec.n_expert,
-    ))
-    banks = [(n_base, spec.expert_type, spec.down_type or spec.expert_type), *((n, t, t) for n, t in spec.tiers)]
+    out.append(
+        (
+            f"blk.{block}.ffn_gate_inp.weight",
+            lambda: rng.standard_normal((spec.n_expert, e), dtype=np.float32),
+            Q.F32,
+            4 * e * spec.n_expert,
+        )
+    )
+    banks = [
+        (n_base, spec.expert_type, spec.down_type or spec.expert_type),
+        *((n, t, t) for n, t in spec.tiers),
+    ]
     for tier, (n, up_type, down_type) in enumerate(banks):
         suffix = f"_tier{tier}" if tier else ""
         if spec.merged_gate_up:
@@ -168,17 +178,23 @@ def _layer_tensors(spec: SyntheticSpec, rng: np.random.Generator, block: int) ->
             projections = [("gate", up_type, e, f), ("up", up_type, e, f)]
         projections.append(("down", down_type, f, e))
         for proj, t, ne0, ne1 in projections:
-            out.append((
-                f"blk.{block}.ffn_{proj}_exps{suffix}.weight",
-                lambda t=t, ne0=ne0, ne1=ne1, n=n: _random_weights(rng, t, ne0, ne1, n),
-                t,
-                _tensor_bytes(t, ne0, ne1, n),
-            ))
+            out.append(
+                (
+                    f"blk.{block}.ffn_{proj}_exps{suffix}.weight",
+                    lambda t=t, ne0=ne0, ne1=ne1, n=n: _random_weights(rng, t, ne0, ne1, n),
+                    t,
+                    _tensor_bytes(t, ne0, ne1, n),
+                )
+            )
     return out
 
 
 def write_synthetic_model(
-    path: str | os.PathLike[str], spec: SyntheticSpec = BENCH_SPEC, *, shards: int = 1, progress: Progress | None = None
+    path: str | os.PathLike[str],
+    spec: SyntheticSpec = BENCH_SPEC,
+    *,
+    shards: int = 1,
+    progress: Progress | None = None,
 ) -> list[Path]:
     """Write a valid MoE GGUF (or a split set of ``shards`` files) for ``spec``.
 
@@ -213,12 +229,12 @@ def write_synthetic_model(
         writer.add_leading_dense_block_count(spec.leading_dense)
     total = sum(n for *_, n in tensors)
     written = 0
-    for name, make, ggml_type, n_bytes in tensors:
+    for name, _make, ggml_type, n_bytes in tensors:
         writer.add_tensor_info(name, _numpy_shape(spec, name), np.dtype(np.float32), n_bytes, raw_dtype=ggml_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for name, make, ggml_type, n_bytes in tensors:
+    for name, make, _type, n_bytes in tensors:
         data = make()
         assert data.nbytes == n_bytes, (name, data.nbytes, n_bytes)
         writer.write_tensor_data(data)

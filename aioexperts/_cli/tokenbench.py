@@ -34,13 +34,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._cache.replay import ReplayResult, replay_fractions
 from .._engine import open as open_engine
 from .._format.layout import ExpertLayout, build_layout
 from .._format.model import open_model
 from .._format.views import ExpertView
 from .._pipeline import ComputeStep
 from .._predict.predictors import Predictor, make_predictor
-from .._cache.replay import ReplayResult, replay_fractions
 from .._predict.trace import RoutingTrace, skewed_random_trace, uniform_random_trace
 
 __all__ = ("OraclePredictor", "TokenBenchResult", "TokenRun", "run_token_bench")
@@ -136,7 +136,9 @@ def synthetic_compute(seconds_per_layer: float, n_embd: int) -> ComputeStep:
     """A compute step of numpy matrix products (the GIL is released) lasting ``seconds_per_layer``."""
     a = np.random.default_rng(0).standard_normal((256, 256), dtype=np.float32)
 
-    def compute(layer: int, x: np.ndarray, views: Mapping[int, ExpertView], ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+    def compute(
+        layer: int, x: np.ndarray, views: Mapping[int, ExpertView], ids: np.ndarray, w: np.ndarray
+    ) -> np.ndarray:
         end = time.perf_counter() + seconds_per_layer
         b = a
         while time.perf_counter() < end:
@@ -185,8 +187,19 @@ async def _run(
         st = engine.statistics()
     lat = np.asarray(latencies) * 1e3
     return TokenRun(
-        name, trace.n_tokens, seconds, float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), io_wait,
-        compute_s, st.hit_rate, st.prefetch_hits, st.prefetch_issued, st.prefetch_wasted, st.bytes_read, st.requests,
+        name,
+        trace.n_tokens,
+        seconds,
+        float(np.percentile(lat, 50)),
+        float(np.percentile(lat, 99)),
+        io_wait,
+        compute_s,
+        st.hit_rate,
+        st.prefetch_hits,
+        st.prefetch_issued,
+        st.prefetch_wasted,
+        st.bytes_read,
+        st.requests,
     )
 
 
@@ -250,7 +263,13 @@ def run_token_bench(
     slots = max(2 * k, int(layout.n_experts_total * slab_fraction))
     say = progress or (lambda line: None)
 
-    def run(name: str, step: ComputeStep, predictor: Predictor | None, t: RoutingTrace = trace, policy: str = "lru") -> TokenRun:
+    def run(
+        name: str,
+        step: ComputeStep,
+        predictor: Predictor | None,
+        t: RoutingTrace = trace,
+        policy: str = "lru",
+    ) -> TokenRun:
         say(f"tokens: {name}")
         return asyncio.run(_run(path, name, t, slots, step, predictor, depth, n_embd, k, policy))
 
@@ -301,8 +320,19 @@ def run_token_bench(
         "skewed": replay_fractions(skewed, fractions),
     }
     return TokenBenchResult(
-        runs, policy_runs, replay, io_ms, compute_ms, overlap, compute, slots, layout.n_experts_total, repeat, extra,
-        io_loaded_ms, overlap_loaded,
+        runs,
+        policy_runs,
+        replay,
+        io_ms,
+        compute_ms,
+        overlap,
+        compute,
+        slots,
+        layout.n_experts_total,
+        repeat,
+        extra,
+        io_loaded_ms,
+        overlap_loaded,
     )
 
 
@@ -319,7 +349,9 @@ def _executor_compute(path: str) -> ComputeStep:
         for layer, moe in layout.layers.items()
     }
 
-    def compute(layer: int, x: np.ndarray, views: Mapping[int, ExpertView], ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+    def compute(
+        layer: int, x: np.ndarray, views: Mapping[int, ExpertView], ids: np.ndarray, w: np.ndarray
+    ) -> np.ndarray:
         return moe_forward(x, ids, w, views, residents[layer], hparams).ffn_out
 
     return compute

@@ -85,9 +85,7 @@ class ResidentLayer:
             if value is not None:
                 value = _f32_matrix(name, value, None)
                 if value.shape[0] != n_exp:
-                    raise ConfigError(
-                        f"layer {self.layer}: {name} has {value.shape[0]} rows, the router {n_exp}"
-                    )
+                    raise ConfigError(f"layer {self.layer}: {name} has {value.shape[0]} rows, the router {n_exp}")
             object.__setattr__(self, name, value)
         if (self.gate_exps_bias is None) != (self.up_exps_bias is None) or (
             self.gate_exps_bias is not None and self.gate_exps_bias.shape != self.up_exps_bias.shape
@@ -96,9 +94,7 @@ class ResidentLayer:
                 f"layer {self.layer}: gate and up expert biases must both be present with one shape, "
                 f"got {_shape(self.gate_exps_bias)} and {_shape(self.up_exps_bias)}"
             )
-        object.__setattr__(
-            self, "down_exps_bias", _f32_matrix("down_exps_bias", self.down_exps_bias, (n_exp, n_embd))
-        )
+        object.__setattr__(self, "down_exps_bias", _f32_matrix("down_exps_bias", self.down_exps_bias, (n_exp, n_embd)))
         shared = (self.shexp_gate, self.shexp_up, self.shexp_down)
         if any(t is not None for t in shared):
             if any(t is None for t in shared):
@@ -110,9 +106,7 @@ class ResidentLayer:
             n_ff_sh = gate.shape[0]
             object.__setattr__(self, "shexp_gate", _f32_matrix("shexp_gate", gate, (n_ff_sh, n_embd)))
             object.__setattr__(self, "shexp_up", _f32_matrix("shexp_up", self.shexp_up, (n_ff_sh, n_embd)))
-            object.__setattr__(
-                self, "shexp_down", _f32_matrix("shexp_down", self.shexp_down, (n_embd, n_ff_sh))
-            )
+            object.__setattr__(self, "shexp_down", _f32_matrix("shexp_down", self.shexp_down, (n_embd, n_ff_sh)))
         gate_inp = self.shexp_gate_inp
         if gate_inp is not None:
             if isinstance(gate_inp, np.ndarray) and gate_inp.ndim == 2 and gate_inp.shape[0] == 1:
@@ -170,13 +164,10 @@ class ResidentLayer:
             raise ConfigError(f"layer {layer}: missing router tensor {prefix}ffn_gate_inp.weight")
         router = _f32_matrix(prefix + "ffn_gate_inp.weight", router, None)
         if router.shape[1] != hparams.n_embd:
-            raise ConfigError(
-                f"layer {layer}: router is {router.shape}, expected (n_experts, {hparams.n_embd})"
-            )
+            raise ConfigError(f"layer {layer}: router is {router.shape}, expected (n_experts, {hparams.n_embd})")
         if router.shape[0] > hparams.n_expert:
             raise ConfigError(
-                f"layer {layer}: router has {router.shape[0]} outputs, more than expert_count="
-                f"{hparams.n_expert}"
+                f"layer {layer}: router has {router.shape[0]} outputs, more than expert_count={hparams.n_expert}"
             )
 
         def banked(proj: str) -> np.ndarray | None:
@@ -439,9 +430,7 @@ def _swiglu(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> N
     np.multiply(g, u, out=out)
 
 
-def _swiglu_oai(
-    g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray, alpha: float, limit: float
-) -> None:
+def _swiglu_oai(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray, alpha: float, limit: float) -> None:
     """gpt-oss ``ggml_swiglu_oai``: ``x = min(g, limit)``, ``y = clamp(u, -limit, limit)``,
     ``out = x / (1 + exp(-alpha x)) * (y + 1)``; clobbers g, u and tmp."""
     lim = np.float32(limit)
@@ -491,14 +480,12 @@ def _lookup_views(experts: Mapping[int, ExpertView], uniq: np.ndarray, layer: in
             continue
         if view.expert != e or view.layer != layer:
             raise InvalidRequestError(
-                f"the view given for expert {e} of layer {layer} is expert {view.expert} "
-                f"of layer {view.layer}"
+                f"the view given for expert {e} of layer {layer} is expert {view.expert} of layer {view.layer}"
             )
         views.append(view)
     if missing:
         raise InvalidRequestError(
-            f"layer {layer}: no expert view for selected expert(s) {missing}; "
-            f"views were given for {sorted(experts)}"
+            f"layer {layer}: no expert view for selected expert(s) {missing}; views were given for {sorted(experts)}"
         )
     return views
 
@@ -513,8 +500,7 @@ def _check_view(view: ExpertView, expert: int, n_embd: int, n_ff_exp: int) -> tu
         )
     if n_ff_exp and n_ff != n_ff_exp:
         raise InvalidRequestError(
-            f"expert {expert} (layer {view.layer}, bank {view.bank}): gate/up have {n_ff} rows, "
-            f"n_ff_exp is {n_ff_exp}"
+            f"expert {expert} (layer {view.layer}, bank {view.bank}): gate/up have {n_ff} rows, n_ff_exp is {n_ff_exp}"
         )
     if len(down.shape) != 2 or down.shape[0] != n_embd or down.shape[1] < n_ff:
         raise InvalidRequestError(
@@ -526,9 +512,7 @@ def _check_view(view: ExpertView, expert: int, n_embd: int, n_ff_exp: int) -> tu
 
 def _check_x(x: np.ndarray, n_embd: int) -> np.ndarray:
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n_embd:
-        raise InvalidRequestError(
-            f"x must be a float32 array of shape (n_tokens, {n_embd}), got {_describe(x)}"
-        )
+        raise InvalidRequestError(f"x must be a float32 array of shape (n_tokens, {n_embd}), got {_describe(x)}")
     return np.ascontiguousarray(x)
 
 
@@ -541,9 +525,7 @@ def _check_routing(
         or ids.shape[0] != n_tokens
         or not np.issubdtype(ids.dtype, np.integer)
     ):
-        raise InvalidRequestError(
-            f"ids must be an integer array of shape ({n_tokens}, k), got {_describe(ids)}"
-        )
+        raise InvalidRequestError(f"ids must be an integer array of shape ({n_tokens}, k), got {_describe(ids)}")
     if not isinstance(weights, np.ndarray) or weights.dtype != np.float32 or weights.shape != ids.shape:
         raise InvalidRequestError(
             f"weights must be a float32 array of shape {ids.shape} like ids, got {_describe(weights)}"
@@ -553,9 +535,7 @@ def _check_routing(
     if ids.size:
         lo, hi = int(ids.min()), int(ids.max())
         if lo < -1 or hi >= n_layer_experts:
-            raise InvalidRequestError(
-                f"expert ids must be in -1..{n_layer_experts - 1} (-1: inactive), got {lo}..{hi}"
-            )
+            raise InvalidRequestError(f"expert ids must be in -1..{n_layer_experts - 1} (-1: inactive), got {lo}..{hi}")
     return np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(weights)
 
 

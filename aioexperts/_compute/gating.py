@@ -105,9 +105,7 @@ def select_experts(
         ConfigError: ``k`` exceeds the layer's experts, or the groups do not divide them.
     """
     if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or logits.ndim != 2:
-        raise InvalidRequestError(
-            f"logits must be a 2-D float32 array (n_tokens, n_expert), got {_describe(logits)}"
-        )
+        raise InvalidRequestError(f"logits must be a 2-D float32 array (n_tokens, n_expert), got {_describe(logits)}")
     n_tokens, n_expert = logits.shape
     k = hparams.n_expert_used
     if not 0 < k <= n_expert:
@@ -130,8 +128,7 @@ def select_experts(
             or selection_bias.shape != (n_expert,)
         ):
             raise InvalidRequestError(
-                f"selection_bias must be a float32 array of shape ({n_expert},), "
-                f"got {_describe(selection_bias)}"
+                f"selection_bias must be a float32 array of shape ({n_expert},), got {_describe(selection_bias)}"
             )
         selection = probs + selection_bias
     else:

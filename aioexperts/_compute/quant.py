@@ -120,8 +120,7 @@ def dequantize(
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if dims[-1] % block_size:
         raise FormatError(
-            f"{qtype.name} tensor of shape {dims}: last dim {dims[-1]} is not a multiple of the "
-            f"block size {block_size}"
+            f"{qtype.name} tensor of shape {dims}: last dim {dims[-1]} is not a multiple of the block size {block_size}"
         )
     n_blocks = math.prod(dims) // block_size
     raw = _as_bytes(data)

@@ -90,7 +90,10 @@ def write_expert_map(model: GGUFModel, layout: ExpertLayout, path: str | os.Path
     if len(model.shards) != 1:
         raise ConfigError(f"WEEPF001 maps describe one file; {model.path} is a split set of {len(model.shards)}")
     shard = model.shards[0]
-    if min(shard.size, shard.dev, shard.ino, shard.mtime_ns) < 0 or max(shard.dev, shard.ino, shard.mtime_ns) >= 1 << 64:
+    if (
+        min(shard.size, shard.dev, shard.ino, shard.mtime_ns) < 0
+        or max(shard.dev, shard.ino, shard.mtime_ns) >= 1 << 64
+    ):
         raise ConfigError(
             f"{shard.path}: its identity (device {shard.dev}, inode {shard.ino}, mtime {shard.mtime_ns} ns) "
             "does not fit the map's u64 fields (an mtime before 1970?)"

@@ -121,16 +121,10 @@ _RULES: dict[str, _ArchRule] = {
     "qwen2moe": _ArchRule(
         GatingFunc.SOFTMAX, GatingFunc.SOFTMAX, False, False, False, _FF_KEY_OR_FF_DIV_USED, _SH_QWEN2
     ),
-    "qwen3moe": _ArchRule(
-        GatingFunc.SOFTMAX, GatingFunc.SOFTMAX, True, True, False, _FF_KEY_OR_FF_DIV_USED, _SH_NONE
-    ),
-    "qwen3next": _ArchRule(
-        GatingFunc.SOFTMAX, GatingFunc.SOFTMAX, True, True, False, _FF_KEY_OR_FF_DIV_USED, _SH_KEY
-    ),
+    "qwen3moe": _ArchRule(GatingFunc.SOFTMAX, GatingFunc.SOFTMAX, True, True, False, _FF_KEY_OR_FF_DIV_USED, _SH_NONE),
+    "qwen3next": _ArchRule(GatingFunc.SOFTMAX, GatingFunc.SOFTMAX, True, True, False, _FF_KEY_OR_FF_DIV_USED, _SH_KEY),
     "llama": _ArchRule(GatingFunc.SOFTMAX, GatingFunc.SOFTMAX, True, True, False, _FF_FEED_FORWARD, _SH_NONE),
-    "olmoe": _ArchRule(
-        GatingFunc.SOFTMAX, GatingFunc.SOFTMAX, False, False, False, _FF_FEED_FORWARD, _SH_NONE
-    ),
+    "olmoe": _ArchRule(GatingFunc.SOFTMAX, GatingFunc.SOFTMAX, False, False, False, _FF_FEED_FORWARD, _SH_NONE),
     "deepseek": _ArchRule(
         GatingFunc.SOFTMAX, GatingFunc.SOFTMAX, False, False, False, _FF_KEY_REQUIRED, _SH_COUNT_X_FF_EXP
     ),
@@ -185,6 +179,8 @@ class MoEHParams:
         activation: the routed experts' gated activation.
         swiglu_alpha: ``alpha`` of :attr:`Activation.SWIGLU_OAI` (1.702).
         swiglu_limit: ``limit`` of :attr:`Activation.SWIGLU_OAI` (7.0).
+        verified: the arch is in the table above; False means the generic rules were applied
+            (the engine logs a warning: results may differ from llama.cpp).
     """
 
     arch: str
@@ -206,6 +202,7 @@ class MoEHParams:
     activation: Activation = Activation.SILU
     swiglu_alpha: float = _SWIGLU_OAI_ALPHA
     swiglu_limit: float = _SWIGLU_OAI_LIMIT
+    verified: bool = True
 
     @property
     def uses_groups(self) -> bool:
@@ -284,17 +281,13 @@ class MoEHParams:
         if n_groups > 1:
             if n_expert % n_groups:
                 raise FormatError(
-                    f"{md.key('expert_group_count')}={n_groups} does not divide "
-                    f"{md.key('expert_count')}={n_expert}"
+                    f"{md.key('expert_group_count')}={n_groups} does not divide {md.key('expert_count')}={n_expert}"
                 )
             if not 0 < n_group_used <= n_groups:
-                raise FormatError(
-                    f"{md.key('expert_group_used_count')} must be in 1..{n_groups}, got {n_group_used}"
-                )
+                raise FormatError(f"{md.key('expert_group_used_count')} must be in 1..{n_groups}, got {n_group_used}")
             if n_expert_used > n_group_used * (n_expert // n_groups):
                 raise FormatError(
-                    f"top-{n_expert_used} cannot be chosen from {n_group_used} groups of "
-                    f"{n_expert // n_groups} experts"
+                    f"top-{n_expert_used} cannot be chosen from {n_group_used} groups of {n_expert // n_groups} experts"
                 )
         elif n_groups < 0 or n_group_used < 0:
             raise FormatError(f"negative expert group counts: {n_groups}, {n_group_used}")
@@ -383,6 +376,7 @@ class MoEHParams:
             n_expert_groups=n_groups if n_groups > 1 else 0,
             n_group_used=n_group_used if n_groups > 1 else 0,
             activation=rule.activation,
+            verified=arch in _RULES,
         )
 
 
@@ -411,8 +405,7 @@ class _Meta:
             raise FormatError(f"missing required key {self.key(name)}")
         if isinstance(value, list | tuple):
             raise UnsupportedTypeError(
-                f"{self.key(name)} is a per-layer array ({len(value)} values); "
-                "only a single value is supported"
+                f"{self.key(name)} is a per-layer array ({len(value)} values); only a single value is supported"
             )
         return value
 

@@ -130,15 +130,24 @@ class Bank:
             up = Segment(u.shard, run + self.gate_bytes, self.up_bytes, u.ggml_type, (self.n_ff, self.n_embd))
         else:
             gate = Segment(
-                g.shard, g.data_offset + local_id * self.gate_bytes, self.gate_bytes, g.ggml_type,
+                g.shard,
+                g.data_offset + local_id * self.gate_bytes,
+                self.gate_bytes,
+                g.ggml_type,
                 (self.n_ff, self.n_embd),
             )
             up = Segment(
-                u.shard, u.data_offset + local_id * self.up_bytes, self.up_bytes, u.ggml_type,
+                u.shard,
+                u.data_offset + local_id * self.up_bytes,
+                self.up_bytes,
+                u.ggml_type,
                 (self.n_ff, self.n_embd),
             )
         down = Segment(
-            d.shard, d.data_offset + local_id * self.down_bytes, self.down_bytes, d.ggml_type,
+            d.shard,
+            d.data_offset + local_id * self.down_bytes,
+            self.down_bytes,
+            d.ggml_type,
             (self.n_embd, self.n_ff_down),
         )
         return ExpertLocation(layer, self.first_expert + local_id, self.index, local_id, gate, up, down)
@@ -210,9 +219,7 @@ class ExpertLayout:
         try:
             return self.layers[layer]
         except (KeyError, TypeError):
-            raise InvalidRequestError(
-                f"no MoE layer {layer!r}; MoE layers are {_ranges(list(self.layers))}"
-            ) from None
+            raise InvalidRequestError(f"no MoE layer {layer!r}; MoE layers are {_ranges(list(self.layers))}") from None
 
     def locate(self, layer: int, expert: int) -> ExpertLocation:
         """Location of ``expert`` (global id) of ``layer`` (block index).
@@ -236,9 +243,7 @@ class ExpertLayout:
     @property
     def max_expert_bytes(self) -> int:
         """Largest payload (gate + up + down bytes) of any expert."""
-        return max(
-            b.gate_bytes + b.up_bytes + b.down_bytes for m in self.layers.values() for b in m.banks
-        )
+        return max(b.gate_bytes + b.up_bytes + b.down_bytes for m in self.layers.values() for b in m.banks)
 
     def __repr__(self) -> str:
         return f"ExpertLayout(layers={_ranges(list(self.layers))}, experts={self.n_experts_total})"
@@ -339,9 +344,7 @@ def _build_layer(
     return MoELayer(index, router, tuple(banks), n_layer_experts, mixed)
 
 
-def _build_bank(
-    where: str, tier: int, first: int, tensors: dict[tuple[str, int], TensorInfo], n_embd: int
-) -> Bank:
+def _build_bank(where: str, tier: int, first: int, tensors: dict[tuple[str, int], TensorInfo], n_embd: int) -> Bank:
     label = f"{where} bank {tier}"
     gate_up = tensors.get(("gate_up", tier))
     gate, up, down = tensors.get(("gate", tier)), tensors.get(("up", tier)), tensors.get(("down", tier))
@@ -370,9 +373,7 @@ def _build_bank(
         if up.dims[1] != n_ff or gate.dims[0] != up.dims[0]:
             raise LayoutError(f"{label}: gate dims {list(gate.dims)} and up dims {list(up.dims)} differ")
     if gate.dims[0] != n_embd or down.dims[1] != n_embd:
-        raise LayoutError(
-            f"{label}: gate ne0={gate.dims[0]}, down ne1={down.dims[1]}, expected n_embd={n_embd}"
-        )
+        raise LayoutError(f"{label}: gate ne0={gate.dims[0]}, down ne1={down.dims[1]}, expected n_embd={n_embd}")
     n_ff_down = down.dims[0]
     if n_ff_down < n_ff:
         raise LayoutError(f"{label}: down width {n_ff_down} is smaller than n_ff={n_ff}")
@@ -384,7 +385,5 @@ def _build_bank(
     }
     for t in (gate, up, down):
         if t.n_bytes != per_expert[t.name] * n_in_bank:
-            raise LayoutError(
-                f"{t.name}: {t.n_bytes} bytes, expected {n_in_bank} experts x {per_expert[t.name]} bytes"
-            )
+            raise LayoutError(f"{t.name}: {t.n_bytes} bytes, expected {n_in_bank} experts x {per_expert[t.name]} bytes")
     return bank

@@ -249,9 +249,7 @@ class _CheckedReader(GGUFReader):
             scalar = self.gguf_scalar_to_np.get(gtype)
             min_bytes = np.dtype(scalar).itemsize if scalar is not None else _MIN_ITEM_BYTES[gtype]
             if n_items * min_bytes > len(self.data) - orig_offs - 12:
-                raise FormatError(
-                    f"array at byte {orig_offs} claims {n_items} items, more than the file holds"
-                )
+                raise FormatError(f"array at byte {orig_offs} claims {n_items} items, more than the file holds")
         return super()._get_field_parts(orig_offs, raw_type)
 
     def _build_fields(self, offs: int, count: int) -> int:
@@ -322,9 +320,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _tensor_infos(
-    path: str, shard: int, reader: _CheckedReader, file_size: int, alignment: int
-) -> list[TensorInfo]:
+def _tensor_infos(path: str, shard: int, reader: _CheckedReader, file_size: int, alignment: int) -> list[TensorInfo]:
     fields = getattr(reader, "raw_tensor_fields", None)
     if fields is None:  # pragma: no cover - a gguf release that renamed the hook
         raise FormatError(f"{path}: unsupported gguf package version (no tensor info hook)")

@@ -114,6 +114,4 @@ def open_shards(model: GGUFModel, direct_io: bool | None = None) -> ShardFiles:
         for fd in fds:
             os.close(fd)
         raise
-    return ShardFiles(
-        tuple(fds), tuple(s.size for s in model.shards), reason is None, unit, reason
-    )
+    return ShardFiles(tuple(fds), tuple(s.size for s in model.shards), reason is None, unit, reason)

@@ -45,7 +45,13 @@ class Slab:
     """
 
     def __init__(
-        self, n_slots: int, slot_bytes: int, *, hugepages: bool = False, populate: bool = True, lock: bool = False
+        self,
+        n_slots: int,
+        slot_bytes: int,
+        *,
+        hugepages: bool = False,
+        populate: bool = True,
+        lock: bool = False,
     ) -> None:
         if n_slots < 1 or slot_bytes < 1:
             raise ConfigError(f"a slab needs n_slots >= 1 and slot_bytes >= 1, got {n_slots} and {slot_bytes}")

@@ -108,7 +108,7 @@ class Predictor(ABC):
             ConfigError: ``budget`` is negative or not an int.
         """
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # noqa: B027 - a no-op default, not abstract: stateless predictors keep it
         """Forget everything observed (start of a new sequence). Stateless predictors: no-op."""
 
 
@@ -128,9 +128,7 @@ def _check_ids(ids: np.ndarray) -> np.ndarray:
     if a.ndim == 1:
         a = a[None, :]
     if a.ndim != 2 or (a.size and a.dtype.kind not in "iu"):
-        raise InvalidRequestError(
-            f"ids must be integers of shape (n_tokens, k) or (k,), got {a.dtype} {a.shape}"
-        )
+        raise InvalidRequestError(f"ids must be integers of shape (n_tokens, k) or (k,), got {a.dtype} {a.shape}")
     a = a.astype(np.int64, copy=False)
     if a.size and int(a.min()) < -1:
         raise InvalidRequestError(f"expert ids must be >= -1 (-1: inactive), got {int(a.min())}")
@@ -219,13 +217,9 @@ class NextRouterPredictor(Predictor):
         residents = dict(residents)
         for layer, resident in residents.items():
             if not isinstance(resident, ResidentLayer):
-                raise ConfigError(
-                    f"residents[{layer}] must be a ResidentLayer, got {type(resident).__name__}"
-                )
+                raise ConfigError(f"residents[{layer}] must be a ResidentLayer, got {type(resident).__name__}")
             if resident.n_embd != hparams.n_embd:
-                raise ConfigError(
-                    f"residents[{layer}] has n_embd={resident.n_embd}, hparams n_embd={hparams.n_embd}"
-                )
+                raise ConfigError(f"residents[{layer}] has n_embd={resident.n_embd}, hparams n_embd={hparams.n_embd}")
         self._residents: Mapping[int, ResidentLayer] = MappingProxyType(residents)
         self._hparams = hparams
 
@@ -370,10 +364,7 @@ class FrequencyPredictor(Predictor):
 # registry
 
 PREDICTORS: Mapping[str, type[Predictor]] = MappingProxyType(
-    {
-        cls.name: cls
-        for cls in (NextRouterPredictor, PreviousTokenPredictor, FrequencyPredictor, NullPredictor)
-    }
+    {cls.name: cls for cls in (NextRouterPredictor, PreviousTokenPredictor, FrequencyPredictor, NullPredictor)}
 )
 """Registry name -> predictor class: ``"router"``, ``"previous"``, ``"frequency"``, ``"none"``."""
 
@@ -401,4 +392,3 @@ def make_predictor(name: str, /, **options: Any) -> Predictor:
     except TypeError as exc:
         raise ConfigError(f"predictor {name!r}: {exc}") from None
     return cls(**options)
-

@@ -286,9 +286,7 @@ def steps_from_trace(trace: RoutingTrace, *, n_embd: int | None = None, seed: in
     for t in range(trace.n_tokens):
         xs = rng.standard_normal((trace.n_layers, n_embd), dtype=np.float32) if n_embd else None
         yield {
-            layer: (None if xs is None else xs[i], ids[t, i])
-            for i, layer in enumerate(trace.layers)
-            if recorded[t, i]
+            layer: (None if xs is None else xs[i], ids[t, i]) for i, layer in enumerate(trace.layers) if recorded[t, i]
         }
 
 
@@ -319,9 +317,7 @@ def _parse(t: int, layer: int, entry: object) -> tuple[np.ndarray | None, np.nda
     if ids.ndim == 1:
         ids = ids[None, :]
     if ids.ndim != 2 or ids.shape[0] != 1 or (ids.size and ids.dtype.kind not in "iu"):
-        raise ConfigError(
-            f"token {t}, layer {layer}: ids must be integers of shape (k,), got {ids.dtype} {ids.shape}"
-        )
+        raise ConfigError(f"token {t}, layer {layer}: ids must be integers of shape (k,), got {ids.dtype} {ids.shape}")
     if x is not None:
         x = np.asarray(x)
         if x.ndim == 1:

@@ -54,9 +54,7 @@ def _layer_tuple(layers: Iterable[int], error: type[AioExpertsError]) -> tuple[i
     return tuple(int(v) for v in array)
 
 
-def _as_int_tuple(
-    values: int | Iterable[int], n: int, what: str, error: type[AioExpertsError]
-) -> tuple[int, ...]:
+def _as_int_tuple(values: int | Iterable[int], n: int, what: str, error: type[AioExpertsError]) -> tuple[int, ...]:
     """``values`` as a tuple of ``n`` Python ints; a bare int is repeated ``n`` times."""
     if isinstance(values, (int, np.integer)):
         if isinstance(values, bool):
@@ -86,9 +84,7 @@ def _check_parts(
     if len(layers) != n_layers:
         raise error(f"layers has {len(layers)} entries but ids has {n_layers} layers (shape {ids.shape})")
     if len(n_experts) != n_layers:
-        raise error(
-            f"n_experts has {len(n_experts)} entries but ids has {n_layers} layers (shape {ids.shape})"
-        )
+        raise error(f"n_experts has {len(n_experts)} entries but ids has {n_layers} layers (shape {ids.shape})")
     if layers[0] < 0 or any(b <= a for a, b in zip(layers, layers[1:], strict=False)):
         raise error(f"layers must be non-negative and strictly increasing, got {list(layers)}")
     for layer, n in zip(layers, n_experts, strict=True):
@@ -202,9 +198,7 @@ class RoutingTrace:
         try:
             return self.layers.index(layer)
         except ValueError:
-            raise InvalidRequestError(
-                f"layer {layer} is not in the trace's MoE layers {list(self.layers)}"
-            ) from None
+            raise InvalidRequestError(f"layer {layer} is not in the trace's MoE layers {list(self.layers)}") from None
 
     def __len__(self) -> int:
         return self.n_tokens
@@ -305,9 +299,7 @@ class RoutingTrace:
         keys = set(archive.files)
         if keys != _KEYS:
             missing, extra = sorted(_KEYS - keys), sorted(keys - _KEYS)
-            raise FormatError(
-                f"{name}: wrong keys for a routing trace: missing {missing}, unexpected {extra}"
-            )
+            raise FormatError(f"{name}: wrong keys for a routing trace: missing {missing}, unexpected {extra}")
         version = archive["version"]
         if version.shape != () or version.dtype.kind not in "iu" or int(version) != TRACE_FORMAT_VERSION:
             raise FormatError(
@@ -321,9 +313,7 @@ class RoutingTrace:
         for key in ("layers", "n_experts"):
             array = archive[key]
             if array.dtype.kind not in "iu" or array.ndim != 1:
-                raise FormatError(
-                    f"{name}: {key} must be a 1-d integer array, got {array.dtype} {array.shape}"
-                )
+                raise FormatError(f"{name}: {key} must be a 1-d integer array, got {array.dtype} {array.shape}")
             vectors.append(array)
         raw = archive["metadata"]
         if raw.shape != () or raw.dtype.kind != "U":
@@ -406,22 +396,17 @@ class TraceRecorder:
         """
         i = self._index.get(layer)
         if i is None:
-            raise InvalidRequestError(
-                f"layer {layer} is not one of the recorded MoE layers {list(self._layers)}"
-            )
+            raise InvalidRequestError(f"layer {layer} is not one of the recorded MoE layers {list(self._layers)}")
         rows = np.asarray(ids)
         if rows.ndim == 1:
             rows = rows[None, :]
         if rows.ndim != 2 or rows.shape[1] != self._k or (rows.size and rows.dtype.kind not in "iu"):
             raise ConfigError(
-                f"ids must be integers of shape (k,) or (n, k) with k={self._k},"
-                f" got {rows.dtype} {rows.shape}"
+                f"ids must be integers of shape (k,) or (n, k) with k={self._k}, got {rows.dtype} {rows.shape}"
             )
         n = self._n_experts[i]
         if rows.size and (rows.min() < -1 or rows.max() >= n):
-            raise InvalidRequestError(
-                f"ids of layer {layer} must be in [-1, {n}), got {rows.min()}..{rows.max()}"
-            )
+            raise InvalidRequestError(f"ids of layer {layer} must be in [-1, {n}), got {rows.min()}..{rows.max()}")
         start = self._cursor[i] if token_index is None else int(token_index)
         if start < 0:
             raise ConfigError(f"token_index must be non-negative, got {token_index}")

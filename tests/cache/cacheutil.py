@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from aioexperts._io.backends.base import ReadOp
 from aioexperts.testing import FakeBackend
@@ -54,4 +55,4 @@ def fake_factory(holder: dict[str, CheckedFake], **kwargs: Any):  # type: ignore
 async def settle(ticks: int = 5) -> None:
     """Let callbacks and tasks run a few loop iterations."""
     for _ in range(ticks):
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()

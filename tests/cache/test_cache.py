@@ -7,14 +7,15 @@ import random
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
+from cacheutil import CheckedFake, fake_factory, settle
+from ioutil import pread_segment
 
 import aioexperts
 from aioexperts._cache.cache import SlotState
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
-from cacheutil import CheckedFake, fake_factory, settle
-from ioutil import pread_segment
 
 pytestmark = pytest.mark.anyio
 
@@ -202,7 +203,7 @@ async def test_1000_tasks_overlapping_experts_through_16_slots(
         async def one(layer: int, ids: list[int]) -> None:
             nonlocal ok
             async with engine.experts(layer, ids) as views:
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
                 assert [as_bytes(v) for v in views] == [reference[(layer, e)] for e in ids]
                 ok += 1
 

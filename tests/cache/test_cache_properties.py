@@ -4,18 +4,17 @@ failed), prefetches and drops never break the cache invariants (DESIGN.md)."""
 from __future__ import annotations
 
 import errno
-from pathlib import Path
 
 import anyio
 import pytest
+from cacheutil import CheckedFake, fake_factory, settle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ioutil import pread_segment
 
 import aioexperts
 from aioexperts._cache.cache import SlotState
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
-from cacheutil import CheckedFake, fake_factory, settle
-from ioutil import pread_segment
 
 SPEC = SyntheticSpec(n_layer=2, n_embd=256, n_ff=256, n_expert=6, n_expert_used=2)
 N_SLOTS = 5
@@ -74,7 +73,8 @@ def check_invariants(engine: aioexperts.Engine, fake: CheckedFake, held: dict[in
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(op_st, min_size=5, max_size=40))
 def test_random_interleavings_keep_the_invariants(
-    model: Model, ops: list[tuple]  # type: ignore[type-arg]
+    model: Model,
+    ops: list[tuple],  # type: ignore[type-arg]
 ) -> None:
     path, ref = model
 
@@ -91,7 +91,11 @@ def test_random_interleavings_keep_the_invariants(
             with info["scope"]:  # type: ignore[attr-defined]
                 try:
                     entries = await engine.cache.acquire([(layer, e) for e in ids], wait=wait)
-                except (aioexperts.SlabExhaustedError, aioexperts.ExpertReadError, aioexperts.EngineClosedError) as exc:
+                except (
+                    aioexperts.SlabExhaustedError,
+                    aioexperts.ExpertReadError,
+                    aioexperts.EngineClosedError,
+                ) as exc:
                     errors.append(exc)
                 else:
                     try:
@@ -111,7 +115,11 @@ def test_random_interleavings_keep_the_invariants(
                 if kind == "request":
                     tid = len(tasks)
                     tasks[tid] = {
-                        "scope": anyio.CancelScope(), "release": anyio.Event(), "views": None, "entries": [], "done": False
+                        "scope": anyio.CancelScope(),
+                        "release": anyio.Event(),
+                        "views": None,
+                        "entries": [],
+                        "done": False,
                     }
                     tg.start_soon(request, tid, op[1], op[2], op[3])
                 elif kind in ("release", "cancel") and tasks:

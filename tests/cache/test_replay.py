@@ -48,8 +48,7 @@ def brute_force_min_misses(trace: RoutingTrace, capacity: int) -> int:
         need = max(0, len(resident) + len(missing) - capacity)
         evictable = sorted(resident - step)
         return len(missing) + min(
-            best(s + 1, (resident - frozenset(victims)) | missing)
-            for victims in combinations(evictable, need)
+            best(s + 1, (resident - frozenset(victims)) | missing) for victims in combinations(evictable, need)
         )
 
     return best(0, frozenset())

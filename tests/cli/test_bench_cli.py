@@ -27,10 +27,22 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:  # type: i
 
 
 def test_reads_mode_json(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = run_json(capsys, "--model", str(model), "--repeat", "1", "--json", "--methods", "io_uring,threads,buffered,mmap")
+    out = run_json(
+        capsys,
+        "--model",
+        str(model),
+        "--repeat",
+        "1",
+        "--json",
+        "--methods",
+        "io_uring,threads,buffered,mmap",
+    )
     rows = {(r["method"], r["phase"]): r for r in out["reads"]}
-    assert set(rows) == {(m, p) for m in ("aioexperts io_uring", "aioexperts threads", "buffered pread", "mmap")
-                         for p in ("cold", "warm")}
+    assert set(rows) == {
+        (m, p)
+        for m in ("aioexperts io_uring", "aioexperts threads", "buffered pread", "mmap")
+        for p in ("cold", "warm")
+    }
     expert_bytes = SMALL.expert_bytes()
     for r in rows.values():
         assert r["n_experts"] == 2 * 16  # every expert of both layers, once per pass
@@ -51,8 +63,12 @@ def test_tokens_mode_json(model: Path, capsys: pytest.CaptureFixture[str]) -> No
     out = run_json(capsys, "--model", str(model), "--mode", "tokens", "--tokens", "3", "--repeat", "1", "--json")
     tokens = out["tokens"]
     names = [r["name"] for r in tokens["runs"]]
-    assert names[:4] == ["io only (oracle prefetch)", "io only, one core busy elsewhere", "serial (no prefetch)",
-                         "pipelined (oracle)"]
+    assert names[:4] == [
+        "io only (oracle prefetch)",
+        "io only, one core busy elsewhere",
+        "serial (no prefetch)",
+        "pipelined (oracle)",
+    ]
     oracle = tokens["runs"][3]
     assert oracle["prefetch_hits"] > 0 and oracle["tokens"] == 3
     assert tokens["overlap"] > 0 and tokens["compute"] == "synthetic"

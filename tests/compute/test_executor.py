@@ -381,9 +381,7 @@ def test_prefill_dequantizes_each_expert_once(rng, monkeypatch) -> None:
     res = _resident(rng, n_expert=8)
     calls: list[tuple[int, str]] = []
     real = quant.dequantize
-    by_buffer = {
-        id(getattr(v, p).data): (e, p) for e, v in bank.views.items() for p in ("gate", "up", "down")
-    }
+    by_buffer = {id(getattr(v, p).data): (e, p) for e, v in bank.views.items() for p in ("gate", "up", "down")}
 
     def counting(data, ggml_type, shape):
         calls.append(by_buffer[id(data)])
@@ -400,10 +398,7 @@ def test_prefill_dequantizes_each_expert_once(rng, monkeypatch) -> None:
     # one token at a time gives the same result (batching changes only the float summation order)
     calls.clear()
     single = np.concatenate(
-        [
-            moe_forward(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], bank.views, res, hp).moe_out
-            for t in range(8)
-        ]
+        [moe_forward(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], bank.views, res, hp).moe_out for t in range(8)]
     )
     np.testing.assert_allclose(out.moe_out[:8], single, rtol=1e-5, atol=1e-6)
 

@@ -244,11 +244,7 @@ def test_matches_reference(data, gating, groups, norm, scale, with_bias) -> None
     n_tokens = data.draw(st.integers(1, 5))
     grid = st.integers(-24, 24).map(lambda v: v / 8)  # exact in float32; ties on purpose
     logits = np.array(
-        data.draw(
-            st.lists(
-                st.lists(grid, min_size=n_expert, max_size=n_expert), min_size=n_tokens, max_size=n_tokens
-            )
-        ),
+        data.draw(st.lists(st.lists(grid, min_size=n_expert, max_size=n_expert), min_size=n_tokens, max_size=n_tokens)),
         dtype=np.float32,
     )
     bias = None

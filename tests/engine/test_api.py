@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ioutil import pread_segment
 
 import aioexperts
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
-from ioutil import pread_segment
 
 pytestmark = pytest.mark.anyio
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import liburing
 import pytest
+from ioutil import pread_segment
 
 import aioexperts
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
-from ioutil import pread_segment
 
 pytestmark = pytest.mark.anyio
 
@@ -83,7 +83,12 @@ async def test_forced_io_uring_that_cannot_start_is_an_error(
 async def test_auto_picks_io_uring_with_direct_io_here(small_model: Path, anyio_backend: object) -> None:
     async with aioexperts.open(small_model, slots=4) as engine:
         st = engine.statistics()
-        assert (st.backend, st.direct_io, st.fallback_reason, st.buffered_reason) == ("io_uring", True, None, None)
+        assert (st.backend, st.direct_io, st.fallback_reason, st.buffered_reason) == (
+            "io_uring",
+            True,
+            None,
+            None,
+        )
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")

@@ -7,11 +7,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import shared_fixture_paths
+from ioutil import pread_segment
 
 import aioexperts
 from aioexperts.testing import FakeBackend
-from conftest import shared_fixture_paths
-from ioutil import pread_segment
 
 pytestmark = pytest.mark.anyio
 

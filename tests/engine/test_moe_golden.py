@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import shared_fixture_paths
 
 import aioexperts
-from conftest import shared_fixture_paths
 
 pytestmark = pytest.mark.anyio
 

@@ -30,7 +30,12 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def test_layer_order_and_lookahead(model_path: Path, anyio_backend: object) -> None:
     async with aioexperts.open(model_path, slots=8, prefetch_depth=2) as engine:
         assert list(engine.layout.layers) == [1, 2, 3, 4]
-        assert [engine.next_moe_layer(layer) for layer in (1, 2, 3, 4)] == [2, 3, 4, 1]  # wraps to the next token
+        assert [engine.next_moe_layer(layer) for layer in (1, 2, 3, 4)] == [
+            2,
+            3,
+            4,
+            1,
+        ]  # wraps to the next token
         assert engine.upcoming_layers(3) == [4, 1]
     async with aioexperts.open(model_path, slots=8, prefetch_depth=9) as engine:
         assert engine.upcoming_layers(1) == [2, 3, 4]  # never the layer itself
@@ -54,8 +59,9 @@ async def test_oracle_prefetch_turns_misses_into_prefetch_hits(model_path: Path,
             x = np.full((1, 256), 0.01, dtype=np.float32)  # random weights: keep the residual small
             for t in range(trace.n_tokens):
                 token[0] = predictor.token = t
-                out = await engine.run_token(x, route_step=route_from(trace, token), predictor=predictor,
-                                             prefetch=prefetch)
+                out = await engine.run_token(
+                    x, route_step=route_from(trace, token), predictor=predictor, prefetch=prefetch
+                )
                 assert out.output.shape == (1, 256) and np.isfinite(out.output).all()
                 assert [s.layer for s in out.steps] == [1, 2, 3, 4]
             results[prefetch] = engine.statistics()

@@ -109,9 +109,7 @@ def tensor_info_offsets(path: str | os.PathLike[str], name: str) -> dict[str, in
         if t.name == name:
             out: dict[str, int] = {}
             pos = t.field.offset
-            for key, part in zip(
-                ("name_len", "name", "n_dims", "dims", "type", "offset"), t.field.parts, strict=True
-            ):
+            for key, part in zip(("name_len", "name", "n_dims", "dims", "type", "offset"), t.field.parts, strict=True):
                 out[key] = pos
                 pos += int(part.nbytes)
             return out
@@ -178,9 +176,7 @@ def write_gguf(
         writer.add_key_value(key, value, vtype)
     for name, dims, ggml_type in tensors:
         shape = tuple(reversed([int(d) for d in dims]))
-        writer.add_tensor_info(
-            name, shape, np.dtype(np.float32), tensor_nbytes(dims, ggml_type), raw_dtype=ggml_type
-        )
+        writer.add_tensor_info(name, shape, np.dtype(np.float32), tensor_nbytes(dims, ggml_type), raw_dtype=ggml_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()

@@ -41,9 +41,7 @@ def make_map(
     n_experts: list[int] | None = None,
 ) -> bytes:
     """A map written by hand, independently of write_expert_map, as FORMATS.md lays it out."""
-    out = bytearray(
-        HEADER.pack(magic, size, dev, ino, mtime_ns, len(layers) if n_layers is None else n_layers)
-    )
+    out = bytearray(HEADER.pack(magic, size, dev, ino, mtime_ns, len(layers) if n_layers is None else n_layers))
     for li, rows in enumerate(layers):
         out += struct.pack("<I", len(rows) if n_experts is None else n_experts[li])
         for ranges in rows:
@@ -57,10 +55,7 @@ def _expert(base: int, n: int = 4096) -> tuple[tuple[int, int], tuple[int, int],
 
 
 def _valid_layers(n_layers: int = 2, n_experts: int = 2) -> list:
-    return [
-        [_expert((1 << 20) + (li * n_experts + e) * 3 * 4096) for e in range(n_experts)]
-        for li in range(n_layers)
-    ]
+    return [[_expert((1 << 20) + (li * n_experts + e) * 3 * 4096) for e in range(n_experts)] for li in range(n_layers)]
 
 
 @pytest.fixture
@@ -366,9 +361,7 @@ def test_map_with_fewer_experts_than_the_layout(mapped: tuple[Path, Path], tmp_p
     ]
     rows[2] = rows[2][:7]
     emap = read_expert_map(
-        _write(
-            tmp_path, make_map(rows, size=st.st_size, dev=st.st_dev, ino=st.st_ino, mtime_ns=st.st_mtime_ns)
-        ),
+        _write(tmp_path, make_map(rows, size=st.st_size, dev=st.st_dev, ino=st.st_ino, mtime_ns=st.st_mtime_ns)),
         model.shards[0],
     )
     with pytest.raises(StaleMapError, match="record 2 differs"):

@@ -115,9 +115,7 @@ def _open_or_refuse(path: Path) -> None:
 overwrite = st.tuples(st.just("set"), st.integers(0, 1 << 20), st.integers(0, 255))
 bitflip = st.tuples(st.just("flip"), st.integers(0, 1 << 20), st.integers(0, 7))
 u64 = st.tuples(st.just("u64"), st.integers(0, 1 << 20), st.sampled_from(INTERESTING_U64))
-u32 = st.tuples(
-    st.just("u32"), st.integers(0, 1 << 20), st.sampled_from([v for v in INTERESTING_U64 if v < 1 << 32])
-)
+u32 = st.tuples(st.just("u32"), st.integers(0, 1 << 20), st.sampled_from([v for v in INTERESTING_U64 if v < 1 << 32]))
 mutations = st.lists(st.one_of(overwrite, bitflip, u64, u32), min_size=1, max_size=6)
 
 

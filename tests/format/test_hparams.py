@@ -125,9 +125,7 @@ def test_n_ff_exp_fallbacks() -> None:
 
 
 def test_qwen2moe_defaults() -> None:
-    hp = MoEHParams.from_metadata(
-        "qwen2moe", _md("qwen2moe", feed_forward_length=512, expert_weights_scale=2.0)
-    )
+    hp = MoEHParams.from_metadata("qwen2moe", _md("qwen2moe", feed_forward_length=512, expert_weights_scale=2.0))
     assert hp.gating_func is GatingFunc.SOFTMAX
     assert hp.weights_norm is False
     assert hp.weights_scale == 1.0  # qwen2moe's loader never reads the scale

@@ -134,26 +134,20 @@ def test_glm4moe_first_moe_layer_is_1() -> None:
 
 @pytest.fixture(scope="module")
 def small_layout(tmp_path_factory: pytest.TempPathFactory) -> ExpertLayout:
-    path = write_synthetic_model(
-        tmp_path_factory.mktemp("layout") / "s.gguf", kit.SMALL.with_(leading_dense=1)
-    )[0]
+    path = write_synthetic_model(tmp_path_factory.mktemp("layout") / "s.gguf", kit.SMALL.with_(leading_dense=1))[0]
     return build_layout(open_model(path))
 
 
 @pytest.mark.parametrize("layer", [0, 3, -1, 99, None, "1", (1,)])
 def test_locate_missing_layer(small_layout: ExpertLayout, layer: object) -> None:
     assert list(small_layout.layers) == [1, 2]
-    with pytest.raises(
-        InvalidRequestError, match=rf"no MoE layer {re.escape(repr(layer))}; MoE layers are 1\.\.2"
-    ):
+    with pytest.raises(InvalidRequestError, match=rf"no MoE layer {re.escape(repr(layer))}; MoE layers are 1\.\.2"):
         small_layout.locate(layer, 0)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("expert", [8, 9, 1 << 40, -1, -8])
 def test_locate_expert_out_of_range(small_layout: ExpertLayout, expert: int) -> None:
-    with pytest.raises(
-        InvalidRequestError, match=rf"layer 1 has experts 0\.\.7; expert {expert} does not exist"
-    ):
+    with pytest.raises(InvalidRequestError, match=rf"layer 1 has experts 0\.\.7; expert {expert} does not exist"):
         small_layout.locate(1, expert)
     with pytest.raises(InvalidRequestError):
         small_layout.layer(2).locate(expert)
@@ -424,11 +418,7 @@ RULES: dict[str, tuple[object, dict, str]] = {
         lambda: [
             {
                 **kit.moe_layer(0, banks=((4, Q.F32),)),
-                **{
-                    k: v
-                    for k, v in kit.moe_layer(0, n_ff=64, banks=((4, Q.F32), (4, Q.F32))).items()
-                    if "tier1" in k
-                },
+                **{k: v for k, v in kit.moe_layer(0, n_ff=64, banks=((4, Q.F32), (4, Q.F32))).items() if "tier1" in k},
                 "blk.0.ffn_gate_inp.weight": ([32, 8], Q.F32),
             }
         ],

@@ -138,9 +138,7 @@ def test_alignment_bigger_than_the_tensor_offsets_allow(tmp_path: Path) -> None:
     assert [t.data_offset - reader.data_offset for t in reader.tensors] == [0, 64]
     open_model(path)
     kit.patch_u32(path, kit.kv_value_offset(path, "general.alignment"), 128)
-    with pytest.raises(
-        FormatError, match=r"'b\.weight' offset 64 is not a multiple of general.alignment=128"
-    ):
+    with pytest.raises(FormatError, match=r"'b\.weight' offset 64 is not a multiple of general.alignment=128"):
         open_model(path)
 
 
@@ -233,9 +231,7 @@ def test_truncated_file_is_a_format_error(small: Path, tmp_path: Path, where: st
     # once the header is complete, the message names the first tensor that does not fit
     reader = GGUFReader(small)
     if cut >= reader.data_offset:
-        first_bad = min(
-            (t for t in reader.tensors if t.data_offset + t.n_bytes > cut), key=lambda t: t.data_offset
-        )
+        first_bad = min((t for t in reader.tensors if t.data_offset + t.n_bytes > cut), key=lambda t: t.data_offset)
         assert repr(first_bad.name) in str(info.value)
     elif where in ("after the tensor infos", "inside the padding"):
         # the header is complete but the aligned start of the tensor data is past the end
@@ -300,9 +296,7 @@ def test_tensor_offset_out_of_the_file(small: Path, label: str, rel_from_end: in
         # what a wrapping 64-bit check would compute: a range that looks inside the file
         assert (reader.data_offset + rel + t.n_bytes) % U64 < small.stat().st_size
     kit.patch_u64(small, kit.tensor_info_offsets(small, name)["offset"], rel)
-    with pytest.raises(
-        FormatError, match=rf"tensor '{re.escape(name)}' needs bytes .* but the file has"
-    ) as info:
+    with pytest.raises(FormatError, match=rf"tensor '{re.escape(name)}' needs bytes .* but the file has") as info:
         open_model(small)
     assert type(info.value) is FormatError
 
@@ -543,9 +537,7 @@ def test_split_shards_renamed_out_of_order(split3: tuple[list[Path], Path]) -> N
 def test_split_shard_with_a_wrong_split_no(split3: tuple[list[Path], Path]) -> None:
     shards, _ = split3
     kit.patch_u16(shards[1], kit.kv_value_offset(shards[1], "split.no"), 0)
-    with pytest.raises(
-        FormatError, match=r"split\.count=3, split\.no=0, but the file name says shard 2 of 3"
-    ) as info:
+    with pytest.raises(FormatError, match=r"split\.count=3, split\.no=0, but the file name says shard 2 of 3") as info:
         open_model(shards[0])
     assert os.path.abspath(shards[1]) in str(info.value)
 
@@ -631,9 +623,7 @@ def test_single_file_claiming_to_be_a_shard(small: Path, tmp_path: Path) -> None
         [("a.weight", [32, 4], Q.F32)],
         kv={"split.no": (1, GGUFValueType.UINT16), "split.count": (3, GGUFValueType.UINT16)},
     )
-    with pytest.raises(
-        FormatError, match=r"split\.count=3, split\.no=1, but the file name says shard 1 of 1"
-    ):
+    with pytest.raises(FormatError, match=r"split\.count=3, split\.no=1, but the file name says shard 1 of 1"):
         open_model(path)
 
 
@@ -660,9 +650,7 @@ def test_split_shard_paths_of_each_shard(tmp_path: Path, k: int) -> None:
     assert split_shard_paths(str(tmp_path / f"Qwen3-30B-A3B-Q4_K-{k:05d}-of-00003.gguf")) == expected
 
 
-def test_split_shard_paths_relative_name_becomes_absolute(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_split_shard_paths_relative_name_becomes_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert split_shard_paths("m-00002-of-00002.gguf") == [
         os.path.join(os.getcwd(), "m-00001-of-00002.gguf"),
@@ -671,9 +659,7 @@ def test_split_shard_paths_relative_name_becomes_absolute(
 
 
 def test_split_shard_paths_single(tmp_path: Path) -> None:
-    assert split_shard_paths(tmp_path / "m-00001-of-00001.gguf") == [
-        os.path.join(tmp_path, "m-00001-of-00001.gguf")
-    ]
+    assert split_shard_paths(tmp_path / "m-00001-of-00001.gguf") == [os.path.join(tmp_path, "m-00001-of-00001.gguf")]
 
 
 @pytest.mark.parametrize(

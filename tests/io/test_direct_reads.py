@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 import pytest
+from ioutil import drop_cache, pread_segment, read_segments, resident_pages, write_shifted_moe
 
 import aioexperts
-from ioutil import drop_cache, pread_segment, read_segments, resident_pages, write_shifted_moe
 
 pytestmark = pytest.mark.anyio
 BACKENDS = ["io_uring", "threads"]
@@ -57,9 +57,7 @@ async def test_payload_past_the_end_of_the_file_is_an_error(tmp_path: Path, back
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_expert_1152_bytes_past_a_page_boundary_reads_right_with_direct_io(
-    tmp_path: Path, backend: str
-) -> None:
+async def test_expert_1152_bytes_past_a_page_boundary_reads_right_with_direct_io(tmp_path: Path, backend: str) -> None:
     path = write_shifted_moe(tmp_path / "shifted.gguf", target_mod=1152)
     model = aioexperts.open_model(path)
     loc = aioexperts.build_layout(model).locate(0, 1)

@@ -20,8 +20,8 @@ from aioexperts._predict.predictors import (
     FrequencyPredictor,
     NextRouterPredictor,
     NullPredictor,
-    PreviousTokenPredictor,
     Predictor,
+    PreviousTokenPredictor,
     make_predictor,
 )
 from aioexperts._predict.scoring import (
@@ -39,9 +39,7 @@ import fixture_views as fv  # noqa: E402
 
 
 def _hp(n_expert: int = 8, k: int = 2, n_embd: int = 4, **kw) -> MoEHParams:
-    return MoEHParams(
-        arch="t", n_layer=0, n_embd=n_embd, n_expert=n_expert, n_expert_used=k, n_ff_exp=4, **kw
-    )
+    return MoEHParams(arch="t", n_layer=0, n_embd=n_embd, n_expert=n_expert, n_expert_used=k, n_ff_exp=4, **kw)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -362,8 +360,7 @@ def test_steps_from_trace_and_locality_beats_random() -> None:
     hp = _hp(n_expert=16, k=2, n_embd=8)
     rng = np.random.default_rng(0)
     residents = {
-        layer: ResidentLayer(layer=layer, router=rng.standard_normal((16, 8), dtype=np.float32))
-        for layer in (2, 3)
+        layer: ResidentLayer(layer=layer, router=rng.standard_normal((16, 8), dtype=np.float32)) for layer in (2, 3)
     }
     predictors = [NextRouterPredictor(residents, hp), PreviousTokenPredictor(), FrequencyPredictor()]
     scores = score_predictors(predictors, trace.layers, steps, 1000, 2)

@@ -30,9 +30,7 @@ def small_trace(dtype: Any = np.int16) -> RoutingTrace:
         ],
         dtype=dtype,
     )
-    return RoutingTrace(
-        ids, layers=[1, 2, 5], n_experts=[4, 2, 6], metadata={"model": "glm4moe", "seed": "7"}
-    )
+    return RoutingTrace(ids, layers=[1, 2, 5], n_experts=[4, 2, 6], metadata={"model": "glm4moe", "seed": "7"})
 
 
 def valid_arrays() -> dict[str, np.ndarray]:
@@ -346,9 +344,7 @@ def test_uniform_random_trace() -> None:
 
 def test_skewed_random_trace_is_skewed_and_local() -> None:
     n, k = 64, 4
-    skewed = skewed_random_trace(
-        2000, [0, 1], n, k, seed=5, zipf_exponent=1.0, locality=0.5, metadata={"model": "m"}
-    )
+    skewed = skewed_random_trace(2000, [0, 1], n, k, seed=5, zipf_exponent=1.0, locality=0.5, metadata={"model": "m"})
     uniform = uniform_random_trace(2000, [0, 1], n, k, seed=5)
     assert skewed.ids.shape == (2000, 2, k)
     _check_distinct(skewed)
