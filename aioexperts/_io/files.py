@@ -28,8 +28,9 @@ class ShardFiles:
         fds: one read-only descriptor per shard, in shard order.
         sizes: file sizes in bytes.
         direct_io: True when opened with ``O_DIRECT``.
-        alignment: bytes to align offsets, lengths and buffers to (the largest unit of all shards
-            for direct I/O; the default 4096 for buffered reads, where it only rounds reads).
+        alignment: bytes to align offsets, lengths and buffers to: the largest direct-I/O unit
+            of all shards (``statx``), at least the 4096-byte page; for buffered reads 4096, where
+            it only rounds reads.
         buffered_reason: why direct I/O is off, or None.
     """
 
@@ -91,7 +92,10 @@ def open_shards(model: GGUFModel, direct_io: bool | None = None) -> ShardFiles:
         alignments = [probe_alignment(s.path) for s in model.shards]
         if not all(a.direct_io_supported for a in alignments):
             reason = "statx reports no direct I/O on this file system (tmpfs or similar: it uses the page cache)"
-    unit = max((a.unit for a in alignments), default=DEFAULT_ALIGNMENT)
+    # Widen reads to whole pages even where the device takes 512-byte alignment: page-aligned
+    # reads measured ~12 % faster on a virtio disk backed by a host file (3.0-3.2 vs 2.7-2.8 GB/s),
+    # for 0.4 % more bytes read with Qwen3-30B-A3B experts.
+    unit = max([DEFAULT_ALIGNMENT, *(a.unit for a in alignments)])
     fds: list[int] = []
     try:
         if reason is None:
