@@ -258,28 +258,30 @@ class Engine:
         self._started = True
         self._loop = loop = current_loop()
         try:
-            self._model, self._layout = await anyio.to_thread.run_sync(self._parse)
-            self._files = await anyio.to_thread.run_sync(open_shards, self._model, self._direct_io_arg)
-            alignment = self._files.alignment
-            slot_bytes = await anyio.to_thread.run_sync(max_plan_bytes, self._layout, alignment)
+            model, layout = await anyio.to_thread.run_sync(self._parse)
+            self._model, self._layout = model, layout
+            files = self._files = await anyio.to_thread.run_sync(open_shards, model, self._direct_io_arg)
+            alignment = files.alignment
+            slot_bytes = await anyio.to_thread.run_sync(max_plan_bytes, layout, alignment)
             n_slots = self._n_slots(slot_bytes)
-            self._slab = await anyio.to_thread.run_sync(
+            slab = self._slab = await anyio.to_thread.run_sync(
                 lambda: Slab(n_slots, slot_bytes, hugepages=self._hugepages, lock=self._lock_memory)
             )
-            self._backend, self._fallback_reason = create_backend(
-                self._backend_arg, self._files, self._slab, loop, self._queue_depth, **self._backend_options
+            backend, self._fallback_reason = create_backend(
+                self._backend_arg, files, slab, loop, self._queue_depth, **self._backend_options
             )
-            self._scheduler = ReadScheduler(
-                self._backend,
+            self._backend = backend
+            scheduler = self._scheduler = ReadScheduler(
+                backend,
                 loop,
                 self.counters,
-                self._files.sizes,
+                files.sizes,
                 alignment,
                 self._max_bytes_in_flight,
-                tuple(s.path for s in self._model.shards),
+                tuple(s.path for s in model.shards),
             )
             self._plan = lru_cache(maxsize=None)(self._make_plan)
-            self._cache = ExpertCache(n_slots, self._plan, self._scheduler, self._policy, loop, self.counters)
+            self._cache = ExpertCache(n_slots, self._plan, scheduler, self._policy, loop, self.counters)
         except BaseException:
             self._release_resources()
             self._closed = True

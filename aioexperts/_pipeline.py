@@ -11,11 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import numpy as np
 
-from ._cache.cache import ExpertCache, Key
+from ._cache.cache import Entry, ExpertCache, Key
 from ._format.views import ExpertView
 
 __all__ = ("ComputeStep", "LayerStep", "TokenResult", "run_layer_step")
@@ -23,7 +24,7 @@ __all__ = ("ComputeStep", "LayerStep", "TokenResult", "run_layer_step")
 #: ``compute(layer, x, experts, ids, weights) -> y``, run in a worker thread: ``x`` is
 #: ``(n_tokens, n_embd)`` float32, ``experts`` maps each active id to its pinned view, ``ids`` and
 #: ``weights`` are ``(n_tokens, k)``; ``y`` is ``(n_tokens, n_embd)`` float32.
-ComputeStep = Callable[[int, np.ndarray, Mapping[int, ExpertView], np.ndarray, np.ndarray], np.ndarray]
+ComputeStep = Callable[[int, np.ndarray, Mapping[int, ExpertView], np.ndarray, np.ndarray], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,8 @@ class LayerStep:
         layer: block index.
         ids: ``(n_tokens, k)`` int32 selected ids.
         weights: ``(n_tokens, k)`` float32 routing weights.
-        output: what the compute step returned, ``(n_tokens, n_embd)`` float32.
+        output: what the compute step returned (for :meth:`Engine.run_token`, a
+            ``(n_tokens, n_embd)`` float32 array).
         io_wait_seconds: time spent waiting for this layer's experts after routing.
         compute_seconds: time the compute step ran in its worker thread.
         prefetched: prefetch loads started for the next layer.
@@ -43,7 +45,7 @@ class LayerStep:
     layer: int
     ids: np.ndarray
     weights: np.ndarray
-    output: np.ndarray
+    output: Any
     io_wait_seconds: float
     compute_seconds: float
     prefetched: int
@@ -74,10 +76,10 @@ class TokenResult:
         return sum(s.compute_seconds for s in self.steps)
 
 
-def _timed(compute: ComputeStep) -> Callable[..., tuple[np.ndarray, float]]:
-    def run(*args: object) -> tuple[np.ndarray, float]:
+def _timed(compute: ComputeStep) -> Callable[..., tuple[Any, float]]:
+    def run(*args: Any) -> tuple[Any, float]:
         t0 = time.perf_counter()
-        y = compute(*args)  # type: ignore[arg-type]
+        y = compute(*args)
         return y, time.perf_counter() - t0
 
     return run
@@ -85,7 +87,7 @@ def _timed(compute: ComputeStep) -> Callable[..., tuple[np.ndarray, float]]:
 
 async def run_layer_step(
     cache: ExpertCache,
-    make_view: Callable[[object], ExpertView],
+    make_view: Callable[[Entry], ExpertView],
     layer: int,
     x: np.ndarray,
     ids: np.ndarray,

@@ -18,6 +18,7 @@ All state changes are decided synchronously on the loop thread; awaiting happens
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from enum import Enum
 
@@ -295,7 +296,7 @@ class ExpertCache:
 
     def _start(self, key: Key, slot: int, plan: ExpertPlan, priority: Priority) -> Entry:
         entry = Entry(key, slot, plan, self.loop.new_event())
-        entry.load = Load(plan, slot, priority, lambda load, entry=entry: self._loaded(entry, load))
+        entry.load = Load(plan, slot, priority, functools.partial(self._loaded, entry))
         self.entries[key] = entry
         self.scheduler.enqueue(entry.load)
         return entry

@@ -64,7 +64,7 @@ class Counters:
 
     def reset(self) -> None:
         """Zero every counter and forget the latency samples."""
-        for name in self.__slots__:  # type: ignore[attr-defined]
+        for name in self.__slots__:
             value = getattr(self, name)
             if isinstance(value, LatencyWindow):
                 value.clear()

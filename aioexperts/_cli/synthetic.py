@@ -9,6 +9,7 @@ tensors get small normal values. The default :class:`SyntheticSpec` is the Qwen3
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -181,7 +182,7 @@ def _layer_tensors(
             out.append(
                 (
                     f"blk.{block}.ffn_{proj}_exps{suffix}.weight",
-                    lambda t=t, ne0=ne0, ne1=ne1, n=n: _random_weights(rng, t, ne0, ne1, n),
+                    functools.partial(_random_weights, rng, t, ne0, ne1, n),
                     t,
                     _tensor_bytes(t, ne0, ne1, n),
                 )

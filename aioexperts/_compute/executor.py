@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
@@ -87,8 +88,9 @@ class ResidentLayer:
                 if value.shape[0] != n_exp:
                     raise ConfigError(f"layer {self.layer}: {name} has {value.shape[0]} rows, the router {n_exp}")
             object.__setattr__(self, name, value)
-        if (self.gate_exps_bias is None) != (self.up_exps_bias is None) or (
-            self.gate_exps_bias is not None and self.gate_exps_bias.shape != self.up_exps_bias.shape
+        gate_b, up_b = self.gate_exps_bias, self.up_exps_bias
+        if (gate_b is None) != (up_b is None) or (
+            gate_b is not None and up_b is not None and gate_b.shape != up_b.shape
         ):
             raise ConfigError(
                 f"layer {self.layer}: gate and up expert biases must both be present with one shape, "
@@ -102,6 +104,7 @@ class ResidentLayer:
                     f"layer {self.layer}: the shared expert needs gate, up and down, got shapes "
                     f"{_shape(self.shexp_gate)}, {_shape(self.shexp_up)}, {_shape(self.shexp_down)}"
                 )
+            assert self.shexp_gate is not None
             gate = _f32_matrix("shexp_gate", self.shexp_gate, None)
             n_ff_sh = gate.shape[0]
             object.__setattr__(self, "shexp_gate", _f32_matrix("shexp_gate", gate, (n_ff_sh, n_embd)))
@@ -398,7 +401,7 @@ def _expert_forward(
     np.matmul(xs, _dequantize(view.gate).T, out=g)
     u = ws.buf("u", (n, n_ff))
     np.matmul(xs, _dequantize(view.up).T, out=u)
-    if resident.gate_exps_bias is not None:
+    if resident.gate_exps_bias is not None and resident.up_exps_bias is not None:  # both or neither
         g += resident.gate_exps_bias[expert]
         u += resident.up_exps_bias[expert]
 
@@ -448,11 +451,13 @@ def _swiglu_oai(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray, 
 def _shared_forward(x: np.ndarray, resident: ResidentLayer) -> np.ndarray:
     """Shared expert: ``build_ffn(x, up_shexp, gate_shexp, down_shexp, LLM_FFN_SILU, LLM_FFN_PAR)``,
     times ``sigmoid(x . ffn_gate_inp_shexp)`` when the layer has that gate."""
-    g = x @ resident.shexp_gate.T
-    u = x @ resident.shexp_up.T
+    gate_w, up_w, down_w = resident.shexp_gate, resident.shexp_up, resident.shexp_down
+    assert gate_w is not None and up_w is not None and down_w is not None  # has_shared
+    g = x @ gate_w.T
+    u = x @ up_w.T
     tmp = np.empty_like(g)
     _swiglu(g, u, tmp, g)
-    out = g @ resident.shexp_down.T
+    out = g @ down_w.T
     if resident.shexp_gate_inp is not None:
         # llama.cpp (qwen2moe.cpp): silu(v) / v, i.e. sigmoid(v); computed directly (no 0/0 at v == 0)
         v = x @ resident.shexp_gate_inp
@@ -539,6 +544,10 @@ def _check_routing(
     return np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(weights)
 
 
+@overload
+def _f32_matrix(name: str, value: np.ndarray, shape: tuple[int, int] | None) -> np.ndarray: ...
+@overload
+def _f32_matrix(name: str, value: np.ndarray | None, shape: tuple[int, int] | None) -> np.ndarray | None: ...
 def _f32_matrix(name: str, value: np.ndarray | None, shape: tuple[int, int] | None) -> np.ndarray | None:
     if value is None:
         return None

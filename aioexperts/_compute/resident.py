@@ -30,6 +30,7 @@ def load_residents(model: GGUFModel, layout: ExpertLayout, hparams: MoEHParams) 
         info = model.tensors.get(name)
         if info is None:
             return None
-        return dequantize(model.read_tensor_bytes(name), info.ggml_type, info.shape)
+        raw = np.frombuffer(model.read_tensor_bytes(name), dtype=np.uint8)
+        return dequantize(raw, info.ggml_type, info.shape)
 
     return {layer: ResidentLayer.from_tensors(layer, tensor, hparams) for layer in layout.layers}

@@ -228,7 +228,7 @@ class _CheckedReader(GGUFReader):
     overflow-free bounds checks instead.
     """
 
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:  # type: ignore[override]
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
         count = int(count)
         itemsize = int(np.dtype(dtype).itemsize)
         if offset < 0 or count < 0 or offset + itemsize * count > len(self.data):
@@ -264,7 +264,7 @@ class _CheckedReader(GGUFReader):
             raise FormatError(
                 f"GGUF.tensor_count={int(count)} is more tensor infos than the {len(self.data)}-byte file can hold"
             )
-        return super()._build_tensor_info(offs, count)  # type: ignore[no-any-return]
+        return super()._build_tensor_info(offs, count)
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         self.raw_tensor_fields = fields

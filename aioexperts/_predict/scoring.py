@@ -257,7 +257,7 @@ def steps_from_arrays(
     n = longest if n_tokens is None else int(n_tokens)
     if n < longest:
         raise ConfigError(f"n_tokens={n} but a layer has {longest} rows")
-    steps: list[dict[int, tuple[np.ndarray | None, np.ndarray]]] = [{} for _ in range(n)]
+    steps: list[Step] = [{} for _ in range(n)]
     for layer in sorted(id_arrays):
         a = id_arrays[layer]
         x = x_arrays.get(layer)
@@ -282,7 +282,7 @@ def steps_from_trace(trace: RoutingTrace, *, n_embd: int | None = None, seed: in
         raise ConfigError(f"n_embd must be a positive int or None, got {n_embd!r}")
     rng = np.random.default_rng(seed)
     ids = trace.ids
-    recorded = (ids >= 0).any(axis=2)
+    recorded = np.asarray((ids >= 0).any(axis=2))
     for t in range(trace.n_tokens):
         xs = rng.standard_normal((trace.n_layers, n_embd), dtype=np.float32) if n_embd else None
         yield {
