@@ -43,6 +43,7 @@ log = logging.getLogger("aioexperts")
 
 DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_QUEUE_DEPTH = 64
+MIN_QUEUE_DEPTH = 3  # gate, up and down of one expert are submitted together
 DEFAULT_MAX_BYTES_IN_FLIGHT = 256 << 20
 
 
@@ -78,14 +79,15 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
 
     Args:
         path: a ``.gguf`` file, or any shard of a split set ``NAME-0000k-of-0000n.gguf``.
-        slots: slab slots, each holding one expert. Default: as many as fit in ``cache_bytes``,
-            at least ``2 * expert_used_count`` and at most every expert of the model.
+        slots: slab slots, each holding one expert (at most every expert of the model: a larger
+            value is lowered to that). Default: as many as fit in ``cache_bytes``, at least
+            ``2 * expert_used_count``.
         cache_bytes: slab size in bytes used when ``slots`` is None (default 1 GiB).
         backend: ``"auto"`` (io_uring, else a thread pool, with one log line saying why),
             ``"io_uring"``, ``"threads"``, or a factory ``(files, slab, loop, depth) -> IOBackend``.
         direct_io: True to require ``O_DIRECT``, False for buffered reads, None to use
             ``O_DIRECT`` where a probe read works.
-        queue_depth: reads in flight at most (the io_uring ring size).
+        queue_depth: reads in flight at most (the io_uring ring size), 3..4096.
         max_bytes_in_flight: requested bytes in flight at most (one expert always fits).
         policy: eviction policy name (``"lru"``, ``"lfu"``, ``"lfuda"``) or an instance.
         wait_for_slots: when every slot is pinned, wait for one instead of raising
@@ -112,8 +114,11 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         raise ConfigError(f"slots must be >= 1, got {slots}")
     if cache_bytes < 1:
         raise ConfigError(f"cache_bytes must be >= 1, got {cache_bytes}")
-    if not 1 <= queue_depth <= 4096:
-        raise ConfigError(f"queue_depth must be in 1..4096, got {queue_depth}")
+    if not MIN_QUEUE_DEPTH <= queue_depth <= 4096:
+        raise ConfigError(
+            f"queue_depth must be in {MIN_QUEUE_DEPTH}..4096 (one expert can need {MIN_QUEUE_DEPTH} reads), "
+            f"got {queue_depth}"
+        )
     if max_bytes_in_flight < 1:
         raise ConfigError(f"max_bytes_in_flight must be >= 1, got {max_bytes_in_flight}")
     eviction = make_policy(policy) if isinstance(policy, str) else policy
@@ -308,7 +313,7 @@ class Engine:
     def _n_slots(self, slot_bytes: int) -> int:
         layout = self.layout
         if self._slots_arg is not None:
-            return self._slots_arg
+            return min(self._slots_arg, layout.n_experts_total)  # more could never be used
         by_budget = self._cache_bytes // slot_bytes
         return max(min(by_budget, layout.n_experts_total), min(2 * layout.n_expert_used, layout.n_experts_total))
 
@@ -460,6 +465,7 @@ class Engine:
             complete in the background and their slots stay LOADING until then.
         """
         self._check_running()
+        ids = list(ids)  # iterated twice below: accept generators and other one-shot iterables
         keys = self._keys(layer, ids)
         cache = self.cache
         entries = await cache.acquire(keys, wait=self.wait_for_slots if wait is None else wait)

@@ -8,8 +8,11 @@ before submission). The invariants (DESIGN.md):
    only from a load's completion (or from a load dropped before it was submitted).
 2. A pinned slot is never evicted. When a request cannot get enough slots because every slot is
    pinned, it fails with :class:`SlabExhaustedError` or, if it asked to, waits for a slot to be
-   released (holding no pins while it waits, so waiting requests cannot deadlock). Slots that are
-   only loading (a prefetch, or a read whose waiters were cancelled) are always waited for.
+   released (holding no pins while it waits, so waiting requests cannot deadlock among
+   themselves; waiting requests are served first come, first served). Slots that are only
+   loading (a prefetch, or a read whose waiters were cancelled) are always waited for. A task
+   that already holds pins and then waits for more slots can deadlock against the requests queued
+   before it: release first, or request all the experts at once.
 3. A failed load fails every waiter of that expert with the same error, frees the slot, and
    leaves the cache usable.
 
@@ -19,6 +22,7 @@ All state changes are decided synchronously on the loop thread; awaiting happens
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Callable, Sequence
 from enum import Enum
 
@@ -104,7 +108,7 @@ class ExpertCache:
         self.entries: dict[Key, Entry] = {}
         self.free_slots: list[int] = list(range(n_slots - 1, -1, -1))
         self.closed = False
-        self._space: AsyncEvent | None = None
+        self._turns: deque[AsyncEvent] = deque()  # requests waiting for slots, oldest first
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -150,17 +154,7 @@ class ExpertCache:
             raise SlabExhaustedError(
                 f"{len(unique)} experts requested at once but the slab has {self.n_slots} slots; open with more slots"
             )
-        while True:
-            pinned = self._pin_all(unique, plans)
-            if pinned is not None:
-                break
-            if not wait and not self._unpinned_loads():
-                raise SlabExhaustedError(
-                    f"no free slot for {len(unique)} experts: {self.pinned_slots} of {self.n_slots} slots are "
-                    "pinned and the rest are loading; open with more slots or acquire with wait=True"
-                )
-            await self._wait_for_space()
-            self._check_open()
+        pinned = await self._pin_in_turn(unique, plans, wait)
         try:
             if after_pin is not None:
                 after_pin()
@@ -171,11 +165,48 @@ class ExpertCache:
             self.release(pinned)
             raise
         failed = next((e for e in pinned if e.error is not None), None)
-        if failed is not None:
+        if failed is not None or self.closed:
             self.release(pinned)
-            assert failed.error is not None
-            raise failed.error
+            if failed is not None and failed.error is not None:
+                raise failed.error
+            raise EngineClosedError("the engine was closed while waiting for experts")
         return pinned
+
+    async def _pin_in_turn(self, unique: list[Key], plans: dict[Key, ExpertPlan], wait: bool) -> list[Entry]:
+        """Pin ``unique``; requests that must wait for slots are served first come, first served.
+
+        A request that needs no new slot (every key cached) or that does not wait goes ahead;
+        any other request queues behind the ones already waiting, so a large request is not
+        starved by a stream of small ones.
+        """
+        ticket: AsyncEvent | None = None
+        try:
+            while True:
+                needs_slots = any(key not in self.entries for key in unique)
+                at_head = ticket is not None and self._turns[0] is ticket
+                if not wait or not needs_slots or at_head or not self._turns:
+                    pinned = self._pin_all(unique, plans)
+                    if pinned is not None:
+                        return pinned
+                    if not wait and not self._unpinned_loads():
+                        raise SlabExhaustedError(
+                            f"no free slot for {len(unique)} experts: {self.pinned_slots} of {self.n_slots} slots "
+                            "are pinned and the rest are loading; open with more slots or acquire with wait=True"
+                        )
+                new = self.loop.new_event()
+                if ticket is None:
+                    self._turns.append(new)
+                else:
+                    self._turns[self._turns.index(ticket)] = new
+                ticket = new
+                await ticket.wait()
+                self._check_open()
+        finally:
+            if ticket is not None:
+                head = self._turns[0] is ticket
+                self._turns.remove(ticket)
+                if head:
+                    self._signal_space()  # the next in line may fit in what is left
 
     def _pin_all(self, keys: list[Key], plans: dict[Key, ExpertPlan]) -> list[Entry] | None:
         """Pin present entries and start loads for missing ones; None (and no change) if slots run out."""
@@ -335,14 +366,9 @@ class ExpertCache:
         return any(e.state is SlotState.LOADING and e.pins == 0 for e in self.entries.values())
 
     def _signal_space(self) -> None:
-        if self._space is not None:
-            self._space.set()
-            self._space = None
-
-    async def _wait_for_space(self) -> None:
-        if self._space is None:
-            self._space = self.loop.new_event()
-        await self._space.wait()
+        """Slots may have become free or evictable: let the first request in line try again."""
+        if self._turns:
+            self._turns[0].set()
 
     def _check_open(self) -> None:
         if self.closed:
@@ -361,4 +387,5 @@ class ExpertCache:
                 entry.state = SlotState.FREE
                 self.free_slots.append(entry.slot)
                 entry.event.set()
-        self._signal_space()
+        for turn in self._turns:  # every request waiting for slots gets EngineClosedError
+            turn.set()

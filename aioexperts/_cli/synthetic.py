@@ -212,6 +212,10 @@ def write_synthetic_model(
     tensors = [t for layer in range(spec.n_layer) for t in _layer_tensors(spec, rng, spec.leading_dense + layer)]
     if shards < 1 or shards > len(tensors):
         raise ConfigError(f"shards must be in 1..{len(tensors)}, got {shards}")
+    if shards > 1 and spec.alignment != 32:
+        # GGUFWriter writes general.alignment into the first shard only, while it pads every
+        # shard's data to it: the other shards would be read with the default 32.
+        raise ConfigError("a split set can only be written with the default alignment of 32")
     split = -(-len(tensors) // shards) if shards > 1 else 0
     writer = GGUFWriter(os.fspath(path), spec.arch, split_max_tensors=split)
     writer.add_name("aioexperts synthetic MoE")

@@ -142,11 +142,17 @@ class GGUFModel:
         Blocking: call it from a worker thread when an event loop is running.
 
         Raises:
-            FormatError: no such tensor, or the file is shorter than it was at open.
+            FormatError: no such tensor, the file at this path is no longer the parsed one
+                (replaced or modified), or it is shorter than it was at open.
         """
         info = self.tensor(name)
         shard = self.shards[info.shard]
         with open(shard.path, "rb", buffering=0) as f:
+            if not shard.matches(os.fstat(f.fileno())):
+                raise FormatError(
+                    f"{shard.path} changed since it was parsed (size, inode or mtime): it is not the model "
+                    "whose experts are being read; reopen the model"
+                )
             data = os.pread(f.fileno(), info.n_bytes, info.data_offset)
         if len(data) != info.n_bytes:
             raise FormatError(

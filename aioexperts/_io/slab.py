@@ -41,7 +41,8 @@ class Slab:
         lock: ``mlock`` the slab so it is never swapped.
 
     Raises:
-        ConfigError: a size below 1, or ``lock`` failed (the message gives ``RLIMIT_MEMLOCK``).
+        ConfigError: a size below 1, the mapping failed (too large), or ``lock`` failed (the
+            message gives ``RLIMIT_MEMLOCK``).
     """
 
     def __init__(
@@ -58,7 +59,13 @@ class Slab:
         self.slot_bytes = align_up(slot_bytes, HUGE_PAGE_SIZE if hugepages else PAGE_SIZE)
         self.n_slots = n_slots
         self.n_bytes = self.n_slots * self.slot_bytes
-        self._mm: mmap.mmap | None = mmap.mmap(-1, self.n_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            self._mm: mmap.mmap | None = mmap.mmap(-1, self.n_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except (OSError, OverflowError, ValueError) as exc:
+            raise ConfigError(
+                f"cannot map a slab of {n_slots} slots x {self.slot_bytes} bytes = {self.n_bytes} bytes: {exc}; "
+                "use fewer slots"
+            ) from exc
         anchor = ctypes.c_char.from_buffer(self._mm)
         self.address = ctypes.addressof(anchor)
         del anchor  # releases the export taken by from_buffer

@@ -98,9 +98,17 @@ async def test_cancelled_waiter_leaves_slots_loading_until_their_own_completion(
     assert got == [reference[(1, e)] for e in range(8)]
     assert fake.violations == []
 
-    # close() waits for every read in flight
+    # close() waits for every read in flight; the waiter then learns the engine was closed
+    late: list[BaseException] = []
+
+    async def late_waiter() -> None:
+        try:
+            await engine.cache.acquire([(2, 0)])
+        except aioexperts.EngineClosedError as exc:
+            late.append(exc)
+
     async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: engine.cache.acquire([(2, 0)]))
+        tg.start_soon(late_waiter)
         await settle()
         assert len(fake.pending) == 3
         closed = anyio.Event()
@@ -115,6 +123,7 @@ async def test_cancelled_waiter_leaves_slots_loading_until_their_own_completion(
         fake.complete_all()
         await settle()
         assert closed.is_set() and fake.closed
+    assert len(late) == 1
     assert fake.violations == []
 
 
@@ -311,3 +320,58 @@ async def test_trace_is_recorded_and_replayed(model_path: Path, anyio_backend: o
     assert st.token_latency_p50_ms is not None
     result = replay(trace, 6, ("lru",))["lru"]
     assert result.hits == st.hits and result.misses == st.misses
+
+
+async def test_close_while_requests_wait_gives_engine_closed(model_path: Path, anyio_backend: object) -> None:
+    """Waiters woken by close() get EngineClosedError, never an error about the unmapped slab."""
+    outcomes: list[str] = []
+    for delay_ticks in range(6):
+        async with aioexperts.open(model_path, slots=6, backend=fake_factory({})) as engine:
+
+            async def user(i: int, engine: aioexperts.Engine = engine) -> None:
+                try:
+                    async with engine.experts(i % 3, [i % 8, (i + 3) % 8]) as views:
+                        assert all(v is not None for v in views)
+                    outcomes.append("ok")
+                except aioexperts.AioExpertsError as exc:
+                    outcomes.append(type(exc).__name__)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(user, i)
+                await settle(delay_ticks)
+                await engine.aclose()
+    assert outcomes and set(outcomes) <= {"ok", "EngineClosedError", "SlabExhaustedError"}
+    assert "EngineClosedError" in outcomes
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("wide") / "wide.gguf"
+    write_synthetic_model(path, SyntheticSpec(n_layer=4, n_embd=256, n_ff=256, n_expert=32, n_expert_used=4))
+    return path
+
+
+async def test_waiting_requests_are_served_in_order(wide_model: Path, anyio_backend: object) -> None:
+    """A request for most of the slab is not starved by a stream of small ones."""
+    async with aioexperts.open(wide_model, slots=16, wait_for_slots=True) as engine:
+        stop = False
+        small_done = 0
+
+        async def small(i: int) -> None:
+            nonlocal small_done
+            rng = random.Random(i)
+            while not stop:
+                async with engine.experts(rng.randrange(4), rng.sample(range(32), 4)):
+                    await anyio.sleep(0.002)
+                small_done += 1
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):  # together they can hold the whole slab
+                tg.start_soon(small, i)
+            await anyio.sleep(0.1)
+            with anyio.fail_after(5):
+                async with engine.experts(0, range(12)) as views:
+                    assert len(views) == 12
+            stop = True
+        assert small_done > 0

@@ -159,3 +159,47 @@ async def test_expert_map_is_checked_at_open(model_path: Path, tmp_path: Path, a
     with pytest.raises(aioexperts.StaleMapError, match="regenerate"):
         async with aioexperts.open(path, expert_map=tmp_path / "m.weepf"):
             pass
+
+
+async def test_ids_may_be_any_iterable(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=4) as engine:
+        for ids in ((i for i in [5, 6]), map(int, "56"), iter([5, 6]), range(5, 7)):
+            async with engine.experts(1, ids) as views:
+                assert [v.expert for v in views if v is not None] == [5, 6]
+
+
+def test_queue_depth_below_one_expert_is_refused(model_path: Path) -> None:
+    with pytest.raises(aioexperts.ConfigError, match="queue_depth must be in 3..4096"):
+        aioexperts.open(model_path, queue_depth=2)
+
+
+async def test_slots_beyond_the_model_are_lowered(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=10**9) as engine:
+        assert engine.statistics().n_slots == engine.layout.n_experts_total == 16
+
+
+async def test_resident_weights_of_a_replaced_file_are_refused(tmp_path: Path, anyio_backend: object) -> None:
+    import os
+    import shutil
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(model_path_for(tmp_path), path)
+    async with aioexperts.open(path, slots=4) as engine:
+        async with engine.experts(1, [0]):
+            pass
+        other = tmp_path / "other.gguf"
+        write_synthetic_model(other, SMALL.with_(seed=7))
+        os.replace(other, path)  # the path now names another model of the same geometry
+        with pytest.raises(aioexperts.FormatError, match="changed since it was parsed"):
+            await engine.moe(1, np.zeros((1, SMALL.n_embd), dtype=np.float32))
+
+
+def model_path_for(tmp_path: Path) -> Path:
+    path = tmp_path / "source.gguf"
+    write_synthetic_model(path, SMALL)
+    return path
+
+
+def test_synthetic_split_sets_keep_the_default_alignment(tmp_path: Path) -> None:
+    with pytest.raises(aioexperts.ConfigError, match="default alignment"):
+        write_synthetic_model(tmp_path / "s.gguf", SMALL.with_(alignment=4096), shards=2)
