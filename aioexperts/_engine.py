@@ -110,10 +110,33 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
     Raises:
         ConfigError: an argument is out of range (raised here, before any I/O).
     """
+    for name, value, optional in (
+        ("slots", slots, True),
+        ("cache_bytes", cache_bytes, False),
+        ("queue_depth", queue_depth, False),
+        ("max_bytes_in_flight", max_bytes_in_flight, False),
+        ("n_threads", n_threads, True),
+        ("prefetch_budget", prefetch_budget, True),
+        ("prefetch_depth", prefetch_depth, False),
+    ):
+        if (value is None and not optional) or (
+            value is not None and (isinstance(value, bool) or not isinstance(value, int))
+        ):
+            raise ConfigError(f"{name} must be an int{' or None' if optional else ''}, got {value!r}")
     if slots is not None and slots < 1:
         raise ConfigError(f"slots must be >= 1, got {slots}")
+    if n_threads is not None and n_threads < 1:
+        raise ConfigError(f"n_threads must be >= 1, got {n_threads}")
     if cache_bytes < 1:
         raise ConfigError(f"cache_bytes must be >= 1, got {cache_bytes}")
+    if not isinstance(policy, str | EvictionPolicy):
+        raise ConfigError(f"policy must be a policy name or an EvictionPolicy, got {policy!r}")
+    if not isinstance(prefetch, str | Predictor):
+        raise ConfigError(f"prefetch must be a predictor name or a Predictor, got {prefetch!r}")
+    if not isinstance(backend, str) and not callable(backend):
+        raise ConfigError(f"backend must be a name or a factory, got {backend!r}")
+    if direct_io not in (None, True, False):
+        raise ConfigError(f"direct_io must be None, True or False, got {direct_io!r}")
     if not MIN_QUEUE_DEPTH <= queue_depth <= 4096:
         raise ConfigError(
             f"queue_depth must be in {MIN_QUEUE_DEPTH}..4096 (one expert can need {MIN_QUEUE_DEPTH} reads), "
@@ -266,6 +289,8 @@ class Engine:
             model, layout = await anyio.to_thread.run_sync(self._parse)
             self._model, self._layout = model, layout
             files = self._files = await anyio.to_thread.run_sync(open_shards, model, self._direct_io_arg)
+            if files.buffered_reason is not None and self._direct_io_arg is None:
+                log.warning("aioexperts: %s; using buffered reads (the page cache)", files.buffered_reason)
             alignment = files.alignment
             slot_bytes = await anyio.to_thread.run_sync(max_plan_bytes, layout, alignment)
             n_slots = self._n_slots(slot_bytes)
@@ -384,6 +409,11 @@ class Engine:
         if self._closed:
             raise EngineClosedError("the engine is closed")
         self._check_started()
+        if self._loop is not None and not self._loop.is_current():
+            raise ConfigError(
+                "the engine is used from another event loop than the one it was started in; "
+                "open one engine per event loop"
+            )
 
     # -- statistics -----------------------------------------------------------------------------
 
@@ -413,6 +443,7 @@ class Engine:
 
     def _keys(self, layer: int, ids: Sequence[int]) -> list[Key]:
         moe = self.layout.layer(layer)
+        layer = moe.index
         keys = []
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, int | np.integer):
@@ -465,7 +496,11 @@ class Engine:
             complete in the background and their slots stay LOADING until then.
         """
         self._check_running()
-        ids = list(ids)  # iterated twice below: accept generators and other one-shot iterables
+        try:
+            ids = list(ids)  # iterated twice below: accept generators and other one-shot iterables
+        except TypeError:
+            raise InvalidRequestError(f"ids must be an iterable of expert ids, got {ids!r}") from None
+        layer = self.layout.layer(layer).index
         keys = self._keys(layer, ids)
         cache = self.cache
         entries = await cache.acquire(keys, wait=self.wait_for_slots if wait is None else wait)
@@ -518,6 +553,7 @@ class Engine:
         Prefetch wraps around: while the last layers compute, the next token's first layers are
         predicted.
         """
+        self.layout.layer(layer)  # InvalidRequestError for a layer that is not a MoE layer
         layers = list(self.layout.layers)
         return layers[(layers.index(layer) + ahead) % len(layers)]
 
@@ -587,7 +623,7 @@ class Engine:
             prefetch: start the prefetch of the next layer's predicted experts.
         """
         self._check_running()
-        self.layout.layer(layer)
+        layer = self.layout.layer(layer).index
         residents = await self.load_resident()
         resident, hparams = residents[layer], self.hparams
         ids, weights = route(x, resident, hparams)

@@ -20,13 +20,15 @@ def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object
     return request.param  # type: ignore[no-any-return]
 
 
+def _fixture_candidates() -> list[Path]:
+    env = os.environ.get("AIOEXPERTS_FIXTURES")
+    repo = Path(__file__).resolve().parents[1]
+    return [*([Path(env)] if env else []), repo.parent / "shared" / "fixtures"]
+
+
 def shared_fixtures_dir() -> Path | None:
     """``$AIOEXPERTS_FIXTURES``, else ``../shared/fixtures`` beside the checkout."""
-    env = os.environ.get("AIOEXPERTS_FIXTURES")
-    candidates = [Path(env)] if env else []
-    repo = Path(__file__).resolve().parents[1]
-    candidates.append(repo.parent / "shared" / "fixtures")
-    for cand in candidates:
+    for cand in _fixture_candidates():
         if cand.is_dir() and any(cand.glob("*.gguf")):
             return cand
     return None
@@ -41,11 +43,18 @@ def shared_fixture_paths() -> list[Path]:
     root = shared_fixtures_dir()
     if root is None:
         if os.environ.get("AIOEXPERTS_REQUIRE_FIXTURES") == "1":
-            raise RuntimeError("the shared fixtures are required (AIOEXPERTS_REQUIRE_FIXTURES=1) but not found")
+            raise RuntimeError(
+                "the shared fixtures are required (AIOEXPERTS_REQUIRE_FIXTURES=1) but no *.gguf is in "
+                + " or ".join(map(str, _fixture_candidates()))
+            )
         return []
     return sorted(root.glob("*.gguf"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("AIOEXPERTS_REQUIRE_FIXTURES") == "1" and shared_fixtures_dir() is None:
-        raise pytest.UsageError("AIOEXPERTS_REQUIRE_FIXTURES=1 but ../shared/fixtures was not found")
+        raise pytest.UsageError(
+            "AIOEXPERTS_REQUIRE_FIXTURES=1 but no *.gguf is in "
+            + " or ".join(map(str, _fixture_candidates()))
+            + " (set AIOEXPERTS_FIXTURES)"
+        )

@@ -22,6 +22,7 @@ All state changes are decided synchronously on the loop thread; awaiting happens
 from __future__ import annotations
 
 import functools
+import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from enum import Enum
@@ -34,6 +35,8 @@ from .scheduler import Load, Priority, ReadScheduler
 from .stats import Counters
 
 __all__ = ("Entry", "ExpertCache", "Key", "SlotState")
+
+log = logging.getLogger("aioexperts")
 
 #: ``(layer, expert)``: block index and global expert id.
 Key = tuple[int, int]
@@ -356,7 +359,10 @@ class ExpertCache:
         else:
             entry.state = SlotState.READY
             self.counters.payload_bytes += entry.plan.location.n_bytes
-            self.policy.admit(entry.key)
+            try:
+                self.policy.admit(entry.key)
+            except Exception:  # a faulty custom policy must not strand the waiters
+                log.exception("aioexperts: the eviction policy failed to admit %s", entry.key)
             if entry.pins == 0:
                 self._signal_space()
         entry.event.set()

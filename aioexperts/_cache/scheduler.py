@@ -263,7 +263,9 @@ class ReadScheduler:
         advance = align_down(n, self.alignment)
         load._stalls = load._stalls + 1 if advance == 0 else 0
         if load._stalls > MAX_STALLED_RETRIES:
-            self._fail(load, None, op, f"{MAX_STALLED_RETRIES} short reads in a row made no progress")
+            self._fail(
+                load, None, op, f"{MAX_STALLED_RETRIES} short reads in a row made no progress (was the file truncated?)"
+            )
             return
         self.counters.read_retries += 1
         load.ops_left += 1

@@ -95,6 +95,8 @@ def render_reads(results: list[PassResult], console: Console) -> None:
             f"{r.gb_per_s / mm.gb_per_s:.2f}" if mm else "-",
         )
     console.print(table)
+    if fio is None and any(r.method.startswith("aioexperts") for r in results):
+        console.print("  [dim]fio is not installed: the device's own limit was not measured (install fio)[/dim]")
     for r in results:
         if r.note:
             console.print(f"  [dim]{r.method} {r.phase}: {r.note}[/dim]")
@@ -202,8 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         parser.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    if args.repeat < 1 or args.depth < 1 or (args.tokens is not None and args.tokens < 1):
-        parser.error("--repeat, --depth and --tokens must be >= 1")
+    if not methods:
+        parser.error(f"--methods needs at least one of {', '.join(METHODS)}")
+    if args.repeat < 1 or args.depth < 3 or (args.tokens is not None and args.tokens < 1):
+        parser.error("--repeat and --tokens must be >= 1, --depth >= 3 (an expert is 3 reads)")
+    if args.seed < 0:
+        parser.error("--seed must be >= 0")
     if not 0 < args.slab_fraction <= 1:
         parser.error("--slab-fraction must be in (0, 1]")
     stream = sys.stderr if args.json else sys.stdout
@@ -243,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                 render_tokens(tokens, console)
     except (AioExpertsError, OSError) as exc:
         console.print(f"[red]error: {exc}[/red]")
+        if not args.model:
+            console.print("(the built-in model may be damaged: run again with --rebuild)")
         return 1
     if args.json:
         json.dump(out, sys.stdout, indent=2)

@@ -216,10 +216,14 @@ class ExpertLayout:
         Raises:
             InvalidRequestError: the model has no MoE layer ``layer``.
         """
-        try:
-            return self.layers[layer]
-        except (KeyError, TypeError):
-            raise InvalidRequestError(f"no MoE layer {layer!r}; MoE layers are {_ranges(list(self.layers))}") from None
+        if not isinstance(layer, bool):  # True == 1 as a dict key: refuse bools
+            try:
+                layer = operator.index(layer)  # numpy ints are fine, 1.0 is not
+            except TypeError:
+                pass
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer not in self.layers:
+            raise InvalidRequestError(f"no MoE layer {layer!r}; MoE layers are {_ranges(list(self.layers))}")
+        return self.layers[layer]
 
     def locate(self, layer: int, expert: int) -> ExpertLocation:
         """Location of ``expert`` (global id) of ``layer`` (block index).

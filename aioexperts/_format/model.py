@@ -214,6 +214,9 @@ def open_model(path: str | os.PathLike[str]) -> GGUFModel:
             raise MissingShardError(
                 f"{path}: shard {os.path.basename(p)} of the split set is missing (expected at {p})", p
             )
+    for p in shard_paths:
+        if not os.path.isfile(p):
+            raise FormatError(f"{p} is not a regular file")
     parsed = [_parse_file(p, index) for index, p in enumerate(shard_paths)]
     return _combine(path, shard_paths, parsed)
 

@@ -51,6 +51,10 @@ class LoopAdapter(ABC):
     def new_event(self) -> AsyncEvent:
         """A fresh :class:`AsyncEvent`."""
 
+    @abstractmethod
+    def is_current(self) -> bool:
+        """True when called from this adapter's loop (thread and loop both match)."""
+
 
 class _AsyncioLoop(LoopAdapter):
     name = "asyncio"
@@ -72,6 +76,12 @@ class _AsyncioLoop(LoopAdapter):
 
     def new_event(self) -> AsyncEvent:
         return asyncio.Event()
+
+    def is_current(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
 
 
 class _TrioLoop(LoopAdapter):
@@ -115,6 +125,12 @@ class _TrioLoop(LoopAdapter):
 
     def new_event(self) -> AsyncEvent:
         return self._trio.Event()
+
+    def is_current(self) -> bool:
+        try:
+            return bool(self._trio.lowlevel.current_trio_token() is self._token)
+        except RuntimeError:
+            return False
 
 
 def current_loop() -> LoopAdapter:

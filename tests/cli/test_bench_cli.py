@@ -86,7 +86,15 @@ def test_table_output(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--methods", "nope"], ["--repeat", "0"], ["--slab-fraction", "0"], ["--mode", "everything"]],
+    [
+        ["--methods", "nope"],
+        ["--methods", ","],
+        ["--repeat", "0"],
+        ["--depth", "2"],
+        ["--seed", "-1"],
+        ["--slab-fraction", "0"],
+        ["--mode", "everything"],
+    ],
 )
 def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:

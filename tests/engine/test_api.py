@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 from ioutil import pread_segment
@@ -40,10 +41,30 @@ def test_errors_form_one_tree() -> None:
     assert issubclass(aioexperts.InvalidRequestError, ValueError)
 
 
-def test_bad_arguments_raise_before_any_io(model_path: Path) -> None:
-    for kwargs in ({"slots": 0}, {"queue_depth": 0}, {"cache_bytes": 0}, {"policy": "fifo"}):
-        with pytest.raises(aioexperts.ConfigError):
-            aioexperts.open(model_path, **kwargs)  # type: ignore[arg-type]
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"slots": 0},
+        {"slots": 2.5},
+        {"slots": "8"},
+        {"slots": True},
+        {"queue_depth": 0},
+        {"queue_depth": "64"},
+        {"cache_bytes": 0},
+        {"n_threads": 0},
+        {"n_threads": -1},
+        {"policy": "fifo"},
+        {"policy": 123},
+        {"prefetch": 123},
+        {"prefetch": "oracle"},
+        {"prefetch_depth": -1},
+        {"backend": 7},
+        {"direct_io": "yes"},
+    ],
+)
+def test_bad_arguments_raise_before_any_io(model_path: Path, kwargs: dict[str, object]) -> None:
+    with pytest.raises(aioexperts.ConfigError):
+        aioexperts.open(model_path, **kwargs)  # type: ignore[arg-type]
 
 
 async def test_views_ids_minus_one_and_duplicates(model_path: Path, anyio_backend: object) -> None:
@@ -203,3 +224,60 @@ def model_path_for(tmp_path: Path) -> Path:
 def test_synthetic_split_sets_keep_the_default_alignment(tmp_path: Path) -> None:
     with pytest.raises(aioexperts.ConfigError, match="default alignment"):
         write_synthetic_model(tmp_path / "s.gguf", SMALL.with_(alignment=4096), shards=2)
+
+
+async def test_more_bad_requests(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=4) as engine:
+        with pytest.raises(aioexperts.InvalidRequestError, match="iterable"):
+            async with engine.experts(1, 3):  # type: ignore[arg-type]
+                pass
+        with pytest.raises(aioexperts.InvalidRequestError, match="no MoE layer True"):
+            async with engine.experts(True, [0]):  # type: ignore[arg-type]
+                pass
+        with pytest.raises(aioexperts.InvalidRequestError, match="no MoE layer 1.0"):
+            async with engine.experts(1.0, [0]):  # type: ignore[arg-type]
+                pass
+        with pytest.raises(aioexperts.InvalidRequestError, match="no MoE layer 99"):
+            engine.next_moe_layer(99)
+        async with engine.experts(np.int64(1), [0]) as views:  # numpy ints are ints
+            assert views[0] is not None and views[0].layer == 1 and type(views[0].layer) is int
+
+
+async def test_a_directory_is_not_a_model(tmp_path: Path, anyio_backend: object) -> None:
+    with pytest.raises(aioexperts.FormatError, match="not a regular file"):
+        async with aioexperts.open(tmp_path):
+            pass
+
+
+def test_an_engine_belongs_to_its_event_loop(model_path: Path) -> None:
+    import asyncio
+
+    async def start() -> aioexperts.Engine:
+        engine = aioexperts.open(model_path, slots=4)
+        await engine.start()
+        return engine
+
+    engine = asyncio.run(start())
+
+    async def use() -> None:
+        with pytest.raises(aioexperts.ConfigError, match="another event loop"):
+            async with engine.experts(1, [0]):
+                pass
+
+    asyncio.run(use())
+
+
+async def test_a_faulty_policy_does_not_jam_the_engine(
+    model_path: Path, anyio_backend: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    from aioexperts._cache.eviction import LRU
+
+    class Faulty(LRU):
+        def admit(self, key: tuple[int, int]) -> None:
+            raise KeyError(key)
+
+    async with aioexperts.open(model_path, slots=4, policy=Faulty()) as engine:
+        with anyio.fail_after(10):
+            async with engine.experts(1, [0, 1]) as views:
+                assert len(views) == 2
+    assert "failed to admit" in caplog.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -11,6 +12,8 @@ from ..loop import LoopAdapter
 from ..slab import Slab
 
 __all__ = ("CompletionSink", "IOBackend", "ReadOp")
+
+log = logging.getLogger("aioexperts")
 
 
 class ReadOp:
@@ -91,4 +94,7 @@ class IOBackend(ABC):
     def _deliver(self, op: ReadOp, result: int | OSError) -> None:
         self._in_flight -= 1
         assert self._sink is not None
-        self._sink(op, result)
+        try:
+            self._sink(op, result)
+        except Exception:  # one faulty completion must not lose the others of its batch
+            log.exception("aioexperts: handling the completion of %r failed", op)
