@@ -510,11 +510,7 @@ class Engine:
             yield views
         finally:
             for view in by_key.values():
-                for projection in (view.gate, view.up, view.down):
-                    try:
-                        projection.data.release()
-                    except BufferError:
-                        pass
+                view.release()
             cache.release(entries)
 
     # -- MoE execution ------------------------------------------------------------------------

@@ -134,10 +134,6 @@ async def run_layer_step(
         output, compute_s = await anyio.to_thread.run_sync(_timed(compute), layer, x, views, ids, weights)
     finally:
         for view in views.values():
-            for projection in (view.gate, view.up, view.down):
-                try:
-                    projection.data.release()
-                except BufferError:
-                    pass
+            view.release()
         cache.release(entries)
     return LayerStep(layer, ids, weights, output, io_wait, compute_s, started)

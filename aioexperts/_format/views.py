@@ -51,3 +51,15 @@ class ExpertView:
     gate: ProjectionView
     up: ProjectionView
     down: ProjectionView
+
+    def release(self) -> None:
+        """Release the three memoryviews (they raise ``ValueError`` when used afterwards).
+
+        A view still exported elsewhere (e.g. wrapped by a numpy array) cannot be released; it is
+        left as it is and stays readable, but its slot may be reused once the expert is unpinned.
+        """
+        for projection in (self.gate, self.up, self.down):
+            try:
+                projection.data.release()
+            except BufferError:
+                pass

@@ -9,11 +9,11 @@ file read of its byte run (``[data_offset + e*B, +B)``, FORMATS.md section 1), w
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import gguf
 import numpy as np
+from conftest import shared_fixtures_dir
 from gguf import GGMLQuantizationType, GGUFReader
 
 from aioexperts._format.views import ExpertView, ProjectionView
@@ -33,15 +33,8 @@ _MAX_TIERS = 3
 
 
 def fixtures_dir() -> Path | None:
-    """The shared fixtures folder: ``$AIOEXPERTS_FIXTURES``, else ``shared/fixtures`` beside the repo."""
-    env = os.environ.get("AIOEXPERTS_FIXTURES")
-    candidates = [Path(env)] if env else []
-    repo = Path(__file__).resolve().parents[2]
-    candidates += [repo.parent / "shared" / "fixtures", repo / "shared" / "fixtures"]
-    for cand in candidates:
-        if cand.is_dir() and any(cand.glob("*.gguf")):
-            return cand
-    return None
+    """The shared fixtures folder (``tests/conftest.py``: ``$AIOEXPERTS_FIXTURES`` or ``../shared/fixtures``)."""
+    return shared_fixtures_dir()
 
 
 def fixture_paths() -> list[Path]:

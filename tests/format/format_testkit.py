@@ -15,6 +15,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from conftest import shared_fixtures_dir
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 from aioexperts._cli.synthetic import SyntheticSpec
@@ -27,16 +28,7 @@ SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff=256, n_expert=8, n_expert_used
 TINY = SyntheticSpec(n_layer=2, n_embd=32, n_ff=32, n_expert=4, n_expert_used=2, expert_type=Q.F32)
 
 
-def _find_fixtures() -> Path | None:
-    env = os.environ.get("AIOEXPERTS_FIXTURES")
-    repo = Path(__file__).resolve().parents[2]
-    for cand in ([Path(env)] if env else []) + [repo.parent / "shared" / "fixtures"]:
-        if cand.is_dir() and any(cand.glob("*.gguf")):
-            return cand
-    return None
-
-
-FIXTURES = _find_fixtures()
+FIXTURES = shared_fixtures_dir()
 FIXTURE_NAMES: list[str] = sorted(p.name for p in FIXTURES.glob("*.gguf")) if FIXTURES else []
 
 

@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 
 import pytest
+from conftest import shared_fixtures_dir
 
 from aioexperts._errors import FormatError, UnsupportedTypeError
 from aioexperts._format.hparams import Activation, GatingFunc, MoEHParams
 
-
-def _fixtures() -> Path | None:
-    env = os.environ.get("AIOEXPERTS_FIXTURES")
-    repo = Path(__file__).resolve().parents[2]
-    for cand in ([Path(env)] if env else []) + [repo.parent / "shared" / "fixtures"]:
-        if cand.is_dir() and any(cand.glob("*.gguf")):
-            return cand
-    return None
-
-
-FIXTURES = _fixtures()
+FIXTURES = shared_fixtures_dir()
 
 
 def _gguf_metadata(name: str) -> dict[str, object]:
