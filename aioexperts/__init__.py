@@ -3,8 +3,10 @@
 The public API is re-exported here; the implementation lives in private modules.
 """
 
+from ._cache.eviction import EvictionPolicy as EvictionPolicy
 from ._cache.stats import EngineStatistics as EngineStatistics
 from ._engine import Engine as Engine
+from ._engine import MoEResult as MoEResult
 from ._engine import open as open  # noqa: A004
 from ._errors import AioExpertsError as AioExpertsError
 from ._errors import BackendUnavailableError as BackendUnavailableError
@@ -21,6 +23,7 @@ from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._format.expert_map import ExpertMap as ExpertMap
 from ._format.expert_map import read_expert_map as read_expert_map
 from ._format.expert_map import write_expert_map as write_expert_map
+from ._format.hparams import MoEHParams as MoEHParams
 from ._format.layout import Bank as Bank
 from ._format.layout import ExpertLayout as ExpertLayout
 from ._format.layout import ExpertLocation as ExpertLocation
@@ -32,6 +35,10 @@ from ._format.model import TensorInfo as TensorInfo
 from ._format.model import open_model as open_model
 from ._format.views import ExpertView as ExpertView
 from ._format.views import ProjectionView as ProjectionView
+from ._pipeline import LayerStep as LayerStep
+from ._pipeline import TokenResult as TokenResult
+from ._predict.predictors import Predictor as Predictor
+from ._predict.trace import RoutingTrace as RoutingTrace
 
 __version__ = "0.1.0"
 
@@ -43,6 +50,7 @@ __all__ = (
     "Engine",
     "EngineClosedError",
     "EngineStatistics",
+    "EvictionPolicy",
     "ExpertLayout",
     "ExpertLocation",
     "ExpertMap",
@@ -51,14 +59,20 @@ __all__ = (
     "FormatError",
     "GGUFModel",
     "InvalidRequestError",
+    "LayerStep",
     "LayoutError",
     "MissingShardError",
+    "MoEHParams",
     "MoELayer",
+    "MoEResult",
+    "Predictor",
     "ProjectionView",
+    "RoutingTrace",
     "Segment",
     "SlabExhaustedError",
     "StaleMapError",
     "TensorInfo",
+    "TokenResult",
     "UnsupportedTypeError",
     "build_layout",
     "open",
