@@ -24,7 +24,7 @@ from ._compute.resident import load_residents
 from ._errors import ConfigError, EngineClosedError, InvalidRequestError
 from ._format.expert_map import check_map_matches_layout, read_expert_map
 from ._format.hparams import MoEHParams
-from ._format.layout import ExpertLayout, build_layout
+from ._format.layout import ExpertLayout, MoELayer, build_layout
 from ._format.model import GGUFModel, open_model
 from ._format.views import ExpertView, ProjectionView
 from ._io.backends.base import IOBackend
@@ -441,8 +441,7 @@ class Engine:
 
     # -- experts --------------------------------------------------------------------------------
 
-    def _keys(self, layer: int, ids: Sequence[int]) -> list[Key]:
-        moe = self.layout.layer(layer)
+    def _keys(self, moe: MoELayer, ids: Sequence[int]) -> list[Key]:
         layer = moe.index
         keys = []
         for i in ids:
@@ -500,8 +499,9 @@ class Engine:
             ids = list(ids)  # iterated twice below: accept generators and other one-shot iterables
         except TypeError:
             raise InvalidRequestError(f"ids must be an iterable of expert ids, got {ids!r}") from None
-        layer = self.layout.layer(layer).index
-        keys = self._keys(layer, ids)
+        moe = self.layout.layer(layer)
+        layer = moe.index
+        keys = self._keys(moe, ids)
         cache = self.cache
         entries = await cache.acquire(keys, wait=self.wait_for_slots if wait is None else wait)
         by_key = {e.key: self._view(e) for e in entries}
@@ -631,7 +631,7 @@ class Engine:
 
         # A prefill batch may choose more experts than the slab holds: run them in groups that fit.
         unique = list(dict.fromkeys(int(e) for e in ids[ids >= 0]))
-        limit = self.statistics().n_slots
+        limit = self.cache.n_slots
         groups = [unique[i : i + limit] for i in range(0, len(unique), limit)] or [[]]
         moe_out: np.ndarray | None = None
         shared_out: np.ndarray | None = None

@@ -143,6 +143,15 @@ def _percentiles(latencies: Sequence[float]) -> tuple[float | None, float | None
     return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
 
 
+def _baseline_pass(
+    method: str, phase: str, locs: Sequence[ExpertLocation], clock: _CpuClock, lat: Sequence[float], note: str
+) -> PassResult:
+    """A pass of a baseline that timed each expert (``lat``, seconds) over ``locs``."""
+    p50, p99 = _percentiles(lat)
+    payload = sum(x.n_bytes for x in locs)
+    return PassResult(method, phase, len(locs), payload, clock.seconds, clock.cpu, p50, p99, note)
+
+
 def drop_page_cache(model: GGUFModel) -> None:
     """``POSIX_FADV_DONTNEED`` over every shard (clean pages leave the page cache)."""
     for shard in model.shards:
@@ -238,17 +247,13 @@ def buffered_pread_method(n_threads: int) -> Method:
 
                 with _CpuClock() as clock, ThreadPoolExecutor(n_threads) as pool:
                     lat = list(pool.map(read, locs))
-                p50, p99 = _percentiles(lat)
                 results.append(
-                    PassResult(
+                    _baseline_pass(
                         "buffered pread",
                         phase,
-                        len(locs),
-                        sum(x.n_bytes for x in locs),
-                        clock.seconds,
-                        clock.cpu,
-                        p50,
-                        p99,
+                        locs,
+                        clock,
+                        lat,
                         f"{n_threads} threads, page cache dropped before cold",
                     )
                 )
@@ -284,18 +289,9 @@ def mmap_method() -> Method:
                             out[pos : pos + seg.n_bytes] = arrays[seg.shard][seg.offset : seg.offset + seg.n_bytes]
                             pos += seg.n_bytes
                         lat.append(time.perf_counter() - t0)
-                p50, p99 = _percentiles(lat)
                 results.append(
-                    PassResult(
-                        "mmap",
-                        phase,
-                        len(locs),
-                        sum(x.n_bytes for x in locs),
-                        clock.seconds,
-                        clock.cpu,
-                        p50,
-                        p99,
-                        "1 thread copying from the mapping, default readahead",
+                    _baseline_pass(
+                        "mmap", phase, locs, clock, lat, "1 thread copying from the mapping, default readahead"
                     )
                 )
             return results
