@@ -1,13 +1,13 @@
 """aioexperts: stream the routed experts of Mixture-of-Experts GGUF models from SSD.
 
-The public API is re-exported here; the implementation lives in private modules.
+Two objects: :func:`open` gives an :class:`ExpertStore` (files, slab, reads, cache;
+``store.experts(layer, ids)``), and an :class:`MoERunner` runs MoE layers on top of it
+(``await runner.moe(layer, x)``). The public API is re-exported here; extension points live in
+:mod:`aioexperts.backends`, :mod:`aioexperts.policies` and :mod:`aioexperts.predictors`, test
+helpers in :mod:`aioexperts.testing`; the implementation lives in private modules.
 """
 
-from ._cache.eviction import EvictionPolicy as EvictionPolicy
 from ._cache.stats import EngineStatistics as EngineStatistics
-from ._engine import Engine as Engine
-from ._engine import MoEResult as MoEResult
-from ._engine import open as open  # noqa: A004
 from ._errors import AioExpertsError as AioExpertsError
 from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import ConfigError as ConfigError
@@ -35,29 +35,40 @@ from ._format.model import TensorInfo as TensorInfo
 from ._format.model import open_model as open_model
 from ._format.views import ExpertView as ExpertView
 from ._format.views import ProjectionView as ProjectionView
+from ._options import CacheOptions as CacheOptions
+from ._options import IOOptions as IOOptions
+from ._options import PrefetchOptions as PrefetchOptions
+from ._pipeline import ComputeStep as ComputeStep
 from ._pipeline import LayerStep as LayerStep
 from ._pipeline import TokenResult as TokenResult
-from ._predict.predictors import Predictor as Predictor
 from ._predict.trace import RoutingTrace as RoutingTrace
+from ._runner import MoEResult as MoEResult
+from ._runner import MoERunner as MoERunner
+from ._runner import RouteStep as RouteStep
+from ._runner import RunnerStatistics as RunnerStatistics
+from ._store import ExpertStore as ExpertStore
+from ._store import open as open  # noqa: A004
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = (
     "AioExpertsError",
     "BackendUnavailableError",
     "Bank",
+    "CacheOptions",
+    "ComputeStep",
     "ConfigError",
-    "Engine",
     "EngineClosedError",
     "EngineStatistics",
-    "EvictionPolicy",
     "ExpertLayout",
     "ExpertLocation",
     "ExpertMap",
     "ExpertReadError",
+    "ExpertStore",
     "ExpertView",
     "FormatError",
     "GGUFModel",
+    "IOOptions",
     "InvalidRequestError",
     "LayerStep",
     "LayoutError",
@@ -65,9 +76,12 @@ __all__ = (
     "MoEHParams",
     "MoELayer",
     "MoEResult",
-    "Predictor",
+    "MoERunner",
+    "PrefetchOptions",
     "ProjectionView",
+    "RouteStep",
     "RoutingTrace",
+    "RunnerStatistics",
     "Segment",
     "SlabExhaustedError",
     "StaleMapError",

@@ -1,9 +1,9 @@
-"""One MoE layer step of a token, and the driver that runs every MoE layer of a token.
+"""One MoE layer step: pin the layer's experts, prefetch the next layers', compute in a worker.
 
-A step: route (or take given ids), pin the layer's experts (their loads are queued), start the
-prefetch of the next layer's predicted experts (after pinning, so it cannot evict them), wait for
-the experts, then compute in a worker thread while the event loop keeps submitting and reaping
-the prefetch reads. That is how layer N+1's reads overlap layer N's compute.
+A step pins the chosen experts (their loads are queued), starts the prefetch of the upcoming
+layers' predicted experts right after pinning (so a prefetch cannot evict them), waits for the
+experts, then computes in a worker thread while the event loop keeps submitting and reaping the
+prefetch reads. That is how layer N+1's reads overlap layer N's compute.
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ from typing import Any
 import anyio
 import numpy as np
 
-from ._cache.cache import Entry, ExpertCache, Key
+from ._cache.cache import Key
 from ._format.views import ExpertView
+from ._store import ExpertStore
 
-__all__ = ("ComputeStep", "LayerStep", "TokenResult", "run_layer_step")
+__all__ = ("ComputeStep", "LayerStep", "TokenResult", "run_in_worker", "run_layer_step")
 
 #: ``compute(layer, x, experts, ids, weights) -> y``, run in a worker thread: ``x`` is
 #: ``(n_tokens, n_embd)`` float32, ``experts`` maps each active id to its pinned view, ``ids`` and
-#: ``weights`` are ``(n_tokens, k)``; ``y`` is ``(n_tokens, n_embd)`` float32.
+#: ``weights`` are ``(n_tokens, k)`` (id ``-1``: inactive slot); ``y`` is ``(n_tokens, n_embd)``
+#: float32.
 ComputeStep = Callable[[int, np.ndarray, Mapping[int, ExpertView], np.ndarray, np.ndarray], Any]
 
 
@@ -35,11 +37,10 @@ class LayerStep:
         layer: block index.
         ids: ``(n_tokens, k)`` int32 selected ids.
         weights: ``(n_tokens, k)`` float32 routing weights.
-        output: what the compute step returned (for :meth:`Engine.run_token`, a
+        output: what the compute step returned (for :meth:`MoERunner.run_token`, a
             ``(n_tokens, n_embd)`` float32 array).
         io_wait_seconds: time spent waiting for this layer's experts after routing.
         compute_seconds: time the compute step ran in its worker thread.
-        prefetched: prefetch loads started for the next layer.
     """
 
     layer: int
@@ -48,7 +49,6 @@ class LayerStep:
     output: Any
     io_wait_seconds: float
     compute_seconds: float
-    prefetched: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +76,16 @@ class TokenResult:
         return sum(s.compute_seconds for s in self.steps)
 
 
+async def run_in_worker(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` in a worker thread and return its result.
+
+    Cancellation handling:
+        The caller waits for the thread to finish (it may read pinned slot memory); the
+        cancellation is delivered afterwards.
+    """
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
 def _timed(compute: ComputeStep) -> Callable[..., tuple[Any, float]]:
     def run(*args: Any) -> tuple[Any, float]:
         t0 = time.perf_counter()
@@ -86,8 +96,7 @@ def _timed(compute: ComputeStep) -> Callable[..., tuple[Any, float]]:
 
 
 async def run_layer_step(
-    cache: ExpertCache,
-    make_view: Callable[[Entry], ExpertView],
+    store: ExpertStore,
     layer: int,
     x: np.ndarray,
     ids: np.ndarray,
@@ -96,9 +105,9 @@ async def run_layer_step(
     *,
     prefetch: Sequence[Key] = (),
     upcoming: Sequence[int] = (),
-    wait: bool = False,
+    wait: bool | None = None,
 ) -> LayerStep:
-    """Pin ``layer``'s experts for ``ids``, prefetch ``prefetch``, wait, compute in a thread, unpin.
+    """Pin ``layer``'s experts for ``ids``, prefetch ``prefetch``, wait, compute in a worker, unpin.
 
     Queued prefetches that are no longer wanted (this layer's that it does not use, and those of
     any layer that is not in ``upcoming``, the layers still ahead) are dropped before anything is
@@ -106,34 +115,20 @@ async def run_layer_step(
 
     Raises:
         InvalidRequestError, SlabExhaustedError, ExpertReadError, EngineClosedError: as
-            :meth:`ExpertCache.acquire`.
+            :meth:`ExpertStore.experts`.
 
     Cancellation handling:
         Cancelling unpins everything; reads already submitted complete in the background. A
         compute step already running in its thread finishes there (its result is discarded), and
         the experts stay pinned until it has finished, so their slots are not reused under it.
     """
-    active = ids[ids >= 0]
-    keys = [(layer, int(e)) for e in dict.fromkeys(active.tolist())]
-    wanted = set(keys)
+    unique = list(dict.fromkeys(ids[ids >= 0].tolist()))
+    wanted = {(layer, e) for e in unique}
     ahead = set(upcoming) - {layer}
-    cache.drop_prefetches(keep=lambda key: key in wanted or key[0] in ahead)
-    started = 0
-
-    def start_prefetch() -> None:
-        nonlocal started
-        if prefetch:
-            started = cache.prefetch(prefetch)
-
+    store.drop_prefetches(keep=lambda key: key in wanted or key[0] in ahead)
     t0 = time.perf_counter()
-    entries = await cache.acquire(keys, wait=wait, after_pin=start_prefetch)
-    io_wait = time.perf_counter() - t0
-    views = {entry.key[1]: make_view(entry) for entry in entries}
-    try:
-        # not abandoned on cancellation: the task waits for the thread, which reads the slots
-        output, compute_s = await anyio.to_thread.run_sync(_timed(compute), layer, x, views, ids, weights)
-    finally:
-        for view in views.values():
-            view.release()
-        cache.release(entries)
-    return LayerStep(layer, ids, weights, output, io_wait, compute_s, started)
+    async with store.experts(layer, unique, wait=wait, prefetch=prefetch) as views:
+        io_wait = time.perf_counter() - t0
+        by_id = {e: v for e, v in zip(unique, views, strict=True) if v is not None}
+        output, compute_s = await run_in_worker(_timed(compute), layer, x, by_id, ids, weights)
+    return LayerStep(layer, ids, weights, output, io_wait, compute_s)

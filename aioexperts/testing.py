@@ -1,7 +1,5 @@
 """Helpers for testing code that uses aioexperts: a scriptable fake read backend."""
 
-from ._io.backends.base import IOBackend as IOBackend
-from ._io.backends.base import ReadOp as ReadOp
 from ._io.backends.fake import FakeBackend as FakeBackend
 
-__all__ = ("FakeBackend", "IOBackend", "ReadOp")
+__all__ = ("FakeBackend",)

@@ -145,3 +145,18 @@ def write_shifted_moe(path: Path | str, target_mod: int = 1152, page: int = 4096
     offset = write(8 + (target_mod - offset) % page // 4)
     assert offset % page == target_mod, offset
     return Path(path)
+
+
+def fd_flags_of(path: str | os.PathLike[str]) -> list[int]:
+    """The open-file flags of every descriptor this process holds on ``path`` (``/proc/self/fdinfo``)."""
+    target = os.path.realpath(path)
+    flags = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") != target:
+                continue
+            with open(f"/proc/self/fdinfo/{name}") as info:
+                flags.extend(int(line.split()[1], 8) for line in info if line.startswith("flags:"))
+        except OSError:  # closed meanwhile
+            continue
+    return flags

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ("Counters", "EngineStatistics", "LatencyWindow")
+__all__ = ("Counters", "EngineStatistics", "LatencyWindow", "to_ms")
 
 
 class LatencyWindow:
@@ -58,9 +58,7 @@ class Counters:
     payload_bytes: int = 0
     submissions: int = 0
     max_batch: int = 0
-    tokens: int = 0
     expert_latency: LatencyWindow = field(default_factory=LatencyWindow)
-    token_latency: LatencyWindow = field(default_factory=LatencyWindow)
 
     def reset(self) -> None:
         """Zero every counter and forget the latency samples."""
@@ -72,13 +70,14 @@ class Counters:
                 setattr(self, name, 0)
 
 
-def _ms(seconds: float | None) -> float | None:
+def to_ms(seconds: float | None) -> float | None:
+    """Seconds to milliseconds, None passing through."""
     return None if seconds is None else seconds * 1e3
 
 
 @dataclass(frozen=True, slots=True)
 class EngineStatistics:
-    """A snapshot of an engine's counters (``engine.statistics()``).
+    """A snapshot of an expert store's counters (``store.statistics()``).
 
     Counts are since open (or the last ``reset_statistics()``). Every expert a request names once
     is one of ``hits`` (resident), ``inflight_joins`` (a read already under way was shared) or
@@ -106,9 +105,8 @@ class EngineStatistics:
         submissions: backend submit calls; ``reads / submissions`` is the batch size.
         max_batch: most reads in one submission.
         in_flight: reads in flight now.
-        tokens: tokens run through ``moe``/``run_token``.
+        pinned_slots: slots pinned now (by open ``experts()`` blocks and running layer steps).
         expert_latency_p50_ms, expert_latency_p99_ms: per expert load, submit to ready (ms).
-        token_latency_p50_ms, token_latency_p99_ms: per token, all MoE layers (ms).
     """
 
     backend: str
@@ -136,11 +134,9 @@ class EngineStatistics:
     submissions: int
     max_batch: int
     in_flight: int
-    tokens: int
+    pinned_slots: int
     expert_latency_p50_ms: float | None
     expert_latency_p99_ms: float | None
-    token_latency_p50_ms: float | None
-    token_latency_p99_ms: float | None
 
     @property
     def hit_rate(self) -> float:
@@ -168,9 +164,6 @@ class EngineStatistics:
             payload_bytes=c.payload_bytes,
             submissions=c.submissions,
             max_batch=c.max_batch,
-            tokens=c.tokens,
-            expert_latency_p50_ms=_ms(c.expert_latency.percentile(50)),
-            expert_latency_p99_ms=_ms(c.expert_latency.percentile(99)),
-            token_latency_p50_ms=_ms(c.token_latency.percentile(50)),
-            token_latency_p99_ms=_ms(c.token_latency.percentile(99)),
+            expert_latency_p50_ms=to_ms(c.expert_latency.percentile(50)),
+            expert_latency_p99_ms=to_ms(c.expert_latency.percentile(99)),
         )

@@ -36,10 +36,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .._engine import open as open_engine
 from .._format.layout import ExpertLayout, ExpertLocation, build_layout
 from .._format.model import GGUFModel, open_model
 from .._io.align import widen
+from .._options import IOOptions
+from .._store import open as open_store
 
 __all__ = ("Method", "PassResult", "Step", "make_steps", "run_read_bench")
 
@@ -169,7 +170,7 @@ async def _engine_passes(
     path: str, steps: Sequence[Step], backend: str, depth: int, slots: int, window: int
 ) -> list[PassResult]:
     results = []
-    async with open_engine(path, slots=slots, backend=backend, queue_depth=depth, direct_io=None) as engine:
+    async with open_store(path, slots=slots, io=IOOptions(backend=backend, queue_depth=depth)) as engine:
         layout = engine.layout
         payload = sum(loc.n_bytes for loc in _locations(layout, steps))
         n_experts = sum(len(ids) for _, ids in steps)

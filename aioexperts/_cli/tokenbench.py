@@ -35,13 +35,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._cache.replay import ReplayResult, replay_fractions
-from .._engine import open as open_engine
 from .._format.layout import ExpertLayout, build_layout
 from .._format.model import open_model
 from .._format.views import ExpertView
+from .._options import CacheOptions, IOOptions, PrefetchOptions
 from .._pipeline import ComputeStep
 from .._predict.predictors import Predictor, make_predictor
 from .._predict.trace import RoutingTrace, skewed_random_trace, uniform_random_trace
+from .._runner import MoERunner
+from .._store import open as open_store
 
 __all__ = ("OraclePredictor", "TokenBenchResult", "TokenRun", "run_token_bench")
 
@@ -161,9 +163,10 @@ async def _run(
     policy: str = "lru",
 ) -> TokenRun:
     layers = trace.layers
-    async with open_engine(
-        path, slots=slots, queue_depth=depth, prefetch="none", prefetch_budget=budget, policy=policy
-    ) as engine:
+    async with open_store(
+        path, cache=CacheOptions(slots=slots, policy=policy), io=IOOptions(queue_depth=depth)
+    ) as store:
+        engine = MoERunner(store, prefetch=PrefetchOptions(predictor="none", budget=budget))
         token = 0
 
         def route(layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -184,7 +187,7 @@ async def _run(
             io_wait += result.io_wait_seconds
             compute_s += result.compute_seconds
         seconds = time.perf_counter() - t0
-        st = engine.statistics()
+        st = store.statistics()
     lat = np.asarray(latencies) * 1e3
     return TokenRun(
         name,

@@ -52,6 +52,11 @@ def fake_factory(holder: dict[str, CheckedFake], **kwargs: Any):  # type: ignore
     return factory
 
 
+def cache_of(store: Any) -> Any:
+    """The store's internal cache. TODO(issue 10): port these white-box tests to aioexperts.testing."""
+    return store._cache
+
+
 async def settle(ticks: int = 5) -> None:
     """Let callbacks and tasks run a few loop iterations."""
     for _ in range(ticks):

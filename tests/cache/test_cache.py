@@ -10,7 +10,7 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
-from cacheutil import CheckedFake, fake_factory, settle
+from cacheutil import CheckedFake, cache_of, fake_factory, settle
 from ioutil import pread_segment
 
 import aioexperts
@@ -45,9 +45,9 @@ async def test_cancelled_waiter_leaves_slots_loading_until_their_own_completion(
     model_path: Path, reference: dict[tuple[int, int], list[bytes]], anyio_backend: object
 ) -> None:
     holder: dict[str, CheckedFake] = {}
-    engine = aioexperts.open(model_path, slots=8, backend=fake_factory(holder, auto=False))
+    engine = aioexperts.open(model_path, slots=8, io=aioexperts.IOOptions(backend=fake_factory(holder, auto=False)))
     await engine.start()
-    fake, cache = holder["fake"], engine.cache
+    fake, cache = holder["fake"], cache_of(engine)
     cancelled = False
 
     async def want_all() -> None:
@@ -103,7 +103,7 @@ async def test_cancelled_waiter_leaves_slots_loading_until_their_own_completion(
 
     async def late_waiter() -> None:
         try:
-            await engine.cache.acquire([(2, 0)])
+            await cache_of(engine).acquire([(2, 0)])
         except aioexperts.EngineClosedError as exc:
             late.append(exc)
 
@@ -141,7 +141,7 @@ async def test_out_of_order_and_half_reads_are_completed_at_the_right_offset(
 
     holder: dict[str, CheckedFake] = {}
     factory = fake_factory(holder, order="shuffle", fault=half_once, seed=3)
-    async with aioexperts.open(model_path, slots=5, backend=factory) as engine:
+    async with aioexperts.open(model_path, slots=5, io=aioexperts.IOOptions(backend=factory)) as engine:
         for layer in engine.layout.layers:
             async with engine.experts(layer, [0, 3, 5, 7]) as views:
                 assert [as_bytes(v) for v in views] == [reference[(layer, e)] for e in (0, 3, 5, 7)]
@@ -162,7 +162,9 @@ async def test_zero_bytes_before_eof_fails_every_waiter_and_frees_the_slot(
             return 0
         return None
 
-    async with aioexperts.open(model_path, slots=4, backend=fake_factory({}, fault=zero_for_expert3)) as engine:
+    async with aioexperts.open(
+        model_path, slots=4, io=aioexperts.IOOptions(backend=fake_factory({}, fault=zero_for_expert3))
+    ) as engine:
         errors: list[BaseException] = []
 
         async def waiter() -> None:
@@ -177,25 +179,27 @@ async def test_zero_bytes_before_eof_fails_every_waiter_and_frees_the_slot(
                 tg.start_soon(waiter)
         assert len(errors) == 3 and all(e is errors[0] for e in errors)
         assert "unexpected end of file" in str(errors[0])
-        assert engine.cache.state_of((0, 3)) is SlotState.FREE
-        assert engine.cache.state_of((0, 1)) is SlotState.READY  # the other expert is fine
+        assert cache_of(engine).state_of((0, 3)) is SlotState.FREE
+        assert cache_of(engine).state_of((0, 1)) is SlotState.READY  # the other expert is fine
         assert engine.statistics().read_errors == 1
         poison["on"] = False
         async with engine.experts(0, [3]) as views:  # usable, and the expert can be read again
             assert as_bytes(views[0]) == reference[(0, 3)]
-        assert len(engine.cache.free_slots) + len(engine.cache.entries) == 4
+        assert len(cache_of(engine).free_slots) + len(cache_of(engine).entries) == 4
 
 
 async def test_os_error_keeps_the_cause(model_path: Path, anyio_backend: object) -> None:
     def eio(op):  # type: ignore[no-untyped-def]
         return OSError(errno.EIO, "Input/output error")
 
-    async with aioexperts.open(model_path, slots=4, backend=fake_factory({}, fault=eio)) as engine:
+    async with aioexperts.open(
+        model_path, slots=4, io=aioexperts.IOOptions(backend=fake_factory({}, fault=eio))
+    ) as engine:
         with pytest.raises(aioexperts.ExpertReadError, match="Input/output error") as info:
             async with engine.experts(0, [2]):
                 pass
         assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.EIO
-        assert engine.cache.entries == {}
+        assert cache_of(engine).entries == {}
 
 
 @pytest.mark.parametrize("backend", ["io_uring", "threads", "fake"])
@@ -207,7 +211,11 @@ async def test_1000_tasks_overlapping_experts_through_16_slots(
     holder: dict[str, CheckedFake] = {}
     chosen = fake_factory(holder, order="shuffle") if backend == "fake" else backend
     ok = 0
-    async with aioexperts.open(model_path, slots=16, backend=chosen, wait_for_slots=True) as engine:
+    async with aioexperts.open(
+        model_path,
+        cache=aioexperts.CacheOptions(slots=16, wait_for_slots=True),
+        io=aioexperts.IOOptions(backend=chosen),
+    ) as engine:
 
         async def one(layer: int, ids: list[int]) -> None:
             nonlocal ok
@@ -224,16 +232,16 @@ async def test_1000_tasks_overlapping_experts_through_16_slots(
         assert ok == 1000
         assert st.requests == sum(len(ids) for _, ids in requests)
         assert st.requests == st.hits + st.inflight_joins + st.misses
-        assert st.misses >= 24 and st.evictions == st.misses - len(engine.cache.entries)
+        assert st.misses >= 24 and st.evictions == st.misses - len(cache_of(engine).entries)
         assert st.read_errors == 0 and st.in_flight == 0
-        assert engine.cache.pinned_slots == 0
+        assert cache_of(engine).pinned_slots == 0
     if holder:
         assert holder["fake"].violations == []
 
 
 async def test_requests_of_one_tick_go_in_one_submission(model_path: Path, anyio_backend: object) -> None:
     holder: dict[str, CheckedFake] = {}
-    async with aioexperts.open(model_path, slots=16, backend=fake_factory(holder)) as engine:
+    async with aioexperts.open(model_path, slots=16, io=aioexperts.IOOptions(backend=fake_factory(holder))) as engine:
 
         async def one(e: int) -> None:
             async with engine.experts(0, [e]):
@@ -248,8 +256,10 @@ async def test_requests_of_one_tick_go_in_one_submission(model_path: Path, anyio
 
 async def test_demand_goes_before_prefetch_and_depth_is_bounded(model_path: Path, anyio_backend: object) -> None:
     holder: dict[str, CheckedFake] = {}
-    async with aioexperts.open(model_path, slots=16, backend=fake_factory(holder), queue_depth=6) as engine:
-        cache = engine.cache
+    async with aioexperts.open(
+        model_path, slots=16, io=aioexperts.IOOptions(backend=fake_factory(holder), queue_depth=6)
+    ) as engine:
+        cache = cache_of(engine)
         assert cache.prefetch([(1, e) for e in range(4)]) == 4
         async with engine.experts(2, [0, 1]) as views:
             assert len(views) == 2
@@ -269,7 +279,7 @@ async def test_bytes_in_flight_are_bounded(model_path: Path, anyio_backend: obje
     holder: dict[str, CheckedFake] = {}
     expert = SMALL.expert_bytes()
     async with aioexperts.open(
-        model_path, slots=16, backend=fake_factory(holder), max_bytes_in_flight=2 * expert
+        model_path, slots=16, io=aioexperts.IOOptions(backend=fake_factory(holder), max_bytes_in_flight=2 * expert)
     ) as engine:
         async with engine.experts(0, range(6)):
             pass
@@ -279,8 +289,8 @@ async def test_bytes_in_flight_are_bounded(model_path: Path, anyio_backend: obje
 
 async def test_stale_prefetch_is_dropped_before_submission(model_path: Path, anyio_backend: object) -> None:
     holder: dict[str, CheckedFake] = {}
-    async with aioexperts.open(model_path, slots=16, backend=fake_factory(holder)) as engine:
-        cache = engine.cache
+    async with aioexperts.open(model_path, slots=16, io=aioexperts.IOOptions(backend=fake_factory(holder))) as engine:
+        cache = cache_of(engine)
         cache.prefetch([(1, 4), (1, 5), (2, 0)])
         dropped = cache.drop_prefetches(keep=lambda key: key[0] == 2)
         assert dropped == 2
@@ -293,8 +303,8 @@ async def test_stale_prefetch_is_dropped_before_submission(model_path: Path, any
 
 
 async def test_prefetch_never_evicts_pinned_or_its_own_layer(model_path: Path, anyio_backend: object) -> None:
-    async with aioexperts.open(model_path, slots=4, backend=fake_factory({})) as engine:
-        cache = engine.cache
+    async with aioexperts.open(model_path, slots=4, io=aioexperts.IOOptions(backend=fake_factory({}))) as engine:
+        cache = cache_of(engine)
         async with engine.experts(0, [0, 1]):
             async with engine.experts(1, [0, 1]):
                 pass  # layer 1's experts are now READY and unpinned
@@ -309,15 +319,17 @@ async def test_prefetch_never_evicts_pinned_or_its_own_layer(model_path: Path, a
 async def test_trace_is_recorded_and_replayed(model_path: Path, anyio_backend: object) -> None:
     from aioexperts._cache.replay import replay
 
-    async with aioexperts.open(model_path, slots=6, record_trace=True, prefetch="none") as engine:
+    async with aioexperts.open(model_path, slots=6) as store:
+        runner = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="none"), record_trace=True)
         rng = np.random.default_rng(0)
         for _ in range(5):
             x = rng.standard_normal((1, SMALL.n_embd)).astype(np.float32)
-            await engine.run_token(x)
-        trace = engine.routing_trace()
-        st = engine.statistics()
-    assert trace.ids.shape == (5, 3, 2) and st.tokens == 5
-    assert st.token_latency_p50_ms is not None
+            await runner.run_token(x)
+        trace = runner.routing_trace()
+        st = store.statistics()
+        run = runner.statistics()
+    assert trace.ids.shape == (5, 3, 2) and run.tokens == 5 and run.layer_steps == 15
+    assert run.token_latency_p50_ms is not None
     result = replay(trace, 6, ("lru",))["lru"]
     assert result.hits == st.hits and result.misses == st.misses
 
@@ -326,9 +338,9 @@ async def test_close_while_requests_wait_gives_engine_closed(model_path: Path, a
     """Waiters woken by close() get EngineClosedError, never an error about the unmapped slab."""
     outcomes: list[str] = []
     for delay_ticks in range(6):
-        async with aioexperts.open(model_path, slots=6, backend=fake_factory({})) as engine:
+        async with aioexperts.open(model_path, slots=6, io=aioexperts.IOOptions(backend=fake_factory({}))) as engine:
 
-            async def user(i: int, engine: aioexperts.Engine = engine) -> None:
+            async def user(i: int, engine: aioexperts.ExpertStore = engine) -> None:
                 try:
                     async with engine.experts(i % 3, [i % 8, (i + 3) % 8]) as views:
                         assert all(v is not None for v in views)
@@ -354,7 +366,7 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 async def test_waiting_requests_are_served_in_order(wide_model: Path, anyio_backend: object) -> None:
     """A request for most of the slab is not starved by a stream of small ones."""
-    async with aioexperts.open(wide_model, slots=16, wait_for_slots=True) as engine:
+    async with aioexperts.open(wide_model, cache=aioexperts.CacheOptions(slots=16, wait_for_slots=True)) as engine:
         stop = False
         small_done = 0
 

@@ -7,7 +7,7 @@ import errno
 
 import anyio
 import pytest
-from cacheutil import CheckedFake, fake_factory, settle
+from cacheutil import CheckedFake, cache_of, fake_factory, settle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ioutil import pread_segment
@@ -47,8 +47,8 @@ op_st = st.one_of(
 )
 
 
-def check_invariants(engine: aioexperts.Engine, fake: CheckedFake, held: dict[int, dict[str, object]]) -> None:
-    cache = engine.cache
+def check_invariants(engine: aioexperts.ExpertStore, fake: CheckedFake, held: dict[int, dict[str, object]]) -> None:
+    cache = cache_of(engine)
     assert fake.violations == []
     slots = [e.slot for e in cache.entries.values()]
     assert len(slots) == len(set(slots))
@@ -80,7 +80,7 @@ def test_random_interleavings_keep_the_invariants(
 
     async def main() -> None:
         holder: dict[str, CheckedFake] = {}
-        engine = aioexperts.open(path, slots=N_SLOTS, backend=fake_factory(holder, auto=False))
+        engine = aioexperts.open(path, slots=N_SLOTS, io=aioexperts.IOOptions(backend=fake_factory(holder, auto=False)))
         await engine.start()
         fake = holder["fake"]
         tasks: dict[int, dict[str, object]] = {}
@@ -90,7 +90,7 @@ def test_random_interleavings_keep_the_invariants(
             info = tasks[tid]
             with info["scope"]:  # type: ignore[attr-defined]
                 try:
-                    entries = await engine.cache.acquire([(layer, e) for e in ids], wait=wait)
+                    entries = await cache_of(engine).acquire([(layer, e) for e in ids], wait=wait)
                 except (
                     aioexperts.SlabExhaustedError,
                     aioexperts.ExpertReadError,
@@ -106,7 +106,7 @@ def test_random_interleavings_keep_the_invariants(
                             assert [bytes(p.data) for p in (v.gate, v.up, v.down)] == ref[e.key]
                     finally:
                         info["views"] = None
-                        engine.cache.release(entries)
+                        cache_of(engine).release(entries)
             info["done"] = True
 
         async with anyio.create_task_group() as tg:
@@ -139,9 +139,9 @@ def test_random_interleavings_keep_the_invariants(
                     }[mode]
                     fake.complete(target, result)
                 elif kind == "prefetch":
-                    engine.cache.prefetch([(op[1], e) for e in op[2]])
+                    cache_of(engine).prefetch([(op[1], e) for e in op[2]])
                 elif kind == "drop":
-                    engine.cache.drop_prefetches(keep=lambda key, layer=op[1]: key[0] != layer)
+                    cache_of(engine).drop_prefetches(keep=lambda key, layer=op[1]: key[0] != layer)
                 await settle(3)
                 check_invariants(engine, fake, tasks)
             # wind down: release everything, complete every read until every request has finished
@@ -149,7 +149,11 @@ def test_random_interleavings_keep_the_invariants(
                 info["release"].set()  # type: ignore[attr-defined]
             for _ in range(200):
                 await settle(3)
-                if not fake.pending and engine._scheduler.idle and all(info["done"] for info in tasks.values()):
+                if (
+                    not fake.pending
+                    and cache_of(engine).scheduler.idle
+                    and all(info["done"] for info in tasks.values())
+                ):
                     break
                 fake.complete_all()
             tg.cancel_scope.cancel()

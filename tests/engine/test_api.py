@@ -42,29 +42,71 @@ def test_errors_form_one_tree() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("make", "needle"),
     [
-        {"slots": 0},
-        {"slots": 2.5},
-        {"slots": "8"},
-        {"slots": True},
-        {"queue_depth": 0},
-        {"queue_depth": "64"},
-        {"cache_bytes": 0},
-        {"n_threads": 0},
-        {"n_threads": -1},
-        {"policy": "fifo"},
-        {"policy": 123},
-        {"prefetch": 123},
-        {"prefetch": "oracle"},
-        {"prefetch_depth": -1},
-        {"backend": 7},
-        {"direct_io": "yes"},
+        (lambda: aioexperts.CacheOptions(slots=0), "slots must be >= 1"),
+        (lambda: aioexperts.CacheOptions(slots=2.5), "slots must be an int"),
+        (lambda: aioexperts.CacheOptions(slots="8"), "slots must be an int"),
+        (lambda: aioexperts.CacheOptions(slots=True), "slots must be an int"),
+        (lambda: aioexperts.CacheOptions(bytes=0), "bytes must be >= 1"),
+        (lambda: aioexperts.CacheOptions(slots=4, bytes=1 << 20), "not both"),
+        (lambda: aioexperts.CacheOptions(policy="fifo"), "policy must be one of lru, lfu, lfuda"),
+        (lambda: aioexperts.CacheOptions(policy=123), "policy must be a policy name"),
+        (lambda: aioexperts.CacheOptions(wait_for_slots="yes"), "wait_for_slots must be True or False"),
+        (lambda: aioexperts.IOOptions(queue_depth=0), "queue_depth must be in 3..4096"),
+        (lambda: aioexperts.IOOptions(queue_depth="64"), "queue_depth must be an int"),
+        (lambda: aioexperts.IOOptions(n_threads=0), "n_threads must be >= 1"),
+        (lambda: aioexperts.IOOptions(n_threads=-1), "n_threads must be >= 1"),
+        (lambda: aioexperts.IOOptions(backend=7), "backend must be a name or a factory"),
+        (lambda: aioexperts.IOOptions(backend="spdk"), "backend must be one of auto, io_uring, threads"),
+        (lambda: aioexperts.IOOptions(direct_io="yes"), "direct_io must be True or False or None"),
+        (lambda: aioexperts.IOOptions(max_bytes_in_flight=0), "max_bytes_in_flight must be >= 1"),
+        (lambda: aioexperts.PrefetchOptions(predictor=123), "predictor must be a predictor name"),
+        (lambda: aioexperts.PrefetchOptions(predictor="oracle"), "predictor must be one of"),
+        (lambda: aioexperts.PrefetchOptions(depth=-1), "depth must be >= 0"),
+        (lambda: aioexperts.PrefetchOptions(budget=-1), "budget must be >= 0"),
     ],
 )
-def test_bad_arguments_raise_before_any_io(model_path: Path, kwargs: dict[str, object]) -> None:
-    with pytest.raises(aioexperts.ConfigError):
+def test_bad_options_raise_when_built(make: object, needle: str) -> None:
+    with pytest.raises(aioexperts.ConfigError, match=needle):
+        make()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"slots": 0}, "slots must be >= 1"),
+        ({"cache_bytes": 0}, "bytes must be >= 1"),
+        ({"slots": 4, "cache_bytes": 1 << 20}, "not both"),
+        ({"slots": 4, "cache": aioexperts.CacheOptions()}, "not both"),
+        ({"cache": {"slots": 4}}, "cache must be a CacheOptions"),
+        ({"io": "io_uring"}, "io must be an IOOptions"),
+        ({"expert_map": 3}, "expert_map must be"),
+    ],
+)
+def test_bad_arguments_raise_before_any_io(model_path: Path, kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(aioexperts.ConfigError, match=needle):
         aioexperts.open(model_path, **kwargs)  # type: ignore[arg-type]
+
+
+def test_options_are_frozen_records() -> None:
+    options = aioexperts.IOOptions(queue_depth=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.queue_depth = 9  # type: ignore[misc]
+    with pytest.raises(aioexperts.ConfigError, match="queue_depth"):
+        dataclasses.replace(options, queue_depth=1)  # replace() checks again
+
+
+async def test_the_cache_size_given_either_way(model_path: Path, anyio_backend: object) -> None:
+    slot_bytes = None
+    async with aioexperts.open(model_path, slots=5) as store:
+        st = store.statistics()
+        assert st.n_slots == store.n_slots == 5
+        slot_bytes = st.slot_bytes
+    async with aioexperts.open(model_path, cache_bytes=7 * slot_bytes + 1) as store:
+        assert store.n_slots == 7  # whole slots within the byte budget
+    async with aioexperts.open(model_path, cache=aioexperts.CacheOptions(bytes=7 * slot_bytes)) as store:
+        assert store.n_slots == 7
 
 
 async def test_views_ids_minus_one_and_duplicates(model_path: Path, anyio_backend: object) -> None:
@@ -106,7 +148,7 @@ async def test_bad_requests_leave_the_engine_usable(
         with pytest.raises(aioexperts.InvalidRequestError, match=needle):
             async with engine.experts(layer, ids):  # type: ignore[arg-type]
                 pass
-        assert engine.cache.pinned_slots == 0
+        assert engine.statistics().pinned_slots == 0
         async with engine.experts(2, [0, 1]) as views:
             assert len(views) == 2
         assert engine.statistics().requests == 2
@@ -191,7 +233,7 @@ async def test_ids_may_be_any_iterable(model_path: Path, anyio_backend: object) 
 
 def test_queue_depth_below_one_expert_is_refused(model_path: Path) -> None:
     with pytest.raises(aioexperts.ConfigError, match="queue_depth must be in 3..4096"):
-        aioexperts.open(model_path, queue_depth=2)
+        aioexperts.open(model_path, io=aioexperts.IOOptions(queue_depth=2))
 
 
 async def test_slots_beyond_the_model_are_lowered(model_path: Path, anyio_backend: object) -> None:
@@ -212,7 +254,7 @@ async def test_resident_weights_of_a_replaced_file_are_refused(tmp_path: Path, a
         write_synthetic_model(other, SMALL.with_(seed=7))
         os.replace(other, path)  # the path now names another model of the same geometry
         with pytest.raises(aioexperts.FormatError, match="changed since it was parsed"):
-            await engine.moe(1, np.zeros((1, SMALL.n_embd), dtype=np.float32))
+            await aioexperts.MoERunner(engine).moe(1, np.zeros((1, SMALL.n_embd), dtype=np.float32))
 
 
 def model_path_for(tmp_path: Path) -> Path:
@@ -238,7 +280,7 @@ async def test_more_bad_requests(model_path: Path, anyio_backend: object) -> Non
             async with engine.experts(1.0, [0]):  # type: ignore[arg-type]
                 pass
         with pytest.raises(aioexperts.InvalidRequestError, match="no MoE layer 99"):
-            engine.next_moe_layer(99)
+            aioexperts.MoERunner(engine).upcoming_layers(99)
         async with engine.experts(np.int64(1), [0]) as views:  # numpy ints are ints
             assert views[0] is not None and views[0].layer == 1 and type(views[0].layer) is int
 
@@ -252,7 +294,7 @@ async def test_a_directory_is_not_a_model(tmp_path: Path, anyio_backend: object)
 def test_an_engine_belongs_to_its_event_loop(model_path: Path) -> None:
     import asyncio
 
-    async def start() -> aioexperts.Engine:
+    async def start() -> aioexperts.ExpertStore:
         engine = aioexperts.open(model_path, slots=4)
         await engine.start()
         return engine
@@ -276,7 +318,7 @@ async def test_a_faulty_policy_does_not_jam_the_engine(
         def admit(self, key: tuple[int, int]) -> None:
             raise KeyError(key)
 
-    async with aioexperts.open(model_path, slots=4, policy=Faulty()) as engine:
+    async with aioexperts.open(model_path, cache=aioexperts.CacheOptions(slots=4, policy=Faulty())) as engine:
         with anyio.fail_after(10):
             async with engine.experts(1, [0, 1]) as views:
                 assert len(views) == 2

@@ -26,7 +26,7 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-async def read_all(engine: aioexperts.Engine) -> dict[tuple[int, int], list[bytes]]:
+async def read_all(engine: aioexperts.ExpertStore) -> dict[tuple[int, int], list[bytes]]:
     out = {}
     for layer, moe in engine.layout.layers.items():
         for e in range(moe.n_experts):
@@ -54,7 +54,7 @@ async def test_io_uring_setup_failure_falls_back_to_threads(
 
     monkeypatch.setattr(liburing, "io_uring_queue_init", refuse)
     caplog.set_level(logging.WARNING, logger="aioexperts")
-    async with aioexperts.open(small_model, slots=4, backend="auto") as engine:
+    async with aioexperts.open(small_model, slots=4, io=aioexperts.IOOptions(backend="auto")) as engine:
         st = engine.statistics()
         assert st.backend == "threads"
         assert st.fallback_reason is not None and needle in st.fallback_reason
@@ -76,7 +76,7 @@ async def test_forced_io_uring_that_cannot_start_is_an_error(
 
     monkeypatch.setattr(liburing, "io_uring_queue_init", refuse)
     with pytest.raises(aioexperts.BackendUnavailableError, match="EPERM"):
-        async with aioexperts.open(small_model, backend="io_uring"):
+        async with aioexperts.open(small_model, io=aioexperts.IOOptions(backend="io_uring")):
             pass
 
 
@@ -106,7 +106,7 @@ async def test_tmpfs_gets_buffered_reads_and_says_why(small_model: Path, anyio_b
         for (layer, e), data in got.items():
             assert data == [pread_segment(model, s) for s in layout.locate(layer, e).segments]
         with pytest.raises(aioexperts.BackendUnavailableError, match="direct I/O"):
-            async with aioexperts.open(path, direct_io=True):
+            async with aioexperts.open(path, io=aioexperts.IOOptions(direct_io=True)):
                 pass
     finally:
         path.unlink()
@@ -114,12 +114,12 @@ async def test_tmpfs_gets_buffered_reads_and_says_why(small_model: Path, anyio_b
 
 async def test_unknown_backend_name_is_a_config_error(small_model: Path, anyio_backend: object) -> None:
     with pytest.raises(aioexperts.ConfigError, match="backend must be one of"):
-        async with aioexperts.open(small_model, backend="spdk"):
+        async with aioexperts.open(small_model, io=aioexperts.IOOptions(backend="spdk")):
             pass
 
 
 async def test_buffered_reads_on_request(small_model: Path, anyio_backend: object) -> None:
-    async with aioexperts.open(small_model, slots=4, direct_io=False) as engine:
+    async with aioexperts.open(small_model, slots=4, io=aioexperts.IOOptions(direct_io=False)) as engine:
         st = engine.statistics()
         assert not st.direct_io and "direct_io=False" in (st.buffered_reason or "")
         assert len(await read_all(engine)) == 16

@@ -35,7 +35,7 @@ BACKENDS = {
 async def check_every_expert(path: Path, backend: object, slots: int = 3, chunk: int = 2) -> int:
     """Read every expert of every layer in chunks through a small slab; compare with pread."""
     checked = 0
-    async with aioexperts.open(path, slots=slots, backend=backend) as engine:  # type: ignore[arg-type]
+    async with aioexperts.open(path, slots=slots, io=aioexperts.IOOptions(backend=backend)) as engine:  # type: ignore[arg-type]
         model, layout = engine.model, engine.layout
         for layer, moe in layout.layers.items():
             ids = list(range(moe.n_experts))

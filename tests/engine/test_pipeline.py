@@ -28,17 +28,16 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 async def test_layer_order_and_lookahead(model_path: Path, anyio_backend: object) -> None:
-    async with aioexperts.open(model_path, slots=8, prefetch_depth=2) as engine:
-        assert list(engine.layout.layers) == [1, 2, 3, 4]
-        assert [engine.next_moe_layer(layer) for layer in (1, 2, 3, 4)] == [
-            2,
-            3,
-            4,
-            1,
-        ]  # wraps to the next token
-        assert engine.upcoming_layers(3) == [4, 1]
-    async with aioexperts.open(model_path, slots=8, prefetch_depth=9) as engine:
-        assert engine.upcoming_layers(1) == [2, 3, 4]  # never the layer itself
+    async with aioexperts.open(model_path, slots=8) as store:
+        assert list(store.layout.layers) == [1, 2, 3, 4]
+        one = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(depth=1))
+        assert [one.upcoming_layers(layer) for layer in (1, 2, 3, 4)] == [[2], [3], [4], [1]]  # wraps to the next token
+        assert aioexperts.MoERunner(store).upcoming_layers(3) == [4, 1]  # depth 2 by default
+        deep = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(depth=9))
+        assert deep.upcoming_layers(1) == [2, 3, 4]  # never the layer itself
+        assert aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(depth=0)).upcoming_layers(1) == []
+        with pytest.raises(aioexperts.InvalidRequestError):
+            one.upcoming_layers(0)  # a dense block
 
 
 def route_from(trace: aioexperts._predict.trace.RoutingTrace, token: list[int]):  # type: ignore[name-defined,no-untyped-def]
@@ -53,50 +52,53 @@ async def test_oracle_prefetch_turns_misses_into_prefetch_hits(model_path: Path,
     trace = uniform_random_trace(6, [1, 2, 3, 4], 8, 2, seed=3)
     results = {}
     for prefetch in (False, True):
-        async with aioexperts.open(model_path, slots=12, prefetch="none") as engine:
+        async with aioexperts.open(model_path, slots=12) as store:
+            runner = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="none"))
             token = [0]
             predictor = OraclePredictor(trace)
             x = np.full((1, 256), 0.01, dtype=np.float32)  # random weights: keep the residual small
             for t in range(trace.n_tokens):
                 token[0] = predictor.token = t
-                out = await engine.run_token(
+                out = await runner.run_token(
                     x, route_step=route_from(trace, token), predictor=predictor, prefetch=prefetch
                 )
                 assert out.output.shape == (1, 256) and np.isfinite(out.output).all()
                 assert [s.layer for s in out.steps] == [1, 2, 3, 4]
-            results[prefetch] = engine.statistics()
-    off, on = results[False], results[True]
+            results[prefetch] = (store.statistics(), runner.statistics())
+    (off, off_run), (on, on_run) = results[False], results[True]
     assert off.prefetch_issued == 0 and off.misses > 0
     assert on.prefetch_issued > 0 and on.prefetch_hits > 0
     # the oracle is never wrong: everything it prefetched was used, nothing wasted
     assert on.prefetch_wasted == 0 and on.prefetch_hits + on.prefetch_dropped >= on.prefetch_issued - 4
     assert on.misses < off.misses
-    assert on.tokens == off.tokens == 6 and on.token_latency_p50_ms is not None
+    assert on_run.tokens == off_run.tokens == 6 and on_run.token_latency_p50_ms is not None
 
 
 async def test_prefetch_none_issues_nothing(model_path: Path, anyio_backend: object) -> None:
-    async with aioexperts.open(model_path, slots=12, prefetch="none") as engine:
-        await engine.run_token(np.full((1, 256), 0.01, dtype=np.float32))
-        assert engine.statistics().prefetch_issued == 0
+    async with aioexperts.open(model_path, slots=12) as store:
+        runner = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="none"))
+        await runner.run_token(np.full((1, 256), 0.01, dtype=np.float32))
+        assert store.statistics().prefetch_issued == 0
 
 
 async def test_router_prefetch_with_the_real_executor(model_path: Path, anyio_backend: object) -> None:
-    async with aioexperts.open(model_path, slots=12, prefetch="router") as engine:
+    async with aioexperts.open(model_path, slots=12) as store:
+        runner = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="router"))
         rng = np.random.default_rng(0)
         for _ in range(3):
-            await engine.run_token(0.01 * rng.standard_normal((1, 256)).astype(np.float32))
-        st = engine.statistics()
+            await runner.run_token(0.01 * rng.standard_normal((1, 256)).astype(np.float32))
+        st = store.statistics()
         assert st.prefetch_issued > 0 and st.requests == st.hits + st.inflight_joins + st.misses
 
 
 async def test_prefill_larger_than_the_slab_runs_in_groups(model_path: Path, anyio_backend: object) -> None:
     x = 0.1 * np.random.default_rng(1).standard_normal((32, 256)).astype(np.float32)
-    async with aioexperts.open(model_path, slots=64) as engine:
-        whole = await engine.moe_result(2, x)
+    async with aioexperts.open(model_path, slots=64) as store:
+        whole = await aioexperts.MoERunner(store).moe_result(2, x)
     assert len(np.unique(whole.ids)) > 3
-    async with aioexperts.open(model_path, slots=3) as engine:
-        grouped = await engine.moe_result(2, x)
-        assert engine.statistics().misses >= len(np.unique(whole.ids))
+    async with aioexperts.open(model_path, slots=3) as store:
+        grouped = await aioexperts.MoERunner(store).moe_result(2, x)
+        assert store.statistics().misses >= len(np.unique(whole.ids))
     np.testing.assert_array_equal(grouped.ids, whole.ids)
     np.testing.assert_allclose(grouped.ffn_out, whole.ffn_out, rtol=1e-5, atol=1e-6)
 
@@ -111,7 +113,8 @@ async def test_cancel_during_compute_keeps_slots_pinned_until_the_thread_ends(
         finish.wait(10)
         return np.zeros_like(x)
 
-    async with aioexperts.open(model_path, slots=8, prefetch="none") as engine:
+    async with aioexperts.open(model_path, slots=8) as store:
+        runner = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="none"))
         done = anyio.Event()
         scope = anyio.CancelScope()
         cancelled = []
@@ -119,7 +122,7 @@ async def test_cancel_during_compute_keeps_slots_pinned_until_the_thread_ends(
         async def token() -> None:
             with scope:
                 try:
-                    await engine.run_token(np.ones((1, 256), dtype=np.float32), compute=slow_compute)
+                    await runner.run_token(np.ones((1, 256), dtype=np.float32), compute=slow_compute)
                 except anyio.get_cancelled_exc_class():
                     cancelled.append(True)
                     raise
@@ -133,9 +136,9 @@ async def test_cancel_during_compute_keeps_slots_pinned_until_the_thread_ends(
             scope.cancel()
             await anyio.sleep(0.05)
             assert not done.is_set()  # the task waits for its compute thread
-            assert engine.cache.pinned_slots == 2  # and the experts stay pinned meanwhile
+            assert store.statistics().pinned_slots == 2  # and the experts stay pinned meanwhile
             finish.set()
             with anyio.fail_after(5):
                 await done.wait()
         assert cancelled == [True]  # the cancellation was delivered, not turned into another error
-        assert engine.cache.pinned_slots == 0
+        assert store.statistics().pinned_slots == 0

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 from pathlib import Path
 
 import pytest
-from ioutil import drop_cache, pread_segment, read_segments, resident_pages, write_shifted_moe
+from ioutil import drop_cache, fd_flags_of, pread_segment, read_segments, resident_pages, write_shifted_moe
 
 import aioexperts
 
@@ -62,12 +61,12 @@ async def test_expert_1152_bytes_past_a_page_boundary_reads_right_with_direct_io
     model = aioexperts.open_model(path)
     loc = aioexperts.build_layout(model).locate(0, 1)
     assert model.tensor("blk.0.ffn_gate_exps.weight").data_offset % 4096 == 1152
-    async with aioexperts.open(path, slots=2, backend=backend) as engine:
+    async with aioexperts.open(path, slots=2, io=aioexperts.IOOptions(backend=backend)) as engine:
         drop_cache(path)  # parsing the header may have read ahead into the experts
         assert resident_pages(path, loc.gate.offset, loc.gate.n_bytes) == 0
         assert engine.statistics().direct_io
-        files = engine._files
-        assert files is not None and all(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT for fd in files.fds)
+        flags = fd_flags_of(path)
+        assert flags and all(f & os.O_DIRECT for f in flags)  # every descriptor of the model is direct
         async with engine.experts(0, [0, 1]) as views:
             got = {
                 view.expert: [bytes(p.data) for p in (view.gate, view.up, view.down)]

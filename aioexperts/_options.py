@@ -1,0 +1,188 @@
+"""The options of an expert store and of an MoE runner: small frozen records, checked when built.
+
+Each record groups the settings of one concern: :class:`CacheOptions` (the slab and who stays in
+it), :class:`IOOptions` (how bytes come off the disk), :class:`PrefetchOptions` (what the runner
+loads ahead). A bad value raises :class:`~aioexperts.ConfigError` from the constructor, before any
+file is opened; ``dataclasses.replace(options, field=value)`` builds a checked variant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._cache.eviction import POLICY_NAMES, EvictionPolicy
+from ._errors import ConfigError
+from ._io.select import BACKEND_NAMES, BackendFactory
+from ._predict.predictors import PREDICTORS, Predictor
+
+__all__ = (
+    "DEFAULT_CACHE_BYTES",
+    "DEFAULT_MAX_BYTES_IN_FLIGHT",
+    "DEFAULT_QUEUE_DEPTH",
+    "MAX_QUEUE_DEPTH",
+    "MIN_QUEUE_DEPTH",
+    "CacheOptions",
+    "IOOptions",
+    "PrefetchOptions",
+)
+
+DEFAULT_CACHE_BYTES = 1 << 30
+"""Slab size used when neither ``slots`` nor ``bytes`` is given: 1 GiB."""
+DEFAULT_QUEUE_DEPTH = 64
+MIN_QUEUE_DEPTH = 3
+"""Gate, up and down of one expert are submitted together."""
+MAX_QUEUE_DEPTH = 4096
+DEFAULT_MAX_BYTES_IN_FLIGHT = 256 << 20
+
+
+def _check_int(name: str, value: object, *, low: int, optional: bool = False, high: int | None = None) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int{' or None' if optional else ''}, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise ConfigError(f"{name} must be {bounds}, got {value}")
+
+
+def _check_bool(name: str, value: object, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False{' or None' if optional else ''}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheOptions:
+    """The slab of slots and the cache over it.
+
+    The slab is sized by ``slots`` or by ``bytes``, never both (``ConfigError``); with neither it
+    takes :data:`DEFAULT_CACHE_BYTES`. Either way it holds at least ``2 * expert_used_count`` slots
+    and at most every expert of the model.
+
+    Attributes:
+        slots: slab slots, each holding one expert (gate, up and down); None to size by ``bytes``.
+        bytes: slab size in bytes (rounded down to whole slots); None for the 1 GiB default.
+        policy: eviction policy name (``"lru"``, ``"lfu"``, ``"lfuda"``) or an
+            :class:`~aioexperts.policies.EvictionPolicy` instance (one per store).
+        wait_for_slots: when every slot is pinned, wait for one instead of raising
+            :class:`~aioexperts.SlabExhaustedError` at once.
+        hugepages: advise transparent huge pages (``MADV_HUGEPAGE``) for the slab; slots are then
+            rounded up to 2 MiB.
+        lock_memory: ``mlock`` the slab (fails with the ``RLIMIT_MEMLOCK`` value in the message).
+
+    Raises:
+        ConfigError: a value out of range or of the wrong type.
+    """
+
+    slots: int | None = None
+    bytes: int | None = None
+    policy: str | EvictionPolicy = "lru"
+    wait_for_slots: bool = False
+    hugepages: bool = False
+    lock_memory: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("slots", self.slots, low=1, optional=True)
+        _check_int("bytes", self.bytes, low=1, optional=True)
+        if self.slots is not None and self.bytes is not None:
+            raise ConfigError(
+                f"size the cache by slots or by bytes, not both (got slots={self.slots}, bytes={self.bytes})"
+            )
+        if isinstance(self.policy, str):
+            if self.policy.lower() not in POLICY_NAMES:
+                raise ConfigError(
+                    f"policy must be one of {', '.join(POLICY_NAMES)} or an EvictionPolicy, got {self.policy!r}"
+                )
+        elif not isinstance(self.policy, EvictionPolicy):
+            raise ConfigError(f"policy must be a policy name or an EvictionPolicy, got {self.policy!r}")
+        _check_bool("wait_for_slots", self.wait_for_slots)
+        _check_bool("hugepages", self.hugepages)
+        _check_bool("lock_memory", self.lock_memory)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IOOptions:
+    """How expert bytes are read.
+
+    Attributes:
+        backend: ``"auto"`` (io_uring where its ring can be set up, else the thread pool, with
+            one log line saying why), ``"io_uring"``, ``"threads"``, or a
+            :data:`BackendFactory` for a custom backend.
+        direct_io: True to require ``O_DIRECT``, False for buffered reads (the page cache),
+            None to use ``O_DIRECT`` where a probe read works.
+        queue_depth: reads in flight at most (the io_uring ring size), 3..4096.
+        max_bytes_in_flight: bytes requested by the reads in flight at most (one expert always
+            fits).
+        fixed_buffers: register the slab with io_uring (``READV_FIXED``) where the kernel and
+            ``RLIMIT_MEMLOCK`` allow.
+        sqe_async: io_uring ``IOSQE_ASYNC``: submit returns at once and kernel workers issue the
+            reads (less time on the loop thread, more CPU in total).
+        n_threads: worker threads of the thread backend (default ``min(queue_depth, 8)``).
+
+    Raises:
+        ConfigError: a value out of range or of the wrong type.
+    """
+
+    backend: str | BackendFactory = "auto"
+    direct_io: bool | None = None
+    queue_depth: int = DEFAULT_QUEUE_DEPTH
+    max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT
+    fixed_buffers: bool = True
+    sqe_async: bool = False
+    n_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.backend, str):
+            if self.backend not in BACKEND_NAMES:
+                raise ConfigError(
+                    f"backend must be one of {', '.join(BACKEND_NAMES)} or a factory, got {self.backend!r}"
+                )
+        elif not callable(self.backend):
+            raise ConfigError(f"backend must be a name or a factory, got {self.backend!r}")
+        _check_bool("direct_io", self.direct_io, optional=True)
+        _check_int("queue_depth", self.queue_depth, low=MIN_QUEUE_DEPTH, high=MAX_QUEUE_DEPTH)
+        _check_int("max_bytes_in_flight", self.max_bytes_in_flight, low=1)
+        _check_bool("fixed_buffers", self.fixed_buffers)
+        _check_bool("sqe_async", self.sqe_async)
+        _check_int("n_threads", self.n_threads, low=1, optional=True)
+
+    def backend_options(self) -> dict[str, Any]:
+        """The keyword options of the built-in backends."""
+        options: dict[str, Any] = {"fixed_buffers": self.fixed_buffers, "sqe_async": self.sqe_async}
+        if self.n_threads is not None:
+            options["n_threads"] = self.n_threads
+        return options
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefetchOptions:
+    """What an :class:`~aioexperts.MoERunner` loads ahead while a layer computes.
+
+    Attributes:
+        predictor: ``"router"`` (the next layer's router on the current MoE input), ``"previous"``
+            (the previous token's choice), ``"frequency"`` (decayed per-layer counts), ``"none"``,
+            or a :class:`~aioexperts.predictors.Predictor` instance.
+        budget: experts prefetched per predicted layer; None for the model's ``expert_used_count``.
+        depth: MoE layers prefetched ahead (default 2: the device queue never runs dry at a layer
+            boundary; 1 synchronises I/O and compute at every layer; 0 turns prefetch off).
+
+    Raises:
+        ConfigError: a value out of range or of the wrong type.
+    """
+
+    predictor: str | Predictor = "router"
+    budget: int | None = None
+    depth: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.predictor, str):
+            if self.predictor not in PREDICTORS:
+                raise ConfigError(
+                    f"predictor must be one of {', '.join(sorted(PREDICTORS))} or a Predictor, got {self.predictor!r}"
+                )
+        elif not isinstance(self.predictor, Predictor):
+            raise ConfigError(f"predictor must be a predictor name or a Predictor, got {self.predictor!r}")
+        _check_int("budget", self.budget, low=0, optional=True)
+        _check_int("depth", self.depth, low=0)

@@ -1,0 +1,448 @@
+"""The MoE runner: routes, fetches experts through an expert store, computes, prefetches ahead.
+
+An :class:`MoERunner` holds what a model needs besides the streamed experts (the resident routers,
+biases and shared experts), the prefetch predictor and the routing trace. Every entry point
+(:meth:`~MoERunner.moe`, :meth:`~MoERunner.moe_result`, :meth:`~MoERunner.run_token`) goes through
+one layer step: route and predict in a worker thread, pin the experts and start the prefetch of
+the upcoming layers, compute in a worker thread, unpin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import anyio
+import numpy as np
+
+from ._cache.cache import Key
+from ._cache.stats import LatencyWindow, to_ms
+from ._compute.executor import MoEOutput, ResidentLayer, moe_forward, route
+from ._compute.resident import load_residents
+from ._errors import ConfigError
+from ._format.views import ExpertView
+from ._options import PrefetchOptions
+from ._pipeline import ComputeStep, LayerStep, TokenResult, run_in_worker, run_layer_step
+from ._predict.predictors import Predictor, make_predictor
+from ._predict.trace import RoutingTrace, TraceRecorder
+from ._store import ExpertStore
+
+__all__ = ("MoEResult", "MoERunner", "RouteStep", "RunnerStatistics")
+
+log = logging.getLogger("aioexperts")
+
+#: ``route_step(layer, x) -> (ids, weights)``: a custom router, run in a worker thread; ``ids`` and
+#: ``weights`` are ``(n_tokens, k)`` int32 and float32.
+RouteStep = Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MoEResult:
+    """One MoE layer on a batch of tokens (:meth:`MoERunner.moe_result`).
+
+    Attributes:
+        ids: ``(n_tokens, k)`` int32 selected experts, llama.cpp's order.
+        weights: ``(n_tokens, k)`` float32 routing weights (normalised and scaled).
+        moe_out: ``(n_tokens, n_embd)`` float32 routed experts' weighted sum.
+        shared_out: ``(n_tokens, n_embd)`` float32 shared expert output, or None.
+        ffn_out: ``moe_out + shared_out``, ``(n_tokens, n_embd)`` float32.
+        io_wait_seconds: time waited for experts after routing.
+        compute_seconds: executor time in the worker thread.
+    """
+
+    ids: np.ndarray
+    weights: np.ndarray
+    moe_out: np.ndarray
+    shared_out: np.ndarray | None
+    ffn_out: np.ndarray
+    io_wait_seconds: float
+    compute_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerStatistics:
+    """A snapshot of a runner's counters (:meth:`MoERunner.statistics`).
+
+    Attributes:
+        layer_steps: MoE layer steps run (every entry point; a batch is one step per layer).
+        tokens: tokens run through :meth:`MoERunner.run_token` (a batch of ``n`` counts ``n``).
+        io_wait_seconds: time spent waiting for experts after routing, summed over steps.
+        compute_seconds: time the compute steps ran in worker threads, summed.
+        token_latency_p50_ms, token_latency_p99_ms: per :meth:`MoERunner.run_token` call (ms).
+    """
+
+    layer_steps: int
+    tokens: int
+    io_wait_seconds: float
+    compute_seconds: float
+    token_latency_p50_ms: float | None
+    token_latency_p99_ms: float | None
+
+
+@dataclass(slots=True)
+class _Counters:
+    layer_steps: int = 0
+    tokens: int = 0
+    io_wait_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    token_latency: LatencyWindow = dataclasses.field(default_factory=LatencyWindow)
+
+
+@dataclass(frozen=True, slots=True)
+class _Routed:
+    ids: np.ndarray
+    weights: np.ndarray
+    prefetch: list[Key]
+
+
+class MoERunner:
+    """Runs the MoE layers of the model in ``store``: route, fetch, compute, prefetch ahead.
+
+    Example::
+
+        async with aioexperts.open("model.gguf", slots=256) as store:
+            runner = aioexperts.MoERunner(store)
+            y = await runner.moe(layer, x)   # x: (n_tokens, n_embd) float32
+
+    Args:
+        store: a started :class:`~aioexperts.ExpertStore`; the runner never closes it.
+        prefetch: what to load ahead (default :class:`~aioexperts.PrefetchOptions`).
+        record_trace: record every routing decision (see :meth:`routing_trace`).
+        trace_max_tokens: the most tokens a trace keeps (memory ``n_tokens * n_layers * k * 2``
+            bytes); recording beyond raises ``ConfigError``.
+
+    Raises:
+        ConfigError: a bad argument.
+
+    Concurrency: several tasks may await one runner at once; their numpy work runs in worker
+    threads and the predictor and trace are updated under a lock.
+    """
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        *,
+        prefetch: PrefetchOptions | None = None,
+        record_trace: bool = False,
+        trace_max_tokens: int | None = None,
+    ) -> None:
+        if not isinstance(store, ExpertStore):
+            raise ConfigError(f"store must be an ExpertStore (from aioexperts.open), got {store!r}")
+        if prefetch is not None and not isinstance(prefetch, PrefetchOptions):
+            raise ConfigError(f"prefetch must be a PrefetchOptions, got {prefetch!r}")
+        if not isinstance(record_trace, bool):
+            raise ConfigError(f"record_trace must be True or False, got {record_trace!r}")
+        self._store = store
+        self.prefetch_options = prefetch or PrefetchOptions()
+        self._record_trace = record_trace
+        self._trace_max_tokens = trace_max_tokens
+        self._recorder: TraceRecorder | None = None
+        self._residents: dict[int, ResidentLayer] | None = None
+        self._residents_lock = anyio.Lock()
+        self._predictor: Predictor | None = None
+        self._state_lock = threading.Lock()  # predictor and trace: observed from worker threads
+        self._counters = _Counters()
+
+    @property
+    def store(self) -> ExpertStore:
+        """The expert store this runner reads from."""
+        return self._store
+
+    # -- start-up -------------------------------------------------------------------------------
+
+    async def warmup(self) -> None:
+        """Load (once) what computing needs: the resident weights of every MoE layer, the predictor.
+
+        Runs the blocking work in a worker thread; :meth:`moe` and :meth:`run_token` call it on
+        first use.
+
+        Raises:
+            FormatError, ConfigError: a resident tensor is missing, truncated or misshaped.
+            EngineClosedError: the store is closed.
+        """
+        async with self._residents_lock:
+            if self._residents is not None:
+                return
+            store = self._store
+            store._check_running()  # EngineClosedError / wrong loop, before any work
+            hparams = store.hparams
+            if not hparams.verified:
+                log.warning(
+                    "architecture %r is not one whose MoE routing was checked against llama.cpp; computing "
+                    "with the generic rules (gating and normalisation from the metadata, SwiGLU experts): "
+                    "outputs may differ from llama.cpp",
+                    hparams.arch,
+                )
+            residents = await run_in_worker(load_residents, store.model, store.layout, hparams)
+            if self._record_trace:
+                layout = store.layout
+                self._recorder = TraceRecorder(
+                    list(layout.layers),
+                    [m.n_experts for m in layout.layers.values()],
+                    layout.n_expert_used,
+                    metadata={"model": os.path.basename(store.path)},
+                    max_tokens=self._trace_max_tokens,
+                )
+            self._predictor = self._make_predictor(residents)
+            self._residents = residents
+
+    def _make_predictor(self, residents: Mapping[int, ResidentLayer]) -> Predictor:
+        arg = self.prefetch_options.predictor
+        if not isinstance(arg, str):
+            return arg
+        if arg == "router":
+            return make_predictor("router", residents=residents, hparams=self._store.hparams)
+        return make_predictor(arg)
+
+    @property
+    def residents(self) -> Mapping[int, ResidentLayer]:
+        """Block index -> the layer's resident weights (after :meth:`warmup`).
+
+        Raises:
+            ConfigError: before :meth:`warmup` ran.
+        """
+        if self._residents is None:
+            raise ConfigError("the resident weights are not loaded yet: await runner.warmup() first")
+        return self._residents
+
+    @property
+    def predictor(self) -> Predictor:
+        """The predictor used for prefetching (after :meth:`warmup`).
+
+        Raises:
+            ConfigError: before :meth:`warmup` ran.
+        """
+        if self._predictor is None:
+            raise ConfigError("the predictor is built by warmup(): await runner.warmup() first")
+        return self._predictor
+
+    # -- layer order ----------------------------------------------------------------------------
+
+    def upcoming_layers(self, layer: int) -> list[int]:
+        """The MoE layers prefetched while ``layer`` computes, nearest first.
+
+        ``PrefetchOptions.depth`` of them, wrapping around after the last MoE layer to the next
+        token's first layers, never ``layer`` itself.
+
+        Raises:
+            InvalidRequestError: ``layer`` is not a MoE layer.
+        """
+        layers = list(self._store.layout.layers)
+        i = layers.index(self._store.layout.layer(layer).index)
+        depth = min(self.prefetch_options.depth, len(layers) - 1)
+        return [layers[(i + d) % len(layers)] for d in range(1, depth + 1)]
+
+    # -- one layer ------------------------------------------------------------------------------
+
+    def _route(self, layer: int, x: np.ndarray, route_step: RouteStep | None, predictor: Predictor | None) -> _Routed:
+        """Route and predict (worker thread)."""
+        if route_step is None:
+            ids, weights = route(x, self.residents[layer], self._store.hparams)
+        else:
+            ids, weights = route_step(layer, x)
+        prefetch: list[Key] = []
+        budget = self.prefetch_options.budget
+        budget = self._store.layout.n_expert_used if budget is None else budget
+        with self._state_lock:
+            if self._recorder is not None:
+                self._recorder.record(layer, ids)
+            if predictor is not None:
+                predictor.observe(layer, x, ids)
+                if budget:
+                    for nxt in self.upcoming_layers(layer):
+                        prefetch.extend((nxt, e) for e in predictor.predict(layer, nxt, x, budget))
+        return _Routed(ids, weights, prefetch)
+
+    async def _step(self, layer: int, x: np.ndarray, routed: _Routed, compute: ComputeStep) -> LayerStep:
+        step = await run_layer_step(
+            self._store,
+            layer,
+            x,
+            routed.ids,
+            routed.weights,
+            compute,
+            prefetch=routed.prefetch,
+            upcoming=self.upcoming_layers(layer),
+        )
+        c = self._counters
+        c.layer_steps += 1
+        c.io_wait_seconds += step.io_wait_seconds
+        c.compute_seconds += step.compute_seconds
+        return step
+
+    async def _executor_layer(self, layer: int, x: np.ndarray, routed: _Routed) -> tuple[MoEOutput, float, float]:
+        """The layer through the executor; a batch choosing more experts than the slab holds runs
+        in groups of at most ``n_slots`` experts whose routed sums are added."""
+        resident, hparams = self.residents[layer], self._store.hparams
+        ids = routed.ids
+        unique = list(dict.fromkeys(ids[ids >= 0].tolist()))
+        limit = self._store.n_slots
+        groups = [unique[i : i + limit] for i in range(0, len(unique), limit)] or [[]]
+        outputs: list[MoEOutput] = []
+        io_wait = compute_s = 0.0
+        for g, group in enumerate(groups):
+            group_ids = ids if len(groups) == 1 else np.where(np.isin(ids, group), ids, -1).astype(ids.dtype)
+            group_resident = resident if g == 0 else _without_shared(resident)
+
+            def compute(
+                _layer: int,
+                xx: np.ndarray,
+                views: Mapping[int, ExpertView],
+                ii: np.ndarray,
+                ww: np.ndarray,
+                _resident: ResidentLayer = group_resident,
+            ) -> MoEOutput:
+                return moe_forward(xx, ii, ww, views, _resident, hparams)
+
+            last = g == len(groups) - 1
+            part = _Routed(group_ids, routed.weights, routed.prefetch if last else [])
+            step = await self._step(layer, x, part, compute)
+            outputs.append(step.output)
+            io_wait += step.io_wait_seconds
+            compute_s += step.compute_seconds
+        if len(outputs) == 1:
+            return outputs[0], io_wait, compute_s
+        out = await run_in_worker(_sum_groups, outputs)
+        return out, io_wait, compute_s
+
+    # -- entry points ---------------------------------------------------------------------------
+
+    async def moe(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """Run MoE layer ``layer`` on ``x``: route, fetch the experts, compute (``ffn_out``).
+
+        The router is resident; the chosen experts come through the store; the executor runs in
+        a worker thread while the upcoming layers' predicted experts are prefetched.
+
+        Args:
+            layer: block index of a MoE layer.
+            x: ``(n_tokens, n_embd)`` float32, the MoE block's input (after the FFN norm).
+
+        Returns:
+            ``(n_tokens, n_embd)`` float32: routed experts plus shared experts (llama.cpp's
+            ``ffn_out``; add it to the residual stream).
+
+        Raises:
+            InvalidRequestError: no such layer, or ``x`` has the wrong dtype or shape.
+            SlabExhaustedError, ExpertReadError, EngineClosedError: as
+                :meth:`ExpertStore.experts`.
+
+        Cancellation handling:
+            As :meth:`ExpertStore.experts`; an executor call already running finishes in its
+            thread first, with the experts still pinned.
+        """
+        return (await self.moe_result(layer, x)).ffn_out
+
+    async def moe_result(self, layer: int, x: np.ndarray, *, prefetch: bool = True) -> MoEResult:
+        """Like :meth:`moe`, returning the routing and every partial output.
+
+        Args:
+            layer: block index of a MoE layer.
+            x: ``(n_tokens, n_embd)`` float32.
+            prefetch: observe the routing and prefetch the upcoming layers' predicted experts.
+
+        Raises:
+            As :meth:`moe`.
+        """
+        await self.warmup()
+        layer = self._store.layout.layer(layer).index
+        routed = await run_in_worker(self._route, layer, x, None, self._predictor if prefetch else None)
+        out, io_wait, compute_s = await self._executor_layer(layer, x, routed)
+        return MoEResult(routed.ids, routed.weights, out.moe_out, out.shared_out, out.ffn_out, io_wait, compute_s)
+
+    async def run_token(
+        self,
+        x: np.ndarray,
+        *,
+        route_step: RouteStep | None = None,
+        compute: ComputeStep | None = None,
+        predictor: Predictor | None = None,
+        prefetch: bool = True,
+    ) -> TokenResult:
+        """Run every MoE layer for one token (or a batch), in order, with prefetch ahead.
+
+        A driver for measuring the I/O and compute overlap with any compute step: layer ``N+1``
+        gets ``x + y`` of layer ``N`` (a residual stream without attention), so it is not a model
+        forward pass. Per-token latency and the token count go into :meth:`statistics`.
+
+        Args:
+            x: ``(n_tokens, n_embd)`` float32 input of the first MoE layer.
+            route_step: ``(layer, x) -> (ids, weights)``; default: the layer's resident router.
+            compute: the compute step (see ``ComputeStep``); default: the executor (a batch
+                larger than the slab runs in groups, as in :meth:`moe`). A custom step must fit
+                each layer's experts in the slab.
+            predictor: overrides the runner's predictor for this call.
+            prefetch: prefetch the upcoming layers' predicted experts.
+
+        Raises:
+            As :meth:`moe`.
+        """
+        t0 = time.perf_counter()
+        await self.warmup()
+        chosen = (predictor or self._predictor) if prefetch else None
+        steps = []
+        for layer in self._store.layout.layers:
+            routed = await run_in_worker(self._route, layer, x, route_step, chosen)
+            if compute is None:
+                out, io_wait, compute_s = await self._executor_layer(layer, x, routed)
+                step = LayerStep(layer, routed.ids, routed.weights, out.ffn_out, io_wait, compute_s)
+            else:
+                step = await self._step(layer, x, routed, compute)
+            steps.append(step)
+            x = x + step.output
+        seconds = time.perf_counter() - t0
+        self._counters.tokens += len(x)
+        self._counters.token_latency.add(seconds)
+        return TokenResult(x, tuple(steps), seconds)
+
+    # -- records --------------------------------------------------------------------------------
+
+    def routing_trace(self) -> RoutingTrace:
+        """Every routing decision recorded so far (``record_trace=True``).
+
+        Raises:
+            ConfigError: the runner was made without ``record_trace=True``.
+        """
+        if not self._record_trace:
+            raise ConfigError("make the runner with record_trace=True to record routing")
+        if self._recorder is None:  # nothing ran yet
+            layout = self._store.layout
+            return RoutingTrace(
+                np.full((0, len(layout.layers), layout.n_expert_used), -1, dtype=np.int16),
+                tuple(layout.layers),
+                tuple(m.n_experts for m in layout.layers.values()),
+            )
+        with self._state_lock:
+            return self._recorder.trace()
+
+    def statistics(self) -> RunnerStatistics:
+        """A frozen snapshot of the runner's counters (the store has its own: I/O and cache)."""
+        c = self._counters
+        return RunnerStatistics(
+            layer_steps=c.layer_steps,
+            tokens=c.tokens,
+            io_wait_seconds=c.io_wait_seconds,
+            compute_seconds=c.compute_seconds,
+            token_latency_p50_ms=to_ms(c.token_latency.percentile(50)),
+            token_latency_p99_ms=to_ms(c.token_latency.percentile(99)),
+        )
+
+    def __repr__(self) -> str:
+        return f"<aioexperts.MoERunner over {self._store!r}>"
+
+
+def _without_shared(resident: ResidentLayer) -> ResidentLayer:
+    return dataclasses.replace(resident, shexp_gate=None, shexp_up=None, shexp_down=None, shexp_gate_inp=None)
+
+
+def _sum_groups(outputs: Sequence[MoEOutput]) -> MoEOutput:
+    moe_out = outputs[0].moe_out.copy()
+    for part in outputs[1:]:
+        moe_out += part.moe_out
+    shared_out = outputs[0].shared_out
+    ffn_out = moe_out if shared_out is None else moe_out + shared_out
+    return MoEOutput(moe_out, shared_out, ffn_out)

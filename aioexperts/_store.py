@@ -1,0 +1,418 @@
+"""The expert store: files, slab, read backend, scheduler and cache of one model, behind ``experts()``.
+
+:func:`open` builds an :class:`ExpertStore`; ``async with`` starts it (parse, open, probe, map,
+set up the backend) and closes it. The store knows nothing about computing: an
+:class:`~aioexperts.MoERunner` runs MoE layers on top of it, and hosts with their own kernels use
+:meth:`ExpertStore.experts` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from functools import lru_cache
+
+import anyio
+import numpy as np
+
+from ._cache.cache import Entry, ExpertCache, Key
+from ._cache.eviction import make_policy
+from ._cache.scheduler import ReadScheduler
+from ._cache.stats import Counters, EngineStatistics
+from ._errors import ConfigError, EngineClosedError, InvalidRequestError
+from ._format.expert_map import check_map_matches_layout, read_expert_map
+from ._format.hparams import MoEHParams
+from ._format.layout import ExpertLayout, MoELayer, build_layout
+from ._format.model import GGUFModel, open_model
+from ._format.views import ExpertView, ProjectionView
+from ._io.backends.base import IOBackend
+from ._io.files import ShardFiles, open_shards
+from ._io.loop import LoopAdapter, current_loop
+from ._io.plan import ExpertPlan, max_plan_bytes, plan_expert
+from ._io.select import create_backend
+from ._io.slab import Slab
+from ._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions
+
+__all__ = ("ExpertStore", "open")
+
+log = logging.getLogger("aioexperts")
+
+
+def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
+    path: str | os.PathLike[str],
+    *,
+    slots: int | None = None,
+    cache_bytes: int | None = None,
+    cache: CacheOptions | None = None,
+    io: IOOptions | None = None,
+    expert_map: str | os.PathLike[str] | None = None,
+) -> ExpertStore:
+    """Prepare an expert store for the GGUF model at ``path``; start it with ``async with``.
+
+    Example::
+
+        async with aioexperts.open("model.gguf", slots=256) as store:
+            async with store.experts(layer=3, ids=[5, 17]) as views:
+                gate_bytes = views[0].gate.data
+
+    Args:
+        path: a ``.gguf`` file, or any shard of a split set ``NAME-0000k-of-0000n.gguf``.
+        slots: shorthand for ``cache=CacheOptions(slots=...)``.
+        cache_bytes: shorthand for ``cache=CacheOptions(bytes=...)`` (slab size in bytes).
+        cache: the slab and cache options (size, eviction policy, waiting for slots).
+        io: the read options (backend, direct I/O, queue depth).
+        expert_map: a ``WEEPF001`` map to check against the model (refused if stale).
+
+    Raises:
+        ConfigError: an argument is out of range, or the cache is sized twice (``slots`` or
+            ``cache_bytes`` together with ``cache``, or both shorthands). Raised here, before any I/O.
+    """
+    if cache is not None and not isinstance(cache, CacheOptions):
+        raise ConfigError(f"cache must be a CacheOptions, got {cache!r}")
+    if io is not None and not isinstance(io, IOOptions):
+        raise ConfigError(f"io must be an IOOptions, got {io!r}")
+    if slots is not None or cache_bytes is not None:
+        if cache is not None:
+            raise ConfigError("give the cache size either as slots=/cache_bytes= or inside cache=, not both")
+        cache = CacheOptions(slots=slots, bytes=cache_bytes)
+    if not isinstance(path, str | os.PathLike):
+        raise ConfigError(f"path must be a str or os.PathLike, got {path!r}")
+    if expert_map is not None and not isinstance(expert_map, str | os.PathLike):
+        raise ConfigError(f"expert_map must be a str, os.PathLike or None, got {expert_map!r}")
+    return ExpertStore(
+        os.fspath(path),
+        cache or CacheOptions(),
+        io or IOOptions(),
+        None if expert_map is None else os.fspath(expert_map),
+    )
+
+
+class ExpertStore:
+    """Streams the routed experts of one model into a slab of slots. Create it with :func:`open`.
+
+    Use it from one event loop (asyncio, uvloop or trio) and one thread. ``async with`` starts and
+    closes it; :meth:`start` and :meth:`aclose` do the same by hand.
+
+    Attributes:
+        path: the model file given to :func:`open`.
+        cache_options: the :class:`~aioexperts.CacheOptions` in force.
+        io_options: the :class:`~aioexperts.IOOptions` in force.
+    """
+
+    def __init__(self, path: str, cache: CacheOptions, io: IOOptions, expert_map: str | None) -> None:
+        self.path = path
+        self.cache_options = cache
+        self.io_options = io
+        self._expert_map = expert_map
+        self._started = False
+        self._closed = False
+        self._counters = Counters()
+        self._model: GGUFModel | None = None
+        self._layout: ExpertLayout | None = None
+        self._hparams: MoEHParams | None = None
+        self._files: ShardFiles | None = None
+        self._slab: Slab | None = None
+        self._backend: IOBackend | None = None
+        self._fallback_reason: str | None = None
+        self._loop: LoopAdapter | None = None
+        self._scheduler: ReadScheduler | None = None
+        self._cache: ExpertCache | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> ExpertStore:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Parse the model, open the files, probe direct I/O, map the slab and set up the backend.
+
+        The blocking parts (parsing, opening, pre-faulting the slab) run in a worker thread.
+
+        Raises:
+            FileNotFoundError: no such model file.
+            FormatError: the model (or ``expert_map``) is malformed or stale.
+            ConfigError: the store was started before, or a custom policy or backend is unusable.
+            BackendUnavailableError: a forced backend or ``direct_io=True`` cannot work here.
+        """
+        if self._started:
+            raise ConfigError("the store was already started")
+        self._started = True
+        self._loop = loop = current_loop()
+        io, cache = self.io_options, self.cache_options
+        try:
+            model, layout, hparams = await anyio.to_thread.run_sync(self._parse)
+            self._model, self._layout, self._hparams = model, layout, hparams
+            files = self._files = await anyio.to_thread.run_sync(open_shards, model, io.direct_io)
+            if files.buffered_reason is not None and io.direct_io is None:
+                log.warning("%s; using buffered reads (the page cache)", files.buffered_reason)
+            slot_bytes = await anyio.to_thread.run_sync(max_plan_bytes, layout, files.alignment)
+            n_slots = self._n_slots(layout, slot_bytes)
+            slab = self._slab = await anyio.to_thread.run_sync(
+                lambda: Slab(n_slots, slot_bytes, hugepages=cache.hugepages, lock=cache.lock_memory)
+            )
+            backend, self._fallback_reason = create_backend(
+                io.backend, files, slab, loop, io.queue_depth, **io.backend_options()
+            )
+            self._backend = backend
+            scheduler = self._scheduler = ReadScheduler(
+                backend,
+                loop,
+                self._counters,
+                files.sizes,
+                files.alignment,
+                io.max_bytes_in_flight,
+                tuple(s.path for s in model.shards),
+            )
+            alignment = files.alignment
+            plan = lru_cache(maxsize=None)(lambda layer, expert: plan_expert(layout.locate(layer, expert), alignment))
+            policy = make_policy(cache.policy) if isinstance(cache.policy, str) else cache.policy
+            self._cache = ExpertCache(n_slots, plan, scheduler, policy, loop, self._counters)
+        except BaseException:
+            self._release_resources()
+            self._closed = True
+            raise
+
+    def _parse(self) -> tuple[GGUFModel, ExpertLayout, MoEHParams]:
+        model = open_model(self.path)
+        layout = build_layout(model)
+        hparams = MoEHParams.from_metadata(model.architecture, model.metadata)
+        if self._expert_map is not None:
+            if len(model.shards) != 1:
+                raise ConfigError("a WEEPF001 expert map describes one file; this model is a split set")
+            emap = read_expert_map(self._expert_map, model.shards[0])
+            check_map_matches_layout(emap, layout, self._expert_map)
+        return model, layout, hparams
+
+    def _n_slots(self, layout: ExpertLayout, slot_bytes: int) -> int:
+        total = layout.n_experts_total
+        slots = self.cache_options.slots
+        if slots is not None:
+            return min(slots, total)  # more could never be used
+        budget = self.cache_options.bytes or DEFAULT_CACHE_BYTES
+        return max(min(budget // slot_bytes, total), min(2 * layout.n_expert_used, total))
+
+    async def aclose(self) -> None:
+        """Close the store: refuse new requests, wait for every read in flight, free everything.
+
+        Idempotent. Waiters of experts not read yet get ``EngineClosedError``.
+
+        Cancellation handling:
+            The wait for reads in flight is shielded: memory the kernel may still write into is
+            never unmapped, so a cancelled ``aclose`` still finishes before returning.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._cache is not None:
+            self._cache.close()
+        if self._scheduler is not None:
+            with anyio.CancelScope(shield=True):
+                await self._scheduler.wait_no_reads_in_flight()
+        self._release_resources()
+
+    def _release_resources(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+        if self._files is not None:
+            self._files.close()
+        if self._slab is not None:
+            self._slab.close()
+
+    # -- what the store holds -------------------------------------------------------------------
+
+    @property
+    def model(self) -> GGUFModel:
+        """The parsed model (metadata, tensors, shards)."""
+        self._check_started()
+        assert self._model is not None
+        return self._model
+
+    @property
+    def layout(self) -> ExpertLayout:
+        """The expert layout (layers, banks, where every expert's bytes are)."""
+        self._check_started()
+        assert self._layout is not None
+        return self._layout
+
+    @property
+    def hparams(self) -> MoEHParams:
+        """The model's MoE hyper-parameters (gating, top-k, normalisation, scale)."""
+        self._check_started()
+        assert self._hparams is not None
+        return self._hparams
+
+    @property
+    def n_slots(self) -> int:
+        """Slots in the slab: the most distinct experts that can be pinned at once."""
+        self._check_started()
+        assert self._slab is not None
+        return self._slab.n_slots
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`aclose` (or a failed :meth:`start`)."""
+        return self._closed
+
+    def _check_started(self) -> None:
+        if self._layout is None:
+            raise EngineClosedError("the store is not started: use `async with aioexperts.open(...)`")
+
+    def _check_running(self) -> None:
+        """Raise unless the store is started, open and used from its own event loop."""
+        if self._closed:
+            raise EngineClosedError("the store is closed")
+        self._check_started()
+        if self._loop is not None and not self._loop.is_current():
+            raise ConfigError(
+                "the store is used from another event loop than the one it was started in; "
+                "open one store per event loop"
+            )
+
+    def _running_cache(self) -> ExpertCache:
+        self._check_running()
+        assert self._cache is not None
+        return self._cache
+
+    # -- statistics -----------------------------------------------------------------------------
+
+    def statistics(self) -> EngineStatistics:
+        """A frozen snapshot of the counters and the store's I/O set-up."""
+        self._check_started()
+        assert self._files is not None and self._slab is not None and self._backend is not None
+        assert self._scheduler is not None and self._cache is not None
+        return EngineStatistics.snapshot(
+            self._counters,
+            backend=self._backend.name,
+            direct_io=self._files.direct_io,
+            fallback_reason=self._fallback_reason,
+            buffered_reason=self._files.buffered_reason,
+            backend_features=self._backend.features(),
+            n_slots=self._slab.n_slots,
+            slot_bytes=self._slab.slot_bytes,
+            alignment=self._files.alignment,
+            in_flight=self._scheduler.reads_in_flight,
+            pinned_slots=self._cache.pinned_slots,
+        )
+
+    def reset_statistics(self) -> None:
+        """Zero the counters (the cache contents stay)."""
+        self._counters.reset()
+
+    # -- experts --------------------------------------------------------------------------------
+
+    def _keys(self, layer: int, ids: Sequence[object]) -> tuple[MoELayer, list[Key]]:
+        moe = self.layout.layer(layer)
+        keys = []
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int | np.integer):
+                raise InvalidRequestError(f"expert ids must be ints, got {i!r}")
+            i = int(i)
+            if i == -1:
+                continue
+            if not 0 <= i < moe.n_experts:
+                raise InvalidRequestError(
+                    f"layer {moe.index} has experts 0..{moe.n_experts - 1}; expert {i} does not exist"
+                )
+            keys.append((moe.index, i))
+        return moe, keys
+
+    def _view(self, entry: Entry) -> ExpertView:
+        assert self._slab is not None
+        plan: ExpertPlan = entry.plan
+        loc = plan.location
+        projections = [
+            ProjectionView(self._slab.view(entry.slot, off, seg.n_bytes), seg.ggml_type, seg.shape)
+            for off, seg in zip(plan.payload_offsets, loc.segments, strict=True)
+        ]
+        return ExpertView(loc.layer, loc.expert, loc.bank, *projections)
+
+    @asynccontextmanager
+    async def experts(
+        self, layer: int, ids: Iterable[int], *, wait: bool | None = None, prefetch: Iterable[Key] = ()
+    ) -> AsyncIterator[list[ExpertView | None]]:
+        """Pin experts of one layer and give zero-copy views of their raw bytes.
+
+        ``async with store.experts(layer, ids) as views:`` -- ``views[i]`` describes ``ids[i]``
+        (``None`` for the inactive id ``-1``); its ``gate``/``up``/``down`` ``data`` are
+        read-only memoryviews into slot memory, identical to a plain ``pread`` of the file. The
+        slots stay pinned inside the block; on exit the views are released (a view still exported
+        to, e.g., a numpy array stays readable but may be overwritten once the slot is reused).
+
+        Args:
+            layer: block index of a MoE layer.
+            ids: global expert ids (duplicates allowed; ``-1`` = inactive).
+            wait: wait for a free slot instead of raising ``SlabExhaustedError``
+                (default: ``CacheOptions.wait_for_slots``).
+            prefetch: ``(layer, expert)`` keys to start loading right after ``ids`` are pinned
+                and before waiting for them (so they cannot evict what this call needs), as
+                :meth:`prefetch` does.
+
+        Raises:
+            InvalidRequestError: no such layer or expert, or a non-int id (the store stays usable).
+            SlabExhaustedError: the slab is too small for this request right now.
+            ExpertReadError: a read failed (cause attached); the store stays usable.
+            EngineClosedError: the store is closed.
+
+        Cancellation handling:
+            Cancelling while waiting unpins everything this call pinned; reads already submitted
+            complete in the background and their slots stay LOADING until then.
+        """
+        cache = self._running_cache()
+        try:
+            ids = list(ids)  # iterated twice below: accept generators and other one-shot iterables
+        except TypeError:
+            raise InvalidRequestError(f"ids must be an iterable of expert ids, got {ids!r}") from None
+        moe, keys = self._keys(layer, ids)
+        prefetch_keys = list(prefetch)
+        if wait is None:
+            wait = self.cache_options.wait_for_slots
+
+        def start_prefetch() -> None:
+            if prefetch_keys:
+                cache.prefetch(prefetch_keys)
+
+        entries = await cache.acquire(keys, wait=wait, after_pin=start_prefetch)
+        by_key = {e.key: self._view(e) for e in entries}
+        views = [None if int(i) == -1 else by_key[(moe.index, int(i))] for i in ids]
+        try:
+            yield views
+        finally:
+            for view in by_key.values():
+                view.release()
+            cache.release(entries)
+
+    def prefetch(self, keys: Iterable[Key]) -> int:
+        """Start loading ``(layer, expert)`` keys that are not cached, without waiting.
+
+        Never evicts a pinned or loading expert, nor any expert of a layer it is prefetching
+        for; stops quietly when no slot is left.
+
+        Returns:
+            The number of loads started.
+
+        Raises:
+            InvalidRequestError: a key the model does not have (nothing was started).
+            EngineClosedError: the store is closed.
+        """
+        return self._running_cache().prefetch(list(keys))
+
+    def drop_prefetches(self, keep: Callable[[Key], bool] = lambda key: False) -> int:
+        """Forget prefetches still queued (not submitted) whose key ``keep`` rejects.
+
+        Returns:
+            The number dropped; their slots are free again.
+
+        Raises:
+            EngineClosedError: the store is closed.
+        """
+        return self._running_cache().drop_prefetches(keep)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "running" if self._cache is not None else "not started"
+        return f"<aioexperts.ExpertStore {self.path!r} {state}>"
