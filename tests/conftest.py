@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 from pathlib import Path
 
@@ -58,3 +60,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             + " or ".join(map(str, _fixture_candidates()))
             + " (set AIOEXPERTS_FIXTURES)"
         )
+
+
+def direct_io_unavailable(directory: Path) -> str | None:
+    """Why ``O_DIRECT`` reads do not work on ``directory``'s file system, or None when they do.
+
+    Probes with an aligned 4096-byte read of a scratch file (tmpfs accepts the open but serves the
+    page cache: ``statx`` tells; the tests that need it check that separately).
+    """
+    probe = directory / f".o_direct_probe_{os.getpid()}"
+    probe.write_bytes(b"\0" * 4096)
+    try:
+        try:
+            fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+        except OSError as exc:
+            return f"O_DIRECT open refused on {directory} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
+        buf = mmap.mmap(-1, 4096)
+        try:
+            os.preadv(fd, [buf], 0)
+        except OSError as exc:
+            return f"O_DIRECT read refused on {directory} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
+        finally:
+            os.close(fd)
+            buf.close()
+        from aioexperts._io.align import probe_alignment
+
+        if not probe_alignment(probe).direct_io_supported:
+            return f"{directory} is on a file system without real direct I/O (tmpfs or similar)"
+    finally:
+        probe.unlink()
+    return None
+
+
+@pytest.fixture
+def direct_tmp_path(tmp_path: Path) -> Path:
+    """``tmp_path``, or a skip (with the reason) where its file system cannot do ``O_DIRECT``."""
+    reason = direct_io_unavailable(tmp_path)
+    if reason is not None:
+        pytest.skip(reason)
+    return tmp_path

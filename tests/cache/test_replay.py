@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from functools import cache
 from itertools import combinations
 
@@ -168,13 +167,11 @@ def test_result_is_frozen() -> None:
     assert result.capacity_fraction == 0.5
 
 
-def test_belady_is_fast() -> None:
-    trace = uniform_random_trace(2500, range(8), 128, 8, seed=0)  # 160,000 requests
-    start = time.perf_counter()
+def test_belady_replays_a_long_trace() -> None:
+    trace = uniform_random_trace(2500, range(8), 128, 8, seed=0)  # 160,000 requests (speed: bench/replay.py)
     result = replay(trace, 256, ["belady", "lru"])
-    elapsed = time.perf_counter() - start
-    assert result["belady"].requests == 160_000
-    assert elapsed < 5.0  # about 0.5 s on one core; generous for a shared machine
+    assert result["belady"].requests == result["lru"].requests == 160_000
+    assert result["belady"].hits >= result["lru"].hits  # Belady is optimal
 
 
 @st.composite

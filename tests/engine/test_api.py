@@ -25,11 +25,25 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+PUBLIC_MODULES = ("backends", "policies", "predictors", "testing")
+
+
 def test_public_names_are_exactly_all() -> None:
     public = {n for n in dir(aioexperts) if not n.startswith("_")}
-    assert public - {"testing"} == set(aioexperts.__all__)
+    assert public - set(PUBLIC_MODULES) == set(aioexperts.__all__)
     for name in aioexperts.__all__:
         assert getattr(aioexperts, name) is not None
+
+
+@pytest.mark.parametrize("name", PUBLIC_MODULES)
+def test_public_modules_export_exactly_all(name: str) -> None:
+    import importlib
+
+    module = importlib.import_module(f"aioexperts.{name}")
+    public = {n for n in dir(module) if not n.startswith("_")} - {"annotations"}
+    assert isinstance(module.__all__, tuple) and public == set(module.__all__)
+    for export in module.__all__:
+        assert getattr(module, export) is not None
 
 
 def test_errors_form_one_tree() -> None:

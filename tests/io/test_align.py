@@ -33,8 +33,8 @@ def test_widen_examples() -> None:
     assert align_down(4097, 512) == 4096 and align_up(4097, 512) == 4608
 
 
-def test_probe_on_this_checkout_reports_direct_io(tmp_path: Path) -> None:
-    path = tmp_path / "f.bin"
+def test_probe_on_this_checkout_reports_direct_io(direct_tmp_path: Path) -> None:
+    path = direct_tmp_path / "f.bin"
     path.write_bytes(b"x" * 10000)
     a = probe_alignment(path)
     assert a.direct_io_supported

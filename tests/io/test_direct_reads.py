@@ -15,8 +15,8 @@ BACKENDS = ["io_uring", "threads"]
 
 
 @pytest.fixture
-def data_file(tmp_path: Path) -> Path:
-    path = tmp_path / "data.bin"
+def data_file(direct_tmp_path: Path) -> Path:
+    path = direct_tmp_path / "data.bin"
     path.write_bytes(os.urandom(64 * 1024))
     return path
 
@@ -34,8 +34,8 @@ async def test_read_4097_bytes_at_offset_10_through_the_direct_path(data_file: P
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_short_read_ending_exactly_at_eof_is_accepted(tmp_path: Path, backend: str) -> None:
-    path = tmp_path / "small.bin"
+async def test_short_read_ending_exactly_at_eof_is_accepted(direct_tmp_path: Path, backend: str) -> None:
+    path = direct_tmp_path / "small.bin"
     path.write_bytes(os.urandom(4864))
     want = path.read_bytes()
     # alignment 4096: the read of [4096, 8192) comes back with the 768 bytes left in the file
@@ -48,16 +48,18 @@ async def test_short_read_ending_exactly_at_eof_is_accepted(tmp_path: Path, back
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_payload_past_the_end_of_the_file_is_an_error(tmp_path: Path, backend: str) -> None:
-    path = tmp_path / "small.bin"
+async def test_payload_past_the_end_of_the_file_is_an_error(direct_tmp_path: Path, backend: str) -> None:
+    path = direct_tmp_path / "small.bin"
     path.write_bytes(os.urandom(4864))
     with pytest.raises(aioexperts.ExpertReadError, match="file ends at byte 4864"):
         await read_segments([path], [(0, 4096, 1000), (0, 0, 10), (0, 100, 10)], backend=backend, direct=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_expert_1152_bytes_past_a_page_boundary_reads_right_with_direct_io(tmp_path: Path, backend: str) -> None:
-    path = write_shifted_moe(tmp_path / "shifted.gguf", target_mod=1152)
+async def test_expert_1152_bytes_past_a_page_boundary_reads_right_with_direct_io(
+    direct_tmp_path: Path, backend: str
+) -> None:
+    path = write_shifted_moe(direct_tmp_path / "shifted.gguf", target_mod=1152)
     model = aioexperts.open_model(path)
     loc = aioexperts.build_layout(model).locate(0, 1)
     assert model.tensor("blk.0.ffn_gate_exps.weight").data_offset % 4096 == 1152
