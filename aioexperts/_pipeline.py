@@ -101,13 +101,14 @@ async def run_layer_step(
     x: np.ndarray,
     ids: np.ndarray,
     weights: np.ndarray,
+    experts: Sequence[int],
     compute: ComputeStep,
     *,
     prefetch: Sequence[Key] = (),
     upcoming: Sequence[int] = (),
     wait: bool | None = None,
 ) -> LayerStep:
-    """Pin ``layer``'s experts for ``ids``, prefetch ``prefetch``, wait, compute in a worker, unpin.
+    """Pin ``experts`` (the distinct active ids of ``ids``), prefetch, wait, compute in a worker, unpin.
 
     Queued prefetches that are no longer wanted (this layer's that it does not use, and those of
     any layer that is not in ``upcoming``, the layers still ahead) are dropped before anything is
@@ -122,13 +123,12 @@ async def run_layer_step(
         compute step already running in its thread finishes there (its result is discarded), and
         the experts stay pinned until it has finished, so their slots are not reused under it.
     """
-    unique = list(dict.fromkeys(ids[ids >= 0].tolist()))
-    wanted = {(layer, e) for e in unique}
+    wanted = {(layer, e) for e in experts}
     ahead = set(upcoming) - {layer}
     store.drop_prefetches(keep=lambda key: key in wanted or key[0] in ahead)
     t0 = time.perf_counter()
-    async with store.experts(layer, unique, wait=wait, prefetch=prefetch) as views:
+    async with store.experts(layer, experts, wait=wait, prefetch=prefetch) as views:
         io_wait = time.perf_counter() - t0
-        by_id = {e: v for e, v in zip(unique, views, strict=True) if v is not None}
+        by_id = {e: v for e, v in zip(experts, views, strict=True) if v is not None}
         output, compute_s = await run_in_worker(_timed(compute), layer, x, by_id, ids, weights)
     return LayerStep(layer, ids, weights, output, io_wait, compute_s)

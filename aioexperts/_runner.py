@@ -24,7 +24,8 @@ from ._cache.cache import Key
 from ._cache.stats import LatencyWindow, to_ms
 from ._compute.executor import MoEOutput, ResidentLayer, moe_forward, route
 from ._compute.resident import load_residents
-from ._errors import ConfigError
+from ._errors import ConfigError, InvalidRequestError, SlabExhaustedError
+from ._format.layout import MoELayer
 from ._format.views import ExpertView
 from ._options import PrefetchOptions
 from ._pipeline import ComputeStep, LayerStep, TokenResult, run_in_worker, run_layer_step
@@ -94,9 +95,18 @@ class _Counters:
 
 
 @dataclass(frozen=True, slots=True)
+class _Group:
+    """Experts of one layer step that fit in the slab, and the ids with every other expert ``-1``."""
+
+    experts: list[int]
+    ids: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
 class _Routed:
     ids: np.ndarray
     weights: np.ndarray
+    groups: list[_Group]
     prefetch: list[Key]
 
 
@@ -240,11 +250,28 @@ class MoERunner:
     # -- one layer ------------------------------------------------------------------------------
 
     def _route(self, layer: int, x: np.ndarray, route_step: RouteStep | None, predictor: Predictor | None) -> _Routed:
-        """Route and predict (worker thread)."""
+        """Check ``x``, route and predict (worker thread)."""
+        _check_x(x, self._store.hparams.n_embd)
         if route_step is None:
-            ids, weights = route(x, self.residents[layer], self._store.hparams)
+            with np.errstate(over="ignore", invalid="ignore"):  # finite x, logits out of range: refused below
+                ids, weights = route(x, self.residents[layer], self._store.hparams)
+            bad = np.logical_not(np.isfinite(weights).all(axis=1))
+            if bad.any():
+                raise InvalidRequestError(
+                    f"layer {layer}: the router's output is not finite for token rows {_rows(bad)} "
+                    "(x too large for float32 logits?)"
+                )
         else:
-            ids, weights = route_step(layer, x)
+            ids, weights = _check_routing(layer, *route_step(layer, x), len(x), self._store.layout.layer(layer))
+        unique = list(dict.fromkeys(ids[ids >= 0].tolist()))
+        limit = self._store.n_slots
+        if len(unique) <= limit:
+            groups = [_Group(unique, ids)]
+        else:  # a batch choosing more experts than the slab holds runs in groups
+            groups = [
+                _Group(part, np.where(np.isin(ids, part), ids, -1).astype(ids.dtype))
+                for part in (unique[i : i + limit] for i in range(0, len(unique), limit))
+            ]
         prefetch: list[Key] = []
         budget = self.prefetch_options.budget
         budget = self._store.layout.n_expert_used if budget is None else budget
@@ -256,17 +283,20 @@ class MoERunner:
                 if budget:
                     for nxt in self.upcoming_layers(layer):
                         prefetch.extend((nxt, e) for e in predictor.predict(layer, nxt, x, budget))
-        return _Routed(ids, weights, prefetch)
+        return _Routed(ids, weights, groups, prefetch)
 
-    async def _step(self, layer: int, x: np.ndarray, routed: _Routed, compute: ComputeStep) -> LayerStep:
+    async def _step(
+        self, layer: int, x: np.ndarray, weights: np.ndarray, group: _Group, compute: ComputeStep, prefetch: list[Key]
+    ) -> LayerStep:
         step = await run_layer_step(
             self._store,
             layer,
             x,
-            routed.ids,
-            routed.weights,
+            group.ids,
+            weights,
+            group.experts,
             compute,
-            prefetch=routed.prefetch,
+            prefetch=prefetch,
             upcoming=self.upcoming_layers(layer),
         )
         c = self._counters
@@ -276,17 +306,11 @@ class MoERunner:
         return step
 
     async def _executor_layer(self, layer: int, x: np.ndarray, routed: _Routed) -> tuple[MoEOutput, float, float]:
-        """The layer through the executor; a batch choosing more experts than the slab holds runs
-        in groups of at most ``n_slots`` experts whose routed sums are added."""
+        """The layer through the executor, group by group; the groups' routed sums are added."""
         resident, hparams = self.residents[layer], self._store.hparams
-        ids = routed.ids
-        unique = list(dict.fromkeys(ids[ids >= 0].tolist()))
-        limit = self._store.n_slots
-        groups = [unique[i : i + limit] for i in range(0, len(unique), limit)] or [[]]
         outputs: list[MoEOutput] = []
         io_wait = compute_s = 0.0
-        for g, group in enumerate(groups):
-            group_ids = ids if len(groups) == 1 else np.where(np.isin(ids, group), ids, -1).astype(ids.dtype)
+        for g, group in enumerate(routed.groups):
             group_resident = resident if g == 0 else _without_shared(resident)
 
             def compute(
@@ -299,9 +323,8 @@ class MoERunner:
             ) -> MoEOutput:
                 return moe_forward(xx, ii, ww, views, _resident, hparams)
 
-            last = g == len(groups) - 1
-            part = _Routed(group_ids, routed.weights, routed.prefetch if last else [])
-            step = await self._step(layer, x, part, compute)
+            last = g == len(routed.groups) - 1
+            step = await self._step(layer, x, routed.weights, group, compute, routed.prefetch if last else [])
             outputs.append(step.output)
             io_wait += step.io_wait_seconds
             compute_s += step.compute_seconds
@@ -390,10 +413,15 @@ class MoERunner:
             if compute is None:
                 out, io_wait, compute_s = await self._executor_layer(layer, x, routed)
                 step = LayerStep(layer, routed.ids, routed.weights, out.ffn_out, io_wait, compute_s)
+            elif len(routed.groups) == 1:
+                step = await self._step(layer, x, routed.weights, routed.groups[0], compute, routed.prefetch)
             else:
-                step = await self._step(layer, x, routed, compute)
+                raise SlabExhaustedError(
+                    f"layer {layer}: the batch chose {sum(len(g.experts) for g in routed.groups)} experts, more "
+                    f"than the {self._store.n_slots} slots; a custom compute step must fit in the slab"
+                )
             steps.append(step)
-            x = x + step.output
+            x = await run_in_worker(np.add, x, step.output)  # the residual stream
         seconds = time.perf_counter() - t0
         self._counters.tokens += len(x)
         self._counters.token_latency.add(seconds)
@@ -433,6 +461,45 @@ class MoERunner:
 
     def __repr__(self) -> str:
         return f"<aioexperts.MoERunner over {self._store!r}>"
+
+
+def _rows(mask: np.ndarray, limit: int = 8) -> str:
+    rows = np.flatnonzero(mask)
+    shown = ", ".join(str(r) for r in rows[:limit])
+    return shown + (f" and {len(rows) - limit} more" if len(rows) > limit else "")
+
+
+def _describe(a: object) -> str:
+    return f"{a.dtype} array of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+
+
+def _check_x(x: object, n_embd: int) -> None:
+    """``x`` is a float32 ``(n_tokens, n_embd)`` array of finite values, or InvalidRequestError."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n_embd:
+        raise InvalidRequestError(f"x must be a float32 array of shape (n_tokens, {n_embd}), got {_describe(x)}")
+    bad = np.logical_not(np.isfinite(x).all(axis=1))
+    if bad.any():
+        raise InvalidRequestError(f"x has NaN or inf values in token rows {_rows(bad)}")
+
+
+def _check_routing(
+    layer: int, ids: object, weights: object, n_tokens: int, moe: MoELayer
+) -> tuple[np.ndarray, np.ndarray]:
+    """What a custom route step returned: int ids in ``-1..n_experts-1`` and float32 weights, ``(n_tokens, k)``."""
+    if not isinstance(ids, np.ndarray) or ids.ndim != 2 or ids.shape[0] != n_tokens or ids.dtype.kind not in "iu":
+        raise InvalidRequestError(
+            f"layer {layer}: route_step ids must be ints of shape ({n_tokens}, k), got {_describe(ids)}"
+        )
+    if not isinstance(weights, np.ndarray) or weights.dtype != np.float32 or weights.shape != ids.shape:
+        got = (
+            f"{weights.dtype} array of shape {weights.shape}" if isinstance(weights, np.ndarray) else str(type(weights))
+        )
+        raise InvalidRequestError(f"layer {layer}: route_step weights must be float32 of shape {ids.shape}, got {got}")
+    if ids.size and (int(ids.min()) < -1 or int(ids.max()) >= moe.n_experts):
+        raise InvalidRequestError(
+            f"layer {layer}: route_step ids must be in -1..{moe.n_experts - 1}, got {int(ids.min())}..{int(ids.max())}"
+        )
+    return ids, weights
 
 
 def _without_shared(resident: ResidentLayer) -> ResidentLayer:

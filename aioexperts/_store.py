@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from functools import lru_cache
@@ -41,13 +42,13 @@ log = logging.getLogger("aioexperts")
 
 
 def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
-    path: str | os.PathLike[str],
+    path: str | bytes | os.PathLike[str] | os.PathLike[bytes],
     *,
     slots: int | None = None,
     cache_bytes: int | None = None,
     cache: CacheOptions | None = None,
     io: IOOptions | None = None,
-    expert_map: str | os.PathLike[str] | None = None,
+    expert_map: str | bytes | os.PathLike[str] | os.PathLike[bytes] | None = None,
 ) -> ExpertStore:
     """Prepare an expert store for the GGUF model at ``path``; start it with ``async with``.
 
@@ -58,7 +59,8 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
                 gate_bytes = views[0].gate.data
 
     Args:
-        path: a ``.gguf`` file, or any shard of a split set ``NAME-0000k-of-0000n.gguf``.
+        path: a ``.gguf`` file, or any shard of a split set ``NAME-0000k-of-0000n.gguf`` (``str``,
+            ``bytes`` or path-like; a leading ``~`` is expanded).
         slots: shorthand for ``cache=CacheOptions(slots=...)``.
         cache_bytes: shorthand for ``cache=CacheOptions(bytes=...)`` (slab size in bytes).
         cache: the slab and cache options (size, eviction policy, waiting for slots).
@@ -77,16 +79,18 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         if cache is not None:
             raise ConfigError("give the cache size either as slots=/cache_bytes= or inside cache=, not both")
         cache = CacheOptions(slots=slots, bytes=cache_bytes)
-    if not isinstance(path, str | os.PathLike):
-        raise ConfigError(f"path must be a str or os.PathLike, got {path!r}")
-    if expert_map is not None and not isinstance(expert_map, str | os.PathLike):
-        raise ConfigError(f"expert_map must be a str, os.PathLike or None, got {expert_map!r}")
     return ExpertStore(
-        os.fspath(path),
+        _path_arg("path", path),
         cache or CacheOptions(),
         io or IOOptions(),
-        None if expert_map is None else os.fspath(expert_map),
+        None if expert_map is None else _path_arg("expert_map", expert_map),
     )
+
+
+def _path_arg(name: str, value: object) -> str:
+    if not isinstance(value, str | bytes | os.PathLike):
+        raise ConfigError(f"{name} must be a str, bytes or os.PathLike, got {value!r}")
+    return os.path.expanduser(os.fsdecode(value))
 
 
 class ExpertStore:
@@ -108,6 +112,7 @@ class ExpertStore:
         self._expert_map = expert_map
         self._started = False
         self._closed = False
+        self._released = False
         self._counters = Counters()
         self._model: GGUFModel | None = None
         self._layout: ExpertLayout | None = None
@@ -200,29 +205,49 @@ class ExpertStore:
     async def aclose(self) -> None:
         """Close the store: refuse new requests, wait for every read in flight, free everything.
 
-        Idempotent. Waiters of experts not read yet get ``EngineClosedError``.
+        Requests waiting for experts that were not read yet get ``EngineClosedError``. Calling it
+        again is harmless; after an interrupted call it completes the release.
 
         Cancellation handling:
-            The wait for reads in flight is shielded: memory the kernel may still write into is
-            never unmapped, so a cancelled ``aclose`` still finishes before returning.
+            Memory the kernel may still write into is never unmapped: a cancellation (anyio/trio
+            cancel scope, ``Task.cancel()``, an ``asyncio.wait_for`` timeout) that arrives while
+            reads are in flight is held until they completed and the ring, eventfd, files and slab
+            are released, then re-raised.
         """
-        if self._closed:
+        if self._released:
             return
         self._closed = True
         if self._cache is not None:
             self._cache.close()
+        held: BaseException | None = None
         if self._scheduler is not None:
-            with anyio.CancelScope(shield=True):
-                await self._scheduler.wait_no_reads_in_flight()
+            while self._scheduler.reads_in_flight:
+                try:
+                    with anyio.CancelScope(shield=True):
+                        await self._scheduler.wait_no_reads_in_flight()
+                except anyio.get_cancelled_exc_class() as exc:  # asyncio's Task.cancel() is not shielded
+                    held = exc
         self._release_resources()
+        if held is not None:
+            raise held
 
     def _release_resources(self) -> None:
+        self._released = True
         if self._backend is not None:
             self._backend.close()
         if self._files is not None:
             self._files.close()
         if self._slab is not None:
             self._slab.close()
+
+    def __del__(self) -> None:
+        if self._started and not self._released:
+            warnings.warn(
+                f"{self!r} was not closed: use `async with aioexperts.open(...)` or await aclose()",
+                ResourceWarning,
+                stacklevel=2,
+                source=self,
+            )
 
     # -- what the store holds -------------------------------------------------------------------
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
 from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType
@@ -32,6 +34,10 @@ class ProjectionView:
         """Length of ``data`` in bytes."""
         return self.data.nbytes
 
+    def copy(self) -> ProjectionView:
+        """The same projection over a private copy of its bytes, valid after the expert is unpinned."""
+        return ProjectionView(memoryview(bytes(self.data)), self.ggml_type, self.shape)
+
 
 @dataclass(frozen=True, slots=True)
 class ExpertView:
@@ -52,14 +58,48 @@ class ExpertView:
     up: ProjectionView
     down: ProjectionView
 
+    def copy(self) -> ExpertView:
+        """The same expert over private copies of its bytes (``gate + up + down`` bytes of memory).
+
+        For hosts that need the bytes after the ``experts()`` block that pinned them ends.
+        """
+        return ExpertView(self.layer, self.expert, self.bank, self.gate.copy(), self.up.copy(), self.down.copy())
+
     def release(self) -> None:
         """Release the three memoryviews (they raise ``ValueError`` when used afterwards).
 
-        A view still exported elsewhere (e.g. wrapped by a numpy array) cannot be released; it is
-        left as it is and stays readable, but its slot may be reused once the expert is unpinned.
+        A view still exported elsewhere (e.g. wrapped by ``np.frombuffer``) cannot be released: its
+        memory is slot memory that may be overwritten once the expert is unpinned, so this warns
+        (``ResourceWarning``) and leaves it readable. Keep bytes past the pin with :meth:`copy`.
         """
-        for projection in (self.gate, self.up, self.down):
-            try:
-                projection.data.release()
-            except BufferError:
-                pass
+        exported = [
+            name
+            for name, projection in (("gate", self.gate), ("up", self.up), ("down", self.down))
+            if release_view(projection.data)
+        ]
+        if exported:
+            warnings.warn(
+                f"layer {self.layer} expert {self.expert}: the {'/'.join(exported)} bytes are still exported "
+                "(e.g. by np.frombuffer) as the expert is unpinned; its slot may be reused under them. "
+                "Drop such arrays inside the experts() block, or keep a copy (ExpertView.copy())",
+                ResourceWarning,
+                stacklevel=2,
+            )
+
+
+def release_view(view: memoryview) -> bool:
+    """Release ``view``; True if something derived from it still uses its memory.
+
+    ``np.frombuffer(view)`` holds the view's buffer, not the view itself, so ``view.release()``
+    succeeds; when each view has its own exporting object (slab views do), that object's reference
+    count tells whether the buffer lives on.
+    """
+    exporter = view.obj
+    try:
+        view.release()
+    except BufferError:  # exported through the view itself
+        return True
+    return sys.getrefcount(exporter) > _EXPORTER_REFS
+
+
+_EXPORTER_REFS = 2  # the local name and getrefcount's argument

@@ -9,9 +9,11 @@ has completed (the ``liburing`` ``Iovec`` never releases a buffer export it take
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import mmap
 import resource
+import weakref
 
 from .._errors import ConfigError
 from .align import align_up
@@ -69,7 +71,9 @@ class Slab:
         anchor = ctypes.c_char.from_buffer(self._mm)
         self.address = ctypes.addressof(anchor)
         del anchor  # releases the export taken by from_buffer
-        self._view = memoryview(self._mm).toreadonly()
+        # views handed out and still alive (ctypes arrays are unhashable: keyed by a counter)
+        self._exporters: weakref.WeakValueDictionary[int, ctypes.Array[ctypes.c_char]] = weakref.WeakValueDictionary()
+        self._next_view = itertools.count()
         self.locked = False
         if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
             self._madvise(mmap.MADV_HUGEPAGE)
@@ -105,11 +109,17 @@ class Slab:
     def view(self, slot: int, start: int, n_bytes: int) -> memoryview:
         """A read-only ``memoryview`` (format ``B``) of ``n_bytes`` bytes at ``start`` in ``slot``.
 
-        The view keeps the mapping alive (closing then only drops the slab's own reference).
+        Each view has its own exporting object (``view.obj``), so the release of an expert view can tell
+        whether anything derived from it (a numpy array) outlives its release
+        (:meth:`aioexperts.ExpertView.release`). While the view or
+        anything derived from it lives, :meth:`close` leaves the mapping to the garbage collector.
         """
         self._check(slot, start, n_bytes)
-        base = slot * self.slot_bytes + start
-        return self._view[base : base + n_bytes]
+        assert self._mm is not None
+        exporter = (ctypes.c_char * n_bytes).from_address(self.address + slot * self.slot_bytes + start)
+        exporter.mapping = self._mm  # type: ignore[attr-defined]  # the mmap lives as long as any view
+        self._exporters[next(self._next_view)] = exporter
+        return memoryview(exporter).cast("B").toreadonly()
 
     def writable_view(self, slot: int, start: int, n_bytes: int) -> memoryview:
         """A writable view for ``os.preadv`` (released by the caller when the read is done)."""
@@ -152,7 +162,9 @@ class Slab:
         mm, self._mm = self._mm, None
         if self.locked:
             _libc.munlock(ctypes.c_void_p(self.address), ctypes.c_size_t(self.n_bytes))
-        self._view.release()
+        if len(self._exporters):
+            log.debug("slab views are still held by the host; the mapping is freed when they are released")
+            return
         try:
             mm.close()
         except BufferError:
@@ -160,3 +172,4 @@ class Slab:
 
     def __repr__(self) -> str:
         return f"Slab(n_slots={self.n_slots}, slot_bytes={self.slot_bytes}, closed={self.closed})"
+

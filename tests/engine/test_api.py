@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import anyio
@@ -305,22 +306,46 @@ async def test_a_directory_is_not_a_model(tmp_path: Path, anyio_backend: object)
             pass
 
 
-def test_an_engine_belongs_to_its_event_loop(model_path: Path) -> None:
+def test_a_store_belongs_to_its_event_loop(model_path: Path) -> None:
     import asyncio
+    import threading
 
-    async def start() -> aioexperts.ExpertStore:
-        engine = aioexperts.open(model_path, slots=4)
-        await engine.start()
-        return engine
+    errors: list[BaseException] = []
 
-    engine = asyncio.run(start())
-
-    async def use() -> None:
-        with pytest.raises(aioexperts.ConfigError, match="another event loop"):
-            async with engine.experts(1, [0]):
+    async def use(store: aioexperts.ExpertStore) -> None:
+        try:
+            async with store.experts(1, [0]):
                 pass
+        except aioexperts.ConfigError as exc:
+            errors.append(exc)
 
-    asyncio.run(use())
+    async def main() -> None:
+        async with aioexperts.open(model_path, slots=4) as store:
+            other = threading.Thread(target=lambda: asyncio.run(use(store)))  # another loop, another thread
+            other.start()
+            await asyncio.to_thread(other.join)
+            async with store.experts(1, [0]) as views:  # still fine from its own loop
+                assert views[0] is not None
+
+    asyncio.run(main())
+    assert len(errors) == 1 and "another event loop" in str(errors[0])
+
+
+def test_an_unclosed_store_warns_when_collected(model_path: Path) -> None:
+    import asyncio
+    import gc
+
+    async def leak() -> None:
+        store = aioexperts.open(model_path, slots=4)
+        await store.start()
+        try:
+            with pytest.warns(ResourceWarning, match="was not closed"):
+                store.__del__()  # what the garbage collector calls
+        finally:
+            await store.aclose()
+        gc.collect()
+
+    asyncio.run(leak())
 
 
 async def test_a_faulty_policy_does_not_jam_the_engine(
@@ -337,3 +362,91 @@ async def test_a_faulty_policy_does_not_jam_the_engine(
             async with engine.experts(1, [0, 1]) as views:
                 assert len(views) == 2
     assert "failed to admit" in caplog.text
+
+
+async def test_paths_as_bytes_and_with_a_tilde(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch, anyio_backend: object
+) -> None:
+    async with aioexperts.open(os.fsencode(model_path), slots=4) as store:
+        assert store.path == str(model_path)
+    monkeypatch.setenv("HOME", str(model_path.parent))
+    async with aioexperts.open(f"~/{model_path.name}", slots=4) as store:
+        assert store.path == str(model_path)
+        async with store.experts(1, [0]) as views:
+            assert views[0] is not None
+
+
+async def test_non_finite_input_is_refused_before_any_read(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        runner = aioexperts.MoERunner(store)
+        x = np.zeros((5, SMALL.n_embd), dtype=np.float32)
+        x[1, 3] = np.nan
+        x[4, 0] = -np.inf
+        with pytest.raises(aioexperts.InvalidRequestError, match=r"NaN or inf values in token rows 1, 4"):
+            await runner.moe(1, x)
+        huge = np.full((2, SMALL.n_embd), 3e38, dtype=np.float32)  # finite, but the logits overflow
+        with pytest.raises(aioexperts.InvalidRequestError, match="not finite for token rows 0, 1"):
+            await runner.moe(1, huge)  # and no RuntimeWarning escapes (warnings are errors here)
+        assert store.statistics().requests == 0  # refused before any expert was asked for
+        y = await runner.moe(1, np.ones((1, SMALL.n_embd), dtype=np.float32))
+        assert np.isfinite(y).all()
+
+
+@pytest.mark.parametrize(
+    ("ids", "weights", "needle"),
+    [
+        (np.array([[0.0, 1.0]]), np.ones((1, 2), np.float32), "ids must be ints"),
+        (np.array([[0, 1]]), np.ones((1, 2), np.float64), "weights must be float32"),
+        (np.array([[0, 8]]), np.ones((1, 2), np.float32), r"ids must be in -1..7"),
+        (np.array([[0, -2]]), np.ones((1, 2), np.float32), r"ids must be in -1..7"),
+        ([[0, 1]], np.ones((1, 2), np.float32), "ids must be ints"),
+        (np.array([[0, 1], [1, 2]]), np.ones((2, 2), np.float32), r"shape \(1, k\)"),
+    ],
+)
+async def test_a_custom_route_step_is_checked(
+    model_path: Path, ids: object, weights: object, needle: str, anyio_backend: object
+) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        runner = aioexperts.MoERunner(store)
+        with pytest.raises(aioexperts.InvalidRequestError, match=needle):
+            await runner.run_token(
+                np.zeros((1, SMALL.n_embd), dtype=np.float32), route_step=lambda layer, x: (ids, weights)
+            )
+        assert store.statistics().pinned_slots == 0
+
+
+async def test_a_closed_store_says_so(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        runner = aioexperts.MoERunner(store)
+        await runner.moe(1, np.zeros((1, SMALL.n_embd), dtype=np.float32))
+    for call in (
+        lambda: runner.moe(1, np.zeros((1, SMALL.n_embd), dtype=np.float32)),
+        lambda: runner.run_token(np.zeros((1, SMALL.n_embd), dtype=np.float32)),
+    ):
+        with pytest.raises(aioexperts.EngineClosedError, match="closed"):
+            await call()
+    with pytest.raises(aioexperts.EngineClosedError, match="closed"):
+        store.prefetch([(1, 0)])
+
+
+async def test_views_kept_past_the_pin_warn_and_copies_stay_valid(model_path: Path, anyio_backend: object) -> None:
+    model = aioexperts.open_model(model_path)
+    want = pread_segment(model, aioexperts.build_layout(model).locate(1, 2).gate)
+    async with aioexperts.open(model_path, slots=4) as store:
+        with pytest.warns(ResourceWarning, match="still exported"):
+            async with store.experts(1, [2]) as (view,):
+                assert view is not None
+                kept = np.frombuffer(view.gate.data, dtype=np.uint8)  # a numpy array over slot memory
+                copy = view.copy()
+        assert kept.base is not None
+        del kept
+        assert bytes(copy.gate.data) == want and copy.gate.shape == view.gate.shape
+        async with store.experts(1, [3, 4, 5, 6]):  # the slot is reused
+            pass
+        assert bytes(copy.gate.data) == want
+        with pytest.warns(ResourceWarning, match="down bytes are still exported"):
+            async with store.experts(1, [2]) as (view,):
+                assert view is not None
+                survivor = np.frombuffer(view.down.data, dtype=np.uint8)
+    # the store closed with an array over slab memory alive: the mapping stays until it is dropped
+    assert survivor.sum() >= 0 and len(survivor) == SMALL.expert_bytes() // 3
