@@ -33,7 +33,10 @@ from ._predict.predictors import Predictor, make_predictor
 from ._predict.trace import RoutingTrace, TraceRecorder
 from ._store import ExpertStore
 
-__all__ = ("MoEResult", "MoERunner", "RouteStep", "RunnerStatistics")
+__all__ = ("DEFAULT_TRACE_MAX_TOKENS", "MoEResult", "MoERunner", "RouteStep", "RunnerStatistics")
+
+DEFAULT_TRACE_MAX_TOKENS = 1 << 16
+"""Tokens a runner's routing trace keeps (the most recent ones)."""
 
 log = logging.getLogger("aioexperts")
 
@@ -123,8 +126,9 @@ class MoERunner:
         store: a started :class:`~aioexperts.ExpertStore`; the runner never closes it.
         prefetch: what to load ahead (default :class:`~aioexperts.PrefetchOptions`).
         record_trace: record every routing decision (see :meth:`routing_trace`).
-        trace_max_tokens: the most tokens a trace keeps (memory ``n_tokens * n_layers * k * 2``
-            bytes); recording beyond raises ``ConfigError``.
+        trace_max_tokens: the trace keeps the last this many tokens (memory up to
+            ``trace_max_tokens * n_moe_layers * k * 2`` bytes; 65536 tokens of a 48-layer top-8 model
+            take 48 MiB), so a long-running runner's trace stays bounded.
 
     Raises:
         ConfigError: a bad argument.
@@ -139,7 +143,7 @@ class MoERunner:
         *,
         prefetch: PrefetchOptions | None = None,
         record_trace: bool = False,
-        trace_max_tokens: int | None = None,
+        trace_max_tokens: int = DEFAULT_TRACE_MAX_TOKENS,
     ) -> None:
         if not isinstance(store, ExpertStore):
             raise ConfigError(f"store must be an ExpertStore (from aioexperts.open), got {store!r}")
@@ -147,6 +151,8 @@ class MoERunner:
             raise ConfigError(f"prefetch must be a PrefetchOptions, got {prefetch!r}")
         if not isinstance(record_trace, bool):
             raise ConfigError(f"record_trace must be True or False, got {record_trace!r}")
+        if isinstance(trace_max_tokens, bool) or not isinstance(trace_max_tokens, int) or trace_max_tokens < 1:
+            raise ConfigError(f"trace_max_tokens must be an int >= 1, got {trace_max_tokens!r}")
         self._store = store
         self.prefetch_options = prefetch or PrefetchOptions()
         self._record_trace = record_trace
@@ -197,6 +203,7 @@ class MoERunner:
                     layout.n_expert_used,
                     metadata={"model": os.path.basename(store.path)},
                     max_tokens=self._trace_max_tokens,
+                    keep_last=True,
                 )
             self._predictor = self._make_predictor(residents)
             self._residents = residents

@@ -172,4 +172,3 @@ class Slab:
 
     def __repr__(self) -> str:
         return f"Slab(n_slots={self.n_slots}, slot_bytes={self.slot_bytes}, closed={self.closed})"
-

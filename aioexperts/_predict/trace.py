@@ -344,6 +344,9 @@ class TraceRecorder:
         metadata: free-form ``str -> str`` pairs stored with the trace.
         max_tokens: a bound on the number of recorded tokens (memory is
             ``max_tokens * n_layers * k * 2`` bytes for int16 ids), or ``None`` for no bound.
+        keep_last: what happens past ``max_tokens``: False raises ``ConfigError``; True drops the
+            oldest tokens (a ring, for long-running recorders; at least a quarter of ``max_tokens``
+            at a time, so the copy is amortised); :attr:`dropped_tokens` counts them.
 
     Raises:
         ConfigError: for inconsistent arguments.
@@ -357,13 +360,18 @@ class TraceRecorder:
         *,
         metadata: Mapping[str, str] | None = None,
         max_tokens: int | None = None,
+        keep_last: bool = False,
     ) -> None:
         layer_tuple = _layer_tuple(layers, ConfigError)
         experts_tuple = _as_int_tuple(n_experts, len(layer_tuple), "n_experts", ConfigError)
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"k must be a positive int, got {k!r}")
-        if max_tokens is not None and (isinstance(max_tokens, bool) or max_tokens < 0):
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0
+        ):
             raise ConfigError(f"max_tokens must be a non-negative int or None, got {max_tokens!r}")
+        if keep_last and not max_tokens:
+            raise ConfigError("keep_last needs a positive max_tokens")
         dtype = _ids_dtype_for(experts_tuple)
         # Validates layers, n_experts, k and metadata once, on an empty trace.
         RoutingTrace(np.empty((0, len(layer_tuple), k), dtype), layer_tuple, experts_tuple, metadata)
@@ -373,6 +381,8 @@ class TraceRecorder:
         self._k = k
         self._metadata = dict(metadata or {})
         self._max_tokens = max_tokens
+        self._keep_last = keep_last
+        self.dropped_tokens = 0
         self._buffer = np.full((0, len(layer_tuple), k), -1, dtype=dtype)
         self._cursor = [0] * len(layer_tuple)  # per layer: the next row for an append
         self._n_tokens = 0
@@ -412,7 +422,13 @@ class TraceRecorder:
             raise ConfigError(f"token_index must be non-negative, got {token_index}")
         stop = start + rows.shape[0]
         if self._max_tokens is not None and stop > self._max_tokens:
-            raise ConfigError(f"recording tokens up to {stop} exceeds max_tokens={self._max_tokens}")
+            if not self._keep_last or rows.shape[0] > self._max_tokens:
+                raise ConfigError(f"recording tokens up to {stop} exceeds max_tokens={self._max_tokens}")
+            drop = min(max(stop - self._max_tokens, self._max_tokens // 4), self._n_tokens)
+            if start < drop:
+                raise ConfigError(f"token {start} was dropped already (max_tokens={self._max_tokens}, keep_last)")
+            self._drop_oldest(drop)
+            start, stop = start - drop, stop - drop
         if stop > self._buffer.shape[0]:
             capacity = max(stop, 2 * self._buffer.shape[0], 64)
             if self._max_tokens is not None:
@@ -424,9 +440,22 @@ class TraceRecorder:
         self._cursor[i] = max(self._cursor[i], stop)
         self._n_tokens = max(self._n_tokens, stop)
 
+    def _drop_oldest(self, n: int) -> None:
+        kept = self._n_tokens - n
+        self._buffer[:kept] = self._buffer[n : self._n_tokens]
+        self._buffer[kept : self._n_tokens] = -1
+        self._cursor = [max(c - n, 0) for c in self._cursor]
+        self._n_tokens = kept
+        self.dropped_tokens += n
+
     def trace(self) -> RoutingTrace:
-        """A :class:`RoutingTrace` of everything recorded so far (a copy; recording may go on)."""
-        return RoutingTrace(self._buffer[: self._n_tokens], self._layers, self._n_experts, self._metadata)
+        """A :class:`RoutingTrace` of everything recorded so far (a copy; recording may go on).
+
+        With ``keep_last``, the oldest kept token is row 0 and the metadata's ``dropped_tokens``
+        says how many came before it.
+        """
+        metadata = {**self._metadata, "dropped_tokens": str(self.dropped_tokens)} if self._keep_last else self._metadata
+        return RoutingTrace(self._buffer[: self._n_tokens], self._layers, self._n_experts, metadata)
 
     def clear(self) -> None:
         """Forget every recorded token (keeps the layers, expert counts and metadata)."""

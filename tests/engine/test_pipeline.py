@@ -142,3 +142,18 @@ async def test_cancel_during_compute_keeps_slots_pinned_until_the_thread_ends(
                 await done.wait()
         assert cancelled == [True]  # the cancellation was delivered, not turned into another error
         assert store.statistics().pinned_slots == 0
+
+
+async def test_a_long_running_trace_stays_bounded(model_path: Path, anyio_backend: object) -> None:
+    trace = uniform_random_trace(10, [1, 2, 3, 4], 8, 2, seed=5)
+    async with aioexperts.open(model_path, slots=8) as store:
+        runner = aioexperts.MoERunner(store, record_trace=True, trace_max_tokens=4)
+        token = [0]
+        for t in range(trace.n_tokens):
+            token[0] = t
+            await runner.run_token(np.full((1, 256), 0.01, dtype=np.float32), route_step=route_from(trace, token))
+        recorded = runner.routing_trace()
+    assert 1 <= recorded.n_tokens <= 4
+    first = int(recorded.metadata["dropped_tokens"])
+    assert first + recorded.n_tokens == 10
+    np.testing.assert_array_equal(recorded.ids, trace.ids[first:])

@@ -396,3 +396,22 @@ def test_generator_arguments_rejected(kwargs: dict[str, Any]) -> None:
     if not {"zipf_exponent", "locality"} & kwargs.keys():
         with pytest.raises(ConfigError):
             uniform_random_trace(**args)
+
+
+def test_a_bounded_recorder_keeps_the_last_tokens() -> None:
+    rec = TraceRecorder([1, 2], 8, 2, max_tokens=8, keep_last=True)
+    for t in range(20):
+        rec.record(1, [t % 8, (t + 1) % 8])
+        rec.record(2, [(t + 2) % 8, (t + 3) % 8])
+    trace = rec.trace()
+    assert len(rec) <= 8 and trace.n_tokens == len(rec)
+    kept = trace.n_tokens
+    first = 20 - kept
+    assert rec.dropped_tokens == first and trace.metadata["dropped_tokens"] == str(first)
+    for row, t in enumerate(range(first, 20)):  # the most recent tokens, in order
+        assert trace.ids[row, 0].tolist() == [t % 8, (t + 1) % 8]
+        assert trace.ids[row, 1].tolist() == [(t + 2) % 8, (t + 3) % 8]
+    with pytest.raises(ConfigError, match="exceeds max_tokens"):
+        TraceRecorder([1], 8, 2, max_tokens=4).record(1, np.zeros((5, 2), dtype=np.int64))
+    with pytest.raises(ConfigError, match="keep_last needs"):
+        TraceRecorder([1], 8, 2, keep_last=True)
