@@ -30,9 +30,12 @@ __all__ = (
     "BELADY",
     "REPLAY_POLICY_NAMES",
     "ReplayResult",
+    "expert_frequencies",
+    "format_bytes",
     "format_replay_table",
     "replay",
     "replay_fractions",
+    "slots_for_hit_rate",
 )
 
 BELADY = "belady"
@@ -305,7 +308,8 @@ def replay_fractions(
     return out
 
 
-def _format_bytes(n_bytes: int) -> str:
+def format_bytes(n_bytes: int) -> str:
+    """``n_bytes`` in B, KiB, MiB or GiB (binary units), two decimals above bytes."""
     value = float(n_bytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if value < 1024 or unit == "GiB":
@@ -351,7 +355,7 @@ def format_replay_table(
             str(r.evictions),
         ]
         if with_bytes:
-            line.append("n/a" if r.bytes_read is None else _format_bytes(r.bytes_read))
+            line.append("n/a" if r.bytes_read is None else format_bytes(r.bytes_read))
         table.append(line)
     widths = [max(len(row[c]) for row in table) for c in range(len(header))]
     left = {2}  # the policy column is text
@@ -363,3 +367,63 @@ def format_replay_table(
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(line.rstrip() for line in lines)
+
+
+def slots_for_hit_rate(trace: RoutingTrace, hit_rate: float, policy: str = BELADY) -> int | None:
+    """The fewest cache slots at which ``policy`` reaches ``hit_rate`` on ``trace``, or None.
+
+    Hit rates of LRU and Belady never fall as slots are added (both are stack algorithms,
+    Mattson et al., "Evaluation techniques for storage hierarchies", IBM Systems Journal 1970),
+    so a binary search over the capacity finds the answer with about ``log2(n_experts_total)``
+    replays. LFU and LFUDA are not stack algorithms: for them the answer is where the search ends,
+    and a larger capacity could, rarely, hit less.
+
+    Args:
+        trace: the routing trace.
+        hit_rate: the target, in ``(0, 1]``.
+        policy: a name from :data:`REPLAY_POLICY_NAMES`.
+
+    Returns:
+        The slot count, or None when even one slot per expert of the model misses the target
+        (compulsory misses: every expert's first request misses whatever the size).
+
+    Raises:
+        ConfigError: ``hit_rate`` outside ``(0, 1]``, an unknown policy, or an empty trace.
+    """
+    if isinstance(hit_rate, bool) or not isinstance(hit_rate, int | float) or not 0 < hit_rate <= 1:
+        raise ConfigError(f"hit_rate must be a number in (0, 1], got {hit_rate!r}")
+    steps = _flatten(trace)
+    if not steps.keys:
+        raise ConfigError("the trace has no expert requests")
+    bounds = np.asarray(steps.bounds)
+    low = max(1, int(np.diff(bounds).max()))  # the widest step must fit
+    high = trace.n_experts_total
+
+    def reaches(capacity: int) -> bool:
+        return replay(trace, capacity, (policy,))[policy].hit_rate >= hit_rate
+
+    if not reaches(high):
+        return None
+    while low < high:
+        mid = (low + high) // 2
+        if reaches(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def expert_frequencies(trace: RoutingTrace) -> dict[int, np.ndarray]:
+    """Per MoE layer, how many tokens selected each expert (a token choosing one twice counts once).
+
+    Returns:
+        block index -> ``(n_experts,)`` int64 counts.
+    """
+    out = {}
+    for i, (layer, n) in enumerate(zip(trace.layers, trace.n_experts, strict=True)):
+        ids = np.sort(trace.ids[:, i, :].astype(np.int64), axis=1)
+        first = np.ones(ids.shape, dtype=bool)
+        first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        chosen = ids[(ids >= 0) & first]
+        out[layer] = np.bincount(chosen, minlength=n).astype(np.int64)
+    return out

@@ -429,24 +429,29 @@ async def test_a_closed_store_says_so(model_path: Path, anyio_backend: object) -
         store.prefetch([(1, 0)])
 
 
+async def _keep_past_the_pin(
+    store: aioexperts.ExpertStore, projection: str
+) -> tuple[np.ndarray, aioexperts.ExpertView]:
+    """A numpy array over one projection's slot memory that outlives the block, and a copy of the expert."""
+    async with store.experts(1, [2]) as (view,):
+        assert view is not None
+        kept = np.frombuffer(getattr(view, projection).data, dtype=np.uint8)
+        return kept, view.copy()
+
+
 async def test_views_kept_past_the_pin_warn_and_copies_stay_valid(model_path: Path, anyio_backend: object) -> None:
     model = aioexperts.open_model(model_path)
     want = pread_segment(model, aioexperts.build_layout(model).locate(1, 2).gate)
     async with aioexperts.open(model_path, slots=4) as store:
-        with pytest.warns(ResourceWarning, match="still exported"):
-            async with store.experts(1, [2]) as (view,):
-                assert view is not None
-                kept = np.frombuffer(view.gate.data, dtype=np.uint8)  # a numpy array over slot memory
-                copy = view.copy()
+        with pytest.warns(ResourceWarning, match="the gate bytes are still exported"):
+            kept, copy = await _keep_past_the_pin(store, "gate")
         assert kept.base is not None
         del kept
-        assert bytes(copy.gate.data) == want and copy.gate.shape == view.gate.shape
+        assert bytes(copy.gate.data) == want and copy.gate.shape == (SMALL.n_ff, SMALL.n_embd)
         async with store.experts(1, [3, 4, 5, 6]):  # the slot is reused
             pass
         assert bytes(copy.gate.data) == want
-        with pytest.warns(ResourceWarning, match="down bytes are still exported"):
-            async with store.experts(1, [2]) as (view,):
-                assert view is not None
-                survivor = np.frombuffer(view.down.data, dtype=np.uint8)
+        with pytest.warns(ResourceWarning, match="the down bytes are still exported"):
+            survivor, _ = await _keep_past_the_pin(store, "down")
     # the store closed with an array over slab memory alive: the mapping stays until it is dropped
     assert survivor.sum() >= 0 and len(survivor) == SMALL.expert_bytes() // 3
