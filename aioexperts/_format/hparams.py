@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aioexperts._errors import FormatError, UnsupportedTypeError
+from aioexperts._format.header import LossyStr, SkippedValue
 
 __all__ = ("Activation", "GatingFunc", "MoEHParams")
 
@@ -403,10 +404,12 @@ class _Meta:
         value = self.md.get(self.key(name))
         if value is None and required:
             raise FormatError(f"missing required key {self.key(name)}")
-        if isinstance(value, list | tuple):
+        if isinstance(value, list | tuple | SkippedValue):
             raise UnsupportedTypeError(
                 f"{self.key(name)} is a per-layer array ({len(value)} values); only a single value is supported"
             )
+        if isinstance(value, LossyStr):
+            raise FormatError(f"{self.key(name)} is a string that is not valid UTF-8 ({value.raw!r})")
         return value
 
     def int_(self, name: str, *, required: bool = False, default: int = 0) -> int:
@@ -439,7 +442,9 @@ class _Meta:
         value = self.md.get(self.key("vocab_size"))
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             return int(value)
+        # llama.cpp: get_key(LLM_KV_VOCAB_SIZE) || get_arr_n(LLM_KV_TOKENIZER_LIST): the length of the
+        # token list, which open_model leaves in the file (a SkippedValue) but whose length it keeps
         tokens = self.md.get("tokenizer.ggml.tokens")
-        if isinstance(tokens, list | tuple):
+        if isinstance(tokens, list | tuple | SkippedValue):
             return len(tokens)
         return None
