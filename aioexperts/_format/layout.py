@@ -238,7 +238,7 @@ class ExpertLayout:
         if isinstance(layer, bool) or not isinstance(layer, int) or layer not in self.layers:
             hint = ""
             if layer in self.nextn_layers:
-                hint = " (it is a NextN/MTP block, left out like llama.cpp does; build_layout(include_nextn=True) keeps it)"
+                hint = " (a NextN/MTP block, left out as llama.cpp does; build_layout(include_nextn=True) keeps it)"
             raise InvalidRequestError(f"no MoE layer {layer!r}; MoE layers are {_ranges(list(self.layers))}{hint}")
         return self.layers[layer]
 
