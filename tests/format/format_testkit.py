@@ -44,7 +44,7 @@ def fixture_path(name: str) -> Path:
 
 def copy_fixture(name: str, dest_dir: Path) -> Path:
     """A writable copy of a fixture in ``dest_dir``."""
-    dst = dest_dir / name
+    dst = dest_dir / Path(name).name
     shutil.copyfile(fixture_path(name), dst)
     os.chmod(dst, 0o644)
     return dst
