@@ -306,7 +306,10 @@ def build_layout(model: GGUFModel, *, include_nextn: bool = False) -> ExpertLayo
     n_expert = _required_int(model, "expert_count")
     n_used = _required_int(model, "expert_used_count")
     n_embd = _required_int(model, "embedding_length")
+    # the expert width the metadata allows: expert_feed_forward_length, or feed_forward_length for the
+    # archs whose loader creates the expert tensors n_ff wide (llama, olmoe, dbrx, hunyuan-moe, ...)
     n_ff_key = model.key("expert_feed_forward_length")
+    n_ff_dense = model.key("feed_forward_length")
     first_nextn = _first_nextn_block(model)
     by_layer: dict[int, dict[tuple[str, int], TensorInfo]] = {}
     for name, info in model.tensors.items():
@@ -334,7 +337,9 @@ def build_layout(model: GGUFModel, *, include_nextn: bool = False) -> ExpertLayo
             raise LayoutError(f"layer {index} has expert tensors but no router blk.{index}.ffn_gate_inp.weight")
         if index not in by_layer:
             raise LayoutError(f"layer {index} has a router but no expert tensors")
-        layers[index] = _build_layer(index, routers[index], by_layer[index], n_expert, n_used, n_embd, n_ff_key)
+        layers[index] = _build_layer(
+            index, routers[index], by_layer[index], n_expert, n_used, n_embd, n_ff_key, n_ff_dense
+        )
     if not layers:
         raise LayoutError(f"{model.path}: no MoE layers (no blk.N.ffn_*_exps tensors)")
     return ExpertLayout(layers, n_used, n_embd, tuple(nextn), include_nextn)
@@ -372,6 +377,7 @@ def _build_layer(
     n_used: int,
     n_embd: int,
     n_ff_key: object,
+    n_ff_dense: object = None,
 ) -> MoELayer:
     where = f"layer {index}"
     if len(router.dims) != 2 or router.dims[0] != n_embd:
@@ -388,8 +394,11 @@ def _build_layer(
             raise LayoutError(f"{where}: bank {tier} has n_ff={bank.n_ff}, bank 0 has {banks[0].n_ff}")
         banks.append(bank)
         first += bank.n_experts
-    if isinstance(n_ff_key, int) and banks[0].n_ff != n_ff_key:
-        raise LayoutError(f"{where}: experts have n_ff={banks[0].n_ff}, expert_feed_forward_length={n_ff_key}")
+    if isinstance(n_ff_key, int) and banks[0].n_ff not in (n_ff_key, n_ff_dense):
+        raise LayoutError(
+            f"{where}: experts have n_ff={banks[0].n_ff}, expert_feed_forward_length={n_ff_key}"
+            + (f" (feed_forward_length={n_ff_dense})" if isinstance(n_ff_dense, int) else "")
+        )
     if first != n_layer_experts:
         raise LayoutError(f"{where}: banks hold {first} experts, the router has {n_layer_experts} outputs")
     if not n_used <= n_layer_experts <= n_expert:
