@@ -35,7 +35,16 @@ from typing import Any
 from aioexperts._errors import FormatError, UnsupportedTypeError
 from aioexperts._format.header import LossyStr, SkippedValue
 
-__all__ = ("LLAMA_CPP_ARCHS", "REFUSED", "Activation", "GatingFunc", "MoEHParams", "Status", "architecture_status")
+__all__ = (
+    "ARCHITECTURES",
+    "LLAMA_CPP_ARCHS",
+    "REFUSED",
+    "Activation",
+    "GatingFunc",
+    "MoEHParams",
+    "Status",
+    "architecture_status",
+)
 
 
 class GatingFunc(enum.IntEnum):
@@ -250,6 +259,13 @@ LLAMA_CPP_ARCHS = frozenset(
     cogvlm rnd1 pangu-embedded mistral3 eagle3 dflash mistral4 paddleocr mimo2 step35 llama-embed maincoder
     kimi-linear talkie mellum""".split()
 )
+
+
+#: The architecture table: every arch name with a rule or a refusal -> its :class:`Status`.
+ARCHITECTURES: Mapping[str, Status] = {
+    **{arch: rule.status for arch, rule in _RULES.items()},
+    **dict.fromkeys(REFUSED, Status.REFUSED),
+}
 
 
 def architecture_status(arch: str) -> Status | None:
