@@ -510,6 +510,15 @@ class MoEHParams:
                         f"(1 softmax, 2 sigmoid, 3 softmax over the selected logits)"
                     ) from None
 
+        for clamp_key in ("swiglu_clamp_exp", "swiglu_clamp_shexp"):
+            # llama-graph.cpp build_moe_ffn / build_ffn: per-layer SwiGLU clamps when the limit > 1e-6
+            clamp = metadata.get(md.key(clamp_key))
+            values = clamp if isinstance(clamp, list) else [clamp]
+            if any(isinstance(v, int | float) and not isinstance(v, bool) and v > 1e-6 for v in values):
+                raise UnsupportedTypeError(
+                    f"{md.key(clamp_key)} sets a SwiGLU clamp, which this executor does not apply"
+                )
+
         norm = rule.norm if rule.norm is not None else md.bool_("expert_weights_norm", rule.norm_default)
         scale = md.float_("expert_weights_scale", 0.0) if rule.read_scale else 0.0
         if scale == 0.0:
