@@ -1,7 +1,7 @@
 """Every architecture the table in docs/executor.md marks implemented, against an independent reference.
 
 For each arch a small F32 model is written byte by byte (``gguf_bytes``), opened with
-``aioexperts.open`` and run through ``engine.moe_result`` (metadata -> hparams -> layout -> resident
+``aioexperts.open`` and run through ``moe_result`` (metadata -> hparams -> layout -> resident
 tensors -> routing -> experts). The expected output comes from :func:`reference`, a float64 transcription
 of llama.cpp's ``build_moe_ffn`` (src/llama-graph.cpp) and of each arch's call site, whose arguments are
 written out per case below from the arch's ``src/models/*.cpp`` graph and its hparams loader. The
@@ -19,8 +19,8 @@ import gguf_bytes as gb
 import numpy as np
 import pytest
 from gguf import GGUFValueType
+from moe_session import moe_session
 
-import aioexperts
 from aioexperts._format.hparams import ARCHITECTURES, Status
 
 T = GGUFValueType
@@ -257,12 +257,12 @@ async def test_arch_matches_the_float64_reference(tmp_path: Path, case: Case, an
     x = np.random.default_rng(11).standard_normal((N_TOKENS, N_EMBD)).astype(np.float32)
     nextn = int(case.kv.get("nextn_predict_layers", 0))  # type: ignore[call-overload]
     run_blocks = [b for b in case.moe_blocks if b < case.block_count - nextn]
-    async with aioexperts.open(path, slots=N_EXPERT) as engine:
-        assert list(engine.layout.layers) == run_blocks
-        assert engine.hparams.status in (Status.GOLDEN, Status.SOURCE)
+    async with moe_session(path, slots=N_EXPERT) as session:
+        assert list(session.layout.layers) == run_blocks
+        assert session.hparams.status in (Status.GOLDEN, Status.SOURCE)
         for block in run_blocks:
             want = reference(case, x.astype(np.float64), weights[block])
-            got = await engine.moe_result(block, x)
+            got = await session.moe_result(block, x)
             np.testing.assert_array_equal(got.ids, want["ids"], err_msg=f"block {block}: {case.source}")
             np.testing.assert_allclose(got.weights, want["weights"], rtol=2e-5, atol=1e-6)
             assert _rel(got.moe_out, want["moe_out"]) < 1e-5

@@ -13,8 +13,8 @@ import gguf_bytes as gb
 import numpy as np
 import pytest
 from gguf import GGUFValueType
+from moe_session import moe_session
 
-import aioexperts
 from aioexperts._errors import UnsupportedTypeError
 from aioexperts._format.hparams import ARCHITECTURES, LLAMA_CPP_ARCHS, REFUSED, MoEHParams, Status
 
@@ -58,7 +58,7 @@ X = np.ones((2, N_EMBD), dtype=np.float32)
 async def test_per_expert_scales_are_refused(tmp_path: Path, proj: str, anyio_backend: object) -> None:
     name = f"blk.0.ffn_{proj}_exps.scale"
     path = _model(tmp_path / "m.gguf", "qwen3moe", [gb.Tensor(name, [N_EXPERT])])
-    async with aioexperts.open(path, slots=N_EXPERT) as engine:
+    async with moe_session(path, slots=N_EXPERT) as engine:
         async with engine.experts(0, [1]) as views:  # the raw bytes are still served
             assert views[0] is not None
         with pytest.raises(UnsupportedTypeError, match=rf"'{name}': per-expert output scales"):
@@ -69,11 +69,11 @@ async def test_per_expert_scales_are_refused(tmp_path: Path, proj: str, anyio_ba
 async def test_grok2_parallel_dense_ffn_is_refused(tmp_path: Path, anyio_backend: object) -> None:
     dense = [gb.Tensor(f"blk.0.ffn_{p}.weight", [N_EMBD, 64] if p != "down" else [64, N_EMBD]) for p in ("gate", "up")]
     path = _model(tmp_path / "g.gguf", "grok", dense)
-    async with aioexperts.open(path, slots=N_EXPERT) as engine:
+    async with moe_session(path, slots=N_EXPERT) as engine:
         with pytest.raises(UnsupportedTypeError, match=r"'blk\.0\.ffn_up\.weight': grok's parallel dense FFN"):
             await engine.moe(0, X)
     grok1 = _model(tmp_path / "g1.gguf", "grok")  # Grok-1: experts only
-    async with aioexperts.open(grok1, slots=N_EXPERT) as engine:
+    async with moe_session(grok1, slots=N_EXPERT) as engine:
         assert (await engine.moe(0, X)).shape == X.shape
 
 
@@ -93,7 +93,7 @@ async def test_refused_architectures_say_why(tmp_path: Path, arch: str, anyio_ba
     assert ARCHITECTURES[arch] is Status.REFUSED
     path = _model(tmp_path / "r.gguf", arch, interleave_moe_layer_step=1)
     with pytest.raises(UnsupportedTypeError, match=rf"architecture '{arch}' is not supported: .+"):
-        async with aioexperts.open(path):
+        async with moe_session(path):
             pass
 
 

@@ -15,8 +15,8 @@ import gguf_bytes as gb
 import numpy as np
 import pytest
 from gguf import GGUFValueType
+from moe_session import moe_session
 
-import aioexperts
 from aioexperts._format.hparams import GatingFunc, MoEHParams
 from aioexperts._format.model import SkippedValue, open_model
 
@@ -91,8 +91,8 @@ def test_gating_default_sees_the_token_count(
 async def test_glm47_flash_file_without_vocab_size_routes_with_sigmoid(tmp_path: Path, anyio_backend: object) -> None:
     path, router = _deepseek2_file(tmp_path / "glm47.gguf", GLM47_VOCAB, 48)
     x = np.random.default_rng(3).standard_normal((5, N_EMBD)).astype(np.float32)
-    async with aioexperts.open(path, slots=N_EXPERT) as engine:
-        result = await engine.moe_result(1, x)
+    async with moe_session(path, slots=N_EXPERT) as session:
+        result = await session.moe_result(1, x)
     ids, weights = _reference(x, router, "sigmoid")
     np.testing.assert_array_equal(result.ids, ids)
     np.testing.assert_allclose(result.weights, weights, rtol=1e-5)

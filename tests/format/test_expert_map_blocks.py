@@ -17,8 +17,8 @@ import gguf_bytes as gb
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType
+from moe_session import moe_session
 
-import aioexperts
 from aioexperts._cli.synthetic import write_synthetic_model
 from aioexperts._errors import ConfigError
 from aioexperts._format.expert_map import check_map_matches_layout, read_expert_map, write_expert_map
@@ -165,5 +165,5 @@ async def test_engine_refuses_a_map_for_a_model_with_a_dense_lead(tmp_path: Path
     shifted.write_bytes(_old_style_map(path, [1, 2]))  # record 0 would be applied to block 0
     read_expert_map(shifted, open_model(path).shards[0])  # a well-formed map of this very file
     with pytest.raises(ConfigError, match=r"record i describes block i .* MoE blocks are 1\.\.2"):
-        async with aioexperts.open(path, expert_map=shifted):
+        async with moe_session(path, expert_map=shifted):
             pass

