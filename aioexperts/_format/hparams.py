@@ -185,9 +185,9 @@ _RULES: dict[str, _ArchRule] = {
     "grok": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_KEY_ELSE_FF, _SH_NONE, Activation.GELU),
     # minimax-m2.cpp: gating key (required), norm_w=true, exp_probs_b; the loader reads no scale
     "minimax-m2": _ArchRule(_S, None, None, True, True, False, _FF_KEY_REQUIRED, _SH_NONE),
-    # llama4 (build_moe_ffn's LLM_ARCH_LLAMA4 branches): sigmoid weights, top-k on the raw logits,
-    # weights applied to the input before the experts (weight_before_ffn), no norm; MoE every
-    # interleave_moe_layer_step blocks; an ungated shared expert
+    # llama4 (llama-iswa.cpp: SIGMOID, norm_w=false, w_scale 0, an ungated shared expert; build_moe_ffn's
+    # LLM_ARCH_LLAMA4 branches: top-k on the raw logits, weights applied to the input before the
+    # experts, weight_before_ffn); MoE every interleave_moe_layer_step blocks
     "llama4": _ArchRule(
         _S,
         _SIGMOID,

@@ -117,7 +117,7 @@ CASES = [
          kv={"expert_weights_scale": 2.0}),
     Case("minimax-m2", "minimax-m2.cpp: gating key, norm_w=true, exp_probs_b, scale key not read", "sigmoid", True,
          probs_bias=True, kv={"expert_gating_func": 2, "expert_weights_scale": 3.0}),
-    Case("llama4", "build_moe_ffn LLM_ARCH_LLAMA4: sigmoid after top-k on logits, weight_before_ffn, shared",
+    Case("llama4", "llama-iswa.cpp + build_moe_ffn LLM_ARCH_LLAMA4: top-k on logits, weight_before_ffn",
          "sigmoid", False, select_on_logits=True, weight_before_ffn=True, shared="ungated", n_ff_shexp=N_FF,
          moe_blocks=(1, 3), block_count=4, kv={"interleave_moe_layer_step": 2}),
 ]  # fmt: skip
