@@ -31,7 +31,7 @@ def _fixture_candidates() -> list[Path]:
 def shared_fixtures_dir() -> Path | None:
     """``$AIOEXPERTS_FIXTURES``, else ``../shared/fixtures`` beside the checkout."""
     for cand in _fixture_candidates():
-        if cand.is_dir() and any(cand.glob("*.gguf")):
+        if cand.is_dir() and any(cand.rglob("*.gguf")):
             return cand
     return None
 
@@ -50,7 +50,7 @@ def shared_fixture_paths() -> list[Path]:
                 + " or ".join(map(str, _fixture_candidates()))
             )
         return []
-    return sorted(root.glob("*.gguf"))
+    return sorted(root.rglob("*.gguf"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -302,12 +302,15 @@ def moe_forward(
     ``g = W_gate[e] x_t (+ b_gate[e])``, ``u = W_up[e] x_t (+ b_up[e])`` (``ffn_moe_gate``,
     ``ffn_moe_up``, ``ffn_moe_*_biased``); ``a = act(g, u)`` with SwiGLU ``silu(g) * u``
     (``ggml_swiglu_split``) or gpt-oss ``swiglu_oai`` (``g = min(g, limit)``,
-    ``u = clip(u, -limit, limit)``, ``g * sigmoid(alpha * g) * (u + 1)``); ``a`` is zero-padded to the
+    ``u = clip(u, -limit, limit)``, ``g * sigmoid(alpha * g) * (u + 1)``) or GeGLU ``gelu(g) * u``
+    (``ggml_geglu_split``, grok); ``a`` is zero-padded to the
     down projection's width when that is wider (FORMATS.md section 2); ``y = W_down[e] a (+ b_down[e])``
     (``ffn_moe_down``); ``moe_out_t = sum_i weights[t, i] * y_i`` over the k slots in slot order
     (``ffn_moe_weighted``, ``ffn_moe_out``). A slot with id ``-1`` is inactive: it needs no view and
     contributes zero. The weights come from :func:`route` and already include the model's weight
     scale; nothing here rescales, so the scale touches the routed part only, never the shared part.
+    With ``hparams.weights_before_experts`` (llama4, ``weight_before_ffn``) each slot's input is
+    ``weights[t, i] * x_t`` and the slot outputs are summed unweighted.
 
     Shared expert (``build_ffn(.., LLM_FFN_SILU, LLM_FFN_PAR)``): ``s = W_down_sh (silu(W_gate_sh x) *
     (W_up_sh x))``, times ``sigmoid(x . w_gate_inp_shexp)`` when the layer has that gate (Qwen2-MoE;
@@ -361,11 +364,15 @@ def moe_forward(
         views = _lookup_views(experts, uniq, resident.layer)
         ends = np.append(starts[1:], chosen.size)
         ws = _workspace()
+        flat_weights = weights.reshape(-1)
         for e, view, lo, hi in zip(uniq.tolist(), views, starts.tolist(), ends.tolist(), strict=True):
             pos = positions[lo:hi]
-            slot_out[pos // k, pos % k] = _expert_forward(x, pos // k, e, view, resident, hparams, ws)
+            # llama4 (weight_before_ffn): each slot's input is scaled by its weight, outputs sum unweighted
+            in_scale = flat_weights[pos] if hparams.weights_before_experts else None
+            slot_out[pos // k, pos % k] = _expert_forward(x, pos // k, e, view, resident, hparams, ws, in_scale)
 
-    active_weights = np.where(ids >= 0, weights, np.float32(0.0))  # an inactive slot's weight never counts
+    slot_weights = np.float32(1.0) if hparams.weights_before_experts else weights
+    active_weights = np.where(ids >= 0, slot_weights, np.float32(0.0))  # an inactive slot never counts
     weighted = slot_out * active_weights[:, :, None]
     moe_out = weighted[:, 0].copy()
     for i in range(1, k):
@@ -390,12 +397,18 @@ def _expert_forward(
     resident: ResidentLayer,
     hparams: MoEHParams,
     ws: _Workspace,
+    in_scale: np.ndarray | None = None,
 ) -> np.ndarray:
-    """``down(act(gate x) * up x)`` of one expert for the tokens ``rows``; a fresh (n, n_embd) array."""
+    """``down(act(gate x) * up x)`` of one expert for the tokens ``rows``; a fresh (n, n_embd) array.
+
+    ``in_scale`` (``(n,)`` float32, llama4's ``weight_before_ffn``) multiplies each row of ``x`` first.
+    """
     n_embd = hparams.n_embd
     n_ff, n_ff_down = _check_view(view, expert, n_embd, hparams.n_ff_exp)
     n = rows.size
     xs = ws.take(x, rows, "xs")
+    if in_scale is not None:
+        xs = xs * in_scale[:, None]
 
     g = ws.buf("g", (n, n_ff))
     np.matmul(xs, _dequantize(view.gate).T, out=g)
@@ -414,6 +427,8 @@ def _expert_forward(
     tmp = ws.buf("tmp", (n, n_ff))
     if hparams.activation is Activation.SWIGLU_OAI:
         _swiglu_oai(g, u, tmp, act_view, hparams.swiglu_alpha, hparams.swiglu_limit)
+    elif hparams.activation is Activation.GELU:
+        _geglu(g, u, tmp, act_view)
     else:
         _swiglu(g, u, tmp, act_view)
 
@@ -446,6 +461,26 @@ def _swiglu_oai(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray, 
     np.divide(g, tmp, out=g)
     u += np.float32(1.0)
     np.multiply(g, u, out=out)
+
+
+_SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)  # ggml GELU constants
+_GELU_COEF_A = np.float32(0.044715)
+
+
+def _geglu(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> None:
+    """``ggml_geglu_split``: ``out = gelu(g) * u`` with ggml's tanh GELU
+    ``0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2)))``; clobbers tmp. (ggml's CPU backend looks
+    GELU up in a float16 table, which differs from this float32 formula by up to ~1e-3 relative.)"""
+    np.multiply(g, g, out=tmp)
+    tmp *= _GELU_COEF_A
+    tmp += np.float32(1.0)
+    tmp *= g
+    tmp *= _SQRT_2_OVER_PI
+    np.tanh(tmp, out=tmp)
+    tmp += np.float32(1.0)
+    tmp *= g
+    tmp *= np.float32(0.5)
+    np.multiply(tmp, u, out=out)
 
 
 def _shared_forward(x: np.ndarray, resident: ResidentLayer) -> np.ndarray:

@@ -78,6 +78,7 @@ def select_experts(
        (gating 2), or the raw logits (gating 3, ``SOFTMAX_WEIGHT``);
     2. selection scores (``ffn_moe_probs_biased``): ``probs + selection_bias`` when a bias
        (``exp_probs_b``) is given; the bias only steers the choice, the weights come from ``probs``;
+       with ``hparams.select_on_logits`` (llama4) the raw logits are the selection scores;
     3. group-limited selection when ``hparams.n_expert_groups > 1`` (``ffn_moe_probs_masked``): the
        experts are split into ``n_expert_groups`` consecutive groups, a group scores the sum of its
        two largest selection scores, the ``n_group_used`` best groups are kept and every expert of the
@@ -133,6 +134,9 @@ def select_experts(
         selection = probs + selection_bias
     else:
         selection = probs
+    if hparams.select_on_logits:
+        # llama4: "sigmoid is only used after top_k" (build_moe_ffn: selection_probs = logits)
+        selection = logits
 
     if hparams.n_expert_groups > 1 and n_tokens > 0:
         selection = _mask_groups(selection, hparams.n_expert_groups, hparams.n_group_used, k)

@@ -24,7 +24,11 @@ def load_residents(model: GGUFModel, layout: ExpertLayout, hparams: MoEHParams) 
     Raises:
         FormatError: a tensor is truncated.
         ConfigError: a tensor has the wrong shape for the layer.
+        UnsupportedTypeError: a tensor changes the MoE block in a way the executor does not compute
+            (:meth:`MoEHParams.check_tensors`).
     """
+
+    hparams.check_tensors(model.tensors)  # per-expert scales, grok's dense FFN: refused, not ignored
 
     def tensor(name: str) -> np.ndarray | None:
         info = model.tensors.get(name)

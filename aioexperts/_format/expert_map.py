@@ -4,12 +4,18 @@ Layout (little-endian)::
 
     char[8] magic "WEEPF001"
     u64 model file size (bytes), u64 st_dev, u64 st_ino, u64 st_mtime (ns)
-    u32 n_layers                          one record per MoE layer, in block order
+    u32 n_layers                          record i describes block i
     per layer: u32 n_experts (1..512), then per expert 3 x (u64 offset, u64 length) for gate, up, down
 
-The format has no layer numbers: record ``i`` is the ``i``-th MoE layer of the model (layers
-below ``leading_dense_block_count`` have no record). It has no shard field either, so it
-describes single-file models only; :func:`write_expert_map` refuses a split set.
+The format has no layer numbers: record ``i`` is block ``i`` of the model, because the prefetcher
+that consumes these maps looks a record up by the block number ``N`` of llama.cpp's
+``ffn_moe_topk-N`` tensor, and a record cannot have zero experts. A model whose MoE blocks are not
+exactly ``0..n-1`` (leading dense blocks as in glm4moe and deepseek2, interleaved dense blocks as in
+ernie4_5-moe and llama4) cannot be described: :func:`write_expert_map` and
+:func:`check_map_matches_layout` refuse it with :class:`~aioexperts._errors.ConfigError` rather than
+shift the records. NextN / MTP blocks at the end are not in the layout (llama.cpp never runs them),
+so a model whose other MoE blocks are ``0..n-1`` gets ``n`` records and no record for them. The
+format has no shard field either, so it describes single-file models only; a split set is refused.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ class ExpertMap:
 
     Attributes:
         model_size, dev, ino, mtime_ns: identity of the model file the map was made for.
-        layers: per MoE layer, per expert, ``((offset, length) gate, up, down)`` in bytes.
+        layers: per block (record ``i`` is block ``i``), per expert, ``((offset, length) gate, up,
+            down)`` in bytes.
     """
 
     model_size: int
@@ -68,6 +75,23 @@ class ExpertMap:
             raise StaleMapError(f"the map does not match the model {shard.path} ({diff}); regenerate it")
 
 
+def _require_blocks_from_zero(layout: ExpertLayout, what: str) -> None:
+    """Refuse a layout whose MoE blocks are not ``0..n-1``: record ``i`` must describe block ``i``."""
+    blocks = list(layout.layers)
+    if blocks != list(range(len(blocks))):
+        raise ConfigError(
+            f"{what}: WEEPF001 record i describes block i (FORMATS.md section 3) and a record cannot have zero "
+            f"experts, but this model's MoE blocks are {_blocks(blocks)} (leading or interleaved dense blocks): "
+            "the format cannot describe it, so no map is written or used for it"
+        )
+
+
+def _blocks(blocks: list[int]) -> str:
+    if blocks and blocks == list(range(blocks[0], blocks[-1] + 1)):
+        return f"{blocks[0]}..{blocks[-1]}"
+    return str(blocks)
+
+
 def _layout_ranges(layout: ExpertLayout) -> list[list[ExpertRanges]]:
     out: list[list[ExpertRanges]] = []
     for moe in layout.layers.values():
@@ -83,12 +107,17 @@ def _layout_ranges(layout: ExpertLayout) -> list[list[ExpertRanges]]:
 def write_expert_map(model: GGUFModel, layout: ExpertLayout, path: str | os.PathLike[str]) -> None:
     """Write the map of ``layout`` for the single-file ``model`` to ``path`` (atomically: temp + rename).
 
+    Record ``i`` is block ``i``; NextN blocks left out of ``layout`` get no record.
+
     Raises:
-        ConfigError: ``model`` is a split set, or an expert or layer count or range length is
-            outside what the format can hold (lengths are at most 8 MiB).
+        ConfigError: ``model`` is a split set, its MoE blocks are not ``0..n-1`` (leading or
+            interleaved dense blocks: the format indexes records by block number), or an expert or
+            layer count or range length is outside what the format can hold (lengths are at most
+            8 MiB).
     """
     if len(model.shards) != 1:
         raise ConfigError(f"WEEPF001 maps describe one file; {model.path} is a split set of {len(model.shards)}")
+    _require_blocks_from_zero(layout, model.path)
     shard = model.shards[0]
     if (
         min(shard.size, shard.dev, shard.ino, shard.mtime_ns) < 0
@@ -178,12 +207,16 @@ def read_expert_map(path: str | os.PathLike[str], model: ShardInfo | None = None
 def check_map_matches_layout(emap: ExpertMap, layout: ExpertLayout, where: str = "expert map") -> None:
     """Refuse a map whose ranges are not the ones the model's header gives.
 
+    Record ``i`` is compared with block ``i`` of ``layout``.
+
     Raises:
+        ConfigError: the layout's MoE blocks are not ``0..n-1``, which no WEEPF001 map can describe.
         StaleMapError: a different layer or expert count, or any range differs.
     """
+    _require_blocks_from_zero(layout, where)
     ours = _layout_ranges(layout)
     if len(ours) != len(emap.layers):
         raise StaleMapError(f"{where}: {len(emap.layers)} layers, the model has {len(ours)} MoE layers; regenerate it")
     for li, (a, b) in enumerate(zip(emap.layers, ours, strict=True)):
         if list(a) != b:
-            raise StaleMapError(f"{where}: MoE layer record {li} differs from the model; regenerate it")
+            raise StaleMapError(f"{where}: MoE layer record {li} differs from the model (block {li}); regenerate it")

@@ -6,66 +6,45 @@ returns a frozen :class:`MoEHParams`. The values that drive the routing (gating 
 normalisation, weight scale) are taken from the same place llama.cpp takes them: either the arch's
 ``build_moe_ffn`` call site hard-codes them (then the metadata key is *ignored*, exactly as llama.cpp
 ignores it), or the arch's hparams loader reads the key (then the arch's default applies when the key
-is missing).
+is missing; where llama.cpp has no default and would abort, the key is required).
 
-The routing semantics themselves are llama.cpp's ``build_moe_ffn`` (src/llama-graph.cpp).
-
-| arch        | gating          | norm   | scale | ``n_ff_exp``     | shared expert        | act  | ref |
-|-------------|-----------------|--------|-------|------------------|----------------------|------|-----|
-| qwen2moe    | softmax         | no     | 1     | key, else ff/k   | 1, sig-gated         | silu | [1] |
-| qwen3moe    | softmax         | yes    | 1     | key, else ff/k   | none                 | silu | [2] |
-| qwen3next   | softmax         | yes    | 1     | key, else ff/k   | key width, sig-gated | silu | [3] |
-| llama       | softmax         | yes    | 1     | n_ff             | none                 | silu | [4] |
-| olmoe       | softmax         | no     | 1     | n_ff             | none                 | silu | [5] |
-| deepseek    | softmax         | no     | 1     | key (required)   | count x n_ff_exp     | silu | [6] |
-| deepseek2   | key/softmax (*) | key/no | key/1 | key (required)   | count x n_ff_exp     | silu | [7] |
-| glm4moe     | key/sigmoid     | key/no | key/1 | key (required)   | count x n_ff_exp     | silu | [8] |
-| gpt-oss     | top-k softmax   | no     | 1     | key (required)   | none                 | oai  | [9] |
-| (any other) | key/softmax     | key/no | key/1 | key, else 0 (**) | key, else count x ff | silu | -   |
-
-A plain value is "fixed": the ``build_moe_ffn`` call site passes a constant and the metadata key is
-ignored, as llama.cpp ignores it (for the scale: the arch's loader never reads
-``expert_weights_scale``, so llama.cpp passes 0, i.e. no scaling). "key/X": the key
-(``{arch}.expert_gating_func``, ``expert_weights_norm``, ``expert_weights_scale``) is read, X when it
-is missing. "top-k softmax": gating 3, softmax over the k selected logits. For ``n_ff_exp``, "key" is
-``expert_feed_forward_length``, "n_ff" is ``feed_forward_length`` and "ff/k" is
-``n_ff // expert_used_count``. "count x n_ff_exp": ``expert_shared_count * n_ff_exp``, ungated.
-"sig-gated": the shared output is multiplied by ``sigmoid(x . ffn_gate_inp_shexp)``; its width is
-``expert_shared_feed_forward_length``, else (qwen2moe) ``feed_forward_length``. "oai": ``swiglu_oai``
-with alpha 1.702 and limit 7.0, plus the router and expert biases. (*) deepseek2 without
-``expert_gating_func`` is sigmoid for GLM-4.7 Lite (47 or 48 layers, vocabulary 154880).
-(**) 0 means unknown: the executor takes the width from the expert views.
-
-References (llama.cpp): [1] src/models/qwen2moe.cpp (``SOFTMAX``, ``norm_w=false``, shared gate
-``silu(v)/v``); [2] src/models/qwen3moe.cpp; [3] src/models/qwen3next.cpp ``build_layer_ffn``;
-[4] src/models/llama.cpp, MoE branch when ``expert_count > 0`` (Mixtral); [5] src/models/olmoe.cpp;
-[6] src/models/deepseek.cpp (``norm_w=false, scale_w=false``) and the ``LLM_ARCH_DEEPSEEK`` loader;
-[7] the DeepSeek2 loader ("for compatibility with existing DeepSeek V2 and V2.5 GGUFs") and
-src/models/deepseek2.cpp; [8] src/models/glm4-moe.cpp ``load_arch_hparams`` (gating default
-sigmoid, ``n_ff_shexp = n_ff_exp * n_expert_shared``); [9] src/models/openai-moe-iswa.cpp
-(``LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT``, ``LLM_FFN_SWIGLU_OAI_MOE``).
+The routing semantics themselves are llama.cpp's ``build_moe_ffn`` (src/llama-graph.cpp). The rule of
+every architecture, with its llama.cpp source, is in ``_RULES`` below; docs/executor.md renders them
+as a table with each arch's status (:class:`Status`): verified against a llama.cpp golden,
+implemented from the source, or refused. Refused architectures (``REFUSED``, and every other name in
+``LLAMA_CPP_ARCHS`` that has no rule) raise :class:`~aioexperts._errors.UnsupportedTypeError` naming
+what is missing; a name llama.cpp does not know takes the generic rules (``verified`` is False and the
+engine warns).
 
 For every arch (llama-model.cpp ``load_hparams``): ``block_count``, ``embedding_length``,
 ``expert_count``, ``expert_used_count``, ``expert_group_count`` and ``expert_group_used_count`` are
-read; ``leading_dense_block_count`` is read when present (0 otherwise). A weight scale of 0 or 1
-means "no scaling" (``build_moe_ffn`` applies it only when ``w_scale != 0 && w_scale != 1``).
-
-Architectures whose routing this executor does not implement (``llama4``: weights applied before the
-FFN and a sigmoid after top-k; ``grovemoe``: adjugate expert groups) raise
-:class:`~aioexperts._errors.UnsupportedTypeError` instead of silently taking the generic path.
+read. A weight scale of 0 or 1 means "no scaling" (``build_moe_ffn`` applies it only when
+``w_scale != 0 && w_scale != 1``); an arch whose loader never reads ``expert_weights_scale`` passes
+0 whatever its call site says.
 """
 
 from __future__ import annotations
 
 import enum
 import numbers
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from aioexperts._errors import FormatError, UnsupportedTypeError
+from aioexperts._format.header import LossyStr, SkippedValue
 
-__all__ = ("Activation", "GatingFunc", "MoEHParams")
+__all__ = (
+    "ARCHITECTURES",
+    "LLAMA_CPP_ARCHS",
+    "REFUSED",
+    "Activation",
+    "GatingFunc",
+    "MoEHParams",
+    "Status",
+    "architecture_status",
+)
 
 
 class GatingFunc(enum.IntEnum):
@@ -80,12 +59,28 @@ class GatingFunc(enum.IntEnum):
 
 
 class Activation(enum.StrEnum):
-    """The gated activation of the routed experts."""
+    """The gated activation of the routed experts (``type_op`` of llama.cpp's ``build_moe_ffn``)."""
 
     SILU = "silu"
-    """SwiGLU: ``silu(gate) * up``."""
+    """SwiGLU (``LLM_FFN_SILU``, ``ggml_swiglu_split``): ``silu(gate) * up``."""
     SWIGLU_OAI = "swiglu_oai"
     """gpt-oss: ``g = min(gate, limit)``, ``u = clip(up, -limit, limit)``, ``g*sigmoid(alpha*g)*(u+1)``."""
+    GELU = "gelu"
+    """GeGLU (``LLM_FFN_GELU``, ``ggml_geglu_split``): ``gelu(gate) * up`` with ggml's tanh GELU
+    ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` (grok)."""
+
+
+class Status(enum.StrEnum):
+    """How far this library's reading of an architecture is checked (the table in docs/executor.md)."""
+
+    GOLDEN = "golden"
+    """Verified against tensors llama.cpp computed (the shared fixtures' goldens)."""
+    SOURCE = "source"
+    """Implemented from llama.cpp's source, tested against an independent float64 reference."""
+    REFUSED = "refused"
+    """Refused with :class:`~aioexperts._errors.UnsupportedTypeError` naming what is missing."""
+    GENERIC = "generic"
+    """Not an architecture llama.cpp knows: the generic rules, unverified (the engine warns)."""
 
 
 _SWIGLU_OAI_ALPHA = 1.702  # llama-graph.cpp build_moe_ffn, LLM_FFN_SWIGLU_OAI_MOE
@@ -94,63 +89,199 @@ _SWIGLU_OAI_LIMIT = 7.0
 # How llama.cpp obtains one value for an arch: a constant at the build_moe_ffn call site ("fixed"),
 # or the metadata key with a default.
 _FF_KEY_OR_FF_DIV_USED = "key_or_ff_div_used"  # qwen*: n_ff_exp ? n_ff_exp : n_ff / n_expert_used
-_FF_FEED_FORWARD = "feed_forward_length"  # llama (Mixtral), olmoe: experts are n_ff wide
-_FF_KEY_REQUIRED = "key_required"  # deepseek, deepseek2, glm4moe, gpt-oss
+_FF_FEED_FORWARD = "feed_forward_length"  # llama (Mixtral), olmoe, granite*, dbrx, phimoe, hunyuan: n_ff wide
+_FF_KEY_ELSE_FF = "key_else_ff"  # grok: n_ff_exp ? n_ff_exp : n_ff
+_FF_KEY_REQUIRED = "key_required"  # deepseek*, glm4moe, gpt-oss, ernie, bailing*, dots1, llama4, minimax-m2
 _FF_KEY_OPTIONAL = "key_optional"  # generic
 
 _SH_NONE = "none"
 _SH_QWEN2 = "qwen2"  # one shared expert, n_ff_shexp = key or n_ff
 _SH_KEY = "key"  # n_ff_shexp from the key (0: none)
+_SH_KEY_ELSE_FF = "key_else_ff"  # hunyuan-moe: always one, n_ff_shexp = key or n_ff
 _SH_COUNT_X_FF_EXP = "count_x_ff_exp"  # n_ff_shexp = n_ff_exp * expert_shared_count (required key)
+_SH_KEY_OR_FF_EXP_X_COUNT = "key_or_ff_exp_x_count"  # bailingmoe2: (key or n_ff_exp) * expert_shared_count
+_SH_FF_EXP = "ff_exp"  # llama4: one shared expert as wide as a routed one
 _SH_GENERIC = "generic"  # key, else count * n_ff_exp
 
 
 @dataclass(frozen=True, slots=True)
 class _ArchRule:
+    status: Status
     gating: GatingFunc | None  # fixed by the call site; None: read the key
-    gating_default: GatingFunc
+    gating_default: GatingFunc | None  # key absent (or 0): this; None: llama.cpp aborts, so it is required
     norm: bool | None  # fixed; None: read the key
     norm_default: bool
-    read_scale: bool  # False: the call site never scales (key ignored)
+    read_scale: bool  # False: the loader never reads expert_weights_scale, the call site gets 0
     n_ff_exp: str
     shared: str
     activation: Activation = Activation.SILU
+    dense_lead: bool = False  # the loader reads leading_dense_block_count and the graph honours it
+    moe_step: bool = False  # interleave_moe_layer_step: block L is MoE iff (L + 1) % step == 0
+    select_on_logits: bool = False  # llama4: top-k on the raw logits, weights from sigmoid(logits)
+    weights_before_experts: bool = False  # llama4: weight_before_ffn
 
 
+_S, _G = Status.SOURCE, Status.GOLDEN
+_SOFTMAX, _SIGMOID, _SOFTMAX_W = GatingFunc.SOFTMAX, GatingFunc.SIGMOID, GatingFunc.SOFTMAX_WEIGHT
+
+# Every rule below names its llama.cpp source: the arch's loader (``load_arch_hparams``, formerly the
+# arch's case in ``llama_model::load_hparams``) for the keys it reads, and its graph (``src/models/*.cpp``)
+# for the arguments of its build_moe_ffn call. Positional fields: status, gating, gating default,
+# norm, norm default, read_scale, n_ff_exp rule, shared rule.
 _RULES: dict[str, _ArchRule] = {
-    "qwen2moe": _ArchRule(
-        GatingFunc.SOFTMAX, GatingFunc.SOFTMAX, False, False, False, _FF_KEY_OR_FF_DIV_USED, _SH_QWEN2
-    ),
-    "qwen3moe": _ArchRule(GatingFunc.SOFTMAX, GatingFunc.SOFTMAX, True, True, False, _FF_KEY_OR_FF_DIV_USED, _SH_NONE),
-    "qwen3next": _ArchRule(GatingFunc.SOFTMAX, GatingFunc.SOFTMAX, True, True, False, _FF_KEY_OR_FF_DIV_USED, _SH_KEY),
-    "llama": _ArchRule(GatingFunc.SOFTMAX, GatingFunc.SOFTMAX, True, True, False, _FF_FEED_FORWARD, _SH_NONE),
-    "olmoe": _ArchRule(GatingFunc.SOFTMAX, GatingFunc.SOFTMAX, False, False, False, _FF_FEED_FORWARD, _SH_NONE),
+    # qwen2moe.cpp: SOFTMAX, norm_w=false; shared expert gated by sigmoid(ffn_gate_inp_shexp . x)
+    "qwen2moe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, False, False, False, _FF_KEY_OR_FF_DIV_USED, _SH_QWEN2),
+    # qwen3moe.cpp, qwen3vl-moe.cpp: SOFTMAX, norm_w=true, no shared expert
+    "qwen3moe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, True, True, False, _FF_KEY_OR_FF_DIV_USED, _SH_NONE),
+    "qwen3vlmoe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_KEY_OR_FF_DIV_USED, _SH_NONE),
+    # qwen3next.cpp build_layer_ffn: SOFTMAX, norm_w=true; sigmoid-gated shared expert (n_ff_shexp key)
+    "qwen3next": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_KEY_OR_FF_DIV_USED, _SH_KEY),
+    # llama.cpp (Mixtral branch when n_expert > 0): SOFTMAX, norm_w=true; the loader reads no scale
+    "llama": _ArchRule(_G, _SOFTMAX, _SOFTMAX, True, True, False, _FF_FEED_FORWARD, _SH_NONE),
+    # granite.cpp build_layer_ffn (granite, granitemoe): SOFTMAX, norm_w=true, w_scale 0; "Granite MoE
+    # Shared": an ungated shared expert when expert_shared_feed_forward_length > 0
+    "granitemoe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, True, True, False, _FF_FEED_FORWARD, _SH_KEY),
+    "granite": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_FEED_FORWARD, _SH_KEY),
+    # olmoe.cpp: SOFTMAX, norm_w=false
+    "olmoe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, False, False, False, _FF_FEED_FORWARD, _SH_NONE),
+    # deepseek.cpp: SOFTMAX, norm_w=false, scale_w=false; leading dense blocks; count x n_ff_exp shared
     "deepseek": _ArchRule(
-        GatingFunc.SOFTMAX, GatingFunc.SOFTMAX, False, False, False, _FF_KEY_REQUIRED, _SH_COUNT_X_FF_EXP
+        _S, _SOFTMAX, _SOFTMAX, False, False, False, _FF_KEY_REQUIRED, _SH_COUNT_X_FF_EXP, dense_lead=True
     ),
-    "deepseek2": _ArchRule(None, GatingFunc.SOFTMAX, None, False, True, _FF_KEY_REQUIRED, _SH_COUNT_X_FF_EXP),
-    "glm4moe": _ArchRule(None, GatingFunc.SIGMOID, None, False, True, _FF_KEY_REQUIRED, _SH_COUNT_X_FF_EXP),
+    # deepseek2.cpp + loader: gating key ("for compatibility with existing DeepSeek V2 and V2.5 GGUFs"
+    # softmax when absent; GLM-4.7-Flash sigmoid, see from_metadata), norm key, scale key, exp_probs_b
+    "deepseek2": _ArchRule(
+        _G, None, _SOFTMAX, None, False, True, _FF_KEY_REQUIRED, _SH_COUNT_X_FF_EXP, dense_lead=True
+    ),
+    # glm4-moe.cpp: gating key (sigmoid when absent), norm key, scale key, exp_probs_b, NextN blocks
+    "glm4moe": _ArchRule(_G, None, _SIGMOID, None, False, True, _FF_KEY_REQUIRED, _SH_COUNT_X_FF_EXP, dense_lead=True),
+    # openai-moe-iswa.cpp: SOFTMAX_WEIGHT, no norm, swiglu_oai, router and expert biases
     "gpt-oss": _ArchRule(
-        GatingFunc.SOFTMAX_WEIGHT,
-        GatingFunc.SOFTMAX_WEIGHT,
+        _G, _SOFTMAX_W, _SOFTMAX_W, False, False, False, _FF_KEY_REQUIRED, _SH_NONE, Activation.SWIGLU_OAI
+    ),
+    # dbrx.cpp: SOFTMAX, norm_w=true; the loader reads no scale
+    "dbrx": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_FEED_FORWARD, _SH_NONE),
+    # phi3.cpp MoE branch (phimoe): SOFTMAX, norm_w=true; the loader reads no scale
+    "phimoe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_FEED_FORWARD, _SH_NONE),
+    # ernie4-5-moe.cpp: SOFTMAX, norm_w=true, exp_probs_b; MoE iff L >= n_layer_dense_lead and
+    # (L + 1) % interleave_moe_layer_step == 0; ungated shared expert when n_ff_shexp > 0
+    "ernie4_5-moe": _ArchRule(
+        _S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_KEY_REQUIRED, _SH_KEY, dense_lead=True, moe_step=True
+    ),
+    # hunyuan-moe.cpp: SOFTMAX, norm_w=true, experts n_ff wide; an ungated shared "mlp" in every layer,
+    # n_ff_shexp = key or n_ff; the loader reads no scale
+    "hunyuan-moe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_FEED_FORWARD, _SH_KEY_ELSE_FF),
+    # bailingmoe.cpp: SOFTMAX, norm key, scale key; every block is MoE in the graph
+    "bailingmoe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, None, False, True, _FF_KEY_REQUIRED, _SH_COUNT_X_FF_EXP),
+    # bailingmoe2.cpp: gating key (required), norm key, scale key, optional exp_probs_b, leading dense
+    # blocks, NextN blocks, (n_ff_shexp or n_ff_exp) x expert_shared_count shared
+    "bailingmoe2": _ArchRule(
+        _S, None, None, None, False, True, _FF_KEY_REQUIRED, _SH_KEY_OR_FF_EXP_X_COUNT, dense_lead=True
+    ),
+    # dots1.cpp: gating key (required: 0 aborts in build_moe_ffn), norm key, scale key, exp_probs_b
+    "dots1": _ArchRule(_S, None, None, None, False, True, _FF_KEY_REQUIRED, _SH_COUNT_X_FF_EXP, dense_lead=True),
+    # grok.cpp: SOFTMAX, norm_w=true, GELU experts; the loader reads no scale. Grok-2's parallel dense
+    # FFN (ffn_up/gate/down) is refused by MoEHParams.check_tensors
+    "grok": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_KEY_ELSE_FF, _SH_NONE, Activation.GELU),
+    # minimax-m2.cpp: gating key (required), norm_w=true, exp_probs_b; the loader reads no scale
+    "minimax-m2": _ArchRule(_S, None, None, True, True, False, _FF_KEY_REQUIRED, _SH_NONE),
+    # llama4 (llama-iswa.cpp: SIGMOID, norm_w=false, w_scale 0, an ungated shared expert; build_moe_ffn's
+    # LLM_ARCH_LLAMA4 branches: top-k on the raw logits, weights applied to the input before the
+    # experts, weight_before_ffn); MoE every interleave_moe_layer_step blocks
+    "llama4": _ArchRule(
+        _S,
+        _SIGMOID,
+        _SIGMOID,
         False,
         False,
         False,
         _FF_KEY_REQUIRED,
-        _SH_NONE,
-        Activation.SWIGLU_OAI,
+        _SH_FF_EXP,
+        moe_step=True,
+        select_on_logits=True,
+        weights_before_experts=True,
     ),
 }
-_GENERIC = _ArchRule(None, GatingFunc.SOFTMAX, None, False, True, _FF_KEY_OPTIONAL, _SH_GENERIC)
+_GENERIC = _ArchRule(Status.GENERIC, None, GatingFunc.SOFTMAX, None, False, True, _FF_KEY_OPTIONAL, _SH_GENERIC)
 
-_UNSUPPORTED = {
-    "llama4": "llama4 applies the routing weights before the FFN and a sigmoid after top-k",
-    "grovemoe": "grovemoe routes through adjugate expert groups",
+#: MoE architectures of llama.cpp's llama-arch.cpp that are refused, with what is missing.
+_NOT_REVIEWED = "its MoE graph has not been reviewed against llama.cpp's source"
+REFUSED: dict[str, str] = {
+    "arctic": "arctic adds a parallel dense FFN (ffn_up/gate/down on ffn_norm) residual to the MoE block, which "
+    "reads its own norm (ffn_norm_exps) of the attention input",
+    "smallthinker": "smallthinker routes on the block input before attention while its experts read the FFN "
+    "input, and uses ReLU-gated experts",
+    "grovemoe": "grovemoe routes through adjugate expert groups (ffn_*_chexps)",
+    "qwen35moe": _NOT_REVIEWED,
+    "nomic-bert-moe": _NOT_REVIEWED + " (an encoder)",
+    "jamba": _NOT_REVIEWED,
+    "cohere2moe": _NOT_REVIEWED,
+    "deepseek2-ocr": _NOT_REVIEWED,
+    "deepseek32": _NOT_REVIEWED,
+    "deepseek4": _NOT_REVIEWED,
+    "glm-dsa": _NOT_REVIEWED,
+    "nemotron_h_moe": _NOT_REVIEWED + " (latent experts, squared-ReLU without a gate)",
+    "exaone-moe": _NOT_REVIEWED,
+    "granitehybrid": _NOT_REVIEWED,
+    "afmoe": _NOT_REVIEWED,
+    "laguna": _NOT_REVIEWED,
+    "hy_v3": _NOT_REVIEWED,
+    "hunyuan_vl": _NOT_REVIEWED,
+    "lfm2moe": _NOT_REVIEWED,
+    "llada-moe": _NOT_REVIEWED,
+    "rnd1": _NOT_REVIEWED,
+    "mimo2": _NOT_REVIEWED,
+    "step35": _NOT_REVIEWED,
+    "kimi-linear": _NOT_REVIEWED,
+    "mistral4": _NOT_REVIEWED,
+    "paddleocr": _NOT_REVIEWED,
+    "mellum": _NOT_REVIEWED,
+    "minicpm": _NOT_REVIEWED,
+    "refact": _NOT_REVIEWED,
+    "mistral3": _NOT_REVIEWED,
+    "llama-embed": _NOT_REVIEWED,
+    "gemma4": _NOT_REVIEWED,
 }
+
+#: Every architecture name of llama.cpp's src/llama-arch.cpp (LLM_ARCH_NAMES, read 2026-11-30). A name
+#: outside this set and outside the table takes the generic path (llama.cpp cannot open such a file).
+LLAMA_CPP_ARCHS = frozenset(
+    """clip llama llama4 deci falcon grok gpt2 gptj gptneox mpt baichuan starcoder refact bert modern-bert
+    nomic-bert nomic-bert-moe neo-bert jina-bert-v2 jina-bert-v3 eurobert bloom stablelm qwen qwen2 qwen2moe
+    qwen2vl qwen3 qwen3moe qwen3next qwen3vl qwen3vlmoe qwen35 qwen35moe phi2 phi3 phimoe plamo plamo2 plamo3
+    codeshell orion internlm2 minicpm minicpm3 gemma gemma2 gemma3 gemma3n gemma4 gemma4-assistant
+    gemma-embedding starcoder2 mamba mamba2 jamba falcon-h1 xverse command-r cohere2 cohere2moe dbrx olmo
+    olmo2 olmoe openelm arctic deepseek deepseek2 deepseek2-ocr deepseek32 deepseek4 chatglm glm4 glm4moe
+    glm-dsa bitnet t5 t5encoder jais jais2 nemotron nemotron_h nemotron_h_moe exaone exaone4 exaone-moe rwkv6
+    rwkv6qwen2 rwkv7 arwkv7 granite granitemoe granitehybrid chameleon wavtokenizer-dec plm bailingmoe
+    bailingmoe2 dots1 arcee afmoe laguna ernie4_5 ernie4_5-moe hunyuan-moe hunyuan-dense hunyuan_vl hy_v3
+    smollm3 gpt-oss lfm2 lfm2moe dream smallthinker llada llada-moe seed_oss grovemoe apertus minimax-m2
+    cogvlm rnd1 pangu-embedded mistral3 eagle3 dflash mistral4 paddleocr mimo2 step35 llama-embed maincoder
+    kimi-linear talkie mellum""".split()
+)
+
+
+#: The architecture table: every arch name with a rule or a refusal -> its :class:`Status`.
+ARCHITECTURES: Mapping[str, Status] = {
+    **{arch: rule.status for arch, rule in _RULES.items()},
+    **dict.fromkeys(REFUSED, Status.REFUSED),
+}
+
+
+def architecture_status(arch: str) -> Status | None:
+    """The table status of ``arch``: golden, source or refused; None for a name llama.cpp does not know."""
+    if arch in REFUSED:
+        return Status.REFUSED
+    rule = _RULES.get(arch)
+    return rule.status if rule is not None else None
+
 
 # deepseek2 without expert_gating_func: GLM-4.7 Lite (47 or 48 layers, vocabulary of 154880) is sigmoid.
 _GLM47_LITE_LAYERS = (47, 48)
 _GLM47_LITE_VOCAB = 154880
+
+_SCALE_RE = re.compile(r"^blk\.\d+\.ffn_(?:gate|up|down|gate_up)_exps(?:_tier\d)?\.scale$")
+_DENSE_UP_RE = re.compile(r"^blk\.(\d+)\.ffn_up\.weight$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,8 +310,16 @@ class MoEHParams:
         activation: the routed experts' gated activation.
         swiglu_alpha: ``alpha`` of :attr:`Activation.SWIGLU_OAI` (1.702).
         swiglu_limit: ``limit`` of :attr:`Activation.SWIGLU_OAI` (7.0).
+        n_moe_layer_step: ``interleave_moe_layer_step`` for the archs that read it (ernie4_5-moe,
+            llama4): block ``L`` is MoE iff ``(L + 1) % step == 0``; 0 otherwise.
+        select_on_logits: choose the top k on the raw router logits (llama4) instead of on the
+            (biased) probabilities; the weights still come from the probabilities.
+        weights_before_experts: multiply each selected expert's *input* by its routing weight and
+            sum the expert outputs unweighted (llama.cpp ``weight_before_ffn``, llama4).
         verified: the arch is in the table above; False means the generic rules were applied
             (the engine logs a warning: results may differ from llama.cpp).
+        status: the arch's row status in docs/executor.md (:class:`Status`); ``GENERIC`` for a
+            name llama.cpp does not know.
     """
 
     arch: str
@@ -202,7 +341,11 @@ class MoEHParams:
     activation: Activation = Activation.SILU
     swiglu_alpha: float = _SWIGLU_OAI_ALPHA
     swiglu_limit: float = _SWIGLU_OAI_LIMIT
+    n_moe_layer_step: int = 0
+    select_on_logits: bool = False
+    weights_before_experts: bool = False
     verified: bool = True
+    status: Status = Status.SOURCE
 
     @property
     def uses_groups(self) -> bool:
@@ -215,10 +358,51 @@ class MoEHParams:
         return self.n_expert_shared > 0 or self.n_ff_shexp > 0
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether block ``layer`` has routed experts (not one of the leading dense blocks)."""
+        """Whether block ``layer`` has routed experts in llama.cpp's graph.
+
+        Not one of the leading dense blocks (``leading_dense_block_count``), and for interleaved
+        archs a block with ``(layer + 1) % n_moe_layer_step == 0`` (ernie4-5-moe.cpp, llama4).
+        NextN / MTP blocks count as MoE blocks here (they have experts); :meth:`is_nextn_layer`
+        tells them apart, and ``build_layout`` leaves them out.
+        """
         if layer < 0 or (self.n_layer and layer >= self.n_layer):
             return False
+        if self.n_moe_layer_step > 1 and (layer + 1) % self.n_moe_layer_step:
+            return False
         return layer >= self.n_layer_dense_lead
+
+    def is_nextn_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` is one of the last ``nextn_predict_layers`` (NextN / MTP) blocks."""
+        return bool(self.n_layer_nextn and self.n_layer) and self.n_layer - self.n_layer_nextn <= layer < self.n_layer
+
+    def check_tensors(self, names: Iterable[str]) -> None:
+        """Refuse tensors whose effect on the MoE block this executor does not compute.
+
+        Call it with every tensor name of the model before computing (``load_residents`` does).
+
+        Args:
+            names: the model's tensor names.
+
+        Raises:
+            UnsupportedTypeError: per-expert scales ``blk.L.ffn_{gate,up,down}_exps.scale``
+                (llama-graph.cpp ``build_lora_mm_id`` multiplies each expert's output by them), or a
+                grok model with a parallel dense FFN (``blk.L.ffn_up.weight`` in an MoE block,
+                Grok-2: ``(dense + moe) * sqrt(2)/2`` in grok.cpp). The message names the tensor.
+        """
+        for name in names:
+            m = _SCALE_RE.match(name)
+            if m is not None:
+                raise UnsupportedTypeError(
+                    f"tensor {name!r}: per-expert output scales (ffn_*_exps.scale) are not implemented; "
+                    "llama.cpp multiplies each selected expert's projection by them"
+                )
+            if self.arch == "grok":
+                m = _DENSE_UP_RE.match(name)
+                if m is not None and self.is_moe_layer(int(m[1])):
+                    raise UnsupportedTypeError(
+                        f"tensor {name!r}: grok's parallel dense FFN (Grok-2: GELU FFN added to the MoE output "
+                        "and scaled by sqrt(2)/2 before ffn_post_norm) is not computed by this executor"
+                    )
 
     @classmethod
     def from_metadata(cls, arch: str, metadata: Mapping[str, Any]) -> MoEHParams:
@@ -242,8 +426,13 @@ class MoEHParams:
         """
         if not isinstance(arch, str) or not arch:
             raise FormatError(f"architecture name must be a non-empty string, got {arch!r}")
-        if arch in _UNSUPPORTED:
-            raise UnsupportedTypeError(f"architecture {arch!r} is not supported: {_UNSUPPORTED[arch]}")
+        if arch in REFUSED:
+            raise UnsupportedTypeError(f"architecture {arch!r} is not supported: {REFUSED[arch]}")
+        if arch not in _RULES and arch in LLAMA_CPP_ARCHS:
+            raise UnsupportedTypeError(
+                f"architecture {arch!r} has no MoE layer in llama.cpp that this executor implements "
+                "(see the architecture table in docs/executor.md)"
+            )
         rule = _RULES.get(arch, _GENERIC)
         md = _Meta(arch, metadata)
 
@@ -252,7 +441,10 @@ class MoEHParams:
         n_expert_used = md.int_("expert_used_count", required=True)
         n_layer = md.int_("block_count", default=0)
         n_ff = md.int_("feed_forward_length", default=0)
-        n_dense = md.int_("leading_dense_block_count", default=0)
+        # leading dense blocks and interleaving only where the arch's loader reads the key and its graph
+        # honours it (deepseek*, glm4moe, ernie4_5-moe, bailingmoe2, dots1); elsewhere the key is ignored
+        n_dense = md.int_("leading_dense_block_count", default=0) if rule.dense_lead or rule is _GENERIC else 0
+        n_step = md.int_("interleave_moe_layer_step", required=True) if rule.moe_step else 0
         n_nextn = md.int_("nextn_predict_layers", default=0)
         n_groups = md.int_("expert_group_count", default=0)
         n_group_used = md.int_("expert_group_used_count", default=0)
@@ -265,6 +457,12 @@ class MoEHParams:
             raise FormatError(
                 f"{md.key('expert_used_count')} must be in 1..{n_expert} ({md.key('expert_count')}), "
                 f"got {n_expert_used}"
+            )
+        if rule.moe_step and n_step <= 0:
+            raise FormatError(f"{md.key('interleave_moe_layer_step')} must be > 0, got {n_step}")
+        if n_layer and n_nextn >= n_layer:  # llama.cpp: GGML_ASSERT(n_layer_nextn < n_layer_all)
+            raise FormatError(
+                f"{md.key('nextn_predict_layers')}={n_nextn} must be below {md.key('block_count')}={n_layer}"
             )
         if n_layer < 0 or n_dense < 0 or n_nextn < 0 or n_ff < 0:
             raise FormatError(
@@ -298,6 +496,8 @@ class MoEHParams:
         else:
             raw = md.int_("expert_gating_func", default=0)
             if raw == 0:  # LLAMA_EXPERT_GATING_FUNC_TYPE_NONE: arch default
+                if rule.gating_default is None:  # build_moe_ffn aborts on NONE ("fatal error")
+                    raise FormatError(f"missing required key {md.key('expert_gating_func')} (1..3)")
                 gating = rule.gating_default
                 if arch == "deepseek2" and _is_glm47_lite(n_layer - n_nextn, md.vocab_size()):
                     gating = GatingFunc.SIGMOID
@@ -309,6 +509,15 @@ class MoEHParams:
                         f"{md.key('expert_gating_func')}={raw} is not supported "
                         f"(1 softmax, 2 sigmoid, 3 softmax over the selected logits)"
                     ) from None
+
+        for clamp_key in ("swiglu_clamp_exp", "swiglu_clamp_shexp"):
+            # llama-graph.cpp build_moe_ffn / build_ffn: per-layer SwiGLU clamps when the limit > 1e-6
+            clamp = metadata.get(md.key(clamp_key))
+            values = clamp if isinstance(clamp, list) else [clamp]
+            if any(isinstance(v, int | float) and not isinstance(v, bool) and v > 1e-6 for v in values):
+                raise UnsupportedTypeError(
+                    f"{md.key(clamp_key)} sets a SwiGLU clamp, which this executor does not apply"
+                )
 
         norm = rule.norm if rule.norm is not None else md.bool_("expert_weights_norm", rule.norm_default)
         scale = md.float_("expert_weights_scale", 0.0) if rule.read_scale else 0.0
@@ -333,6 +542,14 @@ class MoEHParams:
             if n_ff <= 0:
                 raise FormatError(f"missing required key {md.key('feed_forward_length')}")
             n_ff_exp = n_ff
+        elif rule.n_ff_exp == _FF_KEY_ELSE_FF:
+            if n_ff_exp <= 0:
+                if n_ff <= 0:
+                    raise FormatError(
+                        f"missing required key {md.key('expert_feed_forward_length')} "
+                        f"(and no {md.key('feed_forward_length')} to fall back on)"
+                    )
+                n_ff_exp = n_ff
         elif n_ff_exp < 0:
             raise FormatError(f"{md.key('expert_feed_forward_length')} must be >= 0, got {n_ff_exp}")
 
@@ -347,10 +564,16 @@ class MoEHParams:
         elif rule.shared == _SH_KEY:
             n_ff_shexp = n_ff_shexp_key
             n_shared = 1 if n_ff_shexp > 0 else 0
-        elif rule.shared == _SH_COUNT_X_FF_EXP:
+        elif rule.shared == _SH_KEY_ELSE_FF:
+            n_shared = 1
+            n_ff_shexp = n_ff_shexp_key or n_ff
+        elif rule.shared == _SH_FF_EXP:
+            n_shared, n_ff_shexp = 1, n_ff_exp
+        elif rule.shared in (_SH_COUNT_X_FF_EXP, _SH_KEY_OR_FF_EXP_X_COUNT):
             if not md.has("expert_shared_count"):
                 raise FormatError(f"missing required key {md.key('expert_shared_count')}")
-            n_ff_shexp = n_ff_exp * n_shared
+            width = n_ff_shexp_key if rule.shared == _SH_KEY_OR_FF_EXP_X_COUNT and n_ff_shexp_key else n_ff_exp
+            n_ff_shexp = width * n_shared
         else:  # generic
             n_ff_shexp = n_ff_shexp_key or (n_ff_exp * n_shared)
             if n_ff_shexp and not n_shared:
@@ -376,7 +599,11 @@ class MoEHParams:
             n_expert_groups=n_groups if n_groups > 1 else 0,
             n_group_used=n_group_used if n_groups > 1 else 0,
             activation=rule.activation,
+            n_moe_layer_step=n_step,
+            select_on_logits=rule.select_on_logits,
+            weights_before_experts=rule.weights_before_experts,
             verified=arch in _RULES,
+            status=rule.status,
         )
 
 
@@ -403,10 +630,12 @@ class _Meta:
         value = self.md.get(self.key(name))
         if value is None and required:
             raise FormatError(f"missing required key {self.key(name)}")
-        if isinstance(value, list | tuple):
+        if isinstance(value, list | tuple | SkippedValue):
             raise UnsupportedTypeError(
                 f"{self.key(name)} is a per-layer array ({len(value)} values); only a single value is supported"
             )
+        if isinstance(value, LossyStr):
+            raise FormatError(f"{self.key(name)} is a string that is not valid UTF-8 ({value.raw!r})")
         return value
 
     def int_(self, name: str, *, required: bool = False, default: int = 0) -> int:
@@ -439,7 +668,9 @@ class _Meta:
         value = self.md.get(self.key("vocab_size"))
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             return int(value)
+        # llama.cpp: get_key(LLM_KV_VOCAB_SIZE) || get_arr_n(LLM_KV_TOKENIZER_LIST): the length of the
+        # token list, which open_model leaves in the file (a SkippedValue) but whose length it keeps
         tokens = self.md.get("tokenizer.ggml.tokens")
-        if isinstance(tokens, list | tuple):
+        if isinstance(tokens, list | tuple | SkippedValue):
             return len(tokens)
         return None

@@ -1,6 +1,7 @@
 """The expert layout: for each MoE layer its router, its banks, and where every expert's bytes are.
 
-Follows FORMATS.md sections 1 and 2. A layer's experts live in up to four banks (``ffn_*_exps``
+Follows FORMATS.md sections 1 and 2; NextN / MTP blocks are left out unless asked for (see
+:func:`build_layout`). A layer's experts live in up to four banks (``ffn_*_exps``
 and ``ffn_*_exps_tier1..3``), each a stacked tensor triple (or a merged ``ffn_gate_up_exps`` plus
 ``ffn_down_exps``) with its own ggml type. Global expert id ``g`` (the router's output index) is in
 the bank whose range contains it, at local id ``g - bank.first_expert``. Expert ``e`` of a stacked
@@ -200,15 +201,28 @@ class ExpertLayout:
     """Every MoE layer of a model and where each of its experts is.
 
     Attributes:
-        layers: block index -> :class:`MoELayer`, in increasing order.
+        layers: block index -> :class:`MoELayer`, in increasing order. NextN / MTP blocks are left
+            out unless the layout was built with ``include_nextn=True``.
         n_expert_used: experts chosen per token (``expert_used_count``).
         n_embd: embedding width.
+        nextn_layers: the NextN / multi-token-prediction blocks of the model that have experts
+            (the last ``nextn_predict_layers`` blocks), whether or not they are in ``layers``.
+        include_nextn: whether ``layers`` holds the NextN blocks too.
     """
 
-    def __init__(self, layers: Mapping[int, MoELayer], n_expert_used: int, n_embd: int) -> None:
+    def __init__(
+        self,
+        layers: Mapping[int, MoELayer],
+        n_expert_used: int,
+        n_embd: int,
+        nextn_layers: tuple[int, ...] = (),
+        include_nextn: bool = False,
+    ) -> None:
         self.layers: Mapping[int, MoELayer] = dict(sorted(layers.items()))
         self.n_expert_used = n_expert_used
         self.n_embd = n_embd
+        self.nextn_layers = nextn_layers
+        self.include_nextn = include_nextn
 
     def layer(self, layer: int) -> MoELayer:
         """The MoE layer with block index ``layer``.
@@ -222,7 +236,10 @@ class ExpertLayout:
             except TypeError:
                 pass
         if isinstance(layer, bool) or not isinstance(layer, int) or layer not in self.layers:
-            raise InvalidRequestError(f"no MoE layer {layer!r}; MoE layers are {_ranges(list(self.layers))}")
+            hint = ""
+            if layer in self.nextn_layers:
+                hint = " (a NextN/MTP block, left out as llama.cpp does; build_layout(include_nextn=True) keeps it)"
+            raise InvalidRequestError(f"no MoE layer {layer!r}; MoE layers are {_ranges(list(self.layers))}{hint}")
         return self.layers[layer]
 
     def locate(self, layer: int, expert: int) -> ExpertLocation:
@@ -264,19 +281,36 @@ def _ranges(xs: list[int]) -> str:
     return f"{xs[0]}..{xs[-1]}" if xs == list(range(xs[0], xs[-1] + 1)) else str(xs)
 
 
-def build_layout(model: GGUFModel) -> ExpertLayout:
+def build_layout(model: GGUFModel, *, include_nextn: bool = False) -> ExpertLayout:
     """Find every MoE layer of ``model`` and check it against FORMATS.md's rules.
+
+    A block is an MoE layer when it has a router and expert tensors. The last
+    ``{arch}.nextn_predict_layers`` blocks (counted in ``block_count``) are NextN / MTP blocks:
+    llama.cpp loads their tensors with ``TENSOR_SKIP`` and its graph stops before them
+    (``for (il = 0; il < n_layer; ...)`` with ``n_layer = n_layer_all - n_layer_nextn``; e.g.
+    ``src/models/glm4-moe.cpp``, ``bailingmoe2.cpp``). They are left out of ``layers`` (so the
+    engine never prefetches or runs them) unless ``include_nextn`` is set, for hosts that run MTP.
+
+    Args:
+        model: the parsed model.
+        include_nextn: keep the NextN blocks in ``layers`` (they are still listed in
+            ``nextn_layers`` either way).
 
     Raises:
         LayoutError: a rule is broken (missing projection, mismatched dims or counts, a bank gap,
-            router size out of range, a tensor size that is not ``n_experts * B``).
+            router size out of range, a tensor size that is not ``n_experts * B``), or
+            ``nextn_predict_layers`` is not an integer in ``0..block_count-1``.
         FormatError: a required metadata key (``expert_count``, ``expert_used_count``,
             ``embedding_length``) is missing.
     """
     n_expert = _required_int(model, "expert_count")
     n_used = _required_int(model, "expert_used_count")
     n_embd = _required_int(model, "embedding_length")
+    # the expert width the metadata allows: expert_feed_forward_length, or feed_forward_length for the
+    # archs whose loader creates the expert tensors n_ff wide (llama, olmoe, dbrx, hunyuan-moe, ...)
     n_ff_key = model.key("expert_feed_forward_length")
+    n_ff_dense = model.key("feed_forward_length")
+    first_nextn = _first_nextn_block(model)
     by_layer: dict[int, dict[tuple[str, int], TensorInfo]] = {}
     for name, info in model.tensors.items():
         m = _EXPERT_TENSOR_RE.match(name)
@@ -293,15 +327,39 @@ def build_layout(model: GGUFModel) -> ExpertLayout:
         by_layer.setdefault(int(m[1]), {})[(m[2], tier)] = info
     routers = {int(m[1]): info for name, info in model.tensors.items() if (m := _ROUTER_RE.match(name))}
     layers: dict[int, MoELayer] = {}
+    nextn: list[int] = []
     for index in sorted(set(by_layer) | set(routers)):
+        if first_nextn is not None and index >= first_nextn:
+            nextn.append(index)
+            if not include_nextn:
+                continue
         if index not in routers:
             raise LayoutError(f"layer {index} has expert tensors but no router blk.{index}.ffn_gate_inp.weight")
         if index not in by_layer:
             raise LayoutError(f"layer {index} has a router but no expert tensors")
-        layers[index] = _build_layer(index, routers[index], by_layer[index], n_expert, n_used, n_embd, n_ff_key)
+        layers[index] = _build_layer(
+            index, routers[index], by_layer[index], n_expert, n_used, n_embd, n_ff_key, n_ff_dense
+        )
     if not layers:
         raise LayoutError(f"{model.path}: no MoE layers (no blk.N.ffn_*_exps tensors)")
-    return ExpertLayout(layers, n_used, n_embd)
+    return ExpertLayout(layers, n_used, n_embd, tuple(nextn), include_nextn)
+
+
+def _first_nextn_block(model: GGUFModel) -> int | None:
+    """The first NextN block (``block_count - nextn_predict_layers``), or None when there is none."""
+    n_nextn = model.key("nextn_predict_layers", 0)
+    if n_nextn == 0:
+        return None
+    n_blocks = model.key("block_count")
+    arch = model.architecture
+    if not isinstance(n_nextn, int) or isinstance(n_nextn, bool) or n_nextn < 0:
+        raise LayoutError(f"{model.path}: {arch}.nextn_predict_layers={n_nextn!r} is not a non-negative integer")
+    if not isinstance(n_blocks, int) or isinstance(n_blocks, bool) or not 0 <= n_nextn < n_blocks:
+        # llama.cpp: GGML_ASSERT(n_layer_nextn < n_layer_all)
+        raise LayoutError(
+            f"{model.path}: {arch}.nextn_predict_layers={n_nextn} needs {arch}.block_count above it, got {n_blocks!r}"
+        )
+    return n_blocks - n_nextn
 
 
 def _required_int(model: GGUFModel, key: str) -> int:
@@ -319,6 +377,7 @@ def _build_layer(
     n_used: int,
     n_embd: int,
     n_ff_key: object,
+    n_ff_dense: object = None,
 ) -> MoELayer:
     where = f"layer {index}"
     if len(router.dims) != 2 or router.dims[0] != n_embd:
@@ -335,8 +394,11 @@ def _build_layer(
             raise LayoutError(f"{where}: bank {tier} has n_ff={bank.n_ff}, bank 0 has {banks[0].n_ff}")
         banks.append(bank)
         first += bank.n_experts
-    if isinstance(n_ff_key, int) and banks[0].n_ff != n_ff_key:
-        raise LayoutError(f"{where}: experts have n_ff={banks[0].n_ff}, expert_feed_forward_length={n_ff_key}")
+    if isinstance(n_ff_key, int) and banks[0].n_ff not in (n_ff_key, n_ff_dense):
+        raise LayoutError(
+            f"{where}: experts have n_ff={banks[0].n_ff}, expert_feed_forward_length={n_ff_key}"
+            + (f" (feed_forward_length={n_ff_dense})" if isinstance(n_ff_dense, int) else "")
+        )
     if first != n_layer_experts:
         raise LayoutError(f"{where}: banks hold {first} experts, the router has {n_layer_experts} outputs")
     if not n_used <= n_layer_experts <= n_expert:

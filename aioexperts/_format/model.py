@@ -1,11 +1,11 @@
 """Open a GGUF model (one file or a split set) and describe every tensor, checking it as untrusted input.
 
-Parsing is done by the ``gguf`` package (llama.cpp's reader). Around it this module adds what a
-streaming reader needs and ``GGUFReader`` does not check: every read of the header stays inside
-the file, array lengths are bounded by the bytes left, every tensor's relative offset is a
-multiple of ``general.alignment`` and its data lies inside its file (computed with Python ints, so
-it cannot overflow), and the shards of a split set are all present and agree. The reader's
-``np.memmap`` is dropped once the header is parsed: only plain Python values are kept.
+The header is read by :mod:`aioexperts._format.header`, a reader bounded by the file size that
+uses only the ``gguf`` package's public constants (value and tensor types, quant block sizes). On
+top of it this module checks what a streaming reader needs: every tensor's relative offset is a
+multiple of ``general.alignment``, its data lies inside its file (computed with Python ints, so it
+cannot overflow), its type is known and its rows are whole blocks, and the shards of a split set
+are all present and agree. Only plain Python values are kept; no file stays open.
 """
 
 from __future__ import annotations
@@ -17,19 +17,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from .._errors import AioExpertsError, FormatError, MissingShardError, UnsupportedTypeError
+from .._errors import FormatError, MissingShardError, UnsupportedTypeError
+from .header import MAX_DECODED_ITEMS, MAX_DIMS, GGUFHeader, LossyStr, SkippedValue, read_header
 
-__all__ = ("GGUFModel", "ShardInfo", "TensorInfo", "open_model", "split_shard_paths")
+__all__ = ("GGUFModel", "LossyStr", "ShardInfo", "SkippedValue", "TensorInfo", "open_model", "split_shard_paths")
 
-#: Arrays longer than this (tokenizer vocabularies) are not copied out of the header.
-MAX_METADATA_ARRAY = 4096
-#: A tensor may have at most this many dimensions (ggml's GGML_MAX_DIMS).
-MAX_DIMS = 4
+#: Arrays longer than this (tokenizer vocabularies) are not copied out of the header: their key
+#: maps to a :class:`SkippedValue` (``len()`` works, the items stay in the file).
+MAX_METADATA_ARRAY = MAX_DECODED_ITEMS
 _SPLIT_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-_MIN_ITEM_BYTES = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +92,14 @@ class GGUFModel:
         path: the path the model was opened from (any shard of a split set).
         shards: every file of the model, in ``split.no`` order.
         architecture: ``general.architecture`` (``qwen3moe``, ``glm4moe``, ...).
-        metadata: key -> plain Python value (str, int, float, bool, list) from the first shard;
-            arrays longer than ``MAX_METADATA_ARRAY`` are left out (their keys are in
-            ``skipped_arrays``).
+        metadata: key -> value from the first shard: ``int``, ``float``, ``bool``, ``str``, ``list``
+            (nested lists for arrays of arrays, each inner list with its own item type). A string
+            that is not valid UTF-8 is a :class:`LossyStr` (U+FFFD replacements; ``.raw`` has the
+            bytes). An array of more than ``MAX_METADATA_ARRAY`` items (a vocabulary) or a string
+            over 64 MiB is a :class:`SkippedValue`: ``len()`` gives its length, its items stay in
+            the file; its key is also in ``skipped_arrays``.
+        value_types: key -> the ``gguf.GGUFValueType`` the first shard stores the value as.
+        skipped_arrays: the keys whose value is a :class:`SkippedValue`.
         tensors: name -> :class:`TensorInfo`, for all shards.
         alignment: ``general.alignment`` in bytes (32 when absent).
     """
@@ -109,14 +112,18 @@ class GGUFModel:
         skipped_arrays: frozenset[str],
         tensors: dict[str, TensorInfo],
         alignment: int,
+        value_types: Mapping[str, GGUFValueType] | None = None,
     ) -> None:
         self.path = path
         self.shards = shards
         self.metadata: Mapping[str, Any] = metadata
+        self.value_types: Mapping[str, GGUFValueType] = dict(value_types or {})
         self.skipped_arrays = skipped_arrays
         self.tensors: Mapping[str, TensorInfo] = tensors
         self.alignment = alignment
         arch = metadata.get("general.architecture")
+        if isinstance(arch, LossyStr):
+            raise FormatError(f"{path}: general.architecture is not valid UTF-8 ({arch.raw!r})")
         if not isinstance(arch, str) or not arch:
             raise FormatError(f"{path}: general.architecture is missing or not a string")
         self.architecture: str = arch
@@ -201,9 +208,13 @@ def open_model(path: str | os.PathLike[str]) -> GGUFModel:
     Raises:
         FileNotFoundError: ``path`` does not exist.
         MissingShardError: a shard of the split set is missing; its path is in ``.path``.
-        FormatError: not a GGUF file, truncated, bad alignment, a tensor outside its file, shards
-            that disagree.
+        FormatError: not a GGUF file, truncated, an unsupported version or byte order, a count or
+            length larger than the file, an empty or duplicate metadata key, an unknown value
+            type, arrays nested too deep, bad alignment, a tensor outside its file,
+            ``general.architecture`` missing or not valid UTF-8, shards that disagree. The
+            message names the file, the key or tensor, and the byte offset where it helps.
         UnsupportedTypeError: a tensor type unknown to the ``gguf`` package.
+        OSError: a file cannot be read.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -225,143 +236,46 @@ def open_model(path: str | os.PathLike[str]) -> GGUFModel:
 class _ParsedFile:
     shard: ShardInfo
     metadata: dict[str, Any]
-    skipped: set[str]
+    value_types: dict[str, GGUFValueType]
     tensors: list[TensorInfo]
     alignment: int
-
-
-class _CheckedReader(GGUFReader):
-    """``GGUFReader`` that refuses reads past the end of the file and keeps raw tensor fields.
-
-    Tensor data views are not built: the tensors are described by :func:`_tensor_infos` with
-    overflow-free bounds checks instead.
-    """
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
-        count = int(count)
-        itemsize = int(np.dtype(dtype).itemsize)
-        if offset < 0 or count < 0 or offset + itemsize * count > len(self.data):
-            raise FormatError(
-                f"header field at byte {offset} ({count} x {itemsize} bytes) runs past the end "
-                f"of the file ({len(self.data)} bytes): truncated or corrupt"
-            )
-        return super()._get(offset, dtype, count, override_order)
-
-    def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
-        if raw_type == GGUFValueType.ARRAY:
-            item_type = int(self._get(orig_offs, np.uint32)[0])
-            n_items = int(self._get(orig_offs + 4, np.uint64)[0])
-            try:
-                gtype = GGUFValueType(item_type)
-            except ValueError:
-                raise FormatError(f"array at byte {orig_offs} has unknown item type {item_type}") from None
-            scalar = self.gguf_scalar_to_np.get(gtype)
-            min_bytes = np.dtype(scalar).itemsize if scalar is not None else _MIN_ITEM_BYTES[gtype]
-            if n_items * min_bytes > len(self.data) - orig_offs - 12:
-                raise FormatError(f"array at byte {orig_offs} claims {n_items} items, more than the file holds")
-        return super()._get_field_parts(orig_offs, raw_type)
-
-    def _build_fields(self, offs: int, count: int) -> int:
-        # a key/value pair takes at least 8 (key length) + 4 (type) + 1 (smallest value) bytes
-        if int(count) * 13 > len(self.data) - offs:
-            raise FormatError(f"GGUF.kv_count={int(count)} is more than the {len(self.data)}-byte file can hold")
-        return int(super()._build_fields(offs, count))
-
-    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[Any]]:
-        # a tensor info takes at least 8 (name length) + 4 (n_dims) + 8 (one dim) + 4 (type) + 8 (offset)
-        if int(count) * 32 > len(self.data) - offs:
-            raise FormatError(
-                f"GGUF.tensor_count={int(count)} is more tensor infos than the {len(self.data)}-byte file can hold"
-            )
-        return super()._build_tensor_info(offs, count)
-
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        self.raw_tensor_fields = fields
-        self.tensor_data_start = int(start_offs)
 
 
 def _parse_file(path: str, index: int) -> _ParsedFile:
     st = os.stat(path)
     if st.st_size == 0:
         raise FormatError(f"{path}: empty file, not GGUF")
-    try:
-        reader = _CheckedReader(path, "r")
-    except AioExpertsError as exc:
-        raise FormatError(f"{path}: {exc}") from None
-    except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path}: not a valid GGUF file: {exc}") from exc
-    if reader.byte_order != "I":
-        raise FormatError(
-            f"{path}: a big-endian GGUF; this host is little-endian (llama.cpp refuses it too: convert the file)"
-        )
-    metadata, skipped = _metadata(path, reader)
-    alignment = int(reader.alignment)
-    if alignment <= 0 or alignment & (alignment - 1):  # gguf >= 0.18 checks this too; older ones did not
-        raise FormatError(f"{path}: general.alignment={alignment} is not a positive power of two")
-    tensors = _tensor_infos(path, index, reader, st.st_size, alignment)
-    del reader  # only plain Python values survive, so the reader's memmap is unmapped here
+    header = read_header(path)
+    tensors = _tensor_infos(path, index, header, st.st_size)
     shard = ShardInfo(path, index, st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns)
-    return _ParsedFile(shard, metadata, skipped, tensors, alignment)
+    return _ParsedFile(shard, header.metadata, header.value_types, tensors, header.alignment)
 
 
-def _metadata(path: str, reader: _CheckedReader) -> tuple[dict[str, Any], set[str]]:
-    metadata: dict[str, Any] = {}
-    skipped: set[str] = set()
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > MAX_METADATA_ARRAY:
-            skipped.add(key)
-            continue
-        try:
-            value = field.contents()
-        except (ValueError, IndexError, UnicodeDecodeError) as exc:
-            raise FormatError(f"{path}: metadata key {key!r} cannot be decoded: {exc}") from exc
-        metadata[key] = _plain(value)
-    return metadata, skipped
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _tensor_infos(path: str, shard: int, reader: _CheckedReader, file_size: int, alignment: int) -> list[TensorInfo]:
-    fields = getattr(reader, "raw_tensor_fields", None)
-    if fields is None:  # pragma: no cover - a gguf release that renamed the hook
-        raise FormatError(f"{path}: unsupported gguf package version (no tensor info hook)")
-    data_start = reader.tensor_data_start
+def _tensor_infos(path: str, shard: int, header: GGUFHeader, file_size: int) -> list[TensorInfo]:
+    data_start, alignment = header.data_start, header.alignment
     if data_start > file_size:
         raise FormatError(f"{path}: tensor data would start at byte {data_start}, past the end ({file_size})")
     infos: list[TensorInfo] = []
     seen: set[str] = set()
-    for field in fields:
-        _name_len, name_data, n_dims, dims_arr, raw_dtype, offset_arr = field.parts
-        try:
-            name = bytes(name_data).decode("utf-8")
-        except UnicodeDecodeError:
-            raise FormatError(f"{path}: a tensor name is not valid UTF-8") from None
+    for raw in header.tensors:
+        name, dims = raw.name, raw.dims
         if name in seen:
             raise FormatError(f"{path}: tensor {name!r} appears twice")
         seen.add(name)
-        dims = tuple(int(d) for d in dims_arr)
-        if not 1 <= int(n_dims[0]) <= MAX_DIMS or any(d < 1 for d in dims):
+        if any(d < 1 for d in dims):
             raise FormatError(f"{path}: tensor {name!r} has dims {list(dims)} (1..{MAX_DIMS} dims, each >= 1)")
         try:
-            ggml_type = GGMLQuantizationType(int(raw_dtype[0]))
+            ggml_type = GGMLQuantizationType(raw.ggml_type)
             block_size, type_size = GGML_QUANT_SIZES[ggml_type]
         except (ValueError, KeyError):
-            raise UnsupportedTypeError(f"{path}: tensor {name!r} has unknown ggml type {int(raw_dtype[0])}") from None
+            raise UnsupportedTypeError(f"{path}: tensor {name!r} has unknown ggml type {raw.ggml_type}") from None
         if dims[0] % block_size:
             raise FormatError(
                 f"{path}: tensor {name!r} ({ggml_type.name}) has ne0={dims[0]}, "
                 f"not a multiple of the block size {block_size}"
             )
         n_bytes = math.prod(dims) // block_size * type_size
-        rel = int(offset_arr[0])
+        rel = raw.offset
         if rel % alignment:
             raise FormatError(
                 f"{path}: tensor {name!r} offset {rel} is not a multiple of general.alignment={alignment}"
@@ -406,7 +320,8 @@ def _combine(path: str, shard_paths: list[str], parsed: list[_ParsedFile]) -> GG
         path=os.fspath(path),
         shards=tuple(pf.shard for pf in parsed),
         metadata=first.metadata,
-        skipped_arrays=frozenset(first.skipped),
+        skipped_arrays=frozenset(k for k, v in first.metadata.items() if isinstance(v, SkippedValue)),
         tensors=tensors,
         alignment=first.alignment,
+        value_types=first.value_types,
     )

@@ -42,7 +42,7 @@ def fixture_paths() -> list[Path]:
     root = fixtures_dir()
     if root is None:
         return []
-    return sorted(p for p in root.glob("*.gguf") if p.with_suffix(".golden.npz").exists())
+    return sorted(p for p in root.rglob("*.gguf") if p.with_suffix(".golden.npz").exists())
 
 
 @functools.cache

@@ -29,7 +29,10 @@ TINY = SyntheticSpec(n_layer=2, n_embd=32, n_ff=32, n_expert=4, n_expert_used=2,
 
 
 FIXTURES = shared_fixtures_dir()
-FIXTURE_NAMES: list[str] = sorted(p.name for p in FIXTURES.glob("*.gguf")) if FIXTURES else []
+#: Every fixture, subfolders included (``more-archs/...``), as a path relative to the fixtures folder.
+FIXTURE_NAMES: list[str] = (
+    sorted(p.relative_to(FIXTURES).as_posix() for p in FIXTURES.rglob("*.gguf")) if FIXTURES else []
+)
 
 
 def fixture_path(name: str) -> Path:
@@ -41,7 +44,7 @@ def fixture_path(name: str) -> Path:
 
 def copy_fixture(name: str, dest_dir: Path) -> Path:
     """A writable copy of a fixture in ``dest_dir``."""
-    dst = dest_dir / name
+    dst = dest_dir / Path(name).name
     shutil.copyfile(fixture_path(name), dst)
     os.chmod(dst, 0o644)
     return dst

@@ -261,8 +261,12 @@ def test_bad_values(keys: dict[str, object], message: str) -> None:
 def test_unsupported() -> None:
     with pytest.raises(UnsupportedTypeError, match=r"expert_gating_func=4"):
         MoEHParams.from_metadata("mymoe", _md("mymoe", expert_gating_func=4))
-    with pytest.raises(UnsupportedTypeError, match="llama4"):
-        MoEHParams.from_metadata("llama4", _md("llama4"))
+    with pytest.raises(UnsupportedTypeError, match="arctic adds a parallel dense FFN"):
+        MoEHParams.from_metadata("arctic", _md("arctic"))
+    with pytest.raises(UnsupportedTypeError, match=r"'qwen35moe' is not supported: its MoE graph has not been"):
+        MoEHParams.from_metadata("qwen35moe", _md("qwen35moe"))
+    with pytest.raises(UnsupportedTypeError, match=r"'qwen2' has no MoE layer in llama\.cpp that this executor"):
+        MoEHParams.from_metadata("qwen2", _md("qwen2"))
     with pytest.raises(UnsupportedTypeError, match="per-layer array"):
         MoEHParams.from_metadata("mymoe", _md("mymoe", expert_used_count=[2, 2, 2, 2]))
     assert issubclass(UnsupportedTypeError, FormatError)
@@ -276,3 +280,53 @@ def test_frozen() -> None:
     hp = MoEHParams.from_metadata("mymoe", _md("mymoe"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         hp.n_expert = 4
+
+
+@pytest.mark.parametrize("value", [7.0, [0.0, 7.0, 0.0, 0.0]])
+@pytest.mark.parametrize("key", ["swiglu_clamp_exp", "swiglu_clamp_shexp"])
+def test_swiglu_clamps_are_refused_not_ignored(key: str, value: object) -> None:
+    with pytest.raises(UnsupportedTypeError, match=rf"qwen3moe\.{key} sets a SwiGLU clamp"):
+        MoEHParams.from_metadata("qwen3moe", _md("qwen3moe", expert_feed_forward_length=32, **{key: value}))
+    MoEHParams.from_metadata("qwen3moe", _md("qwen3moe", expert_feed_forward_length=32, **{key: [0.0] * 4}))
+
+
+@pytest.mark.parametrize("arch", ["dots1", "minimax-m2", "bailingmoe2"])
+def test_gating_key_is_required_where_llama_cpp_has_no_default(arch: str) -> None:
+    md = _md(arch, expert_feed_forward_length=32, expert_shared_count=1)
+    with pytest.raises(FormatError, match=rf"missing required key {arch}\.expert_gating_func"):
+        MoEHParams.from_metadata(arch, md)
+    hp = MoEHParams.from_metadata(arch, {**md, f"{arch}.expert_gating_func": 2})
+    assert hp.gating_func is GatingFunc.SIGMOID
+
+
+@pytest.mark.parametrize("arch", ["ernie4_5-moe", "llama4"])
+def test_interleaved_archs(arch: str) -> None:
+    md = _md(arch, expert_feed_forward_length=32, block_count=6)
+    with pytest.raises(FormatError, match=rf"missing required key {arch}\.interleave_moe_layer_step"):
+        MoEHParams.from_metadata(arch, md)
+    hp = MoEHParams.from_metadata(arch, {**md, f"{arch}.interleave_moe_layer_step": 2})
+    assert [hp.is_moe_layer(b) for b in range(6)] == [False, True, False, True, False, True]
+    assert hp.n_moe_layer_step == 2
+
+
+def test_llama4_routing_flags() -> None:
+    md = _md("llama4", expert_feed_forward_length=32, interleave_moe_layer_step=1)
+    hp = MoEHParams.from_metadata("llama4", md)
+    assert hp.select_on_logits and hp.weights_before_experts
+    assert hp.gating_func is GatingFunc.SIGMOID and not hp.weights_norm
+    assert (hp.n_expert_shared, hp.n_ff_shexp) == (1, 32)
+
+
+def test_leading_dense_key_is_ignored_where_the_graph_ignores_it() -> None:
+    hp = MoEHParams.from_metadata("llama", _md("llama", feed_forward_length=32, leading_dense_block_count=1))
+    assert hp.n_layer_dense_lead == 0 and hp.is_moe_layer(0)
+    hp = MoEHParams.from_metadata("deepseek", _md("deepseek", expert_feed_forward_length=32, expert_shared_count=1,
+                                                  leading_dense_block_count=1))  # fmt: skip
+    assert hp.n_layer_dense_lead == 1 and not hp.is_moe_layer(0)
+
+
+def test_nextn_count_must_be_below_the_block_count() -> None:
+    with pytest.raises(FormatError, match=r"glm4moe\.nextn_predict_layers=4 must be below glm4moe\.block_count=4"):
+        MoEHParams.from_metadata(
+            "glm4moe", _md("glm4moe", expert_feed_forward_length=32, expert_shared_count=1, nextn_predict_layers=4)
+        )

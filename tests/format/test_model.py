@@ -29,7 +29,7 @@ from aioexperts._errors import (
 )
 from aioexperts._format.expert_map import write_expert_map
 from aioexperts._format.layout import build_layout
-from aioexperts._format.model import GGUFModel, open_model, split_shard_paths
+from aioexperts._format.model import GGUFModel, SkippedValue, open_model, split_shard_paths
 
 Q = gguf.GGMLQuantizationType
 U64 = 1 << 64
@@ -65,7 +65,9 @@ def test_every_fixture_parses_like_gguf_reader(name: str) -> None:
     path = kit.fixture_path(name)
     model = open_model(path)
     reader = GGUFReader(path)
-    assert model.architecture == reader.fields["general.architecture"].contents() == name.split("-")[0]
+    stem = Path(name).name
+    assert model.architecture == reader.fields["general.architecture"].contents()
+    assert stem.startswith(model.architecture + "-")  # the fixture files are named <arch>-<type>.gguf
     assert len(model.tensors) == len(reader.tensors) == int(reader.fields["GGUF.tensor_count"].contents())
     assert model.alignment == 32
     _assert_matches_reader(model, path)
@@ -398,9 +400,7 @@ def _array_file(tmp_path: Path, value: list[object]) -> Path:
 )
 def test_array_with_a_huge_claimed_length(tmp_path: Path, value: list[object], n_items: int) -> None:
     path = _array_file(tmp_path, value)
-    before = open_model(path).metadata["test.arr"]
-    # (gguf's ReaderField.contents() flattens nested arrays: [[1, 2], [3]] reads back as [1, 2, 3])
-    assert before == (value if not isinstance(value[0], list) else [x for v in value for x in v])
+    assert open_model(path).metadata["test.arr"] == value  # nested arrays stay nested
     kit.patch_u64(path, kit.array_length_offset(path, "test.arr"), n_items)
     with pytest.raises(FormatError, match=rf"claims {n_items} items, more than the file holds"):
         open_model(path)
@@ -409,14 +409,19 @@ def test_array_with_a_huge_claimed_length(tmp_path: Path, value: list[object], n
 def test_array_with_an_unknown_item_type(tmp_path: Path) -> None:
     path = _array_file(tmp_path, [1, 2, 3])
     kit.patch_u32(path, kit.kv_value_offset(path, "test.arr"), 77)
-    with pytest.raises(FormatError, match="unknown item type 77"):
+    with pytest.raises(FormatError, match="'test.arr' has unknown array item type 77"):
         open_model(path)
 
 
-def test_long_arrays_are_left_out_of_the_metadata(tmp_path: Path) -> None:
+def test_long_arrays_stay_in_the_file_with_their_length(tmp_path: Path) -> None:
     path = _array_file(tmp_path, list(range(5000)))
     model = open_model(path)
-    assert "test.arr" not in model.metadata
+    value = model.metadata["test.arr"]
+    assert isinstance(value, SkippedValue)
+    assert len(value) == 5000
+    assert value.item_type == GGUFValueType.INT32  # gguf's writer stores Python ints as INT32
+    assert value.n_bytes == 5000 * 4
+    assert kit.pread(path, value.offset, 8) == struct.pack("<2i", 0, 1)  # where the items are
     assert model.skipped_arrays == frozenset({"test.arr"})
 
 
@@ -437,25 +442,13 @@ def test_huge_kv_count(small: Path, count: int) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_huge_tensor_count_over_zero_data_is_refused_from_the_header(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_huge_tensor_count_over_zero_data_is_refused_from_the_header(tmp_path: Path) -> None:
     path = kit.write_gguf(tmp_path / "z.gguf", [("zeros.weight", [256, 256], Q.F32)], fill="zeros")
     kit.patch_u64(path, 8, 1 << 62)
-    calls = 0
-    original = GGUFReader._get_tensor_info_field
-
-    def counting(self: GGUFReader, offset: int) -> object:
-        nonlocal calls
-        calls += 1
-        return original(self, offset)
-
-    monkeypatch.setattr(GGUFReader, "_get_tensor_info_field", counting)
-    with pytest.raises(FormatError) as info:
+    # a 256 KiB file cannot hold 2**62 tensor infos (>= 32 bytes each): refused from the count,
+    # before a single record is parsed (zeros would otherwise parse as empty names for a long time)
+    with pytest.raises(FormatError, match=r"GGUF\.tensor_count=4611686018427387904 is more tensor infos than"):
         open_model(path)
-    # a 256 KiB file cannot hold 2**62 tensor infos (>= 24 bytes each): refuse before parsing them
-    assert calls <= 16, f"parsed {calls} tensor infos of a claimed 2**62"
-    assert "tensor" in str(info.value).lower()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,36 @@
+"""The architecture table of docs/executor.md and the code's table (``hparams.ARCHITECTURES``) agree."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from aioexperts._format.hparams import ARCHITECTURES, Status
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "executor.md"
+_ROW = re.compile(r"^\| `(?P<arch>[^`]+)`[^|]* \| (?P<status>golden|source|refused) \|")
+
+
+def _doc_rows() -> dict[str, str]:
+    section = DOC.read_text().split("### The MoE architectures of llama.cpp", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, str] = {}
+    for line in section.splitlines():
+        m = _ROW.match(line)
+        if m is not None:
+            assert m["arch"] not in rows, f"{m['arch']} appears twice in the table"
+            rows[m["arch"]] = m["status"]
+    return rows
+
+
+def test_every_arch_has_one_row_with_its_status() -> None:
+    rows = _doc_rows()
+    assert rows == {arch: status.value for arch, status in ARCHITECTURES.items()}
+
+
+def test_the_issue_s_architectures_are_in_the_table() -> None:
+    required = """qwen2moe qwen3moe qwen3next deepseek2 glm4moe gpt-oss llama olmoe granitemoe dbrx ernie4_5-moe
+    hunyuan-moe bailingmoe bailingmoe2 dots1 grok arctic phimoe llama4 smallthinker minimax-m2""".split()
+    assert set(required) <= set(_doc_rows())
+    golden = {a for a, s in ARCHITECTURES.items() if s is Status.GOLDEN}
+    # the families with llama.cpp goldens under ../shared/fixtures (fixtures README)
+    assert golden == {"qwen3moe", "qwen2moe", "glm4moe", "llama", "gpt-oss", "deepseek2", "olmoe", "granitemoe"}
