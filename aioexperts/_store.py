@@ -22,7 +22,7 @@ from ._cache.cache import Entry, ExpertCache, Key
 from ._cache.eviction import make_policy
 from ._cache.scheduler import ReadScheduler
 from ._cache.stats import Counters, EngineStatistics
-from ._errors import ConfigError, EngineClosedError, InvalidRequestError
+from ._errors import ConfigError, EngineClosedError, InvalidRequestError, UnsupportedTypeError
 from ._format.expert_map import check_map_matches_layout, read_expert_map
 from ._format.hparams import MoEHParams
 from ._format.layout import ExpertLayout, MoELayer, build_layout
@@ -49,6 +49,7 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
     cache: CacheOptions | None = None,
     io: IOOptions | None = None,
     expert_map: str | bytes | os.PathLike[str] | os.PathLike[bytes] | None = None,
+    include_nextn: bool = False,
 ) -> ExpertStore:
     """Prepare an expert store for the GGUF model at ``path``; start it with ``async with``.
 
@@ -66,6 +67,8 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         cache: the slab and cache options (size, eviction policy, waiting for slots).
         io: the read options (backend, direct I/O, queue depth).
         expert_map: a ``WEEPF001`` map to check against the model (refused if stale).
+        include_nextn: also serve the experts of the NextN / multi-token-prediction blocks, which
+            llama.cpp (and the runner) leave out (see :func:`aioexperts.build_layout`).
 
     Raises:
         ConfigError: an argument is out of range, or the cache is sized twice (``slots`` or
@@ -75,6 +78,8 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         raise ConfigError(f"cache must be a CacheOptions, got {cache!r}")
     if io is not None and not isinstance(io, IOOptions):
         raise ConfigError(f"io must be an IOOptions, got {io!r}")
+    if not isinstance(include_nextn, bool):
+        raise ConfigError(f"include_nextn must be True or False, got {include_nextn!r}")
     if slots is not None or cache_bytes is not None:
         if cache is not None:
             raise ConfigError("give the cache size either as slots=/cache_bytes= or inside cache=, not both")
@@ -84,6 +89,7 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         cache or CacheOptions(),
         io or IOOptions(),
         None if expert_map is None else _path_arg("expert_map", expert_map),
+        include_nextn,
     )
 
 
@@ -105,8 +111,11 @@ class ExpertStore:
         io_options: the :class:`~aioexperts.IOOptions` in force.
     """
 
-    def __init__(self, path: str, cache: CacheOptions, io: IOOptions, expert_map: str | None) -> None:
+    def __init__(
+        self, path: str, cache: CacheOptions, io: IOOptions, expert_map: str | None, include_nextn: bool = False
+    ) -> None:
         self.path = path
+        self._include_nextn = include_nextn
         self.cache_options = cache
         self.io_options = io
         self._expert_map = expert_map
@@ -116,7 +125,7 @@ class ExpertStore:
         self._counters = Counters()
         self._model: GGUFModel | None = None
         self._layout: ExpertLayout | None = None
-        self._hparams: MoEHParams | None = None
+        self._hparams: MoEHParams | UnsupportedTypeError | None = None
         self._files: ShardFiles | None = None
         self._slab: Slab | None = None
         self._backend: IOBackend | None = None
@@ -183,10 +192,14 @@ class ExpertStore:
             self._closed = True
             raise
 
-    def _parse(self) -> tuple[GGUFModel, ExpertLayout, MoEHParams]:
+    def _parse(self) -> tuple[GGUFModel, ExpertLayout, MoEHParams | UnsupportedTypeError]:
         model = open_model(self.path)
-        layout = build_layout(model)
-        hparams = MoEHParams.from_metadata(model.architecture, model.metadata)
+        layout = build_layout(model, include_nextn=self._include_nextn)
+        hparams: MoEHParams | UnsupportedTypeError
+        try:
+            hparams = MoEHParams.from_metadata(model.architecture, model.metadata)
+        except UnsupportedTypeError as exc:  # no compute for it; the raw expert bytes still stream
+            hparams = exc
         if self._expert_map is not None:
             if len(model.shards) != 1:
                 raise ConfigError("a WEEPF001 expert map describes one file; this model is a split set")
@@ -267,8 +280,15 @@ class ExpertStore:
 
     @property
     def hparams(self) -> MoEHParams:
-        """The model's MoE hyper-parameters (gating, top-k, normalisation, scale)."""
+        """The model's MoE hyper-parameters (gating, top-k, normalisation, scale).
+
+        Raises:
+            UnsupportedTypeError: the architecture routes in a way the executor does not compute
+                (``docs/executor.md``); :meth:`experts` still serves its experts.
+        """
         self._check_started()
+        if isinstance(self._hparams, UnsupportedTypeError):
+            raise UnsupportedTypeError(str(self._hparams)) from self._hparams
         assert self._hparams is not None
         return self._hparams
 

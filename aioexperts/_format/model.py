@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -214,19 +215,20 @@ def open_model(path: str | os.PathLike[str]) -> GGUFModel:
             ``general.architecture`` missing or not valid UTF-8, shards that disagree. The
             message names the file, the key or tensor, and the byte offset where it helps.
         UnsupportedTypeError: a tensor type unknown to the ``gguf`` package.
+        PermissionError: a file, or a directory on its path, may not be read (searched).
         OSError: a file cannot be read.
     """
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(2, "No such file or directory", path)
+    os.stat(path)  # FileNotFoundError, or PermissionError where a directory on the way cannot be searched
     shard_paths = split_shard_paths(path) or [os.path.abspath(path)]
     for p in shard_paths:
-        if not os.path.exists(p):
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
             raise MissingShardError(
                 f"{path}: shard {os.path.basename(p)} of the split set is missing (expected at {p})", p
-            )
-    for p in shard_paths:
-        if not os.path.isfile(p):
+            ) from None
+        if not stat.S_ISREG(st.st_mode):
             raise FormatError(f"{p} is not a regular file")
     parsed = [_parse_file(p, index) for index, p in enumerate(shard_paths)]
     return _combine(path, shard_paths, parsed)

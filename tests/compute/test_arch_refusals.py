@@ -92,9 +92,14 @@ def test_check_tensors_accepts_the_usual_names() -> None:
 async def test_refused_architectures_say_why(tmp_path: Path, arch: str, anyio_backend: object) -> None:
     assert ARCHITECTURES[arch] is Status.REFUSED
     path = _model(tmp_path / "r.gguf", arch, interleave_moe_layer_step=1)
-    with pytest.raises(UnsupportedTypeError, match=rf"architecture '{arch}' is not supported: .+"):
-        async with moe_session(path):
-            pass
+    async with moe_session(path) as session:
+        layer = next(iter(session.layout.layers))
+        async with session.experts(layer, [0, 1]) as views:  # the raw bytes still stream
+            assert all(v is not None and v.gate.n_bytes > 0 for v in views)
+        with pytest.raises(UnsupportedTypeError, match=rf"architecture '{arch}' is not supported: .+"):
+            session.hparams  # noqa: B018
+        with pytest.raises(UnsupportedTypeError, match=rf"architecture '{arch}' is not supported: .+"):
+            await session.warmup()
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3", "falcon"])

@@ -455,3 +455,70 @@ async def test_views_kept_past_the_pin_warn_and_copies_stay_valid(model_path: Pa
             survivor, _ = await _keep_past_the_pin(store, "down")
     # the store closed with an array over slab memory alive: the mapping stays until it is dropped
     assert survivor.sum() >= 0 and len(survivor) == SMALL.expert_bytes() // 3
+
+
+def test_a_path_behind_an_unsearchable_directory_is_a_permission_error(model_path: Path, tmp_path: Path) -> None:
+    import shutil
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    shutil.copy(model_path, locked / "m.gguf")
+    locked.chmod(0o600)  # a readable listing, no search (x) permission
+    tmp_path.chmod(0o755)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: as 'nobody' when we are root (root may search any directory)
+        outcome = "other"
+        try:
+            if os.getuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            aioexperts.open_model(locked / "m.gguf")
+        except PermissionError:
+            outcome = "PermissionError"
+        except FileNotFoundError:
+            outcome = "FileNotFoundError"
+        except BaseException as exc:  # anything else is reported, not raised, in a forked child
+            outcome = type(exc).__name__
+        os.write(write_end, outcome.encode())
+        os._exit(0)
+    os.close(write_end)
+    try:
+        outcome = os.read(read_end, 100).decode()
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+        locked.chmod(0o700)
+    assert outcome == "PermissionError"
+
+
+def test_a_failed_open_closes_its_descriptors_at_once(model_path: Path, tmp_path: Path) -> None:
+    import asyncio
+    import gc
+
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(model_path.read_bytes()[: model_path.stat().st_size // 2])
+    not_gguf = tmp_path / "not.gguf"
+    not_gguf.write_bytes(b"GGUF" + bytes(100))
+
+    def n_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def fail(path: Path, **kwargs: object) -> None:
+        with pytest.raises(aioexperts.AioExpertsError):
+            async with aioexperts.open(path, slots=4, **kwargs):  # type: ignore[arg-type]
+                pass
+
+    def refuse(*args: object) -> None:
+        raise aioexperts.BackendUnavailableError("no backend in this test")
+
+    gc.disable()  # nothing may wait for the collector
+    try:
+        before = n_fds()
+        for _ in range(3):
+            asyncio.run(fail(truncated))
+            asyncio.run(fail(not_gguf))
+            asyncio.run(fail(model_path, io=aioexperts.IOOptions(backend=refuse)))  # fails after opening
+        assert n_fds() == before
+    finally:
+        gc.enable()

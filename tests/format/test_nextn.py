@@ -109,3 +109,19 @@ async def test_engine_never_reads_prefetches_or_runs_the_nextn_block(tmp_path: P
             await engine.moe(3, x)
         trace = engine.routing_trace()
     assert list(trace.layers) == [1, 2]
+
+
+@pytest.mark.anyio
+async def test_a_store_serves_the_nextn_block_when_asked(tmp_path: Path, anyio_backend: object) -> None:
+    import aioexperts
+
+    path = _glm4moe(tmp_path / "m.gguf")
+    async with aioexperts.open(path, slots=4) as store:
+        assert 3 not in store.layout.layers
+        with pytest.raises(aioexperts.InvalidRequestError, match="NextN"):
+            async with store.experts(3, [0]):
+                pass
+    async with aioexperts.open(path, slots=4, include_nextn=True) as store:
+        assert 3 in store.layout.layers
+        async with store.experts(3, [0]) as (view,):
+            assert view is not None and view.layer == 3
