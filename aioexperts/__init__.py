@@ -7,6 +7,7 @@ Two objects: :func:`open` gives an :class:`ExpertStore` (files, slab, reads, cac
 helpers in :mod:`aioexperts.testing`; the implementation lives in private modules.
 """
 
+from ._cache.pagecache import PageCacheStatistics as PageCacheStatistics
 from ._cache.stats import EngineStatistics as EngineStatistics
 from ._errors import AioExpertsError as AioExpertsError
 from ._errors import BackendUnavailableError as BackendUnavailableError
@@ -37,6 +38,7 @@ from ._format.views import ExpertView as ExpertView
 from ._format.views import ProjectionView as ProjectionView
 from ._options import CacheOptions as CacheOptions
 from ._options import IOOptions as IOOptions
+from ._options import PageCacheOptions as PageCacheOptions
 from ._options import PrefetchOptions as PrefetchOptions
 from ._pipeline import ComputeStep as ComputeStep
 from ._pipeline import LayerStep as LayerStep
@@ -77,6 +79,8 @@ __all__ = (
     "MoELayer",
     "MoEResult",
     "MoERunner",
+    "PageCacheOptions",
+    "PageCacheStatistics",
     "PrefetchOptions",
     "ProjectionView",
     "RouteStep",

@@ -13,6 +13,7 @@ from typing import Any
 
 from ._cache.eviction import POLICY_NAMES, EvictionPolicy
 from ._errors import ConfigError
+from ._io.pagecache import DEFAULT_MAX_GAP, WARM_METHODS
 from ._io.select import BACKEND_NAMES, BackendFactory
 from ._predict.predictors import PREDICTORS, Predictor
 
@@ -24,6 +25,7 @@ __all__ = (
     "MIN_QUEUE_DEPTH",
     "CacheOptions",
     "IOOptions",
+    "PageCacheOptions",
     "PrefetchOptions",
 )
 
@@ -186,3 +188,31 @@ class PrefetchOptions:
             raise ConfigError(f"predictor must be a predictor name or a Predictor, got {self.predictor!r}")
         _check_int("budget", self.budget, low=0, optional=True)
         _check_int("depth", self.depth, low=0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PageCacheOptions:
+    """The page-cache mode (``aioexperts.open(path, mode="pagecache")``): the kernel's page cache is
+    the expert cache, views point into a read-only mapping of the model, prefetch warms the cache.
+
+    Attributes:
+        method: how to warm a range: ``"read"`` (worker threads ``pread`` it into a scratch buffer;
+            a request waits until its experts are in the page cache), ``"advice"`` (one worker
+            calls ``posix_fadvise(WILLNEED)``; the kernel reads ahead and the compute faults in
+            what is not there yet), ``"parallel-advice"`` (the advice from every worker).
+        n_threads: worker threads for ``read`` and ``parallel-advice``.
+        max_gap: ranges at most this many bytes apart are warmed as one (default 64 KiB).
+
+    Raises:
+        ConfigError: a value out of range or of the wrong type.
+    """
+
+    method: str = "read"
+    n_threads: int = 4
+    max_gap: int = DEFAULT_MAX_GAP
+
+    def __post_init__(self) -> None:
+        if self.method not in WARM_METHODS:
+            raise ConfigError(f"method must be one of {', '.join(WARM_METHODS)}, got {self.method!r}")
+        _check_int("n_threads", self.n_threads, low=1, high=64)
+        _check_int("max_gap", self.max_gap, low=0)

@@ -20,6 +20,7 @@ import numpy as np
 
 from ._cache.cache import Entry, ExpertCache, Key
 from ._cache.eviction import make_policy
+from ._cache.pagecache import PageCacheCounters, PageCacheSource, PinnedExpert
 from ._cache.scheduler import ReadScheduler
 from ._cache.stats import Counters, EngineStatistics
 from ._errors import ConfigError, EngineClosedError, InvalidRequestError, UnsupportedTypeError
@@ -31,12 +32,15 @@ from ._format.views import ExpertView, ProjectionView
 from ._io.backends.base import IOBackend
 from ._io.files import ShardFiles, open_shards
 from ._io.loop import LoopAdapter, current_loop
+from ._io.pagecache import MappedShards
 from ._io.plan import ExpertPlan, max_plan_bytes, plan_expert
 from ._io.select import create_backend
 from ._io.slab import Slab
-from ._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions
+from ._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions, PageCacheOptions
 
-__all__ = ("ExpertStore", "open")
+__all__ = ("MODES", "ExpertStore", "open")
+
+MODES = ("slab", "pagecache")
 
 log = logging.getLogger("aioexperts")
 
@@ -50,6 +54,8 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
     io: IOOptions | None = None,
     expert_map: str | bytes | os.PathLike[str] | os.PathLike[bytes] | None = None,
     include_nextn: bool = False,
+    mode: str = "slab",
+    pagecache: PageCacheOptions | None = None,
 ) -> ExpertStore:
     """Prepare an expert store for the GGUF model at ``path``; start it with ``async with``.
 
@@ -69,6 +75,12 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         expert_map: a ``WEEPF001`` map to check against the model (refused if stale).
         include_nextn: also serve the experts of the NextN / multi-token-prediction blocks, which
             llama.cpp (and the runner) leave out (see :func:`aioexperts.build_layout`).
+        mode: ``"slab"`` (default: experts are read, ``O_DIRECT`` where possible, into a slab of
+            slots the store manages) or ``"pagecache"`` (the kernel's page cache is the cache:
+            views point into a read-only mapping of the model and prefetch only warms the page
+            cache; for models that mostly fit in RAM, several processes sharing one model, or
+            file systems without ``O_DIRECT``). ``cache`` and ``io`` apply to the slab mode only.
+        pagecache: the page-cache mode's options (warming method, threads, merge gap).
 
     Raises:
         ConfigError: an argument is out of range, or the cache is sized twice (``slots`` or
@@ -80,6 +92,12 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         raise ConfigError(f"io must be an IOOptions, got {io!r}")
     if not isinstance(include_nextn, bool):
         raise ConfigError(f"include_nextn must be True or False, got {include_nextn!r}")
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if pagecache is not None and not isinstance(pagecache, PageCacheOptions):
+        raise ConfigError(f"pagecache must be a PageCacheOptions, got {pagecache!r}")
+    if pagecache is not None and mode != "pagecache":
+        raise ConfigError('pagecache options need mode="pagecache"')
     if slots is not None or cache_bytes is not None:
         if cache is not None:
             raise ConfigError("give the cache size either as slots=/cache_bytes= or inside cache=, not both")
@@ -90,6 +108,7 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         io or IOOptions(),
         None if expert_map is None else _path_arg("expert_map", expert_map),
         include_nextn,
+        pagecache or PageCacheOptions() if mode == "pagecache" else None,
     )
 
 
@@ -109,13 +128,21 @@ class ExpertStore:
         path: the model file given to :func:`open`.
         cache_options: the :class:`~aioexperts.CacheOptions` in force.
         io_options: the :class:`~aioexperts.IOOptions` in force.
+        pagecache_options: the :class:`~aioexperts.PageCacheOptions` in page-cache mode, else None.
     """
 
     def __init__(
-        self, path: str, cache: CacheOptions, io: IOOptions, expert_map: str | None, include_nextn: bool = False
+        self,
+        path: str,
+        cache: CacheOptions,
+        io: IOOptions,
+        expert_map: str | None,
+        include_nextn: bool = False,
+        pagecache: PageCacheOptions | None = None,
     ) -> None:
         self.path = path
         self._include_nextn = include_nextn
+        self.pagecache_options = pagecache
         self.cache_options = cache
         self.io_options = io
         self._expert_map = expert_map
@@ -133,6 +160,9 @@ class ExpertStore:
         self._loop: LoopAdapter | None = None
         self._scheduler: ReadScheduler | None = None
         self._cache: ExpertCache | None = None
+        self._shards: MappedShards | None = None
+        self._pagecache: PageCacheSource | None = None
+        self._pagecache_counters = PageCacheCounters()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -162,6 +192,9 @@ class ExpertStore:
         try:
             model, layout, hparams = await anyio.to_thread.run_sync(self._parse)
             self._model, self._layout, self._hparams = model, layout, hparams
+            if self.pagecache_options is not None:
+                await self._start_pagecache(model, layout, loop, self.pagecache_options)
+                return
             files = self._files = await anyio.to_thread.run_sync(open_shards, model, io.direct_io)
             if files.buffered_reason is not None and io.direct_io is None:
                 log.warning("%s; using buffered reads (the page cache)", files.buffered_reason)
@@ -191,6 +224,22 @@ class ExpertStore:
             self._release_resources()
             self._closed = True
             raise
+
+    async def _start_pagecache(
+        self, model: GGUFModel, layout: ExpertLayout, loop: LoopAdapter, options: PageCacheOptions
+    ) -> None:
+        files = self._files = await anyio.to_thread.run_sync(open_shards, model, False)
+        shards = self._shards = await anyio.to_thread.run_sync(MappedShards, files.fds, files.sizes)
+        self._pagecache = PageCacheSource(
+            layout,
+            shards,
+            files.fds,
+            loop,
+            options.method,
+            options.n_threads,
+            options.max_gap,
+            self._pagecache_counters,
+        )
 
     def _parse(self) -> tuple[GGUFModel, ExpertLayout, MoEHParams | UnsupportedTypeError]:
         model = open_model(self.path)
@@ -233,6 +282,15 @@ class ExpertStore:
         if self._cache is not None:
             self._cache.close()
         held: BaseException | None = None
+        if self._pagecache is not None:
+            self._pagecache.close()
+            while True:
+                try:
+                    with anyio.CancelScope(shield=True):
+                        await self._pagecache.wait_idle()
+                    break
+                except anyio.get_cancelled_exc_class() as exc:
+                    held = exc
         if self._scheduler is not None:
             while self._scheduler.reads_in_flight:
                 try:
@@ -246,6 +304,10 @@ class ExpertStore:
 
     def _release_resources(self) -> None:
         self._released = True
+        if self._pagecache is not None:
+            self._pagecache.shutdown()
+        if self._shards is not None:
+            self._shards.close()
         if self._backend is not None:
             self._backend.close()
         if self._files is not None:
@@ -293,10 +355,17 @@ class ExpertStore:
         return self._hparams
 
     @property
+    def mode(self) -> str:
+        """``"slab"`` or ``"pagecache"``."""
+        return "slab" if self.pagecache_options is None else "pagecache"
+
+    @property
     def n_slots(self) -> int:
-        """Slots in the slab: the most distinct experts that can be pinned at once."""
+        """The most distinct experts that can be pinned at once: the slab's slots (page-cache mode:
+        every expert of the model)."""
         self._check_started()
-        assert self._slab is not None
+        if self._slab is None:
+            return self.layout.n_experts_total
         return self._slab.n_slots
 
     @property
@@ -319,16 +388,19 @@ class ExpertStore:
                 "open one store per event loop"
             )
 
-    def _running_cache(self) -> ExpertCache:
+    def _running_cache(self) -> ExpertCache | PageCacheSource:
         self._check_running()
-        assert self._cache is not None
-        return self._cache
+        source = self._cache or self._pagecache
+        assert source is not None
+        return source
 
     # -- statistics -----------------------------------------------------------------------------
 
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot of the counters and the store's I/O set-up."""
         self._check_started()
+        if self._pagecache is not None:
+            return self._pagecache_statistics()
         assert self._files is not None and self._slab is not None and self._backend is not None
         assert self._scheduler is not None and self._cache is not None
         return EngineStatistics.snapshot(
@@ -345,9 +417,38 @@ class ExpertStore:
             pinned_slots=self._cache.pinned_slots,
         )
 
+    def _pagecache_statistics(self) -> EngineStatistics:
+        assert self._pagecache is not None and self.pagecache_options is not None and self._files is not None
+        pc = self._pagecache_counters
+        counters = Counters(
+            requests=pc.requests,
+            hits=pc.hits,
+            misses=pc.misses,
+            prefetch_issued=sum(pc.prefetch_calls.values()),
+            prefetch_dropped=pc.dropped,
+            reads=pc.ranges_issued,
+            read_errors=pc.errors,
+            bytes_read=pc.bytes_warmed,
+        )
+        return EngineStatistics.snapshot(
+            counters,
+            backend=f"pagecache ({self.pagecache_options.method})",
+            direct_io=False,
+            fallback_reason=None,
+            buffered_reason="page-cache mode",
+            backend_features={"threads": self._pagecache.n_workers, "max_gap": self.pagecache_options.max_gap},
+            n_slots=self.n_slots,
+            slot_bytes=0,
+            alignment=self._files.alignment,
+            in_flight=self._pagecache.running,
+            pinned_slots=self._pagecache.pinned_count,
+            pagecache=pc.snapshot(self.pagecache_options.method),
+        )
+
     def reset_statistics(self) -> None:
         """Zero the counters (the cache contents stay)."""
         self._counters.reset()
+        self._pagecache_counters.reset()
 
     # -- experts --------------------------------------------------------------------------------
 
@@ -367,7 +468,15 @@ class ExpertStore:
             keys.append((moe.index, i))
         return moe, keys
 
-    def _view(self, entry: Entry) -> ExpertView:
+    def _view(self, entry: Entry | PinnedExpert) -> ExpertView:
+        if isinstance(entry, PinnedExpert):
+            assert self._shards is not None
+            loc = entry.location
+            views = [
+                ProjectionView(self._shards.view(seg.shard, seg.offset, seg.n_bytes), seg.ggml_type, seg.shape)
+                for seg in loc.segments
+            ]
+            return ExpertView(loc.layer, loc.expert, loc.bank, *views)
         assert self._slab is not None
         plan: ExpertPlan = entry.plan
         loc = plan.location
@@ -422,7 +531,7 @@ class ExpertStore:
             if prefetch_keys:
                 cache.prefetch(prefetch_keys)
 
-        entries = await cache.acquire(keys, wait=wait, after_pin=start_prefetch)
+        entries: Sequence[Entry | PinnedExpert] = await cache.acquire(keys, wait=wait, after_pin=start_prefetch)
         by_key = {e.key: self._view(e) for e in entries}
         views = [None if int(i) == -1 else by_key[(moe.index, int(i))] for i in ids]
         try:
@@ -430,7 +539,7 @@ class ExpertStore:
         finally:
             for view in by_key.values():
                 view.release()
-            cache.release(entries)
+            cache.release(entries)  # type: ignore[arg-type]
 
     def prefetch(self, keys: Iterable[Key]) -> int:
         """Start loading ``(layer, expert)`` keys that are not cached, without waiting.
@@ -459,5 +568,6 @@ class ExpertStore:
         return self._running_cache().drop_prefetches(keep)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "running" if self._cache is not None else "not started"
+        running = self._cache is not None or self._pagecache is not None
+        state = "closed" if self._closed else "running" if running else "not started"
         return f"<aioexperts.ExpertStore {self.path!r} {state}>"

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from .pagecache import PageCacheStatistics
+
 __all__ = ("Counters", "EngineStatistics", "LatencyWindow", "to_ms")
 
 
@@ -106,6 +108,8 @@ class EngineStatistics:
         max_batch: most reads in one submission.
         in_flight: reads in flight now.
         pinned_slots: slots pinned now (by open ``experts()`` blocks and running layer steps).
+        pagecache: the page-cache mode's own counters (``open(mode="pagecache")``), else None;
+            there, ``reads`` and ``bytes_read`` count warming calls and the bytes they covered.
         expert_latency_p50_ms, expert_latency_p99_ms: per expert load, submit to ready (ms).
     """
 
@@ -137,6 +141,7 @@ class EngineStatistics:
     pinned_slots: int
     expert_latency_p50_ms: float | None
     expert_latency_p99_ms: float | None
+    pagecache: PageCacheStatistics | None = None
 
     @property
     def hit_rate(self) -> float:

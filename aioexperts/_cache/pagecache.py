@@ -1,0 +1,364 @@
+"""The page-cache mode: the kernel's page cache is the expert cache; prefetch only warms it.
+
+Views point into read-only shared mappings of the shards (:class:`~aioexperts._io.pagecache
+.MappedShards`), valid while pinned (a mapping is never unmapped under a view). Before warming,
+``mincore`` tells which ranges are resident already: those are skipped and counted. A request
+(demand) warms what it needs ahead of every queued prefetch and, with the ``read`` method, waits
+until the data is in the page cache; with the advice methods it waits only for the advice, and the
+compute faults in what readahead did not bring in yet. Prefetches queue behind demand and can be
+dropped while still queued.
+
+Warming runs on ``n_threads`` worker threads (``read``, ``parallel-advice``) or one (``advice``);
+completions come back to the event loop in batches, as the thread backend's do.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .._errors import EngineClosedError, ExpertReadError
+from .._format.layout import ExpertLayout, ExpertLocation
+from .._io.loop import AsyncEvent, LoopAdapter
+from .._io.pagecache import SCRATCH_BYTES, MappedShards, WarmRange, merge_ranges, warm_advice, warm_read
+
+__all__ = ("PageCacheCounters", "PageCacheSource", "PageCacheStatistics", "PinnedExpert")
+
+Key = tuple[int, int]
+
+
+@dataclass(slots=True)
+class PageCacheCounters:
+    """What the page-cache mode did (the source design's statistics).
+
+    Attributes:
+        requests, hits, misses: experts asked for; fully resident ones; the others.
+        ranges_issued: merged ranges handed to a warming call (demand and prefetch).
+        bytes_warmed: bytes those calls covered (read, or advised).
+        resident_skipped: merged ranges found fully resident by ``mincore`` and not warmed.
+        errors: warming calls that failed.
+        prefetch_seconds: time spent in :meth:`PageCacheSource.prefetch` itself (residency checks
+            and queueing, on the loop thread).
+        prefetch_calls: prefetch calls per MoE layer predicted.
+        dropped: queued prefetch ranges dropped before a worker took them.
+    """
+
+    requests: int = 0
+    hits: int = 0
+    misses: int = 0
+    ranges_issued: int = 0
+    bytes_warmed: int = 0
+    resident_skipped: int = 0
+    errors: int = 0
+    prefetch_seconds: float = 0.0
+    prefetch_calls: dict[int, int] = field(default_factory=dict)
+    dropped: int = 0
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        for name in self.__slots__:
+            setattr(self, name, {} if name == "prefetch_calls" else 0)
+
+    def snapshot(self, method: str) -> PageCacheStatistics:
+        """A frozen copy."""
+        return PageCacheStatistics(
+            method,
+            self.ranges_issued,
+            self.bytes_warmed,
+            self.resident_skipped,
+            self.errors,
+            self.prefetch_seconds,
+            dict(self.prefetch_calls),
+            self.dropped,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PageCacheStatistics:
+    """The page-cache mode's counters (``store.statistics().pagecache``); see :class:`PageCacheCounters`.
+
+    Attributes:
+        method: the warming method (``"read"``, ``"advice"``, ``"parallel-advice"``).
+        ranges_issued: merged ranges handed to a warming call.
+        bytes_warmed: bytes those calls covered.
+        resident_skipped: merged ranges found resident (``mincore``) and not warmed.
+        errors: warming calls that failed.
+        prefetch_seconds: time spent in the prefetch step itself (seconds).
+        prefetch_calls: prefetch calls per predicted MoE layer (block index -> calls).
+        dropped: queued prefetch ranges dropped as no longer wanted.
+    """
+
+    method: str
+    ranges_issued: int
+    bytes_warmed: int
+    resident_skipped: int
+    errors: int
+    prefetch_seconds: float
+    prefetch_calls: dict[int, int]
+    dropped: int
+
+
+@dataclass(slots=True, eq=False)
+class PinnedExpert:
+    """An expert a request holds: its location (views are made from the mappings)."""
+
+    key: Key
+    location: ExpertLocation
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    warm: WarmRange
+    keys: frozenset[Key]
+    demand: bool
+    event: AsyncEvent | None = None
+    error: BaseException | None = None
+    started: bool = False
+
+
+class PageCacheSource:
+    """Serves experts from the page cache, warming what is not resident.
+
+    Args:
+        layout: the expert layout.
+        shards: the read-only mappings of the shards.
+        fds: the shards' descriptors (buffered), for warming.
+        loop: the event loop adapter.
+        method: ``"read"``, ``"advice"`` or ``"parallel-advice"``.
+        n_threads: worker threads of ``read`` and ``parallel-advice``.
+        max_gap: ranges at most this many bytes apart are warmed as one.
+        counters: where to count.
+    """
+
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        shards: MappedShards,
+        fds: Sequence[int],
+        loop: LoopAdapter,
+        method: str,
+        n_threads: int,
+        max_gap: int,
+        counters: PageCacheCounters,
+    ) -> None:
+        self.layout = layout
+        self.shards = shards
+        self.fds = tuple(fds)
+        self.loop = loop
+        self.method = method
+        self.max_gap = max_gap
+        self.counters = counters
+        self.n_workers = 1 if method == "advice" else n_threads
+        self._pool = ThreadPoolExecutor(self.n_workers, thread_name_prefix="aioexperts-warm")
+        self._local = threading.local()
+        self._queue: deque[_Job] = deque()  # not started yet: demand first, then prefetch
+        self._running = 0
+        self._lock = threading.Lock()
+        self._done: list[_Job] = []
+        self._wake_pending = False
+        self._idle: AsyncEvent | None = None
+        self.pinned: dict[Key, int] = {}
+        self.closed = False
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _locate(self, keys: Iterable[Key]) -> list[ExpertLocation]:
+        return [self.layout.locate(layer, expert) for layer, expert in keys]
+
+    def _missing_ranges(self, locations: Iterable[ExpertLocation]) -> tuple[list[WarmRange], int]:
+        """Merged ranges of ``locations`` not fully resident, and how many resident ones were skipped."""
+        merged = merge_ranges(
+            ((s.shard, s.offset, s.n_bytes) for loc in locations for s in loc.segments), self.shards.sizes, self.max_gap
+        )
+        missing = []
+        for r in merged:
+            resident, total = self.shards.residency(r.shard, r.offset, r.n_bytes)
+            if resident < total:
+                missing.append(r)
+        return missing, len(merged) - len(missing)
+
+    async def acquire(
+        self, keys: Sequence[Key], *, wait: bool = False, after_pin: Callable[[], object] | None = None
+    ) -> list[PinnedExpert]:
+        """Pin ``keys`` (duplicates allowed) and warm what is not resident; see ``ExpertCache.acquire``.
+
+        Raises:
+            InvalidRequestError: a key the model does not have.
+            ExpertReadError: a warming read failed (cause attached).
+            EngineClosedError: the source was closed.
+        """
+        self._check_open()
+        unique = list(dict.fromkeys(keys))
+        locations = self._locate(unique)
+        pinned = [PinnedExpert(k, loc) for k, loc in zip(unique, locations, strict=True)]
+        for p in pinned:
+            self.pinned[p.key] = self.pinned.get(p.key, 0) + 1
+        try:
+            missing, skipped = self._missing_ranges(locations)
+            c = self.counters
+            c.requests += len(unique)
+            c.resident_skipped += skipped
+            missed = {k for k, loc in zip(unique, locations, strict=True) if any(_covers(r, loc) for r in missing)}
+            c.misses += len(missed)
+            c.hits += len(unique) - len(missed)
+            jobs = [self._enqueue(r, frozenset(), demand=True) for r in missing]
+            if after_pin is not None:
+                after_pin()
+            for job in jobs:
+                assert job.event is not None
+                await job.event.wait()
+                if isinstance(job.error, EngineClosedError):
+                    raise job.error
+                if job.error is not None:
+                    raise ExpertReadError(
+                        f"warming {job.warm.n_bytes} bytes at offset {job.warm.offset} of shard {job.warm.shard} "
+                        f"failed: {job.error}"
+                    ) from job.error
+            self._check_open()
+        except BaseException:
+            self.release(pinned)
+            raise
+        return pinned
+
+    def release(self, pinned: Sequence[PinnedExpert]) -> None:
+        """Unpin experts from :meth:`acquire` (synchronous)."""
+        for p in pinned:
+            n = self.pinned.get(p.key, 0) - 1
+            if n > 0:
+                self.pinned[p.key] = n
+            else:
+                self.pinned.pop(p.key, None)
+
+    @property
+    def running(self) -> int:
+        """Warming calls running now."""
+        return self._running
+
+    @property
+    def pinned_count(self) -> int:
+        """Experts with at least one pin."""
+        return len(self.pinned)
+
+    # -- prefetch -------------------------------------------------------------------------------
+
+    def prefetch(self, keys: Sequence[Key]) -> int:
+        """Queue warming of the non-resident ranges of ``keys``; returns the ranges queued."""
+        self._check_open()
+        t0 = time.perf_counter()
+        unique = list(dict.fromkeys(keys))
+        locations = self._locate(unique)
+        missing, skipped = self._missing_ranges(locations)
+        self.counters.resident_skipped += skipped
+        for layer in {k[0] for k in unique}:
+            self.counters.prefetch_calls[layer] = self.counters.prefetch_calls.get(layer, 0) + 1
+        for r in missing:
+            owners = frozenset(k for k, loc in zip(unique, locations, strict=True) if _covers(r, loc))
+            self._enqueue(r, owners, demand=False)
+        self.counters.prefetch_seconds += time.perf_counter() - t0
+        return len(missing)
+
+    def drop_prefetches(self, keep: Callable[[Key], bool] = lambda key: False) -> int:
+        """Drop queued prefetch ranges none of whose experts ``keep`` accepts; returns how many."""
+        kept: deque[_Job] = deque()
+        dropped = 0
+        for job in self._queue:
+            if job.demand or any(keep(k) for k in job.keys):
+                kept.append(job)
+            else:
+                dropped += 1
+        self._queue = kept
+        self.counters.dropped += dropped
+        return dropped
+
+    # -- warming --------------------------------------------------------------------------------
+
+    def _enqueue(self, warm: WarmRange, keys: frozenset[Key], *, demand: bool) -> _Job:
+        job = _Job(warm, keys, demand, self.loop.new_event() if demand else None)
+        if demand:
+            i = 0
+            while i < len(self._queue) and self._queue[i].demand:
+                i += 1
+            self._queue.insert(i, job)
+        else:
+            self._queue.append(job)
+        self._start_jobs()
+        return job
+
+    def _start_jobs(self) -> None:
+        while self._queue and self._running < self.n_workers and not self.closed:
+            job = self._queue.popleft()
+            job.started = True
+            self._running += 1
+            self.counters.ranges_issued += 1
+            self._pool.submit(self._warm, job)
+
+    def _scratch(self) -> memoryview:
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = memoryview(bytearray(SCRATCH_BYTES))
+        return scratch
+
+    def _warm(self, job: _Job) -> None:  # worker thread
+        r = job.warm
+        try:
+            if self.method == "read":
+                warm_read(self.fds[r.shard], r.offset, r.n_bytes, self._scratch())
+            else:
+                warm_advice(self.fds[r.shard], r.offset, r.n_bytes)
+        except BaseException as exc:  # every failure reaches the waiter
+            job.error = exc
+        with self._lock:
+            self._done.append(job)
+            wake, self._wake_pending = not self._wake_pending, True
+        if wake:
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:  # loop thread
+        with self._lock:
+            done, self._done = self._done, []
+            self._wake_pending = False
+        for job in done:
+            self._running -= 1
+            if job.error is None:
+                self.counters.bytes_warmed += job.warm.n_bytes
+            else:
+                self.counters.errors += 1
+            if job.event is not None:
+                job.event.set()
+        self._start_jobs()
+        if self._running == 0 and self._idle is not None:
+            self._idle.set()
+            self._idle = None
+
+    # -- closing --------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineClosedError("the store is closed")
+
+    def close(self) -> None:
+        """Refuse new requests; fail queued demand warmings with ``EngineClosedError``; drop prefetches."""
+        self.closed = True
+        queue, self._queue = self._queue, deque()
+        for job in queue:
+            if job.event is not None:
+                job.error = EngineClosedError("the store was closed before this range was warmed")
+                job.event.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no warming call runs (none starts after :meth:`close`)."""
+        while self._running:
+            self._idle = event = self.loop.new_event()
+            await event.wait()
+
+    def shutdown(self) -> None:
+        """Stop the worker threads (after :meth:`wait_idle`)."""
+        self._pool.shutdown(wait=False)
+
+
+def _covers(r: WarmRange, loc: ExpertLocation) -> bool:
+    return any(s.shard == r.shard and s.offset < r.end and s.end > r.offset for s in loc.segments)
