@@ -306,7 +306,7 @@ class Engine:
                 loop,
                 self.counters,
                 files.sizes,
-                alignment,
+                files.dio_alignment,
                 self._max_bytes_in_flight,
                 tuple(s.path for s in model.shards),
             )
