@@ -277,7 +277,10 @@ async def test_a_faulty_policy_does_not_jam_the_engine(
             raise KeyError(key)
 
     async with aioexperts.open(model_path, slots=4, policy=Faulty()) as engine:
-        with anyio.fail_after(10):
-            async with engine.experts(1, [0, 1]) as views:
-                assert len(views) == 2
-    assert "failed to admit" in caplog.text
+        with anyio.fail_after(10), pytest.raises(aioexperts.AioExpertsError, match=r"admit\(\)") as info:
+            async with engine.experts(1, [0, 1]):
+                pass
+        # a clear error with the policy's exception as the cause; no pin left, no slot lost
+        assert isinstance(info.value.__cause__, KeyError)
+        assert engine.cache.pinned_slots == 0
+        assert len(engine.cache.free_slots) + len(engine.cache.entries) == 4
