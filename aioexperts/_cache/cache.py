@@ -126,6 +126,8 @@ class ExpertCache:
         # READY keys whose place in the policy is unknown (a hook raised on them): the cache
         # evicts them itself, before asking the policy, so their slots are never lost
         self._untracked: set[Key] = set()
+        # keys that left the cache but whose policy.remove raised: removed again before an admit
+        self._stale: set[Key] = set()
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -431,6 +433,7 @@ class ExpertCache:
             try:
                 self.policy.remove(key)
             except Exception as exc:
+                self._stale.add(key)
                 if not untracked and error is None:
                     error = exc
         if error is not None:
@@ -461,15 +464,19 @@ class ExpertCache:
         entry.load = None
         error = load.error
         if error is None:
+            key = entry.key
             try:
-                self.policy.admit(entry.key)
+                if key in self._stale:  # an earlier remove raised: the policy may still track it
+                    self._stale.discard(key)
+                    self.policy.remove(key)
+                self.policy.admit(key)
             except Exception as exc:
                 error = self._policy_error("admit", exc)
                 error.__cause__ = exc
                 try:  # it may have half-tracked the key
-                    self.policy.remove(entry.key)
+                    self.policy.remove(key)
                 except Exception:
-                    log.debug("the eviction policy also failed to remove %s", entry.key, exc_info=True)
+                    self._stale.add(key)
         if error is None:
             entry.state = SlotState.READY
             self.counters.payload_bytes += entry.plan.location.n_bytes

@@ -38,8 +38,8 @@ class LoopAdapter(ABC):
     def call_soon(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` on the loop thread after the current step (not re-entrantly).
 
-        Callbacks should not raise; one that does is logged and the loop goes on (trio would
-        otherwise abort the whole run with ``TrioInternalError``).
+        Callbacks should not raise; one that does is logged and the loop goes on, on every loop
+        (trio would otherwise abort the whole run with ``TrioInternalError``).
         """
 
     @abstractmethod
@@ -63,6 +63,14 @@ class LoopAdapter(ABC):
         """True when called from this adapter's loop (thread and loop both match)."""
 
 
+def _guarded(callback: Callable[[], None]) -> None:
+    """Run ``callback``; log what it raises instead of letting it reach trio's run loop."""
+    try:
+        callback()
+    except Exception:
+        log.exception("an I/O callback raised; the event loop goes on")
+
+
 class _AsyncioLoop(LoopAdapter):
     name = "asyncio"
 
@@ -70,13 +78,13 @@ class _AsyncioLoop(LoopAdapter):
         self.loop = loop
 
     def call_soon(self, callback: Callable[[], None]) -> None:
-        self.loop.call_soon(callback)
+        self.loop.call_soon(_guarded, callback)
 
     def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
-        self.loop.call_soon_threadsafe(callback)
+        self.loop.call_soon_threadsafe(_guarded, callback)
 
     def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
-        self.loop.add_reader(fd, callback)
+        self.loop.add_reader(fd, _guarded, callback)
 
     def remove_reader(self, fd: int) -> None:
         self.loop.remove_reader(fd)
@@ -89,14 +97,6 @@ class _AsyncioLoop(LoopAdapter):
             return asyncio.get_running_loop() is self.loop
         except RuntimeError:
             return False
-
-
-def _guarded(callback: Callable[[], None]) -> None:
-    """Run ``callback``; log what it raises instead of letting it reach trio's run loop."""
-    try:
-        callback()
-    except Exception:
-        log.exception("an I/O callback raised; the event loop goes on")
 
 
 class _TrioLoop(LoopAdapter):

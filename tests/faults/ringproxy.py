@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import liburing
-from faults.guard import SlotGuard
-from faults.script import ReadFault
 
 import aioexperts._io.backends.uring as uring_module
+from faults.guard import SlotGuard
+from faults.script import ReadFault
 
 #: One completion as the proxy passes it on: (user_data, res), res < 0 is ``-errno``.
 Completion = tuple[int, int]
@@ -101,9 +101,22 @@ class RingFaults:
         self.violations: list[str] = []
         self.enabled = True
         self._backend: Any = None
+        self._fail_calls: dict[str, tuple[Exception, bool]] = {}
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
+        real = getattr(self._real, name)
+        failing = self.__dict__.get("_fail_calls", {}).get(name)
+        if failing is None or not self.enabled:
+            return real
+        exc, after = failing
+
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            del self._fail_calls[name]  # once
+            if after:
+                real(*args, **kwargs)
+            raise exc
+
+        return fail
 
     # -- scripting ------------------------------------------------------------------------------
 
@@ -123,6 +136,12 @@ class RingFaults:
         """The ``nth`` ``io_uring_prep_nop`` raises (the backend cannot neutralize an entry)."""
         self._nop[nth] = exc or RuntimeError("scripted: prep_nop failed")
 
+    def fail_call(self, name: str, exc: Exception, *, after: bool = False) -> None:
+        """The next call of the wrapper function ``name`` (one not overridden here, such as
+        ``io_uring_register_eventfd`` or ``io_uring_queue_exit``) raises ``exc``; ``after``: only
+        after the real call ran."""
+        self._fail_calls[name] = (exc, after)
+
     def read_fault(self, fault: ReadFault) -> Callable[[list[Completion]], list[Completion]]:
         """A :attr:`rewrite` applying ``fault`` (its batches come from this proxy's submits)."""
 
@@ -138,7 +157,9 @@ class RingFaults:
         return rewrite
 
     @staticmethod
-    def duplicate(user_data_of: Callable[[list[Completion]], int | None]) -> Callable[[list[Completion]], list[Completion]]:
+    def duplicate(
+        user_data_of: Callable[[list[Completion]], int | None],
+    ) -> Callable[[list[Completion]], list[Completion]]:
         """A :attr:`rewrite` that delivers the completion ``user_data_of(walk)`` picks twice."""
 
         def rewrite(walk: list[Completion]) -> list[Completion]:

@@ -8,10 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from faults.guard import SlotGuard
-
 from aioexperts._io.backends.base import ReadOp, SubmitError
 from aioexperts.testing import FakeBackend
+from faults.guard import SlotGuard
 
 #: Completion faults, by name: an errno (the read fails), or a rule for a short result.
 ERRNO_KINDS = {"eio": errno.EIO, "eintr": errno.EINTR, "ecanceled": errno.ECANCELED}

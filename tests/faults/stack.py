@@ -7,10 +7,10 @@ checks the invariants of docs/architecture.md after a case.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +186,7 @@ def open_stack(
     try:
         alignment = files.alignment
 
-        @lru_cache(maxsize=None)
+        @functools.cache
         def plan_of(layer: int, expert: int) -> ExpertPlan:
             return plan_expert(layout.locate(layer, expert), alignment)
 
@@ -198,7 +198,7 @@ def open_stack(
         scheduler = ReadScheduler(
             backend, loop, counters, files.sizes, files.dio_alignment, 1 << 30, tuple(s.path for s in model.shards)
         )
-        cache = ExpertCache(slots, plan_of, scheduler, policy or LRU(), loop, counters)
+        cache = ExpertCache(slots, plan_of, scheduler, policy if policy is not None else LRU(), loop, counters)
     except BaseException:
         if backend is not None:
             backend.close()

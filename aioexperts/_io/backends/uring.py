@@ -180,8 +180,13 @@ class UringBackend(IOBackend):
 
     @property
     def nops_in_flight(self) -> int:
-        """NOPs left in the ring by failed preps or failed submits, whose completion is not reaped yet."""
-        return self._nops
+        """NOPs (from failed preps or failed submits) handed to the kernel whose completion is not reaped yet."""
+        return self._nops - sum(1 for _, user_data in self._queued if user_data == NOP_USER_DATA)
+
+    @property
+    def queued_entries(self) -> int:
+        """Entries in the submission queue not handed to the kernel yet (they go with the next submit)."""
+        return len(self._queued)
 
     @property
     def broken(self) -> bool:
