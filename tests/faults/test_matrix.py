@@ -10,7 +10,7 @@ After the round it checks the invariants of docs/architecture.md:
 - every waiter was answered, with the right bytes or an ``AioExpertsError``, within a bound;
 - pins, reads and bytes in flight back to zero, every slot either free or held by one entry;
 - every expert's bytes right on the next request (unless the case closed the cache);
-- after close, as many file descriptors open as before the case.
+- after close, nothing submitted any more, and as many file descriptors open as before the case.
 
 Backends: ``fake`` (a scripted fake) and ``uring`` (the real io_uring backend through a
 fault-injecting proxy of ``liburing``). Loops: asyncio, uvloop and trio (``anyio_backend``).
@@ -129,6 +129,7 @@ class Run:
         self.holder: dict[str, Any] = {}
         self.stack: Stack | None = None
         self.expect_unexpected = False
+        self.submits_at_close: int | None = None
 
     @property
     def guard(self) -> SlotGuard:
@@ -199,12 +200,17 @@ class Run:
             self.fired = lambda: self.policy.raised == 1
 
         guard = self.guard
+
+        def close() -> None:
+            stack.cache.close()
+            self.submits_at_close = len(guard.submitted)
+
         if name == "close during in-flight reads":
             loop = stack.cache.loop
 
             def close_after_submit(ops: Any, taken: int) -> None:
                 guard.after_submit = None
-                loop.call_soon(stack.cache.close)  # right after this flush: every read is in flight
+                loop.call_soon(close)  # right after this flush: every read is in flight
 
             guard.after_submit = close_after_submit
         elif name == "close during a failed submit":
@@ -212,7 +218,7 @@ class Run:
             def close_inside_submit(ops: Any, taken: int) -> None:
                 if taken < len(ops):  # the submit that failed
                     guard.after_submit = None
-                    stack.cache.close()  # inside the flush, before it handles the failure
+                    close()  # inside the flush, before it handles the failure
 
             guard.after_submit = close_inside_submit
         elif name == "close during a retry":
@@ -222,7 +228,7 @@ class Run:
             def close_after_short_read(op: Any, result: Any) -> None:
                 if fault.hits:
                     guard.after_deliver = None
-                    stack.cache.close()  # a re-read is queued, its flush not run yet
+                    close()  # a re-read is queued, its flush not run yet
 
             guard.after_deliver = close_after_short_read
 
@@ -290,6 +296,7 @@ async def test_fault_matrix(
             assert uring is not None and uring.features()["fixed_buffers"] is False
         if case.closes:
             assert stack.cache.closed and stack.scheduler.closed
+            assert len(run.guard.submitted) == run.submits_at_close, "a read was submitted after close"
         else:
             run.disarm()
             assert await stack.verify_all() == []
