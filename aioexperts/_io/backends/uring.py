@@ -371,7 +371,7 @@ class UringBackend(IOBackend):
 
     def _submit_later(self) -> None:
         self._submit_scheduled = False
-        if not self._queued or not self._ring_open:
+        if not self._queued or not self._attached:  # detached: close() may be running in a worker thread
             return
         cause = self._submit_queued()
         if cause is not None:
@@ -380,7 +380,7 @@ class UringBackend(IOBackend):
     # -- completion (loop thread) -------------------------------------------------------------------
 
     def _reap(self) -> None:
-        if not self._ring_open:
+        if not self._attached:
             return
         try:
             os.eventfd_read(self._efd)
