@@ -29,6 +29,7 @@ from aioexperts._io.backends.uring import UringBackend
 from aioexperts._io.files import open_shards
 from aioexperts._io.loop import current_loop
 from aioexperts._io.plan import max_plan_bytes, plan_expert
+from aioexperts._io.select import create_backend
 from aioexperts._io.slab import Slab
 from aioexperts.testing import FakeBackend
 from faults.guard import CheckedFake, CheckedUring
@@ -412,7 +413,10 @@ async def test_ring_set_up_and_teardown_run_in_a_worker_thread(model_path: Path,
     files = await anyio.to_thread.run_sync(open_shards, model)
     slab = Slab(2, max_plan_bytes(layout, files.alignment))
     loop = current_loop()
-    backend = await anyio.to_thread.run_sync(lambda: UringBackend(files, slab, loop, 8))
+    backend, reason = await anyio.to_thread.run_sync(
+        lambda: create_backend("io_uring", files, slab, loop, 8, attach=False)
+    )
+    assert isinstance(backend, UringBackend) and reason is None and not backend.attached
     backend.attach()  # the only part on the loop thread
     scheduler = ReadScheduler(backend, loop, Counters(), files.sizes, files.dio_alignment, 1 << 30)
     done = anyio.Event()
