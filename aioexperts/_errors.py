@@ -14,6 +14,7 @@ __all__ = (
     "BackendUnavailableError",
     "ConfigError",
     "EngineClosedError",
+    "EvictionPolicyError",
     "ExpertReadError",
     "FormatError",
     "InvalidRequestError",
@@ -85,4 +86,13 @@ class SlabExhaustedError(AioExpertsError):
     """Every slot of the slab is pinned, so the request cannot be served: the slab is too small.
 
     Raise the slot count, request fewer experts at once, or ask to wait for a free slot.
+    """
+
+
+class EvictionPolicyError(AioExpertsError):
+    """A custom eviction policy raised in one of its hooks (``admit``, ``access``, ``remove``, ``victim``).
+
+    The policy's exception is attached as ``__cause__``. The cache stays consistent and usable:
+    the request that gets this error holds no pins, and no slot is lost (an entry the policy may
+    have lost track of is evicted by the cache itself when its slot is needed).
     """

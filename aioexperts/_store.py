@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -203,16 +204,20 @@ class ExpertStore:
             slab = self._slab = await anyio.to_thread.run_sync(
                 lambda: Slab(n_slots, slot_bytes, hugepages=cache.hugepages, lock=cache.lock_memory)
             )
-            backend, self._fallback_reason = create_backend(
-                io.backend, files, slab, loop, io.queue_depth, **io.backend_options()
+            # ring set-up and buffer registration are blocking system calls: off the loop
+            backend, self._fallback_reason = await anyio.to_thread.run_sync(
+                lambda: create_backend(
+                    io.backend, files, slab, loop, io.queue_depth, attach=False, **io.backend_options()
+                )
             )
             self._backend = backend
+            backend.attach()
             scheduler = self._scheduler = ReadScheduler(
                 backend,
                 loop,
                 self._counters,
                 files.sizes,
-                files.alignment,
+                files.dio_alignment,  # short reads continue at the kernel's alignment
                 io.max_bytes_in_flight,
                 tuple(s.path for s in model.shards),
             )
@@ -267,8 +272,9 @@ class ExpertStore:
     async def aclose(self) -> None:
         """Close the store: refuse new requests, wait for every read in flight, free everything.
 
-        Requests waiting for experts that were not read yet get ``EngineClosedError``. Calling it
-        again is harmless; after an interrupted call it completes the release.
+        Requests waiting for experts that were not read yet get ``EngineClosedError``; queued
+        reads (re-reads after a short read included) are never submitted. Calling it again is
+        harmless; after an interrupted call it completes the release.
 
         Cancellation handling:
             Memory the kernel may still write into is never unmapped: a cancellation (anyio/trio
@@ -280,25 +286,44 @@ class ExpertStore:
             return
         self._closed = True
         if self._cache is not None:
-            self._cache.close()
-        held: BaseException | None = None
+            self._cache.close()  # closes the scheduler: nothing queued is submitted any more
         if self._pagecache is not None:
             self._pagecache.close()
-            while True:
+        held: BaseException | None = None
+        for wait_idle in (
+            self._scheduler.wait_idle if self._scheduler is not None else None,
+            self._pagecache.wait_idle if self._pagecache is not None else None,
+        ):
+            while wait_idle is not None:
                 try:
                     with anyio.CancelScope(shield=True):
-                        await self._pagecache.wait_idle()
+                        await wait_idle()
                     break
-                except anyio.get_cancelled_exc_class() as exc:
-                    held = exc
-        if self._scheduler is not None:
-            while self._scheduler.reads_in_flight:
-                try:
-                    with anyio.CancelScope(shield=True):
-                        await self._scheduler.wait_no_reads_in_flight()
                 except anyio.get_cancelled_exc_class() as exc:  # asyncio's Task.cancel() is not shielded
                     held = exc
-        self._release_resources()
+        if self._backend is not None:
+            self._backend.detach()
+        # ring exit and munmap of the slab block: in a thread of their own, waited for to the end
+        done = threading.Event()
+        failures: list[BaseException] = []
+
+        def release() -> None:
+            try:
+                self._release_resources()
+            except BaseException as exc:  # re-raised on the loop below
+                failures.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=release, name="aioexperts-close").start()
+        while not done.is_set():
+            try:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(done.wait)
+            except anyio.get_cancelled_exc_class() as exc:
+                held = exc
+        if failures:
+            raise failures[0]
         if held is not None:
             raise held
 

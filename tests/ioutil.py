@@ -60,7 +60,7 @@ async def read_segments(
     loop = current_loop()
     backend_obj, _ = create_backend(backend, files, slab, loop, 8)
     counters = Counters()
-    scheduler = ReadScheduler(backend_obj, loop, counters, files.sizes, files.alignment, 1 << 30)
+    scheduler = ReadScheduler(backend_obj, loop, counters, files.sizes, files.dio_alignment, 1 << 30)
     done = anyio.Event()
     load = Load(plan, 0, Priority.DEMAND, lambda _load: done.set())
     try:

@@ -10,11 +10,16 @@ before submission). The invariants (DESIGN.md):
    pinned, it fails with :class:`SlabExhaustedError` or, if it asked to, waits for a slot to be
    released (holding no pins while it waits, so waiting requests cannot deadlock among
    themselves; waiting requests are served first come, first served). Slots that are only
-   loading (a prefetch, or a read whose waiters were cancelled) are always waited for. A task
+   loading (a prefetch, or a read whose waiters were cancelled) are always waited for; a request
+   that does not wait waits only for those, never behind the queue of waiting requests. A task
    that already holds pins and then waits for more slots can deadlock against the requests queued
    before it: release first, or request all the experts at once.
 3. A failed load fails every waiter of that expert with the same error, frees the slot, and
    leaves the cache usable.
+4. A faulty eviction policy (any hook raising) costs the request an :class:`EvictionPolicyError`,
+   never a pin or a slot: a request first *decides* (the policy's ``victim`` and ``access`` calls),
+   then *mutates* (evictions, whose ``remove`` calls come after the cache has changed, then pins
+   and loads).
 
 All state changes are decided synchronously on the loop thread; awaiting happens afterwards.
 """
@@ -27,7 +32,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from enum import Enum
 
-from .._errors import AioExpertsError, EngineClosedError, SlabExhaustedError
+from .._errors import (
+    AioExpertsError,
+    EngineClosedError,
+    EvictionPolicyError,
+    ExpertReadError,
+    SlabExhaustedError,
+)
 from .._io.loop import AsyncEvent, LoopAdapter
 from .._io.plan import ExpertPlan
 from .eviction import EvictionPolicy
@@ -87,7 +98,7 @@ class ExpertCache:
         n_slots: slots in the slab.
         plan_of: ``(layer, expert) -> ExpertPlan``; raises ``InvalidRequestError`` for a key
             the model does not have.
-        scheduler: where loads go.
+        scheduler: where loads go; :meth:`close` closes it.
         policy: orders READY, unpinned entries for eviction.
         loop: event loop adapter.
         counters: statistics to update.
@@ -112,6 +123,11 @@ class ExpertCache:
         self.free_slots: list[int] = list(range(n_slots - 1, -1, -1))
         self.closed = False
         self._turns: deque[AsyncEvent] = deque()  # requests waiting for slots, oldest first
+        # READY keys whose place in the policy is unknown (a hook raised on them): the cache
+        # evicts them itself, before asking the policy, so their slots are never lost
+        self._untracked: set[Key] = set()
+        # keys that left the cache but whose policy.remove raised: removed again before an admit
+        self._stale: set[Key] = set()
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -142,8 +158,10 @@ class ExpertCache:
         Raises:
             InvalidRequestError: a key the model does not have (nothing was pinned).
             SlabExhaustedError: more unique keys than slots, or (``wait=False``) not enough
-                slots that are free, evictable, or loading without a pin (those are waited for).
+                slots that are free, evictable, or loading without a pin (those are waited for,
+                and only those: a request that does not wait never queues behind waiting ones).
             ExpertReadError: a load failed; the same error for every waiter of that expert.
+            EvictionPolicyError: the eviction policy raised (nothing stays pinned).
             EngineClosedError: the cache was closed (also while waiting).
 
         Cancellation handling:
@@ -157,7 +175,7 @@ class ExpertCache:
             raise SlabExhaustedError(
                 f"{len(unique)} experts requested at once but the slab has {self.n_slots} slots; open with more slots"
             )
-        pinned = await self._pin_in_turn(unique, plans, wait)
+        pinned = await (self._pin_in_turn(unique, plans) if wait else self._pin_now(unique, plans))
         try:
             if after_pin is not None:
                 after_pin()
@@ -175,27 +193,47 @@ class ExpertCache:
             raise EngineClosedError("the engine was closed while waiting for experts")
         return pinned
 
-    async def _pin_in_turn(self, unique: list[Key], plans: dict[Key, ExpertPlan], wait: bool) -> list[Entry]:
-        """Pin ``unique``; requests that must wait for slots are served first come, first served.
+    async def _pin_now(self, unique: list[Key], plans: dict[Key, ExpertPlan]) -> list[Entry]:
+        """Pin ``unique`` without queuing behind waiting requests (``wait=False``).
 
-        A request that needs no new slot (every key cached) or that does not wait goes ahead;
-        any other request queues behind the ones already waiting, so a large request is not
-        starved by a stream of small ones.
+        When the slots are short, waits only for the loads whose slots nobody pins (they become
+        evictable when they complete), then tries once more.
+        """
+        pinned = self._pin_all(unique, plans)
+        if pinned is not None:
+            return pinned
+        wanted = set(unique)
+        loading = [
+            e for e in self.entries.values() if e.state is SlotState.LOADING and not e.pins and e.key not in wanted
+        ]
+        if loading:
+            for entry in loading:  # every one finishes by itself: a submitted read always completes
+                await entry.event.wait()
+            self._check_open()
+            pinned = self._pin_all(unique, plans)
+            if pinned is not None:
+                return pinned
+        raise SlabExhaustedError(
+            f"no free slot for {len(unique)} experts: {self.pinned_slots} of {self.n_slots} slots "
+            "are pinned and the rest are loading; open with more slots or acquire with wait=True"
+        )
+
+    async def _pin_in_turn(self, unique: list[Key], plans: dict[Key, ExpertPlan]) -> list[Entry]:
+        """Pin ``unique``, waiting for slots; waiting requests are served first come, first served.
+
+        A request that needs no new slot (every key cached) goes ahead; any other request queues
+        behind the ones already waiting, so a large request is not starved by a stream of small
+        ones.
         """
         ticket: AsyncEvent | None = None
         try:
             while True:
                 needs_slots = any(key not in self.entries for key in unique)
                 at_head = ticket is not None and self._turns[0] is ticket
-                if not wait or not needs_slots or at_head or not self._turns:
+                if not needs_slots or at_head or not self._turns:
                     pinned = self._pin_all(unique, plans)
                     if pinned is not None:
                         return pinned
-                    if not wait and not self._unpinned_loads():
-                        raise SlabExhaustedError(
-                            f"no free slot for {len(unique)} experts: {self.pinned_slots} of {self.n_slots} slots "
-                            "are pinned and the rest are loading; open with more slots or acquire with wait=True"
-                        )
                 new = self.loop.new_event()
                 if ticket is None:
                     self._turns.append(new)
@@ -212,36 +250,38 @@ class ExpertCache:
                     self._signal_space()  # the next in line may fit in what is left
 
     def _pin_all(self, keys: list[Key], plans: dict[Key, ExpertPlan]) -> list[Entry] | None:
-        """Pin present entries and start loads for missing ones; None (and no change) if slots run out."""
-        present: list[Entry] = []
-        for key in keys:
-            entry = self.entries.get(key)
-            if entry is not None:
-                entry.pins += 1
-                present.append(entry)
-        started: list[Entry] = []
-        for key in keys:
-            if key in self.entries:
-                continue
-            slot = self._take_slot(lambda k: True)
-            if slot is None:
-                for entry in started:
-                    if not self._undo_start(entry):  # pragma: no cover - loads go out a tick later
-                        entry.pins -= 1
-                for entry in present:
-                    entry.pins -= 1
-                return None
-            plan = plans.get(key) or self.plan_of(*key)
-            entry = self._start(key, slot, plan, Priority.DEMAND)
+        """Pin present entries and start loads for missing ones; None (and no change) if slots run out.
+
+        Decides first (the victims to evict, the hits to report to the policy), then mutates.
+
+        Raises:
+            EvictionPolicyError: a policy hook raised; nothing is pinned or started (entries
+                already evicted stay evicted: their slots are free).
+        """
+        entries = self.entries
+        present = [entries[key] for key in keys if key in entries]
+        missing = [key for key in keys if key not in entries]
+        new_plans = [plans.get(key) or self.plan_of(*key) for key in missing]
+        wanted = set(keys)
+        victims = self._choose_victims(len(missing) - len(self.free_slots), lambda k: k not in wanted)
+        if victims is None:
+            return None
+        for entry in present:
+            if entry.state is SlotState.READY and entry.key not in self._untracked:
+                self._hook(self.policy.access, entry.key, "access")
+        self._evict(victims)
+        # mutation: nothing below calls out of the cache
+        for entry in present:
+            entry.pins += 1
+        for key, plan in zip(missing, new_plans, strict=True):
+            entry = self._start(key, self.free_slots.pop(), plan, Priority.DEMAND)
             entry.pins = 1
-            started.append(entry)
         c = self.counters
         c.requests += len(keys)
-        c.misses += len(started)
+        c.misses += len(missing)
         for entry in present:
             if entry.state is SlotState.READY:
                 c.hits += 1
-                self.policy.access(entry.key)
             else:
                 c.inflight_joins += 1
                 if entry.load is not None:
@@ -249,7 +289,7 @@ class ExpertCache:
             if entry.prefetched:
                 entry.prefetched = False
                 c.prefetch_hits += 1
-        return [self.entries[key] for key in keys]
+        return [entries[key] for key in keys]
 
     def release(self, entries: Sequence[Entry]) -> None:
         """Unpin entries from :meth:`acquire` (synchronous, safe in cleanup code)."""
@@ -272,17 +312,22 @@ class ExpertCache:
 
         Returns:
             The number of loads started.
+
+        Raises:
+            InvalidRequestError: a key the model does not have (nothing started).
+            EvictionPolicyError: the eviction policy raised (nothing started).
+            EngineClosedError: the cache is closed.
         """
         self._check_open()
         missing = [k for k in dict.fromkeys(keys) if k not in self.entries]
         plans = [(k, self.plan_of(*k)) for k in missing]
         layers = {k[0] for k in missing}
+        victims = self._choose_victims(len(missing) - len(self.free_slots), lambda k: k[0] not in layers, partial=True)
+        assert victims is not None
+        self._evict(victims)
         started = 0
-        for key, plan in plans:
-            slot = self._take_slot(lambda k: k[0] not in layers)
-            if slot is None:
-                break
-            entry = self._start(key, slot, plan, Priority.PREFETCH)
+        for key, plan in plans[: len(self.free_slots)]:
+            entry = self._start(key, self.free_slots.pop(), plan, Priority.PREFETCH)
             entry.prefetched = True
             started += 1
         self.counters.prefetch_issued += started
@@ -309,24 +354,91 @@ class ExpertCache:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _take_slot(self, may_evict: Callable[[Key], bool]) -> int | None:
-        if self.free_slots:
-            return self.free_slots.pop()
+    def _hook(self, hook: Callable[[Key], object], key: Key, name: str) -> None:
+        """Call a policy hook on a cached ``key``; if it raises, stop trusting the policy about ``key``."""
+        try:
+            hook(key)
+        except Exception as exc:
+            self._untracked.add(key)
+            raise self._policy_error(name, exc) from exc
+
+    def _policy_error(self, hook: str, exc: BaseException) -> EvictionPolicyError:
+        return EvictionPolicyError(
+            f"the eviction policy {type(self.policy).__name__} raised in {hook}(): {exc!r}; "
+            "the request was not served and holds no pins"
+        )
+
+    def _choose_victims(self, n: int, may_evict: Callable[[Key], bool], *, partial: bool = False) -> list[Key] | None:
+        """Choose ``n`` READY, unpinned entries to evict, without changing anything.
+
+        Returns:
+            The keys, or (unless ``partial``) None when fewer than ``n`` can be evicted.
+
+        Raises:
+            EvictionPolicyError: ``victim`` raised or chose a key it was not allowed to.
+        """
+        if n <= 0:
+            return []
+        chosen: list[Key] = []
+        taken: set[Key] = set()
 
         def can_evict(key: Key) -> bool:
-            entry = self.entries[key]
-            return entry.pins == 0 and entry.state is SlotState.READY and may_evict(key)
+            entry = self.entries.get(key)
+            return (
+                entry is not None
+                and entry.pins == 0
+                and entry.state is SlotState.READY
+                and key not in taken
+                and may_evict(key)
+            )
 
-        victim = self.policy.victim(can_evict)
-        if victim is None:
-            return None
-        entry = self.entries.pop(victim)
-        self.policy.remove(victim)
-        entry.state = SlotState.FREE
-        self.counters.evictions += 1
-        if entry.prefetched:
-            self.counters.prefetch_wasted += 1
-        return entry.slot
+        for key in self._untracked:  # the policy may have lost these: the cache evicts them itself
+            if len(chosen) == n:
+                break
+            if can_evict(key):
+                chosen.append(key)
+                taken.add(key)
+        while len(chosen) < n:
+            try:
+                victim = self.policy.victim(can_evict)
+            except Exception as exc:
+                raise self._policy_error("victim", exc) from exc
+            if victim is None:
+                return chosen if partial else None
+            if not can_evict(victim):
+                raise EvictionPolicyError(
+                    f"the eviction policy {type(self.policy).__name__} chose {victim!r}, which is not an evictable "
+                    "entry (pinned, loading, not cached or already chosen); the request holds no pins"
+                )
+            chosen.append(victim)
+            taken.add(victim)
+        return chosen
+
+    def _evict(self, victims: list[Key]) -> None:
+        """Evict ``victims`` (their slots go to the free list), then tell the policy.
+
+        Raises:
+            EvictionPolicyError: ``remove`` raised; every victim is evicted all the same.
+        """
+        error: Exception | None = None
+        for key in victims:
+            entry = self.entries.pop(key)
+            entry.state = SlotState.FREE
+            self.free_slots.append(entry.slot)
+            self.counters.evictions += 1
+            if entry.prefetched:
+                self.counters.prefetch_wasted += 1
+            untracked = key in self._untracked
+            self._untracked.discard(key)
+            try:
+                self.policy.remove(key)
+            except Exception as exc:
+                self._stale.add(key)
+                if not untracked and error is None:
+                    error = exc
+        if error is not None:
+            self._signal_space()  # the evicted slots are free for whoever comes next
+            raise self._policy_error("remove", error) from error
 
     def _start(self, key: Key, slot: int, plan: ExpertPlan, priority: Priority) -> Entry:
         entry = Entry(key, slot, plan, self.loop.new_event())
@@ -344,32 +456,42 @@ class ExpertCache:
         entry.state = SlotState.FREE
         entry.load = None
         self.free_slots.append(entry.slot)
+        entry.event.set()  # a request waiting for this slot to free up (wait=False) looks again
         return True
 
     def _loaded(self, entry: Entry, load: Load) -> None:
+        """``on_done`` of every load: READY, or FREE with the error for every waiter. Never raises."""
         entry.load = None
-        if load.error is not None:
-            self.counters.read_errors += 1
-            entry.error = load.error
+        error = load.error
+        if error is None:
+            key = entry.key
+            try:
+                if key in self._stale:  # an earlier remove raised: the policy may still track it
+                    self._stale.discard(key)
+                    self.policy.remove(key)
+                self.policy.admit(key)
+            except Exception as exc:
+                error = self._policy_error("admit", exc)
+                error.__cause__ = exc
+                try:  # it may have half-tracked the key
+                    self.policy.remove(key)
+                except Exception:
+                    self._stale.add(key)
+        if error is None:
+            entry.state = SlotState.READY
+            self.counters.payload_bytes += entry.plan.location.n_bytes
+            if entry.pins == 0:
+                self._signal_space()
+        else:
+            if isinstance(error, ExpertReadError):
+                self.counters.read_errors += 1
+            entry.error = error
             entry.state = SlotState.FREE
             if self.entries.get(entry.key) is entry:
                 del self.entries[entry.key]
-            self.free_slots.append(entry.slot)
+            self.free_slots.append(entry.slot)  # the load's reads have all completed
             self._signal_space()
-        else:
-            entry.state = SlotState.READY
-            self.counters.payload_bytes += entry.plan.location.n_bytes
-            try:
-                self.policy.admit(entry.key)
-            except Exception:  # a faulty custom policy must not strand the waiters
-                log.exception("aioexperts: the eviction policy failed to admit %s", entry.key)
-            if entry.pins == 0:
-                self._signal_space()
         entry.event.set()
-
-    def _unpinned_loads(self) -> bool:
-        """Some slot is LOADING with no pin: it becomes evictable when its read completes."""
-        return any(e.state is SlotState.LOADING and e.pins == 0 for e in self.entries.values())
 
     def _signal_space(self) -> None:
         """Slots may have become free or evictable: let the first request in line try again."""
@@ -381,17 +503,14 @@ class ExpertCache:
             raise EngineClosedError("the engine is closed")
 
     def close(self) -> None:
-        """Refuse new requests; drop queued loads; wake every waiter (they get ``EngineClosedError``).
+        """Refuse new requests; close the scheduler; wake every waiter (they get ``EngineClosedError``).
 
-        Loads already submitted keep their slots until they complete.
+        Loads not submitted yet fail at once and free their slots; loads already submitted keep
+        their slots until they complete (await ``scheduler.wait_idle()`` for that). Idempotent.
         """
+        if self.closed:
+            return
         self.closed = True
-        for entry in list(self.entries.values()):
-            if entry.load is not None and self.scheduler.drop(entry.load):
-                del self.entries[entry.key]
-                entry.error = EngineClosedError("the engine was closed before this expert was read")
-                entry.state = SlotState.FREE
-                self.free_slots.append(entry.slot)
-                entry.event.set()
+        self.scheduler.close()  # queued loads finish now, through _loaded, with EngineClosedError
         for turn in self._turns:  # every request waiting for slots gets EngineClosedError
             turn.set()

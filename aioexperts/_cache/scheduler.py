@@ -8,28 +8,40 @@ still queued can be dropped (a stale prefetch); once submitted it runs to its co
 
 Completion rules for one read of ``n`` bytes: complete when ``n`` is the full length, or when
 the read ended exactly at end of file after every payload byte; ``0`` before that is an error
-(the file was truncated); any other short read is re-queued for the remainder (from the last
-aligned byte under direct I/O).
+(the file was truncated); any other short read is re-queued for the remainder, from the last
+byte that is a multiple of the kernel's direct-I/O alignment under direct I/O (from the last
+byte read otherwise). A read that fails with ``EINTR`` or ``EAGAIN`` is re-queued whole.
+
+Faults never strand a load: whatever a submission, a completion or a load's ``on_done`` raises
+becomes the load's error (:class:`ExpertReadError`, cause attached), and a slot whose read the
+backend took is released only by that read's own completion (see ``IOBackend.submit``).
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from enum import Enum
 
-from .._errors import ExpertReadError
+from .._errors import AioExpertsError, EngineClosedError, ExpertReadError
 from .._io.align import align_down
-from .._io.backends.base import IOBackend, ReadOp
+from .._io.backends.base import IOBackend, ReadOp, ReadResult, SubmitError
 from .._io.loop import AsyncEvent, LoopAdapter
 from .._io.plan import ExpertPlan, PlannedRead
 from .stats import Counters
 
 __all__ = ("Load", "LoadState", "Priority", "ReadScheduler")
 
+log = logging.getLogger("aioexperts")
+
 #: A load that makes no progress for this many re-reads in a row fails.
 MAX_STALLED_RETRIES = 8
+#: Read errors that mean "try again" rather than "failed".
+RETRY_ERRNOS = frozenset((errno.EINTR, errno.EAGAIN))
+CLOSED_MESSAGE = "the engine was closed before this expert was read"
 
 
 class Priority(Enum):
@@ -40,7 +52,7 @@ class Priority(Enum):
 
 
 class LoadState(Enum):
-    """Where a load is: QUEUED -> SUBMITTED -> DONE, or QUEUED -> DROPPED."""
+    """Where a load is: QUEUED -> SUBMITTED -> DONE, QUEUED -> DONE (closed), or QUEUED -> DROPPED."""
 
     QUEUED = 0
     SUBMITTED = 1
@@ -56,9 +68,12 @@ class Load:
         slot: destination slot.
         priority: its queue.
         state: see :class:`LoadState`.
-        error: the failure, once one read failed.
+        error: the failure (an :class:`ExpertReadError`, or :class:`EngineClosedError` when the
+            scheduler was closed first), once one read failed.
+        ops_left: reads handed to the backend or queued for it whose completion is still due.
         on_done: called on the loop thread once, after the last read completed (successful or
-            not); never called for a dropped load.
+            not) or when the scheduler was closed before the load was submitted; never called for
+            a dropped load. It should not raise (what it raises is logged).
     """
 
     __slots__ = ("_stalls", "error", "on_done", "ops_left", "plan", "priority", "slot", "started_ns", "state")
@@ -69,7 +84,7 @@ class Load:
         self.priority = priority
         self.on_done = on_done
         self.state = LoadState.QUEUED
-        self.error: ExpertReadError | None = None
+        self.error: AioExpertsError | None = None
         self.ops_left = 0
         self.started_ns = 0
         self._stalls = 0
@@ -88,8 +103,12 @@ class ReadScheduler:
         loop: the event loop adapter (for the once-per-tick flush).
         counters: statistics to update.
         file_sizes: size of each shard in bytes (for end-of-file short reads).
-        alignment: re-reads restart at a multiple of this under direct I/O.
+        alignment: the kernel's direct-I/O alignment (bytes, a power of two; ``ShardFiles.dio_alignment``):
+            a re-read after a short read restarts at a multiple of it under direct I/O. This is
+            not the plan's alignment (reads are planned page-aligned on purpose), only the rule
+            the kernel enforces.
         max_bytes_in_flight: bound on requested bytes in flight (at least one load always fits).
+        shard_names: file names for error messages.
     """
 
     def __init__(
@@ -115,13 +134,20 @@ class ReadScheduler:
         self._ops_in_flight = 0
         self._bytes_in_flight = 0
         self._flush_scheduled = False
-        self._idle_event: AsyncEvent | None = None
+        self._quiet_event: AsyncEvent | None = None
+        self._closed = False
         backend.set_sink(self._on_read)
 
     # -- queueing (loop thread) ------------------------------------------------------------
 
     def enqueue(self, load: Load) -> None:
-        """Queue ``load``; it is submitted at the end of this loop tick at the earliest."""
+        """Queue ``load``; it is submitted at the end of this loop tick at the earliest.
+
+        Raises:
+            EngineClosedError: the scheduler is closed (nothing was queued).
+        """
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
         self._queues[load.priority].append(load)
         self._schedule_flush()
 
@@ -141,6 +167,7 @@ class ReadScheduler:
             return False
         self._queues[load.priority].remove(load)
         load.state = LoadState.DROPPED
+        self._notify_quiet()
         return True
 
     def queued_prefetches(self) -> list[Load]:
@@ -153,15 +180,76 @@ class ReadScheduler:
         return self._ops_in_flight
 
     @property
+    def bytes_in_flight(self) -> int:
+        """Bytes requested by the reads in flight."""
+        return self._bytes_in_flight
+
+    @property
     def idle(self) -> bool:
         """Nothing queued and nothing in flight."""
         return not (self._ops_in_flight or self._retries or any(self._queues.values()))
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    def close(self, message: str = CLOSED_MESSAGE) -> None:
+        """Submit nothing more: fail every queued load and queued re-read with ``EngineClosedError``.
+
+        Loads not submitted yet finish at once (``on_done`` runs with the error; their slots are
+        unused). A load with a re-read queued fails too, but finishes only when its reads in
+        flight have completed. Completions keep being delivered; a short read completing after
+        close fails its load instead of queuing a re-read. Idempotent; loop thread only.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        retries, self._retries = self._retries, deque()
+        loads = [*self._queues[Priority.DEMAND], *self._queues[Priority.PREFETCH]]
+        for queue in self._queues.values():
+            queue.clear()
+        for op in retries:
+            load = op.context[0]
+            self._set_error(load, EngineClosedError(message))
+            self._op_finished(load)
+        for load in loads:
+            self._set_error(load, EngineClosedError(message))
+            self._finish(load)
+        self._notify_quiet()
+
+    async def wait_idle(self) -> None:
+        """Return once no read is in flight and nothing is queued.
+
+        After :meth:`close` nothing is queued, so this waits for the reads in flight: then no
+        backend will write into the slab again and it can be closed.
+
+        Cancellation handling:
+            Cancelling the caller only stops its wait; nothing is changed. Shield the call to
+            wait for sure before releasing the backend or the slab.
+        """
+        while not self.idle:
+            await self._quiet().wait()
+
     async def wait_no_reads_in_flight(self) -> None:
-        """Return once no read is in flight (queued loads are not waited for)."""
+        """Return once no read is in flight (queued loads are not waited for).
+
+        Cancellation handling:
+            Cancelling the caller only stops its wait; nothing is changed.
+        """
         while self._ops_in_flight:
-            self._idle_event = event = self.loop.new_event()
-            await event.wait()
+            await self._quiet().wait()
+
+    def _quiet(self) -> AsyncEvent:
+        if self._quiet_event is None:
+            self._quiet_event = self.loop.new_event()
+        return self._quiet_event
+
+    def _notify_quiet(self) -> None:
+        """Wake :meth:`wait_idle` / :meth:`wait_no_reads_in_flight` callers when nothing is in flight."""
+        if self._quiet_event is not None and self._ops_in_flight == 0:
+            self._quiet_event.set()
+            self._quiet_event = None
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -170,7 +258,10 @@ class ReadScheduler:
 
     def _scheduled_flush(self) -> None:
         self._flush_scheduled = False
-        self.flush()
+        try:
+            self.flush()
+        except Exception:  # flush turns faults into failed loads; this is the last resort
+            log.exception("flushing the read queue failed")
 
     # -- submission -------------------------------------------------------------------------
 
@@ -181,41 +272,68 @@ class ReadScheduler:
         return self._ops_in_flight == 0 or self._bytes_in_flight + n_bytes <= self.max_bytes_in_flight
 
     def flush(self) -> None:
-        """Submit as many queued reads as the bounds allow, in priority order, as one batch."""
+        """Submit as many queued reads as the bounds allow, in priority order, as one batch.
+
+        Reads the backend does not take fail their loads (``ExpertReadError``, the backend's error
+        as the cause); a load with some reads taken finishes when those complete.
+        """
+        if self._closed:
+            return
         batch: list[ReadOp] = []
-        now = time.perf_counter_ns()
-        while self._retries and self._fits(1, self._retries[0].n_bytes):
-            op = self._retries.popleft()
-            self._account(op, batch)
-        for priority in (Priority.DEMAND, Priority.PREFETCH):
-            queue = self._queues[priority]
-            while queue:
-                load = queue[0]
-                reads = load.plan.reads
-                if not self._fits(len(reads), load.read_bytes):
-                    break
-                queue.popleft()
-                load.state = LoadState.SUBMITTED
-                load.ops_left = len(reads)
-                load.started_ns = now
-                for read in reads:
-                    op = ReadOp(read.shard, read.file_offset, read.n_bytes, load.slot, read.slot_offset, (load, read))
-                    self._account(op, batch)
-            else:
-                continue
-            break  # a demand load that does not fit blocks the prefetches behind it
-        if batch:
-            self.counters.reads += len(batch)
-            self.counters.submissions += 1
-            self.counters.max_batch = max(self.counters.max_batch, len(batch))
-            try:
-                self.backend.submit(batch)
-            except OSError as exc:
-                for op in batch:  # the backend took none of them
-                    self._ops_in_flight -= 1
-                    self._bytes_in_flight -= op.n_bytes
-                    self._fail(op.context[0], exc, op)
-                    self._op_finished(op.context[0])
+        current: Load | None = None
+        try:
+            now = time.perf_counter_ns()
+            while self._retries and self._fits(1, self._retries[0].n_bytes):
+                self._account(self._retries.popleft(), batch)
+            for priority in (Priority.DEMAND, Priority.PREFETCH):
+                queue = self._queues[priority]
+                while queue:
+                    load = queue[0]
+                    reads = load.plan.reads
+                    if not self._fits(len(reads), load.read_bytes):
+                        break
+                    current = queue.popleft()
+                    load.state = LoadState.SUBMITTED
+                    load.started_ns = now
+                    for read in reads:
+                        op = ReadOp(
+                            read.shard, read.file_offset, read.n_bytes, load.slot, read.slot_offset, (load, read)
+                        )
+                        self._account(op, batch)
+                        load.ops_left += 1
+                    current = None
+                else:
+                    continue
+                break  # a demand load that does not fit blocks the prefetches behind it
+        except Exception as exc:  # nothing of the batch went out: fail it whole
+            self._reject(batch, exc, "queuing the read failed")
+            if current is not None and current.state is not LoadState.DONE and current.ops_left == 0:
+                self._set_error(current, self._read_error(current, exc, None, "queuing the read failed"))
+                self._finish(current)
+            return
+        if not batch:
+            return
+        before = self.backend.in_flight
+        try:
+            self.backend.submit(batch)
+        except SubmitError as exc:
+            taken, cause = exc.taken, exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+        except Exception as exc:  # a backend outside the contract: trust its count of reads taken
+            taken, cause = self.backend.in_flight - before, exc
+        else:
+            self._count_submission(len(batch))
+            return
+        taken = max(0, min(taken, len(batch)))
+        if taken:
+            self._count_submission(taken)
+        self._reject(batch[taken:], cause, "the read could not be submitted")
+
+    def _count_submission(self, n_ops: int) -> None:
+        c = self.counters
+        c.reads += n_ops
+        c.submissions += 1
+        if n_ops > c.max_batch:
+            c.max_batch = n_ops
 
     def _account(self, op: ReadOp, batch: list[ReadOp]) -> None:
         op.submitted_ns = time.perf_counter_ns()
@@ -223,49 +341,79 @@ class ReadScheduler:
         self._bytes_in_flight += op.n_bytes
         batch.append(op)
 
+    def _reject(self, ops: list[ReadOp], cause: BaseException, what: str) -> None:
+        """Fail ``ops``, which were accounted as in flight but never reached the backend."""
+        for op in ops:
+            self._ops_in_flight -= 1
+            self._bytes_in_flight -= op.n_bytes
+            load = op.context[0]
+            self._set_error(load, self._read_error(load, cause, op, f"{what} ({cause!r})"))
+            self._op_finished(load)
+        if self._retries or self._queues[Priority.DEMAND] or self._queues[Priority.PREFETCH]:
+            self._schedule_flush()
+        self._notify_quiet()
+
     # -- completion (loop thread) ------------------------------------------------------------
 
-    def _on_read(self, op: ReadOp, result: int | OSError) -> None:
+    def _on_read(self, op: ReadOp, result: ReadResult) -> None:
         self._ops_in_flight -= 1
         self._bytes_in_flight -= op.n_bytes
         load, read = op.context
-        if isinstance(result, OSError):
-            self._fail(load, result, op)
-        else:
-            self.counters.bytes_read += result
-            self._check_length(load, read, op, result)
+        try:
+            if isinstance(result, int):
+                self.counters.bytes_read += result
+                if result < op.n_bytes:
+                    self._short_read(load, read, op, result)
+            elif isinstance(result, OSError) and result.errno in RETRY_ERRNOS:
+                self._requeue(load, op, 0, f"interrupted ({errno.errorcode[result.errno or 0]})", result)
+            else:
+                self._set_error(load, self._read_error(load, result, op))
+        except Exception as exc:  # never strand the load: whatever went wrong is its error
+            self._set_error(load, self._read_error(load, exc, op, f"handling the completion failed ({exc!r})"))
         self._op_finished(load)
-        if self._ops_in_flight == 0 and self._idle_event is not None:
-            self._idle_event.set()
-            self._idle_event = None
         if self._retries or self._queues[Priority.DEMAND] or self._queues[Priority.PREFETCH]:
             self._schedule_flush()
+        if self._quiet_event is not None:
+            self._notify_quiet()
 
-    def _check_length(self, load: Load, read: PlannedRead, op: ReadOp, n: int) -> None:
-        if n >= op.n_bytes:
-            return
+    def _short_read(self, load: Load, read: PlannedRead, op: ReadOp, n: int) -> None:
         end = op.file_offset + n
         file_size = self.file_sizes[op.shard]
         if end == file_size:
             if end - read.file_offset >= read.needed:
                 return  # the short read that ends exactly at end of file, after all the payload
-            self._fail(
+            self._set_error(
                 load,
-                None,
-                op,
-                f"the file ends at byte {file_size}, before the end of the expert's data at byte "
-                f"{read.file_offset + read.needed} (truncated?)",
+                self._read_error(
+                    load,
+                    None,
+                    op,
+                    f"the file ends at byte {file_size}, before the end of the expert's data at byte "
+                    f"{read.file_offset + read.needed} (truncated?)",
+                ),
             )
             return
         if n == 0:
-            self._fail(load, None, op, f"unexpected end of file at byte {op.file_offset} (file shrank?)")
+            self._set_error(
+                load,
+                self._read_error(load, None, op, f"unexpected end of file at byte {op.file_offset} (file shrank?)"),
+            )
             return
-        advance = align_down(n, self.alignment)
+        self._requeue(load, op, align_down(n, self.alignment), "short reads")
+
+    def _requeue(self, load: Load, op: ReadOp, advance: int, what: str, cause: Exception | None = None) -> None:
+        """Queue the rest of ``op`` from ``advance`` bytes on, unless the load stalls or the scheduler closed."""
         load._stalls = load._stalls + 1 if advance == 0 else 0
         if load._stalls > MAX_STALLED_RETRIES:
-            self._fail(
-                load, None, op, f"{MAX_STALLED_RETRIES} short reads in a row made no progress (was the file truncated?)"
+            self._set_error(
+                load,
+                self._read_error(
+                    load, cause, op, f"{MAX_STALLED_RETRIES} {what} in a row made no progress (was the file truncated?)"
+                ),
             )
+            return
+        if self._closed:
+            self._set_error(load, EngineClosedError(CLOSED_MESSAGE))
             return
         self.counters.read_retries += 1
         load.ops_left += 1
@@ -279,22 +427,39 @@ class ReadScheduler:
         )
         self._retries.append(retry)
 
-    def _fail(self, load: Load, cause: OSError | None, op: ReadOp, what: str | None = None) -> None:
-        if load.error is not None:
-            return
+    def _read_error(
+        self, load: Load, cause: BaseException | None, op: ReadOp | None, what: str | None = None
+    ) -> ExpertReadError:
         loc = load.plan.location
-        where = self.shard_names[op.shard] if op.shard < len(self.shard_names) else f"shard {op.shard}"
-        what = what or (cause.strerror or str(cause) if cause is not None else "error")
-        load.error = ExpertReadError(
-            f"reading layer {loc.layer} expert {loc.expert} failed: {what} "
-            f"({where}, {op.n_bytes} bytes at offset {op.file_offset})"
-        )
-        load.error.__cause__ = cause
+        if what is None:
+            if isinstance(cause, OSError) and cause.strerror:
+                what = cause.strerror
+            else:
+                what = repr(cause) if cause is not None else "error"
+        where = ""
+        if op is not None:
+            name = self.shard_names[op.shard] if op.shard < len(self.shard_names) else f"shard {op.shard}"
+            where = f" ({name}, {op.n_bytes} bytes at offset {op.file_offset})"
+        error = ExpertReadError(f"reading layer {loc.layer} expert {loc.expert} failed: {what}{where}")
+        error.__cause__ = cause
+        return error
+
+    @staticmethod
+    def _set_error(load: Load, error: AioExpertsError) -> None:
+        if load.error is None:
+            load.error = error
 
     def _op_finished(self, load: Load) -> None:
         load.ops_left -= 1
         if load.ops_left == 0:
-            load.state = LoadState.DONE
-            if load.error is None:
-                self.counters.expert_latency.add((time.perf_counter_ns() - load.started_ns) / 1e9)
+            self._finish(load)
+
+    def _finish(self, load: Load) -> None:
+        load.state = LoadState.DONE
+        if load.error is None:
+            self.counters.expert_latency.add((time.perf_counter_ns() - load.started_ns) / 1e9)
+        try:
             load.on_done(load)
+        except Exception:  # the cache's on_done never raises; keep delivering the others
+            loc = load.plan.location
+            log.exception("finishing the load of layer %d expert %d failed", loc.layer, loc.expert)

@@ -1,9 +1,11 @@
 """Open the model's shard files for reading, with ``O_DIRECT`` when it really works.
 
-Direct I/O is probed, not assumed: ``statx`` must report a direct-I/O alignment (tmpfs, where
-``O_DIRECT`` is accepted but the page cache is used anyway, reports none), the ``O_DIRECT`` open
-must succeed, and one aligned read must succeed. Otherwise the files are opened buffered and the
-reason is kept for the statistics and the log.
+Direct I/O is probed, not assumed: the file system must not be one that serves ``O_DIRECT``
+from the page cache (tmpfs, ramfs: known by ``statfs``), ``statx`` must not report that the file
+has no direct I/O, the ``O_DIRECT`` open must succeed, and one aligned read must succeed. A kernel
+that does not report ``STATX_DIOALIGN`` (before 6.1) is no reason to give up: 4096 is assumed and
+the open and the read decide. Otherwise the files are opened buffered and the reason is kept for
+the statistics and the log.
 """
 
 from __future__ import annotations
@@ -28,10 +30,14 @@ class ShardFiles:
         fds: one read-only descriptor per shard, in shard order.
         sizes: file sizes in bytes.
         direct_io: True when opened with ``O_DIRECT``.
-        alignment: bytes to align offsets, lengths and buffers to: the largest direct-I/O unit
-            of all shards (``statx``), at least the 4096-byte page; for buffered reads 4096, where
-            it only rounds reads.
+        alignment: bytes reads are planned aligned to: the largest direct-I/O unit of all shards,
+            at least the 4096-byte page (page-aligned reads are faster here); for buffered reads
+            4096, where it only rounds reads.
         buffered_reason: why direct I/O is off, or None.
+        dio_alignment: the rule the kernel enforces for direct I/O (bytes): the largest
+            ``statx`` unit (memory and offset alignment) of all shards, 4096 when the kernel does
+            not report it. A re-read after a short read may start at any multiple of it, which
+            can be finer than :attr:`alignment`.
     """
 
     fds: tuple[int, ...]
@@ -39,6 +45,7 @@ class ShardFiles:
     direct_io: bool
     alignment: int
     buffered_reason: str | None
+    dio_alignment: int = DEFAULT_ALIGNMENT
 
     def close(self) -> None:
         """Close every descriptor; idempotent."""
@@ -65,10 +72,12 @@ def _open_direct(path: str, unit: int) -> tuple[int | None, str | None]:
         raise
     try:
         _probe_read(fd, unit)
-    except OSError as exc:
+    except OSError as exc:  # EINVAL: the alignment is wrong; EIO and others: direct reads fail here
         os.close(fd)
-        if exc.errno == errno.EINVAL:
-            return None, f"an aligned O_DIRECT read of {unit} bytes failed (EINVAL)"
+        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        return None, f"an aligned O_DIRECT read of {unit} bytes of {path} failed ({name}: {exc.strerror})"
+    except BaseException:
+        os.close(fd)
         raise
     return fd, None
 
@@ -82,7 +91,8 @@ def open_shards(model: GGUFModel, direct_io: bool | None = None) -> ShardFiles:
             ``O_DIRECT`` where it works.
 
     Raises:
-        BackendUnavailableError: ``direct_io=True`` but direct I/O does not work here.
+        BackendUnavailableError: ``direct_io=True`` but direct I/O does not work here (the
+            message names the reason).
         FormatError: a shard changed (size, inode or mtime) since the model was parsed.
         OSError: a file cannot be opened.
     """
@@ -90,12 +100,14 @@ def open_shards(model: GGUFModel, direct_io: bool | None = None) -> ShardFiles:
     alignments: list[DirectIOAlignment] = []
     if reason is None:
         alignments = [probe_alignment(s.path) for s in model.shards]
-        if not all(a.direct_io_supported for a in alignments):
-            reason = "statx reports no direct I/O on this file system (tmpfs or similar: it uses the page cache)"
+        refused = next((a for a in alignments if not a.direct_io_supported), None)
+        if refused is not None:
+            reason = refused.reason or "the file system reports no direct I/O"
+    dio_unit = max([DEFAULT_ALIGNMENT if not alignments else 1, *(a.unit for a in alignments)])
     # Widen reads to whole pages even where the device takes 512-byte alignment: page-aligned
     # reads measured ~12 % faster on a virtio disk backed by a host file (3.0-3.2 vs 2.7-2.8 GB/s),
     # for 0.4 % more bytes read with Qwen3-30B-A3B experts.
-    unit = max([DEFAULT_ALIGNMENT, *(a.unit for a in alignments)])
+    unit = max(DEFAULT_ALIGNMENT, dio_unit)
     fds: list[int] = []
     try:
         if reason is None:
@@ -109,8 +121,10 @@ def open_shards(model: GGUFModel, direct_io: bool | None = None) -> ShardFiles:
                 raise BackendUnavailableError(f"direct I/O was required but is not available: {reason}")
             for fd in fds:
                 os.close(fd)
-            fds = [os.open(s.path, os.O_RDONLY | os.O_CLOEXEC) for s in model.shards]
-            unit = DEFAULT_ALIGNMENT
+            fds = []
+            for shard in model.shards:
+                fds.append(os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC))
+            unit = dio_unit = DEFAULT_ALIGNMENT
         for shard, fd in zip(model.shards, fds, strict=True):
             if not shard.matches(os.fstat(fd)):
                 raise FormatError(f"{shard.path} changed since it was parsed (size, inode or mtime); reopen the model")
@@ -118,4 +132,4 @@ def open_shards(model: GGUFModel, direct_io: bool | None = None) -> ShardFiles:
         for fd in fds:
             os.close(fd)
         raise
-    return ShardFiles(tuple(fds), tuple(s.size for s in model.shards), reason is None, unit, reason)
+    return ShardFiles(tuple(fds), tuple(s.size for s in model.shards), reason is None, unit, reason, dio_unit)

@@ -9,12 +9,15 @@ that many tasks can wait on.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol
 
 __all__ = ("AsyncEvent", "LoopAdapter", "current_loop")
+
+log = logging.getLogger("aioexperts")
 
 
 class AsyncEvent(Protocol):
@@ -33,7 +36,11 @@ class LoopAdapter(ABC):
 
     @abstractmethod
     def call_soon(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` on the loop thread after the current step (not re-entrantly)."""
+        """Run ``callback`` on the loop thread after the current step (not re-entrantly).
+
+        Callbacks should not raise; one that does is logged and the loop goes on, on every loop
+        (trio would otherwise abort the whole run with ``TrioInternalError``).
+        """
 
     @abstractmethod
     def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
@@ -56,6 +63,14 @@ class LoopAdapter(ABC):
         """True when called from this adapter's loop (thread and loop both match)."""
 
 
+def _guarded(callback: Callable[[], None]) -> None:
+    """Run ``callback``; log what it raises instead of letting it reach trio's run loop."""
+    try:
+        callback()
+    except Exception:
+        log.exception("an I/O callback raised; the event loop goes on")
+
+
 class _AsyncioLoop(LoopAdapter):
     name = "asyncio"
 
@@ -63,13 +78,13 @@ class _AsyncioLoop(LoopAdapter):
         self.loop = loop
 
     def call_soon(self, callback: Callable[[], None]) -> None:
-        self.loop.call_soon(callback)
+        self.loop.call_soon(_guarded, callback)
 
     def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
-        self.loop.call_soon_threadsafe(callback)
+        self.loop.call_soon_threadsafe(_guarded, callback)
 
     def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
-        self.loop.add_reader(fd, callback)
+        self.loop.add_reader(fd, _guarded, callback)
 
     def remove_reader(self, fd: int) -> None:
         self.loop.remove_reader(fd)
@@ -95,10 +110,11 @@ class _TrioLoop(LoopAdapter):
         self._readers: dict[int, Any] = {}
 
     def call_soon(self, callback: Callable[[], None]) -> None:
-        self._token.run_sync_soon(callback)
+        # trio turns an exception escaping a run_sync_soon callback into TrioInternalError
+        self._token.run_sync_soon(_guarded, callback)
 
     def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
-        self._token.run_sync_soon(callback)
+        self._token.run_sync_soon(_guarded, callback)
 
     def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
         trio = self._trio
@@ -110,9 +126,11 @@ class _TrioLoop(LoopAdapter):
                 try:
                     while not scope.cancel_called:
                         await trio.lowlevel.wait_readable(fd)
-                        callback()
+                        _guarded(callback)
                 except (trio.ClosedResourceError, OSError):  # the fd was closed under us: we are done
                     pass
+                except Exception:  # anything else would abort the run
+                    log.exception("the reader of fd %d failed; it stops watching", fd)
 
         self._readers[fd] = scope
         trio.lowlevel.spawn_system_task(watch, name=f"aioexperts-reader-{fd}")

@@ -36,7 +36,8 @@ def io_uring_disabled_sysctl() -> int | None:
 def _why_no_uring(exc: BaseException) -> str:
     if isinstance(exc, ImportError):
         return f"the liburing package cannot be imported ({exc})"
-    assert isinstance(exc, OSError)
+    if not isinstance(exc, OSError):
+        return f"setting up the ring raised {exc!r}"
     name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
     if exc.errno == errno.EPERM:
         sysctl = io_uring_disabled_sysctl()
@@ -53,6 +54,8 @@ def create_backend(
     slab: Slab,
     loop: LoopAdapter,
     depth: int,
+    *,
+    attach: bool = True,
     **options: Any,
 ) -> tuple[IOBackend, str | None]:
     """Build the backend named ``backend`` (or call a factory).
@@ -60,7 +63,12 @@ def create_backend(
     ``"auto"`` takes io_uring when its ring can be set up, else the thread pool, logging one
     warning line with the reason. ``"io_uring"`` and ``"threads"`` force one.
 
+    With ``attach=False`` nothing touches the event loop, so this can run in a worker thread (ring
+    set-up and buffer registration are blocking system calls); then call ``backend.attach()`` on
+    the loop thread before the first submit.
+
     Args:
+        attach: attach the backend to ``loop`` before returning (loop thread only).
         options: ``fixed_buffers``, ``sqe_async`` (io_uring), ``n_threads`` (threads).
 
     Returns:
@@ -68,8 +76,27 @@ def create_backend(
 
     Raises:
         ConfigError: an unknown backend name.
-        BackendUnavailableError: ``"io_uring"`` was forced and cannot be set up.
+        BackendUnavailableError: ``"io_uring"`` was forced and cannot be set up (whatever the
+            wrapper raised is the cause).
     """
+    built, reason = _build(backend, files, slab, loop, depth, options)
+    if attach:
+        try:
+            built.attach()
+        except BaseException:
+            built.close()
+            raise
+    return built, reason
+
+
+def _build(
+    backend: str | BackendFactory,
+    files: ShardFiles,
+    slab: Slab,
+    loop: LoopAdapter,
+    depth: int,
+    options: dict[str, Any],
+) -> tuple[IOBackend, str | None]:
     if callable(backend):
         return backend(files, slab, loop, depth), None
     if backend not in BACKEND_NAMES:
@@ -81,7 +108,7 @@ def create_backend(
 
             uring_options = {k: options[k] for k in ("fixed_buffers", "sqe_async") if k in options}
             return UringBackend(files, slab, loop, depth, **uring_options), None
-        except (ImportError, OSError) as exc:
+        except Exception as exc:  # ImportError, OSError, and whatever old kernels make the wrapper raise
             reason = _why_no_uring(exc)
             if backend == "io_uring":
                 raise BackendUnavailableError(f"io_uring was requested but {reason}") from exc

@@ -348,7 +348,7 @@ def test_an_unclosed_store_warns_when_collected(model_path: Path) -> None:
     asyncio.run(leak())
 
 
-async def test_a_faulty_policy_does_not_jam_the_engine(
+async def test_a_faulty_policy_does_not_jam_the_store(
     model_path: Path, anyio_backend: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     from aioexperts._cache.eviction import LRU
@@ -357,11 +357,18 @@ async def test_a_faulty_policy_does_not_jam_the_engine(
         def admit(self, key: tuple[int, int]) -> None:
             raise KeyError(key)
 
-    async with aioexperts.open(model_path, cache=aioexperts.CacheOptions(slots=4, policy=Faulty())) as engine:
-        with anyio.fail_after(10):
-            async with engine.experts(1, [0, 1]) as views:
-                assert len(views) == 2
-    assert "failed to admit" in caplog.text
+    async with aioexperts.open(model_path, cache=aioexperts.CacheOptions(slots=4, policy=Faulty())) as store:
+        with anyio.fail_after(10), pytest.raises(aioexperts.AioExpertsError, match=r"admit\(\)") as info:
+            async with store.experts(1, [0, 1]):
+                pass
+        # a clear error with the policy's exception as the cause; no pin left, no slot lost
+        assert isinstance(info.value.__cause__, KeyError)
+        assert store.statistics().pinned_slots == 0
+        for first in range(0, 16, 4):  # every slot is still there: each request gets its 4 slots
+            with anyio.fail_after(10), pytest.raises(aioexperts.AioExpertsError, match=r"admit\(\)"):
+                async with store.experts(2, range(first % 8, first % 8 + 4)):
+                    pass
+        assert store.statistics().pinned_slots == 0
 
 
 async def test_paths_as_bytes_and_with_a_tilde(

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import os
+import struct
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import aioexperts
+from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts._io import align, files
 from aioexperts._io.align import align_down, align_up, probe_alignment, widen
+from aioexperts._io.files import open_shards
 
 
 @given(
@@ -54,3 +62,99 @@ def test_probe_on_tmpfs_reports_no_real_direct_io() -> None:
 def test_probe_of_a_missing_file_raises(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         probe_alignment(tmp_path / "missing")
+
+
+# -- direct I/O on kernels without STATX_DIOALIGN, tmpfs, probe reads that fail ------------------
+
+STATX_BASIC_STATS = 0x7FF
+
+
+def _old_kernel_statx(dirfd: int, path: bytes, flags: int, mask: int, buf: ctypes.Array[ctypes.c_char]) -> int:
+    """``statx`` as Linux < 6.1 answers it: the basic fields, never the STATX_DIOALIGN bit."""
+    ctypes.memset(buf, 0, ctypes.sizeof(buf))
+    raw = struct.pack("<I", STATX_BASIC_STATS)
+    ctypes.memmove(buf, raw, len(raw))
+    return 0
+
+
+@pytest.fixture
+def old_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(align, "_STATX", _old_kernel_statx)
+
+
+@pytest.fixture
+def small_model(tmp_path: Path) -> Path:
+    path = tmp_path / "small.gguf"
+    write_synthetic_model(path, SyntheticSpec(n_layer=1, n_embd=256, n_ff=256, n_expert=4, n_expert_used=2))
+    return path
+
+
+def _is_direct(fd: int) -> bool:
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def test_a_kernel_without_statx_dioalign_still_gets_direct_io(small_model: Path, old_kernel: None) -> None:
+    a = probe_alignment(small_model)
+    assert (a.direct_io_supported, a.source, a.unit, a.reason) == (True, "default", 4096, None)
+    shards = open_shards(aioexperts.open_model(small_model))
+    try:
+        assert shards.direct_io and shards.buffered_reason is None
+        assert (shards.alignment, shards.dio_alignment) == (4096, 4096)
+        assert all(_is_direct(fd) for fd in shards.fds)
+    finally:
+        shards.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+@pytest.mark.parametrize("kernel", ["this kernel", "a kernel before 6.1"])
+def test_tmpfs_is_recognised_by_its_file_system_type(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch, kernel: str
+) -> None:
+    if kernel != "this kernel":
+        monkeypatch.setattr(align, "_STATX", _old_kernel_statx)
+    path = Path("/dev/shm") / f"aioexperts-align-{os.getpid()}.gguf"
+    path.write_bytes(small_model.read_bytes())
+    try:
+        assert align.filesystem_type(path) == align.TMPFS_MAGIC
+        a = probe_alignment(path)
+        assert not a.direct_io_supported
+        assert a.reason is not None and "tmpfs" in a.reason and "f_type" in a.reason
+        shards = open_shards(aioexperts.open_model(path))
+        try:
+            assert not shards.direct_io and not any(_is_direct(fd) for fd in shards.fds)
+            assert shards.buffered_reason == a.reason
+        finally:
+            shards.close()
+    finally:
+        path.unlink()
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.EINVAL, errno.ENOMEM], ids=["EIO", "EINVAL", "ENOMEM"])
+def test_a_failing_probe_read_falls_back_and_names_the_error(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch, err: int
+) -> None:
+    def failing_probe(fd: int, unit: int) -> None:
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(files, "_probe_read", failing_probe)
+    baseline = len(os.listdir("/proc/self/fd"))
+    model = aioexperts.open_model(small_model)
+    shards = open_shards(model)
+    try:
+        assert not shards.direct_io
+        assert shards.buffered_reason is not None and errno.errorcode[err] in shards.buffered_reason
+    finally:
+        shards.close()
+    with pytest.raises(aioexperts.BackendUnavailableError, match=errno.errorcode[err]):
+        open_shards(model, direct_io=True)
+    assert len(os.listdir("/proc/self/fd")) == baseline  # the O_DIRECT descriptor was closed
+
+
+def test_statx_missing_from_the_kernel_is_an_old_kernel(small_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def enosys(*args: object) -> int:
+        ctypes.set_errno(errno.ENOSYS)
+        return -1
+
+    monkeypatch.setattr(align, "_STATX", enosys)
+    a = probe_alignment(small_model)
+    assert (a.direct_io_supported, a.source, a.unit) == (True, "default", 4096)

@@ -5,10 +5,29 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import anyio
 import pytest
-from ioutil import drop_cache, fd_flags_of, pread_segment, read_segments, resident_pages, write_shifted_moe
+from faults.guard import CheckedUring
+from faults.ringproxy import RingFaults
+from faults.script import FaultyFake, ReadFault
+from ioutil import (
+    F32,
+    drop_cache,
+    fd_flags_of,
+    open_files,
+    pread_segment,
+    read_segments,
+    resident_pages,
+    write_shifted_moe,
+)
 
 import aioexperts
+from aioexperts._cache.scheduler import Load, Priority, ReadScheduler
+from aioexperts._cache.stats import Counters
+from aioexperts._format.layout import ExpertLocation, Segment
+from aioexperts._io.loop import current_loop
+from aioexperts._io.plan import plan_expert
+from aioexperts._io.slab import Slab
 
 pytestmark = pytest.mark.anyio
 BACKENDS = ["io_uring", "threads"]
@@ -86,3 +105,60 @@ async def test_expert_1152_bytes_past_a_page_boundary_reads_right_with_direct_io
 
 def model_layout(model: aioexperts.GGUFModel) -> aioexperts.ExpertLayout:
     return aioexperts.build_layout(model)
+
+
+# -- a short direct read continues at the kernel's alignment, not the plan's -----------------------
+
+
+async def _read_with_a_short_answer(data_file: Path, backend_kind: str) -> tuple[list[tuple[int, int, int]], bytes]:
+    """Plan an expert whose middle read is 4096 bytes at 8192 (plan alignment 4096, kernel rule
+    512); that read first comes back with 2048 bytes. Returns every read taken, as
+    ``(file_offset, n_bytes, slot_offset)``, and the payload of the middle segment."""
+    files = open_files([data_file], direct=True, alignment=4096)
+    files.dio_alignment = 512  # what statx reports on this machine's ext4
+    segs = [Segment(0, off, n, F32, (1, n)) for off, n in ((0, 10), (8192, 4096), (40000, 10))]
+    plan = plan_expert(ExpertLocation(0, 0, 0, 0, *segs), files.alignment)
+    assert [(r.file_offset, r.n_bytes, r.slot_offset) for r in plan.reads] == [
+        (0, 4096, 0),
+        (8192, 4096, 4096),
+        (36864, 4096, 8192),
+    ]
+    slab = Slab(1, plan.slot_bytes)
+    loop = current_loop()
+    fault = ReadFault("half", at="middle")  # half of 4096: 2048
+    ring = RingFaults()
+    with ring.installed():
+        backend: CheckedUring | FaultyFake
+        if backend_kind == "io_uring":
+            backend = CheckedUring(files, slab, loop, 8)
+            ring.watch(backend)
+            ring.rewrite = ring.read_fault(fault)
+        else:
+            backend = FaultyFake(files, slab, loop, 8, read_fault=fault)
+        backend.attach()
+        scheduler = ReadScheduler(backend, loop, Counters(), files.sizes, files.dio_alignment, 1 << 30)
+        done = anyio.Event()
+        load = Load(plan, 0, Priority.DEMAND, lambda _load: done.set())
+        try:
+            scheduler.enqueue(load)
+            with anyio.fail_after(10):
+                await done.wait()
+            assert load.error is None and fault.hits == 1 and backend.violations == [] and ring.violations == []
+            payload = bytes(slab.view(0, plan.payload_offsets[1], 4096))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await scheduler.wait_idle()
+            backend.close()
+            files.close()
+            slab.close()
+    taken = [(op.file_offset, op.n_bytes, op.slot_offset) for batch in backend.submitted for op in batch]
+    return taken, payload
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "fake"])
+async def test_a_short_direct_read_continues_at_the_kernels_alignment(data_file: Path, backend: str) -> None:
+    taken, payload = await _read_with_a_short_answer(data_file, backend)
+    # 2048 bytes of the 4096-byte read at 8192 arrived: the rest is read at 10240 for 2048 bytes,
+    # landing 2048 bytes further into the slot, not the whole window again
+    assert taken == [(0, 4096, 0), (8192, 4096, 4096), (36864, 4096, 8192), (10240, 2048, 6144)]
+    assert payload == data_file.read_bytes()[8192 : 8192 + 4096]

@@ -1,4 +1,18 @@
-"""The interface every read backend implements."""
+"""The interface every read backend implements, and its submit / completion contract.
+
+Contract between the scheduler and a backend (every call on the loop thread unless noted):
+
+- :meth:`IOBackend.submit` *takes* a prefix of its ops: every taken op gets exactly one
+  completion, delivered to the sink later (never from inside ``submit``), and until then the
+  backend may write into the op's slot range. When it cannot take every op it raises
+  :class:`SubmitError` whose :attr:`~SubmitError.taken` says how many ops, from the front, it took;
+  the others were not started and never will be.
+- A completion is the number of bytes read (``0 <= n <= n_bytes``) or the exception that failed
+  the read (an ``OSError`` from the kernel, or any other exception the backend met while reading).
+- Set-up (the constructor) touches no event loop and may run in a worker thread; :meth:`attach`
+  starts delivering completions (loop thread); :meth:`detach` stops watching the loop (loop
+  thread); :meth:`close` releases the rest and may run in a worker thread once detached.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +25,7 @@ from ..files import ShardFiles
 from ..loop import LoopAdapter
 from ..slab import Slab
 
-__all__ = ("CompletionSink", "IOBackend", "ReadOp")
+__all__ = ("CompletionSink", "IOBackend", "ReadOp", "ReadResult", "SubmitError")
 
 log = logging.getLogger("aioexperts")
 
@@ -43,8 +57,27 @@ class ReadOp:
         )
 
 
-#: Called on the loop thread once per op with the bytes read (``0 <= n <= n_bytes``) or the error.
-CompletionSink = Callable[[ReadOp, "int | OSError"], None]
+#: What a read completes with: the bytes read (``0 <= n <= n_bytes``) or the exception that failed it.
+ReadResult = int | Exception
+
+#: Called on the loop thread exactly once per taken op.
+CompletionSink = Callable[[ReadOp, ReadResult], None]
+
+
+class SubmitError(Exception):
+    """A backend took only the first :attr:`taken` ops of a :meth:`IOBackend.submit` batch.
+
+    The cause (the ``OSError`` of ``io_uring_submit``, a ``RuntimeError`` of the wrapper, ...) is
+    attached as ``__cause__``. Ops ``[:taken]`` complete through the sink as usual (possibly with
+    an error); ops ``[taken:]`` were never started: their slot ranges are untouched.
+
+    Attributes:
+        taken: the number of ops, from the front of the batch, that the backend took.
+    """
+
+    def __init__(self, message: str, taken: int) -> None:
+        super().__init__(message)
+        self.taken = taken
 
 
 class IOBackend(ABC):
@@ -52,6 +85,9 @@ class IOBackend(ABC):
 
     The caller (the scheduler) bounds the ops in flight to ``depth``, submits from the loop
     thread only, and calls :meth:`close` only once :attr:`in_flight` is 0.
+
+    Subclasses count an op in ``_in_flight`` when they take it and hand every completion to
+    :meth:`_deliver`, which uncounts it.
     """
 
     #: short name reported in statistics: ``io_uring``, ``threads``, ``fake``.
@@ -64,6 +100,7 @@ class IOBackend(ABC):
         self.depth = depth
         self._sink: CompletionSink | None = None
         self._in_flight = 0
+        self._attached = False
 
     def set_sink(self, sink: CompletionSink) -> None:
         """Where completions go; set once before the first :meth:`submit`."""
@@ -71,8 +108,13 @@ class IOBackend(ABC):
 
     @property
     def in_flight(self) -> int:
-        """Ops submitted whose completion has not been delivered yet."""
+        """Ops taken whose completion has not been delivered yet."""
         return self._in_flight
+
+    @property
+    def attached(self) -> bool:
+        """True between :meth:`attach` and :meth:`detach`."""
+        return self._attached
 
     @property
     def direct_io(self) -> bool:
@@ -83,18 +125,56 @@ class IOBackend(ABC):
         """Backend details for statistics (e.g. registered buffers)."""
         return {}
 
+    def attach(self) -> None:
+        """Start delivering completions through the event loop (loop thread only; idempotent).
+
+        The constructor touches no event loop, so it can run in a worker thread; this is the part
+        that must run on the loop thread (``add_reader`` of an eventfd, for example).
+        """
+        self._attached = True
+
+    def detach(self) -> None:
+        """Stop watching the event loop (loop thread only; idempotent).
+
+        Completions that arrive afterwards are not delivered; call it only once nothing is in
+        flight, just before :meth:`close`.
+        """
+        self._attached = False
+
     @abstractmethod
     def submit(self, ops: Sequence[ReadOp]) -> None:
-        """Start every op in ``ops`` as one submission (loop thread only)."""
+        """Start every op in ``ops`` as one submission (loop thread only).
+
+        Raises:
+            SubmitError: only the first ``taken`` ops were started (see the module docstring).
+        """
 
     @abstractmethod
     def close(self) -> None:
-        """Release the backend's resources; only when nothing is in flight. Idempotent."""
+        """Release the backend's resources; only when nothing is in flight.
 
-    def _deliver(self, op: ReadOp, result: int | OSError) -> None:
+        Idempotent, and safe to call again after a close that was interrupted by an exception:
+        each resource is released at most once and every release is attempted. Detaches first
+        when still attached (then it must run on the loop thread); once detached, it may run in a
+        worker thread.
+
+        Raises:
+            RuntimeError: reads are still in flight, or the backend is attached and this is not
+                the loop thread.
+        """
+
+    def _check_closable(self) -> None:
+        if self._in_flight:
+            raise RuntimeError(f"closing the {self.name} backend with {self._in_flight} reads in flight")
+        if self._attached:
+            if not self.loop.is_current():
+                raise RuntimeError(f"the {self.name} backend is attached: detach() it on the loop thread first")
+            self.detach()
+
+    def _deliver(self, op: ReadOp, result: ReadResult) -> None:
         self._in_flight -= 1
         assert self._sink is not None
         try:
             self._sink(op, result)
-        except Exception:  # one faulty completion must not lose the others of its batch
-            log.exception("aioexperts: handling the completion of %r failed", op)
+        except Exception:  # the scheduler's sink never raises; a custom one must not lose the batch
+            log.exception("handling the completion of %r failed", op)

@@ -14,13 +14,13 @@ from typing import Any
 from ..files import ShardFiles
 from ..loop import LoopAdapter
 from ..slab import Slab
-from .base import IOBackend, ReadOp
+from .base import IOBackend, ReadOp, SubmitError
 
 __all__ = ("FakeBackend",)
 
 #: ``fault(op)`` returns None for a full read, an int ``n`` for a read that stops after ``n``
-#: bytes, or an ``OSError`` to fail the read.
-Fault = Callable[[ReadOp], "int | OSError | None"]
+#: bytes, or an exception (an ``OSError`` usually) to fail the read.
+Fault = Callable[[ReadOp], "int | Exception | None"]
 
 
 class FakeBackend(IOBackend):
@@ -58,7 +58,7 @@ class FakeBackend(IOBackend):
         self.fault = fault
         self.pending: list[ReadOp] = []
         self.batches: list[int] = []
-        self.completed: list[tuple[ReadOp, int | OSError]] = []
+        self.completed: list[tuple[ReadOp, int | Exception]] = []
         self.closed = False
         self._rng = random.Random(seed)
         self._tick_scheduled = False
@@ -67,7 +67,8 @@ class FakeBackend(IOBackend):
         return {"order": self.order, "auto": self.auto}
 
     def submit(self, ops: Sequence[ReadOp]) -> None:
-        assert not self.closed, "submit after close"
+        if self.closed:
+            raise SubmitError("submit on a closed fake backend", 0)
         assert self._in_flight + len(ops) <= self.depth, "the scheduler exceeded the depth bound"
         self.batches.append(len(ops))
         self.pending.extend(ops)
@@ -90,15 +91,15 @@ class FakeBackend(IOBackend):
         for op in ops:
             self._complete(op, None)
 
-    def complete(self, op: ReadOp, result: int | OSError | None = None) -> None:
+    def complete(self, op: ReadOp, result: int | Exception | None = None) -> None:
         """Deliver one pending op now: a full read, ``result`` bytes of it, or ``result`` as error."""
         self.pending.remove(op)
         self._complete(op, result)
 
-    def _complete(self, op: ReadOp, result: int | OSError | None) -> None:
+    def _complete(self, op: ReadOp, result: int | Exception | None) -> None:
         if result is None and self.fault is not None:
             result = self.fault(op)
-        if not isinstance(result, OSError):
+        if not isinstance(result, Exception):
             with self.slab.writable_view(op.slot, op.slot_offset, op.n_bytes) as view:
                 n = os.preadv(self.files.fds[op.shard], [view], op.file_offset)
                 if result is not None and result < n:
@@ -109,5 +110,7 @@ class FakeBackend(IOBackend):
         self._deliver(op, result)
 
     def close(self) -> None:
-        assert self._in_flight == 0, "closed with reads in flight"
+        if self.closed:
+            return
+        self._check_closable()
         self.closed = True

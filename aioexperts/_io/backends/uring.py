@@ -5,10 +5,23 @@ Sharp edges of the wrapper this module is built around (measured, see docs/archi
 - ``Iovec`` keeps raw pointers and never releases the buffer it took, so one ``Iovec`` per
   (slot, offset, length) is built once from :meth:`Slab.raw_buffer` (no export of the mmap) and
   kept for the backend's lifetime.
-- ``user_data`` is an int that is never 0 (a prep that fails leaves a zeroed NOP in the queue).
+- ``io_uring_get_sqe`` does not clear the entry it returns: a prep that raises leaves whatever
+  the entry held before in the queue (a zeroed NOP on first use, *the previous read* with its old
+  user_data once the ring has wrapped). Such an entry is rewritten as an explicit NOP with
+  user_data 0 at once, and real reads use user_data from 1 up, never reused.
+- A prepared entry that ``io_uring_submit`` did not hand to the kernel stays in the queue and
+  goes out with the next submit. When submitting fails for good, every entry the kernel has not
+  consumed is rewritten as a NOP in place (the kernel reads entries only inside
+  ``io_uring_enter``, on this thread), so no read of a failed batch can land later in a slot
+  that was given to another expert. If even that fails, the ring is marked broken and never
+  entered again (``io_uring_queue_exit`` discards what is left in the queue).
 - ``submit`` holds the GIL while it runs; nothing here ever waits in the kernel: the event loop
-  watches the ring's eventfd and :meth:`_reap` walks the ready completions without blocking.
+  watches the ring's eventfd and :meth:`UringBackend._reap` walks the ready completions without
+  blocking.
 - A cancel never means "done": a slot is free only after its own completion arrived.
+
+Every call into the wrapper goes through the module-level name ``lu``, so tests can replace it
+with a fault-injecting proxy (``tests/faults/ringproxy.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +37,7 @@ import liburing as lu
 from ..files import ShardFiles
 from ..loop import LoopAdapter
 from ..slab import Slab
-from .base import IOBackend, ReadOp
+from .base import IOBackend, ReadOp, SubmitError
 
 __all__ = ("UringBackend",)
 
@@ -32,21 +45,33 @@ log = logging.getLogger("aioexperts")
 
 MAX_REGISTERED_BUFFER = 1 << 30  # the kernel's limit for one registered buffer
 MAX_REGISTERED_BUFFERS = 1 << 14
+#: user_data of every NOP this backend leaves in the queue; reads use 1, 2, ...
+NOP_USER_DATA = 0
+#: ``io_uring_submit`` errors that mean "not now": the entries stay queued and go out later.
+TRANSIENT_SUBMIT_ERRNOS = frozenset((errno.EAGAIN, errno.EBUSY, errno.EINTR))
+#: Submit attempts in a row that hand nothing to the kernel before the queued reads are failed.
+MAX_SUBMIT_STALLS = 64
 
 
 class UringBackend(IOBackend):
     """One io_uring of ``depth`` entries; every :meth:`submit` is one ``io_uring_submit``.
 
+    The constructor sets up the ring, its eventfd and the registered buffers and touches no event
+    loop, so it can run in a worker thread; :meth:`attach` (loop thread) starts watching the
+    eventfd.
+
     Args:
         fixed_buffers: register the slab (in chunks of whole slots up to 1 GiB) and use
-            ``READV_FIXED``, which about halves the kernel CPU per read; silently off where the
-            kernel or ``RLIMIT_MEMLOCK`` refuses.
+            ``READV_FIXED``, which about halves the kernel CPU per read; off (with the reason in
+            :meth:`features`) where the kernel cannot be probed, lacks the opcode, or
+            ``RLIMIT_MEMLOCK`` refuses.
         sqe_async: set ``IOSQE_ASYNC`` so that submit returns at once and kernel workers issue
             the reads (less time on the loop thread, more CPU in total).
 
     Raises:
         OSError: ``io_uring_queue_init`` failed (``EPERM``: disabled by sysctl or seccomp;
             ``ENOSYS``: no io_uring in this kernel). Nothing is left open.
+        Exception: anything else the wrapper raised while setting up; nothing is left open.
     """
 
     name = "io_uring"
@@ -62,61 +87,129 @@ class UringBackend(IOBackend):
         sqe_async: bool = False,
     ) -> None:
         super().__init__(files, slab, loop, depth)
+        self._iovecs: dict[tuple[int, int, int], tuple[Any, memoryview]] = {}
+        self._ops: dict[int, ReadOp] = {}
+        self._next_user_data = NOP_USER_DATA + 1
+        # Entries taken from the submission queue that the kernel has not consumed yet, in queue
+        # order: (sqe, user_data), NOPs included. len(_queued) == io_uring_sq_ready(ring).
+        self._queued: list[tuple[Any, int]] = []
+        self._neutralized: list[tuple[int, ReadOp]] = []  # reads turned into NOPs, to be failed
+        self._failed: list[tuple[ReadOp, Exception]] = []  # failed reads whose completion is due
+        self._nops = 0  # NOPs queued or in the kernel whose completion has not been reaped
+        self._stalls = 0
+        self._submit_scheduled = False
+        self._failed_scheduled = False
+        self._broken: Exception | None = None
+        self._closed = False
+        self._registered: tuple[Any, list[memoryview]] | None = None
+        self._chunk_slots = 0
+        self.fixed_buffers_reason: str | None = None if fixed_buffers else "fixed_buffers=False"
+        self.submit_calls = 0
+        self.unexpected_completions = 0
+        self._efd = -1
+        self._ring_open = False
+        self._sqe_flags = lu.IOSQE_ASYNC if sqe_async else 0
+        self._cqe = lu.Cqe()
         self._ring = lu.Ring()
         lu.io_uring_queue_init(depth, self._ring)
-        self._efd = -1
+        self._ring_open = True
         try:
             self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             lu.io_uring_register_eventfd(self._ring, self._efd)
-            self._chunk_slots = self._register_buffers() if fixed_buffers else 0
-            self.loop.add_reader(self._efd, self._reap)
+            if fixed_buffers:
+                self._chunk_slots = self._register_buffers()
         except BaseException:
-            if self._efd >= 0:
-                os.close(self._efd)
-            lu.io_uring_queue_exit(self._ring)
+            self._release()
             raise
-        self._sqe_flags = lu.IOSQE_ASYNC if sqe_async else 0
-        self._cqe = lu.Cqe()
-        self._iovecs: dict[tuple[int, int, int], tuple[Any, memoryview]] = {}
-        self._ops: dict[int, ReadOp] = {}
-        self._next_user_data = 1
-        self._closed = False
-        self.submit_calls = 0
+
+    # -- set-up (any thread) --------------------------------------------------------------------
 
     def _register_buffers(self) -> int:
+        """Register the slab; the slots per registered chunk, or 0 (reason kept) when not possible."""
         slab = self.slab
         chunk_slots = MAX_REGISTERED_BUFFER // slab.slot_bytes
         if chunk_slots == 0:
+            self.fixed_buffers_reason = f"a slot of {slab.slot_bytes} bytes is larger than a registered buffer"
             return 0
         n_chunks = -(-slab.n_slots // chunk_slots)
         if n_chunks > MAX_REGISTERED_BUFFERS:
+            self.fixed_buffers_reason = (
+                f"the slab needs {n_chunks} registered buffers (at most {MAX_REGISTERED_BUFFERS})"
+            )
             return 0
-        probe = lu.io_uring_get_probe_ring(self._ring)
         try:
-            if not lu.io_uring_opcode_supported(probe, lu.io_uring_op.IORING_OP_READV_FIXED):
-                return 0
-        finally:
-            lu.io_uring_free_probe(probe)
+            supported = self._readv_fixed_supported()
+        except Exception as exc:  # kernels 5.1-5.5 have no probe: the wrapper raises
+            self.fixed_buffers_reason = f"the kernel cannot be probed for READV_FIXED ({exc!r})"
+            log.debug("io_uring: %s; using plain readv", self.fixed_buffers_reason)
+            return 0
+        if not supported:
+            self.fixed_buffers_reason = "the kernel has no READV_FIXED"
+            return 0
         buffers = []
         for c in range(n_chunks):
             first = c * chunk_slots
             n = min(chunk_slots, slab.n_slots - first) * slab.slot_bytes
             buffers.append(_raw(slab, first, n))
-        self._registered = (lu.Iovec(buffers), buffers)
+        self._registered = (lu.Iovec(buffers), buffers)  # kept alive: the kernel holds the pointers
         try:
             lu.io_uring_register_buffers(self._ring, self._registered[0])
-        except OSError as exc:
-            log.debug("io_uring buffer registration refused (%s); using plain readv", exc)
+        except Exception as exc:  # ENOMEM beyond RLIMIT_MEMLOCK, or anything else: plain readv works
+            self.fixed_buffers_reason = f"buffer registration refused ({exc!r})"
+            log.debug("io_uring: %s; using plain readv", self.fixed_buffers_reason)
             return 0
         return chunk_slots
+
+    def _readv_fixed_supported(self) -> bool:
+        probe = lu.io_uring_get_probe_ring(self._ring)
+        if probe is None:  # liburing's answer when the kernel has no probe
+            raise OSError(errno.EINVAL, "io_uring_get_probe_ring returned no probe")
+        try:
+            return bool(lu.io_uring_opcode_supported(probe, lu.io_uring_op.IORING_OP_READV_FIXED))
+        finally:
+            lu.io_uring_free_probe(probe)
 
     def features(self) -> dict[str, Any]:
         return {
             "fixed_buffers": self._chunk_slots > 0,
+            "fixed_buffers_reason": None if self._chunk_slots else self.fixed_buffers_reason,
             "sqe_async": bool(self._sqe_flags),
             "depth": self.depth,
             "submit_calls": self.submit_calls,
         }
+
+    @property
+    def nops_in_flight(self) -> int:
+        """NOPs (from failed preps or failed submits) handed to the kernel whose completion is not reaped yet."""
+        return self._nops - sum(1 for _, user_data in self._queued if user_data == NOP_USER_DATA)
+
+    @property
+    def queued_entries(self) -> int:
+        """Entries in the submission queue not handed to the kernel yet (they go with the next submit)."""
+        return len(self._queued)
+
+    @property
+    def broken(self) -> bool:
+        """True once the ring could not be made safe after a failed submit; every later submit fails."""
+        return self._broken is not None
+
+    # -- loop attachment (loop thread) ------------------------------------------------------------
+
+    def attach(self) -> None:
+        if self._attached:
+            return
+        if not self._ring_open:
+            raise RuntimeError("attach on a closed io_uring backend")
+        self.loop.add_reader(self._efd, self._reap)
+        self._attached = True
+
+    def detach(self) -> None:
+        if not self._attached:
+            return
+        self._attached = False
+        self.loop.remove_reader(self._efd)
+
+    # -- submission (loop thread) -----------------------------------------------------------------
 
     def _iovec(self, op: ReadOp) -> Any:
         key = (op.slot, op.slot_offset, op.n_bytes)
@@ -127,73 +220,228 @@ class UringBackend(IOBackend):
         return entry[0]
 
     def submit(self, ops: Sequence[ReadOp]) -> None:
-        if self._closed:
-            raise RuntimeError("submit on a closed io_uring backend")
+        if self._closed or self._broken is not None:
+            state = "closed" if self._closed else "broken"
+            raise SubmitError(f"submit on a {state} io_uring backend", 0) from self._broken
         if self._in_flight + len(ops) > self.depth:
-            raise RuntimeError(f"{len(ops)} more reads would exceed the ring depth {self.depth}")
+            raise SubmitError(f"{len(ops)} more reads would exceed the ring depth {self.depth}", 0)
         ring, fds, flags, chunk = self._ring, self.files.fds, self._sqe_flags, self._chunk_slots
-        for op in ops:
-            sqe = lu.io_uring_get_sqe(ring)
-            if sqe is None:  # cannot happen while in_flight <= depth; fail loudly rather than drop
-                raise RuntimeError("io_uring submission queue is full")
-            iov = self._iovec(op)
-            if chunk:
-                lu.io_uring_prep_readv_fixed(sqe, fds[op.shard], iov, op.slot // chunk, op.file_offset)
-            else:
-                lu.io_uring_prep_readv(sqe, fds[op.shard], iov, op.file_offset)
-            if flags:
-                lu.io_uring_sqe_set_flags(sqe, flags)
-            user_data = self._next_user_data
-            self._next_user_data += 1
-            lu.io_uring_sqe_set_data64(sqe, user_data)
-            self._ops[user_data] = op
-            self._in_flight += 1
-        self._submit_all()
+        queued, by_user_data = self._queued, self._ops
+        first_user_data = self._next_user_data
+        taken = 0
+        cause: Exception | None = None
+        try:
+            for op in ops:
+                iov = self._iovec(op)  # before taking an entry: nothing to undo if it raises
+                sqe = lu.io_uring_get_sqe(ring)
+                if sqe is None:  # the queue is full of entries not handed over yet: hand them over
+                    cause = self._submit_queued()
+                    if cause is not None:
+                        break
+                    sqe = lu.io_uring_get_sqe(ring)
+                    if sqe is None:
+                        cause = OSError(errno.EBUSY, "the io_uring submission queue is full")
+                        break
+                user_data = self._next_user_data
+                try:
+                    if chunk:
+                        lu.io_uring_prep_readv_fixed(sqe, fds[op.shard], iov, op.slot // chunk, op.file_offset)
+                    else:
+                        lu.io_uring_prep_readv(sqe, fds[op.shard], iov, op.file_offset)
+                    if flags:
+                        lu.io_uring_sqe_set_flags(sqe, flags)
+                    lu.io_uring_sqe_set_data64(sqe, user_data)
+                except BaseException:
+                    self._queue_nop(sqe)  # the entry may hold a stale read: make it a NOP
+                    raise
+                self._next_user_data = user_data + 1
+                queued.append((sqe, user_data))
+                by_user_data[user_data] = op
+                self._in_flight += 1
+                taken += 1
+        except Exception as exc:
+            cause = exc
+        late = self._submit_queued()
+        cause = cause or late
+        if cause is None:
+            return
+        # reads of this batch the kernel never saw were rewritten as NOPs: they are not taken;
+        # earlier batches' reads among them were reported taken, so they fail through the sink
+        mine = sum(1 for user_data, _ in self._neutralized if user_data >= first_user_data)
+        self._fail_neutralized(cause, first_user_data)
+        self._in_flight -= mine
+        raise SubmitError(f"io_uring took {taken - mine} of {len(ops)} reads: {cause!r}", taken - mine) from cause
 
-    def _submit_all(self) -> None:
-        while lu.io_uring_sq_ready(self._ring):
+    def _queue_nop(self, sqe: Any) -> None:
+        """Rewrite ``sqe`` (already in the queue) as a NOP with user_data 0; mark the ring broken if that fails."""
+        try:
+            lu.io_uring_prep_nop(sqe)
+            lu.io_uring_sqe_set_data64(sqe, NOP_USER_DATA)
+        except Exception as exc:
+            self._queued.append((sqe, NOP_USER_DATA))
+            self._nops += 1
+            self._mark_broken(exc)
+            return
+        self._queued.append((sqe, NOP_USER_DATA))
+        self._nops += 1
+
+    def _submit_queued(self) -> Exception | None:
+        """Hand every queued entry to the kernel.
+
+        Returns None when every entry went out, or when the kernel said "not now" (the rest go
+        out on a later tick or completion). On a hard failure, rewrites every entry the kernel has
+        not consumed as a NOP (their reads go to ``_neutralized``) and returns the error.
+        """
+        if self._broken is not None:
+            return self._broken
+        queued, ring = self._queued, self._ring
+        while queued:
+            error: Exception | None = None
             try:
-                lu.io_uring_submit(self._ring)
+                lu.io_uring_submit(ring)
                 self.submit_calls += 1
-            except OSError as exc:
-                if exc.errno in (errno.EAGAIN, errno.EBUSY, errno.EINTR):
-                    # The kernel is short of resources: completions will free some; retry then.
-                    self.loop.call_soon(self._submit_all)
-                    return
-                raise
+            except Exception as exc:
+                error = exc
+            consumed = len(queued) - lu.io_uring_sq_ready(ring)
+            if consumed > 0:
+                del queued[:consumed]
+                self._stalls = 0
+                if error is None or not queued:
+                    continue
+            if error is not None and not (isinstance(error, OSError) and error.errno in TRANSIENT_SUBMIT_ERRNOS):
+                self._neutralize_queued()
+                return error
+            self._stalls += 1
+            if self._stalls > MAX_SUBMIT_STALLS:
+                self._neutralize_queued()
+                return error or OSError(errno.EBUSY, f"io_uring_submit made no progress {MAX_SUBMIT_STALLS} times")
+            self._schedule_submit()
+            return None
+        return None
+
+    def _neutralize_queued(self) -> None:
+        """Rewrite every queued read the kernel has not consumed as a NOP; those reads never happen."""
+        queued = self._queued
+        for i, (sqe, user_data) in enumerate(queued):
+            if user_data == NOP_USER_DATA:
+                continue
+            try:
+                lu.io_uring_prep_nop(sqe)
+                lu.io_uring_sqe_set_data64(sqe, NOP_USER_DATA)
+            except Exception as exc:
+                self._mark_broken(exc)
+                return
+            queued[i] = (sqe, NOP_USER_DATA)
+            self._neutralized.append((user_data, self._ops.pop(user_data)))
+            self._nops += 1
+
+    def _mark_broken(self, cause: Exception) -> None:
+        """The queue may hold an entry that is not safe to submit: never enter the ring again."""
+        log.error(
+            "io_uring: an entry of the submission queue could not be rewritten (%r); the ring is not used again", cause
+        )
+        self._broken = cause
+        for _sqe, user_data in self._queued:
+            if user_data == NOP_USER_DATA:
+                self._nops -= 1  # never submitted now, so never completed
+            elif user_data in self._ops:
+                self._neutralized.append((user_data, self._ops.pop(user_data)))
+        self._queued.clear()
+
+    def _fail_neutralized(self, cause: Exception, first_user_data: int = 1 << 64) -> None:
+        """Fail (through the sink, on a later tick) the neutralized reads older than ``first_user_data``."""
+        earlier = [(op, cause) for user_data, op in self._neutralized if user_data < first_user_data]
+        self._neutralized.clear()
+        if earlier:
+            self._failed.extend(earlier)
+            if not self._failed_scheduled:
+                self._failed_scheduled = True
+                self.loop.call_soon(self._deliver_failed)
+
+    def _deliver_failed(self) -> None:
+        self._failed_scheduled = False
+        failed, self._failed = self._failed, []
+        for op, exc in failed:
+            self._deliver(op, exc)
+
+    def _schedule_submit(self) -> None:
+        if not self._submit_scheduled:
+            self._submit_scheduled = True
+            self.loop.call_soon(self._submit_later)
+
+    def _submit_later(self) -> None:
+        self._submit_scheduled = False
+        if not self._queued or not self._attached:  # detached: close() may be running in a worker thread
+            return
+        cause = self._submit_queued()
+        if cause is not None:
+            self._fail_neutralized(cause)
+
+    # -- completion (loop thread) -------------------------------------------------------------------
 
     def _reap(self) -> None:
+        if not self._attached:
+            return
         try:
             os.eventfd_read(self._efd)
-        except BlockingIOError:
+        except OSError:  # BlockingIOError: nothing new
             pass
         ring, cqe = self._ring, self._cqe
-        done: list[tuple[int, int | OSError]] = []
-        for _ in lu.CqeIter(ring, cqe):
-            entry = cqe[0]
-            user_data = entry.user_data
-            try:
-                result: int | OSError = entry.res
-            except OSError as exc:
-                result = exc
-            done.append((user_data, result))
+        done: list[tuple[int, int | Exception]] = []
+        try:
+            for _ in lu.CqeIter(ring, cqe):
+                entry = cqe[0]
+                user_data = entry.user_data
+                try:
+                    result: int | Exception = entry.res
+                except Exception as exc:  # a negative res is raised as OSError
+                    result = exc
+                done.append((user_data, result))
+        except Exception:  # deliver what was read; the rest is seen on the next wake-up
+            log.exception("io_uring: walking the completion queue failed")
         if done:
-            lu.io_uring_cq_advance(ring, len(done))
+            try:
+                lu.io_uring_cq_advance(ring, len(done))
+            except Exception:  # seen again next time: already delivered, so ignored then
+                log.exception("io_uring: advancing the completion queue failed")
+        by_user_data = self._ops
         for user_data, result in done:
-            op = self._ops.pop(user_data, None)
+            op = by_user_data.pop(user_data, None)
             if op is not None:
                 self._deliver(op, result)
+            elif user_data == NOP_USER_DATA and self._nops > 0:
+                self._nops -= 1
+            else:  # a duplicate or a stranger: its read (if any) was already accounted for
+                self.unexpected_completions += 1
+        if self._queued:
+            self._stalls = 0
+            self._schedule_submit()
+
+    # -- teardown -----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        if self._closed:
+        if self._closed and not self._ring_open and self._efd < 0:
             return
-        if self._in_flight:
-            raise RuntimeError(f"closing the io_uring backend with {self._in_flight} reads in flight")
+        self._check_closable()
         self._closed = True
-        self.loop.remove_reader(self._efd)
-        lu.io_uring_queue_exit(self._ring)
-        os.close(self._efd)
-        self._iovecs.clear()
+        self._release()
+
+    def _release(self) -> None:
+        """Exit the ring, close the eventfd, drop the iovecs; each at most once, each attempted."""
+        try:
+            if self._ring_open:
+                self._ring_open = False  # a second io_uring_queue_exit raises: never retry one
+                lu.io_uring_queue_exit(self._ring)
+        finally:
+            try:
+                if self._efd >= 0:
+                    efd, self._efd = self._efd, -1
+                    os.close(efd)
+            finally:
+                self._iovecs.clear()
+                self._registered = None
+                self._queued.clear()
+                self._nops = 0
 
 
 def _raw(slab: Slab, first_slot: int, n_bytes: int) -> memoryview:

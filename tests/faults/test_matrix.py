@@ -1,0 +1,311 @@
+"""The fault matrix of the I/O core: every single fault, at several places of a batch, on every loop.
+
+Each case builds the core (files, slab, backend, scheduler, cache) on the running loop, warms it
+up (the ring's submission queue wraps, the slab fills), arms one fault and runs one round of
+requests through the cache API: overlapping demand requests, a waiting request and prefetches.
+After the round it checks the invariants of docs/architecture.md:
+
+- no slot was read into while another load owned it (the backend's slot guard), and no read
+  entry reached the kernel for a read the scheduler no longer counted (the ring proxy);
+- every waiter was answered, with the right bytes or an ``AioExpertsError``, within a bound;
+- pins, reads and bytes in flight back to zero, every slot either free or held by one entry;
+- every expert's bytes right on the next request (unless the case closed the cache);
+- after close, nothing submitted any more, and as many file descriptors open as before the case.
+
+Backends: ``fake`` (a scripted fake) and ``uring`` (the real io_uring backend through a
+fault-injecting proxy of ``liburing``). Loops: asyncio, uvloop and trio (``anyio_backend``).
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from aioexperts._cache.eviction import LRU
+from aioexperts._io.backends.uring import UringBackend
+from faults.guard import CheckedUring, SlotGuard, checked_factory
+from faults.ringproxy import RingFaults
+from faults.script import POSITIONS, FaultyFake, ReadFault, position
+from faults.stack import Key, Stack, open_fds, open_stack
+
+pytestmark = pytest.mark.anyio
+
+SLOTS = 8
+DEPTH = 32
+WARM_UP: list[list[Key]] = [[(2, e) for e in range(4)], [(2, e) for e in range(4, 8)], [(1, e) for e in range(2, 8)]]
+#: The round: two demand requests that overlap (one with a hit on a warm-up expert), one that
+#: waits for slots, two prefetches: seven new experts, the eight slots all used.
+DEMAND: list[list[Key]] = [[(0, 0), (0, 1), (0, 2)], [(0, 2), (0, 3), (1, 7)]]
+WAITING: list[Key] = [(0, 1), (0, 4)]
+PREFETCH: list[Key] = [(1, 0), (1, 1)]
+FIRST_BATCH = 3 * 7  # reads of the round's new experts (first / middle / last are taken from this)
+
+
+class OnceFaulty(LRU):
+    """An LRU whose hook ``hook`` raises once when armed."""
+
+    def __init__(self, hook: str | None) -> None:
+        super().__init__()
+        self.hook = hook
+        self.armed = False
+        self.raised = 0
+
+    def _maybe_raise(self, name: str) -> None:
+        if self.armed and name == self.hook:
+            self.armed = False
+            self.raised += 1
+            raise RuntimeError(f"scripted {name} failure")
+
+    def admit(self, key: Key) -> None:
+        self._maybe_raise("admit")
+        super().admit(key)
+
+    def access(self, key: Key) -> None:
+        self._maybe_raise("access")
+        super().access(key)
+
+    def remove(self, key: Key) -> None:
+        self._maybe_raise("remove")
+        super().remove(key)
+
+    def victim(self, can_evict: Callable[[Key], bool]) -> Key | None:
+        self._maybe_raise("victim")
+        return super().victim(can_evict)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One fault. ``backends`` it applies to; ``positioned``: run at first, middle and last read."""
+
+    name: str
+    backends: tuple[str, ...] = ("fake", "uring")
+    positioned: bool = True
+    closes: bool = False
+
+
+CASES = [
+    Case("submit raises OSError"),  # fake: takes the reads before the position; uring: takes none
+    Case("submit raises RuntimeError"),
+    Case("submit EAGAIN, then the retry raises", ("uring",), positioned=False),
+    Case("prep raises", ("uring",)),
+    Case("submission queue full", ("uring",)),
+    *(Case(f"completion {kind}") for kind in ("eio", "eintr", "ecanceled")),
+    *(Case(f"completion {kind}") for kind in ("short1", "half", "all_but_one", "zero")),
+    *(Case(f"completion {kind}") for kind in ("short1_repeatedly", "half_repeatedly", "all_but_one_repeatedly")),
+    Case("completion eintr_repeatedly"),
+    Case("completions out of order", positioned=False),
+    Case("duplicate completion", ("uring",)),
+    Case("registration ENOMEM", ("uring",), positioned=False),
+    Case("no probe", ("uring",), positioned=False),
+    *(Case(f"policy {hook} raises", positioned=False) for hook in ("victim", "remove", "access", "admit")),
+    Case("close during in-flight reads", positioned=False, closes=True),
+    Case("close during a retry", closes=True),
+    Case("close during a failed submit", closes=True),
+]
+
+
+def params() -> Iterator[Any]:
+    for case in CASES:
+        for backend in case.backends:
+            for at in POSITIONS if case.positioned else ("-",):
+                yield pytest.param(case, backend, at, id=f"{backend}-{case.name.replace(' ', '_')}-{at}")
+
+
+class Run:
+    """One case in progress: the stack, the ring proxy, what was armed and how to see it fired."""
+
+    def __init__(self, case: Case, backend: str, at: str, ring: RingFaults) -> None:
+        self.case, self.backend_kind, self.at, self.ring = case, backend, at, ring
+        self.policy = OnceFaulty(case.name.split()[1] if case.name.startswith("policy") else None)
+        self.read_fault: ReadFault | None = None
+        self.fired: Callable[[], bool] = lambda: True
+        self.holder: dict[str, Any] = {}
+        self.stack: Stack | None = None
+        self.expect_unexpected = False
+        self.submits_at_close: int | None = None
+
+    @property
+    def guard(self) -> SlotGuard:
+        backend = self.holder["backend"]
+        assert isinstance(backend, SlotGuard)
+        return backend
+
+    def factory(self) -> Callable[..., Any]:
+        if self.backend_kind == "fake":
+            order = "reverse" if self.case.name == "completions out of order" else "fifo"
+            return checked_factory(FaultyFake, self.holder, order=order)
+        if self.case.name == "registration ENOMEM":
+            self.ring.register_buffers_error = OSError(errno.ENOMEM, "Cannot allocate memory")
+        if self.case.name == "no probe":
+            self.ring.probe_error = RuntimeError("io_uring_get_probe_ring: not supported by this kernel")
+        return checked_factory(CheckedUring, self.holder)
+
+    def arm(self, stack: Stack) -> None:
+        """Arm the case's fault for the round (call after the warm-up)."""
+        name, ring, at = self.case.name, self.ring, self.at
+        pos = position(at, FIRST_BATCH) if at != "-" else 0
+        fake = self.holder["backend"] if self.backend_kind == "fake" else None
+        if name.startswith("submit raises") or name == "close during a failed submit":
+            exc: Exception = RuntimeError("scripted submit failure")
+            if name == "submit raises OSError":
+                exc = OSError(errno.EFAULT, "Bad address")
+            if fake is not None:
+                fake.submit_fault = (fake._calls, at if at != "-" else "first", exc)
+                calls = fake._calls
+                self.fired = lambda: fake._calls > calls
+            elif name == "close during a failed submit":
+                n = ring.calls["prep"] + pos
+                ring.fail_prep(n, exc)
+                self.fired = lambda: ring.calls["prep"] > n
+            else:
+                n = ring.calls["submit"]
+                ring.fail_submit(n, exc)
+                self.fired = lambda: ring.calls["submit"] > n
+        elif name == "submit EAGAIN, then the retry raises":
+            n = ring.calls["submit"]
+            ring.fail_submit(n, OSError(errno.EAGAIN, "Resource temporarily unavailable"))
+            ring.fail_submit(n + 1, RuntimeError("the retry failed"))
+            self.fired = lambda: ring.calls["submit"] > n + 1
+        elif name == "prep raises":
+            n = ring.calls["prep"] + pos
+            ring.fail_prep(n)
+            self.fired = lambda: ring.calls["prep"] > n
+        elif name == "submission queue full":
+            n = ring.calls["get_sqe"] + pos
+            ring.sqe_none(n)
+            ring.sqe_none(n + 1)
+            self.fired = lambda: ring.calls["get_sqe"] > n + 1
+        elif name.startswith("completion ") or name == "close during a retry":
+            kind = name.split()[1] if name.startswith("completion ") else "half"
+            self.read_fault = fault = ReadFault(kind, at=at)  # batch 0: the first submit from now on
+            if fake is not None:
+                fake.read_fault = fault
+            else:
+                ring.rewrite = ring.read_fault(fault)
+            self.fired = lambda: fault.hits > 0
+        elif name == "completions out of order" and fake is None:
+            ring.rewrite = RingFaults.reverse
+        elif name == "duplicate completion":
+            ring.rewrite = RingFaults.duplicate(lambda walk: walk[position(at, len(walk))][0])
+            self.expect_unexpected = True
+        elif name.startswith("policy"):
+            self.policy.armed = True
+            self.fired = lambda: self.policy.raised == 1
+
+        guard = self.guard
+
+        def close() -> None:
+            stack.cache.close()
+            self.submits_at_close = len(guard.submitted)
+
+        if name == "close during in-flight reads":
+            loop = stack.cache.loop
+
+            def close_after_submit(ops: Any, taken: int) -> None:
+                guard.after_submit = None
+                loop.call_soon(close)  # right after this flush: every read is in flight
+
+            guard.after_submit = close_after_submit
+        elif name == "close during a failed submit":
+
+            def close_inside_submit(ops: Any, taken: int) -> None:
+                if taken < len(ops):  # the submit that failed
+                    guard.after_submit = None
+                    close()  # inside the flush, before it handles the failure
+
+            guard.after_submit = close_inside_submit
+        elif name == "close during a retry":
+            fault = self.read_fault
+            assert fault is not None
+
+            def close_after_short_read(op: Any, result: Any) -> None:
+                if fault.hits:
+                    guard.after_deliver = None
+                    close()  # a re-read is queued, its flush not run yet
+
+            guard.after_deliver = close_after_short_read
+
+    def disarm(self) -> None:
+        self.ring.enabled = False
+        self.policy.armed = False
+        if self.backend_kind == "fake":
+            fake = self.holder["backend"]
+            fake.read_fault = None
+            fake.submit_fault = None
+
+
+async def round_of_requests(stack: Stack) -> None:
+    async with anyio.create_task_group() as tg:
+        for keys in DEMAND:
+            tg.start_soon(stack.request, keys)
+        tg.start_soon(lambda: stack.request(WAITING, wait=True))
+        try:
+            stack.cache.prefetch(PREFETCH)
+        except Exception as exc:  # a policy fault may hit the prefetch's eviction
+            stack.errors.append(exc)
+            stack.outcomes.append(type(exc).__name__)
+
+
+@pytest.fixture
+def ring() -> Iterator[RingFaults]:
+    faults = RingFaults()
+    with faults.installed():
+        yield faults
+
+
+@pytest.mark.parametrize(("case", "backend", "at"), list(params()))
+async def test_fault_matrix(
+    model_path: Path,
+    reference: dict[Key, list[bytes]],
+    ring: RingFaults,
+    case: Case,
+    backend: str,
+    at: str,
+    anyio_backend: object,
+) -> None:
+    baseline = open_fds()
+    run = Run(case, backend, at, ring)
+    stack = open_stack(model_path, run.factory(), reference=reference, slots=SLOTS, depth=DEPTH, policy=run.policy)
+    try:
+        if backend == "uring":
+            ring.watch(run.guard)
+        for keys in WARM_UP:  # fill the slab, wrap the submission queue
+            assert await stack.request(keys) == "ok"
+        await stack.quiesce()
+        del stack.outcomes[:]
+        run.arm(stack)
+
+        await round_of_requests(stack)
+        await stack.quiesce()
+
+        assert run.fired(), f"the fault of {case.name!r} never fired"
+        assert "WRONG BYTES" not in stack.outcomes
+        assert all(o == "ok" or o.endswith("Error") for o in stack.outcomes), stack.outcomes
+        assert len(stack.outcomes) >= len(DEMAND) + 1
+        assert stack.problems() == []
+        assert ring.violations == []
+        uring = stack.backend if isinstance(stack.backend, UringBackend) else None
+        if case.name in ("registration ENOMEM", "no probe"):
+            assert uring is not None and uring.features()["fixed_buffers"] is False
+        if case.closes:
+            assert stack.cache.closed and stack.scheduler.closed
+            assert len(run.guard.submitted) == run.submits_at_close, "a read was submitted after close"
+        else:
+            run.disarm()
+            assert await stack.verify_all() == []
+            await stack.quiesce()
+            assert stack.problems() == [] and ring.violations == []
+            if uring is not None:
+                assert uring.queued_entries == 0 and uring.nops_in_flight == 0
+                assert (uring.unexpected_completions > 0) == run.expect_unexpected
+    finally:
+        with anyio.CancelScope(shield=True):
+            await stack.aclose()
+    assert open_fds() == baseline
