@@ -13,12 +13,14 @@ from ._errors import AioExpertsError as AioExpertsError
 from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import ConfigError as ConfigError
 from ._errors import EngineClosedError as EngineClosedError
+from ._errors import EvictionPolicyError as EvictionPolicyError
 from ._errors import ExpertReadError as ExpertReadError
 from ._errors import FormatError as FormatError
 from ._errors import InvalidRequestError as InvalidRequestError
 from ._errors import LayoutError as LayoutError
 from ._errors import MissingShardError as MissingShardError
 from ._errors import SlabExhaustedError as SlabExhaustedError
+from ._errors import SlotTimeoutError as SlotTimeoutError
 from ._errors import StaleMapError as StaleMapError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._format.expert_map import ExpertMap as ExpertMap
@@ -62,6 +64,7 @@ __all__ = (
     "ConfigError",
     "EngineClosedError",
     "EngineStatistics",
+    "EvictionPolicyError",
     "ExpertLayout",
     "ExpertLocation",
     "ExpertMap",
@@ -88,6 +91,7 @@ __all__ = (
     "RunnerStatistics",
     "Segment",
     "SlabExhaustedError",
+    "SlotTimeoutError",
     "StaleMapError",
     "TensorInfo",
     "TokenResult",

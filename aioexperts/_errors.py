@@ -21,6 +21,7 @@ __all__ = (
     "LayoutError",
     "MissingShardError",
     "SlabExhaustedError",
+    "SlotTimeoutError",
     "StaleMapError",
     "UnsupportedTypeError",
 )
@@ -87,6 +88,10 @@ class SlabExhaustedError(AioExpertsError):
 
     Raise the slot count, request fewer experts at once, or ask to wait for a free slot.
     """
+
+
+class SlotTimeoutError(SlabExhaustedError, TimeoutError):
+    """No slot freed up within ``CacheOptions.slot_timeout`` seconds (a ``TimeoutError`` too)."""
 
 
 class EvictionPolicyError(AioExpertsError):

@@ -8,6 +8,7 @@ file is opened; ``dataclasses.replace(options, field=value)`` builds a checked v
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +69,13 @@ class CacheOptions:
         bytes: slab size in bytes (rounded down to whole slots); None for the 1 GiB default.
         policy: eviction policy name (``"lru"``, ``"lfu"``, ``"lfuda"``) or an
             :class:`~aioexperts.policies.EvictionPolicy` instance (one per store).
-        wait_for_slots: when every slot is pinned, wait for one instead of raising
-            :class:`~aioexperts.SlabExhaustedError` at once.
+        wait_for_slots: when every slot is pinned, wait for one (as a connection pool does)
+            instead of raising :class:`~aioexperts.SlabExhaustedError` at once. A task that
+            already holds pinned experts never waits for more: it gets ``SlabExhaustedError``
+            (waiting could deadlock on its own pins).
+        slot_timeout: seconds (float) to wait for slots before raising
+            :class:`~aioexperts.SlotTimeoutError` (a ``SlabExhaustedError`` and a
+            ``TimeoutError``); None waits as long as it takes. Needs ``wait_for_slots``.
         hugepages: advise transparent huge pages (``MADV_HUGEPAGE``) for the slab; slots are then
             rounded up to 2 MiB.
         lock_memory: ``mlock`` the slab (fails with the ``RLIMIT_MEMLOCK`` value in the message).
@@ -81,7 +87,8 @@ class CacheOptions:
     slots: int | None = None
     bytes: int | None = None
     policy: str | EvictionPolicy = "lru"
-    wait_for_slots: bool = False
+    wait_for_slots: bool = True
+    slot_timeout: float | None = None
     hugepages: bool = False
     lock_memory: bool = False
 
@@ -100,6 +107,12 @@ class CacheOptions:
         elif not isinstance(self.policy, EvictionPolicy):
             raise ConfigError(f"policy must be a policy name or an EvictionPolicy, got {self.policy!r}")
         _check_bool("wait_for_slots", self.wait_for_slots)
+        if self.slot_timeout is not None:
+            t = self.slot_timeout
+            if isinstance(t, bool) or not isinstance(t, int | float) or not (math.isfinite(t) and t >= 0):
+                raise ConfigError(f"slot_timeout must be a finite number of seconds >= 0 or None, got {t!r}")
+            if not self.wait_for_slots:
+                raise ConfigError("slot_timeout needs wait_for_slots=True")
         _check_bool("hugepages", self.hugepages)
         _check_bool("lock_memory", self.lock_memory)
 

@@ -534,7 +534,9 @@ class ExpertStore:
 
         Raises:
             InvalidRequestError: no such layer or expert, or a non-int id (the store stays usable).
-            SlabExhaustedError: the slab is too small for this request right now.
+            SlabExhaustedError: the slab is too small for this request right now (with ``wait``:
+                more experts than slots, or the task already holds pins and would have to wait).
+            SlotTimeoutError: no slot within ``CacheOptions.slot_timeout``.
             ExpertReadError: a read failed (cause attached); the store stays usable.
             EngineClosedError: the store is closed.
 
@@ -556,7 +558,9 @@ class ExpertStore:
             if prefetch_keys:
                 cache.prefetch(prefetch_keys)
 
-        entries: Sequence[Entry | PinnedExpert] = await cache.acquire(keys, wait=wait, after_pin=start_prefetch)
+        entries: Sequence[Entry | PinnedExpert] = await cache.acquire(
+            keys, wait=wait, after_pin=start_prefetch, slot_timeout=self.cache_options.slot_timeout if wait else None
+        )
         by_key = {e.key: self._view(e) for e in entries}
         views = [None if int(i) == -1 else by_key[(moe.index, int(i))] for i in ids]
         try:

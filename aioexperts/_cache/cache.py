@@ -32,12 +32,15 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from enum import Enum
 
+import anyio
+
 from .._errors import (
     AioExpertsError,
     EngineClosedError,
     EvictionPolicyError,
     ExpertReadError,
     SlabExhaustedError,
+    SlotTimeoutError,
 )
 from .._io.loop import AsyncEvent, LoopAdapter
 from .._io.plan import ExpertPlan
@@ -123,6 +126,7 @@ class ExpertCache:
         self.free_slots: list[int] = list(range(n_slots - 1, -1, -1))
         self.closed = False
         self._turns: deque[AsyncEvent] = deque()  # requests waiting for slots, oldest first
+        self._held: dict[object, int] = {}  # task -> experts it holds pinned
         # READY keys whose place in the policy is unknown (a hook raised on them): the cache
         # evicts them itself, before asking the policy, so their slots are never lost
         self._untracked: set[Key] = set()
@@ -144,12 +148,18 @@ class ExpertCache:
     # -- acquire / release ----------------------------------------------------------------------
 
     async def acquire(
-        self, keys: Sequence[Key], *, wait: bool = False, after_pin: Callable[[], object] | None = None
+        self,
+        keys: Sequence[Key],
+        *,
+        wait: bool = False,
+        after_pin: Callable[[], object] | None = None,
+        slot_timeout: float | None = None,
     ) -> list[Entry]:
         """Pin every expert of ``keys`` (duplicates allowed) and wait until all are READY.
 
         ``after_pin`` runs right after the entries are pinned and their loads queued, before
         waiting: the place to start prefetches, which then cannot evict what this call needs.
+        With ``wait``, ``slot_timeout`` bounds the wait for slots (seconds; not the reads).
 
         Returns:
             The pinned entries, one per unique key in first-seen order. Release them with
@@ -157,9 +167,13 @@ class ExpertCache:
 
         Raises:
             InvalidRequestError: a key the model does not have (nothing was pinned).
-            SlabExhaustedError: more unique keys than slots, or (``wait=False``) not enough
+            SlabExhaustedError: more unique keys than slots; or (``wait=False``) not enough
                 slots that are free, evictable, or loading without a pin (those are waited for,
-                and only those: a request that does not wait never queues behind waiting ones).
+                and only those: a request that does not wait never queues behind waiting ones);
+                or (``wait=True``) the calling task already holds pins and would have to wait
+                for slots, which could deadlock (release first, or ask for everything at once).
+            SlotTimeoutError: no slot within ``slot_timeout`` (a ``SlabExhaustedError`` and a
+                ``TimeoutError``).
             ExpertReadError: a load failed; the same error for every waiter of that expert.
             EvictionPolicyError: the eviction policy raised (nothing stays pinned).
             EngineClosedError: the cache was closed (also while waiting).
@@ -175,7 +189,21 @@ class ExpertCache:
             raise SlabExhaustedError(
                 f"{len(unique)} experts requested at once but the slab has {self.n_slots} slots; open with more slots"
             )
-        pinned = await (self._pin_in_turn(unique, plans) if wait else self._pin_now(unique, plans))
+        if not wait:
+            pinned = await self._pin_now(unique, plans)
+        elif slot_timeout is None:
+            pinned = await self._pin_in_turn(unique, plans)
+        else:
+            try:
+                with anyio.fail_after(slot_timeout):
+                    pinned = await self._pin_in_turn(unique, plans)
+            except TimeoutError:
+                raise SlotTimeoutError(
+                    f"no slot for {len(unique)} experts within {slot_timeout} s: {self.pinned_slots} of "
+                    f"{self.n_slots} slots are pinned; open with more slots or a longer slot_timeout"
+                ) from None
+        task = self.loop.current_task()
+        self._held[task] = self._held.get(task, 0) + len(pinned)
         try:
             if after_pin is not None:
                 after_pin()
@@ -234,6 +262,13 @@ class ExpertCache:
                     pinned = self._pin_all(unique, plans)
                     if pinned is not None:
                         return pinned
+                held = self._held.get(self.loop.current_task(), 0)
+                if held:
+                    raise SlabExhaustedError(
+                        f"this task holds {held} pinned experts and asks for {len(unique)} more than the free "
+                        f"slots allow: waiting for slots while holding pins can deadlock (the slots it waits for "
+                        "may be the ones it holds); release them first, or request all the experts at once"
+                    )
                 new = self.loop.new_event()
                 if ticket is None:
                     self._turns.append(new)
@@ -292,7 +327,14 @@ class ExpertCache:
         return [entries[key] for key in keys]
 
     def release(self, entries: Sequence[Entry]) -> None:
-        """Unpin entries from :meth:`acquire` (synchronous, safe in cleanup code)."""
+        """Unpin entries from :meth:`acquire` (synchronous, safe in cleanup code; the task that acquired)."""
+        if entries:
+            task = self.loop.current_task()
+            left = self._held.get(task, 0) - len(entries)
+            if left > 0:
+                self._held[task] = left
+            else:
+                self._held.pop(task, None)
         freed = False
         for entry in entries:
             if self.entries.get(entry.key) is entry and entry.pins > 0:

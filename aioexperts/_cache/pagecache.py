@@ -182,9 +182,16 @@ class PageCacheSource:
         return missing, len(merged) - len(missing)
 
     async def acquire(
-        self, keys: Sequence[Key], *, wait: bool = False, after_pin: Callable[[], object] | None = None
+        self,
+        keys: Sequence[Key],
+        *,
+        wait: bool = False,
+        after_pin: Callable[[], object] | None = None,
+        slot_timeout: float | None = None,
     ) -> list[PinnedExpert]:
         """Pin ``keys`` (duplicates allowed) and warm what is not resident; see ``ExpertCache.acquire``.
+
+        There are no slots to wait for: ``wait`` and ``slot_timeout`` change nothing.
 
         Raises:
             InvalidRequestError: a key the model does not have.

@@ -59,6 +59,10 @@ class LoopAdapter(ABC):
         """A fresh :class:`AsyncEvent`."""
 
     @abstractmethod
+    def current_task(self) -> object:
+        """The task running now (a hashable identity), for per-task bookkeeping."""
+
+    @abstractmethod
     def is_current(self) -> bool:
         """True when called from this adapter's loop (thread and loop both match)."""
 
@@ -91,6 +95,9 @@ class _AsyncioLoop(LoopAdapter):
 
     def new_event(self) -> AsyncEvent:
         return asyncio.Event()
+
+    def current_task(self) -> object:
+        return asyncio.current_task(self.loop)
 
     def is_current(self) -> bool:
         try:
@@ -143,6 +150,9 @@ class _TrioLoop(LoopAdapter):
 
     def new_event(self) -> AsyncEvent:
         return self._trio.Event()
+
+    def current_task(self) -> object:
+        return self._trio.lowlevel.current_task()
 
     def is_current(self) -> bool:
         try:

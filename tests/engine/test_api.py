@@ -529,3 +529,59 @@ def test_a_failed_open_closes_its_descriptors_at_once(model_path: Path, tmp_path
         assert n_fds() == before
     finally:
         gc.enable()
+
+
+async def test_requests_wait_for_slots_by_default_like_a_pool(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        assert store.cache_options.wait_for_slots
+        released = anyio.Event()
+        got: list[int] = []
+
+        async def holder() -> None:
+            async with store.experts(1, [0, 1, 2, 3]):
+                await released.wait()
+
+        async def waiter() -> None:
+            async with store.experts(2, [0, 1]) as views:  # needs two of the four pinned slots
+                got.extend(v.expert for v in views if v is not None)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(holder)
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(waiter)
+            await anyio.wait_all_tasks_blocked()
+            assert got == []  # still waiting: every slot is pinned by the holder
+            released.set()
+        assert got == [0, 1]
+
+
+async def test_a_slot_timeout_raises_a_timeout(model_path: Path, anyio_backend: object) -> None:
+    cache = aioexperts.CacheOptions(slots=4, slot_timeout=0.05)
+    async with aioexperts.open(model_path, cache=cache) as store:
+        release = anyio.Event()
+
+        async def holder() -> None:
+            async with store.experts(1, [0, 1, 2, 3]):
+                await release.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(holder)
+            await anyio.wait_all_tasks_blocked()
+            with anyio.fail_after(10), pytest.raises(aioexperts.SlotTimeoutError, match="within 0.05 s") as info:
+                async with store.experts(2, [0]):
+                    pass
+            release.set()
+        assert isinstance(info.value, TimeoutError) and isinstance(info.value, aioexperts.SlabExhaustedError)
+        assert store.statistics().pinned_slots == 0
+
+
+async def test_a_task_holding_pins_gets_an_error_instead_of_a_deadlock(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        async with store.experts(1, [0, 1, 2]):
+            async with store.experts(2, [0]) as views:  # one slot is free: no waiting, fine
+                assert views[0] is not None
+            with anyio.fail_after(10), pytest.raises(aioexperts.SlabExhaustedError, match="holds 3 pinned experts"):
+                async with store.experts(2, [1, 2]):  # needs one more slot than is free: would wait on itself
+                    pass
+        async with store.experts(2, [1, 2, 3, 4]) as views:  # released: everything usable again
+            assert len(views) == 4
