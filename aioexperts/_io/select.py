@@ -112,6 +112,6 @@ def _build(
             reason = _why_no_uring(exc)
             if backend == "io_uring":
                 raise BackendUnavailableError(f"io_uring was requested but {reason}") from exc
-            log.warning("aioexperts: %s; falling back to the thread-pool preadv backend", reason)
+            log.warning("%s; falling back to the thread-pool preadv backend", reason)
     thread_options = {k: options[k] for k in ("n_threads",) if k in options}
     return ThreadBackend(files, slab, loop, depth, **thread_options), reason

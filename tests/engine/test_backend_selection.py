@@ -127,3 +127,24 @@ async def test_buffered_reads_on_request(small_model: Path, anyio_backend: objec
         st = engine.statistics()
         assert not st.direct_io and "direct_io=False" in (st.buffered_reason or "")
         assert len(await read_all(engine)) == 16
+
+
+def test_log_messages_carry_no_duplicated_prefix() -> None:
+    """The logger is named ``aioexperts``; a message starting with "aioexperts:" prints it twice."""
+    import ast
+
+    root = Path(aioexperts.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("debug", "info", "warning", "error", "exception", "critical")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+                and node.args[0].value.lower().startswith("aioexperts")
+            ):
+                offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert offenders == []
