@@ -37,6 +37,11 @@ MIN_QUEUE_DEPTH = 3
 """Gate, up and down of one expert are submitted together."""
 MAX_QUEUE_DEPTH = 4096
 DEFAULT_MAX_BYTES_IN_FLIGHT = 256 << 20
+DEFAULT_SPLIT_BYTES: int | None = None
+"""Reads of one expert are cut into chunks of this many bytes (None: not cut). Not cut by default:
+on this project's virtio disk a cold 13.8 MiB expert read in 128 KiB..4 MiB chunks was no faster than
+in one read (``bench/split_reads.py``, ``docs/results/split-reads-2026-11-30.json``); NVMe devices
+with more internal parallelism may differ: measure with the bench and set ``split_bytes``."""
 
 
 def _check_int(name: str, value: object, *, low: int, optional: bool = False, high: int | None = None) -> None:
@@ -135,6 +140,11 @@ class IOOptions:
         sqe_async: io_uring ``IOSQE_ASYNC``: submit returns at once and kernel workers issue the
             reads (less time on the loop thread, more CPU in total).
         n_threads: worker threads of the thread backend (default ``min(queue_depth, 8)``).
+        split_bytes: cut an expert's reads longer than this many bytes into chunks submitted
+            together, so that even a single large expert (DeepSeek-class ``Q2_K`` experts are about
+            12 MiB) keeps several reads in the device's queue; None reads each contiguous run
+            in one piece. Chunks grow if needed so that one expert takes at most ``queue_depth``
+            reads. The default comes from ``bench/split_reads.py`` (``docs/bench.md``).
 
     Raises:
         ConfigError: a value out of range or of the wrong type.
@@ -147,6 +157,7 @@ class IOOptions:
     fixed_buffers: bool = True
     sqe_async: bool = False
     n_threads: int | None = None
+    split_bytes: int | None = DEFAULT_SPLIT_BYTES
 
     def __post_init__(self) -> None:
         if isinstance(self.backend, str):
@@ -162,6 +173,7 @@ class IOOptions:
         _check_bool("fixed_buffers", self.fixed_buffers)
         _check_bool("sqe_async", self.sqe_async)
         _check_int("n_threads", self.n_threads, low=1, optional=True)
+        _check_int("split_bytes", self.split_bytes, low=4096, optional=True)
 
     def backend_options(self) -> dict[str, Any]:
         """The keyword options of the built-in backends."""

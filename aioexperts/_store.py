@@ -222,7 +222,10 @@ class ExpertStore:
                 tuple(s.path for s in model.shards),
             )
             alignment = files.alignment
-            plan = lru_cache(maxsize=None)(lambda layer, expert: plan_expert(layout.locate(layer, expert), alignment))
+            split, depth = io.split_bytes, io.queue_depth
+            plan = lru_cache(maxsize=None)(
+                lambda layer, expert: plan_expert(layout.locate(layer, expert), alignment, split, depth)
+            )
             policy = make_policy(cache.policy) if isinstance(cache.policy, str) else cache.policy
             self._cache = ExpertCache(n_slots, plan, scheduler, policy, loop, self._counters)
         except BaseException:

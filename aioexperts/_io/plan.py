@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .._format.layout import ExpertLayout, ExpertLocation
-from .align import widen
+from .align import align_up, widen
 
 __all__ = ("ExpertPlan", "PlannedRead", "max_plan_bytes", "plan_expert")
 
@@ -58,8 +58,20 @@ class ExpertPlan:
         return sum(r.n_bytes for r in self.reads)
 
 
-def plan_expert(location: ExpertLocation, alignment: int) -> ExpertPlan:
-    """Plan the aligned reads of ``location`` (``alignment`` a power of two, in bytes)."""
+def plan_expert(
+    location: ExpertLocation, alignment: int, split_bytes: int | None = None, max_reads: int | None = None
+) -> ExpertPlan:
+    """Plan the aligned reads of ``location``.
+
+    Args:
+        location: the expert.
+        alignment: bytes, a power of two: every read starts, ends and lands at a multiple.
+        split_bytes: cut reads longer than this (bytes, rounded up to the alignment) into
+            chunks submitted together, so that one large expert keeps several reads in the
+            device's queue (the source design's ``read_expert_range``); None: one read per run.
+        max_reads: the chunks are made larger if needed so that the expert takes at most this
+            many reads (the scheduler's queue depth: a load's reads go out together).
+    """
     segments = location.segments
     order = sorted(range(3), key=lambda i: (segments[i].shard, segments[i].offset))
     groups: list[tuple[int, int, int, list[int]]] = []  # shard, start, end, member indices
@@ -71,16 +83,31 @@ def plan_expert(location: ExpertLocation, alignment: int) -> ExpertPlan:
             groups[-1] = (shard, g_start, max(g_end, start + length), [*members, i])
         else:
             groups.append((seg.shard, start, start + length, [i]))
+    chunk = _chunk_bytes([end - start for _, start, end, _ in groups], alignment, split_bytes, max_reads)
     reads: list[PlannedRead] = []
     payload = [0, 0, 0]
     slot_offset = 0
     for shard, start, end, members in groups:
-        needed = max(segments[i].end for i in members) - start
-        reads.append(PlannedRead(shard, start, end - start, slot_offset, needed))
+        payload_end = max(segments[i].end for i in members)
+        step = chunk or end - start
+        for piece in range(start, end, step):
+            n = min(step, end - piece)
+            reads.append(PlannedRead(shard, piece, n, slot_offset + piece - start, min(n, payload_end - piece)))
         for i in members:
             payload[i] = slot_offset + segments[i].offset - start
         slot_offset += end - start
     return ExpertPlan(location, tuple(reads), (payload[0], payload[1], payload[2]), slot_offset)
+
+
+def _chunk_bytes(lengths: list[int], alignment: int, split_bytes: int | None, max_reads: int | None) -> int | None:
+    """The chunk size (bytes, aligned) that cuts runs of ``lengths`` into at most ``max_reads`` reads."""
+    if split_bytes is None:
+        return None
+    chunk = align_up(max(split_bytes, alignment), alignment)
+    if max_reads is not None:
+        while sum(-(-n // chunk) for n in lengths) > max_reads:
+            chunk *= 2
+    return chunk if any(n > chunk for n in lengths) else None
 
 
 def max_plan_bytes(layout: ExpertLayout, alignment: int) -> int:

@@ -134,17 +134,18 @@ def test_log_messages_carry_no_duplicated_prefix() -> None:
     import ast
 
     root = Path(aioexperts.__file__).parent
-    offenders = []
-    for path in root.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("debug", "info", "warning", "error", "exception", "critical")
-                and node.args
-                and isinstance(node.args[0], ast.Constant)
-                and isinstance(node.args[0].value, str)
-                and node.args[0].value.lower().startswith("aioexperts")
-            ):
-                offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    offenders = [
+        f"{path.relative_to(root)}:{node.lineno}"
+        for path in root.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("debug", "info", "warning", "error", "exception", "critical")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and node.args[0].value.lower().startswith("aioexperts")
+        )
+    ]
     assert offenders == []

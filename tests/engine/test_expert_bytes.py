@@ -32,10 +32,13 @@ BACKENDS = {
 }
 
 
-async def check_every_expert(path: Path, backend: object, slots: int = 3, chunk: int = 2) -> int:
+async def check_every_expert(
+    path: Path, backend: object, slots: int = 3, chunk: int = 2, split_bytes: int | None = None
+) -> int:
     """Read every expert of every layer in chunks through a small slab; compare with pread."""
     checked = 0
-    async with aioexperts.open(path, slots=slots, io=aioexperts.IOOptions(backend=backend)) as engine:  # type: ignore[arg-type]
+    io = aioexperts.IOOptions(backend=backend, split_bytes=split_bytes)  # type: ignore[arg-type]
+    async with aioexperts.open(path, slots=slots, io=io) as engine:
         model, layout = engine.model, engine.layout
         for layer, moe in layout.layers.items():
             ids = list(range(moe.n_experts))
@@ -61,6 +64,14 @@ async def check_every_expert(path: Path, backend: object, slots: int = 3, chunk:
 @pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
 async def test_every_fixture_expert_matches_pread(path: Path, backend: str, anyio_backend: object) -> None:
     checked = await check_every_expert(path, BACKENDS[backend])
+    layout = aioexperts.build_layout(aioexperts.open_model(path))
+    assert checked == 3 * layout.n_experts_total
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS), ids=list(BACKENDS))
+@pytest.mark.parametrize("path", FIXTURES[:3], ids=[p.stem for p in FIXTURES[:3]])
+async def test_experts_read_in_split_chunks_match_pread(path: Path, backend: str, anyio_backend: object) -> None:
+    checked = await check_every_expert(path, BACKENDS[backend], split_bytes=8192)
     layout = aioexperts.build_layout(aioexperts.open_model(path))
     assert checked == 3 * layout.n_experts_total
 

@@ -10,14 +10,17 @@ import struct
 from pathlib import Path
 
 import pytest
+from gguf import GGMLQuantizationType
 from hypothesis import given
 from hypothesis import strategies as st
 
 import aioexperts
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts._format.layout import ExpertLocation, Segment
 from aioexperts._io import align, files
 from aioexperts._io.align import align_down, align_up, probe_alignment, widen
 from aioexperts._io.files import open_shards
+from aioexperts._io.plan import plan_expert
 
 
 @given(
@@ -158,3 +161,31 @@ def test_statx_missing_from_the_kernel_is_an_old_kernel(small_model: Path, monke
     monkeypatch.setattr(align, "_STATX", enosys)
     a = probe_alignment(small_model)
     assert (a.direct_io_supported, a.source, a.unit) == (True, "default", 4096)
+
+
+def _location(sizes: tuple[int, int, int], offsets: tuple[int, int, int]) -> ExpertLocation:
+    segs = [Segment(0, off, n, GGMLQuantizationType.F32, (1, n // 4)) for off, n in zip(offsets, sizes, strict=True)]
+    return ExpertLocation(0, 0, 0, 0, *segs)
+
+
+def test_split_plans_cut_long_runs_into_aligned_chunks() -> None:
+    mib = 1 << 20
+    loc = _location((4 * mib, 4 * mib, 4 * mib + 100), (1000, 1000 + 4 * mib, 1000 + 8 * mib))  # one 12 MiB run
+    whole = plan_expert(loc, 4096)
+    assert len(whole.reads) == 1
+    split = plan_expert(loc, 4096, split_bytes=mib)
+    assert split.slot_bytes == whole.slot_bytes and split.payload_offsets == whole.payload_offsets
+    assert len(split.reads) == 13 and all(r.n_bytes == mib for r in split.reads[:-1])
+    ends = [(r.file_offset, r.file_offset + r.n_bytes) for r in split.reads]
+    assert (
+        ends[0][0] == whole.reads[0].file_offset and ends[-1][1] == whole.reads[0].file_offset + whole.reads[0].n_bytes
+    )
+    assert all(a[1] == b[0] for a, b in zip(ends, ends[1:], strict=False))  # contiguous, no overlap
+    for r in split.reads:
+        assert r.file_offset % 4096 == r.n_bytes % 4096 == r.slot_offset % 4096 == 0
+        assert r.slot_offset == r.file_offset - whole.reads[0].file_offset
+    payload_end = 1000 + 12 * mib + 100
+    assert [r.needed for r in split.reads] == [min(r.n_bytes, payload_end - r.file_offset) for r in split.reads]
+    assert split.reads[-1].needed < split.reads[-1].n_bytes  # the tail: payload, then padding
+    assert len(plan_expert(loc, 4096, split_bytes=mib, max_reads=5).reads) <= 5  # chunks grow to fit the depth
+    assert plan_expert(loc, 4096, split_bytes=16 * mib).reads == whole.reads  # nothing longer than a chunk
