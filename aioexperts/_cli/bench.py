@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import shlex
 import sys
@@ -83,6 +84,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
         parser.error("--executor-tokens and --seed must be >= 0")
     if not 0 < args.slab_fraction <= 1:
         parser.error("--slab-fraction must be in (0, 1]")
+    if args.loop == "trio" and importlib.util.find_spec("trio") is None:
+        parser.error("--loop trio needs trio: pip install trio")
     return methods
 
 

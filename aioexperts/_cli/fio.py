@@ -9,6 +9,9 @@ last ``iodepth - 1`` reads out of its byte count (measured here: 137 of 200 read
 identical to open_files"); the job then runs without registered files and says so (registered
 files made no measurable difference here, docs/LIBURING.md).
 
+``fio-readv`` adds ``--nonvectored=0`` (``READV_FIXED``, the engine's opcode; fio's default is
+``READ_FIXED``).
+
 Memory: fio reads into one buffer per I/O unit, ``iodepth`` buffers of the largest read
 (``init_io_u_buffers``: ``iodepth * max_bs``); no fio option spreads reads over more memory than
 that. The engine and the Python replays read into distinct memory as large as all the reads;
@@ -77,7 +80,7 @@ class FioResult:
     buffer_bytes: int
 
 
-def _command(fio: str, iolog: str, depth: int, n_reads: int, register_files: bool) -> list[str]:
+def _command(fio: str, iolog: str, depth: int, n_reads: int, register_files: bool, vectored: bool) -> list[str]:
     cmd = [
         fio,
         "--name=aioexperts-replay",
@@ -94,11 +97,17 @@ def _command(fio: str, iolog: str, depth: int, n_reads: int, register_files: boo
     ]
     if register_files:
         cmd.append("--registerfiles")
+    if vectored:
+        cmd.append("--nonvectored=0")
     return cmd
 
 
-def run_fio_replay(reads: ReadList, depth: int, *, workdir: str | None = None) -> FioResult:
+def run_fio_replay(reads: ReadList, depth: int, *, vectored: bool = False, workdir: str | None = None) -> FioResult:
     """Replay ``reads`` with fio at ``depth`` (the page cache must be dropped beforehand).
+
+    Args:
+        vectored: ``--nonvectored=0``: ``READV_FIXED`` like the engine, instead of fio's default
+            ``READ_FIXED``.
 
     Raises:
         FileNotFoundError: fio is not installed.
@@ -113,7 +122,7 @@ def run_fio_replay(reads: ReadList, depth: int, *, workdir: str | None = None) -
         reads.write_fio_iolog(iolog)
         register = True
         while True:
-            cmd = _command(fio, iolog, depth, len(reads), register)
+            cmd = _command(fio, iolog, depth, len(reads), register, vectored)
             with Clock() as clock:
                 out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800)
             if out.returncode != 0 and register and _REGISTERFILES_REFUSED in (out.stderr + out.stdout):

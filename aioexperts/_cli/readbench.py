@@ -9,7 +9,8 @@
 
    - ``io_uring``: a fresh engine reads the same experts again (its reads are recorded again and
      checked against the list);
-   - ``fio``: fio replays the list (:mod:`.fio`);
+   - ``fio``: fio replays the list (:mod:`.fio`); ``fio-readv`` the same with the engine's
+     opcode (``READV_FIXED``; fio's default is ``READ_FIXED``);
    - ``threads``, ``pread``, ``mmap``: Python replays of the list (:mod:`.replay`);
    - ``uring``, ``uring-reused``: a minimal io_uring loop replaying the list into distinct
      memory, and into ``depth`` reused buffers as fio does (:mod:`.replay`): their ratio shows
@@ -38,23 +39,24 @@ from .fio import fio_path, fio_version, run_fio_replay
 from .loops import run as run_on_loop
 from .measure import GB, GIB, Clock, rotated, spread
 from .readlist import ReadList
-from .replay import Destination, replay_mmap, replay_pread, replay_uring
+from .replay import Destination, replay_mmap, replay_pread, replay_uring, uring_slot_bytes
 from .warmbench import warm_figures
 
 __all__ = ("DEFAULT_METHODS", "METHODS", "ReadBenchConfig", "make_steps", "run_read_bench")
 
 #: Every method the read bench knows, and the default set.
-METHODS = ("fio", "io_uring", "threads", "pread", "mmap", "uring", "uring-reused", "engine-threads")
-DEFAULT_METHODS = ("fio", "io_uring", "threads", "pread", "mmap", "uring", "uring-reused")
+METHODS = ("fio", "io_uring", "threads", "pread", "mmap", "uring", "uring-reused", "fio-readv", "engine-threads")
+DEFAULT_METHODS = ("fio", "io_uring", "threads", "pread", "mmap", "uring", "uring-reused", "fio-readv")
 #: Human names of the methods, for tables.
 LABELS = {
     "fio": "fio replay",
+    "fio-readv": "fio replay, readv",
     "io_uring": "aioexperts io_uring",
     "threads": "thread pool O_DIRECT",
     "pread": "buffered preadv",
     "mmap": "mmap copy",
-    "uring": "raw io_uring loop",
-    "uring-reused": "raw loop, reused bufs",
+    "uring": "raw io_uring, distinct",
+    "uring-reused": "raw io_uring, reused",
     "engine-threads": "aioexperts threads",
 }
 
@@ -171,9 +173,8 @@ def _replay_pass(method: str, reads: ReadList, dest: Destination, cfg: ReadBench
     if method in ("uring", "uring-reused"):
         reused = method == "uring-reused"
         r = replay_uring(reads, dest, cfg.depth, reused=reused)
-        note = f"liburing readv, O_DIRECT, depth {cfg.depth}, {'reused buffers' if reused else 'distinct memory'}"
-        if reused:
-            memory = min(cfg.depth, len(reads)) * (-(-reads.max_len // 4096) * 4096)
+        note = f"liburing, O_DIRECT, depth {cfg.depth}, {'reused buffers' if reused else 'distinct memory'}"
+        memory = (min(cfg.depth, len(reads)) if reused else len(reads)) * uring_slot_bytes(reads)
     elif method == "mmap":
         r = replay_mmap(reads, dest)
         note = "1 thread copying each range out of a read-only shared mapping"
@@ -191,14 +192,15 @@ def _replay_pass(method: str, reads: ReadList, dest: Destination, cfg: ReadBench
         p50_ms_per_read=float(np.percentile(lat, 50)),
         p99_ms_per_read=float(np.percentile(lat, 99)),
         memory_bytes=memory,
+        registered_buffers=r.registered,
         note=note,
     )
 
 
-def _fio_pass(reads: ReadList, cfg: ReadBenchConfig) -> dict[str, Any]:
-    r = run_fio_replay(reads, cfg.depth)
+def _fio_pass(reads: ReadList, cfg: ReadBenchConfig, method: str = "fio") -> dict[str, Any]:
+    r = run_fio_replay(reads, cfg.depth, vectored=method == "fio-readv")
     return _pass(
-        "fio",
+        method,
         r.seconds,
         r.cpu_seconds,
         r.bytes_read,
@@ -248,9 +250,9 @@ def run_read_bench(
     unique = len({(layer, e) for layer, ids in steps for e in ids})
     methods = list(cfg.methods)
     fio_ok = fio_path() is not None
-    if "fio" in methods and not fio_ok:
+    if {"fio", "fio-readv"} & set(methods) and not fio_ok:
         say("fio is not installed: no fio replay (apt-get install fio); ratios to fio are left out")
-        methods.remove("fio")
+        methods = [m for m in methods if m not in ("fio", "fio-readv")]
 
     say_step("recording the engine's reads (first cold pass)")
     record, reads, _ = run_on_loop(_engine_pass, path, info, steps, cfg, "io_uring", unique, False, loop=cfg.loop)
@@ -260,7 +262,7 @@ def run_read_bench(
         probe = probe_host_cache(info.shard_paths[0], cfg.probe_bytes)
 
     rounds: list[dict[str, Any]] = []
-    with Destination(reads.total_bytes) as dest:
+    with Destination(max(reads.total_bytes, len(reads) * uring_slot_bytes(reads))) as dest:
         for r in range(cfg.rounds):
             order = rotated(methods, r)
             cold: dict[str, Any] = {}
@@ -281,8 +283,8 @@ def run_read_bench(
                         warm["engine"] = warm_out
                     continue
                 drop_page_cache(info.shard_paths)
-                if method == "fio":
-                    cold[method] = _fio_pass(reads, cfg)
+                if method in ("fio", "fio-readv"):
+                    cold[method] = _fio_pass(reads, cfg, method)
                     continue
                 cold[method] = _replay_pass(method, reads, dest, cfg)
                 if method in ("pread", "mmap"):  # a second replay: from the page cache
@@ -313,6 +315,8 @@ def run_read_bench(
         "distinct_over_reused_memory": _ratio_spread(rounds, "uring", "uring-reused"),
         "raw_reused_x_fio": _ratio_spread(rounds, "uring-reused", "fio"),
         "io_uring_x_raw": _ratio_spread(rounds, "io_uring", "uring"),
+        "io_uring_x_fio_readv": _ratio_spread(rounds, "io_uring", "fio-readv"),
+        "fio_readv_x_fio": _ratio_spread(rounds, "fio-readv", "fio"),
     }
     return {
         "parameters": {

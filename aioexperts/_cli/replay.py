@@ -9,10 +9,10 @@ starts, as the engine pre-faults its slab.
 - ``pread``: the same on a buffered descriptor (through the page cache);
 - ``mmap``: one thread copying each range out of a read-only shared mapping (page faults and
   the kernel's readahead);
-- ``uring``: a minimal io_uring loop (``liburing``, ``O_DIRECT``, ``readv``, no engine around it)
-  at the engine's depth, into the distinct destination or, with ``reused``, into ``depth``
-  buffers each reused as soon as its read completed (the way fio reads): the pair measures
-  whether it matters where reads land.
+- ``uring``: a minimal io_uring loop (``liburing``, ``O_DIRECT``, registered buffers and
+  ``READV_FIXED`` as the engine and fio use them, no engine around it) at the engine's depth, into
+  distinct memory or, with ``reused``, into ``depth`` buffers each reused as soon as its read
+  completed (the way fio reads): the pair measures whether it matters where reads land.
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .measure import Clock
 from .readlist import ReadList
 
-__all__ = ("Destination", "ReplayResult", "replay_mmap", "replay_pread", "replay_uring")
+__all__ = ("Destination", "ReplayResult", "replay_mmap", "replay_pread", "replay_uring", "uring_slot_bytes")
 
 _PAGE = mmap.PAGESIZE
 
@@ -83,6 +84,7 @@ class ReplayResult:
         bytes_read: bytes the reads returned.
         n_reads: reads done.
         latencies: per read, seconds (submit to done).
+        registered: io_uring replays: True when the buffers were registered (None otherwise).
     """
 
     seconds: float
@@ -90,6 +92,7 @@ class ReplayResult:
     bytes_read: int
     n_reads: int
     latencies: np.ndarray
+    registered: bool | None = None
 
 
 def replay_pread(reads: ReadList, dest: Destination, *, direct: bool, n_threads: int) -> ReplayResult:
@@ -156,34 +159,55 @@ def replay_mmap(reads: ReadList, dest: Destination) -> ReplayResult:
     return ReplayResult(clock.seconds, clock.cpu, got, len(rows), lat)
 
 
-def replay_uring(reads: ReadList, dest: Destination, depth: int, *, reused: bool = False) -> ReplayResult:
-    """Every read through a minimal io_uring loop at ``depth`` (``O_DIRECT``, ``readv``).
+def uring_slot_bytes(reads: ReadList) -> int:
+    """Bytes of one buffer of :func:`replay_uring`: the largest read, rounded up to the page."""
+    return -(-reads.max_len // _PAGE) * _PAGE
 
-    Args:
-        reads: the reads, submitted in order, ``depth`` in flight.
-        dest: distinct memory for every read (with ``reused``, only its first ``depth`` slots of
-            the largest read's size are used, each reused when its read completed).
-        depth: reads in flight.
-        reused: read into ``depth`` reused buffers, as fio does.
+
+def replay_uring(
+    reads: ReadList, dest: Destination, depth: int, *, reused: bool = False, register: bool = True
+) -> ReplayResult:
+    """Every read through a minimal io_uring loop at ``depth`` (``O_DIRECT``).
+
+    Buffer ``i`` is ``dest`` at ``i * uring_slot_bytes(reads)``: read ``i`` goes to buffer ``i``
+    (distinct memory), or with ``reused`` to one of ``depth`` buffers, each reused as soon as its
+    read completed (as fio does). With ``register`` the buffers are registered with the ring, in
+    chunks of whole buffers up to 1 GiB, and read with ``READV_FIXED``, as the engine and fio
+    (``--fixedbufs``) do; if the kernel refuses, plain ``readv`` (``registered`` is then False).
 
     Raises:
+        ValueError: ``dest`` is smaller than the buffers need.
         OSError: io_uring or ``O_DIRECT`` is not available, or a read failed.
     """
     import liburing as lu
 
     rows = reads.reads.tolist()
-    slot = -(-reads.max_len // _PAGE) * _PAGE
-    if reused:
-        where = [i * slot for i in range(min(depth, len(rows)))]
-    else:
-        where = reads.destinations().tolist()
-    sizes = [slot] * len(where) if reused else [n for _, _, n in rows]
-    raws = [dest.raw(w, n) for w, n in zip(where, sizes, strict=True)]
-    iovecs = [lu.Iovec([r]) for r in raws]
+    slot = uring_slot_bytes(reads)
+    n_buffers = min(depth, len(rows)) if reused else len(rows)
+    if n_buffers * slot > dest.n_bytes:
+        raise ValueError(f"{n_buffers} buffers of {slot} bytes do not fit in {dest.n_bytes} bytes")
+    iovecs: dict[tuple[int, int], tuple[Any, memoryview]] = {}
+
+    def iovec(b: int, n: int) -> Any:
+        entry = iovecs.get((b, n))
+        if entry is None:
+            raw = dest.raw(b * slot, n)
+            entry = iovecs[(b, n)] = (lu.Iovec([raw]), raw)
+        return entry[0]
+
     fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in reads.paths]
     ring, cqe = lu.Ring(), lu.Cqe()
     lu.io_uring_queue_init(max(depth, 1), ring)
-    free = list(range(len(where)))[::-1]
+    chunk = max(1, (1 << 30) // slot)
+    registered: Any = None
+    if register:
+        spans = [dest.raw(c * slot, min(chunk, n_buffers - c) * slot) for c in range(0, n_buffers, chunk)]
+        try:
+            registered = (lu.Iovec(spans), spans)
+            lu.io_uring_register_buffers(ring, registered[0])
+        except OSError:
+            registered = None
+    free = list(range(n_buffers))[::-1]
     lat = np.zeros(len(rows))
     started = [0.0] * len(rows)
     nxt = in_flight = done = got = 0
@@ -193,15 +217,18 @@ def replay_uring(reads: ReadList, dest: Destination, depth: int, *, reused: bool
             while done < len(rows):
                 while in_flight < depth and nxt < len(rows):
                     b = free.pop() if reused else nxt
-                    shard, offset, _n = rows[nxt]
+                    shard, offset, n = rows[nxt]
                     sqe = lu.io_uring_get_sqe(ring)
-                    lu.io_uring_prep_readv(sqe, fds[shard], iovecs[b], offset)
+                    if registered is not None:
+                        lu.io_uring_prep_readv_fixed(sqe, fds[shard], iovec(b, n), b // chunk, offset)
+                    else:
+                        lu.io_uring_prep_readv(sqe, fds[shard], iovec(b, n), offset)
                     lu.io_uring_sqe_set_data64(sqe, (nxt << 20) | (b + 1))
                     started[nxt] = clock_fn()
                     nxt += 1
                     in_flight += 1
                 lu.io_uring_submit_and_wait(ring, 1)
-                n = 0
+                k = 0
                 now = clock_fn()
                 for _ in lu.CqeIter(ring, cqe):
                     entry = cqe[0]
@@ -210,13 +237,14 @@ def replay_uring(reads: ReadList, dest: Destination, depth: int, *, reused: bool
                     lat[data >> 20] = now - started[data >> 20]
                     if reused:
                         free.append((data & 0xFFFFF) - 1)
-                    n += 1
-                lu.io_uring_cq_advance(ring, n)
-                in_flight -= n
-                done += n
+                    k += 1
+                lu.io_uring_cq_advance(ring, k)
+                in_flight -= k
+                done += k
     finally:
         lu.io_uring_queue_exit(ring)
         for fd in fds:
             os.close(fd)
-        del iovecs, raws
-    return ReplayResult(clock.seconds, clock.cpu, got, len(rows), lat)
+        iovecs.clear()
+        was_registered, registered = registered is not None, None
+    return ReplayResult(clock.seconds, clock.cpu, got, len(rows), lat, was_registered)

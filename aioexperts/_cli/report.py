@@ -115,12 +115,17 @@ def _reads(reads: dict[str, Any]) -> list[Section]:
         "Memory: what the reads land in. fio has one buffer per I/O unit (iodepth x largest read); it has no "
         "option to read into more distinct memory.",
     ]
+    ratios = reads.get("ratios", {})
+    if ratios.get("fio_readv_x_fio"):
+        notes.append(
+            f"fio with readv (--nonvectored=0, the engine's READV_FIXED) / fio's default READ_FIXED, per round: "
+            f"{_fmt(ratios['fio_readv_x_fio'])}."
+        )
     fio = next((r["cold"]["fio"] for r in rounds if "fio" in r["cold"]), None)
     if fio is not None and not fio.get("registered_files"):
         notes.append("fio ran without --registerfiles (fio refuses it with --read_iolog here).")
     if fio is None:
         notes.append("fio was not installed: no fio replay, no ratios to fio.")
-    ratios = reads.get("ratios", {})
     if ratios.get("distinct_over_reused_memory"):
         notes.append(
             "Where reads land: the raw io_uring loop ran "

@@ -96,6 +96,15 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     )
     out.append(
         _target(
+            "x_raw_same_memory",
+            "io_uring cold / raw io_uring loop, same reads into as much memory (fio cannot)",
+            ratios.get("io_uring_x_raw"),
+            0.95,
+            True,
+        )
+    )
+    out.append(
+        _target(
             "cpu_vs_fio",
             "io_uring CPU s/GiB / fio's on the same reads",
             ratios.get("cpu_io_uring_over_fio"),
