@@ -2,6 +2,7 @@
 
     python bench/render.py RESULTS.json                      # print every section as markdown
     python bench/render.py RESULTS.json --write README.md docs/bench.md
+    python bench/render.py RESULTS.json --plots docs/img     # the PNGs again (needs matplotlib)
 
 ``--write`` replaces, in each file, the text between ``<!-- bench:NAME -->`` and
 ``<!-- /bench:NAME -->`` with section NAME rendered from the results (``header``, ``reads``,
@@ -41,8 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", help="a bench-results.json written by aioexperts-bench")
     parser.add_argument("--write", nargs="+", metavar="FILE", help="files whose marked regions to replace")
+    parser.add_argument("--plots", metavar="DIR", help="write the plots of the results file into DIR")
     args = parser.parse_args(argv)
     results = load_results(args.results)
+    if args.plots:
+        from aioexperts._cli.plots import write_plots
+
+        for png in write_plots(results, args.plots):
+            print(f"wrote {png}")
+        if not args.write:
+            return 0
     if not args.write:
         for name in SECTIONS:
             try:

@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results.json", help="results file to write ('' for none)")
     p.add_argument("--plot", metavar="DIR", default=None, help="also run the depth and read-size sweeps; write PNGs")
     p.add_argument("--no-probe", action="store_true", help="skip the host-cache probe")
+    p.add_argument("--note", default="", help="a remark stored with the results and shown in the header")
     p.add_argument("--json", action="store_true", help="print the results JSON on stdout instead of tables")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -141,6 +142,7 @@ def _run(args: argparse.Namespace, methods: list[str], reporter: Reporter) -> di
         "parameters": {k: v for k, v in vars(args).items() if not k.startswith("_")} | {"methods": methods},
         "cold_method": DROP_METHOD,
         "warnings": warnings,
+        "note": args.note,
     }
     do_reads = args.mode in ("all", "reads")
     do_tokens = args.mode in ("all", "tokens")
@@ -183,6 +185,7 @@ def _run(args: argparse.Namespace, methods: list[str], reporter: Reporter) -> di
 
         results["sweep"] = run_sweeps(os.fspath(path), rcfg, note=reporter.note)
     results["targets"] = evaluate_targets(results)
+    results["machine"]["load_average_at_end"] = list(os.getloadavg())
     return results
 
 

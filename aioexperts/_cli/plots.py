@@ -105,7 +105,7 @@ def _timeline_plot(plt: Any, timeline: dict[str, Any], directory: str) -> str:
     ax.invert_yaxis()
     ax.plot([], [], color="tab:blue", linewidth=2, label="reads in flight (submit to completion)")
     ax.barh([], [], color="tab:red", label=f"compute ({timeline['synthetic_ms_per_layer']:.1f} ms synthetic step)")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="lower left", fontsize=8)
     ax.set_title(f"one pipelined token ({timeline['token_ms']:.0f} ms): I/O per layer vs compute per layer")
     fig.tight_layout()
     path = _save(fig, directory, "token_timeline.png")

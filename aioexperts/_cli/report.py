@@ -73,6 +73,10 @@ def _header(results: dict[str, Any]) -> Section:
         ["event loop", str(results.get("parameters", {}).get("loop"))],
         ["load average at start", ", ".join(f"{x:.2f}" for x in machine.get("load_average_at_start", []))],
     ]
+    if machine.get("load_average_at_end"):
+        rows.append(["load average at end", ", ".join(f"{x:.2f}" for x in machine["load_average_at_end"])])
+    if results.get("note"):
+        rows.append(["note", str(results["note"])])
     notes = [f"units: {', '.join(f'{k} = {v}' for k, v in results.get('units', {}).items() if k in ('GB', 'GiB'))}"]
     notes += results.get("warnings", [])
     return Section("header", "aioexperts bench run", ["", ""], rows, notes)

@@ -53,6 +53,7 @@ def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> None
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(_clean(results), f, indent=1, sort_keys=False)
             f.write("\n")
+        os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
