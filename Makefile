@@ -1,11 +1,18 @@
 # One command each: `make bench` sets everything up and runs the benchmark on the built-in model;
 # `make test` sets up and runs the tests. Both create ./.venv from this project's own files.
+#
+#   make bench                      # all benches, 5 rounds, writes bench-results.json (about 6-8 min)
+#   make bench BENCH_ARGS="--rounds 11"   # more rounds, any aioexperts-bench option
+#   make bench-plots                # the same plus the depth/size sweeps and PNGs in docs/img
+#   make render RESULTS=docs/results/FILE.json   # tables of README.md and docs/bench.md from a results file
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+BENCH_ARGS ?=
+RESULTS ?= bench-results.json
 
-.PHONY: bench test clean
+.PHONY: bench bench-plots render test clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,8 +20,18 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $@
 
+$(BIN)/.plot-installed: $(BIN)/.installed
+	$(BIN)/python -m pip install --quiet -e '.[test,plot]'
+	touch $@
+
 bench: $(BIN)/.installed
-	$(BIN)/aioexperts-bench
+	$(BIN)/aioexperts-bench --out bench-results.json $(BENCH_ARGS)
+
+bench-plots: $(BIN)/.plot-installed
+	$(BIN)/aioexperts-bench --out bench-results.json --plot docs/img $(BENCH_ARGS)
+
+render: $(BIN)/.installed
+	$(BIN)/python bench/render.py $(RESULTS) --write README.md docs/bench.md
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest

@@ -26,7 +26,7 @@ from pathlib import Path
 from gguf import GGMLQuantizationType
 
 import aioexperts
-from aioexperts._cli.bench import cache_dir
+from aioexperts._cli.model_cache import cache_dir
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 
 SPEC = SyntheticSpec(

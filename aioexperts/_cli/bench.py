@@ -1,286 +1,244 @@
-"""``aioexperts-bench``: measure how fast experts stream from a GGUF file, against the baselines.
+"""``aioexperts-bench``: reproducible figures of aioexperts against fio, a thread pool, pread and mmap.
 
-With no arguments it builds (once, cached) a synthetic model of Qwen3-30B-A3B expert geometry and
-measures cold and warm per-expert read rates of aioexperts and of the usual alternatives.
+With no arguments it builds (once, cached) a synthetic model of Qwen3-30B-A3B expert geometry,
+runs the read bench and the per-token bench in interleaved rounds, prints the tables, and writes
+every raw figure to ``bench-results.json``; ``bench/render.py`` turns that file into the tables
+of README.md and docs/bench.md. ``docs/bench.md`` explains every figure.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
+import datetime
+import importlib.util
 import os
+import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
 
 from .. import __version__
 from .._errors import AioExpertsError
-from .readbench import PassResult, run_read_bench
-from .synthetic import BENCH_SPEC, write_synthetic_model
-from .tokenbench import TokenBenchResult, TokenRun, run_token_bench
+from .cachestate import DROP_METHOD
+from .loops import LOOPS, await_cost
+from .machine import machine_facts
+from .model_cache import cache_dir, ensure_bench_model
+from .progress import Reporter
+from .readbench import DEFAULT_METHODS, METHODS, ReadBenchConfig, run_read_bench
+from .report import print_sections
+from .results import SCHEMA, UNITS, evaluate_targets, write_results
+from .tokenbench import TARGET_OVERLAP, TokenBenchConfig, run_token_bench
 
-__all__ = ("default_model_path", "main")
+__all__ = ("build_parser", "main")
 
-METHODS = ("fio", "io_uring", "threads", "buffered", "mmap")
-_BENCH_NAME = "qwen3-30b-a3b-geometry-q4_k-8l-v1.gguf"
-
-
-def cache_dir() -> Path:
-    """``$AIOEXPERTS_CACHE``, else ``$XDG_CACHE_HOME/aioexperts``, else ``~/.cache/aioexperts``."""
-    explicit = os.environ.get("AIOEXPERTS_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "aioexperts"
-
-
-def default_model_path(console: Console, rebuild: bool = False) -> Path:
-    """The bench model, built on first use (with a progress bar) under :func:`cache_dir`."""
-    path = cache_dir() / _BENCH_NAME
-    if path.exists() and not rebuild:
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial.gguf")
-    spec = BENCH_SPEC
-    console.print(
-        f"building the bench model once: {spec.n_layer} MoE layers x {spec.n_expert} experts, "
-        f"n_embd {spec.n_embd}, n_ff {spec.n_ff}, {spec.expert_type.name} -> {path}"
-    )
-    columns = (BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("writing", total=None)
-        write_synthetic_model(tmp, spec, progress=lambda done, total: bar.update(task, completed=done, total=total))
-    os.replace(tmp, path)
-    return path
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def render_reads(results: list[PassResult], console: Console) -> None:
-    """Print the read-rate table and the ratios to fio and to mmap."""
-    table = Table(title="per-expert read rates (payload GB/s = 1e9 bytes/s; median and range over the repeats)")
-    for col in (
-        "method",
-        "pass",
-        "GB/s",
-        "range",
-        "experts/s",
-        "p50 ms",
-        "p99 ms",
-        "CPU s/GiB",
-        "x fio",
-        "x mmap",
-    ):
-        table.add_column(col, justify="left" if col in ("method", "pass") else "right", no_wrap=True)
-    by = {(r.method, r.phase): r for r in results}
-    fio = by.get(("fio", "cold"))
-    for r in results:
-        mm = by.get(("mmap", r.phase))
-        table.add_row(
-            r.method,
-            r.phase,
-            f"{r.gb_per_s:.2f}",
-            f"{r.gb_per_s_range[0]:.2f}-{r.gb_per_s_range[1]:.2f}" if r.gb_per_s_range else "-",
-            f"{r.experts_per_s:,.0f}",
-            _fmt(r.p50_ms, ".2f"),
-            _fmt(r.p99_ms, ".2f"),
-            f"{r.cpu_s_per_gib:.3f}",
-            f"{r.gb_per_s / fio.gb_per_s:.2f}" if fio and r.phase == "cold" else "-",
-            f"{r.gb_per_s / mm.gb_per_s:.2f}" if mm else "-",
-        )
-    console.print(table)
-    if fio is None and any(r.method.startswith("aioexperts") for r in results):
-        console.print("  [dim]fio is not installed: the device's own limit was not measured (install fio)[/dim]")
-    for r in results:
-        if r.note:
-            console.print(f"  [dim]{r.method} {r.phase}: {r.note}[/dim]")
-
-
-def render_tokens(result: TokenBenchResult, console: Console) -> None:
-    """Print the per-token tables: runs, overlap, policies and the trace replay."""
-    title = (
-        f"per-token pipeline ({result.compute} compute, slab {result.slots} of {result.n_experts_total} experts, "
-        f"median of {result.repeat})"
-    )
-    table = Table(title=title)
-    for col in (
-        "run",
-        "tok/s",
-        "ms/token",
-        "p50 ms",
-        "p99 ms",
-        "I/O wait ms",
-        "compute ms",
-        "hit rate",
-        "prefetch hits",
-    ):
-        table.add_column(col, justify="left" if col == "run" else "right", no_wrap=True)
-
-    def row(r: TokenRun) -> None:
-        table.add_row(
-            r.name,
-            f"{r.tokens_per_s:.2f}",
-            f"{r.ms_per_token:.1f}",
-            f"{r.p50_ms:.1f}",
-            f"{r.p99_ms:.1f}",
-            f"{r.io_wait_s / r.tokens * 1e3:.1f}",
-            f"{r.compute_s / r.tokens * 1e3:.1f}",
-            f"{r.hit_rate:.1%}",
-            f"{r.prefetch_hits}/{r.requests}",
-        )
-
-    for r in result.runs:
-        row(r)
-    console.print(table)
-    console.print(
-        f"I/O alone {result.io_ms_per_token:.1f} ms/token, compute alone {result.compute_ms_per_token:.1f} ms/token; "
-        f"overlap = pipelined token time / max(I/O, compute) = [bold]{result.overlap:.2f}[/bold] "
-        "(1.0: fully hidden; 2.0: no overlap)"
-    )
-    console.print(
-        f"  against the I/O time with one core busy elsewhere ({result.io_loaded_ms_per_token:.1f} ms/token): "
-        f"{result.overlap_loaded:.2f}"
-    )
-    for name, value in result.other_overlaps.items():
-        console.print(f"  overlap with {name.split('compute ')[1]}: {value:.2f}")
-    policies = Table(title="eviction policies on a skewed trace (no prefetch)")
-    for col in ("policy", "tok/s", "hit rate"):
-        policies.add_column(col, justify="left" if col == "policy" else "right")
-    for r in result.policy_runs:
-        policies.add_row(r.name.split()[1], f"{r.tokens_per_s:.2f}", f"{r.hit_rate:.1%}")
-    console.print(policies)
-    replay = Table(title="trace replay: hit rate by slab size (Belady = optimal)")
-    names = list(next(iter(next(iter(result.replay.values())).values())))
-    for col in ("trace", "slab", *names):
-        replay.add_column(col, justify="left" if col == "trace" else "right")
-    for trace_name, by_fraction in result.replay.items():
-        for fraction, by_policy in by_fraction.items():
-            replay.add_row(trace_name, f"{fraction:.0%}", *(f"{by_policy[n].hit_rate:.1%}" for n in names))
-    console.print(replay)
+#: Below this size a model fits in caches and the figures mean little.
+SMALL_MODEL_BYTES = 1 << 30
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``aioexperts-bench``."""
+    """The command line of ``aioexperts-bench`` (``--help`` shows every default)."""
     p = argparse.ArgumentParser(
         prog="aioexperts-bench",
-        description="Measure cold and warm per-expert read rates of aioexperts against fio, mmap and pread.",
+        description="Cold and warm expert reads of aioexperts against fio, a thread pool, buffered pread and "
+        "mmap on the same reads, and per-token overlap and tokens/s, in interleaved rounds.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", help="a GGUF file or any shard of a split set (default: the built-in bench model)")
-    p.add_argument("--rebuild", action="store_true", help="rebuild the built-in bench model")
-    p.add_argument("--tokens", type=int, help="tokens per pass (default: every expert read once per pass)")
-    p.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
+    p.add_argument("--model", help="a GGUF file or any shard of a split set; None: the built-in model, built once")
+    p.add_argument("--rebuild", action="store_true", help="write the built-in model again")
+    p.add_argument("--mode", choices=("all", "reads", "tokens"), default="all", help="which benches to run")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; every figure is a median with its range")
     p.add_argument("--depth", type=int, default=64, help="reads in flight: engine queue depth and fio iodepth")
-    p.add_argument("--repeat", type=int, default=3, help="runs per method; the median is reported (default 3)")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
-    p.add_argument(
-        "--mode",
-        choices=("reads", "tokens", "all"),
-        default="reads",
-        help="reads: per-expert read rates (default); tokens: per-token pipeline; all: both",
-    )
-    p.add_argument(
-        "--compute",
-        choices=("synthetic", "executor"),
-        default="synthetic",
-        help="tokens mode: a synthetic compute step as long as the I/O, or the real numpy executor",
-    )
-    p.add_argument("--slab-fraction", type=float, default=0.25, help="tokens mode: slab size / all experts")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"read methods, from {','.join(METHODS)}")
+    p.add_argument("--threads", type=int, default=8, help="threads of the thread-pool and buffered preadv replays")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per read pass; None: every expert once")
+    p.add_argument("--token-count", type=int, default=16, help="tokens per per-token run")
+    p.add_argument("--slab-fraction", type=float, default=0.25, help="slab of the per-token overlap runs")
+    p.add_argument("--executor-tokens", type=int, default=4, help="tokens per executor run (0: no executor runs)")
+    p.add_argument("--seed", type=int, default=0, help="routing and input seed")
+    p.add_argument("--loop", choices=LOOPS, default="uvloop", help="event loop of the engine runs")
+    p.add_argument("--out", default="bench-results.json", help="results file to write ('' for none)")
+    p.add_argument("--plot", metavar="DIR", default=None, help="also run the depth and read-size sweeps; write PNGs")
+    p.add_argument("--no-probe", action="store_true", help="skip the host-cache probe")
+    p.add_argument("--note", default="", help="a remark stored with the results and shown in the header")
+    p.add_argument("--json", action="store_true", help="print the results JSON on stdout instead of tables")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         parser.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     if not methods:
         parser.error(f"--methods needs at least one of {', '.join(METHODS)}")
-    if args.repeat < 1 or args.depth < 3 or (args.tokens is not None and args.tokens < 1):
-        parser.error("--repeat and --tokens must be >= 1, --depth >= 3 (an expert is 3 reads)")
-    if args.seed < 0:
-        parser.error("--seed must be >= 0")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    if args.depth < 3:
+        parser.error("--depth must be >= 3 (an expert is 3 reads)")
+    if args.tokens is not None and args.tokens < 1 or args.token_count < 1 or args.threads < 1:
+        parser.error("--tokens, --token-count and --threads must be >= 1")
+    if args.executor_tokens < 0 or args.seed < 0:
+        parser.error("--executor-tokens and --seed must be >= 0")
     if not 0 < args.slab_fraction <= 1:
         parser.error("--slab-fraction must be in (0, 1]")
-    stream = sys.stderr if args.json else sys.stdout
-    console = Console(file=stream, width=None if stream.isatty() else 132)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    say = lambda line: console.print(f"[dim]{line}[/dim]")  # noqa: E731
-    out: dict[str, object] = {}
+    if args.loop == "trio" and importlib.util.find_spec("trio") is None:
+        parser.error("--loop trio needs trio: pip install trio")
+    return methods
+
+
+def _model(args: argparse.Namespace, reporter: Reporter) -> Path:
+    if args.model:
+        return Path(args.model)
+
+    def on_build(path: Path) -> None:
+        reporter.note(f"building the built-in model once -> {path}")
+
+    def on_wait() -> None:
+        reporter.note("another aioexperts-bench is building the built-in model; waiting for it")
+
+    last = [-1]
+
+    def progress(done: int, total: int) -> None:
+        pct = done * 100 // max(total, 1)
+        if pct // 10 != last[0]:
+            last[0] = pct // 10
+            reporter.note(f"  written {done / 1e9:.2f} of {total / 1e9:.2f} GB")
+
+    return ensure_bench_model(rebuild=args.rebuild, on_build=on_build, on_wait=on_wait, progress=progress)
+
+
+def _run(args: argparse.Namespace, methods: list[str], reporter: Reporter) -> dict[str, Any]:
+    path = _model(args, reporter)
+    from . import engine_adapter as ea
+
+    info = ea.model_info(os.fspath(path))
+    warnings = []
+    if info.file_bytes < SMALL_MODEL_BYTES:
+        warnings.append(
+            f"the model is {info.file_bytes / 1e9:.2f} GB, under 1 GiB: it fits in caches and the figures mean little"
+        )
+        reporter.note("warning: " + warnings[-1])
+    results: dict[str, Any] = {
+        "schema": SCHEMA,
+        "aioexperts": __version__,
+        "date": datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
+        "command": "aioexperts-bench " + shlex.join(sys.argv[1:] if args._argv is None else args._argv),
+        "units": UNITS,
+        "machine": machine_facts(os.fspath(path)),
+        "model": {
+            "path": os.fspath(path),
+            "name": path.name,
+            "builtin": not args.model,
+            "bytes": info.file_bytes,
+            "experts": info.n_experts_total,
+            "layers": len(info.layers),
+            "top_k": info.n_expert_used,
+            "expert_bytes": max(info.expert_bytes.values()),
+        },
+        "parameters": {k: v for k, v in vars(args).items() if not k.startswith("_")} | {"methods": methods},
+        "cold_method": DROP_METHOD,
+        "warnings": warnings,
+        "note": args.note,
+    }
+    do_reads = args.mode in ("all", "reads")
+    do_tokens = args.mode in ("all", "tokens")
+    rcfg = ReadBenchConfig(
+        depth=args.depth,
+        rounds=args.rounds,
+        methods=tuple(methods),
+        n_threads=args.threads,
+        seed=args.seed,
+        n_tokens=args.tokens,
+        loop=args.loop,
+        probe_bytes=0 if args.no_probe else 256 << 20,
+    )
+    tcfg = TokenBenchConfig(
+        rounds=args.rounds,
+        n_tokens=args.token_count,
+        slab_fraction=args.slab_fraction,
+        depth=args.depth,
+        seed=args.seed,
+        loop=args.loop,
+        executor_tokens=args.executor_tokens,
+        target_overlap=TARGET_OVERLAP,
+    )
+    n_methods = len(methods)
+    steps = 0
+    if do_reads:
+        steps += 2 + args.rounds * n_methods
+    if do_tokens:
+        steps += 1 + args.rounds * (4 + (len(tcfg.executor_fractions) if args.executor_tokens else 0))
+    steps += 1
+    reporter.start(steps)
+    if do_reads:
+        results["reads"] = run_read_bench(os.fspath(path), rcfg, step=reporter.step, note=reporter.note)
+    if do_tokens:
+        results["tokens"] = run_token_bench(os.fspath(path), tcfg, step=reporter.step, note=reporter.note)
+    reporter.step("per-await cost of each event loop")
+    results["loops"] = _loops(reporter)
+    if args.plot:
+        from .sweep import run_sweeps
+
+        results["sweep"] = run_sweeps(os.fspath(path), rcfg, note=reporter.note)
+    results["targets"] = evaluate_targets(results)
+    results["machine"]["load_average_at_end"] = list(os.getloadavg())
+    return results
+
+
+def _loops(reporter: Reporter) -> dict[str, Any]:
+    out = {}
+    for loop in LOOPS:
+        try:
+            out[loop] = await_cost(loop)
+        except ImportError as exc:
+            reporter.note(f"{loop}: not measured ({exc})")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code (0 ok, 1 error, 130 interrupted)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args._argv = argv
+    methods = _check(parser, args)
+    console = Console(file=sys.stderr if args.json else sys.stdout, width=None if sys.stdout.isatty() else 160)
+    reporter = Reporter(quiet=args.quiet)
     try:
-        path = Path(args.model) if args.model else default_model_path(console, args.rebuild)
-        out["model"] = os.fspath(path)
-        if args.mode in ("reads", "all"):
-            reads = run_read_bench(
-                os.fspath(path),
-                n_tokens=args.tokens,
-                seed=args.seed,
-                depth=args.depth,
-                repeat=args.repeat,
-                methods=methods,
-                progress=say,
-            )
-            out["reads"] = [r.as_dict() for r in reads]
-            if not args.json:
-                render_reads(reads, console)
-        if args.mode in ("tokens", "all"):
-            tokens = run_token_bench(
-                os.fspath(path),
-                n_tokens=args.tokens or 24,
-                seed=args.seed,
-                slab_fraction=args.slab_fraction,
-                depth=args.depth,
-                compute=args.compute,
-                repeat=args.repeat,
-                progress=say,
-            )
-            out["tokens"] = _token_json(tokens)
-            if not args.json:
-                render_tokens(tokens, console)
+        results = _run(args, methods, reporter)
+        reporter.stop()
+        if args.out:
+            write_results(args.out, results)
+        if args.plot:
+            from .plots import write_plots
+
+            for png in write_plots(results, args.plot):
+                reporter.note(f"wrote {png}")
+    except KeyboardInterrupt:
+        reporter.stop()
+        print("aioexperts-bench: interrupted; nothing was written", file=sys.stderr)
+        return 130
     except (AioExpertsError, OSError) as exc:
-        console.print(f"[red]error: {exc}[/red]")
+        reporter.stop()
+        console.print(f"[red]error: {exc}[/red]", highlight=False)
         if not args.model:
-            console.print("(the built-in model may be damaged: run again with --rebuild)")
+            console.print(f"(the built-in model may be damaged: run again with --rebuild; it is in {cache_dir()})")
         return 1
     if args.json:
-        json.dump(out, sys.stdout, indent=2)
+        import json
+
+        from .results import _clean
+
+        json.dump(_clean(results), sys.stdout, indent=1)
         print()
+    else:
+        print_sections(results, console)
+        if args.out:
+            console.print(f"\nresults: {args.out} (render the docs with: python bench/render.py {args.out})")
     return 0
-
-
-def _token_json(result: TokenBenchResult) -> dict[str, object]:
-    def run(r: TokenRun) -> dict[str, object]:
-        d = dict(vars(r))
-        d.update(tokens_per_s=r.tokens_per_s, ms_per_token=r.ms_per_token)
-        return d
-
-    return {
-        "compute": result.compute,
-        "slots": result.slots,
-        "n_experts_total": result.n_experts_total,
-        "io_ms_per_token": result.io_ms_per_token,
-        "compute_ms_per_token": result.compute_ms_per_token,
-        "overlap": result.overlap,
-        "other_overlaps": result.other_overlaps,
-        "io_loaded_ms_per_token": result.io_loaded_ms_per_token,
-        "overlap_loaded": result.overlap_loaded,
-        "runs": [run(r) for r in result.runs],
-        "policies": [run(r) for r in result.policy_runs],
-        "replay": {
-            trace: {str(f): {p: r.hit_rate for p, r in by.items()} for f, by in fr.items()}
-            for trace, fr in result.replay.items()
-        },
-    }
 
 
 if __name__ == "__main__":  # pragma: no cover

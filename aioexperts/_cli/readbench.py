@@ -1,425 +1,370 @@
-"""Per-expert read rates of aioexperts and of the baselines people use today, on the same routing.
+"""Cold read rates of the engine and of the baselines on exactly the same reads, in paired rounds.
 
-Every method reads the same sequence of experts, cold then warm, into memory the process owns:
+1. A recording pass: a fresh engine (io_uring, ``O_DIRECT``, a slab holding every expert) reads
+   every expert once in the order of uniform random top-k routing; a wrapper around its backend
+   records each read it submits (file, aligned offset, length). That list is the work.
+2. Rounds (``rounds``, 5 by default): every method runs once per round, in an order rotated by one
+   each round; the page cache is dropped (``POSIX_FADV_DONTNEED``) before each pass, outside the
+   timed and CPU-counted part.
 
-- ``aioexperts io_uring``: the engine with ``backend="io_uring"`` and ``O_DIRECT``;
-- ``aioexperts threads``: the engine with its thread-pool ``preadv`` backend and ``O_DIRECT``;
-- ``buffered pread``: a pool of threads calling ``os.preadv`` on the exact byte ranges, after
-  ``POSIX_FADV_DONTNEED`` dropped the file from the page cache;
-- ``mmap``: copying each range out of an ``mmap`` of the file (page faults plus readahead), after
-  ``DONTNEED``;
-- ``fio``: ``fio`` io_uring ``O_DIRECT`` random reads of the same block size and depth, with
-  registered buffers and file (``--fixedbufs --registerfiles``, as the engine uses them; without
-  them fio measured 1.0-1.5 GB/s here against 2.4-2.7 with them), when fio is installed: the
-  device's own limit.
+   - ``io_uring``: a fresh engine reads the same experts again (its reads are recorded again and
+     checked against the list);
+   - ``fio``: fio replays the list (:mod:`.fio`); ``fio-readv`` the same with the engine's
+     opcode (``READV_FIXED``; fio's default is ``READ_FIXED``);
+   - ``threads``, ``pread``, ``mmap``: Python replays of the list (:mod:`.replay`);
+   - ``uring``, ``uring-reused``: a minimal io_uring loop replaying the list into distinct
+     memory, and into ``depth`` reused buffers as fio does (:mod:`.replay`): their ratio shows
+     whether it matters where reads land on this machine;
+   - ``engine-threads`` (not in the default set): the engine with its thread-pool backend.
 
-Cold is the first pass after the caches were dropped (a fresh engine; ``DONTNEED`` for buffered
-methods); warm is the second pass over the same experts (engine: slab hits; buffered: page cache).
+   The engine's pass is followed, in the same engine, by its warm figures: microseconds per
+   ``experts()`` hit and per ``moe()`` call (:mod:`.warmbench`); ``pread`` and ``mmap`` are
+   followed by their warm pass (a second replay, from the page cache).
+3. Ratios (x fio, x mmap, x threads, CPU per GiB against fio) are taken per round and summarised
+   as median and range.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import json
 import math
-import mmap
-import os
-import resource
-import shutil
-import subprocess
-import threading
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from .._format.layout import ExpertLayout, ExpertLocation, build_layout
-from .._format.model import GGUFModel, open_model
-from .._io.align import widen
-from .._options import IOOptions
-from .._store import open as open_store
+from . import engine_adapter as ea
+from .cachestate import DROP_METHOD, drop_page_cache, probe_host_cache
+from .fio import fio_path, fio_version, run_fio_replay
+from .loops import run as run_on_loop
+from .measure import GB, GIB, Clock, rotated, spread
+from .readlist import ReadList
+from .replay import Destination, replay_mmap, replay_pread, replay_uring, uring_slot_bytes
+from .warmbench import warm_figures
 
-__all__ = ("Method", "PassResult", "Step", "make_steps", "run_read_bench")
+__all__ = ("DEFAULT_METHODS", "METHODS", "ReadBenchConfig", "make_steps", "run_read_bench")
 
-#: ``(layer, expert ids)``: the experts one token routes to in one MoE layer.
+#: Every method the read bench knows, and the default set.
+METHODS = ("fio", "io_uring", "threads", "pread", "mmap", "uring", "uring-reused", "fio-readv", "engine-threads")
+DEFAULT_METHODS = ("fio", "io_uring", "threads", "pread", "mmap", "uring", "uring-reused", "fio-readv")
+#: Human names of the methods, for tables.
+LABELS = {
+    "fio": "fio replay",
+    "fio-readv": "fio replay, readv",
+    "io_uring": "aioexperts io_uring",
+    "threads": "thread pool O_DIRECT",
+    "pread": "buffered preadv",
+    "mmap": "mmap copy",
+    "uring": "raw io_uring, distinct",
+    "uring-reused": "raw io_uring, reused",
+    "engine-threads": "aioexperts threads",
+}
+
 Step = tuple[int, tuple[int, ...]]
+Say = Callable[[str], None]
 
 
 @dataclass(frozen=True)
-class PassResult:
-    """One pass of one method.
+class ReadBenchConfig:
+    """Parameters of the read bench (all recorded in the results file).
 
     Attributes:
-        method: method name.
-        phase: ``"cold"`` or ``"warm"``.
-        n_experts: experts delivered.
-        payload_bytes: expert bytes delivered (gate + up + down).
-        seconds: wall time of the pass.
-        cpu_seconds: user + system CPU of this process during the pass (kernel workers of io_uring
-            included; for fio, fio's own CPU).
-        p50_ms, p99_ms: per-expert latency percentiles (ms); None when not measured.
-        note: how the method ran (depth, threads, fallbacks).
-        gb_per_s_range: lowest and highest GB/s over the repeats (None for a single run).
+        depth: reads in flight: the engine's queue depth, fio's iodepth.
+        rounds: paired rounds.
+        methods: which methods, in the order of round 1.
+        n_threads: threads of the ``threads`` and ``pread`` replays.
+        seed: routing seed.
+        n_tokens: tokens per pass (None: every expert once).
+        loop: event loop of the engine passes.
+        warm_calls: ``experts()`` calls timed per warm figure.
+        moe_tokens: tokens of ``moe()`` calls timed (each through every MoE layer).
+        probe_bytes: bytes per host-cache probe read (0: no probe).
     """
 
-    method: str
-    phase: str
-    n_experts: int
-    payload_bytes: int
-    seconds: float
-    cpu_seconds: float
-    p50_ms: float | None
-    p99_ms: float | None
-    note: str = ""
-    gb_per_s_range: tuple[float, float] | None = None
-
-    @property
-    def gb_per_s(self) -> float:
-        """Payload GB/s (1e9 bytes)."""
-        return self.payload_bytes / self.seconds / 1e9
-
-    @property
-    def experts_per_s(self) -> float:
-        """Experts delivered per second."""
-        return self.n_experts / self.seconds
-
-    @property
-    def cpu_s_per_gib(self) -> float:
-        """CPU seconds burnt per GiB delivered."""
-        return self.cpu_seconds / (self.payload_bytes / (1 << 30))
-
-    def as_dict(self) -> dict[str, object]:
-        """Fields plus the derived rates, for ``--json``."""
-        d = asdict(self)
-        d.update(gb_per_s=self.gb_per_s, experts_per_s=self.experts_per_s, cpu_s_per_gib=self.cpu_s_per_gib)
-        return d
+    depth: int = 64
+    rounds: int = 5
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    n_threads: int = 8
+    seed: int = 0
+    n_tokens: int | None = None
+    loop: str = "uvloop"
+    warm_calls: int = 2000
+    moe_tokens: int = 1
+    probe_bytes: int = 256 << 20
 
 
-def make_steps(layout: ExpertLayout, n_tokens: int, seed: int) -> list[Step]:
+def make_steps(info: ea.ModelInfo, n_tokens: int, seed: int) -> list[Step]:
     """Uniform random top-k routing, token-major, with no expert repeated within a pass.
 
-    Each layer draws a seeded random permutation of its experts and hands out ``k`` at a time, a
-    new permutation when one runs out: every token gets a uniformly random set of ``k`` distinct
-    experts, and a pass of ``n_experts / k`` tokens reads every expert exactly once, so a cold
-    pass is all misses.
+    Each layer draws a seeded permutation of its experts and hands out ``k`` at a time (a new
+    permutation when one runs out), so a pass of ``n_experts / k`` tokens reads every expert once.
     """
     rng = np.random.default_rng(seed)
-    k = layout.n_expert_used
-    pools: dict[int, list[int]] = {layer: [] for layer in layout.layers}
+    k = info.n_expert_used
+    pools: dict[int, list[int]] = {layer: [] for layer in info.layers}
     steps: list[Step] = []
     for _ in range(n_tokens):
-        for layer, moe in layout.layers.items():
+        for layer, n in zip(info.layers, info.n_experts, strict=True):
             pool = pools[layer]
             if len(pool) < k:
-                pool.extend(int(e) for e in rng.permutation(moe.n_experts) if int(e) not in pool)
+                pool.extend(int(e) for e in rng.permutation(n) if int(e) not in pool)
             steps.append((layer, tuple(pool[:k])))
             del pool[:k]
     return steps
 
 
-def _locations(layout: ExpertLayout, steps: Sequence[Step]) -> list[ExpertLocation]:
-    return [layout.locate(layer, e) for layer, ids in steps for e in ids]
+def _window(depth: int, k: int) -> int:
+    """Concurrent layer requests that keep ``depth`` reads (3 per expert) queued."""
+    return max(2, math.ceil(2 * depth / (3 * k)))
 
 
-class _CpuClock:
-    def __enter__(self) -> _CpuClock:
-        self.t0 = time.perf_counter()
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        self.c0 = r.ru_utime + r.ru_stime
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        self.seconds = time.perf_counter() - self.t0
-        self.cpu = r.ru_utime + r.ru_stime - self.c0
-
-
-def _percentiles(latencies: Sequence[float]) -> tuple[float | None, float | None]:
-    if not latencies:
-        return None, None
-    arr = np.asarray(latencies) * 1e3
-    return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
+def _pass(method: str, seconds: float, cpu: float, bytes_read: int, n_reads: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "method": method,
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "bytes_read": bytes_read,
+        "n_reads": n_reads,
+        "gb_per_s": bytes_read / seconds / GB if seconds > 0 else math.nan,
+        "cpu_s_per_gib": cpu / (bytes_read / GIB) if bytes_read else math.nan,
+        **extra,
+    }
 
 
-def _baseline_pass(
-    method: str, phase: str, locs: Sequence[ExpertLocation], clock: _CpuClock, lat: Sequence[float], note: str
-) -> PassResult:
-    """A pass of a baseline that timed each expert (``lat``, seconds) over ``locs``."""
-    p50, p99 = _percentiles(lat)
-    payload = sum(x.n_bytes for x in locs)
-    return PassResult(method, phase, len(locs), payload, clock.seconds, clock.cpu, p50, p99, note)
+async def _engine_pass(
+    path: str,
+    info: ea.ModelInfo,
+    steps: Sequence[Step],
+    cfg: ReadBenchConfig,
+    backend: str,
+    slots: int,
+    warm: bool,
+) -> tuple[dict[str, Any], ReadList, dict[str, Any] | None]:
+    recorder = ea.ReadRecorder(info.shard_paths, backend)
+    options = ea.EngineOptions(slots=slots, backend=recorder, queue_depth=cfg.depth)
+    async with ea.open_engine(path, options) as engine:
+        drop_page_cache(info.shard_paths)
+        with Clock() as clock:
+            await ea.cold_pass(engine, steps, _window(cfg.depth, info.n_expert_used))
+        st = ea.engine_stats(engine)
+        warm_out = await warm_figures(engine, info, steps, cfg.warm_calls, cfg.moe_tokens, cfg.seed) if warm else None
+    reads = recorder.read_list()
+    features = st.get("backend_features", {})
+    record = _pass(
+        "io_uring" if backend == "io_uring" else "engine-threads",
+        clock.seconds,
+        clock.cpu,
+        int(st["bytes_read"]),
+        int(st["reads"]),
+        payload_bytes=int(st["payload_bytes"]),
+        n_experts=int(st["misses"]),
+        submissions=int(st["submissions"]),
+        p50_ms_per_expert=st.get("expert_latency_p50_ms"),
+        p99_ms_per_expert=st.get("expert_latency_p99_ms"),
+        direct_io=bool(st["direct_io"]),
+        fixed_buffers=bool(features.get("fixed_buffers", False)),
+        slab_bytes=int(st["n_slots"]) * int(st["slot_bytes"]),
+    )
+    return record, reads, warm_out
 
 
-def drop_page_cache(model: GGUFModel) -> None:
-    """``POSIX_FADV_DONTNEED`` over every shard (clean pages leave the page cache)."""
-    for shard in model.shards:
-        fd = os.open(shard.path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+def _replay_pass(method: str, reads: ReadList, dest: Destination, cfg: ReadBenchConfig) -> dict[str, Any]:
+    memory = dest.n_bytes
+    if method in ("uring", "uring-reused"):
+        reused = method == "uring-reused"
+        r = replay_uring(reads, dest, cfg.depth, reused=reused)
+        note = f"liburing, O_DIRECT, depth {cfg.depth}, {'reused buffers' if reused else 'distinct memory'}"
+        memory = (min(cfg.depth, len(reads)) if reused else len(reads)) * uring_slot_bytes(reads)
+    elif method == "mmap":
+        r = replay_mmap(reads, dest)
+        note = "1 thread copying each range out of a read-only shared mapping"
+    else:
+        direct = method == "threads"
+        r = replay_pread(reads, dest, direct=direct, n_threads=cfg.n_threads)
+        note = f"{cfg.n_threads} threads, os.preadv, {'O_DIRECT' if direct else 'buffered'}"
+    lat = r.latencies * 1e3
+    return _pass(
+        method,
+        r.seconds,
+        r.cpu_seconds,
+        r.bytes_read,
+        r.n_reads,
+        p50_ms_per_read=float(np.percentile(lat, 50)),
+        p99_ms_per_read=float(np.percentile(lat, 99)),
+        memory_bytes=memory,
+        registered_buffers=r.registered,
+        note=note,
+    )
 
 
-# -- aioexperts ------------------------------------------------------------------------------------
+def _fio_pass(reads: ReadList, cfg: ReadBenchConfig, method: str = "fio") -> dict[str, Any]:
+    r = run_fio_replay(reads, cfg.depth, vectored=method == "fio-readv")
+    return _pass(
+        method,
+        r.seconds,
+        r.cpu_seconds,
+        r.bytes_read,
+        r.n_reads,
+        process_cpu_seconds=r.process_cpu_seconds,
+        wall_seconds=r.wall_seconds,
+        p50_ms_per_read=r.p50_ms,
+        p99_ms_per_read=r.p99_ms,
+        registered_files=r.registered_files,
+        memory_bytes=r.buffer_bytes,
+        command=r.command,
+    )
 
 
-async def _engine_passes(
-    path: str, steps: Sequence[Step], backend: str, depth: int, slots: int, window: int
-) -> list[PassResult]:
-    results = []
-    async with open_store(path, slots=slots, io=IOOptions(backend=backend, queue_depth=depth)) as engine:
-        layout = engine.layout
-        payload = sum(loc.n_bytes for loc in _locations(layout, steps))
-        n_experts = sum(len(ids) for _, ids in steps)
-        for phase in ("cold", "warm"):
-            engine.reset_statistics()
-            gate = asyncio.Semaphore(window)
-
-            async def one(step: Step, gate: asyncio.Semaphore = gate) -> None:
-                async with gate, engine.experts(step[0], step[1]):
-                    pass
-
-            with _CpuClock() as clock:
-                await asyncio.gather(*(one(s) for s in steps))
-            st = engine.statistics()
-            mode = "O_DIRECT" if st.direct_io else f"buffered ({st.buffered_reason})"
-            note = f"{st.backend}, {mode}, depth {depth}, {st.hits} hits / {st.misses} misses, {st.submissions} submits"
-            if st.backend_features.get("fixed_buffers"):
-                note += ", fixed buffers"
-            p50 = st.expert_latency_p50_ms if phase == "cold" else None
-            p99 = st.expert_latency_p99_ms if phase == "cold" else None
-            if phase == "warm":
-                p50, p99 = clock.seconds / max(len(steps), 1) * 1e3, None
-                note += " (warm latency: mean per step)"
-            results.append(
-                PassResult(
-                    f"aioexperts {backend}",
-                    phase,
-                    n_experts,
-                    payload,
-                    clock.seconds,
-                    clock.cpu,
-                    p50,
-                    p99,
-                    note,
-                )
-            )
-    return results
-
-
-def engine_method(backend: str, depth: int, slots: int, window: int) -> Method:
-    """The aioexperts engine with ``backend``, as a benchmark method."""
-
-    def run(model: GGUFModel, layout: ExpertLayout, steps: Sequence[Step]) -> list[PassResult]:
-        return asyncio.run(_engine_passes(model.path, steps, backend, depth, slots, window))
-
-    return Method(f"aioexperts {backend}", run)
-
-
-# -- baselines --------------------------------------------------------------------------------------
-
-
-def buffered_pread_method(n_threads: int) -> Method:
-    """A pool of ``n_threads`` threads ``preadv``-ing exact ranges through the page cache."""
-
-    def run(model: GGUFModel, layout: ExpertLayout, steps: Sequence[Step]) -> list[PassResult]:
-        locs = _locations(layout, steps)
-        fds = [os.open(s.path, os.O_RDONLY) for s in model.shards]
-        buffers = threading.local()
-        try:
-            drop_page_cache(model)
-            results = []
-            for phase in ("cold", "warm"):
-
-                def read(loc: ExpertLocation) -> float:
-                    buf = getattr(buffers, "buf", None)
-                    if buf is None or len(buf) < loc.n_bytes:
-                        buf = buffers.buf = bytearray(layout.max_expert_bytes)
-                    t0 = time.perf_counter()
-                    view, pos = memoryview(buf), 0
-                    for seg in loc.segments:
-                        got = os.preadv(fds[seg.shard], [view[pos : pos + seg.n_bytes]], seg.offset)
-                        assert got == seg.n_bytes
-                        pos += seg.n_bytes
-                    return time.perf_counter() - t0
-
-                with _CpuClock() as clock, ThreadPoolExecutor(n_threads) as pool:
-                    lat = list(pool.map(read, locs))
-                results.append(
-                    _baseline_pass(
-                        "buffered pread",
-                        phase,
-                        locs,
-                        clock,
-                        lat,
-                        f"{n_threads} threads, page cache dropped before cold",
-                    )
-                )
-            return results
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    return Method("buffered pread", run)
-
-
-def mmap_method() -> Method:
-    """Copy each range out of a shared read-only ``mmap`` (page faults and kernel readahead)."""
-
-    def run(model: GGUFModel, layout: ExpertLayout, steps: Sequence[Step]) -> list[PassResult]:
-        locs = _locations(layout, steps)
-        maps = []
-        for shard in model.shards:
-            with open(shard.path, "rb") as f:
-                maps.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
-        arrays = [np.frombuffer(m, dtype=np.uint8) for m in maps]
-        out = np.empty(layout.max_expert_bytes, dtype=np.uint8)
-        try:
-            drop_page_cache(model)
-            results = []
-            for phase in ("cold", "warm"):
-                lat = []
-                with _CpuClock() as clock:
-                    for loc in locs:
-                        t0 = time.perf_counter()
-                        pos = 0
-                        for seg in loc.segments:
-                            out[pos : pos + seg.n_bytes] = arrays[seg.shard][seg.offset : seg.offset + seg.n_bytes]
-                            pos += seg.n_bytes
-                        lat.append(time.perf_counter() - t0)
-                results.append(
-                    _baseline_pass(
-                        "mmap", phase, locs, clock, lat, "1 thread copying from the mapping, default readahead"
-                    )
-                )
-            return results
-        finally:
-            del arrays
-            for m in maps:
-                m.close()
-
-    return Method("mmap", run)
-
-
-def fio_method(depth: int) -> Method | None:
-    """fio io_uring ``O_DIRECT`` random reads of the engine's read size and depth; None without fio."""
-    fio = shutil.which("fio")
-    if fio is None:
-        return None
-
-    def run(model: GGUFModel, layout: ExpertLayout, steps: Sequence[Step]) -> list[PassResult]:
-        locs = _locations(layout, steps)
-        sizes = [widen(seg.offset, seg.n_bytes, 4096)[1] for loc in locs for seg in loc.segments]
-        block = int(np.median(sizes))
-        payload = sum(x.n_bytes for x in locs)
-        io_size = max(block, payload // block * block)
-        files = ":".join(s.path.replace(":", "\\:") for s in model.shards)
-        cmd = [
-            fio,
-            "--name=aioexperts-device",
-            f"--filename={files}",
-            "--readonly",
-            "--rw=randread",
-            f"--bs={block}",
-            f"--iodepth={depth}",
-            "--ioengine=io_uring",
-            "--direct=1",
-            "--numjobs=1",
-            "--fixedbufs",
-            "--registerfiles",
-            f"--io_size={io_size}",
-            "--randrepeat=1",
-            "--output-format=json",
-        ]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
-        job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
-        read = job["read"]
-        seconds = read["runtime"] / 1e3
-        cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100 * seconds
-        lat = read.get("clat_ns", {}).get("percentile", {})
-        p50 = lat.get("50.000000")
-        p99 = lat.get("99.000000")
-        # in experts/s as for the other methods: bytes over the mean bytes of one expert
-        n = round(read["io_bytes"] / (payload / len(locs)))
-        return [
-            PassResult(
-                "fio",
-                "cold",
-                n,
-                read["io_bytes"],
-                seconds,
-                cpu,
-                p50 and p50 / 1e6,
-                p99 and p99 / 1e6,
-                f"io_uring O_DIRECT randread bs={block} iodepth={depth}, registered buffers and file "
-                "(as aioexperts uses them); latency per read, experts/s = bytes / mean expert size",
-            )
-        ]
-
-    return Method("fio", run)
-
-
-@dataclass(frozen=True)
-class Method:
-    """A named way to read the experts of a step sequence: ``run(model, layout, steps)``."""
-
-    name: str
-    run: Callable[[GGUFModel, ExpertLayout, Sequence[Step]], list[PassResult]]
+def _ratio_spread(rounds: list[dict[str, Any]], num: str, den: str, key: str = "gb_per_s") -> dict[str, Any] | None:
+    values = [
+        r["cold"][num][key] / r["cold"][den][key]
+        for r in rounds
+        if num in r["cold"] and den in r["cold"] and r["cold"][den][key] > 0
+    ]
+    return spread(values).as_dict() if values else None
 
 
 def run_read_bench(
     path: str,
+    cfg: ReadBenchConfig,
     *,
-    n_tokens: int | None = None,
-    seed: int = 0,
-    depth: int = 64,
-    repeat: int = 1,
-    methods: Sequence[str] = ("fio", "io_uring", "threads", "buffered", "mmap"),
-    n_threads: int = 8,
-    progress: Callable[[str], None] | None = None,
-) -> list[PassResult]:
-    """Run every method ``repeat`` times on the same routing; returns the median pass of each.
+    step: Say | None = None,
+    note: Say | None = None,
+) -> dict[str, Any]:
+    """Run the read bench (see the module docstring); returns its section of the results file.
 
     Args:
-        path: the model (any shard of a split set).
-        n_tokens: tokens per pass (default: enough for every expert to be read once).
-        seed: routing seed.
-        depth: reads in flight (engine queue depth, fio iodepth).
-        repeat: runs per method; the pass with the median time is kept.
-        methods: any of ``fio``, ``io_uring``, ``threads``, ``buffered``, ``mmap``.
-        n_threads: threads of the buffered pread pool.
-        progress: called with a line of text before each method runs.
+        path: the model.
+        cfg: parameters.
+        step: called before each pass with a label such as ``"round 2/5: fio"``.
+        note: called with lines worth showing (fio missing, a read list mismatch).
+
+    Raises:
+        aioexperts.AioExpertsError, OSError: the model cannot be read.
     """
-    model = open_model(path)
-    layout = build_layout(model)
-    if n_tokens is None:
-        n_tokens = max(1, min(m.n_experts for m in layout.layers.values()) // layout.n_expert_used)
-    steps = make_steps(layout, n_tokens, seed)
+    say_step = step or (lambda s: None)
+    say = note or (lambda s: None)
+    info = ea.model_info(path)
+    n_tokens = cfg.n_tokens or max(1, min(info.n_experts) // info.n_expert_used)
+    steps = make_steps(info, n_tokens, cfg.seed)
     unique = len({(layer, e) for layer, ids in steps for e in ids})
-    window = max(2, math.ceil(2 * depth / (3 * layout.n_expert_used)))
-    table: dict[str, Method | None] = {
-        "fio": fio_method(depth),
-        "io_uring": engine_method("io_uring", depth, unique, window),
-        "threads": engine_method("threads", depth, unique, window),
-        "buffered": buffered_pread_method(n_threads),
-        "mmap": mmap_method(),
+    methods = list(cfg.methods)
+    fio_ok = fio_path() is not None
+    if {"fio", "fio-readv"} & set(methods) and not fio_ok:
+        say("fio is not installed: no fio replay (apt-get install fio); ratios to fio are left out")
+        methods = [m for m in methods if m not in ("fio", "fio-readv")]
+
+    say_step("recording the engine's reads (first cold pass)")
+    record, reads, _ = run_on_loop(_engine_pass, path, info, steps, cfg, "io_uring", unique, False, loop=cfg.loop)
+    probe = None
+    if cfg.probe_bytes:
+        say_step("probing for a host cache below the guest")
+        probe = probe_host_cache(info.shard_paths[0], cfg.probe_bytes)
+
+    rounds: list[dict[str, Any]] = []
+    with Destination(max(reads.total_bytes, len(reads) * uring_slot_bytes(reads))) as dest:
+        for r in range(cfg.rounds):
+            order = rotated(methods, r)
+            cold: dict[str, Any] = {}
+            warm: dict[str, Any] = {}
+            for method in order:
+                say_step(f"round {r + 1}/{cfg.rounds}: {method}")
+                if method in ("io_uring", "engine-threads"):
+                    backend = "io_uring" if method == "io_uring" else "threads"
+                    rec, got, warm_out = run_on_loop(
+                        _engine_pass, path, info, steps, cfg, backend, unique, method == "io_uring", loop=cfg.loop
+                    )
+                    rec["same_reads_as_list"] = got.same_reads(reads)
+                    rec["same_order_as_list"] = bool(np.array_equal(got.reads, reads.reads))
+                    if not rec["same_reads_as_list"]:
+                        say(f"round {r + 1}: the engine's reads differ from the recorded list")
+                    cold[method] = rec
+                    if warm_out is not None:
+                        warm["engine"] = warm_out
+                    continue
+                drop_page_cache(info.shard_paths)
+                if method in ("fio", "fio-readv"):
+                    cold[method] = _fio_pass(reads, cfg, method)
+                    continue
+                cold[method] = _replay_pass(method, reads, dest, cfg)
+                if method in ("pread", "mmap"):  # a second replay: from the page cache
+                    again = _replay_pass(method, reads, dest, cfg)
+                    n_experts = len(steps) * info.n_expert_used
+                    again["us_per_expert"] = again["seconds"] / n_experts * 1e6
+                    again["experts_per_s"] = n_experts / again["seconds"]
+                    warm[method] = again
+            rounds.append({"round": r + 1, "order": order, "cold": cold, "warm": warm})
+
+    summary: dict[str, Any] = {}
+    for method in methods:
+        passes = [rd["cold"][method] for rd in rounds if method in rd["cold"]]
+        summary[method] = {
+            "label": LABELS[method],
+            "gb_per_s": spread(p["gb_per_s"] for p in passes).as_dict(),
+            "cpu_s_per_gib": spread(p["cpu_s_per_gib"] for p in passes).as_dict(),
+            "bytes_read": sorted({p["bytes_read"] for p in passes}),
+            "n_reads": sorted({p["n_reads"] for p in passes}),
+        }
+    ratios = {
+        "io_uring_x_fio": _ratio_spread(rounds, "io_uring", "fio"),
+        "io_uring_x_mmap": _ratio_spread(rounds, "io_uring", "mmap"),
+        "io_uring_x_threads": _ratio_spread(rounds, "io_uring", "threads"),
+        "io_uring_x_pread": _ratio_spread(rounds, "io_uring", "pread"),
+        "cpu_io_uring_over_fio": _ratio_spread(rounds, "io_uring", "fio", "cpu_s_per_gib"),
+        "cpu_io_uring_over_threads": _ratio_spread(rounds, "io_uring", "threads", "cpu_s_per_gib"),
+        "distinct_over_reused_memory": _ratio_spread(rounds, "uring", "uring-reused"),
+        "raw_reused_x_fio": _ratio_spread(rounds, "uring-reused", "fio"),
+        "io_uring_x_raw": _ratio_spread(rounds, "io_uring", "uring"),
+        "io_uring_x_fio_readv": _ratio_spread(rounds, "io_uring", "fio-readv"),
+        "fio_readv_x_fio": _ratio_spread(rounds, "fio-readv", "fio"),
     }
-    runs: dict[tuple[str, str], list[PassResult]] = {}
-    for r in range(repeat):
-        for name in methods:
-            method = table[name]
-            if method is None:
-                continue
-            if progress is not None:
-                progress(f"run {r + 1}/{repeat}: {method.name}")
-            for result in method.run(model, layout, steps):
-                runs.setdefault((result.method, result.phase), []).append(result)
-    medians = []
-    for rs in runs.values():
-        median = sorted(rs, key=lambda x: x.seconds)[len(rs) // 2]
-        rates = [x.gb_per_s for x in rs]
-        medians.append(dataclasses.replace(median, gb_per_s_range=(min(rates), max(rates))) if len(rs) > 1 else median)
-    return medians
+    return {
+        "parameters": {
+            "depth": cfg.depth,
+            "rounds": cfg.rounds,
+            "methods": methods,
+            "n_threads": cfg.n_threads,
+            "seed": cfg.seed,
+            "tokens_per_pass": n_tokens,
+            "experts_per_pass": len(steps) * info.n_expert_used,
+            "unique_experts": unique,
+            "engine_slots": unique,
+            "concurrent_layer_requests": _window(cfg.depth, info.n_expert_used),
+            "loop": cfg.loop,
+            "fio": fio_version(),
+        },
+        "drop_method": DROP_METHOD,
+        "read_list": {
+            "n_reads": len(reads),
+            "bytes_requested": reads.total_bytes,
+            "bytes_expected": reads.expected_bytes(),
+            "median_read_bytes": reads.median_len,
+            "max_read_bytes": reads.max_len,
+            "order": "the engine's submission order in the recording pass",
+        },
+        "recording_pass": record,
+        "host_cache": None if probe is None else probe.as_dict(),
+        "rounds": rounds,
+        "summary": summary,
+        "ratios": ratios,
+        "warm": _warm_summary(rounds),
+    }
+
+
+def _warm_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    engine = [rd["warm"]["engine"] for rd in rounds if "engine" in rd["warm"]]
+    if engine:
+        out["engine"] = {
+            key: spread(w[key] for w in engine).as_dict()
+            for key in engine[0]
+            if isinstance(engine[0][key], int | float) and not isinstance(engine[0][key], bool)
+        }
+    for method in ("pread", "mmap"):
+        ws = [rd["warm"][method] for rd in rounds if method in rd["warm"]]
+        if ws:
+            out[method] = {
+                "us_per_expert": spread(w["us_per_expert"] for w in ws).as_dict(),
+                "experts_per_s": spread(w["experts_per_s"] for w in ws).as_dict(),
+            }
+    return out

@@ -1,10 +1,13 @@
 """Write valid MoE GGUF files of any geometry, for benchmarks and tests.
 
 The files are written with the ``gguf`` package's ``GGUFWriter`` (split sets with its
-``split_max_tensors``). Weights are random: quantized blocks get random quant bytes and finite
-scales, rescaled so that each matrix's weights have a standard deviation of about
-``1 / sqrt(ne0)`` (a matrix product keeps the size of its input, as in a trained model); float
-tensors get small normal values. The default :class:`SyntheticSpec` is the Qwen3-30B-A3B expert geometry.
+``split_max_tensors``). Weights are random but numerically sane: for ``Q4_K`` and the types
+``gguf.quants`` can quantize, every block is the quantization of zero-mean normal data, drawn
+from a small pool (:mod:`.blockpool`) with its scales set so that each matrix's weights have a
+standard deviation of about ``1 / sqrt(ne0)`` (a matrix product keeps the size of its input, as
+in a trained model). Other quantized types get random quant bytes with finite scales rescaled the
+same way; float tensors get small normal values. The default :class:`SyntheticSpec` is the
+Qwen3-30B-A3B expert geometry.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from .._errors import ConfigError
+from .blockpool import draw_blocks
 
 __all__ = ("BENCH_SPEC", "SyntheticSpec", "write_synthetic_model")
 
@@ -107,11 +111,14 @@ def _random_weights(
     if ggml_type in _FLOAT_DTYPES:
         return (rng.standard_normal((ne2, ne1, ne0), dtype=np.float32) * 0.02).astype(_FLOAT_DTYPES[ggml_type])
     n_bytes = _tensor_bytes(ggml_type, ne0, ne1, ne2)
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    drawn = draw_blocks(rng, ggml_type, n_bytes // type_size, ne0**-0.5)
+    if drawn is not None:
+        return drawn.reshape(ne2, ne1, ne0 // block_size * type_size)
     raw = np.frombuffer(bytearray(rng.bytes(n_bytes)), dtype=np.uint8)
     if ggml_type == Q.BF16:
         values = (rng.standard_normal(n_bytes // 2, dtype=np.float32) * 0.02).view(np.uint32)
         raw = (values >> 16).astype(np.uint16).view(np.uint8).copy()
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     blocks = raw.reshape(-1, type_size)
     fields = _SCALE_FIELDS.get(ggml_type, ())
     for offset, kind in fields:
@@ -236,17 +243,19 @@ def write_synthetic_model(
     written = 0
     for name, _make, ggml_type, n_bytes in tensors:
         writer.add_tensor_info(name, _numpy_shape(spec, name), np.dtype(np.float32), n_bytes, raw_dtype=ggml_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for name, make, _type, n_bytes in tensors:
-        data = make()
-        assert data.nbytes == n_bytes, (name, data.nbytes, n_bytes)
-        writer.write_tensor_data(data)
-        written += n_bytes
-        if progress is not None:
-            progress(written, total)
-    writer.close()
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for name, make, _type, n_bytes in tensors:
+            data = make()
+            assert data.nbytes == n_bytes, (name, data.nbytes, n_bytes)
+            writer.write_tensor_data(data)
+            written += n_bytes
+            if progress is not None:
+                progress(written, total)
+    finally:
+        writer.close()
     return [Path(p) for p in writer.format_shard_names(Path(path))] if shards > 1 else [Path(path)]
 
 

@@ -1,60 +1,72 @@
-"""Per-token benchmark: tokens/s and latency with prefetch on and off, and the I/O-compute overlap.
+"""Per-token figures: the I/O-compute overlap, and tokens per second with the numpy executor.
 
-Every run replays the same seeded routing (uniform random top-k per token and layer) through a
-fresh engine (a cold slab of ``slab_fraction`` of all experts), one token at a time through every
-MoE layer with :meth:`Engine.run_token`:
+Overlap, per round (``rounds``, 5 by default), on a seeded uniform random top-k routing trace,
+one token at a time through every MoE layer (``engine.run_token``), each run in a fresh engine:
 
-- ``io only``: no compute, the oracle prefetch on: how fast the experts stream (the I/O time),
-  idle and while another process keeps one core busy (the CPU load the compute step adds);
-- ``serial``: compute, no prefetch: I/O and compute one after the other;
-- ``pipelined (<predictor>)``: compute in a worker thread while the next layer's predicted
-  experts are read. ``oracle`` knows the next layer's routing (the upper bound of overlap);
-  ``previous`` and ``frequency`` are real predictors (they cannot guess uniform random routing);
-- the overlap figure ``token_time / max(io_time, compute_time)`` of the oracle run (1.0 is
-  perfect overlap, 2.0 none);
-- hit rates of the LRU, LFU and LFUDA eviction policies on a skewed trace (popular experts and
-  token-to-token locality, where policies differ), and a trace replay of LRU, LFU, LFUDA and
-  Belady's optimum at slabs of 10 %, 25 % and 50 % of the experts.
+1. ``io only``: no compute, a slab of ``slab_fraction`` of the experts, the oracle prefetch (it
+   knows the next layers' routing): the I/O time of a token, ``io``;
+2. the synthetic compute step is calibrated on that round's ``io``: numpy matrix products in the
+   worker thread lasting ``io / n_layers`` per layer (a compute step as long as the I/O);
+3. then, in an order rotated each round:
 
-The compute step is either ``synthetic`` (numpy matrix products in the worker thread, calibrated
-to take as long per layer as the measured I/O: "a compute step of the same order as I/O") or
-``executor`` (the real numpy MoE executor on the model's experts).
+   - ``compute only``: the same compute step with every expert of the trace resident (loaded by
+     an untimed pass first) and no prefetch: the compute time of a token, ``compute``, measured
+     through the same pipeline (hand-off to the worker thread included);
+   - ``pipelined``: compute and the oracle prefetch on the ``slab_fraction`` slab: ``token``;
+   - ``serial``: the same without prefetch (I/O, then compute, layer after layer).
+
+   ``overlap = token / max(io, compute)`` of that round: 1.0 means the shorter of the two is
+   fully hidden, 2.0 none of it.
+
+Executor, per round: tokens per second of the MoE layers with the real numpy executor and the
+model's own router on random inputs, with the engine's default router prefetch, at a slab of 0 %
+(the engine's minimum, ``2 * top-k`` slots), 25 % and 100 % (every expert loaded first).
+
+A timeline of one pipelined token (reads per layer with their submit and completion times,
+compute per layer) is recorded after the rounds for the plot.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from .._cache.replay import ReplayResult, replay_fractions
-from .._format.layout import ExpertLayout, build_layout
-from .._format.model import open_model
-from .._format.views import ExpertView
-from .._options import CacheOptions, IOOptions, PrefetchOptions
-from .._pipeline import ComputeStep
-from .._predict.predictors import Predictor, make_predictor
-from .._predict.trace import RoutingTrace, skewed_random_trace, uniform_random_trace
-from .._runner import MoERunner
-from .._store import open as open_store
+import aioexperts
+import aioexperts.predictors
 
-__all__ = ("OraclePredictor", "TokenBenchResult", "TokenRun", "run_token_bench")
+from . import engine_adapter as ea
+from .loops import run as run_on_loop
+from .measure import rotated, spread
+
+__all__ = ("TARGET_OVERLAP", "OraclePredictor", "TokenBenchConfig", "run_token_bench", "synthetic_compute")
+
+#: The overlap target (issue 12; it was 1.1 before).
+TARGET_OVERLAP = 1.15
+Say = Callable[[str], None]
 
 
-class OraclePredictor(Predictor):
-    """Knows the routing in advance (from a trace): an upper bound for any real predictor."""
+class OraclePredictor(aioexperts.predictors.Predictor):
+    """Knows the routing in advance (from the trace): an upper bound for any real predictor.
+
+    Args:
+        trace: int ``(n_tokens, n_layers, k)`` expert ids, or an ``aioexperts.RoutingTrace``.
+        layers: the MoE block index of each trace column (taken from a ``RoutingTrace``).
+    """
 
     name = "oracle"
 
-    def __init__(self, trace: RoutingTrace) -> None:
+    def __init__(self, trace: np.ndarray | aioexperts.RoutingTrace, layers: Sequence[int] | None = None) -> None:
+        if isinstance(trace, aioexperts.RoutingTrace):
+            layers = list(trace.layers)
+            trace = trace.ids
+        if layers is None:
+            raise TypeError("OraclePredictor needs the layers of the trace's columns")
         self.trace = trace
+        self.column = {layer: i for i, layer in enumerate(layers)}
         self.token = 0
 
     def observe(self, layer: int, x: np.ndarray | None, ids: np.ndarray) -> None:
@@ -62,85 +74,33 @@ class OraclePredictor(Predictor):
 
     def predict(self, layer: int, next_layer: int, x: np.ndarray | None, budget: int) -> list[int]:
         token = self.token + 1 if next_layer <= layer else self.token  # wrapped to the next token
-        if token >= self.trace.n_tokens:
+        if token >= len(self.trace):
             return []
-        row = self.trace.ids[token, self.trace.layer_index(next_layer)]
-        return [int(e) for e in row if e >= 0][:budget]
+        return [int(e) for e in self.trace[token, self.column[next_layer]]][:budget]
 
     def reset(self) -> None:
         self.token = 0
 
 
-@dataclass(frozen=True)
-class TokenRun:
-    """One run of the per-token benchmark.
+def uniform_trace(info: ea.ModelInfo, n_tokens: int, seed: int) -> np.ndarray:
+    """``(n_tokens, n_layers, k)`` int32: ``k`` distinct uniformly random experts per token and layer."""
+    rng = np.random.default_rng(seed)
+    k = info.n_expert_used
+    out = np.empty((n_tokens, len(info.layers), k), dtype=np.int32)
+    for t in range(n_tokens):
+        for i, n in enumerate(info.n_experts):
+            out[t, i] = rng.choice(n, size=k, replace=False)
+    return out
 
-    Attributes:
-        name: run name.
-        tokens: tokens run.
-        seconds: wall time of all tokens.
-        p50_ms, p99_ms: per-token latency percentiles.
-        io_wait_s: time spent waiting for experts (summed over tokens).
-        compute_s: compute time in the worker thread (summed over tokens).
-        hit_rate: resident hits / expert requests.
-        prefetch_hits: requests served by a prefetched expert (resident or in flight).
-        prefetch_issued, prefetch_wasted: prefetch loads started / evicted unused.
-        bytes_read: bytes read from the device.
+
+def synthetic_compute(seconds_per_layer: float) -> ea.ComputeFn:
+    """A compute step of numpy matrix products (they release the GIL) lasting ``seconds_per_layer``.
+
+    Small products (96 x 96, a few tens of microseconds each) so the step ends close to its time.
     """
+    a = np.random.default_rng(0).standard_normal((96, 96), dtype=np.float32) / 10
 
-    name: str
-    tokens: int
-    seconds: float
-    p50_ms: float
-    p99_ms: float
-    io_wait_s: float
-    compute_s: float
-    hit_rate: float
-    prefetch_hits: int
-    prefetch_issued: int
-    prefetch_wasted: int
-    bytes_read: int
-    requests: int
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Tokens per second."""
-        return self.tokens / self.seconds
-
-    @property
-    def ms_per_token(self) -> float:
-        """Mean milliseconds per token."""
-        return self.seconds / self.tokens * 1e3
-
-
-def _noop(layer: int, x: np.ndarray, views: Mapping[int, ExpertView], ids: np.ndarray, w: np.ndarray) -> np.ndarray:
-    return np.zeros_like(x)
-
-
-@contextlib.contextmanager
-def cpu_load() -> Iterator[None]:
-    """Keep one core busy in another process (numpy matrix products), like the compute step does."""
-    code = (
-        "import numpy as np\n"
-        "a = np.random.default_rng(0).standard_normal((256, 256), dtype=np.float32); b = a\n"
-        "while True: b = np.tanh(a @ b)\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
-    try:
-        time.sleep(0.3)
-        yield
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def synthetic_compute(seconds_per_layer: float, n_embd: int) -> ComputeStep:
-    """A compute step of numpy matrix products (the GIL is released) lasting ``seconds_per_layer``."""
-    a = np.random.default_rng(0).standard_normal((256, 256), dtype=np.float32)
-
-    def compute(
-        layer: int, x: np.ndarray, views: Mapping[int, ExpertView], ids: np.ndarray, w: np.ndarray
-    ) -> np.ndarray:
+    def compute(layer: int, x: np.ndarray, views: Mapping[int, Any], ids: np.ndarray, w: np.ndarray) -> np.ndarray:
         end = time.perf_counter() + seconds_per_layer
         b = a
         while time.perf_counter() < end:
@@ -150,211 +110,252 @@ def synthetic_compute(seconds_per_layer: float, n_embd: int) -> ComputeStep:
     return compute
 
 
-async def _run(
-    path: str,
-    name: str,
-    trace: RoutingTrace,
-    slots: int,
-    compute: ComputeStep,
-    predictor: Predictor | None,
-    depth: int,
-    n_embd: int,
-    budget: int,
-    policy: str = "lru",
-) -> TokenRun:
-    layers = trace.layers
-    async with open_store(
-        path, cache=CacheOptions(slots=slots, policy=policy), io=IOOptions(queue_depth=depth)
-    ) as store:
-        engine = MoERunner(store, prefetch=PrefetchOptions(predictor="none", budget=budget))
-        token = 0
-
-        def route(layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            ids = trace.ids[token, layers.index(layer)][None, :].astype(np.int32)
-            return ids, np.full(ids.shape, 1.0 / ids.shape[1], dtype=np.float32)
-
-        x = np.zeros((1, n_embd), dtype=np.float32)
-        io_wait = compute_s = 0.0
-        latencies = []
-        t0 = time.perf_counter()
-        for token in range(trace.n_tokens):
-            if isinstance(predictor, OraclePredictor):
-                predictor.token = token
-            result = await engine.run_token(
-                x, route_step=route, compute=compute, predictor=predictor, prefetch=predictor is not None
-            )
-            latencies.append(result.seconds)
-            io_wait += result.io_wait_seconds
-            compute_s += result.compute_seconds
-        seconds = time.perf_counter() - t0
-        st = store.statistics()
-    lat = np.asarray(latencies) * 1e3
-    return TokenRun(
-        name,
-        trace.n_tokens,
-        seconds,
-        float(np.percentile(lat, 50)),
-        float(np.percentile(lat, 99)),
-        io_wait,
-        compute_s,
-        st.hit_rate,
-        st.prefetch_hits,
-        st.prefetch_issued,
-        st.prefetch_wasted,
-        st.bytes_read,
-        st.requests,
-    )
+def _noop(layer: int, x: np.ndarray, views: Mapping[int, Any], ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return np.zeros_like(x)
 
 
 @dataclass(frozen=True)
-class TokenBenchResult:
-    """Everything the per-token benchmark measured in one run.
+class TokenBenchConfig:
+    """Parameters of the per-token bench (all recorded in the results file).
 
     Attributes:
-        runs: median run (by time) of each configuration, in the order they ran.
-        policy_runs: hit rates of each eviction policy on the skewed trace (no prefetch, no compute).
-        replay: trace replay ``{trace name: {fraction: {policy: ReplayResult}}}``.
-        io_ms_per_token, compute_ms_per_token: median I/O-only and compute time per token.
-        overlap: ``token_time / max(io_time, compute_time)`` of the pipelined oracle run.
-        other_overlaps: the same figure with the synthetic compute at 0.5x and 2x the I/O time.
-        io_loaded_ms_per_token: I/O-only time while another process keeps one core busy.
-        overlap_loaded: ``overlap`` against that I/O time (on a shared virtual disk the device
-            itself slows down when a core is busy, which the pipeline cannot hide).
+        rounds: paired rounds.
+        n_tokens: tokens per overlap run.
+        slab_fraction: slab of the overlap runs, as a fraction of all experts.
+        depth: engine queue depth.
+        seed: routing and input seed.
+        loop: event loop.
+        executor_tokens: tokens per executor run (0: no executor runs).
+        executor_fractions: slab fractions of the executor runs (0 means the engine's minimum).
+        target_overlap: the overlap target printed as met or missed.
     """
 
-    runs: list[TokenRun]
-    policy_runs: list[TokenRun]
-    replay: dict[str, dict[float, dict[str, ReplayResult]]]
-    io_ms_per_token: float
-    compute_ms_per_token: float
-    overlap: float
-    compute: str
-    slots: int
-    n_experts_total: int
-    repeat: int
-    other_overlaps: dict[str, float]
-    io_loaded_ms_per_token: float
-    overlap_loaded: float
+    rounds: int = 5
+    n_tokens: int = 16
+    slab_fraction: float = 0.25
+    depth: int = 64
+    seed: int = 0
+    loop: str = "uvloop"
+    executor_tokens: int = 4
+    executor_fractions: tuple[float, ...] = (0.0, 0.25, 1.0)
+    target_overlap: float = TARGET_OVERLAP
+
+
+def _slots(info: ea.ModelInfo, fraction: float) -> int:
+    return max(2 * info.n_expert_used, min(info.n_experts_total, int(round(info.n_experts_total * fraction))))
+
+
+def _summary(t: ea.TokenTimes) -> dict[str, Any]:
+    n = len(t.seconds)
+    st = t.stats
+    return {
+        "tokens": n,
+        "seconds": float(sum(t.seconds)),
+        "ms_per_token": float(sum(t.seconds)) / n * 1e3,
+        "tokens_per_s": n / float(sum(t.seconds)),
+        "p50_ms": float(np.percentile(np.asarray(t.seconds) * 1e3, 50)),
+        "io_wait_ms_per_token": float(sum(t.io_wait_seconds)) / n * 1e3,
+        "compute_ms_per_token": float(sum(t.compute_seconds)) / n * 1e3,
+        "hit_rate": st.get("hit_rate"),
+        "requests": st.get("requests"),
+        "prefetch_hits": st.get("prefetch_hits"),
+        "bytes_read": st.get("bytes_read"),
+    }
+
+
+async def _overlap_run(
+    path: str,
+    info: ea.ModelInfo,
+    trace: np.ndarray,
+    cfg: TokenBenchConfig,
+    *,
+    compute: ea.ComputeFn,
+    prefetch: bool,
+    resident: bool,
+    recorder: ea.ReadRecorder | None = None,
+) -> ea.TokenTimes:
+    unique = len({(layer, int(e)) for t in trace for layer, ids in zip(info.layers, t, strict=True) for e in ids})
+    slots = unique if resident else _slots(info, cfg.slab_fraction)
+    options = ea.EngineOptions(
+        slots=slots, backend=recorder or "io_uring", queue_depth=cfg.depth, prefetch_budget=info.n_expert_used
+    )
+    oracle = OraclePredictor(trace, info.layers)
+    x0 = [np.zeros((1, info.n_embd), dtype=np.float32)] * len(trace)
+
+    def route(token: int) -> ea.RouteFn:
+        def step(layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            ids = trace[token, oracle.column[layer]][None, :].astype(np.int32)
+            return ids, np.full(ids.shape, 1.0 / ids.shape[1], dtype=np.float32)
+
+        return step
+
+    def advance(token: int) -> None:
+        oracle.token = token
+
+    async with ea.open_engine(path, options) as engine:
+        if resident:  # load every expert of the trace first, untimed
+            await ea.run_tokens(engine, x0, route=route, compute=_noop, prefetch=False)
+        ea.reset_stats(engine)
+        if recorder is not None:
+            recorder.clear()
+        return await ea.run_tokens(
+            engine,
+            x0,
+            route=route,
+            compute=compute,
+            predictor=oracle if prefetch else None,
+            prefetch=prefetch,
+            on_token=advance,
+        )
+
+
+async def _executor_run(path: str, info: ea.ModelInfo, fraction: float, cfg: TokenBenchConfig, seed: int) -> Any:
+    slots = _slots(info, fraction)
+    options = ea.EngineOptions(slots=slots, backend="io_uring", queue_depth=cfg.depth, prefetch="router")
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal((1, info.n_embd), dtype=np.float32) for _ in range(cfg.executor_tokens)]
+    xs = [(x / np.sqrt(np.mean(x * x))).astype(np.float32) for x in xs]
+    async with ea.open_engine(path, options) as engine:
+        if slots >= info.n_experts_total:
+            await ea.preload(engine, info.layers, info.n_experts, window=8)
+        await ea.run_tokens(engine, xs[:1])  # resident weights, router and predictor set up, untimed
+        ea.reset_stats(engine)
+        return _summary(await ea.run_tokens(engine, xs)) | {"slots": slots}
 
 
 def run_token_bench(
+    path: str, cfg: TokenBenchConfig, *, step: Say | None = None, note: Say | None = None
+) -> dict[str, Any]:
+    """Run the per-token bench (see the module docstring); returns its section of the results file."""
+    say_step = step or (lambda s: None)
+    info = ea.model_info(path)
+    trace = uniform_trace(info, cfg.n_tokens, cfg.seed)
+    n_layers = len(info.layers)
+    rounds: list[dict[str, Any]] = []
+    for r in range(cfg.rounds):
+        label = f"round {r + 1}/{cfg.rounds}"
+        say_step(f"{label}: tokens, io only")
+        io = _summary(run_on_loop(_run_overlap, path, info, trace, cfg, _noop, True, False, loop=cfg.loop))
+        per_layer = io["ms_per_token"] / 1e3 / n_layers
+        step_fn = synthetic_compute(per_layer)
+        runs: dict[str, Any] = {"io only": io}
+        for name in rotated(["compute only", "pipelined", "serial"], r):
+            say_step(f"{label}: tokens, {name}")
+            prefetch = name == "pipelined"
+            resident = name == "compute only"
+            times = run_on_loop(_run_overlap, path, info, trace, cfg, step_fn, prefetch, resident, loop=cfg.loop)
+            runs[name] = _summary(times)
+        io_ms = runs["io only"]["ms_per_token"]
+        compute_ms = runs["compute only"]["ms_per_token"]
+        token_ms = runs["pipelined"]["ms_per_token"]
+        executor: dict[str, Any] = {}
+        if cfg.executor_tokens > 0:
+            for fraction in rotated([f"{f:g}" for f in cfg.executor_fractions], r):
+                say_step(f"{label}: executor, slab {float(fraction):.0%}")
+                executor[fraction] = run_on_loop(
+                    _executor_run, path, info, float(fraction), cfg, cfg.seed + r, loop=cfg.loop
+                )
+        rounds.append(
+            {
+                "round": r + 1,
+                "synthetic_ms_per_layer": per_layer * 1e3,
+                "runs": runs,
+                "overlap": token_ms / max(io_ms, compute_ms),
+                "serial_over_max": runs["serial"]["ms_per_token"] / max(io_ms, compute_ms),
+                "executor": executor,
+            }
+        )
+    say_step("tokens: timeline of one pipelined token")
+    timeline = run_on_loop(_timeline, path, info, trace, cfg, rounds[-1]["synthetic_ms_per_layer"] / 1e3, loop=cfg.loop)
+    overlap = spread(rd["overlap"] for rd in rounds)
+    names = ["io only", "compute only", "pipelined", "serial"]
+    summary = {
+        name: {
+            key: spread(rd["runs"][name][key] for rd in rounds).as_dict()
+            for key in ("ms_per_token", "tokens_per_s", "io_wait_ms_per_token", "compute_ms_per_token", "hit_rate")
+        }
+        for name in names
+    }
+    executor_summary = {
+        fraction: {
+            key: spread(rd["executor"][fraction][key] for rd in rounds).as_dict()
+            for key in ("tokens_per_s", "ms_per_token", "hit_rate", "compute_ms_per_token", "io_wait_ms_per_token")
+        }
+        | {"slots": rounds[0]["executor"][fraction]["slots"]}
+        for fraction in (rounds[0]["executor"] if rounds else {})
+    }
+    return {
+        "parameters": {
+            "rounds": cfg.rounds,
+            "tokens": cfg.n_tokens,
+            "slab_fraction": cfg.slab_fraction,
+            "slab_slots": _slots(info, cfg.slab_fraction),
+            "n_experts_total": info.n_experts_total,
+            "depth": cfg.depth,
+            "seed": cfg.seed,
+            "loop": cfg.loop,
+            "routing": "uniform random top-k per token and layer (seeded)",
+            "executor_tokens": cfg.executor_tokens,
+            "executor_fractions": list(cfg.executor_fractions),
+        },
+        "target_overlap": cfg.target_overlap,
+        "rounds": rounds,
+        "overlap": overlap.as_dict(),
+        "overlap_met": bool(overlap.median <= cfg.target_overlap),
+        "serial_over_max": spread(rd["serial_over_max"] for rd in rounds).as_dict(),
+        "summary": summary,
+        "executor": executor_summary,
+        "timeline": timeline,
+    }
+
+
+async def _run_overlap(
     path: str,
-    *,
-    n_tokens: int = 24,
-    seed: int = 0,
-    slab_fraction: float = 0.25,
-    depth: int = 64,
-    compute: str = "synthetic",
-    predictors: Sequence[str] = ("previous", "frequency"),
-    policies: Sequence[str] = ("lru", "lfu", "lfuda"),
-    repeat: int = 3,
-    progress: Callable[[str], None] | None = None,
-) -> TokenBenchResult:
-    """Run the per-token benchmark on ``path`` (see the module docstring).
+    info: ea.ModelInfo,
+    trace: np.ndarray,
+    cfg: TokenBenchConfig,
+    compute: ea.ComputeFn,
+    prefetch: bool,
+    resident: bool,
+) -> ea.TokenTimes:
+    return await _overlap_run(path, info, trace, cfg, compute=compute, prefetch=prefetch, resident=resident)
 
-    The device speed of a shared virtual disk drifts from run to run, so every configuration runs
-    ``repeat`` times, interleaved, and the median is kept.
-    """
-    model = open_model(path)
-    layout: ExpertLayout = build_layout(model)
-    n_embd = layout.n_embd
-    layers = list(layout.layers)
-    n_experts = [m.n_experts for m in layout.layers.values()]
-    k = layout.n_expert_used
-    trace = uniform_random_trace(n_tokens, layers, n_experts, k, seed)
-    skewed = skewed_random_trace(n_tokens * 4, layers, n_experts, k, seed)
-    slots = max(2 * k, int(layout.n_experts_total * slab_fraction))
-    say = progress or (lambda line: None)
 
-    def run(
-        name: str,
-        step: ComputeStep,
-        predictor: Predictor | None,
-        t: RoutingTrace = trace,
-        policy: str = "lru",
-    ) -> TokenRun:
-        say(f"tokens: {name}")
-        return asyncio.run(_run(path, name, t, slots, step, predictor, depth, n_embd, k, policy))
-
-    steps: dict[str, ComputeStep] = {}
-    results: dict[str, list[TokenRun]] = {}
-    for _ in range(repeat):
-        io_only = run("io only (oracle prefetch)", _noop, OraclePredictor(trace))
-        if not steps:  # calibrate once, on the first I/O-only run
-            per_layer = io_only.ms_per_token / 1e3 / len(layers)
-            if compute == "synthetic":
-                steps = {f"{scale:g}x": synthetic_compute(scale * per_layer, n_embd) for scale in (1.0, 0.5, 2.0)}
-            else:
-                steps = {"executor": _executor_compute(path)}
-        main = next(iter(steps.values()))
-        with cpu_load():
-            io_loaded = run("io only, one core busy elsewhere", _noop, OraclePredictor(trace))
-        batch = [
-            io_only,
-            io_loaded,
-            run("serial (no prefetch)", main, None),
-            run("pipelined (oracle)", main, OraclePredictor(trace)),
-            *(run(f"pipelined ({name})", main, make_predictor(name)) for name in predictors),
-            *(
-                run(f"pipelined (oracle), compute {label} I/O", step, OraclePredictor(trace))
-                for label, step in list(steps.items())[1:]
-            ),
-        ]
-        for r in batch:
-            results.setdefault(r.name, []).append(r)
-    runs = [sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for rs in results.values()]
-    by_name = {r.name: r for r in runs}
-    io_ms = by_name["io only (oracle prefetch)"].ms_per_token
-    oracle = by_name["pipelined (oracle)"]
-    compute_ms = float(np.median([r.compute_s / r.tokens * 1e3 for r in results["pipelined (oracle)"]]))
-    overlap = oracle.ms_per_token / max(io_ms, compute_ms)
-    io_loaded_ms = by_name["io only, one core busy elsewhere"].ms_per_token
-    overlap_loaded = oracle.ms_per_token / max(io_loaded_ms, compute_ms)
-    extra = {
-        r.name: r.ms_per_token / max(io_ms, r.compute_s / r.tokens * 1e3)
-        for r in runs
-        if r.name.startswith("pipelined (oracle), compute")
-    }
-    policy_runs = [run(f"policy {p} (skewed trace)", _noop, None, skewed, p) for p in policies]
-    # fractions whose slab cannot hold one layer's top-k at once are left out (tiny test models)
-    fractions = [f for f in (0.1, 0.25, 0.5) if round(f * layout.n_experts_total) >= k]
-    replay = {
-        "uniform": replay_fractions(uniform_random_trace(n_tokens * 4, layers, n_experts, k, seed), fractions),
-        "skewed": replay_fractions(skewed, fractions),
-    }
-    return TokenBenchResult(
-        runs,
-        policy_runs,
-        replay,
-        io_ms,
-        compute_ms,
-        overlap,
-        compute,
-        slots,
-        layout.n_experts_total,
-        repeat,
-        extra,
-        io_loaded_ms,
-        overlap_loaded,
+async def _timeline(
+    path: str, info: ea.ModelInfo, trace: np.ndarray, cfg: TokenBenchConfig, seconds_per_layer: float
+) -> dict[str, Any]:
+    recorder = ea.ReadRecorder(info.shard_paths, "io_uring", timestamps=True)
+    times = await _overlap_run(
+        path,
+        info,
+        trace,
+        cfg,
+        compute=synthetic_compute(seconds_per_layer),
+        prefetch=True,
+        resident=False,
+        recorder=recorder,
     )
-
-
-def _executor_compute(path: str) -> ComputeStep:
-    """The real executor (router weights are not needed: routing comes from the trace)."""
-    from .._compute.executor import ResidentLayer, moe_forward
-    from .._format.hparams import MoEHParams
-
-    model = open_model(path)
-    hparams = MoEHParams.from_metadata(model.architecture, model.metadata)
-    layout = build_layout(model)
-    residents = {
-        layer: ResidentLayer(layer, np.zeros((moe.n_experts, hparams.n_embd), dtype=np.float32))
-        for layer, moe in layout.layers.items()
+    token = len(times.seconds) // 2
+    t0 = times.token_starts[token]
+    t1 = t0 + times.seconds[token]
+    reads = []
+    for (shard, offset, n), (start, end) in zip(recorder.reads, recorder.times, strict=True):
+        if end >= t0 and start <= t1:
+            reads.append(
+                {
+                    "layer": info.layer_of(shard, offset + n // 2),
+                    "start_ms": (start - t0) * 1e3,
+                    "end_ms": (end - t0) * 1e3,
+                }
+            )
+    compute = [
+        {"layer": layer, "start_ms": (a - t0) * 1e3, "end_ms": (b - t0) * 1e3}
+        for layer, (a, b) in zip(info.layers, times.compute_spans[token], strict=False)
+    ]
+    return {
+        "token": token,
+        "token_ms": times.seconds[token] * 1e3,
+        "synthetic_ms_per_layer": seconds_per_layer * 1e3,
+        "reads": reads,
+        "compute": compute,
     }
-
-    def compute(
-        layer: int, x: np.ndarray, views: Mapping[int, ExpertView], ids: np.ndarray, w: np.ndarray
-    ) -> np.ndarray:
-        return moe_forward(x, ids, w, views, residents[layer], hparams).ffn_out
-
-    return compute

@@ -1,4 +1,4 @@
-"""``aioexperts-bench`` end to end on a small model: both modes, JSON output, errors, the cached model."""
+"""``aioexperts-bench`` end to end on a small generated model: results file, tables, errors, Ctrl-C."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from aioexperts._cli import bench
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 
 SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff=256, n_expert=16, n_expert_used=4)
+FAST = ["--rounds", "2", "--token-count", "2", "--executor-tokens", "1", "--no-probe", "--quiet"]
 
 
 @pytest.fixture(scope="module")
@@ -21,67 +22,109 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:  # type: ignore[type-arg]
-    assert bench.main(list(argv)) == 0
-    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+@pytest.fixture(scope="module")
+def results(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:  # type: ignore[type-arg]
+    out = tmp_path_factory.mktemp("out") / "results.json"
+    methods = "io_uring,threads,pread,mmap" + (",fio" if shutil.which("fio") else "")
+    assert bench.main(["--model", str(model), "--out", str(out), "--methods", methods, *FAST]) == 0
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
-def test_reads_mode_json(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = run_json(
-        capsys,
-        "--model",
-        str(model),
-        "--repeat",
-        "1",
-        "--json",
-        "--methods",
-        "io_uring,threads,buffered,mmap",
-    )
-    rows = {(r["method"], r["phase"]): r for r in out["reads"]}
-    assert set(rows) == {
-        (m, p)
-        for m in ("aioexperts io_uring", "aioexperts threads", "buffered pread", "mmap")
-        for p in ("cold", "warm")
-    }
-    expert_bytes = SMALL.expert_bytes()
-    for r in rows.values():
-        assert r["n_experts"] == 2 * 16  # every expert of both layers, once per pass
-        assert r["payload_bytes"] == 32 * expert_bytes
-        assert r["gb_per_s"] > 0 and r["cpu_s_per_gib"] >= 0
-    assert "0 hits / 32 misses" in rows[("aioexperts io_uring", "cold")]["note"]
-    assert "32 hits / 0 misses" in rows[("aioexperts io_uring", "warm")]["note"]
+def test_results_file_has_context_units_and_every_round(results: dict) -> None:  # type: ignore[type-arg]
+    assert results["schema"] == 1 and results["aioexperts"]
+    assert results["units"]["GB"] == "1e9 bytes"
+    machine = results["machine"]
+    assert machine["kernel"] and machine["cpu_count"] >= 1 and machine["filesystem"]
+    assert results["model"]["experts"] == 32 and results["model"]["bytes"] > 0
+    assert results["parameters"]["rounds"] == 2 and results["parameters"]["loop"] == "uvloop"
+    assert any("under 1 GiB" in w for w in results["warnings"])
+    reads = results["reads"]
+    assert len(reads["rounds"]) == 2
+    first, second = (r["order"] for r in reads["rounds"])
+    assert second == first[1:] + first[:1]  # rotated by one each round
 
 
-@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
-def test_fio_baseline(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = run_json(capsys, "--model", str(model), "--repeat", "1", "--json", "--methods", "fio")
-    (row,) = out["reads"]
-    assert row["method"] == "fio" and row["payload_bytes"] > 0 and "iodepth=64" in row["note"]
+def test_every_method_reads_the_same_bytes(results: dict) -> None:  # type: ignore[type-arg]
+    reads = results["reads"]
+    expected = reads["read_list"]["bytes_expected"]
+    n_reads = reads["read_list"]["n_reads"]
+    assert n_reads == 2 * 16 * 3  # every expert once, three segments each
+    for rnd in reads["rounds"]:
+        for method, p in rnd["cold"].items():
+            assert p["bytes_read"] == expected, method
+            assert p["n_reads"] == n_reads, method
+        assert rnd["cold"]["io_uring"]["same_reads_as_list"]
+    for summary in reads["summary"].values():
+        assert summary["bytes_read"] == [expected]
 
 
-def test_tokens_mode_json(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = run_json(capsys, "--model", str(model), "--mode", "tokens", "--tokens", "3", "--repeat", "1", "--json")
-    tokens = out["tokens"]
-    names = [r["name"] for r in tokens["runs"]]
-    assert names[:4] == [
-        "io only (oracle prefetch)",
-        "io only, one core busy elsewhere",
-        "serial (no prefetch)",
-        "pipelined (oracle)",
-    ]
-    oracle = tokens["runs"][3]
-    assert oracle["prefetch_hits"] > 0 and oracle["tokens"] == 3
-    assert tokens["overlap"] > 0 and tokens["compute"] == "synthetic"
-    assert [r["name"].split()[1] for r in tokens["policies"]] == ["lru", "lfu", "lfuda"]
-    assert set(tokens["replay"]) == {"uniform", "skewed"}
-    for by_policy in tokens["replay"]["skewed"].values():
-        assert by_policy["belady"] >= max(by_policy["lru"], by_policy["lfu"], by_policy["lfuda"])
+def test_ratios_are_per_round(results: dict) -> None:  # type: ignore[type-arg]
+    reads = results["reads"]
+    per_round = sorted(r["cold"]["io_uring"]["gb_per_s"] / r["cold"]["mmap"]["gb_per_s"] for r in reads["rounds"])
+    ratio = reads["ratios"]["io_uring_x_mmap"]
+    assert ratio["min"] == pytest.approx(per_round[0]) and ratio["max"] == pytest.approx(per_round[-1])
+    assert ratio["n"] == 2
 
 
-def test_table_output(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.main(["--model", str(model), "--repeat", "1", "--methods", "io_uring,mmap"]) == 0
-    text = capsys.readouterr().out
-    assert "per-expert read rates" in text and "aioexperts io_uring" in text and "x mmap" in text
+def test_warm_and_token_figures(results: dict) -> None:  # type: ignore[type-arg]
+    warm = results["reads"]["warm"]["engine"]
+    assert warm["experts_single_us_per_hit"]["median"] > 0 and warm["moe_us_per_call"]["median"] > 0
+    tokens = results["tokens"]
+    assert len(tokens["rounds"]) == 2
+    for rnd in tokens["rounds"]:
+        runs = rnd["runs"]
+        assert set(runs) == {"io only", "compute only", "pipelined", "serial"}
+        expected = runs["pipelined"]["ms_per_token"] / max(
+            runs["io only"]["ms_per_token"], runs["compute only"]["ms_per_token"]
+        )
+        assert rnd["overlap"] == pytest.approx(expected)
+        assert runs["compute only"]["hit_rate"] == 1.0  # every expert resident: no I/O
+        assert set(rnd["executor"]) == {"0", "0.25", "1"}
+        assert rnd["executor"]["1"]["hit_rate"] == 1.0
+    assert tokens["target_overlap"] == 1.15
+    timeline = tokens["timeline"]
+    assert timeline["compute"] and all(c["end_ms"] >= c["start_ms"] for c in timeline["compute"])
+
+
+def test_targets_say_met_or_missed(results: dict) -> None:  # type: ignore[type-arg]
+    names = {t["name"]: t for t in results["targets"]}
+    assert {"x_mmap", "x_threads", "warm_hit", "overlap", "cpu_vs_fio", "x_fio"} <= set(names)
+    assert names["warm_hit"]["met"] in (True, False)
+    if not shutil.which("fio"):
+        assert names["x_fio"]["met"] is None
+
+
+def test_loops_are_measured(results: dict) -> None:  # type: ignore[type-arg]
+    assert {"uvloop", "asyncio"} <= set(results["loops"])
+    assert all(v["yield_us"] > 0 for v in results["loops"].values())
+
+
+def test_tables_on_stdout_titles_fit_80_columns(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", str(model), "--out", "", "--mode", "reads", "--methods", "io_uring,mmap", *FAST]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Cold reads, the same 96 reads, 2 rounds" in out, [x for x in out.splitlines() if "Cold" in x]
+    assert "aioexperts io_uring" in out and "mmap copy" in out
+    assert "under 1 GiB" in out
+    for title in ("Cold reads", "Warm hits", "Targets", "Cost of one await"):
+        line = next(x for x in out.splitlines() if x.startswith(title))
+        assert len(line) <= 80
+
+
+def test_progress_goes_to_stderr_as_plain_lines(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", str(model), "--out", "", "--mode", "reads", "--methods", "mmap", "--rounds", "2", "--no-probe"]
+    assert bench.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "recording the engine's reads" in err and "\x1b[" not in err
+
+
+def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    text = capsys.readouterr().out.split("options:", 1)[1]
+    for option in ("--rounds", "--depth", "--threads", "--loop", "--out", "--slab-fraction", "--executor-tokens"):
+        block = text.split(option, 1)[1].split("\n  -", 1)[0]
+        assert "default:" in block, option
 
 
 @pytest.mark.parametrize(
@@ -89,11 +132,12 @@ def test_table_output(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     [
         ["--methods", "nope"],
         ["--methods", ","],
-        ["--repeat", "0"],
+        ["--rounds", "0"],
         ["--depth", "2"],
         ["--seed", "-1"],
         ["--slab-fraction", "0"],
         ["--mode", "everything"],
+        ["--loop", "gevent"],
     ],
 )
 def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -104,28 +148,41 @@ def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str
 
 
 def test_missing_model_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.main(["--model", str(tmp_path / "none.gguf"), "--repeat", "1"]) == 1
+    assert bench.main(["--model", str(tmp_path / "none.gguf"), "--quiet"]) == 1
     assert "error:" in capsys.readouterr().out
 
 
 def test_bad_model_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bad.gguf"
     path.write_bytes(b"GGUF" + b"\0" * 100)
-    assert bench.main(["--model", str(path), "--repeat", "1"]) == 1
+    assert bench.main(["--model", str(path), "--quiet"]) == 1
     assert "error:" in capsys.readouterr().out
 
 
-def test_default_model_is_built_once_in_the_cache(
+def test_ctrl_c_prints_one_line_and_writes_nothing(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run_read_bench", interrupted)
+    out = tmp_path / "r.json"
+    assert bench.main(["--model", str(model), "--out", str(out), "--quiet"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "interrupted" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_default_model_is_built_in_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(bench, "BENCH_SPEC", SMALL)
-    console = bench.Console(file=None)
-    first = bench.default_model_path(console)
-    assert first.parent == tmp_path / "cache" and first.exists()
-    stamp = first.stat().st_mtime_ns
-    assert bench.default_model_path(console) == first and first.stat().st_mtime_ns == stamp
-    assert not list(first.parent.glob("*.partial*"))
-    assert "building the bench model once" in capsys.readouterr().out
-    out = run_json(capsys, "--repeat", "1", "--json", "--methods", "io_uring")
-    assert out["model"] == str(first)
+    import aioexperts._cli.model_cache as model_cache
+
+    monkeypatch.setattr(model_cache, "BENCH_SPEC", SMALL)
+    argv = ["--mode", "reads", "--methods", "mmap", "--rounds", "1", "--no-probe", "--json", "--out", ""]
+    assert bench.main(argv) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["model"]["builtin"] and Path(out["model"]["path"]).parent == tmp_path / "cache"
+    assert "building the built-in model once" in captured.err

@@ -1,0 +1,76 @@
+"""Render the bench tables of README.md and docs/bench.md from a results file.
+
+    python bench/render.py RESULTS.json                      # print every section as markdown
+    python bench/render.py RESULTS.json --write README.md docs/bench.md
+    python bench/render.py RESULTS.json --plots docs/img     # the PNGs again (needs matplotlib)
+
+``--write`` replaces, in each file, the text between ``<!-- bench:NAME -->`` and
+``<!-- /bench:NAME -->`` with section NAME rendered from the results (``header``, ``reads``,
+``warm``, ``tokens``, ``executor``, ``targets``, ``loops``, ``summary``), and leaves the rest of
+the file alone. Figures are never typed into the docs: they come from the results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from aioexperts._cli.report import SECTIONS, markdown
+from aioexperts._cli.results import load_results
+
+_REGION = re.compile(r"(<!-- bench:(?P<name>[a-z]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.DOTALL)
+
+
+def render_file(text: str, results: dict, source: str) -> tuple[str, list[str]]:
+    """``text`` with every marked region rendered; returns the new text and the section names."""
+    names: list[str] = []
+
+    def replace(m: re.Match[str]) -> str:
+        name = m.group("name")
+        if name not in SECTIONS:
+            raise SystemExit(f"unknown bench section {name!r}; known: {', '.join(SECTIONS)}")
+        names.append(name)
+        body = markdown(results, name)
+        stamp = f"<!-- rendered by bench/render.py from {source}; do not edit by hand -->\n"
+        return f"{m.group(1)}{stamp}{body}\n{m.group(4)}"
+
+    return _REGION.sub(replace, text), names
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", help="a bench-results.json written by aioexperts-bench")
+    parser.add_argument("--write", nargs="+", metavar="FILE", help="files whose marked regions to replace")
+    parser.add_argument("--plots", metavar="DIR", help="write the plots of the results file into DIR")
+    args = parser.parse_args(argv)
+    results = load_results(args.results)
+    if args.plots:
+        from aioexperts._cli.plots import write_plots
+
+        for png in write_plots(results, args.plots):
+            print(f"wrote {png}")
+        if not args.write:
+            return 0
+    if not args.write:
+        for name in SECTIONS:
+            try:
+                print(markdown(results, name), end="\n\n")
+            except KeyError:
+                continue
+        return 0
+    for path in args.write:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        new, names = render_file(text, results, args.results)
+        if not names:
+            print(f"{path}: no <!-- bench:NAME --> regions", file=sys.stderr)
+            return 1
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new)
+        print(f"{path}: rendered {', '.join(names)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

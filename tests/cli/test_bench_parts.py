@@ -1,0 +1,158 @@
+"""The bench's parts on their own: statistics, the read list, fio's iolog, the recorder, rendering."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+from aioexperts._cli import engine_adapter as ea
+from aioexperts._cli.cachestate import drop_page_cache, probe_host_cache
+from aioexperts._cli.measure import rotated, spread
+from aioexperts._cli.readbench import make_steps
+from aioexperts._cli.readlist import ReadList
+from aioexperts._cli.replay import Destination, replay_mmap, replay_pread
+from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+
+SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff=256, n_expert=8, n_expert_used=2)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("parts") / "m.gguf"
+    write_synthetic_model(path, SMALL)
+    return path
+
+
+def test_spread_is_median_min_max_and_skips_nan() -> None:
+    s = spread([3.0, 1.0, 2.0, math.nan, None])
+    assert (s.median, s.low, s.high, s.n) == (2.0, 1.0, 3.0, 3)
+    assert spread([1.0, 2.0, 3.0, 4.0]).median == 2.5
+    assert spread([]).n == 0 and spread([]).fmt() == "-"
+    assert s.fmt(".1f") == "2.0 (1.0-3.0)"
+
+
+def test_rotated_order() -> None:
+    items = ["a", "b", "c"]
+    assert [rotated(items, r) for r in range(4)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
+
+
+def test_read_list_iolog_and_sizes(tmp_path: Path) -> None:
+    f = tmp_path / "data"
+    f.write_bytes(b"\0" * 20000)
+    rl = ReadList.from_rows([str(f)], [(0, 8192, 8192), (0, 0, 4096), (0, 16384, 8192)])
+    assert rl.total_bytes == 20480 and rl.expected_bytes() == 8192 + 4096 + (20000 - 16384)
+    assert rl.destinations().tolist() == [0, 8192, 12288]
+    log = tmp_path / "log"
+    rl.write_fio_iolog(log)
+    lines = log.read_text().splitlines()
+    assert lines[:3] == ["fio version 2 iolog", f"{f} add", f"{f} open"]
+    assert lines[3:] == [f"{f} read 8192 8192", f"{f} read 0 4096", f"{f} read 16384 8192"]
+    cut = rl.resized(4096)
+    assert len(cut) == 5 and cut.total_bytes == rl.total_bytes
+    assert rl.same_reads(ReadList(rl.paths, rl.reads[::-1].copy()))
+    assert not rl.same_reads(cut)
+    with pytest.raises(ValueError, match="whitespace"):
+        ReadList.from_rows(["a b"], [(0, 0, 4096)]).write_fio_iolog(log)
+
+
+def test_recorder_sees_exactly_the_engine_reads_and_replays_read_the_same_bytes(model: Path) -> None:
+    info = ea.model_info(str(model))
+    steps = make_steps(info, 4, seed=1)
+    recorder = ea.ReadRecorder(info.shard_paths, "io_uring", timestamps=True)
+
+    async def run() -> dict[str, object]:
+        options = ea.EngineOptions(slots=info.n_experts_total, backend=recorder, queue_depth=8)
+        async with ea.open_engine(str(model), options) as engine:
+            await ea.cold_pass(engine, steps, window=2)
+            return ea.engine_stats(engine)
+
+    stats = anyio.run(run)
+    reads = recorder.read_list()
+    assert len(reads) == stats["reads"] == 3 * info.n_experts_total
+    assert reads.expected_bytes() == stats["bytes_read"]
+    assert all(end >= start for start, end in recorder.times)
+    assert {info.layer_of(s, o + n // 2) for s, o, n in reads.reads.tolist()} == set(info.layers)
+    with open(model, "rb") as f:
+        data = f.read()
+    pieces = [
+        (w, data[o : o + n]) for w, (_, o, n) in zip(reads.destinations().tolist(), reads.reads.tolist(), strict=True)
+    ]
+
+    def landed(dest: Destination) -> bool:
+        return all(dest.array[w : w + len(p)].tobytes() == p for w, p in pieces)
+
+    drop_page_cache(reads.paths)
+    for direct in (True, False):
+        with Destination(reads.total_bytes) as dest:
+            r = replay_pread(reads, dest, direct=direct, n_threads=3)
+            ok = landed(dest)
+        assert ok and r.bytes_read == reads.expected_bytes() and r.n_reads == len(reads)
+    with Destination(reads.total_bytes) as dest:
+        r = replay_mmap(reads, dest)
+        ok = landed(dest)
+    assert ok and r.bytes_read == reads.expected_bytes()
+
+
+def test_host_cache_probe_reports_rates(model: Path) -> None:
+    probe = probe_host_cache(str(model), n_bytes=1 << 20)
+    assert probe.model_first > 0 and probe.model_again > 0
+    assert probe.reread_speedup == pytest.approx(probe.model_again / probe.model_first)
+    assert probe.likely_host_cache == bool(probe.caveat)
+    assert not [p for p in os.listdir(model.parent) if p.startswith(".aioexperts-probe-")]
+
+
+def test_fio_replay_counts_every_read(model: Path) -> None:
+    from aioexperts._cli.fio import fio_path, run_fio_replay
+
+    if fio_path() is None:
+        pytest.skip("fio is not installed")
+    info = ea.model_info(str(model))
+    rows = [(s, o - o % 4096, -(-(o % 4096 + n) // 4096) * 4096) for s, o, n, _ in info.segments]
+    reads = ReadList.from_rows(info.shard_paths, rows * 8)
+    r = run_fio_replay(reads, depth=16)
+    assert r.n_reads == len(reads) and r.bytes_read == reads.expected_bytes()
+
+
+def test_render_replaces_marked_regions_only(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render", Path(__file__).parents[2] / "bench" / "render.py")
+    assert spec is not None and spec.loader is not None
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    results = {
+        "schema": 1,
+        "date": "2026-01-01T00:00:00+00:00",
+        "machine": {"cpu_count": 2, "cpu_model": "X", "memory_bytes": 1 << 30, "kernel": "6", "filesystem": "ext4"},
+        "model": {"name": "m.gguf", "bytes": 1, "experts": 2},
+        "loops": {"uvloop": {"yield_us": 1.5, "task_event_us": 20.0}},
+        "targets": [{"what": "warm hit", "direction": "<=", "limit": 20.0, "value": None, "met": None}],
+    }
+    text = "keep\n<!-- bench:loops -->\nold\n<!-- /bench:loops -->\nkeep too\n"
+    new, names = render.render_file(text, results, "r.json")
+    assert names == ["loops"] and new.startswith("keep\n") and new.endswith("keep too\n")
+    assert "| uvloop | 1.50 | 20.0 |" in new and "old" not in new
+    path = tmp_path / "doc.md"
+    path.write_text("<!-- bench:targets -->\n<!-- /bench:targets -->\n")
+    results_path = tmp_path / "r.json"
+    import json
+
+    results_path.write_text(json.dumps(results))
+    assert render.main([str(results_path), "--write", str(path)]) == 0
+    assert "not measured" in path.read_text()
+
+
+def test_destination_is_prefaulted_and_closes() -> None:
+    with Destination(10_000) as dest:
+        assert dest.n_bytes % 4096 == 0 and dest.n_bytes >= 10_000
+        assert np.all(dest.array[::4096] == 0)
