@@ -14,7 +14,6 @@ import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from functools import lru_cache
 
 import anyio
 import numpy as np
@@ -34,9 +33,9 @@ from ._io.backends.base import IOBackend
 from ._io.files import ShardFiles, open_shards
 from ._io.loop import LoopAdapter, current_loop
 from ._io.pagecache import MappedShards
-from ._io.plan import ExpertPlan, max_plan_bytes, plan_expert
+from ._io.plan import ExpertPlan, plan_all_experts
 from ._io.select import create_backend
-from ._io.slab import Slab
+from ._io.slab import Slab, exported_view
 from ._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions, PageCacheOptions
 
 __all__ = ("MODES", "ExpertStore", "open")
@@ -199,17 +198,26 @@ class ExpertStore:
             files = self._files = await anyio.to_thread.run_sync(open_shards, model, io.direct_io)
             if files.buffered_reason is not None and io.direct_io is None:
                 log.warning("%s; using buffered reads (the page cache)", files.buffered_reason)
-            slot_bytes = await anyio.to_thread.run_sync(max_plan_bytes, layout, files.alignment)
+            # every expert's reads, planned once at open (off the loop): nothing is planned per read
+            plans = await anyio.to_thread.run_sync(
+                plan_all_experts, layout, files.alignment, io.split_bytes, io.queue_depth
+            )
+            slot_bytes = max(p.slot_bytes for p in plans.values())
             n_slots = self._n_slots(layout, slot_bytes)
             slab = self._slab = await anyio.to_thread.run_sync(
                 lambda: Slab(n_slots, slot_bytes, hugepages=cache.hugepages, lock=cache.lock_memory)
             )
-            # ring set-up and buffer registration are blocking system calls: off the loop
-            backend, self._fallback_reason = await anyio.to_thread.run_sync(
-                lambda: create_backend(
+            # ring set-up, buffer registration and the per-slot iovecs are blocking work: off the loop
+            shapes = {(r.slot_offset, r.n_bytes) for p in plans.values() for r in p.reads}
+
+            def make_backend() -> tuple[IOBackend, str | None]:
+                built, reason = create_backend(
                     io.backend, files, slab, loop, io.queue_depth, attach=False, **io.backend_options()
                 )
-            )
+                built.prepare(shapes)
+                return built, reason
+
+            backend, self._fallback_reason = await anyio.to_thread.run_sync(make_backend)
             self._backend = backend
             backend.attach()
             scheduler = self._scheduler = ReadScheduler(
@@ -221,11 +229,14 @@ class ExpertStore:
                 io.max_bytes_in_flight,
                 tuple(s.path for s in model.shards),
             )
-            alignment = files.alignment
-            split, depth = io.split_bytes, io.queue_depth
-            plan = lru_cache(maxsize=None)(
-                lambda layer, expert: plan_expert(layout.locate(layer, expert), alignment, split, depth)
-            )
+
+            def plan(layer: int, expert: int) -> ExpertPlan:
+                found = plans.get((layer, expert))
+                if found is None:
+                    layout.locate(layer, expert)  # InvalidRequestError naming what does not exist
+                    raise InvalidRequestError(f"no expert {expert} in layer {layer}")
+                return found
+
             policy = make_policy(cache.policy) if isinstance(cache.policy, str) else cache.policy
             self._cache = ExpertCache(n_slots, plan, scheduler, policy, loop, self._counters)
         except BaseException:
@@ -505,14 +516,25 @@ class ExpertStore:
                 for seg in loc.segments
             ]
             return ExpertView(loc.layer, loc.expert, loc.bank, *views)
-        assert self._slab is not None
         plan: ExpertPlan = entry.plan
         loc = plan.location
-        projections = [
-            ProjectionView(self._slab.view(entry.slot, off, seg.n_bytes), seg.ggml_type, seg.shape)
-            for off, seg in zip(plan.payload_offsets, loc.segments, strict=True)
-        ]
-        return ExpertView(loc.layer, loc.expert, loc.bank, *projections)
+        exporters = entry.exporters
+        if exporters is None:  # once per expert in its slot: each request only makes fresh views
+            slab = self._slab
+            assert slab is not None
+            exporters = entry.exporters = tuple(
+                slab.exporter(entry.slot, off, seg.n_bytes, held_refs=1)
+                for off, seg in zip(plan.payload_offsets, loc.segments, strict=True)
+            )
+        gate, up, down = loc.segments
+        return ExpertView(
+            loc.layer,
+            loc.expert,
+            loc.bank,
+            ProjectionView(exported_view(exporters[0]), gate.ggml_type, gate.shape),  # type: ignore[arg-type]
+            ProjectionView(exported_view(exporters[1]), up.ggml_type, up.shape),  # type: ignore[arg-type]
+            ProjectionView(exported_view(exporters[2]), down.ggml_type, down.shape),  # type: ignore[arg-type]
+        )
 
     @asynccontextmanager
     async def experts(

@@ -77,7 +77,7 @@ class Entry:
         prefetched: loaded by a prefetch and not requested since.
     """
 
-    __slots__ = ("error", "event", "key", "load", "pins", "plan", "prefetched", "slot", "state")
+    __slots__ = ("error", "event", "exporters", "key", "load", "pins", "plan", "prefetched", "slot", "state")
 
     def __init__(self, key: Key, slot: int, plan: ExpertPlan, event: AsyncEvent) -> None:
         self.key = key
@@ -89,6 +89,7 @@ class Entry:
         self.prefetched = False
         self.event = event
         self.load: Load | None = None
+        self.exporters: tuple[object, ...] | None = None  # the store's view exporters, built on first view
 
     def __repr__(self) -> str:
         return f"Entry({self.key}, slot={self.slot}, {self.state.name}, pins={self.pins})"

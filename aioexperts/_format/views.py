@@ -91,15 +91,19 @@ def release_view(view: memoryview) -> bool:
     """Release ``view``; True if something derived from it still uses its memory.
 
     ``np.frombuffer(view)`` holds the view's buffer, not the view itself, so ``view.release()``
-    succeeds; when each view has its own exporting object (slab views do), that object's reference
-    count tells whether the buffer lives on.
+    succeeds; when the view's exporting object counts the references it should have (slab
+    exporters do: ``held_refs`` kept by their owner, ``live_views`` made from it), that object's
+    reference count tells whether the buffer lives on.
     """
     exporter = view.obj
     try:
         view.release()
     except BufferError:  # exported through the view itself
         return True
-    return sys.getrefcount(exporter) > _EXPORTER_REFS
-
-
-_EXPORTER_REFS = 2  # the local name and getrefcount's argument
+    live = getattr(exporter, "live_views", None)
+    if live is not None:
+        live -= 1
+        exporter.live_views = live  # type: ignore[attr-defined]
+    # references: this name, getrefcount's argument, those the exporter's owner declared, and one
+    # per other live view of the same exporter (another request pinning the same expert)
+    return sys.getrefcount(exporter) > 2 + getattr(exporter, "held_refs", 0) + (live or 0)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .._format.layout import ExpertLayout, ExpertLocation
 from .align import align_up, widen
 
-__all__ = ("ExpertPlan", "PlannedRead", "max_plan_bytes", "plan_expert")
+__all__ = ("ExpertPlan", "PlannedRead", "max_plan_bytes", "plan_all_experts", "plan_expert")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,3 +113,10 @@ def _chunk_bytes(lengths: list[int], alignment: int, split_bytes: int | None, ma
 def max_plan_bytes(layout: ExpertLayout, alignment: int) -> int:
     """The slot size (bytes) that holds the plan of every expert of ``layout``."""
     return max(plan_expert(loc, alignment).slot_bytes for loc in layout)
+
+
+def plan_all_experts(
+    layout: ExpertLayout, alignment: int, split_bytes: int | None = None, max_reads: int | None = None
+) -> dict[tuple[int, int], ExpertPlan]:
+    """:func:`plan_expert` for every expert of ``layout``: ``{(layer, expert): plan}``."""
+    return {(loc.layer, loc.expert): plan_expert(loc, alignment, split_bytes, max_reads) for loc in layout}

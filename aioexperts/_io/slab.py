@@ -106,20 +106,30 @@ class Slab:
         if not 0 <= slot < self.n_slots or start < 0 or n_bytes < 0 or start + n_bytes > self.slot_bytes:
             raise IndexError(f"slot {slot} [{start}, {start + n_bytes}) is outside the slab")
 
-    def view(self, slot: int, start: int, n_bytes: int) -> memoryview:
-        """A read-only ``memoryview`` (format ``B``) of ``n_bytes`` bytes at ``start`` in ``slot``.
+    def exporter(self, slot: int, start: int, n_bytes: int, held_refs: int = 0) -> ctypes.Array[ctypes.c_char]:
+        """An object exporting ``n_bytes`` bytes at ``start`` in ``slot``, for :func:`exported_view`.
 
-        Each view has its own exporting object (``view.obj``), so the release of an expert view can tell
-        whether anything derived from it (a numpy array) outlives its release
-        (:meth:`aioexperts.ExpertView.release`). While the view or
-        anything derived from it lives, :meth:`close` leaves the mapping to the garbage collector.
+        Each exporter is its own object, so the release of a view made from it can tell whether
+        anything derived from the view (a numpy array) outlives it
+        (:meth:`aioexperts.ExpertView.release`). While an exporter or anything derived from its
+        views lives, :meth:`close` leaves the mapping to the garbage collector.
+
+        Args:
+            held_refs: references the caller keeps to the exporter (a cache of exporters: 1).
         """
         self._check(slot, start, n_bytes)
         assert self._mm is not None
         exporter = (ctypes.c_char * n_bytes).from_address(self.address + slot * self.slot_bytes + start)
         exporter.mapping = self._mm  # type: ignore[attr-defined]  # the mmap lives as long as any view
+        exporter.held_refs = held_refs  # type: ignore[attr-defined]
+        exporter.live_views = 0  # type: ignore[attr-defined]
         self._exporters[next(self._next_view)] = exporter
-        return memoryview(exporter).cast("B").toreadonly()
+        return exporter
+
+    def view(self, slot: int, start: int, n_bytes: int) -> memoryview:
+        """A read-only ``memoryview`` (format ``B``) of ``n_bytes`` bytes at ``start`` in ``slot``,
+        with an exporter of its own (:meth:`exporter`)."""
+        return exported_view(self.exporter(slot, start, n_bytes))
 
     def writable_view(self, slot: int, start: int, n_bytes: int) -> memoryview:
         """A writable view for ``os.preadv`` (released by the caller when the read is done)."""
@@ -172,3 +182,9 @@ class Slab:
 
     def __repr__(self) -> str:
         return f"Slab(n_slots={self.n_slots}, slot_bytes={self.slot_bytes}, closed={self.closed})"
+
+
+def exported_view(exporter: ctypes.Array[ctypes.c_char]) -> memoryview:
+    """A fresh read-only ``memoryview`` (format ``B``) of an exporter's bytes (counted in its ``live_views``)."""
+    exporter.live_views += 1  # type: ignore[attr-defined]
+    return memoryview(exporter).cast("B").toreadonly()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 from ..files import ShardFiles
@@ -124,6 +124,10 @@ class IOBackend(ABC):
     def features(self) -> dict[str, Any]:
         """Backend details for statistics (e.g. registered buffers)."""
         return {}
+
+    def prepare(self, shapes: Iterable[tuple[int, int]]) -> None:  # noqa: B027 - optional, no-op by default
+        """Build ahead whatever per-read state the backend keeps for ``(slot_offset, n_bytes)`` reads
+        into every slot (blocking; called once before :meth:`attach`, off the loop)."""
 
     def attach(self) -> None:
         """Start delivering completions through the event loop (loop thread only; idempotent).

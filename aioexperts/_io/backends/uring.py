@@ -29,7 +29,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import liburing as lu
@@ -45,6 +45,8 @@ log = logging.getLogger("aioexperts")
 
 MAX_REGISTERED_BUFFER = 1 << 30  # the kernel's limit for one registered buffer
 MAX_REGISTERED_BUFFERS = 1 << 14
+MAX_PREPARED_IOVECS = 1 << 17
+"""Iovecs :meth:`UringBackend.prepare` makes at most ahead (about 200 B each)."""
 #: user_data of every NOP this backend leaves in the queue; reads use 1, 2, ...
 NOP_USER_DATA = 0
 #: ``io_uring_submit`` errors that mean "not now": the entries stay queued and go out later.
@@ -210,6 +212,18 @@ class UringBackend(IOBackend):
         self.loop.remove_reader(self._efd)
 
     # -- submission (loop thread) -----------------------------------------------------------------
+
+    def prepare(self, shapes: Iterable[tuple[int, int]]) -> None:
+        """One ``Iovec`` per slot and read shape, made now rather than on a slot's first read."""
+        shapes = list(shapes)
+        if len(shapes) * self.slab.n_slots > MAX_PREPARED_IOVECS:
+            return  # many shapes (mixed tiers, split reads): made on first use instead
+        for slot in range(self.slab.n_slots):
+            for slot_offset, n_bytes in shapes:
+                key = (slot, slot_offset, n_bytes)
+                if key not in self._iovecs:
+                    raw = self.slab.raw_buffer(slot, slot_offset, n_bytes)
+                    self._iovecs[key] = (lu.Iovec([raw]), raw)
 
     def _iovec(self, op: ReadOp) -> Any:
         key = (op.slot, op.slot_offset, op.n_bytes)
