@@ -32,6 +32,8 @@ __all__ = (
 
 DEFAULT_CACHE_BYTES = 1 << 30
 """Slab size used when neither ``slots`` nor ``bytes`` is given: 1 GiB."""
+DEFAULT_ROW_CACHE_BYTES = 16 << 20
+"""The row cache's slab: 16 MiB (2048 windows of 8 KiB)."""
 DEFAULT_QUEUE_DEPTH = 64
 MIN_QUEUE_DEPTH = 3
 """Gate, up and down of one expert are submitted together."""
@@ -84,6 +86,8 @@ class CacheOptions:
         hugepages: advise transparent huge pages (``MADV_HUGEPAGE``) for the slab; slots are then
             rounded up to 2 MiB.
         lock_memory: ``mlock`` the slab (fails with the ``RLIMIT_MEMLOCK`` value in the message).
+        row_cache_bytes: the slab of the row cache (:meth:`~aioexperts.ExpertStore.rows`), made on
+            the first row read: bytes, at least 16 windows of rows.
 
     Raises:
         ConfigError: a value out of range or of the wrong type.
@@ -96,9 +100,11 @@ class CacheOptions:
     slot_timeout: float | None = None
     hugepages: bool = False
     lock_memory: bool = False
+    row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES
 
     def __post_init__(self) -> None:
         _check_int("slots", self.slots, low=1, optional=True)
+        _check_int("row_cache_bytes", self.row_cache_bytes, low=1)
         _check_int("bytes", self.bytes, low=1, optional=True)
         if self.slots is not None and self.bytes is not None:
             raise ConfigError(

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from ._cache.cache import Entry, ExpertCache, Key
 from ._cache.eviction import make_policy
@@ -28,15 +29,17 @@ from ._format.expert_map import check_map_matches_layout, read_expert_map
 from ._format.hparams import MoEHParams
 from ._format.layout import ExpertLayout, MoELayer, build_layout
 from ._format.model import GGUFModel, open_model
-from ._format.views import ExpertView, ProjectionView
+from ._format.views import ExpertView, ProjectionView, release_view
 from ._io.backends.base import IOBackend
 from ._io.files import ShardFiles, open_shards
 from ._io.loop import LoopAdapter, current_loop
 from ._io.pagecache import MappedShards
 from ._io.plan import ExpertPlan, plan_all_experts
+from ._io.rowplan import RowTable
 from ._io.select import create_backend
 from ._io.slab import Slab, exported_view
 from ._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions, PageCacheOptions
+from ._rows import RowReader, RowStatistics, RowsView
 
 __all__ = ("MODES", "ExpertStore", "open")
 
@@ -163,6 +166,8 @@ class ExpertStore:
         self._shards: MappedShards | None = None
         self._pagecache: PageCacheSource | None = None
         self._pagecache_counters = PageCacheCounters()
+        self._rows: RowReader | None = None
+        self._rows_lock = anyio.Lock()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -303,10 +308,13 @@ class ExpertStore:
             self._cache.close()  # closes the scheduler: nothing queued is submitted any more
         if self._pagecache is not None:
             self._pagecache.close()
+        if self._rows is not None:
+            self._rows.cache.close()
         held: BaseException | None = None
         for wait_idle in (
             self._scheduler.wait_idle if self._scheduler is not None else None,
             self._pagecache.wait_idle if self._pagecache is not None else None,
+            self._rows.scheduler.wait_idle if self._rows is not None else None,
         ):
             while wait_idle is not None:
                 try:
@@ -317,6 +325,8 @@ class ExpertStore:
                     held = exc
         if self._backend is not None:
             self._backend.detach()
+        if self._rows is not None:
+            self._rows.backend.detach()
         # ring exit and munmap of the slab block: in a thread of their own, waited for to the end
         done = threading.Event()
         failures: list[BaseException] = []
@@ -343,6 +353,9 @@ class ExpertStore:
 
     def _release_resources(self) -> None:
         self._released = True
+        if self._rows is not None:
+            self._rows.backend.close()
+            self._rows.slab.close()
         if self._pagecache is not None:
             self._pagecache.shutdown()
         if self._shards is not None:
@@ -516,7 +529,8 @@ class ExpertStore:
                 for seg in loc.segments
             ]
             return ExpertView(loc.layer, loc.expert, loc.bank, *views)
-        plan: ExpertPlan = entry.plan
+        plan = entry.plan
+        assert isinstance(plan, ExpertPlan)
         loc = plan.location
         exporters = entry.exporters
         if exporters is None:  # once per expert in its slot: each request only makes fresh views
@@ -620,6 +634,113 @@ class ExpertStore:
             EngineClosedError: the store is closed.
         """
         return self._running_cache().drop_prefetches(keep)
+
+    # -- rows -----------------------------------------------------------------------------------
+
+    async def _row_reader(self) -> RowReader:
+        self._check_running()
+        async with self._rows_lock:
+            if self._rows is None:
+                assert self._model is not None and self._files is not None and self._loop is not None
+                io, model, files, loop = self.io_options, self._model, self._files, self._loop
+                reader = await anyio.to_thread.run_sync(  # a ring and a slab of its own: off the loop
+                    lambda: RowReader(
+                        model,
+                        files,
+                        loop,
+                        io.backend,
+                        io.backend_options(),
+                        io.queue_depth,
+                        io.max_bytes_in_flight,
+                        self.cache_options.row_cache_bytes,
+                    )
+                )
+                reader.backend.attach()
+                self._rows = reader
+            self._check_running()
+            return self._rows
+
+    @asynccontextmanager
+    async def rows(self, tensor: str, row_ids: Iterable[int]) -> AsyncIterator[RowsView]:
+        """Pin rows of a 2-D tensor and give zero-copy views of their raw bytes.
+
+        ``async with store.rows("token_embd.weight", ids) as rows:`` -- ``rows.data[i]`` is the raw
+        ggml bytes of row ``ids[i]`` (``rows.row_bytes`` bytes, a read-only memoryview equal to a
+        plain ``pread``), valid inside the block; ``rows.dequantize()`` gives float32
+        ``(len(ids), n_cols)``. For tables too large to keep in memory that are read a few rows per
+        token (token embeddings of large vocabularies, per-layer embedding tables). The rows are read
+        by aligned direct reads of whole windows of about one alignment unit (rows that share a
+        window are read once; every read of one call goes out in one submission) into a small row
+        cache of their own (``CacheOptions.row_cache_bytes``), LRU-evicted. In page-cache mode
+        the views point into the model's mapping.
+
+        Args:
+            tensor: a 2-D tensor's GGUF name.
+            row_ids: row indices (duplicates allowed).
+
+        Raises:
+            InvalidRequestError: no such tensor, not 2-D, or a row out of range.
+            SlabExhaustedError: the rows span more windows than the row cache holds.
+            ExpertReadError: a read failed (cause attached).
+            EngineClosedError: the store is closed.
+
+        Cancellation handling:
+            As :meth:`experts`.
+        """
+        try:
+            ids = list(row_ids)
+        except TypeError:
+            raise InvalidRequestError(f"row_ids must be an iterable of row indices, got {row_ids!r}") from None
+        if self._shards is not None:  # page-cache mode: straight from the mapping
+            self._check_running()
+            info = self.model.tensors.get(tensor) if isinstance(tensor, str) else None
+            if info is None:
+                raise InvalidRequestError(f"the model has no tensor {tensor!r}")
+            table = RowTable.of(0, info, 4096, self._shards.sizes[info.shard])
+            rows = RowReader.check_rows(table, ids)
+            views = tuple(
+                self._shards.view(info.shard, info.data_offset + r * table.row_bytes, table.row_bytes) for r in rows
+            )
+            qtype = GGMLQuantizationType(info.ggml_type)
+            view = RowsView(info.name, qtype, int(info.shape[1]), table.row_bytes, tuple(rows), views)
+            try:
+                yield view
+            finally:
+                for data in views:
+                    release_view(data)
+            return
+        reader = await self._row_reader()
+        table = reader.table(tensor)
+        entries, view = await reader.acquire(table, reader.check_rows(table, ids))
+        try:
+            yield view
+        finally:
+            exported = reader.release(entries, view)
+            if exported:
+                warnings.warn(
+                    f"{tensor}: rows {exported[:8]} are still exported (e.g. by np.frombuffer) as they are "
+                    "unpinned; their slot may be reused under them: copy them inside the block",
+                    ResourceWarning,
+                    stacklevel=3,
+                )
+
+    async def read_rows(self, tensor: str, row_ids: Iterable[int], *, dequantize: bool = True) -> np.ndarray:
+        """Rows of a 2-D tensor as an array of their own (see :meth:`rows`).
+
+        Returns:
+            float32 ``(n_rows, n_cols)`` (``dequantize``, bit-exact with ``gguf.quants.dequantize``),
+            or uint8 ``(n_rows, row_bytes)`` raw ggml bytes; the conversion runs in a worker thread.
+
+        Raises:
+            As :meth:`rows`.
+        """
+        async with self.rows(tensor, row_ids) as rows:
+            convert = rows.dequantize if dequantize else rows.copy_bytes
+            return await anyio.to_thread.run_sync(convert)
+
+    def row_statistics(self) -> RowStatistics | None:
+        """The row reads' counters, or None before the first :meth:`rows` call (page-cache mode: None)."""
+        return None if self._rows is None else self._rows.statistics()
 
     def __repr__(self) -> str:
         running = self._cache is not None or self._pagecache is not None

@@ -43,7 +43,7 @@ from .._errors import (
     SlotTimeoutError,
 )
 from .._io.loop import AsyncEvent, LoopAdapter
-from .._io.plan import ExpertPlan
+from .._io.plan import LoadPlan
 from .eviction import EvictionPolicy
 from .scheduler import Load, Priority, ReadScheduler
 from .stats import Counters
@@ -79,7 +79,7 @@ class Entry:
 
     __slots__ = ("error", "event", "exporters", "key", "load", "pins", "plan", "prefetched", "slot", "state")
 
-    def __init__(self, key: Key, slot: int, plan: ExpertPlan, event: AsyncEvent) -> None:
+    def __init__(self, key: Key, slot: int, plan: LoadPlan, event: AsyncEvent) -> None:
         self.key = key
         self.slot = slot
         self.plan = plan
@@ -100,7 +100,7 @@ class ExpertCache:
 
     Args:
         n_slots: slots in the slab.
-        plan_of: ``(layer, expert) -> ExpertPlan``; raises ``InvalidRequestError`` for a key
+        plan_of: ``(layer, expert) -> LoadPlan``; raises ``InvalidRequestError`` for a key
             the model does not have.
         scheduler: where loads go; :meth:`close` closes it.
         policy: orders READY, unpinned entries for eviction.
@@ -111,7 +111,7 @@ class ExpertCache:
     def __init__(
         self,
         n_slots: int,
-        plan_of: Callable[[int, int], ExpertPlan],
+        plan_of: Callable[[int, int], LoadPlan],
         scheduler: ReadScheduler,
         policy: EvictionPolicy,
         loop: LoopAdapter,
@@ -222,7 +222,7 @@ class ExpertCache:
             raise EngineClosedError("the engine was closed while waiting for experts")
         return pinned
 
-    async def _pin_now(self, unique: list[Key], plans: dict[Key, ExpertPlan]) -> list[Entry]:
+    async def _pin_now(self, unique: list[Key], plans: dict[Key, LoadPlan]) -> list[Entry]:
         """Pin ``unique`` without queuing behind waiting requests (``wait=False``).
 
         When the slots are short, waits only for the loads whose slots nobody pins (they become
@@ -247,7 +247,7 @@ class ExpertCache:
             "are pinned and the rest are loading; open with more slots or acquire with wait=True"
         )
 
-    async def _pin_in_turn(self, unique: list[Key], plans: dict[Key, ExpertPlan]) -> list[Entry]:
+    async def _pin_in_turn(self, unique: list[Key], plans: dict[Key, LoadPlan]) -> list[Entry]:
         """Pin ``unique``, waiting for slots; waiting requests are served first come, first served.
 
         A request that needs no new slot (every key cached) goes ahead; any other request queues
@@ -285,7 +285,7 @@ class ExpertCache:
                 if head:
                     self._signal_space()  # the next in line may fit in what is left
 
-    def _pin_all(self, keys: list[Key], plans: dict[Key, ExpertPlan]) -> list[Entry] | None:
+    def _pin_all(self, keys: list[Key], plans: dict[Key, LoadPlan]) -> list[Entry] | None:
         """Pin present entries and start loads for missing ones; None (and no change) if slots run out.
 
         Decides first (the victims to evict, the hits to report to the policy), then mutates.
@@ -384,7 +384,7 @@ class ExpertCache:
         """
         dropped = 0
         for load in self.scheduler.queued_prefetches():
-            key = (load.plan.location.layer, load.plan.location.expert)
+            key = load.plan.key
             entry = self.entries.get(key)
             if entry is None or entry.load is not load or entry.pins or keep(key):
                 continue
@@ -441,21 +441,22 @@ class ExpertCache:
             if can_evict(key):
                 chosen.append(key)
                 taken.add(key)
-        while len(chosen) < n:
+        if len(chosen) < n:
             try:
-                victim = self.policy.victim(can_evict)
+                found = self.policy.victims(n - len(chosen), can_evict)
             except Exception as exc:
                 raise self._policy_error("victim", exc) from exc
-            if victim is None:
-                return chosen if partial else None
-            if not can_evict(victim):
-                raise EvictionPolicyError(
-                    f"the eviction policy {type(self.policy).__name__} chose {victim!r}, which is not an evictable "
-                    "entry (pinned, loading, not cached or already chosen); the request holds no pins"
-                )
-            chosen.append(victim)
-            taken.add(victim)
-        return chosen
+            for victim in found:
+                if not can_evict(victim):
+                    raise EvictionPolicyError(
+                        f"the eviction policy {type(self.policy).__name__} chose {victim!r}, which is not an "
+                        "evictable entry (pinned, loading, not cached or already chosen); the request holds no pins"
+                    )
+                chosen.append(victim)
+                taken.add(victim)
+        if len(chosen) < n and not partial:
+            return None
+        return chosen[:n]
 
     def _evict(self, victims: list[Key]) -> None:
         """Evict ``victims`` (their slots go to the free list), then tell the policy.
@@ -483,7 +484,7 @@ class ExpertCache:
             self._signal_space()  # the evicted slots are free for whoever comes next
             raise self._policy_error("remove", error) from error
 
-    def _start(self, key: Key, slot: int, plan: ExpertPlan, priority: Priority) -> Entry:
+    def _start(self, key: Key, slot: int, plan: LoadPlan, priority: Priority) -> Entry:
         entry = Entry(key, slot, plan, self.loop.new_event())
         entry.load = Load(plan, slot, priority, functools.partial(self._loaded, entry))
         self.entries[key] = entry
@@ -522,7 +523,7 @@ class ExpertCache:
                     self._stale.add(key)
         if error is None:
             entry.state = SlotState.READY
-            self.counters.payload_bytes += entry.plan.location.n_bytes
+            self.counters.payload_bytes += entry.plan.payload_bytes
             if entry.pins == 0:
                 self._signal_space()
         else:

@@ -30,7 +30,7 @@ from .._errors import AioExpertsError, EngineClosedError, ExpertReadError
 from .._io.align import align_down
 from .._io.backends.base import IOBackend, ReadOp, ReadResult, SubmitError
 from .._io.loop import AsyncEvent, LoopAdapter
-from .._io.plan import ExpertPlan, PlannedRead
+from .._io.plan import LoadPlan, PlannedRead
 from .stats import Counters
 
 __all__ = ("Load", "LoadState", "Priority", "ReadScheduler")
@@ -78,7 +78,7 @@ class Load:
 
     __slots__ = ("_stalls", "error", "on_done", "ops_left", "plan", "priority", "slot", "started_ns", "state")
 
-    def __init__(self, plan: ExpertPlan, slot: int, priority: Priority, on_done: Callable[[Load], None]) -> None:
+    def __init__(self, plan: LoadPlan, slot: int, priority: Priority, on_done: Callable[[Load], None]) -> None:
         self.plan = plan
         self.slot = slot
         self.priority = priority
@@ -430,7 +430,6 @@ class ReadScheduler:
     def _read_error(
         self, load: Load, cause: BaseException | None, op: ReadOp | None, what: str | None = None
     ) -> ExpertReadError:
-        loc = load.plan.location
         if what is None:
             if isinstance(cause, OSError) and cause.strerror:
                 what = cause.strerror
@@ -440,7 +439,7 @@ class ReadScheduler:
         if op is not None:
             name = self.shard_names[op.shard] if op.shard < len(self.shard_names) else f"shard {op.shard}"
             where = f" ({name}, {op.n_bytes} bytes at offset {op.file_offset})"
-        error = ExpertReadError(f"reading layer {loc.layer} expert {loc.expert} failed: {what}{where}")
+        error = ExpertReadError(f"reading {load.plan.what} failed: {what}{where}")
         error.__cause__ = cause
         return error
 
@@ -461,5 +460,4 @@ class ReadScheduler:
         try:
             load.on_done(load)
         except Exception:  # the cache's on_done never raises; keep delivering the others
-            loc = load.plan.location
-            log.exception("finishing the load of layer %d expert %d failed", loc.layer, loc.expert)
+            log.exception("finishing the load of %s failed", load.plan.what)

@@ -9,11 +9,12 @@ starts at a multiple of the alignment in page-aligned slot memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from .._format.layout import ExpertLayout, ExpertLocation
 from .align import align_up, widen
 
-__all__ = ("ExpertPlan", "PlannedRead", "max_plan_bytes", "plan_all_experts", "plan_expert")
+__all__ = ("ExpertPlan", "LoadPlan", "PlannedRead", "max_plan_bytes", "plan_all_experts", "plan_expert")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,21 @@ class PlannedRead:
     needed: int
 
 
+class LoadPlan(Protocol):
+    """What the cache and the scheduler need of a plan: its key, its reads, what it is."""
+
+    @property
+    def key(self) -> tuple[int, int]: ...
+    @property
+    def reads(self) -> tuple[PlannedRead, ...]: ...
+    @property
+    def read_bytes(self) -> int: ...
+    @property
+    def payload_bytes(self) -> int: ...
+    @property
+    def what(self) -> str: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ExpertPlan:
     """The reads of one expert and where its payloads sit in the slot.
@@ -56,6 +72,21 @@ class ExpertPlan:
     def read_bytes(self) -> int:
         """Bytes the reads request (payload plus alignment padding)."""
         return sum(r.n_bytes for r in self.reads)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(layer, expert)``: the cache key of what this plan loads."""
+        return self.location.layer, self.location.expert
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the expert itself (gate + up + down)."""
+        return self.location.n_bytes
+
+    @property
+    def what(self) -> str:
+        """What the plan loads, for messages: ``layer 3 expert 17``."""
+        return f"layer {self.location.layer} expert {self.location.expert}"
 
 
 def plan_expert(

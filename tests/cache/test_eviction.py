@@ -294,3 +294,25 @@ def test_policy_matches_brute_force_model(
         assert all(x in policy for x in model.freq)
         if isinstance(policy, LFUDA):
             assert policy.age == model.age
+
+
+def test_lru_chooses_many_victims_in_one_walk_in_the_same_order_as_one_by_one() -> None:
+    from aioexperts._cache.eviction import EvictionPolicy
+
+    lru = LRU()
+    for e in range(2000):
+        lru.admit((0, e))
+    for e in range(0, 2000, 3):
+        lru.access((0, e))
+    pinned = {(0, e) for e in range(0, 2000, 7)}
+    calls = 0
+
+    def can_evict(key: tuple[int, int]) -> bool:
+        nonlocal calls
+        calls += 1
+        return key not in pinned
+
+    fast = lru.victims(900, can_evict)
+    assert calls <= 2000  # one walk, not one walk per victim
+    assert fast == EvictionPolicy.victims(lru, 900, lambda k: k not in pinned)  # the one-by-one answer
+    assert len(set(fast)) == 900 and not set(fast) & pinned
