@@ -20,7 +20,8 @@ from ._cache.eviction import EvictionPolicy, make_policy
 from ._cache.scheduler import ReadScheduler
 from ._cache.stats import Counters, EngineStatistics
 from ._compute.executor import ResidentLayer, moe_forward, route
-from ._compute.resident import load_residents
+from ._compute.fused import WarmupReport
+from ._compute.resident import load_residents, warmup_kernels
 from ._errors import ConfigError, EngineClosedError, InvalidRequestError
 from ._format.expert_map import check_map_matches_layout, read_expert_map
 from ._format.hparams import MoEHParams
@@ -542,6 +543,15 @@ class Engine:
                     )
                 self._residents = await anyio.to_thread.run_sync(load_residents, self.model, self.layout, self.hparams)
         return self._residents
+
+    async def warmup(self) -> WarmupReport:
+        """Compile, or load from the on-disk cache, the compute kernels of this model's ggml types.
+
+        :meth:`load_resident` (hence the first :meth:`moe`) does it too; call this to pay the cost
+        at a moment of your choosing. Runs in a worker thread; cheap once done.
+        """
+        self._check_running()
+        return await anyio.to_thread.run_sync(warmup_kernels, self.layout)
 
     def next_moe_layer(self, layer: int, ahead: int = 1) -> int:
         """The block index of the MoE layer ``ahead`` layers after ``layer``, wrapping around.

@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import numpy as np
 
 from ._cache.cache import Entry, ExpertCache, Key
+from ._compute.pool import compute_pool
 from ._format.views import ExpertView
 
 __all__ = ("ComputeStep", "LayerStep", "TokenResult", "run_layer_step")
@@ -38,7 +38,7 @@ class LayerStep:
         output: what the compute step returned (for :meth:`Engine.run_token`, a
             ``(n_tokens, n_embd)`` float32 array).
         io_wait_seconds: time spent waiting for this layer's experts after routing.
-        compute_seconds: time the compute step ran in its worker thread.
+        compute_seconds: time the compute step ran on its compute-pool worker.
         prefetched: prefetch loads started for the next layer.
     """
 
@@ -130,8 +130,8 @@ async def run_layer_step(
     io_wait = time.perf_counter() - t0
     views = {entry.key[1]: make_view(entry) for entry in entries}
     try:
-        # not abandoned on cancellation: the task waits for the thread, which reads the slots
-        output, compute_s = await anyio.to_thread.run_sync(_timed(compute), layer, x, views, ids, weights)
+        # not abandoned on cancellation: the task waits for the worker, which reads the slots
+        output, compute_s = await compute_pool().run(_timed(compute), layer, x, views, ids, weights)
     finally:
         for view in views.values():
             view.release()

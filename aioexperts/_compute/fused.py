@@ -1,0 +1,548 @@
+"""Products with quantized matrices: which kernel runs for a ggml type, a batch size and a backend.
+
+:func:`linear` computes ``out = x @ W.T`` for a weight matrix ``W`` given as raw ggml bytes (a
+zero-copy view of slot memory) and a float32 batch ``x``:
+
+===========================  ============================================================================
+tokens ``n``                 kernel (numba backend)
+===========================  ============================================================================
+``n <= MATVEC_MAX_TOKENS``   ``matvec_<type>`` per token: each block is decoded in registers and dotted with
+                             ``x`` (the float32 weights never exist)
+up to ``SMALL_BATCH_MAX``    ``matmat_<type>``: a few rows decoded once into a small buffer, then a blocked
+                             product with every token
+larger (prefill)             ``dequant_<type>`` (exact) into a per-thread buffer, then BLAS ``sgemm``
+===========================  ============================================================================
+
+Types without a compiled kernel (IQ1/IQ2/IQ3, TQ, ...) and the ``numpy`` backend take the last row
+with :func:`aioexperts._compute.quant.dequantize`. The float kernels agree with a float64 product
+within about 1e-6 relative (their reductions are reassociated); the exact dequantization is bit for
+bit ``gguf.quants.dequantize``.
+
+Backend: ``numba`` when it imports (see :mod:`aioexperts._compute.jit`), else ``numpy``, with one
+log line saying why; a kernel that fails to compile also switches the process to ``numpy`` (one log
+line). :func:`set_backend` forces either (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+
+from .._errors import ConfigError, FormatError
+from . import quant as _quant
+from .jit import jit_status
+
+__all__ = (
+    "MATVEC_MAX_TOKENS",
+    "SMALL_BATCH_MAX",
+    "KernelBackend",
+    "WarmupReport",
+    "backend",
+    "compiled_types",
+    "dequantize",
+    "linear",
+    "set_backend",
+    "warmup",
+)
+
+log = logging.getLogger("aioexperts")
+
+T = GGMLQuantizationType
+
+#: batches up to this many tokens run the fused matrix-vector kernel once per token
+MATVEC_MAX_TOKENS = 2
+#: batches up to this many tokens run the blocked small-batch kernel; larger ones dequantize + BLAS
+SMALL_BATCH_MAX = 64
+
+BackendName = Literal["numba", "numpy"]
+KernelKind = Literal["matvec", "matmat", "dequant"]
+KERNEL_KINDS: tuple[KernelKind, ...] = ("matvec", "matmat", "dequant")
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    module: str
+    suffix: str
+    #: dtype the raw bytes are viewed as: uint8 blocks, or float32 / uint16 elements
+    raw_dtype: type[np.generic]
+
+
+_TABLE: dict[GGMLQuantizationType, _Entry] = {
+    T.F32: _Entry("floats", "f32", np.float32),
+    T.F16: _Entry("floats", "f16", np.uint16),
+    T.BF16: _Entry("floats", "bf16", np.uint16),
+    T.Q4_0: _Entry("legacy", "q4_0", np.uint8),
+    T.Q4_1: _Entry("legacy", "q4_1", np.uint8),
+    T.Q5_0: _Entry("legacy", "q5_0", np.uint8),
+    T.Q5_1: _Entry("legacy", "q5_1", np.uint8),
+    T.Q8_0: _Entry("legacy", "q8_0", np.uint8),
+    T.Q2_K: _Entry("kquants", "q2_k", np.uint8),
+    T.Q3_K: _Entry("kquants", "q3_k", np.uint8),
+    T.Q4_K: _Entry("kquants", "q4_k", np.uint8),
+    T.Q5_K: _Entry("kquants", "q5_k", np.uint8),
+    T.Q6_K: _Entry("kquants", "q6_k", np.uint8),
+    T.IQ4_NL: _Entry("codebook", "iq4_nl", np.uint8),
+    T.IQ4_XS: _Entry("codebook", "iq4_xs", np.uint8),
+    T.MXFP4: _Entry("codebook", "mxfp4", np.uint8),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KernelBackend:
+    """Which kernels serve :func:`linear` and :func:`dequantize`.
+
+    Attributes:
+        name: ``"numba"`` (compiled kernels) or ``"numpy"`` (:mod:`aioexperts._compute.quant` + BLAS).
+        reason: why ``numpy`` serves (numba missing, a compile failure, forced), else None.
+        cache_dir: the on-disk kernel cache, or None (no numba, or not writable).
+    """
+
+    name: BackendName
+    reason: str | None
+    cache_dir: Path | None
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupReport:
+    """What :func:`warmup` did.
+
+    Attributes:
+        backend: the backend after the warm-up (a compile failure switches it to ``numpy``).
+        types: the ggml types asked for, by name, sorted.
+        kernels: compiled kernels now ready, e.g. ``"matvec_q4_k"``.
+        loaded: kernels loaded from the on-disk cache by this call.
+        compiled: kernels compiled by this call (cold cache).
+        seconds: wall time of the call.
+        cache_dir: where the kernels are cached, or None.
+    """
+
+    backend: KernelBackend
+    types: tuple[str, ...]
+    kernels: tuple[str, ...]
+    loaded: int
+    compiled: int
+    seconds: float
+    cache_dir: Path | None
+
+
+# ----------------------------------------------------------------------------------------------
+# backend state
+
+
+class _State:
+    """The process-wide backend choice and the loaded kernel modules (guarded by ``lock``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.forced: BackendName | None = None
+        self.failure: str | None = None
+        self.modules: dict[str, ModuleType] | None = None
+        self.load_error: str | None = None
+        self.logged: set[str] = set()
+        self.ready: set[tuple[str, tuple[Any, ...]]] = set()
+
+
+_state = _State()
+
+
+def _log_once(key: str, level: int, message: str, *args: object) -> None:
+    with _state.lock:
+        if key in _state.logged:
+            return
+        _state.logged.add(key)
+    log.log(level, message, *args)
+
+
+def set_backend(name: BackendName | None) -> None:
+    """Force the ``"numba"`` or ``"numpy"`` kernels for this process, or None to choose again.
+
+    Forcing ``"numba"`` where numba cannot serve still gives ``numpy`` (see :func:`backend`).
+
+    Raises:
+        ConfigError: ``name`` is not one of the three values.
+    """
+    if name not in (None, "numba", "numpy"):
+        raise ConfigError(f"kernel backend must be 'numba', 'numpy' or None, got {name!r}")
+    with _state.lock:
+        _state.forced = name
+        if name is None:
+            _state.failure = None
+
+
+def _modules() -> dict[str, ModuleType] | None:
+    """Import the kernel modules once; None (with ``_state.load_error``) if numba cannot serve."""
+    with _state.lock:
+        if _state.modules is not None or _state.load_error is not None:
+            return _state.modules
+        status = jit_status()
+        if not status.available:
+            _state.load_error = status.reason
+            return None
+        try:
+            _state.modules = {
+                name: importlib.import_module(f"{__package__}.kernels.{name}")
+                for name in sorted({e.module for e in _TABLE.values()})
+            }
+        except Exception as exc:  # a broken numba/llvmlite can raise anything at import
+            _state.load_error = f"the kernel modules cannot be imported ({type(exc).__name__}: {exc})"
+        if _state.load_error is None and status.cache_reason is not None:
+            _log_once(
+                "nocache", logging.WARNING, "aioexperts: %s; kernels are compiled in every process", status.cache_reason
+            )
+        return _state.modules
+
+
+def backend() -> KernelBackend:
+    """The backend that serves now (decided on first call, then cached; cheap).
+
+    Returns:
+        A :class:`KernelBackend`. When ``numpy`` serves because of numba (missing, broken, failed
+        to compile), the reason is logged once at WARNING level; a forced ``numpy`` is not logged.
+    """
+    with _state.lock:
+        forced, failure = _state.forced, _state.failure
+    if forced == "numpy":
+        return KernelBackend("numpy", "forced by set_backend('numpy')", None)
+    if failure is not None:
+        return KernelBackend("numpy", failure, None)
+    if _modules() is None:
+        reason = _state.load_error or "numba is unavailable"
+        if not reason.endswith("=numpy"):
+            _log_once("fallback", logging.WARNING, "aioexperts: numpy kernels serve: %s", reason)
+        return KernelBackend("numpy", reason, None)
+    return KernelBackend("numba", None, jit_status().cache_dir)
+
+
+def compiled_types() -> frozenset[GGMLQuantizationType]:
+    """The ggml types that have numba kernels (whatever the backend serving now)."""
+    return frozenset(_TABLE)
+
+
+def _fail(exc: BaseException, what: str) -> None:
+    reason = f"compiling {what} failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    with _state.lock:
+        if _state.failure is None:
+            _state.failure = reason
+    _log_once("failure", logging.WARNING, "aioexperts: numpy kernels serve from now on: %s", reason)
+
+
+# ----------------------------------------------------------------------------------------------
+# argument handling
+
+
+def _qtype(ggml_type: GGMLQuantizationType | int) -> GGMLQuantizationType:
+    try:
+        return GGMLQuantizationType(ggml_type)
+    except ValueError:
+        from .._errors import UnsupportedTypeError
+
+        raise UnsupportedTypeError(f"unknown ggml type {ggml_type!r}") from None
+
+
+def _raw_matrix(
+    data: memoryview | np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int], entry: _Entry
+) -> np.ndarray:
+    """The bytes of a ``shape`` tensor as a read-only C-contiguous 2-D array for the kernels.
+
+    Raises:
+        FormatError: the byte count does not match the shape, or the data is not contiguous.
+    """
+    rows, cols = shape
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if cols % block_size:
+        raise FormatError(f"{qtype.name} matrix of shape {shape}: {cols} columns is not a multiple of {block_size}")
+    row_bytes = cols // block_size * type_size
+    if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            raise FormatError("tensor data array is not C-contiguous")
+        raw = data.reshape(-1).view(np.uint8)
+    else:
+        try:
+            raw = np.frombuffer(data, dtype=np.uint8)
+        except (TypeError, ValueError, BufferError) as exc:
+            raise FormatError(f"tensor data is not a contiguous byte buffer: {exc}") from exc
+    if raw.size != rows * row_bytes:
+        raise FormatError(f"{qtype.name} matrix of shape {shape} needs {rows * row_bytes} bytes, got {raw.size}")
+    if raw.ctypes.data % np.dtype(entry.raw_dtype).itemsize:
+        raw = raw.copy()  # F32/F16/BF16 elements must be aligned for the kernels
+    matrix = raw.view(entry.raw_dtype).reshape(rows, -1)
+    return _readonly(matrix)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != cols:
+        got = f"{x.dtype} array of shape {x.shape}" if isinstance(x, np.ndarray) else type(x).__name__
+        raise ConfigError(f"x must be a float32 array of shape (n_tokens, {cols}), got {got}")
+    return _readonly(np.ascontiguousarray(x))
+
+
+def _check_out(out: np.ndarray | None, shape: tuple[int, int]) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, dtype=np.float32)
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != shape:
+        got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise ConfigError(f"out must be a float32 array of shape {shape}, got {got}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ConfigError("out must be C-contiguous and writeable")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# compiled kernels
+
+
+def _signature(kind: KernelKind, entry: _Entry) -> tuple[Any, ...]:
+    """The numba argument types every call of ``kind`` uses (read-only inputs, C-contiguous)."""
+    from numba import from_dtype, types
+
+    raw = types.Array(from_dtype(np.dtype(entry.raw_dtype)), 2, "C", readonly=True)
+    if kind == "matvec":
+        return (raw, types.Array(types.float32, 1, "C", readonly=True), types.Array(types.float32, 1, "C"))
+    if kind == "matmat":
+        return (raw, types.Array(types.float32, 2, "C", readonly=True), types.Array(types.float32, 2, "C"))
+    return (raw, types.Array(types.float32, 2, "C"))
+
+
+def _kernel(qtype: GGMLQuantizationType, kind: KernelKind) -> Callable[..., None] | None:
+    """The numba dispatcher of ``kind`` for ``qtype``, or None when numba does not serve it."""
+    entry = _TABLE.get(qtype)
+    if entry is None:
+        return None
+    modules = _modules()
+    if modules is None:
+        return None
+    fn: Callable[..., None] = getattr(modules[entry.module], f"{kind}_{entry.suffix}")
+    return fn
+
+
+def _numba_serves(qtype: GGMLQuantizationType) -> bool:
+    return qtype in _TABLE and backend().name == "numba"
+
+
+class _Workspace(threading.local):
+    """Per-thread grow-only float32 buffer for dequantized matrices (the prefill path)."""
+
+    def __init__(self) -> None:
+        self.flat = np.empty(0, dtype=np.float32)
+
+    def matrix(self, shape: tuple[int, int]) -> np.ndarray:
+        size = shape[0] * shape[1]
+        if self.flat.size < size:
+            self.flat = np.empty(size, dtype=np.float32)
+        return self.flat[:size].reshape(shape)
+
+
+_workspace = _Workspace()
+
+
+def linear(
+    data: memoryview | np.ndarray,
+    ggml_type: GGMLQuantizationType | int,
+    shape: tuple[int, int],
+    x: np.ndarray,
+    *,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """``x @ W.T`` for the matrix ``W`` of ``shape`` stored as raw ggml bytes.
+
+    Llama.cpp's ``ggml_mul_mat(W, x)``; the kernel is chosen by the number of tokens (module
+    docstring). Thread-safe; releases the GIL inside the compiled kernels.
+
+    Args:
+        data: the matrix bytes in ggml block layout: a ``memoryview`` (e.g. of slot memory) or a
+            C-contiguous array; never copied (except F32/F16/BF16 bytes at an unaligned address).
+        ggml_type: the ggml type of the bytes.
+        shape: ``(rows, cols)`` in numpy order (ggml ``(ne1, ne0)``); ``cols`` a multiple of the
+            block size.
+        x: ``(n_tokens, cols)`` float32.
+        out: optional ``(n_tokens, rows)`` float32 C-contiguous array to write into.
+
+    Returns:
+        ``(n_tokens, rows)`` float32: ``out`` if given, else a new array.
+
+    Raises:
+        FormatError: the byte count does not fit ``shape`` and the type.
+        UnsupportedTypeError: the type can be dequantized neither here nor by gguf-py.
+        ConfigError: ``x`` or ``out`` has the wrong dtype, shape or layout.
+    """
+    qtype = _qtype(ggml_type)
+    rows, cols = int(shape[0]), int(shape[1])
+    xs = _check_x(x, cols)
+    n = xs.shape[0]
+    result = _check_out(out, (n, rows))
+    if n == 0 or rows == 0:
+        return result
+    if _numba_serves(qtype):
+        raw = _raw_matrix(data, qtype, (rows, cols), _TABLE[qtype])
+        try:
+            _linear_numba(qtype, raw, xs, result)
+            return result
+        except Exception as exc:
+            if not _is_numba_error(exc):
+                raise
+            _fail(exc, f"the {qtype.name} kernels")
+    weights = _quant.dequantize(data, qtype, (rows, cols))
+    np.matmul(xs, weights.T, out=result)
+    return result
+
+
+def _linear_numba(qtype: GGMLQuantizationType, raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
+    n = xs.shape[0]
+    if n <= MATVEC_MAX_TOKENS:
+        matvec = _ready(qtype, "matvec")
+        for t in range(n):
+            matvec(raw, xs[t], out[t])
+    elif n <= SMALL_BATCH_MAX:
+        _ready(qtype, "matmat")(raw, xs, out)
+    else:
+        weights = _workspace.matrix((raw.shape[0], xs.shape[1]))
+        _ready(qtype, "dequant")(raw, weights)
+        np.matmul(xs, weights.T, out=out)
+
+
+def dequantize(
+    data: memoryview | np.ndarray,
+    ggml_type: GGMLQuantizationType | int,
+    shape: tuple[int, ...],
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Exact dequantization, bit for bit ``gguf.quants.dequantize``, compiled where possible.
+
+    Same contract as :func:`aioexperts._compute.quant.dequantize` (the numpy kernels, used for
+    the ``numpy`` backend and for types without a compiled kernel).
+
+    Raises:
+        FormatError, UnsupportedTypeError, ConfigError: as :func:`aioexperts._compute.quant.dequantize`.
+    """
+    qtype = _qtype(ggml_type)
+    dims = tuple(int(d) for d in shape)
+    if len(dims) < 1 or not _numba_serves(qtype) or math.prod(dims) == 0:
+        return _quant.dequantize(data, qtype, dims, out)
+    cols = dims[-1]
+    rows = math.prod(dims[:-1])
+    raw = _raw_matrix(data, qtype, (rows, cols), _TABLE[qtype])
+    if out is None:
+        result = np.empty(dims, dtype=np.float32)
+    else:
+        if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != dims:
+            got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+            raise ConfigError(f"out must be a float32 array of shape {dims}, got {got}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ConfigError("out must be C-contiguous and writeable")
+        result = out
+    try:
+        with np.errstate(all="ignore"):
+            _ready(qtype, "dequant")(raw, result.reshape(rows, cols))
+        return result
+    except Exception as exc:
+        if not _is_numba_error(exc):
+            raise
+        _fail(exc, f"the {qtype.name} kernels")
+    return _quant.dequantize(data, qtype, dims, out)
+
+
+def _is_numba_error(exc: BaseException) -> bool:
+    try:
+        from numba.core.errors import NumbaError
+    except Exception:  # pragma: no cover - numba vanished after loading
+        return False
+    return isinstance(exc, NumbaError) or type(exc).__module__.startswith(("numba", "llvmlite"))
+
+
+# ----------------------------------------------------------------------------------------------
+# compile once: warm-up
+
+
+def _ready(qtype: GGMLQuantizationType, kind: KernelKind) -> Callable[..., None]:
+    """The dispatcher of ``kind`` for ``qtype``, compiled (or loaded from the cache) for its signature."""
+    fn = _kernel(qtype, kind)
+    assert fn is not None
+    key = (f"{kind}:{qtype.name}", ())
+    if key not in _state.ready:
+        entry = _TABLE[qtype]
+        fn.compile(_signature(kind, entry))  # type: ignore[attr-defined]
+        _state.ready.add(key)
+    return fn
+
+
+def warmup(types: Iterable[GGMLQuantizationType | int], *, kinds: Iterable[KernelKind] = KERNEL_KINDS) -> WarmupReport:
+    """Compile, or load from the on-disk cache, every kernel the given ggml types need.
+
+    Call it before the first token (``Engine.warmup``, or :func:`load_residents` does it for the
+    model's types) so that no compile happens while a token waits. Types without a compiled kernel
+    are ignored. Blocking: from a worker thread under an event loop. The first call of a process
+    logs its cost once (INFO).
+
+    Args:
+        types: ggml types (of the experts, shared experts, routers).
+        kinds: the kernels per type (default: all three).
+
+    Returns:
+        A :class:`WarmupReport`.
+    """
+    t0 = time.perf_counter()
+    wanted = sorted({_qtype(t) for t in types}, key=lambda t: t.name)
+    names: list[str] = []
+    loaded = compiled = 0
+    if backend().name == "numba":
+        for qtype in wanted:
+            if qtype not in _TABLE:
+                continue
+            for kind in kinds:
+                fn = _kernel(qtype, kind)
+                if fn is None:
+                    break
+                stats = fn.stats  # type: ignore[attr-defined]
+                hits, misses = sum(stats.cache_hits.values()), sum(stats.cache_misses.values())
+                try:
+                    _ready(qtype, kind)
+                except Exception as exc:
+                    if not _is_numba_error(exc):
+                        raise
+                    _fail(exc, f"{kind}_{_TABLE[qtype].suffix}")
+                    break
+                stats = fn.stats  # type: ignore[attr-defined]
+                loaded += sum(stats.cache_hits.values()) - hits
+                compiled += sum(stats.cache_misses.values()) - misses
+                names.append(f"{kind}_{_TABLE[qtype].suffix}")
+    report = WarmupReport(
+        backend=backend(),
+        types=tuple(t.name for t in wanted),
+        kernels=tuple(names),
+        loaded=loaded,
+        compiled=compiled,
+        seconds=time.perf_counter() - t0,
+        cache_dir=jit_status().cache_dir if backend().name == "numba" else None,
+    )
+    if names:
+        _log_once(
+            "warmup",
+            logging.INFO,
+            "aioexperts: %d kernels for %s ready in %.2f s (%d loaded from %s, %d compiled)",
+            len(names),
+            ", ".join(report.types),
+            report.seconds,
+            loaded,
+            report.cache_dir or "no cache",
+            compiled,
+        )
+    return report
