@@ -30,7 +30,7 @@ import logging
 import os
 import platform
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,6 +44,8 @@ __all__ = (
     "jit_status",
     "kernel",
     "kernel_sources_hash",
+    "reset_jit_status",
+    "sources_hash",
 )
 
 log = logging.getLogger("aioexperts")
@@ -89,21 +91,27 @@ def _user_cache_root() -> Path:
     return Path(base) / "aioexperts"
 
 
-@functools.cache
-def kernel_sources_hash() -> str:
-    """SHA-256 (hex, shortened) of every kernel source file and of this module.
+def sources_hash(files: Iterable[Path]) -> str:
+    """SHA-256 (hex, shortened) of the names and contents of ``files``, in sorted order.
 
-    The files are hashed in sorted order, each with its name, so that renaming or moving code
-    between modules also changes the hash.
+    Names are included so that renaming a module or moving code between modules also changes it.
+
+    Raises:
+        OSError: a file cannot be read.
     """
     digest = hashlib.sha256()
-    files = sorted(_KERNELS_DIR.glob("*.py")) + [Path(__file__).resolve()]
-    for path in files:
+    for path in sorted(files, key=lambda p: p.name):
         digest.update(path.name.encode())
         digest.update(b"\0")
         digest.update(path.read_bytes())
         digest.update(b"\0")
     return digest.hexdigest()[:_HASH_CHARS]
+
+
+@functools.cache
+def kernel_sources_hash() -> str:
+    """:func:`sources_hash` of every module of the kernels package and of this module (once per process)."""
+    return sources_hash([*_KERNELS_DIR.glob("*.py"), Path(__file__).resolve()])
 
 
 def cache_dir(root: Path | None = None) -> Path:

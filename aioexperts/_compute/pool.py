@@ -107,6 +107,8 @@ class _Job(Generic[R]):
             self.result = self.fn(*self.args)
         except BaseException as exc:  # delivered to the awaiting task
             self.error = exc
+
+    def wake(self) -> None:
         try:
             self.notify()
         except RuntimeError:  # the event loop was closed under the job: nobody waits any more
@@ -293,6 +295,7 @@ class ComputePool:
                 job.execute()
                 with self._lock:
                     self._counts["jobs"] += 1
+                job.wake()
             elif batch is not None and i is not None:
                 batch.run_item(i, self._lock)
 
