@@ -18,6 +18,11 @@ with :func:`aioexperts._compute.quant.dequantize`. The float kernels agree with 
 within about 1e-6 relative (their reductions are reassociated); the exact dequantization is bit for
 bit ``gguf.quants.dequantize``.
 
+Precision (:func:`set_precision`, ``$AIOEXPERTS_PRECISION``): ``"float"`` (default) as above;
+``"int8"`` quantizes ``x`` per call to 8 bits, as llama.cpp's CPU kernels do (``quantize_row_q8_K``
+/ ``quantize_row_q8_0``), and takes integer dot products (``ggml_vec_dot_*_q8_*``) in the one-token
+kernels of the types listed by :func:`int8_types`; about 5e-3 relative error, like llama.cpp's.
+
 Backend: ``numba`` when it imports (see :mod:`aioexperts._compute.jit`), else ``numpy``, with one
 log line saying why; a kernel that fails to compile also switches the process to ``numpy`` (one log
 line). :func:`set_backend` forces either (tests, benchmarks).
@@ -28,6 +33,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -40,20 +46,24 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
-from .._errors import ConfigError, FormatError
+from .._errors import ConfigError, FormatError, UnsupportedTypeError
 from . import quant as _quant
 from .jit import jit_status
 
 __all__ = (
     "MATVEC_MAX_TOKENS",
+    "PRECISION_ENV",
     "SMALL_BATCH_MAX",
     "KernelBackend",
     "WarmupReport",
     "backend",
     "compiled_types",
     "dequantize",
+    "int8_types",
     "linear",
+    "precision",
     "set_backend",
+    "set_precision",
     "warmup",
 )
 
@@ -65,10 +75,14 @@ T = GGMLQuantizationType
 MATVEC_MAX_TOKENS = 2
 #: batches up to this many tokens run the blocked small-batch kernel; larger ones dequantize + BLAS
 SMALL_BATCH_MAX = 64
+PRECISION_ENV = "AIOEXPERTS_PRECISION"
 
 BackendName = Literal["numba", "numpy"]
-KernelKind = Literal["matvec", "matmat", "dequant"]
+Precision = Literal["float", "int8"]
+KernelKind = Literal["matvec", "matmat", "dequant", "matvec_int8"]
 KERNEL_KINDS: tuple[KernelKind, ...] = ("matvec", "matmat", "dequant")
+
+_F32 = np.dtype(np.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +91,8 @@ class _Entry:
     suffix: str
     #: dtype the raw bytes are viewed as: uint8 blocks, or float32 / uint16 elements
     raw_dtype: type[np.generic]
+    #: module of the int8 one-token kernel ``matvec_int8_<suffix>``, if there is one
+    int8_module: str | None = None
 
 
 _TABLE: dict[GGMLQuantizationType, _Entry] = {
@@ -141,8 +157,22 @@ class WarmupReport:
 # backend state
 
 
+class _Ready:
+    """The compiled dispatchers of one type (a plain record; ``None`` where not compiled yet)."""
+
+    __slots__ = ("dequant", "entry", "matmat", "matvec", "matvec_int8", "row_bytes")
+
+    def __init__(self, entry: _Entry, row_bytes: Callable[[int], int]) -> None:
+        self.entry = entry
+        self.row_bytes = row_bytes
+        self.matvec: Callable[..., None] | None = None
+        self.matmat: Callable[..., None] | None = None
+        self.dequant: Callable[..., None] | None = None
+        self.matvec_int8: Callable[..., None] | None = None
+
+
 class _State:
-    """The process-wide backend choice and the loaded kernel modules (guarded by ``lock``)."""
+    """The process-wide backend choice, the loaded kernel modules and the compiled kernels."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -151,7 +181,9 @@ class _State:
         self.modules: dict[str, ModuleType] | None = None
         self.load_error: str | None = None
         self.logged: set[str] = set()
-        self.ready: set[tuple[str, tuple[Any, ...]]] = set()
+        self.precision: Precision | None = None
+        #: ggml type -> compiled kernels, only while numba serves (cleared on any backend change)
+        self.ready: dict[GGMLQuantizationType, _Ready] = {}
 
 
 _state = _State()
@@ -179,6 +211,36 @@ def set_backend(name: BackendName | None) -> None:
         _state.forced = name
         if name is None:
             _state.failure = None
+        _state.ready = {}
+
+
+def precision() -> Precision:
+    """The precision of the one-token kernels: ``"float"`` (default) or ``"int8"``.
+
+    Raises:
+        ConfigError: ``$AIOEXPERTS_PRECISION`` is set to something else.
+    """
+    if _state.precision is None:
+        value = os.environ.get(PRECISION_ENV, "float").strip().lower() or "float"
+        if value not in ("float", "int8"):
+            raise ConfigError(f"{PRECISION_ENV} must be 'float' or 'int8', got {value!r}")
+        _state.precision = value  # type: ignore[assignment]
+    assert _state.precision is not None
+    return _state.precision
+
+
+def set_precision(value: Precision | None) -> None:
+    """Choose the precision of the one-token kernels for this process (None: from the environment).
+
+    ``"int8"`` quantizes ``x`` to 8 bits per call, like llama.cpp (module docstring); it changes
+    only the types of :func:`int8_types` with the numba backend.
+
+    Raises:
+        ConfigError: ``value`` is not ``"float"``, ``"int8"`` or None.
+    """
+    if value not in (None, "float", "int8"):
+        raise ConfigError(f"precision must be 'float', 'int8' or None, got {value!r}")
+    _state.precision = value
 
 
 def _modules() -> dict[str, ModuleType] | None:
@@ -190,11 +252,9 @@ def _modules() -> dict[str, ModuleType] | None:
         if not status.available:
             _state.load_error = status.reason
             return None
+        names = {e.module for e in _TABLE.values()} | {e.int8_module for e in _TABLE.values() if e.int8_module}
         try:
-            _state.modules = {
-                name: importlib.import_module(f"{__package__}.kernels.{name}")
-                for name in sorted({e.module for e in _TABLE.values()})
-            }
+            _state.modules = {name: importlib.import_module(f"{__package__}.kernels.{name}") for name in sorted(names)}
         except Exception as exc:  # a broken numba/llvmlite can raise anything at import
             _state.load_error = f"the kernel modules cannot be imported ({type(exc).__name__}: {exc})"
         if _state.load_error is None and status.cache_reason is not None:
@@ -230,12 +290,83 @@ def compiled_types() -> frozenset[GGMLQuantizationType]:
     return frozenset(_TABLE)
 
 
+def int8_types() -> frozenset[GGMLQuantizationType]:
+    """The ggml types whose one-token kernel has an int8 variant (``set_precision("int8")``)."""
+    return frozenset(t for t, e in _TABLE.items() if e.int8_module)
+
+
 def _fail(exc: BaseException, what: str) -> None:
     reason = f"compiling {what} failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     with _state.lock:
         if _state.failure is None:
             _state.failure = reason
+        _state.ready = {}
     _log_once("failure", logging.WARNING, "aioexperts: numpy kernels serve from now on: %s", reason)
+
+
+def _is_numba_error(exc: BaseException) -> bool:
+    try:
+        from numba.core.errors import NumbaError
+    except Exception:  # pragma: no cover - numba vanished after loading
+        return False
+    return isinstance(exc, NumbaError) or type(exc).__module__.startswith(("numba", "llvmlite"))
+
+
+# ----------------------------------------------------------------------------------------------
+# compiled kernels, ready to call
+
+
+def _signature(kind: KernelKind, entry: _Entry) -> tuple[Any, ...]:
+    """The numba argument types every call of ``kind`` uses (read-only inputs, C-contiguous)."""
+    from numba import from_dtype, types
+
+    raw = types.Array(from_dtype(np.dtype(entry.raw_dtype)), 2, "C", readonly=True)
+    if kind in ("matvec", "matvec_int8"):
+        return (raw, types.Array(types.float32, 1, "C", readonly=True), types.Array(types.float32, 1, "C"))
+    if kind == "matmat":
+        return (raw, types.Array(types.float32, 2, "C", readonly=True), types.Array(types.float32, 2, "C"))
+    return (raw, types.Array(types.float32, 2, "C"))
+
+
+def _dispatcher(entry: _Entry, kind: KernelKind) -> Any:
+    modules = _modules()
+    assert modules is not None
+    if kind == "matvec_int8":
+        assert entry.int8_module is not None
+        return getattr(modules[entry.int8_module], f"matvec_int8_{entry.suffix}")
+    return getattr(modules[entry.module], f"{kind}_{entry.suffix}")
+
+
+def _compile(qtype: GGMLQuantizationType, kind: KernelKind) -> tuple[Callable[..., None], int, int]:
+    """Compile (or load from the cache) one kernel; ``(dispatcher, loaded, compiled)``."""
+    entry = _TABLE[qtype]
+    fn = _dispatcher(entry, kind)
+    stats = fn.stats
+    hits, misses = sum(stats.cache_hits.values()), sum(stats.cache_misses.values())
+    fn.compile(_signature(kind, entry))
+    stats = fn.stats
+    return fn, sum(stats.cache_hits.values()) - hits, sum(stats.cache_misses.values()) - misses
+
+
+def _ready(qtype: GGMLQuantizationType) -> _Ready | None:
+    """The compiled-kernel record of ``qtype`` when numba serves it, else None (cheap when warm)."""
+    ready = _state.ready.get(qtype)
+    if ready is not None:
+        return ready
+    if qtype not in _TABLE or backend().name != "numba":
+        return None
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    record = _Ready(_TABLE[qtype], lambda cols: cols // block_size * type_size)
+    with _state.lock:
+        return _state.ready.setdefault(qtype, record)
+
+
+def _kernel(ready: _Ready, qtype: GGMLQuantizationType, kind: KernelKind) -> Callable[..., None]:
+    fn: Callable[..., None] | None = getattr(ready, kind)
+    if fn is None:
+        fn, _, _ = _compile(qtype, kind)
+        setattr(ready, kind, fn)
+    return fn
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,27 +374,35 @@ def _fail(exc: BaseException, what: str) -> None:
 
 
 def _qtype(ggml_type: GGMLQuantizationType | int) -> GGMLQuantizationType:
+    if type(ggml_type) is GGMLQuantizationType:
+        return ggml_type
     try:
         return GGMLQuantizationType(ggml_type)
     except ValueError:
-        from .._errors import UnsupportedTypeError
-
         raise UnsupportedTypeError(f"unknown ggml type {ggml_type!r}") from None
 
 
+def _readonly(a: np.ndarray) -> np.ndarray:
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
 def _raw_matrix(
-    data: memoryview | np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int], entry: _Entry
+    data: memoryview | np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int, ready: _Ready
 ) -> np.ndarray:
-    """The bytes of a ``shape`` tensor as a read-only C-contiguous 2-D array for the kernels.
+    """The bytes of a ``(rows, cols)`` tensor as a read-only C-contiguous 2-D array for the kernels.
 
     Raises:
         FormatError: the byte count does not match the shape, or the data is not contiguous.
     """
-    rows, cols = shape
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    block_size = GGML_QUANT_SIZES[qtype][0]
     if cols % block_size:
-        raise FormatError(f"{qtype.name} matrix of shape {shape}: {cols} columns is not a multiple of {block_size}")
-    row_bytes = cols // block_size * type_size
+        raise FormatError(
+            f"{qtype.name} matrix of shape {(rows, cols)}: {cols} columns is not a multiple of {block_size}"
+        )
+    row_bytes = ready.row_bytes(cols)
     if isinstance(data, np.ndarray):
         if not data.flags.c_contiguous:
             raise FormatError("tensor data array is not C-contiguous")
@@ -274,68 +413,33 @@ def _raw_matrix(
         except (TypeError, ValueError, BufferError) as exc:
             raise FormatError(f"tensor data is not a contiguous byte buffer: {exc}") from exc
     if raw.size != rows * row_bytes:
-        raise FormatError(f"{qtype.name} matrix of shape {shape} needs {rows * row_bytes} bytes, got {raw.size}")
-    if raw.ctypes.data % np.dtype(entry.raw_dtype).itemsize:
-        raw = raw.copy()  # F32/F16/BF16 elements must be aligned for the kernels
-    matrix = raw.view(entry.raw_dtype).reshape(rows, -1)
-    return _readonly(matrix)
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    if a.flags.writeable:
-        a = a.view()
-        a.flags.writeable = False
-    return a
+        raise FormatError(f"{qtype.name} matrix of shape {(rows, cols)} needs {rows * row_bytes} bytes, got {raw.size}")
+    dtype = ready.entry.raw_dtype
+    if dtype is not np.uint8:
+        if raw.ctypes.data % np.dtype(dtype).itemsize:
+            raw = raw.copy()  # F32/F16/BF16 elements must be aligned for the kernels
+        raw = raw.view(dtype)
+    return _readonly(raw.reshape(rows, -1))
 
 
 def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
-    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != cols:
+    if not isinstance(x, np.ndarray) or x.dtype != _F32 or x.ndim != 2 or x.shape[1] != cols:
         got = f"{x.dtype} array of shape {x.shape}" if isinstance(x, np.ndarray) else type(x).__name__
         raise ConfigError(f"x must be a float32 array of shape (n_tokens, {cols}), got {got}")
-    return _readonly(np.ascontiguousarray(x))
+    if not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x)
+    return _readonly(x)
 
 
 def _check_out(out: np.ndarray | None, shape: tuple[int, int]) -> np.ndarray:
     if out is None:
         return np.empty(shape, dtype=np.float32)
-    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != shape:
+    if not isinstance(out, np.ndarray) or out.dtype != _F32 or out.shape != shape:
         got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
         raise ConfigError(f"out must be a float32 array of shape {shape}, got {got}")
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise ConfigError("out must be C-contiguous and writeable")
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# compiled kernels
-
-
-def _signature(kind: KernelKind, entry: _Entry) -> tuple[Any, ...]:
-    """The numba argument types every call of ``kind`` uses (read-only inputs, C-contiguous)."""
-    from numba import from_dtype, types
-
-    raw = types.Array(from_dtype(np.dtype(entry.raw_dtype)), 2, "C", readonly=True)
-    if kind == "matvec":
-        return (raw, types.Array(types.float32, 1, "C", readonly=True), types.Array(types.float32, 1, "C"))
-    if kind == "matmat":
-        return (raw, types.Array(types.float32, 2, "C", readonly=True), types.Array(types.float32, 2, "C"))
-    return (raw, types.Array(types.float32, 2, "C"))
-
-
-def _kernel(qtype: GGMLQuantizationType, kind: KernelKind) -> Callable[..., None] | None:
-    """The numba dispatcher of ``kind`` for ``qtype``, or None when numba does not serve it."""
-    entry = _TABLE.get(qtype)
-    if entry is None:
-        return None
-    modules = _modules()
-    if modules is None:
-        return None
-    fn: Callable[..., None] = getattr(modules[entry.module], f"{kind}_{entry.suffix}")
-    return fn
-
-
-def _numba_serves(qtype: GGMLQuantizationType) -> bool:
-    return qtype in _TABLE and backend().name == "numba"
 
 
 class _Workspace(threading.local):
@@ -352,6 +456,10 @@ class _Workspace(threading.local):
 
 
 _workspace = _Workspace()
+
+
+# ----------------------------------------------------------------------------------------------
+# the two entry points
 
 
 def linear(
@@ -391,10 +499,11 @@ def linear(
     result = _check_out(out, (n, rows))
     if n == 0 or rows == 0:
         return result
-    if _numba_serves(qtype):
-        raw = _raw_matrix(data, qtype, (rows, cols), _TABLE[qtype])
+    ready = _ready(qtype)
+    if ready is not None:
+        raw = _raw_matrix(data, qtype, rows, cols, ready)
         try:
-            _linear_numba(qtype, raw, xs, result)
+            _linear_numba(qtype, ready, raw, xs, result)
             return result
         except Exception as exc:
             if not _is_numba_error(exc):
@@ -405,17 +514,18 @@ def linear(
     return result
 
 
-def _linear_numba(qtype: GGMLQuantizationType, raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
+def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
     n = xs.shape[0]
     if n <= MATVEC_MAX_TOKENS:
-        matvec = _ready(qtype, "matvec")
+        kind: KernelKind = "matvec_int8" if ready.entry.int8_module and precision() == "int8" else "matvec"
+        matvec = _kernel(ready, qtype, kind)
         for t in range(n):
             matvec(raw, xs[t], out[t])
     elif n <= SMALL_BATCH_MAX:
-        _ready(qtype, "matmat")(raw, xs, out)
+        _kernel(ready, qtype, "matmat")(raw, xs, out)
     else:
         weights = _workspace.matrix((raw.shape[0], xs.shape[1]))
-        _ready(qtype, "dequant")(raw, weights)
+        _kernel(ready, qtype, "dequant")(raw, weights)
         np.matmul(xs, weights.T, out=out)
 
 
@@ -435,23 +545,23 @@ def dequantize(
     """
     qtype = _qtype(ggml_type)
     dims = tuple(int(d) for d in shape)
-    if len(dims) < 1 or not _numba_serves(qtype) or math.prod(dims) == 0:
+    ready = _ready(qtype)
+    if ready is None or len(dims) < 1 or math.prod(dims) == 0:
         return _quant.dequantize(data, qtype, dims, out)
     cols = dims[-1]
     rows = math.prod(dims[:-1])
-    raw = _raw_matrix(data, qtype, (rows, cols), _TABLE[qtype])
+    raw = _raw_matrix(data, qtype, rows, cols, ready)
     if out is None:
         result = np.empty(dims, dtype=np.float32)
     else:
-        if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != dims:
+        if not isinstance(out, np.ndarray) or out.dtype != _F32 or out.shape != dims:
             got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
             raise ConfigError(f"out must be a float32 array of shape {dims}, got {got}")
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise ConfigError("out must be C-contiguous and writeable")
         result = out
     try:
-        with np.errstate(all="ignore"):
-            _ready(qtype, "dequant")(raw, result.reshape(rows, cols))
+        _kernel(ready, qtype, "dequant")(raw, result.reshape(rows, cols))
         return result
     except Exception as exc:
         if not _is_numba_error(exc):
@@ -460,80 +570,64 @@ def dequantize(
     return _quant.dequantize(data, qtype, dims, out)
 
 
-def _is_numba_error(exc: BaseException) -> bool:
-    try:
-        from numba.core.errors import NumbaError
-    except Exception:  # pragma: no cover - numba vanished after loading
-        return False
-    return isinstance(exc, NumbaError) or type(exc).__module__.startswith(("numba", "llvmlite"))
-
-
 # ----------------------------------------------------------------------------------------------
 # compile once: warm-up
 
 
-def _ready(qtype: GGMLQuantizationType, kind: KernelKind) -> Callable[..., None]:
-    """The dispatcher of ``kind`` for ``qtype``, compiled (or loaded from the cache) for its signature."""
-    fn = _kernel(qtype, kind)
-    assert fn is not None
-    key = (f"{kind}:{qtype.name}", ())
-    if key not in _state.ready:
-        entry = _TABLE[qtype]
-        fn.compile(_signature(kind, entry))  # type: ignore[attr-defined]
-        _state.ready.add(key)
-    return fn
-
-
-def warmup(types: Iterable[GGMLQuantizationType | int], *, kinds: Iterable[KernelKind] = KERNEL_KINDS) -> WarmupReport:
+def warmup(types: Iterable[GGMLQuantizationType | int], *, kinds: Iterable[KernelKind] | None = None) -> WarmupReport:
     """Compile, or load from the on-disk cache, every kernel the given ggml types need.
 
-    Call it before the first token (``Engine.warmup``, or :func:`load_residents` does it for the
+    Call it before the first token (``Engine.warmup``, or ``load_residents`` does it for the
     model's types) so that no compile happens while a token waits. Types without a compiled kernel
     are ignored. Blocking: from a worker thread under an event loop. The first call of a process
-    logs its cost once (INFO).
+    that loads or compiles something logs its cost once (INFO).
 
     Args:
         types: ggml types (of the experts, shared experts, routers).
-        kinds: the kernels per type (default: all three).
+        kinds: the kernels per type (default: the three float kernels, plus the int8 one-token
+            kernel when the precision is ``"int8"``).
 
     Returns:
         A :class:`WarmupReport`.
     """
     t0 = time.perf_counter()
     wanted = sorted({_qtype(t) for t in types}, key=lambda t: t.name)
+    chosen: tuple[KernelKind, ...] = tuple(kinds) if kinds is not None else KERNEL_KINDS
+    if kinds is None and precision() == "int8":
+        chosen = (*chosen, "matvec_int8")
     names: list[str] = []
     loaded = compiled = 0
-    if backend().name == "numba":
-        for qtype in wanted:
-            if qtype not in _TABLE:
+    for qtype in wanted:
+        ready = _ready(qtype)
+        if ready is None:
+            continue
+        for kind in chosen:
+            if kind == "matvec_int8" and not ready.entry.int8_module:
                 continue
-            for kind in kinds:
-                fn = _kernel(qtype, kind)
-                if fn is None:
-                    break
-                stats = fn.stats  # type: ignore[attr-defined]
-                hits, misses = sum(stats.cache_hits.values()), sum(stats.cache_misses.values())
-                try:
-                    _ready(qtype, kind)
-                except Exception as exc:
-                    if not _is_numba_error(exc):
-                        raise
-                    _fail(exc, f"{kind}_{_TABLE[qtype].suffix}")
-                    break
-                stats = fn.stats  # type: ignore[attr-defined]
-                loaded += sum(stats.cache_hits.values()) - hits
-                compiled += sum(stats.cache_misses.values()) - misses
-                names.append(f"{kind}_{_TABLE[qtype].suffix}")
+            name = f"{kind}_{ready.entry.suffix}"
+            try:
+                if getattr(ready, kind) is None:
+                    fn, n_loaded, n_compiled = _compile(qtype, kind)
+                    setattr(ready, kind, fn)
+                    loaded += n_loaded
+                    compiled += n_compiled
+            except Exception as exc:
+                if not _is_numba_error(exc):
+                    raise
+                _fail(exc, name)
+                break
+            names.append(name)
+    status = backend()
     report = WarmupReport(
-        backend=backend(),
+        backend=status,
         types=tuple(t.name for t in wanted),
-        kernels=tuple(names),
+        kernels=tuple(names) if status.name == "numba" else (),
         loaded=loaded,
         compiled=compiled,
         seconds=time.perf_counter() - t0,
-        cache_dir=jit_status().cache_dir if backend().name == "numba" else None,
+        cache_dir=status.cache_dir,
     )
-    if names:
+    if loaded or compiled:
         _log_once(
             "warmup",
             logging.INFO,

@@ -187,7 +187,7 @@ def test_a_compile_failure_switches_to_numpy_with_one_log_line(caplog, monkeypat
         raise LoweringError("simulated LLVM failure")
 
     fused.set_backend(None)
-    monkeypatch.setattr(fused, "_ready", broken)
+    monkeypatch.setattr(fused, "_compile", broken)
     monkeypatch.setattr(fused._state, "logged", set())
     raw = np.zeros(2 * 34, np.uint8)
     x = np.ones((1, 32), np.float32)
