@@ -238,3 +238,108 @@ def test_warmup_reports_the_kernels() -> None:
     assert report.loaded + report.compiled <= len(report.kernels)
     again = fused.warmup([Q.Q4_K])
     assert again.loaded == again.compiled == 0  # ready in this process: nothing to do
+
+
+# ----------------------------------------------------------------------------------------------
+# the int8 precision (x quantized like llama.cpp)
+
+#: relative L2 error allowed for the int8 one-token kernels: the rounding of x to 8 bits (llama.cpp's
+#: own kernels differ from a float64 product by about as much; the goldens allow 4e-2)
+INT8_RTOL = 2e-2
+INT8_TYPES = sorted(fused.int8_types(), key=lambda t: t.name)
+
+
+@pytest.fixture
+def int8_precision() -> Iterator[None]:
+    fused.set_precision("int8")
+    yield
+    fused.set_precision(None)
+
+
+def test_int8_covers_every_quantized_type() -> None:
+    assert set(INT8_TYPES) == set(TYPES) - {Q.F32, Q.F16, Q.BF16}
+    assert fused.precision() == "float"  # the default
+
+
+@pytest.mark.usefixtures("int8_precision")
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+def test_int8_products_are_close_and_only_for_one_token(qtype: GGMLQuantizationType) -> None:
+    rng = np.random.default_rng(qtype.value + 1000)
+    block_size, _ = GGML_QUANT_SIZES[qtype]
+    rows, cols = 24, 2 * max(block_size, 256)
+    raw = sane_blocks(qtype, rows, cols, rng)
+    weights = reference(raw, qtype, (rows, cols)).astype(np.float64)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    want = x.astype(np.float64) @ weights.T
+    for n in (1, 2):
+        error = rel_l2(fused.linear(raw, qtype, (rows, cols), x[:n]), want[:n])
+        assert 1e-5 < error <= INT8_RTOL, (qtype.name, n, error)  # really the int8 kernel, and close
+    assert rel_l2(fused.linear(raw, qtype, (rows, cols), x), want) <= FUSED_RTOL  # batches stay float
+
+
+def q8_k_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``quantize_row_q8_K_ref`` of llama.cpp, in numpy: int8 codes, scales, sums of 16."""
+    blocks = x.reshape(-1, 256)
+    q = np.zeros(blocks.shape, np.int8)
+    d = np.zeros(len(blocks), np.float32)
+    for b, values in enumerate(blocks):
+        index = int(np.argmax(np.abs(values)))
+        if values[index] == 0:
+            continue
+        iscale = np.float32(-127.0) / values[index]
+        q[b] = np.minimum(127, np.rint(iscale * values)).astype(np.int8)
+        d[b] = np.float32(1.0) / iscale
+    return q.reshape(-1), d, q.reshape(-1, 16).astype(np.int32).sum(axis=1)
+
+
+def q8_0_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize_row_q8_0_ref`` of llama.cpp, in numpy: int8 codes and float16-rounded scales."""
+    blocks = x.reshape(-1, 32)
+    d = np.abs(blocks).max(axis=1) / np.float32(127.0)
+    inverse = np.where(d != 0, np.float32(1.0) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    scaled = blocks * inverse[:, None]
+    q = (np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))).astype(np.int8)  # roundf
+    return q.reshape(-1), d.astype(np.float16).astype(np.float32)
+
+
+def test_int8_quantizers_follow_llama_cpp() -> None:
+    from aioexperts._compute.kernels import int8
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(1024) * rng.uniform(0.01, 10, 1024)).astype(np.float32)
+    x[256:512] = 0.0  # an all-zero block
+    x[7] = -40.0  # the value of largest magnitude is negative in block 0
+    q = np.empty(1024, np.int8)
+    d = np.empty(4, np.float32)
+    bsums = np.empty(64, np.int32)
+    int8.quantize_q8_k(x, q, d, bsums)
+    want_q, want_d, want_sums = q8_k_reference(x)
+    np.testing.assert_array_equal(q, want_q)
+    np.testing.assert_array_equal(d, want_d)
+    np.testing.assert_array_equal(bsums, want_sums)
+    q0 = np.empty(1024, np.int8)
+    d0 = np.empty(32, np.float32)
+    s0 = np.empty(32, np.float32)
+    int8.quantize_q8_0(x, q0, d0, s0)
+    want_q0, want_d0 = q8_0_reference(x)
+    np.testing.assert_array_equal(q0, want_q0)
+    np.testing.assert_array_equal(d0, want_d0)
+    sums = (want_q0.reshape(-1, 32).astype(np.int32).sum(axis=1) * want_d0).astype(np.float16).astype(np.float32)
+    np.testing.assert_allclose(s0, sums, rtol=2e-3)  # ggml rounds d * sum(q) from the unrounded d
+
+
+def test_precision_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="precision"):
+        fused.set_precision("int4")  # type: ignore[arg-type]
+    monkeypatch.setenv("AIOEXPERTS_PRECISION", "int8")
+    fused.set_precision(None)
+    try:
+        assert fused.precision() == "int8"
+        monkeypatch.setenv("AIOEXPERTS_PRECISION", "half")
+        fused.set_precision(None)
+        with pytest.raises(ConfigError, match="AIOEXPERTS_PRECISION"):
+            fused.precision()
+    finally:
+        monkeypatch.delenv("AIOEXPERTS_PRECISION")
+        fused.set_precision(None)
+    assert fused.precision() == "float"

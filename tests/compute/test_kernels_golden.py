@@ -1,9 +1,9 @@
 """Every shared fixture (``more-archs/`` included) through ``engine.moe_result`` with each kernel backend.
 
-With the compiled kernels and with the numpy kernels forced, the outputs must match llama.cpp's
-goldens within the tolerances of ``tests/engine/test_moe_golden.py`` (for the architectures whose
-routing is verified against llama.cpp), and the two backends must agree with each other within
-1e-5 relative whatever the architecture.
+With the compiled kernels (float and int8 precision) and with the numpy kernels forced, the outputs
+must match llama.cpp's goldens within the tolerances of ``tests/engine/test_moe_golden.py`` (for the
+architectures whose routing is verified against llama.cpp), and the float kernels of the two
+backends must agree with each other within 1e-5 relative whatever the architecture.
 """
 
 from __future__ import annotations
@@ -57,11 +57,13 @@ def anyio_backend() -> str:
 def restore_backend() -> Iterator[None]:
     yield
     fused.set_backend(None)
+    fused.set_precision(None)
 
 
-async def outputs(path: Path, backend: str) -> tuple[dict[int, aioexperts.MoEResult], bool]:
+async def outputs(path: Path, backend: str, precision: str = "float") -> tuple[dict[int, aioexperts.MoEResult], bool]:
     """Every golden layer's ``moe_result`` with ``backend``, and whether the arch is verified."""
     fused.set_backend(backend)  # type: ignore[arg-type]
+    fused.set_precision(precision)  # type: ignore[arg-type]
     assert fused.backend().name == backend, fused.backend().reason
     golden = np.load(path.with_suffix(".golden.npz"))
     results = {}
@@ -77,15 +79,17 @@ async def outputs(path: Path, backend: str) -> tuple[dict[int, aioexperts.MoERes
 async def test_both_backends_match_llama_cpp_and_each_other(path: Path, anyio_backend: object) -> None:
     golden = np.load(path.with_suffix(".golden.npz"))
     compiled, verified = await outputs(path, "numba")
+    int8, _ = await outputs(path, "numba", "int8")
     reference, _ = await outputs(path, "numpy")
-    assert compiled and compiled.keys() == reference.keys()
+    assert compiled and compiled.keys() == reference.keys() == int8.keys()
     for layer, ours in compiled.items():
         theirs = reference[layer]
         np.testing.assert_array_equal(ours.ids, theirs.ids)
+        np.testing.assert_array_equal(int8[layer].ids, theirs.ids)
         assert rel_l2(ours.ffn_out, theirs.ffn_out.astype(np.float64)) <= BACKENDS_RTOL
         if not verified:
             continue  # an architecture outside llama.cpp's checked list: only the kernels are compared
-        for result in (ours, theirs):
+        for result in (ours, int8[layer], theirs):
             np.testing.assert_array_equal(result.ids, np.atleast_2d(golden[f"topk-{layer}"]))
             assert rel_l2(result.moe_out, np.atleast_2d(golden[f"moe_out-{layer}"])) <= tolerance(path)
             if f"shared_out-{layer}" in golden:

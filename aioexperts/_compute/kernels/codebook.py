@@ -4,8 +4,9 @@ Each 4-bit code indexes a 16-entry table of small integers (``kvalues_iq4nl``, `
 in llama.cpp ``ggml-common.h``), scaled per block (IQ4_NL: f16 ``d``; IQ4_XS: ``d * (sc - 32)`` per
 32-value sub-block; MXFP4: the e8m0 exponent, ``ggml_e8m0_to_fp32_half``). The exact decoders follow
 gguf-py ``quants.py`` (``dequantize_row_iq4_nl``, ``dequantize_row_iq4_xs``,
-``dequantize_row_mxfp4``). Without a byte shuffle in portable LLVM code the table lookups are
-gathers (KERNELS.md, pitfall 7), so these kernels are slower per byte than Q4_K.
+``dequantize_row_mxfp4``). The fused products look the table up 16 codes at a time with a byte
+shuffle (:func:`.simd.make_lut_dots`: ``pshufb``/``tbl``); written as plain array indexing, the
+lookups become gathers, 3-7x slower (KERNELS.md, pitfall 7). The exact decoders index the table.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from ..jit import kernel
 from .common import BATCH_ROWS, PREFETCH_ROWS, block_product, e8m0_half, f16_at, prefetch_row
+from .simd import make_lut_dots
 
 # ruff: noqa: N803, N806
 
@@ -31,6 +33,9 @@ NIBBLE_SHIFT = U8(4)
 KVALUES_IQ4 = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), dtype=F32)
 #: ``kvalues_mxfp4``: e2m1 values doubled, as float32
 KVALUES_MXFP4 = np.array((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), dtype=F32)
+
+iq4_dot_f32, _ = make_lut_dots(tuple(int(v) for v in KVALUES_IQ4))
+mxfp4_dot_f32, _ = make_lut_dots(tuple(int(v) for v in KVALUES_MXFP4))
 
 IQ4_NL_BYTES = 18
 MXFP4_BYTES = 17
@@ -60,17 +65,10 @@ def decode_iq4_nl(row, out):
 @kernel(inline=True)
 def dot_iq4_nl(row, x):
     """``row . x`` for one IQ4_NL row."""
-    n_blocks = x.size // QK
-    half = x.size // (2 * n_blocks)  # 16, from the shape: a constant trip count gets unrolled
     acc = F32(0.0)
-    for b in range(n_blocks):
+    for b in range(x.size // QK):
         o = b * IQ4_NL_BYTES
-        xb = b * QK
-        s = F32(0.0)
-        for j in range(half):
-            byte = row[o + 2 + j]
-            s += KVALUES_IQ4[byte & NIBBLE] * x[xb + j] + KVALUES_IQ4[byte >> NIBBLE_SHIFT] * x[xb + HALF + j]
-        acc += f16_at(row, o) * s
+        acc += f16_at(row, o) * iq4_dot_f32(row, o + 2, x, b * QK)
     return acc
 
 
@@ -123,17 +121,10 @@ def decode_mxfp4(row, out):
 @kernel(inline=True)
 def dot_mxfp4(row, x):
     """``row . x`` for one MXFP4 row."""
-    n_blocks = x.size // QK
-    half = x.size // (2 * n_blocks)  # 16, from the shape: a constant trip count gets unrolled
     acc = F32(0.0)
-    for b in range(n_blocks):
+    for b in range(x.size // QK):
         o = b * MXFP4_BYTES
-        xb = b * QK
-        s = F32(0.0)
-        for j in range(half):
-            byte = row[o + 1 + j]
-            s += KVALUES_MXFP4[byte & NIBBLE] * x[xb + j] + KVALUES_MXFP4[byte >> NIBBLE_SHIFT] * x[xb + HALF + j]
-        acc += e8m0_half(row[o]) * s
+        acc += e8m0_half(row[o]) * mxfp4_dot_f32(row, o + 1, x, b * QK)
     return acc
 
 
@@ -200,20 +191,12 @@ def decode_iq4_xs(row, out):
 @kernel(inline=True)
 def dot_iq4_xs(row, x):
     """``row . x`` for one IQ4_XS row."""
-    n_blocks = x.size // QK_K
-    half = x.size // (n_blocks * 16)  # 16, from the shape: a constant trip count gets unrolled
     acc = F32(0.0)
-    for b in range(n_blocks):
+    for b in range(x.size // QK_K):
         o = b * IQ4_XS_BYTES
         block = F32(0.0)
         for j in range(8):
-            q = o + IQ4_XS_QS + 16 * j
-            xb = b * QK_K + 32 * j
-            s = F32(0.0)
-            for i in range(half):
-                byte = row[q + i]
-                s += KVALUES_IQ4[byte & NIBBLE] * x[xb + i] + KVALUES_IQ4[byte >> NIBBLE_SHIFT] * x[xb + HALF + i]
-            block += scale_iq4_xs(row, o, j) * s
+            block += scale_iq4_xs(row, o, j) * iq4_dot_f32(row, o + IQ4_XS_QS + 16 * j, x, b * QK_K + 32 * j)
         acc += f16_at(row, o) * block
     return acc
 

@@ -21,6 +21,7 @@ from .common import (
     block_product,
     prefetch_row,
 )
+from .simd import dot32_f16
 
 # ruff: noqa: N803, N806
 
@@ -97,16 +98,20 @@ def dequant_f32(raw, out):
 # F16
 
 
+#: values per vector dot of the F16 kernel
+F16_LANES = 32
+
+
 @kernel()
 def matvec_f16(raw, x, out):
-    """``out = W @ x``: ``raw`` ``(rows, cols)`` uint16 float16 bit patterns."""
+    """``out = W @ x``: ``raw`` ``(rows, cols)`` uint16 float16 bit patterns (``cols`` % 32 == 0)."""
     cols = x.size
     for r in range(raw.shape[0]):
         prefetch_row(raw, r + PREFETCH_ROWS)
         w = raw[r]
         s = F32(0.0)
-        for k in range(cols):
-            s += half_bits(w[k]) * x[k]
+        for k in range(0, cols, F16_LANES):
+            s += dot32_f16(w, k, x, k)
         out[r] = s
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..jit import kernel
 from .common import BATCH_ROWS, PREFETCH_ROWS, block_product, f16_at, lshr, prefetch_row, sub_sums
+from .simd import dot32_f32_scaled
 
 # ruff: noqa: N803, N806
 
@@ -251,38 +252,25 @@ def decode_q6_k(row, out):
 @kernel(inline=True)
 def dot_q6_k(row, x, xs):
     """``row . x`` for one Q6_K row; ``xs``: sums of ``x`` over each 16-value sub-block."""
-    n_blocks = x.size // QK_K
-    half = x.size // (n_blocks * 16)  # 16, from the shape: a constant trip count gets unrolled
     acc = F32(0.0)
-    for b in range(n_blocks):
+    for b in range(x.size // QK_K):
         o = b * Q6_K_BYTES
-        d = f16_at(row, o + Q6_K_D)
-        block = F32(0.0)
+        sc = o + Q6_K_SCALES
+        offset = F32(0.0)
+        for sb in range(16):
+            offset += F32(I8(row[sc + sb])) * xs[b * 16 + sb]
+        block = -Q6_K_OFFSET * offset
         for n in range(2):
             ql = o + 64 * n
             qh = o + Q6_K_QH + 32 * n
             xb = b * QK_K + 128 * n
-            sc = o + Q6_K_SCALES + 8 * n
-            for s in range(2):
-                a0 = F32(0.0)
-                a1 = F32(0.0)
-                a2 = F32(0.0)
-                a3 = F32(0.0)
-                for i in range(half):
-                    lane = 16 * s + i
-                    q0 = row[ql + lane]
-                    q1 = row[ql + 32 + lane]
-                    h = row[qh + lane]
-                    a0 += F32(U8(U8(q0 & U8(0x0F)) | U8((h & U8(3)) << U8(4)))) * x[xb + lane]
-                    a1 += F32(U8(U8(q1 & U8(0x0F)) | U8(((h >> U8(2)) & U8(3)) << U8(4)))) * x[xb + 32 + lane]
-                    a2 += F32(U8(U8(q0 >> U8(4)) | U8(((h >> U8(4)) & U8(3)) << U8(4)))) * x[xb + 64 + lane]
-                    a3 += F32(U8(U8(q1 >> U8(4)) | U8((h >> U8(6)) << U8(4)))) * x[xb + 96 + lane]
-                j0 = b * 16 + 8 * n + s
-                block += F32(I8(row[sc + s])) * (a0 - Q6_K_OFFSET * xs[j0])
-                block += F32(I8(row[sc + 2 + s])) * (a1 - Q6_K_OFFSET * xs[j0 + 2])
-                block += F32(I8(row[sc + 4 + s])) * (a2 - Q6_K_OFFSET * xs[j0 + 4])
-                block += F32(I8(row[sc + 6 + s])) * (a3 - Q6_K_OFFSET * xs[j0 + 6])
-        acc += d * block
+            for j in range(4):
+                sb = sc + 8 * n + 2 * j
+                block += dot32_f32_scaled(
+                    row, ql + 32 * (j % 2), U8(4 * (j // 2)), U8(0x0F), qh, U8(2 * j), U8(3), U8(4),
+                    x, xb + 32 * j, F32(I8(row[sb])), F32(I8(row[sb + 1])),
+                )  # fmt: skip
+        acc += f16_at(row, o + Q6_K_D) * block
     return acc
 
 
@@ -350,34 +338,22 @@ def decode_q2_k(row, out):
 @kernel(inline=True)
 def dot_q2_k(row, x, xs):
     """``row . x`` for one Q2_K row; ``xs``: sums of ``x`` over each 16-value sub-block."""
-    n_blocks = x.size // QK_K
-    half = x.size // (n_blocks * 16)  # 16, from the shape: a constant trip count gets unrolled
     acc = F32(0.0)
-    for b in range(n_blocks):
+    for b in range(x.size // QK_K):
         o = b * Q2_K_BYTES
-        block = F32(0.0)
         mins = F32(0.0)
+        for sb in range(16):
+            mins += F32(U8(row[o + sb] >> U8(4))) * xs[b * 16 + sb]
+        block = F32(0.0)
         for n in range(2):
+            qs = o + Q2_K_QS + 32 * n
             xb = b * QK_K + 128 * n
-            for s in range(2):
-                q = o + Q2_K_QS + 32 * n + 16 * s
-                a0 = F32(0.0)
-                a1 = F32(0.0)
-                a2 = F32(0.0)
-                a3 = F32(0.0)
-                for i in range(half):
-                    v = row[q + i]
-                    lane = 16 * s + i
-                    a0 += F32(U8(v & U8(3))) * x[xb + lane]
-                    a1 += F32(U8((v >> U8(2)) & U8(3))) * x[xb + 32 + lane]
-                    a2 += F32(U8((v >> U8(4)) & U8(3))) * x[xb + 64 + lane]
-                    a3 += F32(U8(v >> U8(6))) * x[xb + 96 + lane]
-                sb = 8 * n + s
-                j0 = b * 16 + sb
-                block += F32(U8(row[o + sb] & U8(0x0F))) * a0 + F32(U8(row[o + sb + 2] & U8(0x0F))) * a1
-                block += F32(U8(row[o + sb + 4] & U8(0x0F))) * a2 + F32(U8(row[o + sb + 6] & U8(0x0F))) * a3
-                mins += F32(U8(row[o + sb] >> U8(4))) * xs[j0] + F32(U8(row[o + sb + 2] >> U8(4))) * xs[j0 + 2]
-                mins += F32(U8(row[o + sb + 4] >> U8(4))) * xs[j0 + 4] + F32(U8(row[o + sb + 6] >> U8(4))) * xs[j0 + 6]
+            for j in range(4):
+                sb = o + 8 * n + 2 * j
+                block += dot32_f32_scaled(
+                    row, qs, U8(2 * j), U8(3), qs, U8(0), U8(0), U8(0), x, xb + 32 * j,
+                    F32(U8(row[sb] & U8(0x0F))), F32(U8(row[sb + 1] & U8(0x0F))),
+                )  # fmt: skip
         acc += f16_at(row, o + Q2_K_D) * block - f16_at(row, o + Q2_K_D + 2) * mins
     return acc
 
@@ -460,36 +436,22 @@ def decode_q3_k(row, out):
 @kernel(inline=True)
 def dot_q3_k(row, x, xs):
     """``row . x`` for one Q3_K row; ``xs``: sums of ``x`` over each 16-value sub-block."""
-    n_blocks = x.size // QK_K
-    half = x.size // (n_blocks * 16)  # 16, from the shape: a constant trip count gets unrolled
     acc = F32(0.0)
-    for b in range(n_blocks):
+    for b in range(x.size // QK_K):
         o = b * Q3_K_BYTES
-        block = F32(0.0)
+        offset = F32(0.0)
+        for sb in range(16):
+            offset += scale_q3_k(row, o, sb) * xs[b * 16 + sb]
+        block = -Q3_K_OFFSET * offset
         for n in range(2):
+            qs = o + Q3_K_QS + 32 * n
             xb = b * QK_K + 128 * n
-            h0 = U8(4 * n)
-            for s in range(2):
-                q = o + Q3_K_QS + 32 * n + 16 * s
-                h = o + 16 * s
-                a0 = F32(0.0)
-                a1 = F32(0.0)
-                a2 = F32(0.0)
-                a3 = F32(0.0)
-                for i in range(half):
-                    v = row[q + i]
-                    m = lshr(row[h + i], h0)
-                    lane = 16 * s + i
-                    a0 += F32(U8(U8(v & U8(3)) | U8((m & U8(1)) << U8(2)))) * x[xb + lane]
-                    a1 += F32(U8(U8((v >> U8(2)) & U8(3)) | U8((m & U8(2)) << U8(1)))) * x[xb + 32 + lane]
-                    a2 += F32(U8(U8((v >> U8(4)) & U8(3)) | U8(m & U8(4)))) * x[xb + 64 + lane]
-                    a3 += F32(U8(U8(v >> U8(6)) | U8((m & U8(8)) >> U8(1)))) * x[xb + 96 + lane]
-                sb = 8 * n + s
-                j0 = b * 16 + sb
-                block += scale_q3_k(row, o, sb) * (a0 - Q3_K_OFFSET * xs[j0])
-                block += scale_q3_k(row, o, sb + 2) * (a1 - Q3_K_OFFSET * xs[j0 + 2])
-                block += scale_q3_k(row, o, sb + 4) * (a2 - Q3_K_OFFSET * xs[j0 + 4])
-                block += scale_q3_k(row, o, sb + 6) * (a3 - Q3_K_OFFSET * xs[j0 + 6])
+            for j in range(4):
+                sb = 8 * n + 2 * j
+                block += dot32_f32_scaled(
+                    row, qs, U8(2 * j), U8(3), o, U8(4 * n + j), U8(1), U8(2), x, xb + 32 * j,
+                    scale_q3_k(row, o, sb), scale_q3_k(row, o, sb + 1),
+                )  # fmt: skip
         acc += f16_at(row, o + Q3_K_D) * block
     return acc
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..jit import kernel
 from .common import BATCH_ROWS, PREFETCH_ROWS, block_product, f16_at, lshr, prefetch_row, sub_sums
+from .simd import nib32_dot_f32
 
 # ruff: noqa: N803, N806
 
@@ -74,16 +75,10 @@ def decode_q4_0(row, out):
 @kernel(inline=True)
 def dot_q4_0(row, x, xs):
     """``row . x`` for one Q4_0 row; ``xs``: sums of ``x`` per block."""
-    n_blocks = x.size // QK
-    half = x.size // (2 * n_blocks)  # 16, from the shape: a constant trip count gets unrolled
     acc = F32(0.0)
-    for b in range(n_blocks):
+    for b in range(x.size // QK):
         o = b * Q4_0_BYTES
-        xb = b * QK
-        s = F32(0.0)
-        for j in range(half):
-            byte = row[o + 2 + j]
-            s += F32(U8(byte & NIBBLE)) * x[xb + j] + F32(U8(byte >> NIBBLE_SHIFT)) * x[xb + HALF + j]
+        s = nib32_dot_f32(row, o + 2, U32(0), x, b * QK)
         acc += f16_at(row, o) * (s - Q4_0_OFFSET * xs[b])
     return acc
 
@@ -140,16 +135,10 @@ def decode_q4_1(row, out):
 @kernel(inline=True)
 def dot_q4_1(row, x, xs):
     """``row . x`` for one Q4_1 row; ``xs``: sums of ``x`` per block."""
-    n_blocks = x.size // QK
-    half = x.size // (2 * n_blocks)  # 16, from the shape: a constant trip count gets unrolled
     acc = F32(0.0)
-    for b in range(n_blocks):
+    for b in range(x.size // QK):
         o = b * Q4_1_BYTES
-        xb = b * QK
-        s = F32(0.0)
-        for j in range(half):
-            byte = row[o + 4 + j]
-            s += F32(U8(byte & NIBBLE)) * x[xb + j] + F32(U8(byte >> NIBBLE_SHIFT)) * x[xb + HALF + j]
+        s = nib32_dot_f32(row, o + 4, U32(0), x, b * QK)
         acc += f16_at(row, o) * s + f16_at(row, o + 2) * xs[b]
     return acc
 
@@ -208,19 +197,10 @@ def decode_q5_0(row, out):
 @kernel(inline=True)
 def dot_q5_0(row, x, xs):
     """``row . x`` for one Q5_0 row; ``xs``: sums of ``x`` per block."""
-    n_blocks = x.size // QK
-    half = x.size // (2 * n_blocks)  # 16, from the shape: a constant trip count gets unrolled
     acc = F32(0.0)
-    for b in range(n_blocks):
+    for b in range(x.size // QK):
         o = b * Q5_0_BYTES
-        qh = qh_at(row, o + 2)
-        xb = b * QK
-        s = F32(0.0)
-        for j in range(half):
-            byte = row[o + 6 + j]
-            lo = U8(U8(byte & NIBBLE) | high_bit(qh, j))
-            hi = U8(U8(byte >> NIBBLE_SHIFT) | high_bit(qh, j + HALF))
-            s += F32(lo) * x[xb + j] + F32(hi) * x[xb + HALF + j]
+        s = nib32_dot_f32(row, o + 6, qh_at(row, o + 2), x, b * QK)
         acc += f16_at(row, o) * (s - Q5_0_OFFSET * xs[b])
     return acc
 
@@ -280,19 +260,10 @@ def decode_q5_1(row, out):
 @kernel(inline=True)
 def dot_q5_1(row, x, xs):
     """``row . x`` for one Q5_1 row; ``xs``: sums of ``x`` per block."""
-    n_blocks = x.size // QK
-    half = x.size // (2 * n_blocks)  # 16, from the shape: a constant trip count gets unrolled
     acc = F32(0.0)
-    for b in range(n_blocks):
+    for b in range(x.size // QK):
         o = b * Q5_1_BYTES
-        qh = qh_at(row, o + 4)
-        xb = b * QK
-        s = F32(0.0)
-        for j in range(half):
-            byte = row[o + 8 + j]
-            lo = U8(U8(byte & NIBBLE) | high_bit(qh, j))
-            hi = U8(U8(byte >> NIBBLE_SHIFT) | high_bit(qh, j + HALF))
-            s += F32(lo) * x[xb + j] + F32(hi) * x[xb + HALF + j]
+        s = nib32_dot_f32(row, o + 8, qh_at(row, o + 4), x, b * QK)
         acc += f16_at(row, o) * s + f16_at(row, o + 2) * xs[b]
     return acc
 
