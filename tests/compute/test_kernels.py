@@ -343,3 +343,15 @@ def test_precision_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv("AIOEXPERTS_PRECISION")
         fused.set_precision(None)
     assert fused.precision() == "float"
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda t: t.name)
+def test_float_types_with_columns_off_the_vector_width(qtype: GGMLQuantizationType) -> None:
+    rng = np.random.default_rng(21)
+    for rows, cols in ((3, 1), (5, 40), (7, 100)):
+        raw = sane_blocks(qtype, rows, cols, rng)
+        check_exact(raw, qtype, (rows, cols))
+        weights = reference(raw, qtype, (rows, cols)).astype(np.float64)
+        for n in (1, 3, 70):
+            x = rng.standard_normal((n, cols)).astype(np.float32)
+            assert rel_l2(fused.linear(raw, qtype, (rows, cols), x), x.astype(np.float64) @ weights.T) <= FUSED_RTOL

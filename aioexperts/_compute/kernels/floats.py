@@ -21,7 +21,7 @@ from .common import (
     block_product,
     prefetch_row,
 )
-from .simd import dot32_f16
+from .simd import dot32_f16, f16_to_f32_32
 
 # ruff: noqa: N803, N806
 
@@ -104,21 +104,28 @@ F16_LANES = 32
 
 @kernel()
 def matvec_f16(raw, x, out):
-    """``out = W @ x``: ``raw`` ``(rows, cols)`` uint16 float16 bit patterns (``cols`` % 32 == 0)."""
+    """``out = W @ x``: ``raw`` ``(rows, cols)`` uint16 float16 bit patterns."""
     cols = x.size
+    vector_cols = cols - cols % F16_LANES
     for r in range(raw.shape[0]):
         prefetch_row(raw, r + PREFETCH_ROWS)
         w = raw[r]
         s = F32(0.0)
-        for k in range(0, cols, F16_LANES):
+        for k in range(0, vector_cols, F16_LANES):
             s += dot32_f16(w, k, x, k)
+        for k in range(vector_cols, cols):
+            s += half_bits(w[k]) * x[k]
         out[r] = s
 
 
 @kernel(exact=True, inline=True)
 def decode_f16(w, out):
-    """One F16 row to float32, exactly."""
-    for k in range(out.size):
+    """One F16 row to float32, exactly (32 values per vector conversion, then the tail)."""
+    cols = out.size
+    vector_cols = cols - cols % F16_LANES
+    for k in range(0, vector_cols, F16_LANES):
+        f16_to_f32_32(w, k, out, k)
+    for k in range(vector_cols, cols):
         out[k] = half_bits(w[k])
 
 

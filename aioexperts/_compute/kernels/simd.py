@@ -308,6 +308,28 @@ def nib32_dot_q8(typingctx, row, off, qh, q8, q_off):
     return sig, codegen
 
 
+@intrinsic
+def f16_to_f32_32(typingctx, w, off, out, out_off):
+    """``out[out_off + i] = float(w[off + i])`` for ``i < 32``: float16 bit patterns (uint16) to float32.
+
+    Exact: every float16 is a float32; NaN stays NaN (a hardware conversion may set the quiet bit).
+    """
+    if not _is_1d(w, types.uint16) or not _is_int(off) or not _is_int(out_off) or not _is_1d(out, types.float32):
+        return None
+    sig = types.void(w, off, out, out_off)
+
+    def codegen(context, builder, signature, args):
+        halves = builder.load(
+            _element_pointer(context, builder, signature.args[0], args[0], args[1], ir.VectorType(ir.IntType(16), 32)),
+            align=2,
+        )
+        target = _element_pointer(context, builder, signature.args[2], args[2], args[3], ir.VectorType(F32, 32))
+        builder.store(_half_to_float(builder, halves, 32), target, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 dot32_f32 = _make_dot_f32(32)
 dot16_f32 = _make_dot_f32(16)
 dot32_q8 = _make_dot_q8(32)
