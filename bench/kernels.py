@@ -198,7 +198,7 @@ def print_table(result: dict[str, Any]) -> None:
         def rng_(s: dict[str, float]) -> str:
             return f"{s['median']:5.2f} ({s['min']:4.1f}-{s['max']:4.1f})"
 
-        def ratio(name: str, target: float) -> str:
+        def ratio(name: str, target: float, e: dict[str, Any] = e) -> str:
             if name not in e:
                 return f"{'-':>6}"
             value = e[name]["median"]
