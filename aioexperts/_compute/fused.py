@@ -13,8 +13,10 @@ up to ``SMALL_BATCH_MAX``    ``matmat_<type>``: a few rows decoded once into a s
 larger (prefill)             ``dequant_<type>`` (exact) into a per-thread buffer, then BLAS ``sgemm``
 ===========================  ============================================================================
 
-Types without a compiled kernel (IQ1/IQ2/IQ3, TQ, ...) and the ``numpy`` backend take the last row
-with :func:`aioexperts._compute.quant.dequantize`. The float kernels agree with a float64 product
+F32 matrices are multiplied by BLAS on a zero-copy view of their bytes (``sgemv``/``sgemm``, faster
+than a compiled loop; the compute pool keeps BLAS to one thread per call). Types without a compiled
+kernel (IQ1/IQ2/IQ3, TQ, ...) and the ``numpy`` backend take the last row with
+:func:`aioexperts._compute.quant.dequantize`. The float kernels agree with a float64 product
 within about 1e-6 relative (their reductions are reassociated); the exact dequantization is bit for
 bit ``gguf.quants.dequantize``.
 
@@ -89,14 +91,13 @@ _F32 = np.dtype(np.float32)
 class _Entry:
     module: str
     suffix: str
-    #: dtype the raw bytes are viewed as: uint8 blocks, or float32 / uint16 elements
+    #: dtype the raw bytes are viewed as: uint8 blocks, or uint16 elements (F16, BF16)
     raw_dtype: type[np.generic]
     #: module of the int8 one-token kernel ``matvec_int8_<suffix>``, if there is one
     int8_module: str | None = None
 
 
 _TABLE: dict[GGMLQuantizationType, _Entry] = {
-    T.F32: _Entry("floats", "f32", np.float32),
     T.F16: _Entry("floats", "f16", np.uint16),
     T.BF16: _Entry("floats", "bf16", np.uint16),
     T.Q4_0: _Entry("legacy", "q4_0", np.uint8, "int8"),
@@ -417,7 +418,7 @@ def _raw_matrix(
     dtype = ready.entry.raw_dtype
     if dtype is not np.uint8:
         if raw.ctypes.data % np.dtype(dtype).itemsize:
-            raw = raw.copy()  # F32/F16/BF16 elements must be aligned for the kernels
+            raw = raw.copy()  # F16/BF16 elements must be aligned for the kernels
         raw = raw.view(dtype)
     return _readonly(raw.reshape(rows, -1))
 
@@ -477,7 +478,7 @@ def linear(
 
     Args:
         data: the matrix bytes in ggml block layout: a ``memoryview`` (e.g. of slot memory) or a
-            C-contiguous array; never copied (except F32/F16/BF16 bytes at an unaligned address).
+            C-contiguous array; never copied (except F16/BF16 bytes at an unaligned address).
         ggml_type: the ggml type of the bytes.
         shape: ``(rows, cols)`` in numpy order (ggml ``(ne1, ne0)``); ``cols`` a multiple of the
             block size.

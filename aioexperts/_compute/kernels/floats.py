@@ -1,4 +1,4 @@
-"""Float kernels: F32 (``raw`` as float32), F16 and BF16 (``raw`` as uint16 bit patterns), ``(rows, cols)``.
+"""Float kernels: F16 and BF16 (``raw`` as uint16 bit patterns, ``(rows, cols)``); F32 goes to BLAS.
 
 F16 values are converted with integer operations (:func:`half_bits`), exactly as numpy's
 ``float16.astype(float32)``; BF16 (gguf-py ``BF16``) puts its 16 bits in the high half of a float32.
@@ -57,41 +57,6 @@ def half_bits(h16):
 def bf16_bits(h16):
     """float32 of a bfloat16 bit pattern (uint16): the high half of the float32."""
     return U32(U32(h16) << BF16_SHIFT).view(F32)
-
-
-# ----------------------------------------------------------------------------------------------
-# F32
-
-
-@kernel()
-def matvec_f32(raw, x, out):
-    """``out = W @ x``: ``raw`` ``(rows, cols)`` float32, ``x`` ``(cols,)``, ``out`` ``(rows,)``."""
-    cols = x.size
-    for r in range(raw.shape[0]):
-        prefetch_row(raw, r + PREFETCH_ROWS)
-        w = raw[r]
-        s = F32(0.0)
-        for k in range(cols):
-            s += w[k] * x[k]
-        out[r] = s
-
-
-@kernel()
-def matmat_f32(raw, xt, out):
-    """``out = xt @ W.T`` for ``xt`` ``(n, cols)`` float32; ``out`` ``(n, rows)``."""
-    rows = raw.shape[0]
-    buf = np.empty((BATCH_ROWS, xt.shape[1]), dtype=F32)
-    for r0 in range(0, rows, BATCH_ROWS):
-        g = min(BATCH_ROWS, rows - r0)
-        for i in range(g):
-            buf[i, :] = raw[r0 + i]
-        block_product(buf, g, xt, out, r0)
-
-
-@kernel(exact=True)
-def dequant_f32(raw, out):
-    """Copy: ``out`` ``(rows, cols)`` float32."""
-    out[:, :] = raw
 
 
 # ----------------------------------------------------------------------------------------------

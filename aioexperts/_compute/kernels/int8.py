@@ -22,6 +22,7 @@ from .kquants import (
     Q3_K_BYTES,
     Q3_K_D,
     Q3_K_QS,
+    Q3_K_SCALES,
     Q4_K_BYTES,
     Q4_K_QS,
     Q5_K_BYTES,
@@ -31,8 +32,8 @@ from .kquants import (
     Q6_K_D,
     Q6_K_QH,
     Q6_K_SCALES,
+    q3_k_scale_words,
     scale_min_k4,
-    scale_q3_k,
 )
 from .legacy import Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, qh_at
 from .simd import dot16_q8, dot32_i8_q8, dot32_q8, dot32_q8_scaled, make_lut_dots, nib32_dot_q8
@@ -426,17 +427,22 @@ def matvec_int8_q3_k(raw, x, out):
         acc = F32(0.0)
         for b in range(n_blocks):
             o = b * Q3_K_BYTES
+            w0, w1, w2, w3 = q3_k_scale_words(row, o + Q3_K_SCALES)
             sumi = I32(0)
             for n in range(2):
                 xb = b * QK_K + 128 * n
+                word_a = w0 if n == 0 else w2
+                word_b = w1 if n == 0 else w3
                 for j in range(4):
                     for s in range(2):
-                        sb = 8 * n + 2 * j + s
+                        sb = 2 * j + s  # within the half: scale byte sb of (word_a, word_b)
+                        word = word_a if sb < 4 else word_b
+                        scale = I32((word >> U32(8 * (sb % 4))) & U32(0xFF)) - I32(32)
                         qs = o + Q3_K_QS + 32 * n + 16 * s
                         dot = dot16_q8(
                             row, qs, U8(2 * j), U8(3), o + 16 * s, U8(4 * n + j), U8(1), U8(2), q, xb + 32 * j + 16 * s
                         )
-                        sumi += I32(scale_q3_k(row, o, sb)) * (dot - I32(4) * bsums[b * SUM16 + sb])
+                        sumi += scale * (dot - I32(4) * bsums[b * SUM16 + 8 * n + sb])
             acc += d[b] * f16_at(row, o + Q3_K_D) * F32(sumi)
         out[r] = acc
 

@@ -19,7 +19,9 @@ from .simd import dot32_f32_scaled
 
 F32 = np.float32
 U8 = np.uint8
+U32 = np.uint32
 I8 = np.int8
+I32 = np.int32
 
 QK_K = 256
 
@@ -409,6 +411,25 @@ def scale_q3_k(row, o, i):
     return F32(I8(U8(low | U8(high << U8(4)))) - I8(32))
 
 
+@kernel(inline=True)
+def q3_k_scale_words(row, s):
+    """The 16 6-bit scales of the Q3_K block whose scales start at ``s``, as 4 uint32 of 4 bytes.
+
+    ``aux`` of ``ggml_vec_dot_q3_K_q8_K``: byte ``i`` of the result (little-endian) is scale ``i``
+    (before subtracting 32). Four word operations instead of sixteen byte extractions.
+    """
+    a0 = U32(row[s]) | (U32(row[s + 1]) << U32(8)) | (U32(row[s + 2]) << U32(16)) | (U32(row[s + 3]) << U32(24))
+    a1 = U32(row[s + 4]) | (U32(row[s + 5]) << U32(8)) | (U32(row[s + 6]) << U32(16)) | (U32(row[s + 7]) << U32(24))
+    hi = U32(row[s + 8]) | (U32(row[s + 9]) << U32(8)) | (U32(row[s + 10]) << U32(16)) | (U32(row[s + 11]) << U32(24))
+    low4 = U32(0x0F0F_0F0F)
+    two = U32(0x0303_0303)
+    w0 = U32((a0 & low4) | ((hi & two) << U32(4)))
+    w1 = U32((a1 & low4) | (((hi >> U32(2)) & two) << U32(4)))
+    w2 = U32(((a0 >> U32(4)) & low4) | (((hi >> U32(4)) & two) << U32(4)))
+    w3 = U32(((a1 >> U32(4)) & low4) | (((hi >> U32(6)) & two) << U32(4)))
+    return w0, w1, w2, w3
+
+
 @kernel(exact=True, inline=True)
 def decode_q3_k(row, out):
     """``dequantize_row_q3_K`` (gguf-py ``Q3_K``): ``(d * (sc - 32)) * (q - 4 * !hbit)``."""
@@ -439,19 +460,22 @@ def dot_q3_k(row, x, xs):
     acc = F32(0.0)
     for b in range(x.size // QK_K):
         o = b * Q3_K_BYTES
-        offset = F32(0.0)
-        for sb in range(16):
-            offset += scale_q3_k(row, o, sb) * xs[b * 16 + sb]
-        block = -Q3_K_OFFSET * offset
+        w0, w1, w2, w3 = q3_k_scale_words(row, o + Q3_K_SCALES)
+        block = F32(0.0)
         for n in range(2):
             qs = o + Q3_K_QS + 32 * n
             xb = b * QK_K + 128 * n
+            word_a = w0 if n == 0 else w2
+            word_b = w1 if n == 0 else w3
             for j in range(4):
-                sb = 8 * n + 2 * j
+                word = word_a if j < 2 else word_b
+                shift = U32(16 * (j % 2))
+                s0 = F32(I32((word >> shift) & U32(0xFF)) - I32(32))
+                s1 = F32(I32((word >> (shift + U32(8))) & U32(0xFF)) - I32(32))
+                k = b * 16 + 8 * n + 2 * j
                 block += dot32_f32_scaled(
-                    row, qs, U8(2 * j), U8(3), o, U8(4 * n + j), U8(1), U8(2), x, xb + 32 * j,
-                    scale_q3_k(row, o, sb), scale_q3_k(row, o, sb + 1),
-                )  # fmt: skip
+                    row, qs, U8(2 * j), U8(3), o, U8(4 * n + j), U8(1), U8(2), x, xb + 32 * j, s0, s1
+                ) - Q3_K_OFFSET * (s0 * xs[k] + s1 * xs[k + 1])
         acc += f16_at(row, o + Q3_K_D) * block
     return acc
 

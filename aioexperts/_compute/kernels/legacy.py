@@ -17,7 +17,7 @@ import numpy as np
 
 from ..jit import kernel
 from .common import BATCH_ROWS, PREFETCH_ROWS, block_product, f16_at, lshr, prefetch_row, sub_sums
-from .simd import nib32_dot_f32
+from .simd import dot32_i8_f32, nib32_dot_f32
 
 # ruff: noqa: N803, N806
 
@@ -317,16 +317,10 @@ def decode_q8_0(row, out):
 @kernel(inline=True)
 def dot_q8_0(row, x):
     """``row . x`` for one Q8_0 row."""
-    n_blocks = x.size // QK
-    half = x.size // (2 * n_blocks)  # 16, from the shape: a constant trip count gets unrolled
     acc = F32(0.0)
-    for b in range(n_blocks):
+    for b in range(x.size // QK):
         o = b * Q8_0_BYTES
-        xb = b * QK
-        s = F32(0.0)
-        for j in range(2 * half):
-            s += F32(I8(row[o + 2 + j])) * x[xb + j]
-        acc += f16_at(row, o) * s
+        acc += f16_at(row, o) * dot32_i8_f32(row, o + 2, x, b * QK)
     return acc
 
 

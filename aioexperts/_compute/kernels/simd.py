@@ -337,6 +337,22 @@ dot16_q8 = _make_dot_q8(16)
 
 
 @intrinsic
+def dot32_i8_f32(typingctx, row, off, x, x_off):
+    """``sum(int8(row[off + i]) * x[x_off + i] for i < 32)`` as float32: signed weights (Q8_0)."""
+    if not _code_args_ok(row, (off, x_off)) or not _is_1d(x, types.float32):
+        return None
+    sig = types.float32(row, off, x, x_off)
+
+    def codegen(context, builder, signature, args):
+        vector = ir.VectorType(F32, 32)
+        weights = builder.sitofp(_load_bytes(context, builder, signature.args[0], args[0], args[1], 32), vector)
+        xv = builder.load(_element_pointer(context, builder, signature.args[2], args[2], args[3], vector), align=4)
+        return _reduce_fadd(builder, builder.fmul(weights, xv, flags=FLOAT_FLAGS), 32)
+
+    return sig, codegen
+
+
+@intrinsic
 def dot32_i8_q8(typingctx, row, off, q8, q_off):
     """``sum(int8(row[off + i]) * q8[q_off + i] for i < 32)`` as int32: signed weights (Q8_0)."""
     if not _code_args_ok(row, (off, q_off)) or not _is_1d(q8, types.int8):
