@@ -102,40 +102,27 @@ def prefetch(typingctx, arr, index):
     return sig, codegen
 
 
-def _shift_intrinsic(op: str, doc: str):
-    @intrinsic
-    def shift(typingctx, value, amount):
-        if not isinstance(value, types.Integer) or value.signed or not isinstance(amount, types.Integer):
-            return None
-        sig = value(value, amount)
-
-        def codegen(context, builder, signature, args):
-            width = ir.IntType(signature.args[0].bitwidth)
-            count = args[1]
-            if count.type.width > width.width:
-                count = builder.trunc(count, width)
-            elif count.type.width < width.width:
-                count = builder.zext(count, width)
-            return getattr(builder, op)(args[0], count)
-
-        return sig, codegen
-
-    shift.__doc__ = doc
-    return shift
-
-
-lshr = _shift_intrinsic(
-    "lshr",
+@intrinsic
+def lshr(typingctx, value, amount):
     """``value >> amount`` in the width of ``value`` (an unsigned integer), ``0 <= amount < width``.
 
     numba types every shift of small unsigned integers as uint64; with a variable ``amount`` LLVM
     cannot prove the narrower shift equal and vectorises on 64-bit lanes (KERNELS.md, pitfall 1).
-    """,
-)
-shl = _shift_intrinsic(
-    "shl",
-    """``value << amount`` in the width of ``value`` (bits shifted out are lost), ``0 <= amount < width``.""",
-)
+    """
+    if not isinstance(value, types.Integer) or value.signed or not isinstance(amount, types.Integer):
+        return None
+    sig = value(value, amount)
+
+    def codegen(context, builder, signature, args):
+        width = signature.args[0].bitwidth
+        count = args[1]
+        if count.type.width > width:
+            count = builder.trunc(count, ir.IntType(width))
+        elif count.type.width < width:
+            count = builder.zext(count, ir.IntType(width))
+        return builder.lshr(args[0], count)
+
+    return sig, codegen
 
 
 @kernel(inline=True)

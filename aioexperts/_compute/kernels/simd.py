@@ -6,9 +6,11 @@ it interleaves for a long trip count and runs a 16-iteration loop in its scalar 
 (KERNELS.md, pitfalls 1 and 2). These intrinsics state the vector operations directly, so the
 machine code no longer depends on those heuristics. They are portable LLVM IR (vector loads,
 shifts, ``llvm.vector.reduce.*``); LLVM picks the instructions: on AVX-512 VNNI an unsigned-by-
-signed byte product summed to int32 becomes ``vpdpbusd``. The only target-specific piece is the
+signed byte product summed to int32 becomes ``vpdpbusd``. Two pieces depend on the target: the
 16-entry table lookup of the codebook types (``pshufb`` on x86 with SSSE3, ``tbl`` on AArch64, a
-per-lane extract elsewhere).
+per-lane extract elsewhere) and the float16 conversion (``fpext``, i.e. ``vcvtph2ps``, on x86 with
+F16C and on AArch64; an integer rebias elsewhere, where ``fpext`` would need a runtime library
+call). numba caches per CPU name and features, so the choice made at compile time always fits.
 
 The codes of every ggml type here are built from one or two byte runs of the block::
 
@@ -106,29 +108,6 @@ def _is_1d(t: Any, dtype: Any) -> bool:
 
 def _code_args_ok(row: Any, offsets: Sequence[Any]) -> bool:
     return _is_1d(row, types.uint8) and all(_is_int(t) for t in offsets)
-
-
-def _make_dot_f32(lanes: int) -> Any:
-    @intrinsic
-    def dot_f32(typingctx, row, a_off, a_shift, a_mask, b_off, b_shift, b_mask, b_pos, x, x_off):
-        if not _code_args_ok(row, (a_off, a_shift, a_mask, b_off, b_shift, b_mask, b_pos, x_off)):
-            return None
-        if not _is_1d(x, types.float32):
-            return None
-        sig = types.float32(row, a_off, a_shift, a_mask, b_off, b_shift, b_mask, b_pos, x, x_off)
-
-        def codegen(context, builder, signature, args):
-            codes = builder.uitofp(_codes(context, builder, signature, args, lanes), ir.VectorType(F32, lanes))
-            xv = builder.load(
-                _element_pointer(context, builder, signature.args[8], args[8], args[9], ir.VectorType(F32, lanes)),
-                align=4,
-            )
-            return _reduce_fadd(builder, builder.fmul(codes, xv, flags=FLOAT_FLAGS), lanes)
-
-        return sig, codegen
-
-    dot_f32.__doc__ = f"""``sum(code[i] * x[x_off + i] for i < {lanes})`` as float32 (codes: module docstring)."""
-    return dot_f32
 
 
 def _make_dot_q8(lanes: int) -> Any:
@@ -330,8 +309,6 @@ def f16_to_f32_32(typingctx, w, off, out, out_off):
     return sig, codegen
 
 
-dot32_f32 = _make_dot_f32(32)
-dot16_f32 = _make_dot_f32(16)
 dot32_q8 = _make_dot_q8(32)
 dot16_q8 = _make_dot_q8(16)
 
