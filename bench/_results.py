@@ -92,5 +92,13 @@ def write_results(
         "rounds": rounds,
         "summary": summary_,
     }
-    target.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    target.write_text(dumps(payload))
     return target
+
+
+def dumps(payload: dict[str, Any]) -> str:
+    """The results as JSON text: indented, except one line per round (the files stay small)."""
+    rounds = payload.get("rounds", [])
+    head = json.dumps({**payload, "rounds": []}, indent=1, default=str)
+    lines = ",\n".join("  " + json.dumps(r, default=str) for r in rounds)
+    return head.replace('"rounds": []', '"rounds": [\n' + lines + "\n ]", 1) + "\n"
