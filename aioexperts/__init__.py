@@ -9,6 +9,7 @@ helpers in :mod:`aioexperts.testing`; the implementation lives in private module
 
 from ._cache.pagecache import PageCacheStatistics as PageCacheStatistics
 from ._cache.stats import EngineStatistics as EngineStatistics
+from ._compute.fused import WarmupReport as WarmupReport
 from ._errors import AioExpertsError as AioExpertsError
 from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import ConfigError as ConfigError
@@ -96,6 +97,7 @@ __all__ = (
     "TensorInfo",
     "TokenResult",
     "UnsupportedTypeError",
+    "WarmupReport",
     "build_layout",
     "open",
     "open_model",

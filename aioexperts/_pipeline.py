@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import numpy as np
 
 from ._cache.cache import Key
+from ._compute.pool import compute_pool
 from ._format.views import ExpertView
 from ._store import ExpertStore
 
@@ -40,7 +40,7 @@ class LayerStep:
         output: what the compute step returned (for :meth:`MoERunner.run_token`, a
             ``(n_tokens, n_embd)`` float32 array).
         io_wait_seconds: time spent waiting for this layer's experts after routing.
-        compute_seconds: time the compute step ran in its worker thread.
+        compute_seconds: time the compute step ran on its compute-pool worker.
     """
 
     layer: int
@@ -77,13 +77,13 @@ class TokenResult:
 
 
 async def run_in_worker(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` in a worker thread and return its result.
+    """Run ``fn(*args)`` on the compute pool (sized to the cores, BLAS and OpenMP capped) and return its result.
 
     Cancellation handling:
-        The caller waits for the thread to finish (it may read pinned slot memory); the
-        cancellation is delivered afterwards.
+        A job still queued is dropped; one already running is waited for (it may read pinned
+        slot memory), and the cancellation is delivered afterwards.
     """
-    return await anyio.to_thread.run_sync(fn, *args)
+    return await compute_pool().run(fn, *args)
 
 
 def _timed(compute: ComputeStep) -> Callable[..., tuple[Any, float]]:

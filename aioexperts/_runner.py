@@ -23,7 +23,8 @@ import numpy as np
 from ._cache.cache import Key
 from ._cache.stats import LatencyWindow, to_ms
 from ._compute.executor import MoEOutput, ResidentLayer, moe_forward, route
-from ._compute.resident import load_residents
+from ._compute.fused import WarmupReport
+from ._compute.resident import load_residents, warmup_kernels
 from ._errors import ConfigError, InvalidRequestError, SlabExhaustedError
 from ._format.layout import MoELayer
 from ._format.views import ExpertView
@@ -159,6 +160,7 @@ class MoERunner:
         self._trace_max_tokens = trace_max_tokens
         self._recorder: TraceRecorder | None = None
         self._residents: dict[int, ResidentLayer] | None = None
+        self._warmup_report: WarmupReport | None = None
         self._residents_lock = anyio.Lock()
         self._predictor: Predictor | None = None
         self._state_lock = threading.Lock()  # predictor and trace: observed from worker threads
@@ -171,11 +173,18 @@ class MoERunner:
 
     # -- start-up -------------------------------------------------------------------------------
 
-    async def warmup(self) -> None:
-        """Load (once) what computing needs: the resident weights of every MoE layer, the predictor.
+    async def warmup(self) -> WarmupReport:
+        """Load (once) what computing needs: the compute kernels of the model's ggml types
+        (compiled, or loaded from the on-disk kernel cache: ``docs/executor.md``), the resident
+        weights of every MoE layer, the predictor.
 
-        Runs the blocking work in a worker thread; :meth:`moe` and :meth:`run_token` call it on
-        first use.
+        Runs the blocking work on the compute pool; :meth:`moe` and :meth:`run_token` call it on
+        first use, so call it yourself to pay the cost (seconds on a cold kernel cache, under one on
+        a warm one) before the first token.
+
+        Returns:
+            What the kernel warm-up did (kernels, seconds, compiled or loaded, or why the numpy
+            kernels serve); the same report on later calls.
 
         Raises:
             FormatError, ConfigError: a resident tensor is missing, truncated or misshaped.
@@ -183,7 +192,8 @@ class MoERunner:
         """
         async with self._residents_lock:
             if self._residents is not None:
-                return
+                assert self._warmup_report is not None
+                return self._warmup_report
             store = self._store
             store._check_running()  # EngineClosedError / wrong loop, before any work
             hparams = store.hparams
@@ -193,6 +203,17 @@ class MoERunner:
                     "with the generic rules (gating and normalisation from the metadata, SwiGLU experts): "
                     "outputs may differ from llama.cpp",
                     hparams.arch,
+                )
+            report = await run_in_worker(warmup_kernels, store.layout)
+            if report.compiled or report.loaded:  # the first warm-up of this process: say what it cost
+                log.info(
+                    "compute kernels (%s) for %s: %d compiled, %d loaded from the cache %s, in %.2f s",
+                    report.backend,
+                    ", ".join(report.types),
+                    report.compiled,
+                    report.loaded,
+                    report.cache_dir,
+                    report.seconds,
                 )
             residents = await run_in_worker(load_residents, store.model, store.layout, hparams)
             if self._record_trace:
@@ -206,7 +227,9 @@ class MoERunner:
                     keep_last=True,
                 )
             self._predictor = self._make_predictor(residents)
+            self._warmup_report = report
             self._residents = residents
+            return report
 
     def _make_predictor(self, residents: Mapping[int, ResidentLayer]) -> Predictor:
         arg = self.prefetch_options.predictor

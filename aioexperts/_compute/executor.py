@@ -4,12 +4,15 @@ The reference is llama.cpp's ``llm_graph_context::build_moe_ffn`` (``src/llama-g
 routed part and ``build_ffn`` with ``LLM_FFN_SILU, LLM_FFN_PAR`` for the shared expert; each function
 names the formula it mirrors.
 
-Performance notes: everything is float32; the matrix products are BLAS ``sgemm`` calls on whole token
-groups; tokens are grouped by expert, so a prefill batch dequantizes each selected expert exactly once
-per call whatever the number of tokens that chose it; the only Python loops run over the distinct
-experts of the call (and over the k slots for the final sum, in llama.cpp's order), never over
-tokens; the per-expert scratch buffers live in a per-thread workspace that is reused from call to
-call (the executor runs in worker threads).
+Performance notes: everything is float32; every matrix product goes through
+:func:`aioexperts._compute.fused.linear` (compiled kernels that read the raw ggml blocks in slot
+memory: one fused decode-and-dot per token for a token or two, a blocked product that decodes each
+row once for small batches, exact dequantization + BLAS for prefill); tokens are grouped by expert,
+so each selected expert is decoded once per call whatever the number of tokens that chose it; the
+distinct experts of a call (and the shared expert) are spread over the compute pool's idle workers
+(:meth:`aioexperts._compute.pool.ComputePool.map`); the only Python loops run over the distinct
+experts (and over the k slots for the final sum, in llama.cpp's order), never over tokens; the
+per-expert scratch buffers live in a per-thread workspace that is reused from call to call.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from dataclasses import dataclass
 from typing import overload
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
-from aioexperts._compute import quant as _quant
+from aioexperts._compute import fused as _fused
 from aioexperts._compute.gating import select_experts
+from aioexperts._compute.pool import compute_pool
 from aioexperts._errors import ConfigError, InvalidRequestError
 from aioexperts._format.hparams import Activation, MoEHParams
 from aioexperts._format.views import ExpertView, ProjectionView
@@ -31,6 +36,8 @@ __all__ = ("MoEOutput", "ResidentLayer", "moe_forward", "route", "router_logits"
 
 TensorGetter = Callable[[str], "np.ndarray | None"]
 """``tensor(name) -> float32 array in numpy order, or None when the model has no such tensor``."""
+_Group = tuple[int, ExpertView, np.ndarray]
+"""One distinct expert of a call: ``(expert id, its view, flat (token * k + slot) positions)``."""
 
 _MAX_TIERS = 3  # ffn_*_exps_tier1..3 (FORMATS.md section 2)
 
@@ -235,7 +242,7 @@ def router_logits(x: np.ndarray, resident: ResidentLayer) -> np.ndarray:
         InvalidRequestError: ``x`` is not a float32 ``(n_tokens, n_embd)`` array.
     """
     x = _check_x(x, resident.n_embd)
-    logits = x @ resident.router.T
+    logits = _dense(resident.router, x)
     if resident.router_bias is not None:
         logits += resident.router_bias
     return logits
@@ -355,6 +362,7 @@ def moe_forward(
 
     flat = ids.reshape(-1)
     positions = np.flatnonzero(flat >= 0)
+    groups: list[_Group] = []
     if positions.size:
         # group the (token, slot) pairs by expert; a stable sort keeps tokens ascending per expert
         chosen = flat[positions]
@@ -363,13 +371,26 @@ def moe_forward(
         uniq, starts = np.unique(chosen, return_index=True)
         views = _lookup_views(experts, uniq, resident.layer)
         ends = np.append(starts[1:], chosen.size)
-        ws = _workspace()
-        flat_weights = weights.reshape(-1)
         for e, view, lo, hi in zip(uniq.tolist(), views, starts.tolist(), ends.tolist(), strict=True):
-            pos = positions[lo:hi]
-            # llama4 (weight_before_ffn): each slot's input is scaled by its weight, outputs sum unweighted
-            in_scale = flat_weights[pos] if hparams.weights_before_experts else None
-            slot_out[pos // k, pos % k] = _expert_forward(x, pos // k, e, view, resident, hparams, ws, in_scale)
+            _check_view(view, e, n_embd, hparams.n_ff_exp)  # every view, before any work starts
+            groups.append((e, view, positions[lo:hi]))
+
+    flat_weights = weights.reshape(-1)
+
+    def run(group: _Group | None) -> np.ndarray:
+        if group is None:
+            return _shared_forward(x, resident)
+        e, view, pos = group
+        # llama4 (weight_before_ffn): each slot's input is scaled by its weight, outputs sum unweighted
+        in_scale = flat_weights[pos] if hparams.weights_before_experts else None
+        return _expert_forward(x, pos // k, e, view, resident, hparams, _workspace(), in_scale)
+
+    # the distinct experts (and the shared expert) of the call, spread over the compute pool's idle
+    # workers; each result is computed by one thread, so the numbers do not depend on the spread
+    tasks: list[_Group | None] = [*groups, None] if resident.has_shared else list(groups)
+    results = compute_pool().map(run, tasks)
+    for (_, _, pos), y in zip(groups, results, strict=False):
+        slot_out[pos // k, pos % k] = y
 
     slot_weights = np.float32(1.0) if hparams.weights_before_experts else weights
     active_weights = np.where(ids >= 0, slot_weights, np.float32(0.0))  # an inactive slot never counts
@@ -378,7 +399,7 @@ def moe_forward(
     for i in range(1, k):
         moe_out += weighted[:, i]
 
-    shared_out = _shared_forward(x, resident) if resident.has_shared else None
+    shared_out = results[-1] if resident.has_shared else None
     ffn_out = moe_out if shared_out is None else moe_out + shared_out
     return MoEOutput(
         moe_out=moe_out, shared_out=shared_out, ffn_out=ffn_out, expert_out=slot_out if expert_out else None
@@ -410,10 +431,8 @@ def _expert_forward(
     if in_scale is not None:
         xs = xs * in_scale[:, None]
 
-    g = ws.buf("g", (n, n_ff))
-    np.matmul(xs, _dequantize(view.gate).T, out=g)
-    u = ws.buf("u", (n, n_ff))
-    np.matmul(xs, _dequantize(view.up).T, out=u)
+    g = _project(view.gate, xs, ws.buf("g", (n, n_ff)))
+    u = _project(view.up, xs, ws.buf("u", (n, n_ff)))
     if resident.gate_exps_bias is not None and resident.up_exps_bias is not None:  # both or neither
         g += resident.gate_exps_bias[expert]
         u += resident.up_exps_bias[expert]
@@ -432,7 +451,7 @@ def _expert_forward(
     else:
         _swiglu(g, u, tmp, act_view)
 
-    out = act @ _dequantize(view.down).T
+    out = _project(view.down, act, None)
     if resident.down_exps_bias is not None:
         out += resident.down_exps_bias[expert]
     return out
@@ -488,14 +507,14 @@ def _shared_forward(x: np.ndarray, resident: ResidentLayer) -> np.ndarray:
     times ``sigmoid(x . ffn_gate_inp_shexp)`` when the layer has that gate."""
     gate_w, up_w, down_w = resident.shexp_gate, resident.shexp_up, resident.shexp_down
     assert gate_w is not None and up_w is not None and down_w is not None  # has_shared
-    g = x @ gate_w.T
-    u = x @ up_w.T
+    g = _dense(gate_w, x)
+    u = _dense(up_w, x)
     tmp = np.empty_like(g)
     _swiglu(g, u, tmp, g)
-    out = g @ down_w.T
+    out = _dense(down_w, g)
     if resident.shexp_gate_inp is not None:
         # llama.cpp (qwen2moe.cpp): silu(v) / v, i.e. sigmoid(v); computed directly (no 0/0 at v == 0)
-        v = x @ resident.shexp_gate_inp
+        v = _dense(resident.shexp_gate_inp[None, :], x)[:, 0]
         np.negative(v, out=v)
         with np.errstate(over="ignore"):
             np.exp(v, out=v)
@@ -505,9 +524,15 @@ def _shared_forward(x: np.ndarray, resident: ResidentLayer) -> np.ndarray:
     return out
 
 
-def _dequantize(proj: ProjectionView) -> np.ndarray:
-    # through the module attribute so the fast kernels (and test counters) are picked up at call time
-    return _quant.dequantize(proj.data, proj.ggml_type, proj.shape)
+def _project(proj: ProjectionView, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """``x @ W.T`` for a projection's raw ggml bytes (``ggml_mul_mat``), into ``out`` if given."""
+    # through the module attribute so the kernel dispatch (and test counters) is picked up at call time
+    return _fused.linear(proj.data, proj.ggml_type, proj.shape, x, out=out)
+
+
+def _dense(weights: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``x @ weights.T`` for a resident float32 matrix (routers, shared experts), a fresh array."""
+    return _fused.linear(weights, GGMLQuantizationType.F32, weights.shape, x)
 
 
 def _lookup_views(experts: Mapping[int, ExpertView], uniq: np.ndarray, layer: int) -> list[ExpertView]:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from .._format.hparams import MoEHParams
 from .._format.layout import ExpertLayout
 from .._format.model import GGUFModel
 from .executor import ResidentLayer
+from .fused import WarmupReport, warmup
 from .quant import dequantize
 
-__all__ = ("load_residents",)
+__all__ = ("kernel_types", "load_residents", "warmup_kernels")
 
 
 def load_residents(model: GGUFModel, layout: ExpertLayout, hparams: MoEHParams) -> dict[int, ResidentLayer]:
@@ -38,3 +40,21 @@ def load_residents(model: GGUFModel, layout: ExpertLayout, hparams: MoEHParams) 
         return dequantize(raw, info.ggml_type, info.shape)
 
     return {layer: ResidentLayer.from_tensors(layer, tensor, hparams) for layer in layout.layers}
+
+
+def kernel_types(layout: ExpertLayout) -> frozenset[GGMLQuantizationType]:
+    """The ggml types the executor multiplies by for this layout.
+
+    The routed experts' types (every bank, gate, up and down) and F32: the resident weights
+    (routers, shared experts) are dequantized to float32 when they are loaded.
+    """
+    types = {GGMLQuantizationType.F32}
+    for moe in layout.layers.values():
+        for bank in moe.banks:
+            types.update((bank.gate.ggml_type, bank.up.ggml_type, bank.down.ggml_type))
+    return frozenset(types)
+
+
+def warmup_kernels(layout: ExpertLayout) -> WarmupReport:
+    """Compile or load the kernels of :func:`kernel_types` (blocking; see :func:`fused.warmup`)."""
+    return warmup(kernel_types(layout))

@@ -1,0 +1,643 @@
+"""Products with quantized matrices: which kernel runs for a ggml type, a batch size and a backend.
+
+:func:`linear` computes ``out = x @ W.T`` for a weight matrix ``W`` given as raw ggml bytes (a
+zero-copy view of slot memory) and a float32 batch ``x``:
+
+===========================  ============================================================================
+tokens ``n``                 kernel (numba backend)
+===========================  ============================================================================
+``n <= MATVEC_MAX_TOKENS``   ``matvec_<type>`` per token: each block is decoded in registers and dotted with
+                             ``x`` (the float32 weights never exist)
+up to ``SMALL_BATCH_MAX``    ``matmat_<type>``: a few rows decoded once into a small buffer, then a blocked
+                             product with every token
+larger (prefill)             ``dequant_<type>`` (exact) into a per-thread buffer, then BLAS ``sgemm``
+===========================  ============================================================================
+
+F32 matrices are multiplied by BLAS on a zero-copy view of their bytes (``sgemv``/``sgemm``, faster
+than a compiled loop; the compute pool keeps BLAS to one thread per call). Types without a compiled
+kernel (IQ1/IQ2/IQ3, TQ, ...) and the ``numpy`` backend take the last row with
+:func:`aioexperts._compute.quant.dequantize`. The float kernels agree with a float64 product
+within about 1e-6 relative (their reductions are reassociated); the exact dequantization is bit for
+bit ``gguf.quants.dequantize``.
+
+Precision (:func:`set_precision`, ``$AIOEXPERTS_PRECISION``): ``"float"`` (default) as above;
+``"int8"`` quantizes ``x`` per call to 8 bits, as llama.cpp's CPU kernels do (``quantize_row_q8_K``
+/ ``quantize_row_q8_0``), and takes integer dot products (``ggml_vec_dot_*_q8_*``) in the one-token
+kernels of the types listed by :func:`int8_types`; about 5e-3 relative error, like llama.cpp's.
+
+Backend: ``numba`` when it imports (see :mod:`aioexperts._compute.jit`), else ``numpy``, with one
+log line saying why; a kernel that fails to compile also switches the process to ``numpy`` (one log
+line). :func:`set_backend` forces either (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+
+from .._errors import ConfigError, FormatError, UnsupportedTypeError
+from . import quant as _quant
+from .jit import jit_status
+
+__all__ = (
+    "MATVEC_MAX_TOKENS",
+    "PRECISION_ENV",
+    "SMALL_BATCH_MAX",
+    "KernelBackend",
+    "WarmupReport",
+    "backend",
+    "compiled_types",
+    "dequantize",
+    "int8_types",
+    "linear",
+    "precision",
+    "set_backend",
+    "set_precision",
+    "warmup",
+)
+
+log = logging.getLogger("aioexperts")
+
+T = GGMLQuantizationType
+
+#: batches up to this many tokens run the fused matrix-vector kernel once per token
+MATVEC_MAX_TOKENS = 2
+#: batches up to this many tokens run the blocked small-batch kernel; larger ones dequantize + BLAS
+SMALL_BATCH_MAX = 64
+PRECISION_ENV = "AIOEXPERTS_PRECISION"
+
+BackendName = Literal["numba", "numpy"]
+Precision = Literal["float", "int8"]
+KernelKind = Literal["matvec", "matmat", "dequant", "matvec_int8"]
+KERNEL_KINDS: tuple[KernelKind, ...] = ("matvec", "matmat", "dequant")
+
+_F32 = np.dtype(np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    module: str
+    suffix: str
+    #: dtype the raw bytes are viewed as: uint8 blocks, or uint16 elements (F16, BF16)
+    raw_dtype: type[np.generic]
+    #: module of the int8 one-token kernel ``matvec_int8_<suffix>``, if there is one
+    int8_module: str | None = None
+
+
+_TABLE: dict[GGMLQuantizationType, _Entry] = {
+    T.F16: _Entry("floats", "f16", np.uint16),
+    T.BF16: _Entry("floats", "bf16", np.uint16),
+    T.Q4_0: _Entry("legacy", "q4_0", np.uint8, "int8"),
+    T.Q4_1: _Entry("legacy", "q4_1", np.uint8, "int8"),
+    T.Q5_0: _Entry("legacy", "q5_0", np.uint8, "int8"),
+    T.Q5_1: _Entry("legacy", "q5_1", np.uint8, "int8"),
+    T.Q8_0: _Entry("legacy", "q8_0", np.uint8, "int8"),
+    T.Q2_K: _Entry("kquants", "q2_k", np.uint8, "int8"),
+    T.Q3_K: _Entry("kquants", "q3_k", np.uint8, "int8"),
+    T.Q4_K: _Entry("kquants", "q4_k", np.uint8, "int8"),
+    T.Q5_K: _Entry("kquants", "q5_k", np.uint8, "int8"),
+    T.Q6_K: _Entry("kquants", "q6_k", np.uint8, "int8"),
+    T.IQ4_NL: _Entry("codebook", "iq4_nl", np.uint8, "int8"),
+    T.IQ4_XS: _Entry("codebook", "iq4_xs", np.uint8, "int8"),
+    T.MXFP4: _Entry("codebook", "mxfp4", np.uint8, "int8"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KernelBackend:
+    """Which kernels serve :func:`linear` and :func:`dequantize`.
+
+    Attributes:
+        name: ``"numba"`` (compiled kernels) or ``"numpy"`` (:mod:`aioexperts._compute.quant` + BLAS).
+        reason: why ``numpy`` serves (numba missing, a compile failure, forced), else None.
+        cache_dir: the on-disk kernel cache, or None (no numba, or not writable).
+    """
+
+    name: BackendName
+    reason: str | None
+    cache_dir: Path | None
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupReport:
+    """What :func:`warmup` did.
+
+    Attributes:
+        backend: the backend after the warm-up (a compile failure switches it to ``numpy``).
+        types: the ggml types asked for, by name, sorted.
+        kernels: compiled kernels now ready, e.g. ``"matvec_q4_k"``.
+        loaded: kernels loaded from the on-disk cache by this call.
+        compiled: kernels compiled by this call (cold cache).
+        seconds: wall time of the call.
+        cache_dir: where the kernels are cached, or None.
+    """
+
+    backend: KernelBackend
+    types: tuple[str, ...]
+    kernels: tuple[str, ...]
+    loaded: int
+    compiled: int
+    seconds: float
+    cache_dir: Path | None
+
+
+# ----------------------------------------------------------------------------------------------
+# backend state
+
+
+class _Ready:
+    """The compiled dispatchers of one type (a plain record; ``None`` where not compiled yet)."""
+
+    __slots__ = ("dequant", "entry", "matmat", "matvec", "matvec_int8", "row_bytes")
+
+    def __init__(self, entry: _Entry, row_bytes: Callable[[int], int]) -> None:
+        self.entry = entry
+        self.row_bytes = row_bytes
+        self.matvec: Callable[..., None] | None = None
+        self.matmat: Callable[..., None] | None = None
+        self.dequant: Callable[..., None] | None = None
+        self.matvec_int8: Callable[..., None] | None = None
+
+
+class _State:
+    """The process-wide backend choice, the loaded kernel modules and the compiled kernels."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.forced: BackendName | None = None
+        self.failure: str | None = None
+        self.modules: dict[str, ModuleType] | None = None
+        self.load_error: str | None = None
+        self.logged: set[str] = set()
+        self.precision: Precision | None = None
+        #: ggml type -> compiled kernels, only while numba serves (cleared on any backend change)
+        self.ready: dict[GGMLQuantizationType, _Ready] = {}
+
+
+_state = _State()
+
+
+def _log_once(key: str, level: int, message: str, *args: object) -> None:
+    with _state.lock:
+        if key in _state.logged:
+            return
+        _state.logged.add(key)
+    log.log(level, message, *args)
+
+
+def set_backend(name: BackendName | None) -> None:
+    """Force the ``"numba"`` or ``"numpy"`` kernels for this process, or None to choose again.
+
+    Forcing ``"numba"`` where numba cannot serve still gives ``numpy`` (see :func:`backend`).
+
+    Raises:
+        ConfigError: ``name`` is not one of the three values.
+    """
+    if name not in (None, "numba", "numpy"):
+        raise ConfigError(f"kernel backend must be 'numba', 'numpy' or None, got {name!r}")
+    with _state.lock:
+        _state.forced = name
+        if name is None:
+            _state.failure = None
+        _state.ready = {}
+
+
+def precision() -> Precision:
+    """The precision of the one-token kernels: ``"float"`` (default) or ``"int8"``.
+
+    Raises:
+        ConfigError: ``$AIOEXPERTS_PRECISION`` is set to something else.
+    """
+    if _state.precision is None:
+        value = os.environ.get(PRECISION_ENV, "float").strip().lower() or "float"
+        if value not in ("float", "int8"):
+            raise ConfigError(f"{PRECISION_ENV} must be 'float' or 'int8', got {value!r}")
+        _state.precision = value  # type: ignore[assignment]
+    assert _state.precision is not None
+    return _state.precision
+
+
+def set_precision(value: Precision | None) -> None:
+    """Choose the precision of the one-token kernels for this process (None: from the environment).
+
+    ``"int8"`` quantizes ``x`` to 8 bits per call, like llama.cpp (module docstring); it changes
+    only the types of :func:`int8_types` with the numba backend.
+
+    Raises:
+        ConfigError: ``value`` is not ``"float"``, ``"int8"`` or None.
+    """
+    if value not in (None, "float", "int8"):
+        raise ConfigError(f"precision must be 'float', 'int8' or None, got {value!r}")
+    _state.precision = value
+
+
+def _modules() -> dict[str, ModuleType] | None:
+    """Import the kernel modules once; None (with ``_state.load_error``) if numba cannot serve."""
+    with _state.lock:
+        if _state.modules is not None or _state.load_error is not None:
+            return _state.modules
+        status = jit_status()
+        if not status.available:
+            _state.load_error = status.reason
+            return None
+        names = {e.module for e in _TABLE.values()} | {e.int8_module for e in _TABLE.values() if e.int8_module}
+        try:
+            _state.modules = {name: importlib.import_module(f"{__package__}.kernels.{name}") for name in sorted(names)}
+        except Exception as exc:  # a broken numba/llvmlite can raise anything at import
+            _state.load_error = f"the kernel modules cannot be imported ({type(exc).__name__}: {exc})"
+        if _state.load_error is None and status.cache_reason is not None:
+            _log_once(
+                "nocache", logging.WARNING, "aioexperts: %s; kernels are compiled in every process", status.cache_reason
+            )
+        return _state.modules
+
+
+def backend() -> KernelBackend:
+    """The backend that serves now (decided on first call, then cached; cheap).
+
+    Returns:
+        A :class:`KernelBackend`. When ``numpy`` serves because of numba (missing, broken, failed
+        to compile), the reason is logged once at WARNING level; a forced ``numpy`` is not logged.
+    """
+    with _state.lock:
+        forced, failure = _state.forced, _state.failure
+    if forced == "numpy":
+        return KernelBackend("numpy", "forced by set_backend('numpy')", None)
+    if failure is not None:
+        return KernelBackend("numpy", failure, None)
+    if _modules() is None:
+        reason = _state.load_error or "numba is unavailable"
+        if not reason.endswith("=numpy"):
+            _log_once("fallback", logging.WARNING, "aioexperts: numpy kernels serve: %s", reason)
+        return KernelBackend("numpy", reason, None)
+    return KernelBackend("numba", None, jit_status().cache_dir)
+
+
+def compiled_types() -> frozenset[GGMLQuantizationType]:
+    """The ggml types that have numba kernels (whatever the backend serving now)."""
+    return frozenset(_TABLE)
+
+
+def int8_types() -> frozenset[GGMLQuantizationType]:
+    """The ggml types whose one-token kernel has an int8 variant (``set_precision("int8")``)."""
+    return frozenset(t for t, e in _TABLE.items() if e.int8_module)
+
+
+def _fail(exc: BaseException, what: str) -> None:
+    reason = f"compiling {what} failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    with _state.lock:
+        if _state.failure is None:
+            _state.failure = reason
+        _state.ready = {}
+    _log_once("failure", logging.WARNING, "aioexperts: numpy kernels serve from now on: %s", reason)
+
+
+def _is_numba_error(exc: BaseException) -> bool:
+    try:
+        from numba.core.errors import NumbaError
+    except Exception:  # pragma: no cover - numba vanished after loading
+        return False
+    return isinstance(exc, NumbaError) or type(exc).__module__.startswith(("numba", "llvmlite"))
+
+
+# ----------------------------------------------------------------------------------------------
+# compiled kernels, ready to call
+
+
+def _signature(kind: KernelKind, entry: _Entry) -> tuple[Any, ...]:
+    """The numba argument types every call of ``kind`` uses (read-only inputs, C-contiguous)."""
+    from numba import from_dtype, types
+
+    raw = types.Array(from_dtype(np.dtype(entry.raw_dtype)), 2, "C", readonly=True)
+    if kind in ("matvec", "matvec_int8"):
+        return (raw, types.Array(types.float32, 1, "C", readonly=True), types.Array(types.float32, 1, "C"))
+    if kind == "matmat":
+        return (raw, types.Array(types.float32, 2, "C", readonly=True), types.Array(types.float32, 2, "C"))
+    return (raw, types.Array(types.float32, 2, "C"))
+
+
+def _dispatcher(entry: _Entry, kind: KernelKind) -> Any:
+    modules = _modules()
+    assert modules is not None
+    if kind == "matvec_int8":
+        assert entry.int8_module is not None
+        return getattr(modules[entry.int8_module], f"matvec_int8_{entry.suffix}")
+    return getattr(modules[entry.module], f"{kind}_{entry.suffix}")
+
+
+def _compile(qtype: GGMLQuantizationType, kind: KernelKind) -> tuple[Callable[..., None], int, int]:
+    """Compile (or load from the cache) one kernel; ``(dispatcher, loaded, compiled)``."""
+    entry = _TABLE[qtype]
+    fn = _dispatcher(entry, kind)
+    stats = fn.stats
+    hits, misses = sum(stats.cache_hits.values()), sum(stats.cache_misses.values())
+    fn.compile(_signature(kind, entry))
+    stats = fn.stats
+    return fn, sum(stats.cache_hits.values()) - hits, sum(stats.cache_misses.values()) - misses
+
+
+def _ready(qtype: GGMLQuantizationType) -> _Ready | None:
+    """The compiled-kernel record of ``qtype`` when numba serves it, else None (cheap when warm)."""
+    ready = _state.ready.get(qtype)
+    if ready is not None:
+        return ready
+    if qtype not in _TABLE or backend().name != "numba":
+        return None
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    record = _Ready(_TABLE[qtype], lambda cols: cols // block_size * type_size)
+    with _state.lock:
+        return _state.ready.setdefault(qtype, record)
+
+
+def _kernel(ready: _Ready, qtype: GGMLQuantizationType, kind: KernelKind) -> Callable[..., None]:
+    fn: Callable[..., None] | None = getattr(ready, kind)
+    if fn is None:
+        fn, _, _ = _compile(qtype, kind)
+        setattr(ready, kind, fn)
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------
+# argument handling
+
+
+def _qtype(ggml_type: GGMLQuantizationType | int) -> GGMLQuantizationType:
+    if type(ggml_type) is GGMLQuantizationType:
+        return ggml_type
+    try:
+        return GGMLQuantizationType(ggml_type)
+    except ValueError:
+        raise UnsupportedTypeError(f"unknown ggml type {ggml_type!r}") from None
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+def _raw_matrix(
+    data: memoryview | np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int, ready: _Ready
+) -> np.ndarray:
+    """The bytes of a ``(rows, cols)`` tensor as a read-only C-contiguous 2-D array for the kernels.
+
+    Raises:
+        FormatError: the byte count does not match the shape, or the data is not contiguous.
+    """
+    block_size = GGML_QUANT_SIZES[qtype][0]
+    if cols % block_size:
+        raise FormatError(
+            f"{qtype.name} matrix of shape {(rows, cols)}: {cols} columns is not a multiple of {block_size}"
+        )
+    row_bytes = ready.row_bytes(cols)
+    if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            raise FormatError("tensor data array is not C-contiguous")
+        raw = data.reshape(-1).view(np.uint8)
+    else:
+        try:
+            raw = np.frombuffer(data, dtype=np.uint8)
+        except (TypeError, ValueError, BufferError) as exc:
+            raise FormatError(f"tensor data is not a contiguous byte buffer: {exc}") from exc
+    if raw.size != rows * row_bytes:
+        raise FormatError(f"{qtype.name} matrix of shape {(rows, cols)} needs {rows * row_bytes} bytes, got {raw.size}")
+    dtype = ready.entry.raw_dtype
+    if dtype is not np.uint8:
+        if raw.ctypes.data % np.dtype(dtype).itemsize:
+            raw = raw.copy()  # F16/BF16 elements must be aligned for the kernels
+        raw = raw.view(dtype)
+    return _readonly(raw.reshape(rows, -1))
+
+
+def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
+    if not isinstance(x, np.ndarray) or x.dtype != _F32 or x.ndim != 2 or x.shape[1] != cols:
+        got = f"{x.dtype} array of shape {x.shape}" if isinstance(x, np.ndarray) else type(x).__name__
+        raise ConfigError(f"x must be a float32 array of shape (n_tokens, {cols}), got {got}")
+    if not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x)
+    return _readonly(x)
+
+
+def _check_out(out: np.ndarray | None, shape: tuple[int, int]) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, dtype=np.float32)
+    if not isinstance(out, np.ndarray) or out.dtype != _F32 or out.shape != shape:
+        got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise ConfigError(f"out must be a float32 array of shape {shape}, got {got}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ConfigError("out must be C-contiguous and writeable")
+    return out
+
+
+class _Workspace(threading.local):
+    """Per-thread grow-only float32 buffer for dequantized matrices (the prefill path)."""
+
+    def __init__(self) -> None:
+        self.flat = np.empty(0, dtype=np.float32)
+
+    def matrix(self, shape: tuple[int, int]) -> np.ndarray:
+        size = shape[0] * shape[1]
+        if self.flat.size < size:
+            self.flat = np.empty(size, dtype=np.float32)
+        return self.flat[:size].reshape(shape)
+
+
+_workspace = _Workspace()
+
+
+# ----------------------------------------------------------------------------------------------
+# the two entry points
+
+
+def linear(
+    data: memoryview | np.ndarray,
+    ggml_type: GGMLQuantizationType | int,
+    shape: tuple[int, int],
+    x: np.ndarray,
+    *,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """``x @ W.T`` for the matrix ``W`` of ``shape`` stored as raw ggml bytes.
+
+    Llama.cpp's ``ggml_mul_mat(W, x)``; the kernel is chosen by the number of tokens (module
+    docstring). Thread-safe; releases the GIL inside the compiled kernels.
+
+    Args:
+        data: the matrix bytes in ggml block layout: a ``memoryview`` (e.g. of slot memory) or a
+            C-contiguous array; never copied (except F16/BF16 bytes at an unaligned address).
+        ggml_type: the ggml type of the bytes.
+        shape: ``(rows, cols)`` in numpy order (ggml ``(ne1, ne0)``); ``cols`` a multiple of the
+            block size.
+        x: ``(n_tokens, cols)`` float32.
+        out: optional ``(n_tokens, rows)`` float32 C-contiguous array to write into.
+
+    Returns:
+        ``(n_tokens, rows)`` float32: ``out`` if given, else a new array.
+
+    Raises:
+        FormatError: the byte count does not fit ``shape`` and the type.
+        UnsupportedTypeError: the type can be dequantized neither here nor by gguf-py.
+        ConfigError: ``x`` or ``out`` has the wrong dtype, shape or layout.
+    """
+    qtype = _qtype(ggml_type)
+    rows, cols = int(shape[0]), int(shape[1])
+    xs = _check_x(x, cols)
+    n = xs.shape[0]
+    result = _check_out(out, (n, rows))
+    if n == 0 or rows == 0:
+        return result
+    ready = _ready(qtype)
+    if ready is not None:
+        raw = _raw_matrix(data, qtype, rows, cols, ready)
+        try:
+            _linear_numba(qtype, ready, raw, xs, result)
+            return result
+        except Exception as exc:
+            if not _is_numba_error(exc):
+                raise
+            _fail(exc, f"the {qtype.name} kernels")
+    weights = _quant.dequantize(data, qtype, (rows, cols))
+    np.matmul(xs, weights.T, out=result)
+    return result
+
+
+def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
+    n = xs.shape[0]
+    if n <= MATVEC_MAX_TOKENS:
+        kind: KernelKind = "matvec_int8" if ready.entry.int8_module and precision() == "int8" else "matvec"
+        matvec = _kernel(ready, qtype, kind)
+        for t in range(n):
+            matvec(raw, xs[t], out[t])
+    elif n <= SMALL_BATCH_MAX:
+        _kernel(ready, qtype, "matmat")(raw, xs, out)
+    else:
+        weights = _workspace.matrix((raw.shape[0], xs.shape[1]))
+        _kernel(ready, qtype, "dequant")(raw, weights)
+        np.matmul(xs, weights.T, out=out)
+
+
+def dequantize(
+    data: memoryview | np.ndarray,
+    ggml_type: GGMLQuantizationType | int,
+    shape: tuple[int, ...],
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Exact dequantization, bit for bit ``gguf.quants.dequantize``, compiled where possible.
+
+    Same contract as :func:`aioexperts._compute.quant.dequantize` (the numpy kernels, used for
+    the ``numpy`` backend and for types without a compiled kernel).
+
+    Raises:
+        FormatError, UnsupportedTypeError, ConfigError: as :func:`aioexperts._compute.quant.dequantize`.
+    """
+    qtype = _qtype(ggml_type)
+    dims = tuple(int(d) for d in shape)
+    ready = _ready(qtype)
+    if ready is None or len(dims) < 1 or math.prod(dims) == 0:
+        return _quant.dequantize(data, qtype, dims, out)
+    cols = dims[-1]
+    rows = math.prod(dims[:-1])
+    raw = _raw_matrix(data, qtype, rows, cols, ready)
+    if out is None:
+        result = np.empty(dims, dtype=np.float32)
+    else:
+        if not isinstance(out, np.ndarray) or out.dtype != _F32 or out.shape != dims:
+            got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+            raise ConfigError(f"out must be a float32 array of shape {dims}, got {got}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ConfigError("out must be C-contiguous and writeable")
+        result = out
+    try:
+        _kernel(ready, qtype, "dequant")(raw, result.reshape(rows, cols))
+        return result
+    except Exception as exc:
+        if not _is_numba_error(exc):
+            raise
+        _fail(exc, f"the {qtype.name} kernels")
+    return _quant.dequantize(data, qtype, dims, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# compile once: warm-up
+
+
+def warmup(types: Iterable[GGMLQuantizationType | int], *, kinds: Iterable[KernelKind] | None = None) -> WarmupReport:
+    """Compile, or load from the on-disk cache, every kernel the given ggml types need.
+
+    Call it before the first token (``Engine.warmup``, or ``load_residents`` does it for the
+    model's types) so that no compile happens while a token waits. Types without a compiled kernel
+    are ignored. Blocking: from a worker thread under an event loop. The first call of a process
+    that loads or compiles something logs its cost once (INFO).
+
+    Args:
+        types: ggml types (of the experts, shared experts, routers).
+        kinds: the kernels per type (default: the three float kernels, plus the int8 one-token
+            kernel when the precision is ``"int8"``).
+
+    Returns:
+        A :class:`WarmupReport`.
+    """
+    t0 = time.perf_counter()
+    wanted = sorted({_qtype(t) for t in types}, key=lambda t: t.name)
+    chosen: tuple[KernelKind, ...] = tuple(kinds) if kinds is not None else KERNEL_KINDS
+    if kinds is None and precision() == "int8":
+        chosen = (*chosen, "matvec_int8")
+    names: list[str] = []
+    loaded = compiled = 0
+    for qtype in wanted:
+        ready = _ready(qtype)
+        if ready is None:
+            continue
+        for kind in chosen:
+            if kind == "matvec_int8" and not ready.entry.int8_module:
+                continue
+            name = f"{kind}_{ready.entry.suffix}"
+            try:
+                if getattr(ready, kind) is None:
+                    fn, n_loaded, n_compiled = _compile(qtype, kind)
+                    setattr(ready, kind, fn)
+                    loaded += n_loaded
+                    compiled += n_compiled
+            except Exception as exc:
+                if not _is_numba_error(exc):
+                    raise
+                _fail(exc, name)
+                break
+            names.append(name)
+    status = backend()
+    report = WarmupReport(
+        backend=status,
+        types=tuple(t.name for t in wanted),
+        kernels=tuple(names) if status.name == "numba" else (),
+        loaded=loaded,
+        compiled=compiled,
+        seconds=time.perf_counter() - t0,
+        cache_dir=status.cache_dir,
+    )
+    if loaded or compiled:
+        _log_once(
+            "warmup",
+            logging.INFO,
+            "aioexperts: %d kernels for %s ready in %.2f s (%d loaded from %s, %d compiled)",
+            len(names),
+            ", ".join(report.types),
+            report.seconds,
+            loaded,
+            report.cache_dir or "no cache",
+            compiled,
+        )
+    return report

@@ -1,0 +1,472 @@
+"""The int8 one-token kernels: ``x`` quantized to 8 bits per call, integer dot products per block.
+
+This is what llama.cpp's CPU backend does (``ggml_vec_dot_<type>_q8_<K|0|1>``): ``x`` is quantized
+once per call like ``quantize_row_q8_K`` (256-value blocks, float32 scale, sums of 16), or
+``quantize_row_q8_0`` / ``quantize_row_q8_1`` (32-value blocks, float16 scale; Q8_1 adds
+``d * sum(q)``), then each weight block is multiplied in integers (:mod:`.simd`: ``vpdpbusd`` on
+AVX-512 VNNI) and scaled once. The error, about 5e-3 relative, comes from the rounding of ``x``;
+llama.cpp has the same. Selected with ``fused.set_precision("int8")``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..jit import kernel
+from .codebook import IQ4_NL_BYTES, IQ4_XS_BYTES, IQ4_XS_QS, KVALUES_IQ4, KVALUES_MXFP4, MXFP4_BYTES
+from .common import F32, PREFETCH_ROWS, U8, U32, e8m0_half, f16_at, prefetch_row
+from .kquants import (
+    Q2_K_BYTES,
+    Q2_K_D,
+    Q2_K_QS,
+    Q3_K_BYTES,
+    Q3_K_D,
+    Q3_K_QS,
+    Q3_K_SCALES,
+    Q4_K_BYTES,
+    Q4_K_QS,
+    Q5_K_BYTES,
+    Q5_K_QH,
+    Q5_K_QS,
+    Q6_K_BYTES,
+    Q6_K_D,
+    Q6_K_QH,
+    Q6_K_SCALES,
+    q3_k_scale_words,
+    scale_min_k4,
+)
+from .legacy import Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, qh_at
+from .simd import dot16_q8, dot32_i8_q8, dot32_q8, dot32_q8_scaled, make_lut_dots, nib32_dot_q8
+
+# ruff: noqa: N803, N806
+
+I8 = np.int8
+I32 = np.int32
+QK = 32
+QK_K = 256
+SUM16 = 16
+Q8_MAX = F32(127.0)
+#: float32 bits kept when rounding to float16: the 13 low mantissa bits go
+HALF_DROPPED_BITS = U32(13)
+HALF_MIN_NORMAL = F32(2.0**-14)
+HALF_SUBNORMAL_UNIT = F32(2.0**-24)
+
+_, iq4_dot_q8 = make_lut_dots(tuple(int(v) for v in KVALUES_IQ4))
+_, mxfp4_dot_q8 = make_lut_dots(tuple(int(v) for v in KVALUES_MXFP4))
+
+
+# ----------------------------------------------------------------------------------------------
+# quantizing x
+
+
+@kernel(exact=True, inline=True)
+def round_to_half(value):
+    """``GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(value))`` for finite ``value >= 0`` below 65504.
+
+    Round half to even to 10 mantissa bits (normals) or to multiples of 2**-24 (subnormals).
+    """
+    if value < HALF_MIN_NORMAL:
+        return F32(np.rint(value / HALF_SUBNORMAL_UNIT)) * HALF_SUBNORMAL_UNIT
+    bits = F32(value).view(U32)
+    lsb = (bits >> HALF_DROPPED_BITS) & U32(1)
+    rounded = U32((bits + U32(0x0FFF) + lsb) & U32(0xFFFF_E000))
+    return rounded.view(F32)
+
+
+@kernel(inline=True)
+def quantize_q8_k(x, q, d, bsums):
+    """``quantize_row_q8_K_ref``: per 256 values, ``iscale = -127 / max`` (``max``: the value of
+    largest magnitude, sign kept), ``q = min(127, nearest_int(iscale * x))``, ``d = 1 / iscale``;
+    ``bsums``: sums of ``q`` per 16 values."""
+    for b in range(x.size // QK_K):
+        base = b * QK_K
+        amax = F32(0.0)
+        vmax = F32(0.0)
+        for j in range(QK_K):
+            v = x[base + j]
+            if abs(v) > amax:
+                amax = abs(v)
+                vmax = v
+        if amax == 0:
+            d[b] = 0
+            for j in range(QK_K):
+                q[base + j] = 0
+            for j in range(QK_K // SUM16):
+                bsums[b * SUM16 + j] = 0
+            continue
+        iscale = -Q8_MAX / vmax
+        for j in range(QK_K):
+            q[base + j] = I8(min(I32(127), I32(np.rint(iscale * x[base + j]))))
+        for j in range(QK_K // SUM16):
+            s = I32(0)
+            for i in range(SUM16):
+                s += I32(q[base + j * SUM16 + i])
+            bsums[b * SUM16 + j] = s
+        d[b] = F32(1.0) / iscale
+
+
+@kernel(inline=True)
+def quantize_q8_0(x, q, d, s):
+    """``quantize_row_q8_0_ref`` / ``quantize_row_q8_1_ref``: per 32 values ``d = amax / 127`` (kept
+    as float16), ``q = roundf(x / d)``; ``s = d * sum(q)`` (float16), used by Q4_1 and Q5_1."""
+    for b in range(x.size // QK):
+        base = b * QK
+        amax = F32(0.0)
+        for j in range(QK):
+            amax = max(amax, abs(x[base + j]))
+        scale = amax / Q8_MAX
+        inverse = F32(1.0) / scale if scale != 0 else F32(0.0)
+        total = I32(0)
+        for j in range(QK):
+            v = x[base + j] * inverse
+            r = I32(np.floor(abs(v) + F32(0.5)))  # roundf: half away from zero
+            qv = r if v >= 0 else -r
+            q[base + j] = I8(qv)
+            total += I32(qv)
+        d[b] = round_to_half(scale)
+        s[b] = round_to_half(abs(F32(total) * scale)) * (F32(1.0) if total >= 0 else F32(-1.0))
+
+
+# ----------------------------------------------------------------------------------------------
+# 32-value block types against Q8_0 / Q8_1
+
+
+@kernel()
+def matvec_int8_q4_0(raw, x, out):
+    """``ggml_vec_dot_q4_0_q8_0``: ``d_w * d_x * (sum(q4 * q8) - 8 * sum(q8))`` per block."""
+    n_blocks = x.size // QK
+    q = np.empty(x.size, dtype=I8)
+    d = np.empty(n_blocks, dtype=F32)
+    s = np.empty(n_blocks, dtype=F32)
+    quantize_q8_0(x, q, d, s)
+    sums = np.empty(n_blocks, dtype=I32)
+    for b in range(n_blocks):
+        t = I32(0)
+        for j in range(QK):
+            t += I32(q[b * QK + j])
+        sums[b] = t
+    for r in range(raw.shape[0]):
+        prefetch_row(raw, r + PREFETCH_ROWS)
+        row = raw[r]
+        acc = F32(0.0)
+        for b in range(n_blocks):
+            o = b * Q4_0_BYTES
+            acc += f16_at(row, o) * d[b] * F32(nib32_dot_q8(row, o + 2, U32(0), q, b * QK) - I32(8) * sums[b])
+        out[r] = acc
+
+
+@kernel()
+def matvec_int8_q4_1(raw, x, out):
+    """``ggml_vec_dot_q4_1_q8_1``: ``d_w * d_x * sum(q4 * q8) + m_w * s_x`` per block."""
+    n_blocks = x.size // QK
+    q = np.empty(x.size, dtype=I8)
+    d = np.empty(n_blocks, dtype=F32)
+    s = np.empty(n_blocks, dtype=F32)
+    quantize_q8_0(x, q, d, s)
+    for r in range(raw.shape[0]):
+        prefetch_row(raw, r + PREFETCH_ROWS)
+        row = raw[r]
+        acc = F32(0.0)
+        for b in range(n_blocks):
+            o = b * Q4_1_BYTES
+            acc += f16_at(row, o) * d[b] * F32(nib32_dot_q8(row, o + 4, U32(0), q, b * QK)) + f16_at(row, o + 2) * s[b]
+        out[r] = acc
+
+
+@kernel()
+def matvec_int8_q5_0(raw, x, out):
+    """``ggml_vec_dot_q5_0_q8_0``: ``d_w * d_x * (sum(q5 * q8) - 16 * sum(q8))`` per block."""
+    n_blocks = x.size // QK
+    q = np.empty(x.size, dtype=I8)
+    d = np.empty(n_blocks, dtype=F32)
+    s = np.empty(n_blocks, dtype=F32)
+    quantize_q8_0(x, q, d, s)
+    sums = np.empty(n_blocks, dtype=I32)
+    for b in range(n_blocks):
+        t = I32(0)
+        for j in range(QK):
+            t += I32(q[b * QK + j])
+        sums[b] = t
+    for r in range(raw.shape[0]):
+        prefetch_row(raw, r + PREFETCH_ROWS)
+        row = raw[r]
+        acc = F32(0.0)
+        for b in range(n_blocks):
+            o = b * Q5_0_BYTES
+            dot = nib32_dot_q8(row, o + 6, qh_at(row, o + 2), q, b * QK)
+            acc += f16_at(row, o) * d[b] * F32(dot - I32(16) * sums[b])
+        out[r] = acc
+
+
+@kernel()
+def matvec_int8_q5_1(raw, x, out):
+    """``ggml_vec_dot_q5_1_q8_1``: ``d_w * d_x * sum(q5 * q8) + m_w * s_x`` per block."""
+    n_blocks = x.size // QK
+    q = np.empty(x.size, dtype=I8)
+    d = np.empty(n_blocks, dtype=F32)
+    s = np.empty(n_blocks, dtype=F32)
+    quantize_q8_0(x, q, d, s)
+    for r in range(raw.shape[0]):
+        prefetch_row(raw, r + PREFETCH_ROWS)
+        row = raw[r]
+        acc = F32(0.0)
+        for b in range(n_blocks):
+            o = b * Q5_1_BYTES
+            dot = nib32_dot_q8(row, o + 8, qh_at(row, o + 4), q, b * QK)
+            acc += f16_at(row, o) * d[b] * F32(dot) + f16_at(row, o + 2) * s[b]
+        out[r] = acc
+
+
+@kernel()
+def matvec_int8_q8_0(raw, x, out):
+    """``ggml_vec_dot_q8_0_q8_0``: ``d_w * d_x * sum(q_w * q_x)`` per block."""
+    n_blocks = x.size // QK
+    q = np.empty(x.size, dtype=I8)
+    d = np.empty(n_blocks, dtype=F32)
+    s = np.empty(n_blocks, dtype=F32)
+    quantize_q8_0(x, q, d, s)
+    for r in range(raw.shape[0]):
+        prefetch_row(raw, r + PREFETCH_ROWS)
+        row = raw[r]
+        acc = F32(0.0)
+        for b in range(n_blocks):
+            o = b * Q8_0_BYTES
+            acc += f16_at(row, o) * d[b] * F32(dot32_i8_q8(row, o + 2, q, b * QK))
+        out[r] = acc
+
+
+@kernel(inline=True)
+def block_sums(q, sums):
+    """``sums[b] = 128 * sum(q[32 b : 32 b + 32])``: the bias of the unsigned codebook products."""
+    for b in range(sums.size):
+        t = I32(0)
+        for j in range(QK):
+            t += I32(q[b * QK + j])
+        sums[b] = t * I32(128)
+
+
+@kernel()
+def matvec_int8_iq4_nl(raw, x, out):
+    """``ggml_vec_dot_iq4_nl_q8_0``: ``d_w * d_x * sum(kvalues[q] * q8)`` per block."""
+    n_blocks = x.size // QK
+    q = np.empty(x.size, dtype=I8)
+    d = np.empty(n_blocks, dtype=F32)
+    s = np.empty(n_blocks, dtype=F32)
+    quantize_q8_0(x, q, d, s)
+    bias = np.empty(n_blocks, dtype=I32)
+    block_sums(q, bias)
+    for r in range(raw.shape[0]):
+        prefetch_row(raw, r + PREFETCH_ROWS)
+        row = raw[r]
+        acc = F32(0.0)
+        for b in range(n_blocks):
+            o = b * IQ4_NL_BYTES
+            acc += f16_at(row, o) * d[b] * F32(iq4_dot_q8(row, o + 2, q, b * QK) - bias[b])
+        out[r] = acc
+
+
+@kernel()
+def matvec_int8_mxfp4(raw, x, out):
+    """``ggml_vec_dot_mxfp4_q8_0``: ``e8m0_half(e) * d_x * sum(kvalues[q] * q8)`` per block."""
+    n_blocks = x.size // QK
+    q = np.empty(x.size, dtype=I8)
+    d = np.empty(n_blocks, dtype=F32)
+    s = np.empty(n_blocks, dtype=F32)
+    quantize_q8_0(x, q, d, s)
+    bias = np.empty(n_blocks, dtype=I32)
+    block_sums(q, bias)
+    for r in range(raw.shape[0]):
+        prefetch_row(raw, r + PREFETCH_ROWS)
+        row = raw[r]
+        acc = F32(0.0)
+        for b in range(n_blocks):
+            o = b * MXFP4_BYTES
+            acc += e8m0_half(row[o]) * d[b] * F32(mxfp4_dot_q8(row, o + 1, q, b * QK) - bias[b])
+        out[r] = acc
+
+
+# ----------------------------------------------------------------------------------------------
+# k-quants against Q8_K
+
+
+@kernel()
+def matvec_int8_q4_k(raw, x, out):
+    """``ggml_vec_dot_q4_K_q8_K``: ``d_w d_x sum_j sc_j dot_j - dmin_w d_x sum_j m_j bsum_j``."""
+    n_blocks = x.size // QK_K
+    q = np.empty(x.size, dtype=I8)
+    d = np.empty(n_blocks, dtype=F32)
+    bsums = np.empty(n_blocks * SUM16, dtype=I32)
+    quantize_q8_k(x, q, d, bsums)
+    for r in range(raw.shape[0]):
+        prefetch_row(raw, r + PREFETCH_ROWS)
+        row = raw[r]
+        acc = F32(0.0)
+        for b in range(n_blocks):
+            o = b * Q4_K_BYTES
+            sumi = I32(0)
+            summ = I32(0)
+            for c in range(4):
+                sc0, m0 = scale_min_k4(row, o, 2 * c)
+                sc1, m1 = scale_min_k4(row, o, 2 * c + 1)
+                qs = o + Q4_K_QS + 32 * c
+                xb = b * QK_K + 64 * c
+                lo = dot32_q8(row, qs, U8(0), U8(15), qs, U8(0), U8(0), U8(0), q, xb)
+                hi = dot32_q8(row, qs, U8(4), U8(15), qs, U8(0), U8(0), U8(0), q, xb + 32)
+                sumi += I32(sc0) * lo + I32(sc1) * hi
+                k = b * SUM16 + 4 * c
+                summ += I32(m0) * (bsums[k] + bsums[k + 1]) + I32(m1) * (bsums[k + 2] + bsums[k + 3])
+            acc += d[b] * (f16_at(row, o) * F32(sumi) - f16_at(row, o + 2) * F32(summ))
+        out[r] = acc
+
+
+@kernel()
+def matvec_int8_q5_k(raw, x, out):
+    """``ggml_vec_dot_q5_K_q8_K``: as Q4_K with the fifth bit of each code from ``qh``."""
+    n_blocks = x.size // QK_K
+    q = np.empty(x.size, dtype=I8)
+    d = np.empty(n_blocks, dtype=F32)
+    bsums = np.empty(n_blocks * SUM16, dtype=I32)
+    quantize_q8_k(x, q, d, bsums)
+    for r in range(raw.shape[0]):
+        prefetch_row(raw, r + PREFETCH_ROWS)
+        row = raw[r]
+        acc = F32(0.0)
+        for b in range(n_blocks):
+            o = b * Q5_K_BYTES
+            qh = o + Q5_K_QH
+            sumi = I32(0)
+            summ = I32(0)
+            for c in range(4):
+                sc0, m0 = scale_min_k4(row, o, 2 * c)
+                sc1, m1 = scale_min_k4(row, o, 2 * c + 1)
+                qs = o + Q5_K_QS + 32 * c
+                xb = b * QK_K + 64 * c
+                lo = dot32_q8(row, qs, U8(0), U8(15), qh, U8(2 * c), U8(1), U8(4), q, xb)
+                hi = dot32_q8(row, qs, U8(4), U8(15), qh, U8(2 * c + 1), U8(1), U8(4), q, xb + 32)
+                sumi += I32(sc0) * lo + I32(sc1) * hi
+                k = b * SUM16 + 4 * c
+                summ += I32(m0) * (bsums[k] + bsums[k + 1]) + I32(m1) * (bsums[k + 2] + bsums[k + 3])
+            acc += d[b] * (f16_at(row, o) * F32(sumi) - f16_at(row, o + 2) * F32(summ))
+        out[r] = acc
+
+
+@kernel()
+def matvec_int8_q6_k(raw, x, out):
+    """``ggml_vec_dot_q6_K_q8_K``: ``d_w d_x sum_j sc_j (dot_j - 32 bsum_j)`` over 16-value sub-blocks."""
+    n_blocks = x.size // QK_K
+    q = np.empty(x.size, dtype=I8)
+    d = np.empty(n_blocks, dtype=F32)
+    bsums = np.empty(n_blocks * SUM16, dtype=I32)
+    quantize_q8_k(x, q, d, bsums)
+    for r in range(raw.shape[0]):
+        prefetch_row(raw, r + PREFETCH_ROWS)
+        row = raw[r]
+        acc = F32(0.0)
+        for b in range(n_blocks):
+            o = b * Q6_K_BYTES
+            sc = o + Q6_K_SCALES
+            offset = I32(0)
+            for sb in range(SUM16):
+                offset += I32(I8(row[sc + sb])) * bsums[b * SUM16 + sb]
+            sumi = I32(-32) * offset
+            for n in range(2):
+                ql = o + 64 * n
+                qh = o + Q6_K_QH + 32 * n
+                xb = b * QK_K + 128 * n
+                for j in range(4):
+                    sb = sc + 8 * n + 2 * j
+                    sumi += dot32_q8_scaled(
+                        row, ql + 32 * (j % 2), U8(4 * (j // 2)), U8(15), qh, U8(2 * j), U8(3), U8(4),
+                        q, xb + 32 * j, I32(I8(row[sb])), I32(I8(row[sb + 1])),
+                    )  # fmt: skip
+            acc += d[b] * f16_at(row, o + Q6_K_D) * F32(sumi)
+        out[r] = acc
+
+
+@kernel()
+def matvec_int8_q2_k(raw, x, out):
+    """``ggml_vec_dot_q2_K_q8_K``: ``d_w d_x sum_j (sc_j & 15) dot_j - dmin_w d_x sum_j (sc_j >> 4) bsum_j``."""
+    n_blocks = x.size // QK_K
+    q = np.empty(x.size, dtype=I8)
+    d = np.empty(n_blocks, dtype=F32)
+    bsums = np.empty(n_blocks * SUM16, dtype=I32)
+    quantize_q8_k(x, q, d, bsums)
+    for r in range(raw.shape[0]):
+        prefetch_row(raw, r + PREFETCH_ROWS)
+        row = raw[r]
+        acc = F32(0.0)
+        for b in range(n_blocks):
+            o = b * Q2_K_BYTES
+            sumi = I32(0)
+            summ = I32(0)
+            for n in range(2):
+                xb = b * QK_K + 128 * n
+                for j in range(4):
+                    for s in range(2):
+                        sb = 8 * n + 2 * j + s
+                        qs = o + Q2_K_QS + 32 * n + 16 * s
+                        dot = dot16_q8(row, qs, U8(2 * j), U8(3), qs, U8(0), U8(0), U8(0), q, xb + 32 * j + 16 * s)
+                        scale = row[o + sb]
+                        sumi += I32(scale & U8(15)) * dot
+                        summ += I32(scale >> U8(4)) * bsums[b * SUM16 + sb]
+            acc += d[b] * (f16_at(row, o + Q2_K_D) * F32(sumi) - f16_at(row, o + Q2_K_D + 2) * F32(summ))
+        out[r] = acc
+
+
+@kernel()
+def matvec_int8_q3_k(raw, x, out):
+    """``ggml_vec_dot_q3_K_q8_K``: ``d_w d_x sum_j (sc_j - 32) (dot(low | 4 hbit) - 4 bsum_j)``."""
+    n_blocks = x.size // QK_K
+    q = np.empty(x.size, dtype=I8)
+    d = np.empty(n_blocks, dtype=F32)
+    bsums = np.empty(n_blocks * SUM16, dtype=I32)
+    quantize_q8_k(x, q, d, bsums)
+    for r in range(raw.shape[0]):
+        prefetch_row(raw, r + PREFETCH_ROWS)
+        row = raw[r]
+        acc = F32(0.0)
+        for b in range(n_blocks):
+            o = b * Q3_K_BYTES
+            w0, w1, w2, w3 = q3_k_scale_words(row, o + Q3_K_SCALES)
+            sumi = I32(0)
+            for n in range(2):
+                xb = b * QK_K + 128 * n
+                word_a = w0 if n == 0 else w2
+                word_b = w1 if n == 0 else w3
+                for j in range(4):
+                    for s in range(2):
+                        sb = 2 * j + s  # within the half: scale byte sb of (word_a, word_b)
+                        word = word_a if sb < 4 else word_b
+                        scale = I32((word >> U32(8 * (sb % 4))) & U32(0xFF)) - I32(32)
+                        qs = o + Q3_K_QS + 32 * n + 16 * s
+                        dot = dot16_q8(
+                            row, qs, U8(2 * j), U8(3), o + 16 * s, U8(4 * n + j), U8(1), U8(2), q, xb + 32 * j + 16 * s
+                        )
+                        sumi += scale * (dot - I32(4) * bsums[b * SUM16 + 8 * n + sb])
+            acc += d[b] * f16_at(row, o + Q3_K_D) * F32(sumi)
+        out[r] = acc
+
+
+@kernel()
+def matvec_int8_iq4_xs(raw, x, out):
+    """``ggml_vec_dot_iq4_xs_q8_K``: ``d_w d_x sum_j (sc_j - 32) sum(kvalues[q] * q8)``."""
+    n_blocks = x.size // QK_K
+    q = np.empty(x.size, dtype=I8)
+    d = np.empty(n_blocks, dtype=F32)
+    bsums = np.empty(n_blocks * SUM16, dtype=I32)
+    quantize_q8_k(x, q, d, bsums)
+    for r in range(raw.shape[0]):
+        prefetch_row(raw, r + PREFETCH_ROWS)
+        row = raw[r]
+        acc = F32(0.0)
+        for b in range(n_blocks):
+            o = b * IQ4_XS_BYTES
+            sumi = I32(0)
+            for j in range(8):
+                bias = I32(128) * (bsums[b * SUM16 + 2 * j] + bsums[b * SUM16 + 2 * j + 1])
+                dot = iq4_dot_q8(row, o + IQ4_XS_QS + 16 * j, q, b * QK_K + 32 * j) - bias
+                low = (row[o + 4 + j // 2] >> U8(4 * (j % 2))) & U8(15)
+                high = (row[o + 2 + j // 4] >> U8(2 * (j % 4))) & U8(3)
+                sumi += (I32(low | (high << U8(4))) - I32(32)) * dot
+            acc += d[b] * f16_at(row, o) * F32(sumi)
+        out[r] = acc

@@ -1,0 +1,104 @@
+"""Helpers shared by the kernel benchmarks: machine facts, summaries of repeats, the JSON results file.
+
+Every benchmark writes one JSON object: ``{"benchmark", "started", "machine", "parameters", "units",
+"rounds": [...], "summary": {...}}``; ``rounds`` holds every measured round, so a figure in the docs
+can be recomputed from the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_facts() -> dict[str, Any]:
+    """CPU model and flags of interest, cores, memory, Python and library versions, load average."""
+    facts: dict[str, Any] = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "kernel": platform.release(),
+        "cores_available": len(os.sched_getaffinity(0)),
+        "load_average": os.getloadavg(),
+    }
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        model = next(
+            (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), ""
+        )
+        flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+        facts["cpu"] = model
+        facts["cpu_flags"] = sorted(f for f in flags if f.startswith(("avx", "f16c", "fma")) or "vnni" in f)
+    except OSError:
+        pass
+    try:
+        meminfo = Path("/proc/meminfo").read_text().splitlines()[0]
+        facts["mem_total_kib"] = int(meminfo.split()[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        import llvmlite.binding as llvm
+        import numba
+
+        facts["numba"] = numba.__version__
+        facts["llvm_cpu"] = llvm.get_host_cpu_name()
+    except ImportError:
+        facts["numba"] = None
+    import gguf
+    import numpy as np
+
+    facts["numpy"] = np.__version__
+    facts["gguf"] = getattr(gguf, "__version__", "?")
+    return facts
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of the repeats."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def fmt_range(values: Sequence[float], spec: str = ".2f") -> str:
+    """``median (min-max)``."""
+    s = summary(values)
+    return f"{s['median']:{spec}} ({s['min']:{spec}}-{s['max']:{spec}})"
+
+
+def write_results(
+    path: Path | None,
+    name: str,
+    parameters: dict[str, Any],
+    units: dict[str, str],
+    rounds: list[dict[str, Any]],
+    summary_: dict[str, Any],
+    started: float,
+) -> Path:
+    """Write the results file (default ``bench/results/<name>.json``) and return its path."""
+    target = path if path is not None else RESULTS_DIR / f"{name}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": name,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "seconds": time.time() - started,
+        "machine": machine_facts(),
+        "parameters": parameters,
+        "units": units,
+        "rounds": rounds,
+        "summary": summary_,
+    }
+    target.write_text(dumps(payload))
+    return target
+
+
+def dumps(payload: dict[str, Any]) -> str:
+    """The results as JSON text: indented, except one line per round (the files stay small)."""
+    rounds = payload.get("rounds", [])
+    head = json.dumps({**payload, "rounds": []}, indent=1, default=str)
+    lines = ",\n".join("  " + json.dumps(r, default=str) for r in rounds)
+    return head.replace('"rounds": []', '"rounds": [\n' + lines + "\n ]", 1) + "\n"

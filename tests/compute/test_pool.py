@@ -1,0 +1,214 @@
+"""aioexperts._compute.pool: bounded compute, fan-out without deadlock, cancellation, native thread caps."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import numpy as np
+import pytest
+
+from aioexperts._compute.pool import ComputePool, compute_pool, configure_compute_pool, default_threads
+from aioexperts._errors import ConfigError, EngineClosedError
+
+pytestmark = pytest.mark.anyio
+
+
+class Meter:
+    """Counts the calls running at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.now = 0
+        self.peak = 0
+        self.threads: set[str] = set()
+
+    def work(self, seconds: float, value: int = 0) -> int:
+        with self.lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            self.threads.add(threading.current_thread().name)
+        time.sleep(seconds)
+        with self.lock:
+            self.now -= 1
+        return value
+
+
+@pytest.fixture
+def pool():
+    p = ComputePool(2, limit_native_threads=False)
+    yield p
+    p.close()
+
+
+async def test_run_returns_results_and_bounds_concurrency(pool: ComputePool, anyio_backend: object) -> None:
+    meter = Meter()
+    results: list[int] = []
+
+    async def one(i: int) -> None:
+        results.append(await pool.run(meter.work, 0.02, i))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(12):
+            tg.start_soon(one, i)
+    assert sorted(results) == list(range(12))
+    assert meter.peak == 2  # 12 concurrent callers, 2 workers
+    assert all(name.startswith("aioexperts-compute-") for name in meter.threads)
+    assert pool.statistics().jobs == 12
+
+
+async def test_run_raises_the_job_exception(pool: ComputePool, anyio_backend: object) -> None:
+    def boom() -> None:
+        raise KeyError("in the worker")
+
+    with pytest.raises(KeyError, match="in the worker"):
+        await pool.run(boom)
+    assert await pool.run(lambda: 5) == 5  # the worker survived
+
+
+async def test_jobs_start_in_submission_order(anyio_backend: object) -> None:
+    pool = ComputePool(1, limit_native_threads=False)
+    order: list[int] = []
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(pool.run, order.append, i)
+                await anyio.sleep(0.005)
+        assert order == list(range(6))
+    finally:
+        pool.close()
+
+
+async def test_a_queued_job_cancelled_never_runs(anyio_backend: object) -> None:
+    pool = ComputePool(1, limit_native_threads=False)
+    ran: list[str] = []
+    started = threading.Event()
+    release = threading.Event()
+
+    def blocker() -> None:
+        started.set()
+        release.wait(5)
+        ran.append("blocker")
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.run, blocker)
+            await anyio.to_thread.run_sync(started.wait, 5)
+            with anyio.move_on_after(0.05) as scope:
+                await pool.run(ran.append, "queued")
+            assert scope.cancelled_caught
+            release.set()
+        assert ran == ["blocker"]
+        assert pool.statistics().dropped == 1
+    finally:
+        release.set()
+        pool.close()
+
+
+async def test_a_running_job_is_waited_for_when_cancelled(pool: ComputePool, anyio_backend: object) -> None:
+    finished: list[float] = []
+
+    def slow() -> None:
+        time.sleep(0.2)
+        finished.append(time.perf_counter())
+
+    t0 = time.perf_counter()
+    with anyio.move_on_after(0.05) as scope:
+        await pool.run(slow)
+    assert scope.cancelled_caught
+    assert finished, "the cancelled caller returned before its job finished"
+    assert finished[0] - t0 >= 0.19
+
+
+def test_map_keeps_order_and_spreads_over_idle_workers(pool: ComputePool) -> None:
+    meter = Meter()
+    assert pool.map(lambda i: meter.work(0.02, i * i), range(8)) == [i * i for i in range(8)]
+    assert meter.peak >= 2
+    assert pool.statistics().items_helped >= 1
+    assert pool.map(str, []) == []
+    assert pool.map(str, [1]) == ["1"]
+
+
+def test_map_inside_busy_jobs_runs_inline_without_deadlock(pool: ComputePool) -> None:
+    meter = Meter()
+
+    async def main() -> list[list[int]]:
+        results: list[list[int]] = []
+
+        async def job(k: int) -> None:
+            results.append(await pool.run(pool.map, lambda i: meter.work(0.01, k * 10 + i), range(5)))
+
+        async with anyio.create_task_group() as tg:
+            for k in range(6):
+                tg.start_soon(job, k)
+        return results
+
+    results = anyio.run(main)
+    assert sorted(results) == [[k * 10 + i for i in range(5)] for k in range(6)]
+    assert meter.peak <= 2  # never more threads computing than workers
+
+
+def test_map_raises_the_first_error_after_every_item(pool: ComputePool) -> None:
+    done: list[int] = []
+
+    def item(i: int) -> int:
+        time.sleep(0.01)
+        done.append(i)
+        if i == 2:
+            raise ValueError("item 2")
+        return i
+
+    with pytest.raises(ValueError, match="item 2"):
+        pool.map(item, range(6))
+    assert sorted(done) == list(range(6))
+
+
+async def test_closed_pool_refuses_work(anyio_backend: object) -> None:
+    pool = ComputePool(2, limit_native_threads=False)
+    assert await pool.run(lambda: 1) == 1
+    pool.close()
+    pool.close()
+    with pytest.raises(EngineClosedError):
+        await pool.run(lambda: 1)
+    assert pool.map(lambda i: i, [1, 2]) == [1, 2]  # inline after close
+
+
+def test_native_thread_pools_are_capped_while_the_pool_lives() -> None:
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    np.ones((64, 64)) @ np.ones((64, 64))  # BLAS is loaded
+    blas = [lib for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"]
+    if not blas:
+        pytest.skip("no BLAS library that threadpoolctl can see")
+
+    def blas_threads() -> list[int]:
+        return [lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"]
+
+    with threadpoolctl.threadpool_limits(limits=4, user_api="blas"):  # whatever the process-wide pool set
+        before = blas_threads()
+        assert before == [4] * len(before)
+        pool = ComputePool(2)
+        try:
+            assert blas_threads() == [1] * len(before)
+        finally:
+            pool.close()
+        assert blas_threads() == before
+
+
+def test_sizes_and_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOEXPERTS_COMPUTE_THREADS", "3")
+    assert default_threads() == 3
+    monkeypatch.setenv("AIOEXPERTS_COMPUTE_THREADS", "zero")
+    with pytest.raises(ConfigError, match="AIOEXPERTS_COMPUTE_THREADS"):
+        default_threads()
+    monkeypatch.delenv("AIOEXPERTS_COMPUTE_THREADS")
+    assert default_threads() >= 1
+    with pytest.raises(ConfigError):
+        ComputePool(0)
+    original = compute_pool()
+    try:
+        one = configure_compute_pool(1, limit_native_threads=False)
+        assert compute_pool() is one and one.n_threads == 1
+    finally:
+        configure_compute_pool(original.n_threads)
+    assert compute_pool().n_threads == original.n_threads
