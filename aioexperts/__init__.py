@@ -8,12 +8,11 @@ helpers in :mod:`aioexperts.testing`; the implementation lives in private module
 """
 
 from ._cache.pagecache import PageCacheStatistics as PageCacheStatistics
-from ._cache.stats import EngineStatistics as EngineStatistics
+from ._cache.stats import StoreStatistics as StoreStatistics
 from ._compute.fused import WarmupReport as WarmupReport
 from ._errors import AioExpertsError as AioExpertsError
 from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import ConfigError as ConfigError
-from ._errors import EngineClosedError as EngineClosedError
 from ._errors import EvictionPolicyError as EvictionPolicyError
 from ._errors import ExpertReadError as ExpertReadError
 from ._errors import FormatError as FormatError
@@ -23,6 +22,7 @@ from ._errors import MissingShardError as MissingShardError
 from ._errors import SlabExhaustedError as SlabExhaustedError
 from ._errors import SlotTimeoutError as SlotTimeoutError
 from ._errors import StaleMapError as StaleMapError
+from ._errors import StoreClosedError as StoreClosedError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._format.expert_map import ExpertMap as ExpertMap
 from ._format.expert_map import read_expert_map as read_expert_map
@@ -56,6 +56,25 @@ from ._store import open as open  # noqa: A004
 
 __version__ = "0.2.0"
 
+_RENAMED = {"EngineClosedError": "StoreClosedError", "EngineStatistics": "StoreStatistics"}
+
+
+def __getattr__(name: str) -> object:
+    """Names of 0.1 that were renamed (kept for one release, with a DeprecationWarning) or split."""
+    if name in _RENAMED:
+        import warnings
+
+        new = _RENAMED[name]
+        warnings.warn(f"aioexperts.{name} is now aioexperts.{new}", DeprecationWarning, stacklevel=2)
+        return globals()[new]
+    if name == "Engine":
+        raise AttributeError(
+            "aioexperts.Engine was split in 0.2: aioexperts.open() gives an ExpertStore (experts(), statistics()), "
+            "aioexperts.MoERunner(store) runs moe()/moe_result()/run_token(); see CHANGELOG.md"
+        )
+    raise AttributeError(f"module 'aioexperts' has no attribute {name!r}")
+
+
 __all__ = (
     "AioExpertsError",
     "BackendUnavailableError",
@@ -63,8 +82,8 @@ __all__ = (
     "CacheOptions",
     "ComputeStep",
     "ConfigError",
-    "EngineClosedError",
-    "EngineStatistics",
+    "StoreClosedError",
+    "StoreStatistics",
     "EvictionPolicyError",
     "ExpertLayout",
     "ExpertLocation",

@@ -2,7 +2,7 @@
 
 ``AioExpertsError`` is the root. Errors about bad input are also ``ValueError`` so that callers who
 already catch that keep working; I/O failures keep the original ``OSError`` as ``__cause__``.
-Following trio's vocabulary, a resource *you* closed raises :class:`EngineClosedError`, one that
+Following trio's vocabulary, a resource *you* closed raises :class:`StoreClosedError`, one that
 something outside broke raises :class:`ExpertReadError`, one that is fully in use raises
 :class:`SlabExhaustedError`.
 """
@@ -13,7 +13,7 @@ __all__ = (
     "AioExpertsError",
     "BackendUnavailableError",
     "ConfigError",
-    "EngineClosedError",
+    "StoreClosedError",
     "EvictionPolicyError",
     "ExpertReadError",
     "FormatError",
@@ -64,7 +64,7 @@ class ConfigError(AioExpertsError, ValueError):
 
 
 class InvalidRequestError(AioExpertsError, ValueError):
-    """A request names a layer or expert that the model does not have; the engine stays usable."""
+    """A request names a layer or expert that the model does not have; the store stays usable."""
 
 
 class BackendUnavailableError(AioExpertsError):
@@ -75,12 +75,12 @@ class ExpertReadError(AioExpertsError):
     """Reading an expert failed (an ``OSError``, a short read before end of file).
 
     The original error is attached as ``__cause__``. Every waiter of that expert gets the same
-    exception; the slot is freed and the engine stays usable.
+    exception; the slot is freed and the store stays usable.
     """
 
 
-class EngineClosedError(AioExpertsError):
-    """The engine was closed by its owner; no further requests are accepted."""
+class StoreClosedError(AioExpertsError):
+    """The store was closed by its owner (or was never started); no further requests are accepted."""
 
 
 class SlabExhaustedError(AioExpertsError):

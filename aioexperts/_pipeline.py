@@ -115,7 +115,7 @@ async def run_layer_step(
     submitted.
 
     Raises:
-        InvalidRequestError, SlabExhaustedError, ExpertReadError, EngineClosedError: as
+        InvalidRequestError, SlabExhaustedError, ExpertReadError, StoreClosedError: as
             :meth:`ExpertStore.experts`.
 
     Cancellation handling:

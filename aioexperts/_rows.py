@@ -195,7 +195,7 @@ class RowReader:
 
         Raises:
             SlabExhaustedError: the rows span more windows than the row cache has slots.
-            ExpertReadError, EngineClosedError: as the expert cache.
+            ExpertReadError, StoreClosedError: as the expert cache.
         """
         windows = list(dict.fromkeys(table.window_of(r) for r in rows))
         if len(windows) > self.n_slots:

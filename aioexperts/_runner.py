@@ -188,14 +188,14 @@ class MoERunner:
 
         Raises:
             FormatError, ConfigError: a resident tensor is missing, truncated or misshaped.
-            EngineClosedError: the store is closed.
+            StoreClosedError: the store is closed.
         """
         async with self._residents_lock:
             if self._residents is not None:
                 assert self._warmup_report is not None
                 return self._warmup_report
             store = self._store
-            store._check_running()  # EngineClosedError / wrong loop, before any work
+            store._check_running()  # StoreClosedError / wrong loop, before any work
             hparams = store.hparams
             if not hparams.verified:
                 log.warning(
@@ -205,16 +205,6 @@ class MoERunner:
                     hparams.arch,
                 )
             report = await run_in_worker(warmup_kernels, store.layout)
-            if report.compiled or report.loaded:  # the first warm-up of this process: say what it cost
-                log.info(
-                    "compute kernels (%s) for %s: %d compiled, %d loaded from the cache %s, in %.2f s",
-                    report.backend,
-                    ", ".join(report.types),
-                    report.compiled,
-                    report.loaded,
-                    report.cache_dir,
-                    report.seconds,
-                )
             residents = await run_in_worker(load_residents, store.model, store.layout, hparams)
             if self._record_trace:
                 layout = store.layout
@@ -381,7 +371,7 @@ class MoERunner:
 
         Raises:
             InvalidRequestError: no such layer, or ``x`` has the wrong dtype or shape.
-            SlabExhaustedError, ExpertReadError, EngineClosedError: as
+            SlabExhaustedError, ExpertReadError, StoreClosedError: as
                 :meth:`ExpertStore.experts`.
 
         Cancellation handling:

@@ -23,8 +23,8 @@ from ._cache.cache import Entry, ExpertCache, Key
 from ._cache.eviction import make_policy
 from ._cache.pagecache import PageCacheCounters, PageCacheSource, PinnedExpert
 from ._cache.scheduler import ReadScheduler
-from ._cache.stats import Counters, EngineStatistics
-from ._errors import ConfigError, EngineClosedError, InvalidRequestError, UnsupportedTypeError
+from ._cache.stats import Counters, StoreStatistics
+from ._errors import ConfigError, InvalidRequestError, StoreClosedError, UnsupportedTypeError
 from ._format.expert_map import check_map_matches_layout, read_expert_map
 from ._format.hparams import MoEHParams
 from ._format.layout import ExpertLayout, MoELayer, build_layout
@@ -291,7 +291,7 @@ class ExpertStore:
     async def aclose(self) -> None:
         """Close the store: refuse new requests, wait for every read in flight, free everything.
 
-        Requests waiting for experts that were not read yet get ``EngineClosedError``; queued
+        Requests waiting for experts that were not read yet get ``StoreClosedError``; queued
         reads (re-reads after a short read included) are never submitted. Calling it again is
         harmless; after an interrupted call it completes the release.
 
@@ -427,12 +427,12 @@ class ExpertStore:
 
     def _check_started(self) -> None:
         if self._layout is None:
-            raise EngineClosedError("the store is not started: use `async with aioexperts.open(...)`")
+            raise StoreClosedError("the store is not started: use `async with aioexperts.open(...)`")
 
     def _check_running(self) -> None:
         """Raise unless the store is started, open and used from its own event loop."""
         if self._closed:
-            raise EngineClosedError("the store is closed")
+            raise StoreClosedError("the store is closed")
         self._check_started()
         if self._loop is not None and not self._loop.is_current():
             raise ConfigError(
@@ -448,14 +448,14 @@ class ExpertStore:
 
     # -- statistics -----------------------------------------------------------------------------
 
-    def statistics(self) -> EngineStatistics:
+    def statistics(self) -> StoreStatistics:
         """A frozen snapshot of the counters and the store's I/O set-up."""
         self._check_started()
         if self._pagecache is not None:
             return self._pagecache_statistics()
         assert self._files is not None and self._slab is not None and self._backend is not None
         assert self._scheduler is not None and self._cache is not None
-        return EngineStatistics.snapshot(
+        return StoreStatistics.snapshot(
             self._counters,
             backend=self._backend.name,
             direct_io=self._files.direct_io,
@@ -469,7 +469,7 @@ class ExpertStore:
             pinned_slots=self._cache.pinned_slots,
         )
 
-    def _pagecache_statistics(self) -> EngineStatistics:
+    def _pagecache_statistics(self) -> StoreStatistics:
         assert self._pagecache is not None and self.pagecache_options is not None and self._files is not None
         pc = self._pagecache_counters
         counters = Counters(
@@ -482,7 +482,7 @@ class ExpertStore:
             read_errors=pc.errors,
             bytes_read=pc.bytes_warmed,
         )
-        return EngineStatistics.snapshot(
+        return StoreStatistics.snapshot(
             counters,
             backend=f"pagecache ({self.pagecache_options.method})",
             direct_io=False,
@@ -577,7 +577,7 @@ class ExpertStore:
                 more experts than slots, or the task already holds pins and would have to wait).
             SlotTimeoutError: no slot within ``CacheOptions.slot_timeout``.
             ExpertReadError: a read failed (cause attached); the store stays usable.
-            EngineClosedError: the store is closed.
+            StoreClosedError: the store is closed.
 
         Cancellation handling:
             Cancelling while waiting unpins everything this call pinned; reads already submitted
@@ -620,7 +620,7 @@ class ExpertStore:
 
         Raises:
             InvalidRequestError: a key the model does not have (nothing was started).
-            EngineClosedError: the store is closed.
+            StoreClosedError: the store is closed.
         """
         return self._running_cache().prefetch(list(keys))
 
@@ -631,7 +631,7 @@ class ExpertStore:
             The number dropped; their slots are free again.
 
         Raises:
-            EngineClosedError: the store is closed.
+            StoreClosedError: the store is closed.
         """
         return self._running_cache().drop_prefetches(keep)
 
@@ -682,7 +682,7 @@ class ExpertStore:
             InvalidRequestError: no such tensor, not 2-D, or a row out of range.
             SlabExhaustedError: the rows span more windows than the row cache holds.
             ExpertReadError: a read failed (cause attached).
-            EngineClosedError: the store is closed.
+            StoreClosedError: the store is closed.
 
         Cancellation handling:
             As :meth:`experts`.

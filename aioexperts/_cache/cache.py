@@ -36,11 +36,11 @@ import anyio
 
 from .._errors import (
     AioExpertsError,
-    EngineClosedError,
     EvictionPolicyError,
     ExpertReadError,
     SlabExhaustedError,
     SlotTimeoutError,
+    StoreClosedError,
 )
 from .._io.loop import AsyncEvent, LoopAdapter
 from .._io.plan import LoadPlan
@@ -177,7 +177,7 @@ class ExpertCache:
                 ``TimeoutError``).
             ExpertReadError: a load failed; the same error for every waiter of that expert.
             EvictionPolicyError: the eviction policy raised (nothing stays pinned).
-            EngineClosedError: the cache was closed (also while waiting).
+            StoreClosedError: the cache was closed (also while waiting).
 
         Cancellation handling:
             Cancelling the caller unpins its entries and re-raises the cancellation; loads it
@@ -219,7 +219,7 @@ class ExpertCache:
             self.release(pinned)
             if failed is not None and failed.error is not None:
                 raise failed.error
-            raise EngineClosedError("the engine was closed while waiting for experts")
+            raise StoreClosedError("the store was closed while waiting for experts")
         return pinned
 
     async def _pin_now(self, unique: list[Key], plans: dict[Key, LoadPlan]) -> list[Entry]:
@@ -359,7 +359,7 @@ class ExpertCache:
         Raises:
             InvalidRequestError: a key the model does not have (nothing started).
             EvictionPolicyError: the eviction policy raised (nothing started).
-            EngineClosedError: the cache is closed.
+            StoreClosedError: the cache is closed.
         """
         self._check_open()
         missing = [k for k in dict.fromkeys(keys) if k not in self.entries]
@@ -544,10 +544,10 @@ class ExpertCache:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise EngineClosedError("the engine is closed")
+            raise StoreClosedError("the store is closed")
 
     def close(self) -> None:
-        """Refuse new requests; close the scheduler; wake every waiter (they get ``EngineClosedError``).
+        """Refuse new requests; close the scheduler; wake every waiter (they get ``StoreClosedError``).
 
         Loads not submitted yet fail at once and free their slots; loads already submitted keep
         their slots until they complete (await ``scheduler.wait_idle()`` for that). Idempotent.
@@ -555,6 +555,6 @@ class ExpertCache:
         if self.closed:
             return
         self.closed = True
-        self.scheduler.close()  # queued loads finish now, through _loaded, with EngineClosedError
-        for turn in self._turns:  # every request waiting for slots gets EngineClosedError
+        self.scheduler.close()  # queued loads finish now, through _loaded, with StoreClosedError
+        for turn in self._turns:  # every request waiting for slots gets StoreClosedError
             turn.set()

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .._errors import EngineClosedError, ExpertReadError
+from .._errors import ExpertReadError, StoreClosedError
 from .._format.layout import ExpertLayout, ExpertLocation
 from .._io.loop import AsyncEvent, LoopAdapter
 from .._io.pagecache import SCRATCH_BYTES, MappedShards, WarmRange, merge_ranges, warm_advice, warm_read
@@ -196,7 +196,7 @@ class PageCacheSource:
         Raises:
             InvalidRequestError: a key the model does not have.
             ExpertReadError: a warming read failed (cause attached).
-            EngineClosedError: the source was closed.
+            StoreClosedError: the source was closed.
         """
         self._check_open()
         unique = list(dict.fromkeys(keys))
@@ -218,7 +218,7 @@ class PageCacheSource:
             for job in jobs:
                 assert job.event is not None
                 await job.event.wait()
-                if isinstance(job.error, EngineClosedError):
+                if isinstance(job.error, StoreClosedError):
                     raise job.error
                 if job.error is not None:
                     raise ExpertReadError(
@@ -345,15 +345,15 @@ class PageCacheSource:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise EngineClosedError("the store is closed")
+            raise StoreClosedError("the store is closed")
 
     def close(self) -> None:
-        """Refuse new requests; fail queued demand warmings with ``EngineClosedError``; drop prefetches."""
+        """Refuse new requests; fail queued demand warmings with ``StoreClosedError``; drop prefetches."""
         self.closed = True
         queue, self._queue = self._queue, deque()
         for job in queue:
             if job.event is not None:
-                job.error = EngineClosedError("the store was closed before this range was warmed")
+                job.error = StoreClosedError("the store was closed before this range was warmed")
                 job.event.set()
 
     async def wait_idle(self) -> None:

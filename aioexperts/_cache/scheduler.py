@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from enum import Enum
 
-from .._errors import AioExpertsError, EngineClosedError, ExpertReadError
+from .._errors import AioExpertsError, ExpertReadError, StoreClosedError
 from .._io.align import align_down
 from .._io.backends.base import IOBackend, ReadOp, ReadResult, SubmitError
 from .._io.loop import AsyncEvent, LoopAdapter
@@ -41,7 +41,7 @@ log = logging.getLogger("aioexperts")
 MAX_STALLED_RETRIES = 8
 #: Read errors that mean "try again" rather than "failed".
 RETRY_ERRNOS = frozenset((errno.EINTR, errno.EAGAIN))
-CLOSED_MESSAGE = "the engine was closed before this expert was read"
+CLOSED_MESSAGE = "the store was closed before this expert was read"
 
 
 class Priority(Enum):
@@ -68,7 +68,7 @@ class Load:
         slot: destination slot.
         priority: its queue.
         state: see :class:`LoadState`.
-        error: the failure (an :class:`ExpertReadError`, or :class:`EngineClosedError` when the
+        error: the failure (an :class:`ExpertReadError`, or :class:`StoreClosedError` when the
             scheduler was closed first), once one read failed.
         ops_left: reads handed to the backend or queued for it whose completion is still due.
         on_done: called on the loop thread once, after the last read completed (successful or
@@ -144,10 +144,10 @@ class ReadScheduler:
         """Queue ``load``; it is submitted at the end of this loop tick at the earliest.
 
         Raises:
-            EngineClosedError: the scheduler is closed (nothing was queued).
+            StoreClosedError: the scheduler is closed (nothing was queued).
         """
         if self._closed:
-            raise EngineClosedError("the engine is closed")
+            raise StoreClosedError("the store is closed")
         self._queues[load.priority].append(load)
         self._schedule_flush()
 
@@ -195,7 +195,7 @@ class ReadScheduler:
         return self._closed
 
     def close(self, message: str = CLOSED_MESSAGE) -> None:
-        """Submit nothing more: fail every queued load and queued re-read with ``EngineClosedError``.
+        """Submit nothing more: fail every queued load and queued re-read with ``StoreClosedError``.
 
         Loads not submitted yet finish at once (``on_done`` runs with the error; their slots are
         unused). A load with a re-read queued fails too, but finishes only when its reads in
@@ -211,10 +211,10 @@ class ReadScheduler:
             queue.clear()
         for op in retries:
             load = op.context[0]
-            self._set_error(load, EngineClosedError(message))
+            self._set_error(load, StoreClosedError(message))
             self._op_finished(load)
         for load in loads:
-            self._set_error(load, EngineClosedError(message))
+            self._set_error(load, StoreClosedError(message))
             self._finish(load)
         self._notify_quiet()
 
@@ -413,7 +413,7 @@ class ReadScheduler:
             )
             return
         if self._closed:
-            self._set_error(load, EngineClosedError(CLOSED_MESSAGE))
+            self._set_error(load, StoreClosedError(CLOSED_MESSAGE))
             return
         self.counters.read_retries += 1
         load.ops_left += 1

@@ -1,4 +1,4 @@
-"""Counters and latency samples of an engine, and the frozen record ``statistics()`` returns."""
+"""Counters and latency samples of an expert store, and the frozen record ``statistics()`` returns."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 
 from .pagecache import PageCacheStatistics
 
-__all__ = ("Counters", "EngineStatistics", "LatencyWindow", "to_ms")
+__all__ = ("Counters", "StoreStatistics", "LatencyWindow", "to_ms")
 
 
 class LatencyWindow:
@@ -78,7 +78,7 @@ def to_ms(seconds: float | None) -> float | None:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineStatistics:
+class StoreStatistics:
     """A snapshot of an expert store's counters (``store.statistics()``).
 
     Counts are since open (or the last ``reset_statistics()``). Every expert a request names once
@@ -149,8 +149,8 @@ class EngineStatistics:
         return self.hits / self.requests if self.requests else 0.0
 
     @classmethod
-    def snapshot(cls, c: Counters, **fixed: Any) -> EngineStatistics:
-        """Build a record from live counters plus the fixed engine facts in ``fixed``."""
+    def snapshot(cls, c: Counters, **fixed: Any) -> StoreStatistics:
+        """Build a record from live counters plus the fixed store facts in ``fixed``."""
         return cls(
             **fixed,
             requests=c.requests,

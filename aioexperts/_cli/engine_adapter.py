@@ -237,7 +237,7 @@ class BenchEngine:
     def experts(self, layer: int, ids: Sequence[int]) -> Any:
         return self.store.experts(layer, ids)
 
-    def statistics(self) -> aioexperts.EngineStatistics:
+    def statistics(self) -> aioexperts.StoreStatistics:
         return self.store.statistics()
 
     def reset_statistics(self) -> None:

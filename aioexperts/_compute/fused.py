@@ -259,9 +259,7 @@ def _modules() -> dict[str, ModuleType] | None:
         except Exception as exc:  # a broken numba/llvmlite can raise anything at import
             _state.load_error = f"the kernel modules cannot be imported ({type(exc).__name__}: {exc})"
         if _state.load_error is None and status.cache_reason is not None:
-            _log_once(
-                "nocache", logging.WARNING, "aioexperts: %s; kernels are compiled in every process", status.cache_reason
-            )
+            _log_once("nocache", logging.WARNING, "%s; kernels are compiled in every process", status.cache_reason)
         return _state.modules
 
 
@@ -281,7 +279,7 @@ def backend() -> KernelBackend:
     if _modules() is None:
         reason = _state.load_error or "numba is unavailable"
         if not reason.endswith("=numpy"):
-            _log_once("fallback", logging.WARNING, "aioexperts: numpy kernels serve: %s", reason)
+            _log_once("fallback", logging.WARNING, "numpy kernels serve: %s", reason)
         return KernelBackend("numpy", reason, None)
     return KernelBackend("numba", None, jit_status().cache_dir)
 
@@ -302,7 +300,7 @@ def _fail(exc: BaseException, what: str) -> None:
         if _state.failure is None:
             _state.failure = reason
         _state.ready = {}
-    _log_once("failure", logging.WARNING, "aioexperts: numpy kernels serve from now on: %s", reason)
+    _log_once("failure", logging.WARNING, "numpy kernels serve from now on: %s", reason)
 
 
 def _is_numba_error(exc: BaseException) -> bool:
@@ -578,7 +576,7 @@ def dequantize(
 def warmup(types: Iterable[GGMLQuantizationType | int], *, kinds: Iterable[KernelKind] | None = None) -> WarmupReport:
     """Compile, or load from the on-disk cache, every kernel the given ggml types need.
 
-    Call it before the first token (``Engine.warmup``, or ``load_residents`` does it for the
+    Call it before the first token (``MoERunner.warmup`` does it for the
     model's types) so that no compile happens while a token waits. Types without a compiled kernel
     are ignored. Blocking: from a worker thread under an event loop. The first call of a process
     that loads or compiles something logs its cost once (INFO).
@@ -632,7 +630,7 @@ def warmup(types: Iterable[GGMLQuantizationType | int], *, kinds: Iterable[Kerne
         _log_once(
             "warmup",
             logging.INFO,
-            "aioexperts: %d kernels for %s ready in %.2f s (%d loaded from %s, %d compiled)",
+            "%d kernels for %s ready in %.2f s (%d loaded from %s, %d compiled)",
             len(names),
             ", ".join(report.types),
             report.seconds,

@@ -32,7 +32,7 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 
-from .._errors import ConfigError, EngineClosedError
+from .._errors import ConfigError, StoreClosedError
 from .._io.loop import current_loop
 
 __all__ = ("THREADS_ENV", "ComputePool", "PoolStatistics", "compute_pool", "configure_compute_pool")
@@ -143,7 +143,7 @@ class _Batch(Generic[I, R]):
 
 
 class ComputePool:
-    """Worker threads for compute, shared by every engine of the process (see the module docstring).
+    """Worker threads for compute, shared by every runner of the process (see the module docstring).
 
     Args:
         n_threads: workers (>= 1); default :func:`default_threads`.
@@ -187,7 +187,7 @@ class ComputePool:
         Jobs start in the order they were submitted, at most ``n_threads`` at a time.
 
         Raises:
-            EngineClosedError: the pool is closed.
+            StoreClosedError: the pool is closed.
             Whatever ``fn`` raises.
 
         Cancellation handling:
@@ -200,7 +200,7 @@ class ComputePool:
         job: _Job[R] = _Job(fn, args, lambda: loop.call_soon_threadsafe(done.set))
         with self._lock:
             if self._closed:
-                raise EngineClosedError("the compute pool is closed")
+                raise StoreClosedError("the compute pool is closed")
             self._start_threads()
             self._jobs.append(job)
             self._work.notify()

@@ -20,7 +20,7 @@ tensor infos. Where this reader is more lenient than llama.cpp it says so:
   still be streamed. Nesting deeper than :data:`MAX_ARRAY_DEPTH` is refused.
 - **Strings that are not valid UTF-8** are kept: llama.cpp stores metadata strings as raw bytes.
   They decode with U+FFFD replacements into a :class:`LossyStr`, whose ``raw`` attribute holds the
-  bytes; only the values the engine reads (``general.architecture`` and the MoE keys) must decode,
+  bytes; only the values aioexperts reads (``general.architecture`` and the MoE keys) must decode,
   and those raise :class:`~aioexperts._errors.FormatError` naming the key.
 - **Large values** (arrays of more than :data:`MAX_DECODED_ITEMS` items, strings longer than
   :data:`MAX_DECODED_STRING`) are not copied out of the file: their key maps to a

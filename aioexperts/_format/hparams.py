@@ -14,7 +14,7 @@ as a table with each arch's status (:class:`Status`): verified against a llama.c
 implemented from the source, or refused. Refused architectures (``REFUSED``, and every other name in
 ``LLAMA_CPP_ARCHS`` that has no rule) raise :class:`~aioexperts._errors.UnsupportedTypeError` naming
 what is missing; a name llama.cpp does not know takes the generic rules (``verified`` is False and the
-engine warns).
+runner warns).
 
 For every arch (llama-model.cpp ``load_hparams``): ``block_count``, ``embedding_length``,
 ``expert_count``, ``expert_used_count``, ``expert_group_count`` and ``expert_group_used_count`` are
@@ -80,7 +80,7 @@ class Status(enum.StrEnum):
     REFUSED = "refused"
     """Refused with :class:`~aioexperts._errors.UnsupportedTypeError` naming what is missing."""
     GENERIC = "generic"
-    """Not an architecture llama.cpp knows: the generic rules, unverified (the engine warns)."""
+    """Not an architecture llama.cpp knows: the generic rules, unverified (the runner warns)."""
 
 
 _SWIGLU_OAI_ALPHA = 1.702  # llama-graph.cpp build_moe_ffn, LLM_FFN_SWIGLU_OAI_MOE
@@ -317,7 +317,7 @@ class MoEHParams:
         weights_before_experts: multiply each selected expert's *input* by its routing weight and
             sum the expert outputs unweighted (llama.cpp ``weight_before_ffn``, llama4).
         verified: the arch is in the table above; False means the generic rules were applied
-            (the engine logs a warning: results may differ from llama.cpp).
+            (the runner logs a warning: results may differ from llama.cpp).
         status: the arch's row status in docs/executor.md (:class:`Status`); ``GENERIC`` for a
             name llama.cpp does not know.
     """

@@ -289,7 +289,7 @@ def build_layout(model: GGUFModel, *, include_nextn: bool = False) -> ExpertLayo
     llama.cpp loads their tensors with ``TENSOR_SKIP`` and its graph stops before them
     (``for (il = 0; il < n_layer; ...)`` with ``n_layer = n_layer_all - n_layer_nextn``; e.g.
     ``src/models/glm4-moe.cpp``, ``bailingmoe2.cpp``). They are left out of ``layers`` (so the
-    engine never prefetches or runs them) unless ``include_nextn`` is set, for hosts that run MTP.
+    runner never prefetches or runs them) unless ``include_nextn`` is set, for hosts that run MTP.
 
     Args:
         model: the parsed model.

@@ -29,7 +29,7 @@ class AsyncEvent(Protocol):
 
 
 class LoopAdapter(ABC):
-    """The event-loop services the I/O layer uses; one instance per engine."""
+    """The event-loop services the I/O layer uses; one instance per store."""
 
     #: ``"asyncio"`` or ``"trio"``.
     name: str

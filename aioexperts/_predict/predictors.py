@@ -1,6 +1,6 @@
 """Next-layer expert predictors: which experts of layer N+1 to prefetch while layer N computes.
 
-The engine routes layer ``N``, calls :meth:`Predictor.observe` with that layer's input and chosen ids,
+The runner routes layer ``N``, calls :meth:`Predictor.observe` with that layer's input and chosen ids,
 asks :meth:`Predictor.predict` for the experts of the next MoE layer and hands them to
 ``cache.prefetch`` (never awaited), then computes layer ``N``. A predictor only returns ids; it knows
 nothing about the cache, the slab or I/O. Its list is ordered most likely first, so a caller that can

@@ -19,7 +19,7 @@ prediction *of* it is scored. Two adapters build steps:
   router predictor is only meaningful on real hidden states.
 
 Replay (:func:`score_predictors`): every predictor is reset, then for each step and each recorded
-layer ``N`` in ``layers`` order, ``observe(N, x, ids)`` (the engine observes right after routing),
+layer ``N`` in ``layers`` order, ``observe(N, x, ids)`` (the runner observes right after routing),
 then, when the next MoE layer ``N'`` of ``layers`` is recorded in the same step,
 ``predict(N, N', x, budget)`` is compared with the distinct active ids selected at ``N'``. This is
 the decode case: one token per call.

@@ -1,7 +1,7 @@
 """Routing traces: which experts the router selected, per token and MoE layer.
 
 A trace is the input of cache simulations (:mod:`aioexperts._cache.replay`) and of predictor
-scoring. The engine records one with :class:`TraceRecorder` while it routes; benchmarks generate
+scoring. A runner records one with :class:`TraceRecorder` while it routes; benchmarks generate
 synthetic ones with :func:`uniform_random_trace` and :func:`skewed_random_trace`. Traces are saved as
 ``.npz`` files without pickle; the format is described in ``docs/trace-format.md`` and in
 :meth:`RoutingTrace.save`.
@@ -332,7 +332,7 @@ class RoutingTrace:
 class TraceRecorder:
     """Collects the routing decisions of a run into a :class:`RoutingTrace`.
 
-    The engine calls :meth:`record` each time it routes a MoE layer. Without ``token_index`` the
+    The runner calls :meth:`record` each time it routes a MoE layer. Without ``token_index`` the
     tokens are appended: each layer has its own cursor, so routing layer by layer for a batch, then
     the next batch, fills the rows in order. Steps never recorded read as ``-1`` (inactive).
     Recording a step twice overwrites it. Not thread-safe: record from one thread.

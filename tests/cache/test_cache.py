@@ -104,7 +104,7 @@ async def test_cancelled_waiter_leaves_slots_loading_until_their_own_completion(
     async def late_waiter() -> None:
         try:
             await cache_of(engine).acquire([(2, 0)])
-        except aioexperts.EngineClosedError as exc:
+        except aioexperts.StoreClosedError as exc:
             late.append(exc)
 
     async with anyio.create_task_group() as tg:
@@ -336,7 +336,7 @@ async def test_trace_is_recorded_and_replayed(model_path: Path, anyio_backend: o
 
 
 async def test_close_while_requests_wait_gives_engine_closed(model_path: Path, anyio_backend: object) -> None:
-    """Waiters woken by close() get EngineClosedError, never an error about the unmapped slab."""
+    """Waiters woken by close() get StoreClosedError, never an error about the unmapped slab."""
     outcomes: list[str] = []
     for delay_ticks in range(6):
         async with aioexperts.open(model_path, slots=6, io=aioexperts.IOOptions(backend=fake_factory({}))) as engine:
@@ -354,8 +354,8 @@ async def test_close_while_requests_wait_gives_engine_closed(model_path: Path, a
                     tg.start_soon(user, i)
                 await settle(delay_ticks)
                 await engine.aclose()
-    assert outcomes and set(outcomes) <= {"ok", "EngineClosedError", "SlabExhaustedError"}
-    assert "EngineClosedError" in outcomes
+    assert outcomes and set(outcomes) <= {"ok", "StoreClosedError", "SlabExhaustedError"}
+    assert "StoreClosedError" in outcomes
 
 
 @pytest.fixture(scope="module")

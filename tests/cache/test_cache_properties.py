@@ -94,7 +94,7 @@ def test_random_interleavings_keep_the_invariants(
                 except (
                     aioexperts.SlabExhaustedError,
                     aioexperts.ExpertReadError,
-                    aioexperts.EngineClosedError,
+                    aioexperts.StoreClosedError,
                 ) as exc:
                     errors.append(exc)
                 else:

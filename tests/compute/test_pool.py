@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from aioexperts._compute.pool import ComputePool, compute_pool, configure_compute_pool, default_threads
-from aioexperts._errors import ConfigError, EngineClosedError
+from aioexperts._errors import ConfigError, StoreClosedError
 
 pytestmark = pytest.mark.anyio
 
@@ -169,7 +169,7 @@ async def test_closed_pool_refuses_work(anyio_backend: object) -> None:
     assert await pool.run(lambda: 1) == 1
     pool.close()
     pool.close()
-    with pytest.raises(EngineClosedError):
+    with pytest.raises(StoreClosedError):
         await pool.run(lambda: 1)
     assert pool.map(lambda i: i, [1, 2]) == [1, 2]  # inline after close
 

@@ -184,12 +184,12 @@ async def test_slab_too_small_is_a_clear_error(model_path: Path, anyio_backend: 
 
 async def test_closed_engine_refuses_requests(model_path: Path, anyio_backend: object) -> None:
     engine = aioexperts.open(model_path, slots=4)
-    with pytest.raises(aioexperts.EngineClosedError, match="not started"):
+    with pytest.raises(aioexperts.StoreClosedError, match="not started"):
         engine.statistics()
     async with engine:
         pass
     assert engine.closed
-    with pytest.raises(aioexperts.EngineClosedError):
+    with pytest.raises(aioexperts.StoreClosedError):
         async with engine.experts(1, [0]):
             pass
     await engine.aclose()  # idempotent
@@ -430,9 +430,9 @@ async def test_a_closed_store_says_so(model_path: Path, anyio_backend: object) -
         lambda: runner.moe(1, np.zeros((1, SMALL.n_embd), dtype=np.float32)),
         lambda: runner.run_token(np.zeros((1, SMALL.n_embd), dtype=np.float32)),
     ):
-        with pytest.raises(aioexperts.EngineClosedError, match="closed"):
+        with pytest.raises(aioexperts.StoreClosedError, match="closed"):
             await call()
-    with pytest.raises(aioexperts.EngineClosedError, match="closed"):
+    with pytest.raises(aioexperts.StoreClosedError, match="closed"):
         store.prefetch([(1, 0)])
 
 
@@ -585,3 +585,14 @@ async def test_a_task_holding_pins_gets_an_error_instead_of_a_deadlock(model_pat
                     pass
         async with store.experts(2, [1, 2, 3, 4]) as views:  # released: everything usable again
             assert len(views) == 4
+
+
+def test_renamed_names_still_work_for_one_release_with_a_warning() -> None:
+    with pytest.warns(DeprecationWarning, match="StoreClosedError"):
+        assert aioexperts.EngineClosedError is aioexperts.StoreClosedError  # type: ignore[attr-defined]
+    with pytest.warns(DeprecationWarning, match="StoreStatistics"):
+        assert aioexperts.EngineStatistics is aioexperts.StoreStatistics  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError, match="split in 0.2"):
+        aioexperts.Engine  # type: ignore[attr-defined]  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        aioexperts.nope  # type: ignore[attr-defined]  # noqa: B018

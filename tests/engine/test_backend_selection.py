@@ -129,6 +129,30 @@ async def test_buffered_reads_on_request(small_model: Path, anyio_backend: objec
         assert len(await read_all(engine)) == 16
 
 
+LOG_CALLS = ("debug", "info", "warning", "error", "exception", "critical", "log", "_log_once")
+
+
+def _called_name(node: object) -> str | None:
+    import ast
+
+    if not isinstance(node, ast.Call):
+        return None
+    if isinstance(node.func, ast.Attribute):
+        return node.func.attr
+    return node.func.id if isinstance(node.func, ast.Name) else None
+
+
+def _starts_with_prefix(node: object) -> bool:
+    """The message (first argument, or the one after a level: ``log.log``, ``_log_once``) starts "aioexperts"."""
+    import ast
+
+    assert isinstance(node, ast.Call)
+    return any(
+        isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.lower().startswith("aioexperts")
+        for arg in node.args[:3]
+    )
+
+
 def test_log_messages_carry_no_duplicated_prefix() -> None:
     """The logger is named ``aioexperts``; a message starting with "aioexperts:" prints it twice."""
     import ast
@@ -138,14 +162,6 @@ def test_log_messages_carry_no_duplicated_prefix() -> None:
         f"{path.relative_to(root)}:{node.lineno}"
         for path in root.rglob("*.py")
         for node in ast.walk(ast.parse(path.read_text()))
-        if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr in ("debug", "info", "warning", "error", "exception", "critical")
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-            and node.args[0].value.lower().startswith("aioexperts")
-        )
+        if _called_name(node) in LOG_CALLS and _starts_with_prefix(node)
     ]
     assert offenders == []

@@ -152,7 +152,7 @@ async def test_close_while_a_request_waits_for_warming(model_path: Path, anyio_b
             try:
                 async with store.experts(layer, range(16)):
                     outcomes.append("ok")
-            except aioexperts.EngineClosedError:
+            except aioexperts.StoreClosedError:
                 outcomes.append("closed")
 
         cold(model_path)

@@ -20,7 +20,7 @@ import aioexperts
 from aioexperts._cache.cache import SlotState
 from aioexperts._cache.scheduler import Load, Priority, ReadScheduler
 from aioexperts._cache.stats import Counters
-from aioexperts._errors import EngineClosedError, ExpertReadError
+from aioexperts._errors import ExpertReadError, StoreClosedError
 from aioexperts._format.layout import build_layout
 from aioexperts._format.model import open_model
 from aioexperts._io.backends.base import ReadOp
@@ -345,7 +345,7 @@ async def test_a_retry_queued_during_close_is_failed_and_never_submitted(
         assert len(fake.batches) == 1  # the re-read was never submitted
         assert stack.scheduler.reads_in_flight == 2
         fake.complete_all()
-    assert stack.outcomes == ["EngineClosedError"]
+    assert stack.outcomes == ["StoreClosedError"]
     with anyio.fail_after(5):
         await stack.scheduler.wait_idle()
     assert stack.problems() == []
@@ -451,5 +451,5 @@ async def test_an_engine_closed_with_a_failed_submit_in_flight_closes_cleanly(
             pass
     await engine.aclose()
     assert holder["fake"].closed and holder["fake"].violations == []
-    with pytest.raises(EngineClosedError):
+    with pytest.raises(StoreClosedError):
         engine.prefetch([(0, 0)])
