@@ -129,7 +129,9 @@ def main() -> int:
         model = args.model
         if model is None:
             model = Path(tmp) / "soak.gguf"
-            write_synthetic_model(model, SyntheticSpec(n_layer=4, n_embd=256, n_ff=256, n_expert=16, n_expert_used=4))
+            write_synthetic_model(
+                model, SyntheticSpec(n_layer=4, n_embd=256, n_ff_exp=256, n_expert=16, n_expert_used=4)
+            )
         if args.loop == "uvloop":
             import uvloop
 

@@ -30,7 +30,7 @@ from aioexperts._cli.model_cache import cache_dir
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 
 SPEC = SyntheticSpec(
-    n_layer=1, n_embd=7168, n_ff=2048, n_expert=128, n_expert_used=8, expert_type=GGMLQuantizationType.Q2_K
+    n_layer=1, n_embd=7168, n_ff_exp=2048, n_expert=128, n_expert_used=8, expert_type=GGMLQuantizationType.Q2_K
 )
 CHUNKS: list[int | None] = [None, 4 << 20, 2 << 20, 1 << 20, 512 << 10, 256 << 10, 128 << 10]
 

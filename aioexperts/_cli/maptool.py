@@ -105,7 +105,7 @@ def summarize_layout(model: GGUFModel, layout: ExpertLayout) -> LayoutSummary:
                     bank.n_experts,
                     types,
                     bank.merged,
-                    bank.n_ff,
+                    bank.n_ff_exp,
                     bank.n_ff_down,
                     expert_bytes,
                 )

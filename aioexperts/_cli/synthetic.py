@@ -56,7 +56,7 @@ class SyntheticSpec:
     Attributes:
         arch: ``general.architecture``.
         n_layer: MoE layers (blocks ``leading_dense .. leading_dense + n_layer - 1``).
-        n_embd, n_ff: expert matrix sizes; gate/up are ``(n_ff, n_embd)``.
+        n_embd, n_ff_exp: expert matrix sizes; gate/up are ``(n_ff_exp, n_embd)``.
         n_expert, n_expert_used: experts per layer and top-k.
         expert_type: ggml type of gate and up (and down unless ``down_type``).
         down_type: ggml type of down, if different.
@@ -71,7 +71,7 @@ class SyntheticSpec:
     arch: str = "qwen3moe"
     n_layer: int = 8
     n_embd: int = 2048
-    n_ff: int = 768
+    n_ff_exp: int = 768
     n_expert: int = 128
     n_expert_used: int = 8
     expert_type: GGMLQuantizationType = Q.Q4_K
@@ -88,8 +88,8 @@ class SyntheticSpec:
 
     def expert_bytes(self) -> int:
         """Bytes of one base-bank expert (gate + up + down)."""
-        return 2 * _tensor_bytes(self.expert_type, self.n_embd, self.n_ff) + _tensor_bytes(
-            self.down_type or self.expert_type, self.n_ff, self.n_embd
+        return 2 * _tensor_bytes(self.expert_type, self.n_embd, self.n_ff_exp) + _tensor_bytes(
+            self.down_type or self.expert_type, self.n_ff_exp, self.n_embd
         )
 
 
@@ -165,7 +165,7 @@ def _layer_tensors(
     n_base = spec.n_expert - n_tier
     if n_base < 1:
         raise ConfigError(f"tiers hold {n_tier} of {spec.n_expert} experts; the base bank needs at least one")
-    e, f = spec.n_embd, spec.n_ff
+    e, f = spec.n_embd, spec.n_ff_exp
     out.append(
         (
             f"blk.{block}.ffn_gate_inp.weight",
@@ -232,11 +232,11 @@ def write_synthetic_model(
     writer.add_block_count(n_blocks)
     writer.add_context_length(4096)
     writer.add_embedding_length(spec.n_embd)
-    writer.add_feed_forward_length(spec.n_ff * spec.n_expert_used)
+    writer.add_feed_forward_length(spec.n_ff_exp * spec.n_expert_used)
     writer.add_head_count(32)
     writer.add_expert_count(spec.n_expert)
     writer.add_expert_used_count(spec.n_expert_used)
-    writer.add_expert_feed_forward_length(spec.n_ff)
+    writer.add_expert_feed_forward_length(spec.n_ff_exp)
     if spec.leading_dense:
         writer.add_leading_dense_block_count(spec.leading_dense)
     total = sum(n for *_, n in tensors)
@@ -261,7 +261,7 @@ def write_synthetic_model(
 
 def _numpy_shape(spec: SyntheticSpec, name: str) -> tuple[int, ...]:
     """Element shape in numpy order that GGUFWriter records as the tensor's dims."""
-    e, f = spec.n_embd, spec.n_ff
+    e, f = spec.n_embd, spec.n_ff_exp
     if name.endswith("ffn_gate_inp.weight"):
         return (spec.n_expert, e)
     n = _bank_size(spec, name)

@@ -59,7 +59,7 @@ class ResidentLayer:
         router_bias: ``blk.L.ffn_gate_inp.bias``, ``(n_layer_experts,)`` or None (gpt-oss).
         selection_bias: ``blk.L.exp_probs_b.bias``, ``(n_layer_experts,)`` or None (DeepSeek-V3,
             GLM-4.5): added to the probabilities for choosing only.
-        gate_exps_bias, up_exps_bias: ``blk.L.ffn_{gate,up}_exps.bias``, ``(n_layer_experts, n_ff)``
+        gate_exps_bias, up_exps_bias: ``blk.L.ffn_{gate,up}_exps.bias``, ``(n_layer_experts, n_ff_exp)``
             or None (gpt-oss; a merged ``ffn_gate_up_exps.bias`` is split into the two).
         down_exps_bias: ``blk.L.ffn_down_exps.bias``, ``(n_layer_experts, n_embd)`` or None.
         shexp_gate, shexp_up: ``blk.L.ffn_{gate,up}_shexp.weight``, ``(n_ff_shexp, n_embd)`` or None.
@@ -425,25 +425,25 @@ def _expert_forward(
     ``in_scale`` (``(n,)`` float32, llama4's ``weight_before_ffn``) multiplies each row of ``x`` first.
     """
     n_embd = hparams.n_embd
-    n_ff, n_ff_down = _check_view(view, expert, n_embd, hparams.n_ff_exp)
+    n_ff_exp, n_ff_down = _check_view(view, expert, n_embd, hparams.n_ff_exp)
     n = rows.size
     xs = ws.take(x, rows, "xs")
     if in_scale is not None:
         xs = xs * in_scale[:, None]
 
-    g = _project(view.gate, xs, ws.buf("g", (n, n_ff)))
-    u = _project(view.up, xs, ws.buf("u", (n, n_ff)))
+    g = _project(view.gate, xs, ws.buf("g", (n, n_ff_exp)))
+    u = _project(view.up, xs, ws.buf("u", (n, n_ff_exp)))
     if resident.gate_exps_bias is not None and resident.up_exps_bias is not None:  # both or neither
         g += resident.gate_exps_bias[expert]
         u += resident.up_exps_bias[expert]
 
-    if n_ff_down > n_ff:
+    if n_ff_down > n_ff_exp:
         act = ws.buf("act", (n, n_ff_down))
-        act[:, n_ff:] = 0.0
-        act_view = act[:, :n_ff]
+        act[:, n_ff_exp:] = 0.0
+        act_view = act[:, :n_ff_exp]
     else:
-        act = act_view = ws.buf("act", (n, n_ff))
-    tmp = ws.buf("tmp", (n, n_ff))
+        act = act_view = ws.buf("act", (n, n_ff_exp))
+    tmp = ws.buf("tmp", (n, n_ff_exp))
     if hparams.activation is Activation.SWIGLU_OAI:
         _swiglu_oai(g, u, tmp, act_view, hparams.swiglu_alpha, hparams.swiglu_limit)
     elif hparams.activation is Activation.GELU:
@@ -557,22 +557,22 @@ def _lookup_views(experts: Mapping[int, ExpertView], uniq: np.ndarray, layer: in
 
 def _check_view(view: ExpertView, expert: int, n_embd: int, n_ff_exp: int) -> tuple[int, int]:
     gate, up, down = view.gate, view.up, view.down
-    n_ff = gate.shape[0]
-    if gate.shape != (n_ff, n_embd) or up.shape != (n_ff, n_embd):
+    width = gate.shape[0]
+    if gate.shape != (width, n_embd) or up.shape != (width, n_embd):
         raise InvalidRequestError(
             f"expert {expert} (layer {view.layer}, bank {view.bank}): gate {gate.shape} and up {up.shape} "
-            f"must both be (n_ff, n_embd={n_embd})"
+            f"must both be (n_ff_exp, n_embd={n_embd})"
         )
-    if n_ff_exp and n_ff != n_ff_exp:
+    if n_ff_exp and width != n_ff_exp:
         raise InvalidRequestError(
-            f"expert {expert} (layer {view.layer}, bank {view.bank}): gate/up have {n_ff} rows, n_ff_exp is {n_ff_exp}"
+            f"expert {expert} (layer {view.layer}, bank {view.bank}): gate/up have {width} rows, n_ff_exp is {n_ff_exp}"
         )
-    if len(down.shape) != 2 or down.shape[0] != n_embd or down.shape[1] < n_ff:
+    if len(down.shape) != 2 or down.shape[0] != n_embd or down.shape[1] < width:
         raise InvalidRequestError(
             f"expert {expert} (layer {view.layer}, bank {view.bank}): down is {down.shape}, expected "
-            f"(n_embd={n_embd}, n_ff_down >= {n_ff})"
+            f"(n_embd={n_embd}, n_ff_down >= {width})"
         )
-    return n_ff, down.shape[1]
+    return width, down.shape[1]
 
 
 def _check_x(x: np.ndarray, n_embd: int) -> np.ndarray:

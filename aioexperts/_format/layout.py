@@ -92,8 +92,8 @@ class Bank:
         gate, up: the stacked tensors; for a merged bank both are the ``gate_up`` tensor.
         down: the stacked down tensor.
         merged: True for ``ffn_gate_up_exps``.
-        n_embd, n_ff: matrix sizes (gate/up are ``(n_ff, n_embd)``).
-        n_ff_down: the down matrix input width (``>= n_ff``, zero-padded activations).
+        n_embd, n_ff_exp: matrix sizes (gate/up are ``(n_ff_exp, n_embd)``).
+        n_ff_down: the down matrix input width (``>= n_ff_exp``, zero-padded activations).
     """
 
     index: int
@@ -104,18 +104,18 @@ class Bank:
     down: TensorInfo
     merged: bool
     n_embd: int
-    n_ff: int
+    n_ff_exp: int
     n_ff_down: int
 
     @property
     def gate_bytes(self) -> int:
         """Bytes of one expert's gate (for a merged bank: half of its gate_up run)."""
-        return _row_bytes(self.gate) * self.n_ff
+        return _row_bytes(self.gate) * self.n_ff_exp
 
     @property
     def up_bytes(self) -> int:
         """Bytes of one expert's up."""
-        return _row_bytes(self.up) * self.n_ff
+        return _row_bytes(self.up) * self.n_ff_exp
 
     @property
     def down_bytes(self) -> int:
@@ -127,22 +127,22 @@ class Bank:
         g, u, d = self.gate, self.up, self.down
         if self.merged:
             run = g.data_offset + local_id * (self.gate_bytes + self.up_bytes)
-            gate = Segment(g.shard, run, self.gate_bytes, g.ggml_type, (self.n_ff, self.n_embd))
-            up = Segment(u.shard, run + self.gate_bytes, self.up_bytes, u.ggml_type, (self.n_ff, self.n_embd))
+            gate = Segment(g.shard, run, self.gate_bytes, g.ggml_type, (self.n_ff_exp, self.n_embd))
+            up = Segment(u.shard, run + self.gate_bytes, self.up_bytes, u.ggml_type, (self.n_ff_exp, self.n_embd))
         else:
             gate = Segment(
                 g.shard,
                 g.data_offset + local_id * self.gate_bytes,
                 self.gate_bytes,
                 g.ggml_type,
-                (self.n_ff, self.n_embd),
+                (self.n_ff_exp, self.n_embd),
             )
             up = Segment(
                 u.shard,
                 u.data_offset + local_id * self.up_bytes,
                 self.up_bytes,
                 u.ggml_type,
-                (self.n_ff, self.n_embd),
+                (self.n_ff_exp, self.n_embd),
             )
         down = Segment(
             d.shard,
@@ -390,13 +390,13 @@ def _build_layer(
     first = 0
     for tier in tiers:
         bank = _build_bank(where, tier, first, tensors, n_embd)
-        if banks and bank.n_ff != banks[0].n_ff:
-            raise LayoutError(f"{where}: bank {tier} has n_ff={bank.n_ff}, bank 0 has {banks[0].n_ff}")
+        if banks and bank.n_ff_exp != banks[0].n_ff_exp:
+            raise LayoutError(f"{where}: bank {tier} has n_ff_exp={bank.n_ff_exp}, bank 0 has {banks[0].n_ff_exp}")
         banks.append(bank)
         first += bank.n_experts
-    if isinstance(n_ff_key, int) and banks[0].n_ff not in (n_ff_key, n_ff_dense):
+    if isinstance(n_ff_key, int) and banks[0].n_ff_exp not in (n_ff_key, n_ff_dense):
         raise LayoutError(
-            f"{where}: experts have n_ff={banks[0].n_ff}, expert_feed_forward_length={n_ff_key}"
+            f"{where}: experts have n_ff_exp={banks[0].n_ff_exp}, expert_feed_forward_length={n_ff_key}"
             + (f" (feed_forward_length={n_ff_dense})" if isinstance(n_ff_dense, int) else "")
         )
     if first != n_layer_experts:
@@ -432,18 +432,18 @@ def _build_bank(where: str, tier: int, first: int, tensors: dict[tuple[str, int]
         raise LayoutError(f"{label}: the base bank needs at least one expert")
     if gate_up is not None:
         if gate_up.dims[1] % 2:
-            raise LayoutError(f"{gate_up.name}: ne1={gate_up.dims[1]} is odd, expected 2*n_ff")
-        n_ff = gate_up.dims[1] // 2
+            raise LayoutError(f"{gate_up.name}: ne1={gate_up.dims[1]} is odd, expected 2*n_ff_exp")
+        n_ff_exp = gate_up.dims[1] // 2
     else:
-        n_ff = gate.dims[1]
-        if up.dims[1] != n_ff or gate.dims[0] != up.dims[0]:
+        n_ff_exp = gate.dims[1]
+        if up.dims[1] != n_ff_exp or gate.dims[0] != up.dims[0]:
             raise LayoutError(f"{label}: gate dims {list(gate.dims)} and up dims {list(up.dims)} differ")
     if gate.dims[0] != n_embd or down.dims[1] != n_embd:
         raise LayoutError(f"{label}: gate ne0={gate.dims[0]}, down ne1={down.dims[1]}, expected n_embd={n_embd}")
     n_ff_down = down.dims[0]
-    if n_ff_down < n_ff:
-        raise LayoutError(f"{label}: down width {n_ff_down} is smaller than n_ff={n_ff}")
-    bank = Bank(tier, first, n_in_bank, gate, up, down, gate_up is not None, n_embd, n_ff, n_ff_down)
+    if n_ff_down < n_ff_exp:
+        raise LayoutError(f"{label}: down width {n_ff_down} is smaller than n_ff_exp={n_ff_exp}")
+    bank = Bank(tier, first, n_in_bank, gate, up, down, gate_up is not None, n_embd, n_ff_exp, n_ff_down)
     per_expert = {
         gate.name: bank.gate_bytes + (bank.up_bytes if bank.merged else 0),
         up.name: bank.up_bytes + (bank.gate_bytes if bank.merged else 0),

@@ -19,7 +19,7 @@ from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
 
-SMALL = SyntheticSpec(n_layer=3, n_embd=256, n_ff=256, n_expert=8, n_expert_used=2)
+SMALL = SyntheticSpec(n_layer=3, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
 
 
 @pytest.fixture(scope="module")
@@ -361,7 +361,7 @@ async def test_close_while_requests_wait_gives_engine_closed(model_path: Path, a
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("wide") / "wide.gguf"
-    write_synthetic_model(path, SyntheticSpec(n_layer=4, n_embd=256, n_ff=256, n_expert=32, n_expert_used=4))
+    write_synthetic_model(path, SyntheticSpec(n_layer=4, n_embd=256, n_ff_exp=256, n_expert=32, n_expert_used=4))
     return path
 
 

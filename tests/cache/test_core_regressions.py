@@ -22,7 +22,7 @@ from aioexperts._io.align import align_down, probe_alignment
 
 pytestmark = pytest.mark.anyio
 
-SMALL = SyntheticSpec(n_layer=3, n_embd=256, n_ff=256, n_expert=8, n_expert_used=2)
+SMALL = SyntheticSpec(n_layer=3, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
 
 
 @pytest.fixture(scope="module")

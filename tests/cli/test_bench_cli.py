@@ -11,7 +11,7 @@ import pytest
 from aioexperts._cli import bench
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 
-SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff=256, n_expert=16, n_expert_used=4)
+SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=16, n_expert_used=4)
 FAST = ["--rounds", "2", "--token-count", "2", "--executor-tokens", "1", "--no-probe", "--quiet"]
 
 

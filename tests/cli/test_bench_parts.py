@@ -18,7 +18,7 @@ from aioexperts._cli.readlist import ReadList
 from aioexperts._cli.replay import Destination, replay_mmap, replay_pread
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 
-SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff=256, n_expert=8, n_expert_used=2)
+SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from aioexperts._cli.model_cache import ensure_bench_model
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 from aioexperts._compute.quant import dequantize
 
-SMALL = SyntheticSpec(n_layer=3, n_embd=256, n_ff=256, n_expert=16, n_expert_used=4)
+SMALL = SyntheticSpec(n_layer=3, n_embd=256, n_ff_exp=256, n_expert=16, n_expert_used=4)
 
 
 def test_q4_k_quantizer_matches_the_reference_layout() -> None:

@@ -19,7 +19,7 @@ from aioexperts._cli import maptool, tracetool
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 from aioexperts._predict.trace import skewed_random_trace, uniform_random_trace
 
-SPEC = SyntheticSpec(n_layer=3, n_embd=256, n_ff=256, n_expert=8, n_expert_used=2)
+SPEC = SyntheticSpec(n_layer=3, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
 
-SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff=256, n_expert=8, n_expert_used=2, leading_dense=1)
+SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2, leading_dense=1)
 
 
 @pytest.fixture(scope="module")
@@ -454,7 +454,7 @@ async def test_views_kept_past_the_pin_warn_and_copies_stay_valid(model_path: Pa
             kept, copy = await _keep_past_the_pin(store, "gate")
         assert kept.base is not None
         del kept
-        assert bytes(copy.gate.data) == want and copy.gate.shape == (SMALL.n_ff, SMALL.n_embd)
+        assert bytes(copy.gate.data) == want and copy.gate.shape == (SMALL.n_ff_exp, SMALL.n_embd)
         async with store.experts(1, [3, 4, 5, 6]):  # the slot is reused
             pass
         assert bytes(copy.gate.data) == want

@@ -15,7 +15,7 @@ from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("asyncio") / "m.gguf"
-    write_synthetic_model(path, SyntheticSpec(n_layer=2, n_embd=256, n_ff=256, n_expert=8, n_expert_used=2))
+    write_synthetic_model(path, SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2))
     return path
 
 

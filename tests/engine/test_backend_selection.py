@@ -17,7 +17,7 @@ from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
 
-SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff=256, n_expert=8, n_expert_used=2)
+SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
 
-SPEC = SyntheticSpec(n_layer=3, n_embd=256, n_ff=256, n_expert=16, n_expert_used=2)
+SPEC = SyntheticSpec(n_layer=3, n_embd=256, n_ff_exp=256, n_expert=16, n_expert_used=2)
 METHODS = ["read", "advice", "parallel-advice"]
 
 

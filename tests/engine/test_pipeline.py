@@ -17,7 +17,7 @@ from aioexperts._predict.trace import uniform_random_trace
 
 pytestmark = pytest.mark.anyio
 
-SPEC = SyntheticSpec(n_layer=4, n_embd=256, n_ff=256, n_expert=8, n_expert_used=2, leading_dense=1)
+SPEC = SyntheticSpec(n_layer=4, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2, leading_dense=1)
 
 
 @pytest.fixture(scope="module")

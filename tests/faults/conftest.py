@@ -10,7 +10,7 @@ from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 from faults.stack import Key, reference_bytes
 
 #: 3 layers x 8 experts; each expert is three reads (gate, up, down) of about 37 KB.
-SMALL = SyntheticSpec(n_layer=3, n_embd=256, n_ff=256, n_expert=8, n_expert_used=2)
+SMALL = SyntheticSpec(n_layer=3, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
 
 
 @pytest.fixture(scope="session")

@@ -23,9 +23,9 @@ from aioexperts._cli.synthetic import SyntheticSpec
 Q = GGMLQuantizationType
 
 #: The small geometry the tests use for synthetic models (about 1.8 MB per file, Q4_K).
-SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff=256, n_expert=8, n_expert_used=2)
+SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
 #: An even smaller one for the fuzzers and the map tests (F32, a few tens of KB).
-TINY = SyntheticSpec(n_layer=2, n_embd=32, n_ff=32, n_expert=4, n_expert_used=2, expert_type=Q.F32)
+TINY = SyntheticSpec(n_layer=2, n_embd=32, n_ff_exp=32, n_expert=4, n_expert_used=2, expert_type=Q.F32)
 
 
 FIXTURES = shared_fixtures_dir()

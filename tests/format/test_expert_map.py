@@ -131,7 +131,7 @@ def test_failed_write_leaves_no_temp_file(tmp_path: Path, model_copy: Path) -> N
 
 
 def test_write_refuses_a_range_longer_than_8_mib(tmp_path: Path) -> None:
-    spec = kit.TINY.with_(n_layer=1, n_embd=1024, n_ff=2304, n_expert=1, n_expert_used=1)
+    spec = kit.TINY.with_(n_layer=1, n_embd=1024, n_ff_exp=2304, n_expert=1, n_expert_used=1)
     path = write_synthetic_model(tmp_path / "big.gguf", spec)[0]
     model, layout = _open(path)
     assert layout.max_expert_bytes > 3 * MAX_RANGE_BYTES

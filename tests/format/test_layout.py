@@ -80,7 +80,7 @@ def test_fixture_layout_matches_gguf_reader_bytes(name: str) -> None:
         assert moe.router.name == f"blk.{moe.index}.ffn_gate_inp.weight"
         assert moe.router.dims == (256, 8)
         for bank in moe.banks:
-            assert (bank.n_embd, bank.n_ff, bank.n_ff_down, bank.merged) == (256, 256, 256, False)
+            assert (bank.n_embd, bank.n_ff_exp, bank.n_ff_down, bank.merged) == (256, 256, 256, False)
     assert _check_against_reader(path, layout) == 8 * len(expected_layers)
     assert layout.max_expert_bytes == max(loc.n_bytes for loc in layout)
 
@@ -178,20 +178,20 @@ def test_merged_gate_up(tmp_path: Path) -> None:
         bank = layout.layer(loc.layer).banks[0]
         assert bank.merged
         assert bank.gate is bank.up
-        assert bank.n_ff == spec.n_ff
+        assert bank.n_ff_exp == spec.n_ff_exp
         t = ref[f"blk.{loc.layer}.ffn_gate_up_exps.weight"]
-        assert [int(d) for d in t.shape] == [spec.n_embd, 2 * spec.n_ff, spec.n_expert]
-        half = _expert_bytes(t.tensor_type, spec.n_embd, spec.n_ff)
+        assert [int(d) for d in t.shape] == [spec.n_embd, 2 * spec.n_ff_exp, spec.n_expert]
+        half = _expert_bytes(t.tensor_type, spec.n_embd, spec.n_ff_exp)
         run = t.data_offset + loc.expert * 2 * half
         assert (loc.gate.offset, loc.gate.n_bytes) == (run, half)
         assert (loc.up.offset, loc.up.n_bytes) == (run + half, half)
-        assert loc.gate.shape == loc.up.shape == (spec.n_ff, spec.n_embd)
+        assert loc.gate.shape == loc.up.shape == (spec.n_ff_exp, spec.n_embd)
         data = kit.reader_tensor_bytes(t)
         expert_run = data[loc.expert * 2 * half : (loc.expert + 1) * 2 * half]
         assert kit.pread(path, loc.gate.offset, half) == expert_run[:half]  # gate rows first
         assert kit.pread(path, loc.up.offset, half) == expert_run[half:]  # then up rows
         down = ref[f"blk.{loc.layer}.ffn_down_exps.weight"]
-        db = _expert_bytes(down.tensor_type, spec.n_ff, spec.n_embd)
+        db = _expert_bytes(down.tensor_type, spec.n_ff_exp, spec.n_embd)
         assert (
             kit.pread(path, loc.down.offset, db)
             == kit.reader_tensor_bytes(down)[loc.expert * db : (loc.expert + 1) * db]
@@ -238,7 +238,7 @@ def test_hand_written_valid_layer(tmp_path: Path) -> None:
 def test_down_wider_than_n_ff_is_padding(tmp_path: Path) -> None:
     layout = _layout(tmp_path, [kit.moe_layer(0, n_ff_down=64)])
     bank = layout.layer(0).banks[0]
-    assert (bank.n_ff, bank.n_ff_down) == (32, 64)
+    assert (bank.n_ff_exp, bank.n_ff_down) == (32, 64)
     loc = layout.locate(0, 3)
     assert loc.down.shape == (32, 64)
     assert loc.down.n_bytes == 64 * 4 * 32
@@ -326,7 +326,7 @@ RULES: dict[str, tuple[object, dict, str]] = {
     "down narrower than n_ff": (
         lambda: [kit.moe_layer(0, n_ff_down=16)],
         {},
-        r"layer 0 bank 0: down width 16 is smaller than n_ff=32",
+        r"layer 0 bank 0: down width 16 is smaller than n_ff_exp=32",
     ),
     "down narrower than n_ff in a tier": (
         lambda: [
@@ -337,7 +337,7 @@ RULES: dict[str, tuple[object, dict, str]] = {
             )
         ],
         {},
-        r"layer 0 bank 1: down width 16 is smaller than n_ff=32",
+        r"layer 0 bank 1: down width 16 is smaller than n_ff_exp=32",
     ),
     "gate/up n_ff mismatch": (
         lambda: [_with(kit.moe_layer(0), "blk.0.ffn_up_exps.weight", [32, 64, 8])],
@@ -424,12 +424,12 @@ RULES: dict[str, tuple[object, dict, str]] = {
             }
         ],
         {},
-        r"layer 0: bank 1 has n_ff=64, bank 0 has 32",
+        r"layer 0: bank 1 has n_ff_exp=64, bank 0 has 32",
     ),
     "expert_feed_forward_length disagrees": (
         lambda: [kit.moe_layer(0)],
         {"n_ff": 48},
-        r"layer 0: experts have n_ff=32, expert_feed_forward_length=48",
+        r"layer 0: experts have n_ff_exp=32, expert_feed_forward_length=48",
     ),
     "no MoE layers": (
         lambda: [{"token_embd.weight": ([32, 8], Q.F32)}],

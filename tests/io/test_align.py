@@ -88,7 +88,7 @@ def old_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def small_model(tmp_path: Path) -> Path:
     path = tmp_path / "small.gguf"
-    write_synthetic_model(path, SyntheticSpec(n_layer=1, n_embd=256, n_ff=256, n_expert=4, n_expert_used=2))
+    write_synthetic_model(path, SyntheticSpec(n_layer=1, n_embd=256, n_ff_exp=256, n_expert=4, n_expert_used=2))
     return path
 
 

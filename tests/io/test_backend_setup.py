@@ -32,7 +32,7 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("model") / "small.gguf"
-    write_synthetic_model(path, SyntheticSpec(n_layer=1, n_embd=256, n_ff=256, n_expert=4, n_expert_used=2))
+    write_synthetic_model(path, SyntheticSpec(n_layer=1, n_embd=256, n_ff_exp=256, n_expert=4, n_expert_used=2))
     return path
 
 
