@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path.cwd()
 
 
 def machine_facts() -> dict[str, Any]:
@@ -79,8 +79,11 @@ def write_results(
     summary_: dict[str, Any],
     started: float,
 ) -> Path:
-    """Write the results file (default ``bench/results/<name>.json``) and return its path."""
-    target = path if path is not None else RESULTS_DIR / f"{name}.json"
+    """Write the results file (default ``<name>-results.json`` here) and return its path.
+
+    The committed copies the docs are rendered from live in ``docs/results/<name>.json``.
+    """
+    target = path if path is not None else RESULTS_DIR / f"{name}-results.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": name,

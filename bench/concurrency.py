@@ -13,7 +13,7 @@ backend, interleaved:
 
 Target (issue 12): concurrent wall time <= 1.2x sequential. ``numpy`` is the fallback backend
 (numpy kernels + BLAS, capped to one thread per call by the pool). Rounds go to
-``bench/results/concurrency.json``.
+``concurrency-results.json`` (``--out``; the committed copy: ``docs/results/concurrency.json``).
 """
 
 from __future__ import annotations

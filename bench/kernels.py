@@ -20,7 +20,7 @@ GB/s are weight bytes (ggml block bytes) per second. ``x ggml``: the fraction of
 one-thread kernel on this machine (``../shared/docs/KERNELS.md``), target >= 0.4. Then (unless
 ``--skip-compile``) the compile cost in fresh processes: cold (empty cache) and warm, for the built-in
 model's types, a Q4_K_M model's types and all 15 compiled types; targets: cold <= 30 s, warm <= 2 s.
-Every round goes to ``bench/results/kernels.json``.
+Every round goes to ``kernels-results.json`` (``--out``; the committed copy: ``docs/results/kernels.json``).
 """
 
 from __future__ import annotations

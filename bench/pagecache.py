@@ -29,7 +29,6 @@ import asyncio
 import json
 import mmap
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -38,6 +37,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _results import machine_facts  # bench/_results.py, a sibling module
 
 import aioexperts
 from aioexperts._cli.model_cache import ensure_bench_model
@@ -224,7 +224,7 @@ def main() -> int:
             {
                 "aioexperts": aioexperts.__version__,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "machine": {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version()},
+                "machine": machine_facts(),
                 "parameters": {
                     "rounds": args.rounds,
                     "tokens": args.tokens,

@@ -3,36 +3,57 @@
     python bench/render.py RESULTS.json                      # print every section as markdown
     python bench/render.py RESULTS.json --write README.md docs/bench.md
     python bench/render.py RESULTS.json --plots docs/img     # the PNGs again (needs matplotlib)
+    python bench/render.py RESULTS.json --write README.md docs/bench.md --extra
 
 ``--write`` replaces, in each file, the text between ``<!-- bench:NAME -->`` and
 ``<!-- /bench:NAME -->`` with section NAME rendered from the results (``header``, ``reads``,
 ``warm``, ``tokens``, ``executor``, ``targets``, ``loops``, ``summary``), and leaves the rest of
-the file alone. Figures are never typed into the docs: they come from the results file.
+the file alone. With ``--extra`` it also renders the regions of the satellite benches
+(``kernels``, ``kernelscompile``, ``tokencompute``, ``concurrency``, ``split``, ``rows``,
+``pagecache``, ``pagecachelimited``, ``soak``) from their committed results files under
+``docs/results/`` (``bench/report_extra.py``). Figures are never typed into the docs: they come from
+the results files.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
+from pathlib import Path
 
 from aioexperts._cli.report import SECTIONS, markdown
 from aioexperts._cli.results import load_results
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report_extra import EXTRA  # noqa: E402  (a sibling module of this script)
+
 _REGION = re.compile(r"(<!-- bench:(?P<name>[a-z]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.DOTALL)
 
 
-def render_file(text: str, results: dict, source: str) -> tuple[str, list[str]]:
-    """``text`` with every marked region rendered; returns the new text and the section names."""
+def render_file(text: str, results: dict, source: str, extra: bool = False) -> tuple[str, list[str]]:
+    """``text`` with every marked region rendered; returns the new text and the section names.
+
+    Regions of the satellite benches are left as they are unless ``extra``.
+    """
     names: list[str] = []
 
     def replace(m: re.Match[str]) -> str:
         name = m.group("name")
-        if name not in SECTIONS:
-            raise SystemExit(f"unknown bench section {name!r}; known: {', '.join(SECTIONS)}")
+        if name in EXTRA:
+            if not extra:
+                return m.group(0)
+            path, render = EXTRA[name]
+            data = json.loads(Path(path).read_text())
+            data["_source"] = path
+            body, src = render(data), path
+        elif name in SECTIONS:
+            body, src = markdown(results, name), source
+        else:
+            raise SystemExit(f"unknown bench section {name!r}; known: {', '.join([*SECTIONS, *EXTRA])}")
         names.append(name)
-        body = markdown(results, name)
-        stamp = f"<!-- rendered by bench/render.py from {source}; do not edit by hand -->\n"
+        stamp = f"<!-- rendered by bench/render.py from {src}; do not edit by hand -->\n"
         return f"{m.group(1)}{stamp}{body}\n{m.group(4)}"
 
     return _REGION.sub(replace, text), names
@@ -43,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", help="a bench-results.json written by aioexperts-bench")
     parser.add_argument("--write", nargs="+", metavar="FILE", help="files whose marked regions to replace")
     parser.add_argument("--plots", metavar="DIR", help="write the plots of the results file into DIR")
+    parser.add_argument(
+        "--extra", action="store_true", help="also render the satellite benches' regions from docs/results/*.json"
+    )
     args = parser.parse_args(argv)
     results = load_results(args.results)
     if args.plots:
@@ -62,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.write:
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        new, names = render_file(text, results, args.results)
+        new, names = render_file(text, results, args.results, extra=args.extra)
         if not names:
             print(f"{path}: no <!-- bench:NAME --> regions", file=sys.stderr)
             return 1

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from _results import machine_facts  # bench/_results.py, a sibling module
 
 import aioexperts
 from aioexperts._cli.model_cache import cache_dir
@@ -125,7 +125,7 @@ def main() -> int:
             {
                 "aioexperts": aioexperts.__version__,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "machine": {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version()},
+                "machine": machine_facts(),
                 "parameters": {"rounds": args.rounds, "calls": args.calls, "n_rows": N_ROWS, "row_bytes": 84},
                 "units": {"rate": "rows per second", "time": "seconds", "bytes": "bytes"},
                 "rounds": rounds,

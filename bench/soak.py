@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _results import machine_facts  # bench/_results.py, a sibling module
 
 import aioexperts
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
@@ -142,7 +142,7 @@ def main() -> int:
         {
             "aioexperts": aioexperts.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version()},
+            "machine": machine_facts(),
             "parameters": {k: str(v) for k, v in vars(args).items()},
             "units": {"rss": "bytes", "time": "seconds"},
         }

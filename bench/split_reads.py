@@ -17,12 +17,12 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from _results import machine_facts  # bench/_results.py, a sibling module
 from gguf import GGMLQuantizationType
 
 import aioexperts
@@ -109,7 +109,7 @@ def main() -> int:
             {
                 "aioexperts": aioexperts.__version__,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "machine": {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version()},
+                "machine": machine_facts(),
                 "parameters": {"rounds": args.rounds, "model": str(path), "expert_bytes": expert_bytes},
                 "units": {"latency": "seconds"},
                 "rounds": rounds,

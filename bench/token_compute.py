@@ -21,7 +21,7 @@ Each round runs, interleaved, on fresh engines:
   busy (``docs/bench.md``), which no pipeline can hide, so the overlap is also given against it.
 
 Targets (issue 12): compute <= 0.5x I/O; pipelined token <= 1.15x max(I/O, compute). Every round goes
-to ``bench/results/token_compute.json`` (``--out``).
+to ``token_compute-results.json`` (``--out``; the committed copy: ``docs/results/token_compute.json``).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def main() -> int:
     parser.add_argument("--threads", default="1,2", help="compute pool sizes to compare (1,2)")
     parser.add_argument("--slots", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="results file (bench/results/token_compute.json)")
+    parser.add_argument("--out", type=Path, help="results file (default token_compute-results.json)")
     args = parser.parse_args()
     console = Console(width=132)
     started = time.time()

@@ -1,0 +1,246 @@
+"""Markdown tables of the satellite benches, from their results files (never typed by hand).
+
+Each function takes the JSON object a bench script wrote and returns markdown; ``bench/render.py
+--extra`` puts them between ``<!-- bench:NAME -->`` markers. Figures are medians with the range
+(min-max) over the rounds, as the scripts print them; a missed target says "missed".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ("EXTRA",)
+
+
+def _r(s: dict[str, float] | None, spec: str = ".2f", scale: float = 1.0) -> str:
+    if not s:
+        return "-"
+    med, lo, hi = s["median"] * scale, s["min"] * scale, s["max"] * scale
+    return f"{med:{spec}} ({lo:{spec}}-{hi:{spec}})"
+
+
+def _met(value: float, target: float, *, at_most: bool) -> str:
+    ok = value <= target if at_most else value >= target
+    return "met" if ok else "**missed**"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _where(results: dict[str, Any]) -> str:
+    m = results.get("machine", {})
+    date = results.get("started") or results.get("date", "?")
+    cpu = m.get("cpu", "")
+    cores = m.get("cores_available", m.get("cpus", "?"))
+    return f"_{date}, {cores} vCPU {cpu}, Linux {m.get('kernel', '?')}; {results.get('_source', '')}_"
+
+
+def kernels(results: dict[str, Any]) -> str:
+    p = results["parameters"]
+    gguf_target, ggml_target = p["targets"]["x_gguf"], p["targets"]["x_ggml"]
+    rows = []
+    for key, e in results["summary"]["kernels"].items():
+        qtype, shape = key.split()
+        row = [qtype, shape, _r(e["gbps"]["float"])]
+        for prec in ("float", "int8"):
+            if prec == "int8":
+                row.append(_r(e["gbps"].get("int8")))
+            xg, xm = e.get(f"x_gguf_{prec}"), e.get(f"x_ggml_{prec}")
+            row.append("-" if xg is None else f"{xg['median']:.1f} {_met(xg['median'], gguf_target, at_most=False)}")
+            row.append("-" if xm is None else f"{xm['median']:.2f} {_met(xm['median'], ggml_target, at_most=False)}")
+        rows.append(row)
+    return (
+        f"Fused one-token kernels, one thread, GB/s of weight bytes; x gguf-py target >= {gguf_target:g}, "
+        f"x ggml (llama.cpp's kernel here, KERNELS.md) target >= {ggml_target:g}. {_where(results)}\n\n"
+        + _table(
+            ["type", "shape", "float GB/s", "x gguf", "x ggml", "int8 GB/s", "x gguf", "x ggml"],
+            [[r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]] for r in rows],
+        )
+    )
+
+
+def kernels_compile(results: dict[str, Any]) -> str:
+    t = results["parameters"]["targets"]
+    rows = []
+    for key, e in results["summary"].get("compile", {}).items():
+        cold = key.endswith("cold")
+        target = t["cold_compile_s"] if cold else t["warm_start_s"]
+        verdict = (
+            f"<= {target:g} s: {_met(e['total_s']['median'], target, at_most=True)}"
+            if "model" in key
+            else "information"
+        )
+        rows.append(
+            [key, _r(e["total_s"]), f"{e['kernels']} ({e['compiled']} compiled, {e['loaded']} loaded)", verdict]
+        )
+    return f"First use in a fresh process (import + warm-up), seconds. {_where(results)}\n\n" + _table(
+        ["kernels of", "seconds", "kernels", "target"], rows
+    )
+
+
+def token_compute(results: dict[str, Any]) -> str:
+    s, p = results["summary"], results["parameters"]
+    t = p["targets"]
+    rows = [["I/O only", _r(s["io_ms_per_token"], ".1f"), "-", "-"]]
+    for threads in p["threads"]:
+        e = s[f"threads_{threads}"]
+        rows.append(
+            [
+                f"compute, {threads} thread(s)",
+                _r(e["compute_ms_per_token"], ".1f"),
+                f"x I/O {_r(e['compute_over_io'])}",
+                f"<= {t['compute_over_io']}: "
+                + _met(e["compute_over_io"]["median"], t["compute_over_io"], at_most=True),
+            ]
+        )
+        rows.append(
+            [
+                f"pipelined, {threads} thread(s)",
+                _r(e["pipelined_ms_per_token"], ".1f"),
+                f"x max(I/O, compute) {_r(e['pipelined_over_max'])}",
+                f"<= {t['pipelined_over_max']}: "
+                + _met(e["pipelined_over_max"]["median"], t["pipelined_over_max"], at_most=True),
+            ]
+        )
+    return (
+        f"Built-in model, {p['tokens']} tokens of uniform random routing, 0 % reuse, {p['repeat']} rounds; "
+        f"ms per token. {_where(results)}\n\n" + _table(["", "ms/token", "ratio", "target"], rows)
+    )
+
+
+def concurrency(results: dict[str, Any]) -> str:
+    p = results["parameters"]
+    rows = [
+        [
+            name,
+            _r(e["sequential_ms_per_token"], ".1f"),
+            _r(e["concurrent_ms_per_token"], ".1f"),
+            _r(e["ratio"]),
+            f"<= {p['target']}: {_met(e['ratio']['median'], p['target'], at_most=True)}",
+        ]
+        for name, e in results["summary"].items()
+    ]
+    return (
+        f"{p['tokens']} tokens at once against one after another (every expert resident, compute pool of "
+        f"{p['pool_threads']} threads), ms per token. {_where(results)}\n\n"
+        + _table(["kernels", "one after another", "16 at once", "at once / one after another", "target"], rows)
+    )
+
+
+def split(results: dict[str, Any]) -> str:
+    mib = results["parameters"]["expert_bytes"] / 2**20
+    rows = [
+        [
+            k,
+            f"{s['ms_median']:.1f} ({s['ms_min']:.1f}-{s['ms_max']:.1f})",
+            f"{s['x_whole_median']:.2f} ({s['x_whole_min']:.2f}-{s['x_whole_max']:.2f})",
+        ]
+        for k, s in results["summary_ms"].items()
+    ]
+    return (
+        f"One cold {mib:.1f} MiB expert, read whole or in chunks submitted together; "
+        f"{results['parameters']['rounds']} rounds, a never-read expert each time. {_where(results)}\n\n"
+        + _table(["chunk", "latency ms", "x whole (per round)"], rows)
+    )
+
+
+def rows(results: dict[str, Any]) -> str:
+    p = results["parameters"]
+    out = [
+        [
+            n,
+            f"{s['rows_per_s_median']:.0f} ({s['rows_per_s_min']:.0f}-{s['rows_per_s_max']:.0f})",
+            f"{s['bytes_per_useful_byte_median']:.1f}",
+        ]
+        for n, s in results["summary"].items()
+    ]
+    return (
+        f"Random rows of a {p['n_rows']}-row table of {p['row_bytes']}-byte Q2_K rows, {p['calls']} calls per run, "
+        f"{p['rounds']} rounds, a fresh store (cold row cache) per run. {_where(results)}\n\n"
+        + _table(["rows per call", "rows/s", "bytes read per useful byte"], out)
+    )
+
+
+def pagecache(results: dict[str, Any]) -> str:
+    p = results["parameters"]
+    out = [
+        [
+            key,
+            f"{s['gb_per_s_median']:.2f} ({s['gb_per_s_min']:.2f}-{s['gb_per_s_max']:.2f})",
+            f"{s['resident_after_bytes_median'] / 1e9:.2f}",
+        ]
+        for key, s in results["summary"].items()
+    ]
+    return (
+        f"Built-in model, {p['tokens']} tokens of uniform random top-8 per pass, every page of every expert "
+        f"touched; {p['rounds']} rounds; GB = 1e9 bytes. {_where(results)}\n\n"
+        + _table(["mode / pass", "payload GB/s", "model GB in the page cache after"], out)
+    )
+
+
+def pagecache_limited(results: dict[str, Any]) -> str:
+    lim = results["memory_limited"]
+    if "skipped" in lim:
+        return f"Memory-limited run skipped: {lim['skipped']}"
+    out = []
+    for mode, e in lim.items():
+        if mode == "limit_bytes":
+            continue
+        if "error" in e:
+            out.append([mode, "error: " + " ".join(e["error"]), "", ""])
+            continue
+        passes = e["passes"]
+        out.append(
+            [
+                mode,
+                f"{passes[0]['gb_per_s']:.2f}",
+                f"{passes[1]['gb_per_s']:.2f}",
+                f"{e['failcnt']}",
+            ]
+        )
+    return (
+        f"Two passes over every expert of the built-in model (2.7 GB) in a cgroup limited to "
+        f"{lim['limit_bytes'] >> 20} MiB (page cache charged to it). {_where(results)}\n\n"
+        + _table(["mode", "pass 1 GB/s", "pass 2 GB/s", "memory.failcnt"], out)
+    )
+
+
+def soak(results: dict[str, Any]) -> str:
+    p = results["parameters"]
+    samples = results["samples"]
+    last = samples[-1]
+    verdict = "flat" if results["rss_flat"] and results["fds_flat"] else "**growing**"
+    return (
+        f"`moe()` from {p['tasks']} tasks with random cancellations and timeouts for {float(p['minutes']):g} minutes "
+        f"({last['done']} layer calls done, {last['cancelled']} cancelled). {_where(results)}\n\n"
+        + _table(
+            ["", "first quarter (max)", "last quarter (max)", "verdict"],
+            [
+                [
+                    "RSS MiB",
+                    f"{results['rss_first_quarter_max_bytes'] / 2**20:.1f}",
+                    f"{results['rss_last_quarter_max_bytes'] / 2**20:.1f}",
+                    verdict,
+                ],
+                ["open descriptors", f"{results['fds_first']}", f"{results['fds_last']}", verdict],
+            ],
+        )
+    )
+
+
+#: region name -> (committed results file, renderer)
+EXTRA: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "kernels": ("docs/results/kernels.json", kernels),
+    "kernelscompile": ("docs/results/kernels.json", kernels_compile),
+    "tokencompute": ("docs/results/token_compute.json", token_compute),
+    "concurrency": ("docs/results/concurrency.json", concurrency),
+    "split": ("docs/results/split-reads.json", split),
+    "rows": ("docs/results/rows.json", rows),
+    "pagecache": ("docs/results/pagecache.json", pagecache),
+    "pagecachelimited": ("docs/results/pagecache.json", pagecache_limited),
+    "soak": ("docs/results/soak.json", soak),
+}
