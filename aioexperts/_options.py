@@ -230,7 +230,9 @@ class PageCacheOptions:
         method: how to warm a range: ``"read"`` (worker threads ``pread`` it into a scratch buffer;
             a request waits until its experts are in the page cache), ``"advice"`` (one worker
             calls ``posix_fadvise(WILLNEED)``; the kernel reads ahead and the compute faults in
-            what is not there yet), ``"parallel-advice"`` (the advice from every worker).
+            what is not there yet), ``"parallel-advice"`` (the advice from every worker), ``"uring"``
+            (buffered io_uring reads into a small scratch buffer, submitted and reaped on the event
+            loop; where io_uring cannot be set up, ``"read"`` with one log line).
         n_threads: worker threads for ``read`` and ``parallel-advice``.
         max_gap: ranges at most this many bytes apart are warmed as one (default 64 KiB).
 

@@ -24,7 +24,7 @@ from ._cache.eviction import make_policy
 from ._cache.pagecache import PageCacheCounters, PageCacheSource, PinnedExpert
 from ._cache.scheduler import ReadScheduler
 from ._cache.stats import Counters, StoreStatistics
-from ._errors import ConfigError, InvalidRequestError, StoreClosedError, UnsupportedTypeError
+from ._errors import BackendUnavailableError, ConfigError, InvalidRequestError, StoreClosedError, UnsupportedTypeError
 from ._format.expert_map import check_map_matches_layout, read_expert_map
 from ._format.hparams import MoEHParams
 from ._format.layout import ExpertLayout, MoELayer, build_layout
@@ -42,6 +42,10 @@ from ._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions, PageCacheOpt
 from ._rows import RowReader, RowStatistics, RowsView
 
 __all__ = ("MODES", "ExpertStore", "open")
+
+WARM_SCRATCH_SLOTS = 8
+WARM_SCRATCH_BYTES = 1 << 20
+"""The page-cache mode's ``uring`` warming reads into 8 scratch slots of 1 MiB (the data is thrown away)."""
 
 MODES = ("slab", "pagecache")
 
@@ -254,16 +258,37 @@ class ExpertStore:
     ) -> None:
         files = self._files = await anyio.to_thread.run_sync(open_shards, model, False)
         shards = self._shards = await anyio.to_thread.run_sync(MappedShards, files.fds, files.sizes)
+        method, uring = options.method, None
+        if method == "uring":
+            uring = await anyio.to_thread.run_sync(self._warming_ring, files, loop)
+            if uring is None:
+                method = "read"
+            else:
+                uring.attach()
         self._pagecache = PageCacheSource(
             layout,
             shards,
             files.fds,
             loop,
-            options.method,
+            method,
             options.n_threads,
             options.max_gap,
             self._pagecache_counters,
+            uring,
         )
+
+    def _warming_ring(self, files: ShardFiles, loop: LoopAdapter) -> IOBackend | None:
+        """A buffered io_uring reading into a small scratch slab, or None (logged) where io_uring is not to be had."""
+        slab = Slab(WARM_SCRATCH_SLOTS, WARM_SCRATCH_BYTES)
+        try:
+            backend, _ = create_backend(
+                "io_uring", files, slab, loop, self.io_options.queue_depth, attach=False, fixed_buffers=False
+            )
+        except BackendUnavailableError as exc:
+            slab.close()
+            log.warning("%s; the page-cache mode warms with worker-thread reads instead", exc)
+            return None
+        return backend
 
     def _parse(self) -> tuple[GGUFModel, ExpertLayout, MoEHParams | UnsupportedTypeError]:
         model = open_model(self.path)
@@ -327,6 +352,8 @@ class ExpertStore:
             self._backend.detach()
         if self._rows is not None:
             self._rows.backend.detach()
+        if self._pagecache is not None:
+            self._pagecache.detach()
         # ring exit and munmap of the slab block: in a thread of their own, waited for to the end
         done = threading.Event()
         failures: list[BaseException] = []
@@ -484,7 +511,7 @@ class ExpertStore:
         )
         return StoreStatistics.snapshot(
             counters,
-            backend=f"pagecache ({self.pagecache_options.method})",
+            backend=f"pagecache ({self._pagecache.method})",
             direct_io=False,
             fallback_reason=None,
             buffered_reason="page-cache mode",
@@ -494,7 +521,7 @@ class ExpertStore:
             alignment=self._files.alignment,
             in_flight=self._pagecache.running,
             pinned_slots=self._pagecache.pinned_count,
-            pagecache=pc.snapshot(self.pagecache_options.method),
+            pagecache=pc.snapshot(self._pagecache.method),
         )
 
     def reset_statistics(self) -> None:

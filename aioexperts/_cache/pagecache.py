@@ -8,8 +8,10 @@ until the data is in the page cache; with the advice methods it waits only for t
 compute faults in what readahead did not bring in yet. Prefetches queue behind demand and can be
 dropped while still queued.
 
-Warming runs on ``n_threads`` worker threads (``read``, ``parallel-advice``) or one (``advice``);
-completions come back to the event loop in batches, as the thread backend's do.
+Warming runs on ``n_threads`` worker threads (``read``, ``parallel-advice``) or one (``advice``),
+completions coming back to the event loop in batches as the thread backend's do; or, with
+``uring``, as buffered io_uring reads into a small scratch slab (the data is thrown away: only the
+page cache keeps it), submitted and reaped on the loop like the slab mode's reads.
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ from dataclasses import dataclass, field
 
 from .._errors import ExpertReadError, StoreClosedError
 from .._format.layout import ExpertLayout, ExpertLocation
+from .._io.backends.base import IOBackend, ReadOp, ReadResult, SubmitError
 from .._io.loop import AsyncEvent, LoopAdapter
 from .._io.pagecache import SCRATCH_BYTES, MappedShards, WarmRange, merge_ranges, warm_advice, warm_read
 
 __all__ = ("PageCacheCounters", "PageCacheSource", "PageCacheStatistics", "PinnedExpert")
+
+_CHUNKS_PER_JOB = 4
+"""With ``uring``: ranges warmed at once is the ring depth over this (a range is a few chunks)."""
 
 Key = tuple[int, int]
 
@@ -118,6 +124,7 @@ class _Job:
     event: AsyncEvent | None = None
     error: BaseException | None = None
     started: bool = False
+    pending: int = 0  # method "uring": reads not completed yet
 
 
 class PageCacheSource:
@@ -144,6 +151,7 @@ class PageCacheSource:
         n_threads: int,
         max_gap: int,
         counters: PageCacheCounters,
+        uring: IOBackend | None = None,
     ) -> None:
         self.layout = layout
         self.shards = shards
@@ -154,6 +162,10 @@ class PageCacheSource:
         self.counters = counters
         self.n_workers = 1 if method == "advice" else n_threads
         self._pool = ThreadPoolExecutor(self.n_workers, thread_name_prefix="aioexperts-warm")
+        self._uring = uring  # method "uring": reads into its scratch slab
+        if uring is not None:
+            self.n_workers = uring.depth // _CHUNKS_PER_JOB  # ranges warmed at once
+            uring.set_sink(self._uring_done)
         self._local = threading.local()
         self._queue: deque[_Job] = deque()  # not started yet: demand first, then prefetch
         self._running = 0
@@ -301,7 +313,36 @@ class PageCacheSource:
             job.started = True
             self._running += 1
             self.counters.ranges_issued += 1
-            self._pool.submit(self._warm, job)
+            if self._uring is not None:
+                self._submit_uring(job)
+            else:
+                self._pool.submit(self._warm, job)
+
+    def _submit_uring(self, job: _Job) -> None:
+        """The range as reads of at most one scratch slot each; the job finishes with its last read."""
+        uring = self._uring
+        assert uring is not None
+        r, chunk = job.warm, uring.slab.slot_bytes
+        ops = [
+            ReadOp(r.shard, off, min(chunk, r.end - off), i % uring.slab.n_slots, 0, job)
+            for i, off in enumerate(range(r.offset, r.end, chunk))
+        ]
+        job.pending = len(ops)
+        try:
+            uring.submit(ops)
+        except SubmitError as exc:  # the untaken reads never run: account for them now
+            job.error = exc
+            job.pending -= len(ops) - exc.taken
+            if job.pending == 0:
+                self._finish_jobs([job])
+
+    def _uring_done(self, op: ReadOp, result: ReadResult) -> None:  # loop thread
+        job: _Job = op.context
+        if isinstance(result, BaseException) and job.error is None:
+            job.error = result
+        job.pending -= 1
+        if job.pending == 0:
+            self._finish_jobs([job])
 
     def _scratch(self) -> memoryview:
         scratch = getattr(self._local, "scratch", None)
@@ -328,6 +369,9 @@ class PageCacheSource:
         with self._lock:
             done, self._done = self._done, []
             self._wake_pending = False
+        self._finish_jobs(done)
+
+    def _finish_jobs(self, done: list[_Job]) -> None:  # loop thread
         for job in done:
             self._running -= 1
             if job.error is None:
@@ -362,9 +406,17 @@ class PageCacheSource:
             self._idle = event = self.loop.new_event()
             await event.wait()
 
+    def detach(self) -> None:
+        """Stop watching the event loop (loop thread; after :meth:`wait_idle`, before :meth:`shutdown`)."""
+        if self._uring is not None:
+            self._uring.detach()
+
     def shutdown(self) -> None:
-        """Stop the worker threads (after :meth:`wait_idle`)."""
+        """Stop the worker threads and release the ring (after :meth:`wait_idle` and :meth:`detach`)."""
         self._pool.shutdown(wait=False)
+        if self._uring is not None:
+            self._uring.close()
+            self._uring.slab.close()
 
 
 def _covers(r: WarmRange, loc: ExpertLocation) -> bool:

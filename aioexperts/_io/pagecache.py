@@ -11,7 +11,9 @@ Warming methods (``WARM_METHODS``):
   page cache when the call returns);
 - ``"advice"``: one worker thread calls ``posix_fadvise(POSIX_FADV_WILLNEED)`` per range (the
   kernel starts readahead and returns);
-- ``"parallel-advice"``: the same advice, ranges spread over the worker threads.
+- ``"parallel-advice"``: the same advice, ranges spread over the worker threads;
+- ``"uring"``: buffered io_uring reads into a small scratch slab, thrown away (where io_uring
+  can be set up).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ __all__ = (
 PAGE_SIZE = mmap.PAGESIZE
 DEFAULT_MAX_GAP = 64 << 10
 """Ranges closer than this (bytes) are warmed as one: reading a small gap costs less than a call."""
-WARM_METHODS = ("read", "advice", "parallel-advice")
+WARM_METHODS = ("read", "advice", "parallel-advice", "uring")
 SCRATCH_BYTES = 1 << 20
 """Bytes one ``read`` warming call reads at a time."""
 

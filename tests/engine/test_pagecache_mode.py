@@ -17,7 +17,7 @@ from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 pytestmark = pytest.mark.anyio
 
 SPEC = SyntheticSpec(n_layer=3, n_embd=256, n_ff_exp=256, n_expert=16, n_expert_used=2)
-METHODS = ["read", "advice", "parallel-advice"]
+METHODS = ["read", "advice", "parallel-advice", "uring"]
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +69,14 @@ async def test_views_are_the_file_bytes(model_path: Path, method: str, anyio_bac
         assert st.requests == 6 == st.hits + st.misses
 
 
-async def test_read_warming_makes_experts_resident_and_skips_what_is(model_path: Path, anyio_backend: object) -> None:
+@pytest.mark.parametrize("method", ["read", "uring"])
+async def test_read_warming_makes_experts_resident_and_skips_what_is(
+    model_path: Path, method: str, anyio_backend: object
+) -> None:
     layout = aioexperts.build_layout(aioexperts.open_model(model_path))
     loc = layout.locate(1, 5)
-    async with aioexperts.open(model_path, mode="pagecache") as store:
+    options = aioexperts.PageCacheOptions(method=method)
+    async with aioexperts.open(model_path, mode="pagecache", pagecache=options) as store:
         if not cold(model_path):
             pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED")
         async with store.experts(1, [5]):
@@ -137,7 +141,7 @@ def test_bad_mode_arguments(model_path: Path) -> None:
         aioexperts.open(model_path, mode="mmap")
     with pytest.raises(aioexperts.ConfigError, match='need mode="pagecache"'):
         aioexperts.open(model_path, pagecache=aioexperts.PageCacheOptions())
-    with pytest.raises(aioexperts.ConfigError, match="method must be one of read, advice, parallel-advice"):
+    with pytest.raises(aioexperts.ConfigError, match="method must be one of read, advice, parallel-advice, uring"):
         aioexperts.PageCacheOptions(method="mmap")
     with pytest.raises(aioexperts.ConfigError, match="n_threads"):
         aioexperts.PageCacheOptions(n_threads=0)
@@ -163,3 +167,23 @@ async def test_close_while_a_request_waits_for_warming(model_path: Path, anyio_b
             await store.aclose()
     assert len(outcomes) == 3 and set(outcomes) <= {"ok", "closed"}
     assert store.statistics().in_flight == 0
+
+
+async def test_uring_warming_falls_back_to_reads_without_io_uring(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, anyio_backend: object
+) -> None:
+    import errno
+
+    import liburing
+
+    def refuse(entries: int, ring: object, *args: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(liburing, "io_uring_queue_init", refuse)
+    options = aioexperts.PageCacheOptions(method="uring")
+    async with aioexperts.open(model_path, mode="pagecache", pagecache=options) as store:
+        async with store.experts(0, [1, 2]) as views:
+            assert all(v is not None for v in views)
+        st = store.statistics()
+        assert st.pagecache is not None and st.pagecache.method == "read"  # what really warms
+    assert "worker-thread reads instead" in caplog.text
