@@ -24,7 +24,14 @@ from ._cache.eviction import make_policy
 from ._cache.pagecache import PageCacheCounters, PageCacheSource, PinnedExpert
 from ._cache.scheduler import ReadScheduler
 from ._cache.stats import Counters, StoreStatistics
-from ._errors import BackendUnavailableError, ConfigError, InvalidRequestError, StoreClosedError, UnsupportedTypeError
+from ._errors import (
+    BackendUnavailableError,
+    ConfigError,
+    ExpertReadError,
+    InvalidRequestError,
+    StoreClosedError,
+    UnsupportedTypeError,
+)
 from ._format.expert_map import check_map_matches_layout, read_expert_map
 from ._format.hparams import MoEHParams
 from ._format.layout import ExpertLayout, MoELayer, build_layout
@@ -725,6 +732,10 @@ class ExpertStore:
                 raise InvalidRequestError(f"the model has no tensor {tensor!r}")
             table = RowTable.of(0, info, 4096, self._shards.sizes[info.shard])
             rows = RowReader.check_rows(table, ids)
+            assert self._files is not None
+            size = os.fstat(self._files.fds[info.shard]).st_size  # past the end, the mapping raises SIGBUS
+            if rows and table.row_offset(max(rows)) + table.row_bytes > size:
+                raise ExpertReadError(f"{info.name}: the file ends at byte {size}, before row {max(rows)} (it shrank)")
             views = tuple(
                 self._shards.view(info.shard, info.data_offset + r * table.row_bytes, table.row_bytes) for r in rows
             )

@@ -16,6 +16,8 @@ page cache keeps it), submitted and reaped on the loop like the slab mode's read
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 import time
 from collections import deque
@@ -217,6 +219,7 @@ class PageCacheSource:
         for p in pinned:
             self.pinned[p.key] = self.pinned.get(p.key, 0) + 1
         try:
+            self._check_sizes(locations)
             missing, skipped = self._missing_ranges(locations)
             c = self.counters
             c.requests += len(unique)
@@ -242,6 +245,22 @@ class PageCacheSource:
             self.release(pinned)
             raise
         return pinned
+
+    def _check_sizes(self, locations: Sequence[ExpertLocation]) -> None:
+        """Refuse experts past the current end of their file: reading them through the mapping would
+        kill the process (``SIGBUS``). A file truncated after this check still can: the page-cache
+        mode trusts the model file not to shrink while it is open (the slab mode does not need to)."""
+        sizes: dict[int, int] = {}
+        for loc in locations:
+            for seg in loc.segments:
+                size = sizes.get(seg.shard)
+                if size is None:
+                    size = sizes[seg.shard] = os.fstat(self.fds[seg.shard]).st_size
+                if seg.end > size:
+                    raise ExpertReadError(
+                        f"reading layer {loc.layer} expert {loc.expert} failed: the file ends at byte {size}, before "
+                        f"the expert's data at bytes [{seg.offset}, {seg.end}) (the model file shrank while open)"
+                    )
 
     def release(self, pinned: Sequence[PinnedExpert]) -> None:
         """Unpin experts from :meth:`acquire` (synchronous)."""
@@ -354,7 +373,9 @@ class PageCacheSource:
         r = job.warm
         try:
             if self.method == "read":
-                warm_read(self.fds[r.shard], r.offset, r.n_bytes, self._scratch())
+                n = warm_read(self.fds[r.shard], r.offset, r.n_bytes, self._scratch())
+                if n < r.n_bytes and r.end <= self.shards.sizes[r.shard]:
+                    raise OSError(errno.EIO, f"end of file after {n} of {r.n_bytes} bytes (the file shrank?)")
             else:
                 warm_advice(self.fds[r.shard], r.offset, r.n_bytes)
         except BaseException as exc:  # every failure reaches the waiter

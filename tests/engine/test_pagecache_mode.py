@@ -187,3 +187,22 @@ async def test_uring_warming_falls_back_to_reads_without_io_uring(
         st = store.statistics()
         assert st.pagecache is not None and st.pagecache.method == "read"  # what really warms
     assert "worker-thread reads instead" in caplog.text
+
+
+async def test_a_model_file_that_shrinks_is_an_error_not_a_crash(model_path: Path, anyio_backend: object) -> None:
+    """Touching a mapped page past the end of the file kills the process (SIGBUS): the mode checks first."""
+    import os
+
+    layout = aioexperts.build_layout(aioexperts.open_model(model_path))
+    last = layout.locate(2, 15)
+    async with aioexperts.open(model_path, mode="pagecache") as store:
+        async with store.experts(2, [15]) as (view,):
+            assert view is not None and view.gate.n_bytes > 0
+        os.truncate(model_path, last.gate.offset)  # every byte of layer 2's last experts is gone
+        with pytest.raises(aioexperts.ExpertReadError, match="shrank"):
+            async with store.experts(2, [15]):
+                pass
+        with pytest.raises(aioexperts.AioExpertsError, match="shrank|changed since it was parsed"):
+            await aioexperts.MoERunner(store).moe(2, np.zeros((1, SPEC.n_embd), dtype=np.float32))
+        async with store.experts(0, [0]) as (view,):  # what is still in the file still serves
+            assert view is not None and bytes(view.gate.data[:4])
