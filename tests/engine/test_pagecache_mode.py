@@ -189,13 +189,17 @@ async def test_uring_warming_falls_back_to_reads_without_io_uring(
     assert "worker-thread reads instead" in caplog.text
 
 
-async def test_a_model_file_that_shrinks_is_an_error_not_a_crash(model_path: Path, anyio_backend: object) -> None:
+@pytest.mark.parametrize("method", ["read", "advice"])  # advice reads nothing: only the size check guards it
+async def test_a_model_file_that_shrinks_is_an_error_not_a_crash(
+    model_path: Path, method: str, anyio_backend: object
+) -> None:
     """Touching a mapped page past the end of the file kills the process (SIGBUS): the mode checks first."""
     import os
 
     layout = aioexperts.build_layout(aioexperts.open_model(model_path))
     last = layout.locate(2, 15)
-    async with aioexperts.open(model_path, mode="pagecache") as store:
+    options = aioexperts.PageCacheOptions(method=method)
+    async with aioexperts.open(model_path, mode="pagecache", pagecache=options) as store:
         async with store.experts(2, [15]) as (view,):
             assert view is not None and view.gate.n_bytes > 0
         os.truncate(model_path, last.gate.offset)  # every byte of layer 2's last experts is gone
