@@ -332,9 +332,18 @@ class ExpertStore:
             cancel scope, ``Task.cancel()``, an ``asyncio.wait_for`` timeout) that arrives while
             reads are in flight is held until they completed and the ring, eventfd, files and slab
             are released, then re-raised.
+
+        Raises:
+            ConfigError: called from another event loop (or thread) than the one the store was
+                started in: close it where it lives.
         """
         if self._released:
             return
+        if self._loop is not None and not self._loop.is_current():
+            raise ConfigError(
+                "aclose() was called from another event loop than the one the store was started in; "
+                "close the store from its own loop"
+            )
         self._closed = True
         if self._cache is not None:
             self._cache.close()  # closes the scheduler: nothing queued is submitted any more

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from enum import Enum
@@ -36,6 +37,7 @@ import anyio
 
 from .._errors import (
     AioExpertsError,
+    ConfigError,
     EvictionPolicyError,
     ExpertReadError,
     SlabExhaustedError,
@@ -95,6 +97,24 @@ class Entry:
         return f"Entry({self.key}, slot={self.slot}, {self.state.name}, pins={self.pins})"
 
 
+#: id(policy) -> the policy, for every policy serving an open cache (one policy, one cache).
+_POLICY_OWNERS: weakref.WeakValueDictionary[int, EvictionPolicy] = weakref.WeakValueDictionary()
+
+
+def _claim(policy: EvictionPolicy) -> None:
+    """Refuse a policy instance another open cache already uses (its order would mix both caches' keys)."""
+    if _POLICY_OWNERS.get(id(policy)) is policy:
+        raise ConfigError(
+            f"this {type(policy).__name__} instance already serves another open store: a policy keeps one "
+            "store's order, give each store its own instance (or a policy name)"
+        )
+    try:
+        _POLICY_OWNERS[id(policy)] = policy
+    except TypeError:  # a policy without weak-reference support: not tracked
+        pass
+    policy.clear()  # a new cache starts empty: keys of an earlier (closed) store must not linger
+
+
 class ExpertCache:
     """Maps experts to slab slots and loads the missing ones through a :class:`ReadScheduler`.
 
@@ -120,6 +140,7 @@ class ExpertCache:
         self.n_slots = n_slots
         self.plan_of = plan_of
         self.scheduler = scheduler
+        _claim(policy)
         self.policy = policy
         self.loop = loop
         self.counters = counters
@@ -411,6 +432,16 @@ class ExpertCache:
             "the request was not served and holds no pins"
         )
 
+    def _refused_victims(self, n: int, can_evict: Callable[[Key], bool]) -> None:
+        """The policy chose fewer victims than the cache needs: fine if there are no more, an error
+        (instead of a request waiting forever) if the cache sees evictable entries it did not offer."""
+        evictable = sum(1 for key in self.entries if can_evict(key))
+        if evictable >= n:
+            raise EvictionPolicyError(
+                f"the eviction policy {type(self.policy).__name__} offered no victim although {evictable} "
+                f"entries can be evicted and {n} slots are needed; the request holds no pins"
+            )
+
     def _choose_victims(self, n: int, may_evict: Callable[[Key], bool], *, partial: bool = False) -> list[Key] | None:
         """Choose ``n`` READY, unpinned entries to evict, without changing anything.
 
@@ -455,6 +486,7 @@ class ExpertCache:
                 chosen.append(victim)
                 taken.add(victim)
         if len(chosen) < n and not partial:
+            self._refused_victims(n - len(chosen), can_evict)
             return None
         return chosen[:n]
 
@@ -551,7 +583,9 @@ class ExpertCache:
 
         Loads not submitted yet fail at once and free their slots; loads already submitted keep
         their slots until they complete (await ``scheduler.wait_idle()`` for that). Idempotent.
+        The policy may serve another cache afterwards.
         """
+        _POLICY_OWNERS.pop(id(self.policy), None)
         if self.closed:
             return
         self.closed = True

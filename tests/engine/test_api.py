@@ -596,3 +596,62 @@ def test_renamed_names_still_work_for_one_release_with_a_warning() -> None:
         aioexperts.Engine  # type: ignore[attr-defined]  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         aioexperts.nope  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_closing_from_another_loop_is_refused(model_path: Path) -> None:
+    import asyncio
+    import threading
+
+    errors: list[BaseException] = []
+
+    async def close_elsewhere(store: aioexperts.ExpertStore) -> None:
+        try:
+            await store.aclose()
+        except aioexperts.ConfigError as exc:
+            errors.append(exc)
+
+    async def main() -> None:
+        async with aioexperts.open(model_path, slots=4) as store:
+            other = threading.Thread(target=lambda: asyncio.run(close_elsewhere(store)))
+            other.start()
+            await asyncio.to_thread(other.join)
+            assert not store.closed  # still open and usable
+            async with store.experts(1, [0]) as views:
+                assert views[0] is not None
+        assert store.closed
+
+    asyncio.run(main())
+    assert len(errors) == 1 and "its own loop" in str(errors[0])
+
+
+async def test_a_policy_that_offers_no_victim_is_an_error_not_a_hang(model_path: Path, anyio_backend: object) -> None:
+    from aioexperts.policies import LRU
+
+    class NoVictim(LRU):
+        def victim(self, can_evict):  # type: ignore[no-untyped-def]
+            return None  # allowed when nothing is evictable; here plenty is
+
+    async with aioexperts.open(model_path, cache=aioexperts.CacheOptions(slots=4, policy=NoVictim())) as store:
+        async with store.experts(1, [0, 1, 2, 3]):
+            pass
+        with anyio.fail_after(10), pytest.raises(aioexperts.EvictionPolicyError, match="offered no victim"):
+            async with store.experts(2, [0, 1]):
+                pass
+        assert store.statistics().pinned_slots == 0
+
+
+async def test_one_policy_instance_serves_one_store(model_path: Path, anyio_backend: object) -> None:
+    from aioexperts.policies import LRU
+
+    policy = LRU()
+    async with aioexperts.open(model_path, cache=aioexperts.CacheOptions(slots=4, policy=policy)) as first:
+        with pytest.raises(aioexperts.ConfigError, match="already serves another open store"):
+            async with aioexperts.open(model_path, cache=aioexperts.CacheOptions(slots=4, policy=policy)):
+                pass
+        async with first.experts(1, [0]) as views:
+            assert views[0] is not None
+    async with aioexperts.open(model_path, cache=aioexperts.CacheOptions(slots=4, policy=policy)) as again:
+        async with again.experts(1, [0, 1, 2, 3]):  # free again once the first store closed, and empty
+            pass
+        async with again.experts(2, [0, 1]) as views:  # evictions work: the policy knows this store's keys only
+            assert len(views) == 2
