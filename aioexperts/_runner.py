@@ -126,7 +126,10 @@ class MoERunner:
     Args:
         store: a started :class:`~aioexperts.ExpertStore`; the runner never closes it.
         prefetch: what to load ahead (default :class:`~aioexperts.PrefetchOptions`).
-        record_trace: record every routing decision (see :meth:`routing_trace`).
+        record_trace: record every routing decision (see :meth:`routing_trace`). The tokens of one
+            :meth:`run_token` call get rows of their own even when calls run concurrently; calls of
+            :meth:`moe` append to each layer's rows in the order they route, so concurrent
+            sequences calling :meth:`moe` interleave there.
         trace_max_tokens: the trace keeps the last this many tokens (memory up to
             ``trace_max_tokens * n_moe_layers * k * 2`` bytes; 65536 tokens of a 48-layer top-8 model
             take 48 MiB), so a long-running runner's trace stays bounded.
@@ -269,7 +272,14 @@ class MoERunner:
 
     # -- one layer ------------------------------------------------------------------------------
 
-    def _route(self, layer: int, x: np.ndarray, route_step: RouteStep | None, predictor: Predictor | None) -> _Routed:
+    def _route(
+        self,
+        layer: int,
+        x: np.ndarray,
+        route_step: RouteStep | None,
+        predictor: Predictor | None,
+        token: int | None = None,
+    ) -> _Routed:
         """Check ``x``, route and predict (worker thread)."""
         _check_x(x, self._store.hparams.n_embd)
         if route_step is None:
@@ -297,7 +307,10 @@ class MoERunner:
         budget = self._store.layout.n_expert_used if budget is None else budget
         with self._state_lock:
             if self._recorder is not None:
-                self._recorder.record(layer, ids)
+                if token is None:  # moe(): appended at this layer's rows
+                    self._recorder.record(layer, ids)
+                else:  # run_token(): the rows reserved for this call's tokens
+                    self._recorder.record_token(layer, ids, token)
             if predictor is not None:
                 predictor.observe(layer, x, ids)
                 if budget:
@@ -427,9 +440,13 @@ class MoERunner:
         t0 = time.perf_counter()
         await self.warmup()
         chosen = (predictor or self._predictor) if prefetch else None
+        token = None
+        if self._recorder is not None:
+            with self._state_lock:
+                token = self._recorder.reserve(len(x))
         steps = []
         for layer in self._store.layout.layers:
-            routed = await run_in_worker(self._route, layer, x, route_step, chosen)
+            routed = await run_in_worker(self._route, layer, x, route_step, chosen, token)
             if compute is None:
                 out, io_wait, compute_s = await self._executor_layer(layer, x, routed)
                 step = LayerStep(layer, routed.ids, routed.weights, out.ffn_out, io_wait, compute_s)

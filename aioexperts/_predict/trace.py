@@ -440,6 +440,50 @@ class TraceRecorder:
         self._cursor[i] = max(self._cursor[i], stop)
         self._n_tokens = max(self._n_tokens, stop)
 
+    def reserve(self, n_tokens: int) -> int:
+        """Set aside the next ``n_tokens`` rows for one batch of tokens; returns its first token's number.
+
+        For callers that record a batch layer by layer while others record too (several token
+        streams sharing one recorder): :meth:`record_token` with that number puts every layer's ids of
+        the batch in its own rows, whatever was recorded in between. Token numbers count from the
+        first token ever recorded (dropped ones included).
+        """
+        first = self._n_tokens + self.dropped_tokens
+        self._n_tokens_reserved(self._n_tokens + n_tokens)
+        return first
+
+    def _n_tokens_reserved(self, stop: int) -> None:
+        if self._max_tokens is not None and stop > self._max_tokens and self._keep_last:
+            drop = min(max(stop - self._max_tokens, self._max_tokens // 4), self._n_tokens)
+            self._drop_oldest(drop)
+            stop -= drop
+        if stop > self._buffer.shape[0]:
+            capacity = max(stop, 2 * self._buffer.shape[0], 64)
+            if self._max_tokens is not None:
+                capacity = min(capacity, self._max_tokens)
+            grown = np.full((capacity, *self._buffer.shape[1:]), -1, dtype=self._buffer.dtype)
+            grown[: self._n_tokens] = self._buffer[: self._n_tokens]
+            self._buffer = grown
+        self._n_tokens = max(self._n_tokens, stop)
+        self._cursor = [max(c, stop) for c in self._cursor]
+
+    def record_token(self, layer: int, ids: npt.ArrayLike, token: int) -> None:
+        """Record ``ids`` of layer ``layer`` in the rows :meth:`reserve` set aside, from token number ``token``.
+
+        Rows dropped meanwhile (``keep_last``) are skipped.
+
+        Raises:
+            As :meth:`record`.
+        """
+        start = token - self.dropped_tokens
+        rows = np.asarray(ids)
+        n = 1 if rows.ndim == 1 else len(rows)
+        if start + n <= 0:
+            return
+        if start < 0:
+            rows, start = (rows[None, :] if rows.ndim == 1 else rows)[-start:], 0
+        self.record(layer, rows, token_index=start)
+
     def _drop_oldest(self, n: int) -> None:
         kept = self._n_tokens - n
         self._buffer[:kept] = self._buffer[n : self._n_tokens]

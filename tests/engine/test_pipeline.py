@@ -157,3 +157,24 @@ async def test_a_long_running_trace_stays_bounded(model_path: Path, anyio_backen
     first = int(recorded.metadata["dropped_tokens"])
     assert first + recorded.n_tokens == 10
     np.testing.assert_array_equal(recorded.ids, trace.ids[first:])
+
+
+async def test_concurrent_tokens_get_their_own_trace_rows(model_path: Path, anyio_backend: object) -> None:
+    trace = uniform_random_trace(6, [1, 2, 3, 4], 8, 2, seed=7)
+    results: dict[int, aioexperts.TokenResult] = {}
+    async with aioexperts.open(model_path, slots=16) as store:
+        runner = aioexperts.MoERunner(store, record_trace=True)
+
+        async def token(t: int) -> None:
+            results[t] = await runner.run_token(
+                np.full((1, 256), 0.01, dtype=np.float32), route_step=route_from(trace, [t])
+            )
+
+        async with anyio.create_task_group() as tg:
+            for t in range(6):
+                tg.start_soon(token, t)
+        recorded = runner.routing_trace()
+    assert recorded.n_tokens == 6
+    rows = {tuple(recorded.ids[r].reshape(-1)) for r in range(6)}
+    wanted = {tuple(np.stack([s.ids[0] for s in results[t].steps]).reshape(-1)) for t in range(6)}
+    assert rows == wanted  # every row is one whole token, never layers of different tokens
