@@ -68,8 +68,9 @@ class CacheOptions:
     """The slab of slots and the cache over it.
 
     The slab is sized by ``slots`` or by ``bytes``, never both (``ConfigError``); with neither it
-    takes :data:`DEFAULT_CACHE_BYTES`. Either way it holds at least ``2 * expert_used_count`` slots
-    and at most every expert of the model.
+    takes :data:`DEFAULT_CACHE_BYTES`. Sized by bytes it holds at least ``2 * expert_used_count``
+    slots (one token's experts twice over); by ``slots``, exactly that many. Either way at most every
+    expert of the model.
 
     Attributes:
         slots: slab slots, each holding one expert (gate, up and down); None to size by ``bytes``.

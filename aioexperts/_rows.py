@@ -19,7 +19,7 @@ from ._cache.eviction import LRU
 from ._cache.scheduler import ReadScheduler
 from ._cache.stats import Counters
 from ._compute.quant import dequantize
-from ._errors import InvalidRequestError, SlabExhaustedError
+from ._errors import ConfigError, InvalidRequestError, SlabExhaustedError
 from ._format.model import GGUFModel
 from ._format.views import release_view
 from ._io.backends.base import IOBackend
@@ -135,7 +135,12 @@ class RowReader:
         self.n_slots = max(16, cache_bytes // self.slot_bytes)
         self.counters = Counters()
         self.calls = self.rows = self.windows = self.useful_bytes = 0
-        self.slab = Slab(self.n_slots, self.slot_bytes)
+        try:
+            self.slab = Slab(self.n_slots, self.slot_bytes)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"the row cache of {cache_bytes} bytes cannot be mapped ({exc}); lower CacheOptions.row_cache_bytes"
+            ) from exc
         built, _ = create_backend(
             backend,  # type: ignore[arg-type]
             files,

@@ -292,7 +292,10 @@ class MoERunner:
                     "(x too large for float32 logits?)"
                 )
         else:
-            ids, weights = _check_routing(layer, *route_step(layer, x), len(x), self._store.layout.layer(layer))
+            got = route_step(layer, x)
+            if not isinstance(got, tuple) or len(got) != 2:
+                raise InvalidRequestError(f"layer {layer}: route_step must return (ids, weights), got {_describe(got)}")
+            ids, weights = _check_routing(layer, *got, len(x), self._store.layout.layer(layer))
         unique = list(dict.fromkeys(ids[ids >= 0].tolist()))
         limit = self._store.n_slots
         if len(unique) <= limit:
@@ -315,7 +318,7 @@ class MoERunner:
                 predictor.observe(layer, x, ids)
                 if budget:
                     for nxt in self.upcoming_layers(layer):
-                        prefetch.extend((nxt, e) for e in predictor.predict(layer, nxt, x, budget))
+                        prefetch.extend((nxt, e) for e in _predicted(predictor, layer, nxt, x, budget))
         return _Routed(ids, weights, groups, prefetch)
 
     async def _step(
@@ -404,6 +407,8 @@ class MoERunner:
         Raises:
             As :meth:`moe`.
         """
+        if not isinstance(prefetch, bool):
+            raise InvalidRequestError(f"prefetch must be True or False, got {prefetch!r}")
         await self.warmup()
         layer = self._store.layout.layer(layer).index
         routed = await run_in_worker(self._route, layer, x, None, self._predictor if prefetch else None)
@@ -438,6 +443,14 @@ class MoERunner:
             As :meth:`moe`.
         """
         t0 = time.perf_counter()
+        if route_step is not None and not callable(route_step):
+            raise InvalidRequestError(f"route_step must be a callable (layer, x) -> (ids, weights), got {route_step!r}")
+        if compute is not None and not callable(compute):
+            raise InvalidRequestError(f"compute must be a ComputeStep callable, got {compute!r}")
+        if predictor is not None and not isinstance(predictor, Predictor):
+            raise InvalidRequestError(f"predictor must be an aioexperts.predictors.Predictor, got {predictor!r}")
+        if not isinstance(prefetch, bool):
+            raise InvalidRequestError(f"prefetch must be True or False, got {prefetch!r}")
         await self.warmup()
         chosen = (predictor or self._predictor) if prefetch else None
         token = None
@@ -458,7 +471,7 @@ class MoERunner:
                     f"than the {self._store.n_slots} slots; a custom compute step must fit in the slab"
                 )
             steps.append(step)
-            x = await run_in_worker(np.add, x, step.output)  # the residual stream
+            x = await run_in_worker(_next_input, layer, x, step.output, compute is not None)  # the residual stream
         seconds = time.perf_counter() - t0
         self._counters.tokens += len(x)
         self._counters.token_latency.add(seconds)
@@ -506,6 +519,37 @@ def _rows(mask: np.ndarray, limit: int = 8) -> str:
     return shown + (f" and {len(rows) - limit} more" if len(rows) > limit else "")
 
 
+def _predicted(predictor: Predictor, layer: int, nxt: int, x: np.ndarray, budget: int) -> list[int]:
+    """``predictor.predict`` checked: ints, at most ``budget`` of them (a custom predictor's mistakes name it)."""
+    got = predictor.predict(layer, nxt, x, budget)
+    if not isinstance(got, list | tuple) or any(
+        isinstance(e, bool) or not isinstance(e, int | np.integer) for e in got
+    ):
+        raise InvalidRequestError(
+            f"{type(predictor).__name__}.predict must return a list of expert ids, got {got!r:.80}"
+        )
+    return [int(e) for e in got[:budget]]
+
+
+def _next_input(layer: int, x: np.ndarray, y: object, custom: bool) -> np.ndarray:
+    """``x + y``, the next layer's input; a custom compute step's ``y`` is checked first (worker thread)."""
+    if custom:
+        _check_output(layer, y, x)
+    assert isinstance(y, np.ndarray)
+    return x + y
+
+
+def _check_output(layer: int, y: object, x: np.ndarray) -> None:
+    """A custom compute step's output: float32 of ``x``'s shape, finite."""
+    if not isinstance(y, np.ndarray) or y.dtype != np.float32 or y.shape != x.shape:
+        raise InvalidRequestError(
+            f"layer {layer}: the compute step must return a float32 array of shape {x.shape}, got {_describe(y)}"
+        )
+    bad = np.logical_not(np.isfinite(y).all(axis=1))
+    if bad.any():
+        raise InvalidRequestError(f"layer {layer}: the compute step returned NaN or inf in token rows {_rows(bad)}")
+
+
 def _describe(a: object) -> str:
     return f"{a.dtype} array of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
 
@@ -532,6 +576,9 @@ def _check_routing(
             f"{weights.dtype} array of shape {weights.shape}" if isinstance(weights, np.ndarray) else str(type(weights))
         )
         raise InvalidRequestError(f"layer {layer}: route_step weights must be float32 of shape {ids.shape}, got {got}")
+    bad = np.logical_not(np.isfinite(weights).all(axis=1))
+    if bad.any():
+        raise InvalidRequestError(f"layer {layer}: route_step weights are NaN or inf in token rows {_rows(bad)}")
     if ids.size and (int(ids.min()) < -1 or int(ids.max()) >= moe.n_experts):
         raise InvalidRequestError(
             f"layer {layer}: route_step ids must be in -1..{moe.n_experts - 1}, got {int(ids.min())}..{int(ids.max())}"

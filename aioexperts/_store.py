@@ -112,6 +112,11 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         raise ConfigError(f"pagecache must be a PageCacheOptions, got {pagecache!r}")
     if pagecache is not None and mode != "pagecache":
         raise ConfigError('pagecache options need mode="pagecache"')
+    if mode == "pagecache" and (cache is not None or slots is not None or cache_bytes is not None):
+        raise ConfigError(
+            "the page-cache mode has no slab: slots, cache_bytes and cache do not apply (the page cache is the "
+            "cache; PageCacheOptions set its warming)"
+        )
     if slots is not None or cache_bytes is not None:
         if cache is not None:
             raise ConfigError("give the cache size either as slots=/cache_bytes= or inside cache=, not both")
@@ -519,7 +524,7 @@ class ExpertStore:
             requests=pc.requests,
             hits=pc.hits,
             misses=pc.misses,
-            prefetch_issued=sum(pc.prefetch_calls.values()),
+            prefetch_issued=pc.prefetch_ranges,
             prefetch_dropped=pc.dropped,
             reads=pc.ranges_issued,
             read_errors=pc.errors,
@@ -632,7 +637,9 @@ class ExpertStore:
         except TypeError:
             raise InvalidRequestError(f"ids must be an iterable of expert ids, got {ids!r}") from None
         moe, keys = self._keys(layer, ids)
-        prefetch_keys = list(prefetch)
+        prefetch_keys = _checked_keys(prefetch, "prefetch")
+        if wait is not None and not isinstance(wait, bool):
+            raise InvalidRequestError(f"wait must be True, False or None, got {wait!r}")
         if wait is None:
             wait = self.cache_options.wait_for_slots
 
@@ -665,7 +672,7 @@ class ExpertStore:
             InvalidRequestError: a key the model does not have (nothing was started).
             StoreClosedError: the store is closed.
         """
-        return self._running_cache().prefetch(list(keys))
+        return self._running_cache().prefetch(_checked_keys(keys, "keys"))
 
     def drop_prefetches(self, keep: Callable[[Key], bool] = lambda key: False) -> int:
         """Forget prefetches still queued (not submitted) whose key ``keep`` rejects.
@@ -676,6 +683,8 @@ class ExpertStore:
         Raises:
             StoreClosedError: the store is closed.
         """
+        if not callable(keep):
+            raise InvalidRequestError(f"keep must be a callable (layer, expert) -> bool, got {keep!r}")
         return self._running_cache().drop_prefetches(keep)
 
     # -- rows -----------------------------------------------------------------------------------
@@ -793,3 +802,21 @@ class ExpertStore:
         running = self._cache is not None or self._pagecache is not None
         state = "closed" if self._closed else "running" if running else "not started"
         return f"<aioexperts.ExpertStore {self.path!r} {state}>"
+
+
+def _checked_keys(keys: object, name: str) -> list[Key]:
+    """``keys`` as a list of ``(layer, expert)`` int pairs, or InvalidRequestError."""
+    try:
+        items = list(keys)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidRequestError(f"{name} must be an iterable of (layer, expert) pairs, got {keys!r}") from None
+    out = []
+    for key in items:
+        if (
+            not isinstance(key, tuple)
+            or len(key) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int | np.integer) for v in key)
+        ):
+            raise InvalidRequestError(f"{name} must hold (layer, expert) pairs of ints, got {key!r}")
+        out.append((int(key[0]), int(key[1])))
+    return out

@@ -52,6 +52,7 @@ class PageCacheCounters:
         prefetch_seconds: time spent in :meth:`PageCacheSource.prefetch` itself (residency checks
             and queueing, on the loop thread).
         prefetch_calls: prefetch calls per MoE layer predicted.
+        prefetch_ranges: merged ranges queued by prefetch (the unit of ``dropped`` too).
         dropped: queued prefetch ranges dropped before a worker took them.
     """
 
@@ -64,6 +65,7 @@ class PageCacheCounters:
     errors: int = 0
     prefetch_seconds: float = 0.0
     prefetch_calls: dict[int, int] = field(default_factory=dict)
+    prefetch_ranges: int = 0
     dropped: int = 0
 
     def reset(self) -> None:
@@ -90,7 +92,8 @@ class PageCacheStatistics:
     """The page-cache mode's counters (``store.statistics().pagecache``); see :class:`PageCacheCounters`.
 
     Attributes:
-        method: the warming method (``"read"``, ``"advice"``, ``"parallel-advice"``).
+        method: the warming method that really runs (``"read"``, ``"advice"``, ``"parallel-advice"``,
+            ``"uring"``; ``"read"`` when ``"uring"`` was asked for without io_uring).
         ranges_issued: merged ranges handed to a warming call.
         bytes_warmed: bytes those calls covered.
         resident_skipped: merged ranges found resident (``mincore``) and not warmed.
@@ -296,6 +299,7 @@ class PageCacheSource:
         for r in missing:
             owners = frozenset(k for k, loc in zip(unique, locations, strict=True) if _covers(r, loc))
             self._enqueue(r, owners, demand=False)
+        self.counters.prefetch_ranges += len(missing)
         self.counters.prefetch_seconds += time.perf_counter() - t0
         return len(missing)
 

@@ -86,7 +86,8 @@ class StoreStatistics:
     ``misses`` (a new read), so ``requests == hits + inflight_joins + misses``.
 
     Attributes:
-        backend: ``"io_uring"``, ``"threads"`` or ``"fake"``.
+        backend: ``"io_uring"``, ``"threads"``, a custom backend's ``name`` (``"fake"``), or in
+            page-cache mode ``"pagecache (METHOD)"``.
         direct_io: reads bypass the page cache (``O_DIRECT``).
         fallback_reason: why ``backend="auto"`` did not get io_uring, else None.
         buffered_reason: why direct I/O is off, else None.
@@ -109,7 +110,8 @@ class StoreStatistics:
         in_flight: reads in flight now.
         pinned_slots: slots pinned now (by open ``experts()`` blocks and running layer steps).
         pagecache: the page-cache mode's own counters (``open(mode="pagecache")``), else None;
-            there, ``reads`` and ``bytes_read`` count warming calls and the bytes they covered.
+            there, ``reads`` and ``bytes_read`` count warming calls and the bytes they covered, and
+            ``prefetch_issued`` / ``prefetch_dropped`` count merged ranges.
         expert_latency_p50_ms, expert_latency_p99_ms: per expert load, submit to ready (ms).
     """
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import __version__
 from .._cache.replay import BELADY, expert_frequencies, format_bytes, slots_for_hit_rate
-from .._errors import AioExpertsError
+from .._errors import AioExpertsError, FormatError
 from .._format.layout import build_layout
 from .._format.model import open_model
 from .._predict.trace import RoutingTrace
@@ -167,6 +167,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             expert_bytes = None
             if args.model:
                 layout = build_layout(open_model(os.path.expanduser(args.model)))
+                model_geometry = (tuple(layout.layers), tuple(m.n_experts for m in layout.layers.values()))
+                if model_geometry != (trace.layers, trace.n_experts):
+                    raise FormatError(
+                        f"the trace is not of this model: it has MoE layers {list(trace.layers)} with "
+                        f"{list(trace.n_experts)} experts, the model {list(model_geometry[0])} with "
+                        f"{list(model_geometry[1])}"
+                    )
                 expert_bytes = layout.max_expert_bytes
             summary = _summary(trace, args.hit_rate, expert_bytes)
             if args.json:

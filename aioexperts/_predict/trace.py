@@ -9,6 +9,7 @@ synthetic ones with :func:`uniform_random_trace` and :func:`skewed_random_trace`
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -106,6 +107,9 @@ def _check_parts(
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise error(f"metadata must map str to str, got {key!r}: {value!r}")
+
+
+_ZIP_MAGIC = b"PK\x03\x04"  # every .npz (a zip archive) starts with a local file header
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -239,7 +243,9 @@ class RoutingTrace:
         Raises:
             OSError: if the file cannot be written.
         """
-        target = os.fspath(path)
+        target = os.path.expanduser(os.fspath(path))
+        if os.path.isdir(target):
+            raise IsADirectoryError(errno.EISDIR, "a routing trace is a file; name one inside the directory", target)
         directory = os.path.dirname(os.path.abspath(target))
         arrays = {
             "version": np.array(TRACE_FORMAT_VERSION, dtype=np.int64),
@@ -272,10 +278,13 @@ class RoutingTrace:
                 the broken rule.
             OSError: if the file cannot be opened or read.
         """
-        name = os.fspath(path)
+        name = os.path.expanduser(os.fspath(path))
         try:
             # Opened here, not by np.load, so the file is closed even when numpy fails half-way.
             with open(name, "rb") as f:
+                if f.read(4) != _ZIP_MAGIC:
+                    raise FormatError(f"{name}: not a routing trace (a trace is an .npz archive, written by save())")
+                f.seek(0)
                 archive = np.load(f, allow_pickle=False)
                 if not isinstance(archive, np.lib.npyio.NpzFile):
                     raise FormatError(f"{name}: not an .npz archive (a single .npy array?)")

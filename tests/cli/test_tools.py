@@ -131,3 +131,13 @@ def test_trace_summary_and_order(tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert entry["counts"] == [int(c[e]) for e in entry["hot_first"]]
         assert entry["counts"] == sorted(entry["counts"], reverse=True)
     assert tracetool.main(["summary", str(tmp_path / "missing.npz")]) == 2
+
+
+def test_trace_summary_refuses_a_model_it_was_not_recorded_on(
+    model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = uniform_random_trace(20, [0, 1], 8, 2, seed=1)  # the model has 3 MoE layers
+    path = tmp_path / "t.npz"
+    trace.save(path)
+    assert tracetool.main(["summary", str(path), "--model", str(model_path)]) == 2
+    assert "not of this model" in capsys.readouterr().err

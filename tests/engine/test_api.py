@@ -13,6 +13,7 @@ from ioutil import pread_segment
 
 import aioexperts
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.predictors import NullPredictor
 
 pytestmark = pytest.mark.anyio
 
@@ -655,3 +656,66 @@ async def test_one_policy_instance_serves_one_store(model_path: Path, anyio_back
             pass
         async with again.experts(2, [0, 1]) as views:  # evictions work: the policy knows this store's keys only
             assert len(views) == 2
+
+
+@pytest.mark.parametrize(
+    ("call", "needle"),
+    [
+        (lambda s, r: s.prefetch([1, 2]), "pairs of ints"),
+        (lambda s, r: s.prefetch([(1, 2, 3)]), "pairs of ints"),
+        (lambda s, r: s.prefetch([(1.0, 2)]), "pairs of ints"),
+        (lambda s, r: s.prefetch(None), "iterable of"),
+        (lambda s, r: s.drop_prefetches(5), "keep must be a callable"),
+    ],
+)
+async def test_store_arguments_are_checked(model_path: Path, call: object, needle: str, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        with pytest.raises(aioexperts.InvalidRequestError, match=needle):
+            call(store, None)  # type: ignore[operator]
+        with pytest.raises(aioexperts.InvalidRequestError, match="pairs of ints"):
+            async with store.experts(1, [0], prefetch=[5]):  # type: ignore[list-item]
+                pass
+        with pytest.raises(aioexperts.InvalidRequestError, match="wait must be"):
+            async with store.experts(1, [0], wait="no"):  # type: ignore[arg-type]
+                pass
+        assert store.statistics().pinned_slots == 0
+
+
+def _x() -> np.ndarray:
+    return np.zeros((2, SMALL.n_embd), dtype=np.float32)
+
+
+class _NonePredictor(NullPredictor):
+    def predict(self, layer, next_layer, x, budget):  # type: ignore[no-untyped-def]
+        return None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"compute": "abc"}, "compute must be a ComputeStep"),
+        ({"predictor": "router"}, "predictor must be an aioexperts.predictors.Predictor"),
+        ({"route_step": lambda layer, x: None}, "route_step must return"),
+        ({"prefetch": "no"}, "prefetch must be True or False"),
+        ({"compute": lambda layer, x, v, i, w: x[:1]}, r"must return a float32 array of shape \(2, 256\)"),
+        ({"compute": lambda layer, x, v, i, w: 0}, "must return a float32 array"),
+        ({"compute": lambda layer, x, v, i, w: x.astype(np.float64)}, "must return a float32 array"),
+        ({"compute": lambda layer, x, v, i, w: x + np.float32("nan")}, "returned NaN or inf in token rows 0, 1"),
+        (
+            {"route_step": lambda layer, x: (np.zeros((2, 2), np.int32), np.full((2, 2), np.nan, np.float32))},
+            "weights are NaN or inf",
+        ),
+        ({"predictor": _NonePredictor()}, "predict must return a list of expert ids"),
+    ],
+)
+async def test_runner_arguments_and_custom_steps_are_checked(
+    model_path: Path, kwargs: dict[str, object], needle: str, anyio_backend: object
+) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        runner = aioexperts.MoERunner(store)
+        with pytest.raises(aioexperts.InvalidRequestError, match=needle):
+            await runner.run_token(_x(), **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(aioexperts.InvalidRequestError, match="prefetch must be True or False"):
+            await runner.moe_result(1, _x(), prefetch="no")  # type: ignore[arg-type]
+        assert store.statistics().pinned_slots == 0
+        assert (await runner.run_token(_x())).output.shape == (2, SMALL.n_embd)  # still usable

@@ -210,3 +210,19 @@ async def test_a_model_file_that_shrinks_is_an_error_not_a_crash(
             await aioexperts.MoERunner(store).moe(2, np.zeros((1, SPEC.n_embd), dtype=np.float32))
         async with store.experts(0, [0]) as (view,):  # what is still in the file still serves
             assert view is not None and bytes(view.gate.data[:4])
+
+
+def test_slab_options_are_refused_in_page_cache_mode(model_path: Path) -> None:
+    for kwargs in ({"slots": 4}, {"cache_bytes": 1 << 20}, {"cache": aioexperts.CacheOptions()}):
+        with pytest.raises(aioexperts.ConfigError, match="no slab"):
+            aioexperts.open(model_path, mode="pagecache", **kwargs)  # type: ignore[arg-type]
+
+
+async def test_prefetch_statistics_count_ranges_in_page_cache_mode(model_path: Path, anyio_backend: object) -> None:
+    options = aioexperts.PageCacheOptions(method="read", n_threads=1, max_gap=0)
+    async with aioexperts.open(model_path, mode="pagecache", pagecache=options) as store:
+        if not cold(model_path):
+            pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED")
+        queued = store.prefetch([(2, e) for e in range(0, 16, 2)])
+        st = store.statistics()
+        assert st.prefetch_issued == queued and st.pagecache is not None  # ranges, like prefetch_dropped

@@ -175,3 +175,12 @@ async def test_the_reads_of_one_call_go_out_in_one_submission(model_path: Path, 
         await store.read_rows("table.Q6_K", [0, 40, 80, 120, 160, 200, 240])  # 210-byte rows: 19 per window
         rows_backend = made[-1]
         assert len(made) == 2 and rows_backend.batches == [7]  # seven windows, one submit
+
+
+async def test_a_row_cache_too_large_to_map_names_its_option(model_path: Path, anyio_backend: object) -> None:
+    cache = aioexperts.CacheOptions(slots=2, row_cache_bytes=1 << 62)
+    async with aioexperts.open(model_path, cache=cache) as store:
+        with pytest.raises(aioexperts.ConfigError, match="row_cache_bytes"):
+            await store.read_rows("table.F32", [0])
+        async with store.experts(0, [0]) as views:  # the store is still usable
+            assert views[0] is not None

@@ -280,11 +280,11 @@ def test_load_refuses_pickled_object_array(tmp_path: Path) -> None:
 def test_load_rejects_non_archives(tmp_path: Path) -> None:
     npy = tmp_path / "single.npy"
     np.save(npy, np.zeros((1, 1, 1), np.int16))
-    with pytest.raises(FormatError, match="not an .npz"):
+    with pytest.raises(FormatError, match="not a routing trace"):
         RoutingTrace.load(npy)
     pickled = tmp_path / "pickled.bin"
     pickled.write_bytes(b"\x80\x04\x95" + b"\x00" * 20)
-    with pytest.raises(FormatError, match="pickle"):
+    with pytest.raises(FormatError, match="not a routing trace"):  # refused before numpy sees it
         RoutingTrace.load(pickled)
     empty = tmp_path / "empty.npz"
     empty.write_bytes(b"")
@@ -415,3 +415,21 @@ def test_a_bounded_recorder_keeps_the_last_tokens() -> None:
         TraceRecorder([1], 8, 2, max_tokens=4).record(1, np.zeros((5, 2), dtype=np.int64))
     with pytest.raises(ConfigError, match="keep_last needs"):
         TraceRecorder([1], 8, 2, keep_last=True)
+
+
+def test_files_that_are_not_traces_get_a_plain_message(tmp_path: Path) -> None:
+    for content in (b"GGUF\x03\x00\x00\x00" + bytes(64), b"hello, world\n", b""):
+        path = tmp_path / "x.npz"
+        path.write_bytes(content)
+        with pytest.raises(FormatError, match="not a routing trace") as info:
+            RoutingTrace.load(path)
+        assert "pickle" not in str(info.value)
+
+
+def test_save_expands_the_home_and_refuses_a_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = RoutingTrace(np.zeros((2, 1, 1), dtype=np.int16), (0,), (4,))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    trace.save("~/t.npz")
+    assert RoutingTrace.load(tmp_path / "t.npz") == trace
+    with pytest.raises(IsADirectoryError, match="name one inside the directory"):
+        trace.save(tmp_path)
