@@ -433,18 +433,10 @@ class TraceRecorder:
         if self._max_tokens is not None and stop > self._max_tokens:
             if not self._keep_last or rows.shape[0] > self._max_tokens:
                 raise ConfigError(f"recording tokens up to {stop} exceeds max_tokens={self._max_tokens}")
-            drop = min(max(stop - self._max_tokens, self._max_tokens // 4), self._n_tokens)
-            if start < drop:
+            if start < self._drop_for(stop):
                 raise ConfigError(f"token {start} was dropped already (max_tokens={self._max_tokens}, keep_last)")
-            self._drop_oldest(drop)
-            start, stop = start - drop, stop - drop
-        if stop > self._buffer.shape[0]:
-            capacity = max(stop, 2 * self._buffer.shape[0], 64)
-            if self._max_tokens is not None:
-                capacity = min(capacity, self._max_tokens)
-            grown = np.full((capacity, *self._buffer.shape[1:]), -1, dtype=self._buffer.dtype)
-            grown[: self._n_tokens] = self._buffer[: self._n_tokens]
-            self._buffer = grown
+        dropped = self._make_room(stop)
+        start, stop = start - dropped, stop - dropped
         self._buffer[start:stop, i, :] = rows
         self._cursor[i] = max(self._cursor[i], stop)
         self._n_tokens = max(self._n_tokens, stop)
@@ -458,14 +450,25 @@ class TraceRecorder:
         first token ever recorded (dropped ones included).
         """
         first = self._n_tokens + self.dropped_tokens
-        self._n_tokens_reserved(self._n_tokens + n_tokens)
+        stop = self._n_tokens + n_tokens
+        stop -= self._make_room(stop)
+        self._n_tokens = max(self._n_tokens, stop)
+        self._cursor = [max(c, stop) for c in self._cursor]
         return first
 
-    def _n_tokens_reserved(self, stop: int) -> None:
-        if self._max_tokens is not None and stop > self._max_tokens and self._keep_last:
-            drop = min(max(stop - self._max_tokens, self._max_tokens // 4), self._n_tokens)
+    def _drop_for(self, stop: int) -> int:
+        """Tokens ``keep_last`` drops so that rows up to ``stop`` fit (a quarter of the ring at least)."""
+        if self._max_tokens is None or stop <= self._max_tokens or not self._keep_last:
+            return 0
+        return min(max(stop - self._max_tokens, self._max_tokens // 4), self._n_tokens)
+
+    def _make_room(self, stop: int) -> int:
+        """Drop the oldest tokens if ``keep_last`` needs to, grow the buffer to rows up to ``stop``;
+        returns how many tokens were dropped (row numbers shift down by as many)."""
+        drop = self._drop_for(stop)
+        if drop:
             self._drop_oldest(drop)
-            stop -= drop
+        stop -= drop
         if stop > self._buffer.shape[0]:
             capacity = max(stop, 2 * self._buffer.shape[0], 64)
             if self._max_tokens is not None:
@@ -473,8 +476,7 @@ class TraceRecorder:
             grown = np.full((capacity, *self._buffer.shape[1:]), -1, dtype=self._buffer.dtype)
             grown[: self._n_tokens] = self._buffer[: self._n_tokens]
             self._buffer = grown
-        self._n_tokens = max(self._n_tokens, stop)
-        self._cursor = [max(c, stop) for c in self._cursor]
+        return drop
 
     def record_token(self, layer: int, ids: npt.ArrayLike, token: int) -> None:
         """Record ``ids`` of layer ``layer`` in the rows :meth:`reserve` set aside, from token number ``token``.
