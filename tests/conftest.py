@@ -7,6 +7,7 @@ import mmap
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 #: Every async test marked ``anyio`` runs on each of these event loops.
@@ -99,3 +100,22 @@ def direct_tmp_path(tmp_path: Path) -> Path:
     if reason is not None:
         pytest.skip(reason)
     return tmp_path
+
+
+def golden_fixture_paths() -> list[Path]:
+    """Every shared fixture (subfolders included) that has llama.cpp's MoE outputs (``.golden.npz``)."""
+    return [p for p in shared_fixture_paths() if p.with_suffix(".golden.npz").exists()]
+
+
+def golden_tolerance(path: Path) -> float:
+    """Relative L2 allowed against llama.cpp (the fixtures README): F32 1e-5, BF16 1e-2, quantized and mixed 4e-2."""
+    if path.stem.endswith("-f32"):
+        return 1e-5
+    if path.stem.endswith("-bf16"):
+        return 1e-2
+    return 4e-2
+
+
+def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
+    """``|got - want| / |want|`` in float64."""
+    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))

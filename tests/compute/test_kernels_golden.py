@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import shared_fixtures_dir
+from conftest import golden_fixture_paths, golden_tolerance, rel_l2, shared_fixtures_dir
 
 import aioexperts
 from aioexperts._compute import fused
@@ -24,28 +24,8 @@ pytestmark = pytest.mark.anyio
 BACKENDS_RTOL = 1e-5
 
 
-def fixture_paths() -> list[Path]:
-    root = shared_fixtures_dir()
-    if root is None:
-        return []
-    paths = [*root.glob("*.gguf"), *(root / "more-archs").glob("*.gguf")]
-    return sorted(p for p in paths if p.with_suffix(".golden.npz").exists())
-
-
-FIXTURES = fixture_paths()
-
-
-def tolerance(path: Path) -> float:
-    """The fixtures README: F32 <= 1e-5, BF16 <= 1e-2, quantized and mixed <= 4e-2."""
-    if path.stem.endswith("-f32"):
-        return 1e-5
-    if path.stem.endswith("-bf16"):
-        return 1e-2
-    return 4e-2
-
-
-def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
+FIXTURES = golden_fixture_paths()
+tolerance = golden_tolerance
 
 
 @pytest.fixture

@@ -6,26 +6,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import shared_fixture_paths
+from conftest import golden_fixture_paths, golden_tolerance, rel_l2
 
 import aioexperts
 
 pytestmark = pytest.mark.anyio
 
-FIXTURES = [p for p in shared_fixture_paths() if p.with_suffix(".golden.npz").exists()]
-
-
-def tolerance(path: Path) -> float:
-    """README of the fixtures: F32 <= 1e-5, BF16 <= 1e-2, quantized and mixed <= 4e-2."""
-    if path.stem.endswith("-f32"):
-        return 1e-5
-    if path.stem.endswith("-bf16"):
-        return 1e-2
-    return 4e-2
-
-
-def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+FIXTURES = golden_fixture_paths()
+tolerance = golden_tolerance
 
 
 @pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
