@@ -36,6 +36,13 @@ def test_public_names_are_exactly_all() -> None:
         assert getattr(aioexperts, name) is not None
 
 
+def test_installed_version_is_the_package_version() -> None:
+    """pyproject.toml's version (what pip installed) and ``aioexperts.__version__`` are one number."""
+    import importlib.metadata
+
+    assert importlib.metadata.version("aioexperts") == aioexperts.__version__
+
+
 @pytest.mark.parametrize("name", PUBLIC_MODULES)
 def test_public_modules_export_exactly_all(name: str) -> None:
     import importlib
