@@ -118,6 +118,18 @@ def test_write_leaves_no_temp_file(tmp_path: Path, model_copy: Path) -> None:
     assert set(os.listdir(tmp_path)) == before | {"m.weepf"}
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_written_map_has_the_mode_of_a_new_file(tmp_path: Path, model_copy: Path, umask: int) -> None:
+    """0666 & ~umask like any file the user creates, not mkstemp's 0600 (the temp file is chmod-ed)."""
+    model, layout = _open(model_copy)
+    old = os.umask(umask)
+    try:
+        write_expert_map(model, layout, tmp_path / "m.weepf")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "m.weepf").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
 def test_failed_write_leaves_no_temp_file(tmp_path: Path, model_copy: Path) -> None:
     """The final rename fails (the target is a non-empty directory): the temp file is removed."""
     model, layout = _open(model_copy)
