@@ -123,6 +123,31 @@ def test_fio_replay_counts_every_read(model: Path) -> None:
     assert r.n_reads == len(reads) and r.bytes_read == reads.expected_bytes()
 
 
+@pytest.mark.parametrize(
+    ("script", "needle"),
+    [
+        ("echo 'fio: engine io_uring not loadable' >&2; exit 3", "fio exited with status 3: fio: engine io_uring not"),
+        ("echo 'not json'", "fio printed no JSON report"),
+        ('echo \'{"jobs": [{"error": 5, "read": {}}]}\'', "fio reported error 5 in its job"),
+    ],
+)
+def test_a_failing_fio_raises_one_line(
+    script: str, needle: str, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aioexperts._cli import fio
+
+    fake = tmp_path / "fio"
+    fake.write_text(f"#!/bin/sh\n{script}\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(fio, "fio_path", lambda: str(fake))
+    info = ea.model_info(str(model))
+    reads = ReadList.from_rows(info.shard_paths, [(0, 0, 4096)])
+    with pytest.raises(fio.FioError) as raised:
+        fio.run_fio_replay(reads, depth=4, workdir=str(tmp_path))
+    assert needle in str(raised.value) and "\n" not in str(raised.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["fio"]  # the iolog is removed
+
+
 def test_render_replaces_marked_regions_only(tmp_path: Path) -> None:
     import importlib.util
 
