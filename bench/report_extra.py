@@ -55,7 +55,7 @@ def kernels(results: dict[str, Any]) -> str:
         rows.append(row)
     return (
         f"Fused one-token kernels, one thread, GB/s of weight bytes; x gguf-py target >= {gguf_target:g}, "
-        f"x ggml (llama.cpp's kernel here, KERNELS.md) target >= {ggml_target:g}. {_where(results)}\n\n"
+        f"x ggml (llama.cpp's kernel here, docs/notes/KERNELS.md) target >= {ggml_target:g}. {_where(results)}\n\n"
         + _table(
             ["type", "shape", "float GB/s", "x gguf", "x ggml", "int8 GB/s", "x gguf", "x ggml"],
             [[r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]] for r in rows],

@@ -232,7 +232,7 @@ async def test_expert_map_is_checked_at_open(tmp_path: Path, anyio_backend: obje
     import os
 
     path = tmp_path / "m.gguf"
-    # a WEEPF001 map describes blocks 0..n-1 (FORMATS.md section 3): a model without a dense lead
+    # a WEEPF001 map describes blocks 0..n-1 (docs/notes/FORMATS.md section 3): a model without a dense lead
     write_synthetic_model(path, SMALL.with_(leading_dense=0))
     model = aioexperts.open_model(path)
     aioexperts.write_expert_map(model, aioexperts.build_layout(model), tmp_path / "m.weepf")
