@@ -36,7 +36,8 @@ def _where(results: dict[str, Any]) -> str:
     date = results.get("started") or results.get("date", "?")
     cpu = m.get("cpu", "")
     cores = m.get("cores_available", m.get("cpus", "?"))
-    return f"_{date}, {cores} vCPU {cpu}, Linux {m.get('kernel', '?')}; {results.get('_source', '')}_"
+    cpu = f" {cpu}" if cpu else ""
+    return f"_{date}, {cores} vCPU{cpu}, Linux {m.get('kernel', '?')}; {results.get('_source', '')}_"
 
 
 def kernels(results: dict[str, Any]) -> str:
@@ -177,7 +178,7 @@ def pagecache(results: dict[str, Any]) -> str:
     ]
     return (
         f"Built-in model, {p['tokens']} tokens of uniform random top-8 per pass, every page of every expert "
-        f"touched; {p['rounds']} rounds; GB = 1e9 bytes. {_where(results)}\n\n"
+        f"touched; {p['rounds']} round{'s' if p['rounds'] != 1 else ''}; GB = 1e9 bytes. {_where(results)}\n\n"
         + _table(["mode / pass", "payload GB/s", "model GB in the page cache after"], out)
     )
 
@@ -232,6 +233,53 @@ def soak(results: dict[str, Any]) -> str:
     )
 
 
+def _e(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def accuracy(results: dict[str, Any]) -> str:
+    p = results["parameters"]
+    rows = [
+        [
+            name,
+            "yes" if e["verified"] else "no",
+            "yes" if all(e[prec]["ids_exact"] for prec in p["precisions"]) else "**no**",
+            *(_e(e[prec]["moe_out_rel_l2"]) for prec in p["precisions"]),
+        ]
+        for name, e in results["summary"].items()
+    ]
+    return (
+        f"Worst relative L2 error of `moe_out` against llama.cpp's over each fixture's MoE layers, through "
+        f"`MoERunner.moe_result` ({p['kernels']} kernels), per precision of the one-token kernels. {_where(results)}"
+        "\n\n"
+        + _table(
+            ["fixture", "routing verified", "ids exact", *(f"{prec} `moe_out` rel L2" for prec in p["precisions"])],
+            rows,
+        )
+    )
+
+
+def accuracy_detail(results: dict[str, Any]) -> str:
+    rows = [
+        [
+            name,
+            ", ".join(map(str, e["layers"])),
+            "yes" if e["float"]["ids_exact"] else "**no**",
+            _e(e["float"]["weights_max_abs"]),
+            _e(e["float"]["moe_out_rel_l2"]),
+            _e(e["float"]["shared_out_rel_l2"]),
+        ]
+        for name, e in results["summary"].items()
+    ]
+    return (
+        "Default (float) precision, worst over each fixture's MoE layers: routing weights' largest absolute "
+        f"error, relative L2 error of `moe_out` and `shared_out` against llama.cpp's. {_where(results)}\n\n"
+        + _table(
+            ["fixture", "layers", "ids exact", "weights max abs err", "`moe_out` rel L2", "`shared_out` rel L2"], rows
+        )
+    )
+
+
 #: region name -> (committed results file, renderer)
 EXTRA: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "kernels": ("docs/results/kernels.json", kernels),
@@ -243,4 +291,6 @@ EXTRA: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "pagecache": ("docs/results/pagecache.json", pagecache),
     "pagecachelimited": ("docs/results/pagecache.json", pagecache_limited),
     "soak": ("docs/results/soak.json", soak),
+    "accuracy": ("docs/results/accuracy.json", accuracy),
+    "accuracydetail": ("docs/results/accuracy.json", accuracy_detail),
 }
