@@ -54,12 +54,39 @@ def kernels(results: dict[str, Any]) -> str:
             row.append("-" if xg is None else f"{xg['median']:.1f} {_met(xg['median'], gguf_target, at_most=False)}")
             row.append("-" if xm is None else f"{xm['median']:.2f} {_met(xm['median'], ggml_target, at_most=False)}")
         rows.append(row)
+    batches = p.get("batches", [4, 16, 64, 256])
+    more = []
+    for key, e in results["summary"]["kernels"].items():
+        qtype, shape = key.split()
+        cold = e["gbps"].get("cold")
+        more.append(
+            [
+                qtype,
+                shape,
+                "-" if cold is None else f"{cold['median']:.2f}",
+                "-" if "x_numpy_float" not in e else f"{e['x_numpy_float']['median']:.1f}",
+                "/".join(
+                    f"{e[f'batch{n}_speedup']['median']:.1f}" if f"batch{n}_speedup" in e else "-" for n in batches
+                ),
+                "-"
+                if "exact_gelems" not in e
+                else f"{e['exact_gelems']['median']:.2f} ({e['exact_speedup']['median']:.1f})",
+            ]
+        )
     return (
         f"Fused one-token kernels, one thread, GB/s of weight bytes; x gguf-py target >= {gguf_target:g}, "
         f"x ggml (llama.cpp's kernel here, docs/notes/KERNELS.md) target >= {ggml_target:g}. {_where(results)}\n\n"
         + _table(
             ["type", "shape", "float GB/s", "x gguf", "x ggml", "int8 GB/s", "x gguf", "x ggml"],
             [[r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]] for r in rows],
+        )
+        + "\n\nThe same kernels, medians: the float kernel on weights in DRAM (cold GB/s), and speed-ups over the "
+        "numpy kernels + BLAS for one token, for batches of "
+        + "/".join(map(str, batches))
+        + " tokens, and for exact dequantization (1e9 values/s, x numpy in brackets).\n\n"
+        + _table(
+            ["type", "shape", "cold GB/s", "x numpy", "batch " + "/".join(map(str, batches)) + " x numpy", "exact"],
+            more,
         )
     )
 

@@ -177,6 +177,36 @@ def test_render_replaces_marked_regions_only(tmp_path: Path) -> None:
     assert "not measured" in path.read_text()
 
 
+def test_the_docs_tables_are_rendered_from_the_committed_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``<!-- bench:NAME -->`` region of README.md and docs/ is what render.py makes of the file it names.
+
+    Fails when a region was typed or edited by hand, left empty, or not rendered again after its
+    results file changed (run ``bench/render.py RESULTS --write README.md docs/*.md --extra``).
+    """
+    import importlib.util
+    import re
+
+    from aioexperts._cli.results import load_results
+
+    repo = Path(__file__).parents[2]
+    monkeypatch.chdir(repo)  # the satellite benches' results files are named relative to the repository
+    spec = importlib.util.spec_from_file_location("render", repo / "bench" / "render.py")
+    assert spec is not None and spec.loader is not None
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    extra_files = {path for path, _ in render.EXTRA.values()}
+    rendered = []
+    for doc in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        main = set(re.findall(r"rendered by bench/render.py from (\S+);", text)) - extra_files
+        assert len(main) <= 1, (doc, main)
+        source = main.pop() if main else ""
+        new, names = render.render_file(text, load_results(source) if source else {}, source, extra=True)
+        assert new == text, f"{doc.name}: a region differs from its rendering"
+        rendered += names
+    assert set(render.EXTRA) <= set(rendered)  # every satellite bench has its table in the docs
+
+
 def test_destination_is_prefaulted_and_closes() -> None:
     with Destination(10_000) as dest:
         assert dest.n_bytes % 4096 == 0 and dest.n_bytes >= 10_000
