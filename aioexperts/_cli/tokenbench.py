@@ -1,7 +1,7 @@
 """Per-token figures: the I/O-compute overlap, and tokens per second of the executor.
 
 Overlap, per round (``rounds``, 5 by default), on a seeded uniform random top-k routing trace,
-one token at a time through every MoE layer (``engine.run_token``), each run in a fresh engine:
+one token at a time through every MoE layer (``runner.run_token``), each run on a fresh store and runner:
 
 1. ``io only``: no compute, a slab of ``slab_fraction`` of the experts, the oracle prefetch (it
    knows the next layers' routing): the I/O time of a token, ``io``;
