@@ -1,7 +1,7 @@
 # One command each: `make bench` sets everything up and runs the benchmark on the built-in model;
 # `make test` sets up and runs the tests. Both create ./.venv from this project's own files.
 #
-#   make bench                      # all benches, 5 rounds, writes bench-results.json (about 6-8 min)
+#   make bench                      # all benches, 5 rounds, writes bench-results.json (about 3-8 min, depending on the disk)
 #   make bench BENCH_ARGS="--rounds 11"   # more rounds, any aioexperts-bench option
 #   make bench-plots                # the same plus the depth/size sweeps and PNGs in docs/img
 #   make render RESULTS=docs/results/FILE.json   # tables of README.md and docs/bench.md from a results file

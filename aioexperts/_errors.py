@@ -48,7 +48,7 @@ class MissingShardError(FormatError):
 
 
 class LayoutError(FormatError):
-    """The expert tensors break a rule of the expert layout (FORMATS.md sections 1 and 2)."""
+    """The expert tensors break a rule of the expert layout (docs/notes/FORMATS.md sections 1 and 2)."""
 
 
 class UnsupportedTypeError(FormatError):

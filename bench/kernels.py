@@ -17,7 +17,7 @@ thread too), interleaved rounds, median of ``--calls`` calls per round:
 * ``exact``: compiled exact dequantization, values per second, against the numpy kernels.
 
 GB/s are weight bytes (ggml block bytes) per second. ``x ggml``: the fraction of llama.cpp's own
-one-thread kernel on this machine (``../shared/docs/KERNELS.md``), target >= 0.4. Then (unless
+one-thread kernel on this machine (``docs/notes/KERNELS.md``), target >= 0.4. Then (unless
 ``--skip-compile``) the compile cost in fresh processes: cold (empty cache) and warm, for the built-in
 model's types, a Q4_K_M model's types and all 15 compiled types; targets: cold <= 30 s, warm <= 2 s.
 Every round goes to ``kernels-results.json`` (``--out``; the committed copy: ``docs/results/kernels.json``).
@@ -48,7 +48,7 @@ from aioexperts._compute import fused, quant
 
 Q = GGMLQuantizationType
 
-#: llama.cpp's one-thread mat-vec on this machine, GB/s of weight bytes (KERNELS.md)
+#: llama.cpp's one-thread mat-vec on this machine, GB/s of weight bytes (docs/notes/KERNELS.md)
 GGML_GBPS = {
     Q.Q4_K: 14.7, Q.Q5_K: 13.2, Q.Q6_K: 18.4, Q.Q8_0: 17.6, Q.Q2_K: 10.4, Q.Q3_K: 9.2, Q.Q4_0: 11.8,
     Q.IQ4_XS: 11.1, Q.MXFP4: 4.4, Q.BF16: 20.1, Q.F16: 21.1,
@@ -213,7 +213,7 @@ def print_table(result: dict[str, Any]) -> None:
             f"{e['x_numpy_float']['median']:7.1f} | {batches:>25} | {e['exact_gelems']['median']:5.2f} "
             f"({e['exact_speedup']['median']:.1f})"
         )
-    print("('!': below the target; '-': no int8 kernel, or no ggml figure in KERNELS.md)")
+    print("('!': below the target; '-': no int8 kernel, or no ggml figure in docs/notes/KERNELS.md)")
 
 
 COMPILE_PROBE = """

@@ -3,15 +3,16 @@
     python bench/render.py RESULTS.json                      # print every section as markdown
     python bench/render.py RESULTS.json --write README.md docs/bench.md
     python bench/render.py RESULTS.json --plots docs/img     # the PNGs again (needs matplotlib)
-    python bench/render.py RESULTS.json --write README.md docs/bench.md --extra
+    python bench/render.py RESULTS.json --write README.md docs/bench.md docs/executor.md --extra
 
 ``--write`` replaces, in each file, the text between ``<!-- bench:NAME -->`` and
 ``<!-- /bench:NAME -->`` with section NAME rendered from the results (``header``, ``reads``,
 ``warm``, ``tokens``, ``executor``, ``targets``, ``loops``, ``summary``), and leaves the rest of
 the file alone. With ``--extra`` it also renders the regions of the satellite benches
 (``kernels``, ``kernelscompile``, ``tokencompute``, ``concurrency``, ``split``, ``rows``,
-``pagecache``, ``pagecachelimited``, ``soak``) from their committed results files under
-``docs/results/`` (``bench/report_extra.py``). Figures are never typed into the docs: they come from
+``pagecache``, ``pagecachelimited``, ``soak``, ``accuracy``, ``accuracydetail``) from their
+committed results files under ``docs/results/`` (``bench/report_extra.py``; run from the
+repository root, since those files are named relative to it). Figures are never typed into the docs: they come from
 the results files.
 """
 

@@ -36,7 +36,8 @@ def _where(results: dict[str, Any]) -> str:
     date = results.get("started") or results.get("date", "?")
     cpu = m.get("cpu", "")
     cores = m.get("cores_available", m.get("cpus", "?"))
-    return f"_{date}, {cores} vCPU {cpu}, Linux {m.get('kernel', '?')}; {results.get('_source', '')}_"
+    cpu = f" {cpu}" if cpu else ""
+    return f"_{date}, {cores} vCPU{cpu}, Linux {m.get('kernel', '?')}; {results.get('_source', '')}_"
 
 
 def kernels(results: dict[str, Any]) -> str:
@@ -53,12 +54,39 @@ def kernels(results: dict[str, Any]) -> str:
             row.append("-" if xg is None else f"{xg['median']:.1f} {_met(xg['median'], gguf_target, at_most=False)}")
             row.append("-" if xm is None else f"{xm['median']:.2f} {_met(xm['median'], ggml_target, at_most=False)}")
         rows.append(row)
+    batches = p.get("batches", [4, 16, 64, 256])
+    more = []
+    for key, e in results["summary"]["kernels"].items():
+        qtype, shape = key.split()
+        cold = e["gbps"].get("cold")
+        more.append(
+            [
+                qtype,
+                shape,
+                "-" if cold is None else f"{cold['median']:.2f}",
+                "-" if "x_numpy_float" not in e else f"{e['x_numpy_float']['median']:.1f}",
+                "/".join(
+                    f"{e[f'batch{n}_speedup']['median']:.1f}" if f"batch{n}_speedup" in e else "-" for n in batches
+                ),
+                "-"
+                if "exact_gelems" not in e
+                else f"{e['exact_gelems']['median']:.2f} ({e['exact_speedup']['median']:.1f})",
+            ]
+        )
     return (
         f"Fused one-token kernels, one thread, GB/s of weight bytes; x gguf-py target >= {gguf_target:g}, "
-        f"x ggml (llama.cpp's kernel here, KERNELS.md) target >= {ggml_target:g}. {_where(results)}\n\n"
+        f"x ggml (llama.cpp's kernel here, docs/notes/KERNELS.md) target >= {ggml_target:g}. {_where(results)}\n\n"
         + _table(
             ["type", "shape", "float GB/s", "x gguf", "x ggml", "int8 GB/s", "x gguf", "x ggml"],
             [[r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]] for r in rows],
+        )
+        + "\n\nThe same kernels, medians: the float kernel on weights in DRAM (cold GB/s), and speed-ups over the "
+        "numpy kernels + BLAS for one token, for batches of "
+        + "/".join(map(str, batches))
+        + " tokens, and for exact dequantization (1e9 values/s, x numpy in brackets).\n\n"
+        + _table(
+            ["type", "shape", "cold GB/s", "x numpy", "batch " + "/".join(map(str, batches)) + " x numpy", "exact"],
+            more,
         )
     )
 
@@ -177,7 +205,7 @@ def pagecache(results: dict[str, Any]) -> str:
     ]
     return (
         f"Built-in model, {p['tokens']} tokens of uniform random top-8 per pass, every page of every expert "
-        f"touched; {p['rounds']} rounds; GB = 1e9 bytes. {_where(results)}\n\n"
+        f"touched; {p['rounds']} round{'s' if p['rounds'] != 1 else ''}; GB = 1e9 bytes. {_where(results)}\n\n"
         + _table(["mode / pass", "payload GB/s", "model GB in the page cache after"], out)
     )
 
@@ -232,6 +260,53 @@ def soak(results: dict[str, Any]) -> str:
     )
 
 
+def _e(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def accuracy(results: dict[str, Any]) -> str:
+    p = results["parameters"]
+    rows = [
+        [
+            name,
+            "yes" if e["verified"] else "no",
+            "yes" if all(e[prec]["ids_exact"] for prec in p["precisions"]) else "**no**",
+            *(_e(e[prec]["moe_out_rel_l2"]) for prec in p["precisions"]),
+        ]
+        for name, e in results["summary"].items()
+    ]
+    return (
+        f"Worst relative L2 error of `moe_out` against llama.cpp's over each fixture's MoE layers, through "
+        f"`MoERunner.moe_result` ({p['kernels']} kernels), per precision of the one-token kernels. {_where(results)}"
+        "\n\n"
+        + _table(
+            ["fixture", "routing verified", "ids exact", *(f"{prec} `moe_out` rel L2" for prec in p["precisions"])],
+            rows,
+        )
+    )
+
+
+def accuracy_detail(results: dict[str, Any]) -> str:
+    rows = [
+        [
+            name,
+            ", ".join(map(str, e["layers"])),
+            "yes" if e["float"]["ids_exact"] else "**no**",
+            _e(e["float"]["weights_max_abs"]),
+            _e(e["float"]["moe_out_rel_l2"]),
+            _e(e["float"]["shared_out_rel_l2"]),
+        ]
+        for name, e in results["summary"].items()
+    ]
+    return (
+        "Default (float) precision, worst over each fixture's MoE layers: routing weights' largest absolute "
+        f"error, relative L2 error of `moe_out` and `shared_out` against llama.cpp's. {_where(results)}\n\n"
+        + _table(
+            ["fixture", "layers", "ids exact", "weights max abs err", "`moe_out` rel L2", "`shared_out` rel L2"], rows
+        )
+    )
+
+
 #: region name -> (committed results file, renderer)
 EXTRA: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "kernels": ("docs/results/kernels.json", kernels),
@@ -243,4 +318,6 @@ EXTRA: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "pagecache": ("docs/results/pagecache.json", pagecache),
     "pagecachelimited": ("docs/results/pagecache.json", pagecache_limited),
     "soak": ("docs/results/soak.json", soak),
+    "accuracy": ("docs/results/accuracy.json", accuracy),
+    "accuracydetail": ("docs/results/accuracy.json", accuracy_detail),
 }

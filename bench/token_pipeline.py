@@ -1,4 +1,4 @@
-"""Per-token figures: the I/O-compute overlap and tokens per second with the numpy executor.
+"""Per-token figures: the I/O-compute overlap and tokens per second of the executor.
 
     python bench/token_pipeline.py [aioexperts-bench options]
 

@@ -10,21 +10,26 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import errno
 import importlib.util
 import os
 import shlex
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from .. import __version__
-from .._errors import AioExpertsError
+from .._errors import AioExpertsError, FormatError
+from .._options import MAX_QUEUE_DEPTH, MIN_QUEUE_DEPTH
 from .cachestate import DROP_METHOD
+from .common import stdout_closed
 from .loops import LOOPS, await_cost
 from .machine import machine_facts
-from .model_cache import cache_dir, ensure_bench_model
+from .model_cache import bench_model_path, cache_dir, ensure_bench_model
 from .progress import Reporter
 from .readbench import DEFAULT_METHODS, METHODS, ReadBenchConfig, run_read_bench
 from .report import print_sections
@@ -35,6 +40,21 @@ __all__ = ("build_parser", "main")
 
 #: Below this size a model fits in caches and the figures mean little.
 SMALL_MODEL_BYTES = 1 << 30
+
+
+def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``low..high`` (the message names the range and ``what``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer in {low}..{high}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high} ({what}), got {value}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rebuild", action="store_true", help="write the built-in model again")
     p.add_argument("--mode", choices=("all", "reads", "tokens"), default="all", help="which benches to run")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; every figure is a median with its range")
-    p.add_argument("--depth", type=int, default=64, help="reads in flight: engine queue depth and fio iodepth")
+    p.add_argument(
+        "--depth",
+        type=_int_in(MIN_QUEUE_DEPTH, MAX_QUEUE_DEPTH, "an expert is 3 reads; io_uring's ring holds at most 4096"),
+        default=64,
+        help=f"reads in flight, {MIN_QUEUE_DEPTH}..{MAX_QUEUE_DEPTH}: engine queue depth and fio iodepth",
+    )
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"read methods, from {','.join(METHODS)}")
     p.add_argument("--threads", type=int, default=8, help="threads of the thread-pool and buffered preadv replays")
     p.add_argument("--tokens", type=int, default=None, help="tokens per read pass; None: every expert once")
@@ -77,8 +102,6 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
         parser.error(f"--methods needs at least one of {', '.join(METHODS)}")
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
-    if args.depth < 3:
-        parser.error("--depth must be >= 3 (an expert is 3 reads)")
     if args.tokens is not None and args.tokens < 1 or args.token_count < 1 or args.threads < 1:
         parser.error("--tokens, --token-count and --threads must be >= 1")
     if args.executor_tokens < 0 or args.seed < 0:
@@ -88,6 +111,55 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
     if args.loop == "trio" and importlib.util.find_spec("trio") is None:
         parser.error("--loop trio needs trio: pip install trio")
     return methods
+
+
+def _writable_dir(directory: str) -> str | None:
+    """None if a file can be created in ``directory`` (tried: a temporary file, removed at once), else why not."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".aioexperts-bench-", dir=directory)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    os.unlink(tmp)
+    return None
+
+
+def _preflight(args: argparse.Namespace) -> str | None:
+    """What would make a run fail only once it is done, found before it starts; None if nothing.
+
+    The ``--out`` directory must take a new file, ``--plot`` needs matplotlib and a directory that
+    takes files, and building the built-in model needs its cache directory.
+    """
+    if args.out:
+        out = os.path.abspath(args.out)
+        if os.path.isdir(out):
+            return f"--out {args.out} is a directory; name the results file"
+        why = _writable_dir(os.path.dirname(out))
+        if why:
+            return f"--out {args.out}: cannot create a file in {os.path.dirname(out)}: {why}"
+    if args.plot:
+        if importlib.util.find_spec("matplotlib") is None:
+            return "--plot needs matplotlib: pip install 'aioexperts[plot]'"
+        try:
+            os.makedirs(args.plot, exist_ok=True)
+        except OSError as exc:
+            return f"--plot {args.plot}: cannot create the directory: {exc.strerror or exc}"
+        why = _writable_dir(args.plot)
+        if why:
+            return f"--plot {args.plot}: cannot create a file in it: {why}"
+    if not args.model and (args.rebuild or not bench_model_path().exists()):
+        where = cache_dir()
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            why = _writable_dir(os.fspath(where))
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+        if why:
+            return (
+                f"cannot write the built-in model into {where}: {why}; set $AIOEXPERTS_CACHE to a writable "
+                "directory, or pass --model"
+            )
+    return None
 
 
 def _model(args: argparse.Namespace, reporter: Reporter) -> Path:
@@ -184,9 +256,18 @@ def _run(args: argparse.Namespace, methods: list[str], reporter: Reporter) -> di
         from .sweep import run_sweeps
 
         results["sweep"] = run_sweeps(os.fspath(path), rcfg, note=reporter.note)
+    results["kernels"] = _kernels()
     results["targets"] = evaluate_targets(results)
     results["machine"]["load_average_at_end"] = list(os.getloadavg())
     return results
+
+
+def _kernels() -> dict[str, Any]:
+    """Which kernels the executor ran (numba, or the numpy fallback and why) and their precision."""
+    from .._compute import fused
+
+    served = fused.backend()
+    return {"backend": served.name, "reason": served.reason, "precision": fused.precision()}
 
 
 def _loops(reporter: Reporter) -> dict[str, Any]:
@@ -199,46 +280,113 @@ def _loops(reporter: Reporter) -> dict[str, Any]:
     return out
 
 
+def _save_elsewhere(results: dict[str, Any]) -> str | None:
+    """Write ``results`` to a new file in the temporary directory; its path, or None if that fails too."""
+    try:
+        fd, path = tempfile.mkstemp(prefix="aioexperts-bench-results-", suffix=".json")
+        os.close(fd)
+        write_results(path, results)
+    except OSError:
+        return None
+    return path
+
+
+class _Console(Console):
+    """rich's console, letting a closed stdout raise ``BrokenPipeError`` (rich itself exits with status 1)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
+def _error(text: str) -> None:
+    print(f"aioexperts-bench: error: {text}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (0 ok, 1 error, 130 interrupted)."""
+    """Entry point; returns the process exit code.
+
+    0: done; 1: the run failed, or it finished but its results file or plots could not be written
+    (the tables are printed all the same); 2: bad arguments, or an ``--out``/``--plot``/cache
+    directory that cannot be written, found before the run; 130: interrupted; 141: stdout is a
+    closed pipe. Errors go to stderr, one line each.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     args._argv = argv
     methods = _check(parser, args)
-    console = Console(file=sys.stderr if args.json else sys.stdout, width=None if sys.stdout.isatty() else 160)
+    problem = _preflight(args)
+    if problem:
+        _error(problem)
+        return 2
     reporter = Reporter(quiet=args.quiet)
     try:
         results = _run(args, methods, reporter)
-        reporter.stop()
-        if args.out:
-            write_results(args.out, results)
-        if args.plot:
-            from .plots import write_plots
-
-            for png in write_plots(results, args.plot):
-                reporter.note(f"wrote {png}")
     except KeyboardInterrupt:
         reporter.stop()
         print("aioexperts-bench: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except FormatError as exc:  # the model file itself is malformed
+        reporter.stop()
+        hint = (
+            ""
+            if args.model
+            else f" (the built-in model may be damaged: run again with --rebuild; it is in {cache_dir()})"
+        )
+        _error(f"{exc}{hint}")
+        return 1
     except (AioExpertsError, OSError) as exc:
         reporter.stop()
-        console.print(f"[red]error: {exc}[/red]", highlight=False)
-        if not args.model:
-            console.print(f"(the built-in model may be damaged: run again with --rebuild; it is in {cache_dir()})")
+        _error(str(exc))
         return 1
-    if args.json:
-        import json
-
-        from .results import _clean
-
-        json.dump(_clean(results), sys.stdout, indent=1)
-        print()
-    else:
-        print_sections(results, console)
+    reporter.stop()
+    status, written = 0, None
+    try:
         if args.out:
-            console.print(f"\nresults: {args.out} (render the docs with: python bench/render.py {args.out})")
-    return 0
+            try:
+                write_results(args.out, results)
+                written = args.out
+            except OSError as exc:
+                written = _save_elsewhere(results)
+                instead = f"; saved them to {written} instead" if written else ""
+                _error(f"cannot write the results file {args.out}: {exc}{instead}")
+                status = 1
+        if args.plot:
+            from .plots import write_plots
+
+            try:
+                for png in write_plots(results, args.plot):
+                    reporter.note(f"wrote {png}")
+            except (AioExpertsError, OSError) as exc:
+                _error(f"cannot write the plots into {args.plot}: {exc}")
+                status = 1
+    except KeyboardInterrupt:
+        done = f"the results are in {written}" if written else "nothing was written"
+        print(f"aioexperts-bench: interrupted; {done}", file=sys.stderr)
+        return 130
+    try:
+        if args.json:
+            import json
+
+            from .results import _clean
+
+            json.dump(_clean(results), sys.stdout, indent=1)
+            print()
+        else:
+            console = _Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160)
+            print_sections(results, console)
+            if written:
+                console.print(
+                    f"\nresults: {written} (in a clone of aioexperts, `make render RESULTS={shlex.quote(written)}` "
+                    "renders the tables of README.md and docs/bench.md from it)",
+                    highlight=False,
+                    markup=False,
+                    soft_wrap=True,
+                )
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return stdout_closed()
+    return status
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -364,7 +364,7 @@ async def run_tokens(
     Args:
         inputs: ``(1, n_embd)`` float32 input of each token.
         route: ``token -> route_step`` (None: the model's own router).
-        compute: the compute step (None: the numpy executor).
+        compute: the compute step (None: the executor).
         predictor: a ``Predictor`` for prefetch (None: the engine's own).
         prefetch: prefetch the next layers' predicted experts.
         on_token: called with the token index before it runs (e.g. to advance an oracle).

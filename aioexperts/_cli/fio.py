@@ -7,7 +7,7 @@ The job: ``--read_iolog`` of the recorded :class:`ReadList` (same reads, same or
 last ``iodepth - 1`` reads out of its byte count (measured here: 137 of 200 reads counted at depth
 64). fio 3.33 refuses ``--registerfiles`` with an iolog ("registered files require nr_files to be
 identical to open_files"); the job then runs without registered files and says so (registered
-files made no measurable difference here, docs/LIBURING.md).
+files made no measurable difference here, docs/notes/LIBURING.md).
 
 ``fio-readv`` adds ``--nonvectored=0`` (``READV_FIXED``, the engine's opcode; fio's default is
 ``READ_FIXED``).
@@ -31,9 +31,33 @@ from typing import Any
 from .measure import Clock
 from .readlist import ReadList
 
-__all__ = ("FioResult", "fio_path", "fio_version", "run_fio_replay")
+__all__ = ("FioError", "FioResult", "fio_path", "fio_version", "run_fio_replay")
 
 _REGISTERFILES_REFUSED = "registered files require nr_files"
+_TIMEOUT_S = 1800
+
+
+class FioError(RuntimeError):
+    """fio failed: a non-zero exit status, no JSON report, or an error inside its job.
+
+    The message is one line naming fio and what went wrong (its exit status and the last line of
+    its stderr); ``stderr`` keeps all of fio's stderr, ``command`` the command line.
+    """
+
+    def __init__(self, message: str, command: list[str], stderr: str = "") -> None:
+        super().__init__(message)
+        self.command = command
+        self.stderr = stderr
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _failure(what: str, cmd: list[str], stdout: str, stderr: str) -> FioError:
+    said = _last_line(stderr) or _last_line(stdout)
+    return FioError(f"fio {what}" + (f": {said}" if said else ""), cmd, stderr)
 
 
 def fio_path() -> str | None:
@@ -111,7 +135,8 @@ def run_fio_replay(reads: ReadList, depth: int, *, vectored: bool = False, workd
 
     Raises:
         FileNotFoundError: fio is not installed.
-        subprocess.CalledProcessError: fio failed (its stderr is attached).
+        FioError: fio exited with a non-zero status, printed no JSON report, reported an error in
+            its job, or ran longer than 30 minutes.
     """
     fio = fio_path()
     if fio is None:
@@ -124,19 +149,25 @@ def run_fio_replay(reads: ReadList, depth: int, *, vectored: bool = False, workd
         while True:
             cmd = _command(fio, iolog, depth, len(reads), register, vectored)
             with Clock() as clock:
-                out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800)
+                try:
+                    out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    raise FioError(f"fio did not finish within {_TIMEOUT_S} s", cmd) from None
             if out.returncode != 0 and register and _REGISTERFILES_REFUSED in (out.stderr + out.stdout):
                 register = False
                 continue
-            if out.returncode != 0 or "{" not in out.stdout:
-                raise subprocess.CalledProcessError(out.returncode, cmd, out.stdout, out.stderr)
+            if out.returncode != 0:
+                raise _failure(f"exited with status {out.returncode}", cmd, out.stdout, out.stderr)
             break
     finally:
         os.unlink(iolog)
-    job: dict[str, Any] = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
+    try:
+        job: dict[str, Any] = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
+        read = job["read"]
+    except (ValueError, LookupError, TypeError):
+        raise _failure("printed no JSON report (exit status 0)", cmd, out.stdout, out.stderr) from None
     if job.get("error"):
-        raise subprocess.CalledProcessError(job["error"], cmd, out.stdout, out.stderr)
-    read = job["read"]
+        raise _failure(f"reported error {job['error']} in its job", cmd, out.stdout, out.stderr)
     seconds = read["runtime"] / 1e3
     pct = read.get("clat_ns", {}).get("percentile", {})
     p50, p99 = pct.get("50.000000"), pct.get("99.000000")

@@ -5,10 +5,11 @@ Subcommands:
 - ``layout MODEL``: every MoE layer with its banks (ggml types, experts, bytes per expert), the
   total expert bytes and the expert bytes one token reads at top-k: a ``gguf-dump`` for experts;
 - ``write MODEL [-o MAP]``: write the ``WEEPF001`` map that llama.cpp's prefetch patch reads
-  (``../shared/docs/FORMATS.md`` section 3);
+  (``docs/notes/FORMATS.md`` section 3);
 - ``check MODEL MAP``: whether the map still describes the model (exit status 0), or why not (1).
 
-Errors are printed as one line on stderr with exit status 2.
+Errors are printed as one line on stderr with exit status 2; a closed pipe on stdout
+(``aioexperts-map layout --json | head``) ends it quietly with status 141.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .._errors import AioExpertsError, ConfigError, StaleMapError
 from .._format.expert_map import check_map_matches_layout, read_expert_map, write_expert_map
 from .._format.layout import ExpertLayout, build_layout
 from .._format.model import GGUFModel, open_model
+from .common import HelpFormatter, stdout_closed
 from .texttable import text_table
 
 __all__ = ("LayoutSummary", "main", "summarize_layout")
@@ -179,19 +181,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="aioexperts-map",
         description="Inspect a MoE GGUF's expert layout and write or check its WEEPF001 expert map.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("layout", help="print the expert layout", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("layout", help="print the expert layout", formatter_class=HelpFormatter)
     p.add_argument("model", help="a .gguf file or any shard of a split set")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p = sub.add_parser("write", help="write the WEEPF001 map", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("write", help="write the WEEPF001 map", formatter_class=HelpFormatter)
     p.add_argument("model", help="a single-file .gguf")
     p.add_argument("-o", "--output", help="the map file (default: MODEL with the suffix .weepf)")
-    p = sub.add_parser(
-        "check", help="check a map against a model", formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = sub.add_parser("check", help="check a map against a model", formatter_class=HelpFormatter)
     p.add_argument("model", help="a single-file .gguf")
     p.add_argument("map", help="the WEEPF001 map file")
     return parser
@@ -219,9 +219,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             emap = read_expert_map(args.map, model.shards[0])
             check_map_matches_layout(emap, layout, args.map)
             print(f"{args.map}: up to date for {model.path}")
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
     except StaleMapError as exc:
         print(f"aioexperts-map: stale: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `aioexperts-... | head`: the reader has what it wanted
+        return stdout_closed()
     except (AioExpertsError, OSError) as exc:
         print(f"aioexperts-map: error: {exc}", file=sys.stderr)
         return 2

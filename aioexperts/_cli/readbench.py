@@ -10,7 +10,9 @@
    - ``io_uring``: a fresh engine reads the same experts again (its reads are recorded again and
      checked against the list);
    - ``fio``: fio replays the list (:mod:`.fio`); ``fio-readv`` the same with the engine's
-     opcode (``READV_FIXED``; fio's default is ``READ_FIXED``);
+     opcode (``READV_FIXED``; fio's default is ``READ_FIXED``); a fio that fails (a non-zero exit
+     status) is reported in one line and left out of that and the remaining rounds
+     (``failed`` in the results);
    - ``threads``, ``pread``, ``mmap``: Python replays of the list (:mod:`.replay`);
    - ``uring``, ``uring-reused``: a minimal io_uring loop replaying the list into distinct
      memory, and into ``depth`` reused buffers as fio does (:mod:`.replay`): their ratio shows
@@ -35,7 +37,7 @@ import numpy as np
 
 from . import engine_adapter as ea
 from .cachestate import DROP_METHOD, drop_page_cache, probe_host_cache
-from .fio import fio_path, fio_version, run_fio_replay
+from .fio import FioError, fio_path, fio_version, run_fio_replay
 from .loops import run as run_on_loop
 from .measure import GB, GIB, Clock, rotated, spread
 from .readlist import ReadList
@@ -237,7 +239,7 @@ def run_read_bench(
         path: the model.
         cfg: parameters.
         step: called before each pass with a label such as ``"round 2/5: fio"``.
-        note: called with lines worth showing (fio missing, a read list mismatch).
+        note: called with lines worth showing (fio missing or failing, a read list mismatch).
 
     Raises:
         aioexperts.AioExpertsError, OSError: the model cannot be read.
@@ -262,6 +264,7 @@ def run_read_bench(
         probe = probe_host_cache(info.shard_paths[0], cfg.probe_bytes)
 
     rounds: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}  # method -> why it stopped (fio exiting with an error)
     with Destination(max(reads.total_bytes, len(reads) * uring_slot_bytes(reads))) as dest:
         for r in range(cfg.rounds):
             order = rotated(methods, r)
@@ -282,9 +285,15 @@ def run_read_bench(
                     if warm_out is not None:
                         warm["engine"] = warm_out
                     continue
+                if method in failed:
+                    continue
                 drop_page_cache(info.shard_paths)
                 if method in ("fio", "fio-readv"):
-                    cold[method] = _fio_pass(reads, cfg, method)
+                    try:
+                        cold[method] = _fio_pass(reads, cfg, method)
+                    except FioError as exc:
+                        failed[method] = str(exc)
+                        say(f"{LABELS[method]}: {exc}; left out of this and the remaining rounds")
                     continue
                 cold[method] = _replay_pass(method, reads, dest, cfg)
                 if method in ("pread", "mmap"):  # a second replay: from the page cache
@@ -305,6 +314,8 @@ def run_read_bench(
             "bytes_read": sorted({p["bytes_read"] for p in passes}),
             "n_reads": sorted({p["n_reads"] for p in passes}),
         }
+        if method in failed:
+            summary[method]["failed"] = failed[method]
     ratios = {
         "io_uring_x_fio": _ratio_spread(rounds, "io_uring", "fio"),
         "io_uring_x_mmap": _ratio_spread(rounds, "io_uring", "mmap"),
@@ -342,6 +353,7 @@ def run_read_bench(
             "max_read_bytes": reads.max_len,
             "order": "the engine's submission order in the recording pass",
         },
+        "failed": failed,
         "recording_pass": record,
         "host_cache": None if probe is None else probe.as_dict(),
         "rounds": rounds,

@@ -61,6 +61,16 @@ def _per_round_ratio(rounds: list[dict[str, Any]], num: str, den: str) -> dict[s
     )
 
 
+def _kernels(results: dict[str, Any]) -> str:
+    """Which kernels the executor ran, as the results file recorded it (older files did not)."""
+    k = results.get("kernels")
+    if not k:
+        return "numba kernels, numpy fallback; which served is not recorded in this results file"
+    if k.get("backend") == "numba":
+        return f"numba kernels, {k.get('precision', 'float')} precision"
+    return f"numpy kernels ({k.get('reason') or 'the fallback'})"
+
+
 def _header(results: dict[str, Any]) -> Section:
     machine = results.get("machine", {})
     model = results.get("model", {})
@@ -71,6 +81,7 @@ def _header(results: dict[str, Any]) -> Section:
         ["model", f"{model.get('name')} ({model.get('bytes', 0) / 1e9:.2f} GB, {model.get('experts')} experts)"],
         ["command", str(results.get("command"))],
         ["event loop", str(results.get("parameters", {}).get("loop"))],
+        *([["executor", _kernels(results)]] if results.get("kernels") else []),
         ["load average at start", ", ".join(f"{x:.2f}" for x in machine.get("load_average_at_start", []))],
     ]
     if machine.get("load_average_at_end"):
@@ -89,9 +100,13 @@ def _reads(reads: dict[str, Any]) -> list[Section]:
     title = f"Cold reads, the same {rl['n_reads']} reads, {n} round{'s' if n > 1 else ''}: median (min-max)"
     headers = ["method", "GB/s", "CPU s/GiB", "bytes read", "memory", "x fio", "x mmap", "x threads"]
     rows = []
+    failed = reads.get("failed") or {}
     for method, s in reads["summary"].items():
         memory = "-"
         passes = [r["cold"][method] for r in rounds if method in r["cold"]]
+        if not passes and method in failed:
+            rows.append([s["label"], "failed", *("-" for _ in headers[2:])])
+            continue
         if passes:
             mem = passes[0].get("memory_bytes") or passes[0].get("slab_bytes")
             memory = "-" if not mem else f"{mem / 1e9:.2f} GB"
@@ -128,7 +143,10 @@ def _reads(reads: dict[str, Any]) -> list[Section]:
     fio = next((r["cold"]["fio"] for r in rounds if "fio" in r["cold"]), None)
     if fio is not None and not fio.get("registered_files"):
         notes.append("fio ran without --registerfiles (fio refuses it with --read_iolog here).")
-    if fio is None:
+    for method, why in failed.items():
+        label = reads["summary"].get(method, {}).get("label", method)
+        notes.append(f"{label} failed and was left out of the rounds from then on: {why}")
+    if fio is None and "fio" not in failed and not p.get("fio"):
         notes.append("fio was not installed: no fio replay, no ratios to fio.")
     if ratios.get("distinct_over_reused_memory"):
         notes.append(
@@ -160,8 +178,8 @@ def _reads(reads: dict[str, Any]) -> list[Section]:
     return [Section("reads", title, headers, rows, notes)]
 
 
-def _warm(reads: dict[str, Any]) -> Section:
-    warm = reads.get("warm", {})
+def _warm(results: dict[str, Any]) -> Section:
+    warm = results["reads"].get("warm", {})
     engine = warm.get("engine", {})
     rows = []
     if engine:
@@ -180,7 +198,7 @@ def _warm(reads: dict[str, Any]) -> Section:
             rows.append([label, "-", _fmt(w["us_per_expert"], ",.0f"), _fmt(w["experts_per_s"], ",.0f"), "yes"])
     notes = [
         "Engine: every expert resident in the slab; a hit pins a slot and hands out views, copying nothing, "
-        "so no GB/s. moe() includes routing and the numpy executor's compute.",
+        f"so no GB/s. moe() includes routing and the executor's compute ({_kernels(results)}).",
         "preadv and mmap: a second replay of the list right after the cold one (page cache); per expert = "
         "3 reads copied.",
     ]
@@ -188,7 +206,8 @@ def _warm(reads: dict[str, Any]) -> Section:
     return Section("warm", "Warm hits: median (min-max) over the rounds", headers, rows, notes)
 
 
-def _tokens(tokens: dict[str, Any]) -> list[Section]:
+def _tokens(results: dict[str, Any]) -> list[Section]:
+    tokens = results["tokens"]
     p = tokens["parameters"]
     rows = []
     for name, s in tokens["summary"].items():
@@ -238,10 +257,11 @@ def _tokens(tokens: dict[str, Any]) -> list[Section]:
         notes = [
             f"The model's MoE layers only, {p['executor_tokens']} tokens of random input per run, the model's "
             "router and the engine's router prefetch; 0 % is the engine's minimum slab (2 x top-k slots); 100 % "
-            "loads every expert first."
+            "loads every expert first.",
+            f"The executor: {_kernels(results)}.",
         ]
         headers = ["slab", "slots", "tok/s", "ms/token", "compute ms", "I/O wait ms", "hit %"]
-        sections.append(Section("executor", "Numpy executor, tokens per second by slab size", headers, rows, notes))
+        sections.append(Section("executor", "The executor, tokens per second by slab size", headers, rows, notes))
     return sections
 
 
@@ -266,9 +286,9 @@ def build_sections(results: dict[str, Any]) -> dict[str, Section]:
     out: dict[str, Section] = {"header": _header(results)}
     if results.get("reads"):
         out["reads"] = _reads(results["reads"])[0]
-        out["warm"] = _warm(results["reads"])
+        out["warm"] = _warm(results)
     if results.get("tokens"):
-        for s in _tokens(results["tokens"]):
+        for s in _tokens(results):
             out[s.name] = s
     if results.get("targets"):
         out["targets"] = _targets(results)

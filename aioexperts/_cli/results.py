@@ -2,7 +2,8 @@
 
 Top-level keys: ``schema`` (this format's version), ``aioexperts`` (version), ``date`` (UTC, ISO
 8601), ``command``, ``units``, ``machine`` (:func:`.machine.machine_facts`), ``model``, ``parameters``,
-``targets`` (each with ``met``), and the sections ``reads``, ``tokens``, ``loops``, ``sweep`` of
+``kernels`` (which kernels the executor ran: ``backend``, ``reason``, ``precision``), ``targets``
+(each with ``met``), and the sections ``reads``, ``tokens``, ``loops``, ``sweep`` of
 the parts that ran. Every raw round is kept at full precision; summaries are medians with min and
 max over the rounds. The file is written atomically (a temporary file renamed into place), so an
 interrupted run leaves no partial file.

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import engine_adapter as ea
 from .cachestate import drop_page_cache
-from .fio import fio_path, run_fio_replay
+from .fio import FioError, fio_path, run_fio_replay
 from .loops import run as run_on_loop
 from .measure import GB, GIB, Clock, rotated, spread
 from .readbench import ReadBenchConfig, _window, make_steps
@@ -44,12 +44,22 @@ def _point(seconds: float, cpu: float, n_bytes: int) -> dict[str, float]:
     return {"gb_per_s": n_bytes / seconds / GB, "cpu_s_per_gib": cpu / (n_bytes / GIB), "bytes": n_bytes}
 
 
-def _others(reads: ReadList, depth: int, dest: Destination, methods: list[str]) -> dict[str, dict[str, float]]:
+def _others(
+    reads: ReadList, depth: int, dest: Destination, methods: list[str], failed: dict[str, str], note: Say | None
+) -> dict[str, dict[str, float]]:
     out = {}
     for method in methods:
+        if method in failed:
+            continue
         drop_page_cache(reads.paths)
         if method == "fio":
-            f = run_fio_replay(reads, depth)
+            try:
+                f = run_fio_replay(reads, depth)
+            except FioError as exc:
+                failed[method] = str(exc)
+                if note:
+                    note(f"sweep: {exc}; fio left out of the rest of the sweeps")
+                continue
             out[method] = _point(f.seconds, f.cpu_seconds, f.bytes_read)
         else:
             r = replay_pread(reads, dest, direct=True, n_threads=depth)
@@ -76,6 +86,7 @@ def run_sweeps(path: str, cfg: ReadBenchConfig, *, rounds: int = 2, note: Say | 
     by_size: dict[int, dict[str, list[dict[str, float]]]] = {s: {} for s in SIZES}
     native: list[dict[str, float]] = []
     base: ReadList | None = None
+    failed: dict[str, str] = {}
     for r in range(rounds):
         for depth in DEPTHS:
             if note:
@@ -90,7 +101,7 @@ def run_sweeps(path: str, cfg: ReadBenchConfig, *, rounds: int = 2, note: Say | 
                 _, reads = run_on_loop(_engine, path, info, steps, 3, loop=cfg.loop)
                 base = base or reads
             with Destination(reads.total_bytes) as dest:
-                point.update(_others(reads, depth, dest, [m for m in order if m != "io_uring"]))
+                point.update(_others(reads, depth, dest, [m for m in order if m != "io_uring"], failed, note))
             for m, p in point.items():
                 by_depth[depth].setdefault(m, []).append(p)
             if depth == cfg.depth and "io_uring" in point:
@@ -101,13 +112,14 @@ def run_sweeps(path: str, cfg: ReadBenchConfig, *, rounds: int = 2, note: Say | 
                 note(f"sweep round {r + 1}/{rounds}: read size {size >> 10} KiB")
             cut = base.resized(size)
             with Destination(cut.total_bytes) as dest:
-                for m, p in _others(cut, cfg.depth, dest, rotated(others, r)).items():
+                for m, p in _others(cut, cfg.depth, dest, rotated(others, r), failed, note).items():
                     by_size[size].setdefault(m, []).append(p)
     native_size = base.median_len if base else 0
     return {
         "rounds": rounds,
         "depth_for_sizes": cfg.depth,
         "reads_per_point": len(base) if base else 0,
+        "failed": failed,
         "depths": _summarise(by_depth),
         "sizes": _summarise(by_size),
         "native_size": native_size,

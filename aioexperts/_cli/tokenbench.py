@@ -1,7 +1,7 @@
-"""Per-token figures: the I/O-compute overlap, and tokens per second with the numpy executor.
+"""Per-token figures: the I/O-compute overlap, and tokens per second of the executor.
 
 Overlap, per round (``rounds``, 5 by default), on a seeded uniform random top-k routing trace,
-one token at a time through every MoE layer (``engine.run_token``), each run in a fresh engine:
+one token at a time through every MoE layer (``runner.run_token``), each run on a fresh store and runner:
 
 1. ``io only``: no compute, a slab of ``slab_fraction`` of the experts, the oracle prefetch (it
    knows the next layers' routing): the I/O time of a token, ``io``;
@@ -18,9 +18,10 @@ one token at a time through every MoE layer (``engine.run_token``), each run in 
    ``overlap = token / max(io, compute)`` of that round: 1.0 means the shorter of the two is
    fully hidden, 2.0 none of it.
 
-Executor, per round: tokens per second of the MoE layers with the real numpy executor and the
-model's own router on random inputs, with the engine's default router prefetch, at a slab of 0 %
-(the engine's minimum, ``2 * top-k`` slots), 25 % and 100 % (every expert loaded first).
+Executor, per round: tokens per second of the MoE layers with the real executor (numba kernels,
+numpy fallback) and the model's own router on random inputs, with the engine's default router
+prefetch, at a slab of 0 % (the engine's minimum, ``2 * top-k`` slots), 25 % and 100 % (every
+expert loaded first).
 
 A timeline of one pipelined token (reads per layer with their submit and completion times,
 compute per layer) is recorded after the rounds for the plot.

@@ -9,7 +9,9 @@ Subcommands:
   step that places the hottest experts first.
 
 Traces are the ``.npz`` files of :meth:`aioexperts.RoutingTrace.save` (``docs/trace-format.md``),
-recorded with ``MoERunner(store, record_trace=True)``.
+recorded with ``MoERunner(store, record_trace=True)``. Errors are printed as one line on stderr with
+exit status 2; a closed pipe on stdout (``aioexperts-trace summary --json T | head``) ends it quietly
+with status 141.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .._errors import AioExpertsError, FormatError
 from .._format.layout import build_layout
 from .._format.model import open_model
 from .._predict.trace import RoutingTrace
+from .common import HelpFormatter, stdout_closed
 from .texttable import text_table
 
 __all__ = ("hot_first_order", "main")
@@ -139,7 +142,7 @@ def _hit_rates(text: str) -> list[float]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     parser = argparse.ArgumentParser(
         prog="aioexperts-trace",
         description="Read a routing trace: per-layer expert frequency, slab size per target hit rate, hot-first order.",
@@ -149,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("summary", help="expert frequency and slab sizes", formatter_class=fmt)
     p.add_argument("trace", help="a routing trace (.npz)")
-    p.add_argument("--hit-rate", type=_hit_rates, default=[0.5, 0.8, 0.9], help="target hit rates, comma-separated")
+    p.add_argument("--hit-rate", type=_hit_rates, default="0.5,0.8,0.9", help="target hit rates, comma-separated")
     p.add_argument("--model", help="the model the trace was recorded on, to give slab sizes in bytes")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p = sub.add_parser("order", help="write a hot-first expert ordering (JSON)", formatter_class=fmt)
@@ -194,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             with open(args.output, "w") as f:
                 json.dump(doc, f, indent=1)
             print(f"wrote {args.output}: {len(order)} layers")
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+    except BrokenPipeError:  # `aioexperts-... | head`: the reader has what it wanted
+        return stdout_closed()
     except (AioExpertsError, OSError) as exc:
         print(f"aioexperts-trace: error: {exc}", file=sys.stderr)
         return 2

@@ -3,11 +3,11 @@
 A hit copies nothing (the caller gets views of slot memory), so it is reported as time per hit
 and hits per second, never as GB/s:
 
-- ``experts()`` of one expert: ``async with engine.experts(layer, [e])`` (route nothing, pin one
+- ``experts()`` of one expert: ``async with store.experts(layer, [e])`` (route nothing, pin one
   slot, build its views, unpin): the target is <= 20 us;
 - ``experts()`` of a token's top-k: the same with ``k`` ids per call;
-- ``moe()``: ``await engine.moe(layer, x)``: routing, pinning and the numpy executor on ``k``
-  resident experts (dominated by the executor's compute).
+- ``moe()``: ``await runner.moe(layer, x)``: routing, pinning and the executor on ``k``
+  resident experts (dominated by the executor's compute: numba kernels, numpy fallback).
 """
 
 from __future__ import annotations

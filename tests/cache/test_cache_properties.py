@@ -1,5 +1,5 @@
 """Property test: random interleavings of requests, cancellations, completions (full, short,
-failed), prefetches and drops never break the cache invariants (DESIGN.md)."""
+failed), prefetches and drops never break the cache invariants (docs/notes/DESIGN.md)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -134,6 +139,8 @@ def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
         ["--methods", ","],
         ["--rounds", "0"],
         ["--depth", "2"],
+        ["--depth", "4097"],
+        ["--depth", "many"],
         ["--seed", "-1"],
         ["--slab-fraction", "0"],
         ["--mode", "everything"],
@@ -147,16 +154,147 @@ def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str
     assert "usage:" in capsys.readouterr().err
 
 
+def test_depth_is_checked_against_its_range_up_front(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--depth", "5000"])
+    assert "must be in 3..4096" in capsys.readouterr().err
+
+
+def _one_error_line(captured: pytest.CaptureFixture[str]) -> str:
+    """Errors go to stderr as exactly one line; stdout stays empty."""
+    out, err = captured.readouterr()
+    assert out == ""
+    assert err.startswith("aioexperts-bench: error: ") and err.count("\n") == 1, err
+    return err
+
+
 def test_missing_model_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.main(["--model", str(tmp_path / "none.gguf"), "--quiet"]) == 1
-    assert "error:" in capsys.readouterr().out
+    assert bench.main(["--model", str(tmp_path / "none.gguf"), "--quiet", "--out", ""]) == 1
+    err = _one_error_line(capsys)
+    assert "none.gguf" in err and "--rebuild" not in err
 
 
 def test_bad_model_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bad.gguf"
     path.write_bytes(b"GGUF" + b"\0" * 100)
-    assert bench.main(["--model", str(path), "--quiet"]) == 1
-    assert "error:" in capsys.readouterr().out
+    assert bench.main(["--model", str(path), "--quiet", "--out", ""]) == 1
+    assert "--rebuild" not in _one_error_line(capsys)  # the user's own file: no hint about the built-in one
+
+
+def test_a_damaged_built_in_model_suggests_rebuild(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "cache"))
+    from aioexperts._cli.model_cache import bench_model_path
+
+    bench_model_path().parent.mkdir()
+    bench_model_path().write_bytes(b"GGUF" + b"\0" * 100)  # truncated: a FormatError reading it
+    assert bench.main(["--quiet", "--out", ""]) == 1
+    err = _one_error_line(capsys)
+    assert "the built-in model may be damaged: run again with --rebuild" in err and str(tmp_path / "cache") in err
+
+
+def _must_not_run(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the bench ran although its arguments were refused")
+
+
+@pytest.mark.parametrize(
+    ("make_argv", "needle"),
+    [
+        (lambda d: ["--out", str(d / "a-file" / "results.json")], "--out"),
+        (lambda d: ["--out", str(d)], "is a directory"),
+        (lambda d: ["--plot", str(d / "a-file" / "img")], "--plot"),
+    ],
+)
+def test_unwritable_outputs_are_refused_before_the_run(
+    make_argv: Callable[[Path], list[str]],
+    needle: str,
+    model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (tmp_path / "a-file").write_text("x")  # a path under a regular file cannot be created (even by root)
+    monkeypatch.setattr(bench, "run_read_bench", _must_not_run)
+    monkeypatch.setattr(bench, "run_token_bench", _must_not_run)
+    assert bench.main(["--model", str(model), "--quiet", *make_argv(tmp_path)]) == 2
+    err = _one_error_line(capsys)
+    assert needle in err and "--rebuild" not in err
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # importlib.util.find_spec then says: not installed
+    monkeypatch.setattr(bench, "run_read_bench", _must_not_run)
+    assert bench.main(["--model", str(model), "--quiet", "--out", "", "--plot", str(tmp_path / "img")]) == 2
+    err = _one_error_line(capsys)
+    assert "pip install 'aioexperts[plot]'" in err and "--rebuild" not in err
+
+
+def test_an_unwritable_cache_dir_is_refused_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "a-file" / "cache"))
+    assert bench.main(["--quiet", "--out", ""]) == 2
+    err = _one_error_line(capsys)
+    assert "AIOEXPERTS_CACHE" in err and "--rebuild" not in err
+
+
+def test_results_that_cannot_be_written_are_still_printed(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run is done when the results file fails (disk full, removed directory): tables and a copy survive."""
+    out = tmp_path / "results.json"
+    real = bench.write_results
+
+    def write_fails_at_out(path: str, results: dict) -> None:  # type: ignore[type-arg]
+        if Path(path) == out:
+            raise OSError(28, "No space left on device")
+        real(path, results)
+
+    monkeypatch.setattr(bench, "write_results", write_fails_at_out)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    argv = ["--model", str(model), "--out", str(out), "--mode", "reads", "--methods", "mmap", *FAST]
+    assert bench.main(argv) == 1
+    captured = capsys.readouterr()
+    assert "Cold reads" in captured.out and "mmap copy" in captured.out
+    assert captured.err.count("\n") == 1 and "No space left on device" in captured.err
+    (saved,) = (tmp_path / "tmp").iterdir()
+    assert str(saved) in captured.err and json.loads(saved.read_text())["reads"]
+    assert not out.exists()
+
+
+def test_a_failing_fio_is_one_line_and_a_failed_row(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from aioexperts._cli import readbench
+    from aioexperts._cli.fio import FioError
+
+    calls = []
+
+    def fio_fails(*args: object, **kwargs: object) -> None:
+        calls.append(args)
+        raise FioError("fio exited with status 1: fio: pid=0, err=22/file:engines/io_uring.c", ["fio"])
+
+    monkeypatch.setattr(readbench, "fio_path", lambda: "/usr/bin/fio")
+    monkeypatch.setattr(readbench, "fio_version", lambda: "fio-3.33")
+    monkeypatch.setattr(readbench, "run_fio_replay", fio_fails)
+    out = tmp_path / "r.json"
+    argv = ["--model", str(model), "--out", str(out), "--mode", "reads", "--methods", "fio,mmap", "--rounds", "2"]
+    assert bench.main([*argv, "--no-probe"]) == 0
+    captured = capsys.readouterr()
+    fio_lines = [line for line in captured.err.splitlines() if "fio exited" in line]
+    assert len(fio_lines) == 1 and "status 1" in fio_lines[0] and "Traceback" not in captured.err
+    assert len(calls) == 1  # left out of the later rounds
+    row = next(line for line in captured.out.splitlines() if "fio replay" in line)
+    assert "failed" in row
+    results = json.loads(out.read_text())
+    assert "status 1" in results["reads"]["failed"]["fio"]
+    assert next(t for t in results["targets"] if t["name"] == "x_fio")["met"] is None
+    assert "make render RESULTS=" in captured.out  # the last line: a command that works in a clone
 
 
 def test_ctrl_c_prints_one_line_and_writes_nothing(
@@ -186,3 +324,24 @@ def test_default_model_is_built_in_the_cache(
     out = json.loads(captured.out)
     assert out["model"]["builtin"] and Path(out["model"]["path"]).parent == tmp_path / "cache"
     assert "building the built-in model once" in captured.err
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_a_closed_pipe_ends_the_bench_quietly(model: Path, json_out: bool) -> None:
+    """``aioexperts-bench | head``: no "Broken pipe" error, no traceback, the status of SIGPIPE."""
+    argv = [str(Path(sys.executable).parent / "aioexperts-bench"), "--model", str(model), "--out", ""]
+    argv += ["--mode", "reads", "--methods", "mmap", "--rounds", "1", "--no-probe", "--quiet"]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [*argv, *(["--json"] if json_out else [])],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+            timeout=300,
+        )
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, "")

@@ -123,6 +123,31 @@ def test_fio_replay_counts_every_read(model: Path) -> None:
     assert r.n_reads == len(reads) and r.bytes_read == reads.expected_bytes()
 
 
+@pytest.mark.parametrize(
+    ("script", "needle"),
+    [
+        ("echo 'fio: engine io_uring not loadable' >&2; exit 3", "fio exited with status 3: fio: engine io_uring not"),
+        ("echo 'not json'", "fio printed no JSON report"),
+        ('echo \'{"jobs": [{"error": 5, "read": {}}]}\'', "fio reported error 5 in its job"),
+    ],
+)
+def test_a_failing_fio_raises_one_line(
+    script: str, needle: str, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aioexperts._cli import fio
+
+    fake = tmp_path / "fio"
+    fake.write_text(f"#!/bin/sh\n{script}\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(fio, "fio_path", lambda: str(fake))
+    info = ea.model_info(str(model))
+    reads = ReadList.from_rows(info.shard_paths, [(0, 0, 4096)])
+    with pytest.raises(fio.FioError) as raised:
+        fio.run_fio_replay(reads, depth=4, workdir=str(tmp_path))
+    assert needle in str(raised.value) and "\n" not in str(raised.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["fio"]  # the iolog is removed
+
+
 def test_render_replaces_marked_regions_only(tmp_path: Path) -> None:
     import importlib.util
 
@@ -150,6 +175,36 @@ def test_render_replaces_marked_regions_only(tmp_path: Path) -> None:
     results_path.write_text(json.dumps(results))
     assert render.main([str(results_path), "--write", str(path)]) == 0
     assert "not measured" in path.read_text()
+
+
+def test_the_docs_tables_are_rendered_from_the_committed_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``<!-- bench:NAME -->`` region of README.md and docs/ is what render.py makes of the file it names.
+
+    Fails when a region was typed or edited by hand, left empty, or not rendered again after its
+    results file changed (run ``bench/render.py RESULTS --write README.md docs/*.md --extra``).
+    """
+    import importlib.util
+    import re
+
+    from aioexperts._cli.results import load_results
+
+    repo = Path(__file__).parents[2]
+    monkeypatch.chdir(repo)  # the satellite benches' results files are named relative to the repository
+    spec = importlib.util.spec_from_file_location("render", repo / "bench" / "render.py")
+    assert spec is not None and spec.loader is not None
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    extra_files = {path for path, _ in render.EXTRA.values()}
+    rendered = []
+    for doc in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        main = set(re.findall(r"rendered by bench/render.py from (\S+);", text)) - extra_files
+        assert len(main) <= 1, (doc, main)
+        source = main.pop() if main else ""
+        new, names = render.render_file(text, load_results(source) if source else {}, source, extra=True)
+        assert new == text, f"{doc.name}: a region differs from its rendering"
+        rendered += names
+    assert set(render.EXTRA) <= set(rendered)  # every satellite bench has its table in the docs
 
 
 def test_destination_is_prefaulted_and_closes() -> None:

@@ -141,3 +141,38 @@ def test_trace_summary_refuses_a_model_it_was_not_recorded_on(
     trace.save(path)
     assert tracetool.main(["summary", str(path), "--model", str(model_path)]) == 2
     assert "not of this model" in capsys.readouterr().err
+
+
+def test_help_shows_each_default_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """A None default is not shown: the help text says what happens without the option."""
+    with pytest.raises(SystemExit):
+        maptool.main(["write", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: MODEL with the suffix .weepf)" in out and "None" not in out
+    with pytest.raises(SystemExit):
+        tracetool.main(["summary", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0.5,0.8,0.9)" in out and "None" not in out
+
+
+def _write_to_a_closed_pipe(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run a console script whose stdout is a pipe nobody reads any more (``tool | head`` after head quit)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(argv, stdout=write_end, stderr=subprocess.PIPE, text=True, check=False, timeout=120)
+    finally:
+        os.close(write_end)
+
+
+def test_a_closed_pipe_ends_the_tools_quietly(model_path: Path, tmp_path: Path) -> None:
+    bindir = Path(sys.executable).parent
+    trace = tmp_path / "t.npz"
+    skewed_random_trace(50, [1, 2], 8, 2, seed=3, zipf_exponent=1.5, locality=0.2).save(trace)
+    for argv in (
+        [str(bindir / "aioexperts-map"), "layout", "--json", str(model_path)],
+        [str(bindir / "aioexperts-map"), "layout", str(model_path)],
+        [str(bindir / "aioexperts-trace"), "summary", "--json", str(trace)],
+    ):
+        done = _write_to_a_closed_pipe(argv)
+        assert (done.returncode, done.stderr) == (141, ""), argv

@@ -1,4 +1,4 @@
-"""The numpy MoE executor: llama.cpp goldens for every fixture, then synthetic unit cases."""
+"""The MoE executor: llama.cpp goldens for every fixture, then synthetic unit cases."""
 
 from __future__ import annotations
 

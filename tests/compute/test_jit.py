@@ -102,7 +102,7 @@ print(json.dumps({"y": y.tolist(), "loaded": report.loaded, "compiled": report.c
 
 
 def test_an_edited_helper_in_another_module_never_runs_stale_code(tmp_path) -> None:
-    """KERNELS.md pitfall 4: ``matvec_q4_k`` inlines ``sub_sums`` from ``common.py``.
+    """docs/notes/KERNELS.md pitfall 4: ``matvec_q4_k`` inlines ``sub_sums`` from ``common.py``.
 
     numba's own cache key covers only ``kquants.py``; the hash of every kernel source in the cache
     folder name must make the edited helper take effect in the next process.

@@ -37,6 +37,13 @@ def test_public_names_are_exactly_all() -> None:
         assert getattr(aioexperts, name) is not None
 
 
+def test_installed_version_is_the_package_version() -> None:
+    """pyproject.toml's version (what pip installed) and ``aioexperts.__version__`` are one number."""
+    import importlib.metadata
+
+    assert importlib.metadata.version("aioexperts") == aioexperts.__version__
+
+
 @pytest.mark.parametrize("name", PUBLIC_MODULES)
 def test_public_modules_export_exactly_all(name: str) -> None:
     import importlib
@@ -226,7 +233,7 @@ async def test_expert_map_is_checked_at_open(tmp_path: Path, anyio_backend: obje
     import os
 
     path = tmp_path / "m.gguf"
-    # a WEEPF001 map describes blocks 0..n-1 (FORMATS.md section 3): a model without a dense lead
+    # a WEEPF001 map describes blocks 0..n-1 (docs/notes/FORMATS.md section 3): a model without a dense lead
     write_synthetic_model(path, SMALL.with_(leading_dense=0))
     model = aioexperts.open_model(path)
     aioexperts.write_expert_map(model, aioexperts.build_layout(model), tmp_path / "m.weepf")

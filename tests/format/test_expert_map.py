@@ -1,4 +1,4 @@
-"""The WEEPF001 expert map: round trip, the exact byte layout of FORMATS.md section 3, every refusal."""
+"""The WEEPF001 expert map: round trip, the exact byte layout of docs/notes/FORMATS.md section 3, every refusal."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def make_map(
     n_layers: int | None = None,
     n_experts: list[int] | None = None,
 ) -> bytes:
-    """A map written by hand, independently of write_expert_map, as FORMATS.md lays it out."""
+    """A map written by hand, independently of write_expert_map, as docs/notes/FORMATS.md lays it out."""
     out = bytearray(HEADER.pack(magic, size, dev, ino, mtime_ns, len(layers) if n_layers is None else n_layers))
     for li, rows in enumerate(layers):
         out += struct.pack("<I", len(rows) if n_experts is None else n_experts[li])
@@ -94,7 +94,7 @@ def test_round_trip_on_a_fixture_copy(tmp_path: Path, name: str) -> None:
             loc = moe.locate(e)
             assert ranges == tuple((s.offset, s.n_bytes) for s in loc.segments)
     check_map_matches_layout(emap, layout)
-    # read without a model too, and the map is byte-for-byte what FORMATS.md says
+    # read without a model too, and the map is byte-for-byte what docs/notes/FORMATS.md says
     assert read_expert_map(map_path) == emap
     expected = make_map(
         [
@@ -116,6 +116,18 @@ def test_write_leaves_no_temp_file(tmp_path: Path, model_copy: Path) -> None:
     write_expert_map(model, layout, tmp_path / "m.weepf")
     write_expert_map(model, layout, tmp_path / "m.weepf")  # overwrite in place
     assert set(os.listdir(tmp_path)) == before | {"m.weepf"}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_written_map_has_the_mode_of_a_new_file(tmp_path: Path, model_copy: Path, umask: int) -> None:
+    """0666 & ~umask like any file the user creates, not mkstemp's 0600 (the temp file is chmod-ed)."""
+    model, layout = _open(model_copy)
+    old = os.umask(umask)
+    try:
+        write_expert_map(model, layout, tmp_path / "m.weepf")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "m.weepf").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_failed_write_leaves_no_temp_file(tmp_path: Path, model_copy: Path) -> None:

@@ -1,6 +1,6 @@
-"""WEEPF001 records are indexed by block number (FORMATS.md section 3: record ``i`` describes block ``i``).
+"""WEEPF001 records are indexed by block number (docs/notes/FORMATS.md section 3: record ``i`` describes block ``i``).
 
-Written maps are parsed here by a reader written from FORMATS.md alone, and each record ``i`` is
+Written maps are parsed here by a reader written from docs/notes/FORMATS.md alone, and each record ``i`` is
 compared with the byte ranges of block ``i``'s experts as ``gguf.GGUFReader`` places the stacked
 tensors; neither side uses ``aioexperts``' layout code. Models whose MoE blocks are not ``0..n-1``
 (a leading dense block as in glm4moe and deepseek2, interleaved dense blocks) are refused.
@@ -29,7 +29,7 @@ T = GGUFValueType
 
 
 def read_weepf(path: Path) -> tuple[tuple[int, int, int, int], list[list[tuple[tuple[int, int], ...]]]]:
-    """FORMATS.md section 3, read independently: identity, then per record per expert 3 (offset, length)."""
+    """docs/notes/FORMATS.md section 3, read independently: identity, then per record per expert 3 (offset, length)."""
     data = path.read_bytes()
     magic, size, dev, ino, mtime, n_layers = struct.unpack_from("<8sQQQQI", data, 0)
     assert magic == b"WEEPF001"

@@ -1,5 +1,5 @@
 """build_layout and ExpertLayout.locate: the fixtures' banks, byte runs checked against gguf.GGUFReader, the
-merged gate_up form, and every rule of FORMATS.md sections 1-2 broken on purpose (each a LayoutError)."""
+merged gate_up form, and every rule of docs/notes/FORMATS.md sections 1-2 broken on purpose (each a LayoutError)."""
 
 from __future__ import annotations
 
