@@ -42,7 +42,7 @@ DEFAULT_MAX_BYTES_IN_FLIGHT = 256 << 20
 DEFAULT_SPLIT_BYTES: int | None = None
 """Reads of one expert are cut into chunks of this many bytes (None: not cut). Not cut by default:
 on this project's virtio disk a cold 13.8 MiB expert read in 128 KiB..4 MiB chunks was no faster than
-in one read (``bench/split_reads.py``, ``docs/results/split-reads-2026-11-30.json``); NVMe devices
+in one read (``bench/split_reads.py``, ``docs/results/split-reads.json``); NVMe devices
 with more internal parallelism may differ: measure with the bench and set ``split_bytes``."""
 
 

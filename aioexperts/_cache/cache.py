@@ -1,7 +1,7 @@
 """The expert cache: ``(layer, expert)`` -> slot, with pin counts, in-flight sharing and eviction.
 
 A slot's entry goes FREE -> LOADING -> READY (or back to FREE when its load fails or is dropped
-before submission). The invariants (DESIGN.md):
+before submission). The invariants (docs/notes/DESIGN.md):
 
 1. A slot whose read is in flight is never handed to another expert, even when every waiter was
    cancelled: LOADING entries are never eviction candidates, and a slot returns to the free list

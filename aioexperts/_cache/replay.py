@@ -1,6 +1,6 @@
 """Replay a routing trace through a simulated expert cache: hit rates per eviction policy.
 
-The simulation follows the store (DESIGN.md, "The path of one token"): for each token, for each
+The simulation follows the store (docs/notes/DESIGN.md, "The path of one token"): for each token, for each
 MoE layer in order, the *step* requests the unique active ids of that (token, layer) together.
 They must all be resident at once and are pinned for the step, so they cannot evict each other; a
 missing expert takes a free slot, or evicts the policy's victim among the unpinned residents. No
@@ -23,7 +23,7 @@ import numpy as np
 from .._errors import ConfigError
 from .eviction import POLICY_NAMES, Key, make_policy
 
-if TYPE_CHECKING:  # the cache layer sits below predict (DESIGN.md): no runtime import upwards
+if TYPE_CHECKING:  # the cache layer sits below predict (docs/notes/DESIGN.md): no runtime import upwards
     from .._predict.trace import RoutingTrace
 
 __all__ = (

@@ -1,4 +1,4 @@
-"""The numpy MoE executor: router, gating, routed experts (any mix of ggml types) and shared experts.
+"""The MoE executor: router, gating, routed experts (any mix of ggml types) and shared experts.
 
 The reference is llama.cpp's ``llm_graph_context::build_moe_ffn`` (``src/llama-graph.cpp``) for the
 routed part and ``build_ffn`` with ``LLM_FFN_SILU, LLM_FFN_PAR`` for the shared expert; each function
@@ -39,7 +39,7 @@ TensorGetter = Callable[[str], "np.ndarray | None"]
 _Group = tuple[int, ExpertView, np.ndarray]
 """One distinct expert of a call: ``(expert id, its view, flat (token * k + slot) positions)``."""
 
-_MAX_TIERS = 3  # ffn_*_exps_tier1..3 (FORMATS.md section 2)
+_MAX_TIERS = 3  # ffn_*_exps_tier1..3 (docs/notes/FORMATS.md section 2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -144,7 +144,7 @@ class ResidentLayer:
     def from_tensors(cls, layer: int, tensor: TensorGetter, hparams: MoEHParams) -> ResidentLayer:
         """Collect a layer's resident weights through ``tensor(name)``.
 
-        Tensor names are those of FORMATS.md section 1: ``blk.L.ffn_gate_inp.weight`` (required),
+        Tensor names are those of docs/notes/FORMATS.md section 1: ``blk.L.ffn_gate_inp.weight`` (required),
         ``blk.L.ffn_gate_inp.bias``, ``blk.L.exp_probs_b.bias``, ``blk.L.ffn_{gate,up,down}_exps.bias``
         (mixed-tier banks: followed by ``..._exps_tierN.bias``, concatenated in bank order),
         ``blk.L.ffn_gate_up_exps.bias`` (split into gate and up halves),
@@ -311,7 +311,7 @@ def moe_forward(
     (``ggml_swiglu_split``) or gpt-oss ``swiglu_oai`` (``g = min(g, limit)``,
     ``u = clip(u, -limit, limit)``, ``g * sigmoid(alpha * g) * (u + 1)``) or GeGLU ``gelu(g) * u``
     (``ggml_geglu_split``, grok); ``a`` is zero-padded to the
-    down projection's width when that is wider (FORMATS.md section 2); ``y = W_down[e] a (+ b_down[e])``
+    down projection's width when that is wider (docs/notes/FORMATS.md section 2); ``y = W_down[e] a (+ b_down[e])``
     (``ffn_moe_down``); ``moe_out_t = sum_i weights[t, i] * y_i`` over the k slots in slot order
     (``ffn_moe_weighted``, ``ffn_moe_out``). A slot with id ``-1`` is inactive: it needs no view and
     contributes zero. The weights come from :func:`route` and already include the model's weight

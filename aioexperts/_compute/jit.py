@@ -8,7 +8,7 @@ the Python, numba and llvmlite versions and a hash of the kernel sources.
 Why the hash: numba's own cache key covers only the file of the function being compiled (its
 mtime/size stamp and bytecode). A kernel that inlines a helper from another module, or an
 ``@intrinsic`` whose code generator changed, would otherwise keep running the old machine code after
-an edit or an upgrade (``../shared/docs/KERNELS.md``, pitfall 4). Every source file of the kernels
+an edit or an upgrade (``docs/notes/KERNELS.md``, pitfall 4). Every source file of the kernels
 package and this module go into the hash, so any edit moves the cache to a new folder and the
 kernels are compiled afresh. Stale folders are left for the user to delete (they are small).
 

@@ -15,7 +15,7 @@ overrides). Two ways in:
 Native thread pools are capped to one thread per call while the pool lives (BLAS and OpenMP,
 through ``threadpoolctl``): the pool's workers are the parallelism, and a BLAS call that started
 its own threads in each worker would oversubscribe the cores (measured before this pool: 16
-concurrent tokens 6x slower per token than with one BLAS thread, KERNELS.md pitfall 6). The numba
+concurrent tokens 6x slower per token than with one BLAS thread, docs/notes/KERNELS.md pitfall 6). The numba
 kernels are single-threaded (``nogil``, no ``parallel=True``): numba's threading layer is never
 started, which also avoids OpenMP's stalls on a shared 2-core machine (pitfall 5).
 """

@@ -1,4 +1,4 @@
-"""The ``WEEPF001`` expert map: a small binary index of every expert's byte ranges (FORMATS.md section 3).
+"""The ``WEEPF001`` expert map: a small binary index of every expert's byte ranges (docs/notes/FORMATS.md section 3).
 
 Layout (little-endian)::
 
@@ -80,7 +80,7 @@ def _require_blocks_from_zero(layout: ExpertLayout, what: str) -> None:
     blocks = list(layout.layers)
     if blocks != list(range(len(blocks))):
         raise ConfigError(
-            f"{what}: WEEPF001 record i describes block i (FORMATS.md section 3) and a record cannot have zero "
+            f"{what}: WEEPF001 record i describes block i (docs/notes/FORMATS.md section 3) and a record cannot have zero "
             f"experts, but this model's MoE blocks are {_blocks(blocks)} (leading or interleaved dense blocks): "
             "the format cannot describe it, so no map is written or used for it"
         )

@@ -293,7 +293,7 @@ class MoEHParams:
         n_layer: ``block_count`` (0 when absent: unknown).
         n_embd: ``embedding_length``.
         n_expert: ``expert_count``: router outputs of a full layer (a pruned mixed-tier layer may
-            have fewer, see FORMATS.md section 2).
+            have fewer, see docs/notes/FORMATS.md section 2).
         n_expert_used: ``expert_used_count``: k of top-k.
         n_ff_exp: a routed expert's hidden width (gate/up rows), 0 when the metadata does not say
             (generic archs only; the executor then takes it from the expert views).

@@ -1,6 +1,6 @@
 """The expert layout: for each MoE layer its router, its banks, and where every expert's bytes are.
 
-Follows FORMATS.md sections 1 and 2; NextN / MTP blocks are left out unless asked for (see
+Follows docs/notes/FORMATS.md sections 1 and 2; NextN / MTP blocks are left out unless asked for (see
 :func:`build_layout`). A layer's experts live in up to four banks (``ffn_*_exps``
 and ``ffn_*_exps_tier1..3``), each a stacked tensor triple (or a merged ``ffn_gate_up_exps`` plus
 ``ffn_down_exps``) with its own ggml type. Global expert id ``g`` (the router's output index) is in
@@ -282,7 +282,7 @@ def _ranges(xs: list[int]) -> str:
 
 
 def build_layout(model: GGUFModel, *, include_nextn: bool = False) -> ExpertLayout:
-    """Find every MoE layer of ``model`` and check it against FORMATS.md's rules.
+    """Find every MoE layer of ``model`` and check it against docs/notes/FORMATS.md's rules.
 
     A block is an MoE layer when it has a router and expert tensors. The last
     ``{arch}.nextn_predict_layers`` blocks (counted in ``block_count``) are NextN / MTP blocks:

@@ -1,7 +1,7 @@
 """Rows of a 2-D tensor read a few at a time: row windows and their aligned reads.
 
 Some models keep tables too large to hold in memory that are read a few rows per token (token
-embeddings of large vocabularies, per-layer embedding or n-gram tables; FORMATS.md section 4).
+embeddings of large vocabularies, per-layer embedding or n-gram tables; docs/notes/FORMATS.md section 4).
 Rows are grouped into *windows*, each read with one aligned read and cached as a unit, so rows
 that share a window are read once. For rows smaller than the alignment unit ``A`` (a ``Q2_K`` row
 of 256 values is 84 bytes), window ``2p`` is page ``p`` of the file and serves every row that lies

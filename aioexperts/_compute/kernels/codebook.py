@@ -6,7 +6,7 @@ in llama.cpp ``ggml-common.h``), scaled per block (IQ4_NL: f16 ``d``; IQ4_XS: ``
 gguf-py ``quants.py`` (``dequantize_row_iq4_nl``, ``dequantize_row_iq4_xs``,
 ``dequantize_row_mxfp4``). The fused products look the table up 16 codes at a time with a byte
 shuffle (:func:`.simd.make_lut_dots`: ``pshufb``/``tbl``); written as plain array indexing, the
-lookups become gathers, 3-7x slower (KERNELS.md, pitfall 7). The exact decoders index the table.
+lookups become gathers, 3-7x slower (docs/notes/KERNELS.md, pitfall 7). The exact decoders index the table.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Helpers shared by the kernels: scale decoding, software prefetch, sums of ``x``, blocked products.
 
 Integer widths are kept explicit (``np.uint32(...)`` around bit operations): numba types integer
-arithmetic as int64, and LLVM then vectorises on 64-bit lanes (KERNELS.md, pitfall 1).
+arithmetic as int64, and LLVM then vectorises on 64-bit lanes (docs/notes/KERNELS.md, pitfall 1).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ HALF_SUBNORMAL_UNIT = F32(2.0**-24)
 
 #: bytes per cache line, the step of software prefetches
 CACHE_LINE = 64
-#: rows ahead that the matrix-vector kernels prefetch (KERNELS.md: row r+2)
+#: rows ahead that the matrix-vector kernels prefetch (docs/notes/KERNELS.md: row r+2)
 PREFETCH_ROWS = 2
 
 #: rows decoded per group by the small-batch kernels; 4 rows x 2048 float32 = 32 KiB
@@ -107,7 +107,7 @@ def lshr(typingctx, value, amount):
     """``value >> amount`` in the width of ``value`` (an unsigned integer), ``0 <= amount < width``.
 
     numba types every shift of small unsigned integers as uint64; with a variable ``amount`` LLVM
-    cannot prove the narrower shift equal and vectorises on 64-bit lanes (KERNELS.md, pitfall 1).
+    cannot prove the narrower shift equal and vectorises on 64-bit lanes (docs/notes/KERNELS.md, pitfall 1).
     """
     if not isinstance(value, types.Integer) or value.signed or not isinstance(amount, types.Integer):
         return None

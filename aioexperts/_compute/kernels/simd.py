@@ -3,7 +3,7 @@
 numba has no vector types, and LLVM's loop vectoriser handles the short fixed loops of ggml blocks
 badly: it fully unrolls a 16- or 32-iteration loop and vectorises the block loop with gathers, or
 it interleaves for a long trip count and runs a 16-iteration loop in its scalar remainder
-(KERNELS.md, pitfalls 1 and 2). These intrinsics state the vector operations directly, so the
+(docs/notes/KERNELS.md, pitfalls 1 and 2). These intrinsics state the vector operations directly, so the
 machine code no longer depends on those heuristics. They are portable LLVM IR (vector loads,
 shifts, ``llvm.vector.reduce.*``); LLVM picks the instructions: on AVX-512 VNNI an unsigned-by-
 signed byte product summed to int32 becomes ``vpdpbusd``. Two pieces depend on the target: the
