@@ -81,8 +81,8 @@ def _require_blocks_from_zero(layout: ExpertLayout, what: str) -> None:
     if blocks != list(range(len(blocks))):
         raise ConfigError(
             f"{what}: WEEPF001 record i describes block i (docs/notes/FORMATS.md section 3) and a record cannot "
-            f"have zero experts, but this model's MoE blocks are {_blocks(blocks)} (leading or interleaved dense blocks): "
-            "the format cannot describe it, so no map is written or used for it"
+            f"have zero experts, but this model's MoE blocks are {_blocks(blocks)} (leading or interleaved dense "
+            "blocks): the format cannot describe it, so no map is written or used for it"
         )
 
 
