@@ -58,6 +58,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=9, help="rounds; each reads one new expert per chunk size")
     parser.add_argument("--model", type=Path, help="a model with large experts (default: built once in the cache dir)")
     parser.add_argument("--json", type=Path, default=Path("split-results.json"))
+    parser.add_argument("--start", type=int, default=0, help="first expert to read (pick ones no earlier run read)")
     args = parser.parse_args()
     n_needed = args.rounds * len(CHUNKS)
     path = args.model or cache_dir() / "split-bench-q2_k-7168x2048-v1.gguf"
@@ -69,11 +70,11 @@ def main() -> int:
         os.replace(tmp, path)
     n_experts = aioexperts.build_layout(aioexperts.open_model(path)).layers
     total = next(iter(n_experts.values())).n_experts
-    if n_needed > total:
-        parser.error(f"{args.rounds} rounds need {n_needed} distinct experts; the model has {total}")
+    if args.start + n_needed > total:
+        parser.error(f"{args.rounds} rounds from expert {args.start} need {n_needed} experts; the model has {total}")
     expert_bytes = next(iter(aioexperts.build_layout(aioexperts.open_model(path)))).n_bytes
     rounds = []
-    expert = 0
+    expert = args.start
     for r in range(args.rounds):
         order = CHUNKS[r % len(CHUNKS) :] + CHUNKS[: r % len(CHUNKS)]  # rotated
         row = {}
