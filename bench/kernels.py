@@ -271,7 +271,7 @@ def print_compile(result: dict[str, Any]) -> None:
     for key, e in result.items():
         target = COMPILE_TARGET_S if key.endswith("cold") else WARM_TARGET_S
         t = e["total_s"]
-        met = "met" if t["median"] <= target else "NOT met"
+        met = "met" if t["median"] <= target else "missed"
         verdict = f"target <= {target:g} s: {met}" if "model" in key else "(not a model: for information)"
         print(
             f"  {key:<42} {t['median']:6.2f} ({t['min']:.2f}-{t['max']:.2f}) s; {e['kernels']} kernels, "

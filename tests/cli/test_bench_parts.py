@@ -211,3 +211,20 @@ def test_destination_is_prefaulted_and_closes() -> None:
     with Destination(10_000) as dest:
         assert dest.n_bytes % 4096 == 0 and dest.n_bytes >= 10_000
         assert np.all(dest.array[::4096] == 0)
+
+
+_BENCH = Path(__file__).parents[2] / "bench"
+
+
+@pytest.mark.parametrize(
+    "script", sorted(p.name for p in _BENCH.glob("*.py") if "__main__" in p.read_text(encoding="utf-8"))
+)
+def test_every_bench_script_imports_and_answers_help(script: str) -> None:
+    """A bench script that no longer imports is found here, not at the end of a long quiet run."""
+    import subprocess
+    import sys
+
+    path = Path(__file__).parents[2] / "bench" / script
+    done = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage" in done.stdout.lower()
