@@ -403,6 +403,9 @@ class ExpertStore:
         exception is raised once all were tried, and the store counts as released only when none
         raised (a later :meth:`aclose` tries the rest again).
         """
+        if self._cache is not None:  # the store's own cached exporters must not keep the slab mapped
+            for entry in self._cache.entries.values():
+                entry.exporters = None
         parts: list[Callable[[], None]] = []
         if self._rows is not None:
             parts += [self._rows.backend.close, self._rows.slab.close]

@@ -14,6 +14,8 @@ the ``aioexperts`` package in its traceback.
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Callable, Coroutine, Generator
 from pathlib import Path
 from types import TracebackType
@@ -57,6 +59,9 @@ class Stepper:
                 error = exc
 
 
+POOL_FILE = os.path.join("_compute", "pool.py")
+
+
 def _frames(tb: TracebackType | None) -> list[tuple[str, str]]:
     out = []
     while tb is not None:
@@ -72,7 +77,11 @@ def cancellation_point(exc: BaseException) -> str:
     ``"outside"`` when no frame of the package is in the traceback (the cancellation hit the test's
     own code, e.g. the body of an ``experts()`` block that the context manager had left already).
     """
-    names = [name for filename, name in _frames(exc.__traceback__) if filename.startswith(PACKAGE_DIR)]
+    names = [
+        name
+        for filename, name in _frames(exc.__traceback__)
+        if filename.startswith(PACKAGE_DIR) and not filename.endswith(POOL_FILE)  # the pool: named by its caller
+    ]
     if not names:
         return "outside"
     return ">".join(names[-2:])
