@@ -15,7 +15,6 @@ the ``aioexperts`` package in its traceback.
 from __future__ import annotations
 
 import os
-
 from collections.abc import Callable, Coroutine, Generator
 from pathlib import Path
 from types import TracebackType
