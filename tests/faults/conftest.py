@@ -5,14 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import Phase, settings
 
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 from faults.stack import Key, reference_bytes
-
-#: ``--hypothesis-profile=find-only``: generate without shrinking, to check quickly whether a
-#: property test or the store state machine finds a bug (a reverted fix) at all.
-settings.register_profile("find-only", phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 #: 3 layers x 8 experts; each expert is three reads (gate, up, down) of about 37 KB.
 SMALL = SyntheticSpec(n_layer=3, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)

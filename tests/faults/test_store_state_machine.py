@@ -32,6 +32,7 @@ it is reverted; docs/architecture.md lists which check catches which.
 from __future__ import annotations
 
 import errno
+import threading
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,9 @@ from faults.storekit import StoreRun
 N_SLOTS = 4
 N_LAYERS, N_EXPERTS = 3, 8  # the SMALL model of conftest.py
 MAX_REQUESTS = 10  # running at once
+#: Reads in flight at most: fewer than a whole-slab request needs (4 experts x 3 reads), so loads
+#: and re-reads queue in the scheduler behind the reads in flight (and may meet close there).
+DEPTH = 6
 LOOPS = {
     "asyncio": ("asyncio", {}),
     "uvloop": ("asyncio", {"use_uvloop": True}),
@@ -128,12 +132,22 @@ class StoreMachine(RuleBasedStateMachine):
             self._portal_cm.__exit__(None, None, None)
             raise
         self.fake: FaultyFake = self.run.backend
+        # the backend's release (in aclose()'s release thread) waits for this gate: a cancellation
+        # can then arrive while the release runs (rule finish_the_release opens it)
+        self.release_gate = threading.Event()
+        release = self.fake.close
+
+        def gated_close() -> None:
+            self.release_gate.wait(BOUND)
+            release()
+
+        self.fake.close = gated_close  # type: ignore[method-assign]
         self.fake.after_submit = self._after_submit
         self.align = self.fake.files.dio_alignment if self.fake.direct_io else 1
 
     async def _open(self) -> StoreRun:
         return await StoreRun.open(
-            self.PATH, FaultyFake, self.REFERENCE, {}, slots=N_SLOTS, depth=64, policy=self.policy, auto=False
+            self.PATH, FaultyFake, self.REFERENCE, {}, slots=N_SLOTS, depth=DEPTH, policy=self.policy, auto=False
         )
 
     # -- helpers (loop thread unless said) ------------------------------------------------------------
@@ -251,13 +265,14 @@ class StoreMachine(RuleBasedStateMachine):
         """A request whose reads all complete right away: it then holds its experts (pins slots)."""
         req = self._request(layer, ids, True)
 
-        def complete_its_reads() -> None:
-            for op in list(self.fake.pending):
-                if key_of(op) in req.keys:
-                    self.fake.complete(op)
+        def complete_its_reads() -> bool:
+            ops = [op for op in self.fake.pending if key_of(op) in req.keys]
+            for op in ops:
+                self.fake.complete(op)
+            return bool(ops)
 
-        self.portal.call(complete_its_reads)
-        self.settle()
+        while self.portal.call(complete_its_reads):  # its queued reads go out as the first complete
+            self.settle()
 
     @precondition(lambda self: self.running())
     @rule(i=st.integers(0, 1 << 16))
@@ -323,7 +338,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.settle()
         expected, self.expected_retry = self.expected_retry, None
         if expected is not None and not self.run.store.closed and self.fake.submit_fault is None:
-            pending = [(o.shard, o.file_offset, o.n_bytes, o.slot, o.slot_offset) for o in self.fake.pending]
+            scheduler = self.run.store._scheduler  # white-box: a re-read may still be queued there
+            assert scheduler is not None
+            queued = [*self.fake.pending, *scheduler._retries]
+            pending = [(o.shard, o.file_offset, o.n_bytes, o.slot, o.slot_offset) for o in queued]
             assert expected in pending, (
                 f"a short read of {r} bytes ({self.align}-byte direct-I/O alignment) did not continue right "
                 f"after them: expected {expected}, pending {pending}"
@@ -376,6 +394,34 @@ class StoreMachine(RuleBasedStateMachine):
         self.portal.start_task_soon(self._close)
         self.settle()
 
+    @precondition(lambda self: not self.close_started and len(self.requests) >= 6 and self.fake.pending)
+    @rule(i=st.integers(0, 1 << 16), how=st.sampled_from(["half", "aligned", "eintr"]))
+    def a_read_needs_a_re_read_as_close_begins(self, i: int, how: str) -> None:
+        """A completion that queues a re-read, then ``aclose()`` in the same tick (before the re-read goes out)."""
+        op = self.fake.pending[i % len(self.fake.pending)]
+        result: int | Exception
+        if how == "half":
+            result = op.n_bytes // 2
+        elif how == "aligned":
+            result = (op.n_bytes - 1) // self.align * self.align or op.n_bytes // 2
+        else:
+            result = OSError(errno.EINTR, "Interrupted system call")
+        self.may_fail.add(key_of(op))
+        self.close_started = True
+
+        async def complete_then_close() -> None:
+            self.fake.complete(op, result)  # the re-read is queued; its submission waits for the next tick
+            await self._close()  # aclose() closes the scheduler before its first await
+
+        self.portal.start_task_soon(complete_then_close)
+        self.settle()
+
+    @precondition(lambda self: self.close_started)
+    @rule()
+    def finish_the_release(self) -> None:
+        self.release_gate.set()
+        self.settle()
+
     # not "and not done": when aclose() returns depends on its release thread, and a precondition
     # must depend only on the steps drawn so far (hypothesis replays them)
     @precondition(lambda self: self.close_started)
@@ -400,12 +446,14 @@ class StoreMachine(RuleBasedStateMachine):
         held = set().union(*(r.keys for r in self.requests if r.stage == "holding"))
         active = set().union(*(r.keys for r in self.requests if r.stage in ("acquire", "holding")))
         assert len(held) <= st_.pinned_slots <= len(active), (st_.pinned_slots, held, active)
-        pending = {key_of(op) for op in fake.pending}
+        cache = self.run.store._cache  # white-box: loads submitted or still queued in the scheduler
+        assert cache is not None
+        pending = {key for key, e in cache.entries.items() if e.state is SlotState.LOADING}
         stuck = [
             r for r in self.requests if r.stage == "acquire" and not r.wait and not pending & (r.keys | r.may_wait_for)
         ]
         assert not stuck, f"requests that do not wait are waiting, but not for a load they may wait for: {stuck}"
-        if not fake.pending:
+        if not pending:
             waiting = [r for r in self.requests if r.stage == "acquire"]
             if not any(r.stage == "holding" for r in self.requests):
                 assert not waiting, f"nothing is pinned or pending, yet requests wait (a lost wake-up): {waiting}"
@@ -449,6 +497,7 @@ class StoreMachine(RuleBasedStateMachine):
         """Release everything and complete every read; every request must then finish by itself."""
         self.policy.armed = False
         self.fake.submit_fault = None
+        self.release_gate.set()
         for r in self.requests:
             if r.release is not None:
                 r.release.set()
@@ -480,6 +529,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def _start_close(self) -> None:
         """Start ``aclose()`` in a task, unless the close rule did (test thread)."""
+        self.release_gate.set()
         if not self.close_started:
             self.close_started = True
             self.portal.start_task_soon(self._close)
