@@ -184,6 +184,7 @@ class ExpertStore:
         self._pagecache_counters = PageCacheCounters()
         self._rows: RowReader | None = None
         self._rows_lock = anyio.Lock()
+        self._release: _Release | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -330,7 +331,8 @@ class ExpertStore:
 
         Requests waiting for experts that were not read yet get ``StoreClosedError``; queued
         reads (re-reads after a short read included) are never submitted. Calling it again is
-        harmless; after an interrupted call it completes the release.
+        harmless: a call made while another one is releasing waits for that release (the
+        resources are released once); after a call that failed, it completes the release.
 
         Cancellation handling:
             Memory the kernel may still write into is never unmapped: a cancellation (anyio/trio
@@ -341,6 +343,8 @@ class ExpertStore:
         Raises:
             ConfigError: called from another event loop (or thread) than the one the store was
                 started in: close it where it lives.
+            Exception: what releasing a resource raised (the ring exit, closing a descriptor);
+                every other resource was released all the same.
         """
         if self._released:
             return
@@ -375,45 +379,55 @@ class ExpertStore:
             self._rows.backend.detach()
         if self._pagecache is not None:
             self._pagecache.detach()
-        # ring exit and munmap of the slab block: in a thread of their own, waited for to the end
-        done = threading.Event()
-        failures: list[BaseException] = []
-
-        def release() -> None:
-            try:
-                self._release_resources()
-            except BaseException as exc:  # re-raised on the loop below
-                failures.append(exc)
-            finally:
-                done.set()
-
-        threading.Thread(target=release, name="aioexperts-close").start()
-        while not done.is_set():
+        # ring exit and munmap of the slab block: in a thread of their own, waited for to the end.
+        # One release at a time: a concurrent aclose() waits for the one running instead of
+        # releasing the same ring, descriptors and slab again from a second thread.
+        release = self._release
+        if release is None or release.done.is_set():  # none yet, or the last one failed: try again
+            release = self._release = _Release(self._release_resources)
+        while not release.done.is_set():
             try:
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(done.wait)
+                    await anyio.to_thread.run_sync(release.done.wait)
             except anyio.get_cancelled_exc_class() as exc:
                 held = exc
-        if failures:
-            raise failures[0]
+        if release.failure is not None:
+            raise release.failure
         if held is not None:
             raise held
 
     def _release_resources(self) -> None:
-        self._released = True
+        """Release the page-cache workers and mappings, the backend, the files and the slab.
+
+        Every part is attempted (each is idempotent), even after one of them raised; the first
+        exception is raised once all were tried, and the store counts as released only when none
+        raised (a later :meth:`aclose` tries the rest again).
+        """
+        if self._cache is not None:  # the store's own cached exporters must not keep the slab mapped
+            for entry in self._cache.entries.values():
+                entry.exporters = None
+        parts: list[Callable[[], None]] = []
         if self._rows is not None:
-            self._rows.backend.close()
-            self._rows.slab.close()
+            parts += [self._rows.backend.close, self._rows.slab.close]
         if self._pagecache is not None:
-            self._pagecache.shutdown()
+            parts.append(self._pagecache.shutdown)
         if self._shards is not None:
-            self._shards.close()
+            parts.append(self._shards.close)
         if self._backend is not None:
-            self._backend.close()
+            parts.append(self._backend.close)
         if self._files is not None:
-            self._files.close()
+            parts.append(self._files.close)
         if self._slab is not None:
-            self._slab.close()
+            parts.append(self._slab.close)
+        failures: list[BaseException] = []
+        for part in parts:
+            try:
+                part()
+            except BaseException as exc:  # the other parts are still released
+                failures.append(exc)
+        self._released = not failures
+        if failures:
+            raise failures[0]
 
     def __del__(self) -> None:
         if self._started and not self._released:
@@ -655,9 +669,11 @@ class ExpertStore:
         try:
             yield views
         finally:
-            for view in by_key.values():
-                view.release()
-            cache.release(entries)  # type: ignore[arg-type]
+            try:
+                for view in by_key.values():
+                    view.release()  # warns when the host still uses the bytes: an error under -W error
+            finally:
+                cache.release(entries)  # type: ignore[arg-type]
 
     def prefetch(self, keys: Iterable[Key]) -> int:
         """Start loading ``(layer, expert)`` keys that are not cached, without waiting.
@@ -820,3 +836,25 @@ def _checked_keys(keys: object, name: str) -> list[Key]:
             raise InvalidRequestError(f"{name} must hold (layer, expert) pairs of ints, got {key!r}")
         out.append((int(key[0]), int(key[1])))
     return out
+
+
+class _Release:
+    """The release of a store's resources, running in a thread of its own (ring exit and munmap block).
+
+    Attributes:
+        done: set once the release has finished, successfully or not.
+        failure: what it raised, or None.
+    """
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self.done = threading.Event()
+        self.failure: BaseException | None = None
+        threading.Thread(target=self._run, args=(release,), name="aioexperts-close").start()
+
+    def _run(self, release: Callable[[], None]) -> None:
+        try:
+            release()
+        except BaseException as exc:  # raised on the loop by aclose()
+            self.failure = exc
+        finally:
+            self.done.set()

@@ -9,6 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import Phase, settings
+
+#: ``--hypothesis-profile=find-only``: generate fresh examples without replaying the example
+#: database and without shrinking: does a property test or the store state machine find a bug (a
+#: reverted fix) at all, from scratch? (``tests/faults/revert_check.py`` runs it per reverted fix.)
+settings.register_profile("find-only", phases=[Phase.explicit, Phase.generate], database=None)
 
 #: Every async test marked ``anyio`` runs on each of these event loops.
 ANYIO_BACKENDS = [

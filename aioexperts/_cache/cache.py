@@ -500,6 +500,7 @@ class ExpertCache:
         for key in victims:
             entry = self.entries.pop(key)
             entry.state = SlotState.FREE
+            entry.exporters = None  # views of the slot's old bytes: the slot now goes to another expert
             self.free_slots.append(entry.slot)
             self.counters.evictions += 1
             if entry.prefetched:

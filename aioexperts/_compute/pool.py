@@ -212,9 +212,12 @@ class ComputePool:
                 if queued:
                     self._jobs.remove(job)
                     self._counts["dropped"] += 1
-            if not queued:
-                with anyio.CancelScope(shield=True):
-                    await done.wait()
+            while not queued and not done.is_set():
+                try:
+                    with anyio.CancelScope(shield=True):
+                        await done.wait()
+                except anyio.get_cancelled_exc_class():  # asyncio's Task.cancel() again: still held
+                    pass
             raise
         if job.error is not None:
             raise job.error

@@ -156,6 +156,14 @@ def test_random_interleavings_keep_the_invariants(
                 ):
                     break
                 fake.complete_all()
+            # every request must have finished on its own: nothing is pinned, nothing is in flight,
+            # so one still waiting was never woken (a lost wake-up). Checked before anything is
+            # cancelled: the cancellation below would otherwise end it and hide the hang.
+            unfinished = sorted(tid for tid, info in tasks.items() if not info["done"])
+            assert not unfinished, (
+                f"requests {unfinished} never finished although every pin was released and every read completed"
+            )
+            assert not fake.pending and cache_of(engine).scheduler.idle
             tg.cancel_scope.cancel()
         check_invariants(engine, fake, tasks)
         assert not fake.pending, f"{len(fake.pending)} reads still pending at close"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,12 +17,19 @@ class SlotGuard(IOBackend):
 
     A read counts from the moment it is handed to ``submit`` (tentatively: the kernel may see it
     inside the call) until its completion is delivered; reads ``submit`` reports as not taken
-    (``SubmitError.taken``) are forgotten at once. ``after_submit`` and ``after_deliver`` hooks let
-    a test act at those two points (close the cache, for example).
+    (``SubmitError.taken``) are forgotten at once. A ``submit`` call on a backend that was already
+    closed is a violation too (nothing may be submitted after close). ``after_submit``,
+    ``before_deliver`` and ``after_deliver`` hooks let a test act at those points (close the cache,
+    start a task, for example).
+
+    ``close()`` calls are counted, and one that starts while another runs (two releases of the
+    same backend at once, from two threads) is a violation; ``close_delay`` (seconds) makes each
+    ``close()`` take that long, so that such an overlap cannot go unseen.
 
     Attributes:
         violations: every broken rule, as text; a test asserts it stays empty.
         submitted: the ops of each submit call that the backend took.
+        close_calls: ``close()`` calls so far.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -30,7 +39,12 @@ class SlotGuard(IOBackend):
         self.submitted: list[list[ReadOp]] = []
         self.violations: list[str] = []
         self.after_submit: Callable[[Sequence[ReadOp], int], None] | None = None
+        self.before_deliver: Callable[[ReadOp, ReadResult], None] | None = None
         self.after_deliver: Callable[[ReadOp, ReadResult], None] | None = None
+        self.close_calls = 0
+        self.close_delay = 0.0
+        self._closing = 0
+        self._close_lock = threading.Lock()
 
     def _own(self, op: ReadOp) -> None:
         load = id(op.context[0])
@@ -54,8 +68,15 @@ class SlotGuard(IOBackend):
         """True while ``op`` is taken and its completion not delivered."""
         return id(op) in self.live
 
+    @property
+    def is_closed(self) -> bool:
+        """True once the backend was closed (the fake's ``closed``, io_uring's ``_closed``)."""
+        return bool(getattr(self, "closed", False) or getattr(self, "_closed", False))
+
     def submit(self, ops: Sequence[ReadOp]) -> None:
         ops = list(ops)
+        if self.is_closed:
+            self.violations.append(f"{len(ops)} reads submitted to a closed backend: {ops[:3]}")
         for op in ops:
             self._own(op)
         before = self.in_flight
@@ -76,10 +97,26 @@ class SlotGuard(IOBackend):
                 self.after_submit(ops, taken)
 
     def _deliver(self, op: ReadOp, result: ReadResult) -> None:
+        if self.before_deliver is not None:
+            self.before_deliver(op, result)
         self._disown(op)
         super()._deliver(op, result)
         if self.after_deliver is not None:
             self.after_deliver(op, result)
+
+    def close(self) -> None:
+        with self._close_lock:
+            self.close_calls += 1
+            self._closing += 1
+            if self._closing > 1:
+                self.violations.append("close() entered while another close() of the backend was running")
+        try:
+            if self.close_delay:
+                time.sleep(self.close_delay)
+            super().close()  # type: ignore[safe-super]
+        finally:
+            with self._close_lock:
+                self._closing -= 1
 
     def owners(self, slot: int) -> int:
         """Loads with a read in flight into ``slot``."""

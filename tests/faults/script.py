@@ -93,6 +93,9 @@ class ScriptedFake(FakeBackend):
         read_fault: a completion fault, or None.
         submit_fault: ``(batch, at, exception)``: submit call ``batch`` takes the reads before
             position ``at`` and then raises ``SubmitError`` with ``exception`` as the cause.
+        raw_submit: with ``submit_fault``, raise ``exception`` itself instead of a ``SubmitError``
+            (a backend outside the contract, which the scheduler must survive as well: it counts
+            the reads taken by the backend's ``in_flight``).
         other arguments: as :class:`FakeBackend`.
     """
 
@@ -101,12 +104,19 @@ class ScriptedFake(FakeBackend):
         *args: Any,
         read_fault: ReadFault | None = None,
         submit_fault: tuple[int, str | int, Exception] | None = None,
+        raw_submit: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, fault=self._fault, **kwargs)
         self.read_fault = read_fault
         self.submit_fault = submit_fault
+        self.raw_submit = raw_submit
         self._calls = 0
+
+    @property
+    def submit_calls(self) -> int:
+        """``submit`` calls so far (the next one has this index in ``submit_fault``)."""
+        return self._calls
 
     def _fault(self, op: ReadOp) -> int | Exception | None:
         if self.read_fault is None:
@@ -125,6 +135,8 @@ class ScriptedFake(FakeBackend):
             taken = position(at, len(ops))
             if taken:
                 super().submit(ops[:taken])
+            if self.raw_submit:
+                raise exc
             raise SubmitError(f"scripted: took {taken} of {len(ops)} reads", taken) from exc
         super().submit(ops)
 

@@ -28,9 +28,9 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from aioexperts._cache.eviction import LRU
 from aioexperts._io.backends.uring import UringBackend
 from faults.guard import CheckedUring, SlotGuard, checked_factory
+from faults.policy import OnceFaulty
 from faults.ringproxy import RingFaults
 from faults.script import POSITIONS, FaultyFake, ReadFault, position
 from faults.stack import Key, Stack, open_fds, open_stack
@@ -46,38 +46,6 @@ DEMAND: list[list[Key]] = [[(0, 0), (0, 1), (0, 2)], [(0, 2), (0, 3), (1, 7)]]
 WAITING: list[Key] = [(0, 1), (0, 4)]
 PREFETCH: list[Key] = [(1, 0), (1, 1)]
 FIRST_BATCH = 3 * 7  # reads of the round's new experts (first / middle / last are taken from this)
-
-
-class OnceFaulty(LRU):
-    """An LRU whose hook ``hook`` raises once when armed."""
-
-    def __init__(self, hook: str | None) -> None:
-        super().__init__()
-        self.hook = hook
-        self.armed = False
-        self.raised = 0
-
-    def _maybe_raise(self, name: str) -> None:
-        if self.armed and name == self.hook:
-            self.armed = False
-            self.raised += 1
-            raise RuntimeError(f"scripted {name} failure")
-
-    def admit(self, key: Key) -> None:
-        self._maybe_raise("admit")
-        super().admit(key)
-
-    def access(self, key: Key) -> None:
-        self._maybe_raise("access")
-        super().access(key)
-
-    def remove(self, key: Key) -> None:
-        self._maybe_raise("remove")
-        super().remove(key)
-
-    def victim(self, can_evict: Callable[[Key], bool]) -> Key | None:
-        self._maybe_raise("victim")
-        return super().victim(can_evict)
 
 
 @dataclass(frozen=True)
