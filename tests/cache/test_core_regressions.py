@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +9,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 from faults.guard import CheckedFake, checked_factory
+from faults.policy import OnceFaulty
 from faults.script import FaultyFake, ReadFault
 from faults.stack import Key, open_stack, reference_bytes
 
@@ -43,38 +43,6 @@ async def settle(ticks: int = 10) -> None:
 
 
 # -- 6. a faulty eviction policy -------------------------------------------------------------------
-
-
-class OnceFaulty(LRU):
-    """An LRU whose hook ``hook`` raises once, when armed."""
-
-    def __init__(self, hook: str) -> None:
-        super().__init__()
-        self.hook = hook
-        self.armed = False
-        self.raised = 0
-
-    def _maybe_raise(self, name: str) -> None:
-        if self.armed and name == self.hook:
-            self.armed = False
-            self.raised += 1
-            raise RuntimeError(f"scripted {name} failure")
-
-    def admit(self, key: Key) -> None:
-        self._maybe_raise("admit")
-        super().admit(key)
-
-    def access(self, key: Key) -> None:
-        self._maybe_raise("access")
-        super().access(key)
-
-    def remove(self, key: Key) -> None:
-        self._maybe_raise("remove")
-        super().remove(key)
-
-    def victim(self, can_evict: Callable[[Key], bool]) -> Key | None:
-        self._maybe_raise("victim")
-        return super().victim(can_evict)
 
 
 @pytest.mark.parametrize("hook", ["victim", "remove", "access", "admit"])

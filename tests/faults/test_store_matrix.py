@@ -38,10 +38,11 @@ import pytest
 
 import aioexperts
 from aioexperts._io.backends.uring import UringBackend
+from faults.arming import arm_fault
 from faults.guard import CheckedUring, SlotGuard
 from faults.policy import OnceFaulty
 from faults.ringproxy import RingFaults
-from faults.script import POSITIONS, FaultyFake, ReadFault, position
+from faults.script import POSITIONS, FaultyFake, ReadFault
 from faults.stack import Key
 from faults.stepper import Stepper, cancellation_point
 from faults.storekit import BOUND, MoEReference, StoreRun, moe_references
@@ -176,56 +177,10 @@ class CaseRun:
         """Arm the case's fault for the round (after the warm-up)."""
         self.run = run
         name, ring, at = self.case.name, self.ring, self.at
-        pos = position(at, FIRST_BATCH) if at != "-" else 0
         guard = run.backend
         fake = guard if self.backend_kind == "fake" else None
-        if name.startswith("submit raises") or name == "close during a failed submit":
-            exc: Exception = RuntimeError("scripted submit failure")
-            if name == "submit raises OSError":
-                exc = OSError(errno.EFAULT, "Bad address")
-            if fake is not None:
-                calls = fake.submit_calls
-                fake.submit_fault = (calls, at if at != "-" else "first", exc)
-                fake.raw_submit = name == "submit raises outside the contract"
-                self.fired = lambda: fake.submit_calls > calls
-            elif name == "close during a failed submit":
-                n = ring.calls["prep"] + pos
-                ring.fail_prep(n, exc)
-                self.fired = lambda: ring.calls["prep"] > n
-            else:
-                n = ring.calls["submit"]
-                ring.fail_submit(n, exc)
-                self.fired = lambda: ring.calls["submit"] > n
-        elif name == "submit EAGAIN, then the retry raises":
-            n = ring.calls["submit"]
-            ring.fail_submit(n, OSError(errno.EAGAIN, "Resource temporarily unavailable"))
-            ring.fail_submit(n + 1, RuntimeError("the retry failed"))
-            self.fired = lambda: ring.calls["submit"] > n + 1
-        elif name == "prep raises":
-            n = ring.calls["prep"] + pos
-            ring.fail_prep(n)
-            self.fired = lambda: ring.calls["prep"] > n
-        elif name == "submission queue full":
-            n = ring.calls["get_sqe"] + pos
-            ring.sqe_none(n)
-            ring.sqe_none(n + 1)
-            self.fired = lambda: ring.calls["get_sqe"] > n + 1
-        elif name.startswith("completion ") or name == "close during a retry":
-            kind = name.split()[1] if name.startswith("completion ") else "half"
-            self.read_fault = fault = ReadFault(kind, at=at)  # batch 0: the first submit from now on
-            if fake is not None:
-                fake.read_fault = fault
-            else:
-                ring.rewrite = ring.read_fault(fault)
-            self.fired = lambda: fault.hits > 0
-        elif name == "completions out of order" and fake is None:
-            ring.rewrite = RingFaults.reverse
-        elif name == "duplicate completion":
-            ring.rewrite = RingFaults.duplicate(lambda walk: walk[position(at, len(walk))][0])
-            self.expect_unexpected = True
-        elif name.startswith("policy"):
-            self.policy.armed = True
-            self.fired = lambda: self.policy.raised == 1
+        armed = arm_fault(name, at, fake, ring, self.policy, FIRST_BATCH)
+        self.fired, self.read_fault, self.expect_unexpected = armed.fired, armed.read_fault, armed.expect_unexpected
 
         if name == "close during in-flight reads":
             if fake is not None:
