@@ -7,12 +7,54 @@ the case names are the same, and so is what each one breaks.
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
 
 from faults.policy import OnceFaulty
 from faults.ringproxy import RingFaults
-from faults.script import FaultyFake, ReadFault, position
+from faults.script import POSITIONS, FaultyFake, ReadFault, position
+
+
+@dataclass(frozen=True)
+class Case:
+    """One fault. ``backends`` it applies to; ``positioned``: run at first, middle and last read."""
+
+    name: str
+    backends: tuple[str, ...] = ("fake", "uring")
+    positioned: bool = True
+    closes: bool = False
+
+
+CORE_CASES = [
+    Case("submit raises OSError"),  # fake: takes the reads before the position; uring: takes none
+    Case("submit raises RuntimeError"),
+    Case("submit EAGAIN, then the retry raises", ("uring",), positioned=False),
+    Case("prep raises", ("uring",)),
+    Case("submission queue full", ("uring",)),
+    *(Case(f"completion {kind}") for kind in ("eio", "eintr", "ecanceled")),
+    *(Case(f"completion {kind}") for kind in ("short1", "half", "all_but_one", "zero")),
+    *(Case(f"completion {kind}") for kind in ("short1_repeatedly", "half_repeatedly", "all_but_one_repeatedly")),
+    Case("completion eintr_repeatedly"),
+    Case("completions out of order", positioned=False),
+    Case("duplicate completion", ("uring",)),
+    Case("registration ENOMEM", ("uring",), positioned=False),
+    Case("no probe", ("uring",), positioned=False),
+    *(Case(f"policy {hook} raises", positioned=False) for hook in ("victim", "remove", "access", "admit")),
+    Case("close during in-flight reads", positioned=False, closes=True),
+    Case("close during a retry", closes=True),
+    Case("close during a failed submit", closes=True),
+]
+
+
+def params(cases: Sequence[Case]) -> Iterator[Any]:
+    """pytest params ``(case, backend, at)`` of every case, backend and position."""
+    for case in cases:
+        for backend in case.backends:
+            for at in POSITIONS if case.positioned else ("-",):
+                yield pytest.param(case, backend, at, id=f"{backend}-{case.name.replace(' ', '_')}-{at}")
 
 
 @dataclass

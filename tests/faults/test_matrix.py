@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +28,11 @@ import anyio.lowlevel
 import pytest
 
 from aioexperts._io.backends.uring import UringBackend
-from faults.arming import arm_fault
+from faults.arming import CORE_CASES, Case, arm_fault, params
 from faults.guard import CheckedUring, SlotGuard, checked_factory
 from faults.policy import OnceFaulty
 from faults.ringproxy import RingFaults
-from faults.script import POSITIONS, FaultyFake, ReadFault
+from faults.script import FaultyFake, ReadFault
 from faults.stack import Key, Stack, open_fds, open_stack
 
 pytestmark = pytest.mark.anyio
@@ -47,44 +46,6 @@ DEMAND: list[list[Key]] = [[(0, 0), (0, 1), (0, 2)], [(0, 2), (0, 3), (1, 7)]]
 WAITING: list[Key] = [(0, 1), (0, 4)]
 PREFETCH: list[Key] = [(1, 0), (1, 1)]
 FIRST_BATCH = 3 * 7  # reads of the round's new experts (first / middle / last are taken from this)
-
-
-@dataclass(frozen=True)
-class Case:
-    """One fault. ``backends`` it applies to; ``positioned``: run at first, middle and last read."""
-
-    name: str
-    backends: tuple[str, ...] = ("fake", "uring")
-    positioned: bool = True
-    closes: bool = False
-
-
-CASES = [
-    Case("submit raises OSError"),  # fake: takes the reads before the position; uring: takes none
-    Case("submit raises RuntimeError"),
-    Case("submit EAGAIN, then the retry raises", ("uring",), positioned=False),
-    Case("prep raises", ("uring",)),
-    Case("submission queue full", ("uring",)),
-    *(Case(f"completion {kind}") for kind in ("eio", "eintr", "ecanceled")),
-    *(Case(f"completion {kind}") for kind in ("short1", "half", "all_but_one", "zero")),
-    *(Case(f"completion {kind}") for kind in ("short1_repeatedly", "half_repeatedly", "all_but_one_repeatedly")),
-    Case("completion eintr_repeatedly"),
-    Case("completions out of order", positioned=False),
-    Case("duplicate completion", ("uring",)),
-    Case("registration ENOMEM", ("uring",), positioned=False),
-    Case("no probe", ("uring",), positioned=False),
-    *(Case(f"policy {hook} raises", positioned=False) for hook in ("victim", "remove", "access", "admit")),
-    Case("close during in-flight reads", positioned=False, closes=True),
-    Case("close during a retry", closes=True),
-    Case("close during a failed submit", closes=True),
-]
-
-
-def params() -> Iterator[Any]:
-    for case in CASES:
-        for backend in case.backends:
-            for at in POSITIONS if case.positioned else ("-",):
-                yield pytest.param(case, backend, at, id=f"{backend}-{case.name.replace(' ', '_')}-{at}")
 
 
 class Run:
@@ -184,7 +145,7 @@ def ring() -> Iterator[RingFaults]:
         yield faults
 
 
-@pytest.mark.parametrize(("case", "backend", "at"), list(params()))
+@pytest.mark.parametrize(("case", "backend", "at"), list(params(CORE_CASES)))
 async def test_fault_matrix(
     model_path: Path,
     reference: dict[Key, list[bytes]],

@@ -38,11 +38,11 @@ import pytest
 
 import aioexperts
 from aioexperts._io.backends.uring import UringBackend
-from faults.arming import arm_fault
+from faults.arming import CORE_CASES, Case, arm_fault, params
 from faults.guard import CheckedUring, SlotGuard
 from faults.policy import OnceFaulty
 from faults.ringproxy import RingFaults
-from faults.script import POSITIONS, FaultyFake, ReadFault
+from faults.script import FaultyFake, ReadFault
 from faults.stack import Key
 from faults.stepper import Stepper, cancellation_point
 from faults.storekit import BOUND, MoEReference, StoreRun, moe_references
@@ -79,45 +79,13 @@ def ring() -> Iterator[RingFaults]:
 # -- the fault matrix --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Case:
-    """One fault. ``backends`` it applies to; ``positioned``: run at first, middle and last read."""
-
-    name: str
-    backends: tuple[str, ...] = ("fake", "uring")
-    positioned: bool = True
-    closes: bool = False
-
-
+#: The core matrix's cases, and those only the store level has.
 CASES = [
-    Case("submit raises OSError"),  # fake: takes the reads before the position; io_uring: takes none
-    Case("submit raises RuntimeError"),
+    *CORE_CASES,
     Case("submit raises outside the contract", ("fake",)),  # a bare RuntimeError, not a SubmitError
-    Case("submit EAGAIN, then the retry raises", ("uring",), positioned=False),
-    Case("prep raises", ("uring",)),
-    Case("submission queue full", ("uring",)),
-    *(Case(f"completion {kind}") for kind in ("eio", "eintr", "ecanceled")),
-    *(Case(f"completion {kind}") for kind in ("short1", "half", "all_but_one", "zero")),
-    *(Case(f"completion {kind}") for kind in ("short1_repeatedly", "half_repeatedly", "all_but_one_repeatedly")),
-    Case("completion eintr_repeatedly"),
-    Case("completions out of order", positioned=False),
-    Case("duplicate completion", ("uring",)),
-    Case("registration ENOMEM", ("uring",), positioned=False),
-    Case("no probe", ("uring",), positioned=False),
-    *(Case(f"policy {hook} raises", positioned=False) for hook in ("victim", "remove", "access", "admit")),
-    Case("close during in-flight reads", positioned=False, closes=True),
-    Case("close during a retry", closes=True),
-    Case("close during a failed submit", closes=True),
     Case("two closes at once", positioned=False, closes=True),
     Case("ring exit raises at close", ("uring",), positioned=False),
 ]
-
-
-def params() -> Iterator[Any]:
-    for case in CASES:
-        for backend in case.backends:
-            for at in POSITIONS if case.positioned else ("-",):
-                yield pytest.param(case, backend, at, id=f"{backend}-{case.name.replace(' ', '_')}-{at}")
 
 
 class CaseRun:
@@ -247,7 +215,7 @@ async def prefetch(run: StoreRun) -> None:
         run.record(type(exc).__name__, exc)
 
 
-@pytest.mark.parametrize(("case", "backend", "at"), list(params()))
+@pytest.mark.parametrize(("case", "backend", "at"), list(params(CASES)))
 async def test_store_fault_matrix(
     model_path: Path,
     reference: dict[Key, list[bytes]],
