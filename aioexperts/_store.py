@@ -14,6 +14,7 @@ import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import anyio
 import numpy as np
@@ -57,6 +58,8 @@ WARM_SCRATCH_BYTES = 1 << 20
 MODES = ("slab", "pagecache")
 
 log = logging.getLogger("aioexperts")
+
+T = TypeVar("T")
 
 
 def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
@@ -185,6 +188,8 @@ class ExpertStore:
         self._rows: RowReader | None = None
         self._rows_lock = anyio.Lock()
         self._release: _Release | None = None
+        self._warming: IOBackend | None = None  # the page-cache mode's ring, until its source owns it
+        self._rows_built: RowReader | None = None  # a row reader built, not attached yet
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -212,23 +217,31 @@ class ExpertStore:
         self._loop = loop = current_loop()
         io, cache = self.io_options, self.cache_options
         try:
-            model, layout, hparams = await anyio.to_thread.run_sync(self._parse)
+            model, layout, hparams = await _finish_in_thread(self._parse)
             self._model, self._layout, self._hparams = model, layout, hparams
             if self.pagecache_options is not None:
                 await self._start_pagecache(model, layout, loop, self.pagecache_options)
                 return
-            files = self._files = await anyio.to_thread.run_sync(open_shards, model, io.direct_io)
+
+            def open_files() -> ShardFiles:  # kept on self in the thread: a cancelled start() still closes them
+                self._files = open_shards(model, io.direct_io)
+                return self._files
+
+            files = await _finish_in_thread(open_files)
             if files.buffered_reason is not None and io.direct_io is None:
                 log.warning("%s; using buffered reads (the page cache)", files.buffered_reason)
             # every expert's reads, planned once at open (off the loop): nothing is planned per read
-            plans = await anyio.to_thread.run_sync(
-                plan_all_experts, layout, files.alignment, io.split_bytes, io.queue_depth
+            plans = await _finish_in_thread(
+                lambda: plan_all_experts(layout, files.alignment, io.split_bytes, io.queue_depth)
             )
             slot_bytes = max(p.slot_bytes for p in plans.values())
             n_slots = self._n_slots(layout, slot_bytes)
-            slab = self._slab = await anyio.to_thread.run_sync(
-                lambda: Slab(n_slots, slot_bytes, hugepages=cache.hugepages, lock=cache.lock_memory)
-            )
+
+            def map_slab() -> Slab:
+                self._slab = Slab(n_slots, slot_bytes, hugepages=cache.hugepages, lock=cache.lock_memory)
+                return self._slab
+
+            slab = await _finish_in_thread(map_slab)
             # ring set-up, buffer registration and the per-slot iovecs are blocking work: off the loop
             shapes = {(r.slot_offset, r.n_bytes) for p in plans.values() for r in p.reads}
 
@@ -236,11 +249,11 @@ class ExpertStore:
                 built, reason = create_backend(
                     io.backend, files, slab, loop, io.queue_depth, attach=False, **io.backend_options()
                 )
+                self._backend = built
                 built.prepare(shapes)
                 return built, reason
 
-            backend, self._fallback_reason = await anyio.to_thread.run_sync(make_backend)
-            self._backend = backend
+            backend, self._fallback_reason = await _finish_in_thread(make_backend)
             backend.attach()
             scheduler = self._scheduler = ReadScheduler(
                 backend,
@@ -269,11 +282,26 @@ class ExpertStore:
     async def _start_pagecache(
         self, model: GGUFModel, layout: ExpertLayout, loop: LoopAdapter, options: PageCacheOptions
     ) -> None:
-        files = self._files = await anyio.to_thread.run_sync(open_shards, model, False)
-        shards = self._shards = await anyio.to_thread.run_sync(MappedShards, files.fds, files.sizes)
+
+        def open_files() -> ShardFiles:  # kept on self in the thread: a cancelled start() still closes them
+            self._files = open_shards(model, False)
+            return self._files
+
+        files = await _finish_in_thread(open_files)
+
+        def map_files() -> MappedShards:
+            self._shards = MappedShards(files.fds, files.sizes)
+            return self._shards
+
+        shards = await _finish_in_thread(map_files)
         method, uring = options.method, None
         if method == "uring":
-            uring = await anyio.to_thread.run_sync(self._warming_ring, files, loop)
+
+            def warming_ring() -> IOBackend | None:
+                self._warming = self._warming_ring(files, loop)
+                return self._warming
+
+            uring = await _finish_in_thread(warming_ring)
             if uring is None:
                 method = "read"
             else:
@@ -289,6 +317,7 @@ class ExpertStore:
             self._pagecache_counters,
             uring,
         )
+        self._warming = None  # the source owns it now
 
     def _warming_ring(self, files: ShardFiles, loop: LoopAdapter) -> IOBackend | None:
         """A buffered io_uring reading into a small scratch slab, or None (logged) where io_uring is not to be had."""
@@ -407,8 +436,12 @@ class ExpertStore:
             for entry in self._cache.entries.values():
                 entry.exporters = None
         parts: list[Callable[[], None]] = []
-        if self._rows is not None:
-            parts += [self._rows.backend.close, self._rows.slab.close]
+        warming = self._warming
+        if warming is not None:  # a start() cancelled before the page-cache source took it
+            parts += [warming.close, warming.slab.close]
+        for rows in (self._rows, self._rows_built):
+            if rows is not None:
+                parts += [rows.backend.close, rows.slab.close]
         if self._pagecache is not None:
             parts.append(self._pagecache.shutdown)
         if self._shards is not None:
@@ -708,11 +741,12 @@ class ExpertStore:
     async def _row_reader(self) -> RowReader:
         self._check_running()
         async with self._rows_lock:
-            if self._rows is None:
+            if self._rows is None and self._rows_built is None:
                 assert self._model is not None and self._files is not None and self._loop is not None
                 io, model, files, loop = self.io_options, self._model, self._files, self._loop
-                reader = await anyio.to_thread.run_sync(  # a ring and a slab of its own: off the loop
-                    lambda: RowReader(
+
+                def row_reader() -> RowReader:  # kept on self in the thread: a cancelled call loses nothing
+                    self._rows_built = RowReader(
                         model,
                         files,
                         loop,
@@ -722,10 +756,14 @@ class ExpertStore:
                         io.max_bytes_in_flight,
                         self.cache_options.row_cache_bytes,
                     )
-                )
-                reader.backend.attach()
-                self._rows = reader
+                    return self._rows_built
+
+                await _finish_in_thread(row_reader)
+            if self._rows is None and self._rows_built is not None:
+                self._rows_built.backend.attach()
+                self._rows, self._rows_built = self._rows_built, None
             self._check_running()
+            assert self._rows is not None
             return self._rows
 
     @asynccontextmanager
@@ -836,6 +874,45 @@ def _checked_keys(keys: object, name: str) -> list[Key]:
             raise InvalidRequestError(f"{name} must hold (layer, expert) pairs of ints, got {key!r}")
         out.append((int(key[0]), int(key[1])))
     return out
+
+
+async def _finish_in_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` in a worker thread, run to its end: what it builds is never lost to a cancellation.
+
+    Cancellation handling:
+        A cancellation that arrives while ``fn`` runs (a plain asyncio ``Task.cancel()`` or a
+        ``wait_for`` timeout included: anyio does not shield those) is held until ``fn`` has
+        returned, then raised; ``fn`` keeps what it opens on the store, which releases it. A
+        cancellation before the thread took ``fn`` means it never runs.
+    """
+    lock = threading.Lock()
+    state = ["queued"]  # -> "running" in the worker, or -> "abandoned" here
+    done = threading.Event()
+
+    def call() -> T | None:
+        with lock:
+            if state[0] == "abandoned":
+                return None
+            state[0] = "running"
+        try:
+            return fn()
+        finally:
+            done.set()
+
+    try:
+        return await anyio.to_thread.run_sync(call)  # type: ignore[arg-type]  # None only when abandoned
+    except anyio.get_cancelled_exc_class():
+        with lock:
+            if state[0] == "queued":
+                state[0] = "abandoned"
+                raise
+        while not done.is_set():
+            try:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(done.wait)
+            except anyio.get_cancelled_exc_class():  # another Task.cancel(): still held
+                pass
+        raise
 
 
 class _Release:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -726,3 +728,87 @@ async def test_runner_arguments_and_custom_steps_are_checked(
             await runner.moe_result(1, _x(), prefetch="no")  # type: ignore[arg-type]
         assert store.statistics().pinned_slots == 0
         assert (await runner.run_token(_x())).output.shape == (2, SMALL.n_embd)  # still usable
+
+
+START_STEPS = [
+    ("slab", "open_model"),
+    ("slab", "open_shards"),
+    ("slab", "plan_all_experts"),
+    ("slab", "Slab"),
+    ("slab", "create_backend"),
+    ("pagecache", "MappedShards"),
+    ("pagecache", "create_backend"),
+    ("rows", "RowReader"),
+]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize(("mode", "step"), START_STEPS, ids=[f"{m}-{s}" for m, s in START_STEPS])
+def test_task_cancel_while_start_works_in_a_thread_leaks_nothing(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, step: str, loop: str
+) -> None:
+    # A plain Task.cancel() is not held off by anyio's thread shield: start() used to release what
+    # it had opened while its worker thread went on opening the rest (files, a ring, an eventfd).
+    import asyncio
+    import gc
+    import threading
+
+    import aioexperts._store as store_module
+
+    running, go = threading.Event(), threading.Event()
+    original = getattr(store_module, step)
+
+    def gated(*args: object, **kwargs: object) -> object:
+        running.set()
+        go.wait(10)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(store_module, step, gated)
+
+    def n_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def cancel_in_the_thread() -> None:
+        pagecache = aioexperts.PageCacheOptions(method="uring") if mode == "pagecache" else None
+        if mode == "pagecache":
+            store = aioexperts.open(model_path, mode="pagecache", pagecache=pagecache)
+        else:
+            store = aioexperts.open(model_path, slots=4)
+        try:
+            if mode == "rows":
+                await store.start()
+                work = store.read_rows("token_embd.weight", [0, 1])
+            else:
+                work = store.start()
+            task = asyncio.get_running_loop().create_task(work)
+            while not running.is_set():
+                await asyncio.sleep(0.001)
+            task.cancel()
+            await asyncio.sleep(0.01)  # the cancellation is in while the thread still works
+            go.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            go.set()
+            await store.aclose()
+
+    def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        if loop == "uvloop":
+            import uvloop
+
+            uvloop.run(main())
+        else:
+            asyncio.run(main())
+
+    async def nothing() -> None:
+        pass
+
+    run(nothing)  # what the first run of a loop keeps open (uvloop's own descriptors)
+    before = n_fds()
+    gc.disable()  # nothing may wait for the collector
+    try:
+        run(cancel_in_the_thread)
+        assert running.is_set()
+        assert n_fds() == before, "descriptors left open after the cancelled start and aclose()"
+    finally:
+        gc.enable()
