@@ -97,6 +97,9 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
             views point into a read-only mapping of the model and prefetch only warms the page
             cache; for models that mostly fit in RAM, several processes sharing one model, or
             file systems without ``O_DIRECT``). ``cache`` and ``io`` apply to the slab mode only.
+            In page-cache mode a model file truncated in place while the store is open kills
+            the process with ``SIGBUS`` on the next touch past its new end (a mapping cannot
+            be guarded); replace model files by renaming, never by writing into them.
         pagecache: the page-cache mode's options (warming method, threads, merge gap).
 
     Raises:
