@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ._cache.eviction import POLICY_NAMES, EvictionPolicy
 from ._errors import ConfigError
 from ._io.pagecache import DEFAULT_MAX_GAP, WARM_METHODS
@@ -46,14 +48,18 @@ in one read (``bench/split_reads.py``, ``docs/results/split-reads.json``); NVMe 
 with more internal parallelism may differ: measure with the bench and set ``split_bytes``."""
 
 
-def _check_int(name: str, value: object, *, low: int, optional: bool = False, high: int | None = None) -> None:
+def _check_int(owner: object, name: str, *, low: int, optional: bool = False, high: int | None = None) -> None:
+    """Check the int field ``name`` of the frozen record ``owner``; numpy integers become ``int``."""
+    value = getattr(owner, name)
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise ConfigError(f"{name} must be an int{' or None' if optional else ''}, got {value!r}")
+    value = int(value)
     if value < low or (high is not None and value > high):
         bounds = f"in {low}..{high}" if high is not None else f">= {low}"
         raise ConfigError(f"{name} must be {bounds}, got {value}")
+    object.__setattr__(owner, name, value)
 
 
 def _check_bool(name: str, value: object, *, optional: bool = False) -> None:
@@ -104,9 +110,9 @@ class CacheOptions:
     row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES
 
     def __post_init__(self) -> None:
-        _check_int("slots", self.slots, low=1, optional=True)
-        _check_int("row_cache_bytes", self.row_cache_bytes, low=1)
-        _check_int("bytes", self.bytes, low=1, optional=True)
+        _check_int(self, "slots", low=1, optional=True)
+        _check_int(self, "row_cache_bytes", low=1)
+        _check_int(self, "bytes", low=1, optional=True)
         if self.slots is not None and self.bytes is not None:
             raise ConfigError(
                 f"size the cache by slots or by bytes, not both (got slots={self.slots}, bytes={self.bytes})"
@@ -121,7 +127,7 @@ class CacheOptions:
         _check_bool("wait_for_slots", self.wait_for_slots)
         if self.slot_timeout is not None:
             t = self.slot_timeout
-            if isinstance(t, bool) or not isinstance(t, int | float) or not (math.isfinite(t) and t >= 0):
+            if isinstance(t, bool) or not isinstance(t, int | float | np.integer) or not (math.isfinite(t) and t >= 0):
                 raise ConfigError(f"slot_timeout must be a finite number of seconds >= 0 or None, got {t!r}")
             if not self.wait_for_slots:
                 raise ConfigError("slot_timeout needs wait_for_slots=True")
@@ -175,12 +181,12 @@ class IOOptions:
         elif not callable(self.backend):
             raise ConfigError(f"backend must be a name or a factory, got {self.backend!r}")
         _check_bool("direct_io", self.direct_io, optional=True)
-        _check_int("queue_depth", self.queue_depth, low=MIN_QUEUE_DEPTH, high=MAX_QUEUE_DEPTH)
-        _check_int("max_bytes_in_flight", self.max_bytes_in_flight, low=1)
+        _check_int(self, "queue_depth", low=MIN_QUEUE_DEPTH, high=MAX_QUEUE_DEPTH)
+        _check_int(self, "max_bytes_in_flight", low=1)
         _check_bool("fixed_buffers", self.fixed_buffers)
         _check_bool("sqe_async", self.sqe_async)
-        _check_int("n_threads", self.n_threads, low=1, optional=True)
-        _check_int("split_bytes", self.split_bytes, low=4096, optional=True)
+        _check_int(self, "n_threads", low=1, optional=True)
+        _check_int(self, "split_bytes", low=4096, optional=True)
 
     def backend_options(self) -> dict[str, Any]:
         """The keyword options of the built-in backends."""
@@ -218,8 +224,8 @@ class PrefetchOptions:
                 )
         elif not isinstance(self.predictor, Predictor):
             raise ConfigError(f"predictor must be a predictor name or a Predictor, got {self.predictor!r}")
-        _check_int("budget", self.budget, low=0, optional=True)
-        _check_int("depth", self.depth, low=0)
+        _check_int(self, "budget", low=0, optional=True)
+        _check_int(self, "depth", low=0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -248,5 +254,5 @@ class PageCacheOptions:
     def __post_init__(self) -> None:
         if self.method not in WARM_METHODS:
             raise ConfigError(f"method must be one of {', '.join(WARM_METHODS)}, got {self.method!r}")
-        _check_int("n_threads", self.n_threads, low=1, high=64)
-        _check_int("max_gap", self.max_gap, low=0)
+        _check_int(self, "n_threads", low=1, high=64)
+        _check_int(self, "max_gap", low=0)

@@ -122,6 +122,19 @@ def test_options_are_frozen_records() -> None:
         dataclasses.replace(options, queue_depth=1)  # replace() checks again
 
 
+def test_numpy_integers_are_accepted_as_ints() -> None:
+    """Ids accept numpy integers; so do the options (stored as plain ints)."""
+    cache = aioexperts.CacheOptions(slots=np.int64(4), slot_timeout=np.int32(2))
+    io = aioexperts.IOOptions(queue_depth=np.int32(16), n_threads=np.uint8(2))
+    prefetch = aioexperts.PrefetchOptions(budget=np.int16(3), depth=np.int64(1))
+    pagecache = aioexperts.PageCacheOptions(n_threads=np.int64(2), max_gap=np.int64(0))
+    values = [cache.slots, io.queue_depth, io.n_threads, prefetch.budget, prefetch.depth, pagecache.n_threads]
+    assert values == [4, 16, 2, 3, 1, 2]
+    assert all(type(v) is int for v in values)
+    with pytest.raises(aioexperts.ConfigError, match="slots"):
+        aioexperts.CacheOptions(slots=np.float64(4))
+
+
 async def test_the_cache_size_given_either_way(model_path: Path, anyio_backend: object) -> None:
     slot_bytes = None
     async with aioexperts.open(model_path, slots=5) as store:
