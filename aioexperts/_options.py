@@ -240,7 +240,8 @@ class PageCacheOptions:
             what is not there yet), ``"parallel-advice"`` (the advice from every worker), ``"uring"``
             (buffered io_uring reads into a small scratch buffer, submitted and reaped on the event
             loop; where io_uring cannot be set up, ``"read"`` with one log line).
-        n_threads: worker threads for ``read`` and ``parallel-advice``.
+        n_threads: worker threads for ``read`` and ``parallel-advice`` (``advice`` uses one, ``uring``
+            none: the ring reads; ``statistics().backend_features`` reports what runs).
         max_gap: ranges at most this many bytes apart are warmed as one (default 64 KiB).
 
     Raises:

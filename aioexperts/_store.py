@@ -586,7 +586,11 @@ class ExpertStore:
             direct_io=False,
             fallback_reason=None,
             buffered_reason="page-cache mode",
-            backend_features={"threads": self._pagecache.n_workers, "max_gap": self.pagecache_options.max_gap},
+            backend_features={
+                "threads": self._pagecache.n_threads,
+                "ranges_at_once": self._pagecache.max_ranges,
+                "max_gap": self.pagecache_options.max_gap,
+            },
             n_slots=self.n_slots,
             slot_bytes=0,
             alignment=self._files.alignment,

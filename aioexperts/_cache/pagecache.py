@@ -165,11 +165,13 @@ class PageCacheSource:
         self.method = method
         self.max_gap = max_gap
         self.counters = counters
-        self.n_workers = 1 if method == "advice" else n_threads
-        self._pool = ThreadPoolExecutor(self.n_workers, thread_name_prefix="aioexperts-warm")
+        #: worker threads that warm (0 with io_uring: the ring reads, no thread does)
+        self.n_threads = 0 if uring is not None else 1 if method == "advice" else n_threads
+        #: ranges warmed at once: one per thread, or as many as the ring's depth takes
+        self.max_ranges = uring.depth // _CHUNKS_PER_JOB if uring is not None else self.n_threads
+        self._pool = ThreadPoolExecutor(max(1, self.n_threads), thread_name_prefix="aioexperts-warm")
         self._uring = uring  # method "uring": reads into its scratch slab
         if uring is not None:
-            self.n_workers = uring.depth // _CHUNKS_PER_JOB  # ranges warmed at once
             uring.set_sink(self._uring_done)
         self._local = threading.local()
         self._queue: deque[_Job] = deque()  # not started yet: demand first, then prefetch
@@ -331,7 +333,7 @@ class PageCacheSource:
         return job
 
     def _start_jobs(self) -> None:
-        while self._queue and self._running < self.n_workers and not self.closed:
+        while self._queue and self._running < self.max_ranges and not self.closed:
             job = self._queue.popleft()
             job.started = True
             self._running += 1

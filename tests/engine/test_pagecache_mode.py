@@ -67,6 +67,9 @@ async def test_views_are_the_file_bytes(model_path: Path, method: str, anyio_bac
         assert st.backend == f"pagecache ({method})" and not st.direct_io and st.pinned_slots == 0
         assert st.pagecache is not None and st.pagecache.method == method
         assert st.requests == 6 == st.hits + st.misses
+        threads = {"read": 2, "parallel-advice": 2, "advice": 1, "uring": 0}[method]  # io_uring: the ring reads
+        assert st.backend_features["threads"] == threads
+        assert st.backend_features["ranges_at_once"] >= max(threads, 1)
 
 
 @pytest.mark.parametrize("method", ["read", "uring"])
