@@ -357,7 +357,10 @@ class MoERunner:
                 ww: np.ndarray,
                 _resident: ResidentLayer = group_resident,
             ) -> MoEOutput:
-                return moe_forward(xx, ii, ww, views, _resident, hparams)
+                with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported below, not warned
+                    out = moe_forward(xx, ii, ww, views, _resident, hparams)
+                _check_finite(_layer, out.ffn_out, xx)
+                return out
 
             last = g == len(routed.groups) - 1
             step = await self._step(layer, x, routed.weights, group, compute, routed.prefetch if last else [])
@@ -386,7 +389,8 @@ class MoERunner:
             ``ffn_out``; add it to the residual stream).
 
         Raises:
-            InvalidRequestError: no such layer, or ``x`` has the wrong dtype or shape.
+            InvalidRequestError: no such layer, ``x`` has the wrong dtype or shape or holds NaN or
+                inf, or finite values so large that the experts' output overflows float32.
             SlabExhaustedError, ExpertReadError, StoreClosedError: as
                 :meth:`ExpertStore.experts`.
 
@@ -548,6 +552,18 @@ def _check_output(layer: int, y: object, x: np.ndarray) -> None:
     bad = np.logical_not(np.isfinite(y).all(axis=1))
     if bad.any():
         raise InvalidRequestError(f"layer {layer}: the compute step returned NaN or inf in token rows {_rows(bad)}")
+
+
+def _check_finite(layer: int, y: np.ndarray, x: np.ndarray) -> None:
+    """The executor's output is finite, or InvalidRequestError: finite input that overflows float32 inside
+    the experts (llama.cpp would return inf/NaN the same way) is refused rather than returned."""
+    bad = np.logical_not(np.isfinite(y).all(axis=1))
+    if bad.any():
+        peak = float(np.abs(x[bad]).max())
+        raise InvalidRequestError(
+            f"layer {layer}: the MoE output overflowed float32 (NaN or inf) in token rows {_rows(bad)}; the "
+            f"largest input magnitude there is {peak:.3g}, outside what the model's weights can carry"
+        )
 
 
 def _describe(a: object) -> str:

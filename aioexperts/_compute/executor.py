@@ -378,12 +378,15 @@ def moe_forward(
     flat_weights = weights.reshape(-1)
 
     def run(group: _Group | None) -> np.ndarray:
-        if group is None:
-            return _shared_forward(x, resident)
-        e, view, pos = group
-        # llama4 (weight_before_ffn): each slot's input is scaled by its weight, outputs sum unweighted
-        in_scale = flat_weights[pos] if hparams.weights_before_experts else None
-        return _expert_forward(x, pos // k, e, view, resident, hparams, _workspace(), in_scale)
+        # float32 overflow (inputs far out of the model's range) gives inf/NaN like ggml, no warning:
+        # the runner refuses a non-finite output with InvalidRequestError
+        with np.errstate(over="ignore", invalid="ignore"):
+            if group is None:
+                return _shared_forward(x, resident)
+            e, view, pos = group
+            # llama4 (weight_before_ffn): each slot's input is scaled by its weight, outputs sum unweighted
+            in_scale = flat_weights[pos] if hparams.weights_before_experts else None
+            return _expert_forward(x, pos // k, e, view, resident, hparams, _workspace(), in_scale)
 
     # the distinct experts (and the shared expert) of the call, spread over the compute pool's idle
     # workers; each result is computed by one thread, so the numbers do not depend on the spread

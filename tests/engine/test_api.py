@@ -422,6 +422,20 @@ async def test_non_finite_input_is_refused_before_any_read(model_path: Path, any
         assert np.isfinite(y).all()
 
 
+async def test_finite_input_that_overflows_in_the_experts_is_refused_not_returned_as_nan(
+    model_path: Path, anyio_backend: object
+) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        runner = aioexperts.MoERunner(store)
+        x = np.random.default_rng(0).standard_normal((3, SMALL.n_embd)).astype(np.float32)
+        x[1] *= np.float32(1e30)  # the router copes (softmax); the experts' products overflow
+        with pytest.raises(aioexperts.InvalidRequestError, match=r"overflowed float32 .* token rows 1;"):
+            await runner.moe(1, x)  # and no RuntimeWarning escapes (warnings are errors here)
+        assert store.statistics().pinned_slots == 0
+        x[1] /= np.float32(1e30)
+        assert np.isfinite(await runner.moe(1, x)).all()
+
+
 @pytest.mark.parametrize(
     ("ids", "weights", "needle"),
     [
