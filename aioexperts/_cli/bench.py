@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             if written:
                 console.print(
                     f"\nresults: {written} (in a clone of aioexperts, `make render RESULTS={shlex.quote(written)}` "
-                    "renders the tables of README.md and docs/bench.md from it)",
+                    "renders the tables of README.md and docs/ from it)",
                     highlight=False,
                     markup=False,
                     soft_wrap=True,
