@@ -32,6 +32,7 @@ it is reverted; docs/architecture.md lists which check catches which.
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -617,6 +618,8 @@ def machine(request: pytest.FixtureRequest, model_path: Path, reference: dict[Ke
 
 #: Examples per event loop; the asyncio loop gets more (its Task.cancel() is a knob of its own).
 EXAMPLES = {"asyncio": 60, "uvloop": 30, "trio": 30}
+if os.environ.get("AIOEXPERTS_LONG_MACHINE"):  # a long hunt: AIOEXPERTS_LONG_MACHINE=N examples per loop
+    EXAMPLES = dict.fromkeys(EXAMPLES, int(os.environ["AIOEXPERTS_LONG_MACHINE"]))
 
 
 def test_random_interleavings_on_the_public_store(machine: type[StoreMachine]) -> None:
