@@ -40,7 +40,7 @@ from ._format.model import GGUFModel, open_model
 from ._format.views import ExpertView, ProjectionView, release_view
 from ._io.backends.base import IOBackend
 from ._io.files import ShardFiles, open_shards
-from ._io.loop import LoopAdapter, current_loop
+from ._io.loop import LoopAdapter, current_loop, wait_through_cancellation
 from ._io.pagecache import MappedShards
 from ._io.plan import ExpertPlan, plan_all_experts
 from ._io.rowplan import RowTable
@@ -79,7 +79,7 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
     Example::
 
         async with aioexperts.open("model.gguf", slots=256) as store:
-            async with store.experts(layer=3, ids=[5, 17]) as views:
+            async with store.experts(layer=3, ids=[0, 1]) as views:
                 gate_bytes = views[0].gate.data
 
     Args:
@@ -225,12 +225,7 @@ class ExpertStore:
             if self.pagecache_options is not None:
                 await self._start_pagecache(model, layout, loop, self.pagecache_options)
                 return
-
-            def open_files() -> ShardFiles:  # kept on self in the thread: a cancelled start() still closes them
-                self._files = open_shards(model, io.direct_io)
-                return self._files
-
-            files = await _finish_in_thread(open_files)
+            files = await self._build("_files", lambda: open_shards(model, io.direct_io))
             if files.buffered_reason is not None and io.direct_io is None:
                 log.warning("%s; using buffered reads (the page cache)", files.buffered_reason)
             # every expert's reads, planned once at open (off the loop): nothing is planned per read
@@ -239,12 +234,9 @@ class ExpertStore:
             )
             slot_bytes = max(p.slot_bytes for p in plans.values())
             n_slots = self._n_slots(layout, slot_bytes)
-
-            def map_slab() -> Slab:
-                self._slab = Slab(n_slots, slot_bytes, hugepages=cache.hugepages, lock=cache.lock_memory)
-                return self._slab
-
-            slab = await _finish_in_thread(map_slab)
+            slab = await self._build(
+                "_slab", lambda: Slab(n_slots, slot_bytes, hugepages=cache.hugepages, lock=cache.lock_memory)
+            )
             # ring set-up, buffer registration and the per-slot iovecs are blocking work: off the loop
             shapes = {(r.slot_offset, r.n_bytes) for p in plans.values() for r in p.reads}
 
@@ -285,26 +277,11 @@ class ExpertStore:
     async def _start_pagecache(
         self, model: GGUFModel, layout: ExpertLayout, loop: LoopAdapter, options: PageCacheOptions
     ) -> None:
-
-        def open_files() -> ShardFiles:  # kept on self in the thread: a cancelled start() still closes them
-            self._files = open_shards(model, False)
-            return self._files
-
-        files = await _finish_in_thread(open_files)
-
-        def map_files() -> MappedShards:
-            self._shards = MappedShards(files.fds, files.sizes)
-            return self._shards
-
-        shards = await _finish_in_thread(map_files)
+        files = await self._build("_files", lambda: open_shards(model, False))
+        shards = await self._build("_shards", lambda: MappedShards(files.fds, files.sizes))
         method, uring = options.method, None
         if method == "uring":
-
-            def warming_ring() -> IOBackend | None:
-                self._warming = self._warming_ring(files, loop)
-                return self._warming
-
-            uring = await _finish_in_thread(warming_ring)
+            uring = await self._build("_warming", lambda: self._warming_ring(files, loop))
             if uring is None:
                 method = "read"
             else:
@@ -321,6 +298,18 @@ class ExpertStore:
             uring,
         )
         self._warming = None  # the source owns it now
+
+    async def _build(self, attribute: str, build: Callable[[], T]) -> T:
+        """``build()`` in a worker thread (:func:`_finish_in_thread`), its result stored as ``self.<attribute>``
+        in that thread: files, mappings and rings opened by a ``start()`` that is cancelled meanwhile
+        are still released by :meth:`_release_resources`."""
+
+        def build_and_keep() -> T:
+            value = build()
+            setattr(self, attribute, value)
+            return value
+
+        return await _finish_in_thread(build_and_keep)
 
     def _warming_ring(self, files: ShardFiles, loop: LoopAdapter) -> IOBackend | None:
         """A buffered io_uring reading into a small scratch slab, or None (logged) where io_uring is not to be had."""
@@ -398,13 +387,8 @@ class ExpertStore:
             self._pagecache.wait_idle if self._pagecache is not None else None,
             self._rows.scheduler.wait_idle if self._rows is not None else None,
         ):
-            while wait_idle is not None:
-                try:
-                    with anyio.CancelScope(shield=True):
-                        await wait_idle()
-                    break
-                except anyio.get_cancelled_exc_class() as exc:  # asyncio's Task.cancel() is not shielded
-                    held = exc
+            if wait_idle is not None:
+                held = await wait_through_cancellation(wait_idle) or held
         if self._backend is not None:
             self._backend.detach()
         if self._rows is not None:
@@ -417,12 +401,7 @@ class ExpertStore:
         release = self._release
         if release is None or release.done.is_set():  # none yet, or the last one failed: try again
             release = self._release = _Release(self._release_resources)
-        while not release.done.is_set():
-            try:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(release.done.wait)
-            except anyio.get_cancelled_exc_class() as exc:
-                held = exc
+        held = await wait_through_cancellation(lambda: anyio.to_thread.run_sync(release.done.wait)) or held
         if release.failure is not None:
             raise release.failure
         if held is not None:
@@ -751,9 +730,9 @@ class ExpertStore:
             if self._rows is None and self._rows_built is None:
                 assert self._model is not None and self._files is not None and self._loop is not None
                 io, model, files, loop = self.io_options, self._model, self._files, self._loop
-
-                def row_reader() -> RowReader:  # kept on self in the thread: a cancelled call loses nothing
-                    self._rows_built = RowReader(
+                await self._build(
+                    "_rows_built",
+                    lambda: RowReader(
                         model,
                         files,
                         loop,
@@ -762,10 +741,8 @@ class ExpertStore:
                         io.queue_depth,
                         io.max_bytes_in_flight,
                         self.cache_options.row_cache_bytes,
-                    )
-                    return self._rows_built
-
-                await _finish_in_thread(row_reader)
+                    ),
+                )
             if self._rows is None and self._rows_built is not None:
                 self._rows_built.backend.attach()
                 self._rows, self._rows_built = self._rows_built, None
@@ -913,12 +890,7 @@ async def _finish_in_thread(fn: Callable[[], T]) -> T:
             if state[0] == "queued":
                 state[0] = "abandoned"
                 raise
-        while not done.is_set():
-            try:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(done.wait)
-            except anyio.get_cancelled_exc_class():  # another Task.cancel(): still held
-                pass
+        await wait_through_cancellation(lambda: anyio.to_thread.run_sync(done.wait))  # a second cancel too
         raise
 
 

@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 import anyio
 
 from .._errors import ConfigError, StoreClosedError
-from .._io.loop import current_loop
+from .._io.loop import current_loop, wait_through_cancellation
 
 __all__ = ("THREADS_ENV", "ComputePool", "PoolStatistics", "compute_pool", "configure_compute_pool")
 
@@ -212,12 +212,8 @@ class ComputePool:
                 if queued:
                     self._jobs.remove(job)
                     self._counts["dropped"] += 1
-            while not queued and not done.is_set():
-                try:
-                    with anyio.CancelScope(shield=True):
-                        await done.wait()
-                except anyio.get_cancelled_exc_class():  # asyncio's Task.cancel() again: still held
-                    pass
+            if not queued:
+                await wait_through_cancellation(done.wait)  # a second Task.cancel() is held too
             raise
         if job.error is not None:
             raise job.error

@@ -12,10 +12,12 @@ import asyncio
 import logging
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-__all__ = ("AsyncEvent", "LoopAdapter", "current_loop")
+import anyio
+
+__all__ = ("AsyncEvent", "LoopAdapter", "current_loop", "wait_through_cancellation")
 
 log = logging.getLogger("aioexperts")
 
@@ -180,3 +182,21 @@ def current_loop() -> LoopAdapter:
         else:
             return _TrioLoop()
     raise RuntimeError("aioexperts must be used from a running asyncio (or uvloop) or trio event loop")
+
+
+async def wait_through_cancellation(wait: Callable[[], Awaitable[object]]) -> BaseException | None:
+    """Await ``wait()`` to its end, shielded; return the cancellation that arrived meanwhile, or None.
+
+    anyio and trio cancel scopes never interrupt a shielded wait, but a plain asyncio
+    ``Task.cancel()`` (an ``asyncio.wait_for`` timeout) does: the wait is then started again, as
+    often as it takes. The caller re-raises what is returned once it is safe (memory the kernel or
+    a worker thread may still use is no longer at stake).
+    """
+    held: BaseException | None = None
+    while True:
+        try:
+            with anyio.CancelScope(shield=True):
+                await wait()
+            return held
+        except anyio.get_cancelled_exc_class() as exc:
+            held = exc

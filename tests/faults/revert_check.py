@@ -20,7 +20,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ("tests/faults/test_store_state_machine.py", "tests/cache/test_cache_properties.py")
-HELD = "            except anyio.get_cancelled_exc_class() as exc:\n                held = exc\n"
 
 #: label -> (file, the fixed code, the code before the fix)
 REVERTS: dict[str, tuple[str, str, str]] = {
@@ -41,14 +40,13 @@ REVERTS: dict[str, tuple[str, str, str]] = {
     ),
     "3b aclose re-raises a cancellation while reads are in flight": (
         "aioexperts/_store.py",
-        "                except anyio.get_cancelled_exc_class() as exc:  # asyncio's Task.cancel() is not shielded\n"
-        "                    held = exc\n",
-        "                except anyio.get_cancelled_exc_class():\n                    raise\n",
+        "                held = await wait_through_cancellation(wait_idle) or held\n",
+        "                with anyio.CancelScope(shield=True):\n                    await wait_idle()\n",
     ),
     "3c aclose re-raises a cancellation during the release": (
         "aioexperts/_store.py",
-        HELD + "        if release.failure",
-        "            except anyio.get_cancelled_exc_class():\n                raise\n        if release.failure",
+        "        held = await wait_through_cancellation(lambda: anyio.to_thread.run_sync(release.done.wait)) or held\n",
+        "        with anyio.CancelScope(shield=True):\n            await anyio.to_thread.run_sync(release.done.wait)\n",
     ),
     "5 short direct read re-reads the window": (
         "aioexperts/_cache/scheduler.py",

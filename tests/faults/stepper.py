@@ -58,7 +58,11 @@ class Stepper:
                 error = exc
 
 
-POOL_FILE = os.path.join("_compute", "pool.py")
+#: Pass-through frames, named by their callers instead: the compute pool, and the shielded wait.
+PASS_THROUGH = (
+    (os.path.join("_compute", "pool.py"), None),
+    (os.path.join("_io", "loop.py"), "wait_through_cancellation"),
+)
 
 
 def _frames(tb: TracebackType | None) -> list[tuple[str, str]]:
@@ -79,7 +83,8 @@ def cancellation_point(exc: BaseException) -> str:
     names = [
         name
         for filename, name in _frames(exc.__traceback__)
-        if filename.startswith(PACKAGE_DIR) and not filename.endswith(POOL_FILE)  # the pool: named by its caller
+        if filename.startswith(PACKAGE_DIR)
+        and not any(filename.endswith(f) and fn in (None, name) for f, fn in PASS_THROUGH)
     ]
     if not names:
         return "outside"
