@@ -20,6 +20,11 @@ def _r(s: dict[str, float] | None, spec: str = ".2f", scale: float = 1.0) -> str
     return f"{med:{spec}} ({lo:{spec}}-{hi:{spec}})"
 
 
+def _flat(s: dict[str, float], key: str, spec: str) -> str:
+    """``median (min-max)`` of a summary whose keys are flat: ``KEY_median``, ``KEY_min``, ``KEY_max``."""
+    return _r({"median": s[f"{key}_median"], "min": s[f"{key}_min"], "max": s[f"{key}_max"]}, spec)
+
+
 def _met(value: float, target: float, *, at_most: bool) -> str:
     ok = value <= target if at_most else value >= target
     return "met" if ok else "**missed**"
@@ -164,8 +169,8 @@ def split(results: dict[str, Any]) -> str:
     rows = [
         [
             k,
-            f"{s['ms_median']:.1f} ({s['ms_min']:.1f}-{s['ms_max']:.1f})",
-            f"{s['x_whole_median']:.2f} ({s['x_whole_min']:.2f}-{s['x_whole_max']:.2f})",
+            _flat(s, "ms", ".1f"),
+            _flat(s, "x_whole", ".2f"),
         ]
         for k, s in results["summary_ms"].items()
     ]
@@ -181,7 +186,7 @@ def rows(results: dict[str, Any]) -> str:
     out = [
         [
             n,
-            f"{s['rows_per_s_median']:.0f} ({s['rows_per_s_min']:.0f}-{s['rows_per_s_max']:.0f})",
+            _flat(s, "rows_per_s", ".0f"),
             f"{s['bytes_per_useful_byte_median']:.1f}",
         ]
         for n, s in results["summary"].items()
@@ -198,7 +203,7 @@ def pagecache(results: dict[str, Any]) -> str:
     out = [
         [
             key,
-            f"{s['gb_per_s_median']:.2f} ({s['gb_per_s_min']:.2f}-{s['gb_per_s_max']:.2f})",
+            _flat(s, "gb_per_s", ".2f"),
             f"{s['resident_after_bytes_median'] / 1e9:.2f}",
         ]
         for key, s in results["summary"].items()
