@@ -276,6 +276,12 @@ class StoreRun:
         self.slab_mapping = mapping_of(self.slab_address)
         assert self.slab_mapping is not None, f"the slab address {self.slab_address:#x} is not mapped while open"
 
+    async def close_if_open(self) -> None:
+        """``aclose()`` unless closed already, shielded and bounded (the ``finally`` of every case)."""
+        if not self.store.closed:
+            with anyio.CancelScope(shield=True), anyio.fail_after(BOUND):
+                await self.store.aclose()
+
     async def close_and_check(self, close: Callable[[], Any] | None = None) -> list[str]:
         """``aclose()`` (unless ``close`` did), then what the process still holds that it did not before."""
         if self.slab_address and not self.store.closed:

@@ -278,9 +278,7 @@ async def test_store_fault_matrix(
             return
         assert await run.close_and_check() == []
     finally:
-        if not run.store.closed:
-            with anyio.CancelScope(shield=True), anyio.fail_after(BOUND):
-                await run.store.aclose()
+        await run.close_if_open()
 
 
 # -- cancellation at every await point -------------------------------------------------------------
@@ -718,9 +716,7 @@ async def test_1000_tasks_with_random_cancellations(
         assert run.problems() == [] and ring.violations == []
         assert await run.close_and_check() == []
     finally:
-        if not run.store.closed:
-            with anyio.CancelScope(shield=True), anyio.fail_after(BOUND):
-                await run.store.aclose()
+        await run.close_if_open()
 
 
 # -- regressions: what this matrix found ----------------------------------------------------------
@@ -818,9 +814,7 @@ async def test_a_cancelled_layer_keeps_its_experts_pinned_until_its_compute_has_
         assert await run.close_and_check() == []
     finally:
         finish.set()
-        if not run.store.closed:
-            with anyio.CancelScope(shield=True), anyio.fail_after(BOUND):
-                await run.store.aclose()
+        await run.close_if_open()
 
 
 async def test_a_view_kept_past_its_pin_with_warnings_as_errors_leaves_no_pin(
@@ -848,6 +842,4 @@ async def test_a_view_kept_past_its_pin_with_warnings_as_errors_leaves_no_pin(
         assert run.problems() == []
         assert await run.close_and_check() == []
     finally:
-        if not run.store.closed:
-            with anyio.CancelScope(shield=True), anyio.fail_after(BOUND):
-                await run.store.aclose()
+        await run.close_if_open()
