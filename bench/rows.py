@@ -27,6 +27,7 @@ from _results import machine_facts  # bench/_results.py, a sibling module
 
 import aioexperts
 from aioexperts._cli.model_cache import cache_dir
+from aioexperts._cli.synthetic import tiny_moe_writer
 
 N_ROWS = 8 << 20
 N_COLS = 256
@@ -37,16 +38,8 @@ PER_CALL = (1, 48, 512)
 def build(path: Path) -> None:
     """A tiny MoE model plus the table, its rows random ``Q2_K`` blocks, written in chunks."""
     tmp = path.with_suffix(f".{os.getpid()}.partial")
-    w = gguf.GGUFWriter(os.fspath(tmp), "qwen3moe")
-    w.add_block_count(1)
-    w.add_embedding_length(256)
-    w.add_expert_count(2)
-    w.add_expert_used_count(1)
-    w.add_expert_feed_forward_length(256)
     rng = np.random.default_rng(0)
-    w.add_tensor("blk.0.ffn_gate_inp.weight", rng.standard_normal((2, 256), dtype=np.float32))
-    for proj in ("gate", "up", "down"):
-        w.add_tensor(f"blk.0.ffn_{proj}_exps.weight", rng.standard_normal((2, 256, 256), dtype=np.float32))
+    w = tiny_moe_writer(tmp, rng)
     row_bytes = 84
     w.add_tensor_info(
         TABLE, (N_ROWS, row_bytes), np.dtype(np.uint8), N_ROWS * row_bytes, gguf.GGMLQuantizationType.Q2_K

@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from .._errors import ConfigError
 from .blockpool import draw_blocks
 
-__all__ = ("BENCH_SPEC", "SyntheticSpec", "write_synthetic_model")
+__all__ = ("BENCH_SPEC", "SyntheticSpec", "tiny_moe_writer", "write_synthetic_model")
 
 Q = GGMLQuantizationType
 #: Byte offsets of the scale fields in one block: ``(offset, "f16" | "e8m0")`` (ggml-common.h).
@@ -277,3 +277,18 @@ def _bank_size(spec: SyntheticSpec, name: str) -> int:
         if name.endswith(f"_tier{tier}.weight"):
             return n
     return spec.n_expert - sum(n for n, _ in spec.tiers)
+
+
+def tiny_moe_writer(path: str | os.PathLike[str], rng: np.random.Generator) -> GGUFWriter:
+    """A ``GGUFWriter`` for ``path`` holding a one-layer qwen3moe MoE already (2 experts, ``n_embd`` 256,
+    F32), for files that exist to carry other tensors (row tables); the caller adds those and writes."""
+    w = GGUFWriter(os.fspath(path), "qwen3moe")
+    w.add_block_count(1)
+    w.add_embedding_length(256)
+    w.add_expert_count(2)
+    w.add_expert_used_count(1)
+    w.add_expert_feed_forward_length(256)
+    w.add_tensor("blk.0.ffn_gate_inp.weight", rng.standard_normal((2, 256), dtype=np.float32))
+    for proj in ("gate", "up", "down"):
+        w.add_tensor(f"blk.0.ffn_{proj}_exps.weight", rng.standard_normal((2, 256, 256), dtype=np.float32))
+    return w

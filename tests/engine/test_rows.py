@@ -13,6 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 import aioexperts
+from aioexperts._cli.synthetic import tiny_moe_writer
 
 pytestmark = pytest.mark.anyio
 
@@ -46,16 +47,8 @@ def _table_bytes(qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.nd
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny MoE model plus one (300, 256) table per ggml type, named ``table.<TYPE>``."""
     path = tmp_path_factory.mktemp("rows") / "rows.gguf"
-    w = gguf.GGUFWriter(os.fspath(path), "qwen3moe")
-    w.add_block_count(1)
-    w.add_embedding_length(256)
-    w.add_expert_count(2)
-    w.add_expert_used_count(1)
-    w.add_expert_feed_forward_length(256)
     rng = np.random.default_rng(0)
-    w.add_tensor("blk.0.ffn_gate_inp.weight", rng.standard_normal((2, 256), dtype=np.float32))
-    for proj in ("gate", "up", "down"):
-        w.add_tensor(f"blk.0.ffn_{proj}_exps.weight", rng.standard_normal((2, 256, 256), dtype=np.float32))
+    w = tiny_moe_writer(path, rng)
     for qtype in TYPES:
         raw = _table_bytes(qtype, rng)
         w.add_tensor(f"table.{qtype.name}", raw, raw_shape=(N_ROWS, raw.shape[1]), raw_dtype=qtype)
