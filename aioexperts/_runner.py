@@ -168,6 +168,7 @@ class MoERunner:
         self._predictor: Predictor | None = None
         self._state_lock = threading.Lock()  # predictor and trace: observed from worker threads
         self._counters = _Counters()
+        self._upcoming: dict[int, list[int]] = {}  # layer -> upcoming_layers(layer)
 
     @property
     def store(self) -> ExpertStore:
@@ -265,10 +266,13 @@ class MoERunner:
         Raises:
             InvalidRequestError: ``layer`` is not a MoE layer.
         """
-        layers = list(self._store.layout.layers)
-        i = layers.index(self._store.layout.layer(layer).index)
-        depth = min(self.prefetch_options.depth, len(layers) - 1)
-        return [layers[(i + d) % len(layers)] for d in range(1, depth + 1)]
+        found = self._upcoming.get(layer)
+        if found is None:  # twice per layer step on the hot path: worked out once per layer
+            layers = list(self._store.layout.layers)
+            i = layers.index(self._store.layout.layer(layer).index)
+            depth = min(self.prefetch_options.depth, len(layers) - 1)
+            found = self._upcoming[layer] = [layers[(i + d) % len(layers)] for d in range(1, depth + 1)]
+        return list(found)
 
     # -- one layer ------------------------------------------------------------------------------
 
