@@ -42,13 +42,13 @@ from ._format.views import ProjectionView as ProjectionView
 from ._options import CacheOptions as CacheOptions
 from ._options import IOOptions as IOOptions
 from ._options import PageCacheOptions as PageCacheOptions
-from ._options import PrefetchOptions as PrefetchOptions
 from ._pipeline import ComputeStep as ComputeStep
 from ._pipeline import LayerStep as LayerStep
 from ._pipeline import TokenResult as TokenResult
 from ._predict.trace import RoutingTrace as RoutingTrace
 from ._runner import MoEResult as MoEResult
 from ._runner import MoERunner as MoERunner
+from ._runner import PrefetchOptions as PrefetchOptions
 from ._runner import RouteStep as RouteStep
 from ._runner import RunnerStatistics as RunnerStatistics
 from ._store import ExpertStore as ExpertStore

@@ -18,8 +18,8 @@ from ._cache.cache import Entry, ExpertCache
 from ._cache.eviction import LRU
 from ._cache.scheduler import ReadScheduler
 from ._cache.stats import Counters
-from ._compute.quant import dequantize
 from ._errors import ConfigError, InvalidRequestError, SlabExhaustedError
+from ._format.dequant import dequantize
 from ._format.model import GGUFModel
 from ._format.views import release_view
 from ._io.backends.base import IOBackend

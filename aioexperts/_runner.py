@@ -22,19 +22,19 @@ import numpy as np
 
 from ._cache.cache import Key
 from ._cache.stats import LatencyWindow, to_ms
+from ._checks import check_int
 from ._compute.executor import MoEOutput, ResidentLayer, moe_forward, route
 from ._compute.fused import WarmupReport
 from ._compute.resident import load_residents, warmup_kernels
 from ._errors import ConfigError, InvalidRequestError, SlabExhaustedError
 from ._format.layout import MoELayer
 from ._format.views import ExpertView
-from ._options import PrefetchOptions
 from ._pipeline import ComputeStep, LayerStep, TokenResult, run_in_worker, run_layer_step
-from ._predict.predictors import Predictor, make_predictor
+from ._predict.predictors import PREDICTORS, Predictor, make_predictor
 from ._predict.trace import RoutingTrace, TraceRecorder
 from ._store import ExpertStore
 
-__all__ = ("DEFAULT_TRACE_MAX_TOKENS", "MoEResult", "MoERunner", "RouteStep", "RunnerStatistics")
+__all__ = ("DEFAULT_TRACE_MAX_TOKENS", "MoEResult", "MoERunner", "PrefetchOptions", "RouteStep", "RunnerStatistics")
 
 DEFAULT_TRACE_MAX_TOKENS = 1 << 16
 """Tokens a runner's routing trace keeps (the most recent ones)."""
@@ -44,6 +44,38 @@ log = logging.getLogger("aioexperts")
 #: ``route_step(layer, x) -> (ids, weights)``: a custom router, run in a worker thread; ``ids`` and
 #: ``weights`` are ``(n_tokens, k)`` int32 and float32.
 RouteStep = Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefetchOptions:
+    """What an :class:`~aioexperts.MoERunner` loads ahead while a layer computes.
+
+    Attributes:
+        predictor: ``"router"`` (the next layer's router on the current MoE input), ``"previous"``
+            (the previous token's choice), ``"frequency"`` (decayed per-layer counts), ``"none"``,
+            or a :class:`~aioexperts.predictors.Predictor` instance.
+        budget: experts prefetched per predicted layer; None for the model's ``expert_used_count``.
+        depth: MoE layers prefetched ahead (default 2: the device queue never runs dry at a layer
+            boundary; 1 synchronises I/O and compute at every layer; 0 turns prefetch off).
+
+    Raises:
+        ConfigError: a value out of range or of the wrong type.
+    """
+
+    predictor: str | Predictor = "router"
+    budget: int | None = None
+    depth: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.predictor, str):
+            if self.predictor not in PREDICTORS:
+                raise ConfigError(
+                    f"predictor must be one of {', '.join(sorted(PREDICTORS))} or a Predictor, got {self.predictor!r}"
+                )
+        elif not isinstance(self.predictor, Predictor):
+            raise ConfigError(f"predictor must be a predictor name or a Predictor, got {self.predictor!r}")
+        check_int(self, "budget", low=0, optional=True)
+        check_int(self, "depth", low=0)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

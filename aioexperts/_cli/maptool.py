@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
-from .._cache.replay import format_bytes
 from .._errors import AioExpertsError, ConfigError, StaleMapError
 from .._format.expert_map import check_map_matches_layout, read_expert_map, write_expert_map
 from .._format.layout import ExpertLayout, build_layout
 from .._format.model import GGUFModel, open_model
+from .._predict.simulate import format_bytes
 from .common import HelpFormatter, stdout_closed
 from .texttable import text_table
 

@@ -144,7 +144,7 @@ def _rescale(
     multiplying them all by one factor scales the weights by it: like a trained layer, the output
     of a matrix product keeps the size of its input.
     """
-    from .._compute.quant import dequantize
+    from .._format.dequant import dequantize
 
     sample = np.ascontiguousarray(blocks[: min(len(blocks), 4096)])
     block_size = GGML_QUANT_SIZES[ggml_type][0]

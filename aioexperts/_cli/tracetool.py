@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
-from .._cache.replay import BELADY, expert_frequencies, format_bytes, slots_for_hit_rate
 from .._errors import AioExpertsError, FormatError
 from .._format.layout import build_layout
 from .._format.model import open_model
+from .._predict.simulate import BELADY, expert_frequencies, format_bytes, slots_for_hit_rate
 from .._predict.trace import RoutingTrace
 from .common import HelpFormatter, stdout_closed
 from .texttable import text_table

@@ -318,7 +318,7 @@ async def test_prefetch_never_evicts_pinned_or_its_own_layer(model_path: Path, a
 
 
 async def test_trace_is_recorded_and_replayed(model_path: Path, anyio_backend: object) -> None:
-    from aioexperts._cache.replay import replay
+    from aioexperts._predict.simulate import replay
 
     async with aioexperts.open(model_path, slots=6) as store:
         runner = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="none"), record_trace=True)

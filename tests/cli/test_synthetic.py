@@ -15,7 +15,7 @@ import aioexperts
 from aioexperts._cli.blockpool import draw_blocks, quantize_q4_k
 from aioexperts._cli.model_cache import ensure_bench_model
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
-from aioexperts._compute.quant import dequantize
+from aioexperts._format.dequant import dequantize
 
 SMALL = SyntheticSpec(n_layer=3, n_embd=256, n_ff_exp=256, n_expert=16, n_expert_used=4)
 

@@ -12,9 +12,10 @@ from gguf import GGMLQuantizationType
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioexperts._compute import fused, quant
+from aioexperts._compute import fused
 from aioexperts._compute.executor import MoEOutput, ResidentLayer, moe_forward, route, router_logits
 from aioexperts._errors import ConfigError, InvalidRequestError
+from aioexperts._format import dequant as quant
 from aioexperts._format.hparams import Activation, GatingFunc, MoEHParams
 from aioexperts._format.views import ExpertView, ProjectionView
 

@@ -16,15 +16,12 @@ import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .._cache.eviction import POLICY_NAMES, Key, make_policy
 from .._errors import ConfigError
-from .eviction import POLICY_NAMES, Key, make_policy
-
-if TYPE_CHECKING:  # the cache layer sits below predict (docs/notes/DESIGN.md): no runtime import upwards
-    from .._predict.trace import RoutingTrace
+from .trace import RoutingTrace
 
 __all__ = (
     "BELADY",

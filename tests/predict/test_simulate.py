@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioexperts._cache.replay import (
+from aioexperts._errors import ConfigError
+from aioexperts._predict.simulate import (
     REPLAY_POLICY_NAMES,
     ReplayResult,
     format_replay_table,
     replay,
     replay_fractions,
 )
-from aioexperts._errors import ConfigError
 from aioexperts._predict.trace import RoutingTrace, skewed_random_trace, uniform_random_trace
 
 

@@ -1,4 +1,4 @@
-"""aioexperts._compute.quant: every fast kernel is bit-exact with gguf-py's ``gguf.quants.dequantize``.
+"""aioexperts._format.dequant: every fast kernel is bit-exact with gguf-py's ``gguf.quants.dequantize``.
 
 Random blocks, blocks whose f16 / e8m0 scale fields hold extreme bit patterns (inf, NaN, subnormal,
 max, negative zero), several shapes, the chunk loop, the ``out=`` path, three hand-computed traps,
@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import itertools
 
-import gguf.quants
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from quantblocks import EXTREME_E8M0, EXTREME_F16, F16_SCALES, assert_bit_exact, random_blocks, reference
 
-from aioexperts._compute import quant
-from aioexperts._compute.quant import dequantize, supported_types
 from aioexperts._errors import ConfigError, FormatError, UnsupportedTypeError
+from aioexperts._format import dequant
+from aioexperts._format.dequant import dequantize, supported_types
 
 Q = GGMLQuantizationType
 
@@ -27,59 +27,6 @@ REQUIRED = {
     Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4,
 }  # fmt: skip
 KERNEL_TYPES = sorted(supported_types(), key=lambda t: t.name)
-
-#: byte offsets of the f16 scale fields (d, dmin, m) inside one block
-F16_SCALES = {
-    Q.Q8_0: (0,),
-    Q.Q4_0: (0,),
-    Q.Q4_1: (0, 2),
-    Q.Q5_0: (0,),
-    Q.Q5_1: (0, 2),
-    Q.Q2_K: (80, 82),
-    Q.Q3_K: (108,),
-    Q.Q4_K: (0, 2),
-    Q.Q5_K: (0, 2),
-    Q.Q6_K: (208,),
-    Q.IQ4_NL: (0,),
-    Q.IQ4_XS: (0,),
-}
-EXTREME_F16 = (
-    0x7C00,  # +inf
-    0xFC00,  # -inf
-    0x7E00,  # quiet NaN
-    0xFD01,  # negative signalling NaN
-    0x7BFF,  # max
-    0xFBFF,  # -max
-    0x0001,  # smallest subnormal
-    0x83FF,  # largest negative subnormal
-    0x0400,  # smallest normal
-    0x8000,  # negative zero
-    0x0000,  # zero
-    0x3C00,  # 1.0
-)
-EXTREME_E8M0 = (0, 1, 2, 126, 127, 128, 200, 253, 254, 255)
-
-
-def reference(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
-    """gguf-py on the tensor's rows, the way GGUFReader hands them out."""
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    rows = raw.reshape(-1, shape[-1] // block_size * type_size)
-    with np.errstate(all="ignore"):
-        return np.asarray(gguf.quants.dequantize(rows, qtype), dtype=np.float32).reshape(shape)
-
-
-def assert_bit_exact(ours: np.ndarray, ref: np.ndarray) -> None:
-    """Equal values and NaN positions (assert_array_equal), and equal bits wherever not NaN."""
-    assert ours.dtype == np.float32
-    assert ours.shape == ref.shape
-    np.testing.assert_array_equal(ours, ref)
-    nan = np.isnan(ref)
-    np.testing.assert_array_equal(ours.view(np.uint32)[~nan], ref.view(np.uint32)[~nan])
-
-
-def random_blocks(qtype: GGMLQuantizationType, n_blocks: int, seed: int) -> np.ndarray:
-    _, type_size = GGML_QUANT_SIZES[qtype]
-    return np.random.default_rng(seed).integers(0, 256, n_blocks * type_size, dtype=np.uint8)
 
 
 def check(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
@@ -95,7 +42,7 @@ def check(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) 
 def test_supported_types_cover_the_required_kernels() -> None:
     assert REQUIRED <= supported_types()
     assert isinstance(supported_types(), frozenset)
-    assert set(quant.__all__) == {"dequantize", "supported_types"}
+    assert set(dequant.__all__) == {"dequantize", "supported_types"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,7 +92,7 @@ def test_f16_without_specials_and_with_daz_guard(monkeypatch: pytest.MonkeyPatch
     raw = bits.view(np.uint8)
     check(raw, Q.F16, (64, 64))
     # if denormals-are-zero were on, the multiply trick would flush subnormals: the table is used
-    monkeypatch.setattr(quant, "_TINY", np.zeros(1, dtype=np.float32))
+    monkeypatch.setattr(dequant, "_TINY", np.zeros(1, dtype=np.float32))
     check(raw, Q.F16, (64, 64))
 
 
@@ -179,7 +126,7 @@ def test_shapes(qtype: GGMLQuantizationType) -> None:
 def test_chunk_loop(qtype: GGMLQuantizationType, monkeypatch: pytest.MonkeyPatch) -> None:
     """Many small chunks with a ragged last one give the same bits as one pass."""
     block_size, _ = GGML_QUANT_SIZES[qtype]
-    monkeypatch.setattr(quant, "_CHUNK_VALUES", 3 * 256)
+    monkeypatch.setattr(dequant, "_CHUNK_VALUES", 3 * 256)
     check(random_blocks(qtype, 11 * 256 // block_size, seed=5), qtype, (11, 256))
 
 
