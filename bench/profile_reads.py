@@ -39,14 +39,14 @@ from typing import Any
 import liburing
 
 import aioexperts._store as store_module
+from aioexperts._bench import engine_adapter as ea
+from aioexperts._bench.cachestate import drop_page_cache
+from aioexperts._bench.loops import run as run_on_loop
+from aioexperts._bench.measure import Clock, spread
+from aioexperts._bench.model_cache import ensure_bench_model
+from aioexperts._bench.readbench import _window, make_steps
 from aioexperts._cache.cache import ExpertCache
 from aioexperts._cache.scheduler import ReadScheduler
-from aioexperts._cli import engine_adapter as ea
-from aioexperts._cli.cachestate import drop_page_cache
-from aioexperts._cli.loops import run as run_on_loop
-from aioexperts._cli.measure import Clock, spread
-from aioexperts._cli.model_cache import ensure_bench_model
-from aioexperts._cli.readbench import _window, make_steps
 from aioexperts._io.backends.base import IOBackend
 from aioexperts._io.backends.uring import UringBackend
 from aioexperts._store import ExpertStore

@@ -3,7 +3,7 @@
     python bench/token_compute.py [--model PATH] [--tokens 16] [--repeat 3] [--threads 1,2]
 
 On the built-in bench model (8 MoE layers x 128 experts, n_embd 2048, n_ff 768, top-8, Q4_K; built
-once by ``aioexperts._cli.synthetic`` under the user cache) every token reads 64 experts (170 MB).
+once by ``aioexperts.testing._synthetic`` under the user cache) every token reads 64 experts (170 MB).
 The routing is uniform random top-8 (seeded) and replayed through ``route_step``; the slab is kept
 small (``--slots``, default 40) so that an expert is evicted before a later token can use it again:
 the reuse rate (requests served by an expert that an earlier token read) is printed, about 0 %.
@@ -42,7 +42,7 @@ from _results import fmt_range, summary, write_results
 from rich.console import Console
 
 import aioexperts
-from aioexperts._cli.model_cache import ensure_bench_model
+from aioexperts._bench.model_cache import ensure_bench_model
 from aioexperts._compute.pool import configure_compute_pool
 from aioexperts.predictors import Predictor
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from aioexperts._cli import bench
-from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.cli import bench
+from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
 
 SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=16, n_expert_used=4)
 FAST = ["--rounds", "2", "--token-count", "2", "--executor-tokens", "1", "--no-probe", "--quiet"]
@@ -185,7 +185,7 @@ def test_a_damaged_built_in_model_suggests_rebuild(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "cache"))
-    from aioexperts._cli.model_cache import bench_model_path
+    from aioexperts._bench.model_cache import bench_model_path
 
     bench_model_path().parent.mkdir()
     bench_model_path().write_bytes(b"GGUF" + b"\0" * 100)  # truncated: a FormatError reading it
@@ -270,8 +270,8 @@ def test_results_that_cannot_be_written_are_still_printed(
 def test_a_failing_fio_is_one_line_and_a_failed_row(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from aioexperts._cli import readbench
-    from aioexperts._cli.fio import FioError
+    from aioexperts._bench import readbench
+    from aioexperts._bench.fio import FioError
 
     calls = []
 
@@ -315,7 +315,7 @@ def test_default_model_is_built_in_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "cache"))
-    import aioexperts._cli.model_cache as model_cache
+    import aioexperts._bench.model_cache as model_cache
 
     monkeypatch.setattr(model_cache, "BENCH_SPEC", SMALL)
     argv = ["--mode", "reads", "--methods", "mmap", "--rounds", "1", "--no-probe", "--json", "--out", ""]

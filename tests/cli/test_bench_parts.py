@@ -10,13 +10,13 @@ import anyio
 import numpy as np
 import pytest
 
-from aioexperts._cli import engine_adapter as ea
-from aioexperts._cli.cachestate import drop_page_cache, probe_host_cache
-from aioexperts._cli.measure import rotated, spread
-from aioexperts._cli.readbench import make_steps
-from aioexperts._cli.readlist import ReadList
-from aioexperts._cli.replay import Destination, replay_mmap, replay_pread
-from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts._bench import engine_adapter as ea
+from aioexperts._bench.cachestate import drop_page_cache, probe_host_cache
+from aioexperts._bench.measure import rotated, spread
+from aioexperts._bench.readbench import make_steps
+from aioexperts._bench.readlist import ReadList
+from aioexperts._bench.replay import Destination, replay_mmap, replay_pread
+from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
 
 SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
 
@@ -112,7 +112,7 @@ def test_host_cache_probe_reports_rates(model: Path) -> None:
 
 
 def test_fio_replay_counts_every_read(model: Path) -> None:
-    from aioexperts._cli.fio import fio_path, run_fio_replay
+    from aioexperts._bench.fio import fio_path, run_fio_replay
 
     if fio_path() is None:
         pytest.skip("fio is not installed")
@@ -134,7 +134,7 @@ def test_fio_replay_counts_every_read(model: Path) -> None:
 def test_a_failing_fio_raises_one_line(
     script: str, needle: str, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aioexperts._cli import fio
+    from aioexperts._bench import fio
 
     fake = tmp_path / "fio"
     fake.write_text(f"#!/bin/sh\n{script}\n")
@@ -186,7 +186,7 @@ def test_the_docs_tables_are_rendered_from_the_committed_results(monkeypatch: py
     import importlib.util
     import re
 
-    from aioexperts._cli.results import load_results
+    from aioexperts._bench.results import load_results
 
     repo = Path(__file__).parents[2]
     monkeypatch.chdir(repo)  # the satellite benches' results files are named relative to the repository

@@ -14,8 +14,8 @@ import pytest
 from ioutil import pread_segment
 
 import aioexperts
-from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 from aioexperts.predictors import NullPredictor
+from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
 

@@ -22,7 +22,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from .._errors import ConfigError
-from .blockpool import draw_blocks
+from ._blocks import draw_blocks
 
 __all__ = ("BENCH_SPEC", "SyntheticSpec", "tiny_moe_writer", "write_synthetic_model")
 

@@ -11,10 +11,10 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..files import ShardFiles
-from ..loop import LoopAdapter
-from ..slab import Slab
-from .base import IOBackend, ReadOp, SubmitError
+from .._io.backends.base import IOBackend, ReadOp, SubmitError
+from .._io.files import ShardFiles
+from .._io.loop import LoopAdapter
+from .._io.slab import Slab
 
 __all__ = ("FakeBackend",)
 

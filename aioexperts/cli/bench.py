@@ -23,18 +23,18 @@ from typing import Any
 from rich.console import Console
 
 from .. import __version__
+from .._bench.cachestate import DROP_METHOD
+from .._bench.loops import LOOPS, await_cost
+from .._bench.machine import machine_facts
+from .._bench.model_cache import bench_model_path, cache_dir, ensure_bench_model
+from .._bench.progress import Reporter
+from .._bench.readbench import DEFAULT_METHODS, METHODS, ReadBenchConfig, run_read_bench
+from .._bench.report import print_sections
+from .._bench.results import SCHEMA, UNITS, evaluate_targets, write_results
+from .._bench.tokenbench import TARGET_OVERLAP, TokenBenchConfig, run_token_bench
 from .._errors import AioExpertsError, FormatError
 from .._options import MAX_QUEUE_DEPTH, MIN_QUEUE_DEPTH
-from .cachestate import DROP_METHOD
-from .common import stdout_closed
-from .loops import LOOPS, await_cost
-from .machine import machine_facts
-from .model_cache import bench_model_path, cache_dir, ensure_bench_model
-from .progress import Reporter
-from .readbench import DEFAULT_METHODS, METHODS, ReadBenchConfig, run_read_bench
-from .report import print_sections
-from .results import SCHEMA, UNITS, evaluate_targets, write_results
-from .tokenbench import TARGET_OVERLAP, TokenBenchConfig, run_token_bench
+from ._common import stdout_closed
 
 __all__ = ("build_parser", "main")
 
@@ -185,7 +185,7 @@ def _model(args: argparse.Namespace, reporter: Reporter) -> Path:
 
 def _run(args: argparse.Namespace, methods: list[str], reporter: Reporter) -> dict[str, Any]:
     path = _model(args, reporter)
-    from . import engine_adapter as ea
+    from .._bench import engine_adapter as ea
 
     info = ea.model_info(os.fspath(path))
     warnings = []
@@ -253,7 +253,7 @@ def _run(args: argparse.Namespace, methods: list[str], reporter: Reporter) -> di
     reporter.step("per-await cost of each event loop")
     results["loops"] = _loops(reporter)
     if args.plot:
-        from .sweep import run_sweeps
+        from .._bench.sweep import run_sweeps
 
         results["sweep"] = run_sweeps(os.fspath(path), rcfg, note=reporter.note)
     results["kernels"] = _kernels()

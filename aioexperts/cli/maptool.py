@@ -28,8 +28,8 @@ from .._format.expert_map import check_map_matches_layout, read_expert_map, writ
 from .._format.layout import ExpertLayout, build_layout
 from .._format.model import GGUFModel, open_model
 from .._predict.simulate import format_bytes
-from .common import HelpFormatter, stdout_closed
-from .texttable import text_table
+from ._common import HelpFormatter, stdout_closed
+from ._texttable import text_table
 
 __all__ = ("LayoutSummary", "main", "summarize_layout")
 

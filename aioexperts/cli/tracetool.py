@@ -32,8 +32,8 @@ from .._format.layout import build_layout
 from .._format.model import open_model
 from .._predict.simulate import BELADY, expert_frequencies, format_bytes, slots_for_hit_rate
 from .._predict.trace import RoutingTrace
-from .common import HelpFormatter, stdout_closed
-from .texttable import text_table
+from ._common import HelpFormatter, stdout_closed
+from ._texttable import text_table
 
 __all__ = ("hot_first_order", "main")
 
