@@ -3,8 +3,10 @@
 Two objects: :func:`open` gives an :class:`ExpertStore` (files, slab, reads, cache;
 ``store.experts(layer, ids)``), and an :class:`MoERunner` runs MoE layers on top of it
 (``await runner.moe(layer, x)``). The public API is re-exported here; extension points live in
-:mod:`aioexperts.backends`, :mod:`aioexperts.policies` and :mod:`aioexperts.predictors`, test
-helpers in :mod:`aioexperts.testing`; the implementation lives in private modules.
+:mod:`aioexperts.backends`, :mod:`aioexperts.policies` and :mod:`aioexperts.predictors`, cache
+simulations over routing traces in :mod:`aioexperts.traces`, test helpers (synthetic GGUF models,
+a scriptable backend) in :mod:`aioexperts.testing`; the user commands in :mod:`aioexperts.cli`;
+the implementation lives in private modules.
 """
 
 from ._cache.pagecache import PageCacheStatistics as PageCacheStatistics
@@ -25,6 +27,7 @@ from ._errors import StaleMapError as StaleMapError
 from ._errors import StoreClosedError as StoreClosedError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._format.expert_map import ExpertMap as ExpertMap
+from ._format.expert_map import check_map_matches_layout as check_map_matches_layout
 from ._format.expert_map import read_expert_map as read_expert_map
 from ._format.expert_map import write_expert_map as write_expert_map
 from ._format.hparams import MoEHParams as MoEHParams
@@ -118,6 +121,7 @@ __all__ = (
     "UnsupportedTypeError",
     "WarmupReport",
     "build_layout",
+    "check_map_matches_layout",
     "open",
     "open_model",
     "read_expert_map",

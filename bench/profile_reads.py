@@ -39,12 +39,16 @@ from typing import Any
 import liburing
 
 import aioexperts._store as store_module
-from aioexperts._bench import engine_adapter as ea
-from aioexperts._bench.cachestate import drop_page_cache
-from aioexperts._bench.loops import run as run_on_loop
-from aioexperts._bench.measure import Clock, spread
-from aioexperts._bench.model_cache import ensure_bench_model
-from aioexperts._bench.readbench import _window, make_steps
+from aioexperts._bench import (
+    Clock,
+    drop_page_cache,
+    ensure_bench_model,
+    make_steps,
+    requests_in_flight,
+    run_on_loop,
+    spread,
+)
+from aioexperts._bench import store_adapter as ea
 from aioexperts._cache.cache import ExpertCache
 from aioexperts._cache.scheduler import ReadScheduler
 from aioexperts._io.backends.base import IOBackend
@@ -127,12 +131,12 @@ async def _pass(
         if profiler is not None:
             profiler.enable()
         with Clock() as clock, GcTimer() as gc_timer:
-            await ea.cold_pass(engine, steps, _window(depth, info.n_expert_used))
+            await ea.cold_pass(engine, steps, requests_in_flight(depth, info.n_expert_used))
         if profiler is not None:
             profiler.disable()
         st = ea.engine_stats(engine)
         with Clock() as warm:  # the same requests again, all hits: the driver and the hit path
-            await ea.cold_pass(engine, steps, _window(depth, info.n_expert_used))
+            await ea.cold_pass(engine, steps, requests_in_flight(depth, info.n_expert_used))
     return {
         "seconds": clock.seconds,
         "cpu": clock.cpu,

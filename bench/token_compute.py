@@ -42,7 +42,7 @@ from _results import fmt_range, summary, write_results
 from rich.console import Console
 
 import aioexperts
-from aioexperts._bench.model_cache import ensure_bench_model
+from aioexperts._bench import ensure_bench_model
 from aioexperts._compute.pool import configure_compute_pool
 from aioexperts.predictors import Predictor
 

@@ -8,7 +8,7 @@ import subprocess
 from importlib import metadata
 from typing import Any
 
-__all__ = ("machine_facts", "machine_label")
+__all__ = ("kernel_facts", "machine_facts", "machine_label")
 
 
 def _read(path: str) -> str | None:
@@ -107,3 +107,11 @@ def machine_label(facts: dict[str, Any]) -> str:
         f"{facts.get('cpu_count')} vCPU {facts.get('cpu_model') or '?'}, {mem / (1 << 30):.0f} GiB, "
         f"{facts.get('filesystem') or '?'} on {disk}, Linux {facts.get('kernel')}"
     )
+
+
+def kernel_facts() -> dict[str, Any]:
+    """Which kernels the MoE maths runs (numba, or the numpy fallback and why) and their precision."""
+    from .._compute import fused
+
+    served = fused.backend()
+    return {"backend": served.name, "reason": served.reason, "precision": fused.precision()}

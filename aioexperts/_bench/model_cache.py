@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..testing._synthetic import BENCH_SPEC, SyntheticSpec, write_synthetic_model
+from ..testing import BENCH_SPEC, SyntheticSpec, write_synthetic_model
 
 __all__ = ("BENCH_NAME", "bench_model_path", "cache_dir", "ensure_bench_model")
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from . import engine_adapter as ea
+from . import store_adapter as ea
 from .cachestate import DROP_METHOD, drop_page_cache, probe_host_cache
 from .fio import FioError, fio_path, fio_version, run_fio_replay
 from .loops import run as run_on_loop
@@ -44,7 +44,7 @@ from .readlist import ReadList
 from .replay import Destination, replay_mmap, replay_pread, replay_uring, uring_slot_bytes
 from .warmbench import warm_figures
 
-__all__ = ("DEFAULT_METHODS", "METHODS", "ReadBenchConfig", "make_steps", "run_read_bench")
+__all__ = ("DEFAULT_METHODS", "METHODS", "ReadBenchConfig", "make_steps", "requests_in_flight", "run_read_bench")
 
 #: Every method the read bench knows, and the default set.
 METHODS = ("fio", "io_uring", "threads", "pread", "mmap", "uring", "uring-reused", "fio-readv", "engine-threads")
@@ -115,7 +115,7 @@ def make_steps(info: ea.ModelInfo, n_tokens: int, seed: int) -> list[Step]:
     return steps
 
 
-def _window(depth: int, k: int) -> int:
+def requests_in_flight(depth: int, k: int) -> int:
     """Concurrent layer requests that keep ``depth`` reads (3 per expert) queued."""
     return max(2, math.ceil(2 * depth / (3 * k)))
 
@@ -147,7 +147,7 @@ async def _engine_pass(
     async with ea.open_engine(path, options) as engine:
         drop_page_cache(info.shard_paths)
         with Clock() as clock:
-            await ea.cold_pass(engine, steps, _window(cfg.depth, info.n_expert_used))
+            await ea.cold_pass(engine, steps, requests_in_flight(cfg.depth, info.n_expert_used))
         st = ea.engine_stats(engine)
         warm_out = await warm_figures(engine, info, steps, cfg.warm_calls, cfg.moe_tokens, cfg.seed) if warm else None
     reads = recorder.read_list()
@@ -340,7 +340,7 @@ def run_read_bench(
             "experts_per_pass": len(steps) * info.n_expert_used,
             "unique_experts": unique,
             "engine_slots": unique,
-            "concurrent_layer_requests": _window(cfg.depth, info.n_expert_used),
+            "concurrent_layer_requests": requests_in_flight(cfg.depth, info.n_expert_used),
             "loop": cfg.loop,
             "fio": fio_version(),
         },

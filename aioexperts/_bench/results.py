@@ -17,7 +17,7 @@ import os
 import tempfile
 from typing import Any
 
-__all__ = ("SCHEMA", "UNITS", "evaluate_targets", "load_results", "write_results")
+__all__ = ("SCHEMA", "UNITS", "evaluate_targets", "json_safe", "load_results", "write_results")
 
 SCHEMA = 1
 UNITS = {
@@ -32,16 +32,16 @@ UNITS = {
 }
 
 
-def _clean(x: Any) -> Any:
+def json_safe(x: Any) -> Any:
     """JSON-safe: NaN and infinities become None, tuples lists, numpy scalars Python numbers."""
     if isinstance(x, float):
         return None if math.isnan(x) or math.isinf(x) else x
     if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
+        return {str(k): json_safe(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
+        return [json_safe(v) for v in x]
     if hasattr(x, "item") and callable(x.item):
-        return _clean(x.item())
+        return json_safe(x.item())
     return x
 
 
@@ -52,7 +52,7 @@ def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> None
     fd, tmp = tempfile.mkstemp(prefix=".bench-results-", suffix=".partial", dir=directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(_clean(results), f, indent=1, sort_keys=False)
+            json.dump(json_safe(results), f, indent=1, sort_keys=False)
             f.write("\n")
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)

@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import engine_adapter as ea
+from . import store_adapter as ea
 from .cachestate import drop_page_cache
 from .fio import FioError, fio_path, run_fio_replay
 from .loops import run as run_on_loop
 from .measure import GB, GIB, Clock, rotated, spread
-from .readbench import ReadBenchConfig, _window, make_steps
+from .readbench import ReadBenchConfig, make_steps, requests_in_flight
 from .readlist import ReadList
 from .replay import Destination, replay_pread
 
@@ -35,7 +35,7 @@ async def _engine(path: str, info: ea.ModelInfo, steps: list[Any], depth: int) -
     async with ea.open_engine(path, options) as engine:
         drop_page_cache(info.shard_paths)
         with Clock() as clock:
-            await ea.cold_pass(engine, steps, _window(depth, info.n_expert_used))
+            await ea.cold_pass(engine, steps, requests_in_flight(depth, info.n_expert_used))
         n = int(ea.engine_stats(engine)["bytes_read"])
     return _point(clock.seconds, clock.cpu, n), recorder.read_list()
 

@@ -39,7 +39,7 @@ import numpy as np
 import aioexperts
 import aioexperts.predictors
 
-from . import engine_adapter as ea
+from . import store_adapter as ea
 from .loops import run as run_on_loop
 from .measure import rotated, spread
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import engine_adapter as ea
+from . import store_adapter as ea
 
 __all__ = ("warm_figures",)
 

@@ -6,11 +6,28 @@ import argparse
 import os
 import sys
 
-__all__ = ("BROKEN_PIPE_STATUS", "HelpFormatter", "stdout_closed")
+__all__ = ("BROKEN_PIPE_STATUS", "EXTRAS", "HelpFormatter", "missing_extra", "stdout_closed")
 
 #: Exit status when the reader of stdout went away (``tool | head``): 128 + SIGPIPE, what a shell
 #: reports for a program the signal ended.
 BROKEN_PIPE_STATUS = 141
+
+
+#: The optional packages a command may need, and the extra of ``pyproject.toml`` that installs each.
+EXTRAS = {"rich": "bench", "matplotlib": "plot"}
+
+
+def missing_extra(command: str, exc: ModuleNotFoundError) -> SystemExit:
+    """The one-line exit of ``command`` when an optional package is not installed.
+
+    Raises:
+        ModuleNotFoundError: ``exc`` again, when the missing module is not an optional extra.
+    """
+    root = (exc.name or "").partition(".")[0]
+    extra = EXTRAS.get(root)
+    if extra is None:
+        raise exc
+    return SystemExit(f"{command}: error: {root} is not installed: pip install 'aioexperts[{extra}]'")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -20,21 +20,42 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from .. import AioExpertsError, FormatError, __version__
+from ._common import missing_extra, stdout_closed
 
-from .. import __version__
-from .._bench.cachestate import DROP_METHOD
-from .._bench.loops import LOOPS, await_cost
-from .._bench.machine import machine_facts
-from .._bench.model_cache import bench_model_path, cache_dir, ensure_bench_model
-from .._bench.progress import Reporter
-from .._bench.readbench import DEFAULT_METHODS, METHODS, ReadBenchConfig, run_read_bench
-from .._bench.report import print_sections
-from .._bench.results import SCHEMA, UNITS, evaluate_targets, write_results
-from .._bench.tokenbench import TARGET_OVERLAP, TokenBenchConfig, run_token_bench
-from .._errors import AioExpertsError, FormatError
-from .._options import MAX_QUEUE_DEPTH, MIN_QUEUE_DEPTH
-from ._common import stdout_closed
+try:
+    from rich.console import Console
+
+    from .._bench import (
+        DEFAULT_METHODS,
+        DROP_METHOD,
+        LOOPS,
+        MAX_QUEUE_DEPTH,
+        METHODS,
+        MIN_QUEUE_DEPTH,
+        SCHEMA,
+        TARGET_OVERLAP,
+        UNITS,
+        ReadBenchConfig,
+        Reporter,
+        TokenBenchConfig,
+        await_cost,
+        bench_model_path,
+        cache_dir,
+        ensure_bench_model,
+        evaluate_targets,
+        json_safe,
+        kernel_facts,
+        machine_facts,
+        print_sections,
+        run_read_bench,
+        run_sweeps,
+        run_token_bench,
+        write_plots,
+        write_results,
+    )
+except ModuleNotFoundError as exc:  # the bench extra is optional: one line, not a traceback
+    raise missing_extra("aioexperts-bench", exc) from None
 
 __all__ = ("build_parser", "main")
 
@@ -185,7 +206,7 @@ def _model(args: argparse.Namespace, reporter: Reporter) -> Path:
 
 def _run(args: argparse.Namespace, methods: list[str], reporter: Reporter) -> dict[str, Any]:
     path = _model(args, reporter)
-    from .._bench import engine_adapter as ea
+    from .._bench import store_adapter as ea
 
     info = ea.model_info(os.fspath(path))
     warnings = []
@@ -253,21 +274,11 @@ def _run(args: argparse.Namespace, methods: list[str], reporter: Reporter) -> di
     reporter.step("per-await cost of each event loop")
     results["loops"] = _loops(reporter)
     if args.plot:
-        from .._bench.sweep import run_sweeps
-
         results["sweep"] = run_sweeps(os.fspath(path), rcfg, note=reporter.note)
-    results["kernels"] = _kernels()
+    results["kernels"] = kernel_facts()
     results["targets"] = evaluate_targets(results)
     results["machine"]["load_average_at_end"] = list(os.getloadavg())
     return results
-
-
-def _kernels() -> dict[str, Any]:
-    """Which kernels the executor ran (numba, or the numpy fallback and why) and their precision."""
-    from .._compute import fused
-
-    served = fused.backend()
-    return {"backend": served.name, "reason": served.reason, "precision": fused.precision()}
 
 
 def _loops(reporter: Reporter) -> dict[str, Any]:
@@ -352,8 +363,6 @@ def main(argv: list[str] | None = None) -> int:
                 _error(f"cannot write the results file {args.out}: {exc}{instead}")
                 status = 1
         if args.plot:
-            from .plots import write_plots
-
             try:
                 for png in write_plots(results, args.plot):
                     reporter.note(f"wrote {png}")
@@ -368,9 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             import json
 
-            from .results import _clean
-
-            json.dump(_clean(results), sys.stdout, indent=1)
+            json.dump(json_safe(results), sys.stdout, indent=1)
             print()
         else:
             console = _Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160)

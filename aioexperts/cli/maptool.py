@@ -22,12 +22,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import __version__
-from .._errors import AioExpertsError, ConfigError, StaleMapError
-from .._format.expert_map import check_map_matches_layout, read_expert_map, write_expert_map
-from .._format.layout import ExpertLayout, build_layout
-from .._format.model import GGUFModel, open_model
-from .._predict.simulate import format_bytes
+from .. import (
+    AioExpertsError,
+    ConfigError,
+    ExpertLayout,
+    GGUFModel,
+    StaleMapError,
+    __version__,
+    build_layout,
+    check_map_matches_layout,
+    open_model,
+    read_expert_map,
+    write_expert_map,
+)
+from ..traces import format_bytes
 from ._common import HelpFormatter, stdout_closed
 from ._texttable import text_table
 

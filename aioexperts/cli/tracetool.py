@@ -26,12 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__
-from .._errors import AioExpertsError, FormatError
-from .._format.layout import build_layout
-from .._format.model import open_model
-from .._predict.simulate import BELADY, expert_frequencies, format_bytes, slots_for_hit_rate
-from .._predict.trace import RoutingTrace
+from .. import AioExpertsError, FormatError, RoutingTrace, __version__, build_layout, open_model
+from ..traces import BELADY, expert_frequencies, format_bytes, slots_for_hit_rate
 from ._common import HelpFormatter, stdout_closed
 from ._texttable import text_table
 

@@ -3,7 +3,7 @@
 The files are written with the ``gguf`` package's ``GGUFWriter`` (split sets with its
 ``split_max_tensors``). Weights are random but numerically sane: for ``Q4_K`` and the types
 ``gguf.quants`` can quantize, every block is the quantization of zero-mean normal data, drawn
-from a small pool (:mod:`.blockpool`) with its scales set so that each matrix's weights have a
+from a small pool (``aioexperts/testing/_blocks.py``) with its scales set so that each matrix's weights have a
 standard deviation of about ``1 / sqrt(ne0)`` (a matrix product keeps the size of its input, as
 in a trained model). Other quantized types get random quant bytes with finite scales rescaled the
 same way; float tensors get small normal values. The default :class:`SyntheticSpec` is the

@@ -15,7 +15,7 @@ from ioutil import pread_segment
 
 import aioexperts
 from aioexperts._cache.cache import SlotState
-from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
 

@@ -14,7 +14,7 @@ from ioutil import pread_segment
 
 import aioexperts
 from aioexperts._cache.cache import SlotState
-from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 SPEC = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=6, n_expert_used=2)
 N_SLOTS = 5

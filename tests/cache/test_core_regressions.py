@@ -18,7 +18,7 @@ from aioexperts._cache.cache import SlotState
 from aioexperts._cache.eviction import LRU
 from aioexperts._errors import EvictionPolicyError
 from aioexperts._io.align import align_down, probe_alignment
-from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from aioexperts.cli import bench
-from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=16, n_expert_used=4)
 FAST = ["--rounds", "2", "--token-count", "2", "--executor-tokens", "1", "--no-probe", "--quiet"]
@@ -345,3 +345,20 @@ def test_a_closed_pipe_ends_the_bench_quietly(model: Path, json_out: bool) -> No
     finally:
         os.close(write_end)
     assert (done.returncode, done.stderr) == (141, "")
+
+
+@pytest.mark.parametrize(("blocked", "extra"), [("rich", "bench"), ("rich.console", "bench")])
+def test_a_missing_extra_is_one_line_naming_the_extra(blocked: str, extra: str) -> None:
+    """Without the bench extra, the command says which package to install, in one line, no traceback."""
+    code = f"import sys; sys.modules[{blocked!r}] = None; from aioexperts.cli.bench import main"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    root = blocked.partition(".")[0]
+    assert run.returncode == 1
+    assert run.stderr == f"aioexperts-bench: error: {root} is not installed: pip install 'aioexperts[{extra}]'\n"
+
+
+def test_a_missing_module_that_is_no_extra_is_not_hidden() -> None:
+    """Only the optional extras get the one-line message; any other missing module keeps its traceback."""
+    code = "import sys; sys.modules['aioexperts._bench.sweep'] = None; from aioexperts.cli.bench import main"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 1 and "Traceback" in run.stderr and "ModuleNotFoundError" in run.stderr

@@ -17,7 +17,7 @@ import aioexperts
 from aioexperts._predict.simulate import expert_frequencies, replay, slots_for_hit_rate
 from aioexperts._predict.trace import skewed_random_trace, uniform_random_trace
 from aioexperts.cli import maptool, tracetool
-from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 SPEC = SyntheticSpec(n_layer=3, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
 

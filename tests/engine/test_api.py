@@ -15,7 +15,7 @@ from ioutil import pread_segment
 
 import aioexperts
 from aioexperts.predictors import NullPredictor
-from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
 
@@ -29,7 +29,9 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-PUBLIC_MODULES = ("backends", "policies", "predictors", "testing")
+#: public modules of names (each with a tuple ``__all__``), then the package of user commands
+API_MODULES = ("backends", "policies", "predictors", "testing", "traces")
+PUBLIC_MODULES = (*API_MODULES, "cli")
 
 
 def test_public_names_are_exactly_all() -> None:
@@ -46,7 +48,7 @@ def test_installed_version_is_the_package_version() -> None:
     assert importlib.metadata.version("aioexperts") == aioexperts.__version__
 
 
-@pytest.mark.parametrize("name", PUBLIC_MODULES)
+@pytest.mark.parametrize("name", API_MODULES)
 def test_public_modules_export_exactly_all(name: str) -> None:
     import importlib
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import aioexperts
-from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 
 @pytest.fixture(scope="module")

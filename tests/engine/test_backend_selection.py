@@ -13,7 +13,7 @@ from conftest import direct_io_unavailable
 from ioutil import pread_segment
 
 import aioexperts
-from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
 

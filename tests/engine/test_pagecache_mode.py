@@ -12,7 +12,7 @@ from conftest import shared_fixture_paths
 from ioutil import drop_cache, pread_segment, resident_pages
 
 import aioexperts
-from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
 

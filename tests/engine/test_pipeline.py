@@ -13,7 +13,7 @@ import pytest
 import aioexperts
 from aioexperts._bench.tokenbench import OraclePredictor
 from aioexperts._predict.trace import uniform_random_trace
-from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 import aioexperts
-from aioexperts.testing._synthetic import tiny_moe_writer
+from aioexperts.testing import tiny_moe_writer
 
 pytestmark = pytest.mark.anyio
 

@@ -23,7 +23,7 @@ from aioexperts._format.expert_map import (
 )
 from aioexperts._format.layout import build_layout
 from aioexperts._format.model import GGUFModel, open_model
-from aioexperts.testing._synthetic import write_synthetic_model
+from aioexperts.testing import write_synthetic_model
 
 HEADER = struct.Struct("<8sQQQQI")
 MiB = 1 << 20

@@ -23,7 +23,7 @@ from aioexperts._errors import ConfigError
 from aioexperts._format.expert_map import check_map_matches_layout, read_expert_map, write_expert_map
 from aioexperts._format.layout import build_layout
 from aioexperts._format.model import open_model
-from aioexperts.testing._synthetic import write_synthetic_model
+from aioexperts.testing import write_synthetic_model
 
 T = GGUFValueType
 

@@ -15,7 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from aioexperts._errors import InvalidRequestError, LayoutError
 from aioexperts._format.layout import ExpertLayout, build_layout
 from aioexperts._format.model import open_model
-from aioexperts.testing._synthetic import write_synthetic_model
+from aioexperts.testing import write_synthetic_model
 
 Q = GGMLQuantizationType
 

@@ -20,7 +20,7 @@ from aioexperts._io import align, files
 from aioexperts._io.align import align_down, align_up, probe_alignment, widen
 from aioexperts._io.files import open_shards
 from aioexperts._io.plan import plan_expert
-from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 
 @given(

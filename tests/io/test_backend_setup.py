@@ -24,7 +24,7 @@ from aioexperts._io.loop import current_loop
 from aioexperts._io.plan import max_plan_bytes, plan_expert
 from aioexperts._io.select import create_backend
 from aioexperts._io.slab import Slab
-from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
 

@@ -10,13 +10,13 @@ import anyio
 import numpy as np
 import pytest
 
-from aioexperts._bench import engine_adapter as ea
+from aioexperts._bench import store_adapter as ea
 from aioexperts._bench.cachestate import drop_page_cache, probe_host_cache
 from aioexperts._bench.measure import rotated, spread
 from aioexperts._bench.readbench import make_steps
 from aioexperts._bench.readlist import ReadList
 from aioexperts._bench.replay import Destination, replay_mmap, replay_pread
-from aioexperts.testing._synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
 
