@@ -231,7 +231,7 @@ class MoERunner:
                 assert self._warmup_report is not None
                 return self._warmup_report
             store = self._store
-            store._check_running()  # StoreClosedError / wrong loop, before any work
+            store.check_running()  # StoreClosedError / wrong loop, before any work
             hparams = store.hparams
             if not hparams.verified:
                 log.warning(

@@ -38,7 +38,7 @@ from typing import Any
 
 import liburing
 
-import aioexperts._store as store_module
+import aioexperts._sources.slab as slab_source_module
 from aioexperts._bench import (
     Clock,
     drop_page_cache,
@@ -53,7 +53,7 @@ from aioexperts._cache.cache import ExpertCache
 from aioexperts._cache.scheduler import ReadScheduler
 from aioexperts._io.backends.base import IOBackend
 from aioexperts._io.backends.uring import UringBackend
-from aioexperts._store import ExpertStore
+from aioexperts._sources.slab import SlabSource
 
 PARTS = (
     "io_uring_submit (kernel issues the reads)",
@@ -64,7 +64,7 @@ PARTS = (
     "scheduler flush (less submit)",
     "expert planning (plan_all_experts, at open)",
     "pinning (cache._pin_all: slot, eviction, enqueue)",
-    "views (ExpertStore._view)",
+    "views (SlabSource.view)",
     "release (cache.release)",
     "rest: experts()/acquire coroutines, tasks, loop, GC",
 )
@@ -164,8 +164,8 @@ def _timed_pass(path: str, info: ea.ModelInfo, steps: list[Any], depth: int, loo
     timers.wrap(ReadScheduler, "flush", "flush")
     timers.wrap(ExpertCache, "release", "release")
     timers.wrap(ExpertCache, "_pin_all", "pin")
-    timers.wrap(store_module, "plan_all_experts", "plan")  # at open, off the loop: 0 per read
-    timers.wrap(ExpertStore, "_view", "view")
+    timers.wrap(slab_source_module, "plan_all_experts", "plan")  # at open, off the loop: 0 per read
+    timers.wrap(SlabSource, "view", "view")
     try:
         base = run_on_loop(_pass, path, info, steps, depth, None, loop=loop)
     finally:

@@ -100,7 +100,7 @@ def test_random_interleavings_keep_the_invariants(
                 else:
                     try:
                         info["entries"] = entries
-                        info["views"] = [engine._view(e) for e in entries]
+                        info["views"] = [engine._source.view(e) for e in entries]
                         await info["release"].wait()  # type: ignore[attr-defined]
                         for e, v in zip(entries, info["views"], strict=True):  # type: ignore[arg-type]
                             assert [bytes(p.data) for p in (v.gate, v.up, v.down)] == ref[e.key]

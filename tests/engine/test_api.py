@@ -759,31 +759,32 @@ async def test_runner_arguments_and_custom_steps_are_checked(
         assert (await runner.run_token(_x())).output.shape == (2, SMALL.n_embd)  # still usable
 
 
+#: (mode, module, name): a blocking step of start() and the module it is looked up in
 START_STEPS = [
-    ("slab", "open_model"),
-    ("slab", "open_shards"),
-    ("slab", "plan_all_experts"),
-    ("slab", "Slab"),
-    ("slab", "create_backend"),
-    ("pagecache", "MappedShards"),
-    ("pagecache", "create_backend"),
-    ("rows", "RowReader"),
+    ("slab", "_store", "open_model"),
+    ("slab", "_sources.slab", "open_shards"),
+    ("slab", "_sources.slab", "plan_all_experts"),
+    ("slab", "_sources.stack", "Slab"),
+    ("slab", "_sources.stack", "create_backend"),
+    ("pagecache", "_sources.mapped", "MappedShards"),
+    ("pagecache", "_sources.mapped", "create_backend"),
+    ("rows", "_sources.slab", "RowReader"),
 ]
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-@pytest.mark.parametrize(("mode", "step"), START_STEPS, ids=[f"{m}-{s}" for m, s in START_STEPS])
+@pytest.mark.parametrize(("mode", "module", "step"), START_STEPS, ids=[f"{m}-{s}" for m, _, s in START_STEPS])
 def test_task_cancel_while_start_works_in_a_thread_leaks_nothing(
-    model_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, step: str, loop: str
+    model_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, module: str, step: str, loop: str
 ) -> None:
     # A plain Task.cancel() is not held off by anyio's thread shield: start() used to release what
     # it had opened while its worker thread went on opening the rest (files, a ring, an eventfd).
     import asyncio
     import gc
+    import importlib
     import threading
 
-    import aioexperts._store as store_module
-
+    store_module = importlib.import_module(f"aioexperts.{module}")
     running, go = threading.Event(), threading.Event()
     original = getattr(store_module, step)
 

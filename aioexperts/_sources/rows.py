@@ -3,7 +3,8 @@
 :class:`RowReader` is the expert store's machinery again at a smaller grain: windows of rows
 (:mod:`aioexperts._io.rowplan`) are loaded by their own read scheduler, backend and slab into an
 LRU cache of windows, so rows that share a window are read once and every read of one call goes
-out in one submission. It is built on the first :meth:`aioexperts.ExpertStore.rows` call.
+out in one submission. It is built on the first :meth:`aioexperts.ExpertStore.rows` call, with the same read-stack
+builder as the expert slab (:class:`~aioexperts._sources.stack.ReadStack`).
 """
 
 from __future__ import annotations
@@ -14,20 +15,18 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from ._cache.cache import Entry, ExpertCache
-from ._cache.eviction import LRU
-from ._cache.scheduler import ReadScheduler
-from ._cache.stats import Counters
-from ._errors import ConfigError, InvalidRequestError, SlabExhaustedError
-from ._format.dequant import dequantize
-from ._format.model import GGUFModel
-from ._format.views import release_view
-from ._io.backends.base import IOBackend
-from ._io.files import ShardFiles
-from ._io.loop import LoopAdapter
-from ._io.rowplan import RowTable, RowWindowPlan
-from ._io.select import create_backend
-from ._io.slab import Slab
+from .._cache.cache import Entry, ExpertCache
+from .._cache.eviction import LRU
+from .._cache.stats import Counters
+from .._errors import ConfigError, InvalidRequestError, SlabExhaustedError
+from .._format.dequant import dequantize
+from .._format.model import GGUFModel
+from .._format.views import release_view
+from .._io.files import ShardFiles
+from .._io.loop import LoopAdapter
+from .._io.rowplan import RowTable, RowWindowPlan
+from .._options import IOOptions
+from .stack import ReadStack
 
 __all__ = ("RowReader", "RowStatistics", "RowsView")
 
@@ -100,31 +99,25 @@ class RowStatistics:
 class RowReader:
     """The row cache of one store: windows of rows in a slab of their own, an LRU over them.
 
+    Built in a worker thread (mapping the row slab and setting up its backend block), then
+    :meth:`start` on the loop.
+
     Args:
         model: the parsed model.
         files: the store's open shard files.
         loop: the event loop adapter.
-        backend: the backend name or factory (as ``IOOptions.backend``).
-        backend_options: its options.
-        queue_depth: reads in flight at most.
-        max_bytes_in_flight: bytes in flight at most.
+        io: the store's read options (backend, queue depth, bytes in flight).
         cache_bytes: the row slab's size in bytes (at least 16 windows).
+
+    Raises:
+        ConfigError: the row slab cannot be mapped.
     """
 
-    def __init__(
-        self,
-        model: GGUFModel,
-        files: ShardFiles,
-        loop: LoopAdapter,
-        backend: object,
-        backend_options: dict[str, object],
-        queue_depth: int,
-        max_bytes_in_flight: int,
-        cache_bytes: int,
-    ) -> None:
+    def __init__(self, model: GGUFModel, files: ShardFiles, loop: LoopAdapter, io: IOOptions, cache_bytes: int) -> None:
         self.model = model
         self.files = files
         self.loop = loop
+        self.io = io
         self._tables: dict[str, RowTable] = {}
         self._by_index: list[RowTable] = []
         two_d = [t for t in model.tensors.values() if len(t.shape) == 2]
@@ -135,32 +128,22 @@ class RowReader:
         self.n_slots = max(16, cache_bytes // self.slot_bytes)
         self.counters = Counters()
         self.calls = self.rows = self.windows = self.useful_bytes = 0
+        self.stack = ReadStack()
         try:
-            self.slab = Slab(self.n_slots, self.slot_bytes)
+            self.slab = self.stack.build_slab(self.n_slots, self.slot_bytes)
         except ConfigError as exc:
             raise ConfigError(
                 f"the row cache of {cache_bytes} bytes cannot be mapped ({exc}); lower CacheOptions.row_cache_bytes"
             ) from exc
-        built, _ = create_backend(
-            backend,  # type: ignore[arg-type]
-            files,
-            self.slab,
-            loop,
-            queue_depth,
-            attach=False,
-            **backend_options,
+        self.stack.build_backend(io.backend, files, loop, io.queue_depth, io.backend_options())
+        self.cache: ExpertCache
+
+    def start(self) -> None:
+        """On the loop: attach the backend, make the scheduler and the LRU cache of windows."""
+        scheduler = self.stack.start(
+            self.loop, self.counters, self.files, self.io.max_bytes_in_flight, tuple(s.path for s in self.model.shards)
         )
-        self.backend: IOBackend = built
-        self.scheduler = ReadScheduler(
-            built,
-            loop,
-            self.counters,
-            files.sizes,
-            files.dio_alignment,
-            max_bytes_in_flight,
-            tuple(s.path for s in model.shards),
-        )
-        self.cache = ExpertCache(self.n_slots, self._plan, self.scheduler, LRU(), loop, self.counters)
+        self.cache = ExpertCache(self.n_slots, self._plan, scheduler, LRU(), self.loop, self.counters)
 
     def _plan(self, table: int, window: int) -> RowWindowPlan:
         return self._by_index[table].plan(window)
