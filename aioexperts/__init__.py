@@ -47,7 +47,7 @@ from ._options import IOOptions as IOOptions
 from ._options import PageCacheOptions as PageCacheOptions
 from ._pipeline import ComputeStep as ComputeStep
 from ._pipeline import LayerStep as LayerStep
-from ._pipeline import TokenResult as TokenResult
+from ._pipeline import MoELayersResult as MoELayersResult
 from ._predict.trace import RoutingTrace as RoutingTrace
 from ._runner import MoEResult as MoEResult
 from ._runner import MoERunner as MoERunner
@@ -59,7 +59,11 @@ from ._store import open as open  # noqa: A004
 
 __version__ = "0.2.0"
 
-_RENAMED = {"EngineClosedError": "StoreClosedError", "EngineStatistics": "StoreStatistics"}
+_RENAMED = {
+    "EngineClosedError": "StoreClosedError",
+    "EngineStatistics": "StoreStatistics",
+    "TokenResult": "MoELayersResult",  # 0.3: it is the MoE layers of a token, not a model forward pass
+}
 
 
 def __getattr__(name: str) -> object:
@@ -73,7 +77,7 @@ def __getattr__(name: str) -> object:
     if name == "Engine":
         raise AttributeError(
             "aioexperts.Engine was split in 0.2: aioexperts.open() gives an ExpertStore (experts(), statistics()), "
-            "aioexperts.MoERunner(store) runs moe()/moe_result()/run_token(); see CHANGELOG.md"
+            "aioexperts.MoERunner(store) runs moe()/moe_result()/run_moe_layers(); see CHANGELOG.md"
         )
     raise AttributeError(f"module 'aioexperts' has no attribute {name!r}")
 
@@ -103,6 +107,7 @@ __all__ = (
     "MissingShardError",
     "MoEHParams",
     "MoELayer",
+    "MoELayersResult",
     "MoEResult",
     "MoERunner",
     "PageCacheOptions",
@@ -117,7 +122,6 @@ __all__ = (
     "SlotTimeoutError",
     "StaleMapError",
     "TensorInfo",
-    "TokenResult",
     "UnsupportedTypeError",
     "WarmupReport",
     "build_layout",

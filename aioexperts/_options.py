@@ -18,7 +18,7 @@ import numpy as np
 from ._cache.eviction import POLICY_NAMES, EvictionPolicy
 from ._checks import check_bool, check_int
 from ._errors import ConfigError
-from ._io.pagecache import DEFAULT_MAX_GAP, WARM_METHODS
+from ._io.mapping import DEFAULT_MAX_GAP, WARM_METHODS
 from ._io.select import BACKEND_NAMES, BackendFactory
 
 __all__ = (

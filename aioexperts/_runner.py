@@ -2,7 +2,7 @@
 
 An :class:`MoERunner` holds what a model needs besides the streamed experts (the resident routers,
 biases and shared experts), the prefetch predictor and the routing trace. Every entry point
-(:meth:`~MoERunner.moe`, :meth:`~MoERunner.moe_result`, :meth:`~MoERunner.run_token`) goes through
+(:meth:`~MoERunner.moe`, :meth:`~MoERunner.moe_result`, :meth:`~MoERunner.run_moe_layers`) goes through
 one layer step: route and predict in a worker thread, pin the experts and start the prefetch of
 the upcoming layers, compute in a worker thread, unpin.
 """
@@ -14,8 +14,10 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import numpy as np
@@ -23,13 +25,13 @@ import numpy as np
 from ._cache.cache import Key
 from ._cache.stats import LatencyWindow, to_ms
 from ._checks import check_int
-from ._compute.executor import MoEOutput, ResidentLayer, moe_forward, route
 from ._compute.fused import WarmupReport
+from ._compute.moe import MoEOutput, ResidentLayer, moe_forward, route
 from ._compute.resident import load_residents, warmup_kernels
 from ._errors import ConfigError, InvalidRequestError, SlabExhaustedError
 from ._format.layout import MoELayer
 from ._format.views import ExpertView
-from ._pipeline import ComputeStep, LayerStep, TokenResult, run_in_worker, run_layer_step
+from ._pipeline import ComputeStep, LayerStep, MoELayersResult, run_in_worker, run_layer_step
 from ._predict.predictors import PREDICTORS, Predictor, make_predictor
 from ._predict.trace import RoutingTrace, TraceRecorder
 from ._store import ExpertStore
@@ -107,10 +109,10 @@ class RunnerStatistics:
 
     Attributes:
         layer_steps: MoE layer steps run (every entry point; a batch is one step per layer).
-        tokens: tokens run through :meth:`MoERunner.run_token` (a batch of ``n`` counts ``n``).
+        tokens: tokens run through :meth:`MoERunner.run_moe_layers` (a batch of ``n`` counts ``n``).
         io_wait_seconds: time spent waiting for experts after routing, summed over steps.
         compute_seconds: time the compute steps ran in worker threads, summed.
-        token_latency_p50_ms, token_latency_p99_ms: per :meth:`MoERunner.run_token` call (ms).
+        token_latency_p50_ms, token_latency_p99_ms: per :meth:`MoERunner.run_moe_layers` call (ms).
     """
 
     layer_steps: int
@@ -159,7 +161,7 @@ class MoERunner:
         store: a started :class:`~aioexperts.ExpertStore`; the runner never closes it.
         prefetch: what to load ahead (default :class:`~aioexperts.PrefetchOptions`).
         record_trace: record every routing decision (see :meth:`routing_trace`). The tokens of one
-            :meth:`run_token` call get rows of their own even when calls run concurrently; calls of
+            :meth:`run_moe_layers` call get rows of their own even when calls run concurrently; calls of
             :meth:`moe` append to each layer's rows in the order they route, so concurrent
             sequences calling :meth:`moe` interleave there.
         trace_max_tokens: the trace keeps the last this many tokens (memory up to
@@ -214,7 +216,7 @@ class MoERunner:
         (compiled, or loaded from the on-disk kernel cache: ``docs/executor.md``), the resident
         weights of every MoE layer, the predictor.
 
-        Runs the blocking work on the compute pool; :meth:`moe` and :meth:`run_token` call it on
+        Runs the blocking work on the compute pool; :meth:`moe` and :meth:`run_moe_layers` call it on
         first use, so call it yourself to pay the cost (seconds on a cold kernel cache, under one on
         a warm one) before the first token.
 
@@ -348,7 +350,7 @@ class MoERunner:
             if self._recorder is not None:
                 if token is None:  # moe(): appended at this layer's rows
                     self._recorder.record(layer, ids)
-                else:  # run_token(): the rows reserved for this call's tokens
+                else:  # run_moe_layers(): the rows reserved for this call's tokens
                     self._recorder.record_token(layer, ids, token)
             if predictor is not None:
                 predictor.observe(layer, x, ids)
@@ -455,7 +457,19 @@ class MoERunner:
         out, io_wait, compute_s = await self._executor_layer(layer, x, routed)
         return MoEResult(routed.ids, routed.weights, out.moe_out, out.shared_out, out.ffn_out, io_wait, compute_s)
 
-    async def run_token(
+    async def run_token(self, x: np.ndarray, **kwargs: Any) -> MoELayersResult:
+        """Deprecated name of :meth:`run_moe_layers` (0.2; removed in the release after 0.3).
+
+        It runs the MoE layers of a token, not a model forward pass; the new name says so.
+        """
+        warnings.warn(
+            "MoERunner.run_token() is now MoERunner.run_moe_layers(); the old name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return await self.run_moe_layers(x, **kwargs)
+
+    async def run_moe_layers(
         self,
         x: np.ndarray,
         *,
@@ -463,7 +477,7 @@ class MoERunner:
         compute: ComputeStep | None = None,
         predictor: Predictor | None = None,
         prefetch: bool = True,
-    ) -> TokenResult:
+    ) -> MoELayersResult:
         """Run every MoE layer for one token (or a batch), in order, with prefetch ahead.
 
         A driver for measuring the I/O and compute overlap with any compute step: layer ``N+1``
@@ -515,7 +529,7 @@ class MoERunner:
         seconds = time.perf_counter() - t0
         self._counters.tokens += len(x)
         self._counters.token_latency.add(seconds)
-        return TokenResult(x, tuple(steps), seconds)
+        return MoELayersResult(x, tuple(steps), seconds)
 
     # -- records --------------------------------------------------------------------------------
 

@@ -125,8 +125,8 @@ class GcTimer:
 async def _pass(
     path: str, info: ea.ModelInfo, steps: list[Any], depth: int, profiler: cProfile.Profile | None
 ) -> dict[str, float]:
-    options = ea.EngineOptions(slots=info.n_experts_total, backend="io_uring", queue_depth=depth)
-    async with ea.open_engine(path, options) as engine:
+    options = ea.BenchOptions(slots=info.n_experts_total, backend="io_uring", queue_depth=depth)
+    async with ea.open_bench_store(path, options) as engine:
         drop_page_cache(info.shard_paths)
         if profiler is not None:
             profiler.enable()
@@ -134,7 +134,7 @@ async def _pass(
             await ea.cold_pass(engine, steps, requests_in_flight(depth, info.n_expert_used))
         if profiler is not None:
             profiler.disable()
-        st = ea.engine_stats(engine)
+        st = ea.store_stats(engine)
         with Clock() as warm:  # the same requests again, all hits: the driver and the hit path
             await ea.cold_pass(engine, steps, requests_in_flight(depth, info.n_expert_used))
     return {

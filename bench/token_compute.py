@@ -9,12 +9,12 @@ small (``--slots``, default 40) so that an expert is evicted before a later toke
 the reuse rate (requests served by an expert that an earlier token read) is printed, about 0 %.
 Each round runs, interleaved, on fresh engines:
 
-* ``io``: ``run_token`` with a compute step that does nothing and an oracle prefetch (the next layers'
+* ``io``: ``run_moe_layers`` with a compute step that does nothing and an oracle prefetch (the next layers'
   true experts): how long reading one token's experts takes;
 * ``compute (T threads)``: each token run twice on an engine whose slab holds one token, the second
-  run all hits: the executor's compute per token (``TokenResult.compute_seconds``), with the compute
+  run all hits: the executor's compute per token (``MoELayersResult.compute_seconds``), with the compute
   pool at ``T`` threads;
-* ``pipelined (T threads)``: ``run_token`` with the executor and the oracle prefetch: the token time
+* ``pipelined (T threads)``: ``run_moe_layers`` with the executor and the oracle prefetch: the token time
   when I/O and compute overlap;
 * ``io loaded (T)``: ``io`` while ``T`` other processes keep ``T`` cores busy (numpy loops), the CPU
   load the compute brings: on this virtual disk the device itself slows down when the cores are
@@ -117,11 +117,11 @@ async def run(
             oracle.token = token
             x = xs[token : token + 1]
             if mode == "compute":
-                await engine.run_token(x, route_step=route, prefetch=False)  # reads the experts
-                result = await engine.run_token(x, route_step=route, prefetch=False)  # all hits
+                await engine.run_moe_layers(x, route_step=route, prefetch=False)  # reads the experts
+                result = await engine.run_moe_layers(x, route_step=route, prefetch=False)  # all hits
                 token_s += result.seconds
             else:
-                result = await engine.run_token(
+                result = await engine.run_moe_layers(
                     x, route_step=route, compute=noop if mode == "io" else None, predictor=oracle
                 )
             compute_s += result.compute_seconds

@@ -40,8 +40,8 @@ from .cachestate import DROP_METHOD, drop_page_cache, probe_host_cache
 from .fio import FioError, fio_path, fio_version, run_fio_replay
 from .loops import run as run_on_loop
 from .measure import GB, GIB, Clock, rotated, spread
+from .read_replay import Destination, replay_mmap, replay_pread, replay_uring, uring_slot_bytes
 from .readlist import ReadList
-from .replay import Destination, replay_mmap, replay_pread, replay_uring, uring_slot_bytes
 from .warmbench import warm_figures
 
 __all__ = ("DEFAULT_METHODS", "METHODS", "ReadBenchConfig", "make_steps", "requests_in_flight", "run_read_bench")
@@ -143,12 +143,12 @@ async def _engine_pass(
     warm: bool,
 ) -> tuple[dict[str, Any], ReadList, dict[str, Any] | None]:
     recorder = ea.ReadRecorder(info.shard_paths, backend)
-    options = ea.EngineOptions(slots=slots, backend=recorder, queue_depth=cfg.depth)
-    async with ea.open_engine(path, options) as engine:
+    options = ea.BenchOptions(slots=slots, backend=recorder, queue_depth=cfg.depth)
+    async with ea.open_bench_store(path, options) as engine:
         drop_page_cache(info.shard_paths)
         with Clock() as clock:
             await ea.cold_pass(engine, steps, requests_in_flight(cfg.depth, info.n_expert_used))
-        st = ea.engine_stats(engine)
+        st = ea.store_stats(engine)
         warm_out = await warm_figures(engine, info, steps, cfg.warm_calls, cfg.moe_tokens, cfg.seed) if warm else None
     reads = recorder.read_list()
     features = st.get("backend_features", {})

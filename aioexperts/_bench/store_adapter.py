@@ -1,11 +1,11 @@
 """Every call the benchmarks make into the engine, in one place.
 
 The bench drives the engine only through its public surface (``aioexperts.open`` -> an expert
-store: ``experts``, ``statistics()``; ``aioexperts.MoERunner`` over it: ``moe``, ``run_token``,
+store: ``experts``, ``statistics()``; ``aioexperts.MoERunner`` over it: ``moe``, ``run_moe_layers``,
 ``warmup``) plus one documented extension point, the backend factory
 ``(files, slab, loop, depth) -> IOBackend`` (:mod:`aioexperts.backends`), through which
 :class:`ReadRecorder` wraps the real io_uring backend to record the reads the engine issues. When
-the API changes, this module is the one to port. :class:`BenchEngine` pairs a store with its
+the API changes, this module is the one to port. :class:`BenchStore` pairs a store with its
 runner.
 
 Everything here runs on any event loop anyio supports (asyncio, uvloop, trio).
@@ -23,21 +23,20 @@ import anyio
 import numpy as np
 
 import aioexperts
+from aioexperts import ComputeStep, RouteStep
 
 from .readlist import ReadList
 
 __all__ = (
-    "BenchEngine",
-    "ComputeFn",
-    "EngineOptions",
+    "BenchStore",
+    "BenchOptions",
     "ModelInfo",
     "ReadRecorder",
-    "RouteFn",
     "TokenTimes",
     "cold_pass",
-    "engine_stats",
+    "store_stats",
     "model_info",
-    "open_engine",
+    "open_bench_store",
     "preload",
     "reset_stats",
     "run_tokens",
@@ -47,10 +46,7 @@ __all__ = (
 
 #: ``(layer, expert ids)``: the experts one token routes to in one MoE layer.
 Step = tuple[int, tuple[int, ...]]
-#: ``(layer, x) -> (ids, weights)``, both ``(n_tokens, k)``.
-RouteFn = Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray]]
-#: ``(layer, x, views, ids, weights) -> y``, run in a worker thread (``aioexperts`` ``ComputeStep``).
-ComputeFn = Callable[[int, np.ndarray, Mapping[int, Any], np.ndarray, np.ndarray], Any]
+# the bench's route and compute steps are the public ones: aioexperts.RouteStep, aioexperts.ComputeStep
 
 
 @dataclass(frozen=True)
@@ -199,7 +195,7 @@ class ReadRecorder:
 
 
 @dataclass(frozen=True)
-class EngineOptions:
+class BenchOptions:
     """How the bench opens an engine (see ``aioexperts.open``)."""
 
     slots: int
@@ -211,7 +207,7 @@ class EngineOptions:
     direct_io: bool | None = None
 
 
-class BenchEngine:
+class BenchStore:
     """An expert store and an MoE runner over it, started and closed together (``async with``).
 
     Attributes:
@@ -223,7 +219,7 @@ class BenchEngine:
         self.store = store
         self.runner = runner
 
-    async def __aenter__(self) -> BenchEngine:
+    async def __aenter__(self) -> BenchStore:
         await self.store.start()
         return self
 
@@ -249,11 +245,11 @@ class BenchEngine:
     async def moe(self, layer: int, x: np.ndarray) -> np.ndarray:
         return await self.runner.moe(layer, x)
 
-    async def run_token(self, x: np.ndarray, **kwargs: Any) -> aioexperts.TokenResult:
-        return await self.runner.run_token(x, **kwargs)
+    async def run_moe_layers(self, x: np.ndarray, **kwargs: Any) -> aioexperts.MoELayersResult:
+        return await self.runner.run_moe_layers(x, **kwargs)
 
 
-def open_engine(path: str, options: EngineOptions) -> BenchEngine:
+def open_bench_store(path: str, options: BenchOptions) -> BenchStore:
     """``aioexperts.open`` and a runner with the bench's options (start it with ``async with``)."""
     store = aioexperts.open(
         path,
@@ -261,10 +257,10 @@ def open_engine(path: str, options: EngineOptions) -> BenchEngine:
         io=aioexperts.IOOptions(backend=options.backend, queue_depth=options.queue_depth, direct_io=options.direct_io),
     )
     prefetch = aioexperts.PrefetchOptions(predictor=options.prefetch, budget=options.prefetch_budget)
-    return BenchEngine(store, aioexperts.MoERunner(store, prefetch=prefetch))
+    return BenchStore(store, aioexperts.MoERunner(store, prefetch=prefetch))
 
 
-def engine_stats(engine: BenchEngine) -> dict[str, Any]:
+def store_stats(engine: BenchStore) -> dict[str, Any]:
     """The engine's statistics as a plain dict (JSON-ready)."""
     st = engine.statistics()
     out = {name: getattr(st, name) for name in st.__dataclass_fields__}
@@ -272,12 +268,12 @@ def engine_stats(engine: BenchEngine) -> dict[str, Any]:
     return {k: v for k, v in out.items() if isinstance(v, int | float | str | bool | dict | type(None))}
 
 
-def reset_stats(engine: BenchEngine) -> None:
+def reset_stats(engine: BenchStore) -> None:
     """Zero the engine's counters (the slab keeps its experts)."""
     engine.reset_statistics()
 
 
-async def cold_pass(engine: BenchEngine, steps: Sequence[Step], window: int) -> None:
+async def cold_pass(engine: BenchStore, steps: Sequence[Step], window: int) -> None:
     """Request every step's experts, ``window`` steps at a time, each released at once."""
     gate = anyio.Semaphore(window)
 
@@ -290,13 +286,13 @@ async def cold_pass(engine: BenchEngine, steps: Sequence[Step], window: int) -> 
             tg.start_soon(one, step)
 
 
-async def preload(engine: BenchEngine, layers: Sequence[int], n_experts: Sequence[int], window: int) -> None:
+async def preload(engine: BenchStore, layers: Sequence[int], n_experts: Sequence[int], window: int) -> None:
     """Make every expert of ``layers`` resident (the slab must hold them all)."""
     steps = [(layer, (e,)) for layer, n in zip(layers, n_experts, strict=True) for e in range(n)]
     await cold_pass(engine, steps, window)
 
 
-async def warm_experts(engine: BenchEngine, steps: Sequence[Step]) -> float:
+async def warm_experts(engine: BenchStore, steps: Sequence[Step]) -> float:
     """Time ``async with engine.experts(layer, ids)`` over ``steps`` one after another (all hits).
 
     Returns:
@@ -309,7 +305,7 @@ async def warm_experts(engine: BenchEngine, steps: Sequence[Step]) -> float:
     return time.perf_counter() - t0
 
 
-async def warm_moe(engine: BenchEngine, layers: Sequence[int], xs: Sequence[np.ndarray]) -> tuple[float, int]:
+async def warm_moe(engine: BenchStore, layers: Sequence[int], xs: Sequence[np.ndarray]) -> tuple[float, int]:
     """Time ``await engine.moe(layer, x)`` for each ``x`` over ``layers`` (experts resident).
 
     Returns:
@@ -328,7 +324,7 @@ async def warm_moe(engine: BenchEngine, layers: Sequence[int], xs: Sequence[np.n
 
 @dataclass(frozen=True)
 class TokenTimes:
-    """Tokens run through every MoE layer with :meth:`Engine.run_token`.
+    """Tokens run through every MoE layer with :meth:`Engine.run_moe_layers`.
 
     Attributes:
         seconds: wall time of each token.
@@ -350,16 +346,16 @@ class TokenTimes:
 
 
 async def run_tokens(
-    engine: BenchEngine,
+    engine: BenchStore,
     inputs: Sequence[np.ndarray],
     *,
-    route: Callable[[int], RouteFn] | None = None,
-    compute: ComputeFn | None = None,
+    route: Callable[[int], RouteStep] | None = None,
+    compute: ComputeStep | None = None,
     predictor: Any = None,
     prefetch: bool = True,
     on_token: Callable[[int], None] | None = None,
 ) -> TokenTimes:
-    """Run one token per input through every MoE layer (``engine.run_token``).
+    """Run one token per input through every MoE layer (``engine.run_moe_layers``).
 
     Args:
         inputs: ``(1, n_embd)`` float32 input of each token.
@@ -387,7 +383,7 @@ async def run_tokens(
             on_token(token)
         current = []
         starts.append(time.perf_counter())
-        result = await engine.run_token(
+        result = await engine.run_moe_layers(
             x0,
             route_step=None if route is None else route(token),
             compute=step_fn,
@@ -399,4 +395,4 @@ async def run_tokens(
         compute_s.append(result.compute_seconds)
         steps.append([(s.io_wait_seconds, s.compute_seconds) for s in result.steps])
         spans.append(current)
-    return TokenTimes(seconds, io_wait, compute_s, steps, spans, starts, engine_stats(engine))
+    return TokenTimes(seconds, io_wait, compute_s, steps, spans, starts, store_stats(engine))

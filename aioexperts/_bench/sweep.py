@@ -18,9 +18,9 @@ from .cachestate import drop_page_cache
 from .fio import FioError, fio_path, run_fio_replay
 from .loops import run as run_on_loop
 from .measure import GB, GIB, Clock, rotated, spread
+from .read_replay import Destination, replay_pread
 from .readbench import ReadBenchConfig, make_steps, requests_in_flight
 from .readlist import ReadList
-from .replay import Destination, replay_pread
 
 __all__ = ("DEPTHS", "SIZES", "run_sweeps")
 
@@ -31,12 +31,12 @@ Say = Callable[[str], None]
 
 async def _engine(path: str, info: ea.ModelInfo, steps: list[Any], depth: int) -> tuple[dict[str, float], ReadList]:
     recorder = ea.ReadRecorder(info.shard_paths, "io_uring")
-    options = ea.EngineOptions(slots=len(steps) * info.n_expert_used, backend=recorder, queue_depth=depth)
-    async with ea.open_engine(path, options) as engine:
+    options = ea.BenchOptions(slots=len(steps) * info.n_expert_used, backend=recorder, queue_depth=depth)
+    async with ea.open_bench_store(path, options) as engine:
         drop_page_cache(info.shard_paths)
         with Clock() as clock:
             await ea.cold_pass(engine, steps, requests_in_flight(depth, info.n_expert_used))
-        n = int(ea.engine_stats(engine)["bytes_read"])
+        n = int(ea.store_stats(engine)["bytes_read"])
     return _point(clock.seconds, clock.cpu, n), recorder.read_list()
 
 

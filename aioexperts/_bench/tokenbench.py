@@ -1,7 +1,7 @@
 """Per-token figures: the I/O-compute overlap, and tokens per second of the executor.
 
 Overlap, per round (``rounds``, 5 by default), on a seeded uniform random top-k routing trace,
-one token at a time through every MoE layer (``runner.run_token``), each run on a fresh store and runner:
+one token at a time through every MoE layer (``runner.run_moe_layers``), each run on a fresh store and runner:
 
 1. ``io only``: no compute, a slab of ``slab_fraction`` of the experts, the oracle prefetch (it
    knows the next layers' routing): the I/O time of a token, ``io``;
@@ -94,7 +94,7 @@ def uniform_trace(info: ea.ModelInfo, n_tokens: int, seed: int) -> np.ndarray:
     return out
 
 
-def synthetic_compute(seconds_per_layer: float) -> ea.ComputeFn:
+def synthetic_compute(seconds_per_layer: float) -> aioexperts.ComputeStep:
     """A compute step of numpy matrix products (they release the GIL) lasting ``seconds_per_layer``.
 
     Small products (96 x 96, a few tens of microseconds each) so the step ends close to its time.
@@ -170,20 +170,20 @@ async def _overlap_run(
     trace: np.ndarray,
     cfg: TokenBenchConfig,
     *,
-    compute: ea.ComputeFn,
+    compute: aioexperts.ComputeStep,
     prefetch: bool,
     resident: bool,
     recorder: ea.ReadRecorder | None = None,
 ) -> ea.TokenTimes:
     unique = len({(layer, int(e)) for t in trace for layer, ids in zip(info.layers, t, strict=True) for e in ids})
     slots = unique if resident else _slots(info, cfg.slab_fraction)
-    options = ea.EngineOptions(
+    options = ea.BenchOptions(
         slots=slots, backend=recorder or "io_uring", queue_depth=cfg.depth, prefetch_budget=info.n_expert_used
     )
     oracle = OraclePredictor(trace, info.layers)
     x0 = [np.zeros((1, info.n_embd), dtype=np.float32)] * len(trace)
 
-    def route(token: int) -> ea.RouteFn:
+    def route(token: int) -> aioexperts.RouteStep:
         def step(layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             ids = trace[token, oracle.column[layer]][None, :].astype(np.int32)
             return ids, np.full(ids.shape, 1.0 / ids.shape[1], dtype=np.float32)
@@ -193,7 +193,7 @@ async def _overlap_run(
     def advance(token: int) -> None:
         oracle.token = token
 
-    async with ea.open_engine(path, options) as engine:
+    async with ea.open_bench_store(path, options) as engine:
         if resident:  # load every expert of the trace first, untimed
             await ea.run_tokens(engine, x0, route=route, compute=_noop, prefetch=False)
         ea.reset_stats(engine)
@@ -212,11 +212,11 @@ async def _overlap_run(
 
 async def _executor_run(path: str, info: ea.ModelInfo, fraction: float, cfg: TokenBenchConfig, seed: int) -> Any:
     slots = _slots(info, fraction)
-    options = ea.EngineOptions(slots=slots, backend="io_uring", queue_depth=cfg.depth, prefetch="router")
+    options = ea.BenchOptions(slots=slots, backend="io_uring", queue_depth=cfg.depth, prefetch="router")
     rng = np.random.default_rng(seed)
     xs = [rng.standard_normal((1, info.n_embd), dtype=np.float32) for _ in range(cfg.executor_tokens)]
     xs = [(x / np.sqrt(np.mean(x * x))).astype(np.float32) for x in xs]
-    async with ea.open_engine(path, options) as engine:
+    async with ea.open_bench_store(path, options) as engine:
         if slots >= info.n_experts_total:
             await ea.preload(engine, info.layers, info.n_experts, window=8)
         await ea.run_tokens(engine, xs[:1])  # resident weights, router and predictor set up, untimed
@@ -315,7 +315,7 @@ async def _run_overlap(
     info: ea.ModelInfo,
     trace: np.ndarray,
     cfg: TokenBenchConfig,
-    compute: ea.ComputeFn,
+    compute: aioexperts.ComputeStep,
     prefetch: bool,
     resident: bool,
 ) -> ea.TokenTimes:

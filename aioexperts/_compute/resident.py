@@ -9,8 +9,8 @@ from .._format.dequant import dequantize
 from .._format.hparams import MoEHParams
 from .._format.layout import ExpertLayout
 from .._format.model import GGUFModel
-from .executor import ResidentLayer
 from .fused import WarmupReport, warmup
+from .moe import ResidentLayer
 
 __all__ = ("kernel_types", "load_residents", "warmup_kernels")
 

@@ -1,6 +1,6 @@
 """The page-cache source (``mode="pagecache"``): the kernel's page cache is the expert cache.
 
-Set-up: open the shards buffered, map each read-only (:class:`~aioexperts._io.pagecache.MappedShards`),
+Set-up: open the shards buffered, map each read-only (:class:`~aioexperts._io.mapping.MappedShards`),
 and, for the ``uring`` warming method, a buffered io_uring over a small scratch slab. Views point
 into the mappings; pinning and warming are :class:`~aioexperts._cache.pagecache.PageCacheSource`'s.
 """
@@ -24,7 +24,7 @@ from .._format.views import ExpertView, ProjectionView, release_view
 from .._io.backends.base import IOBackend
 from .._io.files import ShardFiles, open_shards
 from .._io.loop import LoopAdapter
-from .._io.pagecache import MappedShards
+from .._io.mapping import MappedShards
 from .._io.rowplan import RowTable
 from .._io.select import create_backend
 from .._io.slab import Slab

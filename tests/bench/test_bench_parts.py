@@ -13,9 +13,9 @@ import pytest
 from aioexperts._bench import store_adapter as ea
 from aioexperts._bench.cachestate import drop_page_cache, probe_host_cache
 from aioexperts._bench.measure import rotated, spread
+from aioexperts._bench.read_replay import Destination, replay_mmap, replay_pread
 from aioexperts._bench.readbench import make_steps
 from aioexperts._bench.readlist import ReadList
-from aioexperts._bench.replay import Destination, replay_mmap, replay_pread
 from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
@@ -71,10 +71,10 @@ def test_recorder_sees_exactly_the_engine_reads_and_replays_read_the_same_bytes(
     recorder = ea.ReadRecorder(info.shard_paths, "io_uring", timestamps=True)
 
     async def run() -> dict[str, object]:
-        options = ea.EngineOptions(slots=info.n_experts_total, backend=recorder, queue_depth=8)
-        async with ea.open_engine(str(model), options) as engine:
+        options = ea.BenchOptions(slots=info.n_experts_total, backend=recorder, queue_depth=8)
+        async with ea.open_bench_store(str(model), options) as engine:
             await ea.cold_pass(engine, steps, window=2)
-            return ea.engine_stats(engine)
+            return ea.store_stats(engine)
 
     stats = anyio.run(run)
     reads = recorder.read_list()

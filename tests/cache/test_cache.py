@@ -325,7 +325,7 @@ async def test_trace_is_recorded_and_replayed(model_path: Path, anyio_backend: o
         rng = np.random.default_rng(0)
         for _ in range(5):
             x = rng.standard_normal((1, SMALL.n_embd)).astype(np.float32)
-            await runner.run_token(x)
+            await runner.run_moe_layers(x)
         trace = runner.routing_trace()
         st = store.statistics()
         run = runner.statistics()

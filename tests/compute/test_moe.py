@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aioexperts._compute import fused
-from aioexperts._compute.executor import MoEOutput, ResidentLayer, moe_forward, route, router_logits
+from aioexperts._compute.moe import MoEOutput, ResidentLayer, moe_forward, route, router_logits
 from aioexperts._errors import ConfigError, InvalidRequestError
 from aioexperts._format import dequant as quant
 from aioexperts._format.hparams import Activation, GatingFunc, MoEHParams

@@ -455,7 +455,7 @@ async def test_a_custom_route_step_is_checked(
     async with aioexperts.open(model_path, slots=4) as store:
         runner = aioexperts.MoERunner(store)
         with pytest.raises(aioexperts.InvalidRequestError, match=needle):
-            await runner.run_token(
+            await runner.run_moe_layers(
                 np.zeros((1, SMALL.n_embd), dtype=np.float32), route_step=lambda layer, x: (ids, weights)
             )
         assert store.statistics().pinned_slots == 0
@@ -467,7 +467,7 @@ async def test_a_closed_store_says_so(model_path: Path, anyio_backend: object) -
         await runner.moe(1, np.zeros((1, SMALL.n_embd), dtype=np.float32))
     for call in (
         lambda: runner.moe(1, np.zeros((1, SMALL.n_embd), dtype=np.float32)),
-        lambda: runner.run_token(np.zeros((1, SMALL.n_embd), dtype=np.float32)),
+        lambda: runner.run_moe_layers(np.zeros((1, SMALL.n_embd), dtype=np.float32)),
     ):
         with pytest.raises(aioexperts.StoreClosedError, match="closed"):
             await call()
@@ -631,6 +631,8 @@ def test_renamed_names_still_work_for_one_release_with_a_warning() -> None:
         assert aioexperts.EngineClosedError is aioexperts.StoreClosedError  # type: ignore[attr-defined]
     with pytest.warns(DeprecationWarning, match="StoreStatistics"):
         assert aioexperts.EngineStatistics is aioexperts.StoreStatistics  # type: ignore[attr-defined]
+    with pytest.warns(DeprecationWarning, match="MoELayersResult"):
+        assert aioexperts.TokenResult is aioexperts.MoELayersResult  # type: ignore[attr-defined]
     with pytest.raises(AttributeError, match="split in 0.2"):
         aioexperts.Engine  # type: ignore[attr-defined]  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
@@ -752,11 +754,11 @@ async def test_runner_arguments_and_custom_steps_are_checked(
     async with aioexperts.open(model_path, slots=4) as store:
         runner = aioexperts.MoERunner(store)
         with pytest.raises(aioexperts.InvalidRequestError, match=needle):
-            await runner.run_token(_x(), **kwargs)  # type: ignore[arg-type]
+            await runner.run_moe_layers(_x(), **kwargs)  # type: ignore[arg-type]
         with pytest.raises(aioexperts.InvalidRequestError, match="prefetch must be True or False"):
             await runner.moe_result(1, _x(), prefetch="no")  # type: ignore[arg-type]
         assert store.statistics().pinned_slots == 0
-        assert (await runner.run_token(_x())).output.shape == (2, SMALL.n_embd)  # still usable
+        assert (await runner.run_moe_layers(_x())).output.shape == (2, SMALL.n_embd)  # still usable
 
 
 #: (mode, module, name): a blocking step of start() and the module it is looked up in

@@ -59,7 +59,7 @@ async def test_oracle_prefetch_turns_misses_into_prefetch_hits(model_path: Path,
             x = np.full((1, 256), 0.01, dtype=np.float32)  # random weights: keep the residual small
             for t in range(trace.n_tokens):
                 token[0] = predictor.token = t
-                out = await runner.run_token(
+                out = await runner.run_moe_layers(
                     x, route_step=route_from(trace, token), predictor=predictor, prefetch=prefetch
                 )
                 assert out.output.shape == (1, 256) and np.isfinite(out.output).all()
@@ -77,8 +77,19 @@ async def test_oracle_prefetch_turns_misses_into_prefetch_hits(model_path: Path,
 async def test_prefetch_none_issues_nothing(model_path: Path, anyio_backend: object) -> None:
     async with aioexperts.open(model_path, slots=12) as store:
         runner = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="none"))
-        await runner.run_token(np.full((1, 256), 0.01, dtype=np.float32))
+        await runner.run_moe_layers(np.full((1, 256), 0.01, dtype=np.float32))
         assert store.statistics().prefetch_issued == 0
+
+
+async def test_run_token_is_the_deprecated_name_of_run_moe_layers(model_path: Path, anyio_backend: object) -> None:
+    x = np.full((1, 256), 0.01, dtype=np.float32)
+    async with aioexperts.open(model_path, slots=12) as store:
+        runner = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="none"))
+        new = await runner.run_moe_layers(x)
+        with pytest.warns(DeprecationWarning, match="run_moe_layers"):
+            old = await runner.run_token(x, prefetch=False)
+        assert isinstance(old, aioexperts.MoELayersResult)
+        np.testing.assert_array_equal(old.output, new.output)
 
 
 async def test_router_prefetch_with_the_real_executor(model_path: Path, anyio_backend: object) -> None:
@@ -86,7 +97,7 @@ async def test_router_prefetch_with_the_real_executor(model_path: Path, anyio_ba
         runner = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="router"))
         rng = np.random.default_rng(0)
         for _ in range(3):
-            await runner.run_token(0.01 * rng.standard_normal((1, 256)).astype(np.float32))
+            await runner.run_moe_layers(0.01 * rng.standard_normal((1, 256)).astype(np.float32))
         st = store.statistics()
         assert st.prefetch_issued > 0 and st.requests == st.hits + st.inflight_joins + st.misses
 
@@ -122,7 +133,7 @@ async def test_cancel_during_compute_keeps_slots_pinned_until_the_thread_ends(
         async def token() -> None:
             with scope:
                 try:
-                    await runner.run_token(np.ones((1, 256), dtype=np.float32), compute=slow_compute)
+                    await runner.run_moe_layers(np.ones((1, 256), dtype=np.float32), compute=slow_compute)
                 except anyio.get_cancelled_exc_class():
                     cancelled.append(True)
                     raise
@@ -151,7 +162,7 @@ async def test_a_long_running_trace_stays_bounded(model_path: Path, anyio_backen
         token = [0]
         for t in range(trace.n_tokens):
             token[0] = t
-            await runner.run_token(np.full((1, 256), 0.01, dtype=np.float32), route_step=route_from(trace, token))
+            await runner.run_moe_layers(np.full((1, 256), 0.01, dtype=np.float32), route_step=route_from(trace, token))
         recorded = runner.routing_trace()
     assert 1 <= recorded.n_tokens <= 4
     first = int(recorded.metadata["dropped_tokens"])
@@ -161,12 +172,12 @@ async def test_a_long_running_trace_stays_bounded(model_path: Path, anyio_backen
 
 async def test_concurrent_tokens_get_their_own_trace_rows(model_path: Path, anyio_backend: object) -> None:
     trace = uniform_random_trace(6, [1, 2, 3, 4], 8, 2, seed=7)
-    results: dict[int, aioexperts.TokenResult] = {}
+    results: dict[int, aioexperts.MoELayersResult] = {}
     async with aioexperts.open(model_path, slots=16) as store:
         runner = aioexperts.MoERunner(store, record_trace=True)
 
         async def token(t: int) -> None:
-            results[t] = await runner.run_token(
+            results[t] = await runner.run_moe_layers(
                 np.full((1, 256), 0.01, dtype=np.float32), route_step=route_from(trace, [t])
             )
 

@@ -11,7 +11,7 @@ import pytest
 from ioutil import drop_cache, resident_pages
 
 from aioexperts._errors import ConfigError
-from aioexperts._io.pagecache import MappedShards, WarmRange, merge_ranges, warm_advice, warm_read
+from aioexperts._io.mapping import MappedShards, WarmRange, merge_ranges, warm_advice, warm_read
 
 PAGE = mmap.PAGESIZE
 GAP = 64 << 10
