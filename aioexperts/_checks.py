@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._errors import ConfigError
+from ._errors import ConfigError, InvalidRequestError
 
-__all__ = ("check_bool", "check_int", "describe")
+__all__ = ("check_activations", "check_bool", "check_int", "describe")
 
 
 def describe(a: object) -> str:
@@ -40,3 +40,14 @@ def check_bool(name: str, value: object, *, optional: bool = False) -> None:
         return
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be True or False{' or None' if optional else ''}, got {value!r}")
+
+
+def check_activations(x: object, n_embd: int) -> np.ndarray:
+    """``x`` as a C-contiguous float32 ``(n_tokens, n_embd)`` array (the input of an MoE layer).
+
+    Raises:
+        InvalidRequestError: ``x`` is not a float32 array of that shape.
+    """
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n_embd:
+        raise InvalidRequestError(f"x must be a float32 array of shape (n_tokens, {n_embd}), got {describe(x)}")
+    return np.ascontiguousarray(x)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ._cache.cache import Key
 from ._cache.stats import LatencyWindow, to_ms
-from ._checks import check_int
+from ._checks import check_activations, check_int, describe
 from ._compute.fused import WarmupReport
 from ._compute.moe import MoEOutput, ResidentLayer, moe_forward, route
 from ._compute.resident import load_residents, warmup_kernels
@@ -332,7 +332,7 @@ class MoERunner:
         else:
             got = route_step(layer, x)
             if not isinstance(got, tuple) or len(got) != 2:
-                raise InvalidRequestError(f"layer {layer}: route_step must return (ids, weights), got {_describe(got)}")
+                raise InvalidRequestError(f"layer {layer}: route_step must return (ids, weights), got {describe(got)}")
             ids, weights = _check_routing(layer, *got, len(x), self._store.layout.layer(layer))
         unique = list(dict.fromkeys(ids[ids >= 0].tolist()))
         limit = self._store.n_slots
@@ -597,7 +597,7 @@ def _check_output(layer: int, y: object, x: np.ndarray) -> None:
     """A custom compute step's output: float32 of ``x``'s shape, finite."""
     if not isinstance(y, np.ndarray) or y.dtype != np.float32 or y.shape != x.shape:
         raise InvalidRequestError(
-            f"layer {layer}: the compute step must return a float32 array of shape {x.shape}, got {_describe(y)}"
+            f"layer {layer}: the compute step must return a float32 array of shape {x.shape}, got {describe(y)}"
         )
     bad = np.logical_not(np.isfinite(y).all(axis=1))
     if bad.any():
@@ -616,14 +616,9 @@ def _check_finite(layer: int, y: np.ndarray, x: np.ndarray) -> None:
         )
 
 
-def _describe(a: object) -> str:
-    return f"{a.dtype} array of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
-
-
 def _check_x(x: object, n_embd: int) -> None:
     """``x`` is a float32 ``(n_tokens, n_embd)`` array of finite values, or InvalidRequestError."""
-    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n_embd:
-        raise InvalidRequestError(f"x must be a float32 array of shape (n_tokens, {n_embd}), got {_describe(x)}")
+    x = check_activations(x, n_embd)
     bad = np.logical_not(np.isfinite(x).all(axis=1))
     if bad.any():
         raise InvalidRequestError(f"x has NaN or inf values in token rows {_rows(bad)}")
@@ -635,7 +630,7 @@ def _check_routing(
     """What a custom route step returned: int ids in ``-1..n_experts-1`` and float32 weights, ``(n_tokens, k)``."""
     if not isinstance(ids, np.ndarray) or ids.ndim != 2 or ids.shape[0] != n_tokens or ids.dtype.kind not in "iu":
         raise InvalidRequestError(
-            f"layer {layer}: route_step ids must be ints of shape ({n_tokens}, k), got {_describe(ids)}"
+            f"layer {layer}: route_step ids must be ints of shape ({n_tokens}, k), got {describe(ids)}"
         )
     if not isinstance(weights, np.ndarray) or weights.dtype != np.float32 or weights.shape != ids.shape:
         got = (

@@ -97,10 +97,6 @@ class ReadList:
             rows.extend((shard, off + start, min(n_bytes, n - start)) for start in range(0, n, n_bytes))
         return ReadList(self.paths, np.asarray(rows, dtype=np.int64).reshape(-1, 3))
 
-    def to_json(self) -> dict[str, object]:
-        """Compact JSON: paths and the rows."""
-        return {"paths": list(self.paths), "reads": self.reads.tolist()}
-
     @classmethod
     def from_rows(cls, paths: Sequence[str], rows: Sequence[Sequence[int]]) -> ReadList:
         """From ``(shard, offset, length)`` rows."""

@@ -25,6 +25,7 @@ from typing import overload
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from aioexperts._checks import check_activations, describe
 from aioexperts._compute import fused as _fused
 from aioexperts._compute.gating import select_experts
 from aioexperts._compute.pool import compute_pool
@@ -241,7 +242,7 @@ def router_logits(x: np.ndarray, resident: ResidentLayer) -> np.ndarray:
     Raises:
         InvalidRequestError: ``x`` is not a float32 ``(n_tokens, n_embd)`` array.
     """
-    x = _check_x(x, resident.n_embd)
+    x = check_activations(x, resident.n_embd)
     logits = _dense(resident.router, x)
     if resident.router_bias is not None:
         logits += resident.router_bias
@@ -351,7 +352,7 @@ def moe_forward(
     n_embd = hparams.n_embd
     if resident.n_embd != n_embd:
         raise ConfigError(f"resident layer has n_embd={resident.n_embd}, hparams n_embd={n_embd}")
-    x = _check_x(x, n_embd)
+    x = check_activations(x, n_embd)
     n_tokens = x.shape[0]
     ids, weights = _check_routing(ids, weights, n_tokens, resident.n_layer_experts)
     k = ids.shape[1]
@@ -578,12 +579,6 @@ def _check_view(view: ExpertView, expert: int, n_embd: int, n_ff_exp: int) -> tu
     return width, down.shape[1]
 
 
-def _check_x(x: np.ndarray, n_embd: int) -> np.ndarray:
-    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n_embd:
-        raise InvalidRequestError(f"x must be a float32 array of shape (n_tokens, {n_embd}), got {_describe(x)}")
-    return np.ascontiguousarray(x)
-
-
 def _check_routing(
     ids: np.ndarray, weights: np.ndarray, n_tokens: int, n_layer_experts: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -593,10 +588,10 @@ def _check_routing(
         or ids.shape[0] != n_tokens
         or not np.issubdtype(ids.dtype, np.integer)
     ):
-        raise InvalidRequestError(f"ids must be an integer array of shape ({n_tokens}, k), got {_describe(ids)}")
+        raise InvalidRequestError(f"ids must be an integer array of shape ({n_tokens}, k), got {describe(ids)}")
     if not isinstance(weights, np.ndarray) or weights.dtype != np.float32 or weights.shape != ids.shape:
         raise InvalidRequestError(
-            f"weights must be a float32 array of shape {ids.shape} like ids, got {_describe(weights)}"
+            f"weights must be a float32 array of shape {ids.shape} like ids, got {describe(weights)}"
         )
     if ids.shape[1] == 0:
         raise InvalidRequestError("ids has no slots (k == 0)")
@@ -615,7 +610,7 @@ def _f32_matrix(name: str, value: np.ndarray | None, shape: tuple[int, int] | No
     if value is None:
         return None
     if not isinstance(value, np.ndarray) or value.dtype != np.float32 or value.ndim != 2:
-        raise ConfigError(f"{name} must be a 2-D float32 array, got {_describe(value)}")
+        raise ConfigError(f"{name} must be a 2-D float32 array, got {describe(value)}")
     if shape is not None and value.shape != shape:
         raise ConfigError(f"{name} has shape {value.shape}, expected {shape}")
     return np.ascontiguousarray(value)
@@ -625,18 +620,12 @@ def _f32_vector(name: str, value: np.ndarray | None, n: int) -> np.ndarray | Non
     if value is None:
         return None
     if not isinstance(value, np.ndarray) or value.dtype != np.float32 or value.shape != (n,):
-        raise ConfigError(f"{name} must be a float32 array of shape ({n},), got {_describe(value)}")
+        raise ConfigError(f"{name} must be a float32 array of shape ({n},), got {describe(value)}")
     return np.ascontiguousarray(value)
 
 
 def _shape(a: np.ndarray | None) -> tuple[int, ...] | None:
     return None if a is None else tuple(a.shape)
-
-
-def _describe(a: object) -> str:
-    if isinstance(a, np.ndarray):
-        return f"{a.dtype} array of shape {a.shape}"
-    return type(a).__name__
 
 
 class _Workspace:
