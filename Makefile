@@ -18,11 +18,11 @@ RESULTS ?= bench-results.json
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	touch $@
 
 $(BIN)/.plot-installed: $(BIN)/.installed
-	$(BIN)/python -m pip install --quiet -e '.[test,plot]'
+	$(BIN)/python -m pip install --quiet -e '.[test,bench,plot]'
 	touch $@
 
 setup: $(BIN)/.installed

@@ -3,8 +3,10 @@
 Two objects: :func:`open` gives an :class:`ExpertStore` (files, slab, reads, cache;
 ``store.experts(layer, ids)``), and an :class:`MoERunner` runs MoE layers on top of it
 (``await runner.moe(layer, x)``). The public API is re-exported here; extension points live in
-:mod:`aioexperts.backends`, :mod:`aioexperts.policies` and :mod:`aioexperts.predictors`, test
-helpers in :mod:`aioexperts.testing`; the implementation lives in private modules.
+:mod:`aioexperts.backends`, :mod:`aioexperts.policies` and :mod:`aioexperts.predictors`, cache
+simulations over routing traces in :mod:`aioexperts.traces`, test helpers (synthetic GGUF models,
+a scriptable backend) in :mod:`aioexperts.testing`; the user commands in :mod:`aioexperts.cli`;
+the implementation lives in private modules.
 """
 
 from ._cache.pagecache import PageCacheStatistics as PageCacheStatistics
@@ -25,6 +27,7 @@ from ._errors import StaleMapError as StaleMapError
 from ._errors import StoreClosedError as StoreClosedError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._format.expert_map import ExpertMap as ExpertMap
+from ._format.expert_map import check_map_matches_layout as check_map_matches_layout
 from ._format.expert_map import read_expert_map as read_expert_map
 from ._format.expert_map import write_expert_map as write_expert_map
 from ._format.hparams import MoEHParams as MoEHParams
@@ -42,13 +45,13 @@ from ._format.views import ProjectionView as ProjectionView
 from ._options import CacheOptions as CacheOptions
 from ._options import IOOptions as IOOptions
 from ._options import PageCacheOptions as PageCacheOptions
-from ._options import PrefetchOptions as PrefetchOptions
 from ._pipeline import ComputeStep as ComputeStep
 from ._pipeline import LayerStep as LayerStep
-from ._pipeline import TokenResult as TokenResult
+from ._pipeline import MoELayersResult as MoELayersResult
 from ._predict.trace import RoutingTrace as RoutingTrace
 from ._runner import MoEResult as MoEResult
 from ._runner import MoERunner as MoERunner
+from ._runner import PrefetchOptions as PrefetchOptions
 from ._runner import RouteStep as RouteStep
 from ._runner import RunnerStatistics as RunnerStatistics
 from ._store import ExpertStore as ExpertStore
@@ -56,7 +59,11 @@ from ._store import open as open  # noqa: A004
 
 __version__ = "0.2.0"
 
-_RENAMED = {"EngineClosedError": "StoreClosedError", "EngineStatistics": "StoreStatistics"}
+_RENAMED = {
+    "EngineClosedError": "StoreClosedError",
+    "EngineStatistics": "StoreStatistics",
+    "TokenResult": "MoELayersResult",  # 0.3: it is the MoE layers of a token, not a model forward pass
+}
 
 
 def __getattr__(name: str) -> object:
@@ -70,7 +77,7 @@ def __getattr__(name: str) -> object:
     if name == "Engine":
         raise AttributeError(
             "aioexperts.Engine was split in 0.2: aioexperts.open() gives an ExpertStore (experts(), statistics()), "
-            "aioexperts.MoERunner(store) runs moe()/moe_result()/run_token(); see CHANGELOG.md"
+            "aioexperts.MoERunner(store) runs moe()/moe_result()/run_moe_layers(); see CHANGELOG.md"
         )
     raise AttributeError(f"module 'aioexperts' has no attribute {name!r}")
 
@@ -100,6 +107,7 @@ __all__ = (
     "MissingShardError",
     "MoEHParams",
     "MoELayer",
+    "MoELayersResult",
     "MoEResult",
     "MoERunner",
     "PageCacheOptions",
@@ -114,10 +122,10 @@ __all__ = (
     "SlotTimeoutError",
     "StaleMapError",
     "TensorInfo",
-    "TokenResult",
     "UnsupportedTypeError",
     "WarmupReport",
     "build_layout",
+    "check_map_matches_layout",
     "open",
     "open_model",
     "read_expert_map",

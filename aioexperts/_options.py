@@ -1,8 +1,9 @@
-"""The options of an expert store and of an MoE runner: small frozen records, checked when built.
+"""The options of an expert store: small frozen records, checked when built.
 
 Each record groups the settings of one concern: :class:`CacheOptions` (the slab and who stays in
-it), :class:`IOOptions` (how bytes come off the disk), :class:`PrefetchOptions` (what the runner
-loads ahead). A bad value raises :class:`~aioexperts.ConfigError` from the constructor, before any
+it), :class:`IOOptions` (how bytes come off the disk), :class:`PageCacheOptions` (the page-cache
+mode). The runner's :class:`~aioexperts.PrefetchOptions` live with the runner (``_runner.py``).
+A bad value raises :class:`~aioexperts.ConfigError` from the constructor, before any
 file is opened; ``dataclasses.replace(options, field=value)`` builds a checked variant.
 """
 
@@ -15,10 +16,10 @@ from typing import Any
 import numpy as np
 
 from ._cache.eviction import POLICY_NAMES, EvictionPolicy
+from ._checks import check_bool, check_int
 from ._errors import ConfigError
-from ._io.pagecache import DEFAULT_MAX_GAP, WARM_METHODS
+from ._io.mapping import DEFAULT_MAX_GAP, WARM_METHODS
 from ._io.select import BACKEND_NAMES, BackendFactory
-from ._predict.predictors import PREDICTORS, Predictor
 
 __all__ = (
     "DEFAULT_CACHE_BYTES",
@@ -29,7 +30,6 @@ __all__ = (
     "CacheOptions",
     "IOOptions",
     "PageCacheOptions",
-    "PrefetchOptions",
 )
 
 DEFAULT_CACHE_BYTES = 1 << 30
@@ -46,27 +46,6 @@ DEFAULT_SPLIT_BYTES: int | None = None
 on this project's virtio disk a cold 13.8 MiB expert read in 128 KiB..4 MiB chunks was no faster than
 in one read (``bench/split_reads.py``, ``docs/results/split-reads.json``); NVMe devices
 with more internal parallelism may differ: measure with the bench and set ``split_bytes``."""
-
-
-def _check_int(owner: object, name: str, *, low: int, optional: bool = False, high: int | None = None) -> None:
-    """Check the int field ``name`` of the frozen record ``owner``; numpy integers become ``int``."""
-    value = getattr(owner, name)
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ConfigError(f"{name} must be an int{' or None' if optional else ''}, got {value!r}")
-    value = int(value)
-    if value < low or (high is not None and value > high):
-        bounds = f"in {low}..{high}" if high is not None else f">= {low}"
-        raise ConfigError(f"{name} must be {bounds}, got {value}")
-    object.__setattr__(owner, name, value)
-
-
-def _check_bool(name: str, value: object, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be True or False{' or None' if optional else ''}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,9 +89,9 @@ class CacheOptions:
     row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES
 
     def __post_init__(self) -> None:
-        _check_int(self, "slots", low=1, optional=True)
-        _check_int(self, "row_cache_bytes", low=1)
-        _check_int(self, "bytes", low=1, optional=True)
+        check_int(self, "slots", low=1, optional=True)
+        check_int(self, "row_cache_bytes", low=1)
+        check_int(self, "bytes", low=1, optional=True)
         if self.slots is not None and self.bytes is not None:
             raise ConfigError(
                 f"size the cache by slots or by bytes, not both (got slots={self.slots}, bytes={self.bytes})"
@@ -124,15 +103,15 @@ class CacheOptions:
                 )
         elif not isinstance(self.policy, EvictionPolicy):
             raise ConfigError(f"policy must be a policy name or an EvictionPolicy, got {self.policy!r}")
-        _check_bool("wait_for_slots", self.wait_for_slots)
+        check_bool("wait_for_slots", self.wait_for_slots)
         if self.slot_timeout is not None:
             t = self.slot_timeout
             if isinstance(t, bool) or not isinstance(t, int | float | np.integer) or not (math.isfinite(t) and t >= 0):
                 raise ConfigError(f"slot_timeout must be a finite number of seconds >= 0 or None, got {t!r}")
             if not self.wait_for_slots:
                 raise ConfigError("slot_timeout needs wait_for_slots=True")
-        _check_bool("hugepages", self.hugepages)
-        _check_bool("lock_memory", self.lock_memory)
+        check_bool("hugepages", self.hugepages)
+        check_bool("lock_memory", self.lock_memory)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,13 +159,13 @@ class IOOptions:
                 )
         elif not callable(self.backend):
             raise ConfigError(f"backend must be a name or a factory, got {self.backend!r}")
-        _check_bool("direct_io", self.direct_io, optional=True)
-        _check_int(self, "queue_depth", low=MIN_QUEUE_DEPTH, high=MAX_QUEUE_DEPTH)
-        _check_int(self, "max_bytes_in_flight", low=1)
-        _check_bool("fixed_buffers", self.fixed_buffers)
-        _check_bool("sqe_async", self.sqe_async)
-        _check_int(self, "n_threads", low=1, optional=True)
-        _check_int(self, "split_bytes", low=4096, optional=True)
+        check_bool("direct_io", self.direct_io, optional=True)
+        check_int(self, "queue_depth", low=MIN_QUEUE_DEPTH, high=MAX_QUEUE_DEPTH)
+        check_int(self, "max_bytes_in_flight", low=1)
+        check_bool("fixed_buffers", self.fixed_buffers)
+        check_bool("sqe_async", self.sqe_async)
+        check_int(self, "n_threads", low=1, optional=True)
+        check_int(self, "split_bytes", low=4096, optional=True)
 
     def backend_options(self) -> dict[str, Any]:
         """The keyword options of the built-in backends."""
@@ -194,38 +173,6 @@ class IOOptions:
         if self.n_threads is not None:
             options["n_threads"] = self.n_threads
         return options
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PrefetchOptions:
-    """What an :class:`~aioexperts.MoERunner` loads ahead while a layer computes.
-
-    Attributes:
-        predictor: ``"router"`` (the next layer's router on the current MoE input), ``"previous"``
-            (the previous token's choice), ``"frequency"`` (decayed per-layer counts), ``"none"``,
-            or a :class:`~aioexperts.predictors.Predictor` instance.
-        budget: experts prefetched per predicted layer; None for the model's ``expert_used_count``.
-        depth: MoE layers prefetched ahead (default 2: the device queue never runs dry at a layer
-            boundary; 1 synchronises I/O and compute at every layer; 0 turns prefetch off).
-
-    Raises:
-        ConfigError: a value out of range or of the wrong type.
-    """
-
-    predictor: str | Predictor = "router"
-    budget: int | None = None
-    depth: int = 2
-
-    def __post_init__(self) -> None:
-        if isinstance(self.predictor, str):
-            if self.predictor not in PREDICTORS:
-                raise ConfigError(
-                    f"predictor must be one of {', '.join(sorted(PREDICTORS))} or a Predictor, got {self.predictor!r}"
-                )
-        elif not isinstance(self.predictor, Predictor):
-            raise ConfigError(f"predictor must be a predictor name or a Predictor, got {self.predictor!r}")
-        _check_int(self, "budget", low=0, optional=True)
-        _check_int(self, "depth", low=0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -255,5 +202,5 @@ class PageCacheOptions:
     def __post_init__(self) -> None:
         if self.method not in WARM_METHODS:
             raise ConfigError(f"method must be one of {', '.join(WARM_METHODS)}, got {self.method!r}")
-        _check_int(self, "n_threads", low=1, high=64)
-        _check_int(self, "max_gap", low=0)
+        check_int(self, "n_threads", low=1, high=64)
+        check_int(self, "max_gap", low=0)

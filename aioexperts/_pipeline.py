@@ -20,7 +20,7 @@ from ._compute.pool import compute_pool
 from ._format.views import ExpertView
 from ._store import ExpertStore
 
-__all__ = ("ComputeStep", "LayerStep", "TokenResult", "run_in_worker", "run_layer_step")
+__all__ = ("ComputeStep", "LayerStep", "MoELayersResult", "run_in_worker", "run_layer_step")
 
 #: ``compute(layer, x, experts, ids, weights) -> y``, run in a worker thread: ``x`` is
 #: ``(n_tokens, n_embd)`` float32, ``experts`` maps each active id to its pinned view, ``ids`` and
@@ -37,7 +37,7 @@ class LayerStep:
         layer: block index.
         ids: ``(n_tokens, k)`` int32 selected ids.
         weights: ``(n_tokens, k)`` float32 routing weights.
-        output: what the compute step returned (for :meth:`MoERunner.run_token`, a
+        output: what the compute step returned (for :meth:`MoERunner.run_moe_layers`, a
             ``(n_tokens, n_embd)`` float32 array).
         io_wait_seconds: time spent waiting for this layer's experts after routing.
         compute_seconds: time the compute step ran on its compute-pool worker.
@@ -52,7 +52,7 @@ class LayerStep:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenResult:
+class MoELayersResult:
     """One token (or batch) through every MoE layer.
 
     Attributes:

@@ -2,7 +2,7 @@
 
 An :class:`MoERunner` holds what a model needs besides the streamed experts (the resident routers,
 biases and shared experts), the prefetch predictor and the routing trace. Every entry point
-(:meth:`~MoERunner.moe`, :meth:`~MoERunner.moe_result`, :meth:`~MoERunner.run_token`) goes through
+(:meth:`~MoERunner.moe`, :meth:`~MoERunner.moe_result`, :meth:`~MoERunner.run_moe_layers`) goes through
 one layer step: route and predict in a worker thread, pin the experts and start the prefetch of
 the upcoming layers, compute in a worker thread, unpin.
 """
@@ -14,27 +14,29 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import numpy as np
 
 from ._cache.cache import Key
 from ._cache.stats import LatencyWindow, to_ms
-from ._compute.executor import MoEOutput, ResidentLayer, moe_forward, route
+from ._checks import check_activations, check_int, describe
 from ._compute.fused import WarmupReport
+from ._compute.moe import MoEOutput, ResidentLayer, moe_forward, route
 from ._compute.resident import load_residents, warmup_kernels
 from ._errors import ConfigError, InvalidRequestError, SlabExhaustedError
 from ._format.layout import MoELayer
 from ._format.views import ExpertView
-from ._options import PrefetchOptions
-from ._pipeline import ComputeStep, LayerStep, TokenResult, run_in_worker, run_layer_step
-from ._predict.predictors import Predictor, make_predictor
+from ._pipeline import ComputeStep, LayerStep, MoELayersResult, run_in_worker, run_layer_step
+from ._predict.predictors import PREDICTORS, Predictor, make_predictor
 from ._predict.trace import RoutingTrace, TraceRecorder
 from ._store import ExpertStore
 
-__all__ = ("DEFAULT_TRACE_MAX_TOKENS", "MoEResult", "MoERunner", "RouteStep", "RunnerStatistics")
+__all__ = ("DEFAULT_TRACE_MAX_TOKENS", "MoEResult", "MoERunner", "PrefetchOptions", "RouteStep", "RunnerStatistics")
 
 DEFAULT_TRACE_MAX_TOKENS = 1 << 16
 """Tokens a runner's routing trace keeps (the most recent ones)."""
@@ -44,6 +46,38 @@ log = logging.getLogger("aioexperts")
 #: ``route_step(layer, x) -> (ids, weights)``: a custom router, run in a worker thread; ``ids`` and
 #: ``weights`` are ``(n_tokens, k)`` int32 and float32.
 RouteStep = Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefetchOptions:
+    """What an :class:`~aioexperts.MoERunner` loads ahead while a layer computes.
+
+    Attributes:
+        predictor: ``"router"`` (the next layer's router on the current MoE input), ``"previous"``
+            (the previous token's choice), ``"frequency"`` (decayed per-layer counts), ``"none"``,
+            or a :class:`~aioexperts.predictors.Predictor` instance.
+        budget: experts prefetched per predicted layer; None for the model's ``expert_used_count``.
+        depth: MoE layers prefetched ahead (default 2: the device queue never runs dry at a layer
+            boundary; 1 synchronises I/O and compute at every layer; 0 turns prefetch off).
+
+    Raises:
+        ConfigError: a value out of range or of the wrong type.
+    """
+
+    predictor: str | Predictor = "router"
+    budget: int | None = None
+    depth: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.predictor, str):
+            if self.predictor not in PREDICTORS:
+                raise ConfigError(
+                    f"predictor must be one of {', '.join(sorted(PREDICTORS))} or a Predictor, got {self.predictor!r}"
+                )
+        elif not isinstance(self.predictor, Predictor):
+            raise ConfigError(f"predictor must be a predictor name or a Predictor, got {self.predictor!r}")
+        check_int(self, "budget", low=0, optional=True)
+        check_int(self, "depth", low=0)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -75,10 +109,10 @@ class RunnerStatistics:
 
     Attributes:
         layer_steps: MoE layer steps run (every entry point; a batch is one step per layer).
-        tokens: tokens run through :meth:`MoERunner.run_token` (a batch of ``n`` counts ``n``).
+        tokens: tokens run through :meth:`MoERunner.run_moe_layers` (a batch of ``n`` counts ``n``).
         io_wait_seconds: time spent waiting for experts after routing, summed over steps.
         compute_seconds: time the compute steps ran in worker threads, summed.
-        token_latency_p50_ms, token_latency_p99_ms: per :meth:`MoERunner.run_token` call (ms).
+        token_latency_p50_ms, token_latency_p99_ms: per :meth:`MoERunner.run_moe_layers` call (ms).
     """
 
     layer_steps: int
@@ -127,7 +161,7 @@ class MoERunner:
         store: a started :class:`~aioexperts.ExpertStore`; the runner never closes it.
         prefetch: what to load ahead (default :class:`~aioexperts.PrefetchOptions`).
         record_trace: record every routing decision (see :meth:`routing_trace`). The tokens of one
-            :meth:`run_token` call get rows of their own even when calls run concurrently; calls of
+            :meth:`run_moe_layers` call get rows of their own even when calls run concurrently; calls of
             :meth:`moe` append to each layer's rows in the order they route, so concurrent
             sequences calling :meth:`moe` interleave there.
         trace_max_tokens: the trace keeps the last this many tokens (memory up to
@@ -182,7 +216,7 @@ class MoERunner:
         (compiled, or loaded from the on-disk kernel cache: ``docs/executor.md``), the resident
         weights of every MoE layer, the predictor.
 
-        Runs the blocking work on the compute pool; :meth:`moe` and :meth:`run_token` call it on
+        Runs the blocking work on the compute pool; :meth:`moe` and :meth:`run_moe_layers` call it on
         first use, so call it yourself to pay the cost (seconds on a cold kernel cache, under one on
         a warm one) before the first token.
 
@@ -199,7 +233,7 @@ class MoERunner:
                 assert self._warmup_report is not None
                 return self._warmup_report
             store = self._store
-            store._check_running()  # StoreClosedError / wrong loop, before any work
+            store.check_running()  # StoreClosedError / wrong loop, before any work
             hparams = store.hparams
             if not hparams.verified:
                 log.warning(
@@ -298,7 +332,7 @@ class MoERunner:
         else:
             got = route_step(layer, x)
             if not isinstance(got, tuple) or len(got) != 2:
-                raise InvalidRequestError(f"layer {layer}: route_step must return (ids, weights), got {_describe(got)}")
+                raise InvalidRequestError(f"layer {layer}: route_step must return (ids, weights), got {describe(got)}")
             ids, weights = _check_routing(layer, *got, len(x), self._store.layout.layer(layer))
         unique = list(dict.fromkeys(ids[ids >= 0].tolist()))
         limit = self._store.n_slots
@@ -316,7 +350,7 @@ class MoERunner:
             if self._recorder is not None:
                 if token is None:  # moe(): appended at this layer's rows
                     self._recorder.record(layer, ids)
-                else:  # run_token(): the rows reserved for this call's tokens
+                else:  # run_moe_layers(): the rows reserved for this call's tokens
                     self._recorder.record_token(layer, ids, token)
             if predictor is not None:
                 predictor.observe(layer, x, ids)
@@ -423,7 +457,19 @@ class MoERunner:
         out, io_wait, compute_s = await self._executor_layer(layer, x, routed)
         return MoEResult(routed.ids, routed.weights, out.moe_out, out.shared_out, out.ffn_out, io_wait, compute_s)
 
-    async def run_token(
+    async def run_token(self, x: np.ndarray, **kwargs: Any) -> MoELayersResult:
+        """Deprecated name of :meth:`run_moe_layers` (0.2; removed in the release after 0.3).
+
+        It runs the MoE layers of a token, not a model forward pass; the new name says so.
+        """
+        warnings.warn(
+            "MoERunner.run_token() is now MoERunner.run_moe_layers(); the old name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return await self.run_moe_layers(x, **kwargs)
+
+    async def run_moe_layers(
         self,
         x: np.ndarray,
         *,
@@ -431,7 +477,7 @@ class MoERunner:
         compute: ComputeStep | None = None,
         predictor: Predictor | None = None,
         prefetch: bool = True,
-    ) -> TokenResult:
+    ) -> MoELayersResult:
         """Run every MoE layer for one token (or a batch), in order, with prefetch ahead.
 
         A driver for measuring the I/O and compute overlap with any compute step: layer ``N+1``
@@ -483,7 +529,7 @@ class MoERunner:
         seconds = time.perf_counter() - t0
         self._counters.tokens += len(x)
         self._counters.token_latency.add(seconds)
-        return TokenResult(x, tuple(steps), seconds)
+        return MoELayersResult(x, tuple(steps), seconds)
 
     # -- records --------------------------------------------------------------------------------
 
@@ -551,7 +597,7 @@ def _check_output(layer: int, y: object, x: np.ndarray) -> None:
     """A custom compute step's output: float32 of ``x``'s shape, finite."""
     if not isinstance(y, np.ndarray) or y.dtype != np.float32 or y.shape != x.shape:
         raise InvalidRequestError(
-            f"layer {layer}: the compute step must return a float32 array of shape {x.shape}, got {_describe(y)}"
+            f"layer {layer}: the compute step must return a float32 array of shape {x.shape}, got {describe(y)}"
         )
     bad = np.logical_not(np.isfinite(y).all(axis=1))
     if bad.any():
@@ -570,14 +616,9 @@ def _check_finite(layer: int, y: np.ndarray, x: np.ndarray) -> None:
         )
 
 
-def _describe(a: object) -> str:
-    return f"{a.dtype} array of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
-
-
 def _check_x(x: object, n_embd: int) -> None:
     """``x`` is a float32 ``(n_tokens, n_embd)`` array of finite values, or InvalidRequestError."""
-    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n_embd:
-        raise InvalidRequestError(f"x must be a float32 array of shape (n_tokens, {n_embd}), got {_describe(x)}")
+    x = check_activations(x, n_embd)
     bad = np.logical_not(np.isfinite(x).all(axis=1))
     if bad.any():
         raise InvalidRequestError(f"x has NaN or inf values in token rows {_rows(bad)}")
@@ -589,7 +630,7 @@ def _check_routing(
     """What a custom route step returned: int ids in ``-1..n_experts-1`` and float32 weights, ``(n_tokens, k)``."""
     if not isinstance(ids, np.ndarray) or ids.ndim != 2 or ids.shape[0] != n_tokens or ids.dtype.kind not in "iu":
         raise InvalidRequestError(
-            f"layer {layer}: route_step ids must be ints of shape ({n_tokens}, k), got {_describe(ids)}"
+            f"layer {layer}: route_step ids must be ints of shape ({n_tokens}, k), got {describe(ids)}"
         )
     if not isinstance(weights, np.ndarray) or weights.dtype != np.float32 or weights.shape != ids.shape:
         got = (

@@ -1,7 +1,11 @@
-"""The expert store: files, slab, read backend, scheduler and cache of one model, behind ``experts()``.
+"""The expert store: a facade over one expert source, behind ``experts()``.
 
-:func:`open` builds an :class:`ExpertStore`; ``async with`` starts it (parse, open, probe, map,
-set up the backend) and closes it. The store knows nothing about computing: an
+:func:`open` builds an :class:`ExpertStore` over the source of its mode (the slab source,
+:mod:`aioexperts._sources.slab`, or the page-cache source, :mod:`aioexperts._sources.mapped`; both
+behind :class:`~aioexperts._sources.base.ExpertSource`); ``async with`` starts it (parse, then the
+source's set-up: open, probe, map, set up the backend) and closes it. The store keeps the argument
+checks, the lifecycle (including holding a cancellation through the release) and the public views.
+The store knows nothing about computing: an
 :class:`~aioexperts.MoERunner` runs MoE layers on top of it, and hosts with their own kernels use
 :meth:`ExpertStore.experts` directly.
 """
@@ -18,42 +22,23 @@ from typing import TypeVar
 
 import anyio
 import numpy as np
-from gguf import GGMLQuantizationType
 
-from ._cache.cache import Entry, ExpertCache, Key
-from ._cache.eviction import make_policy
-from ._cache.pagecache import PageCacheCounters, PageCacheSource, PinnedExpert
-from ._cache.scheduler import ReadScheduler
-from ._cache.stats import Counters, StoreStatistics
-from ._errors import (
-    BackendUnavailableError,
-    ConfigError,
-    ExpertReadError,
-    InvalidRequestError,
-    StoreClosedError,
-    UnsupportedTypeError,
-)
+from ._cache.cache import Key
+from ._cache.stats import StoreStatistics
+from ._errors import ConfigError, InvalidRequestError, StoreClosedError, UnsupportedTypeError
 from ._format.expert_map import check_map_matches_layout, read_expert_map
 from ._format.hparams import MoEHParams
 from ._format.layout import ExpertLayout, MoELayer, build_layout
 from ._format.model import GGUFModel, open_model
-from ._format.views import ExpertView, ProjectionView, release_view
-from ._io.backends.base import IOBackend
-from ._io.files import ShardFiles, open_shards
+from ._format.views import ExpertView
 from ._io.loop import LoopAdapter, current_loop, wait_through_cancellation
-from ._io.pagecache import MappedShards
-from ._io.plan import ExpertPlan, plan_all_experts
-from ._io.rowplan import RowTable
-from ._io.select import create_backend
-from ._io.slab import Slab, exported_view
-from ._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions, PageCacheOptions
-from ._rows import RowReader, RowStatistics, RowsView
+from ._options import CacheOptions, IOOptions, PageCacheOptions
+from ._sources.base import ExpertSource, Pinned, build_and_keep, finish_in_thread
+from ._sources.mapped import MappedSource
+from ._sources.rows import RowStatistics, RowsView
+from ._sources.slab import SlabSource
 
 __all__ = ("MODES", "ExpertStore", "open")
-
-WARM_SCRATCH_SLOTS = 8
-WARM_SCRATCH_BYTES = 1 << 20
-"""The page-cache mode's ``uring`` warming reads into 8 scratch slots of 1 MiB (the data is thrown away)."""
 
 MODES = ("slab", "pagecache")
 
@@ -174,25 +159,14 @@ class ExpertStore:
         self._started = False
         self._closed = False
         self._released = False
-        self._counters = Counters()
         self._model: GGUFModel | None = None
         self._layout: ExpertLayout | None = None
         self._hparams: MoEHParams | UnsupportedTypeError | None = None
-        self._files: ShardFiles | None = None
-        self._slab: Slab | None = None
-        self._backend: IOBackend | None = None
-        self._fallback_reason: str | None = None
         self._loop: LoopAdapter | None = None
-        self._scheduler: ReadScheduler | None = None
-        self._cache: ExpertCache | None = None
-        self._shards: MappedShards | None = None
-        self._pagecache: PageCacheSource | None = None
-        self._pagecache_counters = PageCacheCounters()
-        self._rows: RowReader | None = None
-        self._rows_lock = anyio.Lock()
+        self._source: ExpertSource = (
+            SlabSource(cache, io, self._check_running) if pagecache is None else MappedSource(pagecache, io.queue_depth)
+        )
         self._release: _Release | None = None
-        self._warming: IOBackend | None = None  # the page-cache mode's ring, until its source owns it
-        self._rows_built: RowReader | None = None  # a row reader built, not attached yet
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -218,111 +192,14 @@ class ExpertStore:
             raise ConfigError("the store was already started")
         self._started = True
         self._loop = loop = current_loop()
-        io, cache = self.io_options, self.cache_options
         try:
-            model, layout, hparams = await _finish_in_thread(self._parse)
+            model, layout, hparams = await finish_in_thread(self._parse)
             self._model, self._layout, self._hparams = model, layout, hparams
-            if self.pagecache_options is not None:
-                await self._start_pagecache(model, layout, loop, self.pagecache_options)
-                return
-            files = await self._build("_files", lambda: open_shards(model, io.direct_io))
-            if files.buffered_reason is not None and io.direct_io is None:
-                log.warning("%s; using buffered reads (the page cache)", files.buffered_reason)
-            # every expert's reads, planned once at open (off the loop): nothing is planned per read
-            plans = await _finish_in_thread(
-                lambda: plan_all_experts(layout, files.alignment, io.split_bytes, io.queue_depth)
-            )
-            slot_bytes = max(p.slot_bytes for p in plans.values())
-            n_slots = self._n_slots(layout, slot_bytes)
-            slab = await self._build(
-                "_slab", lambda: Slab(n_slots, slot_bytes, hugepages=cache.hugepages, lock=cache.lock_memory)
-            )
-            # ring set-up, buffer registration and the per-slot iovecs are blocking work: off the loop
-            shapes = {(r.slot_offset, r.n_bytes) for p in plans.values() for r in p.reads}
-
-            def make_backend() -> tuple[IOBackend, str | None]:
-                built, reason = create_backend(
-                    io.backend, files, slab, loop, io.queue_depth, attach=False, **io.backend_options()
-                )
-                self._backend = built
-                built.prepare(shapes)
-                return built, reason
-
-            backend, self._fallback_reason = await _finish_in_thread(make_backend)
-            backend.attach()
-            scheduler = self._scheduler = ReadScheduler(
-                backend,
-                loop,
-                self._counters,
-                files.sizes,
-                files.dio_alignment,  # short reads continue at the kernel's alignment
-                io.max_bytes_in_flight,
-                tuple(s.path for s in model.shards),
-            )
-
-            def plan(layer: int, expert: int) -> ExpertPlan:
-                found = plans.get((layer, expert))
-                if found is None:
-                    layout.locate(layer, expert)  # InvalidRequestError naming what does not exist
-                    raise InvalidRequestError(f"no expert {expert} in layer {layer}")
-                return found
-
-            policy = make_policy(cache.policy) if isinstance(cache.policy, str) else cache.policy
-            self._cache = ExpertCache(n_slots, plan, scheduler, policy, loop, self._counters)
+            await self._source.start(model, layout, loop, build_and_keep)
         except BaseException:
             self._release_resources()
             self._closed = True
             raise
-
-    async def _start_pagecache(
-        self, model: GGUFModel, layout: ExpertLayout, loop: LoopAdapter, options: PageCacheOptions
-    ) -> None:
-        files = await self._build("_files", lambda: open_shards(model, False))
-        shards = await self._build("_shards", lambda: MappedShards(files.fds, files.sizes))
-        method, uring = options.method, None
-        if method == "uring":
-            uring = await self._build("_warming", lambda: self._warming_ring(files, loop))
-            if uring is None:
-                method = "read"
-            else:
-                uring.attach()
-        self._pagecache = PageCacheSource(
-            layout,
-            shards,
-            files.fds,
-            loop,
-            method,
-            options.n_threads,
-            options.max_gap,
-            self._pagecache_counters,
-            uring,
-        )
-        self._warming = None  # the source owns it now
-
-    async def _build(self, attribute: str, build: Callable[[], T]) -> T:
-        """``build()`` in a worker thread (:func:`_finish_in_thread`), its result stored as ``self.<attribute>``
-        in that thread: files, mappings and rings opened by a ``start()`` that is cancelled meanwhile
-        are still released by :meth:`_release_resources`."""
-
-        def build_and_keep() -> T:
-            value = build()
-            setattr(self, attribute, value)
-            return value
-
-        return await _finish_in_thread(build_and_keep)
-
-    def _warming_ring(self, files: ShardFiles, loop: LoopAdapter) -> IOBackend | None:
-        """A buffered io_uring reading into a small scratch slab, or None (logged) where io_uring is not to be had."""
-        slab = Slab(WARM_SCRATCH_SLOTS, WARM_SCRATCH_BYTES)
-        try:
-            backend, _ = create_backend(
-                "io_uring", files, slab, loop, self.io_options.queue_depth, attach=False, fixed_buffers=False
-            )
-        except BackendUnavailableError as exc:
-            slab.close()
-            log.warning("%s; the page-cache mode warms with worker-thread reads instead", exc)
-            return None
-        return backend
 
     def _parse(self) -> tuple[GGUFModel, ExpertLayout, MoEHParams | UnsupportedTypeError]:
         model = open_model(self.path)
@@ -338,14 +215,6 @@ class ExpertStore:
             emap = read_expert_map(self._expert_map, model.shards[0])
             check_map_matches_layout(emap, layout, self._expert_map)
         return model, layout, hparams
-
-    def _n_slots(self, layout: ExpertLayout, slot_bytes: int) -> int:
-        total = layout.n_experts_total
-        slots = self.cache_options.slots
-        if slots is not None:
-            return min(slots, total)  # more could never be used
-        budget = self.cache_options.bytes or DEFAULT_CACHE_BYTES
-        return max(min(budget // slot_bytes, total), min(2 * layout.n_expert_used, total))
 
     async def aclose(self) -> None:
         """Close the store: refuse new requests, wait for every read in flight, free everything.
@@ -375,26 +244,11 @@ class ExpertStore:
                 "close the store from its own loop"
             )
         self._closed = True
-        if self._cache is not None:
-            self._cache.close()  # closes the scheduler: nothing queued is submitted any more
-        if self._pagecache is not None:
-            self._pagecache.close()
-        if self._rows is not None:
-            self._rows.cache.close()
+        self._source.close()  # nothing queued is submitted any more
         held: BaseException | None = None
-        for wait_idle in (
-            self._scheduler.wait_idle if self._scheduler is not None else None,
-            self._pagecache.wait_idle if self._pagecache is not None else None,
-            self._rows.scheduler.wait_idle if self._rows is not None else None,
-        ):
-            if wait_idle is not None:
-                held = await wait_through_cancellation(wait_idle) or held
-        if self._backend is not None:
-            self._backend.detach()
-        if self._rows is not None:
-            self._rows.backend.detach()
-        if self._pagecache is not None:
-            self._pagecache.detach()
+        for wait_idle in self._source.idle_waits():
+            held = await wait_through_cancellation(wait_idle) or held
+        self._source.detach()
         # ring exit and munmap of the slab block: in a thread of their own, waited for to the end.
         # One release at a time: a concurrent aclose() waits for the one running instead of
         # releasing the same ring, descriptors and slab again from a second thread.
@@ -408,34 +262,14 @@ class ExpertStore:
             raise held
 
     def _release_resources(self) -> None:
-        """Release the page-cache workers and mappings, the backend, the files and the slab.
+        """Release what the source opened (rings, mappings, files, slabs), in its order.
 
         Every part is attempted (each is idempotent), even after one of them raised; the first
         exception is raised once all were tried, and the store counts as released only when none
         raised (a later :meth:`aclose` tries the rest again).
         """
-        if self._cache is not None:  # the store's own cached exporters must not keep the slab mapped
-            for entry in self._cache.entries.values():
-                entry.exporters = None
-        parts: list[Callable[[], None]] = []
-        warming = self._warming
-        if warming is not None:  # a start() cancelled before the page-cache source took it
-            parts += [warming.close, warming.slab.close]
-        for rows in (self._rows, self._rows_built):
-            if rows is not None:
-                parts += [rows.backend.close, rows.slab.close]
-        if self._pagecache is not None:
-            parts.append(self._pagecache.shutdown)
-        if self._shards is not None:
-            parts.append(self._shards.close)
-        if self._backend is not None:
-            parts.append(self._backend.close)
-        if self._files is not None:
-            parts.append(self._files.close)
-        if self._slab is not None:
-            parts.append(self._slab.close)
         failures: list[BaseException] = []
-        for part in parts:
+        for part in self._source.release_parts():
             try:
                 part()
             except BaseException as exc:  # the other parts are still released
@@ -493,9 +327,7 @@ class ExpertStore:
         """The most distinct experts that can be pinned at once: the slab's slots (page-cache mode:
         every expert of the model)."""
         self._check_started()
-        if self._slab is None:
-            return self.layout.n_experts_total
-        return self._slab.n_slots
+        return self._source.n_slots
 
     @property
     def closed(self) -> bool:
@@ -506,8 +338,13 @@ class ExpertStore:
         if self._layout is None:
             raise StoreClosedError("the store is not started: use `async with aioexperts.open(...)`")
 
-    def _check_running(self) -> None:
-        """Raise unless the store is started, open and used from its own event loop."""
+    def check_running(self) -> None:
+        """Raise unless the store is started, open and used from its own event loop.
+
+        Raises:
+            StoreClosedError: the store is closed or not started.
+            ConfigError: called from another event loop than the one the store was started in.
+        """
         if self._closed:
             raise StoreClosedError("the store is closed")
         self._check_started()
@@ -517,71 +354,22 @@ class ExpertStore:
                 "open one store per event loop"
             )
 
-    def _running_cache(self) -> ExpertCache | PageCacheSource:
-        self._check_running()
-        source = self._cache or self._pagecache
-        assert source is not None
-        return source
+    _check_running = check_running
+
+    def _running_source(self) -> ExpertSource:
+        self.check_running()
+        return self._source
 
     # -- statistics -----------------------------------------------------------------------------
 
     def statistics(self) -> StoreStatistics:
         """A frozen snapshot of the counters and the store's I/O set-up."""
         self._check_started()
-        if self._pagecache is not None:
-            return self._pagecache_statistics()
-        assert self._files is not None and self._slab is not None and self._backend is not None
-        assert self._scheduler is not None and self._cache is not None
-        return StoreStatistics.snapshot(
-            self._counters,
-            backend=self._backend.name,
-            direct_io=self._files.direct_io,
-            fallback_reason=self._fallback_reason,
-            buffered_reason=self._files.buffered_reason,
-            backend_features=self._backend.features(),
-            n_slots=self._slab.n_slots,
-            slot_bytes=self._slab.slot_bytes,
-            alignment=self._files.alignment,
-            in_flight=self._scheduler.reads_in_flight,
-            pinned_slots=self._cache.pinned_slots,
-        )
-
-    def _pagecache_statistics(self) -> StoreStatistics:
-        assert self._pagecache is not None and self.pagecache_options is not None and self._files is not None
-        pc = self._pagecache_counters
-        counters = Counters(
-            requests=pc.requests,
-            hits=pc.hits,
-            misses=pc.misses,
-            prefetch_issued=pc.prefetch_ranges,
-            prefetch_dropped=pc.dropped,
-            reads=pc.ranges_issued,
-            read_errors=pc.errors,
-            bytes_read=pc.bytes_warmed,
-        )
-        return StoreStatistics.snapshot(
-            counters,
-            backend=f"pagecache ({self._pagecache.method})",
-            direct_io=False,
-            fallback_reason=None,
-            buffered_reason="page-cache mode",
-            backend_features={
-                "threads": self._pagecache.n_threads,
-                "ranges_at_once": self._pagecache.max_ranges,
-                "max_gap": self.pagecache_options.max_gap,
-            },
-            n_slots=self.n_slots,
-            slot_bytes=0,
-            alignment=self._files.alignment,
-            in_flight=self._pagecache.running,
-            pinned_slots=self._pagecache.pinned_count,
-            pagecache=pc.snapshot(self._pagecache.method),
-        )
+        return self._source.statistics()
 
     def reset_statistics(self) -> None:
         """Zero the counters (the cache contents stay)."""
-        self._counters.reset()
-        self._pagecache_counters.reset()
+        self._source.reset_statistics()
 
     # -- experts --------------------------------------------------------------------------------
 
@@ -600,36 +388,6 @@ class ExpertStore:
                 )
             keys.append((moe.index, i))
         return moe, keys
-
-    def _view(self, entry: Entry | PinnedExpert) -> ExpertView:
-        if isinstance(entry, PinnedExpert):
-            assert self._shards is not None
-            loc = entry.location
-            views = [
-                ProjectionView(self._shards.view(seg.shard, seg.offset, seg.n_bytes), seg.ggml_type, seg.shape)
-                for seg in loc.segments
-            ]
-            return ExpertView(loc.layer, loc.expert, loc.bank, *views)
-        plan = entry.plan
-        assert isinstance(plan, ExpertPlan)
-        loc = plan.location
-        exporters = entry.exporters
-        if exporters is None:  # once per expert in its slot: each request only makes fresh views
-            slab = self._slab
-            assert slab is not None
-            exporters = entry.exporters = tuple(
-                slab.exporter(entry.slot, off, seg.n_bytes, held_refs=1)
-                for off, seg in zip(plan.payload_offsets, loc.segments, strict=True)
-            )
-        gate, up, down = loc.segments
-        return ExpertView(
-            loc.layer,
-            loc.expert,
-            loc.bank,
-            ProjectionView(exported_view(exporters[0]), gate.ggml_type, gate.shape),  # type: ignore[arg-type]
-            ProjectionView(exported_view(exporters[1]), up.ggml_type, up.shape),  # type: ignore[arg-type]
-            ProjectionView(exported_view(exporters[2]), down.ggml_type, down.shape),  # type: ignore[arg-type]
-        )
 
     @asynccontextmanager
     async def experts(
@@ -664,7 +422,7 @@ class ExpertStore:
             Cancelling while waiting unpins everything this call pinned; reads already submitted
             complete in the background and their slots stay LOADING until then.
         """
-        cache = self._running_cache()
+        source = self._running_source()
         try:
             ids = list(ids)  # iterated twice below: accept generators and other one-shot iterables
         except TypeError:
@@ -678,12 +436,12 @@ class ExpertStore:
 
         def start_prefetch() -> None:
             if prefetch_keys:
-                cache.prefetch(prefetch_keys)
+                source.prefetch(prefetch_keys)
 
-        entries: Sequence[Entry | PinnedExpert] = await cache.acquire(
+        entries: Sequence[Pinned] = await source.acquire(
             keys, wait=wait, after_pin=start_prefetch, slot_timeout=self.cache_options.slot_timeout if wait else None
         )
-        by_key = {e.key: self._view(e) for e in entries}
+        by_key = {e.key: source.view(e) for e in entries}
         views = [None if int(i) == -1 else by_key[(moe.index, int(i))] for i in ids]
         try:
             yield views
@@ -692,7 +450,7 @@ class ExpertStore:
                 for view in by_key.values():
                     view.release()  # warns when the host still uses the bytes: an error under -W error
             finally:
-                cache.release(entries)  # type: ignore[arg-type]
+                source.release(entries)
 
     def prefetch(self, keys: Iterable[Key]) -> int:
         """Start loading ``(layer, expert)`` keys that are not cached, without waiting.
@@ -707,7 +465,7 @@ class ExpertStore:
             InvalidRequestError: a key the model does not have (nothing was started).
             StoreClosedError: the store is closed.
         """
-        return self._running_cache().prefetch(_checked_keys(keys, "keys"))
+        return self._running_source().prefetch(_checked_keys(keys, "keys"))
 
     def drop_prefetches(self, keep: Callable[[Key], bool] = lambda key: False) -> int:
         """Forget prefetches still queued (not submitted) whose key ``keep`` rejects.
@@ -720,35 +478,9 @@ class ExpertStore:
         """
         if not callable(keep):
             raise InvalidRequestError(f"keep must be a callable (layer, expert) -> bool, got {keep!r}")
-        return self._running_cache().drop_prefetches(keep)
+        return self._running_source().drop_prefetches(keep)
 
     # -- rows -----------------------------------------------------------------------------------
-
-    async def _row_reader(self) -> RowReader:
-        self._check_running()
-        async with self._rows_lock:
-            if self._rows is None and self._rows_built is None:
-                assert self._model is not None and self._files is not None and self._loop is not None
-                io, model, files, loop = self.io_options, self._model, self._files, self._loop
-                await self._build(
-                    "_rows_built",
-                    lambda: RowReader(
-                        model,
-                        files,
-                        loop,
-                        io.backend,
-                        io.backend_options(),
-                        io.queue_depth,
-                        io.max_bytes_in_flight,
-                        self.cache_options.row_cache_bytes,
-                    ),
-                )
-            if self._rows is None and self._rows_built is not None:
-                self._rows_built.backend.attach()
-                self._rows, self._rows_built = self._rows_built, None
-            self._check_running()
-            assert self._rows is not None
-            return self._rows
 
     @asynccontextmanager
     async def rows(self, tensor: str, row_ids: Iterable[int]) -> AsyncIterator[RowsView]:
@@ -781,42 +513,9 @@ class ExpertStore:
             ids = list(row_ids)
         except TypeError:
             raise InvalidRequestError(f"row_ids must be an iterable of row indices, got {row_ids!r}") from None
-        if self._shards is not None:  # page-cache mode: straight from the mapping
-            self._check_running()
-            info = self.model.tensors.get(tensor) if isinstance(tensor, str) else None
-            if info is None:
-                raise InvalidRequestError(f"the model has no tensor {tensor!r}")
-            table = RowTable.of(0, info, 4096, self._shards.sizes[info.shard])
-            rows = RowReader.check_rows(table, ids)
-            assert self._files is not None
-            size = os.fstat(self._files.fds[info.shard]).st_size  # past the end, the mapping raises SIGBUS
-            if rows and table.row_offset(max(rows)) + table.row_bytes > size:
-                raise ExpertReadError(f"{info.name}: the file ends at byte {size}, before row {max(rows)} (it shrank)")
-            views = tuple(
-                self._shards.view(info.shard, info.data_offset + r * table.row_bytes, table.row_bytes) for r in rows
-            )
-            qtype = GGMLQuantizationType(info.ggml_type)
-            view = RowsView(info.name, qtype, int(info.shape[1]), table.row_bytes, tuple(rows), views)
-            try:
-                yield view
-            finally:
-                for data in views:
-                    release_view(data)
-            return
-        reader = await self._row_reader()
-        table = reader.table(tensor)
-        entries, view = await reader.acquire(table, reader.check_rows(table, ids))
-        try:
+        source = self._running_source()
+        async with source.rows(tensor, ids) as view:
             yield view
-        finally:
-            exported = reader.release(entries, view)
-            if exported:
-                warnings.warn(
-                    f"{tensor}: rows {exported[:8]} are still exported (e.g. by np.frombuffer) as they are "
-                    "unpinned; their slot may be reused under them: copy them inside the block",
-                    ResourceWarning,
-                    stacklevel=3,
-                )
 
     async def read_rows(self, tensor: str, row_ids: Iterable[int], *, dequantize: bool = True) -> np.ndarray:
         """Rows of a 2-D tensor as an array of their own (see :meth:`rows`).
@@ -834,10 +533,10 @@ class ExpertStore:
 
     def row_statistics(self) -> RowStatistics | None:
         """The row reads' counters, or None before the first :meth:`rows` call (page-cache mode: None)."""
-        return None if self._rows is None else self._rows.statistics()
+        return self._source.row_statistics()
 
     def __repr__(self) -> str:
-        running = self._cache is not None or self._pagecache is not None
+        running = self._source.started
         state = "closed" if self._closed else "running" if running else "not started"
         return f"<aioexperts.ExpertStore {self.path!r} {state}>"
 
@@ -858,40 +557,6 @@ def _checked_keys(keys: object, name: str) -> list[Key]:
             raise InvalidRequestError(f"{name} must hold (layer, expert) pairs of ints, got {key!r}")
         out.append((int(key[0]), int(key[1])))
     return out
-
-
-async def _finish_in_thread(fn: Callable[[], T]) -> T:
-    """``fn()`` in a worker thread, run to its end: what it builds is never lost to a cancellation.
-
-    Cancellation handling:
-        A cancellation that arrives while ``fn`` runs (a plain asyncio ``Task.cancel()`` or a
-        ``wait_for`` timeout included: anyio does not shield those) is held until ``fn`` has
-        returned, then raised; ``fn`` keeps what it opens on the store, which releases it. A
-        cancellation before the thread took ``fn`` means it never runs.
-    """
-    lock = threading.Lock()
-    state = ["queued"]  # -> "running" in the worker, or -> "abandoned" here
-    done = threading.Event()
-
-    def call() -> T | None:
-        with lock:
-            if state[0] == "abandoned":
-                return None
-            state[0] = "running"
-        try:
-            return fn()
-        finally:
-            done.set()
-
-    try:
-        return await anyio.to_thread.run_sync(call)  # type: ignore[arg-type]  # None only when abandoned
-    except anyio.get_cancelled_exc_class():
-        with lock:
-            if state[0] == "queued":
-                state[0] = "abandoned"
-                raise
-        await wait_through_cancellation(lambda: anyio.to_thread.run_sync(done.wait))  # a second cancel too
-        raise
 
 
 class _Release:

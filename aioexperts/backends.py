@@ -16,5 +16,16 @@ from ._io.loop import AsyncEvent as AsyncEvent
 from ._io.loop import LoopAdapter as LoopAdapter
 from ._io.select import BackendFactory as BackendFactory
 from ._io.slab import Slab as Slab
+from ._io.uring_probe import liburing_unusable_reason as liburing_unusable_reason
 
-__all__ = ("AsyncEvent", "BackendFactory", "CompletionSink", "IOBackend", "LoopAdapter", "ReadOp", "ShardFiles", "Slab")
+__all__ = (
+    "AsyncEvent",
+    "BackendFactory",
+    "CompletionSink",
+    "IOBackend",
+    "LoopAdapter",
+    "ReadOp",
+    "ShardFiles",
+    "Slab",
+    "liburing_unusable_reason",
+)

@@ -7,9 +7,9 @@ On the built-in bench model, ``--tokens`` tokens, each routed (seeded, uniform t
 expert is a hit and the figure is the compute under concurrency, not the disk. Per round and
 backend, interleaved:
 
-* ``sequential``: ``await runner.run_token(x_t, route_step=...)`` for each token in turn;
+* ``sequential``: ``await runner.run_moe_layers(x_t, route_step=...)`` for each token in turn;
 * ``concurrent``: one task per token, all started together, each awaiting every MoE layer of its
-  token (``run_token``); the compute pool runs at most one job per core at a time.
+  token (``run_moe_layers``); the compute pool runs at most one job per core at a time.
 
 Target (issue 12): concurrent wall time <= 1.2x sequential. ``numpy`` is the fallback backend
 (numpy kernels + BLAS, capped to one thread per call by the pool). Rounds go to
@@ -31,7 +31,7 @@ from _results import fmt_range, summary, write_results
 from rich.console import Console
 
 import aioexperts
-from aioexperts._cli.model_cache import ensure_bench_model
+from aioexperts._bench import ensure_bench_model
 from aioexperts._compute import fused
 from aioexperts._compute.pool import compute_pool
 
@@ -52,15 +52,15 @@ async def measure(path: str, routings: np.ndarray, layers: list[int], xs: np.nda
         engine = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="none"))
         await engine.warmup()
         for t, route in enumerate(routes):  # warm-up: every expert into the slab, kernels ready
-            await engine.run_token(xs[t : t + 1], route_step=route, prefetch=False)
+            await engine.run_moe_layers(xs[t : t + 1], route_step=route, prefetch=False)
         store.reset_statistics()
         t0 = time.perf_counter()
         for t, route in enumerate(routes):
-            await engine.run_token(xs[t : t + 1], route_step=route, prefetch=False)
+            await engine.run_moe_layers(xs[t : t + 1], route_step=route, prefetch=False)
         sequential = time.perf_counter() - t0
         t0 = time.perf_counter()
         await asyncio.gather(
-            *(engine.run_token(xs[t : t + 1], route_step=route, prefetch=False) for t, route in enumerate(routes))
+            *(engine.run_moe_layers(xs[t : t + 1], route_step=route, prefetch=False) for t, route in enumerate(routes))
         )
         concurrent = time.perf_counter() - t0
         st = store.statistics()

@@ -8,8 +8,8 @@ in the same run, each after one warm-up call, best of ``--repeat`` consecutive c
 * ``ref rows``: ``gguf.quants.dequantize`` on the ``(rows, row_bytes)`` array, the way
   ``GGUFReader`` hands tensors out (gguf-py then works 16 rows at a time, its fast path);
 * ``ref flat``: the same on the flat byte array, as the previous placeholder body of
-  ``aioexperts._compute.quant.dequantize`` called it;
-* ``ours``: :func:`aioexperts._compute.quant.dequantize` on a read-only memoryview, new output;
+  ``aioexperts._format.dequant.dequantize`` called it;
+* ``ours``: :func:`aioexperts._format.dequant.dequantize` on a read-only memoryview, new output;
 * ``ours out=``: the same writing into a preallocated array.
 
 The speed-ups are ``ref / ours``; GB/s is float32 output bytes per second of ``ours``. ``exact``
@@ -35,7 +35,7 @@ import gguf.quants
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from aioexperts._compute.quant import dequantize, supported_types
+from aioexperts._format.dequant import dequantize, supported_types
 
 Q = GGMLQuantizationType
 

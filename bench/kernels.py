@@ -8,7 +8,7 @@ type, else random bytes with sane scales, as ``bench/dequant.py``), one thread (
 thread too), interleaved rounds, median of ``--calls`` calls per round:
 
 * ``gguf``: ``gguf.quants.dequantize`` + matmul, the baseline of the ">= 20x" target;
-* ``numpy``: the project's numpy kernels (``quant.dequantize``) + matmul;
+* ``numpy``: the project's numpy kernels (``aioexperts._format.dequant.dequantize``) + matmul;
 * ``float``: ``fused.linear`` with one token, the default (fused decode-and-dot);
 * ``int8``: the same with ``set_precision("int8")`` (x quantized like llama.cpp);
 * ``cold``: the float kernel sweeping 96 MiB of copies of the matrix (weights not in any cache);
@@ -44,7 +44,8 @@ from dequant import ORDER, make_tensor
 from gguf import GGMLQuantizationType
 from threadpoolctl import threadpool_limits
 
-from aioexperts._compute import fused, quant
+from aioexperts._compute import fused
+from aioexperts._format import dequant as quant
 
 Q = GGMLQuantizationType
 

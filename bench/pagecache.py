@@ -40,7 +40,7 @@ import numpy as np
 from _results import machine_facts  # bench/_results.py, a sibling module
 
 import aioexperts
-from aioexperts._cli.model_cache import ensure_bench_model
+from aioexperts._bench import ensure_bench_model
 
 MODES = ("slab", "pagecache read", "pagecache advice", "pagecache parallel-advice", "pagecache uring")
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")

@@ -38,18 +38,22 @@ from typing import Any
 
 import liburing
 
-import aioexperts._store as store_module
+import aioexperts._sources.slab as slab_source_module
+from aioexperts._bench import (
+    Clock,
+    drop_page_cache,
+    ensure_bench_model,
+    make_steps,
+    requests_in_flight,
+    run_on_loop,
+    spread,
+)
+from aioexperts._bench import store_adapter as ea
 from aioexperts._cache.cache import ExpertCache
 from aioexperts._cache.scheduler import ReadScheduler
-from aioexperts._cli import engine_adapter as ea
-from aioexperts._cli.cachestate import drop_page_cache
-from aioexperts._cli.loops import run as run_on_loop
-from aioexperts._cli.measure import Clock, spread
-from aioexperts._cli.model_cache import ensure_bench_model
-from aioexperts._cli.readbench import _window, make_steps
 from aioexperts._io.backends.base import IOBackend
 from aioexperts._io.backends.uring import UringBackend
-from aioexperts._store import ExpertStore
+from aioexperts._sources.slab import SlabSource
 
 PARTS = (
     "io_uring_submit (kernel issues the reads)",
@@ -60,7 +64,7 @@ PARTS = (
     "scheduler flush (less submit)",
     "expert planning (plan_all_experts, at open)",
     "pinning (cache._pin_all: slot, eviction, enqueue)",
-    "views (ExpertStore._view)",
+    "views (SlabSource.view)",
     "release (cache.release)",
     "rest: experts()/acquire coroutines, tasks, loop, GC",
 )
@@ -121,18 +125,18 @@ class GcTimer:
 async def _pass(
     path: str, info: ea.ModelInfo, steps: list[Any], depth: int, profiler: cProfile.Profile | None
 ) -> dict[str, float]:
-    options = ea.EngineOptions(slots=info.n_experts_total, backend="io_uring", queue_depth=depth)
-    async with ea.open_engine(path, options) as engine:
+    options = ea.BenchOptions(slots=info.n_experts_total, backend="io_uring", queue_depth=depth)
+    async with ea.open_bench_store(path, options) as engine:
         drop_page_cache(info.shard_paths)
         if profiler is not None:
             profiler.enable()
         with Clock() as clock, GcTimer() as gc_timer:
-            await ea.cold_pass(engine, steps, _window(depth, info.n_expert_used))
+            await ea.cold_pass(engine, steps, requests_in_flight(depth, info.n_expert_used))
         if profiler is not None:
             profiler.disable()
-        st = ea.engine_stats(engine)
+        st = ea.store_stats(engine)
         with Clock() as warm:  # the same requests again, all hits: the driver and the hit path
-            await ea.cold_pass(engine, steps, _window(depth, info.n_expert_used))
+            await ea.cold_pass(engine, steps, requests_in_flight(depth, info.n_expert_used))
     return {
         "seconds": clock.seconds,
         "cpu": clock.cpu,
@@ -160,8 +164,8 @@ def _timed_pass(path: str, info: ea.ModelInfo, steps: list[Any], depth: int, loo
     timers.wrap(ReadScheduler, "flush", "flush")
     timers.wrap(ExpertCache, "release", "release")
     timers.wrap(ExpertCache, "_pin_all", "pin")
-    timers.wrap(store_module, "plan_all_experts", "plan")  # at open, off the loop: 0 per read
-    timers.wrap(ExpertStore, "_view", "view")
+    timers.wrap(slab_source_module, "plan_all_experts", "plan")  # at open, off the loop: 0 per read
+    timers.wrap(SlabSource, "view", "view")
     try:
         base = run_on_loop(_pass, path, info, steps, depth, None, loop=loop)
     finally:

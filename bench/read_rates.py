@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from aioexperts._cli.bench import main
+from aioexperts.cli.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(["--mode", "reads", *sys.argv[1:]]))

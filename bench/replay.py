@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aioexperts._cache.replay import format_replay_table, replay_fractions
+from aioexperts._predict.simulate import format_replay_table, replay_fractions
 from aioexperts._predict.trace import RoutingTrace, skewed_random_trace, uniform_random_trace
 
 

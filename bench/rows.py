@@ -26,8 +26,8 @@ import numpy as np
 from _results import machine_facts  # bench/_results.py, a sibling module
 
 import aioexperts
-from aioexperts._cli.model_cache import cache_dir
-from aioexperts._cli.synthetic import tiny_moe_writer
+from aioexperts._bench import cache_dir
+from aioexperts.testing import tiny_moe_writer
 
 N_ROWS = 8 << 20
 N_COLS = 256

@@ -27,7 +27,7 @@ import numpy as np
 from _results import machine_facts  # bench/_results.py, a sibling module
 
 import aioexperts
-from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -26,8 +26,8 @@ from _results import machine_facts  # bench/_results.py, a sibling module
 from gguf import GGMLQuantizationType
 
 import aioexperts
-from aioexperts._cli.model_cache import cache_dir
-from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts._bench import cache_dir
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 SPEC = SyntheticSpec(
     n_layer=1, n_embd=7168, n_ff_exp=2048, n_expert=128, n_expert_used=8, expert_type=GGMLQuantizationType.Q2_K

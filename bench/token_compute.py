@@ -3,18 +3,18 @@
     python bench/token_compute.py [--model PATH] [--tokens 16] [--repeat 3] [--threads 1,2]
 
 On the built-in bench model (8 MoE layers x 128 experts, n_embd 2048, n_ff 768, top-8, Q4_K; built
-once by ``aioexperts._cli.synthetic`` under the user cache) every token reads 64 experts (170 MB).
+once by ``aioexperts.testing._synthetic`` under the user cache) every token reads 64 experts (170 MB).
 The routing is uniform random top-8 (seeded) and replayed through ``route_step``; the slab is kept
 small (``--slots``, default 40) so that an expert is evicted before a later token can use it again:
 the reuse rate (requests served by an expert that an earlier token read) is printed, about 0 %.
 Each round runs, interleaved, on fresh engines:
 
-* ``io``: ``run_token`` with a compute step that does nothing and an oracle prefetch (the next layers'
+* ``io``: ``run_moe_layers`` with a compute step that does nothing and an oracle prefetch (the next layers'
   true experts): how long reading one token's experts takes;
 * ``compute (T threads)``: each token run twice on an engine whose slab holds one token, the second
-  run all hits: the executor's compute per token (``TokenResult.compute_seconds``), with the compute
+  run all hits: the executor's compute per token (``MoELayersResult.compute_seconds``), with the compute
   pool at ``T`` threads;
-* ``pipelined (T threads)``: ``run_token`` with the executor and the oracle prefetch: the token time
+* ``pipelined (T threads)``: ``run_moe_layers`` with the executor and the oracle prefetch: the token time
   when I/O and compute overlap;
 * ``io loaded (T)``: ``io`` while ``T`` other processes keep ``T`` cores busy (numpy loops), the CPU
   load the compute brings: on this virtual disk the device itself slows down when the cores are
@@ -42,7 +42,7 @@ from _results import fmt_range, summary, write_results
 from rich.console import Console
 
 import aioexperts
-from aioexperts._cli.model_cache import ensure_bench_model
+from aioexperts._bench import ensure_bench_model
 from aioexperts._compute.pool import configure_compute_pool
 from aioexperts.predictors import Predictor
 
@@ -117,11 +117,11 @@ async def run(
             oracle.token = token
             x = xs[token : token + 1]
             if mode == "compute":
-                await engine.run_token(x, route_step=route, prefetch=False)  # reads the experts
-                result = await engine.run_token(x, route_step=route, prefetch=False)  # all hits
+                await engine.run_moe_layers(x, route_step=route, prefetch=False)  # reads the experts
+                result = await engine.run_moe_layers(x, route_step=route, prefetch=False)  # all hits
                 token_s += result.seconds
             else:
-                result = await engine.run_token(
+                result = await engine.run_moe_layers(
                     x, route_step=route, compute=noop if mode == "io" else None, predictor=oracle
                 )
             compute_s += result.compute_seconds

@@ -11,7 +11,7 @@ import aioexperts
 
 
 class Session:
-    """``store`` answers layout / hparams / experts; ``runner`` computes (``moe``, ``run_token``, ...)."""
+    """``store`` answers layout / hparams / experts; ``runner`` computes (``moe``, ``run_moe_layers``, ...)."""
 
     def __init__(self, store: aioexperts.ExpertStore, runner: aioexperts.MoERunner) -> None:
         self.store = store
@@ -31,7 +31,7 @@ class Session:
     async def warmup(self) -> None:
         await self.runner.warmup()
 
-    def __getattr__(self, name: str) -> Any:  # moe, moe_result, run_token, upcoming_layers, routing_trace
+    def __getattr__(self, name: str) -> Any:  # moe, moe_result, run_moe_layers, upcoming_layers, routing_trace
         return getattr(self.runner, name)
 
 

@@ -1,6 +1,6 @@
 """The page-cache mode: the kernel's page cache is the expert cache; prefetch only warms it.
 
-Views point into read-only shared mappings of the shards (:class:`~aioexperts._io.pagecache
+Views point into read-only shared mappings of the shards (:class:`~aioexperts._io.mapping
 .MappedShards`), valid while pinned (a mapping is never unmapped under a view). Before warming,
 ``mincore`` tells which ranges are resident already: those are skipped and counted. A request
 (demand) warms what it needs ahead of every queued prefetch and, with the ``read`` method, waits
@@ -29,7 +29,7 @@ from .._errors import ExpertReadError, StoreClosedError
 from .._format.layout import ExpertLayout, ExpertLocation
 from .._io.backends.base import IOBackend, ReadOp, ReadResult, SubmitError
 from .._io.loop import AsyncEvent, LoopAdapter
-from .._io.pagecache import SCRATCH_BYTES, MappedShards, WarmRange, merge_ranges, warm_advice, warm_read
+from .._io.mapping import SCRATCH_BYTES, MappedShards, WarmRange, merge_ranges, warm_advice, warm_read
 
 __all__ = ("PageCacheCounters", "PageCacheSource", "PageCacheStatistics", "PinnedExpert")
 

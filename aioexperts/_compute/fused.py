@@ -16,7 +16,7 @@ larger (prefill)             ``dequant_<type>`` (exact) into a per-thread buffer
 F32 matrices are multiplied by BLAS on a zero-copy view of their bytes (``sgemv``/``sgemm``, faster
 than a compiled loop; the compute pool keeps BLAS to one thread per call). Types without a compiled
 kernel (IQ1/IQ2/IQ3, TQ, ...) and the ``numpy`` backend take the last row with
-:func:`aioexperts._compute.quant.dequantize`. The float kernels agree with a float64 product
+:func:`aioexperts._format.dequant.dequantize`. The float kernels agree with a float64 product
 within about 1e-6 relative (their reductions are reassociated); the exact dequantization is bit for
 bit ``gguf.quants.dequantize``.
 
@@ -49,7 +49,7 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
 from .._errors import ConfigError, FormatError, UnsupportedTypeError
-from . import quant as _quant
+from .._format import dequant as _quant
 from .jit import jit_status
 
 __all__ = (
@@ -121,7 +121,7 @@ class KernelBackend:
     """Which kernels serve :func:`linear` and :func:`dequantize`.
 
     Attributes:
-        name: ``"numba"`` (compiled kernels) or ``"numpy"`` (:mod:`aioexperts._compute.quant` + BLAS).
+        name: ``"numba"`` (compiled kernels) or ``"numpy"`` (:mod:`aioexperts._format.dequant` + BLAS).
         reason: why ``numpy`` serves (numba missing, a compile failure, forced), else None.
         cache_dir: the on-disk kernel cache, or None (no numba, or not writable).
     """
@@ -536,11 +536,11 @@ def dequantize(
 ) -> np.ndarray:
     """Exact dequantization, bit for bit ``gguf.quants.dequantize``, compiled where possible.
 
-    Same contract as :func:`aioexperts._compute.quant.dequantize` (the numpy kernels, used for
+    Same contract as :func:`aioexperts._format.dequant.dequantize` (the numpy kernels, used for
     the ``numpy`` backend and for types without a compiled kernel).
 
     Raises:
-        FormatError, UnsupportedTypeError, ConfigError: as :func:`aioexperts._compute.quant.dequantize`.
+        FormatError, UnsupportedTypeError, ConfigError: as :func:`aioexperts._format.dequant.dequantize`.
     """
     qtype = _qtype(ggml_type)
     dims = tuple(int(d) for d in shape)

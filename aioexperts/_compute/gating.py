@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from aioexperts._checks import describe
 from aioexperts._errors import ConfigError, InvalidRequestError
 from aioexperts._format.hparams import GatingFunc, MoEHParams
 
@@ -106,7 +107,7 @@ def select_experts(
         ConfigError: ``k`` exceeds the layer's experts, or the groups do not divide them.
     """
     if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or logits.ndim != 2:
-        raise InvalidRequestError(f"logits must be a 2-D float32 array (n_tokens, n_expert), got {_describe(logits)}")
+        raise InvalidRequestError(f"logits must be a 2-D float32 array (n_tokens, n_expert), got {describe(logits)}")
     n_tokens, n_expert = logits.shape
     k = hparams.n_expert_used
     if not 0 < k <= n_expert:
@@ -129,7 +130,7 @@ def select_experts(
             or selection_bias.shape != (n_expert,)
         ):
             raise InvalidRequestError(
-                f"selection_bias must be a float32 array of shape ({n_expert},), got {_describe(selection_bias)}"
+                f"selection_bias must be a float32 array of shape ({n_expert},), got {describe(selection_bias)}"
             )
         selection = probs + selection_bias
     else:
@@ -179,9 +180,3 @@ def _mask_groups(selection: np.ndarray, n_groups: int, n_group_used: int, k: int
     np.put_along_axis(keep, kept, True, axis=1)
     masked = np.where(keep[:, :, None], grouped, np.float32(-np.inf))
     return masked.reshape(n_tokens, n_expert)
-
-
-def _describe(a: object) -> str:
-    if isinstance(a, np.ndarray):
-        return f"{a.dtype} array of shape {a.shape}"
-    return type(a).__name__

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from .._format.dequant import dequantize
 from .._format.hparams import MoEHParams
 from .._format.layout import ExpertLayout
 from .._format.model import GGUFModel
-from .executor import ResidentLayer
 from .fused import WarmupReport, warmup
-from .quant import dequantize
+from .moe import ResidentLayer
 
 __all__ = ("kernel_types", "load_residents", "warmup_kernels")
 

@@ -34,8 +34,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from aioexperts._compute.executor import ResidentLayer, router_logits
 from aioexperts._compute.gating import select_experts, sigmoid, softmax
+from aioexperts._compute.moe import ResidentLayer, router_logits
 from aioexperts._errors import ConfigError, InvalidRequestError
 from aioexperts._format.hparams import GatingFunc, MoEHParams
 

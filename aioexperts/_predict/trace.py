@@ -1,6 +1,6 @@
 """Routing traces: which experts the router selected, per token and MoE layer.
 
-A trace is the input of cache simulations (:mod:`aioexperts._cache.replay`) and of predictor
+A trace is the input of cache simulations (:mod:`aioexperts._predict.simulate`) and of predictor
 scoring. A runner records one with :class:`TraceRecorder` while it routes; benchmarks generate
 synthetic ones with :func:`uniform_random_trace` and :func:`skewed_random_trace`. Traces are saved as
 ``.npz`` files without pickle; the format is described in ``docs/trace-format.md`` and in

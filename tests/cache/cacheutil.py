@@ -21,7 +21,7 @@ def fake_factory(holder: dict[str, CheckedFake], **kwargs: Any):  # type: ignore
 
 def cache_of(store: Any) -> Any:
     """The store's internal cache. TODO(issue 10): port these white-box tests to aioexperts.testing."""
-    return store._cache
+    return store._source.cache
 
 
 async def settle(ticks: int = 5) -> None:

@@ -15,7 +15,7 @@ from ioutil import pread_segment
 
 import aioexperts
 from aioexperts._cache.cache import SlotState
-from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
 
@@ -318,14 +318,14 @@ async def test_prefetch_never_evicts_pinned_or_its_own_layer(model_path: Path, a
 
 
 async def test_trace_is_recorded_and_replayed(model_path: Path, anyio_backend: object) -> None:
-    from aioexperts._cache.replay import replay
+    from aioexperts._predict.simulate import replay
 
     async with aioexperts.open(model_path, slots=6) as store:
         runner = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="none"), record_trace=True)
         rng = np.random.default_rng(0)
         for _ in range(5):
             x = rng.standard_normal((1, SMALL.n_embd)).astype(np.float32)
-            await runner.run_token(x)
+            await runner.run_moe_layers(x)
         trace = runner.routing_trace()
         st = store.statistics()
         run = runner.statistics()

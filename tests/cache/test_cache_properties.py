@@ -14,7 +14,7 @@ from ioutil import pread_segment
 
 import aioexperts
 from aioexperts._cache.cache import SlotState
-from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 SPEC = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=6, n_expert_used=2)
 N_SLOTS = 5
@@ -100,7 +100,7 @@ def test_random_interleavings_keep_the_invariants(
                 else:
                     try:
                         info["entries"] = entries
-                        info["views"] = [engine._view(e) for e in entries]
+                        info["views"] = [engine._source.view(e) for e in entries]
                         await info["release"].wait()  # type: ignore[attr-defined]
                         for e, v in zip(entries, info["views"], strict=True):  # type: ignore[arg-type]
                             assert [bytes(p.data) for p in (v.gate, v.up, v.down)] == ref[e.key]

@@ -16,9 +16,9 @@ from faults.stack import Key, open_stack, reference_bytes
 import aioexperts
 from aioexperts._cache.cache import SlotState
 from aioexperts._cache.eviction import LRU
-from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 from aioexperts._errors import EvictionPolicyError
 from aioexperts._io.align import align_down, probe_alignment
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
 

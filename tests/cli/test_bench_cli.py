@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from aioexperts._io.uring_probe import liburing_unusable_reason
-
-from aioexperts._cli import bench
-from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.backends import liburing_unusable_reason
+from aioexperts.cli import bench
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=16, n_expert_used=4)
 FAST = ["--rounds", "2", "--token-count", "2", "--executor-tokens", "1", "--no-probe", "--quiet"]
@@ -191,7 +190,7 @@ def test_a_damaged_built_in_model_suggests_rebuild(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "cache"))
-    from aioexperts._cli.model_cache import bench_model_path
+    from aioexperts._bench.model_cache import bench_model_path
 
     bench_model_path().parent.mkdir()
     bench_model_path().write_bytes(b"GGUF" + b"\0" * 100)  # truncated: a FormatError reading it
@@ -276,8 +275,8 @@ def test_results_that_cannot_be_written_are_still_printed(
 def test_a_failing_fio_is_one_line_and_a_failed_row(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from aioexperts._cli import readbench
-    from aioexperts._cli.fio import FioError
+    from aioexperts._bench import readbench
+    from aioexperts._bench.fio import FioError
 
     calls = []
 
@@ -321,7 +320,7 @@ def test_default_model_is_built_in_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "cache"))
-    import aioexperts._cli.model_cache as model_cache
+    import aioexperts._bench.model_cache as model_cache
 
     monkeypatch.setattr(model_cache, "BENCH_SPEC", SMALL)
     argv = ["--mode", "reads", "--methods", "mmap", "--rounds", "1", "--no-probe", "--json", "--out", ""]
@@ -351,3 +350,20 @@ def test_a_closed_pipe_ends_the_bench_quietly(model: Path, json_out: bool) -> No
     finally:
         os.close(write_end)
     assert (done.returncode, done.stderr) == (141, "")
+
+
+@pytest.mark.parametrize(("blocked", "extra"), [("rich", "bench"), ("rich.console", "bench")])
+def test_a_missing_extra_is_one_line_naming_the_extra(blocked: str, extra: str) -> None:
+    """Without the bench extra, the command says which package to install, in one line, no traceback."""
+    code = f"import sys; sys.modules[{blocked!r}] = None; from aioexperts.cli.bench import main"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    root = blocked.partition(".")[0]
+    assert run.returncode == 1
+    assert run.stderr == f"aioexperts-bench: error: {root} is not installed: pip install 'aioexperts[{extra}]'\n"
+
+
+def test_a_missing_module_that_is_no_extra_is_not_hidden() -> None:
+    """Only the optional extras get the one-line message; any other missing module keeps its traceback."""
+    code = "import sys; sys.modules['aioexperts._bench.sweep'] = None; from aioexperts.cli.bench import main"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 1 and "Traceback" in run.stderr and "ModuleNotFoundError" in run.stderr

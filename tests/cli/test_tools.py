@@ -14,10 +14,10 @@ import pytest
 from conftest import shared_fixtures_dir
 
 import aioexperts
-from aioexperts._cache.replay import expert_frequencies, replay, slots_for_hit_rate
-from aioexperts._cli import maptool, tracetool
-from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts._predict.simulate import expert_frequencies, replay, slots_for_hit_rate
 from aioexperts._predict.trace import skewed_random_trace, uniform_random_trace
+from aioexperts.cli import maptool, tracetool
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 SPEC = SyntheticSpec(n_layer=3, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
 

@@ -140,7 +140,8 @@ def test_the_numpy_kernels_serve_when_numba_is_missing(tmp_path) -> None:
     logging.getLogger("aioexperts").setLevel(logging.INFO)
     import numpy as np
     from gguf import GGMLQuantizationType as T
-    from aioexperts._compute import fused, quant
+    from aioexperts._compute import fused
+    from aioexperts._format import dequant as quant
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, 2 * 144, dtype=np.uint8)
     raw.reshape(2, 144)[:, 0:4] = np.array([0x1400, 0x1400], '<u2').view(np.uint8)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from test_quant import (
+from quantblocks import (
     EXTREME_E8M0,
     EXTREME_F16,
     F16_SCALES,

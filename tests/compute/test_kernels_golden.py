@@ -1,7 +1,7 @@
 """Every shared fixture (``more-archs/`` included) through ``MoERunner.moe_result`` with each kernel backend.
 
 With the compiled kernels (float and int8 precision) and with the numpy kernels forced, the outputs
-must match llama.cpp's goldens within the tolerances of ``tests/engine/test_moe_golden.py`` (for the
+must match llama.cpp's goldens within the tolerances of ``tests/store/test_moe_golden.py`` (for the
 architectures whose routing is verified against llama.cpp), and the float kernels of the two
 backends must agree with each other within 1e-5 relative whatever the architecture.
 """
@@ -30,7 +30,7 @@ tolerance = golden_tolerance
 
 @pytest.fixture
 def anyio_backend() -> str:
-    return "asyncio"  # the event loops are covered by tests/engine; this file is about the kernels
+    return "asyncio"  # the event loops are covered by tests/store; this file is about the kernels
 
 
 @pytest.fixture(autouse=True)

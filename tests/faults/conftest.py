@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 from faults.stack import Key, reference_bytes
 
 #: 3 layers x 8 experts; each expert is three reads (gate, up, down) of about 37 KB.

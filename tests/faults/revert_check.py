@@ -7,9 +7,9 @@ Run from a checkout (it edits the package's files and restores them, one fix at 
 
 For each fix it runs ``tests/faults/test_store_state_machine.py`` (and the cache property test,
 for comparison) with the ``find-only`` hypothesis profile: fresh examples, no example database,
-no shrinking, 300 examples per event loop. A line per fix: the pytest summary of each test. Fixes 4 (direct-I/O probing) and 8
-(io_uring without probe) are below what the store machine drives; their regression tests are
-in ``tests/io/``.
+no shrinking, 300 examples per event loop. A line per fix: the pytest summary of each test.
+Fixes 4 (direct-I/O probing) and 8 (io_uring without probe) are below what the store machine
+drives; their regression tests are in ``tests/io/``.
 """
 
 from __future__ import annotations

@@ -61,6 +61,9 @@ class Stepper:
 #: Pass-through frames, named by their callers instead: the compute pool, and the shielded wait.
 PASS_THROUGH = (
     (os.path.join("_compute", "pool.py"), None),
+    # the sources forward acquire() to their cache: the await point is the cache's
+    (os.path.join("_sources", "slab.py"), "acquire"),
+    (os.path.join("_sources", "mapped.py"), "acquire"),
     (os.path.join("_io", "loop.py"), "wait_through_cancellation"),
 )
 

@@ -759,7 +759,7 @@ async def test_a_cancelled_layer_keeps_its_experts_pinned_until_its_compute_has_
         await run.runner.warmup()
 
         async def layer() -> None:
-            await run.runner.run_token(x, compute=compute, prefetch=False)
+            await run.runner.run_moe_layers(x, compute=compute, prefetch=False)
 
         async with anyio.create_task_group() as tg:
             scope = anyio.CancelScope()

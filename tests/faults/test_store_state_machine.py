@@ -199,7 +199,7 @@ class StoreMachine(RuleBasedStateMachine):
             req.stage = "done"
 
     def _unpinned_loads(self) -> set[Key]:
-        cache = self.run.store._cache  # white-box: the cache's entries, read only
+        cache = self.run.store._source.cache  # white-box: the cache's entries, read only
         assert cache is not None
         return {key for key, e in cache.entries.items() if e.state is SlotState.LOADING and not e.pins}
 
@@ -339,7 +339,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.settle()
         expected, self.expected_retry = self.expected_retry, None
         if expected is not None and not self.run.store.closed and self.fake.submit_fault is None:
-            scheduler = self.run.store._scheduler  # white-box: a re-read may still be queued there
+            scheduler = self.run.store._source.scheduler  # white-box: a re-read may still be queued there
             assert scheduler is not None
             queued = [*self.fake.pending, *scheduler._retries]
             pending = [(o.shard, o.file_offset, o.n_bytes, o.slot, o.slot_offset) for o in queued]
@@ -447,7 +447,7 @@ class StoreMachine(RuleBasedStateMachine):
         held = set().union(*(r.keys for r in self.requests if r.stage == "holding"))
         active = set().union(*(r.keys for r in self.requests if r.stage in ("acquire", "holding")))
         assert len(held) <= st_.pinned_slots <= len(active), (st_.pinned_slots, held, active)
-        cache = self.run.store._cache  # white-box: loads submitted or still queued in the scheduler
+        cache = self.run.store._source.cache  # white-box: loads submitted or still queued in the scheduler
         assert cache is not None
         pending = {key for key, e in cache.entries.items() if e.state is SlotState.LOADING}
         stuck = [
@@ -469,7 +469,7 @@ class StoreMachine(RuleBasedStateMachine):
     @invariant()
     def check_the_cache(self) -> None:
         """White-box: every slot free or held by exactly one entry; only requests that wait queue for slots."""
-        cache = self.run.store._cache
+        cache = self.run.store._source.cache
         assert cache is not None
         slots = sorted([*cache.free_slots, *(e.slot for e in cache.entries.values())])
         assert slots == list(range(N_SLOTS)), f"slots lost or doubled: {slots}"
@@ -542,7 +542,7 @@ class StoreMachine(RuleBasedStateMachine):
         shielded, for those reads): then every pending read is completed and the count is reset by
         hand, only so that the loop can stop after the failure is reported.
         """
-        scheduler = self.run.store._scheduler  # white-box: only to tell and to rescue
+        scheduler = self.run.store._source.scheduler  # white-box: only to tell and to rescue
         assert scheduler is not None
         with anyio.move_on_after(BOUND):
             while not self.close_done:

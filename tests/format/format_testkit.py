@@ -18,7 +18,7 @@ import pytest
 from conftest import shared_fixtures_dir
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from aioexperts._cli.synthetic import SyntheticSpec
+from aioexperts.testing import SyntheticSpec
 
 Q = GGMLQuantizationType
 

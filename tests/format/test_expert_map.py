@@ -10,7 +10,6 @@ from pathlib import Path
 import format_testkit as kit
 import pytest
 
-from aioexperts._cli.synthetic import write_synthetic_model
 from aioexperts._errors import ConfigError, FormatError, StaleMapError
 from aioexperts._format.expert_map import (
     EXPERT_MAP_MAGIC,
@@ -24,6 +23,7 @@ from aioexperts._format.expert_map import (
 )
 from aioexperts._format.layout import build_layout
 from aioexperts._format.model import GGUFModel, open_model
+from aioexperts.testing import write_synthetic_model
 
 HEADER = struct.Struct("<8sQQQQI")
 MiB = 1 << 20

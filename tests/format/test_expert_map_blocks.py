@@ -19,11 +19,11 @@ import pytest
 from gguf import GGUFReader, GGUFValueType
 from moe_session import moe_session
 
-from aioexperts._cli.synthetic import write_synthetic_model
 from aioexperts._errors import ConfigError
 from aioexperts._format.expert_map import check_map_matches_layout, read_expert_map, write_expert_map
 from aioexperts._format.layout import build_layout
 from aioexperts._format.model import open_model
+from aioexperts.testing import write_synthetic_model
 
 T = GGUFValueType
 

@@ -16,7 +16,6 @@ from gguf import GGUFReader, GGUFValueType
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from aioexperts._cli.synthetic import write_synthetic_model
 from aioexperts._errors import AioExpertsError
 from aioexperts._format.expert_map import (
     MAX_RANGE_BYTES,
@@ -26,6 +25,7 @@ from aioexperts._format.expert_map import (
 )
 from aioexperts._format.layout import build_layout
 from aioexperts._format.model import GGUFModel, open_model
+from aioexperts.testing import write_synthetic_model
 
 Q = kit.Q
 FUZZ = settings(

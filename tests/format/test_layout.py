@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from aioexperts._cli.synthetic import write_synthetic_model
 from aioexperts._errors import InvalidRequestError, LayoutError
 from aioexperts._format.layout import ExpertLayout, build_layout
 from aioexperts._format.model import open_model
+from aioexperts.testing import write_synthetic_model
 
 Q = GGMLQuantizationType
 

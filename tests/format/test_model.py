@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from gguf import GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
 
-from aioexperts._cli.synthetic import write_synthetic_model
 from aioexperts._errors import (
     AioExpertsError,
     ConfigError,
@@ -30,6 +29,7 @@ from aioexperts._errors import (
 from aioexperts._format.expert_map import write_expert_map
 from aioexperts._format.layout import build_layout
 from aioexperts._format.model import GGUFModel, SkippedValue, open_model, split_shard_paths
+from aioexperts.testing import write_synthetic_model
 
 Q = gguf.GGMLQuantizationType
 U64 = 1 << 64

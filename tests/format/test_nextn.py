@@ -102,8 +102,8 @@ async def test_engine_never_reads_prefetches_or_runs_the_nextn_block(tmp_path: P
         assert list(engine.layout.layers) == [1, 2]
         assert engine.upcoming_layers(2) == [1]  # wraps to the next token's first layer, not to block 3
         await engine.warmup()  # the resident weights of blocks 1 and 2 (block 3 is never loaded)
-        result = await engine.run_token(x)
-        await engine.run_token(x)
+        result = await engine.run_moe_layers(x)
+        await engine.run_moe_layers(x)
         assert [step.layer for step in result.steps] == [1, 2]
         with pytest.raises(InvalidRequestError, match="NextN"):
             await engine.moe(3, x)

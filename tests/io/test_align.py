@@ -15,12 +15,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import aioexperts
-from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 from aioexperts._format.layout import ExpertLocation, Segment
 from aioexperts._io import align, files
 from aioexperts._io.align import align_down, align_up, probe_alignment, widen
 from aioexperts._io.files import open_shards
 from aioexperts._io.plan import plan_expert
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 
 @given(

@@ -15,7 +15,6 @@ from faults.stack import open_fds
 import aioexperts
 from aioexperts._cache.scheduler import Load, Priority, ReadScheduler
 from aioexperts._cache.stats import Counters
-from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 from aioexperts._format.layout import build_layout
 from aioexperts._format.model import open_model
 from aioexperts._io.backends.base import IOBackend
@@ -25,6 +24,7 @@ from aioexperts._io.loop import current_loop
 from aioexperts._io.plan import max_plan_bytes, plan_expert
 from aioexperts._io.select import create_backend
 from aioexperts._io.slab import Slab
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
 

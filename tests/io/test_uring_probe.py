@@ -13,7 +13,7 @@ import pytest
 import aioexperts
 import aioexperts._io.select as select_module
 from aioexperts._io import uring_probe
-from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 SMALL = SyntheticSpec(n_layer=1, n_embd=256, n_ff_exp=256, n_expert=4, n_expert_used=2)
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioexperts._compute.executor import ResidentLayer, route
+from aioexperts._compute.moe import ResidentLayer, route
 from aioexperts._errors import ConfigError, InvalidRequestError
 from aioexperts._format.hparams import GatingFunc, MoEHParams
 from aioexperts._predict.predictors import (

@@ -1,0 +1,117 @@
+"""Facts about the machine a bench ran on, for the results file and the rendered tables."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from importlib import metadata
+from typing import Any
+
+__all__ = ("kernel_facts", "machine_facts", "machine_label")
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _cpu_model() -> str | None:
+    text = _read("/proc/cpuinfo") or ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or None
+
+
+def _mount_of(path: str) -> tuple[str | None, str | None]:
+    """``(source device, filesystem type)`` of the mount holding ``path``."""
+    try:
+        out = subprocess.run(
+            ["findmnt", "-no", "SOURCE,FSTYPE", "-T", path], capture_output=True, text=True, timeout=10, check=False
+        ).stdout.split()
+        if len(out) >= 2:
+            return out[0], out[1]
+    except OSError:
+        pass
+    best: tuple[str, str, str] | None = None
+    for line in (_read("/proc/mounts") or "").splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")):
+            if best is None or len(parts[1]) > len(best[1]):
+                best = (parts[0], parts[1], parts[2])
+    return (best[0], best[2]) if best else (None, None)
+
+
+def _device_facts(source: str | None) -> dict[str, Any]:
+    if not source or not source.startswith("/dev/"):
+        return {}
+    name = os.path.basename(os.path.realpath(source))
+    base = f"/sys/class/block/{name}"
+    if os.path.exists(f"{base}/partition"):
+        name = os.path.basename(os.path.dirname(os.path.realpath(base)))
+        base = f"/sys/class/block/{name}"
+    vendor = _read(f"{base}/device/vendor")
+    return {
+        "name": name,
+        "model": _read(f"{base}/device/model"),
+        "vendor": vendor,
+        "virtio": vendor == "0x1af4",
+        "rotational": _read(f"{base}/queue/rotational") == "1",
+        "scheduler": _read(f"{base}/queue/scheduler"),
+        "size_bytes": int(_read(f"{base}/size") or 0) * 512,
+    }
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_facts(model_path: str) -> dict[str, Any]:
+    """Kernel, CPU, memory, the filesystem and device holding ``model_path``, library versions."""
+    source, fstype = _mount_of(os.path.dirname(os.path.abspath(model_path)))
+    pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return {
+        "hostname": platform.node(),
+        "kernel": platform.release(),
+        "os": platform.platform(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "memory_bytes": pages * os.sysconf("SC_PAGE_SIZE"),
+        "filesystem": fstype,
+        "device_source": source,
+        "device": _device_facts(source),
+        "python": platform.python_version(),
+        "numpy": _version("numpy"),
+        "liburing": _version("liburing"),
+        "uvloop": _version("uvloop"),
+        "gguf": _version("gguf"),
+        "load_average_at_start": list(os.getloadavg()),
+        "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+    }
+
+
+def machine_label(facts: dict[str, Any]) -> str:
+    """One line naming the machine: ``"2 vCPU AMD EPYC, 24 GiB, ext4 on virtio vda, Linux 6.18"``."""
+    dev = facts.get("device") or {}
+    disk = f"{'virtio ' if dev.get('virtio') else ''}{dev.get('name') or facts.get('device_source') or '?'}"
+    mem = facts.get("memory_bytes") or 0
+    return (
+        f"{facts.get('cpu_count')} vCPU {facts.get('cpu_model') or '?'}, {mem / (1 << 30):.0f} GiB, "
+        f"{facts.get('filesystem') or '?'} on {disk}, Linux {facts.get('kernel')}"
+    )
+
+
+def kernel_facts() -> dict[str, Any]:
+    """Which kernels the MoE maths runs (numba, or the numpy fallback and why) and their precision."""
+    from .._compute import fused
+
+    served = fused.backend()
+    return {"backend": served.name, "reason": served.reason, "precision": fused.precision()}

@@ -1,0 +1,140 @@
+"""The results file ``bench-results.json``: everything one bench run measured, with its context.
+
+Top-level keys: ``schema`` (this format's version), ``aioexperts`` (version), ``date`` (UTC, ISO
+8601), ``command``, ``units``, ``machine`` (:func:`.machine.machine_facts`), ``model``, ``parameters``,
+``kernels`` (which kernels the executor ran: ``backend``, ``reason``, ``precision``), ``targets``
+(each with ``met``), and the sections ``reads``, ``tokens``, ``loops``, ``sweep`` of
+the parts that ran. Every raw round is kept at full precision; summaries are medians with min and
+max over the rounds. The file is written atomically (a temporary file renamed into place), so an
+interrupted run leaves no partial file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from typing import Any
+
+__all__ = ("SCHEMA", "UNITS", "evaluate_targets", "json_safe", "load_results", "write_results")
+
+SCHEMA = 1
+UNITS = {
+    "GB": "1e9 bytes",
+    "GiB": "2^30 bytes",
+    "gb_per_s": "GB per second of wall time (bytes the reads returned)",
+    "cpu_s_per_gib": "user + system CPU seconds of the process (every thread) per GiB read",
+    "seconds": "wall seconds",
+    "ms": "milliseconds",
+    "us": "microseconds",
+    "ratios": "per round (passes adjacent in time), then median, min and max over the rounds",
+}
+
+
+def json_safe(x: Any) -> Any:
+    """JSON-safe: NaN and infinities become None, tuples lists, numpy scalars Python numbers."""
+    if isinstance(x, float):
+        return None if math.isnan(x) or math.isinf(x) else x
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [json_safe(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):
+        return json_safe(x.item())
+    return x
+
+
+def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> None:
+    """Write ``results`` as indented JSON to ``path`` atomically."""
+    target = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(target))
+    fd, tmp = tempfile.mkstemp(prefix=".bench-results-", suffix=".partial", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(json_safe(results), f, indent=1, sort_keys=False)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a results file.
+
+    Raises:
+        ValueError: not a results file of a known schema.
+    """
+    with open(path, encoding="utf-8") as f:
+        data: dict[str, Any] = json.load(f)
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"{os.fspath(path)}: not a bench results file of schema {SCHEMA}")
+    return data
+
+
+def _target(name: str, what: str, value: dict[str, Any] | None, limit: float, higher_is_better: bool) -> dict[str, Any]:
+    median = None if value is None else value.get("median")
+    met = None if median is None else (median >= limit if higher_is_better else median <= limit)
+    return {
+        "name": name,
+        "what": what,
+        "limit": limit,
+        "direction": ">=" if higher_is_better else "<=",
+        "value": value,
+        "met": met,
+    }
+
+
+def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each judged on the median of its per-round figures (``met`` None if not measured)."""
+    out = []
+    reads = results.get("reads") or {}
+    ratios = reads.get("ratios") or {}
+    out.append(
+        _target("x_fio", "io_uring cold / fio replay of the same reads", ratios.get("io_uring_x_fio"), 0.95, True)
+    )
+    out.append(
+        _target(
+            "x_raw_same_memory",
+            "io_uring cold / raw io_uring loop, same reads into as much memory (fio cannot)",
+            ratios.get("io_uring_x_raw"),
+            0.95,
+            True,
+        )
+    )
+    out.append(
+        _target(
+            "cpu_vs_fio",
+            "io_uring CPU s/GiB / fio's on the same reads",
+            ratios.get("cpu_io_uring_over_fio"),
+            2.0,
+            False,
+        )
+    )
+    out.append(
+        _target("x_mmap", "io_uring cold / mmap copy of the same reads", ratios.get("io_uring_x_mmap"), 3.0, True)
+    )
+    out.append(
+        _target(
+            "x_threads", "io_uring cold / thread pool of the same reads", ratios.get("io_uring_x_threads"), 1.0, True
+        )
+    )
+    warm = (reads.get("warm") or {}).get("engine") or {}
+    out.append(
+        _target("warm_hit", "warm experts() hit of one expert, us", warm.get("experts_single_us_per_hit"), 20.0, False)
+    )
+    tokens = results.get("tokens") or {}
+    if tokens:
+        out.append(
+            _target(
+                "overlap",
+                "pipelined token / max(io only, compute only), same round",
+                tokens.get("overlap"),
+                float(tokens.get("target_overlap", 1.15)),
+                False,
+            )
+        )
+    return out

@@ -1,1 +1,0 @@
-"""cli layer of aioexperts (private)."""

@@ -1,0 +1,663 @@
+"""The MoE executor: router, gating, routed experts (any mix of ggml types) and shared experts.
+
+The reference is llama.cpp's ``llm_graph_context::build_moe_ffn`` (``src/llama-graph.cpp``) for the
+routed part and ``build_ffn`` with ``LLM_FFN_SILU, LLM_FFN_PAR`` for the shared expert; each function
+names the formula it mirrors.
+
+Performance notes: everything is float32; every matrix product goes through
+:func:`aioexperts._compute.fused.linear` (compiled kernels that read the raw ggml blocks in slot
+memory: one fused decode-and-dot per token for a token or two, a blocked product that decodes each
+row once for small batches, exact dequantization + BLAS for prefill); tokens are grouped by expert,
+so each selected expert is decoded once per call whatever the number of tokens that chose it; the
+distinct experts of a call (and the shared expert) are spread over the compute pool's idle workers
+(:meth:`aioexperts._compute.pool.ComputePool.map`); the only Python loops run over the distinct
+experts (and over the k slots for the final sum, in llama.cpp's order), never over tokens; the
+per-expert scratch buffers live in a per-thread workspace that is reused from call to call.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import overload
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from aioexperts._checks import check_activations, describe
+from aioexperts._compute import fused as _fused
+from aioexperts._compute.gating import select_experts
+from aioexperts._compute.pool import compute_pool
+from aioexperts._errors import ConfigError, InvalidRequestError
+from aioexperts._format.hparams import Activation, MoEHParams
+from aioexperts._format.views import ExpertView, ProjectionView
+
+__all__ = ("MoEOutput", "ResidentLayer", "moe_forward", "route", "router_logits")
+
+TensorGetter = Callable[[str], "np.ndarray | None"]
+"""``tensor(name) -> float32 array in numpy order, or None when the model has no such tensor``."""
+_Group = tuple[int, ExpertView, np.ndarray]
+"""One distinct expert of a call: ``(expert id, its view, flat (token * k + slot) positions)``."""
+
+_MAX_TIERS = 3  # ffn_*_exps_tier1..3 (docs/notes/FORMATS.md section 2)
+
+
+# --------------------------------------------------------------------------------------------------
+# resident weights
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ResidentLayer:
+    """The always-resident (non-streamed) MoE weights of one layer, dequantized to float32.
+
+    Shapes are numpy order (ggml dims reversed). ``n_layer_experts`` is ``router.shape[0]``: the
+    router's width, which a pruned mixed-tier layer may have smaller than ``hparams.n_expert``.
+
+    Attributes:
+        layer: the block index ``L``.
+        router: ``blk.L.ffn_gate_inp.weight``, ``(n_layer_experts, n_embd)``.
+        router_bias: ``blk.L.ffn_gate_inp.bias``, ``(n_layer_experts,)`` or None (gpt-oss).
+        selection_bias: ``blk.L.exp_probs_b.bias``, ``(n_layer_experts,)`` or None (DeepSeek-V3,
+            GLM-4.5): added to the probabilities for choosing only.
+        gate_exps_bias, up_exps_bias: ``blk.L.ffn_{gate,up}_exps.bias``, ``(n_layer_experts, n_ff_exp)``
+            or None (gpt-oss; a merged ``ffn_gate_up_exps.bias`` is split into the two).
+        down_exps_bias: ``blk.L.ffn_down_exps.bias``, ``(n_layer_experts, n_embd)`` or None.
+        shexp_gate, shexp_up: ``blk.L.ffn_{gate,up}_shexp.weight``, ``(n_ff_shexp, n_embd)`` or None.
+        shexp_down: ``blk.L.ffn_down_shexp.weight``, ``(n_embd, n_ff_shexp)`` or None.
+        shexp_gate_inp: ``blk.L.ffn_gate_inp_shexp.weight``, ``(n_embd,)`` or None: when present the
+            shared output is multiplied by ``sigmoid(x . shexp_gate_inp)`` (Qwen2-MoE, Qwen3-Next).
+    """
+
+    layer: int
+    router: np.ndarray
+    router_bias: np.ndarray | None = None
+    selection_bias: np.ndarray | None = None
+    gate_exps_bias: np.ndarray | None = None
+    up_exps_bias: np.ndarray | None = None
+    down_exps_bias: np.ndarray | None = None
+    shexp_gate: np.ndarray | None = None
+    shexp_up: np.ndarray | None = None
+    shexp_down: np.ndarray | None = None
+    shexp_gate_inp: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        router = _f32_matrix("router", self.router, None)
+        n_exp, n_embd = router.shape
+        if n_exp == 0 or n_embd == 0:
+            raise ConfigError(f"layer {self.layer}: empty router of shape {router.shape}")
+        object.__setattr__(self, "router", router)
+        for name in ("router_bias", "selection_bias"):
+            object.__setattr__(self, name, _f32_vector(name, getattr(self, name), n_exp))
+        for name in ("gate_exps_bias", "up_exps_bias"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _f32_matrix(name, value, None)
+                if value.shape[0] != n_exp:
+                    raise ConfigError(f"layer {self.layer}: {name} has {value.shape[0]} rows, the router {n_exp}")
+            object.__setattr__(self, name, value)
+        gate_b, up_b = self.gate_exps_bias, self.up_exps_bias
+        if (gate_b is None) != (up_b is None) or (
+            gate_b is not None and up_b is not None and gate_b.shape != up_b.shape
+        ):
+            raise ConfigError(
+                f"layer {self.layer}: gate and up expert biases must both be present with one shape, "
+                f"got {_shape(self.gate_exps_bias)} and {_shape(self.up_exps_bias)}"
+            )
+        object.__setattr__(self, "down_exps_bias", _f32_matrix("down_exps_bias", self.down_exps_bias, (n_exp, n_embd)))
+        shared = (self.shexp_gate, self.shexp_up, self.shexp_down)
+        if any(t is not None for t in shared):
+            if any(t is None for t in shared):
+                raise ConfigError(
+                    f"layer {self.layer}: the shared expert needs gate, up and down, got shapes "
+                    f"{_shape(self.shexp_gate)}, {_shape(self.shexp_up)}, {_shape(self.shexp_down)}"
+                )
+            assert self.shexp_gate is not None
+            gate = _f32_matrix("shexp_gate", self.shexp_gate, None)
+            n_ff_sh = gate.shape[0]
+            object.__setattr__(self, "shexp_gate", _f32_matrix("shexp_gate", gate, (n_ff_sh, n_embd)))
+            object.__setattr__(self, "shexp_up", _f32_matrix("shexp_up", self.shexp_up, (n_ff_sh, n_embd)))
+            object.__setattr__(self, "shexp_down", _f32_matrix("shexp_down", self.shexp_down, (n_embd, n_ff_sh)))
+        gate_inp = self.shexp_gate_inp
+        if gate_inp is not None:
+            if isinstance(gate_inp, np.ndarray) and gate_inp.ndim == 2 and gate_inp.shape[0] == 1:
+                gate_inp = gate_inp.reshape(-1)  # ggml {n_embd, 1}
+            if self.shexp_gate is None:
+                raise ConfigError(f"layer {self.layer}: ffn_gate_inp_shexp without a shared expert")
+        object.__setattr__(self, "shexp_gate_inp", _f32_vector("shexp_gate_inp", gate_inp, n_embd))
+
+    @property
+    def n_layer_experts(self) -> int:
+        """Router outputs of this layer (all banks together)."""
+        return int(self.router.shape[0])
+
+    @property
+    def n_embd(self) -> int:
+        """Hidden size."""
+        return int(self.router.shape[1])
+
+    @property
+    def has_shared(self) -> bool:
+        """Whether this layer has a shared expert."""
+        return self.shexp_gate is not None
+
+    @classmethod
+    def from_tensors(cls, layer: int, tensor: TensorGetter, hparams: MoEHParams) -> ResidentLayer:
+        """Collect a layer's resident weights through ``tensor(name)``.
+
+        Tensor names are those of docs/notes/FORMATS.md section 1: ``blk.L.ffn_gate_inp.weight`` (required),
+        ``blk.L.ffn_gate_inp.bias``, ``blk.L.exp_probs_b.bias``, ``blk.L.ffn_{gate,up,down}_exps.bias``
+        (mixed-tier banks: followed by ``..._exps_tierN.bias``, concatenated in bank order),
+        ``blk.L.ffn_gate_up_exps.bias`` (split into gate and up halves),
+        ``blk.L.ffn_{gate,up,down}_shexp.weight`` and ``blk.L.ffn_gate_inp_shexp.weight``.
+
+        Args:
+            layer: the block index ``L``.
+            tensor: returns the named tensor as a float32 array in numpy order (ggml dims reversed),
+                dequantized, or None when the model has no such tensor.
+            hparams: the model's MoE parameters; used to refuse dense layers and check widths.
+
+        Returns:
+            The layer's resident weights.
+
+        Raises:
+            ConfigError: the layer is one of the leading dense blocks or out of range, the router is
+                missing, a tensor is not float32, or shapes disagree (the message has the numbers).
+        """
+        if not hparams.is_moe_layer(layer):
+            raise ConfigError(
+                f"layer {layer} has no routed experts (leading dense blocks: {hparams.n_layer_dense_lead}, "
+                f"layers: {hparams.n_layer})"
+            )
+        prefix = f"blk.{layer}."
+        router = tensor(prefix + "ffn_gate_inp.weight")
+        if router is None:
+            raise ConfigError(f"layer {layer}: missing router tensor {prefix}ffn_gate_inp.weight")
+        router = _f32_matrix(prefix + "ffn_gate_inp.weight", router, None)
+        if router.shape[1] != hparams.n_embd:
+            raise ConfigError(f"layer {layer}: router is {router.shape}, expected (n_experts, {hparams.n_embd})")
+        if router.shape[0] > hparams.n_expert:
+            raise ConfigError(
+                f"layer {layer}: router has {router.shape[0]} outputs, more than expert_count={hparams.n_expert}"
+            )
+
+        def banked(proj: str) -> np.ndarray | None:
+            first = tensor(f"{prefix}ffn_{proj}_exps.bias")
+            if first is None:
+                return None
+            parts = [first]
+            for tier in range(1, _MAX_TIERS + 1):
+                part = tensor(f"{prefix}ffn_{proj}_exps_tier{tier}.bias")
+                if part is None:
+                    break
+                parts.append(part)
+            return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+        gate_b, up_b, down_b = banked("gate"), banked("up"), banked("down")
+        gate_up_b = tensor(prefix + "ffn_gate_up_exps.bias")
+        if gate_up_b is not None:
+            gate_up_b = _f32_matrix(prefix + "ffn_gate_up_exps.bias", gate_up_b, None)
+            half = gate_up_b.shape[1] // 2
+            gate_b, up_b = gate_up_b[:, :half], gate_up_b[:, half:]
+
+        resident = cls(
+            layer=layer,
+            router=router,
+            router_bias=tensor(prefix + "ffn_gate_inp.bias"),
+            selection_bias=tensor(prefix + "exp_probs_b.bias"),
+            gate_exps_bias=gate_b,
+            up_exps_bias=up_b,
+            down_exps_bias=down_b,
+            shexp_gate=tensor(prefix + "ffn_gate_shexp.weight"),
+            shexp_up=tensor(prefix + "ffn_up_shexp.weight"),
+            shexp_down=tensor(prefix + "ffn_down_shexp.weight"),
+            shexp_gate_inp=tensor(prefix + "ffn_gate_inp_shexp.weight"),
+        )
+        if (
+            resident.gate_exps_bias is not None
+            and hparams.n_ff_exp
+            and resident.gate_exps_bias.shape[1] != hparams.n_ff_exp
+        ):
+            raise ConfigError(
+                f"layer {layer}: expert biases are {resident.gate_exps_bias.shape[1]} wide, "
+                f"n_ff_exp is {hparams.n_ff_exp}"
+            )
+        return resident
+
+
+# --------------------------------------------------------------------------------------------------
+# routing
+
+
+def router_logits(x: np.ndarray, resident: ResidentLayer) -> np.ndarray:
+    """Router logits ``x @ router.T (+ router_bias)`` (``ffn_moe_logits``, ``ffn_moe_logits_biased``).
+
+    Args:
+        x: ``(n_tokens, n_embd)`` float32.
+        resident: the layer's resident weights.
+
+    Returns:
+        ``(n_tokens, n_layer_experts)`` float32.
+
+    Raises:
+        InvalidRequestError: ``x`` is not a float32 ``(n_tokens, n_embd)`` array.
+    """
+    x = check_activations(x, resident.n_embd)
+    logits = _dense(resident.router, x)
+    if resident.router_bias is not None:
+        logits += resident.router_bias
+    return logits
+
+
+def route(x: np.ndarray, resident: ResidentLayer, hparams: MoEHParams) -> tuple[np.ndarray, np.ndarray]:
+    """Choose the experts of each token: :func:`router_logits`, then :func:`select_experts`.
+
+    Args:
+        x: ``(n_tokens, n_embd)`` float32, the MoE block's input (after the FFN norm).
+        resident: the layer's resident weights (router, optional router and selection biases).
+        hparams: the model's MoE parameters.
+
+    Returns:
+        ``(ids, weights)``, both ``(n_tokens, n_expert_used)``: int32 ids in llama.cpp's order and
+        float32 routing weights (normalised and scaled as the model says).
+
+    Raises:
+        InvalidRequestError: ``x`` has the wrong dtype or shape.
+        ConfigError: ``hparams`` does not fit the router (``n_embd``, k, groups).
+    """
+    if resident.n_embd != hparams.n_embd:
+        raise ConfigError(f"resident layer has n_embd={resident.n_embd}, hparams n_embd={hparams.n_embd}")
+    return select_experts(router_logits(x, resident), hparams, resident.selection_bias)
+
+
+# --------------------------------------------------------------------------------------------------
+# the MoE block
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MoEOutput:
+    """What :func:`moe_forward` computes for a batch of tokens.
+
+    Attributes:
+        moe_out: ``(n_tokens, n_embd)`` float32, the routed experts' weighted sum (``ffn_moe_out``).
+        shared_out: ``(n_tokens, n_embd)`` float32, the shared expert's output after its gate, or
+            None when the layer has no shared expert.
+        ffn_out: ``(n_tokens, n_embd)`` float32, ``moe_out + shared_out`` (the same array as
+            ``moe_out`` when there is no shared expert).
+        expert_out: ``(n_tokens, k, n_embd)`` float32, each slot's expert output before weighting
+            (``ffn_moe_down`` plus bias), zeros for inactive slots; None unless asked for.
+    """
+
+    moe_out: np.ndarray
+    shared_out: np.ndarray | None
+    ffn_out: np.ndarray
+    expert_out: np.ndarray | None = None
+
+
+def moe_forward(
+    x: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    experts: Mapping[int, ExpertView],
+    resident: ResidentLayer,
+    hparams: MoEHParams,
+    *,
+    expert_out: bool = False,
+) -> MoEOutput:
+    """Run the MoE block on a batch of tokens: routed experts plus the shared expert.
+
+    Per selected expert ``e`` and token ``t`` (llama.cpp ``build_moe_ffn``):
+    ``g = W_gate[e] x_t (+ b_gate[e])``, ``u = W_up[e] x_t (+ b_up[e])`` (``ffn_moe_gate``,
+    ``ffn_moe_up``, ``ffn_moe_*_biased``); ``a = act(g, u)`` with SwiGLU ``silu(g) * u``
+    (``ggml_swiglu_split``) or gpt-oss ``swiglu_oai`` (``g = min(g, limit)``,
+    ``u = clip(u, -limit, limit)``, ``g * sigmoid(alpha * g) * (u + 1)``) or GeGLU ``gelu(g) * u``
+    (``ggml_geglu_split``, grok); ``a`` is zero-padded to the
+    down projection's width when that is wider (docs/notes/FORMATS.md section 2); ``y = W_down[e] a (+ b_down[e])``
+    (``ffn_moe_down``); ``moe_out_t = sum_i weights[t, i] * y_i`` over the k slots in slot order
+    (``ffn_moe_weighted``, ``ffn_moe_out``). A slot with id ``-1`` is inactive: it needs no view and
+    contributes zero. The weights come from :func:`route` and already include the model's weight
+    scale; nothing here rescales, so the scale touches the routed part only, never the shared part.
+    With ``hparams.weights_before_experts`` (llama4, ``weight_before_ffn``) each slot's input is
+    ``weights[t, i] * x_t`` and the slot outputs are summed unweighted.
+
+    Shared expert (``build_ffn(.., LLM_FFN_SILU, LLM_FFN_PAR)``): ``s = W_down_sh (silu(W_gate_sh x) *
+    (W_up_sh x))``, times ``sigmoid(x . w_gate_inp_shexp)`` when the layer has that gate (Qwen2-MoE;
+    llama.cpp writes it ``silu(v) / v``). ``ffn_out = moe_out + shared_out``.
+
+    Each selected expert is dequantized once per call, however many tokens chose it (tokens are
+    grouped by expert and run as one matrix product). Every ``ExpertView`` carries its own ggml types
+    and shapes, so experts of a mixed-tier layer may come from banks of different types.
+
+    Args:
+        x: ``(n_tokens, n_embd)`` float32, the MoE block's input.
+        ids: ``(n_tokens, k)`` integer expert ids (global, i.e. router output indices), ``-1`` for an
+            inactive slot.
+        weights: ``(n_tokens, k)`` float32 routing weights.
+        experts: global expert id -> its pinned :class:`~aioexperts._format.views.ExpertView`; must hold
+            every active id of ``ids`` (extra entries are ignored).
+        resident: the layer's resident weights (expert biases, shared expert).
+        hparams: the model's MoE parameters (activation, widths).
+        expert_out: also return each slot's unweighted expert output (for tests; costs
+            ``n_tokens * k * n_embd * 4`` bytes).
+
+    Returns:
+        The routed, shared and total outputs.
+
+    Raises:
+        InvalidRequestError: ``x``, ``ids`` or ``weights`` has the wrong dtype or shape, an id is out
+            of range, an active id has no view in ``experts``, or a view's layer, id or shapes do not
+            fit this layer (the message has the numbers).
+        ConfigError: ``resident`` and ``hparams`` disagree.
+    """
+    n_embd = hparams.n_embd
+    if resident.n_embd != n_embd:
+        raise ConfigError(f"resident layer has n_embd={resident.n_embd}, hparams n_embd={n_embd}")
+    x = check_activations(x, n_embd)
+    n_tokens = x.shape[0]
+    ids, weights = _check_routing(ids, weights, n_tokens, resident.n_layer_experts)
+    k = ids.shape[1]
+
+    # every slot's expert output, then the weighted sum over the k slots in slot order, as
+    # llama.cpp adds them (ffn_moe_weighted, then ggml_add of slot 0, 1, ..., k-1)
+    slot_out = np.zeros((n_tokens, k, n_embd), dtype=np.float32)
+
+    flat = ids.reshape(-1)
+    positions = np.flatnonzero(flat >= 0)
+    groups: list[_Group] = []
+    if positions.size:
+        # group the (token, slot) pairs by expert; a stable sort keeps tokens ascending per expert
+        chosen = flat[positions]
+        order = np.argsort(chosen, kind="stable")
+        positions, chosen = positions[order], chosen[order]
+        uniq, starts = np.unique(chosen, return_index=True)
+        views = _lookup_views(experts, uniq, resident.layer)
+        ends = np.append(starts[1:], chosen.size)
+        for e, view, lo, hi in zip(uniq.tolist(), views, starts.tolist(), ends.tolist(), strict=True):
+            _check_view(view, e, n_embd, hparams.n_ff_exp)  # every view, before any work starts
+            groups.append((e, view, positions[lo:hi]))
+
+    flat_weights = weights.reshape(-1)
+
+    def run(group: _Group | None) -> np.ndarray:
+        # float32 overflow (inputs far out of the model's range) gives inf/NaN like ggml, no warning:
+        # the runner refuses a non-finite output with InvalidRequestError
+        with np.errstate(over="ignore", invalid="ignore"):
+            if group is None:
+                return _shared_forward(x, resident)
+            e, view, pos = group
+            # llama4 (weight_before_ffn): each slot's input is scaled by its weight, outputs sum unweighted
+            in_scale = flat_weights[pos] if hparams.weights_before_experts else None
+            return _expert_forward(x, pos // k, e, view, resident, hparams, _workspace(), in_scale)
+
+    # the distinct experts (and the shared expert) of the call, spread over the compute pool's idle
+    # workers; each result is computed by one thread, so the numbers do not depend on the spread
+    tasks: list[_Group | None] = [*groups, None] if resident.has_shared else list(groups)
+    results = compute_pool().map(run, tasks)
+    for (_, _, pos), y in zip(groups, results, strict=False):
+        slot_out[pos // k, pos % k] = y
+
+    slot_weights = np.float32(1.0) if hparams.weights_before_experts else weights
+    active_weights = np.where(ids >= 0, slot_weights, np.float32(0.0))  # an inactive slot never counts
+    weighted = slot_out * active_weights[:, :, None]
+    moe_out = weighted[:, 0].copy()
+    for i in range(1, k):
+        moe_out += weighted[:, i]
+
+    shared_out = results[-1] if resident.has_shared else None
+    ffn_out = moe_out if shared_out is None else moe_out + shared_out
+    return MoEOutput(
+        moe_out=moe_out, shared_out=shared_out, ffn_out=ffn_out, expert_out=slot_out if expert_out else None
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# internals
+
+
+def _expert_forward(
+    x: np.ndarray,
+    rows: np.ndarray,
+    expert: int,
+    view: ExpertView,
+    resident: ResidentLayer,
+    hparams: MoEHParams,
+    ws: _Workspace,
+    in_scale: np.ndarray | None = None,
+) -> np.ndarray:
+    """``down(act(gate x) * up x)`` of one expert for the tokens ``rows``; a fresh (n, n_embd) array.
+
+    ``in_scale`` (``(n,)`` float32, llama4's ``weight_before_ffn``) multiplies each row of ``x`` first.
+    """
+    n_embd = hparams.n_embd
+    n_ff_exp, n_ff_down = _check_view(view, expert, n_embd, hparams.n_ff_exp)
+    n = rows.size
+    xs = ws.take(x, rows, "xs")
+    if in_scale is not None:
+        xs = xs * in_scale[:, None]
+
+    g = _project(view.gate, xs, ws.buf("g", (n, n_ff_exp)))
+    u = _project(view.up, xs, ws.buf("u", (n, n_ff_exp)))
+    if resident.gate_exps_bias is not None and resident.up_exps_bias is not None:  # both or neither
+        g += resident.gate_exps_bias[expert]
+        u += resident.up_exps_bias[expert]
+
+    if n_ff_down > n_ff_exp:
+        act = ws.buf("act", (n, n_ff_down))
+        act[:, n_ff_exp:] = 0.0
+        act_view = act[:, :n_ff_exp]
+    else:
+        act = act_view = ws.buf("act", (n, n_ff_exp))
+    tmp = ws.buf("tmp", (n, n_ff_exp))
+    if hparams.activation is Activation.SWIGLU_OAI:
+        _swiglu_oai(g, u, tmp, act_view, hparams.swiglu_alpha, hparams.swiglu_limit)
+    elif hparams.activation is Activation.GELU:
+        _geglu(g, u, tmp, act_view)
+    else:
+        _swiglu(g, u, tmp, act_view)
+
+    out = _project(view.down, act, None)
+    if resident.down_exps_bias is not None:
+        out += resident.down_exps_bias[expert]
+    return out
+
+
+def _swiglu(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> None:
+    """``out = silu(g) * u = g / (1 + exp(-g)) * u`` (``ggml_swiglu_split``); clobbers g and tmp."""
+    np.negative(g, out=tmp)
+    with np.errstate(over="ignore"):
+        np.exp(tmp, out=tmp)
+    tmp += np.float32(1.0)
+    np.divide(g, tmp, out=g)
+    np.multiply(g, u, out=out)
+
+
+def _swiglu_oai(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray, alpha: float, limit: float) -> None:
+    """gpt-oss ``ggml_swiglu_oai``: ``x = min(g, limit)``, ``y = clamp(u, -limit, limit)``,
+    ``out = x / (1 + exp(-alpha x)) * (y + 1)``; clobbers g, u and tmp."""
+    lim = np.float32(limit)
+    np.minimum(g, lim, out=g)
+    np.clip(u, -lim, lim, out=u)
+    np.multiply(g, np.float32(-alpha), out=tmp)
+    with np.errstate(over="ignore"):
+        np.exp(tmp, out=tmp)
+    tmp += np.float32(1.0)
+    np.divide(g, tmp, out=g)
+    u += np.float32(1.0)
+    np.multiply(g, u, out=out)
+
+
+_SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)  # ggml GELU constants
+_GELU_COEF_A = np.float32(0.044715)
+
+
+def _geglu(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> None:
+    """``ggml_geglu_split``: ``out = gelu(g) * u`` with ggml's tanh GELU
+    ``0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2)))``; clobbers tmp. (ggml's CPU backend looks
+    GELU up in a float16 table, which differs from this float32 formula by up to ~1e-3 relative.)"""
+    np.multiply(g, g, out=tmp)
+    tmp *= _GELU_COEF_A
+    tmp += np.float32(1.0)
+    tmp *= g
+    tmp *= _SQRT_2_OVER_PI
+    np.tanh(tmp, out=tmp)
+    tmp += np.float32(1.0)
+    tmp *= g
+    tmp *= np.float32(0.5)
+    np.multiply(tmp, u, out=out)
+
+
+def _shared_forward(x: np.ndarray, resident: ResidentLayer) -> np.ndarray:
+    """Shared expert: ``build_ffn(x, up_shexp, gate_shexp, down_shexp, LLM_FFN_SILU, LLM_FFN_PAR)``,
+    times ``sigmoid(x . ffn_gate_inp_shexp)`` when the layer has that gate."""
+    gate_w, up_w, down_w = resident.shexp_gate, resident.shexp_up, resident.shexp_down
+    assert gate_w is not None and up_w is not None and down_w is not None  # has_shared
+    g = _dense(gate_w, x)
+    u = _dense(up_w, x)
+    tmp = np.empty_like(g)
+    _swiglu(g, u, tmp, g)
+    out = _dense(down_w, g)
+    if resident.shexp_gate_inp is not None:
+        # llama.cpp (qwen2moe.cpp): silu(v) / v, i.e. sigmoid(v); computed directly (no 0/0 at v == 0)
+        v = _dense(resident.shexp_gate_inp[None, :], x)[:, 0]
+        np.negative(v, out=v)
+        with np.errstate(over="ignore"):
+            np.exp(v, out=v)
+        v += np.float32(1.0)
+        np.reciprocal(v, out=v)
+        out *= v[:, None]
+    return out
+
+
+def _project(proj: ProjectionView, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """``x @ W.T`` for a projection's raw ggml bytes (``ggml_mul_mat``), into ``out`` if given."""
+    # through the module attribute so the kernel dispatch (and test counters) is picked up at call time
+    return _fused.linear(proj.data, proj.ggml_type, proj.shape, x, out=out)
+
+
+def _dense(weights: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``x @ weights.T`` for a resident float32 matrix (routers, shared experts), a fresh array."""
+    return _fused.linear(weights, GGMLQuantizationType.F32, weights.shape, x)
+
+
+def _lookup_views(experts: Mapping[int, ExpertView], uniq: np.ndarray, layer: int) -> list[ExpertView]:
+    views: list[ExpertView] = []
+    missing: list[int] = []
+    for e in uniq.tolist():
+        view = experts.get(e)
+        if view is None:
+            missing.append(e)
+            continue
+        if view.expert != e or view.layer != layer:
+            raise InvalidRequestError(
+                f"the view given for expert {e} of layer {layer} is expert {view.expert} of layer {view.layer}"
+            )
+        views.append(view)
+    if missing:
+        raise InvalidRequestError(
+            f"layer {layer}: no expert view for selected expert(s) {missing}; views were given for {sorted(experts)}"
+        )
+    return views
+
+
+def _check_view(view: ExpertView, expert: int, n_embd: int, n_ff_exp: int) -> tuple[int, int]:
+    gate, up, down = view.gate, view.up, view.down
+    width = gate.shape[0]
+    if gate.shape != (width, n_embd) or up.shape != (width, n_embd):
+        raise InvalidRequestError(
+            f"expert {expert} (layer {view.layer}, bank {view.bank}): gate {gate.shape} and up {up.shape} "
+            f"must both be (n_ff_exp, n_embd={n_embd})"
+        )
+    if n_ff_exp and width != n_ff_exp:
+        raise InvalidRequestError(
+            f"expert {expert} (layer {view.layer}, bank {view.bank}): gate/up have {width} rows, n_ff_exp is {n_ff_exp}"
+        )
+    if len(down.shape) != 2 or down.shape[0] != n_embd or down.shape[1] < width:
+        raise InvalidRequestError(
+            f"expert {expert} (layer {view.layer}, bank {view.bank}): down is {down.shape}, expected "
+            f"(n_embd={n_embd}, n_ff_down >= {width})"
+        )
+    return width, down.shape[1]
+
+
+def _check_routing(
+    ids: np.ndarray, weights: np.ndarray, n_tokens: int, n_layer_experts: int
+) -> tuple[np.ndarray, np.ndarray]:
+    if (
+        not isinstance(ids, np.ndarray)
+        or ids.ndim != 2
+        or ids.shape[0] != n_tokens
+        or not np.issubdtype(ids.dtype, np.integer)
+    ):
+        raise InvalidRequestError(f"ids must be an integer array of shape ({n_tokens}, k), got {describe(ids)}")
+    if not isinstance(weights, np.ndarray) or weights.dtype != np.float32 or weights.shape != ids.shape:
+        raise InvalidRequestError(
+            f"weights must be a float32 array of shape {ids.shape} like ids, got {describe(weights)}"
+        )
+    if ids.shape[1] == 0:
+        raise InvalidRequestError("ids has no slots (k == 0)")
+    if ids.size:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < -1 or hi >= n_layer_experts:
+            raise InvalidRequestError(f"expert ids must be in -1..{n_layer_experts - 1} (-1: inactive), got {lo}..{hi}")
+    return np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(weights)
+
+
+@overload
+def _f32_matrix(name: str, value: np.ndarray, shape: tuple[int, int] | None) -> np.ndarray: ...
+@overload
+def _f32_matrix(name: str, value: np.ndarray | None, shape: tuple[int, int] | None) -> np.ndarray | None: ...
+def _f32_matrix(name: str, value: np.ndarray | None, shape: tuple[int, int] | None) -> np.ndarray | None:
+    if value is None:
+        return None
+    if not isinstance(value, np.ndarray) or value.dtype != np.float32 or value.ndim != 2:
+        raise ConfigError(f"{name} must be a 2-D float32 array, got {describe(value)}")
+    if shape is not None and value.shape != shape:
+        raise ConfigError(f"{name} has shape {value.shape}, expected {shape}")
+    return np.ascontiguousarray(value)
+
+
+def _f32_vector(name: str, value: np.ndarray | None, n: int) -> np.ndarray | None:
+    if value is None:
+        return None
+    if not isinstance(value, np.ndarray) or value.dtype != np.float32 or value.shape != (n,):
+        raise ConfigError(f"{name} must be a float32 array of shape ({n},), got {describe(value)}")
+    return np.ascontiguousarray(value)
+
+
+def _shape(a: np.ndarray | None) -> tuple[int, ...] | None:
+    return None if a is None else tuple(a.shape)
+
+
+class _Workspace:
+    """Grow-only float32 scratch buffers, one set per thread, reused across calls."""
+
+    __slots__ = ("_bufs",)
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def buf(self, name: str, shape: tuple[int, int]) -> np.ndarray:
+        size = shape[0] * shape[1]
+        flat = self._bufs.get(name)
+        if flat is None or flat.size < size:
+            flat = np.empty(max(size, 1), dtype=np.float32)
+            self._bufs[name] = flat
+        return flat[:size].reshape(shape)
+
+    def take(self, x: np.ndarray, rows: np.ndarray, name: str) -> np.ndarray:
+        n = x.shape[0]
+        if rows.size == n and rows[0] == 0 and (n == 1 or bool(np.all(rows[1:] > rows[:-1]))):
+            return x  # sorted, distinct, n of them, starting at 0: exactly 0..n-1, every token
+        out = self.buf(name, (rows.size, x.shape[1]))
+        np.take(x, rows, axis=0, out=out)
+        return out
+
+
+_local = threading.local()
+
+
+def _workspace() -> _Workspace:
+    ws = getattr(_local, "ws", None)
+    if ws is None:
+        ws = _local.ws = _Workspace()
+    return ws

@@ -1,0 +1,273 @@
+"""The slab source (``mode="slab"``): experts read, ``O_DIRECT`` where possible, into a slab of slots.
+
+Set-up: open the shards (probing direct I/O), plan every expert's reads once, size the slab, build
+the read stack (:class:`~aioexperts._sources.stack.ReadStack`: slab, backend, scheduler) and the
+cache over it (:class:`~aioexperts._cache.cache.ExpertCache`). Row reads get a stack of their own on
+the first :meth:`SlabSource.rows` call (:class:`~aioexperts._sources.rows.RowReader`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+
+import anyio
+
+from .._cache.cache import Entry, ExpertCache, Key
+from .._cache.eviction import make_policy
+from .._cache.scheduler import ReadScheduler
+from .._cache.stats import Counters, StoreStatistics
+from .._errors import InvalidRequestError
+from .._format.layout import ExpertLayout
+from .._format.model import GGUFModel
+from .._format.views import ExpertView, ProjectionView
+from .._io.files import ShardFiles, open_shards
+from .._io.loop import LoopAdapter
+from .._io.plan import ExpertPlan, plan_all_experts
+from .._io.slab import exported_view
+from .._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions
+from .base import Build, ExpertSource
+from .rows import RowReader, RowStatistics, RowsView
+from .stack import ReadStack
+
+__all__ = ("SlabSource",)
+
+log = logging.getLogger("aioexperts")
+
+
+class SlabSource(ExpertSource):
+    """Experts in a slab of slots the source manages.
+
+    Args:
+        cache: the slab and cache options.
+        io: the read options.
+        check_running: raises unless the store may serve (closed, wrong loop); called before work.
+
+    Attributes:
+        files: the open shard files (None until opened).
+        stack: the expert slab's read stack.
+        cache: the expert cache (None until started).
+        counters: the store's counters.
+    """
+
+    kind = "slab"
+
+    def __init__(self, cache: CacheOptions, io: IOOptions, check_running: Callable[[], None]) -> None:
+        self.cache_options = cache
+        self.io_options = io
+        self._check_running = check_running
+        self.files: ShardFiles | None = None
+        self.stack = ReadStack()
+        self.cache: ExpertCache | None = None
+        self.counters = Counters()
+        self._model: GGUFModel | None = None
+        self._loop: LoopAdapter | None = None
+        self._build: Build | None = None
+        self._rows: RowReader | None = None
+        self._rows_built: RowReader | None = None  # a row reader built, not attached yet
+        self._rows_lock = anyio.Lock()
+
+    @property
+    def scheduler(self) -> ReadScheduler | None:
+        """The expert slab's scheduler (None until started)."""
+        return self.stack.scheduler
+
+    async def start(self, model: GGUFModel, layout: ExpertLayout, loop: LoopAdapter, build: Build) -> None:
+        io, cache = self.io_options, self.cache_options
+        self._model, self._loop, self._build = model, loop, build
+        files = await build(self, "files", lambda: open_shards(model, io.direct_io))
+        if files.buffered_reason is not None and io.direct_io is None:
+            log.warning("%s; using buffered reads (the page cache)", files.buffered_reason)
+        # every expert's reads, planned once at open (off the loop): nothing is planned per read
+        plans = await build(
+            self, "_plans", lambda: plan_all_experts(layout, files.alignment, io.split_bytes, io.queue_depth)
+        )
+        slot_bytes = max(p.slot_bytes for p in plans.values())
+        n_slots = self._n_slots(layout, slot_bytes)
+        stack = self.stack
+        await build(
+            stack,
+            "slab",
+            lambda: stack.build_slab(n_slots, slot_bytes, hugepages=cache.hugepages, lock=cache.lock_memory),
+        )
+        # ring set-up, buffer registration and the per-slot iovecs are blocking work: off the loop
+        shapes = {(r.slot_offset, r.n_bytes) for p in plans.values() for r in p.reads}
+        await build(
+            stack,
+            "backend",
+            lambda: stack.build_backend(io.backend, files, loop, io.queue_depth, io.backend_options(), shapes),
+        )
+        scheduler = stack.start(loop, self.counters, files, io.max_bytes_in_flight, tuple(s.path for s in model.shards))
+
+        def plan(layer: int, expert: int) -> ExpertPlan:
+            found = plans.get((layer, expert))
+            if found is None:
+                layout.locate(layer, expert)  # InvalidRequestError naming what does not exist
+                raise InvalidRequestError(f"no expert {expert} in layer {layer}")
+            return found
+
+        policy = make_policy(cache.policy) if isinstance(cache.policy, str) else cache.policy
+        self.cache = ExpertCache(n_slots, plan, scheduler, policy, loop, self.counters)
+
+    def _n_slots(self, layout: ExpertLayout, slot_bytes: int) -> int:
+        total = layout.n_experts_total
+        slots = self.cache_options.slots
+        if slots is not None:
+            return min(slots, total)  # more could never be used
+        budget = self.cache_options.bytes or DEFAULT_CACHE_BYTES
+        return max(min(budget // slot_bytes, total), min(2 * layout.n_expert_used, total))
+
+    @property
+    def started(self) -> bool:
+        return self.cache is not None
+
+    @property
+    def n_slots(self) -> int:
+        assert self.stack.slab is not None
+        return self.stack.slab.n_slots
+
+    def _running(self) -> ExpertCache:
+        assert self.cache is not None
+        return self.cache
+
+    # -- experts --------------------------------------------------------------------------------
+
+    async def acquire(
+        self, keys: Sequence[Key], *, wait: bool, after_pin: Callable[[], None], slot_timeout: float | None
+    ) -> Sequence[Entry]:
+        return await self._running().acquire(keys, wait=wait, after_pin=after_pin, slot_timeout=slot_timeout)
+
+    def view(self, pinned: Entry) -> ExpertView:
+        plan = pinned.plan
+        assert isinstance(plan, ExpertPlan)
+        loc = plan.location
+        exporters = pinned.exporters
+        if exporters is None:  # once per expert in its slot: each request only makes fresh views
+            slab = self.stack.slab
+            assert slab is not None
+            exporters = pinned.exporters = tuple(
+                slab.exporter(pinned.slot, off, seg.n_bytes, held_refs=1)
+                for off, seg in zip(plan.payload_offsets, loc.segments, strict=True)
+            )
+        gate, up, down = loc.segments
+        return ExpertView(
+            loc.layer,
+            loc.expert,
+            loc.bank,
+            ProjectionView(exported_view(exporters[0]), gate.ggml_type, gate.shape),  # type: ignore[arg-type]
+            ProjectionView(exported_view(exporters[1]), up.ggml_type, up.shape),  # type: ignore[arg-type]
+            ProjectionView(exported_view(exporters[2]), down.ggml_type, down.shape),  # type: ignore[arg-type]
+        )
+
+    def release(self, pinned: Sequence[Entry]) -> None:
+        self._running().release(pinned)
+
+    def prefetch(self, keys: Sequence[Key]) -> int:
+        return self._running().prefetch(keys)
+
+    def drop_prefetches(self, keep: Callable[[Key], bool]) -> int:
+        return self._running().drop_prefetches(keep)
+
+    # -- rows -----------------------------------------------------------------------------------
+
+    async def _row_reader(self) -> RowReader:
+        self._check_running()
+        async with self._rows_lock:
+            if self._rows is None and self._rows_built is None:
+                assert self._model is not None and self.files is not None and self._loop is not None
+                assert self._build is not None
+                io, model, files, loop = self.io_options, self._model, self.files, self._loop
+                await self._build(
+                    self,
+                    "_rows_built",
+                    lambda: RowReader(model, files, loop, io, self.cache_options.row_cache_bytes),
+                )
+            if self._rows is None and self._rows_built is not None:
+                self._rows_built.start()
+                self._rows, self._rows_built = self._rows_built, None
+            self._check_running()
+            assert self._rows is not None
+            return self._rows
+
+    @asynccontextmanager
+    async def rows(self, tensor: str, row_ids: Sequence[object]) -> AsyncIterator[RowsView]:
+        reader = await self._row_reader()
+        table = reader.table(tensor)
+        entries, view = await reader.acquire(table, reader.check_rows(table, row_ids))
+        try:
+            yield view
+        finally:
+            exported = reader.release(entries, view)
+            if exported:
+                warnings.warn(
+                    f"{tensor}: rows {exported[:8]} are still exported (e.g. by np.frombuffer) as they are "
+                    "unpinned; their slot may be reused under them: copy them inside the block",
+                    ResourceWarning,
+                    stacklevel=4,
+                )
+
+    def row_statistics(self) -> RowStatistics | None:
+        return None if self._rows is None else self._rows.statistics()
+
+    # -- statistics -----------------------------------------------------------------------------
+
+    def statistics(self) -> StoreStatistics:
+        stack, files, cache = self.stack, self.files, self.cache
+        assert files is not None and stack.slab is not None and stack.backend is not None
+        assert stack.scheduler is not None and cache is not None
+        return StoreStatistics.snapshot(
+            self.counters,
+            backend=stack.backend.name,
+            direct_io=files.direct_io,
+            fallback_reason=stack.fallback_reason,
+            buffered_reason=files.buffered_reason,
+            backend_features=stack.backend.features(),
+            n_slots=stack.slab.n_slots,
+            slot_bytes=stack.slab.slot_bytes,
+            alignment=files.alignment,
+            in_flight=stack.scheduler.reads_in_flight,
+            pinned_slots=cache.pinned_slots,
+        )
+
+    def reset_statistics(self) -> None:
+        self.counters.reset()
+
+    # -- closing --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()  # closes the scheduler: nothing queued is submitted any more
+        if self._rows is not None:
+            self._rows.cache.close()
+
+    def idle_waits(self) -> list[Callable[[], Awaitable[None]]]:
+        waits: list[Callable[[], Awaitable[None]]] = []
+        if self.stack.scheduler is not None:
+            waits.append(self.stack.scheduler.wait_idle)
+        if self._rows is not None:
+            waits.append(self._rows.stack.scheduler.wait_idle)  # type: ignore[union-attr]
+        return waits
+
+    def detach(self) -> None:
+        self.stack.detach()
+        if self._rows is not None:
+            self._rows.stack.detach()
+
+    def release_parts(self) -> list[Callable[[], None]]:
+        if self.cache is not None:  # the source's own cached exporters must not keep the slab mapped
+            for entry in self.cache.entries.values():
+                entry.exporters = None
+        parts: list[Callable[[], None]] = []
+        for rows in (self._rows, self._rows_built):
+            if rows is not None:
+                parts += rows.stack.release_parts()
+        stack = self.stack
+        if stack.backend is not None:
+            parts.append(stack.backend.close)
+        if self.files is not None:
+            parts.append(self.files.close)
+        if stack.slab is not None:
+            parts.append(stack.slab.close)
+        return parts

@@ -1,0 +1,28 @@
+"""Helpers for testing code that uses aioexperts: synthetic models and a scriptable read backend.
+
+Hosts that build on aioexperts (their own kernels, a server, a scheduler) need models to test
+with and reads they can steer; both are here, and neither needs a real model or io_uring.
+
+- :func:`write_synthetic_model` writes a valid MoE GGUF file (or a split set) of any geometry
+  described by a :class:`SyntheticSpec`: real ggml blocks (Q4_K and the other types ``gguf`` can
+  quantize) of numerically sane random weights, so the runner's outputs stay finite over many
+  tokens. :data:`BENCH_SPEC` is the built-in bench model (Qwen3-30B-A3B expert geometry, about
+  2.7 GB); :func:`tiny_moe_writer` starts a one-layer F32 MoE file to which a test adds tensors
+  of its own (row tables, say) before writing it.
+- :class:`FakeBackend` is an :class:`~aioexperts.backends.IOBackend` whose completions arrive when
+  the test says so, in the order it says, short or failed as it says:
+  ``aioexperts.open(path, io=IOOptions(backend=lambda *a: FakeBackend(*a, auto=True)))``.
+
+Example:
+    >>> from aioexperts.testing import SyntheticSpec, write_synthetic_model
+    >>> spec = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
+    >>> paths = write_synthetic_model(tmp_path / "tiny.gguf", spec)  # doctest: +SKIP
+"""
+
+from ._fake_backend import FakeBackend as FakeBackend
+from ._synthetic import BENCH_SPEC as BENCH_SPEC
+from ._synthetic import SyntheticSpec as SyntheticSpec
+from ._synthetic import tiny_moe_writer as tiny_moe_writer
+from ._synthetic import write_synthetic_model as write_synthetic_model
+
+__all__ = ("BENCH_SPEC", "FakeBackend", "SyntheticSpec", "tiny_moe_writer", "write_synthetic_model")

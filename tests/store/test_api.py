@@ -1,0 +1,865 @@
+"""The public engine API: requests, errors that leave the engine usable, closing, statistics."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from ioutil import pread_segment
+
+import aioexperts
+from aioexperts.predictors import NullPredictor
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
+
+pytestmark = pytest.mark.anyio
+
+SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2, leading_dense=1)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "small.gguf"
+    write_synthetic_model(path, SMALL)
+    return path
+
+
+#: public modules of names (each with a tuple ``__all__``), then the package of user commands
+API_MODULES = ("backends", "policies", "predictors", "testing", "traces")
+PUBLIC_MODULES = (*API_MODULES, "cli")
+
+
+def test_public_names_are_exactly_all() -> None:
+    public = {n for n in dir(aioexperts) if not n.startswith("_")}
+    assert public - set(PUBLIC_MODULES) == set(aioexperts.__all__)
+    for name in aioexperts.__all__:
+        assert getattr(aioexperts, name) is not None
+
+
+def test_installed_version_is_the_package_version() -> None:
+    """pyproject.toml's version (what pip installed) and ``aioexperts.__version__`` are one number."""
+    import importlib.metadata
+
+    assert importlib.metadata.version("aioexperts") == aioexperts.__version__
+
+
+@pytest.mark.parametrize("name", API_MODULES)
+def test_public_modules_export_exactly_all(name: str) -> None:
+    import importlib
+
+    module = importlib.import_module(f"aioexperts.{name}")
+    public = {n for n in dir(module) if not n.startswith("_")} - {"annotations"}
+    assert isinstance(module.__all__, tuple) and public == set(module.__all__)
+    for export in module.__all__:
+        assert getattr(module, export) is not None
+
+
+def test_errors_form_one_tree() -> None:
+    for name in aioexperts.__all__:
+        obj = getattr(aioexperts, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, aioexperts.AioExpertsError)
+    assert issubclass(aioexperts.FormatError, ValueError)
+    assert issubclass(aioexperts.InvalidRequestError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda: aioexperts.CacheOptions(slots=0), "slots must be >= 1"),
+        (lambda: aioexperts.CacheOptions(slots=2.5), "slots must be an int"),
+        (lambda: aioexperts.CacheOptions(slots="8"), "slots must be an int"),
+        (lambda: aioexperts.CacheOptions(slots=True), "slots must be an int"),
+        (lambda: aioexperts.CacheOptions(bytes=0), "bytes must be >= 1"),
+        (lambda: aioexperts.CacheOptions(slots=4, bytes=1 << 20), "not both"),
+        (lambda: aioexperts.CacheOptions(policy="fifo"), "policy must be one of lru, lfu, lfuda"),
+        (lambda: aioexperts.CacheOptions(policy=123), "policy must be a policy name"),
+        (lambda: aioexperts.CacheOptions(wait_for_slots="yes"), "wait_for_slots must be True or False"),
+        (lambda: aioexperts.IOOptions(queue_depth=0), "queue_depth must be in 3..4096"),
+        (lambda: aioexperts.IOOptions(queue_depth="64"), "queue_depth must be an int"),
+        (lambda: aioexperts.IOOptions(n_threads=0), "n_threads must be >= 1"),
+        (lambda: aioexperts.IOOptions(n_threads=-1), "n_threads must be >= 1"),
+        (lambda: aioexperts.IOOptions(backend=7), "backend must be a name or a factory"),
+        (lambda: aioexperts.IOOptions(backend="spdk"), "backend must be one of auto, io_uring, threads"),
+        (lambda: aioexperts.IOOptions(direct_io="yes"), "direct_io must be True or False or None"),
+        (lambda: aioexperts.IOOptions(max_bytes_in_flight=0), "max_bytes_in_flight must be >= 1"),
+        (lambda: aioexperts.PrefetchOptions(predictor=123), "predictor must be a predictor name"),
+        (lambda: aioexperts.PrefetchOptions(predictor="oracle"), "predictor must be one of"),
+        (lambda: aioexperts.PrefetchOptions(depth=-1), "depth must be >= 0"),
+        (lambda: aioexperts.PrefetchOptions(budget=-1), "budget must be >= 0"),
+    ],
+)
+def test_bad_options_raise_when_built(make: object, needle: str) -> None:
+    with pytest.raises(aioexperts.ConfigError, match=needle):
+        make()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"slots": 0}, "slots must be >= 1"),
+        ({"cache_bytes": 0}, "bytes must be >= 1"),
+        ({"slots": 4, "cache_bytes": 1 << 20}, "not both"),
+        ({"slots": 4, "cache": aioexperts.CacheOptions()}, "not both"),
+        ({"cache": {"slots": 4}}, "cache must be a CacheOptions"),
+        ({"io": "io_uring"}, "io must be an IOOptions"),
+        ({"expert_map": 3}, "expert_map must be"),
+    ],
+)
+def test_bad_arguments_raise_before_any_io(model_path: Path, kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(aioexperts.ConfigError, match=needle):
+        aioexperts.open(model_path, **kwargs)  # type: ignore[arg-type]
+
+
+def test_options_are_frozen_records() -> None:
+    options = aioexperts.IOOptions(queue_depth=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.queue_depth = 9  # type: ignore[misc]
+    with pytest.raises(aioexperts.ConfigError, match="queue_depth"):
+        dataclasses.replace(options, queue_depth=1)  # replace() checks again
+
+
+def test_numpy_integers_are_accepted_as_ints() -> None:
+    """Ids accept numpy integers; so do the options (stored as plain ints)."""
+    cache = aioexperts.CacheOptions(slots=np.int64(4), slot_timeout=np.int32(2))
+    io = aioexperts.IOOptions(queue_depth=np.int32(16), n_threads=np.uint8(2))
+    prefetch = aioexperts.PrefetchOptions(budget=np.int16(3), depth=np.int64(1))
+    pagecache = aioexperts.PageCacheOptions(n_threads=np.int64(2), max_gap=np.int64(0))
+    values = [cache.slots, io.queue_depth, io.n_threads, prefetch.budget, prefetch.depth, pagecache.n_threads]
+    assert values == [4, 16, 2, 3, 1, 2]
+    assert all(type(v) is int for v in values)
+    with pytest.raises(aioexperts.ConfigError, match="slots"):
+        aioexperts.CacheOptions(slots=np.float64(4))
+
+
+async def test_the_cache_size_given_either_way(model_path: Path, anyio_backend: object) -> None:
+    slot_bytes = None
+    async with aioexperts.open(model_path, slots=5) as store:
+        st = store.statistics()
+        assert st.n_slots == store.n_slots == 5
+        slot_bytes = st.slot_bytes
+    async with aioexperts.open(model_path, cache_bytes=7 * slot_bytes + 1) as store:
+        assert store.n_slots == 7  # whole slots within the byte budget
+    async with aioexperts.open(model_path, cache=aioexperts.CacheOptions(bytes=7 * slot_bytes)) as store:
+        assert store.n_slots == 7
+
+
+async def test_views_ids_minus_one_and_duplicates(model_path: Path, anyio_backend: object) -> None:
+    model = aioexperts.open_model(model_path)
+    layout = aioexperts.build_layout(model)
+    assert list(layout.layers) == [1, 2]
+    async with aioexperts.open(model_path, slots=4) as engine:
+        async with engine.experts(1, [3, -1, 3, np.int64(5)]) as views:
+            assert views[1] is None
+            assert views[0] is views[2]
+            assert [v.expert for v in views if v is not None] == [3, 3, 5]
+            for view in (views[0], views[3]):
+                assert view is not None
+                loc = layout.locate(1, view.expert)
+                assert bytes(view.down.data) == pread_segment(model, loc.down)
+            held = views[0].gate.data  # type: ignore[union-attr]
+        st = engine.statistics()
+        assert (st.requests, st.misses) == (2, 2)
+        with pytest.raises(ValueError, match="released"):
+            bytes(held)  # views are released when the block ends
+
+
+@pytest.mark.parametrize(
+    ("layer", "ids", "needle"),
+    [
+        (0, [1], "no MoE layer 0"),
+        (7, [1], "no MoE layer 7"),
+        (1, [8], "expert 8 does not exist"),
+        (1, [-2], "expert -2 does not exist"),
+        (1, [1.5], "must be ints"),
+        (1, [True], "must be ints"),
+        ("1", [1], "no MoE layer"),
+    ],
+)
+async def test_bad_requests_leave_the_engine_usable(
+    model_path: Path, layer: object, ids: list[object], needle: str, anyio_backend: object
+) -> None:
+    async with aioexperts.open(model_path, slots=4) as engine:
+        with pytest.raises(aioexperts.InvalidRequestError, match=needle):
+            async with engine.experts(layer, ids):  # type: ignore[arg-type]
+                pass
+        assert engine.statistics().pinned_slots == 0
+        async with engine.experts(2, [0, 1]) as views:
+            assert len(views) == 2
+        assert engine.statistics().requests == 2
+
+
+async def test_slab_too_small_is_a_clear_error(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=3) as engine:
+        with pytest.raises(aioexperts.SlabExhaustedError, match="4 experts requested at once but the slab has 3"):
+            async with engine.experts(1, [0, 1, 2, 3]):
+                pass
+        async with engine.experts(1, [0, 1]):
+            with pytest.raises(aioexperts.SlabExhaustedError, match="pinned"):
+                async with engine.experts(2, [0, 1]):
+                    pass
+        async with engine.experts(2, [0, 1, 2]) as views:  # everything unpinned again
+            assert len(views) == 3
+
+
+async def test_closed_engine_refuses_requests(model_path: Path, anyio_backend: object) -> None:
+    engine = aioexperts.open(model_path, slots=4)
+    with pytest.raises(aioexperts.StoreClosedError, match="not started"):
+        engine.statistics()
+    async with engine:
+        pass
+    assert engine.closed
+    with pytest.raises(aioexperts.StoreClosedError):
+        async with engine.experts(1, [0]):
+            pass
+    await engine.aclose()  # idempotent
+    assert engine.statistics().in_flight == 0
+
+
+async def test_statistics_are_frozen_and_add_up(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=8) as engine:
+        for ids in ([0, 1], [1, 2], [0, 2, 3]):
+            async with engine.experts(1, ids):
+                pass
+        st = engine.statistics()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            st.hits = 0  # type: ignore[misc]
+        assert st.requests == 7 == st.hits + st.inflight_joins + st.misses
+        assert (st.misses, st.hits) == (4, 3)
+        assert st.hit_rate == pytest.approx(3 / 7)
+        assert st.reads == 12 and st.submissions >= 1
+        assert st.payload_bytes == 4 * SMALL.expert_bytes()
+        assert st.bytes_read >= st.payload_bytes
+        assert st.expert_latency_p50_ms is not None and st.expert_latency_p50_ms > 0
+        engine.reset_statistics()
+        assert engine.statistics().requests == 0
+
+
+async def test_missing_model_file(tmp_path: Path, anyio_backend: object) -> None:
+    with pytest.raises(FileNotFoundError):
+        async with aioexperts.open(tmp_path / "nope.gguf"):
+            pass
+
+
+async def test_expert_map_is_checked_at_open(tmp_path: Path, anyio_backend: object) -> None:
+    import os
+
+    path = tmp_path / "m.gguf"
+    # a WEEPF001 map describes blocks 0..n-1 (docs/notes/FORMATS.md section 3): a model without a dense lead
+    write_synthetic_model(path, SMALL.with_(leading_dense=0))
+    model = aioexperts.open_model(path)
+    aioexperts.write_expert_map(model, aioexperts.build_layout(model), tmp_path / "m.weepf")
+    async with aioexperts.open(path, slots=2, expert_map=tmp_path / "m.weepf") as engine:
+        async with engine.experts(0, [0]) as views:
+            assert views[0] is not None
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(aioexperts.StaleMapError, match="regenerate"):
+        async with aioexperts.open(path, expert_map=tmp_path / "m.weepf"):
+            pass
+
+
+async def test_ids_may_be_any_iterable(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=4) as engine:
+        for ids in ((i for i in [5, 6]), map(int, "56"), iter([5, 6]), range(5, 7)):
+            async with engine.experts(1, ids) as views:
+                assert [v.expert for v in views if v is not None] == [5, 6]
+
+
+def test_queue_depth_below_one_expert_is_refused(model_path: Path) -> None:
+    with pytest.raises(aioexperts.ConfigError, match="queue_depth must be in 3..4096"):
+        aioexperts.open(model_path, io=aioexperts.IOOptions(queue_depth=2))
+
+
+async def test_slots_beyond_the_model_are_lowered(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=10**9) as engine:
+        assert engine.statistics().n_slots == engine.layout.n_experts_total == 16
+
+
+async def test_resident_weights_of_a_replaced_file_are_refused(tmp_path: Path, anyio_backend: object) -> None:
+    import os
+    import shutil
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(model_path_for(tmp_path), path)
+    async with aioexperts.open(path, slots=4) as engine:
+        async with engine.experts(1, [0]):
+            pass
+        other = tmp_path / "other.gguf"
+        write_synthetic_model(other, SMALL.with_(seed=7))
+        os.replace(other, path)  # the path now names another model of the same geometry
+        with pytest.raises(aioexperts.FormatError, match="changed since it was parsed"):
+            await aioexperts.MoERunner(engine).moe(1, np.zeros((1, SMALL.n_embd), dtype=np.float32))
+
+
+def model_path_for(tmp_path: Path) -> Path:
+    path = tmp_path / "source.gguf"
+    write_synthetic_model(path, SMALL)
+    return path
+
+
+def test_synthetic_split_sets_keep_the_default_alignment(tmp_path: Path) -> None:
+    with pytest.raises(aioexperts.ConfigError, match="default alignment"):
+        write_synthetic_model(tmp_path / "s.gguf", SMALL.with_(alignment=4096), shards=2)
+
+
+async def test_more_bad_requests(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=4) as engine:
+        with pytest.raises(aioexperts.InvalidRequestError, match="iterable"):
+            async with engine.experts(1, 3):  # type: ignore[arg-type]
+                pass
+        with pytest.raises(aioexperts.InvalidRequestError, match="no MoE layer True"):
+            async with engine.experts(True, [0]):  # type: ignore[arg-type]
+                pass
+        with pytest.raises(aioexperts.InvalidRequestError, match="no MoE layer 1.0"):
+            async with engine.experts(1.0, [0]):  # type: ignore[arg-type]
+                pass
+        with pytest.raises(aioexperts.InvalidRequestError, match="no MoE layer 99"):
+            aioexperts.MoERunner(engine).upcoming_layers(99)
+        async with engine.experts(np.int64(1), [0]) as views:  # numpy ints are ints
+            assert views[0] is not None and views[0].layer == 1 and type(views[0].layer) is int
+
+
+async def test_a_directory_is_not_a_model(tmp_path: Path, anyio_backend: object) -> None:
+    with pytest.raises(aioexperts.FormatError, match="not a regular file"):
+        async with aioexperts.open(tmp_path):
+            pass
+
+
+def test_a_store_belongs_to_its_event_loop(model_path: Path) -> None:
+    import asyncio
+    import threading
+
+    errors: list[BaseException] = []
+
+    async def use(store: aioexperts.ExpertStore) -> None:
+        try:
+            async with store.experts(1, [0]):
+                pass
+        except aioexperts.ConfigError as exc:
+            errors.append(exc)
+
+    async def main() -> None:
+        async with aioexperts.open(model_path, slots=4) as store:
+            other = threading.Thread(target=lambda: asyncio.run(use(store)))  # another loop, another thread
+            other.start()
+            await asyncio.to_thread(other.join)
+            async with store.experts(1, [0]) as views:  # still fine from its own loop
+                assert views[0] is not None
+
+    asyncio.run(main())
+    assert len(errors) == 1 and "another event loop" in str(errors[0])
+
+
+def test_an_unclosed_store_warns_when_collected(model_path: Path) -> None:
+    import asyncio
+    import gc
+
+    async def leak() -> None:
+        store = aioexperts.open(model_path, slots=4)
+        await store.start()
+        try:
+            with pytest.warns(ResourceWarning, match="was not closed"):
+                store.__del__()  # what the garbage collector calls
+        finally:
+            await store.aclose()
+        gc.collect()
+
+    asyncio.run(leak())
+
+
+async def test_a_faulty_policy_does_not_jam_the_store(
+    model_path: Path, anyio_backend: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    from aioexperts._cache.eviction import LRU
+
+    class Faulty(LRU):
+        def admit(self, key: tuple[int, int]) -> None:
+            raise KeyError(key)
+
+    async with aioexperts.open(model_path, cache=aioexperts.CacheOptions(slots=4, policy=Faulty())) as store:
+        with anyio.fail_after(10), pytest.raises(aioexperts.AioExpertsError, match=r"admit\(\)") as info:
+            async with store.experts(1, [0, 1]):
+                pass
+        # a clear error with the policy's exception as the cause; no pin left, no slot lost
+        assert isinstance(info.value.__cause__, KeyError)
+        assert store.statistics().pinned_slots == 0
+        for first in range(0, 16, 4):  # every slot is still there: each request gets its 4 slots
+            with anyio.fail_after(10), pytest.raises(aioexperts.AioExpertsError, match=r"admit\(\)"):
+                async with store.experts(2, range(first % 8, first % 8 + 4)):
+                    pass
+        assert store.statistics().pinned_slots == 0
+
+
+async def test_paths_as_bytes_and_with_a_tilde(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch, anyio_backend: object
+) -> None:
+    async with aioexperts.open(os.fsencode(model_path), slots=4) as store:
+        assert store.path == str(model_path)
+    monkeypatch.setenv("HOME", str(model_path.parent))
+    async with aioexperts.open(f"~/{model_path.name}", slots=4) as store:
+        assert store.path == str(model_path)
+        async with store.experts(1, [0]) as views:
+            assert views[0] is not None
+
+
+async def test_non_finite_input_is_refused_before_any_read(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        runner = aioexperts.MoERunner(store)
+        x = np.zeros((5, SMALL.n_embd), dtype=np.float32)
+        x[1, 3] = np.nan
+        x[4, 0] = -np.inf
+        with pytest.raises(aioexperts.InvalidRequestError, match=r"NaN or inf values in token rows 1, 4"):
+            await runner.moe(1, x)
+        huge = np.full((2, SMALL.n_embd), 3e38, dtype=np.float32)  # finite, but the logits overflow
+        with pytest.raises(aioexperts.InvalidRequestError, match="not finite for token rows 0, 1"):
+            await runner.moe(1, huge)  # and no RuntimeWarning escapes (warnings are errors here)
+        assert store.statistics().requests == 0  # refused before any expert was asked for
+        y = await runner.moe(1, np.ones((1, SMALL.n_embd), dtype=np.float32))
+        assert np.isfinite(y).all()
+
+
+async def test_finite_input_that_overflows_in_the_experts_is_refused_not_returned_as_nan(
+    model_path: Path, anyio_backend: object
+) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        runner = aioexperts.MoERunner(store)
+        x = np.random.default_rng(0).standard_normal((3, SMALL.n_embd)).astype(np.float32)
+        x[1] *= np.float32(1e30)  # the router copes (softmax); the experts' products overflow
+        with pytest.raises(aioexperts.InvalidRequestError, match=r"overflowed float32 .* token rows 1;"):
+            await runner.moe(1, x)  # and no RuntimeWarning escapes (warnings are errors here)
+        assert store.statistics().pinned_slots == 0
+        x[1] /= np.float32(1e30)
+        assert np.isfinite(await runner.moe(1, x)).all()
+
+
+@pytest.mark.parametrize(
+    ("ids", "weights", "needle"),
+    [
+        (np.array([[0.0, 1.0]]), np.ones((1, 2), np.float32), "ids must be ints"),
+        (np.array([[0, 1]]), np.ones((1, 2), np.float64), "weights must be float32"),
+        (np.array([[0, 8]]), np.ones((1, 2), np.float32), r"ids must be in -1..7"),
+        (np.array([[0, -2]]), np.ones((1, 2), np.float32), r"ids must be in -1..7"),
+        ([[0, 1]], np.ones((1, 2), np.float32), "ids must be ints"),
+        (np.array([[0, 1], [1, 2]]), np.ones((2, 2), np.float32), r"shape \(1, k\)"),
+    ],
+)
+async def test_a_custom_route_step_is_checked(
+    model_path: Path, ids: object, weights: object, needle: str, anyio_backend: object
+) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        runner = aioexperts.MoERunner(store)
+        with pytest.raises(aioexperts.InvalidRequestError, match=needle):
+            await runner.run_moe_layers(
+                np.zeros((1, SMALL.n_embd), dtype=np.float32), route_step=lambda layer, x: (ids, weights)
+            )
+        assert store.statistics().pinned_slots == 0
+
+
+async def test_a_closed_store_says_so(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        runner = aioexperts.MoERunner(store)
+        await runner.moe(1, np.zeros((1, SMALL.n_embd), dtype=np.float32))
+    for call in (
+        lambda: runner.moe(1, np.zeros((1, SMALL.n_embd), dtype=np.float32)),
+        lambda: runner.run_moe_layers(np.zeros((1, SMALL.n_embd), dtype=np.float32)),
+    ):
+        with pytest.raises(aioexperts.StoreClosedError, match="closed"):
+            await call()
+    with pytest.raises(aioexperts.StoreClosedError, match="closed"):
+        store.prefetch([(1, 0)])
+
+
+async def _keep_past_the_pin(
+    store: aioexperts.ExpertStore, projection: str
+) -> tuple[np.ndarray, aioexperts.ExpertView]:
+    """A numpy array over one projection's slot memory that outlives the block, and a copy of the expert."""
+    async with store.experts(1, [2]) as (view,):
+        assert view is not None
+        kept = np.frombuffer(getattr(view, projection).data, dtype=np.uint8)
+        return kept, view.copy()
+
+
+async def test_views_kept_past_the_pin_warn_and_copies_stay_valid(model_path: Path, anyio_backend: object) -> None:
+    model = aioexperts.open_model(model_path)
+    want = pread_segment(model, aioexperts.build_layout(model).locate(1, 2).gate)
+    async with aioexperts.open(model_path, slots=4) as store:
+        with pytest.warns(ResourceWarning, match="the gate bytes are still exported"):
+            kept, copy = await _keep_past_the_pin(store, "gate")
+        assert kept.base is not None
+        del kept
+        assert bytes(copy.gate.data) == want and copy.gate.shape == (SMALL.n_ff_exp, SMALL.n_embd)
+        async with store.experts(1, [3, 4, 5, 6]):  # the slot is reused
+            pass
+        assert bytes(copy.gate.data) == want
+        with pytest.warns(ResourceWarning, match="the down bytes are still exported"):
+            survivor, _ = await _keep_past_the_pin(store, "down")
+    # the store closed with an array over slab memory alive: the mapping stays until it is dropped
+    assert survivor.sum() >= 0 and len(survivor) == SMALL.expert_bytes() // 3
+
+
+def test_a_path_behind_an_unsearchable_directory_is_a_permission_error(model_path: Path, tmp_path: Path) -> None:
+    import shutil
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    shutil.copy(model_path, locked / "m.gguf")
+    locked.chmod(0o600)  # a readable listing, no search (x) permission
+    tmp_path.chmod(0o755)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: as 'nobody' when we are root (root may search any directory)
+        outcome = "other"
+        try:
+            if os.getuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            aioexperts.open_model(locked / "m.gguf")
+        except PermissionError:
+            outcome = "PermissionError"
+        except FileNotFoundError:
+            outcome = "FileNotFoundError"
+        except BaseException as exc:  # anything else is reported, not raised, in a forked child
+            outcome = type(exc).__name__
+        os.write(write_end, outcome.encode())
+        os._exit(0)
+    os.close(write_end)
+    try:
+        outcome = os.read(read_end, 100).decode()
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+        locked.chmod(0o700)
+    assert outcome == "PermissionError"
+
+
+def test_a_failed_open_closes_its_descriptors_at_once(model_path: Path, tmp_path: Path) -> None:
+    import asyncio
+    import gc
+
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(model_path.read_bytes()[: model_path.stat().st_size // 2])
+    not_gguf = tmp_path / "not.gguf"
+    not_gguf.write_bytes(b"GGUF" + bytes(100))
+
+    def n_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def fail(path: Path, **kwargs: object) -> None:
+        with pytest.raises(aioexperts.AioExpertsError):
+            async with aioexperts.open(path, slots=4, **kwargs):  # type: ignore[arg-type]
+                pass
+
+    def refuse(*args: object) -> None:
+        raise aioexperts.BackendUnavailableError("no backend in this test")
+
+    gc.disable()  # nothing may wait for the collector
+    try:
+        before = n_fds()
+        for _ in range(3):
+            asyncio.run(fail(truncated))
+            asyncio.run(fail(not_gguf))
+            asyncio.run(fail(model_path, io=aioexperts.IOOptions(backend=refuse)))  # fails after opening
+        assert n_fds() == before
+    finally:
+        gc.enable()
+
+
+async def test_requests_wait_for_slots_by_default_like_a_pool(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        assert store.cache_options.wait_for_slots
+        released = anyio.Event()
+        got: list[int] = []
+
+        async def holder() -> None:
+            async with store.experts(1, [0, 1, 2, 3]):
+                await released.wait()
+
+        async def waiter() -> None:
+            async with store.experts(2, [0, 1]) as views:  # needs two of the four pinned slots
+                got.extend(v.expert for v in views if v is not None)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(holder)
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(waiter)
+            await anyio.wait_all_tasks_blocked()
+            assert got == []  # still waiting: every slot is pinned by the holder
+            released.set()
+        assert got == [0, 1]
+
+
+async def test_a_slot_timeout_raises_a_timeout(model_path: Path, anyio_backend: object) -> None:
+    cache = aioexperts.CacheOptions(slots=4, slot_timeout=0.05)
+    async with aioexperts.open(model_path, cache=cache) as store:
+        release = anyio.Event()
+
+        async def holder() -> None:
+            async with store.experts(1, [0, 1, 2, 3]):
+                await release.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(holder)
+            await anyio.wait_all_tasks_blocked()
+            with anyio.fail_after(10), pytest.raises(aioexperts.SlotTimeoutError, match="within 0.05 s") as info:
+                async with store.experts(2, [0]):
+                    pass
+            release.set()
+        assert isinstance(info.value, TimeoutError) and isinstance(info.value, aioexperts.SlabExhaustedError)
+        assert store.statistics().pinned_slots == 0
+
+
+async def test_a_task_holding_pins_gets_an_error_instead_of_a_deadlock(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        async with store.experts(1, [0, 1, 2]):
+            async with store.experts(2, [0]) as views:  # one slot is free: no waiting, fine
+                assert views[0] is not None
+            with anyio.fail_after(10), pytest.raises(aioexperts.SlabExhaustedError, match="holds 3 pinned experts"):
+                async with store.experts(2, [1, 2]):  # needs one more slot than is free: would wait on itself
+                    pass
+        async with store.experts(2, [1, 2, 3, 4]) as views:  # released: everything usable again
+            assert len(views) == 4
+
+
+def test_renamed_names_still_work_for_one_release_with_a_warning() -> None:
+    with pytest.warns(DeprecationWarning, match="StoreClosedError"):
+        assert aioexperts.EngineClosedError is aioexperts.StoreClosedError  # type: ignore[attr-defined]
+    with pytest.warns(DeprecationWarning, match="StoreStatistics"):
+        assert aioexperts.EngineStatistics is aioexperts.StoreStatistics  # type: ignore[attr-defined]
+    with pytest.warns(DeprecationWarning, match="MoELayersResult"):
+        assert aioexperts.TokenResult is aioexperts.MoELayersResult  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError, match="split in 0.2"):
+        aioexperts.Engine  # type: ignore[attr-defined]  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        aioexperts.nope  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_closing_from_another_loop_is_refused(model_path: Path) -> None:
+    import asyncio
+    import threading
+
+    errors: list[BaseException] = []
+
+    async def close_elsewhere(store: aioexperts.ExpertStore) -> None:
+        try:
+            await store.aclose()
+        except aioexperts.ConfigError as exc:
+            errors.append(exc)
+
+    async def main() -> None:
+        async with aioexperts.open(model_path, slots=4) as store:
+            other = threading.Thread(target=lambda: asyncio.run(close_elsewhere(store)))
+            other.start()
+            await asyncio.to_thread(other.join)
+            assert not store.closed  # still open and usable
+            async with store.experts(1, [0]) as views:
+                assert views[0] is not None
+        assert store.closed
+
+    asyncio.run(main())
+    assert len(errors) == 1 and "its own loop" in str(errors[0])
+
+
+async def test_a_policy_that_offers_no_victim_is_an_error_not_a_hang(model_path: Path, anyio_backend: object) -> None:
+    from aioexperts.policies import LRU
+
+    class NoVictim(LRU):
+        def victim(self, can_evict):  # type: ignore[no-untyped-def]
+            return None  # allowed when nothing is evictable; here plenty is
+
+    async with aioexperts.open(model_path, cache=aioexperts.CacheOptions(slots=4, policy=NoVictim())) as store:
+        async with store.experts(1, [0, 1, 2, 3]):
+            pass
+        with anyio.fail_after(10), pytest.raises(aioexperts.EvictionPolicyError, match="offered no victim"):
+            async with store.experts(2, [0, 1]):
+                pass
+        assert store.statistics().pinned_slots == 0
+
+
+async def test_one_policy_instance_serves_one_store(model_path: Path, anyio_backend: object) -> None:
+    from aioexperts.policies import LRU
+
+    policy = LRU()
+    async with aioexperts.open(model_path, cache=aioexperts.CacheOptions(slots=4, policy=policy)) as first:
+        with pytest.raises(aioexperts.ConfigError, match="already serves another open store"):
+            async with aioexperts.open(model_path, cache=aioexperts.CacheOptions(slots=4, policy=policy)):
+                pass
+        async with first.experts(1, [0]) as views:
+            assert views[0] is not None
+    async with aioexperts.open(model_path, cache=aioexperts.CacheOptions(slots=4, policy=policy)) as again:
+        async with again.experts(1, [0, 1, 2, 3]):  # free again once the first store closed, and empty
+            pass
+        async with again.experts(2, [0, 1]) as views:  # evictions work: the policy knows this store's keys only
+            assert len(views) == 2
+
+
+@pytest.mark.parametrize(
+    ("call", "needle"),
+    [
+        (lambda s, r: s.prefetch([1, 2]), "pairs of ints"),
+        (lambda s, r: s.prefetch([(1, 2, 3)]), "pairs of ints"),
+        (lambda s, r: s.prefetch([(1.0, 2)]), "pairs of ints"),
+        (lambda s, r: s.prefetch(None), "iterable of"),
+        (lambda s, r: s.drop_prefetches(5), "keep must be a callable"),
+    ],
+)
+async def test_store_arguments_are_checked(model_path: Path, call: object, needle: str, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        with pytest.raises(aioexperts.InvalidRequestError, match=needle):
+            call(store, None)  # type: ignore[operator]
+        with pytest.raises(aioexperts.InvalidRequestError, match="pairs of ints"):
+            async with store.experts(1, [0], prefetch=[5]):  # type: ignore[list-item]
+                pass
+        with pytest.raises(aioexperts.InvalidRequestError, match="wait must be"):
+            async with store.experts(1, [0], wait="no"):  # type: ignore[arg-type]
+                pass
+        assert store.statistics().pinned_slots == 0
+
+
+def _x() -> np.ndarray:
+    return np.zeros((2, SMALL.n_embd), dtype=np.float32)
+
+
+class _NonePredictor(NullPredictor):
+    def predict(self, layer, next_layer, x, budget):  # type: ignore[no-untyped-def]
+        return None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"compute": "abc"}, "compute must be a ComputeStep"),
+        ({"predictor": "router"}, "predictor must be an aioexperts.predictors.Predictor"),
+        ({"route_step": lambda layer, x: None}, "route_step must return"),
+        ({"prefetch": "no"}, "prefetch must be True or False"),
+        ({"compute": lambda layer, x, v, i, w: x[:1]}, r"must return a float32 array of shape \(2, 256\)"),
+        ({"compute": lambda layer, x, v, i, w: 0}, "must return a float32 array"),
+        ({"compute": lambda layer, x, v, i, w: x.astype(np.float64)}, "must return a float32 array"),
+        ({"compute": lambda layer, x, v, i, w: x + np.float32("nan")}, "returned NaN or inf in token rows 0, 1"),
+        (
+            {"route_step": lambda layer, x: (np.zeros((2, 2), np.int32), np.full((2, 2), np.nan, np.float32))},
+            "weights are NaN or inf",
+        ),
+        ({"predictor": _NonePredictor()}, "predict must return a list of expert ids"),
+    ],
+)
+async def test_runner_arguments_and_custom_steps_are_checked(
+    model_path: Path, kwargs: dict[str, object], needle: str, anyio_backend: object
+) -> None:
+    async with aioexperts.open(model_path, slots=4) as store:
+        runner = aioexperts.MoERunner(store)
+        with pytest.raises(aioexperts.InvalidRequestError, match=needle):
+            await runner.run_moe_layers(_x(), **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(aioexperts.InvalidRequestError, match="prefetch must be True or False"):
+            await runner.moe_result(1, _x(), prefetch="no")  # type: ignore[arg-type]
+        assert store.statistics().pinned_slots == 0
+        assert (await runner.run_moe_layers(_x())).output.shape == (2, SMALL.n_embd)  # still usable
+
+
+#: (mode, module, name): a blocking step of start() and the module it is looked up in
+START_STEPS = [
+    ("slab", "_store", "open_model"),
+    ("slab", "_sources.slab", "open_shards"),
+    ("slab", "_sources.slab", "plan_all_experts"),
+    ("slab", "_sources.stack", "Slab"),
+    ("slab", "_sources.stack", "create_backend"),
+    ("pagecache", "_sources.mapped", "MappedShards"),
+    ("pagecache", "_sources.mapped", "create_backend"),
+    ("rows", "_sources.slab", "RowReader"),
+]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize(("mode", "module", "step"), START_STEPS, ids=[f"{m}-{s}" for m, _, s in START_STEPS])
+def test_task_cancel_while_start_works_in_a_thread_leaks_nothing(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, module: str, step: str, loop: str
+) -> None:
+    # A plain Task.cancel() is not held off by anyio's thread shield: start() used to release what
+    # it had opened while its worker thread went on opening the rest (files, a ring, an eventfd).
+    import asyncio
+    import gc
+    import importlib
+    import threading
+
+    store_module = importlib.import_module(f"aioexperts.{module}")
+    running, go = threading.Event(), threading.Event()
+    original = getattr(store_module, step)
+
+    def gated(*args: object, **kwargs: object) -> object:
+        running.set()
+        go.wait(10)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(store_module, step, gated)
+
+    def n_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def cancel_in_the_thread() -> None:
+        pagecache = aioexperts.PageCacheOptions(method="uring") if mode == "pagecache" else None
+        if mode == "pagecache":
+            store = aioexperts.open(model_path, mode="pagecache", pagecache=pagecache)
+        else:
+            store = aioexperts.open(model_path, slots=4)
+        try:
+            if mode == "rows":
+                await store.start()
+                work = store.read_rows("token_embd.weight", [0, 1])
+            else:
+                work = store.start()
+            task = asyncio.get_running_loop().create_task(work)
+            while not running.is_set():
+                await asyncio.sleep(0.001)
+            task.cancel()
+            await asyncio.sleep(0.01)  # the cancellation is in while the thread still works
+            go.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            go.set()
+            await store.aclose()
+
+    def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        if loop == "uvloop":
+            import uvloop
+
+            uvloop.run(main())
+        else:
+            asyncio.run(main())
+
+    async def nothing() -> None:
+        pass
+
+    run(nothing)  # what the first run of a loop keeps open (uvloop's own descriptors)
+    before = n_fds()
+    gc.disable()  # nothing may wait for the collector
+    try:
+        run(cancel_in_the_thread)
+        assert running.is_set()
+        assert n_fds() == before, "descriptors left open after the cancelled start and aclose()"
+    finally:
+        gc.enable()
+
+
+def test_the_readme_example_runs_on_a_model(model_path: Path, tmp_path: Path) -> None:
+    """The README's library example, as printed, with only the model path replaced."""
+    import re
+    import subprocess
+    import sys
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Use it from an async application", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None, "no python example in the README's library section"
+    source = code.group(1)
+    assert source.count('"model.gguf"') == 1
+    script = tmp_path / "example.py"
+    script.write_text(source.replace('"model.gguf"', repr(str(model_path))), encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "StoreStatistics(" in done.stdout

@@ -1,0 +1,192 @@
+"""The import rules of docs/architecture.md ("Import rules"), checked on the source.
+
+Every ``import`` of every module under ``aioexperts/`` counts, at module level, inside functions and
+under ``TYPE_CHECKING`` alike. Each module belongs to one layer; a layer may import only the layers
+listed for it. The optional extras are never imported at module level by the core.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "aioexperts"
+
+#: the layer of each top-level name under ``aioexperts`` (a module or a package)
+LAYER_OF = {
+    "_errors": "base",
+    "_checks": "base",
+    "_format": "format",
+    "_io": "store",
+    "_cache": "store",
+    "_sources": "store",
+    "_store": "store",
+    "_rows": "store",
+    "_options": "store",
+    "_compute": "compute",
+    "_predict": "predict",
+    "_pipeline": "runner",
+    "_runner": "runner",
+    "_model": "model",
+    "_text": "model",
+    "__init__": "public",
+    "backends": "public",
+    "policies": "public",
+    "predictors": "public",
+    "traces": "public",
+    "testing": "testing",
+    "cli": "commands",
+    "_bench": "bench",
+}
+
+#: which layers each layer may import (besides itself)
+ALLOWED = {
+    "base": set(),
+    "format": {"base"},
+    "store": {"base", "format"},
+    "compute": {"base", "format"},
+    "predict": {"base", "format", "compute"},
+    "runner": {"base", "format", "store", "compute", "predict"},
+    "model": {"base", "format", "store", "compute", "predict", "runner"},
+    "public": {"base", "format", "store", "compute", "predict", "runner", "model"},
+    "testing": {"base", "format", "store", "public"},
+    # the bench measures the layers themselves (read paths, kernels), so it may reach below the API
+    "bench": {"base", "format", "store", "compute", "predict", "runner", "public", "testing"},
+    # the user commands use the public API and the bench package only
+    "commands": {"public", "testing", "bench"},
+}
+
+#: single modules a layer may import from a layer it otherwise may not, with the reason
+EXCEPTIONS = {
+    # the compute pool waits on the running event loop (asyncio or trio) like the store does
+    ("compute", "aioexperts._io.loop"),
+    # cache simulations replay a routing trace through the store's eviction policies
+    ("predict", "aioexperts._cache.eviction"),
+}
+
+#: optional extras the core must not import at module level (one clear line when missing, at use)
+OPTIONAL = ("rich", "matplotlib", "tokenizers", "jinja2", "aiohttp", "ray", "blockbuster")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 2:
+        parts.pop()
+    return ".".join(parts)
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "public"
+    layer = LAYER_OF.get(parts[1])
+    if layer is None and not (PACKAGE / parts[1]).exists() and not (PACKAGE / f"{parts[1]}.py").exists():
+        return "public"  # a name of aioexperts/__init__.py, such as __version__
+    assert layer is not None, f"{module} is in no layer: add it to LAYER_OF and docs/architecture.md"
+    return layer
+
+
+def _imports(path: Path, text: str | None = None) -> Iterator[tuple[int, str]]:
+    """(line, absolute module) of every import in ``path``, relative ones resolved."""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    source = path.read_text() if text is None else text
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            yield node.lineno, module
+            for alias in node.names:  # ``from . import quant`` imports a module
+                yield node.lineno, f"{module}.{alias.name}"
+
+
+def _sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _violations(extra: dict[Path, str] | None = None) -> list[str]:
+    found = []
+    sources: dict[Path, str | None] = {path: None for path in _sources()}
+    sources.update(extra or {})
+    for path, text in sources.items():
+        mine = _layer(_module_name(path))
+        for line, target in _imports(path, text):
+            if target != "aioexperts" and not target.startswith("aioexperts."):
+                continue
+            theirs = _layer(target)
+            if theirs == mine or theirs in ALLOWED[mine] or (mine, target) in EXCEPTIONS:
+                continue
+            if any(target.startswith(module + ".") for layer, module in EXCEPTIONS if layer == mine):
+                continue
+            found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {mine} imports {theirs} ({target})")
+    return found
+
+
+def test_every_import_follows_the_layer_rules() -> None:
+    assert _violations() == []
+
+
+def test_the_store_layer_never_imports_the_compute_layer() -> None:
+    """The rule docs/architecture.md leads with, spelled out on its own."""
+    for path in _sources():
+        if _layer(_module_name(path)) != "store":
+            continue
+        for line, target in _imports(path):
+            assert not target.startswith(("aioexperts._compute", "aioexperts._predict", "aioexperts._runner")), (
+                f"{path}:{line} imports {target}"
+            )
+
+
+@pytest.mark.parametrize(
+    ("where", "line"),
+    [
+        ("_io/probe.py", "from .._compute import fused"),
+        ("_cache/probe.py", "from aioexperts._compute.fused import linear"),
+        ("_format/probe.py", "from .. import _store"),
+        ("_compute/probe.py", "from .._cache.cache import ExpertCache"),
+    ],
+)
+def test_the_rules_catch_an_upward_import(where: str, line: str) -> None:
+    """The checker itself: a module that imports upwards is reported (relative or absolute)."""
+    found = _violations({PACKAGE / where: f"def f():\n    {line}\n"})
+    assert [v for v in found if v.startswith(f"aioexperts/{where}:2:")], found
+
+
+def _top_level_imports(path: Path) -> Iterator[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), str(path))
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            yield node.lineno, node.module or ""
+
+
+def test_the_core_imports_no_optional_extra_at_module_level() -> None:
+    for path in _sources():
+        if _layer(_module_name(path)) in {"commands", "bench"}:
+            continue
+        for line, target in _top_level_imports(path):
+            assert target.split(".")[0] not in OPTIONAL, f"{path}:{line} imports the optional {target}"
+
+
+@pytest.mark.parametrize("module", ["aioexperts", "aioexperts.backends", "aioexperts.testing"])
+def test_the_core_imports_without_the_optional_extras(module: str) -> None:
+    """With every optional extra made unimportable, the public modules still import."""
+    blocked = "; ".join(f"sys.modules[{name!r}] = None" for name in OPTIONAL)
+    code = f"import sys; {blocked}; import {module}"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr

@@ -1,0 +1,119 @@
+"""The built-in model's generator: realistic quantized weights, numerically sane, safe to build twice."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import anyio
+import gguf.quants
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import aioexperts
+from aioexperts._bench.model_cache import ensure_bench_model
+from aioexperts._format.dequant import dequantize
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
+from aioexperts.testing._blocks import draw_blocks, quantize_q4_k
+
+SMALL = SyntheticSpec(n_layer=3, n_embd=256, n_ff_exp=256, n_expert=16, n_expert_used=4)
+
+
+def test_q4_k_quantizer_matches_the_reference_layout() -> None:
+    x = np.random.default_rng(3).standard_normal((64, 256), dtype=np.float32)
+    blocks = quantize_q4_k(x)
+    assert blocks.shape == (64, 144)
+    ref = gguf.quants.dequantize(blocks, Q.Q4_K).reshape(64, 256)
+    assert np.array_equal(dequantize(blocks.reshape(-1), Q.Q4_K, (64, 256)), ref)
+    assert np.corrcoef(x.ravel(), ref.ravel())[0, 1] > 0.99
+    assert np.sqrt(np.mean((ref - x) ** 2)) < 0.12
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])
+def test_drawn_blocks_are_zero_mean_with_the_wanted_size(qtype: Q) -> None:
+    block_size = gguf.GGML_QUANT_SIZES[qtype][0]
+    blocks = draw_blocks(np.random.default_rng(0), qtype, 4096, target_std=0.05)
+    assert blocks is not None
+    w = dequantize(blocks.reshape(-1), qtype, (4096, block_size))
+    assert abs(float(w.mean())) < 0.02 * float(w.std())
+    assert 0.04 < float(w.std()) < 0.06
+
+
+def _expert_weights(path: Path) -> np.ndarray:
+    model = aioexperts.open_model(path)
+    layout = aioexperts.build_layout(model)
+    loc = layout.locate(next(iter(layout.layers)), 0)
+    data = Path(path).read_bytes()
+    seg = loc.segments[0]
+    return dequantize(np.frombuffer(data[seg.offset : seg.end], dtype=np.uint8), seg.ggml_type, seg.shape)
+
+
+def test_expert_weights_are_quantized_zero_mean_data(tmp_path: Path) -> None:
+    path = write_synthetic_model(tmp_path / "m.gguf", SMALL)[0]
+    w = _expert_weights(path)
+    assert w.shape == (256, 256)
+    assert abs(float(w.mean())) < 0.02 * float(w.std())
+    assert float(w.std()) == pytest.approx(256**-0.5, rel=0.25)
+
+
+def test_a_residual_loop_stays_finite_for_100_tokens(tmp_path: Path) -> None:
+    path = write_synthetic_model(tmp_path / "m.gguf", SMALL)[0]
+
+    def norm(h: np.ndarray) -> np.ndarray:
+        return (h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + 1e-6)).astype(np.float32)
+
+    async def run() -> np.ndarray:
+        rng = np.random.default_rng(0)
+        out = []
+        async with aioexperts.open(path, slots=48) as store:
+            runner = aioexperts.MoERunner(store)
+            for _ in range(100):
+                h = rng.standard_normal((1, SMALL.n_embd), dtype=np.float32)
+                for layer in store.layout.layers:
+                    h = h + await runner.moe(layer, norm(h))
+                out.append(h)
+        return np.concatenate(out)
+
+    h = anyio.run(run)
+    assert np.all(np.isfinite(h))
+    rms = np.sqrt(np.mean(h * h, axis=-1))
+    assert rms.max() < 10  # inputs have rms 1; each layer adds about its input's size at most
+
+
+def test_two_builds_at_once_build_once(tmp_path: Path) -> None:
+    target = tmp_path / "cache" / "model.gguf"
+    built: list[Path] = []
+    results: list[Path] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def build() -> None:
+        try:
+            barrier.wait()
+            results.append(ensure_bench_model(spec=SMALL, path=target, on_build=built.append))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert results == [target, target] and built == [target]
+    aioexperts.open_model(target)  # complete and valid
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model.gguf", "model.gguf.lock"]
+    stamp = target.stat().st_mtime_ns
+    assert ensure_bench_model(spec=SMALL, path=target) == target and target.stat().st_mtime_ns == stamp
+
+
+def test_an_interrupted_build_leaves_no_partial_file(tmp_path: Path) -> None:
+    target = tmp_path / "model.gguf"
+
+    def progress(done: int, total: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ensure_bench_model(spec=SMALL, path=target, progress=progress)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.gguf.lock"]
