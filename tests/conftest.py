@@ -29,6 +29,27 @@ def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object
     return request.param  # type: ignore[no-any-return]
 
 
+def shared_vocab_paths() -> list[Path]:
+    """llama.cpp's vocabulary-only ``*.gguf`` files: ``$AIOEXPERTS_VOCAB``, else ``vocab`` beside the
+    shared fixtures, else ``../shared/vocab`` beside the checkout; empty if none is found (an error
+    with ``AIOEXPERTS_REQUIRE_FIXTURES=1``)."""
+    env = os.environ.get("AIOEXPERTS_VOCAB")
+    fixtures = shared_fixtures_dir()
+    repo = Path(__file__).resolve().parents[1]
+    candidates = [
+        *([Path(env)] if env else []),
+        *([fixtures.parent / "vocab"] if fixtures is not None else []),
+        repo.parent / "shared" / "vocab",
+    ]
+    for cand in candidates:
+        found = sorted(cand.glob("*.gguf")) if cand.is_dir() else []
+        if found:
+            return found
+    if os.environ.get("AIOEXPERTS_REQUIRE_FIXTURES") == "1":
+        raise RuntimeError("the shared vocab files are required but no *.gguf is in " + " or ".join(map(str, candidates)))
+    return []
+
+
 def _fixture_candidates() -> list[Path]:
     env = os.environ.get("AIOEXPERTS_FIXTURES")
     repo = Path(__file__).resolve().parents[1]
