@@ -45,7 +45,7 @@ from ._io.pagecache import MappedShards
 from ._io.plan import ExpertPlan, plan_all_experts
 from ._io.rowplan import RowTable
 from ._io.select import create_backend
-from ._io.slab import Slab, exported_view
+from ._io.slab import Slab, exported_view, slot_stride
 from ._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions, PageCacheOptions
 from ._rows import RowReader, RowStatistics, RowsView
 
@@ -345,7 +345,8 @@ class ExpertStore:
         if slots is not None:
             return min(slots, total)  # more could never be used
         budget = self.cache_options.bytes or DEFAULT_CACHE_BYTES
-        return max(min(budget // slot_bytes, total), min(2 * layout.n_expert_used, total))
+        stride = slot_stride(slot_bytes, hugepages=self.cache_options.hugepages)  # what each slot maps
+        return max(min(budget // stride, total), min(2 * layout.n_expert_used, total))
 
     async def aclose(self) -> None:
         """Close the store: refuse new requests, wait for every read in flight, free everything.
