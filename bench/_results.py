@@ -7,7 +7,6 @@ can be recomputed from the file.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -15,6 +14,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from aioexperts import _json as strict_json
 
 RESULTS_DIR = Path.cwd()
 
@@ -102,6 +103,6 @@ def write_results(
 def dumps(payload: dict[str, Any]) -> str:
     """The results as JSON text: indented, except one line per round (the files stay small)."""
     rounds = payload.get("rounds", [])
-    head = json.dumps({**payload, "rounds": []}, indent=1, default=str)
-    lines = ",\n".join("  " + json.dumps(r, default=str) for r in rounds)
+    head = strict_json.dumps({**payload, "rounds": []}, indent=1, default=str)
+    lines = ",\n".join("  " + strict_json.dumps(r, default=str) for r in rounds)
     return head.replace('"rounds": []', '"rounds": [\n' + lines + "\n ]", 1) + "\n"

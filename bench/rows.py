@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,7 @@ import numpy as np
 from _results import machine_facts  # bench/_results.py, a sibling module
 
 import aioexperts
+from aioexperts import _json as strict_json
 from aioexperts._cli.model_cache import cache_dir
 from aioexperts._cli.synthetic import tiny_moe_writer
 
@@ -114,7 +114,7 @@ def main() -> int:
             f" {statistics.median(waste):.1f} bytes read per useful byte"
         )
     args.json.write_text(
-        json.dumps(
+        strict_json.dumps(
             {
                 "aioexperts": aioexperts.__version__,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

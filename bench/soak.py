@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -27,6 +26,7 @@ import numpy as np
 from _results import machine_facts  # bench/_results.py, a sibling module
 
 import aioexperts
+from aioexperts import _json as strict_json
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -147,7 +147,7 @@ def main() -> int:
             "units": {"rss": "bytes", "time": "seconds"},
         }
     )
-    args.json.write_text(json.dumps(result, indent=1))
+    args.json.write_text(strict_json.dumps(result, indent=1))
     ok = bool(result["rss_flat"] and result["fds_flat"])
     mib_first = result["rss_first_quarter_max_bytes"] / 2**20  # type: ignore[operator]
     mib_last = result["rss_last_quarter_max_bytes"] / 2**20  # type: ignore[operator]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,7 @@ from _results import machine_facts  # bench/_results.py, a sibling module
 from gguf import GGMLQuantizationType
 
 import aioexperts
+from aioexperts import _json as strict_json
 from aioexperts._cli.model_cache import cache_dir
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 
@@ -106,7 +106,7 @@ def main() -> int:
             f" x whole {s['x_whole_median']:.2f} ({s['x_whole_min']:.2f}-{s['x_whole_max']:.2f})"
         )
     args.json.write_text(
-        json.dumps(
+        strict_json.dumps(
             {
                 "aioexperts": aioexperts.__version__,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

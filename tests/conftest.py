@@ -46,7 +46,8 @@ def shared_vocab_paths() -> list[Path]:
         if found:
             return found
     if os.environ.get("AIOEXPERTS_REQUIRE_FIXTURES") == "1":
-        raise RuntimeError("the shared vocab files are required but no *.gguf is in " + " or ".join(map(str, candidates)))
+        tried = " or ".join(map(str, candidates))
+        raise RuntimeError(f"the shared vocab files are required but no *.gguf is in {tried}")
     return []
 
 

@@ -366,11 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     try:
         if args.json:
-            import json
+            from .. import _json as strict_json
 
-            from .results import _clean
-
-            json.dump(_clean(results), sys.stdout, indent=1)
+            strict_json.dump(results, sys.stdout, indent=1)
             print()
         else:
             console = _Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160)

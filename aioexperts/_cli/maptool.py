@@ -15,7 +15,6 @@ Errors are printed as one line on stderr with exit status 2; a closed pipe on st
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
+from .. import _json as strict_json
 from .._cache.replay import format_bytes
 from .._errors import AioExpertsError, ConfigError, StaleMapError
 from .._format.expert_map import check_map_matches_layout, read_expert_map, write_expert_map
@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "layout":
             summary = summarize_layout(model, layout)
             if args.json:
-                print(json.dumps(_layout_json(summary), indent=2))
+                print(strict_json.dumps(_layout_json(summary), indent=2))
             else:
                 _print_layout(summary)
         elif args.command == "write":

@@ -12,10 +12,11 @@ interrupted run leaves no partial file.
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 from typing import Any
+
+from .. import _json as strict_json
 
 __all__ = ("SCHEMA", "UNITS", "evaluate_targets", "load_results", "write_results")
 
@@ -32,19 +33,6 @@ UNITS = {
 }
 
 
-def _clean(x: Any) -> Any:
-    """JSON-safe: NaN and infinities become None, tuples lists, numpy scalars Python numbers."""
-    if isinstance(x, float):
-        return None if math.isnan(x) or math.isinf(x) else x
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
-    if hasattr(x, "item") and callable(x.item):
-        return _clean(x.item())
-    return x
-
-
 def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> None:
     """Write ``results`` as indented JSON to ``path`` atomically."""
     target = os.fspath(path)
@@ -52,7 +40,7 @@ def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> None
     fd, tmp = tempfile.mkstemp(prefix=".bench-results-", suffix=".partial", dir=directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(_clean(results), f, indent=1, sort_keys=False)
+            strict_json.dump(results, f, indent=1, sort_keys=False)  # NaN and inf: null
             f.write("\n")
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)

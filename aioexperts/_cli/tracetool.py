@@ -17,7 +17,6 @@ with status 141.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
+from .. import _json as strict_json
 from .._cache.replay import BELADY, expert_frequencies, format_bytes, slots_for_hit_rate
 from .._errors import AioExpertsError, FormatError
 from .._format.layout import build_layout
@@ -49,10 +49,12 @@ def hot_first_order(trace: RoutingTrace) -> dict[int, list[int]]:
     }
 
 
-def _hot_share(counts: np.ndarray) -> float:
+def _hot_share(counts: np.ndarray) -> float | None:
+    """The share of requests the hottest :data:`HOT_FRACTION` of experts serve; None (JSON ``null``)
+    for a layer no token was routed through."""
     total = int(counts.sum())
     if total == 0:
-        return math.nan
+        return None
     n_hot = max(1, math.ceil(HOT_FRACTION * len(counts)))
     return float(np.sort(counts)[::-1][:n_hot].sum() / total)
 
@@ -101,7 +103,7 @@ def _print_summary(path: str, s: dict[str, Any]) -> None:
                     r["n_experts"],
                     r["requests"],
                     r["never_chosen"],
-                    "-" if math.isnan(r["hot_share"]) else f"{r['hot_share']:.1%}",
+                    "-" if r["hot_share"] is None else f"{r['hot_share']:.1%}",
                     " ".join(map(str, r["hottest"])),
                 )
                 for r in s["layers"]
@@ -180,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 expert_bytes = layout.max_expert_bytes
             summary = _summary(trace, args.hit_rate, expert_bytes)
             if args.json:
-                print(json.dumps(summary, indent=2))
+                print(strict_json.dumps(summary, indent=2))
             else:
                 _print_summary(args.trace, summary)
         else:
@@ -195,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 },
             }
             with open(args.output, "w") as f:
-                json.dump(doc, f, indent=1)
+                strict_json.dump(doc, f, indent=1)
             print(f"wrote {args.output}: {len(order)} layers")
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
     except BrokenPipeError:  # `aioexperts-... | head`: the reader has what it wanted

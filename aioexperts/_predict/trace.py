@@ -252,7 +252,7 @@ class RoutingTrace:
             "ids": self.ids,
             "layers": np.array(self.layers, dtype=np.int64),
             "n_experts": np.array(self.n_experts, dtype=np.int64),
-            "metadata": np.array(json.dumps(dict(self.metadata), sort_keys=True)),
+            "metadata": np.array(json.dumps(dict(self.metadata), sort_keys=True, allow_nan=False)),
         }
         fd, tmp = tempfile.mkstemp(prefix=".trace-", suffix=".npz.tmp", dir=directory)
         try:

@@ -17,6 +17,7 @@ import gguf
 import gguf_bytes as gb
 import numpy as np
 import pytest
+from conftest import shared_vocab_paths
 from gguf import GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
 
 from aioexperts._cli.synthetic import write_synthetic_model
@@ -31,7 +32,6 @@ from aioexperts._errors import (
 from aioexperts._format.expert_map import write_expert_map
 from aioexperts._format.layout import build_layout
 from aioexperts._format.model import GGUFModel, SkippedValue, open_model, split_shard_paths
-from conftest import shared_vocab_paths
 
 Q = gguf.GGMLQuantizationType
 U64 = 1 << 64
