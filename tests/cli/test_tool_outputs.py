@@ -75,9 +75,11 @@ def test_every_json_writer_of_the_project_is_strict(folder: str) -> None:
     for path in sorted((REPO / folder).rglob("*.py")):
         source = path.read_text()
         tree = ast.parse(source)
-        for call in _json_writes(tree):
-            if not any(k.arg == "allow_nan" and getattr(k.value, "value", True) is False for k in call.keywords):
-                loose.append(f"{path.relative_to(REPO)}:{call.lineno}")
+        loose.extend(
+            f"{path.relative_to(REPO)}:{call.lineno}"
+            for call in _json_writes(tree)
+            if not any(k.arg == "allow_nan" and getattr(k.value, "value", True) is False for k in call.keywords)
+        )
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and "json.dump" in node.value:
                 calls = len(re.findall(r"\bjson\.dumps?\(", node.value))
