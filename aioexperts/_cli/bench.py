@@ -24,16 +24,18 @@ from rich.console import Console
 
 from .. import __version__
 from .._errors import AioExpertsError, FormatError
+from .._format.model import split_shard_paths
 from .._options import MAX_QUEUE_DEPTH, MIN_QUEUE_DEPTH
 from .cachestate import DROP_METHOD
-from .common import stdout_closed
+from .common import file_starts_with, refuse_to_overwrite, stdout_closed
 from .loops import LOOPS, await_cost
 from .machine import machine_facts
 from .model_cache import bench_model_path, cache_dir, ensure_bench_model
+from .plots import PLOT_NAMES
 from .progress import Reporter
 from .readbench import DEFAULT_METHODS, METHODS, ReadBenchConfig, run_read_bench
 from .report import print_sections
-from .results import SCHEMA, UNITS, evaluate_targets, write_results
+from .results import SCHEMA, UNITS, evaluate_targets, load_results, write_results
 from .tokenbench import TARGET_OVERLAP, TokenBenchConfig, run_token_bench
 
 __all__ = ("build_parser", "main")
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", choices=LOOPS, default="uvloop", help="event loop of the engine runs")
     p.add_argument("--out", default="bench-results.json", help="results file to write ('' for none)")
     p.add_argument("--plot", metavar="DIR", default=None, help="also run the depth and read-size sweeps; write PNGs")
+    p.add_argument("--force", action="store_true", help="let --out and --plot replace files of other kinds")
     p.add_argument("--no-probe", action="store_true", help="skip the host-cache probe")
     p.add_argument("--note", default="", help="a remark stored with the results and shown in the header")
     p.add_argument("--json", action="store_true", help="print the results JSON on stdout instead of tables")
@@ -124,12 +127,35 @@ def _writable_dir(directory: str) -> str | None:
     return None
 
 
+def _inputs(args: argparse.Namespace) -> list[str]:
+    """The files a run reads: the model (every shard of a split set) or the built-in model."""
+    if not args.model:
+        return [os.fspath(bench_model_path())]
+    model = os.path.expanduser(args.model)
+    try:
+        shards = split_shard_paths(model)
+    except AioExpertsError:
+        shards = None
+    return [model, *(shards or [])]
+
+
+def _is_results_file(path: str) -> bool:
+    try:
+        load_results(path)
+    except (OSError, ValueError, AttributeError):  # AttributeError: JSON that is not an object
+        return False
+    return True
+
+
 def _preflight(args: argparse.Namespace) -> str | None:
     """What would make a run fail only once it is done, found before it starts; None if nothing.
 
     The ``--out`` directory must take a new file, ``--plot`` needs matplotlib and a directory that
-    takes files, and building the built-in model needs its cache directory.
+    takes files, and building the built-in model needs its cache directory. Neither ``--out`` nor a
+    plot may be the model (compared by device and inode), and an existing file is replaced only if
+    it is of the kind written there (a results file, a PNG), or with ``--force``.
     """
+    inputs = _inputs(args)
     if args.out:
         out = os.path.abspath(args.out)
         if os.path.isdir(out):
@@ -137,7 +163,17 @@ def _preflight(args: argparse.Namespace) -> str | None:
         why = _writable_dir(os.path.dirname(out))
         if why:
             return f"--out {args.out}: cannot create a file in {os.path.dirname(out)}: {why}"
+        try:
+            refuse_to_overwrite(out, inputs, ours=_is_results_file, force=args.force, what="--out")
+        except AioExpertsError as exc:
+            return str(exc)
     if args.plot:
+        png = file_starts_with(b"\x89PNG\r\n\x1a\n")
+        try:
+            for name in PLOT_NAMES:
+                refuse_to_overwrite(os.path.join(args.plot, name), inputs, ours=png, force=args.force, what="--plot")
+        except AioExpertsError as exc:
+            return str(exc)
         if importlib.util.find_spec("matplotlib") is None:
             return "--plot needs matplotlib: pip install 'aioexperts[plot]'"
         try:

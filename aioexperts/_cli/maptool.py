@@ -4,8 +4,9 @@ Subcommands:
 
 - ``layout MODEL``: every MoE layer with its banks (ggml types, experts, bytes per expert), the
   total expert bytes and the expert bytes one token reads at top-k: a ``gguf-dump`` for experts;
-- ``write MODEL [-o MAP]``: write the ``WEEPF001`` map that llama.cpp's prefetch patch reads
-  (``docs/notes/FORMATS.md`` section 3);
+- ``write MODEL [-o MAP] [--force]``: write the ``WEEPF001`` map that llama.cpp's prefetch patch reads
+  (``docs/notes/FORMATS.md`` section 3). It never writes over the model (compared by device and
+  inode, whatever the path), and replaces an existing file only if it is a map, or with ``--force``;
 - ``check MODEL MAP``: whether the map still describes the model (exit status 0), or why not (1).
 
 Errors are printed as one line on stderr with exit status 2; a closed pipe on stdout
@@ -25,10 +26,10 @@ from .. import __version__
 from .. import _json as strict_json
 from .._cache.replay import format_bytes
 from .._errors import AioExpertsError, ConfigError, StaleMapError
-from .._format.expert_map import check_map_matches_layout, read_expert_map, write_expert_map
+from .._format.expert_map import EXPERT_MAP_MAGIC, check_map_matches_layout, read_expert_map, write_expert_map
 from .._format.layout import ExpertLayout, build_layout
 from .._format.model import GGUFModel, open_model
-from .common import HelpFormatter, stdout_closed
+from .common import HelpFormatter, file_starts_with, refuse_to_overwrite, stdout_closed
 from .texttable import text_table
 
 __all__ = ("LayoutSummary", "main", "summarize_layout")
@@ -191,6 +192,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("write", help="write the WEEPF001 map", formatter_class=HelpFormatter)
     p.add_argument("model", help="a single-file .gguf")
     p.add_argument("-o", "--output", help="the map file (default: MODEL with the suffix .weepf)")
+    p.add_argument("--force", action="store_true", help="replace an existing file that is not a WEEPF001 map")
     p = sub.add_parser("check", help="check a map against a model", formatter_class=HelpFormatter)
     p.add_argument("model", help="a single-file .gguf")
     p.add_argument("map", help="the WEEPF001 map file")
@@ -210,7 +212,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 _print_layout(summary)
         elif args.command == "write":
-            output = args.output or os.path.splitext(model.path)[0] + ".weepf"
+            output = os.path.expanduser(args.output) if args.output else os.path.splitext(model.path)[0] + ".weepf"
+            refuse_to_overwrite(
+                output,
+                [s.path for s in model.shards],
+                ours=file_starts_with(EXPERT_MAP_MAGIC),
+                force=args.force,
+                what="the map",
+            )
             write_expert_map(model, layout, output)
             print(f"wrote {output}: {len(layout.layers)} MoE layers, {layout.n_experts_total} experts")
         else:

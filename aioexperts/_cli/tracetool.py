@@ -5,8 +5,9 @@ Subcommands:
 - ``summary TRACE``: per MoE layer, how concentrated the routing is (the share of requests the
   hottest 10 % of experts serve, the experts never chosen), and the slab size in slots (and
   bytes, with ``--model``) that reaches each target hit rate under LRU and under Belady's optimum;
-- ``order TRACE -o FILE``: a hot-first ordering of every layer's experts (JSON), for a repacking
-  step that places the hottest experts first.
+- ``order TRACE -o FILE [--force]``: a hot-first ordering of every layer's experts (JSON), for a
+  repacking step that places the hottest experts first. It never writes over the trace (compared
+  by device and inode), and replaces an existing file only if it is an ordering, or with ``--force``.
 
 Traces are the ``.npz`` files of :meth:`aioexperts.RoutingTrace.save` (``docs/trace-format.md``),
 recorded with ``MoERunner(store, record_trace=True)``. Errors are printed as one line on stderr with
@@ -17,6 +18,7 @@ with status 141.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -32,7 +34,7 @@ from .._errors import AioExpertsError, FormatError
 from .._format.layout import build_layout
 from .._format.model import open_model
 from .._predict.trace import RoutingTrace
-from .common import HelpFormatter, stdout_closed
+from .common import HelpFormatter, refuse_to_overwrite, stdout_closed
 from .texttable import text_table
 
 __all__ = ("hot_first_order", "main")
@@ -133,6 +135,21 @@ def _print_summary(path: str, s: dict[str, Any]) -> None:
     print("'unreachable': compulsory misses (each expert's first request) keep the hit rate below the target.")
 
 
+_ORDER_KEYS = frozenset({"trace", "n_tokens", "layers"})
+
+
+def _is_order_file(path: str) -> bool:
+    """Whether ``path`` is an ordering this tool wrote (a JSON object with its keys)."""
+    try:
+        if os.path.getsize(path) > 1 << 30:
+            return False
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and set(doc) == _ORDER_KEYS
+
+
 def _hit_rates(text: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",")]
@@ -160,6 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("order", help="write a hot-first expert ordering (JSON)", formatter_class=fmt)
     p.add_argument("trace", help="a routing trace (.npz)")
     p.add_argument("-o", "--output", required=True, help="the JSON file to write")
+    p.add_argument("--force", action="store_true", help="replace an existing file that is not an ordering")
     return parser
 
 
@@ -186,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 _print_summary(args.trace, summary)
         else:
+            output = os.path.expanduser(args.output)
+            refuse_to_overwrite(output, [args.trace], ours=_is_order_file, force=args.force, what="the ordering")
             order = hot_first_order(trace)
             freq = expert_frequencies(trace)
             doc = {
@@ -196,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for layer, ids in order.items()
                 },
             }
-            with open(args.output, "w") as f:
+            with open(output, "w") as f:
                 strict_json.dump(doc, f, indent=1)
             print(f"wrote {args.output}: {len(order)} layers")
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -12,7 +13,12 @@ import numpy as np
 import pytest
 
 from aioexperts import _json as strict_json
-from aioexperts._cli import tracetool
+from aioexperts._cli import bench, maptool, tracetool
+from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
+from aioexperts._errors import ConfigError
+from aioexperts._format.expert_map import write_expert_map
+from aioexperts._format.layout import build_layout
+from aioexperts._format.model import open_model
 from aioexperts._predict.trace import RoutingTrace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,3 +92,107 @@ def test_every_json_writer_of_the_project_is_strict(folder: str) -> None:
                 if node.value.count("allow_nan=False") < calls:
                     loose.append(f"{path.relative_to(REPO)}:{node.lineno} (code string)")
     assert not loose, loose
+
+
+# -- never over an input ------------------------------------------------------------------------
+
+SPEC = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=4, n_expert_used=2)
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    path = tmp_path / "models" / "m.gguf"
+    path.parent.mkdir()
+    write_synthetic_model(path, SPEC)
+    return path
+
+
+def _one_error(capsys: pytest.CaptureFixture[str], tool: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith(f"{tool}: error:") and err.count("\n") == 1, err
+    return err
+
+
+def _same_paths(path: Path) -> list[str]:
+    """``path`` by other names: through ``..``, a symlink and a hard link."""
+    link, hard = path.parent / "link.gguf", path.parent / "hard.gguf"
+    link.symlink_to(path.name)
+    os.link(path, hard)
+    return [str(path), str(path.parent / ".." / path.parent.name / path.name), str(link), str(hard)]
+
+
+def test_map_write_never_writes_over_its_model(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = model.read_bytes()
+    for output in _same_paths(model):
+        for force in ([], ["--force"]):
+            assert maptool.main(["write", str(model), "-o", output, *force]) == 2
+            assert "is the input" in _one_error(capsys, "aioexperts-map")
+    named = model.with_name("m.weepf")  # a model named like its default map
+    model.rename(named)
+    assert maptool.main(["write", str(named)]) == 2
+    assert "is the input" in _one_error(capsys, "aioexperts-map")
+    assert named.read_bytes() == before
+    loaded = open_model(named)
+    layout = build_layout(loaded)
+    with pytest.raises(ConfigError, match="never written over its model"):  # the library refuses too
+        write_expert_map(loaded, layout, named.parent / ".." / named.parent.name / named.name)
+    assert named.read_bytes() == before
+
+
+def test_map_write_replaces_a_map_but_another_file_only_with_force(
+    model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    emap = model.with_suffix(".weepf")
+    assert maptool.main(["write", str(model)]) == 0
+    assert maptool.main(["write", str(model)]) == 0  # a map is replaced freely
+    other = model.parent / "notes.txt"
+    other.write_text("keep me")
+    assert maptool.main(["write", str(model), "-o", str(other)]) == 2
+    assert "--force" in _one_error(capsys, "aioexperts-map") and other.read_text() == "keep me"
+    assert maptool.main(["write", str(model), "-o", str(other), "--force"]) == 0
+    assert other.read_bytes() == emap.read_bytes()
+    assert maptool.main(["write", str(model), "-o", str(model.parent)]) == 2  # a directory
+    assert "not a regular file" in _one_error(capsys, "aioexperts-map")
+
+
+def test_trace_order_never_writes_over_its_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = _trace_with_an_unrouted_layer(tmp_path / "t.npz")
+    before = trace.read_bytes()
+    for output in (trace, tmp_path / ".." / tmp_path.name / "t.npz"):
+        for force in ([], ["--force"]):
+            assert tracetool.main(["order", str(trace), "-o", str(output), *force]) == 2
+            assert "is the input" in _one_error(capsys, "aioexperts-trace")
+    assert trace.read_bytes() == before
+    order, other = tmp_path / "order.json", tmp_path / "other.json"
+    assert tracetool.main(["order", str(trace), "-o", str(order)]) == 0
+    assert tracetool.main(["order", str(trace), "-o", str(order)]) == 0  # its own output: replaced
+    other.write_text('{"something": "else"}')
+    assert tracetool.main(["order", str(trace), "-o", str(other)]) == 2
+    assert "--force" in _one_error(capsys, "aioexperts-trace")
+    assert tracetool.main(["order", str(trace), "-o", str(other), "--force"]) == 0
+    assert json.loads(other.read_text()) == json.loads(order.read_text())
+
+
+def _must_not_run(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the bench ran although its outputs were refused")
+
+
+def test_bench_outputs_never_replace_the_model_or_a_foreign_file(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(bench, "run_read_bench", _must_not_run)
+    monkeypatch.setattr(bench, "run_token_bench", _must_not_run)
+    before = model.read_bytes()
+    for output in _same_paths(model):
+        assert bench.main(["--model", str(model), "--quiet", "--out", output, "--force"]) == 2
+        assert "is the input" in capsys.readouterr().err
+    other = tmp_path / "results.json"
+    other.write_text("[1, 2]")
+    assert bench.main(["--model", str(model), "--quiet", "--out", str(other)]) == 2
+    assert "--force" in capsys.readouterr().err
+    plots = tmp_path / "img"
+    plots.mkdir()
+    (plots / "reads_vs_depth.png").write_text("not a png")
+    assert bench.main(["--model", str(model), "--quiet", "--out", "", "--plot", str(plots)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert model.read_bytes() == before and other.read_text() == "[1, 2]"
