@@ -41,7 +41,7 @@ from ._format.views import ExpertView, ProjectionView, release_view
 from ._io.backends.base import IOBackend
 from ._io.files import ShardFiles, open_shards
 from ._io.loop import LoopAdapter, current_loop, wait_through_cancellation
-from ._io.pagecache import MappedShards
+from ._io.pagecache import MappedShards, residency_facts, residency_trusted
 from ._io.plan import ExpertPlan, plan_all_experts
 from ._io.rowplan import RowTable
 from ._io.select import create_backend
@@ -279,6 +279,16 @@ class ExpertStore:
     ) -> None:
         files = await self._build("_files", lambda: open_shards(model, False))
         shards = await self._build("_shards", lambda: MappedShards(files.fds, files.sizes))
+        paths = [s.path for s in model.shards]
+        trusted = await _finish_in_thread(
+            lambda: [residency_trusted(residency_facts(fd, path)) for fd, path in zip(files.fds, paths, strict=True)]
+        )
+        if not all(trusted):
+            log.warning(
+                "page-cache mode: mincore would report every page of %s resident (this process neither owns "
+                "nor may write it); nothing is skipped, every requested range is warmed",
+                ", ".join(p for p, ok in zip(paths, trusted, strict=True) if not ok),
+            )
         method, uring = options.method, None
         if method == "uring":
             uring = await self._build("_warming", lambda: self._warming_ring(files, loop))
@@ -296,6 +306,7 @@ class ExpertStore:
             options.max_gap,
             self._pagecache_counters,
             uring,
+            trusted,
         )
         self._warming = None  # the source owns it now
 
@@ -576,7 +587,7 @@ class ExpertStore:
             alignment=self._files.alignment,
             in_flight=self._pagecache.running,
             pinned_slots=self._pagecache.pinned_count,
-            pagecache=pc.snapshot(self._pagecache.method),
+            pagecache=pc.snapshot(self._pagecache.method, self._pagecache.residency),
         )
 
     def reset_statistics(self) -> None:
