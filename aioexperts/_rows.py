@@ -27,7 +27,7 @@ from ._io.files import ShardFiles
 from ._io.loop import LoopAdapter
 from ._io.rowplan import RowTable, RowWindowPlan
 from ._io.select import create_backend
-from ._io.slab import Slab
+from ._io.slab import Slab, slot_stride
 
 __all__ = ("RowReader", "RowStatistics", "RowsView")
 
@@ -132,7 +132,8 @@ class RowReader:
         self.slot_bytes = max(
             (RowTable.of(0, t, alignment, files.sizes[t.shard]).slot_bytes for t in two_d), default=2 * alignment
         )
-        self.n_slots = max(16, cache_bytes // self.slot_bytes)
+        # the budget counts what each slot maps (rounded up to a page), not the window's bytes
+        self.n_slots = max(16, cache_bytes // slot_stride(self.slot_bytes))
         self.counters = Counters()
         self.calls = self.rows = self.windows = self.useful_bytes = 0
         try:
