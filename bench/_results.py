@@ -7,6 +7,7 @@ can be recomputed from the file.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -71,6 +72,19 @@ def fmt_range(values: Sequence[float], spec: str = ".2f") -> str:
     return f"{s['median']:{spec}} ({s['min']:{spec}}-{s['max']:{spec}})"
 
 
+def refuse_foreign(path: Path) -> Path:
+    """``path``, unless it names something a bench did not write: an existing file that is not a
+    JSON object (a model given by mistake, any other file) is never replaced (SystemExit, one line)."""
+    if path.exists():
+        try:
+            ours = path.is_file() and path.read_bytes()[:1] == b"{" and isinstance(json.loads(path.read_text()), dict)
+        except (OSError, ValueError):
+            ours = False
+        if not ours:
+            raise SystemExit(f"{path} exists and is not a results file: refusing to replace it (remove it first)")
+    return path
+
+
 def write_results(
     path: Path | None,
     name: str,
@@ -96,7 +110,7 @@ def write_results(
         "rounds": rounds,
         "summary": summary_,
     }
-    target.write_text(dumps(payload))
+    refuse_foreign(target).write_text(dumps(payload))
     return target
 
 

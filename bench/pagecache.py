@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _results import machine_facts  # bench/_results.py, a sibling module
+from _results import machine_facts, refuse_foreign  # bench/_results.py, a sibling module
 
 import aioexperts
 from aioexperts import _json as strict_json
@@ -220,7 +220,7 @@ def main() -> int:
             f" {statistics.median(resident) / 1e9:.2f} GB of the model left in the page cache"
         )
     limit = limited(path, args.limit_mib) if args.limit_mib else {"skipped": "--limit-mib 0"}
-    args.json.write_text(
+    refuse_foreign(args.json).write_text(
         strict_json.dumps(
             {
                 "aioexperts": aioexperts.__version__,

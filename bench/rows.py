@@ -22,7 +22,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from _results import machine_facts  # bench/_results.py, a sibling module
+from _results import machine_facts, refuse_foreign  # bench/_results.py, a sibling module
 
 import aioexperts
 from aioexperts import _json as strict_json
@@ -113,7 +113,7 @@ def main() -> int:
             f"{n:4d} rows/call: {statistics.median(rate):10.0f} rows/s ({min(rate):.0f}-{max(rate):.0f}),"
             f" {statistics.median(waste):.1f} bytes read per useful byte"
         )
-    args.json.write_text(
+    refuse_foreign(args.json).write_text(
         strict_json.dumps(
             {
                 "aioexperts": aioexperts.__version__,

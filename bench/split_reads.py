@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from _results import machine_facts  # bench/_results.py, a sibling module
+from _results import machine_facts, refuse_foreign  # bench/_results.py, a sibling module
 from gguf import GGMLQuantizationType
 
 import aioexperts
@@ -105,7 +105,7 @@ def main() -> int:
             f"  {key:>9}: {s['ms_median']:7.1f} ms ({s['ms_min']:.1f}-{s['ms_max']:.1f}),"
             f" x whole {s['x_whole_median']:.2f} ({s['x_whole_min']:.2f}-{s['x_whole_max']:.2f})"
         )
-    args.json.write_text(
+    refuse_foreign(args.json).write_text(
         strict_json.dumps(
             {
                 "aioexperts": aioexperts.__version__,

@@ -196,3 +196,20 @@ def test_bench_outputs_never_replace_the_model_or_a_foreign_file(
     assert bench.main(["--model", str(model), "--quiet", "--out", "", "--plot", str(plots)]) == 2
     assert "--force" in capsys.readouterr().err
     assert model.read_bytes() == before and other.read_text() == "[1, 2]"
+
+
+def test_bench_scripts_never_replace_a_file_that_is_not_results(model: Path, tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_results", REPO / "bench" / "_results.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    before = model.read_bytes()
+    with pytest.raises(SystemExit, match="is not a results file"):
+        module.write_results(model, "x", {}, {}, [], {}, 0.0)
+    assert model.read_bytes() == before
+    out = module.write_results(tmp_path / "r.json", "x", {"p": math.nan}, {}, [{"v": math.inf}], {}, 0.0)
+    doc = _strict_loads(out.read_text())
+    assert isinstance(doc, dict) and doc["parameters"] == {"p": None} and doc["rounds"] == [{"v": None}]
+    assert module.write_results(out, "x", {}, {}, [], {}, 0.0) == out  # its own file: replaced
