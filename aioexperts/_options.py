@@ -70,7 +70,7 @@ class CacheOptions:
             :class:`~aioexperts.SlotTimeoutError` (a ``SlabExhaustedError`` and a
             ``TimeoutError``); None waits as long as it takes. Needs ``wait_for_slots``.
         hugepages: advise transparent huge pages (``MADV_HUGEPAGE``) for the slab; slots are then
-            rounded up to 2 MiB.
+            rounded up to 2 MiB, and ``bytes`` counts the rounded slots (the budget stays a ceiling).
         lock_memory: ``mlock`` the slab (fails with the ``RLIMIT_MEMLOCK`` value in the message).
         row_cache_bytes: the slab of the row cache (:meth:`~aioexperts.ExpertStore.rows`), made on
             the first row read: bytes, at least 16 windows of rows.

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from aioexperts import _json as strict_json
+
 RESULTS_DIR = Path.cwd()
 
 
@@ -70,6 +72,19 @@ def fmt_range(values: Sequence[float], spec: str = ".2f") -> str:
     return f"{s['median']:{spec}} ({s['min']:{spec}}-{s['max']:{spec}})"
 
 
+def refuse_foreign(path: Path) -> Path:
+    """``path``, unless it names something a bench did not write: an existing file that is not a
+    JSON object (a model given by mistake, any other file) is never replaced (SystemExit, one line)."""
+    if path.exists():
+        try:
+            ours = path.is_file() and path.read_bytes()[:1] == b"{" and isinstance(json.loads(path.read_text()), dict)
+        except (OSError, ValueError):
+            ours = False
+        if not ours:
+            raise SystemExit(f"{path} exists and is not a results file: refusing to replace it (remove it first)")
+    return path
+
+
 def write_results(
     path: Path | None,
     name: str,
@@ -95,13 +110,13 @@ def write_results(
         "rounds": rounds,
         "summary": summary_,
     }
-    target.write_text(dumps(payload))
+    refuse_foreign(target).write_text(dumps(payload))
     return target
 
 
 def dumps(payload: dict[str, Any]) -> str:
     """The results as JSON text: indented, except one line per round (the files stay small)."""
     rounds = payload.get("rounds", [])
-    head = json.dumps({**payload, "rounds": []}, indent=1, default=str)
-    lines = ",\n".join("  " + json.dumps(r, default=str) for r in rounds)
+    head = strict_json.dumps({**payload, "rounds": []}, indent=1, default=str)
+    lines = ",\n".join("  " + strict_json.dumps(r, default=str) for r in rounds)
     return head.replace('"rounds": []', '"rounds": [\n' + lines + "\n ]", 1) + "\n"

@@ -25,7 +25,6 @@ Usage: ``python bench/dequant.py [--repeat N] [--json] [--shapes 768x2048,2048x7
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -35,6 +34,7 @@ import gguf.quants
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from aioexperts import _json as strict_json
 from aioexperts._format.dequant import dequantize, supported_types
 
 Q = GGMLQuantizationType
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     if args.json:
         meta = {"numpy": np.__version__, "python": platform.python_version(), "repeat": args.repeat}
-        print(json.dumps({**meta, "results": results}, indent=1))
+        print(strict_json.dumps({**meta, "results": results}, indent=1))
     else:
         print(
             f"dequantize, best of {args.repeat}, numpy {np.__version__}, python {platform.python_version()}, "

@@ -226,7 +226,8 @@ types = [Q[name] for name in sys.argv[1].split(",")]
 t1 = time.perf_counter()
 report = fused.warmup(types)
 print(json.dumps({"import_s": t1 - t0, "warmup_s": report.seconds, "total_s": time.perf_counter() - t0,
-                  "loaded": report.loaded, "compiled": report.compiled, "kernels": len(report.kernels)}))
+                  "loaded": report.loaded, "compiled": report.compiled, "kernels": len(report.kernels)},
+                 allow_nan=False))
 """
 
 COMPILE_SETS = {

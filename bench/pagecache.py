@@ -37,9 +37,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _results import machine_facts  # bench/_results.py, a sibling module
+from _results import machine_facts, refuse_foreign  # bench/_results.py, a sibling module
 
 import aioexperts
+from aioexperts import _json as strict_json
 from aioexperts._bench import ensure_bench_model
 
 MODES = ("slab", "pagecache read", "pagecache advice", "pagecache parallel-advice", "pagecache uring")
@@ -156,7 +157,7 @@ layout = aioexperts.build_layout(aioexperts.open_model(path))
 steps = [(layer, [e]) for layer, moe in layout.layers.items() for e in range(moe.n_experts)]
 drop(path)
 passes = [asyncio.run(one_pass(path, mode, steps, layout.n_experts_total)) for _ in range(2)]
-print(json.dumps(passes))
+print(json.dumps(passes, allow_nan=False))
 """
 
 
@@ -219,8 +220,8 @@ def main() -> int:
             f" {statistics.median(resident) / 1e9:.2f} GB of the model left in the page cache"
         )
     limit = limited(path, args.limit_mib) if args.limit_mib else {"skipped": "--limit-mib 0"}
-    args.json.write_text(
-        json.dumps(
+    refuse_foreign(args.json).write_text(
+        strict_json.dumps(
             {
                 "aioexperts": aioexperts.__version__,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

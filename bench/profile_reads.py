@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import json
 import os
 import pstats
 import sys
@@ -39,6 +38,7 @@ from typing import Any
 import liburing
 
 import aioexperts._sources.slab as slab_source_module
+from aioexperts import _json as strict_json
 from aioexperts._bench import (
     Clock,
     drop_page_cache,
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "calls": {k: v for k, v in timed[-1].items() if k.startswith("calls ")},
     }
     if args.json:
-        json.dump(result, sys.stdout, indent=1)
+        strict_json.dump(result, sys.stdout, indent=1)
         print()
         return 0
     print(

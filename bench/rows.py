@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -23,9 +22,10 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from _results import machine_facts  # bench/_results.py, a sibling module
+from _results import machine_facts, refuse_foreign  # bench/_results.py, a sibling module
 
 import aioexperts
+from aioexperts import _json as strict_json
 from aioexperts._bench import cache_dir
 from aioexperts.testing import tiny_moe_writer
 
@@ -113,8 +113,8 @@ def main() -> int:
             f"{n:4d} rows/call: {statistics.median(rate):10.0f} rows/s ({min(rate):.0f}-{max(rate):.0f}),"
             f" {statistics.median(waste):.1f} bytes read per useful byte"
         )
-    args.json.write_text(
-        json.dumps(
+    refuse_foreign(args.json).write_text(
+        strict_json.dumps(
             {
                 "aioexperts": aioexperts.__version__,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from _results import machine_facts  # bench/_results.py, a sibling module
+from _results import machine_facts, refuse_foreign  # bench/_results.py, a sibling module
 from gguf import GGMLQuantizationType
 
 import aioexperts
+from aioexperts import _json as strict_json
 from aioexperts._bench import cache_dir
 from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
@@ -105,8 +105,8 @@ def main() -> int:
             f"  {key:>9}: {s['ms_median']:7.1f} ms ({s['ms_min']:.1f}-{s['ms_max']:.1f}),"
             f" x whole {s['x_whole_median']:.2f} ({s['x_whole_min']:.2f}-{s['x_whole_max']:.2f})"
         )
-    args.json.write_text(
-        json.dumps(
+    refuse_foreign(args.json).write_text(
+        strict_json.dumps(
             {
                 "aioexperts": aioexperts.__version__,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

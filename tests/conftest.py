@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import errno
 import mmap
-import re
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,28 @@ ANYIO_BACKENDS = [
 @pytest.fixture(params=ANYIO_BACKENDS)
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
     return request.param  # type: ignore[no-any-return]
+
+
+def shared_vocab_paths() -> list[Path]:
+    """llama.cpp's vocabulary-only ``*.gguf`` files: ``$AIOEXPERTS_VOCAB``, else ``vocab`` beside the
+    shared fixtures, else ``../shared/vocab`` beside the checkout; empty if none is found (an error
+    with ``AIOEXPERTS_REQUIRE_FIXTURES=1``)."""
+    env = os.environ.get("AIOEXPERTS_VOCAB")
+    fixtures = shared_fixtures_dir()
+    repo = Path(__file__).resolve().parents[1]
+    candidates = [
+        *([Path(env)] if env else []),
+        *([fixtures.parent / "vocab"] if fixtures is not None else []),
+        repo.parent / "shared" / "vocab",
+    ]
+    for cand in candidates:
+        found = sorted(cand.glob("*.gguf")) if cand.is_dir() else []
+        if found:
+            return found
+    if os.environ.get("AIOEXPERTS_REQUIRE_FIXTURES") == "1":
+        tried = " or ".join(map(str, candidates))
+        raise RuntimeError(f"the shared vocab files are required but no *.gguf is in {tried}")
+    return []
 
 
 def _fixture_candidates() -> list[Path]:

@@ -21,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "aioexperts"
 LAYER_OF = {
     "_errors": "base",
     "_checks": "base",
+    "_json": "base",
     "_format": "format",
     "_io": "store",
     "_cache": "store",
@@ -67,6 +68,8 @@ EXCEPTIONS = {
     ("compute", "aioexperts._io.loop"),
     # cache simulations replay a routing trace through the store's eviction policies
     ("predict", "aioexperts._cache.eviction"),
+    # the commands write JSON through the project's one strict writer (NaN and inf become null)
+    ("commands", "aioexperts._json"),
 }
 
 #: optional extras the core must not import at module level (one clear line when missing, at use)

@@ -16,6 +16,7 @@ this package only; its modules may change between releases. Needs the ``bench`` 
 - :mod:`.store_adapter` (as a module): the store and runner the benches drive, and their counters.
 """
 
+from .._format.model import split_shard_paths  # the shards a model path names (the commands' inputs)
 from .._options import MAX_QUEUE_DEPTH, MIN_QUEUE_DEPTH
 from .cachestate import DROP_METHOD, drop_page_cache, probe_host_cache
 from .loops import LOOPS, await_cost
@@ -23,11 +24,11 @@ from .loops import run as run_on_loop
 from .machine import kernel_facts, machine_facts, machine_label
 from .measure import GB, GIB, Clock, rotated, spread
 from .model_cache import bench_model_path, cache_dir, ensure_bench_model
-from .plots import write_plots
+from .plots import PLOT_NAMES, write_plots
 from .progress import Reporter
 from .readbench import DEFAULT_METHODS, METHODS, ReadBenchConfig, make_steps, requests_in_flight, run_read_bench
 from .report import SECTIONS, markdown, print_sections
-from .results import SCHEMA, UNITS, evaluate_targets, json_safe, load_results, write_results
+from .results import SCHEMA, UNITS, dump_json, dumps_json, evaluate_targets, json_safe, load_results, write_results
 from .sweep import run_sweeps
 from .tokenbench import TARGET_OVERLAP, OraclePredictor, TokenBenchConfig, run_token_bench
 
@@ -45,6 +46,7 @@ __all__ = (
     "TARGET_OVERLAP",
     "UNITS",
     "Clock",
+    "PLOT_NAMES",
     "OraclePredictor",
     "ReadBenchConfig",
     "Reporter",
@@ -53,6 +55,8 @@ __all__ = (
     "bench_model_path",
     "cache_dir",
     "drop_page_cache",
+    "dump_json",
+    "dumps_json",
     "ensure_bench_model",
     "evaluate_targets",
     "json_safe",
@@ -70,6 +74,7 @@ __all__ = (
     "run_read_bench",
     "run_sweeps",
     "run_token_bench",
+    "split_shard_paths",
     "spread",
     "write_plots",
     "write_results",

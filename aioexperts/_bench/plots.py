@@ -16,7 +16,10 @@ from typing import Any
 
 from .._errors import ConfigError
 
-__all__ = ("write_plots",)
+__all__ = ("PLOT_NAMES", "write_plots")
+
+#: The files :func:`write_plots` may write into its directory.
+PLOT_NAMES = ("reads_vs_depth.png", "reads_vs_size.png", "token_timeline.png")
 
 _COLORS = {"io_uring": "tab:blue", "threads": "tab:orange", "fio": "tab:green"}
 

@@ -12,12 +12,24 @@ interrupted run leaves no partial file.
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 from typing import Any
 
-__all__ = ("SCHEMA", "UNITS", "evaluate_targets", "json_safe", "load_results", "write_results")
+from .._json import dump as dump_json
+from .._json import dumps as dumps_json
+from .._json import json_safe
+
+__all__ = (
+    "SCHEMA",
+    "UNITS",
+    "dump_json",
+    "dumps_json",
+    "evaluate_targets",
+    "json_safe",
+    "load_results",
+    "write_results",
+)
 
 SCHEMA = 1
 UNITS = {
@@ -32,19 +44,6 @@ UNITS = {
 }
 
 
-def json_safe(x: Any) -> Any:
-    """JSON-safe: NaN and infinities become None, tuples lists, numpy scalars Python numbers."""
-    if isinstance(x, float):
-        return None if math.isnan(x) or math.isinf(x) else x
-    if isinstance(x, dict):
-        return {str(k): json_safe(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [json_safe(v) for v in x]
-    if hasattr(x, "item") and callable(x.item):
-        return json_safe(x.item())
-    return x
-
-
 def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> None:
     """Write ``results`` as indented JSON to ``path`` atomically."""
     target = os.fspath(path)
@@ -52,7 +51,7 @@ def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> None
     fd, tmp = tempfile.mkstemp(prefix=".bench-results-", suffix=".partial", dir=directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(json_safe(results), f, indent=1, sort_keys=False)
+            dump_json(results, f, indent=1, sort_keys=False)  # strict: NaN and inf become null
             f.write("\n")
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)

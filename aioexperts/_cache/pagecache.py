@@ -2,7 +2,9 @@
 
 Views point into read-only shared mappings of the shards (:class:`~aioexperts._io.mapping
 .MappedShards`), valid while pinned (a mapping is never unmapped under a view). Before warming,
-``mincore`` tells which ranges are resident already: those are skipped and counted. A request
+``mincore`` tells which ranges are resident already: those are skipped and counted (unless
+``mincore`` cannot be trusted for a shard, :func:`~aioexperts._io.mapping.residency_trusted`: then
+every range of it is warmed, and the statistics say ``residency="untrusted"``). A request
 (demand) warms what it needs ahead of every queued prefetch and, with the ``read`` method, waits
 until the data is in the page cache; with the advice methods it waits only for the advice, and the
 compute faults in what readahead did not bring in yet. Prefetches queue behind demand and can be
@@ -73,10 +75,11 @@ class PageCacheCounters:
         for name in self.__slots__:
             setattr(self, name, {} if name == "prefetch_calls" else 0)
 
-    def snapshot(self, method: str) -> PageCacheStatistics:
+    def snapshot(self, method: str, residency: str = "mincore") -> PageCacheStatistics:
         """A frozen copy."""
         return PageCacheStatistics(
             method,
+            residency,
             self.ranges_issued,
             self.bytes_warmed,
             self.resident_skipped,
@@ -94,6 +97,11 @@ class PageCacheStatistics:
     Attributes:
         method: the warming method that really runs (``"read"``, ``"advice"``, ``"parallel-advice"``,
             ``"uring"``; ``"read"`` when ``"uring"`` was asked for without io_uring).
+        residency: how resident ranges were found: ``"mincore"`` (trusted: resident ranges are
+            skipped), or ``"untrusted"`` when the kernel's ``mincore`` would report every page
+            resident for this process (it neither owns nor may write a shard, Linux 5.0+; or
+            ``cachestat(2)`` refused): nothing is skipped then, every requested range is warmed,
+            ``resident_skipped`` stays 0 and every request counts as a miss.
         ranges_issued: merged ranges handed to a warming call.
         bytes_warmed: bytes those calls covered.
         resident_skipped: merged ranges found resident (``mincore``) and not warmed.
@@ -104,6 +112,7 @@ class PageCacheStatistics:
     """
 
     method: str
+    residency: str
     ranges_issued: int
     bytes_warmed: int
     resident_skipped: int
@@ -144,6 +153,8 @@ class PageCacheSource:
         n_threads: worker threads of ``read`` and ``parallel-advice``.
         max_gap: ranges at most this many bytes apart are warmed as one.
         counters: where to count.
+        residency_trusted: per shard, whether ``mincore`` may be believed
+            (:func:`~aioexperts._io.mapping.residency_trusted`); None: every shard.
     """
 
     def __init__(
@@ -157,8 +168,13 @@ class PageCacheSource:
         max_gap: int,
         counters: PageCacheCounters,
         uring: IOBackend | None = None,
+        residency_trusted: Sequence[bool] | None = None,
     ) -> None:
         self.layout = layout
+        #: per shard: whether mincore is believed (else every range of the shard is warmed)
+        self.residency_trusted = tuple(residency_trusted) if residency_trusted is not None else (True,) * len(fds)
+        #: ``"mincore"``, or ``"untrusted"`` when some shard's residency cannot be trusted
+        self.residency = "mincore" if all(self.residency_trusted) else "untrusted"
         self.shards = shards
         self.fds = tuple(fds)
         self.loop = loop
@@ -195,6 +211,9 @@ class PageCacheSource:
         )
         missing = []
         for r in merged:
+            if not self.residency_trusted[r.shard]:
+                missing.append(r)  # mincore would say resident whatever the truth: warm it
+                continue
             resident, total = self.shards.residency(r.shard, r.offset, r.n_bytes)
             if resident < total:
                 missing.append(r)

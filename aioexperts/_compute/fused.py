@@ -481,7 +481,9 @@ def linear(
         shape: ``(rows, cols)`` in numpy order (ggml ``(ne1, ne0)``); ``cols`` a multiple of the
             block size.
         x: ``(n_tokens, cols)`` float32.
-        out: optional ``(n_tokens, rows)`` float32 C-contiguous array to write into.
+        out: optional ``(n_tokens, rows)`` float32 C-contiguous array to write into. It may be
+            ``x`` itself (or overlap ``x`` or ``data``): the product is then computed apart and
+            copied in.
 
     Returns:
         ``(n_tokens, rows)`` float32: ``out`` if given, else a new array.
@@ -497,6 +499,10 @@ def linear(
     n = xs.shape[0]
     result = _check_out(out, (n, rows))
     if n == 0 or rows == 0:
+        return result
+    if out is not None and (np.may_share_memory(result, xs) or np.may_share_memory(result, np.asarray(data))):
+        # the kernels read x (and W) while they write out: an alias would read rows already written
+        result[...] = linear(data, qtype, (rows, cols), xs)
         return result
     ready = _ready(qtype)
     if ready is not None:

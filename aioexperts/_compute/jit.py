@@ -20,6 +20,8 @@ a disk cache (numba would otherwise fall back to ``__pycache__`` inside the pack
 Environment:
     ``AIOEXPERTS_KERNELS``: ``numba`` (default) or ``numpy`` to force the numpy kernels.
     ``AIOEXPERTS_CACHE``: the cache root (shared with the bench model).
+    ``NUMBA_DISABLE_JIT`` (numba's own): when set, numba compiles nothing, so the numpy kernels
+    serve (with one log line saying so).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class JitStatus:
     """Whether the compiled kernels can serve, and where they are cached.
 
     Attributes:
-        available: numba imported and was not disabled by ``AIOEXPERTS_KERNELS=numpy``.
+        available: numba imported and was not disabled by ``AIOEXPERTS_KERNELS=numpy`` or by
+            numba's own ``NUMBA_DISABLE_JIT``.
         reason: why the numpy kernels serve instead (None when ``available``).
         numba_version: the imported numba version, or None.
         cache_dir: the folder of the on-disk cache, or None when kernels are not cached.
@@ -160,6 +163,10 @@ def jit_status() -> JitStatus:
         import numba
     except Exception as exc:  # ImportError, or a broken install raising anything at import
         return JitStatus(False, f"numba cannot be imported ({type(exc).__name__}: {exc})", None, None, None)
+    if getattr(numba.config, "DISABLE_JIT", False):
+        # njit then returns the plain Python function: no dispatcher, no .compile, no .stats
+        reason = "NUMBA_DISABLE_JIT is set: numba compiles nothing"
+        return JitStatus(False, reason, numba.__version__, None, None)
     try:
         folder: Path | None = cache_dir()
     except Exception as exc:  # llvmlite missing or unreadable kernel sources

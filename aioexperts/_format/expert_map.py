@@ -124,7 +124,8 @@ def write_expert_map(model: GGUFModel, layout: ExpertLayout, path: str | os.Path
     Record ``i`` is block ``i``; NextN blocks left out of ``layout`` get no record.
 
     Raises:
-        ConfigError: ``model`` is a split set, its MoE blocks are not ``0..n-1`` (leading or
+        ConfigError: ``path`` is the model file itself (same device and inode), ``model`` is a
+            split set, its MoE blocks are not ``0..n-1`` (leading or
             interleaved dense blocks: the format indexes records by block number), or an expert or
             layer count or range length is outside what the format can hold (lengths are at most
             8 MiB).
@@ -154,6 +155,13 @@ def write_expert_map(model: GGUFModel, layout: ExpertLayout, path: str | os.Path
                 if not 1 <= n <= MAX_RANGE_BYTES:
                     raise ConfigError(f"WEEPF001 ranges are 1..{MAX_RANGE_BYTES} bytes, an expert needs {n}")
                 parts.append(struct.pack("<QQ", off, n))
+    try:
+        target = os.stat(path)
+    except OSError:
+        pass
+    else:
+        if (target.st_dev, target.st_ino) == (shard.dev, shard.ino):
+            raise ConfigError(f"{os.fspath(path)} is the model {shard.path}: a map is never written over its model")
     directory = os.path.dirname(os.path.abspath(path)) or "."
     fd, tmp = tempfile.mkstemp(prefix=".weepf-", dir=directory)
     try:

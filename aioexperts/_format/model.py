@@ -255,7 +255,9 @@ def _parse_file(path: str, index: int) -> _ParsedFile:
 
 def _tensor_infos(path: str, shard: int, header: GGUFHeader, file_size: int) -> list[TensorInfo]:
     data_start, alignment = header.data_start, header.alignment
-    if data_start > file_size:
+    # Without tensors the data section is empty and its aligned start may lie past the end of the
+    # file (llama.cpp's vocabulary-only files): nothing is read there, so nothing is refused.
+    if header.tensors and data_start > file_size:
         raise FormatError(f"{path}: tensor data would start at byte {data_start}, past the end ({file_size})")
     infos: list[TensorInfo] = []
     seen: set[str] = set()

@@ -5,6 +5,12 @@ In page-cache mode the kernel's page cache is the expert cache: views point stra
 Before warming a range, ``mincore`` tells whether its pages are resident already (such ranges are
 skipped and counted); the ranges to warm are sorted and merged when the gap between them is small.
 
+``mincore`` can lie: since Linux 5.0 (``mm/mincore.c``, ``can_do_mincore``) it reports every page of a
+file mapping resident unless the caller owns the file, may write it, or has ``CAP_FOWNER`` (a model
+owned by root, served by a service user). :func:`residency_facts` gathers those facts, and
+``cachestat(2)`` (Linux 6.5+), which refuses with ``EPERM`` in exactly that case, where the kernel has
+it; :func:`residency_trusted` decides. When residency cannot be trusted, every range is warmed.
+
 Warming methods (``WARM_METHODS``):
 
 - ``"read"``: worker threads ``pread`` each range into a small scratch buffer (the data is in the
@@ -19,9 +25,11 @@ Warming methods (``WARM_METHODS``):
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import mmap
 import os
+import platform
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -32,8 +40,12 @@ __all__ = (
     "DEFAULT_MAX_GAP",
     "WARM_METHODS",
     "MappedShards",
+    "ResidencyFacts",
     "WarmRange",
+    "cachestat_verdict",
     "merge_ranges",
+    "residency_facts",
+    "residency_trusted",
     "warm_advice",
     "warm_read",
 )
@@ -51,6 +63,90 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+_SYS_CACHESTAT = 451  # the same number on every architecture of the unified syscall table
+_CAP_FOWNER = 3
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = (("off", ctypes.c_uint64), ("len", ctypes.c_uint64))
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = tuple((name, ctypes.c_uint64) for name in ("cache", "dirty", "writeback", "evicted", "recently_evicted"))
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyFacts:
+    """What decides whether ``mincore`` tells the truth about a file mapping.
+
+    Attributes:
+        owner_uid: the file's owner (``st_uid``).
+        euid: the process's effective user id.
+        may_write: the process may write the file (``faccessat(W_OK, AT_EACCESS)``).
+        cap_fowner: the process has ``CAP_FOWNER`` (root usually has).
+        cachestat: ``"ok"`` (the kernel answered), ``"refused"`` (``EPERM``: it would not tell
+            this process) or ``"unavailable"`` (no such syscall: Linux before 6.5, or not Linux).
+    """
+
+    owner_uid: int
+    euid: int
+    may_write: bool
+    cap_fowner: bool
+    cachestat: str
+
+
+def residency_trusted(facts: ResidencyFacts) -> bool:
+    """Whether ``mincore`` on a mapping of the file reports real residency.
+
+    ``cachestat`` applies the same rule as ``mincore`` (owner, ``CAP_FOWNER`` or write access) and
+    says so by refusing: its verdict wins where the kernel has it; otherwise the rule is applied to
+    the facts.
+    """
+    if facts.cachestat == "ok":
+        return True
+    if facts.cachestat == "refused":
+        return False
+    return facts.euid == facts.owner_uid or facts.may_write or facts.cap_fowner
+
+
+def cachestat_verdict(fd: int) -> str:
+    """``cachestat(2)`` on the first page of ``fd``: ``"ok"``, ``"refused"`` or ``"unavailable"``."""
+    if platform.system() != "Linux":
+        return "unavailable"
+    try:
+        syscall = _libc.syscall
+    except AttributeError:  # pragma: no cover - a libc without syscall()
+        return "unavailable"
+    span, out = _CachestatRange(0, PAGE_SIZE), _Cachestat()
+    if syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(span), ctypes.byref(out), 0) == 0:
+        return "ok"
+    return "refused" if ctypes.get_errno() in (errno.EPERM, errno.EACCES) else "unavailable"
+
+
+def _cap_fowner() -> bool:
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_FOWNER & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.geteuid() == 0
+
+
+def residency_facts(fd: int, path: str) -> ResidencyFacts:
+    """The :class:`ResidencyFacts` of the open file ``fd`` (named ``path``) for this process."""
+    owner = os.fstat(fd).st_uid
+    try:
+        if os.access in os.supports_effective_ids:
+            may_write = os.access(path, os.W_OK, effective_ids=True)
+        else:  # pragma: no cover - Linux has faccessat(AT_EACCESS)
+            may_write = os.access(path, os.W_OK)
+    except OSError:
+        may_write = False
+    return ResidencyFacts(owner, os.geteuid(), may_write, _cap_fowner(), cachestat_verdict(fd))
 
 
 @dataclass(frozen=True, slots=True, order=True)

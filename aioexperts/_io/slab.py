@@ -18,7 +18,7 @@ import weakref
 from .._errors import ConfigError
 from .align import align_up
 
-__all__ = ("Slab",)
+__all__ = ("Slab", "slot_stride")
 
 log = logging.getLogger("aioexperts")
 
@@ -28,6 +28,12 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14; Python 3.11 has no name for it
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def slot_stride(slot_bytes: int, *, hugepages: bool = False) -> int:
+    """Bytes one slot takes in a :class:`Slab`: ``slot_bytes`` rounded up to the page size (2 MiB
+    with ``hugepages``). Size a byte budget in these, not in ``slot_bytes``."""
+    return align_up(slot_bytes, HUGE_PAGE_SIZE if hugepages else PAGE_SIZE)
 
 
 class Slab:
@@ -58,7 +64,7 @@ class Slab:
     ) -> None:
         if n_slots < 1 or slot_bytes < 1:
             raise ConfigError(f"a slab needs n_slots >= 1 and slot_bytes >= 1, got {n_slots} and {slot_bytes}")
-        self.slot_bytes = align_up(slot_bytes, HUGE_PAGE_SIZE if hugepages else PAGE_SIZE)
+        self.slot_bytes = slot_stride(slot_bytes, hugepages=hugepages)
         self.n_slots = n_slots
         self.n_bytes = self.n_slots * self.slot_bytes
         try:
@@ -96,7 +102,7 @@ class Slab:
             limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
             raise ConfigError(
                 f"mlock of the {self.n_bytes}-byte slab failed (errno {err}); RLIMIT_MEMLOCK is {limit}: "
-                "raise it (ulimit -l) or open without lock=True"
+                "raise it (ulimit -l) or open without CacheOptions(lock_memory=True)"
             )
         self.locked = True
 

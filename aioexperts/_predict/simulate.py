@@ -88,7 +88,7 @@ class _Steps:
 
     keys: list[int]
     bounds: list[int]
-    key_tuples: list[Key]  # integer key -> (layer, expert)
+    key_tuples: dict[int, Key]  # integer key -> (layer, expert), for the keys the trace uses
 
 
 def _flatten(trace: RoutingTrace) -> _Steps:
@@ -99,7 +99,10 @@ def _flatten(trace: RoutingTrace) -> _Steps:
     keys = (ids + offsets[None, :, None])[active]  # row-major: token, then layer, then id
     counts = active.sum(axis=2).reshape(-1)
     bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
-    key_tuples = [(layer, e) for layer, n in zip(trace.layers, trace.n_experts, strict=True) for e in range(n)]
+    # only the keys the trace uses: memory grows with the trace, not with its declared expert counts
+    used = np.unique(keys)
+    layer_of = np.searchsorted(offsets, used, side="right") - 1
+    key_tuples = {int(key): (trace.layers[i], int(key - offsets[i])) for key, i in zip(used, layer_of, strict=True)}
     return _Steps(keys.tolist(), bounds, key_tuples)
 
 

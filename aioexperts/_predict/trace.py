@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import tempfile
 import zipfile
@@ -38,7 +39,12 @@ TRACE_FORMAT_VERSION = 1
 
 _KEYS = frozenset({"version", "ids", "layers", "n_experts", "metadata"})
 _ID_DTYPES = (np.dtype(np.int16), np.dtype(np.int32))
-_MAX_N_EXPERTS = int(np.iinfo(np.int32).max)
+MAX_EXPERTS_PER_LAYER = 1 << 16
+"""The most routed experts a layer of a trace may declare (llama.cpp's ``LLAMA_MAX_EXPERTS`` is 1024)."""
+MAX_EXPERTS_TOTAL = 1 << 20
+"""The most ``(layer, expert)`` keys a trace may declare: what the analyses hold per expert is bounded."""
+_DEFLATE_MAX_RATIO = 1032
+"""Deflate expands at most this much (RFC 1951: a 258-byte match per 2 bits): what a zip member may declare."""
 _UNREADABLE = (ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error)
 
 
@@ -89,10 +95,14 @@ def _check_parts(
     if layers[0] < 0 or any(b <= a for a, b in zip(layers, layers[1:], strict=False)):
         raise error(f"layers must be non-negative and strictly increasing, got {list(layers)}")
     for layer, n in zip(layers, n_experts, strict=True):
-        if not 1 <= n <= _MAX_N_EXPERTS:
-            raise error(f"n_experts of layer {layer} is {n}, must be in [1, {_MAX_N_EXPERTS}]")
+        if not 1 <= n <= MAX_EXPERTS_PER_LAYER:
+            raise error(f"n_experts of layer {layer} is {n}, must be in [1, {MAX_EXPERTS_PER_LAYER}]")
         if k > n:
             raise error(f"k={k} slots per step exceed the {n} experts of layer {layer}")
+    if sum(n_experts) > MAX_EXPERTS_TOTAL:
+        raise error(
+            f"the layers declare {sum(n_experts)} experts in all, more than the {MAX_EXPERTS_TOTAL} a trace holds"
+        )
     if n_tokens:
         low = ids.min(axis=(0, 2))
         high = ids.max(axis=(0, 2))
@@ -110,6 +120,40 @@ def _check_parts(
 
 
 _ZIP_MAGIC = b"PK\x03\x04"  # every .npz (a zip archive) starts with a local file header
+
+
+def _check_member_sizes(name: str, f: Any) -> None:
+    """Refuse an archive whose members declare more bytes than the file can hold, before any is read.
+
+    A member's uncompressed size is bounded by its compressed bytes (stored: equal; deflated: at most
+    :data:`_DEFLATE_MAX_RATIO` times), and the array its ``.npy`` header declares must fill exactly
+    the member: numpy allocates by that header, so memory grows with the file, not with a number in it.
+    """
+    file_size = os.fstat(f.fileno()).st_size
+    with zipfile.ZipFile(f) as archive:
+        for info in archive.infolist():
+            limit = info.compress_size * (1 if info.compress_type == zipfile.ZIP_STORED else _DEFLATE_MAX_RATIO)
+            if info.compress_size > file_size or info.file_size > limit:
+                raise FormatError(
+                    f"{name}: member {info.filename} declares {info.file_size} bytes, more than its "
+                    f"{info.compress_size} stored bytes can hold"
+                )
+            if not info.filename.endswith(".npy"):
+                continue
+            with archive.open(info) as member:
+                version = np.lib.format.read_magic(member)
+                if version not in ((1, 0), (2, 0)):
+                    raise FormatError(f"{name}: {info.filename} is a .npy of version {version}, not 1.0 or 2.0")
+                read_header = (
+                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                )
+                shape, _, dtype = read_header(member)  # the header only
+                declared = math.prod(shape) * dtype.itemsize
+                if declared > info.file_size - member.tell():
+                    raise FormatError(
+                        f"{name}: {info.filename} declares a {shape} {dtype} array ({declared} bytes) but holds "
+                        f"{info.file_size - member.tell()} bytes"
+                    )
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -235,7 +279,7 @@ class RoutingTrace:
         - ``version``: 0-d int64, ``1``;
         - ``ids``: ``(n_tokens, n_layers, k)`` int16 or int32, ids in ``[-1, n_experts[i])``;
         - ``layers``: ``(n_layers,)`` int64, block indices, non-negative, strictly increasing;
-        - ``n_experts``: ``(n_layers,)`` int64, each in ``[k, 2**31 - 1]``;
+        - ``n_experts``: ``(n_layers,)`` int64, each in ``[k, 65536]``, at most ``2**20`` in all;
         - ``metadata``: 0-d unicode string, a JSON object mapping str to str.
 
         The file is written to a temporary name in the same directory and renamed over ``path``.
@@ -252,7 +296,7 @@ class RoutingTrace:
             "ids": self.ids,
             "layers": np.array(self.layers, dtype=np.int64),
             "n_experts": np.array(self.n_experts, dtype=np.int64),
-            "metadata": np.array(json.dumps(dict(self.metadata), sort_keys=True)),
+            "metadata": np.array(json.dumps(dict(self.metadata), sort_keys=True, allow_nan=False)),
         }
         fd, tmp = tempfile.mkstemp(prefix=".trace-", suffix=".npz.tmp", dir=directory)
         try:
@@ -284,6 +328,8 @@ class RoutingTrace:
             with open(name, "rb") as f:
                 if f.read(4) != _ZIP_MAGIC:
                     raise FormatError(f"{name}: not a routing trace (a trace is an .npz archive, written by save())")
+                f.seek(0)
+                _check_member_sizes(name, f)
                 f.seek(0)
                 archive = np.load(f, allow_pickle=False)
                 if not isinstance(archive, np.lib.npyio.NpzFile):

@@ -24,12 +24,12 @@ from .._format.views import ExpertView, ProjectionView, release_view
 from .._io.backends.base import IOBackend
 from .._io.files import ShardFiles, open_shards
 from .._io.loop import LoopAdapter
-from .._io.mapping import MappedShards
+from .._io.mapping import MappedShards, residency_facts, residency_trusted
 from .._io.rowplan import RowTable
 from .._io.select import create_backend
 from .._io.slab import Slab
 from .._options import PageCacheOptions
-from .base import Build, ExpertSource
+from .base import Build, ExpertSource, finish_in_thread
 from .rows import RowReader, RowStatistics, RowsView
 
 __all__ = ("WARM_SCRATCH_BYTES", "WARM_SCRATCH_SLOTS", "MappedSource")
@@ -73,6 +73,16 @@ class MappedSource(ExpertSource):
         options = self.options
         files = await build(self, "files", lambda: open_shards(model, False))
         shards = await build(self, "shards", lambda: MappedShards(files.fds, files.sizes))
+        paths = [s.path for s in model.shards]
+        trusted = await finish_in_thread(
+            lambda: [residency_trusted(residency_facts(fd, path)) for fd, path in zip(files.fds, paths, strict=True)]
+        )
+        if not all(trusted):
+            log.warning(
+                "page-cache mode: mincore would report every page of %s resident (this process neither owns "
+                "nor may write it); nothing is skipped, every requested range is warmed",
+                ", ".join(p for p, ok in zip(paths, trusted, strict=True) if not ok),
+            )
         method, uring = options.method, None
         if method == "uring":
             uring = await build(self, "_warming", lambda: self._warming_ring(files, loop))
@@ -90,6 +100,7 @@ class MappedSource(ExpertSource):
             options.max_gap,
             self.counters,
             uring,
+            trusted,
         )
         self._warming = None  # the source owns it now
 
@@ -203,7 +214,7 @@ class MappedSource(ExpertSource):
             alignment=files.alignment,
             in_flight=pagecache.running,
             pinned_slots=pagecache.pinned_count,
-            pagecache=pc.snapshot(pagecache.method),
+            pagecache=pc.snapshot(pagecache.method, pagecache.residency),
         )
 
     def reset_statistics(self) -> None:

@@ -25,6 +25,7 @@ from .._format.views import release_view
 from .._io.files import ShardFiles
 from .._io.loop import LoopAdapter
 from .._io.rowplan import RowTable, RowWindowPlan
+from .._io.slab import slot_stride
 from .._options import IOOptions
 from .stack import ReadStack
 
@@ -125,7 +126,8 @@ class RowReader:
         self.slot_bytes = max(
             (RowTable.of(0, t, alignment, files.sizes[t.shard]).slot_bytes for t in two_d), default=2 * alignment
         )
-        self.n_slots = max(16, cache_bytes // self.slot_bytes)
+        # the budget counts what each slot maps (rounded up to a page), not the window's bytes
+        self.n_slots = max(16, cache_bytes // slot_stride(self.slot_bytes))
         self.counters = Counters()
         self.calls = self.rows = self.windows = self.useful_bytes = 0
         self.stack = ReadStack()

@@ -26,7 +26,7 @@ from .._format.views import ExpertView, ProjectionView
 from .._io.files import ShardFiles, open_shards
 from .._io.loop import LoopAdapter
 from .._io.plan import ExpertPlan, plan_all_experts
-from .._io.slab import exported_view
+from .._io.slab import exported_view, slot_stride
 from .._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions
 from .base import Build, ExpertSource
 from .rows import RowReader, RowStatistics, RowsView
@@ -117,7 +117,8 @@ class SlabSource(ExpertSource):
         if slots is not None:
             return min(slots, total)  # more could never be used
         budget = self.cache_options.bytes or DEFAULT_CACHE_BYTES
-        return max(min(budget // slot_bytes, total), min(2 * layout.n_expert_used, total))
+        stride = slot_stride(slot_bytes, hugepages=self.cache_options.hugepages)  # what each slot maps
+        return max(min(budget // stride, total), min(2 * layout.n_expert_used, total))
 
     @property
     def started(self) -> bool:

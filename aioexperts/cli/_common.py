@@ -1,12 +1,25 @@
-"""What every command-line tool shares: the ``--help`` formatter and a quiet end on a closed pipe."""
+"""What every command-line tool shares: the ``--help`` formatter, a quiet end on a closed pipe, and
+the check that an output file destroys nothing (:func:`refuse_to_overwrite`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
+from collections.abc import Callable, Iterable
 
-__all__ = ("BROKEN_PIPE_STATUS", "EXTRAS", "HelpFormatter", "missing_extra", "stdout_closed")
+from .. import ConfigError
+
+__all__ = (
+    "BROKEN_PIPE_STATUS",
+    "EXTRAS",
+    "HelpFormatter",
+    "file_starts_with",
+    "missing_extra",
+    "refuse_to_overwrite",
+    "stdout_closed",
+)
 
 #: Exit status when the reader of stdout went away (``tool | head``): 128 + SIGPIPE, what a shell
 #: reports for a program the signal ended.
@@ -55,3 +68,64 @@ def stdout_closed() -> int:
     except (OSError, ValueError, AttributeError):  # stdout is not a file descriptor (replaced, closed)
         pass
     return BROKEN_PIPE_STATUS
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the file ``path`` names (symlinks followed), or None if there is none."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def file_starts_with(magic: bytes) -> Callable[[str], bool]:
+    """A test for :func:`refuse_to_overwrite`'s ``ours``: the file begins with ``magic``."""
+
+    def test(path: str) -> bool:
+        try:
+            with open(path, "rb") as f:
+                return f.read(len(magic)) == magic
+        except OSError:
+            return False
+
+    return test
+
+
+def refuse_to_overwrite(
+    output: str | os.PathLike[str],
+    inputs: Iterable[str | os.PathLike[str]],
+    *,
+    ours: Callable[[str], bool],
+    force: bool = False,
+    what: str = "output",
+) -> None:
+    """Refuse an output file whose writing would destroy something the tool did not make.
+
+    Files are compared by device and inode, not by name, so ``dir/../MODEL``, a hard link or a
+    symlink to an input is the input.
+
+    Args:
+        output: the file the tool is about to write (or replace).
+        inputs: every file the tool reads (missing ones are ignored).
+        ours: whether an existing ``output`` is a file of the kind the tool writes (replaced freely).
+        force: replace an existing file that is not ``ours`` (never an input, never a directory).
+        what: how the messages name the output (``"--out"``, ``"the map"``).
+
+    Raises:
+        ConfigError: ``output`` is one of ``inputs``, is not a regular file, or exists, is not
+            ``ours`` and ``force`` is off.
+    """
+    name = os.fspath(output)
+    target = _identity(name)
+    if target is None:
+        return  # nothing there to lose
+    for path in inputs:
+        if _identity(os.fspath(path)) == target:
+            raise ConfigError(f"{what} {name} is the input {os.fspath(path)}: refusing to write over it")
+    if not stat.S_ISREG(os.stat(name).st_mode):
+        raise ConfigError(f"{what} {name} exists and is not a regular file")
+    if not force and not ours(name):
+        raise ConfigError(
+            f"{what} {name} exists and is not a file this tool writes: refusing to replace it (--force replaces it)"
+        )

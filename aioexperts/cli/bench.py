@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import AioExpertsError, FormatError, __version__
 from ..backends import liburing_unusable_reason
-from ._common import missing_extra, stdout_closed
+from ._common import file_starts_with, missing_extra, refuse_to_overwrite, stdout_closed
 
 try:
     from rich.console import Console
@@ -34,6 +34,7 @@ try:
         MAX_QUEUE_DEPTH,
         METHODS,
         MIN_QUEUE_DEPTH,
+        PLOT_NAMES,
         SCHEMA,
         TARGET_OVERLAP,
         UNITS,
@@ -43,23 +44,22 @@ try:
         await_cost,
         bench_model_path,
         cache_dir,
+        dump_json,
         ensure_bench_model,
         evaluate_targets,
-        json_safe,
         kernel_facts,
+        load_results,
         machine_facts,
         print_sections,
         run_read_bench,
         run_sweeps,
         run_token_bench,
+        split_shard_paths,
         write_plots,
         write_results,
     )
 except ModuleNotFoundError as exc:  # the bench extra is optional: one line, not a traceback
     raise missing_extra("aioexperts-bench", exc) from None
-
-#: Read methods that set up an io_uring ring of their own (the engine, the raw loops).
-URING_METHODS = ("io_uring", "uring", "uring-reused")
 
 #: Read methods that set up an io_uring ring of their own (the engine, the raw loops).
 URING_METHODS = ("io_uring", "uring", "uring-reused")
@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", choices=LOOPS, default="uvloop", help="event loop of the engine runs")
     p.add_argument("--out", default="bench-results.json", help="results file to write ('' for none)")
     p.add_argument("--plot", metavar="DIR", default=None, help="also run the depth and read-size sweeps; write PNGs")
+    p.add_argument("--force", action="store_true", help="let --out and --plot replace files of other kinds")
     p.add_argument("--no-probe", action="store_true", help="skip the host-cache probe")
     p.add_argument("--note", default="", help="a remark stored with the results and shown in the header")
     p.add_argument("--json", action="store_true", help="print the results JSON on stdout instead of tables")
@@ -159,12 +160,35 @@ def _writable_dir(directory: str) -> str | None:
     return None
 
 
+def _inputs(args: argparse.Namespace) -> list[str]:
+    """The files a run reads: the model (every shard of a split set) or the built-in model."""
+    if not args.model:
+        return [os.fspath(bench_model_path())]
+    model = os.path.expanduser(args.model)
+    try:
+        shards = split_shard_paths(model)
+    except AioExpertsError:
+        shards = None
+    return [model, *(shards or [])]
+
+
+def _is_results_file(path: str) -> bool:
+    try:
+        load_results(path)
+    except (OSError, ValueError, AttributeError):  # AttributeError: JSON that is not an object
+        return False
+    return True
+
+
 def _preflight(args: argparse.Namespace) -> str | None:
     """What would make a run fail only once it is done, found before it starts; None if nothing.
 
     The ``--out`` directory must take a new file, ``--plot`` needs matplotlib and a directory that
-    takes files, and building the built-in model needs its cache directory.
+    takes files, and building the built-in model needs its cache directory. Neither ``--out`` nor a
+    plot may be the model (compared by device and inode), and an existing file is replaced only if
+    it is of the kind written there (a results file, a PNG), or with ``--force``.
     """
+    inputs = _inputs(args)
     if args.out:
         out = os.path.abspath(args.out)
         if os.path.isdir(out):
@@ -172,7 +196,17 @@ def _preflight(args: argparse.Namespace) -> str | None:
         why = _writable_dir(os.path.dirname(out))
         if why:
             return f"--out {args.out}: cannot create a file in {os.path.dirname(out)}: {why}"
+        try:
+            refuse_to_overwrite(out, inputs, ours=_is_results_file, force=args.force, what="--out")
+        except AioExpertsError as exc:
+            return str(exc)
     if args.plot:
+        png = file_starts_with(b"\x89PNG\r\n\x1a\n")
+        try:
+            for name in PLOT_NAMES:
+                refuse_to_overwrite(os.path.join(args.plot, name), inputs, ours=png, force=args.force, what="--plot")
+        except AioExpertsError as exc:
+            return str(exc)
         if importlib.util.find_spec("matplotlib") is None:
             return "--plot needs matplotlib: pip install 'aioexperts[plot]'"
         try:
@@ -391,9 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     try:
         if args.json:
-            import json
-
-            json.dump(json_safe(results), sys.stdout, indent=1)
+            dump_json(results, sys.stdout, indent=1)  # strict: NaN and inf become null
             print()
         else:
             console = _Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160)

@@ -4,8 +4,9 @@ Subcommands:
 
 - ``layout MODEL``: every MoE layer with its banks (ggml types, experts, bytes per expert), the
   total expert bytes and the expert bytes one token reads at top-k: a ``gguf-dump`` for experts;
-- ``write MODEL [-o MAP]``: write the ``WEEPF001`` map that llama.cpp's prefetch patch reads
-  (``docs/notes/FORMATS.md`` section 3);
+- ``write MODEL [-o MAP] [--force]``: write the ``WEEPF001`` map that llama.cpp's prefetch patch reads
+  (``docs/notes/FORMATS.md`` section 3). It never writes over the model (compared by device and
+  inode, whatever the path), and replaces an existing file only if it is a map, or with ``--force``;
 - ``check MODEL MAP``: whether the map still describes the model (exit status 0), or why not (1).
 
 Errors are printed as one line on stderr with exit status 2; a closed pipe on stdout
@@ -15,7 +16,6 @@ Errors are printed as one line on stderr with exit status 2; a closed pipe on st
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -35,8 +35,9 @@ from .. import (
     read_expert_map,
     write_expert_map,
 )
+from .. import _json as strict_json  # the one strict JSON writer (an import-rule exception)
 from ..traces import format_bytes
-from ._common import HelpFormatter, stdout_closed
+from ._common import HelpFormatter, refuse_to_overwrite, stdout_closed
 from ._texttable import text_table
 
 __all__ = ("LayoutSummary", "main", "summarize_layout")
@@ -158,6 +159,15 @@ def _print_layout(summary: LayoutSummary) -> None:
     )
 
 
+def _is_expert_map(path: str) -> bool:
+    """Whether ``path`` is a WEEPF001 map (for any model), which ``write`` may replace."""
+    try:
+        read_expert_map(path)
+    except (OSError, AioExpertsError):
+        return False
+    return True
+
+
 def _layout_json(summary: LayoutSummary) -> dict[str, Any]:
     return {
         "path": summary.path,
@@ -199,6 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("write", help="write the WEEPF001 map", formatter_class=HelpFormatter)
     p.add_argument("model", help="a single-file .gguf")
     p.add_argument("-o", "--output", help="the map file (default: MODEL with the suffix .weepf)")
+    p.add_argument("--force", action="store_true", help="replace an existing file that is not a WEEPF001 map")
     p = sub.add_parser("check", help="check a map against a model", formatter_class=HelpFormatter)
     p.add_argument("model", help="a single-file .gguf")
     p.add_argument("map", help="the WEEPF001 map file")
@@ -214,11 +225,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "layout":
             summary = summarize_layout(model, layout)
             if args.json:
-                print(json.dumps(_layout_json(summary), indent=2))
+                print(strict_json.dumps(_layout_json(summary), indent=2))
             else:
                 _print_layout(summary)
         elif args.command == "write":
-            output = args.output or os.path.splitext(model.path)[0] + ".weepf"
+            output = os.path.expanduser(args.output) if args.output else os.path.splitext(model.path)[0] + ".weepf"
+            refuse_to_overwrite(
+                output,
+                [s.path for s in model.shards],
+                ours=_is_expert_map,
+                force=args.force,
+                what="the map",
+            )
             write_expert_map(model, layout, output)
             print(f"wrote {output}: {len(layout.layers)} MoE layers, {layout.n_experts_total} experts")
         else:

@@ -5,8 +5,9 @@ Subcommands:
 - ``summary TRACE``: per MoE layer, how concentrated the routing is (the share of requests the
   hottest 10 % of experts serve, the experts never chosen), and the slab size in slots (and
   bytes, with ``--model``) that reaches each target hit rate under LRU and under Belady's optimum;
-- ``order TRACE -o FILE``: a hot-first ordering of every layer's experts (JSON), for a repacking
-  step that places the hottest experts first.
+- ``order TRACE -o FILE [--force]``: a hot-first ordering of every layer's experts (JSON), for a
+  repacking step that places the hottest experts first. It never writes over the trace (compared
+  by device and inode), and replaces an existing file only if it is an ordering, or with ``--force``.
 
 Traces are the ``.npz`` files of :meth:`aioexperts.RoutingTrace.save` (``docs/trace-format.md``),
 recorded with ``MoERunner(store, record_trace=True)``. Errors are printed as one line on stderr with
@@ -27,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from .. import AioExpertsError, FormatError, RoutingTrace, __version__, build_layout, open_model
+from .. import _json as strict_json  # the one strict JSON writer (an import-rule exception)
 from ..traces import BELADY, expert_frequencies, format_bytes, slots_for_hit_rate
-from ._common import HelpFormatter, stdout_closed
+from ._common import HelpFormatter, refuse_to_overwrite, stdout_closed
 from ._texttable import text_table
 
 __all__ = ("hot_first_order", "main")
@@ -45,10 +47,12 @@ def hot_first_order(trace: RoutingTrace) -> dict[int, list[int]]:
     }
 
 
-def _hot_share(counts: np.ndarray) -> float:
+def _hot_share(counts: np.ndarray) -> float | None:
+    """The share of requests the hottest :data:`HOT_FRACTION` of experts serve; None (JSON ``null``)
+    for a layer no token was routed through."""
     total = int(counts.sum())
     if total == 0:
-        return math.nan
+        return None
     n_hot = max(1, math.ceil(HOT_FRACTION * len(counts)))
     return float(np.sort(counts)[::-1][:n_hot].sum() / total)
 
@@ -97,7 +101,7 @@ def _print_summary(path: str, s: dict[str, Any]) -> None:
                     r["n_experts"],
                     r["requests"],
                     r["never_chosen"],
-                    "-" if math.isnan(r["hot_share"]) else f"{r['hot_share']:.1%}",
+                    "-" if r["hot_share"] is None else f"{r['hot_share']:.1%}",
                     " ".join(map(str, r["hottest"])),
                 )
                 for r in s["layers"]
@@ -127,6 +131,21 @@ def _print_summary(path: str, s: dict[str, Any]) -> None:
     print("'unreachable': compulsory misses (each expert's first request) keep the hit rate below the target.")
 
 
+_ORDER_KEYS = frozenset({"trace", "n_tokens", "layers"})
+
+
+def _is_order_file(path: str) -> bool:
+    """Whether ``path`` is an ordering this tool wrote (a JSON object with its keys)."""
+    try:
+        if os.path.getsize(path) > 1 << 30:
+            return False
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and set(doc) == _ORDER_KEYS
+
+
 def _hit_rates(text: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",")]
@@ -154,6 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("order", help="write a hot-first expert ordering (JSON)", formatter_class=fmt)
     p.add_argument("trace", help="a routing trace (.npz)")
     p.add_argument("-o", "--output", required=True, help="the JSON file to write")
+    p.add_argument("--force", action="store_true", help="replace an existing file that is not an ordering")
     return parser
 
 
@@ -176,10 +196,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 expert_bytes = layout.max_expert_bytes
             summary = _summary(trace, args.hit_rate, expert_bytes)
             if args.json:
-                print(json.dumps(summary, indent=2))
+                print(strict_json.dumps(summary, indent=2))
             else:
                 _print_summary(args.trace, summary)
         else:
+            output = os.path.expanduser(args.output)
+            refuse_to_overwrite(output, [args.trace], ours=_is_order_file, force=args.force, what="the ordering")
             order = hot_first_order(trace)
             freq = expert_frequencies(trace)
             doc = {
@@ -190,8 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for layer, ids in order.items()
                 },
             }
-            with open(args.output, "w") as f:
-                json.dump(doc, f, indent=1)
+            with open(output, "w") as f:
+                strict_json.dump(doc, f, indent=1)
             print(f"wrote {args.output}: {len(order)} layers")
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
     except BrokenPipeError:  # `aioexperts-... | head`: the reader has what it wanted

@@ -215,3 +215,53 @@ def test_unknown_backend_variable(tmp_path, name: str) -> None:
     result = run_python(code, cache=tmp_path, AIOEXPERTS_KERNELS=name)
     assert result["backend"] == "numpy"
     assert "is not 'numba' or 'numpy'" in str(result["reason"])
+
+
+def test_numba_disable_jit_gives_the_numpy_kernels_with_one_log_line(tmp_path) -> None:
+    """``NUMBA_DISABLE_JIT=1`` makes ``njit`` return plain functions (no ``.stats``, no ``.compile``):
+    numba is then unusable, and ``runner.moe`` runs on the numpy kernels."""
+    import numpy as np
+
+    from aioexperts.testing import SyntheticSpec, write_synthetic_model
+
+    model = tmp_path / "small.gguf"
+    write_synthetic_model(model, SyntheticSpec(n_layer=1, n_embd=256, n_ff_exp=256, n_expert=4, n_expert_used=2))
+    code = f"""
+    import json, logging
+    import anyio
+    import numpy as np
+    records = []
+    class Keep(logging.Handler):
+        def emit(self, record): records.append(record.getMessage())
+    logging.getLogger("aioexperts").addHandler(Keep())
+    logging.getLogger("aioexperts").setLevel(logging.INFO)
+    import aioexperts
+    from aioexperts._compute import fused
+
+    async def main():
+        io = aioexperts.IOOptions(backend="threads")
+        async with aioexperts.open({str(model)!r}, slots=4, io=io) as store:
+            runner = aioexperts.MoERunner(store)
+            layer = next(iter(store.layout.layers))
+            x = np.random.default_rng(0).standard_normal((3, store.layout.n_embd)).astype(np.float32)
+            outs = [await runner.moe(layer, x) for _ in range(2)]
+            return outs[0], outs[1]
+
+    a, b = anyio.run(main)
+    print(json.dumps({{
+        "backend": fused.backend().name, "reason": fused.backend().reason, "logs": records,
+        "shape": list(a.shape), "finite": bool(np.isfinite(a).all()), "same": bool(np.array_equal(a, b)),
+        "out": a.astype(float).tolist(),
+    }}))
+    """
+    disabled = run_python(code, cache=tmp_path, NUMBA_DISABLE_JIT="1")
+    reference = run_python(code, cache=tmp_path, AIOEXPERTS_KERNELS="numpy")
+    assert disabled["backend"] == "numpy"
+    assert "NUMBA_DISABLE_JIT" in str(disabled["reason"])
+    assert disabled["shape"] == reference["shape"] == [3, 256]
+    assert disabled["finite"] and disabled["same"]
+    got, want = np.array(disabled["out"]), np.array(reference["out"])
+    assert np.abs(want).sum() > 0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    logs = [line for line in disabled["logs"] if "numpy kernels serve" in line]  # type: ignore[union-attr]
+    assert len(logs) == 1 and "NUMBA_DISABLE_JIT" in logs[0], disabled["logs"]

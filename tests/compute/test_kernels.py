@@ -359,3 +359,23 @@ def test_float_types_with_columns_off_the_vector_width(qtype: GGMLQuantizationTy
         for n in (1, 3, 70):
             x = rng.standard_normal((n, cols)).astype(np.float32)
             assert rel_l2(fused.linear(raw, qtype, (rows, cols), x), x.astype(np.float64) @ weights.T) <= FUSED_RTOL
+
+
+@pytest.mark.parametrize(
+    "n_tokens", [1, 2, fused.MATVEC_MAX_TOKENS + 1, fused.SMALL_BATCH_MAX, fused.SMALL_BATCH_MAX + 1]
+)
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_out_may_be_x_itself(n_tokens: int, backend: str) -> None:
+    """``out=x`` for a square matrix: the kernels must not read rows of ``x`` they already wrote."""
+    rng = np.random.default_rng(n_tokens)
+    raw = sane_blocks(Q.Q4_K, 256, 256, rng)
+    x = rng.standard_normal((n_tokens, 256)).astype(np.float32)
+    fused.set_backend(backend)  # type: ignore[arg-type]
+    want = fused.linear(raw, Q.Q4_K, (256, 256), x.copy())
+    got = fused.linear(raw, Q.Q4_K, (256, 256), x, out=x)
+    assert got is x
+    np.testing.assert_array_equal(got, want)
+    buffer = rng.standard_normal(n_tokens * 256 + 128).astype(np.float32)
+    x, out = buffer[: n_tokens * 256].reshape(n_tokens, 256), buffer[128:].reshape(n_tokens, 256)
+    want = fused.linear(raw, Q.Q4_K, (256, 256), x.copy())
+    np.testing.assert_array_equal(fused.linear(raw, Q.Q4_K, (256, 256), x, out=out), want)  # overlapping by half a row

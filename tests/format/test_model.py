@@ -14,8 +14,10 @@ from pathlib import Path
 
 import format_testkit as kit
 import gguf
+import gguf_bytes as gb
 import numpy as np
 import pytest
+from conftest import shared_vocab_paths
 from gguf import GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
 
 from aioexperts._errors import (
@@ -311,6 +313,41 @@ def test_tensor_bigger_than_its_file(small: Path) -> None:
     kit.patch_u64(small, dims_off + 8 * 2, int(last.shape[2]) * 1000)  # ne2 = experts x 1000
     with pytest.raises(FormatError, match=rf"'{re.escape(last.name)}' needs bytes"):
         open_model(small)
+
+
+@pytest.mark.parametrize("path", shared_vocab_paths(), ids=lambda p: p.name)
+def test_vocab_only_files_of_llama_cpp_open(path: Path) -> None:
+    """llama.cpp's vocabulary-only files have no tensors and end before the aligned data start."""
+    reader = GGUFReader(path)
+    assert len(reader.tensors) == 0
+    model = open_model(path)
+    assert model.tensors == {}
+    assert model.architecture == reader.fields["general.architecture"].contents()
+    assert len(model.metadata) == len(reader.fields) - 3  # GGUFReader counts the 3 header fields too
+
+
+@pytest.mark.parametrize("pad", [0, 7, 31])
+def test_a_file_without_tensors_opens_whatever_its_padding(tmp_path: Path, pad: int) -> None:
+    """No tensors: the data section is empty, whether or not the file is padded to the alignment."""
+    blob = gb.GGUFBytes().add("general.architecture", GGUFValueType.STRING, "llama").build()
+    body = blob.rstrip(b"\0")  # the header ends with the architecture string: no zero byte of its own
+    assert len(body) % 32 != 0
+    path = tmp_path / "vocab.gguf"
+    path.write_bytes(body + bytes(min(pad, -len(body) % 32)))
+    model = open_model(path)
+    assert model.tensors == {} and model.architecture == "llama"
+
+
+def test_a_tensor_past_the_end_is_still_refused_when_the_header_is_unaligned(tmp_path: Path) -> None:
+    """The empty-data rule does not let a tensor through: its bytes would start past the end."""
+    blob = (
+        gb.GGUFBytes(tensors=[gb.Tensor("t", [32])]).add("general.architecture", GGUFValueType.STRING, "llama").build()
+    )
+    path = tmp_path / "cut.gguf"
+    header_end = len(blob) - 32 * 4
+    path.write_bytes(blob[: header_end - 1])  # the padding before the data, cut short
+    with pytest.raises(FormatError, match="past the end|truncated"):
+        open_model(path)
 
 
 @pytest.mark.parametrize("n_dims", [0, 5])

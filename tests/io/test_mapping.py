@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 from pathlib import Path
@@ -11,7 +13,17 @@ import pytest
 from ioutil import drop_cache, resident_pages
 
 from aioexperts._errors import ConfigError
-from aioexperts._io.mapping import MappedShards, WarmRange, merge_ranges, warm_advice, warm_read
+from aioexperts._io.mapping import (
+    MappedShards,
+    ResidencyFacts,
+    WarmRange,
+    cachestat_verdict,
+    merge_ranges,
+    residency_facts,
+    residency_trusted,
+    warm_advice,
+    warm_read,
+)
 
 PAGE = mmap.PAGESIZE
 GAP = 64 << 10
@@ -111,3 +123,68 @@ def test_residency_follows_drops_and_warming(data_file: Path) -> None:
         shards.close()
     finally:
         os.close(fd)
+
+
+# -- whether mincore can be believed (issue 24) ------------------------------------------------
+
+
+def _facts(**changes: object) -> ResidencyFacts:
+    """A service user (uid 1000) reading a file owned by root, which it may not write: Linux 5.0+'s
+    mincore then reports every page resident."""
+    base: dict[str, object] = {
+        "owner_uid": 0,
+        "euid": 1000,
+        "may_write": False,
+        "cap_fowner": False,
+        "cachestat": "unavailable",
+    }
+    return ResidencyFacts(**{**base, **changes})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("changes", "trusted"),
+    [
+        ({}, False),  # the common deployment: root's model, a service user
+        ({"owner_uid": 1000}, True),  # the owner
+        ({"may_write": True}, True),  # write access
+        ({"cap_fowner": True}, True),  # CAP_FOWNER (root)
+        ({"cachestat": "refused"}, False),  # the kernel says it will not tell
+        ({"cachestat": "refused", "owner_uid": 1000}, False),  # ... and its verdict wins
+        ({"cachestat": "ok"}, True),
+    ],
+)
+def test_residency_is_trusted_only_where_the_kernel_tells_the_truth(changes: dict[str, object], trusted: bool) -> None:
+    assert residency_trusted(_facts(**changes)) is trusted
+
+
+def test_residency_facts_of_a_file_owned_by_another_user(data_file: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    os.chown(data_file, 12345, 12345)
+    fd = os.open(data_file, os.O_RDONLY)
+    try:
+        facts = residency_facts(fd, str(data_file))
+    finally:
+        os.close(fd)
+    assert facts.owner_uid == 12345 and facts.euid == 0
+    assert facts.may_write and facts.cap_fowner  # root may write anything and has CAP_FOWNER
+    assert facts.cachestat in ("ok", "unavailable")  # root is never refused
+    assert residency_trusted(facts)
+
+
+@pytest.mark.parametrize(
+    ("result", "err", "verdict"),
+    [(0, 0, "ok"), (-1, errno.EPERM, "refused"), (-1, errno.ENOSYS, "unavailable"), (-1, errno.EBADF, "unavailable")],
+)
+def test_the_cachestat_verdict(monkeypatch: pytest.MonkeyPatch, result: int, err: int, verdict: str) -> None:
+    from aioexperts._io import mapping
+
+    class FakeLibc:
+        @staticmethod
+        def syscall(number: ctypes.c_long, *args: object) -> int:
+            assert number.value == 451
+            ctypes.set_errno(err)
+            return result
+
+    monkeypatch.setattr(mapping, "_libc", FakeLibc())
+    assert cachestat_verdict(0) == verdict

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -433,3 +435,72 @@ def test_save_expands_the_home_and_refuses_a_directory(tmp_path: Path, monkeypat
     assert RoutingTrace.load(tmp_path / "t.npz") == trace
     with pytest.raises(IsADirectoryError, match="name one inside the directory"):
         trace.save(tmp_path)
+
+
+# --- what a header may declare (issue 24) ------------------------------------------------------
+
+
+def _tiny_trace_declaring(path: Path, n_experts: list[int]) -> Path:
+    ids = np.zeros((2, len(n_experts), 1), np.int16)
+    arrays = {**valid_arrays(), "ids": ids, "layers": np.arange(len(n_experts), dtype=np.int64)}
+    arrays["n_experts"] = np.array(n_experts, dtype=np.int64)
+    return write_npz(path, arrays)
+
+
+@pytest.mark.parametrize(
+    ("n_experts", "match"),
+    [([2**31 - 1], r"n_experts of layer 0 is 2147483647, must be in \[1, 65536\]"), ([65536] * 17, "in all")],
+)
+def test_a_tiny_trace_cannot_declare_gigabytes_of_experts(tmp_path: Path, n_experts: list[int], match: str) -> None:
+    path = _tiny_trace_declaring(tmp_path / "t.npz", n_experts)
+    assert path.stat().st_size < 2000
+    with pytest.raises(FormatError, match=match):
+        RoutingTrace.load(path)
+
+
+def test_the_trace_tool_answers_a_huge_declaration_in_one_line_within_bounded_memory(tmp_path: Path) -> None:
+    """Before: a 1.3 KB trace made the tool allocate 16 GB and die with a MemoryError traceback.
+    The tool runs under a 1 GiB address-space limit here: it must answer in one line, exit status 2."""
+    path = _tiny_trace_declaring(tmp_path / "t.npz", [2**31 - 1])
+    good = tmp_path / "good.npz"
+    small_trace().save(good)
+    limit = 1 << 30
+
+    def run(trace: Path) -> subprocess.CompletedProcess[str]:
+        code = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit})); " + (
+            "import sys; from aioexperts.cli.tracetool import main; sys.exit(main(sys.argv[1:]))"
+        )
+        return subprocess.run(
+            [sys.executable, "-c", code, "summary", str(trace), "--json"], capture_output=True, text=True, timeout=120
+        )
+
+    assert run(good).returncode == 0  # the limit leaves room for a real trace
+    done = run(path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("aioexperts-trace: error:") and done.stderr.count("\n") == 1, done.stderr
+    assert "65536" in done.stderr
+
+
+def _npz_with_a_lying_npy_header(path: Path, shape: tuple[int, ...]) -> Path:
+    """A valid trace whose ``ids.npy`` header declares ``shape`` but holds the bytes of two tokens."""
+    arrays = valid_arrays()
+    with zipfile.ZipFile(path, "w") as archive:
+        for key, value in arrays.items():
+            buffer = io.BytesIO()
+            if key == "ids":
+                header = {"descr": "<i2", "fortran_order": False, "shape": shape}
+                np.lib.format.write_array_header_1_0(buffer, header)
+                buffer.write(np.ascontiguousarray(value).tobytes())
+            else:
+                np.lib.format.write_array(buffer, value, allow_pickle=False)
+            archive.writestr(f"{key}.npy", buffer.getvalue())
+    return path
+
+
+def test_an_npy_header_cannot_make_the_loader_allocate_more_than_the_member_holds(tmp_path: Path) -> None:
+    path = _npz_with_a_lying_npy_header(tmp_path / "t.npz", (2**40, 3, 2))
+    assert path.stat().st_size < 4000
+    with pytest.raises(FormatError, match=r"ids\.npy declares a \(1099511627776, 3, 2\) int16 array"):
+        RoutingTrace.load(path)
+    honest = _npz_with_a_lying_npy_header(tmp_path / "ok.npz", (2, 3, 2))
+    assert RoutingTrace.load(honest) == small_trace()  # the same writer, telling the truth, is read

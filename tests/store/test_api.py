@@ -149,6 +149,39 @@ async def test_the_cache_size_given_either_way(model_path: Path, anyio_backend: 
         assert store.n_slots == 7
 
 
+async def test_a_byte_budget_is_a_ceiling_with_hugepages(model_path: Path, anyio_backend: object) -> None:
+    """With hugepages every slot maps 2 MiB: the slot count is the budget over that, not over the
+    expert's bytes (16 MiB once mapped 2.6x its budget)."""
+    budget = 16 << 20
+    cache = aioexperts.CacheOptions(bytes=budget, hugepages=True)
+    io = aioexperts.IOOptions(backend="threads")  # the slab's size does not depend on the backend
+    async with aioexperts.open(model_path, cache=cache, io=io) as store:
+        st = store.statistics()
+        assert st.slot_bytes == 2 << 20
+        assert st.n_slots * st.slot_bytes <= budget
+        assert st.n_slots == budget // (2 << 20)  # rounded down to whole slots, no fewer
+    async with aioexperts.open(model_path, cache=aioexperts.CacheOptions(bytes=budget), io=io) as store:
+        st = store.statistics()
+        assert st.n_slots * st.slot_bytes <= budget and st.n_slots == 16  # every expert fits
+
+
+def test_the_mlock_error_names_the_public_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aioexperts._io import slab as slab_module
+
+    class RefusingLibc:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(slab_module.ctypes.CDLL(None, use_errno=True), name)
+
+        @staticmethod
+        def mlock(address: object, n_bytes: object) -> int:
+            return -1
+
+    monkeypatch.setattr(slab_module, "_libc", RefusingLibc())
+    with pytest.raises(aioexperts.ConfigError, match=r"RLIMIT_MEMLOCK .*lock_memory=True") as info:
+        slab_module.Slab(1, 4096, lock=True)
+    assert "lock=True" not in str(info.value).replace("lock_memory=True", "")
+
+
 async def test_views_ids_minus_one_and_duplicates(model_path: Path, anyio_backend: object) -> None:
     model = aioexperts.open_model(model_path)
     layout = aioexperts.build_layout(model)

@@ -12,6 +12,8 @@ from conftest import shared_fixture_paths
 from ioutil import drop_cache, pread_segment, resident_pages
 
 import aioexperts
+import aioexperts._sources.mapped
+from aioexperts._io.mapping import ResidencyFacts
 from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
@@ -229,3 +231,39 @@ async def test_prefetch_statistics_count_ranges_in_page_cache_mode(model_path: P
         queued = store.prefetch([(2, e) for e in range(0, 16, 2)])
         st = store.statistics()
         assert st.prefetch_issued == queued and st.pagecache is not None  # ranges, like prefetch_dropped
+
+
+def _untrusted_facts(fd: int, path: str) -> ResidencyFacts:
+    """What a service user sees for a model owned by root (mincore would say: all resident)."""
+    return ResidencyFacts(owner_uid=0, euid=1000, may_write=False, cap_fowner=False, cachestat="refused")
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+async def test_untrusted_residency_warms_everything_and_says_so(
+    model_path: Path,
+    trusted: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    anyio_backend: object,
+) -> None:
+    """Where mincore lies (every page 'resident'), nothing may be skipped: every request is warmed."""
+    if not trusted:
+        monkeypatch.setattr(aioexperts._sources.mapped, "residency_facts", _untrusted_facts)
+    model_path.read_bytes()  # every page resident: mincore's answer is the same either way here
+    with caplog.at_level("WARNING", logger="aioexperts"):
+        async with aioexperts.open(model_path, mode="pagecache") as store:
+            for _ in range(2):
+                async with store.experts(1, [5, 6]):
+                    pass
+            st = store.statistics()
+    assert st.pagecache is not None
+    warned = [r for r in caplog.records if "mincore would report" in r.getMessage()]
+    if trusted:
+        assert st.pagecache.residency == "mincore"
+        assert st.pagecache.resident_skipped >= 2 and st.pagecache.ranges_issued == 0 and st.hits == 4
+        assert not warned
+    else:
+        assert st.pagecache.residency == "untrusted"
+        assert st.pagecache.resident_skipped == 0 and st.pagecache.ranges_issued >= 2
+        assert (st.hits, st.misses) == (0, 4) and st.pagecache.bytes_warmed > 0
+        assert len(warned) == 1 and str(model_path) in warned[0].getMessage()
