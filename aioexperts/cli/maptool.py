@@ -37,10 +37,13 @@ from .. import (
 )
 from .. import _json as strict_json  # the one strict JSON writer (an import-rule exception)
 from ..traces import format_bytes
-from ._common import HelpFormatter, refuse_to_overwrite, stdout_closed
+from ._common import HelpFormatter, file_starts_with, refuse_to_overwrite, stdout_closed
 from ._texttable import text_table
 
 __all__ = ("LayoutSummary", "main", "summarize_layout")
+
+#: The first bytes of a WEEPF001 map (the format's name is its magic): ``write`` replaces such a file.
+MAP_MAGIC = b"WEEPF001"
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,15 +162,6 @@ def _print_layout(summary: LayoutSummary) -> None:
     )
 
 
-def _is_expert_map(path: str) -> bool:
-    """Whether ``path`` is a WEEPF001 map (for any model), which ``write`` may replace."""
-    try:
-        read_expert_map(path)
-    except (OSError, AioExpertsError):
-        return False
-    return True
-
-
 def _layout_json(summary: LayoutSummary) -> dict[str, Any]:
     return {
         "path": summary.path,
@@ -233,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             refuse_to_overwrite(
                 output,
                 [s.path for s in model.shards],
-                ours=_is_expert_map,
+                ours=file_starts_with(MAP_MAGIC),
                 force=args.force,
                 what="the map",
             )

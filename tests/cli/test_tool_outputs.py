@@ -14,7 +14,7 @@ import pytest
 
 from aioexperts import _json as strict_json
 from aioexperts._errors import ConfigError
-from aioexperts._format.expert_map import write_expert_map
+from aioexperts._format.expert_map import EXPERT_MAP_MAGIC, write_expert_map
 from aioexperts._format.layout import build_layout
 from aioexperts._format.model import open_model
 from aioexperts._predict.trace import RoutingTrace
@@ -137,6 +137,11 @@ def test_map_write_never_writes_over_its_model(model: Path, capsys: pytest.Captu
     with pytest.raises(ConfigError, match="never written over its model"):  # the library refuses too
         write_expert_map(loaded, layout, named.parent / ".." / named.parent.name / named.name)
     assert named.read_bytes() == before
+
+
+def test_the_map_tool_knows_the_map_magic() -> None:
+    """aioexperts-map recognises a map by its magic without importing the format layer."""
+    assert maptool.MAP_MAGIC == EXPERT_MAP_MAGIC
 
 
 def test_map_write_replaces_a_map_but_another_file_only_with_force(
