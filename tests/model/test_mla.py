@@ -228,14 +228,16 @@ def _random_case(rng: np.random.Generator, lite: bool = False) -> tuple[MLAHPara
     return hp, mla.MLAWeights.from_arrays(0, arrays.get, hp), arrays
 
 
+def _matmul(m: np.ndarray) -> mla.Matmul:
+    return lambda v: v @ m.T
+
+
 @pytest.mark.parametrize("lite", [False, True])
 def test_per_head_callables_equal_arrays(lite: bool) -> None:
     """k_b / v_b given as per-head matmuls (ggml matrices) give what the (H, rows, cols) arrays give."""
     rng = np.random.default_rng(1)
     hp, w, arrays = _random_case(rng, lite)
-    heads = {
-        name: [(lambda m: lambda v: v @ m.T)(m) for m in arrays[f"blk.0.attn_{name}.weight"]] for name in ("k_b", "v_b")
-    }
+    heads = {name: [_matmul(m) for m in arrays[f"blk.0.attn_{name}.weight"]] for name in ("k_b", "v_b")}
     w_callables = mla.MLAWeights(w.q_a, w.q_a_norm, w.q_b, w.kv_a, w.kv_a_norm, heads["k_b"], heads["v_b"], w.output)
     x = rng.standard_normal((7, hp.n_embd)).astype(np.float32)
     rope = _rope_norm(10000.0)
