@@ -19,13 +19,11 @@ floats whose first ``C`` floats are also the value (llama.cpp's ``Kcur = concat(
 the caller owns (one per layer and sequence). RoPE is applied by the caller's ``rope`` callable, so
 this module has none of its own.
 
-Precision (:data:`AttentionPrecision`): ``"float32"`` keeps the cache rows exact and takes the softmax
-and its weighted sum in float32. ``"ggml_f16"`` reproduces llama.cpp's CPU run with its defaults:
-cache rows rounded to float16 (``type_k = F16``), the query rounded to float16 for the dot product,
-and the values summed into a float16 accumulator with a running maximum as ggml's flash attention
-does for short batches (ggml/src/ggml-cpu/ops.cpp ``ggml_compute_forward_flash_attn_ext_f16_one_chunk``).
-The two differ by about 4e-4 (relative L2) on the attention output of the test fixture;
-``"ggml_f16"`` loops over cache positions in Python and is meant for comparisons with llama.cpp.
+Precision: float32 throughout (the cache rows exact, the softmax by
+:func:`aioexperts._compute.attention.attend`). llama.cpp runs, by default, with an F16 KV cache and
+its CPU flash attention (F16 query, F16 value accumulator: ggml/src/ggml-cpu/ops.cpp
+``ggml_compute_forward_flash_attn_ext_f16_one_chunk``), which differs from this by the F16 rounding
+(tests/model/test_mla.py reproduces that arithmetic to show the gap is only that).
 """
 
 from __future__ import annotations
@@ -33,34 +31,28 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
 from .._errors import ConfigError, FormatError
 from .._format.mla import MLAHParams
+from .attention import attend
+from .norms import rms_norm
 
 __all__ = (
-    "ATTENTION_PRECISIONS",
-    "AttentionPrecision",
     "HeadMatrices",
     "MLAWeights",
     "Matmul",
     "Rope",
     "absorb_query",
-    "cache_rows",
     "expand_values",
     "kq_scale",
     "latent_attention",
     "mla_attention",
     "project_latent",
     "project_query",
-    "rms_norm",
     "temperature_scales",
 )
-
-AttentionPrecision = Literal["float32", "ggml_f16"]
-ATTENTION_PRECISIONS: tuple[AttentionPrecision, ...] = ("float32", "ggml_f16")
 
 #: ``rope(x, positions)``: x ``(T, n, R)`` float32, positions ``(T,)`` int; returns the rotated ``(T, n, R)``
 Rope = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -206,22 +198,6 @@ class MLAWeights:
 # the steps
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis (ggml ``ggml_rms_norm`` then ``ggml_mul``).
-
-    Args:
-        x: ``(..., n)`` float32.
-        weight: ``(n,)`` float32.
-        eps: the file's ``layer_norm_rms_epsilon``.
-
-    Returns:
-        float32 array shaped like ``x`` (the mean square is summed in float64 as ggml does).
-    """
-    ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
-    scale = (1.0 / np.sqrt(ms + eps)).astype(_F32)
-    return (x * scale * weight).astype(_F32, copy=False)
-
-
 def project_query(x: np.ndarray, w: MLAWeights, hp: MLAHParams) -> tuple[np.ndarray, np.ndarray]:
     """The per-head query, split into its no-RoPE and (not yet rotated) RoPE parts.
 
@@ -293,22 +269,6 @@ def expand_values(out_latent: np.ndarray, v_b: HeadMatrices) -> np.ndarray:
     return _per_head(out_latent, v_b).reshape(out_latent.shape[0], -1)
 
 
-def cache_rows(latent: np.ndarray, k_pe: np.ndarray, precision: AttentionPrecision = "float32") -> np.ndarray:
-    """The KV cache rows of ``T`` positions: ``[latent | k_pe]``, ``(T, C + R)`` float32.
-
-    With ``"ggml_f16"`` the values are rounded to float16 (llama.cpp's F16 cache), kept as float32.
-
-    Args:
-        latent: ``(T, C)`` float32, normalised.
-        k_pe: ``(T, R)`` float32, rotated.
-        precision: :data:`AttentionPrecision`.
-    """
-    rows = np.concatenate([latent, k_pe], axis=-1).astype(_F32, copy=False)
-    if precision == "ggml_f16":
-        rows = rows.astype(np.float16).astype(_F32)
-    return rows
-
-
 def latent_attention(
     q_latent: np.ndarray,
     q_pe: np.ndarray,
@@ -316,7 +276,6 @@ def latent_attention(
     start: int,
     kv_lora_rank: int,
     scale: float,
-    precision: AttentionPrecision = "float32",
 ) -> np.ndarray:
     """Causal softmax attention of ``T`` queries over the cached rows, in latent space.
 
@@ -331,58 +290,21 @@ def latent_attention(
         start: position of the first query.
         kv_lora_rank: ``C``.
         scale: the score scale (:func:`kq_scale`).
-        precision: :data:`AttentionPrecision` (the rows must have been made with the same one).
 
     Returns:
         ``(T, H, C)`` float32: the softmax-weighted sum of the cached latents.
 
     Raises:
-        ConfigError: shapes that do not fit, or an unknown precision.
+        ConfigError: shapes that do not fit.
     """
     t, h, c = q_latent.shape
-    n_kv = rows.shape[0] if rows.ndim == 2 else -1
     if c != kv_lora_rank or q_pe.shape[:2] != (t, h) or rows.shape != (start + t, c + q_pe.shape[2]) or start < 0:
         raise ConfigError(
             f"MLA attention: q_latent {q_latent.shape}, q_pe {q_pe.shape}, rows {rows.shape}, start {start} do not fit"
         )
-    if precision not in ATTENTION_PRECISIONS:
-        raise ConfigError(f"precision must be one of {ATTENTION_PRECISIONS}, got {precision!r}")
     query = np.concatenate([q_latent, q_pe], axis=-1)
-    if precision == "ggml_f16":
-        return _attention_ggml_f16(query, rows, start, c, scale)
-    scores = np.matmul(query, rows.T) * _F32(scale)  # (T, H, n_kv)
-    hidden = np.arange(n_kv)[None, :] > np.arange(start, start + t)[:, None]
-    scores = np.where(hidden[:, None, :], _F32(-np.inf), scores)
-    scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
-    probs /= probs.sum(axis=-1, keepdims=True, dtype=np.float64).astype(_F32)
-    return np.matmul(probs, rows[:, :c]).astype(_F32, copy=False)
-
-
-def _attention_ggml_f16(query: np.ndarray, rows: np.ndarray, start: int, c: int, scale: float) -> np.ndarray:
-    # ggml-cpu ops.cpp ggml_compute_forward_flash_attn_ext_f16_one_chunk with F16 K and V: the query is
-    # converted to F16 (q_to_vec_dot), each score is an F16 dot product summed in F32, and VKQ16 is an F16
-    # accumulator rescaled when the running maximum grows (ggml_vec_scale_f16, then ggml_vec_mad_f16)
-    t, h, _ = query.shape
-    q16 = query.astype(np.float16).astype(_F32)
-    acc = np.zeros((t, h, c), dtype=np.float16)
-    run_max = np.full((t, h), -np.inf, dtype=_F32)
-    run_sum = np.zeros((t, h), dtype=_F32)
-    positions = np.arange(start, start + t)
-    one, zero = _F32(1.0), _F32(0.0)
-    for s in range(start + t):
-        key = rows[s]
-        score = np.matmul(q16, key) * _F32(scale)  # (T, H)
-        visible = (positions >= s)[:, None]
-        grows = visible & (score > run_max)
-        with np.errstate(over="ignore", invalid="ignore"):
-            ms = np.where(grows, np.exp(run_max - score), one).astype(_F32)
-            vs = np.where(visible & ~grows, np.exp(score - run_max), np.where(grows, one, zero)).astype(_F32)
-        run_max = np.where(grows, score, run_max)
-        acc = (acc.astype(_F32) * ms[..., None]).astype(np.float16)
-        acc = (acc.astype(_F32) + key[:c] * vs[..., None]).astype(np.float16)
-        run_sum = run_sum * ms + vs
-    return acc.astype(_F32) / run_sum[..., None]
+    out = attend(query, rows[:, None, :], rows[:, None, :c], start, scale)  # MQA: one KV head
+    return out.reshape(t, h, c)
 
 
 def mla_attention(
@@ -393,7 +315,6 @@ def mla_attention(
     cache: np.ndarray,
     rope: Rope,
     scale: float,
-    precision: AttentionPrecision = "float32",
 ) -> np.ndarray:
     """One MLA attention block for ``T`` new tokens: project, rotate, cache, attend, output.
 
@@ -412,7 +333,6 @@ def mla_attention(
         rope: rotates ``(T, n, rope_dims)`` float32 by position (NORM pairing, with llama.cpp's
             ``attn_factor`` and ``freq_scale``).
         scale: :func:`kq_scale`.
-        precision: :data:`AttentionPrecision`.
 
     Returns:
         ``(T, n_embd)`` float32: the attention block's output (before the residual add).
@@ -438,6 +358,7 @@ def mla_attention(
     if temperature is not None:  # deepseek2.cpp: Qcur = ggml_mul(Qcur, inp_attn_scale), both parts
         q_latent = q_latent * temperature[:, None, None]
         q_pe = q_pe * temperature[:, None, None]
-    cache[start : start + t] = cache_rows(latent, k_pe, precision)
-    out_latent = latent_attention(q_latent, q_pe, cache[: start + t], start, hp.kv_lora_rank, scale, precision)
+    cache[start : start + t, : hp.kv_lora_rank] = latent  # llama.cpp Kcur = concat(kv_cmpr, k_pe)
+    cache[start : start + t, hp.kv_lora_rank :] = k_pe
+    out_latent = latent_attention(q_latent, q_pe, cache[: start + t], start, hp.kv_lora_rank, scale)
     return w.output(expand_values(out_latent, w.v_b))

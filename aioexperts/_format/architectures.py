@@ -161,6 +161,9 @@ for _record in (
     ArchitectureRecord(
         "gpt-oss", _NEOX, "openai-moe.cpp", ffn_norm="post_attention_norm", sliding_window_pattern=2, sinks=True
     ),
+    # deepseek2.cpp (DeepSeek-V2/V3): MLA attention (block "mla", aioexperts/_model/mla_block.py), NORM,
+    # leading dense blocks
+    ArchitectureRecord("deepseek2", _NORM, "deepseek2.cpp", dense_lead=True, block="mla"),
 ):
     register_architecture(_record)
 del _record

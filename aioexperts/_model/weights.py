@@ -97,6 +97,21 @@ class TensorReader:
         self.n_bytes += raw.nbytes
         return DenseMatrix(name, raw, qtype, (int(got[0]), int(got[1])))
 
+    def head_matrices(self, name: str, shape: tuple[int, int, int]) -> list[DenseMatrix]:
+        """The 3-D tensor ``name`` of numpy ``shape`` ``(n, rows, cols)`` as ``n`` matrices in its ggml type.
+
+        For per-head weights such as deepseek2's ``attn_k_b`` / ``attn_v_b`` (ggml ``{cols, rows, n}``):
+        matrix ``i`` is a zero-copy slice of the tensor's bytes.
+
+        Raises:
+            FormatError: missing, not of ``shape``, truncated.
+        """
+        raw, qtype, got = self._checked(name, shape)
+        self.n_bytes += raw.nbytes
+        n, rows, cols = (int(d) for d in got)
+        per = raw.nbytes // n
+        return [DenseMatrix(f"{name}[{i}]", raw[i * per : (i + 1) * per], qtype, (rows, cols)) for i in range(n)]
+
     def optional_matrix(self, name: str, shape: tuple[int, int] | None = None) -> DenseMatrix | None:
         """:meth:`matrix`, or None when the model has no such tensor."""
         return self.matrix(name, shape) if self.has(name) else None

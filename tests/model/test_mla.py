@@ -4,9 +4,10 @@ The fixture ``more-archs/deepseek2-*.forward.npz`` holds, per layer, the attenti
 RMSNorm (``attn_norm-L``) and the residual before and after the attention (``l_out-(L-1)`` or the
 token embeddings, ``ffn_inp-L``): their difference is llama.cpp's attention block output, so the
 attention is checked on its own. llama.cpp ran with its defaults, an F16 KV cache and CPU flash
-attention: the ``"ggml_f16"`` precision reproduces that arithmetic (bound 1e-4 on F32 files), the
-exact ``"float32"`` one is checked against the float64 reference (1e-5) and differs from llama.cpp by
-the F16 rounding of the cache (a few 1e-4).
+attention; :func:`_llama_cpp_flash_attention` transcribes that arithmetic (ggml-cpu ops.cpp
+``ggml_compute_forward_flash_attn_ext_f16_one_chunk``) and, swapped in for the float32 softmax,
+brings the MLA block within 1e-4 of llama.cpp on the F32 file. The package's float32 attention is
+checked against the float64 reference (1e-5) and is within 1e-3 of llama.cpp (the F16 rounding).
 """
 
 from __future__ import annotations
@@ -22,14 +23,10 @@ from conftest import shared_fixtures_dir
 from gguf import GGMLQuantizationType, GGUFReader
 
 from aioexperts._compute import mla
+from aioexperts._compute.rope import apply_rope, rope_cos_sin
 from aioexperts._errors import ConfigError, FormatError, UnsupportedTypeError
+from aioexperts._format.architectures import RopeParams, RopeType
 from aioexperts._format.mla import MLAHParams
-
-try:  # the model's RoPE (aioexperts/_compute/rope.py, branch `model`)
-    from aioexperts._compute.rope import apply_rope, rope_cos_sin
-    from aioexperts._format.architectures import RopeParams, RopeType
-except ImportError:  # pragma: no cover - until the model branch is merged
-    apply_rope = rope_cos_sin = RopeParams = RopeType = None  # type: ignore[assignment,misc]
 
 FILES = ("deepseek2-f32", "deepseek2-q4_k_m")
 BOUND_LLAMA = {"deepseek2-f32": 1e-4, "deepseek2-q4_k_m": 8e-2}
@@ -68,16 +65,49 @@ def _metadata(path: Path) -> dict[str, object]:
 
 
 def _rope_norm(freq_base: float) -> mla.Rope:
-    """NORM-paired RoPE without scaling: the model's rope.py when present, else a float64 transcription."""
-    if rope_cos_sin is not None:
+    """The model's NORM-paired RoPE (aioexperts._compute.rope) without scaling."""
 
-        def rope(x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-            params = RopeParams(RopeType.NORM, x.shape[-1], freq_base=freq_base)
-            cos, sin = rope_cos_sin(params, pos)
-            return apply_rope(x, cos, sin, RopeType.NORM, x.shape[-1])
+    def rope(x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        params = RopeParams(RopeType.NORM, x.shape[-1], freq_base=freq_base)
+        cos, sin = rope_cos_sin(params, pos)
+        return apply_rope(x, cos, sin, RopeType.NORM, x.shape[-1])
 
-        return rope
-    return lambda x, pos: _reference_rope(x.astype(np.float64), pos, freq_base).astype(np.float32)
+    return rope
+
+
+def _llama_cpp_flash_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float, **_: object
+) -> np.ndarray:
+    """``attend`` as llama.cpp's CPU run computes it: F16 cache, ggml's one-chunk flash attention.
+
+    ops.cpp ``ggml_compute_forward_flash_attn_ext_f16_one_chunk`` with F16 K and V, one query row at a
+    time as written there: Q converted to F16, ``s = dot(K, Q) * scale``, ``VKQ16`` an F16 accumulator
+    rescaled by ``exp(M_old - M)`` when the maximum grows (``ggml_vec_scale_f16``), then
+    ``VKQ16 += V * exp(s - M)`` (``ggml_vec_mad_f16``), ``S = S * ms + vs``; out = ``VKQ16 / S``.
+    """
+    f16 = np.float16
+    t, n_head, _ = q.shape
+    group = n_head // k.shape[1]
+    q16, k16, v16 = q.astype(f16), k.astype(f16), v.astype(f16)
+    out = np.zeros((t, n_head, v.shape[2]), np.float32)
+    for i in range(t):
+        for h in range(n_head):
+            kh = h // group
+            big_m, total = np.float32(-np.inf), np.float32(0.0)
+            acc = np.zeros(v.shape[2], f16)
+            for j in range(start + i + 1):
+                s = np.float32(np.dot(k16[j, kh].astype(np.float32), q16[i, h].astype(np.float32))) * np.float32(scale)
+                ms, vs = np.float32(1.0), np.float32(1.0)
+                if s > big_m:
+                    m_old, big_m = big_m, s
+                    ms = np.float32(np.exp(m_old - big_m))
+                    acc = (acc.astype(np.float32) * ms).astype(f16)
+                else:
+                    vs = np.float32(np.exp(s - big_m))
+                acc = (acc.astype(np.float32) + v16[j, kh].astype(np.float32) * vs).astype(f16)
+                total = total * ms + vs
+            out[i, h] = acc.astype(np.float32) / total
+    return out.reshape(t, -1)
 
 
 def _reference_rope(x: np.ndarray, pos: np.ndarray, freq_base: float) -> np.ndarray:
@@ -146,17 +176,20 @@ class _Fixture:
         before = self.embeddings if layer == 0 else self.forward[f"l_out-{layer - 1}"]
         return self.forward[f"ffn_inp-{layer}"].astype(np.float64) - before
 
-    def run(self, layer: int, precision: mla.AttentionPrecision, step: int | None = None) -> np.ndarray:
+    def run(self, layer: int, step: int | None = None, *, like_llama_cpp: bool = False) -> np.ndarray:
         """The block on the 16 prompt tokens: one prefill, or ``step`` tokens per call."""
         w = mla.MLAWeights.from_arrays(layer, self.get, self.hp)
         cache = np.zeros((N_CTX, self.hp.cache_width), np.float32)
         x = self.attention_input(layer)
         step = step or x.shape[0]
         scale = mla.kq_scale(self.hp)
-        parts = [
-            mla.mla_attention(x[i : i + step], i, w, self.hp, cache, self.rope, scale, precision)
-            for i in range(0, x.shape[0], step)
-        ]
+        with pytest.MonkeyPatch.context() as mp:
+            if like_llama_cpp:
+                mp.setattr(mla, "attend", _llama_cpp_flash_attention)
+            parts = [
+                mla.mla_attention(x[i : i + step], i, w, self.hp, cache, self.rope, scale)
+                for i in range(0, x.shape[0], step)
+            ]
         return np.concatenate(parts)
 
 
@@ -171,30 +204,35 @@ def fixture(request: pytest.FixtureRequest) -> _Fixture:
 
 @pytest.mark.parametrize("layer", range(N_LAYER))
 def test_attention_matches_llama_cpp(fixture: _Fixture, layer: int) -> None:
-    """The ggml_f16 precision reproduces llama.cpp's attention block output (F16 cache, flash attention)."""
-    got = fixture.run(layer, "ggml_f16")
+    """With llama.cpp's F16 flash attention swapped in, the MLA block gives llama.cpp's attention output."""
+    got = fixture.run(layer, like_llama_cpp=True)
     assert _rel(got, fixture.llama_attention(layer)) < BOUND_LLAMA[fixture.name]
 
 
 @pytest.mark.parametrize("layer", range(N_LAYER))
 def test_float32_is_llama_cpp_up_to_its_f16_cache(fixture: _Fixture, layer: int) -> None:
-    """The exact precision differs from llama.cpp only by the F16 rounding of its KV cache (~2^-12 per value)."""
-    got = fixture.run(layer, "float32")
-    assert _rel(got, fixture.llama_attention(layer)) < max(1e-3, BOUND_LLAMA[fixture.name])
+    """The float32 attention differs from llama.cpp by the F16 rounding of its cache and accumulator."""
+    got = fixture.run(layer)
+    error = _rel(got, fixture.llama_attention(layer))
+    assert error < max(1e-3, BOUND_LLAMA[fixture.name])
+    if fixture.name.endswith("-f32"):  # the gap is the F16 arithmetic: reproduced, most of it goes
+        assert (
+            error > 1e-4 and _rel(fixture.run(layer, like_llama_cpp=True), fixture.llama_attention(layer)) < error / 3
+        )
 
 
 @pytest.mark.parametrize("layer", range(N_LAYER))
 def test_float32_matches_float64_reference(fixture: _Fixture, layer: int) -> None:
     want = _reference_attention(fixture.attention_input(layer), fixture.get, layer, fixture.md)
-    assert _rel(fixture.run(layer, "float32"), want) < 1e-5
+    assert _rel(fixture.run(layer), want) < 1e-5
 
 
 @pytest.mark.parametrize("step", [1, 5])
 def test_decode_equals_prefill(fixture: _Fixture, step: int) -> None:
     """Token by token (and 5 at a time) against the latent cache gives the prefill's output."""
     for layer in range(N_LAYER):
-        prefill = fixture.run(layer, "float32")
-        assert _rel(fixture.run(layer, "float32", step=step), prefill) < 1e-5
+        prefill = fixture.run(layer)
+        assert _rel(fixture.run(layer, step=step), prefill) < 1e-5
 
 
 def test_cache_holds_the_latent_and_the_rotated_key(fixture: _Fixture) -> None:
@@ -251,61 +289,19 @@ def test_per_head_callables_equal_arrays(lite: bool) -> None:
     np.testing.assert_allclose(mla.absorb_query(q_nope, w.k_b), want, rtol=1e-5, atol=1e-6)
 
 
-def _ggml_flash_attention_one(q: np.ndarray, rows: np.ndarray, n_visible: int, c: int, scale: float) -> np.ndarray:
-    """One query row of ops.cpp ggml_compute_forward_flash_attn_ext_f16_one_chunk, scalar as written there."""
-    q16 = q.astype(np.float16)
-    acc = np.zeros(c, np.float16)  # VKQ16
-    big_m, total = np.float32(-np.inf), np.float32(0.0)
-    for ic in range(n_visible):
-        k16 = rows[ic].astype(np.float16)
-        s = np.float32(np.dot(k16.astype(np.float32), q16.astype(np.float32))) * np.float32(scale)
-        ms, vs = np.float32(1.0), np.float32(1.0)
-        if s > big_m:
-            m_old, big_m = big_m, s
-            ms = np.float32(np.exp(m_old - big_m))
-            acc = (acc.astype(np.float32) * ms).astype(np.float16)  # ggml_vec_scale_f16
-        else:
-            vs = np.float32(np.exp(s - big_m))
-        acc = (acc.astype(np.float32) + k16[:c].astype(np.float32) * vs).astype(np.float16)  # ggml_vec_mad_f16
-        total = total * ms + vs
-    return acc.astype(np.float32) / total
-
-
-def test_ggml_f16_is_the_flash_attention_loop() -> None:
-    rng = np.random.default_rng(2)
-    t, h, c, r, start = 3, 2, 8, 4, 5
-    q_latent = rng.standard_normal((t, h, c)).astype(np.float32)
-    q_pe = rng.standard_normal((t, h, r)).astype(np.float32)
-    rows = mla.cache_rows(
-        rng.standard_normal((start + t, c)).astype(np.float32),
-        rng.standard_normal((start + t, r)).astype(np.float32),
-        "ggml_f16",
-    )
-    assert np.array_equal(rows, rows.astype(np.float16).astype(np.float32))
-    got = mla.latent_attention(q_latent, q_pe, rows, start, c, 0.3, "ggml_f16")
-    for i in range(t):
-        for j in range(h):
-            q = np.concatenate([q_latent[i, j], q_pe[i, j]])
-            want = _ggml_flash_attention_one(q, rows, start + i + 1, c, 0.3)
-            np.testing.assert_allclose(got[i, j], want, rtol=2e-3, atol=1e-6)
-    exact = mla.latent_attention(q_latent, q_pe, rows, start, c, 0.3, "float32")
-    assert 1e-6 < _rel(got, exact) < 5e-3  # the f16 accumulator shows, within f16 precision
-
-
 def test_causal_mask() -> None:
     """Changing a cache row after position p does not change the output of the query at p."""
     rng = np.random.default_rng(3)
     q_latent = rng.standard_normal((4, 2, 6)).astype(np.float32)
     q_pe = rng.standard_normal((4, 2, 2)).astype(np.float32)
     rows = rng.standard_normal((4, 8)).astype(np.float32)
-    for precision in mla.ATTENTION_PRECISIONS:
-        base = mla.latent_attention(q_latent, q_pe, rows, 0, 6, 0.5, precision)
-        changed = rows.copy()
-        changed[2:] += 10.0
-        other = mla.latent_attention(q_latent, q_pe, changed, 0, 6, 0.5, precision)
-        assert np.array_equal(base[:2], other[:2]), precision
-        assert not np.allclose(base[2:], other[2:]), precision
-        np.testing.assert_allclose(base[0], np.broadcast_to(rows[0, :6], (2, 6)), rtol=1e-3)  # only row 0 visible
+    base = mla.latent_attention(q_latent, q_pe, rows, 0, 6, 0.5)
+    changed = rows.copy()
+    changed[2:] += 10.0
+    other = mla.latent_attention(q_latent, q_pe, changed, 0, 6, 0.5)
+    assert np.array_equal(base[:2], other[:2])
+    assert not np.allclose(base[2:], other[2:])
+    np.testing.assert_allclose(base[0], np.broadcast_to(rows[0, :6], (2, 6)), rtol=1e-6)  # only row 0 visible
 
 
 # ----------------------------------------------------------------------------------------------
@@ -483,5 +479,5 @@ def test_attention_refuses_bad_shapes() -> None:
     q_pe = np.zeros((2, hp.n_head, hp.rope_dims), np.float32)
     with pytest.raises(ConfigError, match="do not fit"):
         mla.latent_attention(q, q_pe, np.zeros((3, hp.cache_width), np.float32), 0, hp.kv_lora_rank, 0.1)
-    with pytest.raises(ConfigError, match="precision"):
-        mla.latent_attention(q, q_pe, np.zeros((2, hp.cache_width), np.float32), 0, hp.kv_lora_rank, 0.1, "f8")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="do not fit"):
+        mla.latent_attention(q, q_pe, np.zeros((2, hp.cache_width), np.float32), 0, hp.kv_lora_rank + 1, 0.1)
