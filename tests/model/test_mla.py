@@ -4,8 +4,8 @@ The fixture ``more-archs/deepseek2-*.forward.npz`` holds, per layer, the attenti
 RMSNorm (``attn_norm-L``) and the residual before and after the attention (``l_out-(L-1)`` or the
 token embeddings, ``ffn_inp-L``): their difference is llama.cpp's attention block output, so the
 attention is checked on its own. llama.cpp ran with its defaults, an F16 KV cache and CPU flash
-attention; :func:`_llama_cpp_flash_attention` transcribes that arithmetic (ggml-cpu ops.cpp
-``ggml_compute_forward_flash_attn_ext_f16_one_chunk``) and, swapped in for the float32 softmax,
+attention; ``test_forward_llama_cpp._llama_cpp_f16_attention`` transcribes that arithmetic (ggml-cpu
+ops.cpp ``ggml_compute_forward_flash_attn_ext_f16_one_chunk``) and, swapped in for the float32 softmax,
 brings the MLA block within 1e-4 of llama.cpp on the F32 file. The package's float32 attention is
 checked against the float64 reference (1e-5) and is within 1e-3 of llama.cpp (the F16 rounding).
 """
@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from conftest import shared_fixtures_dir
 from gguf import GGMLQuantizationType, GGUFReader
+from test_forward_llama_cpp import _llama_cpp_f16_attention
 
 from aioexperts._compute import mla
 from aioexperts._compute.rope import apply_rope, rope_cos_sin
@@ -78,36 +79,9 @@ def _rope_norm(freq_base: float) -> mla.Rope:
 def _llama_cpp_flash_attention(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float, **_: object
 ) -> np.ndarray:
-    """``attend`` as llama.cpp's CPU run computes it: F16 cache, ggml's one-chunk flash attention.
-
-    ops.cpp ``ggml_compute_forward_flash_attn_ext_f16_one_chunk`` with F16 K and V, one query row at a
-    time as written there: Q converted to F16, ``s = dot(K, Q) * scale``, ``VKQ16`` an F16 accumulator
-    rescaled by ``exp(M_old - M)`` when the maximum grows (``ggml_vec_scale_f16``), then
-    ``VKQ16 += V * exp(s - M)`` (``ggml_vec_mad_f16``), ``S = S * ms + vs``; out = ``VKQ16 / S``.
-    """
-    f16 = np.float16
-    t, n_head, _ = q.shape
-    group = n_head // k.shape[1]
-    q16, k16, v16 = q.astype(f16), k.astype(f16), v.astype(f16)
-    out = np.zeros((t, n_head, v.shape[2]), np.float32)
-    for i in range(t):
-        for h in range(n_head):
-            kh = h // group
-            big_m, total = np.float32(-np.inf), np.float32(0.0)
-            acc = np.zeros(v.shape[2], f16)
-            for j in range(start + i + 1):
-                s = np.float32(np.dot(k16[j, kh].astype(np.float32), q16[i, h].astype(np.float32))) * np.float32(scale)
-                ms, vs = np.float32(1.0), np.float32(1.0)
-                if s > big_m:
-                    m_old, big_m = big_m, s
-                    ms = np.float32(np.exp(m_old - big_m))
-                    acc = (acc.astype(np.float32) * ms).astype(f16)
-                else:
-                    vs = np.float32(np.exp(s - big_m))
-                acc = (acc.astype(np.float32) + v16[j, kh].astype(np.float32) * vs).astype(f16)
-                total = total * ms + vs
-            out[i, h] = acc.astype(np.float32) / total
-    return out.reshape(t, -1)
+    """``attend`` as llama.cpp's CPU run computes it (F16 cache, one-chunk flash attention), for a prefill."""
+    assert start == 0
+    return _llama_cpp_f16_attention(q, k, v, scale)
 
 
 def _reference_rope(x: np.ndarray, pos: np.ndarray, freq_base: float) -> np.ndarray:
