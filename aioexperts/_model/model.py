@@ -733,7 +733,7 @@ def load(
     Args:
         path: a GGUF file (or a shard of a split set) of a supported architecture
             (``qwen3moe``, ``qwen2moe``, ``glm4moe``, ``llama`` with experts, ``olmoe``,
-            ``granitemoe``, ``gpt-oss``; docs/model.md).
+            ``granitemoe``, ``gpt-oss``, ``deepseek2``; docs/model.md).
         n_ctx: positions of each sequence's KV cache; default the file's ``context_length``,
             capped to what ``memory_budget`` allows (logged once).
         memory_budget: bytes one sequence's KV cache may take (default 1 GiB when ``n_ctx`` is not
