@@ -86,7 +86,7 @@ def kq_scale(hp: MLAHParams, attn_factor: float = 1.0, freq_scale: float = 1.0) 
     Args:
         hp: the MLA hyper-parameters (``key_length``, ``yarn_log_multiplier``).
         attn_factor: RoPE's magnitude factor as llama.cpp resolves it (> 0).
-        freq_scale: RoPE's frequency scale, ``1 / rope.scaling.factor`` (in (0, 1]... any > 0).
+        freq_scale: RoPE's frequency scale, ``1 / rope.scaling.factor`` (> 0).
 
     Returns:
         The scale (float64; llama.cpp computes it in float32).
