@@ -51,6 +51,7 @@ __all__ = (
     "mla_attention",
     "project_latent",
     "project_query",
+    "split_kv_b",
     "temperature_scales",
 )
 
@@ -150,6 +151,7 @@ class MLAWeights:
         kv_a_norm: ``(kv_lora_rank,)`` ``attn_kv_a_norm``.
         k_b: ``attn_k_b`` per head ``(kv_lora_rank, nope_dims)`` (ggml ``{nope, kv_lora_rank, H}``).
         v_b: ``attn_v_b`` per head ``(value_length, kv_lora_rank)`` (ggml ``{kv_lora_rank, value_length, H}``).
+            Old files: both from ``attn_kv_b`` (:func:`split_kv_b`).
         output: ``attn_output`` ``(n_embd, H * value_length)``.
     """
 
@@ -182,16 +184,42 @@ class MLAWeights:
                 raise FormatError(f"{name} holds NaN or infinite values")
             arrays[name.split(".")[2]] = arr
         lite = hp.q_lora_rank == 0
+        if hp.split_kv_b:
+            k_b, v_b = arrays["attn_k_b"], arrays["attn_v_b"]
+        else:
+            k_b, v_b = split_kv_b(arrays["attn_kv_b"], hp)
         return cls(
             q_a=None if lite else _float32_matmul(arrays["attn_q_a"]),
             q_a_norm=None if lite else arrays["attn_q_a_norm"],
             q_b=_float32_matmul(arrays["attn_q"] if lite else arrays["attn_q_b"]),
             kv_a=_float32_matmul(arrays["attn_kv_a_mqa"]),
             kv_a_norm=arrays["attn_kv_a_norm"],
-            k_b=arrays["attn_k_b"],
-            v_b=arrays["attn_v_b"],
+            k_b=k_b,
+            v_b=v_b,
             output=_float32_matmul(arrays["attn_output"]),
         )
+
+
+def split_kv_b(kv_b: np.ndarray, hp: MLAHParams) -> tuple[np.ndarray, np.ndarray]:
+    """``attn_k_b`` and ``attn_v_b`` from an old file's ``attn_kv_b`` (what llama.cpp's converter now writes).
+
+    ``attn_kv_b`` ``(H * (N + V), C)`` holds per head ``N`` rows of its no-RoPE key projection then
+    ``V`` rows of its value projection (deepseek2.cpp, the ``!is_mla`` branch: ``kv = wkv_b(kv_cmpr)``
+    split into ``k_nope`` and ``Vcur``). Since ``q_nope . (Wk_h c) = (Wk_h^T q_nope) . c``, the
+    absorbed key matrix is the transpose of the key rows.
+
+    Args:
+        kv_b: ``(H * (nope_dims + value_length), kv_lora_rank)`` float32.
+        hp: the hyper-parameters.
+
+    Returns:
+        ``k_b`` ``(H, kv_lora_rank, nope_dims)`` and ``v_b`` ``(H, value_length, kv_lora_rank)``,
+        float32, C-contiguous.
+    """
+    per_head = kv_b.reshape(hp.n_head, hp.nope_dims + hp.value_length, hp.kv_lora_rank)
+    k_b = np.ascontiguousarray(per_head[:, : hp.nope_dims].transpose(0, 2, 1))
+    v_b = np.ascontiguousarray(per_head[:, hp.nope_dims :])
+    return k_b, v_b
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,8 +9,11 @@ and ``temperature_length``) and of ``llama_model::load_hparams`` (src/llama-mode
 ``rope.dimension_count``, the RMSNorm epsilon). The RoPE frequencies and YaRN's factors of
 ``ggml_rope_ext`` are the model's RoPE parameters, not part of this record.
 
-Only files with the split ``attn_k_b`` / ``attn_v_b`` tensors (both ``*_length_mla`` keys present) are
-accepted; old conversions with one ``attn_kv_b`` are refused with a message saying to re-convert.
+Current conversions store ``attn_k_b`` / ``attn_v_b`` split per head and the ``*_length_mla`` keys
+(llama.cpp's ``hparams.is_mla()``). Older ones (before llama.cpp's split, many DeepSeek-V2/V3/R1 files)
+have one ``attn_kv_b`` and the per-head sizes in ``key_length`` / ``value_length``
+(:attr:`MLAHParams.split_kv_b` False); llama.cpp runs those as plain multi-head attention, which is
+the same maths: the block splits ``attn_kv_b`` into the two per-head parts when it loads.
 """
 
 from __future__ import annotations
@@ -45,8 +48,10 @@ class MLAHParams:
             with one ``attn_q``.
         kv_lora_rank: width of the compressed latent that ``attn_kv_a_norm`` normalises and the KV
             cache stores (``attention.kv_lora_rank``).
-        key_length: per-head query/key width, no-RoPE part plus RoPE part (``key_length_mla``).
-        value_length: per-head value width after ``attn_v_b`` (``value_length_mla``).
+        key_length: per-head query/key width, no-RoPE part plus RoPE part (``key_length_mla``; old
+            files: ``key_length``, default ``n_embd / n_head``).
+        value_length: per-head value width after ``attn_v_b`` (``value_length_mla``; old files:
+            ``value_length``).
         rope_dims: RoPE part of each head and width of the shared RoPE key (``rope.dimension_count``).
         rms_eps: epsilon of every RMSNorm (``attention.layer_norm_rms_epsilon``).
         yarn_log_multiplier: ``rope.scaling.yarn_log_multiplier`` as the file stores it (the convert
@@ -54,6 +59,9 @@ class MLAHParams:
         temperature_scale: ``attention.temperature_scale`` (Mistral-Large-style query temperature);
             0: none.
         temperature_length: ``attention.temperature_length``, the position bucket of that temperature.
+        split_kv_b: the file has ``attn_k_b`` / ``attn_v_b``; False: one ``attn_kv_b``
+            (``(H * (nope_dims + value_length), kv_lora_rank)``, per head its no-RoPE key rows then its
+            value rows).
     """
 
     n_embd: int
@@ -67,6 +75,7 @@ class MLAHParams:
     yarn_log_multiplier: float = 0.0
     temperature_scale: float = 0.0
     temperature_length: int = 0
+    split_kv_b: bool = True
 
     @property
     def nope_dims(self) -> int:
@@ -81,7 +90,7 @@ class MLAHParams:
     def tensor_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
         """The attention tensors of block ``layer`` with their numpy shapes, all required.
 
-        src/models/deepseek2.cpp ``load_arch_tensors`` (the ``is_mla`` case).
+        src/models/deepseek2.cpp ``load_arch_tensors``.
         """
         p = f"blk.{layer}."
         h, n_embd = self.n_head, self.n_embd
@@ -94,8 +103,11 @@ class MLAHParams:
             shapes[p + "attn_q.weight"] = (h * self.key_length, n_embd)
         shapes[p + "attn_kv_a_mqa.weight"] = (self.cache_width, n_embd)
         shapes[p + "attn_kv_a_norm.weight"] = (self.kv_lora_rank,)
-        shapes[p + "attn_k_b.weight"] = (h, self.kv_lora_rank, self.nope_dims)
-        shapes[p + "attn_v_b.weight"] = (h, self.value_length, self.kv_lora_rank)
+        if self.split_kv_b:
+            shapes[p + "attn_k_b.weight"] = (h, self.kv_lora_rank, self.nope_dims)
+            shapes[p + "attn_v_b.weight"] = (h, self.value_length, self.kv_lora_rank)
+        else:
+            shapes[p + "attn_kv_b.weight"] = (h * (self.nope_dims + self.value_length), self.kv_lora_rank)
         shapes[p + "attn_output.weight"] = (n_embd, h * self.value_length)
         return shapes
 
@@ -108,9 +120,8 @@ class MLAHParams:
             metadata: ``{key: python value}`` (``GGUFModel.metadata``).
 
         Raises:
-            UnsupportedTypeError: ``arch`` is not an MLA architecture; an old file without
-                ``key_length_mla`` / ``value_length_mla`` (one unsplit ``attn_kv_b``); a per-layer
-                array where llama.cpp reads one value.
+            UnsupportedTypeError: ``arch`` is not an MLA architecture; a per-layer array where
+                llama.cpp reads one value.
             FormatError: a required key is missing or has the wrong type, or the sizes do not fit
                 (``rope_dims`` even and smaller than ``key_length``, widths positive, the epsilon
                 positive, the floats finite).
@@ -121,27 +132,37 @@ class MLAHParams:
         n_layer = md.int_("block_count", required=True)
         n_vocab = md.vocab_size()
         is_lite = n_layer in _LITE_LAYER_COUNTS or (n_layer == 48 and n_vocab == _LITE_48_VOCAB)
-        key_mla = md.int_("attention.key_length_mla")
-        value_mla = md.int_("attention.value_length_mla")
-        if key_mla == 0 or value_mla == 0:
-            raise UnsupportedTypeError(
-                f"{md.key('attention.key_length_mla')} / {md.key('attention.value_length_mla')} missing: an old "
-                "DeepSeek-V2 conversion with one attn_kv_b tensor; re-convert it with a current convert_hf_to_gguf.py"
+        n_embd = md.int_("embedding_length", required=True)
+        n_head = md.int_("attention.head_count", required=True)
+        # llama_hparams::is_mla(): both *_mla keys (it asserts both or neither); else one attn_kv_b
+        n_mla_keys = sum(md.int_(k) != 0 for k in ("attention.key_length_mla", "attention.value_length_mla"))
+        if n_mla_keys == 1:
+            raise FormatError(
+                f"{md.key('attention.key_length_mla')} and {md.key('attention.value_length_mla')} must be set together"
             )
+        split = n_mla_keys == 2
+        if split:
+            key_length = md.int_("attention.key_length_mla")
+            value_length = md.int_("attention.value_length_mla")
+        else:
+            head = n_embd // n_head if n_head > 0 else 0
+            key_length = md.int_("attention.key_length", default=head)
+            value_length = md.int_("attention.value_length", default=head)
         if not md.has("attention.layer_norm_rms_epsilon"):
             raise FormatError(f"missing required key {md.key('attention.layer_norm_rms_epsilon')}")
         hp = cls(
-            n_embd=md.int_("embedding_length", required=True),
-            n_head=md.int_("attention.head_count", required=True),
+            n_embd=n_embd,
+            n_head=n_head,
             q_lora_rank=0 if is_lite else md.int_("attention.q_lora_rank", required=True),
             kv_lora_rank=md.int_("attention.kv_lora_rank", required=True),
-            key_length=key_mla,
-            value_length=value_mla,
+            key_length=key_length,
+            value_length=value_length,
             rope_dims=md.int_("rope.dimension_count", required=True),
             rms_eps=md.float_("attention.layer_norm_rms_epsilon", 0.0),
             yarn_log_multiplier=md.float_("rope.scaling.yarn_log_multiplier", 0.0),
             temperature_scale=md.float_("attention.temperature_scale", 0.0),
             temperature_length=md.int_("attention.temperature_length"),
+            split_kv_b=split,
         )
         hp._check(md)
         return hp

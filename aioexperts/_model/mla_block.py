@@ -4,7 +4,8 @@ Registered as block ``"mla"`` (:func:`~aioexperts._model.blocks.register_block`)
 ``deepseek2`` record of :data:`~aioexperts._format.architectures.ARCHITECTURES`. The maths is
 :mod:`aioexperts._compute.mla` (src/models/deepseek2.cpp, the ``is_mla`` branch); this module reads
 the layer's tensors and wires the model's RoPE and YaRN factors in. The matrices stay in their ggml
-type (``attn_k_b`` / ``attn_v_b`` as one matrix per head); the KV cache keeps, per position, the
+type (``attn_k_b`` / ``attn_v_b`` as one matrix per head; an old file's ``attn_kv_b`` is split into
+them, its key part dequantized to float32); the KV cache keeps, per position, the
 ``kv_lora_rank`` normalised latent and the ``rope.dimension_count`` rotated key (``{"kv": (C + R,)}``),
 not per-head keys and values.
 """
@@ -21,11 +22,11 @@ from aioexperts._errors import UnsupportedTypeError
 from aioexperts._format.architectures import ModelHParams
 from aioexperts._format.mla import MLAHParams
 from aioexperts._model.blocks import register_block
-from aioexperts._model.weights import TensorReader
+from aioexperts._model.weights import DenseMatrix, TensorReader
 
 __all__ = ("MLABlock",)
 
-_UNSUPPORTED = ("attn_kv_b.weight", "attn_q_b.scale", "attn_kv_a_mqa.scale", "attn_output.scale", "attn_q.scale")
+_UNSUPPORTED = ("attn_q_a.scale", "attn_q_b.scale", "attn_q.scale", "attn_kv_a_mqa.scale", "attn_output.scale")
 
 
 class MLABlock:
@@ -39,7 +40,7 @@ class MLABlock:
     Raises:
         FormatError: a tensor of :meth:`MLAHParams.tensor_shapes` is missing or misshaped, a norm
             holds NaN, an MLA key is missing or out of range.
-        UnsupportedTypeError: an old unsplit ``attn_kv_b`` file, per-tensor ``*.scale`` tensors.
+        UnsupportedTypeError: per-tensor ``*.scale`` tensors; ``attn_kv_b`` next to ``attn_k_b``.
     """
 
     def __init__(self, hp: ModelHParams, reader: TensorReader, layer: int) -> None:
@@ -48,6 +49,8 @@ class MLABlock:
             if reader.has(p + name):
                 raise UnsupportedTypeError(f"tensor {p + name!r} is not supported by the deepseek2 forward pass")
         self.mla = MLAHParams.from_metadata(hp.arch, reader.model.metadata)
+        if self.mla.split_kv_b and reader.has(p + "attn_kv_b.weight"):  # llama.cpp: wrong number of tensors
+            raise UnsupportedTypeError(f"tensor {p}attn_kv_b.weight next to attn_k_b/attn_v_b: which one is meant?")
         shapes = self.mla.tensor_shapes(layer)
 
         def matrix(name: str) -> mla.Matmul:
@@ -58,6 +61,11 @@ class MLABlock:
             n, rows, cols = shapes[p + name + ".weight"]
             return list(reader.head_matrices(p + name + ".weight", (n, rows, cols)))
 
+        if self.mla.split_kv_b:
+            k_b: mla.HeadMatrices = heads("attn_k_b")
+            v_b: mla.HeadMatrices = heads("attn_v_b")
+        else:
+            k_b, v_b = _split_kv_b(reader, p + "attn_kv_b.weight", shapes[p + "attn_kv_b.weight"], self.mla)
         lite = self.mla.q_lora_rank == 0
         self.weights = mla.MLAWeights(
             q_a=None if lite else matrix("attn_q_a"),
@@ -65,8 +73,8 @@ class MLABlock:
             q_b=matrix("attn_q") if lite else matrix("attn_q_b"),
             kv_a=matrix("attn_kv_a_mqa"),
             kv_a_norm=reader.array(p + "attn_kv_a_norm.weight", shapes[p + "attn_kv_a_norm.weight"]),
-            k_b=heads("attn_k_b"),
-            v_b=heads("attn_v_b"),
+            k_b=k_b,
+            v_b=v_b,
             output=matrix("attn_output"),
         )
         self.rope = hp.rope_for(layer)
@@ -86,6 +94,24 @@ class MLABlock:
             return apply_rope(v, cos, sin, self.rope.rope_type, n_rot)
 
         return mla.mla_attention(x, start, self.weights, self.mla, cache["kv"], rope, self.scale)
+
+
+def _split_kv_b(
+    reader: TensorReader, name: str, shape: tuple[int, ...], hp: MLAHParams
+) -> tuple[np.ndarray, list[mla.Matmul]]:
+    """An old file's ``attn_kv_b``: the absorbed key part dequantized and transposed (float32, it cannot
+    stay in a ggml type), the value rows of each head as zero-copy matrices (:func:`mla.split_kv_b`)."""
+    rows, cols = shape
+    kv_b = reader.matrix(name, (rows, cols))
+    n, v, c = hp.nope_dims, hp.value_length, hp.kv_lora_rank
+    k_b = np.stack([kv_b.rows(np.arange(h * (n + v), h * (n + v) + n)).T for h in range(hp.n_head)])
+    reader.n_bytes += k_b.nbytes
+    v_b: list[mla.Matmul] = []
+    for h in range(hp.n_head):
+        start = (h * (n + v) + n) * kv_b.row_bytes
+        raw = kv_b.raw[start : start + v * kv_b.row_bytes]
+        v_b.append(DenseMatrix(f"{name}[{h}].v", raw, kv_b.ggml_type, (v, c)))
+    return np.ascontiguousarray(k_b), v_b
 
 
 register_block("mla", MLABlock)

@@ -19,23 +19,27 @@ def rewrite(
     metadata: Mapping[str, tuple[Any, gguf.GGUFValueType]] | None = None,
     arch: str | None = None,
     keep_tensors: bool = True,
+    add: Mapping[str, np.ndarray] | None = None,
+    drop_keys: Iterable[str] = (),
 ) -> Path:
     """Copy ``src`` to ``dst`` without the tensors in ``drop``, with ``patch[name](data)`` for others.
 
     ``metadata`` adds or replaces keys ``{key: (value, type)}``; ``arch`` renames the architecture
-    (and its key prefix); ``keep_tensors=False`` writes the metadata alone.
+    (and its key prefix); ``keep_tensors=False`` writes the metadata alone; ``add`` appends float32
+    tensors ``{name: numpy-order array}``; ``drop_keys`` leaves metadata keys out.
     """
     reader = gguf.GGUFReader(src)
     old_arch = str(reader.fields["general.architecture"].contents())
     new_arch = arch or old_arch
     writer = gguf.GGUFWriter(dst, new_arch)
     dropped = set(drop)
+    skipped_keys = set(drop_keys)
     extra = dict(metadata or {})
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
         key = new_arch + name[len(old_arch) :] if name.startswith(old_arch + ".") else name
-        if key in extra:
+        if key in extra or name in skipped_keys:
             continue
         vtype = field.types[0]
         sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
@@ -50,6 +54,8 @@ def rewrite(
             if patch and t.name in patch:
                 data = patch[t.name](data)
             writer.add_tensor(t.name, data, raw_shape=list(reversed([int(d) for d in t.shape])), raw_dtype=t.tensor_type)
+        for name, array in (add or {}).items():
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

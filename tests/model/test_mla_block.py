@@ -1,5 +1,6 @@
 """The deepseek2 block of the whole model (aioexperts/_model/mla_block.py): weights in their ggml type,
-the latent KV cache entry, YaRN's score scale through the model's RoPE parameters, refusals.
+the latent KV cache entry, YaRN's score scale through the model's RoPE parameters, old files with one
+``attn_kv_b``, refusals.
 """
 
 from __future__ import annotations
@@ -9,14 +10,18 @@ import math
 from pathlib import Path
 from typing import Any
 
+import anyio
+import gguf
 import numpy as np
 import pytest
 from conftest import shared_fixtures_dir
+from gguf_rewrite import rewrite
 
+import aioexperts
 from aioexperts._compute import mla
 from aioexperts._compute.fused import dequantize
 from aioexperts._compute.rope import apply_rope, rope_cos_sin
-from aioexperts._errors import UnsupportedTypeError
+from aioexperts._errors import FormatError, UnsupportedTypeError
 from aioexperts._format.architectures import ARCHITECTURES, RopeType, model_hparams
 from aioexperts._format.mla import MLAHParams
 from aioexperts._format.model import GGUFModel, open_model
@@ -131,7 +136,7 @@ def test_linear_scaling_scale() -> None:
 @pytest.mark.parametrize(
     ("name", "like"),
     [
-        ("blk.0.attn_kv_b.weight", "blk.0.attn_output.weight"),
+        ("blk.0.attn_kv_b.weight", "blk.0.attn_output.weight"),  # next to attn_k_b / attn_v_b
         ("blk.0.attn_output.scale", "blk.0.attn_kv_a_norm.weight"),
     ],
 )
@@ -141,7 +146,75 @@ def test_block_refuses_what_it_does_not_compute(name: str, like: str) -> None:
         MLABlock(model_hparams(model), TensorReader(model), 0)
 
 
-def test_old_file_without_mla_keys_is_refused() -> None:
-    model = _with_metadata(_open("deepseek2-f32"), attention__key_length_mla=None)
-    with pytest.raises(UnsupportedTypeError, match="re-convert"):
-        MLABlock(model_hparams(model), TensorReader(model), 0)
+# ----------------------------------------------------------------------------------------------
+# old files with one attn_kv_b
+
+
+def _legacy_copy(src: Path, dst: Path) -> Path:
+    """``src`` as an old conversion writes it: one ``attn_kv_b`` per layer, no ``*_length_mla`` keys.
+
+    attn_kv_b ``(H * (N + V), C)``: per head the no-RoPE key rows ``k_b[h].T`` then the value rows
+    ``v_b[h]`` (the layout convert_hf_to_gguf.py split into attn_k_b / attn_v_b).
+    """
+    model = open_model(src)
+    get = _dequantized(model)
+    n_layer = int(model.metadata["deepseek2.block_count"])
+    add, drop = {}, []
+    for il in range(n_layer):
+        k_b, v_b = get(f"blk.{il}.attn_k_b.weight"), get(f"blk.{il}.attn_v_b.weight")
+        assert k_b is not None and v_b is not None
+        add[f"blk.{il}.attn_kv_b.weight"] = np.concatenate(
+            [np.concatenate([k_b[h].T, v_b[h]]) for h in range(k_b.shape[0])]
+        )
+        drop += [f"blk.{il}.attn_k_b.weight", f"blk.{il}.attn_v_b.weight"]
+    u32 = gguf.GGUFValueType.UINT32
+    return rewrite(
+        src,
+        dst,
+        drop=drop,
+        add=add,
+        drop_keys=("deepseek2.attention.key_length_mla", "deepseek2.attention.value_length_mla"),
+        metadata={"deepseek2.attention.key_length": (96, u32), "deepseek2.attention.value_length": (64, u32)},
+    )
+
+
+def test_old_attn_kv_b_file_runs_like_the_split_one(tmp_path: Path) -> None:
+    """An old file (attn_kv_b, per-head key_length/value_length) gives the split file's logits, llama.cpp's greedy."""
+    src = Path(_open("deepseek2-f32").path)
+    legacy = _legacy_copy(src, tmp_path / "deepseek2-legacy.gguf")
+    hp = MLAHParams.from_metadata("deepseek2", open_model(legacy).metadata)
+    assert not hp.split_kv_b and (hp.key_length, hp.value_length, hp.nope_dims) == (96, 64, 64)
+    assert "blk.0.attn_kv_b.weight" in hp.tensor_shapes(0) and "blk.0.attn_k_b.weight" not in hp.tensor_shapes(0)
+    want = np.load(src.with_suffix(".forward.npz"))
+    tokens = want["tokens"].tolist()
+
+    async def main(path: Path) -> tuple[np.ndarray, list[int]]:
+        async with aioexperts.load(path, slots=8, io=aioexperts.IOOptions(backend="threads")) as model:
+            logits = await model.logits(tokens)
+            greedy = [t async for t in model.generate(tokens, max_tokens=len(want["greedy"]))]
+        return logits, greedy
+
+    split_logits, _ = anyio.run(main, src)
+    logits, greedy = anyio.run(main, legacy)
+    assert np.linalg.norm(logits - split_logits) / np.linalg.norm(split_logits) < 1e-5
+    assert greedy == want["greedy"].tolist()
+
+
+def test_split_kv_b_inverts_the_old_layout() -> None:
+    rng = np.random.default_rng(7)
+    hp = MLAHParams(
+        n_embd=8, n_head=3, q_lora_rank=4, kv_lora_rank=5, key_length=6, value_length=7, rope_dims=2, rms_eps=1e-6,
+        split_kv_b=False,
+    )  # fmt: skip
+    k_b = rng.standard_normal((3, 5, 4)).astype(np.float32)
+    v_b = rng.standard_normal((3, 7, 5)).astype(np.float32)
+    kv_b = np.concatenate([np.concatenate([k_b[h].T, v_b[h]]) for h in range(3)])
+    assert kv_b.shape == hp.tensor_shapes(0)["blk.0.attn_kv_b.weight"]
+    got_k, got_v = mla.split_kv_b(kv_b, hp)
+    assert np.array_equal(got_k, k_b) and np.array_equal(got_v, v_b)
+
+
+def test_only_one_mla_key_is_refused() -> None:
+    model = _with_metadata(_open("deepseek2-f32"), attention__value_length_mla=None)
+    with pytest.raises(FormatError, match="set together"):
+        MLAHParams.from_metadata("deepseek2", model.metadata)
