@@ -390,8 +390,8 @@ def test_hparams_lite_variant_has_no_q_lora() -> None:
 @pytest.mark.parametrize(
     ("change", "error", "match"),
     [
-        ({"deepseek2.attention.key_length_mla": None}, UnsupportedTypeError, "attn_kv_b"),
-        ({"deepseek2.attention.value_length_mla": None}, UnsupportedTypeError, "re-convert"),
+        ({"deepseek2.attention.key_length_mla": None}, FormatError, "set together"),
+        ({"deepseek2.attention.value_length_mla": 0}, FormatError, "set together"),
         ({"deepseek2.rope.dimension_count": 33}, FormatError, "even"),
         ({"deepseek2.rope.dimension_count": 96}, FormatError, "smaller than"),
         ({"deepseek2.attention.kv_lora_rank": 0}, FormatError, "kv_lora_rank must be > 0"),

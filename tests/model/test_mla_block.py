@@ -213,8 +213,3 @@ def test_split_kv_b_inverts_the_old_layout() -> None:
     got_k, got_v = mla.split_kv_b(kv_b, hp)
     assert np.array_equal(got_k, k_b) and np.array_equal(got_v, v_b)
 
-
-def test_only_one_mla_key_is_refused() -> None:
-    model = _with_metadata(_open("deepseek2-f32"), attention__value_length_mla=None)
-    with pytest.raises(FormatError, match="set together"):
-        MLAHParams.from_metadata("deepseek2", model.metadata)
