@@ -21,7 +21,7 @@ import aioexperts
 from aioexperts._compute import mla
 from aioexperts._compute.fused import dequantize
 from aioexperts._compute.rope import apply_rope, rope_cos_sin
-from aioexperts._errors import FormatError, UnsupportedTypeError
+from aioexperts._errors import UnsupportedTypeError
 from aioexperts._format.architectures import ARCHITECTURES, RopeType, model_hparams
 from aioexperts._format.mla import MLAHParams
 from aioexperts._format.model import GGUFModel, open_model
@@ -212,4 +212,3 @@ def test_split_kv_b_inverts_the_old_layout() -> None:
     assert kv_b.shape == hp.tensor_shapes(0)["blk.0.attn_kv_b.weight"]
     got_k, got_v = mla.split_kv_b(kv_b, hp)
     assert np.array_equal(got_k, k_b) and np.array_equal(got_v, v_b)
-
