@@ -122,8 +122,7 @@ async def test_bad_token_ids_are_refused_before_any_expert_read(anyio_backend: o
             await collect()
         assert not got  # the comprehension never finished
         gen = model.generate([1, 2, 3, 4, 5], max_tokens=10)
-        for _ in range(4):
-            got.append(await gen.__anext__())
+        got.extend([await gen.__anext__() for _ in range(4)])
         with pytest.raises(aioexperts.ContextLengthError):
             await gen.__anext__()
         assert len(got) == 4  # positions 5..7 took 3 fed tokens; the 4th would be the 9th position
