@@ -12,6 +12,7 @@ from conftest import rel_l2, shared_fixture_paths
 from gguf_rewrite import rewrite
 
 import aioexperts
+from aioexperts._model.kvcache import KVCache
 
 pytestmark = pytest.mark.anyio
 
@@ -179,6 +180,17 @@ async def test_two_concurrent_generations_and_a_cancelled_one(
         alone_a = [t async for t in model.generate(tokens, max_tokens=6)]
         alone_b = [t async for t in model.generate(other, max_tokens=6)]
         results: dict[str, list[int]] = {}
+        made: list[aioexperts.ModelSequence] = []
+        caches: list[KVCache] = []
+        plain_sequence = model.sequence
+
+        def recorded() -> aioexperts.ModelSequence:
+            made.append(plain_sequence())
+            assert made[-1]._cache is not None
+            caches.append(made[-1]._cache)
+            return made[-1]
+
+        model.sequence = recorded  # type: ignore[method-assign]
 
         async def gen(name: str, ids: list[int]) -> None:
             results[name] = [t async for t in model.generate(ids, max_tokens=6)]
@@ -194,6 +206,8 @@ async def test_two_concurrent_generations_and_a_cancelled_one(
             tg.start_soon(gen, "b", other)
             tg.start_soon(cancelled)
         assert results["a"] == alone_a and results["b"] == alone_b and results["cancelled"] == []
+        assert len(made) == 3 and all(seq.closed for seq in made)
+        assert all(cache.layers is None for cache in caches)  # the arrays are dropped, not just unlisted
         st = model.statistics()
         assert st.live_sequences == 0 and st.kv_bytes_in_use == 0
         assert [t async for t in model.generate(tokens, max_tokens=2)] == alone_a[:2]  # still usable
