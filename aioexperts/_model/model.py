@@ -212,6 +212,7 @@ class ModelSequence:
         self._cache: KVCache | None = cache
         self.tokens: list[int] = []
         self.unrun: list[int] = []
+        self._last_logits: np.ndarray | None = None  # of position n_past - 1
         self._lock = anyio.Lock()
 
     @property
@@ -241,6 +242,7 @@ class ModelSequence:
             raise InvalidRequestError("the sequence is closed")
         if n < self.n_past:
             self.unrun.clear()
+            self._last_logits = None
         del self.tokens[n:]
 
     def close(self) -> None:
@@ -291,6 +293,7 @@ class ModelSequence:
             logits = await self.model._forward(self._cache, self.n_past, run, all_logits=all_logits or not ids)
             self.tokens.extend(run)
             self.unrun = []
+            self._last_logits = logits[-1].copy()
             if not all_logits:
                 return logits[-1:]
             return logits[len(run) - len(ids) :] if ids else logits[-1:]
@@ -383,10 +386,14 @@ class Generation:
 
     async def _step(self, seq: ModelSequence) -> int | None:
         model = seq.model
-        if not self._pending and not seq.unrun:  # logits of the last cached position: run it again
-            self._pending = [seq.tokens[-1]]
-            seq.keep(seq.n_past - 1)
-        logits = (await seq.forward(self._pending, all_logits=False))[0]
+        if not self._pending and not seq.unrun and seq._last_logits is not None:
+            logits = seq._last_logits  # the last forward's, at the last cached position
+            seq._last_logits = None
+        else:
+            if not self._pending and not seq.unrun:  # logits of the last cached position: run it again
+                self._pending = [seq.tokens[-1]]
+                seq.keep(seq.n_past - 1)
+            logits = (await seq.forward(self._pending, all_logits=False))[0]
         t0 = time.perf_counter()
         if self._sampler is not None:
             token = self._sampler(logits, tuple(seq.tokens))
