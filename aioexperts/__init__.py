@@ -3,9 +3,10 @@
 Two objects: :func:`open` gives an :class:`ExpertStore` (files, slab, reads, cache;
 ``store.experts(layer, ids)``), and an :class:`MoERunner` runs MoE layers on top of it
 (``await runner.moe(layer, x)``). :func:`load` runs the whole model on top of both
-(``await model.logits(ids)``, ``model.generate(ids, max_tokens=...)``; docs/model.md). The public API is re-exported here; extension points live in
-:mod:`aioexperts.backends`, :mod:`aioexperts.policies` and :mod:`aioexperts.predictors`, test
-helpers in :mod:`aioexperts.testing`; the implementation lives in private modules.
+(``await model.logits(ids)``, ``model.generate(ids, max_tokens=...)``; docs/model.md).
+The public API is re-exported here; extension points live in :mod:`aioexperts.backends`,
+:mod:`aioexperts.policies` and :mod:`aioexperts.predictors`, test helpers in :mod:`aioexperts.testing`; the
+implementation lives in private modules.
 """
 
 from ._cache.pagecache import PageCacheStatistics as PageCacheStatistics

@@ -151,9 +151,7 @@ for _record in (
     # llama.cpp (the Mixtral branch, n_expert > 0): NORM pairs, n_rot == head size
     ArchitectureRecord("llama", _NORM, "llama.cpp", rot_equals_head=True),
     # olmoe.cpp: RMSNorm over the whole q and k projections, NEOX
-    ArchitectureRecord(
-        "olmoe", _NEOX, "olmoe.cpp", qk_norm="whole", qk_norm_required=True, rot_equals_head=True
-    ),
+    ArchitectureRecord("olmoe", _NEOX, "olmoe.cpp", qk_norm="whole", qk_norm_required=True, rot_equals_head=True),
     # granite.cpp (granitemoe): the four scalars, NORM
     ArchitectureRecord("granitemoe", _NORM, "granite.cpp", granite_scalars=True, rot_equals_head=True),
     # openai-moe.cpp (gpt-oss): biases, sinks, sliding window on every other layer (pattern 2), NEOX,
@@ -344,7 +342,9 @@ def model_hparams(model: GGUFModel) -> ModelHParams:
     if isinstance(sections, list | tuple | SkippedValue) and any(
         isinstance(s, int) and s > 0 for s in (sections if isinstance(sections, list | tuple) else [1])
     ):
-        raise UnsupportedTypeError(f"{md.key('rope.dimension_sections')}: M-RoPE (multimodal positions) is not supported")
+        raise UnsupportedTypeError(
+            f"{md.key('rope.dimension_sections')}: M-RoPE (multimodal positions) is not supported"
+        )
     norm_eps = md.float_("attention.layer_norm_rms_epsilon", -1.0)
     if norm_eps < 0:
         raise FormatError(f"missing required key {md.key('attention.layer_norm_rms_epsilon')}")

@@ -53,7 +53,9 @@ def rewrite(
             data = np.array(t.data)
             if patch and t.name in patch:
                 data = patch[t.name](data)
-            writer.add_tensor(t.name, data, raw_shape=list(reversed([int(d) for d in t.shape])), raw_dtype=t.tensor_type)
+            writer.add_tensor(
+                t.name, data, raw_shape=list(reversed([int(d) for d in t.shape])), raw_dtype=t.tensor_type
+            )
         for name, array in (add or {}).items():
             writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()
