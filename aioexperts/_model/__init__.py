@@ -18,8 +18,8 @@ How an architecture plugs in (the deepseek2 MLA block is added this way):
    float32 for norms, biases and 3-D tensors such as ``attn_k_b``), and the block implements
    ``cache_shapes() -> {name: per-position shape}`` and ``attention(x, cache, start) -> y``.
 3. **KV cache**: for each layer the model allocates ``(n_ctx, *shape)`` float32 for every entry
-   of ``cache_shapes()`` once per sequence (``aioexperts/_model/kvcache.py``); an MLA block returns
-   e.g. ``{"kv": (kv_lora_rank,), "k_pe": (n_rot,)}``. ``attention`` writes positions
+   of ``cache_shapes()`` once per sequence (``aioexperts/_model/kvcache.py``); the MLA block
+   (``aioexperts/_model/mla_block.py``) returns ``{"kv": (kv_lora_rank + n_rot,)}``. ``attention`` writes positions
    ``start..start+n-1`` and reads ``0..start+n-1``.
 
 The norms around the block (``attn_norm``, the record's ``ffn_norm``), the residual adds, the
