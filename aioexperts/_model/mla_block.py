@@ -18,7 +18,7 @@ import numpy as np
 
 from aioexperts._compute import mla
 from aioexperts._compute.rope import apply_rope, rope_cos_sin
-from aioexperts._errors import UnsupportedTypeError
+from aioexperts._errors import FormatError, UnsupportedTypeError
 from aioexperts._format.architectures import ModelHParams
 from aioexperts._format.mla import MLAHParams
 from aioexperts._model.blocks import register_block
@@ -39,7 +39,7 @@ class MLABlock:
 
     Raises:
         FormatError: a tensor of :meth:`MLAHParams.tensor_shapes` is missing or misshaped, a norm
-            holds NaN, an MLA key is missing or out of range.
+            (or an old file's ``attn_kv_b``) holds NaN, an MLA key is missing or out of range.
         UnsupportedTypeError: per-tensor ``*.scale`` tensors; ``attn_kv_b`` next to ``attn_k_b``.
     """
 
@@ -105,6 +105,8 @@ def _split_kv_b(
     kv_b = reader.matrix(name, (rows, cols))
     n, v, c = hp.nope_dims, hp.value_length, hp.kv_lora_rank
     k_b = np.stack([kv_b.rows(np.arange(h * (n + v), h * (n + v) + n)).T for h in range(hp.n_head)])
+    if not np.isfinite(k_b).all():
+        raise FormatError(f"{reader.model.path}: tensor {name!r} holds NaN or inf")
     reader.n_bytes += k_b.nbytes
     v_b: list[mla.Matmul] = []
     for h in range(hp.n_head):

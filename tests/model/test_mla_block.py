@@ -21,7 +21,7 @@ import aioexperts
 from aioexperts._compute import mla
 from aioexperts._compute.fused import dequantize
 from aioexperts._compute.rope import apply_rope, rope_cos_sin
-from aioexperts._errors import UnsupportedTypeError
+from aioexperts._errors import FormatError, UnsupportedTypeError
 from aioexperts._format.architectures import ARCHITECTURES, RopeType, model_hparams
 from aioexperts._format.mla import MLAHParams
 from aioexperts._format.model import GGUFModel, open_model
@@ -150,7 +150,7 @@ def test_block_refuses_what_it_does_not_compute(name: str, like: str) -> None:
 # old files with one attn_kv_b
 
 
-def _legacy_copy(src: Path, dst: Path) -> Path:
+def _legacy_copy(src: Path, dst: Path, *, nan_at: tuple[int, int] | None = None) -> Path:
     """``src`` as an old conversion writes it: one ``attn_kv_b`` per layer, no ``*_length_mla`` keys.
 
     attn_kv_b ``(H * (N + V), C)``: per head the no-RoPE key rows ``k_b[h].T`` then the value rows
@@ -167,6 +167,8 @@ def _legacy_copy(src: Path, dst: Path) -> Path:
             [np.concatenate([k_b[h].T, v_b[h]]) for h in range(k_b.shape[0])]
         )
         drop += [f"blk.{il}.attn_k_b.weight", f"blk.{il}.attn_v_b.weight"]
+    if nan_at is not None:
+        add["blk.0.attn_kv_b.weight"][nan_at] = np.nan
     u32 = gguf.GGUFValueType.UINT32
     return rewrite(
         src,
@@ -212,3 +214,10 @@ def test_split_kv_b_inverts_the_old_layout() -> None:
     assert kv_b.shape == hp.tensor_shapes(0)["blk.0.attn_kv_b.weight"]
     got_k, got_v = mla.split_kv_b(kv_b, hp)
     assert np.array_equal(got_k, k_b) and np.array_equal(got_v, v_b)
+
+
+def test_old_attn_kv_b_with_nan_in_the_key_part_is_refused(tmp_path: Path) -> None:
+    """The key rows are dequantized at load, so NaN there is refused then (rows 0..63 of head 0)."""
+    legacy = open_model(_legacy_copy(Path(_open("deepseek2-f32").path), tmp_path / "nan.gguf", nan_at=(5, 3)))
+    with pytest.raises(FormatError, match="NaN"):
+        MLABlock(model_hparams(legacy), TensorReader(legacy), 0)
