@@ -168,12 +168,14 @@ class MLAHParams:
         return hp
 
     def _check(self, md: _Meta) -> None:
+        suffix = "_mla" if self.split_kv_b else ""
+        key_key, value_key = f"attention.key_length{suffix}", f"attention.value_length{suffix}"
         positive = {
             "embedding_length": self.n_embd,
             "attention.head_count": self.n_head,
             "attention.kv_lora_rank": self.kv_lora_rank,
-            "attention.key_length_mla": self.key_length,
-            "attention.value_length_mla": self.value_length,
+            key_key: self.key_length,
+            value_key: self.value_length,
             "rope.dimension_count": self.rope_dims,
         }
         for name, value in positive.items():
@@ -184,7 +186,7 @@ class MLAHParams:
         if self.rope_dims % 2 or self.rope_dims >= self.key_length:
             raise FormatError(
                 f"{md.key('rope.dimension_count')} = {self.rope_dims} must be even and smaller than "
-                f"{md.key('attention.key_length_mla')} = {self.key_length} (deepseek2.cpp: n_embd_head_qk_nope >= 1)"
+                f"{md.key(key_key)} = {self.key_length} (deepseek2.cpp: n_embd_head_qk_nope >= 1)"
             )
         floats = (
             ("attention.layer_norm_rms_epsilon", self.rms_eps),
