@@ -255,13 +255,16 @@ async def test_nan_logits_raise_and_leave_the_model_usable(
         assert model.statistics().live_sequences == 0
 
 
-async def test_unsupported_architecture_is_refused_before_the_store_opens(anyio_backend: object) -> None:
+async def test_unsupported_architecture_is_refused_before_the_store_opens(
+    anyio_backend: object, tmp_path: Path
+) -> None:
     deepseek = next((p for p in shared_fixture_paths() if p.stem.startswith("deepseek2")), None)
     if deepseek is None:
         pytest.skip("shared fixtures not found")
-    model = load(deepseek)
+    # an MoE architecture the executor knows but the whole model has no record for (deepseek2 runs now)
+    model = load(rewrite(deepseek, tmp_path / "dots1.gguf", arch="dots1"))
     try:
-        with pytest.raises(aioexperts.UnsupportedTypeError, match="deepseek2"):
+        with pytest.raises(aioexperts.UnsupportedTypeError, match="dots1"):
             await model.start()
         assert model._store is None
     finally:
