@@ -183,7 +183,8 @@ async def main(args: argparse.Namespace) -> None:
     )
     print(f"cold I/O of one token's experts: {io_s * 1e3:.1f} ms; compute/IO = {ratio:.2f}  (target <= 0.5)")
     print(
-        f"prefill {prefill_rate:.1f} tok/s vs decode {decode_rate:.1f} tok/s: {prefill_rate / decode_rate:.1f}x  (target >= 5x)"
+        f"prefill {prefill_rate:.1f} tok/s vs decode {decode_rate:.1f} tok/s: "
+        f"{prefill_rate / decode_rate:.1f}x  (target >= 5x)"
     )
 
     slabs = []
@@ -256,14 +257,15 @@ def render(results: Path, doc: Path) -> None:
         f"| cold read of one token's experts (k per layer) | {s['cold_expert_io_ms']:.1f} ms | |",
         f"| compute / I/O | {s['compute_io_ratio']:.2f} | <= {s['compute_io_ratio_target']} |",
         f"| prefill ({p['prompt']} tokens) / decode rate | {s['prefill_tokens_per_second']:.1f} / "
-        f"{s['decode_tokens_per_second']:.1f} tok/s = {s['prefill_over_decode']:.1f}x | >= {s['prefill_over_decode_target']}x |",
+        f"{s['decode_tokens_per_second']:.1f} tok/s = {s['prefill_over_decode']:.1f}x "
+        f"| >= {s['prefill_over_decode_target']}x |",
     ]
-    for row in s["slabs"]:
-        lines.append(
-            f"| decode, slab {row['slab_fraction']:.0%} of the experts ({row['slots']} slots) | "
-            f"{row['tokens_per_second']:.2f} tok/s, hit rate {row['hit_rate']:.2f}, "
-            f"{row['bytes_read_per_token'] / 2**20:.1f} MiB/token | |"
-        )
+    lines.extend(
+        f"| decode, slab {row['slab_fraction']:.0%} of the experts ({row['slots']} slots) | "
+        f"{row['tokens_per_second']:.2f} tok/s, hit rate {row['hit_rate']:.2f}, "
+        f"{row['bytes_read_per_token'] / 2**20:.1f} MiB/token | |"
+        for row in s["slabs"]
+    )
     text = doc.read_text()
     start, end = "<!-- bench:model_speed -->", "<!-- /bench:model_speed -->"
     head, rest = text.split(start, 1)
