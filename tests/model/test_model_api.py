@@ -275,3 +275,23 @@ async def test_load_arguments_are_checked(anyio_backend: object) -> None:
     model = aioexperts.load("x.gguf")
     with pytest.raises(aioexperts.StoreClosedError, match="not started"):
         await model.logits([1])
+
+
+@needs_fixture
+async def test_embeddings_through_store_rows_and_n_ctx_from_the_budget(
+    forward: dict[str, np.ndarray], anyio_backend: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert QWEN3 is not None
+    tokens = forward["tokens"].tolist()
+    per_position = 3 * 2 * 2 * 64 * 4  # layers x (k, v) x KV heads x head size x float32
+    with caplog.at_level("INFO", logger="aioexperts"):
+        async with load(QWEN3, resident_embedding_bytes=0, memory_budget=40 * per_position) as model:
+            assert model.n_ctx == 40  # the file says 128; the budget allows 40
+            assert not model.statistics().embedding_resident
+            logits = await model.logits(tokens)
+            assert model.store.row_statistics() is not None  # the rows came through the store
+    assert rel_l2(logits, forward["logits"]) <= 3e-3
+    assert [r.getMessage() for r in caplog.records if "n_ctx = 40" in r.getMessage()]
+    with pytest.raises(aioexperts.ConfigError, match="memory_budget"):
+        async with load(QWEN3, n_ctx=64, memory_budget=40 * per_position):
+            pass
