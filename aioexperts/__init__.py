@@ -43,6 +43,7 @@ from ._format.model import TensorInfo as TensorInfo
 from ._format.model import open_model as open_model
 from ._format.views import ExpertView as ExpertView
 from ._format.views import ProjectionView as ProjectionView
+from ._model.model import Generation as Generation
 from ._model.model import Model as Model
 from ._model.model import ModelSequence as ModelSequence
 from ._model.model import ModelStatistics as ModelStatistics
@@ -102,6 +103,7 @@ __all__ = (
     "ExpertView",
     "FormatError",
     "GGUFModel",
+    "Generation",
     "IOOptions",
     "InvalidRequestError",
     "LayerStep",

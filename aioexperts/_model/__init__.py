@@ -30,6 +30,6 @@ The RoPE maths is :mod:`aioexperts._compute.rope` (``rope_cos_sin``, ``apply_rop
 """
 
 from aioexperts._model import mla_block as _mla_block  # registers the "mla" block (deepseek2)
-from aioexperts._model.model import Model, ModelSequence, ModelStatistics, load
+from aioexperts._model.model import Generation, Model, ModelSequence, ModelStatistics, load
 
-__all__ = ("Model", "ModelSequence", "ModelStatistics", "load")
+__all__ = ("Generation", "Model", "ModelSequence", "ModelStatistics", "load")

@@ -527,13 +527,13 @@ class Model:
                 for m in (layer.dense.gate, layer.dense.up, layer.dense.down)
             }
             await run_in_worker(fused.warmup, types)
+            self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
+            self._kv_per_position = cache_bytes_per_position(self._layer_shapes)
+            self._n_ctx = self._choose_n_ctx(hp)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await store.aclose()
             raise
-        self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
-        self._kv_per_position = cache_bytes_per_position(self._layer_shapes)
-        self._n_ctx = self._choose_n_ctx(hp)
         self._store, self._runner, self._weights, self._hparams = store, runner, weights, hp
         self._moe_layers = moe_layers
 

@@ -234,7 +234,6 @@ async def test_tied_output_head(broken: dict[str, Path], forward: dict[str, np.n
         ("no_embd", aioexperts.FormatError, "token_embd.weight"),
         ("vocab_only", aioexperts.FormatError, "no blocks|missing"),
         ("nan_norm", aioexperts.FormatError, "NaN"),
-        ("qwen3next", aioexperts.UnsupportedTypeError, "qwen3next"),
     ],
 )
 async def test_broken_files_are_refused_at_load(
@@ -255,16 +254,13 @@ async def test_nan_logits_raise_and_leave_the_model_usable(
         assert model.statistics().live_sequences == 0
 
 
+@needs_fixture
 async def test_unsupported_architecture_is_refused_before_the_store_opens(
-    anyio_backend: object, tmp_path: Path
+    broken: dict[str, Path], anyio_backend: object
 ) -> None:
-    deepseek = next((p for p in shared_fixture_paths() if p.stem.startswith("deepseek2")), None)
-    if deepseek is None:
-        pytest.skip("shared fixtures not found")
-    # an MoE architecture the executor knows but the whole model has no record for (deepseek2 runs now)
-    model = load(rewrite(deepseek, tmp_path / "dots1.gguf", arch="dots1"))
+    model = load(broken["qwen3next"])  # a MoE arch the store could open, without a whole-model record
     try:
-        with pytest.raises(aioexperts.UnsupportedTypeError, match="dots1"):
+        with pytest.raises(aioexperts.UnsupportedTypeError, match="qwen3next.*supported: "):
             await model.start()
         assert model._store is None
     finally:
@@ -278,3 +274,23 @@ async def test_load_arguments_are_checked(anyio_backend: object) -> None:
     model = aioexperts.load("x.gguf")
     with pytest.raises(aioexperts.StoreClosedError, match="not started"):
         await model.logits([1])
+
+
+@needs_fixture
+async def test_embeddings_through_store_rows_and_n_ctx_from_the_budget(
+    forward: dict[str, np.ndarray], anyio_backend: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert QWEN3 is not None
+    tokens = forward["tokens"].tolist()
+    per_position = 3 * 2 * 2 * 64 * 4  # layers x (k, v) x KV heads x head size x float32
+    with caplog.at_level("INFO", logger="aioexperts"):
+        async with load(QWEN3, resident_embedding_bytes=0, memory_budget=40 * per_position) as model:
+            assert model.n_ctx == 40  # the file says 128; the budget allows 40
+            assert not model.statistics().embedding_resident
+            logits = await model.logits(tokens)
+            assert model.store.row_statistics() is not None  # the rows came through the store
+    assert rel_l2(logits, forward["logits"]) <= 3e-3
+    assert [r.getMessage() for r in caplog.records if "n_ctx = 40" in r.getMessage()]
+    with pytest.raises(aioexperts.ConfigError, match="memory_budget"):
+        async with load(QWEN3, n_ctx=64, memory_budget=40 * per_position):
+            pass
