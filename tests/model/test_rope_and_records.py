@@ -84,9 +84,12 @@ def test_the_records_read_the_fixtures_as_the_readme_describes_them() -> None:
     hp = {name: model_hparams(aioexperts.open_model(FIXTURES[f"{name}-f32"])) for name in ARCHITECTURES}
     assert {a: h.rope.rope_type for a, h in hp.items()} == {
         "qwen3moe": RopeType.NEOX, "qwen2moe": RopeType.NEOX, "glm4moe": RopeType.NEOX, "llama": RopeType.NORM,
-        "olmoe": RopeType.NEOX, "granitemoe": RopeType.NORM, "gpt-oss": RopeType.NEOX,
+        "olmoe": RopeType.NEOX, "granitemoe": RopeType.NORM, "gpt-oss": RopeType.NEOX, "deepseek2": RopeType.NORM,
     }  # fmt: skip
-    assert all(h.n_layer == 3 and h.n_embd == 256 and h.n_head == 4 and h.head_k == 64 for h in hp.values())
+    assert all(h.n_layer == 3 and h.n_embd == 256 and h.n_head == 4 for h in hp.values())
+    assert all(h.head_k == 64 for a, h in hp.items() if a != "deepseek2")
+    d = hp["deepseek2"]  # MLA: key_length is latent + RoPE key (64 + 32), RoPE on 32 dims, one KV head
+    assert (d.head_k, d.head_v, d.rope.n_rot, d.n_head_kv, d.n_dense_lead) == (96, 64, 32, 1, 1)
     assert hp["olmoe"].n_head_kv == 4 and hp["qwen3moe"].n_head_kv == 2
     assert hp["gpt-oss"].swa_layers == (True, False, True) and hp["gpt-oss"].n_swa == 8
     assert hp["gpt-oss"].window(0) == 8 and hp["gpt-oss"].window(1) == 0
