@@ -44,7 +44,6 @@ __all__ = (
     "MLAWeights",
     "Matmul",
     "Rope",
-    "SCORE_BYTES",
     "absorb_query",
     "expand_values",
     "kq_scale",
@@ -64,9 +63,6 @@ Matmul = Callable[[np.ndarray], np.ndarray]
 HeadMatrices = np.ndarray | Sequence[Matmul]
 
 _F32 = np.float32
-
-#: bytes of float32 scores :func:`latent_attention` materialises at once (a long prefill runs in chunks)
-SCORE_BYTES = 64 << 20
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,7 +310,7 @@ def latent_attention(
     The queries are positions ``start .. start + T - 1``; the query at position ``p`` sees rows
     ``0 .. p``. llama-graph.cpp ``build_attn_mha`` with one KV head (MLA is MQA after absorption):
     ``Qcur = concat(q_nope_absorbed, q_pe)``, ``K`` = the rows, ``V`` = their first ``C`` floats.
-    Long batches run in chunks of queries so the scores never take more than :data:`SCORE_BYTES`.
+    A long batch runs in chunks of queries (:data:`aioexperts._compute.attention.SCORE_BYTES`).
 
     Args:
         q_latent: ``(T, H, C)`` float32 (:func:`absorb_query`).
@@ -336,13 +332,8 @@ def latent_attention(
             f"MLA attention: q_latent {q_latent.shape}, q_pe {q_pe.shape}, rows {rows.shape}, start {start} do not fit"
         )
     query = np.concatenate([q_latent, q_pe], axis=-1)
-    out = np.empty((t, h * c), dtype=_F32)
-    # queries in chunks so that the (H, chunk, n_kv) scores stay within SCORE_BYTES (rows are independent)
-    chunk = max(1, SCORE_BYTES // (4 * h * rows.shape[0]))
-    for i in range(0, t, chunk):
-        j = min(t, i + chunk)
-        keys = rows[: start + j, None, :]  # MQA: one KV head, whose first C floats are the value
-        out[i:j] = attend(query[i:j], keys, keys[..., :c], start + i, scale)
+    keys = rows[:, None, :]  # MQA: one KV head, whose first C floats are the value
+    out = attend(query, keys, keys[..., :c], start, scale)  # chunks a long prefill (attention.SCORE_BYTES)
     return out.reshape(t, h, c)
 
 
