@@ -2,11 +2,13 @@
 
 Two objects: :func:`open` gives an :class:`ExpertStore` (files, slab, reads, cache;
 ``store.experts(layer, ids)``), and an :class:`MoERunner` runs MoE layers on top of it
-(``await runner.moe(layer, x)``). The public API is re-exported here; extension points live in
-:mod:`aioexperts.backends`, :mod:`aioexperts.policies` and :mod:`aioexperts.predictors`, cache
-simulations over routing traces in :mod:`aioexperts.traces`, test helpers (synthetic GGUF models,
-a scriptable backend) in :mod:`aioexperts.testing`; the user commands in :mod:`aioexperts.cli`;
-the implementation lives in private modules.
+(``await runner.moe(layer, x)``). :func:`load` runs the whole model on top of both
+(``await model.logits(ids)``, ``model.generate(ids, max_tokens=...)``; docs/model.md).
+The public API is re-exported here; extension points live in :mod:`aioexperts.backends`,
+:mod:`aioexperts.policies` and :mod:`aioexperts.predictors`, cache simulations over routing traces in
+:mod:`aioexperts.traces`, test helpers (synthetic GGUF models, a scriptable backend) in
+:mod:`aioexperts.testing`; the user commands in :mod:`aioexperts.cli`; the implementation lives in
+private modules.
 """
 
 from ._cache.pagecache import PageCacheStatistics as PageCacheStatistics
@@ -15,12 +17,14 @@ from ._compute.fused import WarmupReport as WarmupReport
 from ._errors import AioExpertsError as AioExpertsError
 from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import ConfigError as ConfigError
+from ._errors import ContextLengthError as ContextLengthError
 from ._errors import EvictionPolicyError as EvictionPolicyError
 from ._errors import ExpertReadError as ExpertReadError
 from ._errors import FormatError as FormatError
 from ._errors import InvalidRequestError as InvalidRequestError
 from ._errors import LayoutError as LayoutError
 from ._errors import MissingShardError as MissingShardError
+from ._errors import NonFiniteError as NonFiniteError
 from ._errors import SlabExhaustedError as SlabExhaustedError
 from ._errors import SlotTimeoutError as SlotTimeoutError
 from ._errors import StaleMapError as StaleMapError
@@ -42,6 +46,11 @@ from ._format.model import TensorInfo as TensorInfo
 from ._format.model import open_model as open_model
 from ._format.views import ExpertView as ExpertView
 from ._format.views import ProjectionView as ProjectionView
+from ._model.model import Generation as Generation
+from ._model.model import Model as Model
+from ._model.model import ModelSequence as ModelSequence
+from ._model.model import ModelStatistics as ModelStatistics
+from ._model.model import load as load
 from ._options import CacheOptions as CacheOptions
 from ._options import IOOptions as IOOptions
 from ._options import PageCacheOptions as PageCacheOptions
@@ -89,6 +98,7 @@ __all__ = (
     "CacheOptions",
     "ComputeStep",
     "ConfigError",
+    "ContextLengthError",
     "StoreClosedError",
     "StoreStatistics",
     "EvictionPolicyError",
@@ -100,16 +110,21 @@ __all__ = (
     "ExpertView",
     "FormatError",
     "GGUFModel",
+    "Generation",
     "IOOptions",
     "InvalidRequestError",
     "LayerStep",
     "LayoutError",
     "MissingShardError",
+    "Model",
+    "ModelSequence",
+    "ModelStatistics",
     "MoEHParams",
     "MoELayer",
     "MoELayersResult",
     "MoEResult",
     "MoERunner",
+    "NonFiniteError",
     "PageCacheOptions",
     "PageCacheStatistics",
     "PrefetchOptions",
@@ -126,6 +141,7 @@ __all__ = (
     "WarmupReport",
     "build_layout",
     "check_map_matches_layout",
+    "load",
     "open",
     "open_model",
     "read_expert_map",

@@ -13,6 +13,7 @@ __all__ = (
     "AioExpertsError",
     "BackendUnavailableError",
     "ConfigError",
+    "ContextLengthError",
     "StoreClosedError",
     "EvictionPolicyError",
     "ExpertReadError",
@@ -20,6 +21,7 @@ __all__ = (
     "InvalidRequestError",
     "LayoutError",
     "MissingShardError",
+    "NonFiniteError",
     "SlabExhaustedError",
     "SlotTimeoutError",
     "StaleMapError",
@@ -65,6 +67,14 @@ class ConfigError(AioExpertsError, ValueError):
 
 class InvalidRequestError(AioExpertsError, ValueError):
     """A request names a layer or expert that the model does not have; the store stays usable."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """A prompt or a generation would pass the sequence's ``n_ctx`` positions; nothing was truncated."""
+
+
+class NonFiniteError(AioExpertsError, ArithmeticError):
+    """The forward pass produced NaN or inf (a broken model file, or activations beyond float32)."""
 
 
 class BackendUnavailableError(AioExpertsError):
