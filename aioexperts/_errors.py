@@ -25,7 +25,9 @@ __all__ = (
     "SlabExhaustedError",
     "SlotTimeoutError",
     "StaleMapError",
+    "TokenizerError",
     "UnsupportedTypeError",
+    "VocabularyError",
 )
 
 
@@ -110,4 +112,20 @@ class EvictionPolicyError(AioExpertsError):
     The policy's exception is attached as ``__cause__``. The cache stays consistent and usable:
     the request that gets this error holds no pins, and no slot is lost (an entry the policy may
     have lost track of is evicted by the cache itself when its slot is needed).
+    """
+
+
+class TokenizerError(AioExpertsError, ValueError):
+    """Text or token ids the tokenizer cannot take: empty text, text that is not UTF-8, an unknown token id.
+
+    Also the base of :class:`VocabularyError`.
+    """
+
+
+class VocabularyError(TokenizerError, FormatError):
+    """A GGUF's ``tokenizer.ggml.*`` keys describe a vocabulary the tokenizer cannot build.
+
+    An unknown ``tokenizer.ggml.model`` or ``tokenizer.ggml.pre`` (named in the message), a missing key,
+    arrays of mismatched lengths or wrong types, duplicate tokens, merges that name unknown tokens,
+    special-token ids out of range.
     """
