@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = (
     "AioExpertsError",
     "BackendUnavailableError",
+    "ChatTemplateError",
     "ConfigError",
     "StoreClosedError",
     "EvictionPolicyError",
@@ -101,3 +102,8 @@ class EvictionPolicyError(AioExpertsError):
     the request that gets this error holds no pins, and no slot is lost (an entry the policy may
     have lost track of is evicted by the cache itself when its slot is needed).
     """
+
+
+class ChatTemplateError(AioExpertsError, ValueError):
+    """A chat template does not compile or failed while rendering (its ``raise_exception`` message, a
+    sandbox refusal), or a model file has no chat template."""
