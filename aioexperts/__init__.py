@@ -12,6 +12,7 @@ from ._cache.stats import StoreStatistics as StoreStatistics
 from ._compute.fused import WarmupReport as WarmupReport
 from ._errors import AioExpertsError as AioExpertsError
 from ._errors import BackendUnavailableError as BackendUnavailableError
+from ._errors import ChatTemplateError as ChatTemplateError
 from ._errors import ConfigError as ConfigError
 from ._errors import EvictionPolicyError as EvictionPolicyError
 from ._errors import ExpertReadError as ExpertReadError
@@ -53,6 +54,7 @@ from ._runner import RouteStep as RouteStep
 from ._runner import RunnerStatistics as RunnerStatistics
 from ._store import ExpertStore as ExpertStore
 from ._store import open as open  # noqa: A004
+from ._text.chat import ChatTemplate as ChatTemplate
 
 __version__ = "0.2.0"
 
@@ -80,6 +82,8 @@ __all__ = (
     "BackendUnavailableError",
     "Bank",
     "CacheOptions",
+    "ChatTemplate",
+    "ChatTemplateError",
     "ComputeStep",
     "ConfigError",
     "StoreClosedError",

@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = (
     "AioExpertsError",
     "BackendUnavailableError",
+    "ChatTemplateError",
     "ConfigError",
     "ContextLengthError",
     "StoreClosedError",
@@ -129,3 +130,8 @@ class VocabularyError(TokenizerError, FormatError):
     arrays of mismatched lengths or wrong types, duplicate tokens, merges that name unknown tokens,
     special-token ids out of range.
     """
+
+
+class ChatTemplateError(AioExpertsError, ValueError):
+    """A chat template does not compile or failed while rendering (its ``raise_exception`` message, a
+    sandbox refusal), or a model file has no chat template."""
