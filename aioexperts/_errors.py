@@ -20,6 +20,7 @@ __all__ = (
     "InvalidRequestError",
     "LayoutError",
     "MissingShardError",
+    "OptionalDependencyError",
     "SlabExhaustedError",
     "SlotTimeoutError",
     "StaleMapError",
@@ -119,3 +120,7 @@ class VocabularyError(TokenizerError, FormatError):
     arrays of mismatched lengths or wrong types, duplicate tokens, merges that name unknown tokens,
     special-token ids out of range.
     """
+
+
+class OptionalDependencyError(AioExpertsError, ImportError):
+    """A feature needs an optional package that is not installed; the message names the extra to install."""
