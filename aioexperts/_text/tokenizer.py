@@ -726,18 +726,7 @@ def _build_bpe(vocab: Vocabulary, row: pretokenize.PreTokenizer, token_to_id: di
             "the tokenizer of a BPE vocabulary needs the optional 'tokenizers' package: pip install 'aioexperts[text]'"
         ) from None
     assert vocab.merges is not None
-    merges: list[tuple[str, str]] = []
-    for rank, merge in enumerate(vocab.merges):
-        cut = merge.find(" ", 1)  # as llama.cpp: the first space after the first character
-        if cut < 0:
-            raise VocabularyError(f"{vocab.path}: tokenizer.ggml.merges[{rank}] = {merge!r} has no space")
-        left, right = merge[:cut], merge[cut + 1 :]
-        for part in (left, right, left + right):
-            if part not in token_to_id:
-                raise VocabularyError(
-                    f"{vocab.path}: tokenizer.ggml.merges[{rank}] = {merge!r} names {part!r}, which is not a token"
-                )
-        merges.append((left, right))
+    merges = _split_merges(vocab, token_to_id)
     try:
         model = models.BPE(vocab=token_to_id, merges=merges, ignore_merges=row.ignore_merges, fuse_unk=False)
     except Exception as exc:  # the library's own check of the vocabulary
@@ -751,3 +740,29 @@ def _build_bpe(vocab: Vocabulary, row: pretokenize.PreTokenizer, token_to_id: di
         [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False, trim_offsets=False)]
     )
     return tok
+
+
+def _split_merges(vocab: Vocabulary, token_to_id: dict[str, int]) -> list[tuple[str, str]]:
+    """``"left right"`` -> ``(left, right)``, cut at the first space after the first character as llama.cpp does.
+
+    Every part and every result must be a token: ``tokenizers`` would panic (not raise) on a merge whose
+    result is not in the vocabulary, and llama.cpp would silently never apply it.
+    """
+    assert vocab.merges is not None
+    cuts = [m.find(" ", 1) for m in vocab.merges]
+    if -1 in cuts:
+        rank = cuts.index(-1)
+        raise VocabularyError(f"{vocab.path}: tokenizer.ggml.merges[{rank}] = {vocab.merges[rank]!r} has no space")
+    merges = [(m[:c], m[c + 1 :]) for m, c in zip(vocab.merges, cuts, strict=True)]
+    names = {a for a, _ in merges}
+    names.update(b for _, b in merges)
+    names.update(a + b for a, b in merges)
+    if not names.issubset(token_to_id.keys()):
+        for rank, (a, b) in enumerate(merges):
+            for part in (a, b, a + b):
+                if part not in token_to_id:
+                    raise VocabularyError(
+                        f"{vocab.path}: tokenizer.ggml.merges[{rank}] = {a + ' ' + b!r} names {part!r}, "
+                        "which is not a token"
+                    )
+    return merges
