@@ -20,11 +20,14 @@ from ._errors import FormatError as FormatError
 from ._errors import InvalidRequestError as InvalidRequestError
 from ._errors import LayoutError as LayoutError
 from ._errors import MissingShardError as MissingShardError
+from ._errors import OptionalDependencyError as OptionalDependencyError
 from ._errors import SlabExhaustedError as SlabExhaustedError
 from ._errors import SlotTimeoutError as SlotTimeoutError
 from ._errors import StaleMapError as StaleMapError
 from ._errors import StoreClosedError as StoreClosedError
+from ._errors import TokenizerError as TokenizerError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
+from ._errors import VocabularyError as VocabularyError
 from ._format.expert_map import ExpertMap as ExpertMap
 from ._format.expert_map import read_expert_map as read_expert_map
 from ._format.expert_map import write_expert_map as write_expert_map
@@ -55,6 +58,8 @@ from ._runner import RunnerStatistics as RunnerStatistics
 from ._store import ExpertStore as ExpertStore
 from ._store import open as open  # noqa: A004
 from ._text.chat import ChatTemplate as ChatTemplate
+from ._text.tokenizer import IncrementalDecoder as IncrementalDecoder
+from ._text.tokenizer import Tokenizer as Tokenizer
 
 __version__ = "0.2.0"
 
@@ -98,6 +103,7 @@ __all__ = (
     "FormatError",
     "GGUFModel",
     "IOOptions",
+    "IncrementalDecoder",
     "InvalidRequestError",
     "LayerStep",
     "LayoutError",
@@ -106,6 +112,7 @@ __all__ = (
     "MoELayer",
     "MoEResult",
     "MoERunner",
+    "OptionalDependencyError",
     "PageCacheOptions",
     "PageCacheStatistics",
     "PrefetchOptions",
@@ -119,7 +126,10 @@ __all__ = (
     "StaleMapError",
     "TensorInfo",
     "TokenResult",
+    "Tokenizer",
+    "TokenizerError",
     "UnsupportedTypeError",
+    "VocabularyError",
     "WarmupReport",
     "build_layout",
     "open",

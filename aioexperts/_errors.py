@@ -23,6 +23,9 @@ __all__ = (
     "LayoutError",
     "MissingShardError",
     "NonFiniteError",
+
+
+    "OptionalDependencyError",
     "SlabExhaustedError",
     "SlotTimeoutError",
     "StaleMapError",
@@ -135,3 +138,7 @@ class VocabularyError(TokenizerError, FormatError):
 class ChatTemplateError(AioExpertsError, ValueError):
     """A chat template does not compile or failed while rendering (its ``raise_exception`` message, a
     sandbox refusal), or a model file has no chat template."""
+
+
+class OptionalDependencyError(AioExpertsError, ImportError):
+    """A feature needs an optional package that is not installed; the message names the extra to install."""

@@ -235,7 +235,15 @@ _PRE_TABLE: dict[str, tuple[str, bool, bool, bool, bool]] = {
     **{
         name: ("LLAMA3", _T, _T, _T, _F)
         for name in (
-            "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
         )
     },
     "deepseek-llm": ("DEEPSEEK_LLM", _F, _F, _F, _F),
@@ -249,8 +257,20 @@ _PRE_TABLE: dict[str, tuple[str, bool, bool, bool, bool]] = {
     **{
         name: ("GPT2", _T, _F, _F, _F)
         for name in (
-            "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
-            "modern-bert", "exaone4", "jina-v1-en", "jina-v2-code", "roberta-bpe",
+            "gpt-2",
+            "phi-2",
+            "jina-es",
+            "jina-de",
+            "gigachat",
+            "jina-v2-es",
+            "jina-v2-de",
+            "a.x-4.0",
+            "mellum",
+            "modern-bert",
+            "exaone4",
+            "jina-v1-en",
+            "jina-v2-code",
+            "roberta-bpe",
         )
     },
     "jais-2": ("JAIS2", _T, _F, _F, _F),

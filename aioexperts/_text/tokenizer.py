@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .._errors import TokenizerError, VocabularyError
+from .._errors import OptionalDependencyError, TokenizerError, VocabularyError
 from . import pretokenize
 from .spm import spm_tokenize
 from .vocab import TokenAttr, TokenType, Vocabulary, read_vocabulary
@@ -45,26 +45,80 @@ _SUPPORTED_MODELS = ("gpt2", "llama")
 
 # token texts llama.cpp's load() recognises (in its order of candidates)
 _EOT_TEXTS = (
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>", "_<EOT>",
-    "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "<｜end▁of▁sentence｜>",
+    "<end_of_utterance>",
 )
 _EOM_TEXTS = ("<|eom_id|>",)
 _FIM_TEXTS = {
-    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
-                "<|code_prefix|>", "<|prefix|>"),
-    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
-                "<|code_suffix|>", "<|suffix|>"),
-    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
-                "<|code_middle|>", "<|middle|>"),
+    "fim_pre": (
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<｜fim▁begin｜>",
+        "<PRE>",
+        "▁<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
+    ),
+    "fim_suf": (
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<｜fim▁hole｜>",
+        "<SUF>",
+        "▁<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
+    ),
+    "fim_mid": (
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<｜fim▁end｜>",
+        "<MID>",
+        "▁<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
+    ),
     "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "fim_sep": ("<|file_sep|>",),
 }
-_EOG_TEXTS = frozenset((
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
-    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
-    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
-))
+_EOG_TEXTS = frozenset(
+    (
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "[EOS]",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "<｜end▁of▁sentence｜>",
+        "[e~[",
+    )
+)
 
 _cache: dict[tuple[str, int, int], Tokenizer] = {}
 _cache_lock = threading.Lock()
@@ -210,7 +264,8 @@ class Tokenizer:
                 message), a missing key, arrays of mismatched lengths, merges that name unknown tokens, a
                 special-token id out of range (also a ``FormatError`` and ``ValueError``).
             FormatError: the file is not a readable GGUF.
-            AioExpertsError: the optional ``tokenizers`` package is missing (``pip install 'aioexperts[text]'``).
+            OptionalDependencyError: a BPE vocabulary, and the optional ``tokenizers`` package is missing
+                (``pip install 'aioexperts[text]'``).
             OSError: the file cannot be read.
         """
         path = os.fspath(path)
@@ -228,15 +283,37 @@ class Tokenizer:
     def _initial_attrs(vocab: Vocabulary) -> list[int]:
         if vocab.types is None:
             return [_NORMAL] * len(vocab.tokens)
-        table = {int(t): int(a) for t, a in _type_attrs().items()}
-        return [table.get(t, 0) for t in vocab.types]
+        table = {
+            TokenType.UNKNOWN: _UNKNOWN,
+            TokenType.UNUSED: _UNUSED,
+            TokenType.NORMAL: _NORMAL,
+            TokenType.CONTROL: _CONTROL,
+            TokenType.USER_DEFINED: _USER_DEFINED,
+            TokenType.BYTE: _BYTE,
+        }
+        return [table.get(t, 0) for t in vocab.types]  # type: ignore[call-overload]
 
     def _special_ids(self, vocab: Vocabulary, n: int, row: pretokenize.PreTokenizer | None) -> dict[str, int | None]:
         # llama.cpp's defaults per model, then the keys
-        ids: dict[str, int | None] = {k: None for k in (
-            "bos", "eos", "eot", "eom", "unk", "sep", "pad", "mask",
-            "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep",
-        )}
+        ids: dict[str, int | None] = {
+            k: None
+            for k in (
+                "bos",
+                "eos",
+                "eot",
+                "eom",
+                "unk",
+                "sep",
+                "pad",
+                "mask",
+                "fim_pre",
+                "fim_suf",
+                "fim_mid",
+                "fim_pad",
+                "fim_rep",
+                "fim_sep",
+            )
+        }
         if self._is_spm:
             ids.update(bos=1, eos=2, unk=0)
         else:
@@ -246,8 +323,7 @@ class Tokenizer:
         for k, v in ids.items():
             if v is not None and v >= n:
                 ids[k] = None
-        for k, v in vocab.special_ids.items():
-            ids[k] = v
+        ids.update(vocab.special_ids)
         return ids
 
     def _detect_by_text(self, ids: dict[str, int | None], attrs: list[int]) -> set[int]:
@@ -266,37 +342,37 @@ class Tokenizer:
             ids["eot"] = find(_EOT_TEXTS)
         if ids["eom"] is None:
             ids["eom"] = find(_EOM_TEXTS)
-        for key, texts in _FIM_TEXTS.items():
+        for key, candidates in _FIM_TEXTS.items():
             if ids[key] is None:
-                ids[key] = find(texts)
-        for i, a in enumerate(attrs):
-            if a & _CONTROL and "unused" in self._tokens[i]:
-                attrs[i] = a | _UNUSED
-        eog = {ids[k] for k in ("fim_pad", "fim_rep", "fim_sep") if ids[k] is not None}
+                ids[key] = find(candidates)
+        for index, a in enumerate(attrs):
+            if a & _CONTROL and "unused" in self._tokens[index]:
+                attrs[index] = a | _UNUSED
+        eog = {j for k in ("fim_pad", "fim_rep", "fim_sep") if (j := ids[k]) is not None}
         for text in _EOG_TEXTS:
-            i = t2i.get(text)
-            if i is not None:
-                eog.add(i)
-                attrs[i] |= _CONTROL
-        for text in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):  # gpt-oss
-            i = t2i.get(text)
-            if i is not None:
-                attrs[i] = _USER_DEFINED
-        for k in ("eos", "eot", "eom"):
-            if ids[k] is not None:
-                eog.add(ids[k])  # type: ignore[arg-type]
-        texts = {self._tokens[i] for i in eog}
+            found = t2i.get(text)
+            if found is not None:
+                eog.add(found)
+                attrs[found] |= _CONTROL
+        for text in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):  # gpt-oss: always rendered
+            found = t2i.get(text)
+            if found is not None:
+                attrs[found] = _USER_DEFINED
+        eog.update(j for k in ("eos", "eot", "eom") if (j := ids[k]) is not None)
+        texts = {self._tokens[j] for j in eog}
+        # o200k_harmony and solar-open: "<|end|>" is not an end of generation there
         end = t2i.get("<|end|>")
-        if end in eog and (
-            ({"<|return|>", "<|end|>"} <= texts and ({"<|call|>", "<|calls|>"} & texts))
-            or {"<|calls|>", "<|flush|>", "<|end|>"} <= texts
-        ):
-            eog.discard(end)  # type: ignore[arg-type]
-            attrs[end] = _USER_DEFINED  # type: ignore[index]
+        if end is not None and end in eog:
+            harmony = "<|return|>" in texts and ("<|call|>" in texts or "<|calls|>" in texts)
+            solar = "<|calls|>" in texts and "<|flush|>" in texts
+            if harmony or solar:
+                eog.discard(end)
+                attrs[end] = _USER_DEFINED
+        # gemma4 and plamo: "</s>" is a normal token
         s_id = t2i.get("</s>")
-        if s_id in eog and ({"<|tool_response>", "<|plamo:eos|>"} & texts):
-            eog.discard(s_id)  # type: ignore[arg-type]
-            attrs[s_id] = _NORMAL  # type: ignore[index]
+        if s_id is not None and s_id in eog and ("<|tool_response>" in texts or "<|plamo:eos|>" in texts):
+            eog.discard(s_id)
+            attrs[s_id] = _NORMAL
         return eog
 
     def _set_model_attrs(self, vocab: Vocabulary, special: list[int], attrs: list[int]) -> None:
@@ -584,17 +660,6 @@ class IncrementalDecoder:
         return _clean_spaces(out) if self._tok._clean_spaces else out
 
 
-def _type_attrs() -> dict[TokenType, TokenAttr]:
-    return {
-        TokenType.UNKNOWN: _UNKNOWN,
-        TokenType.UNUSED: _UNUSED,
-        TokenType.NORMAL: _NORMAL,
-        TokenType.CONTROL: _CONTROL,
-        TokenType.USER_DEFINED: _USER_DEFINED,
-        TokenType.BYTE: _BYTE,
-    }
-
-
 _TOUCHY = frozenset(" '\0")
 
 
@@ -657,24 +722,11 @@ def _build_bpe(vocab: Vocabulary, row: pretokenize.PreTokenizer, token_to_id: di
         import tokenizers
         from tokenizers import models, pre_tokenizers
     except ImportError:
-        from .._errors import AioExpertsError
-
-        raise AioExpertsError(
+        raise OptionalDependencyError(
             "the tokenizer of a BPE vocabulary needs the optional 'tokenizers' package: pip install 'aioexperts[text]'"
         ) from None
     assert vocab.merges is not None
-    merges: list[tuple[str, str]] = []
-    for rank, merge in enumerate(vocab.merges):
-        cut = merge.find(" ", 1)  # as llama.cpp: the first space after the first character
-        if cut < 0:
-            raise VocabularyError(f"{vocab.path}: tokenizer.ggml.merges[{rank}] = {merge!r} has no space")
-        left, right = merge[:cut], merge[cut + 1 :]
-        for part in (left, right, left + right):
-            if part not in token_to_id:
-                raise VocabularyError(
-                    f"{vocab.path}: tokenizer.ggml.merges[{rank}] = {merge!r} names {part!r}, which is not a token"
-                )
-        merges.append((left, right))
+    merges = _split_merges(vocab, token_to_id)
     try:
         model = models.BPE(vocab=token_to_id, merges=merges, ignore_merges=row.ignore_merges, fuse_unk=False)
     except Exception as exc:  # the library's own check of the vocabulary
@@ -688,3 +740,29 @@ def _build_bpe(vocab: Vocabulary, row: pretokenize.PreTokenizer, token_to_id: di
         [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False, trim_offsets=False)]
     )
     return tok
+
+
+def _split_merges(vocab: Vocabulary, token_to_id: dict[str, int]) -> list[tuple[str, str]]:
+    """``"left right"`` -> ``(left, right)``, cut at the first space after the first character as llama.cpp does.
+
+    Every part and every result must be a token: ``tokenizers`` would panic (not raise) on a merge whose
+    result is not in the vocabulary, and llama.cpp would silently never apply it.
+    """
+    assert vocab.merges is not None
+    cuts = [m.find(" ", 1) for m in vocab.merges]
+    if -1 in cuts:
+        rank = cuts.index(-1)
+        raise VocabularyError(f"{vocab.path}: tokenizer.ggml.merges[{rank}] = {vocab.merges[rank]!r} has no space")
+    merges = [(m[:c], m[c + 1 :]) for m, c in zip(vocab.merges, cuts, strict=True)]
+    names = {a for a, _ in merges}
+    names.update(b for _, b in merges)
+    names.update(a + b for a, b in merges)
+    if not names.issubset(token_to_id.keys()):
+        for rank, (a, b) in enumerate(merges):
+            for part in (a, b, a + b):
+                if part not in token_to_id:
+                    raise VocabularyError(
+                        f"{vocab.path}: tokenizer.ggml.merges[{rank}] = {a + ' ' + b!r} names {part!r}, "
+                        "which is not a token"
+                    )
+    return merges

@@ -150,7 +150,8 @@ def read_vocabulary(path: str | os.PathLike[str]) -> Vocabulary:
         j = seen.setdefault(t, i)
         if j != i:
             raise VocabularyError(
-                f"{path}: tokenizer.ggml.tokens holds {t!r} twice (ids {j} and {i}); llama.cpp refuses such a vocabulary"
+                f"{path}: tokenizer.ggml.tokens holds {t!r} twice (ids {j} and {i}); "
+                "llama.cpp refuses such a vocabulary"
             )
 
     scores_raw = _array_key(
