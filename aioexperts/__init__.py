@@ -55,6 +55,10 @@ from ._runner import RunnerStatistics as RunnerStatistics
 from ._store import ExpertStore as ExpertStore
 from ._store import open as open  # noqa: A004
 from ._text.chat import ChatTemplate as ChatTemplate
+from ._text.sampling import SampledToken as SampledToken
+from ._text.sampling import Sampler as Sampler
+from ._text.sampling import SamplingOptions as SamplingOptions
+from ._text.sampling import StopMatcher as StopMatcher
 
 __version__ = "0.2.0"
 
@@ -113,10 +117,14 @@ __all__ = (
     "RouteStep",
     "RoutingTrace",
     "RunnerStatistics",
+    "SampledToken",
+    "Sampler",
+    "SamplingOptions",
     "Segment",
     "SlabExhaustedError",
     "SlotTimeoutError",
     "StaleMapError",
+    "StopMatcher",
     "TensorInfo",
     "TokenResult",
     "UnsupportedTypeError",
