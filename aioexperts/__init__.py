@@ -58,6 +58,10 @@ from ._runner import RunnerStatistics as RunnerStatistics
 from ._store import ExpertStore as ExpertStore
 from ._store import open as open  # noqa: A004
 from ._text.chat import ChatTemplate as ChatTemplate
+from ._text.sampling import SampledToken as SampledToken
+from ._text.sampling import Sampler as Sampler
+from ._text.sampling import SamplingOptions as SamplingOptions
+from ._text.sampling import StopMatcher as StopMatcher
 from ._text.tokenizer import IncrementalDecoder as IncrementalDecoder
 from ._text.tokenizer import Tokenizer as Tokenizer
 
@@ -120,10 +124,14 @@ __all__ = (
     "RouteStep",
     "RoutingTrace",
     "RunnerStatistics",
+    "SampledToken",
+    "Sampler",
+    "SamplingOptions",
     "Segment",
     "SlabExhaustedError",
     "SlotTimeoutError",
     "StaleMapError",
+    "StopMatcher",
     "TensorInfo",
     "TokenResult",
     "Tokenizer",
