@@ -2,7 +2,8 @@
 
 Two objects: :func:`open` gives an :class:`ExpertStore` (files, slab, reads, cache;
 ``store.experts(layer, ids)``), and an :class:`MoERunner` runs MoE layers on top of it
-(``await runner.moe(layer, x)``). The public API is re-exported here; extension points live in
+(``await runner.moe(layer, x)``). :func:`load` runs the whole model on top of both
+(``await model.logits(ids)``, ``model.generate(ids, max_tokens=...)``; docs/model.md). The public API is re-exported here; extension points live in
 :mod:`aioexperts.backends`, :mod:`aioexperts.policies` and :mod:`aioexperts.predictors`, test
 helpers in :mod:`aioexperts.testing`; the implementation lives in private modules.
 """
@@ -14,12 +15,14 @@ from ._errors import AioExpertsError as AioExpertsError
 from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import ChatTemplateError as ChatTemplateError
 from ._errors import ConfigError as ConfigError
+from ._errors import ContextLengthError as ContextLengthError
 from ._errors import EvictionPolicyError as EvictionPolicyError
 from ._errors import ExpertReadError as ExpertReadError
 from ._errors import FormatError as FormatError
 from ._errors import InvalidRequestError as InvalidRequestError
 from ._errors import LayoutError as LayoutError
 from ._errors import MissingShardError as MissingShardError
+from ._errors import NonFiniteError as NonFiniteError
 from ._errors import OptionalDependencyError as OptionalDependencyError
 from ._errors import SlabExhaustedError as SlabExhaustedError
 from ._errors import SlotTimeoutError as SlotTimeoutError
@@ -43,6 +46,10 @@ from ._format.model import TensorInfo as TensorInfo
 from ._format.model import open_model as open_model
 from ._format.views import ExpertView as ExpertView
 from ._format.views import ProjectionView as ProjectionView
+from ._model.model import Model as Model
+from ._model.model import ModelSequence as ModelSequence
+from ._model.model import ModelStatistics as ModelStatistics
+from ._model.model import load as load
 from ._options import CacheOptions as CacheOptions
 from ._options import IOOptions as IOOptions
 from ._options import PageCacheOptions as PageCacheOptions
@@ -95,6 +102,7 @@ __all__ = (
     "ChatTemplateError",
     "ComputeStep",
     "ConfigError",
+    "ContextLengthError",
     "StoreClosedError",
     "StoreStatistics",
     "EvictionPolicyError",
@@ -112,10 +120,14 @@ __all__ = (
     "LayerStep",
     "LayoutError",
     "MissingShardError",
+    "Model",
+    "ModelSequence",
+    "ModelStatistics",
     "MoEHParams",
     "MoELayer",
     "MoEResult",
     "MoERunner",
+    "NonFiniteError",
     "OptionalDependencyError",
     "PageCacheOptions",
     "PageCacheStatistics",
@@ -140,6 +152,7 @@ __all__ = (
     "VocabularyError",
     "WarmupReport",
     "build_layout",
+    "load",
     "open",
     "open_model",
     "read_expert_map",

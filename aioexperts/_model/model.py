@@ -845,7 +845,12 @@ class Model:
             )
             if layer.dense is None:
                 t0 = time.perf_counter()
-                f = await runner.moe(layer.index, ffn_in)
+                if capture is None:
+                    f = await runner.moe(layer.index, ffn_in)
+                else:
+                    result = await runner.moe_result(layer.index, ffn_in)
+                    f = result.ffn_out
+                    capture[f"topk-{layer.index}"] = result.ids
                 self._counters.moe_seconds += time.perf_counter() - t0
             else:
                 f = await run_in_worker(self._dense_ffn, layer, ffn_in)

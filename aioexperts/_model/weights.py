@@ -16,6 +16,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from aioexperts._compute import fused
+from aioexperts._compute.activations import round_activations
 from aioexperts._errors import FormatError
 from aioexperts._format.model import GGUFModel
 
@@ -49,8 +50,12 @@ class DenseMatrix:
         return self.n_bytes // self.shape[0]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        """``x @ W.T``: ``(n_tokens, cols)`` float32 -> new ``(n_tokens, rows)`` float32."""
-        return fused.linear(self.raw, self.ggml_type, self.shape, x)
+        """``x @ W.T``: ``(n_tokens, cols)`` float32 -> new ``(n_tokens, rows)`` float32.
+
+        ``x`` is first rounded as llama.cpp's CPU product rounds it for this type
+        (:func:`aioexperts._compute.activations.round_activations`).
+        """
+        return fused.linear(self.raw, self.ggml_type, self.shape, round_activations(x, self.ggml_type))
 
     def rows(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows ``ids`` dequantized: ``(len(ids), cols)`` float32 (token embeddings)."""
