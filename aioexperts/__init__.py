@@ -50,6 +50,10 @@ from ._model.model import Model as Model
 from ._model.model import ModelSequence as ModelSequence
 from ._model.model import ModelStatistics as ModelStatistics
 from ._model.model import load as load
+from ._model.text import ChatSession as ChatSession
+from ._model.text import Generation as Generation
+from ._model.text import GenerationStatistics as GenerationStatistics
+from ._model.text import TextStream as TextStream
 from ._options import CacheOptions as CacheOptions
 from ._options import IOOptions as IOOptions
 from ._options import PageCacheOptions as PageCacheOptions
@@ -100,6 +104,7 @@ __all__ = (
     "CacheOptions",
     "ChatTemplate",
     "ChatTemplateError",
+    "ChatSession",
     "ComputeStep",
     "ConfigError",
     "ContextLengthError",
@@ -113,6 +118,8 @@ __all__ = (
     "ExpertStore",
     "ExpertView",
     "FormatError",
+    "Generation",
+    "GenerationStatistics",
     "GGUFModel",
     "IOOptions",
     "IncrementalDecoder",
@@ -145,6 +152,7 @@ __all__ = (
     "StaleMapError",
     "StopMatcher",
     "TensorInfo",
+    "TextStream",
     "TokenResult",
     "Tokenizer",
     "TokenizerError",

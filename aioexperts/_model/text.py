@@ -28,9 +28,9 @@ from aioexperts._errors import ConfigError, ContextLengthError, InvalidRequestEr
 from aioexperts._pipeline import run_in_worker
 
 if TYPE_CHECKING:
-    from aioexperts._model.model import Model, ModelSequence
+    from aioexperts._model.model import Model, ModelSequence, Sampler
     from aioexperts._text.chat import ChatTemplate
-    from aioexperts._text.sampling import Sampler, SamplingOptions
+    from aioexperts._text.sampling import SamplingOptions
     from aioexperts._text.tokenizer import Tokenizer
 
 __all__ = (
@@ -205,13 +205,13 @@ def _eog_ids(model: Model, with_tokenizer: bool) -> frozenset[int]:
 
 
 def _make_sampler(options: SamplingOptions, sampler: Sampler | None) -> Any:
-    from aioexperts._text.sampling import Sampler
+    from aioexperts._text.sampling import Sampler as ChainSampler
 
     if sampler is not None:
         if not callable(sampler):
             raise ConfigError(f"sampler must be a callable (logits, history) -> int, got {sampler!r}")
         return sampler
-    return Sampler(options)
+    return ChainSampler(options)
 
 
 # -- the decode loop -------------------------------------------------------------------------------
