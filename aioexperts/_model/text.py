@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -103,7 +104,7 @@ class _Run(Generic[T]):
 
     def __init__(self, stats: list[GenerationStatistics]) -> None:
         self._stats = stats
-        self._agen: AsyncIterator[T] | None = None
+        self._agen: AsyncGenerator[T, None] | None = None
 
     @property
     def statistics(self) -> GenerationStatistics:
@@ -120,7 +121,7 @@ class _Run(Generic[T]):
     async def aclose(self) -> None:
         """Stop the generation and free what it holds (idempotent)."""
         assert self._agen is not None
-        await self._agen.aclose()  # type: ignore[attr-defined]
+        await self._agen.aclose()
 
     async def __aenter__(self) -> _Run[T]:
         return self
@@ -226,7 +227,7 @@ async def _decode_loop(
     eog: frozenset[int],
     stats: list[GenerationStatistics],
     started: float,
-) -> AsyncIterator[int]:
+) -> AsyncGenerator[int, None]:
     """Prefill ``new_ids`` at ``seq.n_past``, then yield sampled tokens (see the module docstring)."""
     n_vocab = model.n_vocab
     pending = new_ids
@@ -288,7 +289,7 @@ async def _ids(
     eog: frozenset[int],
     stats: list[GenerationStatistics],
     owns_sequence: bool,
-) -> AsyncIterator[int]:
+) -> AsyncGenerator[int, None]:
     started = time.perf_counter()
     stats[0] = GenerationStatistics(len(prompt), reused, len(prompt) - reused)
     stopper = None
@@ -298,16 +299,16 @@ async def _ids(
         stopper = StopMatcher(options.stop)
         decoder = model.tokenizer.decoder()
     try:
-        async for token in _decode_loop(
-            model, seq, prompt[reused:], sampler, options.max_tokens, eog, stats, started
-        ):
-            _first_token(stats, started)
-            yield token
-            if stopper is not None:
-                stopper.feed(decoder.feed(token))
-                if stopper.stopped:
-                    stats[0] = replace(stats[0], stop_reason="stop", stop_string=stopper.stop_string)
-                    return
+        tokens_of = _decode_loop(model, seq, prompt[reused:], sampler, options.max_tokens, eog, stats, started)
+        async with aclosing(tokens_of) as tokens:
+            async for token in tokens:
+                _first_token(stats, started)
+                yield token
+                if stopper is not None:
+                    stopper.feed(decoder.feed(token))
+                    if stopper.stopped:
+                        stats[0] = replace(stats[0], stop_reason="stop", stop_string=stopper.stop_string)
+                        return
     except BaseException as exc:
         _ended(stats, exc)
         raise
@@ -327,7 +328,7 @@ async def _text(
     stats: list[GenerationStatistics],
     owns_sequence: bool,
     out: TextStream,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     from aioexperts._text.sampling import StopMatcher
 
     started = time.perf_counter()
@@ -336,19 +337,19 @@ async def _text(
     stopper = StopMatcher(options.stop) if options.stop else None
     eog = _eog_ids(model, True)
     try:
-        async for token in _decode_loop(
-            model, seq, prompt[reused:], sampler, options.max_tokens, eog, stats, started
-        ):
-            out.token_ids.append(token)
-            piece = decoder.feed(token)
-            if stopper is not None:
-                piece = stopper.feed(piece)
-            if piece:
-                _first_token(stats, started)
-                yield piece
-            if stopper is not None and stopper.stopped:
-                stats[0] = replace(stats[0], stop_reason="stop", stop_string=stopper.stop_string)
-                return
+        tokens_of = _decode_loop(model, seq, prompt[reused:], sampler, options.max_tokens, eog, stats, started)
+        async with aclosing(tokens_of) as tokens:
+            async for token in tokens:
+                out.token_ids.append(token)
+                piece = decoder.feed(token)
+                if stopper is not None:
+                    piece = stopper.feed(piece)
+                if piece:
+                    _first_token(stats, started)
+                    yield piece
+                if stopper is not None and stopper.stopped:
+                    stats[0] = replace(stats[0], stop_reason="stop", stop_string=stopper.stop_string)
+                    return
         tail = decoder.flush()
         if stopper is not None:
             tail = stopper.feed(tail)
@@ -542,7 +543,7 @@ class ChatSession:
         smp: Any,
         messages: list[dict[str, Any]],
         out: TextStream,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         seq = self._seq
         if seq is None:
             raise InvalidRequestError("the chat session is closed")
@@ -555,9 +556,10 @@ class ChatSession:
         seq.keep(reused)
         pieces: list[str] = []
         try:
-            async for piece in _text(self.model, seq, reused, ids, opts, smp, self._stats, False, out):
-                pieces.append(piece)
-                yield piece
+            async with aclosing(_text(self.model, seq, reused, ids, opts, smp, self._stats, False, out)) as inner:
+                async for piece in inner:
+                    pieces.append(piece)
+                    yield piece
         finally:
             self._busy = False
         self.messages = [*messages, {"role": "assistant", "content": "".join(pieces)}]
