@@ -193,10 +193,15 @@ async def test_bad_sampling_options_are_config_errors(tiny_full_model: Path) -> 
                 chat.send("hi", no_such_field=1)
 
 
-async def test_chat_reuses_the_cached_prefix_and_matches_a_fresh_prefill(tiny_full_model: Path) -> None:
+@pytest.mark.parametrize("first_reply", ["greedy", "byte tokens"])
+async def test_chat_reuses_the_cached_prefix_and_matches_a_fresh_prefill(tiny_full_model: Path, first_reply: str) -> None:
+    """With byte tokens the first reply re-tokenizes differently, so the cache is cut back (keep)."""
     async with load(tiny_full_model) as model:
         async with model.chat("You are terse.", options=aioexperts.SamplingOptions(temperature=0, max_tokens=6)) as chat:
-            first = "".join([p async for p in chat.send("Hello there")])
+            tok = model.tokenizer
+            assert tok.eos_id is not None
+            sampler = Script(byte_ids(tok, "Hello world"), tok.eos_id) if first_reply == "byte tokens" else None
+            first = "".join([p async for p in chat.send("Hello there", sampler=sampler, max_tokens=20)])
             s1 = chat.statistics()
             held = list(chat._seq.tokens)  # type: ignore[union-attr]
             stream = chat.send("And again?")
@@ -208,6 +213,8 @@ async def test_chat_reuses_the_cached_prefix_and_matches_a_fresh_prefill(tiny_fu
         assert isinstance(prompt2, list) and s2.prompt_tokens == len(prompt2)
         common = next(i for i, (a, b) in enumerate(zip([*held, -1], prompt2, strict=False)) if a != b)
         assert s2.reused_tokens == common > s1.prompt_tokens // 2
+        if first_reply == "byte tokens":
+            assert first == "Hello world" and common < len(held)  # the cache held tokens the new prompt lacks
         assert s2.prefilled_tokens == s2.prompt_tokens - s2.reused_tokens
         # the reply after the partial prefill is the reply to the whole prompt on a fresh sequence
         fresh = [t async for t in model.generate(prompt2, max_tokens=6)]
