@@ -194,10 +194,13 @@ async def test_bad_sampling_options_are_config_errors(tiny_full_model: Path) -> 
 
 
 @pytest.mark.parametrize("first_reply", ["greedy", "byte tokens"])
-async def test_chat_reuses_the_cached_prefix_and_matches_a_fresh_prefill(tiny_full_model: Path, first_reply: str) -> None:
+async def test_chat_reuses_the_cached_prefix_and_matches_a_fresh_prefill(
+    tiny_full_model: Path, first_reply: str
+) -> None:
     """With byte tokens the first reply re-tokenizes differently, so the cache is cut back (keep)."""
     async with load(tiny_full_model) as model:
-        async with model.chat("You are terse.", options=aioexperts.SamplingOptions(temperature=0, max_tokens=6)) as chat:
+        greedy6 = aioexperts.SamplingOptions(temperature=0, max_tokens=6)
+        async with model.chat("You are terse.", options=greedy6) as chat:
             tok = model.tokenizer
             assert tok.eos_id is not None
             sampler = Script(byte_ids(tok, "Hello world"), tok.eos_id) if first_reply == "byte tokens" else None
