@@ -300,8 +300,9 @@ async def _generate(model: aioexperts.Model, args: argparse.Namespace, prompt: s
     if not args.chat:
         assert prompt is not None
         turn = _Turn(None)
+        stream = model.stream(prompt, options=options)  # bad prompts raise here, before a turn is counted
         report.turns.append(turn)
-        async with model.stream(prompt, options=options) as stream:
+        async with stream:
             await _emit(stream, turn, args)
         return
     async with model.chat(args.system, options=options) as session:
@@ -319,8 +320,9 @@ async def _generate(model: aioexperts.Model, args: argparse.Namespace, prompt: s
                 if not user.strip():
                     continue
             turn = _Turn(user)
+            stream = session.send(user)
             report.turns.append(turn)
-            async with session.send(user) as stream:
+            async with stream:
                 await _emit(stream, turn, args)
             s = turn.stats
             if not args.json:
