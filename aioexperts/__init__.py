@@ -3,9 +3,10 @@
 Two objects: :func:`open` gives an :class:`ExpertStore` (files, slab, reads, cache;
 ``store.experts(layer, ids)``), and an :class:`MoERunner` runs MoE layers on top of it
 (``await runner.moe(layer, x)``). :func:`load` runs the whole model on top of both
-(``await model.logits(ids)``, ``model.generate(ids, max_tokens=...)``; docs/model.md). The public API is re-exported here; extension points live in
-:mod:`aioexperts.backends`, :mod:`aioexperts.policies` and :mod:`aioexperts.predictors`, test
-helpers in :mod:`aioexperts.testing`; the implementation lives in private modules.
+(``await model.logits(ids)``, ``model.generate(ids, max_tokens=...)``; docs/model.md).
+The public API is re-exported here; extension points live in :mod:`aioexperts.backends`,
+:mod:`aioexperts.policies` and :mod:`aioexperts.predictors`, test helpers in :mod:`aioexperts.testing`; the
+implementation lives in private modules.
 """
 
 from ._cache.pagecache import PageCacheStatistics as PageCacheStatistics
@@ -46,14 +47,15 @@ from ._format.model import TensorInfo as TensorInfo
 from ._format.model import open_model as open_model
 from ._format.views import ExpertView as ExpertView
 from ._format.views import ProjectionView as ProjectionView
+from ._model.model import Generation as Generation
 from ._model.model import Model as Model
 from ._model.model import ModelSequence as ModelSequence
 from ._model.model import ModelStatistics as ModelStatistics
 from ._model.model import load as load
 from ._model.text import ChatSession as ChatSession
-from ._model.text import Generation as Generation
 from ._model.text import GenerationStatistics as GenerationStatistics
 from ._model.text import TextStream as TextStream
+from ._model.text import TokenStream as TokenStream
 from ._options import CacheOptions as CacheOptions
 from ._options import IOOptions as IOOptions
 from ._options import PageCacheOptions as PageCacheOptions
@@ -118,9 +120,9 @@ __all__ = (
     "ExpertStore",
     "ExpertView",
     "FormatError",
-    "Generation",
     "GenerationStatistics",
     "GGUFModel",
+    "Generation",
     "IOOptions",
     "IncrementalDecoder",
     "InvalidRequestError",
@@ -153,6 +155,7 @@ __all__ = (
     "StopMatcher",
     "TensorInfo",
     "TextStream",
+    "TokenStream",
     "TokenResult",
     "Tokenizer",
     "TokenizerError",

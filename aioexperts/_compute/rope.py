@@ -20,7 +20,9 @@ from aioexperts._format.architectures import RopeParams, RopeType
 __all__ = ("apply_rope", "rope_cos_sin", "yarn_corr_dims")
 
 
-def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float) -> tuple[float, float]:
+def yarn_corr_dims(
+    n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float
+) -> tuple[float, float]:
     """YaRN's ``(low, high)`` correction dims (ggml.c ``ggml_rope_yarn_corr_dims``)."""
 
     def corr_dim(n_rot: float) -> float:

@@ -108,6 +108,9 @@ class ArchitectureRecord:
         dense_lead: the leading ``leading_dense_block_count`` blocks run a dense SwiGLU FFN.
         rot_equals_head: ``rope.dimension_count`` must equal the head size (llama-model.cpp checks it
             for ``llama``; the qwen3moe/olmoe/granite graphs assert it).
+        rope_freqs: the graph passes ``model.get_rope_factors`` to ``ggml_rope_ext``, so a
+            ``rope_freqs.weight`` tensor divides each pair's frequency (llama.cpp, granite.cpp);
+            elsewhere such a tensor is ignored, as llama.cpp ignores it.
         block: name of the block implementation in :mod:`aioexperts._model.blocks` (``"gqa"``).
         status: ``"golden"`` when checked against a llama.cpp ``forward.npz``.
     """
@@ -123,6 +126,7 @@ class ArchitectureRecord:
     sinks: bool = False
     dense_lead: bool = False
     rot_equals_head: bool = False
+    rope_freqs: bool = False
     block: str = "gqa"
     status: str = "golden"
 
@@ -149,13 +153,13 @@ for _record in (
         "glm4moe", _NEOX, "glm4-moe.cpp", ffn_norm="post_attention_norm", qk_norm="head", dense_lead=True
     ),
     # llama.cpp (the Mixtral branch, n_expert > 0): NORM pairs, n_rot == head size
-    ArchitectureRecord("llama", _NORM, "llama.cpp", rot_equals_head=True),
+    ArchitectureRecord("llama", _NORM, "llama.cpp", rot_equals_head=True, rope_freqs=True),
     # olmoe.cpp: RMSNorm over the whole q and k projections, NEOX
-    ArchitectureRecord(
-        "olmoe", _NEOX, "olmoe.cpp", qk_norm="whole", qk_norm_required=True, rot_equals_head=True
-    ),
+    ArchitectureRecord("olmoe", _NEOX, "olmoe.cpp", qk_norm="whole", qk_norm_required=True, rot_equals_head=True),
     # granite.cpp (granitemoe): the four scalars, NORM
-    ArchitectureRecord("granitemoe", _NORM, "granite.cpp", granite_scalars=True, rot_equals_head=True),
+    ArchitectureRecord(
+        "granitemoe", _NORM, "granite.cpp", granite_scalars=True, rot_equals_head=True, rope_freqs=True
+    ),
     # openai-moe.cpp (gpt-oss): biases, sinks, sliding window on every other layer (pattern 2), NEOX,
     # post_attention_norm feeds the MoE
     ArchitectureRecord(
@@ -341,7 +345,9 @@ def model_hparams(model: GGUFModel) -> ModelHParams:
     if isinstance(sections, list | tuple | SkippedValue) and any(
         isinstance(s, int) and s > 0 for s in (sections if isinstance(sections, list | tuple) else [1])
     ):
-        raise UnsupportedTypeError(f"{md.key('rope.dimension_sections')}: M-RoPE (multimodal positions) is not supported")
+        raise UnsupportedTypeError(
+            f"{md.key('rope.dimension_sections')}: M-RoPE (multimodal positions) is not supported"
+        )
     norm_eps = md.float_("attention.layer_norm_rms_epsilon", -1.0)
     if norm_eps < 0:
         raise FormatError(f"missing required key {md.key('attention.layer_norm_rms_epsilon')}")

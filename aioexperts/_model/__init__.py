@@ -29,6 +29,6 @@ The RoPE maths is :mod:`aioexperts._compute.rope` (``rope_cos_sin``, ``apply_rop
 :mod:`aioexperts._compute.attention` (``attend``), RMSNorm :mod:`aioexperts._compute.norms`.
 """
 
-from aioexperts._model.model import Model, ModelSequence, ModelStatistics, load
+from aioexperts._model.model import Generation, Model, ModelSequence, ModelStatistics, load
 
-__all__ = ("Model", "ModelSequence", "ModelStatistics", "load")
+__all__ = ("Generation", "Model", "ModelSequence", "ModelStatistics", "load")

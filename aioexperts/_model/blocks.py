@@ -88,9 +88,9 @@ class GQABlock:
                 self.k_norm = reader.optional_array(p + "attn_k_norm.weight", k_shape)
         self.sinks = reader.array(p + "attn_sinks.weight", (nh,)) if rec.sinks else None
         self.rope = hp.rope_for(layer)
-        # llama.cpp get_rope_factors: the layer's rope_freqs, else the model's (llama 3 style)
-        self.freq_factors = reader.optional_array(p + "rope_freqs.weight", (self.rope.n_rot // 2,))
-        if self.freq_factors is None:
+        # llama-model.cpp get_rope_factors: rope_freqs.weight (llama 3 style), where the graph passes it
+        self.freq_factors = None
+        if rec.rope_freqs:
             self.freq_factors = reader.optional_array("rope_freqs.weight", (self.rope.n_rot // 2,))
         # kq_scale: granite's attention.scale, else 1/sqrt(head); openai-moe.cpp uses 1/sqrt(n_rot)
         if hp.attention_scale:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from aioexperts._text.sampling import SamplingOptions
     from aioexperts._text.tokenizer import Tokenizer
 
-__all__ = ("DEFAULT_MEMORY_BUDGET", "Model", "ModelSequence", "ModelStatistics", "Sampler", "load")
+__all__ = ("DEFAULT_MEMORY_BUDGET", "Generation", "Model", "ModelSequence", "ModelStatistics", "Sampler", "load")
 
 log = logging.getLogger("aioexperts")
 
@@ -167,7 +167,9 @@ def _load_weights(model: GGUFModel, hp: ModelHParams, moe_layers: frozenset[int]
         output = embedding
     factory = BLOCKS.get(hp.record.block)
     if factory is None:
-        raise UnsupportedTypeError(f"architecture {hp.arch!r}: its attention block {hp.record.block!r} is not implemented")
+        raise UnsupportedTypeError(
+            f"architecture {hp.arch!r}: its attention block {hp.record.block!r} is not implemented"
+        )
     layers = []
     for il in range(hp.n_layer):
         p = f"blk.{il}."
@@ -206,13 +208,17 @@ class ModelSequence:
 
     Attributes:
         model: the model.
-        tokens: the token ids of positions ``0..n_past-1``.
+        tokens: the token ids of positions ``0..n_past-1`` (in the KV cache).
+        unrun: tokens a :meth:`generate` yielded last that are not in the cache yet; the next
+            :meth:`forward` or :meth:`generate` runs them first.
     """
 
     def __init__(self, model: Model, cache: KVCache) -> None:
         self.model = model
         self._cache: KVCache | None = cache
         self.tokens: list[int] = []
+        self.unrun: list[int] = []
+        self._last_logits: np.ndarray | None = None  # of position n_past - 1
         self._lock = anyio.Lock()
 
     @property
@@ -240,6 +246,9 @@ class ModelSequence:
             raise InvalidRequestError(f"keep(n) needs 0 <= n <= n_past={self.n_past}, got {n!r}")
         if self._cache is None:
             raise InvalidRequestError("the sequence is closed")
+        if n < self.n_past:
+            self.unrun.clear()
+            self._last_logits = None
         del self.tokens[n:]
 
     def close(self) -> None:
@@ -258,12 +267,14 @@ class ModelSequence:
     async def forward(self, token_ids: Sequence[int], *, all_logits: bool = True) -> np.ndarray:
         """Run ``token_ids`` at the next positions (one batch), add them to the cache, return logits.
 
+        Tokens in :attr:`unrun` run first (their logits are not returned).
+
         Args:
-            token_ids: one or more ids in ``0..n_vocab-1``.
+            token_ids: ids in ``0..n_vocab-1`` (one at least, unless :attr:`unrun` has some).
             all_logits: logits of every new position; False: of the last one only.
 
         Returns:
-            float32 ``(n_tokens, n_vocab)`` (``(1, n_vocab)`` when not ``all_logits``).
+            float32 ``(len(token_ids), n_vocab)`` (``(1, n_vocab)`` when not ``all_logits``).
 
         Raises:
             InvalidRequestError: empty input, an id out of range or not an int, the sequence closed.
@@ -275,20 +286,25 @@ class ModelSequence:
             The positions of a cancelled call are not added (``n_past`` is unchanged); the
             sequence stays usable.
         """
-        ids = self.model._check_ids(token_ids)
+        ids = self.model._check_ids(token_ids, allow_empty=bool(self.unrun))
         async with self._lock:
             if self._cache is None:
                 raise InvalidRequestError("the sequence is closed")
-            if self.n_past + len(ids) > self.n_ctx:
+            run = self.unrun + ids
+            if self.n_past + len(run) > self.n_ctx:
                 raise ContextLengthError(
-                    f"{len(ids)} new tokens after {self.n_past} would pass n_ctx={self.n_ctx} positions "
+                    f"{len(run)} new tokens after {self.n_past} would pass n_ctx={self.n_ctx} positions "
                     "(load the model with a larger n_ctx, or keep() a shorter prefix)"
                 )
-            logits = await self.model._forward(self._cache, self.n_past, ids, all_logits=all_logits)
-            self.tokens.extend(ids)
-            return logits
+            logits = await self.model._forward(self._cache, self.n_past, run, all_logits=all_logits or not ids)
+            self.tokens.extend(run)
+            self.unrun = []
+            self._last_logits = logits[-1].copy()
+            if not all_logits:
+                return logits[-1:]
+            return logits[len(run) - len(ids) :] if ids else logits[-1:]
 
-    async def generate(
+    def generate(
         self,
         token_ids: Sequence[int],
         *,
@@ -296,56 +312,135 @@ class ModelSequence:
         temperature: float = 0.0,
         sampler: Sampler | None = None,
         seed: int | None = None,
-    ) -> AsyncIterator[int]:
+    ) -> Generation:
         """Feed ``token_ids`` (may be empty when ``n_past > 0``), then yield new tokens one at a time.
 
         Greedy (the first largest logit) at ``temperature == 0`` without a sampler; at
-        ``temperature > 0`` without a sampler, a draw from ``softmax(logits / temperature)``. Stops
-        after ``max_tokens`` tokens or at an end-of-generation id (``tokenizer.ggml.eos/eot/eom_token_id``),
-        which is not yielded. Every yielded token is in the cache only once the next one is asked
-        for (the last yielded token is appended to :attr:`tokens` without being run).
+        ``temperature > 0`` without a sampler, a draw from ``softmax(logits / temperature)`` with a
+        ``numpy`` generator seeded by ``seed``. Stops after ``max_tokens`` tokens or at an
+        end-of-generation id (``tokenizer.ggml.eos/eot/eom_token_id``), which is not yielded. The
+        last yielded token is kept in :attr:`unrun`, not run yet: the next :meth:`forward` or
+        ``generate([])`` runs it first.
+
+        Returns:
+            A :class:`Generation` (``async for token in ...``; also an async context manager).
 
         Raises:
-            InvalidRequestError: bad arguments or ids, a sampler returning something that is not a
-                token id.
-            ContextLengthError: the prompt, or the generation, would pass ``n_ctx``.
-            As :meth:`forward`.
+            InvalidRequestError: bad arguments or ids (here); a sampler returning something that
+                is not a token id (while iterating).
+            ContextLengthError: while iterating, when the prompt or the next token would pass ``n_ctx``.
+            As :meth:`forward`, while iterating.
         """
+        return Generation(self, token_ids, max_tokens, temperature, sampler, seed, owns_sequence=False)
+
+
+class Generation:
+    """New token ids, one per ``await anext()`` (from :meth:`Model.generate` / :meth:`ModelSequence.generate`).
+
+    An async iterator of ``int``; as an async context manager (or with :meth:`aclose`) it ends
+    early. A generation made by :meth:`Model.generate` owns its sequence and frees the KV cache
+    when it ends: exhausted, failed, cancelled inside a step, closed, or dropped.
+    """
+
+    def __init__(
+        self,
+        seq: ModelSequence,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        temperature: float,
+        sampler: Sampler | None,
+        seed: int | None,
+        *,
+        owns_sequence: bool,
+    ) -> None:
+        self._seq: ModelSequence | None = None
+        self._owns = False
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
-        if not isinstance(temperature, int | float) or not temperature >= 0 or not np.isfinite(temperature):
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature < np.inf:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {temperature!r}")
         if sampler is not None and not callable(sampler):
             raise InvalidRequestError(f"sampler must be a callable (logits, history) -> int, got {sampler!r}")
-        model = self.model
-        pending = list(token_ids)
-        if not pending and self.n_past == 0:
+        pending = seq.model._check_ids(token_ids, allow_empty=True)
+        if not pending and seq.n_past == 0 and not seq.unrun:
             raise InvalidRequestError("generate needs at least one token id")
-        if not pending:  # continue after the last token: run it again from its own position
-            pending = [self.tokens[-1]]
-            self.keep(self.n_past - 1)
-        rng = np.random.default_rng(seed)
-        for _ in range(max_tokens):
-            logits = (await self.forward(pending, all_logits=False))[0]
-            t0 = time.perf_counter()
-            if sampler is not None:
-                token = sampler(logits, tuple(self.tokens))
-                if isinstance(token, np.integer):
-                    token = int(token)
-                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < model.n_vocab:
-                    raise InvalidRequestError(f"the sampler returned {token!r}, not a token id in 0..{model.n_vocab - 1}")
-            elif temperature == 0:
-                token = int(np.argmax(logits))
-            else:
-                z = logits.astype(np.float64) / temperature
-                pr = np.exp(z - z.max())
-                token = int(rng.choice(len(pr), p=pr / pr.sum()))
-            model._counters.sampling_seconds += time.perf_counter() - t0
-            if token in model.hparams.eog_ids:
-                return
-            yield token
-            pending = [token]
-        # the last token is not run; a later generate() call with no ids starts from it
+        self._seq = seq
+        self._owns = owns_sequence
+        self._pending = pending
+        self._left = max_tokens
+        self._temperature = float(temperature)
+        self._sampler = sampler
+        self._rng = np.random.default_rng(seed)
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> int:
+        seq = self._seq
+        if seq is None or self._left <= 0:
+            self._finish()
+            raise StopAsyncIteration
+        try:
+            token = await self._step(seq)
+        except BaseException:
+            self._finish()
+            raise
+        if token is None:
+            self._finish()
+            raise StopAsyncIteration
+        return token
+
+    async def _step(self, seq: ModelSequence) -> int | None:
+        model = seq.model
+        if not self._pending and not seq.unrun and seq._last_logits is not None:
+            logits = seq._last_logits  # the last forward's, at the last cached position
+            seq._last_logits = None
+        else:
+            if not self._pending and not seq.unrun:  # logits of the last cached position: run it again
+                self._pending = [seq.tokens[-1]]
+                seq.keep(seq.n_past - 1)
+            logits = (await seq.forward(self._pending, all_logits=False))[0]
+        t0 = time.perf_counter()
+        if self._sampler is not None:
+            token = self._sampler(logits, tuple(seq.tokens))
+            if isinstance(token, np.integer):
+                token = int(token)
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < model.n_vocab:
+                raise InvalidRequestError(f"the sampler returned {token!r}, not a token id in 0..{model.n_vocab - 1}")
+        elif self._temperature == 0:
+            token = int(np.argmax(logits))
+        else:
+            z = logits.astype(np.float64) / self._temperature
+            pr = np.exp(z - z.max())
+            token = int(self._rng.choice(len(pr), p=pr / pr.sum()))
+        model._counters.sampling_seconds += time.perf_counter() - t0
+        if token in model.hparams.eog_ids:
+            return None
+        self._left -= 1
+        self._pending = [token]
+        if self._left == 0:  # the last token is not run; the sequence's next call runs it first
+            if not self._owns:
+                seq.unrun.append(token)
+            self._pending = []
+        return token
+
+    def _finish(self) -> None:
+        seq, self._seq = self._seq, None
+        if seq is not None and self._owns:
+            seq.close()
+
+    async def aclose(self) -> None:
+        """End the generation now (frees the KV cache of a generation that owns its sequence)."""
+        self._finish()
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._finish()
+
+    def __del__(self) -> None:
+        self._finish()
 
 
 class Model:
@@ -433,15 +528,20 @@ class Model:
                 for m in vars(layer.block).values()
                 if isinstance(m, DenseMatrix)
             }
-            types |= {m.ggml_type for layer in weights.layers if layer.dense for m in (layer.dense.gate, layer.dense.up, layer.dense.down)}
+            types |= {
+                m.ggml_type
+                for layer in weights.layers
+                if layer.dense
+                for m in (layer.dense.gate, layer.dense.up, layer.dense.down)
+            }
             await run_in_worker(fused.warmup, types)
+            self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
+            self._kv_per_position = cache_bytes_per_position(self._layer_shapes)
+            self._n_ctx = self._choose_n_ctx(hp)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await store.aclose()
             raise
-        self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
-        self._kv_per_position = cache_bytes_per_position(self._layer_shapes)
-        self._n_ctx = self._choose_n_ctx(hp)
         self._store, self._runner, self._weights, self._hparams = store, runner, weights, hp
         self._moe_layers = moe_layers
 
@@ -618,54 +718,72 @@ class Model:
         *,
         max_tokens: int | None = None,
         temperature: float | None = None,
+        sampler: Sampler | None = None,
+        seed: int | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
         min_p: float | None = None,
-        seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         options: SamplingOptions | None = None,
-        sampler: Sampler | None = None,
         add_special: bool = True,
         parse_special: bool = False,
-    ) -> _text.Generation:
-        """New token ids after ``prompt`` on a fresh sequence (freed at the end, or when closed).
+    ) -> Generation | _text.TokenStream:
+        """New token ids after ``prompt`` on a fresh sequence, freed when the generation ends.
 
-        ``async for token in model.generate("Hello", max_tokens=16): ...``
+        ``async for token in model.generate(ids, max_tokens=16):`` or ``model.generate("Hello", max_tokens=16)``.
 
-        Args:
-            prompt: text (tokenized with the model's tokenizer; ``add_special`` adds the
-                vocabulary's BOS, ``parse_special`` turns ``<|...|>`` texts into their control
-                tokens) or token ids.
-            max_tokens, temperature, top_k, top_p, min_p, seed, stop: fields of
-                :class:`SamplingOptions` (defaults: llama.cpp's, except ``temperature=0``, greedy);
-                or ``options`` with all of them.
-            sampler: ``(logits, history) -> id`` instead of the sampler of the options.
+        Two paths:
 
-        Returns:
-            A :class:`~aioexperts._model.text.Generation` (an async iterator of ints with
-            ``statistics``). It stops after ``max_tokens``, at an end-of-generation id (not
-            yielded), after the token that completes a stop string (the ids are not held back:
-            :meth:`stream` leaves the stop string out), or when the KV cache is full.
+        - token ids with only ``max_tokens`` / ``temperature`` / ``sampler`` / ``seed``: a
+          :class:`Generation` (see :meth:`ModelSequence.generate`: greedy, or a draw from
+          ``softmax(logits / temperature)``; ``max_tokens`` defaults to 256).
+        - a text prompt, or any of ``top_k``, ``top_p``, ``min_p``, ``stop``, ``options``: llama.cpp's
+          sampler chain (:class:`SamplingOptions`; greedy unless ``temperature`` is given) through
+          :mod:`aioexperts._model.text`, giving a :class:`~aioexperts._model.text.TokenStream`
+          (``statistics``; it ends at a stop string, after the token that completes it, and when
+          the KV cache is full, with ``stop_reason == "n_ctx"``). Text is tokenized with the model's
+          tokenizer (``add_special``: the vocabulary's BOS; ``parse_special``: ``<|...|>`` texts
+          become their control tokens); the tokenizer's end-of-generation ids also stop it.
 
         Raises:
-            InvalidRequestError: an empty prompt, an id out of range, a sampler returning a non-id.
-            ContextLengthError: the prompt is longer than :attr:`n_ctx` (never truncated).
+            InvalidRequestError: an empty prompt, an id out of range, bad arguments of the ids path.
+            ContextLengthError: the prompt is longer than :attr:`n_ctx` (never truncated); on the
+                ids path also while iterating, when the next token would pass ``n_ctx``.
             ConfigError: a bad sampling option, or both ``options`` and single fields.
             TokenizerError, OptionalDependencyError: from the tokenizer (text prompts).
             As :meth:`ModelSequence.forward`, while iterating.
         """
-        return _text.open_generation(
-            self,
-            prompt,
-            options=options,
-            sampler=sampler,
-            add_special=add_special,
-            parse_special=parse_special,
-            sampling={
-                "max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-                "min_p": min_p, "seed": seed, "stop": stop,
-            },
-        )
+        chain = isinstance(prompt, str) or any(v is not None for v in (top_k, top_p, min_p, stop, options))
+        if chain:
+            return _text.open_generation(
+                self,
+                prompt,
+                options=options,
+                sampler=sampler,
+                add_special=add_special,
+                parse_special=parse_special,
+                sampling={
+                    "max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                    "min_p": min_p, "seed": seed, "stop": stop,
+                },
+            )
+        assert not isinstance(prompt, str)
+        ids = self._check_ids(prompt)
+        _text.check_fits(self, len(ids))
+        seq = self.sequence()
+        try:
+            return Generation(
+                seq,
+                ids,
+                _text.DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+                0.0 if temperature is None else temperature,
+                sampler,
+                seed,
+                owns_sequence=True,
+            )
+        except BaseException:
+            seq.close()
+            raise
 
     def stream(
         self,
@@ -742,7 +860,7 @@ class Model:
 
     # -- the forward pass -----------------------------------------------------------------------
 
-    def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
+    def _check_ids(self, token_ids: Sequence[int], *, allow_empty: bool = False) -> list[int]:
         hp = self._started()[3]
         if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence | np.ndarray):
             raise InvalidRequestError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
@@ -755,7 +873,7 @@ class Model:
             if not 0 <= t < hp.n_vocab:
                 raise InvalidRequestError(f"token id {t} is out of range 0..{hp.n_vocab - 1}")
             ids.append(t)
-        if not ids:
+        if not ids and not allow_empty:
             raise InvalidRequestError("token_ids is empty: the forward pass needs at least one token")
         return ids
 

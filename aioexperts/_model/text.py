@@ -35,15 +35,20 @@ if TYPE_CHECKING:
     from aioexperts._text.tokenizer import Tokenizer
 
 __all__ = (
+    "DEFAULT_MAX_TOKENS",
     "PREFILL_BATCH",
     "ChatSession",
-    "Generation",
     "GenerationStatistics",
     "TextStream",
+    "TokenStream",
+    "check_fits",
     "chat_prompt_ids",
     "open_generation",
     "open_stream",
 )
+
+DEFAULT_MAX_TOKENS = 256
+"""``max_tokens`` when none is given (``SamplingOptions``' default)."""
 
 PREFILL_BATCH = 512
 """Prompt tokens run in one forward batch (llama.cpp's default ``n_ubatch``)."""
@@ -130,8 +135,8 @@ class _Run(Generic[T]):
         await self.aclose()
 
 
-class Generation(_Run[int]):
-    """Token ids as they are generated (from :meth:`Model.generate`): ``async for token in ...``.
+class TokenStream(_Run[int]):
+    """Token ids as they are sampled (from :meth:`Model.generate` with a text prompt or sampling options).
 
     ``statistics`` gives a :class:`GenerationStatistics` (live, final at the end). Leaving the loop
     early frees the sequence when the iterator is closed: use ``async with model.generate(...) as
@@ -144,7 +149,7 @@ class TextStream(_Run[str]):
 
     The concatenated pieces equal ``tokenizer.decode`` of the generated ids (no piece ends inside a
     UTF-8 character), minus a stop string and whatever followed it. ``statistics`` as for
-    :class:`Generation`; ``token_ids`` holds the ids generated so far.
+    :class:`TokenStream`; ``token_ids`` holds the ids generated so far.
     """
 
     def __init__(self, stats: list[GenerationStatistics]) -> None:
@@ -185,11 +190,11 @@ def _prompt_ids(model: Model, prompt: str | Sequence[int], *, add_special: bool,
     else:
         ids = list(prompt) if not isinstance(prompt, np.ndarray) else prompt.tolist()
     ids = model._check_ids(ids)
-    _check_fits(model, len(ids))
+    check_fits(model, len(ids))
     return ids
 
 
-def _check_fits(model: Model, n_prompt: int) -> None:
+def check_fits(model: Model, n_prompt: int) -> None:
     if n_prompt > model.n_ctx:
         raise ContextLengthError(
             f"the prompt is {n_prompt} tokens, more than n_ctx={model.n_ctx} positions: it is not truncated "
@@ -378,14 +383,14 @@ def open_generation(
     add_special: bool,
     parse_special: bool,
     sampling: Mapping[str, Any],
-) -> Generation:
+) -> TokenStream:
     """:meth:`Model.generate`'s body (arguments checked here, before the first ``await``)."""
     opts = _options(options, sampling)
     ids = _prompt_ids(model, prompt, add_special=add_special, parse_special=parse_special)
     smp = _make_sampler(opts, sampler)
     eog = _eog_ids(model, isinstance(prompt, str) or bool(opts.stop))
     stats = [GenerationStatistics()]
-    gen = Generation(stats)
+    gen = TokenStream(stats)
     seq = model.sequence()
     gen._agen = _ids(model, seq, 0, ids, opts, smp, eog, stats, True)
     return gen
@@ -531,7 +536,7 @@ class ChatSession:
         messages = [*self.messages, {"role": "user", "content": content}]
         text = self.template.render(messages, add_generation_prompt=True, tools=self.tools)
         ids = self.model._check_ids(chat_prompt_ids(self.model.tokenizer, self.template, text))
-        _check_fits(self.model, len(ids))
+        check_fits(self.model, len(ids))
         out = TextStream(self._stats)
         out._agen = self._turn(ids, opts, smp, messages, out)
         return out

@@ -80,7 +80,9 @@ class TensorReader:
         """Whether the model has tensor ``name``."""
         return name in self.model.tensors
 
-    def _checked(self, name: str, shape: tuple[int, ...] | None) -> tuple[np.ndarray, GGMLQuantizationType, tuple[int, ...]]:
+    def _checked(
+        self, name: str, shape: tuple[int, ...] | None
+    ) -> tuple[np.ndarray, GGMLQuantizationType, tuple[int, ...]]:
         info = self.model.tensor(name)  # FormatError when missing
         if shape is not None and info.shape != tuple(shape):
             raise FormatError(f"{self.model.path}: tensor {name!r} has shape {info.shape}, expected {tuple(shape)}")

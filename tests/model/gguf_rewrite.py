@@ -49,7 +49,9 @@ def rewrite(
             data = np.array(t.data)
             if patch and t.name in patch:
                 data = patch[t.name](data)
-            writer.add_tensor(t.name, data, raw_shape=list(reversed([int(d) for d in t.shape])), raw_dtype=t.tensor_type)
+            writer.add_tensor(
+                t.name, data, raw_shape=list(reversed([int(d) for d in t.shape])), raw_dtype=t.tensor_type
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

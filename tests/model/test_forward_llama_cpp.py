@@ -56,7 +56,11 @@ def params() -> list[Any]:
     for p in FORWARD:
         marks = []
         if arch_of(p) in UNSUPPORTED_YET:
-            marks.append(pytest.mark.xfail(raises=aioexperts.UnsupportedTypeError, strict=True, reason="deepseek2 MLA: attn helper"))
+            marks.append(
+                pytest.mark.xfail(
+                    raises=aioexperts.UnsupportedTypeError, strict=True, reason="deepseek2 MLA: attn helper"
+                )
+            )
         out.append(pytest.param(p, marks=marks, id=p.stem))
     return out
 
