@@ -18,6 +18,7 @@ does with its added tokens). The token attributes (which tokens are control, end
 from __future__ import annotations
 
 import codecs
+import operator
 import os
 import threading
 from collections.abc import Iterable, Sequence
@@ -424,13 +425,15 @@ class Tokenizer:
         return token_id in self.eog_ids
 
     def _check_id(self, token_id: int) -> int:
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < len(self._tokens):
+        if type(token_id) is not int:  # numpy integers pass through operator.index, bools and floats do not
+            if isinstance(token_id, bool):
+                raise TokenizerError(f"token id {token_id!r} is a bool, not an integer")
             try:
-                token_id = int(token_id)  # numpy integers
-            except (TypeError, ValueError):
+                token_id = operator.index(token_id)
+            except TypeError:
                 raise TokenizerError(f"token id {token_id!r} is not an integer") from None
-            if not 0 <= token_id < len(self._tokens):
-                raise TokenizerError(f"token id {token_id} is not in the vocabulary (0..{len(self._tokens) - 1})")
+        if not 0 <= token_id < len(self._tokens):
+            raise TokenizerError(f"token id {token_id} is not in the vocabulary (0..{len(self._tokens) - 1})")
         return token_id
 
     # --- encode -------------------------------------------------------------------------------------
@@ -478,10 +481,10 @@ class Tokenizer:
                 out.extend(spm_tokenize(frag.replace(" ", "▁"), self._token_to_id, self._scores, self._byte_token))
                 prev_special = False
         else:
-            raw = [f for f in fragments if isinstance(f, str)]
-            encoded = iter(self._backend.encode_batch(raw, add_special_tokens=False)) if raw else iter(())
+            # one fragment at a time: encode_batch would fan out over every core (rayon)
+            encode = self._backend.encode
             for frag in fragments:
-                out.extend([frag] if isinstance(frag, int) else next(encoded).ids)
+                out.extend([frag] if isinstance(frag, int) else encode(frag, add_special_tokens=False).ids)
         if add_special and self.add_eos:
             assert self.eos_id is not None
             out.append(self.eos_id)
@@ -639,7 +642,7 @@ class IncrementalDecoder:
         Raises:
             TokenizerError: an id is not in the vocabulary.
         """
-        seq = [ids] if isinstance(ids, int) else list(ids)
+        seq = list(ids) if isinstance(ids, Iterable) else [ids]
         raw = self._tok._raw_bytes(seq, self._skip, first=self._first)
         if seq:
             self._first = False
