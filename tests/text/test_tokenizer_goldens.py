@@ -12,11 +12,10 @@ import json
 from pathlib import Path
 
 import pytest
+from vocab_testkit import read_cases, vocab_dir, vocab_params
 
 from aioexperts import Tokenizer
 from aioexperts._text.tokenizer import _clean_spaces
-
-from vocab_testkit import read_cases, vocab_dir, vocab_params
 
 
 @pytest.mark.parametrize("path", vocab_params())

@@ -95,7 +95,7 @@ def bpe_kv(**overrides: object) -> dict[str, object]:
 
 
 def spm_kv(**overrides: object) -> dict[str, object]:
-    """A tiny SentencePiece vocabulary: ``<unk>``, ``<s>``, ``</s>``, 256 byte tokens, ``▁``, ``a``, ``b``, ``▁a``, ``ab``."""
+    """A tiny SentencePiece vocabulary: ``<unk>``, ``<s>``, ``</s>``, 256 byte tokens, then ``▁ a b ▁a ab``."""
     pieces = ["▁", "a", "b", "▁a", "ab"]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
