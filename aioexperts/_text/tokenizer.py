@@ -20,6 +20,7 @@ from __future__ import annotations
 import codecs
 import operator
 import os
+import re
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -42,7 +43,8 @@ _LSTRIP = int(TokenAttr.LSTRIP)
 _RSTRIP = int(TokenAttr.RSTRIP)
 _SPECIAL_ATTRS = _CONTROL | _UNKNOWN
 _C_SPACE = frozenset(" \t\n\v\f\r")  # C isspace() in the "C" locale
-_SUPPORTED_MODELS = ("gpt2", "llama")
+_SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")
+_NEWLINE_RUNS = re.compile(r"[^\n]+|\n+")
 
 # token texts llama.cpp's load() recognises (in its order of candidates)
 _EOT_TEXTS = (
@@ -179,7 +181,7 @@ class Tokenizer:
         """Use :meth:`from_gguf`; this builds from already read keys."""
         self.path = vocab.path
         self.model = vocab.model
-        self.pre = vocab.pre or ""
+        self.pre = "gemma4" if vocab.model == "gemma4" else (vocab.pre or "")  # as llama.cpp's load()
         self.chat_template = vocab.chat_template
         self._tokens = vocab.tokens
         self._token_to_id = {t: i for i, t in enumerate(vocab.tokens)}
@@ -202,7 +204,7 @@ class Tokenizer:
                     f"{vocab.path}: tokenizer.ggml.pre {self.pre!r} is not supported: "
                     f"{pretokenize.UNSUPPORTED_PRE[self.pre]}"
                 )
-            row = pretokenize.lookup_pre(vocab.pre)
+            row = pretokenize.lookup_pre(self.pre or None)
             if row is None:
                 raise VocabularyError(
                     f"{vocab.path}: unknown pre-tokenizer tokenizer.ggml.pre={self.pre!r} "
@@ -218,6 +220,10 @@ class Tokenizer:
         attrs = self._initial_attrs(vocab)
         ids = self._special_ids(vocab, n, row)
         self.add_bos = vocab.flags.get("add_bos_token", add_bos)
+        if row is not None and row.type == "GEMMA4":
+            self.add_bos = True  # llama.cpp overrides the key for Gemma 4
+        self._escape_whitespaces = row is not None and not row.byte_encode
+        self._gemma_newlines = row is not None and row.type == "GEMMA4"
         self.add_eos = vocab.flags.get("add_eos_token", False)
         self.add_space_prefix = add_space_prefix
         eog = self._detect_by_text(ids, attrs)
@@ -484,10 +490,29 @@ class Tokenizer:
             # one fragment at a time: encode_batch would fan out over every core (rayon)
             encode = self._backend.encode
             for frag in fragments:
-                out.extend([frag] if isinstance(frag, int) else encode(frag, add_special_tokens=False).ids)
+                if isinstance(frag, int):
+                    out.append(frag)
+                elif self._escape_whitespaces:
+                    out.extend(self._encode_raw_utf8(frag.replace(" ", "▁")))
+                else:
+                    out.extend(encode(frag, add_special_tokens=False).ids)
         if add_special and self.add_eos:
             assert self.eos_id is not None
             out.append(self.eos_id)
+        return out
+
+    def _encode_raw_utf8(self, text: str) -> list[int]:
+        """SPM-style BPE (gemma4, sarvam-moe): newline runs split off, then BPE on the characters.
+
+        A run of newlines that is itself a token stays one token (gemma4, llama.cpp PR 21343).
+        """
+        out: list[int] = []
+        for match in _NEWLINE_RUNS.finditer(text):
+            word = match.group()
+            if self._gemma_newlines and word[0] == "\n" and (tok := self._token_to_id.get(word)) is not None:
+                out.append(tok)
+            else:
+                out.extend(self._backend.encode(word, add_special_tokens=False).ids)
         return out
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
@@ -559,7 +584,7 @@ class Tokenizer:
         if attr & (_SPECIAL_ATTRS | _USER_DEFINED):
             return text.encode("utf-8")
         if attr & _NORMAL:
-            if self._is_spm:
+            if self._is_spm or self._escape_whitespaces:
                 return text.replace("▁", " ").encode("utf-8")
             out = bytearray()
             for ch in text:
@@ -731,10 +756,18 @@ def _build_bpe(vocab: Vocabulary, row: pretokenize.PreTokenizer, token_to_id: di
     assert vocab.merges is not None
     merges = _split_merges(vocab, token_to_id)
     try:
-        model = models.BPE(vocab=token_to_id, merges=merges, ignore_merges=row.ignore_merges, fuse_unk=False)
+        model = models.BPE(
+            vocab=token_to_id,
+            merges=merges,
+            ignore_merges=row.ignore_merges,
+            fuse_unk=False,
+            byte_fallback=not row.byte_encode,  # <0xXX> tokens for what no token covers
+        )
     except Exception as exc:  # the library's own check of the vocabulary
         raise VocabularyError(f"{vocab.path}: the BPE vocabulary does not build: {exc}") from exc
     tok = tokenizers.Tokenizer(model)
+    if not row.byte_encode:  # raw UTF-8: the caller splits off newline runs; no pre-tokenizer
+        return tok
     splits = [
         pre_tokenizers.Split(tokenizers.Regex(pretokenize.onig_pattern(r)), behavior="isolated", invert=False)
         for r in row.regexes
