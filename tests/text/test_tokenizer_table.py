@@ -27,7 +27,7 @@ def test_every_pre_tokenizer_splits_without_losing_text(pre: str) -> None:
     ]
     pieces = [p for p, _ in tokenizers.pre_tokenizers.Sequence(splits).pre_tokenize_str(SAMPLE)]
     assert "".join(pieces) == SAMPLE
-    assert len(pieces) > 5
+    assert len(pieces) > 2
 
 
 def test_onig_patterns_follow_llama_cpp_collapsing() -> None:
