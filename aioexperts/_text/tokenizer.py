@@ -22,6 +22,7 @@ import operator
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -123,7 +124,9 @@ _EOG_TEXTS = frozenset(
     )
 )
 
-_cache: dict[tuple[str, int, int], Tokenizer] = {}
+#: the tokenizers built last, by (real path, size, mtime): a 150k-token one holds tens of MB
+_CACHE_SIZE = 4
+_cache: OrderedDict[tuple[str, int, int], Tokenizer] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
@@ -257,8 +260,8 @@ class Tokenizer:
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Build the tokenizer of the GGUF file at ``path`` (a model or a vocabulary-only file).
 
-        Blocking (reads the vocabulary: about a second for a 150k-token one). The result is cached per
-        file (path, size and modification time), so a second call is free.
+        Blocking (reads the vocabulary: about a second of CPU for a 150k-token one). The last few
+        results are cached per file (path, size and modification time), so a second call is free.
 
         Args:
             path: the GGUF file.
@@ -280,11 +283,16 @@ class Tokenizer:
         key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
         with _cache_lock:
             hit = _cache.get(key)
-        if hit is not None:
-            return hit
+            if hit is not None:
+                _cache.move_to_end(key)
+                return hit
         tok = cls(read_vocabulary(path))
         with _cache_lock:
-            return _cache.setdefault(key, tok)
+            tok = _cache.setdefault(key, tok)
+            _cache.move_to_end(key)
+            while len(_cache) > _CACHE_SIZE:
+                _cache.popitem(last=False)
+        return tok
 
     @staticmethod
     def _initial_attrs(vocab: Vocabulary) -> list[int]:

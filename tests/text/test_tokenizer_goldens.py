@@ -12,15 +12,14 @@ import json
 from pathlib import Path
 
 import pytest
-from vocab_testkit import read_cases, vocab_dir, vocab_params
+from vocab_testkit import read_cases, tokenizer, vocab_dir, vocab_params
 
-from aioexperts import Tokenizer
 from aioexperts._text.tokenizer import _clean_spaces
 
 
 @pytest.mark.parametrize("path", vocab_params())
 def test_every_string_gives_llama_cpp_ids(path: Path) -> None:
-    tok = Tokenizer.from_gguf(path)
+    tok = tokenizer(path)
     cases = read_cases(path)
     assert cases
     wrong = [
@@ -35,7 +34,7 @@ def test_every_string_gives_llama_cpp_ids(path: Path) -> None:
 def test_llama_cpp_ids_decode_to_the_string(path: Path) -> None:
     """``decode`` of llama.cpp's ids gives the input back, except where llama.cpp's detokenizer changes
     it on purpose (``clean_spaces``: no space before ``?!.,``): there it gives the cleaned string."""
-    tok = Tokenizer.from_gguf(path)
+    tok = tokenizer(path)
     for text, ids in read_cases(path):
         if not ids:
             continue
@@ -57,7 +56,7 @@ def _special_cases() -> list[object]:
 
 @pytest.mark.parametrize(("path", "cases"), _special_cases())
 def test_special_tokens_and_chat_prompts_give_llama_cpp_ids(path: Path, cases: list[dict[str, object]]) -> None:
-    tok = Tokenizer.from_gguf(path)
+    tok = tokenizer(path)
     assert {(c["add_special"], c["parse_special"]) for c in cases} == {(a, p) for a in (0, 1) for p in (0, 1)}
     wrong = []
     for case in cases:
@@ -72,7 +71,7 @@ def test_special_tokens_and_chat_prompts_give_llama_cpp_ids(path: Path, cases: l
 @pytest.mark.parametrize(("path", "cases"), _special_cases())
 def test_parsed_special_tokens_decode_to_their_text(path: Path, cases: list[dict[str, object]]) -> None:
     """With the special tokens parsed, ``decode`` gives their text back; ``skip_special`` drops control tokens."""
-    tok = Tokenizer.from_gguf(path)
+    tok = tokenizer(path)
     for case in cases:
         ids = case["ids"]
         assert isinstance(ids, list)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from vocab_testkit import vocab_dir
+from vocab_testkit import tokenizer, vocab_dir
 
 from aioexperts import IncrementalDecoder, Tokenizer
 
@@ -22,7 +22,7 @@ def _tokenizer(name: str) -> Tokenizer:
     root = vocab_dir()
     if root is None or not (root / name).exists():
         pytest.skip(f"no {name} (../shared/vocab)")
-    return Tokenizer.from_gguf(Path(root) / name)
+    return tokenizer(Path(root) / name)
 
 
 def _stream(tok: Tokenizer, ids: list[int], chunks: list[int], *, skip_special: bool = False) -> list[str]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 from gguf import GGUFValueType, GGUFWriter
+
+from aioexperts import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,3 +113,9 @@ def spm_kv(**overrides: object) -> dict[str, object]:
     }
     kv.update(overrides)
     return kv
+
+
+@functools.cache
+def tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer of a golden vocabulary, built once per test session (the library keeps only a few)."""
+    return Tokenizer.from_gguf(path)
