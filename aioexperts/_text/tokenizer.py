@@ -1,11 +1,13 @@
 """The tokenizer of a GGUF file, built from its ``tokenizer.ggml.*`` keys to give llama.cpp's token ids.
 
-Two vocabulary kinds (``tokenizer.ggml.model``):
+Three vocabulary kinds (``tokenizer.ggml.model``):
 
 - ``gpt2``: byte-level BPE. The ``tokenizers`` package runs it (a BPE model from ``tokenizer.ggml.tokens``
   and ``tokenizer.ggml.merges``, one ``Split`` pre-tokenizer per regex of llama.cpp's table for
   ``tokenizer.ggml.pre`` (:mod:`.pretokenize`), ``ByteLevel`` without its own regex).
 - ``llama``: SentencePiece, llama.cpp's score-driven merge loop with byte fallback (:mod:`.spm`).
+- ``gemma4``: SPM-style BPE on raw UTF-8 (``▁`` for spaces, ``<0xXX>`` byte fallback), the merges run
+  by ``tokenizers`` on each run of non-newline characters.
 
 Special tokens follow ``llama_vocab::impl::tokenizer_st_partition``: control tokens are split out of the
 text only with ``parse_special=True``; user-defined tokens always are (as Hugging Face ``tokenizers``
@@ -153,7 +155,7 @@ class Tokenizer:
 
     Attributes:
         path: the GGUF file it was read from.
-        model: ``tokenizer.ggml.model`` (``gpt2`` or ``llama``).
+        model: ``tokenizer.ggml.model`` (``gpt2``, ``llama`` or ``gemma4``).
         pre: ``tokenizer.ggml.pre`` ('' when absent).
         pre_type: llama.cpp's pre-tokenizer type for it (``QWEN2``, ``LLAMA3``, ...; ``DEFAULT`` for SPM).
         bos_id, eos_id, eot_id, eom_id, unk_id, pad_id: special token ids (None when the vocabulary has
@@ -186,14 +188,14 @@ class Tokenizer:
         self.model = vocab.model
         self.pre = "gemma4" if vocab.model == "gemma4" else (vocab.pre or "")  # as llama.cpp's load()
         self.chat_template = vocab.chat_template
-        self._tokens = vocab.tokens
-        self._token_to_id = {t: i for i, t in enumerate(vocab.tokens)}
-        n = len(vocab.tokens)
         if vocab.model not in _SUPPORTED_MODELS:
             raise VocabularyError(
                 f"{vocab.path}: tokenizer.ggml.model {vocab.model!r} is not supported "
                 f"(aioexperts tokenizes {', '.join(_SUPPORTED_MODELS)})"
             )
+        self._tokens = vocab.tokens
+        self._token_to_id = {t: i for i, t in enumerate(vocab.tokens)}
+        n = len(vocab.tokens)
         self._is_spm = vocab.model == "llama"
         row: pretokenize.PreTokenizer | None = None
         if self._is_spm:
@@ -690,6 +692,7 @@ class IncrementalDecoder:
     def flush(self) -> str:
         """The text still held back (an unfinished UTF-8 sequence becomes U+FFFD); the decoder then resets."""
         text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
         out = self._pending + text
         self._pending = ""
         self._first = True
