@@ -262,8 +262,8 @@ class Tokenizer:
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Build the tokenizer of the GGUF file at ``path`` (a model or a vocabulary-only file).
 
-        Blocking (reads the vocabulary: about a second of CPU for a 150k-token one). The last few
-        results are cached per file (path, size and modification time), so a second call is free.
+        Blocking: reads every token and merge of the file. The last few results are cached per file
+        (path, size and modification time), so a second call is free.
 
         Args:
             path: the GGUF file.
