@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ("PreTokenizer", "UNSUPPORTED_PRE", "lookup_pre", "onig_pattern")
+__all__ = ("REGEXES", "UNSUPPORTED_PRE", "PreTokenizer", "known_pre_values", "lookup_pre", "onig_pattern")
 
 # --- the regexes of llm_tokenizer_bpe::llm_tokenizer_bpe (src/llama-vocab.cpp) ---------------------------
 
@@ -163,6 +163,9 @@ REGEXES: dict[str, tuple[str, ...]] = {
         r"\p{N}{1,3}",
         _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     ),
+    # SPM-style BPE on raw UTF-8 (byte_encode = false): spaces become U+2581 first, newline runs split off
+    "GEMMA4": ("[^\\n]+|[\\n]+",),
+    "SARVAM_MOE": ("[^\\n]+|[\\n]+",),
     # default: in llm_tokenizer_bpe, for a missing tokenizer.ggml.pre or "default"
     "DEFAULT": (
         r"[\p{P}\$\+<=>\^~\|]+",
@@ -213,6 +216,8 @@ class PreTokenizer:
         ignore_merges: a pre-token that is itself a token is not merged (llama.cpp's ``ignore_merges``).
         add_bos: the default of "add BOS" before ``tokenizer.ggml.add_bos_token`` overrides it.
         no_bos: llama.cpp clears the BOS id (chatglm-bpe, glm4, glm5).
+        byte_encode: GPT-2 byte-level BPE; False for the SPM-style BPE of gemma4 and sarvam-moe (raw
+            UTF-8, ``▁`` for spaces, ``<0xXX>`` byte fallback: llama.cpp's ``escape_whitespaces``).
     """
 
     pre: str
@@ -222,6 +227,7 @@ class PreTokenizer:
     ignore_merges: bool = False
     add_bos: bool = False
     no_bos: bool = False
+    byte_encode: bool = True
 
 
 # tokenizer.ggml.pre -> (type, clean_spaces, ignore_merges, add_bos, no_bos), in the order of the
@@ -318,14 +324,15 @@ _PRE_TABLE: dict[str, tuple[str, bool, bool, bool, bool]] = {
     "minimax-m2": ("MINIMAX_M2", _F, _F, _F, _F),
     "solar-open": ("SOLAR_OPEN", _F, _F, _F, _F),
     "mellum2": ("MELLUM2", _T, _F, _F, _F),
+    # tokenizer.ggml.model "gemma4" sets tokenizer_pre = "gemma4"; llama.cpp then forces add_bos on
+    "gemma4": ("GEMMA4", _T, _F, _T, _F),
+    "granite-embed-multi-311m": ("GEMMA4", _T, _F, _T, _F),
+    "sarvam-moe": ("SARVAM_MOE", _F, _F, _F, _F),
 }
 
 #: values llama.cpp knows that need splitting or tokenizing code of their own: refused by name
 UNSUPPORTED_PRE: dict[str, str] = {
     "kimi-k2": "llama.cpp splits it with a hand-written Han-aware splitter and no merges",
-    "gemma4": "an SPM-style BPE on raw UTF-8 (tokenizer.ggml.model 'gemma4')",
-    "granite-embed-multi-311m": "an SPM-style BPE on raw UTF-8 (the gemma4 pre-tokenizer)",
-    "sarvam-moe": "an SPM-style BPE on raw UTF-8",
     "whitespace": "the whitespace tokenizer of jina embeddings",
 }
 
@@ -343,7 +350,8 @@ def lookup_pre(pre: str | None) -> PreTokenizer | None:
     if row is None:
         return None
     type_, clean, ignore, add_bos, no_bos = row
-    return PreTokenizer(pre or "", type_, REGEXES[type_], clean, ignore, add_bos, no_bos)
+    raw = type_ in ("GEMMA4", "SARVAM_MOE")
+    return PreTokenizer(pre or "", type_, REGEXES[type_], clean, ignore, add_bos, no_bos, byte_encode=not raw)
 
 
 def known_pre_values() -> list[str]:

@@ -1,11 +1,13 @@
 """The tokenizer of a GGUF file, built from its ``tokenizer.ggml.*`` keys to give llama.cpp's token ids.
 
-Two vocabulary kinds (``tokenizer.ggml.model``):
+Three vocabulary kinds (``tokenizer.ggml.model``):
 
 - ``gpt2``: byte-level BPE. The ``tokenizers`` package runs it (a BPE model from ``tokenizer.ggml.tokens``
   and ``tokenizer.ggml.merges``, one ``Split`` pre-tokenizer per regex of llama.cpp's table for
   ``tokenizer.ggml.pre`` (:mod:`.pretokenize`), ``ByteLevel`` without its own regex).
 - ``llama``: SentencePiece, llama.cpp's score-driven merge loop with byte fallback (:mod:`.spm`).
+- ``gemma4``: SPM-style BPE on raw UTF-8 (``▁`` for spaces, ``<0xXX>`` byte fallback), the merges run
+  by ``tokenizers`` on each run of non-newline characters.
 
 Special tokens follow ``llama_vocab::impl::tokenizer_st_partition``: control tokens are split out of the
 text only with ``parse_special=True``; user-defined tokens always are (as Hugging Face ``tokenizers``
@@ -18,8 +20,11 @@ does with its added tokens). The token attributes (which tokens are control, end
 from __future__ import annotations
 
 import codecs
+import operator
 import os
+import re
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -41,7 +46,8 @@ _LSTRIP = int(TokenAttr.LSTRIP)
 _RSTRIP = int(TokenAttr.RSTRIP)
 _SPECIAL_ATTRS = _CONTROL | _UNKNOWN
 _C_SPACE = frozenset(" \t\n\v\f\r")  # C isspace() in the "C" locale
-_SUPPORTED_MODELS = ("gpt2", "llama")
+_SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")
+_NEWLINE_RUNS = re.compile(r"[^\n]+|\n+")
 
 # token texts llama.cpp's load() recognises (in its order of candidates)
 _EOT_TEXTS = (
@@ -120,7 +126,9 @@ _EOG_TEXTS = frozenset(
     )
 )
 
-_cache: dict[tuple[str, int, int], Tokenizer] = {}
+#: the tokenizers built last, by (real path, size, mtime): a 150k-token one holds tens of MB
+_CACHE_SIZE = 4
+_cache: OrderedDict[tuple[str, int, int], Tokenizer] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
@@ -147,7 +155,7 @@ class Tokenizer:
 
     Attributes:
         path: the GGUF file it was read from.
-        model: ``tokenizer.ggml.model`` (``gpt2`` or ``llama``).
+        model: ``tokenizer.ggml.model`` (``gpt2``, ``llama`` or ``gemma4``).
         pre: ``tokenizer.ggml.pre`` ('' when absent).
         pre_type: llama.cpp's pre-tokenizer type for it (``QWEN2``, ``LLAMA3``, ...; ``DEFAULT`` for SPM).
         bos_id, eos_id, eot_id, eom_id, unk_id, pad_id: special token ids (None when the vocabulary has
@@ -178,16 +186,16 @@ class Tokenizer:
         """Use :meth:`from_gguf`; this builds from already read keys."""
         self.path = vocab.path
         self.model = vocab.model
-        self.pre = vocab.pre or ""
+        self.pre = "gemma4" if vocab.model == "gemma4" else (vocab.pre or "")  # as llama.cpp's load()
         self.chat_template = vocab.chat_template
-        self._tokens = vocab.tokens
-        self._token_to_id = {t: i for i, t in enumerate(vocab.tokens)}
-        n = len(vocab.tokens)
         if vocab.model not in _SUPPORTED_MODELS:
             raise VocabularyError(
                 f"{vocab.path}: tokenizer.ggml.model {vocab.model!r} is not supported "
                 f"(aioexperts tokenizes {', '.join(_SUPPORTED_MODELS)})"
             )
+        self._tokens = vocab.tokens
+        self._token_to_id = {t: i for i, t in enumerate(vocab.tokens)}
+        n = len(vocab.tokens)
         self._is_spm = vocab.model == "llama"
         row: pretokenize.PreTokenizer | None = None
         if self._is_spm:
@@ -201,7 +209,7 @@ class Tokenizer:
                     f"{vocab.path}: tokenizer.ggml.pre {self.pre!r} is not supported: "
                     f"{pretokenize.UNSUPPORTED_PRE[self.pre]}"
                 )
-            row = pretokenize.lookup_pre(vocab.pre)
+            row = pretokenize.lookup_pre(self.pre or None)
             if row is None:
                 raise VocabularyError(
                     f"{vocab.path}: unknown pre-tokenizer tokenizer.ggml.pre={self.pre!r} "
@@ -217,6 +225,10 @@ class Tokenizer:
         attrs = self._initial_attrs(vocab)
         ids = self._special_ids(vocab, n, row)
         self.add_bos = vocab.flags.get("add_bos_token", add_bos)
+        if row is not None and row.type == "GEMMA4":
+            self.add_bos = True  # llama.cpp overrides the key for Gemma 4
+        self._escape_whitespaces = row is not None and not row.byte_encode
+        self._gemma_newlines = row is not None and row.type == "GEMMA4"
         self.add_eos = vocab.flags.get("add_eos_token", False)
         self.add_space_prefix = add_space_prefix
         eog = self._detect_by_text(ids, attrs)
@@ -250,8 +262,8 @@ class Tokenizer:
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Build the tokenizer of the GGUF file at ``path`` (a model or a vocabulary-only file).
 
-        Blocking (reads the vocabulary: about a second for a 150k-token one). The result is cached per
-        file (path, size and modification time), so a second call is free.
+        Blocking: reads every token and merge of the file. The last few results are cached per file
+        (path, size and modification time), so a second call is free.
 
         Args:
             path: the GGUF file.
@@ -273,11 +285,16 @@ class Tokenizer:
         key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
         with _cache_lock:
             hit = _cache.get(key)
-        if hit is not None:
-            return hit
+            if hit is not None:
+                _cache.move_to_end(key)
+                return hit
         tok = cls(read_vocabulary(path))
         with _cache_lock:
-            return _cache.setdefault(key, tok)
+            tok = _cache.setdefault(key, tok)
+            _cache.move_to_end(key)
+            while len(_cache) > _CACHE_SIZE:
+                _cache.popitem(last=False)
+        return tok
 
     @staticmethod
     def _initial_attrs(vocab: Vocabulary) -> list[int]:
@@ -424,13 +441,15 @@ class Tokenizer:
         return token_id in self.eog_ids
 
     def _check_id(self, token_id: int) -> int:
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < len(self._tokens):
+        if type(token_id) is not int:  # numpy integers pass through operator.index, bools and floats do not
+            if isinstance(token_id, bool):
+                raise TokenizerError(f"token id {token_id!r} is a bool, not an integer")
             try:
-                token_id = int(token_id)  # numpy integers
-            except (TypeError, ValueError):
+                token_id = operator.index(token_id)
+            except TypeError:
                 raise TokenizerError(f"token id {token_id!r} is not an integer") from None
-            if not 0 <= token_id < len(self._tokens):
-                raise TokenizerError(f"token id {token_id} is not in the vocabulary (0..{len(self._tokens) - 1})")
+        if not 0 <= token_id < len(self._tokens):
+            raise TokenizerError(f"token id {token_id} is not in the vocabulary (0..{len(self._tokens) - 1})")
         return token_id
 
     # --- encode -------------------------------------------------------------------------------------
@@ -478,13 +497,32 @@ class Tokenizer:
                 out.extend(spm_tokenize(frag.replace(" ", "▁"), self._token_to_id, self._scores, self._byte_token))
                 prev_special = False
         else:
-            raw = [f for f in fragments if isinstance(f, str)]
-            encoded = iter(self._backend.encode_batch(raw, add_special_tokens=False)) if raw else iter(())
+            # one fragment at a time: encode_batch would fan out over every core (rayon)
+            encode = self._backend.encode
             for frag in fragments:
-                out.extend([frag] if isinstance(frag, int) else next(encoded).ids)
+                if isinstance(frag, int):
+                    out.append(frag)
+                elif self._escape_whitespaces:
+                    out.extend(self._encode_raw_utf8(frag.replace(" ", "▁")))
+                else:
+                    out.extend(encode(frag, add_special_tokens=False).ids)
         if add_special and self.add_eos:
             assert self.eos_id is not None
             out.append(self.eos_id)
+        return out
+
+    def _encode_raw_utf8(self, text: str) -> list[int]:
+        """SPM-style BPE (gemma4, sarvam-moe): newline runs split off, then BPE on the characters.
+
+        A run of newlines that is itself a token stays one token (gemma4, llama.cpp PR 21343).
+        """
+        out: list[int] = []
+        for match in _NEWLINE_RUNS.finditer(text):
+            word = match.group()
+            if self._gemma_newlines and word[0] == "\n" and (tok := self._token_to_id.get(word)) is not None:
+                out.append(tok)
+            else:
+                out.extend(self._backend.encode(word, add_special_tokens=False).ids)
         return out
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
@@ -556,7 +594,7 @@ class Tokenizer:
         if attr & (_SPECIAL_ATTRS | _USER_DEFINED):
             return text.encode("utf-8")
         if attr & _NORMAL:
-            if self._is_spm:
+            if self._is_spm or self._escape_whitespaces:
                 return text.replace("▁", " ").encode("utf-8")
             out = bytearray()
             for ch in text:
@@ -639,7 +677,7 @@ class IncrementalDecoder:
         Raises:
             TokenizerError: an id is not in the vocabulary.
         """
-        seq = [ids] if isinstance(ids, int) else list(ids)
+        seq = list(ids) if isinstance(ids, Iterable) else [ids]
         raw = self._tok._raw_bytes(seq, self._skip, first=self._first)
         if seq:
             self._first = False
@@ -654,6 +692,7 @@ class IncrementalDecoder:
     def flush(self) -> str:
         """The text still held back (an unfinished UTF-8 sequence becomes U+FFFD); the decoder then resets."""
         text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
         out = self._pending + text
         self._pending = ""
         self._first = True
@@ -728,10 +767,18 @@ def _build_bpe(vocab: Vocabulary, row: pretokenize.PreTokenizer, token_to_id: di
     assert vocab.merges is not None
     merges = _split_merges(vocab, token_to_id)
     try:
-        model = models.BPE(vocab=token_to_id, merges=merges, ignore_merges=row.ignore_merges, fuse_unk=False)
+        model = models.BPE(
+            vocab=token_to_id,
+            merges=merges,
+            ignore_merges=row.ignore_merges,
+            fuse_unk=False,
+            byte_fallback=not row.byte_encode,  # <0xXX> tokens for what no token covers
+        )
     except Exception as exc:  # the library's own check of the vocabulary
         raise VocabularyError(f"{vocab.path}: the BPE vocabulary does not build: {exc}") from exc
     tok = tokenizers.Tokenizer(model)
+    if not row.byte_encode:  # raw UTF-8: the caller splits off newline runs; no pre-tokenizer
+        return tok
     splits = [
         pre_tokenizers.Split(tokenizers.Regex(pretokenize.onig_pattern(r)), behavior="isolated", invert=False)
         for r in row.regexes

@@ -231,10 +231,15 @@ def _array_key(
     assert isinstance(value, list)
     if value and isinstance(value[0], list):
         raise VocabularyError(f"{path}: {key} must be an array of {_names(item_types)}, not an array of arrays")
-    want_str = GGUFValueType.STRING in item_types
-    if any(isinstance(v, str) != want_str or isinstance(v, bool) for v in value):
-        raise VocabularyError(f"{path}: {key} must be an array of {_names(item_types)}")
-    if not want_str and GGUFValueType.INT32 not in item_types and any(isinstance(v, int) for v in value):
+    # a small array arrives decoded; its Python types tell strings, integers and floats apart
+    allowed: tuple[type, ...] = ()
+    if GGUFValueType.STRING in item_types:
+        allowed += (str,)
+    if GGUFValueType.INT32 in item_types:
+        allowed += (int,)
+    if GGUFValueType.FLOAT32 in item_types:
+        allowed += (float,)
+    if any(isinstance(v, bool) or not isinstance(v, allowed) for v in value):
         raise VocabularyError(f"{path}: {key} must be an array of {_names(item_types)}")
     return value
 

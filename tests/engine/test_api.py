@@ -64,6 +64,16 @@ def test_errors_form_one_tree() -> None:
             assert issubclass(obj, aioexperts.AioExpertsError)
     assert issubclass(aioexperts.FormatError, ValueError)
     assert issubclass(aioexperts.InvalidRequestError, ValueError)
+    assert issubclass(aioexperts.TokenizerError, ValueError)
+    assert issubclass(aioexperts.VocabularyError, aioexperts.TokenizerError)
+    assert issubclass(aioexperts.VocabularyError, aioexperts.FormatError)
+    assert issubclass(aioexperts.OptionalDependencyError, ImportError)
+
+
+def test_text_names_are_exported() -> None:
+    """The tokenizer (issue 19) is public: the class, its stream decoder, its errors."""
+    assert {"Tokenizer", "IncrementalDecoder", "TokenizerError", "VocabularyError"} <= set(aioexperts.__all__)
+    assert aioexperts.Tokenizer.__module__ == "aioexperts._text.tokenizer"
 
 
 @pytest.mark.parametrize(
