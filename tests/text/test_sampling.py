@@ -292,3 +292,11 @@ def test_end_of_generation_ids_and_stop_reasons() -> None:
     assert stop_reason(7, 1, eog, opts) == "eog"
     assert stop_reason(5, 2, eog, opts) is None
     assert stop_reason(5, 3, eog, opts) == "length"
+
+
+def test_end_of_generation_ids_by_text_as_llama_cpp() -> None:
+    texts = ["a", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<｜end▁of▁sentence｜>", "<|fim_pad|>"]
+    meta = {"tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.fim_pad_token_id": 5}
+    assert end_of_generation_ids(meta) == {1, 5}
+    assert end_of_generation_ids(meta, texts) == {1, 3, 4, 5}
+    assert end_of_generation_ids({"tokenizer.ggml.eos_token_id": True}) == frozenset()
