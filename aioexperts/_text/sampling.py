@@ -34,7 +34,15 @@ import numpy as np
 
 from .._errors import ConfigError, InvalidRequestError
 
-__all__ = ("SampledToken", "Sampler", "SamplingOptions", "StopMatcher", "end_of_generation_ids", "stop_reason")
+__all__ = (
+    "EOG_TEXTS",
+    "SampledToken",
+    "Sampler",
+    "SamplingOptions",
+    "StopMatcher",
+    "end_of_generation_ids",
+    "stop_reason",
+)
 
 # llama_sampler_top_p_apply sorts the best 256 first and only sorts everything when they do not reach p;
 # here the set grows 16-fold until it does
@@ -286,22 +294,42 @@ def _with_logprobs(raw: np.ndarray, token: int, n: int) -> SampledToken:
     return SampledToken(token, float(shifted[token] - log_norm), pairs)
 
 
-def end_of_generation_ids(metadata: Mapping[str, object]) -> frozenset[int]:
-    """The ids that end generation according to a GGUF's keys: ``tokenizer.ggml.eos_token_id``,
-    ``eot_token_id`` and ``eom_token_id`` (llama.cpp's ``special_eog_ids`` also adds tokens it finds
-    by their text, such as ``<|im_end|>``; that needs the vocabulary, see the tokenizer).
+#: Token texts llama.cpp treats as end of generation whatever the keys say (``llama_vocab::impl::load``,
+#: ``special_eog_ids`` in src/llama-vocab.cpp).
+EOG_TEXTS = frozenset(
+    (
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+        "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+        "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+        "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+    )
+)  # fmt: skip
+
+_EOG_KEYS = ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep")
+
+
+def end_of_generation_ids(metadata: Mapping[str, object], token_texts: Sequence[str] | None = None) -> frozenset[int]:
+    """The ids that end generation, as llama.cpp's ``special_eog_ids`` (src/llama-vocab.cpp).
+
+    From the keys ``tokenizer.ggml.{eos,eot,eom,fim_pad,fim_rep,fim_sep}_token_id``, and, when the
+    vocabulary's texts are given, every token whose text is in :data:`EOG_TEXTS` (so ``<|im_end|>``
+    ends a Qwen chat turn although the file's EOS is ``<|endoftext|>``). llama.cpp also finds the
+    FIM tokens by their text when their keys are absent; that is not done here.
 
     Args:
         metadata: the header's metadata (``read_header(path).metadata`` or ``GGUFModel.metadata``).
+        token_texts: ``tokenizer.ggml.tokens`` decoded, or None to use the keys only.
 
     Returns:
-        The ids present (possibly none).
+        The ids (possibly none).
     """
     out = set()
-    for key in ("eos", "eot", "eom"):
+    for key in _EOG_KEYS:
         value = metadata.get(f"tokenizer.ggml.{key}_token_id")
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             out.add(value)
+    if token_texts is not None:
+        out.update(i for i, text in enumerate(token_texts) if text in EOG_TEXTS)
     return frozenset(out)
 
 

@@ -267,3 +267,9 @@ def test_without_jinja2_importing_works_and_rendering_names_the_extra(monkeypatc
     monkeypatch.setitem(sys.modules, "jinja2", None)
     with pytest.raises(aioexperts.ConfigError, match="jinja2"):
         ChatTemplate("x")
+
+
+def test_the_text_names_are_public() -> None:
+    names = {"ChatTemplate", "ChatTemplateError", "SampledToken", "Sampler", "SamplingOptions", "StopMatcher"}
+    assert names <= set(aioexperts.__all__)
+    assert issubclass(aioexperts.ChatTemplateError, aioexperts.AioExpertsError)

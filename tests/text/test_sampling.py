@@ -266,17 +266,15 @@ def test_stop_matcher_emits_exactly_the_text_before_the_first_stop(
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     matcher = StopMatcher(stops)
     out = "".join(matcher.feed(p) for p in pieces) + matcher.flush()
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    # a stop string ends at the earliest end position; among those the earliest start is cut
-    ends = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
-    if not hits:
+    # the piece that completes the first stop string ends at the first bound whose prefix holds one;
+    # the text is cut at the earliest stop string in that prefix
+    seen = next((text[:b] for b in bounds if any(s in text[:b] for s in stops)), None)
+    if seen is None:
         assert out == text and not matcher.stopped
     else:
-        first_end = min(e for e, _ in ends)
         assert matcher.stopped
-        # nothing of a stop string is emitted, and everything before the earliest completed one is
+        assert out == text[: min(seen.find(s) for s in stops if s in seen)]
         assert all(s not in out for s in stops)
-        assert text.startswith(out) and len(out) <= first_end
 
 
 def test_stop_matcher_refuses_empty_stop_strings() -> None:
@@ -294,3 +292,11 @@ def test_end_of_generation_ids_and_stop_reasons() -> None:
     assert stop_reason(7, 1, eog, opts) == "eog"
     assert stop_reason(5, 2, eog, opts) is None
     assert stop_reason(5, 3, eog, opts) == "length"
+
+
+def test_end_of_generation_ids_by_text_as_llama_cpp() -> None:
+    texts = ["a", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<｜end▁of▁sentence｜>", "<|fim_pad|>"]
+    meta = {"tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.fim_pad_token_id": 5}
+    assert end_of_generation_ids(meta) == {1, 5}
+    assert end_of_generation_ids(meta, texts) == {1, 3, 4, 5}
+    assert end_of_generation_ids({"tokenizer.ggml.eos_token_id": True}) == frozenset()
