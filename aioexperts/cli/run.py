@@ -169,6 +169,8 @@ class _Report:
             "hits": st.hits,
             "misses": st.misses,
             "bytes_read": st.bytes_read,
+            "prefetch_issued": st.prefetch_issued,
+            "prefetch_wasted": st.prefetch_wasted,
             "tokens_run": run,
             "bytes_read_per_token": st.bytes_read / run if run else None,
             "backend": st.backend,
@@ -227,7 +229,8 @@ class _Report:
                 f"experts: hit rate {ex['hit_rate']:.1%} ({ex['hits']} hits, {ex['misses']} misses of "
                 f"{ex['requests']} requests); read {_size(ex['bytes_read'])}, "
                 + (f"{_size(per)} per token" if per is not None else "n/a per token")
-                + f" ({ex['tokens_run']} tokens run); {ex['backend']}{', O_DIRECT' if ex['direct_io'] else ''}"
+                + f" ({ex['tokens_run']} tokens run); prefetched {ex['prefetch_issued']} "
+                f"({ex['prefetch_wasted']} wasted); {ex['backend']}{', O_DIRECT' if ex['direct_io'] else ''}"
             )
         m = self.memory()
         parts = [f"RSS {_size(m['rss_bytes'])} (peak {_size(m['peak_rss_bytes'])})"]
