@@ -286,7 +286,7 @@ def _ended(stats: list[GenerationStatistics], exc: BaseException | None) -> None
 
 async def _ids(
     model: Model,
-    seq: ModelSequence,
+    seq: ModelSequence | None,
     reused: int,
     prompt: list[int],
     options: SamplingOptions,
@@ -295,6 +295,7 @@ async def _ids(
     stats: list[GenerationStatistics],
     owns_sequence: bool,
 ) -> AsyncGenerator[int, None]:
+    """``seq=None``: a fresh sequence, made when iteration starts and closed when it ends."""
     started = time.perf_counter()
     stats[0] = GenerationStatistics(len(prompt), reused, len(prompt) - reused)
     stopper = None
@@ -303,6 +304,8 @@ async def _ids(
 
         stopper = StopMatcher(options.stop)
         decoder = model.tokenizer.decoder()
+    if seq is None:
+        seq = model.sequence()
     try:
         tokens_of = _decode_loop(model, seq, prompt[reused:], sampler, options.max_tokens, eog, stats, started)
         async with aclosing(tokens_of) as tokens:
@@ -325,7 +328,7 @@ async def _ids(
 
 async def _text(
     model: Model,
-    seq: ModelSequence,
+    seq: ModelSequence | None,
     reused: int,
     prompt: list[int],
     options: SamplingOptions,
@@ -334,6 +337,7 @@ async def _text(
     owns_sequence: bool,
     out: TextStream,
 ) -> AsyncGenerator[str, None]:
+    """``seq=None``: a fresh sequence, made when iteration starts and closed when it ends."""
     from aioexperts._text.sampling import StopMatcher
 
     started = time.perf_counter()
@@ -341,6 +345,8 @@ async def _text(
     decoder = model.tokenizer.decoder()
     stopper = StopMatcher(options.stop) if options.stop else None
     eog = _eog_ids(model, True)
+    if seq is None:
+        seq = model.sequence()
     try:
         tokens_of = _decode_loop(model, seq, prompt[reused:], sampler, options.max_tokens, eog, stats, started)
         async with aclosing(tokens_of) as tokens:
@@ -391,8 +397,8 @@ def open_generation(
     eog = _eog_ids(model, isinstance(prompt, str) or bool(opts.stop))
     stats = [GenerationStatistics()]
     gen = TokenStream(stats)
-    seq = model.sequence()
-    gen._agen = _ids(model, seq, 0, ids, opts, smp, eog, stats, True)
+    model._started()  # StoreClosedError now, not at the first token
+    gen._agen = _ids(model, None, 0, ids, opts, smp, eog, stats, True)
     return gen
 
 
@@ -412,8 +418,8 @@ def open_stream(
     smp = _make_sampler(opts, sampler)
     stats = [GenerationStatistics()]
     out = TextStream(stats)
-    seq = model.sequence()
-    out._agen = _text(model, seq, 0, ids, opts, smp, stats, True, out)
+    model._started()
+    out._agen = _text(model, None, 0, ids, opts, smp, stats, True, out)
     return out
 
 

@@ -315,3 +315,17 @@ async def test_ids_need_no_text_extra_and_text_names_it(
         assert len([t async for t in model.generate([1, 2], max_tokens=2)]) == 2
         with pytest.raises(aioexperts.AioExpertsError, match=r"pip install 'aioexperts\[text\]'"):
             model.stream("hello", max_tokens=2)
+
+
+async def test_streams_hold_a_kv_cache_only_while_they_run(tiny_full_model: Path) -> None:
+    async with load(tiny_full_model) as model:
+        model.stream("never iterated", max_tokens=4)
+        model.generate("never iterated", max_tokens=4, top_k=5)
+        assert model.statistics().live_sequences == 0
+        async with model.stream("Hello", max_tokens=20, temperature=1.0, seed=2) as stream:
+            await stream.__anext__()
+            assert model.statistics().live_sequences == 1
+        assert model.statistics().live_sequences == 0 and stream.statistics.stop_reason == "cancelled"
+        gen = model.generate("Hello", max_tokens=3, top_k=5)
+        assert len([t async for t in gen]) == 3
+        assert model.statistics().live_sequences == 0 and gen.statistics.stop_reason == "length"
