@@ -26,7 +26,6 @@ import anyio
 import numpy as np
 
 from aioexperts._errors import ConfigError, ContextLengthError, InvalidRequestError
-from aioexperts._pipeline import run_in_worker
 
 if TYPE_CHECKING:
     from aioexperts._model.model import Model, ModelSequence, Sampler
@@ -586,8 +585,3 @@ class ChatSession:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
-
-
-async def prepare_text(model: Model) -> None:
-    """Build the tokenizer (and the chat template) on the compute pool, off the event loop."""
-    await run_in_worker(lambda: model.tokenizer)

@@ -27,7 +27,6 @@ import anyio
 
 import aioexperts
 from aioexperts._cli.common import BROKEN_PIPE_STATUS, HelpFormatter, stdout_closed
-from aioexperts._model.text import GenerationStatistics, prepare_text
 
 __all__ = ("INTERRUPTED_STATUS", "build_parser", "main")
 
@@ -121,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 class _Turn:
     user: str | None
     text: str = ""
-    stats: GenerationStatistics = field(default_factory=GenerationStatistics)
+    stats: aioexperts.GenerationStatistics = field(default_factory=aioexperts.GenerationStatistics)
 
 
 @dataclass
@@ -358,7 +357,7 @@ async def _session(args: argparse.Namespace, path: str, prompt: str | None, repo
     )
     async with model:
         try:
-            await prepare_text(model)
+            await anyio.to_thread.run_sync(lambda: model.tokenizer)  # off the event loop
             if args.chat:
                 model.chat_template  # noqa: B018 (a missing or broken template is a usage error, before any turn)
             report.load_seconds = time.perf_counter() - t0
