@@ -245,7 +245,7 @@ async def _decode_loop(
             pending = pending[PREFILL_BATCH:]
         logits = (await seq.forward(pending, all_logits=False))[0]
         t0 = time.perf_counter()
-        token = sampler(logits, seq.tokens)
+        token = sampler(logits, tuple(seq.tokens))
         if isinstance(token, np.integer):
             token = int(token)
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < n_vocab:
