@@ -14,7 +14,10 @@ import numpy as np
 
 from aioexperts._errors import ConfigError
 
-__all__ = ("attend",)
+__all__ = ("SCORE_BYTES", "attend")
+
+SCORE_BYTES = 64 << 20
+"""A long prefill runs its queries in chunks whose score matrix stays within this many bytes."""
 
 
 def attend(
@@ -49,6 +52,22 @@ def attend(
     n_kv, n_head_kv, _ = k.shape
     if n_kv != start + n_tokens or n_head % n_head_kv or k.shape[2] != head_k or v.shape[:2] != k.shape[:2]:
         raise ConfigError(f"attention: q {q.shape}, k {k.shape}, v {v.shape}, start {start} do not fit")
+    chunk = max(1, SCORE_BYTES // (4 * n_head * n_kv))
+    if n_tokens <= chunk:
+        return _attend(q, k, v, start, scale, sinks, window)
+    parts = []
+    for c in range(0, n_tokens, chunk):
+        qc = q[c : c + chunk]
+        end = start + c + len(qc)
+        parts.append(_attend(qc, k[:end], v[:end], start + c, scale, sinks, window))
+    return np.concatenate(parts)
+
+
+def _attend(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float, sinks: np.ndarray | None, window: int
+) -> np.ndarray:
+    n_tokens, n_head, head_k = q.shape
+    n_kv, n_head_kv, _ = k.shape
     group = n_head // n_head_kv
     head_v = v.shape[2]
     qg = q.reshape(n_tokens, n_head_kv, group, head_k).transpose(1, 2, 0, 3)  # (kv, group, t, d)
