@@ -166,3 +166,32 @@ def test_io_auto_uses_threads_when_a_ring_probe_process_dies(
     assert run_cli._io_backend("auto") == want
     assert run_cli._io_backend("io_uring") == "io_uring"  # asked for by name: not second-guessed
     assert ("signal 4" in capsys.readouterr().err) == (want == "threads")
+
+
+def test_sigint_while_a_chat_waits_for_input_exits_130(tiny_full_model: Path) -> None:
+    proc = subprocess.Popen(
+        [*COMMAND, str(tiny_full_model), "--chat", "-n", "3", "--io", "threads"],
+        stdin=subprocess.PIPE,  # kept open: the chat waits for a line that never comes
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stderr is not None
+        seen = b""
+        deadline = time.monotonic() + 120
+        while b"> " not in seen and time.monotonic() < deadline:
+            ready, _, _ = select.select([proc.stderr], [], [], 1.0)
+            if ready:
+                chunk = os.read(proc.stderr.fileno(), 4096)
+                if not chunk:
+                    break
+                seen += chunk
+        assert b"> " in seen, seen.decode()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)  # a blocked stdin read must not keep it alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err.decode()
+    assert "interrupted (Ctrl-C)" in (seen + err).decode()
