@@ -18,7 +18,6 @@ import resource
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -294,28 +293,10 @@ async def _emit(stream: Any, turn: _Turn, args: argparse.Namespace) -> None:
             sys.stdout.flush()
 
 
-class _StdinLines:
-    """Lines of stdin, read by a daemon thread (a blocked read never keeps the process from exiting)."""
-
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
-        threading.Thread(target=self._read, name="aioexperts-run stdin", daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            for line in sys.stdin:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, line)
-        except (OSError, ValueError, RuntimeError):  # stdin closed, or the loop is gone
-            pass
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
-        except RuntimeError:
-            pass
-
-    async def next(self) -> str | None:
-        """The next line (with its newline), None at EOF."""
-        return await self._queue.get()
+async def _read_line() -> str | None:
+    """The next line of stdin (with its newline), None at EOF; a cancelled wait abandons the read."""
+    line = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
+    return line or None
 
 
 async def _generate(model: aioexperts.Model, args: argparse.Namespace, prompt: str | None, report: _Report) -> None:
@@ -330,14 +311,13 @@ async def _generate(model: aioexperts.Model, args: argparse.Namespace, prompt: s
         return
     async with model.chat(args.system, options=options) as session:
         first = prompt
-        lines = _StdinLines()
         while True:
             if first is not None:
                 user, first = first, None
             else:
                 if not args.json:
                     print("> ", end="", file=sys.stderr, flush=True)
-                line = await lines.next()
+                line = await _read_line()
                 if line is None:
                     return
                 user = line.rstrip("\n")
