@@ -16,6 +16,7 @@ from ._cache.stats import StoreStatistics as StoreStatistics
 from ._compute.fused import WarmupReport as WarmupReport
 from ._errors import AioExpertsError as AioExpertsError
 from ._errors import BackendUnavailableError as BackendUnavailableError
+from ._errors import ChatTemplateError as ChatTemplateError
 from ._errors import ConfigError as ConfigError
 from ._errors import ContextLengthError as ContextLengthError
 from ._errors import EvictionPolicyError as EvictionPolicyError
@@ -25,11 +26,14 @@ from ._errors import InvalidRequestError as InvalidRequestError
 from ._errors import LayoutError as LayoutError
 from ._errors import MissingShardError as MissingShardError
 from ._errors import NonFiniteError as NonFiniteError
+from ._errors import OptionalDependencyError as OptionalDependencyError
 from ._errors import SlabExhaustedError as SlabExhaustedError
 from ._errors import SlotTimeoutError as SlotTimeoutError
 from ._errors import StaleMapError as StaleMapError
 from ._errors import StoreClosedError as StoreClosedError
+from ._errors import TokenizerError as TokenizerError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
+from ._errors import VocabularyError as VocabularyError
 from ._format.expert_map import ExpertMap as ExpertMap
 from ._format.expert_map import check_map_matches_layout as check_map_matches_layout
 from ._format.expert_map import read_expert_map as read_expert_map
@@ -51,6 +55,10 @@ from ._model.model import Model as Model
 from ._model.model import ModelSequence as ModelSequence
 from ._model.model import ModelStatistics as ModelStatistics
 from ._model.model import load as load
+from ._model.text import ChatSession as ChatSession
+from ._model.text import GenerationStatistics as GenerationStatistics
+from ._model.text import TextStream as TextStream
+from ._model.text import TokenStream as TokenStream
 from ._options import CacheOptions as CacheOptions
 from ._options import IOOptions as IOOptions
 from ._options import PageCacheOptions as PageCacheOptions
@@ -65,6 +73,13 @@ from ._runner import RouteStep as RouteStep
 from ._runner import RunnerStatistics as RunnerStatistics
 from ._store import ExpertStore as ExpertStore
 from ._store import open as open  # noqa: A004
+from ._text.chat import ChatTemplate as ChatTemplate
+from ._text.sampling import SampledToken as SampledToken
+from ._text.sampling import Sampler as Sampler
+from ._text.sampling import SamplingOptions as SamplingOptions
+from ._text.sampling import StopMatcher as StopMatcher
+from ._text.tokenizer import IncrementalDecoder as IncrementalDecoder
+from ._text.tokenizer import Tokenizer as Tokenizer
 
 __version__ = "0.2.0"
 
@@ -96,6 +111,9 @@ __all__ = (
     "BackendUnavailableError",
     "Bank",
     "CacheOptions",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "ChatSession",
     "ComputeStep",
     "ConfigError",
     "ContextLengthError",
@@ -109,9 +127,11 @@ __all__ = (
     "ExpertStore",
     "ExpertView",
     "FormatError",
+    "GenerationStatistics",
     "GGUFModel",
     "Generation",
     "IOOptions",
+    "IncrementalDecoder",
     "InvalidRequestError",
     "LayerStep",
     "LayoutError",
@@ -125,6 +145,7 @@ __all__ = (
     "MoEResult",
     "MoERunner",
     "NonFiniteError",
+    "OptionalDependencyError",
     "PageCacheOptions",
     "PageCacheStatistics",
     "PrefetchOptions",
@@ -132,12 +153,21 @@ __all__ = (
     "RouteStep",
     "RoutingTrace",
     "RunnerStatistics",
+    "SampledToken",
+    "Sampler",
+    "SamplingOptions",
     "Segment",
     "SlabExhaustedError",
     "SlotTimeoutError",
     "StaleMapError",
+    "StopMatcher",
     "TensorInfo",
+    "TextStream",
+    "TokenStream",
+    "Tokenizer",
+    "TokenizerError",
     "UnsupportedTypeError",
+    "VocabularyError",
     "WarmupReport",
     "build_layout",
     "check_map_matches_layout",

@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -38,6 +38,7 @@ from aioexperts._errors import (
 )
 from aioexperts._format.architectures import ModelHParams, model_hparams
 from aioexperts._format.model import GGUFModel, open_model
+from aioexperts._model import text as _text
 from aioexperts._model.blocks import BLOCKS, AttentionBlock
 from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
 from aioexperts._model.weights import DenseMatrix, TensorReader
@@ -46,6 +47,11 @@ from aioexperts._pipeline import run_in_worker
 from aioexperts._runner import MoERunner
 from aioexperts._store import ExpertStore
 from aioexperts._store import open as open_store
+
+if TYPE_CHECKING:
+    from aioexperts._text.chat import ChatTemplate
+    from aioexperts._text.sampling import SamplingOptions
+    from aioexperts._text.tokenizer import Tokenizer
 
 __all__ = ("DEFAULT_MEMORY_BUDGET", "Generation", "Model", "ModelSequence", "ModelStatistics", "Sampler", "load")
 
@@ -482,6 +488,8 @@ class Model:
         self._live_bytes = 0
         self._counters = _Counters()
         self._closed = False
+        self._tokenizer: Tokenizer | None = None
+        self._chat_template: ChatTemplate | None = None
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -653,27 +661,202 @@ class Model:
         async with self.sequence() as seq:
             return await seq.forward(token_ids)
 
+    # -- text in, text out (aioexperts/_model/text.py) -------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer of the model file, built on first use (needs the ``text`` extra for BPE).
+
+        Raises:
+            VocabularyError: the file's ``tokenizer.ggml.*`` keys are missing or malformed.
+            OptionalDependencyError: ``tokenizers`` is not installed (``pip install 'aioexperts[text]'``).
+        """
+        if self._tokenizer is None:
+            from aioexperts._text.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_gguf(self.path)
+        return self._tokenizer
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The file's ``tokenizer.chat_template``, compiled on first use (needs ``jinja2``).
+
+        Raises:
+            ChatTemplateError: the file has none, or it does not compile.
+        """
+        if self._chat_template is None:
+            from aioexperts._text.chat import ChatTemplate
+
+            self._chat_template = ChatTemplate.from_gguf(self.path)
+        return self._chat_template
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tokenize: bool = False,
+    ) -> str | list[int]:
+        """Render ``messages`` with the file's chat template; with ``tokenize``, the prompt's token ids.
+
+        The ids are those a :meth:`chat` session runs (special tokens parsed, no doubled BOS:
+        :func:`aioexperts._model.text.chat_prompt_ids`).
+
+        Raises:
+            ChatTemplateError: no template, or it fails on ``messages``.
+            TokenizerError: as :meth:`Tokenizer.encode` (``tokenize=True``).
+        """
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        if not tokenize:
+            return text
+        return _text.chat_prompt_ids(self.tokenizer, self.chat_template, text)
+
     def generate(
         self,
-        token_ids: Sequence[int],
+        prompt: str | Sequence[int],
         *,
-        max_tokens: int,
-        temperature: float = 0.0,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
         sampler: Sampler | None = None,
         seed: int | None = None,
-    ) -> Generation:
-        """New token ids after ``token_ids`` on a fresh sequence, freed when the generation ends.
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        stop: str | Sequence[str] | None = None,
+        options: SamplingOptions | None = None,
+        add_special: bool = True,
+        parse_special: bool = False,
+    ) -> Generation | _text.TokenStream:
+        """New token ids after ``prompt`` on a fresh sequence, freed when the generation ends.
 
-        ``async for token in model.generate(ids, max_tokens=16):``. See
-        :meth:`ModelSequence.generate` for the arguments, the stopping rules and the errors.
+        ``async for token in model.generate(ids, max_tokens=16):`` or ``model.generate("Hello", max_tokens=16)``.
+
+        Two paths:
+
+        - token ids with only ``max_tokens`` / ``temperature`` / ``sampler`` / ``seed``: a
+          :class:`Generation` (see :meth:`ModelSequence.generate`: greedy, or a draw from
+          ``softmax(logits / temperature)``; ``max_tokens`` defaults to 256).
+        - a text prompt, or any of ``top_k``, ``top_p``, ``min_p``, ``stop``, ``options``: llama.cpp's
+          sampler chain (:class:`SamplingOptions`; greedy unless ``temperature`` is given) through
+          :mod:`aioexperts._model.text`, giving a :class:`~aioexperts._model.text.TokenStream`
+          (``statistics``; it ends at a stop string, after the token that completes it, and when
+          the KV cache is full, with ``stop_reason == "n_ctx"``). Text is tokenized with the model's
+          tokenizer (``add_special``: the vocabulary's BOS; ``parse_special``: ``<|...|>`` texts
+          become their control tokens); the tokenizer's end-of-generation ids also stop it.
+
+        Raises:
+            InvalidRequestError: an empty prompt, an id out of range, bad arguments of the ids path.
+            ContextLengthError: the prompt is longer than :attr:`n_ctx` (never truncated); on the
+                ids path also while iterating, when the next token would pass ``n_ctx``.
+            ConfigError: a bad sampling option, or both ``options`` and single fields.
+            TokenizerError, OptionalDependencyError: from the tokenizer (text prompts).
+            As :meth:`ModelSequence.forward`, while iterating.
         """
-        self._check_ids(token_ids)
+        chain = isinstance(prompt, str) or any(v is not None for v in (top_k, top_p, min_p, stop, options))
+        if chain:
+            return _text.open_generation(
+                self,
+                prompt,
+                options=options,
+                sampler=sampler,
+                add_special=add_special,
+                parse_special=parse_special,
+                sampling={
+                    "max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                    "min_p": min_p, "seed": seed, "stop": stop,
+                },
+            )
+        assert not isinstance(prompt, str)
+        ids = self._check_ids(prompt)
+        _text.check_fits(self, len(ids))
         seq = self.sequence()
         try:
-            return Generation(seq, token_ids, max_tokens, temperature, sampler, seed, owns_sequence=True)
+            return Generation(
+                seq,
+                ids,
+                _text.DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+                0.0 if temperature is None else temperature,
+                sampler,
+                seed,
+                owns_sequence=True,
+            )
         except BaseException:
             seq.close()
             raise
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        options: SamplingOptions | None = None,
+        sampler: Sampler | None = None,
+        add_special: bool = True,
+        parse_special: bool = False,
+    ) -> _text.TextStream:
+        """Text pieces of the continuation of ``prompt``, as they are decoded.
+
+        ``async for piece in model.stream("Hello", max_tokens=16): print(piece, end="")``
+
+        The arguments and errors are :meth:`generate`'s. No piece ends inside a UTF-8 character;
+        the pieces join to ``tokenizer.decode`` of the generated ids; a stop string (even split
+        across tokens) ends the stream and is not emitted, nor anything after it.
+
+        Returns:
+            A :class:`~aioexperts._model.text.TextStream` (async iterator of str, ``statistics``,
+            ``token_ids``).
+        """
+        return _text.open_stream(
+            self,
+            prompt,
+            options=options,
+            sampler=sampler,
+            add_special=add_special,
+            parse_special=parse_special,
+            sampling={
+                "max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                "min_p": min_p, "seed": seed, "stop": stop,
+            },
+        )
+
+    def chat(
+        self,
+        system: str | None = None,
+        *,
+        options: SamplingOptions | None = None,
+        template: ChatTemplate | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> _text.ChatSession:
+        """A chat session that keeps its KV cache between turns (``await``-free; close it after).
+
+        ``async with model.chat("You are terse.") as chat: async for p in chat.send("Hi"): ...``
+
+        Args:
+            system: a system message to start the conversation with.
+            options: the session's sampling options (default: llama.cpp's, greedy).
+            template: a chat template instead of the file's.
+            tools: tool schemas passed to the template on every turn.
+
+        Raises:
+            ChatTemplateError: the file has no chat template (and none is given).
+            StoreClosedError: the model is not started or closed.
+        """
+        from aioexperts._text.sampling import SamplingOptions
+
+        return _text.ChatSession(
+            self,
+            template if template is not None else self.chat_template,
+            system=system,
+            options=options if options is not None else SamplingOptions(temperature=0.0),
+            tools=tools,
+        )
 
     # -- the forward pass -----------------------------------------------------------------------
 
