@@ -4,7 +4,7 @@ Usage::
 
     python bench/model_speed.py --layers 2 --tokens 8 [--prompt 256] [--out model_speed-results.json]
 
-The model is the built-in full model (``aioexperts._fullmodel_writer``, Qwen3-30B-A3B-shaped) when
+The model is the built-in full model (``aioexperts.testing._full_model``, Qwen3-30B-A3B-shaped) when
 that module exists, else a synthetic ``qwen3moe`` of the same attention geometry written here (32
 Q8_0 experts per layer, so that it is written in seconds). Figures, each printed next to its target:
 
@@ -98,7 +98,7 @@ def synthetic_full_model(path: Path, n_layer: int) -> Path:
 
 def model_path(n_layer: int, scratch: Path) -> tuple[Path, str]:
     try:
-        from aioexperts._fullmodel_writer import ensure_full_model  # the chat branch's writer
+        from aioexperts._bench.full_model import ensure_full_model
     except ImportError:
         target = scratch / f"synthetic-qwen3moe-{n_layer}l-v1.gguf"
         if not target.exists():

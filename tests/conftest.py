@@ -161,7 +161,7 @@ TINY_FULL_SPEC_FIELDS = {
 @pytest.fixture(scope="session")
 def tiny_full_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small built-in full model (tokenizer, ChatML template, random weights), written once per session."""
-    from aioexperts._fullmodel_writer import FullModelSpec, write_full_model
+    from aioexperts.testing._full_model import FullModelSpec, write_full_model
 
     path = tmp_path_factory.mktemp("fullmodel") / "tiny-full.gguf"
     return write_full_model(path, FullModelSpec(**TINY_FULL_SPEC_FIELDS))  # type: ignore[arg-type]

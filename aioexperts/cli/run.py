@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import anyio
 
 import aioexperts
-from aioexperts._cli.common import BROKEN_PIPE_STATUS, HelpFormatter, stdout_closed
+from aioexperts.cli._common import BROKEN_PIPE_STATUS, HelpFormatter, stdout_closed
 
 __all__ = ("INTERRUPTED_STATUS", "build_parser", "main")
 
@@ -69,7 +69,7 @@ def _float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``aioexperts-run``."""
-    from aioexperts._fullmodel_writer import DEFAULT_FULL_LAYERS
+    from aioexperts._bench.full_model import DEFAULT_FULL_LAYERS
 
     p = _Parser(
         prog=PROG,
@@ -440,7 +440,7 @@ def _model_path(args: argparse.Namespace) -> tuple[str, bool]:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{args.model}: no such model file")
         return path, False
-    from aioexperts._fullmodel_writer import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
+    from aioexperts._bench.full_model import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
 
     layers = args.layers or DEFAULT_FULL_LAYERS
     built = ensure_full_model(

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from aioexperts._compute.jit import cache_dir
-from aioexperts._fullmodel_writer import FULL_SPEC
+from aioexperts.testing._full_model import FULL_SPEC
 
 COMMAND = [sys.executable, "-m", "aioexperts.cli.run"]
 STATS = ("tok/s", "time to first token", "hit rate", "per token", "RSS", "slab", "resident weights", "KV cache")

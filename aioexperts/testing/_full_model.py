@@ -8,7 +8,7 @@ keys and the numbers' scale are those of a real model:
   head are ``Q8_0``; norms (``attn_norm``, per-head ``attn_q_norm``/``attn_k_norm``, ``ffn_norm``,
   ``output_norm``) and the router (``ffn_gate_inp``) are ``F32``; the routed experts are ``Q4_K``,
   like the MoE-only bench model. (llama.cpp's Q4_K_M would use Q4_K with Q6_K for ``attn_v`` and
-  the head; Q8_0 is used here because the quantized-block pool of :mod:`._cli.blockpool` has it.)
+  the head; Q8_0 is used here because the quantized-block pool of :mod:`aioexperts.testing._blocks` has it.)
 - every matrix is drawn from that pool with a standard deviation of ``1 / sqrt(ne0)``, so a
   product keeps the size of its RMS-normalised input; the two projections that add to the residual
   stream (``attn_output``, ``ffn_down_exps``) are scaled by a further ``1 / sqrt(2 * n_layer)`` so
@@ -22,7 +22,7 @@ keys and the numbers' scale are those of a real model:
   ``tokenizer.chat_template`` is included.
 
 :func:`ensure_full_model` writes it once into the user cache (the bench model's cache folder and
-build lock, :mod:`._cli.model_cache`). Training the vocabulary needs ``tokenizers``
+build lock, :mod:`aioexperts._bench.full_model`). Training the vocabulary needs ``tokenizers``
 (``pip install 'aioexperts[text]'``).
 """
 
@@ -40,18 +40,15 @@ from typing import TextIO
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 
-from ._cli.blockpool import draw_blocks
-from ._cli.model_cache import cache_dir, ensure_bench_model
-from ._errors import ConfigError
+from .._errors import ConfigError
+from ._blocks import draw_blocks
 
 __all__ = (
     "CHATML_TEMPLATE",
     "DEFAULT_FULL_LAYERS",
     "FULL_SPEC",
     "FullModelSpec",
-    "ensure_full_model",
-    "full_model_path",
-    "print_progress",
+    "Progress",
     "train_vocabulary",
     "write_full_model",
 )
@@ -434,65 +431,3 @@ def write_full_model(
     finally:
         writer.close()
     return Path(path)
-
-
-def full_model_path(n_layer: int = DEFAULT_FULL_LAYERS) -> Path:
-    """Where the built-in full model of ``n_layer`` layers lives in the cache (it may not exist yet)."""
-    return cache_dir() / FULL_SPEC.with_(n_layer=n_layer).file_name()
-
-
-def print_progress(stream: TextIO | None = None) -> Progress:
-    """A ``progress`` callback that prints a line at every tenth of the bytes (stderr by default)."""
-    out = stream or sys.stderr
-    last = [-1]
-
-    def progress(done: int, total: int) -> None:
-        tenth = done * 10 // max(total, 1)
-        if tenth != last[0]:
-            last[0] = tenth
-            print(f"  written {done / 1e9:.2f} of {total / 1e9:.2f} GB", file=out, flush=True)
-
-    return progress
-
-
-def ensure_full_model(
-    n_layer: int = DEFAULT_FULL_LAYERS,
-    *,
-    rebuild: bool = False,
-    spec: FullModelSpec | None = None,
-    path: Path | None = None,
-    progress: Progress | None = None,
-    on_build: Callable[[Path], None] | None = None,
-    on_wait: Callable[[], None] | None = None,
-) -> Path:
-    """The built-in full model's path, written first when it is missing (or ``rebuild``).
-
-    Two processes that ask at once build it once (the lock of :func:`._cli.model_cache.ensure_bench_model`).
-
-    Args:
-        n_layer: layers (default :data:`DEFAULT_FULL_LAYERS`; 48 is the real model's depth,
-            about 17 GB).
-        rebuild: write it again even if it exists.
-        spec: the whole geometry instead (its ``n_layer`` wins over ``n_layer``).
-        path: where to put it (default :func:`full_model_path`).
-        progress: ``(bytes written, total)`` during a build (e.g. :func:`print_progress`).
-        on_build: called with the path before a build starts.
-        on_wait: called once if another process is building it.
-
-    Returns:
-        The model's path.
-
-    Raises:
-        ConfigError: a bad spec or ``tokenizers`` missing.
-        OSError: the cache directory cannot be written.
-    """
-    chosen = spec or FULL_SPEC.with_(n_layer=n_layer)
-    chosen.check()
-    target = path or cache_dir() / chosen.file_name()
-
-    def write(tmp: Path, report: Progress | None) -> None:
-        write_full_model(tmp, chosen, progress=report)
-
-    return ensure_bench_model(
-        rebuild=rebuild, path=target, on_build=on_build, on_wait=on_wait, progress=progress, write=write
-    )

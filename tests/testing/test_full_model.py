@@ -11,17 +11,10 @@ from gguf import GGMLQuantizationType as Q
 
 import aioexperts
 from aioexperts import ChatTemplate, ConfigError
-from aioexperts._compute.quant import dequantize
+from aioexperts._format.dequant import dequantize
 from aioexperts._format.header import read_header
-from aioexperts._fullmodel_writer import (
-    CHATML_TEMPLATE,
-    FULL_SPEC,
-    FullModelSpec,
-    ensure_full_model,
-    full_model_path,
-    print_progress,
-    write_full_model,
-)
+from aioexperts._bench.full_model import ensure_full_model, full_model_path, print_progress
+from aioexperts.testing._full_model import CHATML_TEMPLATE, FULL_SPEC, FullModelSpec, write_full_model
 
 TINY = FullModelSpec(
     n_layer=2,
@@ -112,7 +105,7 @@ def test_the_vocabulary_is_a_consistent_byte_level_bpe(tiny_path: Path) -> None:
 
 
 def test_the_full_vocabulary_has_thousands_of_merges(tmp_path: Path) -> None:
-    from aioexperts._fullmodel_writer import train_vocabulary
+    from aioexperts.testing._full_model import train_vocabulary
 
     tokens, merges = train_vocabulary(FULL_SPEC.vocab_size)
     assert 2000 <= len(merges) and len(tokens) <= FULL_SPEC.vocab_size
