@@ -575,7 +575,7 @@ class MoEHParams:
             if raw != rule.only_gating:
                 raise UnsupportedTypeError(
                     f"{md.key('expert_gating_func')}={raw}: llama.cpp's {arch} loader accepts only "
-                    f"{int(rule.only_gating)} ({rule.only_gating.name.lower()})"
+                    f"{int(rule.only_gating)} ({rule.only_gating.name.lower().replace('_', '')} MoE scoring)"
                 )
             gating = rule.only_gating
         elif rule.gating is not None:
