@@ -350,7 +350,9 @@ class MoERunner:
         if token_ids is None:
             return None
         if not isinstance(token_ids, np.ndarray) or token_ids.shape != (n_tokens,) or token_ids.dtype.kind not in "iu":
-            raise InvalidRequestError(f"token_ids must be an integer array of shape ({n_tokens},), got {_describe(token_ids)}")
+            raise InvalidRequestError(
+                f"token_ids must be an integer array of shape ({n_tokens},), got {_describe(token_ids)}"
+            )
         return token_ids.astype(np.int64)
 
     def prefetch_token(self, token_ids: np.ndarray) -> int:

@@ -106,7 +106,9 @@ class ResidentLayer:
         table = self.token_experts
         if table is not None:
             if not isinstance(table, np.ndarray) or table.ndim != 2 or not np.issubdtype(table.dtype, np.integer):
-                raise ConfigError(f"layer {self.layer}: token_experts must be a 2-D integer array, got {_describe(table)}")
+                raise ConfigError(
+                    f"layer {self.layer}: token_experts must be a 2-D integer array, got {_describe(table)}"
+                )
             if table.size and (int(table.min()) < 0 or int(table.max()) >= n_exp):
                 raise FormatError(
                     f"layer {self.layer}: the token-to-expert table (ffn_gate_tid2eid) holds ids "

@@ -175,7 +175,9 @@ def select_experts(
             or selected.shape != (n_tokens, k)
             or not np.issubdtype(selected.dtype, np.integer)
         ):
-            raise InvalidRequestError(f"selected must be integer ids of shape ({n_tokens}, {k}), got {_describe(selected)}")
+            raise InvalidRequestError(
+                f"selected must be integer ids of shape ({n_tokens}, {k}), got {_describe(selected)}"
+            )
         if selected.size and (int(selected.min()) < 0 or int(selected.max()) >= n_expert):
             raise InvalidRequestError(
                 f"selected expert ids must be in 0..{n_expert - 1}, got {int(selected.min())}..{int(selected.max())}"

@@ -56,7 +56,9 @@ def load_residents(model: GGUFModel, layout: ExpertLayout, hparams: MoEHParams) 
         for proj in ("gate", "up"):
             name = f"blk.{layer}.ffn_{proj}_exps.scale"
             if merged and name in model.tensors:  # llama.cpp creates no up/gate scale for a merged bank
-                raise UnsupportedTypeError(f"tensor {name!r} scales a merged ffn_gate_up_exps bank, which llama.cpp does not load")
+                raise UnsupportedTypeError(
+                    f"tensor {name!r} scales a merged ffn_gate_up_exps bank, which llama.cpp does not load"
+                )
 
     return {
         layer: ResidentLayer.from_tensors(layer, tensor, hparams, token_experts=token_table(layer))

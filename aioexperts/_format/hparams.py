@@ -215,7 +215,15 @@ _RULES: dict[str, _ArchRule] = {
     # per-tensor scales (*_exps.scale, *_shexp.scale) multiply the projections (build_lora_mm_id,
     # build_lora_mm); expert_feed_forward_length may be a per-block array (get_key_or_arr)
     "qwen35moe": _ArchRule(
-        _S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_KEY_OR_FF_DIV_USED, _SH_QWEN2, ff_exp_array=True,
+        _S,
+        _SOFTMAX,
+        _SOFTMAX,
+        True,
+        True,
+        False,
+        _FF_KEY_OR_FF_DIV_USED,
+        _SH_QWEN2,
+        ff_exp_array=True,
         expert_scales=True,
     ),
     # deepseek4.cpp load_arch_hparams + graph: gating key required and must be sqrtsoftplus, norm and scale
@@ -797,7 +805,8 @@ class _Meta:
             raise FormatError(f"{self.key(name)} is a per-block array but {self.key('block_count')} is missing")
         if len(value) != n_layer:
             raise FormatError(
-                f"{self.key(name)} has {len(value)} values, expected one per block ({self.key('block_count')}={n_layer})"
+                f"{self.key(name)} has {len(value)} values, expected one per block "
+                f"({self.key('block_count')}={n_layer})"
             )
         return list(value)
 

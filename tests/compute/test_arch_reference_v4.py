@@ -136,7 +136,7 @@ def _u32s(values: list[int]) -> gb.Arr:
 
 
 def write_model(
-    arch: str, path: Path, geo: Geometry, seed: int, *, vision_bias: bool = False
+    arch: str, path: Path, geo: Geometry, seed: int, *, vision_bias: bool = False, table_fault: str = ""
 ) -> tuple[dict[int, dict[str, np.ndarray]], dict]:
     """Write a 4-block model of ``arch`` (deepseek4: block 3 is a NextN block); returns the float64
     weights of the MoE blocks and the metadata the reference reads."""
@@ -203,7 +203,10 @@ def write_model(
             n_sh = n_ff  # n_ff_exp * expert_shared_count
             if b < meta["hash_layer_count"]:  # {n_expert_used, n_vocab} I32: K distinct experts per token id
                 table = np.stack([rng.choice(N_EXPERT, K, replace=False) for _ in range(N_VOCAB)]).astype(np.int32)
-                f.tensors.append(gb.Tensor(p + "ffn_gate_tid2eid.weight", [K, N_VOCAB], Q.I32, table.tobytes()))
+                if table_fault == "id out of range" and b == 1:
+                    table[N_VOCAB // 2, 1] = N_EXPERT
+                if table_fault != "no table" or b != 1:
+                    f.tensors.append(gb.Tensor(p + "ffn_gate_tid2eid.weight", [K, N_VOCAB], Q.I32, table.tobytes()))
                 w["tid2eid"] = table
             else:
                 w["probs_bias"] = f32(p + "exp_probs_b.bias", (N_EXPERT,), 0.3)
@@ -320,7 +323,7 @@ async def test_hash_routed_layers_need_valid_token_ids_before_any_read(tmp_path:
             ):
                 with pytest.raises(aioexperts.InvalidRequestError) as err:
                     await call()
-                assert ("token id" in str(err.value) or "token_ids" in str(err.value)), what
+                assert "token id" in str(err.value) or "token_ids" in str(err.value), what
         assert session.store.statistics() == before  # nothing was read or even queued
         # a router-routed layer does not need them
         assert (await session.moe(2, x)).shape == x.shape
@@ -369,4 +372,14 @@ async def test_the_image_token_bias_is_refused(tmp_path: Path, anyio_backend: ob
     write_model("deepseek4", path, F32_GEOMETRY, seed=2, vision_bias=True)
     async with moe_session(path, slots=N_EXPERT) as session:
         with pytest.raises(aioexperts.UnsupportedTypeError, match="exp_probs_b_vl"):
+            await session.warmup()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("fault", ["id out of range", "no table"])
+async def test_a_bad_token_table_is_refused(tmp_path: Path, fault: str, anyio_backend: object) -> None:
+    path = tmp_path / "deepseek4.gguf"
+    write_model("deepseek4", path, F32_GEOMETRY, seed=2, table_fault=fault)
+    async with moe_session(path, slots=N_EXPERT) as session:
+        with pytest.raises(aioexperts.FormatError, match="ffn_gate_tid2eid" if fault == "no table" else "outside 0..7"):
             await session.warmup()
