@@ -40,6 +40,7 @@ __all__ = (
     "ARCHITECTURES",
     "LLAMA_CPP_ARCHS",
     "REFUSED",
+    "WHOLE_MODEL_MISSING",
     "Activation",
     "GatingFunc",
     "MoEHParams",
@@ -282,6 +283,16 @@ REFUSED: dict[str, str] = {
     "mistral3": _NOT_REVIEWED,
     "llama-embed": _NOT_REVIEWED,
     "gemma4": _NOT_REVIEWED,
+}
+
+#: Architectures whose MoE layers are served (``open()`` + ``MoERunner``) but whose whole-model forward pass
+#: is not in this library: what ``load()`` lacks for each (the model layer's refusal names it).
+WHOLE_MODEL_MISSING: dict[str, str] = {
+    "deepseek4": "DeepSeek-V4's compressed attention (attn_compressor_*, the indexer), its hyper-connections "
+    "(hc_*) and grouped low-rank output projection (attn_output_a/b) are not implemented; its MoE layers "
+    "run through aioexperts.open() and MoERunner",
+    "qwen35moe": "Qwen3.5-MoE's gated delta net linear attention (ssm_*, attn_qkv/attn_gate) and gated "
+    "full attention are not implemented; its MoE layers run through aioexperts.open() and MoERunner",
 }
 
 #: Every architecture name of llama.cpp's src/llama-arch.cpp (LLM_ARCH_NAMES, read 2026-11-30). A name
