@@ -374,7 +374,9 @@ class MoERunner:
                 the vocabulary of the token tables.
             StoreClosedError: the store is closed.
         """
-        n_tokens = token_ids.shape[0] if isinstance(token_ids, np.ndarray) and token_ids.ndim == 1 else -1
+        if not isinstance(token_ids, np.ndarray) or token_ids.ndim != 1:
+            raise InvalidRequestError(f"token_ids must be a 1-D integer array, got {_describe(token_ids)}")
+        n_tokens = token_ids.shape[0]
         hash_layers = [layer for layer in self._store.layout.layers if self._store.hparams.is_hash_layer(layer)]
         ids = self._checked_token_ids(hash_layers, token_ids, n_tokens)
         keys: list[Key] = []
@@ -485,8 +487,8 @@ class MoERunner:
             raise InvalidRequestError(f"prefetch must be True or False, got {prefetch!r}")
         await self.warmup()
         layer = self._store.layout.layer(layer).index
-        _check_x(x, self._store.hparams.n_embd)
-        ids = self._checked_token_ids([layer], token_ids, len(x))
+        n_rows = _n_rows(x)  # a bad x is refused by _route, before any read
+        ids = None if n_rows is None else self._checked_token_ids([layer], token_ids, n_rows)
         routed = await run_in_worker(self._route, layer, x, None, self._predictor if prefetch else None, None, ids)
         out, io_wait, compute_s = await self._executor_layer(layer, x, routed)
         return MoEResult(routed.ids, routed.weights, out.moe_out, out.shared_out, out.ffn_out, io_wait, compute_s)
@@ -532,9 +534,9 @@ class MoERunner:
         if not isinstance(prefetch, bool):
             raise InvalidRequestError(f"prefetch must be True or False, got {prefetch!r}")
         await self.warmup()
-        _check_x(x, self._store.hparams.n_embd)
         layers = list(self._store.layout.layers) if route_step is None else []
-        ids = self._checked_token_ids(layers, token_ids, len(x))
+        n_rows = _n_rows(x)  # a bad x is refused by the first layer's _route, before any read
+        ids = None if n_rows is None else self._checked_token_ids(layers, token_ids, n_rows)
         chosen = (predictor or self._predictor) if prefetch else None
         token = None
         if self._recorder is not None:
@@ -594,6 +596,11 @@ class MoERunner:
 
     def __repr__(self) -> str:
         return f"<aioexperts.MoERunner over {self._store!r}>"
+
+
+def _n_rows(x: object) -> int | None:
+    """Rows of a 2-D array ``x`` (no scan of its values), or None."""
+    return int(x.shape[0]) if isinstance(x, np.ndarray) and x.ndim == 2 else None
 
 
 def _rows(mask: np.ndarray, limit: int = 8) -> str:

@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from moe_session import moe_session
 
 import aioexperts
+import aioexperts.predictors
 from aioexperts._cli.blockpool import draw_blocks
 from aioexperts._format.hparams import GatingFunc, Status
 
@@ -385,3 +386,34 @@ async def test_a_bad_token_table_is_refused(tmp_path: Path, fault: str, anyio_ba
     async with moe_session(path, slots=N_EXPERT) as session:
         with pytest.raises(aioexperts.FormatError, match="ffn_gate_tid2eid" if fault == "no table" else "outside 0..7"):
             await session.warmup()
+
+
+@pytest.mark.anyio
+async def test_prefetch_token_without_hash_layers_and_with_bad_ids(tmp_path: Path, anyio_backend: object) -> None:
+    path = tmp_path / "qwen35moe.gguf"
+    write_model("qwen35moe", path, F32_GEOMETRY, seed=1)
+    x, token_ids = _inputs(F32_GEOMETRY.n_embd)
+    async with moe_session(path, slots=N_EXPERT) as session:
+        await session.warmup()
+        assert session.prefetch_token(token_ids) == 0  # no hash-routed layer: nothing is certain
+        with pytest.raises(aioexperts.InvalidRequestError, match="1-D integer array"):
+            session.prefetch_token([1, 2])
+        with pytest.raises(aioexperts.InvalidRequestError, match="integer array"):
+            await session.moe(0, x, token_ids=token_ids.astype(np.float64))
+        got = await session.moe_result(0, x, token_ids=token_ids)  # accepted, not needed
+        want = await session.moe_result(0, x)
+        np.testing.assert_array_equal(got.ffn_out, want.ffn_out)
+
+
+@pytest.mark.anyio
+async def test_the_router_predictor_ranks_with_sqrt_softplus(tmp_path: Path, anyio_backend: object) -> None:
+    """On its own layer's input the router predictor names the routed experts, in llama.cpp's order."""
+    path = tmp_path / "deepseek4.gguf"
+    write_model("deepseek4", path, F32_GEOMETRY, seed=11)
+    x, _ = _inputs(F32_GEOMETRY.n_embd)
+    async with moe_session(path, slots=N_EXPERT) as session:
+        await session.warmup()
+        predictor = aioexperts.predictors.make_predictor("router", residents=session.residents, hparams=session.hparams)
+        for row in range(N_TOKENS):
+            got = await session.moe_result(2, x[row : row + 1], prefetch=False)
+            assert predictor.predict(1, 2, x[row : row + 1], K) == got.ids[0].tolist()
