@@ -70,8 +70,10 @@ def sqrt_softplus(x: np.ndarray) -> np.ndarray:
         A new float32 array of the same shape, every value >= 0.
     """
     x = np.asarray(x, dtype=np.float32)
+    # logf(1 + expf(x)) as ggml writes it, not log1p: for x below about -17 the sum rounds to 1 and the
+    # probability is exactly 0 in ggml, so such experts tie (and break ties by id) there as here
     with np.errstate(over="ignore"):
-        soft = np.log1p(np.exp(np.minimum(x, _SOFTPLUS_LINEAR)))
+        soft = np.log(np.float32(1.0) + np.exp(np.minimum(x, _SOFTPLUS_LINEAR)))
     out = np.where(x > _SOFTPLUS_LINEAR, x, soft).astype(np.float32, copy=False)
     return np.sqrt(out)
 

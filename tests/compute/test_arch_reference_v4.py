@@ -99,7 +99,7 @@ def reference_deepseek4(x: np.ndarray, w: dict[str, np.ndarray], block: int, met
     """deepseek4.cpp: build_moe_ffn(SILU, norm_w key, w_scale key, sqrtsoftplus, selected_experts = tid2eid rows
     in the first hash_layer_count blocks with exp_probs_b = nullptr) + build_ffn(shared, SILU, PAR)."""
     logits = x @ w["router"].T
-    softplus = np.where(logits > 20.0, logits, np.log1p(np.exp(np.minimum(logits, 20.0))))
+    softplus = np.where(logits > 20.0, logits, np.log(1.0 + np.exp(np.minimum(logits, 20.0))))  # op_softplus
     probs = np.sqrt(softplus)
     if block < meta["hash_layer_count"]:
         ids = w["tid2eid"][token_ids]
@@ -277,6 +277,11 @@ async def test_moe_block_matches_the_float64_reference(tmp_path: Path, arch: str
                 err = _rel(getattr(got, part), want[part])
                 worst = max(worst, err)
                 assert err < (1e-5 if part == "shared_out" else tol), (block, part, err)
+            one = await session.moe_result(block, x[3:4], token_ids=token_ids[3:4])  # decode: fused kernels
+            np.testing.assert_array_equal(one.ids, want["ids"][3:4])
+            err = _rel(one.moe_out, want["moe_out"][3:4])
+            worst = max(worst, err)
+            assert err < tol, (block, "one token", err)
     MEASURED[f"{arch}-{geo.expert_type.name}"] = worst
     print(f"\n{arch} {geo.expert_type.name}: max rel L2 {worst:.3g} (bound {tol:g})")
 
