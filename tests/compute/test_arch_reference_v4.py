@@ -137,7 +137,14 @@ def _u32s(values: list[int]) -> gb.Arr:
 
 
 def write_model(
-    arch: str, path: Path, geo: Geometry, seed: int, *, vision_bias: bool = False, table_fault: str = ""
+    arch: str,
+    path: Path,
+    geo: Geometry,
+    seed: int,
+    *,
+    vision_bias: bool = False,
+    table_fault: str = "",
+    merged_gate_up: bool = False,
 ) -> tuple[dict[int, dict[str, np.ndarray]], dict]:
     """Write a 4-block model of ``arch`` (deepseek4: block 3 is a NextN block); returns the float64
     weights of the MoE blocks and the metadata the reference reads."""
@@ -200,6 +207,13 @@ def write_model(
             "up": experts(p + "ffn_up_exps.weight", (N_EXPERT, n_ff, n_embd), amp),
             "down": experts(p + "ffn_down_exps.weight", (N_EXPERT, n_embd, n_ff), amp / 2),
         }
+        if merged_gate_up:  # one ffn_gate_up_exps bank {n_embd, 2 n_ff, n_expert}: gate rows, then up rows
+            merged = np.concatenate([w["gate"], w["up"]], axis=1).astype(np.float32)
+            names = (p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight")
+            f.tensors = [t for t in f.tensors if t.name not in names]
+            f.tensors.append(
+                gb.Tensor(p + "ffn_gate_up_exps.weight", list(reversed(merged.shape)), data=merged.tobytes())
+            )
         if arch == "deepseek4":
             n_sh = n_ff  # n_ff_exp * expert_shared_count
             if b < meta["hash_layer_count"]:  # {n_expert_used, n_vocab} I32: K distinct experts per token id
@@ -422,3 +436,24 @@ async def test_the_router_predictor_ranks_with_sqrt_softplus(tmp_path: Path, any
         for row in range(N_TOKENS):
             got = await session.moe_result(2, x[row : row + 1], prefetch=False)
             assert predictor.predict(1, 2, x[row : row + 1], K) == got.ids[0].tolist()
+
+
+@pytest.mark.anyio
+async def test_qwen35moe_gate_or_up_scales_of_a_merged_bank_are_refused(tmp_path: Path, anyio_backend: object) -> None:
+    """llama.cpp creates ffn_{gate,up}_exps.scale only for separate gate and up banks."""
+    path = tmp_path / "qwen35moe.gguf"
+    write_model("qwen35moe", path, F32_GEOMETRY, seed=4, merged_gate_up=True)
+    async with moe_session(path, slots=N_EXPERT) as session:
+        assert session.layout.layers[0].banks[0].merged
+        with pytest.raises(aioexperts.UnsupportedTypeError, match="merged ffn_gate_up_exps"):
+            await session.warmup()
+
+
+def test_qwen35moe_expert_width_may_be_a_per_block_array() -> None:
+    md = {"qwen35moe.block_count": 2, "qwen35moe.embedding_length": 32, "qwen35moe.expert_count": 8,
+          "qwen35moe.expert_used_count": 2, "qwen35moe.expert_feed_forward_length": [16, 16]}  # fmt: skip
+    hp = aioexperts.MoEHParams.from_metadata("qwen35moe", md)
+    assert (hp.n_ff_exp, hp.n_ff_exp_layers, hp.expert_scales) == (16, (16, 16), True)
+    assert hp.gating_func == GatingFunc.SOFTMAX and hp.weights_norm and hp.weights_scale == 1.0
+    with pytest.raises(aioexperts.FormatError, match="one per block"):
+        aioexperts.MoEHParams.from_metadata("qwen35moe", {**md, "qwen35moe.expert_feed_forward_length": [16]})
