@@ -352,7 +352,7 @@ def route(
     table = resident.token_experts
     if table is None:
         raise ConfigError(f"layer {resident.layer} is hash-routed but its resident weights have no token table")
-    x = _check_x(x, resident.n_embd)
+    x = check_activations(x, resident.n_embd)
     ids = check_token_ids(token_ids, len(x), table.shape[0], resident.layer)
     return select_experts(router_logits(x, resident), hparams, None, selected=table[ids])
 

@@ -42,7 +42,8 @@ from aioexperts._model import text as _text
 from aioexperts._model.blocks import BLOCKS, AttentionBlock
 from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
 from aioexperts._model.weights import DenseMatrix, TensorReader
-from aioexperts._options import CacheOptions, IOOptions, PageCacheOptions, PrefetchOptions
+from aioexperts._options import CacheOptions, IOOptions, PageCacheOptions
+from aioexperts._runner import PrefetchOptions
 from aioexperts._pipeline import run_in_worker
 from aioexperts._runner import MoERunner
 from aioexperts._store import ExpertStore
