@@ -25,7 +25,7 @@ from typing import Any
 
 from aioexperts._errors import FormatError, UnsupportedTypeError
 from aioexperts._format.header import SkippedValue
-from aioexperts._format.hparams import MoEHParams, _Meta
+from aioexperts._format.hparams import WHOLE_MODEL_MISSING, MoEHParams, _Meta
 from aioexperts._format.model import GGUFModel
 
 __all__ = (
@@ -318,9 +318,11 @@ def model_hparams(model: GGUFModel) -> ModelHParams:
     arch = model.architecture
     record = ARCHITECTURES.get(arch)
     if record is None:
+        missing = WHOLE_MODEL_MISSING.get(arch)
         raise UnsupportedTypeError(
-            f"architecture {arch!r}: the whole-model forward pass is not implemented for it "
-            f"(supported: {', '.join(sorted(ARCHITECTURES))})"
+            f"architecture {arch!r}: the whole-model forward pass is not implemented for it"
+            + (f": {missing}" if missing else "")
+            + f" (supported: {', '.join(sorted(ARCHITECTURES))})"
         )
     md = _Meta(arch, model.metadata)
     moe = MoEHParams.from_metadata(arch, model.metadata)

@@ -457,3 +457,17 @@ def test_qwen35moe_expert_width_may_be_a_per_block_array() -> None:
     assert hp.gating_func == GatingFunc.SOFTMAX and hp.weights_norm and hp.weights_scale == 1.0
     with pytest.raises(aioexperts.FormatError, match="one per block"):
         aioexperts.MoEHParams.from_metadata("qwen35moe", {**md, "qwen35moe.expert_feed_forward_length": [16]})
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("arch", ["deepseek4", "qwen35moe"])
+async def test_load_refuses_the_whole_model_naming_the_missing_part(
+    arch: str, tmp_path: Path, anyio_backend: object
+) -> None:
+    path = tmp_path / f"{arch}.gguf"
+    write_model(arch, path, F32_GEOMETRY, seed=3)
+    needle = {"deepseek4": "compressed attention", "qwen35moe": "gated delta net"}[arch]
+    with pytest.raises(aioexperts.UnsupportedTypeError, match=needle) as err:
+        async with aioexperts.load(path, io=aioexperts.IOOptions(backend="threads")):
+            pass
+    assert "MoERunner" in str(err.value)  # the MoE layers still run through open() + MoERunner
