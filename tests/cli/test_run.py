@@ -113,7 +113,7 @@ def test_without_a_model_it_runs_the_built_in_model_from_the_cache(tiny_full_mod
     shutil.copy(tiny_full_model, tmp_path / FULL_SPEC.with_(n_layer=2).file_name())
     (tmp_path / "numba").symlink_to(cache_dir().parent)  # the compiled kernels of this session, not a recompile
     env = {**os.environ, "AIOEXPERTS_CACHE": str(tmp_path)}
-    done = run("--layers", "2", "-p", "Hello", "-n", "4", "--io", "threads", env=env)
+    done = run("--layers", "2", "-p", "Hello", "-n", "4", "--temp", "0", "--io", "threads", env=env)
     assert done.returncode == 0, done.stderr
     assert "random" in done.stderr and "writing" not in done.stderr
     assert done.stdout.strip()
