@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import errno
 import mmap
+import re
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import Phase, settings
+
+from aioexperts._io.uring_probe import liburing_unusable_reason
 
 #: ``--hypothesis-profile=find-only``: generate fresh examples without replaying the example
 #: database and without shrinking: does a property test or the store state machine find a bug (a
@@ -60,7 +63,28 @@ def shared_fixture_paths() -> list[Path]:
     return sorted(root.rglob("*.gguf"))
 
 
+def _needs_io_uring(item: pytest.Item) -> bool:
+    """A test that sets up a real io_uring ring: marked, parametrized with it, or using liburing."""
+    if item.get_closest_marker("io_uring") is not None:
+        return True
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "backend" in callspec.params:  # the matrices: fake and uring cases
+        return "uring" in str(callspec.params["backend"]).lower()
+    if re.search(r"uring|(^|_)rings?(_|\[|$)", item.name.lower()) or "ring" in getattr(item, "fixturenames", ()):
+        return True
+    module = getattr(item, "module", None)
+    return module is not None and any(getattr(v, "__name__", None) == "liburing" for v in vars(module).values())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The liburing wheel dies with SIGILL on CPUs without AVX-512 (aioexperts/_io/uring_probe.py):
+    # there the io_uring tests are skipped with that reason, and "auto" runs them on the thread pool.
+    reason = liburing_unusable_reason()
+    if reason is not None:
+        skip = pytest.mark.skip(reason=f"io_uring unusable here: {reason}")
+        for item in items:
+            if _needs_io_uring(item):
+                item.add_marker(skip)
     if os.environ.get("AIOEXPERTS_REQUIRE_FIXTURES") == "1" and shared_fixtures_dir() is None:
         raise pytest.UsageError(
             "AIOEXPERTS_REQUIRE_FIXTURES=1 but no *.gguf is in "

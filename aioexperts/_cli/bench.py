@@ -24,6 +24,7 @@ from rich.console import Console
 
 from .. import __version__
 from .._errors import AioExpertsError, FormatError
+from .._io.uring_probe import liburing_unusable_reason
 from .._options import MAX_QUEUE_DEPTH, MIN_QUEUE_DEPTH
 from .cachestate import DROP_METHOD
 from .common import stdout_closed
@@ -35,6 +36,9 @@ from .readbench import DEFAULT_METHODS, METHODS, ReadBenchConfig, run_read_bench
 from .report import print_sections
 from .results import SCHEMA, UNITS, evaluate_targets, write_results
 from .tokenbench import TARGET_OVERLAP, TokenBenchConfig, run_token_bench
+
+#: Read methods that set up an io_uring ring of their own (the engine, the raw loops).
+URING_METHODS = ("io_uring", "uring", "uring-reused")
 
 __all__ = ("build_parser", "main")
 
@@ -98,6 +102,13 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         parser.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    uring_methods = [m for m in methods if m in URING_METHODS]
+    reason = liburing_unusable_reason() if uring_methods else None
+    if reason is not None:
+        if args.methods != ",".join(DEFAULT_METHODS):
+            parser.error(f"--methods {','.join(uring_methods)} needs io_uring, but {reason}")
+        args._left_out = f"leaving out {', '.join(uring_methods)}: {reason}"
+        methods = [m for m in methods if m not in URING_METHODS]
     if not methods:
         parser.error(f"--methods needs at least one of {', '.join(METHODS)}")
     if args.rounds < 1:
@@ -184,6 +195,8 @@ def _model(args: argparse.Namespace, reporter: Reporter) -> Path:
 
 
 def _run(args: argparse.Namespace, methods: list[str], reporter: Reporter) -> dict[str, Any]:
+    if getattr(args, "_left_out", None):
+        reporter.note(args._left_out)
     path = _model(args, reporter)
     from . import engine_adapter as ea
 

@@ -13,6 +13,7 @@ Everything here runs on any event loop anyio supports (asyncio, uvloop, trio).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,9 +25,11 @@ import numpy as np
 
 import aioexperts
 
+from .._io.uring_probe import liburing_unusable_reason
 from .readlist import ReadList
 
 __all__ = (
+    "engine_backend",
     "BenchEngine",
     "ComputeFn",
     "EngineOptions",
@@ -122,6 +125,12 @@ def model_info(path: str) -> ModelInfo:
     )
 
 
+def engine_backend() -> str:
+    """The backend the bench measures the engine with: io_uring, or the thread pool where the
+    liburing wheel cannot run here (the reason is in the run's log and the results file)."""
+    return "io_uring" if liburing_unusable_reason() is None else "threads"
+
+
 class ReadRecorder:
     """A backend factory: the real io_uring backend, with every submitted read recorded.
 
@@ -138,10 +147,10 @@ class ReadRecorder:
     """
 
     def __init__(
-        self, shard_paths: Sequence[str], backend: str = "io_uring", *, timestamps: bool = False, **options: Any
+        self, shard_paths: Sequence[str], backend: str | None = None, *, timestamps: bool = False, **options: Any
     ) -> None:
         self.shard_paths = tuple(shard_paths)
-        self.backend = backend
+        self.backend = engine_backend() if backend is None else backend
         self.timestamps = timestamps
         self.options = options
         self.reads: list[tuple[int, int, int]] = []
@@ -203,7 +212,7 @@ class EngineOptions:
     """How the bench opens an engine (see ``aioexperts.open``)."""
 
     slots: int
-    backend: Any = "io_uring"
+    backend: Any = dataclasses.field(default_factory=engine_backend)
     queue_depth: int = 64
     prefetch: str = "none"
     policy: str = "lru"

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .._io.uring_probe import liburing_unusable_reason
 from . import engine_adapter as ea
 from .cachestate import DROP_METHOD, drop_page_cache, probe_host_cache
 from .fio import FioError, fio_path, fio_version, run_fio_replay
@@ -257,7 +258,8 @@ def run_read_bench(
         methods = [m for m in methods if m not in ("fio", "fio-readv")]
 
     say_step("recording the engine's reads (first cold pass)")
-    record, reads, _ = run_on_loop(_engine_pass, path, info, steps, cfg, "io_uring", unique, False, loop=cfg.loop)
+    recorder = "io_uring" if liburing_unusable_reason() is None else "threads"  # the same reads either way
+    record, reads, _ = run_on_loop(_engine_pass, path, info, steps, cfg, recorder, unique, False, loop=cfg.loop)
     probe = None
     if cfg.probe_bytes:
         say_step("probing for a host cache below the guest")

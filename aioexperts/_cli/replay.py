@@ -18,6 +18,7 @@ starts, as the engine pre-faults its slab.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import time
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from .._io.uring_probe import liburing_unusable_reason
 from .measure import Clock
 from .readlist import ReadList
 
@@ -179,6 +181,9 @@ def replay_uring(
         ValueError: ``dest`` is smaller than the buffers need.
         OSError: io_uring or ``O_DIRECT`` is not available, or a read failed.
     """
+    reason = liburing_unusable_reason()
+    if reason is not None:
+        raise OSError(errno.ENOSYS, reason)
     import liburing as lu
 
     rows = reads.reads.tolist()

@@ -30,7 +30,7 @@ Say = Callable[[str], None]
 
 
 async def _engine(path: str, info: ea.ModelInfo, steps: list[Any], depth: int) -> tuple[dict[str, float], ReadList]:
-    recorder = ea.ReadRecorder(info.shard_paths, "io_uring")
+    recorder = ea.ReadRecorder(info.shard_paths)
     options = ea.EngineOptions(slots=len(steps) * info.n_expert_used, backend=recorder, queue_depth=depth)
     async with ea.open_engine(path, options) as engine:
         drop_page_cache(info.shard_paths)

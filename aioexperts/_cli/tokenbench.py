@@ -178,7 +178,7 @@ async def _overlap_run(
     unique = len({(layer, int(e)) for t in trace for layer, ids in zip(info.layers, t, strict=True) for e in ids})
     slots = unique if resident else _slots(info, cfg.slab_fraction)
     options = ea.EngineOptions(
-        slots=slots, backend=recorder or "io_uring", queue_depth=cfg.depth, prefetch_budget=info.n_expert_used
+        slots=slots, backend=recorder or ea.engine_backend(), queue_depth=cfg.depth, prefetch_budget=info.n_expert_used
     )
     oracle = OraclePredictor(trace, info.layers)
     x0 = [np.zeros((1, info.n_embd), dtype=np.float32)] * len(trace)
@@ -212,7 +212,7 @@ async def _overlap_run(
 
 async def _executor_run(path: str, info: ea.ModelInfo, fraction: float, cfg: TokenBenchConfig, seed: int) -> Any:
     slots = _slots(info, fraction)
-    options = ea.EngineOptions(slots=slots, backend="io_uring", queue_depth=cfg.depth, prefetch="router")
+    options = ea.EngineOptions(slots=slots, backend=ea.engine_backend(), queue_depth=cfg.depth, prefetch="router")
     rng = np.random.default_rng(seed)
     xs = [rng.standard_normal((1, info.n_embd), dtype=np.float32) for _ in range(cfg.executor_tokens)]
     xs = [(x / np.sqrt(np.mean(x * x))).astype(np.float32) for x in xs]
@@ -325,7 +325,7 @@ async def _run_overlap(
 async def _timeline(
     path: str, info: ea.ModelInfo, trace: np.ndarray, cfg: TokenBenchConfig, seconds_per_layer: float
 ) -> dict[str, Any]:
-    recorder = ea.ReadRecorder(info.shard_paths, "io_uring", timestamps=True)
+    recorder = ea.ReadRecorder(info.shard_paths, timestamps=True)
     times = await _overlap_run(
         path,
         info,

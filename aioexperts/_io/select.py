@@ -14,6 +14,7 @@ from .backends.threads import ThreadBackend
 from .files import ShardFiles
 from .loop import LoopAdapter
 from .slab import Slab
+from .uring_probe import liburing_unusable_reason
 
 __all__ = ("BACKEND_NAMES", "BackendFactory", "create_backend", "io_uring_disabled_sysctl")
 
@@ -60,8 +61,9 @@ def create_backend(
 ) -> tuple[IOBackend, str | None]:
     """Build the backend named ``backend`` (or call a factory).
 
-    ``"auto"`` takes io_uring when its ring can be set up, else the thread pool, logging one
-    warning line with the reason. ``"io_uring"`` and ``"threads"`` force one.
+    ``"auto"`` takes io_uring when its ring can be set up (and the ``liburing`` wheel runs on this
+    CPU: :func:`~aioexperts._io.uring_probe.liburing_unusable_reason`), else the thread pool,
+    logging one warning line with the reason. ``"io_uring"`` and ``"threads"`` force one.
 
     With ``attach=False`` nothing touches the event loop, so this can run in a worker thread (ring
     set-up and buffer registration are blocking system calls); then call ``backend.attach()`` on
@@ -101,8 +103,12 @@ def _build(
         return backend(files, slab, loop, depth), None
     if backend not in BACKEND_NAMES:
         raise ConfigError(f"backend must be one of {', '.join(BACKEND_NAMES)} or a factory, got {backend!r}")
-    reason = None
-    if backend in ("auto", "io_uring"):
+    reason = liburing_unusable_reason() if backend in ("auto", "io_uring") else None
+    if reason is not None:
+        if backend == "io_uring":
+            raise BackendUnavailableError(f"io_uring was requested but {reason}")
+        log.warning("%s; falling back to the thread-pool preadv backend", reason)
+    elif backend in ("auto", "io_uring"):
         try:
             from .backends.uring import UringBackend
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from aioexperts._io.uring_probe import liburing_unusable_reason
+
 from aioexperts._cli import bench
 from aioexperts._cli.synthetic import SyntheticSpec, write_synthetic_model
 
@@ -30,6 +32,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def results(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:  # type: ignore[type-arg]
     out = tmp_path_factory.mktemp("out") / "results.json"
+    reason = liburing_unusable_reason()
+    if reason is not None:  # the figures below are the io_uring engine's against the others
+        pytest.skip(f"io_uring unusable here: {reason}")
     methods = "io_uring,threads,pread,mmap" + (",fio" if shutil.which("fio") else "")
     assert bench.main(["--model", str(model), "--out", str(out), "--methods", methods, *FAST]) == 0
     return json.loads(out.read_text())  # type: ignore[no-any-return]
@@ -104,6 +109,7 @@ def test_loops_are_measured(results: dict) -> None:  # type: ignore[type-arg]
     assert all(v["yield_us"] > 0 for v in results["loops"].values())
 
 
+@pytest.mark.io_uring
 def test_tables_on_stdout_titles_fit_80_columns(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--model", str(model), "--out", "", "--mode", "reads", "--methods", "io_uring,mmap", *FAST]
     assert bench.main(argv) == 0

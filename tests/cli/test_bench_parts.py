@@ -65,6 +65,7 @@ def test_read_list_iolog_and_sizes(tmp_path: Path) -> None:
         ReadList.from_rows(["a b"], [(0, 0, 4096)]).write_fio_iolog(log)
 
 
+@pytest.mark.io_uring
 def test_recorder_sees_exactly_the_engine_reads_and_replays_read_the_same_bytes(model: Path) -> None:
     info = ea.model_info(str(model))
     steps = make_steps(info, 4, seed=1)
