@@ -155,20 +155,6 @@ def test_bad_arguments_and_files_exit_2_with_one_line(
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize(
-    ("probe", "want"), [("pass", "auto"), ("import os, signal; os.kill(os.getpid(), signal.SIGILL)", "threads")]
-)
-def test_io_auto_uses_threads_when_a_ring_probe_process_dies(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], probe: str, want: str
-) -> None:
-    from aioexperts.cli import run as run_cli
-
-    monkeypatch.setattr(run_cli, "_URING_PROBE", probe)
-    assert run_cli._io_backend("auto") == want
-    assert run_cli._io_backend("io_uring") == "io_uring"  # asked for by name: not second-guessed
-    assert ("signal 4" in capsys.readouterr().err) == (want == "threads")
-
-
 def test_sigint_while_a_chat_waits_for_input_exits_130(tiny_full_model: Path) -> None:
     proc = subprocess.Popen(
         [*COMMAND, str(tiny_full_model), "--chat", "-n", "3", "--io", "threads"],
