@@ -16,7 +16,6 @@ import logging
 import os
 import resource
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -404,29 +403,6 @@ async def _run(args: argparse.Namespace, path: str, prompt: str | None, report: 
     return status
 
 
-_URING_PROBE = "import liburing as lu; r = lu.Ring(); lu.io_uring_queue_init(4, r); lu.io_uring_queue_exit(r)"
-
-
-def _io_backend(choice: str) -> str:
-    """``--io auto``: io_uring only if a ring can be set up in a child process.
-
-    On some kernels the ``liburing`` wrapper kills the process (SIGILL) while setting up a ring,
-    which no ``except`` can catch; a child process takes that risk instead (about 0.1 s).
-    """
-    if choice != "auto":
-        return choice
-    try:
-        probe = subprocess.run([sys.executable, "-c", _URING_PROBE], capture_output=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        _say(f"io_uring probe failed ({exc}); using the thread-pool backend")
-        return "threads"
-    if probe.returncode == 0:
-        return "auto"
-    how = f"signal {-probe.returncode}" if probe.returncode < 0 else f"status {probe.returncode}"
-    _say(f"io_uring cannot be set up here (a probe process ended with {how}); using the thread-pool backend")
-    return "threads"
-
-
 def _read_prompt(args: argparse.Namespace) -> str | None:
     if args.file is not None:
         with open(os.path.expanduser(args.file), encoding="utf-8") as f:
@@ -471,7 +447,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if prompt is not None and not prompt:
             raise aioexperts.InvalidRequestError("the prompt is empty")
         path, builtin = _model_path(args)
-        args.io = _io_backend(args.io)
     except KeyboardInterrupt:
         _say("interrupted")
         return INTERRUPTED_STATUS
