@@ -1,6 +1,9 @@
-# One command each: `make bench` sets everything up and runs the benchmark on the built-in model;
-# `make test` sets up and runs the tests. Both create ./.venv from this project's own files.
+# One command each: `make run` sets up and generates text with the built-in full model; `make bench`
+# sets everything up and runs the benchmark on the built-in model; `make test` sets up and runs the
+# tests. All create ./.venv from this project's own files.
 #
+#   make run                        # writes the built-in full model once (~1.5 GB), streams text, prints the stats
+#   make run RUN_ARGS='-p "Hi" -n 32 --temp 0'   # any aioexperts-run option (MODEL.gguf too)
 #   make bench                      # all benches, 5 rounds, writes bench-results.json (about 3-8 min, depending on the disk)
 #   make bench BENCH_ARGS="--rounds 11"   # more rounds, any aioexperts-bench option
 #   make bench-plots                # the same plus the depth/size sweeps and PNGs in docs/img
@@ -11,9 +14,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 BENCH_ARGS ?=
+RUN_ARGS ?= -p "Once upon a time" -n 64
 RESULTS ?= bench-results.json
 
-.PHONY: setup bench bench-plots render test clean
+.PHONY: setup run bench bench-plots render test clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,12 +25,19 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	touch $@
 
+$(BIN)/.text-installed: $(BIN)/.installed
+	$(BIN)/python -m pip install --quiet -e '.[test,text]'
+	touch $@
+
 $(BIN)/.plot-installed: $(BIN)/.installed
 	$(BIN)/python -m pip install --quiet -e '.[test,bench,plot]'
 	touch $@
 
 setup: $(BIN)/.installed
-	@echo "ready: $(BIN)/python, $(BIN)/aioexperts-bench, $(BIN)/aioexperts-map, $(BIN)/aioexperts-trace"
+	@echo "ready: $(BIN)/python, $(BIN)/aioexperts-run, $(BIN)/aioexperts-bench, $(BIN)/aioexperts-map, $(BIN)/aioexperts-trace"
+
+run: $(BIN)/.text-installed
+	$(BIN)/aioexperts-run $(RUN_ARGS)
 
 bench: $(BIN)/.installed
 	$(BIN)/aioexperts-bench --out bench-results.json $(BENCH_ARGS)

@@ -2,11 +2,13 @@
 
 Two objects: :func:`open` gives an :class:`ExpertStore` (files, slab, reads, cache;
 ``store.experts(layer, ids)``), and an :class:`MoERunner` runs MoE layers on top of it
-(``await runner.moe(layer, x)``). The public API is re-exported here; extension points live in
-:mod:`aioexperts.backends`, :mod:`aioexperts.policies` and :mod:`aioexperts.predictors`, cache
-simulations over routing traces in :mod:`aioexperts.traces`, test helpers (synthetic GGUF models,
-a scriptable backend) in :mod:`aioexperts.testing`; the user commands in :mod:`aioexperts.cli`;
-the implementation lives in private modules.
+(``await runner.moe(layer, x)``). :func:`load` runs the whole model on top of both
+(``await model.logits(ids)``, ``model.generate(ids, max_tokens=...)``; docs/model.md).
+The public API is re-exported here; extension points live in :mod:`aioexperts.backends`,
+:mod:`aioexperts.policies` and :mod:`aioexperts.predictors`, cache simulations over routing traces in
+:mod:`aioexperts.traces`, test helpers (synthetic GGUF models, a scriptable backend) in
+:mod:`aioexperts.testing`; the user commands in :mod:`aioexperts.cli`; the implementation lives in
+private modules.
 """
 
 from ._cache.pagecache import PageCacheStatistics as PageCacheStatistics
@@ -14,18 +16,24 @@ from ._cache.stats import StoreStatistics as StoreStatistics
 from ._compute.fused import WarmupReport as WarmupReport
 from ._errors import AioExpertsError as AioExpertsError
 from ._errors import BackendUnavailableError as BackendUnavailableError
+from ._errors import ChatTemplateError as ChatTemplateError
 from ._errors import ConfigError as ConfigError
+from ._errors import ContextLengthError as ContextLengthError
 from ._errors import EvictionPolicyError as EvictionPolicyError
 from ._errors import ExpertReadError as ExpertReadError
 from ._errors import FormatError as FormatError
 from ._errors import InvalidRequestError as InvalidRequestError
 from ._errors import LayoutError as LayoutError
 from ._errors import MissingShardError as MissingShardError
+from ._errors import NonFiniteError as NonFiniteError
+from ._errors import OptionalDependencyError as OptionalDependencyError
 from ._errors import SlabExhaustedError as SlabExhaustedError
 from ._errors import SlotTimeoutError as SlotTimeoutError
 from ._errors import StaleMapError as StaleMapError
 from ._errors import StoreClosedError as StoreClosedError
+from ._errors import TokenizerError as TokenizerError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
+from ._errors import VocabularyError as VocabularyError
 from ._format.expert_map import ExpertMap as ExpertMap
 from ._format.expert_map import check_map_matches_layout as check_map_matches_layout
 from ._format.expert_map import read_expert_map as read_expert_map
@@ -42,6 +50,15 @@ from ._format.model import TensorInfo as TensorInfo
 from ._format.model import open_model as open_model
 from ._format.views import ExpertView as ExpertView
 from ._format.views import ProjectionView as ProjectionView
+from ._model.model import Generation as Generation
+from ._model.model import Model as Model
+from ._model.model import ModelSequence as ModelSequence
+from ._model.model import ModelStatistics as ModelStatistics
+from ._model.model import load as load
+from ._model.text import ChatSession as ChatSession
+from ._model.text import GenerationStatistics as GenerationStatistics
+from ._model.text import TextStream as TextStream
+from ._model.text import TokenStream as TokenStream
 from ._options import CacheOptions as CacheOptions
 from ._options import IOOptions as IOOptions
 from ._options import PageCacheOptions as PageCacheOptions
@@ -56,6 +73,13 @@ from ._runner import RouteStep as RouteStep
 from ._runner import RunnerStatistics as RunnerStatistics
 from ._store import ExpertStore as ExpertStore
 from ._store import open as open  # noqa: A004
+from ._text.chat import ChatTemplate as ChatTemplate
+from ._text.sampling import SampledToken as SampledToken
+from ._text.sampling import Sampler as Sampler
+from ._text.sampling import SamplingOptions as SamplingOptions
+from ._text.sampling import StopMatcher as StopMatcher
+from ._text.tokenizer import IncrementalDecoder as IncrementalDecoder
+from ._text.tokenizer import Tokenizer as Tokenizer
 
 __version__ = "0.2.0"
 
@@ -87,8 +111,12 @@ __all__ = (
     "BackendUnavailableError",
     "Bank",
     "CacheOptions",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "ChatSession",
     "ComputeStep",
     "ConfigError",
+    "ContextLengthError",
     "StoreClosedError",
     "StoreStatistics",
     "EvictionPolicyError",
@@ -99,17 +127,25 @@ __all__ = (
     "ExpertStore",
     "ExpertView",
     "FormatError",
+    "GenerationStatistics",
     "GGUFModel",
+    "Generation",
     "IOOptions",
+    "IncrementalDecoder",
     "InvalidRequestError",
     "LayerStep",
     "LayoutError",
     "MissingShardError",
+    "Model",
+    "ModelSequence",
+    "ModelStatistics",
     "MoEHParams",
     "MoELayer",
     "MoELayersResult",
     "MoEResult",
     "MoERunner",
+    "NonFiniteError",
+    "OptionalDependencyError",
     "PageCacheOptions",
     "PageCacheStatistics",
     "PrefetchOptions",
@@ -117,15 +153,25 @@ __all__ = (
     "RouteStep",
     "RoutingTrace",
     "RunnerStatistics",
+    "SampledToken",
+    "Sampler",
+    "SamplingOptions",
     "Segment",
     "SlabExhaustedError",
     "SlotTimeoutError",
     "StaleMapError",
+    "StopMatcher",
     "TensorInfo",
+    "TextStream",
+    "TokenStream",
+    "Tokenizer",
+    "TokenizerError",
     "UnsupportedTypeError",
+    "VocabularyError",
     "WarmupReport",
     "build_layout",
     "check_map_matches_layout",
+    "load",
     "open",
     "open_model",
     "read_expert_map",

@@ -12,7 +12,9 @@ from __future__ import annotations
 __all__ = (
     "AioExpertsError",
     "BackendUnavailableError",
+    "ChatTemplateError",
     "ConfigError",
+    "ContextLengthError",
     "StoreClosedError",
     "EvictionPolicyError",
     "ExpertReadError",
@@ -20,10 +22,16 @@ __all__ = (
     "InvalidRequestError",
     "LayoutError",
     "MissingShardError",
+    "NonFiniteError",
+
+
+    "OptionalDependencyError",
     "SlabExhaustedError",
     "SlotTimeoutError",
     "StaleMapError",
+    "TokenizerError",
     "UnsupportedTypeError",
+    "VocabularyError",
 )
 
 
@@ -67,6 +75,14 @@ class InvalidRequestError(AioExpertsError, ValueError):
     """A request names a layer or expert that the model does not have; the store stays usable."""
 
 
+class ContextLengthError(InvalidRequestError):
+    """A prompt or a generation would pass the sequence's ``n_ctx`` positions; nothing was truncated."""
+
+
+class NonFiniteError(AioExpertsError, ArithmeticError):
+    """The forward pass produced NaN or inf (a broken model file, or activations beyond float32)."""
+
+
 class BackendUnavailableError(AioExpertsError):
     """A backend that was asked for explicitly cannot run here (io_uring disabled, no O_DIRECT)."""
 
@@ -101,3 +117,28 @@ class EvictionPolicyError(AioExpertsError):
     the request that gets this error holds no pins, and no slot is lost (an entry the policy may
     have lost track of is evicted by the cache itself when its slot is needed).
     """
+
+
+class TokenizerError(AioExpertsError, ValueError):
+    """Text or token ids the tokenizer cannot take: empty text, text that is not UTF-8, an unknown token id.
+
+    Also the base of :class:`VocabularyError`.
+    """
+
+
+class VocabularyError(TokenizerError, FormatError):
+    """A GGUF's ``tokenizer.ggml.*`` keys describe a vocabulary the tokenizer cannot build.
+
+    An unknown ``tokenizer.ggml.model`` or ``tokenizer.ggml.pre`` (named in the message), a missing key,
+    arrays of mismatched lengths or wrong types, duplicate tokens, merges that name unknown tokens,
+    special-token ids out of range.
+    """
+
+
+class ChatTemplateError(AioExpertsError, ValueError):
+    """A chat template does not compile or failed while rendering (its ``raise_exception`` message, a
+    sandbox refusal), or a model file has no chat template."""
+
+
+class OptionalDependencyError(AioExpertsError, ImportError):
+    """A feature needs an optional package that is not installed; the message names the extra to install."""

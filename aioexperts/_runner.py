@@ -26,7 +26,7 @@ from ._cache.cache import Key
 from ._cache.stats import LatencyWindow, to_ms
 from ._checks import check_activations, check_int, describe
 from ._compute.fused import WarmupReport
-from ._compute.moe import MoEOutput, ResidentLayer, moe_forward, route
+from ._compute.moe import MoEOutput, ResidentLayer, check_token_ids, moe_forward, route
 from ._compute.resident import load_residents, warmup_kernels
 from ._errors import ConfigError, InvalidRequestError, SlabExhaustedError
 from ._format.layout import MoELayer
@@ -317,12 +317,13 @@ class MoERunner:
         route_step: RouteStep | None,
         predictor: Predictor | None,
         token: int | None = None,
+        token_ids: np.ndarray | None = None,
     ) -> _Routed:
         """Check ``x``, route and predict (worker thread)."""
         _check_x(x, self._store.hparams.n_embd)
         if route_step is None:
             with np.errstate(over="ignore", invalid="ignore"):  # finite x, logits out of range: refused below
-                ids, weights = route(x, self.residents[layer], self._store.hparams)
+                ids, weights = route(x, self.residents[layer], self._store.hparams, token_ids)
             bad = np.logical_not(np.isfinite(weights).all(axis=1))
             if bad.any():
                 raise InvalidRequestError(
@@ -356,8 +357,66 @@ class MoERunner:
                 predictor.observe(layer, x, ids)
                 if budget:
                     for nxt in self.upcoming_layers(layer):
-                        prefetch.extend((nxt, e) for e in _predicted(predictor, layer, nxt, x, budget))
+                        known = self._hash_experts(nxt, token_ids) if nxt > layer else None  # same tokens
+                        if known is not None:  # a hash-routed layer ahead: its experts are certain
+                            prefetch.extend((nxt, e) for e in known)
+                        else:
+                            prefetch.extend((nxt, e) for e in _predicted(predictor, layer, nxt, x, budget))
         return _Routed(ids, weights, groups, prefetch)
+
+    def _hash_experts(self, layer: int, token_ids: np.ndarray | None) -> list[int] | None:
+        """The distinct experts hash-routed ``layer`` gives ``token_ids`` (slot order), or None when
+        the layer routes by its router or the ids are not known."""
+        if token_ids is None or not self._store.hparams.is_hash_layer(layer):
+            return None
+        table = self.residents[layer].token_experts
+        if table is None:
+            return None
+        return list(dict.fromkeys(table[token_ids].reshape(-1).tolist()))
+
+    def _checked_token_ids(self, layers: Sequence[int], token_ids: object, n_tokens: int) -> np.ndarray | None:
+        """``token_ids`` checked against every hash-routed layer of ``layers``, before any read."""
+        hparams = self._store.hparams
+        for layer in layers:
+            table = self.residents[layer].token_experts if hparams.is_hash_layer(layer) else None
+            if table is not None:
+                return check_token_ids(token_ids, n_tokens, table.shape[0], layer)
+        if token_ids is None:
+            return None
+        if not isinstance(token_ids, np.ndarray) or token_ids.shape != (n_tokens,) or token_ids.dtype.kind not in "iu":
+            raise InvalidRequestError(
+                f"token_ids must be an integer array of shape ({n_tokens},), got {describe(token_ids)}"
+            )
+        return token_ids.astype(np.int64)
+
+    def prefetch_token(self, token_ids: np.ndarray) -> int:
+        """Start loading the experts the hash-routed layers give these tokens, without waiting.
+
+        For a model whose first layers route by token id (DeepSeek-V4's ``hash_layer_count``) the
+        experts of those layers are known exactly as soon as the next token is sampled: call this
+        then, before its attention runs. Other models: nothing to do, returns 0.
+
+        Args:
+            token_ids: ``(n_tokens,)`` integer token ids.
+
+        Returns:
+            The number of loads started.
+
+        Raises:
+            ConfigError: before :meth:`warmup` ran.
+            InvalidRequestError: ``token_ids`` is not ``(n_tokens,)`` integers or an id is outside
+                the vocabulary of the token tables.
+            StoreClosedError: the store is closed.
+        """
+        if not isinstance(token_ids, np.ndarray) or token_ids.ndim != 1:
+            raise InvalidRequestError(f"token_ids must be a 1-D integer array, got {describe(token_ids)}")
+        n_tokens = token_ids.shape[0]
+        hash_layers = [layer for layer in self._store.layout.layers if self._store.hparams.is_hash_layer(layer)]
+        ids = self._checked_token_ids(hash_layers, token_ids, n_tokens)
+        keys: list[Key] = []
+        for layer in hash_layers:
+            keys.extend((layer, e) for e in self._hash_experts(layer, ids) or ())
+        return self._store.prefetch(keys) if keys else 0
 
     async def _step(
         self, layer: int, x: np.ndarray, weights: np.ndarray, group: _Group, compute: ComputeStep, prefetch: list[Key]
@@ -412,7 +471,7 @@ class MoERunner:
 
     # -- entry points ---------------------------------------------------------------------------
 
-    async def moe(self, layer: int, x: np.ndarray) -> np.ndarray:
+    async def moe(self, layer: int, x: np.ndarray, *, token_ids: np.ndarray | None = None) -> np.ndarray:
         """Run MoE layer ``layer`` on ``x``: route, fetch the experts, compute (``ffn_out``).
 
         The router is resident; the chosen experts come through the store; the executor runs in
@@ -421,6 +480,10 @@ class MoERunner:
         Args:
             layer: block index of a MoE layer.
             x: ``(n_tokens, n_embd)`` float32, the MoE block's input (after the FFN norm).
+            token_ids: ``(n_tokens,)`` integer token ids of the rows of ``x``. Required in a layer
+                that routes by token id (DeepSeek-V4's first ``hash_layer_count`` layers:
+                ``MoEHParams.is_hash_layer``); elsewhere they let the prefetch of hash-routed layers
+                ahead fetch exactly the experts those tokens will use.
 
         Returns:
             ``(n_tokens, n_embd)`` float32: routed experts plus shared experts (llama.cpp's
@@ -428,7 +491,9 @@ class MoERunner:
 
         Raises:
             InvalidRequestError: no such layer, ``x`` has the wrong dtype or shape or holds NaN or
-                inf, or finite values so large that the experts' output overflows float32.
+                inf, or finite values so large that the experts' output overflows float32;
+                ``token_ids`` missing in a hash-routed layer, not ``(n_tokens,)`` integers, or an id
+                outside the vocabulary (all checked before any expert is read).
             SlabExhaustedError, ExpertReadError, StoreClosedError: as
                 :meth:`ExpertStore.experts`.
 
@@ -436,15 +501,18 @@ class MoERunner:
             As :meth:`ExpertStore.experts`; an executor call already running finishes in its
             thread first, with the experts still pinned.
         """
-        return (await self.moe_result(layer, x)).ffn_out
+        return (await self.moe_result(layer, x, token_ids=token_ids)).ffn_out
 
-    async def moe_result(self, layer: int, x: np.ndarray, *, prefetch: bool = True) -> MoEResult:
+    async def moe_result(
+        self, layer: int, x: np.ndarray, *, prefetch: bool = True, token_ids: np.ndarray | None = None
+    ) -> MoEResult:
         """Like :meth:`moe`, returning the routing and every partial output.
 
         Args:
             layer: block index of a MoE layer.
             x: ``(n_tokens, n_embd)`` float32.
             prefetch: observe the routing and prefetch the upcoming layers' predicted experts.
+            token_ids: as :meth:`moe`.
 
         Raises:
             As :meth:`moe`.
@@ -453,7 +521,9 @@ class MoERunner:
             raise InvalidRequestError(f"prefetch must be True or False, got {prefetch!r}")
         await self.warmup()
         layer = self._store.layout.layer(layer).index
-        routed = await run_in_worker(self._route, layer, x, None, self._predictor if prefetch else None)
+        n_rows = _n_rows(x)  # a bad x is refused by _route, before any read
+        ids = None if n_rows is None else self._checked_token_ids([layer], token_ids, n_rows)
+        routed = await run_in_worker(self._route, layer, x, None, self._predictor if prefetch else None, None, ids)
         out, io_wait, compute_s = await self._executor_layer(layer, x, routed)
         return MoEResult(routed.ids, routed.weights, out.moe_out, out.shared_out, out.ffn_out, io_wait, compute_s)
 
@@ -477,6 +547,7 @@ class MoERunner:
         compute: ComputeStep | None = None,
         predictor: Predictor | None = None,
         prefetch: bool = True,
+        token_ids: np.ndarray | None = None,
     ) -> MoELayersResult:
         """Run every MoE layer for one token (or a batch), in order, with prefetch ahead.
 
@@ -491,7 +562,10 @@ class MoERunner:
                 larger than the slab runs in groups, as in :meth:`moe`). A custom step must fit
                 each layer's experts in the slab.
             predictor: overrides the runner's predictor for this call.
-            prefetch: prefetch the upcoming layers' predicted experts.
+            prefetch: prefetch the upcoming layers' predicted experts (a hash-routed layer ahead:
+                exactly the experts ``token_ids`` give).
+            token_ids: ``(n_tokens,)`` integer token ids of the rows of ``x``; required when the
+                model has hash-routed layers (as :meth:`moe`) and no ``route_step`` is given.
 
         Raises:
             As :meth:`moe`.
@@ -506,6 +580,9 @@ class MoERunner:
         if not isinstance(prefetch, bool):
             raise InvalidRequestError(f"prefetch must be True or False, got {prefetch!r}")
         await self.warmup()
+        layers = list(self._store.layout.layers) if route_step is None else []
+        n_rows = _n_rows(x)  # a bad x is refused by the first layer's _route, before any read
+        ids = None if n_rows is None else self._checked_token_ids(layers, token_ids, n_rows)
         chosen = (predictor or self._predictor) if prefetch else None
         token = None
         if self._recorder is not None:
@@ -513,7 +590,7 @@ class MoERunner:
                 token = self._recorder.reserve(len(x))
         steps = []
         for layer in self._store.layout.layers:
-            routed = await run_in_worker(self._route, layer, x, route_step, chosen, token)
+            routed = await run_in_worker(self._route, layer, x, route_step, chosen, token, ids)
             if compute is None:
                 out, io_wait, compute_s = await self._executor_layer(layer, x, routed)
                 step = LayerStep(layer, routed.ids, routed.weights, out.ffn_out, io_wait, compute_s)
@@ -565,6 +642,11 @@ class MoERunner:
 
     def __repr__(self) -> str:
         return f"<aioexperts.MoERunner over {self._store!r}>"
+
+
+def _n_rows(x: object) -> int | None:
+    """Rows of a 2-D array ``x`` (no scan of its values), or None."""
+    return int(x.shape[0]) if isinstance(x, np.ndarray) and x.ndim == 2 else None
 
 
 def _rows(mask: np.ndarray, limit: int = 8) -> str:

@@ -171,3 +171,19 @@ def golden_tolerance(path: Path) -> float:
 def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
     """``|got - want| / |want|`` in float64."""
     return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
+
+
+#: The built-in full model's layout at a test size: 2 layers, small dims, a 600-token vocabulary.
+TINY_FULL_SPEC_FIELDS = {
+    "n_layer": 2, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_expert": 4, "n_expert_used": 2,
+    "n_ff_exp": 256, "vocab_size": 600, "context_length": 512,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_full_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small built-in full model (tokenizer, ChatML template, random weights), written once per session."""
+    from aioexperts.testing._full_model import FullModelSpec, write_full_model
+
+    path = tmp_path_factory.mktemp("fullmodel") / "tiny-full.gguf"
+    return write_full_model(path, FullModelSpec(**TINY_FULL_SPEC_FIELDS))  # type: ignore[arg-type]

@@ -64,6 +64,7 @@ def ensure_bench_model(
     on_build: Callable[[Path], None] | None = None,
     on_wait: Callable[[], None] | None = None,
     progress: Progress | None = None,
+    write: Callable[[Path, Progress | None], object] | None = None,
 ) -> Path:
     """The built-in model's path, building it first when it is missing (or ``rebuild``).
 
@@ -75,6 +76,8 @@ def ensure_bench_model(
         on_build: called with the path before a build starts.
         on_wait: called once if another process holds the build lock.
         progress: ``(bytes written, total)`` during a build.
+        write: writes the model to the temporary path it is given, with ``progress`` (default: the
+            MoE-only model of ``spec``); another built-in model passes its own writer and ``path``.
 
     Returns:
         The model's path.
@@ -96,7 +99,10 @@ def ensure_bench_model(
         os.close(fd)
         tmp = Path(tmp_name)
         try:
-            write_synthetic_model(tmp, spec or BENCH_SPEC, progress=progress)
+            if write is None:
+                write_synthetic_model(tmp, spec or BENCH_SPEC, progress=progress)
+            else:
+                write(tmp, progress)
             os.chmod(tmp, 0o644)
             os.replace(tmp, target)
         except BaseException:

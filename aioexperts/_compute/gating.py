@@ -12,7 +12,7 @@ from aioexperts._checks import describe
 from aioexperts._errors import ConfigError, InvalidRequestError
 from aioexperts._format.hparams import GatingFunc, MoEHParams
 
-__all__ = ("WEIGHTS_SUM_MIN", "select_experts", "sigmoid", "softmax")
+__all__ = ("WEIGHTS_SUM_MIN", "select_experts", "sigmoid", "softmax", "sqrt_softplus")
 
 WEIGHTS_SUM_MIN = np.float32(6.103515625e-5)
 """Lower clamp of the weight sum before normalising: the smallest normal float16 (llama.cpp)."""
@@ -55,6 +55,30 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return out
 
 
+_SOFTPLUS_LINEAR = np.float32(20.0)  # ggml op_softplus: x above 20 is returned as is
+
+
+def sqrt_softplus(x: np.ndarray) -> np.ndarray:
+    """``sqrt(softplus(x))`` in float32, as ``ggml_sqrt(ggml_softplus(x))`` computes it (DeepSeek-V4).
+
+    ggml's softplus (ggml-cpu unary-ops.cpp ``op_softplus``) is ``x`` for ``x > 20``, else
+    ``log(1 + exp(x))``.
+
+    Args:
+        x: float32 array of any shape.
+
+    Returns:
+        A new float32 array of the same shape, every value >= 0.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    # logf(1 + expf(x)) as ggml writes it, not log1p: for x below about -17 the sum rounds to 1 and the
+    # probability is exactly 0 in ggml, so such experts tie (and break ties by id) there as here
+    with np.errstate(over="ignore"):
+        soft = np.log(np.float32(1.0) + np.exp(np.minimum(x, _SOFTPLUS_LINEAR)))
+    out = np.where(x > _SOFTPLUS_LINEAR, x, soft).astype(np.float32, copy=False)
+    return np.sqrt(out)
+
+
 def _top_k_desc(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest values per row, largest first; ties keep the lower index first.
 
@@ -70,13 +94,15 @@ def select_experts(
     logits: np.ndarray,
     hparams: MoEHParams,
     selection_bias: np.ndarray | None = None,
+    selected: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Choose each token's experts and their weights from the router logits.
 
     Mirrors llama.cpp ``build_moe_ffn`` (src/llama-graph.cpp) step by step:
 
     1. probabilities (``ffn_moe_probs``): ``softmax(logits)`` (gating 1), ``sigmoid(logits)``
-       (gating 2), or the raw logits (gating 3, ``SOFTMAX_WEIGHT``);
+       (gating 2), the raw logits (gating 3, ``SOFTMAX_WEIGHT``), or ``sqrt(softplus(logits))``
+       (gating 4, ``SQRT_SOFTPLUS``, DeepSeek-V4);
     2. selection scores (``ffn_moe_probs_biased``): ``probs + selection_bias`` when a bias
        (``exp_probs_b``) is given; the bias only steers the choice, the weights come from ``probs``;
        with ``hparams.select_on_logits`` (llama4) the raw logits are the selection scores;
@@ -85,6 +111,8 @@ def select_experts(
        two largest selection scores, the ``n_group_used`` best groups are kept and every expert of the
        other groups gets ``-inf`` (not 0: biased scores can be negative);
     4. top-k (``ffn_moe_topk``): the ``n_expert_used`` largest selection scores, largest first;
+       or, when ``selected`` is given (``selected_experts_in``: DeepSeek-V4's hash-routed layers look
+       the ids up by token id), exactly those ids, and steps 2-3 do not matter;
     5. weights (``ffn_moe_weights``): ``probs`` gathered at the selected ids; for gating 3 a softmax
        over those k values (``ffn_moe_weights_softmax``);
     6. ``weights_norm`` (``ffn_moe_weights_norm``): divide by the row sum clamped below at
@@ -96,6 +124,8 @@ def select_experts(
             width, which for a pruned mixed-tier layer may be smaller than ``hparams.n_expert``.
         hparams: the model's MoE parameters (gating, k, groups, norm, scale).
         selection_bias: optional ``(n_expert,)`` float32 selection bias (``blk.L.exp_probs_b.bias``).
+        selected: optional ``(n_tokens, k)`` integer ids chosen outside the router (the rows of
+            ``blk.L.ffn_gate_tid2eid.weight`` for the tokens); the weights are still the router's.
 
     Returns:
         ``(ids, weights)``: ``ids`` ``(n_tokens, k)`` int32 in llama.cpp's order (descending selection
@@ -103,7 +133,8 @@ def select_experts(
         of those ids.
 
     Raises:
-        InvalidRequestError: ``logits`` or ``selection_bias`` is not float32 or has the wrong shape.
+        InvalidRequestError: ``logits`` or ``selection_bias`` is not float32 or has the wrong shape, or
+            ``selected`` is not ``(n_tokens, k)`` ids in ``0..n_expert-1``.
         ConfigError: ``k`` exceeds the layer's experts, or the groups do not divide them.
     """
     if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or logits.ndim != 2:
@@ -120,6 +151,8 @@ def select_experts(
         probs = sigmoid(logits)
     elif gating == GatingFunc.SOFTMAX_WEIGHT:
         probs = logits
+    elif gating == GatingFunc.SQRT_SOFTPLUS:
+        probs = sqrt_softplus(logits)
     else:  # pragma: no cover - GatingFunc is closed
         raise ConfigError(f"unsupported gating function {gating!r}")
 
@@ -139,10 +172,24 @@ def select_experts(
         # llama4: "sigmoid is only used after top_k" (build_moe_ffn: selection_probs = logits)
         selection = logits
 
-    if hparams.n_expert_groups > 1 and n_tokens > 0:
-        selection = _mask_groups(selection, hparams.n_expert_groups, hparams.n_group_used, k)
-
-    ids = _top_k_desc(selection, k)
+    if selected is not None:
+        if (
+            not isinstance(selected, np.ndarray)
+            or selected.shape != (n_tokens, k)
+            or not np.issubdtype(selected.dtype, np.integer)
+        ):
+            raise InvalidRequestError(
+                f"selected must be integer ids of shape ({n_tokens}, {k}), got {describe(selected)}"
+            )
+        if selected.size and (int(selected.min()) < 0 or int(selected.max()) >= n_expert):
+            raise InvalidRequestError(
+                f"selected expert ids must be in 0..{n_expert - 1}, got {int(selected.min())}..{int(selected.max())}"
+            )
+        ids = selected.astype(np.int64)
+    else:
+        if hparams.n_expert_groups > 1 and n_tokens > 0:
+            selection = _mask_groups(selection, hparams.n_expert_groups, hparams.n_group_used, k)
+        ids = _top_k_desc(selection, k)
     weights = np.take_along_axis(probs, ids, axis=1)
     if gating == GatingFunc.SOFTMAX_WEIGHT:
         weights = softmax(weights)

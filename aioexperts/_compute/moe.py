@@ -29,11 +29,11 @@ from aioexperts._checks import check_activations, describe
 from aioexperts._compute import fused as _fused
 from aioexperts._compute.gating import select_experts
 from aioexperts._compute.pool import compute_pool
-from aioexperts._errors import ConfigError, InvalidRequestError
+from aioexperts._errors import ConfigError, FormatError, InvalidRequestError
 from aioexperts._format.hparams import Activation, MoEHParams
 from aioexperts._format.views import ExpertView, ProjectionView
 
-__all__ = ("MoEOutput", "ResidentLayer", "moe_forward", "route", "router_logits")
+__all__ = ("MoEOutput", "ResidentLayer", "check_token_ids", "moe_forward", "route", "router_logits")
 
 TensorGetter = Callable[[str], "np.ndarray | None"]
 """``tensor(name) -> float32 array in numpy order, or None when the model has no such tensor``."""
@@ -67,6 +67,14 @@ class ResidentLayer:
         shexp_down: ``blk.L.ffn_down_shexp.weight``, ``(n_embd, n_ff_shexp)`` or None.
         shexp_gate_inp: ``blk.L.ffn_gate_inp_shexp.weight``, ``(n_embd,)`` or None: when present the
             shared output is multiplied by ``sigmoid(x . shexp_gate_inp)`` (Qwen2-MoE, Qwen3-Next).
+        token_experts: ``blk.L.ffn_gate_tid2eid.weight``, ``(n_vocab, k)`` int32 or None: the experts
+            of each token id in a hash-routed layer (DeepSeek-V4), in slot order.
+        gate_exps_scale, up_exps_scale, down_exps_scale: ``blk.L.ffn_{gate,up,down}_exps.scale``,
+            ``(n_layer_experts,)`` float32 or None: each expert's projection output is multiplied by
+            its factor (qwen35moe; llama-graph.cpp ``build_lora_mm_id``).
+        shexp_gate_scale, shexp_up_scale, shexp_down_scale: ``blk.L.ffn_{gate,up,down}_shexp.scale``
+            (one value) or None: the shared expert's projections are multiplied by them (qwen35moe;
+            ``build_lora_mm``).
     """
 
     layer: int
@@ -80,6 +88,13 @@ class ResidentLayer:
     shexp_up: np.ndarray | None = None
     shexp_down: np.ndarray | None = None
     shexp_gate_inp: np.ndarray | None = None
+    token_experts: np.ndarray | None = None
+    gate_exps_scale: np.ndarray | None = None
+    up_exps_scale: np.ndarray | None = None
+    down_exps_scale: np.ndarray | None = None
+    shexp_gate_scale: float | None = None
+    shexp_up_scale: float | None = None
+    shexp_down_scale: float | None = None
 
     def __post_init__(self) -> None:
         router = _f32_matrix("router", self.router, None)
@@ -87,8 +102,20 @@ class ResidentLayer:
         if n_exp == 0 or n_embd == 0:
             raise ConfigError(f"layer {self.layer}: empty router of shape {router.shape}")
         object.__setattr__(self, "router", router)
-        for name in ("router_bias", "selection_bias"):
+        for name in ("router_bias", "selection_bias", "gate_exps_scale", "up_exps_scale", "down_exps_scale"):
             object.__setattr__(self, name, _f32_vector(name, getattr(self, name), n_exp))
+        table = self.token_experts
+        if table is not None:
+            if not isinstance(table, np.ndarray) or table.ndim != 2 or not np.issubdtype(table.dtype, np.integer):
+                raise ConfigError(
+                    f"layer {self.layer}: token_experts must be a 2-D integer array, got {describe(table)}"
+                )
+            if table.size and (int(table.min()) < 0 or int(table.max()) >= n_exp):
+                raise FormatError(
+                    f"layer {self.layer}: the token-to-expert table (ffn_gate_tid2eid) holds ids "
+                    f"{int(table.min())}..{int(table.max())}, outside 0..{n_exp - 1}"
+                )
+            object.__setattr__(self, "token_experts", np.ascontiguousarray(table, dtype=np.int32))
         for name in ("gate_exps_bias", "up_exps_bias"):
             value = getattr(self, name)
             if value is not None:
@@ -142,7 +169,13 @@ class ResidentLayer:
         return self.shexp_gate is not None
 
     @classmethod
-    def from_tensors(cls, layer: int, tensor: TensorGetter, hparams: MoEHParams) -> ResidentLayer:
+    def from_tensors(
+        cls,
+        layer: int,
+        tensor: TensorGetter,
+        hparams: MoEHParams,
+        token_experts: np.ndarray | None = None,
+    ) -> ResidentLayer:
         """Collect a layer's resident weights through ``tensor(name)``.
 
         Tensor names are those of docs/notes/FORMATS.md section 1: ``blk.L.ffn_gate_inp.weight`` (required),
@@ -156,6 +189,8 @@ class ResidentLayer:
             tensor: returns the named tensor as a float32 array in numpy order (ggml dims reversed),
                 dequantized, or None when the model has no such tensor.
             hparams: the model's MoE parameters; used to refuse dense layers and check widths.
+            token_experts: ``blk.L.ffn_gate_tid2eid.weight`` as ``(n_vocab, k)`` integers (ggml
+                ``{k, n_vocab}`` I32), required for a hash-routed layer (``hparams.is_hash_layer``).
 
         Returns:
             The layer's resident weights.
@@ -163,6 +198,8 @@ class ResidentLayer:
         Raises:
             ConfigError: the layer is one of the leading dense blocks or out of range, the router is
                 missing, a tensor is not float32, or shapes disagree (the message has the numbers).
+            FormatError: a hash-routed layer has no token table, or the table's shape or ids do not
+                fit the layer.
         """
         if not hparams.is_moe_layer(layer):
             raise ConfigError(
@@ -200,6 +237,34 @@ class ResidentLayer:
             half = gate_up_b.shape[1] // 2
             gate_b, up_b = gate_up_b[:, :half], gate_up_b[:, half:]
 
+        if hparams.is_hash_layer(layer):
+            if token_experts is None:
+                raise FormatError(
+                    f"layer {layer} is hash-routed ({hparams.arch}.hash_layer_count={hparams.n_hash_layers}) "
+                    f"but the model has no {prefix}ffn_gate_tid2eid.weight"
+                )
+            if token_experts.ndim != 2 or token_experts.shape[1] != hparams.n_expert_used:
+                raise FormatError(
+                    f"{prefix}ffn_gate_tid2eid.weight is {tuple(reversed(token_experts.shape))} (ggml order), "
+                    f"expected {{{hparams.n_expert_used}, n_vocab}}"
+                )
+        else:
+            token_experts = None
+
+        def one(name: str) -> float | None:
+            value = tensor(name)
+            if value is None:
+                return None
+            if value.size != 1:
+                raise ConfigError(f"{name} has {value.size} values, expected 1")
+            return float(value.reshape(-1)[0])
+
+        scaled = hparams.expert_scales
+
+        def scale(name: str) -> np.ndarray | None:
+            value = tensor(name) if scaled else None
+            return None if value is None else value.reshape(-1)
+
         resident = cls(
             layer=layer,
             router=router,
@@ -212,15 +277,18 @@ class ResidentLayer:
             shexp_up=tensor(prefix + "ffn_up_shexp.weight"),
             shexp_down=tensor(prefix + "ffn_down_shexp.weight"),
             shexp_gate_inp=tensor(prefix + "ffn_gate_inp_shexp.weight"),
+            token_experts=token_experts,
+            gate_exps_scale=scale(prefix + "ffn_gate_exps.scale"),
+            up_exps_scale=scale(prefix + "ffn_up_exps.scale"),
+            down_exps_scale=scale(prefix + "ffn_down_exps.scale"),
+            shexp_gate_scale=one(prefix + "ffn_gate_shexp.scale") if scaled else None,
+            shexp_up_scale=one(prefix + "ffn_up_shexp.scale") if scaled else None,
+            shexp_down_scale=one(prefix + "ffn_down_shexp.scale") if scaled else None,
         )
-        if (
-            resident.gate_exps_bias is not None
-            and hparams.n_ff_exp
-            and resident.gate_exps_bias.shape[1] != hparams.n_ff_exp
-        ):
+        width = hparams.expert_width(layer)
+        if resident.gate_exps_bias is not None and width and resident.gate_exps_bias.shape[1] != width:
             raise ConfigError(
-                f"layer {layer}: expert biases are {resident.gate_exps_bias.shape[1]} wide, "
-                f"n_ff_exp is {hparams.n_ff_exp}"
+                f"layer {layer}: expert biases are {resident.gate_exps_bias.shape[1]} wide, n_ff_exp is {width}"
             )
         return resident
 
@@ -249,25 +317,73 @@ def router_logits(x: np.ndarray, resident: ResidentLayer) -> np.ndarray:
     return logits
 
 
-def route(x: np.ndarray, resident: ResidentLayer, hparams: MoEHParams) -> tuple[np.ndarray, np.ndarray]:
+def route(
+    x: np.ndarray, resident: ResidentLayer, hparams: MoEHParams, token_ids: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Choose the experts of each token: :func:`router_logits`, then :func:`select_experts`.
+
+    In a hash-routed layer (``hparams.is_hash_layer``, DeepSeek-V4's first ``hash_layer_count``
+    blocks) the ids are the rows of ``resident.token_experts`` for ``token_ids`` and no selection
+    bias applies; the router still gives the weights (deepseek4.cpp: ``selected_experts =
+    ggml_get_rows(ffn_gate_tid2eid, inp_tokens)``, ``exp_probs_b = nullptr``).
 
     Args:
         x: ``(n_tokens, n_embd)`` float32, the MoE block's input (after the FFN norm).
         resident: the layer's resident weights (router, optional router and selection biases).
         hparams: the model's MoE parameters.
+        token_ids: ``(n_tokens,)`` integer token ids of the rows of ``x``; required in a hash-routed
+            layer, ignored elsewhere.
 
     Returns:
         ``(ids, weights)``, both ``(n_tokens, n_expert_used)``: int32 ids in llama.cpp's order and
         float32 routing weights (normalised and scaled as the model says).
 
     Raises:
-        InvalidRequestError: ``x`` has the wrong dtype or shape.
-        ConfigError: ``hparams`` does not fit the router (``n_embd``, k, groups).
+        InvalidRequestError: ``x`` has the wrong dtype or shape; in a hash-routed layer
+            ``token_ids`` is missing, not ``(n_tokens,)`` integers, or a token id is outside the
+            table's vocabulary.
+        ConfigError: ``hparams`` does not fit the router (``n_embd``, k, groups), or a hash-routed
+            layer has no token table.
     """
     if resident.n_embd != hparams.n_embd:
         raise ConfigError(f"resident layer has n_embd={resident.n_embd}, hparams n_embd={hparams.n_embd}")
-    return select_experts(router_logits(x, resident), hparams, resident.selection_bias)
+    if not hparams.is_hash_layer(resident.layer):
+        return select_experts(router_logits(x, resident), hparams, resident.selection_bias)
+    table = resident.token_experts
+    if table is None:
+        raise ConfigError(f"layer {resident.layer} is hash-routed but its resident weights have no token table")
+    x = check_activations(x, resident.n_embd)
+    ids = check_token_ids(token_ids, len(x), table.shape[0], resident.layer)
+    return select_experts(router_logits(x, resident), hparams, None, selected=table[ids])
+
+
+def check_token_ids(token_ids: object, n_tokens: int, n_vocab: int, layer: int) -> np.ndarray:
+    """``token_ids`` as ``(n_tokens,)`` int64 ids in ``0..n_vocab-1``, or InvalidRequestError.
+
+    Args:
+        token_ids: the token ids of the rows of a hash-routed layer's input.
+        n_tokens: rows of the input.
+        n_vocab: rows of the layer's token table (``ffn_gate_tid2eid``).
+        layer: the block index, for the message.
+
+    Raises:
+        InvalidRequestError: missing, wrong shape or dtype, or an id out of range.
+    """
+    if token_ids is None:
+        raise InvalidRequestError(
+            f"layer {layer} routes by token id (hash-routed, ffn_gate_tid2eid): pass the token ids of the rows, "
+            "token_ids=..."
+        )
+    if not isinstance(token_ids, np.ndarray) or token_ids.shape != (n_tokens,) or token_ids.dtype.kind not in "iu":
+        raise InvalidRequestError(
+            f"token_ids must be an integer array of shape ({n_tokens},), got {describe(token_ids)}"
+        )
+    if n_tokens and (int(token_ids.min()) < 0 or int(token_ids.max()) >= n_vocab):
+        raise InvalidRequestError(
+            f"layer {layer}: token ids must be in 0..{n_vocab - 1} (the table's vocabulary), "
+            f"got {int(token_ids.min())}..{int(token_ids.max())}"
+        )
+    return token_ids.astype(np.int64)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -373,7 +489,7 @@ def moe_forward(
         views = _lookup_views(experts, uniq, resident.layer)
         ends = np.append(starts[1:], chosen.size)
         for e, view, lo, hi in zip(uniq.tolist(), views, starts.tolist(), ends.tolist(), strict=True):
-            _check_view(view, e, n_embd, hparams.n_ff_exp)  # every view, before any work starts
+            _check_view(view, e, n_embd, hparams.expert_width(resident.layer))  # every view, before any work
             groups.append((e, view, positions[lo:hi]))
 
     flat_weights = weights.reshape(-1)
@@ -383,7 +499,7 @@ def moe_forward(
         # the runner refuses a non-finite output with InvalidRequestError
         with np.errstate(over="ignore", invalid="ignore"):
             if group is None:
-                return _shared_forward(x, resident)
+                return _shared_forward(x, resident, hparams.shared_clamp(resident.layer))
             e, view, pos = group
             # llama4 (weight_before_ffn): each slot's input is scaled by its weight, outputs sum unweighted
             in_scale = flat_weights[pos] if hparams.weights_before_experts else None
@@ -429,7 +545,7 @@ def _expert_forward(
     ``in_scale`` (``(n,)`` float32, llama4's ``weight_before_ffn``) multiplies each row of ``x`` first.
     """
     n_embd = hparams.n_embd
-    n_ff_exp, n_ff_down = _check_view(view, expert, n_embd, hparams.n_ff_exp)
+    n_ff_exp, n_ff_down = _check_view(view, expert, n_embd, hparams.expert_width(resident.layer))
     n = rows.size
     xs = ws.take(x, rows, "xs")
     if in_scale is not None:
@@ -437,6 +553,10 @@ def _expert_forward(
 
     g = _project(view.gate, xs, ws.buf("g", (n, n_ff_exp)))
     u = _project(view.up, xs, ws.buf("u", (n, n_ff_exp)))
+    if resident.gate_exps_scale is not None:  # build_lora_mm_id: before the bias
+        g *= resident.gate_exps_scale[expert]
+    if resident.up_exps_scale is not None:
+        u *= resident.up_exps_scale[expert]
     if resident.gate_exps_bias is not None and resident.up_exps_bias is not None:  # both or neither
         g += resident.gate_exps_bias[expert]
         u += resident.up_exps_bias[expert]
@@ -448,7 +568,10 @@ def _expert_forward(
     else:
         act = act_view = ws.buf("act", (n, n_ff_exp))
     tmp = ws.buf("tmp", (n, n_ff_exp))
-    if hparams.activation is Activation.SWIGLU_OAI:
+    limit = hparams.expert_clamp(resident.layer)
+    if limit:
+        _swiglu_clamp(g, u, tmp, act_view, limit)
+    elif hparams.activation is Activation.SWIGLU_OAI:
         _swiglu_oai(g, u, tmp, act_view, hparams.swiglu_alpha, hparams.swiglu_limit)
     elif hparams.activation is Activation.GELU:
         _geglu(g, u, tmp, act_view)
@@ -456,6 +579,8 @@ def _expert_forward(
         _swiglu(g, u, tmp, act_view)
 
     out = _project(view.down, act, None)
+    if resident.down_exps_scale is not None:
+        out *= resident.down_exps_scale[expert]
     if resident.down_exps_bias is not None:
         out += resident.down_exps_bias[expert]
     return out
@@ -469,6 +594,15 @@ def _swiglu(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> N
     tmp += np.float32(1.0)
     np.divide(g, tmp, out=g)
     np.multiply(g, u, out=out)
+
+
+def _swiglu_clamp(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray, limit: float) -> None:
+    """``ggml_swiglu_clamp`` (ggml-cpu ops.cpp, DeepSeek-V4): ``gate = min(g, limit)``,
+    ``up = clamp(u, -limit, limit)``, ``out = silu(gate) * up``; clobbers g, u and tmp."""
+    lim = np.float32(limit)
+    np.minimum(g, lim, out=g)
+    np.clip(u, -lim, lim, out=u)
+    _swiglu(g, u, tmp, out)
 
 
 def _swiglu_oai(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray, alpha: float, limit: float) -> None:
@@ -506,16 +640,26 @@ def _geglu(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> No
     np.multiply(tmp, u, out=out)
 
 
-def _shared_forward(x: np.ndarray, resident: ResidentLayer) -> np.ndarray:
+def _shared_forward(x: np.ndarray, resident: ResidentLayer, limit: float = 0.0) -> np.ndarray:
     """Shared expert: ``build_ffn(x, up_shexp, gate_shexp, down_shexp, LLM_FFN_SILU, LLM_FFN_PAR)``,
-    times ``sigmoid(x . ffn_gate_inp_shexp)`` when the layer has that gate."""
+    times ``sigmoid(x . ffn_gate_inp_shexp)`` when the layer has that gate; each projection times its
+    ``*_shexp.scale`` when the layer has one; ``ggml_swiglu_clamp`` when ``limit`` is set (DeepSeek-V4)."""
     gate_w, up_w, down_w = resident.shexp_gate, resident.shexp_up, resident.shexp_down
     assert gate_w is not None and up_w is not None and down_w is not None  # has_shared
     g = _dense(gate_w, x)
     u = _dense(up_w, x)
+    if resident.shexp_up_scale is not None:
+        u *= np.float32(resident.shexp_up_scale)
+    if resident.shexp_gate_scale is not None:
+        g *= np.float32(resident.shexp_gate_scale)
     tmp = np.empty_like(g)
-    _swiglu(g, u, tmp, g)
+    if limit:
+        _swiglu_clamp(g, u, tmp, g, limit)
+    else:
+        _swiglu(g, u, tmp, g)
     out = _dense(down_w, g)
+    if resident.shexp_down_scale is not None:
+        out *= np.float32(resident.shexp_down_scale)
     if resident.shexp_gate_inp is not None:
         # llama.cpp (qwen2moe.cpp): silu(v) / v, i.e. sigmoid(v); computed directly (no 0/0 at v == 0)
         v = _dense(resident.shexp_gate_inp[None, :], x)[:, 0]

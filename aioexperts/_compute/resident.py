@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from .._errors import FormatError, UnsupportedTypeError
 from .._format.dequant import dequantize
 from .._format.hparams import MoEHParams
 from .._format.layout import ExpertLayout
@@ -39,7 +40,30 @@ def load_residents(model: GGUFModel, layout: ExpertLayout, hparams: MoEHParams) 
         raw = np.frombuffer(model.read_tensor_bytes(name), dtype=np.uint8)
         return dequantize(raw, info.ggml_type, info.shape)
 
-    return {layer: ResidentLayer.from_tensors(layer, tensor, hparams) for layer in layout.layers}
+    def token_table(layer: int) -> np.ndarray | None:
+        """``blk.L.ffn_gate_tid2eid.weight``: I32 ``{k, n_vocab}`` in ggml order, ``(n_vocab, k)`` here."""
+        name = f"blk.{layer}.ffn_gate_tid2eid.weight"
+        info = model.tensors.get(name)
+        if info is None or not hparams.is_hash_layer(layer):
+            return None
+        if info.ggml_type != GGMLQuantizationType.I32 or len(info.shape) != 2:
+            raise FormatError(f"tensor {name!r} must be a 2-D I32 table, got {info.ggml_type.name} {info.shape}")
+        raw = model.read_tensor_bytes(name)
+        return np.frombuffer(raw, dtype="<i4").reshape(info.shape)
+
+    for layer in layout.layers:
+        merged = f"blk.{layer}.ffn_gate_up_exps.weight" in model.tensors
+        for proj in ("gate", "up"):
+            name = f"blk.{layer}.ffn_{proj}_exps.scale"
+            if merged and name in model.tensors:  # llama.cpp creates no up/gate scale for a merged bank
+                raise UnsupportedTypeError(
+                    f"tensor {name!r} scales a merged ffn_gate_up_exps bank, which llama.cpp does not load"
+                )
+
+    return {
+        layer: ResidentLayer.from_tensors(layer, tensor, hparams, token_experts=token_table(layer))
+        for layer in layout.layers
+    }
 
 
 def kernel_types(layout: ExpertLayout) -> frozenset[GGMLQuantizationType]:

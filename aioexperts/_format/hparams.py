@@ -26,6 +26,7 @@ read. A weight scale of 0 or 1 means "no scaling" (``build_moe_ffn`` applies it 
 from __future__ import annotations
 
 import enum
+import math
 import numbers
 import re
 from collections.abc import Iterable, Mapping
@@ -39,6 +40,7 @@ __all__ = (
     "ARCHITECTURES",
     "LLAMA_CPP_ARCHS",
     "REFUSED",
+    "WHOLE_MODEL_MISSING",
     "Activation",
     "GatingFunc",
     "MoEHParams",
@@ -56,6 +58,8 @@ class GatingFunc(enum.IntEnum):
     """Probabilities are ``sigmoid(logits)`` per expert (DeepSeek-V3, GLM-4.5)."""
     SOFTMAX_WEIGHT = 3
     """Select on the raw logits, then ``softmax`` over the k selected logits (gpt-oss)."""
+    SQRT_SOFTPLUS = 4
+    """Probabilities are ``sqrt(softplus(logits))`` per expert (DeepSeek-V4, ``sqrtsoftplus``)."""
 
 
 class Activation(enum.StrEnum):
@@ -119,6 +123,12 @@ class _ArchRule:
     moe_step: bool = False  # interleave_moe_layer_step: block L is MoE iff (L + 1) % step == 0
     select_on_logits: bool = False  # llama4: top-k on the raw logits, weights from sigmoid(logits)
     weights_before_experts: bool = False  # llama4: weight_before_ffn
+    only_gating: GatingFunc | None = None  # deepseek4: the loader refuses every other gating function
+    required: tuple[str, ...] = ()  # keys the loader reads without a default (get_key(.., required))
+    ff_exp_array: bool = False  # expert_feed_forward_length may be a per-block array (get_key_or_arr)
+    clamps: bool = False  # deepseek4: per-block swiglu_clamp_exp / swiglu_clamp_shexp, ggml_swiglu_clamp
+    hash_routing: bool = False  # deepseek4: hash_layer_count blocks route by token id (ffn_gate_tid2eid)
+    expert_scales: bool = False  # qwen35moe: the graph applies ffn_*_exps.scale and ffn_*_shexp.scale
 
 
 _S, _G = Status.SOURCE, Status.GOLDEN
@@ -201,6 +211,40 @@ _RULES: dict[str, _ArchRule] = {
         select_on_logits=True,
         weights_before_experts=True,
     ),
+    # qwen35moe.cpp build_layer_ffn: SOFTMAX, norm_w=true, w_scale 0 (the loader reads no scale); a shared
+    # expert gated by sigmoid(ffn_gate_inp_shexp . x), n_ff_shexp = key or n_ff; the per-expert and
+    # per-tensor scales (*_exps.scale, *_shexp.scale) multiply the projections (build_lora_mm_id,
+    # build_lora_mm); expert_feed_forward_length may be a per-block array (get_key_or_arr)
+    "qwen35moe": _ArchRule(
+        _S,
+        _SOFTMAX,
+        _SOFTMAX,
+        True,
+        True,
+        False,
+        _FF_KEY_OR_FF_DIV_USED,
+        _SH_QWEN2,
+        ff_exp_array=True,
+        expert_scales=True,
+    ),
+    # deepseek4.cpp load_arch_hparams + graph: gating key required and must be sqrtsoftplus, norm and scale
+    # keys required, exp_probs_b, per-block expert widths and SwiGLU clamps (ggml_swiglu_clamp), an ungated
+    # shared expert n_ff_exp * expert_shared_count wide, the first hash_layer_count blocks routed by token id
+    "deepseek4": _ArchRule(
+        _S,
+        None,
+        None,
+        None,
+        False,
+        True,
+        _FF_KEY_REQUIRED,
+        _SH_COUNT_X_FF_EXP,
+        only_gating=GatingFunc.SQRT_SOFTPLUS,
+        required=("expert_weights_norm", "expert_weights_scale", "expert_shared_count", "hash_layer_count"),
+        ff_exp_array=True,
+        clamps=True,
+        hash_routing=True,
+    ),
 }
 _GENERIC = _ArchRule(Status.GENERIC, None, GatingFunc.SOFTMAX, None, False, True, _FF_KEY_OPTIONAL, _SH_GENERIC)
 
@@ -212,13 +256,11 @@ REFUSED: dict[str, str] = {
     "smallthinker": "smallthinker routes on the block input before attention while its experts read the FFN "
     "input, and uses ReLU-gated experts",
     "grovemoe": "grovemoe routes through adjugate expert groups (ffn_*_chexps)",
-    "qwen35moe": _NOT_REVIEWED,
     "nomic-bert-moe": _NOT_REVIEWED + " (an encoder)",
     "jamba": _NOT_REVIEWED,
     "cohere2moe": _NOT_REVIEWED,
     "deepseek2-ocr": _NOT_REVIEWED,
     "deepseek32": _NOT_REVIEWED,
-    "deepseek4": _NOT_REVIEWED,
     "glm-dsa": _NOT_REVIEWED,
     "nemotron_h_moe": _NOT_REVIEWED + " (latent experts, squared-ReLU without a gate)",
     "exaone-moe": _NOT_REVIEWED,
@@ -241,6 +283,16 @@ REFUSED: dict[str, str] = {
     "mistral3": _NOT_REVIEWED,
     "llama-embed": _NOT_REVIEWED,
     "gemma4": _NOT_REVIEWED,
+}
+
+#: Architectures whose MoE layers are served (``open()`` + ``MoERunner``) but whose whole-model forward pass
+#: is not in this library: what ``load()`` lacks for each (the model layer's refusal names it).
+WHOLE_MODEL_MISSING: dict[str, str] = {
+    "deepseek4": "DeepSeek-V4's compressed attention (attn_compressor_*, the indexer), its hyper-connections "
+    "(hc_*) and grouped low-rank output projection (attn_output_a/b) are not implemented; its MoE layers "
+    "run through aioexperts.open() and MoERunner",
+    "qwen35moe": "Qwen3.5-MoE's gated delta net linear attention (ssm_*, attn_qkv/attn_gate) and gated "
+    "full attention are not implemented; its MoE layers run through aioexperts.open() and MoERunner",
 }
 
 #: Every architecture name of llama.cpp's src/llama-arch.cpp (LLM_ARCH_NAMES, read 2026-11-30). A name
@@ -282,6 +334,8 @@ _GLM47_LITE_VOCAB = 154880
 
 _SCALE_RE = re.compile(r"^blk\.\d+\.ffn_(?:gate|up|down|gate_up)_exps(?:_tier\d)?\.scale$")
 _DENSE_UP_RE = re.compile(r"^blk\.(\d+)\.ffn_up\.weight$")
+_APPLIED_SCALE_RE = re.compile(r"^blk\.\d+\.ffn_(?:gate|up|down)_exps\.scale$")  # qwen35moe: one per expert
+_PROBS_B_VL_RE = re.compile(r"^blk\.\d+\.exp_probs_b_vl\.bias$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +370,15 @@ class MoEHParams:
             (biased) probabilities; the weights still come from the probabilities.
         weights_before_experts: multiply each selected expert's *input* by its routing weight and
             sum the expert outputs unweighted (llama.cpp ``weight_before_ffn``, llama4).
+        n_ff_exp_layers: per-block expert widths when ``expert_feed_forward_length`` is an array
+            (deepseek4, qwen35moe: ``get_key_or_arr``), one per block; empty when it is one value.
+        swiglu_clamp_exp, swiglu_clamp_shexp: per-block SwiGLU limits of the routed and the shared
+            experts (deepseek4: ``ggml_swiglu_clamp``, ``gate = min(gate, limit)``,
+            ``up = clamp(up, -limit, limit)``); a limit of at most 1e-6 means no clamp; empty: none.
+        n_hash_layers: ``hash_layer_count`` (deepseek4): blocks ``0..n_hash_layers-1`` choose their
+            experts by token id from ``blk.L.ffn_gate_tid2eid.weight``, not by the router.
+        expert_scales: the graph multiplies the projections by ``blk.L.ffn_{gate,up,down}_exps.scale``
+            (one factor per expert) and ``blk.L.ffn_{gate,up,down}_shexp.scale`` (qwen35moe).
         verified: the arch is in the table above; False means the generic rules were applied
             (the runner logs a warning: results may differ from llama.cpp).
         status: the arch's row status in docs/executor.md (:class:`Status`); ``GENERIC`` for a
@@ -346,6 +409,29 @@ class MoEHParams:
     weights_before_experts: bool = False
     verified: bool = True
     status: Status = Status.SOURCE
+    n_ff_exp_layers: tuple[int, ...] = ()
+    swiglu_clamp_exp: tuple[float, ...] = ()
+    swiglu_clamp_shexp: tuple[float, ...] = ()
+    n_hash_layers: int = 0
+    expert_scales: bool = False
+
+    def expert_width(self, layer: int) -> int:
+        """A routed expert's hidden width in block ``layer`` (``n_ff_exp`` unless given per block)."""
+        if 0 <= layer < len(self.n_ff_exp_layers):
+            return self.n_ff_exp_layers[layer]
+        return self.n_ff_exp
+
+    def expert_clamp(self, layer: int) -> float:
+        """The routed experts' SwiGLU limit in block ``layer``; 0.0: no clamp (llama.cpp: limit <= 1e-6)."""
+        return _clamp_at(self.swiglu_clamp_exp, layer)
+
+    def shared_clamp(self, layer: int) -> float:
+        """The shared expert's SwiGLU limit in block ``layer``; 0.0: no clamp."""
+        return _clamp_at(self.swiglu_clamp_shexp, layer)
+
+    def is_hash_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` picks its experts by token id (deepseek4 ``il < hash_layer_count``)."""
+        return 0 <= layer < self.n_hash_layers
 
     @property
     def uses_groups(self) -> bool:
@@ -385,16 +471,25 @@ class MoEHParams:
 
         Raises:
             UnsupportedTypeError: per-expert scales ``blk.L.ffn_{gate,up,down}_exps.scale``
-                (llama-graph.cpp ``build_lora_mm_id`` multiplies each expert's output by them), or a
+                (llama-graph.cpp ``build_lora_mm_id`` multiplies each expert's output by them) of an
+                arch whose graph does not pass them (all but qwen35moe), any of merged or tiered
+                banks, the image-token routing bias ``blk.L.exp_probs_b_vl.bias``, or a
                 grok model with a parallel dense FFN (``blk.L.ffn_up.weight`` in an MoE block,
                 Grok-2: ``(dense + moe) * sqrt(2)/2`` in grok.cpp). The message names the tensor.
         """
         for name in names:
             m = _SCALE_RE.match(name)
+            if m is not None and self.expert_scales and _APPLIED_SCALE_RE.match(name):
+                continue  # qwen35moe: applied by the executor (ResidentLayer.*_exps_scale)
             if m is not None:
                 raise UnsupportedTypeError(
                     f"tensor {name!r}: per-expert output scales (ffn_*_exps.scale) are not implemented; "
                     "llama.cpp multiplies each selected expert's projection by them"
+                )
+            if _PROBS_B_VL_RE.match(name):
+                raise UnsupportedTypeError(
+                    f"tensor {name!r}: the routing bias for image tokens (exp_probs_b_vl, DeepSeek-V4 vision) "
+                    "needs media input, which this executor does not take"
                 )
             if self.arch == "grok":
                 m = _DENSE_UP_RE.match(name)
@@ -435,6 +530,9 @@ class MoEHParams:
             )
         rule = _RULES.get(arch, _GENERIC)
         md = _Meta(arch, metadata)
+        for name in rule.required:
+            if not md.has(name):
+                raise FormatError(f"missing required key {md.key(name)}")
 
         n_embd = md.int_("embedding_length", required=True)
         n_expert = md.int_("expert_count", required=True)
@@ -491,7 +589,15 @@ class MoEHParams:
             raise FormatError(f"negative expert group counts: {n_groups}, {n_group_used}")
 
         # gating
-        if rule.gating is not None:
+        if rule.only_gating is not None:
+            raw = md.int_("expert_gating_func", required=True)
+            if raw != rule.only_gating:
+                raise UnsupportedTypeError(
+                    f"{md.key('expert_gating_func')}={raw}: llama.cpp's {arch} loader accepts only "
+                    f"{int(rule.only_gating)} ({rule.only_gating.name.lower().replace('_', '')} MoE scoring)"
+                )
+            gating = rule.only_gating
+        elif rule.gating is not None:
             gating = rule.gating
         else:
             raw = md.int_("expert_gating_func", default=0)
@@ -507,10 +613,15 @@ class MoEHParams:
                 except ValueError:
                     raise UnsupportedTypeError(
                         f"{md.key('expert_gating_func')}={raw} is not supported "
-                        f"(1 softmax, 2 sigmoid, 3 softmax over the selected logits)"
+                        f"(1 softmax, 2 sigmoid, 3 softmax over the selected logits, 4 sqrt(softplus))"
                     ) from None
 
-        for clamp_key in ("swiglu_clamp_exp", "swiglu_clamp_shexp"):
+        clamp_exp: tuple[float, ...] = ()
+        clamp_shexp: tuple[float, ...] = ()
+        if rule.clamps:  # deepseek4.cpp loader: clamp_exp required, clamp_shexp defaults to clamp_exp
+            clamp_exp = md.per_block_floats("swiglu_clamp_exp", n_layer, required=True)
+            clamp_shexp = md.per_block_floats("swiglu_clamp_shexp", n_layer, required=False) or clamp_exp
+        for clamp_key in () if rule.clamps else ("swiglu_clamp_exp", "swiglu_clamp_shexp"):
             # llama-graph.cpp build_moe_ffn / build_ffn: per-layer SwiGLU clamps when the limit > 1e-6
             clamp = metadata.get(md.key(clamp_key))
             values = clamp if isinstance(clamp, list) else [clamp]
@@ -525,7 +636,15 @@ class MoEHParams:
             scale = 1.0
 
         # expert width
-        n_ff_exp = md.int_("expert_feed_forward_length", default=0)
+        n_ff_exp_layers: tuple[int, ...] = ()
+        if rule.ff_exp_array and isinstance(metadata.get(md.key("expert_feed_forward_length")), list | tuple):
+            # get_key_or_arr: one width per block; the tensors of block L are n_ff_exp(L) wide
+            n_ff_exp_layers = md.per_block_ints("expert_feed_forward_length", n_layer)
+            if min(n_ff_exp_layers) <= 0:
+                raise FormatError(f"{md.key('expert_feed_forward_length')} has a width <= 0: {n_ff_exp_layers}")
+            n_ff_exp = n_ff_exp_layers[0]
+        else:
+            n_ff_exp = md.int_("expert_feed_forward_length", default=0)
         if rule.n_ff_exp == _FF_KEY_REQUIRED:
             if n_ff_exp <= 0:
                 raise FormatError(f"missing required key {md.key('expert_feed_forward_length')}")
@@ -581,6 +700,10 @@ class MoEHParams:
         if n_shared < 0 or n_ff_shexp < 0:
             raise FormatError(f"negative shared expert count or width: {n_shared}, {n_ff_shexp}")
 
+        n_hash = md.int_("hash_layer_count", default=0) if rule.hash_routing else 0
+        if n_hash < 0 or (n_layer and n_hash > n_layer):
+            raise FormatError(f"{md.key('hash_layer_count')}={n_hash} must be in 0..{md.key('block_count')}={n_layer}")
+
         return cls(
             arch=arch,
             n_layer=n_layer,
@@ -604,7 +727,21 @@ class MoEHParams:
             weights_before_experts=rule.weights_before_experts,
             verified=arch in _RULES,
             status=rule.status,
+            n_ff_exp_layers=n_ff_exp_layers,
+            swiglu_clamp_exp=clamp_exp,
+            swiglu_clamp_shexp=clamp_shexp,
+            n_hash_layers=n_hash,
+            expert_scales=rule.expert_scales,
         )
+
+
+_CLAMP_EPS = 1e-6  # llama-graph.cpp build_moe_ffn / build_ffn: a limit <= eps means no clamp
+
+
+def _clamp_at(limits: tuple[float, ...], layer: int) -> float:
+    if 0 <= layer < len(limits) and limits[layer] > _CLAMP_EPS:
+        return limits[layer]
+    return 0.0
 
 
 def _is_glm47_lite(n_layer: int, n_vocab: int | None) -> bool:
@@ -663,6 +800,43 @@ class _Meta:
         if isinstance(value, numbers.Integral) and int(value) in (0, 1):
             return bool(value)
         raise FormatError(f"{self.key(name)} must be a boolean, got {value!r}")
+
+    def _per_block(self, name: str, n_layer: int, required: bool) -> list[Any] | None:
+        """``get_key_or_arr``: one value for every block, or an array of exactly ``block_count`` values."""
+        value = self.md.get(self.key(name))
+        if value is None:
+            if required:
+                raise FormatError(f"missing required key {self.key(name)}")
+            return None
+        if isinstance(value, SkippedValue):
+            raise FormatError(f"{self.key(name)} has {len(value)} values, more than any block count")
+        if not isinstance(value, list | tuple):
+            return [value] * max(n_layer, 1)
+        if n_layer <= 0:
+            raise FormatError(f"{self.key(name)} is a per-block array but {self.key('block_count')} is missing")
+        if len(value) != n_layer:
+            raise FormatError(
+                f"{self.key(name)} has {len(value)} values, expected one per block "
+                f"({self.key('block_count')}={n_layer})"
+            )
+        return list(value)
+
+    def per_block_ints(self, name: str, n_layer: int) -> tuple[int, ...]:
+        values = self._per_block(name, n_layer, True) or []
+        if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in values):
+            raise FormatError(f"{self.key(name)} must hold integers, got {values!r:.120}")
+        return tuple(int(v) for v in values)
+
+    def per_block_floats(self, name: str, n_layer: int, *, required: bool) -> tuple[float, ...]:
+        values = self._per_block(name, n_layer, required)
+        if values is None:
+            return ()
+        if any(isinstance(v, bool) or not isinstance(v, numbers.Real) for v in values):
+            raise FormatError(f"{self.key(name)} must hold numbers, got {values!r:.120}")
+        floats = tuple(float(v) for v in values)
+        if not all(math.isfinite(v) and v >= 0.0 for v in floats):
+            raise FormatError(f"{self.key(name)} must hold finite limits >= 0, got {floats!r:.120}")
+        return floats
 
     def vocab_size(self) -> int | None:
         value = self.md.get(self.key("vocab_size"))

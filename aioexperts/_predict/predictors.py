@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from aioexperts._compute.gating import select_experts, sigmoid, softmax
+from aioexperts._compute.gating import select_experts, sigmoid, softmax, sqrt_softplus
 from aioexperts._compute.moe import ResidentLayer, router_logits
 from aioexperts._errors import ConfigError, InvalidRequestError
 from aioexperts._format.hparams import GatingFunc, MoEHParams
@@ -205,6 +205,11 @@ class NextRouterPredictor(Predictor):
             a ``next_layer`` missing from it yields ``[]``.
         hparams: the model's MoE parameters (gating, k, groups).
 
+    A hash-routed next layer (DeepSeek-V4, ``MoEHParams.is_hash_layer``) chooses by token id, not by
+    its router: the runner does not ask a predictor for it when the tokens' ids are known (it
+    prefetches the table's experts, which are certain); asked anyway (the next token's first
+    layers, whose id is not sampled yet), this predictor answers with that layer's router.
+
     Stateless: :meth:`observe` and :meth:`reset` do nothing. Cost per call: one
     ``(n_tokens, n_embd) x (n_embd, n_expert)`` product and a top-k.
     """
@@ -258,6 +263,8 @@ def _selection_scores(logits: np.ndarray, gating: GatingFunc, bias: np.ndarray |
         probs = softmax(logits)
     elif gating == GatingFunc.SIGMOID:
         probs = sigmoid(logits)
+    elif gating == GatingFunc.SQRT_SOFTPLUS:
+        probs = sqrt_softplus(logits)
     else:  # SOFTMAX_WEIGHT selects on the raw logits
         probs = logits
     return probs + bias if bias is not None else probs

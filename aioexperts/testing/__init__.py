@@ -9,6 +9,11 @@ with and reads they can steer; both are here, and neither needs a real model or 
   tokens. :data:`BENCH_SPEC` is the built-in bench model (Qwen3-30B-A3B expert geometry, about
   2.7 GB); :func:`tiny_moe_writer` starts a one-layer F32 MoE file to which a test adds tensors
   of its own (row tables, say) before writing it.
+- :func:`write_full_model` writes a whole model (attention, norms, embeddings, head and experts)
+  of the geometry a :class:`FullModelSpec` gives (default :data:`FULL_SPEC`: Qwen3-30B-A3B-shaped
+  ``qwen3moe``), with a small byte-level BPE vocabulary and a ChatML template, random weights
+  scaled so the residual stream stays finite; its text is random. (``tokenizers`` trains the
+  vocabulary: the ``text`` extra.)
 - :class:`FakeBackend` is an :class:`~aioexperts.backends.IOBackend` whose completions arrive when
   the test says so, in the order it says, short or failed as it says:
   ``aioexperts.open(path, io=IOOptions(backend=lambda *a: FakeBackend(*a, auto=True)))``.
@@ -20,9 +25,21 @@ Example:
 """
 
 from ._fake_backend import FakeBackend as FakeBackend
+from ._full_model import FULL_SPEC as FULL_SPEC
+from ._full_model import FullModelSpec as FullModelSpec
+from ._full_model import write_full_model as write_full_model
 from ._synthetic import BENCH_SPEC as BENCH_SPEC
 from ._synthetic import SyntheticSpec as SyntheticSpec
 from ._synthetic import tiny_moe_writer as tiny_moe_writer
 from ._synthetic import write_synthetic_model as write_synthetic_model
 
-__all__ = ("BENCH_SPEC", "FakeBackend", "SyntheticSpec", "tiny_moe_writer", "write_synthetic_model")
+__all__ = (
+    "BENCH_SPEC",
+    "FULL_SPEC",
+    "FakeBackend",
+    "FullModelSpec",
+    "SyntheticSpec",
+    "tiny_moe_writer",
+    "write_full_model",
+    "write_synthetic_model",
+)

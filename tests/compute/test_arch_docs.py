@@ -34,3 +34,16 @@ def test_the_issue_s_architectures_are_in_the_table() -> None:
     golden = {a for a, s in ARCHITECTURES.items() if s is Status.GOLDEN}
     # the families with llama.cpp goldens under ../shared/fixtures (fixtures README)
     assert golden == {"qwen3moe", "qwen2moe", "glm4moe", "llama", "gpt-oss", "deepseek2", "olmoe", "granitemoe"}
+
+
+def test_the_whole_model_column_is_the_architecture_records() -> None:
+    from aioexperts._format.architectures import ARCHITECTURES as RECORDS
+
+    section = DOC.read_text().split("### The MoE architectures of llama.cpp", 1)[1].split("\n## ", 1)[0]
+    column = {}
+    for line in section.splitlines():
+        m = _ROW.match(line)
+        if m is not None:
+            column[m["arch"]] = line.rstrip().rstrip("|").rsplit("|", 1)[1].strip()
+    assert {a for a, v in column.items() if v == "golden"} == {a for a, r in RECORDS.items() if r.status == "golden"}
+    assert set(column.values()) <= {"golden", "refused"}

@@ -192,6 +192,8 @@ def _reference(logits, hp, bias):
             probs = (e * f32(1.0 / e.sum(dtype=np.float64))).astype(f32)
         elif hp.gating_func == GatingFunc.SIGMOID:
             probs = (f32(1) / (f32(1) + np.exp(-row))).astype(f32)
+        elif hp.gating_func == GatingFunc.SQRT_SOFTPLUS:  # ggml op_softplus, then ggml_sqrt
+            probs = np.sqrt(np.array([v if v > 20 else np.log(f32(1) + np.exp(v)) for v in row], dtype=f32))
         else:
             probs = row
         sel = probs + bias if bias is not None else probs.copy()

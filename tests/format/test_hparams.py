@@ -259,12 +259,12 @@ def test_bad_values(keys: dict[str, object], message: str) -> None:
 
 
 def test_unsupported() -> None:
-    with pytest.raises(UnsupportedTypeError, match=r"expert_gating_func=4"):
-        MoEHParams.from_metadata("mymoe", _md("mymoe", expert_gating_func=4))
+    with pytest.raises(UnsupportedTypeError, match=r"expert_gating_func=5"):
+        MoEHParams.from_metadata("mymoe", _md("mymoe", expert_gating_func=5))
     with pytest.raises(UnsupportedTypeError, match="arctic adds a parallel dense FFN"):
         MoEHParams.from_metadata("arctic", _md("arctic"))
-    with pytest.raises(UnsupportedTypeError, match=r"'qwen35moe' is not supported: its MoE graph has not been"):
-        MoEHParams.from_metadata("qwen35moe", _md("qwen35moe"))
+    with pytest.raises(UnsupportedTypeError, match=r"'jamba' is not supported: its MoE graph has not been"):
+        MoEHParams.from_metadata("jamba", _md("jamba"))
     with pytest.raises(UnsupportedTypeError, match=r"'qwen2' has no MoE layer in llama\.cpp that this executor"):
         MoEHParams.from_metadata("qwen2", _md("qwen2"))
     with pytest.raises(UnsupportedTypeError, match="per-layer array"):

@@ -36,7 +36,7 @@ PUBLIC_MODULES = (*API_MODULES, "cli")
 
 def test_public_names_are_exactly_all() -> None:
     public = {n for n in dir(aioexperts) if not n.startswith("_")}
-    assert public - set(PUBLIC_MODULES) == set(aioexperts.__all__)
+    assert public - set(PUBLIC_MODULES) - {"cli"} == set(aioexperts.__all__)  # cli: the commands' package
     for name in aioexperts.__all__:
         assert getattr(aioexperts, name) is not None
 
@@ -66,6 +66,16 @@ def test_errors_form_one_tree() -> None:
             assert issubclass(obj, aioexperts.AioExpertsError)
     assert issubclass(aioexperts.FormatError, ValueError)
     assert issubclass(aioexperts.InvalidRequestError, ValueError)
+    assert issubclass(aioexperts.TokenizerError, ValueError)
+    assert issubclass(aioexperts.VocabularyError, aioexperts.TokenizerError)
+    assert issubclass(aioexperts.VocabularyError, aioexperts.FormatError)
+    assert issubclass(aioexperts.OptionalDependencyError, ImportError)
+
+
+def test_text_names_are_exported() -> None:
+    """The tokenizer (issue 19) is public: the class, its stream decoder, its errors."""
+    assert {"Tokenizer", "IncrementalDecoder", "TokenizerError", "VocabularyError"} <= set(aioexperts.__all__)
+    assert aioexperts.Tokenizer.__module__ == "aioexperts._text.tokenizer"
 
 
 @pytest.mark.parametrize(

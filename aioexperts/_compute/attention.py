@@ -1,0 +1,93 @@
+"""Causal scaled dot-product attention over a KV cache, with grouped KV heads, sinks and a sliding window.
+
+The reference is llama-graph.cpp ``llm_graph_context::build_attn_mha`` (the non-flash path):
+``kq = k . q``, ``ggml_soft_max_ext(kq, mask, kq_scale)`` with the sinks of
+``ggml_soft_max_add_sinks`` (ops.cpp ``ggml_compute_forward_soft_max_f32``: the sink joins the row
+maximum and adds ``exp(sink - max)`` to the denominator), then ``v . softmax``. The causal mask and
+the standard sliding window follow llama-hparams.h ``is_masked_swa``: key position ``p0`` is hidden
+from query position ``p1`` when ``p0 > p1`` or, with a window ``n_swa``, when ``p1 - p0 >= n_swa``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from aioexperts._errors import ConfigError
+
+__all__ = ("SCORE_BYTES", "attend")
+
+SCORE_BYTES = 64 << 20
+"""A long prefill runs its queries in chunks whose score matrix stays within this many bytes."""
+
+
+def attend(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    start: int,
+    scale: float,
+    *,
+    sinks: np.ndarray | None = None,
+    window: int = 0,
+) -> np.ndarray:
+    """Attention of ``n_tokens`` queries at positions ``start..start+n_tokens-1`` over the cache.
+
+    Args:
+        q: ``(n_tokens, n_head, head_k)`` float32 (after RoPE).
+        k: ``(n_kv, n_head_kv, head_k)`` float32: cached keys of positions ``0..n_kv-1``
+            (``n_kv = start + n_tokens``).
+        v: ``(n_kv, n_head_kv, head_v)`` float32.
+        start: position of the first query.
+        scale: the score scale (``kq_scale``, e.g. ``1/sqrt(head_k)``).
+        sinks: optional ``(n_head,)`` float32 sink logits (gpt-oss ``attn_sinks``).
+        window: sliding window in positions, 0 for none.
+
+    Returns:
+        ``(n_tokens, n_head * head_v)`` float32, heads concatenated (ggml's ``kqv_merged``).
+
+    Raises:
+        ConfigError: shapes that do not fit.
+    """
+    n_tokens, n_head, head_k = q.shape
+    n_kv, n_head_kv, _ = k.shape
+    if n_kv != start + n_tokens or n_head % n_head_kv or k.shape[2] != head_k or v.shape[:2] != k.shape[:2]:
+        raise ConfigError(f"attention: q {q.shape}, k {k.shape}, v {v.shape}, start {start} do not fit")
+    chunk = max(1, SCORE_BYTES // (4 * n_head * n_kv))
+    if n_tokens <= chunk:
+        return _attend(q, k, v, start, scale, sinks, window)
+    parts = []
+    for c in range(0, n_tokens, chunk):
+        qc = q[c : c + chunk]
+        end = start + c + len(qc)
+        parts.append(_attend(qc, k[:end], v[:end], start + c, scale, sinks, window))
+    return np.concatenate(parts)
+
+
+def _attend(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float, sinks: np.ndarray | None, window: int
+) -> np.ndarray:
+    n_tokens, n_head, head_k = q.shape
+    n_kv, n_head_kv, _ = k.shape
+    group = n_head // n_head_kv
+    head_v = v.shape[2]
+    qg = q.reshape(n_tokens, n_head_kv, group, head_k).transpose(1, 2, 0, 3)  # (kv, group, t, d)
+    kt = k.transpose(1, 2, 0)  # (kv, d, n_kv)
+    scores = np.matmul(qg, kt[:, None, :, :]) * np.float32(scale)  # (kv, group, t, n_kv)
+    qpos = np.arange(start, start + n_tokens)[:, None]
+    kpos = np.arange(n_kv)[None, :]
+    masked = kpos > qpos
+    if window:
+        masked |= (qpos - kpos) >= window
+    scores = np.where(masked[None, None], np.float32(-np.inf), scores)
+    row_max = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sk = np.asarray(sinks, dtype=np.float32).reshape(n_head_kv, group, 1, 1)
+        row_max = np.maximum(row_max, sk)
+    e = np.exp(scores - row_max)
+    total = e.sum(axis=-1, keepdims=True, dtype=np.float64)
+    if sinks is not None:
+        total = total + np.exp(sk - row_max)
+    probs = (e / total).astype(np.float32)
+    vt = v.transpose(1, 0, 2)  # (kv, n_kv, dv)
+    out = np.matmul(probs, vt[:, None, :, :])  # (kv, group, t, dv)
+    return np.ascontiguousarray(out.transpose(2, 0, 1, 3).reshape(n_tokens, n_head * head_v), dtype=np.float32)

@@ -1,0 +1,29 @@
+"""RMSNorm as ggml computes it (ggml/src/ggml-cpu/ops.cpp ``ggml_compute_forward_rms_norm_f32``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ("rms_norm",)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis.
+
+    llama-graph.cpp ``build_norm(..., LLM_NORM_RMS)``: ``ggml_rms_norm`` (the mean of squares summed
+    in double, as ggml's ``ggml_float``) then ``ggml_mul`` by the weight.
+
+    Args:
+        x: ``(..., n)`` float32.
+        weight: ``(n,)`` float32 or None.
+        eps: ``attention.layer_norm_rms_epsilon``.
+
+    Returns:
+        A new float32 array of ``x``'s shape.
+    """
+    mean = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
+    scale = (1.0 / np.sqrt(mean + eps)).astype(np.float32)
+    y = x * scale
+    if weight is not None:
+        y *= weight
+    return y.astype(np.float32, copy=False)

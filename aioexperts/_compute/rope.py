@@ -1,0 +1,102 @@
+"""Rotary position embedding (RoPE) as ggml applies it, with linear scaling, YaRN and frequency factors.
+
+The reference is ggml's CPU ``ggml_compute_forward_rope_flt`` (ggml/src/ggml-cpu/ops.cpp):
+``ggml_rope_cache_init`` and ``rope_yarn`` build ``cos`` and ``sin`` per pair, ``rotate_pairs``
+rotates adjacent pairs (``GGML_ROPE_TYPE_NORMAL``) or the two halves of the rotated part
+(``GGML_ROPE_TYPE_NEOX``); dimensions past ``n_rot`` pass through. ``ggml_rope_yarn_corr_dims``
+(ggml/src/ggml.c) gives YaRN's correction range. The parameters come from
+:class:`aioexperts._format.architectures.RopeParams`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from aioexperts._errors import ConfigError
+from aioexperts._format.architectures import RopeParams, RopeType
+
+__all__ = ("apply_rope", "rope_cos_sin", "yarn_corr_dims")
+
+
+def yarn_corr_dims(
+    n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float
+) -> tuple[float, float]:
+    """YaRN's ``(low, high)`` correction dims (ggml.c ``ggml_rope_yarn_corr_dims``)."""
+
+    def corr_dim(n_rot: float) -> float:
+        return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(freq_base))
+
+    start = math.floor(corr_dim(beta_fast))
+    end = math.ceil(corr_dim(beta_slow))
+    return max(0.0, float(start)), min(float(n_dims - 1), float(end))
+
+
+def rope_cos_sin(
+    params: RopeParams, positions: np.ndarray, freq_factors: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``cos`` and ``sin`` of every rotated pair at every position (ops.cpp ``ggml_rope_cache_init``).
+
+    Args:
+        params: the layer's RoPE parameters.
+        positions: ``(n_tokens,)`` integer positions.
+        freq_factors: optional ``(n_rot/2,)`` float32 divisors of each pair's frequency
+            (``rope_freqs.weight``).
+
+    Returns:
+        ``(cos, sin)``, each ``(n_tokens, n_rot/2)`` float32, already multiplied by the magnitude
+        factor (``attn_factor``, and YaRN's ``1 + 0.1 ln(1/freq_scale)`` when ``ext_factor != 0``).
+    """
+    n_dims = params.n_rot
+    half = n_dims // 2
+    i = np.arange(half, dtype=np.float64)
+    inv_freq = params.freq_base ** (-2.0 * i / n_dims)
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)[:half]
+    theta_extrap = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    theta = params.freq_scale * theta_extrap  # rope_yarn: theta_interp
+    mscale = params.attn_factor
+    if params.ext_factor != 0.0:
+        low, high = yarn_corr_dims(n_dims, params.n_ctx_orig, params.freq_base, params.beta_fast, params.beta_slow)
+        y = (i - low) / max(0.001, high - low)
+        ramp_mix = (1.0 - np.clip(y, 0.0, 1.0)) * params.ext_factor
+        theta = theta * (1.0 - ramp_mix) + theta_extrap * ramp_mix
+        mscale *= 1.0 + 0.1 * math.log(1.0 / params.freq_scale)
+    return (np.cos(theta) * mscale).astype(np.float32), (np.sin(theta) * mscale).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_type: RopeType, n_rot: int) -> np.ndarray:
+    """Rotate the first ``n_rot`` dims of every head (ops.cpp ``rotate_pairs``).
+
+    Args:
+        x: ``(n_tokens, n_heads, head_dim)`` float32 (not modified).
+        cos, sin: from :func:`rope_cos_sin`, ``(n_tokens, n_rot/2)``.
+        rope_type: :attr:`RopeType.NORM` pairs ``(2i, 2i+1)``, :attr:`RopeType.NEOX` pairs ``(i, i + n_rot/2)``.
+        n_rot: rotated dims (even, at most ``head_dim``).
+
+    Returns:
+        A new ``(n_tokens, n_heads, head_dim)`` float32 array.
+
+    Raises:
+        ConfigError: shapes that do not fit.
+    """
+    if x.ndim != 3 or n_rot % 2 or n_rot > x.shape[2] or cos.shape != (x.shape[0], n_rot // 2):
+        raise ConfigError(f"RoPE: x {x.shape}, cos {cos.shape}, n_rot {n_rot} do not fit")
+    out = np.array(x, dtype=np.float32, copy=True)
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    if rope_type == RopeType.NORM:
+        x0 = x[:, :, 0:n_rot:2]
+        x1 = x[:, :, 1:n_rot:2]
+        out[:, :, 0:n_rot:2] = x0 * c - x1 * s
+        out[:, :, 1:n_rot:2] = x0 * s + x1 * c
+    elif rope_type == RopeType.NEOX:
+        h = n_rot // 2
+        x0 = x[:, :, :h]
+        x1 = x[:, :, h:n_rot]
+        out[:, :, :h] = x0 * c - x1 * s
+        out[:, :, h:n_rot] = x0 * s + x1 * c
+    else:  # pragma: no cover - RopeType has two members
+        raise ConfigError(f"unknown RoPE type {rope_type!r}")
+    return out

@@ -1,0 +1,146 @@
+"""Attention blocks: the part of a transformer block between its attention norm and the residual add.
+
+A block is built once per layer at load from the model's tensors (:data:`BLOCKS` maps an
+:class:`~aioexperts._format.architectures.ArchitectureRecord`'s ``block`` name to a factory
+``factory(hparams, reader, layer) -> AttentionBlock``) and then runs, per call, ``n_tokens`` new
+positions of one sequence against that sequence's KV cache.
+
+:class:`GQABlock` is llama.cpp's standard attention (``build_qkv`` + ``ggml_rope_ext`` +
+``build_attn`` in src/llama-graph.cpp) with each architecture's own parts: Qwen2's q/k/v biases,
+Qwen3's and GLM-4-MoE's per-head q/k RMSNorms (qwen3moe.cpp, glm4-moe.cpp), OLMoE's RMSNorms over the
+whole q and k projections (olmoe.cpp), gpt-oss's output bias, sinks and sliding window
+(openai-moe.cpp), Granite's attention scale (granite.cpp ``build_attention_layer``), partial rotary
+(``n_rot`` < head size, GLM-4-MoE) and ``rope_freqs.weight`` frequency factors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import numpy as np
+
+from aioexperts._compute.attention import attend
+from aioexperts._compute.norms import rms_norm
+from aioexperts._compute.rope import apply_rope, rope_cos_sin
+from aioexperts._errors import UnsupportedTypeError
+from aioexperts._format.architectures import ModelHParams
+from aioexperts._model.weights import TensorReader
+
+__all__ = ("BLOCKS", "AttentionBlock", "BlockFactory", "GQABlock", "register_block")
+
+
+class AttentionBlock(Protocol):
+    """What the model needs of one layer's attention.
+
+    ``cache_shapes()`` gives the per-position shape of every array the block keeps in the KV cache;
+    ``attention(x, cache, start)`` takes the normed input ``x`` ``(n_tokens, n_embd)`` float32 of
+    positions ``start..start+n_tokens-1``, writes those positions into ``cache`` (the arrays of
+    ``cache_shapes``, ``(n_ctx, *shape)`` float32) and returns the attention output after the output
+    projection (and its bias), ``(n_tokens, n_embd)`` float32, before the residual add. It runs in a
+    compute-pool worker; it may call :meth:`ComputePool.map` but must not block on I/O.
+    """
+
+    def cache_shapes(self) -> Mapping[str, tuple[int, ...]]: ...
+
+    def attention(self, x: np.ndarray, cache: Mapping[str, np.ndarray], start: int) -> np.ndarray: ...
+
+
+BlockFactory = Callable[[ModelHParams, TensorReader, int], AttentionBlock]
+"""``factory(hparams, reader, layer) -> AttentionBlock``: reads the layer's tensors (blocking)."""
+
+
+class GQABlock:
+    """Grouped-query attention with RoPE (llama-graph.cpp ``build_qkv``, ``build_attn``; see module docstring).
+
+    Raises (at construction):
+        FormatError: a required tensor is missing or misshaped.
+        UnsupportedTypeError: a fused ``attn_qkv`` tensor, or per-tensor scales (``*.scale``).
+    """
+
+    def __init__(self, hp: ModelHParams, reader: TensorReader, layer: int) -> None:
+        p = f"blk.{layer}."
+        rec = hp.record
+        for fused_name in ("attn_qkv.weight", "attn_q.scale", "attn_k.scale", "attn_v.scale", "attn_output.scale"):
+            if reader.has(p + fused_name):
+                raise UnsupportedTypeError(f"tensor {p + fused_name!r} is not supported by the {rec.name} forward pass")
+        self.hp = hp
+        self.layer = layer
+        n_embd, nh, nkv, dk, dv = hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_k, hp.head_v
+        self.wq = reader.matrix(p + "attn_q.weight", (nh * dk, n_embd))
+        self.wk = reader.matrix(p + "attn_k.weight", (nkv * dk, n_embd))
+        self.wv = reader.matrix(p + "attn_v.weight", (nkv * dv, n_embd))
+        self.wo = reader.matrix(p + "attn_output.weight", (n_embd, nh * dv))
+        # build_qkv adds the biases where the file has them (qwen2moe, gpt-oss)
+        self.bq = reader.optional_array(p + "attn_q.bias", (nh * dk,))
+        self.bk = reader.optional_array(p + "attn_k.bias", (nkv * dk,))
+        self.bv = reader.optional_array(p + "attn_v.bias", (nkv * dv,))
+        self.bo = reader.optional_array(p + "attn_output.bias", (n_embd,))
+        self.q_norm = self.k_norm = None
+        if rec.qk_norm is not None:
+            q_shape, k_shape = ((dk,), (dk,)) if rec.qk_norm == "head" else ((nh * dk,), (nkv * dk,))
+            if rec.qk_norm_required:
+                self.q_norm = reader.array(p + "attn_q_norm.weight", q_shape)
+                self.k_norm = reader.array(p + "attn_k_norm.weight", k_shape)
+            else:
+                self.q_norm = reader.optional_array(p + "attn_q_norm.weight", q_shape)
+                self.k_norm = reader.optional_array(p + "attn_k_norm.weight", k_shape)
+        self.sinks = reader.array(p + "attn_sinks.weight", (nh,)) if rec.sinks else None
+        self.rope = hp.rope_for(layer)
+        # llama-model.cpp get_rope_factors: rope_freqs.weight (llama 3 style), where the graph passes it
+        self.freq_factors = None
+        if rec.rope_freqs:
+            self.freq_factors = reader.optional_array("rope_freqs.weight", (self.rope.n_rot // 2,))
+        # kq_scale: granite's attention.scale, else 1/sqrt(head); openai-moe.cpp uses 1/sqrt(n_rot)
+        if hp.attention_scale:
+            self.scale = hp.attention_scale
+        else:
+            self.scale = 1.0 / math.sqrt(self.rope.n_rot if rec.name == "gpt-oss" else dk)
+        self.window = hp.window(layer)
+
+    def cache_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """``{"k": (n_head_kv, head_k), "v": (n_head_kv, head_v)}``."""
+        return {"k": (self.hp.n_head_kv, self.hp.head_k), "v": (self.hp.n_head_kv, self.hp.head_v)}
+
+    def attention(self, x: np.ndarray, cache: Mapping[str, np.ndarray], start: int) -> np.ndarray:
+        """See :class:`AttentionBlock`."""
+        hp = self.hp
+        n = x.shape[0]
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.bq is not None:
+            q += self.bq
+        if self.bk is not None:
+            k += self.bk
+        if self.bv is not None:
+            v += self.bv
+        if hp.record.qk_norm == "whole":  # olmoe.cpp: build_norm on the 2-D projections
+            q = rms_norm(q, self.q_norm, hp.norm_eps)
+            k = rms_norm(k, self.k_norm, hp.norm_eps)
+        q3 = q.reshape(n, hp.n_head, hp.head_k)
+        k3 = k.reshape(n, hp.n_head_kv, hp.head_k)
+        if hp.record.qk_norm == "head":
+            if self.q_norm is not None:
+                q3 = rms_norm(q3, self.q_norm, hp.norm_eps)
+            if self.k_norm is not None:
+                k3 = rms_norm(k3, self.k_norm, hp.norm_eps)
+        cos, sin = rope_cos_sin(self.rope, np.arange(start, start + n), self.freq_factors)
+        q3 = apply_rope(q3, cos, sin, self.rope.rope_type, self.rope.n_rot)
+        k3 = apply_rope(k3, cos, sin, self.rope.rope_type, self.rope.n_rot)
+        kc, vc = cache["k"], cache["v"]
+        kc[start : start + n] = k3
+        vc[start : start + n] = v.reshape(n, hp.n_head_kv, hp.head_v)
+        out = attend(q3, kc[: start + n], vc[: start + n], start, self.scale, sinks=self.sinks, window=self.window)
+        y = self.wo(out)
+        if self.bo is not None:
+            y += self.bo
+        return y
+
+
+#: Block implementations by :attr:`ArchitectureRecord.block` name.
+BLOCKS: dict[str, BlockFactory] = {"gqa": GQABlock}
+
+
+def register_block(name: str, factory: BlockFactory) -> None:
+    """Add (or replace) the block implementation ``name`` (see ``aioexperts/_model/__init__.py``)."""
+    BLOCKS[name] = factory

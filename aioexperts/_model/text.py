@@ -1,0 +1,587 @@
+"""Text in, text out on top of :class:`~aioexperts._model.model.Model`: prompts, streaming, chat sessions.
+
+The forward pass knows only token ids; this module adds the tokenizer (built lazily from the model
+file on first text use, so a model used only with ids needs no ``text`` extra), the sampler and stop
+strings of :mod:`aioexperts._text.sampling`, and a chat session that keeps its KV cache between turns
+and prefills only what follows the prefix it already holds (as llama.cpp's server does with
+``cache_prompt``).
+
+Every generation runs the same loop (:func:`_decode_loop`): prefill the new prompt tokens in batches
+of :data:`PREFILL_BATCH`, then one token at a time; it stops at an end-of-generation id (not
+yielded), after ``max_tokens``, at a stop string (:meth:`Model.stream` only) or when the KV cache is
+full (``stop_reason == "n_ctx"``: the text is never truncated, a prompt that does not fit is refused
+up front with :class:`~aioexperts.ContextLengthError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import anyio
+import numpy as np
+
+from aioexperts._errors import ConfigError, ContextLengthError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from aioexperts._model.model import Model, ModelSequence, Sampler
+    from aioexperts._text.chat import ChatTemplate
+    from aioexperts._text.sampling import SamplingOptions
+    from aioexperts._text.tokenizer import Tokenizer
+
+__all__ = (
+    "DEFAULT_MAX_TOKENS",
+    "PREFILL_BATCH",
+    "ChatSession",
+    "GenerationStatistics",
+    "TextStream",
+    "TokenStream",
+    "check_fits",
+    "chat_prompt_ids",
+    "open_generation",
+    "open_stream",
+)
+
+DEFAULT_MAX_TOKENS = 256
+"""``max_tokens`` when none is given (``SamplingOptions``' default)."""
+
+PREFILL_BATCH = 512
+"""Prompt tokens run in one forward batch (llama.cpp's default ``n_ubatch``)."""
+
+#: Greedy unless told otherwise (as ``Model.generate`` always was); the other fields are llama.cpp's.
+_GREEDY = {"temperature": 0.0}
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationStatistics:
+    """What one generation (or chat turn) did, and how fast.
+
+    Attributes:
+        prompt_tokens: tokens of the prompt (for a chat turn: the whole rendered conversation).
+        reused_tokens: prompt tokens already in the KV cache and kept (chat sessions; else 0).
+        prefilled_tokens: prompt tokens run by this call (``prompt_tokens - reused_tokens``).
+        generated_tokens: tokens yielded (end-of-generation ids and a stop string's tokens included
+            in the count only when yielded; an EOG id is never yielded).
+        prefill_seconds: wall time from the start of the call to the first sampled token.
+        decode_seconds: wall time of the later tokens (forward pass and sampling).
+        time_to_first_token: seconds from the call to the first token (or text piece) handed out;
+            None when none was.
+        stop_reason: ``"eog"`` (an end-of-generation id), ``"length"`` (``max_tokens``), ``"stop"``
+            (a stop string), ``"n_ctx"`` (the KV cache is full), ``"cancelled"``, ``"error"``; None
+            while running.
+        stop_string: the stop string that ended it, else None.
+    """
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    time_to_first_token: float | None = None
+    stop_reason: str | None = None
+    stop_string: str | None = None
+
+    @property
+    def prompt_tokens_per_second(self) -> float | None:
+        """Prefilled tokens per second of prefill (None before the first token)."""
+        if self.prefill_seconds <= 0 or self.prefilled_tokens == 0:
+            return None
+        return self.prefilled_tokens / self.prefill_seconds
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens after the first per second of decode (None with fewer than two tokens)."""
+        if self.decode_seconds <= 0 or self.generated_tokens < 2:
+            return None
+        return (self.generated_tokens - 1) / self.decode_seconds
+
+
+class _Run(Generic[T]):
+    """An async iterator over an async generator, with live statistics and ``aclose``."""
+
+    def __init__(self, stats: list[GenerationStatistics]) -> None:
+        self._stats = stats
+        self._agen: AsyncGenerator[T, None] | None = None
+
+    @property
+    def statistics(self) -> GenerationStatistics:
+        """The statistics so far (final once the iteration ended)."""
+        return self._stats[0]
+
+    def __aiter__(self) -> _Run[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        assert self._agen is not None
+        return await self._agen.__anext__()
+
+    async def aclose(self) -> None:
+        """Stop the generation and free what it holds (idempotent)."""
+        assert self._agen is not None
+        await self._agen.aclose()
+
+    async def __aenter__(self) -> _Run[T]:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class TokenStream(_Run[int]):
+    """Token ids as they are sampled (from :meth:`Model.generate` with a text prompt or sampling options).
+
+    ``statistics`` gives a :class:`GenerationStatistics` (live, final at the end). Leaving the loop
+    early frees the sequence when the iterator is closed: use ``async with model.generate(...) as
+    gen:`` or call ``await gen.aclose()``.
+    """
+
+
+class TextStream(_Run[str]):
+    """Text pieces as they are decoded (from :meth:`Model.stream` and :meth:`ChatSession.send`).
+
+    The concatenated pieces equal ``tokenizer.decode`` of the generated ids (no piece ends inside a
+    UTF-8 character), minus a stop string and whatever followed it. ``statistics`` as for
+    :class:`TokenStream`; ``token_ids`` holds the ids generated so far.
+    """
+
+    def __init__(self, stats: list[GenerationStatistics]) -> None:
+        super().__init__(stats)
+        self.token_ids: list[int] = []
+
+
+# -- prompts and options -----------------------------------------------------------------------------
+
+
+def _options(
+    options: SamplingOptions | None,
+    fields: Mapping[str, Any],
+) -> SamplingOptions:
+    from aioexperts._text.sampling import SamplingOptions
+
+    given = {k: v for k, v in fields.items() if v is not None}
+    if options is not None:
+        if not isinstance(options, SamplingOptions):
+            raise ConfigError(f"options must be a SamplingOptions, got {type(options).__name__}")
+        if given:
+            raise ConfigError(f"pass either options=SamplingOptions(...) or {', '.join(sorted(given))}, not both")
+        return options
+    if "stop" in given:
+        stop = given["stop"]
+        given["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    return SamplingOptions(**{**_GREEDY, **given})
+
+
+def _prompt_ids(model: Model, prompt: str | Sequence[int], *, add_special: bool, parse_special: bool) -> list[int]:
+    """Token ids of ``prompt`` (checked against the model's vocabulary and ``n_ctx``)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty: there is nothing to continue")
+        ids = model.tokenizer.encode(prompt, add_special=add_special, parse_special=parse_special)
+    elif isinstance(prompt, bytes):
+        raise InvalidRequestError("the prompt must be a str or a sequence of token ids, not bytes")
+    else:
+        ids = list(prompt) if not isinstance(prompt, np.ndarray) else prompt.tolist()
+    ids = model._check_ids(ids)
+    check_fits(model, len(ids))
+    return ids
+
+
+def check_fits(model: Model, n_prompt: int) -> None:
+    if n_prompt > model.n_ctx:
+        raise ContextLengthError(
+            f"the prompt is {n_prompt} tokens, more than n_ctx={model.n_ctx} positions: it is not truncated "
+            "(load the model with a larger n_ctx, or shorten the prompt)"
+        )
+
+
+def _eog_ids(model: Model, with_tokenizer: bool) -> frozenset[int]:
+    """The file's EOG ids, plus the tokenizer's (llama.cpp also detects ``<|im_end|>`` & co. by text)."""
+    eog = frozenset(model.hparams.eog_ids)
+    if with_tokenizer:
+        eog |= model.tokenizer.eog_ids
+    return eog
+
+
+def _make_sampler(options: SamplingOptions, sampler: Sampler | None) -> Any:
+    from aioexperts._text.sampling import Sampler as ChainSampler
+
+    if sampler is not None:
+        if not callable(sampler):
+            raise ConfigError(f"sampler must be a callable (logits, history) -> int, got {sampler!r}")
+        return sampler
+    return ChainSampler(options)
+
+
+# -- the decode loop -------------------------------------------------------------------------------
+
+
+async def _decode_loop(
+    model: Model,
+    seq: ModelSequence,
+    new_ids: list[int],
+    sampler: Any,
+    max_tokens: int,
+    eog: frozenset[int],
+    stats: list[GenerationStatistics],
+    started: float,
+) -> AsyncGenerator[int, None]:
+    """Prefill ``new_ids`` at ``seq.n_past``, then yield sampled tokens (see the module docstring)."""
+    n_vocab = model.n_vocab
+    pending = new_ids
+    t_last = started
+    for n in range(max_tokens):
+        if seq.n_past + len(pending) > seq.n_ctx:
+            stats[0] = replace(stats[0], stop_reason="n_ctx")
+            return
+        while len(pending) > PREFILL_BATCH:
+            await seq.forward(pending[:PREFILL_BATCH], all_logits=False)
+            pending = pending[PREFILL_BATCH:]
+        logits = (await seq.forward(pending, all_logits=False))[0]
+        t0 = time.perf_counter()
+        token = sampler(logits, tuple(seq.tokens))
+        if isinstance(token, np.integer):
+            token = int(token)
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < n_vocab:
+            raise InvalidRequestError(f"the sampler returned {token!r}, not a token id in 0..{n_vocab - 1}")
+        now = time.perf_counter()
+        model._counters.sampling_seconds += now - t0
+        s = stats[0]
+        if n == 0:
+            s = replace(s, prefill_seconds=now - started)
+        else:
+            s = replace(s, decode_seconds=s.decode_seconds + (now - t_last))
+        t_last = now
+        if token in eog:
+            stats[0] = replace(s, stop_reason="eog")
+            return
+        stats[0] = replace(s, generated_tokens=s.generated_tokens + 1)
+        yield token
+        pending = [token]
+    stats[0] = replace(stats[0], stop_reason="length")
+
+
+def _first_token(stats: list[GenerationStatistics], started: float) -> None:
+    if stats[0].time_to_first_token is None:
+        stats[0] = replace(stats[0], time_to_first_token=time.perf_counter() - started)
+
+
+def _ended(stats: list[GenerationStatistics], exc: BaseException | None) -> None:
+    if stats[0].stop_reason is None:
+        cancelled = exc is None or isinstance(exc, GeneratorExit | asyncio.CancelledError)
+        if not cancelled:
+            try:
+                cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+            except (RuntimeError, LookupError):  # no async library running (finalized outside a loop)
+                pass
+        stats[0] = replace(stats[0], stop_reason="cancelled" if cancelled else "error")
+
+
+async def _ids(
+    model: Model,
+    seq: ModelSequence | None,
+    reused: int,
+    prompt: list[int],
+    options: SamplingOptions,
+    sampler: Any,
+    eog: frozenset[int],
+    stats: list[GenerationStatistics],
+    owns_sequence: bool,
+) -> AsyncGenerator[int, None]:
+    """``seq=None``: a fresh sequence, made when iteration starts and closed when it ends."""
+    started = time.perf_counter()
+    stats[0] = GenerationStatistics(len(prompt), reused, len(prompt) - reused)
+    stopper = None
+    if options.stop:
+        from aioexperts._text.sampling import StopMatcher
+
+        stopper = StopMatcher(options.stop)
+        decoder = model.tokenizer.decoder()
+    if seq is None:
+        seq = model.sequence()
+    try:
+        tokens_of = _decode_loop(model, seq, prompt[reused:], sampler, options.max_tokens, eog, stats, started)
+        async with aclosing(tokens_of) as tokens:
+            async for token in tokens:
+                _first_token(stats, started)
+                yield token
+                if stopper is not None:
+                    stopper.feed(decoder.feed(token))
+                    if stopper.stopped:
+                        stats[0] = replace(stats[0], stop_reason="stop", stop_string=stopper.stop_string)
+                        return
+    except BaseException as exc:
+        _ended(stats, exc)
+        raise
+    finally:
+        _ended(stats, None)
+        if owns_sequence:
+            seq.close()
+
+
+async def _text(
+    model: Model,
+    seq: ModelSequence | None,
+    reused: int,
+    prompt: list[int],
+    options: SamplingOptions,
+    sampler: Any,
+    stats: list[GenerationStatistics],
+    owns_sequence: bool,
+    out: TextStream,
+) -> AsyncGenerator[str, None]:
+    """``seq=None``: a fresh sequence, made when iteration starts and closed when it ends."""
+    from aioexperts._text.sampling import StopMatcher
+
+    started = time.perf_counter()
+    stats[0] = GenerationStatistics(len(prompt), reused, len(prompt) - reused)
+    decoder = model.tokenizer.decoder()
+    stopper = StopMatcher(options.stop) if options.stop else None
+    eog = _eog_ids(model, True)
+    if seq is None:
+        seq = model.sequence()
+    try:
+        tokens_of = _decode_loop(model, seq, prompt[reused:], sampler, options.max_tokens, eog, stats, started)
+        async with aclosing(tokens_of) as tokens:
+            async for token in tokens:
+                out.token_ids.append(token)
+                piece = decoder.feed(token)
+                if stopper is not None:
+                    piece = stopper.feed(piece)
+                if piece:
+                    _first_token(stats, started)
+                    yield piece
+                if stopper is not None and stopper.stopped:
+                    stats[0] = replace(stats[0], stop_reason="stop", stop_string=stopper.stop_string)
+                    return
+        tail = decoder.flush()
+        if stopper is not None:
+            tail = stopper.feed(tail)
+            if stopper.stopped:
+                stats[0] = replace(stats[0], stop_reason="stop", stop_string=stopper.stop_string)
+            else:
+                tail += stopper.flush()
+        if tail:
+            _first_token(stats, started)
+            yield tail
+    except BaseException as exc:
+        _ended(stats, exc)
+        raise
+    finally:
+        _ended(stats, None)
+        if owns_sequence:
+            seq.close()
+
+
+def open_generation(
+    model: Model,
+    prompt: str | Sequence[int],
+    *,
+    options: SamplingOptions | None,
+    sampler: Sampler | None,
+    add_special: bool,
+    parse_special: bool,
+    sampling: Mapping[str, Any],
+) -> TokenStream:
+    """:meth:`Model.generate`'s body (arguments checked here, before the first ``await``)."""
+    opts = _options(options, sampling)
+    ids = _prompt_ids(model, prompt, add_special=add_special, parse_special=parse_special)
+    smp = _make_sampler(opts, sampler)
+    eog = _eog_ids(model, isinstance(prompt, str) or bool(opts.stop))
+    stats = [GenerationStatistics()]
+    gen = TokenStream(stats)
+    model._started()  # StoreClosedError now, not at the first token
+    gen._agen = _ids(model, None, 0, ids, opts, smp, eog, stats, True)
+    return gen
+
+
+def open_stream(
+    model: Model,
+    prompt: str | Sequence[int],
+    *,
+    options: SamplingOptions | None,
+    sampler: Sampler | None,
+    add_special: bool,
+    parse_special: bool,
+    sampling: Mapping[str, Any],
+) -> TextStream:
+    """:meth:`Model.stream`'s body."""
+    opts = _options(options, sampling)
+    ids = _prompt_ids(model, prompt, add_special=add_special, parse_special=parse_special)
+    smp = _make_sampler(opts, sampler)
+    stats = [GenerationStatistics()]
+    out = TextStream(stats)
+    model._started()
+    out._agen = _text(model, None, 0, ids, opts, smp, stats, True, out)
+    return out
+
+
+# -- chat ------------------------------------------------------------------------------------------
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, template: ChatTemplate, text: str) -> list[int]:
+    """Token ids of a rendered chat prompt, as llama.cpp's ``common_chat`` makes them.
+
+    The rendered text is tokenized with special-token parsing and the vocabulary's own BOS/EOS
+    (``add_special=True``); a BOS (EOS) the template wrote itself is removed first when the
+    vocabulary adds one, so it is never doubled (``common/chat.cpp``,
+    ``common_chat_template_direct_apply_impl``).
+
+    Raises:
+        InvalidRequestError: the rendered prompt is empty.
+        TokenizerError: from the tokenizer.
+    """
+    if tokenizer.add_bos and template.bos_token and text.startswith(template.bos_token):
+        text = text[len(template.bos_token) :]
+    if tokenizer.add_eos and template.eos_token and text.endswith(template.eos_token):
+        text = text[: -len(template.eos_token)]
+    if not text:
+        raise InvalidRequestError("the chat template rendered an empty prompt")
+    return tokenizer.encode(text, add_special=True, parse_special=True)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ChatSession:
+    """A conversation with one KV cache kept between turns (from :meth:`Model.chat`).
+
+    Each :meth:`send` renders the whole conversation with the chat template (and the generation
+    prompt), tokenizes it (:func:`chat_prompt_ids`), keeps the longest prefix the KV cache already
+    holds and prefills only the rest; the reply is added to :attr:`messages` when the turn ends.
+    A turn that fails or is cancelled leaves :attr:`messages` as it was before it. One turn runs
+    at a time. Close the session (``async with``, or :meth:`close`) to free the KV cache.
+
+    Attributes:
+        messages: the conversation so far (``{"role": ..., "content": ...}`` dicts).
+        template: the chat template.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        template: ChatTemplate,
+        *,
+        system: str | None,
+        options: SamplingOptions,
+        tools: Sequence[Mapping[str, Any]] | None,
+    ) -> None:
+        if system is not None and not isinstance(system, str):
+            raise ConfigError(f"system must be a str, got {type(system).__name__}")
+        self.model = model
+        self.template = template
+        self.options = options
+        self.tools = tools
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+        self._seq: ModelSequence | None = model.sequence()
+        self._busy = False
+        self._stats = [GenerationStatistics()]
+
+    @property
+    def n_past(self) -> int:
+        """Tokens the session's KV cache holds."""
+        return self._seq.n_past if self._seq is not None else 0
+
+    def statistics(self) -> GenerationStatistics:
+        """The last turn's statistics (``reused_tokens``: prompt tokens kept from the KV cache)."""
+        return self._stats[0]
+
+    def send(
+        self,
+        content: str,
+        *,
+        options: SamplingOptions | None = None,
+        sampler: Sampler | None = None,
+        **sampling: Any,
+    ) -> TextStream:
+        """Add a user message and stream the assistant's reply.
+
+        Args:
+            content: the user's text (not empty).
+            options: this turn's sampling options (default: the session's); or the single fields
+                (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``stop``)
+                as keywords, over the session's options.
+            sampler: a callable ``(logits, history) -> id`` instead of the sampler of ``options``.
+
+        Returns:
+            A :class:`TextStream` of the reply's text pieces.
+
+        Raises:
+            InvalidRequestError: empty or non-str content, a turn still running, the session closed.
+            ChatTemplateError: the template fails on the conversation.
+            ContextLengthError: the rendered conversation does not fit ``n_ctx``.
+            ConfigError: bad sampling options.
+        """
+        if self._seq is None:
+            raise InvalidRequestError("the chat session is closed")
+        if self._busy:
+            raise InvalidRequestError("a turn of this chat session is still running: finish or close its stream first")
+        if not isinstance(content, str) or not content:
+            raise InvalidRequestError("a chat message must be a non-empty str")
+        if options is not None and sampling:
+            raise ConfigError("pass either options=SamplingOptions(...) or single fields, not both")
+        if isinstance(sampling.get("stop"), str):
+            sampling["stop"] = (sampling["stop"],)
+        try:
+            opts = options if options is not None else replace(self.options, **sampling)
+        except TypeError as exc:  # an unknown keyword
+            raise ConfigError(f"send(): {exc}") from None
+        smp = _make_sampler(opts, sampler)
+        messages = [*self.messages, {"role": "user", "content": content}]
+        text = self.template.render(messages, add_generation_prompt=True, tools=self.tools)
+        ids = self.model._check_ids(chat_prompt_ids(self.model.tokenizer, self.template, text))
+        check_fits(self.model, len(ids))
+        out = TextStream(self._stats)
+        out._agen = self._turn(ids, opts, smp, messages, out)
+        return out
+
+    async def _turn(
+        self,
+        ids: list[int],
+        opts: SamplingOptions,
+        smp: Any,
+        messages: list[dict[str, Any]],
+        out: TextStream,
+    ) -> AsyncGenerator[str, None]:
+        seq = self._seq
+        if seq is None:
+            raise InvalidRequestError("the chat session is closed")
+        if self._busy:
+            raise InvalidRequestError("a turn of this chat session is still running: finish or close its stream first")
+        self._busy = True
+        reused = _common_prefix(seq.tokens, ids)
+        if reused == len(ids):  # the whole prompt is cached: run its last token again for its logits
+            reused -= 1
+        seq.keep(reused)
+        pieces: list[str] = []
+        try:
+            async with aclosing(_text(self.model, seq, reused, ids, opts, smp, self._stats, False, out)) as inner:
+                async for piece in inner:
+                    pieces.append(piece)
+                    yield piece
+        finally:
+            self._busy = False
+        self.messages = [*messages, {"role": "assistant", "content": "".join(pieces)}]
+
+    def close(self) -> None:
+        """Free the KV cache (idempotent)."""
+        if self._seq is not None:
+            self._seq.close()
+            self._seq = None
+
+    async def __aenter__(self) -> ChatSession:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()

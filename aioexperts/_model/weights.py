@@ -1,0 +1,141 @@
+"""The dense (non-expert) weights of a model, read once at load and kept in their ggml type.
+
+A :class:`DenseMatrix` keeps the raw ggml bytes of one matrix and multiplies through the compiled
+kernels of :func:`aioexperts._compute.fused.linear` (llama.cpp's ``ggml_mul_mat``); vectors (norms,
+biases, sinks) are dequantized to float32. A :class:`TensorReader` reads tensors of a parsed model
+with their shapes checked, and counts the bytes it keeps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from aioexperts._compute import fused
+from aioexperts._compute.activations import round_activations
+from aioexperts._errors import FormatError
+from aioexperts._format.model import GGUFModel
+
+__all__ = ("DenseMatrix", "TensorReader")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DenseMatrix:
+    """One matrix ``W`` of shape ``(rows, cols)`` (numpy order) in its ggml type.
+
+    Attributes:
+        name: the GGUF tensor name.
+        raw: the ggml bytes, ``uint8``, read-only.
+        ggml_type: their type.
+        shape: ``(rows, cols)``.
+    """
+
+    name: str
+    raw: np.ndarray
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, int]
+
+    @property
+    def n_bytes(self) -> int:
+        """Bytes held."""
+        return int(self.raw.nbytes)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row."""
+        return self.n_bytes // self.shape[0]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """``x @ W.T``: ``(n_tokens, cols)`` float32 -> new ``(n_tokens, rows)`` float32.
+
+        ``x`` is first rounded as llama.cpp's CPU product rounds it for this type
+        (:func:`aioexperts._compute.activations.round_activations`).
+        """
+        return fused.linear(self.raw, self.ggml_type, self.shape, round_activations(x, self.ggml_type))
+
+    def rows(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Rows ``ids`` dequantized: ``(len(ids), cols)`` float32 (token embeddings)."""
+        idx = np.asarray(ids, dtype=np.int64)
+        picked = np.ascontiguousarray(self.raw.reshape(self.shape[0], -1)[idx])
+        return fused.dequantize(picked, self.ggml_type, (len(idx), self.shape[1]))
+
+
+class TensorReader:
+    """Reads tensors of ``model`` (blocking ``pread``; from a worker thread), checking their shapes.
+
+    Attributes:
+        model: the parsed model.
+        n_bytes: bytes of everything read so far (matrices in their ggml type, vectors as float32).
+    """
+
+    def __init__(self, model: GGUFModel) -> None:
+        self.model = model
+        self.n_bytes = 0
+
+    def has(self, name: str) -> bool:
+        """Whether the model has tensor ``name``."""
+        return name in self.model.tensors
+
+    def _checked(
+        self, name: str, shape: tuple[int, ...] | None
+    ) -> tuple[np.ndarray, GGMLQuantizationType, tuple[int, ...]]:
+        info = self.model.tensor(name)  # FormatError when missing
+        if shape is not None and info.shape != tuple(shape):
+            raise FormatError(f"{self.model.path}: tensor {name!r} has shape {info.shape}, expected {tuple(shape)}")
+        block, type_size = GGML_QUANT_SIZES[info.ggml_type]
+        if info.n_bytes != math.prod(info.dims) // block * type_size:
+            raise FormatError(f"{self.model.path}: tensor {name!r} has {info.n_bytes} bytes for dims {info.dims}")
+        raw = np.frombuffer(self.model.read_tensor_bytes(name), dtype=np.uint8)
+        return raw, info.ggml_type, info.shape
+
+    def matrix(self, name: str, shape: tuple[int, int] | None = None) -> DenseMatrix:
+        """The 2-D tensor ``name`` kept in its ggml type.
+
+        Raises:
+            FormatError: missing, not 2-D, or not of ``shape``; truncated.
+        """
+        raw, qtype, got = self._checked(name, shape)
+        if len(got) != 2:
+            raise FormatError(f"{self.model.path}: tensor {name!r} has shape {got}, expected a matrix")
+        self.n_bytes += raw.nbytes
+        return DenseMatrix(name, raw, qtype, (int(got[0]), int(got[1])))
+
+    def head_matrices(self, name: str, shape: tuple[int, int, int]) -> list[DenseMatrix]:
+        """The 3-D tensor ``name`` of numpy ``shape`` ``(n, rows, cols)`` as ``n`` matrices in its ggml type.
+
+        For per-head weights such as deepseek2's ``attn_k_b`` / ``attn_v_b`` (ggml ``{cols, rows, n}``):
+        matrix ``i`` is a zero-copy slice of the tensor's bytes.
+
+        Raises:
+            FormatError: missing, not of ``shape``, truncated.
+        """
+        raw, qtype, got = self._checked(name, shape)
+        self.n_bytes += raw.nbytes
+        n, rows, cols = (int(d) for d in got)
+        per = raw.nbytes // n
+        return [DenseMatrix(f"{name}[{i}]", raw[i * per : (i + 1) * per], qtype, (rows, cols)) for i in range(n)]
+
+    def optional_matrix(self, name: str, shape: tuple[int, int] | None = None) -> DenseMatrix | None:
+        """:meth:`matrix`, or None when the model has no such tensor."""
+        return self.matrix(name, shape) if self.has(name) else None
+
+    def array(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """The tensor ``name`` dequantized to float32, numpy order.
+
+        Raises:
+            FormatError: missing, not of ``shape``, truncated, or holding NaN/inf.
+        """
+        raw, qtype, got = self._checked(name, shape)
+        out = fused.dequantize(raw, qtype, got)
+        if not np.isfinite(out).all():
+            raise FormatError(f"{self.model.path}: tensor {name!r} holds NaN or inf")
+        self.n_bytes += out.nbytes
+        return out
+
+    def optional_array(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray | None:
+        """:meth:`array`, or None when the model has no such tensor."""
+        return self.array(name, shape) if self.has(name) else None

@@ -1,0 +1,293 @@
+"""Chat templates: a GGUF's ``tokenizer.chat_template`` rendered with jinja2, the way transformers does.
+
+The environment follows ``transformers.utils.chat_template_utils._compile_jinja_template`` and
+``render_jinja_template``: an ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and
+``lstrip_blocks``, the ``loopcontrols`` extension (``{% break %}``, ``{% continue %}``), a ``tojson``
+filter that calls ``json.dumps`` without ASCII escaping (and takes ``indent``, ``separators``,
+``sort_keys``), the globals ``raise_exception(message)`` and ``strftime_now(format)``, and the
+variables ``messages``, ``tools``, ``documents`` (None), ``add_generation_prompt``, ``bos_token``
+and ``eos_token``.
+
+Where this module is stricter than transformers it says so: reaching an unsafe attribute
+(``''.__class__``, ``messages.append``) raises at once instead of giving an undefined value;
+``*`` and ``**`` refuse results beyond :data:`MAX_REPEAT` items or exponents beyond
+:data:`MAX_EXPONENT`; and a rendering longer than :data:`MAX_OUTPUT_CHARS` stops. Every failure
+reaches the caller as :class:`~aioexperts._errors.ChatTemplateError` with the template's own
+message. jinja2 is an optional dependency (``pip install 'aioexperts[text]'``); it is imported
+when the first template is compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from .._errors import ChatTemplateError, ConfigError, FormatError
+from .._format.header import LossyStr, SkippedValue, read_header
+
+__all__ = ("MAX_EXPONENT", "MAX_OUTPUT_CHARS", "MAX_REPEAT", "ChatTemplate")
+
+#: Longest rendering accepted, in characters.
+MAX_OUTPUT_CHARS = 16 << 20
+#: Longest string or list that ``*`` may build inside a template.
+MAX_REPEAT = 1 << 20
+#: Largest integer exponent ``**`` accepts inside a template.
+MAX_EXPONENT = 1024
+
+_TEMPLATE_KEY = "tokenizer.chat_template"
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' tojson: json.dumps as is (jinja's own filter escapes <, >, & and ').
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:  # noqa: A002 (the template calls it with this name)
+    return datetime.now().strftime(format)
+
+
+def _environment() -> Any:
+    try:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+    except ImportError:
+        raise ConfigError("chat templates need jinja2: pip install 'aioexperts[text]'") from None
+
+    def raise_exception(message: object) -> None:
+        raise jinja2.TemplateError(str(message))
+
+    class _Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(("*", "**"))
+
+        def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+            raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "*":
+                for seq, count in ((left, right), (right, left)):
+                    if isinstance(seq, str | list | tuple) and isinstance(count, int):
+                        if len(seq) * max(count, 0) > MAX_REPEAT:
+                            raise SecurityError(f"'*' would build {len(seq) * count} items (at most {MAX_REPEAT})")
+            elif isinstance(right, int) and abs(right) > MAX_EXPONENT:
+                raise SecurityError(f"'**' with exponent {right} (at most {MAX_EXPONENT})")
+            return super().call_binop(context, operator, left, right)
+
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+_ENV: Any = None
+
+
+def _shared_environment() -> Any:
+    global _ENV
+    if _ENV is None:
+        _ENV = _environment()
+    return _ENV
+
+
+def _template_error(exc: Exception) -> ChatTemplateError:
+    where = getattr(exc, "lineno", None)
+    kind = type(exc).__name__
+    at = f" (line {where})" if where else ""
+    return ChatTemplateError(f"chat template {kind}{at}: {exc}")
+
+
+class ChatTemplate:
+    """A compiled chat template (jinja2, transformers' rules; see the module docstring).
+
+    Args:
+        source: the template text (a GGUF's ``tokenizer.chat_template``, a ``tokenizer_config.json``'s
+            ``chat_template``).
+        bos_token: the text the template sees as ``bos_token`` (the BOS token's text).
+        eos_token: the text the template sees as ``eos_token``.
+
+    Raises:
+        ChatTemplateError: ``source`` is not a valid template (the message carries jinja2's, with
+            the line).
+        ConfigError: jinja2 is not installed, or an argument is not a string.
+    """
+
+    __slots__ = ("_compiled", "bos_token", "eos_token", "source")
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+        for name, value in (("source", source), ("bos_token", bos_token), ("eos_token", eos_token)):
+            if not isinstance(value, str):
+                raise ConfigError(f"ChatTemplate {name} must be a str, got {type(value).__name__}")
+        env = _shared_environment()
+        import jinja2
+
+        try:
+            self._compiled = env.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise _template_error(exc) from exc
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str], *, name: str | None = None) -> ChatTemplate:
+        """The chat template a GGUF file carries, with its BOS and EOS tokens' text.
+
+        Reads only the header (``aioexperts._format.header.read_header``, every read bounded by the
+        file size) and, for a vocabulary too large to decode up front, the strings of the token list
+        up to the BOS/EOS ids.
+
+        Args:
+            path: the GGUF file (a vocabulary-only file is enough).
+            name: a named template (``tokenizer.chat_template.NAME``, e.g. ``tool_use``) instead of
+                the default one.
+
+        Returns:
+            The compiled template; ``bos_token``/``eos_token`` are the texts of
+            ``tokenizer.ggml.bos_token_id``/``eos_token_id`` ("" when the file has no such id).
+
+        Raises:
+            ChatTemplateError: the file has no such template (the message says to pass one with
+                ``ChatTemplate(source, ...)``), or the template does not compile.
+            FormatError: the file is malformed, the template is not UTF-8, a BOS/EOS id is outside
+                the token list.
+            OSError: the file cannot be read.
+        """
+        fspath = os.fspath(path)
+        header = read_header(fspath)
+        key = _TEMPLATE_KEY if name is None else f"{_TEMPLATE_KEY}.{name}"
+        source = header.metadata.get(key)
+        if source is None:
+            names = sorted(k[len(_TEMPLATE_KEY) + 1 :] for k in header.metadata if k.startswith(_TEMPLATE_KEY + "."))
+            others = f" (it has the named templates {names})" if names else ""
+            raise ChatTemplateError(
+                f"{fspath} has no {key}{others}: pass the template yourself, "
+                "aioexperts.ChatTemplate(source, bos_token=..., eos_token=...)"
+            )
+        if isinstance(source, SkippedValue) or not isinstance(source, str) or isinstance(source, LossyStr):
+            raise FormatError(f"{fspath}: {key} is not a UTF-8 string of at most 64 MiB")
+        tokens = header.metadata.get("tokenizer.ggml.tokens")
+        texts = []
+        for which in ("bos", "eos"):
+            token_id = header.metadata.get(f"tokenizer.ggml.{which}_token_id")
+            texts.append("" if token_id is None else _token_text(fspath, tokens, token_id, which))
+        return cls(source, bos_token=texts[0], eos_token=texts[1])
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for ``messages``, as transformers' ``render_jinja_template`` gives it.
+
+        Args:
+            messages: the conversation, each a mapping with ``role`` and ``content`` (and whatever
+                else the template reads: ``tool_calls``, ``name``...). Nothing is changed.
+            add_generation_prompt: end with the header of an assistant turn.
+            tools: JSON schemas of the tools (``{"type": "function", "function": {...}}``), as the
+                template's ``tools``; None gives ``tools = None``.
+
+        Returns:
+            The rendered text (special tokens as text; tokenize it with special-token parsing on).
+
+        Raises:
+            ChatTemplateError: the template called ``raise_exception`` (its message), failed while
+                rendering (an undefined value used as a mapping, a type error), tried an unsafe
+                attribute, or gave more than :data:`MAX_OUTPUT_CHARS` characters; or ``messages``
+                or ``tools`` is not a list of mappings.
+        """
+        _check_mappings("messages", messages)
+        if tools is not None:
+            _check_mappings("tools", tools)
+        import jinja2
+
+        parts: list[str] = []
+        size = 0
+        try:
+            for part in self._compiled.generate(
+                messages=messages,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=bool(add_generation_prompt),
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            ):
+                size += len(part)
+                if size > MAX_OUTPUT_CHARS:
+                    raise ChatTemplateError(f"chat template rendered more than {MAX_OUTPUT_CHARS} characters")
+                parts.append(part)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise _template_error(exc) from exc
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, RecursionError) as exc:
+            raise _template_error(exc) from exc
+        return "".join(parts)
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate({len(self.source)} chars, bos_token={self.bos_token!r}, eos_token={self.eos_token!r})"
+
+
+def _check_mappings(what: str, items: object) -> None:
+    if isinstance(items, str | bytes | Mapping) or not isinstance(items, Sequence):
+        raise ChatTemplateError(f"{what} must be a list of mappings, got {type(items).__name__}")
+    for index, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise ChatTemplateError(f"{what}[{index}] must be a mapping, got {type(item).__name__}")
+
+
+def _token_text(path: str, tokens: object, token_id: object, which: str) -> str:
+    """The text of token ``token_id`` from ``tokenizer.ggml.tokens`` (a list, or left in the file)."""
+    key = f"tokenizer.ggml.{which}_token_id"
+    if tokens is None:
+        raise FormatError(f"{path}: {key} is set but the file has no tokenizer.ggml.tokens")
+    if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < len(tokens):  # type: ignore[arg-type]
+        raise FormatError(f"{path}: {key}={token_id!r} is outside the {len(tokens)} tokens")  # type: ignore[arg-type]
+    if isinstance(tokens, list):
+        text = tokens[token_id]
+    elif isinstance(tokens, SkippedValue) and tokens.item_type is not None and tokens.item_type.name == "STRING":
+        text = _string_at(path, tokens, token_id)
+    else:
+        raise FormatError(f"{path}: tokenizer.ggml.tokens is not an array of strings")
+    if not isinstance(text, str):
+        raise FormatError(f"{path}: token {token_id} ({key}) is not a string")
+    return str(text)
+
+
+def _string_at(path: str, value: SkippedValue, index: int) -> str:
+    """Item ``index`` of a string array left in the file (``u64`` length + bytes per item).
+
+    The header reader has already walked these bytes and checked them against the file size; this
+    walks them again, within ``value.n_bytes``.
+    """
+    with open(path, "rb") as f:
+        f.seek(value.offset)
+        data = f.read(value.n_bytes)
+    if len(data) != value.n_bytes:
+        raise FormatError(f"{path}: the file shrank while {value.key} was read")
+    view = memoryview(data)
+    pos = 0
+    for _ in range(index):
+        n = int.from_bytes(view[pos : pos + 8], "little")
+        pos += 8 + n
+        if pos > len(data):
+            raise FormatError(f"{path}: {value.key} ends inside item {index}")
+    n = int.from_bytes(view[pos : pos + 8], "little")
+    if pos + 8 + n > len(data):
+        raise FormatError(f"{path}: {value.key} ends inside item {index}")
+    raw = bytes(view[pos + 8 : pos + 8 + n])
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FormatError(f"{path}: token {index} of {value.key} is not valid UTF-8") from None

@@ -1,0 +1,477 @@
+"""``aioexperts-run``: generate text with a GGUF MoE model (default: the built-in full model), then its statistics.
+
+Text goes to stdout as it is decoded; progress, notes and the statistics (prompt and generation
+tokens per second, time to first token, expert hit rate, bytes read per token, memory) go to
+stderr. With ``--json`` nothing is printed on stdout until the end, then one JSON object (the text
+included). Ctrl-C (SIGINT) cancels the generation, still prints the statistics and exits with 130;
+a second Ctrl-C stops at once. Bad arguments or files: one line on stderr, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import resource
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+import anyio
+
+import aioexperts
+from aioexperts.cli._common import BROKEN_PIPE_STATUS, HelpFormatter, stdout_closed
+
+__all__ = ("INTERRUPTED_STATUS", "build_parser", "main")
+
+PROG = "aioexperts-run"
+
+#: Exit status after Ctrl-C: 128 + SIGINT, what a shell reports for a program the signal ended.
+INTERRUPTED_STATUS = 130
+
+#: Exit status for bad arguments, files and models.
+USAGE_STATUS = 2
+
+#: n_ctx when ``--ctx`` is not given (llama.cpp's default), capped to the file's context length.
+DEFAULT_CTX = 4096
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, no usage block
+        self.exit(USAGE_STATUS, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _int_at_least(low: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``aioexperts-run``."""
+    from aioexperts._bench.full_model import DEFAULT_FULL_LAYERS
+
+    p = _Parser(
+        prog=PROG,
+        description=(
+            "Generate text with a Mixture-of-Experts GGUF model whose experts stream from SSD. Without MODEL it "
+            "runs the built-in full model (Qwen3-30B-A3B-shaped, random weights: its text is random), written once "
+            "to the user cache."
+        ),
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("model", nargs="?", help="a GGUF file (or a shard of a split set); default: the built-in model")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help="the prompt text (with --chat: the first user message)")
+    src.add_argument("-f", "--file", help="read the prompt from this UTF-8 file")
+    p.add_argument("-n", "--n-predict", type=_int_at_least(1), default=128, help="tokens to generate at most")
+    p.add_argument("--chat", action="store_true", help="chat through the model's template; reads turns from stdin")
+    p.add_argument("--system", help="a system message (with --chat)")
+    p.add_argument("--temp", type=_float, default=0.8, help="temperature; 0 is greedy")
+    p.add_argument("--top-k", type=_int_at_least(0), default=40, help="top-k sampling; 0 is off")
+    p.add_argument("--top-p", type=_float, default=0.95, help="top-p (nucleus) sampling; 1 is off")
+    p.add_argument("--min-p", type=_float, default=0.05, help="min-p sampling; 0 is off")
+    p.add_argument("--seed", type=_int_at_least(0), default=None, help="seed of the sampler (default: a fresh one)")
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeat for more); not printed")
+    p.add_argument(
+        "--ctx", type=_int_at_least(1), default=None,
+        help=f"positions of the KV cache (n_ctx; default {DEFAULT_CTX}, or the file's context length if smaller)",
+    )
+    slab = p.add_mutually_exclusive_group()
+    slab.add_argument("--slots", type=_int_at_least(1), default=None, help="slab slots, one expert each")
+    slab.add_argument("--cache-bytes", type=_int_at_least(1), default=None, help="slab size in bytes (default 1 GiB)")
+    p.add_argument(
+        "--io", choices=("auto", "io_uring", "threads"), default="auto",
+        help="expert reads: io_uring where it works (auto), or the preadv thread pool",
+    )
+    p.add_argument(
+        "--layers", type=_int_at_least(1), default=None,
+        help=f"layers of the built-in model (default {DEFAULT_FULL_LAYERS}; 48 is the real depth)",
+    )
+    p.add_argument("--rebuild", action="store_true", help="write the built-in model again")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of text as it comes")
+    return p
+
+
+# -- what is reported --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Turn:
+    user: str | None
+    text: str = ""
+    stats: aioexperts.GenerationStatistics = field(default_factory=aioexperts.GenerationStatistics)
+
+
+@dataclass
+class _Report:
+    model: str
+    builtin: bool
+    turns: list[_Turn] = field(default_factory=list)
+    load_seconds: float | None = None
+    n_ctx: int | None = None
+    model_stats: aioexperts.ModelStatistics | None = None
+    store_stats: aioexperts.StoreStatistics | None = None
+    rss_bytes: int | None = None
+    interrupted: bool = False
+    error: str | None = None
+
+    def totals(self) -> dict[str, Any]:
+        s = [t.stats for t in self.turns]
+        prompt = sum(x.prefilled_tokens for x in s)
+        generated = sum(x.generated_tokens for x in s)
+        prefill = sum(x.prefill_seconds for x in s)
+        decode = sum(x.decode_seconds for x in s)
+        decoded = sum(max(0, x.generated_tokens - 1) for x in s)
+        ttft = [x.time_to_first_token for x in s if x.time_to_first_token is not None]
+        return {
+            "prompt_tokens": sum(x.prompt_tokens for x in s),
+            "reused_tokens": sum(x.reused_tokens for x in s),
+            "prefilled_tokens": prompt,
+            "generated_tokens": generated,
+            "prompt_seconds": prefill,
+            "generation_seconds": decode,
+            "prompt_tokens_per_second": prompt / prefill if prefill > 0 and prompt else None,
+            "generation_tokens_per_second": decoded / decode if decode > 0 and decoded else None,
+            "time_to_first_token_seconds": ttft[0] if ttft else None,
+            "stop_reason": s[-1].stop_reason if s else None,
+        }
+
+    def experts(self) -> dict[str, Any] | None:
+        st, ms = self.store_stats, self.model_stats
+        if st is None or ms is None:
+            return None
+        run = ms.tokens_prefilled + ms.tokens_decoded
+        return {
+            "hit_rate": st.hit_rate,
+            "requests": st.requests,
+            "hits": st.hits,
+            "misses": st.misses,
+            "bytes_read": st.bytes_read,
+            "prefetch_issued": st.prefetch_issued,
+            "prefetch_wasted": st.prefetch_wasted,
+            "tokens_run": run,
+            "bytes_read_per_token": st.bytes_read / run if run else None,
+            "backend": st.backend,
+            "direct_io": st.direct_io,
+        }
+
+    def memory(self) -> dict[str, Any]:
+        st, ms = self.store_stats, self.model_stats
+        return {
+            "rss_bytes": self.rss_bytes,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "slab_bytes": st.n_slots * st.slot_bytes if st else None,
+            "slab_slots": st.n_slots if st else None,
+            "resident_weight_bytes": ms.dense_bytes if ms else None,
+            "kv_cache_bytes": ms.n_ctx * ms.kv_bytes_per_position if ms else None,
+        }
+
+    def as_json(self, chat: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "model": self.model,
+            "builtin_model": self.builtin,
+            "n_ctx": self.n_ctx,
+            "load_seconds": self.load_seconds,
+            "interrupted": self.interrupted,
+            "error": self.error,
+        }
+        if chat:
+            out["turns"] = [{"user": t.user, "assistant": t.text, **asdict(t.stats)} for t in self.turns]
+        else:
+            out["text"] = self.turns[0].text if self.turns else ""
+        out.update(self.totals())
+        out["experts"] = self.experts()
+        out["memory"] = self.memory()
+        return out
+
+    def print_human(self, out: TextIO) -> None:
+        t = self.totals()
+
+        def rate(v: float | None) -> str:
+            return f"{v:.2f} tok/s" if v is not None else "n/a"
+
+        ttft = t["time_to_first_token_seconds"]
+        reused = f", {t['reused_tokens']} reused from the KV cache" if t["reused_tokens"] else ""
+        lines = [
+            f"prompt: {t['prefilled_tokens']} tokens in {t['prompt_seconds']:.3f} s "
+            f"({rate(t['prompt_tokens_per_second'])}){reused}",
+            f"generation: {t['generated_tokens']} tokens in {t['generation_seconds']:.3f} s after the first "
+            f"({rate(t['generation_tokens_per_second'])}); time to first token "
+            + (f"{ttft:.3f} s" if ttft is not None else "n/a")
+            + f"; stop: {t['stop_reason'] or 'n/a'}",
+        ]
+        ex = self.experts()
+        if ex is not None:
+            per = ex["bytes_read_per_token"]
+            lines.append(
+                f"experts: hit rate {ex['hit_rate']:.1%} ({ex['hits']} hits, {ex['misses']} misses of "
+                f"{ex['requests']} requests); read {_size(ex['bytes_read'])}, "
+                + (f"{_size(per)} per token" if per is not None else "n/a per token")
+                + f" ({ex['tokens_run']} tokens run); prefetched {ex['prefetch_issued']} "
+                f"({ex['prefetch_wasted']} wasted); {ex['backend']}{', O_DIRECT' if ex['direct_io'] else ''}"
+            )
+        m = self.memory()
+        parts = [f"RSS {_size(m['rss_bytes'])} (peak {_size(m['peak_rss_bytes'])})"]
+        if m["slab_bytes"] is not None:
+            parts.append(f"slab {_size(m['slab_bytes'])} ({m['slab_slots']} slots)")
+        if m["resident_weight_bytes"] is not None:
+            parts.append(f"resident weights {_size(m['resident_weight_bytes'])}")
+        if m["kv_cache_bytes"] is not None:
+            parts.append(f"KV cache {_size(m['kv_cache_bytes'])} (n_ctx {self.n_ctx})")
+        lines.append("memory: " + ", ".join(parts))
+        if self.load_seconds is not None:
+            lines.append(f"load: {self.load_seconds:.2f} s")
+        if self.interrupted:
+            lines.append("interrupted (Ctrl-C)")
+        for line in lines:
+            print(line, file=out)
+
+
+def _size(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+
+def _say(text: str) -> None:
+    print(f"{PROG}: {text}", file=sys.stderr, flush=True)
+
+
+def _options(args: argparse.Namespace) -> aioexperts.SamplingOptions:
+    return aioexperts.SamplingOptions(
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+        max_tokens=args.n_predict, stop=tuple(args.stop),
+    )
+
+
+async def _emit(stream: Any, turn: _Turn, args: argparse.Namespace) -> None:
+    try:
+        async for piece in stream:
+            turn.text += piece
+            if not args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    finally:
+        turn.stats = stream.statistics
+        if not args.json and turn.text:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+
+async def _read_line() -> str | None:
+    """The next line of stdin (with its newline), None at EOF; a cancelled wait abandons the read."""
+    line = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
+    return line or None
+
+
+async def _generate(model: aioexperts.Model, args: argparse.Namespace, prompt: str | None, report: _Report) -> None:
+    options = _options(args)
+    if not args.chat:
+        assert prompt is not None
+        turn = _Turn(None)
+        stream = model.stream(prompt, options=options)  # bad prompts raise here, before a turn is counted
+        report.turns.append(turn)
+        async with stream:
+            await _emit(stream, turn, args)
+        return
+    async with model.chat(args.system, options=options) as session:
+        first = prompt
+        while True:
+            if first is not None:
+                user, first = first, None
+            else:
+                if not args.json:
+                    print("> ", end="", file=sys.stderr, flush=True)
+                line = await _read_line()
+                if line is None:
+                    return
+                user = line.rstrip("\n")
+                if not user.strip():
+                    continue
+            turn = _Turn(user)
+            stream = session.send(user)
+            report.turns.append(turn)
+            async with stream:
+                await _emit(stream, turn, args)
+            s = turn.stats
+            if not args.json:
+                print(
+                    f"[{s.reused_tokens} prompt tokens reused, {s.prefilled_tokens} prefilled; "
+                    f"{s.generated_tokens} generated; stop: {s.stop_reason}]",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+
+def _context_length(path: str, requested: int | None) -> int:
+    """``--ctx``, else :data:`DEFAULT_CTX` capped to the file's ``{arch}.context_length`` (FormatError: a bad file)."""
+    if requested is not None:
+        return requested
+    gguf = aioexperts.open_model(path)
+    trained = gguf.key("context_length")
+    if isinstance(trained, int) and not isinstance(trained, bool) and trained > 0:
+        return min(DEFAULT_CTX, trained)
+    return DEFAULT_CTX
+
+
+async def _session(args: argparse.Namespace, path: str, prompt: str | None, report: _Report) -> None:
+    t0 = time.perf_counter()
+    n_ctx = await anyio.to_thread.run_sync(_context_length, path, args.ctx)
+    model = aioexperts.load(
+        path, n_ctx=n_ctx, slots=args.slots, cache_bytes=args.cache_bytes,
+        io=aioexperts.IOOptions(backend=args.io),
+    )
+    async with model:
+        try:
+            await anyio.to_thread.run_sync(lambda: model.tokenizer)  # off the event loop
+            if args.chat:
+                model.chat_template  # noqa: B018 (a missing or broken template is a usage error, before any turn)
+            report.load_seconds = time.perf_counter() - t0
+            report.n_ctx = model.n_ctx
+            if not args.json:
+                _say(f"loaded {path} in {report.load_seconds:.2f} s (n_ctx {model.n_ctx})")
+            await _generate(model, args, prompt, report)
+        finally:
+            report.model_stats = model.statistics()
+            report.store_stats = model.store.statistics()
+            report.rss_bytes = _rss_bytes()
+
+
+async def _run(args: argparse.Namespace, path: str, prompt: str | None, report: _Report) -> int:
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+
+    def on_sigint() -> None:
+        report.interrupted = True
+        loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C raises KeyboardInterrupt at once
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    status = 0
+    try:
+        await _session(args, path, prompt, report)
+    except BrokenPipeError:  # `aioexperts-run ... | head`: the reader has what it wanted
+        stdout_closed()
+        status = BROKEN_PIPE_STATUS
+    except asyncio.CancelledError:
+        if not report.interrupted:
+            raise
+        task.uncancel()
+        status = INTERRUPTED_STATUS
+    except (aioexperts.AioExpertsError, OSError) as exc:
+        report.error = str(exc)
+        _say(f"error: {exc}")
+        status = USAGE_STATUS if not report.turns else 1
+    finally:
+        if not report.interrupted:
+            loop.remove_signal_handler(signal.SIGINT)
+    return status
+
+
+def _read_prompt(args: argparse.Namespace) -> str | None:
+    if args.file is not None:
+        with open(os.path.expanduser(args.file), encoding="utf-8") as f:
+            return f.read()
+    return args.prompt
+
+
+def _model_path(args: argparse.Namespace) -> tuple[str, bool]:
+    if args.model is not None:
+        path = os.path.expanduser(args.model)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{args.model}: no such model file")
+        return path, False
+    from aioexperts._bench.full_model import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
+
+    layers = args.layers or DEFAULT_FULL_LAYERS
+    built = ensure_full_model(
+        layers,
+        rebuild=args.rebuild,
+        progress=print_progress(sys.stderr),
+        on_build=lambda p: _say(f"writing the built-in full model ({layers} layers) to {p} (once)"),
+        on_wait=lambda: _say("another run is writing the built-in model; waiting for it"),
+    )
+    return os.fspath(built), True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``aioexperts-run``; returns the exit status (0 done, 1 failed while generating, 2 bad
+    arguments/files/models, 130 interrupted)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.prompt is None and args.file is None and not args.chat:
+        parser.error("give a prompt with -p TEXT or -f FILE, or chat with --chat")
+    if args.model is not None and (args.layers is not None or args.rebuild):
+        parser.error("--layers and --rebuild are for the built-in model (no MODEL argument)")
+    if args.system is not None and not args.chat:
+        parser.error("--system needs --chat")
+    logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(message)s", stream=sys.stderr)
+    try:
+        _options(args)  # sampling options out of range: a usage error before anything is loaded
+        prompt = _read_prompt(args)
+        if prompt is not None and not prompt:
+            raise aioexperts.InvalidRequestError("the prompt is empty")
+        path, builtin = _model_path(args)
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return INTERRUPTED_STATUS
+    except (aioexperts.AioExpertsError, OSError, UnicodeDecodeError) as exc:
+        _say(f"error: {exc}")
+        return USAGE_STATUS
+    if builtin and not args.json:
+        _say("the built-in model's weights are random, so its text is random")
+    report = _Report(path, builtin)
+    try:
+        status = asyncio.run(_run(args, path, prompt, report))
+    except KeyboardInterrupt:
+        return INTERRUPTED_STATUS
+    if status == USAGE_STATUS and not args.json:
+        return status  # the one error line says it all
+    try:
+        if args.json:
+            print(json.dumps(report.as_json(args.chat), indent=2))
+        else:
+            report.print_human(sys.stderr)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return stdout_closed()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

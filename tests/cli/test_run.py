@@ -1,0 +1,184 @@
+"""``aioexperts-run``: text on stdout, the statistics, ``--json``, ``--chat``, Ctrl-C, bad arguments.
+
+Each case runs the command in a subprocess on the small built-in full model of tests/conftest.py
+(``--io threads``: the thread-pool backend works everywhere the tests run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from aioexperts._compute.jit import cache_dir
+from aioexperts.testing._full_model import FULL_SPEC
+
+COMMAND = [sys.executable, "-m", "aioexperts.cli.run"]
+STATS = ("tok/s", "time to first token", "hit rate", "per token", "RSS", "slab", "resident weights", "KV cache")
+
+
+def run(
+    *args: str, stdin: str = "", env: dict[str, str] | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*COMMAND, *args], input=stdin, capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
+
+
+def test_streams_text_to_stdout_and_the_statistics_to_stderr(tiny_full_model: Path) -> None:
+    done = run(str(tiny_full_model), "-p", "Once upon a time", "-n", "12", "--temp", "0", "--io", "threads")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+    for needle in STATS:
+        assert needle in done.stderr
+    assert "prompt: " in done.stderr and "generation: 12 tokens" in done.stderr or "stop: eog" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_json_is_one_parseable_object_with_the_same_text(tiny_full_model: Path) -> None:
+    args = (str(tiny_full_model), "-p", "Once upon a time", "-n", "10", "--temp", "0.9", "--seed", "5")
+    args = (*args, "--io", "threads")
+    as_json = run(*args, "--json")
+    as_text = run(*args)
+    assert as_json.returncode == 0 == as_text.returncode, as_json.stderr + as_text.stderr
+    report = json.loads(as_json.stdout)  # the whole of stdout
+    assert report["text"] and report["text"] + "\n" == as_text.stdout  # same seed, same text; nothing interleaved
+    assert report["generated_tokens"] >= 1 and report["prompt_tokens"] >= 1
+    assert report["stop_reason"] in ("length", "eog")
+    assert report["time_to_first_token_seconds"] > 0 and report["interrupted"] is False
+    assert 0 <= report["experts"]["hit_rate"] <= 1 and report["experts"]["bytes_read_per_token"] > 0
+    memory = report["memory"]
+    assert memory["rss_bytes"] > 0 and memory["slab_bytes"] > 0 and memory["resident_weight_bytes"] > 0
+    # layers * (K, V) * KV heads * head size * float32
+    assert memory["kv_cache_bytes"] == report["n_ctx"] * 2 * 2 * 2 * 64 * 4
+    assert report["n_ctx"] == 512  # the file's context length, under the default 4096
+
+
+def test_chat_reads_turns_from_stdin_and_reuses_the_kv_cache(tiny_full_model: Path) -> None:
+    done = run(
+        *(str(tiny_full_model), "--chat", "--system", "Be brief.", "-n", "5", "--temp", "0"),
+        *("--io", "threads", "--json"),
+        stdin="Hello\nHow are you?\n",
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    turns = report["turns"]
+    assert [t["user"] for t in turns] == ["Hello", "How are you?"]
+    assert turns[0]["reused_tokens"] == 0 and turns[1]["reused_tokens"] > turns[0]["prompt_tokens"] // 2
+    assert turns[1]["prefilled_tokens"] == turns[1]["prompt_tokens"] - turns[1]["reused_tokens"]
+
+
+def test_sigint_stops_the_generation_prints_the_statistics_and_exits_130(tiny_full_model: Path) -> None:
+    proc = subprocess.Popen(
+        # greedy: on this model it runs to n_ctx (about 500 tokens) without an end-of-generation id
+        [*COMMAND, str(tiny_full_model), "-p", "Tell me everything.", "-n", "100000", "--temp", "0", "--io", "threads"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 120
+        first = b""
+        while not first and time.monotonic() < deadline:  # wait for the first streamed text
+            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            if ready:
+                first = os.read(proc.stdout.fileno(), 1024)
+                if not first:
+                    break  # EOF: the process ended before any text
+        assert first, "no text arrived"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = err.decode()
+    assert proc.returncode == 130, stderr
+    assert "interrupted (Ctrl-C)" in stderr and "stop: cancelled" in stderr
+    for needle in STATS:
+        assert needle in stderr
+    assert "Traceback" not in stderr
+
+
+def test_without_a_model_it_runs_the_built_in_model_from_the_cache(tiny_full_model: Path, tmp_path: Path) -> None:
+    """No MODEL argument: the built-in model's cache file is used (here a small one put in its place)."""
+    shutil.copy(tiny_full_model, tmp_path / FULL_SPEC.with_(n_layer=2).file_name())
+    (tmp_path / "numba").symlink_to(cache_dir().parent)  # the compiled kernels of this session, not a recompile
+    env = {**os.environ, "AIOEXPERTS_CACHE": str(tmp_path)}
+    done = run("--layers", "2", "-p", "Hello", "-n", "4", "--temp", "0", "--io", "threads", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "random" in done.stderr and "writing" not in done.stderr
+    assert done.stdout.strip()
+    assert sorted(p.name for p in tmp_path.glob("*.gguf*")) == [
+        FULL_SPEC.with_(n_layer=2).file_name()
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["MODEL"], "give a prompt"),
+        (["MODEL", "-p", "x", "-f", "y"], "not allowed with"),
+        (["MODEL", "-p", "x", "--temp", "hot"], "--temp: must be a number"),
+        (["MODEL", "-p", "x", "-n", "0"], "must be >= 1"),
+        (["MODEL", "-p", "x", "--top-p", "3"], "top_p"),
+        (["MODEL", "-p", "x", "--layers", "2"], "built-in model"),
+        (["MODEL", "-p", ""], "prompt is empty"),
+        (["MODEL", "-f", "/no/such/prompt.txt"], "No such file"),
+        (["/no/such/model.gguf", "-p", "x"], "no such model file"),
+        (["NOT_GGUF", "-p", "x"], "not a GGUF file"),
+        (["MODEL", "-p", "x", "--ctx", "4"], "more than n_ctx=4"),
+    ],
+)
+def test_bad_arguments_and_files_exit_2_with_one_line(
+    tiny_full_model: Path, tmp_path: Path, args: list[str], needle: str
+) -> None:
+    not_gguf = tmp_path / "not.gguf"
+    not_gguf.write_text("hello")
+    argv = [str(tiny_full_model) if a == "MODEL" else str(not_gguf) if a == "NOT_GGUF" else a for a in args]
+    if "--ctx" in argv:
+        argv[argv.index("-p") + 1] = "a long prompt of many words that is longer than four tokens"
+    done = run(*argv, "--io", "threads")
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line]
+    assert len(errors) == 1 and needle in errors[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_sigint_while_a_chat_waits_for_input_exits_130(tiny_full_model: Path) -> None:
+    proc = subprocess.Popen(
+        [*COMMAND, str(tiny_full_model), "--chat", "-n", "3", "--io", "threads"],
+        stdin=subprocess.PIPE,  # kept open: the chat waits for a line that never comes
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stderr is not None
+        seen = b""
+        deadline = time.monotonic() + 120
+        while b"> " not in seen and time.monotonic() < deadline:
+            ready, _, _ = select.select([proc.stderr], [], [], 1.0)
+            if ready:
+                chunk = os.read(proc.stderr.fileno(), 4096)
+                if not chunk:
+                    break
+                seen += chunk
+        assert b"> " in seen, seen.decode()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)  # a blocked stdin read must not keep it alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err.decode()
+    assert "interrupted (Ctrl-C)" in (seen + err).decode()

@@ -1,0 +1,218 @@
+"""The built-in full model: every qwen3moe tensor, a consistent vocabulary, a ChatML template, sane numbers."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import aioexperts
+from aioexperts import ChatTemplate, ConfigError
+from aioexperts._format.dequant import dequantize
+from aioexperts._format.header import read_header
+from aioexperts._bench.full_model import ensure_full_model, full_model_path, print_progress
+from aioexperts.testing._full_model import CHATML_TEMPLATE, FULL_SPEC, FullModelSpec, write_full_model
+
+TINY = FullModelSpec(
+    n_layer=2,
+    n_embd=256,
+    n_head=4,
+    n_head_kv=2,
+    head_dim=64,
+    n_expert=4,
+    n_expert_used=2,
+    n_ff_exp=256,
+    vocab_size=600,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_full_model(tmp_path_factory.mktemp("full") / "tiny.gguf", TINY)
+
+
+def _expected_tensors(spec: FullModelSpec, n_vocab: int) -> dict[str, tuple[tuple[int, ...], Q]]:
+    """llama.cpp's qwen3moe tensors (src/models/qwen3moe.cpp), ggml dims (fastest first)."""
+    e, hd, f, x = spec.n_embd, spec.head_dim, spec.n_ff_exp, spec.n_expert
+    want = {
+        "token_embd.weight": ((e, n_vocab), spec.dense_type),
+        "output_norm.weight": ((e,), Q.F32),
+        "output.weight": ((e, n_vocab), spec.dense_type),
+    }
+    for i in range(spec.n_layer):
+        b = f"blk.{i}."
+        want |= {
+            b + "attn_norm.weight": ((e,), Q.F32),
+            b + "attn_q.weight": ((e, spec.n_head * hd), spec.dense_type),
+            b + "attn_k.weight": ((e, spec.n_head_kv * hd), spec.dense_type),
+            b + "attn_v.weight": ((e, spec.n_head_kv * hd), spec.dense_type),
+            b + "attn_output.weight": ((spec.n_head * hd, e), spec.dense_type),
+            b + "attn_q_norm.weight": ((hd,), Q.F32),
+            b + "attn_k_norm.weight": ((hd,), Q.F32),
+            b + "ffn_norm.weight": ((e,), Q.F32),
+            b + "ffn_gate_inp.weight": ((e, x), Q.F32),
+            b + "ffn_gate_exps.weight": ((e, f, x), spec.expert_type),
+            b + "ffn_up_exps.weight": ((e, f, x), spec.expert_type),
+            b + "ffn_down_exps.weight": ((f, e, x), spec.expert_type),
+        }
+    return want
+
+
+def test_every_qwen3moe_tensor_exists_with_its_shape_and_type(tiny_path: Path) -> None:
+    model = aioexperts.open_model(tiny_path)
+    n_vocab = len(model.metadata["tokenizer.ggml.tokens"])
+    got = {name: (tuple(t.dims), t.ggml_type) for name, t in model.tensors.items()}
+    assert got == _expected_tensors(TINY, n_vocab)
+    layout = aioexperts.build_layout(model)
+    assert sorted(layout.layers) == [0, 1]
+
+
+def test_the_hyperparameters_are_qwen3_30b_a3b_s(tiny_path: Path) -> None:
+    meta = read_header(str(tiny_path)).metadata
+    assert meta["general.architecture"] == "qwen3moe"
+    assert meta["qwen3moe.attention.head_count"] == TINY.n_head
+    assert meta["qwen3moe.attention.head_count_kv"] == TINY.n_head_kv
+    assert meta["qwen3moe.attention.key_length"] == meta["qwen3moe.attention.value_length"] == TINY.head_dim
+    assert meta["qwen3moe.expert_count"] == TINY.n_expert and meta["qwen3moe.expert_used_count"] == TINY.n_expert_used
+    assert meta["qwen3moe.rope.freq_base"] == 1e6
+    assert meta["qwen3moe.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
+    assert meta["qwen3moe.context_length"] == 40960
+    assert (FULL_SPEC.n_embd, FULL_SPEC.n_head, FULL_SPEC.n_head_kv, FULL_SPEC.head_dim) == (2048, 32, 4, 128)
+    assert (FULL_SPEC.n_expert, FULL_SPEC.n_expert_used, FULL_SPEC.n_ff_exp) == (128, 8, 768)
+
+
+def test_the_vocabulary_is_a_consistent_byte_level_bpe(tiny_path: Path) -> None:
+    meta = read_header(str(tiny_path)).metadata
+    model = aioexperts.open_model(tiny_path)
+    tokens, types, merges = (meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "merges"))
+    assert (meta["tokenizer.ggml.model"], meta["tokenizer.ggml.pre"]) == ("gpt2", "qwen2")
+    assert len(tokens) == len(types) == model.tensors["token_embd.weight"].dims[1] <= TINY.vocab_size
+    assert len(set(tokens)) == len(tokens)
+    byte_tokens = tokens[:256]
+    assert len(set(byte_tokens)) == 256 and all(len(t) == 1 for t in byte_tokens)
+    assert tokens[-3:] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert [t for t, k in zip(tokens, types, strict=True) if k == 3] == tokens[-3:]
+    assert set(types[:-3]) == {1}
+    assert tokens[meta["tokenizer.ggml.eos_token_id"]] == "<|im_end|>"
+    index = set(tokens)
+    for merge in merges:  # every merge joins two tokens into a third that is in the vocabulary
+        left, right = merge.split(" ")
+        assert left in index and right in index and left + right in index
+    assert len(merges) == len(tokens) - 256 - 3
+
+
+def test_the_full_vocabulary_has_thousands_of_merges(tmp_path: Path) -> None:
+    from aioexperts.testing._full_model import train_vocabulary
+
+    tokens, merges = train_vocabulary(FULL_SPEC.vocab_size)
+    assert 2000 <= len(merges) and len(tokens) <= FULL_SPEC.vocab_size
+    assert train_vocabulary(FULL_SPEC.vocab_size) == (tokens, merges)  # the same file every time
+
+
+def test_the_chat_template_renders_chatml(tiny_path: Path) -> None:
+    template = ChatTemplate.from_gguf(tiny_path)
+    assert template.source == CHATML_TEMPLATE and template.eos_token == "<|im_end|>"
+    out = template.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert out == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _tensor(model: aioexperts.GGUFModel, path: Path, name: str) -> np.ndarray:
+    info = model.tensors[name]
+    data = np.fromfile(path, dtype=np.uint8, count=info.n_bytes, offset=info.data_offset)
+    dims = tuple(reversed(info.dims))
+    rows = int(np.prod(dims[:-1]))
+    return dequantize(data, info.ggml_type, (rows, dims[-1])).reshape(dims)
+
+
+def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def test_one_token_through_48_layers_stays_finite_with_sane_logits(tmp_path: Path) -> None:
+    """A first token (position 0: RoPE is the identity and attention returns V) through every layer."""
+    spec = TINY.with_(n_layer=48)
+    path = write_full_model(tmp_path / "deep.gguf", spec)
+    model = aioexperts.open_model(path)
+    t = lambda name: _tensor(model, path, name)  # noqa: E731
+    eps = spec.rms_eps
+    x = t("token_embd.weight")[[300, 5]]  # two independent first tokens
+    norms = []
+    for i in range(spec.n_layer):
+        b = f"blk.{i}."
+        h = _rms_norm(x, t(b + "attn_norm.weight"), eps)
+        v = (h @ t(b + "attn_v.weight").T).reshape(2, spec.n_head_kv, spec.head_dim)
+        attn = np.repeat(v, spec.n_head // spec.n_head_kv, axis=1).reshape(2, -1)  # softmax over one key is 1
+        x = x + attn @ t(b + "attn_output.weight").T
+        h = _rms_norm(x, t(b + "ffn_norm.weight"), eps)
+        logits = h @ t(b + "ffn_gate_inp.weight").T
+        out = np.zeros_like(x)
+        gate, up, down = (t(b + f"ffn_{p}_exps.weight") for p in ("gate", "up", "down"))
+        for row in range(2):
+            top = np.argsort(-logits[row])[: spec.n_expert_used]
+            weights = np.exp(logits[row, top] - logits[row, top].max())
+            weights /= weights.sum()
+            for e, w in zip(top, weights, strict=True):
+                g, u = gate[e] @ h[row], up[e] @ h[row]
+                out[row] += w * (down[e] @ (g / (1 + np.exp(-g)) * u))
+        x = x + out
+        norms.append(float(np.sqrt(np.mean(x * x))))
+    head = _rms_norm(x, t("output_norm.weight"), eps) @ t("output.weight").T
+    assert np.isfinite(head).all()
+    assert 0.3 < norms[-1] / norms[0] < 3.0, norms  # the residual stays of order one
+    assert 1.0 < float(head.std()) < 6.0  # about logit_std = 3
+
+
+def test_ensure_writes_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "cache"))
+    lines: list[str] = []
+
+    class Lines:
+        def write(self, s: str) -> None:
+            lines.append(s)
+
+        def flush(self) -> None:
+            pass
+
+    builds: list[Path] = []
+    results: list[Path] = []
+
+    def run() -> None:
+        results.append(ensure_full_model(spec=TINY, progress=print_progress(Lines()), on_build=builds.append))  # type: ignore[arg-type]
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(builds) == 1 and results[0] == results[1] and results[0].parent == tmp_path / "cache"
+    assert any("written" in s for s in lines)
+    mtime = results[0].stat().st_mtime_ns
+    assert ensure_full_model(spec=TINY) == results[0] and results[0].stat().st_mtime_ns == mtime
+    assert ensure_full_model(spec=TINY, rebuild=True).stat().st_mtime_ns != mtime
+    assert not list((tmp_path / "cache").glob("*.partial"))
+
+
+def test_the_cache_names_differ_by_depth_and_geometry() -> None:
+    assert full_model_path(4) != full_model_path(48)
+    assert "48l" in full_model_path(48).name
+    assert TINY.file_name() != FULL_SPEC.with_(n_layer=2).file_name()
+    assert TINY.file_name() == TINY.with_().file_name()
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"n_layer": 0}, "n_layer"),
+        ({"n_head": 5}, "n_head"),
+        ({"n_expert_used": 9}, "n_expert_used"),
+        ({"vocab_size": 100}, "vocab_size"),
+        ({"n_ff_exp": 200}, "expert_type"),
+        ({"dense_type": Q.Q6_K}, "no block pool"),
+    ],
+)
+def test_an_inconsistent_spec_is_a_config_error(tmp_path: Path, changes: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        write_full_model(tmp_path / "x.gguf", TINY.with_(**changes))
