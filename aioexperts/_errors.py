@@ -23,8 +23,6 @@ __all__ = (
     "LayoutError",
     "MissingShardError",
     "NonFiniteError",
-
-
     "OptionalDependencyError",
     "SlabExhaustedError",
     "SlotTimeoutError",

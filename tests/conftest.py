@@ -175,8 +175,16 @@ def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
 
 #: The built-in full model's layout at a test size: 2 layers, small dims, a 600-token vocabulary.
 TINY_FULL_SPEC_FIELDS = {
-    "n_layer": 2, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_expert": 4, "n_expert_used": 2,
-    "n_ff_exp": 256, "vocab_size": 600, "context_length": 512,
+    "n_layer": 2,
+    "n_embd": 256,
+    "n_head": 4,
+    "n_head_kv": 2,
+    "head_dim": 64,
+    "n_expert": 4,
+    "n_expert_used": 2,
+    "n_ff_exp": 256,
+    "vocab_size": 600,
+    "context_length": 512,
 }
 
 

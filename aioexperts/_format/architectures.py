@@ -157,9 +157,7 @@ for _record in (
     # olmoe.cpp: RMSNorm over the whole q and k projections, NEOX
     ArchitectureRecord("olmoe", _NEOX, "olmoe.cpp", qk_norm="whole", qk_norm_required=True, rot_equals_head=True),
     # granite.cpp (granitemoe): the four scalars, NORM
-    ArchitectureRecord(
-        "granitemoe", _NORM, "granite.cpp", granite_scalars=True, rot_equals_head=True, rope_freqs=True
-    ),
+    ArchitectureRecord("granitemoe", _NORM, "granite.cpp", granite_scalars=True, rot_equals_head=True, rope_freqs=True),
     # openai-moe.cpp (gpt-oss): biases, sinks, sliding window on every other layer (pattern 2), NEOX,
     # post_attention_norm feeds the MoE
     ArchitectureRecord(

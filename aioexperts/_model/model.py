@@ -43,9 +43,8 @@ from aioexperts._model.blocks import BLOCKS, AttentionBlock
 from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
 from aioexperts._model.weights import DenseMatrix, TensorReader
 from aioexperts._options import CacheOptions, IOOptions, PageCacheOptions
-from aioexperts._runner import PrefetchOptions
 from aioexperts._pipeline import run_in_worker
-from aioexperts._runner import MoERunner
+from aioexperts._runner import MoERunner, PrefetchOptions
 from aioexperts._store import ExpertStore
 from aioexperts._store import open as open_store
 
@@ -764,8 +763,13 @@ class Model:
                 add_special=add_special,
                 parse_special=parse_special,
                 sampling={
-                    "max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-                    "min_p": min_p, "seed": seed, "stop": stop,
+                    "max_tokens": max_tokens,
+                    "temperature": temperature,
+                    "top_k": top_k,
+                    "top_p": top_p,
+                    "min_p": min_p,
+                    "seed": seed,
+                    "stop": stop,
                 },
             )
         assert not isinstance(prompt, str)
@@ -822,8 +826,13 @@ class Model:
             add_special=add_special,
             parse_special=parse_special,
             sampling={
-                "max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-                "min_p": min_p, "seed": seed, "stop": stop,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "top_k": top_k,
+                "top_p": top_p,
+                "min_p": min_p,
+                "seed": seed,
+                "stop": stop,
             },
         )
 

@@ -19,7 +19,6 @@ when the first template is compiled.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -27,6 +26,7 @@ from typing import Any
 
 from .._errors import ChatTemplateError, ConfigError, FormatError
 from .._format.header import LossyStr, SkippedValue, read_header
+from .._json import dumps as strict_dumps
 
 __all__ = ("MAX_EXPONENT", "MAX_OUTPUT_CHARS", "MAX_REPEAT", "ChatTemplate")
 
@@ -47,8 +47,8 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    # transformers' tojson: json.dumps as is (jinja's own filter escapes <, >, & and ').
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    # transformers' tojson: json.dumps as is (jinja's own filter escapes <, >, & and '); strict: NaN is null
+    return strict_dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(format: str) -> str:  # noqa: A002 (the template calls it with this name)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import resource
@@ -25,6 +24,7 @@ from typing import Any, TextIO
 import anyio
 
 import aioexperts
+from aioexperts._json import dumps as strict_dumps
 from aioexperts.cli._common import BROKEN_PIPE_STATUS, HelpFormatter, stdout_closed
 
 __all__ = ("INTERRUPTED_STATUS", "build_parser", "main")
@@ -93,18 +93,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_int_at_least(0), default=None, help="seed of the sampler (default: a fresh one)")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeat for more); not printed")
     p.add_argument(
-        "--ctx", type=_int_at_least(1), default=None,
+        "--ctx",
+        type=_int_at_least(1),
+        default=None,
         help=f"positions of the KV cache (n_ctx; default {DEFAULT_CTX}, or the file's context length if smaller)",
     )
     slab = p.add_mutually_exclusive_group()
     slab.add_argument("--slots", type=_int_at_least(1), default=None, help="slab slots, one expert each")
     slab.add_argument("--cache-bytes", type=_int_at_least(1), default=None, help="slab size in bytes (default 1 GiB)")
     p.add_argument(
-        "--io", choices=("auto", "io_uring", "threads"), default="auto",
+        "--io",
+        choices=("auto", "io_uring", "threads"),
+        default="auto",
         help="expert reads: io_uring where it works (auto), or the preadv thread pool",
     )
     p.add_argument(
-        "--layers", type=_int_at_least(1), default=None,
+        "--layers",
+        type=_int_at_least(1),
+        default=None,
         help=f"layers of the built-in model (default {DEFAULT_FULL_LAYERS}; 48 is the real depth)",
     )
     p.add_argument("--rebuild", action="store_true", help="write the built-in model again")
@@ -273,8 +279,13 @@ def _say(text: str) -> None:
 
 def _options(args: argparse.Namespace) -> aioexperts.SamplingOptions:
     return aioexperts.SamplingOptions(
-        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-        max_tokens=args.n_predict, stop=tuple(args.stop),
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.n_predict,
+        stop=tuple(args.stop),
     )
 
 
@@ -352,7 +363,10 @@ async def _session(args: argparse.Namespace, path: str, prompt: str | None, repo
     t0 = time.perf_counter()
     n_ctx = await anyio.to_thread.run_sync(_context_length, path, args.ctx)
     model = aioexperts.load(
-        path, n_ctx=n_ctx, slots=args.slots, cache_bytes=args.cache_bytes,
+        path,
+        n_ctx=n_ctx,
+        slots=args.slots,
+        cache_bytes=args.cache_bytes,
         io=aioexperts.IOOptions(backend=args.io),
     )
     async with model:
@@ -464,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status  # the one error line says it all
     try:
         if args.json:
-            print(json.dumps(report.as_json(args.chat), indent=2))
+            print(strict_dumps(report.as_json(args.chat), indent=2))
         else:
             report.print_human(sys.stderr)
         sys.stdout.flush()

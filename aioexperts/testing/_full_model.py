@@ -31,11 +31,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TextIO
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
@@ -238,7 +236,8 @@ class FullModelSpec:
             dims = ""
         else:
             fields = {k: (v.name if isinstance(v, GGMLQuantizationType) else v) for k, v in vars(self).items()}
-            dims = "-custom" + hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+            key = json.dumps(fields, sort_keys=True, allow_nan=False).encode()
+            dims = "-custom" + hashlib.sha256(key).hexdigest()[:10]
         t = f"{self.dense_type.name.lower()}-{self.expert_type.name.lower()}"
         return f"qwen3-30b-a3b-geometry-full-{t}-{self.n_layer}l{dims}-v1.gguf"
 

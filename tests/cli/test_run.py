@@ -117,9 +117,7 @@ def test_without_a_model_it_runs_the_built_in_model_from_the_cache(tiny_full_mod
     assert done.returncode == 0, done.stderr
     assert "random" in done.stderr and "writing" not in done.stderr
     assert done.stdout.strip()
-    assert sorted(p.name for p in tmp_path.glob("*.gguf*")) == [
-        FULL_SPEC.with_(n_layer=2).file_name()
-    ]
+    assert sorted(p.name for p in tmp_path.glob("*.gguf*")) == [FULL_SPEC.with_(n_layer=2).file_name()]
 
 
 @pytest.mark.parametrize(

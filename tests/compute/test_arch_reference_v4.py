@@ -23,8 +23,8 @@ from moe_session import moe_session
 
 import aioexperts
 import aioexperts.predictors
-from aioexperts.testing._blocks import draw_blocks
 from aioexperts._format.hparams import GatingFunc, Status
+from aioexperts.testing._blocks import draw_blocks
 
 Q = GGMLQuantizationType
 T = GGUFValueType

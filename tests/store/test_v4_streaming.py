@@ -16,8 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from ioutil import pread_segment
 
 import aioexperts
-from aioexperts.testing import tiny_moe_writer
-from aioexperts.testing import FakeBackend
+from aioexperts.testing import FakeBackend, tiny_moe_writer
 
 pytestmark = pytest.mark.anyio
 
