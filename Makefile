@@ -2,7 +2,7 @@
 # sets everything up and runs the benchmark on the built-in model; `make test` sets up and runs the
 # tests. All create ./.venv from this project's own files.
 #
-#   make run                        # writes the built-in full model once (~1.5 GB), streams text, prints the stats
+#   make run                        # writes the built-in full model once (2.9 GB), streams text, prints the stats
 #   make run RUN_ARGS='-p "Hi" -n 32 --temp 0'   # any aioexperts-run option (MODEL.gguf too)
 #   make bench                      # all benches, 5 rounds, writes bench-results.json (about 3-8 min, depending on the disk)
 #   make bench BENCH_ARGS="--rounds 11"   # more rounds, any aioexperts-bench option
@@ -22,15 +22,15 @@ RESULTS ?= bench-results.json
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	$(BIN)/python -m pip install --quiet --config-settings editable_mode=compat -e '.[test,bench]'
 	touch $@
 
 $(BIN)/.text-installed: $(BIN)/.installed
-	$(BIN)/python -m pip install --quiet -e '.[test,text]'
+	$(BIN)/python -m pip install --quiet --config-settings editable_mode=compat -e '.[test,text]'
 	touch $@
 
 $(BIN)/.plot-installed: $(BIN)/.installed
-	$(BIN)/python -m pip install --quiet -e '.[test,bench,plot]'
+	$(BIN)/python -m pip install --quiet --config-settings editable_mode=compat -e '.[test,bench,plot]'
 	touch $@
 
 setup: $(BIN)/.installed

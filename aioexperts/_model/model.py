@@ -36,7 +36,7 @@ from aioexperts._errors import (
     StoreClosedError,
     UnsupportedTypeError,
 )
-from aioexperts._format.architectures import ModelHParams, model_hparams
+from aioexperts._format.architectures import ARCHITECTURES, ModelHParams, model_hparams
 from aioexperts._format.model import GGUFModel, open_model
 from aioexperts._model import text as _text
 from aioexperts._model.blocks import BLOCKS, AttentionBlock
@@ -190,6 +190,32 @@ def _load_weights(model: GGUFModel, hp: ModelHParams, moe_layers: frozenset[int]
     return _Weights(embedding, output_norm, output, layers, reader.n_bytes)
 
 
+def _whole_model_hparams(model: GGUFModel) -> ModelHParams:
+    """:func:`model_hparams`, with the file named and the two common wrong kinds of file said plainly.
+
+    Raises:
+        FormatError: no tensors (a vocabulary-only GGUF), or no token embeddings (an MoE-only file,
+            e.g. the bench's model), or a missing or malformed key (the file is named).
+        UnsupportedTypeError: an architecture without a whole-model record.
+    """
+    if not model.tensors:
+        raise FormatError(
+            f"{model.path}: the file holds no tensors (a vocabulary-only GGUF): there is no model to run; "
+            "aioexperts.Tokenizer.from_gguf reads its vocabulary"
+        )
+    if model.architecture in ARCHITECTURES and "token_embd.weight" not in model.tensors:
+        raise FormatError(
+            f"{model.path}: there is no 'token_embd.weight': the file holds MoE layers only, not a whole model; "
+            "stream its experts with aioexperts.open() and run its layers with aioexperts.MoERunner"
+        )
+    try:
+        return model_hparams(model)
+    except FormatError as exc:
+        if str(model.path) in str(exc):
+            raise
+        raise type(exc)(f"{model.path}: {exc}") from exc  # UnsupportedTypeError stays one
+
+
 def _check_finite(what: str, x: np.ndarray) -> None:
     if not np.isfinite(x).all():
         rows = np.flatnonzero(~np.isfinite(x).all(axis=-1))
@@ -294,7 +320,7 @@ class ModelSequence:
             if self.n_past + len(run) > self.n_ctx:
                 raise ContextLengthError(
                     f"{len(run)} new tokens after {self.n_past} would pass n_ctx={self.n_ctx} positions "
-                    "(load the model with a larger n_ctx, or keep() a shorter prefix)"
+                    "(load the model with a larger n_ctx, or --ctx of aioexperts-run; or keep() a shorter prefix)"
                 )
             logits = await self.model._forward(self._cache, self.n_past, run, all_logits=all_logits or not ids)
             self.tokens.extend(run)
@@ -514,7 +540,7 @@ class Model:
         if self._store is not None or self._closed:
             raise ConfigError("the model was already started")
         gguf = await run_in_worker(open_model, self.path)
-        hp = model_hparams(gguf)  # refuses unsupported architectures before any store work
+        hp = _whole_model_hparams(gguf)  # refuses unsupported architectures before any store work
         store = open_store(self.path, **self._store_options)
         await store.start()
         try:

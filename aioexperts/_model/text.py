@@ -197,7 +197,7 @@ def check_fits(model: Model, n_prompt: int) -> None:
     if n_prompt > model.n_ctx:
         raise ContextLengthError(
             f"the prompt is {n_prompt} tokens, more than n_ctx={model.n_ctx} positions: it is not truncated "
-            "(load the model with a larger n_ctx, or shorten the prompt)"
+            "(load the model with a larger n_ctx, or --ctx of aioexperts-run; or shorten the prompt)"
         )
 
 

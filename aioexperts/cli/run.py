@@ -454,6 +454,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--layers and --rebuild are for the built-in model (no MODEL argument)")
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
+    if sys.stdout is None or sys.stderr is None:  # started with >&- or 2>&-: nowhere to write the text
+        if sys.stderr is not None:
+            print(f"{PROG}: error: standard output is closed", file=sys.stderr)
+        return USAGE_STATUS
+    if args.chat and sys.stdin is None:
+        parser.error("--chat reads the turns from standard input, which is closed")
     logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(message)s", stream=sys.stderr)
     try:
         _options(args)  # sampling options out of range: a usage error before anything is loaded

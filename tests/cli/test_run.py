@@ -180,3 +180,18 @@ def test_sigint_while_a_chat_waits_for_input_exits_130(tiny_full_model: Path) ->
             proc.wait()
     assert proc.returncode == 130, err.decode()
     assert "interrupted (Ctrl-C)" in (seen + err).decode()
+
+
+@pytest.mark.parametrize(
+    ("redirect", "args", "needle"),
+    [(">&-", ["-p", "hi"], "standard output is closed"), ("0<&-", ["--chat"], "standard input, which is closed")],
+    ids=["stdout", "stdin"],
+)
+def test_a_closed_standard_stream_is_one_line_and_exit_2(
+    tiny_full_model: Path, redirect: str, args: list[str], needle: str
+) -> None:
+    """``aioexperts-run ... >&-`` or ``--chat 0<&-``: Python starts with that stream as None."""
+    shell = " ".join([*COMMAND, str(tiny_full_model), *args, "--io", "threads", redirect])
+    done = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert needle in done.stderr and "Traceback" not in done.stderr
