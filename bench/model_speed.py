@@ -295,7 +295,7 @@ def render(results: Path, doc: Path) -> None:
     load = f"{m['load_average_at_start'][0]:.1f} at the start, {m['load_average_at_end'][0]:.1f} at the end"
     split = s["split_ms"]
     lines = [
-        f"<!-- rendered by bench/model_speed.py --render {results} {doc}; do not edit by hand -->",
+        f"<!-- rendered by bench/model_speed.py --render {results} DOC; do not edit by hand -->",
         f"`{p['command']}` on {machine_label(m)}, {m['cpus_usable']} cores usable, started {r['started']}, "
         f"{r['seconds'] / 60:.0f} min; load average {load}. Model `{p['model']}` ({p['layers']} layers, "
         f"{p['experts_per_layer']} experts per layer, top-{p['expert_used']}), {p['sampling']}. Expert reads: "
