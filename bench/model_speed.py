@@ -186,7 +186,10 @@ async def main(args: argparse.Namespace) -> None:
         warm = await resident_decode(model, short, args.tokens, mark)  # loads these tokens' experts, records them
         del model.store.experts  # the recording wrapper (an instance attribute) goes
         routing = [token for token in routing if token][-args.tokens :]
-        await model.logits(prompt)  # and the prompt's (nearly every expert)
+        for layer, moe in layers.items():  # then every expert, read only (no compute)
+            async with model.store.experts(layer, range(moe.n_experts)):
+                pass
+        await model.logits(prompt[:32])  # and the batched code paths once
         print(f"warm-up (every expert read once): {time.perf_counter() - t0:.0f} s")
         for r in range(args.rounds):
             dec = await resident_decode(model, short, args.tokens)
