@@ -82,19 +82,22 @@ async def resident_decode(
     async with model.sequence() as seq:
         gen = seq.generate(prompt, max_tokens=n + 1)
         tokens.append(await gen.__anext__())  # prefill of the prompt + first sample: not timed
-        before, st0 = model.statistics(), model.store.statistics()
+        before, st0, ru0 = model.statistics(), model.store.statistics(), model.runner.statistics()
         for _ in range(n):
             if mark is not None:
                 mark()
             t0 = time.perf_counter()
             tokens.append(await gen.__anext__())  # forward of the last token + sampling
             steps.append((time.perf_counter() - t0) * 1e3)
-        after, st1 = model.statistics(), model.store.statistics()
+        after, st1, ru1 = model.statistics(), model.store.statistics(), model.runner.statistics()
     split = {
         f"{name}_ms": (getattr(after, f"{name}_seconds") - getattr(before, f"{name}_seconds")) * 1e3 / n
         for name in SPLIT
     }
     split["other_ms"] = sum(steps) / n - sum(split.values())  # embedding, residual adds, the event loop
+    # inside moe_ms: the expert kernels' worker time and the wait for experts (the rest is routing, pinning)
+    split["moe_expert_compute_ms"] = (ru1.compute_seconds - ru0.compute_seconds) * 1e3 / n
+    split["moe_io_wait_ms"] = (ru1.io_wait_seconds - ru0.io_wait_seconds) * 1e3 / n
     return {
         "decode_ms_per_token": sum(steps) / n,
         "step_ms": steps,
@@ -297,6 +300,7 @@ def render(results: Path, doc: Path) -> None:
     t = s["targets"]
     load = f"{m['load_average_at_start'][0]:.1f} at the start, {m['load_average_at_end'][0]:.1f} at the end"
     split = s["split_ms"]
+    kernels, waits = split["moe_expert_compute_ms"], split["moe_io_wait_ms"]
     lines = [
         f"<!-- rendered by bench/model_speed.py --render {results} DOC; do not edit by hand -->",
         f"`{p['command']}` on {machine_label(m)}, {m['cpus_usable']} cores usable, started {r['started']}, "
@@ -312,6 +316,9 @@ def render(results: Path, doc: Path) -> None:
         f"| decode compute per token, every expert resident | {fmt(s['decode_ms_per_token'], '.0f')} ms | |",
         "| of which attention / dense FFN / MoE / head / sampling / other (median) | "
         + " / ".join(f"{split[f'{x}_ms']:.1f}" for x in (*SPLIT, "other"))
+        + " ms | |",
+        "| of MoE: expert kernels / wait for experts / the rest (routing, pinning) | "
+        + " / ".join(f"{v:.1f}" for v in (kernels, waits, split["moe_ms"] - kernels - waits))
         + " ms | |",
         f"| cold read of the same tokens' experts, layer after layer (0 % hits, "
         f"{s['cold_io_bytes_per_token'] / 2**20:.0f} MiB/token) | {fmt(s['cold_io_ms_per_token'], '.0f')} ms | |",
