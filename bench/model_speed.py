@@ -298,6 +298,10 @@ def render(results: Path, doc: Path) -> None:
     reads = p["reads"]
     why = f" because {reads['liburing_unusable_reason']}" if reads.get("liburing_unusable_reason") else ""
     t = s["targets"]
+    for name in t:  # how many rounds met the target on their own
+        t[name]["verdict"] += (
+            f" ({sum(verdict(name, row[name]) == 'met' for row in r['rounds'])} of {p['rounds']} rounds met)"
+        )
     load = f"{m['load_average_at_start'][0]:.1f} at the start, {m['load_average_at_end'][0]:.1f} at the end"
     split = s["split_ms"]
     kernels, waits = split["moe_expert_compute_ms"], split["moe_io_wait_ms"]
