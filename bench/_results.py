@@ -93,10 +93,12 @@ def write_results(
     rounds: list[dict[str, Any]],
     summary_: dict[str, Any],
     started: float,
+    machine: dict[str, Any] | None = None,
 ) -> Path:
     """Write the results file (default ``<name>-results.json`` here) and return its path.
 
     The committed copies the docs are rendered from live in ``docs/results/<name>.json``.
+    ``machine`` adds facts to (or overrides) :func:`machine_facts`'s.
     """
     target = path if path is not None else RESULTS_DIR / f"{name}-results.json"
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +106,7 @@ def write_results(
         "benchmark": name,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "seconds": time.time() - started,
-        "machine": machine_facts(),
+        "machine": {**machine_facts(), **(machine or {})},
         "parameters": parameters,
         "units": units,
         "rounds": rounds,
