@@ -379,6 +379,21 @@ async def _text(
             seq.close()
 
 
+def _prepare(
+    model: Model,
+    prompt: str | Sequence[int],
+    options: SamplingOptions | None,
+    sampler: Sampler | None,
+    add_special: bool,
+    parse_special: bool,
+    sampling: Mapping[str, Any],
+) -> tuple[SamplingOptions, list[int], Any]:
+    """The checked options, the prompt's ids and the sampler of a generation or a stream."""
+    opts = _options(options, sampling)
+    ids = _prompt_ids(model, prompt, add_special=add_special, parse_special=parse_special)
+    return opts, ids, _make_sampler(opts, sampler)
+
+
 def open_generation(
     model: Model,
     prompt: str | Sequence[int],
@@ -390,9 +405,7 @@ def open_generation(
     sampling: Mapping[str, Any],
 ) -> TokenStream:
     """:meth:`Model.generate`'s body (arguments checked here, before the first ``await``)."""
-    opts = _options(options, sampling)
-    ids = _prompt_ids(model, prompt, add_special=add_special, parse_special=parse_special)
-    smp = _make_sampler(opts, sampler)
+    opts, ids, smp = _prepare(model, prompt, options, sampler, add_special, parse_special, sampling)
     eog = _eog_ids(model, isinstance(prompt, str) or bool(opts.stop))
     stats = [GenerationStatistics()]
     gen = TokenStream(stats)
@@ -412,9 +425,7 @@ def open_stream(
     sampling: Mapping[str, Any],
 ) -> TextStream:
     """:meth:`Model.stream`'s body."""
-    opts = _options(options, sampling)
-    ids = _prompt_ids(model, prompt, add_special=add_special, parse_special=parse_special)
-    smp = _make_sampler(opts, sampler)
+    opts, ids, smp = _prepare(model, prompt, options, sampler, add_special, parse_special, sampling)
     stats = [GenerationStatistics()]
     out = TextStream(stats)
     model._started()
