@@ -20,7 +20,7 @@ __all__ = ("BACKEND_NAMES", "BackendFactory", "create_backend", "io_uring_disabl
 
 log = logging.getLogger("aioexperts")
 
-BACKEND_NAMES = ("auto", "io_uring", "threads")
+BACKEND_NAMES = ("auto", "io_uring", "threads", "io_uring_raw")
 #: A callable that builds a backend, for tests and custom backends.
 BackendFactory = Callable[[ShardFiles, Slab, LoopAdapter, int], IOBackend]
 _SYSCTL = Path("/proc/sys/kernel/io_uring_disabled")
@@ -61,9 +61,13 @@ def create_backend(
 ) -> tuple[IOBackend, str | None]:
     """Build the backend named ``backend`` (or call a factory).
 
-    ``"auto"`` takes io_uring when its ring can be set up (and the ``liburing`` wheel runs on this
-    CPU: :func:`~aioexperts._io.uring_probe.liburing_unusable_reason`), else the thread pool,
-    logging one warning line with the reason. ``"io_uring"`` and ``"threads"`` force one.
+    ``"auto"`` takes io_uring when its ring can be set up, else the thread pool, logging one
+    warning line with the reason. ``"io_uring"`` and ``"threads"`` force one. io_uring goes
+    through the ``liburing`` wheel where it runs on this CPU
+    (:func:`~aioexperts._io.uring_probe.liburing_unusable_reason`); where it does not (not
+    installed, or it dies with ``SIGILL`` without AVX-512) the ring is driven through the raw
+    system calls instead (:mod:`.backends.rawring`; why is ``features()["ring_reason"]``, one
+    info line). ``"io_uring_raw"`` forces the raw ring.
 
     With ``attach=False`` nothing touches the event loop, so this can run in a worker thread (ring
     set-up and buffer registration are blocking system calls); then call ``backend.attach()`` on
@@ -103,21 +107,57 @@ def _build(
         return backend(files, slab, loop, depth), None
     if backend not in BACKEND_NAMES:
         raise ConfigError(f"backend must be one of {', '.join(BACKEND_NAMES)} or a factory, got {backend!r}")
-    reason = liburing_unusable_reason() if backend in ("auto", "io_uring") else None
-    if reason is not None:
-        if backend == "io_uring":
-            raise BackendUnavailableError(f"io_uring was requested but {reason}")
-        log.warning("%s; falling back to the thread-pool preadv backend", reason)
-    elif backend in ("auto", "io_uring"):
-        try:
-            from .backends.uring import UringBackend
+    reason: str | None = None
+    if backend in ("auto", "io_uring"):
+        liburing_reason = liburing_unusable_reason()
+        if liburing_reason is None:
+            try:
+                from .backends.uring import UringBackend
 
-            uring_options = {k: options[k] for k in ("fixed_buffers", "sqe_async") if k in options}
-            return UringBackend(files, slab, loop, depth, **uring_options), None
-        except Exception as exc:  # ImportError, OSError, and whatever old kernels make the wrapper raise
-            reason = _why_no_uring(exc)
-            if backend == "io_uring":
-                raise BackendUnavailableError(f"io_uring was requested but {reason}") from exc
-            log.warning("%s; falling back to the thread-pool preadv backend", reason)
+                return UringBackend(files, slab, loop, depth, **_uring_options(options)), None
+            except Exception as exc:  # ImportError, OSError, and whatever old kernels make the wrapper raise
+                reason = _why_no_uring(exc)
+                if backend == "io_uring":
+                    raise BackendUnavailableError(f"io_uring was requested but {reason}") from exc
+        else:
+            built, reason = _build_raw(files, slab, loop, depth, options, liburing_reason, backend == "io_uring")
+            if built is not None:
+                return built, None
+        log.warning("%s; falling back to the thread-pool preadv backend", reason)
+    elif backend == "io_uring_raw":
+        built, reason = _build_raw(files, slab, loop, depth, options, "backend='io_uring_raw' was requested", True)
+        assert built is not None
+        return built, None
     thread_options = {k: options[k] for k in ("n_threads",) if k in options}
     return ThreadBackend(files, slab, loop, depth, **thread_options), reason
+
+
+def _uring_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: options[k] for k in ("fixed_buffers", "sqe_async") if k in options}
+
+
+def _build_raw(
+    files: ShardFiles,
+    slab: Slab,
+    loop: LoopAdapter,
+    depth: int,
+    options: dict[str, Any],
+    ring_reason: str,
+    required: bool,
+) -> tuple[IOBackend | None, str | None]:
+    """The raw-syscall ring, or (None, why not); raises ``BackendUnavailableError`` when ``required``."""
+    from .backends.rawring import RawUringBackend
+    from .uring_raw import raw_ring_unusable_reason
+
+    platform_reason = raw_ring_unusable_reason()
+    try:
+        if platform_reason is not None:
+            raise OSError(errno.ENOSYS, platform_reason)
+        built = RawUringBackend(files, slab, loop, depth, ring_reason=ring_reason, **_uring_options(options))
+    except Exception as exc:  # OSError from io_uring_setup or a registration
+        reason = f"{ring_reason}, and the raw io_uring ring failed: {platform_reason or _why_no_uring(exc)}"
+        if required:
+            raise BackendUnavailableError(f"io_uring was requested but {reason}") from exc
+        return None, reason
+    log.info("aioexperts: %s; io_uring runs through raw system calls", ring_reason)
+    return built, None
