@@ -121,7 +121,10 @@ class IOOptions:
     Attributes:
         backend: ``"auto"`` (io_uring where its ring can be set up, else the thread pool, with
             one log line saying why), ``"io_uring"``, ``"threads"``, or a
-            :data:`BackendFactory` for a custom backend.
+            :data:`BackendFactory` for a custom backend. io_uring runs through the ``liburing``
+            wheel, or through raw system calls where the wheel cannot run on this CPU
+            (``statistics().backend_features["ring_reason"]`` says why); ``"io_uring_raw"``
+            forces the raw ring.
         direct_io: True to require ``O_DIRECT``, False for buffered reads (the page cache),
             None to use ``O_DIRECT`` where a probe read works.
         queue_depth: reads in flight at most (the io_uring ring size), 3..4096.

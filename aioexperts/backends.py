@@ -16,6 +16,7 @@ from ._io.loop import AsyncEvent as AsyncEvent
 from ._io.loop import LoopAdapter as LoopAdapter
 from ._io.select import BackendFactory as BackendFactory
 from ._io.slab import Slab as Slab
+from ._io.uring_probe import io_uring_unusable_reason as io_uring_unusable_reason
 from ._io.uring_probe import liburing_unusable_reason as liburing_unusable_reason
 
 __all__ = (
@@ -27,5 +28,6 @@ __all__ = (
     "ReadOp",
     "ShardFiles",
     "Slab",
+    "io_uring_unusable_reason",
     "liburing_unusable_reason",
 )

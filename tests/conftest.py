@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import Phase, settings
 
-from aioexperts._io.uring_probe import liburing_unusable_reason
+from aioexperts._io.uring_probe import io_uring_unusable_reason, liburing_unusable_reason
 
 #: ``--hypothesis-profile=find-only``: generate fresh examples without replaying the example
 #: database and without shrinking: does a property test or the store state machine find a bug (a
@@ -85,28 +85,42 @@ def shared_fixture_paths() -> list[Path]:
     return sorted(root.rglob("*.gguf"))
 
 
-def _needs_io_uring(item: pytest.Item) -> bool:
-    """A test that sets up a real io_uring ring: marked, parametrized with it, or using liburing."""
-    if item.get_closest_marker("io_uring") is not None:
-        return True
+#: Names that, in a test's code or fixtures, mean it drives the ``liburing`` wheel itself (its
+#: fault-injecting proxy ``faults.ringproxy``, a monkeypatch of the module, the wrapper's backend).
+_LIBURING_NAMES = frozenset(("liburing", "RingFaults", "ring", "CheckedUring", "UringBackend"))
+
+
+def _io_uring_need(item: pytest.Item) -> str | None:
+    """``"liburing"`` for a test of the wheel itself, ``"io_uring"`` for one that needs a working
+    ring through the public API (``liburing`` or the raw-syscall ring), None for neither."""
     callspec = getattr(item, "callspec", None)
     if callspec is not None and "backend" in callspec.params:  # the matrices: fake and uring cases
-        return "uring" in str(callspec.params["backend"]).lower()
-    if re.search(r"uring|(^|_)rings?(_|\[|$)", item.name.lower()) or "ring" in getattr(item, "fixturenames", ()):
-        return True
-    module = getattr(item, "module", None)
-    return module is not None and any(getattr(v, "__name__", None) == "liburing" for v in vars(module).values())
+        value = str(callspec.params["backend"]).lower()
+        if value == "uring":  # the real half of the fault matrices: UringBackend under the liburing proxy
+            return "liburing"
+        return "io_uring" if "uring" in value else None
+    function = getattr(item, "function", None)
+    names = set(getattr(item, "fixturenames", ()))
+    if function is not None:
+        names |= set(function.__code__.co_names)
+    if names & _LIBURING_NAMES:
+        return "liburing"
+    if item.get_closest_marker("io_uring") is not None or re.search(r"uring|(^|_)rings?(_|\[|$)", item.name.lower()):
+        return "io_uring"
+    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # The liburing wheel dies with SIGILL on CPUs without AVX-512 (aioexperts/_io/uring_probe.py):
-    # there the io_uring tests are skipped with that reason, and "auto" runs them on the thread pool.
-    reason = liburing_unusable_reason()
-    if reason is not None:
-        skip = pytest.mark.skip(reason=f"io_uring unusable here: {reason}")
-        for item in items:
-            if _needs_io_uring(item):
-                item.add_marker(skip)
+    # there the tests of the wheel itself are skipped with that reason; io_uring through the public
+    # API runs on the raw-syscall ring (aioexperts/_io/backends/rawring.py) where that works.
+    liburing_reason = liburing_unusable_reason()
+    io_uring_reason = io_uring_unusable_reason()
+    for item in items:
+        need = _io_uring_need(item)
+        reason = liburing_reason if need == "liburing" else io_uring_reason if need == "io_uring" else None
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=f"io_uring unusable here: {reason}"))
     if os.environ.get("AIOEXPERTS_REQUIRE_FIXTURES") == "1" and shared_fixtures_dir() is None:
         raise pytest.UsageError(
             "AIOEXPERTS_REQUIRE_FIXTURES=1 but no *.gguf is in "

@@ -26,7 +26,7 @@ import numpy as np
 import aioexperts
 from aioexperts import ComputeStep, RouteStep
 
-from ..backends import liburing_unusable_reason
+from ..backends import io_uring_unusable_reason
 from .readlist import ReadList
 
 __all__ = (
@@ -122,9 +122,10 @@ def model_info(path: str) -> ModelInfo:
 
 
 def engine_backend() -> str:
-    """The backend the bench measures the engine with: io_uring, or the thread pool where the
-    liburing wheel cannot run here (the reason is in the run's log and the results file)."""
-    return "io_uring" if liburing_unusable_reason() is None else "threads"
+    """The backend the bench measures the engine with: io_uring (the ``liburing`` wheel, or the
+    raw-syscall ring where the wheel cannot run), or the thread pool where neither can (the
+    reason is in the run's log and the results file)."""
+    return "io_uring" if io_uring_unusable_reason() is None else "threads"
 
 
 class ReadRecorder:

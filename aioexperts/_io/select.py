@@ -159,5 +159,5 @@ def _build_raw(
         if required:
             raise BackendUnavailableError(f"io_uring was requested but {reason}") from exc
         return None, reason
-    log.info("aioexperts: %s; io_uring runs through raw system calls", ring_reason)
+    log.info("%s; io_uring runs through raw system calls", ring_reason)
     return built, None

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 
-__all__ = ("liburing_unusable_reason",)
+__all__ = ("io_uring_unusable_reason", "liburing_unusable_reason")
 
 _PROBE = "import liburing as lu\nr = lu.Ring()\nlu.io_uring_queue_init(4, r)\nlu.io_uring_queue_exit(r)\n"
 _TIMEOUT_S = 60.0
@@ -53,3 +53,27 @@ def liburing_unusable_reason() -> str | None:
             "e.g. AVX-512)"
         )
     return f"a child process setting up an io_uring ring with liburing was killed by {name}"
+
+
+@functools.cache
+def io_uring_unusable_reason() -> str | None:
+    """Why no io_uring backend can run in this process (neither ``liburing`` nor the raw-syscall
+    ring of :mod:`aioexperts._io.uring_raw`), or None when one can.
+
+    Where the wheel is unusable, sets up and tears down a 4-entry raw ring here (safe in-process:
+    no foreign machine code runs). Cached for the process.
+    """
+    reason = liburing_unusable_reason()
+    if reason is None:
+        return None
+    from .uring_raw import RawRing, raw_ring_unusable_reason
+
+    raw = raw_ring_unusable_reason()
+    if raw is None:
+        try:
+            RawRing(4).close()
+        except OSError as exc:
+            raw = f"the raw io_uring ring cannot be set up either ({exc})"
+        else:
+            return None
+    return f"{reason}; {raw}"

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import AioExpertsError, FormatError, __version__
-from ..backends import liburing_unusable_reason
+from ..backends import io_uring_unusable_reason, liburing_unusable_reason
 from ._common import file_starts_with, missing_extra, refuse_to_overwrite, stdout_closed
 
 try:
@@ -63,6 +63,8 @@ except ModuleNotFoundError as exc:  # the bench extra is optional: one line, not
 
 #: Read methods that set up an io_uring ring of their own (the engine, the raw loops).
 URING_METHODS = ("io_uring", "uring", "uring-reused")
+#: Of those, the ones that need the ``liburing`` wheel itself (the engine also runs on the raw ring).
+LIBURING_METHODS = ("uring", "uring-reused")
 
 __all__ = ("build_parser", "main")
 
@@ -127,13 +129,16 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         parser.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    uring_methods = [m for m in methods if m in URING_METHODS]
-    reason = liburing_unusable_reason() if uring_methods else None
-    if reason is not None:
+    reason = io_uring_unusable_reason() if any(m in URING_METHODS for m in methods) else None
+    dropped = [m for m in methods if m in URING_METHODS] if reason is not None else []
+    if not dropped and any(m in LIBURING_METHODS for m in methods):
+        reason = liburing_unusable_reason()
+        dropped = [m for m in methods if m in LIBURING_METHODS] if reason is not None else []
+    if dropped:
         if args.methods != ",".join(DEFAULT_METHODS):
-            parser.error(f"--methods {','.join(uring_methods)} needs io_uring, but {reason}")
-        args._left_out = f"leaving out {', '.join(uring_methods)}: {reason}"
-        methods = [m for m in methods if m not in URING_METHODS]
+            parser.error(f"--methods {','.join(dropped)} needs io_uring, but {reason}")
+        args._left_out = f"leaving out {', '.join(dropped)}: {reason}"
+        methods = [m for m in methods if m not in dropped]
     if not methods:
         parser.error(f"--methods needs at least one of {', '.join(METHODS)}")
     if args.rounds < 1:

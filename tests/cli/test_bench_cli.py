@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from aioexperts.backends import liburing_unusable_reason
+from aioexperts.backends import io_uring_unusable_reason
 from aioexperts.cli import bench
 from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
@@ -31,7 +31,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def results(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:  # type: ignore[type-arg]
     out = tmp_path_factory.mktemp("out") / "results.json"
-    reason = liburing_unusable_reason()
+    reason = io_uring_unusable_reason()
     if reason is not None:  # the figures below are the io_uring engine's against the others
         pytest.skip(f"io_uring unusable here: {reason}")
     methods = "io_uring,threads,pread,mmap" + (",fio" if shutil.which("fio") else "")

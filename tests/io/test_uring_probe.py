@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 
 import aioexperts
 import aioexperts._io.select as select_module
-from aioexperts._io import uring_probe
+from aioexperts._io import uring_probe, uring_raw
 from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 SMALL = SyntheticSpec(n_layer=1, n_embd=256, n_ff_exp=256, n_expert=4, n_expert_used=2)
@@ -63,16 +64,39 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def _refuse_raw_rings(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: object, entries: int, **kwargs: object) -> None:
+        raise OSError(errno.EPERM, "io_uring_setup: Operation not permitted")
+
+    monkeypatch.setattr(uring_raw.RawRing, "__init__", refuse)
+
+
+@pytest.mark.anyio
+async def test_without_the_wheel_auto_runs_io_uring_on_the_raw_ring_and_says_why(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch, anyio_backend: object
+) -> None:
+    monkeypatch.setattr(select_module, "liburing_unusable_reason", lambda: "the liburing wheel stops with SIGILL")
+    for backend in ("auto", "io_uring"):
+        async with aioexperts.open(small_model, slots=4, io=aioexperts.IOOptions(backend=backend)) as store:
+            st = store.statistics()
+            assert (st.backend, st.fallback_reason) == ("io_uring", None)
+            assert st.backend_features["ring"] == "raw system calls"
+            assert "SIGILL" in st.backend_features["ring_reason"]
+            async with store.experts(0, [1]) as (view,):
+                assert len(view.gate.data) > 0
+
+
 @pytest.mark.anyio
 async def test_auto_falls_back_to_threads_with_the_reason(
     small_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, anyio_backend: object
 ) -> None:
     monkeypatch.setattr(select_module, "liburing_unusable_reason", lambda: "the liburing wheel stops with SIGILL")
+    _refuse_raw_rings(monkeypatch)
     caplog.set_level(logging.WARNING, logger="aioexperts")
     async with aioexperts.open(small_model, slots=4, io=aioexperts.IOOptions(backend="auto")) as store:
         st = store.statistics()
         assert st.backend == "threads"
-        assert st.fallback_reason is not None and "SIGILL" in st.fallback_reason
+        assert st.fallback_reason is not None and "SIGILL" in st.fallback_reason and "EPERM" in st.fallback_reason
         async with store.experts(0, [1]) as (view,):
             assert len(view.gate.data) > 0
     assert any("SIGILL" in r.getMessage() and "thread" in r.getMessage() for r in caplog.records)
@@ -83,6 +107,8 @@ async def test_a_forced_backend_the_wheel_cannot_run_is_refused_not_crashed(
     small_model: Path, monkeypatch: pytest.MonkeyPatch, anyio_backend: object
 ) -> None:
     monkeypatch.setattr(select_module, "liburing_unusable_reason", lambda: "the liburing wheel stops with SIGILL")
-    with pytest.raises(aioexperts.BackendUnavailableError, match="SIGILL"):
-        async with aioexperts.open(small_model, io=aioexperts.IOOptions(backend="io_uring")):
-            pass
+    _refuse_raw_rings(monkeypatch)
+    for backend in ("io_uring", "io_uring_raw"):
+        with pytest.raises(aioexperts.BackendUnavailableError, match="EPERM"):
+            async with aioexperts.open(small_model, io=aioexperts.IOOptions(backend=backend)):
+                pass

@@ -160,7 +160,7 @@ class RawUringBackend(IOBackend):
             self._ring.register_buffers(spans)
         except OSError as exc:  # ENOMEM beyond RLIMIT_MEMLOCK: plain READ works
             self.fixed_buffers_reason = f"buffer registration refused ({exc})"
-            log.debug("aioexperts: io_uring: %s; reading with IORING_OP_READ", self.fixed_buffers_reason)
+            log.debug("io_uring: %s; reading with IORING_OP_READ", self.fixed_buffers_reason)
             return 0
         return chunk_slots
 
@@ -348,7 +348,7 @@ class RawUringBackend(IOBackend):
         try:
             users, results = self._ring.reap()
         except Exception:  # an overflow flush failed: what was reaped is lost to this call only
-            log.exception("aioexperts: io_uring: reaping the completion queue failed")
+            log.exception("io_uring: reaping the completion queue failed")
             return
         ops = self._ops
         for user_data, res in zip(users, results, strict=True):
@@ -404,7 +404,7 @@ class RawUringBackend(IOBackend):
                 cancels += consumed
                 if consumed < len(batch):  # the kernel took no more: wait for the reads alone
                     ring.unpublish()
-                    log.debug("aioexperts: io_uring: ASYNC_CANCEL not submitted (%d)", ret)
+                    log.debug("io_uring: ASYNC_CANCEL not submitted (%d)", ret)
                     break
         deadline = time.monotonic() + self.drain_timeout
         while self._ops or cancels:
@@ -428,7 +428,7 @@ class RawUringBackend(IOBackend):
                 )
             ring.wait(self._efd, min(remaining, 0.05))
         log.warning(
-            "aioexperts: io_uring closed with %d reads in flight: cancelled or waited for, every completion reaped",
+            "io_uring closed with %d reads in flight: cancelled or waited for, every completion reaped",
             n_reads,
         )
 
@@ -441,7 +441,7 @@ class RawUringBackend(IOBackend):
                 try:
                     self._ring.unregister_buffers()
                 except OSError:  # closing the ring unregisters them too
-                    log.debug("aioexperts: io_uring: unregistering the buffers failed", exc_info=True)
+                    log.debug("io_uring: unregistering the buffers failed", exc_info=True)
             self._ring.close()
         finally:
             try:
