@@ -87,7 +87,7 @@ def shared_fixture_paths() -> list[Path]:
 
 #: Names that, in a test's code or fixtures, mean it drives the ``liburing`` wheel itself (its
 #: fault-injecting proxy ``faults.ringproxy``, a monkeypatch of the module, the wrapper's backend).
-_LIBURING_NAMES = frozenset(("liburing", "RingFaults", "ring", "CheckedUring", "UringBackend"))
+_LIBURING_NAMES = frozenset(("liburing", "RingFaults", "CheckedUring", "UringBackend"))
 
 
 def _io_uring_need(item: pytest.Item) -> str | None:
@@ -100,10 +100,8 @@ def _io_uring_need(item: pytest.Item) -> str | None:
             return "liburing"
         return "io_uring" if "uring" in value else None
     function = getattr(item, "function", None)
-    names = set(getattr(item, "fixturenames", ()))
-    if function is not None:
-        names |= set(function.__code__.co_names)
-    if names & _LIBURING_NAMES:
+    names = set(function.__code__.co_names) if function is not None else set()
+    if "ring" in getattr(item, "fixturenames", ()) or names & _LIBURING_NAMES:  # "ring": the RingFaults fixture
         return "liburing"
     if item.get_closest_marker("io_uring") is not None or re.search(r"uring|(^|_)rings?(_|\[|$)", item.name.lower()):
         return "io_uring"

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from aioexperts._io.backends.base import IOBackend, ReadOp, ReadResult, SubmitError
+from aioexperts._io.backends.rawring import RawUringBackend
 from aioexperts._io.backends.uring import UringBackend
 from aioexperts.testing import FakeBackend
 
@@ -132,6 +133,10 @@ class CheckedFake(SlotGuard, FakeBackend):
 
 class CheckedUring(SlotGuard, UringBackend):
     """The real io_uring backend with slot-ownership checks (pair it with ``RingFaults`` for faults)."""
+
+
+class CheckedRawUring(SlotGuard, RawUringBackend):
+    """The raw-syscall io_uring backend with slot-ownership checks."""
 
 
 def checked_factory(cls: type[IOBackend], holder: dict[str, Any], **kwargs: Any) -> Callable[..., IOBackend]:

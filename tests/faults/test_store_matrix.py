@@ -39,7 +39,7 @@ import pytest
 import aioexperts
 from aioexperts._io.backends.uring import UringBackend
 from faults.arming import CORE_CASES, Case, arm_fault, params
-from faults.guard import CheckedUring, SlotGuard
+from faults.guard import CheckedRawUring, CheckedUring, SlotGuard
 from faults.policy import OnceFaulty
 from faults.ringproxy import RingFaults
 from faults.script import FaultyFake, ReadFault
@@ -681,7 +681,7 @@ async def wrap(awaitable: Any) -> Any:
     return await awaitable
 
 
-@pytest.mark.parametrize("backend", ["fake", "uring"])
+@pytest.mark.parametrize("backend", ["fake", "uring", "raw_io_uring"])
 async def test_1000_tasks_with_random_cancellations(
     model_path: Path,
     reference: dict[Key, list[bytes]],
@@ -692,7 +692,12 @@ async def test_1000_tasks_with_random_cancellations(
 ) -> None:
     rng = random.Random(7)
     kinds = ["none", "none", "scope"] if anyio_backend[0] == "trio" else ["none", "none", "scope", "task", "wait_for"]
-    backend_cls, kwargs = (FaultyFake, {"order": "shuffle"}) if backend == "fake" else (CheckedUring, {})
+    backend_cls: type[SlotGuard]
+    backend_cls, kwargs = {
+        "fake": (FaultyFake, {"order": "shuffle"}),
+        "uring": (CheckedUring, {}),
+        "raw_io_uring": (CheckedRawUring, {}),
+    }[backend]
     run = await StoreRun.open(model_path, backend_cls, reference, moe_refs, slots=6, **kwargs)
     outcomes: Counter[str] = Counter()
     try:

@@ -111,7 +111,6 @@ class RawUringBackend(IOBackend):
         self._failed_scheduled = False
         self._submit_scheduled = False
         self._stalls = 0
-        self._broken: Exception | None = None
         self._closed = False
         self._released = False
         self._chunk_slots = 0
@@ -191,8 +190,9 @@ class RawUringBackend(IOBackend):
         return 0
 
     @property
-    def broken(self) -> bool:
-        return self._broken is not None
+    def closed(self) -> bool:
+        """True once :meth:`close` released the ring."""
+        return self._released
 
     # -- loop attachment (loop thread) ----------------------------------------------------------
 
@@ -213,9 +213,8 @@ class RawUringBackend(IOBackend):
     # -- submission (loop thread) ---------------------------------------------------------------
 
     def submit(self, ops: Sequence[ReadOp]) -> None:
-        if self._closed or self._broken is not None:
-            state = "closed" if self._closed else "broken"
-            raise SubmitError(f"submit on a {state} io_uring backend", 0) from self._broken
+        if self._closed:
+            raise SubmitError("submit on a closed io_uring backend", 0)
         n = len(ops)
         if not n:
             return
