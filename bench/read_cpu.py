@@ -1,0 +1,390 @@
+"""CPU seconds per GiB of the same O_DIRECT expert reads: fio, raw io_uring loops, the store.
+
+Issue 20 asks that the reads cost at most twice fio's CPU, and whether a compiled submit/reap
+path pays. Each round picks fresh experts of the model (groups of ``--top-k`` in one layer, like a
+token's), plans their aligned reads once, and runs, in rotated order, the same reads with:
+
+- ``fio``: ``--ioengine=io_uring --direct=1 --fixedbufs``, the same depth, ``--invalidate=0``
+  (the page cache is dropped here beforehand, outside fio's counters); CPU = fio's job counters
+  (``usr_cpu + sys_cpu``), ``fio_process_cpu_s`` also gives the whole child process.
+- ``raw-python``: the raw ring (:class:`aioexperts._io.uring_raw.RawRing`) driven by a Python loop:
+  ``READ_FIXED`` into ``depth`` registered buffers (fio's memory), submit and wait in one
+  ``io_uring_enter``, every CQE's ``res`` checked.
+- ``raw-numba``: the same loop compiled with numba (``@njit`` over the numpy views of the SQEs and
+  CQEs; ``io_uring_enter`` through libc's ``syscall`` called from the compiled code).
+- ``store-io_uring`` / ``store-threads``: ``aioexperts.open(...)`` on the io_uring backend (the
+  raw ring where the liburing wheel cannot run) or the thread pool; ``--tasks`` tasks ask
+  ``store.experts(layer, ids)`` for the groups; a fresh store per run, so every expert is a miss.
+
+CPU is this process's (or fio's) user + system time around the reads only (``resource.getrusage``;
+io_uring's kernel workers are threads of the process and count). The page cache is dropped
+(``POSIX_FADV_DONTNEED``) before every run.
+
+    flock /work/wt/bench.lock .venv/bin/python bench/read_cpu.py --rounds 3 --json docs/results/read_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import mmap
+import os
+import random
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _results import refuse_foreign, write_results  # bench/_results.py, a sibling module
+
+import aioexperts
+from aioexperts._bench import GIB, cache_dir, drop_page_cache
+from aioexperts._bench.fio import fio_path, run_fio_replay
+from aioexperts._bench.readlist import ReadList
+from aioexperts._io.plan import plan_expert
+from aioexperts._io.uring_raw import (
+    IORING_ENTER_GETEVENTS,
+    IORING_OP_READ_FIXED,
+    SYS_IO_URING_ENTER,
+    RawRing,
+)
+
+METHODS = ("fio", "raw-python", "raw-numba", "store-io_uring", "store-threads")
+DEFAULT_MODEL = "qwen3-30b-a3b-geometry-full-q8_0-q4_k-48l-v1.gguf"
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process (every thread, io_uring's kernel workers included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+# -- the read list ----------------------------------------------------------------------------
+
+
+def pick_groups(layout: aioexperts.ExpertLayout, n_groups: int, top_k: int, rng: random.Random) -> list[Any]:
+    """``n_groups`` groups of ``top_k`` distinct experts, each group in one layer, no expert twice."""
+    used: set[tuple[int, int]] = set()
+    layers = list(layout.layers)
+    groups = []
+    while len(groups) < n_groups:
+        layer = rng.choice(layers)
+        free = [e for e in range(layout.layers[layer].n_experts) if (layer, e) not in used]
+        if len(free) < top_k:
+            continue
+        ids = sorted(rng.sample(free, top_k))
+        used.update((layer, e) for e in ids)
+        groups.append((layer, ids))
+    return groups
+
+
+def read_list(model: aioexperts.GGUFModel, layout: aioexperts.ExpertLayout, groups: list[Any]) -> ReadList:
+    rows = []
+    for layer, ids in groups:
+        for e in ids:
+            for r in plan_expert(layout.locate(layer, e), 4096).reads:
+                rows.append((r.shard, r.file_offset, r.n_bytes))
+    return ReadList(tuple(s.path for s in model.shards), np.asarray(rows, dtype=np.int64).reshape(-1, 3))
+
+
+# -- raw loops -----------------------------------------------------------------------------------
+
+
+class RawSetup:
+    """A raw ring of ``depth`` entries with ``depth`` registered buffers of the longest read."""
+
+    def __init__(self, reads: ReadList, depth: int) -> None:
+        self.fds = [os.open(p, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC) for p in reads.paths]
+        self.buf_bytes = -(-reads.max_len // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.buffers = mmap.mmap(-1, depth * self.buf_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        anchor = ctypes.c_char.from_buffer(self.buffers)
+        self.base = ctypes.addressof(anchor)
+        del anchor
+        self.ring = RawRing(depth)
+        self.ring.register_buffers([(self.base + i * self.buf_bytes, self.buf_bytes) for i in range(depth)])
+        self.depth = depth
+        sizes = [os.fstat(fd).st_size for fd in self.fds]
+        self.shard_fd = np.asarray(self.fds, dtype=np.int64)
+        self.expected = np.asarray(
+            [max(0, min(n, sizes[s] - off)) for s, off, n in reads.reads.tolist()], dtype=np.int64
+        )
+
+    def close(self) -> None:
+        self.ring.close()
+        self.buffers.close()
+        for fd in self.fds:
+            os.close(fd)
+
+
+def raw_python(setup: RawSetup, reads: ReadList) -> int:
+    """Every read through the raw ring, ``depth`` in flight; the bytes read."""
+    ring, depth, base, size = setup.ring, setup.depth, setup.base, setup.buf_bytes
+    rows = reads.reads.tolist()
+    expected = setup.expected.tolist()
+    fds = setup.fds
+    free = list(range(depth))
+    slot_of: dict[int, int] = {}
+    n, nxt, done, total = len(rows), 0, 0, 0
+    while done < n:
+        k = min(len(free), n - nxt)
+        if k:
+            slots = [free.pop() for _ in range(k)]
+            batch = rows[nxt : nxt + k]
+            ring.queue(
+                IORING_OP_READ_FIXED,
+                [fds[s] for s, _, _ in batch],
+                [off for _, off, _ in batch],
+                [base + slot * size for slot in slots],
+                [length for _, _, length in batch],
+                list(range(nxt + 1, nxt + k + 1)),
+                buf_index=slots,
+            )
+            slot_of.update(zip(range(nxt + 1, nxt + k + 1), slots, strict=True))
+            nxt += k
+        ret = ring.enter(k, 1, IORING_ENTER_GETEVENTS)
+        if ret < 0 and -ret not in (4, 11):  # EINTR, EAGAIN: wait again
+            raise OSError(-ret, os.strerror(-ret))
+        users, results = ring.reap()
+        for user_data, res in zip(users, results, strict=True):
+            if res != expected[user_data - 1]:
+                raise OSError(-res if res < 0 else 5, f"read {user_data - 1} returned {res}")
+            free.append(slot_of.pop(user_data))
+            total += res
+        done += len(users)
+    return total
+
+
+_NUMBA_LOOP: Any = None
+
+
+def numba_loop() -> Any:
+    """The compiled loop (built once; numba's compile time is not measured)."""
+    global _NUMBA_LOOP
+    if _NUMBA_LOOP is not None:
+        return _NUMBA_LOOP
+    from numba import njit
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+    syscall.argtypes = [ctypes.c_long] * 7
+
+    @njit(cache=False, nogil=True)
+    def loop(sqe64, cqe64, sq_tail, cq_head, cq_tail, sq_mask, cq_mask, ring_fd, reads, shard_fd, expected, base, size, depth):  # noqa: E501
+        n = reads.shape[0]
+        free = np.arange(depth)
+        n_free = depth
+        slot_of = np.zeros(n, np.int64)
+        nxt = 0
+        done = 0
+        total = 0
+        tail = np.uint64(sq_tail[0])
+        while done < n:
+            k = 0
+            while n_free > 0 and nxt < n:  # fill the SQEs, then publish the tail
+                n_free -= 1
+                slot = free[n_free]
+                idx = tail & np.uint64(sq_mask)
+                fd = np.uint64(shard_fd[reads[nxt, 0]]) & np.uint64(0xFFFFFFFF)
+                sqe64[idx, 0] = np.uint64(IORING_OP_READ_FIXED) | (fd << np.uint64(32))
+                sqe64[idx, 1] = np.uint64(reads[nxt, 1])
+                sqe64[idx, 2] = np.uint64(base + slot * size)
+                sqe64[idx, 3] = np.uint64(reads[nxt, 2])
+                sqe64[idx, 4] = np.uint64(nxt + 1)
+                sqe64[idx, 5] = np.uint64(slot)
+                sqe64[idx, 6] = np.uint64(0)
+                sqe64[idx, 7] = np.uint64(0)
+                slot_of[nxt] = slot
+                tail = (tail + np.uint64(1)) & np.uint64(0xFFFFFFFF)
+                nxt += 1
+                k += 1
+            sq_tail[0] = np.uint32(tail)
+            ret = syscall(SYS_IO_URING_ENTER, ring_fd, k, 1, IORING_ENTER_GETEVENTS, 0, 0)
+            if ret < 0:
+                return -1
+            head = np.uint64(cq_head[0])
+            ctail = np.uint64(cq_tail[0])
+            while head != ctail:  # read each CQE, then hand it back
+                idx = head & np.uint64(cq_mask)
+                user = np.int64(cqe64[idx, 0]) - 1
+                res = np.int64(np.int32(np.uint32(cqe64[idx, 1] & np.uint64(0xFFFFFFFF))))
+                if res != expected[user]:
+                    return -2 - user
+                free[n_free] = slot_of[user]
+                n_free += 1
+                total += res
+                done += 1
+                head = (head + np.uint64(1)) & np.uint64(0xFFFFFFFF)
+            cq_head[0] = np.uint32(head)
+        return total
+
+    _NUMBA_LOOP = loop
+    return loop
+
+
+def raw_numba(setup: RawSetup, reads: ReadList) -> int:
+    ring = setup.ring
+    loop = numba_loop()
+    got = loop(
+        ring.sqes.view(np.uint64).reshape(-1, 8),
+        ring.cqes.view(np.uint64).reshape(-1, 2),
+        ring._sq_tail,
+        ring._cq_head,
+        ring._cq_tail,
+        ring.sq_mask,
+        ring.cq_mask,
+        ring.fd,
+        reads.reads,
+        setup.shard_fd,
+        setup.expected,
+        setup.base,
+        setup.buf_bytes,
+        setup.depth,
+    )
+    ring._tail = int(ring._sq_tail[0])  # the compiled loop moved the tail behind the ring object's back
+    if got < 0:
+        raise OSError(5, f"the compiled loop failed ({got})")
+    return int(got)
+
+
+def warm_numba(reads: ReadList, depth: int) -> None:
+    """Compile the loop on a few reads (not measured)."""
+    small = ReadList(reads.paths, reads.reads[: 2 * depth])
+    setup = RawSetup(small, depth)
+    try:
+        raw_numba(setup, small)
+    finally:
+        setup.close()
+
+
+# -- through the store ----------------------------------------------------------------------------
+
+
+async def through_store(
+    path: Path, backend: str, groups: list[Any], depth: int, tasks: int, top_k: int
+) -> tuple[int, float, float, dict[str, Any]]:
+    io = aioexperts.IOOptions(backend=backend, queue_depth=depth)
+    async with aioexperts.open(path, slots=max(4 * top_k * tasks, 64), io=io) as store:
+        queue = list(groups)
+
+        async def worker() -> None:
+            while queue:
+                layer, ids = queue.pop()
+                async with store.experts(layer, ids):
+                    pass
+
+        c0, w0 = cpu_seconds(), time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(tasks)))
+        cpu, wall = cpu_seconds() - c0, time.perf_counter() - w0
+        st = store.statistics()
+        assert st.direct_io, f"the bench needs O_DIRECT: {st.buffered_reason}"
+        return st.bytes_read, cpu, wall, {"backend": st.backend, **st.backend_features}
+
+
+# -- one run of one method ------------------------------------------------------------------------
+
+
+def run_method(method: str, path: Path, reads: ReadList, groups: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+    drop_page_cache(list(reads.paths))
+    row: dict[str, Any] = {}
+    w0 = time.perf_counter()
+    if method == "fio":
+        res = run_fio_replay(reads, args.depth)
+        got, cpu = res.bytes_read, res.cpu_seconds
+        row["fio_process_cpu_s"] = res.process_cpu_seconds
+        wall = res.seconds
+    elif method in ("raw-python", "raw-numba"):
+        setup = RawSetup(reads, args.depth)
+        try:
+            c0, w0 = cpu_seconds(), time.perf_counter()
+            got = raw_python(setup, reads) if method == "raw-python" else raw_numba(setup, reads)
+            cpu, wall = cpu_seconds() - c0, time.perf_counter() - w0
+        finally:
+            setup.close()
+    else:
+        backend = method.split("-", 1)[1]
+        got, cpu, wall, features = asyncio.run(through_store(path, backend, groups, args.depth, args.tasks, args.top_k))
+        row["backend"] = features.get("backend")
+        row["ring"] = features.get("ring")
+    gib = got / GIB
+    row.update(bytes=got, cpu_s=cpu, wall_s=wall, cpu_s_per_gib=cpu / gib if gib else None, gb_s=got / 1e9 / wall)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", type=Path, default=cache_dir() / DEFAULT_MODEL, help="a MoE GGUF on a disk with O_DIRECT")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--groups", type=int, default=48, help="groups (one layer's top-k experts) per round")
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--depth", type=int, default=32, help="reads in flight (ring depth, fio iodepth)")
+    parser.add_argument("--tasks", type=int, default=2, help="concurrent store.experts() callers")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--seed", type=int, default=20)
+    parser.add_argument("--json", type=Path, default=Path("read_cpu-results.json"))
+    args = parser.parse_args()
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        parser.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    if "fio" in methods and fio_path() is None:
+        parser.error("fio is not installed")
+    if not args.model.is_file():
+        parser.error(f"{args.model} does not exist (the built-in model: aioexperts-bench writes it once)")
+    refuse_foreign(args.json)
+    started = time.time()
+    load_start = os.getloadavg()
+    model = aioexperts.open_model(args.model)
+    layout = aioexperts.build_layout(model)
+    rng = random.Random(args.seed)
+    all_groups = pick_groups(layout, args.groups * args.rounds, args.top_k, rng)
+    if "raw-numba" in methods:
+        warm_numba(read_list(model, layout, all_groups[:4]), args.depth)
+    rounds = []
+    for r in range(args.rounds):
+        groups = all_groups[r * args.groups : (r + 1) * args.groups]
+        reads = read_list(model, layout, groups)
+        order = methods[r % len(methods) :] + methods[: r % len(methods)]
+        row: dict[str, Any] = {"round": r, "order": order, "n_reads": len(reads), "bytes_requested": reads.total_bytes}
+        for method in order:
+            row[method] = run_method(method, args.model, reads, groups, args)
+            print(f"round {r + 1}: {method:>15} {row[method]['cpu_s_per_gib'] * 1e3:7.1f} ms CPU/GiB, "
+                  f"{row[method]['gb_s']:.2f} GB/s", file=sys.stderr)
+        if "fio" in methods:
+            fio = row["fio"]["cpu_s_per_gib"]
+            row["x_fio"] = {m: row[m]["cpu_s_per_gib"] / fio for m in methods if m != "fio"}
+        rounds.append(row)
+    summary: dict[str, Any] = {}
+    for m in methods:
+        per_gib = [row[m]["cpu_s_per_gib"] * 1e3 for row in rounds]
+        entry: dict[str, Any] = {"cpu_ms_per_gib_median": statistics.median(per_gib), "cpu_ms_per_gib_min": min(per_gib),
+                                 "cpu_ms_per_gib_max": max(per_gib),
+                                 "gb_s_median": statistics.median(row[m]["gb_s"] for row in rounds)}
+        if "fio" in methods and m != "fio":
+            x = [row["x_fio"][m] for row in rounds]
+            entry.update(x_fio_median=statistics.median(x), x_fio_min=min(x), x_fio_max=max(x))
+        summary[m] = entry
+    if "fio" in methods and "store-io_uring" in methods:
+        x = summary["store-io_uring"]["x_fio_median"]
+        summary["target"] = {"what": "store-io_uring CPU s/GiB <= 2x fio's (median of the per-round ratios)",
+                             "value": x, "met": x <= 2.0}
+    if "raw-python" in methods and "raw-numba" in methods:
+        saved = [row["raw-python"]["cpu_s_per_gib"] - row["raw-numba"]["cpu_s_per_gib"] for row in rounds]
+        summary["numba_saves_ms_per_gib"] = {"median": statistics.median(saved) * 1e3, "min": min(saved) * 1e3,
+                                             "max": max(saved) * 1e3}
+    params = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "methods": methods,
+              "load_average_start": load_start, "load_average_end": os.getloadavg()}
+    out = write_results(args.json, "read_cpu", params, {"cpu_s_per_gib": "CPU seconds per 2**30 bytes read",
+                                                        "gb_s": "1e9 bytes per second"}, rounds, summary, started)
+    for m, s in summary.items():
+        print(f"{m:>16}: {s}", file=sys.stderr)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
