@@ -135,13 +135,10 @@ def raw_python(setup: RawSetup, reads: ReadList) -> int:
             slots = [free.pop() for _ in range(k)]
             batch = rows[nxt : nxt + k]
             ring.queue(
-                IORING_OP_READ_FIXED,
-                [fds[s] for s, _, _ in batch],
-                [off for _, off, _ in batch],
-                [base + slot * size for slot in slots],
-                [length for _, _, length in batch],
-                list(range(nxt + 1, nxt + k + 1)),
-                buf_index=slots,
+                [
+                    (IORING_OP_READ_FIXED, 0, fds[s], off, base + slot * size, length, nxt + 1 + i, slot)
+                    for i, ((s, off, length), slot) in enumerate(zip(batch, slots, strict=True))
+                ]
             )
             slot_of.update(zip(range(nxt + 1, nxt + k + 1), slots, strict=True))
             nxt += k

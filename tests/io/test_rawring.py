@@ -171,7 +171,7 @@ def test_a_full_completion_queue_overflows_into_the_kernel_and_is_flushed_not_lo
     ring = RawRing(4, cq_entries=4)
     try:
         for batch in range(3):  # 12 completions, never reaped in between, into 4 CQ entries
-            ring.queue(IORING_OP_NOP, -1, 0, 0, 0, [batch * 4 + i + 1 for i in range(4)])
+            ring.queue([(IORING_OP_NOP, 0, -1, 0, 0, 0, batch * 4 + i + 1, 0) for i in range(4)])
             assert ring.enter(4) == 4
         assert ring.cq_ready() == 4 and ring.cq_overflow_pending
         users, results = ring.reap()

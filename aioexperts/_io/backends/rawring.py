@@ -44,6 +44,7 @@ from ..uring_raw import (
     IORING_OP_READ_FIXED,
     IOSQE_ASYNC,
     RawRing,
+    SQEntry,
 )
 from .base import IOBackend, ReadOp, SubmitError
 
@@ -220,15 +221,13 @@ class RawUringBackend(IOBackend):
             return
         if self._in_flight + n > self.depth:
             raise SubmitError(f"{n} more reads would exceed the ring depth {self.depth}", 0)
+        first = self._next_user_data
         try:
-            opcode, fd, off, addr, length = self._fields(ops)
-            first = self._next_user_data
-            user_data = list(range(first, first + n))
-            self._ring.queue(
-                opcode, fd, off, addr, length, user_data, flags=self._sqe_flags, buf_index=self._buf_index(ops)
-            )
+            entries = self._entries(ops, first)
+            self._ring.queue(entries)
         except Exception as exc:  # nothing was published
             raise SubmitError(f"io_uring took 0 of {n} reads: {exc!r}", 0) from exc
+        user_data = range(first, first + n)
         self._next_user_data = first + n
         self._ops.update(zip(user_data, ops, strict=True))
         self._unconsumed.extend(user_data)
@@ -245,29 +244,26 @@ class RawUringBackend(IOBackend):
         taken = n - len(mine)
         raise SubmitError(f"io_uring took {taken} of {n} reads: {cause!r}", taken) from cause
 
-    def _fields(self, ops: Sequence[ReadOp]) -> tuple[Any, list[int], list[int], list[int], list[int]]:
-        """(opcode, fd, file offset, address, length) per op, every op checked against its slot."""
+    def _entries(self, ops: Sequence[ReadOp], first_user_data: int) -> list[SQEntry]:
+        """One SQE per op (user_data from ``first_user_data`` up), every op checked against its slot."""
         slab, fds = self.slab, self.files.fds
         if slab.closed:
             raise ValueError("the slab is closed")
-        base, stride, n_slots = slab.address, slab.slot_bytes, slab.n_slots
-        fd, off, addr, length = [], [], [], []
-        for op in ops:
-            slot, start, n_bytes = op.slot, op.slot_offset, op.n_bytes
+        base, stride, n_slots, n_fds = slab.address, slab.slot_bytes, slab.n_slots, len(fds)
+        chunk, flags = self._chunk_slots, self._sqe_flags
+        opcode = IORING_OP_READ_FIXED if chunk else IORING_OP_READ
+        entries = []
+        for user_data, op in enumerate(ops, first_user_data):
+            slot, start, n_bytes, shard = op.slot, op.slot_offset, op.n_bytes, op.shard
             if not (0 <= slot < n_slots and 0 <= start and 0 <= n_bytes <= MAX_READ_BYTES and start + n_bytes <= stride):
                 raise IndexError(f"{op!r} is outside its slot of {stride} bytes (or the slab of {n_slots} slots)")
-            if not (0 <= op.shard < len(fds)) or op.file_offset < 0:
+            if not 0 <= shard < n_fds or op.file_offset < 0:
                 raise IndexError(f"{op!r} names no open shard or a negative offset")
-            fd.append(fds[op.shard])
-            off.append(op.file_offset)
-            addr.append(base + slot * stride + start)
-            length.append(n_bytes)
-        opcode = IORING_OP_READ_FIXED if self._chunk_slots else IORING_OP_READ
-        return opcode, fd, off, addr, length
-
-    def _buf_index(self, ops: Sequence[ReadOp]) -> list[int] | int:
-        chunk = self._chunk_slots
-        return [op.slot // chunk for op in ops] if chunk else 0
+            buf_index = slot // chunk if chunk else 0
+            entries.append(
+                (opcode, flags, fds[shard], op.file_offset, base + slot * stride + start, n_bytes, user_data, buf_index)
+            )
+        return entries
 
     def _enter(self) -> Exception | None:
         """Hand every published entry to the kernel.
@@ -396,7 +392,7 @@ class RawUringBackend(IOBackend):
             targets = list(self._ops)
             while targets:
                 batch, targets = targets[: ring.sq_space()], targets[ring.sq_space() :]
-                ring.queue(IORING_OP_ASYNC_CANCEL, -1, 0, batch, 0, [CANCEL_BIT | ud for ud in batch])
+                ring.queue([(IORING_OP_ASYNC_CANCEL, 0, -1, 0, ud, 0, CANCEL_BIT | ud, 0) for ud in batch])
                 before = ring.sq_unconsumed()
                 ret = ring.enter(before)
                 consumed = before - ring.sq_unconsumed()
