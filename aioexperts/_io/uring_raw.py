@@ -141,7 +141,12 @@ class _Iovec(ctypes.Structure):
 
 
 class _ProbeOp(ctypes.Structure):
-    _fields_ = [("op", ctypes.c_uint8), ("resv", ctypes.c_uint8), ("flags", ctypes.c_uint16), ("resv2", ctypes.c_uint32)]
+    _fields_ = [
+        ("op", ctypes.c_uint8),
+        ("resv", ctypes.c_uint8),
+        ("flags", ctypes.c_uint16),
+        ("resv2", ctypes.c_uint32),
+    ]
 
 
 class _Probe(ctypes.Structure):
@@ -325,7 +330,24 @@ class RawRing:
             raise OSError(errno.EBUSY, f"{n} entries do not fit in the {self.sq_space()} free SQ entries")
         tail, mask, pack, sqes = self._tail, self.sq_mask, _SQE.pack_into, self._sqe_mm
         for i, (opcode, flags, fd, off, addr, length, user_data, buf_index) in enumerate(entries):
-            pack(sqes, ((tail + i) & mask) << 6, opcode, flags, 0, fd, off, addr, length, 0, user_data, buf_index, 0, 0, 0, 0)
+            pack(
+                sqes,
+                ((tail + i) & mask) << 6,
+                opcode,
+                flags,
+                0,
+                fd,
+                off,
+                addr,
+                length,
+                0,
+                user_data,
+                buf_index,
+                0,
+                0,
+                0,
+                0,
+            )
         self._tail = (tail + n) & _U32  # the entries first ...
         self._mv_sq_tail[0] = self._tail  # ... then the tail that publishes them
 
@@ -423,8 +445,22 @@ class RawRing:
         for view in reversed(self.__dict__.pop("_views", [])):
             view.release()
         for name in (
-            "sqes", "cqes", "_sq_head", "_sq_tail", "_sq_flags", "_sq_dropped", "_cq_head", "_cq_tail", "_cq_overflow",
-            "_sqe_mm", "_mv_sq_head", "_mv_sq_tail", "_mv_sq_flags", "_mv_cq_head", "_mv_cq_tail", "_cqe_u64",
+            "sqes",
+            "cqes",
+            "_sq_head",
+            "_sq_tail",
+            "_sq_flags",
+            "_sq_dropped",
+            "_cq_head",
+            "_cq_tail",
+            "_cq_overflow",
+            "_sqe_mm",
+            "_mv_sq_head",
+            "_mv_sq_tail",
+            "_mv_sq_flags",
+            "_mv_cq_head",
+            "_mv_cq_tail",
+            "_cqe_u64",
             "_cqe_i32",
         ):
             self.__dict__.pop(name, None)

@@ -7,17 +7,17 @@ cannot be had at all (``conftest.py``, the ``io_uring`` marker).
 from __future__ import annotations
 
 import asyncio
-import gc
 import errno
+import gc
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 from conftest import direct_io_unavailable
-import anyio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ioutil import open_files
@@ -75,8 +75,8 @@ class Harness:
         finally:
             self.inside_submit = False
 
-    async def wait(self, ops: list[ReadOp], timeout: float = 10.0) -> list[int | Exception]:
-        with anyio.fail_after(timeout):
+    async def wait(self, ops: list[ReadOp]) -> list[int | Exception]:
+        with anyio.fail_after(10.0):
             while any(id(op) not in self.results for op in ops):
                 await anyio.sleep(0.0005)
         return [self.results[id(op)] for op in ops]
@@ -150,7 +150,9 @@ def test_random_segments_read_through_the_raw_ring_equal_pread(
     asyncio.run(run())
 
 
-async def test_more_reads_than_ring_entries_wrap_the_rings(make_harness: Any, data_file: Path, anyio_backend: object) -> None:
+async def test_more_reads_than_ring_entries_wrap_the_rings(
+    make_harness: Any, data_file: Path, anyio_backend: object
+) -> None:
     reference = data_file.read_bytes()
     harness = make_harness(depth=4, n_slots=4)
     ring = harness.backend.ring
@@ -209,7 +211,9 @@ async def test_eof_reads_are_short_then_zero(make_harness: Any, anyio_backend: o
     assert await harness.wait(ops) == [FILE_BYTES - last_page, 0]
 
 
-async def test_a_failed_read_completes_with_the_kernels_oserror(make_harness: Any, data_file: Path, anyio_backend: object) -> None:
+async def test_a_failed_read_completes_with_the_kernels_oserror(
+    make_harness: Any, data_file: Path, anyio_backend: object
+) -> None:
     harness = make_harness()
     write_only = os.open(data_file, os.O_WRONLY)
     try:
@@ -235,7 +239,9 @@ async def test_a_failed_read_completes_with_the_kernels_oserror(make_harness: An
     ],
     ids=["too-long", "past-slot", "no-slot", "negative-slot", "no-shard"],
 )
-async def test_an_op_outside_the_slab_is_refused_before_the_kernel_sees_it(make_harness: Any, op: ReadOp, anyio_backend: object) -> None:
+async def test_an_op_outside_the_slab_is_refused_before_the_kernel_sees_it(
+    make_harness: Any, op: ReadOp, anyio_backend: object
+) -> None:
     harness = make_harness()
     good = ReadOp(0, 0, ALIGN, 1, 0)
     with pytest.raises(SubmitError) as info:
@@ -246,7 +252,9 @@ async def test_an_op_outside_the_slab_is_refused_before_the_kernel_sees_it(make_
     assert await harness.wait([good]) == [ALIGN]
 
 
-async def test_a_failed_enter_takes_its_entries_back(make_harness: Any, monkeypatch: pytest.MonkeyPatch, anyio_backend: object) -> None:
+async def test_a_failed_enter_takes_its_entries_back(
+    make_harness: Any, monkeypatch: pytest.MonkeyPatch, anyio_backend: object
+) -> None:
     harness = make_harness()
     ring = harness.backend.ring
     monkeypatch.setattr(ring, "enter", lambda *args: -errno.EFAULT)
@@ -263,7 +271,9 @@ async def test_a_failed_enter_takes_its_entries_back(make_harness: Any, monkeypa
     assert harness.backend.unexpected_completions == 0 and ring.counters == (3, 3)
 
 
-async def test_a_transient_enter_failure_submits_later(make_harness: Any, monkeypatch: pytest.MonkeyPatch, anyio_backend: object) -> None:
+async def test_a_transient_enter_failure_submits_later(
+    make_harness: Any, monkeypatch: pytest.MonkeyPatch, anyio_backend: object
+) -> None:
     harness = make_harness()
     ring = harness.backend.ring
     real_enter = ring.enter
@@ -287,7 +297,9 @@ def _slab_mapped(slab: Slab) -> bool:
         return any(line.startswith(start) for line in maps)
 
 
-async def test_close_with_reads_in_flight_reaps_every_completion_before_releasing(make_harness: Any, anyio_backend: object) -> None:
+async def test_close_with_reads_in_flight_reaps_every_completion_before_releasing(
+    make_harness: Any, anyio_backend: object
+) -> None:
     harness = make_harness(depth=8, n_slots=8)
     backend, slab = harness.backend, harness.slab
     ops = [ReadOp(0, (slot % 3) * SLOT_BYTES, SLOT_BYTES, slot, 0) for slot in range(8)]

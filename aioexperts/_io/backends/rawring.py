@@ -149,7 +149,9 @@ class RawUringBackend(IOBackend):
             return 0
         n_chunks = -(-slab.n_slots // chunk_slots)
         if n_chunks > MAX_REGISTERED_BUFFERS:
-            self.fixed_buffers_reason = f"the slab needs {n_chunks} registered buffers (at most {MAX_REGISTERED_BUFFERS})"
+            self.fixed_buffers_reason = (
+                f"the slab needs {n_chunks} registered buffers (at most {MAX_REGISTERED_BUFFERS})"
+            )
             return 0
         spans = []
         for c in range(n_chunks):
@@ -255,7 +257,9 @@ class RawUringBackend(IOBackend):
         entries = []
         for user_data, op in enumerate(ops, first_user_data):
             slot, start, n_bytes, shard = op.slot, op.slot_offset, op.n_bytes, op.shard
-            if not (0 <= slot < n_slots and 0 <= start and 0 <= n_bytes <= MAX_READ_BYTES and start + n_bytes <= stride):
+            if not (
+                0 <= slot < n_slots and 0 <= start and 0 <= n_bytes <= MAX_READ_BYTES and start + n_bytes <= stride
+            ):
                 raise IndexError(f"{op!r} is outside its slot of {stride} bytes (or the slab of {n_slots} slots)")
             if not 0 <= shard < n_fds or op.file_offset < 0:
                 raise IndexError(f"{op!r} names no open shard or a negative offset")
