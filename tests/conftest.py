@@ -93,6 +93,8 @@ _LIBURING_NAMES = frozenset(("liburing", "RingFaults", "CheckedUring", "UringBac
 def _io_uring_need(item: pytest.Item) -> str | None:
     """``"liburing"`` for a test of the wheel itself, ``"io_uring"`` for one that needs a working
     ring through the public API (``liburing`` or the raw-syscall ring), None for neither."""
+    if item.get_closest_marker("liburing") is not None:
+        return "liburing"
     callspec = getattr(item, "callspec", None)
     if callspec is not None and "backend" in callspec.params:  # the matrices: fake and uring cases
         value = str(callspec.params["backend"]).lower()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from faults.guard import CheckedUring
+from faults.guard import CheckedRawUring, CheckedUring
 from faults.ringproxy import RingFaults
 from faults.script import FaultyFake, ReadFault
 from ioutil import (
@@ -128,11 +128,14 @@ async def _read_with_a_short_answer(data_file: Path, backend_kind: str) -> tuple
     fault = ReadFault("half", at="middle")  # half of 4096: 2048
     ring = RingFaults()
     with ring.installed():
-        backend: CheckedUring | FaultyFake
+        backend: CheckedUring | CheckedRawUring | FaultyFake
         if backend_kind == "io_uring":
             backend = CheckedUring(files, slab, loop, 8)
             ring.watch(backend)
             ring.rewrite = ring.read_fault(fault)
+        elif backend_kind == "io_uring_raw":
+            backend = CheckedRawUring(files, slab, loop, 8)
+            _halve_the_first_read_at(backend, 8192, fault)
         else:
             backend = FaultyFake(files, slab, loop, 8, read_fault=fault)
         backend.attach()
@@ -155,7 +158,25 @@ async def _read_with_a_short_answer(data_file: Path, backend_kind: str) -> tuple
     return taken, payload
 
 
-@pytest.mark.parametrize("backend", ["io_uring", "fake"])
+def _halve_the_first_read_at(backend: CheckedRawUring, file_offset: int, fault: ReadFault) -> None:
+    """Make the raw ring's first completion of the read at ``file_offset`` report half its bytes."""
+    ring, reap = backend.ring, backend.ring.reap
+
+    def reap_with_a_short_read() -> tuple[list[int], list[int]]:
+        users, results = reap()
+        for i, user_data in enumerate(users):
+            op = backend._ops.get(user_data)
+            if op is not None and op.file_offset == file_offset and not fault.hits and results[i] == op.n_bytes:
+                results[i] //= 2
+                fault.hits += 1
+        return users, results
+
+    ring.reap = reap_with_a_short_read  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("io_uring", marks=pytest.mark.liburing, id="liburing"), "io_uring_raw", "fake"]
+)
 async def test_a_short_direct_read_continues_at_the_kernels_alignment(data_file: Path, backend: str) -> None:
     taken, payload = await _read_with_a_short_answer(data_file, backend)
     # 2048 bytes of the 4096-byte read at 8192 arrived: the rest is read at 10240 for 2048 bytes,

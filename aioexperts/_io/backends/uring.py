@@ -37,6 +37,7 @@ import liburing as lu
 from ..files import ShardFiles
 from ..loop import LoopAdapter
 from ..slab import Slab
+from ..uring_probe import liburing_unusable_reason
 from .base import IOBackend, ReadOp, SubmitError
 
 __all__ = ("UringBackend",)
@@ -111,6 +112,9 @@ class UringBackend(IOBackend):
         self._efd = -1
         self._ring_open = False
         self._sqe_flags = lu.IOSQE_ASYNC if sqe_async else 0
+        unusable = liburing_unusable_reason()
+        if unusable is not None:  # liburing.Ring() would kill the process (SIGILL): refuse instead
+            raise OSError(errno.ENOTSUP, unusable)
         self._cqe = lu.Cqe()
         self._ring = lu.Ring()
         lu.io_uring_queue_init(depth, self._ring)
