@@ -31,10 +31,13 @@ from .._store import ExpertStore
 from ._ray import ray_module
 from .placement import Placement
 
-__all__ = ("DEFAULT_CALL_TIMEOUT", "ShardCall", "ShardedRunner")
+__all__ = ("DEFAULT_CALL_TIMEOUT", "DEFAULT_OPEN_TIMEOUT", "ShardCall", "ShardedRunner")
 
 DEFAULT_CALL_TIMEOUT = 30.0
 """Seconds a layer waits for its shards (covers a restarted shard reopening its store)."""
+
+DEFAULT_OPEN_TIMEOUT = 300.0
+"""Seconds :meth:`ShardedRunner.warmup` waits for the shards to start and open their stores."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +119,7 @@ class ShardedRunner(MoERunner):
             index ``i``.
         placement: the placement the shards were started with.
         call_timeout: seconds a layer waits for its shards before :class:`~aioexperts.ShardTimeoutError`.
+        open_timeout: seconds :meth:`warmup` waits for the shards to start and open their stores.
         prefetch, record_trace, trace_max_tokens: as :class:`~aioexperts.MoERunner`; the predicted
             experts of the upcoming layers travel with the layer's call to their owner (a shard
             with no call in this layer gets none).
@@ -134,6 +138,7 @@ class ShardedRunner(MoERunner):
         placement: Placement,
         *,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        open_timeout: float = DEFAULT_OPEN_TIMEOUT,
         prefetch: PrefetchOptions | None = None,
         record_trace: bool = False,
         trace_max_tokens: int = DEFAULT_TRACE_MAX_TOKENS,
@@ -141,17 +146,20 @@ class ShardedRunner(MoERunner):
         super().__init__(store, prefetch=prefetch, record_trace=record_trace, trace_max_tokens=trace_max_tokens)
         if not isinstance(placement, Placement):
             raise ConfigError(f"placement must be an aioexperts.distributed.Placement, got {placement!r}")
-        if isinstance(call_timeout, bool) or not isinstance(call_timeout, int | float) or not 0 < call_timeout < 1e6:
-            raise ConfigError(f"call_timeout must be a number of seconds > 0, got {call_timeout!r}")
+        for name, value in (("call_timeout", call_timeout), ("open_timeout", open_timeout)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e6:
+                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
         shards = list(shards)
         if len(shards) != placement.n_shards:
             raise PlacementError(f"the placement has {placement.n_shards} shards, {len(shards)} shard handles were given")
         placement.check_model(store.layout, store.hparams.n_embd)
         self.placement = placement
         self.call_timeout = float(call_timeout)
+        self.open_timeout = float(open_timeout)
         self._shards = shards
         self._shards_checked = False
         self._shard_lock = asyncio.Lock()
+        self._failed_at: dict[int, float] = {}  # shard -> when its last failure was seen (monotonic)
         self.calls = 0
         """Shard calls made so far (one per owner per layer step)."""
 
@@ -186,7 +194,7 @@ class ShardedRunner(MoERunner):
             return report
         async with self._shard_lock:
             if not self._shards_checked:
-                answers = await self._gather(-1, [(i, h.describe.remote()) for i, h in enumerate(self._shards)])
+                answers = await self._gather(-1, [(i, "describe", ()) for i in range(len(self._shards))])
                 mine = self.placement.fingerprint()
                 for i, info in enumerate(answers):
                     if info["shard"] != i or info["placement"] != mine:
@@ -235,11 +243,8 @@ class ShardedRunner(MoERunner):
             owner_of_key,
         )
         upcoming = self.upcoming_layers(layer)
-        refs = [
-            (c.shard, self._shards[c.shard].partial.remote(layer, c.x, c.ids, c.weights, c.prefetch, upcoming))
-            for c in calls
-        ]
-        self.calls += len(refs)
+        requests = [(c.shard, "partial", (layer, c.x, c.ids, c.weights, c.prefetch, upcoming)) for c in calls]
+        self.calls += len(requests)
         no_ids = np.full((len(x), 1), -1, dtype=np.int32)
         no_weights = np.zeros((len(x), 1), dtype=np.float32)
 
@@ -254,7 +259,7 @@ class ShardedRunner(MoERunner):
         t0 = time.perf_counter()
         shared_task = asyncio.ensure_future(run_in_worker(shared))
         try:
-            parts = await self._gather(layer, refs)
+            parts = await self._gather(layer, requests)
         except BaseException:
             await asyncio.gather(shared_task, return_exceptions=True)
             raise
@@ -274,44 +279,96 @@ class ShardedRunner(MoERunner):
         c.compute_seconds += compute_s
         return out, io_wait, compute_s
 
-    async def _gather(self, layer: int, refs: Sequence[tuple[int, Any]]) -> list[Any]:
-        """Await every ``(shard, ObjectRef)`` together, within ``call_timeout``; results in the order given."""
-        if not refs:
+    async def _gather(self, layer: int, calls: Sequence[tuple[int, str, tuple[Any, ...]]]) -> list[Any]:
+        """Run every ``(shard, method, args)`` call together within ``call_timeout``; results in the order given.
+
+        A shard whose failure was seen already (its actor restarting) is waited for: a call sent
+        after that point is sent again until the deadline. A call sent before, in flight when the
+        actor died, fails with :class:`~aioexperts.ShardError`.
+        """
+        if not calls:
             return []
         ray = ray_module()
-        futures = [asyncio.wrap_future(ref.future()) for _, ref in refs]
+        loop = asyncio.get_running_loop()
+        timeout = self.open_timeout if layer < 0 else self.call_timeout
+        deadline = loop.time() + timeout
         where = "while opening" if layer < 0 else f"in layer {layer}"
-        done, pending = await asyncio.wait(futures, timeout=self.call_timeout, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [(s, f) for (s, _), f in zip(refs, futures, strict=True) if f in done and f.exception() is not None]
-        if failed or pending:
-            for (_, ref), f in zip(refs, futures, strict=True):
-                if f in pending:
-                    f.cancel()
-                    try:
-                        ray.cancel(ref)
-                    except Exception:  # noqa: BLE001 - best effort: the actor may be gone already
-                        pass
-            if failed:
-                shard, fut = failed[0]
-                exc = fut.exception()
-                assert exc is not None
-                cause = getattr(exc, "cause", None)
-                if isinstance(exc, AioExpertsError):  # the shard refused or failed the request itself
-                    if isinstance(cause, AioExpertsError):
-                        cause.add_note(f"raised by expert shard {shard} {where}")
-                        raise cause from None
-                    raise exc
-                raise ShardError(
-                    f"expert shard {shard} failed {where}: {type(exc).__name__}: {str(exc).splitlines()[0]}", shard
-                ) from exc
-            shard = next(s for (s, _), f in zip(refs, futures, strict=True) if f in pending)
-            raise ShardTimeoutError(
-                f"expert shard {shard} did not answer {where} within call_timeout={self.call_timeout:g} s", shard
+        refs: dict[int, Any] = {}
+
+        async def one(i: int, shard: int, method: str, args: tuple[Any, ...]) -> Any:
+            sent = time.monotonic()
+            pause = 0.05
+            while True:
+                refs[i] = getattr(self._shards[shard], method).remote(*args)
+                try:
+                    result = await asyncio.wrap_future(refs[i].future())
+                except ray.exceptions.ActorUnavailableError as exc:
+                    seen = self._failed_at.get(shard)
+                    if seen is None or sent < seen:  # in flight when it died (or the first to see it)
+                        self._failed_at[shard] = time.monotonic()
+                        raise _shard_error(shard, where, exc) from exc
+                    if loop.time() + pause >= deadline:
+                        raise _shard_error(shard, where, exc) from exc
+                    await asyncio.sleep(pause)  # restarting: send it again
+                    pause = min(2 * pause, 0.5)
+                    continue
+                except ray.exceptions.RayError as exc:
+                    if isinstance(exc, AioExpertsError):  # the shard refused or failed the request itself
+                        cause = getattr(exc, "cause", None)
+                        if isinstance(cause, AioExpertsError):
+                            cause.add_note(f"raised by expert shard {shard} {where}")
+                            raise cause from None
+                        raise
+                    self._failed_at[shard] = time.monotonic()
+                    raise _shard_error(shard, where, exc) from exc
+                self._failed_at.pop(shard, None)
+                return result
+
+        tasks = [asyncio.ensure_future(one(i, *call)) for i, call in enumerate(calls)]
+        try:
+            done, pending = await asyncio.wait(
+                tasks, timeout=max(deadline - loop.time(), 0.0), return_when=asyncio.FIRST_EXCEPTION
             )
-        return [f.result() for f in futures]
+        except BaseException:
+            pending = {t for t in tasks if not t.done()}
+            _abandon(ray, pending, tasks, refs)
+            raise
+        failed = [t for t in tasks if t in done and t.exception() is not None]
+        if failed or pending:
+            _abandon(ray, pending, tasks, refs)
+            if failed:
+                exc = failed[0].exception()
+                assert exc is not None
+                raise exc
+            shard = next(calls[i][0] for i, t in enumerate(tasks) if t in pending)
+            raise ShardTimeoutError(
+                f"expert shard {shard} did not answer {where} within {'open' if layer < 0 else 'call'}_timeout={timeout:g} s",
+                shard,
+            )
+        return [t.result() for t in tasks]
 
     def __repr__(self) -> str:
         return f"<aioexperts.distributed.ShardedRunner over {self._store!r}, {self.placement!r}>"
+
+
+def _shard_error(shard: int, where: str, exc: BaseException) -> ShardError:
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return ShardError(f"expert shard {shard} failed {where}: {type(exc).__name__}: {first}", shard)
+
+
+def _abandon(ray: Any, pending: set[Any], tasks: Sequence[asyncio.Future[Any]], refs: dict[int, Any]) -> None:
+    """Cancel the calls still running (best effort on the actors: they may be gone)."""
+    for i, task in enumerate(tasks):
+        if task in pending:
+            task.cancel()
+            ref = refs.get(i)
+            if ref is not None:
+                try:
+                    ray.cancel(ref)
+                except Exception:  # noqa: BLE001 - the actor may be gone already
+                    pass
+        elif task.done() and not task.cancelled():
+            task.exception()  # retrieved: no "exception was never retrieved" warning
 
 
 def _check_asyncio() -> None:
