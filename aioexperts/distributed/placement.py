@@ -118,11 +118,15 @@ class Placement:
         try:
             return self.owners[self.layers.index(layer)]
         except ValueError:
-            raise PlacementError(f"layer {layer} is not one of the placement's MoE layers {list(self.layers)}") from None
+            raise PlacementError(
+                f"layer {layer} is not one of the placement's MoE layers {list(self.layers)}"
+            ) from None
 
     def experts_of(self, shard: int) -> dict[int, list[int]]:
         """Block index -> the experts ``shard`` owns there (ascending)."""
-        return {layer: np.flatnonzero(row == shard).tolist() for layer, row in zip(self.layers, self.owners, strict=True)}
+        return {
+            layer: np.flatnonzero(row == shard).tolist() for layer, row in zip(self.layers, self.owners, strict=True)
+        }
 
     def counts(self) -> np.ndarray:
         """``(n_shards,)`` int64: experts owned by each shard, all layers together."""

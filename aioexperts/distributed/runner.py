@@ -62,7 +62,12 @@ class ShardCall:
 
 
 def split_by_owner(
-    x: np.ndarray, ids: np.ndarray, weights: np.ndarray, owner: np.ndarray, n_shards: int, prefetch: Sequence[Key] = (),
+    x: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    owner: np.ndarray,
+    n_shards: int,
+    prefetch: Sequence[Key] = (),
     prefetch_owner: Callable[[Key], int] | None = None,
 ) -> list[ShardCall]:
     """The calls of one layer step, in shard order: each shard with at least one selected expert
@@ -151,7 +156,9 @@ class ShardedRunner(MoERunner):
                 raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
         shards = list(shards)
         if len(shards) != placement.n_shards:
-            raise PlacementError(f"the placement has {placement.n_shards} shards, {len(shards)} shard handles were given")
+            raise PlacementError(
+                f"the placement has {placement.n_shards} shards, {len(shards)} shard handles were given"
+            )
         placement.check_model(store.layout, store.hparams.n_embd)
         self.placement = placement
         self.call_timeout = float(call_timeout)
@@ -239,7 +246,13 @@ class ShardedRunner(MoERunner):
             return int(owners[key[0]][key[1]]) if key[0] in owners else -1
 
         calls: list[ShardCall] = await run_in_worker(
-            split_by_owner, x, routed.ids, routed.weights, owner, self.placement.n_shards, routed.prefetch,
+            split_by_owner,
+            x,
+            routed.ids,
+            routed.weights,
+            owner,
+            self.placement.n_shards,
+            routed.prefetch,
             owner_of_key,
         )
         upcoming = self.upcoming_layers(layer)
@@ -342,7 +355,8 @@ class ShardedRunner(MoERunner):
                 raise exc
             shard = next(calls[i][0] for i, t in enumerate(tasks) if t in pending)
             raise ShardTimeoutError(
-                f"expert shard {shard} did not answer {where} within {'open' if layer < 0 else 'call'}_timeout={timeout:g} s",
+                f"expert shard {shard} did not answer {where} within "
+                f"{'open' if layer < 0 else 'call'}_timeout={timeout:g} s",
                 shard,
             )
         return [t.result() for t in tasks]

@@ -96,7 +96,8 @@ def calls_per_step(trace: RoutingTrace, placement: Placement) -> np.ndarray:
 def _check(trace: RoutingTrace, placement: Placement) -> None:
     if trace.layers != placement.layers or trace.n_experts != placement.n_experts:
         raise PlacementError(
-            f"the placement is for MoE layers {list(placement.layers)[:6]} with experts {list(placement.n_experts)[:6]}, "
+            f"the placement is for MoE layers {list(placement.layers)[:6]} with experts "
+            f"{list(placement.n_experts)[:6]}, "
             f"the trace has layers {list(trace.layers)[:6]} with experts {list(trace.n_experts)[:6]}"
         )
 

@@ -45,9 +45,6 @@ def test_the_package_exports_exactly_all_and_imports_without_ray() -> None:
     public = {n for n in dir(dist) if not n.startswith("_")} - {"annotations"}
     submodules = {"placement", "runner", "shard", "simulate"}
     assert public - submodules == set(dist.__all__)
-    code = "import sys; sys.modules['ray'] = None; import aioexperts.distributed; assert 'ray' not in sys.modules or sys.modules['ray'] is None"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
-    assert run.returncode == 0, run.stderr
     code = "import aioexperts.distributed, sys; assert 'ray' not in sys.modules, 'imported ray'"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert run.returncode == 0, run.stderr
@@ -140,7 +137,9 @@ def test_a_placement_of_another_model_is_refused(layout: aioexperts.ExpertLayout
         placement.check_model(layout, 512)
     assert issubclass(aioexperts.PlacementError, aioexperts.ConfigError)
     with pytest.raises(aioexperts.PlacementError):
-        simulate_shards(aioexperts.RoutingTrace(np.zeros((1, 3, 2), np.int16), (0, 1, 2), 8), placement, slots_per_shard=4)
+        simulate_shards(
+            aioexperts.RoutingTrace(np.zeros((1, 3, 2), np.int16), (0, 1, 2), 8), placement, slots_per_shard=4
+        )
 
 
 @pytest.mark.parametrize(

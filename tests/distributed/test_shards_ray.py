@@ -145,7 +145,9 @@ async def test_the_sum_does_not_depend_on_which_shard_answers_first(
         placement = round_robin_placement(store.layout, 3, n_embd=256)
         outputs = []
         for delays in ((0.4, 0.2, 0.0), (0.0, 0.2, 0.4)):
-            shards = [actor.remote(str(top4_model), placement, i, slots=12, io=THREADS, delay=d) for i, d in enumerate(delays)]
+            shards = [
+                actor.remote(str(top4_model), placement, i, slots=12, io=THREADS, delay=d) for i, d in enumerate(delays)
+            ]
             runner = ShardedRunner(store, shards, placement)
             result = await runner.moe_result(0, x)
             outputs.append(result.moe_out)
