@@ -198,6 +198,7 @@ async def measure_calls(model: Path, rounds: int) -> dict[str, Any]:
         "model": model.name,
         "ray": ray.__version__,
         "rounds": rounds,
+        "layers": len(layers),
         "empty_call_ms": _ms(empty),
         "layer_local_ms": _ms(local_t),
         "layer_two_shards_ms": _ms(shard_t),
@@ -255,7 +256,7 @@ def render_region(results: dict[str, Any], source: str) -> str:
             ("empty_call_ms", "one empty actor call (round trip)"),
             ("layer_local_ms", "one MoE layer, local runner"),
             ("layer_two_shards_ms", "one MoE layer, 2 local shards"),
-            ("eight_layers_eight_calls_ms", "8 layers' work for one shard, 8 calls"),
+            ("eight_layers_eight_calls_ms", f"{calls['layers']} layers' work for one shard, {calls['layers']} calls"),
             ("eight_layers_one_call_ms", "the same in one call (`partial_layers`)"),
         ):
             s = calls[key]
