@@ -192,6 +192,7 @@ async def measure_calls(model: Path, rounds: int) -> dict[str, Any]:
                 batched.append(time.perf_counter() - t0)
             for h in shards:
                 ray.kill(h)
+        plain, compiled, compiled_note = _echo_costs(ray, x, rounds * 20)
     finally:
         ray.shutdown()
     return {
@@ -204,9 +205,50 @@ async def measure_calls(model: Path, rounds: int) -> dict[str, Any]:
         "layer_two_shards_ms": _ms(shard_t),
         "eight_layers_eight_calls_ms": _ms(single),
         "eight_layers_one_call_ms": _ms(batched),
+        "echo_plain_ms": _ms(plain),
+        "echo_compiled_ms": _ms(compiled) if compiled else None,
+        "compiled_note": compiled_note,
         "machine_start": start,
         "machine_end": _machine(),
     }
+
+
+def _echo_costs(ray: Any, x: np.ndarray, n: int) -> tuple[list[float], list[float], str]:
+    """A sync actor echoing ``x``: plain calls, then the same through a Ray compiled graph."""
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def echo(self, value: Any) -> Any:
+            return value
+
+    actor = Echo.remote()
+    plain, compiled = [], []
+    for _ in range(20):
+        ray.get(actor.echo.remote(x))
+    for _ in range(n):
+        t0 = time.perf_counter()
+        ray.get(actor.echo.remote(x))
+        plain.append(time.perf_counter() - t0)
+    note = "ray.dag compiled graph, one sync actor, the same array"
+    try:
+        from ray.dag import InputNode
+
+        with InputNode() as inp:
+            dag = actor.echo.bind(inp)
+        graph = dag.experimental_compile()
+        try:
+            for _ in range(20):
+                ray.get(graph.execute(x))
+            for _ in range(n):
+                t0 = time.perf_counter()
+                ray.get(graph.execute(x))
+                compiled.append(time.perf_counter() - t0)
+        finally:
+            graph.teardown()
+    except Exception as exc:  # noqa: BLE001 - an unavailable feature is a result too
+        note = f"compiled graph unavailable: {type(exc).__name__}: {exc}"
+    ray.kill(actor)
+    return plain, compiled, note
 
 
 # -- rendering ----------------------------------------------------------------------------------
@@ -258,8 +300,13 @@ def render_region(results: dict[str, Any], source: str) -> str:
             ("layer_two_shards_ms", "one MoE layer, 2 local shards"),
             ("eight_layers_eight_calls_ms", f"{calls['layers']} layers' work for one shard, {calls['layers']} calls"),
             ("eight_layers_one_call_ms", "the same in one call (`partial_layers`)"),
+            ("echo_plain_ms", "an echo of one row, plain actor call (sync actor)"),
+            ("echo_compiled_ms", "the same through a compiled graph (`ray.dag`)"),
         ):
-            s = calls[key]
+            s = calls.get(key)
+            if s is None:
+                lines.append(f"| {label} | not measured: {calls.get('compiled_note', '')} |")
+                continue
             lines.append(f"| {label} | {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) |")
     lines.append(END)
     return "\n".join(lines)
