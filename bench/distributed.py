@@ -11,7 +11,7 @@ Steps (each writes into one results file, ``docs/results/distributed.json`` by d
   the latency added per layer at the measured call cost (or ``--call-ms``);
 - ``calls``: on a local Ray cluster, the cost of an empty actor call, of one layer with 2 local
   shards against the local runner, and of 8 layers' calls batched into one against 8 calls;
-- ``--render RESULTS DOC``: the region ``<!-- bench:distributed -->`` of ``DOC`` from the results.
+- ``--render RESULTS DOC``: the region ``<!-- bench:distributed_shards -->`` of ``DOC`` from the results.
 
 Run the measuring steps under the machine's bench lock: ``flock /work/wt/bench.lock python
 bench/distributed.py trace simulate calls``.
@@ -253,7 +253,7 @@ def _echo_costs(ray: Any, x: np.ndarray, n: int) -> tuple[list[float], list[floa
 
 # -- rendering ----------------------------------------------------------------------------------
 
-START, END = "<!-- bench:distributed -->", "<!-- /bench:distributed -->"
+START, END = "<!-- bench:distributed_shards -->", "<!-- /bench:distributed_shards -->"
 
 
 def _f(value: float, spec: str = ".2f") -> str:
