@@ -323,7 +323,7 @@ def render(results_path: Path, doc: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("steps", nargs="*", choices=("trace", "simulate", "calls"), help="what to run, in order")
+    parser.add_argument("steps", nargs="*", metavar="STEP", help="trace, simulate, calls: what to run, in order")
     parser.add_argument("--model", type=Path, default=MODEL)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--tokens", type=int, default=48, help="tokens generated for the trace")
@@ -336,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         render(*args.render)
         return 0
+    unknown = [s for s in args.steps if s not in ("trace", "simulate", "calls")]
+    if unknown or not args.steps:
+        parser.error(f"steps are trace, simulate, calls; got {args.steps}")
     data = _load(args.out)
     trace_path = args.out.with_name("distributed-trace.npz")
     for step in args.steps:
