@@ -261,3 +261,26 @@ async def test_a_shard_of_another_placement_is_refused_on_uvloop(
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
         for h in shards:
             ray_cluster.kill(h)
+
+
+async def test_the_whole_model_runs_on_shards(tiny_full_model: Path, ray_cluster: Any, anyio_backend: object) -> None:
+    """``aioexperts.load(..., runner=ShardedRunner.factory(...))``: the same logits, bit for bit (top-2),
+    and the same greedy continuation as the model on its local runner."""
+    layout = aioexperts.build_layout(aioexperts.open_model(tiny_full_model))
+    placement = round_robin_placement(layout, 2, n_embd=256)
+    actor = expert_shard_actor(max_restarts=0)
+    shards = [actor.remote(str(tiny_full_model), placement, i, slots=8, io=THREADS) for i in range(2)]
+    prompt = [5, 17, 42, 99, 3]
+    async with aioexperts.load(tiny_full_model, slots=8, io=THREADS, n_ctx=64) as local:
+        want = await local.logits(prompt)
+        want_tokens = [t async for t in local.generate(prompt, max_tokens=4)]
+    factory = ShardedRunner.factory(shards, placement, call_timeout=60)
+    async with aioexperts.load(tiny_full_model, slots=8, io=THREADS, n_ctx=64, runner=factory) as model:
+        assert isinstance(model.runner, ShardedRunner)
+        got = await model.logits(prompt)
+        tokens = [t async for t in model.generate(prompt, max_tokens=4)]
+        assert model.runner.calls > 0
+    np.testing.assert_array_equal(got, want)
+    assert tokens == want_tokens
+    for h in shards:
+        ray_cluster.kill(h)
