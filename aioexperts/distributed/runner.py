@@ -235,8 +235,13 @@ class ShardedRunner(MoERunner):
             x, route_step=route_step, predictor=predictor, prefetch=prefetch, token_ids=token_ids
         )
 
-    async def _executor_layer(self, layer: int, x: np.ndarray, routed: _Routed) -> tuple[MoEOutput, float, float]:
-        """One layer: split by owner, one call per owner, the shared expert here meanwhile, sum in order."""
+    async def _executor_layer(
+        self, layer: int, x: np.ndarray, routed: _Routed, *_local_options: Any
+    ) -> tuple[MoEOutput, float, float]:
+        """One layer: split by owner, one call per owner, the shared expert here meanwhile, sum in order.
+
+        Options of the local layer step (a decode stream for cross-request batching) do not apply:
+        the shards compute each call as it comes."""
         _check_asyncio()
         resident, hparams = self.residents[layer], self._store.hparams
         owner = self.placement.owner_of(layer)
