@@ -214,3 +214,25 @@ def test_simulated_load_and_hit_rates_match_their_definitions(layout: aioexperts
         assert sim.read_bytes[s] == want.bytes_read
     one = simulate_shards(trace, round_robin_placement(layout, 1, n_embd=256), sizes, slots_per_shard=6)
     assert one.load_imbalance == 1.0 and one.calls_per_token <= trace.n_layers
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [("trio", {})], ids=["trio"])
+async def test_the_sharded_runner_refuses_what_cannot_work_before_any_call(
+    tmp_path: Path, anyio_backend: object
+) -> None:
+    """No Ray needed: the wrong number of shards, a placement of another model, and trio are refused."""
+    path = tmp_path / "model.gguf"
+    write_synthetic_model(path, SPEC)
+    async with aioexperts.open(path, slots=4) as store:
+        placement = round_robin_placement(store.layout, 2, n_embd=256)
+        with pytest.raises(aioexperts.PlacementError, match="2 shards, 3 shard handles"):
+            dist.ShardedRunner(store, [object()] * 3, placement)
+        other = Placement(2, (0, 1), (16, 16), 256, placement.owners)
+        with pytest.raises(aioexperts.PlacementError, match="MoE layers"):
+            dist.ShardedRunner(store, [object()] * 2, other)
+        with pytest.raises(aioexperts.ConfigError, match="call_timeout"):
+            dist.ShardedRunner(store, [object()] * 2, placement, call_timeout=0)
+        runner = dist.ShardedRunner(store, [object()] * 2, placement)
+        with pytest.raises(aioexperts.ConfigError, match="asyncio"):
+            await runner.moe(1, np.ones((1, 256), dtype=np.float32))
