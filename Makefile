@@ -1,6 +1,6 @@
 # One command each: `make run` sets up and generates text with the built-in full model; `make bench`
 # sets everything up and runs the benchmark on the built-in model; `make test` sets up and runs the
-# tests. All create ./.venv from this project's own files.
+# tests (the core suite, then the Ray tests of aioexperts.distributed in a second pass). All create ./.venv from this project's own files.
 #
 #   make run                        # writes the built-in full model once (2.9 GB), streams text, prints the stats
 #   make run RUN_ARGS='-p "Hi" -n 32 --temp 0'   # any aioexperts-run option (MODEL.gguf too)
@@ -29,6 +29,10 @@ $(BIN)/.text-installed: $(BIN)/.installed
 	$(BIN)/python -m pip install --quiet --config-settings editable_mode=compat -e '.[test,text]'
 	touch $@
 
+$(BIN)/.ray-installed: $(BIN)/.installed
+	$(BIN)/python -m pip install --quiet --config-settings editable_mode=compat -e '.[test,bench,ray]'
+	touch $@
+
 $(BIN)/.plot-installed: $(BIN)/.installed
 	$(BIN)/python -m pip install --quiet --config-settings editable_mode=compat -e '.[test,bench,plot]'
 	touch $@
@@ -48,8 +52,10 @@ bench-plots: $(BIN)/.plot-installed
 render: $(BIN)/.installed
 	$(BIN)/python bench/render.py $(RESULTS) --write README.md docs/bench.md docs/executor.md --extra
 
-test: $(BIN)/.installed
-	$(BIN)/python -m pytest
+# two passes: the core suite without Ray, then the expert-shard tests on a local Ray cluster
+test: $(BIN)/.ray-installed
+	$(BIN)/python -m pytest -m "not ray"
+	$(BIN)/python -m pytest -m ray tests/distributed
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

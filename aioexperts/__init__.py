@@ -27,6 +27,9 @@ from ._errors import LayoutError as LayoutError
 from ._errors import MissingShardError as MissingShardError
 from ._errors import NonFiniteError as NonFiniteError
 from ._errors import OptionalDependencyError as OptionalDependencyError
+from ._errors import PlacementError as PlacementError
+from ._errors import ShardError as ShardError
+from ._errors import ShardTimeoutError as ShardTimeoutError
 from ._errors import SlabExhaustedError as SlabExhaustedError
 from ._errors import SlotTimeoutError as SlotTimeoutError
 from ._errors import StaleMapError as StaleMapError
@@ -148,6 +151,7 @@ __all__ = (
     "OptionalDependencyError",
     "PageCacheOptions",
     "PageCacheStatistics",
+    "PlacementError",
     "PrefetchOptions",
     "ProjectionView",
     "RouteStep",
@@ -157,6 +161,8 @@ __all__ = (
     "Sampler",
     "SamplingOptions",
     "Segment",
+    "ShardError",
+    "ShardTimeoutError",
     "SlabExhaustedError",
     "SlotTimeoutError",
     "StaleMapError",

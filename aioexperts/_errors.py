@@ -24,6 +24,9 @@ __all__ = (
     "MissingShardError",
     "NonFiniteError",
     "OptionalDependencyError",
+    "PlacementError",
+    "ShardError",
+    "ShardTimeoutError",
     "SlabExhaustedError",
     "SlotTimeoutError",
     "StaleMapError",
@@ -140,3 +143,30 @@ class ChatTemplateError(AioExpertsError, ValueError):
 
 class OptionalDependencyError(AioExpertsError, ImportError):
     """A feature needs an optional package that is not installed; the message names the extra to install."""
+
+
+# -- expert shards (aioexperts.distributed) ---------------------------------------------------------
+
+
+class PlacementError(ConfigError):
+    """An expert placement does not fit the model it is used with (MoE layers, experts per layer,
+    ``n_embd``) or the shards it is given (their number, or a shard opened with another placement)."""
+
+
+class ShardError(ExpertReadError):
+    """A remote expert shard could not answer a call: its actor died, is unreachable or failed.
+
+    The Ray error is attached as ``__cause__``. The waiting tokens get this error; the runner stays
+    usable, and a shard that Ray restarts (``max_restarts``) serves the next call.
+
+    Attributes:
+        shard: the index of the shard in the placement.
+    """
+
+    def __init__(self, message: str, shard: int) -> None:
+        super().__init__(message)
+        self.shard = shard
+
+
+class ShardTimeoutError(ShardError, TimeoutError):
+    """A shard did not answer within the runner's ``call_timeout`` seconds (a ``TimeoutError`` too)."""

@@ -43,6 +43,7 @@ LAYER_OF = {
     "testing": "testing",
     "cli": "commands",
     "_bench": "bench",
+    "distributed": "distributed",
 }
 
 #: which layers each layer may import (besides itself)
@@ -57,9 +58,11 @@ ALLOWED = {
     "public": {"base", "format", "store", "compute", "predict", "runner", "model"},
     "testing": {"base", "format", "store", "public"},
     # the bench measures the layers themselves (read paths, kernels), so it may reach below the API
-    "bench": {"base", "format", "store", "compute", "predict", "runner", "public", "testing"},
+    "bench": {"base", "format", "store", "compute", "predict", "runner", "public", "testing", "distributed"},
+    # expert shards on Ray: a runner and a store per shard, over everything below the public face
+    "distributed": {"base", "format", "store", "compute", "predict", "runner", "model", "public"},
     # the user commands use the public API and the bench package only
-    "commands": {"public", "testing", "bench"},
+    "commands": {"public", "testing", "bench", "distributed"},
 }
 
 #: single modules a layer may import from a layer it otherwise may not, with the reason

@@ -489,6 +489,7 @@ class Model:
         prefetch: PrefetchOptions | None,
         resident_embedding_bytes: int,
         store_options: dict[str, Any],
+        runner: Callable[[ExpertStore, PrefetchOptions | None], MoERunner] | None = None,
     ) -> None:
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
             raise ConfigError(f"n_ctx must be an int >= 1, got {n_ctx!r}")
@@ -502,6 +503,7 @@ class Model:
         self._prefetch = prefetch
         self._resident_embedding = resident_embedding_bytes
         self._store_options = store_options
+        self._make_runner = runner if runner is not None else _default_runner
         self._store: ExpertStore | None = None
         self._runner: MoERunner | None = None
         self._weights: _Weights | None = None
@@ -545,7 +547,9 @@ class Model:
         await store.start()
         try:
             moe_layers = frozenset(store.layout.layers)
-            runner = MoERunner(store, prefetch=self._prefetch)
+            runner = self._make_runner(store, self._prefetch)
+            if not isinstance(runner, MoERunner):
+                raise ConfigError(f"runner must return a MoERunner (or a subclass), got {runner!r}")
             await runner.warmup()
             weights = await run_in_worker(_load_weights, store.model, hp, moe_layers, self._resident_embedding)
             types = {weights.output.ggml_type} | {
@@ -1038,6 +1042,7 @@ def load(
     mode: str = "slab",
     pagecache: PageCacheOptions | None = None,
     resident_embedding_bytes: int = DEFAULT_RESIDENT_EMBEDDING_BYTES,
+    runner: Callable[[ExpertStore, PrefetchOptions | None], MoERunner] | None = None,
 ) -> Model:
     """Prepare the whole model at ``path``; start it with ``async with``.
 
@@ -1060,6 +1065,9 @@ def load(
         slots, cache_bytes, cache, io, expert_map, mode, pagecache: as :func:`aioexperts.open`.
         resident_embedding_bytes: a token embedding table larger than this (with a separate output
             head) is read by rows through the store instead of kept in memory.
+        runner: ``(store, prefetch) -> MoERunner``, called once the store is started, to run the
+            MoE layers (default ``MoERunner(store, prefetch=prefetch)``; expert shards:
+            ``aioexperts.distributed.ShardedRunner.factory``, docs/distributed.md).
 
     Returns:
         A :class:`Model`, not started.
@@ -1067,6 +1075,8 @@ def load(
     Raises:
         ConfigError: a bad argument (more are checked when the model starts).
     """
+    if runner is not None and not callable(runner):
+        raise ConfigError(f"runner must be a callable (store, prefetch) -> MoERunner, got {runner!r}")
     if isinstance(resident_embedding_bytes, bool) or not isinstance(resident_embedding_bytes, int):
         raise ConfigError(f"resident_embedding_bytes must be an int, got {resident_embedding_bytes!r}")
     options: dict[str, Any] = {
@@ -1085,4 +1095,9 @@ def load(
         prefetch=prefetch,
         resident_embedding_bytes=resident_embedding_bytes,
         store_options=options,
+        runner=runner,
     )
+
+
+def _default_runner(store: ExpertStore, prefetch: PrefetchOptions | None) -> MoERunner:
+    return MoERunner(store, prefetch=prefetch)
