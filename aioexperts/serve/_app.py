@@ -283,7 +283,9 @@ class Server:
             return model.tokenizer.encode(req.prompt, add_special=True, parse_special=True)
         bad = [t for t in req.prompt if t >= model.n_vocab]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is out of range 0..{model.n_vocab - 1}", param="prompt")
+            raise APIError(
+                400, f"'prompt': token id {bad[0]} is out of range 0..{model.n_vocab - 1}", param="prompt"
+            )
         return list(req.prompt)
 
     def _fit(self, req: GenerationRequest, n_prompt: int) -> int:
@@ -440,7 +442,7 @@ class Server:
         tok = self.model.tokenizer
         bad = [t for t in ids if t >= tok.n_vocab]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is out of range 0..{tok.n_vocab - 1}", param="tokens")
+            raise APIError(400, f"'tokens': token id {bad[0]} is out of range 0..{tok.n_vocab - 1}", param="tokens")
         return _json_response({"content": await self._in_text_worker(lambda: tok.decode(ids))})
 
     async def _apply_template(self, request: web.Request) -> web.Response:

@@ -42,5 +42,3 @@ def client(served: ServerThread) -> Iterator[Any]:
     """The official openai client against the shared server (no retries: every error is seen)."""
     with openai.OpenAI(base_url=served.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
         yield c
-
-
