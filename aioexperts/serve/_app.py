@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -337,7 +338,8 @@ class Server:
             try:
                 if req.stream:
                     return await self._stream(request, req, gen, shapes)
-                pieces = [piece async for piece in gen.pieces()]
+                async with aclosing(gen.pieces()) as stream:
+                    pieces = [piece async for piece in stream]
                 return _json_response(shapes.whole(pieces, gen.finish_reason, gen.usage))
             except (asyncio.CancelledError, ConnectionResetError):
                 self.metrics.cancelled += 1
@@ -354,8 +356,9 @@ class Server:
         try:
             if req.chat:
                 await resp.write(_sse(shapes.chunk(None, None, usage)))
-            async for piece in gen.pieces():
-                await resp.write(_sse(shapes.chunk(piece, None, usage)))
+            async with aclosing(gen.pieces()) as pieces:  # closed at once on a disconnect: the KV cache is freed
+                async for piece in pieces:
+                    await resp.write(_sse(shapes.chunk(piece, None, usage)))
             final: Piece | None = Piece("", ()) if not req.chat else None
             await resp.write(_sse(shapes.chunk(final, gen.finish_reason, usage)))
             if usage:

@@ -7,7 +7,7 @@ its KV cache belong to the stream: they are freed when the generation ends, fail
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -74,7 +74,7 @@ class Generation:
         """Prompt and generated tokens so far."""
         return Usage(len(self._prompt_ids), self.statistics.generated_tokens)
 
-    async def pieces(self) -> AsyncIterator[Piece]:
+    async def pieces(self) -> AsyncGenerator[Piece, None]:
         """The pieces of text as they are decoded (the first ``await`` starts the prefill).
 
         Raises:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import re
+import socket
 import threading
 import time
 from pathlib import Path
@@ -137,3 +139,41 @@ def wait_for(predicate: Any, timeout: float = 30.0, interval: float = 0.05) -> A
         if time.monotonic() > deadline:
             raise AssertionError(f"not true within {timeout} s: {predicate}")
         time.sleep(interval)
+
+
+class RawStream:
+    """A request on a bare socket, read as it comes: for clients that go away mid-response."""
+
+    def __init__(self, target: ServerThread | tuple[str, int], path: str, body: Any, *, key: str | None = API_KEY):
+        host, port = target.host_port if isinstance(target, ServerThread) else target
+        self.sock = socket.create_connection((host, port), timeout=60)
+        data = json.dumps(body).encode()
+        auth = f"Authorization: Bearer {key}\r\n" if key is not None else ""
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n{auth}"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+        )
+        self.sock.sendall(head.encode() + data)
+        self.received = b""
+
+    def read_until(self, needle: bytes, count: int = 1) -> bytes:
+        """Read until ``needle`` was received ``count`` times (or the peer closed); returns all so far."""
+        while self.received.count(needle) < count:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                break
+            self.received += chunk
+        return self.received
+
+    def read_all(self) -> bytes:
+        while chunk := self.sock.recv(65536):
+            self.received += chunk
+        return self.received
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def open_fds() -> int:
+    """File descriptors this process has open."""
+    return len(os.listdir("/proc/self/fd"))
