@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from aioexperts._compute.jit import cache_dir
+from aioexperts.cli.serve import main
 from aioexperts.testing._full_model import FULL_SPEC
 from serve.serving import RawStream
 
@@ -96,12 +97,18 @@ def test_sigterm_lets_short_requests_finish_and_cancels_the_rest_at_the_deadline
         (["MODEL", "--layers", "2"], "built-in model"),
     ],
 )
-def test_bad_arguments_exit_2_with_one_line(tiny_full_model: Path, args: list[str], needle: str) -> None:
+def test_bad_arguments_exit_2_with_one_line(
+    tiny_full_model: Path, capsys: pytest.CaptureFixture[str], args: list[str], needle: str
+) -> None:
     argv = [str(tiny_full_model) if a == "MODEL" else a for a in args]
-    done = subprocess.run([*COMMAND, *argv], capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 2, done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and needle in lines[0], done.stderr
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # argparse's errors
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], err
 
 
 def test_without_aiohttp_it_says_which_extra_to_install(tiny_full_model: Path) -> None:
