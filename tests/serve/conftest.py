@@ -28,7 +28,7 @@ def serve_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return _full_model.write_full_model(path, _full_model.FullModelSpec(**TINY_FULL_SPEC_FIELDS))  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped when tests/serve is done
 def served(serve_model: Path) -> Iterator[ServerThread]:
     """The shared server: 2 sequences at once, 8 may wait, an API key, a 64 KiB body limit."""
     options = ServerOptions(port=0, parallel=2, queue_size=8, api_key=API_KEY, max_body_bytes=64 << 10)
