@@ -220,8 +220,8 @@ class Server:
             response = await handler(request)
             status = response.status
             return response
-        except asyncio.CancelledError:
-            status = 499  # nginx's "client closed request"
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = 499  # nginx's "client closed request" (or a shutdown past its deadline)
             raise
         finally:
             self.metrics.requests[(endpoint, status)] += 1
@@ -284,9 +284,7 @@ class Server:
             return model.tokenizer.encode(req.prompt, add_special=True, parse_special=True)
         bad = [t for t in req.prompt if t >= model.n_vocab]
         if bad:
-            raise APIError(
-                400, f"'prompt': token id {bad[0]} is out of range 0..{model.n_vocab - 1}", param="prompt"
-            )
+            raise APIError(400, f"'prompt': token id {bad[0]} is out of range 0..{model.n_vocab - 1}", param="prompt")
         return list(req.prompt)
 
     def _fit(self, req: GenerationRequest, n_prompt: int) -> int:

@@ -54,6 +54,8 @@ def test_a_client_that_goes_away_stops_its_generation_and_frees_its_kv_cache(
         client.close()
     after = settled(served)  # within 30 s; the whole generation would take about 10 s more
     assert after["aioexperts_requests_cancelled_total"] == before["aioexperts_requests_cancelled_total"] + 1
+    gone = 'aioexperts_requests_total{endpoint="/v1/completions",status="499"}'
+    assert after[gone] == before.get(gone, 0) + 1  # counted as "client closed request"
     stopped_at = after["aioexperts_completion_tokens_total"]
     assert stopped_at - at_close <= 3, "the generation went on after the client left"
     time.sleep(0.5)
@@ -144,3 +146,26 @@ def test_eight_clients_for_eight_seconds_no_error_no_leak(served: ServerThread) 
     assert served_now == sum(done)
     assert not [k for k, v in after.items() if k.startswith("aioexperts_requests_total") and '"5' in k and v]
     assert wait_for(lambda: open_fds() <= fds_before + 1, timeout=10)  # the connections are closed
+
+
+def test_sequences_decoded_together_give_the_tokens_each_gets_alone(served: ServerThread) -> None:
+    prompts = ["The cat", "A long road", "Numbers: 1, 2,", "Hello <|im_start|>"]
+
+    def complete(prompt: str) -> str:
+        status, out = post(served, TEXT, {"prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert status == 200, out
+        return str(out["choices"][0]["text"])
+
+    alone = [complete(p) for p in prompts]
+    together: list[str | None] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        together[i] = complete(prompts[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert together == alone
+    assert len(set(alone)) > 1  # the prompts lead to different texts
