@@ -20,14 +20,18 @@ fields), :mod:`._errors` (OpenAI error objects), :mod:`._openai` (response shape
 
 from __future__ import annotations
 
-try:
-    import aiohttp  # noqa: F401
-except ModuleNotFoundError as _exc:  # pragma: no cover (the test environment has the extra)
-    from aioexperts import OptionalDependencyError
+from importlib.util import find_spec as _find_spec
 
-    raise OptionalDependencyError(
+from aioexperts import OptionalDependencyError as _OptionalDependencyError
+
+try:
+    _has_aiohttp = _find_spec("aiohttp") is not None
+except ValueError:  # sys.modules["aiohttp"] is None: blocked
+    _has_aiohttp = False
+if not _has_aiohttp:
+    raise _OptionalDependencyError(
         "aioexperts.serve needs aiohttp, which is not installed: pip install 'aioexperts[server]'"
-    ) from _exc
+    )
 
 from ._app import DEFAULT_HOST, DEFAULT_PORT, Server, ServerOptions
 from ._errors import APIError
