@@ -30,7 +30,7 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 #: public modules of names (each with a tuple ``__all__``), then the package of user commands
-API_MODULES = ("backends", "policies", "predictors", "testing", "traces")
+API_MODULES = ("backends", "policies", "predictors", "testing", "traces", "serve")  # serve: the server extra
 PUBLIC_MODULES = (*API_MODULES, "cli", "distributed")  # distributed: tests/distributed/test_placement.py
 
 

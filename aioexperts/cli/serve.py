@@ -1,0 +1,206 @@
+"""``aioexperts-serve``: an OpenAI-compatible HTTP server for a GGUF MoE model (default: the built-in full model).
+
+Binds ``127.0.0.1:8080`` unless told otherwise and prints ``listening on http://HOST:PORT`` on stderr
+once it serves (``--port 0`` takes a free port: that line says which). SIGTERM or Ctrl-C (SIGINT)
+stops it gracefully: no new requests, the running generations finish for up to
+``--shutdown-timeout`` seconds and are then cancelled, the model is closed; exit status 0. A second
+signal stops at once. Bad arguments, files or models: one line on stderr, exit status 2. The
+endpoints are described in docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+import aioexperts
+from aioexperts.cli._common import HelpFormatter
+from aioexperts.cli.run import USAGE_STATUS, _context_length, _float, _int_at_least
+
+__all__ = ("build_parser", "main")
+
+PROG = "aioexperts-serve"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, no usage block
+        self.exit(USAGE_STATUS, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 0..65535, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``aioexperts-serve``."""
+    from aioexperts._bench.full_model import DEFAULT_FULL_LAYERS
+
+    p = _Parser(
+        prog=PROG,
+        description=(
+            "Serve a Mixture-of-Experts GGUF model over an OpenAI-compatible HTTP API (chat and text "
+            "completions, streaming, tokenize, metrics). Without MODEL it serves the built-in full model "
+            "(random weights: its text is random), written once to the user cache."
+        ),
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("model", nargs="?", help="a GGUF file (or a shard of a split set); default: the built-in model")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=_port, default=8080, help="TCP port; 0 takes a free one")
+    p.add_argument("--parallel", type=_int_at_least(1), default=4, help="sequences that decode at once")
+    p.add_argument("--queue", type=_int_at_least(0), default=16, help="requests that may wait for a slot (FIFO)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
+    p.add_argument(
+        "--max-body-bytes", type=_int_at_least(1), default=1 << 20, help="larger request bodies are refused (413)"
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=_float,
+        default=30.0,
+        help="seconds running generations may take to finish after SIGTERM before they are cancelled",
+    )
+    p.add_argument("--alias", default=None, help="the model's id in /v1/models and responses (default: file name)")
+    p.add_argument(
+        "--ctx",
+        type=_int_at_least(1),
+        default=None,
+        help="positions of each sequence's KV cache (n_ctx; default 4096, or the file's context length if smaller)",
+    )
+    slab = p.add_mutually_exclusive_group()
+    slab.add_argument("--slots", type=_int_at_least(1), default=None, help="slab slots, one expert each")
+    slab.add_argument("--cache-bytes", type=_int_at_least(1), default=None, help="slab size in bytes (default 1 GiB)")
+    p.add_argument(
+        "--io",
+        choices=("auto", "io_uring", "threads"),
+        default="auto",
+        help="expert reads: io_uring where it works (auto), or the preadv thread pool",
+    )
+    p.add_argument(
+        "--layers",
+        type=_int_at_least(1),
+        default=None,
+        help=f"layers of the built-in model (default {DEFAULT_FULL_LAYERS}; 48 is the real depth)",
+    )
+    p.add_argument("--rebuild", action="store_true", help="write the built-in model again")
+    return p
+
+
+def _say(text: str) -> None:
+    print(f"{PROG}: {text}", file=sys.stderr, flush=True)
+
+
+def _model_path(args: argparse.Namespace) -> str:
+    if args.model is not None:
+        path = os.path.expanduser(args.model)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{args.model}: no such model file")
+        return path
+    from aioexperts._bench.full_model import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
+
+    layers = args.layers or DEFAULT_FULL_LAYERS
+    built = ensure_full_model(
+        layers,
+        rebuild=args.rebuild,
+        progress=print_progress(sys.stderr),
+        on_build=lambda p: _say(f"writing the built-in full model ({layers} layers) to {p} (once)"),
+        on_wait=lambda: _say("another run is writing the built-in model; waiting for it"),
+    )
+    _say("the built-in model's weights are random, so its text is random")
+    return os.fspath(built)
+
+
+async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
+    from aioexperts.serve import Server
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    task = asyncio.current_task()
+    assert task is not None
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():  # the second signal: stop at once
+            task.cancel()
+            return
+        _say(f"{signal.Signals(signum).name}: stopping (running requests get {args.shutdown_timeout:g} s to finish)")
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        n_ctx = await anyio.to_thread.run_sync(_context_length, path, args.ctx)
+        model = aioexperts.load(
+            path,
+            n_ctx=n_ctx,
+            slots=args.slots,
+            cache_bytes=args.cache_bytes,
+            io=aioexperts.IOOptions(backend=args.io),
+        )
+        async with model:
+            server = Server(model, options)
+            await server.start()
+            try:
+                _say(f"serving {path} (n_ctx {model.n_ctx}, --parallel {options.parallel})")
+                _say(f"listening on {server.url}")
+                await stop.wait()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    cancelled = await server.stop()
+            if cancelled:
+                _say(f"cancelled {cancelled} generations still running at the deadline")
+        _say("stopped")
+        return 0
+    except asyncio.CancelledError:
+        _say("stopped at once (second signal)")
+        task.uncancel()
+        return 1
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``aioexperts-serve``; returns the exit status (0 stopped by a signal, 2 bad arguments/files/models)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model is not None and (args.layers is not None or args.rebuild):
+        parser.error("--layers and --rebuild are for the built-in model (no MODEL argument)")
+    logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(message)s", stream=sys.stderr)
+    try:
+        from aioexperts.serve import ServerOptions
+
+        options = ServerOptions(
+            host=args.host,
+            port=args.port,
+            parallel=args.parallel,
+            queue_size=args.queue,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            shutdown_timeout=args.shutdown_timeout,
+            model_name=args.alias,
+        )
+        path = _model_path(args)
+    except KeyboardInterrupt:
+        return 130
+    except (aioexperts.AioExpertsError, OSError) as exc:
+        _say(f"error: {exc}")
+        return USAGE_STATUS
+    try:
+        return asyncio.run(_serve(args, path, options))
+    except (aioexperts.AioExpertsError, OSError) as exc:
+        _say(f"error: {exc}")
+        return USAGE_STATUS
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""``aioexperts.serve``: an OpenAI-compatible HTTP server for a whole model (``aioexperts-serve``).
+
+Needs the ``server`` extra (``pip install 'aioexperts[server]'``: aiohttp, and the ``text`` extra's
+tokenizer and chat template); importing this package without aiohttp raises
+:class:`~aioexperts.OptionalDependencyError` naming the extra. ``import aioexperts`` never imports it.
+
+Example::
+
+    async with aioexperts.load("model.gguf", n_ctx=4096) as model:
+        server = Server(model, ServerOptions(port=8080, parallel=4))
+        await server.start()
+        ...                                   # until asked to stop
+        await server.stop()                   # in-flight requests finish, up to shutdown_timeout
+
+The package: :mod:`._app` (routes, middlewares, :class:`Server`), :mod:`._validate` (request
+fields), :mod:`._errors` (OpenAI error objects), :mod:`._openai` (response shapes),
+:mod:`._generate` (one generation), :mod:`._scheduler` (slots and the FIFO queue),
+:mod:`._metrics` (Prometheus text). docs/serving.md describes the endpoints and the metrics.
+"""
+
+from __future__ import annotations
+
+from importlib.util import find_spec as _find_spec
+
+from aioexperts import OptionalDependencyError as _OptionalDependencyError
+
+try:
+    _has_aiohttp = _find_spec("aiohttp") is not None
+except ValueError:  # sys.modules["aiohttp"] is None: blocked
+    _has_aiohttp = False
+if not _has_aiohttp:
+    raise _OptionalDependencyError(
+        "aioexperts.serve needs aiohttp, which is not installed: pip install 'aioexperts[server]'"
+    )
+
+from ._app import DEFAULT_HOST, DEFAULT_PORT, Server, ServerOptions
+from ._errors import APIError
+
+__all__ = ("DEFAULT_HOST", "DEFAULT_PORT", "APIError", "Server", "ServerOptions")

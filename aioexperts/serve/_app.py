@@ -1,0 +1,458 @@
+"""The aiohttp application: routes, the API-key and error middlewares, and the :class:`Server`.
+
+Routes (docs/serving.md): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /props``, ``POST /tokenize``, ``POST /detokenize``, ``POST /apply-template``,
+``GET /metrics``. Every refusal is an OpenAI error object (:mod:`aioexperts.serve._errors`).
+
+A request is checked and its prompt tokenized (on one text worker thread, off the event loop)
+before it asks the :class:`~aioexperts.serve._scheduler.Scheduler` for a slot, so a bad request is
+refused at once and never waits in the queue. The handler task of a request whose client goes
+away is cancelled (aiohttp's ``handler_cancellation``): its generation stops at the step it is in
+and its sequence's KV cache is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+import aioexperts
+from aioexperts import AioExpertsError, Model
+from aioexperts._json import dumps as strict_dumps
+
+from ._errors import APIError, api_error
+from ._generate import Generation
+from ._metrics import CONTENT_TYPE, Metrics
+from ._openai import Piece, Shapes
+from ._scheduler import Scheduler
+from ._validate import GenerationRequest, parse_chat, parse_completion, parse_json, parse_messages, parse_token_ids
+
+__all__ = ("DEFAULT_HOST", "DEFAULT_PORT", "Server", "ServerOptions")
+
+log = logging.getLogger("aioexperts.serve")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+
+#: Paths answered without the API key (a load balancer's probe).
+_OPEN_PATHS = frozenset({"/health"})
+
+T = TypeVar("T")
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    """How the server listens and admits requests.
+
+    Attributes:
+        host: address to bind (default loopback only).
+        port: TCP port; 0 takes a free one (:attr:`Server.port` tells which).
+        parallel: generations that decode at once, each with its own KV cache (``>= 1``).
+        queue_size: requests that may wait for a slot, first come first served (``>= 0``); more are
+            refused with 503.
+        api_key: when set, every request but ``GET /health`` needs ``Authorization: Bearer <key>``.
+        max_body_bytes: larger request bodies are refused with 413.
+        shutdown_timeout: seconds :meth:`Server.stop` lets running generations finish before
+            cancelling them.
+        model_name: the model's id in ``/v1/models`` and responses (default: the file name).
+    """
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    parallel: int = 4
+    queue_size: int = 16
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    shutdown_timeout: float = 30.0
+    model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        def integer(name: str, low: int, high: int) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise aioexperts.ConfigError(f"ServerOptions.{name} must be an int in [{low}, {high}], got {value!r}")
+
+        integer("port", 0, 65535)
+        integer("parallel", 1, 4096)
+        integer("queue_size", 0, 1 << 20)
+        integer("max_body_bytes", 1, 1 << 40)
+        grace = self.shutdown_timeout
+        if isinstance(grace, bool) or not isinstance(grace, int | float) or not grace >= 0:
+            raise aioexperts.ConfigError(f"ServerOptions.shutdown_timeout must be seconds >= 0, got {grace!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise aioexperts.ConfigError("ServerOptions.api_key must be a non-empty str (or None for no key)")
+
+
+def _json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(text=strict_dumps(value), status=status, content_type="application/json", headers=headers)
+
+
+def _error_response(err: APIError) -> web.Response:
+    return _json_response(err.body(), err.status, err.headers)
+
+
+def _sse(value: Any) -> bytes:
+    return b"data: " + strict_dumps(value).encode() + b"\n\n"
+
+
+class Server:
+    """An OpenAI-compatible HTTP server over a started :class:`aioexperts.Model`.
+
+    ``await server.start()`` binds and serves; ``await server.stop()`` stops accepting, lets the
+    running generations finish for up to ``shutdown_timeout`` seconds, cancels the rest and
+    closes the listener. The model is the caller's: close it after :meth:`stop`.
+
+    Args:
+        model: a started model (``async with aioexperts.load(path) as model``).
+        options: :class:`ServerOptions`.
+
+    Raises:
+        ConfigError: bad options.
+    """
+
+    def __init__(self, model: Model, options: ServerOptions | None = None) -> None:
+        self.model = model
+        self.options = options if options is not None else ServerOptions()
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(self.options.parallel, self.options.queue_size)
+        self.name = self.options.model_name or os.path.basename(model.path)
+        self.fingerprint = f"aioexperts-{aioexperts.__version__}"
+        self._text_worker: ThreadPoolExecutor | None = None
+        self._runner: web.AppRunner | None = None
+        self._port: int | None = None
+        self._stopping = False
+        self.app = self._build_app()
+
+    # -- life cycle -----------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port (after :meth:`start`)."""
+        if self._port is None:
+            raise aioexperts.ConfigError("the server is not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` (after :meth:`start`)."""
+        host = self.options.host
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+
+    async def start(self) -> None:
+        """Build the tokenizer (and the chat template, if the file has one), bind and start serving.
+
+        Raises:
+            OSError: the address cannot be bound.
+            VocabularyError, OptionalDependencyError: from the model's tokenizer.
+        """
+        self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioexperts-serve-text")
+        await self._in_text_worker(lambda: self.model.tokenizer)
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0, handle_signals=False
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.options.host, self.options.port)
+        await site.start()
+        server = site._server  # the asyncio server: the port a request for port 0 got
+        sockets = getattr(server, "sockets", None) or ()
+        self._port = sockets[0].getsockname()[1] if sockets else self.options.port
+
+    async def stop(self, grace: float | None = None) -> int:
+        """Stop gracefully (idempotent): refuse new requests and the queued ones (503), wait up to
+        ``grace`` (default ``shutdown_timeout``) seconds for the running generations, cancel the rest.
+
+        Returns:
+            How many generations were cancelled at the deadline.
+        """
+        if self._stopping:
+            return 0
+        self._stopping = True
+        self.scheduler.close()
+        runner, self._runner = self._runner, None
+        cancelled = 0
+        if runner is not None:
+            for site in list(runner.sites):
+                await site.stop()  # no new connections
+            wait = self.options.shutdown_timeout if grace is None else grace
+            cancelled = await self.scheduler.drain(wait)
+            await runner.cleanup()
+        if self._text_worker is not None:
+            self._text_worker.shutdown(wait=False, cancel_futures=True)
+        return cancelled
+
+    async def _in_text_worker(self, fn: Callable[[], T]) -> T:
+        assert self._text_worker is not None
+        return await asyncio.get_running_loop().run_in_executor(self._text_worker, fn)
+
+    # -- the application ------------------------------------------------------------------------
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.options.max_body_bytes, middlewares=[self._count, self._errors, self._auth]
+        )
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/props", self._props)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_post("/apply-template", self._apply_template)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else "other"
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = 499  # nginx's "client closed request" (or a shutdown past its deadline)
+            raise
+        finally:
+            self.metrics.requests[(endpoint, status)] += 1
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:  # aiohttp's: 404, 405, 413 (body over client_max_size)
+            if exc.status < 400:
+                raise
+            kind = {401: "authentication_error", 404: "not_found_error"}.get(exc.status, "invalid_request_error")
+            code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.status)
+            message = exc.text or exc.reason
+            if exc.status == 404:
+                message = f"{request.method} {request.path}: no such endpoint"
+            elif exc.status == 405:
+                message = f"{request.method} is not allowed on {request.path}"
+            elif exc.status == 413:
+                message = f"the request body is larger than the limit of {self.options.max_body_bytes} bytes"
+            err = APIError(exc.status, message, type=kind, code=code)
+            return _error_response(err)
+        except (APIError, AioExpertsError) as exc:
+            err = api_error(exc)
+            if err.status >= 500:
+                log.error("%s %s failed: %s", request.method, request.path, exc)
+            return _error_response(err)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        key = self.options.api_key
+        if key is not None and request.path not in _OPEN_PATHS:
+            given = request.headers.get("Authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+                raise APIError(
+                    401,
+                    "invalid API key: send 'Authorization: Bearer <key>' with the server's --api-key",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        if self._stopping and request.path != "/health":
+            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        return await handler(request)
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        return parse_json(await request.read())
+
+    # -- completions ----------------------------------------------------------------------------
+
+    def _prompt_ids(self, req: GenerationRequest) -> list[int]:
+        """Runs on the text worker: render and tokenize (chat) or tokenize (completions)."""
+        model = self.model
+        if req.chat:
+            ids = model.apply_chat_template(list(req.messages), add_generation_prompt=True, tokenize=True)
+            assert isinstance(ids, list)
+            return ids
+        if isinstance(req.prompt, str):
+            return model.tokenizer.encode(req.prompt, add_special=True, parse_special=True)
+        bad = [t for t in req.prompt if t >= model.n_vocab]
+        if bad:
+            raise APIError(400, f"'prompt': token id {bad[0]} is out of range 0..{model.n_vocab - 1}", param="prompt")
+        return list(req.prompt)
+
+    def _fit(self, req: GenerationRequest, n_prompt: int) -> int:
+        """``max_tokens`` of the request, after refusing a prompt plus ``max_tokens`` beyond ``n_ctx``."""
+        n_ctx = self.model.n_ctx
+        param = "messages" if req.chat else "prompt"
+        where = "messages" if req.chat else "prompt"
+        if req.max_tokens is None:
+            if n_prompt >= n_ctx:
+                raise APIError(
+                    400,
+                    f"this model's context is {n_ctx} tokens, and the {where} alone is {n_prompt}: "
+                    "nothing is truncated; shorten it (or start the server with a larger --ctx)",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+            return n_ctx - n_prompt
+        if n_prompt + req.max_tokens > n_ctx:
+            raise APIError(
+                400,
+                f"this model's context is {n_ctx} tokens, but {n_prompt + req.max_tokens} were asked for "
+                f"({n_prompt} in the {where}, {req.max_tokens} in the completion): nothing is truncated; "
+                "lower max_tokens or shorten the prompt (or start the server with a larger --ctx)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return req.max_tokens
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, parse_chat(await self._body(request)))
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, parse_completion(await self._body(request)))
+
+    async def _complete(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
+        ids = await self._in_text_worker(lambda: self._prompt_ids(req))
+        max_tokens = self._fit(req, len(ids))
+        shapes = Shapes(req.chat, self.name, self.model.tokenizer, req.logprobs, req.top_logprobs, self.fingerprint)
+        async with self.scheduler.slot():
+            self.metrics.prompt_tokens += len(ids)
+            gen = Generation(
+                self.model,
+                ids,
+                req.options,
+                max_tokens,
+                req.top_logprobs if req.logprobs else None,
+                self.metrics.token,
+            )
+            try:
+                if req.stream:
+                    return await self._stream(request, req, gen, shapes)
+                async with aclosing(gen.pieces()) as stream:
+                    pieces = [piece async for piece in stream]
+                return _json_response(shapes.whole(pieces, gen.finish_reason, gen.usage))
+            except (asyncio.CancelledError, ConnectionResetError):
+                self.metrics.cancelled += 1
+                raise
+
+    async def _stream(
+        self, request: web.Request, req: GenerationRequest, gen: Generation, shapes: Shapes
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        await resp.prepare(request)
+        usage = req.include_usage
+        try:
+            if req.chat:
+                await resp.write(_sse(shapes.chunk(None, None, usage)))
+            async with aclosing(gen.pieces()) as pieces:  # closed at once on a disconnect: the KV cache is freed
+                async for piece in pieces:
+                    await resp.write(_sse(shapes.chunk(piece, None, usage)))
+            final: Piece | None = Piece("", ()) if not req.chat else None
+            await resp.write(_sse(shapes.chunk(final, gen.finish_reason, usage)))
+            if usage:
+                await resp.write(_sse(shapes.usage_chunk(gen.usage)))
+        except AioExpertsError as exc:  # after the headers went out: an error event ends the stream
+            err = api_error(exc)
+            log.error("%s %s failed while streaming: %s", request.method, request.path, exc)
+            await resp.write(_sse(err.body()))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # -- the other endpoints --------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            created = int(os.stat(self.model.path).st_mtime)
+        except OSError:
+            created = 0
+        meta = {"n_ctx": self.model.n_ctx, "n_vocab": self.model.n_vocab, "architecture": self.model.hparams.arch}
+        entry = {"id": self.name, "object": "model", "created": created, "owned_by": "aioexperts", "meta": meta}
+        return _json_response({"object": "list", "data": [entry]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self._stopping:
+            return _json_response({"status": "shutting down"}, 503)
+        return _json_response({"status": "ok"})
+
+    def _template_source(self) -> str | None:
+        try:
+            return self.model.chat_template.source
+        except aioexperts.ChatTemplateError:
+            return None
+
+    async def _props(self, request: web.Request) -> web.Response:
+        st = self.model.store.statistics()
+        tok = self.model.tokenizer
+        template = await self._in_text_worker(self._template_source)
+        return _json_response(
+            {
+                "model": self.name,
+                "model_path": self.model.path,
+                "n_ctx": self.model.n_ctx,
+                "n_vocab": self.model.n_vocab,
+                "total_slots": self.options.parallel,
+                "queue_size": self.options.queue_size,
+                "chat_template": template,
+                "bos_token": tok.piece(tok.bos_id).decode("utf-8", "replace") if tok.bos_id is not None else None,
+                "eos_token": tok.piece(tok.eos_id).decode("utf-8", "replace") if tok.eos_id is not None else None,
+                "slab": {
+                    "slots": st.n_slots,
+                    "slot_bytes": st.slot_bytes,
+                    "bytes": st.n_slots * st.slot_bytes,
+                    "backend": st.backend,
+                    "direct_io": st.direct_io,
+                },
+                "build_info": self.fingerprint,
+            }
+        )
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        content = body.get("content")
+        if not isinstance(content, str) or not content:
+            raise APIError(400, "'content': must be a non-empty string", param="content", code="invalid_value")
+        flags = {}
+        for name, default in (("add_special", False), ("parse_special", True), ("with_pieces", False)):
+            value = body.get(name, default)
+            if not isinstance(value, bool):
+                raise APIError(400, f"'{name}': must be a boolean", param=name, code="invalid_value")
+            flags[name] = value
+        tok = self.model.tokenizer
+        ids = await self._in_text_worker(
+            lambda: tok.encode(content, add_special=flags["add_special"], parse_special=flags["parse_special"])
+        )
+        if flags["with_pieces"]:
+            pieces = [{"id": t, "piece": tok.piece(t).decode("utf-8", "replace")} for t in ids]
+            return _json_response({"tokens": pieces})
+        return _json_response({"tokens": ids})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        ids = parse_token_ids(body.get("tokens"), "tokens")
+        tok = self.model.tokenizer
+        bad = [t for t in ids if t >= tok.n_vocab]
+        if bad:
+            raise APIError(400, f"'tokens': token id {bad[0]} is out of range 0..{tok.n_vocab - 1}", param="tokens")
+        return _json_response({"content": await self._in_text_worker(lambda: tok.decode(ids))})
+
+    async def _apply_template(self, request: web.Request) -> web.Response:
+        messages = parse_messages(await self._body(request))
+        prompt = await self._in_text_worker(
+            lambda: self.model.apply_chat_template(list(messages), add_generation_prompt=True)
+        )
+        return _json_response({"prompt": prompt})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = self.metrics.render(self.model, self.scheduler)
+        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})

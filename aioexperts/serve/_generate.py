@@ -1,0 +1,97 @@
+"""One generation of the server: a prompt's ids through :meth:`aioexperts.Model.stream`, as :class:`Piece` s.
+
+The sampler is :class:`aioexperts.Sampler` wrapped to keep every :class:`~aioexperts.SampledToken`
+(its log-probabilities), so each piece of text comes with the tokens that made it. The sequence and
+its KV cache belong to the stream: they are freed when the generation ends, fails or is cancelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from aioexperts import GenerationStatistics, SampledToken, Sampler, SamplingOptions
+
+from ._openai import FINISH_REASONS, Piece, Usage
+
+if TYPE_CHECKING:
+    from aioexperts import Model
+
+__all__ = ("Generation",)
+
+
+class _Recorder:
+    """``(logits, history) -> id`` through a :class:`Sampler`, keeping each :class:`SampledToken`."""
+
+    def __init__(self, options: SamplingOptions) -> None:
+        self._sampler = Sampler(options)
+        self.sampled: list[SampledToken] = []
+
+    def __call__(self, logits: np.ndarray, history: Sequence[int]) -> int:
+        chosen = self._sampler.sample(logits, history)
+        self.sampled.append(chosen)
+        return chosen.token
+
+
+class Generation:
+    """The continuation of ``prompt_ids``.
+
+    Args:
+        model: the started model.
+        prompt_ids: the prompt's token ids (checked against ``n_ctx`` by the caller).
+        options: sampling options (``max_tokens`` is replaced by ``max_tokens``).
+        max_tokens: tokens to generate at most.
+        top_logprobs: ``None``: no log-probabilities; else the alternatives to report per token.
+        on_token: called once per generated token (the server's counters).
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        prompt_ids: Sequence[int],
+        options: SamplingOptions,
+        max_tokens: int,
+        top_logprobs: int | None,
+        on_token: Callable[[], None],
+    ) -> None:
+        n_logprobs = 0 if top_logprobs is None else max(1, top_logprobs)
+        self._options = replace(options, max_tokens=max_tokens, logprobs=n_logprobs)
+        self._model = model
+        self._prompt_ids = list(prompt_ids)
+        self._on_token = on_token
+        self.statistics = GenerationStatistics()
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's ``finish_reason``: ``"stop"`` (end-of-generation token or stop string) or ``"length"``."""
+        return FINISH_REASONS.get(self.statistics.stop_reason or "", "stop")
+
+    @property
+    def usage(self) -> Usage:
+        """Prompt and generated tokens so far."""
+        return Usage(len(self._prompt_ids), self.statistics.generated_tokens)
+
+    async def pieces(self) -> AsyncGenerator[Piece, None]:
+        """The pieces of text as they are decoded (the first ``await`` starts the prefill).
+
+        Raises:
+            As :meth:`aioexperts.Model.stream` (InvalidRequestError, NonFiniteError, store errors).
+        """
+        recorder = _Recorder(self._options)
+        stream = self._model.stream(self._prompt_ids, options=self._options, sampler=recorder)
+        seen = 0
+        try:
+            async with stream:
+                async for text in stream:
+                    now = len(stream.token_ids)
+                    for _ in range(now - seen):
+                        self._on_token()
+                    yield Piece(text, recorder.sampled[seen:now])
+                    seen = now
+                for _ in range(len(stream.token_ids) - seen):  # tokens of a stop string
+                    self._on_token()
+        finally:
+            self.statistics = stream.statistics

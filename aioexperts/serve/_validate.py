@@ -1,0 +1,289 @@
+"""Request bodies checked field by field into a :class:`GenerationRequest` (400 with the field named).
+
+The fields and ranges are OpenAI's (``POST /v1/chat/completions``, ``POST /v1/completions``), plus
+llama.cpp server's sampling extensions ``top_k``, ``min_p`` and ``repeat_penalty``. A field given as
+JSON ``null`` counts as absent. Sampling fields not given take llama.cpp's defaults
+(:class:`aioexperts.SamplingOptions`: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05).
+Features this server does not have (``n`` other than 1, ``best_of``, ``echo``, ``suffix``,
+``logit_bias``, ``tools``, a ``response_format`` other than text) are refused, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aioexperts import ConfigError, SamplingOptions
+
+from ._errors import APIError
+
+__all__ = (
+    "MAX_STOP_STRINGS",
+    "MAX_TOP_LOGPROBS",
+    "GenerationRequest",
+    "parse_chat",
+    "parse_completion",
+    "parse_json",
+    "parse_messages",
+    "parse_token_ids",
+)
+
+MAX_STOP_STRINGS = 16
+"""Stop strings one request may give (OpenAI allows 4; llama.cpp's server has no limit)."""
+
+MAX_TOP_LOGPROBS = 20
+"""``top_logprobs`` (chat) and ``logprobs`` (completions) at most (OpenAI's bound for chat)."""
+
+_MAX_INT = 2**31 - 1
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One checked completion request.
+
+    Attributes:
+        chat: a chat completion (``messages``) rather than a text completion (``prompt``).
+        messages: the conversation (chat), ``{"role", "content"}`` dicts with str content.
+        prompt: the prompt text or token ids (completions).
+        options: the sampling options, ``max_tokens`` not yet set (it depends on the prompt's length).
+        max_tokens: tokens to generate at most; None: until an end-of-generation token or ``n_ctx``.
+        stream: answer with server-sent events.
+        include_usage: ``stream_options.include_usage``: a last chunk with the usage.
+        logprobs: log-probabilities of each chosen token (chat ``logprobs``; completions ``logprobs``
+            not None).
+        top_logprobs: the most likely alternatives reported per token (0 to :data:`MAX_TOP_LOGPROBS`).
+    """
+
+    chat: bool
+    messages: tuple[dict[str, Any], ...]
+    prompt: str | tuple[int, ...]
+    options: SamplingOptions
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """The JSON object of a request body (400 unless it is one; NaN and Infinity are not JSON)."""
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        value = json.loads(body, parse_constant=no_constants)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(value, dict):
+        raise APIError(400, f"the request body must be a JSON object, not {_kind(value)}", code="invalid_json")
+    return value
+
+
+def _kind(value: object) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"'{param}': {message}", param=param, code="invalid_value")
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(name, f"must be a boolean, got {_kind(value)}")
+    return value
+
+
+def _int(body: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, f"must be an integer, got {_kind(value)}")
+    if not low <= value <= high:
+        raise _bad(name, f"must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, low: float, high: float, *, low_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _bad(name, f"must be a number, got {_kind(value)}")
+    if value < low or value > high or (low_open and value == low):
+        raise _bad(name, f"must be in {'(' if low_open else '['}{low}, {high}], got {value}")
+    return float(value)
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    n = _int(body, "n", 1, _MAX_INT)
+    if n not in (None, 1):
+        raise _bad("n", f"only n=1 is supported (one choice per request), got {n}")
+    best_of = _int(body, "best_of", 1, _MAX_INT)
+    if best_of not in (None, 1):
+        raise _bad("best_of", f"only best_of=1 is supported, got {best_of}")
+    if _bool(body, "echo", False):
+        raise _bad("echo", "echoing the prompt is not supported")
+    for name in ("suffix", "logit_bias", "tools", "functions"):
+        if body.get(name):
+            raise _bad(name, "is not supported by this server")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise _bad("response_format", 'only {"type": "text"} is supported')
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad("stop", "must be a string or an array of strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    return tuple(s for s in stops if s)
+
+
+def _sampling(body: Mapping[str, Any]) -> SamplingOptions:
+    fields: dict[str, Any] = {
+        "temperature": _number(body, "temperature", 0.0, 2.0),
+        "top_p": _number(body, "top_p", 0.0, 1.0, low_open=True),
+        "top_k": _int(body, "top_k", 0, _MAX_INT),
+        "min_p": _number(body, "min_p", 0.0, 1.0),
+        "repeat_penalty": _number(body, "repeat_penalty", 0.0, 10.0, low_open=True),
+        "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0),
+        "seed": _int(body, "seed", 0, 2**64 - 1),
+    }
+    try:
+        return SamplingOptions(stop=_stop(body), **{k: v for k, v in fields.items() if v is not None})
+    except ConfigError as exc:  # the ranges above are SamplingOptions' or narrower: a bug if reached
+        raise APIError(400, str(exc), code="invalid_value") from None
+
+
+def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise _bad("stream_options", "is only allowed when 'stream' is true")
+    if not isinstance(opts, dict):
+        raise _bad("stream_options", f"must be an object, got {_kind(opts)}")
+    return stream, _bool(opts, "include_usage", False)
+
+
+def _max_tokens(body: Mapping[str, Any], *names: str) -> int | None:
+    for name in names:  # the first given wins: max_completion_tokens over the deprecated max_tokens
+        value = _int(body, name, 1, _MAX_INT)
+        if value is not None:
+            return value
+    return None
+
+
+def _content(value: object, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # content parts: only text ones
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(where, "only text content parts ({'type': 'text', 'text': ...}) are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    if value is None:
+        return ""
+    raise _bad(where, f"must be a string or an array of text parts, got {_kind(value)}")
+
+
+def parse_messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+    """The ``messages`` of a chat request (or of ``/apply-template``), each ``{"role", "content"}``."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "must be a non-empty array of messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _bad(f"messages[{i}]", f"must be an object, got {_kind(message)}")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise _bad(f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
+        out.append({"role": role, "content": _content(message.get("content"), f"messages[{i}].content")})
+    return tuple(out)
+
+
+def parse_token_ids(value: object, param: str) -> tuple[int, ...]:
+    """A non-empty array of non-negative integers (the range against the vocabulary is the model's check)."""
+    if not isinstance(value, list) or not value:
+        raise _bad(param, "must be a non-empty array of token ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise _bad(param, "token ids must be non-negative integers")
+    return tuple(value)
+
+
+def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # ["text"] or [[ids]]: one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad("prompt", "is empty: there is nothing to continue")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise _bad("prompt", f"one prompt per request (n=1), got {len(prompt)}")
+    if isinstance(prompt, list):
+        return parse_token_ids(prompt, "prompt")
+    raise _bad("prompt", f"must be a string or an array of token ids, got {_kind(prompt)}")
+
+
+def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
+    """A ``POST /v1/chat/completions`` body (400 :class:`APIError` naming the field at fault)."""
+    _refuse_unsupported(body)
+    messages = parse_messages(body)
+    stream, include_usage = _stream(body)
+    logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise _bad("top_logprobs", "needs 'logprobs': true")
+    return GenerationRequest(
+        chat=True,
+        messages=messages,
+        prompt="",
+        options=_sampling(body),
+        max_tokens=_max_tokens(body, "max_completion_tokens", "max_tokens"),
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        top_logprobs=top or 0,
+    )
+
+
+def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
+    """A ``POST /v1/completions`` body (400 :class:`APIError` naming the field at fault)."""
+    _refuse_unsupported(body)
+    prompt = _prompt(body)
+    stream, include_usage = _stream(body)
+    top = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    return GenerationRequest(
+        chat=False,
+        messages=(),
+        prompt=prompt,
+        options=_sampling(body),
+        max_tokens=_max_tokens(body, "max_tokens"),
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=top is not None,
+        top_logprobs=top or 0,
+    )

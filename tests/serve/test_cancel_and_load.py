@@ -1,0 +1,171 @@
+"""Many callers: a client that goes away stops its generation at once and frees its KV cache
+(the server's metrics show it); a full queue is a 503 and the queue is first come first served;
+a bounded load on loopback ends with no error and no leaked descriptor, sequence or KV cache."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aioexperts.serve import ServerOptions
+from serve.conftest import openai
+from serve.serving import API_KEY, RawStream, ServerThread, metrics, open_fds, post, wait_for
+
+TEXT = "/v1/completions"
+CHAT = "/v1/chat/completions"
+LONG = {"prompt": "Tell me everything.", "max_tokens": 400, "temperature": 0}  # about 400 tokens: 10+ s here
+
+
+def settled(served: ServerThread) -> dict[str, float]:
+    """The metrics once nothing runs, waits or holds a KV cache."""
+
+    def idle() -> dict[str, float] | None:
+        m = metrics(served)
+        quiet = ("requests_running", "queue_depth", "sequences_live", "kv_cache_bytes_in_use")
+        return m if all(m["aioexperts_" + k] == 0 for k in quiet) else None
+
+    return wait_for(idle, timeout=30)
+
+
+def generated(served: ServerThread) -> float:
+    return metrics(served)["aioexperts_completion_tokens_total"]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "whole"])
+def test_a_client_that_goes_away_stops_its_generation_and_frees_its_kv_cache(
+    served: ServerThread, stream: bool
+) -> None:
+    before = settled(served)
+    client = RawStream(served, TEXT, {**LONG, "stream": stream})
+    try:
+        if stream:
+            client.read_until(b"data: ", 4)  # the generation is under way
+        else:
+            wait_for(lambda: generated(served) >= before["aioexperts_completion_tokens_total"] + 4)
+        running = metrics(served)
+        assert running["aioexperts_sequences_live"] == 1 and running["aioexperts_kv_cache_bytes_in_use"] > 0
+        at_close = running["aioexperts_completion_tokens_total"]
+    finally:
+        client.close()
+    after = settled(served)  # within 30 s; the whole generation would take about 10 s more
+    assert after["aioexperts_requests_cancelled_total"] == before["aioexperts_requests_cancelled_total"] + 1
+    gone = 'aioexperts_requests_total{endpoint="/v1/completions",status="499"}'
+    assert after[gone] == before.get(gone, 0) + 1  # counted as "client closed request"
+    stopped_at = after["aioexperts_completion_tokens_total"]
+    assert stopped_at - at_close <= 3, "the generation went on after the client left"
+    time.sleep(0.5)
+    assert generated(served) == stopped_at
+    assert stopped_at - before["aioexperts_completion_tokens_total"] < 100
+    status, out = post(served, TEXT, {"prompt": "Hello", "max_tokens": 3, "temperature": 0})  # the next one is served
+    assert status == 200 and out["usage"]["completion_tokens"] >= 1
+
+
+@pytest.fixture
+def one_slot(serve_model: Path) -> Iterator[ServerThread]:
+    """A server of its own: one sequence at a time, two may wait, no API key."""
+    thread = ServerThread(serve_model, ServerOptions(port=0, parallel=1, queue_size=2)).start()
+    yield thread
+    thread.stop()
+
+
+def test_a_full_queue_is_503_and_the_queue_is_first_come_first_served(one_slot: ServerThread) -> None:
+    running = RawStream(one_slot, TEXT, {**LONG, "stream": True}, key=None)
+    running.read_until(b"data: ")
+    finished: list[str] = []
+
+    def queued(name: str) -> threading.Thread:
+        def run() -> None:
+            status, out = post(one_slot, TEXT, {"prompt": f"{name} says", "max_tokens": 3}, key=None)
+            assert status == 200, out
+            finished.append(name)
+
+        t = threading.Thread(target=run)
+        t.start()
+        wait_for(lambda: metrics(one_slot)["aioexperts_queue_depth"] == len(name))
+        return t
+
+    first, second = queued("a"), queued("bb")  # queue depth 1, then 2
+    status, body = post(one_slot, TEXT, {"prompt": "one too many", "max_tokens": 3}, key=None)
+    assert status == 503 and body["error"]["code"] == "queue_full" and body["error"]["type"] == "server_error"
+    assert "--queue 2" in body["error"]["message"]
+    running.close()  # its slot goes to the first in line
+    first.join(60)
+    second.join(60)
+    assert finished == ["a", "bb"]
+    after = settled(one_slot)
+    assert after["aioexperts_requests_rejected_total"] == 1
+    assert after['aioexperts_requests_total{endpoint="/v1/completions",status="503"}'] == 1
+    assert after['aioexperts_requests_total{endpoint="/v1/completions",status="200"}'] == 2
+
+
+def test_eight_clients_for_eight_seconds_no_error_no_leak(served: ServerThread) -> None:
+    settled(served)
+    fds_before = open_fds()
+    before = metrics(served)
+    errors: list[BaseException] = []
+    done = [0] * 8
+    stop_at = time.monotonic() + 8.0
+
+    def client(i: int) -> None:
+        try:
+            with openai.OpenAI(base_url=served.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+                n = 0
+                while time.monotonic() < stop_at:
+                    kw: dict[str, Any] = {"model": "m", "max_tokens": 4, "temperature": 0.7, "seed": i * 1000 + n}
+                    if n % 2:
+                        if n % 4 == 1:
+                            text = "".join(
+                                ch.choices[0].text for ch in c.completions.create(prompt=f"{i}:{n}", stream=True, **kw)
+                            )
+                        else:
+                            text = c.completions.create(prompt=f"{i}:{n}", **kw).choices[0].text
+                    else:
+                        msgs = [{"role": "user", "content": f"client {i} request {n}"}]
+                        text = c.chat.completions.create(messages=msgs, **kw).choices[0].message.content or ""
+                    assert isinstance(text, str)
+                    n += 1
+                done[i] = n
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    assert all(n >= 1 for n in done), done
+    after = settled(served)
+    ok = 'aioexperts_requests_total{endpoint="%s",status="200"}'
+    served_now = sum(after.get(ok % ep, 0) - before.get(ok % ep, 0) for ep in (TEXT, CHAT))
+    assert served_now == sum(done)
+    assert not [k for k, v in after.items() if k.startswith("aioexperts_requests_total") and '"5' in k and v]
+    assert wait_for(lambda: open_fds() <= fds_before + 1, timeout=10)  # the connections are closed
+
+
+def test_sequences_decoded_together_give_the_tokens_each_gets_alone(served: ServerThread) -> None:
+    prompts = ["The cat", "A long road", "Numbers: 1, 2,", "Hello <|im_start|>"]
+
+    def complete(prompt: str) -> str:
+        status, out = post(served, TEXT, {"prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert status == 200, out
+        return str(out["choices"][0]["text"])
+
+    alone = [complete(p) for p in prompts]
+    together: list[str | None] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        together[i] = complete(prompts[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert together == alone
+    assert len(set(alone)) > 1  # the prompts lead to different texts

@@ -1,0 +1,121 @@
+"""``aioexperts-serve`` as a command: the built-in model when none is named, ``--port 0``, SIGTERM
+(in-flight requests finish up to the deadline, the rest are cancelled, the model is closed, exit
+0), and bad arguments as one line with exit status 2."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from aioexperts._compute.jit import cache_dir
+from aioexperts.cli.serve import main
+from aioexperts.testing._full_model import FULL_SPEC
+from serve.serving import RawStream
+
+COMMAND = [sys.executable, "-m", "aioexperts.cli.serve"]
+
+
+def read_stderr_until(proc: subprocess.Popen[bytes], pattern: str, timeout: float = 120) -> re.Match[str]:
+    assert proc.stderr is not None
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stderr], [], [], 1.0)
+        if ready:
+            chunk = os.read(proc.stderr.fileno(), 4096)
+            if not chunk:
+                break
+            seen += chunk
+            found = re.search(pattern, seen.decode())
+            if found:
+                return found
+    raise AssertionError(f"{pattern!r} not in stderr: {seen.decode()}")
+
+
+def test_sigterm_lets_short_requests_finish_and_cancels_the_rest_at_the_deadline(
+    tiny_full_model: Path, tmp_path: Path
+) -> None:
+    """No MODEL: the built-in model's cache file is served (a small one put in its place, as in test_run)."""
+    shutil.copy(tiny_full_model, tmp_path / FULL_SPEC.with_(n_layer=2).file_name())
+    (tmp_path / "numba").symlink_to(cache_dir().parent)  # this session's compiled kernels
+    env = {**os.environ, "AIOEXPERTS_CACHE": str(tmp_path)}
+    proc = subprocess.Popen(
+        [*COMMAND, "--layers", "2", "--port", "0", "--io", "threads", "--parallel", "2", "--shutdown-timeout", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        found = read_stderr_until(proc, r"listening on http://127\.0\.0\.1:(\d+)")
+        address = ("127.0.0.1", int(found.group(1)))
+        long = RawStream(
+            address,
+            "/v1/completions",
+            {"prompt": "Tell me everything.", "max_tokens": 450, "temperature": 0, "stream": True},
+            key=None,
+        )
+        short = RawStream(address, "/v1/completions", {"prompt": "Hi", "max_tokens": 12, "stream": True}, key=None)
+        long.read_until(b"data: ")
+        short.read_until(b"data: ")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        done = short.read_all()  # finished within the deadline: [DONE] and the last (empty) chunk
+        assert b"data: [DONE]\n\n" in done and done.endswith(b"\r\n0\r\n\r\n")
+        cut = long.read_all()  # cancelled at the deadline: the stream breaks off, no [DONE]
+        assert b"data: " in cut and b"[DONE]" not in cut and not cut.endswith(b"\r\n0\r\n\r\n")
+        assert time.monotonic() - t0 < 10
+        long.close()
+        short.close()
+        with pytest.raises(ConnectionRefusedError):  # no longer listening
+            RawStream(address, "/health", {}, key=None).read_until(b"HTTP/1.1 200")
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = err.decode()
+    assert proc.returncode == 0, stderr
+    assert "SIGTERM: stopping" in stderr and "cancelled 1 generations" in stderr and "stopped" in stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--port", "70000"], "--port: must be a TCP port"),
+        (["--parallel", "0"], "--parallel: must be >= 1"),
+        (["/no/such/model.gguf"], "no such model file"),
+        (["MODEL", "--layers", "2"], "built-in model"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(
+    tiny_full_model: Path, capsys: pytest.CaptureFixture[str], args: list[str], needle: str
+) -> None:
+    argv = [str(tiny_full_model) if a == "MODEL" else a for a in args]
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # argparse's errors
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], err
+
+
+def test_without_aiohttp_it_says_which_extra_to_install(tiny_full_model: Path) -> None:
+    code = (
+        "import sys; sys.modules['aiohttp'] = None; from aioexperts.cli.serve import main; "
+        f"sys.exit(main([{str(tiny_full_model)!r}, '--port', '0']))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "pip install 'aioexperts[server]'" in done.stderr and "Traceback" not in done.stderr

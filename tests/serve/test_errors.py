@@ -1,0 +1,157 @@
+"""Every refusal is the OpenAI error object with the right status, and the server keeps serving.
+
+Context overflow (never truncated), a body over the limit, wrong field types and ranges, features
+not supported, a chat template that raises, a wrong or missing API key, unknown paths and methods.
+The full queue is in test_cancel_and_load.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from serve.serving import ServerThread, metrics, post, request
+
+CHAT = "/v1/chat/completions"
+TEXT = "/v1/completions"
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def assert_error(
+    status: int, body: Any, want_status: int, *, param: str | None = None, code: str | None = None
+) -> None:
+    assert status == want_status, body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] == {401: "authentication_error", 404: "not_found_error"}.get(
+        want_status, "server_error" if want_status >= 500 else "invalid_request_error"
+    )
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+
+
+def still_serves(served: ServerThread) -> None:
+    status, out = post(served, TEXT, {"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    assert status == 200 and out["usage"]["completion_tokens"] >= 1
+
+
+def test_prompt_plus_max_tokens_over_n_ctx_is_refused_not_truncated(served: ServerThread) -> None:
+    before = metrics(served)
+    status, body = post(served, TEXT, {"prompt": "Hello there", "max_tokens": 510})
+    assert_error(status, body, 400, param="prompt", code="context_length_exceeded")
+    assert "512" in body["error"]["message"] and "510 in the completion" in body["error"]["message"]
+    status, body = post(served, CHAT, {"messages": USER, "max_completion_tokens": 512})
+    assert_error(status, body, 400, param="messages", code="context_length_exceeded")
+    status, body = post(served, TEXT, {"prompt": [5] * 512})  # no max_tokens: the prompt alone fills n_ctx
+    assert_error(status, body, 400, param="prompt", code="context_length_exceeded")
+    after = metrics(served)
+    assert after["aioexperts_prompt_tokens_total"] == before["aioexperts_prompt_tokens_total"]  # nothing ran
+    assert after["aioexperts_tokens_prefilled_total"] == before["aioexperts_tokens_prefilled_total"]
+    status, body = post(served, TEXT, {"prompt": [5] * 500, "max_tokens": 12, "temperature": 0})
+    assert status == 200 and body["usage"] == {"prompt_tokens": 500, "completion_tokens": 12, "total_tokens": 512}
+    still_serves(served)
+
+
+def test_a_body_over_the_limit_is_413(served: ServerThread) -> None:
+    big = json.dumps({"prompt": "x" * (70 << 10), "max_tokens": 1}).encode()
+    status, _, data = request(served, "POST", TEXT, raw=big)
+    assert_error(status, json.loads(data), 413, code="request_too_large")
+    assert str(64 << 10) in json.loads(data)["error"]["message"]
+    still_serves(served)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (TEXT, {"prompt": "Hi", "temperature": "hot"}, "temperature"),
+        (TEXT, {"prompt": "Hi", "temperature": 2.5}, "temperature"),
+        (TEXT, {"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+        (TEXT, {"prompt": "Hi", "max_tokens": 1.5}, "max_tokens"),
+        (TEXT, {"prompt": "Hi", "max_tokens": True}, "max_tokens"),
+        (TEXT, {"prompt": "Hi", "top_p": 0}, "top_p"),
+        (TEXT, {"prompt": "Hi", "presence_penalty": 3}, "presence_penalty"),
+        (TEXT, {"prompt": "Hi", "frequency_penalty": "x"}, "frequency_penalty"),
+        (TEXT, {"prompt": "Hi", "seed": -1}, "seed"),
+        (TEXT, {"prompt": "Hi", "stop": 3}, "stop"),
+        (TEXT, {"prompt": "Hi", "logprobs": 21}, "logprobs"),
+        (TEXT, {"prompt": "Hi", "stream": "yes"}, "stream"),
+        (TEXT, {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        (TEXT, {"prompt": "Hi", "n": 2}, "n"),
+        (TEXT, {"prompt": "Hi", "echo": True}, "echo"),
+        (TEXT, {"prompt": ["a", "b"]}, "prompt"),
+        (TEXT, {"prompt": ""}, "prompt"),
+        (TEXT, {"prompt": 7}, "prompt"),
+        (TEXT, {}, "prompt"),
+        (TEXT, {"prompt": [1, 2, 100000]}, "prompt"),
+        (CHAT, {"messages": "Hi"}, "messages"),
+        (CHAT, {"messages": []}, "messages"),
+        (CHAT, {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),
+        (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+        (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        (CHAT, {"messages": USER, "n": 3}, "n"),
+        (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools"),
+        (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+        ("/detokenize", {"tokens": [1, "a"]}, "tokens"),
+        ("/detokenize", {"tokens": [100000]}, "tokens"),
+        ("/tokenize", {"content": 3}, "content"),
+        ("/apply-template", {"messages": [{"content": "no role"}]}, "messages[0].role"),
+    ],
+)
+def test_a_field_of_the_wrong_type_or_range_is_400_naming_it(
+    served: ServerThread, path: str, body: dict[str, Any], param: str
+) -> None:
+    status, out = post(served, path, body)
+    assert_error(status, out, 400, param=param)
+    assert param.split("[")[0] in out["error"]["message"]
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b'{"prompt": "Hi", "temperature": NaN}', b"\xff\xfe"])
+def test_a_body_that_is_not_a_json_object_is_400(served: ServerThread, raw: bytes) -> None:
+    status, _, data = request(served, "POST", TEXT, raw=raw)
+    assert_error(status, json.loads(data), 400, code="invalid_json")
+
+
+def test_a_template_that_raises_is_400_with_its_message(served: ServerThread) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, *USER]
+    status, body = post(served, CHAT, {"messages": messages, "max_tokens": 2})
+    assert_error(status, body, 400, param="messages", code="chat_template_error")
+    assert "system messages are not supported by this template" in body["error"]["message"]
+    status, body = post(served, "/apply-template", {"messages": messages})
+    assert_error(status, body, 400, code="chat_template_error")
+    status, body = post(served, CHAT, {"messages": USER, "max_tokens": 2})  # the same template, no system message
+    assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key", ""])
+def test_a_wrong_or_missing_api_key_is_401(served: ServerThread, key: str | None) -> None:
+    for method, path, body in (
+        ("POST", TEXT, {"prompt": "Hi"}),
+        ("GET", "/v1/models", None),
+        ("GET", "/metrics", None),
+    ):
+        status, headers, data = request(served, method, path, body, key=key)
+        assert_error(status, json.loads(data), 401, code="invalid_api_key")
+        assert headers["www-authenticate"] == "Bearer"
+    status, _, _ = request(served, "GET", "/health", key=key)
+    assert status == 200  # a probe needs no key
+    status, _, _ = request(
+        served, "POST", TEXT, {"prompt": "Hi"}, key=None, headers={"Authorization": "Basic dGVzdC1rZXk="}
+    )
+    assert status == 401
+    still_serves(served)
+
+
+def test_unknown_paths_and_methods_are_error_objects(served: ServerThread) -> None:
+    status, _, data = request(served, "GET", "/v1/nothing")
+    assert_error(status, json.loads(data), 404, code="not_found")
+    status, _, data = request(served, "GET", TEXT)
+    assert_error(status, json.loads(data), 405, code="method_not_allowed")
+    counted = metrics(served)
+    assert counted['aioexperts_requests_total{endpoint="/v1/completions",status="400"}'] >= 1
+    still_serves(served)
