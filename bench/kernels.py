@@ -156,7 +156,7 @@ def summarize(rounds: list[dict[str, Any]], types: list[Q], shapes: list[tuple[i
             for x in rows:
                 by_method.setdefault(x["method"], []).append(x["seconds"])
             nbytes = rows[0]["weight_bytes"]
-            per_round = {m: v for m, v in by_method.items()}
+            per_round = dict(by_method.items())
             key = f"{qtype.name} {shape[0]}x{shape[1]}"
             entry: dict[str, Any] = {"weight_bytes": nbytes, "seconds": {m: summary(v) for m, v in per_round.items()}}
             entry["gbps"] = {m: summary([nbytes / t / 1e9 for t in v]) for m, v in per_round.items()}
