@@ -11,7 +11,7 @@ The public API is re-exported here; extension points live in :mod:`aioexperts.ba
 private modules.
 """
 
-from ._cache.pagecache import PageCacheStatistics as PageCacheStatistics
+from ._cache.mapped_cache import PageCacheStatistics as PageCacheStatistics
 from ._cache.stats import StoreStatistics as StoreStatistics
 from ._compute.fused import WarmupReport as WarmupReport
 from ._errors import AioExpertsError as AioExpertsError

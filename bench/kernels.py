@@ -89,7 +89,7 @@ def bench_matrix(qtype: Q, shape: tuple[int, int], rng: np.random.Generator) -> 
         return x1 @ w.T
 
     def numpy_matmul() -> object:
-        return x1 @ quant.dequantize(view, qtype, shape).T
+        return x1 @ quant.dequantize(view, qtype, shape, compiled=False).T
 
     def fused_float() -> object:
         return fused.linear(view, qtype, shape, x1, out=out1)
@@ -117,10 +117,10 @@ def bench_matrix(qtype: Q, shape: tuple[int, int], rng: np.random.Generator) -> 
         xn = rng.standard_normal((n, cols)).astype(np.float32)
         outn = np.empty((n, rows), np.float32)
         fns[f"batch{n}"] = lambda xn=xn, outn=outn: fused.linear(view, qtype, shape, xn, out=outn)
-        fns[f"batch{n}_numpy"] = lambda xn=xn: xn @ quant.dequantize(view, qtype, shape).T
+        fns[f"batch{n}_numpy"] = lambda xn=xn: xn @ quant.dequantize(view, qtype, shape, compiled=False).T
     dense = np.empty(shape, np.float32)
-    fns["exact"] = lambda: fused.dequantize(view, qtype, shape, out=dense)
-    fns["exact_numpy"] = lambda: quant.dequantize(view, qtype, shape, out=dense)
+    fns["exact"] = lambda: quant.dequantize(view, qtype, shape, out=dense)
+    fns["exact_numpy"] = lambda: quant.dequantize(view, qtype, shape, out=dense, compiled=False)
     return fns
 
 
@@ -156,7 +156,7 @@ def summarize(rounds: list[dict[str, Any]], types: list[Q], shapes: list[tuple[i
             for x in rows:
                 by_method.setdefault(x["method"], []).append(x["seconds"])
             nbytes = rows[0]["weight_bytes"]
-            per_round = {m: v for m, v in by_method.items()}
+            per_round = dict(by_method.items())
             key = f"{qtype.name} {shape[0]}x{shape[1]}"
             entry: dict[str, Any] = {"weight_bytes": nbytes, "seconds": {m: summary(v) for m, v in per_round.items()}}
             entry["gbps"] = {m: summary([nbytes / t / 1e9 for t in v]) for m, v in per_round.items()}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from blocking import blockbuster as blockbuster  # blocking calls on the loop fail async tests: tests/blocking.py
 from hypothesis import Phase, settings
 
 from aioexperts._io.uring_probe import io_uring_unusable_reason, liburing_unusable_reason

@@ -130,7 +130,7 @@ def _sources() -> list[Path]:
 
 def _violations(extra: dict[Path, str] | None = None) -> list[str]:
     found = []
-    sources: dict[Path, str | None] = {path: None for path in _sources()}
+    sources: dict[Path, str | None] = dict.fromkeys(_sources())
     sources.update(extra or {})
     for path, text in sources.items():
         mine = _layer(_module_name(path))

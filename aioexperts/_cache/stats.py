@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .pagecache import PageCacheStatistics
+from .mapped_cache import PageCacheStatistics
 
 __all__ = ("Counters", "StoreStatistics", "LatencyWindow", "to_ms")
 

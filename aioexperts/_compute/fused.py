@@ -18,7 +18,9 @@ than a compiled loop; the compute pool keeps BLAS to one thread per call). Types
 kernel (IQ1/IQ2/IQ3, TQ, ...) and the ``numpy`` backend take the last row with
 :func:`aioexperts._format.dequant.dequantize`. The float kernels agree with a float64 product
 within about 1e-6 relative (their reductions are reassociated); the exact dequantization is bit for
-bit ``gguf.quants.dequantize``.
+bit ``gguf.quants.dequantize``. Exact dequantization has one entry,
+:func:`aioexperts._format.dequant.dequantize` (the store's row views use it too); importing this module
+plugs the compiled ``dequant_<type>`` kernels into it.
 
 Precision (:func:`set_precision`, ``$AIOEXPERTS_PRECISION``): ``"float"`` (default) as above;
 ``"int8"`` quantizes ``x`` per call to 8 bits, as llama.cpp's CPU kernels do (``quantize_row_q8_K``
@@ -34,7 +36,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import math
 import os
 import threading
 import time
@@ -60,10 +61,10 @@ __all__ = (
     "WarmupReport",
     "backend",
     "compiled_types",
-    "dequantize",
     "int8_types",
     "linear",
     "precision",
+    "ready_kernels",
     "set_backend",
     "set_precision",
     "warmup",
@@ -118,7 +119,7 @@ _TABLE: dict[GGMLQuantizationType, _Entry] = {
 
 @dataclass(frozen=True, slots=True)
 class KernelBackend:
-    """Which kernels serve :func:`linear` and :func:`dequantize`.
+    """Which kernels serve :func:`linear` and :func:`aioexperts._format.dequant.dequantize`.
 
     Attributes:
         name: ``"numba"`` (compiled kernels) or ``"numpy"`` (:mod:`aioexperts._format.dequant` + BLAS).
@@ -402,17 +403,14 @@ def _raw_matrix(
             f"{qtype.name} matrix of shape {(rows, cols)}: {cols} columns is not a multiple of {block_size}"
         )
     row_bytes = ready.row_bytes(cols)
-    if isinstance(data, np.ndarray):
-        if not data.flags.c_contiguous:
-            raise FormatError("tensor data array is not C-contiguous")
-        raw = data.reshape(-1).view(np.uint8)
-    else:
-        try:
-            raw = np.frombuffer(data, dtype=np.uint8)
-        except (TypeError, ValueError, BufferError) as exc:
-            raise FormatError(f"tensor data is not a contiguous byte buffer: {exc}") from exc
+    raw = _quant.tensor_bytes(data)
     if raw.size != rows * row_bytes:
         raise FormatError(f"{qtype.name} matrix of shape {(rows, cols)} needs {rows * row_bytes} bytes, got {raw.size}")
+    return _kernel_view(raw, rows, ready)
+
+
+def _kernel_view(raw: np.ndarray, rows: int, ready: _Ready) -> np.ndarray:
+    """Checked uint8 bytes as the kernels read them: ``rows`` rows of the type's raw dtype, read-only."""
     dtype = ready.entry.raw_dtype
     if dtype is not np.uint8:
         if raw.ctypes.data % np.dtype(dtype).itemsize:
@@ -433,11 +431,7 @@ def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
 def _check_out(out: np.ndarray | None, shape: tuple[int, int]) -> np.ndarray:
     if out is None:
         return np.empty(shape, dtype=np.float32)
-    if not isinstance(out, np.ndarray) or out.dtype != _F32 or out.shape != shape:
-        got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
-        raise ConfigError(f"out must be a float32 array of shape {shape}, got {got}")
-    if not out.flags.c_contiguous or not out.flags.writeable:
-        raise ConfigError("out must be C-contiguous and writeable")
+    _quant.check_out(out, shape)
     return out
 
 
@@ -458,7 +452,7 @@ _workspace = _Workspace()
 
 
 # ----------------------------------------------------------------------------------------------
-# the two entry points
+# the entry point (exact dequantization: aioexperts._format.dequant.dequantize, compiled below)
 
 
 def linear(
@@ -534,45 +528,36 @@ def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, x
         np.matmul(xs, weights.T, out=out)
 
 
-def dequantize(
-    data: memoryview | np.ndarray,
-    ggml_type: GGMLQuantizationType | int,
-    shape: tuple[int, ...],
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    """Exact dequantization, bit for bit ``gguf.quants.dequantize``, compiled where possible.
+def _dequantize_compiled(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int, out: np.ndarray) -> bool:
+    """The compiled exact kernel behind :func:`aioexperts._format.dequant.dequantize` (its ``Accelerator``).
 
-    Same contract as :func:`aioexperts._format.dequant.dequantize` (the numpy kernels, used for
-    the ``numpy`` backend and for types without a compiled kernel).
-
-    Raises:
-        FormatError, UnsupportedTypeError, ConfigError: as :func:`aioexperts._format.dequant.dequantize`.
+    The arguments are checked there; False when numba does not serve ``qtype`` (or stops serving).
     """
-    qtype = _qtype(ggml_type)
-    dims = tuple(int(d) for d in shape)
     ready = _ready(qtype)
-    if ready is None or len(dims) < 1 or math.prod(dims) == 0:
-        return _quant.dequantize(data, qtype, dims, out)
-    cols = dims[-1]
-    rows = math.prod(dims[:-1])
-    raw = _raw_matrix(data, qtype, rows, cols, ready)
-    if out is None:
-        result = np.empty(dims, dtype=np.float32)
-    else:
-        if not isinstance(out, np.ndarray) or out.dtype != _F32 or out.shape != dims:
-            got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
-            raise ConfigError(f"out must be a float32 array of shape {dims}, got {got}")
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            raise ConfigError("out must be C-contiguous and writeable")
-        result = out
+    if ready is None:
+        return False
     try:
-        _kernel(ready, qtype, "dequant")(raw, result.reshape(rows, cols))
-        return result
+        _kernel(ready, qtype, "dequant")(_kernel_view(raw, rows, ready), out)
     except Exception as exc:
         if not _is_numba_error(exc):
             raise
         _fail(exc, f"the {qtype.name} kernels")
-    return _quant.dequantize(data, qtype, dims, out)
+        return False
+    return True
+
+
+_quant.set_accelerator(_dequantize_compiled)
+
+
+def ready_kernels() -> frozenset[str]:
+    """The compiled kernels ready to run in this process now, e.g. ``"dequant_q4_k"`` (empty under numpy)."""
+    with _state.lock:
+        return frozenset(
+            f"{kind}_{ready.entry.suffix}"
+            for ready in _state.ready.values()
+            for kind in ("matvec", "matmat", "dequant", "matvec_int8")
+            if getattr(ready, kind) is not None
+        )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -207,63 +207,17 @@ class ResidentLayer:
                 f"layers: {hparams.n_layer})"
             )
         prefix = f"blk.{layer}."
-        router = tensor(prefix + "ffn_gate_inp.weight")
-        if router is None:
-            raise ConfigError(f"layer {layer}: missing router tensor {prefix}ffn_gate_inp.weight")
-        router = _f32_matrix(prefix + "ffn_gate_inp.weight", router, None)
-        if router.shape[1] != hparams.n_embd:
-            raise ConfigError(f"layer {layer}: router is {router.shape}, expected (n_experts, {hparams.n_embd})")
-        if router.shape[0] > hparams.n_expert:
-            raise ConfigError(
-                f"layer {layer}: router has {router.shape[0]} outputs, more than expert_count={hparams.n_expert}"
-            )
-
-        def banked(proj: str) -> np.ndarray | None:
-            first = tensor(f"{prefix}ffn_{proj}_exps.bias")
-            if first is None:
-                return None
-            parts = [first]
-            for tier in range(1, _MAX_TIERS + 1):
-                part = tensor(f"{prefix}ffn_{proj}_exps_tier{tier}.bias")
-                if part is None:
-                    break
-                parts.append(part)
-            return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-
-        gate_b, up_b, down_b = banked("gate"), banked("up"), banked("down")
-        gate_up_b = tensor(prefix + "ffn_gate_up_exps.bias")
-        if gate_up_b is not None:
-            gate_up_b = _f32_matrix(prefix + "ffn_gate_up_exps.bias", gate_up_b, None)
-            half = gate_up_b.shape[1] // 2
-            gate_b, up_b = gate_up_b[:, :half], gate_up_b[:, half:]
-
-        if hparams.is_hash_layer(layer):
-            if token_experts is None:
-                raise FormatError(
-                    f"layer {layer} is hash-routed ({hparams.arch}.hash_layer_count={hparams.n_hash_layers}) "
-                    f"but the model has no {prefix}ffn_gate_tid2eid.weight"
-                )
-            if token_experts.ndim != 2 or token_experts.shape[1] != hparams.n_expert_used:
-                raise FormatError(
-                    f"{prefix}ffn_gate_tid2eid.weight is {tuple(reversed(token_experts.shape))} (ggml order), "
-                    f"expected {{{hparams.n_expert_used}, n_vocab}}"
-                )
-        else:
-            token_experts = None
-
-        def one(name: str) -> float | None:
-            value = tensor(name)
-            if value is None:
-                return None
-            if value.size != 1:
-                raise ConfigError(f"{name} has {value.size} values, expected 1")
-            return float(value.reshape(-1)[0])
-
+        router = _router(layer, tensor, hparams)
+        gate_b, up_b, down_b = _expert_biases(prefix, tensor)
+        token_experts = _token_table(layer, hparams, token_experts)
         scaled = hparams.expert_scales
 
         def scale(name: str) -> np.ndarray | None:
             value = tensor(name) if scaled else None
             return None if value is None else value.reshape(-1)
+
+        def one(name: str) -> float | None:
+            return _one_value(name, tensor(name)) if scaled else None
 
         resident = cls(
             layer=layer,
@@ -281,9 +235,9 @@ class ResidentLayer:
             gate_exps_scale=scale(prefix + "ffn_gate_exps.scale"),
             up_exps_scale=scale(prefix + "ffn_up_exps.scale"),
             down_exps_scale=scale(prefix + "ffn_down_exps.scale"),
-            shexp_gate_scale=one(prefix + "ffn_gate_shexp.scale") if scaled else None,
-            shexp_up_scale=one(prefix + "ffn_up_shexp.scale") if scaled else None,
-            shexp_down_scale=one(prefix + "ffn_down_shexp.scale") if scaled else None,
+            shexp_gate_scale=one(prefix + "ffn_gate_shexp.scale"),
+            shexp_up_scale=one(prefix + "ffn_up_shexp.scale"),
+            shexp_down_scale=one(prefix + "ffn_down_shexp.scale"),
         )
         width = hparams.expert_width(layer)
         if resident.gate_exps_bias is not None and width and resident.gate_exps_bias.shape[1] != width:
@@ -291,6 +245,74 @@ class ResidentLayer:
                 f"layer {layer}: expert biases are {resident.gate_exps_bias.shape[1]} wide, n_ff_exp is {width}"
             )
         return resident
+
+
+def _router(layer: int, tensor: TensorGetter, hparams: MoEHParams) -> np.ndarray:
+    """``blk.L.ffn_gate_inp.weight`` as ``(n_experts, n_embd)`` float32, checked against the hparams."""
+    name = f"blk.{layer}.ffn_gate_inp.weight"
+    router = tensor(name)
+    if router is None:
+        raise ConfigError(f"layer {layer}: missing router tensor {name}")
+    router = _f32_matrix(name, router, None)
+    if router.shape[1] != hparams.n_embd:
+        raise ConfigError(f"layer {layer}: router is {router.shape}, expected (n_experts, {hparams.n_embd})")
+    if router.shape[0] > hparams.n_expert:
+        raise ConfigError(
+            f"layer {layer}: router has {router.shape[0]} outputs, more than expert_count={hparams.n_expert}"
+        )
+    return router
+
+
+def _expert_biases(prefix: str, tensor: TensorGetter) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """The routed experts' gate, up and down biases: per bank (``_exps``, then ``_exps_tierN``,
+    concatenated in bank order), or halves of the merged ``ffn_gate_up_exps.bias``."""
+
+    def banked(proj: str) -> np.ndarray | None:
+        first = tensor(f"{prefix}ffn_{proj}_exps.bias")
+        if first is None:
+            return None
+        parts = [first]
+        for tier in range(1, _MAX_TIERS + 1):
+            part = tensor(f"{prefix}ffn_{proj}_exps_tier{tier}.bias")
+            if part is None:
+                break
+            parts.append(part)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+    gate_b, up_b, down_b = banked("gate"), banked("up"), banked("down")
+    gate_up_b = tensor(prefix + "ffn_gate_up_exps.bias")
+    if gate_up_b is not None:
+        gate_up_b = _f32_matrix(prefix + "ffn_gate_up_exps.bias", gate_up_b, None)
+        half = gate_up_b.shape[1] // 2
+        gate_b, up_b = gate_up_b[:, :half], gate_up_b[:, half:]
+    return gate_b, up_b, down_b
+
+
+def _token_table(layer: int, hparams: MoEHParams, token_experts: np.ndarray | None) -> np.ndarray | None:
+    """The token-to-experts table of a hash-routed layer (deepseek4), checked; None for other layers."""
+    if not hparams.is_hash_layer(layer):
+        return None
+    name = f"blk.{layer}.ffn_gate_tid2eid.weight"
+    if token_experts is None:
+        raise FormatError(
+            f"layer {layer} is hash-routed ({hparams.arch}.hash_layer_count={hparams.n_hash_layers}) "
+            f"but the model has no {name}"
+        )
+    if token_experts.ndim != 2 or token_experts.shape[1] != hparams.n_expert_used:
+        raise FormatError(
+            f"{name} is {tuple(reversed(token_experts.shape))} (ggml order), "
+            f"expected {{{hparams.n_expert_used}, n_vocab}}"
+        )
+    return token_experts
+
+
+def _one_value(name: str, value: np.ndarray | None) -> float | None:
+    """A one-value tensor (a per-tensor scale) as a float; None when absent."""
+    if value is None:
+        return None
+    if value.size != 1:
+        raise ConfigError(f"{name} has {value.size} values, expected 1")
+    return float(value.reshape(-1)[0])
 
 
 # --------------------------------------------------------------------------------------------------

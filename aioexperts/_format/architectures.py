@@ -111,6 +111,9 @@ class ArchitectureRecord:
         rope_freqs: the graph passes ``model.get_rope_factors`` to ``ggml_rope_ext``, so a
             ``rope_freqs.weight`` tensor divides each pair's frequency (llama.cpp, granite.cpp);
             elsewhere such a tensor is ignored, as llama.cpp ignores it.
+        yarn_log_multiplier: the loader reads ``rope.scaling.yarn_log_multiplier`` and llama_context's
+            YaRN magnitude takes it as ``mscale_all_dims`` (deepseek2.cpp ``load_arch_hparams``,
+            llama-context.cpp ``[TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]``).
         block: name of the block implementation in :mod:`aioexperts._model.blocks` (``"gqa"``).
         status: ``"golden"`` when checked against a llama.cpp ``forward.npz``.
     """
@@ -127,6 +130,7 @@ class ArchitectureRecord:
     dense_lead: bool = False
     rot_equals_head: bool = False
     rope_freqs: bool = False
+    yarn_log_multiplier: bool = False
     block: str = "gqa"
     status: str = "golden"
 
@@ -165,7 +169,7 @@ for _record in (
     ),
     # deepseek2.cpp (DeepSeek-V2/V3): MLA attention (block "mla", aioexperts/_model/mla_block.py), NORM,
     # leading dense blocks
-    ArchitectureRecord("deepseek2", _NORM, "deepseek2.cpp", dense_lead=True, block="mla"),
+    ArchitectureRecord("deepseek2", _NORM, "deepseek2.cpp", dense_lead=True, block="mla", yarn_log_multiplier=True),
 ):
     register_architecture(_record)
 del _record
@@ -248,7 +252,7 @@ def _scaling(md: _Meta) -> RopeScaling:
 
 
 def _rope_params(
-    arch: str, md: _Meta, rope_type: RopeType, n_rot: int, freq_base: float, n_ctx_train: int, yarn_log_mul: float
+    md: _Meta, rope_type: RopeType, n_rot: int, freq_base: float, n_ctx_train: int, yarn_log_mul: float
 ) -> RopeParams:
     """llama-model.cpp ``load_hparams`` (scaling keys) + llama-context.cpp constructor (YaRN factors)."""
     scaling = _scaling(md)
@@ -271,7 +275,7 @@ def _rope_params(
 
         f = 1.0 / freq_scale
         if yarn_log_mul != 0.0:
-            mscale = yarn_log_mul if arch == "deepseek2" and yarn_log_mul != 1.0 else 1.0
+            mscale = yarn_log_mul if yarn_log_mul != 1.0 else 1.0  # only records with yarn_log_multiplier
             attn_factor = get_mscale(f, mscale) / get_mscale(f, yarn_log_mul)
         else:
             attn_factor = get_mscale(f, 1.0)
@@ -314,43 +318,15 @@ def model_hparams(model: GGUFModel) -> ModelHParams:
             range or inconsistent (head counts that do not divide, ``n_rot`` larger than the head).
     """
     arch = model.architecture
-    record = ARCHITECTURES.get(arch)
-    if record is None:
-        missing = WHOLE_MODEL_MISSING.get(arch)
-        raise UnsupportedTypeError(
-            f"architecture {arch!r}: the whole-model forward pass is not implemented for it"
-            + (f": {missing}" if missing else "")
-            + f" (supported: {', '.join(sorted(ARCHITECTURES))})"
-        )
+    record = _record_of(arch)
     md = _Meta(arch, model.metadata)
     moe = MoEHParams.from_metadata(arch, model.metadata)
     n_embd = moe.n_embd
     n_layer = moe.n_layer - moe.n_layer_nextn
     if n_layer <= 0:
         raise FormatError(f"{md.key('block_count')} is missing or 0: the model has no blocks")
-    n_head = md.int_("attention.head_count", required=True)
-    n_head_kv = md.int_("attention.head_count_kv", default=n_head)
-    if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv:
-        raise FormatError(
-            f"{md.key('attention.head_count')}={n_head} and {md.key('attention.head_count_kv')}={n_head_kv}: "
-            "both must be > 0 and the KV heads must divide the heads"
-        )
-    head_k = md.int_("attention.key_length", default=n_embd // n_head)
-    head_v = md.int_("attention.value_length", default=n_embd // n_head)
-    if head_k <= 0 or head_v <= 0:
-        raise FormatError(f"head sizes must be > 0, got key_length={head_k}, value_length={head_v}")
-    n_rot = md.int_("rope.dimension_count", default=head_k)
-    if record.rot_equals_head and n_rot != head_k:
-        raise FormatError(f"{md.key('rope.dimension_count')}={n_rot} must equal the head size {head_k} for {arch}")
-    if record.block == "gqa" and not (0 < n_rot <= head_k and n_rot % 2 == 0):
-        raise FormatError(f"{md.key('rope.dimension_count')}={n_rot} must be even and in 1..{head_k}")
-    sections = model.metadata.get(md.key("rope.dimension_sections"))
-    if isinstance(sections, list | tuple | SkippedValue) and any(
-        isinstance(s, int) and s > 0 for s in (sections if isinstance(sections, list | tuple) else [1])
-    ):
-        raise UnsupportedTypeError(
-            f"{md.key('rope.dimension_sections')}: M-RoPE (multimodal positions) is not supported"
-        )
+    n_head, n_head_kv, head_k, head_v = _heads(md, n_embd)
+    n_rot = _rotary_dims(md, record, head_k)
     norm_eps = md.float_("attention.layer_norm_rms_epsilon", -1.0)
     if norm_eps < 0:
         raise FormatError(f"missing required key {md.key('attention.layer_norm_rms_epsilon')}")
@@ -360,34 +336,11 @@ def model_hparams(model: GGUFModel) -> ModelHParams:
     freq_base = md.float_("rope.freq_base", 10000.0)
     if not freq_base > 0:
         raise FormatError(f"{md.key('rope.freq_base')} must be > 0, got {freq_base}")
-    yarn_log_mul = md.float_("rope.scaling.yarn_log_multiplier", 0.0) if arch == "deepseek2" else 0.0
-    rope = _rope_params(arch, md, record.rope_type, n_rot, freq_base, n_ctx_train, yarn_log_mul)
-    n_swa = 0
-    swa_layers = [False] * n_layer
-    rope_swa = rope
-    if record.sliding_window_pattern:
-        n_swa = md.int_("attention.sliding_window", required=True)
-        if n_swa <= 0:
-            raise FormatError(f"{md.key('attention.sliding_window')} must be > 0, got {n_swa}")
-        pattern = md.int_("attention.sliding_window_pattern", default=record.sliding_window_pattern)
-        swa_layers = [pattern == 0 or (il % pattern < pattern - 1) for il in range(n_layer)]
-        base_swa = md.float_("rope.freq_base_swa", freq_base)
-        rope_swa = dataclasses.replace(rope, freq_base=base_swa)
-    if record.granite_scalars:
-        logit_scale = md.float_("logit_scale", 0.0)
-        if logit_scale == 0.0:
-            raise FormatError(f"missing required key {md.key('logit_scale')} (granite-moe.cpp reads it)")
-        embedding_scale = md.float_("embedding_scale", 0.0)
-        residual_scale = md.float_("residual_scale", 0.0)
-        attention_scale = md.float_("attention.scale", 0.0)
-    else:
-        logit_scale = embedding_scale = residual_scale = attention_scale = 0.0
-    tok = model.tensors.get("token_embd.weight")
-    if tok is None:
-        raise FormatError(f"{model.path}: tensor 'token_embd.weight' is missing: no token embeddings")
-    if len(tok.dims) != 2 or tok.dims[0] != n_embd:
-        raise FormatError(f"token_embd.weight has dims {list(tok.dims)}, expected [{n_embd}, n_vocab]")
-    n_vocab = tok.dims[1]
+    yarn_log_mul = md.float_("rope.scaling.yarn_log_multiplier", 0.0) if record.yarn_log_multiplier else 0.0
+    rope = _rope_params(md, record.rope_type, n_rot, freq_base, n_ctx_train, yarn_log_mul)
+    n_swa, swa_layers, rope_swa = _sliding_window(md, record, rope, n_layer)
+    embedding_scale, residual_scale, attention_scale, logit_scale = _granite_scalars(md, record)
+    n_vocab = _n_vocab(model, n_embd)
     extra = {
         k[len(arch) + 1 :]: v
         for k, v in model.metadata.items()
@@ -408,7 +361,7 @@ def model_hparams(model: GGUFModel) -> ModelHParams:
         norm_eps=norm_eps,
         n_ctx_train=n_ctx_train,
         n_swa=n_swa,
-        swa_layers=tuple(swa_layers),
+        swa_layers=swa_layers,
         embedding_scale=embedding_scale,
         residual_scale=residual_scale,
         attention_scale=attention_scale,
@@ -419,3 +372,91 @@ def model_hparams(model: GGUFModel) -> ModelHParams:
         yarn_log_mul=yarn_log_mul,
         metadata=extra,
     )
+
+
+def _record_of(arch: str) -> ArchitectureRecord:
+    """The record of ``arch``, or UnsupportedTypeError naming what the whole model lacks for it."""
+    record = ARCHITECTURES.get(arch)
+    if record is None:
+        missing = WHOLE_MODEL_MISSING.get(arch)
+        raise UnsupportedTypeError(
+            f"architecture {arch!r}: the whole-model forward pass is not implemented for it"
+            + (f": {missing}" if missing else "")
+            + f" (supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    return record
+
+
+def _heads(md: _Meta, n_embd: int) -> tuple[int, int, int, int]:
+    """``(n_head, n_head_kv, head_k, head_v)`` as llama-model.cpp ``load_hparams`` reads them."""
+    n_head = md.int_("attention.head_count", required=True)
+    n_head_kv = md.int_("attention.head_count_kv", default=n_head)
+    if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv:
+        raise FormatError(
+            f"{md.key('attention.head_count')}={n_head} and {md.key('attention.head_count_kv')}={n_head_kv}: "
+            "both must be > 0 and the KV heads must divide the heads"
+        )
+    head_k = md.int_("attention.key_length", default=n_embd // n_head)
+    head_v = md.int_("attention.value_length", default=n_embd // n_head)
+    if head_k <= 0 or head_v <= 0:
+        raise FormatError(f"head sizes must be > 0, got key_length={head_k}, value_length={head_v}")
+    return n_head, n_head_kv, head_k, head_v
+
+
+def _rotary_dims(md: _Meta, record: ArchitectureRecord, head_k: int) -> int:
+    """``rope.dimension_count`` (default the head size), checked; M-RoPE sections are refused."""
+    n_rot = md.int_("rope.dimension_count", default=head_k)
+    if record.rot_equals_head and n_rot != head_k:
+        raise FormatError(
+            f"{md.key('rope.dimension_count')}={n_rot} must equal the head size {head_k} for {record.name}"
+        )
+    if record.block == "gqa" and not (0 < n_rot <= head_k and n_rot % 2 == 0):
+        raise FormatError(f"{md.key('rope.dimension_count')}={n_rot} must be even and in 1..{head_k}")
+    sections = md.md.get(md.key("rope.dimension_sections"))
+    if isinstance(sections, list | tuple | SkippedValue) and any(
+        isinstance(s, int) and s > 0 for s in (sections if isinstance(sections, list | tuple) else [1])
+    ):
+        raise UnsupportedTypeError(
+            f"{md.key('rope.dimension_sections')}: M-RoPE (multimodal positions) is not supported"
+        )
+    return n_rot
+
+
+def _sliding_window(
+    md: _Meta, record: ArchitectureRecord, rope: RopeParams, n_layer: int
+) -> tuple[int, tuple[bool, ...], RopeParams]:
+    """``(n_swa, per-block sliding window, RoPE of those blocks)`` (llama-hparams.cpp ``set_swa_pattern``)."""
+    if not record.sliding_window_pattern:
+        return 0, (False,) * n_layer, rope
+    n_swa = md.int_("attention.sliding_window", required=True)
+    if n_swa <= 0:
+        raise FormatError(f"{md.key('attention.sliding_window')} must be > 0, got {n_swa}")
+    pattern = md.int_("attention.sliding_window_pattern", default=record.sliding_window_pattern)
+    swa_layers = tuple(pattern == 0 or (il % pattern < pattern - 1) for il in range(n_layer))
+    base_swa = md.float_("rope.freq_base_swa", rope.freq_base)
+    return n_swa, swa_layers, dataclasses.replace(rope, freq_base=base_swa)
+
+
+def _granite_scalars(md: _Meta, record: ArchitectureRecord) -> tuple[float, float, float, float]:
+    """``(embedding_scale, residual_scale, attention.scale, logit_scale)`` for granite.cpp, else zeros."""
+    if not record.granite_scalars:
+        return 0.0, 0.0, 0.0, 0.0
+    logit_scale = md.float_("logit_scale", 0.0)
+    if logit_scale == 0.0:
+        raise FormatError(f"missing required key {md.key('logit_scale')} (granite-moe.cpp reads it)")
+    return (
+        md.float_("embedding_scale", 0.0),
+        md.float_("residual_scale", 0.0),
+        md.float_("attention.scale", 0.0),
+        logit_scale,
+    )
+
+
+def _n_vocab(model: GGUFModel, n_embd: int) -> int:
+    """The rows of ``token_embd.weight`` (ggml dims ``[n_embd, n_vocab]``)."""
+    tok = model.tensors.get("token_embd.weight")
+    if tok is None:
+        raise FormatError(f"{model.path}: tensor 'token_embd.weight' is missing: no token embeddings")
+    if len(tok.dims) != 2 or tok.dims[0] != n_embd:
+        raise FormatError(f"token_embd.weight has dims {list(tok.dims)}, expected [{n_embd}, n_vocab]")
+    return int(tok.dims[1])

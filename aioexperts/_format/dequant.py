@@ -6,6 +6,12 @@ picked from a registry keyed by ggml type (the gguf-py layout: one kernel per ty
 ``(n_blocks, type_size)`` uint8 blocks to ``(n_blocks, block_size)`` float32 values). Any other type
 that ``gguf.quants`` can dequantize falls back to it; the rest raise :class:`UnsupportedTypeError`.
 
+It is the one dequantize entry of the package, for the store (row views) and the compute layer
+alike. The compute layer plugs its compiled kernels in from above (:func:`set_accelerator`, done by
+:mod:`aioexperts._compute.fused` when it is imported); then the types they cover run compiled, bit for
+bit the same, and everything else (and every type while numba cannot serve) runs the numpy kernels
+here. The arguments are checked here, once, before either runs.
+
 The kernels are bit-exact with ``gguf.quants.dequantize`` (gguf-py ``quants.py``, itself a port of
 llama.cpp ``ggml-quants.c`` ``dequantize_row_*``): every float32 result comes out of the same float32
 operations on the same operands, or out of a product that is exact in float32 whatever the order
@@ -42,10 +48,28 @@ from gguf.quants import dequantize as _gguf_dequantize
 
 from .._errors import ConfigError, FormatError, UnsupportedTypeError
 
-__all__ = ("dequantize", "supported_types")
+__all__ = ("Accelerator", "check_out", "dequantize", "set_accelerator", "supported_types", "tensor_bytes")
 
 _T = GGMLQuantizationType
 _Kernel = Callable[[np.ndarray, np.ndarray], None]
+
+Accelerator = Callable[[np.ndarray, GGMLQuantizationType, int, int, np.ndarray], bool]
+"""``(raw, ggml_type, rows, cols, out) -> served``: a faster exact kernel for one checked tensor.
+
+``raw`` is the tensor's bytes (uint8, C-contiguous, the size checked), ``out`` a C-contiguous
+writeable ``(rows, cols)`` float32 array to fill; False (no kernel for the type, or the kernels
+cannot serve) lets the numpy kernels run.
+"""
+
+
+class _Plugged:
+    accelerator: Accelerator | None = None
+
+
+def set_accelerator(accelerator: Accelerator | None) -> None:
+    """Plug in (or, with None, take out) the compiled kernels :func:`dequantize` tries first."""
+    _Plugged.accelerator = accelerator
+
 
 _KERNELS: dict[GGMLQuantizationType, _Kernel] = {}
 
@@ -85,11 +109,15 @@ def dequantize(
     ggml_type: GGMLQuantizationType,
     shape: tuple[int, ...],
     out: np.ndarray | None = None,
+    *,
+    compiled: bool = True,
 ) -> np.ndarray:
     """Dequantize the raw ggml bytes of one tensor to float32.
 
     Bit-exact with ``gguf.quants.dequantize`` (gguf-py ``quants.py``; llama.cpp ``ggml-quants.c``
-    ``dequantize_row_*``) for every type, NaN positions and signed zeros included.
+    ``dequantize_row_*``) for every type, NaN positions and signed zeros included. The compiled
+    kernels plugged in with :func:`set_accelerator` run where they serve the type, else the numpy
+    kernels of this module.
 
     Args:
         data: the tensor bytes in ggml block layout, e.g. a read-only ``memoryview`` of format
@@ -99,6 +127,7 @@ def dequantize(
         shape: the tensor shape in numpy order (row-major, last dim fastest); the last dim must
             be a multiple of the type's block size.
         out: optional float32 C-contiguous writeable array of ``shape`` to write into.
+        compiled: False runs the numpy kernels even where compiled ones serve (benchmarks, oracles).
 
     Returns:
         A float32 array of ``shape``: ``out`` if given, else a new array; for F32 without
@@ -123,14 +152,14 @@ def dequantize(
             f"{qtype.name} tensor of shape {dims}: last dim {dims[-1]} is not a multiple of the block size {block_size}"
         )
     n_blocks = math.prod(dims) // block_size
-    raw = _as_bytes(data)
+    raw = tensor_bytes(data)
     if raw.size != n_blocks * type_size:
         raise FormatError(
             f"{qtype.name} tensor of shape {dims} needs {n_blocks} blocks of {type_size} bytes = "
             f"{n_blocks * type_size} bytes, got {raw.size}"
         )
     if out is not None:
-        _check_out(out, dims)
+        check_out(out, dims)
 
     if kernel is None:
         return _fallback(raw, qtype, dims, out)
@@ -138,6 +167,13 @@ def dequantize(
         return raw.view(_F32).reshape(dims)
     result = np.empty(dims, dtype=_F32) if out is None else out
     if n_blocks == 0:
+        return result
+    accelerator, cols = _Plugged.accelerator, dims[-1]
+    if (
+        compiled
+        and accelerator is not None
+        and accelerator(raw, qtype, math.prod(dims[:-1]), cols, result.reshape(-1, cols))
+    ):
         return result
     blocks = raw.reshape(n_blocks, type_size)
     values = result.reshape(n_blocks, block_size)
@@ -172,7 +208,12 @@ def _as_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return dims
 
 
-def _as_bytes(data: memoryview | np.ndarray) -> np.ndarray:
+def tensor_bytes(data: memoryview | np.ndarray) -> np.ndarray:
+    """The bytes of ``data`` as a flat uint8 array, never copied.
+
+    Raises:
+        FormatError: ``data`` is a non-contiguous array or not a contiguous byte buffer.
+    """
     if isinstance(data, np.ndarray):
         if not data.flags.c_contiguous:
             raise FormatError("tensor data array is not C-contiguous")
@@ -183,7 +224,12 @@ def _as_bytes(data: memoryview | np.ndarray) -> np.ndarray:
         raise FormatError(f"tensor data is not a contiguous byte buffer: {exc}") from exc
 
 
-def _check_out(out: np.ndarray, dims: tuple[int, ...]) -> None:
+def check_out(out: np.ndarray, dims: tuple[int, ...]) -> None:
+    """Check that ``out`` is a C-contiguous writeable float32 array of shape ``dims``.
+
+    Raises:
+        ConfigError: it is not.
+    """
     if not isinstance(out, np.ndarray) or out.dtype != _F32 or out.shape != dims:
         got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
         raise ConfigError(f"out must be a float32 array of shape {dims}, got {got}")

@@ -29,7 +29,7 @@ import enum
 import math
 import numbers
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,34 +90,131 @@ class Status(enum.StrEnum):
 _SWIGLU_OAI_ALPHA = 1.702  # llama-graph.cpp build_moe_ffn, LLM_FFN_SWIGLU_OAI_MOE
 _SWIGLU_OAI_LIMIT = 7.0
 
-# How llama.cpp obtains one value for an arch: a constant at the build_moe_ffn call site ("fixed"),
-# or the metadata key with a default.
-_FF_KEY_OR_FF_DIV_USED = "key_or_ff_div_used"  # qwen*: n_ff_exp ? n_ff_exp : n_ff / n_expert_used
-_FF_FEED_FORWARD = "feed_forward_length"  # llama (Mixtral), olmoe, granite*, dbrx, phimoe, hunyuan: n_ff wide
-_FF_KEY_ELSE_FF = "key_else_ff"  # grok: n_ff_exp ? n_ff_exp : n_ff
-_FF_KEY_REQUIRED = "key_required"  # deepseek*, glm4moe, gpt-oss, ernie, bailing*, dots1, llama4, minimax-m2
-_FF_KEY_OPTIONAL = "key_optional"  # generic
+# ----------------------------------------------------------------------------------------------
+# the rules an architecture's record is made of: each follows one piece of llama.cpp's source.
+# The generic keys (block_count, embedding_length, expert_count, ...) are read by
+# llama_model_base::load_hparams (src/llama-model.cpp); everything per arch by the arch's
+# load_arch_hparams and load_tensors (src/models/<arch>.cpp) and its build_moe_ffn call.
 
-_SH_NONE = "none"
-_SH_QWEN2 = "qwen2"  # one shared expert, n_ff_shexp = key or n_ff
-_SH_KEY = "key"  # n_ff_shexp from the key (0: none)
-_SH_KEY_ELSE_FF = "key_else_ff"  # hunyuan-moe: always one, n_ff_shexp = key or n_ff
-_SH_COUNT_X_FF_EXP = "count_x_ff_exp"  # n_ff_shexp = n_ff_exp * expert_shared_count (required key)
-_SH_KEY_OR_FF_EXP_X_COUNT = "key_or_ff_exp_x_count"  # bailingmoe2: (key or n_ff_exp) * expert_shared_count
-_SH_FF_EXP = "ff_exp"  # llama4: one shared expert as wide as a routed one
-_SH_GENERIC = "generic"  # key, else count * n_ff_exp
+#: ``(keys, expert width key) -> n_ff_exp``: the width of a routed expert (its gate/up rows).
+_ExpertWidthRule = Callable[["_Meta", "_Counts", int], int]
+#: ``(keys, counts, n_ff_exp, shared count key, shared width key) -> (n_shared, n_ff_shexp)``.
+_SharedRule = Callable[["_Meta", "_Counts", int, int, int], tuple[int, int]]
+
+
+def _width_required(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
+    """deepseek*, glm4moe, gpt-oss, ernie, bailing*, dots1, llama4, minimax-m2: ``load_arch_hparams``
+    reads ``expert_feed_forward_length`` with ``get_key_or_arr(..., required)``."""
+    if n_ff_exp <= 0:
+        raise FormatError(f"missing required key {md.key('expert_feed_forward_length')}")
+    return n_ff_exp
+
+
+def _width_or_ff_over_used(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
+    """qwen2moe.cpp / qwen3moe.cpp ``load_tensors``: ``n_ff_exp ? n_ff_exp : n_ff / n_expert_used``."""
+    if n_ff_exp > 0:
+        return n_ff_exp
+    if counts.n_ff <= 0:
+        raise FormatError(
+            f"missing required key {md.key('expert_feed_forward_length')} "
+            f"(and no {md.key('feed_forward_length')} to derive it from)"
+        )
+    return counts.n_ff // counts.n_expert_used
+
+
+def _width_is_ff(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
+    """llama (Mixtral), olmoe, granite*, dbrx, phimoe, hunyuan-moe ``load_tensors``: the expert tensors
+    are created ``n_ff`` wide; ``expert_feed_forward_length`` is not read."""
+    if counts.n_ff <= 0:
+        raise FormatError(f"missing required key {md.key('feed_forward_length')}")
+    return counts.n_ff
+
+
+def _width_or_ff(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
+    """grok.cpp ``load_tensors``: ``n_ff_exp ? n_ff_exp : n_ff``."""
+    if n_ff_exp > 0:
+        return n_ff_exp
+    if counts.n_ff <= 0:
+        raise FormatError(
+            f"missing required key {md.key('expert_feed_forward_length')} "
+            f"(and no {md.key('feed_forward_length')} to fall back on)"
+        )
+    return counts.n_ff
+
+
+def _width_optional(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
+    """A name llama.cpp does not know: the key if given (0: taken from the expert views later)."""
+    if n_ff_exp < 0:
+        raise FormatError(f"{md.key('expert_feed_forward_length')} must be >= 0, got {n_ff_exp}")
+    return n_ff_exp
+
+
+def _no_shared(md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
+    """No shared expert in the arch's graph (the keys are ignored, as llama.cpp ignores them)."""
+    return 0, 0
+
+
+def _one_shared_key_or_ff(md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
+    """qwen2moe.cpp / qwen35moe.cpp / hunyuan-moe.cpp ``load_tensors``: always one shared expert,
+    ``n_ff_shexp ? n_ff_shexp : n_ff`` wide."""
+    return 1, n_ff_shexp or counts.n_ff
+
+
+def _shared_if_key(md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
+    """qwen3next, granite*, ernie4_5-moe: one shared expert when ``expert_shared_feed_forward_length > 0``."""
+    return (1 if n_ff_shexp > 0 else 0), n_ff_shexp
+
+
+def _one_shared_as_wide_as_routed(
+    md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int
+) -> tuple[int, int]:
+    """llama4.cpp ``load_tensors``: one shared expert ``n_ff_exp`` wide."""
+    return 1, n_ff_exp
+
+
+def _shared_count_x_width(md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
+    """deepseek*, glm4moe, bailingmoe, dots1 (deepseek2.cpp ``load_tensors``): ``expert_shared_count``
+    is required and the shared experts are ``n_ff_exp * n_expert_shared`` wide."""
+    if not md.has("expert_shared_count"):
+        raise FormatError(f"missing required key {md.key('expert_shared_count')}")
+    return n_shared, n_ff_exp * n_shared
+
+
+def _shared_key_or_width_x_count(
+    md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int
+) -> tuple[int, int]:
+    """bailingmoe2.cpp ``load_tensors``: ``(n_ff_shexp ? n_ff_shexp : n_ff_exp) * n_expert_shared``,
+    ``expert_shared_count`` required."""
+    if not md.has("expert_shared_count"):
+        raise FormatError(f"missing required key {md.key('expert_shared_count')}")
+    return n_shared, (n_ff_shexp or n_ff_exp) * n_shared
+
+
+def _shared_generic(md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
+    """A name llama.cpp does not know: the width key, else ``count * n_ff_exp``; a width means one."""
+    width = n_ff_shexp or (n_ff_exp * n_shared)
+    return (1 if width and not n_shared else n_shared), width
+
+
+def _glm47_lite_is_sigmoid(n_layer: int, n_vocab: int | None) -> GatingFunc | None:
+    """deepseek2.cpp ``load_arch_hparams``: without ``expert_gating_func``, GLM-4.7 Lite (47 or 48
+    blocks run, a vocabulary of 154880) is sigmoid ("for compatibility with existing DeepSeek V2 and
+    V2.5 GGUFs" every other file is softmax)."""
+    return GatingFunc.SIGMOID if n_layer in _GLM47_LITE_LAYERS and n_vocab == _GLM47_LITE_VOCAB else None
 
 
 @dataclass(frozen=True, slots=True)
 class _ArchRule:
+    """What llama.cpp's source fixes for one architecture's MoE layers (the rest comes from the file)."""
+
     status: Status
     gating: GatingFunc | None  # fixed by the call site; None: read the key
     gating_default: GatingFunc | None  # key absent (or 0): this; None: llama.cpp aborts, so it is required
     norm: bool | None  # fixed; None: read the key
     norm_default: bool
     read_scale: bool  # False: the loader never reads expert_weights_scale, the call site gets 0
-    n_ff_exp: str
-    shared: str
+    expert_width: _ExpertWidthRule
+    shared: _SharedRule
     activation: Activation = Activation.SILU
     dense_lead: bool = False  # the loader reads leading_dense_block_count and the graph honours it
     moe_step: bool = False  # interleave_moe_layer_step: block L is MoE iff (L + 1) % step == 0
@@ -129,72 +226,86 @@ class _ArchRule:
     clamps: bool = False  # deepseek4: per-block swiglu_clamp_exp / swiglu_clamp_shexp, ggml_swiglu_clamp
     hash_routing: bool = False  # deepseek4: hash_layer_count blocks route by token id (ffn_gate_tid2eid)
     expert_scales: bool = False  # qwen35moe: the graph applies ffn_*_exps.scale and ffn_*_shexp.scale
+    #: without the gating key: ``(blocks run, vocabulary size) -> gating`` before ``gating_default``
+    gating_when_absent: Callable[[int, int | None], GatingFunc | None] | None = None
+    parallel_dense_ffn: bool = False  # grok: Grok-2's dense FFN beside the MoE (refused by check_tensors)
 
 
 _S, _G = Status.SOURCE, Status.GOLDEN
 _SOFTMAX, _SIGMOID, _SOFTMAX_W = GatingFunc.SOFTMAX, GatingFunc.SIGMOID, GatingFunc.SOFTMAX_WEIGHT
+_KEY_OR_FF_OVER_USED, _IS_FF, _REQUIRED = _width_or_ff_over_used, _width_is_ff, _width_required
 
 # Every rule below names its llama.cpp source: the arch's loader (``load_arch_hparams``, formerly the
 # arch's case in ``llama_model::load_hparams``) for the keys it reads, and its graph (``src/models/*.cpp``)
 # for the arguments of its build_moe_ffn call. Positional fields: status, gating, gating default,
-# norm, norm default, read_scale, n_ff_exp rule, shared rule.
+# norm, norm default, read_scale, expert width rule, shared expert rule. A new architecture adds a
+# record here (and, for a rule llama.cpp has not used before, one rule function above).
 _RULES: dict[str, _ArchRule] = {
     # qwen2moe.cpp: SOFTMAX, norm_w=false; shared expert gated by sigmoid(ffn_gate_inp_shexp . x)
-    "qwen2moe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, False, False, False, _FF_KEY_OR_FF_DIV_USED, _SH_QWEN2),
+    "qwen2moe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, False, False, False, _KEY_OR_FF_OVER_USED, _one_shared_key_or_ff),
     # qwen3moe.cpp, qwen3vl-moe.cpp: SOFTMAX, norm_w=true, no shared expert
-    "qwen3moe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, True, True, False, _FF_KEY_OR_FF_DIV_USED, _SH_NONE),
-    "qwen3vlmoe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_KEY_OR_FF_DIV_USED, _SH_NONE),
+    "qwen3moe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, True, True, False, _KEY_OR_FF_OVER_USED, _no_shared),
+    "qwen3vlmoe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _KEY_OR_FF_OVER_USED, _no_shared),
     # qwen3next.cpp build_layer_ffn: SOFTMAX, norm_w=true; sigmoid-gated shared expert (n_ff_shexp key)
-    "qwen3next": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_KEY_OR_FF_DIV_USED, _SH_KEY),
+    "qwen3next": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _KEY_OR_FF_OVER_USED, _shared_if_key),
     # llama.cpp (Mixtral branch when n_expert > 0): SOFTMAX, norm_w=true; the loader reads no scale
-    "llama": _ArchRule(_G, _SOFTMAX, _SOFTMAX, True, True, False, _FF_FEED_FORWARD, _SH_NONE),
+    "llama": _ArchRule(_G, _SOFTMAX, _SOFTMAX, True, True, False, _IS_FF, _no_shared),
     # granite.cpp build_layer_ffn (granite, granitemoe): SOFTMAX, norm_w=true, w_scale 0; "Granite MoE
     # Shared": an ungated shared expert when expert_shared_feed_forward_length > 0
-    "granitemoe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, True, True, False, _FF_FEED_FORWARD, _SH_KEY),
-    "granite": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_FEED_FORWARD, _SH_KEY),
+    "granitemoe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, True, True, False, _IS_FF, _shared_if_key),
+    "granite": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _IS_FF, _shared_if_key),
     # olmoe.cpp: SOFTMAX, norm_w=false
-    "olmoe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, False, False, False, _FF_FEED_FORWARD, _SH_NONE),
+    "olmoe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, False, False, False, _IS_FF, _no_shared),
     # deepseek.cpp: SOFTMAX, norm_w=false, scale_w=false; leading dense blocks; count x n_ff_exp shared
     "deepseek": _ArchRule(
-        _S, _SOFTMAX, _SOFTMAX, False, False, False, _FF_KEY_REQUIRED, _SH_COUNT_X_FF_EXP, dense_lead=True
+        _S, _SOFTMAX, _SOFTMAX, False, False, False, _REQUIRED, _shared_count_x_width, dense_lead=True
     ),
-    # deepseek2.cpp + loader: gating key ("for compatibility with existing DeepSeek V2 and V2.5 GGUFs"
-    # softmax when absent; GLM-4.7-Flash sigmoid, see from_metadata), norm key, scale key, exp_probs_b
+    # deepseek2.cpp + loader: gating key (softmax when absent, GLM-4.7 Lite sigmoid), norm key, scale
+    # key, exp_probs_b
     "deepseek2": _ArchRule(
-        _G, None, _SOFTMAX, None, False, True, _FF_KEY_REQUIRED, _SH_COUNT_X_FF_EXP, dense_lead=True
+        _G,
+        None,
+        _SOFTMAX,
+        None,
+        False,
+        True,
+        _REQUIRED,
+        _shared_count_x_width,
+        dense_lead=True,
+        gating_when_absent=_glm47_lite_is_sigmoid,
     ),
     # glm4-moe.cpp: gating key (sigmoid when absent), norm key, scale key, exp_probs_b, NextN blocks
-    "glm4moe": _ArchRule(_G, None, _SIGMOID, None, False, True, _FF_KEY_REQUIRED, _SH_COUNT_X_FF_EXP, dense_lead=True),
+    "glm4moe": _ArchRule(_G, None, _SIGMOID, None, False, True, _REQUIRED, _shared_count_x_width, dense_lead=True),
     # openai-moe-iswa.cpp: SOFTMAX_WEIGHT, no norm, swiglu_oai, router and expert biases
-    "gpt-oss": _ArchRule(
-        _G, _SOFTMAX_W, _SOFTMAX_W, False, False, False, _FF_KEY_REQUIRED, _SH_NONE, Activation.SWIGLU_OAI
-    ),
+    "gpt-oss": _ArchRule(_G, _SOFTMAX_W, _SOFTMAX_W, False, False, False, _REQUIRED, _no_shared, Activation.SWIGLU_OAI),
     # dbrx.cpp: SOFTMAX, norm_w=true; the loader reads no scale
-    "dbrx": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_FEED_FORWARD, _SH_NONE),
+    "dbrx": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _IS_FF, _no_shared),
     # phi3.cpp MoE branch (phimoe): SOFTMAX, norm_w=true; the loader reads no scale
-    "phimoe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_FEED_FORWARD, _SH_NONE),
+    "phimoe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _IS_FF, _no_shared),
     # ernie4-5-moe.cpp: SOFTMAX, norm_w=true, exp_probs_b; MoE iff L >= n_layer_dense_lead and
     # (L + 1) % interleave_moe_layer_step == 0; ungated shared expert when n_ff_shexp > 0
     "ernie4_5-moe": _ArchRule(
-        _S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_KEY_REQUIRED, _SH_KEY, dense_lead=True, moe_step=True
+        _S, _SOFTMAX, _SOFTMAX, True, True, False, _REQUIRED, _shared_if_key, dense_lead=True, moe_step=True
     ),
     # hunyuan-moe.cpp: SOFTMAX, norm_w=true, experts n_ff wide; an ungated shared "mlp" in every layer,
     # n_ff_shexp = key or n_ff; the loader reads no scale
-    "hunyuan-moe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_FEED_FORWARD, _SH_KEY_ELSE_FF),
+    "hunyuan-moe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _IS_FF, _one_shared_key_or_ff),
     # bailingmoe.cpp: SOFTMAX, norm key, scale key; every block is MoE in the graph
-    "bailingmoe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, None, False, True, _FF_KEY_REQUIRED, _SH_COUNT_X_FF_EXP),
+    "bailingmoe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, None, False, True, _REQUIRED, _shared_count_x_width),
     # bailingmoe2.cpp: gating key (required), norm key, scale key, optional exp_probs_b, leading dense
     # blocks, NextN blocks, (n_ff_shexp or n_ff_exp) x expert_shared_count shared
     "bailingmoe2": _ArchRule(
-        _S, None, None, None, False, True, _FF_KEY_REQUIRED, _SH_KEY_OR_FF_EXP_X_COUNT, dense_lead=True
+        _S, None, None, None, False, True, _REQUIRED, _shared_key_or_width_x_count, dense_lead=True
     ),
     # dots1.cpp: gating key (required: 0 aborts in build_moe_ffn), norm key, scale key, exp_probs_b
-    "dots1": _ArchRule(_S, None, None, None, False, True, _FF_KEY_REQUIRED, _SH_COUNT_X_FF_EXP, dense_lead=True),
+    "dots1": _ArchRule(_S, None, None, None, False, True, _REQUIRED, _shared_count_x_width, dense_lead=True),
     # grok.cpp: SOFTMAX, norm_w=true, GELU experts; the loader reads no scale. Grok-2's parallel dense
     # FFN (ffn_up/gate/down) is refused by MoEHParams.check_tensors
-    "grok": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _FF_KEY_ELSE_FF, _SH_NONE, Activation.GELU),
+    "grok": _ArchRule(
+        _S, _SOFTMAX, _SOFTMAX, True, True, False, _width_or_ff, _no_shared, Activation.GELU, parallel_dense_ffn=True
+    ),
     # minimax-m2.cpp: gating key (required), norm_w=true, exp_probs_b; the loader reads no scale
-    "minimax-m2": _ArchRule(_S, None, None, True, True, False, _FF_KEY_REQUIRED, _SH_NONE),
+    "minimax-m2": _ArchRule(_S, None, None, True, True, False, _REQUIRED, _no_shared),
     # llama4 (llama-iswa.cpp: SIGMOID, norm_w=false, w_scale 0, an ungated shared expert; build_moe_ffn's
     # LLM_ARCH_LLAMA4 branches: top-k on the raw logits, weights applied to the input before the
     # experts, weight_before_ffn); MoE every interleave_moe_layer_step blocks
@@ -205,8 +316,8 @@ _RULES: dict[str, _ArchRule] = {
         False,
         False,
         False,
-        _FF_KEY_REQUIRED,
-        _SH_FF_EXP,
+        _REQUIRED,
+        _one_shared_as_wide_as_routed,
         moe_step=True,
         select_on_logits=True,
         weights_before_experts=True,
@@ -222,8 +333,8 @@ _RULES: dict[str, _ArchRule] = {
         True,
         True,
         False,
-        _FF_KEY_OR_FF_DIV_USED,
-        _SH_QWEN2,
+        _KEY_OR_FF_OVER_USED,
+        _one_shared_key_or_ff,
         ff_exp_array=True,
         expert_scales=True,
     ),
@@ -237,8 +348,8 @@ _RULES: dict[str, _ArchRule] = {
         None,
         False,
         True,
-        _FF_KEY_REQUIRED,
-        _SH_COUNT_X_FF_EXP,
+        _REQUIRED,
+        _shared_count_x_width,
         only_gating=GatingFunc.SQRT_SOFTPLUS,
         required=("expert_weights_norm", "expert_weights_scale", "expert_shared_count", "hash_layer_count"),
         ff_exp_array=True,
@@ -246,7 +357,10 @@ _RULES: dict[str, _ArchRule] = {
         hash_routing=True,
     ),
 }
-_GENERIC = _ArchRule(Status.GENERIC, None, GatingFunc.SOFTMAX, None, False, True, _FF_KEY_OPTIONAL, _SH_GENERIC)
+#: a name llama.cpp does not know: every key read where given, leading dense blocks included
+_GENERIC = _ArchRule(
+    Status.GENERIC, None, GatingFunc.SOFTMAX, None, False, True, _width_optional, _shared_generic, dense_lead=True
+)
 
 #: MoE architectures of llama.cpp's llama-arch.cpp that are refused, with what is missing.
 _NOT_REVIEWED = "its MoE graph has not been reviewed against llama.cpp's source"
@@ -477,6 +591,8 @@ class MoEHParams:
                 grok model with a parallel dense FFN (``blk.L.ffn_up.weight`` in an MoE block,
                 Grok-2: ``(dense + moe) * sqrt(2)/2`` in grok.cpp). The message names the tensor.
         """
+        rule = _RULES.get(self.arch)
+        parallel_dense_ffn = rule is not None and rule.parallel_dense_ffn
         for name in names:
             m = _SCALE_RE.match(name)
             if m is not None and self.expert_scales and _APPLIED_SCALE_RE.match(name):
@@ -491,7 +607,7 @@ class MoEHParams:
                     f"tensor {name!r}: the routing bias for image tokens (exp_probs_b_vl, DeepSeek-V4 vision) "
                     "needs media input, which this executor does not take"
                 )
-            if self.arch == "grok":
+            if parallel_dense_ffn:
                 m = _DENSE_UP_RE.match(name)
                 if m is not None and self.is_moe_layer(int(m[1])):
                     raise UnsupportedTypeError(
@@ -502,6 +618,9 @@ class MoEHParams:
     @classmethod
     def from_metadata(cls, arch: str, metadata: Mapping[str, Any]) -> MoEHParams:
         """Resolve the MoE hyper-parameters of ``arch`` from GGUF metadata.
+
+        Each architecture's rules are its record in the table (``_RULES``), every rule beside the
+        llama.cpp source it follows; this method applies them in llama.cpp's order.
 
         Args:
             arch: the architecture name (``general.architecture``), e.g. ``"qwen3moe"``.
@@ -519,210 +638,51 @@ class MoEHParams:
             UnsupportedTypeError: the arch is MoE but routes in a way this executor does not
                 implement, the gating function is unknown, or a key is a per-layer array.
         """
-        if not isinstance(arch, str) or not arch:
-            raise FormatError(f"architecture name must be a non-empty string, got {arch!r}")
-        if arch in REFUSED:
-            raise UnsupportedTypeError(f"architecture {arch!r} is not supported: {REFUSED[arch]}")
-        if arch not in _RULES and arch in LLAMA_CPP_ARCHS:
-            raise UnsupportedTypeError(
-                f"architecture {arch!r} has no MoE layer in llama.cpp that this executor implements "
-                "(see the architecture table in docs/executor.md)"
-            )
-        rule = _RULES.get(arch, _GENERIC)
+        rule = _rule_of(arch)
         md = _Meta(arch, metadata)
         for name in rule.required:
             if not md.has(name):
                 raise FormatError(f"missing required key {md.key(name)}")
-
-        n_embd = md.int_("embedding_length", required=True)
-        n_expert = md.int_("expert_count", required=True)
-        n_expert_used = md.int_("expert_used_count", required=True)
-        n_layer = md.int_("block_count", default=0)
-        n_ff = md.int_("feed_forward_length", default=0)
-        # leading dense blocks and interleaving only where the arch's loader reads the key and its graph
-        # honours it (deepseek*, glm4moe, ernie4_5-moe, bailingmoe2, dots1); elsewhere the key is ignored
-        n_dense = md.int_("leading_dense_block_count", default=0) if rule.dense_lead or rule is _GENERIC else 0
-        n_step = md.int_("interleave_moe_layer_step", required=True) if rule.moe_step else 0
-        n_nextn = md.int_("nextn_predict_layers", default=0)
-        n_groups = md.int_("expert_group_count", default=0)
-        n_group_used = md.int_("expert_group_used_count", default=0)
-
-        if n_embd <= 0:
-            raise FormatError(f"{md.key('embedding_length')} must be > 0, got {n_embd}")
-        if n_expert <= 0:
-            raise FormatError(f"{md.key('expert_count')} must be > 0 for an MoE model, got {n_expert}")
-        if not 0 < n_expert_used <= n_expert:
-            raise FormatError(
-                f"{md.key('expert_used_count')} must be in 1..{n_expert} ({md.key('expert_count')}), "
-                f"got {n_expert_used}"
-            )
-        if rule.moe_step and n_step <= 0:
-            raise FormatError(f"{md.key('interleave_moe_layer_step')} must be > 0, got {n_step}")
-        if n_layer and n_nextn >= n_layer:  # llama.cpp: GGML_ASSERT(n_layer_nextn < n_layer_all)
-            raise FormatError(
-                f"{md.key('nextn_predict_layers')}={n_nextn} must be below {md.key('block_count')}={n_layer}"
-            )
-        if n_layer < 0 or n_dense < 0 or n_nextn < 0 or n_ff < 0:
-            raise FormatError(
-                f"negative layer or width count in {arch} metadata: block_count={n_layer}, "
-                f"leading_dense_block_count={n_dense}, nextn_predict_layers={n_nextn}, "
-                f"feed_forward_length={n_ff}"
-            )
-        if n_layer and n_dense > n_layer:
-            raise FormatError(
-                f"{md.key('leading_dense_block_count')}={n_dense} exceeds {md.key('block_count')}={n_layer}"
-            )
-
-        # groups (llama-model.cpp load_hparams asserts)
-        if n_groups > 1:
-            if n_expert % n_groups:
-                raise FormatError(
-                    f"{md.key('expert_group_count')}={n_groups} does not divide {md.key('expert_count')}={n_expert}"
-                )
-            if not 0 < n_group_used <= n_groups:
-                raise FormatError(f"{md.key('expert_group_used_count')} must be in 1..{n_groups}, got {n_group_used}")
-            if n_expert_used > n_group_used * (n_expert // n_groups):
-                raise FormatError(
-                    f"top-{n_expert_used} cannot be chosen from {n_group_used} groups of {n_expert // n_groups} experts"
-                )
-        elif n_groups < 0 or n_group_used < 0:
-            raise FormatError(f"negative expert group counts: {n_groups}, {n_group_used}")
-
-        # gating
-        if rule.only_gating is not None:
-            raw = md.int_("expert_gating_func", required=True)
-            if raw != rule.only_gating:
-                raise UnsupportedTypeError(
-                    f"{md.key('expert_gating_func')}={raw}: llama.cpp's {arch} loader accepts only "
-                    f"{int(rule.only_gating)} ({rule.only_gating.name.lower().replace('_', '')} MoE scoring)"
-                )
-            gating = rule.only_gating
-        elif rule.gating is not None:
-            gating = rule.gating
-        else:
-            raw = md.int_("expert_gating_func", default=0)
-            if raw == 0:  # LLAMA_EXPERT_GATING_FUNC_TYPE_NONE: arch default
-                if rule.gating_default is None:  # build_moe_ffn aborts on NONE ("fatal error")
-                    raise FormatError(f"missing required key {md.key('expert_gating_func')} (1..3)")
-                gating = rule.gating_default
-                if arch == "deepseek2" and _is_glm47_lite(n_layer - n_nextn, md.vocab_size()):
-                    gating = GatingFunc.SIGMOID
-            else:
-                try:
-                    gating = GatingFunc(raw)
-                except ValueError:
-                    raise UnsupportedTypeError(
-                        f"{md.key('expert_gating_func')}={raw} is not supported "
-                        f"(1 softmax, 2 sigmoid, 3 softmax over the selected logits, 4 sqrt(softplus))"
-                    ) from None
-
-        clamp_exp: tuple[float, ...] = ()
-        clamp_shexp: tuple[float, ...] = ()
-        if rule.clamps:  # deepseek4.cpp loader: clamp_exp required, clamp_shexp defaults to clamp_exp
-            clamp_exp = md.per_block_floats("swiglu_clamp_exp", n_layer, required=True)
-            clamp_shexp = md.per_block_floats("swiglu_clamp_shexp", n_layer, required=False) or clamp_exp
-        for clamp_key in () if rule.clamps else ("swiglu_clamp_exp", "swiglu_clamp_shexp"):
-            # llama-graph.cpp build_moe_ffn / build_ffn: per-layer SwiGLU clamps when the limit > 1e-6
-            clamp = metadata.get(md.key(clamp_key))
-            values = clamp if isinstance(clamp, list) else [clamp]
-            if any(isinstance(v, int | float) and not isinstance(v, bool) and v > 1e-6 for v in values):
-                raise UnsupportedTypeError(
-                    f"{md.key(clamp_key)} sets a SwiGLU clamp, which this executor does not apply"
-                )
-
+        counts = _Counts.read(md, rule)
+        gating = _gating(md, rule, counts)
+        clamp_exp, clamp_shexp = _swiglu_clamps(md, rule, counts.n_layer)
         norm = rule.norm if rule.norm is not None else md.bool_("expert_weights_norm", rule.norm_default)
         scale = md.float_("expert_weights_scale", 0.0) if rule.read_scale else 0.0
-        if scale == 0.0:
-            scale = 1.0
-
-        # expert width
-        n_ff_exp_layers: tuple[int, ...] = ()
-        if rule.ff_exp_array and isinstance(metadata.get(md.key("expert_feed_forward_length")), list | tuple):
-            # get_key_or_arr: one width per block; the tensors of block L are n_ff_exp(L) wide
-            n_ff_exp_layers = md.per_block_ints("expert_feed_forward_length", n_layer)
-            if min(n_ff_exp_layers) <= 0:
-                raise FormatError(f"{md.key('expert_feed_forward_length')} has a width <= 0: {n_ff_exp_layers}")
-            n_ff_exp = n_ff_exp_layers[0]
-        else:
-            n_ff_exp = md.int_("expert_feed_forward_length", default=0)
-        if rule.n_ff_exp == _FF_KEY_REQUIRED:
-            if n_ff_exp <= 0:
-                raise FormatError(f"missing required key {md.key('expert_feed_forward_length')}")
-        elif rule.n_ff_exp == _FF_KEY_OR_FF_DIV_USED:
-            if n_ff_exp <= 0:
-                if n_ff <= 0:
-                    raise FormatError(
-                        f"missing required key {md.key('expert_feed_forward_length')} "
-                        f"(and no {md.key('feed_forward_length')} to derive it from)"
-                    )
-                n_ff_exp = n_ff // n_expert_used
-        elif rule.n_ff_exp == _FF_FEED_FORWARD:
-            # the expert tensors are created n_ff wide; the expert key is not read
-            if n_ff <= 0:
-                raise FormatError(f"missing required key {md.key('feed_forward_length')}")
-            n_ff_exp = n_ff
-        elif rule.n_ff_exp == _FF_KEY_ELSE_FF:
-            if n_ff_exp <= 0:
-                if n_ff <= 0:
-                    raise FormatError(
-                        f"missing required key {md.key('expert_feed_forward_length')} "
-                        f"(and no {md.key('feed_forward_length')} to fall back on)"
-                    )
-                n_ff_exp = n_ff
-        elif n_ff_exp < 0:
-            raise FormatError(f"{md.key('expert_feed_forward_length')} must be >= 0, got {n_ff_exp}")
-
-        # shared experts
-        n_shared = md.int_("expert_shared_count", default=0)
-        n_ff_shexp_key = md.int_("expert_shared_feed_forward_length", default=0)
-        if rule.shared == _SH_NONE:
-            n_shared, n_ff_shexp = 0, 0
-        elif rule.shared == _SH_QWEN2:
-            n_shared = 1
-            n_ff_shexp = n_ff_shexp_key or n_ff
-        elif rule.shared == _SH_KEY:
-            n_ff_shexp = n_ff_shexp_key
-            n_shared = 1 if n_ff_shexp > 0 else 0
-        elif rule.shared == _SH_KEY_ELSE_FF:
-            n_shared = 1
-            n_ff_shexp = n_ff_shexp_key or n_ff
-        elif rule.shared == _SH_FF_EXP:
-            n_shared, n_ff_shexp = 1, n_ff_exp
-        elif rule.shared in (_SH_COUNT_X_FF_EXP, _SH_KEY_OR_FF_EXP_X_COUNT):
-            if not md.has("expert_shared_count"):
-                raise FormatError(f"missing required key {md.key('expert_shared_count')}")
-            width = n_ff_shexp_key if rule.shared == _SH_KEY_OR_FF_EXP_X_COUNT and n_ff_shexp_key else n_ff_exp
-            n_ff_shexp = width * n_shared
-        else:  # generic
-            n_ff_shexp = n_ff_shexp_key or (n_ff_exp * n_shared)
-            if n_ff_shexp and not n_shared:
-                n_shared = 1
+        n_ff_exp, n_ff_exp_layers = _expert_width(md, rule, counts)
+        n_shared, n_ff_shexp = rule.shared(
+            md,
+            counts,
+            n_ff_exp,
+            md.int_("expert_shared_count", default=0),
+            md.int_("expert_shared_feed_forward_length", default=0),
+        )
         if n_shared < 0 or n_ff_shexp < 0:
             raise FormatError(f"negative shared expert count or width: {n_shared}, {n_ff_shexp}")
-
         n_hash = md.int_("hash_layer_count", default=0) if rule.hash_routing else 0
-        if n_hash < 0 or (n_layer and n_hash > n_layer):
-            raise FormatError(f"{md.key('hash_layer_count')}={n_hash} must be in 0..{md.key('block_count')}={n_layer}")
-
+        if n_hash < 0 or (counts.n_layer and n_hash > counts.n_layer):
+            raise FormatError(
+                f"{md.key('hash_layer_count')}={n_hash} must be in 0..{md.key('block_count')}={counts.n_layer}"
+            )
+        grouped = counts.n_groups > 1
         return cls(
             arch=arch,
-            n_layer=n_layer,
-            n_embd=n_embd,
-            n_expert=n_expert,
-            n_expert_used=n_expert_used,
+            n_layer=counts.n_layer,
+            n_embd=counts.n_embd,
+            n_expert=counts.n_expert,
+            n_expert_used=counts.n_expert_used,
             n_ff_exp=n_ff_exp,
-            n_ff=n_ff,
+            n_ff=counts.n_ff,
             n_expert_shared=n_shared,
             n_ff_shexp=n_ff_shexp,
-            n_layer_dense_lead=n_dense,
-            n_layer_nextn=n_nextn,
+            n_layer_dense_lead=counts.n_dense,
+            n_layer_nextn=counts.n_nextn,
             gating_func=gating,
             weights_norm=bool(norm),
-            weights_scale=float(scale),
-            n_expert_groups=n_groups if n_groups > 1 else 0,
-            n_group_used=n_group_used if n_groups > 1 else 0,
+            weights_scale=float(scale) if scale != 0.0 else 1.0,
+            n_expert_groups=counts.n_groups if grouped else 0,
+            n_group_used=counts.n_group_used if grouped else 0,
             activation=rule.activation,
-            n_moe_layer_step=n_step,
+            n_moe_layer_step=counts.n_step,
             select_on_logits=rule.select_on_logits,
             weights_before_experts=rule.weights_before_experts,
             verified=arch in _RULES,
@@ -735,6 +695,177 @@ class MoEHParams:
         )
 
 
+def _rule_of(arch: str) -> _ArchRule:
+    """The record of ``arch``; the generic one for a name llama.cpp does not know.
+
+    Raises:
+        FormatError: ``arch`` is not a non-empty string.
+        UnsupportedTypeError: ``arch`` is refused, or llama.cpp has no MoE layer for it that is implemented.
+    """
+    if not isinstance(arch, str) or not arch:
+        raise FormatError(f"architecture name must be a non-empty string, got {arch!r}")
+    if arch in REFUSED:
+        raise UnsupportedTypeError(f"architecture {arch!r} is not supported: {REFUSED[arch]}")
+    if arch not in _RULES and arch in LLAMA_CPP_ARCHS:
+        raise UnsupportedTypeError(
+            f"architecture {arch!r} has no MoE layer in llama.cpp that this executor implements "
+            "(see the architecture table in docs/executor.md)"
+        )
+    return _RULES.get(arch, _GENERIC)
+
+
+@dataclass(frozen=True, slots=True)
+class _Counts:
+    """The counts every arch reads (``llama_model_base::load_hparams``), checked as llama.cpp asserts them."""
+
+    n_embd: int
+    n_expert: int
+    n_expert_used: int
+    n_layer: int
+    n_ff: int
+    n_dense: int
+    n_step: int
+    n_nextn: int
+    n_groups: int
+    n_group_used: int
+
+    @classmethod
+    def read(cls, md: _Meta, rule: _ArchRule) -> _Counts:
+        counts = cls(
+            n_embd=md.int_("embedding_length", required=True),
+            n_expert=md.int_("expert_count", required=True),
+            n_expert_used=md.int_("expert_used_count", required=True),
+            n_layer=md.int_("block_count", default=0),
+            n_ff=md.int_("feed_forward_length", default=0),
+            # leading dense blocks and interleaving only where the arch's loader reads the key and its
+            # graph honours it (deepseek*, glm4moe, ernie4_5-moe, bailingmoe2, dots1); elsewhere ignored
+            n_dense=md.int_("leading_dense_block_count", default=0) if rule.dense_lead else 0,
+            n_step=md.int_("interleave_moe_layer_step", required=True) if rule.moe_step else 0,
+            n_nextn=md.int_("nextn_predict_layers", default=0),
+            n_groups=md.int_("expert_group_count", default=0),
+            n_group_used=md.int_("expert_group_used_count", default=0),
+        )
+        counts._check(md, rule)
+        return counts
+
+    def _check(self, md: _Meta, rule: _ArchRule) -> None:
+        n_layer, n_expert = self.n_layer, self.n_expert
+        if self.n_embd <= 0:
+            raise FormatError(f"{md.key('embedding_length')} must be > 0, got {self.n_embd}")
+        if n_expert <= 0:
+            raise FormatError(f"{md.key('expert_count')} must be > 0 for an MoE model, got {n_expert}")
+        if not 0 < self.n_expert_used <= n_expert:
+            raise FormatError(
+                f"{md.key('expert_used_count')} must be in 1..{n_expert} ({md.key('expert_count')}), "
+                f"got {self.n_expert_used}"
+            )
+        if rule.moe_step and self.n_step <= 0:
+            raise FormatError(f"{md.key('interleave_moe_layer_step')} must be > 0, got {self.n_step}")
+        if n_layer and self.n_nextn >= n_layer:  # llama.cpp: GGML_ASSERT(n_layer_nextn < n_layer_all)
+            raise FormatError(
+                f"{md.key('nextn_predict_layers')}={self.n_nextn} must be below {md.key('block_count')}={n_layer}"
+            )
+        if n_layer < 0 or self.n_dense < 0 or self.n_nextn < 0 or self.n_ff < 0:
+            raise FormatError(
+                f"negative layer or width count in {md.arch} metadata: block_count={n_layer}, "
+                f"leading_dense_block_count={self.n_dense}, nextn_predict_layers={self.n_nextn}, "
+                f"feed_forward_length={self.n_ff}"
+            )
+        if n_layer and self.n_dense > n_layer:
+            raise FormatError(
+                f"{md.key('leading_dense_block_count')}={self.n_dense} exceeds {md.key('block_count')}={n_layer}"
+            )
+        self._check_groups(md)
+
+    def _check_groups(self, md: _Meta) -> None:
+        """llama-model.cpp ``load_hparams`` asserts on ``expert_group_count`` / ``expert_group_used_count``."""
+        n_groups, n_group_used, n_expert = self.n_groups, self.n_group_used, self.n_expert
+        if n_groups > 1:
+            if n_expert % n_groups:
+                raise FormatError(
+                    f"{md.key('expert_group_count')}={n_groups} does not divide {md.key('expert_count')}={n_expert}"
+                )
+            if not 0 < n_group_used <= n_groups:
+                raise FormatError(f"{md.key('expert_group_used_count')} must be in 1..{n_groups}, got {n_group_used}")
+            if self.n_expert_used > n_group_used * (n_expert // n_groups):
+                raise FormatError(
+                    f"top-{self.n_expert_used} cannot be chosen from {n_group_used} groups of "
+                    f"{n_expert // n_groups} experts"
+                )
+        elif n_groups < 0 or n_group_used < 0:
+            raise FormatError(f"negative expert group counts: {n_groups}, {n_group_used}")
+
+
+def _gating(md: _Meta, rule: _ArchRule, counts: _Counts) -> GatingFunc:
+    """The gating function: fixed by the call site, or ``expert_gating_func`` with the arch's default.
+
+    Raises:
+        FormatError: the key is required (llama.cpp's ``build_moe_ffn`` aborts on NONE) and absent.
+        UnsupportedTypeError: the value is unknown, or not the one the arch's loader accepts.
+    """
+    if rule.only_gating is not None:
+        raw = md.int_("expert_gating_func", required=True)
+        if raw != rule.only_gating:
+            raise UnsupportedTypeError(
+                f"{md.key('expert_gating_func')}={raw}: llama.cpp's {md.arch} loader accepts only "
+                f"{int(rule.only_gating)} ({rule.only_gating.name.lower().replace('_', '')} MoE scoring)"
+            )
+        return rule.only_gating
+    if rule.gating is not None:
+        return rule.gating
+    raw = md.int_("expert_gating_func", default=0)
+    if raw == 0:  # LLAMA_EXPERT_GATING_FUNC_TYPE_NONE: arch default
+        if rule.gating_default is None:  # build_moe_ffn aborts on NONE ("fatal error")
+            raise FormatError(f"missing required key {md.key('expert_gating_func')} (1..3)")
+        if rule.gating_when_absent is not None:
+            chosen = rule.gating_when_absent(counts.n_layer - counts.n_nextn, md.vocab_size())
+            if chosen is not None:
+                return chosen
+        return rule.gating_default
+    try:
+        return GatingFunc(raw)
+    except ValueError:
+        raise UnsupportedTypeError(
+            f"{md.key('expert_gating_func')}={raw} is not supported "
+            f"(1 softmax, 2 sigmoid, 3 softmax over the selected logits, 4 sqrt(softplus))"
+        ) from None
+
+
+def _swiglu_clamps(md: _Meta, rule: _ArchRule, n_layer: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-block SwiGLU limits of the routed and the shared experts (deepseek4), else none.
+
+    Raises:
+        FormatError: deepseek4 without ``swiglu_clamp_exp``, or bad limits.
+        UnsupportedTypeError: another arch sets a clamp (llama-graph.cpp ``build_moe_ffn`` /
+            ``build_ffn`` would apply it when the limit is above 1e-6).
+    """
+    if rule.clamps:  # deepseek4.cpp loader: clamp_exp required, clamp_shexp defaults to clamp_exp
+        clamp_exp = md.per_block_floats("swiglu_clamp_exp", n_layer, required=True)
+        return clamp_exp, md.per_block_floats("swiglu_clamp_shexp", n_layer, required=False) or clamp_exp
+    for clamp_key in ("swiglu_clamp_exp", "swiglu_clamp_shexp"):
+        clamp = md.md.get(md.key(clamp_key))
+        values = clamp if isinstance(clamp, list) else [clamp]
+        if any(isinstance(v, int | float) and not isinstance(v, bool) and v > _CLAMP_EPS for v in values):
+            raise UnsupportedTypeError(f"{md.key(clamp_key)} sets a SwiGLU clamp, which this executor does not apply")
+    return (), ()
+
+
+def _expert_width(md: _Meta, rule: _ArchRule, counts: _Counts) -> tuple[int, tuple[int, ...]]:
+    """``(n_ff_exp, per-block widths)``: the key (one value, or per block where the loader uses
+    ``get_key_or_arr``), then the arch's width rule.
+
+    Raises:
+        FormatError: a width is missing where the rule needs it, or not positive.
+    """
+    if rule.ff_exp_array and isinstance(md.md.get(md.key("expert_feed_forward_length")), list | tuple):
+        # get_key_or_arr: one width per block; the tensors of block L are n_ff_exp(L) wide
+        layers = md.per_block_ints("expert_feed_forward_length", counts.n_layer)
+        if min(layers) <= 0:
+            raise FormatError(f"{md.key('expert_feed_forward_length')} has a width <= 0: {layers}")
+        return rule.expert_width(md, counts, layers[0]), layers
+    return rule.expert_width(md, counts, md.int_("expert_feed_forward_length", default=0)), ()
+
+
 _CLAMP_EPS = 1e-6  # llama-graph.cpp build_moe_ffn / build_ffn: a limit <= eps means no clamp
 
 
@@ -742,10 +873,6 @@ def _clamp_at(limits: tuple[float, ...], layer: int) -> float:
     if 0 <= layer < len(limits) and limits[layer] > _CLAMP_EPS:
         return limits[layer]
     return 0.0
-
-
-def _is_glm47_lite(n_layer: int, n_vocab: int | None) -> bool:
-    return n_layer in _GLM47_LITE_LAYERS and n_vocab == _GLM47_LITE_VOCAB
 
 
 class _Meta:

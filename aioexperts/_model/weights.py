@@ -18,6 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from aioexperts._compute import fused
 from aioexperts._compute.activations import round_activations
 from aioexperts._errors import FormatError
+from aioexperts._format.dequant import dequantize
 from aioexperts._format.model import GGUFModel
 
 __all__ = ("DenseMatrix", "TensorReader")
@@ -61,7 +62,7 @@ class DenseMatrix:
         """Rows ``ids`` dequantized: ``(len(ids), cols)`` float32 (token embeddings)."""
         idx = np.asarray(ids, dtype=np.int64)
         picked = np.ascontiguousarray(self.raw.reshape(self.shape[0], -1)[idx])
-        return fused.dequantize(picked, self.ggml_type, (len(idx), self.shape[1]))
+        return dequantize(picked, self.ggml_type, (len(idx), self.shape[1]))
 
 
 class TensorReader:
@@ -130,7 +131,7 @@ class TensorReader:
             FormatError: missing, not of ``shape``, truncated, or holding NaN/inf.
         """
         raw, qtype, got = self._checked(name, shape)
-        out = fused.dequantize(raw, qtype, got)
+        out = dequantize(raw, qtype, got)
         if not np.isfinite(out).all():
             raise FormatError(f"{self.model.path}: tensor {name!r} holds NaN or inf")
         self.n_bytes += out.nbytes

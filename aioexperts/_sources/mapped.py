@@ -2,7 +2,7 @@
 
 Set-up: open the shards buffered, map each read-only (:class:`~aioexperts._io.mapping.MappedShards`),
 and, for the ``uring`` warming method, a buffered io_uring over a small scratch slab. Views point
-into the mappings; pinning and warming are :class:`~aioexperts._cache.pagecache.PageCacheSource`'s.
+into the mappings; pinning and warming are :class:`~aioexperts._cache.mapped_cache.MappedExpertCache`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from gguf import GGMLQuantizationType
 
 from .._cache.cache import Key
-from .._cache.pagecache import PageCacheCounters, PageCacheSource, PinnedExpert
+from .._cache.mapped_cache import MappedExpertCache, PageCacheCounters, PinnedExpert
 from .._cache.stats import Counters, StoreStatistics
 from .._errors import BackendUnavailableError, ExpertReadError, InvalidRequestError
 from .._format.layout import ExpertLayout
@@ -62,7 +62,7 @@ class MappedSource(ExpertSource):
         self._queue_depth = queue_depth
         self.files: ShardFiles | None = None
         self.shards: MappedShards | None = None
-        self.pagecache: PageCacheSource | None = None
+        self.pagecache: MappedExpertCache | None = None
         self.counters = PageCacheCounters()
         self._warming: IOBackend | None = None  # the uring method's ring, until the source owns it
         self._layout: ExpertLayout | None = None
@@ -90,7 +90,7 @@ class MappedSource(ExpertSource):
                 method = "read"
             else:
                 uring.attach()
-        self.pagecache = PageCacheSource(
+        self.pagecache = MappedExpertCache(
             layout,
             shards,
             files.fds,
@@ -126,7 +126,7 @@ class MappedSource(ExpertSource):
         assert self._layout is not None
         return self._layout.n_experts_total
 
-    def _running(self) -> PageCacheSource:
+    def _running(self) -> MappedExpertCache:
         assert self.pagecache is not None
         return self.pagecache
 

@@ -238,20 +238,10 @@ _PRE_TABLE: dict[str, tuple[str, bool, bool, bool, bool]] = {
     "": ("DEFAULT", _T, _F, _F, _F),  # missing key: llama.cpp warns "GENERATION QUALITY WILL BE DEGRADED"
     "default": ("DEFAULT", _T, _F, _F, _F),
     "minicpm5": ("MINICPM5", _T, _T, _F, _F),
-    **{
-        name: ("LLAMA3", _T, _T, _T, _F)
-        for name in (
-            "llama3",
-            "llama-v3",
-            "llama-bpe",
-            "falcon3",
-            "falcon-h1",
-            "pixtral",
-            "midm-2.0",
-            "lfm2",
-            "jina-v5-nano",
-        )
-    },
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"),
+        ("LLAMA3", _T, _T, _T, _F),
+    ),
     "deepseek-llm": ("DEEPSEEK_LLM", _F, _F, _F, _F),
     "deepseek-coder": ("DEEPSEEK_CODER", _F, _F, _F, _F),
     "deepseek-v3": ("DEEPSEEK3_LLM", _F, _F, _F, _F),
@@ -260,9 +250,8 @@ _PRE_TABLE: dict[str, tuple[str, bool, bool, bool, bool]] = {
     "falcon": ("FALCON", _T, _F, _F, _F),
     "mpt": ("MPT", _T, _F, _F, _F),
     "starcoder": ("STARCODER", _T, _F, _F, _F),
-    **{
-        name: ("GPT2", _T, _F, _F, _F)
-        for name in (
+    **dict.fromkeys(
+        (
             "gpt-2",
             "phi-2",
             "jina-es",
@@ -277,12 +266,13 @@ _PRE_TABLE: dict[str, tuple[str, bool, bool, bool, bool]] = {
             "jina-v1-en",
             "jina-v2-code",
             "roberta-bpe",
-        )
-    },
+        ),
+        ("GPT2", _T, _F, _F, _F),
+    ),
     "jais-2": ("JAIS2", _T, _F, _F, _F),
     "refact": ("REFACT", _T, _F, _F, _F),
     "command-r": ("COMMAND_R", _F, _F, _F, _F),
-    **{name: ("QWEN2", _F, _F, _F, _F) for name in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2")},
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"), ("QWEN2", _F, _F, _F, _F)),
     "qwen35": ("QWEN35", _F, _F, _F, _F),
     "stablelm2": ("STABLELM2", _T, _F, _F, _F),
     "olmo": ("OLMO", _T, _F, _F, _F),
@@ -304,14 +294,14 @@ _PRE_TABLE: dict[str, tuple[str, bool, bool, bool, bool]] = {
     "chameleon": ("CHAMELEON", _F, _F, _T, _F),
     "minerva-7b": ("MINERVA", _T, _F, _F, _F),
     "megrez": ("QWEN2", _T, _F, _F, _F),
-    **{name: ("GPT4O", _F, _F, _F, _F) for name in ("gpt-4o", "llama4", "kanana2", "talkie")},
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie"), ("GPT4O", _F, _F, _F, _F)),
     "granite-embed-multi-97m": ("GRANITE_EMB_MULTI", _F, _T, _F, _F),
     "tiny_aya": ("TINY_AYA", _F, _F, _F, _F),
     "cohere2moe": ("TINY_AYA", _F, _F, _F, _F),
     "superbpe": ("SUPERBPE", _F, _F, _F, _F),
     "trillion": ("TRILLION", _F, _F, _F, _F),
     "granite-docling": ("GRANITE_DOCLING", _F, _F, _F, _F),
-    **{name: ("BAILINGMOE", _F, _F, _F, _F) for name in ("bailingmoe", "bailingmoe2", "llada-moe")},
+    **dict.fromkeys(("bailingmoe", "bailingmoe2", "llada-moe"), ("BAILINGMOE", _F, _F, _F, _F)),
     "seed-coder": ("SEED_CODER", _F, _F, _F, _F),
     "hunyuan": ("HUNYUAN", _F, _F, _F, _F),
     "hunyuan-dense": ("HUNYUAN_DENSE", _F, _F, _F, _F),

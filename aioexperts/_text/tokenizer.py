@@ -312,9 +312,8 @@ class Tokenizer:
 
     def _special_ids(self, vocab: Vocabulary, n: int, row: pretokenize.PreTokenizer | None) -> dict[str, int | None]:
         # llama.cpp's defaults per model, then the keys
-        ids: dict[str, int | None] = {
-            k: None
-            for k in (
+        ids: dict[str, int | None] = dict.fromkeys(
+            (
                 "bos",
                 "eos",
                 "eot",
@@ -330,7 +329,7 @@ class Tokenizer:
                 "fim_rep",
                 "fim_sep",
             )
-        }
+        )
         if self._is_spm:
             ids.update(bos=1, eos=2, unk=0)
         else:

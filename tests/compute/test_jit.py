@@ -148,12 +148,12 @@ def test_the_numpy_kernels_serve_when_numba_is_missing(tmp_path) -> None:
     x = rng.standard_normal((3, 256)).astype(np.float32)
     ys = [fused.linear(raw, T.Q4_K, (2, 256), x[:n]) for n in (1, 3, 3)]
     want = x @ quant.dequantize(raw, T.Q4_K, (2, 256)).T
-    exact = fused.dequantize(raw, T.Q4_K, (2, 256))
+    exact = quant.dequantize(raw, T.Q4_K, (2, 256))
     report = fused.warmup([T.Q4_K])
     print(json.dumps({
         "backend": fused.backend().name, "reason": fused.backend().reason, "logs": records,
         "close": bool(np.allclose(ys[1], want, rtol=1e-5, atol=1e-6)),
-        "exact": bool(np.array_equal(exact, quant.dequantize(raw, T.Q4_K, (2, 256)))),
+        "exact": bool(np.array_equal(exact, quant.dequantize(raw, T.Q4_K, (2, 256), compiled=False))),
         "kernels": list(report.kernels),
     }))
     """

@@ -1,6 +1,7 @@
 """aioexperts._compute.fused with the numba kernels: exact dequantization and fused products.
 
-Exact dequantization must equal gguf-py bit for bit (random bytes, extreme f16 / e8m0 scales, every
+Exact dequantization (its one entry, ``aioexperts._format.dequant.dequantize``, runs the compiled
+kernels fused plugs in) must equal gguf-py bit for bit (random bytes, extreme f16 / e8m0 scales, every
 16-bit pattern); the fused products (one token, small batches, prefill) must agree with a float64
 product of the exactly dequantized matrix within 1e-5 relative, rows of any count, NaN and inf
 included. numba is a required dependency: these tests fail (they do not skip) without it.
@@ -25,6 +26,7 @@ from quantblocks import (
 
 from aioexperts._compute import fused
 from aioexperts._errors import ConfigError, FormatError
+from aioexperts._format.dequant import dequantize
 
 Q = GGMLQuantizationType
 TYPES = sorted(fused.compiled_types(), key=lambda t: t.name)
@@ -58,9 +60,23 @@ def test_the_fifteen_types_have_kernels_and_f32_goes_to_blas() -> None:
 
 
 def check_exact(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
-    ours = fused.dequantize(memoryview(raw).toreadonly(), qtype, shape)
+    ours = dequantize(memoryview(raw).toreadonly(), qtype, shape)
+    if qtype in fused.compiled_types():
+        assert f"dequant_{qtype.name.lower()}" in fused.ready_kernels()  # the compiled kernel served
     assert_bit_exact(ours, reference(raw, qtype, shape))
     return ours
+
+
+def test_the_one_dequantize_entry_runs_the_compiled_kernel_unless_told_not_to() -> None:
+    raw = random_blocks(Q.Q4_K, 4, seed=3)
+    numpy_values = dequantize(raw, Q.Q4_K, (2, 512), compiled=False)
+    assert "dequant_q4_k" not in fused.ready_kernels()
+    assert_bit_exact(dequantize(raw, Q.Q4_K, (2, 512)), numpy_values)
+    assert "dequant_q4_k" in fused.ready_kernels()
+    fused.set_backend("numpy")
+    assert fused.ready_kernels() == frozenset()
+    assert_bit_exact(dequantize(raw, Q.Q4_K, (2, 512)), numpy_values)
+    assert fused.ready_kernels() == frozenset()
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -101,17 +117,17 @@ def test_exact_every_16_bit_pattern(qtype: GGMLQuantizationType) -> None:
 def test_exact_f32_copies_and_out_parameter() -> None:
     values = np.random.default_rng(2).standard_normal((4, 8)).astype(np.float32)
     out = np.full((4, 8), 7.0, np.float32)
-    assert fused.dequantize(values.tobytes(), Q.F32, (4, 8), out=out) is out
+    assert dequantize(values.tobytes(), Q.F32, (4, 8), out=out) is out
     np.testing.assert_array_equal(out, values)
     with pytest.raises(ConfigError):
-        fused.dequantize(values.tobytes(), Q.F32, (4, 8), out=np.empty((4, 16), np.float32)[:, ::2])
+        dequantize(values.tobytes(), Q.F32, (4, 8), out=np.empty((4, 16), np.float32)[:, ::2])
 
 
 def test_exact_types_without_kernel_use_the_numpy_path() -> None:
     raw = random_blocks(Q.TQ2_0, 4, seed=9)
     block_size, _ = GGML_QUANT_SIZES[Q.TQ2_0]
     assert Q.TQ2_0 not in fused.compiled_types()
-    assert_bit_exact(fused.dequantize(raw, Q.TQ2_0, (2, 2 * block_size)), reference(raw, Q.TQ2_0, (2, 2 * block_size)))
+    assert_bit_exact(dequantize(raw, Q.TQ2_0, (2, 2 * block_size)), reference(raw, Q.TQ2_0, (2, 2 * block_size)))
 
 
 # ----------------------------------------------------------------------------------------------

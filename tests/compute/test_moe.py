@@ -136,7 +136,7 @@ def test_mixed_tier_views_carry_their_bank_types() -> None:
 
 
 def _hp(**kw) -> MoEHParams:
-    base = dict(arch="test", n_layer=1, n_embd=32, n_expert=4, n_expert_used=2, n_ff_exp=16)
+    base = {"arch": "test", "n_layer": 1, "n_embd": 32, "n_expert": 4, "n_expert_used": 2, "n_ff_exp": 16}
     base.update(kw)
     return MoEHParams(**base)
 
@@ -436,11 +436,11 @@ def test_random_routing_matches_reference(n_tokens, k, seed, inactive) -> None:
 
 
 def _shared_weights(rng, n_embd=32, n_ff=24):
-    return dict(
-        shexp_gate=rng.standard_normal((n_ff, n_embd), dtype=np.float32) * 0.3,
-        shexp_up=rng.standard_normal((n_ff, n_embd), dtype=np.float32) * 0.3,
-        shexp_down=rng.standard_normal((n_embd, n_ff), dtype=np.float32) * 0.3,
-    )
+    return {
+        "shexp_gate": rng.standard_normal((n_ff, n_embd), dtype=np.float32) * 0.3,
+        "shexp_up": rng.standard_normal((n_ff, n_embd), dtype=np.float32) * 0.3,
+        "shexp_down": rng.standard_normal((n_embd, n_ff), dtype=np.float32) * 0.3,
+    }
 
 
 def _shared_reference(x, w, gate_inp=None):

@@ -8,6 +8,7 @@ the fallback to gguf-py and the errors for bad input.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -29,6 +30,15 @@ REQUIRED = {
 KERNEL_TYPES = sorted(supported_types(), key=lambda t: t.name)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def numpy_kernels() -> Iterator[None]:
+    """These tests are of the numpy kernels: take out the compiled ones ``_compute.fused`` plugs in."""
+    plugged = dequant._Plugged.accelerator
+    dequant.set_accelerator(None)
+    yield
+    dequant.set_accelerator(plugged)
+
+
 def check(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
     ours = dequantize(memoryview(raw).toreadonly(), qtype, shape)
     assert_bit_exact(ours, reference(raw, qtype, shape))
@@ -42,7 +52,9 @@ def check(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) 
 def test_supported_types_cover_the_required_kernels() -> None:
     assert REQUIRED <= supported_types()
     assert isinstance(supported_types(), frozenset)
-    assert set(dequant.__all__) == {"dequantize", "supported_types"}
+    assert set(dequant.__all__) == {
+        "Accelerator", "check_out", "dequantize", "set_accelerator", "supported_types", "tensor_bytes",
+    }  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------

@@ -283,7 +283,15 @@ def test_causal_mask() -> None:
 
 
 def _hp(**kw: object) -> MLAHParams:
-    base: dict = dict(n_embd=64, n_head=2, q_lora_rank=8, kv_lora_rank=8, key_length=192, value_length=8, rope_dims=64)
+    base: dict = {
+        "n_embd": 64,
+        "n_head": 2,
+        "q_lora_rank": 8,
+        "kv_lora_rank": 8,
+        "key_length": 192,
+        "value_length": 8,
+        "rope_dims": 64,
+    }
     base.update(kw)
     return MLAHParams(rms_eps=1e-6, **base)
 

@@ -168,7 +168,7 @@ def test_result_is_frozen() -> None:
 
 
 def test_belady_replays_a_long_trace() -> None:
-    trace = uniform_random_trace(2500, range(8), 128, 8, seed=0)  # 160,000 requests (speed: bench/replay.py)
+    trace = uniform_random_trace(2500, range(8), 128, 8, seed=0)  # 160,000 requests (speed: bench/trace_replay.py)
     result = replay(trace, 256, ["belady", "lru"])
     assert result["belady"].requests == result["lru"].requests == 160_000
     assert result["belady"].hits >= result["lru"].hits  # Belady is optimal

@@ -1,11 +1,11 @@
 """Trace replay: hit rates of LRU, LFU, LFUDA and Belady's optimum at slabs of 10 %, 25 % and 50 %.
 
-    python bench/replay.py [--trace FILE.npz] [--tokens 2000] [--seed 0]
+    python bench/trace_replay.py [--trace FILE.npz] [--tokens 2000] [--seed 0]
 
 Without ``--trace`` it replays two generated traces of the bench model's geometry (8 MoE layers,
 128 experts, top-8): uniform random routing and a skewed one (Zipf popularity per layer and
-token-to-token locality). A trace recorded with ``aioexperts.open(..., record_trace=True)`` and
-``engine.routing_trace().save(path)`` can be replayed with ``--trace``.
+token-to-token locality). A trace recorded with ``MoERunner(store, record_trace=True)`` and
+``runner.routing_trace().save(path)`` can be replayed with ``--trace``.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from .._io.backends.base import IOBackend, ReadOp, ReadResult, SubmitError
 from .._io.loop import AsyncEvent, LoopAdapter
 from .._io.mapping import SCRATCH_BYTES, MappedShards, WarmRange, merge_ranges, warm_advice, warm_read
 
-__all__ = ("PageCacheCounters", "PageCacheSource", "PageCacheStatistics", "PinnedExpert")
+__all__ = ("PageCacheCounters", "MappedExpertCache", "PageCacheStatistics", "PinnedExpert")
 
 _CHUNKS_PER_JOB = 4
 """With ``uring``: ranges warmed at once is the ring depth over this (a range is a few chunks)."""
@@ -51,7 +51,7 @@ class PageCacheCounters:
         bytes_warmed: bytes those calls covered (read, or advised).
         resident_skipped: merged ranges found fully resident by ``mincore`` and not warmed.
         errors: warming calls that failed.
-        prefetch_seconds: time spent in :meth:`PageCacheSource.prefetch` itself (residency checks
+        prefetch_seconds: time spent in :meth:`MappedExpertCache.prefetch` itself (residency checks
             and queueing, on the loop thread).
         prefetch_calls: prefetch calls per MoE layer predicted.
         prefetch_ranges: merged ranges queued by prefetch (the unit of ``dropped`` too).
@@ -141,8 +141,12 @@ class _Job:
     pending: int = 0  # method "uring": reads not completed yet
 
 
-class PageCacheSource:
+class MappedExpertCache:
     """Serves experts from the page cache, warming what is not resident.
+
+    The page-cache mode's counterpart of :class:`~aioexperts._cache.cache.ExpertCache` (pins, demand
+    before prefetch, drops); the expert source around it is
+    :class:`~aioexperts._sources.mapped.MappedSource`.
 
     Args:
         layout: the expert layout.
