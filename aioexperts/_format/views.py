@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType
 
-__all__ = ("ExpertView", "ProjectionView")
+__all__ = ("ExpertView", "ProjectionView", "warn_exported")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,13 +78,18 @@ class ExpertView:
             if release_view(projection.data)
         ]
         if exported:
-            warnings.warn(
-                f"layer {self.layer} expert {self.expert}: the {'/'.join(exported)} bytes are still exported "
-                "(e.g. by np.frombuffer) as the expert is unpinned; its slot may be reused under them. "
-                "Drop such arrays inside the experts() block, or keep a copy (ExpertView.copy())",
-                ResourceWarning,
-                stacklevel=2,
-            )
+            warn_exported(self, exported, stacklevel=3)
+
+
+def warn_exported(view: ExpertView, projections: list[str], stacklevel: int) -> None:
+    """The ``ResourceWarning`` for bytes of ``view`` still used (``projections``) as it is unpinned."""
+    warnings.warn(
+        f"layer {view.layer} expert {view.expert}: the {'/'.join(projections)} bytes are still exported "
+        "(e.g. by np.frombuffer) as the expert is unpinned; its slot may be reused under them. "
+        "Drop such arrays inside the experts() block, or keep a copy (ExpertView.copy())",
+        ResourceWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def release_view(view: memoryview) -> bool:
