@@ -28,7 +28,7 @@ from ._cache.stats import StoreStatistics
 from ._errors import ConfigError, InvalidRequestError, StoreClosedError, UnsupportedTypeError
 from ._format.expert_map import check_map_matches_layout, read_expert_map
 from ._format.hparams import MoEHParams
-from ._format.layout import ExpertLayout, build_layout
+from ._format.layout import ExpertLayout, MoELayer, build_layout
 from ._format.model import GGUFModel, open_model
 from ._format.views import ExpertView
 from ._io.loop import LoopAdapter, current_loop, wait_through_cancellation
@@ -374,6 +374,22 @@ class ExpertStore:
 
     # -- experts --------------------------------------------------------------------------------
 
+    def _keys(self, layer: int, ids: Sequence[object]) -> tuple[MoELayer, list[Key]]:
+        moe = self.layout.layer(layer)
+        keys = []
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int | np.integer):
+                raise InvalidRequestError(f"expert ids must be ints, got {i!r}")
+            i = int(i)
+            if i == -1:
+                continue
+            if not 0 <= i < moe.n_experts:
+                raise InvalidRequestError(
+                    f"layer {moe.index} has experts 0..{moe.n_experts - 1}; expert {i} does not exist"
+                )
+            keys.append((moe.index, i))
+        return moe, keys
+
     def _layer_keys(self, layer: int) -> tuple[Key, ...]:
         """Every key of MoE layer ``layer``, expert by expert (made once per layer: a hit allocates no key).
 
@@ -386,7 +402,7 @@ class ExpertStore:
             table = self._key_tables[moe.index] = tuple((moe.index, e) for e in range(moe.n_experts))
         return table
 
-    def _keys(self, layer: int, ids: Sequence[object]) -> tuple[list[Key], list[int] | None]:
+    def _request_keys(self, layer: int, ids: Sequence[object]) -> tuple[list[Key], list[int] | None]:
         """The unique keys of ``ids`` in first-seen order, and where each id's view is among them.
 
         Returns:
@@ -583,7 +599,7 @@ class _ExpertsBlock:
             ids = list(self._ids)  # iterated twice below: accept generators and other one-shot iterables
         except TypeError:
             raise InvalidRequestError(f"ids must be an iterable of expert ids, got {self._ids!r}") from None
-        keys, positions = store._keys(self._layer, ids)
+        keys, positions = store._request_keys(self._layer, ids)
         prefetch = self._prefetch
         prefetch_keys = [] if type(prefetch) in (tuple, list) and not prefetch else _checked_keys(prefetch, "prefetch")
         wait = self._wait

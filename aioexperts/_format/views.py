@@ -71,6 +71,8 @@ class ExpertView:
         A view still exported elsewhere (e.g. wrapped by ``np.frombuffer``) cannot be released: its
         memory is slot memory that may be overwritten once the expert is unpinned, so this warns
         (``ResourceWarning``) and leaves it readable. Keep bytes past the pin with :meth:`copy`.
+        The slab mode's views are shared by every request pinning the expert and released by the
+        store when its slot is reused: a host does not release those itself.
         """
         exported = [
             name

@@ -273,7 +273,10 @@ class SlabSource(ExpertSource):
     def release_parts(self) -> list[Callable[[], None]]:
         if self.cache is not None:  # the source's own shared views must not keep the slab mapped
             for entry in self.cache.entries.values():
-                entry.drop_views()
+                if entry.pins:  # a block still uses them: they stay valid, and the mapping with them
+                    entry.views = None
+                else:
+                    entry.drop_views()
         parts: list[Callable[[], None]] = []
         for rows in (self._rows, self._rows_built):
             if rows is not None:

@@ -141,3 +141,15 @@ async def test_close_unmaps_the_slab_although_views_were_shared(model_path: Path
     assert not _mapped(start)
     with pytest.raises(ValueError, match="released"):
         bytes(views[0].gate.data)  # type: ignore[union-attr]
+
+
+async def test_views_of_a_block_still_open_stay_valid_through_close(model_path: Path, anyio_backend: object) -> None:
+    """Found by the state machine: closing the store must not release the views a request still holds."""
+    model = aioexperts.open_model(model_path)
+    want = pread_segment(model, aioexperts.build_layout(model).locate(1, 3).gate)
+    store = aioexperts.open(model_path, slots=4)
+    await store.start()
+    async with store.experts(1, [3]) as (view,):
+        assert view is not None
+        await store.aclose()
+        assert bytes(view.gate.data) == want  # the mapping stays while this block holds the view
