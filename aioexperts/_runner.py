@@ -10,6 +10,7 @@ the upcoming layers, compute in a worker thread, unpin.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -31,7 +32,7 @@ from ._compute.resident import load_residents, warmup_kernels
 from ._errors import ConfigError, InvalidRequestError, SlabExhaustedError
 from ._format.layout import MoELayer
 from ._format.views import ExpertView
-from ._pipeline import ComputeStep, LayerStep, MoELayersResult, run_in_worker, run_layer_step
+from ._pipeline import ComputeStep, LayerStep, MoELayersResult, run_in_worker, run_layer_step, run_layer_step_then
 from ._predict.predictors import PREDICTORS, Predictor, make_predictor
 from ._predict.trace import RoutingTrace, TraceRecorder
 from ._store import ExpertStore
@@ -438,6 +439,44 @@ class MoERunner:
         c.compute_seconds += step.compute_seconds
         return step
 
+    async def _step_then(
+        self, layer: int, x: np.ndarray, routed: _Routed, compute: ComputeStep, then: Callable[[Any], Any]
+    ) -> tuple[LayerStep, Any]:
+        """:meth:`_step` of a single-group layer, with ``then(output)`` in the compute's job (one hand-off)."""
+        group = routed.groups[0]
+        step, after = await run_layer_step_then(
+            self._store,
+            layer,
+            x,
+            group.ids,
+            routed.weights,
+            group.experts,
+            compute,
+            then,
+            prefetch=routed.prefetch,
+            upcoming=self.upcoming_layers(layer),
+        )
+        c = self._counters
+        c.layer_steps += 1
+        c.io_wait_seconds += step.io_wait_seconds
+        c.compute_seconds += step.compute_seconds
+        return step, after
+
+    def _advance(
+        self,
+        layer: int,
+        x: np.ndarray,
+        nxt: int | None,
+        route_step: RouteStep | None,
+        predictor: Predictor | None,
+        token: int | None,
+        token_ids: np.ndarray | None,
+        y: object,
+    ) -> tuple[np.ndarray, _Routed | None]:
+        """The next layer's input ``x + y`` and its routing (None after the last layer), in a worker."""
+        x_next = _next_input(layer, x, y, True)
+        return x_next, None if nxt is None else self._route(nxt, x_next, route_step, predictor, token, token_ids)
+
     async def _executor_layer(self, layer: int, x: np.ndarray, routed: _Routed) -> tuple[MoEOutput, float, float]:
         """The layer through the executor, group by group; the groups' routed sums are added."""
         resident, hparams = self.residents[layer], self._store.hparams
@@ -589,20 +628,26 @@ class MoERunner:
             with self._state_lock:
                 token = self._recorder.reserve(len(x))
         steps = []
-        for layer in self._store.layout.layers:
-            routed = await run_in_worker(self._route, layer, x, route_step, chosen, token, ids)
+        moe_layers = list(self._store.layout.layers)
+        routed: _Routed | None = None
+        for i, layer in enumerate(moe_layers):
+            if routed is None:
+                routed = await run_in_worker(self._route, layer, x, route_step, chosen, token, ids)
             if compute is None:
                 out, io_wait, compute_s = await self._executor_layer(layer, x, routed)
                 step = LayerStep(layer, routed.ids, routed.weights, out.ffn_out, io_wait, compute_s)
-            elif len(routed.groups) == 1:
-                step = await self._step(layer, x, routed.weights, routed.groups[0], compute, routed.prefetch)
+                x = await run_in_worker(_next_input, layer, x, step.output, False)  # the residual stream
+                routed = None
+            elif len(routed.groups) == 1:  # the residual add and the next route ride on the compute's job
+                nxt = moe_layers[i + 1] if i + 1 < len(moe_layers) else None
+                advance = functools.partial(self._advance, layer, x, nxt, route_step, chosen, token, ids)
+                step, (x, routed) = await self._step_then(layer, x, routed, compute, advance)
             else:
                 raise SlabExhaustedError(
                     f"layer {layer}: the batch chose {sum(len(g.experts) for g in routed.groups)} experts, more "
                     f"than the {self._store.n_slots} slots; a custom compute step must fit in the slab"
                 )
             steps.append(step)
-            x = await run_in_worker(_next_input, layer, x, step.output, compute is not None)  # the residual stream
         seconds = time.perf_counter() - t0
         self._counters.tokens += len(x)
         self._counters.token_latency.add(seconds)

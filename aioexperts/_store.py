@@ -17,7 +17,7 @@ import os
 import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TypeVar
 
 import anyio
@@ -167,6 +167,7 @@ class ExpertStore:
             SlabSource(cache, io, self._check_running) if pagecache is None else MappedSource(pagecache, io.queue_depth)
         )
         self._release: _Release | None = None
+        self._key_tables: dict[int, tuple[Key, ...]] = {}  # layer -> its keys, made once
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -389,17 +390,67 @@ class ExpertStore:
             keys.append((moe.index, i))
         return moe, keys
 
-    @asynccontextmanager
-    async def experts(
+    def _layer_keys(self, layer: int) -> tuple[Key, ...]:
+        """Every key of MoE layer ``layer``, expert by expert (made once per layer: a hit allocates no key).
+
+        Raises:
+            InvalidRequestError: no such layer.
+        """
+        table = self._key_tables.get(layer) if type(layer) is int else None
+        if table is None:
+            moe = self.layout.layer(layer)
+            table = self._key_tables[moe.index] = tuple((moe.index, e) for e in range(moe.n_experts))
+        return table
+
+    def _request_keys(self, layer: int, ids: Sequence[object]) -> tuple[list[Key], list[int] | None]:
+        """The unique keys of ``ids`` in first-seen order, and where each id's view is among them.
+
+        Returns:
+            ``(keys, None)`` when the ids are distinct and active (``views[i]`` is ``ids[i]``'s),
+            else ``(keys, positions)`` with the index into ``keys`` of each id, ``-1`` for ``-1``.
+
+        Raises:
+            InvalidRequestError: no such layer or expert, or an id that is not an int.
+        """
+        table = self._layer_keys(layer)
+        n = len(table)
+        keys: list[Key] = []
+        inactive = False
+        for i in ids:
+            if type(i) is not int:
+                if isinstance(i, bool) or not isinstance(i, int | np.integer):
+                    raise InvalidRequestError(f"expert ids must be ints, got {i!r}")
+                i = int(i)
+            if 0 <= i < n:
+                keys.append(table[i])
+            elif i == -1:
+                inactive = True
+            else:
+                raise InvalidRequestError(
+                    f"layer {table[0][0] if n else layer} has experts 0..{n - 1}; expert {i} does not exist"
+                )
+        if not inactive and (len(keys) < 2 or len(set(keys)) == len(keys)):
+            return keys, None
+        unique = list(dict.fromkeys(keys))
+        index = {key: k for k, key in enumerate(unique)}
+        it = iter(keys)
+        positions = [-1 if int(i) == -1 else index[next(it)] for i in ids]  # type: ignore[call-overload]
+        return unique, positions
+
+    def experts(
         self, layer: int, ids: Iterable[int], *, wait: bool | None = None, prefetch: Iterable[Key] = ()
-    ) -> AsyncIterator[list[ExpertView | None]]:
+    ) -> AbstractAsyncContextManager[list[ExpertView | None]]:
         """Pin experts of one layer and give zero-copy views of their raw bytes.
 
         ``async with store.experts(layer, ids) as views:`` -- ``views[i]`` describes ``ids[i]``
         (``None`` for the inactive id ``-1``); its ``gate``/``up``/``down`` ``data`` are
         read-only memoryviews into slot memory, identical to a plain ``pread`` of the file. The
-        slots stay pinned inside the block; on exit the views are released (a view still exported
-        to, e.g., a numpy array stays readable but may be overwritten once the slot is reused).
+        slots stay pinned inside the block. In slab mode the views of an expert are made once per
+        slot load and shared by every request that pins it (a warm hit builds none): after the
+        block they stay readable until the slot is reused for another expert, then they are
+        released (using one raises ``ValueError``); an array made from them (``np.frombuffer``)
+        cannot be released and reads whatever the slot holds next, so keep bytes past the block
+        with ``ExpertView.copy()``. In page-cache mode the views are released on exit.
 
         Args:
             layer: block index of a MoE layer.
@@ -417,40 +468,17 @@ class ExpertStore:
             SlotTimeoutError: no slot within ``CacheOptions.slot_timeout``.
             ExpertReadError: a read failed (cause attached); the store stays usable.
             StoreClosedError: the store is closed.
+            All raised when the block is entered.
+
+        Warns:
+            ResourceWarning: as the last pin of an expert ends, an array made from its views
+                (``np.frombuffer``) is still alive (an error under ``-W error``).
 
         Cancellation handling:
             Cancelling while waiting unpins everything this call pinned; reads already submitted
             complete in the background and their slots stay LOADING until then.
         """
-        source = self._running_source()
-        try:
-            ids = list(ids)  # iterated twice below: accept generators and other one-shot iterables
-        except TypeError:
-            raise InvalidRequestError(f"ids must be an iterable of expert ids, got {ids!r}") from None
-        moe, keys = self._keys(layer, ids)
-        prefetch_keys = _checked_keys(prefetch, "prefetch")
-        if wait is not None and not isinstance(wait, bool):
-            raise InvalidRequestError(f"wait must be True, False or None, got {wait!r}")
-        if wait is None:
-            wait = self.cache_options.wait_for_slots
-
-        def start_prefetch() -> None:
-            if prefetch_keys:
-                source.prefetch(prefetch_keys)
-
-        entries: Sequence[Pinned] = await source.acquire(
-            keys, wait=wait, after_pin=start_prefetch, slot_timeout=self.cache_options.slot_timeout if wait else None
-        )
-        by_key = {e.key: source.view(e) for e in entries}
-        views = [None if int(i) == -1 else by_key[(moe.index, int(i))] for i in ids]
-        try:
-            yield views
-        finally:
-            try:
-                for view in by_key.values():
-                    view.release()  # warns when the host still uses the bytes: an error under -W error
-            finally:
-                source.release(entries)
+        return _ExpertsBlock(self, layer, ids, wait, prefetch)
 
     def prefetch(self, keys: Iterable[Key]) -> int:
         """Start loading ``(layer, expert)`` keys that are not cached, without waiting.
@@ -539,6 +567,83 @@ class ExpertStore:
         running = self._source.started
         state = "closed" if self._closed else "running" if running else "not started"
         return f"<aioexperts.ExpertStore {self.path!r} {state}>"
+
+
+class _ExpertsBlock:
+    """The ``async with`` of :meth:`ExpertStore.experts`: pins on entry, unpins on exit.
+
+    A class rather than an async generator: a warm hit then costs no generator, no asyncgen hooks
+    of the loop and no await (every expert resident: pinned at once, :meth:`ExpertSource.pin_ready`).
+    """
+
+    __slots__ = ("_entered", "_entries", "_ids", "_layer", "_prefetch", "_source", "_store", "_views", "_wait")
+
+    def __init__(self, store: ExpertStore, layer: int, ids: Iterable[int], wait: bool | None, prefetch: object) -> None:
+        self._store = store
+        self._layer = layer
+        self._ids = ids
+        self._wait = wait
+        self._prefetch = prefetch
+        self._entered = False
+        self._source: ExpertSource | None = None
+        self._entries: Sequence[Pinned] = ()
+        self._views: list[ExpertView] = []
+
+    async def __aenter__(self) -> list[ExpertView | None]:
+        if self._entered:
+            raise RuntimeError("an experts() block can be entered once; call store.experts() again")
+        self._entered = True
+        store = self._store
+        source = store._running_source()
+        try:
+            ids = list(self._ids)  # iterated twice below: accept generators and other one-shot iterables
+        except TypeError:
+            raise InvalidRequestError(f"ids must be an iterable of expert ids, got {self._ids!r}") from None
+        keys, positions = store._request_keys(self._layer, ids)
+        prefetch = self._prefetch
+        prefetch_keys = [] if type(prefetch) in (tuple, list) and not prefetch else _checked_keys(prefetch, "prefetch")
+        wait = self._wait
+        if wait is not None and not isinstance(wait, bool):
+            raise InvalidRequestError(f"wait must be True, False or None, got {wait!r}")
+        entries = source.pin_ready(keys)
+        if entries is None:
+            if wait is None:
+                wait = store.cache_options.wait_for_slots
+
+            def start_prefetch() -> None:
+                if prefetch_keys:
+                    source.prefetch(prefetch_keys)
+
+            entries = await source.acquire(
+                keys,
+                wait=wait,
+                after_pin=start_prefetch,
+                slot_timeout=store.cache_options.slot_timeout if wait else None,
+            )
+            prefetch_keys = []  # started by acquire, right after pinning
+        try:
+            if prefetch_keys:  # every expert was resident: the prefetch starts after the pins, as in acquire
+                source.prefetch(prefetch_keys)
+            view = source.view
+            views = [view(e) for e in entries]
+        except BaseException:
+            source.release(entries)
+            raise
+        self._source, self._entries, self._views = source, entries, views
+        if positions is None:
+            return views  # type: ignore[return-value]
+        return [None if p < 0 else views[p] for p in positions]
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        source = self._source
+        if source is None:
+            return
+        self._source = None
+        entries = self._entries
+        try:
+            source.end_views(entries, self._views)  # warns when the host still uses the bytes: an error under -W error
+        finally:
+            source.release(entries)
 
 
 def _checked_keys(keys: object, name: str) -> list[Key]:

@@ -20,7 +20,8 @@
    - ``engine-threads`` (not in the default set): the engine with its thread-pool backend.
 
    The engine's pass is followed, in the same engine, by its warm figures: microseconds per
-   ``experts()`` hit and per ``moe()`` call (:mod:`.warmbench`); ``pread`` and ``mmap`` are
+   ``experts()`` hit and per ``moe()`` call (:mod:`.warmbench`; after the ``io_uring`` pass, or
+   after the ``engine-threads`` pass when ``io_uring`` is not measured); ``pread`` and ``mmap`` are
    followed by their warm pass (a second replay, from the page cache).
 3. Ratios (x fio, x mmap, x threads, CPU per GiB against fio) are taken per round and summarised
    as median and range.
@@ -276,8 +277,10 @@ def run_read_bench(
                 say_step(f"round {r + 1}/{cfg.rounds}: {method}")
                 if method in ("io_uring", "engine-threads"):
                     backend = "io_uring" if method == "io_uring" else "threads"
+                    # the warm figures follow the io_uring engine's pass, or the thread pool's without it
+                    warm_here = method == "io_uring" or "io_uring" not in methods
                     rec, got, warm_out = run_on_loop(
-                        _engine_pass, path, info, steps, cfg, backend, unique, method == "io_uring", loop=cfg.loop
+                        _engine_pass, path, info, steps, cfg, backend, unique, warm_here, loop=cfg.loop
                     )
                     rec["same_reads_as_list"] = got.same_reads(reads)
                     rec["same_order_as_list"] = bool(np.array_equal(got.reads, reads.reads))

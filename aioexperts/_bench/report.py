@@ -230,6 +230,17 @@ def _tokens(results: dict[str, Any]) -> list[Section]:
         "synthetic compute calibrated each round to that round's io-only time per layer; compute only: "
         "all experts resident, same pipeline.",
     ]
+    timeline = tokens.get("timeline", {})
+    totals, loop_ms = timeline.get("phase_totals_ms"), timeline.get("loop_thread_ms")
+    if totals and loop_ms:  # results files before the phases have none
+        notes.append(
+            f"timeline of pipelined token {timeline['token']} ({timeline['token_ms']:.1f} ms): route "
+            f"{totals['route_ms']:.1f}, wait before compute {totals['wait_ms']:.1f} (for experts "
+            f"{totals['io_wait_ms']:.1f}), compute {totals['compute_ms']:.1f}, hand-offs "
+            f"{totals['handoff_ms']:.1f} ms; "
+            f"loop thread: submit {loop_ms['submit_ms']:.1f} ms ({loop_ms['submit_calls']} calls), reap "
+            f"{loop_ms['reap_ms']:.1f} ms ({loop_ms['reaps']} completions)."
+        )
     headers = ["run", "ms/token", "tok/s", "I/O wait ms", "compute ms", "hit %"]
     sections = [
         Section(

@@ -152,12 +152,18 @@ class ReadRecorder:
         self.options = options
         self.reads: list[tuple[int, int, int]] = []
         self.times: list[tuple[float, float]] = []
+        #: with ``timestamps``: ``(start, end, n_ops)`` of every ``submit`` call, and ``(start, end)``
+        #: of every completion's handling on the loop thread (the scheduler's reap of one read)
+        self.submit_spans: list[tuple[float, float, int]] = []
+        self.reap_spans: list[tuple[float, float]] = []
         self._submitted: dict[int, tuple[int, float]] = {}
 
     def clear(self) -> None:
         """Forget the reads recorded so far."""
         self.reads.clear()
         self.times.clear()
+        self.submit_spans.clear()
+        self.reap_spans.clear()
         self._submitted.clear()
 
     def read_list(self) -> ReadList:
@@ -182,20 +188,30 @@ class ReadRecorder:
         else:
             set_sink = backend.set_sink
 
+            submit_spans, reap_spans = self.submit_spans, self.reap_spans
+
             def recording_submit(ops: Sequence[Any]) -> None:
                 now = clock()
                 for op in ops:
                     submitted[id(op)] = (len(reads), now)
                     reads.append((op.shard, op.file_offset, op.n_bytes))
                     times.append((now, float("nan")))
-                submit(ops)
+                start = clock()
+                try:
+                    submit(ops)
+                finally:
+                    submit_spans.append((start, clock(), len(ops)))
 
             def recording_set_sink(sink: Callable[[Any, Any], None]) -> None:
                 def timed_sink(op: Any, result: Any) -> None:
+                    start = clock()
                     index, t0 = submitted.pop(id(op), (-1, 0.0))
                     if index >= 0:
-                        times[index] = (t0, clock())
-                    sink(op, result)
+                        times[index] = (t0, start)
+                    try:
+                        sink(op, result)
+                    finally:
+                        reap_spans.append((start, clock()))
 
                 set_sink(timed_sink)
 

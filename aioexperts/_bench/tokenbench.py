@@ -43,7 +43,14 @@ from . import store_adapter as ea
 from .loops import run as run_on_loop
 from .measure import rotated, spread
 
-__all__ = ("TARGET_OVERLAP", "OraclePredictor", "TokenBenchConfig", "run_token_bench", "synthetic_compute")
+__all__ = (
+    "TARGET_OVERLAP",
+    "OraclePredictor",
+    "TokenBenchConfig",
+    "run_token_bench",
+    "synthetic_compute",
+    "token_phases",
+)
 
 #: The overlap target (issue 12; it was 1.1 before).
 TARGET_OVERLAP = 1.15
@@ -174,6 +181,7 @@ async def _overlap_run(
     prefetch: bool,
     resident: bool,
     recorder: ea.ReadRecorder | None = None,
+    route_spans: list[tuple[int, float, float]] | None = None,
 ) -> ea.TokenTimes:
     unique = len({(layer, int(e)) for t in trace for layer, ids in zip(info.layers, t, strict=True) for e in ids})
     slots = unique if resident else _slots(info, cfg.slab_fraction)
@@ -185,8 +193,12 @@ async def _overlap_run(
 
     def route(token: int) -> aioexperts.RouteStep:
         def step(layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            start = time.perf_counter()
             ids = trace[token, oracle.column[layer]][None, :].astype(np.int32)
-            return ids, np.full(ids.shape, 1.0 / ids.shape[1], dtype=np.float32)
+            out = ids, np.full(ids.shape, 1.0 / ids.shape[1], dtype=np.float32)
+            if route_spans is not None:
+                route_spans.append((layer, start, time.perf_counter()))
+            return out
 
         return step
 
@@ -326,6 +338,7 @@ async def _timeline(
     path: str, info: ea.ModelInfo, trace: np.ndarray, cfg: TokenBenchConfig, seconds_per_layer: float
 ) -> dict[str, Any]:
     recorder = ea.ReadRecorder(info.shard_paths, timestamps=True)
+    route_spans: list[tuple[int, float, float]] = []
     times = await _overlap_run(
         path,
         info,
@@ -335,6 +348,7 @@ async def _timeline(
         prefetch=True,
         resident=False,
         recorder=recorder,
+        route_spans=route_spans,
     )
     token = len(times.seconds) // 2
     t0 = times.token_starts[token]
@@ -359,4 +373,61 @@ async def _timeline(
         "synthetic_ms_per_layer": seconds_per_layer * 1e3,
         "reads": reads,
         "compute": compute,
+    } | token_phases(times, token, route_spans, recorder, info.layers)
+
+
+def _ms_within(spans: Sequence[tuple[float, float]], t0: float, t1: float) -> float:
+    """Milliseconds of ``spans`` (perf_counter seconds) inside ``[t0, t1]``."""
+    return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in spans) * 1e3
+
+
+def token_phases(
+    times: ea.TokenTimes,
+    token: int,
+    route_spans: Sequence[tuple[int, float, float]],
+    recorder: ea.ReadRecorder,
+    layers: Sequence[int],
+) -> dict[str, Any]:
+    """Where one pipelined token's time goes: per layer and in total (the timeline's phases).
+
+    Per layer, in order: ``route`` (the route step on its compute-pool worker), ``wait`` (from the
+    route's end to the compute's start: the hand-back to the loop, pinning, waiting for the
+    layer's experts (``io_wait_ms`` of it) and the hand-off to a worker), ``compute`` (the compute
+    step), ``handoff`` (from the compute's end to the next layer's route: the residual add on a
+    worker and two hand-offs). On the loop thread over the token: ``submit_ms`` (the backend's
+    ``submit`` calls) and ``reap_ms`` (handling each completion), as the recorder timed them.
+    """
+    t0 = times.token_starts[token]
+    t1 = t0 + times.seconds[token]
+    routes = [(a, b) for _layer, a, b in route_spans if t0 <= a <= t1]
+    computes = times.compute_spans[token]
+    steps = times.layer_steps[token]
+    per_layer = []
+    for i, layer in enumerate(layers[: min(len(routes), len(computes))]):
+        (ra, rb), (ca, cb) = routes[i], computes[i]
+        following = routes[i + 1][0] if i + 1 < len(routes) else t1
+        per_layer.append(
+            {
+                "layer": layer,
+                "route_ms": (rb - ra) * 1e3,
+                "wait_ms": (ca - rb) * 1e3,
+                "io_wait_ms": steps[i][0] * 1e3 if i < len(steps) else None,
+                "compute_ms": (cb - ca) * 1e3,
+                "handoff_ms": (following - cb) * 1e3,
+            }
+        )
+    submit = [(a, b) for a, b, _n in recorder.submit_spans]
+    totals = {
+        key: sum(row[key] or 0.0 for row in per_layer)
+        for key in ("route_ms", "wait_ms", "io_wait_ms", "compute_ms", "handoff_ms")
+    }
+    return {
+        "phases": per_layer,
+        "phase_totals_ms": totals | {"before_first_route_ms": ((routes[0][0] if routes else t1) - t0) * 1e3},
+        "loop_thread_ms": {
+            "submit_ms": _ms_within(submit, t0, t1),
+            "submit_calls": sum(1 for a, _b in submit if t0 <= a <= t1),
+            "reap_ms": _ms_within(recorder.reap_spans, t0, t1),
+            "reaps": sum(1 for a, _b in recorder.reap_spans if t0 <= a <= t1),
+        },
     }

@@ -32,6 +32,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from enum import Enum
+from typing import Protocol
 
 import anyio
 
@@ -50,7 +51,7 @@ from .eviction import EvictionPolicy
 from .scheduler import Load, Priority, ReadScheduler
 from .stats import Counters
 
-__all__ = ("Entry", "ExpertCache", "Key", "SlotState")
+__all__ = ("Entry", "ExpertCache", "Key", "SlotState", "SlotViews")
 
 log = logging.getLogger("aioexperts")
 
@@ -66,6 +67,16 @@ class SlotState(Enum):
     READY = 2
 
 
+class SlotViews(Protocol):
+    """What a source builds once per slot load for the requests that pin it (its views of the slot).
+
+    The cache keeps it on the entry and calls :meth:`invalidate` when the slot leaves the entry
+    (eviction, the store's release), so that no view of a slot outlives the expert it showed.
+    """
+
+    def invalidate(self) -> None: ...
+
+
 class Entry:
     """One expert in one slot.
 
@@ -77,9 +88,11 @@ class Entry:
         pins: requests currently using the entry.
         error: why the load failed (state FREE), else None.
         prefetched: loaded by a prefetch and not requested since.
+        views: what the source built on the first view of this load (reused by every hit until the
+            slot is reused), else None.
     """
 
-    __slots__ = ("error", "event", "exporters", "key", "load", "pins", "plan", "prefetched", "slot", "state")
+    __slots__ = ("error", "event", "key", "load", "pins", "plan", "prefetched", "slot", "state", "views")
 
     def __init__(self, key: Key, slot: int, plan: LoadPlan, event: AsyncEvent) -> None:
         self.key = key
@@ -91,7 +104,13 @@ class Entry:
         self.prefetched = False
         self.event = event
         self.load: Load | None = None
-        self.exporters: tuple[object, ...] | None = None  # the store's view exporters, built on first view
+        self.views: SlotViews | None = None  # the source's views of this load, built on first view
+
+    def drop_views(self) -> None:
+        """Invalidate and forget the source's views of this load (the slot goes to another expert)."""
+        views, self.views = self.views, None
+        if views is not None:
+            views.invalidate()
 
     def __repr__(self) -> str:
         return f"Entry({self.key}, slot={self.slot}, {self.state.name}, pins={self.pins})"
@@ -168,6 +187,56 @@ class ExpertCache:
         return sum(1 for e in self.entries.values() if e.pins)
 
     # -- acquire / release ----------------------------------------------------------------------
+
+    def pin_ready(self, keys: Sequence[Key]) -> list[Entry] | None:
+        """Pin ``keys`` (unique) at once if every one is READY: the hit path, with nothing to await.
+
+        The same bookkeeping as :meth:`acquire` (the policy's ``access``, counters, the task's
+        pins); a request that needs no slot never queues behind waiting ones, so this is what
+        :meth:`acquire` would do for it.
+
+        Returns:
+            The pinned entries in the order of ``keys`` (release them with :meth:`release`), or
+            None, with nothing changed, when a key is missing or still loading.
+
+        Raises:
+            EvictionPolicyError: the policy's ``access`` raised (nothing is pinned).
+            StoreClosedError: the cache is closed.
+        """
+        if self.closed:
+            raise StoreClosedError("the store is closed")
+        get = self.entries.get
+        ready = SlotState.READY
+        pinned = []
+        for key in keys:
+            entry = get(key)
+            if entry is None or entry.state is not ready:
+                return None
+            pinned.append(entry)
+        untracked = self._untracked
+        access = self.policy.access
+        key = pinned[0].key if pinned else (0, 0)
+        try:  # decide first: a raising hook leaves no pin
+            for entry in pinned:
+                key = entry.key
+                if not untracked or key not in untracked:
+                    access(key)
+        except Exception as exc:  # as _hook: stop trusting the policy about this key
+            untracked.add(key)
+            raise self._policy_error("access", exc) from exc
+        c = self.counters
+        for entry in pinned:
+            entry.pins += 1
+            if entry.prefetched:
+                entry.prefetched = False
+                c.prefetch_hits += 1
+        n = len(pinned)
+        c.requests += n
+        c.hits += n
+        task = self.loop.current_task()
+        held = self._held
+        held[task] = held.get(task, 0) + n
+        return pinned
 
     async def acquire(
         self,
@@ -500,7 +569,7 @@ class ExpertCache:
         for key in victims:
             entry = self.entries.pop(key)
             entry.state = SlotState.FREE
-            entry.exporters = None  # views of the slot's old bytes: the slot now goes to another expert
+            entry.drop_views()  # views of the slot's old bytes: the slot now goes to another expert
             self.free_slots.append(entry.slot)
             self.counters.evictions += 1
             if entry.prefetched:

@@ -130,7 +130,9 @@ class ReadScheduler:
         self.max_bytes_in_flight = max_bytes_in_flight
         self.shard_names = shard_names
         self._retries: deque[ReadOp] = deque()
-        self._queues: dict[Priority, deque[Load]] = {Priority.DEMAND: deque(), Priority.PREFETCH: deque()}
+        # one deque per priority, not a dict keyed by the Enum (whose hash runs in Python)
+        self._demand: deque[Load] = deque()
+        self._prefetch: deque[Load] = deque()
         self._ops_in_flight = 0
         self._bytes_in_flight = 0
         self._flush_scheduled = False
@@ -148,15 +150,17 @@ class ReadScheduler:
         """
         if self._closed:
             raise StoreClosedError("the store is closed")
-        self._queues[load.priority].append(load)
-        self._schedule_flush()
+        (self._demand if load.priority is Priority.DEMAND else self._prefetch).append(load)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._scheduled_flush)
 
     def promote(self, load: Load) -> None:
         """Move a queued prefetch to the demand queue (someone now waits for it)."""
         if load.state is LoadState.QUEUED and load.priority is Priority.PREFETCH:
-            self._queues[Priority.PREFETCH].remove(load)
+            self._prefetch.remove(load)
             load.priority = Priority.DEMAND
-            self._queues[Priority.DEMAND].append(load)
+            self._demand.append(load)
             self._schedule_flush()
         else:
             load.priority = Priority.DEMAND
@@ -165,14 +169,14 @@ class ReadScheduler:
         """Remove a load that was not submitted yet; True if it was dropped (its slot is unused)."""
         if load.state is not LoadState.QUEUED:
             return False
-        self._queues[load.priority].remove(load)
+        (self._demand if load.priority is Priority.DEMAND else self._prefetch).remove(load)
         load.state = LoadState.DROPPED
         self._notify_quiet()
         return True
 
     def queued_prefetches(self) -> list[Load]:
         """Prefetch loads not submitted yet, oldest first."""
-        return list(self._queues[Priority.PREFETCH])
+        return list(self._prefetch)
 
     @property
     def reads_in_flight(self) -> int:
@@ -187,7 +191,7 @@ class ReadScheduler:
     @property
     def idle(self) -> bool:
         """Nothing queued and nothing in flight."""
-        return not (self._ops_in_flight or self._retries or any(self._queues.values()))
+        return not (self._ops_in_flight or self._retries or self._demand or self._prefetch)
 
     @property
     def closed(self) -> bool:
@@ -206,9 +210,9 @@ class ReadScheduler:
             return
         self._closed = True
         retries, self._retries = self._retries, deque()
-        loads = [*self._queues[Priority.DEMAND], *self._queues[Priority.PREFETCH]]
-        for queue in self._queues.values():
-            queue.clear()
+        loads = [*self._demand, *self._prefetch]
+        self._demand.clear()
+        self._prefetch.clear()
         for op in retries:
             load = op.context[0]
             self._set_error(load, StoreClosedError(message))
@@ -280,32 +284,41 @@ class ReadScheduler:
         if self._closed:
             return
         batch: list[ReadOp] = []
+        accounted = 0  # ops of the batch counted in flight (a load's are counted once all are built)
         current: Load | None = None
         try:
             now = time.perf_counter_ns()
             while self._retries and self._fits(1, self._retries[0].n_bytes):
-                self._account(self._retries.popleft(), batch)
-            for priority in (Priority.DEMAND, Priority.PREFETCH):
-                queue = self._queues[priority]
+                self._account(self._retries.popleft(), batch, now)
+            accounted = len(batch)
+            depth, max_bytes = self.depth, self.max_bytes_in_flight
+            n_ops, n_bytes = self._ops_in_flight, self._bytes_in_flight
+            for queue in (self._demand, self._prefetch):
                 while queue:
                     load = queue[0]
                     reads = load.plan.reads
-                    if not self._fits(len(reads), load.read_bytes):
+                    # _fits, inlined: the in-flight counts are advanced once per load, below
+                    if n_ops + len(reads) > depth or (n_ops and n_bytes + load.read_bytes > max_bytes):
                         break
                     current = queue.popleft()
                     load.state = LoadState.SUBMITTED
                     load.started_ns = now
+                    slot = load.slot
                     for read in reads:
-                        op = ReadOp(
-                            read.shard, read.file_offset, read.n_bytes, load.slot, read.slot_offset, (load, read)
-                        )
-                        self._account(op, batch)
-                        load.ops_left += 1
+                        op = ReadOp(read.shard, read.file_offset, read.n_bytes, slot, read.slot_offset, (load, read))
+                        op.submitted_ns = now
+                        batch.append(op)
+                        n_bytes += read.n_bytes
+                    n_ops += len(reads)
+                    load.ops_left += len(reads)
+                    self._ops_in_flight, self._bytes_in_flight = n_ops, n_bytes
+                    accounted = len(batch)
                     current = None
                 else:
                     continue
                 break  # a demand load that does not fit blocks the prefetches behind it
         except Exception as exc:  # nothing of the batch went out: fail it whole
+            del batch[accounted:]  # the failing load's ops were never counted: it fails below
             self._reject(batch, exc, "queuing the read failed")
             if current is not None and current.state is not LoadState.DONE and current.ops_left == 0:
                 self._set_error(current, self._read_error(current, exc, None, "queuing the read failed"))
@@ -335,8 +348,8 @@ class ReadScheduler:
         if n_ops > c.max_batch:
             c.max_batch = n_ops
 
-    def _account(self, op: ReadOp, batch: list[ReadOp]) -> None:
-        op.submitted_ns = time.perf_counter_ns()
+    def _account(self, op: ReadOp, batch: list[ReadOp], now: int) -> None:
+        op.submitted_ns = now
         self._ops_in_flight += 1
         self._bytes_in_flight += op.n_bytes
         batch.append(op)
@@ -349,20 +362,21 @@ class ReadScheduler:
             load = op.context[0]
             self._set_error(load, self._read_error(load, cause, op, f"{what} ({cause!r})"))
             self._op_finished(load)
-        if self._retries or self._queues[Priority.DEMAND] or self._queues[Priority.PREFETCH]:
+        if self._retries or self._demand or self._prefetch:
             self._schedule_flush()
         self._notify_quiet()
 
     # -- completion (loop thread) ------------------------------------------------------------
 
     def _on_read(self, op: ReadOp, result: ReadResult) -> None:
+        n_bytes = op.n_bytes
         self._ops_in_flight -= 1
-        self._bytes_in_flight -= op.n_bytes
+        self._bytes_in_flight -= n_bytes
         load, read = op.context
         try:
-            if isinstance(result, int):
+            if type(result) is int or isinstance(result, int):
                 self.counters.bytes_read += result
-                if result < op.n_bytes:
+                if result < n_bytes:
                     self._short_read(load, read, op, result)
             elif isinstance(result, OSError) and result.errno in RETRY_ERRNOS:
                 self._requeue(load, op, 0, f"interrupted ({errno.errorcode[result.errno or 0]})", result)
@@ -370,8 +384,10 @@ class ReadScheduler:
                 self._set_error(load, self._read_error(load, result, op))
         except Exception as exc:  # never strand the load: whatever went wrong is its error
             self._set_error(load, self._read_error(load, exc, op, f"handling the completion failed ({exc!r})"))
-        self._op_finished(load)
-        if self._retries or self._queues[Priority.DEMAND] or self._queues[Priority.PREFETCH]:
+        load.ops_left -= 1  # _op_finished, inlined
+        if load.ops_left == 0:
+            self._finish(load)
+        if self._retries or self._demand or self._prefetch:
             self._schedule_flush()
         if self._quiet_event is not None:
             self._notify_quiet()

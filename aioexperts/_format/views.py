@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType
 
-__all__ = ("ExpertView", "ProjectionView")
+__all__ = ("ExpertView", "ProjectionView", "warn_exported")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +71,8 @@ class ExpertView:
         A view still exported elsewhere (e.g. wrapped by ``np.frombuffer``) cannot be released: its
         memory is slot memory that may be overwritten once the expert is unpinned, so this warns
         (``ResourceWarning``) and leaves it readable. Keep bytes past the pin with :meth:`copy`.
+        The slab mode's views are shared by every request pinning the expert and released by the
+        store when its slot is reused: a host does not release those itself.
         """
         exported = [
             name
@@ -78,13 +80,18 @@ class ExpertView:
             if release_view(projection.data)
         ]
         if exported:
-            warnings.warn(
-                f"layer {self.layer} expert {self.expert}: the {'/'.join(exported)} bytes are still exported "
-                "(e.g. by np.frombuffer) as the expert is unpinned; its slot may be reused under them. "
-                "Drop such arrays inside the experts() block, or keep a copy (ExpertView.copy())",
-                ResourceWarning,
-                stacklevel=2,
-            )
+            warn_exported(self, exported, stacklevel=3)
+
+
+def warn_exported(view: ExpertView, projections: list[str], stacklevel: int) -> None:
+    """The ``ResourceWarning`` for bytes of ``view`` still used (``projections``) as it is unpinned."""
+    warnings.warn(
+        f"layer {view.layer} expert {view.expert}: the {'/'.join(projections)} bytes are still exported "
+        "(e.g. by np.frombuffer) as the expert is unpinned; its slot may be reused under them. "
+        "Drop such arrays inside the experts() block, or keep a copy (ExpertView.copy())",
+        ResourceWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def release_view(view: memoryview) -> bool:

@@ -94,9 +94,33 @@ class ExpertSource(ABC):
                 :meth:`aioexperts.ExpertStore.experts`.
         """
 
+    def pin_ready(self, keys: Sequence[Key]) -> Sequence[Pinned] | None:
+        """Pin ``keys`` (unique, checked) at once if all are resident: a hit with nothing to await.
+
+        Returns:
+            What :meth:`acquire` would return, or None (nothing changed) when a key is not
+            resident; the store then awaits :meth:`acquire`. The default always says None.
+
+        Raises:
+            EvictionPolicyError, StoreClosedError: as :meth:`acquire`.
+        """
+        return None
+
     @abstractmethod
     def view(self, pinned: Pinned) -> ExpertView:
         """Zero-copy views of one pinned expert's gate, up and down bytes."""
+
+    def end_views(self, pinned: Sequence[Pinned], views: Sequence[ExpertView]) -> None:
+        """A request's block ends (before :meth:`release`): by default its views are released.
+
+        ``views[i]`` is what :meth:`view` gave for ``pinned[i]``. A source whose views are
+        shared between requests keeps them and only checks that nothing outlives the pin.
+
+        Warns:
+            ResourceWarning: a view's bytes are still exported (e.g. by ``np.frombuffer``).
+        """
+        for view in views:
+            view.release()
 
     @abstractmethod
     def release(self, pinned: Sequence[Pinned]) -> None:

@@ -22,7 +22,7 @@ from .._cache.stats import Counters, StoreStatistics
 from .._errors import InvalidRequestError
 from .._format.layout import ExpertLayout
 from .._format.model import GGUFModel
-from .._format.views import ExpertView, ProjectionView
+from .._format.views import ExpertView, ProjectionView, warn_exported
 from .._io.files import ShardFiles, open_shards
 from .._io.loop import LoopAdapter
 from .._io.plan import ExpertPlan, plan_all_experts
@@ -30,6 +30,7 @@ from .._io.slab import exported_view, slot_stride
 from .._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions
 from .base import Build, ExpertSource
 from .rows import RowReader, RowStatistics, RowsView
+from .shared_views import SharedViews
 from .stack import ReadStack
 
 __all__ = ("SlabSource",)
@@ -140,27 +141,40 @@ class SlabSource(ExpertSource):
     ) -> Sequence[Entry]:
         return await self._running().acquire(keys, wait=wait, after_pin=after_pin, slot_timeout=slot_timeout)
 
+    def pin_ready(self, keys: Sequence[Key]) -> Sequence[Entry] | None:
+        return self._running().pin_ready(keys)
+
     def view(self, pinned: Entry) -> ExpertView:
+        shared = pinned.views
+        if shared is None:  # once per slot load: every later hit gets the same views
+            shared = pinned.views = self._shared_views(pinned)
+        assert isinstance(shared, SharedViews)
+        return shared.expert
+
+    def _shared_views(self, pinned: Entry) -> SharedViews:
         plan = pinned.plan
         assert isinstance(plan, ExpertPlan)
         loc = plan.location
-        exporters = pinned.exporters
-        if exporters is None:  # once per expert in its slot: each request only makes fresh views
-            slab = self.stack.slab
-            assert slab is not None
-            exporters = pinned.exporters = tuple(
-                slab.exporter(pinned.slot, off, seg.n_bytes, held_refs=1)
-                for off, seg in zip(plan.payload_offsets, loc.segments, strict=True)
+        slab = self.stack.slab
+        assert slab is not None
+        gate, up, down = (
+            ProjectionView(
+                exported_view(slab.exporter(pinned.slot, off, seg.n_bytes)),
+                seg.ggml_type,
+                seg.shape,
             )
-        gate, up, down = loc.segments
-        return ExpertView(
-            loc.layer,
-            loc.expert,
-            loc.bank,
-            ProjectionView(exported_view(exporters[0]), gate.ggml_type, gate.shape),  # type: ignore[arg-type]
-            ProjectionView(exported_view(exporters[1]), up.ggml_type, up.shape),  # type: ignore[arg-type]
-            ProjectionView(exported_view(exporters[2]), down.ggml_type, down.shape),  # type: ignore[arg-type]
+            for off, seg in zip(plan.payload_offsets, loc.segments, strict=True)
         )
+        return SharedViews(ExpertView(loc.layer, loc.expert, loc.bank, gate, up, down))
+
+    def end_views(self, pinned: Sequence[Entry], views: Sequence[ExpertView]) -> None:
+        for entry in pinned:  # the views stay for the next hit; only the last pin checks what outlives it
+            if entry.pins == 1:
+                shared = entry.views
+                if isinstance(shared, SharedViews):
+                    exported = shared.exported()
+                    if exported:
+                        warn_exported(shared.expert, exported, stacklevel=3)
 
     def release(self, pinned: Sequence[Entry]) -> None:
         self._running().release(pinned)
@@ -257,9 +271,12 @@ class SlabSource(ExpertSource):
             self._rows.stack.detach()
 
     def release_parts(self) -> list[Callable[[], None]]:
-        if self.cache is not None:  # the source's own cached exporters must not keep the slab mapped
+        if self.cache is not None:  # the source's own shared views must not keep the slab mapped
             for entry in self.cache.entries.values():
-                entry.exporters = None
+                if entry.pins:  # a block still uses them: they stay valid, and the mapping with them
+                    entry.views = None
+                else:
+                    entry.drop_views()
         parts: list[Callable[[], None]] = []
         for rows in (self._rows, self._rows_built):
             if rows is not None:

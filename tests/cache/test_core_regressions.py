@@ -187,3 +187,36 @@ async def test_the_engine_restarts_a_short_direct_read_at_the_kernels_alignment(
         first.slot_offset + advance,
     )
     assert fake.violations == []
+
+
+# -- a fault while a submission is being built -----------------------------------------------------
+
+
+async def test_a_fault_while_building_a_batch_fails_its_loads_and_keeps_the_counts(
+    model_path: Path, reference: dict[Key, list[bytes]], monkeypatch: pytest.MonkeyPatch, anyio_backend: object
+) -> None:
+    """The scheduler counts a load's reads in flight once all of them are built: a fault halfway
+    through a load (here its second read) must leave nothing counted that was never submitted."""
+    from aioexperts._cache import scheduler as scheduler_module
+
+    real = scheduler_module.ReadOp
+    built = [0]
+
+    def failing_read_op(*args: Any) -> Any:
+        built[0] += 1
+        if built[0] == 5:  # the second read of the second load of the batch
+            raise MemoryError("no memory for the read")
+        return real(*args)
+
+    stack = open_stack(model_path, CheckedFake, reference=reference, slots=4)
+    monkeypatch.setattr(scheduler_module, "ReadOp", failing_read_op)
+    assert await stack.request([(0, 0), (0, 1)]) == "ExpertReadError"
+    assert "queuing the read failed" in str(stack.errors[-1]) and isinstance(stack.errors[-1].__cause__, MemoryError)
+    assert stack.scheduler.reads_in_flight == 0 and stack.scheduler.bytes_in_flight == 0
+    monkeypatch.setattr(scheduler_module, "ReadOp", real)
+    await stack.quiesce()
+    assert stack.problems() == []
+    assert await stack.request([(0, 0), (0, 1)]) == "ok"  # both read again, every byte right
+    assert await stack.verify_all() == []
+    assert stack.problems() == []
+    await stack.aclose()

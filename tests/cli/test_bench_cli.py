@@ -367,3 +367,23 @@ def test_a_missing_module_that_is_no_extra_is_not_hidden() -> None:
     code = "import sys; sys.modules['aioexperts._bench.sweep'] = None; from aioexperts.cli.bench import main"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert run.returncode == 1 and "Traceback" in run.stderr and "ModuleNotFoundError" in run.stderr
+
+
+def test_the_thread_pool_engine_gives_warm_figures_and_a_timeline_of_phases(model: Path, tmp_path: Path) -> None:
+    """Without io_uring: the warm hit follows the thread-pool engine's pass; the timeline splits a token."""
+    out = tmp_path / "results.json"
+    assert bench.main(["--model", str(model), "--out", str(out), "--methods", "engine-threads", *FAST]) == 0
+    results = json.loads(out.read_text())
+    warm = results["reads"]["warm"]["engine"]
+    assert warm["experts_single_us_per_hit"]["median"] > 0 and warm["experts_single_calls"]["median"] > 0
+    timeline = results["tokens"]["timeline"]
+    phases = timeline["phases"]
+    assert [p["layer"] for p in phases] == [0, 1]
+    for p in phases:
+        assert min(p["route_ms"], p["wait_ms"], p["compute_ms"], p["handoff_ms"], p["io_wait_ms"]) >= 0
+        assert p["io_wait_ms"] <= p["wait_ms"]  # the wait for experts lies between the route and the compute
+    totals = timeline["phase_totals_ms"]
+    covered = sum(totals[k] for k in ("route_ms", "wait_ms", "compute_ms", "handoff_ms"))
+    assert covered + totals["before_first_route_ms"] == pytest.approx(timeline["token_ms"])
+    loop = timeline["loop_thread_ms"]
+    assert loop["submit_ms"] >= 0 and loop["reap_ms"] >= 0 and loop["reaps"] >= 0

@@ -413,21 +413,23 @@ class Scenario:
 
 SCENARIOS = [
     # _pin_in_turn: waiting for a slot; acquire: waiting for the load; outside: the body of the block
-    Scenario("experts", 4, frozenset({"acquire>_pin_in_turn", "experts>acquire", "outside"})),
+    Scenario("experts", 4, frozenset({"acquire>_pin_in_turn", "__aenter__>acquire", "outside"})),
     # _pin_now: waiting for unpinned loads to free their slots
-    Scenario("experts wait=False", 4, frozenset({"acquire>_pin_now", "experts>acquire", "outside"})),
+    Scenario("experts wait=False", 4, frozenset({"acquire>_pin_now", "__aenter__>acquire", "outside"})),
     # the residents lock, routing in a worker, the loads, the compute in a worker
     Scenario(
         "moe",
         8,
-        frozenset({"moe_result>warmup", "moe_result>run_in_worker", "experts>acquire", "run_layer_step>run_in_worker"}),
+        frozenset(
+            {"moe_result>warmup", "moe_result>run_in_worker", "__aenter__>acquire", "run_layer_step>run_in_worker"}
+        ),
     ),
     # and the resident weights loaded in a worker
     Scenario(
         "moe, cold runner",
         8,
         frozenset(
-            {"warmup>run_in_worker", "moe_result>run_in_worker", "experts>acquire", "run_layer_step>run_in_worker"}
+            {"warmup>run_in_worker", "moe_result>run_in_worker", "__aenter__>acquire", "run_layer_step>run_in_worker"}
         ),
     ),
     # two groups: the second group's loads, and the sum of the groups in a worker
@@ -437,7 +439,7 @@ SCENARIOS = [
         frozenset(
             {
                 "moe_result>run_in_worker",
-                "experts>acquire",
+                "__aenter__>acquire",
                 "run_layer_step>run_in_worker",
                 "_executor_layer>run_in_worker",
             }

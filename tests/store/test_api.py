@@ -208,8 +208,11 @@ async def test_views_ids_minus_one_and_duplicates(model_path: Path, anyio_backen
             held = views[0].gate.data  # type: ignore[union-attr]
         st = engine.statistics()
         assert (st.requests, st.misses) == (2, 2)
+        assert bytes(held) == pread_segment(model, layout.locate(1, 3).gate)  # shared views live with the slot
+        async with engine.experts(1, [0, 1, 2, 4]):  # the slots of 3 and 5 are reused
+            pass
         with pytest.raises(ValueError, match="released"):
-            bytes(held)  # views are released when the block ends
+            bytes(held)  # a view is released when its slot shows another expert
 
 
 @pytest.mark.parametrize(

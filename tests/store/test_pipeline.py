@@ -189,3 +189,29 @@ async def test_concurrent_tokens_get_their_own_trace_rows(model_path: Path, anyi
     rows = {tuple(recorded.ids[r].reshape(-1)) for r in range(6)}
     wanted = {tuple(np.stack([s.ids[0] for s in results[t].steps]).reshape(-1)) for t in range(6)}
     assert rows == wanted  # every row is one whole token, never layers of different tokens
+
+
+async def test_a_custom_compute_step_takes_one_pool_job_per_layer(model_path: Path, anyio_backend: object) -> None:
+    """run_moe_layers hands the residual add and the next layer's route to the compute's job: one
+    round trip between the loop and a worker per layer (plus the first route), not three; the
+    result is the same residual stream, layer after layer."""
+    from aioexperts._compute.pool import compute_pool
+
+    trace = uniform_random_trace(2, [1, 2, 3, 4], 8, 2, seed=5)
+    seen: list[tuple[int, float]] = []
+
+    def compute(layer: int, x: np.ndarray, views: object, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+        seen.append((layer, float(x[0, 0])))
+        return np.full_like(x, layer)  # each layer adds its index to the stream
+
+    async with aioexperts.open(model_path, slots=8) as store:
+        runner = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="none"))
+        await runner.warmup()
+        x = np.zeros((1, 256), dtype=np.float32)
+        before = compute_pool().statistics().jobs
+        result = await runner.run_moe_layers(x, route_step=route_from(trace, [0]), compute=compute)
+        jobs = compute_pool().statistics().jobs - before
+    assert jobs == 1 + 4
+    assert seen == [(1, 0.0), (2, 1.0), (3, 3.0), (4, 6.0)]  # layer N sees the sum of the layers before it
+    assert np.all(result.output == 10.0)
+    assert [s.layer for s in result.steps] == [1, 2, 3, 4] and all(s.compute_seconds >= 0 for s in result.steps)

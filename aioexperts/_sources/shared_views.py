@@ -1,0 +1,82 @@
+"""The views of one expert in its slot, built once per slot load and shared by every request that pins it.
+
+A warm hit then costs no view at all: the slab source keeps one :class:`SharedViews` on the
+cache entry (:attr:`aioexperts._cache.cache.Entry.views`), hands its :class:`ExpertView` to
+every request, and the cache invalidates it when the slot is reused (eviction) or the store
+releases the slab. Invalidating releases the three memoryviews, so a view kept past its block
+fails loudly (``ValueError``) once the slot shows another expert, instead of showing that
+expert's bytes.
+
+What the views cannot release themselves are arrays made from them (``np.frombuffer``) and
+memoryviews sliced from them: those share the view's *managed buffer*, the object that holds the
+buffer export for every memoryview made from one view. Its reference count grows with each of
+them, which is how :meth:`SharedViews.exported` tells, when the last pin goes, that something
+still uses slot memory that may soon hold another expert.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+from .._format.views import ExpertView
+
+__all__ = ("PROJECTIONS", "SharedViews")
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+def _buffer_of(view: memoryview) -> object:
+    """The managed buffer behind ``view`` (shared by every memoryview and array made from it).
+
+    CPython's memoryview reports it as its one referent; elsewhere the exporter stands in (then
+    :meth:`SharedViews.exported` cannot see arrays made from the view and says nothing).
+    """
+    referents = gc.get_referents(view)
+    return referents[0] if len(referents) == 1 else view.obj
+
+
+def _ref_counts(buffers: tuple[object, ...]) -> tuple[int, ...]:
+    return tuple(sys.getrefcount(b) for b in buffers)
+
+
+class SharedViews:
+    """The :class:`ExpertView` of one slot load, shared by the requests that pin it.
+
+    Args:
+        expert: views of the expert's three projections in slot memory (each memoryview made
+            for this object alone).
+
+    Attributes:
+        expert: the view handed to every request; valid until :meth:`invalidate`.
+    """
+
+    __slots__ = ("_buffers", "_refs", "expert")
+
+    def __init__(self, expert: ExpertView) -> None:
+        self.expert = expert
+        self._buffers = tuple(_buffer_of(p.data) for p in (expert.gate, expert.up, expert.down))
+        self._refs = _ref_counts(self._buffers)
+
+    def exported(self) -> list[str]:
+        """The projections whose bytes something besides these views still uses (an array made
+        by ``np.frombuffer``, a slice of the memoryview); empty when nothing does."""
+        now = _ref_counts(self._buffers)
+        if now == self._refs:
+            return []
+        return [name for name, before, after in zip(PROJECTIONS, self._refs, now, strict=True) if after > before]
+
+    def invalidate(self) -> None:
+        """Release the three memoryviews (using one afterwards raises ``ValueError``); idempotent.
+
+        A memoryview exported through itself (a buffer taken from it and still held) cannot be
+        released; its exporter keeps the slab mapped until that export ends.
+        """
+        expert = self.expert
+        for projection in (expert.gate, expert.up, expert.down):
+            try:
+                projection.data.release()
+            except BufferError:
+                pass
+        self._buffers = ()
+        self._refs = ()
