@@ -589,7 +589,7 @@ def expert_outputs(
     width = hparams.expert_width(resident.layer)
     for e, view in zip(chosen, views, strict=True):
         _check_view(view, e, n_embd, width)  # every view, before any work
-    jobs: list[tuple[int, ExpertView | None]] = list(zip(chosen, views, strict=True))
+    jobs: list[tuple[int, ExpertView | None]] = [(e, v) for e, v in zip(chosen, views, strict=True)]
     if shared and resident.has_shared:
         jobs.extend((-1 - i, None) for i in range(len(plans)))
 
@@ -616,8 +616,8 @@ def expert_outputs(
     # numbers do not depend on the spread
     results = compute_pool().map(run, jobs)
     found: list[ExpertOutputs] = [ExpertOutputs({}) for _ in plans]
-    for (e, view), ys in zip(jobs, results, strict=True):
-        if view is None:
+    for (e, job_view), ys in zip(jobs, results, strict=True):
+        if job_view is None:
             i = -1 - e
             found[i] = ExpertOutputs(found[i].rows, ys[0])
             continue
@@ -627,7 +627,9 @@ def expert_outputs(
     return found
 
 
-def combine_moe(plan: MoEPlan, parts: ExpertOutputs | Sequence[ExpertOutputs], *, expert_out: bool = False) -> MoEOutput:
+def combine_moe(
+    plan: MoEPlan, parts: ExpertOutputs | Sequence[ExpertOutputs], *, expert_out: bool = False
+) -> MoEOutput:
     """The weighted sum over the k slots in slot order, plus the shared expert: one plan's output.
 
     The expert outputs may come in several parts (computed at different times, e.g. the resident
