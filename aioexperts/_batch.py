@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import anyio
+import anyio.lowlevel
 
 from ._errors import ConfigError
 
@@ -264,3 +265,4 @@ class LayerBatcher(Generic[R, T]):
                 if not m.finished and m is not batch.leader:  # the leader raised: the others go alone
                     m.outcome, m.finished = _RETRY, True
                 m.wake.set()
+        await anyio.lowlevel.checkpoint_if_cancelled()  # a leader cancelled during the step: its rows are dropped
