@@ -144,7 +144,7 @@ class LayerBatcher(Generic[R, T]):
     """Gathers concurrent calls of one layer into one step (module docstring).
 
     Args:
-        wait: the window in seconds (> 0).
+        wait: the window in seconds (0: the runner does not batch).
         layers: the MoE layers in the order a token goes through them.
         run: runs a list of requests of one layer (see ``RunBatch``).
     """

@@ -266,8 +266,8 @@ class MoERunner:
         self._state_lock = threading.Lock()  # predictor and trace: observed from worker threads
         self._counters = _Counters()
         self._upcoming: dict[int, list[int]] = {}  # layer -> upcoming_layers(layer)
-        self._batcher: LayerBatcher[_Call, tuple[MoEOutput, float, float]] | None = (
-            LayerBatcher(wait, list(store.layout.layers), self._run_batch) if wait else None
+        self._batcher: LayerBatcher[_Call, tuple[MoEOutput, float, float]] = LayerBatcher(
+            wait, list(store.layout.layers), self._run_batch
         )
 
     @property
@@ -512,7 +512,7 @@ class MoERunner:
         tokens choosing more experts than the slab holds) group by group, the groups' sums added."""
         if routed.plan is not None:
             call = _Call(routed)
-            if self._batcher is not None and stream is not None and len(x) <= BATCH_MAX_ROWS:
+            if self._batcher.wait and stream is not None and len(x) <= BATCH_MAX_ROWS:
                 return await self._batcher.submit(layer, call, stream)
             (outcome,) = await self._run_calls(layer, [call])
             if isinstance(outcome, Exception):
@@ -646,14 +646,27 @@ class MoERunner:
         Raises:
             ConfigError: batching is off (``batch_wait`` 0 or None).
         """
-        if self._batcher is None:
+        if not self._batcher.wait:
             raise ConfigError("cross-request batching is off for this runner (batch_wait=0 or None)")
         return self._batcher.stream()
 
     @property
     def batching(self) -> bool:
         """Whether cross-request batching is on (``batch_wait`` > 0)."""
-        return self._batcher is not None
+        return bool(self._batcher.wait)
+
+    @property
+    def batch_wait(self) -> float:
+        """The batching window in seconds (0: off). Settable; a step already waiting keeps its deadline.
+
+        Raises:
+            ConfigError: (setting) not None and not seconds in 0..10.
+        """
+        return self._batcher.wait
+
+    @batch_wait.setter
+    def batch_wait(self, value: float | None) -> None:
+        self._batcher.wait = check_batch_wait(value)
 
     async def moe(
         self, layer: int, x: np.ndarray, *, token_ids: np.ndarray | None = None, stream: DecodeStream | None = None
@@ -827,7 +840,7 @@ class MoERunner:
     def statistics(self) -> RunnerStatistics:
         """A frozen snapshot of the runner's counters (the store has its own: I/O and cache)."""
         c = self._counters
-        b = self._batcher.counters if self._batcher is not None else None
+        b = self._batcher.counters
         return RunnerStatistics(
             layer_steps=c.layer_steps,
             tokens=c.tokens,
@@ -838,10 +851,10 @@ class MoERunner:
             calls=c.calls,
             experts_per_step=c.experts / c.executor_steps if c.executor_steps else None,
             rows_per_step=c.rows / c.executor_steps if c.executor_steps else None,
-            batches=b.batches if b else 0,
-            batched_calls=b.batched_calls if b else 0,
-            retried_calls=b.retried_calls if b else 0,
-            batch_window_seconds=b.window_seconds if b else 0.0,
+            batches=b.batches,
+            batched_calls=b.batched_calls,
+            retried_calls=b.retried_calls,
+            batch_window_seconds=b.window_seconds,
             hits_first_steps=c.hits_first_steps,
         )
 
