@@ -268,7 +268,7 @@ async def main(args: argparse.Namespace) -> None:
     print(f"results: {out}")
 
 
-REGION = ("<!-- bench:serve -->", "<!-- /bench:serve -->")
+REGION = ("<!-- bench:serve_speed -->", "<!-- /bench:serve_speed -->")
 
 
 def render_lines(results: Path) -> list[str]:
@@ -330,7 +330,7 @@ def render_lines(results: Path) -> list[str]:
 
 
 def render(results: Path, doc: Path) -> None:
-    """Replace the text between ``<!-- bench:serve -->`` and its end marker in ``doc``."""
+    """Replace the text between ``<!-- bench:serve_speed -->`` and its end marker in ``doc``."""
     text = doc.read_text()
     start, end = REGION
     head, rest = text.split(start, 1)
