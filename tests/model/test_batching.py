@@ -254,12 +254,48 @@ async def test_one_callers_bad_input_does_not_fail_the_others(small_model: Path,
 # -- hits-first -------------------------------------------------------------------------------------
 
 
+async def _layer_with_half_resident(
+    path: Path, x: np.ndarray, hits_first: bool, computed: list[int]
+) -> tuple[aioexperts.MoEResult, set[int], set[int], int]:
+    """Layer 0 on ``x`` with every other expert resident and the rest read only when the test says:
+    the result, the experts computed before the reads were delivered, the resident ones, hits-first steps."""
+    made: list[FakeBackend] = []
+    io = aioexperts.IOOptions(backend=_fake(made))
+    async with aioexperts.open(path, slots=64, io=io) as store:
+        runner = aioexperts.MoERunner(
+            store, hits_first=hits_first, batch_wait=0, prefetch=aioexperts.PrefetchOptions(depth=0)
+        )
+        await runner.warmup()
+        resident = set(range(0, SMALL.n_expert, 2))
+
+        async def warm() -> None:
+            async with store.experts(0, sorted(resident)):
+                pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(warm)
+            await _until(lambda: made[0].pending)
+            made[0].complete_all()
+        assert all(store.resident(0, sorted(resident)))
+        computed.clear()
+        out: list[aioexperts.MoEResult] = []
+
+        async def run() -> None:
+            out.append(await runner.moe_result(0, x))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await _until(lambda: made[0].pending)  # the misses are being read
+            await anyio.sleep(0.2)
+            during = set(computed)  # computed while no miss was delivered
+            made[0].complete_all()
+        return out[0], during, resident, runner.statistics().hits_first_steps
+
+
 async def test_hits_first_is_bit_equal_to_hits_last_and_computes_while_reads_wait(
     small_model: Path, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rng = np.random.default_rng(11)
-    x = rng.standard_normal((6, SMALL.n_embd)).astype(np.float32)  # 6 tokens: most experts chosen
-    results: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
+    x = np.random.default_rng(11).standard_normal((6, SMALL.n_embd)).astype(np.float32)  # most experts chosen
     computed: list[int] = []
     plain = moe_module._expert_forward
 
@@ -268,48 +304,11 @@ async def test_hits_first_is_bit_equal_to_hits_last_and_computes_while_reads_wai
         return plain(x, rows, expert, *args, **kwargs)
 
     monkeypatch.setattr(moe_module, "_expert_forward", spy)
-    for hits_first in (False, True):
-        made: list[FakeBackend] = []
-        io = aioexperts.IOOptions(backend=_fake(made))
-        async with aioexperts.open(small_model, slots=64, io=io) as store:
-            runner = aioexperts.MoERunner(
-                store, hits_first=hits_first, batch_wait=0, prefetch=aioexperts.PrefetchOptions(depth=0)
-            )
-            await runner.warmup()
-            # half the layer's experts resident (read in once), the rest read when asked for
-            resident = list(range(0, SMALL.n_expert, 2))
-            async with anyio.create_task_group() as tg:
-
-                async def warm() -> None:
-                    async with store.experts(0, resident):
-                        pass
-
-                tg.start_soon(warm)
-                await _until(lambda: made[0].pending)
-                made[0].complete_all()
-            assert all(store.resident(0, resident))
-            computed.clear()
-            out: dict[str, aioexperts.MoEResult] = {}
-
-            async def run() -> None:
-                out["r"] = await runner.moe_result(0, x)
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(run)
-                await _until(lambda: made[0].pending)
-                await anyio.sleep(0.2)
-                during = set(computed)  # computed while the misses were not delivered
-                made[0].complete_all()
-            r = out["r"]
-            chosen = set(np.unique(r.ids).tolist())
-            hits, misses = chosen & set(resident), chosen - set(resident)
-            assert hits and misses  # the case is one with both
-            if hits_first:
-                assert during == hits  # the resident ones first, nothing read yet
-                assert runner.statistics().hits_first_steps == 1
-            else:
-                assert during == set()
-                assert runner.statistics().hits_first_steps == 0
-            results[hits_first] = (r.ffn_out, r.ids)
-    assert results[True][0].tobytes() == results[False][0].tobytes()
-    assert np.array_equal(results[True][1], results[False][1])
+    last, during_last, resident, steps_last = await _layer_with_half_resident(small_model, x, False, computed)
+    first, during_first, _, steps_first = await _layer_with_half_resident(small_model, x, True, computed)
+    chosen = set(np.unique(first.ids).tolist())
+    assert chosen & resident and chosen - resident  # the case has both hits and misses
+    assert during_first == chosen & resident and steps_first == 1  # the resident ones first, nothing read yet
+    assert during_last == set() and steps_last == 0
+    assert np.array_equal(first.ids, last.ids)
+    assert first.ffn_out.tobytes() == last.ffn_out.tobytes()
