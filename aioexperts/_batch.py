@@ -145,17 +145,20 @@ class LayerBatcher(Generic[R, T]):
 
     Args:
         wait: the window in seconds (0: the runner does not batch).
-        layers: the MoE layers in the order a token goes through them.
         run: runs a list of requests of one layer (see ``RunBatch``).
     """
 
-    def __init__(self, wait: float, layers: Sequence[int], run: RunBatch[R, T]) -> None:
+    def __init__(self, wait: float, run: RunBatch[R, T]) -> None:
         self.wait = wait
-        self._index = {layer: i for i, layer in enumerate(layers)}
+        self._index: dict[int, int] = {}
         self._run = run
         self._open: dict[int, _Batch[R]] = {}
         self._streams: dict[DecodeStream, None] = {}
         self.counters = BatchCounters()
+
+    def set_layers(self, layers: Sequence[int]) -> None:
+        """The MoE layers in the order a token goes through them (before the first :meth:`submit`)."""
+        self._index = {layer: i for i, layer in enumerate(layers)}
 
     def stream(self) -> DecodeStream:
         """A new stream (no resources: it counts only inside its ``forward()`` and just after)."""

@@ -266,9 +266,7 @@ class MoERunner:
         self._state_lock = threading.Lock()  # predictor and trace: observed from worker threads
         self._counters = _Counters()
         self._upcoming: dict[int, list[int]] = {}  # layer -> upcoming_layers(layer)
-        self._batcher: LayerBatcher[_Call, tuple[MoEOutput, float, float]] = LayerBatcher(
-            wait, list(store.layout.layers), self._run_batch
-        )
+        self._batcher: LayerBatcher[_Call, tuple[MoEOutput, float, float]] = LayerBatcher(wait, self._run_batch)
 
     @property
     def store(self) -> ExpertStore:
@@ -321,6 +319,7 @@ class MoERunner:
                     keep_last=True,
                 )
             self._predictor = self._make_predictor(residents)
+            self._batcher.set_layers(list(store.layout.layers))
             self._warmup_report = report
             self._residents = residents
             return report
