@@ -11,6 +11,7 @@ The public API is re-exported here; extension points live in :mod:`aioexperts.ba
 private modules.
 """
 
+from ._batch import DecodeStream as DecodeStream
 from ._cache.mapped_cache import PageCacheStatistics as PageCacheStatistics
 from ._cache.stats import StoreStatistics as StoreStatistics
 from ._compute.fused import WarmupReport as WarmupReport
@@ -125,6 +126,7 @@ __all__ = (
     "EvictionPolicyError",
     "ExpertLayout",
     "ExpertLocation",
+    "DecodeStream",
     "ExpertMap",
     "ExpertReadError",
     "ExpertStore",

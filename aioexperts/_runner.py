@@ -23,11 +23,23 @@ from typing import Any
 import anyio
 import numpy as np
 
+from ._batch import DEFAULT_BATCH_WAIT, DecodeStream, LayerBatcher, check_batch_wait
 from ._cache.cache import Key
 from ._cache.stats import LatencyWindow, to_ms
 from ._checks import check_activations, check_int, describe
 from ._compute.fused import WarmupReport
-from ._compute.moe import MoEOutput, ResidentLayer, check_token_ids, moe_forward, route
+from ._compute.moe import (
+    ExpertOutputs,
+    MoEOutput,
+    MoEPlan,
+    ResidentLayer,
+    check_token_ids,
+    combine_moe,
+    expert_outputs,
+    moe_forward,
+    plan_moe,
+    route,
+)
 from ._compute.resident import load_residents, warmup_kernels
 from ._errors import ConfigError, InvalidRequestError, SlabExhaustedError
 from ._format.layout import MoELayer
@@ -37,7 +49,18 @@ from ._predict.predictors import PREDICTORS, Predictor, make_predictor
 from ._predict.trace import RoutingTrace, TraceRecorder
 from ._store import ExpertStore
 
-__all__ = ("DEFAULT_TRACE_MAX_TOKENS", "MoEResult", "MoERunner", "PrefetchOptions", "RouteStep", "RunnerStatistics")
+__all__ = (
+    "BATCH_MAX_ROWS",
+    "DEFAULT_TRACE_MAX_TOKENS",
+    "MoEResult",
+    "MoERunner",
+    "PrefetchOptions",
+    "RouteStep",
+    "RunnerStatistics",
+)
+
+BATCH_MAX_ROWS = 8
+"""Calls of up to this many rows (decode steps) join cross-request batches; larger ones run alone."""
 
 DEFAULT_TRACE_MAX_TOKENS = 1 << 16
 """Tokens a runner's routing trace keeps (the most recent ones)."""
@@ -114,6 +137,15 @@ class RunnerStatistics:
         io_wait_seconds: time spent waiting for experts after routing, summed over steps.
         compute_seconds: time the compute steps ran in worker threads, summed.
         token_latency_p50_ms, token_latency_p99_ms: per :meth:`MoERunner.run_moe_layers` call (ms).
+        calls: :meth:`MoERunner.moe` / :meth:`~MoERunner.moe_result` calls and
+            :meth:`~MoERunner.run_moe_layers` layers served by the executor's layer steps.
+        experts_per_step: distinct experts read per layer step (mean; one read request each).
+        rows_per_step: token rows per layer step (mean).
+        batches: layer steps that served more than one call (cross-request batching).
+        batched_calls: calls served by those steps.
+        retried_calls: calls run alone again after their batch failed as a whole.
+        batch_window_seconds: time batches waited for their members, summed.
+        hits_first_steps: layer steps that computed their resident experts while the others were read.
     """
 
     layer_steps: int
@@ -122,6 +154,14 @@ class RunnerStatistics:
     compute_seconds: float
     token_latency_p50_ms: float | None
     token_latency_p99_ms: float | None
+    calls: int = 0
+    experts_per_step: float | None = None
+    rows_per_step: float | None = None
+    batches: int = 0
+    batched_calls: int = 0
+    retried_calls: int = 0
+    batch_window_seconds: float = 0.0
+    hits_first_steps: int = 0
 
 
 @dataclass(slots=True)
@@ -131,6 +171,11 @@ class _Counters:
     io_wait_seconds: float = 0.0
     compute_seconds: float = 0.0
     token_latency: LatencyWindow = dataclasses.field(default_factory=LatencyWindow)
+    executor_steps: int = 0
+    calls: int = 0
+    experts: int = 0
+    rows: int = 0
+    hits_first_steps: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +192,11 @@ class _Routed:
     weights: np.ndarray
     groups: list[_Group]
     prefetch: list[Key]
+    plan: MoEPlan | None = None  # the executor's plan when the experts fit in the slab at once
+
+
+#: one call's outcome in a layer step: (output, io_wait_seconds, compute_seconds), or its error
+_Outcome = tuple[MoEOutput, float, float] | Exception
 
 
 class MoERunner:
@@ -168,6 +218,13 @@ class MoERunner:
         trace_max_tokens: the trace keeps the last this many tokens (memory up to
             ``trace_max_tokens * n_moe_layers * k * 2`` bytes; 65536 tokens of a 48-layer top-8 model
             take 48 MiB), so a long-running runner's trace stays bounded.
+        batch_wait: cross-request expert batching: seconds a layer step of a decode stream
+            (:meth:`decode_stream`) stays open for the other streams on their way to that layer
+            (default 0.05); the streams' experts are read once and their rows computed in one step,
+            each stream's numbers bit for bit those it gets alone. A lone stream never waits, no
+            stream waits beyond the window. 0 or None: off.
+        hits_first: compute a layer's resident experts while its other experts are read (the
+            result does not change: the slots are summed in slot order).
 
     Raises:
         ConfigError: a bad argument.
@@ -183,6 +240,8 @@ class MoERunner:
         prefetch: PrefetchOptions | None = None,
         record_trace: bool = False,
         trace_max_tokens: int = DEFAULT_TRACE_MAX_TOKENS,
+        batch_wait: float | None = DEFAULT_BATCH_WAIT,
+        hits_first: bool = True,
     ) -> None:
         if not isinstance(store, ExpertStore):
             raise ConfigError(f"store must be an ExpertStore (from aioexperts.open), got {store!r}")
@@ -192,6 +251,10 @@ class MoERunner:
             raise ConfigError(f"record_trace must be True or False, got {record_trace!r}")
         if isinstance(trace_max_tokens, bool) or not isinstance(trace_max_tokens, int) or trace_max_tokens < 1:
             raise ConfigError(f"trace_max_tokens must be an int >= 1, got {trace_max_tokens!r}")
+        wait = check_batch_wait(batch_wait)
+        if not isinstance(hits_first, bool):
+            raise ConfigError(f"hits_first must be True or False, got {hits_first!r}")
+        self.hits_first = hits_first
         self._store = store
         self.prefetch_options = prefetch or PrefetchOptions()
         self._record_trace = record_trace
@@ -204,6 +267,7 @@ class MoERunner:
         self._state_lock = threading.Lock()  # predictor and trace: observed from worker threads
         self._counters = _Counters()
         self._upcoming: dict[int, list[int]] = {}  # layer -> upcoming_layers(layer)
+        self._batcher: LayerBatcher[_Call, tuple[MoEOutput, float, float]] = LayerBatcher(wait, self._run_batch)
 
     @property
     def store(self) -> ExpertStore:
@@ -256,6 +320,7 @@ class MoERunner:
                     keep_last=True,
                 )
             self._predictor = self._make_predictor(residents)
+            self._batcher.set_layers(list(store.layout.layers))
             self._warmup_report = report
             self._residents = residents
             return report
@@ -363,7 +428,8 @@ class MoERunner:
                             prefetch.extend((nxt, e) for e in known)
                         else:
                             prefetch.extend((nxt, e) for e in _predicted(predictor, layer, nxt, x, budget))
-        return _Routed(ids, weights, groups, prefetch)
+        plan = plan_moe(x, ids, weights, self.residents[layer], self._store.hparams) if len(groups) == 1 else None
+        return _Routed(ids, weights, groups, prefetch, plan)
 
     def _hash_experts(self, layer: int, token_ids: np.ndarray | None) -> list[int] | None:
         """The distinct experts hash-routed ``layer`` gives ``token_ids`` (slot order), or None when
@@ -477,8 +543,19 @@ class MoERunner:
         x_next = _next_input(layer, x, y, True)
         return x_next, None if nxt is None else self._route(nxt, x_next, route_step, predictor, token, token_ids)
 
-    async def _executor_layer(self, layer: int, x: np.ndarray, routed: _Routed) -> tuple[MoEOutput, float, float]:
-        """The layer through the executor, group by group; the groups' routed sums are added."""
+    async def _executor_layer(
+        self, layer: int, x: np.ndarray, routed: _Routed, stream: DecodeStream | None = None
+    ) -> tuple[MoEOutput, float, float]:
+        """The layer through the executor: in a batch of decode streams, alone, or (a batch of
+        tokens choosing more experts than the slab holds) group by group, the groups' sums added."""
+        if routed.plan is not None:
+            call = _Call(routed)
+            if self._batcher.wait and stream is not None and len(x) <= BATCH_MAX_ROWS:
+                return await self._batcher.submit(layer, call, stream)
+            (outcome,) = await self._run_calls(layer, [call])
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
         resident, hparams = self.residents[layer], self._store.hparams
         outputs: list[MoEOutput] = []
         io_wait = compute_s = 0.0
@@ -508,9 +585,130 @@ class MoERunner:
         out = await run_in_worker(_sum_groups, outputs)
         return out, io_wait, compute_s
 
+    async def _run_batch(self, layer: int, calls: list[_Call]) -> list[_Outcome]:
+        return await self._run_calls(layer, calls)
+
+    async def _run_calls(self, layer: int, calls: list[_Call]) -> list[_Outcome]:
+        """One layer step for ``calls`` (each fits the slab): pin the union of their experts once,
+        prefetch, compute every call's rows (resident experts first), one outcome per call.
+
+        Raises:
+            SlabExhaustedError, ExpertReadError, StoreClosedError, InvalidRequestError: the step
+                failed as a whole (a call's non-finite output is that call's outcome instead).
+        """
+        store = self._store
+        experts = list(dict.fromkeys(e for c in calls for e in c.routed.groups[0].experts))
+        prefetch = list(dict.fromkeys(k for c in calls for k in c.routed.prefetch))
+        wanted = {(layer, e) for e in experts}
+        ahead = set(self.upcoming_layers(layer)) - {layer}
+        store.drop_prefetches(keep=lambda key: key in wanted or key[0] in ahead)
+        plans = [c.plan for c in calls]
+        hits: list[int] = []
+        if self.hits_first and len(experts) > 1:
+            hits = [e for e, ready in zip(experts, store.resident(layer, experts), strict=True) if ready]
+            if len(hits) == len(experts):
+                hits = []  # nothing is read: one compute job
+        t0 = time.perf_counter()
+        if hits:
+            parts, io_wait, compute_s = await self._hits_first(layer, plans, hits, experts, prefetch, t0)
+        else:
+            async with store.experts(layer, experts, prefetch=prefetch) as views:
+                io_wait = time.perf_counter() - t0
+                found, compute_s = await run_in_worker(_timed_outputs, plans, experts, views, True)
+            parts = [[p] for p in found]
+        outcomes: list[_Outcome] = await run_in_worker(_combine_calls, layer, plans, parts, io_wait, compute_s)
+        c = self._counters
+        c.layer_steps += 1
+        c.executor_steps += 1
+        c.calls += len(calls)
+        c.experts += len(experts)
+        c.rows += sum(len(p.x) for p in plans)
+        c.hits_first_steps += bool(hits)
+        c.io_wait_seconds += io_wait
+        c.compute_seconds += compute_s
+        return outcomes
+
+    async def _hits_first(
+        self,
+        layer: int,
+        plans: list[MoEPlan],
+        hits: list[int],
+        experts: list[int],
+        prefetch: list[Key],
+        t0: float,
+    ) -> tuple[list[list[ExpertOutputs]], float, float]:
+        """The resident experts (``hits``) computed while the others are read, in a child task.
+
+        The hits are pinned first (no read: pinning does not wait), so the others' loads cannot
+        evict them; they are unpinned as soon as their compute is done, so this task never waits
+        for slots while holding pins.
+        """
+        store = self._store
+        hit_set = set(hits)
+        misses = [e for e in experts if e not in hit_set]
+        done: dict[str, Any] = {}
+
+        async def read_misses() -> None:
+            try:
+                async with store.experts(layer, misses, prefetch=prefetch) as views:
+                    done["io_wait"] = time.perf_counter() - t0
+                    done["misses"] = await run_in_worker(_timed_outputs, plans, misses, views, False)
+            except Exception as exc:  # re-raised below as itself, not in an exception group
+                done["error"] = exc
+
+        async with anyio.create_task_group() as tg:
+            try:
+                async with store.experts(layer, hits) as views:  # resident: pinned without waiting
+                    tg.start_soon(read_misses)
+                    found, hit_s = await run_in_worker(_timed_outputs, plans, hits, views, True)
+            except Exception as exc:
+                done.setdefault("error", exc)
+                tg.cancel_scope.cancel()
+        if "error" in done:
+            raise done["error"]
+        miss_found, miss_s = done["misses"]
+        parts = [[h, m] for h, m in zip(found, miss_found, strict=True)]
+        return parts, done["io_wait"], hit_s + miss_s
+
     # -- entry points ---------------------------------------------------------------------------
 
-    async def moe(self, layer: int, x: np.ndarray, *, token_ids: np.ndarray | None = None) -> np.ndarray:
+    def decode_stream(self) -> DecodeStream:
+        """A stream for one decoding sequence: cross-request batching (``batch_wait``) takes the MoE
+        steps of the streams that decode at the same moment together.
+
+        Use ``with stream.forward():`` around each decode forward pass of the sequence and pass
+        ``stream=`` to :meth:`moe` in it; the stream counts only inside its forward passes (and for
+        the window after one, at the first MoE layer), so a sequence that stops decoding holds no
+        one back. :class:`aioexperts.Model` does this for every sequence.
+
+        Raises:
+            ConfigError: batching is off (``batch_wait`` 0 or None).
+        """
+        if not self._batcher.wait:
+            raise ConfigError("cross-request batching is off for this runner (batch_wait=0 or None)")
+        return self._batcher.stream()
+
+    @property
+    def batching(self) -> bool:
+        """Whether cross-request batching is on (``batch_wait`` > 0)."""
+        return bool(self._batcher.wait)
+
+    @property
+    def batch_wait(self) -> float:
+        """The batching window in seconds (0: off). Settable; a step already waiting keeps its deadline.
+
+        Raises:
+            ConfigError: (setting) not None and not seconds in 0..10.
+        """
+        return self._batcher.wait
+
+    @batch_wait.setter
+    def batch_wait(self, value: float | None) -> None:
+        self._batcher.wait = check_batch_wait(value)
+
+    async def moe(
+        self, layer: int, x: np.ndarray, *, token_ids: np.ndarray | None = None, stream: DecodeStream | None = None
+    ) -> np.ndarray:
         """Run MoE layer ``layer`` on ``x``: route, fetch the experts, compute (``ffn_out``).
 
         The router is resident; the chosen experts come through the store; the executor runs in
@@ -523,6 +721,8 @@ class MoERunner:
                 that routes by token id (DeepSeek-V4's first ``hash_layer_count`` layers:
                 ``MoEHParams.is_hash_layer``); elsewhere they let the prefetch of hash-routed layers
                 ahead fetch exactly the experts those tokens will use.
+            stream: the calling sequence's :meth:`decode_stream`, inside its ``forward()``: a call of
+                up to ``BATCH_MAX_ROWS`` rows joins the other streams' step of this layer.
 
         Returns:
             ``(n_tokens, n_embd)`` float32: routed experts plus shared experts (llama.cpp's
@@ -540,10 +740,16 @@ class MoERunner:
             As :meth:`ExpertStore.experts`; an executor call already running finishes in its
             thread first, with the experts still pinned.
         """
-        return (await self.moe_result(layer, x, token_ids=token_ids)).ffn_out
+        return (await self.moe_result(layer, x, token_ids=token_ids, stream=stream)).ffn_out
 
     async def moe_result(
-        self, layer: int, x: np.ndarray, *, prefetch: bool = True, token_ids: np.ndarray | None = None
+        self,
+        layer: int,
+        x: np.ndarray,
+        *,
+        prefetch: bool = True,
+        token_ids: np.ndarray | None = None,
+        stream: DecodeStream | None = None,
     ) -> MoEResult:
         """Like :meth:`moe`, returning the routing and every partial output.
 
@@ -551,19 +757,21 @@ class MoERunner:
             layer: block index of a MoE layer.
             x: ``(n_tokens, n_embd)`` float32.
             prefetch: observe the routing and prefetch the upcoming layers' predicted experts.
-            token_ids: as :meth:`moe`.
+            token_ids, stream: as :meth:`moe`.
 
         Raises:
             As :meth:`moe`.
         """
         if not isinstance(prefetch, bool):
             raise InvalidRequestError(f"prefetch must be True or False, got {prefetch!r}")
+        if stream is not None and not isinstance(stream, DecodeStream):
+            raise InvalidRequestError(f"stream must be a DecodeStream (runner.decode_stream()), got {stream!r}")
         await self.warmup()
         layer = self._store.layout.layer(layer).index
         n_rows = _n_rows(x)  # a bad x is refused by _route, before any read
         ids = None if n_rows is None else self._checked_token_ids([layer], token_ids, n_rows)
         routed = await run_in_worker(self._route, layer, x, None, self._predictor if prefetch else None, None, ids)
-        out, io_wait, compute_s = await self._executor_layer(layer, x, routed)
+        out, io_wait, compute_s = await self._executor_layer(layer, x, routed, stream)
         return MoEResult(routed.ids, routed.weights, out.moe_out, out.shared_out, out.ffn_out, io_wait, compute_s)
 
     async def run_token(self, x: np.ndarray, **kwargs: Any) -> MoELayersResult:
@@ -676,6 +884,7 @@ class MoERunner:
     def statistics(self) -> RunnerStatistics:
         """A frozen snapshot of the runner's counters (the store has its own: I/O and cache)."""
         c = self._counters
+        b = self._batcher.counters
         return RunnerStatistics(
             layer_steps=c.layer_steps,
             tokens=c.tokens,
@@ -683,6 +892,14 @@ class MoERunner:
             compute_seconds=c.compute_seconds,
             token_latency_p50_ms=to_ms(c.token_latency.percentile(50)),
             token_latency_p99_ms=to_ms(c.token_latency.percentile(99)),
+            calls=c.calls,
+            experts_per_step=c.experts / c.executor_steps if c.executor_steps else None,
+            rows_per_step=c.rows / c.executor_steps if c.executor_steps else None,
+            batches=b.batches,
+            batched_calls=b.batched_calls,
+            retried_calls=b.retried_calls,
+            batch_window_seconds=b.window_seconds,
+            hits_first_steps=c.hits_first_steps,
         )
 
     def __repr__(self) -> str:
@@ -785,3 +1002,42 @@ def _sum_groups(outputs: Sequence[MoEOutput]) -> MoEOutput:
     shared_out = outputs[0].shared_out
     ffn_out = moe_out if shared_out is None else moe_out + shared_out
     return MoEOutput(moe_out, shared_out, ffn_out)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Call:
+    """One call of a layer step: its routing and the executor's plan."""
+
+    routed: _Routed
+
+    @property
+    def plan(self) -> MoEPlan:
+        assert self.routed.plan is not None
+        return self.routed.plan
+
+
+def _timed_outputs(
+    plans: list[MoEPlan], wanted: list[int], views: Sequence[ExpertView | None], shared: bool
+) -> tuple[list[ExpertOutputs], float]:
+    """:func:`expert_outputs` of ``wanted`` (pinned as ``views``) in a worker thread, with its time."""
+    t0 = time.perf_counter()
+    by_id = {e: v for e, v in zip(wanted, views, strict=True) if v is not None}
+    found = expert_outputs(plans, by_id, wanted, shared=shared)
+    return found, time.perf_counter() - t0
+
+
+def _combine_calls(
+    layer: int, plans: list[MoEPlan], parts: list[list[ExpertOutputs]], io_wait: float, compute_s: float
+) -> list[_Outcome]:
+    """Each call's slot-order sum, checked finite; a call's overflow is its own outcome (worker thread)."""
+    outcomes: list[_Outcome] = []
+    for plan, found in zip(plans, parts, strict=True):
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported below, not warned
+            out = combine_moe(plan, found)
+        try:
+            _check_finite(layer, out.ffn_out, plan.x)
+        except InvalidRequestError as exc:
+            outcomes.append(exc)
+            continue
+        outcomes.append((out, io_wait, compute_s))
+    return outcomes

@@ -495,6 +495,20 @@ class ExpertStore:
         """
         return self._running_source().prefetch(_checked_keys(keys, "keys"))
 
+    def resident(self, layer: int, ids: Iterable[int]) -> list[bool]:
+        """Which of ``ids`` (experts of ``layer``) are in memory now: pinning them waits for no read.
+
+        A snapshot for scheduling (the runner computes these experts first while the others are
+        read); an expert may be evicted right after. The page-cache mode answers False.
+
+        Raises:
+            InvalidRequestError: no such layer or expert, or a non-int id.
+            StoreClosedError: the store is closed.
+        """
+        source = self._running_source()
+        moe, _ = self._keys(layer, ids := list(ids))
+        return [int(i) != -1 and source.is_ready((moe.index, int(i))) for i in ids]
+
     def drop_prefetches(self, keep: Callable[[Key], bool] = lambda key: False) -> int:
         """Forget prefetches still queued (not submitted) whose key ``keep`` rejects.
 

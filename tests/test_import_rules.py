@@ -31,6 +31,7 @@ LAYER_OF = {
     "_options": "store",
     "_compute": "compute",
     "_predict": "predict",
+    "_batch": "runner",
     "_pipeline": "runner",
     "_runner": "runner",
     "_model": "model",

@@ -18,7 +18,7 @@ per-expert scratch buffers live in a per-thread workspace that is reused from ca
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import overload
 
@@ -33,12 +33,22 @@ from aioexperts._errors import ConfigError, FormatError, InvalidRequestError
 from aioexperts._format.hparams import Activation, MoEHParams
 from aioexperts._format.views import ExpertView, ProjectionView
 
-__all__ = ("MoEOutput", "ResidentLayer", "check_token_ids", "moe_forward", "route", "router_logits")
+__all__ = (
+    "ExpertOutputs",
+    "MoEOutput",
+    "MoEPlan",
+    "ResidentLayer",
+    "check_token_ids",
+    "combine_moe",
+    "expert_outputs",
+    "moe_forward",
+    "plan_moe",
+    "route",
+    "router_logits",
+)
 
 TensorGetter = Callable[[str], "np.ndarray | None"]
 """``tensor(name) -> float32 array in numpy order, or None when the model has no such tensor``."""
-_Group = tuple[int, ExpertView, np.ndarray]
-"""One distinct expert of a call: ``(expert id, its view, flat (token * k + slot) positions)``."""
 
 _MAX_TIERS = 3  # ffn_*_exps_tier1..3 (docs/notes/FORMATS.md section 2)
 
@@ -487,52 +497,192 @@ def moe_forward(
             fit this layer (the message has the numbers).
         ConfigError: ``resident`` and ``hparams`` disagree.
     """
+    plan = plan_moe(x, ids, weights, resident, hparams)
+    outputs = expert_outputs([plan], experts, plan.experts, shared=True)[0]
+    return combine_moe(plan, outputs, expert_out=expert_out)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MoEPlan:
+    """One call's rows grouped by expert (:func:`plan_moe`), checked, before any expert is read.
+
+    Attributes:
+        x: ``(n_tokens, n_embd)`` float32 input.
+        ids: ``(n_tokens, k)`` int64 expert ids (``-1``: inactive slot).
+        weights: ``(n_tokens, k)`` float32 routing weights.
+        positions: expert id -> its flat ``token * k + slot`` positions, tokens ascending; experts
+            ascending (the order :func:`moe_forward` computes them in).
+        resident: the layer's resident weights.
+        hparams: the model's MoE parameters.
+    """
+
+    x: np.ndarray
+    ids: np.ndarray
+    weights: np.ndarray
+    positions: dict[int, np.ndarray]
+    resident: ResidentLayer
+    hparams: MoEHParams
+
+    @property
+    def experts(self) -> list[int]:
+        """The distinct active experts, ascending."""
+        return list(self.positions)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ExpertOutputs:
+    """What :func:`expert_outputs` computed for one :class:`MoEPlan`.
+
+    Attributes:
+        rows: expert id -> ``(n_positions, n_embd)`` float32, the expert's output for each of its
+            positions (in the plan's order).
+        shared_out: ``(n_tokens, n_embd)`` float32 shared expert output, or None (none asked for,
+            or the layer has none).
+    """
+
+    rows: dict[int, np.ndarray]
+    shared_out: np.ndarray | None = None
+
+
+def plan_moe(
+    x: np.ndarray, ids: np.ndarray, weights: np.ndarray, resident: ResidentLayer, hparams: MoEHParams
+) -> MoEPlan:
+    """Check one call's input and routing and group its ``(token, slot)`` pairs by expert.
+
+    Args:
+        x, ids, weights, resident, hparams: as :func:`moe_forward`.
+
+    Returns:
+        The plan; no expert view is needed yet.
+
+    Raises:
+        InvalidRequestError: ``x``, ``ids`` or ``weights`` has the wrong dtype or shape, or an id is
+            out of range.
+        ConfigError: ``resident`` and ``hparams`` disagree.
+    """
     n_embd = hparams.n_embd
     if resident.n_embd != n_embd:
         raise ConfigError(f"resident layer has n_embd={resident.n_embd}, hparams n_embd={n_embd}")
     x = check_activations(x, n_embd)
-    n_tokens = x.shape[0]
-    ids, weights = _check_routing(ids, weights, n_tokens, resident.n_layer_experts)
-    k = ids.shape[1]
-
-    # every slot's expert output, then the weighted sum over the k slots in slot order, as
-    # llama.cpp adds them (ffn_moe_weighted, then ggml_add of slot 0, 1, ..., k-1)
-    slot_out = np.zeros((n_tokens, k, n_embd), dtype=np.float32)
-
+    ids, weights = _check_routing(ids, weights, x.shape[0], resident.n_layer_experts)
     flat = ids.reshape(-1)
     positions = np.flatnonzero(flat >= 0)
-    groups: list[_Group] = []
+    by_expert: dict[int, np.ndarray] = {}
     if positions.size:
         # group the (token, slot) pairs by expert; a stable sort keeps tokens ascending per expert
         chosen = flat[positions]
         order = np.argsort(chosen, kind="stable")
         positions, chosen = positions[order], chosen[order]
         uniq, starts = np.unique(chosen, return_index=True)
-        views = _lookup_views(experts, uniq, resident.layer)
         ends = np.append(starts[1:], chosen.size)
-        for e, view, lo, hi in zip(uniq.tolist(), views, starts.tolist(), ends.tolist(), strict=True):
-            _check_view(view, e, n_embd, hparams.expert_width(resident.layer))  # every view, before any work
-            groups.append((e, view, positions[lo:hi]))
+        for e, lo, hi in zip(uniq.tolist(), starts.tolist(), ends.tolist(), strict=True):
+            by_expert[e] = positions[lo:hi]
+    return MoEPlan(x, ids, weights, by_expert, resident, hparams)
 
-    flat_weights = weights.reshape(-1)
 
-    def run(group: _Group | None) -> np.ndarray:
+def expert_outputs(
+    plans: Sequence[MoEPlan], experts: Mapping[int, ExpertView], wanted: Iterable[int], *, shared: bool
+) -> list[ExpertOutputs]:
+    """Compute the ``wanted`` experts' outputs for every plan (one layer), and the shared expert.
+
+    Every view is checked before any work. Each distinct expert is one job on the compute pool that
+    runs the rows of every plan that chose it, plan by plan, with the kernel that plan alone would
+    use (so each plan's numbers are those of :func:`moe_forward` on that plan alone, whatever the
+    other plans); the shared expert is one job per plan.
+
+    Args:
+        plans: calls of one layer (:func:`plan_moe`), all with the same ``resident`` and ``hparams``.
+        experts: expert id -> pinned view; must hold every wanted expert some plan chose.
+        wanted: the experts to compute now (others are skipped: computed by another call).
+        shared: also compute the shared expert of each plan (when the layer has one).
+
+    Returns:
+        One :class:`ExpertOutputs` per plan, holding the wanted experts that plan chose.
+
+    Raises:
+        InvalidRequestError: a wanted, chosen expert has no view, or a view does not fit the layer.
+    """
+    if not plans:
+        return []
+    resident, hparams = plans[0].resident, plans[0].hparams
+    n_embd = hparams.n_embd
+    chosen = sorted({e for e in wanted if any(e in p.positions for p in plans)})
+    views = _lookup_views(experts, np.asarray(chosen, dtype=np.int64), resident.layer)
+    width = hparams.expert_width(resident.layer)
+    for e, view in zip(chosen, views, strict=True):
+        _check_view(view, e, n_embd, width)  # every view, before any work
+    jobs: list[tuple[int, ExpertView | None]] = [(e, v) for e, v in zip(chosen, views, strict=True)]
+    if shared and resident.has_shared:
+        jobs.extend((-1 - i, None) for i in range(len(plans)))
+
+    def run(job: tuple[int, ExpertView | None]) -> list[np.ndarray]:
         # float32 overflow (inputs far out of the model's range) gives inf/NaN like ggml, no warning:
         # the runner refuses a non-finite output with InvalidRequestError
+        e, view = job
         with np.errstate(over="ignore", invalid="ignore"):
-            if group is None:
-                return _shared_forward(x, resident, hparams.shared_clamp(resident.layer))
-            e, view, pos = group
-            # llama4 (weight_before_ffn): each slot's input is scaled by its weight, outputs sum unweighted
-            in_scale = flat_weights[pos] if hparams.weights_before_experts else None
-            return _expert_forward(x, pos // k, e, view, resident, hparams, _workspace(), in_scale)
+            if view is None:
+                p = plans[-1 - e]
+                return [_shared_forward(p.x, resident, hparams.shared_clamp(resident.layer))]
+            out = []
+            for p in plans:
+                pos = p.positions.get(e)
+                if pos is None:
+                    continue
+                k = p.ids.shape[1]
+                # llama4 (weight_before_ffn): each slot's input is scaled by its weight, outputs sum unweighted
+                in_scale = p.weights.reshape(-1)[pos] if hparams.weights_before_experts else None
+                out.append(_expert_forward(p.x, pos // k, e, view, resident, hparams, _workspace(), in_scale))
+            return out
 
-    # the distinct experts (and the shared expert) of the call, spread over the compute pool's idle
-    # workers; each result is computed by one thread, so the numbers do not depend on the spread
-    tasks: list[_Group | None] = [*groups, None] if resident.has_shared else list(groups)
-    results = compute_pool().map(run, tasks)
-    for (_, _, pos), y in zip(groups, results, strict=False):
-        slot_out[pos // k, pos % k] = y
+    # spread over the compute pool's idle workers; each result is computed by one thread, so the
+    # numbers do not depend on the spread
+    results = compute_pool().map(run, jobs)
+    found: list[ExpertOutputs] = [ExpertOutputs({}) for _ in plans]
+    for (e, job_view), ys in zip(jobs, results, strict=True):
+        if job_view is None:
+            i = -1 - e
+            found[i] = ExpertOutputs(found[i].rows, ys[0])
+            continue
+        chose = (i for i, p in enumerate(plans) if e in p.positions)
+        for i, y in zip(chose, ys, strict=True):
+            found[i].rows[e] = y
+    return found
+
+
+def combine_moe(
+    plan: MoEPlan, parts: ExpertOutputs | Sequence[ExpertOutputs], *, expert_out: bool = False
+) -> MoEOutput:
+    """The weighted sum over the k slots in slot order, plus the shared expert: one plan's output.
+
+    The expert outputs may come in several parts (computed at different times, e.g. the resident
+    experts first); they are placed by ``(token, slot)`` before any sum, so the result does not
+    depend on how they were split or in which order they arrived.
+
+    Args:
+        plan: the call (:func:`plan_moe`).
+        parts: the outputs of every expert the plan chose, in one or more parts.
+        expert_out: as :func:`moe_forward`.
+
+    Raises:
+        InvalidRequestError: an expert the plan chose is in no part.
+    """
+    parts = [parts] if isinstance(parts, ExpertOutputs) else list(parts)
+    x, ids, weights, hparams = plan.x, plan.ids, plan.weights, plan.hparams
+    n_tokens, k = ids.shape
+    # every slot's expert output, then the weighted sum over the k slots in slot order, as
+    # llama.cpp adds them (ffn_moe_weighted, then ggml_add of slot 0, 1, ..., k-1)
+    slot_out = np.zeros((n_tokens, k, x.shape[1]), dtype=np.float32)
+    shared_out = None
+    rows: dict[int, np.ndarray] = {}
+    for part in parts:
+        rows.update(part.rows)
+        if part.shared_out is not None:
+            shared_out = part.shared_out
+    missing = [e for e in plan.positions if e not in rows]
+    if missing:
+        raise InvalidRequestError(f"layer {plan.resident.layer}: no output for selected expert(s) {missing}")
+    for e, pos in plan.positions.items():
+        slot_out[pos // k, pos % k] = rows[e]
 
     slot_weights = np.float32(1.0) if hparams.weights_before_experts else weights
     active_weights = np.where(ids >= 0, slot_weights, np.float32(0.0))  # an inactive slot never counts
@@ -541,7 +691,6 @@ def moe_forward(
     for i in range(1, k):
         moe_out += weighted[:, i]
 
-    shared_out = results[-1] if resident.has_shared else None
     ffn_out = moe_out if shared_out is None else moe_out + shared_out
     return MoEOutput(
         moe_out=moe_out, shared_out=shared_out, ffn_out=ffn_out, expert_out=slot_out if expert_out else None

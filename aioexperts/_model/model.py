@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
+from aioexperts._batch import DEFAULT_BATCH_WAIT, DecodeStream, check_batch_wait
 from aioexperts._compute import fused
 from aioexperts._compute.norms import rms_norm
 from aioexperts._errors import (
@@ -44,7 +45,7 @@ from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
 from aioexperts._model.weights import DenseMatrix, TensorReader
 from aioexperts._options import CacheOptions, IOOptions, PageCacheOptions
 from aioexperts._pipeline import run_in_worker
-from aioexperts._runner import MoERunner, PrefetchOptions
+from aioexperts._runner import BATCH_MAX_ROWS, MoERunner, PrefetchOptions
 from aioexperts._store import ExpertStore
 from aioexperts._store import open as open_store
 
@@ -246,6 +247,7 @@ class ModelSequence:
         self.unrun: list[int] = []
         self._last_logits: np.ndarray | None = None  # of position n_past - 1
         self._lock = anyio.Lock()
+        self._stream: DecodeStream | None = None  # cross-request batching of its decode steps
 
     @property
     def n_past(self) -> int:
@@ -322,13 +324,24 @@ class ModelSequence:
                     f"{len(run)} new tokens after {self.n_past} would pass n_ctx={self.n_ctx} positions "
                     "(load the model with a larger n_ctx, or --ctx of aioexperts-run; or keep() a shorter prefix)"
                 )
-            logits = await self.model._forward(self._cache, self.n_past, run, all_logits=all_logits or not ids)
+            logits = await self.model._forward(
+                self._cache, self.n_past, run, all_logits=all_logits or not ids, stream=self._decode_stream(len(run))
+            )
             self.tokens.extend(run)
             self.unrun = []
             self._last_logits = logits[-1].copy()
             if not all_logits:
                 return logits[-1:]
             return logits[len(run) - len(ids) :] if ids else logits[-1:]
+
+    def _decode_stream(self, n_tokens: int) -> DecodeStream | None:
+        """This sequence's stream for a decode step of ``n_tokens`` (None: prefill, or batching off)."""
+        runner = self.model.runner
+        if not runner.batching or n_tokens > BATCH_MAX_ROWS:
+            return None
+        if self._stream is None:
+            self._stream = runner.decode_stream()
+        return self._stream
 
     def generate(
         self,
@@ -490,6 +503,8 @@ class Model:
         resident_embedding_bytes: int,
         store_options: dict[str, Any],
         runner: Callable[[ExpertStore, PrefetchOptions | None], MoERunner] | None = None,
+        batch_wait: float | None = DEFAULT_BATCH_WAIT,
+        hits_first: bool = True,
     ) -> None:
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
             raise ConfigError(f"n_ctx must be an int >= 1, got {n_ctx!r}")
@@ -501,9 +516,13 @@ class Model:
         self._n_ctx_arg = n_ctx
         self._budget = memory_budget
         self._prefetch = prefetch
+        self._batch_wait = check_batch_wait(batch_wait)
+        if not isinstance(hits_first, bool):
+            raise ConfigError(f"hits_first must be True or False, got {hits_first!r}")
+        self._hits_first = hits_first
         self._resident_embedding = resident_embedding_bytes
         self._store_options = store_options
-        self._make_runner = runner if runner is not None else _default_runner
+        self._make_runner = runner if runner is not None else self._default_runner
         self._store: ExpertStore | None = None
         self._runner: MoERunner | None = None
         self._weights: _Weights | None = None
@@ -527,6 +546,9 @@ class Model:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    def _default_runner(self, store: ExpertStore, prefetch: PrefetchOptions | None) -> MoERunner:
+        return MoERunner(store, prefetch=prefetch, batch_wait=self._batch_wait, hits_first=self._hits_first)
 
     async def start(self) -> None:
         """Parse the file, refuse what cannot run, open the expert store, load the dense weights.
@@ -993,6 +1015,21 @@ class Model:
         *,
         all_logits: bool = True,
         capture: dict[str, np.ndarray] | None = None,
+        stream: DecodeStream | None = None,
+    ) -> np.ndarray:
+        if stream is None:
+            return await self._forward_layers(cache, start, ids, all_logits, capture, None)
+        with stream.forward():
+            return await self._forward_layers(cache, start, ids, all_logits, capture, stream)
+
+    async def _forward_layers(
+        self,
+        cache: KVCache,
+        start: int,
+        ids: list[int],
+        all_logits: bool,
+        capture: dict[str, np.ndarray] | None,
+        stream: DecodeStream | None,
     ) -> np.ndarray:
         _, runner, w, _ = self._started()
         resid = await self._embed(ids)
@@ -1004,9 +1041,9 @@ class Model:
             if layer.dense is None:
                 t0 = time.perf_counter()
                 if capture is None:
-                    f = await runner.moe(layer.index, ffn_in)
+                    f = await runner.moe(layer.index, ffn_in, stream=stream)
                 else:
-                    result = await runner.moe_result(layer.index, ffn_in)
+                    result = await runner.moe_result(layer.index, ffn_in, stream=stream)
                     f = result.ffn_out
                     capture[f"topk-{layer.index}"] = result.ids
                 self._counters.moe_seconds += time.perf_counter() - t0
@@ -1043,6 +1080,8 @@ def load(
     pagecache: PageCacheOptions | None = None,
     resident_embedding_bytes: int = DEFAULT_RESIDENT_EMBEDDING_BYTES,
     runner: Callable[[ExpertStore, PrefetchOptions | None], MoERunner] | None = None,
+    batch_wait: float | None = DEFAULT_BATCH_WAIT,
+    hits_first: bool = True,
 ) -> Model:
     """Prepare the whole model at ``path``; start it with ``async with``.
 
@@ -1066,8 +1105,15 @@ def load(
         resident_embedding_bytes: a token embedding table larger than this (with a separate output
             head) is read by rows through the store instead of kept in memory.
         runner: ``(store, prefetch) -> MoERunner``, called once the store is started, to run the
-            MoE layers (default ``MoERunner(store, prefetch=prefetch)``; expert shards:
+            MoE layers (default ``MoERunner(store, prefetch=prefetch, batch_wait=batch_wait,
+            hits_first=hits_first)``; expert shards:
             ``aioexperts.distributed.ShardedRunner.factory``, docs/distributed.md).
+        batch_wait: cross-request expert batching of the sequences that decode at the same moment
+            (each in its own task): seconds a layer's step waits at most for the other sequences
+            on their way to that layer (default 0.05; a lone sequence never waits). Every
+            sequence's numbers are bit for bit those it gets alone. 0 or None: off.
+        hits_first: compute each layer's resident experts while its other experts are read
+            (the result does not change).
 
     Returns:
         A :class:`Model`, not started.
@@ -1096,8 +1142,7 @@ def load(
         resident_embedding_bytes=resident_embedding_bytes,
         store_options=options,
         runner=runner,
+        batch_wait=batch_wait,
+        hits_first=hits_first,
     )
 
-
-def _default_runner(store: ExpertStore, prefetch: PrefetchOptions | None) -> MoERunner:
-    return MoERunner(store, prefetch=prefetch)

@@ -134,6 +134,11 @@ class ExpertSource(ABC):
     def drop_prefetches(self, keep: Callable[[Key], bool]) -> int:
         """Forget queued prefetches whose key ``keep`` rejects; the number dropped."""
 
+    def is_ready(self, key: Key) -> bool:
+        """Whether ``key``'s bytes are in memory now, so pinning it waits for no read (a hint:
+        a source that cannot tell says False)."""
+        return False
+
     @abstractmethod
     def rows(self, tensor: str, row_ids: Sequence[object]) -> AbstractAsyncContextManager[RowsView]:
         """Pinned views of rows of a 2-D tensor (:meth:`aioexperts.ExpertStore.rows`)."""

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 
-from .._cache.cache import Entry, ExpertCache, Key
+from .._cache.cache import Entry, ExpertCache, Key, SlotState
 from .._cache.eviction import make_policy
 from .._cache.scheduler import ReadScheduler
 from .._cache.stats import Counters, StoreStatistics
@@ -184,6 +184,9 @@ class SlabSource(ExpertSource):
 
     def drop_prefetches(self, keep: Callable[[Key], bool]) -> int:
         return self._running().drop_prefetches(keep)
+
+    def is_ready(self, key: Key) -> bool:
+        return self._running().state_of(key) is SlotState.READY
 
     # -- rows -----------------------------------------------------------------------------------
 

@@ -421,7 +421,7 @@ SCENARIOS = [
         "moe",
         8,
         frozenset(
-            {"moe_result>warmup", "moe_result>run_in_worker", "__aenter__>acquire", "run_layer_step>run_in_worker"}
+            {"moe_result>warmup", "moe_result>run_in_worker", "__aenter__>acquire", "_run_calls>run_in_worker"}
         ),
     ),
     # and the resident weights loaded in a worker
@@ -429,7 +429,7 @@ SCENARIOS = [
         "moe, cold runner",
         8,
         frozenset(
-            {"warmup>run_in_worker", "moe_result>run_in_worker", "__aenter__>acquire", "run_layer_step>run_in_worker"}
+            {"warmup>run_in_worker", "moe_result>run_in_worker", "__aenter__>acquire", "_run_calls>run_in_worker"}
         ),
     ),
     # two groups: the second group's loads, and the sum of the groups in a worker

@@ -1,0 +1,361 @@
+"""Serving speed: concurrent decode streams, cross-request expert batching on and off, hits-first.
+
+Usage::
+
+    flock /work/wt/bench.lock python bench/serve_speed.py --rounds 2 --out docs/results/serve_speed-48l.json
+    python bench/serve_speed.py --render docs/results/serve_speed-48l.json docs/serving.md
+
+The model is the built-in full model at ``--layers`` (Qwen3-30B-A3B geometry, Q4_K experts, written
+once into the user cache; never written here if missing at 48 layers: pass ``--layers`` of one that
+exists), loaded once with a slab of ``--slab`` of the experts. The streams are sequences of the
+:class:`aioexperts.Model` API, each in its own task (what a server does with ``--parallel N``): each
+prefills its own short prompt (not timed), then all decode greedily from the same moment. Every round
+runs, for 1, 4 and 16 streams, batching on and off (the order alternates from round to round; the
+runner's ``batch_wait`` is switched between the runs, the slab stays warm), then one stream with
+hits-first off and on. Per run: aggregate tokens/s (decoded tokens / wall time from the common start
+to the last token), the per-token latency (the time between a stream's consecutive tokens) p50 and
+p99, experts per read request (distinct experts per layer step), rows per step, the slab hit rate
+(experts READY when pinned) and bytes read per token. The streams' tokens with batching on must equal
+those with it off (checked).
+
+Targets (issue 22): at 4 streams aggregate tok/s with batching >= 1.4x without; hits-first >= 5 %
+faster per token at ~50 % hits; p99 token latency at 4 streams <= 2x that of 1 stream (batching on).
+Each ratio is taken per round; the summary gives the median (min-max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write_results  # noqa: E402
+
+import aioexperts  # noqa: E402
+from aioexperts._bench.full_model import ensure_full_model, full_model_path, print_progress  # noqa: E402
+from aioexperts._bench.machine import machine_facts, machine_label  # noqa: E402
+from aioexperts.backends import liburing_unusable_reason  # noqa: E402
+
+IO = aioexperts.IOOptions(backend="auto")  # io_uring when it runs here, else the thread pool
+STREAMS = (1, 4, 16)
+TARGETS = {
+    "batching_speedup_4": (">=", 1.4),
+    "hits_first_speedup": (">=", 1.05),
+    "p99_4_over_1": ("<=", 2.0),
+}
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else float("nan")
+
+
+async def decode_streams(model: aioexperts.Model, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    """Each prompt in its own sequence and task: prefill, wait for all, then ``tokens`` greedy steps each."""
+    n = len(prompts)
+    prefilled = 0
+    start = anyio.Event()
+    begun = 0.0
+    gaps: list[float] = []
+    last_token_at: list[float] = []
+    out: dict[int, list[int]] = {}
+
+    async def stream(i: int) -> None:
+        nonlocal prefilled, begun
+        async with model.sequence() as seq:
+            logits = (await seq.forward(prompts[i], all_logits=False))[0]
+            prefilled += 1
+            if prefilled == n:  # the counters from here: decode only
+                snapshot.extend((model.store.statistics(), model.runner.statistics()))
+                begun = time.perf_counter()
+                start.set()
+            await start.wait()
+            got: list[int] = []
+            t = begun
+            for _ in range(tokens):
+                got.append(int(np.argmax(logits)))
+                logits = (await seq.forward(got[-1:], all_logits=False))[0]
+                now = time.perf_counter()
+                gaps.append((now - t) * 1e3)
+                t = now
+            last_token_at.append(t)
+            out[i] = got
+
+    snapshot: list[Any] = []
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(stream, i)
+    st0, ru0 = snapshot
+    st1, ru1 = model.store.statistics(), model.runner.statistics()
+    wall = max(last_token_at) - begun
+    steps = ru1.layer_steps - ru0.layer_steps
+
+    def total(st: aioexperts.RunnerStatistics, mean: float | None) -> float:
+        return (mean or 0.0) * st.layer_steps
+
+    requests = st1.requests - st0.requests
+    return {
+        "streams": n,
+        "tokens_per_stream": tokens,
+        "seconds": wall,
+        "tokens_per_second": n * tokens / wall,
+        "token_ms_p50": percentile(gaps, 50),
+        "token_ms_p99": percentile(gaps, 99),
+        "token_ms": gaps,
+        "layer_steps": steps,
+        "experts_per_read": (total(ru1, ru1.experts_per_step) - total(ru0, ru0.experts_per_step)) / max(1, steps),
+        "rows_per_step": (total(ru1, ru1.rows_per_step) - total(ru0, ru0.rows_per_step)) / max(1, steps),
+        "batches": ru1.batches - ru0.batches,
+        "batched_calls": ru1.batched_calls - ru0.batched_calls,
+        "window_ms_per_step": (ru1.batch_window_seconds - ru0.batch_window_seconds) * 1e3 / max(1, steps),
+        "hits_first_steps": ru1.hits_first_steps - ru0.hits_first_steps,
+        "hit_rate": (st1.hits - st0.hits) / max(1, requests),
+        "inflight_join_rate": (st1.inflight_joins - st0.inflight_joins) / max(1, requests),
+        "bytes_read_per_token": (st1.bytes_read - st0.bytes_read) / (n * tokens),
+        "generated": [out[i] for i in range(n)],
+    }
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def verdict(name: str, value: float) -> str:
+    op, target = TARGETS[name]
+    return "met" if (value <= target if op == "<=" else value >= target) else "MISSED"
+
+
+def fmt(s: dict[str, float], spec: str = ".2f") -> str:
+    return f"{s['median']:{spec}} ({s['min']:{spec}}-{s['max']:{spec}})"
+
+
+def brief(run: dict[str, Any]) -> str:
+    return (
+        f"{run['tokens_per_second']:.2f} tok/s, p50 {run['token_ms_p50']:.0f} / p99 {run['token_ms_p99']:.0f} ms, "
+        f"{run['experts_per_read']:.1f} experts/read, {run['rows_per_step']:.1f} rows/step, "
+        f"hits {run['hit_rate']:.2f}, window {run['window_ms_per_step']:.1f} ms/step"
+    )
+
+
+async def main(args: argparse.Namespace) -> None:
+    started = time.time()
+    command = "python bench/serve_speed.py " + " ".join(sys.argv[1:])
+    path = full_model_path(args.layers)
+    if args.layers < 48 or not path.exists():
+        path = ensure_full_model(args.layers, progress=print_progress())
+    logging.getLogger("aioexperts").setLevel(logging.ERROR)
+    facts = machine_facts(str(path))
+    async with aioexperts.open(path, slots=1, io=IO) as probe:
+        layers = probe.layout.layers
+        k, per_layer = probe.layout.n_expert_used, max(m.n_experts for m in layers.values())
+    total = sum(m.n_experts for m in layers.values())
+    slots = max(2 * k * max(STREAMS), int(total * args.slab))
+    n_ctx = args.prompt + args.tokens + 8
+    print(
+        f"model: {path.name}: {len(layers)} MoE layers, {per_layer} experts, top-{k}; {slots} slots; "
+        f"{machine_label(facts)}",
+        flush=True,
+    )
+    rounds: list[dict[str, Any]] = []
+    async with aioexperts.load(path, slots=slots, io=IO, n_ctx=n_ctx, batch_wait=args.batch_wait) as model:
+        store_facts = model.store.statistics()
+        print(f"reads: backend {store_facts.backend}, O_DIRECT {store_facts.direct_io}", flush=True)
+        runner = model.runner
+        t0 = time.perf_counter()
+        warm_rng = np.random.default_rng(1000)
+        await decode_streams(model, [warm_rng.integers(0, model.n_vocab, args.prompt).tolist() for _ in range(4)], 2)
+        print(f"warm-up: {time.perf_counter() - t0:.0f} s", flush=True)
+        for r in range(args.rounds):
+            rng = np.random.default_rng(r)
+            row: dict[str, Any] = {"round": r, "load_average": os.getloadavg(), "runs": {}}
+            for n in STREAMS:
+                prompts = [rng.integers(0, model.n_vocab, args.prompt).tolist() for _ in range(n)]
+                tokens = args.tokens if n < 16 else args.tokens16
+                order = (True, False) if r % 2 == 0 else (False, True)
+                for on in order:
+                    runner.batch_wait = args.batch_wait if on else 0
+                    run = await decode_streams(model, prompts, tokens)
+                    row["runs"][f"{n}-{'on' if on else 'off'}"] = run
+                    print(f"round {r}: {n} streams, batching {'on ' if on else 'off'}: {brief(run)}", flush=True)
+                same = row["runs"][f"{n}-on"]["generated"] == row["runs"][f"{n}-off"]["generated"]
+                assert same, f"{n} streams: the tokens with batching differ from those without"
+            runner.batch_wait = args.batch_wait
+            prompts = [rng.integers(0, model.n_vocab, args.prompt).tolist()]
+            for on in (False, True) if r % 2 == 0 else (True, False):
+                runner.hits_first = on
+                run = await decode_streams(model, prompts, args.tokens_hf)
+                row["runs"][f"hf-{'on' if on else 'off'}"] = run
+                print(f"round {r}: 1 stream, hits-first {'on ' if on else 'off'}: {brief(run)}", flush=True)
+            runner.hits_first = True
+            runs = row["runs"]
+            row["batching_speedup"] = {
+                str(n): runs[f"{n}-on"]["tokens_per_second"] / runs[f"{n}-off"]["tokens_per_second"] for n in STREAMS
+            }
+            row["batching_speedup_4"] = row["batching_speedup"]["4"]
+            row["hits_first_speedup"] = runs["hf-off"]["seconds"] / runs["hf-on"]["seconds"]
+            row["p99_4_over_1"] = runs["4-on"]["token_ms_p99"] / runs["1-on"]["token_ms_p99"]
+            for run in runs.values():
+                del run["generated"]
+            rounds.append(row)
+            print(
+                f"round {r}: batching speed-up at 4 streams {row['batching_speedup_4']:.2f}x, hits-first "
+                f"{row['hits_first_speedup']:.2f}x, p99 4/1 streams {row['p99_4_over_1']:.2f}; "
+                f"load {row['load_average'][0]:.1f}",
+                flush=True,
+            )
+
+    keys = [*(f"{n}-{b}" for n in STREAMS for b in ("on", "off")), "hf-off", "hf-on"]
+    fields = (
+        "tokens_per_second",
+        "token_ms_p50",
+        "token_ms_p99",
+        "experts_per_read",
+        "rows_per_step",
+        "hit_rate",
+        "bytes_read_per_token",
+    )
+    summary: dict[str, Any] = {
+        "runs": {key: {f: spread([row["runs"][key][f] for row in rounds]) for f in fields} for key in keys},
+        "batching_speedup": {str(n): spread([row["batching_speedup"][str(n)] for row in rounds]) for n in STREAMS},
+    }
+    for name in TARGETS:
+        summary[name] = spread([row[name] for row in rounds])
+    summary["targets"] = {
+        name: {
+            "op": op,
+            "value": v,
+            "verdict": verdict(name, summary[name]["median"]),
+            "rounds_met": sum(verdict(name, row[name]) == "met" for row in rounds),
+        }
+        for name, (op, v) in TARGETS.items()
+    }
+    print()
+    for name, (op, target) in TARGETS.items():
+        print(f"{name}: {fmt(summary[name])}  target {op} {target}: {summary['targets'][name]['verdict']}")
+    facts["load_average_at_end"] = list(os.getloadavg())
+    parameters = {
+        "command": command,
+        "model": path.name,
+        "layers": len(layers),
+        "experts_per_layer": per_layer,
+        "expert_used": k,
+        "slots": slots,
+        "slab_fraction": args.slab,
+        "prompt": args.prompt,
+        "tokens": args.tokens,
+        "tokens16": args.tokens16,
+        "tokens_hits_first": args.tokens_hf,
+        "batch_wait": args.batch_wait,
+        "rounds": args.rounds,
+        "sampling": "greedy",
+        "reads": {
+            "backend": store_facts.backend,
+            "direct_io": store_facts.direct_io,
+            "liburing_unusable_reason": liburing_unusable_reason(),
+        },
+    }
+    units = {"_ms": "milliseconds", "tokens_per_second": "tokens/s", "bytes": "bytes", "seconds": "seconds"}
+    out = write_results(args.out, "serve_speed", parameters, units, rounds, summary, started, machine=facts)
+    print(f"results: {out}")
+
+
+REGION = ("<!-- bench:serve_speed -->", "<!-- /bench:serve_speed -->")
+
+
+def render_lines(results: Path) -> list[str]:
+    r = json.loads(results.read_text())
+    s, p, m = r["summary"], r["parameters"], r["machine"]
+    t = s["targets"]
+    reads = p["reads"]
+    why = f" because {reads['liburing_unusable_reason']}" if reads.get("liburing_unusable_reason") else ""
+    load = f"{m['load_average_at_start'][0]:.1f} at the start, {m['load_average_at_end'][0]:.1f} at the end"
+    runs = s["runs"]
+
+    def row(label: str, key: str) -> str:
+        x = runs[key]
+        return (
+            f"| {label} | {fmt(x['tokens_per_second'])} | {fmt(x['token_ms_p50'], '.0f')} | "
+            f"{fmt(x['token_ms_p99'], '.0f')} | {x['experts_per_read']['median']:.1f} | "
+            f"{x['rows_per_step']['median']:.1f} | {x['hit_rate']['median']:.2f} | "
+            f"{x['bytes_read_per_token']['median'] / 2**20:.0f} |"
+        )
+
+    def target(name: str, label: str, unit: str = "x") -> str:
+        v = t[name]
+        return (
+            f"| {label} | {fmt(s[name])}{unit} | {v['op']} {v['value']}{unit}: **{v['verdict']}** "
+            f"({v['rounds_met']} of {p['rounds']} rounds met) |"
+        )
+
+    lines = [
+        f"<!-- rendered by bench/serve_speed.py --render {results} DOC; do not edit by hand -->",
+        f"`{p['command']}` on {machine_label(m)}, {m['cpus_usable']} cores usable (shared with other work: "
+        f"load average {load}), started {r['started']}, {r['seconds'] / 60:.0f} min. Model `{p['model']}` "
+        f"({p['layers']} layers, {p['experts_per_layer']} experts per layer, top-{p['expert_used']}), a slab of "
+        f"{p['slab_fraction']:.0%} of the experts ({p['slots']} slots), expert reads through `{reads['backend']}`"
+        f"{why}. Streams are sequences of the Model API in their own tasks, each with a {p['prompt']}-token "
+        f"prompt, then {p['tokens']} greedy tokens ({p['tokens16']} at 16 streams) from a common start; "
+        f"batching window {p['batch_wait']} s. Median (min-max) of {p['rounds']} interleaved rounds; ratios "
+        "are taken per round. Latency is the time between a stream's consecutive tokens; hit rate is the "
+        "share of pinned experts already in the slab.",
+        "",
+        "| run | aggregate tok/s | p50 ms/token | p99 ms/token | experts per read | rows per step | hit rate "
+        "| MiB read/token |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines.extend(
+        row(f"{n} stream{'s' if n > 1 else ''}, batching {b}", f"{n}-{b}") for n in STREAMS for b in ("on", "off")
+    )
+    lines.append(row("1 stream, hits-first off", "hf-off"))
+    lines.append(row("1 stream, hits-first on", "hf-on"))
+    lines += [
+        "",
+        "| figure | measured | target |",
+        "|---|---|---|",
+        target("batching_speedup_4", "4 streams: aggregate tok/s, batching on / off"),
+        f"| 16 streams: aggregate tok/s, batching on / off | {fmt(s['batching_speedup']['16'])}x | |",
+        target("hits_first_speedup", "1 stream: time per token, hits-first off / on"),
+        target("p99_4_over_1", "p99 token latency, 4 streams / 1 stream (batching on)"),
+    ]
+    return lines
+
+
+def render(results: Path, doc: Path) -> None:
+    """Replace the text between ``<!-- bench:serve_speed -->`` and its end marker in ``doc``."""
+    text = doc.read_text()
+    start, end = REGION
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(head + start + "\n" + "\n".join(render_lines(results)) + "\n" + end + tail)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=48, help="layers of the built-in full model")
+    ap.add_argument("--slab", type=float, default=0.25, help="slab size as a share of all experts")
+    ap.add_argument("--prompt", type=int, default=4, help="prompt tokens per stream (prefill, not timed)")
+    ap.add_argument("--tokens", type=int, default=4, help="decoded tokens per stream (1 and 4 streams)")
+    ap.add_argument("--tokens16", type=int, default=2, help="decoded tokens per stream at 16 streams")
+    ap.add_argument("--tokens-hf", type=int, default=6, help="decoded tokens of the hits-first runs")
+    ap.add_argument("--batch-wait", type=float, default=0.05, help="the batching window (seconds)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--render", nargs=2, type=Path, metavar=("RESULTS", "DOC"), help="render RESULTS into DOC, no run")
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    arguments = parse()
+    if arguments.render:
+        render(*arguments.render)
+    else:
+        anyio.run(main, arguments)

@@ -1,0 +1,314 @@
+"""Cross-request expert batching and hits-first: each sequence's numbers are those it gets alone."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+from conftest import shared_fixture_paths
+
+import aioexperts
+from aioexperts._compute import moe as moe_module
+from aioexperts.testing import FakeBackend
+from aioexperts.testing._full_model import FullModelSpec, write_full_model
+
+pytestmark = pytest.mark.anyio
+
+THREADS = aioexperts.IOOptions(backend="threads")
+SMALL = FullModelSpec(
+    n_layer=3,
+    n_embd=256,
+    n_head=4,
+    n_head_kv=2,
+    head_dim=64,
+    n_expert=16,
+    n_expert_used=4,
+    n_ff_exp=256,
+    vocab_size=600,
+)
+PROMPTS = [[5, 17, 300, 42], [9, 8, 7], [400, 12, 13, 14, 15], [77, 1]]
+DECODE_STEPS = 5
+FIXTURE = next((p for p in shared_fixture_paths() if p.stem == "qwen3moe-q4_k_m"), None)
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_full_model(tmp_path_factory.mktemp("batch") / "small.gguf", SMALL)
+
+
+async def _decode(model: aioexperts.Model, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy decode through ModelSequence.forward, keeping every step's logits."""
+    async with model.sequence() as seq:
+        logits = (await seq.forward(prompt, all_logits=False))[0]
+        tokens, seen = [], [logits]
+        for _ in range(steps):
+            tokens.append(int(np.argmax(logits)))
+            logits = (await seq.forward(tokens[-1:], all_logits=False))[0]
+            seen.append(logits)
+        return tokens, seen
+
+
+async def _alone(path: Path, prompts: list[list[int]], steps: int, **kw: object) -> list[tuple[list[int], list]]:
+    async with aioexperts.load(path, batch_wait=0, hits_first=False, **kw) as model:  # type: ignore[arg-type]
+        return [await _decode(model, p, steps) for p in prompts]
+
+
+async def _together(
+    path: Path, prompts: list[list[int]], steps: int, **kw: object
+) -> tuple[list[tuple[list[int], list]], aioexperts.RunnerStatistics]:
+    got: dict[int, tuple[list[int], list]] = {}
+    async with aioexperts.load(path, batch_wait=1.0, **kw) as model:  # type: ignore[arg-type]
+
+        async def one(i: int) -> None:
+            got[i] = await _decode(model, prompts[i], steps)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+        return [got[i] for i in range(len(prompts))], model.runner.statistics()
+
+
+def _assert_bit_equal(alone: list[tuple[list[int], list]], together: list[tuple[list[int], list]]) -> None:
+    for i, ((tokens_a, logits_a), (tokens_b, logits_b)) in enumerate(zip(alone, together, strict=True)):
+        assert tokens_a == tokens_b, f"sequence {i}"
+        for step, (a, b) in enumerate(zip(logits_a, logits_b, strict=True)):
+            assert a.tobytes() == b.tobytes(), f"sequence {i}, step {step}: max diff {np.abs(a - b).max()}"
+
+
+@pytest.mark.parametrize("n_streams", [2, 4])
+async def test_concurrent_sequences_batched_are_bit_equal_to_alone(
+    small_model: Path, n_streams: int, anyio_backend: object
+) -> None:
+    prompts = PROMPTS[:n_streams]
+    alone = await _alone(small_model, prompts, DECODE_STEPS, slots=64, io=THREADS)
+    together, st = await _together(small_model, prompts, DECODE_STEPS, slots=64, io=THREADS)
+    _assert_bit_equal(alone, together)
+    # the batches did form: steps that served several sequences, with their rows
+    assert st.batches > 0 and st.batched_calls >= 2 * st.batches
+    assert st.retried_calls == 0
+    assert st.rows_per_step is not None and st.rows_per_step > 1
+
+
+@pytest.mark.skipif(FIXTURE is None, reason="shared fixtures not found")
+async def test_batched_fixture_sequences_are_bit_equal_to_alone(anyio_backend: object) -> None:
+    assert FIXTURE is not None
+    forward = np.load(FIXTURE.with_name(FIXTURE.stem + ".forward.npz"))
+    tokens = forward["tokens"].tolist()
+    prompts = [tokens, tokens[::-1], tokens[3:11]]
+    alone = await _alone(FIXTURE, prompts, 6, slots=64, io=THREADS)
+    together, st = await _together(FIXTURE, prompts, 6, slots=64, io=THREADS)
+    _assert_bit_equal(alone, together)
+    assert st.batches > 0
+
+
+async def test_batching_off_and_bad_options(small_model: Path, anyio_backend: object) -> None:
+    for bad in (-1, "0.1", True, 11):
+        with pytest.raises(aioexperts.ConfigError, match="batch_wait"):
+            aioexperts.load(small_model, batch_wait=bad)  # type: ignore[arg-type]
+    with pytest.raises(aioexperts.ConfigError, match="hits_first"):
+        aioexperts.load(small_model, hits_first=1)  # type: ignore[arg-type]
+    for off in (0, None):
+        async with aioexperts.load(small_model, slots=64, io=THREADS, batch_wait=off) as model:
+            assert not model.runner.batching
+            with pytest.raises(aioexperts.ConfigError, match="batching is off"):
+                model.runner.decode_stream()
+            _, st = await _decode(model, PROMPTS[0], 1), model.runner.statistics()
+            assert st.batches == 0 and st.experts_per_step is not None
+
+
+async def test_a_lone_stream_never_waits(small_model: Path, anyio_backend: object) -> None:
+    async with aioexperts.load(small_model, slots=64, io=THREADS, batch_wait=5.0) as model:
+        with anyio.fail_after(20):  # a 5 s window per layer would take 3 layers * 5 s * 3 steps
+            await _decode(model, PROMPTS[0], 2)
+        st = model.runner.statistics()
+        assert st.batches == 0 and st.batch_window_seconds < 1.0
+
+
+# -- the runner: cancellation and errors in a batch -----------------------------------------------
+
+
+def _fake(made: list[FakeBackend]):  # type: ignore[no-untyped-def]
+    def factory(files, slab, loop, depth):  # type: ignore[no-untyped-def]
+        made.append(FakeBackend(files, slab, loop, depth, auto=False))
+        return made[-1]
+
+    return factory
+
+
+def _inputs(n: int, n_embd: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(3)
+    return [rng.standard_normal((1, n_embd)).astype(np.float32) for _ in range(n)]
+
+
+async def _reference(path: Path, layer: int, xs: list[np.ndarray]) -> list[np.ndarray]:
+    async with aioexperts.open(path, slots=64, io=THREADS) as store:
+        runner = aioexperts.MoERunner(store, batch_wait=0, hits_first=False)
+        return [await runner.moe(layer, x) for x in xs]
+
+
+async def _until(condition) -> None:  # type: ignore[no-untyped-def]
+    with anyio.fail_after(20):
+        while not condition():
+            await anyio.sleep(0.005)
+
+
+@pytest.mark.parametrize("victim", [0, 1])  # 0: the batch's leader (first to arrive), 1: a member
+async def test_a_caller_cancelled_mid_batch_leaves_the_others_results(
+    small_model: Path, victim: int, anyio_backend: object
+) -> None:
+    xs = _inputs(3, SMALL.n_embd)
+    want = await _reference(small_model, 0, xs)
+    made: list[FakeBackend] = []
+    io = aioexperts.IOOptions(backend=_fake(made))
+    async with aioexperts.open(small_model, slots=64, io=io) as store:
+        runner = aioexperts.MoERunner(store, batch_wait=5.0, prefetch=aioexperts.PrefetchOptions(depth=0))
+        await runner.warmup()
+        streams = [runner.decode_stream() for _ in xs]
+        got: dict[int, np.ndarray] = {}
+        scopes = [anyio.CancelScope() for _ in xs]
+
+        async def call(i: int) -> None:
+            with scopes[i]:
+                got[i] = await runner.moe(0, xs[i], stream=streams[i])
+
+        with contextlib.ExitStack() as forwards:
+            for stream in streams:  # three sequences in a forward pass, on their way to layer 0
+                forwards.enter_context(stream.forward())
+            async with anyio.create_task_group() as tg:
+                for i in range(len(xs)):
+                    tg.start_soon(call, i)
+                    await anyio.sleep(0.01)  # 0 arrives first: it leads
+                await _until(lambda: made[0].pending)  # the batch started: reads in flight
+                scopes[victim].cancel()
+                await anyio.sleep(0.05)
+                assert victim not in got
+                made[0].complete_all()
+        assert sorted(got) == [i for i in range(3) if i != victim]
+        for i, y in got.items():
+            assert y.tobytes() == want[i].tobytes()
+        st = runner.statistics()
+        assert st.batches == 1 and st.batched_calls == 3  # one step served all three
+        assert store._source.cache.pinned_slots == 0  # type: ignore[attr-defined]  # nothing stays pinned
+        # the runner still serves (the batch read the victim's experts too: no read now)
+        with streams[victim].forward():
+            assert (await runner.moe(0, xs[victim], stream=streams[victim])).tobytes() == want[victim].tobytes()
+
+
+async def test_a_caller_cancelled_before_the_batch_starts_is_dropped(small_model: Path, anyio_backend: object) -> None:
+    xs = _inputs(3, SMALL.n_embd)
+    want = await _reference(small_model, 0, xs)
+    async with aioexperts.open(small_model, slots=64, io=THREADS) as store:
+        runner = aioexperts.MoERunner(store, batch_wait=0.5, prefetch=aioexperts.PrefetchOptions(depth=0))
+        await runner.warmup()
+        streams = [runner.decode_stream() for _ in range(4)]
+        got: dict[int, np.ndarray] = {}
+        scopes = [anyio.CancelScope() for _ in xs]
+
+        async def call(i: int) -> None:
+            with scopes[i], streams[i].forward():
+                got[i] = await runner.moe(0, xs[i], stream=streams[i])
+
+        with streams[3].forward():  # a fourth stream on its way to layer 0 that never arrives: the window runs out
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(call, i)
+                await anyio.sleep(0.1)
+                assert not got  # waiting for the fourth
+                scopes[0].cancel()  # the leader leaves: the next member leads
+        assert sorted(got) == [1, 2]
+        for i, y in got.items():
+            assert y.tobytes() == want[i].tobytes()
+        st = runner.statistics()
+        assert st.batches == 1 and st.batched_calls == 2
+
+
+async def test_one_callers_bad_input_does_not_fail_the_others(small_model: Path, anyio_backend: object) -> None:
+    xs = _inputs(2, SMALL.n_embd)
+    want = await _reference(small_model, 0, xs)
+    big = np.full((1, SMALL.n_embd), 3e38, dtype=np.float32)  # finite, but the experts overflow float32
+    async with aioexperts.open(small_model, slots=64, io=THREADS) as store:
+        runner = aioexperts.MoERunner(store, batch_wait=1.0, prefetch=aioexperts.PrefetchOptions(depth=0))
+        streams = [runner.decode_stream() for _ in range(3)]
+        got: dict[int, object] = {}
+
+        async def call(i: int, x: np.ndarray) -> None:
+            with streams[i].forward():
+                try:
+                    got[i] = await runner.moe(0, x, stream=streams[i])
+                except aioexperts.InvalidRequestError as exc:
+                    got[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, 0, xs[0])
+            tg.start_soon(call, 1, big)
+            tg.start_soon(call, 2, xs[1])
+        assert isinstance(got[1], aioexperts.InvalidRequestError)
+        for i, j in ((0, 0), (2, 1)):
+            y = got[i]
+            assert isinstance(y, np.ndarray) and y.tobytes() == want[j].tobytes()
+
+
+# -- hits-first -------------------------------------------------------------------------------------
+
+
+async def _layer_with_half_resident(
+    path: Path, x: np.ndarray, hits_first: bool, computed: list[int]
+) -> tuple[aioexperts.MoEResult, set[int], set[int], int]:
+    """Layer 0 on ``x`` with every other expert resident and the rest read only when the test says:
+    the result, the experts computed before the reads were delivered, the resident ones, hits-first steps."""
+    made: list[FakeBackend] = []
+    io = aioexperts.IOOptions(backend=_fake(made))
+    async with aioexperts.open(path, slots=64, io=io) as store:
+        runner = aioexperts.MoERunner(
+            store, hits_first=hits_first, batch_wait=0, prefetch=aioexperts.PrefetchOptions(depth=0)
+        )
+        await runner.warmup()
+        resident = set(range(0, SMALL.n_expert, 2))
+
+        async def warm() -> None:
+            async with store.experts(0, sorted(resident)):
+                pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(warm)
+            await _until(lambda: made[0].pending)
+            made[0].complete_all()
+        assert all(store.resident(0, sorted(resident)))
+        computed.clear()
+        out: list[aioexperts.MoEResult] = []
+
+        async def run() -> None:
+            out.append(await runner.moe_result(0, x))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await _until(lambda: made[0].pending)  # the misses are being read
+            await anyio.sleep(0.2)
+            during = set(computed)  # computed while no miss was delivered
+            made[0].complete_all()
+        return out[0], during, resident, runner.statistics().hits_first_steps
+
+
+async def test_hits_first_is_bit_equal_to_hits_last_and_computes_while_reads_wait(
+    small_model: Path, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = np.random.default_rng(11).standard_normal((6, SMALL.n_embd)).astype(np.float32)  # most experts chosen
+    computed: list[int] = []
+    plain = moe_module._expert_forward
+
+    def spy(x, rows, expert, *args, **kwargs):  # type: ignore[no-untyped-def]
+        computed.append(expert)
+        return plain(x, rows, expert, *args, **kwargs)
+
+    monkeypatch.setattr(moe_module, "_expert_forward", spy)
+    last, during_last, resident, steps_last = await _layer_with_half_resident(small_model, x, False, computed)
+    first, during_first, _, steps_first = await _layer_with_half_resident(small_model, x, True, computed)
+    chosen = set(np.unique(first.ids).tolist())
+    assert chosen & resident and chosen - resident  # the case has both hits and misses
+    assert during_first == chosen & resident and steps_first == 1  # the resident ones first, nothing read yet
+    assert during_last == set() and steps_last == 0
+    assert np.array_equal(first.ids, last.ids)
+    assert first.ffn_out.tobytes() == last.ffn_out.tobytes()
