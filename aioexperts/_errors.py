@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = (
     "AioExpertsError",
     "BackendUnavailableError",
+    "BaselineMismatchError",
     "ChatTemplateError",
     "ConfigError",
     "ContextLengthError",
@@ -140,3 +141,7 @@ class ChatTemplateError(AioExpertsError, ValueError):
 
 class OptionalDependencyError(AioExpertsError, ImportError):
     """A feature needs an optional package that is not installed; the message names the extra to install."""
+
+
+class BaselineMismatchError(AioExpertsError):
+    """A baseline a bench compares against (ggml's own kernel) gave a different answer, or failed."""
