@@ -6,7 +6,9 @@ so its "x ggml" column is measured on the machine that runs it. Needs the ``base
 :func:`unavailable_reason` says why in one line.
 
 Only functions are bound (``ggml.h``, ``ggml-cpu.h``); the one struct passed is the by-value
-``ggml_init_params``. The product is the graph llama.cpp runs for one dense projection of one
+``ggml_init_params``, and of the ``ggml_cplan`` that ``ggml_graph_plan`` returns only its first
+field is read (``work_size``: the bytes of the work buffer, so that the context holding it is
+large enough; ggml's release builds return NULL from a full context and crash later). The product is the graph llama.cpp runs for one dense projection of one
 token: ``ggml_mul_mat(W, x)`` in a context on plain CPU memory (no repacked buffer types), computed
 by ``ggml_graph_compute_with_ctx`` (``ggml/src/ggml-cpu/ggml-cpu.c``), which quantizes ``x`` to
 the type's ``vec_dot_type`` (Q8_K for the k-quants and IQ4_XS, Q8_0 for the 32-blocks, F16/BF16
@@ -55,7 +57,7 @@ _TOLERANCE = {Q.F32: 1e-5, Q.F16: 2e-3, Q.BF16: 1.5e-2}
 _INT8_TOLERANCE = 2.5e-2
 
 _GGML_TYPE_F32 = 0
-_SCRATCH_MARGIN = 1 << 16  # bytes beyond the work buffer's object: alignment and cache-line padding
+_SCRATCH_MARGIN = 1 << 12  # bytes beyond the work buffer: its object header and alignment
 
 #: (name, restype, argtypes) of every function used, and the library it lives in
 _BASE_FUNCTIONS: tuple[tuple[str, Any, list[Any] | None], ...] = (
@@ -77,6 +79,7 @@ _BASE_FUNCTIONS: tuple[tuple[str, Any, list[Any] | None], ...] = (
 )
 _CPU_FUNCTIONS: tuple[tuple[str, Any, list[Any] | None], ...] = (
     ("ggml_cpu_init", None, []),
+    ("ggml_graph_plan", None, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]),  # restype set below
     ("ggml_graph_compute_with_ctx", ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]),
 )
 #: CPU features of the build (``ggml_cpu_has_*``, each ``int (void)``), for the results file
@@ -87,6 +90,15 @@ class _InitParams(ctypes.Structure):
     """``struct ggml_init_params`` (ggml.h): passed by value to ``ggml_init``."""
 
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+class _PlanWorkSize(ctypes.Structure):
+    """The first field of ``struct ggml_cplan`` (ggml-cpu.h), then room for the rest (56 bytes in 0.3.x).
+
+    Returned by value: the caller provides the memory, so a larger buffer than the struct is safe.
+    """
+
+    _fields_ = [("work_size", ctypes.c_size_t), ("_rest", ctypes.c_byte * 504)]
 
 
 def _library_dir() -> Path:
@@ -145,6 +157,7 @@ class GgmlLibrary:
             raise OptionalDependencyError(f"cannot load llama-cpp-python's ggml libraries: {exc}") from exc
         self.fn = {**_bind(base, base_path, _BASE_FUNCTIONS), **_bind(cpu, cpu_path, _CPU_FUNCTIONS)}
         self.fn["ggml_init"].argtypes = [_InitParams]
+        self.fn["ggml_graph_plan"].restype = _PlanWorkSize
         self.paths = (base_path, cpu_path)
         try:
             self.version = metadata.version("llama_cpp_python")
@@ -213,7 +226,7 @@ class GgmlMatVec:
     """``x @ W.T`` for one token by ggml's CPU backend (``ggml_mul_mat``), on a private copy of ``W``.
 
     The weight, the input and the output live in one ggml context; each :meth:`compute` runs the
-    one-node graph with ``n_threads`` threads and its work buffer (the quantized ``x``) in a second
+    one-node graph with ``n_threads`` threads and its work buffer (the quantized ``x``, ``work_size`` bytes from ``ggml_graph_plan``) in a second
     context that is reset first, so calls do not grow memory. Not thread-safe. Use as a context
     manager or call :meth:`close`.
 
@@ -265,7 +278,6 @@ class GgmlMatVec:
         self._ctx = self._lib.context(size)
         self._scratch = 0
         try:
-            self._scratch = self._lib.context(overhead + 4 * cols + _SCRATCH_MARGIN * n_threads)
             weight = fn["ggml_new_tensor_2d"](self._ctx, int(self.ggml_type), cols, rows)
             x = fn["ggml_new_tensor_2d"](self._ctx, _GGML_TYPE_F32, cols, 1)
             if fn["ggml_nbytes"](weight) != expected or fn["ggml_nbytes"](x) != 4 * cols:
@@ -276,6 +288,10 @@ class GgmlMatVec:
                 raise FormatError(f"ggml_mul_mat gave {fn['ggml_nbytes'](out)} output bytes, not {4 * rows}")
             self._graph = fn["ggml_new_graph"](self._ctx)
             fn["ggml_build_forward_expand"](self._graph, out)
+            self.work_size = int(fn["ggml_graph_plan"](self._graph, n_threads, None).work_size)
+            if self.work_size > 1 << 30:
+                raise FormatError(f"ggml_graph_plan asks for {self.work_size} work bytes (ggml_cplan changed?)")
+            self._scratch = self._lib.context(overhead + self.work_size + _SCRATCH_MARGIN)
             self._x = np.ctypeslib.as_array(
                 ctypes.cast(fn["ggml_get_data"](x), ctypes.POINTER(ctypes.c_float)), (cols,)
             )

@@ -144,13 +144,13 @@ def test_ggml_matvec_agrees_with_the_exact_product_and_our_kernels(qtype: Q) -> 
     ours = fused.linear(memoryview(raw).toreadonly(), qtype, SHAPE, x)
     ggml_baseline.check_agreement(got, ours, qtype)
     if qtype in fused.int8_types():
-        # the int8 kernels round x to the same 8-bit blocks as ggml: far closer than the tolerance
+        # the int8 kernels round x to the same 8-bit blocks as ggml: only the order of the float sums differs
         fused.set_precision("int8")
         try:
             ours_int8 = fused.linear(memoryview(raw).toreadonly(), qtype, SHAPE, x)
         finally:
             fused.set_precision("float")
-        assert ggml_baseline.relative_error(got, ours_int8) < 1e-3 * ggml_baseline.agreement_tolerance(qtype) * 40
+        assert ggml_baseline.relative_error(got, ours_int8) < 1e-5
 
 
 @needs_ggml
