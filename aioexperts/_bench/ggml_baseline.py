@@ -8,11 +8,13 @@ so its "x ggml" column is measured on the machine that runs it. Needs the ``base
 Only functions are bound (``ggml.h``, ``ggml-cpu.h``); the one struct passed is the by-value
 ``ggml_init_params``, and of the ``ggml_cplan`` that ``ggml_graph_plan`` returns only its first
 field is read (``work_size``: the bytes of the work buffer, so that the context holding it is
-large enough; ggml's release builds return NULL from a full context and crash later). The product is the graph llama.cpp runs for one dense projection of one
-token: ``ggml_mul_mat(W, x)`` in a context on plain CPU memory (no repacked buffer types), computed
-by ``ggml_graph_compute_with_ctx`` (``ggml/src/ggml-cpu/ggml-cpu.c``), which quantizes ``x`` to
-the type's ``vec_dot_type`` (Q8_K for the k-quants and IQ4_XS, Q8_0 for the 32-blocks, F16/BF16
-for those) and runs ``ggml_vec_dot_<type>_<vec_dot_type>`` per row.
+large enough; ggml's release builds return NULL from a full context and crash later).
+
+The product is the graph llama.cpp runs for one dense projection of one token:
+``ggml_mul_mat(W, x)`` in a context on plain CPU memory (no repacked buffer types), computed by
+``ggml_graph_compute_with_ctx`` (``ggml/src/ggml-cpu/ggml-cpu.c``, ``ggml_compute_forward_mul_mat``),
+which quantizes ``x`` to the type's ``vec_dot_type`` (Q8_K for the k-quants and IQ4_XS, Q8_0 for
+the 32-blocks, F16/BF16 for those) and runs ``ggml_vec_dot_<type>_<vec_dot_type>`` per row.
 
 ggml aborts the process on a failed ``GGML_ASSERT``: every argument is checked here first.
 """
@@ -226,8 +228,9 @@ class GgmlMatVec:
     """``x @ W.T`` for one token by ggml's CPU backend (``ggml_mul_mat``), on a private copy of ``W``.
 
     The weight, the input and the output live in one ggml context; each :meth:`compute` runs the
-    one-node graph with ``n_threads`` threads and its work buffer (the quantized ``x``, ``work_size`` bytes from ``ggml_graph_plan``) in a second
-    context that is reset first, so calls do not grow memory. Not thread-safe. Use as a context
+    one-node graph with ``n_threads`` threads and its work buffer (the quantized ``x``; ``work_size``
+    bytes, from ``ggml_graph_plan``) in a second context that is reset first, so calls do not grow
+    memory. Not thread-safe. Use as a context
     manager or call :meth:`close`.
 
     Args:

@@ -46,12 +46,12 @@ def bench_kernels() -> Iterator[ModuleType]:
 
 
 @pytest.fixture(scope="module")
-def bench_report() -> Iterator[ModuleType]:
+def bench_report() -> ModuleType:
     spec = importlib.util.spec_from_file_location("bench_report_under_test", BENCH / "report_extra.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    yield module
+    return module
 
 
 def matrix(qtype: Q, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
@@ -119,7 +119,9 @@ def test_no_ggml_flag_leaves_it_unmeasured(bench_kernels: ModuleType) -> None:
 def test_missing_libraries_and_symbols_are_named(tmp_path: Path) -> None:
     with pytest.raises(OptionalDependencyError, match="no libggml-base.so"):
         ggml_baseline.GgmlLibrary(tmp_path)
-    libm = next((p for p in (Path("/lib/x86_64-linux-gnu/libm.so.6"), Path("/usr/lib64/libm.so.6")) if p.exists()), None)
+    libm = next(
+        (p for p in (Path("/lib/x86_64-linux-gnu/libm.so.6"), Path("/usr/lib64/libm.so.6")) if p.exists()), None
+    )
     if libm is None:
         pytest.skip("no libm.so.6 to stand in for a library without ggml's functions")
     for stem in ("libggml-base", "libggml-cpu"):
