@@ -363,6 +363,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     started = time.time()
+    load_start = os.getloadavg()
     types = [Q[n.strip().upper()] for n in args.types.split(",") if n.strip()] or [
         t for t in ORDER if t in fused.compiled_types()
     ]
@@ -389,6 +390,7 @@ def main() -> int:
         rounds + [{"compile": True, **x} for x in compile_rows],
         {"kernels": result, "compile": compile_result},
         started,
+        machine={"load_average_start": load_start},
     )  # fmt: skip
     print(f"results: {out}")
     return 0

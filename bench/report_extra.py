@@ -107,6 +107,13 @@ def kernels(results: dict[str, Any]) -> str:
                 else f"{e['exact_gelems']['median']:.2f} ({e['exact_speedup']['median']:.1f})",
             ]
         )
+    m = results.get("machine", {})
+    if "load_average_start" in m and "load_average" in m:
+        ggml_text += (
+            f" Load average (1 min) {m['load_average_start'][0]:.1f} at the start, {m['load_average'][0]:.1f} at "
+            f"the end, on {m.get('cores_available', '?')} cores shared with other work: the ratios, taken per round, "
+            "are steadier than the GB/s."
+        )
     return (
         f"Fused one-token kernels, one thread, GB/s of weight bytes; x gguf-py target >= {gguf_target:g}. "
         f"{ggml_text} {_where(results)}\n\n"
