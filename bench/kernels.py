@@ -372,26 +372,29 @@ def main() -> int:
     with threadpool_limits(limits=1):
         rounds, result = run_kernels(types, args.rounds, args.calls, args.seed, ggml=ggml)
     print_table(result, ggml_info)
-    compile_rows: list[dict[str, Any]] = []
-    compile_result: dict[str, Any] = {}
+
+    def save(compile_rows: list[dict[str, Any]], compile_result: dict[str, Any]) -> Path:
+        return write_results(
+            args.out,
+            "kernels",
+            {"types": [t.name for t in types], "rounds": args.rounds, "calls": args.calls, "threads": 1,
+             "shapes": [list(s) for s in SHAPES], "cold_bytes": COLD_BYTES, "batches": list(BATCHES),
+             "ggml": ggml_info, "compile_rounds": 0 if args.skip_compile else args.compile_rounds,
+             "targets": {"x_gguf": GGUF_TARGET, "x_ggml": GGML_TARGET, "cold_compile_s": COMPILE_TARGET_S,
+                         "warm_start_s": WARM_TARGET_S}},
+            {"seconds": "median seconds per call within a round", "gbps": "1e9 weight bytes per second",
+             "exact_gelems": "1e9 float32 values per second", "x_*": "ratio of speeds (higher is faster)"},
+            rounds + [{"compile": True, **x} for x in compile_rows],
+            {"kernels": result, "compile": compile_result},
+            started,
+            machine={"load_average_start": load_start},
+        )  # fmt: skip
+
+    out = save([], {})  # the kernel rounds are kept even if the compile runs are cut short
     if not args.skip_compile:
         compile_rows, compile_result = run_compile(args.compile_rounds)
         print_compile(compile_result)
-    out = write_results(
-        args.out,
-        "kernels",
-        {"types": [t.name for t in types], "rounds": args.rounds, "calls": args.calls, "threads": 1,
-         "shapes": [list(s) for s in SHAPES], "cold_bytes": COLD_BYTES, "batches": list(BATCHES),
-         "ggml": ggml_info,
-         "targets": {"x_gguf": GGUF_TARGET, "x_ggml": GGML_TARGET, "cold_compile_s": COMPILE_TARGET_S,
-                     "warm_start_s": WARM_TARGET_S}},
-        {"seconds": "median seconds per call within a round", "gbps": "1e9 weight bytes per second",
-         "exact_gelems": "1e9 float32 values per second", "x_*": "ratio of speeds (higher is faster)"},
-        rounds + [{"compile": True, **x} for x in compile_rows],
-        {"kernels": result, "compile": compile_result},
-        started,
-        machine={"load_average_start": load_start},
-    )  # fmt: skip
+        out = save(compile_rows, compile_result)
     print(f"results: {out}")
     return 0
 
