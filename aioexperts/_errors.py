@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = (
     "AioExpertsError",
     "BackendUnavailableError",
+    "BaselineMismatchError",
     "ChatTemplateError",
     "ConfigError",
     "ContextLengthError",
@@ -170,3 +171,7 @@ class ShardError(ExpertReadError):
 
 class ShardTimeoutError(ShardError, TimeoutError):
     """A shard did not answer within the runner's ``call_timeout`` seconds (a ``TimeoutError`` too)."""
+
+
+class BaselineMismatchError(AioExpertsError):
+    """A baseline a bench compares against (ggml's own kernel) gave a different answer, or failed."""

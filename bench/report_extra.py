@@ -48,6 +48,8 @@ def _where(results: dict[str, Any]) -> str:
 def kernels(results: dict[str, Any]) -> str:
     p = results["parameters"]
     gguf_target, ggml_target = p["targets"]["x_gguf"], p["targets"]["x_ggml"]
+    ggml = p.get("ggml", {})
+    measured = bool(ggml.get("measured"))  # older files divided by typed figures: shown as unmeasured
     rows = []
     for key, e in results["summary"]["kernels"].items():
         qtype, shape = key.split()
@@ -57,8 +59,35 @@ def kernels(results: dict[str, Any]) -> str:
                 row.append(_r(e["gbps"].get("int8")))
             xg, xm = e.get(f"x_gguf_{prec}"), e.get(f"x_ggml_{prec}")
             row.append("-" if xg is None else f"{xg['median']:.1f} {_met(xg['median'], gguf_target, at_most=False)}")
-            row.append("-" if xm is None else f"{xm['median']:.2f} {_met(xm['median'], ggml_target, at_most=False)}")
+            if prec not in e["gbps"]:
+                row.append("-")
+            elif not measured:
+                row.append("unmeasured")
+            else:
+                row.append("-" if xm is None else f"{_r(xm)} {_met(xm['median'], ggml_target, at_most=False)}")
+        row.append(_r(e["gbps"].get("ggml")) if measured else "unmeasured")
         rows.append(row)
+    if measured:
+        errors = [
+            (k, a) for k, a in ((k, e.get("ggml_agreement")) for k, e in results["summary"]["kernels"].items()) if a
+        ]
+        worst = max(errors, key=lambda ka: ka[1]["vs_float"] / ka[1]["tolerance"], default=None)
+        ggml_text = (
+            f"x ggml: ggml's time over ours in the same round (ggml's own CPU mat-vec, `ggml_mul_mat` of the same "
+            f"bytes by the same token, one thread, llama-cpp-python {ggml.get('llama_cpp_python', '?')}; built with "
+            + (", ".join(n for n, on in ggml.get("cpu_features", {}).items() if on) or "no SIMD features")
+            + "), median (min-max) over rounds, target >= "
+            f"{ggml_target:g}."
+            + (
+                ""
+                if worst is None
+                else f" Before timing, each ggml output was checked against the float kernel's: worst relative L2 "
+                f"error {worst[1]['vs_float']:.2g} ({worst[0]}; tolerance {worst[1]['tolerance']:g}, from ggml's "
+                "rounding of x to 8 bits or 16)."
+            )
+        )
+    else:
+        ggml_text = f"x ggml unmeasured: {ggml.get('reason', 'this results file predates the same-run measurement')}."
     batches = p.get("batches", [4, 16, 64, 256])
     more = []
     for key, e in results["summary"]["kernels"].items():
@@ -78,12 +107,19 @@ def kernels(results: dict[str, Any]) -> str:
                 else f"{e['exact_gelems']['median']:.2f} ({e['exact_speedup']['median']:.1f})",
             ]
         )
+    m = results.get("machine", {})
+    if "load_average_start" in m and "load_average" in m:
+        ggml_text += (
+            f" Load average (1 min) {m['load_average_start'][0]:.1f} at the start, {m['load_average'][0]:.1f} at "
+            f"the end, on {m.get('cores_available', '?')} cores shared with other work: the ratios, taken per round, "
+            "are steadier than the GB/s."
+        )
     return (
-        f"Fused one-token kernels, one thread, GB/s of weight bytes; x gguf-py target >= {gguf_target:g}, "
-        f"x ggml (llama.cpp's kernel here, docs/notes/KERNELS.md) target >= {ggml_target:g}. {_where(results)}\n\n"
+        f"Fused one-token kernels, one thread, GB/s of weight bytes; x gguf-py target >= {gguf_target:g}. "
+        f"{ggml_text} {_where(results)}\n\n"
         + _table(
-            ["type", "shape", "float GB/s", "x gguf", "x ggml", "int8 GB/s", "x gguf", "x ggml"],
-            [[r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]] for r in rows],
+            ["type", "shape", "float GB/s", "x gguf", "x ggml", "int8 GB/s", "x gguf", "x ggml", "ggml GB/s"],
+            rows,
         )
         + "\n\nThe same kernels, medians: the float kernel on weights in DRAM (cold GB/s), and speed-ups over the "
         "numpy kernels + BLAS for one token, for batches of "
