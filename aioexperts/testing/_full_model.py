@@ -16,8 +16,10 @@ keys and the numbers' scale are those of a real model:
   variant, :data:`SKEWED_SPEC`), every token embedding also carries one shared direction (real
   models' hidden states have such a mean component), the cold experts' rows are orthogonal to it and
   each layer's hot experts' rows lean on it, which lifts their logits by about
-  :attr:`FullModelSpec.hot_logit` standard deviations: a few hot experts then take about half of
-  the picks (at the default 8 hot experts of 128, top-8, ``hot_logit`` 2.0).
+  :attr:`FullModelSpec.hot_logit` standard deviations of the (unlifted) logits: a few hot experts
+  then take most of the picks (8 hot experts of 128, top-8, ``hot_logit`` 2.0: measured on the
+  8-layer file over 48 varied tokens, 71% of the picks in the first layer, 66-87 distinct experts
+  per layer against 113-123 of the spread file; the lift fades with depth).
 - every matrix is drawn from that pool with a standard deviation of ``1 / sqrt(ne0)``, so a
   product keeps the size of its RMS-normalised input; the two projections that add to the residual
   stream (``attn_output``, ``ffn_down_exps``) are scaled by a further ``1 / sqrt(2 * n_layer)`` so
@@ -417,7 +419,8 @@ def _router(rng: np.random.Generator, spec: FullModelSpec, shared: np.ndarray) -
     """
     e, n = spec.n_embd, spec.n_expert
     basis = np.column_stack([shared.astype(np.float64), rng.standard_normal((e, n))])
-    q, _ = np.linalg.qr(basis)  # q[:, 0] is shared's direction, q[:, 1:] orthonormal and orthogonal to it
+    q, _ = np.linalg.qr(basis)  # q[:, 0] is +-shared's direction, q[:, 1:] orthonormal and orthogonal to it
+    q[:, 0] *= np.sign(q[:, 0] @ shared)  # QR may flip it
     rows = q[:, 1:].T * spec.router_logit_std  # (n, e), unit rows: logit std = router_logit_std
     if spec.hot_experts:
         hot = rng.choice(n, size=spec.hot_experts, replace=False)
