@@ -37,7 +37,7 @@ __all__ = (
 
 log = logging.getLogger("aioexperts")
 
-RUNTIME_RESERVE_BYTES = 512 << 20
+RUNTIME_RESERVE_BYTES = 256 << 20
 """Bytes kept out of the slab for the page cache still needed, the compiled kernels and compute buffers."""
 
 RESERVE_FRACTION = 0.05

@@ -1,0 +1,174 @@
+"""Tables of ``--mode generate`` results: printed by the bench, rendered into README and docs/bench.md.
+
+:func:`render_markdown` turns one or more results files (e.g. the spread and the skewed model) into
+the text between ``<!-- bench:generate -->`` and ``<!-- /bench:generate -->``; :func:`render_into`
+replaces that region of a document.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .machine import machine_label
+
+__all__ = ("REGION", "load_generate_results", "render_into", "render_markdown", "text_report")
+
+REGION = "generate"
+_PATTERN = re.compile(r"(<!-- bench:generate -->\n)(.*?)(<!-- /bench:generate -->)", re.DOTALL)
+
+
+def load_generate_results(path: str | Path) -> dict[str, Any]:
+    """A results file of ``--mode generate`` (ValueError if it is another kind)."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or not str(data.get("schema", "")).startswith("aioexperts-bench-generate/"):
+        raise ValueError(f"{path} is not a results file of aioexperts-bench --mode generate")
+    return data
+
+
+def _f(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _gb(value: Any) -> str:
+    return "-" if value is None else f"{value / 1e9:.2f}"
+
+
+def _mb(value: Any) -> str:
+    return "-" if value is None else f"{value / 1e6:.0f}"
+
+
+def _statuses(row: dict[str, Any]) -> str:
+    counts: dict[str, int] = {}
+    for s in row["statuses"]:
+        counts[s] = counts.get(s, 0) + 1
+    return ", ".join(f"{n}x {s}" for s, n in counts.items())
+
+
+def _table(results: dict[str, Any]) -> list[str]:
+    lines = [
+        "| limit | engine | runs | decode tok/s | p5 / p50 / p95 ms | prefill tok/s | TTFT s | major faults/token "
+        "| device MB/token | peak RSS GB | page cache GB | hit rate | slab GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["summary"]:
+        lines.append(
+            f"| {row['limit']} | {row['engine']} | {_statuses(row)} | {_f(row['decode_tok_s'], '.3f')} | "
+            f"{_f(row['p5_ms'], '.0f')} / {_f(row['p50_ms'], '.0f')} / {_f(row['p95_ms'], '.0f')} | "
+            f"{_f(row['prefill_tok_s'], '.1f')} | {_f(row['ttft_seconds'], '.1f')} | "
+            f"{_f(row['major_faults_per_token'], '.0f')} | {_mb(row['device_bytes_per_token'])} | "
+            f"{_gb(row['peak_rss_bytes'])} | {_gb(row['page_cache_bytes'])} | "
+            f"{_f(row['hit_rate'], '.2f')} | {_gb(row['slab_bytes'])} |"
+        )
+    return lines
+
+
+def _round_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
+    by_limit: dict[str, list[dict[str, Any]]] = {}
+    for r in results["rounds"]:
+        by_limit.setdefault(r["limit"], []).append(r)
+    for limit, rounds in by_limit.items():
+        parts = []
+        for r in rounds:
+            if r.get("decode_ratio") is None:
+                parts.append(f"round {r['round'] + 1}: no ratio (llama.cpp {r.get('llama_statuses')})")
+                continue
+            agree = ", ".join(
+                f"{a['agree']}/{a['compared']} vs {engine}" for engine, a in (r.get("agreement") or {}).items() if a
+            )
+            parts.append(
+                f"round {r['round'] + 1}: decode {r['decode_ratio']:.2f}x, p95 {_f(r.get('p95_ratio'), '.3f')}x "
+                f"of {r['baseline']}; greedy tokens agree {agree}"
+            )
+        lines.append(f"- limit {limit}: " + "; ".join(parts))
+    return lines
+
+
+def _target_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
+    for t in results.get("targets", []):
+        if t["threshold"] is None:
+            gb = ", ".join(f"{v / 1e9:.2f} GB" for v in t["per_round"])
+            lines.append(f"- {t['what']}: **{t['verdict']}** (slabs {gb})")
+            continue
+        values = ", ".join("-" if v is None else f"{v:.3g}" for v in t["per_round"])
+        fits = " (llama.cpp's working set fits: the 0.7x bar)" if t.get("llama_fits") else ""
+        lines.append(
+            f"- under {t['limit']}: {t['what']} ratio {t['op']} {t['threshold']:g}{fits}: per round {values}: "
+            f"**{t['verdict']}**"
+        )
+    return lines
+
+
+def _distinct_line(results: dict[str, Any]) -> str | None:
+    rows = [r for r in results["summary"] if r.get("distinct_experts_min_mean_max")]
+    if not rows:
+        return None
+    parts = [
+        f"{r['limit']}: {r['distinct_experts_min_mean_max'][0]}-{r['distinct_experts_min_mean_max'][2]} "
+        f"(mean {r['distinct_experts_min_mean_max'][1]:.0f})"
+        for r in rows
+    ]
+    return "distinct experts touched per layer during decode (aioexperts): " + "; ".join(parts)
+
+
+def _split_line(results: dict[str, Any]) -> str | None:
+    runs = [r for r in results["runs"] if r["engine"] == "aioexperts" and r["limit"] == "none" and r.get("seconds_per_part")]
+    if not runs:
+        return None
+    n = sum(r["tokens_decoded"] for r in runs)
+    total = sum(sum(r["token_seconds"]) for r in runs)
+    parts = {k: sum(r["seconds_per_part"][k] for r in runs) for k in runs[0]["seconds_per_part"]}
+    other = total - sum(parts.values())
+    shown = ", ".join(f"{k} {v / n * 1e3:.0f}" for k, v in parts.items()) + f", other {other / n * 1e3:.0f}"
+    return f"where an uncapped aioexperts decode token goes (ms per token): {shown}"
+
+
+def text_report(results: dict[str, Any]) -> str:
+    """The tables and verdicts of one results file, as Markdown."""
+    m = results["machine"]
+    load = m.get("load_average_at_start"), m.get("load_average_at_end")
+    head = [
+        f"**{results['model']['name']}** ({results['model']['bytes'] / 1e9:.1f} GB), {results['date']}, "
+        f"{machine_label(m)}; load average {_load(load[0])} at start, {_load(load[1])} at end; "
+        f"{results['parameters']['rounds']} rounds, prompt {results['parameters']['prompt_tokens']} tokens, "
+        f"{results['parameters']['decode_tokens']} decode tokens per run, {results['parameters']['threads']} threads.",
+        "",
+    ]
+    body = [*head, *_table(results), ""]
+    body += _round_lines(results)
+    for extra in (_distinct_line(results), _split_line(results)):
+        if extra:
+            body.append(f"- {extra}")
+    body += ["", "Targets (issue 20):", *_target_lines(results)]
+    body += [f"- note: {n}" for n in results.get("notes", [])]
+    return "\n".join(body) + "\n"
+
+
+def _load(values: Any) -> str:
+    return "?" if not values else "/".join(f"{v:.1f}" for v in values)
+
+
+def render_markdown(all_results: Sequence[dict[str, Any]], sources: Sequence[str]) -> str:
+    """The region's text for several results files (one section each)."""
+    out = []
+    for results, source in zip(all_results, sources, strict=True):
+        out.append(f"From `{source}` (written by `{results['command']}`):\n")
+        out.append(text_report(results))
+    return "\n".join(out)
+
+
+def render_into(doc: str | Path, all_results: Sequence[dict[str, Any]], sources: Sequence[str]) -> bool:
+    """Replace the ``bench:generate`` region of ``doc``; False when it has no such region."""
+    path = Path(doc)
+    text = path.read_text()
+    body = render_markdown(all_results, sources)
+    new, n = _PATTERN.subn(lambda m: m.group(1) + body + m.group(3), text)
+    if n == 0:
+        return False
+    path.write_text(new)
+    return True
