@@ -415,7 +415,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         if not measured:
             verdict = "unmeasured"
         else:
-            ok = all((v >= threshold) if op == ">=" else (v <= threshold) for v in measured)
+            bar = target[3]
+            ok = all((v >= bar) if op == ">=" else (v <= bar) for v in measured)
             verdict = "met" if ok and len(measured) == len(values) else ("MISSED" if not ok else "partly measured")
         out.append(
             {
