@@ -15,10 +15,12 @@ from typing import Any
 
 from .machine import machine_label
 
-__all__ = ("REGION", "load_generate_results", "render_into", "render_markdown", "text_report")
+__all__ = ("REGION", "load_generate_results", "merge_results", "render_into", "render_markdown", "text_report")
 
-REGION = "generate"
-_PATTERN = re.compile(r"(<!-- bench:generate -->\n)(.*?)(<!-- /bench:generate -->)", re.DOTALL)
+#: The region's name: ``<!-- bench:generate-headline -->`` ... ``<!-- /bench:generate-headline -->``
+#: (a hyphenated name, which bench/render.py's regions leave alone).
+REGION = "generate-headline"
+_PATTERN = re.compile(r"(<!-- bench:generate-headline -->\n)(.*?)(<!-- /bench:generate-headline -->)", re.DOTALL)
 
 
 def load_generate_results(path: str | Path) -> dict[str, Any]:
@@ -153,12 +155,43 @@ def _load(values: Any) -> str:
     return "?" if not values else "/".join(f"{v:.1f}" for v in values)
 
 
+def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several results files of one model (e.g. one per limit, run at different times) as one.
+
+    Runs and rounds are concatenated, the summary and the targets computed again; the machine and
+    date are the first part's, the load averages the least and the most seen.
+    """
+    from .generate import evaluate_targets, summarize
+
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    merged = dict(first)
+    merged["machine"] = dict(first["machine"])
+    starts = [p["machine"].get("load_average_at_start") for p in parts]
+    ends = [p["machine"].get("load_average_at_end") for p in parts]
+    merged["machine"]["load_average_at_start"] = min((x for x in starts if x), default=None)
+    merged["machine"]["load_average_at_end"] = max((x for x in ends if x), default=None)
+    merged["date"] = " to ".join(sorted({p["date"] for p in parts})[:: max(1, len(parts) - 1)])
+    merged["command"] = "; ".join(p["command"] for p in parts)
+    merged["runs"] = [r for p in parts for r in p["runs"]]
+    merged["rounds"] = [r for p in parts for r in p["rounds"]]
+    merged["notes"] = list(dict.fromkeys(n for p in parts for n in p.get("notes", [])))
+    merged["summary"] = summarize(merged)
+    merged["targets"] = evaluate_targets(merged)
+    return merged
+
+
 def render_markdown(all_results: Sequence[dict[str, Any]], sources: Sequence[str]) -> str:
-    """The region's text for several results files (one section each)."""
-    out = []
+    """The region's text for several results files: those of one model merged, one section per model."""
+    by_model: dict[str, list[tuple[dict[str, Any], str]]] = {}
     for results, source in zip(all_results, sources, strict=True):
-        out.append(f"From `{source}` (written by `{results['command']}`):\n")
-        out.append(text_report(results))
+        by_model.setdefault(results["model"]["name"], []).append((results, source))
+    out = [f"<!-- rendered by bench/generate.py --render {' '.join(sources)} -- DOCS; do not edit by hand -->"]
+    for items in by_model.values():
+        names = ", ".join(f"`{source}`" for _, source in items)
+        out.append(f"From {names}:\n")
+        out.append(text_report(merge_results([r for r, _ in items])))
     return "\n".join(out)
 
 

@@ -126,10 +126,11 @@ def test_render_replaces_only_the_region(tmp_path: Path, tiny_full_model: Path) 
         "notes": ["llama-cpp-python is not installed"],
     }
     doc = tmp_path / "doc.md"
-    doc.write_text("before\n<!-- bench:generate -->\nold\n<!-- /bench:generate -->\nafter\n")
+    doc.write_text("before\n<!-- bench:generate-headline -->\nold\n<!-- /bench:generate-headline -->\nafter\n")
     assert render_into(doc, [results], ["r.json"])
     text = doc.read_text()
-    assert text.startswith("before\n<!-- bench:generate -->\nFrom `r.json`") and text.endswith("<!-- /bench:generate -->\nafter\n")
+    assert text.startswith("before\n<!-- bench:generate-headline -->\n<!-- rendered by bench/generate.py")
+    assert "From `r.json`" in text and text.endswith("<!-- /bench:generate-headline -->\nafter\n")
     assert "old" not in text and "llama-cpp-python is not installed" in text
     assert text_report(results) in text
     (tmp_path / "other.json").write_text(json.dumps({"schema": "x"}))
