@@ -233,7 +233,15 @@ def _from_events(events: list[dict[str, Any]], n_prompt: int) -> dict[str, Any]:
     if "loaded" in by:
         loaded = by["loaded"]
         out["load_seconds"] = loaded["seconds"]
-        for key in ("slab_bytes", "n_slots", "slot_bytes", "experts_total", "slab_budget", "memory_limit_source", "backend"):
+        for key in (
+            "slab_bytes",
+            "n_slots",
+            "slot_bytes",
+            "experts_total",
+            "slab_budget",
+            "memory_limit_source",
+            "backend",
+        ):
             if key in loaded:
                 out[key] = loaded[key]
     prefill = by.get("prefill")

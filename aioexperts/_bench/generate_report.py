@@ -57,7 +57,7 @@ def _table(results: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["summary"]:
-        lines.append(
+        lines.append(  # noqa: PERF401 - one row per line of the table
             f"| {row['limit']} | {row['engine']} | {_statuses(row)} | {_f(row['decode_tok_s'], '.3f')} | "
             f"{_f(row['p5_ms'], '.0f')} / {_f(row['p50_ms'], '.0f')} / {_f(row['p95_ms'], '.0f')} | "
             f"{_f(row['prefill_tok_s'], '.1f')} | {_f(row['ttft_seconds'], '.1f')} | "
@@ -119,7 +119,9 @@ def _distinct_line(results: dict[str, Any]) -> str | None:
 
 
 def _split_line(results: dict[str, Any]) -> str | None:
-    runs = [r for r in results["runs"] if r["engine"] == "aioexperts" and r["limit"] == "none" and r.get("seconds_per_part")]
+    runs = [
+        r for r in results["runs"] if r["engine"] == "aioexperts" and r["limit"] == "none" and r.get("seconds_per_part")
+    ]
     if not runs:
         return None
     n = sum(r["tokens_decoded"] for r in runs)

@@ -111,7 +111,7 @@ async def _run_aioexperts(cfg: dict[str, Any]) -> None:
 
 
 def _run_llama(cfg: dict[str, Any], repack: bool) -> None:
-    import llama_cpp
+    import llama_cpp  # type: ignore[import-not-found,unused-ignore]
 
     if not repack:  # the weights stay in the mmap (llama-cli --no-repack)
         default_params = llama_cpp.llama_model_default_params

@@ -549,7 +549,9 @@ class Model:
         options = self._store_options
         if options["mode"] == "slab" and all(options[k] is None for k in ("slots", "cache_bytes", "cache")):
             kv = kv_reserve_bytes(hp, self._n_ctx_arg, self._budget or DEFAULT_MEMORY_BUDGET)
-            self.slab_budget = choose_slab_bytes(gguf, hp, kv_bytes=kv, resident_embedding_bytes=self._resident_embedding)
+            self.slab_budget = choose_slab_bytes(
+                gguf, hp, kv_bytes=kv, resident_embedding_bytes=self._resident_embedding
+            )
             options = {**options, "cache_bytes": self.slab_budget.slab_bytes}
         store = open_store(self.path, **options)
         await store.start()

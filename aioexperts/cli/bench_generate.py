@@ -121,5 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json_dumps(results, indent=1) + "\n")
     print(text_report(results))
     if args.out:
-        print(f"results: {args.out} (`python bench/generate.py --render {args.out} README.md docs/bench.md` renders them)")
+        print(
+            f"results: {args.out} (`python bench/generate.py --render {args.out} README.md docs/bench.md` renders them)"
+        )
     return 0

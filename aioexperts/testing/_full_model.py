@@ -248,7 +248,8 @@ class FullModelSpec:
                 raise ConfigError(f"FullModelSpec.{name} must be a number in [0, 1000), got {value!r}")
         if self.hot_experts and self.dense_type not in _REQUANTIZABLE:
             raise ConfigError(
-                f"FullModelSpec.hot_experts needs a dense_type gguf-py can quantize ({', '.join(sorted(t.name for t in _REQUANTIZABLE))}), "
+                "FullModelSpec.hot_experts needs a dense_type gguf-py can quantize "
+                f"({', '.join(sorted(t.name for t in _REQUANTIZABLE))}), "
                 f"got {self.dense_type.name}"
             )
         if self.head_dim % 2:

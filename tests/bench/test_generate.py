@@ -62,7 +62,7 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_limits_and_token_ids() -> None:
     assert parse_limit("none") is None and parse_limit("1/4") == Fraction(1, 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="fraction of the model"):
         parse_limit("0")
     ids = token_ids(4099, 64, 0)
     assert ids == token_ids(4099, 64, 0) and all(256 <= i < 4096 for i in ids) and len(set(ids)) > 50
@@ -134,5 +134,5 @@ def test_render_replaces_only_the_region(tmp_path: Path, tiny_full_model: Path) 
     assert "old" not in text and "llama-cpp-python is not installed" in text
     assert text_report(results) in text
     (tmp_path / "other.json").write_text(json.dumps({"schema": "x"}))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not a results file"):
         load_generate_results(tmp_path / "other.json")
