@@ -176,6 +176,7 @@ def _run_one(
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     events: list[dict[str, Any]] = []
+    proc: subprocess.Popen[str] | None = None
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "aioexperts._bench.generate_worker", json.dumps(worker_cfg)],
@@ -219,6 +220,9 @@ def _run_one(
         if run["status"] != "ok":
             run["stderr_tail"] = err.strip().splitlines()[-5:]
     finally:
+        if proc is not None and proc.poll() is None:  # the bench itself is being stopped
+            proc.kill()
+            proc.wait()
         if group is not None:
             group.remove()
     run.update(_from_events(events, len(prompt)))
@@ -300,8 +304,13 @@ def run_generate_bench(
     cfg: GenerateConfig,
     *,
     note: Callable[[str], None] = lambda s: None,
+    checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run every limit, round and engine of ``cfg``; the results dictionary (see the module docstring)."""
+    """Run every limit, round and engine of ``cfg``; the results dictionary (see the module docstring).
+
+    ``checkpoint`` gets the results so far (summary and targets included, ``"complete": False``)
+    after every run, so a bench stopped from outside still leaves what it measured.
+    """
     from .. import __version__
     from .._format.model import open_model
 
@@ -360,10 +369,20 @@ def run_generate_bench(
                 )
                 runs.append(run)
                 results["runs"].append(run)
+                if checkpoint is not None:
+                    partial = {**results, "rounds": [*results["rounds"]], "complete": False}
+                    if len(runs) == len(engines):
+                        partial["rounds"].append({"limit": _limit_name(limit), "round": r, **_round_summary(runs)})
+                    checkpoint(_finish(partial))
             results["rounds"].append({"limit": _limit_name(limit), "round": r, **_round_summary(runs)})
+    results["complete"] = True
+    return _finish(results)
+
+
+def _finish(results: dict[str, Any]) -> dict[str, Any]:
     results["summary"] = summarize(results)
     results["targets"] = evaluate_targets(results)
-    results["machine"]["load_average_at_end"] = list(os.getloadavg())
+    results["machine"] = {**results["machine"], "load_average_at_end": list(os.getloadavg())}
     return results
 
 

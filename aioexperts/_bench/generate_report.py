@@ -150,6 +150,8 @@ def text_report(results: dict[str, Any]) -> str:
             body.append(f"- {extra}")
     body += ["", "Targets (issue 20):", *_target_lines(results)]
     body += [f"- note: {n}" for n in results.get("notes", [])]
+    if results.get("complete") is False:
+        body.append("- note: the run was stopped before its last round: these are the rounds it finished")
     return "\n".join(body) + "\n"
 
 
@@ -179,6 +181,7 @@ def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged["runs"] = [r for p in parts for r in p["runs"]]
     merged["rounds"] = [r for p in parts for r in p["rounds"]]
     merged["notes"] = list(dict.fromkeys(n for p in parts for n in p.get("notes", [])))
+    merged["complete"] = all(p.get("complete", True) for p in parts)
     merged["summary"] = summarize(merged)
     merged["targets"] = evaluate_targets(merged)
     return merged

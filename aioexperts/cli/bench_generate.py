@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -73,6 +74,13 @@ def _is_ours(path: str) -> bool:
     return True
 
 
+def _write(out: str, results: dict[str, object]) -> None:
+    """Write ``results`` atomically (a partial file after each run, the whole one at the end)."""
+    tmp = Path(out + ".tmp")
+    tmp.write_text(json_dumps(results, indent=1) + "\n")
+    os.replace(tmp, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; 0 done, 1 the run failed, 2 bad arguments."""
     parser = build_parser()
@@ -94,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.quiet:
             print(text, file=sys.stderr, flush=True)
 
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM (e.g. timeout(1)): remove the cgroup, keep the partial results
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         model = _model(args, note)
         if args.out:
@@ -110,15 +122,22 @@ def main(argv: list[str] | None = None) -> int:
             run_timeout=args.run_timeout,
             seed=args.seed,
         )
-        results = run_generate_bench(cfg, note=note)
+        results = run_generate_bench(cfg, note=note, checkpoint=(lambda r: _write(args.out, r)) if args.out else None)
     except KeyboardInterrupt:
-        print("aioexperts-bench: interrupted; nothing was written", file=sys.stderr)
+        done = (
+            f"the runs done so far are in {args.out}"
+            if args.out and os.path.exists(args.out)
+            else "nothing was written"
+        )
+        print(f"aioexperts-bench: interrupted; {done}", file=sys.stderr)
         return 130
     except (AioExpertsError, OSError) as exc:
         print(f"aioexperts-bench: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if args.out:
-        Path(args.out).write_text(json_dumps(results, indent=1) + "\n")
+        _write(args.out, results)
     print(text_report(results))
     if args.out:
         print(
