@@ -178,8 +178,16 @@ def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged["machine"]["load_average_at_end"] = max((x for x in ends if x), default=None)
     merged["date"] = " to ".join(sorted({p["date"] for p in parts})[:: max(1, len(parts) - 1)])
     merged["command"] = "; ".join(p["command"] for p in parts)
-    merged["runs"] = [r for p in parts for r in p["runs"]]
-    merged["rounds"] = [r for p in parts for r in p["rounds"]]
+    merged["runs"], merged["rounds"] = [], []
+    offset: dict[str, int] = {}  # rounds of a limit numbered on across the files
+    for p in parts:
+        seen = {r["limit"]: offset.get(r["limit"], 0) for r in p["rounds"]}
+        merged["rounds"] += [{**r, "round": r["round"] + seen[r["limit"]]} for r in p["rounds"]]
+        merged["runs"] += [
+            {**r, "round": r["round"] + seen.get(r["limit"], offset.get(r["limit"], 0))} for r in p["runs"]
+        ]
+        for limit in seen:
+            offset[limit] = seen[limit] + 1 + max(r["round"] for r in p["rounds"] if r["limit"] == limit)
     merged["notes"] = list(dict.fromkeys(n for p in parts for n in p.get("notes", [])))
     merged["complete"] = all(p.get("complete", True) for p in parts)
     merged["summary"] = summarize(merged)

@@ -136,3 +136,30 @@ def test_render_replaces_only_the_region(tmp_path: Path, tiny_full_model: Path) 
     (tmp_path / "other.json").write_text(json.dumps({"schema": "x"}))
     with pytest.raises(ValueError, match="not a results file"):
         load_generate_results(tmp_path / "other.json")
+
+
+def test_results_of_one_model_merge_with_rounds_numbered_on() -> None:
+    from aioexperts._bench.generate_report import merge_results
+
+    def part(limits: list[str], ratio: float) -> dict[str, object]:
+        return {
+            "schema": generate.SCHEMA,
+            "command": "c",
+            "date": "d",
+            "machine": {"load_average_at_start": [1.0], "load_average_at_end": [2.0]},
+            "model": {"name": "m.gguf", "bytes": 1},
+            "notes": [],
+            "runs": [{"engine": "aioexperts", "limit": lim, "round": 0, "status": "ok"} for lim in limits],
+            "rounds": [{"limit": lim, "round": 0, "decode_ratio": ratio, "p95_ratio": 0.05} for lim in limits],
+        }
+
+    merged = merge_results([part(["1/4", "none"], 12.0), part(["1/4"], 8.0)])
+    assert [(r["limit"], r["round"]) for r in merged["rounds"]] == [("1/4", 0), ("none", 0), ("1/4", 1)]
+    decode = next(t for t in merged["targets"] if (t["limit"], t["what"]) == ("1/4", "decode"))
+    assert decode["per_round"] == [12.0, 8.0] and decode["verdict"] == "MISSED"
+
+
+def test_without_llama_cpp_the_bench_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(generate.importlib.util, "find_spec", lambda name: None)
+    reason = generate.llama_unavailable_reason()
+    assert reason is not None and "\n" not in reason and "aioexperts[baseline]" in reason and "7 minutes" in reason
