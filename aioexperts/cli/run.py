@@ -27,7 +27,7 @@ import aioexperts
 from aioexperts._json import dumps as strict_dumps
 from aioexperts.cli._common import BROKEN_PIPE_STATUS, HelpFormatter, stdout_closed
 
-__all__ = ("INTERRUPTED_STATUS", "build_parser", "main")
+__all__ = ("INTERRUPTED_STATUS", "build_parser", "for_terminal", "main")
 
 PROG = "aioexperts-run"
 
@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=_int_at_least(0), default=40, help="top-k sampling; 0 is off")
     p.add_argument("--top-p", type=_float, default=0.95, help="top-p (nucleus) sampling; 1 is off")
     p.add_argument("--min-p", type=_float, default=0.05, help="min-p sampling; 0 is off")
+    p.add_argument("--repeat-penalty", type=_float, default=1.0, help="repetition penalty; 1 is off")
+    p.add_argument("--presence-penalty", type=_float, default=0.0, help="presence penalty; 0 is off")
+    p.add_argument("--frequency-penalty", type=_float, default=0.0, help="frequency penalty; 0 is off")
+    p.add_argument(
+        "--penalty-last-n", type=_int_at_least(-1), default=64, help="tokens the penalties look back at; -1 all"
+    )
     p.add_argument("--seed", type=_int_at_least(0), default=None, help="seed of the sampler (default: a fresh one)")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeat for more); not printed")
     p.add_argument(
@@ -149,16 +155,16 @@ class _Report:
         decode = sum(x.decode_seconds for x in s)
         decoded = sum(max(0, x.generated_tokens - 1) for x in s)
         ttft = [x.time_to_first_token for x in s if x.time_to_first_token is not None]
-        return {
+        return {  # the names of GenerationStatistics, summed over the turns
             "prompt_tokens": sum(x.prompt_tokens for x in s),
             "reused_tokens": sum(x.reused_tokens for x in s),
             "prefilled_tokens": prompt,
             "generated_tokens": generated,
-            "prompt_seconds": prefill,
-            "generation_seconds": decode,
+            "prefill_seconds": prefill,
+            "decode_seconds": decode,
             "prompt_tokens_per_second": prompt / prefill if prefill > 0 and prompt else None,
-            "generation_tokens_per_second": decoded / decode if decode > 0 and decoded else None,
-            "time_to_first_token_seconds": ttft[0] if ttft else None,
+            "decode_tokens_per_second": decoded / decode if decode > 0 and decoded else None,
+            "time_to_first_token": ttft[0] if ttft else None,
             "stop_reason": s[-1].stop_reason if s else None,
         }
 
@@ -185,7 +191,7 @@ class _Report:
         st, ms = self.store_stats, self.model_stats
         return {
             "rss_bytes": self.rss_bytes,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": _peak_rss_bytes(self.rss_bytes),
             "slab_bytes": st.n_slots * st.slot_bytes if st else None,
             "slab_slots": st.n_slots if st else None,
             "resident_weight_bytes": ms.dense_bytes if ms else None,
@@ -202,7 +208,16 @@ class _Report:
             "error": self.error,
         }
         if chat:
-            out["turns"] = [{"user": t.user, "assistant": t.text, **asdict(t.stats)} for t in self.turns]
+            out["turns"] = [
+                {
+                    "user": t.user,
+                    "assistant": t.text,
+                    **asdict(t.stats),
+                    "prompt_tokens_per_second": t.stats.prompt_tokens_per_second,
+                    "decode_tokens_per_second": t.stats.decode_tokens_per_second,
+                }
+                for t in self.turns
+            ]
         else:
             out["text"] = self.turns[0].text if self.turns else ""
         out.update(self.totals())
@@ -216,15 +231,15 @@ class _Report:
         def rate(v: float | None) -> str:
             return f"{v:.2f} tok/s" if v is not None else "n/a"
 
-        ttft = t["time_to_first_token_seconds"]
+        ttft = t["time_to_first_token"]
         reused = f", {t['reused_tokens']} reused from the KV cache" if t["reused_tokens"] else ""
+        later = max(0, t["generated_tokens"] - 1)
         lines = [
-            f"prompt: {t['prefilled_tokens']} tokens in {t['prompt_seconds']:.3f} s "
-            f"({rate(t['prompt_tokens_per_second'])}){reused}",
-            f"generation: {t['generated_tokens']} tokens in {t['generation_seconds']:.3f} s after the first "
-            f"({rate(t['generation_tokens_per_second'])}); time to first token "
-            + (f"{ttft:.3f} s" if ttft is not None else "n/a")
-            + f"; stop: {t['stop_reason'] or 'n/a'}",
+            f"prompt: {t['prefilled_tokens']} tokens prefilled in {t['prefill_seconds']:.3f} s "
+            f"({rate(t['prompt_tokens_per_second'])}){reused}; time to first token "
+            + (f"{ttft:.3f} s" if ttft is not None else "n/a"),
+            f"generation: {t['generated_tokens']} tokens; decode {rate(t['decode_tokens_per_second'])} "
+            f"({later} tokens after the first in {t['decode_seconds']:.3f} s); stop: {t['stop_reason'] or 'n/a'}",
         ]
         ex = self.experts()
         if ex is not None:
@@ -262,6 +277,23 @@ def _size(n: float | None) -> str:
     return f"{n:.0f} B"
 
 
+def _peak_rss_bytes(current: int | None) -> int | None:
+    """The high-water RSS (``VmHWM``), never below ``current``: ``ru_maxrss`` is updated lazily by
+    the kernel and can read lower than the RSS just measured."""
+    peak: int | None = None
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    peak = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if peak is None:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return max(peak, current) if current is not None else peak
+
+
 def _rss_bytes() -> int | None:
     try:
         with open("/proc/self/statm") as f:
@@ -283,18 +315,33 @@ def _options(args: argparse.Namespace) -> aioexperts.SamplingOptions:
         top_k=args.top_k,
         top_p=args.top_p,
         min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        penalty_last_n=args.penalty_last_n,
         seed=args.seed,
         max_tokens=args.n_predict,
         stop=tuple(args.stop),
     )
 
 
+#: C0 controls (but tab and newline), DEL and C1 controls: shown escaped on a terminal, where an
+#: escape sequence in generated text could move the cursor, retitle the window or clear the screen.
+_TERMINAL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)}
+
+
+def for_terminal(text: str) -> str:
+    """``text`` with its control characters (but tab and newline) written as ``\\xNN`` escapes."""
+    return text.translate(_TERMINAL_ESCAPES)
+
+
 async def _emit(stream: Any, turn: _Turn, args: argparse.Namespace) -> None:
+    to_terminal = sys.stdout.isatty()
     try:
         async for piece in stream:
             turn.text += piece
             if not args.json:
-                sys.stdout.write(piece)
+                sys.stdout.write(for_terminal(piece) if to_terminal else piece)
                 sys.stdout.flush()
     finally:
         turn.stats = stream.statistics

@@ -53,13 +53,44 @@ def test_json_is_one_parseable_object_with_the_same_text(tiny_full_model: Path) 
     assert report["text"] and report["text"] + "\n" == as_text.stdout  # same seed, same text; nothing interleaved
     assert report["generated_tokens"] >= 1 and report["prompt_tokens"] >= 1
     assert report["stop_reason"] in ("length", "eog")
-    assert report["time_to_first_token_seconds"] > 0 and report["interrupted"] is False
+    assert report["time_to_first_token"] > 0 and report["interrupted"] is False
     assert 0 <= report["experts"]["hit_rate"] <= 1 and report["experts"]["bytes_read_per_token"] > 0
     memory = report["memory"]
     assert memory["rss_bytes"] > 0 and memory["slab_bytes"] > 0 and memory["resident_weight_bytes"] > 0
     # layers * (K, V) * KV heads * head size * float32
     assert memory["kv_cache_bytes"] == report["n_ctx"] * 2 * 2 * 2 * 64 * 4
     assert report["n_ctx"] == 512  # the file's context length, under the default 4096
+    assert memory["peak_rss_bytes"] >= memory["rss_bytes"]
+
+
+def test_json_totals_and_turns_use_the_same_field_names(tiny_full_model: Path) -> None:
+    done = run(
+        *(str(tiny_full_model), "--chat", "-n", "4", "--temp", "0", "--io", "threads", "--json"),
+        stdin="Hello\nAgain\n",
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    turn_keys = set(report["turns"][0]) - {"user", "assistant", "stop_string"}
+    assert turn_keys <= set(report), sorted(turn_keys - set(report))
+    assert report["generated_tokens"] == sum(t["generated_tokens"] for t in report["turns"])
+    assert report["decode_seconds"] == pytest.approx(sum(t["decode_seconds"] for t in report["turns"]))
+
+
+def test_control_characters_are_escaped_for_a_terminal_only() -> None:
+    from aioexperts.cli.run import for_terminal
+
+    assert for_terminal("a\x1b[2Jb\tc\nd\x07\x7f\x9b") == "a\\x1b[2Jb\tc\nd\\x07\\x7f\\x9b"
+    assert for_terminal("plain text, ümlaut") == "plain text, ümlaut"
+
+
+def test_penalty_options_reach_the_sampler() -> None:
+    from aioexperts.cli.run import _options, build_parser
+
+    args = build_parser().parse_args(["-p", "x", "--repeat-penalty", "1.3", "--presence-penalty", "0.5"])
+    opts = _options(args)
+    assert (opts.repeat_penalty, opts.presence_penalty, opts.frequency_penalty) == (1.3, 0.5, 0.0)
+    bad = run("-p", "x", "--repeat-penalty", "0")
+    assert bad.returncode == 2 and "repeat_penalty" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_chat_reads_turns_from_stdin_and_reuses_the_kv_cache(tiny_full_model: Path) -> None:
