@@ -288,6 +288,8 @@ def _round_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     llamas = [r for r in runs if r["engine"] in LLAMA_ENGINES and r.get("decode_tok_s")]
     out: dict[str, Any] = {"llama_statuses": {r["engine"]: r["status"] for r in runs if r["engine"] in LLAMA_ENGINES}}
     if ours is None or not llamas:
+        statuses = out["llama_statuses"].values()
+        out["baseline_failed"] = bool(statuses) and all(x in ("oom-killed", "killed", "failed") for x in statuses)
         return out
     best = max(llamas, key=lambda r: r["decode_tok_s"])
     out["baseline"] = best["engine"]
@@ -439,7 +441,12 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 target = FITS_TARGET  # llama.cpp's working set fits: the lower bar of the issue
         values = [r.get(f"{what}_ratio") for r in rounds]
         measured = [v for v in values if v is not None]
-        if not measured:
+        ours_decoded = {
+            (x["limit"], x["round"]) for x in results["runs"] if x["engine"] == "aioexperts" and x.get("decode_tok_s")
+        }
+        if rounds and all(r.get("baseline_failed") and (limit, r["round"]) in ours_decoded for r in rounds):
+            verdict = "met: llama.cpp produced no token in any round (OOM-killed), aioexperts decoded"
+        elif not measured:
             verdict = "unmeasured"
         else:
             bar = target[3]

@@ -77,7 +77,15 @@ def _round_lines(results: dict[str, Any]) -> list[str]:
         parts = []
         for r in rounds:
             if r.get("decode_ratio") is None:
-                parts.append(f"round {r['round'] + 1}: no ratio (llama.cpp {r.get('llama_statuses')})")
+                ours = [
+                    x.get("decode_tok_s")
+                    for x in results["runs"]
+                    if (x["engine"], x["limit"], x["round"]) == ("aioexperts", limit, r["round"])
+                ]
+                llama = ", ".join(f"{e} {s}" for e, s in (r.get("llama_statuses") or {}).items()) or "not run"
+                parts.append(
+                    f"round {r['round'] + 1}: no ratio: {llama}; aioexperts {_f(ours[0] if ours else None, '.3f')} tok/s"
+                )
                 continue
             agree = ", ".join(
                 f"{a['agree']}/{a['compared']} vs {engine}" for engine, a in (r.get("agreement") or {}).items() if a

@@ -163,3 +163,18 @@ def test_without_llama_cpp_the_bench_says_so_in_one_line(monkeypatch: pytest.Mon
     monkeypatch.setattr(generate.importlib.util, "find_spec", lambda name: None)
     reason = generate.llama_unavailable_reason()
     assert reason is not None and "\n" not in reason and "aioexperts[baseline]" in reason and "7 minutes" in reason
+
+
+def test_llama_cpp_killed_in_every_round_is_said_so() -> None:
+    runs = [
+        {"engine": "aioexperts", "limit": "1/4", "round": 0, "status": "ok", "decode_tok_s": 0.3},
+        {"engine": "llama.cpp", "limit": "1/4", "round": 0, "status": "oom-killed"},
+        {"engine": "llama.cpp-norepack", "limit": "1/4", "round": 0, "status": "oom-killed"},
+    ]
+    rnd = _round_summary(runs)
+    assert rnd["baseline_failed"] and "decode_ratio" not in rnd
+    targets = evaluate_targets({"runs": runs, "rounds": [{"limit": "1/4", "round": 0, **rnd}]})
+    assert all(t["verdict"].startswith("met: llama.cpp produced no token") for t in targets if t["limit"] == "1/4")
+    runs[0]["decode_tok_s"] = None  # aioexperts failing too is no win
+    targets = evaluate_targets({"runs": runs, "rounds": [{"limit": "1/4", "round": 0, **rnd}]})
+    assert all(t["verdict"] == "unmeasured" for t in targets if t["limit"] == "1/4")
