@@ -83,9 +83,8 @@ def _round_lines(results: dict[str, Any]) -> list[str]:
                     if (x["engine"], x["limit"], x["round"]) == ("aioexperts", limit, r["round"])
                 ]
                 llama = ", ".join(f"{e} {s}" for e, s in (r.get("llama_statuses") or {}).items()) or "not run"
-                parts.append(
-                    f"round {r['round'] + 1}: no ratio: {llama}; aioexperts {_f(ours[0] if ours else None, '.3f')} tok/s"
-                )
+                rate = _f(ours[0] if ours else None, ".3f")
+                parts.append(f"round {r['round'] + 1}: no ratio: {llama}; aioexperts {rate} tok/s")
                 continue
             agree = ", ".join(
                 f"{a['agree']}/{a['compared']} vs {engine}" for engine, a in (r.get("agreement") or {}).items() if a
@@ -170,13 +169,12 @@ def _load(values: Any) -> str:
 def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Several results files of one model (e.g. one per limit, run at different times) as one.
 
-    Runs and rounds are concatenated, the summary and the targets computed again; the machine and
-    date are the first part's, the load averages the least and the most seen.
+    The runs are concatenated (the rounds of a limit numbered on across the files); the rounds'
+    ratios, the summary and the targets are computed again from the runs. The machine is the first
+    part's, the load averages the least and the most seen.
     """
-    from .generate import evaluate_targets, summarize
+    from .generate import _round_summary, evaluate_targets, summarize
 
-    if len(parts) == 1:
-        return parts[0]
     first = parts[0]
     merged = dict(first)
     merged["machine"] = dict(first["machine"])
@@ -184,20 +182,24 @@ def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     ends = [p["machine"].get("load_average_at_end") for p in parts]
     merged["machine"]["load_average_at_start"] = min((x for x in starts if x), default=None)
     merged["machine"]["load_average_at_end"] = max((x for x in ends if x), default=None)
-    merged["date"] = " to ".join(sorted({p["date"] for p in parts})[:: max(1, len(parts) - 1)])
+    dates = sorted({p["date"] for p in parts})
+    merged["date"] = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
     merged["command"] = "; ".join(p["command"] for p in parts)
-    merged["runs"], merged["rounds"] = [], []
-    offset: dict[str, int] = {}  # rounds of a limit numbered on across the files
-    for p in parts:
-        seen = {r["limit"]: offset.get(r["limit"], 0) for r in p["rounds"]}
-        merged["rounds"] += [{**r, "round": r["round"] + seen[r["limit"]]} for r in p["rounds"]]
-        merged["runs"] += [
-            {**r, "round": r["round"] + seen.get(r["limit"], offset.get(r["limit"], 0))} for r in p["runs"]
-        ]
-        for limit in seen:
-            offset[limit] = seen[limit] + 1 + max(r["round"] for r in p["rounds"] if r["limit"] == limit)
     merged["notes"] = list(dict.fromkeys(n for p in parts for n in p.get("notes", [])))
     merged["complete"] = all(p.get("complete", True) for p in parts)
+    runs: list[dict[str, Any]] = []
+    offset: dict[str, int] = {}  # rounds of a limit numbered on across the files
+    for p in parts:
+        here = {r["limit"]: offset.get(r["limit"], 0) for r in p["runs"]}
+        runs += [{**r, "round": r["round"] + here[r["limit"]]} for r in p["runs"]]
+        for limit, base in here.items():
+            offset[limit] = base + 1 + max(r["round"] for r in p["runs"] if r["limit"] == limit)
+    merged["runs"] = runs
+    keys = list(dict.fromkeys((r["limit"], r["round"]) for r in runs))
+    merged["rounds"] = [
+        {"limit": limit, "round": rnd, **_round_summary([r for r in runs if (r["limit"], r["round"]) == (limit, rnd)])}
+        for limit, rnd in keys
+    ]
     merged["summary"] = summarize(merged)
     merged["targets"] = evaluate_targets(merged)
     return merged

@@ -149,8 +149,29 @@ def test_results_of_one_model_merge_with_rounds_numbered_on() -> None:
             "machine": {"load_average_at_start": [1.0], "load_average_at_end": [2.0]},
             "model": {"name": "m.gguf", "bytes": 1},
             "notes": [],
-            "runs": [{"engine": "aioexperts", "limit": lim, "round": 0, "status": "ok"} for lim in limits],
-            "rounds": [{"limit": lim, "round": 0, "decode_ratio": ratio, "p95_ratio": 0.05} for lim in limits],
+            "runs": [
+                run
+                for lim in limits
+                for run in (
+                    {
+                        "engine": "aioexperts",
+                        "limit": lim,
+                        "round": 0,
+                        "status": "ok",
+                        "decode_tok_s": ratio,
+                        "p95_ms": 1.0,
+                    },
+                    {
+                        "engine": "llama.cpp",
+                        "limit": lim,
+                        "round": 0,
+                        "status": "ok",
+                        "decode_tok_s": 1.0,
+                        "p95_ms": 20.0,
+                    },
+                )
+            ],
+            "rounds": [],  # computed again from the runs
         }
 
     merged = merge_results([part(["1/4", "none"], 12.0), part(["1/4"], 8.0)])
