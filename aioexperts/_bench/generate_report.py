@@ -158,12 +158,26 @@ def text_report(results: dict[str, Any]) -> str:
     body += ["", "Targets (issue 20):", *_target_lines(results)]
     body += [f"- note: {n}" for n in results.get("notes", [])]
     if results.get("complete") is False:
-        body.append("- note: the run was stopped before its last round: these are the rounds it finished")
+        body.append(
+            "- note: a bench was stopped by its time limit before its last round: these are the rounds it finished"
+        )
     return "\n".join(body) + "\n"
 
 
 def _load(values: Any) -> str:
     return "?" if not values else "/".join(f"{v:.1f}" for v in values)
+
+
+def _without_unfinished_round(part: dict[str, Any]) -> dict[str, Any]:
+    """A file of a stopped bench without the runs of the round it did not finish."""
+    engines = part.get("parameters", {}).get("engines")
+    if part.get("complete", True) or not engines or not part["runs"]:
+        return part
+    last = (part["runs"][-1]["limit"], part["runs"][-1]["round"])
+    runs = [r for r in part["runs"] if (r["limit"], r["round"]) == last]
+    if len(runs) == len(engines):
+        return part
+    return {**part, "runs": [r for r in part["runs"] if (r["limit"], r["round"]) != last]}
 
 
 def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -190,6 +204,7 @@ def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     offset: dict[str, int] = {}  # rounds of a limit numbered on across the files
     for p in parts:
+        p = _without_unfinished_round(p)
         here = {r["limit"]: offset.get(r["limit"], 0) for r in p["runs"]}
         runs += [{**r, "round": r["round"] + here[r["limit"]]} for r in p["runs"]]
         for limit, base in here.items():

@@ -199,3 +199,24 @@ def test_llama_cpp_killed_in_every_round_is_said_so() -> None:
     runs[0]["decode_tok_s"] = None  # aioexperts failing too is no win
     targets = evaluate_targets({"runs": runs, "rounds": [{"limit": "1/4", "round": 0, **rnd}]})
     assert all(t["verdict"] == "unmeasured" for t in targets if t["limit"] == "1/4")
+
+
+def test_a_stopped_benchs_unfinished_round_is_left_out() -> None:
+    from aioexperts._bench.generate_report import merge_results
+
+    def run(limit: str, rnd: int, engine: str) -> dict[str, object]:
+        return {"engine": engine, "limit": limit, "round": rnd, "status": "ok", "decode_tok_s": 1.0, "p95_ms": 1.0}
+
+    part = {
+        "schema": generate.SCHEMA,
+        "command": "c",
+        "date": "d",
+        "machine": {},
+        "model": {"name": "m.gguf", "bytes": 1},
+        "parameters": {"engines": ["aioexperts", "llama.cpp"]},
+        "complete": False,
+        "runs": [run("1/2", 0, "aioexperts"), run("1/2", 0, "llama.cpp"), run("none", 0, "aioexperts")],
+    }
+    merged = merge_results([part])
+    assert [(r["limit"], r["engine"]) for r in merged["runs"]] == [("1/2", "aioexperts"), ("1/2", "llama.cpp")]
+    assert not merged["complete"]
