@@ -53,7 +53,7 @@ def _statuses(row: dict[str, Any]) -> str:
 def _table(results: dict[str, Any]) -> list[str]:
     lines = [
         "| limit | engine | runs | decode tok/s | p5 / p50 / p95 ms | prefill tok/s | TTFT s | major faults/token "
-        "| device MB/token | peak RSS GB | page cache GB | hit rate | slab GB |",
+        "| device MB/token | peak RSS GB | page cache GB | hit rate (prefetched count) | slab GB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["summary"]:
