@@ -179,7 +179,7 @@ def _run_one(
     proc: subprocess.Popen[str] | None = None
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "aioexperts._bench.generate_worker", json.dumps(worker_cfg)],
+            [sys.executable, "-m", "aioexperts._bench.generate_worker", json.dumps(worker_cfg, allow_nan=False)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
