@@ -42,6 +42,7 @@ from aioexperts._format.model import GGUFModel, open_model
 from aioexperts._model import text as _text
 from aioexperts._model.blocks import BLOCKS, AttentionBlock
 from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
+from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_reserve_bytes
 from aioexperts._model.weights import DenseMatrix, TensorReader
 from aioexperts._options import CacheOptions, IOOptions, PageCacheOptions
 from aioexperts._pipeline import run_in_worker
@@ -505,6 +506,7 @@ class Model:
         runner: Callable[[ExpertStore, PrefetchOptions | None], MoERunner] | None = None,
         batch_wait: float | None = DEFAULT_BATCH_WAIT,
         hits_first: bool = True,
+        record_trace: bool = False,
     ) -> None:
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
             raise ConfigError(f"n_ctx must be an int >= 1, got {n_ctx!r}")
@@ -523,6 +525,9 @@ class Model:
         self._resident_embedding = resident_embedding_bytes
         self._store_options = store_options
         self._make_runner = runner if runner is not None else self._default_runner
+        self._record_trace = record_trace
+        self.slab_budget: SlabBudget | None = None
+        """How the slab was sized from the memory limit (None: sized by the caller, or page-cache mode)."""
         self._store: ExpertStore | None = None
         self._runner: MoERunner | None = None
         self._weights: _Weights | None = None
@@ -548,7 +553,13 @@ class Model:
         await self.aclose()
 
     def _default_runner(self, store: ExpertStore, prefetch: PrefetchOptions | None) -> MoERunner:
-        return MoERunner(store, prefetch=prefetch, batch_wait=self._batch_wait, hits_first=self._hits_first)
+        return MoERunner(
+            store,
+            prefetch=prefetch,
+            batch_wait=self._batch_wait,
+            hits_first=self._hits_first,
+            record_trace=self._record_trace,
+        )
 
     async def start(self) -> None:
         """Parse the file, refuse what cannot run, open the expert store, load the dense weights.
@@ -565,7 +576,14 @@ class Model:
             raise ConfigError("the model was already started")
         gguf = await run_in_worker(open_model, self.path)
         hp = _whole_model_hparams(gguf)  # refuses unsupported architectures before any store work
-        store = open_store(self.path, **self._store_options)
+        options = self._store_options
+        if options["mode"] == "slab" and all(options[k] is None for k in ("slots", "cache_bytes", "cache")):
+            kv = kv_reserve_bytes(hp, self._n_ctx_arg, self._budget or DEFAULT_MEMORY_BUDGET)
+            self.slab_budget = choose_slab_bytes(
+                gguf, hp, kv_bytes=kv, resident_embedding_bytes=self._resident_embedding
+            )
+            options = {**options, "cache_bytes": self.slab_budget.slab_bytes}
+        store = open_store(self.path, **options)
         await store.start()
         try:
             moe_layers = frozenset(store.layout.layers)
@@ -1082,6 +1100,7 @@ def load(
     runner: Callable[[ExpertStore, PrefetchOptions | None], MoERunner] | None = None,
     batch_wait: float | None = DEFAULT_BATCH_WAIT,
     hits_first: bool = True,
+    record_trace: bool = False,
 ) -> Model:
     """Prepare the whole model at ``path``; start it with ``async with``.
 
@@ -1101,7 +1120,11 @@ def load(
         memory_budget: bytes one sequence's KV cache may take (default 1 GiB when ``n_ctx`` is not
             given; when it is, only checked if given).
         prefetch: the MoE runner's prefetch options.
-        slots, cache_bytes, cache, io, expert_map, mode, pagecache: as :func:`aioexperts.open`.
+        slots, cache_bytes, cache, io, expert_map, mode, pagecache: as :func:`aioexperts.open`;
+            with none of ``slots``, ``cache_bytes``, ``cache`` in slab mode, the slab is sized from
+            the memory limit the process runs under (cgroup v2/v1, ``RLIMIT_AS``, ``MemAvailable``),
+            leaving room for the resident weights, the KV cache and a reserve
+            (:mod:`aioexperts._model.memory`; logged, and kept in :attr:`Model.slab_budget`).
         resident_embedding_bytes: a token embedding table larger than this (with a separate output
             head) is read by rows through the store instead of kept in memory.
         runner: ``(store, prefetch) -> MoERunner``, called once the store is started, to run the
@@ -1114,6 +1137,8 @@ def load(
             sequence's numbers are bit for bit those it gets alone. 0 or None: off.
         hits_first: compute each layer's resident experts while its other experts are read
             (the result does not change).
+        record_trace: record every routing decision (:meth:`MoERunner.routing_trace` of
+            :attr:`Model.runner`).
 
     Returns:
         A :class:`Model`, not started.
@@ -1125,6 +1150,8 @@ def load(
         raise ConfigError(f"runner must be a callable (store, prefetch) -> MoERunner, got {runner!r}")
     if isinstance(resident_embedding_bytes, bool) or not isinstance(resident_embedding_bytes, int):
         raise ConfigError(f"resident_embedding_bytes must be an int, got {resident_embedding_bytes!r}")
+    if not isinstance(record_trace, bool):
+        raise ConfigError(f"record_trace must be True or False, got {record_trace!r}")
     options: dict[str, Any] = {
         "slots": slots,
         "cache_bytes": cache_bytes,
@@ -1144,5 +1171,6 @@ def load(
         runner=runner,
         batch_wait=batch_wait,
         hits_first=hits_first,
+        record_trace=record_trace,
     )
 

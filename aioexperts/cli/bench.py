@@ -97,7 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", help="a GGUF file or any shard of a split set; None: the built-in model, built once")
     p.add_argument("--rebuild", action="store_true", help="write the built-in model again")
-    p.add_argument("--mode", choices=("all", "reads", "tokens"), default="all", help="which benches to run")
+    p.add_argument(
+        "--mode",
+        choices=("all", "reads", "tokens", "generate"),
+        default="all",
+        help="which benches to run (generate: the whole model against llama.cpp under memory limits; "
+        "`--mode generate --help` lists its options)",
+    )
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; every figure is a median with its range")
     p.add_argument(
         "--depth",
@@ -377,6 +383,13 @@ def main(argv: list[str] | None = None) -> int:
     directory that cannot be written, found before the run; 130: interrupted; 141: stdout is a
     closed pipe. Errors go to stderr, one line each.
     """
+    words = sys.argv[1:] if argv is None else argv
+    if "generate" in words and any(w == "--mode" or w.startswith("--mode=") for w in words):
+        from .bench_generate import main as generate_main
+
+        mode_at = [i for i, w in enumerate(words) if w in ("--mode", "--mode=generate")]
+        if any(words[i] == "--mode=generate" or words[i + 1 : i + 2] == ["generate"] for i in mode_at):
+            return generate_main(list(words))
     parser = build_parser()
     args = parser.parse_args(argv)
     args._argv = argv

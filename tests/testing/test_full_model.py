@@ -216,3 +216,49 @@ def test_the_cache_names_differ_by_depth_and_geometry() -> None:
 def test_an_inconsistent_spec_is_a_config_error(tmp_path: Path, changes: dict[str, object], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         write_full_model(tmp_path / "x.gguf", TINY.with_(**changes))
+
+
+def test_the_cache_names_of_the_spread_and_skewed_files() -> None:
+    from aioexperts.testing._full_model import SKEWED_SPEC
+
+    assert FULL_SPEC.with_(n_layer=48).file_name() == "qwen3-30b-a3b-geometry-full-q8_0-q4_k-48l-v2.gguf"
+    assert SKEWED_SPEC.with_(n_layer=48).file_name() == "qwen3-30b-a3b-geometry-full-q8_0-q4_k-48l-hot8-v2.gguf"
+    assert "-custom" in FULL_SPEC.with_(hot_experts=3).file_name()
+
+
+@pytest.mark.parametrize("bad", [{"hot_experts": -1}, {"hot_experts": 128}, {"hot_logit": -1.0}, {"n_embd": 64}])
+def test_bad_routing_fields_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match="FullModelSpec"):
+        FULL_SPEC.with_(**bad).check()
+
+
+ROUTED = TINY.with_(n_expert=32, n_expert_used=4)
+
+
+def _top_k_counts(spec: FullModelSpec, path: Path) -> np.ndarray:
+    """How often each expert of layer 0 is in the top-k of the RMS-normalised token embeddings."""
+    model = aioexperts.open_model(path)
+    emb = _tensor(model, path, "token_embd.weight")[256:-3]
+    router = _tensor(model, path, "blk.0.ffn_gate_inp.weight")
+    x = _rms_norm(emb, np.ones(emb.shape[1], dtype=np.float32), spec.rms_eps)
+    top = np.argsort(-(x @ router.T), axis=1)[:, : spec.n_expert_used]
+    return np.bincount(top.ravel(), minlength=spec.n_expert)
+
+
+def test_the_routers_rows_are_orthogonal_of_equal_norm_and_spread_the_tokens(tmp_path: Path) -> None:
+    path = write_full_model(tmp_path / "spread.gguf", ROUTED)
+    model = aioexperts.open_model(path)
+    router = _tensor(model, path, "blk.1.ffn_gate_inp.weight")
+    np.testing.assert_allclose(router @ router.T, np.eye(ROUTED.n_expert) * ROUTED.router_logit_std**2, atol=1e-5)
+    counts = _top_k_counts(ROUTED, path)
+    share = counts / counts.sum()
+    assert share.max() < 3 / ROUTED.n_expert and (counts > 0).all()  # no expert hot, none unused
+
+
+def test_the_skewed_routers_send_most_tokens_to_the_hot_experts(tmp_path: Path) -> None:
+    spec = ROUTED.with_(hot_experts=2)
+    path = write_full_model(tmp_path / "skewed.gguf", spec)
+    counts = np.sort(_top_k_counts(spec, path))[::-1]
+    n_tokens = counts.sum() / spec.n_expert_used
+    assert (counts[:2] > 0.6 * n_tokens).all()  # each hot expert picked by most tokens
+    assert counts[2] < 0.3 * n_tokens

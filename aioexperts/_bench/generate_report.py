@@ -1,0 +1,245 @@
+"""Tables of ``--mode generate`` results: printed by the bench, rendered into README and docs/bench.md.
+
+:func:`render_markdown` turns one or more results files (e.g. the spread and the skewed model) into
+the text between ``<!-- bench:generate -->`` and ``<!-- /bench:generate -->``; :func:`render_into`
+replaces that region of a document.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .machine import machine_label
+
+__all__ = ("REGION", "load_generate_results", "merge_results", "render_into", "render_markdown", "text_report")
+
+#: The region's name: ``<!-- bench:generate-headline -->`` ... ``<!-- /bench:generate-headline -->``
+#: (a hyphenated name, which bench/render.py's regions leave alone).
+REGION = "generate-headline"
+_PATTERN = re.compile(r"(<!-- bench:generate-headline -->\n)(.*?)(<!-- /bench:generate-headline -->)", re.DOTALL)
+
+
+def load_generate_results(path: str | Path) -> dict[str, Any]:
+    """A results file of ``--mode generate`` (ValueError if it is another kind)."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or not str(data.get("schema", "")).startswith("aioexperts-bench-generate/"):
+        raise ValueError(f"{path} is not a results file of aioexperts-bench --mode generate")
+    return data
+
+
+def _f(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _gb(value: Any) -> str:
+    return "-" if value is None else f"{value / 1e9:.2f}"
+
+
+def _mb(value: Any) -> str:
+    return "-" if value is None else f"{value / 1e6:.0f}"
+
+
+def _statuses(row: dict[str, Any]) -> str:
+    counts: dict[str, int] = {}
+    for s in row["statuses"]:
+        counts[s] = counts.get(s, 0) + 1
+    return ", ".join(f"{n}x {s}" for s, n in counts.items())
+
+
+def _table(results: dict[str, Any]) -> list[str]:
+    lines = [
+        "| limit | engine | runs | decode tok/s | p5 / p50 / p95 ms | prefill tok/s | TTFT s | major faults/token "
+        "| device MB/token | peak RSS GB | page cache GB | hit rate (prefetched count) | slab GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["summary"]:
+        lines.append(  # noqa: PERF401 - one row per line of the table
+            f"| {row['limit']} | {row['engine']} | {_statuses(row)} | {_f(row['decode_tok_s'], '.3f')} | "
+            f"{_f(row['p5_ms'], '.0f')} / {_f(row['p50_ms'], '.0f')} / {_f(row['p95_ms'], '.0f')} | "
+            f"{_f(row['prefill_tok_s'], '.1f')} | {_f(row['ttft_seconds'], '.1f')} | "
+            f"{_f(row['major_faults_per_token'], '.0f')} | {_mb(row['device_bytes_per_token'])} | "
+            f"{_gb(row['peak_rss_bytes'])} | {_gb(row['page_cache_bytes'])} | "
+            f"{_f(row['hit_rate'], '.2f')} | {_gb(row['slab_bytes'])} |"
+        )
+    return lines
+
+
+def _round_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
+    by_limit: dict[str, list[dict[str, Any]]] = {}
+    for r in results["rounds"]:
+        by_limit.setdefault(r["limit"], []).append(r)
+    for limit, rounds in by_limit.items():
+        parts = []
+        for r in rounds:
+            if r.get("decode_ratio") is None:
+                ours = [
+                    x.get("decode_tok_s")
+                    for x in results["runs"]
+                    if (x["engine"], x["limit"], x["round"]) == ("aioexperts", limit, r["round"])
+                ]
+                llama = ", ".join(f"{e} {s}" for e, s in (r.get("llama_statuses") or {}).items()) or "not run"
+                rate = _f(ours[0] if ours else None, ".3f")
+                parts.append(f"round {r['round'] + 1}: no ratio: {llama}; aioexperts {rate} tok/s")
+                continue
+            agree = ", ".join(
+                f"{a['agree']}/{a['compared']} vs {engine}" for engine, a in (r.get("agreement") or {}).items() if a
+            )
+            parts.append(
+                f"round {r['round'] + 1}: decode {r['decode_ratio']:.2f}x, p95 {_f(r.get('p95_ratio'), '.3f')}x "
+                f"of {r['baseline']}; greedy tokens agree {agree}"
+            )
+        lines.append(f"- limit {limit}: " + "; ".join(parts))
+    return lines
+
+
+def _target_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
+    for t in results.get("targets", []):
+        if t["threshold"] is None:
+            gb = ", ".join(f"{v / 1e9:.2f} GB" for v in t["per_round"])
+            lines.append(f"- {t['what']}: **{t['verdict']}** (slabs {gb})")
+            continue
+        values = ", ".join("-" if v is None else f"{v:.3g}" for v in t["per_round"])
+        fits = " (llama.cpp's working set fits: the 0.7x bar)" if t.get("llama_fits") else ""
+        lines.append(
+            f"- under {t['limit']}: {t['what']} ratio {t['op']} {t['threshold']:g}{fits}: per round {values}: "
+            f"**{t['verdict']}**"
+        )
+    return lines
+
+
+def _distinct_line(results: dict[str, Any]) -> str | None:
+    rows = [r for r in results["summary"] if r.get("distinct_experts_min_mean_max")]
+    if not rows:
+        return None
+    parts = [
+        f"{r['limit']}: {r['distinct_experts_min_mean_max'][0]}-{r['distinct_experts_min_mean_max'][2]} "
+        f"(mean {r['distinct_experts_min_mean_max'][1]:.0f})"
+        for r in rows
+    ]
+    return "distinct experts touched per layer during decode (aioexperts): " + "; ".join(parts)
+
+
+def _split_line(results: dict[str, Any]) -> str | None:
+    runs = [
+        r for r in results["runs"] if r["engine"] == "aioexperts" and r["limit"] == "none" and r.get("seconds_per_part")
+    ]
+    if not runs:
+        return None
+    n = sum(r["tokens_decoded"] for r in runs)
+    total = sum(sum(r["token_seconds"]) for r in runs)
+    parts = {k: sum(r["seconds_per_part"][k] for r in runs) for k in runs[0]["seconds_per_part"]}
+    other = total - sum(parts.values())
+    shown = ", ".join(f"{k} {v / n * 1e3:.0f}" for k, v in parts.items()) + f", other {other / n * 1e3:.0f}"
+    return f"where an uncapped aioexperts decode token goes (ms per token): {shown}"
+
+
+def text_report(results: dict[str, Any]) -> str:
+    """The tables and verdicts of one results file, as Markdown."""
+    m = results["machine"]
+    load = m.get("load_average_at_start"), m.get("load_average_at_end")
+    head = [
+        f"**{results['model']['name']}** ({results['model']['bytes'] / 1e9:.1f} GB), {results['date']}, "
+        f"{machine_label(m)}; load average {_load(load[0])} at start, {_load(load[1])} at end; "
+        f"{results['parameters']['rounds']} rounds, prompt {results['parameters']['prompt_tokens']} tokens, "
+        f"{results['parameters']['decode_tokens']} decode tokens per run, {results['parameters']['threads']} threads.",
+        "",
+    ]
+    body = [*head, *_table(results), ""]
+    body += _round_lines(results)
+    for extra in (_distinct_line(results), _split_line(results)):
+        if extra:
+            body.append(f"- {extra}")
+    body += ["", "Targets (issue 20):", *_target_lines(results)]
+    body += [f"- note: {n}" for n in results.get("notes", [])]
+    if results.get("complete") is False:
+        body.append(
+            "- note: a bench was stopped by its time limit before its last round: these are the rounds it finished"
+        )
+    return "\n".join(body) + "\n"
+
+
+def _load(values: Any) -> str:
+    return "?" if not values else "/".join(f"{v:.1f}" for v in values)
+
+
+def _without_unfinished_round(part: dict[str, Any]) -> dict[str, Any]:
+    """A file of a stopped bench without the runs of the round it did not finish."""
+    engines = part.get("parameters", {}).get("engines")
+    if part.get("complete", True) or not engines or not part["runs"]:
+        return part
+    last = (part["runs"][-1]["limit"], part["runs"][-1]["round"])
+    runs = [r for r in part["runs"] if (r["limit"], r["round"]) == last]
+    if len(runs) == len(engines):
+        return part
+    return {**part, "runs": [r for r in part["runs"] if (r["limit"], r["round"]) != last]}
+
+
+def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several results files of one model (e.g. one per limit, run at different times) as one.
+
+    The runs are concatenated (the rounds of a limit numbered on across the files); the rounds'
+    ratios, the summary and the targets are computed again from the runs. The machine is the first
+    part's, the load averages the least and the most seen.
+    """
+    from .generate import _round_summary, evaluate_targets, summarize
+
+    first = parts[0]
+    merged = dict(first)
+    merged["machine"] = dict(first["machine"])
+    starts = [p["machine"].get("load_average_at_start") for p in parts]
+    ends = [p["machine"].get("load_average_at_end") for p in parts]
+    merged["machine"]["load_average_at_start"] = min((x for x in starts if x), default=None)
+    merged["machine"]["load_average_at_end"] = max((x for x in ends if x), default=None)
+    dates = sorted({p["date"] for p in parts})
+    merged["date"] = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    merged["command"] = "; ".join(p["command"] for p in parts)
+    merged["notes"] = list(dict.fromkeys(n for p in parts for n in p.get("notes", [])))
+    merged["complete"] = all(p.get("complete", True) for p in parts)
+    runs: list[dict[str, Any]] = []
+    offset: dict[str, int] = {}  # rounds of a limit numbered on across the files
+    for p in parts:
+        p = _without_unfinished_round(p)
+        here = {r["limit"]: offset.get(r["limit"], 0) for r in p["runs"]}
+        runs += [{**r, "round": r["round"] + here[r["limit"]]} for r in p["runs"]]
+        for limit, base in here.items():
+            offset[limit] = base + 1 + max(r["round"] for r in p["runs"] if r["limit"] == limit)
+    merged["runs"] = runs
+    keys = list(dict.fromkeys((r["limit"], r["round"]) for r in runs))
+    merged["rounds"] = [
+        {"limit": limit, "round": rnd, **_round_summary([r for r in runs if (r["limit"], r["round"]) == (limit, rnd)])}
+        for limit, rnd in keys
+    ]
+    merged["summary"] = summarize(merged)
+    merged["targets"] = evaluate_targets(merged)
+    return merged
+
+
+def render_markdown(all_results: Sequence[dict[str, Any]], sources: Sequence[str]) -> str:
+    """The region's text for several results files: those of one model merged, one section per model."""
+    by_model: dict[str, list[tuple[dict[str, Any], str]]] = {}
+    for results, source in zip(all_results, sources, strict=True):
+        by_model.setdefault(results["model"]["name"], []).append((results, source))
+    out = [f"<!-- rendered by bench/generate.py --render {' '.join(sources)} -- DOCS; do not edit by hand -->"]
+    for items in by_model.values():
+        names = ", ".join(f"`{source}`" for _, source in items)
+        out.append(f"From {names}:\n")
+        out.append(text_report(merge_results([r for r, _ in items])))
+    return "\n".join(out)
+
+
+def render_into(doc: str | Path, all_results: Sequence[dict[str, Any]], sources: Sequence[str]) -> bool:
+    """Replace the ``bench:generate`` region of ``doc``; False when it has no such region."""
+    path = Path(doc)
+    text = path.read_text()
+    body = render_markdown(all_results, sources)
+    new, n = _PATTERN.subn(lambda m: m.group(1) + body + m.group(3), text)
+    if n == 0:
+        return False
+    path.write_text(new)
+    return True

@@ -1,0 +1,176 @@
+"""One engine run of ``aioexperts-bench --mode generate``, in a process of its own (inside the cgroup).
+
+Run as ``python -m aioexperts._bench.generate_worker CONFIG_JSON``. The same protocol for every
+engine: load the model, prefill the prompt in one batch (its time is the prefill and the time to
+first token), then evaluate the decode ids one at a time (teacher-forced: the same tokens for every
+engine), taking the greedy token (argmax of the logits) after the prompt and after every step.
+Each phase prints one JSON line on stdout as soon as it ends, so a run killed by the OOM killer or
+the timeout still reports what it did; the last line has ``"phase": "done"``.
+
+Engines: ``aioexperts`` (:func:`aioexperts.load`, slab sized from the memory limit),
+``llama.cpp`` (llama-cpp-python with its defaults: mmap, CPU repack of the weights) and
+``llama.cpp-norepack`` (the same with ``use_extra_bufts = False``: the weights stay in the mmap).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ("ENGINES", "LLAMA_ENGINES", "main", "process_counters")
+
+LLAMA_ENGINES = ("llama.cpp", "llama.cpp-norepack")
+ENGINES = ("aioexperts", *LLAMA_ENGINES)
+
+
+def process_counters() -> dict[str, int]:
+    """Major faults, peak RSS and bytes this process had read from the block device so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    read_bytes = 0
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key == "read_bytes":
+                    read_bytes = int(value)
+    except OSError:
+        pass
+    return {"major_faults": usage.ru_majflt, "peak_rss_bytes": usage.ru_maxrss * 1024, "device_read_bytes": read_bytes}
+
+
+def _emit(phase: str, **fields: Any) -> None:
+    print(json.dumps({"phase": phase, "t": time.time(), **process_counters(), **fields}, allow_nan=False), flush=True)
+
+
+def _decode_loop(step: Callable[[int], np.ndarray], ids: Sequence[int]) -> None:
+    """Evaluate ``ids`` one at a time; emit one line per token (latency and greedy token)."""
+    for i, token in enumerate(ids):
+        t0 = time.perf_counter()
+        logits = step(token)
+        greedy = int(np.argmax(logits))
+        _emit("token", index=i, seconds=time.perf_counter() - t0, greedy=greedy)
+
+
+async def _run_aioexperts(cfg: dict[str, Any]) -> None:
+    import aioexperts
+
+    t0 = time.perf_counter()
+    async with aioexperts.load(cfg["model"], n_ctx=cfg["n_ctx"], record_trace=True) as model:
+        store = model.store
+        budget = model.slab_budget
+        st = store.statistics()
+        _emit(
+            "loaded",
+            seconds=time.perf_counter() - t0,
+            slab_bytes=st.n_slots * st.slot_bytes,
+            n_slots=st.n_slots,
+            slot_bytes=st.slot_bytes,
+            experts_total=store.layout.n_experts_total,
+            slab_budget=str(budget) if budget is not None else None,
+            memory_limit_source=budget.limit.source if budget is not None else None,
+            backend=st.backend,
+        )
+        async with model.sequence() as seq:
+            t1 = time.perf_counter()
+            logits = await seq.forward(cfg["prompt"], all_logits=False)
+            first = int(np.argmax(logits[-1]))
+            _emit("prefill", seconds=time.perf_counter() - t1, greedy=first, n_tokens=len(cfg["prompt"]))
+            before, split0 = store.statistics(), model.statistics()
+            for i, token in enumerate(cfg["decode"]):
+                t2 = time.perf_counter()
+                out = await seq.forward([token], all_logits=False)
+                greedy = int(np.argmax(out[-1]))
+                _emit("token", index=i, seconds=time.perf_counter() - t2, greedy=greedy)
+            after, split1 = store.statistics(), model.statistics()
+        n_decode = len(cfg["decode"])
+        trace = model.runner.routing_trace().ids[-n_decode:] if n_decode else None
+        distinct = (
+            [int(len(np.unique(trace[:, i][trace[:, i] >= 0]))) for i in range(trace.shape[1])]
+            if trace is not None
+            else []
+        )
+        requests = after.requests - before.requests
+        parts = {
+            name: getattr(split1, f"{name}_seconds") - getattr(split0, f"{name}_seconds")
+            for name in ("attention", "dense_ffn", "moe", "head", "sampling")
+        }
+        _emit(
+            "done",
+            hit_rate=(after.hits - before.hits) / requests if requests else None,
+            expert_bytes_read=after.bytes_read - before.bytes_read,
+            distinct_experts_per_layer=distinct,
+            seconds_per_part=parts,
+        )
+
+
+def _run_llama(cfg: dict[str, Any], repack: bool) -> None:
+    import llama_cpp  # type: ignore[import-not-found,unused-ignore]
+
+    if not repack:  # the weights stay in the mmap (llama-cli --no-repack)
+        default_params = llama_cpp.llama_model_default_params
+
+        def no_repack() -> Any:
+            params = default_params()
+            params.use_extra_bufts = False
+            return params
+
+        llama_cpp.llama_model_default_params = no_repack  # read once by Llama.__init__
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(
+        model_path=cfg["model"],
+        n_ctx=cfg["n_ctx"],
+        n_batch=max(len(cfg["prompt"]), 1),
+        n_ubatch=max(len(cfg["prompt"]), 1),
+        n_threads=cfg["threads"],
+        n_threads_batch=cfg["threads"],
+        verbose=False,
+    )
+    n_vocab = llm.n_vocab()
+    _emit("loaded", seconds=time.perf_counter() - t0, version=getattr(llama_cpp, "__version__", None))
+
+    def logits() -> np.ndarray:
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,)).copy()
+
+    t1 = time.perf_counter()
+    llm.eval(cfg["prompt"])
+    first = int(np.argmax(logits()))
+    _emit("prefill", seconds=time.perf_counter() - t1, greedy=first, n_tokens=len(cfg["prompt"]))
+
+    def step(token: int) -> np.ndarray:
+        llm.eval([token])
+        return logits()
+
+    _decode_loop(step, cfg["decode"])
+    _emit("done")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the engine the JSON config (``argv[0]``) names; 2 on a bad config."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m aioexperts._bench.generate_worker CONFIG_JSON", file=sys.stderr)
+        return 2
+    cfg = json.loads(args[0])
+    engine = cfg.get("engine")
+    _emit("start", engine=engine, pid=os.getpid())
+    if engine == "aioexperts":
+        import anyio
+
+        anyio.run(_run_aioexperts, cfg)
+    elif engine in LLAMA_ENGINES:
+        _run_llama(cfg, repack=engine == "llama.cpp")
+    else:
+        print(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

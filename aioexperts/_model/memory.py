@@ -1,0 +1,267 @@
+"""The slab size of :func:`aioexperts.load` when none is given: from the memory the process may use.
+
+The memory this process may still take is the least of, where each applies:
+
+- its cgroup's limit minus the cgroup's usage, for the cgroup and every ancestor (v2
+  ``memory.max`` / ``memory.current``, v1 ``memory.limit_in_bytes`` / ``memory.usage_in_bytes``;
+  the page cache is charged to the cgroup, so the usage includes it);
+- ``RLIMIT_AS`` minus the process's virtual size (``VmSize`` of ``/proc/self/status``);
+- ``MemAvailable`` of ``/proc/meminfo``.
+
+From that the slab gets what is left after the resident (non-expert) weights, one sequence's KV
+cache and a reserve (:data:`RUNTIME_RESERVE_BYTES` for the page cache the dense load and the
+tokenizer still use, the compiled kernels and the compute buffers, plus :data:`RESERVE_FRACTION`
+of the available memory); the store rounds it to whole slots and to at least ``2 * top-k`` of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+from dataclasses import dataclass
+
+from aioexperts._format.architectures import ModelHParams
+from aioexperts._format.model import GGUFModel
+
+__all__ = (
+    "RESERVE_FRACTION",
+    "RUNTIME_RESERVE_BYTES",
+    "MemoryLimit",
+    "SlabBudget",
+    "choose_slab_bytes",
+    "kv_reserve_bytes",
+    "read_memory_limit",
+    "resident_weight_bytes",
+)
+
+log = logging.getLogger("aioexperts")
+
+RUNTIME_RESERVE_BYTES = 256 << 20
+"""Bytes kept out of the slab for the page cache still needed, the compiled kernels and compute buffers."""
+
+RESERVE_FRACTION = 0.05
+"""Fraction of the available memory kept out of the slab on top of :data:`RUNTIME_RESERVE_BYTES`."""
+
+_UNLIMITED = 1 << 60  # v1 writes PAGE_COUNTER_MAX (about 2**63) for "no limit"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLimit:
+    """The memory this process may still use.
+
+    Attributes:
+        available: bytes, the least of the sources that apply.
+        source: which source set ``available`` (e.g. ``"cgroup v1 /sys/fs/cgroup/memory/x"``).
+        sources: every source read, ``(name, bytes still available)``.
+    """
+
+    available: int
+    source: str
+    sources: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SlabBudget:
+    """How :func:`choose_slab_bytes` sized the slab (all bytes).
+
+    Attributes:
+        slab_bytes: what the slab was given (before the store rounds it to whole slots).
+        limit: the memory limit it was taken from.
+        resident_bytes: the non-expert weights kept in memory.
+        kv_bytes: one sequence's KV cache.
+        reserve_bytes: kept for the page cache, kernels and compute buffers.
+        fits: False when the limit left less than one slot: the slab then takes the store's minimum
+            (``2 * top-k`` slots) and the process may exceed the limit.
+    """
+
+    slab_bytes: int
+    limit: MemoryLimit
+    resident_bytes: int
+    kv_bytes: int
+    reserve_bytes: int
+    fits: bool
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        return (
+            f"slab {self.slab_bytes / mib:.0f} MiB = {self.limit.available / mib:.0f} MiB available "
+            f"({self.limit.source}) - {self.resident_bytes / mib:.0f} MiB resident weights - "
+            f"{self.kv_bytes / mib:.0f} MiB KV cache - {self.reserve_bytes / mib:.0f} MiB reserve"
+            + ("" if self.fits else " (the limit leaves no room: the store's minimum slab)")
+        )
+
+
+def _read_int(path: str) -> int | None:
+    """The integer in a cgroup or proc file; None when absent, unreadable or ``max``."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if not text.isdigit():
+        return None  # "max" (v2 unlimited) or garbage
+    value = int(text)
+    return None if value >= _UNLIMITED else value
+
+
+def _mounts(root: str) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
+    """``(mount point, mount root)`` of the cgroup v2 hierarchy and of the v1 memory controller."""
+    v2 = v1 = None
+    try:
+        with open(os.path.join(root, "proc/self/mountinfo")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None, None
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3:
+            continue
+        mount_root, mount_point, fstype = fields[3], fields[4], tail[0]
+        if fstype == "cgroup2" and v2 is None:
+            v2 = (mount_point, mount_root)
+        elif fstype == "cgroup" and "memory" in tail[2].split(",") and v1 is None:
+            v1 = (mount_point, mount_root)
+    return v2, v1
+
+
+def _cgroup_headroom(root: str) -> list[tuple[str, int]]:
+    """``(name, limit - usage)`` of the tightest limited level of this process's cgroup, v1 and v2."""
+    v2_mount, v1_mount = _mounts(root)
+    try:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found: list[tuple[str, int]] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _hier, controllers, cgroup_path = parts
+        if controllers == "" and v2_mount is not None:
+            kind, mount, files = "cgroup v2", v2_mount, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(",") and v1_mount is not None:
+            kind, mount, files = "cgroup v1", v1_mount, ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        point, mount_root = mount
+        rel = cgroup_path
+        if mount_root != "/" and (rel == mount_root or rel.startswith(mount_root + "/")):
+            rel = rel[len(mount_root) :]
+        directory = os.path.join(root, point.lstrip("/"), rel.strip("/"))
+        top = os.path.join(root, point.lstrip("/"))
+        best: tuple[str, int] | None = None
+        while True:  # the cgroup and its ancestors up to the mount point
+            limit = _read_int(os.path.join(directory, files[0]))
+            if limit is not None:
+                usage = _read_int(os.path.join(directory, files[1])) or 0
+                room = max(0, limit - usage)
+                if best is None or room < best[1]:
+                    shown = "/" + os.path.relpath(directory, root) if root != "/" else directory
+                    best = (f"{kind} {shown}", room)
+            if os.path.normpath(directory) == os.path.normpath(top):
+                break
+            directory = os.path.dirname(os.path.normpath(directory))
+        if best is not None:
+            found.append(best)
+    return found
+
+
+def _address_space_headroom(root: str) -> tuple[str, int] | None:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    vm_size = _meminfo_field(os.path.join(root, "proc/self/status"), "VmSize") or 0
+    return ("RLIMIT_AS", max(0, soft - vm_size))
+
+
+def _meminfo_field(path: str, name: str) -> int | None:
+    """A ``Name:  N kB`` field of a proc file, in bytes."""
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key == name:
+                    number = value.split()
+                    return int(number[0]) * 1024 if number and number[0].isdigit() else None
+    except OSError:
+        return None
+    return None
+
+
+def read_memory_limit(root: str = "/") -> MemoryLimit:
+    """The memory this process may still use (see the module docstring).
+
+    Args:
+        root: the file-system root the ``/proc`` and cgroup files are read under (tests fake it;
+            ``RLIMIT_AS`` is always the process's own).
+
+    Returns:
+        A :class:`MemoryLimit`; when nothing can be read, ``available`` is ``2**62`` with source
+        ``"unknown"``.
+    """
+    sources: list[tuple[str, int]] = _cgroup_headroom(root)
+    address_space = _address_space_headroom(root)
+    if address_space is not None:
+        sources.append(address_space)
+    available = _meminfo_field(os.path.join(root, "proc/meminfo"), "MemAvailable")
+    if available is not None:
+        sources.append(("MemAvailable", available))
+    if not sources:
+        return MemoryLimit(1 << 62, "unknown", ())
+    source, least = min(sources, key=lambda s: s[1])
+    return MemoryLimit(least, source, tuple(sources))
+
+
+def resident_weight_bytes(model: GGUFModel, hp: ModelHParams, resident_embedding_bytes: int) -> int:
+    """Bytes of the tensors :func:`aioexperts.load` keeps in memory: all but the routed experts
+    (``*_exps``), and the token embedding only when it is small enough or tied to the head."""
+    total = 0
+    has_head = "output.weight" in model.tensors
+    for name, info in model.tensors.items():
+        if "_exps." in name:
+            continue
+        if name == "token_embd.weight" and has_head and info.n_bytes > resident_embedding_bytes:
+            continue  # read by rows through the store
+        total += info.n_bytes
+    return total
+
+
+def kv_reserve_bytes(hp: ModelHParams, n_ctx: int | None, memory_budget: int) -> int:
+    """One sequence's KV cache, estimated before the blocks are built: float32 K and V of
+    ``n_head_kv`` heads per layer and position, for ``n_ctx`` positions (default as
+    :func:`aioexperts.load` chooses it: the file's context length capped by ``memory_budget``)."""
+    per_position = max(1, 4 * hp.n_layer * hp.n_head_kv * (hp.head_k + hp.head_v))
+    positions = n_ctx if n_ctx is not None else min(hp.n_ctx_train, max(1, memory_budget // per_position))
+    return positions * per_position
+
+
+def choose_slab_bytes(
+    model: GGUFModel,
+    hp: ModelHParams,
+    *,
+    kv_bytes: int,
+    resident_embedding_bytes: int,
+    limit: MemoryLimit | None = None,
+) -> SlabBudget:
+    """The slab size for ``model`` under the memory limit this process runs under (logged).
+
+    Args:
+        model: the opened GGUF file.
+        hp: its hyper-parameters.
+        kv_bytes: one sequence's KV cache in bytes.
+        resident_embedding_bytes: as :func:`aioexperts.load`.
+        limit: the limit (default :func:`read_memory_limit`).
+
+    Returns:
+        The :class:`SlabBudget`; its ``slab_bytes`` is at least 1 (the store then takes its minimum).
+    """
+    limit = limit or read_memory_limit()
+    resident = resident_weight_bytes(model, hp, resident_embedding_bytes)
+    reserve = RUNTIME_RESERVE_BYTES + int(limit.available * RESERVE_FRACTION)
+    left = limit.available - resident - kv_bytes - reserve
+    budget = SlabBudget(max(1, left), limit, resident, kv_bytes, reserve, fits=left > 0)
+    (log.info if budget.fits else log.warning)("%s", budget)
+    return budget

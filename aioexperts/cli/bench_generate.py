@@ -1,0 +1,146 @@
+"""``aioexperts-bench --mode generate``: decode and prefill of aioexperts against llama.cpp under memory limits.
+
+See :mod:`aioexperts._bench.generate` for what runs and what is measured, and docs/bench.md
+("Generate under memory limits") for how to read the table. llama.cpp comes from the optional
+``baseline`` extra (llama-cpp-python, which compiles llama.cpp: about 7 minutes on 2 cores); without
+it the bench says so in one line and runs aioexperts alone. Memory limits need a cgroup the bench
+can create (root, cgroup v1 or v2 with the memory controller); where it cannot, it says so and runs
+the unlimited case only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+from .. import AioExpertsError, __version__
+from .._bench.generate import GenerateConfig, parse_limit, run_generate_bench
+from .._bench.generate_report import text_report
+from .._bench.generate_worker import ENGINES
+from .._json import dumps as json_dumps
+from ._common import refuse_to_overwrite
+
+__all__ = ("build_parser", "main")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``aioexperts-bench --mode generate``."""
+    p = argparse.ArgumentParser(
+        prog="aioexperts-bench --mode generate",
+        description="Decode and prefill of aioexperts against llama.cpp (llama-cpp-python) on one whole model, "
+        "each engine in its own process inside a memory cgroup, in interleaved rounds.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--mode", choices=("generate",), default="generate", help=argparse.SUPPRESS)
+    p.add_argument("--model", help="a whole-model GGUF file; None: the built-in full model (--layers, --routing)")
+    p.add_argument("--layers", type=int, default=48, help="layers of the built-in full model (48: about 17 GB)")
+    p.add_argument("--routing", choices=("spread", "skewed"), default="spread", help="the built-in model's routers")
+    p.add_argument("--limits", default="none,1/2,1/4", help="memory limits, fractions of the model file's size")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"from {','.join(ENGINES)}")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per limit (engines interleaved in each)")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt prefilled in one batch")
+    p.add_argument("--decode-tokens", type=int, default=16, help="tokens evaluated one at a time per run")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    p.add_argument("--n-ctx", type=int, default=None, help="KV cache positions (default prompt + decode + 16)")
+    p.add_argument("--run-timeout", type=float, default=900.0, help="seconds before one run is stopped")
+    p.add_argument("--seed", type=int, default=0, help="seed of the token ids")
+    p.add_argument("--out", default="bench-generate.json", help="results file to write ('' for none)")
+    p.add_argument("--force", action="store_true", help="let --out replace a file of another kind")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--version", action="version", version=f"aioexperts-bench {__version__}")
+    return p
+
+
+def _model(args: argparse.Namespace, note: object) -> str:
+    if args.model:
+        return os.path.expanduser(args.model)
+    from .._bench.full_model import ensure_full_model, print_progress
+    from ..testing._full_model import FULL_SPEC, SKEWED_SPEC
+
+    spec = (SKEWED_SPEC if args.routing == "skewed" else FULL_SPEC).with_(n_layer=args.layers)
+    return os.fspath(ensure_full_model(spec=spec, progress=None if args.quiet else print_progress()))
+
+
+def _is_ours(path: str) -> bool:
+    from .._bench.generate_report import load_generate_results
+
+    try:
+        load_generate_results(path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _write(out: str, results: dict[str, object]) -> None:
+    """Write ``results`` atomically (a partial file after each run, the whole one at the end)."""
+    tmp = Path(out + ".tmp")
+    tmp.write_text(json_dumps(results, indent=1) + "\n")
+    os.replace(tmp, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; 0 done, 1 the run failed, 2 bad arguments."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        limits = [parse_limit(x) for x in args.limits.split(",") if x.strip()]
+    except (ValueError, ZeroDivisionError) as exc:
+        parser.error(f"--limits: {exc}")
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown or not engines:
+        parser.error(f"--engines: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(ENGINES)}")
+    if args.rounds < 1 or args.prompt_tokens < 1 or args.decode_tokens < 1 or args.threads < 1 or args.layers < 1:
+        parser.error("--rounds, --prompt-tokens, --decode-tokens, --threads and --layers must be >= 1")
+    if not limits:
+        parser.error("--limits needs at least one limit (none, 1/2, 1/4, ...)")
+
+    def note(text: str) -> None:
+        if not args.quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM (e.g. timeout(1)): remove the cgroup, keep the partial results
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        model = _model(args, note)
+        if args.out:
+            refuse_to_overwrite(os.path.abspath(args.out), [model], ours=_is_ours, force=args.force, what="--out")
+        cfg = GenerateConfig(
+            model=model,
+            limits=limits,
+            engines=engines,
+            rounds=args.rounds,
+            prompt_tokens=args.prompt_tokens,
+            decode_tokens=args.decode_tokens,
+            threads=args.threads,
+            n_ctx=args.n_ctx or args.prompt_tokens + args.decode_tokens + 16,
+            run_timeout=args.run_timeout,
+            seed=args.seed,
+        )
+        results = run_generate_bench(cfg, note=note, checkpoint=(lambda r: _write(args.out, r)) if args.out else None)
+    except KeyboardInterrupt:
+        done = (
+            f"the runs done so far are in {args.out}"
+            if args.out and os.path.exists(args.out)
+            else "nothing was written"
+        )
+        print(f"aioexperts-bench: interrupted; {done}", file=sys.stderr)
+        return 130
+    except (AioExpertsError, OSError) as exc:
+        print(f"aioexperts-bench: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if args.out:
+        _write(args.out, results)
+    print(text_report(results))
+    if args.out:
+        print(
+            f"results: {args.out} (`python bench/generate.py --render {args.out} README.md docs/bench.md` renders them)"
+        )
+    return 0

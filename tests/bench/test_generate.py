@@ -1,0 +1,222 @@
+"""``aioexperts-bench --mode generate``: a smoke run on a small model (no baseline, no cgroup), and its arithmetic."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from aioexperts._bench import generate
+from aioexperts._bench.generate import _from_events, _round_summary, evaluate_targets, parse_limit, summarize, token_ids
+from aioexperts._bench.generate_report import load_generate_results, render_into, text_report
+from aioexperts.cli import bench
+
+
+def test_generate_smoke_run_writes_results_and_a_report(
+    tiny_full_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "gen.json"
+    code = bench.main(
+        [
+            "--mode",
+            "generate",
+            "--model",
+            str(tiny_full_model),
+            "--engines",
+            "aioexperts",
+            "--limits",
+            "none",
+            "--rounds",
+            "1",
+            "--prompt-tokens",
+            "6",
+            "--decode-tokens",
+            "3",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    results = load_generate_results(out)
+    (run,) = results["runs"]
+    assert run["status"] == "ok" and run["engine"] == "aioexperts" and run["tokens_decoded"] == 3
+    assert len(run["greedy"]) == 4 and len(run["token_seconds"]) == 3
+    assert run["decode_tok_s"] > 0 and run["prefill_tok_s"] > 0 and 0 <= run["hit_rate"] <= 1
+    assert run["slab_budget"].startswith("slab ") and run["slab_bytes"] > 0
+    assert len(run["distinct_experts_per_layer"]) == 2 and all(1 <= d <= 4 for d in run["distinct_experts_per_layer"])
+    assert "| none | aioexperts | 1x ok |" in capsys.readouterr().out
+    assert results["targets"][-1]["what"] == "slab chosen automatically"
+
+
+def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--mode", "generate", "--limits", "1/0"])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit):
+        bench.main(["--mode", "generate", "--engines", "vllm"])
+    assert "vllm" in capsys.readouterr().err
+
+
+def test_limits_and_token_ids() -> None:
+    assert parse_limit("none") is None and parse_limit("1/4") == Fraction(1, 4)
+    with pytest.raises(ValueError, match="fraction of the model"):
+        parse_limit("0")
+    ids = token_ids(4099, 64, 0)
+    assert ids == token_ids(4099, 64, 0) and all(256 <= i < 4096 for i in ids) and len(set(ids)) > 50
+
+
+def _events(lat: list[float], faults: list[int]) -> list[dict[str, object]]:
+    base = {"t": 0.0, "peak_rss_bytes": 1000, "device_read_bytes": 0}
+    ev: list[dict[str, object]] = [
+        {**base, "phase": "loaded", "seconds": 1.0, "major_faults": 0},
+        {**base, "phase": "prefill", "seconds": 2.0, "greedy": 7, "major_faults": 5},
+    ]
+    for i, (s, f) in enumerate(zip(lat, faults, strict=True)):
+        ev.append({**base, "phase": "token", "index": i, "seconds": s, "greedy": i, "major_faults": f})
+    return ev
+
+
+def test_figures_from_events_and_ratios_per_round() -> None:
+    ours = {"engine": "aioexperts", "status": "ok", **_from_events(_events([0.5, 0.5], [5, 5]), 256)}
+    slow = {"engine": "llama.cpp-norepack", "status": "ok", **_from_events(_events([5.0, 15.0], [105, 305]), 256)}
+    killed = {"engine": "llama.cpp", "status": "oom-killed", **_from_events(_events([], [])[:1], 256)}
+    assert ours["decode_tok_s"] == pytest.approx(2.0) and ours["prefill_tok_s"] == pytest.approx(128.0)
+    assert slow["decode_tok_s"] == pytest.approx(0.1) and slow["major_faults_per_token"] == pytest.approx(150.0)
+    rnd = _round_summary([ours, killed, slow])
+    assert rnd["baseline"] == "llama.cpp-norepack" and rnd["decode_ratio"] == pytest.approx(20.0)
+    assert rnd["p95_ratio"] == pytest.approx(500 / 14500)
+    assert rnd["agreement"]["llama.cpp-norepack"] == {"agree": 3, "compared": 3}
+    assert rnd["llama_statuses"] == {"llama.cpp": "oom-killed", "llama.cpp-norepack": "ok"}
+    results = {
+        "runs": [{**r, "limit": "1/4", "round": 0, "page_cache_bytes": 0} for r in (ours, killed, slow)],
+        "rounds": [{"limit": "1/4", "round": 0, **rnd}, {"limit": "1/4", "round": 1, **rnd, "decode_ratio": 9.0}],
+    }
+    targets = {(t["limit"], t["what"]): t for t in evaluate_targets(results)}
+    assert targets["1/4", "decode"]["verdict"] == "MISSED" and targets["1/4", "decode"]["per_round"] == [20.0, 9.0]
+    assert targets["1/4", "p95"]["verdict"] == "met"
+    rows = summarize(results)
+    assert [r["engine"] for r in rows] == ["aioexperts", "llama.cpp", "llama.cpp-norepack"]
+    assert rows[1]["statuses"] == ["oom-killed"] and rows[1]["decode_tok_s"] is None
+
+
+def test_the_half_limit_takes_the_lower_bar_where_llama_cpp_fits() -> None:
+    rounds = [{"limit": "1/2", "round": i, "decode_ratio": 0.8, "baseline_faults_per_token": 1.0} for i in range(3)]
+    (target,) = evaluate_targets({"runs": [], "rounds": rounds})
+    assert target["threshold"] == 0.7 and target["verdict"] == "met" and target["llama_fits"]
+    rounds[0]["baseline_faults_per_token"] = 500.0
+    (target,) = evaluate_targets({"runs": [], "rounds": rounds})
+    assert target["threshold"] == 2.0 and target["verdict"] == "MISSED"
+
+
+def test_render_replaces_only_the_region(tmp_path: Path, tiny_full_model: Path) -> None:
+    results = {
+        "schema": generate.SCHEMA,
+        "command": "aioexperts-bench --mode generate",
+        "date": "2026-12-02T00:00:00+00:00",
+        "machine": {"cpu_count": 2, "kernel": "6.18", "load_average_at_start": [1.0, 1.0, 1.0]},
+        "model": {"name": "m.gguf", "bytes": 17e9},
+        "parameters": {"rounds": 3, "prompt_tokens": 256, "decode_tokens": 16, "threads": 2},
+        "runs": [],
+        "rounds": [],
+        "summary": [],
+        "targets": [],
+        "notes": ["llama-cpp-python is not installed"],
+    }
+    doc = tmp_path / "doc.md"
+    doc.write_text("before\n<!-- bench:generate-headline -->\nold\n<!-- /bench:generate-headline -->\nafter\n")
+    assert render_into(doc, [results], ["r.json"])
+    text = doc.read_text()
+    assert text.startswith("before\n<!-- bench:generate-headline -->\n<!-- rendered by bench/generate.py")
+    assert "From `r.json`" in text and text.endswith("<!-- /bench:generate-headline -->\nafter\n")
+    assert "old" not in text and "llama-cpp-python is not installed" in text
+    assert text_report(results) in text
+    (tmp_path / "other.json").write_text(json.dumps({"schema": "x"}))
+    with pytest.raises(ValueError, match="not a results file"):
+        load_generate_results(tmp_path / "other.json")
+
+
+def test_results_of_one_model_merge_with_rounds_numbered_on() -> None:
+    from aioexperts._bench.generate_report import merge_results
+
+    def part(limits: list[str], ratio: float) -> dict[str, object]:
+        return {
+            "schema": generate.SCHEMA,
+            "command": "c",
+            "date": "d",
+            "machine": {"load_average_at_start": [1.0], "load_average_at_end": [2.0]},
+            "model": {"name": "m.gguf", "bytes": 1},
+            "notes": [],
+            "runs": [
+                run
+                for lim in limits
+                for run in (
+                    {
+                        "engine": "aioexperts",
+                        "limit": lim,
+                        "round": 0,
+                        "status": "ok",
+                        "decode_tok_s": ratio,
+                        "p95_ms": 1.0,
+                    },
+                    {
+                        "engine": "llama.cpp",
+                        "limit": lim,
+                        "round": 0,
+                        "status": "ok",
+                        "decode_tok_s": 1.0,
+                        "p95_ms": 20.0,
+                    },
+                )
+            ],
+            "rounds": [],  # computed again from the runs
+        }
+
+    merged = merge_results([part(["1/4", "none"], 12.0), part(["1/4"], 8.0)])
+    assert [(r["limit"], r["round"]) for r in merged["rounds"]] == [("1/4", 0), ("none", 0), ("1/4", 1)]
+    decode = next(t for t in merged["targets"] if (t["limit"], t["what"]) == ("1/4", "decode"))
+    assert decode["per_round"] == [12.0, 8.0] and decode["verdict"] == "MISSED"
+
+
+def test_without_llama_cpp_the_bench_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(generate.importlib.util, "find_spec", lambda name: None)
+    reason = generate.llama_unavailable_reason()
+    assert reason is not None and "\n" not in reason and "aioexperts[baseline]" in reason and "7 minutes" in reason
+
+
+def test_llama_cpp_killed_in_every_round_is_said_so() -> None:
+    runs = [
+        {"engine": "aioexperts", "limit": "1/4", "round": 0, "status": "ok", "decode_tok_s": 0.3},
+        {"engine": "llama.cpp", "limit": "1/4", "round": 0, "status": "oom-killed"},
+        {"engine": "llama.cpp-norepack", "limit": "1/4", "round": 0, "status": "oom-killed"},
+    ]
+    rnd = _round_summary(runs)
+    assert rnd["baseline_failed"] and "decode_ratio" not in rnd
+    targets = evaluate_targets({"runs": runs, "rounds": [{"limit": "1/4", "round": 0, **rnd}]})
+    assert all(t["verdict"].startswith("met: llama.cpp produced no token") for t in targets if t["limit"] == "1/4")
+    runs[0]["decode_tok_s"] = None  # aioexperts failing too is no win
+    targets = evaluate_targets({"runs": runs, "rounds": [{"limit": "1/4", "round": 0, **rnd}]})
+    assert all(t["verdict"] == "unmeasured" for t in targets if t["limit"] == "1/4")
+
+
+def test_a_stopped_benchs_unfinished_round_is_left_out() -> None:
+    from aioexperts._bench.generate_report import merge_results
+
+    def run(limit: str, rnd: int, engine: str) -> dict[str, object]:
+        return {"engine": engine, "limit": limit, "round": rnd, "status": "ok", "decode_tok_s": 1.0, "p95_ms": 1.0}
+
+    part = {
+        "schema": generate.SCHEMA,
+        "command": "c",
+        "date": "d",
+        "machine": {},
+        "model": {"name": "m.gguf", "bytes": 1},
+        "parameters": {"engines": ["aioexperts", "llama.cpp"]},
+        "complete": False,
+        "runs": [run("1/2", 0, "aioexperts"), run("1/2", 0, "llama.cpp"), run("none", 0, "aioexperts")],
+    }
+    merged = merge_results([part])
+    assert [(r["limit"], r["engine"]) for r in merged["runs"]] == [("1/2", "aioexperts"), ("1/2", "llama.cpp")]
+    assert not merged["complete"]
