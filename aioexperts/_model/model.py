@@ -1173,4 +1173,3 @@ def load(
         hits_first=hits_first,
         record_trace=record_trace,
     )
-

@@ -420,9 +420,7 @@ SCENARIOS = [
     Scenario(
         "moe",
         8,
-        frozenset(
-            {"moe_result>warmup", "moe_result>run_in_worker", "__aenter__>acquire", "_run_calls>run_in_worker"}
-        ),
+        frozenset({"moe_result>warmup", "moe_result>run_in_worker", "__aenter__>acquire", "_run_calls>run_in_worker"}),
     ),
     # and the resident weights loaded in a worker
     Scenario(
