@@ -105,12 +105,17 @@ class Shapes:
         return {
             "tokens": texts,
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [
-                {self._piece_bytes(i).decode("utf-8", "replace"): lp for i, lp in t.top_logprobs[: self.top_logprobs]}
-                for t in tokens
-            ],
+            "top_logprobs": [self._text_top(t) for t in tokens],
             "text_offset": offsets,
         }
+
+    def _text_top(self, token: SampledToken) -> dict[str, float]:
+        """The legacy ``{text: logprob}`` of the most likely tokens; tokens whose text is the same (a
+        partial UTF-8 sequence shown as U+FFFD) keep the likelier one, listed first."""
+        top: dict[str, float] = {}
+        for i, lp in token.top_logprobs[: self.top_logprobs]:
+            top.setdefault(self._piece_bytes(i).decode("utf-8", "replace"), lp)
+        return top
 
     def _logprobs(self, tokens: Sequence[SampledToken], offset: int) -> dict[str, Any] | None:
         if not self.logprobs:

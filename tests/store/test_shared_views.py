@@ -46,10 +46,11 @@ def _exporters(store: aioexperts.ExpertStore) -> int:
 
 async def test_a_hit_gets_the_views_of_the_load_it_pins(model_path: Path, anyio_backend: object) -> None:
     async with aioexperts.open(model_path, slots=4) as store:
+        before = _exporters(store)  # the backend may hold one (the raw io_uring ring does, until its close)
         async with store.experts(0, [1, 2]) as first:
             pass
         built = _exporters(store)
-        assert built == 6  # two experts, three projections
+        assert built - before == 6  # two experts, three projections
         for _ in range(3):
             async with store.experts(0, [2, 1]) as again:
                 assert again[0] is first[1] and again[1] is first[0]
