@@ -13,8 +13,7 @@ Steps (each writes into one results file, ``docs/results/distributed.json`` by d
   shards against the local runner, and of 8 layers' calls batched into one against 8 calls;
 - ``--render RESULTS DOC``: the region ``<!-- bench:distributed_shards -->`` of ``DOC`` from the results.
 
-Run the measuring steps under the machine's bench lock: ``flock /work/wt/bench.lock python
-bench/distributed.py trace simulate calls``.
+Run the measuring steps on an otherwise idle machine: ``python bench/distributed.py trace simulate calls``.
 """
 
 from __future__ import annotations

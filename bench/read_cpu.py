@@ -20,7 +20,7 @@ CPU is this process's (or fio's) user + system time around the reads only (``res
 io_uring's kernel workers are threads of the process and count). The page cache is dropped
 (``POSIX_FADV_DONTNEED``) before every run.
 
-    flock /work/wt/bench.lock .venv/bin/python bench/read_cpu.py --rounds 3 --json docs/results/read_cpu.json
+    .venv/bin/python bench/read_cpu.py --rounds 3 --json docs/results/read_cpu.json
 """
 
 from __future__ import annotations

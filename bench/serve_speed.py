@@ -2,7 +2,7 @@
 
 Usage::
 
-    flock /work/wt/bench.lock python bench/serve_speed.py --rounds 2 --out docs/results/serve_speed-48l.json
+    python bench/serve_speed.py --rounds 2 --out docs/results/serve_speed-48l.json
     python bench/serve_speed.py --render docs/results/serve_speed-48l.json docs/serving.md
 
 The model is the built-in full model at ``--layers`` (Qwen3-30B-A3B geometry, Q4_K experts, written
