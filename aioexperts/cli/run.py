@@ -68,7 +68,6 @@ def _float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``aioexperts-run``."""
-    from aioexperts._bench.full_model import DEFAULT_FULL_LAYERS
 
     p = _Parser(
         prog=PROG,
@@ -98,15 +97,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=_int_at_least(0), default=None, help="seed of the sampler (default: a fresh one)")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeat for more); not printed")
+    add_model_options(p, ctx_help=f"positions of the KV cache (n_ctx; default {DEFAULT_CTX}")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of text as it comes")
+    return p
+
+
+def add_model_options(p: argparse.ArgumentParser, *, ctx_help: str) -> None:
+    """The options of the model a command loads: ``--ctx``, ``--slots``/``--cache-bytes``, ``--io``,
+    ``--layers`` and ``--rebuild`` (``aioexperts-run`` and ``aioexperts-serve``)."""
+    from aioexperts._bench.full_model import DEFAULT_FULL_LAYERS
+
     p.add_argument(
         "--ctx",
         type=_int_at_least(1),
         default=None,
-        help=f"positions of the KV cache (n_ctx; default {DEFAULT_CTX}, or the file's context length if smaller)",
+        help=f"{ctx_help}, or the file's context length if smaller)",
     )
     slab = p.add_mutually_exclusive_group()
     slab.add_argument("--slots", type=_int_at_least(1), default=None, help="slab slots, one expert each")
-    slab.add_argument("--cache-bytes", type=_int_at_least(1), default=None, help="slab size in bytes (default 1 GiB)")
+    slab.add_argument(
+        "--cache-bytes",
+        type=_int_at_least(1),
+        default=None,
+        help="slab size in bytes (default: sized from the memory limit the process runs under)",
+    )
     p.add_argument(
         "--io",
         choices=("auto", "io_uring", "threads"),
@@ -120,8 +134,6 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"layers of the built-in model (default {DEFAULT_FULL_LAYERS}; 48 is the real depth)",
     )
     p.add_argument("--rebuild", action="store_true", help="write the built-in model again")
-    p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of text as it comes")
-    return p
 
 
 # -- what is reported --------------------------------------------------------------------------------

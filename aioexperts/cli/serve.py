@@ -23,7 +23,7 @@ import anyio
 
 import aioexperts
 from aioexperts.cli._common import HelpFormatter
-from aioexperts.cli.run import USAGE_STATUS, _context_length, _float, _int_at_least
+from aioexperts.cli.run import USAGE_STATUS, _context_length, _float, _int_at_least, add_model_options
 
 __all__ = ("build_parser", "main")
 
@@ -44,7 +44,6 @@ def _port(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``aioexperts-serve``."""
-    from aioexperts._bench.full_model import DEFAULT_FULL_LAYERS
 
     p = _Parser(
         prog=PROG,
@@ -71,28 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds running generations may take to finish after SIGTERM before they are cancelled",
     )
     p.add_argument("--alias", default=None, help="the model's id in /v1/models and responses (default: file name)")
-    p.add_argument(
-        "--ctx",
-        type=_int_at_least(1),
-        default=None,
-        help="positions of each sequence's KV cache (n_ctx; default 4096, or the file's context length if smaller)",
-    )
-    slab = p.add_mutually_exclusive_group()
-    slab.add_argument("--slots", type=_int_at_least(1), default=None, help="slab slots, one expert each")
-    slab.add_argument("--cache-bytes", type=_int_at_least(1), default=None, help="slab size in bytes (default 1 GiB)")
-    p.add_argument(
-        "--io",
-        choices=("auto", "io_uring", "threads"),
-        default="auto",
-        help="expert reads: io_uring where it works (auto), or the preadv thread pool",
-    )
-    p.add_argument(
-        "--layers",
-        type=_int_at_least(1),
-        default=None,
-        help=f"layers of the built-in model (default {DEFAULT_FULL_LAYERS}; 48 is the real depth)",
-    )
-    p.add_argument("--rebuild", action="store_true", help="write the built-in model again")
+    add_model_options(p, ctx_help="positions of each sequence's KV cache (n_ctx; default 4096")
     return p
 
 
