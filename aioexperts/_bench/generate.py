@@ -245,6 +245,8 @@ def _from_events(events: list[dict[str, Any]], n_prompt: int) -> dict[str, Any]:
             "slab_budget",
             "memory_limit_source",
             "backend",
+            "repack",
+            "load_mode",
         ):
             if key in loaded:
                 out[key] = loaded[key]

@@ -112,16 +112,18 @@ async def _run_aioexperts(cfg: dict[str, Any]) -> None:
 
 def _run_llama(cfg: dict[str, Any], repack: bool) -> None:
     import llama_cpp  # type: ignore[import-not-found,unused-ignore]
+    import llama_cpp.llama_cpp as bindings  # type: ignore[import-not-found,unused-ignore]
 
     if not repack:  # the weights stay in the mmap (llama-cli --no-repack)
-        default_params = llama_cpp.llama_model_default_params
+        default_params = bindings.llama_model_default_params
 
         def no_repack() -> Any:
             params = default_params()
             params.use_extra_bufts = False
             return params
 
-        llama_cpp.llama_model_default_params = no_repack  # read once by Llama.__init__
+        # Llama.__init__ reads the defaults through the bindings module, not the package
+        bindings.llama_model_default_params = no_repack
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(
         model_path=cfg["model"],
@@ -133,7 +135,17 @@ def _run_llama(cfg: dict[str, Any], repack: bool) -> None:
         verbose=False,
     )
     n_vocab = llm.n_vocab()
-    _emit("loaded", seconds=time.perf_counter() - t0, version=getattr(llama_cpp, "__version__", None))
+    extra_bufts = bool(llm.model_params.use_extra_bufts)
+    if extra_bufts != repack:
+        print(f"llama.cpp loaded with use_extra_bufts={extra_bufts}, wanted {repack}", file=sys.stderr)
+        sys.exit(3)
+    _emit(
+        "loaded",
+        seconds=time.perf_counter() - t0,
+        version=getattr(llama_cpp, "__version__", None),
+        repack=extra_bufts,
+        load_mode=int(llm.model_params.load_mode),
+    )
 
     def logits() -> np.ndarray:
         return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,)).copy()
