@@ -8,9 +8,11 @@ Per block, as the graphs of llama.cpp's ``src/models/<arch>.cpp`` chain it::
     x       = ffn_inp + f * residual_scale                 # of the leading dense blocks
 
 then ``logits = output(rms_norm(x, output_norm)) / logit_scale``. One compute-pool job runs the
-residual add of the previous block, the attention norm, the attention and the FFN norm; the MoE
-layer goes through :class:`~aioexperts.MoERunner` (routing, expert reads, prefetch of the next
-layers' experts while this one computes).
+residual add of the previous block, the attention norm, the attention, the FFN norm and the MoE
+layer's routing (with the prediction of the next layers' experts); the rest of the MoE layer goes
+through :class:`~aioexperts.MoERunner` (expert reads, prefetch of the next layers' experts while
+this one computes, the experts' compute and their sum in one more job). A runner whose ``moe`` is
+overridden routes in its own job.
 """
 
 from __future__ import annotations
