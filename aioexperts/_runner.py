@@ -609,14 +609,15 @@ class MoERunner:
             if len(hits) == len(experts):
                 hits = []  # nothing is read: one compute job
         t0 = time.perf_counter()
+        outcomes: list[_Outcome]
         if hits:
             parts, io_wait, compute_s = await self._hits_first(layer, plans, hits, experts, prefetch, t0)
-        else:
+        else:  # the experts' compute and each call's sum in one compute-pool job (one hand-off, not two)
             async with store.experts(layer, experts, prefetch=prefetch) as views:
                 io_wait = time.perf_counter() - t0
-                found, compute_s = await run_in_worker(_timed_outputs, plans, experts, views, True)
-            parts = [[p] for p in found]
-        outcomes: list[_Outcome] = await run_in_worker(_combine_calls, layer, plans, parts, io_wait, compute_s)
+                outcomes, compute_s = await run_in_worker(_outputs_combined, layer, plans, experts, views, io_wait)
+        if hits:
+            outcomes = await run_in_worker(_combine_calls, layer, plans, parts, io_wait, compute_s)
         c = self._counters
         c.layer_steps += 1
         c.executor_steps += 1
@@ -773,6 +774,31 @@ class MoERunner:
         routed = await run_in_worker(self._route, layer, x, None, self._predictor if prefetch else None, None, ids)
         out, io_wait, compute_s = await self._executor_layer(layer, x, routed, stream)
         return MoEResult(routed.ids, routed.weights, out.moe_out, out.shared_out, out.ffn_out, io_wait, compute_s)
+
+    def _route_in_job(self, layer: int, x: np.ndarray) -> _Routed:
+        """:meth:`moe`'s routing of ``x`` (with the prefetch prediction), run inside a caller's compute-pool job.
+
+        For :class:`aioexperts.Model`, which routes in the job that computes the layer's attention
+        and FFN norm (one hand-off per layer fewer); :meth:`warmup` must have run. Pass the result
+        to :meth:`_moe_routed`.
+
+        Raises:
+            InvalidRequestError: as :meth:`moe` (no such layer, a bad ``x``, a hash-routed layer,
+                which needs token ids).
+        """
+        assert self._residents is not None, "MoERunner.warmup() has not run"
+        layer = self._store.layout.layer(layer).index
+        ids = self._checked_token_ids([layer], None, len(x))
+        return self._route(layer, x, None, self._predictor, None, ids)
+
+    async def _moe_routed(
+        self, layer: int, x: np.ndarray, routed: _Routed, stream: DecodeStream | None = None
+    ) -> np.ndarray:
+        """The rest of :meth:`moe` after :meth:`_route_in_job`: fetch the experts, compute, ``ffn_out``."""
+        if stream is not None and not isinstance(stream, DecodeStream):
+            raise InvalidRequestError(f"stream must be a DecodeStream (runner.decode_stream()), got {stream!r}")
+        out, _, _ = await self._executor_layer(self._store.layout.layer(layer).index, x, routed, stream)
+        return out.ffn_out
 
     async def run_token(self, x: np.ndarray, **kwargs: Any) -> MoELayersResult:
         """Deprecated name of :meth:`run_moe_layers` (0.2; removed in the release after 0.3).
@@ -1024,6 +1050,17 @@ def _timed_outputs(
     by_id = {e: v for e, v in zip(wanted, views, strict=True) if v is not None}
     found = expert_outputs(plans, by_id, wanted, shared=shared)
     return found, time.perf_counter() - t0
+
+
+def _outputs_combined(
+    layer: int, plans: list[MoEPlan], wanted: list[int], views: Sequence[ExpertView | None], io_wait: float
+) -> tuple[list[_Outcome], float]:
+    """:func:`_timed_outputs` of every expert (shared ones too), then :func:`_combine_calls`, in one worker job.
+
+    The time returned is the experts' compute alone (as :func:`_timed_outputs`').
+    """
+    found, compute_s = _timed_outputs(plans, wanted, views, True)
+    return _combine_calls(layer, plans, [[p] for p in found], io_wait, compute_s), compute_s
 
 
 def _combine_calls(

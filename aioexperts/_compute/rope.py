@@ -11,13 +11,14 @@ rotates adjacent pairs (``GGML_ROPE_TYPE_NORMAL``) or the two halves of the rota
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
 from aioexperts._errors import ConfigError
 from aioexperts._format.architectures import RopeParams, RopeType
 
-__all__ = ("apply_rope", "rope_cos_sin", "yarn_corr_dims")
+__all__ = ("RopeTable", "apply_rope", "rope_cos_sin", "rope_table", "yarn_corr_dims")
 
 
 def yarn_corr_dims(
@@ -64,6 +65,71 @@ def rope_cos_sin(
         theta = theta * (1.0 - ramp_mix) + theta_extrap * ramp_mix
         mscale *= 1.0 + 0.1 * math.log(1.0 / params.freq_scale)
     return (np.cos(theta) * mscale).astype(np.float32), (np.sin(theta) * mscale).astype(np.float32)
+
+
+class RopeTable:
+    """:func:`rope_cos_sin` of positions ``0..size-1``, computed once and grown on demand.
+
+    Each position's values are :func:`rope_cos_sin`'s for that position (the formula is per
+    position), so a slice of the table replaces a call per token and layer. Thread-safe: a call
+    that needs more positions builds a larger table (at least twice the size) and swaps it in.
+
+    Args:
+        params: the RoPE parameters.
+        freq_factors: optional ``(n_rot/2,)`` float32 frequency divisors (``rope_freqs.weight``).
+    """
+
+    MIN_POSITIONS = 256
+
+    def __init__(self, params: RopeParams, freq_factors: np.ndarray | None = None) -> None:
+        self.params = params
+        self.freq_factors = None if freq_factors is None else np.array(freq_factors, dtype=np.float32)
+        half = params.n_rot // 2
+        self._table: tuple[np.ndarray, np.ndarray] = (
+            np.empty((0, half), dtype=np.float32),
+            np.empty((0, half), dtype=np.float32),
+        )
+        self._lock = threading.Lock()
+
+    @property
+    def size(self) -> int:
+        """Positions in the table now."""
+        return self._table[0].shape[0]
+
+    def cos_sin(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(cos, sin)`` of positions ``start..start+n-1``, each ``(n, n_rot/2)`` float32 (read-only views).
+
+        Raises:
+            ConfigError: ``start < 0`` or ``n < 0``.
+        """
+        if start < 0 or n < 0:
+            raise ConfigError(f"RoPE positions {start}..{start + n - 1} are not valid")
+        cos, sin = self._table
+        end = start + n
+        if end > cos.shape[0]:
+            with self._lock:
+                cos, sin = self._table
+                if end > cos.shape[0]:
+                    size = max(end, 2 * cos.shape[0], self.MIN_POSITIONS)
+                    cos, sin = rope_cos_sin(self.params, np.arange(size), self.freq_factors)
+                    cos.flags.writeable = sin.flags.writeable = False
+                    self._table = (cos, sin)
+        return cos[start:end], sin[start:end]
+
+
+_tables: dict[tuple[RopeParams, bytes | None], RopeTable] = {}
+_tables_lock = threading.Lock()
+
+
+def rope_table(params: RopeParams, freq_factors: np.ndarray | None = None) -> RopeTable:
+    """The process-wide :class:`RopeTable` of ``params`` and ``freq_factors`` (layers with the same
+    RoPE share one)."""
+    key = (params, None if freq_factors is None else np.asarray(freq_factors, dtype=np.float32).tobytes())
+    with _tables_lock:
+        table = _tables.get(key)
+        if table is None:
+            table = _tables[key] = RopeTable(params, freq_factors)
+        return table
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_type: RopeType, n_rot: int) -> np.ndarray:

@@ -23,7 +23,7 @@ import numpy as np
 
 from aioexperts._compute.attention import attend
 from aioexperts._compute.norms import rms_norm
-from aioexperts._compute.rope import apply_rope, rope_cos_sin
+from aioexperts._compute.rope import apply_rope, rope_table
 from aioexperts._errors import UnsupportedTypeError
 from aioexperts._format.architectures import ModelHParams
 from aioexperts._model.weights import TensorReader
@@ -92,6 +92,7 @@ class GQABlock:
         self.freq_factors = None
         if rec.rope_freqs:
             self.freq_factors = reader.optional_array("rope_freqs.weight", (self.rope.n_rot // 2,))
+        self.rope_table = rope_table(self.rope, self.freq_factors)  # cos/sin per position, computed once
         # kq_scale: granite's attention.scale, else 1/sqrt(head); openai-moe.cpp uses 1/sqrt(n_rot)
         if hp.attention_scale:
             self.scale = hp.attention_scale
@@ -124,7 +125,7 @@ class GQABlock:
                 q3 = rms_norm(q3, self.q_norm, hp.norm_eps)
             if self.k_norm is not None:
                 k3 = rms_norm(k3, self.k_norm, hp.norm_eps)
-        cos, sin = rope_cos_sin(self.rope, np.arange(start, start + n), self.freq_factors)
+        cos, sin = self.rope_table.cos_sin(start, n)
         q3 = apply_rope(q3, cos, sin, self.rope.rope_type, self.rope.n_rot)
         k3 = apply_rope(k3, cos, sin, self.rope.rope_type, self.rope.n_rot)
         kc, vc = cache["k"], cache["v"]

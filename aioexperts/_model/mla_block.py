@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from aioexperts._compute import mla
-from aioexperts._compute.rope import apply_rope, rope_cos_sin
+from aioexperts._compute.rope import apply_rope, rope_table
 from aioexperts._errors import FormatError, UnsupportedTypeError
 from aioexperts._format.architectures import ModelHParams
 from aioexperts._format.mla import MLAHParams
@@ -80,6 +80,7 @@ class MLABlock:
         self.rope = hp.rope_for(layer)
         # deepseek2.cpp: kq_scale from llama_context's attn_factor and freq_scale (YaRN's mscale)
         self.scale = mla.kq_scale(self.mla, self.rope.attn_factor, self.rope.freq_scale)
+        self.rope_table = rope_table(self.rope)  # cos/sin per position, computed once
 
     def cache_shapes(self) -> Mapping[str, tuple[int, ...]]:
         """``{"kv": (kv_lora_rank + rope_dims,)}``: the latent and the rotated key of each position."""
@@ -88,7 +89,7 @@ class MLABlock:
     def attention(self, x: np.ndarray, cache: Mapping[str, np.ndarray], start: int) -> np.ndarray:
         """See :class:`~aioexperts._model.blocks.AttentionBlock`."""
         n_rot = self.rope.n_rot
-        cos, sin = rope_cos_sin(self.rope, np.arange(start, start + x.shape[0]))
+        cos, sin = self.rope_table.cos_sin(start, x.shape[0])
 
         def rope(v: np.ndarray, positions: np.ndarray) -> np.ndarray:
             return apply_rope(v, cos, sin, self.rope.rope_type, n_rot)

@@ -8,9 +8,11 @@ Per block, as the graphs of llama.cpp's ``src/models/<arch>.cpp`` chain it::
     x       = ffn_inp + f * residual_scale                 # of the leading dense blocks
 
 then ``logits = output(rms_norm(x, output_norm)) / logit_scale``. One compute-pool job runs the
-residual add of the previous block, the attention norm, the attention and the FFN norm; the MoE
-layer goes through :class:`~aioexperts.MoERunner` (routing, expert reads, prefetch of the next
-layers' experts while this one computes).
+residual add of the previous block, the attention norm, the attention, the FFN norm and the MoE
+layer's routing (with the prediction of the next layers' experts); the rest of the MoE layer goes
+through :class:`~aioexperts.MoERunner` (expert reads, prefetch of the next layers' experts while
+this one computes, the experts' compute and their sum in one more job). A runner whose ``moe`` is
+overridden routes in its own job.
 """
 
 from __future__ import annotations
@@ -216,6 +218,13 @@ def _whole_model_hparams(model: GGUFModel) -> ModelHParams:
         if str(model.path) in str(exc):
             raise
         raise type(exc)(f"{model.path}: {exc}") from exc  # UnsupportedTypeError stays one
+
+
+def _plain_moe(runner: MoERunner) -> bool:
+    """Whether ``runner``'s :meth:`~MoERunner.moe` is the base class's (route, then the executor), so the
+    model may route in its own job (a subclass that overrides ``moe`` or its routing keeps them)."""
+    cls = type(runner)
+    return all(getattr(cls, name) is getattr(MoERunner, name) for name in ("moe", "moe_result", "_route"))
 
 
 def _check_finite(what: str, x: np.ndarray) -> None:
@@ -971,8 +980,10 @@ class Model:
         cache: dict[str, np.ndarray],
         start: int,
         capture: dict[str, np.ndarray] | None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Worker job: finish the previous block, norm, attention, residual, FFN norm."""
+        route: Callable[[int, np.ndarray], Any] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, Any]:
+        """Worker job: finish the previous block, norm, attention, residual, FFN norm, then (with
+        ``route``, the runner's :meth:`MoERunner._route_in_job`) the MoE layer's routing."""
         t0 = time.perf_counter()
         hp = self._started()[3]
         il = layer.index
@@ -993,8 +1004,13 @@ class Model:
         if capture is not None:
             capture[f"attn_norm-{il}"] = h
             capture[f"ffn_inp-{il}"] = ffn_inp
-        self._counters.attention_seconds += time.perf_counter() - t0
-        return ffn_inp, ffn_in
+        t1 = time.perf_counter()
+        self._counters.attention_seconds += t1 - t0
+        if route is None:
+            return ffn_inp, ffn_in, None
+        routed = route(il, ffn_in)  # counted with the MoE layer, as when the runner routes
+        self._counters.moe_seconds += time.perf_counter() - t1
+        return ffn_inp, ffn_in, routed
 
     @staticmethod
     def _residual(resid: np.ndarray, f: np.ndarray, hp: ModelHParams) -> np.ndarray:
@@ -1052,13 +1068,20 @@ class Model:
         _, runner, w, _ = self._started()
         resid = await self._embed(ids)
         f: np.ndarray | None = None
+        # the runner's own moe(): route in the attention's job (one compute-pool hand-off fewer per layer)
+        fused_route = capture is None and _plain_moe(runner)
+        if fused_route:
+            await runner.warmup()  # done at start(); cheap
         for layer in w.layers:
-            ffn_inp, ffn_in = await run_in_worker(
-                self._pre_block, layer, resid, f, cache.layer(layer.index), start, capture
+            route = runner._route_in_job if fused_route and layer.dense is None else None
+            ffn_inp, ffn_in, routed = await run_in_worker(
+                self._pre_block, layer, resid, f, cache.layer(layer.index), start, capture, route
             )
             if layer.dense is None:
                 t0 = time.perf_counter()
-                if capture is None:
+                if routed is not None:
+                    f = await runner._moe_routed(layer.index, ffn_in, routed, stream=stream)
+                elif capture is None:
                     f = await runner.moe(layer.index, ffn_in, stream=stream)
                 else:
                     result = await runner.moe_result(layer.index, ffn_in, stream=stream)
