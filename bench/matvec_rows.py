@@ -11,7 +11,11 @@ Methods, interleaved round by round (median of ``--calls`` calls per round), one
 * ``ggml``: ``ggml_mul_mat`` of the same bytes by one token (``aioexperts._bench.ggml_baseline``);
 * ``float``, ``int8``: ``fused.linear`` with one token at each precision;
 * ``float4``, ``int8x4``: ``fused.linear`` with four tokens (``x ggml`` then compares with four
-  ggml one-token calls: the time ggml's kernel would need for the four tokens one by one).
+  ggml one-token calls: the time ggml's kernel would need for the four tokens one by one);
+* with ``--threads2``, for matrices of at least ``SPLIT_BYTES``: ``int8_t2``, the one-token int8
+  product with a 2-thread compute pool in the process and ``fused.SPLIT_MIN_BYTES`` set to
+  ``SPLIT_BYTES`` (rows split over the calling thread and one idle worker; the split is off by
+  default), against ``ggml_t2``, ggml with 2 threads.
 
 GB/s are weight bytes per second (per call, however many tokens); ``x ggml`` is ggml's time over
 ours in the same round (target 0.7). ``--label`` names the run in the results file
@@ -50,6 +54,8 @@ CASES: tuple[tuple[Q, tuple[int, int]], ...] = (
 )
 #: tokens of the batched methods, and how many ggml one-token calls they stand for
 BATCH = 4
+#: the row-split threshold ``--threads2`` times (4 MiB: the q and o projections)
+SPLIT_BYTES = 4 << 20
 
 
 def median_time(fn: Callable[[], object], calls: int) -> float:
@@ -62,7 +68,7 @@ def median_time(fn: Callable[[], object], calls: int) -> float:
 
 
 def case_methods(
-    qtype: Q, shape: tuple[int, int], rng: np.random.Generator, lib: ggml_baseline.GgmlLibrary
+    qtype: Q, shape: tuple[int, int], rng: np.random.Generator, lib: ggml_baseline.GgmlLibrary, threads2: bool
 ) -> tuple[dict[str, Callable[[], object]], dict[str, float], int]:
     rows, cols = shape
     raw = make_tensor(qtype, shape, rng).reshape(-1)
@@ -96,7 +102,28 @@ def case_methods(
         "float4": at("float", x4, out4),
         "int8x4": at("int8", x4, out4),
     }
+    if threads2 and raw.nbytes >= SPLIT_BYTES:
+        from aioexperts._compute import pool as pool_module
+
+        two = ggml_baseline.GgmlMatVec(raw, qtype, shape, n_threads=2, library=lib)
+        two.set_input(x1)
+        fns["ggml_t2"] = two.compute
+        single = at("int8", x1, out1)
+
+        def in_pool() -> object:
+            saved = pool_module._pool, fused.SPLIT_MIN_BYTES
+            pool_module._pool, fused.SPLIT_MIN_BYTES = POOL2[0], SPLIT_BYTES
+            try:
+                return single()
+            finally:
+                pool_module._pool, fused.SPLIT_MIN_BYTES = saved
+
+        fns["int8_t2"] = in_pool
     return fns, agreement, raw.nbytes
+
+
+#: the 2-thread pool of ``--threads2`` (made once; native libraries stay capped by threadpool_limits)
+POOL2: list[Any] = []
 
 
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -113,8 +140,11 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "seconds": {m: summary(v) for m, v in by.items()},
             "gbps": {m: summary([nbytes / t / 1e9 for t in v]) for m, v in by.items()},
         }
+        if "int8_t2" in by:
+            entry["x_ggml_t2_int8_t2"] = summary([g / t for g, t in zip(by["ggml_t2"], by["int8_t2"], strict=True)])
+            entry["x_int8_t2_over_int8"] = summary([a / b for a, b in zip(by["int8"], by["int8_t2"], strict=True)])
         for m, v in by.items():
-            if m == "ggml":
+            if m in ("ggml", "ggml_t2", "int8_t2"):
                 continue
             tokens = BATCH if m.endswith("4") else 1
             entry[f"x_ggml_{m}"] = summary([tokens * g / t for g, t in zip(by["ggml"], v, strict=True)])
@@ -135,6 +165,12 @@ def print_table(result: dict[str, Any], label: str) -> None:
             f"| {key} | {rng_(g['ggml'])} | {rng_(g['float'])} | {rng_(e['x_ggml_float'])} | {rng_(g['int8'])} "
             f"| {rng_(e['x_ggml_int8'])} | {rng_(e['x_ggml_int8x4'])} | {rng_(e['x_ggml_float4'])} |"
         )
+    for key, e in result.items():
+        if "x_ggml_t2_int8_t2" in e:
+            print(
+                f"2 threads, {key}: int8 {rng_(e['gbps']['int8_t2'])} GB/s, x ggml(2 threads) "
+                f"{rng_(e['x_ggml_t2_int8_t2'])}, over our 1 thread {rng_(e['x_int8_t2_over_int8'])}"
+            )
 
 
 def main() -> int:
@@ -144,6 +180,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--label", default="run")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--threads2", action="store_true", help="also time the 2-thread row split")
     args = parser.parse_args()
     reason = ggml_baseline.unavailable_reason()
     if reason is not None:
@@ -152,13 +189,17 @@ def main() -> int:
     started = time.time()
     load_before = os.getloadavg()
     rng = np.random.default_rng(args.seed)
+    if args.threads2:
+        from aioexperts._compute.pool import ComputePool
+
+        POOL2.append(ComputePool(2, limit_native_threads=False))
     with threadpool_limits(1):
         cases = {}
         agreement = {}
         sizes = {}
         for qtype, shape in CASES:
             key = f"{qtype.name} {shape[0]}x{shape[1]}"
-            cases[key], agreement[key], sizes[key] = case_methods(qtype, shape, rng, lib)
+            cases[key], agreement[key], sizes[key] = case_methods(qtype, shape, rng, lib, args.threads2)
         for fns in cases.values():
             for fn in fns.values():
                 fn()
@@ -180,7 +221,7 @@ def main() -> int:
         args.out,
         "matvec-rows",
         {"rounds": args.rounds, "calls": args.calls, "seed": args.seed, "label": args.label, "batch": BATCH,
-         "threads": 1, "llama_cpp_python": lib.version},
+         "threads": 1, "threads2": args.threads2, "llama_cpp_python": lib.version},
         {"seconds": "s per call (median of calls)", "gbps": "weight GB/s", "x_ggml": "ggml time / ours"},
         rounds,
         result,

@@ -88,6 +88,11 @@ SMALL_BATCH_MAX = 64
 #: :func:`int8_batched_types`): each weight row read once for every token, each token's result bit
 #: for bit its one-token result
 INT8_BATCH_MAX = 16
+#: one-token (and int8 small-batch) products of at least this many weight bytes are split by rows
+#: over the compute pool's idle workers, when a pool exists (:func:`_split_rows`); None: never. Off
+#: by default: on the shared 2-core machine (load average 9) the split measured 0.63-0.76x of one
+#: thread (bench/matvec_rows.py --threads2, docs/results/matvec-rows-after.json)
+SPLIT_MIN_BYTES: int | None = None
 PRECISION_ENV = "AIOEXPERTS_PRECISION"
 
 BackendName = Literal["numba", "numpy"]
@@ -531,16 +536,52 @@ def linear(
     return result
 
 
+def _split_rows(raw: np.ndarray, run: Callable[[int, int], None]) -> None:
+    """``run(r0, r1)`` over row ranges covering ``raw``: one range, or one per compute-pool thread.
+
+    Split only when the process already has a compute pool (a runner made it; this never creates
+    one) with more than one thread and ``raw`` holds at least :data:`SPLIT_MIN_BYTES`. The ranges go
+    through :meth:`ComputePool.map`: the calling thread runs ranges itself and only idle workers
+    help, so concurrent callers never run more threads than the pool has (busy pool: all inline).
+    Every row's result is the same whatever the split (rows are independent).
+    """
+    from . import pool as _pool_module
+
+    pool = _pool_module._pool
+    rows = raw.shape[0]
+    limit = SPLIT_MIN_BYTES
+    if limit is None or pool is None or pool.n_threads <= 1 or raw.nbytes < limit or rows < 2 * pool.n_threads:
+        run(0, rows)
+        return
+    parts = pool.n_threads
+    bounds = [rows * k // parts for k in range(parts + 1)]
+    pool.map(lambda k: run(bounds[k], bounds[k + 1]), range(parts))
+
+
 def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
     n = xs.shape[0]
     int8 = ready.entry.int8_module is not None and precision() == "int8"
     if int8 and ready.entry.int8_batched and 1 < n <= INT8_BATCH_MAX:
-        _kernel(ready, qtype, "matmat_int8")(raw, xs, out)
+        matmat = _kernel(ready, qtype, "matmat_int8")
+
+        def batched(r0: int, r1: int) -> None:
+            if r0 == 0 and r1 == raw.shape[0]:
+                matmat(raw, xs, out)
+                return
+            part = np.empty((n, r1 - r0), dtype=np.float32)
+            matmat(raw[r0:r1], xs, part)
+            out[:, r0:r1] = part
+
+        _split_rows(raw, batched)
     elif n <= MATVEC_MAX_TOKENS:
         kind: KernelKind = "matvec_int8" if int8 else "matvec"
         matvec = _kernel(ready, qtype, kind)
-        for t in range(n):
-            matvec(raw, xs[t], out[t])
+
+        def tokens(r0: int, r1: int) -> None:
+            for t in range(n):
+                matvec(raw[r0:r1], xs[t], out[t, r0:r1])
+
+        _split_rows(raw, tokens)
     elif n <= SMALL_BATCH_MAX:
         _kernel(ready, qtype, "matmat")(raw, xs, out)
     else:

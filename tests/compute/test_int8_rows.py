@@ -158,3 +158,33 @@ def test_products_follow_the_int8_formula(qtype: GGMLQuantizationType) -> None:
     assert rel_l2(got, want) <= 1e-6, qtype.name
     block_size, _ = GGML_QUANT_SIZES[qtype]
     assert cols % block_size == 0
+
+
+@pytest.mark.parametrize("precision", ["float", "int8"])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_large_products_split_over_an_existing_pool_give_the_same_bits(
+    precision: str, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aioexperts._compute import pool as pool_module
+
+    fused.set_precision(precision)  # type: ignore[arg-type]
+    monkeypatch.setattr(fused, "SPLIT_MIN_BYTES", 1 << 20)  # off by default
+    rows, cols = 1031, 1024  # odd rows: uneven parts; 1.1 MB of Q8_0 >= SPLIT_MIN_BYTES
+    raw = matrix(Q.Q8_0, rows, cols, seed=41)
+    x = activations(n, cols, seed=42)
+    monkeypatch.setattr(pool_module, "_pool", None)
+    alone = fused.linear(raw, Q.Q8_0, (rows, cols), x)
+    pool = pool_module.ComputePool(2, limit_native_threads=False)
+    monkeypatch.setattr(pool_module, "_pool", pool)
+    try:
+        maps = pool.statistics().maps
+        split = fused.linear(raw, Q.Q8_0, (rows, cols), x)
+        splits = precision == "int8" or n <= fused.MATVEC_MAX_TOKENS  # float batches: the blocked kernel
+        assert pool.statistics().maps == maps + splits
+        maps = pool.statistics().maps
+        small = matrix(Q.Q8_0, 64, cols, seed=43)
+        fused.linear(small, Q.Q8_0, (64, cols), x)
+        assert pool.statistics().maps == maps  # small matrices stay on the calling thread
+    finally:
+        pool.close()
+    np.testing.assert_array_equal(split, alone)

@@ -11,9 +11,10 @@ integer multiplies ggml uses:
   same integers: no sum here reaches the int16 saturation of ``pmaddubsw`` (codes <= 63 or
   ``|w| <= 128``, ``|q8| <= 127``: at most ``2 * 128 * 127 = 32512``);
 * the float accumulation ``acc = fmuladd(d_w * d_x, float(sumi), acc)`` per block on 8 lanes, the
-  row's sum by the fixed shuffle tree of ggml's ``hsum_float_8``: no reassociation flag anywhere,
-  so a row's result depends only on that row and ``x`` (bit-equal however many rows or tokens a
-  caller batches).
+  row's sum by the fixed shuffle tree of ggml's ``hsum_float_8``: no reassociation flag anywhere
+  (the kernels that call these are compiled ``exact``, so numba's fastmath adds none either), so a
+  row's result depends only on that row and ``x`` (bit-equal however many rows or tokens a caller
+  batches).
 
 Arguments: ``row`` one weight row (uint8 bytes, 1-D), ``q`` the int8 quantized ``x``, ``d`` its
 float32 scales (one per 32 values for Q8_0, per 256 for Q8_K), ``bsums`` (Q8_K) its int32 sums per
