@@ -25,7 +25,11 @@ plugs the compiled ``dequant_<type>`` kernels into it.
 Precision (:func:`set_precision`, ``$AIOEXPERTS_PRECISION``): ``"float"`` (default) as above;
 ``"int8"`` quantizes ``x`` per call to 8 bits, as llama.cpp's CPU kernels do (``quantize_row_q8_K``
 / ``quantize_row_q8_0``), and takes integer dot products (``ggml_vec_dot_*_q8_*``) in the one-token
-kernels of the types listed by :func:`int8_types`; about 5e-3 relative error, like llama.cpp's.
+kernels of the types listed by :func:`int8_types`; about 5e-3 relative error, like llama.cpp's. For
+the types of :func:`int8_batched_types` (Q8_0, Q4_K, Q6_K: whole-row AVX2 loops, see
+:mod:`aioexperts._compute.kernels.rowdot`) batches of 2 to :data:`INT8_BATCH_MAX` tokens run one
+``matmat_int8_<type>`` call that reads each weight row once for every token; each token's row of the
+result is bit for bit what the one-token kernel gives it.
 
 Backend: ``numba`` when it imports (see :mod:`aioexperts._compute.jit`), else ``numpy``, with one
 log line saying why; a kernel that fails to compile also switches the process to ``numpy`` (one log
@@ -54,6 +58,7 @@ from .._format import dequant as _quant
 from .jit import jit_status
 
 __all__ = (
+    "INT8_BATCH_MAX",
     "MATVEC_MAX_TOKENS",
     "PRECISION_ENV",
     "SMALL_BATCH_MAX",
@@ -61,6 +66,7 @@ __all__ = (
     "WarmupReport",
     "backend",
     "compiled_types",
+    "int8_batched_types",
     "int8_types",
     "linear",
     "precision",
@@ -78,11 +84,20 @@ T = GGMLQuantizationType
 MATVEC_MAX_TOKENS = 2
 #: batches up to this many tokens run the blocked small-batch kernel; larger ones dequantize + BLAS
 SMALL_BATCH_MAX = 64
+#: with ``"int8"`` precision, batches up to this many tokens run ``matmat_int8_<type>`` (types of
+#: :func:`int8_batched_types`): each weight row read once for every token, each token's result bit
+#: for bit its one-token result
+INT8_BATCH_MAX = 16
+#: one-token (and int8 small-batch) products of at least this many weight bytes are split by rows
+#: over the compute pool's idle workers, when a pool exists (:func:`_split_rows`); None: never. Off
+#: by default: on the shared 2-core machine (load average 9) the split measured 0.63-0.76x of one
+#: thread (bench/matvec_rows.py --threads2, docs/results/matvec-rows-after.json)
+SPLIT_MIN_BYTES: int | None = None
 PRECISION_ENV = "AIOEXPERTS_PRECISION"
 
 BackendName = Literal["numba", "numpy"]
 Precision = Literal["float", "int8"]
-KernelKind = Literal["matvec", "matmat", "dequant", "matvec_int8"]
+KernelKind = Literal["matvec", "matmat", "dequant", "matvec_int8", "matmat_int8"]
 KERNEL_KINDS: tuple[KernelKind, ...] = ("matvec", "matmat", "dequant")
 
 _F32 = np.dtype(np.float32)
@@ -96,6 +111,8 @@ class _Entry:
     raw_dtype: type[np.generic]
     #: module of the int8 one-token kernel ``matvec_int8_<suffix>``, if there is one
     int8_module: str | None = None
+    #: whether that module has the int8 small-batch kernel ``matmat_int8_<suffix>`` too
+    int8_batched: bool = False
 
 
 _TABLE: dict[GGMLQuantizationType, _Entry] = {
@@ -105,12 +122,12 @@ _TABLE: dict[GGMLQuantizationType, _Entry] = {
     T.Q4_1: _Entry("legacy", "q4_1", np.uint8, "int8"),
     T.Q5_0: _Entry("legacy", "q5_0", np.uint8, "int8"),
     T.Q5_1: _Entry("legacy", "q5_1", np.uint8, "int8"),
-    T.Q8_0: _Entry("legacy", "q8_0", np.uint8, "int8"),
+    T.Q8_0: _Entry("legacy", "q8_0", np.uint8, "int8", int8_batched=True),
     T.Q2_K: _Entry("kquants", "q2_k", np.uint8, "int8"),
     T.Q3_K: _Entry("kquants", "q3_k", np.uint8, "int8"),
-    T.Q4_K: _Entry("kquants", "q4_k", np.uint8, "int8"),
+    T.Q4_K: _Entry("kquants", "q4_k", np.uint8, "int8", int8_batched=True),
     T.Q5_K: _Entry("kquants", "q5_k", np.uint8, "int8"),
-    T.Q6_K: _Entry("kquants", "q6_k", np.uint8, "int8"),
+    T.Q6_K: _Entry("kquants", "q6_k", np.uint8, "int8", int8_batched=True),
     T.IQ4_NL: _Entry("codebook", "iq4_nl", np.uint8, "int8"),
     T.IQ4_XS: _Entry("codebook", "iq4_xs", np.uint8, "int8"),
     T.MXFP4: _Entry("codebook", "mxfp4", np.uint8, "int8"),
@@ -162,7 +179,7 @@ class WarmupReport:
 class _Ready:
     """The compiled dispatchers of one type (a plain record; ``None`` where not compiled yet)."""
 
-    __slots__ = ("dequant", "entry", "matmat", "matvec", "matvec_int8", "row_bytes")
+    __slots__ = ("dequant", "entry", "matmat", "matmat_int8", "matvec", "matvec_int8", "row_bytes")
 
     def __init__(self, entry: _Entry, row_bytes: Callable[[int], int]) -> None:
         self.entry = entry
@@ -171,6 +188,7 @@ class _Ready:
         self.matmat: Callable[..., None] | None = None
         self.dequant: Callable[..., None] | None = None
         self.matvec_int8: Callable[..., None] | None = None
+        self.matmat_int8: Callable[..., None] | None = None
 
 
 class _State:
@@ -295,6 +313,11 @@ def int8_types() -> frozenset[GGMLQuantizationType]:
     return frozenset(t for t, e in _TABLE.items() if e.int8_module)
 
 
+def int8_batched_types() -> frozenset[GGMLQuantizationType]:
+    """The ggml types whose int8 kernels also take up to :data:`INT8_BATCH_MAX` tokens at once."""
+    return frozenset(t for t, e in _TABLE.items() if e.int8_batched)
+
+
 def _fail(exc: BaseException, what: str) -> None:
     reason = f"compiling {what} failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     with _state.lock:
@@ -323,7 +346,7 @@ def _signature(kind: KernelKind, entry: _Entry) -> tuple[Any, ...]:
     raw = types.Array(from_dtype(np.dtype(entry.raw_dtype)), 2, "C", readonly=True)
     if kind in ("matvec", "matvec_int8"):
         return (raw, types.Array(types.float32, 1, "C", readonly=True), types.Array(types.float32, 1, "C"))
-    if kind == "matmat":
+    if kind in ("matmat", "matmat_int8"):
         return (raw, types.Array(types.float32, 2, "C", readonly=True), types.Array(types.float32, 2, "C"))
     return (raw, types.Array(types.float32, 2, "C"))
 
@@ -331,9 +354,9 @@ def _signature(kind: KernelKind, entry: _Entry) -> tuple[Any, ...]:
 def _dispatcher(entry: _Entry, kind: KernelKind) -> Any:
     modules = _modules()
     assert modules is not None
-    if kind == "matvec_int8":
+    if kind in ("matvec_int8", "matmat_int8"):
         assert entry.int8_module is not None
-        return getattr(modules[entry.int8_module], f"matvec_int8_{entry.suffix}")
+        return getattr(modules[entry.int8_module], f"{kind}_{entry.suffix}")
     return getattr(modules[entry.module], f"{kind}_{entry.suffix}")
 
 
@@ -513,13 +536,52 @@ def linear(
     return result
 
 
+def _split_rows(raw: np.ndarray, run: Callable[[int, int], None]) -> None:
+    """``run(r0, r1)`` over row ranges covering ``raw``: one range, or one per compute-pool thread.
+
+    Split only when the process already has a compute pool (a runner made it; this never creates
+    one) with more than one thread and ``raw`` holds at least :data:`SPLIT_MIN_BYTES`. The ranges go
+    through :meth:`ComputePool.map`: the calling thread runs ranges itself and only idle workers
+    help, so concurrent callers never run more threads than the pool has (busy pool: all inline).
+    Every row's result is the same whatever the split (rows are independent).
+    """
+    from . import pool as _pool_module
+
+    pool = _pool_module._pool
+    rows = raw.shape[0]
+    limit = SPLIT_MIN_BYTES
+    if limit is None or pool is None or pool.n_threads <= 1 or raw.nbytes < limit or rows < 2 * pool.n_threads:
+        run(0, rows)
+        return
+    parts = pool.n_threads
+    bounds = [rows * k // parts for k in range(parts + 1)]
+    pool.map(lambda k: run(bounds[k], bounds[k + 1]), range(parts))
+
+
 def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
     n = xs.shape[0]
-    if n <= MATVEC_MAX_TOKENS:
-        kind: KernelKind = "matvec_int8" if ready.entry.int8_module and precision() == "int8" else "matvec"
+    int8 = ready.entry.int8_module is not None and precision() == "int8"
+    if int8 and ready.entry.int8_batched and 1 < n <= INT8_BATCH_MAX:
+        matmat = _kernel(ready, qtype, "matmat_int8")
+
+        def batched(r0: int, r1: int) -> None:
+            if r0 == 0 and r1 == raw.shape[0]:
+                matmat(raw, xs, out)
+                return
+            part = np.empty((n, r1 - r0), dtype=np.float32)
+            matmat(raw[r0:r1], xs, part)
+            out[:, r0:r1] = part
+
+        _split_rows(raw, batched)
+    elif n <= MATVEC_MAX_TOKENS:
+        kind: KernelKind = "matvec_int8" if int8 else "matvec"
         matvec = _kernel(ready, qtype, kind)
-        for t in range(n):
-            matvec(raw, xs[t], out[t])
+
+        def tokens(r0: int, r1: int) -> None:
+            for t in range(n):
+                matvec(raw[r0:r1], xs[t], out[t, r0:r1])
+
+        _split_rows(raw, tokens)
     elif n <= SMALL_BATCH_MAX:
         _kernel(ready, qtype, "matmat")(raw, xs, out)
     else:
@@ -555,7 +617,7 @@ def ready_kernels() -> frozenset[str]:
         return frozenset(
             f"{kind}_{ready.entry.suffix}"
             for ready in _state.ready.values()
-            for kind in ("matvec", "matmat", "dequant", "matvec_int8")
+            for kind in ("matvec", "matmat", "dequant", "matvec_int8", "matmat_int8")
             if getattr(ready, kind) is not None
         )
 
@@ -584,7 +646,7 @@ def warmup(types: Iterable[GGMLQuantizationType | int], *, kinds: Iterable[Kerne
     wanted = sorted({_qtype(t) for t in types}, key=lambda t: t.name)
     chosen: tuple[KernelKind, ...] = tuple(kinds) if kinds is not None else KERNEL_KINDS
     if kinds is None and precision() == "int8":
-        chosen = (*chosen, "matvec_int8")
+        chosen = (*chosen, "matvec_int8", "matmat_int8")
     names: list[str] = []
     loaded = compiled = 0
     for qtype in wanted:
@@ -593,6 +655,8 @@ def warmup(types: Iterable[GGMLQuantizationType | int], *, kinds: Iterable[Kerne
             continue
         for kind in chosen:
             if kind == "matvec_int8" and not ready.entry.int8_module:
+                continue
+            if kind == "matmat_int8" and not ready.entry.int8_batched:
                 continue
             name = f"{kind}_{ready.entry.suffix}"
             try:

@@ -283,7 +283,7 @@ def test_int8_covers_every_quantized_type() -> None:
 
 @pytest.mark.usefixtures("int8_precision")
 @pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
-def test_int8_products_are_close_and_only_for_one_token(qtype: GGMLQuantizationType) -> None:
+def test_int8_products_are_close_and_only_for_few_tokens(qtype: GGMLQuantizationType) -> None:
     rng = np.random.default_rng(qtype.value + 1000)
     block_size, _ = GGML_QUANT_SIZES[qtype]
     rows, cols = 24, 2 * max(block_size, 256)
@@ -294,7 +294,11 @@ def test_int8_products_are_close_and_only_for_one_token(qtype: GGMLQuantizationT
     for n in (1, 2):
         error = rel_l2(fused.linear(raw, qtype, (rows, cols), x[:n]), want[:n])
         assert 1e-5 < error <= INT8_RTOL, (qtype.name, n, error)  # really the int8 kernel, and close
-    assert rel_l2(fused.linear(raw, qtype, (rows, cols), x), want) <= FUSED_RTOL  # batches stay float
+    error = rel_l2(fused.linear(raw, qtype, (rows, cols), x), want)
+    if qtype in fused.int8_batched_types():  # int8 up to INT8_BATCH_MAX tokens
+        assert 1e-5 < error <= INT8_RTOL, (qtype.name, 3, error)
+    else:
+        assert error <= FUSED_RTOL  # batches stay float
 
 
 def q8_k_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

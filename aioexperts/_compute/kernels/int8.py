@@ -23,20 +23,15 @@ from .kquants import (
     Q3_K_D,
     Q3_K_QS,
     Q3_K_SCALES,
-    Q4_K_BYTES,
-    Q4_K_QS,
     Q5_K_BYTES,
     Q5_K_QH,
     Q5_K_QS,
-    Q6_K_BYTES,
-    Q6_K_D,
-    Q6_K_QH,
-    Q6_K_SCALES,
     q3_k_scale_words,
     scale_min_k4,
 )
-from .legacy import Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, qh_at
-from .simd import dot16_q8, dot32_i8_q8, dot32_q8, dot32_q8_scaled, make_lut_dots, nib32_dot_q8
+from .legacy import Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, qh_at
+from .rowdot import rowdot_q4_k, rowdot_q6_k, rowdot_q8_0
+from .simd import dot16_q8, dot32_q8, make_lut_dots, nib32_dot_q8
 
 # ruff: noqa: N803, N806
 
@@ -217,22 +212,33 @@ def matvec_int8_q5_1(raw, x, out):
         out[r] = acc
 
 
-@kernel()
+@kernel(exact=True)
 def matvec_int8_q8_0(raw, x, out):
-    """``ggml_vec_dot_q8_0_q8_0``: ``d_w * d_x * sum(q_w * q_x)`` per block."""
+    """``ggml_vec_dot_q8_0_q8_0``: ``d_w * d_x * sum(q_w * q_x)`` per block (:func:`.rowdot.rowdot_q8_0`)."""
     n_blocks = x.size // QK
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
     quantize_q8_0(x, q, d, s)
     for r in range(raw.shape[0]):
-        prefetch_row(raw, r + PREFETCH_ROWS)
+        out[r] = rowdot_q8_0(raw[r], q, d, n_blocks)
+
+
+@kernel(exact=True)
+def matmat_int8_q8_0(raw, xt, out):
+    """``out[t] = W @ xt[t]`` for every token, as :func:`matvec_int8_q8_0` per token, bit for bit;
+    each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK
+    q = np.empty((n, cols), dtype=I8)
+    d = np.empty((n, n_blocks), dtype=F32)
+    s = np.empty((n, n_blocks), dtype=F32)
+    for t in range(n):
+        quantize_q8_0(xt[t], q[t], d[t], s[t])
+    for r in range(raw.shape[0]):
         row = raw[r]
-        acc = F32(0.0)
-        for b in range(n_blocks):
-            o = b * Q8_0_BYTES
-            acc += f16_at(row, o) * d[b] * F32(dot32_i8_q8(row, o + 2, q, b * QK))
-        out[r] = acc
+        for t in range(n):
+            out[t, r] = rowdot_q8_0(row, q[t], d[t], n_blocks)
 
 
 @kernel(inline=True)
@@ -289,34 +295,34 @@ def matvec_int8_mxfp4(raw, x, out):
 # k-quants against Q8_K
 
 
-@kernel()
+@kernel(exact=True)
 def matvec_int8_q4_k(raw, x, out):
-    """``ggml_vec_dot_q4_K_q8_K``: ``d_w d_x sum_j sc_j dot_j - dmin_w d_x sum_j m_j bsum_j``."""
+    """``ggml_vec_dot_q4_K_q8_K``: ``d_w d_x sum_j sc_j dot_j - dmin_w d_x sum_j m_j bsum_j``
+    (:func:`.rowdot.rowdot_q4_k`)."""
     n_blocks = x.size // QK_K
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     bsums = np.empty(n_blocks * SUM16, dtype=I32)
     quantize_q8_k(x, q, d, bsums)
     for r in range(raw.shape[0]):
-        prefetch_row(raw, r + PREFETCH_ROWS)
+        out[r] = rowdot_q4_k(raw[r], q, d, bsums, n_blocks)
+
+
+@kernel(exact=True)
+def matmat_int8_q4_k(raw, xt, out):
+    """``out[t] = W @ xt[t]`` for every token, as :func:`matvec_int8_q4_k` per token, bit for bit;
+    each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK_K
+    q = np.empty((n, cols), dtype=I8)
+    d = np.empty((n, n_blocks), dtype=F32)
+    bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
+    for t in range(n):
+        quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    for r in range(raw.shape[0]):
         row = raw[r]
-        acc = F32(0.0)
-        for b in range(n_blocks):
-            o = b * Q4_K_BYTES
-            sumi = I32(0)
-            summ = I32(0)
-            for c in range(4):
-                sc0, m0 = scale_min_k4(row, o, 2 * c)
-                sc1, m1 = scale_min_k4(row, o, 2 * c + 1)
-                qs = o + Q4_K_QS + 32 * c
-                xb = b * QK_K + 64 * c
-                lo = dot32_q8(row, qs, U8(0), U8(15), qs, U8(0), U8(0), U8(0), q, xb)
-                hi = dot32_q8(row, qs, U8(4), U8(15), qs, U8(0), U8(0), U8(0), q, xb + 32)
-                sumi += I32(sc0) * lo + I32(sc1) * hi
-                k = b * SUM16 + 4 * c
-                summ += I32(m0) * (bsums[k] + bsums[k + 1]) + I32(m1) * (bsums[k + 2] + bsums[k + 3])
-            acc += d[b] * (f16_at(row, o) * F32(sumi) - f16_at(row, o + 2) * F32(summ))
-        out[r] = acc
+        for t in range(n):
+            out[t, r] = rowdot_q4_k(row, q[t], d[t], bsums[t], n_blocks)
 
 
 @kernel()
@@ -350,37 +356,34 @@ def matvec_int8_q5_k(raw, x, out):
         out[r] = acc
 
 
-@kernel()
+@kernel(exact=True)
 def matvec_int8_q6_k(raw, x, out):
-    """``ggml_vec_dot_q6_K_q8_K``: ``d_w d_x sum_j sc_j (dot_j - 32 bsum_j)`` over 16-value sub-blocks."""
+    """``ggml_vec_dot_q6_K_q8_K``: ``d_w d_x sum_j sc_j (dot_j - 32 bsum_j)`` over 16-value sub-blocks
+    (:func:`.rowdot.rowdot_q6_k`)."""
     n_blocks = x.size // QK_K
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     bsums = np.empty(n_blocks * SUM16, dtype=I32)
     quantize_q8_k(x, q, d, bsums)
     for r in range(raw.shape[0]):
-        prefetch_row(raw, r + PREFETCH_ROWS)
+        out[r] = rowdot_q6_k(raw[r], q, d, bsums, n_blocks)
+
+
+@kernel(exact=True)
+def matmat_int8_q6_k(raw, xt, out):
+    """``out[t] = W @ xt[t]`` for every token, as :func:`matvec_int8_q6_k` per token, bit for bit;
+    each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK_K
+    q = np.empty((n, cols), dtype=I8)
+    d = np.empty((n, n_blocks), dtype=F32)
+    bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
+    for t in range(n):
+        quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    for r in range(raw.shape[0]):
         row = raw[r]
-        acc = F32(0.0)
-        for b in range(n_blocks):
-            o = b * Q6_K_BYTES
-            sc = o + Q6_K_SCALES
-            offset = I32(0)
-            for sb in range(SUM16):
-                offset += I32(I8(row[sc + sb])) * bsums[b * SUM16 + sb]
-            sumi = I32(-32) * offset
-            for n in range(2):
-                ql = o + 64 * n
-                qh = o + Q6_K_QH + 32 * n
-                xb = b * QK_K + 128 * n
-                for j in range(4):
-                    sb = sc + 8 * n + 2 * j
-                    sumi += dot32_q8_scaled(
-                        row, ql + 32 * (j % 2), U8(4 * (j // 2)), U8(15), qh, U8(2 * j), U8(3), U8(4),
-                        q, xb + 32 * j, I32(I8(row[sb])), I32(I8(row[sb + 1])),
-                    )  # fmt: skip
-            acc += d[b] * f16_at(row, o + Q6_K_D) * F32(sumi)
-        out[r] = acc
+        for t in range(n):
+            out[t, r] = rowdot_q6_k(row, q[t], d[t], bsums[t], n_blocks)
 
 
 @kernel()

@@ -1,0 +1,331 @@
+"""Whole-row integer dot products against quantized ``x``: llama.cpp's AVX2 loops as LLVM IR.
+
+Each intrinsic here is one row of ``ggml_vec_dot_<type>_q8_<0|K>`` (``ggml-cpu/arch/x86/quants.c``,
+the ``__AVX2__`` branch): the block loop is emitted as IR, its accumulators stay in vector registers
+across blocks (one horizontal sum per row, not one per block), and the products are the pair-summing
+integer multiplies ggml uses:
+
+* ``pmaddubsw`` (unsigned codes times int8 ``x``, adjacent pairs summed to int16) and ``pmaddwd``
+  (int16 pairs times int16 scales, summed to int32), called by name on x86 with AVX2; elsewhere the
+  same sums in plain vector IR (sign/zero extensions, multiplies, even/odd shuffles), which give the
+  same integers: no sum here reaches the int16 saturation of ``pmaddubsw`` (codes <= 63 or
+  ``|w| <= 128``, ``|q8| <= 127``: at most ``2 * 128 * 127 = 32512``);
+* the float accumulation ``acc = fmuladd(d_w * d_x, float(sumi), acc)`` per block on 8 lanes, the
+  row's sum by the fixed shuffle tree of ggml's ``hsum_float_8``: no reassociation flag anywhere
+  (the kernels that call these are compiled ``exact``, so numba's fastmath adds none either), so a
+  row's result depends only on that row and ``x`` (bit-equal however many rows or tokens a caller
+  batches).
+
+Arguments: ``row`` one weight row (uint8 bytes, 1-D), ``q`` the int8 quantized ``x``, ``d`` its
+float32 scales (one per 32 values for Q8_0, per 256 for Q8_K), ``bsums`` (Q8_K) its int32 sums per
+16 values, ``n_blocks`` the blocks of the row. Returns float32. No bounds checks: the callers size
+every array from the row's column count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .simd import _target_features
+
+I8 = ir.IntType(8)
+I16 = ir.IntType(16)
+I32 = ir.IntType(32)
+I64 = ir.IntType(64)
+F32 = ir.FloatType()
+V32I8 = ir.VectorType(I8, 32)
+V16I16 = ir.VectorType(I16, 16)
+V32I16 = ir.VectorType(I16, 32)
+V8I32 = ir.VectorType(I32, 8)
+V16I32 = ir.VectorType(I32, 16)
+V8F32 = ir.VectorType(F32, 8)
+
+Q8_0_BYTES = 34
+Q4_K_BYTES = 144
+Q6_K_BYTES = 210
+
+
+def _avx2() -> bool:
+    triple, features = _target_features()
+    return triple.startswith(("x86_64", "i686", "i386")) and "+avx2" in features
+
+
+def _const(t: ir.Type, value: int) -> Any:
+    return ir.Constant(t, value)
+
+
+def _splat(builder: ir.IRBuilder, value: Any, lanes: int) -> Any:
+    vector = ir.VectorType(value.type, lanes)
+    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, _const(I32, 0))
+    return builder.shuffle_vector(
+        one, ir.Constant(vector, ir.Undefined), ir.Constant(ir.VectorType(I32, lanes), [0] * lanes)
+    )
+
+
+def _vsplat(t: ir.VectorType, value: int) -> Any:
+    return ir.Constant(t, [value] * t.count)
+
+
+def _lanes(indices: list[int]) -> Any:
+    return ir.Constant(ir.VectorType(I32, len(indices)), indices)
+
+
+def _call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[Any]) -> Any:
+    fnty = ir.FunctionType(ret, [a.type for a in args])
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
+
+
+def _pair_sums(builder: ir.IRBuilder, wide: Any, lanes: int) -> Any:
+    """``out[i] = wide[2 i] + wide[2 i + 1]`` (``lanes`` inputs)."""
+    even = builder.shuffle_vector(wide, wide, _lanes(list(range(0, lanes, 2))))
+    odd = builder.shuffle_vector(wide, wide, _lanes(list(range(1, lanes, 2))))
+    return builder.add(even, odd)
+
+
+def _maddubs(builder: ir.IRBuilder, codes: Any, quants: Any, avx2: bool) -> Any:
+    """``<16 x i16>``: ``codes[2i] * quants[2i] + codes[2i+1] * quants[2i+1]`` (codes unsigned)."""
+    if avx2:
+        return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", V16I16, [codes, quants])
+    products = builder.mul(builder.zext(codes, V32I16), builder.sext(quants, V32I16))
+    return _pair_sums(builder, products, 32)
+
+
+def _madd(builder: ir.IRBuilder, a: Any, b: Any, avx2: bool) -> Any:
+    """``<8 x i32>``: ``a[2i] * b[2i] + a[2i+1] * b[2i+1]`` (int16 lanes)."""
+    if avx2:
+        return _call(builder, "llvm.x86.avx2.pmadd.wd", V8I32, [a, b])
+    products = builder.mul(builder.sext(a, V16I32), builder.sext(b, V16I32))
+    return _pair_sums(builder, products, 16)
+
+
+def _hsum8(builder: ir.IRBuilder, v: Any) -> Any:
+    """ggml's ``hsum_float_8``: halves added, then the high pair, then the odd lane (fixed order)."""
+    lo = builder.shuffle_vector(v, v, _lanes([0, 1, 2, 3]))
+    hi = builder.shuffle_vector(v, v, _lanes([4, 5, 6, 7]))
+    s4 = builder.fadd(lo, hi)
+    s2 = builder.fadd(builder.shuffle_vector(s4, s4, _lanes([0, 1])), builder.shuffle_vector(s4, s4, _lanes([2, 3])))
+    return builder.fadd(builder.extract_element(s2, _const(I32, 0)), builder.extract_element(s2, _const(I32, 1)))
+
+
+class _Ptr:
+    """Byte-offset loads from the data pointer of a 1-D array."""
+
+    def __init__(self, context: Any, builder: ir.IRBuilder, aryty: Any, ary: Any) -> None:
+        self.builder = builder
+        data = context.make_array(aryty)(context, builder, ary).data
+        self.elem = data.type.pointee
+        self.data = data
+
+    def load(self, index: Any, t: ir.Type, align: int = 1) -> Any:
+        """Load a ``t`` at element ``index`` (an i64 count of the array's elements)."""
+        ptr = self.builder.gep(self.data, [index])
+        return self.builder.load(self.builder.bitcast(ptr, t.as_pointer()), align=align)
+
+
+def _half(builder: ir.IRBuilder, bits: Any) -> Any:
+    """float32 of a float16 bit pattern (i16): ``fpext`` (``vcvtph2ps`` with F16C)."""
+    return builder.fpext(builder.bitcast(bits, ir.HalfType()), F32)
+
+
+def _i64(builder: ir.IRBuilder, value: Any) -> Any:
+    width = value.type.width
+    if width < 64:
+        return builder.sext(value, I64)
+    return value
+
+
+def _offset(builder: ir.IRBuilder, base: Any, extra: int) -> Any:
+    return builder.add(base, _const(I64, extra))
+
+
+def _row_loop(context: Any, builder: ir.IRBuilder, n_blocks: Any, body: Any, with_scalar: bool) -> Any:
+    """Run ``body(b, acc, accs) -> (acc, accs)`` for every block, return ``hsum(acc) - accs``."""
+    acc_slot = cgutils.alloca_once_value(builder, ir.Constant(V8F32, [0.0] * 8))
+    scalar_slot = cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
+    with cgutils.for_range(builder, _i64(builder, n_blocks)) as loop:
+        acc, accs = body(loop.index, builder.load(acc_slot), builder.load(scalar_slot))
+        builder.store(acc, acc_slot)
+        builder.store(accs, scalar_slot)
+    total = _hsum8(builder, builder.load(acc_slot))
+    if with_scalar:
+        total = builder.fsub(total, builder.load(scalar_slot))
+    return total
+
+
+def _fmuladd(builder: ir.IRBuilder, a: Any, b: Any, c: Any) -> Any:
+    return _call(builder, "llvm.fmuladd.v8f32", V8F32, [a, b, c])
+
+
+def _ok(row: Any, q: Any, d: Any, n_blocks: Any) -> bool:
+    def one_d(t: Any, dtype: Any) -> bool:
+        return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == dtype
+
+    return (
+        one_d(row, types.uint8)
+        and one_d(q, types.int8)
+        and one_d(d, types.float32)
+        and isinstance(n_blocks, types.Integer)
+    )
+
+
+@intrinsic
+def rowdot_q8_0(typingctx, row, q, d, n_blocks):
+    """``ggml_vec_dot_q8_0_q8_0`` of one Q8_0 row with Q8_0 ``x`` (``q``, ``d``): float32."""
+    if not _ok(row, q, d, n_blocks):
+        return None
+    sig = types.float32(row, q, d, n_blocks)
+
+    def codegen(context, builder, signature, args):
+        avx2 = _avx2()
+        w = _Ptr(context, builder, signature.args[0], args[0])
+        qx = _Ptr(context, builder, signature.args[1], args[1])
+        dx = _Ptr(context, builder, signature.args[2], args[2])
+
+        def body(b, acc, accs):
+            o = builder.mul(b, _const(I64, Q8_0_BYTES))
+            dw = _half(builder, w.load(o, I16))
+            weights = w.load(_offset(builder, o, 2), V32I8)
+            quants = qx.load(builder.mul(b, _const(I64, 32)), V32I8)
+            # ggml's sign trick: |w| (unsigned) times q8 with the sign of w
+            negative = builder.icmp_signed("<", weights, _vsplat(V32I8, 0))
+            magnitude = builder.select(negative, builder.sub(_vsplat(V32I8, 0), weights), weights)
+            signed = builder.select(negative, builder.sub(_vsplat(V32I8, 0), quants), quants)
+            sums = _madd(builder, _maddubs(builder, magnitude, signed, avx2), _vsplat(V16I16, 1), avx2)
+            scale = builder.fmul(dx.load(b, F32, align=4), dw)
+            return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sums, V8F32), acc), accs
+
+        return _row_loop(context, builder, args[3], body, with_scalar=False)
+
+    return sig, codegen
+
+
+def _scales_mins_k4(builder: ir.IRBuilder, w: _Ptr, o: Any) -> tuple[Any, Any]:
+    """The 8 scales and 8 mins (``<8 x i8>`` each, 6 bits) of the Q4_K block at byte ``o``.
+
+    ``get_scale_min_k4`` for all eight at once, as ggml's AVX2 kernel unpacks them (``utmp``,
+    ``kmask1..3``): three little-endian words of the 12 scale bytes rearranged so that bytes 0..7
+    are the scales and bytes 8..15 the mins.
+    """
+    u0, u1, u2 = (w.load(_offset(builder, o, 4 + 4 * k), I32) for k in range(3))
+    kmask1, kmask2, kmask3 = _const(I32, 0x3F3F3F3F), _const(I32, 0x0F0F0F0F), _const(I32, 0x03030303)
+
+    def lshr(v: Any, n: int) -> Any:
+        return builder.lshr(v, _const(I32, n))
+
+    def shl(v: Any, n: int) -> Any:
+        return builder.shl(v, _const(I32, n))
+
+    t3 = builder.or_(builder.and_(lshr(u2, 4), kmask2), shl(builder.and_(lshr(u1, 6), kmask3), 4))
+    t2 = builder.and_(u1, kmask1)
+    t1 = builder.or_(builder.and_(u2, kmask2), shl(builder.and_(lshr(u0, 6), kmask3), 4))
+    t0 = builder.and_(u0, kmask1)
+    words = ir.Constant(ir.VectorType(I32, 4), ir.Undefined)
+    for k, t in enumerate((t0, t1, t2, t3)):
+        words = builder.insert_element(words, t, _const(I32, k))
+    data = builder.bitcast(words, ir.VectorType(I8, 16))
+    return (
+        builder.shuffle_vector(data, data, _lanes(list(range(8)))),
+        builder.shuffle_vector(data, data, _lanes(list(range(8, 16)))),
+    )
+
+
+def _ok_k(row: Any, q: Any, d: Any, bsums: Any, n_blocks: Any) -> bool:
+    return (
+        _ok(row, q, d, n_blocks) and isinstance(bsums, types.Array) and bsums.ndim == 1 and bsums.dtype == types.int32
+    )
+
+
+@intrinsic
+def rowdot_q4_k(typingctx, row, q, d, bsums, n_blocks):
+    """``ggml_vec_dot_q4_K_q8_K`` of one Q4_K row with Q8_K ``x``: ``sum_b d_x (d_w sum_j sc_j dot_j
+    - dmin_w sum_j m_j bsum_j)``, float32."""
+    if not _ok_k(row, q, d, bsums, n_blocks):
+        return None
+    sig = types.float32(row, q, d, bsums, n_blocks)
+
+    def codegen(context, builder, signature, args):
+        avx2 = _avx2()
+        w = _Ptr(context, builder, signature.args[0], args[0])
+        qx = _Ptr(context, builder, signature.args[1], args[1])
+        dx = _Ptr(context, builder, signature.args[2], args[2])
+        bs = _Ptr(context, builder, signature.args[3], args[3])
+        low_mask = _vsplat(V32I8, 15)
+        four = _vsplat(V32I8, 4)
+
+        def body(b, acc, accs):
+            o = builder.mul(b, _const(I64, Q4_K_BYTES))
+            xo = builder.mul(b, _const(I64, 256))
+            ko = builder.mul(b, _const(I64, 16))
+            x_scale = dx.load(b, F32, align=4)
+            d_w = _half(builder, w.load(o, I16))
+            dmin_w = _half(builder, w.load(_offset(builder, o, 2), I16))
+            scales, mins = _scales_mins_k4(builder, w, o)
+            pairs = _pair_sums(builder, bs.load(ko, V16I32, 4), 16)
+            summ = _call(builder, "llvm.vector.reduce.add.v8i32", I32, [builder.mul(builder.zext(mins, V8I32), pairs)])
+            scales16 = builder.zext(scales, ir.VectorType(I16, 8))
+            sumi = ir.Constant(V8I32, [0] * 8)
+            for c in range(4):
+                bits = w.load(_offset(builder, o, 16 + 32 * c), V32I8)
+                for half, codes in enumerate((builder.and_(bits, low_mask), builder.lshr(bits, four))):
+                    quants = qx.load(_offset(builder, xo, 64 * c + 32 * half), V32I8)
+                    scale = builder.shuffle_vector(scales16, scales16, _lanes([2 * c + half] * 16))
+                    sumi = builder.add(sumi, _madd(builder, _maddubs(builder, codes, quants, avx2), scale, avx2))
+            scale = builder.fmul(x_scale, d_w)
+            acc = _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc)
+            accs = builder.fadd(accs, builder.fmul(builder.fmul(x_scale, dmin_w), builder.sitofp(summ, F32)))
+            return acc, accs
+
+        return _row_loop(context, builder, args[4], body, with_scalar=True)
+
+    return sig, codegen
+
+
+@intrinsic
+def rowdot_q6_k(typingctx, row, q, d, bsums, n_blocks):
+    """``ggml_vec_dot_q6_K_q8_K`` of one Q6_K row with Q8_K ``x``: ``sum_b d_w d_x sum_j sc_j (dot_j -
+    32 bsum_j)`` over 16-value sub-blocks, float32 (the ``- 32 bsum`` in integers)."""
+    if not _ok_k(row, q, d, bsums, n_blocks):
+        return None
+    sig = types.float32(row, q, d, bsums, n_blocks)
+
+    def codegen(context, builder, signature, args):
+        avx2 = _avx2()
+        w = _Ptr(context, builder, signature.args[0], args[0])
+        qx = _Ptr(context, builder, signature.args[1], args[1])
+        dx = _Ptr(context, builder, signature.args[2], args[2])
+        bs = _Ptr(context, builder, signature.args[3], args[3])
+        v16i8 = ir.VectorType(I8, 16)
+
+        def body(b, acc, accs):
+            o = builder.mul(b, _const(I64, Q6_K_BYTES))
+            xo = builder.mul(b, _const(I64, 256))
+            ko = builder.mul(b, _const(I64, 16))
+            scales = builder.sext(w.load(_offset(builder, o, 192), v16i8), V16I32)
+            sums = bs.load(ko, V16I32, 4)
+            offset = _call(builder, "llvm.vector.reduce.add.v16i32", I32, [builder.mul(scales, sums)])
+            scales16 = builder.sext(w.load(_offset(builder, o, 192), v16i8), ir.VectorType(I16, 16))
+            sumi = ir.Constant(V8I32, [0] * 8)
+            for n in range(2):
+                high = w.load(_offset(builder, o, 128 + 32 * n), V32I8)
+                for j in range(4):
+                    low = w.load(_offset(builder, o, 64 * n + 32 * (j % 2)), V32I8)
+                    low = builder.and_(builder.lshr(low, _vsplat(V32I8, 4 * (j // 2))), _vsplat(V32I8, 15))
+                    bits = builder.and_(builder.lshr(high, _vsplat(V32I8, 2 * j)), _vsplat(V32I8, 3))
+                    codes = builder.or_(low, builder.shl(bits, _vsplat(V32I8, 4)))
+                    quants = qx.load(_offset(builder, xo, 128 * n + 32 * j), V32I8)
+                    sb = 8 * n + 2 * j
+                    scale = builder.shuffle_vector(scales16, scales16, _lanes([sb] * 8 + [sb + 1] * 8))
+                    sumi = builder.add(sumi, _madd(builder, _maddubs(builder, codes, quants, avx2), scale, avx2))
+            first = builder.sub(builder.extract_element(sumi, _const(I32, 0)), builder.mul(offset, _const(I32, 32)))
+            sumi = builder.insert_element(sumi, first, _const(I32, 0))
+            scale = builder.fmul(dx.load(b, F32, align=4), _half(builder, w.load(_offset(builder, o, 208), I16)))
+            return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
+
+        return _row_loop(context, builder, args[4], body, with_scalar=False)
+
+    return sig, codegen

@@ -1,0 +1,190 @@
+"""The whole-row int8 kernels (``aioexperts._compute.kernels.rowdot``) and their multi-token form.
+
+* ``matmat_int8_<type>``: each token's result is bit for bit the one-token ``matvec_int8_<type>``
+  result, for every batch size 1..16 and any position of the token in the batch (the summation
+  order of a row never depends on the batch);
+* the AVX2 instructions (``pmaddubsw``/``pmaddwd``) and the portable vector IR compute the same
+  integers, so a kernel compiled without them gives bit-equal results;
+* the products agree with the previous int8 kernels' formula (per-block integer dots, written
+  with the generic intrinsics of :mod:`.simd`) within float rounding, and with a float64 product of
+  the dequantized matrix within the rounding of ``x`` to 8 bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from test_kernels import INT8_RTOL, rel_l2, sane_blocks
+
+from aioexperts._compute import fused
+from aioexperts._compute.kernels import int8, rowdot
+from aioexperts._format.dequant import dequantize
+
+Q = GGMLQuantizationType
+BATCHED = sorted(fused.int8_batched_types(), key=lambda t: t.name)
+
+
+@pytest.fixture(autouse=True)
+def int8_numba() -> Iterator[None]:
+    fused.set_backend(None)
+    fused.set_precision("int8")
+    assert fused.backend().name == "numba", fused.backend().reason
+    yield
+    fused.set_precision(None)
+    fused.set_backend(None)
+
+
+def matrix(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
+    raw = sane_blocks(qtype, rows, cols, np.random.default_rng(seed)).reshape(rows, -1)
+    raw.flags.writeable = False
+    return raw
+
+
+def activations(n: int, cols: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    # magnitudes spread over decades, as hidden states after a norm are not
+    x = (rng.standard_normal((n, cols)) * rng.uniform(0.01, 10.0, (n, cols))).astype(np.float32)
+    x.flags.writeable = False
+    return x
+
+
+def test_the_batched_types() -> None:
+    assert set(BATCHED) == {Q.Q8_0, Q.Q4_K, Q.Q6_K}
+    assert fused.INT8_BATCH_MAX == 16
+
+
+@pytest.mark.parametrize("qtype", BATCHED, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8, 15, 16])
+def test_each_token_of_a_batch_is_bit_equal_to_the_token_alone(qtype: GGMLQuantizationType, n: int) -> None:
+    rows, cols = 37, 1024
+    raw = matrix(qtype, rows, cols, seed=n)
+    xt = activations(n, cols, seed=100 + n)
+    suffix = qtype.name.lower()
+    together = np.empty((n, rows), np.float32)
+    getattr(int8, f"matmat_int8_{suffix}")(raw, xt, together)
+    via_linear = fused.linear(raw, qtype, (rows, cols), xt)
+    for t in range(n):
+        alone = np.empty(rows, np.float32)
+        getattr(int8, f"matvec_int8_{suffix}")(raw, xt[t], alone)
+        np.testing.assert_array_equal(together[t], alone)
+        np.testing.assert_array_equal(via_linear[t], alone)
+        # the same token at the head of a batch of one through linear: the one-token kernel
+        np.testing.assert_array_equal(fused.linear(raw, qtype, (rows, cols), xt[t : t + 1])[0], alone)
+
+
+@pytest.mark.parametrize("qtype", BATCHED, ids=lambda t: t.name)
+def test_int8_batches_end_at_the_limit(qtype: GGMLQuantizationType) -> None:
+    rows, cols = 16, 512
+    raw = matrix(qtype, rows, cols, seed=5)
+    n = fused.INT8_BATCH_MAX + 1
+    x = activations(n, cols, seed=6)
+    want = x.astype(np.float64) @ dequantize(raw, qtype, (rows, cols)).astype(np.float64).T
+    assert rel_l2(fused.linear(raw, qtype, (rows, cols), x), want) <= 1e-5  # float above the limit
+    error = rel_l2(fused.linear(raw, qtype, (rows, cols), x[:-1]), want[:-1])
+    assert 1e-5 < error <= INT8_RTOL
+
+
+def _portable(qtype: GGMLQuantizationType) -> Callable[..., None]:
+    """``matvec_int8_<type>`` compiled afresh (no cache) with the AVX2 intrinsics turned off."""
+    import numba
+
+    fn = {Q.Q8_0: rowdot.rowdot_q8_0, Q.Q4_K: rowdot.rowdot_q4_k, Q.Q6_K: rowdot.rowdot_q6_k}[qtype]
+
+    if qtype == Q.Q8_0:
+
+        @numba.njit(cache=False)
+        def matvec0(raw, q, d, out):  # type: ignore[no-untyped-def]
+            for r in range(raw.shape[0]):
+                out[r] = fn(raw[r], q, d, d.size)
+
+        return matvec0
+
+    @numba.njit(cache=False)
+    def matvec_k(raw, q, d, bsums, out):  # type: ignore[no-untyped-def]
+        for r in range(raw.shape[0]):
+            out[r] = fn(raw[r], q, d, bsums, d.size)
+
+    return matvec_k
+
+
+@pytest.mark.parametrize("qtype", BATCHED, ids=lambda t: t.name)
+def test_portable_ir_gives_the_same_bits_as_avx2(qtype: GGMLQuantizationType, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows, cols = 29, 2048
+    raw = matrix(qtype, rows, cols, seed=21)
+    x = activations(1, cols, seed=22)[0]
+    want = np.empty(rows, np.float32)
+    getattr(int8, f"matvec_int8_{qtype.name.lower()}")(raw, x, want)
+    monkeypatch.setattr(rowdot, "_avx2", lambda: False)
+    kernel = _portable(qtype)
+    got = np.empty(rows, np.float32)
+    if qtype == Q.Q8_0:
+        q, d, s = np.empty(cols, np.int8), np.empty(cols // 32, np.float32), np.empty(cols // 32, np.float32)
+        int8.quantize_q8_0(x, q, d, s)
+        kernel(raw, q, d, got)
+    else:
+        q, d, b = np.empty(cols, np.int8), np.empty(cols // 256, np.float32), np.empty(cols // 16, np.int32)
+        int8.quantize_q8_k(x, q, d, b)
+        kernel(raw, q, d, b, got)
+    assert "pmaddubsw" not in next(iter(kernel.inspect_asm().values()))
+    np.testing.assert_array_equal(got, want)
+
+
+def _blockwise_reference(raw: np.ndarray, qtype: GGMLQuantizationType, x: np.ndarray) -> np.ndarray:
+    """The int8 formula in numpy (float64 sums): llama.cpp's ``ggml_vec_dot_<type>_q8_<0|K>``."""
+    from test_kernels import q8_0_reference, q8_k_reference
+
+    rows, cols = raw.shape[0], x.size
+    weights = dequantize(raw, qtype, (rows, cols)).astype(np.float64)
+    if qtype == Q.Q8_0:
+        q, d = q8_0_reference(x)
+        xq = q.astype(np.float64) * np.repeat(d.astype(np.float64), 32)
+    else:
+        q, d, _ = q8_k_reference(x)
+        xq = q.astype(np.float64) * np.repeat(d.astype(np.float64), 256)
+    return weights @ xq
+
+
+@pytest.mark.parametrize("qtype", BATCHED, ids=lambda t: t.name)
+def test_products_follow_the_int8_formula(qtype: GGMLQuantizationType) -> None:
+    rows, cols = 64, 4096
+    raw = matrix(qtype, rows, cols, seed=31)
+    x = activations(1, cols, seed=32)
+    got = fused.linear(raw, qtype, (rows, cols), x)[0]
+    want = _blockwise_reference(raw, qtype, x[0])
+    # the quantized x exactly, the weights exactly: only float32 accumulation differs
+    assert rel_l2(got, want) <= 1e-6, qtype.name
+    block_size, _ = GGML_QUANT_SIZES[qtype]
+    assert cols % block_size == 0
+
+
+@pytest.mark.parametrize("precision", ["float", "int8"])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_large_products_split_over_an_existing_pool_give_the_same_bits(
+    precision: str, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aioexperts._compute import pool as pool_module
+
+    fused.set_precision(precision)  # type: ignore[arg-type]
+    monkeypatch.setattr(fused, "SPLIT_MIN_BYTES", 1 << 20)  # off by default
+    rows, cols = 1031, 1024  # odd rows: uneven parts; 1.1 MB of Q8_0 >= SPLIT_MIN_BYTES
+    raw = matrix(Q.Q8_0, rows, cols, seed=41)
+    x = activations(n, cols, seed=42)
+    monkeypatch.setattr(pool_module, "_pool", None)
+    alone = fused.linear(raw, Q.Q8_0, (rows, cols), x)
+    pool = pool_module.ComputePool(2, limit_native_threads=False)
+    monkeypatch.setattr(pool_module, "_pool", pool)
+    try:
+        maps = pool.statistics().maps
+        split = fused.linear(raw, Q.Q8_0, (rows, cols), x)
+        splits = precision == "int8" or n <= fused.MATVEC_MAX_TOKENS  # float batches: the blocked kernel
+        assert pool.statistics().maps == maps + splits
+        maps = pool.statistics().maps
+        small = matrix(Q.Q8_0, 64, cols, seed=43)
+        fused.linear(small, Q.Q8_0, (64, cols), x)
+        assert pool.statistics().maps == maps  # small matrices stay on the calling thread
+    finally:
+        pool.close()
+    np.testing.assert_array_equal(split, alone)
