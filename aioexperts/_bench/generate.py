@@ -38,7 +38,7 @@ import numpy as np
 
 from .cachestate import DROP_METHOD, drop_page_cache
 from .cgroup import MemoryCgroup, unavailable_reason
-from .generate_worker import ENGINES, LLAMA_ENGINES
+from .generate_worker import DEFAULT_ENGINES, LLAMA_ENGINES
 from .machine import machine_facts
 
 __all__ = (
@@ -133,7 +133,7 @@ class GenerateConfig:
 
     model: str
     limits: Sequence[Fraction | None]
-    engines: Sequence[str] = ENGINES
+    engines: Sequence[str] = DEFAULT_ENGINES
     rounds: int = 3
     prompt_tokens: int = 256
     decode_tokens: int = 16

@@ -8,8 +8,8 @@ Each phase prints one JSON line on stdout as soon as it ends, so a run killed by
 the timeout still reports what it did; the last line has ``"phase": "done"``.
 
 Engines: ``aioexperts`` (:func:`aioexperts.load`, slab sized from the memory limit),
-``llama.cpp`` (llama-cpp-python with its defaults: mmap, CPU repack of the weights) and
-``llama.cpp-norepack`` (the same with ``use_extra_bufts = False``: the weights stay in the mmap).
+``aioexperts-int8`` (the same with the int8 kernels; only when asked for), ``llama.cpp``
+(llama-cpp-python with its defaults: mmap, CPU repack of the weights) and ``llama.cpp-norepack`` (the same with ``use_extra_bufts = False``: the weights stay in the mmap).
 """
 
 from __future__ import annotations
@@ -24,10 +24,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ("ENGINES", "LLAMA_ENGINES", "main", "process_counters")
+__all__ = ("DEFAULT_ENGINES", "ENGINES", "LLAMA_ENGINES", "main", "process_counters")
 
 LLAMA_ENGINES = ("llama.cpp", "llama.cpp-norepack")
-ENGINES = ("aioexperts", *LLAMA_ENGINES)
+#: ``aioexperts-int8``: the same with ``set_precision("int8")`` (activations quantized to 8 bits
+#: before the Q8_0/Q4_K/Q6_K products, as llama.cpp does; not the default: see docs/executor.md)
+ENGINES = ("aioexperts", "aioexperts-int8", *LLAMA_ENGINES)
+DEFAULT_ENGINES = ("aioexperts", *LLAMA_ENGINES)
 
 
 def process_counters() -> dict[str, int]:
@@ -174,9 +177,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = json.loads(args[0])
     engine = cfg.get("engine")
     _emit("start", engine=engine, pid=os.getpid())
-    if engine == "aioexperts":
+    if engine in ("aioexperts", "aioexperts-int8"):
         import anyio
 
+        if engine == "aioexperts-int8":
+            from aioexperts._compute.fused import set_precision
+
+            set_precision("int8")
         anyio.run(_run_aioexperts, cfg)
     elif engine in LLAMA_ENGINES:
         _run_llama(cfg, repack=engine == "llama.cpp")

@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import AioExpertsError, __version__
 from .._bench.generate import GenerateConfig, parse_limit, run_generate_bench
 from .._bench.generate_report import text_report
-from .._bench.generate_worker import ENGINES
+from .._bench.generate_worker import DEFAULT_ENGINES, ENGINES
 from .._json import dumps as json_dumps
 from ._common import refuse_to_overwrite
 
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=48, help="layers of the built-in full model (48: about 17 GB)")
     p.add_argument("--routing", choices=("spread", "skewed"), default="spread", help="the built-in model's routers")
     p.add_argument("--limits", default="none,1/2,1/4", help="memory limits, fractions of the model file's size")
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"from {','.join(ENGINES)}")
+    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES), help=f"from {','.join(ENGINES)}")
     p.add_argument("--rounds", type=int, default=3, help="rounds per limit (engines interleaved in each)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt prefilled in one batch")
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens evaluated one at a time per run")
