@@ -4,9 +4,9 @@ Each decoding sequence is a :class:`DecodeStream` of the runner; while its forwa
 batcher knows which MoE layer it goes to next. A call for layer ``L`` opens a batch there (or joins
 the open one); the batch starts as soon as no other stream is on its way to ``L`` (within one MoE step
 of it: a stream whose last MoE step was ``L - 1`` or ``L - 2`` of this token, or, when ``L`` is the first
-MoE layer, one that ended a token moments ago), and at the latest after its *bound*: the smaller of
-``wait`` and what a step of ``L`` costs (the moving average of its last steps' wall time, see
-:meth:`LayerBatcher.bound`). Past that bound a straggler is better off running its own step than
+MoE layer, one past its last MoE layer or that ended a token moments ago), and at the latest after
+its *bound*: the smaller of ``wait`` and what a step of ``L`` costs (the moving average of its last
+steps' wall time, see :meth:`LayerBatcher.bound`). Past that bound a straggler is better off running its own step than
 holding the others back. A lone caller never waits; a stream two or more MoE steps behind is never
 waited for; streams in step stay in step (they leave a step together and arrive at the next layer
 within one attention job of each other); one that is ahead waits for those behind, once, at most
@@ -213,6 +213,8 @@ class LayerBatcher(Generic[R, T]):
 
     def _expected(self, stream: DecodeStream, batch: _Batch[R], now: float) -> bool:
         if stream._in_forward:  # at most one MoE step away (its attention, or one step and attention)
+            if batch.index == 0 and stream._position >= len(self._index):
+                return True  # past its last MoE layer: the output head, then this token's first layer
             return batch.index - 2 < stream._position <= batch.index
         return batch.index == 0 and now - stream._ended < batch.bound  # between two tokens
 

@@ -60,8 +60,11 @@ __all__ = (
     "RunnerStatistics",
 )
 
-BATCH_MAX_ROWS = 8
-"""Calls of up to this many rows (decode steps) join cross-request batches; larger ones run alone."""
+BATCH_MAX_ROWS = 1
+"""Calls of up to this many rows (decode steps) join cross-request batches; larger ones run alone.
+
+One: a short prompt (2..8 tokens) used to join the decode streams' steps, and each of their tokens
+then waited for the prompt's rows (a 4-stream step of 4-token prompts took 2-3x a decode step)."""
 
 HITS_FIRST_MIN_MISSES = 2
 """A layer step splits into hits first, then misses, only with at least this many misses

@@ -418,3 +418,49 @@ async def test_hits_first_splits_only_when_it_pays(small_model: Path, n_misses: 
         assert runner.statistics().hits_first_steps == int(split)
         if n_misses == 1:
             assert not split  # one miss never splits
+
+
+async def test_a_prompt_never_joins_the_decode_steps(
+    small_model: Path, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows: list[int] = []
+    plain = LayerBatcher.submit
+
+    async def spy(self, layer, request, stream):  # type: ignore[no-untyped-def]
+        rows.append(len(request.plan.x))
+        return await plain(self, layer, request, stream)
+
+    monkeypatch.setattr(LayerBatcher, "submit", spy)
+    alone = await _alone(small_model, PROMPTS, 3, slots=64, io=THREADS)
+    together, st = await _together(small_model, PROMPTS, 3, slots=64, io=THREADS)
+    _assert_bit_equal(alone, together)
+    assert rows and set(rows) == {1}  # the 2..5-token prompts ran alone: no decode row waited for them
+    assert st.batches > 0
+
+
+async def test_the_first_layer_waits_for_a_stream_in_its_output_head(anyio_backend: object) -> None:
+    steps: list[list[int]] = []
+
+    async def run(layer: int, requests: list[int]) -> list[object]:
+        steps.append(list(requests))
+        return list(requests)
+
+    batcher: LayerBatcher[int, int] = LayerBatcher(5.0, run)
+    batcher.set_layers([0, 1])
+    a, b = batcher.stream(), batcher.stream()
+    got: list[int] = []
+
+    async def first_of_next_token() -> None:
+        with a.forward():
+            got.append(await batcher.submit(0, 1, a))
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            with b.forward():
+                await batcher.submit(1, 9, b)  # b's last MoE layer: now in its output head
+                tg.start_soon(first_of_next_token)
+                await anyio.sleep(0.1)
+                assert not got  # a waits for b, about to come round
+            with b.forward():
+                got.append(await batcher.submit(0, 2, b))
+    assert sorted(got) == [1, 2] and steps[-1] == [1, 2]
