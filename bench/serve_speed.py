@@ -358,6 +358,15 @@ def render_lines(results: Path) -> list[str]:
         target("hits_first_speedup", "1 stream: time per token, hits-first off / on"),
         target("p99_4_over_1", "p99 token latency, 4 streams / 1 stream (batching on)"),
     ]
+    steps = [row["runs"]["4-on"].get("timeline") for row in r.get("rounds", [])]
+    step = next((x for x in steps if x), None)
+    if step:
+        events = ", ".join(f"{e['event']} {e['ms']:.1f}" for e in step)
+        lines += [
+            "",
+            f"One batched layer step of the 4-stream run (layer {step[0]['layer']}, the second decoded token; ms "
+            f"from the first call's arrival; read: the experts pinned, the misses read): {events}.",
+        ]
     return lines
 
 
