@@ -606,7 +606,7 @@ class MoERunner:
         """
         store = self._store
         experts = list(dict.fromkeys(e for c in calls for e in c.routed.groups[0].experts))
-        prefetch = list(dict.fromkeys(k for c in calls for k in c.routed.prefetch))
+        prefetch = _batch_prefetch([c.routed.prefetch for c in calls])
         wanted = {(layer, e) for e in experts}
         ahead = set(self.upcoming_layers(layer)) - {layer}
         store.drop_prefetches(keep=lambda key: key in wanted or key[0] in ahead)
@@ -1014,6 +1014,24 @@ def _sum_groups(outputs: Sequence[MoEOutput]) -> MoEOutput:
     shared_out = outputs[0].shared_out
     ffn_out = moe_out if shared_out is None else moe_out + shared_out
     return MoEOutput(moe_out, shared_out, ffn_out)
+
+
+def _batch_prefetch(wanted: list[list[Key]]) -> list[Key]:
+    """The prefetch of a batched step: the calls' predicted keys most of them share, no more of
+    them than one call asks for (the keys more calls predicted first, then in the order asked).
+
+    The union of every call's predictions (4 calls: up to 4 times one call's reads) filled a slab
+    of 25 % of the experts with predictions that evicted each other: the 8-layer model read as many
+    bytes per token with 4 streams batched as without batching.
+    """
+    if len(wanted) == 1:
+        return list(dict.fromkeys(wanted[0]))
+    counts: dict[Key, int] = {}
+    for keys in wanted:
+        for key in dict.fromkeys(keys):
+            counts[key] = counts.get(key, 0) + 1
+    order = sorted(counts, key=lambda key: -counts[key])  # stable: ties keep the order asked
+    return order[: max(len(set(keys)) for keys in wanted)]
 
 
 def hits_first_pays(n_hits: int, n_misses: int, n_threads: int) -> bool:

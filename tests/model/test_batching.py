@@ -15,7 +15,7 @@ import aioexperts
 from aioexperts._batch import LayerBatcher
 from aioexperts._compute import moe as moe_module
 from aioexperts._compute.pool import compute_pool
-from aioexperts._runner import hits_first_pays
+from aioexperts._runner import _batch_prefetch, hits_first_pays
 from aioexperts.testing import FakeBackend
 from aioexperts.testing._full_model import FullModelSpec, write_full_model
 
@@ -464,3 +464,10 @@ async def test_the_first_layer_waits_for_a_stream_in_its_output_head(anyio_backe
             with b.forward():
                 got.append(await batcher.submit(0, 2, b))
     assert sorted(got) == [1, 2] and steps[-1] == [1, 2]
+
+
+def test_a_batched_step_prefetches_what_its_calls_share_at_one_calls_budget() -> None:
+    a, b, c = [(1, 5), (1, 6), (2, 7)], [(1, 6), (1, 8), (2, 7)], [(1, 9), (2, 7), (1, 6)]
+    assert _batch_prefetch([a]) == a
+    assert _batch_prefetch([a, b, c]) == [(1, 6), (2, 7), (1, 5)]  # shared by 3, by 3, then in order
+    assert len(_batch_prefetch([a, b, c, [(3, e) for e in range(10)]])) == 10
