@@ -2,11 +2,15 @@
 
 Each decoding sequence is a :class:`DecodeStream` of the runner; while its forward pass runs, the
 batcher knows which MoE layer it goes to next. A call for layer ``L`` opens a batch there (or joins
-the open one); the batch starts as soon as no other stream is on its way to ``L`` (a stream at ``L``
-or an earlier layer of this token, or one that ended a token moments ago when ``L`` is the first MoE
-layer), and at the latest ``wait`` seconds after it opened: a lone caller never waits, a caller never
-waits beyond the window. Streams drift into step by themselves: one that is ahead waits for those
-behind, once.
+the open one); the batch starts as soon as no other stream is on its way to ``L`` (within one MoE step
+of it: a stream whose last MoE step was ``L - 1`` or ``L - 2`` of this token, or, when ``L`` is the first
+MoE layer, one past its last MoE layer or that ended a token moments ago), and at the latest after
+its *bound*: the smaller of ``wait`` and what a step of ``L`` costs (the moving average of its last
+steps' wall time, see :meth:`LayerBatcher.bound`). Past that bound a straggler is better off running its own step than
+holding the others back. A lone caller never waits; a stream two or more MoE steps behind is never
+waited for; streams in step stay in step (they leave a step together and arrive at the next layer
+within one attention job of each other); one that is ahead waits for those behind, once, at most
+one step's cost.
 
 The batch runs in the task of the call that opened it (its leader). A call cancelled before the start
 leaves the batch (a leader hands over to the next member); once the batch has started its rows are
@@ -30,7 +34,14 @@ from ._errors import ConfigError
 __all__ = ("DEFAULT_BATCH_WAIT", "BatchCounters", "DecodeStream", "LayerBatcher", "check_batch_wait")
 
 DEFAULT_BATCH_WAIT = 0.05
-"""Seconds a batch of decode steps stays open for the other streams at most (the window)."""
+"""Seconds a batch of decode steps stays open for the other streams at most (the window); the
+wait of a layer is also bounded by what its step costs (:meth:`LayerBatcher.bound`)."""
+
+COST_SMOOTHING = 0.5
+"""Weight of the newest step in a layer's moving average of step wall time (the wait bound)."""
+
+TRACE_MAX_EVENTS = 1 << 16
+"""Events a timeline (:meth:`LayerBatcher.record_timeline`) keeps at most (the first ones)."""
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -60,10 +71,11 @@ class DecodeStream:
     this sequence's MoE steps with those of the other streams decoding at the same moment.
     """
 
-    __slots__ = ("_batcher", "_ended", "_in_forward", "_position")
+    __slots__ = ("_batcher", "_ended", "_in_forward", "_number", "_position")
 
-    def __init__(self, batcher: LayerBatcher[object, object]) -> None:
+    def __init__(self, batcher: LayerBatcher[object, object], number: int = 0) -> None:
         self._batcher = batcher
+        self._number = number  # for the timeline
         self._position = 0  # index (in MoE layer order) of the next layer this token goes to
         self._in_forward = False
         self._ended = 0.0
@@ -134,6 +146,7 @@ class _Batch(Generic[R]):
     layer: int
     index: int
     deadline: float
+    bound: float
     members: list[_Member[R]] = field(default_factory=list)
     leader: _Member[R] | None = None
     full: anyio.Event = field(default_factory=anyio.Event)
@@ -154,7 +167,30 @@ class LayerBatcher(Generic[R, T]):
         self._run = run
         self._open: dict[int, _Batch[R]] = {}
         self._streams: dict[DecodeStream, None] = {}
+        self._made = 0
+        self._cost: dict[int, float] = {}  # layer index -> moving average of a step's wall seconds
         self.counters = BatchCounters()
+        self._events: list[tuple[float, str, int, int]] | None = None
+
+    def record_timeline(self, on: bool = True) -> None:
+        """Start (or stop) recording a timeline of the layer steps (see :meth:`timeline`); starting
+        clears the one recorded so far."""
+        self._events = [] if on else None
+
+    def timeline(self) -> list[tuple[float, str, int, int]]:
+        """The recorded events ``(monotonic seconds, event, layer, n)``, oldest first.
+
+        Events: ``arrive`` (a call reached the layer; ``n``: its stream's number, -1 without one),
+        ``start`` (a batch started; ``n``: its calls), ``read`` (its experts are pinned, the misses
+        read; ``n``: calls), ``computed`` (its expert rows are computed; ``n``: calls) and ``done``
+        (its outcomes are handed out; ``n``: calls). At most :data:`TRACE_MAX_EVENTS` are kept.
+        """
+        return list(self._events or ())
+
+    def note(self, event: str, layer: int, n: int) -> None:
+        """Add an event to the timeline being recorded (nothing when none is)."""
+        if self._events is not None and len(self._events) < TRACE_MAX_EVENTS:
+            self._events.append((time.monotonic(), event, layer, n))
 
     def set_layers(self, layers: Sequence[int]) -> None:
         """The MoE layers in the order a token goes through them (before the first :meth:`submit`)."""
@@ -162,18 +198,29 @@ class LayerBatcher(Generic[R, T]):
 
     def stream(self) -> DecodeStream:
         """A new stream (no resources: it counts only inside its ``forward()`` and just after)."""
-        return DecodeStream(self)  # type: ignore[arg-type]
+        self._made += 1
+        return DecodeStream(self, self._made)  # type: ignore[arg-type]
 
     # -- who is on the way ----------------------------------------------------------------------
 
-    def _expected(self, stream: DecodeStream, index: int, now: float) -> bool:
-        if stream._in_forward:
-            return stream._position <= index
-        return index == 0 and now - stream._ended < self.wait  # between two tokens
+    def bound(self, layer: int) -> float:
+        """Seconds a batch of ``layer`` waits for its members at most: ``min(wait, cost)``, the cost
+        being the moving average of the wall time of that layer's last steps (``wait`` before the
+        first). Waiting longer than a step costs would cost the members more than the straggler's
+        own step."""
+        cost = self._cost.get(self._index[layer])
+        return self.wait if cost is None else min(self.wait, cost)
+
+    def _expected(self, stream: DecodeStream, batch: _Batch[R], now: float) -> bool:
+        if stream._in_forward:  # at most one MoE step away (its attention, or one step and attention)
+            if batch.index == 0 and stream._position >= len(self._index):
+                return True  # past its last MoE layer: the output head, then this token's first layer
+            return batch.index - 2 < stream._position <= batch.index
+        return batch.index == 0 and now - stream._ended < batch.bound  # between two tokens
 
     def _complete(self, batch: _Batch[R], now: float) -> bool:
         inside = {m.stream for m in batch.members}
-        return not any(s not in inside and self._expected(s, batch.index, now) for s in self._streams)
+        return not any(s not in inside and self._expected(s, batch, now) for s in self._streams)
 
     def _recheck(self) -> None:
         now = time.monotonic()
@@ -197,8 +244,10 @@ class LayerBatcher(Generic[R, T]):
         now = time.monotonic()
         batch = self._open.get(layer)
         me: _Member[R] = _Member(request, stream)
+        self.note("arrive", layer, -1 if stream is None else stream._number)
         if batch is None:
-            batch = self._open[layer] = _Batch(layer, index, now + self.wait)
+            bound = self.bound(layer)
+            batch = self._open[layer] = _Batch(layer, index, now + bound, bound)
             batch.leader = me
         batch.members.append(me)
         if self._complete(batch, now):
@@ -240,8 +289,18 @@ class LayerBatcher(Generic[R, T]):
 
     async def _lead(self, batch: _Batch[R]) -> None:
         t0 = time.monotonic()
-        if not batch.full.is_set():
-            with anyio.move_on_after(max(0.0, batch.deadline - t0)):
+        while not batch.full.is_set():
+            now = time.monotonic()
+            if now >= batch.deadline or self._complete(batch, now):
+                break
+            # a stream between two tokens stops being expected at its own time: look again then
+            until = batch.deadline
+            if batch.index == 0:
+                for s in self._streams:
+                    expiry = s._ended + batch.bound
+                    if not s._in_forward and now < expiry < until:
+                        until = expiry
+            with anyio.move_on_after(until - now):
                 await batch.full.wait()
         batch.started = True
         if self._open.get(batch.layer) is batch:
@@ -253,14 +312,21 @@ class LayerBatcher(Generic[R, T]):
             c.batches += 1
             c.batched_calls += len(members)
         outcomes: list[object]
+        self.note("start", batch.layer, len(members))
         try:
             # the others' step runs here: a cancelled leader finishes it first (one layer step),
             # then the cancellation is delivered at its next checkpoint
             with anyio.CancelScope(shield=len(members) > 1):
+                t1 = time.monotonic()
                 try:
                     outcomes = list(await self._run(batch.layer, [m.request for m in members]))
                 except Exception as exc:
                     outcomes = [exc] if len(members) == 1 else [_RETRY] * len(members)
+                else:
+                    cost = self._cost.get(batch.index)
+                    took = time.monotonic() - t1
+                    self._cost[batch.index] = took if cost is None else cost + COST_SMOOTHING * (took - cost)
+                self.note("done", batch.layer, len(members))
             for m, outcome in zip(members, outcomes, strict=True):
                 m.outcome, m.finished = outcome, True
         finally:

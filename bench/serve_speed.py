@@ -55,12 +55,33 @@ TARGETS = {
 }
 
 
+def one_step(events: list[tuple[float, str, int, int]], layers: list[int]) -> list[dict[str, Any]]:
+    """One batched layer step out of a recorded timeline: the middle MoE layer's step of the second
+    decoded token, its calls' arrivals, start, read, computed and done, in ms from the first arrival."""
+    layer = layers[len(layers) // 2]
+    starts = [i for i, e in enumerate(events) if e[1] == "start" and e[2] == layer]
+    if not starts:
+        return []
+    at = starts[min(1, len(starts) - 1)]
+    n = events[at][3]
+    arrivals = [e for e in events[:at] if e[1] == "arrive" and e[2] == layer][-n:]
+    after = []
+    for name in ("read", "computed", "done"):
+        after.extend(next(([e] for e in events[at:] if e[1] == name and e[2] == layer), []))
+    picked = [*arrivals, events[at], *after]
+    t0 = picked[0][0]
+    return [{"ms": (t - t0) * 1e3, "event": name, "layer": lay, "n": k} for t, name, lay, k in picked]
+
+
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else float("nan")
 
 
-async def decode_streams(model: aioexperts.Model, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
-    """Each prompt in its own sequence and task: prefill, wait for all, then ``tokens`` greedy steps each."""
+async def decode_streams(
+    model: aioexperts.Model, prompts: list[list[int]], tokens: int, timeline: bool = False
+) -> dict[str, Any]:
+    """Each prompt in its own sequence and task: prefill, wait for all, then ``tokens`` greedy steps each
+    (``timeline``: also the timeline of one batched layer step, see :func:`one_step`)."""
     n = len(prompts)
     prefilled = 0
     start = anyio.Event()
@@ -76,6 +97,8 @@ async def decode_streams(model: aioexperts.Model, prompts: list[list[int]], toke
             prefilled += 1
             if prefilled == n:  # the counters from here: decode only
                 snapshot.extend((model.store.statistics(), model.runner.statistics()))
+                if timeline:
+                    model.runner._batcher.record_timeline()  # the decode steps only
                 begun = time.perf_counter()
                 start.set()
             await start.wait()
@@ -103,7 +126,13 @@ async def decode_streams(model: aioexperts.Model, prompts: list[list[int]], toke
         return (mean or 0.0) * st.layer_steps
 
     requests = st1.requests - st0.requests
+    step: list[dict[str, Any]] = []
+    if timeline:
+        events = model.runner._batcher.timeline()
+        model.runner._batcher.record_timeline(False)
+        step = one_step(events, list(model.store.layout.layers))
     return {
+        "timeline": step,
         "streams": n,
         "tokens_per_stream": tokens,
         "seconds": wall,
@@ -183,9 +212,12 @@ async def main(args: argparse.Namespace) -> None:
                 order = (True, False) if r % 2 == 0 else (False, True)
                 for on in order:
                     runner.batch_wait = args.batch_wait if on else 0
-                    run = await decode_streams(model, prompts, tokens)
+                    run = await decode_streams(model, prompts, tokens, timeline=on and n == 4)
                     row["runs"][f"{n}-{'on' if on else 'off'}"] = run
                     print(f"round {r}: {n} streams, batching {'on ' if on else 'off'}: {brief(run)}", flush=True)
+                    if run["timeline"]:
+                        events = ", ".join(f"{e['event']} {e['ms']:.1f}" for e in run["timeline"])
+                        print(f"round {r}: one step of layer {run['timeline'][0]['layer']} (ms): {events}", flush=True)
                 same = row["runs"][f"{n}-on"]["generated"] == row["runs"][f"{n}-off"]["generated"]
                 assert same, f"{n} streams: the tokens with batching differ from those without"
             runner.batch_wait = args.batch_wait
@@ -326,6 +358,15 @@ def render_lines(results: Path) -> list[str]:
         target("hits_first_speedup", "1 stream: time per token, hits-first off / on"),
         target("p99_4_over_1", "p99 token latency, 4 streams / 1 stream (batching on)"),
     ]
+    steps = [row["runs"]["4-on"].get("timeline") for row in r.get("rounds", [])]
+    step = next((x for x in steps if x), None)
+    if step:
+        events = ", ".join(f"{e['event']} {e['ms']:.1f}" for e in step)
+        lines += [
+            "",
+            f"One batched layer step of the 4-stream run (layer {step[0]['layer']}, the second decoded token; ms "
+            f"from the first call's arrival; read: the experts pinned, the misses read): {events}.",
+        ]
     return lines
 
 

@@ -41,6 +41,7 @@ __all__ = (
     "check_token_ids",
     "combine_moe",
     "expert_outputs",
+    "expert_rows",
     "moe_forward",
     "plan_moe",
     "route",
@@ -623,16 +624,7 @@ def expert_outputs(
             if view is None:
                 p = plans[-1 - e]
                 return [_shared_forward(p.x, resident, hparams.shared_clamp(resident.layer))]
-            out = []
-            for p in plans:
-                pos = p.positions.get(e)
-                if pos is None:
-                    continue
-                k = p.ids.shape[1]
-                # llama4 (weight_before_ffn): each slot's input is scaled by its weight, outputs sum unweighted
-                in_scale = p.weights.reshape(-1)[pos] if hparams.weights_before_experts else None
-                out.append(_expert_forward(p.x, pos // k, e, view, resident, hparams, _workspace(), in_scale))
-            return out
+            return expert_rows(plans, e, view)
 
     # spread over the compute pool's idle workers; each result is computed by one thread, so the
     # numbers do not depend on the spread
@@ -647,6 +639,35 @@ def expert_outputs(
         for i, y in zip(chose, ys, strict=True):
             found[i].rows[e] = y
     return found
+
+
+def expert_rows(plans: Sequence[MoEPlan], expert: int, view: ExpertView) -> list[np.ndarray]:
+    """One expert's outputs for the rows every plan sent it: the batched path's one per-expert compute.
+
+    Each plan's rows go through the kernel that plan alone would use (:func:`moe_forward`'s
+    ``_expert_forward``), so each plan's numbers do not depend on the other plans. This is the one
+    function a multi-row kernel (every plan's rows in one call, with per-row results equal to the
+    plan alone) replaces.
+
+    Args:
+        plans: calls of one layer (:func:`plan_moe`), all with the same ``resident`` and ``hparams``.
+        expert: the expert id; plans that did not choose it are skipped.
+        view: the expert's pinned, checked view (:func:`expert_outputs` checks it).
+
+    Returns:
+        One ``(n_positions, n_embd)`` float32 array per plan that chose ``expert``, in plan order.
+    """
+    out: list[np.ndarray] = []
+    for p in plans:
+        pos = p.positions.get(expert)
+        if pos is None:
+            continue
+        resident, hparams = p.resident, p.hparams
+        k = p.ids.shape[1]
+        # llama4 (weight_before_ffn): each slot's input is scaled by its weight, outputs sum unweighted
+        in_scale = p.weights.reshape(-1)[pos] if hparams.weights_before_experts else None
+        out.append(_expert_forward(p.x, pos // k, expert, view, resident, hparams, _workspace(), in_scale))
+    return out
 
 
 def combine_moe(

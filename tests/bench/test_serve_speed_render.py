@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import re
+import shutil
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).parents[2]
 
@@ -23,3 +27,18 @@ def test_a_missed_target_is_rendered_as_missed() -> None:
     assert speed.verdict("hits_first_speedup", 1.04) == "MISSED"
     assert speed.verdict("p99_4_over_1", 2.0) == "met"
     assert speed.verdict("p99_4_over_1", 2.1) == "MISSED"
+
+
+def test_the_region_is_rendered_from_its_results_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails when docs/serving.md's region was typed or edited by hand, or not rendered again after a run."""
+    monkeypatch.chdir(REPO)  # the results file is named relative to the repository
+    doc = REPO / "docs" / "serving.md"
+    start, end = _serve_speed().REGION
+    text = doc.read_text()
+    region = text.split(start, 1)[1].split(end, 1)[0]
+    found = re.search(r"rendered by bench/serve_speed.py --render (\S+) DOC;", region)
+    assert found is not None, "docs/serving.md's region names no results file"
+    copy = tmp_path / "serving.md"
+    shutil.copy(doc, copy)
+    _serve_speed().render(Path(found.group(1)), copy)
+    assert copy.read_text().split(start, 1)[1].split(end, 1)[0] == region

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 
 import anyio
@@ -11,7 +12,10 @@ import pytest
 from conftest import shared_fixture_paths
 
 import aioexperts
+from aioexperts._batch import LayerBatcher
 from aioexperts._compute import moe as moe_module
+from aioexperts._compute.pool import compute_pool
+from aioexperts._runner import _batch_prefetch, hits_first_pays
 from aioexperts.testing import FakeBackend
 from aioexperts.testing._full_model import FullModelSpec, write_full_model
 
@@ -312,3 +316,158 @@ async def test_hits_first_is_bit_equal_to_hits_last_and_computes_while_reads_wai
     assert during_last == set() and steps_last == 0
     assert np.array_equal(first.ids, last.ids)
     assert first.ffn_out.tobytes() == last.ffn_out.tobytes()
+
+
+# -- scheduling: who is waited for, how long, and arrival order ---------------------------------------
+
+
+async def test_a_stream_two_steps_behind_is_not_waited_for(small_model: Path, anyio_backend: object) -> None:
+    x = _inputs(1, SMALL.n_embd)[0]
+    async with aioexperts.open(small_model, slots=64, io=THREADS) as store:
+        layers = list(store.layout.layers)
+        assert len(layers) >= 3
+        want = await aioexperts.MoERunner(store, batch_wait=0, hits_first=False).moe(layers[2], x)
+        runner = aioexperts.MoERunner(store, batch_wait=5.0, prefetch=aioexperts.PrefetchOptions(depth=0))
+        await runner.warmup()
+        ahead, behind = runner.decode_stream(), runner.decode_stream()
+        with behind.forward(), ahead.forward():  # behind: still before its first MoE layer
+            with anyio.fail_after(2):  # the old rule waited the whole 5 s window for it
+                got = await runner.moe(layers[2], x, stream=ahead)
+        assert got.tobytes() == want.tobytes()
+        st = runner.statistics()
+        assert st.batches == 0 and st.batch_window_seconds < 0.5
+
+
+async def test_the_wait_is_bounded_by_what_the_layer_costs(anyio_backend: object) -> None:
+    step = 0.05
+
+    async def run(layer: int, requests: list[int]) -> list[object]:
+        await anyio.sleep(step)
+        return [r * 10 for r in requests]
+
+    batcher: LayerBatcher[int, int] = LayerBatcher(5.0, run)
+    batcher.set_layers([0, 1])
+    assert batcher.bound(0) == 5.0  # no step measured yet: the window
+    assert await batcher.submit(0, 1, None) == 10  # a lone call: no wait, and the layer's cost measured
+    assert step <= batcher.bound(0) < 1.0 and batcher.bound(1) == 5.0
+    a, never = batcher.stream(), batcher.stream()
+    with never.forward(), a.forward():  # never: on its way to layer 0, but it does not come
+        t0 = time.monotonic()
+        with anyio.fail_after(2):
+            assert await batcher.submit(0, 2, a) == 20
+        took = time.monotonic() - t0
+    assert took < 1.0  # the bound (about one step), not the 5 s window
+    assert batcher.counters.window_seconds < 1.0
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1), (1, 2, 0)])
+async def test_batched_results_are_bit_equal_to_alone_in_any_arrival_order(
+    small_model: Path, order: tuple[int, ...], anyio_backend: object
+) -> None:
+    xs = [np.random.default_rng(20 + i).standard_normal((1, SMALL.n_embd)).astype(np.float32) for i in range(3)]
+    want = await _reference(small_model, 0, xs)
+    async with aioexperts.open(small_model, slots=64, io=THREADS) as store:
+        runner = aioexperts.MoERunner(store, batch_wait=5.0, prefetch=aioexperts.PrefetchOptions(depth=0))
+        await runner.warmup()
+        async with store.experts(0, list(range(0, SMALL.n_expert, 2))):  # half resident: hits and misses
+            pass
+        streams = [runner.decode_stream() for _ in xs]
+        got: dict[int, np.ndarray] = {}
+
+        async def call(i: int) -> None:
+            got[i] = await runner.moe(0, xs[i], stream=streams[i])
+
+        with contextlib.ExitStack() as forwards:
+            for s in streams:
+                forwards.enter_context(s.forward())
+            async with anyio.create_task_group() as tg:
+                for i in order:
+                    tg.start_soon(call, i)
+                    await anyio.sleep(0.02)
+        st = runner.statistics()
+        assert st.batches == 1 and st.batched_calls == 3
+        for i in range(3):
+            assert got[i].tobytes() == want[i].tobytes(), f"call {i}, arrival order {order}"
+
+
+def test_hits_first_pays_only_with_enough_misses_and_hits() -> None:
+    assert not hits_first_pays(7, 1, 2)  # one miss: computed alone after the hits, one worker idle
+    assert hits_first_pays(4, 4, 2) and hits_first_pays(6, 2, 2)
+    assert not hits_first_pays(1, 7, 2)  # too few hits to fill the pool during the read
+    assert not hits_first_pays(8, 3, 4) and hits_first_pays(8, 4, 4)
+    assert not hits_first_pays(0, 0, 1)
+
+
+@pytest.mark.parametrize("n_misses", [1, 3])
+async def test_hits_first_splits_only_when_it_pays(small_model: Path, n_misses: int, anyio_backend: object) -> None:
+    x = np.random.default_rng(11).standard_normal((2, SMALL.n_embd)).astype(np.float32)
+    async with aioexperts.open(small_model, slots=64, io=THREADS) as store:
+        runner = aioexperts.MoERunner(store, batch_wait=0, hits_first=False)
+        want = await runner.moe_result(0, x)
+    chosen = np.unique(want.ids).tolist()
+    assert len(chosen) >= n_misses + 2
+    async with aioexperts.open(small_model, slots=64, io=THREADS) as store:
+        prefetch = aioexperts.PrefetchOptions(depth=0)
+        runner = aioexperts.MoERunner(store, hits_first=True, batch_wait=0, prefetch=prefetch)
+        await runner.warmup()
+        async with store.experts(0, chosen[n_misses:]):  # all but n_misses of them resident
+            pass
+        got = await runner.moe(0, x)
+        assert got.tobytes() == want.ffn_out.tobytes()
+        split = hits_first_pays(len(chosen) - n_misses, n_misses, compute_pool().n_threads)
+        assert runner.statistics().hits_first_steps == int(split)
+        if n_misses == 1:
+            assert not split  # one miss never splits
+
+
+async def test_a_prompt_never_joins_the_decode_steps(
+    small_model: Path, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows: list[int] = []
+    plain = LayerBatcher.submit
+
+    async def spy(self, layer, request, stream):  # type: ignore[no-untyped-def]
+        rows.append(len(request.plan.x))
+        return await plain(self, layer, request, stream)
+
+    monkeypatch.setattr(LayerBatcher, "submit", spy)
+    alone = await _alone(small_model, PROMPTS, 3, slots=64, io=THREADS)
+    together, st = await _together(small_model, PROMPTS, 3, slots=64, io=THREADS)
+    _assert_bit_equal(alone, together)
+    assert rows and set(rows) == {1}  # the 2..5-token prompts ran alone: no decode row waited for them
+    assert st.batches > 0
+
+
+async def test_the_first_layer_waits_for_a_stream_in_its_output_head(anyio_backend: object) -> None:
+    steps: list[list[int]] = []
+
+    async def run(layer: int, requests: list[int]) -> list[object]:
+        steps.append(list(requests))
+        return list(requests)
+
+    batcher: LayerBatcher[int, int] = LayerBatcher(5.0, run)
+    batcher.set_layers([0, 1])
+    a, b = batcher.stream(), batcher.stream()
+    got: list[int] = []
+
+    async def first_of_next_token() -> None:
+        with a.forward():
+            got.append(await batcher.submit(0, 1, a))
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            with b.forward():
+                await batcher.submit(1, 9, b)  # b's last MoE layer: now in its output head
+                tg.start_soon(first_of_next_token)
+                await anyio.sleep(0.1)
+                assert not got  # a waits for b, about to come round
+            with b.forward():
+                got.append(await batcher.submit(0, 2, b))
+    assert sorted(got) == [1, 2] and steps[-1] == [1, 2]
+
+
+def test_a_batched_step_prefetches_what_its_calls_share_at_one_calls_budget() -> None:
+    a, b, c = [(1, 5), (1, 6), (2, 7)], [(1, 6), (1, 8), (2, 7)], [(1, 9), (2, 7), (1, 6)]
+    assert _batch_prefetch([a]) == a
+    assert _batch_prefetch([a, b, c]) == [(1, 6), (2, 7), (1, 5)]  # shared by 3, by 3, then in order
+    assert len(_batch_prefetch([a, b, c, [(3, e) for e in range(10)]])) == 10
