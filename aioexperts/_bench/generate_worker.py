@@ -9,7 +9,8 @@ the timeout still reports what it did; the last line has ``"phase": "done"``.
 
 Engines: ``aioexperts`` (:func:`aioexperts.load`, slab sized from the memory limit),
 ``aioexperts-int8`` (the same with the int8 kernels; only when asked for), ``llama.cpp``
-(llama-cpp-python with its defaults: mmap, CPU repack of the weights) and ``llama.cpp-norepack`` (the same with ``use_extra_bufts = False``: the weights stay in the mmap).
+(llama-cpp-python with its defaults: mmap, CPU repack of the weights) and ``llama.cpp-norepack``
+(the same with ``use_extra_bufts = False``: the weights stay in the mmap).
 """
 
 from __future__ import annotations
