@@ -37,11 +37,13 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = (
+    "IORING_ENTER_GETEVENTS",
     "IORING_OP_ASYNC_CANCEL",
     "IORING_OP_NOP",
     "IORING_OP_READ",
     "IORING_OP_READ_FIXED",
     "IOSQE_ASYNC",
+    "SQE_STRUCT",
     "RawRing",
     "raw_ring_unusable_reason",
 )
@@ -59,6 +61,7 @@ IORING_OP_READ = 22
 IOSQE_ASYNC = 1 << 4
 IORING_SETUP_CQSIZE = 1 << 3
 IORING_SETUP_SUBMIT_ALL = 1 << 7
+IORING_SETUP_COOP_TASKRUN = 1 << 8
 IORING_FEAT_SINGLE_MMAP = 1 << 0
 IORING_FEAT_NODROP = 1 << 1
 IORING_ENTER_GETEVENTS = 1 << 0
@@ -103,7 +106,8 @@ SQE_DTYPE = np.dtype(
 CQE_DTYPE = np.dtype([("user_data", "<u8"), ("res", "<i4"), ("flags", "<u4")])
 assert SQE_DTYPE.itemsize == 64 and CQE_DTYPE.itemsize == 16
 #: The same SQE for ``struct.pack_into`` (one call per entry: cheaper than numpy for small batches).
-_SQE = struct.Struct("<BBHiQQIIQHHiQQ")
+SQE_STRUCT = struct.Struct("<BBHiQQIIQHHiQQ")
+_SQE = SQE_STRUCT
 assert _SQE.size == 64
 #: One entry for :meth:`RawRing.queue`: (opcode, flags, fd, file offset, address, length, user_data, buf_index).
 SQEntry = tuple[int, int, int, int, int, int, int, int]
@@ -199,11 +203,14 @@ class RawRing:
             ``IORING_FEAT_NODROP`` (``ENOTSUP``). Nothing is left open.
     """
 
+    #: Flags tried first (dropped, in one step, by a kernel that refuses them with EINVAL).
+    preferred_flags = IORING_SETUP_SUBMIT_ALL
+
     def __init__(self, entries: int, *, cq_entries: int | None = None) -> None:
         self.fd = -1
         self._maps: list[mmap.mmap] = []
         self.submit_all = True
-        params = self._setup(entries, cq_entries, IORING_SETUP_SUBMIT_ALL)
+        params = self._setup(entries, cq_entries, self.preferred_flags)
         try:
             if not params.features & IORING_FEAT_NODROP:
                 raise OSError(errno.ENOTSUP, "io_uring without IORING_FEAT_NODROP (Linux < 5.5) may drop completions")
@@ -351,6 +358,23 @@ class RawRing:
         self._tail = (tail + n) & _U32  # the entries first ...
         self._mv_sq_tail[0] = self._tail  # ... then the tail that publishes them
 
+    def reserve(self, n: int) -> tuple[memoryview | mmap.mmap, int, int]:
+        """Room for ``n`` SQEs: ``(sqe memory, first index, mask)``; write them, then :meth:`publish`.
+
+        SQE ``k`` of the batch is the 64 bytes at ``((first + k) & mask) << 6``; the caller must
+        write every field of each (as :meth:`queue` does). Nothing is visible to the kernel until
+        :meth:`publish`: a batch abandoned half-written is simply overwritten by the next one.
+        Raises ``OSError(EBUSY)`` when the SQ lacks space.
+        """
+        if n > self.sq_space():
+            raise OSError(errno.EBUSY, f"{n} entries do not fit in the {self.sq_space()} free SQ entries")
+        return self._sqe_mm, self._tail, self.sq_mask
+
+    def publish(self, n: int) -> None:
+        """Publish the ``n`` SQEs written after :meth:`reserve` (the tail moves after their stores)."""
+        self._tail = (self._tail + n) & _U32
+        self._mv_sq_tail[0] = self._tail
+
     def unpublish(self) -> int:
         """Take back every published entry the kernel has not consumed (tail := head); how many.
 
@@ -373,22 +397,32 @@ class RawRing:
     def reap(self) -> tuple[list[int], list[int]]:
         """Every CQE ready now, without waiting: (user_data list, res list), in CQ order.
 
-        Flushes completions the kernel holds after a CQ overflow (a non-waiting
-        ``io_uring_enter(GETEVENTS)``) and reaps those too.
+        The entries between head and tail are copied out in bulk (at most two strided
+        memoryview slices, one per side of the ring's wrap-around; no Python step per CQE), then
+        the head moves past them. Flushes completions the kernel holds after a CQ overflow (a
+        non-waiting ``io_uring_enter(GETEVENTS)``) and reaps those too.
         """
         users: list[int] = []
         results: list[int] = []
-        u64, i32, mask = self._cqe_u64, self._cqe_i32, self.cq_mask
+        u64, i32, entries = self._cqe_u64, self._cqe_i32, self.cq_entries
+        cq_head, cq_tail, sq_flags = self._mv_cq_head, self._mv_cq_tail, self._mv_sq_flags
         while True:
-            head = self._mv_cq_head[0]
-            n = (self._mv_cq_tail[0] - head) & _U32  # the tail first ...
-            for i in range(head, head + n):  # ... the entries copied out ...
-                index = i & mask
-                users.append(u64[2 * index])
-                results.append(i32[4 * index + 2])
+            head = cq_head[0]
+            n = (cq_tail[0] - head) & _U32  # the tail first ...
             if n:
-                self._mv_cq_head[0] = (head + n) & _U32  # ... then hand them back to the kernel
-            if not self.cq_overflow_pending:
+                first = head & self.cq_mask  # ... the entries copied out ...
+                stop = first + n
+                if stop <= entries:
+                    users += u64[2 * first : 2 * stop : 2].tolist()
+                    results += i32[4 * first + 2 : 4 * stop : 4].tolist()
+                else:  # wrapped: [first, entries) then [0, stop - entries)
+                    stop -= entries
+                    users += u64[2 * first :: 2].tolist()
+                    users += u64[: 2 * stop : 2].tolist()
+                    results += i32[4 * first + 2 :: 4].tolist()
+                    results += i32[2 : 4 * stop : 4].tolist()
+                cq_head[0] = (head + n) & _U32  # ... then hand them back to the kernel
+            if not sq_flags[0] & IORING_SQ_CQ_OVERFLOW:
                 return users, results
             ret = self.enter(0, 0, IORING_ENTER_GETEVENTS)
             if ret < 0 and -ret not in (errno.EINTR, errno.EAGAIN, errno.EBUSY):

@@ -339,3 +339,51 @@ def test_an_attached_backend_closed_from_another_thread_is_refused(data_file: Pa
         harness.close()  # on the loop thread: detaches first
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("head_start", range(8))
+def test_a_bulk_reap_across_the_cq_wrap_returns_every_cqe_once_in_order(head_start: int) -> None:
+    """The bulk copy of the CQ (strided slices, split at the ring's end) from every head position:
+    each batch's user_data and res come back in CQ order, whatever part of the ring they span."""
+    ring = RawRing(8, cq_entries=8)
+    try:
+        ring.queue([(IORING_OP_NOP, 0, -1, 0, 0, 0, 1000 + i, 0) for i in range(head_start)])
+        assert ring.enter(head_start) == head_start
+        assert ring.reap()[0] == list(range(1000, 1000 + head_start))
+        for batch in range(3):  # 7 completions a batch: from head_start on, they cross the end of the ring
+            first = 1 + 100 * batch
+            ring.queue([(IORING_OP_NOP, 0, -1, 0, 0, 0, first + i, 0) for i in range(7)])
+            assert ring.enter(7) == 7
+            users, results = ring.reap()
+            assert users == list(range(first, first + 7)) and results == [0] * 7
+            assert ring.cq_ready() == 0
+    finally:
+        ring.close()
+
+
+async def test_a_batch_of_completions_reaped_at_once_resolves_each_read_into_its_own_slot(
+    make_harness: Any, data_file: Path, anyio_backend: object
+) -> None:
+    """Reads of shuffled file blocks into shuffled slots pile up in the CQ and are reaped in one
+    wake-up (one bulk copy, whatever order the kernel finished them in): each op gets its own
+    completion and each slot holds the bytes of its own read."""
+    harness = make_harness(depth=8, n_slots=8)
+    blocks = [5, 2, 7, 0, 3, 6, 1, 4]
+    slots = [3, 6, 0, 7, 1, 4, 2, 5]
+    block = SLOT_BYTES // 4  # 8 blocks fit in the file
+    ops = [ReadOp(0, b * block, block, s, 0) for b, s in zip(blocks, slots, strict=True)]
+    ring = harness.backend.ring
+    harness.backend.detach()  # completions pile up: the reap below sees them all at once
+    harness.submit(ops)
+    for _ in range(2000):
+        if ring.cq_ready() == len(ops):
+            break
+        await anyio.sleep(0.001)
+    assert ring.cq_ready() == len(ops)
+    harness.backend.attach()
+    os.eventfd_write(harness.backend._efd, 1)
+    assert await harness.wait(ops) == [block] * len(ops)
+    data = data_file.read_bytes()
+    for b, s in zip(blocks, slots, strict=True):
+        got = bytes(harness.slab.view(s, 0, block))
+        assert got == data[b * block : (b + 1) * block], f"slot {s} does not hold block {b}"

@@ -101,6 +101,9 @@ class IOBackend(ABC):
         self._sink: CompletionSink | None = None
         self._in_flight = 0
         self._attached = False
+        self._failed: list[tuple[ReadOp, Exception]] = []  # failed reads whose completion is due
+        self._failed_scheduled = False
+        self._submit_scheduled = False
 
     def set_sink(self, sink: CompletionSink) -> None:
         """Where completions go; set once before the first :meth:`submit`."""
@@ -174,6 +177,36 @@ class IOBackend(ABC):
             if not self.loop.is_current():
                 raise RuntimeError(f"the {self.name} backend is attached: detach() it on the loop thread first")
             self.detach()
+
+    # -- deferred work of the queue-based backends (loop thread) ---------------------------------
+
+    def _fail_later(self, failed: Sequence[tuple[ReadOp, Exception]]) -> None:
+        """Fail reads an earlier :meth:`submit` reported taken, through the sink on a later tick
+        (never from inside ``submit``: the contract). One ``call_soon`` however many pile up."""
+        self._failed.extend(failed)
+        if failed and not self._failed_scheduled:
+            self._failed_scheduled = True
+            self.loop.call_soon(self._deliver_failed)
+
+    def _deliver_failed(self) -> None:
+        self._failed_scheduled = False
+        failed, self._failed = self._failed, []
+        for op, exc in failed:
+            self._deliver(op, exc)
+
+    def _schedule_submit(self) -> None:
+        """Hand the entries still queued to the kernel on a later tick (once however often asked)."""
+        if not self._submit_scheduled:
+            self._submit_scheduled = True
+            self.loop.call_soon(self._submit_later)
+
+    def _submit_later(self) -> None:
+        self._submit_scheduled = False
+        if self._attached:  # detached: close() may be running in a worker thread
+            self._submit_pending()
+
+    def _submit_pending(self) -> None:  # noqa: B027 - only the backends that queue entries override it
+        """Submit what :meth:`_schedule_submit` left queued (the backends that keep a queue)."""
 
     def _deliver(self, op: ReadOp, result: ReadResult) -> None:
         self._in_flight -= 1

@@ -43,8 +43,8 @@ from ..uring_raw import (
     IORING_OP_READ,
     IORING_OP_READ_FIXED,
     IOSQE_ASYNC,
+    SQE_STRUCT,
     RawRing,
-    SQEntry,
 )
 from .base import IOBackend, ReadOp, SubmitError
 
@@ -108,9 +108,6 @@ class RawUringBackend(IOBackend):
         self._unconsumed: deque[int] = deque()  # user_data published, not consumed by the kernel, in SQ order
         self._taken_back: list[tuple[int, ReadOp]] = []  # reads unpublished by the last failed enter
         self._next_user_data = 1
-        self._failed: list[tuple[ReadOp, Exception]] = []
-        self._failed_scheduled = False
-        self._submit_scheduled = False
         self._stalls = 0
         self._closed = False
         self._released = False
@@ -225,8 +222,7 @@ class RawUringBackend(IOBackend):
             raise SubmitError(f"{n} more reads would exceed the ring depth {self.depth}", 0)
         first = self._next_user_data
         try:
-            entries = self._entries(ops, first)
-            self._ring.queue(entries)
+            self._write_entries(ops, first)
         except Exception as exc:  # nothing was published
             raise SubmitError(f"io_uring took 0 of {n} reads: {exc!r}", 0) from exc
         user_data = range(first, first + n)
@@ -246,28 +242,47 @@ class RawUringBackend(IOBackend):
         taken = n - len(mine)
         raise SubmitError(f"io_uring took {taken} of {n} reads: {cause!r}", taken) from cause
 
-    def _entries(self, ops: Sequence[ReadOp], first_user_data: int) -> list[SQEntry]:
-        """One SQE per op (user_data from ``first_user_data`` up), every op checked against its slot."""
+    def _write_entries(self, ops: Sequence[ReadOp], first_user_data: int) -> None:
+        """Write and publish one SQE per op (user_data from ``first_user_data`` up), each op checked
+        against its slot before its entry is written; any failure publishes none of the batch.
+
+        One ``struct.pack_into`` per op straight into the SQE array (no tuple per entry).
+        """
         slab, fds = self.slab, self.files.fds
         if slab.closed:
             raise ValueError("the slab is closed")
         base, stride, n_slots, n_fds = slab.address, slab.slot_bytes, slab.n_slots, len(fds)
         chunk, flags = self._chunk_slots, self._sqe_flags
         opcode = IORING_OP_READ_FIXED if chunk else IORING_OP_READ
-        entries = []
-        for user_data, op in enumerate(ops, first_user_data):
-            slot, start, n_bytes, shard = op.slot, op.slot_offset, op.n_bytes, op.shard
+        sqes, tail, mask = self._ring.reserve(len(ops))
+        pack = SQE_STRUCT.pack_into
+        for i, op in enumerate(ops):
+            slot, start, n_bytes, shard, file_offset = op.slot, op.slot_offset, op.n_bytes, op.shard, op.file_offset
             if not (
                 0 <= slot < n_slots and 0 <= start and 0 <= n_bytes <= MAX_READ_BYTES and start + n_bytes <= stride
             ):
                 raise IndexError(f"{op!r} is outside its slot of {stride} bytes (or the slab of {n_slots} slots)")
-            if not 0 <= shard < n_fds or op.file_offset < 0:
+            if not 0 <= shard < n_fds or file_offset < 0:
                 raise IndexError(f"{op!r} names no open shard or a negative offset")
-            buf_index = slot // chunk if chunk else 0
-            entries.append(
-                (opcode, flags, fds[shard], op.file_offset, base + slot * stride + start, n_bytes, user_data, buf_index)
+            pack(
+                sqes,
+                ((tail + i) & mask) << 6,
+                opcode,
+                flags,
+                0,
+                fds[shard],
+                file_offset,
+                base + slot * stride + start,
+                n_bytes,
+                0,
+                first_user_data + i,
+                slot // chunk if chunk else 0,
+                0,
+                0,
+                0,
+                0,
             )
-        return entries
+        self._ring.publish(len(ops))
 
     def _enter(self) -> Exception | None:
         """Hand every published entry to the kernel.
@@ -308,27 +323,8 @@ class RawUringBackend(IOBackend):
         self._taken_back = [(ud, self._ops.pop(ud)) for ud in self._unconsumed]
         self._unconsumed.clear()
 
-    def _fail_later(self, failed: list[tuple[ReadOp, Exception]]) -> None:
-        """Fail reads reported taken by an earlier submit, through the sink on a later tick."""
-        self._failed.extend(failed)
-        if not self._failed_scheduled:
-            self._failed_scheduled = True
-            self.loop.call_soon(self._deliver_failed)
-
-    def _deliver_failed(self) -> None:
-        self._failed_scheduled = False
-        failed, self._failed = self._failed, []
-        for op, exc in failed:
-            self._deliver(op, exc)
-
-    def _schedule_submit(self) -> None:
-        if not self._submit_scheduled:
-            self._submit_scheduled = True
-            self.loop.call_soon(self._submit_later)
-
-    def _submit_later(self) -> None:
-        self._submit_scheduled = False
-        if not self._unconsumed or not self._attached:  # detached: close() may be running in a worker thread
+    def _submit_pending(self) -> None:
+        if not self._unconsumed:
             return
         cause = self._enter()
         if cause is not None:
@@ -349,13 +345,13 @@ class RawUringBackend(IOBackend):
         except Exception:  # an overflow flush failed: what was reaped is lost to this call only
             log.exception("io_uring: reaping the completion queue failed")
             return
-        ops = self._ops
+        pop, deliver = self._ops.pop, self._deliver
         for user_data, res in zip(users, results, strict=True):
-            op = ops.pop(user_data, None)
+            op = pop(user_data, None)
             if op is None:  # a stranger or a duplicate: its read (if any) was already accounted for
                 self.unexpected_completions += 1
                 continue
-            self._deliver(op, res if res >= 0 else OSError(-res, os.strerror(-res)))
+            deliver(op, res if res >= 0 else OSError(-res, os.strerror(-res)))
         if self._unconsumed:
             self._stalls = 0
             self._schedule_submit()

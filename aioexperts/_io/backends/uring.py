@@ -97,11 +97,8 @@ class UringBackend(IOBackend):
         # order: (sqe, user_data), NOPs included. len(_queued) == io_uring_sq_ready(ring).
         self._queued: list[tuple[Any, int]] = []
         self._neutralized: list[tuple[int, ReadOp]] = []  # reads turned into NOPs, to be failed
-        self._failed: list[tuple[ReadOp, Exception]] = []  # failed reads whose completion is due
         self._nops = 0  # NOPs queued or in the kernel whose completion has not been reaped
         self._stalls = 0
-        self._submit_scheduled = False
-        self._failed_scheduled = False
         self._broken: Exception | None = None
         self._closed = False
         self._registered: tuple[Any, list[memoryview]] | None = None
@@ -370,26 +367,10 @@ class UringBackend(IOBackend):
         """Fail (through the sink, on a later tick) the neutralized reads older than ``first_user_data``."""
         earlier = [(op, cause) for user_data, op in self._neutralized if user_data < first_user_data]
         self._neutralized.clear()
-        if earlier:
-            self._failed.extend(earlier)
-            if not self._failed_scheduled:
-                self._failed_scheduled = True
-                self.loop.call_soon(self._deliver_failed)
+        self._fail_later(earlier)
 
-    def _deliver_failed(self) -> None:
-        self._failed_scheduled = False
-        failed, self._failed = self._failed, []
-        for op, exc in failed:
-            self._deliver(op, exc)
-
-    def _schedule_submit(self) -> None:
-        if not self._submit_scheduled:
-            self._submit_scheduled = True
-            self.loop.call_soon(self._submit_later)
-
-    def _submit_later(self) -> None:
-        self._submit_scheduled = False
-        if not self._queued or not self._attached:  # detached: close() may be running in a worker thread
+    def _submit_pending(self) -> None:
+        if not self._queued:
             return
         cause = self._submit_queued()
         if cause is not None:
