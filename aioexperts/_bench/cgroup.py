@@ -11,51 +11,25 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .._model.memory import memory_cgroups
+
 __all__ = ("MemoryCgroup", "own_memory_cgroup", "unavailable_reason")
 
 
-def _mounts() -> tuple[str | None, str | None]:
-    """Mount points of the cgroup v2 hierarchy and of the v1 memory controller."""
-    v2 = v1 = None
-    try:
-        with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None, None
-    for line in lines:
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 5 or len(tail) < 3:
-            continue
-        if tail[0] == "cgroup2" and v2 is None:
-            v2 = fields[4]
-        elif tail[0] == "cgroup" and "memory" in tail[2].split(",") and v1 is None:
-            v1 = fields[4]
-    return v2, v1
-
-
 def own_memory_cgroup() -> tuple[str, str] | None:
-    """``("v1" | "v2", directory)`` of this process's memory cgroup, or None."""
-    v2, v1 = _mounts()
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) == 3 and "memory" in parts[1].split(",") and v1 is not None:
-            return "v1", os.path.join(v1, parts[2].lstrip("/"))
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) == 3 and parts[1] == "" and v2 is not None:
-            directory = os.path.join(v2, parts[2].lstrip("/"))
-            try:
-                with open(os.path.join(directory, "cgroup.subtree_control")) as f:
-                    if "memory" in f.read().split():
-                        return "v2", directory
-            except OSError:
-                pass
+    """``("v1" | "v2", directory)`` of this process's memory cgroup (v1 first; v2 only where the
+    hierarchy delegates ``memory`` to children), or None."""
+    groups = memory_cgroups()
+    for kind, directory in groups:
+        if kind == "v1":
+            return kind, directory
+    for kind, directory in groups:
+        try:
+            with open(os.path.join(directory, "cgroup.subtree_control")) as f:
+                if "memory" in f.read().split():
+                    return kind, directory
+        except OSError:
+            pass
     return None
 
 

@@ -245,6 +245,7 @@ def _from_events(events: list[dict[str, Any]], n_prompt: int) -> dict[str, Any]:
             "slab_budget",
             "memory_limit_source",
             "backend",
+            "fallback_reason",
             "repack",
             "load_mode",
         ):

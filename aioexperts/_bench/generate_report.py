@@ -139,6 +139,14 @@ def _split_line(results: dict[str, Any]) -> str | None:
     return f"where an uncapped aioexperts decode token goes (ms per token): {shown}"
 
 
+def _versions(machine: dict[str, Any]) -> str:
+    commit = machine.get("aioexperts_commit")
+    llama = machine.get("llama_cpp_python")
+    shown = [f"aioexperts {commit[:10]}{'+dirty' if commit.endswith('+dirty') else ''}" if commit else ""]
+    shown.append(f"llama-cpp-python {llama}" if llama else "")
+    return "".join(f"; {x}" for x in shown if x)
+
+
 def text_report(results: dict[str, Any]) -> str:
     """The tables and verdicts of one results file, as Markdown."""
     m = results["machine"]
@@ -147,7 +155,9 @@ def text_report(results: dict[str, Any]) -> str:
         f"**{results['model']['name']}** ({results['model']['bytes'] / 1e9:.1f} GB), {results['date']}, "
         f"{machine_label(m)}; load average {_load(load[0])} at start, {_load(load[1])} at end; "
         f"{results['parameters']['rounds']} rounds, prompt {results['parameters']['prompt_tokens']} tokens, "
-        f"{results['parameters']['decode_tokens']} decode tokens per run, {results['parameters']['threads']} threads.",
+        f"{results['parameters']['decode_tokens']} decode tokens per run, {results['parameters']['threads']} threads"
+        + _versions(m)
+        + ".",
         "",
     ]
     body = [*head, *_table(results), ""]

@@ -76,6 +76,8 @@ async def _run_aioexperts(cfg: dict[str, Any]) -> None:
             slab_budget=str(budget) if budget is not None else None,
             memory_limit_source=budget.limit.source if budget is not None else None,
             backend=st.backend,
+            fallback_reason=st.fallback_reason,
+            backend_features=st.backend_features,
         )
         async with model.sequence() as seq:
             t1 = time.perf_counter()

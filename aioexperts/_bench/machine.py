@@ -73,6 +73,25 @@ def _version(name: str) -> str | None:
         return None
 
 
+def source_commit() -> str | None:
+    """The git commit of the aioexperts checkout running (``+dirty`` with local changes); None outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(
+            ["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}+dirty" if dirty else head or None
+
+
 def machine_facts(model_path: str) -> dict[str, Any]:
     """Kernel, CPU, memory, the filesystem and device holding ``model_path``, library versions."""
     source, fstype = _mount_of(os.path.dirname(os.path.abspath(model_path)))
@@ -93,6 +112,8 @@ def machine_facts(model_path: str) -> dict[str, Any]:
         "liburing": _version("liburing"),
         "uvloop": _version("uvloop"),
         "gguf": _version("gguf"),
+        "llama_cpp_python": _version("llama-cpp-python"),
+        "aioexperts_commit": source_commit(),
         "load_average_at_start": list(os.getloadavg()),
         "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
     }

@@ -31,6 +31,7 @@ __all__ = (
     "SlabBudget",
     "choose_slab_bytes",
     "kv_reserve_bytes",
+    "memory_cgroups",
     "read_memory_limit",
     "resident_weight_bytes",
 )
@@ -126,32 +127,50 @@ def _mounts(root: str) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
     return v2, v1
 
 
-def _cgroup_headroom(root: str) -> list[tuple[str, int]]:
-    """``(name, limit - usage)`` of the tightest limited level of this process's cgroup, v1 and v2."""
+def memory_cgroups(root: str = "/") -> list[tuple[str, str]]:
+    """``("v1" | "v2", directory)`` of this process's memory cgroups (v1 memory controller, v2 hierarchy).
+
+    ``directory`` is under ``root`` (``/`` but in tests), the mount's root taken off the cgroup path
+    (as inside a container's cgroup namespace). Empty when neither is mounted or readable.
+    """
     v2_mount, v1_mount = _mounts(root)
     try:
         with open(os.path.join(root, "proc/self/cgroup")) as f:
             lines = f.read().splitlines()
     except OSError:
         return []
-    found: list[tuple[str, int]] = []
+    found: list[tuple[str, str]] = []
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         _hier, controllers, cgroup_path = parts
         if controllers == "" and v2_mount is not None:
-            kind, mount, files = "cgroup v2", v2_mount, ("memory.max", "memory.current")
+            kind, mount = "v2", v2_mount
         elif "memory" in controllers.split(",") and v1_mount is not None:
-            kind, mount, files = "cgroup v1", v1_mount, ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            kind, mount = "v1", v1_mount
         else:
             continue
         point, mount_root = mount
         rel = cgroup_path
         if mount_root != "/" and (rel == mount_root or rel.startswith(mount_root + "/")):
             rel = rel[len(mount_root) :]
-        directory = os.path.join(root, point.lstrip("/"), rel.strip("/"))
-        top = os.path.join(root, point.lstrip("/"))
+        found.append((kind, os.path.join(root, point.lstrip("/"), rel.strip("/"))))
+    return found
+
+
+_LIMIT_FILES = {"v2": ("memory.max", "memory.current"), "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
+
+
+def _cgroup_headroom(root: str) -> list[tuple[str, int]]:
+    """``(name, limit - usage)`` of the tightest limited level of this process's cgroup, v1 and v2."""
+    v2_mount, v1_mount = _mounts(root)
+    found: list[tuple[str, int]] = []
+    for kind, directory in memory_cgroups(root):
+        files = _LIMIT_FILES[kind]
+        mount = v2_mount if kind == "v2" else v1_mount
+        assert mount is not None
+        top = os.path.join(root, mount[0].lstrip("/"))
         best: tuple[str, int] | None = None
         while True:  # the cgroup and its ancestors up to the mount point
             limit = _read_int(os.path.join(directory, files[0]))
@@ -160,7 +179,7 @@ def _cgroup_headroom(root: str) -> list[tuple[str, int]]:
                 room = max(0, limit - usage)
                 if best is None or room < best[1]:
                     shown = "/" + os.path.relpath(directory, root) if root != "/" else directory
-                    best = (f"{kind} {shown}", room)
+                    best = (f"cgroup {kind} {shown}", room)
             if os.path.normpath(directory) == os.path.normpath(top):
                 break
             directory = os.path.dirname(os.path.normpath(directory))

@@ -138,3 +138,24 @@ async def test_load_sizes_the_slab_from_the_limit_when_no_size_is_given(
         assert model.store.n_slots == 5
     async with aioexperts.load(tiny_full_model, n_ctx=64, slots=3) as model:  # sized by hand: left alone
         assert model.slab_budget is None and model.store.n_slots == 3
+
+
+def test_memory_cgroups_take_the_mount_root_off_the_path(tmp_path: Path) -> None:
+    """Inside a container the v1 mount's root is the container's cgroup, which /proc/self/cgroup repeats."""
+    mountinfo = "35 31 0:32 /docker/abc /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+    _fake(tmp_path, mountinfo=mountinfo, cgroup="4:memory:/docker/abc/job\n0::/\n")
+    assert memory.memory_cgroups(str(tmp_path)) == [("v1", str(tmp_path / "sys/fs/cgroup/memory/job"))]
+    _write(tmp_path, "sys/fs/cgroup/memory/job/memory.limit_in_bytes", str(2 * GIB))
+    _write(tmp_path, "sys/fs/cgroup/memory/job/memory.usage_in_bytes", str(GIB // 2))
+    limit = read_memory_limit(str(tmp_path))
+    assert limit.available == GIB + GIB // 2
+    assert "cgroup v1" in limit.source
+
+
+def test_the_bench_creates_its_group_in_the_same_cgroup_the_limit_is_read_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aioexperts._bench import cgroup
+
+    monkeypatch.setattr(cgroup, "memory_cgroups", lambda: [("v2", "/x/v2dir"), ("v1", "/x/v1dir")])
+    assert cgroup.own_memory_cgroup() == ("v1", "/x/v1dir")
