@@ -603,12 +603,18 @@ class MoERunner:
         ahead = set(self.upcoming_layers(layer)) - {layer}
         store.drop_prefetches(keep=lambda key: key in wanted or key[0] in ahead)
         plans = [c.plan for c in calls]
-        hits: list[int] = []
-        if self.hits_first and len(experts) > 1:
-            hits = [e for e, ready in zip(experts, store.resident(layer, experts), strict=True) if ready]
-            if len(hits) == len(experts):
-                hits = []  # nothing is read: one compute job
         t0 = time.perf_counter()
+        resident = store.resident(layer, experts)
+        misses = [e for e, ready in zip(experts, resident, strict=True) if not ready]
+        if misses or prefetch:
+            # the layer's misses first, then the prefetch of the layers ahead, submitted now as one
+            # batch: before any compute job of this step holds the cores (and the GIL) the event
+            # loop needs to submit them
+            store.start_loads(layer, experts, prefetch=prefetch)
+            prefetch = []
+        hits: list[int] = []
+        if self.hits_first and len(experts) > 1 and misses and len(misses) < len(experts):
+            hits = [e for e, ready in zip(experts, resident, strict=True) if ready]
         outcomes: list[_Outcome]
         if hits:
             parts, io_wait, compute_s = await self._hits_first(layer, plans, hits, experts, prefetch, t0)
