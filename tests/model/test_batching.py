@@ -370,3 +370,42 @@ async def test_a_layers_misses_are_submitted_before_its_hits_compute_and_before_
         assert len(loads) > len(misses)  # which is under way too
         assert len(fake.batches) == n_batches + 1  # one submission
         assert runner.statistics().hits_first_steps == 1
+
+
+async def test_the_first_moe_layer_is_prefetched_from_the_embeddings_before_any_attention(
+    small_model: Path, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step starts reading the experts its first MoE layer will likely choose (the router's
+    choice for the FFN norm of the token's embeddings) before the first attention job runs."""
+    from aioexperts._compute.norms import rms_norm
+    from aioexperts._model import model as model_module
+
+    async with aioexperts.load(small_model, slots=64, io=THREADS, batch_wait=0) as model:
+        store, runner = model.store, model.runner
+        events: list[tuple[str, object]] = []
+        plain_pre = model_module.Model._pre_block
+
+        def pre_block(self, layer, *args, **kwargs):  # type: ignore[no-untyped-def]
+            events.append(("attention", layer.index))
+            return plain_pre(self, layer, *args, **kwargs)
+
+        plain_prefetch = store.prefetch
+
+        def prefetch(keys):  # type: ignore[no-untyped-def]
+            keys = list(keys)
+            events.append(("prefetch", keys))
+            return plain_prefetch(keys)
+
+        monkeypatch.setattr(model_module.Model, "_pre_block", pre_block)
+        monkeypatch.setattr(store, "prefetch", prefetch)
+        async with model.sequence() as seq:
+            await seq.forward(PROMPTS[0])
+            events.clear()
+            await seq.forward([6])
+        layers = list(store.layout.layers)
+        first = layers[0]
+        block = next(layer for layer in model._started()[2].layers if layer.index == first)
+        x = rms_norm(await model._embed([6]), block.ffn_norm, model.hparams.norm_eps)
+        want = runner.predictor.predict(layers[-1], first, x, SMALL.n_expert_used)
+    assert want and events[0] == ("prefetch", [(first, e) for e in want])
+    assert events[1] == ("attention", 0)
