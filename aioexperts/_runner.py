@@ -439,6 +439,26 @@ class MoERunner:
         plan = plan_moe(x, ids, weights, self.residents[layer], self._store.hparams) if len(groups) == 1 else None
         return _Routed(ids, weights, groups, prefetch, plan)
 
+    def _prefetch_for(self, layer: int, x: np.ndarray) -> int:
+        """Start loading the experts the predictor expects MoE layer ``layer`` to choose for ``x``.
+
+        For :class:`aioexperts.Model`, which calls it with the FFN norm of the block's input before
+        the block's attention runs (the first MoE layer of a decode step: the layers before the
+        token gave no input to predict it from). The predictor is asked as at the layer before
+        (``predict(previous MoE layer, layer, x, budget)``). Loop thread; :meth:`warmup` must have
+        run. Returns the number of loads started (0 without a predictor or budget).
+        """
+        predictor = self._predictor
+        budget = self.prefetch_options.budget
+        budget = self._store.layout.n_expert_used if budget is None else budget
+        if predictor is None or not budget or not self.prefetch_options.depth:
+            return 0
+        layers = list(self._store.layout.layers)
+        before = layers[layers.index(layer) - 1]  # the last MoE layer for the first
+        with self._state_lock:
+            got = _predicted(predictor, before, layer, x, budget)
+        return self._store.prefetch([(layer, e) for e in got]) if got else 0
+
     def _hash_experts(self, layer: int, token_ids: np.ndarray | None) -> list[int] | None:
         """The distinct experts hash-routed ``layer`` gives ``token_ids`` (slot order), or None when
         the layer routes by its router or the ids are not known."""
@@ -611,12 +631,20 @@ class MoERunner:
         ahead = set(self.upcoming_layers(layer)) - {layer}
         store.drop_prefetches(keep=lambda key: key in wanted or key[0] in ahead)
         plans = [c.plan for c in calls]
-        hits: list[int] = []
-        if self.hits_first and len(experts) > 1:
-            hits = [e for e, ready in zip(experts, store.resident(layer, experts), strict=True) if ready]
-            if not hits_first_pays(len(hits), len(experts) - len(hits), compute_pool().n_threads):
-                hits = []  # one compute job after the reads
         t0 = time.perf_counter()
+        resident = store.resident(layer, experts)
+        misses = [e for e, ready in zip(experts, resident, strict=True) if not ready]
+        if misses or prefetch:
+            # the layer's misses first, then the prefetch of the layers ahead, submitted now as one
+            # batch: before any compute job of this step holds the cores (and the GIL) the event
+            # loop needs to submit them
+            store.start_loads(layer, experts, prefetch=prefetch)
+            prefetch = []
+        hits: list[int] = []
+        if self.hits_first and len(experts) > 1 and misses and len(misses) < len(experts):
+            hits = [e for e, ready in zip(experts, resident, strict=True) if ready]
+            if not hits_first_pays(len(hits), len(misses), compute_pool().n_threads):
+                hits = []  # one compute job after the reads
         outcomes: list[_Outcome]
         note = self._batcher.note
         if hits:

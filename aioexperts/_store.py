@@ -495,6 +495,37 @@ class ExpertStore:
         """
         return self._running_source().prefetch(_checked_keys(keys, "keys"))
 
+    def start_loads(self, layer: int, ids: Iterable[int], *, prefetch: Iterable[Key] = ()) -> int:
+        """Start reading experts a request is about to pin, and its prefetch, submitted at once.
+
+        For a caller that knows a layer's experts before it can pin them all (the runner starts
+        a layer's misses the moment its routing is known, then computes the resident experts):
+        the experts of ``ids`` that are not cached are read as demand loads (ahead of every
+        prefetch), then the ``prefetch`` keys as prefetches, and the reads are submitted in this
+        call rather than at the end of the loop tick, so a compute job started right after cannot
+        delay them. Never waits; stops quietly when no slot is left (the later
+        :meth:`experts` call loads the rest). Never evicts an expert of ``ids`` (the cached ones
+        stay for the request), a pinned or loading expert, nor (for the prefetch) an expert of a
+        layer in ``prefetch``. The :meth:`experts` call that pins an expert started here counts
+        it as a miss. The page-cache mode prefetches both.
+
+        Args:
+            layer: block index of a MoE layer.
+            ids: every expert the request will pin (global ids, ``-1`` = inactive, duplicates
+                allowed); the cached ones are not read.
+            prefetch: ``(layer, expert)`` keys to load after them.
+
+        Returns:
+            The number of loads started.
+
+        Raises:
+            InvalidRequestError: no such layer or expert, or a non-int id (nothing started).
+            StoreClosedError: the store is closed.
+        """
+        source = self._running_source()
+        _, keys = self._keys(layer, list(ids))
+        return source.start_loads(keys, _checked_keys(prefetch, "prefetch"))
+
     def resident(self, layer: int, ids: Iterable[int]) -> list[bool]:
         """Which of ``ids`` (experts of ``layer``) are in memory now: pinning them waits for no read.
 

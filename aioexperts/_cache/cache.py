@@ -88,11 +88,13 @@ class Entry:
         pins: requests currently using the entry.
         error: why the load failed (state FREE), else None.
         prefetched: loaded by a prefetch and not requested since.
+        demanded: loaded by :meth:`ExpertCache.start_loads` for a request that has not pinned it yet
+            (that request counts it as its miss).
         views: what the source built on the first view of this load (reused by every hit until the
             slot is reused), else None.
     """
 
-    __slots__ = ("error", "event", "key", "load", "pins", "plan", "prefetched", "slot", "state", "views")
+    __slots__ = ("demanded", "error", "event", "key", "load", "pins", "plan", "prefetched", "slot", "state", "views")
 
     def __init__(self, key: Key, slot: int, plan: LoadPlan, event: AsyncEvent) -> None:
         self.key = key
@@ -102,6 +104,7 @@ class Entry:
         self.pins = 0
         self.error: AioExpertsError | None = None
         self.prefetched = False
+        self.demanded = False
         self.event = event
         self.load: Load | None = None
         self.views: SlotViews | None = None  # the source's views of this load, built on first view
@@ -225,14 +228,19 @@ class ExpertCache:
             untracked.add(key)
             raise self._policy_error("access", exc) from exc
         c = self.counters
+        demanded = 0
         for entry in pinned:
             entry.pins += 1
             if entry.prefetched:
                 entry.prefetched = False
                 c.prefetch_hits += 1
+            if entry.demanded:  # read by start_loads for this request: its miss, not a hit
+                entry.demanded = False
+                demanded += 1
         n = len(pinned)
         c.requests += n
-        c.hits += n
+        c.hits += n - demanded
+        c.misses += demanded
         task = self.loop.current_task()
         held = self._held
         held[task] = held.get(task, 0) + n
@@ -406,7 +414,10 @@ class ExpertCache:
         c.requests += len(keys)
         c.misses += len(missing)
         for entry in present:
-            if entry.state is SlotState.READY:
+            if entry.demanded:  # read by start_loads for this request: its miss
+                entry.demanded = False
+                c.misses += 1
+            elif entry.state is SlotState.READY:
                 c.hits += 1
             else:
                 c.inflight_joins += 1
@@ -465,6 +476,61 @@ class ExpertCache:
             started += 1
         self.counters.prefetch_issued += started
         return started
+
+    def start_loads(self, demand: Sequence[Key], prefetch: Sequence[Key] = ()) -> int:
+        """Start the loads of a request's missing experts and of its prefetch, and submit them now.
+
+        For a request that knows what it needs before it pins (the runner, the moment a layer's
+        routing is known): the ``demand`` keys not cached are queued as demand loads (ahead of
+        every prefetch), then the ``prefetch`` keys as prefetches, and the read queue is flushed
+        in this call (one submission) instead of at the end of the loop tick, so that no compute
+        job the caller starts next delays the reads. Like :meth:`prefetch` it never waits and
+        never raises for lack of space (keys beyond the free and evictable slots are left for the
+        request's :meth:`acquire`). ``demand`` is every key the request will pin (its hits too):
+        none of them is evicted, nor a pinned or loading entry, nor (by the prefetch) an entry of
+        a layer in ``prefetch``; the demand loads choose their victims as the request's
+        :meth:`acquire` would. The request that pins a key started here counts it as a miss.
+
+        Returns:
+            The number of loads started (demand and prefetch).
+
+        Raises:
+            InvalidRequestError: a key the model does not have (nothing started).
+            EvictionPolicyError: the eviction policy raised (nothing started).
+            StoreClosedError: the cache is closed.
+        """
+        self._check_open()
+        wanted = list(dict.fromkeys(demand))
+        wanted_set = set(wanted)
+        ahead = [k for k in dict.fromkeys(prefetch) if k not in self.entries and k not in wanted_set]
+        missing = [k for k in wanted if k not in self.entries]
+        plans = [(k, self.plan_of(*k)) for k in missing]
+        ahead_plans = [(k, self.plan_of(*k)) for k in ahead]
+        # the demand loads evict as the request's acquire would (anything but the request's own keys)
+        victims = self._choose_victims(len(missing) - len(self.free_slots), lambda k: k not in wanted_set, partial=True)
+        assert victims is not None
+        self._evict(victims)
+        started = 0
+        for key, plan in plans[: len(self.free_slots)]:
+            entry = self._start(key, self.free_slots.pop(), plan, Priority.DEMAND)
+            entry.demanded = True
+            started += 1
+        # the prefetch evicts as prefetch() after the request's pins: not the request's keys, not its layers ahead
+        layers = {k[0] for k in ahead}
+        victims = self._choose_victims(
+            len(ahead) - len(self.free_slots), lambda k: k not in wanted_set and k[0] not in layers, partial=True
+        )
+        assert victims is not None
+        self._evict(victims)
+        prefetched = 0
+        for key, plan in ahead_plans[: len(self.free_slots)]:
+            entry = self._start(key, self.free_slots.pop(), plan, Priority.PREFETCH)
+            entry.prefetched = True
+            prefetched += 1
+        self.counters.prefetch_issued += prefetched
+        if started or prefetched:
+            self.scheduler.flush()
+        return started + prefetched
 
     def drop_prefetches(self, keep: Callable[[Key], bool] = lambda key: False) -> int:
         """Drop queued (not yet submitted) prefetch loads whose key ``keep`` rejects.

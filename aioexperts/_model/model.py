@@ -1072,6 +1072,13 @@ class Model:
         fused_route = capture is None and _plain_moe(runner)
         if fused_route:
             await runner.warmup()  # done at start(); cheap
+            first = next((layer for layer in w.layers if layer.dense is None), None)
+            if first is not None and len(ids) <= BATCH_MAX_ROWS:
+                # the first MoE layer's experts, predicted from the token's embeddings (its FFN norm
+                # of them) before any attention runs: nothing earlier in this step predicts them
+                hp = self._started()[3]
+                x = resid * np.float32(hp.embedding_scale) if hp.embedding_scale else resid
+                runner._prefetch_for(first.index, rms_norm(x, first.ffn_norm, hp.norm_eps))
         for layer in w.layers:
             route = runner._route_in_job if fused_route and layer.dense is None else None
             ffn_inp, ffn_in, routed = await run_in_worker(

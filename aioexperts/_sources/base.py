@@ -130,6 +130,11 @@ class ExpertSource(ABC):
     def prefetch(self, keys: Sequence[Key]) -> int:
         """Start loading ``keys`` without waiting; the number started."""
 
+    def start_loads(self, demand: Sequence[Key], prefetch: Sequence[Key]) -> int:
+        """Start loading a request's ``demand`` keys ahead of its ``prefetch`` keys, submitted now;
+        the number started. The default prefetches both, in that order."""
+        return self.prefetch([*demand, *prefetch])
+
     @abstractmethod
     def drop_prefetches(self, keep: Callable[[Key], bool]) -> int:
         """Forget queued prefetches whose key ``keep`` rejects; the number dropped."""

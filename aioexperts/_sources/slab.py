@@ -182,6 +182,9 @@ class SlabSource(ExpertSource):
     def prefetch(self, keys: Sequence[Key]) -> int:
         return self._running().prefetch(keys)
 
+    def start_loads(self, demand: Sequence[Key], prefetch: Sequence[Key]) -> int:
+        return self._running().start_loads(demand, prefetch)
+
     def drop_prefetches(self, keep: Callable[[Key], bool]) -> int:
         return self._running().drop_prefetches(keep)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import random
 from pathlib import Path
 
@@ -314,6 +315,32 @@ async def test_prefetch_never_evicts_pinned_or_its_own_layer(model_path: Path, a
             # a prefetch for layer 2 may evict layer 1's, never layer 0's pinned ones.
             assert cache.prefetch([(2, 5), (2, 6), (2, 7)]) == 2
             assert cache.state_of((0, 0)) is not SlotState.FREE and cache.state_of((0, 1)) is not SlotState.FREE
+        await settle()
+
+
+async def test_start_loads_submits_demand_then_prefetch_at_once_and_keeps_the_requests_experts(
+    model_path: Path, anyio_backend: object
+) -> None:
+    holder: dict[str, CheckedFake] = {}
+    async with aioexperts.open(model_path, slots=5, io=aioexperts.IOOptions(backend=fake_factory(holder))) as engine:
+        cache = cache_of(engine)
+        async with engine.experts(0, [0, 1, 2, 3, 4]):
+            pass  # the slab is full of READY, unpinned layer-0 experts, 0 the least recently used
+        fake = holder["fake"]
+        before = len(fake.submitted)
+        # a request for layer 0's experts 0 and 5 (0 cached): 5 is read as a demand load, then the
+        # prefetch of layer 1, in one submission made inside the call (no loop tick in between)
+        started = engine.start_loads(0, [0, 5, -1], prefetch=[(1, 0), (1, 1), (1, 2)])
+        assert len(fake.submitted) == before + 1
+        loads = [key for key, _ in itertools.groupby(op.context[0].plan.key for op in fake.submitted[-1])]
+        assert loads == [(0, 5), (1, 0), (1, 1), (1, 2)] and started == 4  # demand first, each load's reads together
+        # the request's cached expert 0 is never a victim (LRU would have taken it first)
+        assert cache.state_of((0, 0)) is SlotState.READY
+        s0 = engine.statistics()
+        async with engine.experts(0, [0, 5]):
+            pass
+        s1 = engine.statistics()
+        assert (s1.misses - s0.misses, s1.hits - s0.hits, s1.inflight_joins - s0.inflight_joins) == (1, 1, 0)
         await settle()
 
 

@@ -471,3 +471,100 @@ def test_a_batched_step_prefetches_what_its_calls_share_at_one_calls_budget() ->
     assert _batch_prefetch([a]) == a
     assert _batch_prefetch([a, b, c]) == [(1, 6), (2, 7), (1, 5)]  # shared by 3, by 3, then in order
     assert len(_batch_prefetch([a, b, c, [(3, e) for e in range(10)]])) == 10
+
+
+async def test_a_layers_misses_are_submitted_before_its_hits_compute_and_before_the_prefetch(
+    small_model: Path, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The misses go to the device the moment the layer step starts, in one submission with the
+    prefetch of the layers ahead behind them, before the resident experts' compute job is handed
+    to the compute pool (whose threads would otherwise hold the cores the event loop needs)."""
+    from aioexperts import _runner as runner_module
+
+    made: list[FakeBackend] = []
+    io = aioexperts.IOOptions(backend=_fake(made))
+    x = np.random.default_rng(11).standard_normal((6, SMALL.n_embd)).astype(np.float32)
+    async with aioexperts.open(small_model, slots=64, io=io) as store:
+        runner = aioexperts.MoERunner(store, batch_wait=0, prefetch=aioexperts.PrefetchOptions(depth=1))
+        await runner.warmup()
+        resident = list(range(0, SMALL.n_expert, 2))
+
+        async def warm() -> None:
+            async with store.experts(0, resident):
+                pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(warm)
+            await _until(lambda: made[0].pending)
+            made[0].complete_all()
+        fake = made[0]
+        n_batches = len(fake.batches)
+        at_handoff: list[list[tuple[int, int]]] = []
+        plain = runner_module.run_in_worker
+
+        async def spy(fn, *args):  # type: ignore[no-untyped-def]
+            if fn is runner_module._timed_outputs and args[-1]:  # the hits' job (with the shared expert)
+                at_handoff.append([op.context[0].plan.key for op in fake.pending])
+            return await plain(fn, *args)
+
+        monkeypatch.setattr(runner_module, "run_in_worker", spy)
+        out: list[aioexperts.MoEResult] = []
+
+        async def run() -> None:
+            out.append(await runner.moe_result(0, x))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await _until(lambda: at_handoff)
+            while fake.pending:
+                fake.complete_all()
+                await anyio.sleep(0.01)
+        chosen = sorted(set(np.unique(out[0].ids).tolist()) - {-1})
+        misses = [e for e in chosen if e not in resident]
+        assert misses and len(misses) < len(chosen)  # the case has both hits and misses
+        (pending,) = at_handoff
+        loads = list(dict.fromkeys(pending))
+        assert sorted(loads[: len(misses)]) == [(0, e) for e in misses]  # every miss, first
+        assert {key[0] for key in loads[len(misses) :]} <= {1}  # then only the prefetch of layer 1
+        assert len(loads) > len(misses)  # which is under way too
+        assert len(fake.batches) == n_batches + 1  # one submission
+        assert runner.statistics().hits_first_steps == 1
+
+
+async def test_the_first_moe_layer_is_prefetched_from_the_embeddings_before_any_attention(
+    small_model: Path, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step starts reading the experts its first MoE layer will likely choose (the router's
+    choice for the FFN norm of the token's embeddings) before the first attention job runs."""
+    from aioexperts._compute.norms import rms_norm
+    from aioexperts._model import model as model_module
+
+    async with aioexperts.load(small_model, slots=64, io=THREADS, batch_wait=0) as model:
+        store, runner = model.store, model.runner
+        events: list[tuple[str, object]] = []
+        plain_pre = model_module.Model._pre_block
+
+        def pre_block(self, layer, *args, **kwargs):  # type: ignore[no-untyped-def]
+            events.append(("attention", layer.index))
+            return plain_pre(self, layer, *args, **kwargs)
+
+        plain_prefetch = store.prefetch
+
+        def prefetch(keys):  # type: ignore[no-untyped-def]
+            keys = list(keys)
+            events.append(("prefetch", keys))
+            return plain_prefetch(keys)
+
+        monkeypatch.setattr(model_module.Model, "_pre_block", pre_block)
+        monkeypatch.setattr(store, "prefetch", prefetch)
+        async with model.sequence() as seq:
+            await seq.forward(PROMPTS[0])
+            events.clear()
+            await seq.forward([6])
+        layers = list(store.layout.layers)
+        first = layers[0]
+        block = next(layer for layer in model._started()[2].layers if layer.index == first)
+        x = rms_norm(await model._embed([6]), block.ffn_norm, model.hparams.norm_eps)
+        want = runner.predictor.predict(layers[-1], first, x, SMALL.n_expert_used)
+    assert want and events[0] == ("prefetch", [(first, e) for e in want])
+    assert events[1] == ("attention", 0)
