@@ -139,26 +139,46 @@ def _split_line(results: dict[str, Any]) -> str | None:
     return f"where an uncapped aioexperts decode token goes (ms per token): {shown}"
 
 
-def _versions(machine: dict[str, Any]) -> str:
-    commit = machine.get("aioexperts_commit")
+def _commit(commit: str | None) -> str:
+    return f"aioexperts {commit[:10]}{'+dirty' if commit.endswith('+dirty') else ''}" if commit else ""
+
+
+def _versions(machine: dict[str, Any], *, commit: bool = True) -> str:
     llama = machine.get("llama_cpp_python")
-    shown = [f"aioexperts {commit[:10]}{'+dirty' if commit.endswith('+dirty') else ''}" if commit else ""]
+    shown = [_commit(machine.get("aioexperts_commit")) if commit else ""]
     shown.append(f"llama-cpp-python {llama}" if llama else "")
     return "".join(f"; {x}" for x in shown if x)
+
+
+def _parameters(results: dict[str, Any]) -> tuple[str, list[str]]:
+    """The run parameters: one phrase for one file, else one line per merged file."""
+    params, m = results["parameters"], results["machine"]
+    parts = results.get("parts") or []
+    if len(parts) <= 1:
+        return (
+            f"{params['rounds']} rounds, prompt {params['prompt_tokens']} tokens, "
+            f"{params['decode_tokens']} decode tokens per run, {params['threads']} threads" + _versions(m)
+        ), []
+    lines = [
+        f"- limits {', '.join(p['limits'] or [])}: {p['rounds']} rounds, prompt {p['prompt_tokens']} tokens, "
+        f"{p['decode_tokens']} decode tokens per run; {_commit(p['aioexperts_commit']) or 'commit unknown'}; "
+        f"started {p['date']}"
+        for p in parts
+    ]
+    return f"{params['threads']} threads" + _versions(m, commit=False), [*lines, ""]
 
 
 def text_report(results: dict[str, Any]) -> str:
     """The tables and verdicts of one results file, as Markdown."""
     m = results["machine"]
     load = m.get("load_average_at_start"), m.get("load_average_at_end")
+    phrase, per_part = _parameters(results)
     head = [
         f"**{results['model']['name']}** ({results['model']['bytes'] / 1e9:.1f} GB), {results['date']}, "
         f"{machine_label(m)}; load average {_load(load[0])} at start, {_load(load[1])} at end; "
-        f"{results['parameters']['rounds']} rounds, prompt {results['parameters']['prompt_tokens']} tokens, "
-        f"{results['parameters']['decode_tokens']} decode tokens per run, {results['parameters']['threads']} threads"
-        + _versions(m)
-        + ".",
+        f"{phrase}.",
         "",
+        *per_part,
     ]
     body = [*head, *_table(results), ""]
     body += _round_lines(results)
@@ -209,6 +229,14 @@ def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     dates = sorted({p["date"] for p in parts})
     merged["date"] = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
     merged["command"] = "; ".join(p["command"] for p in parts)
+    merged["parts"] = [
+        {
+            **{k: p.get("parameters", {}).get(k) for k in ("limits", "rounds", "prompt_tokens", "decode_tokens")},
+            "aioexperts_commit": p["machine"].get("aioexperts_commit"),
+            "date": p["date"],
+        }
+        for p in parts
+    ]
     merged["notes"] = list(dict.fromkeys(n for p in parts for n in p.get("notes", [])))
     merged["complete"] = all(p.get("complete", True) for p in parts)
     runs: list[dict[str, Any]] = []

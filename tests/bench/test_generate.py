@@ -180,6 +180,27 @@ def test_results_of_one_model_merge_with_rounds_numbered_on() -> None:
     assert decode["per_round"] == [12.0, 8.0] and decode["verdict"] == "MISSED"
 
 
+def test_a_merged_header_names_each_files_parameters_and_commit() -> None:
+    from aioexperts._bench.generate_report import _parameters, merge_results
+
+    def part(limits: list[str], prompt: int, commit: str) -> dict[str, object]:
+        return {
+            "date": f"d{prompt}",
+            "command": "c",
+            "machine": {"aioexperts_commit": commit, "llama_cpp_python": "0.3.36"},
+            "parameters": {"limits": limits, "rounds": 3, "prompt_tokens": prompt, "decode_tokens": 8, "threads": 2},
+            "runs": [{"engine": "aioexperts", "limit": limits[0], "round": 0, "status": "ok", "decode_tok_s": 1.0}],
+        }
+
+    merged = merge_results([part(["1/4", "1/2"], 16, "a" * 40), part(["none"], 256, "b" * 40 + "+dirty")])
+    phrase, lines = _parameters(merged)
+    assert phrase == "2 threads; llama-cpp-python 0.3.36"
+    assert "limits 1/4, 1/2: 3 rounds, prompt 16 tokens" in lines[0] and "aioexperts aaaaaaaaaa;" in lines[0]
+    assert "limits none: 3 rounds, prompt 256 tokens" in lines[1] and "bbbbbbbbbb+dirty" in lines[1]
+    alone, none = _parameters(part(["1/4"], 16, "c" * 40))
+    assert alone.startswith("3 rounds, prompt 16 tokens") and "aioexperts cccccccccc" in alone and none == []
+
+
 def test_without_llama_cpp_the_bench_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(generate.importlib.util, "find_spec", lambda name: None)
     reason = generate.llama_unavailable_reason()
