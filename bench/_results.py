@@ -12,7 +12,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,16 @@ def machine_facts() -> dict[str, Any]:
     facts["numpy"] = np.__version__
     facts["gguf"] = getattr(gguf, "__version__", "?")
     return facts
+
+
+def median_time(fn: Callable[[], object], calls: int) -> float:
+    """The median wall time of ``calls`` calls of ``fn``, in seconds."""
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:

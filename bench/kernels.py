@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ from typing import Any
 
 import gguf.quants
 import numpy as np
-from _results import summary, write_results
+from _results import median_time, summary, write_results
 from dequant import ORDER, make_tensor
 from gguf import GGMLQuantizationType
 from threadpoolctl import threadpool_limits
@@ -62,15 +61,6 @@ SHAPES = ((768, 2048), (2048, 768))
 BATCHES = (4, 16, 64, 256)
 COMPILE_TARGET_S = 30.0
 WARM_TARGET_S = 2.0
-
-
-def median_time(fn: Callable[[], object], calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def bench_matrix(

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _results import summary, write_results
+from _results import median_time, summary, write_results
 from dequant import make_tensor
 from gguf import GGMLQuantizationType
 from threadpoolctl import threadpool_limits
@@ -56,15 +55,6 @@ CASES: tuple[tuple[Q, tuple[int, int]], ...] = (
 BATCH = 4
 #: the row-split threshold ``--threads2`` times (4 MiB: the q and o projections)
 SPLIT_BYTES = 4 << 20
-
-
-def median_time(fn: Callable[[], object], calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def case_methods(
