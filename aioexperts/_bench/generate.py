@@ -81,7 +81,12 @@ def parse_limit(text: str) -> Fraction | None:
     text = text.strip()
     if text == "none":
         return None
-    value = Fraction(text)
+    try:
+        value = Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(
+            f"a memory limit is 'none' or a fraction like 1/4 or 0.5 of the model's size, got {text!r}"
+        ) from None
     if not 0 < value <= 4:
         raise ValueError(f"a memory limit is a fraction of the model's size in (0, 4], got {text!r}")
     return value

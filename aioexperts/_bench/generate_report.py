@@ -156,11 +156,12 @@ def _parameters(results: dict[str, Any]) -> tuple[str, list[str]]:
     parts = results.get("parts") or []
     if len(parts) <= 1:
         return (
-            f"{params['rounds']} rounds, prompt {params['prompt_tokens']} tokens, "
+            f"{params['rounds']} round{'s' if params['rounds'] != 1 else ''}, prompt {params['prompt_tokens']} tokens, "
             f"{params['decode_tokens']} decode tokens per run, {params['threads']} threads" + _versions(m)
         ), []
     lines = [
-        f"- limits {', '.join(p['limits'] or [])}: {p['rounds']} rounds, prompt {p['prompt_tokens']} tokens, "
+        f"- limits {', '.join(p['limits'] or [])}: {p['rounds']} round{'s' if p['rounds'] != 1 else ''}, "
+        f"prompt {p['prompt_tokens']} tokens, "
         f"{p['decode_tokens']} decode tokens per run; {_commit(p['aioexperts_commit']) or 'commit unknown'}; "
         f"started {p['date']}"
         for p in parts

@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="a whole-model GGUF file; None: the built-in full model (--layers, --routing)")
     p.add_argument("--layers", type=int, default=48, help="layers of the built-in full model (48: about 17 GB)")
     p.add_argument("--routing", choices=("spread", "skewed"), default="spread", help="the built-in model's routers")
-    p.add_argument("--limits", default="none,1/2,1/4", help="memory limits, fractions of the model file's size")
+    p.add_argument(
+        "--limits", default="none,1/2,1/4", help="memory limits: none, or fractions in (0, 4] of the model file's size"
+    )
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES), help=f"from {','.join(ENGINES)}")
     p.add_argument("--rounds", type=int, default=3, help="rounds per limit (engines interleaved in each)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt prefilled in one batch")
@@ -93,10 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown or not engines:
         parser.error(f"--engines: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(ENGINES)}")
-    if args.rounds < 1 or args.prompt_tokens < 1 or args.decode_tokens < 1 or args.threads < 1 or args.layers < 1:
-        parser.error("--rounds, --prompt-tokens, --decode-tokens, --threads and --layers must be >= 1")
+    for name in ("rounds", "prompt_tokens", "decode_tokens", "threads", "layers"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.run_timeout > 0:
+        parser.error(f"--run-timeout must be > 0 seconds, got {args.run_timeout}")
     if not limits:
         parser.error("--limits needs at least one limit (none, 1/2, 1/4, ...)")
+    if len(set(limits)) != len(limits):
+        parser.error("--limits: each limit once (use --rounds for more runs of one limit)")
 
     def note(text: str) -> None:
         if not args.quiet:
@@ -141,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     print(text_report(results))
     if args.out:
         print(
-            f"results: {args.out} (`python bench/generate.py --render {args.out} README.md docs/bench.md` renders them)"
+            f"results: {args.out} (`python bench/generate.py --render {args.out} -- README.md docs/bench.md` "
+            "replaces those documents' headline with them)"
         )
+    ours = [r for r in results["runs"] if r["engine"].startswith("aioexperts")]
+    if ours and not any(r["status"] == "ok" for r in ours):
+        print("aioexperts-bench: no aioexperts run completed (see the statuses above)", file=sys.stderr)
+        return 1
     return 0

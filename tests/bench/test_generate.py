@@ -60,6 +60,24 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "vllm" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--limits", "abc"], "a fraction like 1/4"),
+        (["--limits", "1/0"], "a fraction like 1/4"),
+        (["--limits", "1/2,1/2"], "each limit once"),
+        (["--run-timeout", "-1"], "--run-timeout must be > 0"),
+        (["--decode-tokens", "0"], "--decode-tokens must be >= 1, got 0"),
+        (["--layers", "0"], "--layers must be >= 1"),
+    ],
+)
+def test_each_bad_argument_is_named(args: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--mode", "generate", *args])
+    assert info.value.code == 2
+    assert said in capsys.readouterr().err
+
+
 def test_limits_and_token_ids() -> None:
     assert parse_limit("none") is None and parse_limit("1/4") == Fraction(1, 4)
     with pytest.raises(ValueError, match="fraction of the model"):
@@ -241,3 +259,13 @@ def test_a_stopped_benchs_unfinished_round_is_left_out() -> None:
     merged = merge_results([part])
     assert [(r["limit"], r["engine"]) for r in merged["runs"]] == [("1/2", "aioexperts"), ("1/2", "llama.cpp")]
     assert not merged["complete"]
+
+
+def test_no_completed_aioexperts_run_exits_1(
+    tiny_full_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--mode", "generate", "--model", str(tiny_full_model), "--engines", "aioexperts", "--limits", "none"]
+    args += ["--rounds", "1", "--prompt-tokens", "2", "--decode-tokens", "1", "--run-timeout", "0.01", "--quiet"]
+    code = bench.main([*args, "--out", str(tmp_path / "gen.json")])
+    assert code == 1
+    assert "no aioexperts run completed" in capsys.readouterr().err
