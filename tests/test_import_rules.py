@@ -22,6 +22,7 @@ LAYER_OF = {
     "_errors": "base",
     "_checks": "base",
     "_json": "base",
+    "_cgroups": "base",
     "_format": "format",
     "_io": "store",
     "_cache": "store",

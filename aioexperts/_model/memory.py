@@ -21,6 +21,7 @@ import os
 import resource
 from dataclasses import dataclass
 
+from aioexperts._cgroups import cgroup_mounts, memory_cgroups
 from aioexperts._format.architectures import ModelHParams
 from aioexperts._format.model import GGUFModel
 
@@ -31,7 +32,6 @@ __all__ = (
     "SlabBudget",
     "choose_slab_bytes",
     "kv_reserve_bytes",
-    "memory_cgroups",
     "read_memory_limit",
     "resident_weight_bytes",
 )
@@ -106,65 +106,12 @@ def _read_int(path: str) -> int | None:
     return None if value >= _UNLIMITED else value
 
 
-def _mounts(root: str) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
-    """``(mount point, mount root)`` of the cgroup v2 hierarchy and of the v1 memory controller."""
-    v2 = v1 = None
-    try:
-        with open(os.path.join(root, "proc/self/mountinfo")) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None, None
-    for line in lines:
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 5 or len(tail) < 3:
-            continue
-        mount_root, mount_point, fstype = fields[3], fields[4], tail[0]
-        if fstype == "cgroup2" and v2 is None:
-            v2 = (mount_point, mount_root)
-        elif fstype == "cgroup" and "memory" in tail[2].split(",") and v1 is None:
-            v1 = (mount_point, mount_root)
-    return v2, v1
-
-
-def memory_cgroups(root: str = "/") -> list[tuple[str, str]]:
-    """``("v1" | "v2", directory)`` of this process's memory cgroups (v1 memory controller, v2 hierarchy).
-
-    ``directory`` is under ``root`` (``/`` but in tests), the mount's root taken off the cgroup path
-    (as inside a container's cgroup namespace). Empty when neither is mounted or readable.
-    """
-    v2_mount, v1_mount = _mounts(root)
-    try:
-        with open(os.path.join(root, "proc/self/cgroup")) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    found: list[tuple[str, str]] = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _hier, controllers, cgroup_path = parts
-        if controllers == "" and v2_mount is not None:
-            kind, mount = "v2", v2_mount
-        elif "memory" in controllers.split(",") and v1_mount is not None:
-            kind, mount = "v1", v1_mount
-        else:
-            continue
-        point, mount_root = mount
-        rel = cgroup_path
-        if mount_root != "/" and (rel == mount_root or rel.startswith(mount_root + "/")):
-            rel = rel[len(mount_root) :]
-        found.append((kind, os.path.join(root, point.lstrip("/"), rel.strip("/"))))
-    return found
-
-
 _LIMIT_FILES = {"v2": ("memory.max", "memory.current"), "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
 
 
 def _cgroup_headroom(root: str) -> list[tuple[str, int]]:
     """``(name, limit - usage)`` of the tightest limited level of this process's cgroup, v1 and v2."""
-    v2_mount, v1_mount = _mounts(root)
+    v2_mount, v1_mount = cgroup_mounts(root)
     found: list[tuple[str, int]] = []
     for kind, directory in memory_cgroups(root):
         files = _LIMIT_FILES[kind]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import aioexperts
+from aioexperts._cgroups import memory_cgroups
 from aioexperts._format.architectures import model_hparams
 from aioexperts._model import memory
 from aioexperts._model.memory import MemoryLimit, choose_slab_bytes, read_memory_limit, resident_weight_bytes
@@ -144,7 +145,7 @@ def test_memory_cgroups_take_the_mount_root_off_the_path(tmp_path: Path) -> None
     """Inside a container the v1 mount's root is the container's cgroup, which /proc/self/cgroup repeats."""
     mountinfo = "35 31 0:32 /docker/abc /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
     _fake(tmp_path, mountinfo=mountinfo, cgroup="4:memory:/docker/abc/job\n0::/\n")
-    assert memory.memory_cgroups(str(tmp_path)) == [("v1", str(tmp_path / "sys/fs/cgroup/memory/job"))]
+    assert memory_cgroups(str(tmp_path)) == [("v1", str(tmp_path / "sys/fs/cgroup/memory/job"))]
     _write(tmp_path, "sys/fs/cgroup/memory/job/memory.limit_in_bytes", str(2 * GIB))
     _write(tmp_path, "sys/fs/cgroup/memory/job/memory.usage_in_bytes", str(GIB // 2))
     limit = read_memory_limit(str(tmp_path))
