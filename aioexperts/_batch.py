@@ -2,7 +2,8 @@
 
 Each decoding sequence is a :class:`DecodeStream` of the runner; while its forward pass runs, the
 batcher knows which MoE layer it goes to next. A call for layer ``L`` opens a batch there (or joins
-the open one); the batch starts as soon as no other stream is on its way to ``L`` (within one MoE step
+the open one); the batch starts when it holds ``max_calls`` calls (the next call opens another batch, so that
+batches pipeline) or as soon as no other stream is on its way to ``L`` (within one MoE step
 of it: a stream whose last MoE step was ``L - 1`` or ``L - 2`` of this token, or, when ``L`` is the first
 MoE layer, one past its last MoE layer or that ended a token moments ago), and at the latest after
 its *bound*: the smaller of ``wait`` and what a step of ``L`` costs (the moving average of its last
@@ -159,10 +160,18 @@ class LayerBatcher(Generic[R, T]):
     Args:
         wait: the window in seconds (0: the runner does not batch).
         run: runs a list of requests of one layer (see ``RunBatch``).
+        max_calls: calls a batch takes at most (None: no cap); a full batch starts at once and
+            the layer's next call opens a new one.
+
+    Raises:
+        ConfigError: ``max_calls`` is not None or an int >= 1.
     """
 
-    def __init__(self, wait: float, run: RunBatch[R, T]) -> None:
+    def __init__(self, wait: float, run: RunBatch[R, T], max_calls: int | None = None) -> None:
+        if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1):
+            raise ConfigError(f"max_calls must be None or an int >= 1, got {max_calls!r}")
         self.wait = wait
+        self.max_calls = max_calls
         self._index: dict[int, int] = {}
         self._run = run
         self._open: dict[int, _Batch[R]] = {}
@@ -250,7 +259,10 @@ class LayerBatcher(Generic[R, T]):
             batch = self._open[layer] = _Batch(layer, index, now + bound, bound)
             batch.leader = me
         batch.members.append(me)
-        if self._complete(batch, now):
+        if self.max_calls is not None and len(batch.members) >= self.max_calls:
+            del self._open[layer]  # full: the next call of this layer opens a batch of its own
+            batch.full.set()
+        elif self._complete(batch, now):
             batch.full.set()
         try:
             while not me.finished:

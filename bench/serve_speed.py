@@ -5,15 +5,18 @@ Usage::
     python bench/serve_speed.py --rounds 2 --out docs/results/serve_speed-48l.json
     python bench/serve_speed.py --render docs/results/serve_speed-48l.json docs/serving.md
 
-The model is the built-in full model at ``--layers`` (Qwen3-30B-A3B geometry, Q4_K experts, written
-once into the user cache; never written here if missing at 48 layers: pass ``--layers`` of one that
-exists), loaded once with a slab of ``--slab`` of the experts. The streams are sequences of the
+The model is the built-in full model at ``--layers`` (Qwen3-30B-A3B geometry, Q4_K experts; routers
+spread over the experts, or ``--routing skewed``: 8 hot experts per layer take about half of the
+picks, as in trained models; written once into the user cache), loaded once with a slab of
+``--slab`` of the experts. The streams are sequences of the
 :class:`aioexperts.Model` API, each in its own task (what a server does with ``--parallel N``): each
 prefills its own short prompt (not timed), then all decode greedily from the same moment. Every round
 runs, for 1, 4 and 16 streams, batching on and off (the order alternates from round to round; the
-runner's ``batch_wait`` is switched between the runs, the slab stays warm), then one stream with
-hits-first off and on. Per run: aggregate tokens/s (decoded tokens / wall time from the common start
-to the last token), the per-token latency (the time between a stream's consecutive tokens) p50 and
+runner's ``batch_wait`` is switched between the runs, the slab stays warm). Then, per round, one
+stream runs with hits-first off and on, each in a fresh load with a slab of ``--hf-slab`` and no
+prefetch, filled by the same warm-up prompt first: about half the experts a token picks are still
+resident (the hit rate is reported). Per run: aggregate tokens/s (decoded tokens / wall time from
+the common start to the last token), the per-token latency (the time between a stream's consecutive tokens) p50 and
 p99, experts per read request (distinct experts per layer step), rows per step, the slab hit rate
 (experts READY when pinned) and bytes read per token. The streams' tokens with batching on must equal
 those with it off (checked).
@@ -42,9 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_results  # noqa: E402
 
 import aioexperts  # noqa: E402
-from aioexperts._bench.full_model import ensure_full_model, full_model_path, print_progress  # noqa: E402
+from aioexperts._bench.full_model import ensure_full_model, print_progress  # noqa: E402
 from aioexperts._bench.machine import machine_facts, machine_label  # noqa: E402
+from aioexperts._runner import BATCH_MAX_CALLS  # noqa: E402
 from aioexperts.backends import liburing_unusable_reason  # noqa: E402
+from aioexperts.testing._full_model import FULL_SPEC, SKEWED_SPEC  # noqa: E402
 
 IO = aioexperts.IOOptions(backend="auto")  # io_uring when it runs here, else the thread pool
 STREAMS = (1, 4, 16)
@@ -178,9 +183,8 @@ def brief(run: dict[str, Any]) -> str:
 async def main(args: argparse.Namespace) -> None:
     started = time.time()
     command = "python bench/serve_speed.py " + " ".join(sys.argv[1:])
-    path = full_model_path(args.layers)
-    if args.layers < 48 or not path.exists():
-        path = ensure_full_model(args.layers, progress=print_progress())
+    spec = (SKEWED_SPEC if args.routing == "skewed" else FULL_SPEC).with_(n_layer=args.layers)
+    path = ensure_full_model(spec=spec, progress=print_progress())
     logging.getLogger("aioexperts").setLevel(logging.ERROR)
     facts = machine_facts(str(path))
     async with aioexperts.open(path, slots=1, io=IO) as probe:
@@ -197,6 +201,7 @@ async def main(args: argparse.Namespace) -> None:
     rounds: list[dict[str, Any]] = []
     async with aioexperts.load(path, slots=slots, io=IO, n_ctx=n_ctx, batch_wait=args.batch_wait) as model:
         store_facts = model.store.statistics()
+        vocab = model.n_vocab
         print(f"reads: backend {store_facts.backend}, O_DIRECT {store_facts.direct_io}", flush=True)
         runner = model.runner
         t0 = time.perf_counter()
@@ -221,29 +226,46 @@ async def main(args: argparse.Namespace) -> None:
                 same = row["runs"][f"{n}-on"]["generated"] == row["runs"][f"{n}-off"]["generated"]
                 assert same, f"{n} streams: the tokens with batching differ from those without"
             runner.batch_wait = args.batch_wait
-            prompts = [rng.integers(0, model.n_vocab, args.prompt).tolist()]
-            for on in (False, True) if r % 2 == 0 else (True, False):
-                runner.hits_first = on
-                run = await decode_streams(model, prompts, args.tokens_hf)
-                row["runs"][f"hf-{'on' if on else 'off'}"] = run
-                print(f"round {r}: 1 stream, hits-first {'on ' if on else 'off'}: {brief(run)}", flush=True)
-            runner.hits_first = True
-            runs = row["runs"]
-            row["batching_speedup"] = {
-                str(n): runs[f"{n}-on"]["tokens_per_second"] / runs[f"{n}-off"]["tokens_per_second"] for n in STREAMS
-            }
-            row["batching_speedup_4"] = row["batching_speedup"]["4"]
-            row["hits_first_speedup"] = runs["hf-off"]["seconds"] / runs["hf-on"]["seconds"]
-            row["p99_4_over_1"] = runs["4-on"]["token_ms_p99"] / runs["1-on"]["token_ms_p99"]
-            for run in runs.values():
-                del run["generated"]
             rounds.append(row)
-            print(
-                f"round {r}: batching speed-up at 4 streams {row['batching_speedup_4']:.2f}x, hits-first "
-                f"{row['hits_first_speedup']:.2f}x, p99 4/1 streams {row['p99_4_over_1']:.2f}; "
-                f"load {row['load_average'][0]:.1f}",
-                flush=True,
-            )
+
+    # hits-first at about half hits: each run loads the model afresh with a slab of --hf-slab and no
+    # prefetch, fills the slab with a warm-up prompt (the same for both runs: the same slab state),
+    # then decodes the measured prompt; the hits are the experts still resident from earlier tokens
+    hf_slots = max(2 * k, int(total * args.hf_slab))
+    no_prefetch = aioexperts.PrefetchOptions(depth=0)
+    fill_tokens = -(-hf_slots // (k * len(layers))) + 2
+    hf_ctx = args.prompt + max(fill_tokens, args.tokens_hf) + 8
+
+    async def hits_first_run(on: bool, warm: list[int], prompt: list[int]) -> dict[str, Any]:
+        async with aioexperts.load(path, slots=hf_slots, io=IO, n_ctx=hf_ctx, prefetch=no_prefetch) as model:
+            model.runner.hits_first = on
+            await decode_streams(model, [warm], fill_tokens)
+            return await decode_streams(model, [prompt], args.tokens_hf)
+
+    for r, row in enumerate(rounds):
+        rng = np.random.default_rng(100 + r)
+        warm, prompt = (rng.integers(0, vocab, args.prompt).tolist() for _ in range(2))
+        for on in (False, True) if r % 2 == 0 else (True, False):
+            run = await hits_first_run(on, warm, prompt)
+            row["runs"][f"hf-{'on' if on else 'off'}"] = run
+            print(f"round {r}: 1 stream, hits-first {'on ' if on else 'off'}: {brief(run)}", flush=True)
+        same = row["runs"]["hf-on"]["generated"] == row["runs"]["hf-off"]["generated"]
+        assert same, "the tokens with hits-first differ from those without"
+        runs = row["runs"]
+        row["batching_speedup"] = {
+            str(n): runs[f"{n}-on"]["tokens_per_second"] / runs[f"{n}-off"]["tokens_per_second"] for n in STREAMS
+        }
+        row["batching_speedup_4"] = row["batching_speedup"]["4"]
+        row["hits_first_speedup"] = runs["hf-off"]["seconds"] / runs["hf-on"]["seconds"]
+        row["p99_4_over_1"] = runs["4-on"]["token_ms_p99"] / runs["1-on"]["token_ms_p99"]
+        for run in runs.values():
+            run.pop("generated", None)
+        print(
+            f"round {r}: batching speed-up at 4 streams {row['batching_speedup_4']:.2f}x, hits-first "
+            f"{row['hits_first_speedup']:.2f}x, p99 4/1 streams {row['p99_4_over_1']:.2f}; "
+            f"load {row['load_average'][0]:.1f}",
+            flush=True,
+        )
 
     keys = [*(f"{n}-{b}" for n in STREAMS for b in ("on", "off")), "hf-off", "hf-on"]
     fields = (
@@ -282,6 +304,11 @@ async def main(args: argparse.Namespace) -> None:
         "expert_used": k,
         "slots": slots,
         "slab_fraction": args.slab,
+        "routing": args.routing,
+        "hits_first_slab_fraction": args.hf_slab,
+        "hits_first_slots": hf_slots,
+        "hits_first_fill_tokens": fill_tokens,
+        "batch_max_calls": BATCH_MAX_CALLS,
         "prompt": args.prompt,
         "tokens": args.tokens,
         "tokens16": args.tokens16,
@@ -301,6 +328,13 @@ async def main(args: argparse.Namespace) -> None:
 
 
 REGION = ("<!-- bench:serve_speed -->", "<!-- /bench:serve_speed -->")
+#: the doc region of each routing's results (spread: the built-in model the targets are set for)
+REGIONS = {"spread": REGION, "skewed": ("<!-- bench:serve_speed-skewed -->", "<!-- /bench:serve_speed-skewed -->")}
+
+
+def region_of(results: Path) -> tuple[str, str]:
+    """The doc region a results file renders into (by its ``routing``; files before it: spread)."""
+    return REGIONS[json.loads(results.read_text())["parameters"].get("routing", "spread")]
 
 
 def render_lines(results: Path) -> list[str]:
@@ -311,6 +345,14 @@ def render_lines(results: Path) -> list[str]:
     why = f" because {reads['liburing_unusable_reason']}" if reads.get("liburing_unusable_reason") else ""
     load = f"{m['load_average_at_start'][0]:.1f} at the start, {m['load_average_at_end'][0]:.1f} at the end"
     runs = s["runs"]
+    caps = f", at most {p['batch_max_calls']} calls per batch" if "batch_max_calls" in p else ""
+    hf = (
+        f" The hits-first runs load the model afresh with a slab of {p['hits_first_slab_fraction']:.0%} "
+        f"({p['hits_first_slots']} slots) and no prefetch, filled by {p['hits_first_fill_tokens']} tokens of "
+        "one warm-up prompt first (the same for both runs)."
+        if "hits_first_slots" in p
+        else ""
+    )
 
     def row(label: str, key: str) -> str:
         x = runs[key]
@@ -332,13 +374,14 @@ def render_lines(results: Path) -> list[str]:
         f"<!-- rendered by bench/serve_speed.py --render {results} DOC; do not edit by hand -->",
         f"`{p['command']}` on {machine_label(m)}, {m['cpus_usable']} cores usable (shared with other work: "
         f"load average {load}), started {r['started']}, {r['seconds'] / 60:.0f} min. Model `{p['model']}` "
-        f"({p['layers']} layers, {p['experts_per_layer']} experts per layer, top-{p['expert_used']}), a slab of "
+        f"({p['layers']} layers, {p['experts_per_layer']} experts per layer, top-{p['expert_used']}, "
+        f"{p.get('routing', 'spread')} routing), a slab of "
         f"{p['slab_fraction']:.0%} of the experts ({p['slots']} slots), expert reads through `{reads['backend']}`"
         f"{why}. Streams are sequences of the Model API in their own tasks, each with a {p['prompt']}-token "
         f"prompt, then {p['tokens']} greedy tokens ({p['tokens16']} at 16 streams) from a common start; "
-        f"batching window {p['batch_wait']} s. Median (min-max) of {p['rounds']} interleaved rounds; ratios "
+        f"batching window {p['batch_wait']} s{caps}. Median (min-max) of {p['rounds']} interleaved rounds; ratios "
         "are taken per round. Latency is the time between a stream's consecutive tokens; hit rate is the "
-        "share of pinned experts already in the slab.",
+        f"share of pinned experts already in the slab.{hf}",
         "",
         "| run | aggregate tok/s | p50 ms/token | p99 ms/token | experts per read | rows per step | hit rate "
         "| MiB read/token |",
@@ -371,9 +414,9 @@ def render_lines(results: Path) -> list[str]:
 
 
 def render(results: Path, doc: Path) -> None:
-    """Replace the text between ``<!-- bench:serve_speed -->`` and its end marker in ``doc``."""
+    """Replace the text between the region markers of ``results``' routing (:data:`REGIONS`) in ``doc``."""
     text = doc.read_text()
-    start, end = REGION
+    start, end = region_of(results)
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     doc.write_text(head + start + "\n" + "\n".join(render_lines(results)) + "\n" + end + tail)
@@ -383,6 +426,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=48, help="layers of the built-in full model")
     ap.add_argument("--slab", type=float, default=0.25, help="slab size as a share of all experts")
+    ap.add_argument("--routing", choices=("spread", "skewed"), default="spread", help="the built-in model's routers")
+    ap.add_argument("--hf-slab", type=float, default=0.5, help="slab of the hits-first runs (no prefetch)")
     ap.add_argument("--prompt", type=int, default=4, help="prompt tokens per stream (prefill, not timed)")
     ap.add_argument("--tokens", type=int, default=4, help="decoded tokens per stream (1 and 4 streams)")
     ap.add_argument("--tokens16", type=int, default=2, help="decoded tokens per stream at 16 streams")

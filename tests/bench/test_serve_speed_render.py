@@ -29,15 +29,19 @@ def test_a_missed_target_is_rendered_as_missed() -> None:
     assert speed.verdict("p99_4_over_1", 2.1) == "MISSED"
 
 
-def test_the_region_is_rendered_from_its_results_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fails when docs/serving.md's region was typed or edited by hand, or not rendered again after a run."""
+@pytest.mark.parametrize("routing", ["spread", "skewed"])
+def test_the_region_is_rendered_from_its_results_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, routing: str
+) -> None:
+    """Fails when a region of docs/serving.md was typed or edited by hand, or not rendered again after a run."""
     monkeypatch.chdir(REPO)  # the results file is named relative to the repository
     doc = REPO / "docs" / "serving.md"
-    start, end = _serve_speed().REGION
+    start, end = _serve_speed().REGIONS[routing]
     text = doc.read_text()
     region = text.split(start, 1)[1].split(end, 1)[0]
     found = re.search(r"rendered by bench/serve_speed.py --render (\S+) DOC;", region)
     assert found is not None, "docs/serving.md's region names no results file"
+    assert _serve_speed().region_of(Path(found.group(1))) == (start, end), "the file is of another routing"
     copy = tmp_path / "serving.md"
     shutil.copy(doc, copy)
     _serve_speed().render(Path(found.group(1)), copy)

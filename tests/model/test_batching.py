@@ -15,6 +15,7 @@ import aioexperts
 from aioexperts._batch import LayerBatcher
 from aioexperts._compute import moe as moe_module
 from aioexperts._compute.pool import compute_pool
+from aioexperts._errors import ConfigError
 from aioexperts._runner import _batch_prefetch, hits_first_pays
 from aioexperts.testing import FakeBackend
 from aioexperts.testing._full_model import FullModelSpec, write_full_model
@@ -464,6 +465,37 @@ async def test_the_first_layer_waits_for_a_stream_in_its_output_head(anyio_backe
             with b.forward():
                 got.append(await batcher.submit(0, 2, b))
     assert sorted(got) == [1, 2] and steps[-1] == [1, 2]
+
+
+async def test_a_full_batch_starts_at_once_and_the_next_call_opens_another(anyio_backend: object) -> None:
+    steps: list[list[int]] = []
+
+    async def run(layer: int, requests: list[int]) -> list[object]:
+        steps.append(sorted(requests))
+        await anyio.sleep(0.05)
+        return [r * 10 for r in requests]
+
+    batcher: LayerBatcher[int, int] = LayerBatcher(5.0, run, max_calls=2)
+    batcher.set_layers([0, 1])
+    streams = [batcher.stream() for _ in range(5)]
+    got: dict[int, int] = {}
+
+    async def call(i: int) -> None:
+        with streams[i].forward():
+            got[i] = await batcher.submit(0, i, streams[i])
+
+    t0 = time.monotonic()
+    with anyio.fail_after(4):
+        async with anyio.create_task_group() as tg:
+            for i in range(5):
+                tg.start_soon(call, i)
+    # five streams expected at layer 0: without the cap one batch would wait for all five; with it,
+    # batches of at most two start as they fill, and the fifth call waits (bounded) for a partner
+    assert got == {i: 10 * i for i in range(5)}
+    assert sorted(map(len, steps)) == [1, 2, 2] and sorted(sum(steps, [])) == list(range(5))
+    assert time.monotonic() - t0 < 3.0
+    with pytest.raises(ConfigError, match="max_calls"):
+        LayerBatcher(1.0, run, max_calls=0)
 
 
 def test_a_batched_step_prefetches_what_its_calls_share_at_one_calls_budget() -> None:
