@@ -60,6 +60,7 @@ from .jit import jit_status
 __all__ = (
     "INT8_BATCH_MAX",
     "MATVEC_MAX_TOKENS",
+    "ROWS_MAX_TOKENS",
     "PRECISION_ENV",
     "SMALL_BATCH_MAX",
     "KernelBackend",
@@ -69,6 +70,8 @@ __all__ = (
     "int8_batched_types",
     "int8_types",
     "linear",
+    "linear_rows",
+    "rows_types",
     "precision",
     "ready_kernels",
     "set_backend",
@@ -93,12 +96,15 @@ INT8_BATCH_MAX = 16
 #: by default: on the shared 2-core machine (load average 9) the split measured 0.63-0.76x of one
 #: thread (bench/matvec_rows.py --threads2, docs/results/matvec-rows-after.json)
 SPLIT_MIN_BYTES: int | None = None
+#: with ``"float"`` precision, batches up to this many tokens of the types of :func:`rows_types` run
+#: ``matrows_<type>`` (one token included): each token's row bit for bit its one-token result
+ROWS_MAX_TOKENS = 16
 PRECISION_ENV = "AIOEXPERTS_PRECISION"
 
 BackendName = Literal["numba", "numpy"]
 Precision = Literal["float", "int8"]
-KernelKind = Literal["matvec", "matmat", "dequant", "matvec_int8", "matmat_int8"]
-KERNEL_KINDS: tuple[KernelKind, ...] = ("matvec", "matmat", "dequant")
+KernelKind = Literal["matvec", "matmat", "dequant", "matvec_int8", "matmat_int8", "matrows"]
+KERNEL_KINDS: tuple[KernelKind, ...] = ("matvec", "matmat", "dequant", "matrows")
 
 _F32 = np.dtype(np.float32)
 
@@ -113,6 +119,8 @@ class _Entry:
     int8_module: str | None = None
     #: whether that module has the int8 small-batch kernel ``matmat_int8_<suffix>`` too
     int8_batched: bool = False
+    #: module of the batch-invariant float kernel ``matrows_<suffix>``, if there is one
+    rows_module: str | None = None
 
 
 _TABLE: dict[GGMLQuantizationType, _Entry] = {
@@ -125,7 +133,7 @@ _TABLE: dict[GGMLQuantizationType, _Entry] = {
     T.Q8_0: _Entry("legacy", "q8_0", np.uint8, "int8", int8_batched=True),
     T.Q2_K: _Entry("kquants", "q2_k", np.uint8, "int8"),
     T.Q3_K: _Entry("kquants", "q3_k", np.uint8, "int8"),
-    T.Q4_K: _Entry("kquants", "q4_k", np.uint8, "int8", int8_batched=True),
+    T.Q4_K: _Entry("kquants", "q4_k", np.uint8, "int8", int8_batched=True, rows_module="rows"),
     T.Q5_K: _Entry("kquants", "q5_k", np.uint8, "int8"),
     T.Q6_K: _Entry("kquants", "q6_k", np.uint8, "int8", int8_batched=True),
     T.IQ4_NL: _Entry("codebook", "iq4_nl", np.uint8, "int8"),
@@ -179,7 +187,7 @@ class WarmupReport:
 class _Ready:
     """The compiled dispatchers of one type (a plain record; ``None`` where not compiled yet)."""
 
-    __slots__ = ("dequant", "entry", "matmat", "matmat_int8", "matvec", "matvec_int8", "row_bytes")
+    __slots__ = ("dequant", "entry", "matmat", "matmat_int8", "matrows", "matvec", "matvec_int8", "row_bytes")
 
     def __init__(self, entry: _Entry, row_bytes: Callable[[int], int]) -> None:
         self.entry = entry
@@ -189,6 +197,7 @@ class _Ready:
         self.dequant: Callable[..., None] | None = None
         self.matvec_int8: Callable[..., None] | None = None
         self.matmat_int8: Callable[..., None] | None = None
+        self.matrows: Callable[..., None] | None = None
 
 
 class _State:
@@ -272,7 +281,9 @@ def _modules() -> dict[str, ModuleType] | None:
         if not status.available:
             _state.load_error = status.reason
             return None
-        names = {e.module for e in _TABLE.values()} | {e.int8_module for e in _TABLE.values() if e.int8_module}
+        names = {e.module for e in _TABLE.values()} | {
+            m for e in _TABLE.values() for m in (e.int8_module, e.rows_module) if m
+        }
         try:
             _state.modules = {name: importlib.import_module(f"{__package__}.kernels.{name}") for name in sorted(names)}
         except Exception as exc:  # a broken numba/llvmlite can raise anything at import
@@ -313,6 +324,12 @@ def int8_types() -> frozenset[GGMLQuantizationType]:
     return frozenset(t for t, e in _TABLE.items() if e.int8_module)
 
 
+def rows_types() -> frozenset[GGMLQuantizationType]:
+    """Types whose float products of up to :data:`ROWS_MAX_TOKENS` tokens run ``matrows_<type>``
+    (one kernel for 1..16 tokens, each token's row independent of the others; numba backend)."""
+    return frozenset(t for t, e in _TABLE.items() if e.rows_module)
+
+
 def int8_batched_types() -> frozenset[GGMLQuantizationType]:
     """The ggml types whose int8 kernels also take up to :data:`INT8_BATCH_MAX` tokens at once."""
     return frozenset(t for t, e in _TABLE.items() if e.int8_batched)
@@ -346,7 +363,7 @@ def _signature(kind: KernelKind, entry: _Entry) -> tuple[Any, ...]:
     raw = types.Array(from_dtype(np.dtype(entry.raw_dtype)), 2, "C", readonly=True)
     if kind in ("matvec", "matvec_int8"):
         return (raw, types.Array(types.float32, 1, "C", readonly=True), types.Array(types.float32, 1, "C"))
-    if kind in ("matmat", "matmat_int8"):
+    if kind in ("matmat", "matmat_int8", "matrows"):
         return (raw, types.Array(types.float32, 2, "C", readonly=True), types.Array(types.float32, 2, "C"))
     return (raw, types.Array(types.float32, 2, "C"))
 
@@ -357,6 +374,9 @@ def _dispatcher(entry: _Entry, kind: KernelKind) -> Any:
     if kind in ("matvec_int8", "matmat_int8"):
         assert entry.int8_module is not None
         return getattr(modules[entry.int8_module], f"{kind}_{entry.suffix}")
+    if kind == "matrows":
+        assert entry.rows_module is not None
+        return getattr(modules[entry.rows_module], f"{kind}_{entry.suffix}")
     return getattr(modules[entry.module], f"{kind}_{entry.suffix}")
 
 
@@ -536,6 +556,57 @@ def linear(
     return result
 
 
+def _invariant_rows(qtype: GGMLQuantizationType) -> int:
+    """Tokens one :func:`linear` call of ``qtype`` takes with each token's row equal to its
+    one-token result (1: only one at a time is)."""
+    ready = _ready(qtype)
+    if ready is None:
+        return 1
+    if precision() == "int8":
+        return INT8_BATCH_MAX if ready.entry.int8_module is not None and ready.entry.int8_batched else 1
+    return ROWS_MAX_TOKENS if ready.entry.rows_module is not None else MATVEC_MAX_TOKENS
+
+
+def linear_rows(
+    data: memoryview | np.ndarray,
+    ggml_type: GGMLQuantizationType | int,
+    shape: tuple[int, int],
+    x: np.ndarray,
+    *,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """:func:`linear` with each row of ``x`` bit for bit what it gets alone (batch-invariant).
+
+    Cross-request batching computes the rows of several sequences in one call; this keeps every
+    sequence's numbers those of a one-token call (``linear(data, type, shape, x[i:i+1])``), whatever
+    the other rows. Rows go in calls of as many as the kernel keeps invariant: up to
+    :data:`ROWS_MAX_TOKENS` for :func:`rows_types` (float), :data:`INT8_BATCH_MAX` for
+    :func:`int8_batched_types` (int8), else :data:`MATVEC_MAX_TOKENS` (per-token kernels); the numpy
+    backend dequantizes once and multiplies row by row.
+
+    Args and Returns: as :func:`linear`. Raises: as :func:`linear`.
+    """
+    qtype = _qtype(ggml_type)
+    rows, cols = int(shape[0]), int(shape[1])
+    xs = _check_x(x, cols)
+    n = xs.shape[0]
+    result = _check_out(out, (n, rows))
+    if n == 0 or rows == 0:
+        return result
+    step = _invariant_rows(qtype)
+    if step == 1 or backend().name != "numba":
+        weights = _quant.dequantize(data, qtype, (rows, cols)) if _ready(qtype) is None else None
+        for i in range(n):
+            if weights is None:
+                result[i : i + 1] = linear(data, qtype, (rows, cols), xs[i : i + 1])
+            else:  # as linear()'s numpy path for one row
+                np.matmul(xs[i : i + 1], weights.T, out=result[i : i + 1])
+        return result
+    for i in range(0, n, step):
+        result[i : i + step] = linear(data, qtype, (rows, cols), xs[i : i + step])
+    return result
+
+
 def _split_rows(raw: np.ndarray, run: Callable[[int, int], None]) -> None:
     """``run(r0, r1)`` over row ranges covering ``raw``: one range, or one per compute-pool thread.
 
@@ -573,6 +644,8 @@ def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, x
             out[:, r0:r1] = part
 
         _split_rows(raw, batched)
+    elif not int8 and ready.entry.rows_module is not None and n <= ROWS_MAX_TOKENS:
+        _kernel(ready, qtype, "matrows")(raw, xs, out)
     elif n <= MATVEC_MAX_TOKENS:
         kind: KernelKind = "matvec_int8" if int8 else "matvec"
         matvec = _kernel(ready, qtype, kind)
@@ -617,7 +690,7 @@ def ready_kernels() -> frozenset[str]:
         return frozenset(
             f"{kind}_{ready.entry.suffix}"
             for ready in _state.ready.values()
-            for kind in ("matvec", "matmat", "dequant", "matvec_int8", "matmat_int8")
+            for kind in ("matvec", "matmat", "dequant", "matvec_int8", "matmat_int8", "matrows")
             if getattr(ready, kind) is not None
         )
 
@@ -657,6 +730,8 @@ def warmup(types: Iterable[GGMLQuantizationType | int], *, kinds: Iterable[Kerne
             if kind == "matvec_int8" and not ready.entry.int8_module:
                 continue
             if kind == "matmat_int8" and not ready.entry.int8_batched:
+                continue
+            if kind == "matrows" and not ready.entry.rows_module:
                 continue
             name = f"{kind}_{ready.entry.suffix}"
             try:

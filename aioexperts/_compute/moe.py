@@ -644,10 +644,12 @@ def expert_outputs(
 def expert_rows(plans: Sequence[MoEPlan], expert: int, view: ExpertView) -> list[np.ndarray]:
     """One expert's outputs for the rows every plan sent it: the batched path's one per-expert compute.
 
-    Each plan's rows go through the kernel that plan alone would use (:func:`moe_forward`'s
-    ``_expert_forward``), so each plan's numbers do not depend on the other plans. This is the one
-    function a multi-row kernel (every plan's rows in one call, with per-row results equal to the
-    plan alone) replaces.
+    Plans of one token each (decode steps, the only ones cross-request batching takes) go through
+    the expert together, each projection one batch-invariant product
+    (:func:`aioexperts._compute.fused.linear_rows`: each weight block decoded once for several
+    rows, each row bit for bit its one-token result); other plans go one by one through the kernel
+    that plan alone would use. Either way each plan's numbers are those of :func:`moe_forward` on
+    that plan alone, whatever the other plans.
 
     Args:
         plans: calls of one layer (:func:`plan_moe`), all with the same ``resident`` and ``hparams``.
@@ -657,11 +659,20 @@ def expert_rows(plans: Sequence[MoEPlan], expert: int, view: ExpertView) -> list
     Returns:
         One ``(n_positions, n_embd)`` float32 array per plan that chose ``expert``, in plan order.
     """
+    chosen = [(p, pos) for p in plans if (pos := p.positions.get(expert)) is not None]
+    if len(chosen) > 1 and all(len(p.x) == 1 for p, _ in chosen):
+        p0 = chosen[0][0]
+        x = np.concatenate([p.x[pos // p.ids.shape[1]] for p, pos in chosen])
+        in_scale = (
+            np.concatenate([p.weights.reshape(-1)[pos] for p, pos in chosen])
+            if p0.hparams.weights_before_experts
+            else None
+        )
+        rows = np.arange(len(x))
+        y = _expert_forward(x, rows, expert, view, p0.resident, p0.hparams, _workspace(), in_scale, invariant=True)
+        return [y[i : i + 1] for i in range(len(chosen))]
     out: list[np.ndarray] = []
-    for p in plans:
-        pos = p.positions.get(expert)
-        if pos is None:
-            continue
+    for p, pos in chosen:
         resident, hparams = p.resident, p.hparams
         k = p.ids.shape[1]
         # llama4 (weight_before_ffn): each slot's input is scaled by its weight, outputs sum unweighted
@@ -731,10 +742,13 @@ def _expert_forward(
     hparams: MoEHParams,
     ws: _Workspace,
     in_scale: np.ndarray | None = None,
+    invariant: bool = False,
 ) -> np.ndarray:
     """``down(act(gate x) * up x)`` of one expert for the tokens ``rows``; a fresh (n, n_embd) array.
 
     ``in_scale`` (``(n,)`` float32, llama4's ``weight_before_ffn``) multiplies each row of ``x`` first.
+    ``invariant``: each row's result bit for bit the one it gets alone (the products are
+    :func:`aioexperts._compute.fused.linear_rows`; everything else is elementwise).
     """
     n_embd = hparams.n_embd
     n_ff_exp, n_ff_down = _check_view(view, expert, n_embd, hparams.expert_width(resident.layer))
@@ -743,8 +757,8 @@ def _expert_forward(
     if in_scale is not None:
         xs = xs * in_scale[:, None]
 
-    g = _project(view.gate, xs, ws.buf("g", (n, n_ff_exp)))
-    u = _project(view.up, xs, ws.buf("u", (n, n_ff_exp)))
+    g = _project(view.gate, xs, ws.buf("g", (n, n_ff_exp)), invariant)
+    u = _project(view.up, xs, ws.buf("u", (n, n_ff_exp)), invariant)
     if resident.gate_exps_scale is not None:  # build_lora_mm_id: before the bias
         g *= resident.gate_exps_scale[expert]
     if resident.up_exps_scale is not None:
@@ -770,7 +784,7 @@ def _expert_forward(
     else:
         _swiglu(g, u, tmp, act_view)
 
-    out = _project(view.down, act, None)
+    out = _project(view.down, act, None, invariant)
     if resident.down_exps_scale is not None:
         out *= resident.down_exps_scale[expert]
     if resident.down_exps_bias is not None:
@@ -864,10 +878,12 @@ def _shared_forward(x: np.ndarray, resident: ResidentLayer, limit: float = 0.0) 
     return out
 
 
-def _project(proj: ProjectionView, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """``x @ W.T`` for a projection's raw ggml bytes (``ggml_mul_mat``), into ``out`` if given."""
+def _project(proj: ProjectionView, x: np.ndarray, out: np.ndarray | None, invariant: bool = False) -> np.ndarray:
+    """``x @ W.T`` for a projection's raw ggml bytes (``ggml_mul_mat``), into ``out`` if given;
+    ``invariant``: each row as it is alone (:func:`aioexperts._compute.fused.linear_rows`)."""
     # through the module attribute so the kernel dispatch (and test counters) is picked up at call time
-    return _fused.linear(proj.data, proj.ggml_type, proj.shape, x, out=out)
+    product = _fused.linear_rows if invariant else _fused.linear
+    return product(proj.data, proj.ggml_type, proj.shape, x, out=out)
 
 
 def _dense(weights: np.ndarray, x: np.ndarray) -> np.ndarray:

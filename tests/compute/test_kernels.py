@@ -254,7 +254,7 @@ def test_warmup_reports_the_kernels() -> None:
     report = fused.warmup([Q.Q4_K, Q.F32, Q.TQ2_0])
     assert report.backend.name == "numba"
     assert report.types == ("F32", "Q4_K", "TQ2_0")
-    assert set(report.kernels) == {f"{k}_q4_k" for k in ("matvec", "matmat", "dequant")}
+    assert set(report.kernels) == {f"{k}_q4_k" for k in ("matvec", "matmat", "dequant", "matrows")}
     assert report.loaded + report.compiled <= len(report.kernels)
     again = fused.warmup([Q.Q4_K])
     assert again.loaded == again.compiled == 0  # ready in this process: nothing to do

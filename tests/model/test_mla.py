@@ -257,7 +257,7 @@ def test_per_head_callables_equal_arrays(lite: bool) -> None:
     for weights in (w, w_callables):
         cache = np.zeros((8, hp.cache_width), np.float32)
         outs.append(mla.mla_attention(x, 0, weights, hp, cache, rope, mla.kq_scale(hp)))
-    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)  # values up to ~7: 1e-5 is float32 reassociation
     q_nope, _ = mla.project_query(x, w, hp)
     want = np.einsum("hcn,thn->thc", arrays["blk.0.attn_k_b.weight"].astype(np.float64), q_nope)
     np.testing.assert_allclose(mla.absorb_query(q_nope, w.k_b), want, rtol=1e-5, atol=1e-6)
