@@ -6,6 +6,9 @@ zero-copy view of slot memory) and a float32 batch ``x``:
 ===========================  ============================================================================
 tokens ``n``                 kernel (numba backend)
 ===========================  ============================================================================
+``n <= ROWS_MAX_TOKENS``     ``matrows_<type>`` for the types of :func:`rows_types` (Q4_K): each block
+                             decoded once for up to 3 tokens, each token's row bit for bit its one-token
+                             result (:mod:`aioexperts._compute.kernels.rows`)
 ``n <= MATVEC_MAX_TOKENS``   ``matvec_<type>`` per token: each block is decoded in registers and dotted with
                              ``x`` (the float32 weights never exist)
 up to ``SMALL_BATCH_MAX``    ``matmat_<type>``: a few rows decoded once into a small buffer, then a blocked
@@ -18,7 +21,8 @@ than a compiled loop; the compute pool keeps BLAS to one thread per call). Types
 kernel (IQ1/IQ2/IQ3, TQ, ...) and the ``numpy`` backend take the last row with
 :func:`aioexperts._format.dequant.dequantize`. The float kernels agree with a float64 product
 within about 1e-6 relative (their reductions are reassociated); the exact dequantization is bit for
-bit ``gguf.quants.dequantize``. Exact dequantization has one entry,
+bit ``gguf.quants.dequantize``. :func:`linear_rows` is the batch-invariant product: each row of ``x``
+bit for bit what it gets alone (cross-request batching uses it). Exact dequantization has one entry,
 :func:`aioexperts._format.dequant.dequantize` (the store's row views use it too); importing this module
 plugs the compiled ``dequant_<type>`` kernels into it.
 
