@@ -6,7 +6,7 @@ zero-copy view of slot memory) and a float32 batch ``x``:
 ===========================  ============================================================================
 tokens ``n``                 kernel (numba backend)
 ===========================  ============================================================================
-``n <= ROWS_MAX_TOKENS``     ``matrows_<type>`` for the types of :func:`rows_types` (Q4_K): each block
+``n <= ROWS_MAX_TOKENS``     ``matrows_<type>`` for the types of :func:`rows_types` (Q4_K, Q8_0): each block
                              decoded once for up to 3 tokens, each token's row bit for bit its one-token
                              result (:mod:`aioexperts._compute.kernels.rows`)
 ``n <= MATVEC_MAX_TOKENS``   ``matvec_<type>`` per token: each block is decoded in registers and dotted with
@@ -134,7 +134,7 @@ _TABLE: dict[GGMLQuantizationType, _Entry] = {
     T.Q4_1: _Entry("legacy", "q4_1", np.uint8, "int8"),
     T.Q5_0: _Entry("legacy", "q5_0", np.uint8, "int8"),
     T.Q5_1: _Entry("legacy", "q5_1", np.uint8, "int8"),
-    T.Q8_0: _Entry("legacy", "q8_0", np.uint8, "int8", int8_batched=True),
+    T.Q8_0: _Entry("legacy", "q8_0", np.uint8, "int8", int8_batched=True, rows_module="rows"),
     T.Q2_K: _Entry("kquants", "q2_k", np.uint8, "int8"),
     T.Q3_K: _Entry("kquants", "q3_k", np.uint8, "int8"),
     T.Q4_K: _Entry("kquants", "q4_k", np.uint8, "int8", int8_batched=True, rows_module="rows"),
@@ -649,7 +649,17 @@ def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, x
 
         _split_rows(raw, batched)
     elif not int8 and ready.entry.rows_module is not None and n <= ROWS_MAX_TOKENS:
-        _kernel(ready, qtype, "matrows")(raw, xs, out)
+        matrows = _kernel(ready, qtype, "matrows")
+
+        def rows_part(r0: int, r1: int) -> None:
+            if r0 == 0 and r1 == raw.shape[0]:
+                matrows(raw, xs, out)
+                return
+            part = np.empty((n, r1 - r0), dtype=np.float32)
+            matrows(raw[r0:r1], xs, part)
+            out[:, r0:r1] = part
+
+        _split_rows(raw, rows_part)
     elif n <= MATVEC_MAX_TOKENS:
         kind: KernelKind = "matvec_int8" if int8 else "matvec"
         matvec = _kernel(ready, qtype, kind)

@@ -53,10 +53,11 @@ def test_each_row_is_its_one_token_result_in_any_batch(make: Any, qtype: Q, shap
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 16])
-def test_q4_k_products_up_to_16_tokens_are_matrows(n: int) -> None:
-    """linear() itself is batch-invariant for Q4_K up to ROWS_MAX_TOKENS (one kernel for 1..16 tokens)."""
+@pytest.mark.parametrize(("make", "qtype"), [(_q4_k, Q.Q4_K), (_q8_0, Q.Q8_0)])
+def test_products_up_to_16_tokens_are_matrows(make: Any, qtype: Q, n: int) -> None:
+    """linear() itself is batch-invariant for Q4_K and Q8_0 up to ROWS_MAX_TOKENS (one kernel for 1..16 tokens)."""
     shape = (64, 512)
-    data = _q4_k(*shape, 3)
+    data = make(*shape, 3)
     x = np.random.default_rng(4).standard_normal((n, shape[1])).astype(np.float32)
-    assert Q.Q4_K in fused.rows_types() and n <= fused.ROWS_MAX_TOKENS
-    assert fused.linear(data, Q.Q4_K, shape, x).tobytes() == _alone(data, Q.Q4_K, shape, x).tobytes()
+    assert qtype in fused.rows_types() and n <= fused.ROWS_MAX_TOKENS
+    assert fused.linear(data, qtype, shape, x).tobytes() == _alone(data, qtype, shape, x).tobytes()

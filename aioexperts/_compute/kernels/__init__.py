@@ -13,8 +13,8 @@ Per ggml type, three entry points, all over the raw bytes of one 2-D tensor view
 * ``dequant_<type>(raw, out)``: exact dequantization, bit for bit ``gguf.quants.dequantize``;
 
 and, in :mod:`.int8`, ``matvec_int8_<type>`` for the quantized types: ``x`` quantized to 8 bits,
-integer dot products (llama.cpp's CPU scheme); in :mod:`.rows`, ``matrows_<type>`` (Q4_K): float
-products of 1..16 tokens, each token's row bit for bit its one-token result.
+integer dot products (llama.cpp's CPU scheme); in :mod:`.rows`, ``matrows_<type>``: float
+products of 1..16 tokens (Q4_K, Q8_0), each token's row bit for bit its one-token result.
 
 Modules: :mod:`.common` (f16 and e8m0 scales, prefetch, sums of ``x``, the blocked product),
 :mod:`.simd` (vector intrinsics: dot products of 16/32 codes, table lookups), :mod:`.floats` (F16,

@@ -15,9 +15,12 @@ block); the row's result is a fixed shuffle tree over the 32 lanes minus the one
 token's operations are the same sequence whichever group (1, 2 or 3 tokens) it is computed in, so
 its result is too.
 
-The formula is llama.cpp's Q4_K dot product (``ggml_vec_dot_q4_K_q8_K``: ``d sum_j sc_j dot_j -
+Q8_0 is the same with ``w = d * q`` per 32 weights and no mins term.
+
+The Q4_K formula is llama.cpp's Q4_K dot product (``ggml_vec_dot_q4_K_q8_K``: ``d sum_j sc_j dot_j -
 dmin sum_j m_j bsum_j``) on float32 ``x``; it differs from :func:`.kquants.matvec_q4_k` (which
-sums each 32 codes first, then scales) by float32 rounding only (about 1e-7 relative).
+sums each 32 codes first, then scales) by float32 rounding only (about 1e-7 relative); Q8_0
+differs from :func:`.legacy.matvec_q8_0` likewise.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from .rowdot import (
     I16,
     I64,
     Q4_K_BYTES,
+    Q8_0_BYTES,
     V32I8,
     _call,
     _const,
@@ -149,6 +153,46 @@ def _make_rows_q4_k(k: int) -> Any:
     return rows_q4_k
 
 
+def _make_rows_q8_0(k: int) -> Any:
+    @intrinsic
+    def rows_q8_0(typingctx, row, x, x_off, x_stride, n_blocks, out, out_off, out_stride):
+        """One Q8_0 row dotted with ``k`` tokens: ``out[out_off + i * out_stride]`` for ``i < k``
+        (``x`` as for Q4_K; no sums of ``x`` are needed)."""
+        if not _args_ok(row, x, x, out, (x_off, x_stride, n_blocks, out_off, out_stride)):
+            return None
+        sig = types.void(row, x, x_off, x_stride, n_blocks, out, out_off, out_stride)
+
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            w = _Ptr(context, builder, a[0], args[0])
+            xp = _Ptr(context, builder, a[1], args[1])
+            op = _Ptr(context, builder, a[5], args[5])
+            x_off, x_stride, out_off, out_stride = (_i64(builder, args[i]) for i in (2, 3, 6, 7))
+            x_at = [builder.add(x_off, builder.mul(x_stride, _const(I64, i))) for i in range(k)]
+            acc_slots = [cgutils.alloca_once_value(builder, ir.Constant(V32F, [0.0] * 32)) for _ in range(k)]
+            with cgutils.for_range(builder, _i64(builder, args[4])) as loop:
+                b = loop.index
+                o = builder.mul(b, _const(I64, Q8_0_BYTES))
+                d = _half(builder, w.load(o, I16))
+                wv = builder.fmul(builder.sitofp(w.load(_offset(builder, o, 2), V32I8), V32F), _splat(builder, d, 32))
+                xo = builder.mul(b, _const(I64, 32))
+                for i in range(k):
+                    xv = xp.load(builder.add(x_at[i], xo), V32F, align=4)
+                    acc = _call(builder, "llvm.fmuladd.v32f32", V32F, [wv, xv, builder.load(acc_slots[i])])
+                    builder.store(acc, acc_slots[i])
+            for i in range(k):
+                at = builder.add(out_off, builder.mul(out_stride, _const(I64, i)))
+                builder.store(_hsum32(builder, builder.load(acc_slots[i])), builder.gep(op.data, [at]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return rows_q8_0
+
+
+rows1_q8_0 = _make_rows_q8_0(1)
+rows2_q8_0 = _make_rows_q8_0(2)
+rows3_q8_0 = _make_rows_q8_0(3)
 rows1_q4_k = _make_rows_q4_k(1)
 rows2_q4_k = _make_rows_q4_k(2)
 rows3_q4_k = _make_rows_q4_k(3)
@@ -184,3 +228,27 @@ def matrows_q4_k(raw, xt, out):
             t += 2
         if n - t == 1:
             rows1_q4_k(row, xf, t * cols, cols, xs, t * n_sub, n_sub, n_blocks, of, t * rows + r, rows)
+
+
+@kernel(exact=True)
+def matrows_q8_0(raw, xt, out):
+    """``out = xt @ W.T`` for a Q8_0 matrix (see :func:`matrows_q4_k`): ``w = d * q`` per 32 weights,
+    each token's row bit for bit its result alone."""
+    n = xt.shape[0]
+    cols = xt.shape[1]
+    rows = raw.shape[0]
+    n_blocks = cols // 32
+    xf = xt.reshape(n * cols)
+    of = out.reshape(n * rows)
+    for r in range(rows):
+        prefetch_row(raw, r + PREFETCH_ROWS)
+        row = raw[r]
+        t = 0
+        while n - t == 3 or n - t > 4:
+            rows3_q8_0(row, xf, t * cols, cols, n_blocks, of, t * rows + r, rows)
+            t += 3
+        while n - t >= 2:
+            rows2_q8_0(row, xf, t * cols, cols, n_blocks, of, t * rows + r, rows)
+            t += 2
+        if n - t == 1:
+            rows1_q8_0(row, xf, t * cols, cols, n_blocks, of, t * rows + r, rows)
