@@ -297,6 +297,9 @@ class ComputePool:
                 job.wake()
             elif batch is not None and i is not None:
                 batch.run_item(i, self._lock)
+            # an idle worker keeps nothing alive: a job's arguments (slot views) would otherwise pin
+            # their memory (and keep a closed store's slab mapped) until the next job arrives
+            job = batch = None
 
     def close(self) -> None:
         """Stop the workers once the queued jobs are done; restore native thread limits. Idempotent."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import anyio
 import numpy as np
@@ -212,3 +214,23 @@ def test_sizes_and_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         configure_compute_pool(original.n_threads)
     assert compute_pool().n_threads == original.n_threads
+
+
+def test_an_idle_worker_keeps_no_job_or_map_item_alive(pool: ComputePool) -> None:
+    """A finished job's arguments and map items (slot views, in the runner) are released at once: a
+    worker waiting for work held the last ones, which kept a closed store's slab mapped."""
+
+    class Item:
+        pass
+
+    items = [Item() for _ in range(6)]
+    refs = [weakref.ref(item) for item in items]
+    pool.map(lambda item: time.sleep(0.02), items)  # the idle workers help with some
+    assert pool.statistics().items_helped > 0
+    arg = Item()
+    refs.append(weakref.ref(arg))
+    anyio.run(pool.run, lambda a: None, arg)
+    del items, arg
+    gc.collect()
+    time.sleep(0.05)  # the workers are back waiting
+    assert [r() for r in refs] == [None] * len(refs)
