@@ -633,33 +633,30 @@ def _split_rows(raw: np.ndarray, run: Callable[[int, int], None]) -> None:
     pool.map(lambda k: run(bounds[k], bounds[k + 1]), range(parts))
 
 
+def _by_rows(
+    kernel: Callable[..., None], raw: np.ndarray, xs: np.ndarray, out: np.ndarray
+) -> Callable[[int, int], None]:
+    """``run(r0, r1)`` for :func:`_split_rows`: ``kernel(raw[r0:r1], xs, part)`` into ``out[:, r0:r1]``
+    (a ``(n, rows)`` kernel: every token at once)."""
+
+    def run(r0: int, r1: int) -> None:
+        if r0 == 0 and r1 == raw.shape[0]:
+            kernel(raw, xs, out)
+            return
+        part = np.empty((xs.shape[0], r1 - r0), dtype=np.float32)
+        kernel(raw[r0:r1], xs, part)
+        out[:, r0:r1] = part
+
+    return run
+
+
 def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
     n = xs.shape[0]
     int8 = ready.entry.int8_module is not None and precision() == "int8"
     if int8 and ready.entry.int8_batched and 1 < n <= INT8_BATCH_MAX:
-        matmat = _kernel(ready, qtype, "matmat_int8")
-
-        def batched(r0: int, r1: int) -> None:
-            if r0 == 0 and r1 == raw.shape[0]:
-                matmat(raw, xs, out)
-                return
-            part = np.empty((n, r1 - r0), dtype=np.float32)
-            matmat(raw[r0:r1], xs, part)
-            out[:, r0:r1] = part
-
-        _split_rows(raw, batched)
+        _split_rows(raw, _by_rows(_kernel(ready, qtype, "matmat_int8"), raw, xs, out))
     elif not int8 and ready.entry.rows_module is not None and n <= ROWS_MAX_TOKENS:
-        matrows = _kernel(ready, qtype, "matrows")
-
-        def rows_part(r0: int, r1: int) -> None:
-            if r0 == 0 and r1 == raw.shape[0]:
-                matrows(raw, xs, out)
-                return
-            part = np.empty((n, r1 - r0), dtype=np.float32)
-            matrows(raw[r0:r1], xs, part)
-            out[:, r0:r1] = part
-
-        _split_rows(raw, rows_part)
+        _split_rows(raw, _by_rows(_kernel(ready, qtype, "matrows"), raw, xs, out))
     elif n <= MATVEC_MAX_TOKENS:
         kind: KernelKind = "matvec_int8" if int8 else "matvec"
         matvec = _kernel(ready, qtype, kind)
