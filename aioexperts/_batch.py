@@ -30,6 +30,7 @@ from typing import Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
+from ._checks import check_int
 from ._errors import ConfigError
 
 __all__ = ("DEFAULT_BATCH_WAIT", "BatchCounters", "DecodeStream", "LayerBatcher", "check_batch_wait")
@@ -168,10 +169,9 @@ class LayerBatcher(Generic[R, T]):
     """
 
     def __init__(self, wait: float, run: RunBatch[R, T], max_calls: int | None = None) -> None:
-        if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1):
-            raise ConfigError(f"max_calls must be None or an int >= 1, got {max_calls!r}")
         self.wait = wait
         self.max_calls = max_calls
+        check_int(self, "max_calls", low=1, optional=True)
         self._index: dict[int, int] = {}
         self._run = run
         self._open: dict[int, _Batch[R]] = {}

@@ -534,11 +534,8 @@ def linear(
         UnsupportedTypeError: the type can be dequantized neither here nor by gguf-py.
         ConfigError: ``x`` or ``out`` has the wrong dtype, shape or layout.
     """
-    qtype = _qtype(ggml_type)
-    rows, cols = int(shape[0]), int(shape[1])
-    xs = _check_x(x, cols)
+    qtype, rows, cols, xs, result = _arguments(ggml_type, shape, x, out)
     n = xs.shape[0]
-    result = _check_out(out, (n, rows))
     if n == 0 or rows == 0:
         return result
     if out is not None and (np.may_share_memory(result, xs) or np.may_share_memory(result, np.asarray(data))):
@@ -560,12 +557,19 @@ def linear(
     return result
 
 
-def _invariant_rows(qtype: GGMLQuantizationType) -> int:
-    """Tokens one :func:`linear` call of ``qtype`` takes with each token's row equal to its
+def _arguments(
+    ggml_type: GGMLQuantizationType | int, shape: tuple[int, int], x: np.ndarray, out: np.ndarray | None
+) -> tuple[GGMLQuantizationType, int, int, np.ndarray, np.ndarray]:
+    """The checked arguments of :func:`linear` and :func:`linear_rows`: ``(type, rows, cols, x, out)``."""
+    qtype = _qtype(ggml_type)
+    rows, cols = int(shape[0]), int(shape[1])
+    xs = _check_x(x, cols)
+    return qtype, rows, cols, xs, _check_out(out, (xs.shape[0], rows))
+
+
+def _invariant_rows(ready: _Ready) -> int:
+    """Tokens one :func:`linear` call of ``ready``'s type takes with each token's row equal to its
     one-token result (1: only one at a time is)."""
-    ready = _ready(qtype)
-    if ready is None:
-        return 1
     if precision() == "int8":
         return INT8_BATCH_MAX if ready.entry.int8_module is not None and ready.entry.int8_batched else 1
     return ROWS_MAX_TOKENS if ready.entry.rows_module is not None else MATVEC_MAX_TOKENS
@@ -590,22 +594,17 @@ def linear_rows(
 
     Args and Returns: as :func:`linear`. Raises: as :func:`linear`.
     """
-    qtype = _qtype(ggml_type)
-    rows, cols = int(shape[0]), int(shape[1])
-    xs = _check_x(x, cols)
+    qtype, rows, cols, xs, result = _arguments(ggml_type, shape, x, out)
     n = xs.shape[0]
-    result = _check_out(out, (n, rows))
     if n == 0 or rows == 0:
         return result
-    step = _invariant_rows(qtype)
-    if step == 1 or backend().name != "numba":
-        weights = _quant.dequantize(data, qtype, (rows, cols)) if _ready(qtype) is None else None
+    ready = _ready(qtype)
+    if ready is None:  # numpy serves: dequantize once, then linear()'s numpy path row by row
+        weights = _quant.dequantize(data, qtype, (rows, cols))
         for i in range(n):
-            if weights is None:
-                result[i : i + 1] = linear(data, qtype, (rows, cols), xs[i : i + 1])
-            else:  # as linear()'s numpy path for one row
-                np.matmul(xs[i : i + 1], weights.T, out=result[i : i + 1])
+            np.matmul(xs[i : i + 1], weights.T, out=result[i : i + 1])
         return result
+    step = _invariant_rows(ready)
     for i in range(0, n, step):
         result[i : i + step] = linear(data, qtype, (rows, cols), xs[i : i + step])
     return result

@@ -61,3 +61,16 @@ def test_products_up_to_16_tokens_are_matrows(make: Any, qtype: Q, n: int) -> No
     x = np.random.default_rng(4).standard_normal((n, shape[1])).astype(np.float32)
     assert qtype in fused.rows_types() and n <= fused.ROWS_MAX_TOKENS
     assert fused.linear(data, qtype, shape, x).tobytes() == _alone(data, qtype, shape, x).tobytes()
+
+
+def test_the_numpy_backend_is_batch_invariant_too() -> None:
+    shape = (64, 512)
+    data = _q4_k(*shape, 5)
+    x = np.random.default_rng(6).standard_normal((5, shape[1])).astype(np.float32)
+    fused.set_backend("numpy")
+    try:
+        got = fused.linear_rows(data, Q.Q4_K, shape, x)
+        alone = _alone(data, Q.Q4_K, shape, x)
+    finally:
+        fused.set_backend(None)
+    assert got.tobytes() == alone.tobytes()
