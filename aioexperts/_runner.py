@@ -71,9 +71,11 @@ BATCH_MAX_CALLS = 4
 """Calls a cross-request batch takes at most; a fuller layer opens another batch, so that batches
 pipeline (one reads while another computes) instead of moving every stream in lockstep.
 
-Measured on the 8-layer built-in model, 2 cores, slab 25 %: 16 streams batched without a cap ran at
-0.73x of no batching (every step read, then computed, with the other resource idle); capped at 4,
-1.0x (spread routing) and 1.1x (skewed); at 4 streams the cap changes nothing."""
+Chosen from interleaved development runs (no results file) on 2 cores, slab 25 %: on the 8-layer
+built-in model, 16 streams batched without a cap ran at about 0.73x of no batching (every step read,
+then computed, with the other resource idle), capped at 4 about 1.0x (spread routing) and 1.1x
+(skewed). On 48 layers a cap of 2 did better with spread routing at 4 streams and worse with skewed
+routing at 16 (issue 22's note)."""
 
 HITS_FIRST_MIN_MISSES = 2
 """A layer step splits into hits first, then misses, only with at least this many misses
