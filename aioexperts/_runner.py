@@ -629,9 +629,10 @@ class MoERunner:
     async def _run_batch(self, layer: int, calls: list[_Call]) -> list[_Outcome]:
         return await self._run_calls(layer, calls)
 
-    async def _run_calls(self, layer: int, calls: list[_Call]) -> list[_Outcome]:
+    async def _run_calls(self, layer: int, calls: list[_Call], prefetch: list[Key] | None = None) -> list[_Outcome]:
         """One layer step for ``calls`` (each fits the slab): pin the union of their experts once,
-        prefetch, compute every call's rows (resident experts first), one outcome per call.
+        prefetch (``prefetch``, else :func:`_batch_prefetch` of the calls' predictions), compute
+        every call's rows (resident experts first), one outcome per call.
 
         Raises:
             SlabExhaustedError, ExpertReadError, StoreClosedError, InvalidRequestError: the step
@@ -639,7 +640,8 @@ class MoERunner:
         """
         store = self._store
         experts = list(dict.fromkeys(e for c in calls for e in c.routed.groups[0].experts))
-        prefetch = _batch_prefetch([c.routed.prefetch for c in calls])
+        if prefetch is None:
+            prefetch = _batch_prefetch([c.routed.prefetch for c in calls])
         wanted = {(layer, e) for e in experts}
         ahead = set(self.upcoming_layers(layer)) - {layer}
         store.drop_prefetches(keep=lambda key: key in wanted or key[0] in ahead)
@@ -656,7 +658,7 @@ class MoERunner:
         hits: list[int] = []
         if self.hits_first and len(experts) > 1 and misses and len(misses) < len(experts):
             hits = [e for e, ready in zip(experts, resident, strict=True) if ready]
-            if not hits_first_pays(len(hits), len(misses), compute_pool().n_threads):
+            if not hits_first_pays(len(hits), len(misses), compute_pool().n_threads, batched=len(calls) > 1):
                 hits = []  # one compute job after the reads
         outcomes: list[_Outcome]
         note = self._batcher.note
@@ -844,6 +846,54 @@ class MoERunner:
         ids = self._checked_token_ids([layer], None, len(x))
         return self._route(layer, x, None, self._predictor, None, ids)
 
+    def _route_rows(self, layer: int, x: np.ndarray) -> tuple[list[_Routed | Exception], list[Key]]:
+        """:meth:`_route_in_job` of ``n`` decode rows of different sequences at once (a compute-pool job).
+
+        The router product runs once for all rows through a batch-invariant kernel and the selection
+        is per row, so each row's experts and weights are bit for bit those it gets alone; the
+        layers ahead are predicted once for all rows (up to one budget per row). Returns each row's
+        routing (or its own error: a router output that is not finite) and the step's prefetch.
+
+        Raises:
+            InvalidRequestError: as :meth:`_route_in_job`.
+        """
+        assert self._residents is not None, "MoERunner.warmup() has not run"
+        layer = self._store.layout.layer(layer).index
+        n = len(x)
+        self._checked_token_ids([layer], None, n)
+        _check_x(x, self._store.hparams.n_embd)
+        resident, hparams = self.residents[layer], self._store.hparams
+        with np.errstate(over="ignore", invalid="ignore"):  # finite x, logits out of range: refused below
+            ids, weights = route(x, resident, hparams, None, invariant=True)
+        good = np.isfinite(weights).all(axis=1)
+        out: list[_Routed | Exception] = []
+        for i in range(n):
+            if not good[i]:
+                out.append(
+                    InvalidRequestError(
+                        f"layer {layer}: the router's output is not finite (x too large for float32 logits?)"
+                    )
+                )
+                continue
+            row_ids, row_w = ids[i : i + 1], weights[i : i + 1]
+            unique = list(dict.fromkeys(row_ids[row_ids >= 0].tolist()))
+            plan = plan_moe(x[i : i + 1], row_ids, row_w, resident, hparams)
+            out.append(_Routed(row_ids, row_w, [_Group(unique, row_ids)], [], plan))
+        prefetch: list[Key] = []
+        budget = self.prefetch_options.budget
+        budget = self._store.layout.n_expert_used if budget is None else budget
+        kept = np.flatnonzero(good)
+        with self._state_lock:
+            if self._recorder is not None and len(kept):
+                self._recorder.record(layer, ids[kept])
+            if self._predictor is not None and len(kept):
+                self._predictor.observe(layer, x[kept], ids[kept])
+                if budget:
+                    for nxt in self.upcoming_layers(layer):
+                        got = _predicted(self._predictor, layer, nxt, x[kept], budget * len(kept))
+                        prefetch.extend((nxt, e) for e in got)
+        return out, prefetch
+
     async def _moe_routed(
         self, layer: int, x: np.ndarray, routed: _Routed, stream: DecodeStream | None = None
     ) -> np.ndarray:
@@ -852,6 +902,80 @@ class MoERunner:
             raise InvalidRequestError(f"stream must be a DecodeStream (runner.decode_stream()), got {stream!r}")
         out, _, _ = await self._executor_layer(self._store.layout.layer(layer).index, x, routed, stream)
         return out.ffn_out
+
+    async def _moe_rows(
+        self, layer: int, rows: Sequence[tuple[np.ndarray, _Routed]], prefetch: list[Key] | None = None
+    ) -> list[np.ndarray | Exception]:
+        """One layer step of several sequences' decode rows, routed by :meth:`_route_rows` (or each
+        by :meth:`_route_in_job`): ``ffn_out`` ``(1, n_embd)`` per row, or that row's error (a
+        batched decode step of :class:`aioexperts.Model`). ``prefetch``: the step's prefetch
+        (default: what the rows' routings predict most).
+
+        The rows go in calls of at most :data:`BATCH_MAX_CALLS`, run concurrently (one call's
+        reads overlap another's compute); each reads the union of its rows' experts once and
+        computes each expert once for all its rows (:meth:`_run_calls`). A call that fails as a
+        whole is run again row by row, so one row's error is never another's. Each row's numbers
+        are those it gets alone.
+        """
+        out: list[np.ndarray | Exception | None] = [None] * len(rows)
+        ready = [i for i, (_, routed) in enumerate(rows) if routed.plan is not None]
+        for i in (i for i in range(len(rows)) if rows[i][1].plan is None):  # more experts than the slab holds
+            try:
+                y, _, _ = await self._executor_layer(layer, rows[i][0], rows[i][1])
+                out[i] = y.ffn_out
+            except Exception as exc:
+                out[i] = exc
+
+        counters = self._batcher.counters
+        # the step's prefetch: what its rows predict for the layers ahead (most-predicted first), up
+        # to an eighth of the slab, submitted with the first call's reads
+        limit = max(self._store.layout.n_expert_used, self._store.n_slots // 8)
+        if prefetch is None:
+            prefetch = _batch_prefetch([rows[i][1].prefetch for i in ready], limit=limit)
+        else:
+            prefetch = list(dict.fromkeys(prefetch))[:limit]
+
+        async def chunk(members: list[int]) -> None:
+            nonlocal prefetch
+            calls = [_Call(rows[i][1]) for i in members]
+            if len(calls) > 1:
+                counters.batches += 1
+                counters.batched_calls += len(calls)
+            ahead, prefetch = prefetch or [], []
+            try:
+                outcomes = await self._run_calls(layer, calls, ahead)
+            except Exception:
+                if len(members) == 1:
+                    raise
+                counters.retried_calls += len(calls)
+                outcomes = []
+                for call in calls:  # the step failed as a whole: each row alone
+                    try:
+                        (one,) = await self._run_calls(layer, [call])
+                    except Exception as exc:
+                        one = exc
+                    outcomes.append(one)
+            for i, outcome in zip(members, outcomes, strict=True):
+                out[i] = outcome if isinstance(outcome, Exception) else outcome[0].ffn_out
+
+        async def chunk_caught(members: list[int]) -> None:
+            try:
+                await chunk(members)
+            except Exception as exc:
+                for i in members:
+                    out[i] = exc
+
+        if ready:
+            n_chunks = -(-len(ready) // BATCH_MAX_CALLS)
+            parts = [ready[len(ready) * k // n_chunks : len(ready) * (k + 1) // n_chunks] for k in range(n_chunks)]
+            if len(parts) == 1:
+                await chunk_caught(parts[0])
+            else:
+                async with anyio.create_task_group() as tg:
+                    for members in parts:
+                        tg.start_soon(chunk_caught, members)
+        assert all(o is not None for o in out)
+        return out  # type: ignore[return-value]
 
     async def run_token(self, x: np.ndarray, **kwargs: Any) -> MoELayersResult:
         """Deprecated name of :meth:`run_moe_layers` (0.2; removed in the release after 0.3).
@@ -1083,9 +1207,10 @@ def _sum_groups(outputs: Sequence[MoEOutput]) -> MoEOutput:
     return MoEOutput(moe_out, shared_out, ffn_out)
 
 
-def _batch_prefetch(wanted: list[list[Key]]) -> list[Key]:
+def _batch_prefetch(wanted: list[list[Key]], limit: int | None = None) -> list[Key]:
     """The prefetch of a batched step: the calls' predicted keys most of them share, no more of
-    them than one call asks for (the keys more calls predicted first, then in the order asked).
+    them than one call asks for, or than ``limit`` when given (the keys more calls predicted
+    first, then in the order asked).
 
     The union of every call's predictions (4 calls: up to 4 times one call's reads) filled a slab
     of 25 % of the experts with predictions that evicted each other: the 8-layer model read as many
@@ -1098,10 +1223,10 @@ def _batch_prefetch(wanted: list[list[Key]]) -> list[Key]:
         for key in dict.fromkeys(keys):
             counts[key] = counts.get(key, 0) + 1
     order = sorted(counts, key=lambda key: -counts[key])  # stable: ties keep the order asked
-    return order[: max(len(set(keys)) for keys in wanted)]
+    return order[: max(len(set(keys)) for keys in wanted) if limit is None else limit]
 
 
-def hits_first_pays(n_hits: int, n_misses: int, n_threads: int) -> bool:
+def hits_first_pays(n_hits: int, n_misses: int, n_threads: int, *, batched: bool = False) -> bool:
     """Whether a layer step computes its ``n_hits`` resident experts while its ``n_misses`` others are
     read (hits-first), rather than everything in one job after the reads.
 
@@ -1111,6 +1236,8 @@ def hits_first_pays(n_hits: int, n_misses: int, n_threads: int) -> bool:
     the split measured 0.86x at 95 % hits on 2 cores), and at least ``n_threads`` hits to keep the
     workers busy during the read.
     """
+    if batched:  # several calls' experts: the hits' compute covers even one miss's read
+        return n_misses >= 1 and n_hits >= n_threads
     return n_misses >= max(HITS_FIRST_MIN_MISSES, n_threads) and n_hits >= n_threads
 
 

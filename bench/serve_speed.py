@@ -18,8 +18,8 @@ prefetch, filled by the same warm-up prompt first: about half the experts a toke
 resident (the hit rate is reported). Per run: aggregate tokens/s (decoded tokens / wall time from
 the common start to the last token), the per-token latency (the time between a stream's consecutive tokens) p50 and
 p99, experts per read request (distinct experts per layer step), rows per step, the slab hit rate
-(experts READY when pinned) and bytes read per token. The streams' tokens with batching on must equal
-those with it off (checked).
+(experts READY when pinned), bytes read per token, and the model's attention and MoE time per
+token. The streams' tokens with batching on must equal those with it off (checked).
 
 Targets (issue 22): at 4 streams aggregate tok/s with batching >= 1.4x without; hits-first >= 5 %
 faster per token at ~50 % hits; p99 token latency at 4 streams <= 2x that of 1 stream (batching on).
@@ -47,6 +47,7 @@ from _results import write_results  # noqa: E402
 import aioexperts  # noqa: E402
 from aioexperts._bench.full_model import ensure_full_model, print_progress  # noqa: E402
 from aioexperts._bench.machine import machine_facts, machine_label  # noqa: E402
+from aioexperts._model.model import DECODE_BATCH_MAX_CALLS  # noqa: E402
 from aioexperts._runner import BATCH_MAX_CALLS  # noqa: E402
 from aioexperts.backends import liburing_unusable_reason  # noqa: E402
 from aioexperts.testing._full_model import FULL_SPEC, SKEWED_SPEC  # noqa: E402
@@ -60,33 +61,12 @@ TARGETS = {
 }
 
 
-def one_step(events: list[tuple[float, str, int, int]], layers: list[int]) -> list[dict[str, Any]]:
-    """One batched layer step out of a recorded timeline: the middle MoE layer's step of the second
-    decoded token, its calls' arrivals, start, read, computed and done, in ms from the first arrival."""
-    layer = layers[len(layers) // 2]
-    starts = [i for i, e in enumerate(events) if e[1] == "start" and e[2] == layer]
-    if not starts:
-        return []
-    at = starts[min(1, len(starts) - 1)]
-    n = events[at][3]
-    arrivals = [e for e in events[:at] if e[1] == "arrive" and e[2] == layer][-n:]
-    after = []
-    for name in ("read", "computed", "done"):
-        after.extend(next(([e] for e in events[at:] if e[1] == name and e[2] == layer), []))
-    picked = [*arrivals, events[at], *after]
-    t0 = picked[0][0]
-    return [{"ms": (t - t0) * 1e3, "event": name, "layer": lay, "n": k} for t, name, lay, k in picked]
-
-
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else float("nan")
 
 
-async def decode_streams(
-    model: aioexperts.Model, prompts: list[list[int]], tokens: int, timeline: bool = False
-) -> dict[str, Any]:
-    """Each prompt in its own sequence and task: prefill, wait for all, then ``tokens`` greedy steps each
-    (``timeline``: also the timeline of one batched layer step, see :func:`one_step`)."""
+async def decode_streams(model: aioexperts.Model, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    """Each prompt in its own sequence and task: prefill, wait for all, then ``tokens`` greedy steps each."""
     n = len(prompts)
     prefilled = 0
     start = anyio.Event()
@@ -101,9 +81,7 @@ async def decode_streams(
             logits = (await seq.forward(prompts[i], all_logits=False))[0]
             prefilled += 1
             if prefilled == n:  # the counters from here: decode only
-                snapshot.extend((model.store.statistics(), model.runner.statistics()))
-                if timeline:
-                    model.runner._batcher.record_timeline()  # the decode steps only
+                snapshot.extend((model.store.statistics(), model.runner.statistics(), model.statistics()))
                 begun = time.perf_counter()
                 start.set()
             await start.wait()
@@ -122,8 +100,8 @@ async def decode_streams(
     async with anyio.create_task_group() as tg:
         for i in range(n):
             tg.start_soon(stream, i)
-    st0, ru0 = snapshot
-    st1, ru1 = model.store.statistics(), model.runner.statistics()
+    st0, ru0, mo0 = snapshot
+    st1, ru1, mo1 = model.store.statistics(), model.runner.statistics(), model.statistics()
     wall = max(last_token_at) - begun
     steps = ru1.layer_steps - ru0.layer_steps
 
@@ -131,13 +109,9 @@ async def decode_streams(
         return (mean or 0.0) * st.layer_steps
 
     requests = st1.requests - st0.requests
-    step: list[dict[str, Any]] = []
-    if timeline:
-        events = model.runner._batcher.timeline()
-        model.runner._batcher.record_timeline(False)
-        step = one_step(events, list(model.store.layout.layers))
+    decoded = max(1, mo1.tokens_decoded - mo0.tokens_decoded)
+    batched = mo1.batched_steps - mo0.batched_steps
     return {
-        "timeline": step,
         "streams": n,
         "tokens_per_stream": tokens,
         "seconds": wall,
@@ -150,7 +124,11 @@ async def decode_streams(
         "rows_per_step": (total(ru1, ru1.rows_per_step) - total(ru0, ru0.rows_per_step)) / max(1, steps),
         "batches": ru1.batches - ru0.batches,
         "batched_calls": ru1.batched_calls - ru0.batched_calls,
-        "window_ms_per_step": (ru1.batch_window_seconds - ru0.batch_window_seconds) * 1e3 / max(1, steps),
+        "decode_steps_batched": batched,
+        "sequences_per_batched_step": (mo1.batched_tokens - mo0.batched_tokens) / max(1, batched),
+        "window_ms_per_token": (mo1.batch_window_seconds - mo0.batch_window_seconds) * 1e3 / decoded,
+        "attention_ms_per_token": (mo1.attention_seconds - mo0.attention_seconds) * 1e3 / decoded,
+        "moe_ms_per_token": (mo1.moe_seconds - mo0.moe_seconds) * 1e3 / decoded,
         "hits_first_steps": ru1.hits_first_steps - ru0.hits_first_steps,
         "hit_rate": (st1.hits - st0.hits) / max(1, requests),
         "inflight_join_rate": (st1.inflight_joins - st0.inflight_joins) / max(1, requests),
@@ -176,7 +154,8 @@ def brief(run: dict[str, Any]) -> str:
     return (
         f"{run['tokens_per_second']:.2f} tok/s, p50 {run['token_ms_p50']:.0f} / p99 {run['token_ms_p99']:.0f} ms, "
         f"{run['experts_per_read']:.1f} experts/read, {run['rows_per_step']:.1f} rows/step, "
-        f"hits {run['hit_rate']:.2f}, window {run['window_ms_per_step']:.1f} ms/step"
+        f"hits {run['hit_rate']:.2f}, {run['sequences_per_batched_step']:.1f} sequences per batched step, "
+        f"attention {run['attention_ms_per_token']:.0f} / MoE {run['moe_ms_per_token']:.0f} ms per token"
     )
 
 
@@ -217,12 +196,9 @@ async def main(args: argparse.Namespace) -> None:
                 order = (True, False) if r % 2 == 0 else (False, True)
                 for on in order:
                     runner.batch_wait = args.batch_wait if on else 0
-                    run = await decode_streams(model, prompts, tokens, timeline=on and n == 4)
+                    run = await decode_streams(model, prompts, tokens)
                     row["runs"][f"{n}-{'on' if on else 'off'}"] = run
                     print(f"round {r}: {n} streams, batching {'on ' if on else 'off'}: {brief(run)}", flush=True)
-                    if run["timeline"]:
-                        events = ", ".join(f"{e['event']} {e['ms']:.1f}" for e in run["timeline"])
-                        print(f"round {r}: one step of layer {run['timeline'][0]['layer']} (ms): {events}", flush=True)
                 same = row["runs"][f"{n}-on"]["generated"] == row["runs"][f"{n}-off"]["generated"]
                 assert same, f"{n} streams: the tokens with batching differ from those without"
             runner.batch_wait = args.batch_wait
@@ -276,6 +252,8 @@ async def main(args: argparse.Namespace) -> None:
         "rows_per_step",
         "hit_rate",
         "bytes_read_per_token",
+        "attention_ms_per_token",
+        "moe_ms_per_token",
     )
     summary: dict[str, Any] = {
         "runs": {key: {f: spread([row["runs"][key][f] for row in rounds]) for f in fields} for key in keys},
@@ -309,6 +287,7 @@ async def main(args: argparse.Namespace) -> None:
         "hits_first_slots": hf_slots,
         "hits_first_fill_tokens": fill_tokens,
         "batch_max_calls": BATCH_MAX_CALLS,
+        "decode_batch_max_sequences": DECODE_BATCH_MAX_CALLS,
         "prompt": args.prompt,
         "tokens": args.tokens,
         "tokens16": args.tokens16,
@@ -345,7 +324,13 @@ def render_lines(results: Path) -> list[str]:
     why = f" because {reads['liburing_unusable_reason']}" if reads.get("liburing_unusable_reason") else ""
     load = f"{m['load_average_at_start'][0]:.1f} at the start, {m['load_average_at_end'][0]:.1f} at the end"
     runs = s["runs"]
-    caps = f", at most {p['batch_max_calls']} calls per batch" if "batch_max_calls" in p else ""
+    if "decode_batch_max_sequences" in p:
+        caps = (
+            f"; one decode step at a time for up to {p['decode_batch_max_sequences']} sequences, its MoE "
+            f"layers in calls of up to {p['batch_max_calls']} sequences"
+        )
+    else:
+        caps = f", at most {p['batch_max_calls']} calls per batch" if "batch_max_calls" in p else ""
     hf = (
         f" The hits-first runs load the model afresh with a slab of {p['hits_first_slab_fraction']:.0%} "
         f"({p['hits_first_slots']} slots) and no prefetch, filled by {p['hits_first_fill_tokens']} tokens of "
@@ -394,6 +379,17 @@ def render_lines(results: Path) -> list[str]:
     lines.append(row("1 stream, hits-first on", "hf-on"))
     lines += [
         "",
+        "Where a decode token's time goes (ms per token, median; attention: the jobs of the norms, attention and "
+        "routing; MoE: the MoE layers' wall time, expert waits included): "
+        + "; ".join(
+            f"{n} stream{'s' if n > 1 else ''} batching {b} {runs[f'{n}-{b}']['attention_ms_per_token']['median']:.0f} / "
+            f"{runs[f'{n}-{b}']['moe_ms_per_token']['median']:.0f}"
+            for n in STREAMS
+            for b in ("on", "off")
+            if "attention_ms_per_token" in runs[f"{n}-{b}"]
+        )
+        + ".",
+        "",
         "| figure | measured | target |",
         "|---|---|---|",
         target("batching_speedup_4", "4 streams: aggregate tok/s, batching on / off"),
@@ -401,15 +397,6 @@ def render_lines(results: Path) -> list[str]:
         target("hits_first_speedup", "1 stream: time per token, hits-first off / on"),
         target("p99_4_over_1", "p99 token latency, 4 streams / 1 stream (batching on)"),
     ]
-    steps = [row["runs"]["4-on"].get("timeline") for row in r.get("rounds", [])]
-    step = next((x for x in steps if x), None)
-    if step:
-        events = ", ".join(f"{e['event']} {e['ms']:.1f}" for e in step)
-        lines += [
-            "",
-            f"One batched layer step of the 4-stream run (layer {step[0]['layer']}, the second decoded token; ms "
-            f"from the first call's arrival; read: the experts pinned, the misses read): {events}.",
-        ]
     return lines
 
 

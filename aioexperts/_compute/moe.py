@@ -330,12 +330,14 @@ def _one_value(name: str, value: np.ndarray | None) -> float | None:
 # routing
 
 
-def router_logits(x: np.ndarray, resident: ResidentLayer) -> np.ndarray:
+def router_logits(x: np.ndarray, resident: ResidentLayer, *, invariant: bool = False) -> np.ndarray:
     """Router logits ``x @ router.T (+ router_bias)`` (``ffn_moe_logits``, ``ffn_moe_logits_biased``).
 
     Args:
         x: ``(n_tokens, n_embd)`` float32.
         resident: the layer's resident weights.
+        invariant: each row bit for bit its one-row result (:func:`aioexperts._compute.fused.linear_rows`;
+            rows of several sequences' decode steps).
 
     Returns:
         ``(n_tokens, n_layer_experts)`` float32.
@@ -344,14 +346,22 @@ def router_logits(x: np.ndarray, resident: ResidentLayer) -> np.ndarray:
         InvalidRequestError: ``x`` is not a float32 ``(n_tokens, n_embd)`` array.
     """
     x = check_activations(x, resident.n_embd)
-    logits = _dense(resident.router, x)
+    if invariant:
+        logits = _fused.linear_rows(resident.router, GGMLQuantizationType.F32, resident.router.shape, x)
+    else:
+        logits = _dense(resident.router, x)
     if resident.router_bias is not None:
         logits += resident.router_bias
     return logits
 
 
 def route(
-    x: np.ndarray, resident: ResidentLayer, hparams: MoEHParams, token_ids: np.ndarray | None = None
+    x: np.ndarray,
+    resident: ResidentLayer,
+    hparams: MoEHParams,
+    token_ids: np.ndarray | None = None,
+    *,
+    invariant: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Choose the experts of each token: :func:`router_logits`, then :func:`select_experts`.
 
@@ -366,6 +376,8 @@ def route(
         hparams: the model's MoE parameters.
         token_ids: ``(n_tokens,)`` integer token ids of the rows of ``x``; required in a hash-routed
             layer, ignored elsewhere.
+        invariant: each row's choice and weights bit for bit those it gets alone (the router
+            product through :func:`aioexperts._compute.fused.linear_rows`; the selection is per row).
 
     Returns:
         ``(ids, weights)``, both ``(n_tokens, n_expert_used)``: int32 ids in llama.cpp's order and
@@ -381,13 +393,13 @@ def route(
     if resident.n_embd != hparams.n_embd:
         raise ConfigError(f"resident layer has n_embd={resident.n_embd}, hparams n_embd={hparams.n_embd}")
     if not hparams.is_hash_layer(resident.layer):
-        return select_experts(router_logits(x, resident), hparams, resident.selection_bias)
+        return select_experts(router_logits(x, resident, invariant=invariant), hparams, resident.selection_bias)
     table = resident.token_experts
     if table is None:
         raise ConfigError(f"layer {resident.layer} is hash-routed but its resident weights have no token table")
     x = check_activations(x, resident.n_embd)
     ids = check_token_ids(token_ids, len(x), table.shape[0], resident.layer)
-    return select_experts(router_logits(x, resident), hparams, None, selected=table[ids])
+    return select_experts(router_logits(x, resident, invariant=invariant), hparams, None, selected=table[ids])
 
 
 def check_token_ids(token_ids: object, n_tokens: int, n_vocab: int, layer: int) -> np.ndarray:

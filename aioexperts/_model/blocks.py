@@ -16,19 +16,20 @@ whole q and k projections (olmoe.cpp), gpt-oss's output bias, sinks and sliding 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from aioexperts._compute.attention import attend
 from aioexperts._compute.norms import rms_norm
+from aioexperts._compute.pool import compute_pool
 from aioexperts._compute.rope import apply_rope, rope_table
 from aioexperts._errors import UnsupportedTypeError
 from aioexperts._format.architectures import ModelHParams
-from aioexperts._model.weights import TensorReader
+from aioexperts._model.weights import TensorReader, invariant_products
 
-__all__ = ("BLOCKS", "AttentionBlock", "BlockFactory", "GQABlock", "register_block")
+__all__ = ("BLOCKS", "AttentionBlock", "BatchedAttentionBlock", "BlockFactory", "GQABlock", "register_block")
 
 
 class AttentionBlock(Protocol):
@@ -45,6 +46,22 @@ class AttentionBlock(Protocol):
     def cache_shapes(self) -> Mapping[str, tuple[int, ...]]: ...
 
     def attention(self, x: np.ndarray, cache: Mapping[str, np.ndarray], start: int) -> np.ndarray: ...
+
+
+@runtime_checkable
+class BatchedAttentionBlock(AttentionBlock, Protocol):
+    """A block that also runs one new position of several sequences at once (a batched decode step).
+
+    ``attention_rows(x, caches, starts, parts)``: row ``i`` of ``x`` ``(n, n_embd)`` float32 is the
+    position ``starts[i]`` of the sequence whose cache is ``caches[i]``; returns ``(n, n_embd)``
+    float32, each row bit for bit what ``attention(x[i:i+1], caches[i], starts[i])`` returns (the
+    dense products through batch-invariant kernels, split over up to ``parts`` compute-pool workers).
+    Blocks without it run such a step one row at a time.
+    """
+
+    def attention_rows(
+        self, x: np.ndarray, caches: Sequence[Mapping[str, np.ndarray]], starts: Sequence[int], parts: int
+    ) -> np.ndarray: ...
 
 
 BlockFactory = Callable[[ModelHParams, TensorReader, int], AttentionBlock]
@@ -106,9 +123,29 @@ class GQABlock:
 
     def attention(self, x: np.ndarray, cache: Mapping[str, np.ndarray], start: int) -> np.ndarray:
         """See :class:`AttentionBlock`."""
-        hp = self.hp
+        out = self._attend(self.wq(x), self.wk(x), self.wv(x), cache, start)
+        return self._output(self.wo(out))
+
+    def attention_rows(
+        self, x: np.ndarray, caches: Sequence[Mapping[str, np.ndarray]], starts: Sequence[int], parts: int
+    ) -> np.ndarray:
+        """See :class:`BatchedAttentionBlock`: q/k/v and the output projection once for every row
+        (batch-invariant, split over ``parts`` workers), the attention of each row on its own cache."""
         n = x.shape[0]
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q, k, v = invariant_products([(self.wq, x), (self.wk, x), (self.wv, x)], parts)
+        outs = compute_pool().map(
+            lambda i: self._attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], caches[i], starts[i]), range(n)
+        )
+        (y,) = invariant_products([(self.wo, np.concatenate(outs))], parts)
+        return self._output(y)
+
+    def _attend(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: Mapping[str, np.ndarray], start: int
+    ) -> np.ndarray:
+        """From the q/k/v projections of ``n`` positions to the attention's heads ``(n, n_head * head_v)``
+        (biases, q/k norms, RoPE, the cache write, softmax(q k^T) v)."""
+        hp = self.hp
+        n = q.shape[0]
         if self.bq is not None:
             q += self.bq
         if self.bk is not None:
@@ -131,8 +168,9 @@ class GQABlock:
         kc, vc = cache["k"], cache["v"]
         kc[start : start + n] = k3
         vc[start : start + n] = v.reshape(n, hp.n_head_kv, hp.head_v)
-        out = attend(q3, kc[: start + n], vc[: start + n], start, self.scale, sinks=self.sinks, window=self.window)
-        y = self.wo(out)
+        return attend(q3, kc[: start + n], vc[: start + n], start, self.scale, sinks=self.sinks, window=self.window)
+
+    def _output(self, y: np.ndarray) -> np.ndarray:
         if self.bo is not None:
             y += self.bo
         return y

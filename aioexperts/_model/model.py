@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
-from aioexperts._batch import DEFAULT_BATCH_WAIT, DecodeStream, check_batch_wait
+from aioexperts._batch import DEFAULT_BATCH_WAIT, check_batch_wait
 from aioexperts._compute import fused
 from aioexperts._compute.norms import rms_norm
 from aioexperts._errors import (
@@ -43,8 +43,10 @@ from aioexperts._format.architectures import ARCHITECTURES, ModelHParams, model_
 from aioexperts._format.model import GGUFModel, open_model
 from aioexperts._model import text as _text
 from aioexperts._model.blocks import BLOCKS, AttentionBlock
+from aioexperts._model.decode_batch import DecodeRequest, decode_rows
 from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
 from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_reserve_bytes
+from aioexperts._model.steps import StepBatcher
 from aioexperts._model.weights import DenseMatrix, TensorReader
 from aioexperts._options import CacheOptions, IOOptions, PageCacheOptions
 from aioexperts._pipeline import run_in_worker
@@ -90,6 +92,10 @@ class ModelStatistics:
         moe_seconds: wall time of the MoE layers (routing, expert waits, expert compute).
         head_seconds: output norm and head.
         sampling_seconds: choosing the next token.
+        batched_steps: decode steps that ran several sequences' tokens together (cross-request
+            batching, :mod:`aioexperts._model.decode_batch`).
+        batched_tokens: the tokens of those steps.
+        batch_window_seconds: time decode steps waited for their sequences, summed.
     """
 
     dense_bytes: int
@@ -105,6 +111,9 @@ class ModelStatistics:
     moe_seconds: float
     head_seconds: float
     sampling_seconds: float
+    batched_steps: int = 0
+    batched_tokens: int = 0
+    batch_window_seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -220,6 +229,19 @@ def _whole_model_hparams(model: GGUFModel) -> ModelHParams:
         raise type(exc)(f"{model.path}: {exc}") from exc  # UnsupportedTypeError stays one
 
 
+DECODE_BATCH_MAX_CALLS = 16
+"""Sequences one batched decode step takes at most (:mod:`aioexperts._model.decode_batch`); more
+open the next step. Its MoE layers go in calls of ``BATCH_MAX_CALLS`` sequences (``_runner``)."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _StepCall:
+    """A sequence's one-token decode step, for the step batcher."""
+
+    cache: KVCache
+    request: DecodeRequest
+
+
 def _plain_moe(runner: MoERunner) -> bool:
     """Whether ``runner``'s :meth:`~MoERunner.moe` is the base class's (route, then the executor), so the
     model may route in its own job (a subclass that overrides ``moe`` or its routing keeps them)."""
@@ -257,7 +279,6 @@ class ModelSequence:
         self.unrun: list[int] = []
         self._last_logits: np.ndarray | None = None  # of position n_past - 1
         self._lock = anyio.Lock()
-        self._stream: DecodeStream | None = None  # cross-request batching of its decode steps
 
     @property
     def n_past(self) -> int:
@@ -295,6 +316,7 @@ class ModelSequence:
             self._cache.free()
             self._cache = None
             self.model._sequence_closed(self)
+            self.model._steps.forget(self)
 
     async def __aenter__(self) -> ModelSequence:
         return self
@@ -335,7 +357,7 @@ class ModelSequence:
                     "(load the model with a larger n_ctx, or --ctx of aioexperts-run; or keep() a shorter prefix)"
                 )
             logits = await self.model._forward(
-                self._cache, self.n_past, run, all_logits=all_logits or not ids, stream=self._decode_stream(len(run))
+                self._cache, self.n_past, run, all_logits=all_logits or not ids, step_of=self
             )
             self.tokens.extend(run)
             self.unrun = []
@@ -343,15 +365,6 @@ class ModelSequence:
             if not all_logits:
                 return logits[-1:]
             return logits[len(run) - len(ids) :] if ids else logits[-1:]
-
-    def _decode_stream(self, n_tokens: int) -> DecodeStream | None:
-        """This sequence's stream for a decode step of ``n_tokens`` (None: prefill, or batching off)."""
-        runner = self.model.runner
-        if not runner.batching or n_tokens > BATCH_MAX_ROWS:
-            return None
-        if self._stream is None:
-            self._stream = runner.decode_stream()
-        return self._stream
 
     def generate(
         self,
@@ -551,6 +564,10 @@ class Model:
         self._closed = False
         self._tokenizer: Tokenizer | None = None
         self._chat_template: ChatTemplate | None = None
+        # cross-request batching: the one-token decode steps of sequences decoding at the same moment
+        self._steps: StepBatcher[_StepCall, np.ndarray] = StepBatcher(
+            self._run_steps, DECODE_BATCH_MAX_CALLS, self._batch_wait
+        )
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -706,6 +723,9 @@ class Model:
             moe_seconds=c.moe_seconds,
             head_seconds=c.head_seconds,
             sampling_seconds=c.sampling_seconds,
+            batched_steps=self._steps.counters.batches,
+            batched_tokens=self._steps.counters.batched_calls,
+            batch_window_seconds=self._steps.counters.window_seconds,
         )
 
     # -- sequences ------------------------------------------------------------------------------
@@ -1049,12 +1069,30 @@ class Model:
         *,
         all_logits: bool = True,
         capture: dict[str, np.ndarray] | None = None,
-        stream: DecodeStream | None = None,
+        step_of: ModelSequence | None = None,
     ) -> np.ndarray:
-        if stream is None:
-            return await self._forward_layers(cache, start, ids, all_logits, capture, None)
-        with stream.forward():
-            return await self._forward_layers(cache, start, ids, all_logits, capture, stream)
+        """A forward pass of ``ids`` at ``start``; a one-token step of sequence ``step_of`` goes
+        through the step batcher (cross-request batching, on while the runner's ``batch_wait`` is)."""
+        runner = self._started()[1]
+        batched = step_of is not None and runner.batching and len(ids) == 1 and capture is None
+        if not batched or not _plain_moe(runner):
+            return await self._forward_layers(cache, start, ids, all_logits, capture)
+        assert cache.layers is not None, "KV cache freed"
+        self._steps.wait = runner.batch_wait
+        return await self._steps.submit(step_of, _StepCall(cache, DecodeRequest(cache.layers, start, ids[0])))
+
+    async def _run_steps(self, calls: list[_StepCall]) -> list[np.ndarray | Exception]:
+        """The step batcher's run: one call through the one-sequence path, more through
+        :func:`~aioexperts._model.decode_batch.decode_rows` (the step raises as a whole only when
+        every call would: the store closed, a read that failed)."""
+        if len(calls) == 1:
+            call = calls[0]
+            try:
+                logits = await self._forward_layers(call.cache, call.request.start, [call.request.token], True, None)
+            except Exception as exc:
+                return [exc]
+            return [logits]
+        return await decode_rows(self, [c.request for c in calls])
 
     async def _forward_layers(
         self,
@@ -1063,8 +1101,8 @@ class Model:
         ids: list[int],
         all_logits: bool,
         capture: dict[str, np.ndarray] | None,
-        stream: DecodeStream | None,
     ) -> np.ndarray:
+        """One forward pass of one sequence."""
         _, runner, w, _ = self._started()
         resid = await self._embed(ids)
         f: np.ndarray | None = None
@@ -1087,11 +1125,11 @@ class Model:
             if layer.dense is None:
                 t0 = time.perf_counter()
                 if routed is not None:
-                    f = await runner._moe_routed(layer.index, ffn_in, routed, stream=stream)
+                    f = await runner._moe_routed(layer.index, ffn_in, routed)
                 elif capture is None:
-                    f = await runner.moe(layer.index, ffn_in, stream=stream)
+                    f = await runner.moe(layer.index, ffn_in)
                 else:
-                    result = await runner.moe_result(layer.index, ffn_in, stream=stream)
+                    result = await runner.moe_result(layer.index, ffn_in)
                     f = result.ffn_out
                     capture[f"topk-{layer.index}"] = result.ids
                 self._counters.moe_seconds += time.perf_counter() - t0

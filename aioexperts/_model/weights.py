@@ -21,7 +21,7 @@ from aioexperts._errors import FormatError
 from aioexperts._format.dequant import dequantize
 from aioexperts._format.model import GGUFModel
 
-__all__ = ("DenseMatrix", "TensorReader")
+__all__ = ("DenseMatrix", "TensorReader", "invariant_products")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -58,11 +58,50 @@ class DenseMatrix:
         """
         return fused.linear(self.raw, self.ggml_type, self.shape, round_activations(x, self.ggml_type))
 
+    def invariant(self, x: np.ndarray, row_range: tuple[int, int] | None = None) -> np.ndarray:
+        """``x @ W.T`` with each row of ``x`` bit for bit its one-row result :meth:`__call__`
+        (:func:`aioexperts._compute.fused.linear_rows`): cross-request batching stacks the rows of
+        several sequences. ``row_range`` ``(r0, r1)``: only the output columns ``r0..r1-1``
+        (weight rows), ``(n_tokens, r1 - r0)``, each the same numbers as in the whole product.
+        """
+        r0, r1 = (0, self.shape[0]) if row_range is None else row_range
+        raw = self.raw if (r0, r1) == (0, self.shape[0]) else self.raw[r0 * self.row_bytes : r1 * self.row_bytes]
+        x = round_activations(x, self.ggml_type)
+        return fused.linear_rows(raw, self.ggml_type, (r1 - r0, self.shape[1]), x)
+
     def rows(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows ``ids`` dequantized: ``(len(ids), cols)`` float32 (token embeddings)."""
         idx = np.asarray(ids, dtype=np.int64)
         picked = np.ascontiguousarray(self.raw.reshape(self.shape[0], -1)[idx])
         return dequantize(picked, self.ggml_type, (len(idx), self.shape[1]))
+
+
+#: weight rows of one part of a split product at least (smaller matrices are not split)
+SPLIT_MIN_ROWS = 256
+
+
+def invariant_products(products: Sequence[tuple[DenseMatrix, np.ndarray]], parts: int) -> list[np.ndarray]:
+    """Every ``W.invariant(x)`` of ``products``, each split into up to ``parts`` ranges of weight
+    rows that run through the compute pool's :meth:`~aioexperts._compute.pool.ComputePool.map`
+    (the calling thread and the idle workers: never more threads than the pool has).
+
+    Every output row is the same numbers however the product is split (weight rows are independent).
+    For a batched decode step (several sequences' rows in one compute job), whose products would
+    otherwise run on one core. Returns ``(n_tokens, rows)`` float32 per product, in order.
+    """
+    from aioexperts._compute.pool import compute_pool
+
+    items: list[tuple[int, DenseMatrix, np.ndarray, tuple[int, int]]] = []
+    for k, (w, x) in enumerate(products):
+        rows = w.shape[0]
+        n = max(1, min(parts, rows // SPLIT_MIN_ROWS))
+        items.extend((k, w, x, (rows * i // n, rows * (i + 1) // n)) for i in range(n))
+    done = compute_pool().map(lambda item: item[1].invariant(item[2], item[3]), items)
+    outs: list[np.ndarray] = []
+    for k, (w, x) in enumerate(products):
+        pieces = [y for item, y in zip(items, done, strict=True) if item[0] == k]
+        outs.append(pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1))
+    return outs
 
 
 class TensorReader:

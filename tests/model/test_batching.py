@@ -16,6 +16,7 @@ from aioexperts._batch import LayerBatcher
 from aioexperts._compute import moe as moe_module
 from aioexperts._compute.pool import compute_pool
 from aioexperts._errors import ConfigError
+from aioexperts._model.steps import StepBatcher
 from aioexperts._runner import _batch_prefetch, hits_first_pays
 from aioexperts.testing import FakeBackend
 from aioexperts.testing._full_model import FullModelSpec, write_full_model
@@ -425,17 +426,19 @@ async def test_a_prompt_never_joins_the_decode_steps(
     small_model: Path, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rows: list[int] = []
-    plain = LayerBatcher.submit
+    plain = StepBatcher.submit
 
-    async def spy(self, layer, request, stream):  # type: ignore[no-untyped-def]
-        rows.append(len(request.plan.x))
-        return await plain(self, layer, request, stream)
+    async def spy(self, key, request):  # type: ignore[no-untyped-def]
+        rows.append(request.request.start)
+        return await plain(self, key, request)
 
-    monkeypatch.setattr(LayerBatcher, "submit", spy)
+    monkeypatch.setattr(StepBatcher, "submit", spy)
     alone = await _alone(small_model, PROMPTS, 3, slots=64, io=THREADS)
     together, st = await _together(small_model, PROMPTS, 3, slots=64, io=THREADS)
     _assert_bit_equal(alone, together)
-    assert rows and set(rows) == {1}  # the 2..5-token prompts ran alone: no decode row waited for them
+    # only the decode steps asked for a batch (3 per sequence, each after its whole prompt): the
+    # 2..5-token prompts ran alone, so no decode row waited for them
+    assert sorted(rows) == sorted(len(p) + step for p in PROMPTS for step in range(3))
     assert st.batches > 0
 
 

@@ -136,7 +136,15 @@ def test_prefill_in_one_batch_equals_token_by_token_decode(path: Path) -> None:
     # one-token ones (seen on AVX-512: 5e-4 at position 12 of qwen3moe-bf16, then 1e-4 at a later
     # position that attends to it); before the first such position all is float noise
     over = [t for t, e in enumerate(errors) if e > 2e-5]
-    assert max(errors) <= 2e-3 and len(over) <= 3, f"positions {over}: {[errors[t] for t in over]}"
+    if path.stem.endswith("-bf16"):
+        # BF16 weights take llama.cpp's rounding of the activations to BF16 (one ulp: 3.9e-3
+        # relative), so float noise of 1e-7 between the batch and one-token kernels flips some of
+        # those roundings from the second layer's attention on: on an AMD EPYC (AVX-512 BF16) every
+        # position past the first measured 1.4e-3..2.2e-3 at the logits, 1.6e-4 at layer 1's
+        # attention output, with the same experts chosen everywhere
+        assert max(errors) <= 5e-3, f"positions {over}: {[errors[t] for t in over]}"
+    else:
+        assert max(errors) <= 2e-3 and len(over) <= 3, f"positions {over}: {[errors[t] for t in over]}"
     stats = got["stats"]
     assert stats.tokens_decoded >= len(got["logits"]) and stats.tokens_prefilled >= len(got["logits"])
     assert stats.live_sequences == 0 and stats.kv_bytes_in_use == 0

@@ -4,7 +4,7 @@
 kernels) so that each token's row of ``out`` is bit for bit what that token gets alone, however
 many tokens are in the call and in which order: cross-request batching then gives every sequence
 its lone-stream numbers (issue 22) while each weight block is decoded once for up to
-:data:`ROW_TOKENS` tokens.
+:data:`ROW_TOKENS` tokens (4 with AVX-512, else 3).
 
 How: the row loop is LLVM IR (as :mod:`.rowdot`), with no fast-math flag anywhere (the kernels
 are compiled ``exact``). Per 32 weights of a Q4_K block the codes are decoded once to
@@ -12,7 +12,7 @@ are compiled ``exact``). Per 32 weights of a Q4_K block the codes are decoded on
 ``fmuladd(w, x, acc)`` into its own 32-lane accumulator; the mins term ``sum_j (dmin * m_j) *
 sum(x over sub-block j)`` goes into an 8-lane accumulator per token (lane j: sub-block j of every
 block); the row's result is a fixed shuffle tree over the 32 lanes minus the one over the 8. Each
-token's operations are the same sequence whichever group (1, 2 or 3 tokens) it is computed in, so
+token's operations are the same sequence whichever group (1 to 4 tokens) it is computed in, so
 its result is too.
 
 Q8_0 is the same with ``w = d * q`` per 32 weights and no mins term.
@@ -35,6 +35,7 @@ from numba.extending import intrinsic
 
 from ..jit import kernel
 from .common import PREFETCH_ROWS, prefetch_row, sub_sums
+from .simd import _target_features
 from .rowdot import (
     F32,
     I16,
@@ -60,8 +61,12 @@ from .rowdot import (
 V32F = ir.VectorType(F32, 32)
 V8F = ir.VectorType(F32, 8)
 QK_K = 256
-#: tokens decoded together per weight row at most (3 x 4 ymm accumulators + the 4 of ``w``)
-ROW_TOKENS = 3
+#: 4 tokens per group where the target has 32 512-bit registers (AVX-512: 4 x 2 zmm accumulators
+#: + 2 of ``w``), else 3 (AVX2: 3 x 4 ymm accumulators + the 4 of ``w``, no spill). Either way each
+#: token's operations are the same, so its result does not depend on the group.
+GROUP_OF_4 = "+avx512f" in _target_features()[1]
+#: tokens decoded together per weight row at most
+ROW_TOKENS = 4 if GROUP_OF_4 else 3
 
 
 def _hsum32(builder: ir.IRBuilder, v: Any) -> Any:
@@ -193,9 +198,11 @@ def _make_rows_q8_0(k: int) -> Any:
 rows1_q8_0 = _make_rows_q8_0(1)
 rows2_q8_0 = _make_rows_q8_0(2)
 rows3_q8_0 = _make_rows_q8_0(3)
+rows4_q8_0 = _make_rows_q8_0(4)
 rows1_q4_k = _make_rows_q4_k(1)
 rows2_q4_k = _make_rows_q4_k(2)
 rows3_q4_k = _make_rows_q4_k(3)
+rows4_q4_k = _make_rows_q4_k(4)
 
 
 @kernel(exact=True)
@@ -203,8 +210,8 @@ def matrows_q4_k(raw, xt, out):
     """``out = xt @ W.T`` for a Q4_K matrix: ``raw`` ``(rows, row_bytes)`` uint8, ``xt`` ``(n, cols)``
     float32, ``out`` ``(n, rows)`` float32; each token's row bit for bit its result alone.
 
-    Tokens go in groups of 3 (4 as 2 + 2, so that no group of 1 follows a group of 3), each group
-    decoding every weight block once.
+    Tokens go in groups of 4 (with AVX-512, :data:`GROUP_OF_4`), then of 3 (4 as 2 + 2, so that no
+    group of 1 follows a group of 3), each group decoding every weight block once.
     """
     n = xt.shape[0]
     cols = xt.shape[1]
@@ -220,6 +227,10 @@ def matrows_q4_k(raw, xt, out):
         prefetch_row(raw, r + PREFETCH_ROWS)
         row = raw[r]
         t = 0
+        if GROUP_OF_4:
+            while n - t >= 4:
+                rows4_q4_k(row, xf, t * cols, cols, xs, t * n_sub, n_sub, n_blocks, of, t * rows + r, rows)
+                t += 4
         while n - t == 3 or n - t > 4:
             rows3_q4_k(row, xf, t * cols, cols, xs, t * n_sub, n_sub, n_blocks, of, t * rows + r, rows)
             t += 3
@@ -244,6 +255,10 @@ def matrows_q8_0(raw, xt, out):
         prefetch_row(raw, r + PREFETCH_ROWS)
         row = raw[r]
         t = 0
+        if GROUP_OF_4:
+            while n - t >= 4:
+                rows4_q8_0(row, xf, t * cols, cols, n_blocks, of, t * rows + r, rows)
+                t += 4
         while n - t == 3 or n - t > 4:
             rows3_q8_0(row, xf, t * cols, cols, n_blocks, of, t * rows + r, rows)
             t += 3

@@ -1,0 +1,218 @@
+"""One decode step of several sequences at once: cross-request batching of the whole forward pass.
+
+When several sequences of one :class:`~aioexperts.Model` decode at the same moment, each in its own
+task, their one-token steps are gathered (:class:`~aioexperts._batch.LayerBatcher` with one step
+per token, the same window and rules as the MoE steps: a lone sequence never waits) and run
+together by :func:`decode_rows`, block by block:
+
+- the dense products of the attention (q, k, v, output) run once for every row, each weight block
+  decoded once for several rows (:meth:`~aioexperts._model.weights.DenseMatrix.invariant`, split
+  over the compute pool's workers); the attention itself runs per row on its own KV cache;
+- the MoE layer reads each selected expert once and computes it once for every row that chose it
+  (:meth:`aioexperts.MoERunner._moe_rows`);
+- the output head is one product for every row.
+
+Norms, residual adds, routing, the shared expert, the slot-order sum and sampling stay per row,
+and every product is batch-invariant, so each sequence gets bit for bit the logits it gets alone.
+A row whose values turn non-finite fails alone (its error is its outcome); the others go on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from aioexperts._compute.norms import rms_norm
+from aioexperts._compute.pool import compute_pool
+from aioexperts._model.blocks import BatchedAttentionBlock
+from aioexperts._model.weights import invariant_products
+from aioexperts._pipeline import run_in_worker
+
+if TYPE_CHECKING:
+    from aioexperts._model.model import Model, _Layer
+
+__all__ = ("DecodeRequest", "decode_rows")
+
+
+@dataclass(eq=False, slots=True)
+class DecodeRequest:
+    """One sequence's decode step: ``token`` at position ``start`` of the KV cache ``layers``.
+
+    ``layers`` is the cache's list of per-block arrays, taken when the step is asked for, so a
+    sequence closed while the step runs (its caller cancelled) frees nothing the step still writes.
+    """
+
+    layers: list[dict[str, np.ndarray]]
+    start: int
+    token: int
+
+
+def _finite(what: str, x: np.ndarray) -> Exception | None:
+    from aioexperts._model.model import _check_finite
+
+    try:
+        _check_finite(what, x)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _pre_blocks(
+    model: Model,
+    layer: _Layer,
+    resids: list[np.ndarray],
+    fs: list[np.ndarray] | None,
+    caches: list[Mapping[str, np.ndarray]],
+    starts: list[int],
+    route_rows: Any,
+) -> tuple[list[tuple[np.ndarray, np.ndarray, Any] | Exception], list[Any]]:
+    """Worker job: :meth:`Model._pre_block` of every row, the attention's products and (with
+    ``route_rows``, the runner's :meth:`~aioexperts.MoERunner._route_rows`) the routing shared.
+    Returns per row ``(ffn_inp, ffn_in, routed)`` or its error, and the step's prefetch."""
+    t0 = time.perf_counter()
+    hp = model.hparams
+    il = layer.index
+    n = len(resids)
+    xs: list[np.ndarray] = []
+    failed: dict[int, Exception] = {}
+    for i in range(n):
+        if fs is None:  # the first block: the embeddings
+            x = resids[i] * np.float32(hp.embedding_scale) if hp.embedding_scale else resids[i]
+        else:
+            x = model._residual(resids[i], fs[i], hp)
+            if (exc := _finite(f"the residual stream after block {il - 1}", x)) is not None:
+                failed[i] = exc
+        xs.append(x)
+    h = np.concatenate([rms_norm(x, layer.attn_norm, hp.norm_eps) for x in xs])
+    pool = compute_pool()
+    block = layer.block
+    if isinstance(block, BatchedAttentionBlock):
+        a = block.attention_rows(h, caches, starts, pool.n_threads)
+    else:
+        a = np.concatenate(pool.map(lambda i: block.attention(h[i : i + 1], caches[i], starts[i]), range(n)))
+    if hp.residual_scale:
+        a *= np.float32(hp.residual_scale)
+    t1 = time.perf_counter()
+
+    out: list[tuple[np.ndarray, np.ndarray, Any] | Exception] = []
+    for i in range(n):
+        ffn_inp = xs[i] + a[i : i + 1]
+        exc = failed.get(i) or _finite(f"the residual stream after block {il}'s attention", ffn_inp)
+        out.append(exc if exc is not None else (ffn_inp, rms_norm(ffn_inp, layer.ffn_norm, hp.norm_eps), None))
+    prefetch: list[Any] = []
+    ok = [i for i in range(n) if not isinstance(out[i], Exception)]
+    if route_rows is not None and ok:
+        try:
+            routed, prefetch = route_rows(il, np.concatenate([out[i][1] for i in ok]))  # type: ignore[index]
+        except Exception as exc:
+            routed = [exc] * len(ok)
+        for i, r in zip(ok, routed, strict=True):
+            out[i] = r if isinstance(r, Exception) else (out[i][0], out[i][1], r)  # type: ignore[index]
+    model._counters.attention_seconds += t1 - t0
+    model._counters.moe_seconds += time.perf_counter() - t1
+    return out, prefetch
+
+
+def _heads(model: Model, resids: list[np.ndarray], fs: list[np.ndarray]) -> list[np.ndarray | Exception]:
+    """Worker job: :meth:`Model._head` of every row, the output product shared."""
+    t0 = time.perf_counter()
+    w, hp = model._started()[2], model.hparams
+    out: list[np.ndarray | Exception | None] = [None] * len(resids)
+    hs: list[np.ndarray] = []
+    live: list[int] = []
+    for i, (resid, f) in enumerate(zip(resids, fs, strict=True)):
+        x = model._residual(resid, f, hp)
+        if (exc := _finite(f"the residual stream after block {hp.n_layer - 1}", x)) is not None:
+            out[i] = exc
+            continue
+        hs.append(rms_norm(x, w.output_norm, hp.norm_eps))
+        live.append(i)
+    if live:
+        (logits,) = invariant_products([(w.output, np.concatenate(hs))], compute_pool().n_threads)
+        if hp.logit_scale:
+            logits *= np.float32(1.0 / hp.logit_scale)
+        for j, i in enumerate(live):
+            row = logits[j : j + 1]
+            exc = _finite("the logits", row)
+            out[i] = row if exc is None else exc
+    model._counters.head_seconds += time.perf_counter() - t0
+    return out  # type: ignore[return-value]
+
+
+async def decode_rows(model: Model, requests: Sequence[DecodeRequest]) -> list[np.ndarray | Exception]:
+    """Run one decode token of each request together; ``(1, n_vocab)`` float32 logits per request,
+    or the exception that request alone raised (module docstring).
+
+    The caller (the model's step batcher) runs a single request through the model's own one-sequence
+    path instead. A failure of the whole step (the store closed, a read error) raises.
+    """
+    _, runner, w, hp = model._started()
+    n = len(requests)
+    resid_all = await model._embed([r.token for r in requests])
+    resids = [resid_all[i : i + 1] for i in range(n)]
+    outcome: list[np.ndarray | Exception | None] = [None] * n
+    live = list(range(n))
+    await runner.warmup()
+    first = next((layer for layer in w.layers if layer.dense is None), None)
+    if first is not None:  # the first MoE layer's experts, predicted from each row's embeddings
+        x = resid_all * np.float32(hp.embedding_scale) if hp.embedding_scale else resid_all
+        for i in range(n):
+            runner._prefetch_for(first.index, rms_norm(x[i : i + 1], first.ffn_norm, hp.norm_eps))
+    fs: list[np.ndarray] | None = None
+    for layer in w.layers:
+        route_rows = runner._route_rows if layer.dense is None else None
+        pre, prefetch = await run_in_worker(
+            _pre_blocks,
+            model,
+            layer,
+            [resids[i] for i in live],
+            None if fs is None else [fs[i] for i in live],
+            [requests[i].layers[layer.index] for i in live],
+            [requests[i].start for i in live],
+            route_rows,
+        )
+        kept: list[int] = []
+        for i, got in zip(live, pre, strict=True):
+            if isinstance(got, Exception):
+                outcome[i] = got
+            else:
+                kept.append(i)
+        ffn_inps = {i: got[0] for i, got in zip(live, pre, strict=True) if not isinstance(got, Exception)}
+        ffn_ins = {i: got[1] for i, got in zip(live, pre, strict=True) if not isinstance(got, Exception)}
+        routed = {i: got[2] for i, got in zip(live, pre, strict=True) if not isinstance(got, Exception)}
+        live = kept
+        if not live:
+            break
+        t0 = time.perf_counter()
+        new_f: list[np.ndarray | Exception]
+        if layer.dense is None:
+            new_f = await runner._moe_rows(layer.index, [(ffn_ins[i], routed[i]) for i in live], prefetch)
+            model._counters.moe_seconds += time.perf_counter() - t0
+        else:
+            dense = layer.dense
+            new_f = await run_in_worker(
+                lambda xs: compute_pool().map(dense, xs), [ffn_ins[i] for i in live]
+            )
+            model._counters.dense_ffn_seconds += time.perf_counter() - t0
+        fs_next: list[np.ndarray] = [np.empty(0, np.float32)] * n
+        kept = []
+        for i, f in zip(live, new_f, strict=True):
+            if isinstance(f, Exception):
+                outcome[i] = f
+            else:
+                fs_next[i] = f
+                resids[i] = ffn_inps[i]
+                kept.append(i)
+        live, fs = kept, fs_next
+        if not live:
+            break
+    if live and fs is not None:
+        heads = await run_in_worker(_heads, model, [resids[i] for i in live], [fs[i] for i in live])
+        for i, got in zip(live, heads, strict=True):
+            outcome[i] = got
+    model._counters.tokens_decoded += sum(not isinstance(o, Exception) for o in outcome)
+    return outcome  # type: ignore[return-value]
