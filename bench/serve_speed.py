@@ -382,7 +382,8 @@ def render_lines(results: Path) -> list[str]:
         "Where a decode token's time goes (ms per token, median; attention: the jobs of the norms, attention and "
         "routing; MoE: the MoE layers' wall time, expert waits included): "
         + "; ".join(
-            f"{n} stream{'s' if n > 1 else ''} batching {b} {runs[f'{n}-{b}']['attention_ms_per_token']['median']:.0f} / "
+            f"{n} stream{'s' if n > 1 else ''} batching {b} "
+            f"{runs[f'{n}-{b}']['attention_ms_per_token']['median']:.0f} / "
             f"{runs[f'{n}-{b}']['moe_ms_per_token']['median']:.0f}"
             for n in STREAMS
             for b in ("on", "off")

@@ -117,6 +117,11 @@ def _pre_blocks(
     return out, prefetch
 
 
+def _dense_rows(dense: Any, xs: list[np.ndarray]) -> list[np.ndarray]:
+    """Worker job: a leading dense block's FFN of each row on its own (the one-row products)."""
+    return compute_pool().map(dense, xs)
+
+
 def _heads(model: Model, resids: list[np.ndarray], fs: list[np.ndarray]) -> list[np.ndarray | Exception]:
     """Worker job: :meth:`Model._head` of every row, the output product shared."""
     t0 = time.perf_counter()
@@ -193,10 +198,7 @@ async def decode_rows(model: Model, requests: Sequence[DecodeRequest]) -> list[n
             new_f = await runner._moe_rows(layer.index, [(ffn_ins[i], routed[i]) for i in live], prefetch)
             model._counters.moe_seconds += time.perf_counter() - t0
         else:
-            dense = layer.dense
-            new_f = await run_in_worker(
-                lambda xs: compute_pool().map(dense, xs), [ffn_ins[i] for i in live]
-            )
+            new_f = await run_in_worker(_dense_rows, layer.dense, [ffn_ins[i] for i in live])
             model._counters.dense_ffn_seconds += time.perf_counter() - t0
         fs_next: list[np.ndarray] = [np.empty(0, np.float32)] * n
         kept = []

@@ -183,6 +183,7 @@ class StepBatcher(Generic[R, T]):
             # the others' step runs here: a cancelled leader finishes it first (one step), then the
             # cancellation is delivered at its next checkpoint
             with anyio.CancelScope(shield=len(members) > 1):
+                outcomes: list[object]
                 try:
                     outcomes = list(await self._run([m.request for m in members]))
                 except Exception as exc:

@@ -98,7 +98,7 @@ def invariant_products(products: Sequence[tuple[DenseMatrix, np.ndarray]], parts
         items.extend((k, w, x, (rows * i // n, rows * (i + 1) // n)) for i in range(n))
     done = compute_pool().map(lambda item: item[1].invariant(item[2], item[3]), items)
     outs: list[np.ndarray] = []
-    for k, (w, x) in enumerate(products):
+    for k in range(len(products)):
         pieces = [y for item, y in zip(items, done, strict=True) if item[0] == k]
         outs.append(pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1))
     return outs

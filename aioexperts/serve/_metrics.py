@@ -115,6 +115,13 @@ class Metrics:
         add("kv_cache_bytes_in_use", "gauge", "Bytes of the allocated KV caches.", ms.kv_bytes_in_use)
         add("tokens_prefilled_total", "counter", "Tokens run in prompt batches.", ms.tokens_prefilled)
         add("tokens_decoded_total", "counter", "Tokens run one at a time.", ms.tokens_decoded)
+        add(
+            "decode_steps_batched_total",
+            "counter",
+            "Decode steps that ran several sequences' tokens together (cross-request batching).",
+            ms.batched_steps,
+        )
+        add("decode_tokens_batched_total", "counter", "Tokens of those steps.", ms.batched_tokens)
         add("expert_requests_total", "counter", "Experts asked of the store.", st.requests)
         add("expert_hits_total", "counter", "Of those, resident in the slab.", st.hits)
         add("expert_misses_total", "counter", "Of those, read from the file.", st.misses)

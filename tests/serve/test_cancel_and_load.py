@@ -157,6 +157,7 @@ def test_sequences_decoded_together_give_the_tokens_each_gets_alone(served: Serv
         return str(out["choices"][0]["text"])
 
     alone = [complete(p) for p in prompts]
+    batched_before = metrics(served)["aioexperts_decode_steps_batched_total"]
     together: list[str | None] = [None] * len(prompts)
 
     def run(i: int) -> None:
@@ -169,3 +170,5 @@ def test_sequences_decoded_together_give_the_tokens_each_gets_alone(served: Serv
         t.join(120)
     assert together == alone
     assert len(set(alone)) > 1  # the prompts lead to different texts
+    # they did decode together: steps that ran several sequences' tokens at once
+    assert metrics(served)["aioexperts_decode_steps_batched_total"] > batched_before

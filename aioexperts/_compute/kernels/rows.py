@@ -35,7 +35,6 @@ from numba.extending import intrinsic
 
 from ..jit import kernel
 from .common import PREFETCH_ROWS, prefetch_row, sub_sums
-from .simd import _target_features
 from .rowdot import (
     F32,
     I16,
@@ -55,6 +54,7 @@ from .rowdot import (
     _splat,
     _vsplat,
 )
+from .simd import _target_features
 
 # ruff: noqa: N803, N806
 
