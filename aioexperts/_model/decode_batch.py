@@ -22,18 +22,32 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from aioexperts._compute.norms import rms_norm
 from aioexperts._compute.pool import compute_pool
+from aioexperts._format.architectures import ModelHParams
 from aioexperts._model.blocks import BatchedAttentionBlock
+from aioexperts._model.residual import add_residual, check_finite
 from aioexperts._model.weights import invariant_products
 from aioexperts._pipeline import run_in_worker
 
-if TYPE_CHECKING:
-    from aioexperts._model.model import Model, _Layer
+
+class StepModel(Protocol):
+    """What a batched decode step needs of :class:`~aioexperts.Model` (its private parts)."""
+
+    @property
+    def hparams(self) -> ModelHParams: ...
+
+    @property
+    def _counters(self) -> Any: ...
+
+    def _started(self) -> tuple[Any, Any, Any, ModelHParams]: ...
+
+    async def _embed(self, ids: list[int]) -> np.ndarray: ...
+
 
 __all__ = ("DecodeRequest", "decode_rows")
 
@@ -52,18 +66,16 @@ class DecodeRequest:
 
 
 def _finite(what: str, x: np.ndarray) -> Exception | None:
-    from aioexperts._model.model import _check_finite
-
     try:
-        _check_finite(what, x)
+        check_finite(what, x)
     except Exception as exc:
         return exc
     return None
 
 
 def _pre_blocks(
-    model: Model,
-    layer: _Layer,
+    model: StepModel,
+    layer: Any,
     resids: list[np.ndarray],
     fs: list[np.ndarray] | None,
     caches: list[Mapping[str, np.ndarray]],
@@ -83,7 +95,7 @@ def _pre_blocks(
         if fs is None:  # the first block: the embeddings
             x = resids[i] * np.float32(hp.embedding_scale) if hp.embedding_scale else resids[i]
         else:
-            x = model._residual(resids[i], fs[i], hp)
+            x = add_residual(resids[i], fs[i], hp)
             if (exc := _finite(f"the residual stream after block {il - 1}", x)) is not None:
                 failed[i] = exc
         xs.append(x)
@@ -122,7 +134,7 @@ def _dense_rows(dense: Any, xs: list[np.ndarray]) -> list[np.ndarray]:
     return compute_pool().map(dense, xs)
 
 
-def _heads(model: Model, resids: list[np.ndarray], fs: list[np.ndarray]) -> list[np.ndarray | Exception]:
+def _heads(model: StepModel, resids: list[np.ndarray], fs: list[np.ndarray]) -> list[np.ndarray | Exception]:
     """Worker job: :meth:`Model._head` of every row, the output product shared."""
     t0 = time.perf_counter()
     w, hp = model._started()[2], model.hparams
@@ -130,7 +142,7 @@ def _heads(model: Model, resids: list[np.ndarray], fs: list[np.ndarray]) -> list
     hs: list[np.ndarray] = []
     live: list[int] = []
     for i, (resid, f) in enumerate(zip(resids, fs, strict=True)):
-        x = model._residual(resid, f, hp)
+        x = add_residual(resid, f, hp)
         if (exc := _finite(f"the residual stream after block {hp.n_layer - 1}", x)) is not None:
             out[i] = exc
             continue
@@ -148,7 +160,7 @@ def _heads(model: Model, resids: list[np.ndarray], fs: list[np.ndarray]) -> list
     return out  # type: ignore[return-value]
 
 
-async def decode_rows(model: Model, requests: Sequence[DecodeRequest]) -> list[np.ndarray | Exception]:
+async def decode_rows(model: StepModel, requests: Sequence[DecodeRequest]) -> list[np.ndarray | Exception]:
     """Run one decode token of each request together; ``(1, n_vocab)`` float32 logits per request,
     or the exception that request alone raised (module docstring).
 

@@ -35,7 +35,6 @@ from aioexperts._errors import (
     ContextLengthError,
     FormatError,
     InvalidRequestError,
-    NonFiniteError,
     StoreClosedError,
     UnsupportedTypeError,
 )
@@ -46,6 +45,7 @@ from aioexperts._model.blocks import BLOCKS, AttentionBlock
 from aioexperts._model.decode_batch import DecodeRequest, decode_rows
 from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
 from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_reserve_bytes
+from aioexperts._model.residual import add_residual, check_finite
 from aioexperts._model.steps import StepBatcher
 from aioexperts._model.weights import DenseMatrix, TensorReader
 from aioexperts._options import CacheOptions, IOOptions, PageCacheOptions
@@ -247,15 +247,6 @@ def _plain_moe(runner: MoERunner) -> bool:
     model may route in its own job (a subclass that overrides ``moe`` or its routing keeps them)."""
     cls = type(runner)
     return all(getattr(cls, name) is getattr(MoERunner, name) for name in ("moe", "moe_result", "_route"))
-
-
-def _check_finite(what: str, x: np.ndarray) -> None:
-    if not np.isfinite(x).all():
-        rows = np.flatnonzero(~np.isfinite(x).all(axis=-1))
-        raise NonFiniteError(
-            f"{what} is not finite for token rows {rows[:8].tolist()} (NaN or inf: a broken model file, "
-            "or activations beyond float32)"
-        )
 
 
 class ModelSequence:
@@ -1011,7 +1002,7 @@ class Model:
             x = resid * np.float32(hp.embedding_scale) if hp.embedding_scale else resid
         else:
             x = self._residual(resid, f, hp)
-            _check_finite(f"the residual stream after block {il - 1}", x)
+            check_finite(f"the residual stream after block {il - 1}", x)
             if capture is not None:
                 capture[f"l_out-{il - 1}"] = x
         h = rms_norm(x, layer.attn_norm, hp.norm_eps)
@@ -1019,7 +1010,7 @@ class Model:
         if hp.residual_scale:
             a *= np.float32(hp.residual_scale)
         ffn_inp = x + a
-        _check_finite(f"the residual stream after block {il}'s attention", ffn_inp)
+        check_finite(f"the residual stream after block {il}'s attention", ffn_inp)
         ffn_in = rms_norm(ffn_inp, layer.ffn_norm, hp.norm_eps)
         if capture is not None:
             capture[f"attn_norm-{il}"] = h
@@ -1034,9 +1025,7 @@ class Model:
 
     @staticmethod
     def _residual(resid: np.ndarray, f: np.ndarray, hp: ModelHParams) -> np.ndarray:
-        if hp.residual_scale:
-            f = f * np.float32(hp.residual_scale)
-        return resid + f
+        return add_residual(resid, f, hp)
 
     def _dense_ffn(self, layer: _Layer, x: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
@@ -1049,12 +1038,12 @@ class Model:
         t0 = time.perf_counter()
         _, _, w, hp = self._started()
         x = self._residual(resid, f, hp)
-        _check_finite(f"the residual stream after block {hp.n_layer - 1}", x)
+        check_finite(f"the residual stream after block {hp.n_layer - 1}", x)
         h = rms_norm(x, w.output_norm, hp.norm_eps)
         logits = w.output(h)
         if hp.logit_scale:  # granite.cpp: ggml_scale(cur, 1/f_logit_scale)
             logits *= np.float32(1.0 / hp.logit_scale)
-        _check_finite("the logits", logits)
+        check_finite("the logits", logits)
         if capture is not None:
             capture[f"l_out-{hp.n_layer - 1}"] = x
             capture["result_norm"] = h

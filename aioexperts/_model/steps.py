@@ -27,6 +27,7 @@ from typing import Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
+from aioexperts._batch import BatchCounters
 from aioexperts._checks import check_int
 
 __all__ = ("SETTLE_TURNS", "StepBatcher", "StepCounters")
@@ -43,22 +44,15 @@ RunSteps = Callable[[list[R]], Awaitable[list["T | Exception"]]]
 
 
 @dataclass(slots=True)
-class StepCounters:
-    """Counters of a :class:`StepBatcher`.
+class StepCounters(BatchCounters):
+    """Counters of a :class:`StepBatcher`: those of :class:`~aioexperts._batch.BatchCounters` (a
+    batch being a step that served more than one call, its window the wait for expected calls), and:
 
     Attributes:
         steps: steps run.
-        batches: steps that served more than one call.
-        batched_calls: calls served by those steps.
-        retried_calls: calls run alone again after their step failed as a whole.
-        window_seconds: time steps waited for expected calls, summed.
     """
 
     steps: int = 0
-    batches: int = 0
-    batched_calls: int = 0
-    retried_calls: int = 0
-    window_seconds: float = 0.0
 
 
 @dataclass(eq=False, slots=True)

@@ -9,7 +9,7 @@ import anyio
 import numpy as np
 import pytest
 from conftest import shared_fixture_paths
-from test_batching import SMALL, THREADS, _alone, _assert_bit_equal, _decode, _together
+from test_batching import SMALL, THREADS, _alone, _assert_bit_equal, _decode
 
 import aioexperts
 from aioexperts._model import decode_batch
@@ -46,9 +46,32 @@ async def test_every_architecture_decodes_batched_bit_equal_to_alone(path: Path,
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model_module, "decode_rows", counted)
-        together, _ = await _together(path, prompts, 3, slots=64, io=THREADS)
+        together = await _prefilled_then_together(path, prompts, 3)
     _assert_bit_equal(alone, together)
-    assert steps and max(steps) == len(prompts)  # the steps did run the sequences together
+    assert steps == [len(prompts)] * 3  # every step ran the sequences together
+
+
+async def _prefilled_then_together(path: Path, prompts: list[list[int]], steps: int) -> list[tuple[list[int], list]]:
+    """Every prompt prefilled first, then the sequences decode greedily, each in its own task."""
+    got: dict[int, tuple[list[int], list]] = {}
+    async with aioexperts.load(path, batch_wait=1.0, slots=64, io=THREADS) as model:
+        seqs = [model.sequence() for _ in prompts]
+        first = [(await s.forward(p, all_logits=False))[0] for s, p in zip(seqs, prompts, strict=True)]
+
+        async def one(i: int) -> None:
+            logits, tokens, seen = first[i], [], [first[i]]
+            for _ in range(steps):
+                tokens.append(int(np.argmax(logits)))
+                logits = (await seqs[i].forward(tokens[-1:], all_logits=False))[0]
+                seen.append(logits)
+            got[i] = (tokens, seen)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+        for s in seqs:
+            s.close()
+    return [got[i] for i in range(len(prompts))]
 
 
 async def test_a_sequence_whose_values_turn_non_finite_fails_alone(small_model: Path, anyio_backend: object) -> None:
