@@ -339,13 +339,21 @@ def render_lines(results: Path) -> list[str]:
         else ""
     )
 
+    def read_rate(key: str) -> str:
+        """The disk's delivered rate (GB/s, tokens/s x bytes/token), median of the rounds."""
+        done = [row["runs"][key] for row in rounds]
+        rates = [run["tokens_per_second"] * run["bytes_read_per_token"] / 1e9 for run in done]
+        return f"{statistics.median(rates):.2f}" if rates else "-"
+
+    rounds = r.get("rounds", [])
+
     def row(label: str, key: str) -> str:
         x = runs[key]
         return (
             f"| {label} | {fmt(x['tokens_per_second'])} | {fmt(x['token_ms_p50'], '.0f')} | "
             f"{fmt(x['token_ms_p99'], '.0f')} | {x['experts_per_read']['median']:.1f} | "
             f"{x['rows_per_step']['median']:.1f} | {x['hit_rate']['median']:.2f} | "
-            f"{x['bytes_read_per_token']['median'] / 2**20:.0f} |"
+            f"{x['bytes_read_per_token']['median'] / 2**20:.0f} | {read_rate(key)} |"
         )
 
     def target(name: str, label: str, unit: str = "x") -> str:
@@ -366,11 +374,12 @@ def render_lines(results: Path) -> list[str]:
         f"prompt, then {p['tokens']} greedy tokens ({p['tokens16']} at 16 streams) from a common start; "
         f"batching window {p['batch_wait']} s{caps}. Median (min-max) of {p['rounds']} interleaved rounds; ratios "
         "are taken per round. Latency is the time between a stream's consecutive tokens; hit rate is the "
-        f"share of pinned experts already in the slab.{hf}",
+        f"share of pinned experts already in the slab; read GB/s is what the disk delivered (tok/s x bytes "
+        f"per token).{hf}",
         "",
         "| run | aggregate tok/s | p50 ms/token | p99 ms/token | experts per read | rows per step | hit rate "
-        "| MiB read/token |",
-        "|---|---|---|---|---|---|---|---|",
+        "| MiB read/token | read GB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lines.extend(
         row(f"{n} stream{'s' if n > 1 else ''}, batching {b}", f"{n}-{b}") for n in STREAMS for b in ("on", "off")
