@@ -14,6 +14,7 @@ and its sequence's KV cache is freed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -284,7 +285,12 @@ class Server:
             return model.tokenizer.encode(req.prompt, add_special=True, parse_special=True)
         bad = [t for t in req.prompt if t >= model.n_vocab]
         if bad:
-            raise APIError(400, f"'prompt': token id {bad[0]} is out of range 0..{model.n_vocab - 1}", param="prompt")
+            raise APIError(
+                400,
+                f"'prompt': token id {bad[0]} is out of range 0..{model.n_vocab - 1}",
+                param="prompt",
+                code="invalid_value",
+            )
         return list(req.prompt)
 
     def _fit(self, req: GenerationRequest, n_prompt: int) -> int:
@@ -365,6 +371,12 @@ class Server:
             err = api_error(exc)
             log.error("%s %s failed while streaming: %s", request.method, request.path, exc)
             await resp.write(_sse(err.body()))
+        except asyncio.CancelledError:
+            if self._stopping:  # cancelled at the shutdown deadline: the client is told, not cut off
+                stopped = APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(resp.write(_sse(stopped.body()) + b"data: [DONE]\n\n"), 1.0)
+            raise
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -443,7 +455,12 @@ class Server:
         tok = self.model.tokenizer
         bad = [t for t in ids if t >= tok.n_vocab]
         if bad:
-            raise APIError(400, f"'tokens': token id {bad[0]} is out of range 0..{tok.n_vocab - 1}", param="tokens")
+            raise APIError(
+                400,
+                f"'tokens': token id {bad[0]} is out of range 0..{tok.n_vocab - 1}",
+                param="tokens",
+                code="invalid_value",
+            )
         return _json_response({"content": await self._in_text_worker(lambda: tok.decode(ids))})
 
     async def _apply_template(self, request: web.Request) -> web.Response:

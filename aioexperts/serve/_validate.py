@@ -120,8 +120,10 @@ def _number(body: Mapping[str, Any], name: str, low: float, high: float, *, low_
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise _bad(name, f"must be a number, got {_kind(value)}")
+    if not math.isfinite(value):
+        raise _bad(name, f"must be a finite number in [{low}, {high}], got {value}")
     if value < low or value > high or (low_open and value == low):
         raise _bad(name, f"must be in {'(' if low_open else '['}{low}, {high}], got {value}")
     return float(value)

@@ -107,8 +107,16 @@ def test_a_field_of_the_wrong_type_or_range_is_400_naming_it(
     served: ServerThread, path: str, body: dict[str, Any], param: str
 ) -> None:
     status, out = post(served, path, body)
-    assert_error(status, out, 400, param=param)
+    assert_error(status, out, 400, param=param, code="invalid_value")
     assert param.split("[")[0] in out["error"]["message"]
+
+
+def test_an_infinite_number_is_named_as_such(served: ServerThread) -> None:
+    raw = b'{"prompt": "Hi", "temperature": 1e309}'  # valid JSON; Python reads it as inf
+    status, _, data = request(served, "POST", TEXT, raw=raw)
+    out = json.loads(data)
+    assert_error(status, out, 400, param="temperature", code="invalid_value")
+    assert "finite" in out["error"]["message"]
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b'{"prompt": "Hi", "temperature": NaN}', b"\xff\xfe"])
