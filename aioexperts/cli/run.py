@@ -189,6 +189,7 @@ class _Report:
             "hit_rate": st.hit_rate,
             "requests": st.requests,
             "hits": st.hits,
+            "inflight_joins": st.inflight_joins,
             "misses": st.misses,
             "bytes_read": st.bytes_read,
             "prefetch_issued": st.prefetch_issued,
@@ -257,8 +258,8 @@ class _Report:
         if ex is not None:
             per = ex["bytes_read_per_token"]
             lines.append(
-                f"experts: hit rate {ex['hit_rate']:.1%} ({ex['hits']} hits, {ex['misses']} misses of "
-                f"{ex['requests']} requests); read {_size(ex['bytes_read'])}, "
+                f"experts: hit rate {ex['hit_rate']:.1%} ({ex['hits']} hits, {ex['inflight_joins']} joined a read "
+                f"under way, {ex['misses']} misses of {ex['requests']} requests); read {_size(ex['bytes_read'])}, "
                 + (f"{_size(per)} per token" if per is not None else "n/a per token")
                 + f" ({ex['tokens_run']} tokens run); prefetched {ex['prefetch_issued']} "
                 f"({ex['prefetch_wasted']} wasted); {ex['backend']}{', O_DIRECT' if ex['direct_io'] else ''}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -41,6 +42,11 @@ def test_streams_text_to_stdout_and_the_statistics_to_stderr(tiny_full_model: Pa
         assert needle in done.stderr
     assert "prompt: " in done.stderr and "generation: 12 tokens" in done.stderr or "stop: eog" in done.stderr
     assert "Traceback" not in done.stderr
+    # every expert request is a hit, a join of a read under way or a miss: the line adds up
+    counts = re.search(r"\((\d+) hits, (\d+) joined a read under way, (\d+) misses of (\d+) requests\)", done.stderr)
+    assert counts is not None, done.stderr
+    hits, joins, misses, requests = (int(g) for g in counts.groups())
+    assert hits + joins + misses == requests > 0
 
 
 def test_json_is_one_parseable_object_with_the_same_text(tiny_full_model: Path) -> None:
