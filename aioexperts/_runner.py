@@ -906,13 +906,11 @@ class MoERunner:
         out, _, _ = await self._executor_layer(self._store.layout.layer(layer).index, x, routed, stream)
         return out.ffn_out
 
-    async def _moe_rows(
-        self, layer: int, rows: Sequence[tuple[np.ndarray, _Routed]], prefetch: list[Key] | None = None
-    ) -> list[np.ndarray | Exception]:
-        """One layer step of several sequences' decode rows, routed by :meth:`_route_rows` (or each
-        by :meth:`_route_in_job`): ``ffn_out`` ``(1, n_embd)`` per row, or that row's error (a
-        batched decode step of :class:`aioexperts.Model`). ``prefetch``: the step's prefetch
-        (default: what the rows' routings predict most).
+    async def _moe_rows(self, layer: int, rows: Sequence[_Routed], prefetch: list[Key]) -> list[np.ndarray | Exception]:
+        """One layer step of several sequences' decode rows, routed by :meth:`_route_rows`:
+        ``ffn_out`` ``(1, n_embd)`` per row, or that row's error (a batched decode step of
+        :class:`aioexperts.Model`). ``prefetch``: the step's prefetch (its rows' predictions for the
+        next layer), up to an eighth of the slab, submitted with the first call's reads.
 
         The rows go in calls of at most :data:`BATCH_MAX_CALLS`, run concurrently (one call's
         reads overlap another's compute); each reads the union of its rows' experts once and
@@ -921,62 +919,36 @@ class MoERunner:
         are those it gets alone.
         """
         out: list[np.ndarray | Exception | None] = [None] * len(rows)
-        ready = [i for i, (_, routed) in enumerate(rows) if routed.plan is not None]
-        for i in (i for i in range(len(rows)) if rows[i][1].plan is None):  # more experts than the slab holds
-            try:
-                y, _, _ = await self._executor_layer(layer, rows[i][0], rows[i][1])
-                out[i] = y.ffn_out
-            except Exception as exc:
-                out[i] = exc
-
         counters = self._batcher.counters
-        # the step's prefetch: what its rows predict for the layers ahead (most-predicted first), up
-        # to an eighth of the slab, submitted with the first call's reads
-        limit = max(self._store.layout.n_expert_used, self._store.n_slots // 8)
-        if prefetch is None:
-            prefetch = _batch_prefetch([rows[i][1].prefetch for i in ready], limit=limit)
-        else:
-            prefetch = list(dict.fromkeys(prefetch))[:limit]
+        ahead = list(dict.fromkeys(prefetch))[: max(self._store.layout.n_expert_used, self._store.n_slots // 8)]
 
-        async def chunk(members: list[int]) -> None:
-            nonlocal prefetch
-            calls = [_Call(rows[i][1]) for i in members]
+        async def chunk(members: list[int], ahead: list[Key]) -> None:
+            calls = [_Call(rows[i]) for i in members]
             if len(calls) > 1:
                 counters.batches += 1
                 counters.batched_calls += len(calls)
-            ahead, prefetch = prefetch or [], []
+            outcomes: list[_Outcome]
             try:
                 outcomes = await self._run_calls(layer, calls, ahead)
-            except Exception:
-                if len(members) == 1:
-                    raise
-                counters.retried_calls += len(calls)
-                outcomes = []
-                for call in calls:  # the step failed as a whole: each row alone
-                    try:
-                        (one,) = await self._run_calls(layer, [call])
-                    except Exception as exc:
-                        one = exc
-                    outcomes.append(one)
+            except Exception as exc:
+                outcomes = [exc]
+                if len(calls) > 1:  # the step failed as a whole: each row alone
+                    counters.retried_calls += len(calls)
+                    outcomes = []
+                    for call in calls:
+                        try:
+                            (one,) = await self._run_calls(layer, [call])
+                        except Exception as err:
+                            one = err
+                        outcomes.append(one)
             for i, outcome in zip(members, outcomes, strict=True):
                 out[i] = outcome if isinstance(outcome, Exception) else outcome[0].ffn_out
 
-        async def chunk_caught(members: list[int]) -> None:
-            try:
-                await chunk(members)
-            except Exception as exc:
-                for i in members:
-                    out[i] = exc
-
-        if ready:
-            n_chunks = -(-len(ready) // BATCH_MAX_CALLS)
-            parts = [ready[len(ready) * k // n_chunks : len(ready) * (k + 1) // n_chunks] for k in range(n_chunks)]
-            if len(parts) == 1:
-                await chunk_caught(parts[0])
-            else:
-                async with anyio.create_task_group() as tg:
-                    for members in parts:
-                        tg.start_soon(chunk_caught, members)
+        n = len(rows)
+        n_chunks = -(-n // BATCH_MAX_CALLS)
+        async with anyio.create_task_group() as tg:
+            for k in range(n_chunks):
+                tg.start_soon(chunk, list(range(n * k // n_chunks, n * (k + 1) // n_chunks)), ahead if k == 0 else [])
         assert all(o is not None for o in out)
         return out  # type: ignore[return-value]
 
@@ -1210,10 +1182,9 @@ def _sum_groups(outputs: Sequence[MoEOutput]) -> MoEOutput:
     return MoEOutput(moe_out, shared_out, ffn_out)
 
 
-def _batch_prefetch(wanted: list[list[Key]], limit: int | None = None) -> list[Key]:
+def _batch_prefetch(wanted: list[list[Key]]) -> list[Key]:
     """The prefetch of a batched step: the calls' predicted keys most of them share, no more of
-    them than one call asks for, or than ``limit`` when given (the keys more calls predicted
-    first, then in the order asked).
+    them than one call asks for (the keys more calls predicted first, then in the order asked).
 
     The union of every call's predictions (4 calls: up to 4 times one call's reads) filled a slab
     of 25 % of the experts with predictions that evicted each other: the 8-layer model read as many
@@ -1226,7 +1197,7 @@ def _batch_prefetch(wanted: list[list[Key]], limit: int | None = None) -> list[K
         for key in dict.fromkeys(keys):
             counts[key] = counts.get(key, 0) + 1
     order = sorted(counts, key=lambda key: -counts[key])  # stable: ties keep the order asked
-    return order[: max(len(set(keys)) for keys in wanted) if limit is None else limit]
+    return order[: max(len(set(keys)) for keys in wanted)]
 
 
 def hits_first_pays(n_hits: int, n_misses: int, n_threads: int, *, batched: bool = False) -> bool:

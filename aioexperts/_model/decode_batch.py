@@ -1,9 +1,8 @@
 """One decode step of several sequences at once: cross-request batching of the whole forward pass.
 
 When several sequences of one :class:`~aioexperts.Model` decode at the same moment, each in its own
-task, their one-token steps are gathered (:class:`~aioexperts._batch.LayerBatcher` with one step
-per token, the same window and rules as the MoE steps: a lone sequence never waits) and run
-together by :func:`decode_rows`, block by block:
+task, their one-token steps are gathered one step at a time (:class:`~aioexperts._model.steps.StepBatcher`:
+a lone sequence never waits) and run together by :func:`decode_rows`, block by block:
 
 - the dense products of the attention (q, k, v, output) run once for every row, each weight block
   decoded once for several rows (:meth:`~aioexperts._model.weights.DenseMatrix.invariant`, split
@@ -12,7 +11,8 @@ together by :func:`decode_rows`, block by block:
   (:meth:`aioexperts.MoERunner._moe_rows`);
 - the output head is one product for every row.
 
-Norms, residual adds, routing, the shared expert, the slot-order sum and sampling stay per row,
+Norms, residual adds (:mod:`aioexperts._model.residual`, as the one-sequence path), the top-k, the
+shared expert, the slot-order sum and sampling stay per row,
 and every product is batch-invariant, so each sequence gets bit for bit the logits it gets alone.
 A row whose values turn non-finite fails alone (its error is its outcome); the others go on.
 """
@@ -28,9 +28,10 @@ import numpy as np
 
 from aioexperts._compute.norms import rms_norm
 from aioexperts._compute.pool import compute_pool
+from aioexperts._errors import NonFiniteError
 from aioexperts._format.architectures import ModelHParams
 from aioexperts._model.blocks import BatchedAttentionBlock
-from aioexperts._model.residual import add_residual, check_finite
+from aioexperts._model.residual import add_residual, after_attention, block_input, head_input, scale_logits
 from aioexperts._model.weights import invariant_products
 from aioexperts._pipeline import run_in_worker
 
@@ -65,12 +66,12 @@ class DecodeRequest:
     token: int
 
 
-def _finite(what: str, x: np.ndarray) -> Exception | None:
+def _caught(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, or the NonFiniteError it raised (that row's outcome)."""
     try:
-        check_finite(what, x)
-    except Exception as exc:
+        return fn(*args)
+    except NonFiniteError as exc:
         return exc
-    return None
 
 
 def _pre_blocks(
@@ -89,16 +90,11 @@ def _pre_blocks(
     hp = model.hparams
     il = layer.index
     n = len(resids)
-    xs: list[np.ndarray] = []
-    failed: dict[int, Exception] = {}
-    for i in range(n):
-        if fs is None:  # the first block: the embeddings
-            x = resids[i] * np.float32(hp.embedding_scale) if hp.embedding_scale else resids[i]
-        else:
-            x = add_residual(resids[i], fs[i], hp)
-            if (exc := _finite(f"the residual stream after block {il - 1}", x)) is not None:
-                failed[i] = exc
-        xs.append(x)
+    # a row whose input is not finite still goes through the products (its result is dropped)
+    xs = [_caught(block_input, hp, il, resids[i], None if fs is None else fs[i]) for i in range(n)]
+    failed = {i: x for i, x in enumerate(xs) if isinstance(x, Exception)}
+    for i in failed:
+        xs[i] = add_residual(resids[i], fs[i], hp)  # type: ignore[index]
     h = np.concatenate([rms_norm(x, layer.attn_norm, hp.norm_eps) for x in xs])
     pool = compute_pool()
     block = layer.block
@@ -106,15 +102,15 @@ def _pre_blocks(
         a = block.attention_rows(h, caches, starts, pool.n_threads)
     else:
         a = np.concatenate(pool.map(lambda i: block.attention(h[i : i + 1], caches[i], starts[i]), range(n)))
-    if hp.residual_scale:
-        a *= np.float32(hp.residual_scale)
     t1 = time.perf_counter()
 
     out: list[tuple[np.ndarray, np.ndarray, Any] | Exception] = []
     for i in range(n):
-        ffn_inp = xs[i] + a[i : i + 1]
-        exc = failed.get(i) or _finite(f"the residual stream after block {il}'s attention", ffn_inp)
-        out.append(exc if exc is not None else (ffn_inp, rms_norm(ffn_inp, layer.ffn_norm, hp.norm_eps), None))
+        ffn_inp = failed.get(i) or _caught(after_attention, hp, il, xs[i], a[i : i + 1])
+        if isinstance(ffn_inp, Exception):
+            out.append(ffn_inp)
+        else:
+            out.append((ffn_inp, rms_norm(ffn_inp, layer.ffn_norm, hp.norm_eps), None))
     prefetch: list[Any] = []
     ok = [i for i in range(n) if not isinstance(out[i], Exception)]
     if route_rows is not None and ok:
@@ -142,20 +138,16 @@ def _heads(model: StepModel, resids: list[np.ndarray], fs: list[np.ndarray]) -> 
     hs: list[np.ndarray] = []
     live: list[int] = []
     for i, (resid, f) in enumerate(zip(resids, fs, strict=True)):
-        x = add_residual(resid, f, hp)
-        if (exc := _finite(f"the residual stream after block {hp.n_layer - 1}", x)) is not None:
-            out[i] = exc
+        got = _caught(head_input, hp, resid, f, w.output_norm)
+        if isinstance(got, Exception):
+            out[i] = got
             continue
-        hs.append(rms_norm(x, w.output_norm, hp.norm_eps))
+        hs.append(got[1])
         live.append(i)
     if live:
         (logits,) = invariant_products([(w.output, np.concatenate(hs))], compute_pool().n_threads)
-        if hp.logit_scale:
-            logits *= np.float32(1.0 / hp.logit_scale)
         for j, i in enumerate(live):
-            row = logits[j : j + 1]
-            exc = _finite("the logits", row)
-            out[i] = row if exc is None else exc
+            out[i] = _caught(scale_logits, hp, logits[j : j + 1])
     model._counters.head_seconds += time.perf_counter() - t0
     return out  # type: ignore[return-value]
 
@@ -192,25 +184,22 @@ async def decode_rows(model: StepModel, requests: Sequence[DecodeRequest]) -> li
             [requests[i].start for i in live],
             route_rows,
         )
-        kept: list[int] = []
+        ready: dict[int, tuple[np.ndarray, np.ndarray, Any]] = {}  # row -> (ffn_inp, ffn_in, routed)
         for i, got in zip(live, pre, strict=True):
             if isinstance(got, Exception):
                 outcome[i] = got
             else:
-                kept.append(i)
-        ffn_inps = {i: got[0] for i, got in zip(live, pre, strict=True) if not isinstance(got, Exception)}
-        ffn_ins = {i: got[1] for i, got in zip(live, pre, strict=True) if not isinstance(got, Exception)}
-        routed = {i: got[2] for i, got in zip(live, pre, strict=True) if not isinstance(got, Exception)}
-        live = kept
+                ready[i] = got
+        live = list(ready)
         if not live:
             break
         t0 = time.perf_counter()
         new_f: list[np.ndarray | Exception]
         if layer.dense is None:
-            new_f = await runner._moe_rows(layer.index, [(ffn_ins[i], routed[i]) for i in live], prefetch)
+            new_f = await runner._moe_rows(layer.index, [ready[i][2] for i in live], prefetch)
             model._counters.moe_seconds += time.perf_counter() - t0
         else:
-            new_f = await run_in_worker(_dense_rows, layer.dense, [ffn_ins[i] for i in live])
+            new_f = await run_in_worker(_dense_rows, layer.dense, [ready[i][1] for i in live])
             model._counters.dense_ffn_seconds += time.perf_counter() - t0
         fs_next: list[np.ndarray] = [np.empty(0, np.float32)] * n
         kept = []
@@ -219,7 +208,7 @@ async def decode_rows(model: StepModel, requests: Sequence[DecodeRequest]) -> li
                 outcome[i] = f
             else:
                 fs_next[i] = f
-                resids[i] = ffn_inps[i]
+                resids[i] = ready[i][0]
                 kept.append(i)
         live, fs = kept, fs_next
         if not live:

@@ -45,7 +45,7 @@ from aioexperts._model.blocks import BLOCKS, AttentionBlock
 from aioexperts._model.decode_batch import DecodeRequest, decode_rows
 from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
 from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_reserve_bytes
-from aioexperts._model.residual import add_residual, check_finite
+from aioexperts._model.residual import after_attention, block_input, head_input, scale_logits
 from aioexperts._model.steps import StepBatcher
 from aioexperts._model.weights import DenseMatrix, TensorReader
 from aioexperts._options import CacheOptions, IOOptions, PageCacheOptions
@@ -998,19 +998,11 @@ class Model:
         t0 = time.perf_counter()
         hp = self._started()[3]
         il = layer.index
-        if f is None:  # the first block: the embeddings (llama-graph.cpp build_inp_embd)
-            x = resid * np.float32(hp.embedding_scale) if hp.embedding_scale else resid
-        else:
-            x = self._residual(resid, f, hp)
-            check_finite(f"the residual stream after block {il - 1}", x)
-            if capture is not None:
-                capture[f"l_out-{il - 1}"] = x
+        x = block_input(hp, il, resid, f)
+        if capture is not None and f is not None:
+            capture[f"l_out-{il - 1}"] = x
         h = rms_norm(x, layer.attn_norm, hp.norm_eps)
-        a = layer.block.attention(h, cache, start)
-        if hp.residual_scale:
-            a *= np.float32(hp.residual_scale)
-        ffn_inp = x + a
-        check_finite(f"the residual stream after block {il}'s attention", ffn_inp)
+        ffn_inp = after_attention(hp, il, x, layer.block.attention(h, cache, start))
         ffn_in = rms_norm(ffn_inp, layer.ffn_norm, hp.norm_eps)
         if capture is not None:
             capture[f"attn_norm-{il}"] = h
@@ -1023,10 +1015,6 @@ class Model:
         self._counters.moe_seconds += time.perf_counter() - t1
         return ffn_inp, ffn_in, routed
 
-    @staticmethod
-    def _residual(resid: np.ndarray, f: np.ndarray, hp: ModelHParams) -> np.ndarray:
-        return add_residual(resid, f, hp)
-
     def _dense_ffn(self, layer: _Layer, x: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
         assert layer.dense is not None
@@ -1037,13 +1025,8 @@ class Model:
     def _head(self, resid: np.ndarray, f: np.ndarray, capture: dict[str, np.ndarray] | None) -> np.ndarray:
         t0 = time.perf_counter()
         _, _, w, hp = self._started()
-        x = self._residual(resid, f, hp)
-        check_finite(f"the residual stream after block {hp.n_layer - 1}", x)
-        h = rms_norm(x, w.output_norm, hp.norm_eps)
-        logits = w.output(h)
-        if hp.logit_scale:  # granite.cpp: ggml_scale(cur, 1/f_logit_scale)
-            logits *= np.float32(1.0 / hp.logit_scale)
-        check_finite("the logits", logits)
+        x, h = head_input(hp, resid, f, w.output_norm)
+        logits = scale_logits(hp, w.output(h))
         if capture is not None:
             capture[f"l_out-{hp.n_layer - 1}"] = x
             capture["result_norm"] = h

@@ -17,6 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from aioexperts._compute import fused
 from aioexperts._compute.activations import round_activations
+from aioexperts._compute.pool import compute_pool
 from aioexperts._errors import FormatError
 from aioexperts._format.dequant import dequantize
 from aioexperts._format.model import GGUFModel
@@ -89,8 +90,6 @@ def invariant_products(products: Sequence[tuple[DenseMatrix, np.ndarray]], parts
     For a batched decode step (several sequences' rows in one compute job), whose products would
     otherwise run on one core. Returns ``(n_tokens, rows)`` float32 per product, in order.
     """
-    from aioexperts._compute.pool import compute_pool
-
     items: list[tuple[int, DenseMatrix, np.ndarray, tuple[int, int]]] = []
     for k, (w, x) in enumerate(products):
         rows = w.shape[0]
