@@ -762,6 +762,23 @@ class MoERunner:
     def batch_wait(self, value: float | None) -> None:
         self._batcher.wait = check_batch_wait(value)
 
+    @property
+    def record_trace(self) -> bool:
+        """Whether routing decisions are recorded (:meth:`routing_trace`). Settable before :meth:`warmup`.
+
+        Raises:
+            ConfigError: (setting) not a bool, or a change after :meth:`warmup` ran.
+        """
+        return self._record_trace
+
+    @record_trace.setter
+    def record_trace(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(f"record_trace must be True or False, got {value!r}")
+        if value != self._record_trace and self._residents is not None:
+            raise ConfigError("record_trace can only change before warmup()")
+        self._record_trace = value
+
     async def moe(
         self, layer: int, x: np.ndarray, *, token_ids: np.ndarray | None = None, stream: DecodeStream | None = None
     ) -> np.ndarray:

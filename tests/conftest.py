@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from blocking import blockbuster as blockbuster  # blocking calls on the loop fail async tests: tests/blocking.py
+from hang_watchdog import pytest_runtest_protocol as pytest_runtest_protocol  # a hang ends the run: exit 3
 from hypothesis import Phase, settings
 
 from aioexperts._io.uring_probe import io_uring_unusable_reason, liburing_unusable_reason

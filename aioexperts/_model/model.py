@@ -607,6 +607,10 @@ class Model:
             runner = self._make_runner(store, self._prefetch)
             if not isinstance(runner, MoERunner):
                 raise ConfigError(f"runner must return a MoERunner (or a subclass), got {runner!r}")
+            # load()'s runner options hold for a runner from a factory too (it gets only the prefetch)
+            runner.batch_wait = self._batch_wait
+            runner.hits_first = self._hits_first
+            runner.record_trace = self._record_trace or runner.record_trace
             await runner.warmup()
             weights = await run_in_worker(_load_weights, store.model, hp, moe_layers, self._resident_embedding)
             types = {weights.output.ggml_type} | {

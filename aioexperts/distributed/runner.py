@@ -13,6 +13,7 @@ shard gives the waiting tokens a :class:`~aioexperts.ShardError` (cause attached
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -296,6 +297,29 @@ class ShardedRunner(MoERunner):
         c.io_wait_seconds += io_wait
         c.compute_seconds += compute_s
         return out, io_wait, compute_s
+
+    def _prefetch_for(self, layer: int, x: np.ndarray) -> int:
+        """No local read ahead: the routed experts live on the shards (a layer's call carries the
+        prediction for the layers ahead to their owners)."""
+        return 0
+
+    async def _moe_rows(self, layer: int, rows: Sequence[_Routed], prefetch: list[Key]) -> list[np.ndarray | Exception]:
+        """A batched decode step's layer on the shards: each row as it would go alone (its own
+        calls, one per owner, so its numbers are its lone ones), the rows concurrently; the step's
+        prediction for the next layer travels with the first row's calls. A row's error is its own."""
+        rows = list(rows)
+        if rows and prefetch:
+            rows[0] = dataclasses.replace(rows[0], prefetch=list(dict.fromkeys([*rows[0].prefetch, *prefetch])))
+
+        async def one(routed: _Routed) -> np.ndarray | Exception:
+            assert routed.plan is not None  # a decode row's experts fit in any slab
+            try:
+                out, _, _ = await self._executor_layer(layer, routed.plan.x, routed)
+            except AioExpertsError as exc:
+                return exc
+            return out.ffn_out
+
+        return list(await asyncio.gather(*(one(r) for r in rows)))
 
     async def _gather(self, layer: int, calls: Sequence[tuple[int, str, tuple[Any, ...]]]) -> list[Any]:
         """Run every ``(shard, method, args)`` call together within ``call_timeout``; results in the order given.

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import aioexperts
+from aioexperts._batch import DEFAULT_BATCH_WAIT
 
 pytestmark = pytest.mark.anyio
 
@@ -37,3 +38,34 @@ async def test_a_runner_that_is_not_one_is_refused(tiny_full_model: Path, anyio_
     with pytest.raises(aioexperts.ConfigError, match="runner must return a MoERunner"):
         await model.start()
     await model.aclose()
+
+
+@pytest.mark.parametrize("runner_kind", ["default", "factory", "subclass"])
+async def test_load_options_are_honoured_by_every_runner(
+    tiny_full_model: Path, runner_kind: str, anyio_backend: object
+) -> None:
+    """Issue 32: with ``runner=`` a factory, ``load()`` dropped ``batch_wait``, ``hits_first`` and
+    ``record_trace`` (``batch_wait=0`` still batched with 0.05 s)."""
+
+    class Custom(aioexperts.MoERunner):
+        pass
+
+    factories: dict[str, Any] = {
+        "default": None,
+        "factory": lambda store, prefetch: aioexperts.MoERunner(store, prefetch=prefetch),
+        "subclass": lambda store, prefetch: Custom(store, prefetch=prefetch),
+    }
+    async with aioexperts.load(
+        tiny_full_model, slots=8, n_ctx=32, runner=factories[runner_kind], batch_wait=0, hits_first=False,
+        record_trace=True,
+    ) as model:  # fmt: skip
+        runner = model.runner
+        assert runner.batch_wait == 0 and not runner.batching
+        assert runner.hits_first is False
+        assert runner.record_trace is True
+        await model.logits([1, 2, 3])
+        assert runner.routing_trace().n_tokens == 3
+    async with aioexperts.load(tiny_full_model, slots=8, n_ctx=32, runner=factories[runner_kind]) as model:
+        assert model.runner.batch_wait == DEFAULT_BATCH_WAIT > 0 and model.runner.hits_first is True
+        with pytest.raises(aioexperts.ConfigError, match="before warmup"):
+            model.runner.record_trace = True

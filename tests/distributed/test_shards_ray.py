@@ -284,3 +284,48 @@ async def test_the_whole_model_runs_on_shards(tiny_full_model: Path, ray_cluster
     assert tokens == want_tokens
     for h in shards:
         ray_cluster.kill(h)
+
+
+async def _continuations(model: aioexperts.Model, prompts: list[list[int]], n_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy continuation, the sequences decoding at once: even ones through
+    ``generate``, odd ones through ``stream`` (its ``token_ids``)."""
+
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        if i % 2 == 0:
+            return [t async for t in model.generate(prompt, max_tokens=n_tokens, temperature=0.0)]
+        stream = model.stream(prompt, max_tokens=n_tokens, temperature=0.0)
+        async for _ in stream:
+            pass
+        return list(stream.token_ids)
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+@pytest.mark.parametrize("n_shards", [2, 3])
+@pytest.mark.parametrize("n_sequences", [1, 2, 4])
+async def test_concurrent_sequences_compute_every_routed_expert_on_its_shard(
+    tiny_full_model: Path, shard_pool: list[Any], n_shards: int, n_sequences: int, anyio_backend: object
+) -> None:
+    """Issue 32's shard defect: with two or more sequences decoding at once, the batched decode step
+    read and computed the routed experts locally (8 of 24 shard calls made). Now the local store
+    serves no routed expert at all, every shard computes, and each sequence's tokens are the local
+    runner's (each alone)."""
+    layout = aioexperts.build_layout(aioexperts.open_model(tiny_full_model))
+    placement = round_robin_placement(layout, n_shards, n_embd=256)
+    shards = await _reopen(shard_pool, tiny_full_model, placement)
+    prompts = [[5, 17, 42, 99, 3], [7, 8], [200, 1, 300], [11, 12, 13, 14]][:n_sequences]
+    async with aioexperts.load(tiny_full_model, slots=8, io=THREADS, n_ctx=64) as local:
+        want = [[t async for t in local.generate(p, max_tokens=6, temperature=0.0)] for p in prompts]
+    factory = ShardedRunner.factory(shards, placement, call_timeout=60)
+    async with aioexperts.load(tiny_full_model, slots=8, io=THREADS, n_ctx=64, runner=factory, batch_wait=0.05) as model:
+        got = await _continuations(model, prompts, 6)
+        local_store = model.store.statistics()
+        batched = model.statistics().batched_steps
+        runner_calls = model.runner.calls
+    stats = await asyncio.gather(*(h.statistics.remote() for h in shards))
+    assert got == want
+    assert local_store.requests == 0 and local_store.bytes_read == 0, local_store  # nothing routed is local
+    assert all(s["calls"] > 0 for s in stats), stats
+    assert sum(s["calls"] for s in stats) == runner_calls
+    if n_sequences > 1:
+        assert batched > 0  # the batched decode step ran, and stayed on the shards
