@@ -170,6 +170,28 @@ def direct_tmp_path(tmp_path: Path) -> Path:
     return tmp_path
 
 
+#: Architectures of the shared fixtures whose MoE layers run but whose whole model ``load()``
+#: refuses still (UnsupportedTypeError): the tests of the whole model expect that refusal, strictly,
+#: so the day they run these marks must go.
+WHOLE_MODEL_PENDING = {"deepseek4": "issue 34", "qwen35moe": "issue 34"}
+
+
+def whole_model_param(path: Path, *marks: pytest.MarkDecorator) -> object:
+    """``pytest.param(path)``, strictly expected to be refused by ``load()`` when its architecture
+    is in :data:`WHOLE_MODEL_PENDING`."""
+    from aioexperts import UnsupportedTypeError, open_model
+
+    arch = open_model(path).architecture
+    if arch in WHOLE_MODEL_PENDING:
+        marks = (
+            *marks,
+            pytest.mark.xfail(
+                raises=UnsupportedTypeError, strict=True, reason=f"load() refuses {arch} ({WHOLE_MODEL_PENDING[arch]})"
+            ),
+        )
+    return pytest.param(path, marks=marks, id=path.stem)
+
+
 def golden_fixture_paths() -> list[Path]:
     """Every shared fixture (subfolders included) that has llama.cpp's MoE outputs (``.golden.npz``)."""
     return [p for p in shared_fixture_paths() if p.with_suffix(".golden.npz").exists()]

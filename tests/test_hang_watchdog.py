@@ -12,7 +12,7 @@ import pytest
 
 # A hang of the kind issue 31 saw: pytest-timeout's signal lands inside an asyncio task step, the
 # task keeps the ``Failed`` as its result, and the test waits forever for what that task was to do.
-HANGING_TEST = '''
+HANGING_TEST = """
 import asyncio
 import time
 
@@ -29,7 +29,7 @@ def test_waits_for_a_task_that_swallowed_the_timeout():
         task.cancel()
 
     asyncio.run(main())
-'''
+"""
 
 
 @pytest.mark.timeout(120)

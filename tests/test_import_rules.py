@@ -35,6 +35,8 @@ LAYER_OF = {
     "_batch": "runner",
     "_pipeline": "runner",
     "_runner": "runner",
+    "_router": "runner",
+    "_executor": "runner",
     "_model": "model",
     "_text": "model",
     "__init__": "public",
@@ -158,9 +160,15 @@ def test_the_store_layer_never_imports_the_compute_layer() -> None:
         if _layer(_module_name(path)) != "store":
             continue
         for line, target in _imports(path):
-            assert not target.startswith(("aioexperts._compute", "aioexperts._predict", "aioexperts._runner")), (
-                f"{path}:{line} imports {target}"
-            )
+            assert not target.startswith(
+                (
+                    "aioexperts._compute",
+                    "aioexperts._predict",
+                    "aioexperts._runner",
+                    "aioexperts._router",
+                    "aioexperts._executor",
+                )
+            ), f"{path}:{line} imports {target}"
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ a lone sequence never waits) and run together by :func:`decode_rows`, block by b
   decoded once for several rows (:meth:`~aioexperts._model.weights.DenseMatrix.invariant`, split
   over the compute pool's workers); the attention itself runs per row on its own KV cache;
 - the MoE layer reads each selected expert once and computes it once for every row that chose it
-  (:meth:`aioexperts.MoERunner._moe_rows`);
+  (:meth:`aioexperts.MoERunner.execute_rows`);
 - the output head is one product for every row.
 
 Norms, residual adds (:mod:`aioexperts._model.residual`, as the one-sequence path), the top-k, the
@@ -84,7 +84,7 @@ def _pre_blocks(
     route_rows: Any,
 ) -> tuple[list[tuple[np.ndarray, np.ndarray, Any] | Exception], list[Any]]:
     """Worker job: :meth:`Model._pre_block` of every row, the attention's products and (with
-    ``route_rows``, the runner's :meth:`~aioexperts.MoERunner._route_rows`) the routing shared.
+    ``route_rows``, the runner's :meth:`~aioexperts.MoERunner.route_rows`) the routing shared.
     Returns per row ``(ffn_inp, ffn_in, routed)`` or its error, and the step's prefetch."""
     t0 = time.perf_counter()
     hp = model.hparams
@@ -170,10 +170,10 @@ async def decode_rows(model: StepModel, requests: Sequence[DecodeRequest]) -> li
     if first is not None:  # the first MoE layer's experts, predicted from each row's embeddings
         x = resid_all * np.float32(hp.embedding_scale) if hp.embedding_scale else resid_all
         for i in range(n):
-            runner._prefetch_for(first.index, rms_norm(x[i : i + 1], first.ffn_norm, hp.norm_eps))
+            runner.prefetch_first(first.index, rms_norm(x[i : i + 1], first.ffn_norm, hp.norm_eps))
     fs: list[np.ndarray] | None = None
     for layer in w.layers:
-        route_rows = runner._route_rows if layer.dense is None else None
+        route_rows = runner.route_rows if layer.dense is None else None
         pre, prefetch = await run_in_worker(
             _pre_blocks,
             model,
@@ -196,7 +196,7 @@ async def decode_rows(model: StepModel, requests: Sequence[DecodeRequest]) -> li
         t0 = time.perf_counter()
         new_f: list[np.ndarray | Exception]
         if layer.dense is None:
-            new_f = await runner._moe_rows(layer.index, [ready[i][2] for i in live], prefetch)
+            new_f = await runner.execute_rows(layer.index, [ready[i][2] for i in live], prefetch)
             model._counters.moe_seconds += time.perf_counter() - t0
         else:
             new_f = await run_in_worker(_dense_rows, layer.dense, [ready[i][1] for i in live])

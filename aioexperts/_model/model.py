@@ -246,7 +246,7 @@ def _plain_moe(runner: MoERunner) -> bool:
     """Whether ``runner``'s :meth:`~MoERunner.moe` is the base class's (route, then the executor), so the
     model may route in its own job (a subclass that overrides ``moe`` or its routing keeps them)."""
     cls = type(runner)
-    return all(getattr(cls, name) is getattr(MoERunner, name) for name in ("moe", "moe_result", "_route"))
+    return all(getattr(cls, name) is getattr(MoERunner, name) for name in ("moe", "moe_result", "route_in_job"))
 
 
 class ModelSequence:
@@ -998,7 +998,7 @@ class Model:
         route: Callable[[int, np.ndarray], Any] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, Any]:
         """Worker job: finish the previous block, norm, attention, residual, FFN norm, then (with
-        ``route``, the runner's :meth:`MoERunner._route_in_job`) the MoE layer's routing."""
+        ``route``, the runner's :meth:`MoERunner.route_in_job`) the MoE layer's routing."""
         t0 = time.perf_counter()
         hp = self._started()[3]
         il = layer.index
@@ -1092,16 +1092,16 @@ class Model:
                 # of them) before any attention runs: nothing earlier in this step predicts them
                 hp = self._started()[3]
                 x = resid * np.float32(hp.embedding_scale) if hp.embedding_scale else resid
-                runner._prefetch_for(first.index, rms_norm(x, first.ffn_norm, hp.norm_eps))
+                runner.prefetch_first(first.index, rms_norm(x, first.ffn_norm, hp.norm_eps))
         for layer in w.layers:
-            route = runner._route_in_job if fused_route and layer.dense is None else None
+            route = runner.route_in_job if fused_route and layer.dense is None else None
             ffn_inp, ffn_in, routed = await run_in_worker(
                 self._pre_block, layer, resid, f, cache.layer(layer.index), start, capture, route
             )
             if layer.dense is None:
                 t0 = time.perf_counter()
                 if routed is not None:
-                    f = await runner._moe_routed(layer.index, ffn_in, routed)
+                    f = await runner.execute(layer.index, routed)
                 elif capture is None:
                     f = await runner.moe(layer.index, ffn_in)
                 else:

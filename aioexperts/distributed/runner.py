@@ -21,18 +21,19 @@ from typing import Any
 
 import numpy as np
 
+from .._batch import DEFAULT_BATCH_WAIT
 from .._cache.cache import Key
-from .._compute.fused import WarmupReport
 from .._compute.moe import MoEOutput, moe_forward
 from .._errors import AioExpertsError, ConfigError, PlacementError, ShardError, ShardTimeoutError
-from .._pipeline import ComputeStep, MoELayersResult, run_in_worker
-from .._predict.predictors import Predictor
-from .._runner import DEFAULT_TRACE_MAX_TOKENS, MoERunner, PrefetchOptions, RouteStep, _check_finite, _Routed
+from .._executor import LayerExecutor, LayerOutcome, check_finite
+from .._pipeline import run_in_worker
+from .._router import DEFAULT_TRACE_MAX_TOKENS, PrefetchOptions, Routing
+from .._runner import MoERunner
 from .._store import ExpertStore
 from ._ray import ray_module
 from .placement import Placement
 
-__all__ = ("DEFAULT_CALL_TIMEOUT", "DEFAULT_OPEN_TIMEOUT", "ShardCall", "ShardedRunner")
+__all__ = ("DEFAULT_CALL_TIMEOUT", "DEFAULT_OPEN_TIMEOUT", "ShardCall", "ShardExecutor", "ShardedRunner")
 
 DEFAULT_CALL_TIMEOUT = 30.0
 """Seconds a layer waits for its shards (covers a restarted shard reopening its store)."""
@@ -106,36 +107,30 @@ def sum_in_shard_order(n_rows: int, n_embd: int, calls: Sequence[ShardCall], par
     return total
 
 
-class ShardedRunner(MoERunner):
-    """An :class:`~aioexperts.MoERunner` whose routed experts are computed by remote shards.
+class ShardExecutor(LayerExecutor):
+    """A :class:`~aioexperts._executor.LayerExecutor` whose routed experts are computed by remote shards.
 
-    Example::
-
-        ray.init(address="auto")
-        placement = Placement.load("placement.json")
-        shards = start_shards("model.gguf", placement, slots=512)
-        async with aioexperts.load("model.gguf", slots=8,
-                                   runner=ShardedRunner.factory(shards, placement)) as model:
-            ...
+    Per call it groups the selected experts by owner (the placement), sends **one call per
+    owner** with the rows routed there (the predicted experts of the layers ahead travel with the
+    call to their owner), computes the shared expert locally meanwhile, awaits the calls together
+    and adds the partial sums **in shard order**. Several calls of one step (the rows of
+    sequences decoding together) go as they would alone, concurrently, so each row's numbers are
+    its lone ones. It reads nothing locally.
 
     Args:
-        store: the local store of the model (routers, shared experts and the dense weights are read
-            through it; its slab holds no routed expert, so a few slots do).
+        store: the local store (the shared experts' resident weights come through the router).
         shards: Ray actor handles of :class:`~aioexperts.distributed.ExpertShard`, shard ``i`` at
             index ``i``.
         placement: the placement the shards were started with.
         call_timeout: seconds a layer waits for its shards before :class:`~aioexperts.ShardTimeoutError`.
         open_timeout: seconds :meth:`warmup` waits for the shards to start and open their stores.
-        prefetch, record_trace, trace_max_tokens: as :class:`~aioexperts.MoERunner`; the predicted
-            experts of the upcoming layers travel with the layer's call to their owner (a shard
-            with no call in this layer gets none).
 
     Raises:
         ConfigError: a bad argument. PlacementError: the placement does not fit the model or the
-            number of shards (here), or a shard was started with another one (:meth:`warmup`).
-
-    Event loops: asyncio and uvloop (Ray's async API is asyncio's); trio is refused with ConfigError.
+            number of shards.
     """
+
+    local = False
 
     def __init__(
         self,
@@ -145,11 +140,8 @@ class ShardedRunner(MoERunner):
         *,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
         open_timeout: float = DEFAULT_OPEN_TIMEOUT,
-        prefetch: PrefetchOptions | None = None,
-        record_trace: bool = False,
-        trace_max_tokens: int = DEFAULT_TRACE_MAX_TOKENS,
     ) -> None:
-        super().__init__(store, prefetch=prefetch, record_trace=record_trace, trace_max_tokens=trace_max_tokens)
+        super().__init__()
         if not isinstance(placement, Placement):
             raise ConfigError(f"placement must be an aioexperts.distributed.Placement, got {placement!r}")
         for name, value in (("call_timeout", call_timeout), ("open_timeout", open_timeout)):
@@ -161,6 +153,7 @@ class ShardedRunner(MoERunner):
                 f"the placement has {placement.n_shards} shards, {len(shards)} shard handles were given"
             )
         placement.check_model(store.layout, store.hparams.n_embd)
+        self._store = store
         self.placement = placement
         self.call_timeout = float(call_timeout)
         self.open_timeout = float(open_timeout)
@@ -169,37 +162,25 @@ class ShardedRunner(MoERunner):
         self._shard_lock = asyncio.Lock()
         self._failed_at: dict[int, float] = {}  # shard -> when its last failure was seen (monotonic)
         self.calls = 0
-        """Shard calls made so far (one per owner per layer step)."""
-
-    @classmethod
-    def factory(
-        cls, shards: Sequence[Any], placement: Placement, **options: Any
-    ) -> Callable[[ExpertStore, PrefetchOptions | None], ShardedRunner]:
-        """A ``runner`` for :func:`aioexperts.load`: ``(store, prefetch) -> ShardedRunner``."""
-
-        def make(store: ExpertStore, prefetch: PrefetchOptions | None) -> ShardedRunner:
-            return cls(store, shards, placement, prefetch=prefetch, **options)
-
-        return make
+        """Shard calls made so far (one per owner per call of a layer step)."""
 
     @property
     def shards(self) -> list[Any]:
         """The shard actor handles, in shard order."""
         return list(self._shards)
 
-    async def warmup(self) -> WarmupReport:
-        """As :meth:`MoERunner.warmup`, then (once) ask every shard what it serves and refuse a
-        shard of another placement or model; the shards open their stores now.
+    async def warmup(self) -> None:
+        """Once: ask every shard what it serves and refuse a shard of another placement or model;
+        the shards open their stores now.
 
         Raises:
+            ConfigError: not on asyncio (or uvloop).
             PlacementError: a shard's index or placement is not the runner's.
             ShardError, ShardTimeoutError: a shard did not answer.
-            As :meth:`MoERunner.warmup`.
         """
         _check_asyncio()
-        report = await super().warmup()
         if self._shards_checked:
-            return report
+            return
         async with self._shard_lock:
             if not self._shards_checked:
                 answers = await self._gather(-1, [(i, "describe", ()) for i in range(len(self._shards))])
@@ -212,41 +193,32 @@ class ShardedRunner(MoERunner):
                             "with the runner's placement, in shard order"
                         )
                 self._shards_checked = True
-        return report
 
-    async def run_moe_layers(
-        self,
-        x: np.ndarray,
-        *,
-        route_step: RouteStep | None = None,
-        compute: ComputeStep | None = None,
-        predictor: Predictor | None = None,
-        prefetch: bool = True,
-        token_ids: np.ndarray | None = None,
-    ) -> MoELayersResult:
-        """As :meth:`MoERunner.run_moe_layers`, the experts computed by their shards.
-
-        Raises:
-            ConfigError: a custom ``compute`` step (the experts are not here to compute).
-            As :meth:`MoERunner.run_moe_layers`; ShardError, ShardTimeoutError.
-        """
-        if compute is not None:
-            raise ConfigError("a ShardedRunner computes the experts on their shards: a custom compute step cannot run")
-        return await super().run_moe_layers(
-            x, route_step=route_step, predictor=predictor, prefetch=prefetch, token_ids=token_ids
-        )
-
-    async def _executor_layer(
-        self, layer: int, x: np.ndarray, routed: _Routed, *_local_options: Any
-    ) -> tuple[MoEOutput, float, float]:
-        """One layer: split by owner, one call per owner, the shared expert here meanwhile, sum in order.
-
-        Options of the local layer step (a decode stream for cross-request batching) do not apply:
-        the shards compute each call as it comes."""
+    async def run(
+        self, layer: int, calls: Sequence[Routing], prefetch: Sequence[Key] | None = None
+    ) -> list[LayerOutcome]:
         _check_asyncio()
-        resident, hparams = self.residents[layer], self._store.hparams
+        calls = list(calls)
+        if calls and prefetch:  # the step's read-ahead travels with the first call's shard calls
+            calls[0] = dataclasses.replace(calls[0], prefetch=list(dict.fromkeys([*calls[0].prefetch, *prefetch])))
+        if len(calls) == 1:
+            return [await self._one(layer, calls[0])]
+
+        async def one(routing: Routing) -> LayerOutcome:
+            try:
+                return await self._one(layer, routing)
+            except AioExpertsError as exc:  # this call's own failure; the others go on
+                return exc
+
+        return list(await asyncio.gather(*(one(c) for c in calls)))
+
+    async def _one(self, layer: int, routed: Routing) -> tuple[MoEOutput, float, float]:
+        """One call: split by owner, one shard call per owner, the shared expert here meanwhile, sum in order."""
+        x = routed.x
+        resident, hparams = self.router.residents[layer], self._store.hparams
         owner = self.placement.owner_of(layer)
-        owners = {nxt: self.placement.owner_of(nxt) for nxt in self.upcoming_layers(layer)}
+        upcoming = self.router.upcoming_layers(layer)
+        owners = {nxt: self.placement.owner_of(nxt) for nxt in upcoming}
 
         def owner_of_key(key: Key) -> int:
             return int(owners[key[0]][key[1]]) if key[0] in owners else -1
@@ -261,7 +233,6 @@ class ShardedRunner(MoERunner):
             routed.prefetch,
             owner_of_key,
         )
-        upcoming = self.upcoming_layers(layer)
         requests = [(c.shard, "partial", (layer, c.x, c.ids, c.weights, c.prefetch, upcoming)) for c in calls]
         self.calls += len(requests)
         no_ids = np.full((len(x), 1), -1, dtype=np.int32)
@@ -288,38 +259,15 @@ class ShardedRunner(MoERunner):
         def combine() -> MoEOutput:
             moe_out = sum_in_shard_order(len(x), hparams.n_embd, calls, parts)
             ffn_out = moe_out if shared_out is None else moe_out + shared_out
-            _check_finite(layer, ffn_out, x)
+            check_finite(layer, ffn_out, x)
             return MoEOutput(moe_out, shared_out, ffn_out)
 
         out = await run_in_worker(combine)
-        c = self._counters
+        c = self.counters
         c.layer_steps += 1
         c.io_wait_seconds += io_wait
         c.compute_seconds += compute_s
         return out, io_wait, compute_s
-
-    def _prefetch_for(self, layer: int, x: np.ndarray) -> int:
-        """No local read ahead: the routed experts live on the shards (a layer's call carries the
-        prediction for the layers ahead to their owners)."""
-        return 0
-
-    async def _moe_rows(self, layer: int, rows: Sequence[_Routed], prefetch: list[Key]) -> list[np.ndarray | Exception]:
-        """A batched decode step's layer on the shards: each row as it would go alone (its own
-        calls, one per owner, so its numbers are its lone ones), the rows concurrently; the step's
-        prediction for the next layer travels with the first row's calls. A row's error is its own."""
-        rows = list(rows)
-        if rows and prefetch:
-            rows[0] = dataclasses.replace(rows[0], prefetch=list(dict.fromkeys([*rows[0].prefetch, *prefetch])))
-
-        async def one(routed: _Routed) -> np.ndarray | Exception:
-            assert routed.plan is not None  # a decode row's experts fit in any slab
-            try:
-                out, _, _ = await self._executor_layer(layer, routed.plan.x, routed)
-            except AioExpertsError as exc:
-                return exc
-            return out.ffn_out
-
-        return list(await asyncio.gather(*(one(r) for r in rows)))
 
     async def _gather(self, layer: int, calls: Sequence[tuple[int, str, tuple[Any, ...]]]) -> list[Any]:
         """Run every ``(shard, method, args)`` call together within ``call_timeout``; results in the order given.
@@ -389,6 +337,99 @@ class ShardedRunner(MoERunner):
                 shard,
             )
         return [t.result() for t in tasks]
+
+    def __repr__(self) -> str:
+        return f"<aioexperts.distributed.ShardExecutor over {self.placement!r}>"
+
+
+class ShardedRunner(MoERunner):
+    """An :class:`~aioexperts.MoERunner` whose routed experts are computed by remote shards: the
+    runner with a :class:`ShardExecutor` (every route from a token to the experts goes through
+    it: one sequence, several decoding together, a prompt).
+
+    Example::
+
+        ray.init(address="auto")
+        placement = Placement.load("placement.json")
+        shards = start_shards("model.gguf", placement, slots=512)
+        async with aioexperts.load("model.gguf", slots=8,
+                                   runner=ShardedRunner.factory(shards, placement)) as model:
+            ...
+
+    Args:
+        store: the local store of the model (routers, shared experts and the dense weights are read
+            through it; its slab holds no routed expert, so a few slots do).
+        shards, placement, call_timeout, open_timeout: as :class:`ShardExecutor`.
+        prefetch, record_trace, trace_max_tokens, batch_wait: as :class:`~aioexperts.MoERunner`; the
+            predicted experts of the upcoming layers travel with the layer's call to their owner (a
+            shard with no call in this layer gets none).
+
+    Raises:
+        ConfigError: a bad argument. PlacementError: the placement does not fit the model or the
+            number of shards (here), or a shard was started with another one (:meth:`warmup`).
+
+    Event loops: asyncio and uvloop (Ray's async API is asyncio's); trio is refused with ConfigError.
+    """
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        shards: Sequence[Any],
+        placement: Placement,
+        *,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        open_timeout: float = DEFAULT_OPEN_TIMEOUT,
+        prefetch: PrefetchOptions | None = None,
+        record_trace: bool = False,
+        trace_max_tokens: int = DEFAULT_TRACE_MAX_TOKENS,
+        batch_wait: float | None = DEFAULT_BATCH_WAIT,
+    ) -> None:
+        executor = ShardExecutor(store, shards, placement, call_timeout=call_timeout, open_timeout=open_timeout)
+        super().__init__(
+            store,
+            executor=executor,
+            prefetch=prefetch,
+            record_trace=record_trace,
+            trace_max_tokens=trace_max_tokens,
+            batch_wait=batch_wait,
+        )
+        self._shard_executor = executor
+
+    @classmethod
+    def factory(
+        cls, shards: Sequence[Any], placement: Placement, **options: Any
+    ) -> Callable[[ExpertStore, PrefetchOptions | None], ShardedRunner]:
+        """A ``runner`` for :func:`aioexperts.load`: ``(store, prefetch) -> ShardedRunner``."""
+
+        def make(store: ExpertStore, prefetch: PrefetchOptions | None) -> ShardedRunner:
+            return cls(store, shards, placement, prefetch=prefetch, **options)
+
+        return make
+
+    @property
+    def placement(self) -> Placement:
+        """The placement the shards were started with."""
+        return self._shard_executor.placement
+
+    @property
+    def shards(self) -> list[Any]:
+        """The shard actor handles, in shard order."""
+        return self._shard_executor.shards
+
+    @property
+    def calls(self) -> int:
+        """Shard calls made so far (one per owner per call of a layer step)."""
+        return self._shard_executor.calls
+
+    @property
+    def call_timeout(self) -> float:
+        """Seconds a layer waits for its shards."""
+        return self._shard_executor.call_timeout
+
+    @property
+    def open_timeout(self) -> float:
+        """Seconds the warm-up waits for the shards to open."""
+        return self._shard_executor.open_timeout
 
     def __repr__(self) -> str:
         return f"<aioexperts.distributed.ShardedRunner over {self._store!r}, {self.placement!r}>"

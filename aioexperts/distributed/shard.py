@@ -11,7 +11,6 @@ actor class and :func:`start_shards` starts one actor per shard.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import socket
 import time
@@ -23,6 +22,7 @@ import numpy as np
 from .._cache.cache import Key
 from .._compute.moe import ResidentLayer, moe_forward
 from .._errors import ConfigError, InvalidRequestError, StoreClosedError
+from .._executor import without_shared
 from .._format.views import ExpertView
 from .._pipeline import run_in_worker, run_layer_step
 from .._runner import MoERunner, PrefetchOptions
@@ -38,10 +38,6 @@ DEFAULT_MAX_RESTARTS = 3
 
 #: One layer's call to a shard: ``(layer, x_rows, ids, weights, prefetch keys, upcoming layers)``.
 LayerCall = tuple[int, np.ndarray, np.ndarray, np.ndarray, Sequence[Key], Sequence[int]]
-
-
-def _without_shared(resident: ResidentLayer) -> ResidentLayer:
-    return dataclasses.replace(resident, shexp_gate=None, shexp_up=None, shexp_down=None, shexp_gate_inp=None)
 
 
 class ExpertShard:
@@ -96,7 +92,7 @@ class ExpertShard:
                 except BaseException:
                     await store.aclose()
                     raise
-                self._residents = {layer: _without_shared(r) for layer, r in runner.residents.items()}
+                self._residents = {layer: without_shared(r) for layer, r in runner.residents.items()}
                 self._owned = {
                     layer: self._placement.owner_of(layer) == self._shard for layer in self._placement.layers
                 }

@@ -317,7 +317,9 @@ async def test_concurrent_sequences_compute_every_routed_expert_on_its_shard(
     async with aioexperts.load(tiny_full_model, slots=8, io=THREADS, n_ctx=64) as local:
         want = [[t async for t in local.generate(p, max_tokens=6, temperature=0.0)] for p in prompts]
     factory = ShardedRunner.factory(shards, placement, call_timeout=60)
-    async with aioexperts.load(tiny_full_model, slots=8, io=THREADS, n_ctx=64, runner=factory, batch_wait=0.05) as model:
+    async with aioexperts.load(
+        tiny_full_model, slots=8, io=THREADS, n_ctx=64, runner=factory, batch_wait=0.05
+    ) as model:
         got = await _continuations(model, prompts, 6)
         local_store = model.store.statistics()
         batched = model.statistics().batched_steps

@@ -439,7 +439,7 @@ SCENARIOS = [
                 "moe_result>run_in_worker",
                 "__aenter__>acquire",
                 "run_layer_step>run_in_worker",
-                "_executor_layer>run_in_worker",
+                "_run_groups>run_in_worker",
             }
         ),
     ),

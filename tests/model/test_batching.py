@@ -16,8 +16,8 @@ from aioexperts._batch import LayerBatcher
 from aioexperts._compute import moe as moe_module
 from aioexperts._compute.pool import compute_pool
 from aioexperts._errors import ConfigError
+from aioexperts._executor import batch_prefetch, hits_first_pays
 from aioexperts._model.steps import StepBatcher
-from aioexperts._runner import _batch_prefetch, hits_first_pays
 from aioexperts.testing import FakeBackend
 from aioexperts.testing._full_model import FullModelSpec, write_full_model
 
@@ -503,9 +503,9 @@ async def test_a_full_batch_starts_at_once_and_the_next_call_opens_another(anyio
 
 def test_a_batched_step_prefetches_what_its_calls_share_at_one_calls_budget() -> None:
     a, b, c = [(1, 5), (1, 6), (2, 7)], [(1, 6), (1, 8), (2, 7)], [(1, 9), (2, 7), (1, 6)]
-    assert _batch_prefetch([a]) == a
-    assert _batch_prefetch([a, b, c]) == [(1, 6), (2, 7), (1, 5)]  # shared by 3, by 3, then in order
-    assert len(_batch_prefetch([a, b, c, [(3, e) for e in range(10)]])) == 10
+    assert batch_prefetch([a]) == a
+    assert batch_prefetch([a, b, c]) == [(1, 6), (2, 7), (1, 5)]  # shared by 3, by 3, then in order
+    assert len(batch_prefetch([a, b, c, [(3, e) for e in range(10)]])) == 10
 
 
 async def test_a_layers_misses_are_submitted_before_its_hits_compute_and_before_the_prefetch(
@@ -514,7 +514,7 @@ async def test_a_layers_misses_are_submitted_before_its_hits_compute_and_before_
     """The misses go to the device the moment the layer step starts, in one submission with the
     prefetch of the layers ahead behind them, before the resident experts' compute job is handed
     to the compute pool (whose threads would otherwise hold the cores the event loop needs)."""
-    from aioexperts import _runner as runner_module
+    from aioexperts import _executor as runner_module
 
     made: list[FakeBackend] = []
     io = aioexperts.IOOptions(backend=_fake(made))

@@ -8,7 +8,7 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
-from conftest import shared_fixture_paths
+from conftest import shared_fixture_paths, whole_model_param
 from test_batching import SMALL, THREADS, _alone, _assert_bit_equal, _decode
 
 import aioexperts
@@ -32,7 +32,7 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_full_model(tmp_path_factory.mktemp("decode-batch") / "small.gguf", SMALL)
 
 
-@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+@pytest.mark.parametrize("path", [whole_model_param(p) for p in FIXTURES])
 async def test_every_architecture_decodes_batched_bit_equal_to_alone(path: Path, anyio_backend: object) -> None:
     tokens = np.load(path.with_name(path.stem + ".forward.npz"))["tokens"].tolist()
     prompts = [tokens[:6], tokens[::-1][:5], tokens[3:7]]

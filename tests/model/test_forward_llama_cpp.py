@@ -21,13 +21,13 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from conftest import rel_l2, shared_fixture_paths
+from conftest import WHOLE_MODEL_PENDING, rel_l2, shared_fixture_paths
 
 import aioexperts
 from aioexperts._compute.attention import attend
 
 FORWARD = [p for p in shared_fixture_paths() if p.with_name(p.stem + ".forward.npz").exists()]
-UNSUPPORTED_YET: set[str] = set()  # architectures the forward pass refuses (deepseek2 runs: _model/mla_block.py)
+UNSUPPORTED_YET: set[str] = set(WHOLE_MODEL_PENDING)  # architectures the forward pass refuses (issue 34)
 KNOWN_OVER_BOUND = {
     # llama.cpp rounds the activations of every quantized product to Q8_0/Q8_K; this executor does
     # not (float32 activations), and through swiglu_oai's clamps the MXFP4 experts of layer 1 turn
@@ -58,7 +58,7 @@ def params() -> list[Any]:
         if arch_of(p) in UNSUPPORTED_YET:
             marks.append(
                 pytest.mark.xfail(
-                    raises=aioexperts.UnsupportedTypeError, strict=True, reason="deepseek2 MLA: attn helper"
+                    raises=aioexperts.UnsupportedTypeError, strict=True, reason="load() refuses it (issue 34)"
                 )
             )
         out.append(pytest.param(p, marks=marks, id=p.stem))
