@@ -35,7 +35,15 @@ from ._generate import Generation
 from ._metrics import CONTENT_TYPE, Metrics
 from ._openai import Piece, Shapes
 from ._scheduler import Scheduler
-from ._validate import GenerationRequest, parse_chat, parse_completion, parse_json, parse_messages, parse_token_ids
+from ._validate import (
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    parse_messages,
+    parse_token_ids,
+    parse_tokenize,
+)
 
 __all__ = ("DEFAULT_HOST", "DEFAULT_PORT", "Server", "ServerOptions")
 
@@ -430,16 +438,7 @@ class Server:
         )
 
     async def _tokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        content = body.get("content")
-        if not isinstance(content, str) or not content:
-            raise APIError(400, "'content': must be a non-empty string", param="content", code="invalid_value")
-        flags = {}
-        for name, default in (("add_special", False), ("parse_special", True), ("with_pieces", False)):
-            value = body.get(name, default)
-            if not isinstance(value, bool):
-                raise APIError(400, f"'{name}': must be a boolean", param=name, code="invalid_value")
-            flags[name] = value
+        content, flags = parse_tokenize(await self._body(request))
         tok = self.model.tokenizer
         ids = await self._in_text_worker(
             lambda: tok.encode(content, add_special=flags["add_special"], parse_special=flags["parse_special"])

@@ -29,6 +29,7 @@ __all__ = (
     "parse_json",
     "parse_messages",
     "parse_token_ids",
+    "parse_tokenize",
 )
 
 MAX_STOP_STRINGS = 16
@@ -79,6 +80,8 @@ def parse_json(body: bytes) -> dict[str, Any]:
         value = json.loads(body, parse_constant=no_constants)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser's recursion allows
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(value, dict):
         raise APIError(400, f"the request body must be a JSON object, not {_kind(value)}", code="invalid_json")
     return value
@@ -92,6 +95,16 @@ def _kind(value: object) -> str:
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"'{param}': {message}", param=param, code="invalid_value")
+
+
+def _text(value: str, param: str) -> str:
+    """``value``, unless it holds a lone surrogate (JSON's ``"\\ud800"``): not text, it cannot be tokenized."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = f"U+{ord(value[exc.start]):04X}"
+        raise _bad(param, f"is not valid Unicode: a lone surrogate {bad} at index {exc.start}") from None
+    return value
 
 
 def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -155,7 +168,7 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
         raise _bad("stop", "must be a string or an array of strings")
     if len(stops) > MAX_STOP_STRINGS:
         raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-    return tuple(s for s in stops if s)
+    return tuple(_text(s, "stop") for s in stops if s)
 
 
 def _sampling(body: Mapping[str, Any]) -> SamplingOptions:
@@ -196,18 +209,21 @@ def _max_tokens(body: Mapping[str, Any], *names: str) -> int | None:
 
 
 def _content(value: object, where: str) -> str:
-    if isinstance(value, str):
-        return value
     if isinstance(value, list):  # content parts: only text ones
         texts = []
         for part in value:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise _bad(where, "only text content parts ({'type': 'text', 'text': ...}) are supported")
             texts.append(part["text"])
-        return "".join(texts)
-    if value is None:
-        return ""
-    raise _bad(where, f"must be a string or an array of text parts, got {_kind(value)}")
+        value = "".join(texts)
+    if value is None:  # missing or null: only an assistant message with tool_calls may say nothing, and
+        # tools are not supported here
+        raise _bad(where, "is missing: every message needs text content")
+    if not isinstance(value, str):
+        raise _bad(where, f"must be a string or an array of text parts, got {_kind(value)}")
+    if not value:
+        raise _bad(where, "is empty: every message needs text content")
+    return _text(value, where)
 
 
 def parse_messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
@@ -222,6 +238,9 @@ def parse_messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
         role = message.get("role")
         if role not in _ROLES:
             raise _bad(f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
+        for name in ("tool_calls", "function_call"):
+            if message.get(name) is not None:
+                raise _bad(f"messages[{i}].{name}", "tool calls are not supported by this server")
         out.append({"role": role, "content": _content(message.get("content"), f"messages[{i}].content")})
     return tuple(out)
 
@@ -235,6 +254,19 @@ def parse_token_ids(value: object, param: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def parse_tokenize(body: Mapping[str, Any]) -> tuple[str, dict[str, bool]]:
+    """A ``POST /tokenize`` body: its ``content`` and the flags ``add_special``, ``parse_special``, ``with_pieces``."""
+    content = body.get("content")
+    if not isinstance(content, str) or not content:
+        raise _bad("content", "must be a non-empty string")
+    flags = {
+        "add_special": _bool(body, "add_special", False),
+        "parse_special": _bool(body, "parse_special", True),
+        "with_pieces": _bool(body, "with_pieces", False),
+    }
+    return _text(content, "content"), flags
+
+
 def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -242,7 +274,7 @@ def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
             raise _bad("prompt", "is empty: there is nothing to continue")
-        return prompt
+        return _text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         raise _bad("prompt", f"one prompt per request (n=1), got {len(prompt)}")
     if isinstance(prompt, list):

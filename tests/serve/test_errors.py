@@ -163,3 +163,50 @@ def test_unknown_paths_and_methods_are_error_objects(served: ServerThread) -> No
     counted = metrics(served)
     assert counted['aioexperts_requests_total{endpoint="/v1/completions",status="400"}'] >= 1
     still_serves(served)
+
+
+@pytest.mark.parametrize(
+    ("path", "message", "param"),
+    [
+        (CHAT, {"role": "user"}, "messages[0].content"),
+        (CHAT, {"role": "user", "content": None}, "messages[0].content"),
+        (CHAT, {"role": "user", "content": ""}, "messages[0].content"),
+        (CHAT, {"role": "user", "content": []}, "messages[0].content"),
+        (CHAT, {"role": "user", "content": [{"type": "text", "text": ""}]}, "messages[0].content"),
+        (CHAT, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}, "messages[0].tool_calls"),
+        ("/apply-template", {"role": "user", "content": None}, "messages[0].content"),
+    ],
+)
+def test_a_message_without_text_content_is_400(
+    served: ServerThread, path: str, message: dict[str, Any], param: str
+) -> None:
+    """Missing, null or empty content is refused (it once ran 1572 tokens on nothing); tools are not
+    supported, so an assistant message with tool_calls and null content is refused as such."""
+    status, out = post(served, path, {"messages": [message], "max_tokens": 2})
+    assert_error(status, out, 400, param=param, code="invalid_value")
+
+
+def test_a_deeply_nested_body_is_a_400_error_object(served: ServerThread) -> None:
+    depth = 30_000  # under the 64 KiB body limit, far past the parser's recursion limit
+    raw = b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"
+    status, _, data = request(served, "POST", TEXT, raw=raw)
+    out = json.loads(data)
+    assert_error(status, out, 400, code="invalid_json")
+    assert "nested too deeply" in out["error"]["message"]
+    still_serves(served)
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        (TEXT, b'{"prompt": "Hi \\ud800 there", "max_tokens": 2}', "prompt"),
+        (TEXT, b'{"prompt": "Hi", "stop": ["\\udfff"], "max_tokens": 2}', "stop"),
+        (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', "messages[0].content"),
+        ("/tokenize", b'{"content": "a\\ud800"}', "content"),
+    ],
+)
+def test_a_lone_surrogate_is_400_with_a_code(served: ServerThread, path: str, raw: bytes, param: str) -> None:
+    status, _, data = request(served, "POST", path, raw=raw)
+    out = json.loads(data)
+    assert_error(status, out, 400, param=param, code="invalid_value")
+    assert "surrogate" in out["error"]["message"]
