@@ -39,9 +39,9 @@ from ._validate import (
     GenerationRequest,
     parse_chat,
     parse_completion,
+    parse_detokenize,
     parse_json,
-    parse_messages,
-    parse_token_ids,
+    parse_template_request,
     parse_tokenize,
 )
 
@@ -449,8 +449,7 @@ class Server:
         return _json_response({"tokens": ids})
 
     async def _detokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        ids = parse_token_ids(body.get("tokens"), "tokens")
+        ids = parse_detokenize(await self._body(request))
         tok = self.model.tokenizer
         bad = [t for t in ids if t >= tok.n_vocab]
         if bad:
@@ -463,7 +462,7 @@ class Server:
         return _json_response({"content": await self._in_text_worker(lambda: tok.decode(ids))})
 
     async def _apply_template(self, request: web.Request) -> web.Response:
-        messages = parse_messages(await self._body(request))
+        messages = parse_template_request(await self._body(request))
         prompt = await self._in_text_worker(
             lambda: self.model.apply_chat_template(list(messages), add_generation_prompt=True)
         )

@@ -21,15 +21,22 @@ from aioexperts import ConfigError, SamplingOptions
 from ._errors import APIError
 
 __all__ = (
+    "CHAT_FIELDS",
+    "COMPLETION_FIELDS",
+    "DETOKENIZE_FIELDS",
+    "TOKENIZE_FIELDS",
     "MAX_STOP_STRINGS",
     "MAX_TOP_LOGPROBS",
     "GenerationRequest",
     "parse_chat",
     "parse_completion",
+    "parse_detokenize",
     "parse_json",
     "parse_messages",
+    "parse_template_request",
     "parse_token_ids",
     "parse_tokenize",
+    "refuse_unknown",
 )
 
 MAX_STOP_STRINGS = 16
@@ -39,6 +46,66 @@ MAX_TOP_LOGPROBS = 20
 """``top_logprobs`` (chat) and ``logprobs`` (completions) at most (OpenAI's bound for chat)."""
 
 _MAX_INT = 2**31 - 1
+
+#: The body fields of each endpoint: OpenAI's (its API reference, 2025) plus llama.cpp's sampling
+#: extensions. Each is implemented, accepted and ignored (hints with no effect here: ``user``,
+#: ``metadata``, ...) or refused when it asks for what this server does not do
+#: (:func:`_refuse_unsupported`); a field not listed is refused as unknown (400 naming it).
+_EXTENSIONS = frozenset({"top_k", "min_p", "repeat_penalty"})
+_COMMON_FIELDS = frozenset(
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "temperature",
+        "top_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "seed",
+        "stop",
+        "n",
+        "logit_bias",
+        "logprobs",
+        "max_tokens",
+        "user",
+    }
+)
+CHAT_FIELDS = (
+    _COMMON_FIELDS
+    | _EXTENSIONS
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "moderation",
+        "reasoning_effort",
+        "verbosity",
+        "modalities",
+        "audio",
+        "prediction",
+        "web_search_options",
+    }
+)
+"""The fields ``POST /v1/chat/completions`` knows."""
+COMPLETION_FIELDS = _COMMON_FIELDS | _EXTENSIONS | {"prompt", "best_of", "echo", "suffix"}
+"""The fields ``POST /v1/completions`` knows."""
+TOKENIZE_FIELDS = frozenset({"model", "content", "add_special", "parse_special", "with_pieces"})
+"""The fields of llama.cpp server's ``POST /tokenize`` (``model`` ignored)."""
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+"""The fields of ``POST /detokenize``."""
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -142,6 +209,26 @@ def _number(body: Mapping[str, Any], name: str, low: float, high: float, *, low_
     return float(value)
 
 
+def refuse_unknown(body: Mapping[str, Any], known: frozenset[str], endpoint: str) -> None:
+    """400 ``unknown_parameter`` naming the first field of ``body`` not in ``known`` (never ignored)."""
+    unknown = sorted(name for name in body if name not in known)
+    if unknown:
+        name = unknown[0]
+        raise APIError(
+            400,
+            f"Unknown parameter: '{name}' ({endpoint} does not take it)",
+            param=name,
+            code="unknown_parameter",
+        )
+
+
+def _str(body: Mapping[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _bad(name, f"must be a string, got {_kind(value)}")
+    return value
+
+
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     n = _int(body, "n", 1, _MAX_INT)
     if n not in (None, 1):
@@ -151,12 +238,30 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise _bad("best_of", f"only best_of=1 is supported, got {best_of}")
     if _bool(body, "echo", False):
         raise _bad("echo", "echoing the prompt is not supported")
-    for name in ("suffix", "logit_bias", "tools", "functions"):
+    for name in ("suffix", "logit_bias", "tools", "functions", "function_call", "audio", "prediction"):
         if body.get(name):
             raise _bad(name, "is not supported by this server")
+    for name in ("web_search_options", "reasoning_effort", "verbosity", "moderation"):  # other models only
+        if body.get(name) is not None:
+            raise _bad(name, "is not supported by this model")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _bad("response_format", 'only {"type": "text"} is supported')
+    choice = body.get("tool_choice")
+    if choice is not None and choice != "none":
+        raise _bad("tool_choice", 'tools are not supported: only "none" is accepted')
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise _bad("modalities", 'only ["text"] is supported')
+    if _bool(body, "store", False):
+        raise _bad("store", "storing completions is not supported by this server")
+    _bool(body, "parallel_tool_calls", True)  # meaningful with tools only: checked, else ignored
+    for name in ("model", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier"):
+        _str(body, name)  # accepted and ignored (one model; hints for OpenAI's own service)
+    for name in ("metadata", "prompt_cache_options"):
+        value = body.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise _bad(name, f"must be an object, got {_kind(value)}")
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -200,12 +305,19 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, _bool(opts, "include_usage", False)
 
 
-def _max_tokens(body: Mapping[str, Any], *names: str) -> int | None:
-    for name in names:  # the first given wins: max_completion_tokens over the deprecated max_tokens
-        value = _int(body, name, 1, _MAX_INT)
-        if value is not None:
-            return value
-    return None
+def _max_tokens(body: Mapping[str, Any], chat: bool) -> int | None:
+    """``max_tokens``; in chat also ``max_completion_tokens``, its new name (both given: they must agree)."""
+    value = _int(body, "max_tokens", 1, _MAX_INT)
+    if chat:
+        newer = _int(body, "max_completion_tokens", 1, _MAX_INT)
+        if newer is not None and value is not None and newer != value:
+            raise _bad(
+                "max_completion_tokens",
+                f"is {newer} but max_tokens is {value}: they mean the same, give one (or the same value)",
+            )
+        if newer is not None:
+            return newer
+    return value
 
 
 def _content(value: object, where: str) -> str:
@@ -245,6 +357,20 @@ def parse_messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
+def parse_template_request(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+    """A ``POST /apply-template`` body: a chat request's (llama.cpp's), of which only ``messages`` matters."""
+    refuse_unknown(body, CHAT_FIELDS, "POST /apply-template")
+    _refuse_unsupported(body)  # tools would change the rendering
+    return parse_messages(body)
+
+
+def parse_detokenize(body: Mapping[str, Any]) -> tuple[int, ...]:
+    """A ``POST /detokenize`` body: its ``tokens``."""
+    refuse_unknown(body, DETOKENIZE_FIELDS, "POST /detokenize")
+    _str(body, "model")
+    return parse_token_ids(body.get("tokens"), "tokens")
+
+
 def parse_token_ids(value: object, param: str) -> tuple[int, ...]:
     """A non-empty array of non-negative integers (the range against the vocabulary is the model's check)."""
     if not isinstance(value, list) or not value:
@@ -256,6 +382,8 @@ def parse_token_ids(value: object, param: str) -> tuple[int, ...]:
 
 def parse_tokenize(body: Mapping[str, Any]) -> tuple[str, dict[str, bool]]:
     """A ``POST /tokenize`` body: its ``content`` and the flags ``add_special``, ``parse_special``, ``with_pieces``."""
+    refuse_unknown(body, TOKENIZE_FIELDS, "POST /tokenize")
+    _str(body, "model")
     content = body.get("content")
     if not isinstance(content, str) or not content:
         raise _bad("content", "must be a non-empty string")
@@ -284,6 +412,7 @@ def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
 
 def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
     """A ``POST /v1/chat/completions`` body (400 :class:`APIError` naming the field at fault)."""
+    refuse_unknown(body, CHAT_FIELDS, "POST /v1/chat/completions")
     _refuse_unsupported(body)
     messages = parse_messages(body)
     stream, include_usage = _stream(body)
@@ -296,7 +425,7 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
         messages=messages,
         prompt="",
         options=_sampling(body),
-        max_tokens=_max_tokens(body, "max_completion_tokens", "max_tokens"),
+        max_tokens=_max_tokens(body, chat=True),
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,
@@ -306,6 +435,7 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
 
 def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
     """A ``POST /v1/completions`` body (400 :class:`APIError` naming the field at fault)."""
+    refuse_unknown(body, COMPLETION_FIELDS, "POST /v1/completions")
     _refuse_unsupported(body)
     prompt = _prompt(body)
     stream, include_usage = _stream(body)
@@ -315,7 +445,7 @@ def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
         messages=(),
         prompt=prompt,
         options=_sampling(body),
-        max_tokens=_max_tokens(body, "max_tokens"),
+        max_tokens=_max_tokens(body, chat=False),
         stream=stream,
         include_usage=include_usage,
         logprobs=top is not None,

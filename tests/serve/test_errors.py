@@ -210,3 +210,45 @@ def test_a_lone_surrogate_is_400_with_a_code(served: ServerThread, path: str, ra
     out = json.loads(data)
     assert_error(status, out, 400, param=param, code="invalid_value")
     assert "surrogate" in out["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (TEXT, {"prompt": "Hi", "max_completion_tokens": 3}, "max_completion_tokens"),  # chat's field only
+        (TEXT, {"prompt": "Hi", "n_predict": 3}, "n_predict"),
+        (CHAT, {"messages": USER, "max_new_tokens": 3}, "max_new_tokens"),
+        (CHAT, {"messages": USER, "suffix": "x"}, "suffix"),  # a completions field
+        ("/tokenize", {"content": "Hi", "add_bos": True}, "add_bos"),
+        ("/detokenize", {"tokens": [1], "skip_special": True}, "skip_special"),
+        ("/apply-template", {"messages": USER, "templ": "x"}, "templ"),
+    ],
+)
+def test_an_unknown_field_is_400_naming_it(served: ServerThread, path: str, body: dict[str, Any], param: str) -> None:
+    status, out = post(served, path, body)
+    assert_error(status, out, 400, param=param, code="unknown_parameter")
+    assert f"'{param}'" in out["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"store": True}, "store"),
+        ({"user": 5}, "user"),
+        ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
+    ],
+)
+def test_a_known_field_asking_for_what_is_not_done_is_400(
+    served: ServerThread, body: dict[str, Any], param: str
+) -> None:
+    status, out = post(served, CHAT, {"messages": USER, **body})
+    assert_error(status, out, 400, param=param, code="invalid_value")
+
+
+def test_max_completion_tokens_is_max_tokens_in_chat(served: ServerThread) -> None:
+    for fields in ({"max_completion_tokens": 3}, {"max_completion_tokens": 3, "max_tokens": 3}):
+        status, out = post(served, CHAT, {"messages": USER, "temperature": 0, **fields})
+        assert status == 200 and out["usage"]["completion_tokens"] <= 3, out
