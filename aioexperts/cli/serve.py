@@ -105,10 +105,18 @@ async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
     stop = asyncio.Event()
     task = asyncio.current_task()
     assert task is not None
+    serving: list[Server] = []  # the server once it is built
+    hurried = False
 
     def on_signal(signum: int) -> None:
+        nonlocal hurried
         if stop.is_set():  # the second signal: stop at once
-            task.cancel()
+            if serving and not hurried:  # the running generations are cancelled now, told why; the model
+                hurried = True  # is closed after them (never under them: no "store is closed")
+                _say(f"{signal.Signals(signum).name} again: cancelling the running requests now")
+                serving[0].hurry()
+            else:  # before the server is up, or a third signal
+                task.cancel()
             return
         _say(f"{signal.Signals(signum).name}: stopping (running requests get {args.shutdown_timeout:g} s to finish)")
         stop.set()
@@ -126,6 +134,9 @@ async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
         )
         async with model:
             server = Server(model, options)
+            serving.append(server)
+            if stop.is_set():
+                server.hurry()
             await server.start()
             try:
                 _say(f"serving {path} (n_ctx {model.n_ctx}, --parallel {options.parallel})")
@@ -136,8 +147,8 @@ async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
                     cancelled = await server.stop()
             if cancelled:
                 _say(f"cancelled {cancelled} generations still running at the deadline")
-        _say("stopped")
-        return 0
+        _say("stopped at once (second signal)" if hurried else "stopped")
+        return 1 if hurried else 0
     except asyncio.CancelledError:
         _say("stopped at once (second signal)")
         task.uncancel()

@@ -107,7 +107,14 @@ def _json_response(value: Any, status: int = 200, headers: dict[str, str] | None
 
 
 def _error_response(err: APIError) -> web.Response:
-    return _json_response(err.body(), err.status, err.headers)
+    response = _json_response(err.body(), err.status, err.headers)
+    if err.code == "shutting_down":
+        response.force_close()  # "Connection: close": the client does not reuse a connection about to close
+    return response
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
 
 
 def _sse(value: Any) -> bytes:
@@ -199,6 +206,12 @@ class Server:
             self._text_worker.shutdown(wait=False, cancel_futures=True)
         return cancelled
 
+    def hurry(self) -> None:
+        """Cut the grace of a :meth:`stop` under way (or to come) short: the running generations are
+        cancelled now, each answered with ``shutting_down`` (a stream ends with that error event and
+        ``data: [DONE]``)."""
+        self.scheduler.hurry()
+
     async def _in_text_worker(self, fn: Callable[[], T]) -> T:
         assert self._text_worker is not None
         return await asyncio.get_running_loop().run_in_executor(self._text_worker, fn)
@@ -274,7 +287,7 @@ class Server:
                     headers={"WWW-Authenticate": "Bearer"},
                 )
         if self._stopping and request.path != "/health":
-            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+            raise _shutting_down()
         return await handler(request)
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
@@ -353,9 +366,15 @@ class Server:
                 async with aclosing(gen.pieces()) as stream:
                     pieces = [piece async for piece in stream]
                 return _json_response(shapes.whole(pieces, gen.finish_reason, gen.usage))
-            except (asyncio.CancelledError, ConnectionResetError):
+            except ConnectionResetError:
                 self.metrics.cancelled += 1
                 raise
+            except asyncio.CancelledError:
+                self.metrics.cancelled += 1
+                if not self._stopping or req.stream:
+                    raise
+                self._uncancel()
+                return _error_response(_shutting_down())  # cancelled at the shutdown deadline: told why
 
     async def _stream(
         self, request: web.Request, req: GenerationRequest, gen: Generation, shapes: Shapes
@@ -380,14 +399,29 @@ class Server:
             log.error("%s %s failed while streaming: %s", request.method, request.path, exc)
             await resp.write(_sse(err.body()))
         except asyncio.CancelledError:
-            if self._stopping:  # cancelled at the shutdown deadline: the client is told, not cut off
-                stopped = APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(resp.write(_sse(stopped.body()) + b"data: [DONE]\n\n"), 1.0)
-            raise
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            if not self._stopping:
+                raise
+            # cancelled at the shutdown deadline: the client is told why, and the response ends
+            # properly (its last chunk), not cut off
+            self.metrics.cancelled += 1
+            self._uncancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._end_stream(resp, _sse(_shutting_down().body())), 1.0)
+            return resp
+        await self._end_stream(resp)
         return resp
+
+    @staticmethod
+    async def _end_stream(resp: web.StreamResponse, last: bytes = b"") -> None:
+        await resp.write(last + b"data: [DONE]\n\n")
+        await resp.write_eof()  # the terminating chunk
+
+    @staticmethod
+    def _uncancel() -> None:
+        """Take back the cancellation of this task (the shutdown's): its handler ends with a response."""
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
 
     # -- the other endpoints --------------------------------------------------------------------
 
@@ -402,7 +436,9 @@ class Server:
 
     async def _health(self, request: web.Request) -> web.Response:
         if self._stopping:
-            return _json_response({"status": "shutting down"}, 503)
+            response = _json_response({"status": "shutting down"}, 503)
+            response.force_close()
+            return response
         return _json_response({"status": "ok"})
 
     def _template_source(self) -> str | None:
