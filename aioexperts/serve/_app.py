@@ -231,12 +231,16 @@ class Server:
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_post("/apply-template", self._apply_template)
         app.router.add_get("/metrics", self._metrics)
+        self._paths = frozenset(resource.canonical for resource in app.router.resources())
         return app
 
     @web.middleware
     async def _count(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         resource = request.match_info.route.resource
-        endpoint = resource.canonical if resource is not None else "other"
+        if resource is not None:
+            endpoint = resource.canonical
+        else:  # no route matched: a wrong method on a known path (405) counts under the path
+            endpoint = request.path if request.path in self._paths else "other"
         status = 500
         try:
             response = await handler(request)

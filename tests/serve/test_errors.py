@@ -162,6 +162,8 @@ def test_unknown_paths_and_methods_are_error_objects(served: ServerThread) -> No
     assert_error(status, json.loads(data), 405, code="method_not_allowed")
     counted = metrics(served)
     assert counted['aioexperts_requests_total{endpoint="/v1/completions",status="400"}'] >= 1
+    assert counted['aioexperts_requests_total{endpoint="/v1/completions",status="405"}'] >= 1  # not "other"
+    assert counted['aioexperts_requests_total{endpoint="other",status="404"}'] >= 1
     still_serves(served)
 
 
