@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
+import contextlib
 import logging
 import os
 import resource
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -158,6 +161,7 @@ class _Report:
     rss_bytes: int | None = None
     interrupted: bool = False
     error: str | None = None
+    at_prompt: bool = False  # the "> " prompt is shown, waiting for a line
 
     def totals(self) -> dict[str, Any]:
         s = [t.stats for t in self.turns]
@@ -363,10 +367,57 @@ async def _emit(stream: Any, turn: _Turn, args: argparse.Namespace) -> None:
             sys.stdout.flush()
 
 
-async def _read_line() -> str | None:
-    """The next line of stdin (with its newline), None at EOF; a cancelled wait abandons the read."""
-    line = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
-    return line or None
+class _Lines:
+    """The lines of stdin, read by a daemon thread of their own.
+
+    A wait for a line that never comes (Ctrl-C at an idle ``> `` prompt on a terminal) must not keep
+    the process alive: a worker thread of the event loop would be joined at exit, so the process
+    would wait for Enter (and a second Ctrl-C would interrupt that join with a traceback). The file
+    descriptor is read directly, so the thread never holds the lock of ``sys.stdin`` at exit.
+    """
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._thread: threading.Thread | None = None
+
+    def _put(self, line: str | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, line)
+
+    def _read(self) -> None:
+        try:
+            fd = sys.stdin.fileno()
+        except (AttributeError, OSError, ValueError):  # not a file (replaced in-process): its own readline
+            for line in iter(sys.stdin.readline, ""):
+                self._put(line)
+            self._put(None)
+            return
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        pending = ""
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except InterruptedError:
+                continue
+            except OSError:
+                data = b""
+            pending += decoder.decode(data, final=not data)
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                self._put(line + "\n")
+            if not data:
+                if pending:
+                    self._put(pending)
+                self._put(None)
+                return
+
+    async def next(self) -> str | None:
+        """The next line (with its newline), None at EOF; a cancelled wait leaves the thread reading."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._read, name="aioexperts-run-stdin", daemon=True)
+            self._thread.start()
+        return await self._queue.get()
 
 
 async def _generate(model: aioexperts.Model, args: argparse.Namespace, prompt: str | None, report: _Report) -> None:
@@ -379,6 +430,7 @@ async def _generate(model: aioexperts.Model, args: argparse.Namespace, prompt: s
         async with stream:
             await _emit(stream, turn, args)
         return
+    lines = _Lines()
     async with model.chat(args.system, options=options) as session:
         first = prompt
         while True:
@@ -387,8 +439,12 @@ async def _generate(model: aioexperts.Model, args: argparse.Namespace, prompt: s
             else:
                 if not args.json:
                     print("> ", end="", file=sys.stderr, flush=True)
-                line = await _read_line()
+                    report.at_prompt = True
+                line = await lines.next()
+                report.at_prompt = False
                 if line is None:
+                    if not args.json:
+                        print(file=sys.stderr, flush=True)  # Ctrl-D: what follows starts a line of its own
                     return
                 user = line.rstrip("\n")
                 if not user.strip():
@@ -467,6 +523,8 @@ async def _run(args: argparse.Namespace, path: str, prompt: str | None, report: 
             raise
         task.uncancel()
         status = INTERRUPTED_STATUS
+        if report.at_prompt:  # Ctrl-C at the "> " prompt: the statistics start a line of their own
+            print(file=sys.stderr, flush=True)
     except (aioexperts.AioExpertsError, OSError) as exc:
         report.error = str(exc)
         _say(f"error: {exc}")

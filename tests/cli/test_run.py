@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -232,3 +233,52 @@ def test_a_closed_standard_stream_is_one_line_and_exit_2(
     done = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stderr
     assert needle in done.stderr and "Traceback" not in done.stderr
+
+
+def _read_terminal(fd: int, until: Any, timeout: float) -> bytes:
+    """Read the terminal's master side until ``until(seen)`` or EOF (the child exited) or ``timeout``."""
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while not until(seen) and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # EIO: the child's side is closed
+                break
+            if not chunk:
+                break
+            seen += chunk
+    return seen
+
+
+@pytest.mark.parametrize("key", [b"\x03", b"\x04"], ids=["ctrl-c", "ctrl-d"])
+def test_an_idle_chat_prompt_on_a_terminal_ends_at_once_on_ctrl_c_or_ctrl_d(tiny_full_model: Path, key: bytes) -> None:
+    """On a real (pseudo-)terminal, Ctrl-C typed at the ``> `` prompt exits 130 without waiting for
+    Enter (the stdin reader does not hold the exit up); Ctrl-D exits 0; either way the statistics
+    start on a line of their own."""
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the terminal is its controlling terminal, stdin, stdout and stderr
+        os.execv(sys.executable, [*COMMAND, str(tiny_full_model), "--chat", "-n", "3", "--io", "threads"])
+    done = (0, 0)
+    try:
+        seen = _read_terminal(fd, lambda b: b.endswith(b"> "), 120)
+        assert seen.endswith(b"> "), seen.decode()
+        os.write(fd, key)  # typed: the terminal sends SIGINT, or ends the input
+        seen += _read_terminal(fd, lambda b: False, 20)  # until the child exits (no Enter is ever typed)
+        deadline = time.monotonic() + 5
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert done[0] == pid, "still running: it waits for Enter\n" + seen.decode(errors="replace")
+        status = os.waitstatus_to_exitcode(done[1])
+    finally:
+        if done[0] != pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    text = seen.decode(errors="replace").replace("\r\n", "\n")
+    assert status == (130 if key == b"\x03" else 0), text
+    assert re.search(r"^prompt: ", text, re.MULTILINE), text  # not "> prompt: ..." nor "> ^Cprompt: ..."
+    assert "Traceback" not in text
