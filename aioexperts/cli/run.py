@@ -28,7 +28,7 @@ import anyio
 
 import aioexperts
 from aioexperts._json import dumps as strict_dumps
-from aioexperts.cli._common import BROKEN_PIPE_STATUS, HelpFormatter, stdout_closed
+from aioexperts.cli._common import BROKEN_PIPE_STATUS, HelpFormatter, name_the_options, slab_note, stdout_closed
 
 __all__ = ("INTERRUPTED_STATUS", "build_parser", "for_terminal", "main")
 
@@ -326,7 +326,31 @@ def _say(text: str) -> None:
     print(f"{PROG}: {text}", file=sys.stderr, flush=True)
 
 
+#: The option of each field of :class:`aioexperts.SamplingOptions` (its errors name the option).
+SAMPLING_FLAGS = {
+    "temperature": "--temp",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "repeat_penalty": "--repeat-penalty",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "penalty_last_n": "--penalty-last-n",
+    "seed": "--seed",
+    "max_tokens": "-n",
+    "stop": "--stop",
+}
+
+
 def _options(args: argparse.Namespace) -> aioexperts.SamplingOptions:
+    """The sampling options (ConfigError naming the option out of range: ``--temp``, not ``temperature``)."""
+    try:
+        return _sampling_options(args)
+    except aioexperts.ConfigError as exc:
+        raise aioexperts.ConfigError(name_the_options(str(exc), SAMPLING_FLAGS)) from None
+
+
+def _sampling_options(args: argparse.Namespace) -> aioexperts.SamplingOptions:
     return aioexperts.SamplingOptions(
         temperature=args.temp,
         top_k=args.top_k,
@@ -464,6 +488,14 @@ async def _generate(model: aioexperts.Model, args: argparse.Namespace, prompt: s
                 )
 
 
+def say_slab(args: argparse.Namespace, model: aioexperts.Model, say: Any = None) -> None:
+    """One stderr line when the slab is not the size ``--slots`` / ``--cache-bytes`` asked for."""
+    st = model.store.statistics()
+    note = slab_note(args.slots, args.cache_bytes, st.n_slots, st.slot_bytes)
+    if note is not None:
+        (say or _say)(note)
+
+
 def _context_length(path: str, requested: int | None) -> int:
     """``--ctx``, else :data:`DEFAULT_CTX` capped to the file's ``{arch}.context_length`` (FormatError: a bad file)."""
     if requested is not None:
@@ -492,8 +524,8 @@ async def _session(args: argparse.Namespace, path: str, prompt: str | None, repo
                 model.chat_template  # noqa: B018 (a missing or broken template is a usage error, before any turn)
             report.load_seconds = time.perf_counter() - t0
             report.n_ctx = model.n_ctx
-            if not args.json:
-                _say(f"loaded {path} in {report.load_seconds:.2f} s (n_ctx {model.n_ctx})")
+            say_slab(args, model)
+            _say(f"loaded {path} in {report.load_seconds:.2f} s (n_ctx {model.n_ctx})")
             await _generate(model, args, prompt, report)
         finally:
             report.model_stats = model.statistics()
@@ -536,10 +568,18 @@ async def _run(args: argparse.Namespace, path: str, prompt: str | None, report: 
 
 
 def _read_prompt(args: argparse.Namespace) -> str | None:
-    if args.file is not None:
+    """``-p``, or the text of ``-f`` (ConfigError naming the file when it cannot be read or is not UTF-8)."""
+    if args.file is None:
+        return args.prompt
+    try:
         with open(os.path.expanduser(args.file), encoding="utf-8") as f:
             return f.read()
-    return args.prompt
+    except UnicodeDecodeError as exc:
+        raise aioexperts.ConfigError(
+            f"-f {args.file}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
+        ) from None
+    except OSError as exc:
+        raise aioexperts.ConfigError(f"-f {args.file}: {exc.strerror or exc}") from None
 
 
 def _model_path(args: argparse.Namespace) -> tuple[str, bool]:
@@ -591,7 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (aioexperts.AioExpertsError, OSError, UnicodeDecodeError) as exc:
         _say(f"error: {exc}")
         return USAGE_STATUS
-    if builtin and not args.json:
+    if builtin:  # a note on stderr, as the progress lines: --json changes stdout only
         _say("the built-in model's weights are random, so its text is random")
     report = _Report(path, builtin)
     try:

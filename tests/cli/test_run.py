@@ -156,6 +156,45 @@ def test_without_a_model_it_runs_the_built_in_model_from_the_cache(tiny_full_mod
     assert "random" in done.stderr and "writing" not in done.stderr
     assert done.stdout.strip()
     assert sorted(p.name for p in tmp_path.glob("*.gguf*")) == [FULL_SPEC.with_(n_layer=2).file_name()]
+    # --json changes stdout only: the notes (and the progress lines of a build) still go to stderr
+    done = run("--layers", "2", "-p", "Hello", "-n", "2", "--io", "threads", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["builtin_model"] is True
+    assert "random" in done.stderr and "loaded " in done.stderr, done.stderr
+
+
+def test_json_still_prints_the_progress_of_writing_the_built_in_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In-process, with the built-in model's spec made tiny: the build's lines go to stderr with --json."""
+    from conftest import TINY_FULL_SPEC_FIELDS
+
+    from aioexperts._bench import full_model
+    from aioexperts.cli.run import main
+    from aioexperts.testing._full_model import FullModelSpec
+
+    monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path))
+    (tmp_path / "numba").symlink_to(cache_dir().parent)
+    monkeypatch.setattr(full_model, "FULL_SPEC", FullModelSpec(**TINY_FULL_SPEC_FIELDS))  # type: ignore[arg-type]
+    assert main(["--layers", "2", "-p", "Hi", "-n", "1", "--io", "threads", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["builtin_model"] is True
+    assert "writing the built-in full model (2 layers)" in err and "  written " in err, err
+    assert "random" in err and "loaded " in err, err
+
+
+def test_a_slab_other_than_asked_for_is_said_on_stderr(tiny_full_model: Path) -> None:
+    """--cache-bytes 10 is raised to the store's minimum (one token's experts twice over), --slots
+    past the model's experts is capped: a line says so, also with --json."""
+    for size, needle in (
+        (["--cache-bytes", "10"], "--cache-bytes 10 raised to the store's minimum: the slab has"),
+        (["--slots", "100000"], "--slots 100000: the slab has"),
+    ):
+        done = run(str(tiny_full_model), "-p", "Hi", "-n", "1", "--io", "threads", "--json", *size)
+        assert done.returncode == 0, done.stderr
+        assert needle in done.stderr, done.stderr
+    done = run(str(tiny_full_model), "-p", "Hi", "-n", "1", "--io", "threads", "--slots", "2")
+    assert "the slab has" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(
@@ -165,10 +204,14 @@ def test_without_a_model_it_runs_the_built_in_model_from_the_cache(tiny_full_mod
         (["MODEL", "-p", "x", "-f", "y"], "not allowed with"),
         (["MODEL", "-p", "x", "--temp", "hot"], "--temp: must be a number"),
         (["MODEL", "-p", "x", "-n", "0"], "must be >= 1"),
-        (["MODEL", "-p", "x", "--top-p", "3"], "top_p"),
+        (["MODEL", "-p", "x", "--top-p", "3"], "--top-p 3.0 is outside (0.0, 1.0]"),
+        (["MODEL", "-p", "x", "--temp", "-1"], "--temp -1.0 is outside [0.0, inf]"),
+        (["MODEL", "-p", "x", "--min-p", "nan"], "--min-p must be a finite number"),
+        (["MODEL", "-p", "x", "--stop", ""], "--stop must hold non-empty strings"),
+        (["MODEL", "-f", "NOT_UTF8"], "-f NOT_UTF8: not UTF-8 text (byte 0xff at offset 3)"),
         (["MODEL", "-p", "x", "--layers", "2"], "built-in model"),
         (["MODEL", "-p", ""], "prompt is empty"),
-        (["MODEL", "-f", "/no/such/prompt.txt"], "No such file"),
+        (["MODEL", "-f", "/no/such/prompt.txt"], "-f /no/such/prompt.txt: No such file or directory"),
         (["/no/such/model.gguf", "-p", "x"], "no such model file"),
         (["NOT_GGUF", "-p", "x"], "not a GGUF file"),
         (["MODEL", "-p", "x", "--ctx", "4"], "more than n_ctx=4"),
@@ -179,7 +222,11 @@ def test_bad_arguments_and_files_exit_2_with_one_line(
 ) -> None:
     not_gguf = tmp_path / "not.gguf"
     not_gguf.write_text("hello")
-    argv = [str(tiny_full_model) if a == "MODEL" else str(not_gguf) if a == "NOT_GGUF" else a for a in args]
+    not_utf8 = tmp_path / "latin1.txt"
+    not_utf8.write_bytes(b"caf\xff")
+    paths = {"MODEL": str(tiny_full_model), "NOT_GGUF": str(not_gguf), "NOT_UTF8": str(not_utf8)}
+    argv = [paths.get(a, a) for a in args]
+    needle = needle.replace("NOT_UTF8", str(not_utf8))
     if "--ctx" in argv:
         argv[argv.index("-p") + 1] = "a long prompt of many words that is longer than four tokens"
     done = run(*argv, "--io", "threads")

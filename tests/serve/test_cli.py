@@ -153,6 +153,9 @@ def test_a_second_signal_ends_the_streams_with_shutting_down_and_exits_1(tiny_fu
         (["--parallel", "0"], "--parallel: must be >= 1"),
         (["/no/such/model.gguf"], "no such model file"),
         (["MODEL", "--layers", "2"], "built-in model"),
+        (["MODEL", "--shutdown-timeout", "-1"], "--shutdown-timeout must be seconds >= 0"),
+        (["MODEL", "--api-key", ""], "--api-key must be a non-empty str"),
+        (["MODEL", "--max-body-bytes", str(1 << 41)], "--max-body-bytes must be an int in"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(
