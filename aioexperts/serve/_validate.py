@@ -107,6 +107,12 @@ TOKENIZE_FIELDS = frozenset({"model", "content", "add_special", "parse_special",
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 """The fields of ``POST /detokenize``."""
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+#: A message's fields (OpenAI's): ``name`` is accepted and ignored; tool calls and audio are refused.
+_MESSAGE_FIELDS = frozenset(
+    {"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio"}
+)
+#: ``stream_options``' fields: ``include_obfuscation`` (padding against side channels) is accepted and ignored.
+_STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +308,11 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
         raise _bad("stream_options", "is only allowed when 'stream' is true")
     if not isinstance(opts, dict):
         raise _bad("stream_options", f"must be an object, got {_kind(opts)}")
+    unknown = sorted(set(opts) - _STREAM_OPTIONS)
+    if unknown:
+        name = f"stream_options.{unknown[0]}"
+        raise APIError(400, f"Unknown parameter: '{name}'", param=name, code="unknown_parameter")
+    _bool(opts, "include_obfuscation", False)
     return stream, _bool(opts, "include_usage", False)
 
 
@@ -350,7 +361,15 @@ def parse_messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
         role = message.get("role")
         if role not in _ROLES:
             raise _bad(f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
-        for name in ("tool_calls", "function_call"):
+        unknown = sorted(set(message) - _MESSAGE_FIELDS)
+        if unknown:
+            raise APIError(
+                400,
+                f"Unknown parameter: 'messages[{i}].{unknown[0]}' (a message has {', '.join(sorted(_MESSAGE_FIELDS))})",
+                param=f"messages[{i}].{unknown[0]}",
+                code="unknown_parameter",
+            )
+        for name in ("tool_calls", "function_call", "audio"):
             if message.get(name) is not None:
                 raise _bad(f"messages[{i}].{name}", "tool calls are not supported by this server")
         out.append({"role": role, "content": _content(message.get("content"), f"messages[{i}].content")})

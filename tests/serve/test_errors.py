@@ -224,6 +224,8 @@ def test_a_lone_surrogate_is_400_with_a_code(served: ServerThread, path: str, ra
         ("/tokenize", {"content": "Hi", "add_bos": True}, "add_bos"),
         ("/detokenize", {"tokens": [1], "skip_special": True}, "skip_special"),
         ("/apply-template", {"messages": USER, "templ": "x"}, "templ"),
+        (CHAT, {"messages": [{"role": "user", "content": "Hi", "text": "x"}]}, "messages[0].text"),
+        (CHAT, {"messages": USER, "stream": True, "stream_options": {"usage": True}}, "stream_options.usage"),
     ],
 )
 def test_an_unknown_field_is_400_naming_it(served: ServerThread, path: str, body: dict[str, Any], param: str) -> None:
