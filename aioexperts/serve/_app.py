@@ -260,7 +260,9 @@ class Server:
             if exc.status < 400:
                 raise
             kind = {401: "authentication_error", 404: "not_found_error"}.get(exc.status, "invalid_request_error")
-            code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.status)
+            code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(
+                exc.status, "invalid_request"
+            )
             message = exc.text or exc.reason
             if exc.status == 404:
                 message = f"{request.method} {request.path}: no such endpoint"
