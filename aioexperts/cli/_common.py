@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import stat
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from .. import ConfigError
 
@@ -17,7 +18,9 @@ __all__ = (
     "HelpFormatter",
     "file_starts_with",
     "missing_extra",
+    "name_the_options",
     "refuse_to_overwrite",
+    "slab_note",
     "stdout_closed",
 )
 
@@ -41,6 +44,38 @@ def missing_extra(command: str, exc: ModuleNotFoundError) -> SystemExit:
     if extra is None:
         raise exc
     return SystemExit(f"{command}: error: {root} is not installed: pip install 'aioexperts[{extra}]'")
+
+
+_OPTIONS_FIELD = re.compile(r"\b[A-Z]\w*Options\.(\w+)(=?)")
+
+
+def name_the_options(message: str, flags: Mapping[str, str]) -> str:
+    """``message`` (a :class:`~aioexperts.ConfigError`'s) with each ``SomethingOptions.field`` of
+    ``flags`` written as the command's option: ``SamplingOptions.temperature=-1.0 is outside ...``
+    becomes ``--temp -1.0 is outside ...``."""
+
+    def flag(m: re.Match[str]) -> str:
+        name = flags.get(m.group(1))
+        if name is None:
+            return m.group(0)
+        return name + (" " if m.group(2) else "")
+
+    return _OPTIONS_FIELD.sub(flag, message)
+
+
+def slab_note(slots: int | None, cache_bytes: int | None, n_slots: int, slot_bytes: int) -> str | None:
+    """What to say when the slab is not the size ``--slots`` / ``--cache-bytes`` asked for (the store
+    raises a small one to its minimum and caps a large one at every expert of the model), else None."""
+    got = f"the slab has {n_slots} slots of {slot_bytes} bytes ({n_slots * slot_bytes} bytes)"
+    if slots is not None and n_slots != slots:
+        why = "every expert of the model" if n_slots < slots else "the store's minimum"
+        return f"--slots {slots}: {got}, {why}"
+    if cache_bytes is not None:
+        if n_slots * slot_bytes > cache_bytes:
+            return f"--cache-bytes {cache_bytes} raised to the store's minimum: {got}"
+        if cache_bytes - n_slots * slot_bytes >= slot_bytes:
+            return f"--cache-bytes {cache_bytes} capped: {got}, every expert of the model"
+    return None
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -98,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("rounds", "prompt_tokens", "decode_tokens", "threads", "layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    needed = args.prompt_tokens + args.decode_tokens
+    if args.n_ctx is not None and args.n_ctx < needed:
+        parser.error(
+            f"--n-ctx {args.n_ctx} is less than --prompt-tokens + --decode-tokens "
+            f"({args.prompt_tokens} + {args.decode_tokens} = {needed})"
+        )
     if not args.run_timeout > 0:
         parser.error(f"--run-timeout must be > 0 seconds, got {args.run_timeout}")
     if not limits:

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
+import contextlib
 import logging
 import os
 import resource
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,7 +28,7 @@ import anyio
 
 import aioexperts
 from aioexperts._json import dumps as strict_dumps
-from aioexperts.cli._common import BROKEN_PIPE_STATUS, HelpFormatter, stdout_closed
+from aioexperts.cli._common import BROKEN_PIPE_STATUS, HelpFormatter, name_the_options, slab_note, stdout_closed
 
 __all__ = ("INTERRUPTED_STATUS", "build_parser", "for_terminal", "main")
 
@@ -158,6 +161,7 @@ class _Report:
     rss_bytes: int | None = None
     interrupted: bool = False
     error: str | None = None
+    at_prompt: bool = False  # the "> " prompt is shown, waiting for a line
 
     def totals(self) -> dict[str, Any]:
         s = [t.stats for t in self.turns]
@@ -322,7 +326,31 @@ def _say(text: str) -> None:
     print(f"{PROG}: {text}", file=sys.stderr, flush=True)
 
 
+#: The option of each field of :class:`aioexperts.SamplingOptions` (its errors name the option).
+SAMPLING_FLAGS = {
+    "temperature": "--temp",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "repeat_penalty": "--repeat-penalty",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "penalty_last_n": "--penalty-last-n",
+    "seed": "--seed",
+    "max_tokens": "-n",
+    "stop": "--stop",
+}
+
+
 def _options(args: argparse.Namespace) -> aioexperts.SamplingOptions:
+    """The sampling options (ConfigError naming the option out of range: ``--temp``, not ``temperature``)."""
+    try:
+        return _sampling_options(args)
+    except aioexperts.ConfigError as exc:
+        raise aioexperts.ConfigError(name_the_options(str(exc), SAMPLING_FLAGS)) from None
+
+
+def _sampling_options(args: argparse.Namespace) -> aioexperts.SamplingOptions:
     return aioexperts.SamplingOptions(
         temperature=args.temp,
         top_k=args.top_k,
@@ -363,10 +391,57 @@ async def _emit(stream: Any, turn: _Turn, args: argparse.Namespace) -> None:
             sys.stdout.flush()
 
 
-async def _read_line() -> str | None:
-    """The next line of stdin (with its newline), None at EOF; a cancelled wait abandons the read."""
-    line = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
-    return line or None
+class _Lines:
+    """The lines of stdin, read by a daemon thread of their own.
+
+    A wait for a line that never comes (Ctrl-C at an idle ``> `` prompt on a terminal) must not keep
+    the process alive: a worker thread of the event loop would be joined at exit, so the process
+    would wait for Enter (and a second Ctrl-C would interrupt that join with a traceback). The file
+    descriptor is read directly, so the thread never holds the lock of ``sys.stdin`` at exit.
+    """
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._thread: threading.Thread | None = None
+
+    def _put(self, line: str | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, line)
+
+    def _read(self) -> None:
+        try:
+            fd = sys.stdin.fileno()
+        except (AttributeError, OSError, ValueError):  # not a file (replaced in-process): its own readline
+            for line in iter(sys.stdin.readline, ""):
+                self._put(line)
+            self._put(None)
+            return
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        pending = ""
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except InterruptedError:
+                continue
+            except OSError:
+                data = b""
+            pending += decoder.decode(data, final=not data)
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                self._put(line + "\n")
+            if not data:
+                if pending:
+                    self._put(pending)
+                self._put(None)
+                return
+
+    async def next(self) -> str | None:
+        """The next line (with its newline), None at EOF; a cancelled wait leaves the thread reading."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._read, name="aioexperts-run-stdin", daemon=True)
+            self._thread.start()
+        return await self._queue.get()
 
 
 async def _generate(model: aioexperts.Model, args: argparse.Namespace, prompt: str | None, report: _Report) -> None:
@@ -379,6 +454,7 @@ async def _generate(model: aioexperts.Model, args: argparse.Namespace, prompt: s
         async with stream:
             await _emit(stream, turn, args)
         return
+    lines = _Lines()
     async with model.chat(args.system, options=options) as session:
         first = prompt
         while True:
@@ -387,8 +463,12 @@ async def _generate(model: aioexperts.Model, args: argparse.Namespace, prompt: s
             else:
                 if not args.json:
                     print("> ", end="", file=sys.stderr, flush=True)
-                line = await _read_line()
+                    report.at_prompt = True
+                line = await lines.next()
+                report.at_prompt = False
                 if line is None:
+                    if not args.json:
+                        print(file=sys.stderr, flush=True)  # Ctrl-D: what follows starts a line of its own
                     return
                 user = line.rstrip("\n")
                 if not user.strip():
@@ -406,6 +486,14 @@ async def _generate(model: aioexperts.Model, args: argparse.Namespace, prompt: s
                     file=sys.stderr,
                     flush=True,
                 )
+
+
+def say_slab(args: argparse.Namespace, model: aioexperts.Model, say: Any = None) -> None:
+    """One stderr line when the slab is not the size ``--slots`` / ``--cache-bytes`` asked for."""
+    st = model.store.statistics()
+    note = slab_note(args.slots, args.cache_bytes, st.n_slots, st.slot_bytes)
+    if note is not None:
+        (say or _say)(note)
 
 
 def _context_length(path: str, requested: int | None) -> int:
@@ -436,8 +524,8 @@ async def _session(args: argparse.Namespace, path: str, prompt: str | None, repo
                 model.chat_template  # noqa: B018 (a missing or broken template is a usage error, before any turn)
             report.load_seconds = time.perf_counter() - t0
             report.n_ctx = model.n_ctx
-            if not args.json:
-                _say(f"loaded {path} in {report.load_seconds:.2f} s (n_ctx {model.n_ctx})")
+            say_slab(args, model)
+            _say(f"loaded {path} in {report.load_seconds:.2f} s (n_ctx {model.n_ctx})")
             await _generate(model, args, prompt, report)
         finally:
             report.model_stats = model.statistics()
@@ -467,6 +555,8 @@ async def _run(args: argparse.Namespace, path: str, prompt: str | None, report: 
             raise
         task.uncancel()
         status = INTERRUPTED_STATUS
+        if report.at_prompt:  # Ctrl-C at the "> " prompt: the statistics start a line of their own
+            print(file=sys.stderr, flush=True)
     except (aioexperts.AioExpertsError, OSError) as exc:
         report.error = str(exc)
         _say(f"error: {exc}")
@@ -478,10 +568,18 @@ async def _run(args: argparse.Namespace, path: str, prompt: str | None, report: 
 
 
 def _read_prompt(args: argparse.Namespace) -> str | None:
-    if args.file is not None:
+    """``-p``, or the text of ``-f`` (ConfigError naming the file when it cannot be read or is not UTF-8)."""
+    if args.file is None:
+        return args.prompt
+    try:
         with open(os.path.expanduser(args.file), encoding="utf-8") as f:
             return f.read()
-    return args.prompt
+    except UnicodeDecodeError as exc:
+        raise aioexperts.ConfigError(
+            f"-f {args.file}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
+        ) from None
+    except OSError as exc:
+        raise aioexperts.ConfigError(f"-f {args.file}: {exc.strerror or exc}") from None
 
 
 def _model_path(args: argparse.Namespace) -> tuple[str, bool]:
@@ -533,7 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (aioexperts.AioExpertsError, OSError, UnicodeDecodeError) as exc:
         _say(f"error: {exc}")
         return USAGE_STATUS
-    if builtin and not args.json:
+    if builtin:  # a note on stderr, as the progress lines: --json changes stdout only
         _say("the built-in model's weights are random, so its text is random")
     report = _Report(path, builtin)
     try:

@@ -4,8 +4,9 @@ Binds ``127.0.0.1:8080`` unless told otherwise and prints ``listening on http://
 once it serves (``--port 0`` takes a free port: that line says which). SIGTERM or Ctrl-C (SIGINT)
 stops it gracefully: no new requests, the running generations finish for up to
 ``--shutdown-timeout`` seconds and are then cancelled, the model is closed; exit status 0. A second
-signal stops at once. Bad arguments, files or models: one line on stderr, exit status 2. The
-endpoints are described in docs/serving.md.
+signal cancels the running generations at once (each told ``shutting_down``), then closes the model;
+exit status 1. Bad arguments, files or models: one line on stderr naming the option, exit status 2.
+The endpoints are described in docs/serving.md.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any
 import anyio
 
 import aioexperts
-from aioexperts.cli._common import HelpFormatter
-from aioexperts.cli.run import USAGE_STATUS, _context_length, _float, _int_at_least, add_model_options
+from aioexperts.cli._common import HelpFormatter, name_the_options
+from aioexperts.cli.run import USAGE_STATUS, _context_length, _float, _int_at_least, add_model_options, say_slab
 
 __all__ = ("build_parser", "main")
 
@@ -74,6 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: The option of each field of :class:`aioexperts.serve.ServerOptions` (its errors name the option).
+SERVER_FLAGS = {
+    "host": "--host",
+    "port": "--port",
+    "parallel": "--parallel",
+    "queue_size": "--queue",
+    "api_key": "--api-key",
+    "max_body_bytes": "--max-body-bytes",
+    "shutdown_timeout": "--shutdown-timeout",
+    "model_name": "--alias",
+}
+
+
 def _say(text: str) -> None:
     print(f"{PROG}: {text}", file=sys.stderr, flush=True)
 
@@ -105,10 +119,18 @@ async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
     stop = asyncio.Event()
     task = asyncio.current_task()
     assert task is not None
+    serving: list[Server] = []  # the server once it is built
+    hurried = False
 
     def on_signal(signum: int) -> None:
+        nonlocal hurried
         if stop.is_set():  # the second signal: stop at once
-            task.cancel()
+            if serving and not hurried:  # the running generations are cancelled now, told why; the model
+                hurried = True  # is closed after them (never under them: no "store is closed")
+                _say(f"{signal.Signals(signum).name} again: cancelling the running requests now")
+                serving[0].hurry()
+            else:  # before the server is up, or a third signal
+                task.cancel()
             return
         _say(f"{signal.Signals(signum).name}: stopping (running requests get {args.shutdown_timeout:g} s to finish)")
         stop.set()
@@ -125,7 +147,11 @@ async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
             io=aioexperts.IOOptions(backend=args.io),
         )
         async with model:
+            say_slab(args, model, _say)
             server = Server(model, options)
+            serving.append(server)
+            if stop.is_set():
+                server.hurry()
             await server.start()
             try:
                 _say(f"serving {path} (n_ctx {model.n_ctx}, --parallel {options.parallel})")
@@ -136,8 +162,8 @@ async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
                     cancelled = await server.stop()
             if cancelled:
                 _say(f"cancelled {cancelled} generations still running at the deadline")
-        _say("stopped")
-        return 0
+        _say("stopped at once (second signal)" if hurried else "stopped")
+        return 1 if hurried else 0
     except asyncio.CancelledError:
         _say("stopped at once (second signal)")
         task.uncancel()
@@ -148,7 +174,8 @@ async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``aioexperts-serve``; returns the exit status (0 stopped by a signal, 2 bad arguments/files/models)."""
+    """Run ``aioexperts-serve``; returns the exit status (0 stopped by a signal, 1 stopped at once by a
+    second signal, 2 bad arguments/files/models)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.model is not None and (args.layers is not None or args.rebuild):
@@ -157,16 +184,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from aioexperts.serve import ServerOptions
 
-        options = ServerOptions(
-            host=args.host,
-            port=args.port,
-            parallel=args.parallel,
-            queue_size=args.queue,
-            api_key=args.api_key,
-            max_body_bytes=args.max_body_bytes,
-            shutdown_timeout=args.shutdown_timeout,
-            model_name=args.alias,
-        )
+        try:
+            options = ServerOptions(
+                host=args.host,
+                port=args.port,
+                parallel=args.parallel,
+                queue_size=args.queue,
+                api_key=args.api_key,
+                max_body_bytes=args.max_body_bytes,
+                shutdown_timeout=args.shutdown_timeout,
+                model_name=args.alias,
+            )
+        except aioexperts.ConfigError as exc:
+            raise aioexperts.ConfigError(name_the_options(str(exc), SERVER_FLAGS)) from None
         path = _model_path(args)
     except KeyboardInterrupt:
         return 130

@@ -35,7 +35,15 @@ from ._generate import Generation
 from ._metrics import CONTENT_TYPE, Metrics
 from ._openai import Piece, Shapes
 from ._scheduler import Scheduler
-from ._validate import GenerationRequest, parse_chat, parse_completion, parse_json, parse_messages, parse_token_ids
+from ._validate import (
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_json,
+    parse_template_request,
+    parse_tokenize,
+)
 
 __all__ = ("DEFAULT_HOST", "DEFAULT_PORT", "Server", "ServerOptions")
 
@@ -99,7 +107,14 @@ def _json_response(value: Any, status: int = 200, headers: dict[str, str] | None
 
 
 def _error_response(err: APIError) -> web.Response:
-    return _json_response(err.body(), err.status, err.headers)
+    response = _json_response(err.body(), err.status, err.headers)
+    if err.code == "shutting_down":
+        response.force_close()  # "Connection: close": the client does not reuse a connection about to close
+    return response
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
 
 
 def _sse(value: Any) -> bytes:
@@ -191,6 +206,12 @@ class Server:
             self._text_worker.shutdown(wait=False, cancel_futures=True)
         return cancelled
 
+    def hurry(self) -> None:
+        """Cut the grace of a :meth:`stop` under way (or to come) short: the running generations are
+        cancelled now, each answered with ``shutting_down`` (a stream ends with that error event and
+        ``data: [DONE]``)."""
+        self.scheduler.hurry()
+
     async def _in_text_worker(self, fn: Callable[[], T]) -> T:
         assert self._text_worker is not None
         return await asyncio.get_running_loop().run_in_executor(self._text_worker, fn)
@@ -210,12 +231,16 @@ class Server:
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_post("/apply-template", self._apply_template)
         app.router.add_get("/metrics", self._metrics)
+        self._paths = frozenset(resource.canonical for resource in app.router.resources())
         return app
 
     @web.middleware
     async def _count(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         resource = request.match_info.route.resource
-        endpoint = resource.canonical if resource is not None else "other"
+        if resource is not None:
+            endpoint = resource.canonical
+        else:  # no route matched: a wrong method on a known path (405) counts under the path
+            endpoint = request.path if request.path in self._paths else "other"
         status = 500
         try:
             response = await handler(request)
@@ -235,7 +260,9 @@ class Server:
             if exc.status < 400:
                 raise
             kind = {401: "authentication_error", 404: "not_found_error"}.get(exc.status, "invalid_request_error")
-            code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.status)
+            code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(
+                exc.status, "invalid_request"
+            )
             message = exc.text or exc.reason
             if exc.status == 404:
                 message = f"{request.method} {request.path}: no such endpoint"
@@ -266,7 +293,7 @@ class Server:
                     headers={"WWW-Authenticate": "Bearer"},
                 )
         if self._stopping and request.path != "/health":
-            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+            raise _shutting_down()
         return await handler(request)
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
@@ -345,9 +372,15 @@ class Server:
                 async with aclosing(gen.pieces()) as stream:
                     pieces = [piece async for piece in stream]
                 return _json_response(shapes.whole(pieces, gen.finish_reason, gen.usage))
-            except (asyncio.CancelledError, ConnectionResetError):
+            except ConnectionResetError:
                 self.metrics.cancelled += 1
                 raise
+            except asyncio.CancelledError:
+                self.metrics.cancelled += 1
+                if not self._stopping or req.stream:
+                    raise
+                self._uncancel()
+                return _error_response(_shutting_down())  # cancelled at the shutdown deadline: told why
 
     async def _stream(
         self, request: web.Request, req: GenerationRequest, gen: Generation, shapes: Shapes
@@ -372,14 +405,29 @@ class Server:
             log.error("%s %s failed while streaming: %s", request.method, request.path, exc)
             await resp.write(_sse(err.body()))
         except asyncio.CancelledError:
-            if self._stopping:  # cancelled at the shutdown deadline: the client is told, not cut off
-                stopped = APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(resp.write(_sse(stopped.body()) + b"data: [DONE]\n\n"), 1.0)
-            raise
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            if not self._stopping:
+                raise
+            # cancelled at the shutdown deadline: the client is told why, and the response ends
+            # properly (its last chunk), not cut off
+            self.metrics.cancelled += 1
+            self._uncancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._end_stream(resp, _sse(_shutting_down().body())), 1.0)
+            return resp
+        await self._end_stream(resp)
         return resp
+
+    @staticmethod
+    async def _end_stream(resp: web.StreamResponse, last: bytes = b"") -> None:
+        await resp.write(last + b"data: [DONE]\n\n")
+        await resp.write_eof()  # the terminating chunk
+
+    @staticmethod
+    def _uncancel() -> None:
+        """Take back the cancellation of this task (the shutdown's): its handler ends with a response."""
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
 
     # -- the other endpoints --------------------------------------------------------------------
 
@@ -394,7 +442,9 @@ class Server:
 
     async def _health(self, request: web.Request) -> web.Response:
         if self._stopping:
-            return _json_response({"status": "shutting down"}, 503)
+            response = _json_response({"status": "shutting down"}, 503)
+            response.force_close()
+            return response
         return _json_response({"status": "ok"})
 
     def _template_source(self) -> str | None:
@@ -430,16 +480,7 @@ class Server:
         )
 
     async def _tokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        content = body.get("content")
-        if not isinstance(content, str) or not content:
-            raise APIError(400, "'content': must be a non-empty string", param="content", code="invalid_value")
-        flags = {}
-        for name, default in (("add_special", False), ("parse_special", True), ("with_pieces", False)):
-            value = body.get(name, default)
-            if not isinstance(value, bool):
-                raise APIError(400, f"'{name}': must be a boolean", param=name, code="invalid_value")
-            flags[name] = value
+        content, flags = parse_tokenize(await self._body(request))
         tok = self.model.tokenizer
         ids = await self._in_text_worker(
             lambda: tok.encode(content, add_special=flags["add_special"], parse_special=flags["parse_special"])
@@ -450,8 +491,7 @@ class Server:
         return _json_response({"tokens": ids})
 
     async def _detokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        ids = parse_token_ids(body.get("tokens"), "tokens")
+        ids = parse_detokenize(await self._body(request))
         tok = self.model.tokenizer
         bad = [t for t in ids if t >= tok.n_vocab]
         if bad:
@@ -464,7 +504,7 @@ class Server:
         return _json_response({"content": await self._in_text_worker(lambda: tok.decode(ids))})
 
     async def _apply_template(self, request: web.Request) -> web.Response:
-        messages = parse_messages(await self._body(request))
+        messages = parse_template_request(await self._body(request))
         prompt = await self._in_text_worker(
             lambda: self.model.apply_chat_template(list(messages), add_generation_prompt=True)
         )

@@ -3,7 +3,7 @@
 Every refusal is an :class:`APIError` (an :class:`~aioexperts.AioExpertsError`); the library's own
 errors of a bad request (:class:`~aioexperts.InvalidRequestError`, :class:`~aioexperts.ConfigError`,
 :class:`~aioexperts.ChatTemplateError`, :class:`~aioexperts.TokenizerError`) become a 400 through
-:func:`api_error`.
+:func:`api_error`. Every error object has a ``code``.
 """
 
 from __future__ import annotations
@@ -67,5 +67,5 @@ def api_error(exc: BaseException) -> APIError:
     if isinstance(exc, ChatTemplateError):
         return APIError(400, f"the chat template failed: {exc}", param="messages", code="chat_template_error")
     if isinstance(exc, InvalidRequestError | ConfigError | TokenizerError):
-        return APIError(400, str(exc))
+        return APIError(400, str(exc), code="invalid_value")
     return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error", code="internal_error")

@@ -48,6 +48,7 @@ class Scheduler:
         self._tasks: set[asyncio.Task[object]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._hurry = asyncio.Event()
         self._closed = False
 
     @property
@@ -124,17 +125,25 @@ class Scheduler:
             if not waiter.done():
                 waiter.set_result(False)
 
+    def hurry(self) -> None:
+        """End the wait of a :meth:`drain` under way (or to come) now: the running generations are cancelled."""
+        self._hurry.set()
+
     async def drain(self, grace: float) -> int:
-        """Wait up to ``grace`` seconds for the running generations to end, then cancel the rest.
+        """Wait up to ``grace`` seconds (less after :meth:`hurry`) for the running generations to end,
+        then cancel the rest.
 
         Returns:
             How many generations were cancelled.
         """
+        waits = [asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(self._hurry.wait())]
         try:
-            await asyncio.wait_for(self._idle.wait(), grace)
+            await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        if self._idle.is_set():
             return 0
-        except TimeoutError:
-            pass
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

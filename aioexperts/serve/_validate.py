@@ -5,7 +5,10 @@ llama.cpp server's sampling extensions ``top_k``, ``min_p`` and ``repeat_penalty
 JSON ``null`` counts as absent. Sampling fields not given take llama.cpp's defaults
 (:class:`aioexperts.SamplingOptions`: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05).
 Features this server does not have (``n`` other than 1, ``best_of``, ``echo``, ``suffix``,
-``logit_bias``, ``tools``, a ``response_format`` other than text) are refused, never ignored.
+``logit_bias``, ``tools``, a ``response_format`` other than text, ...) are refused, never ignored;
+so is a field the endpoint does not know (:data:`CHAT_FIELDS`, :data:`COMPLETION_FIELDS`: 400
+``unknown_parameter`` naming it). Every message needs non-empty text content, and text must be
+valid Unicode (no lone surrogates).
 """
 
 from __future__ import annotations
@@ -21,14 +24,22 @@ from aioexperts import ConfigError, SamplingOptions
 from ._errors import APIError
 
 __all__ = (
+    "CHAT_FIELDS",
+    "COMPLETION_FIELDS",
+    "DETOKENIZE_FIELDS",
+    "TOKENIZE_FIELDS",
     "MAX_STOP_STRINGS",
     "MAX_TOP_LOGPROBS",
     "GenerationRequest",
     "parse_chat",
     "parse_completion",
+    "parse_detokenize",
     "parse_json",
     "parse_messages",
+    "parse_template_request",
     "parse_token_ids",
+    "parse_tokenize",
+    "refuse_unknown",
 )
 
 MAX_STOP_STRINGS = 16
@@ -38,7 +49,73 @@ MAX_TOP_LOGPROBS = 20
 """``top_logprobs`` (chat) and ``logprobs`` (completions) at most (OpenAI's bound for chat)."""
 
 _MAX_INT = 2**31 - 1
+
+#: The body fields of each endpoint: OpenAI's (its API reference, 2025) plus llama.cpp's sampling
+#: extensions. Each is implemented, accepted and ignored (hints with no effect here: ``user``,
+#: ``metadata``, ...) or refused when it asks for what this server does not do
+#: (:func:`_refuse_unsupported`); a field not listed is refused as unknown (400 naming it).
+_EXTENSIONS = frozenset({"top_k", "min_p", "repeat_penalty"})
+_COMMON_FIELDS = frozenset(
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "temperature",
+        "top_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "seed",
+        "stop",
+        "n",
+        "logit_bias",
+        "logprobs",
+        "max_tokens",
+        "user",
+    }
+)
+CHAT_FIELDS = (
+    _COMMON_FIELDS
+    | _EXTENSIONS
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "moderation",
+        "reasoning_effort",
+        "verbosity",
+        "modalities",
+        "audio",
+        "prediction",
+        "web_search_options",
+    }
+)
+"""The fields ``POST /v1/chat/completions`` knows."""
+COMPLETION_FIELDS = _COMMON_FIELDS | _EXTENSIONS | {"prompt", "best_of", "echo", "suffix"}
+"""The fields ``POST /v1/completions`` knows."""
+TOKENIZE_FIELDS = frozenset({"model", "content", "add_special", "parse_special", "with_pieces"})
+"""The fields of llama.cpp server's ``POST /tokenize`` (``model`` ignored)."""
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+"""The fields of ``POST /detokenize``."""
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+#: A message's fields (OpenAI's): ``name`` is accepted and ignored; tool calls and audio are refused.
+_MESSAGE_FIELDS = frozenset(
+    {"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio"}
+)
+#: ``stream_options``' fields: ``include_obfuscation`` (padding against side channels) is accepted and ignored.
+_STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +156,8 @@ def parse_json(body: bytes) -> dict[str, Any]:
         value = json.loads(body, parse_constant=no_constants)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser's recursion allows
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(value, dict):
         raise APIError(400, f"the request body must be a JSON object, not {_kind(value)}", code="invalid_json")
     return value
@@ -92,6 +171,16 @@ def _kind(value: object) -> str:
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"'{param}': {message}", param=param, code="invalid_value")
+
+
+def _text(value: str, param: str) -> str:
+    """``value``, unless it holds a lone surrogate (JSON's ``"\\ud800"``): not text, it cannot be tokenized."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = f"U+{ord(value[exc.start]):04X}"
+        raise _bad(param, f"is not valid Unicode: a lone surrogate {bad} at index {exc.start}") from None
+    return value
 
 
 def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -129,6 +218,26 @@ def _number(body: Mapping[str, Any], name: str, low: float, high: float, *, low_
     return float(value)
 
 
+def refuse_unknown(body: Mapping[str, Any], known: frozenset[str], endpoint: str) -> None:
+    """400 ``unknown_parameter`` naming the first field of ``body`` not in ``known`` (never ignored)."""
+    unknown = sorted(name for name in body if name not in known)
+    if unknown:
+        name = unknown[0]
+        raise APIError(
+            400,
+            f"Unknown parameter: '{name}' ({endpoint} does not take it)",
+            param=name,
+            code="unknown_parameter",
+        )
+
+
+def _str(body: Mapping[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _bad(name, f"must be a string, got {_kind(value)}")
+    return value
+
+
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     n = _int(body, "n", 1, _MAX_INT)
     if n not in (None, 1):
@@ -138,12 +247,30 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise _bad("best_of", f"only best_of=1 is supported, got {best_of}")
     if _bool(body, "echo", False):
         raise _bad("echo", "echoing the prompt is not supported")
-    for name in ("suffix", "logit_bias", "tools", "functions"):
+    for name in ("suffix", "logit_bias", "tools", "functions", "function_call", "audio", "prediction"):
         if body.get(name):
             raise _bad(name, "is not supported by this server")
+    for name in ("web_search_options", "reasoning_effort", "verbosity", "moderation"):  # other models only
+        if body.get(name) is not None:
+            raise _bad(name, "is not supported by this model")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _bad("response_format", 'only {"type": "text"} is supported')
+    choice = body.get("tool_choice")
+    if choice is not None and choice != "none":
+        raise _bad("tool_choice", 'tools are not supported: only "none" is accepted')
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise _bad("modalities", 'only ["text"] is supported')
+    if _bool(body, "store", False):
+        raise _bad("store", "storing completions is not supported by this server")
+    _bool(body, "parallel_tool_calls", True)  # meaningful with tools only: checked, else ignored
+    for name in ("model", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier"):
+        _str(body, name)  # accepted and ignored (one model; hints for OpenAI's own service)
+    for name in ("metadata", "prompt_cache_options"):
+        value = body.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise _bad(name, f"must be an object, got {_kind(value)}")
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -155,7 +282,7 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
         raise _bad("stop", "must be a string or an array of strings")
     if len(stops) > MAX_STOP_STRINGS:
         raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-    return tuple(s for s in stops if s)
+    return tuple(_text(s, "stop") for s in stops if s)
 
 
 def _sampling(body: Mapping[str, Any]) -> SamplingOptions:
@@ -184,30 +311,45 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
         raise _bad("stream_options", "is only allowed when 'stream' is true")
     if not isinstance(opts, dict):
         raise _bad("stream_options", f"must be an object, got {_kind(opts)}")
+    unknown = sorted(set(opts) - _STREAM_OPTIONS)
+    if unknown:
+        name = f"stream_options.{unknown[0]}"
+        raise APIError(400, f"Unknown parameter: '{name}'", param=name, code="unknown_parameter")
+    _bool(opts, "include_obfuscation", False)
     return stream, _bool(opts, "include_usage", False)
 
 
-def _max_tokens(body: Mapping[str, Any], *names: str) -> int | None:
-    for name in names:  # the first given wins: max_completion_tokens over the deprecated max_tokens
-        value = _int(body, name, 1, _MAX_INT)
-        if value is not None:
-            return value
-    return None
+def _max_tokens(body: Mapping[str, Any], chat: bool) -> int | None:
+    """``max_tokens``; in chat also ``max_completion_tokens``, its new name (both given: they must agree)."""
+    value = _int(body, "max_tokens", 1, _MAX_INT)
+    if chat:
+        newer = _int(body, "max_completion_tokens", 1, _MAX_INT)
+        if newer is not None and value is not None and newer != value:
+            raise _bad(
+                "max_completion_tokens",
+                f"is {newer} but max_tokens is {value}: they mean the same, give one (or the same value)",
+            )
+        if newer is not None:
+            return newer
+    return value
 
 
 def _content(value: object, where: str) -> str:
-    if isinstance(value, str):
-        return value
     if isinstance(value, list):  # content parts: only text ones
         texts = []
         for part in value:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise _bad(where, "only text content parts ({'type': 'text', 'text': ...}) are supported")
             texts.append(part["text"])
-        return "".join(texts)
-    if value is None:
-        return ""
-    raise _bad(where, f"must be a string or an array of text parts, got {_kind(value)}")
+        value = "".join(texts)
+    if value is None:  # missing or null: only an assistant message with tool_calls may say nothing, and
+        # tools are not supported here
+        raise _bad(where, "is missing: every message needs text content")
+    if not isinstance(value, str):
+        raise _bad(where, f"must be a string or an array of text parts, got {_kind(value)}")
+    if not value:
+        raise _bad(where, "is empty: every message needs text content")
+    return _text(value, where)
 
 
 def parse_messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
@@ -222,8 +364,33 @@ def parse_messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
         role = message.get("role")
         if role not in _ROLES:
             raise _bad(f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
+        unknown = sorted(set(message) - _MESSAGE_FIELDS)
+        if unknown:
+            raise APIError(
+                400,
+                f"Unknown parameter: 'messages[{i}].{unknown[0]}' (a message has {', '.join(sorted(_MESSAGE_FIELDS))})",
+                param=f"messages[{i}].{unknown[0]}",
+                code="unknown_parameter",
+            )
+        for name in ("tool_calls", "function_call", "audio"):
+            if message.get(name) is not None:
+                raise _bad(f"messages[{i}].{name}", "tool calls are not supported by this server")
         out.append({"role": role, "content": _content(message.get("content"), f"messages[{i}].content")})
     return tuple(out)
+
+
+def parse_template_request(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+    """A ``POST /apply-template`` body: a chat request's (llama.cpp's), of which only ``messages`` matters."""
+    refuse_unknown(body, CHAT_FIELDS, "POST /apply-template")
+    _refuse_unsupported(body)  # tools would change the rendering
+    return parse_messages(body)
+
+
+def parse_detokenize(body: Mapping[str, Any]) -> tuple[int, ...]:
+    """A ``POST /detokenize`` body: its ``tokens``."""
+    refuse_unknown(body, DETOKENIZE_FIELDS, "POST /detokenize")
+    _str(body, "model")
+    return parse_token_ids(body.get("tokens"), "tokens")
 
 
 def parse_token_ids(value: object, param: str) -> tuple[int, ...]:
@@ -235,6 +402,21 @@ def parse_token_ids(value: object, param: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def parse_tokenize(body: Mapping[str, Any]) -> tuple[str, dict[str, bool]]:
+    """A ``POST /tokenize`` body: its ``content`` and the flags ``add_special``, ``parse_special``, ``with_pieces``."""
+    refuse_unknown(body, TOKENIZE_FIELDS, "POST /tokenize")
+    _str(body, "model")
+    content = body.get("content")
+    if not isinstance(content, str) or not content:
+        raise _bad("content", "must be a non-empty string")
+    flags = {
+        "add_special": _bool(body, "add_special", False),
+        "parse_special": _bool(body, "parse_special", True),
+        "with_pieces": _bool(body, "with_pieces", False),
+    }
+    return _text(content, "content"), flags
+
+
 def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -242,7 +424,7 @@ def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
             raise _bad("prompt", "is empty: there is nothing to continue")
-        return prompt
+        return _text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         raise _bad("prompt", f"one prompt per request (n=1), got {len(prompt)}")
     if isinstance(prompt, list):
@@ -252,6 +434,7 @@ def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
 
 def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
     """A ``POST /v1/chat/completions`` body (400 :class:`APIError` naming the field at fault)."""
+    refuse_unknown(body, CHAT_FIELDS, "POST /v1/chat/completions")
     _refuse_unsupported(body)
     messages = parse_messages(body)
     stream, include_usage = _stream(body)
@@ -264,7 +447,7 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
         messages=messages,
         prompt="",
         options=_sampling(body),
-        max_tokens=_max_tokens(body, "max_completion_tokens", "max_tokens"),
+        max_tokens=_max_tokens(body, chat=True),
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,
@@ -274,6 +457,7 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
 
 def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
     """A ``POST /v1/completions`` body (400 :class:`APIError` naming the field at fault)."""
+    refuse_unknown(body, COMPLETION_FIELDS, "POST /v1/completions")
     _refuse_unsupported(body)
     prompt = _prompt(body)
     stream, include_usage = _stream(body)
@@ -283,7 +467,7 @@ def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
         messages=(),
         prompt=prompt,
         options=_sampling(body),
-        max_tokens=_max_tokens(body, "max_tokens"),
+        max_tokens=_max_tokens(body, chat=False),
         stream=stream,
         include_usage=include_usage,
         logprobs=top is not None,

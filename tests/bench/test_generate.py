@@ -69,6 +69,7 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         (["--run-timeout", "-1"], "--run-timeout must be > 0"),
         (["--decode-tokens", "0"], "--decode-tokens must be >= 1, got 0"),
         (["--layers", "0"], "--layers must be >= 1"),
+        (["--n-ctx", "1"], "--n-ctx 1 is less than --prompt-tokens + --decode-tokens (256 + 16 = 272)"),
     ],
 )
 def test_each_bad_argument_is_named(args: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:

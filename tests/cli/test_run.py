@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -96,7 +97,7 @@ def test_penalty_options_reach_the_sampler() -> None:
     opts = _options(args)
     assert (opts.repeat_penalty, opts.presence_penalty, opts.frequency_penalty) == (1.3, 0.5, 0.0)
     bad = run("-p", "x", "--repeat-penalty", "0")
-    assert bad.returncode == 2 and "repeat_penalty" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "--repeat-penalty 0.0 is outside" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_chat_reads_turns_from_stdin_and_reuses_the_kv_cache(tiny_full_model: Path) -> None:
@@ -155,6 +156,45 @@ def test_without_a_model_it_runs_the_built_in_model_from_the_cache(tiny_full_mod
     assert "random" in done.stderr and "writing" not in done.stderr
     assert done.stdout.strip()
     assert sorted(p.name for p in tmp_path.glob("*.gguf*")) == [FULL_SPEC.with_(n_layer=2).file_name()]
+    # --json changes stdout only: the notes (and the progress lines of a build) still go to stderr
+    done = run("--layers", "2", "-p", "Hello", "-n", "2", "--io", "threads", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["builtin_model"] is True
+    assert "random" in done.stderr and "loaded " in done.stderr, done.stderr
+
+
+def test_json_still_prints_the_progress_of_writing_the_built_in_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In-process, with the built-in model's spec made tiny: the build's lines go to stderr with --json."""
+    from conftest import TINY_FULL_SPEC_FIELDS
+
+    from aioexperts._bench import full_model
+    from aioexperts.cli.run import main
+    from aioexperts.testing._full_model import FullModelSpec
+
+    monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path))
+    (tmp_path / "numba").symlink_to(cache_dir().parent)
+    monkeypatch.setattr(full_model, "FULL_SPEC", FullModelSpec(**TINY_FULL_SPEC_FIELDS))  # type: ignore[arg-type]
+    assert main(["--layers", "2", "-p", "Hi", "-n", "1", "--io", "threads", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["builtin_model"] is True
+    assert "writing the built-in full model (2 layers)" in err and "  written " in err, err
+    assert "random" in err and "loaded " in err, err
+
+
+def test_a_slab_other_than_asked_for_is_said_on_stderr(tiny_full_model: Path) -> None:
+    """--cache-bytes 10 is raised to the store's minimum (one token's experts twice over), --slots
+    past the model's experts is capped: a line says so, also with --json."""
+    for size, needle in (
+        (["--cache-bytes", "10"], "--cache-bytes 10 raised to the store's minimum: the slab has"),
+        (["--slots", "100000"], "--slots 100000: the slab has"),
+    ):
+        done = run(str(tiny_full_model), "-p", "Hi", "-n", "1", "--io", "threads", "--json", *size)
+        assert done.returncode == 0, done.stderr
+        assert needle in done.stderr, done.stderr
+    done = run(str(tiny_full_model), "-p", "Hi", "-n", "1", "--io", "threads", "--slots", "2")
+    assert "the slab has" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(
@@ -164,10 +204,14 @@ def test_without_a_model_it_runs_the_built_in_model_from_the_cache(tiny_full_mod
         (["MODEL", "-p", "x", "-f", "y"], "not allowed with"),
         (["MODEL", "-p", "x", "--temp", "hot"], "--temp: must be a number"),
         (["MODEL", "-p", "x", "-n", "0"], "must be >= 1"),
-        (["MODEL", "-p", "x", "--top-p", "3"], "top_p"),
+        (["MODEL", "-p", "x", "--top-p", "3"], "--top-p 3.0 is outside (0.0, 1.0]"),
+        (["MODEL", "-p", "x", "--temp", "-1"], "--temp -1.0 is outside [0.0, inf]"),
+        (["MODEL", "-p", "x", "--min-p", "nan"], "--min-p must be a finite number"),
+        (["MODEL", "-p", "x", "--stop", ""], "--stop must hold non-empty strings"),
+        (["MODEL", "-f", "NOT_UTF8"], "-f NOT_UTF8: not UTF-8 text (byte 0xff at offset 3)"),
         (["MODEL", "-p", "x", "--layers", "2"], "built-in model"),
         (["MODEL", "-p", ""], "prompt is empty"),
-        (["MODEL", "-f", "/no/such/prompt.txt"], "No such file"),
+        (["MODEL", "-f", "/no/such/prompt.txt"], "-f /no/such/prompt.txt: No such file or directory"),
         (["/no/such/model.gguf", "-p", "x"], "no such model file"),
         (["NOT_GGUF", "-p", "x"], "not a GGUF file"),
         (["MODEL", "-p", "x", "--ctx", "4"], "more than n_ctx=4"),
@@ -178,7 +222,11 @@ def test_bad_arguments_and_files_exit_2_with_one_line(
 ) -> None:
     not_gguf = tmp_path / "not.gguf"
     not_gguf.write_text("hello")
-    argv = [str(tiny_full_model) if a == "MODEL" else str(not_gguf) if a == "NOT_GGUF" else a for a in args]
+    not_utf8 = tmp_path / "latin1.txt"
+    not_utf8.write_bytes(b"caf\xff")
+    paths = {"MODEL": str(tiny_full_model), "NOT_GGUF": str(not_gguf), "NOT_UTF8": str(not_utf8)}
+    argv = [paths.get(a, a) for a in args]
+    needle = needle.replace("NOT_UTF8", str(not_utf8))
     if "--ctx" in argv:
         argv[argv.index("-p") + 1] = "a long prompt of many words that is longer than four tokens"
     done = run(*argv, "--io", "threads")
@@ -232,3 +280,52 @@ def test_a_closed_standard_stream_is_one_line_and_exit_2(
     done = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stderr
     assert needle in done.stderr and "Traceback" not in done.stderr
+
+
+def _read_terminal(fd: int, until: Any, timeout: float) -> bytes:
+    """Read the terminal's master side until ``until(seen)`` or EOF (the child exited) or ``timeout``."""
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while not until(seen) and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # EIO: the child's side is closed
+                break
+            if not chunk:
+                break
+            seen += chunk
+    return seen
+
+
+@pytest.mark.parametrize("key", [b"\x03", b"\x04"], ids=["ctrl-c", "ctrl-d"])
+def test_an_idle_chat_prompt_on_a_terminal_ends_at_once_on_ctrl_c_or_ctrl_d(tiny_full_model: Path, key: bytes) -> None:
+    """On a real (pseudo-)terminal, Ctrl-C typed at the ``> `` prompt exits 130 without waiting for
+    Enter (the stdin reader does not hold the exit up); Ctrl-D exits 0; either way the statistics
+    start on a line of their own."""
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the terminal is its controlling terminal, stdin, stdout and stderr
+        os.execv(sys.executable, [*COMMAND, str(tiny_full_model), "--chat", "-n", "3", "--io", "threads"])
+    done = (0, 0)
+    try:
+        seen = _read_terminal(fd, lambda b: b.endswith(b"> "), 120)
+        assert seen.endswith(b"> "), seen.decode()
+        os.write(fd, key)  # typed: the terminal sends SIGINT, or ends the input
+        seen += _read_terminal(fd, lambda b: False, 20)  # until the child exits (no Enter is ever typed)
+        deadline = time.monotonic() + 5
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert done[0] == pid, "still running: it waits for Enter\n" + seen.decode(errors="replace")
+        status = os.waitstatus_to_exitcode(done[1])
+    finally:
+        if done[0] != pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    text = seen.decode(errors="replace").replace("\r\n", "\n")
+    assert status == (130 if key == b"\x03" else 0), text
+    assert re.search(r"^prompt: ", text, re.MULTILINE), text  # not "> prompt: ..." nor "> ^Cprompt: ..."
+    assert "Traceback" not in text

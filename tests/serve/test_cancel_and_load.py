@@ -4,6 +4,7 @@ a bounded load on loopback ends with no error and no leaked descriptor, sequence
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ import pytest
 
 from aioexperts.serve import ServerOptions
 from serve.conftest import openai
-from serve.serving import API_KEY, RawStream, ServerThread, metrics, open_fds, post, wait_for
+from serve.serving import API_KEY, RawStream, ServerThread, metrics, open_fds, post, request, wait_for
 
 TEXT = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -172,3 +173,21 @@ def test_sequences_decoded_together_give_the_tokens_each_gets_alone(served: Serv
     assert len(set(alone)) > 1  # the prompts lead to different texts
     # they did decode together: steps that ran several sequences' tokens at once
     assert metrics(served)["aioexperts_decode_steps_batched_total"] > batched_before
+
+
+def test_a_whole_request_cut_at_the_shutdown_deadline_gets_503_shutting_down(serve_model: Path) -> None:
+    """Not streamed, cancelled by stop()'s deadline (1 s here): a 503 error object with Connection:
+    close, not a connection closed without an answer."""
+    thread = ServerThread(serve_model, ServerOptions(port=0, parallel=1, queue_size=0)).start()
+    answer: list[tuple[int, dict[str, str], bytes]] = []
+    body = {**LONG, "max_tokens": 500}
+    client = threading.Thread(target=lambda: answer.append(request(thread, "POST", TEXT, body, key=None)))
+    client.start()
+    wait_for(lambda: metrics(thread)["aioexperts_completion_tokens_total"] > 0)
+    thread.stop()
+    client.join(30)
+    assert answer, "no answer"
+    status, headers, data = answer[0]
+    assert status == 503 and headers.get("connection") == "close", (status, headers, data)
+    assert json.loads(data)["error"]["code"] == "shutting_down"
+    assert thread.cancelled_at_stop == 1

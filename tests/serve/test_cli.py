@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import re
 import select
@@ -74,6 +76,7 @@ def test_sigterm_lets_short_requests_finish_and_cancels_the_rest_at_the_deadline
         assert b"data: [DONE]\n\n" in done and done.endswith(b"\r\n0\r\n\r\n")
         cut = long.read_all()  # cancelled at the deadline: an error event says why, then [DONE]
         assert b'"code": "shutting_down"' in cut and cut.rstrip(b"\r\n0").endswith(b"data: [DONE]")
+        assert cut.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")  # the terminating chunk: not cut off
         assert time.monotonic() - t0 < 10
         long.close()
         short.close()
@@ -90,6 +93,59 @@ def test_sigterm_lets_short_requests_finish_and_cancels_the_rest_at_the_deadline
     assert "Traceback" not in stderr
 
 
+def start_builtin(tmp_path: Path, tiny_full_model: Path, *args: str) -> tuple[subprocess.Popen[bytes], tuple[str, int]]:
+    shutil.copy(tiny_full_model, tmp_path / FULL_SPEC.with_(n_layer=2).file_name())
+    (tmp_path / "numba").symlink_to(cache_dir().parent)  # this session's compiled kernels
+    env = {**os.environ, "AIOEXPERTS_CACHE": str(tmp_path)}
+    proc = subprocess.Popen(
+        [*COMMAND, "--layers", "2", "--port", "0", "--io", "threads", "--ctx", "4096", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    found = read_stderr_until(proc, r"listening on http://127\.0\.0\.1:(\d+)")
+    return proc, ("127.0.0.1", int(found.group(1)))
+
+
+def test_a_second_signal_ends_the_streams_with_shutting_down_and_exits_1(tiny_full_model: Path, tmp_path: Path) -> None:
+    """The second SIGTERM cancels the running streams at once: each ends with a shutting_down event,
+    [DONE] and the terminating chunk (never internal_error: the model is closed after them). A
+    connection kept open from before the first signal gets 503 with Connection: close."""
+    proc, address = start_builtin(tmp_path, tiny_full_model, "--parallel", "2", "--shutdown-timeout", "60")
+    try:
+        kept = http.client.HTTPConnection(*address, timeout=60)
+        kept.request("GET", "/health")
+        assert kept.getresponse().read() == b'{"status": "ok"}'
+        body = {"prompt": "Tell me everything.", "max_tokens": 4000, "temperature": 0, "stream": True}
+        streams = [RawStream(address, "/v1/completions", body, key=None) for _ in range(2)]
+        for stream in streams:
+            stream.read_until(b"data: ")
+        proc.send_signal(signal.SIGTERM)
+        read_stderr_until(proc, "SIGTERM: stopping")
+        kept.request("GET", "/v1/models")
+        refused = kept.getresponse()
+        assert refused.status == 503 and refused.getheader("Connection") == "close"
+        assert json.loads(refused.read())["error"]["code"] == "shutting_down"
+        kept.close()
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for stream in streams:
+            cut = stream.read_all()
+            stream.close()
+            assert b'"code": "shutting_down"' in cut and b"internal_error" not in cut, cut[-400:]
+            assert cut.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), cut[-200:]
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - t0 < 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = err.decode()
+    assert proc.returncode == 1, stderr
+    assert "cancelled 2 generations" in stderr and "stopped at once (second signal)" in stderr, stderr
+    assert "Traceback" not in stderr and "store is closed" not in stderr, stderr
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -97,6 +153,9 @@ def test_sigterm_lets_short_requests_finish_and_cancels_the_rest_at_the_deadline
         (["--parallel", "0"], "--parallel: must be >= 1"),
         (["/no/such/model.gguf"], "no such model file"),
         (["MODEL", "--layers", "2"], "built-in model"),
+        (["MODEL", "--shutdown-timeout", "-1"], "--shutdown-timeout must be seconds >= 0"),
+        (["MODEL", "--api-key", ""], "--api-key must be a non-empty str"),
+        (["MODEL", "--max-body-bytes", str(1 << 41)], "--max-body-bytes must be an int in"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(

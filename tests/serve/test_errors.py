@@ -162,4 +162,97 @@ def test_unknown_paths_and_methods_are_error_objects(served: ServerThread) -> No
     assert_error(status, json.loads(data), 405, code="method_not_allowed")
     counted = metrics(served)
     assert counted['aioexperts_requests_total{endpoint="/v1/completions",status="400"}'] >= 1
+    assert counted['aioexperts_requests_total{endpoint="/v1/completions",status="405"}'] >= 1  # not "other"
+    assert counted['aioexperts_requests_total{endpoint="other",status="404"}'] >= 1
     still_serves(served)
+
+
+@pytest.mark.parametrize(
+    ("path", "message", "param"),
+    [
+        (CHAT, {"role": "user"}, "messages[0].content"),
+        (CHAT, {"role": "user", "content": None}, "messages[0].content"),
+        (CHAT, {"role": "user", "content": ""}, "messages[0].content"),
+        (CHAT, {"role": "user", "content": []}, "messages[0].content"),
+        (CHAT, {"role": "user", "content": [{"type": "text", "text": ""}]}, "messages[0].content"),
+        (CHAT, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}, "messages[0].tool_calls"),
+        ("/apply-template", {"role": "user", "content": None}, "messages[0].content"),
+    ],
+)
+def test_a_message_without_text_content_is_400(
+    served: ServerThread, path: str, message: dict[str, Any], param: str
+) -> None:
+    """Missing, null or empty content is refused (it once ran 1572 tokens on nothing); tools are not
+    supported, so an assistant message with tool_calls and null content is refused as such."""
+    status, out = post(served, path, {"messages": [message], "max_tokens": 2})
+    assert_error(status, out, 400, param=param, code="invalid_value")
+
+
+def test_a_deeply_nested_body_is_a_400_error_object(served: ServerThread) -> None:
+    depth = 30_000  # under the 64 KiB body limit, far past the parser's recursion limit
+    raw = b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"
+    status, _, data = request(served, "POST", TEXT, raw=raw)
+    out = json.loads(data)
+    assert_error(status, out, 400, code="invalid_json")
+    assert "nested too deeply" in out["error"]["message"]
+    still_serves(served)
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        (TEXT, b'{"prompt": "Hi \\ud800 there", "max_tokens": 2}', "prompt"),
+        (TEXT, b'{"prompt": "Hi", "stop": ["\\udfff"], "max_tokens": 2}', "stop"),
+        (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', "messages[0].content"),
+        ("/tokenize", b'{"content": "a\\ud800"}', "content"),
+    ],
+)
+def test_a_lone_surrogate_is_400_with_a_code(served: ServerThread, path: str, raw: bytes, param: str) -> None:
+    status, _, data = request(served, "POST", path, raw=raw)
+    out = json.loads(data)
+    assert_error(status, out, 400, param=param, code="invalid_value")
+    assert "surrogate" in out["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (TEXT, {"prompt": "Hi", "max_completion_tokens": 3}, "max_completion_tokens"),  # chat's field only
+        (TEXT, {"prompt": "Hi", "n_predict": 3}, "n_predict"),
+        (CHAT, {"messages": USER, "max_new_tokens": 3}, "max_new_tokens"),
+        (CHAT, {"messages": USER, "suffix": "x"}, "suffix"),  # a completions field
+        ("/tokenize", {"content": "Hi", "add_bos": True}, "add_bos"),
+        ("/detokenize", {"tokens": [1], "skip_special": True}, "skip_special"),
+        ("/apply-template", {"messages": USER, "templ": "x"}, "templ"),
+        (CHAT, {"messages": [{"role": "user", "content": "Hi", "text": "x"}]}, "messages[0].text"),
+        (CHAT, {"messages": USER, "stream": True, "stream_options": {"usage": True}}, "stream_options.usage"),
+    ],
+)
+def test_an_unknown_field_is_400_naming_it(served: ServerThread, path: str, body: dict[str, Any], param: str) -> None:
+    status, out = post(served, path, body)
+    assert_error(status, out, 400, param=param, code="unknown_parameter")
+    assert f"'{param}'" in out["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"store": True}, "store"),
+        ({"user": 5}, "user"),
+        ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
+    ],
+)
+def test_a_known_field_asking_for_what_is_not_done_is_400(
+    served: ServerThread, body: dict[str, Any], param: str
+) -> None:
+    status, out = post(served, CHAT, {"messages": USER, **body})
+    assert_error(status, out, 400, param=param, code="invalid_value")
+
+
+def test_max_completion_tokens_is_max_tokens_in_chat(served: ServerThread) -> None:
+    for fields in ({"max_completion_tokens": 3}, {"max_completion_tokens": 3, "max_tokens": 3}):
+        status, out = post(served, CHAT, {"messages": USER, "temperature": 0, **fields})
+        assert status == 200 and out["usage"]["completion_tokens"] <= 3, out

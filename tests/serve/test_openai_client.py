@@ -152,3 +152,33 @@ def test_tokenize_detokenize_and_apply_template(served: ServerThread) -> None:
     assert status == 200
     assert tmpl["prompt"] == f"<|im_start|>user\n{USER[0]['content']}<|im_end|>\n<|im_start|>assistant\n"
     assert API_KEY  # every call above sent it
+
+
+def test_the_clients_usual_fields_are_accepted(client: Any) -> None:
+    """The fields the client sends for ordinary requests: implemented, or hints accepted and ignored."""
+    common = {"model": "any", "temperature": 0, "top_p": 1, "seed": 3, "n": 1, "user": "u-1", "stop": ["\n\n\n"]}
+    common |= {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}}
+    chat = client.chat.completions.create(
+        messages=USER,
+        max_completion_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        response_format={"type": "text"},
+        tool_choice="none",
+        parallel_tool_calls=False,
+        store=False,
+        metadata={"k": "v"},
+        service_tier="auto",
+        safety_identifier="s",
+        prompt_cache_key="p",
+        modalities=["text"],
+        stream=True,
+        stream_options={"include_usage": True},
+        **common,
+    )
+    chunks = list(chat)
+    assert chunks[-1].usage is not None and 1 <= chunks[-1].usage.completion_tokens <= 4
+    text = client.completions.create(
+        prompt=PROMPT, max_tokens=4, logprobs=1, echo=False, best_of=1, stream=False, **common
+    )
+    assert 1 <= text.usage.completion_tokens <= 4
