@@ -72,18 +72,29 @@ def usage() -> tuple[float, float, int]:
 # -- the read list ----------------------------------------------------------------------------
 
 
+def group_capacity(layout: aioexperts.ExpertLayout, top_k: int) -> int:
+    """How many groups of ``top_k`` experts the model holds with no expert twice."""
+    return sum(layout.layers[layer].n_experts // top_k for layer in layout.layers) if top_k >= 1 else 0
+
+
 def pick_groups(layout: aioexperts.ExpertLayout, n_groups: int, top_k: int, rng: random.Random) -> list[Any]:
-    """``n_groups`` groups of ``top_k`` distinct experts, each group in one layer, no expert twice."""
-    used: set[tuple[int, int]] = set()
-    layers = list(layout.layers)
+    """``n_groups`` groups of ``top_k`` distinct experts, each group in one layer, no expert twice.
+
+    Raises:
+        ValueError: the model holds fewer than ``n_groups`` such groups (:func:`group_capacity`).
+    """
+    capacity = group_capacity(layout, top_k)
+    if top_k < 1 or n_groups > capacity:
+        raise ValueError(
+            f"{n_groups} groups of {top_k} distinct experts do not fit in this model: it holds {capacity} "
+            f"({len(layout.layers)} MoE layers; no expert is read twice)"
+        )
+    free = {layer: list(range(layout.layers[layer].n_experts)) for layer in layout.layers}
     groups = []
     while len(groups) < n_groups:
-        layer = rng.choice(layers)
-        free = [e for e in range(layout.layers[layer].n_experts) if (layer, e) not in used]
-        if len(free) < top_k:
-            continue
-        ids = sorted(rng.sample(free, top_k))
-        used.update((layer, e) for e in ids)
+        layer = rng.choice([layer for layer, left in free.items() if len(left) >= top_k])
+        ids = sorted(rng.sample(free[layer], top_k))
+        free[layer] = [e for e in free[layer] if e not in ids]
         groups.append((layer, ids))
     return groups
 
@@ -356,6 +367,16 @@ def main() -> int:
     model = aioexperts.open_model(args.model)
     layout = aioexperts.build_layout(model)
     rng = random.Random(args.seed)
+    for name in ("rounds", "groups", "top_k"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    capacity = group_capacity(layout, args.top_k)
+    if args.groups * args.rounds > capacity:
+        parser.error(
+            f"--groups {args.groups} x --rounds {args.rounds} = {args.groups * args.rounds} groups of "
+            f"--top-k {args.top_k} fresh experts, but {args.model.name} holds {capacity} "
+            f"({len(layout.layers)} MoE layers): lower --groups or --rounds"
+        )
     all_groups = pick_groups(layout, args.groups * args.rounds, args.top_k, rng)
     if "raw-numba" in methods:
         warm_numba(read_list(model, layout, all_groups[:4]), args.depth)
