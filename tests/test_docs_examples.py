@@ -1,12 +1,14 @@
-"""Every Python example of README.md and docs/*.md runs as printed, against the built-in model.
+"""Every Python example of README.md, docs/*.md and the docstrings runs as printed, on the built-in model.
 
 Which blocks count: every fenced block whose info string is ``python`` (or ``py``) in README.md and
-docs/*.md; docs/notes/ (design notes) is left out. The examples get the model from
-``aioexperts.testing.builtin_model_path()``. Here each runs as a script in a fresh subprocess with
-``$AIOEXPERTS_BUILTIN_SIZE=tiny`` and ``$AIOEXPERTS_CACHE`` in a temporary folder, so the model they
-open is the built-in one's architecture at a test size (written once, in about a second), never the
-2.9 GB file. The blocks of one page run in order in one folder of their own, so a block may use
-the files an earlier block of its page wrote (``placement.json``).
+docs/*.md (docs/notes/, design notes, is left out), and the ``Example::`` literal block of every
+docstring under aioexperts/ (the doctest of :mod:`aioexperts.testing` runs through ``doctest``).
+The examples get the model from ``aioexperts.testing.builtin_model_path()``. Here each runs as a
+script in a fresh subprocess with ``$AIOEXPERTS_BUILTIN_SIZE=tiny`` and ``$AIOEXPERTS_CACHE`` in a
+temporary folder, so the model they open is the built-in one's architecture at a test size
+(written once, in about a second), never the 2.9 GB file. The blocks of one page run in order in
+one folder of their own, so a block may use the files an earlier block of its page wrote
+(``placement.json``).
 
 A line right above a block's fence may say how it runs (keep them few):
 
@@ -20,10 +22,13 @@ in its second pass).
 
 from __future__ import annotations
 
+import ast
+import doctest
 import os
 import re
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -80,7 +85,30 @@ def python_examples(text: str, doc: Path) -> list[Example]:
     return found
 
 
-EXAMPLES = [ex for doc in DOCS for ex in python_examples(doc.read_text(), doc)]
+def docstring_examples(path: Path) -> list[Example]:
+    """The ``Example::`` literal blocks of the docstrings of ``path`` (a module of aioexperts)."""
+    found = []
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        doc = ast.get_docstring(node, clean=True)
+        if not doc or "Example::" not in doc:
+            continue
+        lines = doc.split("Example::", 1)[1].split("\n")[1:]
+        body: list[str] = []
+        for line in lines:
+            if line.strip() and not line.startswith(" "):
+                break
+            body.append(line)
+        code = textwrap.dedent("\n".join(body)).strip("\n") + "\n"
+        found.append(Example(path, getattr(node, "lineno", 1), code, None))
+    return found
+
+
+EXAMPLES = [ex for doc in DOCS for ex in python_examples(doc.read_text(), doc)] + [
+    ex for module in sorted((ROOT / "aioexperts").rglob("*.py")) for ex in docstring_examples(module)
+]
 
 
 def test_the_extraction_finds_the_blocks_and_their_markers(tmp_path: Path) -> None:
@@ -100,9 +128,44 @@ def test_the_extraction_finds_the_blocks_and_their_markers(tmp_path: Path) -> No
     ]
 
 
+def test_docstring_examples_are_found(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        '''"""Module.
+
+Example::
+
+    import asyncio
+    asyncio.run(main())
+
+More text.
+"""
+
+
+def f():
+    """F.
+
+    Example::
+
+        x = 1
+
+            y = 2
+    Args:
+        none
+    """
+'''
+    )
+    found = docstring_examples(module)
+    assert [(e.line, e.code) for e in found] == [
+        (1, "import asyncio\nasyncio.run(main())\n"),
+        (12, "x = 1\n\n    y = 2\n"),
+    ]
+
+
 def test_the_docs_have_python_examples_and_every_marker_is_known() -> None:
     names = {ex.doc.name for ex in EXAMPLES}
     assert {"README.md", "text.md", "model.md", "distributed.md", "serving.md"} <= names
+    assert {"_store.py", "_runner.py", "model.py", "runner.py", "__init__.py"} <= names  # docstrings
     for ex in EXAMPLES:
         assert ex.marker is None or ex.opt_out or ex.needs_server, f"{ex.name}: unknown marker {ex.marker!r}"
     assert sum(ex.opt_out is not None for ex in EXAMPLES) <= 2, [ex.name for ex in EXAMPLES if ex.opt_out]
@@ -122,8 +185,8 @@ def example_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def doc_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Path, tuple[Path, set[int]]]:
-    """Per page: its working folder and the lines of the blocks already run there."""
-    return {doc: (tmp_path_factory.mktemp(doc.stem), set()) for doc in DOCS}
+    """Per page (or module): its working folder and the lines of the blocks already run there."""
+    return {doc: (tmp_path_factory.mktemp(doc.stem), set()) for doc in {ex.doc for ex in EXAMPLES}}
 
 
 @pytest.fixture
@@ -188,3 +251,10 @@ def test_the_example_runs_as_printed(
         code = example.code.replace(_SERVER_URL, url)
     _run(example, cwd, example_env, code)
     done.add(example.line)
+
+
+def test_the_doctest_of_aioexperts_testing_runs() -> None:
+    import aioexperts.testing
+
+    result = doctest.testmod(aioexperts.testing, verbose=False)
+    assert result.attempted >= 3 and result.failed == 0

@@ -23,9 +23,12 @@ with and reads they can steer; both are here, and neither needs a real model or 
   ``aioexperts.open(path, io=IOOptions(backend=lambda *a: FakeBackend(*a, auto=True)))``.
 
 Example:
+    >>> import tempfile, pathlib, aioexperts
     >>> from aioexperts.testing import SyntheticSpec, write_synthetic_model
     >>> spec = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
-    >>> paths = write_synthetic_model(tmp_path / "tiny.gguf", spec)  # doctest: +SKIP
+    >>> paths = write_synthetic_model(pathlib.Path(tempfile.mkdtemp()) / "tiny.gguf", spec)
+    >>> aioexperts.build_layout(aioexperts.open_model(paths[0])).layers[0].n_experts
+    8
 """
 
 from ._builtin import TINY_FULL_SPEC as TINY_FULL_SPEC
