@@ -42,8 +42,9 @@ import numpy as np
 from _results import refuse_foreign, write_results  # bench/_results.py, a sibling module
 
 import aioexperts
-from aioexperts._bench import GIB, cache_dir, drop_page_cache
+from aioexperts._bench import GIB, drop_page_cache
 from aioexperts._bench.fio import fio_path, run_fio_replay
+from aioexperts._bench.full_model import full_model_path
 from aioexperts._bench.readlist import ReadList
 from aioexperts._io.plan import plan_expert
 from aioexperts._io.uring_raw import (
@@ -54,7 +55,8 @@ from aioexperts._io.uring_raw import (
 )
 
 METHODS = ("fio", "raw-python", "raw-numba", "store-io_uring", "store-threads")
-DEFAULT_MODEL = "qwen3-30b-a3b-geometry-full-q8_0-q4_k-48l-v1.gguf"
+#: the 48-layer built-in full model, as the generator names it now (aioexperts-bench --mode generate writes it)
+DEFAULT_MODEL = full_model_path(48)
 
 
 def cpu_seconds() -> float:
@@ -341,9 +343,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument(
-        "--model", type=Path, default=cache_dir() / DEFAULT_MODEL, help="a MoE GGUF on a disk with O_DIRECT"
-    )
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="a MoE GGUF on a disk with O_DIRECT")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--groups", type=int, default=48, help="groups (one layer's top-k experts) per round")
     parser.add_argument("--top-k", type=int, default=8)
@@ -360,7 +360,10 @@ def main() -> int:
     if "fio" in methods and fio_path() is None:
         parser.error("fio is not installed")
     if not args.model.is_file():
-        parser.error(f"{args.model} does not exist (the built-in model: aioexperts-bench writes it once)")
+        parser.error(
+            f"{args.model} does not exist (the 48-layer built-in model: `aioexperts-bench --mode generate` "
+            "or `python bench/model_speed.py --layers 48` writes it once)"
+        )
     refuse_foreign(args.json)
     started = time.time()
     load_start = os.getloadavg()

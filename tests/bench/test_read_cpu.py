@@ -59,3 +59,17 @@ def test_too_many_groups_exit_2_naming_the_limit(model: Path, tmp_path: Path) ->
     assert done.returncode == 2, done.stderr
     assert "--groups 48 x --rounds 3 = 144 groups" in done.stderr and "holds 8" in done.stderr
     assert not (tmp_path / "out.json").exists()
+
+
+def test_the_default_model_is_the_file_the_built_in_generator_writes(read_cpu: ModuleType) -> None:
+    """It named a ``-v1`` file that nothing writes any more."""
+    from aioexperts.testing._full_model import FULL_SPEC
+
+    assert read_cpu.DEFAULT_MODEL.name == FULL_SPEC.with_(n_layer=48).file_name()
+
+
+def test_a_missing_model_names_what_writes_it(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(BENCH / "read_cpu.py"), "--model", str(tmp_path / "none.gguf")]
+    cmd += ["--methods", "store-threads"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "aioexperts-bench --mode generate" in done.stderr
