@@ -55,7 +55,7 @@ render: $(BIN)/.installed
 # two passes: the core suite without Ray, then the expert-shard tests on a local Ray cluster
 test: $(BIN)/.ray-installed
 	$(BIN)/python -m pytest -m "not ray"
-	$(BIN)/python -m pytest -m ray tests/distributed
+	$(BIN)/python -m pytest -m ray tests/distributed tests/test_docs_examples.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -138,9 +138,18 @@ class MoERunner:
 
     Example::
 
-        async with aioexperts.open("model.gguf", slots=256) as store:
-            runner = aioexperts.MoERunner(store)
-            y = await runner.moe(layer, x)   # x: (n_tokens, n_embd) float32
+        import asyncio
+        import numpy as np
+        import aioexperts
+        from aioexperts.testing import builtin_model_path
+
+        async def main() -> None:
+            async with aioexperts.open(builtin_model_path(), slots=256) as store:
+                runner = aioexperts.MoERunner(store)
+                x = np.ones((2, store.hparams.n_embd), np.float32)   # (n_tokens, n_embd) float32
+                y = await runner.moe(0, x)                            # the MoE block's output
+
+        asyncio.run(main())
 
     Args:
         store: a started :class:`~aioexperts.ExpertStore`; the runner never closes it.

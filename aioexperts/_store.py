@@ -63,9 +63,16 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
 
     Example::
 
-        async with aioexperts.open("model.gguf", slots=256) as store:
-            async with store.experts(layer=3, ids=[0, 1]) as views:
-                gate_bytes = views[0].gate.data
+        import asyncio
+        import aioexperts
+        from aioexperts.testing import builtin_model_path
+
+        async def main() -> None:
+            async with aioexperts.open(builtin_model_path(), slots=256) as store:
+                async with store.experts(layer=0, ids=[0, 1]) as views:
+                    gate_bytes = views[0].gate.data
+
+        asyncio.run(main())
 
     Args:
         path: a ``.gguf`` file, or any shard of a split set ``NAME-0000k-of-0000n.gguf`` (``str``,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from aioexperts import _json as strict_json
+from aioexperts._bench.machine import source_commit
 
 RESULTS_DIR = Path.cwd()
 
@@ -108,7 +109,8 @@ def write_results(
     """Write the results file (default ``<name>-results.json`` here) and return its path.
 
     The committed copies the docs are rendered from live in ``docs/results/<name>.json``.
-    ``machine`` adds facts to (or overrides) :func:`machine_facts`'s.
+    ``machine`` adds facts to (or overrides) :func:`machine_facts`'s and the git commit of the
+    aioexperts checkout that ran (``aioexperts_commit``, ``+dirty`` with local changes).
     """
     target = path if path is not None else RESULTS_DIR / f"{name}-results.json"
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +118,7 @@ def write_results(
         "benchmark": name,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "seconds": time.time() - started,
-        "machine": {**machine_facts(), **(machine or {})},
+        "machine": {**machine_facts(), "aioexperts_commit": source_commit(), **(machine or {})},
         "parameters": parameters,
         "units": units,
         "rounds": rounds,

@@ -32,6 +32,7 @@ import numpy as np
 
 import aioexperts
 from aioexperts import _json as strict_json
+from aioexperts._bench.full_model import full_model_path
 from aioexperts.distributed import (
     PLACEMENT_METHODS,
     ShardedRunner,
@@ -41,7 +42,8 @@ from aioexperts.distributed import (
     simulate_shards,
 )
 
-MODEL = Path("~/.cache/aioexperts/qwen3-30b-a3b-geometry-full-q8_0-q4_k-8l-v1.gguf").expanduser()
+#: the 8-layer built-in full model (what ``make run`` writes); the results file names the one that ran
+MODEL = full_model_path(8)
 RESULTS = Path("docs/results/distributed.json")
 SHARDS = (1, 2, 4, 8)
 PROMPT = "Once upon a time, in a small village by the sea, there lived"

@@ -42,8 +42,9 @@ import numpy as np
 from _results import refuse_foreign, write_results  # bench/_results.py, a sibling module
 
 import aioexperts
-from aioexperts._bench import GIB, cache_dir, drop_page_cache
+from aioexperts._bench import GIB, drop_page_cache
 from aioexperts._bench.fio import fio_path, run_fio_replay
+from aioexperts._bench.full_model import full_model_path
 from aioexperts._bench.readlist import ReadList
 from aioexperts._io.plan import plan_expert
 from aioexperts._io.uring_raw import (
@@ -54,7 +55,8 @@ from aioexperts._io.uring_raw import (
 )
 
 METHODS = ("fio", "raw-python", "raw-numba", "store-io_uring", "store-threads")
-DEFAULT_MODEL = "qwen3-30b-a3b-geometry-full-q8_0-q4_k-48l-v1.gguf"
+#: the 48-layer built-in full model, as the generator names it now (aioexperts-bench --mode generate writes it)
+DEFAULT_MODEL = full_model_path(48)
 
 
 def cpu_seconds() -> float:
@@ -72,18 +74,29 @@ def usage() -> tuple[float, float, int]:
 # -- the read list ----------------------------------------------------------------------------
 
 
+def group_capacity(layout: aioexperts.ExpertLayout, top_k: int) -> int:
+    """How many groups of ``top_k`` experts the model holds with no expert twice."""
+    return sum(layout.layers[layer].n_experts // top_k for layer in layout.layers) if top_k >= 1 else 0
+
+
 def pick_groups(layout: aioexperts.ExpertLayout, n_groups: int, top_k: int, rng: random.Random) -> list[Any]:
-    """``n_groups`` groups of ``top_k`` distinct experts, each group in one layer, no expert twice."""
-    used: set[tuple[int, int]] = set()
-    layers = list(layout.layers)
+    """``n_groups`` groups of ``top_k`` distinct experts, each group in one layer, no expert twice.
+
+    Raises:
+        ValueError: the model holds fewer than ``n_groups`` such groups (:func:`group_capacity`).
+    """
+    capacity = group_capacity(layout, top_k)
+    if top_k < 1 or n_groups > capacity:
+        raise ValueError(
+            f"{n_groups} groups of {top_k} distinct experts do not fit in this model: it holds {capacity} "
+            f"({len(layout.layers)} MoE layers; no expert is read twice)"
+        )
+    free = {layer: list(range(layout.layers[layer].n_experts)) for layer in layout.layers}
     groups = []
     while len(groups) < n_groups:
-        layer = rng.choice(layers)
-        free = [e for e in range(layout.layers[layer].n_experts) if (layer, e) not in used]
-        if len(free) < top_k:
-            continue
-        ids = sorted(rng.sample(free, top_k))
-        used.update((layer, e) for e in ids)
+        layer = rng.choice([layer for layer, left in free.items() if len(left) >= top_k])
+        ids = sorted(rng.sample(free[layer], top_k))
+        free[layer] = [e for e in free[layer] if e not in ids]
         groups.append((layer, ids))
     return groups
 
@@ -330,9 +343,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument(
-        "--model", type=Path, default=cache_dir() / DEFAULT_MODEL, help="a MoE GGUF on a disk with O_DIRECT"
-    )
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="a MoE GGUF on a disk with O_DIRECT")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--groups", type=int, default=48, help="groups (one layer's top-k experts) per round")
     parser.add_argument("--top-k", type=int, default=8)
@@ -349,13 +360,26 @@ def main() -> int:
     if "fio" in methods and fio_path() is None:
         parser.error("fio is not installed")
     if not args.model.is_file():
-        parser.error(f"{args.model} does not exist (the built-in model: aioexperts-bench writes it once)")
+        parser.error(
+            f"{args.model} does not exist (the 48-layer built-in model: `aioexperts-bench --mode generate` "
+            "or `python bench/model_speed.py --layers 48` writes it once)"
+        )
     refuse_foreign(args.json)
     started = time.time()
     load_start = os.getloadavg()
     model = aioexperts.open_model(args.model)
     layout = aioexperts.build_layout(model)
     rng = random.Random(args.seed)
+    for name in ("rounds", "groups", "top_k"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    capacity = group_capacity(layout, args.top_k)
+    if args.groups * args.rounds > capacity:
+        parser.error(
+            f"--groups {args.groups} x --rounds {args.rounds} = {args.groups * args.rounds} groups of "
+            f"--top-k {args.top_k} fresh experts, but {args.model.name} holds {capacity} "
+            f"({len(layout.layers)} MoE layers): lower --groups or --rounds"
+        )
     all_groups = pick_groups(layout, args.groups * args.rounds, args.top_k, rng)
     if "raw-numba" in methods:
         warm_numba(read_list(model, layout, all_groups[:4]), args.depth)

@@ -316,6 +316,11 @@ def region_of(results: Path) -> tuple[str, str]:
     return REGIONS[json.loads(results.read_text())["parameters"].get("routing", "spread")]
 
 
+def _commit(commit: str | None) -> str:
+    """``aioexperts 0123456789`` (``+dirty`` kept), or "" when the results file has none."""
+    return f"aioexperts {commit[:10]}{'+dirty' if commit.endswith('+dirty') else ''}" if commit else ""
+
+
 def render_lines(results: Path) -> list[str]:
     r = json.loads(results.read_text())
     s, p, m = r["summary"], r["parameters"], r["machine"]
@@ -366,7 +371,8 @@ def render_lines(results: Path) -> list[str]:
     lines = [
         f"<!-- rendered by bench/serve_speed.py --render {results} DOC; do not edit by hand -->",
         f"`{p['command']}` on {machine_label(m)}, {m['cpus_usable']} cores usable (shared with other work: "
-        f"load average {load}), started {r['started']}, {r['seconds'] / 60:.0f} min. Model `{p['model']}` "
+        f"load average {load}), started {r['started']}, {r['seconds'] / 60:.0f} min, "
+        f"{_commit(m.get('aioexperts_commit')) or 'aioexperts commit unknown'}. Model `{p['model']}` "
         f"({p['layers']} layers, {p['experts_per_layer']} experts per layer, top-{p['expert_used']}, "
         f"{p.get('routing', 'spread')} routing), a slab of "
         f"{p['slab_fraction']:.0%} of the experts ({p['slots']} slots), expert reads through `{reads['backend']}`"

@@ -145,8 +145,11 @@ def direct_io_unavailable(directory: Path) -> str | None:
         except OSError as exc:
             return f"O_DIRECT open refused on {directory} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
         buf = mmap.mmap(-1, 4096)
+        from aioexperts._io.cachecheck import page_cache_reason, probe_page_cache
+
         try:
             os.preadv(fd, [buf], 0)
+            cached = page_cache_reason(probe_page_cache(fd, str(probe), 4096, 4096))
         except OSError as exc:
             return f"O_DIRECT read refused on {directory} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
         finally:
@@ -154,8 +157,8 @@ def direct_io_unavailable(directory: Path) -> str | None:
             buf.close()
         from aioexperts._io.align import probe_alignment
 
-        if not probe_alignment(probe).direct_io_supported:
-            return f"{directory} is on a file system without real direct I/O (tmpfs or similar)"
+        if not probe_alignment(probe).direct_io_supported or cached is not None:
+            return f"{directory} is on a file system without real direct I/O (tmpfs or similar): {cached}"
     finally:
         probe.unlink()
     return None

@@ -1,59 +1,27 @@
 """The built-in bench model: built once into the cache directory, safely when two runs race.
 
-Two ``aioexperts-bench`` runs started at once must not write the same file: the builder holds an
-exclusive ``flock`` on ``NAME.lock`` beside the model and writes a uniquely named temporary file
-that is renamed into place when complete. A second run waits for the lock, then finds the
-finished model and reuses it. A build that fails or is interrupted (Ctrl-C) removes its
-temporary file.
+Two ``aioexperts-bench`` runs started at once build it once (:func:`aioexperts.testing._cache.build_once`:
+an exclusive ``flock`` on ``NAME.lock`` beside the model, a temporary file renamed into place when
+complete, removed when the build fails or is interrupted).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
-import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from ..testing import BENCH_SPEC, SyntheticSpec, write_synthetic_model
+from ..testing._cache import Progress, build_once, cache_dir
 
 __all__ = ("BENCH_NAME", "bench_model_path", "cache_dir", "ensure_bench_model")
 
 #: File name of the built-in model; the suffix changes whenever the generator's output does.
 BENCH_NAME = "qwen3-30b-a3b-geometry-q4_k-8l-v2.gguf"
 
-#: ``(bytes written so far, total bytes)``.
-Progress = Callable[[int, int], None]
-
-
-def cache_dir() -> Path:
-    """``$AIOEXPERTS_CACHE``, else ``$XDG_CACHE_HOME/aioexperts``, else ``~/.cache/aioexperts``."""
-    explicit = os.environ.get("AIOEXPERTS_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "aioexperts"
-
 
 def bench_model_path() -> Path:
     """Where the built-in model lives (it may not exist yet)."""
     return cache_dir() / BENCH_NAME
-
-
-@contextlib.contextmanager
-def _locked(lock_path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            on_wait()
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing the last descriptor releases the lock
 
 
 def ensure_bench_model(
@@ -85,27 +53,15 @@ def ensure_bench_model(
     Raises:
         OSError: the cache directory cannot be written.
     """
-    target = path or bench_model_path()
-    if target.exists() and not rebuild:
-        return target
-    started = time.time()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.with_name(target.name + ".lock"), on_wait or (lambda: None)):
-        if target.exists() and (not rebuild or target.stat().st_mtime >= started):
-            return target  # built by another run while we waited
-        if on_build is not None:
-            on_build(target)
-        fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial", dir=target.parent)
-        os.close(fd)
-        tmp = Path(tmp_name)
-        try:
-            if write is None:
-                write_synthetic_model(tmp, spec or BENCH_SPEC, progress=progress)
-            else:
-                write(tmp, progress)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-    return target
+
+    def write_moe(tmp: Path, report: Progress | None) -> None:
+        write_synthetic_model(tmp, spec or BENCH_SPEC, progress=report)
+
+    return build_once(
+        path or bench_model_path(),
+        write or write_moe,
+        rebuild=rebuild,
+        on_build=on_build,
+        on_wait=on_wait,
+        progress=progress,
+    )

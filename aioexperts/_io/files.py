@@ -2,7 +2,9 @@
 
 Direct I/O is probed, not assumed: the file system must not be one that serves ``O_DIRECT``
 from the page cache (tmpfs, ramfs: known by ``statfs``), ``statx`` must not report that the file
-has no direct I/O, the ``O_DIRECT`` open must succeed, and one aligned read must succeed. A kernel
+has no direct I/O, the ``O_DIRECT`` open must succeed, one aligned read must succeed, and the
+reads must really bypass the page cache (:mod:`aioexperts._io.cachecheck`: an overlayfs file's
+layers must not be tmpfs or ramfs, and an ``O_DIRECT`` read must not fill the page cache). A kernel
 that does not report ``STATX_DIOALIGN`` (before 6.1) is no reason to give up: 4096 is assumed and
 the open and the read decide. Otherwise the files are opened buffered and the reason is kept for
 the statistics and the log.
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from .._errors import BackendUnavailableError, FormatError
 from .._format.model import GGUFModel
 from .align import DEFAULT_ALIGNMENT, DirectIOAlignment, probe_alignment
+from .cachecheck import page_cache_reason
+from .cachecheck import probe_page_cache as _probe_cache
 
 __all__ = ("ShardFiles", "open_shards")
 
@@ -72,6 +76,7 @@ def _open_direct(path: str, unit: int) -> tuple[int | None, str | None]:
         raise
     try:
         _probe_read(fd, unit)
+        cached = page_cache_reason(_probe_cache(fd, path, os.fstat(fd).st_size, unit))
     except OSError as exc:  # EINVAL: the alignment is wrong; EIO and others: direct reads fail here
         os.close(fd)
         name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
@@ -79,6 +84,9 @@ def _open_direct(path: str, unit: int) -> tuple[int | None, str | None]:
     except BaseException:
         os.close(fd)
         raise
+    if cached is not None:
+        os.close(fd)
+        return None, cached
     return fd, None
 
 

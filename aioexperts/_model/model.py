@@ -1150,10 +1150,17 @@ def load(
 
     Example::
 
-        async with aioexperts.load("model.gguf", slots=256, n_ctx=4096) as model:
-            logits = await model.logits([1, 2, 3])          # (3, n_vocab) float32
-            async for token in model.generate([1, 2, 3], max_tokens=16):
-                ...
+        import asyncio
+        import aioexperts
+        from aioexperts.testing import builtin_model_path
+
+        async def main() -> None:
+            async with aioexperts.load(builtin_model_path(), slots=256, n_ctx=4096) as model:
+                logits = await model.logits([1, 2, 3])          # (3, n_vocab) float32
+                async for token in model.generate([1, 2, 3], max_tokens=16):
+                    print(token)
+
+        asyncio.run(main())
 
     Args:
         path: a GGUF file (or a shard of a split set) of a supported architecture

@@ -14,6 +14,7 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from .. import AioExpertsError, __version__
@@ -56,14 +57,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _model(args: argparse.Namespace, note: object) -> str:
+def _model(args: argparse.Namespace, note: Callable[[str], None]) -> str:
     if args.model:
         return os.path.expanduser(args.model)
     from .._bench.full_model import ensure_full_model, print_progress
     from ..testing._full_model import FULL_SPEC, SKEWED_SPEC
 
     spec = (SKEWED_SPEC if args.routing == "skewed" else FULL_SPEC).with_(n_layer=args.layers)
-    return os.fspath(ensure_full_model(spec=spec, progress=None if args.quiet else print_progress()))
+    built = ensure_full_model(
+        spec=spec,
+        progress=None if args.quiet else print_progress(),
+        on_build=lambda p: note(f"writing the built-in full model ({args.layers} layers) to {p} (once)"),
+        on_wait=lambda: note("another run is writing the built-in model; waiting for it"),
+    )
+    return os.fspath(built)
 
 
 def _is_ours(path: str) -> bool:

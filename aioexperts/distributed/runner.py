@@ -349,12 +349,22 @@ class ShardedRunner(MoERunner):
 
     Example::
 
-        ray.init(address="auto")
-        placement = Placement.load("placement.json")
-        shards = start_shards("model.gguf", placement, slots=512)
-        async with aioexperts.load("model.gguf", slots=8,
-                                   runner=ShardedRunner.factory(shards, placement)) as model:
-            ...
+        import asyncio
+        import ray
+        import aioexperts
+        from aioexperts.distributed import ShardedRunner, round_robin_placement, start_shards
+        from aioexperts.testing import builtin_model_path
+
+        async def main() -> None:
+            ray.init()                          # the cluster of this node, else a local one
+            path = builtin_model_path()
+            placement = round_robin_placement(aioexperts.build_layout(aioexperts.open_model(path)), 2)
+            shards = start_shards(path, placement, slots=512)
+            async with aioexperts.load(path, slots=8,
+                                       runner=ShardedRunner.factory(shards, placement)) as model:
+                print(await model.logits([1, 2, 3]))
+
+        asyncio.run(main())
 
     Args:
         store: the local store of the model (routers, shared experts and the dense weights are read

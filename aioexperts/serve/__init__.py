@@ -6,11 +6,20 @@ tokenizer and chat template); importing this package without aiohttp raises
 
 Example::
 
-    async with aioexperts.load("model.gguf", n_ctx=4096) as model:
-        server = Server(model, ServerOptions(port=8080, parallel=4))
-        await server.start()
-        ...                                   # until asked to stop
-        await server.stop()                   # in-flight requests finish, up to shutdown_timeout
+    import asyncio
+    import aioexperts
+    from aioexperts.serve import Server, ServerOptions
+    from aioexperts.testing import builtin_model_path
+
+    async def main() -> None:
+        async with aioexperts.load(builtin_model_path(), n_ctx=4096) as model:
+            server = Server(model, ServerOptions(port=0, parallel=4))   # port 0: a free one
+            await server.start()
+            print(f"listening on port {server.port}")
+            await asyncio.sleep(1)            # until asked to stop
+            await server.stop()               # in-flight requests finish, up to shutdown_timeout
+
+    asyncio.run(main())
 
 The package: :mod:`._app` (routes, middlewares, :class:`Server`), :mod:`._validate` (request
 fields), :mod:`._errors` (OpenAI error objects), :mod:`._openai` (response shapes),

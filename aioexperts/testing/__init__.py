@@ -14,16 +14,25 @@ with and reads they can steer; both are here, and neither needs a real model or 
   ``qwen3moe``), with a small byte-level BPE vocabulary and a ChatML template, random weights
   scaled so the residual stream stays finite; its text is random. (``tokenizers`` trains the
   vocabulary: the ``text`` extra.)
+- :func:`builtin_model_path` is the path of the built-in full model (:data:`FULL_SPEC`, about
+  2.9 GB), written once into the user cache (``$AIOEXPERTS_CACHE``, else ``~/.cache/aioexperts``):
+  what the examples of README.md and docs/ open. ``$AIOEXPERTS_BUILTIN_SIZE=tiny`` makes it
+  :data:`TINY_FULL_SPEC`, the same architecture at a test size (about 2 MB).
 - :class:`FakeBackend` is an :class:`~aioexperts.backends.IOBackend` whose completions arrive when
   the test says so, in the order it says, short or failed as it says:
   ``aioexperts.open(path, io=IOOptions(backend=lambda *a: FakeBackend(*a, auto=True)))``.
 
 Example:
+    >>> import tempfile, pathlib, aioexperts
     >>> from aioexperts.testing import SyntheticSpec, write_synthetic_model
     >>> spec = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
-    >>> paths = write_synthetic_model(tmp_path / "tiny.gguf", spec)  # doctest: +SKIP
+    >>> paths = write_synthetic_model(pathlib.Path(tempfile.mkdtemp()) / "tiny.gguf", spec)
+    >>> aioexperts.build_layout(aioexperts.open_model(paths[0])).layers[0].n_experts
+    8
 """
 
+from ._builtin import TINY_FULL_SPEC as TINY_FULL_SPEC
+from ._builtin import builtin_model_path as builtin_model_path
 from ._fake_backend import FakeBackend as FakeBackend
 from ._full_model import FULL_SPEC as FULL_SPEC
 from ._full_model import FullModelSpec as FullModelSpec
@@ -39,6 +48,8 @@ __all__ = (
     "FakeBackend",
     "FullModelSpec",
     "SyntheticSpec",
+    "TINY_FULL_SPEC",
+    "builtin_model_path",
     "tiny_moe_writer",
     "write_full_model",
     "write_synthetic_model",

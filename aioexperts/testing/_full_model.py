@@ -32,8 +32,9 @@ keys and the numbers' scale are those of a real model:
   ``<|im_end|>`` as control tokens (``token_type`` 3); EOS is ``<|im_end|>``, and a ChatML
   ``tokenizer.chat_template`` is included.
 
-:func:`ensure_full_model` writes it once into the user cache (the bench model's cache folder and
-build lock, :mod:`aioexperts._bench.full_model`). Training the vocabulary needs ``tokenizers``
+:func:`~aioexperts.testing.builtin_model_path` (and ``ensure_full_model`` of
+:mod:`aioexperts.testing._builtin`) writes it once into the user cache, with the build lock of
+:mod:`aioexperts.testing._cache`. Training the vocabulary needs ``tokenizers``
 (``pip install 'aioexperts[text]'``).
 """
 

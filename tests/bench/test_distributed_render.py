@@ -41,3 +41,10 @@ def test_the_simulation_region_is_rendered_from_its_results_file(
     for n_shards in (1, 2, 4, 8):  # every shard count and placement has its row
         for method in ("round-robin", "frequency", "coactivation"):
             assert f"| {n_shards} | {method} |" in text
+
+
+def test_the_default_model_is_the_file_the_built_in_generator_writes() -> None:
+    """It named a ``-v1`` file that nothing writes any more (``make run`` writes the 8-layer one)."""
+    from aioexperts.testing._full_model import FULL_SPEC
+
+    assert _bench().MODEL.name == FULL_SPEC.with_(n_layer=8).file_name()

@@ -270,3 +270,25 @@ def test_no_completed_aioexperts_run_exits_1(
     code = bench.main([*args, "--out", str(tmp_path / "gen.json")])
     assert code == 1
     assert "no aioexperts run completed" in capsys.readouterr().err
+
+
+def test_building_the_built_in_model_is_announced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The note callback hears about a build and a wait (it was accepted and never called)."""
+    import argparse
+
+    from aioexperts._bench import full_model
+    from aioexperts.cli import bench_generate
+
+    def fake_ensure(*, spec, progress, on_build, on_wait):  # type: ignore[no-untyped-def]
+        on_wait()
+        on_build(Path("/cache/m.gguf"))
+        return Path("/cache/m.gguf")
+
+    monkeypatch.setattr(full_model, "ensure_full_model", fake_ensure)
+    heard: list[str] = []
+    args = argparse.Namespace(model=None, routing="spread", layers=48, quiet=True)
+    assert bench_generate._model(args, heard.append) == "/cache/m.gguf"
+    assert heard == [
+        "another run is writing the built-in model; waiting for it",
+        "writing the built-in full model (48 layers) to /cache/m.gguf (once)",
+    ]

@@ -46,3 +46,36 @@ def test_the_region_is_rendered_from_its_results_file(
     shutil.copy(doc, copy)
     _serve_speed().render(Path(found.group(1)), copy)
     assert copy.read_text().split(start, 1)[1].split(end, 1)[0] == region
+
+
+def test_the_rendering_names_the_commit_that_ran(tmp_path: Path) -> None:
+    """Issue 31 item 14: a serve_speed result says which aioexperts ran it, as the generate results do."""
+    import json
+
+    results = json.loads((REPO / "docs" / "results" / "serve_speed-48l-skewed.json").read_text())
+    path = tmp_path / "r.json"
+    results["machine"]["aioexperts_commit"] = "0123456789abcdef0123+dirty"
+    path.write_text(json.dumps(results))
+    assert "min, aioexperts 0123456789+dirty. Model" in _serve_speed().render_lines(path)[1]
+    results["machine"].pop("aioexperts_commit")
+    path.write_text(json.dumps(results))
+    assert "aioexperts commit unknown" in _serve_speed().render_lines(path)[1]
+
+
+def test_every_bench_results_file_records_the_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/_results.write_results (serve_speed's and every bench script's writer) records the git commit."""
+    import json
+    import subprocess
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("_results_under_test", REPO / "bench" / "_results.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.write_results(tmp_path / "r.json", "x", {}, {}, [], {}, 0.0)
+    commit = json.loads(out.read_text())["machine"]["aioexperts_commit"]
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        assert commit is None
+    else:
+        assert commit is not None and commit.removesuffix("+dirty") == head.stdout.strip()

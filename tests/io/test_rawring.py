@@ -169,6 +169,23 @@ async def test_more_reads_than_ring_entries_wrap_the_rings(
     assert harness.backend.unexpected_completions == 0
 
 
+@pytest.mark.parametrize("cq_entries", [4, 32])
+async def test_the_backend_s_cq_entries_reach_the_ring(
+    make_harness: Any, data_file: Path, anyio_backend: object, cq_entries: int
+) -> None:
+    """``RawUringBackend(cq_entries=)`` sizes the completion queue (issue 31 item 14: it was dropped)."""
+    reference = data_file.read_bytes()
+    harness = make_harness(depth=4, n_slots=4, cq_entries=cq_entries)
+    ring = harness.backend.ring
+    assert (ring.sq_entries, ring.cq_entries) == (4, cq_entries)
+    for _round in range(5):
+        ops = [ReadOp(0, (slot + 3 * _round) * ALIGN, ALIGN, slot, 0) for slot in range(4)]
+        harness.submit(ops)
+        for slot, (op, res) in enumerate(zip(ops, await harness.wait(ops), strict=True)):
+            assert res == ALIGN
+            assert bytes(harness.slab.view(slot, 0, res)) == reference[op.file_offset : op.file_offset + res]
+
+
 def test_a_full_completion_queue_overflows_into_the_kernel_and_is_flushed_not_lost() -> None:
     ring = RawRing(4, cq_entries=4)
     try:

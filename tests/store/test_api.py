@@ -890,22 +890,3 @@ def test_task_cancel_while_start_works_in_a_thread_leaks_nothing(
         assert n_fds() == before, "descriptors left open after the cancelled start and aclose()"
     finally:
         gc.enable()
-
-
-def test_the_readme_example_runs_on_a_model(model_path: Path, tmp_path: Path) -> None:
-    """The README's library example, as printed, with only the model path replaced."""
-    import re
-    import subprocess
-    import sys
-
-    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Use it from an async application", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S)
-    assert code is not None, "no python example in the README's library section"
-    source = code.group(1)
-    assert source.count('"model.gguf"') == 1
-    script = tmp_path / "example.py"
-    script.write_text(source.replace('"model.gguf"', repr(str(model_path))), encoding="utf-8")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "StoreStatistics(" in done.stdout

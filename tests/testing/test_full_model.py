@@ -262,3 +262,23 @@ def test_the_skewed_routers_send_most_tokens_to_the_hot_experts(tmp_path: Path) 
     n_tokens = counts.sum() / spec.n_expert_used
     assert (counts[:2] > 0.6 * n_tokens).all()  # each hot expert picked by most tokens
     assert counts[2] < 0.3 * n_tokens
+
+
+def test_builtin_model_path_writes_the_model_once_and_its_size_knob_picks_the_tiny_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The docs' examples open builtin_model_path(); $AIOEXPERTS_BUILTIN_SIZE=tiny makes it small."""
+    from aioexperts.testing import TINY_FULL_SPEC, builtin_model_path
+
+    monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path))
+    monkeypatch.setenv("AIOEXPERTS_BUILTIN_SIZE", "tiny")
+    seen: list[tuple[int, int]] = []
+    path = builtin_model_path(progress=lambda done, total: seen.append((done, total)))
+    assert isinstance(path, str) and Path(path) == tmp_path / TINY_FULL_SPEC.file_name()
+    assert seen and seen[-1][0] == seen[-1][1]
+    assert aioexperts.open_model(path).architecture == "qwen3moe"
+    seen.clear()
+    assert builtin_model_path(progress=lambda done, total: seen.append((done, total))) == path and not seen
+    monkeypatch.setenv("AIOEXPERTS_BUILTIN_SIZE", "huge")
+    with pytest.raises(ConfigError, match="AIOEXPERTS_BUILTIN_SIZE='huge'"):
+        builtin_model_path()

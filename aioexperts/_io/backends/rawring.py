@@ -120,7 +120,7 @@ class RawUringBackend(IOBackend):
         self._efd = -1
         # held until every CQE is reaped: a slab closed meanwhile stays mapped (Slab.close)
         self._slab_pin: Any = slab.exporter(0, 0, 1, held_refs=1)
-        self._ring = RawRing(depth)
+        self._ring = RawRing(depth, cq_entries=cq_entries)
         try:
             self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             self._ring.register_eventfd(self._efd)

@@ -1,0 +1,110 @@
+"""The user cache of the built-in models: its folder, and a build-once that is safe when runs race.
+
+Two processes that need the same built-in model at once must not write the same file: the builder
+holds an exclusive ``flock`` on ``NAME.lock`` beside the model and writes a uniquely named
+temporary file that is renamed into place when complete. A second process waits for the lock, then
+finds the finished model and reuses it. A build that fails or is interrupted (Ctrl-C) removes its
+temporary file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TextIO
+
+__all__ = ("Progress", "build_once", "cache_dir", "print_progress")
+
+#: ``(bytes written so far, total bytes)``.
+Progress = Callable[[int, int], None]
+
+
+def cache_dir() -> Path:
+    """``$AIOEXPERTS_CACHE``, else ``$XDG_CACHE_HOME/aioexperts``, else ``~/.cache/aioexperts``."""
+    explicit = os.environ.get("AIOEXPERTS_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "aioexperts"
+
+
+def print_progress(stream: TextIO | None = None) -> Progress:
+    """A ``progress`` callback that prints a line at every tenth of the bytes (stderr by default)."""
+    out = stream or sys.stderr
+    last = [-1]
+
+    def progress(done: int, total: int) -> None:
+        tenth = done * 10 // max(total, 1)
+        if tenth != last[0]:
+            last[0] = tenth
+            print(f"  written {done / 1e9:.2f} of {total / 1e9:.2f} GB", file=out, flush=True)
+
+    return progress
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
+
+
+def build_once(
+    target: Path,
+    write: Callable[[Path, Progress | None], object],
+    *,
+    rebuild: bool = False,
+    on_build: Callable[[Path], None] | None = None,
+    on_wait: Callable[[], None] | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """``target``, written first by ``write(temporary path, progress)`` when missing (or ``rebuild``).
+
+    Args:
+        target: the file.
+        write: writes the file to the temporary path it is given, reporting to ``progress``.
+        rebuild: write it again even if it exists (a process that waited for another builder that
+            finished after this call started reuses that fresh file instead).
+        on_build: called with the path before a build starts.
+        on_wait: called once if another process holds the build lock.
+        progress: ``(bytes written, total)`` during a build.
+
+    Returns:
+        ``target``.
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    if target.exists() and not rebuild:
+        return target
+    started = time.time()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target.with_name(target.name + ".lock"), on_wait or (lambda: None)):
+        if target.exists() and (not rebuild or target.stat().st_mtime >= started):
+            return target  # built by another process while we waited
+        if on_build is not None:
+            on_build(target)
+        fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial", dir=target.parent)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            write(tmp, progress)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    return target

@@ -1,0 +1,75 @@
+"""bench/read_cpu.py: more groups than the model holds is a clear error, never an endless loop (issue 31 item 14)."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import aioexperts
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
+
+
+@pytest.fixture(scope="module")
+def read_cpu() -> ModuleType:
+    sys.path.insert(0, str(BENCH))  # its sibling module _results
+    try:
+        spec = importlib.util.spec_from_file_location("read_cpu", BENCH / "read_cpu.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_synthetic_model(tmp_path_factory.mktemp("read_cpu") / "m.gguf", SMALL)[0]
+
+
+def test_pick_groups_fills_the_model_exactly_and_refuses_one_more(read_cpu: ModuleType, model: Path) -> None:
+    layout = aioexperts.build_layout(aioexperts.open_model(model))
+    assert read_cpu.group_capacity(layout, 2) == 8 and read_cpu.group_capacity(layout, 3) == 4
+    groups = read_cpu.pick_groups(layout, 8, 2, random.Random(0))
+    picked = [(layer, e) for layer, ids in groups for e in ids]
+    assert len(picked) == len(set(picked)) == 16
+    with pytest.raises(ValueError, match="9 groups of 2 distinct experts do not fit in this model: it holds 8"):
+        read_cpu.pick_groups(layout, 9, 2, random.Random(0))
+    with pytest.raises(ValueError, match="holds 0"):
+        read_cpu.pick_groups(layout, 1, 9, random.Random(0))
+
+
+def test_too_many_groups_exit_2_naming_the_limit(model: Path, tmp_path: Path) -> None:
+    """The issue's case: --groups 48 x 3 rounds on a file that holds fewer groups looped for ever."""
+    cmd = [sys.executable, str(BENCH / "read_cpu.py"), "--model", str(model), "--groups", "48"]
+    cmd += ["--top-k", "2", "--methods", "store-threads", "--json", str(tmp_path / "out.json")]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("bench/read_cpu.py --groups 48 did not stop within 60 s")
+    assert done.returncode == 2, done.stderr
+    assert "--groups 48 x --rounds 3 = 144 groups" in done.stderr and "holds 8" in done.stderr
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_the_default_model_is_the_file_the_built_in_generator_writes(read_cpu: ModuleType) -> None:
+    """It named a ``-v1`` file that nothing writes any more."""
+    from aioexperts.testing._full_model import FULL_SPEC
+
+    assert read_cpu.DEFAULT_MODEL.name == FULL_SPEC.with_(n_layer=48).file_name()
+
+
+def test_a_missing_model_names_what_writes_it(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(BENCH / "read_cpu.py"), "--model", str(tmp_path / "none.gguf")]
+    cmd += ["--methods", "store-threads"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "aioexperts-bench --mode generate" in done.stderr
