@@ -22,11 +22,12 @@ from typing import Any
 
 import anyio
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ._batch import DEFAULT_BATCH_WAIT, DecodeStream, LayerBatcher, check_batch_wait
 from ._cache.cache import Key
 from ._cache.stats import LatencyWindow, to_ms
-from ._checks import check_activations, check_int, describe
+from ._checks import as_int_array, check_activations, check_int, describe
 from ._compute.fused import WarmupReport
 from ._compute.moe import (
     ExpertOutputs,
@@ -491,13 +492,9 @@ class MoERunner:
                 return check_token_ids(token_ids, n_tokens, table.shape[0], layer)
         if token_ids is None:
             return None
-        if not isinstance(token_ids, np.ndarray) or token_ids.shape != (n_tokens,) or token_ids.dtype.kind not in "iu":
-            raise InvalidRequestError(
-                f"token_ids must be an integer array of shape ({n_tokens},), got {describe(token_ids)}"
-            )
-        return token_ids.astype(np.int64)
+        return as_int_array(token_ids, "token_ids", (n_tokens,))
 
-    def prefetch_token(self, token_ids: np.ndarray) -> int:
+    def prefetch_token(self, token_ids: ArrayLike) -> int:
         """Start loading the experts the hash-routed layers give these tokens, without waiting.
 
         For a model whose first layers route by token id (DeepSeek-V4's ``hash_layer_count``) the
@@ -505,7 +502,8 @@ class MoERunner:
         then, before its attention runs. Other models: nothing to do, returns 0.
 
         Args:
-            token_ids: ``(n_tokens,)`` integer token ids.
+            token_ids: ``(n_tokens,)`` integer token ids (any integer array-like: a list, a numpy
+                array of any integer dtype).
 
         Returns:
             The number of loads started.
@@ -516,8 +514,7 @@ class MoERunner:
                 the vocabulary of the token tables.
             StoreClosedError: the store is closed.
         """
-        if not isinstance(token_ids, np.ndarray) or token_ids.ndim != 1:
-            raise InvalidRequestError(f"token_ids must be a 1-D integer array, got {describe(token_ids)}")
+        token_ids = as_int_array(token_ids, "token_ids")
         n_tokens = token_ids.shape[0]
         hash_layers = [layer for layer in self._store.layout.layers if self._store.hparams.is_hash_layer(layer)]
         ids = self._checked_token_ids(hash_layers, token_ids, n_tokens)
@@ -763,7 +760,7 @@ class MoERunner:
         self._batcher.wait = check_batch_wait(value)
 
     async def moe(
-        self, layer: int, x: np.ndarray, *, token_ids: np.ndarray | None = None, stream: DecodeStream | None = None
+        self, layer: int, x: np.ndarray, *, token_ids: ArrayLike | None = None, stream: DecodeStream | None = None
     ) -> np.ndarray:
         """Run MoE layer ``layer`` on ``x``: route, fetch the experts, compute (``ffn_out``).
 
@@ -773,7 +770,8 @@ class MoERunner:
         Args:
             layer: block index of a MoE layer.
             x: ``(n_tokens, n_embd)`` float32, the MoE block's input (after the FFN norm).
-            token_ids: ``(n_tokens,)`` integer token ids of the rows of ``x``. Required in a layer
+            token_ids: ``(n_tokens,)`` integer token ids of the rows of ``x`` (any integer
+                array-like: a list, a numpy array of any integer dtype). Required in a layer
                 that routes by token id (DeepSeek-V4's first ``hash_layer_count`` layers:
                 ``MoEHParams.is_hash_layer``); elsewhere they let the prefetch of hash-routed layers
                 ahead fetch exactly the experts those tokens will use.
@@ -804,7 +802,7 @@ class MoERunner:
         x: np.ndarray,
         *,
         prefetch: bool = True,
-        token_ids: np.ndarray | None = None,
+        token_ids: ArrayLike | None = None,
         stream: DecodeStream | None = None,
     ) -> MoEResult:
         """Like :meth:`moe`, returning the routing and every partial output.
@@ -972,7 +970,7 @@ class MoERunner:
         compute: ComputeStep | None = None,
         predictor: Predictor | None = None,
         prefetch: bool = True,
-        token_ids: np.ndarray | None = None,
+        token_ids: ArrayLike | None = None,
     ) -> MoELayersResult:
         """Run every MoE layer for one token (or a batch), in order, with prefetch ahead.
 

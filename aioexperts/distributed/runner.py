@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .._cache.cache import Key
 from .._compute.fused import WarmupReport
@@ -221,7 +222,7 @@ class ShardedRunner(MoERunner):
         compute: ComputeStep | None = None,
         predictor: Predictor | None = None,
         prefetch: bool = True,
-        token_ids: np.ndarray | None = None,
+        token_ids: ArrayLike | None = None,
     ) -> MoELayersResult:
         """As :meth:`MoERunner.run_moe_layers`, the experts computed by their shards.
 
