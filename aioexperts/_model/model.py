@@ -370,10 +370,11 @@ class ModelSequence:
 
         Greedy (the first largest logit) at ``temperature == 0`` without a sampler; at
         ``temperature > 0`` without a sampler, a draw from ``softmax(logits / temperature)`` with a
-        ``numpy`` generator seeded by ``seed``. Stops after ``max_tokens`` tokens or at an
-        end-of-generation id (``tokenizer.ggml.eos/eot/eom_token_id``), which is not yielded. The
-        last yielded token is kept in :attr:`unrun`, not run yet: the next :meth:`forward` or
-        ``generate([])`` runs it first.
+        ``numpy`` generator seeded by ``seed``. Stops after ``max_tokens`` tokens, at an
+        end-of-generation id (``tokenizer.ggml.eos/eot/eom_token_id``), which is not yielded, or
+        when the KV cache is full: the tokens in the cache, in :attr:`unrun` and yielded take at
+        most :attr:`n_ctx` positions (``stop_reason == "length"``). The last yielded token is kept
+        in :attr:`unrun`, not run yet: the next :meth:`forward` or ``generate([])`` runs it first.
 
         Returns:
             A :class:`Generation` (``async for token in ...``; also an async context manager).
@@ -381,7 +382,7 @@ class ModelSequence:
         Raises:
             InvalidRequestError: bad arguments or ids (here); a sampler returning something that
                 is not a token id (while iterating).
-            ContextLengthError: while iterating, when the prompt or the next token would pass ``n_ctx``.
+            ContextLengthError: while iterating, when the prompt would pass ``n_ctx``.
             As :meth:`forward`, while iterating.
         """
         return Generation(self, token_ids, max_tokens, temperature, sampler, seed, owns_sequence=False)
@@ -393,6 +394,14 @@ class Generation:
     An async iterator of ``int``; as an async context manager (or with :meth:`aclose`) it ends
     early. A generation made by :meth:`Model.generate` owns its sequence and frees the KV cache
     when it ends: exhausted, failed, cancelled inside a step, closed, or dropped.
+
+    It stops at an end-of-generation id, after ``max_tokens`` tokens, or when every position of
+    the KV cache is taken (prompt plus yielded tokens reach ``n_ctx``, as the server's
+    ``max_tokens = n_ctx - prompt``): the last yielded token still has its position.
+
+    Attributes:
+        stop_reason: ``"eog"`` (an end-of-generation id), ``"length"`` (``max_tokens``, or the KV
+            cache full); None while running or when it ended otherwise (closed, failed).
     """
 
     def __init__(
@@ -424,6 +433,7 @@ class Generation:
         self._temperature = float(temperature)
         self._sampler = sampler
         self._rng = np.random.default_rng(seed)
+        self.stop_reason: str | None = None
 
     def __aiter__(self) -> Generation:
         return self
@@ -431,6 +441,8 @@ class Generation:
     async def __anext__(self) -> int:
         seq = self._seq
         if seq is None or self._left <= 0:
+            if seq is not None:
+                self.stop_reason = "length"
             self._finish()
             raise StopAsyncIteration
         try:
@@ -445,6 +457,14 @@ class Generation:
 
     async def _step(self, seq: ModelSequence) -> int | None:
         model = seq.model
+        if seq.n_past + len(seq.unrun) + len(self._pending) == seq.n_ctx:
+            # every position is taken once these run: a new token would have none (more than
+            # n_ctx: the forward refuses the prompt with ContextLengthError)
+            if not self._owns:  # not run; the sequence's next call runs them first
+                seq.unrun.extend(self._pending)
+            self._pending = []
+            self.stop_reason = "length"
+            return None
         if not self._pending and not seq.unrun and seq._last_logits is not None:
             logits = seq._last_logits  # the last forward's, at the last cached position
             seq._last_logits = None
@@ -468,6 +488,7 @@ class Generation:
             token = int(self._rng.choice(len(pr), p=pr / pr.sum()))
         model._counters.sampling_seconds += time.perf_counter() - t0
         if token in model.hparams.eog_ids:
+            self.stop_reason = "eog"
             return None
         self._left -= 1
         self._pending = [token]
@@ -831,14 +852,15 @@ class Model:
           sampler chain (:class:`SamplingOptions`; greedy unless ``temperature`` is given) through
           :mod:`aioexperts._model.text`, giving a :class:`~aioexperts._model.text.TokenStream`
           (``statistics``; it ends at a stop string, after the token that completes it, and when
-          the KV cache is full, with ``stop_reason == "n_ctx"``). Text is tokenized with the model's
+          the KV cache is full, with ``stop_reason == "length"``). Text is tokenized with the model's
           tokenizer (``add_special``: the vocabulary's BOS; ``parse_special``: ``<|...|>`` texts
           become their control tokens); the tokenizer's end-of-generation ids also stop it.
 
         Raises:
             InvalidRequestError: an empty prompt, an id out of range, bad arguments of the ids path.
-            ContextLengthError: the prompt is longer than :attr:`n_ctx` (never truncated); on the
-                ids path also while iterating, when the next token would pass ``n_ctx``.
+            ContextLengthError: the prompt is longer than :attr:`n_ctx` (never truncated). A
+                generation that fills the KV cache (prompt plus generated tokens reach ``n_ctx``,
+                the server's limit) stops there, on every path, with ``stop_reason == "length"``.
             ConfigError: a bad sampling option, or both ``options`` and single fields.
             TokenizerError, OptionalDependencyError: from the tokenizer (text prompts).
             As :meth:`ModelSequence.forward`, while iterating.

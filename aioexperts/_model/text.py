@@ -9,8 +9,9 @@ and prefills only what follows the prefix it already holds (as llama.cpp's serve
 Every generation runs the same loop (:func:`_decode_loop`): prefill the new prompt tokens in batches
 of :data:`PREFILL_BATCH`, then one token at a time; it stops at an end-of-generation id (not
 yielded), after ``max_tokens``, at a stop string (:meth:`Model.stream` only) or when the KV cache is
-full (``stop_reason == "n_ctx"``: the text is never truncated, a prompt that does not fit is refused
-up front with :class:`~aioexperts.ContextLengthError`).
+full: prompt plus generated tokens reach ``n_ctx`` (``stop_reason == "length"``, as the server's
+``finish_reason``; the text is never truncated, a prompt that does not fit is refused up front with
+:class:`~aioexperts.ContextLengthError`).
 """
 
 from __future__ import annotations
@@ -72,9 +73,9 @@ class GenerationStatistics:
         decode_seconds: wall time of the later tokens (forward pass and sampling).
         time_to_first_token: seconds from the call to the first token (or text piece) handed out;
             None when none was.
-        stop_reason: ``"eog"`` (an end-of-generation id), ``"length"`` (``max_tokens``), ``"stop"``
-            (a stop string), ``"n_ctx"`` (the KV cache is full), ``"cancelled"``, ``"error"``; None
-            while running.
+        stop_reason: ``"eog"`` (an end-of-generation id), ``"length"`` (``max_tokens``, or the KV
+            cache full: prompt plus generated tokens reach ``n_ctx``), ``"stop"`` (a stop string),
+            ``"cancelled"``, ``"error"``; None while running.
         stop_string: the stop string that ended it, else None.
     """
 
@@ -237,8 +238,8 @@ async def _decode_loop(
     pending = new_ids
     t_last = started
     for n in range(max_tokens):
-        if seq.n_past + len(pending) > seq.n_ctx:
-            stats[0] = replace(stats[0], stop_reason="n_ctx")
+        if seq.n_past + len(pending) >= seq.n_ctx:  # once these run, no position is left for a new token
+            stats[0] = replace(stats[0], stop_reason="length")
             return
         while len(pending) > PREFILL_BATCH:
             await seq.forward(pending[:PREFILL_BATCH], all_logits=False)
