@@ -12,6 +12,9 @@ From that the slab gets what is left after the resident (non-expert) weights, on
 cache and a reserve (:data:`RUNTIME_RESERVE_BYTES` for the page cache the dense load and the
 tokenizer still use, the compiled kernels and the compute buffers, plus :data:`RESERVE_FRACTION`
 of the available memory); the store rounds it to whole slots and to at least ``2 * top-k`` of them.
+
+The same limit bounds one sequence's KV cache: :func:`check_kv_fits` refuses an ``n_ctx`` whose KV
+cache is larger than the memory left, before anything is allocated for it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import resource
 from dataclasses import dataclass
 
 from aioexperts._cgroups import cgroup_mounts, memory_cgroups
+from aioexperts._errors import ConfigError
 from aioexperts._format.architectures import ModelHParams
+from aioexperts._format.mla import MLAHParams
 from aioexperts._format.model import GGUFModel
 
 __all__ = (
@@ -30,7 +35,9 @@ __all__ = (
     "RUNTIME_RESERVE_BYTES",
     "MemoryLimit",
     "SlabBudget",
+    "check_kv_fits",
     "choose_slab_bytes",
+    "kv_bytes_per_position",
     "kv_reserve_bytes",
     "read_memory_limit",
     "resident_weight_bytes",
@@ -195,13 +202,59 @@ def resident_weight_bytes(model: GGUFModel, hp: ModelHParams, resident_embedding
     return total
 
 
-def kv_reserve_bytes(hp: ModelHParams, n_ctx: int | None, memory_budget: int) -> int:
-    """One sequence's KV cache, estimated before the blocks are built: float32 K and V of
-    ``n_head_kv`` heads per layer and position, for ``n_ctx`` positions (default as
-    :func:`aioexperts.load` chooses it: the file's context length capped by ``memory_budget``)."""
-    per_position = max(1, 4 * hp.n_layer * hp.n_head_kv * (hp.head_k + hp.head_v))
+def kv_bytes_per_position(hp: ModelHParams, model: GGUFModel | None = None) -> int:
+    """KV cache bytes of one position over every layer, before the blocks are built: float32 K and V
+    of ``n_head_kv`` heads per layer, or, for an MLA block with ``model`` given, its latent and
+    rotated key (``kv_lora_rank + rope_dims`` floats, :mod:`aioexperts._model.mla_block`).
+
+    Raises:
+        FormatError: an MLA model whose attention keys are missing or malformed.
+    """
+    if model is not None and hp.record.block == "mla":
+        return max(1, 4 * hp.n_layer * MLAHParams.from_metadata(hp.arch, model.metadata).cache_width)
+    return max(1, 4 * hp.n_layer * hp.n_head_kv * (hp.head_k + hp.head_v))
+
+
+def kv_reserve_bytes(hp: ModelHParams, n_ctx: int | None, memory_budget: int, per_position: int | None = None) -> int:
+    """One sequence's KV cache, estimated before the blocks are built: :func:`kv_bytes_per_position`
+    (or ``per_position``) for ``n_ctx`` positions (default as :func:`aioexperts.load` chooses it: the
+    file's context length capped by ``memory_budget``)."""
+    per_position = per_position if per_position is not None else kv_bytes_per_position(hp)
     positions = n_ctx if n_ctx is not None else min(hp.n_ctx_train, max(1, memory_budget // per_position))
     return positions * per_position
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+def check_kv_fits(n_ctx: int, kv_bytes: int, limit: MemoryLimit | None = None) -> MemoryLimit:
+    """Refuse a KV cache of ``kv_bytes`` (one sequence, ``n_ctx`` positions) larger than the memory
+    this process may still use, before it is allocated.
+
+    Args:
+        n_ctx: the positions, for the message.
+        kv_bytes: the bytes they need.
+        limit: the limit (default :func:`read_memory_limit`).
+
+    Returns:
+        The limit it was checked against.
+
+    Raises:
+        ConfigError: ``kv_bytes`` is more than ``limit.available``; the message names ``n_ctx``, the
+            bytes needed, the limit and where it comes from.
+    """
+    limit = limit or read_memory_limit()
+    if kv_bytes > limit.available:
+        raise ConfigError(
+            f"n_ctx={n_ctx} needs {kv_bytes} bytes ({_size(kv_bytes)}) of KV cache per sequence, more than the "
+            f"{limit.available} bytes ({_size(limit.available)}) this process may still use ({limit.source}): "
+            "load the model with a smaller n_ctx (--ctx of aioexperts-run)"
+        )
+    return limit
 
 
 def choose_slab_bytes(

@@ -40,11 +40,12 @@ from aioexperts._errors import (
 )
 from aioexperts._format.architectures import ARCHITECTURES, ModelHParams, model_hparams
 from aioexperts._format.model import GGUFModel, open_model
+from aioexperts._model import memory as _memory
 from aioexperts._model import text as _text
 from aioexperts._model.blocks import BLOCKS, AttentionBlock
 from aioexperts._model.decode_batch import DecodeRequest, decode_rows
 from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
-from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_reserve_bytes
+from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_bytes_per_position, kv_reserve_bytes
 from aioexperts._model.residual import after_attention, block_input, head_input, scale_logits
 from aioexperts._model.steps import StepBatcher
 from aioexperts._model.weights import DenseMatrix, TensorReader
@@ -607,16 +608,22 @@ class Model:
                 before the store opens, so before any expert read.
             FormatError: a required tensor or key is missing or malformed (no output norm, no
                 token embeddings, a vocabulary-only file, NaN in a norm or bias).
-            ConfigError: ``n_ctx`` does not fit the memory budget, or a bad store option.
+            ConfigError: ``n_ctx`` does not fit ``memory_budget`` or the memory the process may
+                still use (its KV cache is refused before it is allocated, and before the store
+                opens), or a bad store option.
             As :func:`aioexperts.open` and :meth:`ExpertStore.start`.
         """
         if self._store is not None or self._closed:
             raise ConfigError("the model was already started")
         gguf = await run_in_worker(open_model, self.path)
         hp = _whole_model_hparams(gguf)  # refuses unsupported architectures before any store work
+        per_position = kv_bytes_per_position(hp, gguf)
+        if self._n_ctx_arg is not None:  # a KV cache that cannot fit: refused before any store work
+            self._check_kv_budget(self._n_ctx_arg, per_position)
+            _memory.check_kv_fits(self._n_ctx_arg, self._n_ctx_arg * per_position)
         options = self._store_options
         if options["mode"] == "slab" and all(options[k] is None for k in ("slots", "cache_bytes", "cache")):
-            kv = kv_reserve_bytes(hp, self._n_ctx_arg, self._budget or DEFAULT_MEMORY_BUDGET)
+            kv = kv_reserve_bytes(hp, self._n_ctx_arg, self._budget or DEFAULT_MEMORY_BUDGET, per_position)
             self.slab_budget = choose_slab_bytes(
                 gguf, hp, kv_bytes=kv, resident_embedding_bytes=self._resident_embedding
             )
@@ -653,20 +660,36 @@ class Model:
         self._store, self._runner, self._weights, self._hparams = store, runner, weights, hp
         self._moe_layers = moe_layers
 
+    def _check_kv_budget(self, n_ctx: int, per: int) -> None:
+        if self._budget is not None and n_ctx * per > self._budget:
+            raise ConfigError(
+                f"n_ctx={n_ctx} needs {n_ctx * per} bytes of KV cache per sequence, more than "
+                f"memory_budget={self._budget}"
+            )
+
     def _choose_n_ctx(self, hp: ModelHParams) -> int:
+        """``n_ctx`` for the built blocks' exact KV cache size, checked against ``memory_budget`` and
+        the memory limit (:func:`~aioexperts._model.memory.check_kv_fits`) before any is allocated."""
         per = self._kv_per_position
         if self._n_ctx_arg is not None:
             n_ctx = self._n_ctx_arg
-            if self._budget is not None and n_ctx * per > self._budget:
-                raise ConfigError(
-                    f"n_ctx={n_ctx} needs {n_ctx * per} bytes of KV cache per sequence, more than "
-                    f"memory_budget={self._budget}"
-                )
+            self._check_kv_budget(n_ctx, per)
+            _memory.check_kv_fits(n_ctx, n_ctx * per)
             if n_ctx > hp.n_ctx_train:
                 log.warning("n_ctx=%d is larger than the file's context length %d", n_ctx, hp.n_ctx_train)
             return n_ctx
         budget = self._budget if self._budget is not None else DEFAULT_MEMORY_BUDGET
         n_ctx = min(hp.n_ctx_train, max(1, budget // per))
+        limit = _memory.read_memory_limit()
+        if n_ctx * per > limit.available:  # the default must fit the memory left too
+            n_ctx = max(1, limit.available // per)
+            _memory.check_kv_fits(n_ctx, n_ctx * per, limit)  # not even one position
+            log.warning(
+                "n_ctx = %d: the KV cache is capped to the %.1f MiB this process may still use (%s)",
+                n_ctx,
+                limit.available / 2**20,
+                limit.source,
+            )
         log.info(
             "n_ctx = %d (file context length %d; KV cache %.1f MiB per sequence, budget %.1f MiB)",
             n_ctx,
@@ -1178,7 +1201,10 @@ def load(
             (``qwen3moe``, ``qwen2moe``, ``glm4moe``, ``llama`` with experts, ``olmoe``,
             ``granitemoe``, ``gpt-oss``, ``deepseek2``; docs/model.md).
         n_ctx: positions of each sequence's KV cache; default the file's ``context_length``,
-            capped to what ``memory_budget`` allows (logged once).
+            capped to what ``memory_budget`` and the memory limit allow (logged once). A given
+            ``n_ctx`` whose KV cache is larger than the memory the process may still use (cgroup
+            limit, ``RLIMIT_AS``, ``MemAvailable``: :mod:`aioexperts._model.memory`) is refused with
+            ``ConfigError`` when the model starts, before anything is allocated.
         memory_budget: bytes one sequence's KV cache may take (default 1 GiB when ``n_ctx`` is not
             given; when it is, only checked if given).
         prefetch: the MoE runner's prefetch options.
