@@ -835,7 +835,8 @@ class Model:
         """Render ``messages`` with the file's chat template; with ``tokenize``, the prompt's token ids.
 
         The ids are those a :meth:`chat` session runs (special tokens parsed, no doubled BOS:
-        :func:`aioexperts._model.text.chat_prompt_ids`).
+        :func:`aioexperts._model.text.chat_prompt_ids`); an empty rendering gives what
+        ``tokenizer.encode("")`` gives (``[]``, or the BOS the vocabulary adds).
 
         Raises:
             ChatTemplateError: no template, or it fails on ``messages``.

@@ -443,19 +443,22 @@ def chat_prompt_ids(tokenizer: Tokenizer, template: ChatTemplate, text: str) -> 
     The rendered text is tokenized with special-token parsing and the vocabulary's own BOS/EOS
     (``add_special=True``); a BOS (EOS) the template wrote itself is removed first when the
     vocabulary adds one, so it is never doubled (``common/chat.cpp``,
-    ``common_chat_template_direct_apply_impl``).
+    ``common_chat_template_direct_apply_impl``). An empty rendering gives what ``encode("")``
+    gives (no ids, or the vocabulary's BOS/EOS); a chat turn refuses it.
 
     Raises:
-        InvalidRequestError: the rendered prompt is empty.
         TokenizerError: from the tokenizer.
     """
+    return tokenizer.encode(_chat_text(tokenizer, template, text), add_special=True, parse_special=True)
+
+
+def _chat_text(tokenizer: Tokenizer, template: ChatTemplate, text: str) -> str:
+    """The rendered text without the BOS/EOS text the vocabulary adds itself (:func:`chat_prompt_ids`)."""
     if tokenizer.add_bos and template.bos_token and text.startswith(template.bos_token):
         text = text[len(template.bos_token) :]
     if tokenizer.add_eos and template.eos_token and text.endswith(template.eos_token):
         text = text[: -len(template.eos_token)]
-    if not text:
-        raise InvalidRequestError("the chat template rendered an empty prompt")
-    return tokenizer.encode(text, add_special=True, parse_special=True)
+    return text
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -552,6 +555,8 @@ class ChatSession:
         smp = _make_sampler(opts, sampler)
         messages = [*self.messages, {"role": "user", "content": content}]
         text = self.template.render(messages, add_generation_prompt=True, tools=self.tools)
+        if not _chat_text(self.model.tokenizer, self.template, text):
+            raise InvalidRequestError("the chat template rendered an empty prompt")
         ids = self.model._check_ids(chat_prompt_ids(self.model.tokenizer, self.template, text))
         check_fits(self.model, len(ids))
         out = TextStream(self._stats)

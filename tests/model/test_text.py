@@ -323,6 +323,12 @@ async def test_broken_templates_are_chat_template_errors(tiny_full_model: Path) 
         async with model.chat(template=empty) as chat:
             with pytest.raises(aioexperts.InvalidRequestError, match="empty prompt"):
                 chat.send("hi")
+        # tokenizing an empty rendering is what encode("") gives, as transformers' apply_chat_template
+        model._chat_template = empty
+        assert model.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True) == model.tokenizer.encode(
+            "", add_special=True
+        )
+        assert model.apply_chat_template([{"role": "user", "content": "x"}]) == ""
 
 
 def test_chat_prompt_ids_do_not_double_the_bos_of_the_template() -> None:
