@@ -680,7 +680,7 @@ class Model:
             return n_ctx
         budget = self._budget if self._budget is not None else DEFAULT_MEMORY_BUDGET
         n_ctx = min(hp.n_ctx_train, max(1, budget // per))
-        limit = _memory.read_memory_limit()
+        limit = _memory.read_memory_limit(reclaimable=True)
         if n_ctx * per > limit.available:  # the default must fit the memory left too
             n_ctx = max(1, limit.available // per)
             _memory.check_kv_fits(n_ctx, n_ctx * per, limit)  # not even one position
