@@ -1147,7 +1147,13 @@ def _check_x(x: object, n_embd: int) -> None:
 def _check_routing(
     layer: int, ids: object, weights: object, n_tokens: int, moe: MoELayer
 ) -> tuple[np.ndarray, np.ndarray]:
-    """What a custom route step returned: int ids in ``-1..n_experts-1`` and float32 weights, ``(n_tokens, k)``."""
+    """What a custom route step returned: int ids in ``-1..n_experts-1`` (any integer array-like, a
+    nested list too) and float32 weights (an array: no silent cast of other floats), ``(n_tokens, k)``."""
+    if not isinstance(ids, np.ndarray) and ids is not None and not isinstance(ids, str | bytes):
+        try:
+            ids = as_int_array(ids, "ids", ndim=2)
+        except InvalidRequestError:
+            pass  # refused below, with the layer named
     if not isinstance(ids, np.ndarray) or ids.ndim != 2 or ids.shape[0] != n_tokens or ids.dtype.kind not in "iu":
         raise InvalidRequestError(
             f"layer {layer}: route_step ids must be ints of shape ({n_tokens}, k), got {describe(ids)}"
