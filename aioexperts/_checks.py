@@ -10,7 +10,7 @@ import numpy as np
 
 from ._errors import ConfigError, InvalidRequestError
 
-__all__ = ("check_activations", "check_bool", "check_int", "describe")
+__all__ = ("as_int_array", "check_activations", "check_bool", "check_int", "describe")
 
 
 def describe(a: object) -> str:
@@ -51,3 +51,36 @@ def check_activations(x: object, n_embd: int) -> np.ndarray:
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n_embd:
         raise InvalidRequestError(f"x must be a float32 array of shape (n_tokens, {n_embd}), got {describe(x)}")
     return np.ascontiguousarray(x)
+
+
+def as_int_array(value: object, name: str, shape: tuple[int, ...] | None = None, *, ndim: int = 1) -> np.ndarray:
+    """``value`` as an int64 array: any integer array-like (a list, tuple or range of ints, an integer
+    numpy array of any integer dtype), as numpy APIs take it.
+
+    Args:
+        value: the ids.
+        name: the argument's name, for the message.
+        shape: the shape ``value`` must have; None: any shape with ``ndim`` dimensions.
+        ndim: the dimensions when ``shape`` is None.
+
+    Raises:
+        InvalidRequestError: ``value`` is not an array-like of integers (floats, bools, strings,
+            ragged lists, ints beyond 64 bits) or has the wrong shape; the message says what it got.
+    """
+    want = f"an integer array of shape {shape}" if shape is not None else f"a {ndim}-D integer array"
+    if value is None or isinstance(value, str | bytes):
+        raise InvalidRequestError(f"{name} must be {want} (or a list of ints), got {type(value).__name__}")
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidRequestError(
+            f"{name} must be {want} (or a list of ints), got {type(value).__name__}: {exc}"
+        ) from None
+    if arr.size == 0 and arr.dtype.kind == "f" and not isinstance(value, np.ndarray):
+        arr = arr.astype(np.int64)  # np.asarray([]) is float64
+    if arr.dtype.kind not in "iu" or (arr.shape != shape if shape is not None else arr.ndim != ndim):
+        got = describe(value) if isinstance(value, np.ndarray) else f"{type(value).__name__} giving {describe(arr)}"
+        raise InvalidRequestError(f"{name} must be {want} (or a list of ints), got {got}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise InvalidRequestError(f"{name}: {int(arr.max())} is beyond int64")
+    return arr.astype(np.int64, copy=False)

@@ -122,7 +122,7 @@ class EvictionPolicyError(AioExpertsError):
 
 
 class TokenizerError(AioExpertsError, ValueError):
-    """Text or token ids the tokenizer cannot take: empty text, text that is not UTF-8, an unknown token id.
+    """Text or token ids the tokenizer cannot take: text that is not a str or not UTF-8, an unknown token id.
 
     Also the base of :class:`VocabularyError`.
     """

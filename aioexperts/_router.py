@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._cache.cache import Key
-from ._checks import check_activations, check_int, describe
+from ._checks import as_int_array, check_activations, check_int, describe
 from ._compute.moe import MoEPlan, ResidentLayer, check_token_ids, plan_moe, route
 from ._compute.resident import load_residents
 from ._errors import ConfigError, InvalidRequestError
@@ -438,12 +438,7 @@ class Router:
                 return check_token_ids(token_ids, n_tokens, table.shape[0], layer)
         if token_ids is None:
             return None
-        arr = _int_array(token_ids)
-        if arr is None or arr.shape != (n_tokens,):
-            raise InvalidRequestError(
-                f"token_ids must be an integer array of shape ({n_tokens},), got {describe(token_ids)}"
-            )
-        return arr.astype(np.int64)
+        return as_int_array(token_ids, "token_ids", (n_tokens,))
 
     # -- records --------------------------------------------------------------------------------
 
@@ -471,21 +466,6 @@ class Router:
             )
         with self._state_lock:
             return self._recorder.trace()
-
-
-def _int_array(value: object) -> np.ndarray | None:
-    """``value`` as an integer ndarray (any sequence of ints too), or None when it is not one."""
-    if isinstance(value, np.ndarray):
-        return value if value.dtype.kind in "iu" else None
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        return None
-    try:
-        arr = np.asarray(value)
-    except (ValueError, TypeError):
-        return None
-    if arr.size == 0:
-        return np.zeros(arr.shape, dtype=np.int64)
-    return arr if arr.dtype.kind in "iu" else None
 
 
 def rows_text(mask: np.ndarray, limit: int = 8) -> str:
@@ -518,7 +498,13 @@ def check_x(x: object, n_embd: int) -> None:
 def _check_routing(
     layer: int, ids: object, weights: object, n_tokens: int, moe: MoELayer
 ) -> tuple[np.ndarray, np.ndarray]:
-    """What a custom route step returned: int ids in ``-1..n_experts-1`` and float32 weights, ``(n_tokens, k)``."""
+    """What a custom route step returned: int ids in ``-1..n_experts-1`` (any integer array-like, a
+    nested list too) and float32 weights (an array: no silent cast of other floats), ``(n_tokens, k)``."""
+    if not isinstance(ids, np.ndarray) and ids is not None and not isinstance(ids, str | bytes):
+        try:
+            ids = as_int_array(ids, "ids", ndim=2)
+        except InvalidRequestError:
+            pass  # refused below, with the layer named
     if not isinstance(ids, np.ndarray) or ids.ndim != 2 or ids.shape[0] != n_tokens or ids.dtype.kind not in "iu":
         raise InvalidRequestError(
             f"layer {layer}: route_step ids must be ints of shape ({n_tokens}, k), got {describe(ids)}"

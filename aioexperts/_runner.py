@@ -21,12 +21,13 @@ from typing import Any
 
 import anyio
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ._batch import DEFAULT_BATCH_WAIT, DecodeStream, LayerBatcher
 from ._batch import check_batch_wait as check_batch_wait
 from ._cache.cache import Key
 from ._cache.stats import LatencyWindow, to_ms
-from ._checks import describe
+from ._checks import as_int_array, describe
 from ._compute.fused import WarmupReport
 from ._compute.moe import MoEOutput, ResidentLayer
 from ._compute.resident import warmup_kernels
@@ -319,7 +320,7 @@ class MoERunner:
         """
         return self._router.upcoming_layers(layer)
 
-    def prefetch_token(self, token_ids: np.ndarray) -> int:
+    def prefetch_token(self, token_ids: ArrayLike) -> int:
         """Start loading the experts the hash-routed layers give these tokens, without waiting.
 
         For a model whose first layers route by token id (DeepSeek-V4's ``hash_layer_count``) the
@@ -327,7 +328,8 @@ class MoERunner:
         then, before its attention runs. Other models: nothing to do, returns 0.
 
         Args:
-            token_ids: ``(n_tokens,)`` integer token ids.
+            token_ids: ``(n_tokens,)`` integer token ids (any integer array-like: a list, a numpy
+                array of any integer dtype).
 
         Returns:
             The number of loads started.
@@ -338,8 +340,7 @@ class MoERunner:
                 the vocabulary of the token tables.
             StoreClosedError: the store is closed.
         """
-        if not isinstance(token_ids, np.ndarray) or token_ids.ndim != 1:
-            raise InvalidRequestError(f"token_ids must be a 1-D integer array, got {describe(token_ids)}")
+        token_ids = as_int_array(token_ids, "token_ids")
         router = self._router
         hash_layers = [layer for layer in self._store.layout.layers if self._store.hparams.is_hash_layer(layer)]
         ids = router.check_token_ids(hash_layers, token_ids, token_ids.shape[0])
@@ -538,7 +539,7 @@ class MoERunner:
         self._batcher.wait = check_batch_wait(value)
 
     async def moe(
-        self, layer: int, x: np.ndarray, *, token_ids: np.ndarray | None = None, stream: DecodeStream | None = None
+        self, layer: int, x: np.ndarray, *, token_ids: ArrayLike | None = None, stream: DecodeStream | None = None
     ) -> np.ndarray:
         """Run MoE layer ``layer`` on ``x``: route, fetch the experts, compute (``ffn_out``).
 
@@ -548,7 +549,8 @@ class MoERunner:
         Args:
             layer: block index of a MoE layer.
             x: ``(n_tokens, n_embd)`` float32, the MoE block's input (after the FFN norm).
-            token_ids: ``(n_tokens,)`` integer token ids of the rows of ``x``. Required in a layer
+            token_ids: ``(n_tokens,)`` integer token ids of the rows of ``x`` (any integer
+                array-like: a list, a numpy array of any integer dtype). Required in a layer
                 that routes by token id (DeepSeek-V4's first ``hash_layer_count`` layers:
                 ``MoEHParams.is_hash_layer``); elsewhere they let the prefetch of hash-routed layers
                 ahead fetch exactly the experts those tokens will use.
@@ -579,7 +581,7 @@ class MoERunner:
         x: np.ndarray,
         *,
         prefetch: bool = True,
-        token_ids: np.ndarray | None = None,
+        token_ids: ArrayLike | None = None,
         stream: DecodeStream | None = None,
     ) -> MoEResult:
         """Like :meth:`moe`, returning the routing and every partial output.
@@ -625,7 +627,7 @@ class MoERunner:
         compute: ComputeStep | None = None,
         predictor: Predictor | None = None,
         prefetch: bool = True,
-        token_ids: np.ndarray | None = None,
+        token_ids: ArrayLike | None = None,
     ) -> MoELayersResult:
         """Run every MoE layer for one token (or a batch), in order, with prefetch ahead.
 

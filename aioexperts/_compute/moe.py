@@ -24,8 +24,9 @@ from typing import overload
 
 import numpy as np
 from gguf import GGMLQuantizationType
+from numpy.typing import ArrayLike
 
-from aioexperts._checks import check_activations, describe
+from aioexperts._checks import as_int_array, check_activations, describe
 from aioexperts._compute import fused as _fused
 from aioexperts._compute.gating import select_experts
 from aioexperts._compute.pool import compute_pool
@@ -359,7 +360,7 @@ def route(
     x: np.ndarray,
     resident: ResidentLayer,
     hparams: MoEHParams,
-    token_ids: np.ndarray | None = None,
+    token_ids: ArrayLike | None = None,
     *,
     invariant: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -374,8 +375,9 @@ def route(
         x: ``(n_tokens, n_embd)`` float32, the MoE block's input (after the FFN norm).
         resident: the layer's resident weights (router, optional router and selection biases).
         hparams: the model's MoE parameters.
-        token_ids: ``(n_tokens,)`` integer token ids of the rows of ``x``; required in a hash-routed
-            layer, ignored elsewhere.
+        token_ids: ``(n_tokens,)`` integer token ids of the rows of ``x`` (any integer array-like:
+            a list, a numpy array of any integer dtype); required in a hash-routed layer, ignored
+            elsewhere.
         invariant: each row's choice and weights bit for bit those it gets alone (the router
             product through :func:`aioexperts._compute.fused.linear_rows`; the selection is per row).
 
@@ -406,29 +408,27 @@ def check_token_ids(token_ids: object, n_tokens: int, n_vocab: int, layer: int) 
     """``token_ids`` as ``(n_tokens,)`` int64 ids in ``0..n_vocab-1``, or InvalidRequestError.
 
     Args:
-        token_ids: the token ids of the rows of a hash-routed layer's input.
+        token_ids: the token ids of the rows of a hash-routed layer's input (any integer array-like).
         n_tokens: rows of the input.
         n_vocab: rows of the layer's token table (``ffn_gate_tid2eid``).
         layer: the block index, for the message.
 
     Raises:
-        InvalidRequestError: missing, wrong shape or dtype, or an id out of range.
+        InvalidRequestError: missing, not integers (floats, bools, strings), the wrong length, or an
+            id out of range.
     """
     if token_ids is None:
         raise InvalidRequestError(
             f"layer {layer} routes by token id (hash-routed, ffn_gate_tid2eid): pass the token ids of the rows, "
             "token_ids=..."
         )
-    if not isinstance(token_ids, np.ndarray) or token_ids.shape != (n_tokens,) or token_ids.dtype.kind not in "iu":
-        raise InvalidRequestError(
-            f"token_ids must be an integer array of shape ({n_tokens},), got {describe(token_ids)}"
-        )
-    if n_tokens and (int(token_ids.min()) < 0 or int(token_ids.max()) >= n_vocab):
+    ids = as_int_array(token_ids, "token_ids", (n_tokens,))
+    if n_tokens and (int(ids.min()) < 0 or int(ids.max()) >= n_vocab):
         raise InvalidRequestError(
             f"layer {layer}: token ids must be in 0..{n_vocab - 1} (the table's vocabulary), "
-            f"got {int(token_ids.min())}..{int(token_ids.max())}"
+            f"got {int(ids.min())}..{int(ids.max())}"
         )
-    return token_ids.astype(np.int64)
+    return ids
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,6 +12,10 @@ From that the slab gets what is left after the resident (non-expert) weights, on
 cache and a reserve (:data:`RUNTIME_RESERVE_BYTES` for the page cache the dense load and the
 tokenizer still use, the compiled kernels and the compute buffers, plus :data:`RESERVE_FRACTION`
 of the available memory); the store rounds it to whole slots and to at least ``2 * top-k`` of them.
+
+The same limit, with a cgroup's inactive page cache counted as free (the kernel reclaims it first),
+bounds one sequence's KV cache: :func:`check_kv_fits` refuses an ``n_ctx`` whose KV cache is larger
+than the memory left, before anything is allocated for it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import resource
 from dataclasses import dataclass
 
 from aioexperts._cgroups import cgroup_mounts, memory_cgroups
+from aioexperts._errors import ConfigError
 from aioexperts._format.architectures import ModelHParams
+from aioexperts._format.mla import MLAHParams
 from aioexperts._format.model import GGUFModel
 
 __all__ = (
@@ -30,7 +36,9 @@ __all__ = (
     "RUNTIME_RESERVE_BYTES",
     "MemoryLimit",
     "SlabBudget",
+    "check_kv_fits",
     "choose_slab_bytes",
+    "kv_bytes_per_position",
     "kv_reserve_bytes",
     "read_memory_limit",
     "resident_weight_bytes",
@@ -107,10 +115,27 @@ def _read_int(path: str) -> int | None:
 
 
 _LIMIT_FILES = {"v2": ("memory.max", "memory.current"), "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
+# page cache the kernel reclaims before it fails an allocation (cadvisor's working set leaves it out too)
+_INACTIVE_FILE = {"v2": ("inactive_file",), "v1": ("total_inactive_file", "inactive_file")}
 
 
-def _cgroup_headroom(root: str) -> list[tuple[str, int]]:
-    """``(name, limit - usage)`` of the tightest limited level of this process's cgroup, v1 and v2."""
+def _stat_field(path: str, keys: tuple[str, ...]) -> int:
+    """The first of ``keys`` found in a cgroup ``memory.stat`` file (0 when none is readable)."""
+    try:
+        with open(path) as f:
+            fields = dict(line.split(maxsplit=1) for line in f if len(line.split()) == 2)
+    except (OSError, ValueError):
+        return 0
+    for key in keys:
+        value = fields.get(key, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def _cgroup_headroom(root: str, reclaimable: bool = False) -> list[tuple[str, int]]:
+    """``(name, limit - usage)`` of the tightest limited level of this process's cgroup, v1 and v2
+    (``reclaimable``: the usage without the inactive page cache of ``memory.stat``)."""
     v2_mount, v1_mount = cgroup_mounts(root)
     found: list[tuple[str, int]] = []
     for kind, directory in memory_cgroups(root):
@@ -123,6 +148,8 @@ def _cgroup_headroom(root: str) -> list[tuple[str, int]]:
             limit = _read_int(os.path.join(directory, files[0]))
             if limit is not None:
                 usage = _read_int(os.path.join(directory, files[1])) or 0
+                if reclaimable:
+                    usage -= min(usage, _stat_field(os.path.join(directory, "memory.stat"), _INACTIVE_FILE[kind]))
                 room = max(0, limit - usage)
                 if best is None or room < best[1]:
                     shown = "/" + os.path.relpath(directory, root) if root != "/" else directory
@@ -157,18 +184,23 @@ def _meminfo_field(path: str, name: str) -> int | None:
     return None
 
 
-def read_memory_limit(root: str = "/") -> MemoryLimit:
+def read_memory_limit(root: str = "/", *, reclaimable: bool = False) -> MemoryLimit:
     """The memory this process may still use (see the module docstring).
 
     Args:
         root: the file-system root the ``/proc`` and cgroup files are read under (tests fake it;
             ``RLIMIT_AS`` is always the process's own).
+        reclaimable: count a cgroup's inactive page cache (``memory.stat`` ``inactive_file``, v1
+            ``total_inactive_file``) as free, as the kernel reclaims it before it fails an
+            allocation (``MemAvailable`` counts it already). The slab is sized without it; the KV
+            cache check (:func:`check_kv_fits`) uses it, so a cgroup full of cached model file
+            pages does not refuse a KV cache that fits.
 
     Returns:
         A :class:`MemoryLimit`; when nothing can be read, ``available`` is ``2**62`` with source
         ``"unknown"``.
     """
-    sources: list[tuple[str, int]] = _cgroup_headroom(root)
+    sources: list[tuple[str, int]] = _cgroup_headroom(root, reclaimable)
     address_space = _address_space_headroom(root)
     if address_space is not None:
         sources.append(address_space)
@@ -195,13 +227,59 @@ def resident_weight_bytes(model: GGUFModel, hp: ModelHParams, resident_embedding
     return total
 
 
-def kv_reserve_bytes(hp: ModelHParams, n_ctx: int | None, memory_budget: int) -> int:
-    """One sequence's KV cache, estimated before the blocks are built: float32 K and V of
-    ``n_head_kv`` heads per layer and position, for ``n_ctx`` positions (default as
-    :func:`aioexperts.load` chooses it: the file's context length capped by ``memory_budget``)."""
-    per_position = max(1, 4 * hp.n_layer * hp.n_head_kv * (hp.head_k + hp.head_v))
+def kv_bytes_per_position(hp: ModelHParams, model: GGUFModel | None = None) -> int:
+    """KV cache bytes of one position over every layer, before the blocks are built: float32 K and V
+    of ``n_head_kv`` heads per layer, or, for an MLA block with ``model`` given, its latent and
+    rotated key (``kv_lora_rank + rope_dims`` floats, :mod:`aioexperts._model.mla_block`).
+
+    Raises:
+        FormatError: an MLA model whose attention keys are missing or malformed.
+    """
+    if model is not None and hp.record.block == "mla":
+        return max(1, 4 * hp.n_layer * MLAHParams.from_metadata(hp.arch, model.metadata).cache_width)
+    return max(1, 4 * hp.n_layer * hp.n_head_kv * (hp.head_k + hp.head_v))
+
+
+def kv_reserve_bytes(hp: ModelHParams, n_ctx: int | None, memory_budget: int, per_position: int | None = None) -> int:
+    """One sequence's KV cache, estimated before the blocks are built: :func:`kv_bytes_per_position`
+    (or ``per_position``) for ``n_ctx`` positions (default as :func:`aioexperts.load` chooses it: the
+    file's context length capped by ``memory_budget``)."""
+    per_position = per_position if per_position is not None else kv_bytes_per_position(hp)
     positions = n_ctx if n_ctx is not None else min(hp.n_ctx_train, max(1, memory_budget // per_position))
     return positions * per_position
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+def check_kv_fits(n_ctx: int, kv_bytes: int, limit: MemoryLimit | None = None) -> MemoryLimit:
+    """Refuse a KV cache of ``kv_bytes`` (one sequence, ``n_ctx`` positions) larger than the memory
+    this process may still use, before it is allocated.
+
+    Args:
+        n_ctx: the positions, for the message.
+        kv_bytes: the bytes they need.
+        limit: the limit (default :func:`read_memory_limit` with ``reclaimable=True``).
+
+    Returns:
+        The limit it was checked against.
+
+    Raises:
+        ConfigError: ``kv_bytes`` is more than ``limit.available``; the message names ``n_ctx``, the
+            bytes needed, the limit and where it comes from.
+    """
+    limit = limit or read_memory_limit(reclaimable=True)
+    if kv_bytes > limit.available:
+        raise ConfigError(
+            f"n_ctx={n_ctx} needs {kv_bytes} bytes ({_size(kv_bytes)}) of KV cache per sequence, more than the "
+            f"{limit.available} bytes ({_size(limit.available)}) this process may still use ({limit.source}): "
+            "load the model with a smaller n_ctx (--ctx of aioexperts-run)"
+        )
+    return limit
 
 
 def choose_slab_bytes(

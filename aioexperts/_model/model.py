@@ -40,11 +40,12 @@ from aioexperts._errors import (
 )
 from aioexperts._format.architectures import ARCHITECTURES, ModelHParams, model_hparams
 from aioexperts._format.model import GGUFModel, open_model
+from aioexperts._model import memory as _memory
 from aioexperts._model import text as _text
 from aioexperts._model.blocks import BLOCKS, AttentionBlock
 from aioexperts._model.decode_batch import DecodeRequest, decode_rows
 from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
-from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_reserve_bytes
+from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_bytes_per_position, kv_reserve_bytes
 from aioexperts._model.residual import after_attention, block_input, head_input, scale_logits
 from aioexperts._model.steps import StepBatcher
 from aioexperts._model.weights import DenseMatrix, TensorReader
@@ -370,10 +371,11 @@ class ModelSequence:
 
         Greedy (the first largest logit) at ``temperature == 0`` without a sampler; at
         ``temperature > 0`` without a sampler, a draw from ``softmax(logits / temperature)`` with a
-        ``numpy`` generator seeded by ``seed``. Stops after ``max_tokens`` tokens or at an
-        end-of-generation id (``tokenizer.ggml.eos/eot/eom_token_id``), which is not yielded. The
-        last yielded token is kept in :attr:`unrun`, not run yet: the next :meth:`forward` or
-        ``generate([])`` runs it first.
+        ``numpy`` generator seeded by ``seed``. Stops after ``max_tokens`` tokens, at an
+        end-of-generation id (``tokenizer.ggml.eos/eot/eom_token_id``), which is not yielded, or
+        when the KV cache is full: the tokens in the cache, in :attr:`unrun` and yielded take at
+        most :attr:`n_ctx` positions (``stop_reason == "length"``). The last yielded token is kept
+        in :attr:`unrun`, not run yet: the next :meth:`forward` or ``generate([])`` runs it first.
 
         Returns:
             A :class:`Generation` (``async for token in ...``; also an async context manager).
@@ -381,7 +383,7 @@ class ModelSequence:
         Raises:
             InvalidRequestError: bad arguments or ids (here); a sampler returning something that
                 is not a token id (while iterating).
-            ContextLengthError: while iterating, when the prompt or the next token would pass ``n_ctx``.
+            ContextLengthError: while iterating, when the prompt would pass ``n_ctx``.
             As :meth:`forward`, while iterating.
         """
         return Generation(self, token_ids, max_tokens, temperature, sampler, seed, owns_sequence=False)
@@ -393,6 +395,14 @@ class Generation:
     An async iterator of ``int``; as an async context manager (or with :meth:`aclose`) it ends
     early. A generation made by :meth:`Model.generate` owns its sequence and frees the KV cache
     when it ends: exhausted, failed, cancelled inside a step, closed, or dropped.
+
+    It stops at an end-of-generation id, after ``max_tokens`` tokens, or when every position of
+    the KV cache is taken (prompt plus yielded tokens reach ``n_ctx``, as the server's
+    ``max_tokens = n_ctx - prompt``): the last yielded token still has its position.
+
+    Attributes:
+        stop_reason: ``"eog"`` (an end-of-generation id), ``"length"`` (``max_tokens``, or the KV
+            cache full); None while running or when it ended otherwise (closed, failed).
     """
 
     def __init__(
@@ -424,6 +434,7 @@ class Generation:
         self._temperature = float(temperature)
         self._sampler = sampler
         self._rng = np.random.default_rng(seed)
+        self.stop_reason: str | None = None
 
     def __aiter__(self) -> Generation:
         return self
@@ -431,6 +442,8 @@ class Generation:
     async def __anext__(self) -> int:
         seq = self._seq
         if seq is None or self._left <= 0:
+            if seq is not None:
+                self.stop_reason = "length"
             self._finish()
             raise StopAsyncIteration
         try:
@@ -445,6 +458,14 @@ class Generation:
 
     async def _step(self, seq: ModelSequence) -> int | None:
         model = seq.model
+        if seq.n_past + len(seq.unrun) + len(self._pending) == seq.n_ctx:
+            # every position is taken once these run: a new token would have none (more than
+            # n_ctx: the forward refuses the prompt with ContextLengthError)
+            if not self._owns:  # not run; the sequence's next call runs them first
+                seq.unrun.extend(self._pending)
+            self._pending = []
+            self.stop_reason = "length"
+            return None
         if not self._pending and not seq.unrun and seq._last_logits is not None:
             logits = seq._last_logits  # the last forward's, at the last cached position
             seq._last_logits = None
@@ -468,6 +489,7 @@ class Generation:
             token = int(self._rng.choice(len(pr), p=pr / pr.sum()))
         model._counters.sampling_seconds += time.perf_counter() - t0
         if token in model.hparams.eog_ids:
+            self.stop_reason = "eog"
             return None
         self._left -= 1
         self._pending = [token]
@@ -586,16 +608,22 @@ class Model:
                 before the store opens, so before any expert read.
             FormatError: a required tensor or key is missing or malformed (no output norm, no
                 token embeddings, a vocabulary-only file, NaN in a norm or bias).
-            ConfigError: ``n_ctx`` does not fit the memory budget, or a bad store option.
+            ConfigError: ``n_ctx`` does not fit ``memory_budget`` or the memory the process may
+                still use (its KV cache is refused before it is allocated, and before the store
+                opens), or a bad store option.
             As :func:`aioexperts.open` and :meth:`ExpertStore.start`.
         """
         if self._store is not None or self._closed:
             raise ConfigError("the model was already started")
         gguf = await run_in_worker(open_model, self.path)
         hp = _whole_model_hparams(gguf)  # refuses unsupported architectures before any store work
+        per_position = kv_bytes_per_position(hp, gguf)
+        if self._n_ctx_arg is not None:  # a KV cache that cannot fit: refused before any store work
+            self._check_kv_budget(self._n_ctx_arg, per_position)
+            _memory.check_kv_fits(self._n_ctx_arg, self._n_ctx_arg * per_position)
         options = self._store_options
         if options["mode"] == "slab" and all(options[k] is None for k in ("slots", "cache_bytes", "cache")):
-            kv = kv_reserve_bytes(hp, self._n_ctx_arg, self._budget or DEFAULT_MEMORY_BUDGET)
+            kv = kv_reserve_bytes(hp, self._n_ctx_arg, self._budget or DEFAULT_MEMORY_BUDGET, per_position)
             self.slab_budget = choose_slab_bytes(
                 gguf, hp, kv_bytes=kv, resident_embedding_bytes=self._resident_embedding
             )
@@ -636,20 +664,36 @@ class Model:
         self._store, self._runner, self._weights, self._hparams = store, runner, weights, hp
         self._moe_layers = moe_layers
 
+    def _check_kv_budget(self, n_ctx: int, per: int) -> None:
+        if self._budget is not None and n_ctx * per > self._budget:
+            raise ConfigError(
+                f"n_ctx={n_ctx} needs {n_ctx * per} bytes of KV cache per sequence, more than "
+                f"memory_budget={self._budget}"
+            )
+
     def _choose_n_ctx(self, hp: ModelHParams) -> int:
+        """``n_ctx`` for the built blocks' exact KV cache size, checked against ``memory_budget`` and
+        the memory limit (:func:`~aioexperts._model.memory.check_kv_fits`) before any is allocated."""
         per = self._kv_per_position
         if self._n_ctx_arg is not None:
             n_ctx = self._n_ctx_arg
-            if self._budget is not None and n_ctx * per > self._budget:
-                raise ConfigError(
-                    f"n_ctx={n_ctx} needs {n_ctx * per} bytes of KV cache per sequence, more than "
-                    f"memory_budget={self._budget}"
-                )
+            self._check_kv_budget(n_ctx, per)
+            _memory.check_kv_fits(n_ctx, n_ctx * per)
             if n_ctx > hp.n_ctx_train:
                 log.warning("n_ctx=%d is larger than the file's context length %d", n_ctx, hp.n_ctx_train)
             return n_ctx
         budget = self._budget if self._budget is not None else DEFAULT_MEMORY_BUDGET
         n_ctx = min(hp.n_ctx_train, max(1, budget // per))
+        limit = _memory.read_memory_limit(reclaimable=True)
+        if n_ctx * per > limit.available:  # the default must fit the memory left too
+            n_ctx = max(1, limit.available // per)
+            _memory.check_kv_fits(n_ctx, n_ctx * per, limit)  # not even one position
+            log.warning(
+                "n_ctx = %d: the KV cache is capped to the %.1f MiB this process may still use (%s)",
+                n_ctx,
+                limit.available / 2**20,
+                limit.source,
+            )
         log.info(
             "n_ctx = %d (file context length %d; KV cache %.1f MiB per sequence, budget %.1f MiB)",
             n_ctx,
@@ -795,7 +839,8 @@ class Model:
         """Render ``messages`` with the file's chat template; with ``tokenize``, the prompt's token ids.
 
         The ids are those a :meth:`chat` session runs (special tokens parsed, no doubled BOS:
-        :func:`aioexperts._model.text.chat_prompt_ids`).
+        :func:`aioexperts._model.text.chat_prompt_ids`); an empty rendering gives what
+        ``tokenizer.encode("")`` gives (``[]``, or the BOS the vocabulary adds).
 
         Raises:
             ChatTemplateError: no template, or it fails on ``messages``.
@@ -835,14 +880,15 @@ class Model:
           sampler chain (:class:`SamplingOptions`; greedy unless ``temperature`` is given) through
           :mod:`aioexperts._model.text`, giving a :class:`~aioexperts._model.text.TokenStream`
           (``statistics``; it ends at a stop string, after the token that completes it, and when
-          the KV cache is full, with ``stop_reason == "n_ctx"``). Text is tokenized with the model's
+          the KV cache is full, with ``stop_reason == "length"``). Text is tokenized with the model's
           tokenizer (``add_special``: the vocabulary's BOS; ``parse_special``: ``<|...|>`` texts
           become their control tokens); the tokenizer's end-of-generation ids also stop it.
 
         Raises:
             InvalidRequestError: an empty prompt, an id out of range, bad arguments of the ids path.
-            ContextLengthError: the prompt is longer than :attr:`n_ctx` (never truncated); on the
-                ids path also while iterating, when the next token would pass ``n_ctx``.
+            ContextLengthError: the prompt is longer than :attr:`n_ctx` (never truncated). A
+                generation that fills the KV cache (prompt plus generated tokens reach ``n_ctx``,
+                the server's limit) stops there, on every path, with ``stop_reason == "length"``.
             ConfigError: a bad sampling option, or both ``options`` and single fields.
             TokenizerError, OptionalDependencyError: from the tokenizer (text prompts).
             As :meth:`ModelSequence.forward`, while iterating.
@@ -1167,7 +1213,10 @@ def load(
             (``qwen3moe``, ``qwen2moe``, ``glm4moe``, ``llama`` with experts, ``olmoe``,
             ``granitemoe``, ``gpt-oss``, ``deepseek2``; docs/model.md).
         n_ctx: positions of each sequence's KV cache; default the file's ``context_length``,
-            capped to what ``memory_budget`` allows (logged once).
+            capped to what ``memory_budget`` and the memory limit allow (logged once). A given
+            ``n_ctx`` whose KV cache is larger than the memory the process may still use (cgroup
+            limit, ``RLIMIT_AS``, ``MemAvailable``: :mod:`aioexperts._model.memory`) is refused with
+            ``ConfigError`` when the model starts, before anything is allocated.
         memory_budget: bytes one sequence's KV cache may take (default 1 GiB when ``n_ctx`` is not
             given; when it is, only checked if given).
         prefetch: the MoE runner's prefetch options.

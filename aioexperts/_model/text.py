@@ -9,8 +9,9 @@ and prefills only what follows the prefix it already holds (as llama.cpp's serve
 Every generation runs the same loop (:func:`_decode_loop`): prefill the new prompt tokens in batches
 of :data:`PREFILL_BATCH`, then one token at a time; it stops at an end-of-generation id (not
 yielded), after ``max_tokens``, at a stop string (:meth:`Model.stream` only) or when the KV cache is
-full (``stop_reason == "n_ctx"``: the text is never truncated, a prompt that does not fit is refused
-up front with :class:`~aioexperts.ContextLengthError`).
+full: prompt plus generated tokens reach ``n_ctx`` (``stop_reason == "length"``, as the server's
+``finish_reason``; the text is never truncated, a prompt that does not fit is refused up front with
+:class:`~aioexperts.ContextLengthError`).
 """
 
 from __future__ import annotations
@@ -72,9 +73,9 @@ class GenerationStatistics:
         decode_seconds: wall time of the later tokens (forward pass and sampling).
         time_to_first_token: seconds from the call to the first token (or text piece) handed out;
             None when none was.
-        stop_reason: ``"eog"`` (an end-of-generation id), ``"length"`` (``max_tokens``), ``"stop"``
-            (a stop string), ``"n_ctx"`` (the KV cache is full), ``"cancelled"``, ``"error"``; None
-            while running.
+        stop_reason: ``"eog"`` (an end-of-generation id), ``"length"`` (``max_tokens``, or the KV
+            cache full: prompt plus generated tokens reach ``n_ctx``), ``"stop"`` (a stop string),
+            ``"cancelled"``, ``"error"``; None while running.
         stop_string: the stop string that ended it, else None.
     """
 
@@ -237,8 +238,8 @@ async def _decode_loop(
     pending = new_ids
     t_last = started
     for n in range(max_tokens):
-        if seq.n_past + len(pending) > seq.n_ctx:
-            stats[0] = replace(stats[0], stop_reason="n_ctx")
+        if seq.n_past + len(pending) >= seq.n_ctx:  # once these run, no position is left for a new token
+            stats[0] = replace(stats[0], stop_reason="length")
             return
         while len(pending) > PREFILL_BATCH:
             await seq.forward(pending[:PREFILL_BATCH], all_logits=False)
@@ -442,19 +443,22 @@ def chat_prompt_ids(tokenizer: Tokenizer, template: ChatTemplate, text: str) -> 
     The rendered text is tokenized with special-token parsing and the vocabulary's own BOS/EOS
     (``add_special=True``); a BOS (EOS) the template wrote itself is removed first when the
     vocabulary adds one, so it is never doubled (``common/chat.cpp``,
-    ``common_chat_template_direct_apply_impl``).
+    ``common_chat_template_direct_apply_impl``). An empty rendering gives what ``encode("")``
+    gives (no ids, or the vocabulary's BOS/EOS); a chat turn refuses it.
 
     Raises:
-        InvalidRequestError: the rendered prompt is empty.
         TokenizerError: from the tokenizer.
     """
+    return tokenizer.encode(_chat_text(tokenizer, template, text), add_special=True, parse_special=True)
+
+
+def _chat_text(tokenizer: Tokenizer, template: ChatTemplate, text: str) -> str:
+    """The rendered text without the BOS/EOS text the vocabulary adds itself (:func:`chat_prompt_ids`)."""
     if tokenizer.add_bos and template.bos_token and text.startswith(template.bos_token):
         text = text[len(template.bos_token) :]
     if tokenizer.add_eos and template.eos_token and text.endswith(template.eos_token):
         text = text[: -len(template.eos_token)]
-    if not text:
-        raise InvalidRequestError("the chat template rendered an empty prompt")
-    return tokenizer.encode(text, add_special=True, parse_special=True)
+    return text
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -551,6 +555,8 @@ class ChatSession:
         smp = _make_sampler(opts, sampler)
         messages = [*self.messages, {"role": "user", "content": content}]
         text = self.template.render(messages, add_generation_prompt=True, tools=self.tools)
+        if not _chat_text(self.model.tokenizer, self.template, text):
+            raise InvalidRequestError("the chat template rendered an empty prompt")
         ids = self.model._check_ids(chat_prompt_ids(self.model.tokenizer, self.template, text))
         check_fits(self.model, len(ids))
         out = TextStream(self._stats)

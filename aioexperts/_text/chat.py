@@ -2,7 +2,9 @@
 
 The environment follows ``transformers.utils.chat_template_utils._compile_jinja_template`` and
 ``render_jinja_template``: an ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and
-``lstrip_blocks``, the ``loopcontrols`` extension (``{% break %}``, ``{% continue %}``), a ``tojson``
+``lstrip_blocks``, the ``loopcontrols`` extension (``{% break %}``, ``{% continue %}``), the
+``{% generation %}...{% endgeneration %}`` block (transformers' ``AssistantTracker``, which marks the
+assistant's tokens for training masks: its body is rendered as is, the marks are not kept), a ``tojson``
 filter that calls ``json.dumps`` without ASCII escaping (and takes ``indent``, ``separators``,
 ``sort_keys``), the globals ``raise_exception(message)`` and ``strftime_now(format)``, and the
 variables ``messages``, ``tools``, ``documents`` (None), ``add_generation_prompt``, ``bos_token``
@@ -82,7 +84,18 @@ def _environment() -> Any:
                 raise SecurityError(f"'**' with exponent {right} (at most {MAX_EXPONENT})")
             return super().call_binop(context, operator, left, right)
 
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    class _Generation(jinja2.ext.Extension):
+        """``{% generation %}body{% endgeneration %}`` renders ``body`` (transformers' ``AssistantTracker``
+        also records where it lies, for ``return_assistant_tokens_mask``; nothing here needs that)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Generation])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = _strftime_now

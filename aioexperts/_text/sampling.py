@@ -209,6 +209,11 @@ class Sampler:
 
 
 def _check_logits(logits: object) -> np.ndarray:
+    if not isinstance(logits, np.ndarray) and not isinstance(logits, str | bytes) and logits is not None:
+        try:  # any float array-like (a list of floats), as numpy APIs take it
+            logits = np.asarray(logits)
+        except (ValueError, TypeError, OverflowError):
+            pass  # refused below
     if not isinstance(logits, np.ndarray) or logits.ndim != 1 or logits.size == 0 or logits.dtype.kind != "f":
         shape = getattr(logits, "shape", None)
         dtype = getattr(logits, "dtype", type(logits).__name__)

@@ -20,6 +20,7 @@ does with its added tokens). The token attributes (which tokens are control, end
 from __future__ import annotations
 
 import codecs
+import logging
 import operator
 import os
 import re
@@ -32,6 +33,8 @@ from .._errors import OptionalDependencyError, TokenizerError, VocabularyError
 from . import pretokenize
 from .spm import spm_tokenize
 from .vocab import TokenAttr, TokenType, Vocabulary, read_vocabulary
+
+log = logging.getLogger("aioexperts")
 
 __all__ = ("IncrementalDecoder", "Tokenizer")
 
@@ -208,6 +211,13 @@ class Tokenizer:
                 raise VocabularyError(
                     f"{vocab.path}: tokenizer.ggml.pre {self.pre!r} is not supported: "
                     f"{pretokenize.UNSUPPORTED_PRE[self.pre]}"
+                )
+            if not self.pre:  # llama.cpp loads it too, with a loud warning
+                log.warning(
+                    "%s: the vocabulary has no tokenizer.ggml.pre: falling back to the 'default' pre-tokenizer, "
+                    "which may split text differently from the model's own (generation quality may suffer; "
+                    "convert the model again with a current convert_hf_to_gguf.py)",
+                    vocab.path,
                 )
             row = pretokenize.lookup_pre(self.pre or None)
             if row is None:
@@ -457,7 +467,8 @@ class Tokenizer:
         """Token ids of ``text``, as llama.cpp's ``llama_tokenize(text, add_special, parse_special)``.
 
         Args:
-            text: the text (non-empty).
+            text: the text; an empty text gives no ids, or only the BOS / EOS ids ``add_special``
+                adds (as llama.cpp's ``llama_tokenize``).
             add_special: add BOS / EOS where the vocabulary says so (``add_bos`` / ``add_eos``). A text that
                 already starts with the BOS text gets two BOS ids (as in llama.cpp) when it is also parsed.
             parse_special: split control tokens (``<|im_start|>``, ``<s>``, ...) out of the text and
@@ -468,18 +479,16 @@ class Tokenizer:
             The ids (each in ``range(n_vocab)``).
 
         Raises:
-            TokenizerError: ``text`` is not a ``str``, is empty, or cannot be encoded as UTF-8 (a lone
-                surrogate); SPM: a character the vocabulary has neither a token nor a byte token for.
+            TokenizerError: ``text`` is not a ``str``, or cannot be encoded as UTF-8 (a lone surrogate);
+                SPM: a character the vocabulary has neither a token nor a byte token for.
         """
         if not isinstance(text, str):
             raise TokenizerError(f"encode() takes a str, not {type(text).__name__}")
-        if not text:
-            raise TokenizerError("encode() got an empty text: there is nothing to tokenize")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise TokenizerError(f"the text is not valid Unicode (at index {exc.start}: {exc.reason})") from None
-        fragments = self._partition(text, parse_special)
+        fragments = self._partition(text, parse_special) if text else []  # llama.cpp: no fragment at all
         out: list[int] = []
         if add_special and self.add_bos:
             assert self.bos_id is not None

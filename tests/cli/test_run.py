@@ -215,6 +215,8 @@ def test_a_slab_other_than_asked_for_is_said_on_stderr(tiny_full_model: Path) ->
         (["/no/such/model.gguf", "-p", "x"], "no such model file"),
         (["NOT_GGUF", "-p", "x"], "not a GGUF file"),
         (["MODEL", "-p", "x", "--ctx", "4"], "more than n_ctx=4"),
+        # issue 31: a KV cache beyond the memory limit was a numpy MemoryError traceback and exit 1
+        (["MODEL", "-p", "x", "--ctx", "99999999"], "n_ctx=99999999 needs 204799997952 bytes"),
     ],
 )
 def test_bad_arguments_and_files_exit_2_with_one_line(

@@ -334,6 +334,12 @@ async def test_hash_routed_layers_need_valid_token_ids_before_any_read(tmp_path:
             "negative": np.array([0, 1, -1, 3, 4, 5], dtype=np.int64),
             "wrong length": token_ids[:3],
             "floats": token_ids.astype(np.float32),
+            "a list of floats": [float(t) for t in token_ids],
+            "bools": token_ids > 3,
+            "strings": [str(t) for t in token_ids],
+            "a ragged list": [[1, 2], 3, 4, 5, 6, 7],
+            "a 2-D list": [token_ids.tolist()],
+            "a str": "012345",
         }
         for what, ids in bad.items():
             for call in (
@@ -349,6 +355,35 @@ async def test_hash_routed_layers_need_valid_token_ids_before_any_read(tmp_path:
         assert session.store.statistics() == before  # nothing was read or even queued
         # a router-routed layer does not need them
         assert (await session.moe(2, x)).shape == x.shape
+
+
+@pytest.mark.anyio
+async def test_token_ids_may_be_any_integer_array_like(tmp_path: Path, anyio_backend: object) -> None:
+    """A list, tuple or range of ints, numpy ints of any width: taken as numpy APIs take them."""
+    path = tmp_path / "deepseek4.gguf"
+    write_model("deepseek4", path, F32_GEOMETRY, seed=5)
+    x, token_ids = _inputs(F32_GEOMETRY.n_embd)
+    async with moe_session(path, slots=3 * N_EXPERT) as session:
+        want = await session.moe_result(0, x, token_ids=token_ids)
+        layers = await session.run_moe_layers(x, token_ids=token_ids, prefetch=False)
+        for like in (
+            token_ids.tolist(),
+            tuple(token_ids.tolist()),
+            [np.int16(t) for t in token_ids],
+            token_ids.astype(np.uint8),
+            token_ids.astype(np.int32)[::-1][::-1],  # a non-contiguous view
+        ):
+            got = await session.moe_result(0, x, token_ids=like)
+            np.testing.assert_array_equal(got.ids, want.ids)
+            np.testing.assert_array_equal(got.ffn_out, want.ffn_out)
+            np.testing.assert_array_equal(await session.moe(0, x, token_ids=like), want.ffn_out)
+            again = await session.run_moe_layers(x, token_ids=like, prefetch=False)
+            for a, b in zip(again.steps, layers.steps, strict=True):
+                np.testing.assert_array_equal(a.ids, b.ids)
+        one = await session.moe_result(0, x[:3], token_ids=range(3))
+        np.testing.assert_array_equal(one.ids, (await session.moe_result(0, x[:3], token_ids=np.arange(3))).ids)
+        assert session.prefetch_token([int(token_ids[0])]) >= 0
+        assert session.prefetch_token([]) == 0
 
 
 @pytest.mark.anyio
@@ -415,8 +450,10 @@ async def test_prefetch_token_without_hash_layers_and_with_bad_ids(tmp_path: Pat
     async with moe_session(path, slots=N_EXPERT) as session:
         await session.warmup()
         assert session.prefetch_token(token_ids) == 0  # no hash-routed layer: nothing is certain
-        with pytest.raises(aioexperts.InvalidRequestError, match="1-D integer array"):
-            session.prefetch_token([1, 2])
+        assert session.prefetch_token([1, 2]) == 0  # a list is taken as an array
+        for bad in ([[1, 2]], [1.5, 2.0], "12", None, 3):
+            with pytest.raises(aioexperts.InvalidRequestError, match="1-D integer array"):
+                session.prefetch_token(bad)
         with pytest.raises(aioexperts.InvalidRequestError, match="integer array"):
             await session.moe(0, x, token_ids=token_ids.astype(np.float64))
         got = await session.moe_result(0, x, token_ids=token_ids)  # accepted, not needed

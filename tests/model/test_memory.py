@@ -12,7 +12,14 @@ import aioexperts
 from aioexperts._cgroups import memory_cgroups
 from aioexperts._format.architectures import model_hparams
 from aioexperts._model import memory
-from aioexperts._model.memory import MemoryLimit, choose_slab_bytes, read_memory_limit, resident_weight_bytes
+from aioexperts._model.memory import (
+    MemoryLimit,
+    check_kv_fits,
+    choose_slab_bytes,
+    kv_bytes_per_position,
+    read_memory_limit,
+    resident_weight_bytes,
+)
 
 GIB = 1 << 30
 
@@ -133,12 +140,105 @@ async def test_load_sizes_the_slab_from_the_limit_when_no_size_is_given(
     kv = memory.kv_reserve_bytes(hp, 64, 1 << 30)
     # room for about 5 experts after weights, KV cache and reserve
     available = int((resident + kv + memory.RUNTIME_RESERVE_BYTES + 5.5 * slot) / (1 - memory.RESERVE_FRACTION))
-    monkeypatch.setattr(memory, "read_memory_limit", lambda: MemoryLimit(available, "fake", (("fake", available),)))
+    monkeypatch.setattr(
+        memory, "read_memory_limit", lambda **kw: MemoryLimit(available, "fake", (("fake", available),))
+    )
     async with aioexperts.load(tiny_full_model, n_ctx=64) as model:
         assert model.slab_budget is not None and model.slab_budget.limit.source == "fake"
         assert model.store.n_slots == 5
     async with aioexperts.load(tiny_full_model, n_ctx=64, slots=3) as model:  # sized by hand: left alone
         assert model.slab_budget is None and model.store.n_slots == 3
+
+
+def test_the_kv_check_counts_a_cgroups_inactive_page_cache_as_free(tmp_path: Path) -> None:
+    """A cgroup full of cached model file pages must not refuse a KV cache that fits once they are reclaimed."""
+    _fake(tmp_path, mountinfo=V2_MOUNTINFO, cgroup="0::/job\n")
+    _write(tmp_path, "sys/fs/cgroup/job/memory.max", f"{4 * GIB}\n")
+    _write(tmp_path, "sys/fs/cgroup/job/memory.current", f"{4 * GIB - (GIB >> 4)}\n")
+    _write(tmp_path, "sys/fs/cgroup/job/memory.stat", f"anon 123\nfile {3 * GIB}\ninactive_file {2 * GIB}\n")
+    assert read_memory_limit(str(tmp_path)).available == GIB >> 4  # the slab's view: usage as charged
+    assert read_memory_limit(str(tmp_path), reclaimable=True).available == 2 * GIB + (GIB >> 4)
+    _fake(tmp_path, mountinfo=V1_MOUNTINFO, cgroup="4:memory:/job\n")
+    base = "sys/fs/cgroup/memory/job/"
+    _write(tmp_path, base + "memory.limit_in_bytes", f"{4 * GIB}\n")
+    _write(tmp_path, base + "memory.usage_in_bytes", f"{3 * GIB}\n")
+    _write(tmp_path, base + "memory.stat", f"inactive_file 1\ntotal_inactive_file {GIB}\n")
+    assert read_memory_limit(str(tmp_path), reclaimable=True).available == 2 * GIB
+    _write(tmp_path, base + "memory.stat", "garbage\n")
+    assert read_memory_limit(str(tmp_path), reclaimable=True).available == GIB
+
+
+def test_check_kv_fits_names_n_ctx_the_bytes_and_the_limit() -> None:
+    limit = MemoryLimit(GIB, "cgroup v2 /sys/fs/cgroup/job", (("cgroup v2 /sys/fs/cgroup/job", GIB),))
+    assert check_kv_fits(100, GIB, limit) is limit  # exactly the limit fits
+    with pytest.raises(aioexperts.ConfigError) as info:
+        check_kv_fits(99999999, 3 * GIB, limit)
+    message = str(info.value)
+    for needle in (
+        "n_ctx=99999999",
+        f"{3 * GIB} bytes (3.0 GiB)",
+        f"{GIB} bytes (1.0 GiB)",
+        "cgroup v2 /sys/fs/cgroup/job",
+    ):
+        assert needle in message, message
+    assert isinstance(info.value, aioexperts.AioExpertsError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.anyio
+async def test_an_n_ctx_whose_kv_cache_cannot_fit_is_refused_before_anything_is_allocated(
+    tiny_full_model: Path, monkeypatch: pytest.MonkeyPatch, anyio_backend: object
+) -> None:
+    """issue 31: n_ctx=99999999 allocated a 191 GiB KV cache (numpy's MemoryError); now ConfigError at start."""
+    gguf = aioexperts.open_model(tiny_full_model)
+    per = kv_bytes_per_position(model_hparams(gguf), gguf)
+    opened: list[object] = []
+    real_open = aioexperts._model.model.open_store
+    monkeypatch.setattr(aioexperts._model.model, "open_store", lambda *a, **kw: opened.append(a) or real_open(*a, **kw))
+    for kw in ({}, {"slots": 4}, {"mode": "pagecache"}):  # the slab sized from the limit or by hand, no slab
+        model = aioexperts.load(tiny_full_model, n_ctx=99999999, **kw)  # type: ignore[arg-type]
+        with pytest.raises(aioexperts.ConfigError, match=rf"n_ctx=99999999 needs {99999999 * per} bytes") as info:
+            async with model:
+                pass
+        assert "this process may still use" in str(info.value)
+    assert opened == []  # refused before the store (and its slab) opened
+    # against a limit: just over it is refused, just under it runs and its sequences take n_ctx positions
+    room = 1000 * per
+    monkeypatch.setattr(memory, "read_memory_limit", lambda **kw: MemoryLimit(room, "fake", (("fake", room),)))
+    with pytest.raises(aioexperts.ConfigError, match=rf"more than the {room} bytes .* \(fake\)"):
+        async with aioexperts.load(tiny_full_model, n_ctx=1001, slots=4):
+            pass
+    async with aioexperts.load(tiny_full_model, n_ctx=1000, slots=4) as model:
+        async with model.sequence() as seq:
+            assert seq.n_ctx == 1000 and model.statistics().kv_bytes_in_use == room
+
+
+@pytest.mark.anyio
+async def test_the_default_n_ctx_is_capped_to_the_memory_limit(
+    tiny_full_model: Path, monkeypatch: pytest.MonkeyPatch, anyio_backend: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    gguf = aioexperts.open_model(tiny_full_model)
+    per = kv_bytes_per_position(model_hparams(gguf), gguf)
+    room = 100 * per + per // 2
+    monkeypatch.setattr(memory, "read_memory_limit", lambda **kw: MemoryLimit(room, "fake", (("fake", room),)))
+    with caplog.at_level(logging.WARNING, logger="aioexperts"):
+        async with aioexperts.load(tiny_full_model, slots=4) as model:
+            assert model.n_ctx == 100
+    assert "capped" in caplog.text and "fake" in caplog.text
+    tiny = per // 2  # not one position
+    monkeypatch.setattr(memory, "read_memory_limit", lambda **kw: MemoryLimit(tiny, "fake", (("fake", tiny),)))
+    with pytest.raises(aioexperts.ConfigError, match="n_ctx=1 needs"):
+        async with aioexperts.load(tiny_full_model, slots=4):
+            pass
+
+
+def test_the_kv_estimate_is_the_blocks_cache(tiny_full_model: Path) -> None:
+    """kv_bytes_per_position (before the blocks are built) equals what the built blocks cache."""
+    from aioexperts._model.kvcache import cache_bytes_per_position
+
+    gguf = aioexperts.open_model(tiny_full_model)
+    hp = model_hparams(gguf)
+    shapes = [{"k": (hp.n_head_kv, hp.head_k), "v": (hp.n_head_kv, hp.head_v)}] * hp.n_layer
+    assert kv_bytes_per_position(hp, gguf) == cache_bytes_per_position(shapes)
 
 
 def test_memory_cgroups_take_the_mount_root_off_the_path(tmp_path: Path) -> None:

@@ -101,6 +101,21 @@ def test_block_with_ggml_matrices_equals_the_float32_maths(name: str) -> None:
     assert rel < 1e-5
 
 
+def test_the_kv_estimate_before_the_blocks_are_built_is_their_latent_cache() -> None:
+    """The memory check of load(n_ctx=...) runs before the blocks exist: its per-position bytes are the
+    MLA blocks' latent and rotated key, not K and V of every head (which would refuse a fitting n_ctx)."""
+    from aioexperts._model.kvcache import cache_bytes_per_position
+    from aioexperts._model.memory import kv_bytes_per_position
+
+    model = _open("deepseek2-f32")
+    hp = model_hparams(model)
+    reader = TensorReader(model)
+    blocks = [MLABlock(hp, reader, il) for il in range(hp.n_layer)]
+    exact = cache_bytes_per_position([dict(b.cache_shapes()) for b in blocks])
+    assert kv_bytes_per_position(hp, model) == exact
+    assert kv_bytes_per_position(hp) > exact  # the K/V estimate without the file's MLA keys
+
+
 def test_yarn_scale_through_the_model_rope_parameters() -> None:
     """DeepSeek-V3's YaRN keys on the fixture: llama_context's attn_factor, then deepseek2's kq_scale.
 

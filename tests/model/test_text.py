@@ -121,9 +121,62 @@ async def test_a_full_kv_cache_ends_generation_without_truncating(tiny_full_mode
         ids = model.tokenizer.encode("one two three")
         stream = model.stream(ids, max_tokens=100, temperature=1.0, seed=1)
         [p async for p in stream]
-    assert stream.statistics.stop_reason == "n_ctx"
-    # every position holds a token; the last sampled one is yielded without needing a position
-    assert len(ids) + len(stream.token_ids) == 16 + 1
+    assert stream.statistics.stop_reason == "length"
+    # prompt plus generated tokens take every position, as the server's max_tokens = n_ctx - prompt
+    assert len(ids) + len(stream.token_ids) == 16
+
+
+def _never_eog(logits: np.ndarray, history: Sequence[int]) -> int:
+    return 65  # a byte token, never an end-of-generation id
+
+
+async def test_every_path_stops_at_n_ctx_with_length_and_no_error(tiny_full_model: Path) -> None:
+    """16 prompt tokens and n_ctx=24: 8 tokens on every path, stop reason "length", no ContextLengthError
+    (issue 31: the ids path yielded 9, then raised)."""
+    async with load(tiny_full_model, n_ctx=24) as model:
+        assert 65 not in model.tokenizer.eog_ids
+        prompt = list(range(100, 116))
+        gen = model.generate(prompt, max_tokens=100, sampler=_never_eog)  # the ids path: a Generation
+        assert isinstance(gen, aioexperts.Generation)
+        assert [t async for t in gen] == [65] * 8 and gen.stop_reason == "length"
+        tokens = model.generate(prompt, max_tokens=100, sampler=_never_eog, top_k=1)  # the sampler chain
+        assert [t async for t in tokens] == [65] * 8 and tokens.statistics.stop_reason == "length"
+        assert tokens.statistics.generated_tokens == 8
+        stream = model.stream(prompt, max_tokens=100, sampler=_never_eog)
+        assert "".join([p async for p in stream]) == model.tokenizer.decode([65] * 8)
+        assert stream.statistics.stop_reason == "length" and len(stream.token_ids) == 8
+        # max_tokens that fit exactly: the same stop, the same tokens
+        exact = model.generate(prompt, max_tokens=8, sampler=_never_eog)
+        assert len([t async for t in exact]) == 8 and exact.stop_reason == "length"
+        # a prompt that fills the cache: nothing to generate, and nothing was run for it
+        before = model.statistics().tokens_prefilled
+        full = model.generate(list(range(100, 124)), max_tokens=5, sampler=_never_eog)
+        assert [t async for t in full] == [] and full.stop_reason == "length"
+        filled = model.stream(list(range(100, 124)), max_tokens=5, sampler=_never_eog)
+        assert [p async for p in filled] == [] and filled.statistics.stop_reason == "length"
+        assert model.statistics().tokens_prefilled == before
+        async with model.chat() as chat:
+            n_prompt = len(model.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True))
+            reply = chat.send("Hi", sampler=_never_eog, max_tokens=100)
+            text = "".join([p async for p in reply])
+            assert text == model.tokenizer.decode([65] * (24 - n_prompt))
+            assert reply.statistics.stop_reason == "length"
+        async with model.sequence() as seq:  # a sequence's generate: the yielded tokens still fit
+            got = [t async for t in seq.generate(prompt, max_tokens=100, sampler=_never_eog)]
+            assert len(got) == 8 and seq.n_past + len(seq.unrun) == 24
+            await seq.forward([])  # the last yielded token runs into the last position
+            assert seq.n_past == 24 and seq.unrun == []
+            more = seq.generate([], max_tokens=3, sampler=_never_eog)
+            assert [t async for t in more] == [] and more.stop_reason == "length"
+        async with model.sequence() as seq:  # a prompt that fills the cache is kept for the next call
+            fill = seq.generate(list(range(100, 124)), max_tokens=3, sampler=_never_eog)
+            assert [t async for t in fill] == [] and fill.stop_reason == "length"
+            assert seq.n_past + len(seq.unrun) == 24
+            with pytest.raises(aioexperts.ContextLengthError):
+                await seq.forward([1])
+        eog = model.generate(prompt, max_tokens=100, sampler=lambda logits, h: sorted(model.hparams.eog_ids)[0])
+        assert [t async for t in eog] == [] and eog.stop_reason == "eog"
+        assert model.statistics().live_sequences == 0
 
 
 @pytest.mark.parametrize("prompt", ["", []])
@@ -270,6 +323,12 @@ async def test_broken_templates_are_chat_template_errors(tiny_full_model: Path) 
         async with model.chat(template=empty) as chat:
             with pytest.raises(aioexperts.InvalidRequestError, match="empty prompt"):
                 chat.send("hi")
+        # tokenizing an empty rendering is what encode("") gives, as transformers' apply_chat_template
+        model._chat_template = empty
+        assert model.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True) == model.tokenizer.encode(
+            "", add_special=True
+        )
+        assert model.apply_chat_template([{"role": "user", "content": "x"}]) == ""
 
 
 def test_chat_prompt_ids_do_not_double_the_bos_of_the_template() -> None:

@@ -491,7 +491,8 @@ async def test_finite_input_that_overflows_in_the_experts_is_refused_not_returne
         (np.array([[0, 1]]), np.ones((1, 2), np.float64), "weights must be float32"),
         (np.array([[0, 8]]), np.ones((1, 2), np.float32), r"ids must be in -1..7"),
         (np.array([[0, -2]]), np.ones((1, 2), np.float32), r"ids must be in -1..7"),
-        ([[0, 1]], np.ones((1, 2), np.float32), "ids must be ints"),
+        ([[0.0, 1.0]], np.ones((1, 2), np.float32), "ids must be ints"),
+        ([0, 1], np.ones((1, 2), np.float32), "ids must be ints"),
         (np.array([[0, 1], [1, 2]]), np.ones((2, 2), np.float32), r"shape \(1, k\)"),
     ],
 )
@@ -505,6 +506,18 @@ async def test_a_custom_route_step_is_checked(
                 np.zeros((1, SMALL.n_embd), dtype=np.float32), route_step=lambda layer, x: (ids, weights)
             )
         assert store.statistics().pinned_slots == 0
+
+
+async def test_a_custom_route_step_may_return_ids_as_a_list(model_path: Path, anyio_backend: object) -> None:
+    """Integer ids as any array-like (a nested list), as numpy APIs take them; the same result as an array."""
+    x = np.zeros((1, SMALL.n_embd), dtype=np.float32)
+    weights = np.full((1, 2), 0.5, np.float32)
+    async with aioexperts.open(model_path, slots=4) as store:
+        runner = aioexperts.MoERunner(store)
+        as_list = await runner.run_moe_layers(x, route_step=lambda layer, x: ([[0, 1]], weights))
+        as_array = await runner.run_moe_layers(x, route_step=lambda layer, x: (np.array([[0, 1]], np.int32), weights))
+    np.testing.assert_array_equal(as_list.output, as_array.output)
+    assert [s.ids.tolist() for s in as_list.steps] == [[[0, 1]]] * len(as_list.steps)
 
 
 async def test_a_closed_store_says_so(model_path: Path, anyio_backend: object) -> None:

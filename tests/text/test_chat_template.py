@@ -106,7 +106,8 @@ def test_raise_exception_carries_the_templates_message() -> None:
         ("{% for m in messages %}{{ m }}", "endfor"),
         ("{{ messages[0] ", "line 1"),
         ("{% if %}\n", "Expected an expression"),
-        ("{% generation %}{% endgeneration %}", "generation"),  # transformers' tracker tag is not supported
+        ("{% generation %}{{ messages }}", "endgeneration"),  # an unclosed generation block
+        ("{% endgeneration %}", "endgeneration"),
     ],
 )
 def test_a_syntax_error_is_a_chat_template_error(source: str, needle: str) -> None:
@@ -114,6 +115,44 @@ def test_a_syntax_error_is_a_chat_template_error(source: str, needle: str) -> No
         ChatTemplate(source)
     assert needle in str(info.value)
     assert isinstance(info.value, aioexperts.AioExpertsError) and isinstance(info.value, ValueError)
+
+
+# a template that marks the assistant's turns for transformers' return_assistant_tokens_mask (SmolLM3, OLMo)
+GENERATION_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_generation_block_renders_its_body_as_transformers_does() -> None:
+    """transformers' AssistantTracker renders ``{% generation %}``'s body unchanged (it only records where
+    the body lies); the template without the tags renders the same text."""
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"},
+    ]
+    got = ChatTemplate(GENERATION_TEMPLATE).render(messages, add_generation_prompt=True)
+    assert got == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+        "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+    )
+    plain = GENERATION_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    assert got == ChatTemplate(plain).render(messages, add_generation_prompt=True)
+    # the body is a scope of its own (transformers runs it as a call block's caller); loops and
+    # namespaces reach into it, trim_blocks applies to its tags
+    scoped = (
+        "{% set y = 1 %}{% set ns = namespace(v=0) %}{% for m in messages %}{% generation %}"
+        "{% set y = 2 %}{% set ns.v = ns.v + 1 %}{{ loop.index }}{{ m.content }}{{ y }}{% endgeneration %}"
+        "{% endfor %}|{{ y }}|{{ ns.v }}"
+    )
+    assert ChatTemplate(scoped).render(messages) == "1Hi22Hello!23Bye2|1|3"
+    assert ChatTemplate("{% generation %}\n  x\n{% endgeneration %}\ny").render([]) == "  x\ny"
 
 
 @pytest.mark.parametrize(

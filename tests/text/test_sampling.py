@@ -183,12 +183,26 @@ def test_masked_tokens_are_never_picked() -> None:
         (np.zeros((2, 3), dtype=np.float32), "1-D"),
         (np.zeros(0, dtype=np.float32), "non-empty"),
         (np.zeros(3, dtype=np.int32), "float"),
-        ([0.0, 1.0], "1-D float array"),
+        ([0, 1], "float"),
+        ([[0.0, 1.0]], "1-D"),
+        ([0.0, [1.0]], "1-D float array"),
+        ("0.0", "1-D float array"),
+        ([], "non-empty"),
     ],
 )
 def test_bad_logits_are_refused(logits: object, needle: str) -> None:
     with pytest.raises(InvalidRequestError, match=needle):
         Sampler(SamplingOptions(seed=0))(logits, [])  # type: ignore[arg-type]
+
+
+def test_logits_may_be_any_float_array_like() -> None:
+    """A list of floats or a float64 array, as numpy APIs take them: the same token as float32 logits."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal(50).astype(np.float32)
+    for options in (SamplingOptions(temperature=0.0), SamplingOptions(seed=7)):
+        want = Sampler(options)(logits, [1, 2])
+        assert Sampler(options)(logits.tolist(), [1, 2]) == want
+        assert Sampler(options)(logits.astype(np.float64), [1, 2]) == want
 
 
 @pytest.mark.parametrize("history", [[5], [-1], [0, 99999]])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -88,7 +89,6 @@ def test_a_file_that_is_not_gguf_is_a_format_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
-        ("", "empty text"),
         (b"bytes", "takes a str, not bytes"),
         (None, "takes a str"),
         ("a\ud800b", "not valid Unicode"),
@@ -98,6 +98,45 @@ def test_bad_text_is_a_tokenizer_error(tmp_path: Path, text: object, needle: str
     tok = _tok(tmp_path, bpe_kv())
     with pytest.raises(TokenizerError, match=needle):
         tok.encode(text)  # type: ignore[arg-type]
+
+
+def test_an_empty_text_gives_no_ids_or_only_the_special_ones(tmp_path: Path) -> None:
+    """As llama.cpp's llama_tokenize (and every tokenizer library): [] or the BOS/EOS add_special adds."""
+    bpe = _tok(tmp_path, bpe_kv(), "bpe.gguf")
+    assert bpe.encode("") == [] and bpe.encode("", parse_special=True) == []
+    both = _tok(
+        tmp_path,
+        bpe_kv(**{"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": True}),
+        "both.gguf",
+    )
+    assert both.encode("") == [259, 259] and both.encode("", add_special=False) == []
+    spm = _tok(tmp_path, spm_kv(), "spm.gguf")  # no space-prefix token for an empty text
+    assert spm.encode("") == [1] and spm.encode("", add_special=False) == []
+    assert spm.decode(spm.encode("", add_special=False)) == ""
+
+
+def test_a_bpe_vocabulary_without_a_pre_tokenizer_warns_of_the_fallback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="aioexperts"):
+        named = _tok(tmp_path, bpe_kv(), "named.gguf")
+    assert not caplog.records and named.pre_type == "GPT2"
+    for name, kv in (
+        ("missing.gguf", _drop(bpe_kv(), "tokenizer.ggml.pre")),
+        ("empty.gguf", bpe_kv(**{"tokenizer.ggml.pre": ""})),
+    ):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="aioexperts"):
+            tok = _tok(tmp_path, kv, name)
+        assert tok.pre_type == "DEFAULT"  # still loads, as in llama.cpp
+        [record] = caplog.records
+        assert record.levelno == logging.WARNING and record.name == "aioexperts"
+        assert "no tokenizer.ggml.pre" in record.getMessage() and "'default' pre-tokenizer" in record.getMessage()
+        assert name in record.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aioexperts"):
+        _tok(tmp_path, spm_kv(), "spm.gguf")  # SPM has no pre-tokenizer to miss
+    assert not caplog.records
 
 
 @pytest.mark.parametrize("bad", [261, -1, 10**12, "3", 2.0, None])
