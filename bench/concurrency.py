@@ -31,9 +31,9 @@ from _results import fmt_range, summary, write_results
 from rich.console import Console
 
 import aioexperts
-from aioexperts._bench import ensure_bench_model
 from aioexperts._compute import fused
 from aioexperts._compute.pool import compute_pool
+from aioexperts.testing import ensure_bench_model
 
 TARGET = 1.2
 

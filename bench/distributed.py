@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 
 import aioexperts
-from aioexperts import _json as strict_json
 from aioexperts.distributed import (
     PLACEMENT_METHODS,
     ShardedRunner,
@@ -40,6 +39,7 @@ from aioexperts.distributed import (
     round_robin_placement,
     simulate_shards,
 )
+from aioexperts_bench import dumps_json
 
 MODEL = Path("~/.cache/aioexperts/qwen3-30b-a3b-geometry-full-q8_0-q4_k-8l-v1.gguf").expanduser()
 RESULTS = Path("docs/results/distributed.json")
@@ -53,7 +53,7 @@ def _load(path: Path) -> dict[str, Any]:
 
 def _save(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(strict_json.dumps(data, indent=1) + "\n")
+    path.write_text(dumps_json(data, indent=1) + "\n")
 
 
 def _machine() -> dict[str, Any]:

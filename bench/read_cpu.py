@@ -42,9 +42,6 @@ import numpy as np
 from _results import refuse_foreign, write_results  # bench/_results.py, a sibling module
 
 import aioexperts
-from aioexperts._bench import GIB, cache_dir, drop_page_cache
-from aioexperts._bench.fio import fio_path, run_fio_replay
-from aioexperts._bench.readlist import ReadList
 from aioexperts._io.plan import plan_expert
 from aioexperts._io.uring_raw import (
     IORING_ENTER_GETEVENTS,
@@ -52,6 +49,8 @@ from aioexperts._io.uring_raw import (
     SYS_IO_URING_ENTER,
     RawRing,
 )
+from aioexperts.testing import cache_dir
+from aioexperts_bench import GIB, ReadList, drop_page_cache, fio_path, run_fio_replay
 
 METHODS = ("fio", "raw-python", "raw-numba", "store-io_uring", "store-threads")
 DEFAULT_MODEL = "qwen3-30b-a3b-geometry-full-q8_0-q4_k-48l-v1.gguf"

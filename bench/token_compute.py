@@ -42,9 +42,9 @@ from _results import fmt_range, summary, write_results
 from rich.console import Console
 
 import aioexperts
-from aioexperts._bench import ensure_bench_model
 from aioexperts._compute.pool import configure_compute_pool
 from aioexperts.predictors import Predictor
+from aioexperts.testing import ensure_bench_model
 
 IO_TARGET = 0.5
 OVERLAP_TARGET = 1.15

@@ -22,12 +22,13 @@ from typing import Any
 
 from .. import AioExpertsError, FormatError, __version__
 from ..backends import io_uring_unusable_reason, liburing_unusable_reason
+from ..testing import bench_model_path, cache_dir, ensure_bench_model
 from ._common import file_starts_with, missing_extra, refuse_to_overwrite, stdout_closed
 
 try:
     from rich.console import Console
 
-    from .._bench import (
+    from aioexperts_bench import (
         DEFAULT_METHODS,
         DROP_METHOD,
         LOOPS,
@@ -42,14 +43,12 @@ try:
         Reporter,
         TokenBenchConfig,
         await_cost,
-        bench_model_path,
-        cache_dir,
         dump_json,
-        ensure_bench_model,
         evaluate_targets,
         kernel_facts,
         load_results,
         machine_facts,
+        model_info,
         print_sections,
         run_read_bench,
         run_sweeps,
@@ -267,9 +266,7 @@ def _run(args: argparse.Namespace, methods: list[str], reporter: Reporter) -> di
     if getattr(args, "_left_out", None):
         reporter.note(args._left_out)
     path = _model(args, reporter)
-    from .._bench import store_adapter as ea
-
-    info = ea.model_info(os.fspath(path))
+    info = model_info(os.fspath(path))
     warnings = []
     if info.file_bytes < SMALL_MODEL_BYTES:
         warnings.append(

@@ -33,7 +33,7 @@ keys and the numbers' scale are those of a real model:
   ``tokenizer.chat_template`` is included.
 
 :func:`ensure_full_model` writes it once into the user cache (the bench model's cache folder and
-build lock, :mod:`aioexperts._bench.full_model`). Training the vocabulary needs ``tokenizers``
+build lock, :mod:`aioexperts.testing._model_cache`). Training the vocabulary needs ``tokenizers``
 (``pip install 'aioexperts[text]'``).
 """
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from aioexperts._bench import generate
-from aioexperts._bench.generate import _from_events, _round_summary, evaluate_targets, parse_limit, summarize, token_ids
-from aioexperts._bench.generate_report import load_generate_results, render_into, text_report
 from aioexperts.cli import bench
+from aioexperts_bench import generate
+from aioexperts_bench.generate import _from_events, _round_summary, evaluate_targets, parse_limit, summarize, token_ids
+from aioexperts_bench.generate_report import load_generate_results, render_into, text_report
 
 
 def test_generate_smoke_run_writes_results_and_a_report(
@@ -157,7 +157,7 @@ def test_render_replaces_only_the_region(tmp_path: Path, tiny_full_model: Path) 
 
 
 def test_results_of_one_model_merge_with_rounds_numbered_on() -> None:
-    from aioexperts._bench.generate_report import merge_results
+    from aioexperts_bench.generate_report import merge_results
 
     def part(limits: list[str], ratio: float) -> dict[str, object]:
         return {
@@ -199,7 +199,7 @@ def test_results_of_one_model_merge_with_rounds_numbered_on() -> None:
 
 
 def test_a_merged_header_names_each_files_parameters_and_commit() -> None:
-    from aioexperts._bench.generate_report import _parameters, merge_results
+    from aioexperts_bench.generate_report import _parameters, merge_results
 
     def part(limits: list[str], prompt: int, commit: str) -> dict[str, object]:
         return {
@@ -241,7 +241,7 @@ def test_llama_cpp_killed_in_every_round_is_said_so() -> None:
 
 
 def test_a_stopped_benchs_unfinished_round_is_left_out() -> None:
-    from aioexperts._bench.generate_report import merge_results
+    from aioexperts_bench.generate_report import merge_results
 
     def run(limit: str, rnd: int, engine: str) -> dict[str, object]:
         return {"engine": engine, "limit": limit, "round": rnd, "status": "ok", "decode_tok_s": 1.0, "p95_ms": 1.0}

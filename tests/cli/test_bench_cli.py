@@ -190,7 +190,7 @@ def test_a_damaged_built_in_model_suggests_rebuild(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "cache"))
-    from aioexperts._bench.model_cache import bench_model_path
+    from aioexperts.testing import bench_model_path
 
     bench_model_path().parent.mkdir()
     bench_model_path().write_bytes(b"GGUF" + b"\0" * 100)  # truncated: a FormatError reading it
@@ -275,8 +275,8 @@ def test_results_that_cannot_be_written_are_still_printed(
 def test_a_failing_fio_is_one_line_and_a_failed_row(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from aioexperts._bench import readbench
-    from aioexperts._bench.fio import FioError
+    from aioexperts_bench import readbench
+    from aioexperts_bench.fio import FioError
 
     calls = []
 
@@ -320,7 +320,7 @@ def test_default_model_is_built_in_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "cache"))
-    import aioexperts._bench.model_cache as model_cache
+    import aioexperts.testing._model_cache as model_cache
 
     monkeypatch.setattr(model_cache, "BENCH_SPEC", SMALL)
     argv = ["--mode", "reads", "--methods", "mmap", "--rounds", "1", "--no-probe", "--json", "--out", ""]
@@ -364,7 +364,7 @@ def test_a_missing_extra_is_one_line_naming_the_extra(blocked: str, extra: str) 
 
 def test_a_missing_module_that_is_no_extra_is_not_hidden() -> None:
     """Only the optional extras get the one-line message; any other missing module keeps its traceback."""
-    code = "import sys; sys.modules['aioexperts._bench.sweep'] = None; from aioexperts.cli.bench import main"
+    code = "import sys; sys.modules['aioexperts_bench.sweep'] = None; from aioexperts.cli.bench import main"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert run.returncode == 1 and "Traceback" in run.stderr and "ModuleNotFoundError" in run.stderr
 

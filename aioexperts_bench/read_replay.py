@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from .._io.uring_probe import liburing_unusable_reason
+from aioexperts.backends import liburing_unusable_reason
+
 from .measure import Clock
 from .readlist import ReadList
 

@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backends import liburing_unusable_reason
+from aioexperts.backends import liburing_unusable_reason
+
 from . import store_adapter as ea
 from .cachestate import DROP_METHOD, drop_page_cache, probe_host_cache
 from .fio import FioError, fio_path, fio_version, run_fio_replay

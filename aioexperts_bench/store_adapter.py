@@ -25,8 +25,8 @@ import numpy as np
 
 import aioexperts
 from aioexperts import ComputeStep, RouteStep
+from aioexperts.backends import io_uring_unusable_reason
 
-from ..backends import io_uring_unusable_reason
 from .readlist import ReadList
 
 __all__ = (
@@ -171,7 +171,7 @@ class ReadRecorder:
         return ReadList(self.shard_paths, np.asarray(self.reads, dtype=np.int64).reshape(-1, 3))
 
     def __call__(self, files: Any, slab: Any, loop: Any, depth: int) -> Any:
-        from .._io.select import create_backend  # the engine's own backend selection
+        from aioexperts._io.select import create_backend  # the engine's own backend selection
 
         # the store calls factories off the loop and attaches the backend itself
         backend, _reason = create_backend(self.backend, files, slab, loop, depth, attach=False, **self.options)

@@ -16,9 +16,9 @@ import os
 import tempfile
 from typing import Any
 
-from .._json import dump as dump_json
-from .._json import dumps as dumps_json
-from .._json import json_safe
+from aioexperts._json import dump as dump_json  # the library's one strict JSON writer (NaN and inf: null)
+from aioexperts._json import dumps as dumps_json
+from aioexperts._json import json_safe
 
 __all__ = (
     "SCHEMA",
