@@ -1,8 +1,8 @@
-"""Where the engine's CPU per read goes: submission, Iovec handling, reaping, bookkeeping, callbacks.
+"""Where the store's CPU per read goes: submission, Iovec handling, reaping, bookkeeping, callbacks.
 
     python bench/profile_reads.py [--model PATH] [--depth 64] [--rounds 3] [--loop uvloop] [--json]
 
-A cold pass over every expert of the model (a fresh engine with a slab holding them all,
+A cold pass over every expert of the model (a fresh store with a slab holding them all,
 io_uring, ``O_DIRECT``, uniform random top-k routing, as in the read bench) is run three ways,
 ``--rounds`` times each:
 
@@ -131,17 +131,17 @@ async def _pass(
     path: str, info: ModelInfo, steps: list[Any], depth: int, profiler: cProfile.Profile | None
 ) -> dict[str, float]:
     options = BenchOptions(slots=info.n_experts_total, backend="io_uring", queue_depth=depth)
-    async with open_bench_store(path, options) as engine:
+    async with open_bench_store(path, options) as store:
         drop_page_cache(info.shard_paths)
         if profiler is not None:
             profiler.enable()
         with Clock() as clock, GcTimer() as gc_timer:
-            await cold_pass(engine, steps, requests_in_flight(depth, info.n_expert_used))
+            await cold_pass(store, steps, requests_in_flight(depth, info.n_expert_used))
         if profiler is not None:
             profiler.disable()
-        st = store_stats(engine)
+        st = store_stats(store)
         with Clock() as warm:  # the same requests again, all hits: the driver and the hit path
-            await cold_pass(engine, steps, requests_in_flight(depth, info.n_expert_used))
+            await cold_pass(store, steps, requests_in_flight(depth, info.n_expert_used))
     return {
         "seconds": clock.seconds,
         "cpu": clock.cpu,

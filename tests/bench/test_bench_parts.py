@@ -66,16 +66,16 @@ def test_read_list_iolog_and_sizes(tmp_path: Path) -> None:
 
 
 @pytest.mark.io_uring
-def test_recorder_sees_exactly_the_engine_reads_and_replays_read_the_same_bytes(model: Path) -> None:
+def test_recorder_sees_exactly_the_store_reads_and_replays_read_the_same_bytes(model: Path) -> None:
     info = ea.model_info(str(model))
     steps = make_steps(info, 4, seed=1)
     recorder = ea.ReadRecorder(info.shard_paths, "io_uring", timestamps=True)
 
     async def run() -> dict[str, object]:
         options = ea.BenchOptions(slots=info.n_experts_total, backend=recorder, queue_depth=8)
-        async with ea.open_bench_store(str(model), options) as engine:
-            await ea.cold_pass(engine, steps, window=2)
-            return ea.store_stats(engine)
+        async with ea.open_bench_store(str(model), options) as store:
+            await ea.cold_pass(store, steps, window=2)
+            return ea.store_stats(store)
 
     stats = anyio.run(run)
     reads = recorder.read_list()
@@ -236,3 +236,16 @@ def test_every_bench_script_imports_and_answers_help(script: str) -> None:
     done = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage" in done.stdout.lower()
+
+
+def test_a_results_file_of_before_the_store_rename_reads_under_the_new_names(tmp_path: Path) -> None:
+    """Files written when the bench called its own store "engine" keep rendering (docs/results/)."""
+    import json
+
+    from aioexperts_bench import SCHEMA, load_results
+
+    old = {"schema": SCHEMA, "reads": {"warm": {"engine": {"x": 1}}, "parameters": {"engine_slots": 7}}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    reads = load_results(path)["reads"]
+    assert reads["warm"] == {"store": {"x": 1}} and reads["parameters"] == {"store_slots": 7}

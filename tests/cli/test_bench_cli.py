@@ -32,7 +32,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def results(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:  # type: ignore[type-arg]
     out = tmp_path_factory.mktemp("out") / "results.json"
     reason = io_uring_unusable_reason()
-    if reason is not None:  # the figures below are the io_uring engine's against the others
+    if reason is not None:  # the figures below are the io_uring store's against the others
         pytest.skip(f"io_uring unusable here: {reason}")
     methods = "io_uring,threads,pread,mmap" + (",fio" if shutil.which("fio") else "")
     assert bench.main(["--model", str(model), "--out", str(out), "--methods", methods, *FAST]) == 0
@@ -76,7 +76,7 @@ def test_ratios_are_per_round(results: dict) -> None:  # type: ignore[type-arg]
 
 
 def test_warm_and_token_figures(results: dict) -> None:  # type: ignore[type-arg]
-    warm = results["reads"]["warm"]["engine"]
+    warm = results["reads"]["warm"]["store"]
     assert warm["experts_single_us_per_hit"]["median"] > 0 and warm["moe_us_per_call"]["median"] > 0
     tokens = results["tokens"]
     assert len(tokens["rounds"]) == 2
@@ -125,7 +125,7 @@ def test_progress_goes_to_stderr_as_plain_lines(model: Path, capsys: pytest.Capt
     argv = ["--model", str(model), "--out", "", "--mode", "reads", "--methods", "mmap", "--rounds", "2", "--no-probe"]
     assert bench.main(argv) == 0
     err = capsys.readouterr().err
-    assert "recording the engine's reads" in err and "\x1b[" not in err
+    assert "recording the store's reads" in err and "\x1b[" not in err
 
 
 def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
@@ -369,12 +369,12 @@ def test_a_missing_module_that_is_no_extra_is_not_hidden() -> None:
     assert run.returncode == 1 and "Traceback" in run.stderr and "ModuleNotFoundError" in run.stderr
 
 
-def test_the_thread_pool_engine_gives_warm_figures_and_a_timeline_of_phases(model: Path, tmp_path: Path) -> None:
-    """Without io_uring: the warm hit follows the thread-pool engine's pass; the timeline splits a token."""
+def test_the_thread_pool_store_gives_warm_figures_and_a_timeline_of_phases(model: Path, tmp_path: Path) -> None:
+    """Without io_uring: the warm hit follows the thread-pool store's pass; the timeline splits a token."""
     out = tmp_path / "results.json"
-    assert bench.main(["--model", str(model), "--out", str(out), "--methods", "engine-threads", *FAST]) == 0
+    assert bench.main(["--model", str(model), "--out", str(out), "--methods", "aioexperts-threads", *FAST]) == 0
     results = json.loads(out.read_text())
-    warm = results["reads"]["warm"]["engine"]
+    warm = results["reads"]["warm"]["store"]
     assert warm["experts_single_us_per_hit"]["median"] > 0 and warm["experts_single_calls"]["median"] > 0
     timeline = results["tokens"]["timeline"]
     phases = timeline["phases"]
