@@ -11,12 +11,9 @@ import numpy as np
 import pytest
 
 from aioexperts.testing import SyntheticSpec, write_synthetic_model
+from aioexperts_bench import ReadList, drop_page_cache, make_steps, probe_host_cache, rotated, spread
 from aioexperts_bench import store_adapter as ea
-from aioexperts_bench.cachestate import drop_page_cache, probe_host_cache
-from aioexperts_bench.measure import rotated, spread
 from aioexperts_bench.read_replay import Destination, replay_mmap, replay_pread
-from aioexperts_bench.readbench import make_steps
-from aioexperts_bench.readlist import ReadList
 
 SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
 
@@ -113,7 +110,7 @@ def test_host_cache_probe_reports_rates(model: Path) -> None:
 
 
 def test_fio_replay_counts_every_read(model: Path) -> None:
-    from aioexperts_bench.fio import fio_path, run_fio_replay
+    from aioexperts_bench import fio_path, run_fio_replay
 
     if fio_path() is None:
         pytest.skip("fio is not installed")
@@ -187,7 +184,7 @@ def test_the_docs_tables_are_rendered_from_the_committed_results(monkeypatch: py
     import importlib.util
     import re
 
-    from aioexperts_bench.results import load_results
+    from aioexperts_bench import load_results
 
     repo = Path(__file__).parents[2]
     monkeypatch.chdir(repo)  # the satellite benches' results files are named relative to the repository

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from aioexperts.cli import bench
-from aioexperts_bench import generate
+from aioexperts_bench import generate, load_generate_results, render_into, text_report
 from aioexperts_bench.generate import _from_events, _round_summary, evaluate_targets, parse_limit, summarize, token_ids
-from aioexperts_bench.generate_report import load_generate_results, render_into, text_report
 
 
 def test_generate_smoke_run_writes_results_and_a_report(

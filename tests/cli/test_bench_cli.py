@@ -275,8 +275,7 @@ def test_results_that_cannot_be_written_are_still_printed(
 def test_a_failing_fio_is_one_line_and_a_failed_row(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from aioexperts_bench import readbench
-    from aioexperts_bench.fio import FioError
+    from aioexperts_bench import FioError, readbench
 
     calls = []
 
