@@ -8,7 +8,7 @@
 #   make bench BENCH_ARGS="--rounds 11"   # more rounds, any aioexperts-bench option
 #   make bench-plots                # the same plus the depth/size sweeps and PNGs in docs/img
 #   make render RESULTS=docs/results/FILE.json   # the tables of README.md and docs/*.md from the results files
-#   make setup                      # only create ./.venv (aioexperts with the test extras)
+#   make setup                      # only create ./.venv (aioexperts and its bench package aioexperts_bench, with the test and bench extras)
 
 PYTHON ?= python3
 VENV ?= .venv

@@ -1,7 +1,8 @@
 """This process's memory cgroups, read from ``/proc/self/mountinfo`` and ``/proc/self/cgroup``.
 
 One reader for the slab budget (:mod:`aioexperts._model.memory`) and the bench's cgroups
-(:mod:`aioexperts._bench.cgroup`). ``root`` is ``/`` except in tests, which fake the files under it.
+(``aioexperts_bench.cgroup``, through the public :func:`aioexperts.testing.memory_cgroups`).
+``root`` is ``/`` except in tests, which fake the files under it.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from __future__ import annotations
 __all__ = (
     "AioExpertsError",
     "BackendUnavailableError",
-    "BaselineMismatchError",
     "ChatTemplateError",
     "ConfigError",
     "ContextLengthError",
@@ -171,7 +170,3 @@ class ShardError(ExpertReadError):
 
 class ShardTimeoutError(ShardError, TimeoutError):
     """A shard did not answer within the runner's ``call_timeout`` seconds (a ``TimeoutError`` too)."""
-
-
-class BaselineMismatchError(AioExpertsError):
-    """A baseline a bench compares against (ggml's own kernel) gave a different answer, or failed."""

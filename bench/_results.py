@@ -16,8 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from aioexperts import _json as strict_json
-from aioexperts._bench.machine import source_commit
+from aioexperts_bench import dumps_json, source_commit
 
 RESULTS_DIR = Path.cwd()
 
@@ -131,6 +130,6 @@ def write_results(
 def dumps(payload: dict[str, Any]) -> str:
     """The results as JSON text: indented, except one line per round (the files stay small)."""
     rounds = payload.get("rounds", [])
-    head = strict_json.dumps({**payload, "rounds": []}, indent=1, default=str)
-    lines = ",\n".join("  " + strict_json.dumps(r, default=str) for r in rounds)
+    head = dumps_json({**payload, "rounds": []}, indent=1, default=str)
+    lines = ",\n".join("  " + dumps_json(r, default=str) for r in rounds)
     return head.replace('"rounds": []', '"rounds": [\n' + lines + "\n ]", 1) + "\n"

@@ -31,9 +31,9 @@ from _results import fmt_range, summary, write_results
 from rich.console import Console
 
 import aioexperts
-from aioexperts._bench import ensure_bench_model
 from aioexperts._compute import fused
 from aioexperts._compute.pool import compute_pool
+from aioexperts.testing import ensure_bench_model
 
 TARGET = 1.2
 
@@ -49,18 +49,18 @@ def make_route(routing: np.ndarray, layers: list[int]):  # type: ignore[no-untyp
 async def measure(path: str, routings: np.ndarray, layers: list[int], xs: np.ndarray, slots: int) -> dict[str, float]:
     routes = [make_route(r, layers) for r in routings]
     async with aioexperts.open(path, slots=slots) as store:
-        engine = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="none"))
-        await engine.warmup()
+        runner = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="none"))
+        await runner.warmup()
         for t, route in enumerate(routes):  # warm-up: every expert into the slab, kernels ready
-            await engine.run_moe_layers(xs[t : t + 1], route_step=route, prefetch=False)
+            await runner.run_moe_layers(xs[t : t + 1], route_step=route, prefetch=False)
         store.reset_statistics()
         t0 = time.perf_counter()
         for t, route in enumerate(routes):
-            await engine.run_moe_layers(xs[t : t + 1], route_step=route, prefetch=False)
+            await runner.run_moe_layers(xs[t : t + 1], route_step=route, prefetch=False)
         sequential = time.perf_counter() - t0
         t0 = time.perf_counter()
         await asyncio.gather(
-            *(engine.run_moe_layers(xs[t : t + 1], route_step=route, prefetch=False) for t, route in enumerate(routes))
+            *(runner.run_moe_layers(xs[t : t + 1], route_step=route, prefetch=False) for t, route in enumerate(routes))
         )
         concurrent = time.perf_counter() - t0
         st = store.statistics()

@@ -34,8 +34,8 @@ import gguf.quants
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from aioexperts import _json as strict_json
 from aioexperts._format.dequant import dequantize, supported_types
+from aioexperts_bench import dumps_json
 
 Q = GGMLQuantizationType
 
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     if args.json:
         meta = {"numpy": np.__version__, "python": platform.python_version(), "repeat": args.repeat}
-        print(strict_json.dumps({**meta, "results": results}, indent=1))
+        print(dumps_json({**meta, "results": results}, indent=1))
     else:
         print(
             f"dequantize, best of {args.repeat}, numpy {np.__version__}, python {platform.python_version()}, "

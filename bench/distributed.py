@@ -31,8 +31,6 @@ from typing import Any
 import numpy as np
 
 import aioexperts
-from aioexperts import _json as strict_json
-from aioexperts._bench.full_model import full_model_path
 from aioexperts.distributed import (
     PLACEMENT_METHODS,
     ShardedRunner,
@@ -41,6 +39,8 @@ from aioexperts.distributed import (
     round_robin_placement,
     simulate_shards,
 )
+from aioexperts.testing import full_model_path
+from aioexperts_bench import dumps_json
 
 #: the 8-layer built-in full model (what ``make run`` writes); the results file names the one that ran
 MODEL = full_model_path(8)
@@ -55,7 +55,7 @@ def _load(path: Path) -> dict[str, Any]:
 
 def _save(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(strict_json.dumps(data, indent=1) + "\n")
+    path.write_text(dumps_json(data, indent=1) + "\n")
 
 
 def _machine() -> dict[str, Any]:

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from aioexperts._bench.generate_report import load_generate_results, render_into
+from aioexperts_bench import load_generate_results, render_into
 
 
 def main(argv: list[str] | None = None) -> int:

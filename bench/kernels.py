@@ -11,7 +11,7 @@ thread too), interleaved rounds, median of ``--calls`` calls per round:
 * ``numpy``: the project's numpy kernels (``aioexperts._format.dequant.dequantize``) + matmul;
 * ``float``: ``fused.linear`` with one token, the default (fused decode-and-dot);
 * ``ggml``: ggml's own CPU mat-vec (``ggml_mul_mat`` of the same bytes by the same token, one
-  thread) through llama-cpp-python's ``libggml`` (``aioexperts._bench.ggml_baseline``), when the
+  thread) through llama-cpp-python's ``libggml`` (``aioexperts_bench.ggml_baseline``), when the
   ``baseline`` extra is installed; its output is checked against ``float`` first;
 * ``int8``: the same with ``set_precision("int8")`` (x quantized like llama.cpp);
 * ``cold``: the float kernel sweeping 96 MiB of copies of the matrix (weights not in any cache);
@@ -48,9 +48,9 @@ from dequant import ORDER, make_tensor
 from gguf import GGMLQuantizationType
 from threadpoolctl import threadpool_limits
 
-from aioexperts._bench import ggml_baseline
 from aioexperts._compute import fused
 from aioexperts._format import dequant as quant
+from aioexperts_bench import ggml_baseline
 
 Q = GGMLQuantizationType
 

@@ -8,7 +8,7 @@ The built-in model (Qwen3-30B-A3B geometry) keeps its experts in Q4_K (gate/up `
 ``bench/dequant.py``'s (``gguf.quants.quantize`` of N(0, 0.02), else random bytes with sane scales).
 Methods, interleaved round by round (median of ``--calls`` calls per round), one thread (BLAS too):
 
-* ``ggml``: ``ggml_mul_mat`` of the same bytes by one token (``aioexperts._bench.ggml_baseline``);
+* ``ggml``: ``ggml_mul_mat`` of the same bytes by one token (``aioexperts_bench.ggml_baseline``);
 * ``float``, ``int8``: ``fused.linear`` with one token at each precision;
 * ``float4``, ``int8x4``: ``fused.linear`` with four tokens (``x ggml`` then compares with four
   ggml one-token calls: the time ggml's kernel would need for the four tokens one by one);
@@ -38,8 +38,8 @@ from dequant import make_tensor
 from gguf import GGMLQuantizationType
 from threadpoolctl import threadpool_limits
 
-from aioexperts._bench import ggml_baseline
 from aioexperts._compute import fused
+from aioexperts_bench import ggml_baseline
 
 Q = GGMLQuantizationType
 GGML_TARGET = 0.7

@@ -5,7 +5,7 @@ Usage::
     python bench/model_speed.py --layers 48 --tokens 8 --rounds 3 --out docs/results/model_speed-48l.json
     python bench/model_speed.py --render docs/results/model_speed-48l.json docs/model.md
 
-The model is the built-in full model (``aioexperts._bench.full_model``: Qwen3-30B-A3B geometry,
+The model is the built-in full model (``aioexperts.testing.ensure_full_model``: Qwen3-30B-A3B geometry,
 Q4_K experts, written once into the user cache). Greedy decoding on 2 cores. Each of ``--rounds``
 interleaved rounds runs, in this order:
 
@@ -44,10 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_results  # noqa: E402
 
 import aioexperts  # noqa: E402
-from aioexperts._bench.cachestate import DROP_METHOD, drop_page_cache, probe_host_cache  # noqa: E402
-from aioexperts._bench.full_model import ensure_full_model, print_progress  # noqa: E402
-from aioexperts._bench.machine import machine_facts, machine_label  # noqa: E402
 from aioexperts.backends import liburing_unusable_reason  # noqa: E402
+from aioexperts.testing import ensure_full_model, print_progress  # noqa: E402
+from aioexperts_bench import DROP_METHOD, drop_page_cache, machine_facts, machine_label, probe_host_cache  # noqa: E402
 
 IO = aioexperts.IOOptions(backend="auto")  # io_uring when it runs here, else the thread pool
 SPLIT = ("attention", "dense_ffn", "moe", "head", "sampling")

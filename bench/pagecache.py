@@ -40,8 +40,8 @@ import numpy as np
 from _results import machine_facts, refuse_foreign  # bench/_results.py, a sibling module
 
 import aioexperts
-from aioexperts import _json as strict_json
-from aioexperts._bench import ensure_bench_model
+from aioexperts.testing import ensure_bench_model
+from aioexperts_bench import dumps_json
 
 MODES = ("slab", "pagecache read", "pagecache advice", "pagecache parallel-advice", "pagecache uring")
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
@@ -221,7 +221,7 @@ def main() -> int:
         )
     limit = limited(path, args.limit_mib) if args.limit_mib else {"skipped": "--limit-mib 0"}
     refuse_foreign(args.json).write_text(
-        strict_json.dumps(
+        dumps_json(
             {
                 "aioexperts": aioexperts.__version__,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

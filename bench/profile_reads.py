@@ -1,8 +1,8 @@
-"""Where the engine's CPU per read goes: submission, Iovec handling, reaping, bookkeeping, callbacks.
+"""Where the store's CPU per read goes: submission, Iovec handling, reaping, bookkeeping, callbacks.
 
     python bench/profile_reads.py [--model PATH] [--depth 64] [--rounds 3] [--loop uvloop] [--json]
 
-A cold pass over every expert of the model (a fresh engine with a slab holding them all,
+A cold pass over every expert of the model (a fresh store with a slab holding them all,
 io_uring, ``O_DIRECT``, uniform random top-k routing, as in the read bench) is run three ways,
 ``--rounds`` times each:
 
@@ -38,22 +38,27 @@ from typing import Any
 import liburing
 
 import aioexperts._sources.slab as slab_source_module
-from aioexperts import _json as strict_json
-from aioexperts._bench import (
+from aioexperts._cache.cache import ExpertCache
+from aioexperts._cache.scheduler import ReadScheduler
+from aioexperts._io.backends.uring import UringBackend
+from aioexperts._sources.slab import SlabSource
+from aioexperts.backends import IOBackend
+from aioexperts.testing import ensure_bench_model
+from aioexperts_bench import (
+    BenchOptions,
     Clock,
+    ModelInfo,
+    cold_pass,
     drop_page_cache,
-    ensure_bench_model,
+    dump_json,
     make_steps,
+    model_info,
+    open_bench_store,
     requests_in_flight,
     run_on_loop,
     spread,
+    store_stats,
 )
-from aioexperts._bench import store_adapter as ea
-from aioexperts._cache.cache import ExpertCache
-from aioexperts._cache.scheduler import ReadScheduler
-from aioexperts._io.backends.base import IOBackend
-from aioexperts._io.backends.uring import UringBackend
-from aioexperts._sources.slab import SlabSource
 
 PARTS = (
     "io_uring_submit (kernel issues the reads)",
@@ -123,20 +128,20 @@ class GcTimer:
 
 
 async def _pass(
-    path: str, info: ea.ModelInfo, steps: list[Any], depth: int, profiler: cProfile.Profile | None
+    path: str, info: ModelInfo, steps: list[Any], depth: int, profiler: cProfile.Profile | None
 ) -> dict[str, float]:
-    options = ea.BenchOptions(slots=info.n_experts_total, backend="io_uring", queue_depth=depth)
-    async with ea.open_bench_store(path, options) as engine:
+    options = BenchOptions(slots=info.n_experts_total, backend="io_uring", queue_depth=depth)
+    async with open_bench_store(path, options) as store:
         drop_page_cache(info.shard_paths)
         if profiler is not None:
             profiler.enable()
         with Clock() as clock, GcTimer() as gc_timer:
-            await ea.cold_pass(engine, steps, requests_in_flight(depth, info.n_expert_used))
+            await cold_pass(store, steps, requests_in_flight(depth, info.n_expert_used))
         if profiler is not None:
             profiler.disable()
-        st = ea.store_stats(engine)
+        st = store_stats(store)
         with Clock() as warm:  # the same requests again, all hits: the driver and the hit path
-            await ea.cold_pass(engine, steps, requests_in_flight(depth, info.n_expert_used))
+            await cold_pass(store, steps, requests_in_flight(depth, info.n_expert_used))
     return {
         "seconds": clock.seconds,
         "cpu": clock.cpu,
@@ -150,11 +155,11 @@ async def _pass(
     }
 
 
-def _cpu_split(path: str, info: ea.ModelInfo, steps: list[Any], depth: int, loop: str) -> dict[str, float]:
+def _cpu_split(path: str, info: ModelInfo, steps: list[Any], depth: int, loop: str) -> dict[str, float]:
     return run_on_loop(_pass, path, info, steps, depth, None, loop=loop)
 
 
-def _timed_pass(path: str, info: ea.ModelInfo, steps: list[Any], depth: int, loop: str) -> dict[str, float]:
+def _timed_pass(path: str, info: ModelInfo, steps: list[Any], depth: int, loop: str) -> dict[str, float]:
     timers = Timers()
     timers.wrap(liburing, "io_uring_submit", "io_uring_submit")
     timers.wrap(UringBackend, "submit", "submit")
@@ -220,7 +225,7 @@ def _category(filename: str, func: str) -> str:
     return PARTS[10]
 
 
-def _profiled_pass(path: str, info: ea.ModelInfo, steps: list[Any], depth: int, loop: str) -> dict[str, Any]:
+def _profiled_pass(path: str, info: ModelInfo, steps: list[Any], depth: int, loop: str) -> dict[str, Any]:
     profiler = cProfile.Profile()
     base = run_on_loop(_pass, path, info, steps, depth, profiler, loop=loop)
     stats = pstats.Stats(profiler)
@@ -247,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     path = args.model or os.fspath(ensure_bench_model())
-    info = ea.model_info(path)
+    info = model_info(path)
     steps = make_steps(info, max(1, min(info.n_experts) // info.n_expert_used), seed=0)
     plain, timed, profiled = [], [], []
     for r in range(args.rounds):
@@ -283,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         "calls": {k: v for k, v in timed[-1].items() if k.startswith("calls ")},
     }
     if args.json:
-        strict_json.dump(result, sys.stdout, indent=1)
+        dump_json(result, sys.stdout, indent=1)
         print()
         return 0
     print(

@@ -42,10 +42,6 @@ import numpy as np
 from _results import refuse_foreign, write_results  # bench/_results.py, a sibling module
 
 import aioexperts
-from aioexperts._bench import GIB, drop_page_cache
-from aioexperts._bench.fio import fio_path, run_fio_replay
-from aioexperts._bench.full_model import full_model_path
-from aioexperts._bench.readlist import ReadList
 from aioexperts._io.plan import plan_expert
 from aioexperts._io.uring_raw import (
     IORING_ENTER_GETEVENTS,
@@ -53,6 +49,8 @@ from aioexperts._io.uring_raw import (
     SYS_IO_URING_ENTER,
     RawRing,
 )
+from aioexperts.testing import full_model_path
+from aioexperts_bench import GIB, ReadList, drop_page_cache, fio_path, run_fio_replay
 
 METHODS = ("fio", "raw-python", "raw-numba", "store-io_uring", "store-threads")
 #: the 48-layer built-in full model, as the generator names it now (aioexperts-bench --mode generate writes it)

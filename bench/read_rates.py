@@ -2,7 +2,7 @@
 
     python bench/read_rates.py [aioexperts-bench options]
 
-The same as ``aioexperts-bench --mode reads`` (``--help`` lists the options): the engine's reads
+The same as ``aioexperts-bench --mode reads`` (``--help`` lists the options): the store's reads
 of one cold pass are recorded and every method replays exactly those reads, in rotated order, for
 ``--rounds`` rounds; the tables show medians with their ranges and per-round ratios, and the
 targets as met or missed. These are benchmark verdicts, not tests.

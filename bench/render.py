@@ -24,7 +24,7 @@ import re
 import sys
 from pathlib import Path
 
-from aioexperts._bench import SECTIONS, load_results, markdown
+from aioexperts_bench import SECTIONS, load_results, markdown
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_extra import EXTRA  # noqa: E402  (a sibling module of this script)
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = load_results(args.results)
     if args.plots:
-        from aioexperts._bench import write_plots
+        from aioexperts_bench import write_plots
 
         for png in write_plots(results, args.plots):
             print(f"wrote {png}")

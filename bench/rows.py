@@ -25,9 +25,8 @@ import numpy as np
 from _results import machine_facts, refuse_foreign  # bench/_results.py, a sibling module
 
 import aioexperts
-from aioexperts import _json as strict_json
-from aioexperts._bench import cache_dir
-from aioexperts.testing import tiny_moe_writer
+from aioexperts.testing import cache_dir, tiny_moe_writer
+from aioexperts_bench import dumps_json
 
 N_ROWS = 8 << 20
 N_COLS = 256
@@ -114,7 +113,7 @@ def main() -> int:
             f" {statistics.median(waste):.1f} bytes read per useful byte"
         )
     refuse_foreign(args.json).write_text(
-        strict_json.dumps(
+        dumps_json(
             {
                 "aioexperts": aioexperts.__version__,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

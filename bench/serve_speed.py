@@ -45,12 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_results  # noqa: E402
 
 import aioexperts  # noqa: E402
-from aioexperts._bench.full_model import ensure_full_model, print_progress  # noqa: E402
-from aioexperts._bench.machine import machine_facts, machine_label  # noqa: E402
 from aioexperts._model.model import DECODE_BATCH_MAX_CALLS  # noqa: E402
 from aioexperts._runner import BATCH_MAX_CALLS  # noqa: E402
 from aioexperts.backends import liburing_unusable_reason  # noqa: E402
-from aioexperts.testing._full_model import FULL_SPEC, SKEWED_SPEC  # noqa: E402
+from aioexperts.testing import FULL_SPEC, SKEWED_SPEC, ensure_full_model, print_progress  # noqa: E402
+from aioexperts_bench import machine_facts, machine_label  # noqa: E402
 
 IO = aioexperts.IOOptions(backend="auto")  # io_uring when it runs here, else the thread pool
 STREAMS = (1, 4, 16)

@@ -26,8 +26,8 @@ import numpy as np
 from _results import machine_facts, refuse_foreign  # bench/_results.py, a sibling module
 
 import aioexperts
-from aioexperts import _json as strict_json
 from aioexperts.testing import SyntheticSpec, write_synthetic_model
+from aioexperts_bench import dumps_json
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -147,7 +147,7 @@ def main() -> int:
             "units": {"rss": "bytes", "time": "seconds"},
         }
     )
-    refuse_foreign(args.json).write_text(strict_json.dumps(result, indent=1))
+    refuse_foreign(args.json).write_text(dumps_json(result, indent=1))
     ok = bool(result["rss_flat"] and result["fds_flat"])
     mib_first = result["rss_first_quarter_max_bytes"] / 2**20  # type: ignore[operator]
     mib_last = result["rss_last_quarter_max_bytes"] / 2**20  # type: ignore[operator]

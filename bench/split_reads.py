@@ -25,9 +25,8 @@ from _results import machine_facts, refuse_foreign  # bench/_results.py, a sibli
 from gguf import GGMLQuantizationType
 
 import aioexperts
-from aioexperts import _json as strict_json
-from aioexperts._bench import cache_dir
-from aioexperts.testing import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, cache_dir, write_synthetic_model
+from aioexperts_bench import dumps_json
 
 SPEC = SyntheticSpec(
     n_layer=1, n_embd=7168, n_ff_exp=2048, n_expert=128, n_expert_used=8, expert_type=GGMLQuantizationType.Q2_K
@@ -106,7 +105,7 @@ def main() -> int:
             f" x whole {s['x_whole_median']:.2f} ({s['x_whole_min']:.2f}-{s['x_whole_max']:.2f})"
         )
     refuse_foreign(args.json).write_text(
-        strict_json.dumps(
+        dumps_json(
             {
                 "aioexperts": aioexperts.__version__,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -7,11 +7,11 @@ once by ``aioexperts.testing._synthetic`` under the user cache) every token read
 The routing is uniform random top-8 (seeded) and replayed through ``route_step``; the slab is kept
 small (``--slots``, default 40) so that an expert is evicted before a later token can use it again:
 the reuse rate (requests served by an expert that an earlier token read) is printed, about 0 %.
-Each round runs, interleaved, on fresh engines:
+Each round runs, interleaved, on fresh stores and runners:
 
 * ``io``: ``run_moe_layers`` with a compute step that does nothing and an oracle prefetch (the next layers'
   true experts): how long reading one token's experts takes;
-* ``compute (T threads)``: each token run twice on an engine whose slab holds one token, the second
+* ``compute (T threads)``: each token run twice on a store whose slab holds one token, the second
   run all hits: the executor's compute per token (``MoELayersResult.compute_seconds``), with the compute
   pool at ``T`` threads;
 * ``pipelined (T threads)``: ``run_moe_layers`` with the executor and the oracle prefetch: the token time
@@ -42,9 +42,9 @@ from _results import fmt_range, summary, write_results
 from rich.console import Console
 
 import aioexperts
-from aioexperts._bench import ensure_bench_model
 from aioexperts._compute.pool import configure_compute_pool
 from aioexperts.predictors import Predictor
+from aioexperts.testing import ensure_bench_model
 
 IO_TARGET = 0.5
 OVERLAP_TARGET = 1.15
@@ -110,18 +110,18 @@ async def run(
 
     token_s = compute_s = io_wait_s = 0.0
     async with aioexperts.open(path, slots=slots) as store:
-        engine = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="none"))
-        await engine.warmup()
+        runner = aioexperts.MoERunner(store, prefetch=aioexperts.PrefetchOptions(predictor="none"))
+        await runner.warmup()
         t0 = time.perf_counter()
         for token in range(n_tokens):
             oracle.token = token
             x = xs[token : token + 1]
             if mode == "compute":
-                await engine.run_moe_layers(x, route_step=route, prefetch=False)  # reads the experts
-                result = await engine.run_moe_layers(x, route_step=route, prefetch=False)  # all hits
+                await runner.run_moe_layers(x, route_step=route, prefetch=False)  # reads the experts
+                result = await runner.run_moe_layers(x, route_step=route, prefetch=False)  # all hits
                 token_s += result.seconds
             else:
-                result = await engine.run_moe_layers(
+                result = await runner.run_moe_layers(
                     x, route_step=route, compute=noop if mode == "io" else None, predictor=oracle
                 )
             compute_s += result.compute_seconds

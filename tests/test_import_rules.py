@@ -3,6 +3,11 @@
 Every ``import`` of every module under ``aioexperts/`` counts, at module level, inside functions and
 under ``TYPE_CHECKING`` alike. Each module belongs to one layer; a layer may import only the layers
 listed for it. The optional extras are never imported at module level by the core.
+
+The bench package ``aioexperts_bench`` lives beside ``aioexperts``: no module of ``aioexperts`` but the
+bench command's own two imports it; it reaches into ``aioexperts`` through public names but for the
+private modules :data:`BENCH_PRIVATE` lists with their reasons; and the bench command and the
+``bench/`` scripts take it through the names of its ``__init__`` only.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "aioexperts"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "aioexperts"
+BENCH_PACKAGE = REPO / "aioexperts_bench"
 
 #: the layer of each top-level name under ``aioexperts`` (a module or a package)
 LAYER_OF = {
@@ -46,7 +53,6 @@ LAYER_OF = {
     "traces": "public",
     "testing": "testing",
     "cli": "commands",
-    "_bench": "bench",
     "distributed": "distributed",
     "serve": "serve",
 }
@@ -62,14 +68,13 @@ ALLOWED = {
     "model": {"base", "format", "store", "compute", "predict", "runner"},
     "public": {"base", "format", "store", "compute", "predict", "runner", "model"},
     "testing": {"base", "format", "store", "public"},
-    # the bench measures the layers themselves (read paths, kernels), so it may reach below the API
-    "bench": {"base", "format", "store", "compute", "predict", "runner", "public", "testing", "distributed"},
     # expert shards on Ray: a runner and a store per shard, over everything below the public face
     "distributed": {"base", "format", "store", "compute", "predict", "runner", "model", "public"},
     # the HTTP server (an optional extra) is a user of the public API
     "serve": {"public"},
-    # the user commands use the public API, the bench package, the server and the shards
-    "commands": {"public", "testing", "bench", "distributed", "serve"},
+    # the user commands use the public API, the server and the shards (the bench command also the bench
+    # package aioexperts_bench, outside these layers: BENCH_ENTRY_POINTS)
+    "commands": {"public", "testing", "distributed", "serve"},
 }
 
 #: single modules a layer may import from a layer it otherwise may not, with the reason
@@ -82,6 +87,36 @@ EXCEPTIONS = {
     ("commands", "aioexperts._json"),
     # the server writes its JSON through the same writer (a -inf logprob becomes null)
     ("serve", "aioexperts._json"),
+}
+
+#: the modules of aioexperts that may import the bench package: the bench command's entry point and its generate mode
+BENCH_ENTRY_POINTS = {"aioexperts/cli/bench.py", "aioexperts/cli/bench_generate.py"}
+
+#: the public modules of aioexperts, the bench package's way in
+PUBLIC_MODULES = (
+    "aioexperts",
+    "aioexperts.backends",
+    "aioexperts.policies",
+    "aioexperts.predictors",
+    "aioexperts.traces",
+    "aioexperts.testing",
+    "aioexperts.distributed",
+)
+
+#: the private names of aioexperts the bench package still imports, by module, and why no public name serves
+BENCH_PRIVATE = {
+    # the bench's own JSON: the library's one strict writer (NaN and inf become null), as the commands use
+    "aioexperts._json": "the strict JSON writer of the results files",
+    # --queue-depth's range is the store's own bounds; the commands' model inputs name split sets as the store does
+    "aioexperts._options": "MIN_QUEUE_DEPTH and MAX_QUEUE_DEPTH: the range of --queue-depth",
+    "aioexperts._format.model": "split_shard_paths: the shards a model path names (fio and the replays read them all)",
+    # ReadRecorder wraps the backend the store would choose itself, to record the reads it issues
+    "aioexperts._io.select": "create_backend: the store's own backend selection, wrapped by ReadRecorder",
+    # the generate bench's page-cache residency of the model file (mincore through the store's mapping)
+    "aioexperts._io.mapping": "MappedShards, PAGE_SIZE: how much of the model is in the page cache",
+    # which kernels the figures were measured with, and the int8 engine's precision switch
+    "aioexperts._compute": "fused.backend(), precision(), set_precision(): the kernels measured",
+    "aioexperts._compute.fused": "set_precision('int8'): the aioexperts-int8 engine of --mode generate",
 }
 
 #: optional extras the core must not import at module level (one clear line when missing, at use)
@@ -211,3 +246,95 @@ def test_the_core_imports_without_the_optional_extras(module: str) -> None:
     code = f"import sys; {blocked}; import {module}"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert run.returncode == 0, run.stderr
+
+
+def _bench_sources() -> list[Path]:
+    return sorted(BENCH_PACKAGE.rglob("*.py"))
+
+
+def _imports_of(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, absolute module) of every import of ``path`` (under the repository), relative ones resolved."""
+    rel = path.relative_to(REPO).with_suffix("")
+    package = list(rel.parts[:-1])  # the package a relative import starts from (a module's or __init__'s own)
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                module = ".".join([*package[: len(package) - node.level + 1], *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            yield node.lineno, module
+            for alias in node.names:
+                yield node.lineno, f"{module}.{alias.name}"
+
+
+def _public_name(name: str) -> bool:
+    return not name.startswith("_") or (name.startswith("__") and name.endswith("__"))  # __version__ is public
+
+
+def _is_bench(module: str) -> bool:
+    return module == "aioexperts_bench" or module.startswith("aioexperts_bench.")
+
+
+def test_no_module_of_aioexperts_imports_the_bench_package_but_the_bench_command() -> None:
+    found = [
+        f"{path.relative_to(REPO)}:{line}: {target}"
+        for path in _sources()
+        if str(path.relative_to(REPO)) not in BENCH_ENTRY_POINTS
+        for line, target in _imports(path)
+        if _is_bench(target)
+    ]
+    assert found == []
+
+
+def test_the_bench_package_imports_aioexperts_through_public_names() -> None:
+    """Public modules and their public names; a private one only where BENCH_PRIVATE gives the reason."""
+    found = []
+    for path in _bench_sources():
+        for line, target in _imports_of(path):
+            if target != "aioexperts" and not target.startswith("aioexperts."):
+                continue
+            if any(target == m or target.startswith(m + ".") for m in BENCH_PRIVATE):
+                continue
+            public = any(target == m for m in PUBLIC_MODULES) or any(
+                target.startswith(m + ".") and _public_name(target[len(m) + 1 :]) for m in PUBLIC_MODULES
+            )
+            if not public:
+                found.append(f"{path.relative_to(REPO)}:{line}: {target}")
+    assert found == [], "a private import of the bench package: use a public name, or list it in BENCH_PRIVATE"
+
+
+def test_every_listed_private_import_of_the_bench_is_still_needed() -> None:
+    used = {target for path in _bench_sources() for _line, target in _imports_of(path)}
+    stale = [m for m in BENCH_PRIVATE if not any(t == m or t.startswith(m + ".") for t in used)]
+    assert stale == []
+
+
+def _bench_users() -> list[Path]:
+    return [REPO / p for p in sorted(BENCH_ENTRY_POINTS)] + sorted((REPO / "bench").glob("*.py"))
+
+
+def test_the_bench_command_and_scripts_take_the_bench_package_through_its_public_names() -> None:
+    """``from aioexperts_bench import NAME`` of a name of its ``__all__``; no module of it by path."""
+    import aioexperts_bench
+
+    exported = set(aioexperts_bench.__all__)
+    found = []
+    for path in _bench_users():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found += [f"{path.name}:{node.lineno}: import {a.name}" for a in node.names if _is_bench(a.name)]
+            elif isinstance(node, ast.ImportFrom) and not node.level and _is_bench(node.module or ""):
+                if node.module != "aioexperts_bench":
+                    found.append(f"{path.name}:{node.lineno}: from {node.module}")
+                found += [f"{path.name}:{node.lineno}: {a.name}" for a in node.names if a.name not in exported]
+    assert found == []
+
+
+def test_the_bench_package_exports_what_it_says() -> None:
+    import aioexperts_bench
+
+    assert len(set(aioexperts_bench.__all__)) == len(aioexperts_bench.__all__)
+    assert [n for n in aioexperts_bench.__all__ if not hasattr(aioexperts_bench, n)] == []

@@ -8,9 +8,13 @@
 - ``aioexperts-trace`` (:mod:`aioexperts.cli.tracetool`): summarize a routing trace, replay it
   through simulated caches.
 
-The commands use the public API only (and, for the bench, the bench machinery of
-``aioexperts._bench``); the model runner's ``aioexperts-run`` and the server's ``aioexperts-serve``
-go here too.
+- ``aioexperts-run`` (:mod:`aioexperts.cli.run`) and ``aioexperts-serve`` (:mod:`aioexperts.cli.serve`):
+  generate text and serve it over HTTP; without a model, the built-in full model of
+  :mod:`aioexperts.testing`.
+
+The commands use the public API only; the bench's two (:mod:`aioexperts.cli.bench`,
+:mod:`aioexperts.cli.bench_generate`) also drive the bench package ``aioexperts_bench`` beside
+``aioexperts``, which no other module of ``aioexperts`` imports.
 """
 
 __all__ = ()

@@ -22,12 +22,13 @@ from typing import Any
 
 from .. import AioExpertsError, FormatError, __version__
 from ..backends import io_uring_unusable_reason, liburing_unusable_reason
+from ..testing import bench_model_path, cache_dir, ensure_bench_model
 from ._common import file_starts_with, missing_extra, refuse_to_overwrite, stdout_closed
 
 try:
     from rich.console import Console
 
-    from .._bench import (
+    from aioexperts_bench import (
         DEFAULT_METHODS,
         DROP_METHOD,
         LOOPS,
@@ -42,14 +43,12 @@ try:
         Reporter,
         TokenBenchConfig,
         await_cost,
-        bench_model_path,
-        cache_dir,
         dump_json,
-        ensure_bench_model,
         evaluate_targets,
         kernel_facts,
         load_results,
         machine_facts,
+        model_info,
         print_sections,
         run_read_bench,
         run_sweeps,
@@ -61,9 +60,9 @@ try:
 except ModuleNotFoundError as exc:  # the bench extra is optional: one line, not a traceback
     raise missing_extra("aioexperts-bench", exc) from None
 
-#: Read methods that set up an io_uring ring of their own (the engine, the raw loops).
+#: Read methods that set up an io_uring ring of their own (the store, the raw loops).
 URING_METHODS = ("io_uring", "uring", "uring-reused")
-#: Of those, the ones that need the ``liburing`` wheel itself (the engine also runs on the raw ring).
+#: Of those, the ones that need the ``liburing`` wheel itself (the store also runs on the raw ring).
 LIBURING_METHODS = ("uring", "uring-reused")
 
 __all__ = ("build_parser", "main")
@@ -109,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--depth",
         type=_int_in(MIN_QUEUE_DEPTH, MAX_QUEUE_DEPTH, "an expert is 3 reads; io_uring's ring holds at most 4096"),
         default=64,
-        help=f"reads in flight, {MIN_QUEUE_DEPTH}..{MAX_QUEUE_DEPTH}: engine queue depth and fio iodepth",
+        help=f"reads in flight, {MIN_QUEUE_DEPTH}..{MAX_QUEUE_DEPTH}: the store's queue depth and fio iodepth",
     )
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"read methods, from {','.join(METHODS)}")
     p.add_argument("--threads", type=int, default=8, help="threads of the thread-pool and buffered preadv replays")
@@ -118,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slab-fraction", type=float, default=0.25, help="slab of the per-token overlap runs")
     p.add_argument("--executor-tokens", type=int, default=4, help="tokens per executor run (0: no executor runs)")
     p.add_argument("--seed", type=int, default=0, help="routing and input seed")
-    p.add_argument("--loop", choices=LOOPS, default="uvloop", help="event loop of the engine runs")
+    p.add_argument("--loop", choices=LOOPS, default="uvloop", help="event loop of the store runs")
     p.add_argument("--out", default="bench-results.json", help="results file to write ('' for none)")
     p.add_argument("--plot", metavar="DIR", default=None, help="also run the depth and read-size sweeps; write PNGs")
     p.add_argument("--force", action="store_true", help="let --out and --plot replace files of other kinds")
@@ -267,9 +266,7 @@ def _run(args: argparse.Namespace, methods: list[str], reporter: Reporter) -> di
     if getattr(args, "_left_out", None):
         reporter.note(args._left_out)
     path = _model(args, reporter)
-    from .._bench import store_adapter as ea
-
-    info = ea.model_info(os.fspath(path))
+    info = model_info(os.fspath(path))
     warnings = []
     if info.file_bytes < SMALL_MODEL_BYTES:
         warnings.append(

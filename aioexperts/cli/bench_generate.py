@@ -1,6 +1,6 @@
 """``aioexperts-bench --mode generate``: decode and prefill of aioexperts against llama.cpp under memory limits.
 
-See :mod:`aioexperts._bench.generate` for what runs and what is measured, and docs/bench.md
+See :mod:`aioexperts_bench.generate` for what runs and what is measured, and docs/bench.md
 ("Generate under memory limits") for how to read the table. llama.cpp comes from the optional
 ``baseline`` extra (llama-cpp-python, which compiles llama.cpp: about 7 minutes on 2 cores); without
 it the bench says so in one line and runs aioexperts alone. Memory limits need a cgroup the bench
@@ -17,10 +17,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from aioexperts_bench import DEFAULT_ENGINES, ENGINES, GenerateConfig, parse_limit, run_generate_bench, text_report
+
 from .. import AioExpertsError, __version__
-from .._bench.generate import GenerateConfig, parse_limit, run_generate_bench
-from .._bench.generate_report import text_report
-from .._bench.generate_worker import DEFAULT_ENGINES, ENGINES
 from .._json import dumps as json_dumps
 from ._common import refuse_to_overwrite
 
@@ -60,8 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _model(args: argparse.Namespace, note: Callable[[str], None]) -> str:
     if args.model:
         return os.path.expanduser(args.model)
-    from .._bench.full_model import ensure_full_model, print_progress
-    from ..testing._full_model import FULL_SPEC, SKEWED_SPEC
+    from ..testing import FULL_SPEC, SKEWED_SPEC, ensure_full_model, print_progress
 
     spec = (SKEWED_SPEC if args.routing == "skewed" else FULL_SPEC).with_(n_layer=args.layers)
     built = ensure_full_model(
@@ -74,7 +72,7 @@ def _model(args: argparse.Namespace, note: Callable[[str], None]) -> str:
 
 
 def _is_ours(path: str) -> bool:
-    from .._bench.generate_report import load_generate_results
+    from aioexperts_bench import load_generate_results
 
     try:
         load_generate_results(path)

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_model_options(p: argparse.ArgumentParser, *, ctx_help: str) -> None:
     """The options of the model a command loads: ``--ctx``, ``--slots``/``--cache-bytes``, ``--io``,
     ``--layers`` and ``--rebuild`` (``aioexperts-run`` and ``aioexperts-serve``)."""
-    from aioexperts._bench.full_model import DEFAULT_FULL_LAYERS
+    from aioexperts.testing import DEFAULT_FULL_LAYERS
 
     p.add_argument(
         "--ctx",
@@ -588,7 +588,7 @@ def _model_path(args: argparse.Namespace) -> tuple[str, bool]:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{args.model}: no such model file")
         return path, False
-    from aioexperts._bench.full_model import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
+    from aioexperts.testing import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
 
     layers = args.layers or DEFAULT_FULL_LAYERS
     built = ensure_full_model(

@@ -98,7 +98,7 @@ def _model_path(args: argparse.Namespace) -> str:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{args.model}: no such model file")
         return path
-    from aioexperts._bench.full_model import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
+    from aioexperts.testing import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
 
     layers = args.layers or DEFAULT_FULL_LAYERS
     built = ensure_full_model(

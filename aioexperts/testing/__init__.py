@@ -18,6 +18,13 @@ with and reads they can steer; both are here, and neither needs a real model or 
   2.9 GB), written once into the user cache (``$AIOEXPERTS_CACHE``, else ``~/.cache/aioexperts``):
   what the examples of README.md and docs/ open. ``$AIOEXPERTS_BUILTIN_SIZE=tiny`` makes it
   :data:`TINY_FULL_SPEC`, the same architecture at a test size (about 2 MB).
+- The built-in models in the user cache (:func:`cache_dir`), written once and reused, safely when
+  two processes ask at once: :func:`ensure_bench_model` (:data:`BENCH_SPEC`, ``aioexperts-bench``)
+  and :func:`ensure_full_model` (:data:`FULL_SPEC` of :data:`DEFAULT_FULL_LAYERS` layers,
+  ``aioexperts-run`` and ``aioexperts-serve``); :func:`print_progress` prints a build's progress.
+  :data:`SKEWED_SPEC` is the full model with skewed routing.
+- :func:`memory_cgroups` lists this process's memory cgroups (the slab budget reads its limit from
+  them; the bench makes its memory-limited groups inside them).
 - :class:`FakeBackend` is an :class:`~aioexperts.backends.IOBackend` whose completions arrive when
   the test says so, in the order it says, short or failed as it says:
   ``aioexperts.open(path, io=IOOptions(backend=lambda *a: FakeBackend(*a, auto=True)))``.
@@ -31,25 +38,49 @@ Example:
     8
 """
 
+from .._cgroups import memory_cgroups as memory_cgroups
+from ._builtin import BUILTIN_SIZE_ENV as BUILTIN_SIZE_ENV
 from ._builtin import TINY_FULL_SPEC as TINY_FULL_SPEC
 from ._builtin import builtin_model_path as builtin_model_path
+from ._builtin import ensure_full_model as ensure_full_model
+from ._builtin import full_model_path as full_model_path
+from ._cache import cache_dir as cache_dir
+from ._cache import print_progress as print_progress
 from ._fake_backend import FakeBackend as FakeBackend
+from ._full_model import DEFAULT_FULL_LAYERS as DEFAULT_FULL_LAYERS
 from ._full_model import FULL_SPEC as FULL_SPEC
+from ._full_model import SKEWED_SPEC as SKEWED_SPEC
 from ._full_model import FullModelSpec as FullModelSpec
+from ._full_model import Progress as Progress
 from ._full_model import write_full_model as write_full_model
+from ._model_cache import BENCH_NAME as BENCH_NAME
+from ._model_cache import bench_model_path as bench_model_path
+from ._model_cache import ensure_bench_model as ensure_bench_model
 from ._synthetic import BENCH_SPEC as BENCH_SPEC
 from ._synthetic import SyntheticSpec as SyntheticSpec
 from ._synthetic import tiny_moe_writer as tiny_moe_writer
 from ._synthetic import write_synthetic_model as write_synthetic_model
 
 __all__ = (
+    "BENCH_NAME",
     "BENCH_SPEC",
+    "BUILTIN_SIZE_ENV",
+    "DEFAULT_FULL_LAYERS",
     "FULL_SPEC",
+    "SKEWED_SPEC",
+    "TINY_FULL_SPEC",
     "FakeBackend",
     "FullModelSpec",
+    "Progress",
     "SyntheticSpec",
-    "TINY_FULL_SPEC",
+    "bench_model_path",
     "builtin_model_path",
+    "cache_dir",
+    "ensure_bench_model",
+    "ensure_full_model",
+    "full_model_path",
+    "memory_cgroups",
+    "print_progress",
     "tiny_moe_writer",
     "write_full_model",
     "write_synthetic_model",

@@ -10,13 +10,10 @@ import anyio
 import numpy as np
 import pytest
 
-from aioexperts._bench import store_adapter as ea
-from aioexperts._bench.cachestate import drop_page_cache, probe_host_cache
-from aioexperts._bench.measure import rotated, spread
-from aioexperts._bench.read_replay import Destination, replay_mmap, replay_pread
-from aioexperts._bench.readbench import make_steps
-from aioexperts._bench.readlist import ReadList
 from aioexperts.testing import SyntheticSpec, write_synthetic_model
+from aioexperts_bench import ReadList, drop_page_cache, make_steps, probe_host_cache, rotated, spread
+from aioexperts_bench import store_adapter as ea
+from aioexperts_bench.read_replay import Destination, replay_mmap, replay_pread
 
 SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
 
@@ -66,16 +63,16 @@ def test_read_list_iolog_and_sizes(tmp_path: Path) -> None:
 
 
 @pytest.mark.io_uring
-def test_recorder_sees_exactly_the_engine_reads_and_replays_read_the_same_bytes(model: Path) -> None:
+def test_recorder_sees_exactly_the_store_reads_and_replays_read_the_same_bytes(model: Path) -> None:
     info = ea.model_info(str(model))
     steps = make_steps(info, 4, seed=1)
     recorder = ea.ReadRecorder(info.shard_paths, "io_uring", timestamps=True)
 
     async def run() -> dict[str, object]:
         options = ea.BenchOptions(slots=info.n_experts_total, backend=recorder, queue_depth=8)
-        async with ea.open_bench_store(str(model), options) as engine:
-            await ea.cold_pass(engine, steps, window=2)
-            return ea.store_stats(engine)
+        async with ea.open_bench_store(str(model), options) as store:
+            await ea.cold_pass(store, steps, window=2)
+            return ea.store_stats(store)
 
     stats = anyio.run(run)
     reads = recorder.read_list()
@@ -113,7 +110,7 @@ def test_host_cache_probe_reports_rates(model: Path) -> None:
 
 
 def test_fio_replay_counts_every_read(model: Path) -> None:
-    from aioexperts._bench.fio import fio_path, run_fio_replay
+    from aioexperts_bench import fio_path, run_fio_replay
 
     if fio_path() is None:
         pytest.skip("fio is not installed")
@@ -135,7 +132,7 @@ def test_fio_replay_counts_every_read(model: Path) -> None:
 def test_a_failing_fio_raises_one_line(
     script: str, needle: str, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aioexperts._bench import fio
+    from aioexperts_bench import fio
 
     fake = tmp_path / "fio"
     fake.write_text(f"#!/bin/sh\n{script}\n")
@@ -187,7 +184,7 @@ def test_the_docs_tables_are_rendered_from_the_committed_results(monkeypatch: py
     import importlib.util
     import re
 
-    from aioexperts._bench.results import load_results
+    from aioexperts_bench import load_results
 
     repo = Path(__file__).parents[2]
     monkeypatch.chdir(repo)  # the satellite benches' results files are named relative to the repository
@@ -221,11 +218,31 @@ _BENCH = Path(__file__).parents[2] / "bench"
     "script", sorted(p.name for p in _BENCH.glob("*.py") if "__main__" in p.read_text(encoding="utf-8"))
 )
 def test_every_bench_script_imports_and_answers_help(script: str) -> None:
-    """A bench script that no longer imports is found here, not at the end of a long quiet run."""
+    """A bench script that no longer imports is found here, not at the end of a long quiet run.
+
+    It runs against this checkout's ``aioexperts`` and ``aioexperts_bench`` (first on its path), not an
+    installed copy elsewhere.
+    """
+    import os
     import subprocess
     import sys
 
-    path = Path(__file__).parents[2] / "bench" / script
-    done = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120)
+    repo = Path(__file__).parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
+    path = repo / "bench" / script
+    done = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage" in done.stdout.lower()
+
+
+def test_a_results_file_of_before_the_store_rename_reads_under_the_new_names(tmp_path: Path) -> None:
+    """Files written when the bench called its own store "engine" keep rendering (docs/results/)."""
+    import json
+
+    from aioexperts_bench import SCHEMA, load_results
+
+    old = {"schema": SCHEMA, "reads": {"warm": {"engine": {"x": 1}}, "parameters": {"engine_slots": 7}}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    reads = load_results(path)["reads"]
+    assert reads["warm"] == {"store": {"x": 1}} and reads["parameters"] == {"store_slots": 7}

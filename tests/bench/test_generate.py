@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from aioexperts._bench import generate
-from aioexperts._bench.generate import _from_events, _round_summary, evaluate_targets, parse_limit, summarize, token_ids
-from aioexperts._bench.generate_report import load_generate_results, render_into, text_report
 from aioexperts.cli import bench
+from aioexperts_bench import generate, load_generate_results, render_into, text_report
+from aioexperts_bench.generate import _from_events, _round_summary, evaluate_targets, parse_limit, summarize, token_ids
 
 
 def test_generate_smoke_run_writes_results_and_a_report(
@@ -158,7 +157,7 @@ def test_render_replaces_only_the_region(tmp_path: Path, tiny_full_model: Path) 
 
 
 def test_results_of_one_model_merge_with_rounds_numbered_on() -> None:
-    from aioexperts._bench.generate_report import merge_results
+    from aioexperts_bench.generate_report import merge_results
 
     def part(limits: list[str], ratio: float) -> dict[str, object]:
         return {
@@ -200,7 +199,7 @@ def test_results_of_one_model_merge_with_rounds_numbered_on() -> None:
 
 
 def test_a_merged_header_names_each_files_parameters_and_commit() -> None:
-    from aioexperts._bench.generate_report import _parameters, merge_results
+    from aioexperts_bench.generate_report import _parameters, merge_results
 
     def part(limits: list[str], prompt: int, commit: str) -> dict[str, object]:
         return {
@@ -242,7 +241,7 @@ def test_llama_cpp_killed_in_every_round_is_said_so() -> None:
 
 
 def test_a_stopped_benchs_unfinished_round_is_left_out() -> None:
-    from aioexperts._bench.generate_report import merge_results
+    from aioexperts_bench.generate_report import merge_results
 
     def run(limit: str, rnd: int, engine: str) -> dict[str, object]:
         return {"engine": engine, "limit": limit, "round": rnd, "status": "ok", "decode_tok_s": 1.0, "p95_ms": 1.0}
@@ -276,7 +275,7 @@ def test_building_the_built_in_model_is_announced(monkeypatch: pytest.MonkeyPatc
     """The note callback hears about a build and a wait (it was accepted and never called)."""
     import argparse
 
-    from aioexperts._bench import full_model
+    from aioexperts import testing as full_model
     from aioexperts.cli import bench_generate
 
     def fake_ensure(*, spec, progress, on_build, on_wait):  # type: ignore[no-untyped-def]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from aioexperts._bench import generate_worker
+from aioexperts_bench import generate_worker
 
 BINDINGS = """
 class _Params:

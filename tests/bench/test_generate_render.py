@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from aioexperts._bench.generate_report import load_generate_results, render_into
+from aioexperts_bench import load_generate_results, render_into
 
 REPO = Path(__file__).parents[2]
 START, END = "<!-- bench:generate-headline -->", "<!-- /bench:generate-headline -->"

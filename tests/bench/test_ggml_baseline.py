@@ -1,4 +1,4 @@
-"""ggml's own mat-vec as the kernels bench's baseline (``aioexperts._bench.ggml_baseline``, issue 20).
+"""ggml's own mat-vec as the kernels bench's baseline (``aioexperts_bench.ggml_baseline``, issue 20).
 
 The tests that run ggml need llama-cpp-python (the ``baseline`` extra) and are skipped without it;
 the others check what the bench does without it, and the errors of the binding.
@@ -18,10 +18,9 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from aioexperts import ConfigError, FormatError, OptionalDependencyError, UnsupportedTypeError
-from aioexperts._bench import ggml_baseline
 from aioexperts._compute import fused
-from aioexperts._errors import BaselineMismatchError
 from aioexperts._format import dequant
+from aioexperts_bench import BaselineMismatchError, ggml_baseline
 
 Q = GGMLQuantizationType
 BENCH = Path(__file__).parents[2] / "bench"

@@ -1,4 +1,4 @@
-"""A fake-backed engine for cache tests, with a backend that checks slot reuse on every submit."""
+"""A fake-backed store for cache tests, with a backend that checks slot reuse on every submit."""
 
 from __future__ import annotations
 

@@ -46,15 +46,15 @@ async def test_cancelled_waiter_leaves_slots_loading_until_their_own_completion(
     model_path: Path, reference: dict[tuple[int, int], list[bytes]], anyio_backend: object
 ) -> None:
     holder: dict[str, CheckedFake] = {}
-    engine = aioexperts.open(model_path, slots=8, io=aioexperts.IOOptions(backend=fake_factory(holder, auto=False)))
-    await engine.start()
-    fake, cache = holder["fake"], cache_of(engine)
+    store = aioexperts.open(model_path, slots=8, io=aioexperts.IOOptions(backend=fake_factory(holder, auto=False)))
+    await store.start()
+    fake, cache = holder["fake"], cache_of(store)
     cancelled = False
 
     async def want_all() -> None:
         nonlocal cancelled
         try:
-            async with engine.experts(0, range(8)):
+            async with store.experts(0, range(8)):
                 raise AssertionError("must not get the experts")
         except anyio.get_cancelled_exc_class():
             cancelled = True
@@ -80,7 +80,7 @@ async def test_cancelled_waiter_leaves_slots_loading_until_their_own_completion(
     got: list[list[bytes]] = []
 
     async def want_other_layer() -> None:
-        async with engine.experts(1, range(8), wait=True) as views:
+        async with store.experts(1, range(8), wait=True) as views:
             got.extend(as_bytes(v) for v in views)
 
     async with anyio.create_task_group() as tg:
@@ -99,12 +99,12 @@ async def test_cancelled_waiter_leaves_slots_loading_until_their_own_completion(
     assert got == [reference[(1, e)] for e in range(8)]
     assert fake.violations == []
 
-    # close() waits for every read in flight; the waiter then learns the engine was closed
+    # close() waits for every read in flight; the waiter then learns the store was closed
     late: list[BaseException] = []
 
     async def late_waiter() -> None:
         try:
-            await cache_of(engine).acquire([(2, 0)])
+            await cache_of(store).acquire([(2, 0)])
         except aioexperts.StoreClosedError as exc:
             late.append(exc)
 
@@ -115,7 +115,7 @@ async def test_cancelled_waiter_leaves_slots_loading_until_their_own_completion(
         closed = anyio.Event()
 
         async def close() -> None:
-            await engine.aclose()
+            await store.aclose()
             closed.set()
 
         tg.start_soon(close)
@@ -143,11 +143,11 @@ async def test_out_of_order_and_half_reads_are_completed_at_the_right_offset(
 
     holder: dict[str, CheckedFake] = {}
     factory = fake_factory(holder, order="shuffle", fault=half_once, seed=3)
-    async with aioexperts.open(model_path, slots=5, io=aioexperts.IOOptions(backend=factory)) as engine:
-        for layer in engine.layout.layers:
-            async with engine.experts(layer, [0, 3, 5, 7]) as views:
+    async with aioexperts.open(model_path, slots=5, io=aioexperts.IOOptions(backend=factory)) as store:
+        for layer in store.layout.layers:
+            async with store.experts(layer, [0, 3, 5, 7]) as views:
                 assert [as_bytes(v) for v in views] == [reference[(layer, e)] for e in (0, 3, 5, 7)]
-        st = engine.statistics()
+        st = store.statistics()
         assert st.read_retries == 36  # every read came back half; the rest was read again
         assert st.read_errors == 0
     assert holder["fake"].violations == []
@@ -166,12 +166,12 @@ async def test_zero_bytes_before_eof_fails_every_waiter_and_frees_the_slot(
 
     async with aioexperts.open(
         model_path, slots=4, io=aioexperts.IOOptions(backend=fake_factory({}, fault=zero_for_expert3))
-    ) as engine:
+    ) as store:
         errors: list[BaseException] = []
 
         async def waiter() -> None:
             try:
-                async with engine.experts(0, [3, 1]):
+                async with store.experts(0, [3, 1]):
                     pass
             except aioexperts.ExpertReadError as exc:
                 errors.append(exc)
@@ -181,13 +181,13 @@ async def test_zero_bytes_before_eof_fails_every_waiter_and_frees_the_slot(
                 tg.start_soon(waiter)
         assert len(errors) == 3 and all(e is errors[0] for e in errors)
         assert "unexpected end of file" in str(errors[0])
-        assert cache_of(engine).state_of((0, 3)) is SlotState.FREE
-        assert cache_of(engine).state_of((0, 1)) is SlotState.READY  # the other expert is fine
-        assert engine.statistics().read_errors == 1
+        assert cache_of(store).state_of((0, 3)) is SlotState.FREE
+        assert cache_of(store).state_of((0, 1)) is SlotState.READY  # the other expert is fine
+        assert store.statistics().read_errors == 1
         poison["on"] = False
-        async with engine.experts(0, [3]) as views:  # usable, and the expert can be read again
+        async with store.experts(0, [3]) as views:  # usable, and the expert can be read again
             assert as_bytes(views[0]) == reference[(0, 3)]
-        assert len(cache_of(engine).free_slots) + len(cache_of(engine).entries) == 4
+        assert len(cache_of(store).free_slots) + len(cache_of(store).entries) == 4
 
 
 async def test_os_error_keeps_the_cause(model_path: Path, anyio_backend: object) -> None:
@@ -196,12 +196,12 @@ async def test_os_error_keeps_the_cause(model_path: Path, anyio_backend: object)
 
     async with aioexperts.open(
         model_path, slots=4, io=aioexperts.IOOptions(backend=fake_factory({}, fault=eio))
-    ) as engine:
+    ) as store:
         with pytest.raises(aioexperts.ExpertReadError, match="Input/output error") as info:
-            async with engine.experts(0, [2]):
+            async with store.experts(0, [2]):
                 pass
         assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.EIO
-        assert cache_of(engine).entries == {}
+        assert cache_of(store).entries == {}
 
 
 @pytest.mark.parametrize("backend", ["io_uring", "threads", "fake"])
@@ -217,11 +217,11 @@ async def test_1000_tasks_overlapping_experts_through_16_slots(
         model_path,
         cache=aioexperts.CacheOptions(slots=16, wait_for_slots=True),
         io=aioexperts.IOOptions(backend=chosen),
-    ) as engine:
+    ) as store:
 
         async def one(layer: int, ids: list[int]) -> None:
             nonlocal ok
-            async with engine.experts(layer, ids) as views:
+            async with store.experts(layer, ids) as views:
                 await anyio.lowlevel.checkpoint()
                 assert [as_bytes(v) for v in views] == [reference[(layer, e)] for e in ids]
                 ok += 1
@@ -230,51 +230,51 @@ async def test_1000_tasks_overlapping_experts_through_16_slots(
             async with anyio.create_task_group() as tg:
                 for layer, ids in requests:
                     tg.start_soon(one, layer, ids)
-        st = engine.statistics()
+        st = store.statistics()
         assert ok == 1000
         assert st.requests == sum(len(ids) for _, ids in requests)
         assert st.requests == st.hits + st.inflight_joins + st.misses
-        assert st.misses >= 24 and st.evictions == st.misses - len(cache_of(engine).entries)
+        assert st.misses >= 24 and st.evictions == st.misses - len(cache_of(store).entries)
         assert st.read_errors == 0 and st.in_flight == 0
-        assert cache_of(engine).pinned_slots == 0
+        assert cache_of(store).pinned_slots == 0
     if holder:
         assert holder["fake"].violations == []
 
 
 async def test_requests_of_one_tick_go_in_one_submission(model_path: Path, anyio_backend: object) -> None:
     holder: dict[str, CheckedFake] = {}
-    async with aioexperts.open(model_path, slots=16, io=aioexperts.IOOptions(backend=fake_factory(holder))) as engine:
+    async with aioexperts.open(model_path, slots=16, io=aioexperts.IOOptions(backend=fake_factory(holder))) as store:
 
         async def one(e: int) -> None:
-            async with engine.experts(0, [e]):
+            async with store.experts(0, [e]):
                 pass
 
         async with anyio.create_task_group() as tg:
             for e in range(5):
                 tg.start_soon(one, e)
         assert holder["fake"].batches == [15]
-        assert engine.statistics().submissions == 1
+        assert store.statistics().submissions == 1
 
 
 async def test_demand_goes_before_prefetch_and_depth_is_bounded(model_path: Path, anyio_backend: object) -> None:
     holder: dict[str, CheckedFake] = {}
     async with aioexperts.open(
         model_path, slots=16, io=aioexperts.IOOptions(backend=fake_factory(holder), queue_depth=6)
-    ) as engine:
-        cache = cache_of(engine)
+    ) as store:
+        cache = cache_of(store)
         assert cache.prefetch([(1, e) for e in range(4)]) == 4
-        async with engine.experts(2, [0, 1]) as views:
+        async with store.experts(2, [0, 1]) as views:
             assert len(views) == 2
         fake = holder["fake"]
         first = fake.submitted[0]
         assert len(first) == 6 and {op.context[0].plan.location.layer for op in first} == {2}
         await settle(20)
         assert max(len(b) for b in fake.submitted) <= 6
-        st = engine.statistics()
+        st = store.statistics()
         assert st.prefetch_issued == 4 and st.max_batch <= 6
-        async with engine.experts(1, [0]):
+        async with store.experts(1, [0]):
             pass
-        assert engine.statistics().prefetch_hits == 1
+        assert store.statistics().prefetch_hits == 1
 
 
 async def test_bytes_in_flight_are_bounded(model_path: Path, anyio_backend: object) -> None:
@@ -282,8 +282,8 @@ async def test_bytes_in_flight_are_bounded(model_path: Path, anyio_backend: obje
     expert = SMALL.expert_bytes()
     async with aioexperts.open(
         model_path, slots=16, io=aioexperts.IOOptions(backend=fake_factory(holder), max_bytes_in_flight=2 * expert)
-    ) as engine:
-        async with engine.experts(0, range(6)):
+    ) as store:
+        async with store.experts(0, range(6)):
             pass
         for batch in holder["fake"].submitted:
             assert sum(op.n_bytes for op in batch) <= 2 * expert + 3 * 4096
@@ -291,24 +291,24 @@ async def test_bytes_in_flight_are_bounded(model_path: Path, anyio_backend: obje
 
 async def test_stale_prefetch_is_dropped_before_submission(model_path: Path, anyio_backend: object) -> None:
     holder: dict[str, CheckedFake] = {}
-    async with aioexperts.open(model_path, slots=16, io=aioexperts.IOOptions(backend=fake_factory(holder))) as engine:
-        cache = cache_of(engine)
+    async with aioexperts.open(model_path, slots=16, io=aioexperts.IOOptions(backend=fake_factory(holder))) as store:
+        cache = cache_of(store)
         cache.prefetch([(1, 4), (1, 5), (2, 0)])
         dropped = cache.drop_prefetches(keep=lambda key: key[0] == 2)
         assert dropped == 2
         await settle()
         layers = {op.context[0].plan.location.layer for batch in holder["fake"].submitted for op in batch}
         assert layers == {2}
-        st = engine.statistics()
+        st = store.statistics()
         assert (st.prefetch_issued, st.prefetch_dropped) == (3, 2)
         assert len(cache.free_slots) == 15
 
 
 async def test_prefetch_never_evicts_pinned_or_its_own_layer(model_path: Path, anyio_backend: object) -> None:
-    async with aioexperts.open(model_path, slots=4, io=aioexperts.IOOptions(backend=fake_factory({}))) as engine:
-        cache = cache_of(engine)
-        async with engine.experts(0, [0, 1]):
-            async with engine.experts(1, [0, 1]):
+    async with aioexperts.open(model_path, slots=4, io=aioexperts.IOOptions(backend=fake_factory({}))) as store:
+        cache = cache_of(store)
+        async with store.experts(0, [0, 1]):
+            async with store.experts(1, [0, 1]):
                 pass  # layer 1's experts are now READY and unpinned
             # free slots: none; evictable: layer 1's two. A prefetch for layer 1 may not evict them,
             assert cache.prefetch([(1, 5), (1, 6)]) == 0
@@ -322,24 +322,24 @@ async def test_start_loads_submits_demand_then_prefetch_at_once_and_keeps_the_re
     model_path: Path, anyio_backend: object
 ) -> None:
     holder: dict[str, CheckedFake] = {}
-    async with aioexperts.open(model_path, slots=5, io=aioexperts.IOOptions(backend=fake_factory(holder))) as engine:
-        cache = cache_of(engine)
-        async with engine.experts(0, [0, 1, 2, 3, 4]):
+    async with aioexperts.open(model_path, slots=5, io=aioexperts.IOOptions(backend=fake_factory(holder))) as store:
+        cache = cache_of(store)
+        async with store.experts(0, [0, 1, 2, 3, 4]):
             pass  # the slab is full of READY, unpinned layer-0 experts, 0 the least recently used
         fake = holder["fake"]
         before = len(fake.submitted)
         # a request for layer 0's experts 0 and 5 (0 cached): 5 is read as a demand load, then the
         # prefetch of layer 1, in one submission made inside the call (no loop tick in between)
-        started = engine.start_loads(0, [0, 5, -1], prefetch=[(1, 0), (1, 1), (1, 2)])
+        started = store.start_loads(0, [0, 5, -1], prefetch=[(1, 0), (1, 1), (1, 2)])
         assert len(fake.submitted) == before + 1
         loads = [key for key, _ in itertools.groupby(op.context[0].plan.key for op in fake.submitted[-1])]
         assert loads == [(0, 5), (1, 0), (1, 1), (1, 2)] and started == 4  # demand first, each load's reads together
         # the request's cached expert 0 is never a victim (LRU would have taken it first)
         assert cache.state_of((0, 0)) is SlotState.READY
-        s0 = engine.statistics()
-        async with engine.experts(0, [0, 5]):
+        s0 = store.statistics()
+        async with store.experts(0, [0, 5]):
             pass
-        s1 = engine.statistics()
+        s1 = store.statistics()
         assert (s1.misses - s0.misses, s1.hits - s0.hits, s1.inflight_joins - s0.inflight_joins) == (1, 1, 0)
         await settle()
 
@@ -362,15 +362,15 @@ async def test_trace_is_recorded_and_replayed(model_path: Path, anyio_backend: o
     assert result.hits == st.hits and result.misses == st.misses
 
 
-async def test_close_while_requests_wait_gives_engine_closed(model_path: Path, anyio_backend: object) -> None:
+async def test_close_while_requests_wait_gives_store_closed(model_path: Path, anyio_backend: object) -> None:
     """Waiters woken by close() get StoreClosedError, never an error about the unmapped slab."""
     outcomes: list[str] = []
     for delay_ticks in range(6):
-        async with aioexperts.open(model_path, slots=6, io=aioexperts.IOOptions(backend=fake_factory({}))) as engine:
+        async with aioexperts.open(model_path, slots=6, io=aioexperts.IOOptions(backend=fake_factory({}))) as store:
 
-            async def user(i: int, engine: aioexperts.ExpertStore = engine) -> None:
+            async def user(i: int, store: aioexperts.ExpertStore = store) -> None:
                 try:
-                    async with engine.experts(i % 3, [i % 8, (i + 3) % 8]) as views:
+                    async with store.experts(i % 3, [i % 8, (i + 3) % 8]) as views:
                         assert all(v is not None for v in views)
                     outcomes.append("ok")
                 except aioexperts.AioExpertsError as exc:
@@ -380,7 +380,7 @@ async def test_close_while_requests_wait_gives_engine_closed(model_path: Path, a
                 for i in range(8):
                     tg.start_soon(user, i)
                 await settle(delay_ticks)
-                await engine.aclose()
+                await store.aclose()
     assert outcomes and set(outcomes) <= {"ok", "StoreClosedError", "SlabExhaustedError"}
     assert "StoreClosedError" in outcomes
 
@@ -394,7 +394,7 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 async def test_waiting_requests_are_served_in_order(wide_model: Path, anyio_backend: object) -> None:
     """A request for most of the slab is not starved by a stream of small ones."""
-    async with aioexperts.open(wide_model, cache=aioexperts.CacheOptions(slots=16, wait_for_slots=True)) as engine:
+    async with aioexperts.open(wide_model, cache=aioexperts.CacheOptions(slots=16, wait_for_slots=True)) as store:
         stop = False
         small_done = 0
 
@@ -402,7 +402,7 @@ async def test_waiting_requests_are_served_in_order(wide_model: Path, anyio_back
             nonlocal small_done
             rng = random.Random(i)
             while not stop:
-                async with engine.experts(rng.randrange(4), rng.sample(range(32), 4)):
+                async with store.experts(rng.randrange(4), rng.sample(range(32), 4)):
                     await anyio.sleep(0.002)
                 small_done += 1
 
@@ -411,7 +411,7 @@ async def test_waiting_requests_are_served_in_order(wide_model: Path, anyio_back
                 tg.start_soon(small, i)
             await anyio.sleep(0.1)
             with anyio.fail_after(5):
-                async with engine.experts(0, range(12)) as views:
+                async with store.experts(0, range(12)) as views:
                     assert len(views) == 12
             stop = True
         assert small_done > 0

@@ -47,8 +47,8 @@ op_st = st.one_of(
 )
 
 
-def check_invariants(engine: aioexperts.ExpertStore, fake: CheckedFake, held: dict[int, dict[str, object]]) -> None:
-    cache = cache_of(engine)
+def check_invariants(store: aioexperts.ExpertStore, fake: CheckedFake, held: dict[int, dict[str, object]]) -> None:
+    cache = cache_of(store)
     assert fake.violations == []
     slots = [e.slot for e in cache.entries.values()]
     assert len(slots) == len(set(slots))
@@ -80,8 +80,8 @@ def test_random_interleavings_keep_the_invariants(
 
     async def main() -> None:
         holder: dict[str, CheckedFake] = {}
-        engine = aioexperts.open(path, slots=N_SLOTS, io=aioexperts.IOOptions(backend=fake_factory(holder, auto=False)))
-        await engine.start()
+        store = aioexperts.open(path, slots=N_SLOTS, io=aioexperts.IOOptions(backend=fake_factory(holder, auto=False)))
+        await store.start()
         fake = holder["fake"]
         tasks: dict[int, dict[str, object]] = {}
         errors: list[BaseException] = []
@@ -90,7 +90,7 @@ def test_random_interleavings_keep_the_invariants(
             info = tasks[tid]
             with info["scope"]:  # type: ignore[attr-defined]
                 try:
-                    entries = await cache_of(engine).acquire([(layer, e) for e in ids], wait=wait)
+                    entries = await cache_of(store).acquire([(layer, e) for e in ids], wait=wait)
                 except (
                     aioexperts.SlabExhaustedError,
                     aioexperts.ExpertReadError,
@@ -100,13 +100,13 @@ def test_random_interleavings_keep_the_invariants(
                 else:
                     try:
                         info["entries"] = entries
-                        info["views"] = [engine._source.view(e) for e in entries]
+                        info["views"] = [store._source.view(e) for e in entries]
                         await info["release"].wait()  # type: ignore[attr-defined]
                         for e, v in zip(entries, info["views"], strict=True):  # type: ignore[arg-type]
                             assert [bytes(p.data) for p in (v.gate, v.up, v.down)] == ref[e.key]
                     finally:
                         info["views"] = None
-                        cache_of(engine).release(entries)
+                        cache_of(store).release(entries)
             info["done"] = True
 
         async with anyio.create_task_group() as tg:
@@ -139,21 +139,17 @@ def test_random_interleavings_keep_the_invariants(
                     }[mode]
                     fake.complete(target, result)
                 elif kind == "prefetch":
-                    cache_of(engine).prefetch([(op[1], e) for e in op[2]])
+                    cache_of(store).prefetch([(op[1], e) for e in op[2]])
                 elif kind == "drop":
-                    cache_of(engine).drop_prefetches(keep=lambda key, layer=op[1]: key[0] != layer)
+                    cache_of(store).drop_prefetches(keep=lambda key, layer=op[1]: key[0] != layer)
                 await settle(3)
-                check_invariants(engine, fake, tasks)
+                check_invariants(store, fake, tasks)
             # wind down: release everything, complete every read until every request has finished
             for info in tasks.values():
                 info["release"].set()  # type: ignore[attr-defined]
             for _ in range(200):
                 await settle(3)
-                if (
-                    not fake.pending
-                    and cache_of(engine).scheduler.idle
-                    and all(info["done"] for info in tasks.values())
-                ):
+                if not fake.pending and cache_of(store).scheduler.idle and all(info["done"] for info in tasks.values()):
                     break
                 fake.complete_all()
             # every request must have finished on its own: nothing is pinned, nothing is in flight,
@@ -163,13 +159,13 @@ def test_random_interleavings_keep_the_invariants(
             assert not unfinished, (
                 f"requests {unfinished} never finished although every pin was released and every read completed"
             )
-            assert not fake.pending and cache_of(engine).scheduler.idle
+            assert not fake.pending and cache_of(store).scheduler.idle
             tg.cancel_scope.cancel()
-        check_invariants(engine, fake, tasks)
+        check_invariants(store, fake, tasks)
         assert not fake.pending, f"{len(fake.pending)} reads still pending at close"
-        await engine.aclose()
+        await store.aclose()
         assert fake.closed
-        stats = engine.statistics()
+        stats = store.statistics()
         assert stats.requests == stats.hits + stats.inflight_joins + stats.misses
         assert all(isinstance(e, aioexperts.AioExpertsError) for e in errors)
 

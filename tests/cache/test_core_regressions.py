@@ -1,4 +1,4 @@
-"""Regression tests of the cache: a faulty eviction policy, wait=False, short reads through the engine."""
+"""Regression tests of the cache: a faulty eviction policy, wait=False, short reads through the store."""
 
 from __future__ import annotations
 
@@ -158,10 +158,10 @@ async def test_wait_false_with_every_slot_pinned_fails_at_once_even_with_waiters
     await stack.aclose()
 
 
-# -- 5. the engine restarts a short direct read at the kernel's alignment ---------------------------
+# -- 5. the store restarts a short direct read at the kernel's alignment ---------------------------
 
 
-async def test_the_engine_restarts_a_short_direct_read_at_the_kernels_alignment(
+async def test_the_store_restarts_a_short_direct_read_at_the_kernels_alignment(
     model_path: Path, reference: dict[Key, list[bytes]], anyio_backend: object
 ) -> None:
     kernel_unit = probe_alignment(model_path).unit

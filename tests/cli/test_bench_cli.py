@@ -32,7 +32,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def results(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:  # type: ignore[type-arg]
     out = tmp_path_factory.mktemp("out") / "results.json"
     reason = io_uring_unusable_reason()
-    if reason is not None:  # the figures below are the io_uring engine's against the others
+    if reason is not None:  # the figures below are the io_uring store's against the others
         pytest.skip(f"io_uring unusable here: {reason}")
     methods = "io_uring,threads,pread,mmap" + (",fio" if shutil.which("fio") else "")
     assert bench.main(["--model", str(model), "--out", str(out), "--methods", methods, *FAST]) == 0
@@ -76,7 +76,7 @@ def test_ratios_are_per_round(results: dict) -> None:  # type: ignore[type-arg]
 
 
 def test_warm_and_token_figures(results: dict) -> None:  # type: ignore[type-arg]
-    warm = results["reads"]["warm"]["engine"]
+    warm = results["reads"]["warm"]["store"]
     assert warm["experts_single_us_per_hit"]["median"] > 0 and warm["moe_us_per_call"]["median"] > 0
     tokens = results["tokens"]
     assert len(tokens["rounds"]) == 2
@@ -125,7 +125,7 @@ def test_progress_goes_to_stderr_as_plain_lines(model: Path, capsys: pytest.Capt
     argv = ["--model", str(model), "--out", "", "--mode", "reads", "--methods", "mmap", "--rounds", "2", "--no-probe"]
     assert bench.main(argv) == 0
     err = capsys.readouterr().err
-    assert "recording the engine's reads" in err and "\x1b[" not in err
+    assert "recording the store's reads" in err and "\x1b[" not in err
 
 
 def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
@@ -190,7 +190,7 @@ def test_a_damaged_built_in_model_suggests_rebuild(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "cache"))
-    from aioexperts._bench.model_cache import bench_model_path
+    from aioexperts.testing import bench_model_path
 
     bench_model_path().parent.mkdir()
     bench_model_path().write_bytes(b"GGUF" + b"\0" * 100)  # truncated: a FormatError reading it
@@ -275,8 +275,7 @@ def test_results_that_cannot_be_written_are_still_printed(
 def test_a_failing_fio_is_one_line_and_a_failed_row(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from aioexperts._bench import readbench
-    from aioexperts._bench.fio import FioError
+    from aioexperts_bench import FioError, readbench
 
     calls = []
 
@@ -320,7 +319,7 @@ def test_default_model_is_built_in_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "cache"))
-    import aioexperts._bench.model_cache as model_cache
+    import aioexperts.testing._model_cache as model_cache
 
     monkeypatch.setattr(model_cache, "BENCH_SPEC", SMALL)
     argv = ["--mode", "reads", "--methods", "mmap", "--rounds", "1", "--no-probe", "--json", "--out", ""]
@@ -364,17 +363,17 @@ def test_a_missing_extra_is_one_line_naming_the_extra(blocked: str, extra: str) 
 
 def test_a_missing_module_that_is_no_extra_is_not_hidden() -> None:
     """Only the optional extras get the one-line message; any other missing module keeps its traceback."""
-    code = "import sys; sys.modules['aioexperts._bench.sweep'] = None; from aioexperts.cli.bench import main"
+    code = "import sys; sys.modules['aioexperts_bench.sweep'] = None; from aioexperts.cli.bench import main"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert run.returncode == 1 and "Traceback" in run.stderr and "ModuleNotFoundError" in run.stderr
 
 
-def test_the_thread_pool_engine_gives_warm_figures_and_a_timeline_of_phases(model: Path, tmp_path: Path) -> None:
-    """Without io_uring: the warm hit follows the thread-pool engine's pass; the timeline splits a token."""
+def test_the_thread_pool_store_gives_warm_figures_and_a_timeline_of_phases(model: Path, tmp_path: Path) -> None:
+    """Without io_uring: the warm hit follows the thread-pool store's pass; the timeline splits a token."""
     out = tmp_path / "results.json"
-    assert bench.main(["--model", str(model), "--out", str(out), "--methods", "engine-threads", *FAST]) == 0
+    assert bench.main(["--model", str(model), "--out", str(out), "--methods", "aioexperts-threads", *FAST]) == 0
     results = json.loads(out.read_text())
-    warm = results["reads"]["warm"]["engine"]
+    warm = results["reads"]["warm"]["store"]
     assert warm["experts_single_us_per_hit"]["median"] > 0 and warm["experts_single_calls"]["median"] > 0
     timeline = results["tokens"]["timeline"]
     phases = timeline["phases"]

@@ -169,8 +169,8 @@ def test_json_still_prints_the_progress_of_writing_the_built_in_model(
     """In-process, with the built-in model's spec made tiny: the build's lines go to stderr with --json."""
     from conftest import TINY_FULL_SPEC_FIELDS
 
-    from aioexperts._bench import full_model
     from aioexperts.cli.run import main
+    from aioexperts.testing import _builtin as full_model
     from aioexperts.testing._full_model import FullModelSpec
 
     monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path))

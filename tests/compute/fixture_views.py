@@ -1,6 +1,6 @@
 """Test-side access to the shared GGUF fixtures and their llama.cpp goldens.
 
-Builds what the engine will later provide: the GGUF metadata as a plain dict, resident tensors
+Builds what the store will later provide: the GGUF metadata as a plain dict, resident tensors
 dequantized with ``gguf.quants.dequantize``, and one ``ExpertView`` per routed expert made from a plain
 file read of its byte run (``[data_offset + e*B, +B)``, docs/notes/FORMATS.md section 1), with mixed-tier banks
 ``ffn_*_exps_tierN`` numbered by global id = bank start + local id (section 2).

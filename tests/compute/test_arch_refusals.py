@@ -58,23 +58,23 @@ X = np.ones((2, N_EMBD), dtype=np.float32)
 async def test_per_expert_scales_are_refused(tmp_path: Path, proj: str, anyio_backend: object) -> None:
     name = f"blk.0.ffn_{proj}_exps.scale"
     path = _model(tmp_path / "m.gguf", "qwen3moe", [gb.Tensor(name, [N_EXPERT])])
-    async with moe_session(path, slots=N_EXPERT) as engine:
-        async with engine.experts(0, [1]) as views:  # the raw bytes are still served
+    async with moe_session(path, slots=N_EXPERT) as session:
+        async with session.experts(0, [1]) as views:  # the raw bytes are still served
             assert views[0] is not None
         with pytest.raises(UnsupportedTypeError, match=rf"'{name}': per-expert output scales"):
-            await engine.moe(0, X)
+            await session.moe(0, X)
 
 
 @pytest.mark.anyio
 async def test_grok2_parallel_dense_ffn_is_refused(tmp_path: Path, anyio_backend: object) -> None:
     dense = [gb.Tensor(f"blk.0.ffn_{p}.weight", [N_EMBD, 64] if p != "down" else [64, N_EMBD]) for p in ("gate", "up")]
     path = _model(tmp_path / "g.gguf", "grok", dense)
-    async with moe_session(path, slots=N_EXPERT) as engine:
+    async with moe_session(path, slots=N_EXPERT) as session:
         with pytest.raises(UnsupportedTypeError, match=r"'blk\.0\.ffn_up\.weight': grok's parallel dense FFN"):
-            await engine.moe(0, X)
+            await session.moe(0, X)
     grok1 = _model(tmp_path / "g1.gguf", "grok")  # Grok-1: experts only
-    async with moe_session(grok1, slots=N_EXPERT) as engine:
-        assert (await engine.moe(0, X)).shape == X.shape
+    async with moe_session(grok1, slots=N_EXPERT) as session:
+        assert (await session.moe(0, X)).shape == X.shape
 
 
 def test_check_tensors_accepts_the_usual_names() -> None:

@@ -12,6 +12,6 @@
   module the real :class:`UringBackend` calls, raising on the n-th prep / submit / get_sqe, refusing
   buffer registration or the probe, and rewriting completions; it also checks, each time entries go
   to the kernel, that no read entry belongs to a read the scheduler no longer counts as in flight.
-- :mod:`faults.stack`: builds files, slab, backend, scheduler and cache like the engine does,
+- :mod:`faults.stack`: builds files, slab, backend, scheduler and cache like the store does,
   drives them through the cache API and checks the core's invariants.
 """

@@ -1,4 +1,4 @@
-"""The I/O core as the engine assembles it (files, slab, backend, scheduler, cache), for fault tests.
+"""The I/O core as the store assembles it (files, slab, backend, scheduler, cache), for fault tests.
 
 :func:`open_stack` builds it on the running event loop from a GGUF path and a backend factory;
 :class:`Stack` drives it through the cache API (``acquire`` / ``release`` / ``prefetch``) and
@@ -153,7 +153,7 @@ class Stack:
         return bad
 
     async def aclose(self) -> None:
-        """Close like the engine does: cache (and scheduler), wait for reads, backend, files, slab."""
+        """Close like the store does: cache (and scheduler), wait for reads, backend, files, slab."""
         if self.closed:
             return
         self.closed = True

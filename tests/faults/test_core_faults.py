@@ -434,22 +434,22 @@ async def test_ring_set_up_and_teardown_run_in_a_worker_thread(model_path: Path,
     assert open_fds() == baseline
 
 
-async def test_an_engine_closed_with_a_failed_submit_in_flight_closes_cleanly(
+async def test_a_store_closed_with_a_failed_submit_in_flight_closes_cleanly(
     model_path: Path, anyio_backend: object
 ) -> None:
-    """The engine's existing aclose path (cache.close, wait, backend.close) on top of these changes."""
+    """The store's existing aclose path (cache.close, wait, backend.close) on top of these changes."""
     holder: dict[str, FaultyFake] = {}
 
     def factory(files: Any, slab: Any, loop: Any, depth: int) -> FaultyFake:
         holder["fake"] = FaultyFake(files, slab, loop, depth, submit_fault=(0, 2, RuntimeError("x")))
         return holder["fake"]
 
-    engine = aioexperts.open(model_path, slots=8, io=aioexperts.IOOptions(backend=factory))
-    await engine.start()
+    store = aioexperts.open(model_path, slots=8, io=aioexperts.IOOptions(backend=factory))
+    await store.start()
     with pytest.raises(ExpertReadError):
-        async with engine.experts(0, [0, 1]):
+        async with store.experts(0, [0, 1]):
             pass
-    await engine.aclose()
+    await store.aclose()
     assert holder["fake"].closed and holder["fake"].violations == []
     with pytest.raises(StoreClosedError):
-        engine.prefetch([(0, 0)])
+        store.prefetch([(0, 0)])

@@ -159,7 +159,7 @@ def _old_style_map(path: Path, blocks: list[int]) -> bytes:
 
 
 @pytest.mark.anyio
-async def test_engine_refuses_a_map_for_a_model_with_a_dense_lead(tmp_path: Path, anyio_backend: object) -> None:
+async def test_the_store_refuses_a_map_for_a_model_with_a_dense_lead(tmp_path: Path, anyio_backend: object) -> None:
     path = _model(tmp_path / "d.gguf", (1, 2), 3)
     shifted = tmp_path / "shifted.weepf"
     shifted.write_bytes(_old_style_map(path, [1, 2]))  # record 0 would be applied to block 0

@@ -132,7 +132,7 @@ def test_non_utf8_string_does_not_refuse_the_model(tmp_path: Path, key: str) -> 
     assert value.raw == BAD
     assert value == "Qwen\ufffd\ufffd-MoE \ufffd("
     assert model.architecture == "qwen3moe"
-    hp = MoEHParams.from_metadata(model.architecture, model.metadata)  # the engine's keys still read
+    hp = MoEHParams.from_metadata(model.architecture, model.metadata)  # the store's keys still read
     assert (hp.n_expert, hp.n_expert_used) == (4, 2)
 
 
@@ -160,7 +160,7 @@ def test_non_utf8_architecture_is_refused_naming_the_key(tmp_path: Path) -> None
         open_model(path)
 
 
-def test_non_utf8_string_in_a_key_the_engine_reads_is_refused_naming_it(tmp_path: Path) -> None:
+def test_non_utf8_string_in_a_key_the_store_reads_is_refused_naming_it(tmp_path: Path) -> None:
     model = open_model(_moe_file(tmp_path, ("qwen3moe.expert_shared_feed_forward_length", T.STRING, b"\xff")))
     with pytest.raises(FormatError, match=r"qwen3moe\.expert_shared_feed_forward_length is a string that is not valid"):
         MoEHParams.from_metadata(model.architecture, model.metadata)

@@ -2,7 +2,7 @@
 
 glm4moe (and bailingmoe2, GLM-4.7's deepseek2 files) store the multi-token-prediction block(s) as the
 last blocks, with full expert tensors; llama.cpp loads them with ``TENSOR_SKIP`` and its graph stops
-before them. They must not be in ``engine.layout.layers``, be prefetched, or be run per token.
+before them. They must not be in ``store.layout.layers``, be prefetched, or be run per token.
 """
 
 from __future__ import annotations
@@ -95,19 +95,19 @@ def test_nextn_count_not_below_block_count_is_refused(tmp_path: Path, nextn: int
 
 
 @pytest.mark.anyio
-async def test_engine_never_reads_prefetches_or_runs_the_nextn_block(tmp_path: Path, anyio_backend: object) -> None:
+async def test_the_runner_never_reads_prefetches_or_runs_the_nextn_block(tmp_path: Path, anyio_backend: object) -> None:
     path = _glm4moe(tmp_path / "m.gguf")
     x = np.random.default_rng(1).standard_normal((3, N_EMBD)).astype(np.float32)
-    async with moe_session(path, slots=2 * N_EXPERT, record_trace=True) as engine:
-        assert list(engine.layout.layers) == [1, 2]
-        assert engine.upcoming_layers(2) == [1]  # wraps to the next token's first layer, not to block 3
-        await engine.warmup()  # the resident weights of blocks 1 and 2 (block 3 is never loaded)
-        result = await engine.run_moe_layers(x)
-        await engine.run_moe_layers(x)
+    async with moe_session(path, slots=2 * N_EXPERT, record_trace=True) as session:
+        assert list(session.layout.layers) == [1, 2]
+        assert session.upcoming_layers(2) == [1]  # wraps to the next token's first layer, not to block 3
+        await session.warmup()  # the resident weights of blocks 1 and 2 (block 3 is never loaded)
+        result = await session.run_moe_layers(x)
+        await session.run_moe_layers(x)
         assert [step.layer for step in result.steps] == [1, 2]
         with pytest.raises(InvalidRequestError, match="NextN"):
-            await engine.moe(3, x)
-        trace = engine.routing_trace()
+            await session.moe(3, x)
+        trace = session.routing_trace()
     assert list(trace.layers) == [1, 2]
 
 

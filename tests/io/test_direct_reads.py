@@ -82,13 +82,13 @@ async def test_expert_1152_bytes_past_a_page_boundary_reads_right_with_direct_io
     model = aioexperts.open_model(path)
     loc = aioexperts.build_layout(model).locate(0, 1)
     assert model.tensor("blk.0.ffn_gate_exps.weight").data_offset % 4096 == 1152
-    async with aioexperts.open(path, slots=2, io=aioexperts.IOOptions(backend=backend)) as engine:
+    async with aioexperts.open(path, slots=2, io=aioexperts.IOOptions(backend=backend)) as store:
         drop_cache(path)  # parsing the header may have read ahead into the experts
         assert resident_pages(path, loc.gate.offset, loc.gate.n_bytes) == 0
-        assert engine.statistics().direct_io
+        assert store.statistics().direct_io
         flags = fd_flags_of(path)
         assert flags and all(f & os.O_DIRECT for f in flags)  # every descriptor of the model is direct
-        async with engine.experts(0, [0, 1]) as views:
+        async with store.experts(0, [0, 1]) as views:
             got = {
                 view.expert: [bytes(p.data) for p in (view.gate, view.up, view.down)]
                 for view in views
@@ -96,7 +96,7 @@ async def test_expert_1152_bytes_past_a_page_boundary_reads_right_with_direct_io
             }
         # the reads bypassed the page cache: none of the experts' pages became resident
         for e in (0, 1):
-            for seg in engine.layout.locate(0, e).segments:
+            for seg in store.layout.locate(0, e).segments:
                 assert resident_pages(path, seg.offset, seg.n_bytes) == 0
     for e in (0, 1):
         want = [pread_segment(model, seg) for seg in model_layout(model).locate(0, e).segments]

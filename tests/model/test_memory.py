@@ -256,7 +256,7 @@ def test_memory_cgroups_take_the_mount_root_off_the_path(tmp_path: Path) -> None
 def test_the_bench_creates_its_group_in_the_same_cgroup_the_limit_is_read_from(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from aioexperts._bench import cgroup
+    from aioexperts_bench import cgroup
 
     monkeypatch.setattr(cgroup, "memory_cgroups", lambda: [("v2", "/x/v2dir"), ("v1", "/x/v1dir")])
     assert cgroup.own_memory_cgroup() == ("v1", "/x/v1dir")

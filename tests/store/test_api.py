@@ -1,4 +1,4 @@
-"""The public engine API: requests, errors that leave the engine usable, closing, statistics."""
+"""The public store API: requests, errors that leave the store usable, closing, statistics."""
 
 from __future__ import annotations
 
@@ -196,8 +196,8 @@ async def test_views_ids_minus_one_and_duplicates(model_path: Path, anyio_backen
     model = aioexperts.open_model(model_path)
     layout = aioexperts.build_layout(model)
     assert list(layout.layers) == [1, 2]
-    async with aioexperts.open(model_path, slots=4) as engine:
-        async with engine.experts(1, [3, -1, 3, np.int64(5)]) as views:
+    async with aioexperts.open(model_path, slots=4) as store:
+        async with store.experts(1, [3, -1, 3, np.int64(5)]) as views:
             assert views[1] is None
             assert views[0] is views[2]
             assert [v.expert for v in views if v is not None] == [3, 3, 5]
@@ -206,10 +206,10 @@ async def test_views_ids_minus_one_and_duplicates(model_path: Path, anyio_backen
                 loc = layout.locate(1, view.expert)
                 assert bytes(view.down.data) == pread_segment(model, loc.down)
             held = views[0].gate.data  # type: ignore[union-attr]
-        st = engine.statistics()
+        st = store.statistics()
         assert (st.requests, st.misses) == (2, 2)
         assert bytes(held) == pread_segment(model, layout.locate(1, 3).gate)  # shared views live with the slot
-        async with engine.experts(1, [0, 1, 2, 4]):  # the slots of 3 and 5 are reused
+        async with store.experts(1, [0, 1, 2, 4]):  # the slots of 3 and 5 are reused
             pass
         with pytest.raises(ValueError, match="released"):
             bytes(held)  # a view is released when its slot shows another expert
@@ -227,52 +227,52 @@ async def test_views_ids_minus_one_and_duplicates(model_path: Path, anyio_backen
         ("1", [1], "no MoE layer"),
     ],
 )
-async def test_bad_requests_leave_the_engine_usable(
+async def test_bad_requests_leave_the_store_usable(
     model_path: Path, layer: object, ids: list[object], needle: str, anyio_backend: object
 ) -> None:
-    async with aioexperts.open(model_path, slots=4) as engine:
+    async with aioexperts.open(model_path, slots=4) as store:
         with pytest.raises(aioexperts.InvalidRequestError, match=needle):
-            async with engine.experts(layer, ids):  # type: ignore[arg-type]
+            async with store.experts(layer, ids):  # type: ignore[arg-type]
                 pass
-        assert engine.statistics().pinned_slots == 0
-        async with engine.experts(2, [0, 1]) as views:
+        assert store.statistics().pinned_slots == 0
+        async with store.experts(2, [0, 1]) as views:
             assert len(views) == 2
-        assert engine.statistics().requests == 2
+        assert store.statistics().requests == 2
 
 
 async def test_slab_too_small_is_a_clear_error(model_path: Path, anyio_backend: object) -> None:
-    async with aioexperts.open(model_path, slots=3) as engine:
+    async with aioexperts.open(model_path, slots=3) as store:
         with pytest.raises(aioexperts.SlabExhaustedError, match="4 experts requested at once but the slab has 3"):
-            async with engine.experts(1, [0, 1, 2, 3]):
+            async with store.experts(1, [0, 1, 2, 3]):
                 pass
-        async with engine.experts(1, [0, 1]):
+        async with store.experts(1, [0, 1]):
             with pytest.raises(aioexperts.SlabExhaustedError, match="pinned"):
-                async with engine.experts(2, [0, 1]):
+                async with store.experts(2, [0, 1]):
                     pass
-        async with engine.experts(2, [0, 1, 2]) as views:  # everything unpinned again
+        async with store.experts(2, [0, 1, 2]) as views:  # everything unpinned again
             assert len(views) == 3
 
 
-async def test_closed_engine_refuses_requests(model_path: Path, anyio_backend: object) -> None:
-    engine = aioexperts.open(model_path, slots=4)
+async def test_closed_store_refuses_requests(model_path: Path, anyio_backend: object) -> None:
+    store = aioexperts.open(model_path, slots=4)
     with pytest.raises(aioexperts.StoreClosedError, match="not started"):
-        engine.statistics()
-    async with engine:
+        store.statistics()
+    async with store:
         pass
-    assert engine.closed
+    assert store.closed
     with pytest.raises(aioexperts.StoreClosedError):
-        async with engine.experts(1, [0]):
+        async with store.experts(1, [0]):
             pass
-    await engine.aclose()  # idempotent
-    assert engine.statistics().in_flight == 0
+    await store.aclose()  # idempotent
+    assert store.statistics().in_flight == 0
 
 
 async def test_statistics_are_frozen_and_add_up(model_path: Path, anyio_backend: object) -> None:
-    async with aioexperts.open(model_path, slots=8) as engine:
+    async with aioexperts.open(model_path, slots=8) as store:
         for ids in ([0, 1], [1, 2], [0, 2, 3]):
-            async with engine.experts(1, ids):
+            async with store.experts(1, ids):
                 pass
-        st = engine.statistics()
+        st = store.statistics()
         with pytest.raises(dataclasses.FrozenInstanceError):
             st.hits = 0  # type: ignore[misc]
         assert st.requests == 7 == st.hits + st.inflight_joins + st.misses
@@ -282,8 +282,8 @@ async def test_statistics_are_frozen_and_add_up(model_path: Path, anyio_backend:
         assert st.payload_bytes == 4 * SMALL.expert_bytes()
         assert st.bytes_read >= st.payload_bytes
         assert st.expert_latency_p50_ms is not None and st.expert_latency_p50_ms > 0
-        engine.reset_statistics()
-        assert engine.statistics().requests == 0
+        store.reset_statistics()
+        assert store.statistics().requests == 0
 
 
 async def test_missing_model_file(tmp_path: Path, anyio_backend: object) -> None:
@@ -300,8 +300,8 @@ async def test_expert_map_is_checked_at_open(tmp_path: Path, anyio_backend: obje
     write_synthetic_model(path, SMALL.with_(leading_dense=0))
     model = aioexperts.open_model(path)
     aioexperts.write_expert_map(model, aioexperts.build_layout(model), tmp_path / "m.weepf")
-    async with aioexperts.open(path, slots=2, expert_map=tmp_path / "m.weepf") as engine:
-        async with engine.experts(0, [0]) as views:
+    async with aioexperts.open(path, slots=2, expert_map=tmp_path / "m.weepf") as store:
+        async with store.experts(0, [0]) as views:
             assert views[0] is not None
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
@@ -311,9 +311,9 @@ async def test_expert_map_is_checked_at_open(tmp_path: Path, anyio_backend: obje
 
 
 async def test_ids_may_be_any_iterable(model_path: Path, anyio_backend: object) -> None:
-    async with aioexperts.open(model_path, slots=4) as engine:
+    async with aioexperts.open(model_path, slots=4) as store:
         for ids in ((i for i in [5, 6]), map(int, "56"), iter([5, 6]), range(5, 7)):
-            async with engine.experts(1, ids) as views:
+            async with store.experts(1, ids) as views:
                 assert [v.expert for v in views if v is not None] == [5, 6]
 
 
@@ -323,8 +323,8 @@ def test_queue_depth_below_one_expert_is_refused(model_path: Path) -> None:
 
 
 async def test_slots_beyond_the_model_are_lowered(model_path: Path, anyio_backend: object) -> None:
-    async with aioexperts.open(model_path, slots=10**9) as engine:
-        assert engine.statistics().n_slots == engine.layout.n_experts_total == 16
+    async with aioexperts.open(model_path, slots=10**9) as store:
+        assert store.statistics().n_slots == store.layout.n_experts_total == 16
 
 
 async def test_resident_weights_of_a_replaced_file_are_refused(tmp_path: Path, anyio_backend: object) -> None:
@@ -333,14 +333,14 @@ async def test_resident_weights_of_a_replaced_file_are_refused(tmp_path: Path, a
 
     path = tmp_path / "m.gguf"
     shutil.copy(model_path_for(tmp_path), path)
-    async with aioexperts.open(path, slots=4) as engine:
-        async with engine.experts(1, [0]):
+    async with aioexperts.open(path, slots=4) as store:
+        async with store.experts(1, [0]):
             pass
         other = tmp_path / "other.gguf"
         write_synthetic_model(other, SMALL.with_(seed=7))
         os.replace(other, path)  # the path now names another model of the same geometry
         with pytest.raises(aioexperts.FormatError, match="changed since it was parsed"):
-            await aioexperts.MoERunner(engine).moe(1, np.zeros((1, SMALL.n_embd), dtype=np.float32))
+            await aioexperts.MoERunner(store).moe(1, np.zeros((1, SMALL.n_embd), dtype=np.float32))
 
 
 def model_path_for(tmp_path: Path) -> Path:
@@ -355,19 +355,19 @@ def test_synthetic_split_sets_keep_the_default_alignment(tmp_path: Path) -> None
 
 
 async def test_more_bad_requests(model_path: Path, anyio_backend: object) -> None:
-    async with aioexperts.open(model_path, slots=4) as engine:
+    async with aioexperts.open(model_path, slots=4) as store:
         with pytest.raises(aioexperts.InvalidRequestError, match="iterable"):
-            async with engine.experts(1, 3):  # type: ignore[arg-type]
+            async with store.experts(1, 3):  # type: ignore[arg-type]
                 pass
         with pytest.raises(aioexperts.InvalidRequestError, match="no MoE layer True"):
-            async with engine.experts(True, [0]):  # type: ignore[arg-type]
+            async with store.experts(True, [0]):  # type: ignore[arg-type]
                 pass
         with pytest.raises(aioexperts.InvalidRequestError, match="no MoE layer 1.0"):
-            async with engine.experts(1.0, [0]):  # type: ignore[arg-type]
+            async with store.experts(1.0, [0]):  # type: ignore[arg-type]
                 pass
         with pytest.raises(aioexperts.InvalidRequestError, match="no MoE layer 99"):
-            aioexperts.MoERunner(engine).upcoming_layers(99)
-        async with engine.experts(np.int64(1), [0]) as views:  # numpy ints are ints
+            aioexperts.MoERunner(store).upcoming_layers(99)
+        async with store.experts(np.int64(1), [0]) as views:  # numpy ints are ints
             assert views[0] is not None and views[0].layer == 1 and type(views[0].layer) is int
 
 

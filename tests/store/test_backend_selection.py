@@ -27,11 +27,11 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-async def read_all(engine: aioexperts.ExpertStore) -> dict[tuple[int, int], list[bytes]]:
+async def read_all(store: aioexperts.ExpertStore) -> dict[tuple[int, int], list[bytes]]:
     out = {}
-    for layer, moe in engine.layout.layers.items():
+    for layer, moe in store.layout.layers.items():
         for e in range(moe.n_experts):
-            async with engine.experts(layer, [e]) as (view,):
+            async with store.experts(layer, [e]) as (view,):
                 assert view is not None
                 out[(layer, e)] = [bytes(p.data) for p in (view.gate, view.up, view.down)]
     return out
@@ -55,11 +55,11 @@ async def test_io_uring_setup_failure_falls_back_to_threads(
 
     monkeypatch.setattr(liburing, "io_uring_queue_init", refuse)
     caplog.set_level(logging.WARNING, logger="aioexperts")
-    async with aioexperts.open(small_model, slots=4, io=aioexperts.IOOptions(backend="auto")) as engine:
-        st = engine.statistics()
+    async with aioexperts.open(small_model, slots=4, io=aioexperts.IOOptions(backend="auto")) as store:
+        st = store.statistics()
         assert st.backend == "threads"
         assert st.fallback_reason is not None and needle in st.fallback_reason
-        got = await read_all(engine)
+        got = await read_all(store)
     lines = [r for r in caplog.records if r.name == "aioexperts" and "io_uring" in r.getMessage()]
     assert len(lines) == 1  # one line for the backend (another may say direct I/O is off, e.g. on tmpfs)
     assert needle in lines[0].getMessage() and "thread" in lines[0].getMessage()
@@ -85,8 +85,8 @@ async def test_auto_picks_io_uring_with_direct_io_here(small_model: Path, anyio_
     reason = direct_io_unavailable(small_model.parent)
     if reason is not None:
         pytest.skip(reason)
-    async with aioexperts.open(small_model, slots=4) as engine:
-        st = engine.statistics()
+    async with aioexperts.open(small_model, slots=4) as store:
+        st = store.statistics()
         assert (st.backend, st.direct_io, st.fallback_reason, st.buffered_reason) == (
             "io_uring",
             True,
@@ -100,11 +100,11 @@ async def test_tmpfs_gets_buffered_reads_and_says_why(small_model: Path, anyio_b
     path = Path("/dev/shm") / f"aioexperts-{os.getpid()}-{id(small_model)}.gguf"
     path.write_bytes(small_model.read_bytes())
     try:
-        async with aioexperts.open(path, slots=4) as engine:
-            st = engine.statistics()
+        async with aioexperts.open(path, slots=4) as store:
+            st = store.statistics()
             assert not st.direct_io
             assert st.buffered_reason is not None and "tmpfs" in st.buffered_reason
-            got = await read_all(engine)
+            got = await read_all(store)
         model = aioexperts.open_model(path)
         layout = aioexperts.build_layout(model)
         for (layer, e), data in got.items():
@@ -123,10 +123,10 @@ async def test_unknown_backend_name_is_a_config_error(small_model: Path, anyio_b
 
 
 async def test_buffered_reads_on_request(small_model: Path, anyio_backend: object) -> None:
-    async with aioexperts.open(small_model, slots=4, io=aioexperts.IOOptions(direct_io=False)) as engine:
-        st = engine.statistics()
+    async with aioexperts.open(small_model, slots=4, io=aioexperts.IOOptions(direct_io=False)) as store:
+        st = store.statistics()
         assert not st.direct_io and "direct_io=False" in (st.buffered_reason or "")
-        assert len(await read_all(engine)) == 16
+        assert len(await read_all(store)) == 16
 
 
 LOG_CALLS = ("debug", "info", "warning", "error", "exception", "critical", "log", "_log_once")

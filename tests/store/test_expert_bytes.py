@@ -38,12 +38,12 @@ async def check_every_expert(
     """Read every expert of every layer in chunks through a small slab; compare with pread."""
     checked = 0
     io = aioexperts.IOOptions(backend=backend, split_bytes=split_bytes)  # type: ignore[arg-type]
-    async with aioexperts.open(path, slots=slots, io=io) as engine:
-        model, layout = engine.model, engine.layout
+    async with aioexperts.open(path, slots=slots, io=io) as store:
+        model, layout = store.model, store.layout
         for layer, moe in layout.layers.items():
             ids = list(range(moe.n_experts))
             for start in range(0, len(ids), chunk):
-                async with engine.experts(layer, ids[start : start + chunk]) as views:
+                async with store.experts(layer, ids[start : start + chunk]) as views:
                     for view in views:
                         assert view is not None
                         loc = layout.locate(layer, view.expert)
@@ -53,7 +53,7 @@ async def check_every_expert(
                             assert proj.data.readonly
                             assert bytes(proj.data) == pread_segment(model, seg), (layer, view.expert)
                             checked += 1
-        st = engine.statistics()
+        st = store.statistics()
         assert st.misses == layout.n_experts_total  # the slab is too small to keep them: all read
         assert st.requests == st.hits + st.inflight_joins + st.misses
         assert st.evictions == layout.n_experts_total - slots
@@ -127,12 +127,12 @@ async def test_copy_of_a_fixture_with_every_backend_on_a_big_slab(tmp_path: Path
         pytest.skip("shared fixtures not found")
     path = tmp_path / "m.gguf"
     shutil.copy(FIXTURES[0], path)
-    async with aioexperts.open(path, slots=64) as engine:
-        layer = next(iter(engine.layout.layers))
-        ids = list(range(engine.layout.layers[layer].n_experts))
+    async with aioexperts.open(path, slots=64) as store:
+        layer = next(iter(store.layout.layers))
+        ids = list(range(store.layout.layers[layer].n_experts))
         for _ in range(2):
-            async with engine.experts(layer, ids) as views:
+            async with store.experts(layer, ids) as views:
                 assert [v.expert for v in views if v is not None] == ids
-        st = engine.statistics()
+        st = store.statistics()
         assert (st.misses, st.hits, st.requests) == (len(ids), len(ids), 2 * len(ids))
         assert st.reads == 3 * len(ids)

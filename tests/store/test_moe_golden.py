@@ -18,7 +18,7 @@ tolerance = golden_tolerance
 
 @pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
 @pytest.mark.parametrize("backend", ["io_uring", "threads"])
-async def test_engine_moe_matches_llama_cpp(path: Path, backend: str, anyio_backend: object) -> None:
+async def test_runner_moe_matches_llama_cpp(path: Path, backend: str, anyio_backend: object) -> None:
     golden = np.load(path.with_suffix(".golden.npz"))
     tol = tolerance(path)
     checked = 0

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import aioexperts
-from aioexperts._bench.tokenbench import OraclePredictor
 from aioexperts._predict.trace import uniform_random_trace
 from aioexperts.testing import SyntheticSpec, write_synthetic_model
+from aioexperts_bench import OraclePredictor
 
 pytestmark = pytest.mark.anyio
 

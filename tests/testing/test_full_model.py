@@ -11,9 +11,9 @@ from gguf import GGMLQuantizationType as Q
 
 import aioexperts
 from aioexperts import ChatTemplate, ConfigError
-from aioexperts._bench.full_model import ensure_full_model, full_model_path, print_progress
 from aioexperts._format.dequant import dequantize
 from aioexperts._format.header import read_header
+from aioexperts.testing import ensure_full_model, full_model_path, print_progress
 from aioexperts.testing._full_model import CHATML_TEMPLATE, FULL_SPEC, FullModelSpec, write_full_model
 
 TINY = FullModelSpec(

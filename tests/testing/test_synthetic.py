@@ -12,9 +12,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import aioexperts
-from aioexperts._bench.model_cache import ensure_bench_model
 from aioexperts._format.dequant import dequantize
-from aioexperts.testing import SyntheticSpec, write_synthetic_model
+from aioexperts.testing import SyntheticSpec, ensure_bench_model, write_synthetic_model
 from aioexperts.testing._blocks import draw_blocks, quantize_q4_k
 
 SMALL = SyntheticSpec(n_layer=3, n_embd=256, n_ff_exp=256, n_expert=16, n_expert_used=4)

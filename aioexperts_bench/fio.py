@@ -1,4 +1,4 @@
-"""fio replaying the engine's reads: the device's own figure for the same work.
+"""fio replaying the store's reads: the device's own figure for the same work.
 
 The job: ``--read_iolog`` of the recorded :class:`ReadList` (same reads, same order),
 ``--ioengine=io_uring --direct=1 --iodepth=DEPTH --fixedbufs --registerfiles``, ``--invalidate=0``
@@ -9,12 +9,12 @@ last ``iodepth - 1`` reads out of its byte count (measured here: 137 of 200 read
 identical to open_files"); the job then runs without registered files and says so (registered
 files made no measurable difference here, docs/notes/LIBURING.md).
 
-``fio-readv`` adds ``--nonvectored=0`` (``READV_FIXED``, the engine's opcode; fio's default is
+``fio-readv`` adds ``--nonvectored=0`` (``READV_FIXED``, the store's opcode; fio's default is
 ``READ_FIXED``).
 
 Memory: fio reads into one buffer per I/O unit, ``iodepth`` buffers of the largest read
 (``init_io_u_buffers``: ``iodepth * max_bs``); no fio option spreads reads over more memory than
-that. The engine and the Python replays read into distinct memory as large as all the reads;
+that. The store and the Python replays read into distinct memory as large as all the reads;
 ``docs/bench.md`` reports what that difference measured on this machine.
 """
 
@@ -130,7 +130,7 @@ def run_fio_replay(reads: ReadList, depth: int, *, vectored: bool = False, workd
     """Replay ``reads`` with fio at ``depth`` (the page cache must be dropped beforehand).
 
     Args:
-        vectored: ``--nonvectored=0``: ``READV_FIXED`` like the engine, instead of fio's default
+        vectored: ``--nonvectored=0``: ``READV_FIXED`` like the store, instead of fio's default
             ``READ_FIXED``.
 
     Raises:

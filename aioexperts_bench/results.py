@@ -16,9 +16,9 @@ import os
 import tempfile
 from typing import Any
 
-from .._json import dump as dump_json
-from .._json import dumps as dumps_json
-from .._json import json_safe
+from aioexperts._json import dump as dump_json  # the library's one strict JSON writer (NaN and inf: null)
+from aioexperts._json import dumps as dumps_json
+from aioexperts._json import json_safe
 
 __all__ = (
     "SCHEMA",
@@ -64,6 +64,10 @@ def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> None
 def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a results file.
 
+    Files written before the bench named its own store ``store`` keep its warm figures under
+    ``reads.warm.engine`` and its slots under ``reads.parameters.engine_slots``; they are read under
+    the new names.
+
     Raises:
         ValueError: not a results file of a known schema.
     """
@@ -71,7 +75,17 @@ def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
         data: dict[str, Any] = json.load(f)
     if data.get("schema") != SCHEMA:
         raise ValueError(f"{os.fspath(path)}: not a bench results file of schema {SCHEMA}")
+    for parent, old, new in _RENAMED:
+        node: Any = data
+        for key in parent:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict) and old in node and new not in node:
+            node[new] = node.pop(old)
     return data
+
+
+#: ``(path of the parent, old key, new key)`` of the results keys renamed since schema 1 began
+_RENAMED = ((("reads", "warm"), "engine", "store"), (("reads", "parameters"), "engine_slots", "store_slots"))
 
 
 def _target(name: str, what: str, value: dict[str, Any] | None, limit: float, higher_is_better: bool) -> dict[str, Any]:
@@ -121,7 +135,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             "x_threads", "io_uring cold / thread pool of the same reads", ratios.get("io_uring_x_threads"), 1.0, True
         )
     )
-    warm = (reads.get("warm") or {}).get("engine") or {}
+    warm = (reads.get("warm") or {}).get("store") or {}
     out.append(
         _target("warm_hit", "warm experts() hit of one expert, us", warm.get("experts_single_us_per_hit"), 20.0, False)
     )

@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .._errors import BaselineMismatchError, ConfigError, FormatError, OptionalDependencyError, UnsupportedTypeError
+from aioexperts import AioExpertsError, ConfigError, FormatError, OptionalDependencyError, UnsupportedTypeError
 
 __all__ = (
+    "BaselineMismatchError",
     "GgmlLibrary",
     "GgmlMatVec",
     "agreement_tolerance",
@@ -45,6 +46,11 @@ __all__ = (
 )
 
 Q = GGMLQuantizationType
+
+
+class BaselineMismatchError(AioExpertsError):
+    """A baseline a bench compares against (ggml's own kernel) gave a different answer, or failed."""
+
 
 #: weight types whose CPU mat-vec this binding runs (the compiled kernels' types, and F32)
 SUPPORTED = frozenset(

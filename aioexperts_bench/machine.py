@@ -132,7 +132,7 @@ def machine_label(facts: dict[str, Any]) -> str:
 
 def kernel_facts() -> dict[str, Any]:
     """Which kernels the MoE maths runs (numba, or the numpy fallback and why) and their precision."""
-    from .._compute import fused
+    from aioexperts._compute import fused  # which kernels serve, at which precision
 
     served = fused.backend()
     return {"backend": served.name, "reason": served.reason, "precision": fused.precision()}

@@ -14,7 +14,7 @@ import os
 import tempfile
 from typing import Any
 
-from .._errors import ConfigError
+from aioexperts import ConfigError
 
 __all__ = ("PLOT_NAMES", "write_plots")
 

@@ -1,15 +1,15 @@
-"""Cold read rates of the engine and of the baselines on exactly the same reads, in paired rounds.
+"""Cold read rates of the store and of the baselines on exactly the same reads, in paired rounds.
 
-1. A recording pass: a fresh engine (io_uring, ``O_DIRECT``, a slab holding every expert) reads
+1. A recording pass: a fresh store (io_uring, ``O_DIRECT``, a slab holding every expert) reads
    every expert once in the order of uniform random top-k routing; a wrapper around its backend
    records each read it submits (file, aligned offset, length). That list is the work.
 2. Rounds (``rounds``, 5 by default): every method runs once per round, in an order rotated by one
    each round; the page cache is dropped (``POSIX_FADV_DONTNEED``) before each pass, outside the
    timed and CPU-counted part.
 
-   - ``io_uring``: a fresh engine reads the same experts again (its reads are recorded again and
+   - ``io_uring``: a fresh store reads the same experts again (its reads are recorded again and
      checked against the list);
-   - ``fio``: fio replays the list (:mod:`.fio`); ``fio-readv`` the same with the engine's
+   - ``fio``: fio replays the list (:mod:`.fio`); ``fio-readv`` the same with the store's
      opcode (``READV_FIXED``; fio's default is ``READ_FIXED``); a fio that fails (a non-zero exit
      status) is reported in one line and left out of that and the remaining rounds
      (``failed`` in the results);
@@ -17,11 +17,11 @@
    - ``uring``, ``uring-reused``: a minimal io_uring loop replaying the list into distinct
      memory, and into ``depth`` reused buffers as fio does (:mod:`.replay`): their ratio shows
      whether it matters where reads land on this machine;
-   - ``engine-threads`` (not in the default set): the engine with its thread-pool backend.
+   - ``aioexperts-threads`` (not in the default set): the store with its thread-pool backend.
 
-   The engine's pass is followed, in the same engine, by its warm figures: microseconds per
+   The store's pass is followed, in the same store, by its warm figures: microseconds per
    ``experts()`` hit and per ``moe()`` call (:mod:`.warmbench`; after the ``io_uring`` pass, or
-   after the ``engine-threads`` pass when ``io_uring`` is not measured); ``pread`` and ``mmap`` are
+   after the ``aioexperts-threads`` pass when ``io_uring`` is not measured); ``pread`` and ``mmap`` are
    followed by their warm pass (a second replay, from the page cache).
 3. Ratios (x fio, x mmap, x threads, CPU per GiB against fio) are taken per round and summarised
    as median and range.
@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backends import liburing_unusable_reason
+from aioexperts.backends import liburing_unusable_reason
+
 from . import store_adapter as ea
 from .cachestate import DROP_METHOD, drop_page_cache, probe_host_cache
 from .fio import FioError, fio_path, fio_version, run_fio_replay
@@ -49,7 +50,7 @@ from .warmbench import warm_figures
 __all__ = ("DEFAULT_METHODS", "METHODS", "ReadBenchConfig", "make_steps", "requests_in_flight", "run_read_bench")
 
 #: Every method the read bench knows, and the default set.
-METHODS = ("fio", "io_uring", "threads", "pread", "mmap", "uring", "uring-reused", "fio-readv", "engine-threads")
+METHODS = ("fio", "io_uring", "threads", "pread", "mmap", "uring", "uring-reused", "fio-readv", "aioexperts-threads")
 DEFAULT_METHODS = ("fio", "io_uring", "threads", "pread", "mmap", "uring", "uring-reused", "fio-readv")
 #: Human names of the methods, for tables.
 LABELS = {
@@ -61,7 +62,7 @@ LABELS = {
     "mmap": "mmap copy",
     "uring": "raw io_uring, distinct",
     "uring-reused": "raw io_uring, reused",
-    "engine-threads": "aioexperts threads",
+    "aioexperts-threads": "aioexperts threads",
 }
 
 Step = tuple[int, tuple[int, ...]]
@@ -73,13 +74,13 @@ class ReadBenchConfig:
     """Parameters of the read bench (all recorded in the results file).
 
     Attributes:
-        depth: reads in flight: the engine's queue depth, fio's iodepth.
+        depth: reads in flight: the store's queue depth, fio's iodepth.
         rounds: paired rounds.
         methods: which methods, in the order of round 1.
         n_threads: threads of the ``threads`` and ``pread`` replays.
         seed: routing seed.
         n_tokens: tokens per pass (None: every expert once).
-        loop: event loop of the engine passes.
+        loop: event loop of the store passes.
         warm_calls: ``experts()`` calls timed per warm figure.
         moe_tokens: tokens of ``moe()`` calls timed (each through every MoE layer).
         probe_bytes: bytes per host-cache probe read (0: no probe).
@@ -135,7 +136,7 @@ def _pass(method: str, seconds: float, cpu: float, bytes_read: int, n_reads: int
     }
 
 
-async def _engine_pass(
+async def _store_pass(
     path: str,
     info: ea.ModelInfo,
     steps: Sequence[Step],
@@ -146,16 +147,16 @@ async def _engine_pass(
 ) -> tuple[dict[str, Any], ReadList, dict[str, Any] | None]:
     recorder = ea.ReadRecorder(info.shard_paths, backend)
     options = ea.BenchOptions(slots=slots, backend=recorder, queue_depth=cfg.depth)
-    async with ea.open_bench_store(path, options) as engine:
+    async with ea.open_bench_store(path, options) as store:
         drop_page_cache(info.shard_paths)
         with Clock() as clock:
-            await ea.cold_pass(engine, steps, requests_in_flight(cfg.depth, info.n_expert_used))
-        st = ea.store_stats(engine)
-        warm_out = await warm_figures(engine, info, steps, cfg.warm_calls, cfg.moe_tokens, cfg.seed) if warm else None
+            await ea.cold_pass(store, steps, requests_in_flight(cfg.depth, info.n_expert_used))
+        st = ea.store_stats(store)
+        warm_out = await warm_figures(store, info, steps, cfg.warm_calls, cfg.moe_tokens, cfg.seed) if warm else None
     reads = recorder.read_list()
     features = st.get("backend_features", {})
     record = _pass(
-        "io_uring" if backend == "io_uring" else "engine-threads",
+        "io_uring" if backend == "io_uring" else "aioexperts-threads",
         clock.seconds,
         clock.cpu,
         int(st["bytes_read"]),
@@ -258,9 +259,9 @@ def run_read_bench(
         say("fio is not installed: no fio replay (apt-get install fio); ratios to fio are left out")
         methods = [m for m in methods if m not in ("fio", "fio-readv")]
 
-    say_step("recording the engine's reads (first cold pass)")
+    say_step("recording the store's reads (first cold pass)")
     recorder = "io_uring" if liburing_unusable_reason() is None else "threads"  # the same reads either way
-    record, reads, _ = run_on_loop(_engine_pass, path, info, steps, cfg, recorder, unique, False, loop=cfg.loop)
+    record, reads, _ = run_on_loop(_store_pass, path, info, steps, cfg, recorder, unique, False, loop=cfg.loop)
     probe = None
     if cfg.probe_bytes:
         say_step("probing for a host cache below the guest")
@@ -275,20 +276,20 @@ def run_read_bench(
             warm: dict[str, Any] = {}
             for method in order:
                 say_step(f"round {r + 1}/{cfg.rounds}: {method}")
-                if method in ("io_uring", "engine-threads"):
+                if method in ("io_uring", "aioexperts-threads"):
                     backend = "io_uring" if method == "io_uring" else "threads"
-                    # the warm figures follow the io_uring engine's pass, or the thread pool's without it
+                    # the warm figures follow the io_uring store's pass, or the thread pool's without it
                     warm_here = method == "io_uring" or "io_uring" not in methods
                     rec, got, warm_out = run_on_loop(
-                        _engine_pass, path, info, steps, cfg, backend, unique, warm_here, loop=cfg.loop
+                        _store_pass, path, info, steps, cfg, backend, unique, warm_here, loop=cfg.loop
                     )
                     rec["same_reads_as_list"] = got.same_reads(reads)
                     rec["same_order_as_list"] = bool(np.array_equal(got.reads, reads.reads))
                     if not rec["same_reads_as_list"]:
-                        say(f"round {r + 1}: the engine's reads differ from the recorded list")
+                        say(f"round {r + 1}: the store's reads differ from the recorded list")
                     cold[method] = rec
                     if warm_out is not None:
-                        warm["engine"] = warm_out
+                        warm["store"] = warm_out
                     continue
                 if method in failed:
                     continue
@@ -344,7 +345,7 @@ def run_read_bench(
             "tokens_per_pass": n_tokens,
             "experts_per_pass": len(steps) * info.n_expert_used,
             "unique_experts": unique,
-            "engine_slots": unique,
+            "store_slots": unique,
             "concurrent_layer_requests": requests_in_flight(cfg.depth, info.n_expert_used),
             "loop": cfg.loop,
             "fio": fio_version(),
@@ -356,7 +357,7 @@ def run_read_bench(
             "bytes_expected": reads.expected_bytes(),
             "median_read_bytes": reads.median_len,
             "max_read_bytes": reads.max_len,
-            "order": "the engine's submission order in the recording pass",
+            "order": "the store's submission order in the recording pass",
         },
         "failed": failed,
         "recording_pass": record,
@@ -370,12 +371,12 @@ def run_read_bench(
 
 def _warm_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    engine = [rd["warm"]["engine"] for rd in rounds if "engine" in rd["warm"]]
-    if engine:
-        out["engine"] = {
-            key: spread(w[key] for w in engine).as_dict()
-            for key in engine[0]
-            if isinstance(engine[0][key], int | float) and not isinstance(engine[0][key], bool)
+    store = [rd["warm"]["store"] for rd in rounds if "store" in rd["warm"]]
+    if store:
+        out["store"] = {
+            key: spread(w[key] for w in store).as_dict()
+            for key in store[0]
+            if isinstance(store[0][key], int | float) and not isinstance(store[0][key], bool)
         }
     for method in ("pread", "mmap"):
         ws = [rd["warm"][method] for rd in rounds if method in rd["warm"]]

@@ -1,6 +1,6 @@
 """One engine run of ``aioexperts-bench --mode generate``, in a process of its own (inside the cgroup).
 
-Run as ``python -m aioexperts._bench.generate_worker CONFIG_JSON``. The same protocol for every
+Run as ``python -m aioexperts_bench.generate_worker CONFIG_JSON``. The same protocol for every
 engine: load the model, prefill the prompt in one batch (its time is the prefill and the time to
 first token), then evaluate the decode ids one at a time (teacher-forced: the same tokens for every
 engine), taking the greedy token (argmax of the logits) after the prompt and after every step.
@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the engine the JSON config (``argv[0]``) names; 2 on a bad config."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m aioexperts._bench.generate_worker CONFIG_JSON", file=sys.stderr)
+        print("usage: python -m aioexperts_bench.generate_worker CONFIG_JSON", file=sys.stderr)
         return 2
     cfg = json.loads(args[0])
     engine = cfg.get("engine")

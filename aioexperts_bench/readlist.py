@@ -1,7 +1,7 @@
-"""The list of reads the engine issued: one source of work for every method of the read bench.
+"""The list of reads the store issued: one source of work for every method of the read bench.
 
 A :class:`ReadList` holds ``(shard, aligned offset, length)`` rows in submission order, as
-recorded from the engine's backend during a cold pass. fio replays it through an iolog
+recorded from the store's backend during a cold pass. fio replays it through an iolog
 (:meth:`ReadList.write_fio_iolog`), the thread pool, buffered ``pread`` and mmap baselines
 replay it in Python, so every method reads exactly the same bytes.
 """

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .._cgroups import memory_cgroups
+from aioexperts.testing import memory_cgroups
 
 __all__ = ("MemoryCgroup", "own_memory_cgroup", "unavailable_reason")
 

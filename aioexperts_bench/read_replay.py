@@ -1,16 +1,16 @@
-"""Replays of a :class:`ReadList` without the engine: a thread pool, buffered ``pread``, mmap.
+"""Replays of a :class:`ReadList` without the store: a thread pool, buffered ``pread``, mmap.
 
 Each replay reads every row of the list, in order, into its own place in a destination buffer
-as large as all the reads together (distinct memory, like the engine's slab; never a few reused
+as large as all the reads together (distinct memory, like the store's slab; never a few reused
 buffers). The destination is an anonymous ``mmap`` whose pages are touched before the clock
-starts, as the engine pre-faults its slab.
+starts, as the store pre-faults its slab.
 
 - ``threads``: ``n_threads`` threads calling ``os.preadv`` on an ``O_DIRECT`` descriptor;
 - ``pread``: the same on a buffered descriptor (through the page cache);
 - ``mmap``: one thread copying each range out of a read-only shared mapping (page faults and
   the kernel's readahead);
 - ``uring``: a minimal io_uring loop (``liburing``, ``O_DIRECT``, registered buffers and
-  ``READV_FIXED`` as the engine and fio use them, no engine around it) at the engine's depth, into
+  ``READV_FIXED`` as the store and fio use them, no store around it) at the store's depth, into
   distinct memory or, with ``reused``, into ``depth`` buffers each reused as soon as its read
   completed (the way fio reads): the pair measures whether it matters where reads land.
 """
@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from .._io.uring_probe import liburing_unusable_reason
+from aioexperts.backends import liburing_unusable_reason
+
 from .measure import Clock
 from .readlist import ReadList
 
@@ -174,7 +175,7 @@ def replay_uring(
     Buffer ``i`` is ``dest`` at ``i * uring_slot_bytes(reads)``: read ``i`` goes to buffer ``i``
     (distinct memory), or with ``reused`` to one of ``depth`` buffers, each reused as soon as its
     read completed (as fio does). With ``register`` the buffers are registered with the ring, in
-    chunks of whole buffers up to 1 GiB, and read with ``READV_FIXED``, as the engine and fio
+    chunks of whole buffers up to 1 GiB, and read with ``READV_FIXED``, as the store and fio
     (``--fixedbufs``) do; if the kernel refuses, plain ``readv`` (``registered`` is then False).
 
     Raises:

@@ -1,11 +1,11 @@
 """Sweeps for the plots: read rate and CPU per GiB against queue depth and against read size.
 
-Each point is a cold pass over a quarter of the model's experts (the engine's reads of it,
+Each point is a cold pass over a quarter of the model's experts (the store's reads of it,
 recorded, are the work of fio and the thread pool at that point), ``rounds`` times in rotated
-order; the plots show the median and the range. Depth: 1..128 (the engine needs at least 3: one
+order; the plots show the median and the range. Depth: 1..128 (the store needs at least 3: one
 expert is 3 reads). Read size: the recorded reads cut into pieces of 64 KiB up to their own size
-(about 868 KiB for the built-in model) for fio and the thread pool; the engine's reads are the
-model's segments, so the engine is one point at its own size.
+(about 868 KiB for the built-in model) for fio and the thread pool; the store's reads are the
+model's segments, so the store is one point at its own size.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ SIZES = (64 << 10, 128 << 10, 256 << 10, 512 << 10)
 Say = Callable[[str], None]
 
 
-async def _engine(path: str, info: ea.ModelInfo, steps: list[Any], depth: int) -> tuple[dict[str, float], ReadList]:
+async def _store(path: str, info: ea.ModelInfo, steps: list[Any], depth: int) -> tuple[dict[str, float], ReadList]:
     recorder = ea.ReadRecorder(info.shard_paths)
     options = ea.BenchOptions(slots=len(steps) * info.n_expert_used, backend=recorder, queue_depth=depth)
-    async with ea.open_bench_store(path, options) as engine:
+    async with ea.open_bench_store(path, options) as store:
         drop_page_cache(info.shard_paths)
         with Clock() as clock:
-            await ea.cold_pass(engine, steps, requests_in_flight(depth, info.n_expert_used))
-        n = int(ea.store_stats(engine)["bytes_read"])
+            await ea.cold_pass(store, steps, requests_in_flight(depth, info.n_expert_used))
+        n = int(ea.store_stats(store)["bytes_read"])
     return _point(clock.seconds, clock.cpu, n), recorder.read_list()
 
 
@@ -77,7 +77,7 @@ def _summarise(samples: dict[Any, dict[str, list[dict[str, float]]]]) -> dict[st
 
 
 def run_sweeps(path: str, cfg: ReadBenchConfig, *, rounds: int = 2, note: Say | None = None) -> dict[str, Any]:
-    """Depth and read-size sweeps of io_uring (the engine), fio and the thread pool."""
+    """Depth and read-size sweeps of io_uring (the store), fio and the thread pool."""
     info = ea.model_info(path)
     n_tokens = max(1, min(info.n_experts) // info.n_expert_used // 4)
     steps = make_steps(info, n_tokens, cfg.seed + 1)
@@ -95,10 +95,10 @@ def run_sweeps(path: str, cfg: ReadBenchConfig, *, rounds: int = 2, note: Say | 
             order = rotated(["io_uring", *others], r)
             reads: ReadList | None = None
             if depth >= 3:
-                point["io_uring"], reads = run_on_loop(_engine, path, info, steps, depth, loop=cfg.loop)
+                point["io_uring"], reads = run_on_loop(_store, path, info, steps, depth, loop=cfg.loop)
                 base = base or reads
             if reads is None:
-                _, reads = run_on_loop(_engine, path, info, steps, 3, loop=cfg.loop)
+                _, reads = run_on_loop(_store, path, info, steps, 3, loop=cfg.loop)
                 base = base or reads
             with Destination(reads.total_bytes) as dest:
                 point.update(_others(reads, depth, dest, [m for m in order if m != "io_uring"], failed, note))

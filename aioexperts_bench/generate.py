@@ -2,8 +2,8 @@
 
 Per memory limit (none, or a fraction of the model file's size) and per round, every engine runs
 once, in this order (aioexperts, llama.cpp with its defaults, llama.cpp with repack off), each in
-a process of its own (:mod:`aioexperts._bench.generate_worker`) inside a cgroup v1/v2 memory cgroup
-the bench makes and removes itself (:mod:`aioexperts._bench.cgroup`), after the model file's page
+a process of its own (:mod:`aioexperts_bench.generate_worker`) inside a cgroup v1/v2 memory cgroup
+the bench makes and removes itself (:mod:`aioexperts_bench.cgroup`), after the model file's page
 cache was dropped. Each run prefills the same prompt of varied token ids and then evaluates the same
 fixed sequence of varied ids one at a time (teacher-forced), taking the greedy token at each step.
 
@@ -100,7 +100,7 @@ def token_ids(n_vocab: int, n: int, seed: int) -> list[int]:
 
 def page_cache_bytes(path: str) -> int | None:
     """Bytes of ``path`` in the page cache (``mincore`` of a mapping; nothing is read), or None."""
-    from .._io.mapping import PAGE_SIZE, MappedShards
+    from aioexperts._io.mapping import PAGE_SIZE, MappedShards  # mincore of a mapping
 
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -184,7 +184,7 @@ def _run_one(
     proc: subprocess.Popen[str] | None = None
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "aioexperts._bench.generate_worker", json.dumps(worker_cfg, allow_nan=False)],
+            [sys.executable, "-m", "aioexperts_bench.generate_worker", json.dumps(worker_cfg, allow_nan=False)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -321,8 +321,7 @@ def run_generate_bench(
     ``checkpoint`` gets the results so far (summary and targets included, ``"complete": False``)
     after every run, so a bench stopped from outside still leaves what it measured.
     """
-    from .. import __version__
-    from .._format.model import open_model
+    from aioexperts import __version__, open_model
 
     model_bytes = os.path.getsize(cfg.model)
     gguf = open_model(cfg.model)

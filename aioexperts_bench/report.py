@@ -124,7 +124,7 @@ def _reads(reads: dict[str, Any]) -> list[Section]:
         )
     p = reads["parameters"]
     notes = [
-        f"Work: the engine's own reads of one cold pass ({rl['n_reads']} reads, {rl['bytes_requested']:,} bytes "
+        f"Work: the store's own reads of one cold pass ({rl['n_reads']} reads, {rl['bytes_requested']:,} bytes "
         f"requested, median {rl['median_read_bytes']:,} B), {p['experts_per_pass']} experts of uniform random "
         f"top-k routing; depth {p['depth']}; {p['n_threads']} threads for the thread pool and preadv; order "
         f"rotated each round.",
@@ -137,7 +137,7 @@ def _reads(reads: dict[str, Any]) -> list[Section]:
     ratios = reads.get("ratios", {})
     if ratios.get("fio_readv_x_fio"):
         notes.append(
-            f"fio with readv (--nonvectored=0, the engine's READV_FIXED) / fio's default READ_FIXED, per round: "
+            f"fio with readv (--nonvectored=0, the store's READV_FIXED) / fio's default READ_FIXED, per round: "
             f"{_fmt(ratios['fio_readv_x_fio'])}."
         )
     fio = next((r["cold"]["fio"] for r in rounds if "fio" in r["cold"]), None)
@@ -163,7 +163,7 @@ def _reads(reads: dict[str, Any]) -> list[Section]:
         r["round"] for r in rounds if "io_uring" in r["cold"] and not r["cold"]["io_uring"].get("same_reads_as_list")
     ]
     if mismatched:
-        notes.append(f"The engine's reads differed from the list in rounds {mismatched}.")
+        notes.append(f"The store's reads differed from the list in rounds {mismatched}.")
     probe = reads.get("host_cache")
     if probe:
         if probe.get("caveat"):
@@ -180,24 +180,24 @@ def _reads(reads: dict[str, Any]) -> list[Section]:
 
 def _warm(results: dict[str, Any]) -> Section:
     warm = results["reads"].get("warm", {})
-    engine = warm.get("engine", {})
+    store = warm.get("store", {})
     rows = []
-    if engine:
-        rows.append(["experts(), 1 id", _fmt(engine.get("experts_single_us_per_hit"), ".1f"),
-                     _fmt(engine.get("experts_single_us_per_hit"), ".1f"),
-                     _fmt(engine.get("experts_single_hits_per_s"), ",.0f"), "no"])  # fmt: skip
-        rows.append(["experts(), top-k ids", _fmt(engine.get("experts_topk_us_per_call"), ".1f"),
-                     _fmt(engine.get("experts_topk_us_per_hit"), ".1f"),
-                     _fmt(engine.get("experts_topk_hits_per_s"), ",.0f"), "no"])  # fmt: skip
-        if engine.get("moe_us_per_call"):
-            rows.append(["moe() (executor)", _fmt(engine.get("moe_us_per_call"), ",.0f"), "-",
-                         _fmt(engine.get("moe_hits_per_s"), ",.0f"), "no"])  # fmt: skip
+    if store:
+        rows.append(["experts(), 1 id", _fmt(store.get("experts_single_us_per_hit"), ".1f"),
+                     _fmt(store.get("experts_single_us_per_hit"), ".1f"),
+                     _fmt(store.get("experts_single_hits_per_s"), ",.0f"), "no"])  # fmt: skip
+        rows.append(["experts(), top-k ids", _fmt(store.get("experts_topk_us_per_call"), ".1f"),
+                     _fmt(store.get("experts_topk_us_per_hit"), ".1f"),
+                     _fmt(store.get("experts_topk_hits_per_s"), ",.0f"), "no"])  # fmt: skip
+        if store.get("moe_us_per_call"):
+            rows.append(["moe() (executor)", _fmt(store.get("moe_us_per_call"), ",.0f"), "-",
+                         _fmt(store.get("moe_hits_per_s"), ",.0f"), "no"])  # fmt: skip
     for method, label in (("pread", "buffered preadv, page cache"), ("mmap", "mmap copy, page cache")):
         w = warm.get(method)
         if w:
             rows.append([label, "-", _fmt(w["us_per_expert"], ",.0f"), _fmt(w["experts_per_s"], ",.0f"), "yes"])
     notes = [
-        "Engine: every expert resident in the slab; a hit pins a slot and hands out views, copying nothing, "
+        "Store: every expert resident in the slab; a hit pins a slot and hands out views, copying nothing, "
         f"so no GB/s. moe() includes routing and the executor's compute ({_kernels(results)}).",
         "preadv and mmap: a second replay of the list right after the cold one (page cache); per expert = "
         "3 reads copied.",
@@ -267,7 +267,7 @@ def _tokens(results: dict[str, Any]) -> list[Section]:
     if rows:
         notes = [
             f"The model's MoE layers only, {p['executor_tokens']} tokens of random input per run, the model's "
-            "router and the engine's router prefetch; 0 % is the engine's minimum slab (2 x top-k slots); 100 % "
+            "router and the store's router prefetch; 0 % is the store's minimum slab (2 x top-k slots); 100 % "
             "loads every expert first.",
             f"The executor: {_kernels(results)}.",
         ]

@@ -1,4 +1,4 @@
-"""The built-in bench model: built once into the cache directory, safely when two runs race.
+"""The built-in bench model (``aioexperts-bench``'s): built once into the cache directory, safely when two runs race.
 
 Two ``aioexperts-bench`` runs started at once build it once (:func:`aioexperts.testing._cache.build_once`:
 an exclusive ``flock`` on ``NAME.lock`` beside the model, a temporary file renamed into place when
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ..testing import BENCH_SPEC, SyntheticSpec, write_synthetic_model
-from ..testing._cache import Progress, build_once, cache_dir
+from ._cache import Progress, build_once, cache_dir
+from ._synthetic import BENCH_SPEC, SyntheticSpec, write_synthetic_model
 
 __all__ = ("BENCH_NAME", "bench_model_path", "cache_dir", "ensure_bench_model")
 

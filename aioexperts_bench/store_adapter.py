@@ -1,10 +1,10 @@
-"""Every call the benchmarks make into the engine, in one place.
+"""Every call the benchmarks make into the store, in one place.
 
-The bench drives the engine only through its public surface (``aioexperts.open`` -> an expert
+The bench drives the store only through its public surface (``aioexperts.open`` -> an expert
 store: ``experts``, ``statistics()``; ``aioexperts.MoERunner`` over it: ``moe``, ``run_moe_layers``,
 ``warmup``) plus one documented extension point, the backend factory
 ``(files, slab, loop, depth) -> IOBackend`` (:mod:`aioexperts.backends`), through which
-:class:`ReadRecorder` wraps the real io_uring backend to record the reads the engine issues. When
+:class:`ReadRecorder` wraps the real io_uring backend to record the reads the store issues. When
 the API changes, this module is the one to port. :class:`BenchStore` pairs a store with its
 runner.
 
@@ -25,12 +25,12 @@ import numpy as np
 
 import aioexperts
 from aioexperts import ComputeStep, RouteStep
+from aioexperts.backends import io_uring_unusable_reason
 
-from ..backends import io_uring_unusable_reason
 from .readlist import ReadList
 
 __all__ = (
-    "engine_backend",
+    "store_backend",
     "BenchStore",
     "BenchOptions",
     "ModelInfo",
@@ -121,8 +121,8 @@ def model_info(path: str) -> ModelInfo:
     )
 
 
-def engine_backend() -> str:
-    """The backend the bench measures the engine with: io_uring (the ``liburing`` wheel, or the
+def store_backend() -> str:
+    """The backend the bench measures the store with: io_uring (the ``liburing`` wheel, or the
     raw-syscall ring where the wheel cannot run), or the thread pool where neither can (the
     reason is in the run's log and the results file)."""
     return "io_uring" if io_uring_unusable_reason() is None else "threads"
@@ -134,7 +134,7 @@ class ReadRecorder:
     Pass an instance as ``aioexperts.open(..., backend=recorder)``. Each read is recorded as
     ``(shard, file_offset, n_bytes)`` in submission order; with ``timestamps`` also the submit
     and completion times (``time.perf_counter`` seconds). The wrapper costs one list append per
-    read; engines opened without a recorder run the backend untouched.
+    read; stores opened without a recorder run the backend untouched.
 
     Args:
         shard_paths: the model's files in shard order (reads name shards by index).
@@ -147,7 +147,7 @@ class ReadRecorder:
         self, shard_paths: Sequence[str], backend: str | None = None, *, timestamps: bool = False, **options: Any
     ) -> None:
         self.shard_paths = tuple(shard_paths)
-        self.backend = engine_backend() if backend is None else backend
+        self.backend = store_backend() if backend is None else backend
         self.timestamps = timestamps
         self.options = options
         self.reads: list[tuple[int, int, int]] = []
@@ -171,7 +171,7 @@ class ReadRecorder:
         return ReadList(self.shard_paths, np.asarray(self.reads, dtype=np.int64).reshape(-1, 3))
 
     def __call__(self, files: Any, slab: Any, loop: Any, depth: int) -> Any:
-        from .._io.select import create_backend  # the engine's own backend selection
+        from aioexperts._io.select import create_backend  # the store's own backend selection
 
         # the store calls factories off the loop and attaches the backend itself
         backend, _reason = create_backend(self.backend, files, slab, loop, depth, attach=False, **self.options)
@@ -222,10 +222,10 @@ class ReadRecorder:
 
 @dataclass(frozen=True)
 class BenchOptions:
-    """How the bench opens an engine (see ``aioexperts.open``)."""
+    """How the bench opens a store (see ``aioexperts.open``)."""
 
     slots: int
-    backend: Any = dataclasses.field(default_factory=engine_backend)
+    backend: Any = dataclasses.field(default_factory=store_backend)
     queue_depth: int = 64
     prefetch: str = "none"
     policy: str = "lru"
@@ -286,25 +286,25 @@ def open_bench_store(path: str, options: BenchOptions) -> BenchStore:
     return BenchStore(store, aioexperts.MoERunner(store, prefetch=prefetch))
 
 
-def store_stats(engine: BenchStore) -> dict[str, Any]:
-    """The engine's statistics as a plain dict (JSON-ready)."""
-    st = engine.statistics()
+def store_stats(store: BenchStore) -> dict[str, Any]:
+    """The store's statistics as a plain dict (JSON-ready)."""
+    st = store.statistics()
     out = {name: getattr(st, name) for name in st.__dataclass_fields__}
     out["hit_rate"] = st.hit_rate
     return {k: v for k, v in out.items() if isinstance(v, int | float | str | bool | dict | type(None))}
 
 
-def reset_stats(engine: BenchStore) -> None:
-    """Zero the engine's counters (the slab keeps its experts)."""
-    engine.reset_statistics()
+def reset_stats(store: BenchStore) -> None:
+    """Zero the store's counters (the slab keeps its experts)."""
+    store.reset_statistics()
 
 
-async def cold_pass(engine: BenchStore, steps: Sequence[Step], window: int) -> None:
+async def cold_pass(store: BenchStore, steps: Sequence[Step], window: int) -> None:
     """Request every step's experts, ``window`` steps at a time, each released at once."""
     gate = anyio.Semaphore(window)
 
     async def one(step: Step) -> None:
-        async with gate, engine.experts(step[0], step[1]):
+        async with gate, store.experts(step[0], step[1]):
             pass
 
     async with anyio.create_task_group() as tg:
@@ -312,45 +312,45 @@ async def cold_pass(engine: BenchStore, steps: Sequence[Step], window: int) -> N
             tg.start_soon(one, step)
 
 
-async def preload(engine: BenchStore, layers: Sequence[int], n_experts: Sequence[int], window: int) -> None:
+async def preload(store: BenchStore, layers: Sequence[int], n_experts: Sequence[int], window: int) -> None:
     """Make every expert of ``layers`` resident (the slab must hold them all)."""
     steps = [(layer, (e,)) for layer, n in zip(layers, n_experts, strict=True) for e in range(n)]
-    await cold_pass(engine, steps, window)
+    await cold_pass(store, steps, window)
 
 
-async def warm_experts(engine: BenchStore, steps: Sequence[Step]) -> float:
-    """Time ``async with engine.experts(layer, ids)`` over ``steps`` one after another (all hits).
+async def warm_experts(store: BenchStore, steps: Sequence[Step]) -> float:
+    """Time ``async with store.experts(layer, ids)`` over ``steps`` one after another (all hits).
 
     Returns:
         Wall seconds for all steps.
     """
     t0 = time.perf_counter()
     for layer, ids in steps:
-        async with engine.experts(layer, ids):
+        async with store.experts(layer, ids):
             pass
     return time.perf_counter() - t0
 
 
-async def warm_moe(engine: BenchStore, layers: Sequence[int], xs: Sequence[np.ndarray]) -> tuple[float, int]:
-    """Time ``await engine.moe(layer, x)`` for each ``x`` over ``layers`` (experts resident).
+async def warm_moe(store: BenchStore, layers: Sequence[int], xs: Sequence[np.ndarray]) -> tuple[float, int]:
+    """Time ``await store.moe(layer, x)`` for each ``x`` over ``layers`` (experts resident).
 
     Returns:
         ``(wall seconds, calls)``.
     """
-    await engine.load_resident()
-    await engine.moe(layers[0], xs[0])  # first call builds the predictor
+    await store.load_resident()
+    await store.moe(layers[0], xs[0])  # first call builds the predictor
     t0 = time.perf_counter()
     calls = 0
     for x in xs:
         for layer in layers:
-            await engine.moe(layer, x)
+            await store.moe(layer, x)
             calls += 1
     return time.perf_counter() - t0, calls
 
 
 @dataclass(frozen=True)
 class TokenTimes:
-    """Tokens run through every MoE layer with :meth:`Engine.run_moe_layers`.
+    """Tokens run through every MoE layer with :meth:`BenchStore.run_moe_layers`.
 
     Attributes:
         seconds: wall time of each token.
@@ -359,7 +359,7 @@ class TokenTimes:
         compute_spans: per token, per layer ``(start, end)`` of the compute step
             (``time.perf_counter``), when recorded.
         token_starts: ``time.perf_counter`` at the start of each token.
-        stats: the engine's statistics afterwards.
+        stats: the store's statistics afterwards.
     """
 
     seconds: list[float]
@@ -372,7 +372,7 @@ class TokenTimes:
 
 
 async def run_tokens(
-    engine: BenchStore,
+    store: BenchStore,
     inputs: Sequence[np.ndarray],
     *,
     route: Callable[[int], RouteStep] | None = None,
@@ -381,13 +381,13 @@ async def run_tokens(
     prefetch: bool = True,
     on_token: Callable[[int], None] | None = None,
 ) -> TokenTimes:
-    """Run one token per input through every MoE layer (``engine.run_moe_layers``).
+    """Run one token per input through every MoE layer (``store.run_moe_layers``).
 
     Args:
         inputs: ``(1, n_embd)`` float32 input of each token.
         route: ``token -> route_step`` (None: the model's own router).
         compute: the compute step (None: the executor).
-        predictor: a ``Predictor`` for prefetch (None: the engine's own).
+        predictor: a ``Predictor`` for prefetch (None: the store's own).
         prefetch: prefetch the next layers' predicted experts.
         on_token: called with the token index before it runs (e.g. to advance an oracle).
     """
@@ -409,7 +409,7 @@ async def run_tokens(
             on_token(token)
         current = []
         starts.append(time.perf_counter())
-        result = await engine.run_moe_layers(
+        result = await store.run_moe_layers(
             x0,
             route_step=None if route is None else route(token),
             compute=step_fn,
@@ -421,4 +421,4 @@ async def run_tokens(
         compute_s.append(result.compute_seconds)
         steps.append([(s.io_wait_seconds, s.compute_seconds) for s in result.steps])
         spans.append(current)
-    return TokenTimes(seconds, io_wait, compute_s, steps, spans, starts, store_stats(engine))
+    return TokenTimes(seconds, io_wait, compute_s, steps, spans, starts, store_stats(store))

@@ -23,17 +23,17 @@ __all__ = ("warm_figures",)
 
 
 async def warm_figures(
-    engine: Any,
+    store: Any,
     info: ea.ModelInfo,
     steps: Sequence[tuple[int, tuple[int, ...]]],
     calls: int,
     moe_tokens: int,
     seed: int,
 ) -> dict[str, Any]:
-    """Warm figures of an engine whose slab holds every expert of ``steps`` (read already).
+    """Warm figures of a store whose slab holds every expert of ``steps`` (read already).
 
     Args:
-        engine: a running engine.
+        store: a running store.
         info: the model.
         steps: the routing of the cold pass (its experts are resident).
         calls: ``experts()`` calls per figure.
@@ -43,9 +43,9 @@ async def warm_figures(
     singles = [(layer, (ids[i % len(ids)],)) for i, (layer, ids) in enumerate(steps)]
     singles = (singles * (calls // max(len(singles), 1) + 1))[:calls]
     topk = (list(steps) * (calls // max(len(steps), 1) + 1))[: max(1, calls // 4)]
-    await ea.warm_experts(engine, singles[:100])  # warm-up of the code paths
-    single_s = await ea.warm_experts(engine, singles)
-    topk_s = await ea.warm_experts(engine, topk)
+    await ea.warm_experts(store, singles[:100])  # warm-up of the code paths
+    single_s = await ea.warm_experts(store, singles)
+    topk_s = await ea.warm_experts(store, topk)
     k = info.n_expert_used
     out: dict[str, Any] = {
         "experts_single_calls": len(singles),
@@ -59,7 +59,7 @@ async def warm_figures(
     if moe_tokens > 0:
         rng = np.random.default_rng(seed)
         xs = [_rms_norm(rng.standard_normal((1, info.n_embd), dtype=np.float32)) for _ in range(moe_tokens)]
-        moe_s, moe_calls = await ea.warm_moe(engine, info.layers, xs)
+        moe_s, moe_calls = await ea.warm_moe(store, info.layers, xs)
         out.update(
             moe_calls=moe_calls,
             moe_us_per_call=moe_s / moe_calls * 1e6,

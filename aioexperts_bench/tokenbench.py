@@ -19,8 +19,8 @@ one token at a time through every MoE layer (``runner.run_moe_layers``), each ru
    fully hidden, 2.0 none of it.
 
 Executor, per round: tokens per second of the MoE layers with the real executor (numba kernels,
-numpy fallback) and the model's own router on random inputs, with the engine's default router
-prefetch, at a slab of 0 % (the engine's minimum, ``2 * top-k`` slots), 25 % and 100 % (every
+numpy fallback) and the model's own router on random inputs, with the store's default router
+prefetch, at a slab of 0 % (the store's minimum, ``2 * top-k`` slots), 25 % and 100 % (every
 expert loaded first).
 
 A timeline of one pipelined token (reads per layer with their submit and completion times,
@@ -130,11 +130,11 @@ class TokenBenchConfig:
         rounds: paired rounds.
         n_tokens: tokens per overlap run.
         slab_fraction: slab of the overlap runs, as a fraction of all experts.
-        depth: engine queue depth.
+        depth: store queue depth.
         seed: routing and input seed.
         loop: event loop.
         executor_tokens: tokens per executor run (0: no executor runs).
-        executor_fractions: slab fractions of the executor runs (0 means the engine's minimum).
+        executor_fractions: slab fractions of the executor runs (0 means the store's minimum).
         target_overlap: the overlap target printed as met or missed.
     """
 
@@ -186,7 +186,7 @@ async def _overlap_run(
     unique = len({(layer, int(e)) for t in trace for layer, ids in zip(info.layers, t, strict=True) for e in ids})
     slots = unique if resident else _slots(info, cfg.slab_fraction)
     options = ea.BenchOptions(
-        slots=slots, backend=recorder or ea.engine_backend(), queue_depth=cfg.depth, prefetch_budget=info.n_expert_used
+        slots=slots, backend=recorder or ea.store_backend(), queue_depth=cfg.depth, prefetch_budget=info.n_expert_used
     )
     oracle = OraclePredictor(trace, info.layers)
     x0 = [np.zeros((1, info.n_embd), dtype=np.float32)] * len(trace)
@@ -205,14 +205,14 @@ async def _overlap_run(
     def advance(token: int) -> None:
         oracle.token = token
 
-    async with ea.open_bench_store(path, options) as engine:
+    async with ea.open_bench_store(path, options) as store:
         if resident:  # load every expert of the trace first, untimed
-            await ea.run_tokens(engine, x0, route=route, compute=_noop, prefetch=False)
-        ea.reset_stats(engine)
+            await ea.run_tokens(store, x0, route=route, compute=_noop, prefetch=False)
+        ea.reset_stats(store)
         if recorder is not None:
             recorder.clear()
         return await ea.run_tokens(
-            engine,
+            store,
             x0,
             route=route,
             compute=compute,
@@ -224,16 +224,16 @@ async def _overlap_run(
 
 async def _executor_run(path: str, info: ea.ModelInfo, fraction: float, cfg: TokenBenchConfig, seed: int) -> Any:
     slots = _slots(info, fraction)
-    options = ea.BenchOptions(slots=slots, backend=ea.engine_backend(), queue_depth=cfg.depth, prefetch="router")
+    options = ea.BenchOptions(slots=slots, backend=ea.store_backend(), queue_depth=cfg.depth, prefetch="router")
     rng = np.random.default_rng(seed)
     xs = [rng.standard_normal((1, info.n_embd), dtype=np.float32) for _ in range(cfg.executor_tokens)]
     xs = [(x / np.sqrt(np.mean(x * x))).astype(np.float32) for x in xs]
-    async with ea.open_bench_store(path, options) as engine:
+    async with ea.open_bench_store(path, options) as store:
         if slots >= info.n_experts_total:
-            await ea.preload(engine, info.layers, info.n_experts, window=8)
-        await ea.run_tokens(engine, xs[:1])  # resident weights, router and predictor set up, untimed
-        ea.reset_stats(engine)
-        return _summary(await ea.run_tokens(engine, xs)) | {"slots": slots}
+            await ea.preload(store, info.layers, info.n_experts, window=8)
+        await ea.run_tokens(store, xs[:1])  # resident weights, router and predictor set up, untimed
+        ea.reset_stats(store)
+        return _summary(await ea.run_tokens(store, xs)) | {"slots": slots}
 
 
 def run_token_bench(
