@@ -284,7 +284,7 @@ def _ended(stats: list[GenerationStatistics], exc: BaseException | None) -> None
         stats[0] = replace(stats[0], stop_reason="cancelled" if cancelled else "error")
 
 
-async def _ids(
+async def _generate(
     model: Model,
     seq: ModelSequence | None,
     reused: int,
@@ -294,83 +294,52 @@ async def _ids(
     eog: frozenset[int],
     stats: list[GenerationStatistics],
     owns_sequence: bool,
-) -> AsyncGenerator[int, None]:
-    """``seq=None``: a fresh sequence, made when iteration starts and closed when it ends."""
-    started = time.perf_counter()
-    stats[0] = GenerationStatistics(len(prompt), reused, len(prompt) - reused)
-    stopper = None
-    if options.stop:
-        from aioexperts._text.sampling import StopMatcher
-
-        stopper = StopMatcher(options.stop)
-        decoder = model.tokenizer.decoder()
-    if seq is None:
-        seq = model.sequence()
-    try:
-        tokens_of = _decode_loop(model, seq, prompt[reused:], sampler, options.max_tokens, eog, stats, started)
-        async with aclosing(tokens_of) as tokens:
-            async for token in tokens:
-                _first_token(stats, started)
-                yield token
-                if stopper is not None:
-                    stopper.feed(decoder.feed(token))
-                    if stopper.stopped:
-                        stats[0] = replace(stats[0], stop_reason="stop", stop_string=stopper.stop_string)
-                        return
-    except BaseException as exc:
-        _ended(stats, exc)
-        raise
-    finally:
-        _ended(stats, None)
-        if owns_sequence:
-            seq.close()
-
-
-async def _text(
-    model: Model,
-    seq: ModelSequence | None,
-    reused: int,
-    prompt: list[int],
-    options: SamplingOptions,
-    sampler: Any,
-    stats: list[GenerationStatistics],
-    owns_sequence: bool,
-    out: TextStream,
-) -> AsyncGenerator[str, None]:
-    """``seq=None``: a fresh sequence, made when iteration starts and closed when it ends."""
+    text: TextStream | None,
+) -> AsyncGenerator[Any, None]:
+    """The one generation under ``generate``, ``stream`` and the chat turns: token ids, or with
+    ``text`` the text pieces (no piece ends inside a UTF-8 character; a stop string is not
+    emitted). ``seq=None``: a fresh sequence, made when iteration starts and closed when it ends."""
     from aioexperts._text.sampling import StopMatcher
 
     started = time.perf_counter()
     stats[0] = GenerationStatistics(len(prompt), reused, len(prompt) - reused)
-    decoder = model.tokenizer.decoder()
     stopper = StopMatcher(options.stop) if options.stop else None
-    eog = _eog_ids(model, True)
+    decoder = model.tokenizer.decoder() if text is not None or stopper is not None else None
     if seq is None:
         seq = model.sequence()
     try:
         tokens_of = _decode_loop(model, seq, prompt[reused:], sampler, options.max_tokens, eog, stats, started)
         async with aclosing(tokens_of) as tokens:
             async for token in tokens:
-                out.token_ids.append(token)
-                piece = decoder.feed(token)
-                if stopper is not None:
-                    piece = stopper.feed(piece)
-                if piece:
+                if text is None:  # ids: each token as it comes, the stop string's last one too
                     _first_token(stats, started)
-                    yield piece
+                    yield token
+                    if stopper is not None and decoder is not None:
+                        stopper.feed(decoder.feed(token))
+                else:
+                    assert decoder is not None
+                    text.token_ids.append(token)
+                    piece = decoder.feed(token)
+                    if stopper is not None:
+                        piece = stopper.feed(piece)
+                    if piece:
+                        _first_token(stats, started)
+                        yield piece
                 if stopper is not None and stopper.stopped:
                     stats[0] = replace(stats[0], stop_reason="stop", stop_string=stopper.stop_string)
                     return
-        tail = decoder.flush()
-        if stopper is not None:
-            tail = stopper.feed(tail)
-            if stopper.stopped:
-                stats[0] = replace(stats[0], stop_reason="stop", stop_string=stopper.stop_string)
-            else:
-                tail += stopper.flush()
-        if tail:
-            _first_token(stats, started)
-            yield tail
+        if text is not None:
+            assert decoder is not None
+            tail = decoder.flush()
+            if stopper is not None:
+                tail = stopper.feed(tail)
+                if stopper.stopped:
+                    stats[0] = replace(stats[0], stop_reason="stop", stop_string=stopper.stop_string)
+                else:
+                    tail += stopper.flush()
+            if tail:
+                _first_token(stats, started)
+                yield tail
     except BaseException as exc:
         _ended(stats, exc)
         raise
@@ -395,6 +364,28 @@ def _prepare(
     return opts, ids, _make_sampler(opts, sampler)
 
 
+def _open(
+    model: Model,
+    prompt: str | Sequence[int],
+    options: SamplingOptions | None,
+    sampler: Sampler | None,
+    add_special: bool,
+    parse_special: bool,
+    sampling: Mapping[str, Any],
+    as_text: bool,
+) -> TokenStream | TextStream:
+    """A generation of ``prompt`` on a fresh sequence, its arguments checked here (before the first
+    ``await``): token ids, or text pieces with ``as_text``."""
+    opts, ids, smp = _prepare(model, prompt, options, sampler, add_special, parse_special, sampling)
+    eog = _eog_ids(model, as_text or isinstance(prompt, str) or bool(opts.stop))
+    stats = [GenerationStatistics()]
+    out: TokenStream | TextStream = TextStream(stats) if as_text else TokenStream(stats)
+    model._started()  # StoreClosedError now, not at the first token
+    text = out if isinstance(out, TextStream) else None
+    out._agen = _generate(model, None, 0, ids, opts, smp, eog, stats, True, text)
+    return out
+
+
 def open_generation(
     model: Model,
     prompt: str | Sequence[int],
@@ -405,14 +396,10 @@ def open_generation(
     parse_special: bool,
     sampling: Mapping[str, Any],
 ) -> TokenStream:
-    """:meth:`Model.generate`'s body (arguments checked here, before the first ``await``)."""
-    opts, ids, smp = _prepare(model, prompt, options, sampler, add_special, parse_special, sampling)
-    eog = _eog_ids(model, isinstance(prompt, str) or bool(opts.stop))
-    stats = [GenerationStatistics()]
-    gen = TokenStream(stats)
-    model._started()  # StoreClosedError now, not at the first token
-    gen._agen = _ids(model, None, 0, ids, opts, smp, eog, stats, True)
-    return gen
+    """:meth:`Model.generate`'s body: token ids."""
+    out = _open(model, prompt, options, sampler, add_special, parse_special, sampling, False)
+    assert isinstance(out, TokenStream)
+    return out
 
 
 def open_stream(
@@ -425,12 +412,9 @@ def open_stream(
     parse_special: bool,
     sampling: Mapping[str, Any],
 ) -> TextStream:
-    """:meth:`Model.stream`'s body."""
-    opts, ids, smp = _prepare(model, prompt, options, sampler, add_special, parse_special, sampling)
-    stats = [GenerationStatistics()]
-    out = TextStream(stats)
-    model._started()
-    out._agen = _text(model, None, 0, ids, opts, smp, stats, True, out)
+    """:meth:`Model.stream`'s body: text pieces."""
+    out = _open(model, prompt, options, sampler, add_special, parse_special, sampling, True)
+    assert isinstance(out, TextStream)
     return out
 
 
@@ -583,7 +567,9 @@ class ChatSession:
         seq.keep(reused)
         pieces: list[str] = []
         try:
-            async with aclosing(_text(self.model, seq, reused, ids, opts, smp, self._stats, False, out)) as inner:
+            eog = _eog_ids(self.model, True)
+            turn = _generate(self.model, seq, reused, ids, opts, smp, eog, self._stats, False, out)
+            async with aclosing(turn) as inner:
                 async for piece in inner:
                     pieces.append(piece)
                     yield piece
