@@ -70,18 +70,26 @@ def test_fixture_layout_matches_gguf_reader_bytes(name: str) -> None:
     model = open_model(path)
     layout = build_layout(model)
     stem = Path(name).name
-    expected_layers = [1, 2] if stem.startswith(("glm4moe", "deepseek2")) else [0, 1, 2]
+    # (MoE layers, top-k, experts, expert width): the fixtures' READMEs
+    if stem.startswith("deepseek4"):
+        expected_layers, k, n_expert, n_ff = [0, 1, 2, 3], 3, 8, 128
+    elif stem.startswith("qwen35moe"):
+        expected_layers, k, n_expert, n_ff = [0, 1, 2, 3], 4, 16, 64
+    elif stem.startswith(("glm4moe", "deepseek2")):
+        expected_layers, k, n_expert, n_ff = [1, 2], 2, 8, 256
+    else:
+        expected_layers, k, n_expert, n_ff = [0, 1, 2], 2, 8, 256
     assert list(layout.layers) == expected_layers
-    assert layout.n_expert_used == 2
+    assert layout.n_expert_used == k
     assert layout.n_embd == 256
-    assert layout.n_experts_total == 8 * len(expected_layers)
+    assert layout.n_experts_total == n_expert * len(expected_layers)
     for moe in layout.layers.values():
-        assert moe.n_experts == 8
+        assert moe.n_experts == n_expert
         assert moe.router.name == f"blk.{moe.index}.ffn_gate_inp.weight"
-        assert moe.router.dims == (256, 8)
+        assert moe.router.dims == (256, n_expert)
         for bank in moe.banks:
-            assert (bank.n_embd, bank.n_ff_exp, bank.n_ff_down, bank.merged) == (256, 256, 256, False)
-    assert _check_against_reader(path, layout) == 8 * len(expected_layers)
+            assert (bank.n_embd, bank.n_ff_exp, bank.n_ff_down, bank.merged) == (256, n_ff, n_ff, False)
+    assert _check_against_reader(path, layout) == n_expert * len(expected_layers)
     assert layout.max_expert_bytes == max(loc.n_bytes for loc in layout)
 
 
