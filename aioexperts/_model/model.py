@@ -895,7 +895,7 @@ class Model:
         """
         chain = isinstance(prompt, str) or any(v is not None for v in (top_k, top_p, min_p, stop, options))
         if chain:
-            return _text.open_generation(
+            run = _text.open_run(
                 self,
                 prompt,
                 options=options,
@@ -911,7 +911,10 @@ class Model:
                     "seed": seed,
                     "stop": stop,
                 },
+                as_text=False,
             )
+            assert isinstance(run, _text.TokenStream)
+            return run
         assert not isinstance(prompt, str)
         ids = self._check_ids(prompt)
         _text.check_fits(self, len(ids))
@@ -958,7 +961,7 @@ class Model:
             A :class:`~aioexperts._model.text.TextStream` (async iterator of str, ``statistics``,
             ``token_ids``).
         """
-        return _text.open_stream(
+        stream = _text.open_run(
             self,
             prompt,
             options=options,
@@ -974,7 +977,10 @@ class Model:
                 "seed": seed,
                 "stop": stop,
             },
+            as_text=True,
         )
+        assert isinstance(stream, _text.TextStream)
+        return stream
 
     def chat(
         self,

@@ -43,8 +43,7 @@ __all__ = (
     "TokenStream",
     "check_fits",
     "chat_prompt_ids",
-    "open_generation",
-    "open_stream",
+    "open_run",
 )
 
 DEFAULT_MAX_TOKENS = 256
@@ -364,9 +363,10 @@ def _prepare(
     return opts, ids, _make_sampler(opts, sampler)
 
 
-def _open(
+def open_run(
     model: Model,
     prompt: str | Sequence[int],
+    *,
     options: SamplingOptions | None,
     sampler: Sampler | None,
     add_special: bool,
@@ -374,8 +374,9 @@ def _open(
     sampling: Mapping[str, Any],
     as_text: bool,
 ) -> TokenStream | TextStream:
-    """A generation of ``prompt`` on a fresh sequence, its arguments checked here (before the first
-    ``await``): token ids, or text pieces with ``as_text``."""
+    """:meth:`Model.generate`'s (token ids) and :meth:`Model.stream`'s (``as_text``: text pieces)
+    body: a generation of ``prompt`` on a fresh sequence, its arguments checked here, before the
+    first ``await``."""
     opts, ids, smp = _prepare(model, prompt, options, sampler, add_special, parse_special, sampling)
     eog = _eog_ids(model, as_text or isinstance(prompt, str) or bool(opts.stop))
     stats = [GenerationStatistics()]
@@ -383,38 +384,6 @@ def _open(
     model._started()  # StoreClosedError now, not at the first token
     text = out if isinstance(out, TextStream) else None
     out._agen = _generate(model, None, 0, ids, opts, smp, eog, stats, True, text)
-    return out
-
-
-def open_generation(
-    model: Model,
-    prompt: str | Sequence[int],
-    *,
-    options: SamplingOptions | None,
-    sampler: Sampler | None,
-    add_special: bool,
-    parse_special: bool,
-    sampling: Mapping[str, Any],
-) -> TokenStream:
-    """:meth:`Model.generate`'s body: token ids."""
-    out = _open(model, prompt, options, sampler, add_special, parse_special, sampling, False)
-    assert isinstance(out, TokenStream)
-    return out
-
-
-def open_stream(
-    model: Model,
-    prompt: str | Sequence[int],
-    *,
-    options: SamplingOptions | None,
-    sampler: Sampler | None,
-    add_special: bool,
-    parse_special: bool,
-    sampling: Mapping[str, Any],
-) -> TextStream:
-    """:meth:`Model.stream`'s body: text pieces."""
-    out = _open(model, prompt, options, sampler, add_special, parse_special, sampling, True)
-    assert isinstance(out, TextStream)
     return out
 
 
