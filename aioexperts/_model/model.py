@@ -639,6 +639,11 @@ class Model:
             runner.batch_wait = self._batch_wait
             runner.hits_first = self._hits_first
             runner.record_trace = self._record_trace or runner.record_trace
+            if self._prefetch is not None and runner.prefetch_options != self._prefetch:
+                raise ConfigError(
+                    f"load(prefetch={self._prefetch!r}): the runner factory made a runner with "
+                    f"{runner.prefetch_options!r}; pass the prefetch options it is given on to the runner"
+                )
             await runner.warmup()
             weights = await run_in_worker(_load_weights, store.model, hp, moe_layers, self._resident_embedding)
             types = {weights.output.ggml_type} | {

@@ -69,3 +69,18 @@ async def test_load_options_are_honoured_by_every_runner(
         assert model.runner.batch_wait == DEFAULT_BATCH_WAIT > 0 and model.runner.hits_first is True
         with pytest.raises(aioexperts.ConfigError, match="before warmup"):
             model.runner.record_trace = True
+
+
+async def test_a_factory_that_drops_the_prefetch_options_is_refused(tiny_full_model: Path, anyio_backend: object) -> None:
+    """A ``load()`` option the runner cannot honour is an error, not dropped (issue 32)."""
+    wanted = aioexperts.PrefetchOptions(predictor="frequency", depth=1)
+    model = aioexperts.load(
+        tiny_full_model, slots=8, n_ctx=32, prefetch=wanted, runner=lambda store, prefetch: aioexperts.MoERunner(store)
+    )
+    with pytest.raises(aioexperts.ConfigError, match="prefetch"):
+        await model.start()
+    async with aioexperts.load(
+        tiny_full_model, slots=8, n_ctx=32, prefetch=wanted,
+        runner=lambda store, prefetch: aioexperts.MoERunner(store, prefetch=prefetch),
+    ) as model:  # fmt: skip
+        assert model.runner.prefetch_options == wanted
