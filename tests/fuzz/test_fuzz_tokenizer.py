@@ -8,7 +8,9 @@ llama.cpp's space cleaning it gives the text back exactly. ``decode`` of arbitra
 
 from __future__ import annotations
 
+import itertools
 import random
+import time
 
 import fuzzkit as kit
 import pytest
@@ -72,3 +74,49 @@ def test_fuzz_bytes(tok: Tokenizer, raw: bytes, flags: int) -> None:
 @given(value=st.one_of(st.none(), st.integers(), st.lists(st.text(max_size=3)), st.binary(max_size=4)))
 def test_fuzz_not_text(tok: Tokenizer, value: object) -> None:
     _run(tok, value, [], 3)
+
+
+# regressions the fuzzer found
+
+
+@pytest.fixture(scope="module")
+def cleaning(tokenizers: dict[str, Tokenizer]) -> Tokenizer:
+    tok = tokenizers["tiny-gpt2"]
+    assert tok._clean_spaces  # gpt-2's pre-tokenizer cleans spaces, as llama.cpp's
+    return tok
+
+
+def test_incremental_decoder_is_linear_on_spaces(cleaning: Tokenizer) -> None:
+    """Held-back text was searched for a safe cut from its end on every id: a run of spaces (never cut)
+    made streaming quadratic (seconds for a few thousand ids)."""
+    ids = cleaning.encode("ab" + " " * 6000 + "cd", add_special=False)
+    ids = [i for t in ids for i in cleaning.encode(cleaning.decode([t]), add_special=False)]  # one id per space
+    dec = cleaning.decoder()
+    t0 = time.thread_time()
+    text = "".join(dec.feed(i) for i in ids) + dec.flush()
+    assert time.thread_time() - t0 < 2.0
+    assert text == cleaning.decode(ids)
+
+
+def test_incremental_decoder_streams_spaced_text(cleaning: Tokenizer) -> None:
+    """Text with a space or quote in every four characters ("1 2 3 4 ...") was held back until flush."""
+    ids = cleaning.encode(" ".join("123456789" * 4) + " it's 'a' b .", add_special=False)
+    dec = cleaning.decoder()
+    parts = [dec.feed(i) for i in ids]
+    assert sum(map(len, parts)) > 60  # streamed, not all held back
+    assert "".join(parts) + dec.flush() == cleaning.decode(ids)
+
+
+@pytest.mark.parametrize("n", [5])
+def test_safe_cut_exhaustive(n: int) -> None:
+    """Every cut the decoder may make keeps clean_spaces(left) + clean_spaces(right) == clean_spaces(whole)."""
+    from aioexperts._text.tokenizer import _clean_spaces, _safe_cut
+
+    for length in range(2, n + 1):
+        for chars in itertools.product(" '.srea\0", repeat=length):
+            text = "".join(chars)
+            whole = _clean_spaces(text)
+            for end in range(2, length + 1):  # the cut _safe_cut picks in every prefix
+                cut = _safe_cut(text[:end])
+                if cut:
+                    assert _clean_spaces(text[:cut]) + _clean_spaces(text[cut:]) == whole, (text, cut)
