@@ -655,9 +655,10 @@ def random_messages(rnd: random.Random) -> Any:
     if r < 0.03:
         return random_json(rnd)
     msgs = [random_message(rnd) for _ in range(rnd.randrange(0, 6))]
-    if rnd.random() < 0.02:
-        msgs = msgs * 2000  # many turns
-    if rnd.random() < 0.02 and msgs and isinstance(msgs[0], dict):
+    r = rnd.random()
+    if r < 0.02:
+        msgs = [{"role": _pick(rnd, _ROLES), "content": random_text(rnd, 40)} for _ in range(2000)]  # many turns
+    elif r < 0.04 and msgs and isinstance(msgs[0], dict):
         msgs[0]["content"] = "x" * (1 << 20)  # a megabyte of content
     if rnd.random() < 0.01 and msgs and isinstance(msgs[0], dict):
         msgs[0]["self"] = msgs[0]  # a cycle

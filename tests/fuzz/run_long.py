@@ -4,8 +4,10 @@
 
 The doors (tests/fuzz/fuzzkit.py) take turns, so a run stopped by ``--max-minutes`` or Ctrl-C still
 has about as many inputs for each. Per door it counts the inputs, their outcomes, the unexpected
-exception types (the first input of each is saved beside the summary), the hangs (an input over
-``--time-limit`` seconds, or cut off by the alarm at ``--hard-limit``) and the slowest input. Every
+exception types (the first input of each is saved beside the summary), the hangs (an input taking
+more than ``--time-limit`` seconds of CPU, or cut off by the wall-clock alarm at ``--hard-limit``:
+CPU time, because the machine is shared) and the slowest input. An input that raises the process's
+peak RSS by more than ``--rss-jump`` bytes counts as unexpected too. Every
 ``--memory-every``-th header input is a small file whose counts claim far more than it holds, read
 under ``tracemalloc``: its peak must stay within ``64 * size + 256 KiB``. Warnings are errors, as
 in the test suite. Single process, single thread.
@@ -57,8 +59,10 @@ class DoorStats:
     unexpected: Counter[str] = field(default_factory=Counter)
     hangs: int = 0
     slowest_s: float = 0.0
+    slowest_cpu_s: float = 0.0
     input_bytes: int = 0
     largest_input_bytes: int = 0
+    rss_growth_bytes: int = 0  # the most one input raised the process's peak RSS
     examples: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
@@ -70,11 +74,17 @@ class DoorStats:
             "unexpected_total": sum(self.unexpected.values()),
             "hangs": self.hangs,
             "slowest_input_s": round(self.slowest_s, 4),
+            "slowest_input_cpu_s": round(self.slowest_cpu_s, 4),
             "mean_input_bytes": round(self.input_bytes / self.inputs, 1) if self.inputs else None,
             "largest_input_bytes": self.largest_input_bytes,
+            "max_peak_rss_growth_per_input_bytes": self.rss_growth_bytes,
             "examples": self.examples,
             "outcomes": dict(self.outcomes.most_common(25)),
         }
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _size(value: Any) -> int:
@@ -179,8 +189,10 @@ class Runner:
         size = _size(value) if door != "header" else len(value)
         st.input_bytes += size
         st.largest_input_bytes = max(st.largest_input_bytes, size)
+        rss0 = _peak_rss()
         signal.setitimer(signal.ITIMER_REAL, self.args.hard_limit)
         t0 = time.perf_counter()
+        c0 = time.thread_time()
         try:
             st.outcomes[call()] += 1
         except kit.Unexpected as exc:
@@ -190,12 +202,22 @@ class Runner:
                 st.examples[key] = self._save(door, key, value, exc)
         except kit.Hang:
             st.outcomes["hang (alarm)"] += 1
+            st.hangs += 1
+            st.examples[f"alarm-{st.hangs}"] = self._save(door, "alarm", value, None)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
         dt = time.perf_counter() - t0
+        cpu = time.thread_time() - c0
+        growth = _peak_rss() - rss0
+        if growth > st.rss_growth_bytes:
+            st.rss_growth_bytes = growth
+            if growth > self.args.rss_jump:
+                st.unexpected["memory: peak RSS jump"] += 1
+                st.examples[f"rss-jump-{growth}"] = self._save(door, "rss-jump", value, None)
         st.seconds += dt
         st.slowest_s = max(st.slowest_s, dt)
-        if dt > self.args.time_limit:
+        st.slowest_cpu_s = max(st.slowest_cpu_s, cpu)
+        if cpu > self.args.time_limit:
             st.hangs += 1
             key = f"hang-{st.hangs}"
             if st.hangs <= 3:
@@ -272,7 +294,7 @@ class Runner:
             "inputs_per_second": round(total / elapsed, 1) if elapsed else None,
             "unexpected_total": sum(sum(s.unexpected.values()) for s in self.stats.values()),
             "hangs_total": sum(s.hangs for s in self.stats.values()),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": _peak_rss(),
             "header_memory": {
                 **self.memory,
                 "bound": f"tracemalloc peak <= {MEMORY_FACTOR} * input bytes + {MEMORY_CONSTANT} B",
@@ -295,9 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inputs", type=int, default=1_000_000, help="inputs in total, split evenly over the doors")
     p.add_argument("--doors", default=",".join(DOORS), help=f"comma-separated, of {','.join(DOORS)}")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-limit", type=float, default=2.0, help="an input slower than this is a hang (s)")
-    p.add_argument("--hard-limit", type=float, default=30.0, help="an alarm stops an input after this (s)")
+    p.add_argument("--time-limit", type=float, default=1.0, help="an input taking more CPU is a hang (s)")
+    p.add_argument("--hard-limit", type=float, default=60.0, help="an alarm stops an input after this (wall, s)")
     p.add_argument("--memory-every", type=int, default=20, help="every Nth header input is a memory sample")
+    p.add_argument("--rss-jump", type=int, default=256 << 20, help="one input raising peak RSS this much fails")
     p.add_argument("--max-minutes", type=float, default=0, help="stop after this long (0: no limit)")
     p.add_argument("--progress", type=float, default=30.0, help="seconds between progress lines")
     p.add_argument("--out", default=None, help="the JSON summary (also rewritten at each progress line)")
