@@ -151,30 +151,35 @@ def _moe_seed(arch: str = "qwen3moe", *, alignment: int | None = None, tiers: bo
     return g.build()
 
 
-def _vocab_seed(model: str = "gpt2") -> bytes:
-    """A vocabulary-only GGUF (no tensors): a tiny byte-level BPE or SentencePiece vocabulary."""
+def _vocab_seed(model: str = "gpt2", *, extra: int = 0) -> bytes:
+    """A vocabulary-only GGUF (no tensors): a tiny byte-level BPE or SentencePiece vocabulary, with
+    ``extra`` more tokens (over ``MAX_DECODED_ITEMS`` its arrays stay in the file for the header reader
+    and are read by the vocabulary reader)."""
     g = GGUFBytes()
     g.add("general.architecture", T.STRING, "llama")
+    filler = [f"x{i}" for i in range(extra)]
     if model == "gpt2":
         keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
         chars = {b: chr(b) for b in keep}
         for n, b in enumerate(b for b in range(256) if b not in chars):
             chars[b] = chr(256 + n)
-        tokens = [chars[b] for b in range(256)] + ["Ġt", "he", "Ġthe", "<|endoftext|>", "<tool>"]
+        tokens = [chars[b] for b in range(256)] + ["Ġt", "he", "Ġthe", *filler, "<|endoftext|>", "<tool>"]
+        merges = ["Ġ t", "h e", "Ġt he"] + [f"x{i} {i % 10}" for i in range(10, extra)]
         g.add("tokenizer.ggml.model", T.STRING, "gpt2")
-        g.add("tokenizer.ggml.pre", T.STRING, "gpt-2")
+        g.add("tokenizer.ggml.pre", T.STRING, "gpt-2" if not extra else "qwen2")
         g.add("tokenizer.ggml.tokens", T.ARRAY, Arr(T.STRING, tokens))
-        g.add("tokenizer.ggml.token_type", T.ARRAY, Arr(T.INT32, [1] * 259 + [3, 4]))
-        g.add("tokenizer.ggml.merges", T.ARRAY, Arr(T.STRING, ["Ġ t", "h e", "Ġt he"]))
-        g.add("tokenizer.ggml.bos_token_id", T.UINT32, 259)
-        g.add("tokenizer.ggml.eos_token_id", T.UINT32, 259)
+        g.add("tokenizer.ggml.token_type", T.ARRAY, Arr(T.INT32, [1] * (len(tokens) - 2) + [3, 4]))
+        g.add("tokenizer.ggml.merges", T.ARRAY, Arr(T.STRING, merges))
+        g.add("tokenizer.ggml.bos_token_id", T.UINT32, len(tokens) - 2)
+        g.add("tokenizer.ggml.eos_token_id", T.UINT32, len(tokens) - 2)
     else:
-        pieces = ["▁", "a", "b", "▁a", "ab"]
+        pieces = ["▁", "a", "b", "▁a", "ab", *filler]
         tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+        scores = [0.0] * 259 + [-1.0, -2.0, -2.0, -0.5, -3.0] + [-4.0 - i for i in range(extra)]
         g.add("tokenizer.ggml.model", T.STRING, "llama")
         g.add("tokenizer.ggml.tokens", T.ARRAY, Arr(T.STRING, tokens))
-        g.add("tokenizer.ggml.scores", T.ARRAY, Arr(T.FLOAT32, [0.0] * 259 + [-1.0, -2.0, -2.0, -0.5, -3.0]))
-        g.add("tokenizer.ggml.token_type", T.ARRAY, Arr(T.INT32, [2, 3, 3] + [6] * 256 + [1] * 5))
+        g.add("tokenizer.ggml.scores", T.ARRAY, Arr(T.FLOAT32, scores))
+        g.add("tokenizer.ggml.token_type", T.ARRAY, Arr(T.INT32, [2, 3, 3] + [6] * 256 + [1] * len(pieces)))
         g.add("tokenizer.ggml.bos_token_id", T.UINT32, 1)
         g.add("tokenizer.ggml.eos_token_id", T.UINT32, 2)
     g.add("tokenizer.chat_template", T.STRING, "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}")
@@ -218,6 +223,8 @@ def seeds() -> list[Seed]:
             ("moe-align64", _moe_seed("deepseek2", alignment=64)),
             ("vocab-bpe", _vocab_seed("gpt2")),
             ("vocab-spm", _vocab_seed("llama")),
+            ("vocab-bpe-large", _vocab_seed("gpt2", extra=4200)),
+            ("vocab-spm-large", _vocab_seed("llama", extra=4200)),
         ]
         _SEEDS = [Seed(name, data, _header_len(data)) for name, data in raw]
     return _SEEDS
@@ -353,8 +360,10 @@ def random_bytes(rnd: random.Random) -> bytes:
 def header_input(rnd: random.Random) -> bytes:
     """One input for door (a): mostly mutated seeds, then structured files, then random bytes."""
     r = rnd.random()
-    if r < 0.7:
-        return mutate(rnd, _pick(rnd, seeds()))
+    if r < 0.7:  # the large vocabularies (a few ms each to build) one time in twenty
+        all_seeds = seeds()
+        small = [s for s in all_seeds if not s.name.endswith("-large")]
+        return mutate(rnd, _pick(rnd, small if rnd.random() < 0.95 else all_seeds))
     if r < 0.9:
         return structured(rnd)
     return random_bytes(rnd)
