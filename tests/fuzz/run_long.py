@@ -103,7 +103,16 @@ class Runner:
         self.examples_dir = examples_dir
         self.rnd = random.Random(args.seed)
         self.stats = {d: DoorStats() for d in args.doors}
-        self.memory = {"samples": 0, "violations": 0, "max_peak_bytes": 0, "max_ratio_over_constant": 0.0}
+        self.memory = {
+            "samples": 0,
+            "violations": 0,
+            "max_peak_bytes": 0,
+            "max_peak_input_bytes": 0,
+            "max_peak_over_input": 0.0,
+            "max_ratio_over_constant": 0.0,
+            "input_bytes_min": None,
+            "input_bytes_max": 0,
+        }
         self.memory_worst: dict[str, Any] = {}
         self.tokenizers = list(kit.load_tokenizers().items())
         self.templates = list(kit.load_templates().items())
@@ -142,7 +151,10 @@ class Runner:
         m["samples"] += 1
         ratio = max(0, peak - MEMORY_CONSTANT) / max(1, len(data))
         if peak > m["max_peak_bytes"]:
-            m["max_peak_bytes"] = peak
+            m["max_peak_bytes"], m["max_peak_input_bytes"] = peak, len(data)
+        m["max_peak_over_input"] = max(m["max_peak_over_input"], round(peak / max(1, len(data)), 2))
+        m["input_bytes_min"] = min(len(data), m["input_bytes_min"] or len(data))
+        m["input_bytes_max"] = max(len(data), m["input_bytes_max"])
         if ratio > m["max_ratio_over_constant"]:
             m["max_ratio_over_constant"] = round(ratio, 3)
             self.memory_worst = {"input_bytes": len(data), "peak_bytes": peak}
