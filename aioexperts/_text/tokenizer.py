@@ -664,8 +664,9 @@ class IncrementalDecoder:
     """Decodes ids one at a time; the concatenated results equal :meth:`Tokenizer.decode` of all ids.
 
     Never emits part of a UTF-8 character: bytes of an unfinished character wait for the next ids. With
-    llama.cpp's ``clean_spaces`` a trailing space or quote waits too (the next character decides
-    whether it stays). Call :meth:`flush` at the end of the stream for what is still held back.
+    llama.cpp's ``clean_spaces`` trailing spaces and quotes wait too (the next characters decide
+    whether they stay), with the character before them. Call :meth:`flush` at the end of the stream for
+    what is still held back.
 
     Args:
         tokenizer: the tokenizer.
@@ -692,8 +693,11 @@ class IncrementalDecoder:
         text = self._utf8.decode(raw)
         if not self._tok._clean_spaces:
             return text
+        start = len(self._pending)
         self._pending += text
-        cut = _safe_cut(self._pending)
+        cut = _safe_cut(self._pending, start)  # only the new places: each is looked at once (linear)
+        if not cut:
+            return ""
         out, self._pending = self._pending[:cut], self._pending[cut:]
         return _clean_spaces(out)
 
@@ -710,15 +714,24 @@ class IncrementalDecoder:
 _TOUCHY = frozenset(" '\0")
 
 
-def _safe_cut(text: str) -> int:
-    """Where ``text`` can be cut so that cleaning both halves equals cleaning the whole.
+def _safe_cut(text: str, start: int = 0) -> int:
+    """The last place at or after ``start`` where ``text`` can be cut so that cleaning both halves
+    equals cleaning the whole; 0 when there is none.
 
-    The three passes of llama.cpp's clean_spaces look at most two characters behind and two ahead of a
-    space or quote; a cut with three ordinary characters before it and one after is safe.
+    The passes of llama.cpp's clean_spaces remove a space before ``?!.,``, the spaces around a lone
+    ``'``, and a space before ``'s``, ``'m``, ``'re``, ``'ve`` (after the second pass). A cut before
+    ``text[i]`` is safe when ``text[i - 1]`` is an ordinary character, ``text[i]`` is not a quote, and
+    the cut does not split ``'re``/``'ve`` (a quote two back, or a quote and a space three back).
+    Checked against every string of up to 7 characters of space, quote, ``.srea`` and NUL, and every cut.
     """
     i = len(text) - 1  # the cut goes before text[i], which must exist
-    while i >= 3:
-        if not (_TOUCHY & {text[i - 3], text[i - 2], text[i - 1], text[i]}):
+    while i >= max(1, start):
+        if (
+            text[i - 1] not in _TOUCHY
+            and text[i] not in "'\0"
+            and not (i >= 2 and text[i - 2] == "'")
+            and not (i >= 3 and text[i - 2] == " " and text[i - 3] == "'")
+        ):
             return i
         i -= 1
     return 0

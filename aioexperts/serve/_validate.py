@@ -154,7 +154,7 @@ def parse_json(body: bytes) -> dict[str, Any]:
 
     try:
         value = json.loads(body, parse_constant=no_constants)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:  # arrays or objects nested deeper than the parser's recursion allows
         raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
@@ -211,6 +211,8 @@ def _number(body: Mapping[str, Any], name: str, low: float, high: float, *, low_
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _bad(name, f"must be a number, got {_kind(value)}")
+    if isinstance(value, int) and abs(value) > 2**64:  # math.isfinite raises OverflowError past float's range
+        raise _bad(name, f"must be a number in [{low}, {high}], got an integer of {len(str(value))} digits")
     if not math.isfinite(value):
         raise _bad(name, f"must be a finite number in [{low}, {high}], got {value}")
     if value < low or value > high or (low_open and value == low):
