@@ -154,7 +154,7 @@ def parse_json(body: bytes) -> dict[str, Any]:
 
     try:
         value = json.loads(body, parse_constant=no_constants)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
+    except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:  # arrays or objects nested deeper than the parser's recursion allows
         raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None

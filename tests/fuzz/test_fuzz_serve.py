@@ -81,9 +81,9 @@ def test_deeply_nested_body_is_a_400(raw: bytes) -> None:
 @pytest.mark.parametrize("value", [10**400, -(10**400), 2**1024], ids=["1e400", "-1e400", "2**1024"])
 def test_integer_beyond_float_range_is_a_400(name: str, value: int) -> None:
     """math.isfinite raised OverflowError for a JSON integer past float's range (a bare 500)."""
-    body = {"messages": [{"role": "user", "content": "hi"}], "prompt": "x", name: value}
-    body = parse_json(json.dumps(body).encode())
-    for parse in (parse_chat, parse_completion):
+    chat = {"messages": [{"role": "user", "content": "hi"}], name: value}
+    completion = {"prompt": "x", name: value}
+    for parse, body in ((parse_chat, chat), (parse_completion, completion)):
         with pytest.raises(APIError) as info:
-            parse(body)
+            parse(parse_json(json.dumps(body).encode()))
         assert info.value.status == 400 and info.value.param == name
