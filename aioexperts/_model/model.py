@@ -38,7 +38,8 @@ from aioexperts._errors import (
     StoreClosedError,
     UnsupportedTypeError,
 )
-from aioexperts._format.architectures import ARCHITECTURES, ModelHParams, model_hparams
+from aioexperts._format.architectures import ModelHParams, model_hparams
+from aioexperts._format.archs import MODEL_RECORDS
 from aioexperts._format.model import GGUFModel, open_model
 from aioexperts._model import text as _text
 from aioexperts._model.blocks import BLOCKS, AttentionBlock
@@ -216,7 +217,7 @@ def _whole_model_hparams(model: GGUFModel) -> ModelHParams:
             f"{model.path}: the file holds no tensors (a vocabulary-only GGUF): there is no model to run; "
             "aioexperts.Tokenizer.from_gguf reads its vocabulary"
         )
-    if model.architecture in ARCHITECTURES and "token_embd.weight" not in model.tensors:
+    if model.architecture in MODEL_RECORDS and "token_embd.weight" not in model.tensors:
         raise FormatError(
             f"{model.path}: there is no 'token_embd.weight': the file holds MoE layers only, not a whole model; "
             "stream its experts with aioexperts.open() and run its layers with aioexperts.MoERunner"
