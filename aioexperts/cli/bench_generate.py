@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model(args: argparse.Namespace, note: object) -> str:
     if args.model:
-        return os.path.expanduser(args.model)
+        path: str = os.path.expanduser(args.model)
+        return path
     from .._bench.full_model import ensure_full_model, print_progress
     from ..testing._full_model import FULL_SPEC, SKEWED_SPEC
 

@@ -17,7 +17,7 @@ import resource
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
@@ -46,7 +46,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(USAGE_STATUS, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _int_at_least(low: int) -> Any:
+def _int_at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -481,7 +481,8 @@ def _read_prompt(args: argparse.Namespace) -> str | None:
     if args.file is not None:
         with open(os.path.expanduser(args.file), encoding="utf-8") as f:
             return f.read()
-    return args.prompt
+    prompt: str | None = args.prompt
+    return prompt
 
 
 def _model_path(args: argparse.Namespace) -> tuple[str, bool]:
