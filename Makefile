@@ -1,6 +1,7 @@
 # One command each: `make run` sets up and generates text with the built-in full model; `make bench`
-# sets everything up and runs the benchmark on the built-in model; `make test` sets up and runs the
-# tests (the core suite, then the Ray tests of aioexperts.distributed in a second pass). All create ./.venv from this project's own files.
+# sets everything up and runs the benchmark on the built-in model; `make test` sets up, runs `make lint`
+# (a lint failure fails it) and then the tests (the core suite, then the Ray tests of aioexperts.distributed
+# in a second pass). All create ./.venv from this project's own files.
 #
 #   make run                        # writes the built-in full model once (2.9 GB), streams text, prints the stats
 #   make run RUN_ARGS='-p "Hi" -n 32 --temp 0'   # any aioexperts-run option (MODEL.gguf too)
@@ -9,6 +10,7 @@
 #   make bench-plots                # the same plus the depth/size sweeps and PNGs in docs/img
 #   make render RESULTS=docs/results/FILE.json   # the tables of README.md and docs/*.md from the results files
 #   make setup                      # only create ./.venv (aioexperts and its bench package aioexperts_bench, with the test and bench extras)
+#   make lint                       # ruff check, ruff format --check, mypy --strict (pyproject's settings)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +19,7 @@ BENCH_ARGS ?=
 RUN_ARGS ?= -p "Once upon a time" -n 64
 RESULTS ?= bench-results.json
 
-.PHONY: setup run bench bench-plots render test clean
+.PHONY: setup run bench bench-plots render lint test clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +31,13 @@ $(BIN)/.text-installed: $(BIN)/.installed
 	$(BIN)/python -m pip install --quiet --config-settings editable_mode=compat -e '.[test,text]'
 	touch $@
 
-$(BIN)/.ray-installed: $(BIN)/.installed
-	$(BIN)/python -m pip install --quiet --config-settings editable_mode=compat -e '.[test,bench,ray]'
+# the dev extra: ruff and mypy at the versions pyproject.toml pins as their minimum
+$(BIN)/.dev-installed: $(BIN)/.installed
+	$(BIN)/python -m pip install --quiet --config-settings editable_mode=compat -e '.[test,bench,dev]'
+	touch $@
+
+$(BIN)/.ray-installed: $(BIN)/.dev-installed
+	$(BIN)/python -m pip install --quiet --config-settings editable_mode=compat -e '.[test,bench,ray,dev]'
 	touch $@
 
 $(BIN)/.plot-installed: $(BIN)/.installed
@@ -52,8 +59,16 @@ bench-plots: $(BIN)/.plot-installed
 render: $(BIN)/.installed
 	$(BIN)/python bench/render.py $(RESULTS) --write README.md docs/bench.md docs/executor.md --extra
 
-# two passes: the core suite without Ray, then the expert-shard tests on a local Ray cluster
-test: $(BIN)/.ray-installed
+# the habits CI keeps: ruff's lint rules and format, mypy --strict on the package (the numba kernels
+# excluded by name); all configured in pyproject.toml
+lint: $(BIN)/.dev-installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+# lint first (a failure stops here), then two passes: the core suite without Ray, then the expert-shard
+# tests on a local Ray cluster
+test: lint $(BIN)/.ray-installed
 	$(BIN)/python -m pytest -m "not ray"
 	$(BIN)/python -m pytest -m ray tests/distributed tests/test_docs_examples.py
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -76,7 +76,10 @@ class MoELayersResult:
         return sum(s.compute_seconds for s in self.steps)
 
 
-async def run_in_worker(fn: Callable[..., Any], *args: Any) -> Any:
+R = TypeVar("R")
+
+
+async def run_in_worker(fn: Callable[..., R], *args: Any) -> R:
     """Run ``fn(*args)`` on the compute pool (sized to the cores, BLAS and OpenMP capped) and return its result.
 
     Cancellation handling:

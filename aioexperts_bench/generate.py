@@ -95,7 +95,7 @@ def parse_limit(text: str) -> Fraction | None:
 def token_ids(n_vocab: int, n: int, seed: int) -> list[int]:
     """``n`` varied token ids (no byte tokens, no control tokens at the end), fixed by ``seed``."""
     low, high = (256, n_vocab - 3) if n_vocab > 300 else (0, n_vocab)
-    return np.random.default_rng(seed).integers(low, high, n).tolist()
+    return [int(i) for i in np.random.default_rng(seed).integers(low, high, n)]
 
 
 def page_cache_bytes(path: str) -> int | None:

@@ -69,4 +69,5 @@ async def warm_figures(
 
 
 def _rms_norm(x: np.ndarray) -> np.ndarray:
-    return (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)).astype(np.float32)
+    y: np.ndarray = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    return y.astype(np.float32)

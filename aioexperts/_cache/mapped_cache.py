@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import anyio
+
 from .._errors import ExpertReadError, StoreClosedError
 from .._format.layout import ExpertLayout, ExpertLocation
 from .._io.backends.base import IOBackend, ReadOp, ReadResult, SubmitError
@@ -196,6 +198,7 @@ class MappedExpertCache:
         self._local = threading.local()
         self._queue: deque[_Job] = deque()  # not started yet: demand first, then prefetch
         self._running = 0
+        self._checking = 0  # size checks running in a thread (_check_sizes_in_thread)
         self._lock = threading.Lock()
         self._done: list[_Job] = []
         self._wake_pending = False
@@ -247,12 +250,14 @@ class MappedExpertCache:
         for p in pinned:
             self.pinned[p.key] = self.pinned.get(p.key, 0) + 1
         try:
-            self._check_sizes(locations)
             missing, skipped = self._missing_ranges(locations)
+            if missing:
+                await self._check_sizes_in_thread([loc for loc in locations if _touches(missing, loc)])
+                self._check_open()
             c = self.counters
             c.requests += len(unique)
             c.resident_skipped += skipped
-            missed = {k for k, loc in zip(unique, locations, strict=True) if any(_covers(r, loc) for r in missing)}
+            missed = {k for k, loc in zip(unique, locations, strict=True) if _touches(missing, loc)}
             c.misses += len(missed)
             c.hits += len(unique) - len(missed)
             jobs = [self._enqueue(r, frozenset(), demand=True) for r in missing]
@@ -274,10 +279,24 @@ class MappedExpertCache:
             raise
         return pinned
 
+    async def _check_sizes_in_thread(self, locations: Sequence[ExpertLocation]) -> None:
+        """:meth:`_check_sizes` off the loop (``fstat`` can wait on the file system: NFS, FUSE); the
+        source's close waits for it (:meth:`wait_idle`), so the descriptors stay open meanwhile."""
+        self._checking += 1
+        try:
+            await anyio.to_thread.run_sync(self._check_sizes, locations)  # a cancel waits for the thread
+        finally:
+            self._checking -= 1
+            self._wake_idle()
+
     def _check_sizes(self, locations: Sequence[ExpertLocation]) -> None:
         """Refuse experts past the current end of their file: reading them through the mapping would
         kill the process (``SIGBUS``). A file truncated after this check still can: the page-cache
-        mode trusts the model file not to shrink while it is open (the slab mode does not need to)."""
+        mode trusts the model file not to shrink while it is open (the slab mode does not need to).
+
+        Runs in a worker thread, for the experts that are not resident only: a truncation drops the
+        pages past the new end from the page cache, so an expert whose pages are all resident cannot
+        lie past it (a resident page never raises ``SIGBUS``)."""
         sizes: dict[int, int] = {}
         for loc in locations:
             for seg in loc.segments:
@@ -431,7 +450,10 @@ class MappedExpertCache:
             if job.event is not None:
                 job.event.set()
         self._start_jobs()
-        if self._running == 0 and self._idle is not None:
+        self._wake_idle()
+
+    def _wake_idle(self) -> None:  # loop thread
+        if self._running == 0 and self._checking == 0 and self._idle is not None:
             self._idle.set()
             self._idle = None
 
@@ -451,8 +473,8 @@ class MappedExpertCache:
                 job.event.set()
 
     async def wait_idle(self) -> None:
-        """Return once no warming call runs (none starts after :meth:`close`)."""
-        while self._running:
+        """Return once no warming call or size check runs (none starts after :meth:`close`)."""
+        while self._running or self._checking:
             self._idle = event = self.loop.new_event()
             await event.wait()
 
@@ -471,3 +493,7 @@ class MappedExpertCache:
 
 def _covers(r: WarmRange, loc: ExpertLocation) -> bool:
     return any(s.shard == r.shard and s.offset < r.end and s.end > r.offset for s in loc.segments)
+
+
+def _touches(ranges: Sequence[WarmRange], loc: ExpertLocation) -> bool:
+    return any(_covers(r, loc) for r in ranges)

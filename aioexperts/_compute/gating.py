@@ -31,7 +31,7 @@ def softmax(logits: np.ndarray) -> np.ndarray:
         ``(n_tokens, n)`` float32 probabilities; a new array.
     """
     x = np.asarray(logits, dtype=np.float32)
-    out = x - x.max(axis=-1, keepdims=True)
+    out: np.ndarray = x - x.max(axis=-1, keepdims=True)
     np.exp(out, out=out)
     total = out.sum(axis=-1, keepdims=True, dtype=np.float64)
     out *= (1.0 / total).astype(np.float32)

@@ -130,7 +130,8 @@ def temperature_scales(hp: MLAHParams, positions: np.ndarray) -> np.ndarray | No
 
 def _float32_matmul(w: np.ndarray) -> Matmul:
     def matmul(x: np.ndarray) -> np.ndarray:
-        return np.matmul(x, w.T)
+        y: np.ndarray = np.matmul(x, w.T)
+        return y
 
     return matmul
 
@@ -265,7 +266,8 @@ def project_latent(x: np.ndarray, w: MLAWeights, hp: MLAHParams) -> tuple[np.nda
 def _per_head(x: np.ndarray, w: HeadMatrices) -> np.ndarray:
     # out[t, h] = W_h @ x[t, h]
     if isinstance(w, np.ndarray):
-        return np.matmul(w[None], x[..., None])[..., 0]
+        out: np.ndarray = np.matmul(w[None], x[..., None])[..., 0]
+        return out
     return np.stack([w_h(np.ascontiguousarray(x[:, h])) for h, w_h in enumerate(w)], axis=1)
 
 

@@ -23,7 +23,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     """
     mean = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
     scale = (1.0 / np.sqrt(mean + eps)).astype(np.float32)
-    y = x * scale
+    y: np.ndarray = x * scale
     if weight is not None:
         y *= weight
     return y.astype(np.float32, copy=False)

@@ -94,7 +94,7 @@ class RopeTable:
     @property
     def size(self) -> int:
         """Positions in the table now."""
-        return self._table[0].shape[0]
+        return int(self._table[0].shape[0])
 
     def cos_sin(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """``(cos, sin)`` of positions ``start..start+n-1``, each ``(n, n_rot/2)`` float32 (read-only views).

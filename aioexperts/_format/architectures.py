@@ -1,16 +1,18 @@
-"""Whole-model hyper-parameters: one record per architecture, read the way llama.cpp reads them.
+"""Whole-model hyper-parameters, read the way llama.cpp reads them.
 
-:data:`ARCHITECTURES` maps each architecture the whole-model forward pass runs to an
-:class:`ArchitectureRecord`: the rules that are fixed by llama.cpp's source for that arch (its RoPE
-pairing in ``llama_model_rope_type``, the keys its ``load_arch_hparams`` reads, the tensors its graph
-in ``src/models/<arch>.cpp`` uses). :func:`model_hparams` resolves a parsed GGUF file into a frozen
+Each architecture the whole-model forward pass runs has an :class:`ArchitectureRecord` in its entry
+of the registry :mod:`aioexperts._format.archs` (``archs.MODEL_RECORDS``): the rules that are fixed
+by llama.cpp's source for that arch (its RoPE pairing in ``llama_model_rope_type``, the keys its
+``load_arch_hparams`` reads, the tensors its graph in ``src/models/<arch>.cpp`` uses), beside the
+arch's MoE rules. :func:`model_hparams` resolves a parsed GGUF file into a frozen
 :class:`ModelHParams` with the generic keys of ``llama_model::load_hparams`` (``src/llama-model.cpp``)
 and the RoPE context parameters of ``llama_context``'s constructor (``src/llama-context.cpp``).
 
-The MoE routing rules stay in :mod:`aioexperts._format.hparams` (:class:`MoEHParams`); a
+The MoE routing is resolved by :mod:`aioexperts._format.hparams` (:class:`MoEHParams`); a
 :class:`ModelHParams` carries the resolved :class:`MoEHParams` as ``moe``.
 
-A new architecture plugs in with :func:`register_architecture` (see ``aioexperts/_model/__init__.py``).
+A new architecture plugs in with a module of :mod:`aioexperts._format.archs`, or with
+``archs.register_architecture`` (see ``aioexperts/_model/__init__.py``).
 """
 
 from __future__ import annotations
@@ -24,29 +26,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aioexperts._errors import FormatError, UnsupportedTypeError
+from aioexperts._format.archs import MODEL_RECORDS, WHOLE_MODEL_MISSING
+from aioexperts._format.archs._base import ArchitectureRecord, RopeType
 from aioexperts._format.header import SkippedValue
-from aioexperts._format.hparams import WHOLE_MODEL_MISSING, MoEHParams, _Meta
+from aioexperts._format.hparams import MoEHParams, _Meta
 from aioexperts._format.model import GGUFModel
 
 __all__ = (
-    "ARCHITECTURES",
     "ArchitectureRecord",
     "ModelHParams",
     "RopeParams",
     "RopeScaling",
     "RopeType",
     "model_hparams",
-    "register_architecture",
 )
-
-
-class RopeType(enum.IntEnum):
-    """How RoPE pairs the head's dimensions (llama.cpp ``llama_rope_type``, ``llama_model_rope_type``)."""
-
-    NORM = 0
-    """Adjacent pairs ``(2i, 2i+1)`` (``GGML_ROPE_TYPE_NORMAL``)."""
-    NEOX = 2
-    """Halves ``(i, i + n_rot/2)`` (``GGML_ROPE_TYPE_NEOX``)."""
 
 
 class RopeScaling(enum.StrEnum):
@@ -83,96 +76,6 @@ class RopeParams:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     n_ctx_orig: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class ArchitectureRecord:
-    """What llama.cpp's source fixes for one architecture (the rest comes from the file).
-
-    Attributes:
-        name: ``general.architecture``.
-        rope_type: ``llama_model_rope_type`` (src/llama-model.cpp).
-        graph: the llama.cpp graph file the block follows (``src/models/<file>``), for the docs.
-        ffn_norm: the tensor that normalises the FFN/MoE input (``ffn_norm`` or, for gpt-oss and
-            GLM-4-MoE, ``post_attention_norm``).
-        qk_norm: ``"head"``: RMSNorm of each head of q and k (Qwen3, optional in GLM-4-MoE);
-            ``"whole"``: RMSNorm over the whole q and k projections before the head split (OLMoE);
-            ``None``: none.
-        qk_norm_required: the norms must be present (Qwen3, OLMoE); otherwise used when present.
-        granite_scalars: read ``embedding_scale``, ``residual_scale``, ``attention.scale`` and
-            ``logit_scale`` (granite.cpp; ``logit_scale`` required, as granite-moe.cpp reads it).
-        sliding_window_pattern: gpt-oss: ``attention.sliding_window`` is required and layers
-            with ``il % n_pattern < n_pattern - 1`` use it (llama-hparams.cpp ``set_swa_pattern``);
-            0: no sliding window.
-        sinks: the attention reads ``blk.L.attn_sinks.weight`` (openai-moe.cpp).
-        dense_lead: the leading ``leading_dense_block_count`` blocks run a dense SwiGLU FFN.
-        rot_equals_head: ``rope.dimension_count`` must equal the head size (llama-model.cpp checks it
-            for ``llama``; the qwen3moe/olmoe/granite graphs assert it).
-        rope_freqs: the graph passes ``model.get_rope_factors`` to ``ggml_rope_ext``, so a
-            ``rope_freqs.weight`` tensor divides each pair's frequency (llama.cpp, granite.cpp);
-            elsewhere such a tensor is ignored, as llama.cpp ignores it.
-        yarn_log_multiplier: the loader reads ``rope.scaling.yarn_log_multiplier`` and llama_context's
-            YaRN magnitude takes it as ``mscale_all_dims`` (deepseek2.cpp ``load_arch_hparams``,
-            llama-context.cpp ``[TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]``).
-        block: name of the block implementation in :mod:`aioexperts._model.blocks` (``"gqa"``).
-        status: ``"golden"`` when checked against a llama.cpp ``forward.npz``.
-    """
-
-    name: str
-    rope_type: RopeType
-    graph: str
-    ffn_norm: str = "ffn_norm"
-    qk_norm: str | None = None
-    qk_norm_required: bool = False
-    granite_scalars: bool = False
-    sliding_window_pattern: int = 0
-    sinks: bool = False
-    dense_lead: bool = False
-    rot_equals_head: bool = False
-    rope_freqs: bool = False
-    yarn_log_multiplier: bool = False
-    block: str = "gqa"
-    status: str = "golden"
-
-
-#: The architectures the whole-model forward pass runs, by ``general.architecture``.
-ARCHITECTURES: dict[str, ArchitectureRecord] = {}
-
-
-def register_architecture(record: ArchitectureRecord) -> ArchitectureRecord:
-    """Add (or replace) ``record`` in :data:`ARCHITECTURES`; returns it."""
-    ARCHITECTURES[record.name] = record
-    return record
-
-
-_NORM, _NEOX = RopeType.NORM, RopeType.NEOX
-for _record in (
-    # qwen3moe.cpp: per-head q/k RMSNorm before RoPE, NEOX, scale 1/sqrt(head)
-    ArchitectureRecord("qwen3moe", _NEOX, "qwen3moe.cpp", qk_norm="head", qk_norm_required=True, rot_equals_head=True),
-    # qwen2moe.cpp: q/k/v biases (optional in build_qkv), NEOX
-    ArchitectureRecord("qwen2moe", _NEOX, "qwen2moe.cpp", rot_equals_head=True),
-    # glm4-moe.cpp: optional per-head q/k norms, partial rotary (rope.dimension_count), NEOX,
-    # post_attention_norm feeds the FFN, leading dense blocks
-    ArchitectureRecord(
-        "glm4moe", _NEOX, "glm4-moe.cpp", ffn_norm="post_attention_norm", qk_norm="head", dense_lead=True
-    ),
-    # llama.cpp (the Mixtral branch, n_expert > 0): NORM pairs, n_rot == head size
-    ArchitectureRecord("llama", _NORM, "llama.cpp", rot_equals_head=True, rope_freqs=True),
-    # olmoe.cpp: RMSNorm over the whole q and k projections, NEOX
-    ArchitectureRecord("olmoe", _NEOX, "olmoe.cpp", qk_norm="whole", qk_norm_required=True, rot_equals_head=True),
-    # granite.cpp (granitemoe): the four scalars, NORM
-    ArchitectureRecord("granitemoe", _NORM, "granite.cpp", granite_scalars=True, rot_equals_head=True, rope_freqs=True),
-    # openai-moe.cpp (gpt-oss): biases, sinks, sliding window on every other layer (pattern 2), NEOX,
-    # post_attention_norm feeds the MoE
-    ArchitectureRecord(
-        "gpt-oss", _NEOX, "openai-moe.cpp", ffn_norm="post_attention_norm", sliding_window_pattern=2, sinks=True
-    ),
-    # deepseek2.cpp (DeepSeek-V2/V3): MLA attention (block "mla", aioexperts/_model/mla_block.py), NORM,
-    # leading dense blocks
-    ArchitectureRecord("deepseek2", _NORM, "deepseek2.cpp", dense_lead=True, block="mla", yarn_log_multiplier=True),
-):
-    register_architecture(_record)
-del _record
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,7 +214,7 @@ def model_hparams(model: GGUFModel) -> ModelHParams:
         The frozen :class:`ModelHParams`.
 
     Raises:
-        UnsupportedTypeError: the architecture has no record in :data:`ARCHITECTURES` (the message
+        UnsupportedTypeError: the architecture has no whole-model record (``archs.MODEL_RECORDS``; the message
             names it and lists the supported ones), a per-layer array where one value is supported,
             an unsupported RoPE scaling type or M-RoPE sections.
         FormatError: a required key or tensor is missing (``token_embd.weight``), a value is out of
@@ -376,13 +279,13 @@ def model_hparams(model: GGUFModel) -> ModelHParams:
 
 def _record_of(arch: str) -> ArchitectureRecord:
     """The record of ``arch``, or UnsupportedTypeError naming what the whole model lacks for it."""
-    record = ARCHITECTURES.get(arch)
+    record = MODEL_RECORDS.get(arch)
     if record is None:
         missing = WHOLE_MODEL_MISSING.get(arch)
         raise UnsupportedTypeError(
             f"architecture {arch!r}: the whole-model forward pass is not implemented for it"
             + (f": {missing}" if missing else "")
-            + f" (supported: {', '.join(sorted(ARCHITECTURES))})"
+            + f" (supported: {', '.join(sorted(MODEL_RECORDS))})"
         )
     return record
 

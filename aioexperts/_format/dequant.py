@@ -750,14 +750,16 @@ def _spread_nibbles(x: np.ndarray) -> np.ndarray:
     """uint64 holding 8 nibbles in bits 0-31 -> nibble j in byte j."""
     x = (x | (x << _U64(16))) & _U64(0x0000_FFFF_0000_FFFF)
     x = (x | (x << _U64(8))) & _U64(0x00FF_00FF_00FF_00FF)
-    return (x | (x << _U64(4))) & _NIB
+    out: np.ndarray = (x | (x << _U64(4))) & _NIB
+    return out
 
 
 def _spread_pairs(x: np.ndarray) -> np.ndarray:
     """uint64 holding 8 2-bit fields in bits 0-15 -> field j in byte j."""
     x = (x | (x << _U64(24))) & _U64(0x0000_00FF_0000_00FF)
     x = (x | (x << _U64(12))) & _U64(0x000F_000F_000F_000F)
-    return (x | (x << _U64(6))) & _B2
+    out: np.ndarray = (x | (x << _U64(6))) & _B2
+    return out
 
 
 @_kernel(_T.IQ4_XS)

@@ -8,13 +8,14 @@ normalisation, weight scale) are taken from the same place llama.cpp takes them:
 ignores it), or the arch's hparams loader reads the key (then the arch's default applies when the key
 is missing; where llama.cpp has no default and would abort, the key is required).
 
-The routing semantics themselves are llama.cpp's ``build_moe_ffn`` (src/llama-graph.cpp). The rule of
-every architecture, with its llama.cpp source, is in ``_RULES`` below; docs/executor.md renders them
-as a table with each arch's status (:class:`Status`): verified against a llama.cpp golden,
-implemented from the source, or refused. Refused architectures (``REFUSED``, and every other name in
-``LLAMA_CPP_ARCHS`` that has no rule) raise :class:`~aioexperts._errors.UnsupportedTypeError` naming
-what is missing; a name llama.cpp does not know takes the generic rules (``verified`` is False and the
-runner warns).
+The routing semantics themselves are llama.cpp's ``build_moe_ffn`` (src/llama-graph.cpp). The rules
+of every architecture (:class:`~aioexperts._format.archs.MoERule`), with their llama.cpp source, are
+in its module of the registry :mod:`aioexperts._format.archs`; docs/executor.md renders them as a
+table with each arch's status (:class:`Status`): verified against a llama.cpp golden, implemented
+from the source, or refused. Refused architectures (``archs.REFUSED``, and every other name in
+``archs.LLAMA_CPP_ARCHS`` that has no rule) raise :class:`~aioexperts._errors.UnsupportedTypeError`
+naming what is missing; a name llama.cpp does not know takes the generic rules (``verified`` is
+False and the runner warns).
 
 For every arch (llama-model.cpp ``load_hparams``): ``block_count``, ``embedding_length``,
 ``expert_count``, ``expert_used_count``, ``expert_group_count`` and ``expert_group_used_count`` are
@@ -25,426 +26,28 @@ read. A weight scale of 0 or 1 means "no scaling" (``build_moe_ffn`` applies it 
 
 from __future__ import annotations
 
-import enum
 import math
 import numbers
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from aioexperts._errors import FormatError, UnsupportedTypeError
+from aioexperts._format.archs import GENERIC, LLAMA_CPP_ARCHS, REFUSED, moe_rule
+from aioexperts._format.archs._base import Activation, GatingFunc, MoERule, Status
 from aioexperts._format.header import LossyStr, SkippedValue
 
 __all__ = (
-    "ARCHITECTURES",
-    "LLAMA_CPP_ARCHS",
-    "REFUSED",
-    "WHOLE_MODEL_MISSING",
     "Activation",
     "GatingFunc",
     "MoEHParams",
     "Status",
-    "architecture_status",
 )
-
-
-class GatingFunc(enum.IntEnum):
-    """``{arch}.expert_gating_func`` (llama.cpp ``llama_expert_gating_func_type``)."""
-
-    SOFTMAX = 1
-    """Probabilities are ``softmax(logits)`` over all experts."""
-    SIGMOID = 2
-    """Probabilities are ``sigmoid(logits)`` per expert (DeepSeek-V3, GLM-4.5)."""
-    SOFTMAX_WEIGHT = 3
-    """Select on the raw logits, then ``softmax`` over the k selected logits (gpt-oss)."""
-    SQRT_SOFTPLUS = 4
-    """Probabilities are ``sqrt(softplus(logits))`` per expert (DeepSeek-V4, ``sqrtsoftplus``)."""
-
-
-class Activation(enum.StrEnum):
-    """The gated activation of the routed experts (``type_op`` of llama.cpp's ``build_moe_ffn``)."""
-
-    SILU = "silu"
-    """SwiGLU (``LLM_FFN_SILU``, ``ggml_swiglu_split``): ``silu(gate) * up``."""
-    SWIGLU_OAI = "swiglu_oai"
-    """gpt-oss: ``g = min(gate, limit)``, ``u = clip(up, -limit, limit)``, ``g*sigmoid(alpha*g)*(u+1)``."""
-    GELU = "gelu"
-    """GeGLU (``LLM_FFN_GELU``, ``ggml_geglu_split``): ``gelu(gate) * up`` with ggml's tanh GELU
-    ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` (grok)."""
-
-
-class Status(enum.StrEnum):
-    """How far this library's reading of an architecture is checked (the table in docs/executor.md)."""
-
-    GOLDEN = "golden"
-    """Verified against tensors llama.cpp computed (the shared fixtures' goldens)."""
-    SOURCE = "source"
-    """Implemented from llama.cpp's source, tested against an independent float64 reference."""
-    REFUSED = "refused"
-    """Refused with :class:`~aioexperts._errors.UnsupportedTypeError` naming what is missing."""
-    GENERIC = "generic"
-    """Not an architecture llama.cpp knows: the generic rules, unverified (the runner warns)."""
-
 
 _SWIGLU_OAI_ALPHA = 1.702  # llama-graph.cpp build_moe_ffn, LLM_FFN_SWIGLU_OAI_MOE
 _SWIGLU_OAI_LIMIT = 7.0
 
-# ----------------------------------------------------------------------------------------------
-# the rules an architecture's record is made of: each follows one piece of llama.cpp's source.
-# The generic keys (block_count, embedding_length, expert_count, ...) are read by
-# llama_model_base::load_hparams (src/llama-model.cpp); everything per arch by the arch's
-# load_arch_hparams and load_tensors (src/models/<arch>.cpp) and its build_moe_ffn call.
-
-#: ``(keys, expert width key) -> n_ff_exp``: the width of a routed expert (its gate/up rows).
-_ExpertWidthRule = Callable[["_Meta", "_Counts", int], int]
-#: ``(keys, counts, n_ff_exp, shared count key, shared width key) -> (n_shared, n_ff_shexp)``.
-_SharedRule = Callable[["_Meta", "_Counts", int, int, int], tuple[int, int]]
-
-
-def _width_required(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
-    """deepseek*, glm4moe, gpt-oss, ernie, bailing*, dots1, llama4, minimax-m2: ``load_arch_hparams``
-    reads ``expert_feed_forward_length`` with ``get_key_or_arr(..., required)``."""
-    if n_ff_exp <= 0:
-        raise FormatError(f"missing required key {md.key('expert_feed_forward_length')}")
-    return n_ff_exp
-
-
-def _width_or_ff_over_used(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
-    """qwen2moe.cpp / qwen3moe.cpp ``load_tensors``: ``n_ff_exp ? n_ff_exp : n_ff / n_expert_used``."""
-    if n_ff_exp > 0:
-        return n_ff_exp
-    if counts.n_ff <= 0:
-        raise FormatError(
-            f"missing required key {md.key('expert_feed_forward_length')} "
-            f"(and no {md.key('feed_forward_length')} to derive it from)"
-        )
-    return counts.n_ff // counts.n_expert_used
-
-
-def _width_is_ff(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
-    """llama (Mixtral), olmoe, granite*, dbrx, phimoe, hunyuan-moe ``load_tensors``: the expert tensors
-    are created ``n_ff`` wide; ``expert_feed_forward_length`` is not read."""
-    if counts.n_ff <= 0:
-        raise FormatError(f"missing required key {md.key('feed_forward_length')}")
-    return counts.n_ff
-
-
-def _width_or_ff(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
-    """grok.cpp ``load_tensors``: ``n_ff_exp ? n_ff_exp : n_ff``."""
-    if n_ff_exp > 0:
-        return n_ff_exp
-    if counts.n_ff <= 0:
-        raise FormatError(
-            f"missing required key {md.key('expert_feed_forward_length')} "
-            f"(and no {md.key('feed_forward_length')} to fall back on)"
-        )
-    return counts.n_ff
-
-
-def _width_optional(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
-    """A name llama.cpp does not know: the key if given (0: taken from the expert views later)."""
-    if n_ff_exp < 0:
-        raise FormatError(f"{md.key('expert_feed_forward_length')} must be >= 0, got {n_ff_exp}")
-    return n_ff_exp
-
-
-def _no_shared(md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
-    """No shared expert in the arch's graph (the keys are ignored, as llama.cpp ignores them)."""
-    return 0, 0
-
-
-def _one_shared_key_or_ff(md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
-    """qwen2moe.cpp / qwen35moe.cpp / hunyuan-moe.cpp ``load_tensors``: always one shared expert,
-    ``n_ff_shexp ? n_ff_shexp : n_ff`` wide."""
-    return 1, n_ff_shexp or counts.n_ff
-
-
-def _shared_if_key(md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
-    """qwen3next, granite*, ernie4_5-moe: one shared expert when ``expert_shared_feed_forward_length > 0``."""
-    return (1 if n_ff_shexp > 0 else 0), n_ff_shexp
-
-
-def _one_shared_as_wide_as_routed(
-    md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int
-) -> tuple[int, int]:
-    """llama4.cpp ``load_tensors``: one shared expert ``n_ff_exp`` wide."""
-    return 1, n_ff_exp
-
-
-def _shared_count_x_width(md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
-    """deepseek*, glm4moe, bailingmoe, dots1 (deepseek2.cpp ``load_tensors``): ``expert_shared_count``
-    is required and the shared experts are ``n_ff_exp * n_expert_shared`` wide."""
-    if not md.has("expert_shared_count"):
-        raise FormatError(f"missing required key {md.key('expert_shared_count')}")
-    return n_shared, n_ff_exp * n_shared
-
-
-def _shared_key_or_width_x_count(
-    md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int
-) -> tuple[int, int]:
-    """bailingmoe2.cpp ``load_tensors``: ``(n_ff_shexp ? n_ff_shexp : n_ff_exp) * n_expert_shared``,
-    ``expert_shared_count`` required."""
-    if not md.has("expert_shared_count"):
-        raise FormatError(f"missing required key {md.key('expert_shared_count')}")
-    return n_shared, (n_ff_shexp or n_ff_exp) * n_shared
-
-
-def _shared_generic(md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
-    """A name llama.cpp does not know: the width key, else ``count * n_ff_exp``; a width means one."""
-    width = n_ff_shexp or (n_ff_exp * n_shared)
-    return (1 if width and not n_shared else n_shared), width
-
-
-def _glm47_lite_is_sigmoid(n_layer: int, n_vocab: int | None) -> GatingFunc | None:
-    """deepseek2.cpp ``load_arch_hparams``: without ``expert_gating_func``, GLM-4.7 Lite (47 or 48
-    blocks run, a vocabulary of 154880) is sigmoid ("for compatibility with existing DeepSeek V2 and
-    V2.5 GGUFs" every other file is softmax)."""
-    return GatingFunc.SIGMOID if n_layer in _GLM47_LITE_LAYERS and n_vocab == _GLM47_LITE_VOCAB else None
-
-
-@dataclass(frozen=True, slots=True)
-class _ArchRule:
-    """What llama.cpp's source fixes for one architecture's MoE layers (the rest comes from the file)."""
-
-    status: Status
-    gating: GatingFunc | None  # fixed by the call site; None: read the key
-    gating_default: GatingFunc | None  # key absent (or 0): this; None: llama.cpp aborts, so it is required
-    norm: bool | None  # fixed; None: read the key
-    norm_default: bool
-    read_scale: bool  # False: the loader never reads expert_weights_scale, the call site gets 0
-    expert_width: _ExpertWidthRule
-    shared: _SharedRule
-    activation: Activation = Activation.SILU
-    dense_lead: bool = False  # the loader reads leading_dense_block_count and the graph honours it
-    moe_step: bool = False  # interleave_moe_layer_step: block L is MoE iff (L + 1) % step == 0
-    select_on_logits: bool = False  # llama4: top-k on the raw logits, weights from sigmoid(logits)
-    weights_before_experts: bool = False  # llama4: weight_before_ffn
-    only_gating: GatingFunc | None = None  # deepseek4: the loader refuses every other gating function
-    required: tuple[str, ...] = ()  # keys the loader reads without a default (get_key(.., required))
-    ff_exp_array: bool = False  # expert_feed_forward_length may be a per-block array (get_key_or_arr)
-    clamps: bool = False  # deepseek4: per-block swiglu_clamp_exp / swiglu_clamp_shexp, ggml_swiglu_clamp
-    hash_routing: bool = False  # deepseek4: hash_layer_count blocks route by token id (ffn_gate_tid2eid)
-    expert_scales: bool = False  # qwen35moe: the graph applies ffn_*_exps.scale and ffn_*_shexp.scale
-    #: without the gating key: ``(blocks run, vocabulary size) -> gating`` before ``gating_default``
-    gating_when_absent: Callable[[int, int | None], GatingFunc | None] | None = None
-    parallel_dense_ffn: bool = False  # grok: Grok-2's dense FFN beside the MoE (refused by check_tensors)
-
-
-_S, _G = Status.SOURCE, Status.GOLDEN
-_SOFTMAX, _SIGMOID, _SOFTMAX_W = GatingFunc.SOFTMAX, GatingFunc.SIGMOID, GatingFunc.SOFTMAX_WEIGHT
-_KEY_OR_FF_OVER_USED, _IS_FF, _REQUIRED = _width_or_ff_over_used, _width_is_ff, _width_required
-
-# Every rule below names its llama.cpp source: the arch's loader (``load_arch_hparams``, formerly the
-# arch's case in ``llama_model::load_hparams``) for the keys it reads, and its graph (``src/models/*.cpp``)
-# for the arguments of its build_moe_ffn call. Positional fields: status, gating, gating default,
-# norm, norm default, read_scale, expert width rule, shared expert rule. A new architecture adds a
-# record here (and, for a rule llama.cpp has not used before, one rule function above).
-_RULES: dict[str, _ArchRule] = {
-    # qwen2moe.cpp: SOFTMAX, norm_w=false; shared expert gated by sigmoid(ffn_gate_inp_shexp . x)
-    "qwen2moe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, False, False, False, _KEY_OR_FF_OVER_USED, _one_shared_key_or_ff),
-    # qwen3moe.cpp, qwen3vl-moe.cpp: SOFTMAX, norm_w=true, no shared expert
-    "qwen3moe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, True, True, False, _KEY_OR_FF_OVER_USED, _no_shared),
-    "qwen3vlmoe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _KEY_OR_FF_OVER_USED, _no_shared),
-    # qwen3next.cpp build_layer_ffn: SOFTMAX, norm_w=true; sigmoid-gated shared expert (n_ff_shexp key)
-    "qwen3next": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _KEY_OR_FF_OVER_USED, _shared_if_key),
-    # llama.cpp (Mixtral branch when n_expert > 0): SOFTMAX, norm_w=true; the loader reads no scale
-    "llama": _ArchRule(_G, _SOFTMAX, _SOFTMAX, True, True, False, _IS_FF, _no_shared),
-    # granite.cpp build_layer_ffn (granite, granitemoe): SOFTMAX, norm_w=true, w_scale 0; "Granite MoE
-    # Shared": an ungated shared expert when expert_shared_feed_forward_length > 0
-    "granitemoe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, True, True, False, _IS_FF, _shared_if_key),
-    "granite": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _IS_FF, _shared_if_key),
-    # olmoe.cpp: SOFTMAX, norm_w=false
-    "olmoe": _ArchRule(_G, _SOFTMAX, _SOFTMAX, False, False, False, _IS_FF, _no_shared),
-    # deepseek.cpp: SOFTMAX, norm_w=false, scale_w=false; leading dense blocks; count x n_ff_exp shared
-    "deepseek": _ArchRule(
-        _S, _SOFTMAX, _SOFTMAX, False, False, False, _REQUIRED, _shared_count_x_width, dense_lead=True
-    ),
-    # deepseek2.cpp + loader: gating key (softmax when absent, GLM-4.7 Lite sigmoid), norm key, scale
-    # key, exp_probs_b
-    "deepseek2": _ArchRule(
-        _G,
-        None,
-        _SOFTMAX,
-        None,
-        False,
-        True,
-        _REQUIRED,
-        _shared_count_x_width,
-        dense_lead=True,
-        gating_when_absent=_glm47_lite_is_sigmoid,
-    ),
-    # glm4-moe.cpp: gating key (sigmoid when absent), norm key, scale key, exp_probs_b, NextN blocks
-    "glm4moe": _ArchRule(_G, None, _SIGMOID, None, False, True, _REQUIRED, _shared_count_x_width, dense_lead=True),
-    # openai-moe-iswa.cpp: SOFTMAX_WEIGHT, no norm, swiglu_oai, router and expert biases
-    "gpt-oss": _ArchRule(_G, _SOFTMAX_W, _SOFTMAX_W, False, False, False, _REQUIRED, _no_shared, Activation.SWIGLU_OAI),
-    # dbrx.cpp: SOFTMAX, norm_w=true; the loader reads no scale
-    "dbrx": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _IS_FF, _no_shared),
-    # phi3.cpp MoE branch (phimoe): SOFTMAX, norm_w=true; the loader reads no scale
-    "phimoe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _IS_FF, _no_shared),
-    # ernie4-5-moe.cpp: SOFTMAX, norm_w=true, exp_probs_b; MoE iff L >= n_layer_dense_lead and
-    # (L + 1) % interleave_moe_layer_step == 0; ungated shared expert when n_ff_shexp > 0
-    "ernie4_5-moe": _ArchRule(
-        _S, _SOFTMAX, _SOFTMAX, True, True, False, _REQUIRED, _shared_if_key, dense_lead=True, moe_step=True
-    ),
-    # hunyuan-moe.cpp: SOFTMAX, norm_w=true, experts n_ff wide; an ungated shared "mlp" in every layer,
-    # n_ff_shexp = key or n_ff; the loader reads no scale
-    "hunyuan-moe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, True, True, False, _IS_FF, _one_shared_key_or_ff),
-    # bailingmoe.cpp: SOFTMAX, norm key, scale key; every block is MoE in the graph
-    "bailingmoe": _ArchRule(_S, _SOFTMAX, _SOFTMAX, None, False, True, _REQUIRED, _shared_count_x_width),
-    # bailingmoe2.cpp: gating key (required), norm key, scale key, optional exp_probs_b, leading dense
-    # blocks, NextN blocks, (n_ff_shexp or n_ff_exp) x expert_shared_count shared
-    "bailingmoe2": _ArchRule(
-        _S, None, None, None, False, True, _REQUIRED, _shared_key_or_width_x_count, dense_lead=True
-    ),
-    # dots1.cpp: gating key (required: 0 aborts in build_moe_ffn), norm key, scale key, exp_probs_b
-    "dots1": _ArchRule(_S, None, None, None, False, True, _REQUIRED, _shared_count_x_width, dense_lead=True),
-    # grok.cpp: SOFTMAX, norm_w=true, GELU experts; the loader reads no scale. Grok-2's parallel dense
-    # FFN (ffn_up/gate/down) is refused by MoEHParams.check_tensors
-    "grok": _ArchRule(
-        _S, _SOFTMAX, _SOFTMAX, True, True, False, _width_or_ff, _no_shared, Activation.GELU, parallel_dense_ffn=True
-    ),
-    # minimax-m2.cpp: gating key (required), norm_w=true, exp_probs_b; the loader reads no scale
-    "minimax-m2": _ArchRule(_S, None, None, True, True, False, _REQUIRED, _no_shared),
-    # llama4 (llama-iswa.cpp: SIGMOID, norm_w=false, w_scale 0, an ungated shared expert; build_moe_ffn's
-    # LLM_ARCH_LLAMA4 branches: top-k on the raw logits, weights applied to the input before the
-    # experts, weight_before_ffn); MoE every interleave_moe_layer_step blocks
-    "llama4": _ArchRule(
-        _S,
-        _SIGMOID,
-        _SIGMOID,
-        False,
-        False,
-        False,
-        _REQUIRED,
-        _one_shared_as_wide_as_routed,
-        moe_step=True,
-        select_on_logits=True,
-        weights_before_experts=True,
-    ),
-    # qwen35moe.cpp build_layer_ffn: SOFTMAX, norm_w=true, w_scale 0 (the loader reads no scale); a shared
-    # expert gated by sigmoid(ffn_gate_inp_shexp . x), n_ff_shexp = key or n_ff; the per-expert and
-    # per-tensor scales (*_exps.scale, *_shexp.scale) multiply the projections (build_lora_mm_id,
-    # build_lora_mm); expert_feed_forward_length may be a per-block array (get_key_or_arr)
-    "qwen35moe": _ArchRule(
-        _S,
-        _SOFTMAX,
-        _SOFTMAX,
-        True,
-        True,
-        False,
-        _KEY_OR_FF_OVER_USED,
-        _one_shared_key_or_ff,
-        ff_exp_array=True,
-        expert_scales=True,
-    ),
-    # deepseek4.cpp load_arch_hparams + graph: gating key required and must be sqrtsoftplus, norm and scale
-    # keys required, exp_probs_b, per-block expert widths and SwiGLU clamps (ggml_swiglu_clamp), an ungated
-    # shared expert n_ff_exp * expert_shared_count wide, the first hash_layer_count blocks routed by token id
-    "deepseek4": _ArchRule(
-        _S,
-        None,
-        None,
-        None,
-        False,
-        True,
-        _REQUIRED,
-        _shared_count_x_width,
-        only_gating=GatingFunc.SQRT_SOFTPLUS,
-        required=("expert_weights_norm", "expert_weights_scale", "expert_shared_count", "hash_layer_count"),
-        ff_exp_array=True,
-        clamps=True,
-        hash_routing=True,
-    ),
-}
-#: a name llama.cpp does not know: every key read where given, leading dense blocks included
-_GENERIC = _ArchRule(
-    Status.GENERIC, None, GatingFunc.SOFTMAX, None, False, True, _width_optional, _shared_generic, dense_lead=True
-)
-
-#: MoE architectures of llama.cpp's llama-arch.cpp that are refused, with what is missing.
-_NOT_REVIEWED = "its MoE graph has not been reviewed against llama.cpp's source"
-REFUSED: dict[str, str] = {
-    "arctic": "arctic adds a parallel dense FFN (ffn_up/gate/down on ffn_norm) residual to the MoE block, which "
-    "reads its own norm (ffn_norm_exps) of the attention input",
-    "smallthinker": "smallthinker routes on the block input before attention while its experts read the FFN "
-    "input, and uses ReLU-gated experts",
-    "grovemoe": "grovemoe routes through adjugate expert groups (ffn_*_chexps)",
-    "nomic-bert-moe": _NOT_REVIEWED + " (an encoder)",
-    "jamba": _NOT_REVIEWED,
-    "cohere2moe": _NOT_REVIEWED,
-    "deepseek2-ocr": _NOT_REVIEWED,
-    "deepseek32": _NOT_REVIEWED,
-    "glm-dsa": _NOT_REVIEWED,
-    "nemotron_h_moe": _NOT_REVIEWED + " (latent experts, squared-ReLU without a gate)",
-    "exaone-moe": _NOT_REVIEWED,
-    "granitehybrid": _NOT_REVIEWED,
-    "afmoe": _NOT_REVIEWED,
-    "laguna": _NOT_REVIEWED,
-    "hy_v3": _NOT_REVIEWED,
-    "hunyuan_vl": _NOT_REVIEWED,
-    "lfm2moe": _NOT_REVIEWED,
-    "llada-moe": _NOT_REVIEWED,
-    "rnd1": _NOT_REVIEWED,
-    "mimo2": _NOT_REVIEWED,
-    "step35": _NOT_REVIEWED,
-    "kimi-linear": _NOT_REVIEWED,
-    "mistral4": _NOT_REVIEWED,
-    "paddleocr": _NOT_REVIEWED,
-    "mellum": _NOT_REVIEWED,
-    "minicpm": _NOT_REVIEWED,
-    "refact": _NOT_REVIEWED,
-    "mistral3": _NOT_REVIEWED,
-    "llama-embed": _NOT_REVIEWED,
-    "gemma4": _NOT_REVIEWED,
-}
-
-#: Architectures whose MoE layers are served (``open()`` + ``MoERunner``) but whose whole-model forward pass
-#: is not in this library: what ``load()`` lacks for each (the model layer's refusal names it).
-WHOLE_MODEL_MISSING: dict[str, str] = {
-    "deepseek4": "DeepSeek-V4's compressed attention (attn_compressor_*, the indexer), its hyper-connections "
-    "(hc_*) and grouped low-rank output projection (attn_output_a/b) are not implemented; its MoE layers "
-    "run through aioexperts.open() and MoERunner",
-    "qwen35moe": "Qwen3.5-MoE's gated delta net linear attention (ssm_*, attn_qkv/attn_gate) and gated "
-    "full attention are not implemented; its MoE layers run through aioexperts.open() and MoERunner",
-}
-
-#: Every architecture name of llama.cpp's src/llama-arch.cpp (LLM_ARCH_NAMES, read 2026-11-30). A name
-#: outside this set and outside the table takes the generic path (llama.cpp cannot open such a file).
-LLAMA_CPP_ARCHS = frozenset(
-    """clip llama llama4 deci falcon grok gpt2 gptj gptneox mpt baichuan starcoder refact bert modern-bert
-    nomic-bert nomic-bert-moe neo-bert jina-bert-v2 jina-bert-v3 eurobert bloom stablelm qwen qwen2 qwen2moe
-    qwen2vl qwen3 qwen3moe qwen3next qwen3vl qwen3vlmoe qwen35 qwen35moe phi2 phi3 phimoe plamo plamo2 plamo3
-    codeshell orion internlm2 minicpm minicpm3 gemma gemma2 gemma3 gemma3n gemma4 gemma4-assistant
-    gemma-embedding starcoder2 mamba mamba2 jamba falcon-h1 xverse command-r cohere2 cohere2moe dbrx olmo
-    olmo2 olmoe openelm arctic deepseek deepseek2 deepseek2-ocr deepseek32 deepseek4 chatglm glm4 glm4moe
-    glm-dsa bitnet t5 t5encoder jais jais2 nemotron nemotron_h nemotron_h_moe exaone exaone4 exaone-moe rwkv6
-    rwkv6qwen2 rwkv7 arwkv7 granite granitemoe granitehybrid chameleon wavtokenizer-dec plm bailingmoe
-    bailingmoe2 dots1 arcee afmoe laguna ernie4_5 ernie4_5-moe hunyuan-moe hunyuan-dense hunyuan_vl hy_v3
-    smollm3 gpt-oss lfm2 lfm2moe dream smallthinker llada llada-moe seed_oss grovemoe apertus minimax-m2
-    cogvlm rnd1 pangu-embedded mistral3 eagle3 dflash mistral4 paddleocr mimo2 step35 llama-embed maincoder
-    kimi-linear talkie mellum""".split()
-)
-
-
-#: The architecture table: every arch name with a rule or a refusal -> its :class:`Status`.
-ARCHITECTURES: Mapping[str, Status] = {
-    **{arch: rule.status for arch, rule in _RULES.items()},
-    **dict.fromkeys(REFUSED, Status.REFUSED),
-}
-
-
-def architecture_status(arch: str) -> Status | None:
-    """The table status of ``arch``: golden, source or refused; None for a name llama.cpp does not know."""
-    if arch in REFUSED:
-        return Status.REFUSED
-    rule = _RULES.get(arch)
-    return rule.status if rule is not None else None
-
-
-# deepseek2 without expert_gating_func: GLM-4.7 Lite (47 or 48 layers, vocabulary of 154880) is sigmoid.
-_GLM47_LITE_LAYERS = (47, 48)
-_GLM47_LITE_VOCAB = 154880
 
 _SCALE_RE = re.compile(r"^blk\.\d+\.ffn_(?:gate|up|down|gate_up)_exps(?:_tier\d)?\.scale$")
 _DENSE_UP_RE = re.compile(r"^blk\.(\d+)\.ffn_up\.weight$")
@@ -493,8 +96,9 @@ class MoEHParams:
             experts by token id from ``blk.L.ffn_gate_tid2eid.weight``, not by the router.
         expert_scales: the graph multiplies the projections by ``blk.L.ffn_{gate,up,down}_exps.scale``
             (one factor per expert) and ``blk.L.ffn_{gate,up,down}_shexp.scale`` (qwen35moe).
-        verified: the arch is in the table above; False means the generic rules were applied
-            (the runner logs a warning: results may differ from llama.cpp).
+        verified: the arch has MoE rules in the registry (:mod:`aioexperts._format.archs`); False
+            means the generic rules were applied (the runner logs a warning: results may differ
+            from llama.cpp).
         status: the arch's row status in docs/executor.md (:class:`Status`); ``GENERIC`` for a
             name llama.cpp does not know.
     """
@@ -591,7 +195,7 @@ class MoEHParams:
                 grok model with a parallel dense FFN (``blk.L.ffn_up.weight`` in an MoE block,
                 Grok-2: ``(dense + moe) * sqrt(2)/2`` in grok.cpp). The message names the tensor.
         """
-        rule = _RULES.get(self.arch)
+        rule = moe_rule(self.arch)
         parallel_dense_ffn = rule is not None and rule.parallel_dense_ffn
         for name in names:
             m = _SCALE_RE.match(name)
@@ -619,8 +223,9 @@ class MoEHParams:
     def from_metadata(cls, arch: str, metadata: Mapping[str, Any]) -> MoEHParams:
         """Resolve the MoE hyper-parameters of ``arch`` from GGUF metadata.
 
-        Each architecture's rules are its record in the table (``_RULES``), every rule beside the
-        llama.cpp source it follows; this method applies them in llama.cpp's order.
+        Each architecture's rules are its entry's :class:`~aioexperts._format.archs.MoERule` in the
+        registry (:mod:`aioexperts._format.archs`), every rule beside the llama.cpp source it follows;
+        this method applies them in llama.cpp's order.
 
         Args:
             arch: the architecture name (``general.architecture``), e.g. ``"qwen3moe"``.
@@ -685,7 +290,7 @@ class MoEHParams:
             n_moe_layer_step=counts.n_step,
             select_on_logits=rule.select_on_logits,
             weights_before_experts=rule.weights_before_experts,
-            verified=arch in _RULES,
+            verified=moe_rule(arch) is not None,
             status=rule.status,
             n_ff_exp_layers=n_ff_exp_layers,
             swiglu_clamp_exp=clamp_exp,
@@ -695,7 +300,7 @@ class MoEHParams:
         )
 
 
-def _rule_of(arch: str) -> _ArchRule:
+def _rule_of(arch: str) -> MoERule:
     """The record of ``arch``; the generic one for a name llama.cpp does not know.
 
     Raises:
@@ -706,12 +311,13 @@ def _rule_of(arch: str) -> _ArchRule:
         raise FormatError(f"architecture name must be a non-empty string, got {arch!r}")
     if arch in REFUSED:
         raise UnsupportedTypeError(f"architecture {arch!r} is not supported: {REFUSED[arch]}")
-    if arch not in _RULES and arch in LLAMA_CPP_ARCHS:
+    rule = moe_rule(arch)
+    if rule is None and arch in LLAMA_CPP_ARCHS:
         raise UnsupportedTypeError(
             f"architecture {arch!r} has no MoE layer in llama.cpp that this executor implements "
             "(see the architecture table in docs/executor.md)"
         )
-    return _RULES.get(arch, _GENERIC)
+    return rule if rule is not None else GENERIC
 
 
 @dataclass(frozen=True, slots=True)
@@ -730,7 +336,7 @@ class _Counts:
     n_group_used: int
 
     @classmethod
-    def read(cls, md: _Meta, rule: _ArchRule) -> _Counts:
+    def read(cls, md: _Meta, rule: MoERule) -> _Counts:
         counts = cls(
             n_embd=md.int_("embedding_length", required=True),
             n_expert=md.int_("expert_count", required=True),
@@ -748,7 +354,7 @@ class _Counts:
         counts._check(md, rule)
         return counts
 
-    def _check(self, md: _Meta, rule: _ArchRule) -> None:
+    def _check(self, md: _Meta, rule: MoERule) -> None:
         n_layer, n_expert = self.n_layer, self.n_expert
         if self.n_embd <= 0:
             raise FormatError(f"{md.key('embedding_length')} must be > 0, got {self.n_embd}")
@@ -796,7 +402,7 @@ class _Counts:
             raise FormatError(f"negative expert group counts: {n_groups}, {n_group_used}")
 
 
-def _gating(md: _Meta, rule: _ArchRule, counts: _Counts) -> GatingFunc:
+def _gating(md: _Meta, rule: MoERule, counts: _Counts) -> GatingFunc:
     """The gating function: fixed by the call site, or ``expert_gating_func`` with the arch's default.
 
     Raises:
@@ -831,7 +437,7 @@ def _gating(md: _Meta, rule: _ArchRule, counts: _Counts) -> GatingFunc:
         ) from None
 
 
-def _swiglu_clamps(md: _Meta, rule: _ArchRule, n_layer: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def _swiglu_clamps(md: _Meta, rule: MoERule, n_layer: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-block SwiGLU limits of the routed and the shared experts (deepseek4), else none.
 
     Raises:
@@ -850,7 +456,7 @@ def _swiglu_clamps(md: _Meta, rule: _ArchRule, n_layer: int) -> tuple[tuple[floa
     return (), ()
 
 
-def _expert_width(md: _Meta, rule: _ArchRule, counts: _Counts) -> tuple[int, tuple[int, ...]]:
+def _expert_width(md: _Meta, rule: MoERule, counts: _Counts) -> tuple[int, tuple[int, ...]]:
     """``(n_ff_exp, per-block widths)``: the key (one value, or per block where the loader uses
     ``get_key_or_arr``), then the arch's width rule.
 

@@ -240,7 +240,8 @@ class RawRing:
 
     def _map(self, p: _Params) -> None:
         sq, cq = p.sq_off, p.cq_off
-        self.sq_entries, self.cq_entries = p.sq_entries, p.cq_entries
+        self.sq_entries: int = int(p.sq_entries)
+        self.cq_entries: int = int(p.cq_entries)
         sq_bytes = sq.array + p.sq_entries * 4
         cq_bytes = cq.cqes + p.cq_entries * CQE_DTYPE.itemsize
         prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | mmap.MAP_POPULATE

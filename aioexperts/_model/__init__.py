@@ -2,10 +2,11 @@
 
 How an architecture plugs in (the deepseek2 MLA block is added this way):
 
-1. **Record** (``aioexperts/_format/architectures.py``): ``register_architecture(ArchitectureRecord(
-   "deepseek2", RopeType.NORM, "deepseek2.cpp", dense_lead=True, block="mla"))``. The record names
-   the RoPE pairing, the FFN-norm tensor (``ffn_norm``), whether leading dense blocks exist and the
-   block implementation. :func:`~aioexperts._format.architectures.model_hparams` then resolves the
+1. **Record** (``aioexperts/_format/archs/deepseek2.py``, the architecture's module of the registry,
+   beside its MoE rules): ``model=ArchitectureRecord("deepseek2", RopeType.NORM, "deepseek2.cpp",
+   dense_lead=True, block="mla")``; from outside the package, ``archs.register_architecture(record)``.
+   The record names the RoPE pairing, the FFN-norm tensor (``ffn_norm``), whether leading dense
+   blocks exist and the block implementation. :func:`~aioexperts._format.architectures.model_hparams` then resolves the
    generic keys (heads, head sizes, RoPE base/scaling/YaRN in ``RopeParams``, eps, context length,
    vocabulary, EOG ids) and keeps every ``{arch}.*`` key in ``ModelHParams.metadata`` (for
    ``attention.q_lora_rank``, ``kv_lora_rank``, ``key_length_mla`` ...); ``ModelHParams.yarn_log_mul``

@@ -199,7 +199,7 @@ async def decode_rows(model: StepModel, requests: Sequence[DecodeRequest]) -> li
             new_f = await runner.execute_rows(layer.index, [ready[i][2] for i in live], prefetch)
             model._counters.moe_seconds += time.perf_counter() - t0
         else:
-            new_f = await run_in_worker(_dense_rows, layer.dense, [ready[i][1] for i in live])
+            new_f = [*await run_in_worker(_dense_rows, layer.dense, [ready[i][1] for i in live])]
             model._counters.dense_ffn_seconds += time.perf_counter() - t0
         fs_next: list[np.ndarray] = [np.empty(0, np.float32)] * n
         kept = []
@@ -215,7 +215,7 @@ async def decode_rows(model: StepModel, requests: Sequence[DecodeRequest]) -> li
             break
     if live and fs is not None:
         heads = await run_in_worker(_heads, model, [resids[i] for i in live], [fs[i] for i in live])
-        for i, got in zip(live, heads, strict=True):
-            outcome[i] = got
+        for i, logits in zip(live, heads, strict=True):
+            outcome[i] = logits
     model._counters.tokens_decoded += sum(not isinstance(o, Exception) for o in outcome)
     return outcome  # type: ignore[return-value]

@@ -1,7 +1,7 @@
 """The deepseek2 attention block: multi-head latent attention (MLA) over a latent KV cache.
 
 Registered as block ``"mla"`` (:func:`~aioexperts._model.blocks.register_block`) for the
-``deepseek2`` record of :data:`~aioexperts._format.architectures.ARCHITECTURES`. The maths is
+``deepseek2`` record of :data:`~aioexperts._format.archs.MODEL_RECORDS`. The maths is
 :mod:`aioexperts._compute.mla` (src/models/deepseek2.cpp, the ``is_mla`` branch); this module reads
 the layer's tensors and wires the model's RoPE and YaRN factors in. The matrices stay in their ggml
 type (``attn_k_b`` / ``attn_v_b`` as one matrix per head; an old file's ``attn_kv_b`` is split into

@@ -31,6 +31,7 @@ from aioexperts._batch import DEFAULT_BATCH_WAIT, check_batch_wait
 from aioexperts._compute import fused
 from aioexperts._compute.norms import rms_norm
 from aioexperts._errors import (
+    AioExpertsError,
     ConfigError,
     ContextLengthError,
     FormatError,
@@ -38,7 +39,8 @@ from aioexperts._errors import (
     StoreClosedError,
     UnsupportedTypeError,
 )
-from aioexperts._format.architectures import ARCHITECTURES, ModelHParams, model_hparams
+from aioexperts._format.architectures import ModelHParams, model_hparams
+from aioexperts._format.archs import MODEL_RECORDS
 from aioexperts._format.model import GGUFModel, open_model
 from aioexperts._model import memory as _memory
 from aioexperts._model import text as _text
@@ -217,7 +219,7 @@ def _whole_model_hparams(model: GGUFModel) -> ModelHParams:
             f"{model.path}: the file holds no tensors (a vocabulary-only GGUF): there is no model to run; "
             "aioexperts.Tokenizer.from_gguf reads its vocabulary"
         )
-    if model.architecture in ARCHITECTURES and "token_embd.weight" not in model.tensors:
+    if model.architecture in MODEL_RECORDS and "token_embd.weight" not in model.tensors:
         raise FormatError(
             f"{model.path}: there is no 'token_embd.weight': the file holds MoE layers only, not a whole model; "
             "stream its experts with aioexperts.open() and run its layers with aioexperts.MoERunner"
@@ -577,6 +579,8 @@ class Model:
         self._closed = False
         self._tokenizer: Tokenizer | None = None
         self._chat_template: ChatTemplate | None = None
+        #: what building the tokenizer and the chat template in start() raised (raised again at use)
+        self._text_errors: tuple[Exception | None, Exception | None] = (None, None)
         # cross-request batching: the one-token decode steps of sequences decoding at the same moment
         self._steps: StepBatcher[_StepCall, np.ndarray] = StepBatcher(
             self._run_steps, DECODE_BATCH_MAX_CALLS, self._batch_wait
@@ -662,6 +666,10 @@ class Model:
             self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
             self._kv_per_position = cache_bytes_per_position(self._layer_shapes)
             self._n_ctx = self._choose_n_ctx(hp)
+            # the text API's tokenizer and chat template read the file: built here, off the event loop,
+            # rather than on the loop by the first generate() / stream() / chat() of a string
+            text = await run_in_worker(_text_parts, self.path)
+            self._tokenizer, self._chat_template, self._text_errors = text
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await store.aclose()
@@ -808,13 +816,16 @@ class Model:
 
     @property
     def tokenizer(self) -> Tokenizer:
-        """The tokenizer of the model file, built on first use (needs the ``text`` extra for BPE).
+        """The tokenizer of the model file (needs the ``text`` extra for BPE): built by :meth:`start` in a
+        worker thread, or here on first use before that.
 
         Raises:
             VocabularyError: the file's ``tokenizer.ggml.*`` keys are missing or malformed.
             OptionalDependencyError: ``tokenizers`` is not installed (``pip install 'aioexperts[text]'``).
         """
         if self._tokenizer is None:
+            if self._text_errors[0] is not None:  # what start() met building it
+                raise self._text_errors[0]
             from aioexperts._text.tokenizer import Tokenizer
 
             self._tokenizer = Tokenizer.from_gguf(self.path)
@@ -822,12 +833,15 @@ class Model:
 
     @property
     def chat_template(self) -> ChatTemplate:
-        """The file's ``tokenizer.chat_template``, compiled on first use (needs ``jinja2``).
+        """The file's ``tokenizer.chat_template`` (needs ``jinja2``): compiled by :meth:`start` in a worker
+        thread, or here on first use before that.
 
         Raises:
             ChatTemplateError: the file has none, or it does not compile.
         """
         if self._chat_template is None:
+            if self._text_errors[1] is not None:  # what start() met compiling it
+                raise self._text_errors[1]
             from aioexperts._text.chat import ChatTemplate
 
             self._chat_template = ChatTemplate.from_gguf(self.path)
@@ -1182,6 +1196,30 @@ class Model:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("started" if self._store is not None else "not started")
         return f"Model({self.path!r}, {state}, n_ctx={self._n_ctx})"
+
+
+def _text_parts(
+    path: str,
+) -> tuple[Tokenizer | None, ChatTemplate | None, tuple[Exception | None, Exception | None]]:
+    """Worker job of :meth:`Model.start`: the file's tokenizer and chat template, and what building each
+    raised instead (no vocabulary or template in the file, no ``text`` extra, a malformed vocabulary):
+    the properties :attr:`Model.tokenizer` and :attr:`Model.chat_template` raise that at first use, as
+    they did when they built them there."""
+    from aioexperts._text.chat import ChatTemplate
+    from aioexperts._text.tokenizer import Tokenizer
+
+    tokenizer: Tokenizer | None = None
+    template: ChatTemplate | None = None
+    errors: list[Exception | None] = [None, None]
+    try:
+        tokenizer = Tokenizer.from_gguf(path)
+    except (AioExpertsError, OSError) as exc:
+        errors[0] = exc
+    try:
+        template = ChatTemplate.from_gguf(path)
+    except (AioExpertsError, OSError) as exc:
+        errors[1] = exc
+    return tokenizer, template, (errors[0], errors[1])
 
 
 def load(

@@ -21,7 +21,8 @@ def add_residual(resid: np.ndarray, f: np.ndarray, hp: ModelHParams) -> np.ndarr
     """``resid + f * residual_scale`` (granite.cpp's ``f_residual_scale``; 1 elsewhere): a new array."""
     if hp.residual_scale:
         f = f * np.float32(hp.residual_scale)
-    return resid + f
+    out: np.ndarray = resid + f
+    return out
 
 
 def check_finite(what: str, x: np.ndarray) -> None:
@@ -57,7 +58,7 @@ def after_attention(hp: ModelHParams, il: int, x: np.ndarray, a: np.ndarray) -> 
     """
     if hp.residual_scale:
         a *= np.float32(hp.residual_scale)
-    ffn_inp = x + a
+    ffn_inp: np.ndarray = x + a
     check_finite(f"the residual stream after block {il}'s attention", ffn_inp)
     return ffn_inp
 

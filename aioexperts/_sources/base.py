@@ -26,7 +26,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
@@ -45,9 +45,12 @@ T = TypeVar("T")
 #: What a source pins: an opaque handle per expert with its ``key``; only the same source reads it.
 Pinned = Any
 
-#: ``build(owner, attribute, fn)``: run the blocking ``fn`` in a worker thread to its end and store
-#: its result as ``owner.<attribute>`` in that thread, so that a cancelled start still releases it.
-Build = Callable[[object, str, Callable[[], T]], Awaitable[T]]
+
+class Build(Protocol):
+    """``build(owner, attribute, fn)``: run the blocking ``fn`` in a worker thread to its end and store
+    its result as ``owner.<attribute>`` in that thread, so that a cancelled start still releases it."""
+
+    def __call__(self, owner: object, attribute: str, build: Callable[[], T], /) -> Awaitable[T]: ...
 
 
 class ExpertSource(ABC):

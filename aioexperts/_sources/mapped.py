@@ -12,6 +12,7 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
+import anyio
 from gguf import GGMLQuantizationType
 
 from .._cache.cache import Key
@@ -165,7 +166,8 @@ class MappedSource(ExpertSource):
             raise InvalidRequestError(f"the model has no tensor {tensor!r}")
         table = RowTable.of(0, info, 4096, self.shards.sizes[info.shard])
         rows = RowReader.check_rows(table, row_ids)
-        size = os.fstat(self.files.fds[info.shard]).st_size  # past the end, the mapping raises SIGBUS
+        # past the end, the mapping raises SIGBUS; fstat off the loop (it can wait on NFS or FUSE)
+        size = (await anyio.to_thread.run_sync(os.fstat, self.files.fds[info.shard])).st_size
         if rows and table.row_offset(max(rows)) + table.row_bytes > size:
             raise ExpertReadError(f"{info.name}: the file ends at byte {size}, before row {max(rows)} (it shrank)")
         views = tuple(

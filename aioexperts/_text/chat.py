@@ -61,7 +61,8 @@ def _environment() -> Any:
     try:
         import jinja2
         import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+        from jinja2.exceptions import SecurityError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise ConfigError("chat templates need jinja2: pip install 'aioexperts[text]'") from None
 

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model(args: argparse.Namespace, note: Callable[[str], None]) -> str:
     if args.model:
-        return os.path.expanduser(args.model)
+        path: str = os.path.expanduser(args.model)
+        return path
     from ..testing import FULL_SPEC, SKEWED_SPEC, ensure_full_model, print_progress
 
     spec = (SKEWED_SPEC if args.routing == "skewed" else FULL_SPEC).with_(n_layer=args.layers)

@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
@@ -49,7 +49,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(USAGE_STATUS, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _int_at_least(low: int) -> Any:
+def _int_at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -570,7 +570,8 @@ async def _run(args: argparse.Namespace, path: str, prompt: str | None, report: 
 def _read_prompt(args: argparse.Namespace) -> str | None:
     """``-p``, or the text of ``-f`` (ConfigError naming the file when it cannot be read or is not UTF-8)."""
     if args.file is None:
-        return args.prompt
+        prompt: str | None = args.prompt
+        return prompt
     try:
         with open(os.path.expanduser(args.file), encoding="utf-8") as f:
             return f.read()

@@ -94,7 +94,7 @@ def _say(text: str) -> None:
 
 def _model_path(args: argparse.Namespace) -> str:
     if args.model is not None:
-        path = os.path.expanduser(args.model)
+        path: str = os.path.expanduser(args.model)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{args.model}: no such model file")
         return path

@@ -143,6 +143,7 @@ class Server:
         self.scheduler = Scheduler(self.options.parallel, self.options.queue_size)
         self.name = self.options.model_name or os.path.basename(model.path)
         self.fingerprint = f"aioexperts-{aioexperts.__version__}"
+        self._created = 0  # /v1/models "created": the model file's modification time, read by start()
         self._text_worker: ThreadPoolExecutor | None = None
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
@@ -173,6 +174,7 @@ class Server:
         """
         self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioexperts-serve-text")
         await self._in_text_worker(lambda: self.model.tokenizer)
+        self._created = await self._in_text_worker(lambda: _modified(self.model.path))  # stat: off the loop
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0, handle_signals=False
         )
@@ -432,10 +434,7 @@ class Server:
     # -- the other endpoints --------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
-        try:
-            created = int(os.stat(self.model.path).st_mtime)
-        except OSError:
-            created = 0
+        created = self._created
         meta = {"n_ctx": self.model.n_ctx, "n_vocab": self.model.n_vocab, "architecture": self.model.hparams.arch}
         entry = {"id": self.name, "object": "model", "created": created, "owned_by": "aioexperts", "meta": meta}
         return _json_response({"object": "list", "data": [entry]})
@@ -513,3 +512,11 @@ class Server:
     async def _metrics(self, request: web.Request) -> web.Response:
         text = self.metrics.render(self.model, self.scheduler)
         return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def _modified(path: str) -> int:
+    """The file's modification time in whole seconds (0 when it cannot be read)."""
+    try:
+        return int(os.stat(path).st_mtime)
+    except OSError:
+        return 0

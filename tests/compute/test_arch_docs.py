@@ -1,11 +1,12 @@
-"""The architecture table of docs/executor.md and the code's table (``hparams.ARCHITECTURES``) agree."""
+"""The architecture table of docs/executor.md and the registry (``archs.STATUSES``, ``MODEL_RECORDS``) agree."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from aioexperts._format.hparams import ARCHITECTURES, Status
+from aioexperts._format.archs import STATUSES as ARCHITECTURES
+from aioexperts._format.hparams import Status
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "executor.md"
 _ROW = re.compile(r"^\| `(?P<arch>[^`]+)`[^|]* \| (?P<status>golden|source|refused) \|")
@@ -37,7 +38,7 @@ def test_the_issue_s_architectures_are_in_the_table() -> None:
 
 
 def test_the_whole_model_column_is_the_architecture_records() -> None:
-    from aioexperts._format.architectures import ARCHITECTURES as RECORDS
+    from aioexperts._format.archs import MODEL_RECORDS as RECORDS
 
     section = DOC.read_text().split("### The MoE architectures of llama.cpp", 1)[1].split("\n## ", 1)[0]
     column = {}

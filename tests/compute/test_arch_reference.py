@@ -21,7 +21,8 @@ import pytest
 from gguf import GGUFValueType
 from moe_session import moe_session
 
-from aioexperts._format.hparams import ARCHITECTURES, Status
+from aioexperts._format.archs import STATUSES as ARCHITECTURES
+from aioexperts._format.hparams import Status
 
 T = GGUFValueType
 N_EMBD, N_FF, N_EXPERT, K, N_TOKENS = 32, 16, 8, 2, 5

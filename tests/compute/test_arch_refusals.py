@@ -16,7 +16,9 @@ from gguf import GGUFValueType
 from moe_session import moe_session
 
 from aioexperts._errors import UnsupportedTypeError
-from aioexperts._format.hparams import ARCHITECTURES, LLAMA_CPP_ARCHS, REFUSED, MoEHParams, Status
+from aioexperts._format.archs import LLAMA_CPP_ARCHS, REFUSED
+from aioexperts._format.archs import STATUSES as ARCHITECTURES
+from aioexperts._format.hparams import MoEHParams, Status
 
 T = GGUFValueType
 N_EMBD, N_FF, N_EXPERT = 32, 32, 4

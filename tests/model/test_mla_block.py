@@ -21,7 +21,8 @@ import aioexperts
 from aioexperts._compute import mla
 from aioexperts._compute.rope import apply_rope, rope_cos_sin
 from aioexperts._errors import FormatError, UnsupportedTypeError
-from aioexperts._format.architectures import ARCHITECTURES, RopeType, model_hparams
+from aioexperts._format.architectures import RopeType, model_hparams
+from aioexperts._format.archs import MODEL_RECORDS as ARCHITECTURES
 from aioexperts._format.dequant import dequantize
 from aioexperts._format.mla import MLAHParams
 from aioexperts._format.model import GGUFModel, open_model

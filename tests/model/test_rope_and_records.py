@@ -10,7 +10,8 @@ from conftest import shared_fixture_paths
 
 import aioexperts
 from aioexperts._compute.rope import apply_rope, rope_cos_sin, yarn_corr_dims
-from aioexperts._format.architectures import ARCHITECTURES, RopeParams, RopeType, model_hparams
+from aioexperts._format.architectures import RopeParams, RopeType, model_hparams
+from aioexperts._format.archs import MODEL_RECORDS as ARCHITECTURES
 
 
 def reference_rope(x: np.ndarray, pos: int, p: RopeParams) -> np.ndarray:
