@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -279,7 +279,7 @@ class MoERunner:
             return report
 
     @property
-    def residents(self) -> dict[int, ResidentLayer] | Sequence[ResidentLayer] | object:
+    def residents(self) -> Mapping[int, ResidentLayer]:
         """Block index -> the layer's resident weights (after :meth:`warmup`).
 
         Raises:

@@ -8,8 +8,8 @@ sub-folders belong to it); the modules directly in ``aioexperts/`` (``_runner.py
 - ``alias._name`` where ``alias`` is bound to a module of another package (``import M as alias``,
   ``from P import module``);
 - ``obj._name`` on any other object (not ``self`` or ``cls``) where ``_name`` is defined (a def, a
-  class, an assignment, a ``self._name =``) only in other packages: ``runner._prefetch_for`` in
-  ``_model`` uses the root package's ``MoERunner._prefetch_for``.
+  class, an assignment, a ``self._name =``) only in other packages: ``executor._run_calls`` in
+  ``_model`` would use the root package's ``LocalExecutor._run_calls``.
 
 A package's own module-private names (``from .x import _y`` inside ``_format``) are its business, and
 a module is not a name here (``from aioexperts import _json``: the layout's ``_`` modules are what
@@ -181,14 +181,14 @@ def test_the_checker_finds_each_kind_of_use() -> None:
         "def f(runner, x):\n"
         "    m._private_probe\n"
         "    r._other_probe\n"
-        "    return runner._prefetch_for(x)\n"
+        "    return runner._run_calls(x)\n"
     )
     found = {u for u in _uses({probe: source}) if u.startswith("aioexperts/serve/_probe.py:")}
     assert found == {
         "aioexperts/serve/_probe.py: _model._record_of_probe",
         "aioexperts/serve/_probe.py: _model._private_probe",
         "aioexperts/serve/_probe.py: aioexperts._other_probe",
-        "aioexperts/serve/_probe.py: aioexperts|distributed._prefetch_for",
+        "aioexperts/serve/_probe.py: aioexperts._run_calls",
     }
 
 

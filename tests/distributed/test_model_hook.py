@@ -71,7 +71,9 @@ async def test_load_options_are_honoured_by_every_runner(
             model.runner.record_trace = True
 
 
-async def test_a_factory_that_drops_the_prefetch_options_is_refused(tiny_full_model: Path, anyio_backend: object) -> None:
+async def test_a_factory_that_drops_the_prefetch_options_is_refused(
+    tiny_full_model: Path, anyio_backend: object
+) -> None:
     """A ``load()`` option the runner cannot honour is an error, not dropped (issue 32)."""
     wanted = aioexperts.PrefetchOptions(predictor="frequency", depth=1)
     model = aioexperts.load(
