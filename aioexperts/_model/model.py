@@ -621,17 +621,8 @@ class Model:
             raise ConfigError("the model was already started")
         gguf = await run_in_worker(open_model, self.path)
         hp = _whole_model_hparams(gguf)  # refuses unsupported architectures before any store work
-        per_position = kv_bytes_per_position(hp, gguf)
-        if self._n_ctx_arg is not None:  # a KV cache that cannot fit: refused before any store work
-            self._check_kv_budget(self._n_ctx_arg, per_position)
-            _memory.check_kv_fits(self._n_ctx_arg, self._n_ctx_arg * per_position)
-        options = self._store_options
-        if options["mode"] == "slab" and all(options[k] is None for k in ("slots", "cache_bytes", "cache")):
-            kv = kv_reserve_bytes(hp, self._n_ctx_arg, self._budget or DEFAULT_MEMORY_BUDGET, per_position)
-            self.slab_budget = choose_slab_bytes(
-                gguf, hp, kv_bytes=kv, resident_embedding_bytes=self._resident_embedding
-            )
-            options = {**options, "cache_bytes": self.slab_budget.slab_bytes}
+        # the memory limit is read from /proc and the cgroup files: in a worker, not on the loop
+        options = await run_in_worker(self._plan_memory, gguf, hp)
         store = open_store(self.path, **options)
         await store.start()
         try:
@@ -665,7 +656,7 @@ class Model:
             await run_in_worker(fused.warmup, types)
             self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
             self._kv_per_position = cache_bytes_per_position(self._layer_shapes)
-            self._n_ctx = self._choose_n_ctx(hp)
+            self._n_ctx = await run_in_worker(self._choose_n_ctx, hp)
             # the text API's tokenizer and chat template read the file: built here, off the event loop,
             # rather than on the loop by the first generate() / stream() / chat() of a string
             text = await run_in_worker(_text_parts, self.path)
@@ -676,6 +667,23 @@ class Model:
             raise
         self._store, self._runner, self._weights, self._hparams = store, runner, weights, hp
         self._moe_layers = moe_layers
+
+    def _plan_memory(self, gguf: GGUFModel, hp: ModelHParams) -> dict[str, Any]:
+        """Before any store work (a worker thread: it reads the memory limit): refuse a KV cache
+        that cannot fit, and size the slab from the limit when no size was given. Returns the
+        store's options."""
+        per_position = kv_bytes_per_position(hp, gguf)
+        if self._n_ctx_arg is not None:  # a KV cache that cannot fit: refused before any store work
+            self._check_kv_budget(self._n_ctx_arg, per_position)
+            _memory.check_kv_fits(self._n_ctx_arg, self._n_ctx_arg * per_position)
+        options = self._store_options
+        if options["mode"] == "slab" and all(options[k] is None for k in ("slots", "cache_bytes", "cache")):
+            kv = kv_reserve_bytes(hp, self._n_ctx_arg, self._budget or DEFAULT_MEMORY_BUDGET, per_position)
+            self.slab_budget = choose_slab_bytes(
+                gguf, hp, kv_bytes=kv, resident_embedding_bytes=self._resident_embedding
+            )
+            options = {**options, "cache_bytes": self.slab_budget.slab_bytes}
+        return options
 
     def _check_kv_budget(self, n_ctx: int, per: int) -> None:
         if self._budget is not None and n_ctx * per > self._budget:
