@@ -12,6 +12,7 @@ The store knows nothing about computing: an
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -263,7 +264,8 @@ class ExpertStore:
         release = self._release
         if release is None or release.done.is_set():  # none yet, or the last one failed: try again
             release = self._release = _Release(self._release_resources)
-        held = await wait_through_cancellation(lambda: anyio.to_thread.run_sync(release.done.wait)) or held
+        wait_release = functools.partial(anyio.to_thread.run_sync, release.done.wait)
+        held = await wait_through_cancellation(wait_release, release.done.is_set) or held
         if release.failure is not None:
             raise release.failure
         if held is not None:

@@ -213,7 +213,7 @@ class ComputePool:
                     self._jobs.remove(job)
                     self._counts["dropped"] += 1
             if not queued:
-                await wait_through_cancellation(done.wait)  # a second Task.cancel() is held too
+                await wait_through_cancellation(done.wait, done.is_set)  # a second Task.cancel() is held too
             raise
         if job.error is not None:
             raise job.error

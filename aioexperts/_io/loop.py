@@ -184,19 +184,28 @@ def current_loop() -> LoopAdapter:
     raise RuntimeError("aioexperts must be used from a running asyncio (or uvloop) or trio event loop")
 
 
-async def wait_through_cancellation(wait: Callable[[], Awaitable[object]]) -> BaseException | None:
+async def wait_through_cancellation(
+    wait: Callable[[], Awaitable[object]], done: Callable[[], bool] | None = None
+) -> BaseException | None:
     """Await ``wait()`` to its end, shielded; return the cancellation that arrived meanwhile, or None.
 
     anyio and trio cancel scopes never interrupt a shielded wait, but a plain asyncio
     ``Task.cancel()`` (an ``asyncio.wait_for`` timeout) does: the wait is then started again, as
-    often as it takes. The caller re-raises what is returned once it is safe (memory the kernel or
-    a worker thread may still use is no longer at stake).
+    often as it takes, until ``done()`` says that what it waits for has finished. ``done`` is
+    looked at before every wait, so once it is true no further wait starts: a wait on something
+    finished still passes a checkpoint (``Event.wait()`` of a set event, ``to_thread.run_sync``),
+    where a canceller that cancels the task again each time it wakes (one ``Task.cancel()`` per
+    loop tick) would otherwise interrupt it every time and keep the task spinning for ever.
+    Without ``done``, ``wait()`` must return without awaiting once its condition holds (as
+    ``ReadScheduler.wait_idle`` does). The caller re-raises what is returned once it is safe
+    (memory the kernel or a worker thread may still use is no longer at stake).
     """
     held: BaseException | None = None
-    while True:
+    while done is None or not done():
         try:
             with anyio.CancelScope(shield=True):
                 await wait()
             return held
         except anyio.get_cancelled_exc_class() as exc:
             held = exc
+    return held

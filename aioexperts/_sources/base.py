@@ -210,7 +210,7 @@ async def finish_in_thread(fn: Callable[[], T]) -> T:
             if state[0] == "queued":
                 state[0] = "abandoned"
                 raise
-        await wait_through_cancellation(lambda: anyio.to_thread.run_sync(done.wait))  # a second cancel too
+        await wait_through_cancellation(lambda: anyio.to_thread.run_sync(done.wait), done.is_set)  # a second cancel too
         raise
 
 

@@ -234,3 +234,61 @@ def test_an_idle_worker_keeps_no_job_or_map_item_alive(pool: ComputePool) -> Non
     gc.collect()
     time.sleep(0.05)  # the workers are back waiting
     assert [r() for r in refs] == [None] * len(refs)
+
+
+#: The two asyncio loops: only asyncio has a plain ``Task.cancel()``.
+ASYNCIO_LOOPS = [
+    pytest.param(("asyncio", {}), id="asyncio"),
+    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+]
+
+
+@pytest.mark.parametrize("anyio_backend", ASYNCIO_LOOPS)
+async def test_a_cancellation_at_every_step_ends_once_the_job_has_finished(
+    pool: ComputePool, anyio_backend: object
+) -> None:
+    # Issue 31 item 1: a caller whose task is cancelled again each time it wakes (one Task.cancel()
+    # per loop tick) waited through it while the job ran, as it should, but never returned after:
+    # the shielded wait was started again on the set event, whose checkpoint took the next
+    # cancellation, for ever (the task spun on the loop; a runner closing it never finished).
+    import asyncio
+
+    from faults.stepper import Stepper
+
+    started, finished = threading.Event(), threading.Event()
+
+    def job() -> int:
+        started.set()
+        time.sleep(0.05)
+        finished.set()
+        return 1
+
+    cancelling = [False]
+    task: list[asyncio.Task[object]] = []
+
+    def at_step(k: int) -> None:
+        if cancelling[0]:
+            task[0].cancel()
+
+    stepper = Stepper(pool.run(job), at_step)
+
+    async def call() -> object:
+        return await stepper
+
+    task.append(asyncio.get_running_loop().create_task(call()))
+    try:
+        await anyio.to_thread.run_sync(started.wait, 5)  # running: no longer dropped when cancelled
+        cancelling[0] = True
+        task[0].cancel()  # and again at every step from now on
+        with anyio.move_on_after(5):
+            while not task[0].done():
+                await asyncio.sleep(0.01)
+        ended = task[0].done()
+    finally:
+        cancelling[0] = False  # let a task that spins end all the same
+        with anyio.fail_after(5):
+            while not task[0].done():
+                await asyncio.sleep(0.01)
+    assert finished.is_set()
+    assert ended, f"still waiting {stepper.steps} steps after its job had finished"
+    assert task[0].cancelled()

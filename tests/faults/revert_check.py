@@ -44,12 +44,12 @@ REVERTS: dict[str, tuple[str, str, str]] = {
     ),
     "3b aclose re-raises a cancellation while reads are in flight": (
         "aioexperts/_store.py",
-        "                held = await wait_through_cancellation(wait_idle) or held\n",
-        "                with anyio.CancelScope(shield=True):\n                    await wait_idle()\n",
+        "            held = await wait_through_cancellation(wait_idle) or held\n",
+        "            with anyio.CancelScope(shield=True):\n                await wait_idle()\n",
     ),
     "3c aclose re-raises a cancellation during the release": (
         "aioexperts/_store.py",
-        "        held = await wait_through_cancellation(lambda: anyio.to_thread.run_sync(release.done.wait)) or held\n",
+        "        held = await wait_through_cancellation(wait_release, release.done.is_set) or held\n",
         "        with anyio.CancelScope(shield=True):\n            await anyio.to_thread.run_sync(release.done.wait)\n",
     ),
     "5 short direct read re-reads the window": (

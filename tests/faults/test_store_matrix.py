@@ -848,3 +848,49 @@ async def test_a_view_kept_past_its_pin_with_warnings_as_errors_leaves_no_pin(
         assert await run.close_and_check() == []
     finally:
         await run.close_if_open()
+
+
+@pytest.mark.parametrize("anyio_backend", ASYNCIO_LOOPS)
+async def test_aclose_cancelled_at_every_step_ends_once_the_release_has_finished(
+    model_path: Path, reference: dict[Key, list[bytes]], moe_refs: MoEReference, anyio_backend: object
+) -> None:
+    # Issue 31 item 1: a Task.cancel() at every step (a caller that cancels the task again each
+    # time it wakes) was held through the release, as it should, but aclose() never returned
+    # after it: the wait for the release thread was started again, and its first checkpoint took
+    # the next cancellation, for ever (the task spun on the loop; closing the loop never ended).
+    import asyncio
+
+    run = await StoreRun.open(model_path, FaultyFake, reference, moe_refs, slots=4)
+    cancelling = [False]
+    task: list[asyncio.Task[object]] = []
+    try:
+        assert await run.request(0, [0, 1]) == "ok"
+        run.note_slab()
+        run.backend.close_delay = 0.05  # the release thread takes a while: aclose waits for it
+
+        def at_step(k: int) -> None:
+            if cancelling[0]:
+                task[0].cancel()
+
+        stepper = Stepper(run.store.aclose(), at_step)
+
+        async def close() -> object:
+            return await stepper
+
+        task.append(asyncio.get_running_loop().create_task(close()))
+        await anyio.sleep(0.01)  # aclose is waiting for the release thread
+        cancelling[0] = True
+        task[0].cancel()  # and again at every step from now on
+        with anyio.move_on_after(BOUND):
+            while not task[0].done():
+                await asyncio.sleep(0.01)
+        ended = task[0].done()
+    finally:
+        cancelling[0] = False  # let a task that spins end all the same
+        with anyio.fail_after(BOUND):
+            while task and not task[0].done():
+                await asyncio.sleep(0.01)
+        await run.close_if_open()
+    assert ended, f"aclose still waiting {stepper.steps} steps after the release had finished"
+    assert task[0].cancelled()
+    assert run.store.closed and run.leftovers() == []
