@@ -608,10 +608,15 @@ class ExpertStore:
 
         Raises:
             As :meth:`rows`.
+
+        Cancellation handling:
+            A cancellation that arrives while the worker thread converts (a plain asyncio
+            ``Task.cancel()`` or a ``wait_for`` timeout included) is held until the thread is done
+            with the rows, then raised; the rows stay pinned until then.
         """
         async with self.rows(tensor, row_ids) as rows:
             convert = rows.dequantize if dequantize else rows.copy_bytes
-            return await anyio.to_thread.run_sync(convert)
+            return await finish_in_thread(convert)
 
     def row_statistics(self) -> RowStatistics | None:
         """The row reads' counters, or None before the first :meth:`rows` call (page-cache mode: None)."""

@@ -177,3 +177,51 @@ async def test_a_row_cache_too_large_to_map_names_its_option(model_path: Path, a
             await store.read_rows("table.F32", [0])
         async with store.experts(0, [0]) as views:  # the store is still usable
             assert views[0] is not None
+
+
+@pytest.mark.parametrize(
+    "anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})], ids=["asyncio", "uvloop"]
+)
+async def test_a_read_rows_cancelled_while_converting_keeps_its_rows_until_the_conversion_ends(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch, anyio_backend: object
+) -> None:
+    """A plain ``Task.cancel()`` (a ``wait_for`` timeout) while the worker thread converts the pinned
+    rows: the rows stay pinned until the thread is done with them, then the cancellation is raised
+    (the rows were unpinned under the thread: their slot could be read into again meanwhile)."""
+    import asyncio
+    import threading
+    from contextlib import asynccontextmanager
+
+    from aioexperts._sources.rows import RowsView
+
+    events: list[str] = []
+    started, go = threading.Event(), threading.Event()
+    plain = RowsView.dequantize
+
+    def slow(self: RowsView) -> np.ndarray:
+        started.set()
+        go.wait(10)
+        events.append("converted")
+        return plain(self)
+
+    monkeypatch.setattr(RowsView, "dequantize", slow)
+    async with aioexperts.open(model_path, slots=2) as store:
+        rows_of = store.rows
+
+        @asynccontextmanager
+        async def rows(tensor: str, ids: object):  # type: ignore[no-untyped-def]
+            try:
+                async with rows_of(tensor, ids) as view:
+                    yield view
+            finally:
+                events.append("released")
+
+        monkeypatch.setattr(store, "rows", rows)
+        task = asyncio.get_running_loop().create_task(store.read_rows("table.Q8_0", [1, 2]))
+        await anyio.to_thread.run_sync(started.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0.05)  # the cancellation is delivered while the thread still converts
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert events == ["converted", "released"]
