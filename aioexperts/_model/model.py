@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
-from aioexperts._batch import DEFAULT_BATCH_WAIT, check_batch_wait
+from aioexperts._batch import DEFAULT_BATCH_WAIT
 from aioexperts._compute import fused
 from aioexperts._compute.norms import rms_norm
 from aioexperts._errors import (
@@ -45,6 +45,7 @@ from aioexperts._format.model import GGUFModel, open_model
 from aioexperts._model import memory as _memory
 from aioexperts._model import text as _text
 from aioexperts._model.blocks import BLOCKS, AttentionBlock
+from aioexperts._model.config import DEFAULT_RESIDENT_EMBEDDING_BYTES, LoadOptions
 from aioexperts._model.decode_batch import DecodeRequest, decode_rows
 from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
 from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_bytes_per_position, kv_reserve_bytes
@@ -69,9 +70,6 @@ log = logging.getLogger("aioexperts")
 DEFAULT_MEMORY_BUDGET = 1 << 30
 """Bytes one sequence's KV cache may take when ``n_ctx`` is not given (1 GiB)."""
 
-DEFAULT_RESIDENT_EMBEDDING_BYTES = 256 << 20
-"""A token embedding table larger than this (with a separate output head) is read row by row
-through :meth:`ExpertStore.read_rows` instead of being kept in memory."""
 
 #: ``sampler(logits, history) -> token id``: ``logits`` is ``(n_vocab,)`` float32, ``history`` the
 #: sequence's tokens so far (prompt and generated).
@@ -534,35 +532,18 @@ class Model:
     def __init__(
         self,
         path: str | os.PathLike[str],
+        options: LoadOptions,
         *,
-        n_ctx: int | None,
-        memory_budget: int | None,
-        prefetch: PrefetchOptions | None,
-        resident_embedding_bytes: int,
         store_options: dict[str, Any],
         runner: Callable[[ExpertStore, PrefetchOptions | None], MoERunner] | None = None,
-        batch_wait: float | None = DEFAULT_BATCH_WAIT,
-        hits_first: bool = True,
-        record_trace: bool = False,
     ) -> None:
-        if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
-            raise ConfigError(f"n_ctx must be an int >= 1, got {n_ctx!r}")
-        if memory_budget is not None and (
-            isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 1
-        ):
-            raise ConfigError(f"memory_budget must be a number of bytes >= 1, got {memory_budget!r}")
+        if not isinstance(options, LoadOptions):
+            raise ConfigError(f"options must be a LoadOptions, got {options!r}")
         self.path = os.fspath(path)
-        self._n_ctx_arg = n_ctx
-        self._budget = memory_budget
-        self._prefetch = prefetch
-        self._batch_wait = check_batch_wait(batch_wait)
-        if not isinstance(hits_first, bool):
-            raise ConfigError(f"hits_first must be True or False, got {hits_first!r}")
-        self._hits_first = hits_first
-        self._resident_embedding = resident_embedding_bytes
+        self.options = options
+        """The model's options, decided once by :func:`load`."""
         self._store_options = store_options
         self._make_runner = runner if runner is not None else self._default_runner
-        self._record_trace = record_trace
         self.slab_budget: SlabBudget | None = None
         """How the slab was sized from the memory limit (None: sized by the caller, or page-cache mode)."""
         self._store: ExpertStore | None = None
@@ -583,7 +564,7 @@ class Model:
         self._text_errors: tuple[Exception | None, Exception | None] = (None, None)
         # cross-request batching: the one-token decode steps of sequences decoding at the same moment
         self._steps: StepBatcher[_StepCall, np.ndarray] = StepBatcher(
-            self._run_steps, DECODE_BATCH_MAX_CALLS, self._batch_wait
+            self._run_steps, DECODE_BATCH_MAX_CALLS, self.options.batch_wait
         )
 
     # -- life cycle -----------------------------------------------------------------------------
@@ -599,9 +580,9 @@ class Model:
         return MoERunner(
             store,
             prefetch=prefetch,
-            batch_wait=self._batch_wait,
-            hits_first=self._hits_first,
-            record_trace=self._record_trace,
+            batch_wait=self.options.batch_wait,
+            hits_first=self.options.hits_first,
+            record_trace=self.options.record_trace,
         )
 
     async def start(self) -> None:
@@ -627,20 +608,12 @@ class Model:
         await store.start()
         try:
             moe_layers = frozenset(store.layout.layers)
-            runner = self._make_runner(store, self._prefetch)
-            if not isinstance(runner, MoERunner):
-                raise ConfigError(f"runner must return a MoERunner (or a subclass), got {runner!r}")
-            # load()'s runner options hold for a runner from a factory too (it gets only the prefetch)
-            runner.batch_wait = self._batch_wait
-            runner.hits_first = self._hits_first
-            runner.record_trace = self._record_trace or runner.record_trace
-            if self._prefetch is not None and runner.prefetch_options != self._prefetch:
-                raise ConfigError(
-                    f"load(prefetch={self._prefetch!r}): the runner factory made a runner with "
-                    f"{runner.prefetch_options!r}; pass the prefetch options it is given on to the runner"
-                )
+            runner = self._make_runner(store, self.options.prefetch)
+            self.options.apply_to(runner)  # a factory's runner too: honoured, or refused
             await runner.warmup()
-            weights = await run_in_worker(_load_weights, store.model, hp, moe_layers, self._resident_embedding)
+            weights = await run_in_worker(
+                _load_weights, store.model, hp, moe_layers, self.options.resident_embedding_bytes
+            )
             types = {weights.output.ggml_type} | {
                 m.ggml_type
                 for layer in weights.layers
@@ -673,37 +646,39 @@ class Model:
         that cannot fit, and size the slab from the limit when no size was given. Returns the
         store's options."""
         per_position = kv_bytes_per_position(hp, gguf)
-        if self._n_ctx_arg is not None:  # a KV cache that cannot fit: refused before any store work
-            self._check_kv_budget(self._n_ctx_arg, per_position)
-            _memory.check_kv_fits(self._n_ctx_arg, self._n_ctx_arg * per_position)
+        if self.options.n_ctx is not None:  # a KV cache that cannot fit: refused before any store work
+            self._check_kv_budget(self.options.n_ctx, per_position)
+            _memory.check_kv_fits(self.options.n_ctx, self.options.n_ctx * per_position)
         options = self._store_options
         if options["mode"] == "slab" and all(options[k] is None for k in ("slots", "cache_bytes", "cache")):
-            kv = kv_reserve_bytes(hp, self._n_ctx_arg, self._budget or DEFAULT_MEMORY_BUDGET, per_position)
+            kv = kv_reserve_bytes(
+                hp, self.options.n_ctx, self.options.memory_budget or DEFAULT_MEMORY_BUDGET, per_position
+            )
             self.slab_budget = choose_slab_bytes(
-                gguf, hp, kv_bytes=kv, resident_embedding_bytes=self._resident_embedding
+                gguf, hp, kv_bytes=kv, resident_embedding_bytes=self.options.resident_embedding_bytes
             )
             options = {**options, "cache_bytes": self.slab_budget.slab_bytes}
         return options
 
     def _check_kv_budget(self, n_ctx: int, per: int) -> None:
-        if self._budget is not None and n_ctx * per > self._budget:
+        if self.options.memory_budget is not None and n_ctx * per > self.options.memory_budget:
             raise ConfigError(
                 f"n_ctx={n_ctx} needs {n_ctx * per} bytes of KV cache per sequence, more than "
-                f"memory_budget={self._budget}"
+                f"memory_budget={self.options.memory_budget}"
             )
 
     def _choose_n_ctx(self, hp: ModelHParams) -> int:
         """``n_ctx`` for the built blocks' exact KV cache size, checked against ``memory_budget`` and
         the memory limit (:func:`~aioexperts._model.memory.check_kv_fits`) before any is allocated."""
         per = self._kv_per_position
-        if self._n_ctx_arg is not None:
-            n_ctx = self._n_ctx_arg
+        if self.options.n_ctx is not None:
+            n_ctx = self.options.n_ctx
             self._check_kv_budget(n_ctx, per)
             _memory.check_kv_fits(n_ctx, n_ctx * per)
             if n_ctx > hp.n_ctx_train:
                 log.warning("n_ctx=%d is larger than the file's context length %d", n_ctx, hp.n_ctx_train)
             return n_ctx
-        budget = self._budget if self._budget is not None else DEFAULT_MEMORY_BUDGET
+        budget = self.options.memory_budget if self.options.memory_budget is not None else DEFAULT_MEMORY_BUDGET
         n_ctx = min(hp.n_ctx_train, max(1, budget // per))
         limit = _memory.read_memory_limit(reclaimable=True)
         if n_ctx * per > limit.available:  # the default must fit the memory left too
@@ -1305,10 +1280,15 @@ def load(
     """
     if runner is not None and not callable(runner):
         raise ConfigError(f"runner must be a callable (store, prefetch) -> MoERunner, got {runner!r}")
-    if isinstance(resident_embedding_bytes, bool) or not isinstance(resident_embedding_bytes, int):
-        raise ConfigError(f"resident_embedding_bytes must be an int, got {resident_embedding_bytes!r}")
-    if not isinstance(record_trace, bool):
-        raise ConfigError(f"record_trace must be True or False, got {record_trace!r}")
+    config = LoadOptions(
+        n_ctx=n_ctx,
+        memory_budget=memory_budget,
+        prefetch=prefetch,
+        resident_embedding_bytes=resident_embedding_bytes,
+        batch_wait=batch_wait,  # type: ignore[arg-type]  # None is 0 (off), checked
+        hits_first=hits_first,
+        record_trace=record_trace,
+    )
     options: dict[str, Any] = {
         "slots": slots,
         "cache_bytes": cache_bytes,
@@ -1318,15 +1298,4 @@ def load(
         "mode": mode,
         "pagecache": pagecache,
     }
-    return Model(
-        path,
-        n_ctx=n_ctx,
-        memory_budget=memory_budget,
-        prefetch=prefetch,
-        resident_embedding_bytes=resident_embedding_bytes,
-        store_options=options,
-        runner=runner,
-        batch_wait=batch_wait,
-        hits_first=hits_first,
-        record_trace=record_trace,
-    )
+    return Model(path, config, store_options=options, runner=runner)
