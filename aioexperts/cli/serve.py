@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -173,6 +174,14 @@ async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
             loop.remove_signal_handler(signum)
 
 
+def _check_host(host: str) -> None:
+    """``--host`` resolves to an address to bind, before the model loads (ConfigError naming it)."""
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        raise aioexperts.ConfigError(f"--host {host!r}: not an address or host name to bind ({exc})") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``aioexperts-serve``; returns the exit status (0 stopped by a signal, 1 stopped at once by a
     second signal, 2 bad arguments/files/models)."""
@@ -197,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         except aioexperts.ConfigError as exc:
             raise aioexperts.ConfigError(name_the_options(str(exc), SERVER_FLAGS)) from None
+        _check_host(args.host)
         path = _model_path(args)
     except KeyboardInterrupt:
         return 130

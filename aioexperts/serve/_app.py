@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import logging
 import os
@@ -180,7 +181,10 @@ class Server:
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.options.host, self.options.port)
-        await site.start()
+        try:
+            await site.start()
+        except UnicodeError as exc:  # a host name the IDNA codec refuses (an empty label: "a..b")
+            raise OSError(errno.EINVAL, f"--host {self.options.host!r} is not a valid host name ({exc})") from None
         server = site._server  # the asyncio server: the port a request for port 0 got
         sockets = getattr(server, "sockets", None) or ()
         self._port = sockets[0].getsockname()[1] if sockets else self.options.port

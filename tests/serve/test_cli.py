@@ -150,6 +150,7 @@ def test_a_second_signal_ends_the_streams_with_shutting_down_and_exits_1(tiny_fu
     ("args", "needle"),
     [
         (["--port", "70000"], "--port: must be a TCP port"),
+        (["MODEL", "--host", "not..an..addr"], "--host 'not..an..addr': not an address or host name to bind"),
         (["--parallel", "0"], "--parallel: must be >= 1"),
         (["/no/such/model.gguf"], "no such model file"),
         (["MODEL", "--layers", "2"], "built-in model"),
