@@ -85,6 +85,9 @@ def build_once(
     Returns:
         ``target``.
 
+    A temporary ``NAME.*.partial`` file that a killed build left beside ``target`` is removed by
+    the next build (under the lock, so never one another process is writing).
+
     Raises:
         OSError: the folder cannot be written.
     """
@@ -95,6 +98,10 @@ def build_once(
     with _locked(target.with_name(target.name + ".lock"), on_wait or (lambda: None)):
         if target.exists() and (not rebuild or target.stat().st_mtime >= started):
             return target  # built by another process while we waited
+        # under the lock no other process writes this file: a temporary file left by a build that
+        # was killed (SIGKILL, SIGTERM: no clean-up ran) is removed, so none piles up
+        for stale in target.parent.glob(target.name + ".*.partial"):
+            stale.unlink(missing_ok=True)
         if on_build is not None:
             on_build(target)
         fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial", dir=target.parent)

@@ -116,3 +116,15 @@ def test_an_interrupted_build_leaves_no_partial_file(tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         ensure_bench_model(spec=SMALL, path=target, progress=progress)
     assert [p.name for p in tmp_path.iterdir()] == ["model.gguf.lock"]
+
+
+def test_a_killed_builds_partial_file_is_removed_by_the_next_build(tmp_path: Path) -> None:
+    """A build killed by SIGKILL or SIGTERM runs no clean-up: its temporary file stayed for ever
+    beside the model (up to 17 GB for the 48-layer one; fresh-user trial). The next build removes it."""
+    target = tmp_path / "model.gguf"
+    left = tmp_path / "model.gguf.x1y2z3.partial"
+    left.write_bytes(b"\0" * 4096)
+    other = tmp_path / "other.gguf.x1y2z3.partial"  # another model's: not this build's business
+    other.write_bytes(b"\0")
+    ensure_bench_model(spec=SMALL, path=target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "model.gguf.lock", other.name]
