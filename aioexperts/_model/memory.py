@@ -277,7 +277,7 @@ def check_kv_fits(n_ctx: int, kv_bytes: int, limit: MemoryLimit | None = None) -
         raise ConfigError(
             f"n_ctx={n_ctx} needs {kv_bytes} bytes ({_size(kv_bytes)}) of KV cache per sequence, more than the "
             f"{limit.available} bytes ({_size(limit.available)}) this process may still use ({limit.source}): "
-            "load the model with a smaller n_ctx (--ctx of aioexperts-run)"
+            "load the model with a smaller n_ctx (--ctx of aioexperts-run and aioexperts-serve)"
         )
     return limit
 

@@ -346,7 +346,8 @@ class ModelSequence:
             if self.n_past + len(run) > self.n_ctx:
                 raise ContextLengthError(
                     f"{len(run)} new tokens after {self.n_past} would pass n_ctx={self.n_ctx} positions "
-                    "(load the model with a larger n_ctx, or --ctx of aioexperts-run; or keep() a shorter prefix)"
+                    "(load the model with a larger n_ctx, or --ctx of aioexperts-run and aioexperts-serve; "
+                    "or keep() a shorter prefix)"
                 )
             logits = await self.model._forward(
                 self._cache, self.n_past, run, all_logits=all_logits or not ids, step_of=self

@@ -65,7 +65,9 @@ class GenerationStatistics:
     Attributes:
         prompt_tokens: tokens of the prompt (for a chat turn: the whole rendered conversation).
         reused_tokens: prompt tokens already in the KV cache and kept (chat sessions; else 0).
-        prefilled_tokens: prompt tokens run by this call (``prompt_tokens - reused_tokens``).
+        prefilled_tokens: prompt tokens run by this call (``prompt_tokens - reused_tokens`` once the
+            prompt has run; a call cancelled or failed during its prefill counts the batches of
+            :data:`PREFILL_BATCH` tokens that ran).
         generated_tokens: tokens yielded (end-of-generation ids and a stop string's tokens included
             in the count only when yielded; an EOG id is never yielded).
         prefill_seconds: wall time from the start of the call to the first sampled token.
@@ -197,7 +199,8 @@ def check_fits(model: Model, n_prompt: int) -> None:
     if n_prompt > model.n_ctx:
         raise ContextLengthError(
             f"the prompt is {n_prompt} tokens, more than n_ctx={model.n_ctx} positions: it is not truncated "
-            "(load the model with a larger n_ctx, or --ctx of aioexperts-run; or shorten the prompt)"
+            "(load the model with a larger n_ctx, or --ctx of aioexperts-run and aioexperts-serve; "
+            "or shorten the prompt)"
         )
 
 
@@ -243,7 +246,10 @@ async def _decode_loop(
         while len(pending) > PREFILL_BATCH:
             await seq.forward(pending[:PREFILL_BATCH], all_logits=False)
             pending = pending[PREFILL_BATCH:]
+            stats[0] = replace(stats[0], prefilled_tokens=stats[0].prefilled_tokens + PREFILL_BATCH)
         logits = (await seq.forward(pending, all_logits=False))[0]
+        if n == 0:  # the prompt's last batch has run
+            stats[0] = replace(stats[0], prefilled_tokens=stats[0].prefilled_tokens + len(pending))
         t0 = time.perf_counter()
         token = sampler(logits, tuple(seq.tokens))
         if isinstance(token, np.integer):
@@ -301,7 +307,7 @@ async def _generate(
     from aioexperts._text.sampling import StopMatcher
 
     started = time.perf_counter()
-    stats[0] = GenerationStatistics(len(prompt), reused, len(prompt) - reused)
+    stats[0] = GenerationStatistics(len(prompt), reused, 0)  # prefilled_tokens: counted as batches run
     stopper = StopMatcher(options.stop) if options.stop else None
     decoder = model.tokenizer.decoder() if text is not None or stopper is not None else None
     if seq is None:

@@ -388,3 +388,30 @@ async def test_streams_hold_a_kv_cache_only_while_they_run(tiny_full_model: Path
         gen = model.generate("Hello", max_tokens=3, top_k=5)
         assert len([t async for t in gen]) == 3
         assert model.statistics().live_sequences == 0 and gen.statistics.stop_reason == "length"
+
+
+async def test_a_prefill_that_stops_midway_counts_only_the_batches_that_ran(
+    tiny_full_model: Path, monkeypatch: pytest.MonkeyPatch, anyio_backend: object
+) -> None:
+    """Ctrl-C during a long prompt reported every prompt token as prefilled (fresh-user trial)."""
+    from aioexperts._model import text as text_module
+    from aioexperts._model.model import ModelSequence
+
+    monkeypatch.setattr(text_module, "PREFILL_BATCH", 4)
+    forward = ModelSequence.forward
+    calls = [0]
+
+    async def second_batch_fails(self: ModelSequence, ids: object, **kwargs: object) -> object:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("stopped in the prefill")
+        return await forward(self, ids, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ModelSequence, "forward", second_batch_fails)
+    async with load(tiny_full_model, n_ctx=64) as model:
+        run = model.generate(list(range(1, 13)), max_tokens=2, top_k=1)  # the sampler chain: a TokenStream
+        with pytest.raises(RuntimeError, match="stopped in the prefill"):
+            async for _ in run:
+                pass
+        s = run.statistics
+    assert (s.prompt_tokens, s.prefilled_tokens, s.stop_reason) == (12, 4, "error")
