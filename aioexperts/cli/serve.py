@@ -162,7 +162,8 @@ async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
                 with anyio.CancelScope(shield=True):
                     cancelled = await server.stop()
             if cancelled:
-                _say(f"cancelled {cancelled} generations still running at the deadline")
+                when = "at the second signal" if hurried else "at the deadline"
+                _say(f"cancelled {cancelled} generation{'s' if cancelled != 1 else ''} still running {when}")
         _say("stopped at once (second signal)" if hurried else "stopped")
         return 1 if hurried else 0
     except asyncio.CancelledError:

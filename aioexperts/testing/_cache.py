@@ -94,7 +94,14 @@ def build_once(
     if target.exists() and not rebuild:
         return target
     started = time.time()
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:  # a file where the cache folder should be
+        raise NotADirectoryError(
+            exc.errno,
+            f"the model cache folder {target.parent} is not a folder (set $AIOEXPERTS_CACHE, or "
+            "$XDG_CACHE_HOME, to a folder)",
+        ) from None
     with _locked(target.with_name(target.name + ".lock"), on_wait or (lambda: None)):
         if target.exists() and (not rebuild or target.stat().st_mtime >= started):
             return target  # built by another process while we waited

@@ -128,3 +128,12 @@ def test_a_killed_builds_partial_file_is_removed_by_the_next_build(tmp_path: Pat
     other.write_bytes(b"\0")
     ensure_bench_model(spec=SMALL, path=target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "model.gguf.lock", other.name]
+
+
+def test_a_cache_folder_that_is_a_file_is_named_in_the_error(tmp_path: Path) -> None:
+    """``$AIOEXPERTS_CACHE`` pointing at a file gave a bare ``[Errno 17] File exists`` (fresh-user trial)."""
+    cache = tmp_path / "cachefile"
+    cache.write_bytes(b"")
+    with pytest.raises(NotADirectoryError, match=r"cachefile is not a folder \(set \$AIOEXPERTS_CACHE"):
+        ensure_bench_model(spec=SMALL, path=cache / "model.gguf")
+    assert cache.read_bytes() == b""  # nothing the user owns is touched
