@@ -89,7 +89,11 @@ def test_sigterm_lets_short_requests_finish_and_cancels_the_rest_at_the_deadline
             proc.wait()
     stderr = err.decode()
     assert proc.returncode == 0, stderr
-    assert "SIGTERM: stopping" in stderr and "cancelled 1 generations" in stderr and "stopped" in stderr
+    assert (
+        "SIGTERM: stopping" in stderr
+        and "cancelled 1 generation still running at the deadline" in stderr
+        and "stopped" in stderr
+    )
     assert "Traceback" not in stderr
 
 
