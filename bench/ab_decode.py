@@ -47,7 +47,7 @@ async def main(path, n_experts, tokens):
                 times.append(now - t0)
                 got.append(token)
                 t0 = now
-        print(json.dumps({"file": aioexperts.__file__, "step_seconds": times, "tokens": warm + got}))
+        print(json.dumps({"file": aioexperts.__file__, "step_seconds": times, "tokens": warm + got}, allow_nan=False))
 
 asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
 """
