@@ -77,6 +77,12 @@ class ExecutorCounters:
     rows: int = 0
     hits_first_steps: int = 0
 
+    def add_step(self, io_wait_seconds: float, compute_seconds: float) -> None:
+        """Count one layer step and its waiting and compute seconds."""
+        self.layer_steps += 1
+        self.io_wait_seconds += io_wait_seconds
+        self.compute_seconds += compute_seconds
+
 
 class LayerExecutor(abc.ABC):
     """Runs the routed experts of MoE layer steps (module docstring); one per runner.
@@ -216,9 +222,7 @@ class LocalExecutor(LayerExecutor):
                 prefetch=routing.prefetch if last else [],
                 upcoming=router.upcoming_layers(layer),
             )
-            c.layer_steps += 1
-            c.io_wait_seconds += step.io_wait_seconds
-            c.compute_seconds += step.compute_seconds
+            c.add_step(step.io_wait_seconds, step.compute_seconds)
             outputs.append(step.output)
             io_wait += step.io_wait_seconds
             compute_s += step.compute_seconds
@@ -268,14 +272,12 @@ class LocalExecutor(LayerExecutor):
             outcomes = await run_in_worker(_combine_calls, layer, plans, parts, io_wait, compute_s)
         note("computed", layer, len(calls))
         c = self.counters
-        c.layer_steps += 1
+        c.add_step(io_wait, compute_s)
         c.executor_steps += 1
         c.calls += len(calls)
         c.experts += len(experts)
         c.rows += sum(len(p.x) for p in plans)
         c.hits_first_steps += bool(hits)
-        c.io_wait_seconds += io_wait
-        c.compute_seconds += compute_s
         return outcomes
 
     async def _hits_first(

@@ -81,7 +81,7 @@ class PrefetchOptions:
         check_int(self, "depth", low=0)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class ExpertGroup:
     """Experts of one layer step that fit in the slab, and the ids with every other expert ``-1``.
 
@@ -94,7 +94,7 @@ class ExpertGroup:
     ids: np.ndarray
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Routing:
     """One call's routing of a MoE layer (:meth:`Router.route`), what an executor runs.
 

@@ -472,14 +472,8 @@ class MoERunner:
             prefetch=routing.prefetch,
             upcoming=self.upcoming_layers(layer),
         )
-        self._count_step(step)
+        self._executor.counters.add_step(step.io_wait_seconds, step.compute_seconds)
         return step, after
-
-    def _count_step(self, step: LayerStep) -> None:
-        c = self._executor.counters
-        c.layer_steps += 1
-        c.io_wait_seconds += step.io_wait_seconds
-        c.compute_seconds += step.compute_seconds
 
     def _advance(
         self,

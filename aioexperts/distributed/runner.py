@@ -263,10 +263,7 @@ class ShardExecutor(LayerExecutor):
             return MoEOutput(moe_out, shared_out, ffn_out)
 
         out = await run_in_worker(combine)
-        c = self.counters
-        c.layer_steps += 1
-        c.io_wait_seconds += io_wait
-        c.compute_seconds += compute_s
+        self.counters.add_step(io_wait, compute_s)
         return out, io_wait, compute_s
 
     async def _gather(self, layer: int, calls: Sequence[tuple[int, str, tuple[Any, ...]]]) -> list[Any]:
