@@ -30,7 +30,7 @@ The RoPE maths is :mod:`aioexperts._compute.rope` (``rope_cos_sin``, ``apply_rop
 :mod:`aioexperts._compute.attention` (``attend``), RMSNorm :mod:`aioexperts._compute.norms`.
 """
 
-from aioexperts._model import mla_block  # noqa: F401  (registers the "mla" block of deepseek2)
+from aioexperts._model import dsv4_block, mla_block  # noqa: F401  (register the "dsv4" and "mla" blocks)
 from aioexperts._model.model import Generation, Model, ModelSequence, ModelStatistics, load
 
 __all__ = ("Generation", "Model", "ModelSequence", "ModelStatistics", "load")
