@@ -70,7 +70,8 @@ def hadamard(n: int) -> np.ndarray:
         h = np.block([[h, h], [h, -h]])
     if h.shape[0] != n:
         raise ValueError(f"no Sylvester-Hadamard matrix of size {n}")
-    return (h / np.sqrt(n)).astype(np.float32)
+    out: np.ndarray = (h / np.sqrt(n)).astype(np.float32)
+    return out
 
 
 def index_scores(q: np.ndarray, weights: np.ndarray, rows: np.ndarray, n_visible: np.ndarray) -> np.ndarray:
@@ -86,7 +87,7 @@ def index_scores(q: np.ndarray, weights: np.ndarray, rows: np.ndarray, n_visible
         ``(n, n_rows)`` float32, ``-inf`` where a row is not visible.
     """
     kq = np.einsum("nhd,bd->nhb", q, rows, dtype=np.float32)
-    s = (np.maximum(kq, 0) * weights[:, :, None]).sum(axis=1, dtype=np.float32)
+    s: np.ndarray = (np.maximum(kq, 0) * weights[:, :, None]).sum(axis=1, dtype=np.float32)
     s[np.arange(rows.shape[0])[None, :] >= n_visible[:, None]] = -np.inf
     return s
 

@@ -65,7 +65,8 @@ def sinkhorn(logits: np.ndarray, iterations: int, eps: float) -> np.ndarray:
     for _ in range(1, iterations):
         comb = comb / (comb.sum(axis=2, keepdims=True) + e)  # rows: over dst
         comb = comb / (comb.sum(axis=1, keepdims=True) + e)
-    return comb.astype(np.float32, copy=False)
+    out: np.ndarray = comb.astype(np.float32, copy=False)
+    return out
 
 
 def _mixes(x: np.ndarray, fn: Matmul, norm_eps: float) -> np.ndarray:
@@ -102,7 +103,9 @@ def hc_coefficients(
     return HyperMix(pre, post, sinkhorn(comb_logits, iterations, eps))
 
 
-def hc_head_weights(x: np.ndarray, fn: Matmul, scale: np.ndarray, base: np.ndarray, eps: float, norm_eps: float) -> np.ndarray:
+def hc_head_weights(
+    x: np.ndarray, fn: Matmul, scale: np.ndarray, base: np.ndarray, eps: float, norm_eps: float
+) -> np.ndarray:
     """``build_hc_head``'s ``pre`` ``(n, n_hc)`` float32 (``output_hc_fn/scale/base``)."""
     m = _mixes(x, fn, norm_eps)
     return _sigmoid(m * scale[0] + base) + np.float32(eps)
@@ -113,7 +116,8 @@ def hc_pre(x: np.ndarray, pre: np.ndarray) -> np.ndarray:
     out = x[:, 0] * pre[:, 0:1]
     for h in range(1, x.shape[1]):
         out = out + x[:, h] * pre[:, h : h + 1]
-    return out.astype(np.float32, copy=False)
+    mixed: np.ndarray = out.astype(np.float32, copy=False)
+    return mixed
 
 
 def hc_post(out: np.ndarray, x: np.ndarray, mix: HyperMix) -> np.ndarray:

@@ -31,7 +31,14 @@ from aioexperts._compute.pool import compute_pool
 from aioexperts._errors import NonFiniteError
 from aioexperts._format.architectures import ModelHParams
 from aioexperts._model.blocks import BatchedAttentionBlock
-from aioexperts._model.residual import add_residual, after_attention, block_input, head_input, scale_logits
+from aioexperts._model.residual import (
+    add_residual,
+    after_attention,
+    block_input,
+    head_input,
+    mixed_input,
+    scale_logits,
+)
 from aioexperts._model.weights import invariant_products
 from aioexperts._pipeline import run_in_worker
 
@@ -82,20 +89,22 @@ def _pre_blocks(
     caches: list[Mapping[str, np.ndarray]],
     starts: list[int],
     route_rows: Any,
+    token_ids: np.ndarray | None = None,
 ) -> tuple[list[tuple[np.ndarray, np.ndarray, Any] | Exception], list[Any]]:
     """Worker job: :meth:`Model._pre_block` of every row, the attention's products and (with
     ``route_rows``, the runner's :meth:`~aioexperts.MoERunner.route_rows`) the routing shared.
     Returns per row ``(ffn_inp, ffn_in, routed)`` or its error, and the step's prefetch."""
     t0 = time.perf_counter()
     hp = model.hparams
+    hc = model._started()[2].hyper
     il = layer.index
     n = len(resids)
     # a row whose input is not finite still goes through the products (its result is dropped)
-    xs = [_caught(block_input, hp, il, resids[i], None if fs is None else fs[i]) for i in range(n)]
+    xs = [_caught(block_input, hp, il, resids[i], None if fs is None else fs[i], hc) for i in range(n)]
     failed = {i: x for i, x in enumerate(xs) if isinstance(x, Exception)}
     for i in failed:
-        xs[i] = add_residual(resids[i], fs[i], hp)  # type: ignore[index]
-    h = np.concatenate([rms_norm(x, layer.attn_norm, hp.norm_eps) for x in xs])
+        xs[i] = add_residual(resids[i], fs[i], hp) if hc is None else np.zeros_like(resids[i])  # type: ignore[index]
+    h = np.concatenate([rms_norm(mixed_input(hc, il, "attn", x), layer.attn_norm, hp.norm_eps) for x in xs])
     pool = compute_pool()
     block = layer.block
     if isinstance(block, BatchedAttentionBlock):
@@ -106,16 +115,17 @@ def _pre_blocks(
 
     out: list[tuple[np.ndarray, np.ndarray, Any] | Exception] = []
     for i in range(n):
-        ffn_inp = failed.get(i) or _caught(after_attention, hp, il, xs[i], a[i : i + 1])
+        ffn_inp = failed.get(i) or _caught(after_attention, hp, il, xs[i], a[i : i + 1], hc)
         if isinstance(ffn_inp, Exception):
             out.append(ffn_inp)
         else:
-            out.append((ffn_inp, rms_norm(ffn_inp, layer.ffn_norm, hp.norm_eps), None))
+            out.append((ffn_inp, rms_norm(mixed_input(hc, il, "ffn", ffn_inp), layer.ffn_norm, hp.norm_eps), None))
     prefetch: list[Any] = []
     ok = [i for i in range(n) if not isinstance(out[i], Exception)]
     if route_rows is not None and ok:
         try:
-            routed, prefetch = route_rows(il, np.concatenate([out[i][1] for i in ok]))  # type: ignore[index]
+            ids = None if token_ids is None else token_ids[ok]
+            routed, prefetch = route_rows(il, np.concatenate([out[i][1] for i in ok]), ids)  # type: ignore[index]
         except Exception as exc:
             routed = [exc] * len(ok)
         for i, r in zip(ok, routed, strict=True):
@@ -138,7 +148,7 @@ def _heads(model: StepModel, resids: list[np.ndarray], fs: list[np.ndarray]) -> 
     hs: list[np.ndarray] = []
     live: list[int] = []
     for i, (resid, f) in enumerate(zip(resids, fs, strict=True)):
-        got = _caught(head_input, hp, resid, f, w.output_norm)
+        got = _caught(head_input, hp, resid, f, w.output_norm, w.hyper)
         if isinstance(got, Exception):
             out[i] = got
             continue
@@ -183,6 +193,7 @@ async def decode_rows(model: StepModel, requests: Sequence[DecodeRequest]) -> li
             [requests[i].layers[layer.index] for i in live],
             [requests[i].start for i in live],
             route_rows,
+            np.array([requests[i].token for i in live], dtype=np.int64),
         )
         ready: dict[int, tuple[np.ndarray, np.ndarray, Any]] = {}  # row -> (ffn_inp, ffn_in, routed)
         for i, got in zip(live, pre, strict=True):

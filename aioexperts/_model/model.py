@@ -17,6 +17,7 @@ overridden routes in its own job.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -47,9 +48,10 @@ from aioexperts._model import text as _text
 from aioexperts._model.blocks import BLOCKS, AttentionBlock
 from aioexperts._model.config import DEFAULT_RESIDENT_EMBEDDING_BYTES, LoadOptions
 from aioexperts._model.decode_batch import DecodeRequest, decode_rows
+from aioexperts._model.hyper_weights import HyperConnections, read_hyper_connections
 from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
 from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_bytes_per_position, kv_reserve_bytes
-from aioexperts._model.residual import after_attention, block_input, head_input, scale_logits
+from aioexperts._model.residual import after_attention, block_input, head_input, mixed_input, scale_logits
 from aioexperts._model.steps import StepBatcher
 from aioexperts._model.weights import DenseMatrix, TensorReader
 from aioexperts._options import CacheOptions, IOOptions, PageCacheOptions
@@ -160,6 +162,7 @@ class _Weights:
     output: DenseMatrix
     layers: list[_Layer] = field(default_factory=list)
     n_bytes: int = 0
+    hyper: HyperConnections | None = None  # deepseek4's hyper-connections
 
 
 def _load_weights(model: GGUFModel, hp: ModelHParams, moe_layers: frozenset[int], resident_embedding: int) -> _Weights:
@@ -201,7 +204,8 @@ def _load_weights(model: GGUFModel, hp: ModelHParams, moe_layers: frozenset[int]
                 reader.matrix(p + "ffn_down.weight", (n_embd, n_ff) if n_ff else None),
             )
         layers.append(_Layer(il, attn_norm, block, ffn_norm, dense))
-    return _Weights(embedding, output_norm, output, layers, reader.n_bytes)
+    hyper = read_hyper_connections(hp, reader) if hp.record.hyper_connections else None
+    return _Weights(embedding, output_norm, output, layers, reader.n_bytes, hyper)
 
 
 def _whole_model_hparams(model: GGUFModel) -> ModelHParams:
@@ -1055,14 +1059,14 @@ class Model:
         """Worker job: finish the previous block, norm, attention, residual, FFN norm, then (with
         ``route``, the runner's :meth:`MoERunner.route_in_job`) the MoE layer's routing."""
         t0 = time.perf_counter()
-        hp = self._started()[3]
-        il = layer.index
-        x = block_input(hp, il, resid, f)
+        _, _, w, hp = self._started()
+        il, hc = layer.index, w.hyper
+        x = block_input(hp, il, resid, f, hc)
         if capture is not None and f is not None:
             capture[f"l_out-{il - 1}"] = x
-        h = rms_norm(x, layer.attn_norm, hp.norm_eps)
-        ffn_inp = after_attention(hp, il, x, layer.block.attention(h, cache, start))
-        ffn_in = rms_norm(ffn_inp, layer.ffn_norm, hp.norm_eps)
+        h = rms_norm(mixed_input(hc, il, "attn", x), layer.attn_norm, hp.norm_eps)
+        ffn_inp = after_attention(hp, il, x, layer.block.attention(h, cache, start), hc)
+        ffn_in = rms_norm(mixed_input(hc, il, "ffn", ffn_inp), layer.ffn_norm, hp.norm_eps)
         if capture is not None:
             capture[f"attn_norm-{il}"] = h
             capture[f"ffn_inp-{il}"] = ffn_inp
@@ -1084,7 +1088,7 @@ class Model:
     def _head(self, resid: np.ndarray, f: np.ndarray, capture: dict[str, np.ndarray] | None) -> np.ndarray:
         t0 = time.perf_counter()
         _, _, w, hp = self._started()
-        x, h = head_input(hp, resid, f, w.output_norm)
+        x, h = head_input(hp, resid, f, w.output_norm, w.hyper)
         logits = scale_logits(hp, w.output(h))
         if capture is not None:
             capture[f"l_out-{hp.n_layer - 1}"] = x
@@ -1148,8 +1152,11 @@ class Model:
                 hp = self._started()[3]
                 x = resid * np.float32(hp.embedding_scale) if hp.embedding_scale else resid
                 runner.prefetch_first(first.index, rms_norm(x, first.ffn_norm, hp.norm_eps))
+        token_ids = np.asarray(ids, dtype=np.int64)  # the hash-routed layers' (deepseek4) key
         for layer in w.layers:
-            route = runner.route_in_job if fused_route and layer.dense is None else None
+            route = None
+            if fused_route and layer.dense is None:
+                route = functools.partial(runner.route_in_job, token_ids=token_ids)
             ffn_inp, ffn_in, routed = await run_in_worker(
                 self._pre_block, layer, resid, f, cache.layer(layer.index), start, capture, route
             )
@@ -1158,9 +1165,9 @@ class Model:
                 if routed is not None:
                     f = await runner.execute(layer.index, routed)
                 elif capture is None:
-                    f = await runner.moe(layer.index, ffn_in)
+                    f = await runner.moe(layer.index, ffn_in, token_ids=token_ids)
                 else:
-                    result = await runner.moe_result(layer.index, ffn_in)
+                    result = await runner.moe_result(layer.index, ffn_in, token_ids=token_ids)
                     f = result.ffn_out
                     capture[f"topk-{layer.index}"] = result.ids
                 self._counters.moe_seconds += time.perf_counter() - t0

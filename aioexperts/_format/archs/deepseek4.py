@@ -34,6 +34,6 @@ ARCHS = (
         ),
         # deepseek4.cpp: hyper-connections around every block (aioexperts/_compute/hyper.py), the compressed
         # attention block "dsv4" (aioexperts/_model/dsv4_block.py), NORM RoPE on the heads' last dims
-        model=ArchitectureRecord("deepseek4", RopeType.NORM, "deepseek4.cpp", block="dsv4"),
+        model=ArchitectureRecord("deepseek4", RopeType.NORM, "deepseek4.cpp", block="dsv4", hyper_connections=True),
     ),
 )
