@@ -33,7 +33,7 @@ from aioexperts._format.architectures import ModelHParams, RopeParams, RopeType
 from aioexperts._model.blocks import register_block
 from aioexperts._model.weights import DenseMatrix, TensorReader
 
-__all__ = ("DSV4Block", "dsv4_key")
+__all__ = ("DSV4Block", "dsv4_cache_shapes", "dsv4_key")
 
 CSA_RATIO = 4
 HCA_RATIO = 128
@@ -52,6 +52,33 @@ def _positive_int(hp: ModelHParams, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise FormatError(f"{hp.arch}.{name} must be an int > 0, got {value!r}")
     return value
+
+
+def _ratio_of(hp: ModelHParams, layer: int) -> int:
+    ratios = dsv4_key(hp, "attention.compress_ratios")
+    if not isinstance(ratios, Sequence) or len(ratios) < hp.n_layer:
+        raise FormatError(f"{hp.arch}.attention.compress_ratios is shorter than block_count ({hp.n_layer})")
+    ratio = ratios[layer]
+    if ratio not in (0, CSA_RATIO, HCA_RATIO):
+        raise FormatError(f"{hp.arch}: compress ratio {ratio} of block {layer} is not 0, 4 or 128")
+    return int(ratio)
+
+
+def dsv4_cache_shapes(hp: ModelHParams, layer: int) -> dict[str, tuple[int, ...]]:
+    """What block ``layer`` keeps per position (module docstring), from the file's keys.
+
+    Raises:
+        FormatError: a missing or malformed ``attention.compress_ratios`` or ``attention.indexer.key_length``.
+    """
+    ratio, d = _ratio_of(hp, layer), hp.head_k
+    shapes: dict[str, tuple[int, ...]] = {"kv": (d,)}
+    if ratio:
+        w = (2 if ratio == CSA_RATIO else 1) * d
+        shapes |= {"comp_kv": (w,), "comp_score": (w,), "rows": (d,)}
+    if ratio == CSA_RATIO:
+        di = _positive_int(hp, "attention.indexer.key_length")
+        shapes |= {"idx_kv": (2 * di,), "idx_score": (2 * di,), "idx_rows": (di,)}
+    return shapes
 
 
 def _rope_of(hp: ModelHParams, compressed: bool) -> RopeParams:
@@ -112,12 +139,7 @@ class DSV4Block:
                 f"{hp.arch}: one K=V head is expected (head_count_kv 1, key_length = value_length), got "
                 f"head_count_kv={hp.n_head_kv}, key_length={d}, value_length={hp.head_v}"
             )
-        ratios = dsv4_key(hp, "attention.compress_ratios")
-        if not isinstance(ratios, Sequence) or len(ratios) < hp.n_layer:
-            raise FormatError(f"{hp.arch}.attention.compress_ratios is shorter than block_count ({hp.n_layer})")
-        self.ratio = int(ratios[layer])
-        if self.ratio not in (0, CSA_RATIO, HCA_RATIO):
-            raise FormatError(f"{hp.arch}: compress ratio {self.ratio} of block {layer} is not 0, 4 or 128")
+        self.ratio = _ratio_of(hp, layer)
         q_rank = _positive_int(hp, "attention.q_lora_rank")
         self.window = _positive_int(hp, "attention.sliding_window")
         self.n_groups = _positive_int(hp, "attention.output_group_count")
@@ -177,15 +199,7 @@ class DSV4Block:
     def cache_shapes(self) -> Mapping[str, tuple[int, ...]]:
         """``kv`` ``(head_k,)``; compressed layers add ``comp_kv``, ``comp_score`` and ``rows``, CSA layers
         ``idx_kv``, ``idx_score`` and ``idx_rows`` (module docstring)."""
-        d = self.hp.head_k
-        shapes: dict[str, tuple[int, ...]] = {"kv": (d,)}
-        if self.comp is not None:
-            w = self.comp.ape.shape[1]
-            shapes |= {"comp_kv": (w,), "comp_score": (w,), "rows": (d,)}
-        if self.index is not None:
-            w = self.index.ape.shape[1]
-            shapes |= {"idx_kv": (w,), "idx_score": (w,), "idx_rows": (self.idx_dim,)}
-        return shapes
+        return dsv4_cache_shapes(self.hp, self.layer)
 
     def attention(self, x: np.ndarray, cache: Mapping[str, np.ndarray], start: int) -> np.ndarray:
         """See :class:`~aioexperts._model.blocks.AttentionBlock`."""

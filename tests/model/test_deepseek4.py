@@ -26,6 +26,7 @@ from aioexperts._format.architectures import model_hparams
 from aioexperts._format.model import open_model
 from aioexperts._model.dsv4_block import DSV4Block
 from aioexperts._model.kvcache import KVCache
+from aioexperts._model.memory import kv_bytes_per_position
 from aioexperts._model.weights import TensorReader
 
 DIR = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "next-archs"
@@ -212,7 +213,7 @@ def test_a_cancelled_generation_frees_its_cache_and_compressor_state() -> None:
 
             async def run() -> None:
                 async for t in model.generate(tokens, max_tokens=50):
-                    got.append(t)
+                    got.append(t)  # noqa: PERF401  (seen one by one while it runs)
 
             with anyio.move_on_after(30):
                 async with anyio.create_task_group() as tg:
@@ -226,6 +227,7 @@ def test_a_cancelled_generation_frees_its_cache_and_compressor_state() -> None:
     during, after, per_position = anyio.run(main)
     # kv, then per compressed layer its inputs and rows, per CSA layer the indexer's (float32)
     assert per_position == 4 * (4 * 128 + (512 + 128 + 256 + 64) * 2 + (256 + 128))
+    assert kv_bytes_per_position(reader_and_hparams(F32)[1]) == per_position  # the estimate before the blocks
     assert during.live_sequences == 1 and during.kv_bytes_in_use > 0
     assert after.live_sequences == 0 and after.kv_bytes_in_use == 0
 
