@@ -271,3 +271,75 @@ def test_a_compress_ratio_other_than_0_4_128_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(aioexperts.FormatError, match="compress ratio 64 of block 2"):
         anyio.run(main)
+
+
+# -- text -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The F32 fixture with a 512-token byte-level BPE vocabulary (DeepSeek-V3/V4's pre-tokenizer) and
+    a ChatML template: the fixture itself carries no tokenizer."""
+    from aioexperts.testing._full_model import CHATML_TEMPLATE, CONTROL_TOKENS, train_vocabulary
+
+    tokens, merges = train_vocabulary(512)
+    assert len(tokens) == 512
+    t = gguf.GGUFValueType
+    keys = {
+        "tokenizer.ggml.model": ("gpt2", t.STRING),
+        "tokenizer.ggml.pre": ("deepseek-v3", t.STRING),
+        "tokenizer.ggml.tokens": (tokens, t.ARRAY),
+        "tokenizer.ggml.token_type": ([3 if x in CONTROL_TOKENS else 1 for x in tokens], t.ARRAY),
+        "tokenizer.ggml.merges": (merges, t.ARRAY),
+        "tokenizer.ggml.eos_token_id": (tokens.index("<|im_end|>"), t.UINT32),
+        "tokenizer.ggml.bos_token_id": (tokens.index("<|endoftext|>"), t.UINT32),
+        "tokenizer.ggml.add_bos_token": (False, t.BOOL),
+        "tokenizer.chat_template": (CHATML_TEMPLATE, t.STRING),
+    }
+    return rewrite(F32, tmp_path_factory.mktemp("dsv4-text") / "deepseek4-text.gguf", metadata=keys)
+
+
+def test_generate_stream_and_chat_reuse_give_the_fresh_prefill_s_text(with_tokenizer: Path) -> None:
+    async def main() -> None:
+        async with aioexperts.load(with_tokenizer, slots=8, io=THREADS) as model:
+            prompt = "Once upon a time there was a model with compressed attention"
+            ids = model.tokenizer.encode(prompt)
+            by_ids = [t async for t in model.generate(ids, max_tokens=8, temperature=0)]
+            by_text = [t async for t in model.generate(prompt, max_tokens=8, temperature=0)]
+            streamed = "".join([p async for p in model.stream(prompt, max_tokens=8, temperature=0)])
+            assert by_text == by_ids and len(by_ids) > 0
+            assert streamed == model.tokenizer.decode(by_ids)
+            greedy = aioexperts.SamplingOptions(temperature=0)
+            async with model.chat(options=greedy) as chat:
+                first = "".join([p async for p in chat.send("Hello there", max_tokens=5)])
+                second = "".join([p async for p in chat.send("And then?", max_tokens=5)])
+            messages = [
+                {"role": "user", "content": "Hello there"},
+                {"role": "assistant", "content": first},
+                {"role": "user", "content": "And then?"},
+            ]
+            fresh_ids = model.apply_chat_template(messages, tokenize=True)
+            fresh = [t async for t in model.generate(fresh_ids, max_tokens=5, temperature=0)]
+            assert second == model.tokenizer.decode(fresh)
+            assert model.statistics().live_sequences == 0
+
+    anyio.run(main)
+
+
+def test_aioexperts_run_generates_from_the_file(with_tokenizer: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # this checkout's aioexperts
+    done = subprocess.run(
+        [sys.executable, "-m", "aioexperts.cli.run", str(with_tokenizer), "-p", "Once upon", "-n", "4"]
+        + ["--temp", "0", "--io", "threads"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() and "Traceback" not in done.stderr
