@@ -1,18 +1,7 @@
-"""The whole model: embeddings, blocks (attention + MoE or dense FFN), output norm and head.
-
-Per block, as the graphs of llama.cpp's ``src/models/<arch>.cpp`` chain it::
-
-    h       = rms_norm(x, attn_norm)                       # build_norm(LLM_NORM_RMS)
-    ffn_inp = x + attention(h) * residual_scale            # granite.cpp build_layer_ffn scales
-    f       = moe(rms_norm(ffn_inp, ffn_norm))             # MoERunner.moe, or the dense SwiGLU FFN
-    x       = ffn_inp + f * residual_scale                 # of the leading dense blocks
-
-then ``logits = output(rms_norm(x, output_norm)) / logit_scale``. One compute-pool job runs the
-residual add of the previous block, the attention norm, the attention, the FFN norm and the MoE
-layer's routing (with the prediction of the next layers' experts); the rest of the MoE layer goes
-through :class:`~aioexperts.MoERunner` (expert reads, prefetch of the next layers' experts while
-this one computes, the experts' compute and their sum in one more job). A runner whose ``moe`` is
-overridden routes in its own job.
+"""The whole model (:func:`load`, :class:`Model`): the file's checks, the expert store and runner, the
+memory plan (KV cache, slab), and the sequences (:class:`ModelSequence`) whose tokens go through the
+one forward pass of :mod:`aioexperts._model.forward`; text in and out through
+:mod:`aioexperts._model.text`.
 """
 
 from __future__ import annotations
@@ -21,7 +10,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -29,7 +18,6 @@ import numpy as np
 
 from aioexperts._batch import DEFAULT_BATCH_WAIT
 from aioexperts._compute import fused
-from aioexperts._compute.norms import rms_norm
 from aioexperts._errors import (
     AioExpertsError,
     ConfigError,
@@ -37,24 +25,19 @@ from aioexperts._errors import (
     FormatError,
     InvalidRequestError,
     StoreClosedError,
-    UnsupportedTypeError,
 )
 from aioexperts._format.architectures import ModelHParams, model_hparams
 from aioexperts._format.archs import MODEL_RECORDS
 from aioexperts._format.model import GGUFModel, open_model
 from aioexperts._model import memory as _memory
 from aioexperts._model import text as _text
-from aioexperts._model.blocks import BLOCKS, AttentionBlock
 from aioexperts._model.config import DEFAULT_RESIDENT_EMBEDDING_BYTES, LoadOptions
-from aioexperts._model.decode_batch import DecodeRequest, decode_rows
+from aioexperts._model.forward import ForwardCounters, ForwardPass, Rows, load_weights
 from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
 from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_bytes_per_position, kv_reserve_bytes
-from aioexperts._model.residual import after_attention, block_input, head_input, scale_logits
-from aioexperts._model.steps import StepBatcher
-from aioexperts._model.weights import DenseMatrix, TensorReader
 from aioexperts._options import CacheOptions, IOOptions, PageCacheOptions
 from aioexperts._pipeline import run_in_worker
-from aioexperts._runner import BATCH_MAX_ROWS, MoERunner, PrefetchOptions
+from aioexperts._runner import MoERunner, PrefetchOptions
 from aioexperts._store import ExpertStore
 from aioexperts._store import open as open_store
 
@@ -117,93 +100,6 @@ class ModelStatistics:
     batch_window_seconds: float = 0.0
 
 
-@dataclass(slots=True)
-class _Counters:
-    tokens_prefilled: int = 0
-    tokens_decoded: int = 0
-    attention_seconds: float = 0.0
-    dense_ffn_seconds: float = 0.0
-    moe_seconds: float = 0.0
-    head_seconds: float = 0.0
-    sampling_seconds: float = 0.0
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _DenseFFN:
-    """A leading dense block's SwiGLU FFN (llama-graph.cpp ``build_ffn``, ``LLM_FFN_SILU, LLM_FFN_PAR``)."""
-
-    gate: DenseMatrix
-    up: DenseMatrix
-    down: DenseMatrix
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        g = self.gate(x)
-        u = self.up(x)
-        with np.errstate(over="ignore"):
-            h = (g / (1.0 + np.exp(-g))) * u  # ggml_swiglu_split: silu(gate) * up
-        return self.down(np.ascontiguousarray(h, dtype=np.float32))
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _Layer:
-    index: int
-    attn_norm: np.ndarray
-    block: AttentionBlock
-    ffn_norm: np.ndarray
-    dense: _DenseFFN | None  # None: a MoE layer (through the runner)
-
-
-@dataclass(slots=True, eq=False)
-class _Weights:
-    embedding: DenseMatrix | None  # None: read through store.read_rows
-    output_norm: np.ndarray
-    output: DenseMatrix
-    layers: list[_Layer] = field(default_factory=list)
-    n_bytes: int = 0
-
-
-def _load_weights(model: GGUFModel, hp: ModelHParams, moe_layers: frozenset[int], resident_embedding: int) -> _Weights:
-    """Read every non-expert tensor (blocking). Raises FormatError / UnsupportedTypeError."""
-    reader = TensorReader(model)
-    n_embd = hp.n_embd
-    output_norm = reader.optional_array("output_norm.weight", (n_embd,))
-    if output_norm is None:
-        raise FormatError(f"{model.path}: tensor 'output_norm.weight' is missing: the model has no output norm")
-    tok_info = model.tensor("token_embd.weight")
-    has_head = reader.has("output.weight")
-    if has_head:
-        output = reader.matrix("output.weight", (hp.n_vocab, n_embd))
-        embedding = reader.matrix("token_embd.weight") if tok_info.n_bytes <= resident_embedding else None
-    else:  # tied: llama.cpp creates output from token_embd (TENSOR_DUPLICATED)
-        if hp.record.name == "gpt-oss":  # openai-moe.cpp: output.weight is required
-            raise FormatError(f"{model.path}: tensor 'output.weight' is missing: gpt-oss has no tied output head")
-        embedding = reader.matrix("token_embd.weight")
-        output = embedding
-    factory = BLOCKS.get(hp.record.block)
-    if factory is None:
-        raise UnsupportedTypeError(
-            f"architecture {hp.arch!r}: its attention block {hp.record.block!r} is not implemented"
-        )
-    layers = []
-    for il in range(hp.n_layer):
-        p = f"blk.{il}."
-        attn_norm = reader.array(p + "attn_norm.weight", (n_embd,))
-        block = factory(hp, reader, il)
-        ffn_norm = reader.array(p + hp.record.ffn_norm + ".weight", (n_embd,))
-        dense = None
-        if il not in moe_layers:
-            if hp.moe.is_moe_layer(il):
-                raise FormatError(f"{model.path}: block {il} should have routed experts but the layout has none")
-            n_ff = hp.moe.n_ff
-            dense = _DenseFFN(
-                reader.matrix(p + "ffn_gate.weight", (n_ff, n_embd) if n_ff else None),
-                reader.matrix(p + "ffn_up.weight", (n_ff, n_embd) if n_ff else None),
-                reader.matrix(p + "ffn_down.weight", (n_embd, n_ff) if n_ff else None),
-            )
-        layers.append(_Layer(il, attn_norm, block, ffn_norm, dense))
-    return _Weights(embedding, output_norm, output, layers, reader.n_bytes)
-
-
 def _whole_model_hparams(model: GGUFModel) -> ModelHParams:
     """:func:`model_hparams`, with the file named and the two common wrong kinds of file said plainly.
 
@@ -228,26 +124,6 @@ def _whole_model_hparams(model: GGUFModel) -> ModelHParams:
         if str(model.path) in str(exc):
             raise
         raise type(exc)(f"{model.path}: {exc}") from exc  # UnsupportedTypeError stays one
-
-
-DECODE_BATCH_MAX_CALLS = 16
-"""Sequences one batched decode step takes at most (:mod:`aioexperts._model.decode_batch`); more
-open the next step. Its MoE layers go in calls of ``BATCH_MAX_CALLS`` sequences (``_runner``)."""
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _StepCall:
-    """A sequence's one-token decode step, for the step batcher."""
-
-    cache: KVCache
-    request: DecodeRequest
-
-
-def _plain_moe(runner: MoERunner) -> bool:
-    """Whether ``runner``'s :meth:`~MoERunner.moe` is the base class's (route, then the executor), so the
-    model may route in its own job (a subclass that overrides ``moe`` or its routing keeps them)."""
-    cls = type(runner)
-    return all(getattr(cls, name) is getattr(MoERunner, name) for name in ("moe", "moe_result", "route_in_job"))
 
 
 class ModelSequence:
@@ -308,7 +184,7 @@ class ModelSequence:
             self._cache.free()
             self._cache = None
             self.model._sequence_closed(self)
-            self.model._steps.forget(self)
+            self.model._forget(self)
 
     async def __aenter__(self) -> ModelSequence:
         return self
@@ -316,7 +192,9 @@ class ModelSequence:
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
 
-    async def forward(self, token_ids: Sequence[int], *, all_logits: bool = True) -> np.ndarray:
+    async def forward(
+        self, token_ids: Sequence[int], *, all_logits: bool = True, capture: dict[str, np.ndarray] | None = None
+    ) -> np.ndarray:
         """Run ``token_ids`` at the next positions (one batch), add them to the cache, return logits.
 
         Tokens in :attr:`unrun` run first (their logits are not returned).
@@ -324,6 +202,10 @@ class ModelSequence:
         Args:
             token_ids: ids in ``0..n_vocab-1`` (one at least, unless :attr:`unrun` has some).
             all_logits: logits of every new position; False: of the last one only.
+            capture: a dict that receives the pass's named intermediate tensors, float32 with one
+                row per position run, named as llama.cpp's graph names them (``attn_norm-L``,
+                ``ffn_inp-L``, ``topk-L`` (int32), ``l_out-L``, ``result_norm``) for comparing with
+                llama.cpp's eval callback; the pass then never joins a batched decode step.
 
         Returns:
             float32 ``(len(token_ids), n_vocab)`` (``(1, n_vocab)`` when not ``all_logits``).
@@ -349,9 +231,11 @@ class ModelSequence:
                     "(load the model with a larger n_ctx, or --ctx of aioexperts-run and aioexperts-serve; "
                     "or keep() a shorter prefix)"
                 )
-            logits = await self.model._forward(
-                self._cache, self.n_past, run, all_logits=all_logits or not ids, step_of=self
-            )
+            assert self._cache.layers is not None
+            if capture is not None and not isinstance(capture, dict):
+                raise InvalidRequestError(f"capture must be a dict or None, got {type(capture).__name__}")
+            rows = Rows(self._cache.layers, self.n_past, run, all_logits=all_logits or not ids, capture=capture)
+            logits = await self.model.forward_pass(rows, step_of=self)
             self.tokens.extend(run)
             self.unrun = []
             self._last_logits = logits[-1].copy()
@@ -549,7 +433,7 @@ class Model:
         """How the slab was sized from the memory limit (None: sized by the caller, or page-cache mode)."""
         self._store: ExpertStore | None = None
         self._runner: MoERunner | None = None
-        self._weights: _Weights | None = None
+        self._pass: ForwardPass | None = None
         self._hparams: ModelHParams | None = None
         self._n_ctx = 0
         self._kv_per_position = 0
@@ -557,16 +441,12 @@ class Model:
         self._moe_layers: frozenset[int] = frozenset()
         self._live: set[int] = set()
         self._live_bytes = 0
-        self._counters = _Counters()
+        self._counters = ForwardCounters()
         self._closed = False
         self._tokenizer: Tokenizer | None = None
         self._chat_template: ChatTemplate | None = None
         #: what building the tokenizer and the chat template in start() raised (raised again at use)
         self._text_errors: tuple[Exception | None, Exception | None] = (None, None)
-        # cross-request batching: the one-token decode steps of sequences decoding at the same moment
-        self._steps: StepBatcher[_StepCall, np.ndarray] = StepBatcher(
-            self._run_steps, DECODE_BATCH_MAX_CALLS, self.options.batch_wait
-        )
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -613,21 +493,9 @@ class Model:
             self.options.apply_to(runner)  # a factory's runner too: honoured, or refused
             await runner.warmup()
             weights = await run_in_worker(
-                _load_weights, store.model, hp, moe_layers, self.options.resident_embedding_bytes
+                load_weights, store.model, hp, moe_layers, self.options.resident_embedding_bytes
             )
-            types = {weights.output.ggml_type} | {
-                m.ggml_type
-                for layer in weights.layers
-                for m in vars(layer.block).values()
-                if isinstance(m, DenseMatrix)
-            }
-            types |= {
-                m.ggml_type
-                for layer in weights.layers
-                if layer.dense
-                for m in (layer.dense.gate, layer.dense.up, layer.dense.down)
-            }
-            await run_in_worker(fused.warmup, types)
+            await run_in_worker(fused.warmup, weights.ggml_types())
             self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
             self._kv_per_position = cache_bytes_per_position(self._layer_shapes)
             self._n_ctx = await run_in_worker(self._choose_n_ctx, hp)
@@ -639,7 +507,8 @@ class Model:
             with anyio.CancelScope(shield=True):
                 await store.aclose()
             raise
-        self._store, self._runner, self._weights, self._hparams = store, runner, weights, hp
+        self._store, self._runner, self._hparams = store, runner, hp
+        self._pass = ForwardPass(store, runner, weights, hp, self.options.batch_wait, self._counters)
         self._moe_layers = moe_layers
 
     def _plan_memory(self, gguf: GGUFModel, hp: ModelHParams) -> dict[str, Any]:
@@ -709,12 +578,16 @@ class Model:
 
     # -- properties -----------------------------------------------------------------------------
 
-    def _started(self) -> tuple[ExpertStore, MoERunner, _Weights, ModelHParams]:
+    def _started(self) -> tuple[ExpertStore, MoERunner, ForwardPass, ModelHParams]:
         if self._closed:
             raise StoreClosedError("the model is closed")
-        if self._store is None or self._runner is None or self._weights is None or self._hparams is None:
+        if self._store is None or self._runner is None or self._pass is None or self._hparams is None:
             raise StoreClosedError("the model is not started: use `async with aioexperts.load(path) as model:`")
-        return self._store, self._runner, self._weights, self._hparams
+        return self._store, self._runner, self._pass, self._hparams
+
+    def _forget(self, seq: ModelSequence) -> None:
+        if self._pass is not None:
+            self._pass.forget(seq)
 
     @property
     def hparams(self) -> ModelHParams:
@@ -732,6 +605,15 @@ class Model:
         return self._started()[1]
 
     @property
+    def forward_pass(self) -> ForwardPass:
+        """The forward pass (its resident weights, counters and step batcher).
+
+        Raises:
+            StoreClosedError: the model is not started or closed.
+        """
+        return self._started()[2]
+
+    @property
     def n_ctx(self) -> int:
         """Positions of every sequence's KV cache."""
         return self._n_ctx
@@ -744,7 +626,8 @@ class Model:
     def statistics(self) -> ModelStatistics:
         """A frozen snapshot of the model's counters (the store and runner have their own)."""
         c = self._counters
-        w = self._weights
+        w = self._pass.weights if self._pass is not None else None
+        steps = self._pass.steps.counters if self._pass is not None else None
         return ModelStatistics(
             dense_bytes=w.n_bytes if w else 0,
             embedding_resident=bool(w and w.embedding is not None),
@@ -759,9 +642,9 @@ class Model:
             moe_seconds=c.moe_seconds,
             head_seconds=c.head_seconds,
             sampling_seconds=c.sampling_seconds,
-            batched_steps=self._steps.counters.batches,
-            batched_tokens=self._steps.counters.batched_calls,
-            batch_window_seconds=self._steps.counters.window_seconds,
+            batched_steps=steps.batches if steps else 0,
+            batched_tokens=steps.batched_calls if steps else 0,
+            batch_window_seconds=steps.window_seconds if steps else 0.0,
         )
 
     # -- sequences ------------------------------------------------------------------------------
@@ -1035,147 +918,6 @@ class Model:
         if not ids and not allow_empty:
             raise InvalidRequestError("token_ids is empty: the forward pass needs at least one token")
         return ids
-
-    async def _embed(self, ids: list[int]) -> np.ndarray:
-        store, _, w, _ = self._started()
-        if w.embedding is not None:
-            return await run_in_worker(w.embedding.rows, ids)
-        return await store.read_rows("token_embd.weight", ids)
-
-    def _pre_block(
-        self,
-        layer: _Layer,
-        resid: np.ndarray,
-        f: np.ndarray | None,
-        cache: dict[str, np.ndarray],
-        start: int,
-        capture: dict[str, np.ndarray] | None,
-        route: Callable[[int, np.ndarray], Any] | None = None,
-    ) -> tuple[np.ndarray, np.ndarray, Any]:
-        """Worker job: finish the previous block, norm, attention, residual, FFN norm, then (with
-        ``route``, the runner's :meth:`MoERunner.route_in_job`) the MoE layer's routing."""
-        t0 = time.perf_counter()
-        hp = self._started()[3]
-        il = layer.index
-        x = block_input(hp, il, resid, f)
-        if capture is not None and f is not None:
-            capture[f"l_out-{il - 1}"] = x
-        h = rms_norm(x, layer.attn_norm, hp.norm_eps)
-        ffn_inp = after_attention(hp, il, x, layer.block.attention(h, cache, start))
-        ffn_in = rms_norm(ffn_inp, layer.ffn_norm, hp.norm_eps)
-        if capture is not None:
-            capture[f"attn_norm-{il}"] = h
-            capture[f"ffn_inp-{il}"] = ffn_inp
-        t1 = time.perf_counter()
-        self._counters.attention_seconds += t1 - t0
-        if route is None:
-            return ffn_inp, ffn_in, None
-        routed = route(il, ffn_in)  # counted with the MoE layer, as when the runner routes
-        self._counters.moe_seconds += time.perf_counter() - t1
-        return ffn_inp, ffn_in, routed
-
-    def _dense_ffn(self, layer: _Layer, x: np.ndarray) -> np.ndarray:
-        t0 = time.perf_counter()
-        assert layer.dense is not None
-        y = layer.dense(x)
-        self._counters.dense_ffn_seconds += time.perf_counter() - t0
-        return y
-
-    def _head(self, resid: np.ndarray, f: np.ndarray, capture: dict[str, np.ndarray] | None) -> np.ndarray:
-        t0 = time.perf_counter()
-        _, _, w, hp = self._started()
-        x, h = head_input(hp, resid, f, w.output_norm)
-        logits = scale_logits(hp, w.output(h))
-        if capture is not None:
-            capture[f"l_out-{hp.n_layer - 1}"] = x
-            capture["result_norm"] = h
-        self._counters.head_seconds += time.perf_counter() - t0
-        return logits
-
-    async def _forward(
-        self,
-        cache: KVCache,
-        start: int,
-        ids: list[int],
-        *,
-        all_logits: bool = True,
-        capture: dict[str, np.ndarray] | None = None,
-        step_of: ModelSequence | None = None,
-    ) -> np.ndarray:
-        """A forward pass of ``ids`` at ``start``; a one-token step of sequence ``step_of`` goes
-        through the step batcher (cross-request batching, on while the runner's ``batch_wait`` is)."""
-        runner = self._started()[1]
-        batched = step_of is not None and runner.batching and len(ids) == 1 and capture is None
-        if not batched or not _plain_moe(runner):
-            return await self._forward_layers(cache, start, ids, all_logits, capture)
-        assert cache.layers is not None, "KV cache freed"
-        self._steps.wait = runner.batch_wait
-        return await self._steps.submit(step_of, _StepCall(cache, DecodeRequest(cache.layers, start, ids[0])))
-
-    async def _run_steps(self, calls: list[_StepCall]) -> list[np.ndarray | Exception]:
-        """The step batcher's run: one call through the one-sequence path, more through
-        :func:`~aioexperts._model.decode_batch.decode_rows` (the step raises as a whole only when
-        every call would: the store closed, a read that failed)."""
-        if len(calls) == 1:
-            call = calls[0]
-            try:
-                logits = await self._forward_layers(call.cache, call.request.start, [call.request.token], True, None)
-            except Exception as exc:
-                return [exc]
-            return [logits]
-        return await decode_rows(self, [c.request for c in calls])
-
-    async def _forward_layers(
-        self,
-        cache: KVCache,
-        start: int,
-        ids: list[int],
-        all_logits: bool,
-        capture: dict[str, np.ndarray] | None,
-    ) -> np.ndarray:
-        """One forward pass of one sequence."""
-        _, runner, w, _ = self._started()
-        resid = await self._embed(ids)
-        f: np.ndarray | None = None
-        # the runner's own moe(): route in the attention's job (one compute-pool hand-off fewer per layer)
-        fused_route = capture is None and _plain_moe(runner)
-        if fused_route:
-            await runner.warmup()  # done at start(); cheap
-            first = next((layer for layer in w.layers if layer.dense is None), None)
-            if first is not None and len(ids) <= BATCH_MAX_ROWS:
-                # the first MoE layer's experts, predicted from the token's embeddings (its FFN norm
-                # of them) before any attention runs: nothing earlier in this step predicts them
-                hp = self._started()[3]
-                x = resid * np.float32(hp.embedding_scale) if hp.embedding_scale else resid
-                runner.prefetch_first(first.index, rms_norm(x, first.ffn_norm, hp.norm_eps))
-        for layer in w.layers:
-            route = runner.route_in_job if fused_route and layer.dense is None else None
-            ffn_inp, ffn_in, routed = await run_in_worker(
-                self._pre_block, layer, resid, f, cache.layer(layer.index), start, capture, route
-            )
-            if layer.dense is None:
-                t0 = time.perf_counter()
-                if routed is not None:
-                    f = await runner.execute(layer.index, routed)
-                elif capture is None:
-                    f = await runner.moe(layer.index, ffn_in)
-                else:
-                    result = await runner.moe_result(layer.index, ffn_in)
-                    f = result.ffn_out
-                    capture[f"topk-{layer.index}"] = result.ids
-                self._counters.moe_seconds += time.perf_counter() - t0
-            else:
-                f = await run_in_worker(self._dense_ffn, layer, ffn_in)
-            resid = ffn_inp
-        assert f is not None
-        if not all_logits and capture is None:
-            resid, f = resid[-1:], f[-1:]
-        logits = await run_in_worker(self._head, resid, f, capture)
-        if len(ids) > 1:
-            self._counters.tokens_prefilled += len(ids)
-        else:
-            self._counters.tokens_decoded += 1
-        return logits if all_logits else logits[-1:]
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("started" if self._store is not None else "not started")
