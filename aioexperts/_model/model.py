@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,7 +20,6 @@ from aioexperts._compute import fused
 from aioexperts._errors import (
     AioExpertsError,
     ConfigError,
-    ContextLengthError,
     FormatError,
     InvalidRequestError,
     StoreClosedError,
@@ -32,9 +30,10 @@ from aioexperts._format.model import GGUFModel, open_model
 from aioexperts._model import memory as _memory
 from aioexperts._model import text as _text
 from aioexperts._model.config import DEFAULT_RESIDENT_EMBEDDING_BYTES, LoadOptions
-from aioexperts._model.forward import ForwardCounters, ForwardPass, Rows, load_weights
+from aioexperts._model.forward import ForwardCounters, ForwardPass, load_weights
 from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
 from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_bytes_per_position, kv_reserve_bytes
+from aioexperts._model.sessions import Generation, ModelSequence, Sampler
 from aioexperts._options import CacheOptions, IOOptions, PageCacheOptions
 from aioexperts._pipeline import run_in_worker
 from aioexperts._runner import MoERunner, PrefetchOptions
@@ -52,11 +51,6 @@ log = logging.getLogger("aioexperts")
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
 """Bytes one sequence's KV cache may take when ``n_ctx`` is not given (1 GiB)."""
-
-
-#: ``sampler(logits, history) -> token id``: ``logits`` is ``(n_vocab,)`` float32, ``history`` the
-#: sequence's tokens so far (prompt and generated).
-Sampler = Callable[[np.ndarray, Sequence[int]], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +71,7 @@ class ModelStatistics:
         head_seconds: output norm and head.
         sampling_seconds: choosing the next token.
         batched_steps: decode steps that ran several sequences' tokens together (cross-request
-            batching, :mod:`aioexperts._model.decode_batch`).
+            batching, :mod:`aioexperts._model.forward`).
         batched_tokens: the tokens of those steps.
         batch_window_seconds: time decode steps waited for their sequences, summed.
     """
@@ -124,283 +118,6 @@ def _whole_model_hparams(model: GGUFModel) -> ModelHParams:
         if str(model.path) in str(exc):
             raise
         raise type(exc)(f"{model.path}: {exc}") from exc  # UnsupportedTypeError stays one
-
-
-class ModelSequence:
-    """One sequence with its own preallocated KV cache (from :meth:`Model.sequence`).
-
-    The cache keeps the positions already run (:attr:`n_past`) between calls; :meth:`keep` drops
-    all but a prefix (a chat reusing a shared prefix). Use it as an async context manager or call
-    :meth:`close` to free the cache. Calls on one sequence run one at a time.
-
-    Attributes:
-        model: the model.
-        tokens: the token ids of positions ``0..n_past-1`` (in the KV cache).
-        unrun: tokens a :meth:`generate` yielded last that are not in the cache yet; the next
-            :meth:`forward` or :meth:`generate` runs them first.
-    """
-
-    def __init__(self, model: Model, cache: KVCache) -> None:
-        self.model = model
-        self._cache: KVCache | None = cache
-        self.tokens: list[int] = []
-        self.unrun: list[int] = []
-        self._last_logits: np.ndarray | None = None  # of position n_past - 1
-        self._lock = anyio.Lock()
-
-    @property
-    def n_past(self) -> int:
-        """Positions already in the KV cache."""
-        return len(self.tokens)
-
-    @property
-    def n_ctx(self) -> int:
-        """Positions the KV cache holds."""
-        return self.model.n_ctx
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` ran."""
-        return self._cache is None
-
-    def keep(self, n: int) -> None:
-        """Keep only the first ``n`` positions (``0 <= n <= n_past``); later calls continue from there.
-
-        Raises:
-            InvalidRequestError: ``n`` out of range, or the sequence is closed.
-        """
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.n_past:
-            raise InvalidRequestError(f"keep(n) needs 0 <= n <= n_past={self.n_past}, got {n!r}")
-        if self._cache is None:
-            raise InvalidRequestError("the sequence is closed")
-        if n < self.n_past:
-            self.unrun.clear()
-            self._last_logits = None
-        del self.tokens[n:]
-
-    def close(self) -> None:
-        """Free the KV cache (idempotent)."""
-        if self._cache is not None:
-            self._cache.free()
-            self._cache = None
-            self.model._sequence_closed(self)
-            self.model._forget(self)
-
-    async def __aenter__(self) -> ModelSequence:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.close()
-
-    async def forward(
-        self, token_ids: Sequence[int], *, all_logits: bool = True, capture: dict[str, np.ndarray] | None = None
-    ) -> np.ndarray:
-        """Run ``token_ids`` at the next positions (one batch), add them to the cache, return logits.
-
-        Tokens in :attr:`unrun` run first (their logits are not returned).
-
-        Args:
-            token_ids: ids in ``0..n_vocab-1`` (one at least, unless :attr:`unrun` has some).
-            all_logits: logits of every new position; False: of the last one only.
-            capture: a dict that receives the pass's named intermediate tensors, float32 with one
-                row per position run, named as llama.cpp's graph names them (``attn_norm-L``,
-                ``ffn_inp-L``, ``topk-L`` (int32), ``l_out-L``, ``result_norm``) for comparing with
-                llama.cpp's eval callback; the pass then never joins a batched decode step.
-
-        Returns:
-            float32 ``(len(token_ids), n_vocab)`` (``(1, n_vocab)`` when not ``all_logits``).
-
-        Raises:
-            InvalidRequestError: empty input, an id out of range or not an int, the sequence closed.
-            ContextLengthError: ``n_past + len(token_ids) > n_ctx``.
-            NonFiniteError: NaN or inf in the residual stream or the logits.
-            StoreClosedError, ExpertReadError, SlabExhaustedError: from the expert store.
-
-        Cancellation handling:
-            The positions of a cancelled call are not added (``n_past`` is unchanged); the
-            sequence stays usable.
-        """
-        ids = self.model._check_ids(token_ids, allow_empty=bool(self.unrun))
-        async with self._lock:
-            if self._cache is None:
-                raise InvalidRequestError("the sequence is closed")
-            run = self.unrun + ids
-            if self.n_past + len(run) > self.n_ctx:
-                raise ContextLengthError(
-                    f"{len(run)} new tokens after {self.n_past} would pass n_ctx={self.n_ctx} positions "
-                    "(load the model with a larger n_ctx, or --ctx of aioexperts-run and aioexperts-serve; "
-                    "or keep() a shorter prefix)"
-                )
-            assert self._cache.layers is not None
-            if capture is not None and not isinstance(capture, dict):
-                raise InvalidRequestError(f"capture must be a dict or None, got {type(capture).__name__}")
-            rows = Rows(self._cache.layers, self.n_past, run, all_logits=all_logits or not ids, capture=capture)
-            logits = await self.model.forward_pass(rows, step_of=self)
-            self.tokens.extend(run)
-            self.unrun = []
-            self._last_logits = logits[-1].copy()
-            if not all_logits:
-                return logits[-1:]
-            return logits[len(run) - len(ids) :] if ids else logits[-1:]
-
-    def generate(
-        self,
-        token_ids: Sequence[int],
-        *,
-        max_tokens: int,
-        temperature: float = 0.0,
-        sampler: Sampler | None = None,
-        seed: int | None = None,
-    ) -> Generation:
-        """Feed ``token_ids`` (may be empty when ``n_past > 0``), then yield new tokens one at a time.
-
-        Greedy (the first largest logit) at ``temperature == 0`` without a sampler; at
-        ``temperature > 0`` without a sampler, a draw from ``softmax(logits / temperature)`` with a
-        ``numpy`` generator seeded by ``seed``. Stops after ``max_tokens`` tokens, at an
-        end-of-generation id (``tokenizer.ggml.eos/eot/eom_token_id``), which is not yielded, or
-        when the KV cache is full: the tokens in the cache, in :attr:`unrun` and yielded take at
-        most :attr:`n_ctx` positions (``stop_reason == "length"``). The last yielded token is kept
-        in :attr:`unrun`, not run yet: the next :meth:`forward` or ``generate([])`` runs it first.
-
-        Returns:
-            A :class:`Generation` (``async for token in ...``; also an async context manager).
-
-        Raises:
-            InvalidRequestError: bad arguments or ids (here); a sampler returning something that
-                is not a token id (while iterating).
-            ContextLengthError: while iterating, when the prompt would pass ``n_ctx``.
-            As :meth:`forward`, while iterating.
-        """
-        return Generation(self, token_ids, max_tokens, temperature, sampler, seed, owns_sequence=False)
-
-
-class Generation:
-    """New token ids, one per ``await anext()`` (from :meth:`Model.generate` / :meth:`ModelSequence.generate`).
-
-    An async iterator of ``int``; as an async context manager (or with :meth:`aclose`) it ends
-    early. A generation made by :meth:`Model.generate` owns its sequence and frees the KV cache
-    when it ends: exhausted, failed, cancelled inside a step, closed, or dropped.
-
-    It stops at an end-of-generation id, after ``max_tokens`` tokens, or when every position of
-    the KV cache is taken (prompt plus yielded tokens reach ``n_ctx``, as the server's
-    ``max_tokens = n_ctx - prompt``): the last yielded token still has its position.
-
-    Attributes:
-        stop_reason: ``"eog"`` (an end-of-generation id), ``"length"`` (``max_tokens``, or the KV
-            cache full); None while running or when it ended otherwise (closed, failed).
-    """
-
-    def __init__(
-        self,
-        seq: ModelSequence,
-        token_ids: Sequence[int],
-        max_tokens: int,
-        temperature: float,
-        sampler: Sampler | None,
-        seed: int | None,
-        *,
-        owns_sequence: bool,
-    ) -> None:
-        self._seq: ModelSequence | None = None
-        self._owns = False
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-            raise InvalidRequestError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature < np.inf:
-            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if sampler is not None and not callable(sampler):
-            raise InvalidRequestError(f"sampler must be a callable (logits, history) -> int, got {sampler!r}")
-        pending = seq.model._check_ids(token_ids, allow_empty=True)
-        if not pending and seq.n_past == 0 and not seq.unrun:
-            raise InvalidRequestError("generate needs at least one token id")
-        self._seq = seq
-        self._owns = owns_sequence
-        self._pending = pending
-        self._left = max_tokens
-        self._temperature = float(temperature)
-        self._sampler = sampler
-        self._rng = np.random.default_rng(seed)
-        self.stop_reason: str | None = None
-
-    def __aiter__(self) -> Generation:
-        return self
-
-    async def __anext__(self) -> int:
-        seq = self._seq
-        if seq is None or self._left <= 0:
-            if seq is not None:
-                self.stop_reason = "length"
-            self._finish()
-            raise StopAsyncIteration
-        try:
-            token = await self._step(seq)
-        except BaseException:
-            self._finish()
-            raise
-        if token is None:
-            self._finish()
-            raise StopAsyncIteration
-        return token
-
-    async def _step(self, seq: ModelSequence) -> int | None:
-        model = seq.model
-        if seq.n_past + len(seq.unrun) + len(self._pending) == seq.n_ctx:
-            # every position is taken once these run: a new token would have none (more than
-            # n_ctx: the forward refuses the prompt with ContextLengthError)
-            if not self._owns:  # not run; the sequence's next call runs them first
-                seq.unrun.extend(self._pending)
-            self._pending = []
-            self.stop_reason = "length"
-            return None
-        if not self._pending and not seq.unrun and seq._last_logits is not None:
-            logits = seq._last_logits  # the last forward's, at the last cached position
-            seq._last_logits = None
-        else:
-            if not self._pending and not seq.unrun:  # logits of the last cached position: run it again
-                self._pending = [seq.tokens[-1]]
-                seq.keep(seq.n_past - 1)
-            logits = (await seq.forward(self._pending, all_logits=False))[0]
-        t0 = time.perf_counter()
-        if self._sampler is not None:
-            token = self._sampler(logits, tuple(seq.tokens))
-            if isinstance(token, np.integer):
-                token = int(token)
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < model.n_vocab:
-                raise InvalidRequestError(f"the sampler returned {token!r}, not a token id in 0..{model.n_vocab - 1}")
-        elif self._temperature == 0:
-            token = int(np.argmax(logits))
-        else:
-            z = logits.astype(np.float64) / self._temperature
-            pr = np.exp(z - z.max())
-            token = int(self._rng.choice(len(pr), p=pr / pr.sum()))
-        model._counters.sampling_seconds += time.perf_counter() - t0
-        if token in model.hparams.eog_ids:
-            self.stop_reason = "eog"
-            return None
-        self._left -= 1
-        self._pending = [token]
-        if self._left == 0:  # the last token is not run; the sequence's next call runs it first
-            if not self._owns:
-                seq.unrun.append(token)
-            self._pending = []
-        return token
-
-    def _finish(self) -> None:
-        seq, self._seq = self._seq, None
-        if seq is not None and self._owns:
-            seq.close()
-
-    async def aclose(self) -> None:
-        """End the generation now (frees the KV cache of a generation that owns its sequence)."""
-        self._finish()
-
-    async def __aenter__(self) -> Generation:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._finish()
-
-    def __del__(self) -> None:
-        self._finish()
 
 
 class Model:
