@@ -498,24 +498,12 @@ class Model:
         """
         chain = isinstance(prompt, str) or any(v is not None for v in (top_k, top_p, min_p, stop, options))
         if chain:
+            sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stop": stop}
+            sampling |= {"top_k": top_k, "top_p": top_p, "min_p": min_p}
             run = _text.open_run(
-                self,
-                prompt,
-                options=options,
-                sampler=sampler,
-                add_special=add_special,
-                parse_special=parse_special,
-                sampling={
-                    "max_tokens": max_tokens,
-                    "temperature": temperature,
-                    "top_k": top_k,
-                    "top_p": top_p,
-                    "min_p": min_p,
-                    "seed": seed,
-                    "stop": stop,
-                },
-                as_text=False,
-            )
+                self, prompt, options=options, sampler=sampler, add_special=add_special,
+                parse_special=parse_special, sampling=sampling, as_text=False,
+            )  # fmt: skip
             assert isinstance(run, _text.TokenStream)
             return run
         assert not isinstance(prompt, str)
@@ -564,24 +552,12 @@ class Model:
             A :class:`~aioexperts._model.text.TextStream` (async iterator of str, ``statistics``,
             ``token_ids``).
         """
+        sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stop": stop}
+        sampling |= {"top_k": top_k, "top_p": top_p, "min_p": min_p}
         stream = _text.open_run(
-            self,
-            prompt,
-            options=options,
-            sampler=sampler,
-            add_special=add_special,
-            parse_special=parse_special,
-            sampling={
-                "max_tokens": max_tokens,
-                "temperature": temperature,
-                "top_k": top_k,
-                "top_p": top_p,
-                "min_p": min_p,
-                "seed": seed,
-                "stop": stop,
-            },
-            as_text=True,
-        )
+            self, prompt, options=options, sampler=sampler, add_special=add_special,
+            parse_special=parse_special, sampling=sampling, as_text=True,
+        )  # fmt: skip
         assert isinstance(stream, _text.TextStream)
         return stream
 
