@@ -44,8 +44,10 @@ def test_a_tiny_one_loads_and_generates(tmp_path: Path) -> None:
 
     async def main() -> tuple[list[int], list[int], np.ndarray]:
         async with aioexperts.load(path, io=aioexperts.IOOptions(backend="threads"), slots=16) as model:
-            assert model._weights is not None and model._weights.hyper is not None
-            ratios = [layer.block.ratio for layer in model._weights.layers if isinstance(layer.block, DSV4Block)]
+            assert model.forward_pass.weights.hyper is not None
+            ratios = [
+                layer.block.ratio for layer in model.forward_pass.weights.layers if isinstance(layer.block, DSV4Block)
+            ]
             assert ratios == [0, 0, 4, 128]
             prompt = model.tokenizer.encode("Once upon a time there was a compressed attention model " * 4)
             async with model.sequence() as seq:
