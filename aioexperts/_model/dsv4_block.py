@@ -11,7 +11,8 @@ group, ``attn_output_b``). The maths is :mod:`aioexperts._compute.compressed_att
 What a sequence keeps per position (its KV cache, ``(n_ctx, *shape)`` each): the rotated key
 ``kv``; in a compressed layer each position's compressor values and scores (``comp_kv``,
 ``comp_score``) and, at index ``b``, the finished row ``b`` (``rows``); in a CSA layer the same for
-the indexer (``idx_kv``, ``idx_score``, ``idx_rows``). A row is made once its last position has run
+the indexer (``idx_kv``, ``idx_score``, ``idx_rows``); a rows array of ``ceil(d / ratio)`` floats per
+position is read as ``n_ctx // ratio`` rows of ``d``. A row is made once its last position has run
 (the compressor's state across calls is the positions' inputs in the cache), so a sequence cut back
 by ``keep(n)`` makes its unfinished rows again from the same inputs, as a fresh prefill does.
 """
@@ -37,6 +38,9 @@ __all__ = ("DSV4Block", "dsv4_cache_shapes", "dsv4_key")
 
 CSA_RATIO = 4
 HCA_RATIO = 128
+INDEX_SCORE_FLOATS = 1 << 22
+"""The indexer scores a long prefill in chunks of queries whose ``(queries, heads, rows)`` products
+stay within this many floats."""
 
 
 def dsv4_key(hp: ModelHParams, name: str) -> Any:
@@ -74,10 +78,10 @@ def dsv4_cache_shapes(hp: ModelHParams, layer: int) -> dict[str, tuple[int, ...]
     shapes: dict[str, tuple[int, ...]] = {"kv": (d,)}
     if ratio:
         w = (2 if ratio == CSA_RATIO else 1) * d
-        shapes |= {"comp_kv": (w,), "comp_score": (w,), "rows": (d,)}
+        shapes |= {"comp_kv": (w,), "comp_score": (w,), "rows": (-(-d // ratio),)}
     if ratio == CSA_RATIO:
         di = _positive_int(hp, "attention.indexer.key_length")
-        shapes |= {"idx_kv": (2 * di,), "idx_score": (2 * di,), "idx_rows": (di,)}
+        shapes |= {"idx_kv": (2 * di,), "idx_score": (2 * di,), "idx_rows": (-(-di // ratio),)}
     return shapes
 
 
@@ -264,7 +268,8 @@ class DSV4Block:
         cache[kv_name][start:end] = ckv
         cache[score_name][start:end] = cscore
         blocks = range(start // r, end // r)
-        rows = cache[rows_name]
+        n_ctx, d = cache[rows_name].shape[0], comp.norm.shape[0]
+        rows = cache[rows_name].reshape(-1)[: n_ctx // r * d].reshape(n_ctx // r, d)  # a view: row b at index b
         if len(blocks):
             new = ca.compressed_rows(cache[kv_name], cache[score_name], blocks, r, overlap=r == CSA_RATIO)
             new = rms_norm(new, comp.norm, self.hp.norm_eps)
@@ -294,10 +299,16 @@ class DSV4Block:
         if self.index_rows_f16 and self.hadamard is not None:
             iq = iq @ self.hadamard
         w = self.idx_proj(x) * np.float32(1.0 / math.sqrt(self.idx_dim * self.idx_heads))
-        scores = ca.index_scores(iq, w, rows, n_visible)
-        chosen = ca.select_rows(scores, n_visible, self.top_k)
+        chosen: list[np.ndarray] = []
+        captured = []
+        step = max(1, INDEX_SCORE_FLOATS // max(1, self.idx_heads * len(rows)))  # queries per chunk
+        for a in range(0, n, step):
+            scores = ca.index_scores(iq[a : a + step], w[a : a + step], rows, n_visible[a : a + step])
+            chosen += ca.select_rows(scores, n_visible[a : a + step], self.top_k)
+            if capture is not None:
+                captured.append(scores)
         if capture is not None:
-            capture["lid_scores"] = scores
+            capture["lid_scores"] = np.concatenate(captured)
         return chosen
 
 

@@ -113,12 +113,15 @@ def test_attention_blocks_match_llama_cpp(path: Path, kind: str, bound: float) -
 
 
 @pytest.mark.parametrize("kind", ["forward-f32kv", "forward"])
-def test_indexer_picks_llama_cpp_s_rows(kind: str) -> None:
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "chunks"])
+def test_indexer_picks_llama_cpp_s_rows(kind: str, chunked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CSA layers' chosen rows equal llama.cpp's at every position (the default golden's near-ties
     fall the same way with the index rows rotated and kept in F16, as llama.cpp keeps them)."""
     r, hp = reader_and_hparams(F32)
     want = golden(F32, kind)
     n = len(want["tokens"])
+    if chunked:  # a long prefill's scores go in chunks of queries: 7 queries of 16 heads x 62 rows
+        monkeypatch.setattr("aioexperts._model.dsv4_block.INDEX_SCORE_FLOATS", 7 * 16 * 62)
     for il in (1, 3):
         block = DSV4Block(hp, r, il)
         block.index_rows_f16 = kind == "forward"  # the F32-KV run keeps its index rows in F32
@@ -225,8 +228,8 @@ def test_a_cancelled_generation_frees_its_cache_and_compressor_state() -> None:
             return during, model.statistics(), per_position
 
     during, after, per_position = anyio.run(main)
-    # kv, then per compressed layer its inputs and rows, per CSA layer the indexer's (float32)
-    assert per_position == 4 * (4 * 128 + (512 + 128 + 256 + 64) * 2 + (256 + 128))
+    # kv, then per compressed layer its inputs and a 1/ratio share of a row, per CSA layer the indexer's
+    assert per_position == 4 * (4 * 128 + (512 + 128 // 4 + 256 + 64 // 4) * 2 + (256 + 1))
     assert kv_bytes_per_position(reader_and_hparams(F32)[1]) == per_position  # the estimate before the blocks
     assert during.live_sequences == 1 and during.kv_bytes_in_use > 0
     assert after.live_sequences == 0 and after.kv_bytes_in_use == 0
