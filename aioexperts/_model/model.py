@@ -44,10 +44,10 @@ from aioexperts._format.archs import MODEL_RECORDS
 from aioexperts._format.model import GGUFModel, open_model
 from aioexperts._model import memory as _memory
 from aioexperts._model import text as _text
-from aioexperts._model.blocks import BLOCKS, AttentionBlock
+from aioexperts._model.blocks import BLOCKS, AttentionBlock, RecurrentBlock
 from aioexperts._model.config import DEFAULT_RESIDENT_EMBEDDING_BYTES, LoadOptions
 from aioexperts._model.decode_batch import DecodeRequest, decode_rows
-from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
+from aioexperts._model.kvcache import KVCache, cache_bytes_per_position, state_bytes
 from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_bytes_per_position, kv_reserve_bytes
 from aioexperts._model.residual import after_attention, block_input, head_input, scale_logits
 from aioexperts._model.steps import StepBatcher
@@ -290,6 +290,10 @@ class ModelSequence:
     def keep(self, n: int) -> None:
         """Keep only the first ``n`` positions (``0 <= n <= n_past``); later calls continue from there.
 
+        A model with recurrent blocks (qwen35moe's gated delta net) cannot rewind their state: after
+        ``keep(n)`` with ``n < n_past`` the next :meth:`forward` runs the kept ``n`` tokens again from
+        position 0 before its own (a re-prefill: the same numbers as a fresh sequence, not a reuse).
+
         Raises:
             InvalidRequestError: ``n`` out of range, or the sequence is closed.
         """
@@ -343,16 +347,22 @@ class ModelSequence:
             if self._cache is None:
                 raise InvalidRequestError("the sequence is closed")
             run = self.unrun + ids
-            if self.n_past + len(run) > self.n_ctx:
+            cache, start = self._cache, self.n_past
+            if cache.recurrent and cache.state_positions != start:
+                # a recurrent state holds other positions than the kept ones (keep() of a shorter
+                # prefix, a cancelled or failed call): run the kept tokens again from position 0
+                run, start = self.tokens + run, 0
+            if start + len(run) > self.n_ctx:
                 raise ContextLengthError(
-                    f"{len(run)} new tokens after {self.n_past} would pass n_ctx={self.n_ctx} positions "
-                    "(load the model with a larger n_ctx, or --ctx of aioexperts-run and aioexperts-serve; "
-                    "or keep() a shorter prefix)"
+                    f"{len(run) - self.n_past + start} new tokens after {self.n_past} would pass "
+                    f"n_ctx={self.n_ctx} positions (load the model with a larger n_ctx, or --ctx of "
+                    "aioexperts-run and aioexperts-serve; or keep() a shorter prefix)"
                 )
-            logits = await self.model._forward(
-                self._cache, self.n_past, run, all_logits=all_logits or not ids, step_of=self
-            )
+            cache.state_positions = -1  # unknown until this call finishes
+            logits = await self.model._forward(cache, start, run, all_logits=all_logits or not ids, step_of=self)
+            del self.tokens[start:]
             self.tokens.extend(run)
+            cache.state_positions = self.n_past
             self.unrun = []
             self._last_logits = logits[-1].copy()
             if not all_logits:
@@ -554,6 +564,8 @@ class Model:
         self._n_ctx = 0
         self._kv_per_position = 0
         self._layer_shapes: list[dict[str, tuple[int, ...]]] = []
+        self._layer_states: list[dict[str, tuple[int, ...]]] = []  # recurrent blocks' per-sequence state
+        self._state_bytes = 0
         self._moe_layers: frozenset[int] = frozenset()
         self._live: set[int] = set()
         self._live_bytes = 0
@@ -630,6 +642,11 @@ class Model:
             await run_in_worker(fused.warmup, types)
             self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
             self._kv_per_position = cache_bytes_per_position(self._layer_shapes)
+            self._layer_states = [
+                dict(layer.block.state_shapes()) if isinstance(layer.block, RecurrentBlock) else {}
+                for layer in weights.layers
+            ]
+            self._state_bytes = state_bytes(self._layer_states)
             self._n_ctx = await run_in_worker(self._choose_n_ctx, hp)
             # the text API's tokenizer and chat template read the file: built here, off the event loop,
             # rather than on the loop by the first generate() / stream() / chat() of a string
@@ -773,15 +790,15 @@ class Model:
             StoreClosedError: the model is not started or closed.
         """
         self._started()
-        seq = ModelSequence(self, KVCache(self._layer_shapes, self._n_ctx))
+        seq = ModelSequence(self, KVCache(self._layer_shapes, self._n_ctx, self._layer_states))
         self._live.add(id(seq))
-        self._live_bytes += self._n_ctx * self._kv_per_position
+        self._live_bytes += self._n_ctx * self._kv_per_position + self._state_bytes
         return seq
 
     def _sequence_closed(self, seq: ModelSequence) -> None:
         if id(seq) in self._live:
             self._live.discard(id(seq))
-            self._live_bytes -= self._n_ctx * self._kv_per_position
+            self._live_bytes -= self._n_ctx * self._kv_per_position + self._state_bytes
 
     async def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits of a fresh sequence at every position of ``token_ids`` (one batch).
