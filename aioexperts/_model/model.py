@@ -283,6 +283,12 @@ class ModelSequence:
         return self.model.n_ctx
 
     @property
+    def rewinds(self) -> bool:
+        """Whether :meth:`keep` of a shorter prefix reuses the kept positions (False for a model with
+        recurrent blocks, whose state cannot go back: the next call runs the kept tokens again)."""
+        return self._cache is None or not self._cache.recurrent
+
+    @property
     def closed(self) -> bool:
         """True once :meth:`close` ran."""
         return self._cache is None
