@@ -1267,7 +1267,7 @@ def load(
     Args:
         path: a GGUF file (or a shard of a split set) of a supported architecture
             (``qwen3moe``, ``qwen2moe``, ``glm4moe``, ``llama`` with experts, ``olmoe``,
-            ``granitemoe``, ``gpt-oss``, ``deepseek2``; docs/model.md).
+            ``granitemoe``, ``gpt-oss``, ``deepseek2``, ``qwen35moe``; docs/model.md).
         n_ctx: positions of each sequence's KV cache; default the file's ``context_length``,
             capped to what ``memory_budget`` and the memory limit allow (logged once). A given
             ``n_ctx`` whose KV cache is larger than the memory the process may still use (cgroup
