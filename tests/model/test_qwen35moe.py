@@ -123,6 +123,38 @@ def test_every_block_fed_llama_cpp_s_input_matches_its_output(stem: str, suffix:
     assert max(errors.values()) <= bound, errors
 
 
+def test_q4_k_m_blocks_one_row_at_a_time_at_int8_precision_are_llama_cpp_s() -> None:
+    """llama.cpp quantizes the activations before every quantized product; the int8 one-row kernels
+    do the same, which makes each gated delta net block (no F16 KV cache in it) llama.cpp's to float
+    noise (measured 4e-7) and each full attention block its F16-KV rounding (measured 3e-3)."""
+    stem = "qwen35moe-q4_k_m"
+    want = golden(stem)
+    n = len(want["tokens"])
+
+    async def main() -> dict[str, float]:
+        errors: dict[str, float] = {}
+        async with aioexperts.load(fixture(stem), slots=16, io=THREADS) as model:
+            for layer in model._started()[2].layers:
+                block = layer.block
+                if not {m.ggml_type for m in vars(block).values() if hasattr(m, "ggml_type")} <= fused.int8_types():
+                    pytest.skip("the int8 kernels are not available here")
+                states = [dict(block.state_shapes())] if isinstance(block, GatedDeltaNetBlock) else [{}]
+                cache = KVCache([dict(block.cache_shapes())], n, states).layer(0)
+                x = want[f"attn_norm-{layer.index}"]
+                got = np.concatenate([block.attention(x[t : t + 1], cache, t) for t in range(n)])
+                errors[f"{type(block).__name__}-{layer.index}"] = rel_l2(got, want[f"attn_out-{layer.index}"])
+        return errors
+
+    fused.set_precision("int8")
+    try:
+        errors = anyio.run(main)
+    finally:
+        fused.set_precision(None)
+    assert len(errors) == 4
+    for name, error in errors.items():
+        assert error <= (1e-5 if name.startswith("GatedDeltaNet") else 5e-3), errors
+
+
 async def _logits_of(model: aioexperts.Model, tokens: list[int]) -> np.ndarray:
     async with model.sequence() as seq:
         return await seq.forward(tokens)
