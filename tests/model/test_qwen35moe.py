@@ -201,6 +201,22 @@ async def test_a_failed_call_leaves_the_sequence_usable_with_the_same_numbers(an
     assert got.tobytes() == fresh[10:30].tobytes()
 
 
+def test_the_kv_estimate_counts_the_full_attention_layers_only() -> None:
+    """kv_bytes_per_position (before the blocks are built) equals what the built blocks cache."""
+    from aioexperts._format.architectures import model_hparams
+    from aioexperts._model.memory import kv_bytes_per_position
+
+    gguf = aioexperts.open_model(fixture("qwen35moe-f32"))
+    hp = model_hparams(gguf)
+    assert kv_bytes_per_position(hp, gguf) == 2 * 4 * hp.n_head_kv * (hp.head_k + hp.head_v)  # layers 1 and 3
+
+    async def main() -> int:
+        async with aioexperts.load(fixture("qwen35moe-f32"), slots=16, io=THREADS) as model:
+            return model.statistics().kv_bytes_per_position
+
+    assert anyio.run(main) == kv_bytes_per_position(hp, gguf)
+
+
 @pytest.mark.anyio
 async def test_a_cancelled_generation_frees_its_recurrent_state(anyio_backend: object) -> None:
     tokens = golden("qwen35moe-f32")["tokens"].tolist()
