@@ -5,16 +5,25 @@ depthwise convolution (ggml-cpu ops.cpp ``ggml_compute_forward_ssm_conv_f32``), 
 k (models.h ``build_gdn_l2_norm``), the gates (``ggml_softplus``, ``ggml_sigmoid``) and the delta
 rule (ops.cpp ``ggml_compute_forward_gated_delta_net_one_chunk``). The caller owns the per-sequence
 state: the last ``d_conv - 1`` convolution inputs and one ``(head_v, head_k)`` matrix per value head;
-the functions here update the arrays they are given in place.
+the functions here update the arrays they are given in place. The delta rule runs as one compiled
+loop (``kernels/delta_rule.py``) where the numba backend serves, else as numpy products over the heads.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 import math
+import threading
+from typing import Any
 
 import numpy as np
 
-__all__ = ("causal_conv", "delta_rule", "l2_norm", "silu", "softplus")
+from aioexperts._compute import fused
+
+__all__ = ("causal_conv", "delta_rule", "l2_norm", "silu", "softplus", "warmup")
+
+log = logging.getLogger("aioexperts")
 
 _SOFTPLUS_LINEAR = np.float32(20.0)  # ggml op_softplus: x above 20 is returned as is
 
@@ -79,6 +88,42 @@ def causal_conv(x: np.ndarray, state: np.ndarray, weight: np.ndarray) -> np.ndar
     return out
 
 
+class _Kernel:
+    lock = threading.Lock()
+    fn: Any = None
+    failed = False
+
+
+def _kernel() -> Any:
+    """The compiled delta rule where the numba backend serves (None: the numpy loop serves)."""
+    if _Kernel.failed or fused.backend().name != "numba":
+        return None
+    if _Kernel.fn is None:
+        with _Kernel.lock:
+            if _Kernel.fn is None and not _Kernel.failed:
+                try:
+                    fn = importlib.import_module(f"{__package__}.kernels.delta_rule").delta_rule_f32
+                    fn(*_tiny_arguments())  # compiles (or loads from the kernel cache)
+                    _Kernel.fn = fn
+                except Exception as exc:  # a broken numba/llvmlite can raise anything
+                    _Kernel.failed = True
+                    log.warning(
+                        "the gated delta rule runs in numpy: its kernel failed (%s: %s)", type(exc).__name__, exc
+                    )
+    return _Kernel.fn
+
+
+def _tiny_arguments() -> tuple[Any, ...]:
+    z3 = np.zeros((1, 1, 2), dtype=np.float32)
+    z2 = np.zeros((1, 1), dtype=np.float32)
+    return z3, z3, z3, z2, z2, np.zeros((1, 2, 2), dtype=np.float32), z3.copy(), np.float32(1.0)
+
+
+def warmup() -> bool:
+    """Compile (or load) the delta rule's kernel now; True when it serves (blocking: from a worker)."""
+    return _kernel() is not None
+
+
 def delta_rule(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray
 ) -> np.ndarray:
@@ -94,18 +139,24 @@ def delta_rule(
         v: ``(n_tokens, n_v_heads, head_v)`` float32.
         g: ``(n_tokens, n_v_heads)`` float32 log-decay (``softplus(alpha + dt_bias) * ssm_a``, <= 0).
         beta: ``(n_tokens, n_v_heads)`` float32 write strength (``sigmoid(ssm_beta x)``).
-        state: ``(n_v_heads, head_v, head_k)`` float32, updated in place.
+        state: ``(n_v_heads, head_v, head_k)`` float32, C-contiguous, updated in place.
 
     Returns:
         ``(n_tokens, n_v_heads, head_v)`` float32, the output ``o`` of every head (before the gated norm).
     """
     n, n_v, head_v = v.shape
-    n_k = q.shape[1]
-    heads = np.arange(n_v) % n_k
-    qh, kh = q[:, heads], k[:, heads]  # (n, n_v, head_k)
     decay = np.exp(g).astype(np.float32)
     scale = np.float32(1.0 / math.sqrt(head_v))
     out = np.empty((n, n_v, head_v), dtype=np.float32)
+    compiled = _kernel()
+    if compiled is not None:
+        f32 = np.float32
+        args = [np.ascontiguousarray(a, dtype=f32) for a in (q, k, v, decay, np.asarray(beta, dtype=f32))]
+        compiled(*args, state, out, scale)
+        return out
+    n_k = q.shape[1]
+    heads = np.arange(n_v) % n_k
+    qh, kh = q[:, heads], k[:, heads]  # (n, n_v, head_k)
     for t in range(n):
         state *= decay[t][:, None, None]
         sk = np.matmul(state, kh[t][:, :, None])[:, :, 0]  # (n_v, head_v): S^T k

@@ -78,6 +78,7 @@ class GatedDeltaNetBlock:
         self.dt_bias = reader.array(p + "ssm_dt.bias", (dn.n_v_heads,))
         self.a = reader.array(p + "ssm_a", (dn.n_v_heads,))
         self.norm = reader.array(p + "ssm_norm.weight", (dn.head_v,))
+        delta_net.warmup()  # compiles the delta rule's kernel at load, not in the first forward
 
     def cache_shapes(self) -> Mapping[str, tuple[int, ...]]:
         """Nothing per position: the state replaces the KV cache."""

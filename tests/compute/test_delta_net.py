@@ -4,8 +4,9 @@ fixtures README / llama.cpp (qwen35moe.cpp ``build_layer_attn_linear``, ops.cpp 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from aioexperts._compute import delta_net
+from aioexperts._compute import delta_net, fused
 
 
 def reference(
@@ -77,3 +78,20 @@ def test_l2_norm_softplus_and_silu_are_ggml_s() -> None:
     y = np.array([-30.0, -1.0, 0.0, 2.0, 20.5], dtype=np.float32)
     assert np.allclose(delta_net.softplus(y), np.where(y > 20, y, np.log1p(np.exp(y.astype(np.float64)))), rtol=1e-6)
     assert np.allclose(delta_net.silu(y), y / (1 + np.exp(-y.astype(np.float64))), rtol=1e-6)
+
+
+def test_the_compiled_kernel_and_the_numpy_loop_agree() -> None:
+    if not delta_net.warmup():
+        pytest.skip(f"the numba backend does not serve: {fused.backend().reason}")
+    rng = np.random.default_rng(3)
+    q, k, v, g, beta = _inputs(rng, 9)
+    compiled_state = np.zeros((4, 16, 16), dtype=np.float32)
+    compiled = delta_net.delta_rule(q, k, v, g, beta, compiled_state)
+    fused.set_backend("numpy")
+    try:
+        numpy_state = np.zeros((4, 16, 16), dtype=np.float32)
+        plain = delta_net.delta_rule(q, k, v, g, beta, numpy_state)
+    finally:
+        fused.set_backend(None)
+    assert np.abs(compiled - plain).max() <= 1e-5 * np.abs(plain).max()
+    assert np.abs(compiled_state - numpy_state).max() <= 1e-5 * np.abs(numpy_state).max()
