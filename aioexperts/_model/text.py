@@ -351,7 +351,9 @@ class ChatSession:
 
     Each :meth:`send` renders the whole conversation with the chat template (and the generation
     prompt), tokenizes it (:func:`chat_prompt_ids`), keeps the longest prefix the KV cache already
-    holds and prefills only the rest; the reply is added to :attr:`messages` when the turn ends.
+    holds and prefills only the rest (a model with recurrent blocks, qwen35moe, reuses the cache only
+    when the new prompt extends all of it, else prefills the whole prompt again); the reply is added
+    to :attr:`messages` when the turn ends.
     A turn that fails or is cancelled leaves :attr:`messages` as it was before it. One turn runs
     at a time. Close the session (``async with``, or :meth:`close`) to free the KV cache.
 
@@ -457,6 +459,8 @@ class ChatSession:
         reused = _common_prefix(seq.tokens, ids)
         if reused == len(ids):  # the whole prompt is cached: run its last token again for its logits
             reused -= 1
+        if reused < seq.n_past and not seq.rewinds:  # a recurrent state cannot go back: prefill it all
+            reused = 0
         seq.keep(reused)
         pieces: list[str] = []
         try:
