@@ -97,7 +97,7 @@ def test_every_block_fed_llama_cpp_s_input_matches_its_output(stem: str, suffix:
     async def main() -> dict[str, float]:
         errors: dict[str, float] = {}
         async with aioexperts.load(fixture(stem), slots=16, io=THREADS) as model:
-            hp, w = model.hparams, model._started()[2]
+            hp, w = model.hparams, model.forward_pass.weights
             kinds = set()
             for layer in w.layers:
                 il, block = layer.index, layer.block
@@ -134,7 +134,7 @@ def test_q4_k_m_blocks_one_row_at_a_time_at_int8_precision_are_llama_cpp_s() -> 
     async def main() -> dict[str, float]:
         errors: dict[str, float] = {}
         async with aioexperts.load(fixture(stem), slots=16, io=THREADS) as model:
-            for layer in model._started()[2].layers:
+            for layer in model.forward_pass.weights.layers:
                 block = layer.block
                 if not {m.ggml_type for m in vars(block).values() if hasattr(m, "ggml_type")} <= fused.int8_types():
                     pytest.skip("the int8 kernels are not available here")
@@ -185,7 +185,7 @@ async def test_a_failed_call_leaves_the_sequence_usable_with_the_same_numbers(an
     tokens = golden("qwen35moe-f32")["tokens"].tolist()
     async with aioexperts.load(fixture("qwen35moe-f32"), slots=16, io=THREADS) as model:
         fresh = await _logits_of(model, tokens[:30])
-        block = model._started()[2].layers[2].block
+        block = model.forward_pass.weights.layers[2].block
         async with model.sequence() as seq:
             await seq.forward(tokens[:10])
             with pytest.MonkeyPatch.context() as mp:
