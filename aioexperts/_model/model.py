@@ -287,6 +287,14 @@ class ModelSequence:
         """True once :meth:`close` ran."""
         return self._cache is None
 
+    @property
+    def can_rewind(self) -> bool:
+        """Whether :meth:`keep` may drop positions (``n < n_past``): True when every layer's state is a
+        KV cache indexed by position. An architecture with recurrent state (qwen35moe's linear
+        attention) holds only its state after the last position: its sequences say False here, and
+        a prompt cache may continue them only from their whole content."""
+        return True
+
     def keep(self, n: int) -> None:
         """Keep only the first ``n`` positions (``0 <= n <= n_past``); later calls continue from there.
 
@@ -951,12 +959,17 @@ class Model:
         sampler: Sampler | None = None,
         add_special: bool = True,
         parse_special: bool = False,
+        sequence: ModelSequence | None = None,
     ) -> _text.TextStream:
         """Text pieces of the continuation of ``prompt``, as they are decoded.
 
         ``async for piece in model.stream("Hello", max_tokens=16): print(piece, end="")``
 
-        The arguments and errors are :meth:`generate`'s. No piece ends inside a UTF-8 character;
+        The arguments and errors are :meth:`generate`'s. ``sequence``: continue this open sequence
+        (not running) instead of a fresh one: the longest prefix of the prompt's ids it holds is kept
+        (``statistics.reused_tokens``), only the rest is prefilled, and the sequence stays open
+        (a prompt cache across requests; InvalidRequestError when it is closed, of another model,
+        or cannot rewind to that prefix: :attr:`ModelSequence.can_rewind`). No piece ends inside a UTF-8 character;
         the pieces join to ``tokenizer.decode`` of the generated ids; a stop string (even split
         across tokens) ends the stream and is not emitted, nor anything after it.
 
@@ -981,6 +994,7 @@ class Model:
                 "stop": stop,
             },
             as_text=True,
+            sequence=sequence,
         )
         assert isinstance(stream, _text.TextStream)
         return stream

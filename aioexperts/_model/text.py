@@ -379,18 +379,46 @@ def open_run(
     parse_special: bool,
     sampling: Mapping[str, Any],
     as_text: bool,
+    sequence: ModelSequence | None = None,
 ) -> TokenStream | TextStream:
     """:meth:`Model.generate`'s (token ids) and :meth:`Model.stream`'s (``as_text``: text pieces)
-    body: a generation of ``prompt`` on a fresh sequence, its arguments checked here, before the
-    first ``await``."""
+    body: a generation of ``prompt`` on a fresh sequence, or on ``sequence`` after keeping the
+    longest prefix of ``prompt`` it holds (:func:`keep_prefix`); its arguments checked here, before
+    the first ``await``."""
     opts, ids, smp = _prepare(model, prompt, options, sampler, add_special, parse_special, sampling)
+    reused = 0 if sequence is None else keep_prefix(model, sequence, ids)
     eog = _eog_ids(model, as_text or isinstance(prompt, str) or bool(opts.stop))
     stats = [GenerationStatistics()]
     out: TokenStream | TextStream = TextStream(stats) if as_text else TokenStream(stats)
     model._started()  # StoreClosedError now, not at the first token
     text = out if isinstance(out, TextStream) else None
-    out._agen = _generate(model, None, 0, ids, opts, smp, eog, stats, True, text)
+    out._agen = _generate(model, sequence, reused, ids, opts, smp, eog, stats, sequence is None, text)
     return out
+
+
+def keep_prefix(model: Model, seq: ModelSequence, ids: list[int]) -> int:
+    """Keep the longest prefix of ``ids`` that ``seq`` holds (at least one token is left to run, for
+    the logits); returns the tokens kept.
+
+    A sequence that cannot rewind (``seq.can_rewind`` False: recurrent state) is only continued when
+    all it holds is a prefix of ``ids``, shorter than ``ids``.
+
+    Raises:
+        InvalidRequestError: ``seq`` is closed, of another model, has tokens not run yet
+            (``unrun``), or cannot rewind to the common prefix.
+    """
+    if seq.closed or seq.model is not model:
+        raise InvalidRequestError("sequence= must be an open sequence of this model")
+    if seq.unrun:
+        raise InvalidRequestError("the sequence has tokens not run yet (unrun): continue it with generate()")
+    reused = min(_common_prefix(seq.tokens, ids), len(ids) - 1)
+    if reused < seq.n_past and not seq.can_rewind:
+        raise InvalidRequestError(
+            f"this sequence cannot rewind (recurrent state): it holds {seq.n_past} tokens, "
+            f"of which only {reused} start the prompt"
+        )
+    seq.keep(reused)
+    return reused
 
 
 # -- chat ------------------------------------------------------------------------------------------
