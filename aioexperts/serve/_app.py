@@ -513,6 +513,7 @@ class Server:
                 if self.prompt_cache is None
                 else {
                     "capacity_bytes": self.prompt_cache.capacity_bytes,
+                    "sequence_bytes": self.prompt_cache.sequence_bytes,
                     "bytes": self.prompt_cache.bytes,
                     "entries": self.prompt_cache.entries,
                 },

@@ -9,6 +9,11 @@ used entries are closed (their KV cache freed) while the pool holds more than it
 cancelled or failed generation closes its sequence instead (:meth:`~PromptCache.discard`): no
 half-written entry is ever pooled.
 
+An entry is taken only when the prompt keeps at least :data:`MIN_SHARED_FRACTION` of its tokens
+(as llama.cpp's ``--slot-prompt-similarity``): two clients whose prompts share only the chat
+template's first tokens do not take (and so overwrite) each other's history; such a request gets a
+fresh sequence.
+
 Each entry costs its whole KV cache (a sequence preallocates ``n_ctx`` positions), so the budget
 bounds the number of entries: ``capacity_bytes // (n_ctx * kv_bytes_per_position)``.
 
@@ -26,7 +31,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from aioexperts import Model, ModelSequence
 
-__all__ = ("PromptCache", "default_capacity_bytes")
+__all__ = ("MIN_SHARED_FRACTION", "PromptCache", "default_capacity_bytes")
+
+MIN_SHARED_FRACTION = 0.5
+"""A pooled sequence is taken when the prompt keeps at least this fraction of its tokens."""
 
 
 def default_capacity_bytes(available: int, sequence_bytes: int, parallel: int) -> int:
@@ -88,11 +96,11 @@ class PromptCache:
         shared = min(_common_prefix(seq.tokens, ids), len(ids) - 1)
         if not seq.can_rewind and shared < seq.n_past:
             return 0
-        return shared
+        return shared if shared >= MIN_SHARED_FRACTION * seq.n_past else 0
 
     def take(self, ids: Sequence[int]) -> tuple[ModelSequence, int]:
         """A sequence for the prompt ``ids``: the pooled one sharing the longest prefix (out of the
-        pool now), else a fresh one.
+        pool now; at least :data:`MIN_SHARED_FRACTION` of its tokens), else a fresh one.
 
         Returns:
             ``(sequence, tokens it holds that start ids)``; the caller continues it with
