@@ -46,8 +46,9 @@ class StructuredOutput:
     param: str = "response_format"
 
 
-def _bad(param: str, message: str) -> APIError:
-    return APIError(400, f"'{param}': {message}", param=param, code="invalid_value")
+def _bad(field: str, message: str) -> APIError:
+    param = field.split(".")[0]
+    return APIError(400, f"'{field}': {message}", param=param, code="invalid_value")
 
 
 def parse_structured(body: Mapping[str, Any]) -> StructuredOutput | None:

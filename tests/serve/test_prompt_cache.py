@@ -8,6 +8,7 @@ half-written in the pool.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -113,8 +114,6 @@ def test_two_clients_with_different_histories_each_continue_their_own(
 
 def _sequence_bytes(server: ServerThread) -> int:
     status, _, data = request(server, "GET", "/props", key=None)
-    import json
-
     props = json.loads(data)
     assert status == 200 and props["prompt_cache"] is not None
     value = props["prompt_cache"]["sequence_bytes"]
@@ -151,7 +150,9 @@ def test_a_cancelled_request_leaves_no_half_written_entry(cached: ServerThread, 
     first = _turn(cached, history)
     assert metrics(cached)["aioexperts_prompt_cache_entries"] == 1
     history += [{"role": "assistant", "content": _reply(first)}, {"role": "user", "content": "Go on, at length"}]
-    client = RawStream(cached, CHAT, {"messages": history, "max_tokens": 300, "temperature": 0, "stream": True}, key=None)
+    client = RawStream(
+        cached, CHAT, {"messages": history, "max_tokens": 300, "temperature": 0, "stream": True}, key=None
+    )
     try:
         client.read_until(b"data: ", 4)  # under way: the cached sequence is taken and being written
         assert metrics(cached)["aioexperts_prompt_cache_entries"] == 0

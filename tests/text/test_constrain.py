@@ -40,7 +40,7 @@ def _run(constraint: TokenConstraint, tok: aioexperts.Tokenizer, pick_of: object
     out: list[int] = []
     for step in range(steps):
         logits = rng.standard_normal(tok.n_vocab).astype(np.float32)
-        token = constraint.choose(logits, lambda masked, s=step: pick_of(masked, logits, s))  # type: ignore[operator]
+        token = constraint.choose(logits, lambda masked, s=step, raw=logits: pick_of(masked, raw, s))  # type: ignore[operator]
         if token in tok.eog_ids:
             return tok.decode(out)
         out.append(token)
@@ -91,7 +91,9 @@ def test_json_object_and_a_gbnf_grammar(tokenizer: aioexperts.Tokenizer) -> None
     [{"type": "frobnicate"}, {"$ref": "#/definitions/missing"}, {"type": "string", "pattern": "(["}],
     ids=["unknown-type", "dangling-ref", "bad-pattern"],
 )
-def test_a_schema_that_cannot_be_compiled_is_refused(tokenizer: aioexperts.Tokenizer, schema: dict[str, object]) -> None:
+def test_a_schema_that_cannot_be_compiled_is_refused(
+    tokenizer: aioexperts.Tokenizer, schema: dict[str, object]
+) -> None:
     with pytest.raises(InvalidRequestError, match="cannot be compiled"):
         TokenConstraint.json_schema(tokenizer, schema)
 
