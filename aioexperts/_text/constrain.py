@@ -110,7 +110,7 @@ class TokenConstraint:
         ll = _llguidance()
         try:
             grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), {"whitespace_flexible": False})
-        except (ValueError, TypeError, RuntimeError) as exc:
+        except (ValueError, TypeError, RuntimeError, RecursionError) as exc:
             raise InvalidRequestError(f"the JSON schema cannot be compiled: {exc}") from None
         return cls(tokenizer, grammar, n_vocab)
 
