@@ -352,6 +352,8 @@ async def _generate(
         _ended(stats, None)
         if owns_sequence:
             seq.close()
+        else:  # kept (a chat session, a prompt cache): no decode step waits for it to come back
+            model._steps.forget(seq)
 
 
 def _prepare(
