@@ -54,6 +54,8 @@ from ._format.model import TensorInfo as TensorInfo
 from ._format.model import open_model as open_model
 from ._format.views import ExpertView as ExpertView
 from ._format.views import ProjectionView as ProjectionView
+from ._model.memory import MemoryLimit as MemoryLimit
+from ._model.memory import read_memory_limit as read_memory_limit
 from ._model.model import Model as Model
 from ._model.model import ModelStatistics as ModelStatistics
 from ._model.model import load as load
@@ -78,6 +80,7 @@ from ._runner import RunnerStatistics as RunnerStatistics
 from ._store import ExpertStore as ExpertStore
 from ._store import open as open  # noqa: A004
 from ._text.chat import ChatTemplate as ChatTemplate
+from ._text.constrain import TokenConstraint as TokenConstraint
 from ._text.sampling import SampledToken as SampledToken
 from ._text.sampling import Sampler as Sampler
 from ._text.sampling import SamplingOptions as SamplingOptions
@@ -140,6 +143,7 @@ __all__ = (
     "InvalidRequestError",
     "LayerStep",
     "LayoutError",
+    "MemoryLimit",
     "MissingShardError",
     "Model",
     "ModelSequence",
@@ -172,6 +176,7 @@ __all__ = (
     "TensorInfo",
     "TextStream",
     "TokenStream",
+    "TokenConstraint",
     "Tokenizer",
     "TokenizerError",
     "UnsupportedTypeError",
@@ -183,5 +188,6 @@ __all__ = (
     "open",
     "open_model",
     "read_expert_map",
+    "read_memory_limit",
     "write_expert_map",
 )

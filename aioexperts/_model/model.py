@@ -547,12 +547,18 @@ class Model:
         sampler: Sampler | None = None,
         add_special: bool = True,
         parse_special: bool = False,
+        sequence: ModelSequence | None = None,
     ) -> _text.TextStream:
         """Text pieces of the continuation of ``prompt``, as they are decoded.
 
         ``async for piece in model.stream("Hello", max_tokens=16): print(piece, end="")``
 
-        The arguments and errors are :meth:`generate`'s. No piece ends inside a UTF-8 character;
+        The arguments and errors are :meth:`generate`'s. ``sequence``: continue this open sequence
+        (not running) instead of a fresh one: the longest prefix of the prompt's ids it holds is kept
+        (``statistics.reused_tokens``), only the rest is prefilled, and the sequence stays open
+        (a prompt cache across requests; InvalidRequestError when it is closed, of another model,
+        or cannot rewind to that prefix: :attr:`ModelSequence.rewinds`). No piece ends inside a
+        UTF-8 character;
         the pieces join to ``tokenizer.decode`` of the generated ids; a stop string (even split
         across tokens) ends the stream and is not emitted, nor anything after it.
 
@@ -564,7 +570,7 @@ class Model:
         sampling |= {"top_k": top_k, "top_p": top_p, "min_p": min_p}
         stream = _text.open_run(
             self, prompt, options=options, sampler=sampler, add_special=add_special,
-            parse_special=parse_special, sampling=sampling, as_text=True,
+            parse_special=parse_special, sampling=sampling, as_text=True, sequence=sequence,
         )  # fmt: skip
         assert isinstance(stream, _text.TextStream)
         return stream

@@ -35,7 +35,9 @@ from ._errors import APIError, api_error
 from ._generate import Generation
 from ._metrics import CONTENT_TYPE, Metrics
 from ._openai import Piece, Shapes
+from ._prompt_cache import PromptCache, default_capacity_bytes
 from ._scheduler import Scheduler
+from ._structured import compile_structured
 from ._validate import (
     GenerationRequest,
     parse_chat,
@@ -52,6 +54,8 @@ log = logging.getLogger("aioexperts.serve")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
+DEFAULT_PROMPT_CACHE_SEQUENCES = 16
+"""The default prompt cache holds this many sequences at most."""
 
 #: Paths answered without the API key (a load balancer's probe).
 _OPEN_PATHS = frozenset({"/health"})
@@ -75,6 +79,10 @@ class ServerOptions:
         shutdown_timeout: seconds :meth:`Server.stop` lets running generations finish before
             cancelling them.
         model_name: the model's id in ``/v1/models`` and responses (default: the file name).
+        prompt_cache_bytes: the prompt cache's budget in bytes of KV cache
+            (:mod:`aioexperts.serve._prompt_cache`); 0 turns it off; None: half the memory left
+            once the model started and ``parallel`` sequences have their KV cache, at most
+            :data:`DEFAULT_PROMPT_CACHE_SEQUENCES` sequences.
     """
 
     host: str = DEFAULT_HOST
@@ -85,6 +93,7 @@ class ServerOptions:
     max_body_bytes: int = 1 << 20
     shutdown_timeout: float = 30.0
     model_name: str | None = None
+    prompt_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         def integer(name: str, low: int, high: int) -> None:
@@ -96,6 +105,8 @@ class ServerOptions:
         integer("parallel", 1, 4096)
         integer("queue_size", 0, 1 << 20)
         integer("max_body_bytes", 1, 1 << 40)
+        if self.prompt_cache_bytes is not None:
+            integer("prompt_cache_bytes", 0, 1 << 50)
         grace = self.shutdown_timeout
         if isinstance(grace, bool) or not isinstance(grace, int | float) or not grace >= 0:
             raise aioexperts.ConfigError(f"ServerOptions.shutdown_timeout must be seconds >= 0, got {grace!r}")
@@ -149,6 +160,7 @@ class Server:
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
         self._stopping = False
+        self.prompt_cache: PromptCache | None = None  # made by start()
         self.app = self._build_app()
 
     # -- life cycle -----------------------------------------------------------------------------
@@ -176,6 +188,16 @@ class Server:
         self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioexperts-serve-text")
         await self._in_text_worker(lambda: self.model.tokenizer)
         self._created = await self._in_text_worker(lambda: _modified(self.model.path))  # stat: off the loop
+        budget = self.options.prompt_cache_bytes
+        if budget is None:
+            limit = await self._in_text_worker(lambda: aioexperts.read_memory_limit(reclaimable=True))
+            per_sequence = self.model.n_ctx * self.model.statistics().kv_bytes_per_position
+            budget = min(
+                default_capacity_bytes(limit.available, per_sequence, self.options.parallel),
+                DEFAULT_PROMPT_CACHE_SEQUENCES * per_sequence,
+            )
+        if budget > 0:
+            self.prompt_cache = PromptCache(self.model, budget)
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0, handle_signals=False
         )
@@ -210,6 +232,8 @@ class Server:
             await runner.cleanup()
         if self._text_worker is not None:
             self._text_worker.shutdown(wait=False, cancel_futures=True)
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
         return cancelled
 
     def hurry(self) -> None:
@@ -361,6 +385,11 @@ class Server:
     async def _complete(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
         ids = await self._in_text_worker(lambda: self._prompt_ids(req))
         max_tokens = self._fit(req, len(ids))
+        spec = req.structured
+        constraint = None
+        if spec is not None:
+            tok, n_vocab = self.model.tokenizer, self.model.n_vocab
+            constraint = await self._in_text_worker(lambda: compile_structured(spec, tok, n_vocab))
         shapes = Shapes(req.chat, self.name, self.model.tokenizer, req.logprobs, req.top_logprobs, self.fingerprint)
         async with self.scheduler.slot():
             self.metrics.prompt_tokens += len(ids)
@@ -371,6 +400,8 @@ class Server:
                 max_tokens,
                 req.top_logprobs if req.logprobs else None,
                 self.metrics.token,
+                self.prompt_cache,
+                constraint,
             )
             try:
                 if req.stream:
@@ -478,6 +509,14 @@ class Server:
                     "backend": st.backend,
                     "direct_io": st.direct_io,
                 },
+                "prompt_cache": None
+                if self.prompt_cache is None
+                else {
+                    "capacity_bytes": self.prompt_cache.capacity_bytes,
+                    "sequence_bytes": self.prompt_cache.sequence_bytes,
+                    "bytes": self.prompt_cache.bytes,
+                    "entries": self.prompt_cache.entries,
+                },
                 "build_info": self.fingerprint,
             }
         )
@@ -514,7 +553,7 @@ class Server:
         return _json_response({"prompt": prompt})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        text = self.metrics.render(self.model, self.scheduler)
+        text = self.metrics.render(self.model, self.scheduler, self.prompt_cache)
         return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -34,16 +34,19 @@ class Piece:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Tokens of the prompt and of the completion."""
+    """Tokens of the prompt and of the completion; ``cached_tokens``: prompt tokens the prompt cache
+    held (not prefilled again), OpenAI's ``usage.prompt_tokens_details.cached_tokens``."""
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
-    def as_json(self) -> dict[str, int]:
+    def as_json(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 

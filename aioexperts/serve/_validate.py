@@ -5,10 +5,10 @@ llama.cpp server's sampling extensions ``top_k``, ``min_p`` and ``repeat_penalty
 JSON ``null`` counts as absent. Sampling fields not given take llama.cpp's defaults
 (:class:`aioexperts.SamplingOptions`: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05).
 Features this server does not have (``n`` other than 1, ``best_of``, ``echo``, ``suffix``,
-``logit_bias``, ``tools``, a ``response_format`` other than text, ...) are refused, never ignored;
-so is a field the endpoint does not know (:data:`CHAT_FIELDS`, :data:`COMPLETION_FIELDS`: 400
-``unknown_parameter`` naming it). Every message needs non-empty text content, and text must be
-valid Unicode (no lone surrogates).
+``logit_bias``, ``tools``, ...) are refused, never ignored (``response_format`` and ``grammar``:
+:mod:`aioexperts.serve._structured`); so is a field the endpoint does not know (:data:`CHAT_FIELDS`,
+:data:`COMPLETION_FIELDS`: 400 ``unknown_parameter`` naming it). Every message needs non-empty text
+content, and text must be valid Unicode (no lone surrogates).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 from aioexperts import ConfigError, SamplingOptions
 
 from ._errors import APIError
+from ._structured import StructuredOutput, parse_structured
 
 __all__ = (
     "CHAT_FIELDS",
@@ -54,7 +55,7 @@ _MAX_INT = 2**31 - 1
 #: extensions. Each is implemented, accepted and ignored (hints with no effect here: ``user``,
 #: ``metadata``, ...) or refused when it asks for what this server does not do
 #: (:func:`_refuse_unsupported`); a field not listed is refused as unknown (400 naming it).
-_EXTENSIONS = frozenset({"top_k", "min_p", "repeat_penalty"})
+_EXTENSIONS = frozenset({"top_k", "min_p", "repeat_penalty", "grammar"})
 _COMMON_FIELDS = frozenset(
     {
         "model",
@@ -103,7 +104,7 @@ CHAT_FIELDS = (
     }
 )
 """The fields ``POST /v1/chat/completions`` knows."""
-COMPLETION_FIELDS = _COMMON_FIELDS | _EXTENSIONS | {"prompt", "best_of", "echo", "suffix"}
+COMPLETION_FIELDS = _COMMON_FIELDS | _EXTENSIONS | {"prompt", "best_of", "echo", "suffix", "response_format"}
 """The fields ``POST /v1/completions`` knows."""
 TOKENIZE_FIELDS = frozenset({"model", "content", "add_special", "parse_special", "with_pieces"})
 """The fields of llama.cpp server's ``POST /tokenize`` (``model`` ignored)."""
@@ -133,6 +134,7 @@ class GenerationRequest:
         logprobs: log-probabilities of each chosen token (chat ``logprobs``; completions ``logprobs``
             not None).
         top_logprobs: the most likely alternatives reported per token (0 to :data:`MAX_TOP_LOGPROBS`).
+        structured: the grammar the output must follow (``response_format``, ``grammar``), or None.
     """
 
     chat: bool
@@ -144,6 +146,7 @@ class GenerationRequest:
     include_usage: bool
     logprobs: bool
     top_logprobs: int
+    structured: StructuredOutput | None = None
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -255,9 +258,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     for name in ("web_search_options", "reasoning_effort", "verbosity", "moderation"):  # other models only
         if body.get(name) is not None:
             raise _bad(name, "is not supported by this model")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise _bad("response_format", 'only {"type": "text"} is supported')
     choice = body.get("tool_choice")
     if choice is not None and choice != "none":
         raise _bad("tool_choice", 'tools are not supported: only "none" is accepted')
@@ -454,6 +454,7 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
         include_usage=include_usage,
         logprobs=logprobs,
         top_logprobs=top or 0,
+        structured=parse_structured(body),
     )
 
 
@@ -474,4 +475,5 @@ def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
         include_usage=include_usage,
         logprobs=top is not None,
         top_logprobs=top or 0,
+        structured=parse_structured(body),
     )
