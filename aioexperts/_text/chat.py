@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from .._errors import ChatTemplateError, ConfigError, FormatError
 from .._format.header import LossyStr, SkippedValue, read_header
@@ -141,6 +141,9 @@ class ChatTemplate:
     """
 
     __slots__ = ("_compiled", "bos_token", "eos_token", "source")
+
+    #: The variables :meth:`render` sets itself (``extra`` may not).
+    reserved_variables: ClassVar[frozenset[str]] = RESERVED_VARIABLES
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
         for name, value in (("source", source), ("bos_token", bos_token), ("eos_token", eos_token)):

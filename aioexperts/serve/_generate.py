@@ -20,18 +20,30 @@ from ._openai import FINISH_REASONS, Piece, Usage
 if TYPE_CHECKING:
     from aioexperts import Model
 
-__all__ = ("Generation",)
+__all__ = ("Generation", "SamplerFactory")
+
+
+SamplerFactory = Callable[[SamplingOptions], Callable[[np.ndarray, Sequence[int]], "int | SampledToken"]]
+"""Makes the sampler of one generation from its options: ``(logits, history) -> token id`` (or a
+:class:`SampledToken`); ``ServerOptions.sampler_factory``."""
 
 
 class _Recorder:
-    """``(logits, history) -> id`` through a :class:`Sampler`, keeping each :class:`SampledToken`."""
+    """``(logits, history) -> id`` through a :class:`Sampler` (or a factory's sampler), keeping each
+    :class:`SampledToken`."""
 
-    def __init__(self, options: SamplingOptions) -> None:
-        self._sampler = Sampler(options)
+    def __init__(self, options: SamplingOptions, factory: SamplerFactory | None = None) -> None:
+        self._sampler = Sampler(options) if factory is None else None
+        self._custom = factory(options) if factory is not None else None
         self.sampled: list[SampledToken] = []
 
     def __call__(self, logits: np.ndarray, history: Sequence[int]) -> int:
-        chosen = self._sampler.sample(logits, history)
+        if self._custom is not None:
+            got = self._custom(logits, history)
+            chosen = got if isinstance(got, SampledToken) else SampledToken(int(got))
+        else:
+            assert self._sampler is not None
+            chosen = self._sampler.sample(logits, history)
         self.sampled.append(chosen)
         return chosen.token
 
@@ -46,6 +58,7 @@ class Generation:
         max_tokens: tokens to generate at most.
         top_logprobs: ``None``: no log-probabilities; else the alternatives to report per token.
         on_token: called once per generated token (the server's counters).
+        sampler_factory: makes the sampler instead of :class:`aioexperts.Sampler` (tests; None: the default).
     """
 
     def __init__(
@@ -56,12 +69,14 @@ class Generation:
         max_tokens: int,
         top_logprobs: int | None,
         on_token: Callable[[], None],
+        sampler_factory: SamplerFactory | None = None,
     ) -> None:
         n_logprobs = 0 if top_logprobs is None else max(1, top_logprobs)
         self._options = replace(options, max_tokens=max_tokens, logprobs=n_logprobs)
         self._model = model
         self._prompt_ids = list(prompt_ids)
         self._on_token = on_token
+        self._sampler_factory = sampler_factory
         self.statistics = GenerationStatistics()
 
     @property
@@ -80,7 +95,7 @@ class Generation:
         Raises:
             As :meth:`aioexperts.Model.stream` (InvalidRequestError, NonFiniteError, store errors).
         """
-        recorder = _Recorder(self._options)
+        recorder = _Recorder(self._options, self._sampler_factory)
         stream = self._model.stream(self._prompt_ids, options=self._options, sampler=recorder)
         seen = 0
         try:

@@ -22,6 +22,7 @@ from typing import Any
 from aioexperts import ConfigError, SamplingOptions
 
 from ._errors import APIError
+from ._tools import parse_template_kwargs, parse_tool_call_id, parse_tool_calls, parse_tool_choice, parse_tools
 
 __all__ = (
     "CHAT_FIELDS",
@@ -100,6 +101,7 @@ CHAT_FIELDS = (
         "audio",
         "prediction",
         "web_search_options",
+        "chat_template_kwargs",
     }
 )
 """The fields ``POST /v1/chat/completions`` knows."""
@@ -133,6 +135,9 @@ class GenerationRequest:
         logprobs: log-probabilities of each chosen token (chat ``logprobs``; completions ``logprobs``
             not None).
         top_logprobs: the most likely alternatives reported per token (0 to :data:`MAX_TOP_LOGPROBS`).
+        tools: the function tools (chat), for the template and the reply's parser.
+        tool_choice: ``"auto"``, ``"none"``, ``"required"`` or ``"function:NAME"``.
+        template_kwargs: ``chat_template_kwargs``: more variables for the chat template.
     """
 
     chat: bool
@@ -144,6 +149,9 @@ class GenerationRequest:
     include_usage: bool
     logprobs: bool
     top_logprobs: int
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str = "none"
+    template_kwargs: Mapping[str, Any] | None = None
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -249,7 +257,7 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise _bad("best_of", f"only best_of=1 is supported, got {best_of}")
     if _bool(body, "echo", False):
         raise _bad("echo", "echoing the prompt is not supported")
-    for name in ("suffix", "logit_bias", "tools", "functions", "function_call", "audio", "prediction"):
+    for name in ("suffix", "logit_bias", "functions", "function_call", "audio", "prediction"):
         if body.get(name):
             raise _bad(name, "is not supported by this server")
     for name in ("web_search_options", "reasoning_effort", "verbosity", "moderation"):  # other models only
@@ -258,9 +266,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _bad("response_format", 'only {"type": "text"} is supported')
-    choice = body.get("tool_choice")
-    if choice is not None and choice != "none":
-        raise _bad("tool_choice", 'tools are not supported: only "none" is accepted')
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise _bad("modalities", 'only ["text"] is supported')
@@ -354,6 +359,26 @@ def _content(value: object, where: str) -> str:
     return _text(value, where)
 
 
+def _message(message: Mapping[str, Any], role: str, i: int) -> dict[str, Any]:
+    """One message for the template: ``role`` and ``content``, an assistant's ``tool_calls``, a tool's
+    ``tool_call_id`` (and ``name``)."""
+    calls = message.get("tool_calls")
+    if calls is not None and role != "assistant":
+        raise _bad(f"messages[{i}].tool_calls", "only an assistant message has tool calls")
+    if calls is not None and not message.get("content"):  # an assistant that only called: no text
+        out: dict[str, Any] = {"role": role, "content": ""}
+    else:
+        out = {"role": role, "content": _content(message.get("content"), f"messages[{i}].content")}
+    if calls is not None:
+        out["tool_calls"] = parse_tool_calls(calls, f"messages[{i}].tool_calls")
+    if role == "tool":
+        if message.get("tool_call_id") is not None:
+            out["tool_call_id"] = parse_tool_call_id(message["tool_call_id"], f"messages[{i}].tool_call_id")
+        if isinstance(message.get("name"), str):
+            out["name"] = message["name"]
+    return out
+
+
 def parse_messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     """The ``messages`` of a chat request (or of ``/apply-template``), each ``{"role", "content"}``."""
     messages = body.get("messages")
@@ -374,10 +399,10 @@ def parse_messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
                 param=f"messages[{i}].{unknown[0]}",
                 code="unknown_parameter",
             )
-        for name in ("tool_calls", "function_call", "audio"):
+        for name in ("function_call", "audio"):
             if message.get(name) is not None:
-                raise _bad(f"messages[{i}].{name}", "tool calls are not supported by this server")
-        out.append({"role": role, "content": _content(message.get("content"), f"messages[{i}].content")})
+                raise _bad(f"messages[{i}].{name}", "is not supported by this server (use tool_calls)")
+        out.append(_message(message, role, i))
     return tuple(out)
 
 
@@ -444,6 +469,7 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
     top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise _bad("top_logprobs", "needs 'logprobs': true")
+    tools = parse_tools(body)
     return GenerationRequest(
         chat=True,
         messages=messages,
@@ -454,6 +480,9 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
         include_usage=include_usage,
         logprobs=logprobs,
         top_logprobs=top or 0,
+        tools=tools,
+        tool_choice=parse_tool_choice(body, tools),
+        template_kwargs=parse_template_kwargs(body),
     )
 
 
