@@ -51,7 +51,8 @@ SCRIPT = Script()
 
 
 @pytest.fixture(scope="module")
-def agent_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+def qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny full model with Qwen3's chat template."""
     from conftest import TINY_FULL_SPEC_FIELDS
 
     from aioexperts.testing import _full_model
@@ -61,8 +62,17 @@ def agent_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThr
         mp.setattr(_full_model, "CHATML_TEMPLATE", QWEN3)
         _full_model.write_full_model(path, _full_model.FullModelSpec(**TINY_FULL_SPEC_FIELDS))  # type: ignore[arg-type]
     SCRIPT.tokenizer = aioexperts.Tokenizer.from_gguf(path)
-    options = ServerOptions(port=0, parallel=2, queue_size=4, api_key=API_KEY, sampler_factory=SCRIPT)
-    thread = ServerThread(path, options, n_ctx=2048).start()  # room for the tools' schemas
+    return path
+
+
+def start(path: Path, **options: Any) -> ServerThread:
+    opts = ServerOptions(port=0, parallel=2, queue_size=4, api_key=API_KEY, sampler_factory=SCRIPT, **options)
+    return ServerThread(path, opts, n_ctx=2048).start()  # room for the tools' schemas
+
+
+@pytest.fixture(scope="module")
+def agent_server(qwen3_model: Path) -> Iterator[ServerThread]:
+    thread = start(qwen3_model)
     yield thread
     thread.stop()
 
@@ -116,6 +126,19 @@ def test_reasoning_is_apart_from_the_content_whole_and_streamed(oai: Any) -> Non
         == message.model_extra["reasoning_content"]
     )
     assert "".join(d.content or "" for d in deltas) == "It is sunny."
+
+
+def test_reasoning_format_none_leaves_think_in_the_content(qwen3_model: Path) -> None:
+    thread = start(qwen3_model, reasoning_format="none")
+    try:
+        say("<think>hm</think>Yes.")
+        status, out = post(thread, "/v1/chat/completions", {"messages": USER})
+        assert status == 200 and out["choices"][0]["message"]["content"] == "<think>hm</think>Yes."
+        assert "reasoning_content" not in out["choices"][0]["message"]
+    finally:
+        thread.stop()
+    with pytest.raises(aioexperts.ConfigError, match="reasoning_format must be one of none, auto, deepseek"):
+        ServerOptions(reasoning_format="raw")
 
 
 def test_reasoning_then_a_call(oai: Any) -> None:
