@@ -90,6 +90,7 @@ from ._text.toolcalls import Reply as Reply
 from ._text.toolcalls import ReplyDelta as ReplyDelta
 from ._text.toolcalls import ReplyParser as ReplyParser
 from ._text.toolcalls import ToolCall as ToolCall
+from ._text.toolcalls import call_prefix as call_prefix
 from ._text.toolcalls import thinking_open as thinking_open
 from ._text.toolcalls import tool_call_format as tool_call_format
 
@@ -197,6 +198,7 @@ __all__ = (
     "open",
     "open_model",
     "read_expert_map",
+    "call_prefix",
     "thinking_open",
     "tool_call_format",
     "write_expert_map",

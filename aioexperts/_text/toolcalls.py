@@ -45,6 +45,7 @@ __all__ = (
     "ReplyDelta",
     "ReplyParser",
     "ToolCall",
+    "call_prefix",
     "thinking_open",
     "tool_call_format",
 )
@@ -117,6 +118,43 @@ def tool_call_format(template_source: str) -> str:
     if "<|python_tag|>" in src or ("<|start_header_id|>" in src and "ipython" in src):
         return "llama3"
     return "hermes"
+
+
+def call_prefix(format: str, name: str | None = None, template_source: str = "") -> str:  # noqa: A002
+    """The start of a call in ``format``'s syntax, for a prompt to end with (a prompt-level ``tool_choice``).
+
+    Args:
+        format: one of :data:`TOOL_CALL_FORMATS`.
+        name: the function to call (its call up to the arguments), or None for any function.
+        template_source: the chat template (Mistral: ``[ARGS]`` in it means the ``name[ARGS]`` syntax).
+
+    Returns:
+        Text that a :class:`ReplyParser` fed first reads as the start of a call: ``<tool_call>\\n``
+        (Hermes), ``<tool_call>\\n{"name": "f", "arguments": `` (Hermes, named), ...
+
+    Raises:
+        ConfigError: an unknown ``format``.
+    """
+    if format not in TOOL_CALL_FORMATS:
+        raise ConfigError(f"unknown tool-call format {format!r}: one of {', '.join(TOOL_CALL_FORMATS)}")
+    q = json.dumps(name)
+    if format == "hermes":
+        return '<tool_call>\n{"name": ' + q + ', "arguments": ' if name else "<tool_call>\n"
+    if format == "llama3":
+        return '{"name": ' + q + ', "parameters": ' if name else '{"name": "'
+    if format == "mistral":
+        if not name:
+            return "[TOOL_CALLS]"
+        return (
+            f"[TOOL_CALLS]{name}[ARGS]"
+            if "[ARGS]" in template_source
+            else '[TOOL_CALLS][{"name": ' + q + ', "arguments": '
+        )
+    if format == "deepseek":
+        return "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
+    if name:
+        return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+    return "<|channel|>commentary to=functions."
 
 
 def thinking_open(prompt: str) -> bool:

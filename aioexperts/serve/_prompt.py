@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aioexperts import Reply, ReplyParser, thinking_open, tool_call_format
+from aioexperts import Reply, ReplyParser, call_prefix, thinking_open, tool_call_format
 
 from ._errors import APIError
 
@@ -37,25 +37,11 @@ _TOOLS_NOTE = (
 
 def _forced(fmt: str, choice: str, template: str) -> str:
     """The start of a call the prompt ends with for ``tool_choice`` ``required`` / ``function:NAME``."""
-    if choice not in ("required",) and not choice.startswith("function:"):
-        return ""
-    name = choice.removeprefix("function:") if choice != "required" else ""
-    q = json.dumps(name)
-    if fmt == "hermes":
-        return '<tool_call>\n{"name": ' + q + ', "arguments": ' if name else "<tool_call>\n"
-    if fmt == "llama3":
-        return '{"name": ' + q + ', "parameters": ' if name else '{"name": "'
-    if fmt == "mistral":
-        if not name:
-            return "[TOOL_CALLS]"
-        return f"[TOOL_CALLS]{name}[ARGS]" if "[ARGS]" in template else '[TOOL_CALLS][{"name": ' + q + ', "arguments": '
-    if fmt == "deepseek":
-        return "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
-    return (
-        f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
-        if name
-        else ("<|channel|>commentary to=functions.")
-    )
+    if choice == "required":
+        return call_prefix(fmt, None, template)
+    if choice.startswith("function:"):
+        return call_prefix(fmt, choice.removeprefix("function:"), template)
+    return ""
 
 
 @dataclass(frozen=True, slots=True)

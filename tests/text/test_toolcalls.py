@@ -255,3 +255,25 @@ def test_a_template_renders_tools_and_tool_calls_as_transformers_passes_them() -
 def test_an_unknown_format_is_refused() -> None:
     with pytest.raises(aioexperts.ConfigError, match="unknown tool-call format"):
         ReplyParser("xml")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "name", "template", "rest"),
+    [
+        ("hermes", None, "", '{"name": "f", "arguments": {"a": 1}}\n</tool_call>'),
+        ("hermes", "f", "", '{"a": 1}}\n</tool_call>'),
+        ("llama3", None, "", 'f", "parameters": {"a": 1}}'),
+        ("llama3", "f", "", '{"a": 1}}'),
+        ("mistral", None, "", '[{"name": "f", "arguments": {"a": 1}}]'),
+        ("mistral", "f", "", '{"a": 1}}]'),
+        ("mistral", "f", "[TOOL_CALLS]{{ name }}[ARGS]", '{"a": 1}'),
+        ("deepseek", None, "", 'f<｜tool▁sep｜>{"a": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+        ("harmony", None, "", 'f <|constrain|>json<|message|>{"a": 1}'),
+        ("harmony", "f", "", '{"a": 1}'),
+    ],
+)
+def test_a_reply_continuing_a_call_prefix_is_that_call(fmt: str, name: str | None, template: str, rest: str) -> None:
+    """``tool_choice`` required / named ends the prompt with :func:`call_prefix`; the model's reply continues it."""
+    p = parser(fmt)
+    assert p.feed(aioexperts.call_prefix(fmt, name, template)) == []  # nothing comes out of the prefix alone
+    assert Reply.join(p.feed(rest) + p.finish()) == Reply("", "", (call("f", {"a": 1}),))
