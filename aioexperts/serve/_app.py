@@ -1,8 +1,10 @@
 """The aiohttp application: routes, the API-key and error middlewares, and the :class:`Server`.
 
-Routes (docs/serving.md): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Routes (docs/serving.md): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/messages``
+and ``POST /v1/messages/count_tokens`` (Anthropic's, :mod:`aioexperts.serve._anthropic`), ``GET /v1/models``,
 ``GET /health``, ``GET /props``, ``POST /tokenize``, ``POST /detokenize``, ``POST /apply-template``,
-``GET /metrics``. Every refusal is an OpenAI error object (:mod:`aioexperts.serve._errors`).
+``GET /metrics``. Every refusal is an OpenAI error object (:mod:`aioexperts.serve._errors`), in
+Anthropic's shape on the ``/v1/messages`` paths.
 
 A request is checked and its prompt tokenized (on one text worker thread, off the event loop)
 before it asks the :class:`~aioexperts.serve._scheduler.Scheduler` for a slot, so a bad request is

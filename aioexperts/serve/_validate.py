@@ -5,10 +5,11 @@ llama.cpp server's sampling extensions ``top_k``, ``min_p`` and ``repeat_penalty
 JSON ``null`` counts as absent. Sampling fields not given take llama.cpp's defaults
 (:class:`aioexperts.SamplingOptions`: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05).
 Features this server does not have (``n`` other than 1, ``best_of``, ``echo``, ``suffix``,
-``logit_bias``, ``tools``, a ``response_format`` other than text, ...) are refused, never ignored;
+``logit_bias``, a ``response_format`` other than text, ...) are refused, never ignored;
 so is a field the endpoint does not know (:data:`CHAT_FIELDS`, :data:`COMPLETION_FIELDS`: 400
-``unknown_parameter`` naming it). Every message needs non-empty text content, and text must be
-valid Unicode (no lone surrogates).
+``unknown_parameter`` naming it). ``tools``, ``tool_choice``, a message's ``tool_calls`` and
+``chat_template_kwargs`` are read by :mod:`._tools`. Every message needs non-empty text content
+(but an assistant message with ``tool_calls``), and text must be valid Unicode (no lone surrogates).
 """
 
 from __future__ import annotations
