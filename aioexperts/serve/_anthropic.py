@@ -145,6 +145,11 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "must be a non-empty array of messages")
+    if isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+        raise _bad(
+            f"messages.{len(messages) - 1}",
+            "a last assistant message (a prefill to continue) is not supported: end with a user message",
+        )
     for i, message in enumerate(messages):
         where = f"messages.{i}"
         if not isinstance(message, dict):

@@ -113,9 +113,9 @@ TOKENIZE_FIELDS = frozenset({"model", "content", "add_special", "parse_special",
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 """The fields of ``POST /detokenize``."""
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-#: A message's fields (OpenAI's): ``name`` is accepted and ignored; tool calls and audio are refused.
+#: A message's fields (OpenAI's, and llama.cpp's ``reasoning_content``); ``function_call`` and audio are refused.
 _MESSAGE_FIELDS = frozenset(
-    {"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio"}
+    {"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio", "reasoning_content"}
 )
 #: ``stream_options``' fields: ``include_obfuscation`` (padding against side channels) is accepted and ignored.
 _STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
@@ -372,6 +372,13 @@ def _message(message: Mapping[str, Any], role: str, i: int) -> dict[str, Any]:
         out = {"role": role, "content": _content(message.get("content"), f"messages[{i}].content")}
     if calls is not None:
         out["tool_calls"] = parse_tool_calls(calls, f"messages[{i}].tool_calls")
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None:  # llama.cpp's field: the reasoning templates print it (Qwen3, DeepSeek)
+        where = f"messages[{i}].reasoning_content"
+        if role != "assistant" or not isinstance(reasoning, str):
+            raise _bad(where, "must be a string, on an assistant message")
+        if reasoning:
+            out["reasoning_content"] = _text(reasoning, where)
     if role == "tool":
         if message.get("tool_call_id") is not None:
             out["tool_call_id"] = parse_tool_call_id(message["tool_call_id"], f"messages[{i}].tool_call_id")

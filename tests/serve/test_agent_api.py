@@ -188,6 +188,38 @@ def test_tool_messages_and_calls_reach_the_template(agent_server: ServerThread) 
     assert '"name": "get_weather", "description": "The weather in a city"' in prompt  # the tools' schemas
 
 
+def test_an_assistants_reasoning_content_reaches_the_template(agent_server: ServerThread) -> None:
+    messages = [
+        *USER,
+        {"role": "assistant", "content": "Sunny.", "reasoning_content": "Look it up."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    # Qwen3's template prints the reasoning of an assistant turn after the last user query only
+    status, out = post(agent_server, "/apply-template", {"messages": messages[:2]})
+    assert status == 200 and "<think>\nLook it up.\n</think>\n\nSunny." in out["prompt"], out
+    status, out = post(agent_server, "/apply-template", {"messages": [{**messages[0], "reasoning_content": "x"}]})
+    assert status == 400 and out["error"]["param"] == "messages[0].reasoning_content"
+
+
+def test_a_template_without_tools_gets_them_in_a_system_message(tiny_full_model: Path) -> None:
+    """The built-in ChatML template never reads ``tools``: a system message lists them (and the syntax)."""
+    thread = start(tiny_full_model)
+    try:
+        status, out = post(thread, "/apply-template", {"messages": USER, "tools": TOOLS})
+        assert status == 200, out
+        prompt = out["prompt"]
+        assert prompt.startswith("<|im_start|>system\nYou may call these functions")
+        assert json.dumps(TOOLS[0]["function"]) in prompt and "<tool_call>" in prompt
+        system = [{"role": "system", "content": "Be brief."}, *USER]
+        status, out = post(thread, "/apply-template", {"messages": system, "tools": TOOLS})
+        assert status == 200 and out["prompt"].startswith("<|im_start|>system\nBe brief.\n\nYou may call")
+        say(CALL)  # and the reply is read in that syntax
+        status, out = post(thread, "/v1/chat/completions", {"messages": USER, "tools": TOOLS})
+        assert status == 200 and out["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    finally:
+        thread.stop()
+
+
 def test_chat_template_kwargs_reach_the_template(agent_server: ServerThread) -> None:
     off = {"messages": USER, "chat_template_kwargs": {"enable_thinking": False}}
     status, out = post(agent_server, "/apply-template", off)
@@ -292,6 +324,9 @@ def test_messages_errors_have_anthropics_shape(claude: Any, agent_server: Server
         "type": "error",
         "error": {"type": "authentication_error", "message": body["error"]["message"]},
     }
+    prefill = [*A_USER, {"role": "assistant", "content": "It is"}]
+    status, out = post(agent_server, "/v1/messages", {"max_tokens": 5, "messages": prefill})
+    assert status == 400 and "prefill" in out["error"]["message"], out
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
     status, out = post(
         agent_server, "/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [image]}]}
