@@ -87,6 +87,15 @@ from ._text.sampling import SamplingOptions as SamplingOptions
 from ._text.sampling import StopMatcher as StopMatcher
 from ._text.tokenizer import IncrementalDecoder as IncrementalDecoder
 from ._text.tokenizer import Tokenizer as Tokenizer
+from ._text.toolcalls import REASONING_FORMATS as REASONING_FORMATS
+from ._text.toolcalls import TOOL_CALL_FORMATS as TOOL_CALL_FORMATS
+from ._text.toolcalls import Reply as Reply
+from ._text.toolcalls import ReplyDelta as ReplyDelta
+from ._text.toolcalls import ReplyParser as ReplyParser
+from ._text.toolcalls import ToolCall as ToolCall
+from ._text.toolcalls import call_prefix as call_prefix
+from ._text.toolcalls import thinking_open as thinking_open
+from ._text.toolcalls import tool_call_format as tool_call_format
 
 __version__ = "0.2.0"
 
@@ -159,6 +168,10 @@ __all__ = (
     "PageCacheStatistics",
     "PlacementError",
     "PrefetchOptions",
+    "REASONING_FORMATS",
+    "Reply",
+    "ReplyDelta",
+    "ReplyParser",
     "ProjectionView",
     "RouteStep",
     "RoutingTrace",
@@ -173,12 +186,14 @@ __all__ = (
     "SlotTimeoutError",
     "StaleMapError",
     "StopMatcher",
+    "TOOL_CALL_FORMATS",
     "TensorInfo",
     "TextStream",
     "TokenStream",
     "TokenConstraint",
     "Tokenizer",
     "TokenizerError",
+    "ToolCall",
     "UnsupportedTypeError",
     "VocabularyError",
     "WarmupReport",
@@ -189,5 +204,8 @@ __all__ = (
     "open_model",
     "read_expert_map",
     "read_memory_limit",
+    "call_prefix",
+    "thinking_open",
+    "tool_call_format",
     "write_expert_map",
 )

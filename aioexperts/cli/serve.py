@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt cache off (default: half the memory left after the model and --parallel sequences, "
         "at most 16 sequences)",
     )
+    p.add_argument(
+        "--reasoning-format",
+        choices=aioexperts.REASONING_FORMATS,
+        default="auto",
+        help="<think> text: returned apart as reasoning_content (auto, deepseek) or left in the content (none)",
+    )
     add_model_options(p, ctx_help="positions of each sequence's KV cache (n_ctx; default 4096")
     return p
 
@@ -95,6 +101,7 @@ SERVER_FLAGS = {
     "shutdown_timeout": "--shutdown-timeout",
     "model_name": "--alias",
     "prompt_cache_bytes": "--prompt-cache-bytes",
+    "reasoning_format": "--reasoning-format",
 }
 
 
@@ -214,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 shutdown_timeout=args.shutdown_timeout,
                 model_name=args.alias,
                 prompt_cache_bytes=args.prompt_cache_bytes,
+                reasoning_format=args.reasoning_format,
             )
         except aioexperts.ConfigError as exc:
             raise aioexperts.ConfigError(name_the_options(str(exc), SERVER_FLAGS)) from None

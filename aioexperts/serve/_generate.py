@@ -26,24 +26,45 @@ if TYPE_CHECKING:
 
     from ._prompt_cache import PromptCache
 
-__all__ = ("Generation",)
+__all__ = ("Generation", "SamplerFactory")
+
+
+SamplerFactory = Callable[[SamplingOptions], Callable[[np.ndarray, Sequence[int]], "int | SampledToken"]]
+"""Makes the sampler of one generation from its options: ``(logits, history) -> token id`` (or a
+:class:`SampledToken`); ``ServerOptions.sampler_factory``."""
 
 
 class _Recorder:
-    """``(logits, history) -> id`` through a :class:`Sampler`, keeping each :class:`SampledToken`."""
+    """``(logits, history) -> id`` through a :class:`Sampler` (or a factory's sampler), keeping each
+    :class:`SampledToken`."""
 
-    def __init__(self, options: SamplingOptions, constraint: TokenConstraint | None) -> None:
-        self._sampler = Sampler(options)
+    def __init__(
+        self, options: SamplingOptions, constraint: TokenConstraint | None = None, factory: SamplerFactory | None = None
+    ) -> None:
+        self._sampler = Sampler(options) if factory is None else None
+        self._custom = factory(options) if factory is not None else None
         self._constraint = constraint
         self.sampled: list[SampledToken] = []
 
+    def _sample(self, logits: np.ndarray, history: Sequence[int]) -> SampledToken:
+        if self._custom is not None:
+            got = self._custom(logits, history)
+            return got if isinstance(got, SampledToken) else SampledToken(int(got))
+        assert self._sampler is not None
+        return self._sampler.sample(logits, history)
+
     def __call__(self, logits: np.ndarray, history: Sequence[int]) -> int:
         if self._constraint is None:
-            chosen = self._sampler.sample(logits, history)
+            chosen = self._sample(logits, history)
         else:
-            token = self._constraint.choose(logits, lambda masked: self._sampler.sample(masked, history).token)
-            last = self._sampler.last
-            chosen = last if last is not None and last.token == token else SampledToken(token)
+            tried: list[SampledToken] = []
+
+            def pick(masked: np.ndarray) -> int:
+                tried.append(self._sample(masked, history))
+                return tried[-1].token
+
+            token = self._constraint.choose(logits, pick)
+            chosen = tried[-1] if tried and tried[-1].token == token else SampledToken(token)
         self.sampled.append(chosen)
         return chosen.token
 
@@ -60,6 +81,7 @@ class Generation:
         on_token: called once per generated token (the server's counters).
         cache: the prompt cache to take the sequence from and give it back to (None: a fresh one).
         constraint: the grammar the generated tokens must follow (None: free text).
+        sampler_factory: makes the sampler instead of :class:`aioexperts.Sampler` (tests; None: the default).
     """
 
     def __init__(
@@ -72,6 +94,7 @@ class Generation:
         on_token: Callable[[], None],
         cache: PromptCache | None = None,
         constraint: TokenConstraint | None = None,
+        sampler_factory: SamplerFactory | None = None,
     ) -> None:
         n_logprobs = 0 if top_logprobs is None else max(1, top_logprobs)
         self._options = replace(options, max_tokens=max_tokens, logprobs=n_logprobs)
@@ -80,6 +103,7 @@ class Generation:
         self._on_token = on_token
         self._cache = cache
         self._constraint = constraint
+        self._sampler_factory = sampler_factory
         self.statistics = GenerationStatistics()
 
     @property
@@ -99,7 +123,7 @@ class Generation:
         Raises:
             As :meth:`aioexperts.Model.stream` (InvalidRequestError, NonFiniteError, store errors).
         """
-        recorder = _Recorder(self._options, self._constraint)
+        recorder = _Recorder(self._options, self._constraint, self._sampler_factory)
         if self._cache is None:
             stream = self._model.stream(self._prompt_ids, options=self._options, sampler=recorder)
             async with aclosing(self._pieces(stream, recorder)) as pieces:
