@@ -209,6 +209,9 @@ class ArchitectureRecord:
         block: name of the block implementation in :mod:`aioexperts._model.blocks` (``"gqa"``).
         hyper_connections: the residual is ``hyper_connection.count`` streams mixed around every block
             (deepseek4.cpp ``build_hc_pre`` / ``build_hc_post`` / ``build_hc_head``).
+        text_mrope: the graph rotates with ``ggml_rope_multi`` and ``rope.dimension_sections``
+            (qwen35moe.cpp's IMRoPE): for text tokens every section gets the token's position, which
+            is NEOX on the first ``rope.dimension_count`` dims, so the sections are accepted.
         status: ``"golden"`` when checked against a llama.cpp ``forward.npz``.
     """
 
@@ -227,6 +230,7 @@ class ArchitectureRecord:
     yarn_log_multiplier: bool = False
     block: str = "gqa"
     hyper_connections: bool = False
+    text_mrope: bool = False
     status: str = "golden"
 
 
