@@ -27,9 +27,9 @@ import asyncio
 import contextlib
 import json
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -42,12 +42,45 @@ from ._tools import parse_template_kwargs, parse_tools
 from ._validate import MAX_STOP_STRINGS, GenerationRequest, parse_json
 
 if TYPE_CHECKING:
-    from ._app import Server
+    from aioexperts import Model
+
     from ._generate import Generation
+    from ._metrics import Metrics
+    from ._scheduler import Scheduler
+
+T = TypeVar("T")
 
 __all__ = ("AnthropicMessages", "is_anthropic_path")
 
 _PATH = "/v1/messages"
+
+
+class _Options(Protocol):
+    @property
+    def reasoning_format(self) -> str: ...
+
+
+class MessagesServer(Protocol):
+    """What the Messages API needs of :class:`~aioexperts.serve.Server` (its handlers' common parts)."""
+
+    model: Model
+    metrics: Metrics
+    scheduler: Scheduler
+    name: str
+    _stopping: bool
+
+    @property
+    def options(self) -> _Options: ...
+
+    async def _in_text_worker(self, fn: Callable[[], T]) -> T: ...
+
+    def _fit(self, req: GenerationRequest, n_prompt: int) -> int: ...
+
+    def generation(self, ids: list[int], req: GenerationRequest, max_tokens: int) -> Generation: ...
+
+    @staticmethod
+    def _uncancel() -> None: ...
+
 
 #: The body fields of ``POST /v1/messages`` (Anthropic's API reference, 2025), plus llama.cpp's
 #: ``chat_template_kwargs``; ``metadata``, ``service_tier`` and ``model`` are accepted and ignored.
@@ -374,7 +407,7 @@ class _Blocks:
 class AnthropicMessages:
     """The handlers of ``/v1/messages`` on a :class:`~aioexperts.serve.Server`."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: MessagesServer) -> None:
         self.server = server
 
     @staticmethod

@@ -26,9 +26,17 @@ class ScriptedSampler:
 
     Example::
 
-        tok = model.tokenizer
-        sampler = ScriptedSampler.from_text(tok, '<tool_call>\\n{"name": "f", "arguments": {}}\\n</tool_call>')
-        text = "".join([piece async for piece in model.stream("Hi", sampler=sampler, max_tokens=64)])
+        import asyncio
+        import aioexperts
+        from aioexperts.testing import ScriptedSampler, builtin_model_path
+
+        async def main() -> None:
+            async with aioexperts.load(builtin_model_path(), slots=256, n_ctx=512) as model:
+                sampler = ScriptedSampler.from_text(model.tokenizer, '{"name": "f", "arguments": {}}')
+                pieces = [piece async for piece in model.stream("Hi", sampler=sampler, max_tokens=64)]
+                print("".join(pieces))  # the scripted text
+
+        asyncio.run(main())
     """
 
     def __init__(self, ids: Sequence[int], end: int) -> None:
