@@ -228,19 +228,24 @@ class ExpertCache:
             untracked.add(key)
             raise self._policy_error("access", exc) from exc
         c = self.counters
-        demanded = 0
+        demanded = prefetched = 0
         for entry in pinned:
             entry.pins += 1
-            if entry.prefetched:
-                entry.prefetched = False
-                c.prefetch_hits += 1
             if entry.demanded:  # read by start_loads for this request: its miss, not a hit
                 entry.demanded = False
                 demanded += 1
+            elif entry.prefetched:
+                prefetched += 1
+            if entry.prefetched:
+                entry.prefetched = False
+                c.prefetch_hits += 1
         n = len(pinned)
         c.requests += n
         c.hits += n - demanded
         c.misses += demanded
+        c.demand_misses += demanded
+        c.prefetched_in_time += prefetched
+        c.cached_hits += n - demanded - prefetched
         task = self.loop.current_task()
         held = self._held
         held[task] = held.get(task, 0) + n
@@ -413,14 +418,24 @@ class ExpertCache:
         c = self.counters
         c.requests += len(keys)
         c.misses += len(missing)
+        c.demand_misses += len(missing)
         for entry in present:
             if entry.demanded:  # read by start_loads for this request: its miss
                 entry.demanded = False
                 c.misses += 1
+                c.demand_misses += 1
             elif entry.state is SlotState.READY:
                 c.hits += 1
+                if entry.prefetched:
+                    c.prefetched_in_time += 1
+                else:
+                    c.cached_hits += 1
             else:
                 c.inflight_joins += 1
+                if entry.prefetched:
+                    c.prefetched_late += 1
+                else:  # another request's demand read, shared
+                    c.demand_misses += 1
                 if entry.load is not None:
                     self.scheduler.promote(entry.load)
             if entry.prefetched:
