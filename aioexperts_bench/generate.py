@@ -280,6 +280,15 @@ def _from_events(events: list[dict[str, Any]], n_prompt: int) -> dict[str, Any]:
         for key in ("hit_rate", "expert_bytes_read", "distinct_experts_per_layer", "seconds_per_part"):
             if key in done:
                 out[key] = done[key]
+        sources = done.get("read_sources")
+        if sources and tokens:
+            n = len(tokens)
+            out["stall_ms_per_token"] = sources["stall_seconds"] / n * 1e3
+            sources_keys = ("requests", "cached_hits", "prefetched_in_time", "prefetched_late", "demand_misses")
+            for key in (*sources_keys, "low_tier_misses"):
+                out[f"{key}_per_token"] = sources[key] / n
+            out["expert_bytes_per_token"] = done.get("expert_bytes_read", 0) / n
+            out["device_bytes_per_second"] = sources["device_bytes_per_second"]
     return out
 
 
@@ -399,6 +408,20 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+#: issue 36's figures per decode token (runs of this version on; older results files lack them)
+READ_SOURCE_KEYS = (
+    "stall_ms_per_token",
+    "requests_per_token",
+    "cached_hits_per_token",
+    "prefetched_in_time_per_token",
+    "prefetched_late_per_token",
+    "demand_misses_per_token",
+    "low_tier_misses_per_token",
+    "expert_bytes_per_token",
+    "device_bytes_per_second",
+)
+
+
 def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Per (limit, engine): the means over rounds of each figure, and the runs' statuses."""
     rows = []
@@ -415,6 +438,7 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
         "page_cache_bytes",
         "hit_rate",
         "slab_bytes",
+        *READ_SOURCE_KEYS,
     )
     seen: list[tuple[str, str]] = []
     for run in results["runs"]:

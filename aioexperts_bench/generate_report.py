@@ -68,6 +68,32 @@ def _table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _sources_table(results: dict[str, Any]) -> list[str]:
+    """Where aioexperts' decode tokens waited and where their experts came from (issue 36), per
+    decode token; no lines for results files written before these figures existed."""
+    rows = [r for r in results["summary"] if r.get("stall_ms_per_token") is not None]
+    if not rows:
+        return []
+    lines = [
+        "Per decode token (aioexperts): the stall on reads, the experts by source (cached: resident "
+        "before the token asked; prefetched in time; prefetched late: the pass waited; demand "
+        "misses, of them from the low tier), expert bytes read, the device rate while reads were in flight.",
+        "",
+        "| limit | engine | stall ms/token | cached | prefetched in time | prefetched late | demand misses "
+        "(low tier) | expert MB/token | device GB/s while reading |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(  # noqa: PERF401 - one row per line of the table
+            f"| {row['limit']} | {row['engine']} | {_f(row['stall_ms_per_token'], '.0f')} | "
+            f"{_f(row['cached_hits_per_token'], '.0f')} | {_f(row['prefetched_in_time_per_token'], '.0f')} | "
+            f"{_f(row['prefetched_late_per_token'], '.0f')} | {_f(row['demand_misses_per_token'], '.0f')} "
+            f"({_f(row['low_tier_misses_per_token'], '.0f')}) | {_mb(row['expert_bytes_per_token'])} | "
+            f"{_gb(row['device_bytes_per_second'])} |"
+        )
+    return lines
+
+
 def _round_lines(results: dict[str, Any]) -> list[str]:
     lines = []
     by_limit: dict[str, list[dict[str, Any]]] = {}
@@ -182,6 +208,9 @@ def text_report(results: dict[str, Any]) -> str:
         *per_part,
     ]
     body = [*head, *_table(results), ""]
+    sources = _sources_table(results)
+    if sources:
+        body += [*sources, ""]
     body += _round_lines(results)
     for extra in (_distinct_line(results), _split_line(results)):
         if extra:

@@ -49,6 +49,19 @@ def process_counters() -> dict[str, int]:
     return {"major_faults": usage.ru_majflt, "peak_rss_bytes": usage.ru_maxrss * 1024, "device_read_bytes": read_bytes}
 
 
+def read_sources(before: Any, after: Any, stall0: float, stall1: float) -> dict[str, Any]:
+    """Where the decode tokens' experts came from and where the pass waited, between two store
+    snapshots (``StoreStatistics``) and the model's stall seconds at each (issue 36's statistics)."""
+    busy = after.device_busy_seconds - before.device_busy_seconds
+    read = after.bytes_read - before.bytes_read
+    keys = ("requests", "cached_hits", "prefetched_in_time", "prefetched_late", "demand_misses", "low_tier_misses")
+    out: dict[str, Any] = {key: getattr(after, key) - getattr(before, key) for key in keys}
+    out["stall_seconds"] = stall1 - stall0
+    out["device_busy_seconds"] = busy
+    out["device_bytes_per_second"] = read / busy if busy > 0 else None
+    return out
+
+
 def _emit(phase: str, **fields: Any) -> None:
     print(json.dumps({"phase": phase, "t": time.time(), **process_counters(), **fields}, allow_nan=False), flush=True)
 
@@ -111,6 +124,7 @@ async def _run_aioexperts(cfg: dict[str, Any]) -> None:
             "done",
             hit_rate=(after.hits - before.hits) / requests if requests else None,
             expert_bytes_read=after.bytes_read - before.bytes_read,
+            read_sources=read_sources(before, after, split0.stall_seconds, split1.stall_seconds),
             distinct_experts_per_layer=distinct,
             seconds_per_part=parts,
         )

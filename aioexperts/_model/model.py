@@ -97,6 +97,8 @@ class ModelStatistics:
             batching, :mod:`aioexperts._model.decode_batch`).
         batched_tokens: the tokens of those steps.
         batch_window_seconds: time decode steps waited for their sequences, summed.
+        stall_seconds: time the MoE layers waited for expert reads with nothing to compute
+            (the runner's ``stall_seconds``); per token: divide by the tokens run.
     """
 
     dense_bytes: int
@@ -115,6 +117,7 @@ class ModelStatistics:
     batched_steps: int = 0
     batched_tokens: int = 0
     batch_window_seconds: float = 0.0
+    stall_seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -762,6 +765,7 @@ class Model:
             batched_steps=self._steps.counters.batches,
             batched_tokens=self._steps.counters.batched_calls,
             batch_window_seconds=self._steps.counters.window_seconds,
+            stall_seconds=self._runner.statistics().stall_seconds if self._runner is not None else 0.0,
         )
 
     # -- sequences ------------------------------------------------------------------------------

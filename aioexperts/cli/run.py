@@ -200,6 +200,15 @@ class _Report:
             "prefetch_wasted": st.prefetch_wasted,
             "tokens_run": run,
             "bytes_read_per_token": st.bytes_read / run if run else None,
+            "cached_hits": st.cached_hits,
+            "prefetched_in_time": st.prefetched_in_time,
+            "prefetched_late": st.prefetched_late,
+            "demand_misses": st.demand_misses,
+            "low_tier_misses": st.low_tier_misses,
+            "stall_seconds": ms.stall_seconds,
+            "stall_seconds_per_token": ms.stall_seconds / run if run else None,
+            "device_busy_seconds": st.device_busy_seconds,
+            "device_bytes_per_second": st.device_rate,
             "backend": st.backend,
             "direct_io": st.direct_io,
         }
@@ -268,6 +277,7 @@ class _Report:
                 + f" ({ex['tokens_run']} tokens run); prefetched {ex['prefetch_issued']} "
                 f"({ex['prefetch_wasted']} wasted); {ex['backend']}{', O_DIRECT' if ex['direct_io'] else ''}"
             )
+            lines.append(_sources_line(ex))
         m = self.memory()
         parts = [f"RSS {_size(m['rss_bytes'])} (peak {_size(m['peak_rss_bytes'])})"]
         if m["slab_bytes"] is not None:
@@ -283,6 +293,20 @@ class _Report:
             lines.append("interrupted (Ctrl-C)")
         for line in lines:
             print(line, file=out)
+
+
+def _sources_line(ex: dict[str, Any]) -> str:
+    """Where the experts came from and where the pass waited (issue 36's statistics), one line."""
+    stall = ex["stall_seconds_per_token"]
+    rate = ex["device_bytes_per_second"]
+    low = f", {ex['low_tier_misses']} of them from the low tier" if ex["low_tier_misses"] else ""
+    return (
+        f"expert sources: {ex['cached_hits']} cached, {ex['prefetched_in_time']} prefetched in time, "
+        f"{ex['prefetched_late']} prefetched late, {ex['demand_misses']} demand misses{low}; stalled on reads "
+        + (f"{stall * 1e3:.1f} ms per token" if stall is not None else "n/a per token")
+        + f" ({ex['stall_seconds']:.3f} s); device "
+        + (f"{_size(int(rate))}/s while reading" if rate is not None else "idle")
+    )
 
 
 def _size(n: float | None) -> str:

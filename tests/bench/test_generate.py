@@ -46,7 +46,14 @@ def test_generate_smoke_run_writes_results_and_a_report(
     assert run["decode_tok_s"] > 0 and run["prefill_tok_s"] > 0 and 0 <= run["hit_rate"] <= 1
     assert run["slab_budget"].startswith("slab ") and run["slab_bytes"] > 0
     assert len(run["distinct_experts_per_layer"]) == 2 and all(1 <= d <= 4 for d in run["distinct_experts_per_layer"])
-    assert "| none | aioexperts | 1x ok |" in capsys.readouterr().out
+    # issue 36's figures per decode token: every expert of the 3 decode tokens has one source
+    sources = ("cached_hits", "prefetched_in_time", "prefetched_late", "demand_misses")
+    per_token = sum(run[f"{k}_per_token"] for k in sources)
+    assert per_token == run["requests_per_token"] > 0
+    assert run["stall_ms_per_token"] >= 0 and run["low_tier_misses_per_token"] == 0
+    printed = capsys.readouterr().out
+    assert "| none | aioexperts | 1x ok |" in printed
+    assert "| stall ms/token | cached |" in printed
     assert results["targets"][-1]["what"] == "slab chosen automatically"
 
 
