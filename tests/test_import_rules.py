@@ -38,6 +38,7 @@ LAYER_OF = {
     "_rows": "store",
     "_options": "store",
     "_compute": "compute",
+    "_quant": "compute",
     "_predict": "predict",
     "_batch": "runner",
     "_pipeline": "runner",
