@@ -65,11 +65,13 @@ from ._model.text import TextStream as TextStream
 from ._model.text import TokenStream as TokenStream
 from ._options import CacheOptions as CacheOptions
 from ._options import IOOptions as IOOptions
+from ._options import MissTier as MissTier
 from ._options import PageCacheOptions as PageCacheOptions
 from ._pipeline import ComputeStep as ComputeStep
 from ._pipeline import LayerStep as LayerStep
 from ._pipeline import MoELayersResult as MoELayersResult
 from ._predict.trace import RoutingTrace as RoutingTrace
+from ._quant.sidecar import write_miss_tier as write_miss_tier
 from ._runner import MoEResult as MoEResult
 from ._runner import MoERunner as MoERunner
 from ._runner import PrefetchOptions as PrefetchOptions
@@ -140,6 +142,7 @@ __all__ = (
     "InvalidRequestError",
     "LayerStep",
     "LayoutError",
+    "MissTier",
     "MissingShardError",
     "Model",
     "ModelSequence",
@@ -184,4 +187,5 @@ __all__ = (
     "open_model",
     "read_expert_map",
     "write_expert_map",
+    "write_miss_tier",
 )

@@ -29,6 +29,7 @@ from ._format.views import ExpertView
 from ._pipeline import run_in_worker, run_layer_step
 from ._router import Router, Routing, rows_text
 from ._store import ExpertStore
+from ._tier_policy import low_tier_misses
 
 __all__ = (
     "HITS_FIRST_MIN_MISSES",
@@ -257,7 +258,9 @@ class LocalExecutor(LayerExecutor):
             # the layer's misses first, then the prefetch of the layers ahead, submitted now as one
             # batch: before any compute job of this step holds the cores (and the GIL) the event
             # loop needs to submit them
-            store.start_loads(layer, experts, prefetch=prefetch)
+            tier = store.miss_tier
+            low = low_tier_misses(tier, misses, calls, store.read_backlog_seconds()) if tier and misses else []
+            store.start_loads(layer, experts, prefetch=prefetch, low_ids=low)
             prefetch = []
         hits: list[int] = []
         if self.hits_first and len(experts) > 1 and misses and len(misses) < len(experts):

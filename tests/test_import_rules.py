@@ -45,6 +45,7 @@ LAYER_OF = {
     "_runner": "runner",
     "_router": "runner",
     "_executor": "runner",
+    "_tier_policy": "runner",
     "_model": "model",
     "_text": "model",
     "__init__": "public",

@@ -190,6 +190,15 @@ class ReadScheduler:
         return self._bytes_in_flight
 
     @property
+    def queued_bytes(self) -> int:
+        """Bytes of the loads queued and not submitted yet (re-reads included)."""
+        return (
+            sum(load.read_bytes for load in self._demand)
+            + sum(load.read_bytes for load in self._prefetch)
+            + sum(op.n_bytes for op in self._retries)
+        )
+
+    @property
     def idle(self) -> bool:
         """Nothing queued and nothing in flight."""
         return not (self._ops_in_flight or self._retries or self._demand or self._prefetch)

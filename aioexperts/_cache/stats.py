@@ -65,6 +65,7 @@ class Counters:
     prefetched_late: int = 0
     demand_misses: int = 0
     low_tier_misses: int = 0
+    tier_upgrades: int = 0
     device_busy_seconds: float = 0.0
     expert_latency: LatencyWindow = field(default_factory=LatencyWindow)
 
@@ -127,6 +128,7 @@ class StoreStatistics:
             join of another request's demand read). ``requests == cached_hits + prefetched_in_time
             + prefetched_late + demand_misses`` in slab mode (page-cache mode leaves all four 0).
         low_tier_misses: of ``demand_misses``, those served from the low-precision miss tier.
+        tier_upgrades: low-tier copies read again at full precision after a hit.
         device_busy_seconds: wall time during which at least one read was in flight; the device
             rate is ``bytes_read / device_busy_seconds`` (:attr:`device_rate`).
     """
@@ -165,6 +167,7 @@ class StoreStatistics:
     prefetched_late: int = 0
     demand_misses: int = 0
     low_tier_misses: int = 0
+    tier_upgrades: int = 0
     device_busy_seconds: float = 0.0
 
     @property
@@ -203,6 +206,7 @@ class StoreStatistics:
             prefetched_late=c.prefetched_late,
             demand_misses=c.demand_misses,
             low_tier_misses=c.low_tier_misses,
+            tier_upgrades=c.tier_upgrades,
             device_busy_seconds=c.device_busy_seconds,
             expert_latency_p50_ms=to_ms(c.expert_latency.percentile(50)),
             expert_latency_p99_ms=to_ms(c.expert_latency.percentile(99)),

@@ -123,8 +123,8 @@ def read_tier_sidecar(path: str | os.PathLike[str], model: GGUFModel, layout: Ex
         raise FormatError(f"{where}: miss-tier sidecar version {version!r}; this aioexperts reads {TIER_VERSION}")
     raw_type = side.metadata.get(TIER_KEYS["type"])
     try:
-        ggml_type = GGMLQuantizationType(raw_type)
-    except (ValueError, TypeError):
+        ggml_type = GGMLQuantizationType(int(raw_type) if isinstance(raw_type, int) else -1)
+    except ValueError:
         raise FormatError(f"{where}: unknown ggml type {raw_type!r}") from None
     if ggml_type not in LOW_TYPES:
         raise FormatError(f"{where}: type {ggml_type.name} is not a miss-tier type (Q2_K, Q3_K, IQ4_XS)")

@@ -52,7 +52,7 @@ from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_bytes_per
 from aioexperts._model.residual import after_attention, block_input, head_input, scale_logits
 from aioexperts._model.steps import StepBatcher
 from aioexperts._model.weights import DenseMatrix, TensorReader
-from aioexperts._options import CacheOptions, IOOptions, PageCacheOptions
+from aioexperts._options import CacheOptions, IOOptions, MissTier, PageCacheOptions
 from aioexperts._pipeline import run_in_worker
 from aioexperts._runner import BATCH_MAX_ROWS, MoERunner, PrefetchOptions
 from aioexperts._store import ExpertStore
@@ -1228,6 +1228,7 @@ def load(
     batch_wait: float | None = DEFAULT_BATCH_WAIT,
     hits_first: bool = True,
     record_trace: bool = False,
+    miss_tier: MissTier | None = None,
 ) -> Model:
     """Prepare the whole model at ``path``; start it with ``async with``.
 
@@ -1276,6 +1277,9 @@ def load(
             (the result does not change).
         record_trace: record every routing decision (:meth:`MoERunner.routing_trace` of
             :attr:`Model.runner`).
+        miss_tier: the low-precision miss tier (opt-in, :class:`~aioexperts.MissTier`, as
+            :func:`aioexperts.open`): misses its policy chooses are read from a sidecar of smaller
+            experts (``aioexperts-tier``; docs/miss-tier.md). Default off: the numerics do not change.
 
     Returns:
         A :class:`Model`, not started.
@@ -1302,5 +1306,6 @@ def load(
         "expert_map": expert_map,
         "mode": mode,
         "pagecache": pagecache,
+        "miss_tier": miss_tier,
     }
     return Model(path, config, store_options=options, runner=runner)

@@ -106,9 +106,9 @@ def write_miss_tier(
             data = np.empty((shape[0], n_bytes // shape[0]), dtype=np.uint8)
             for local in range(bank.n_experts):
                 segment = bank.locate(layer, local).segments[p]
-                raw = _read(model, segment.shard, segment.offset, segment.n_bytes)
-                values = dequantize(raw, segment.ggml_type, segment.shape)
-                data[local] = quantize(values, low).reshape(-1)
+                raw = np.frombuffer(_read(model, segment.shard, segment.offset, segment.n_bytes), dtype=np.uint8)
+                weights = dequantize(raw, segment.ggml_type, segment.shape)
+                data[local] = quantize(weights, low).reshape(-1)
             writer.write_tensor_data(data)
             written += n_bytes
             if progress is not None:
