@@ -134,6 +134,8 @@ class GenerateConfig:
         n_ctx: the KV cache positions of both engines.
         run_timeout: seconds before a run is stopped (reported as ``timeout``).
         seed: of the token ids.
+        miss_tier: the ``aioexperts-tier`` engine's :class:`~aioexperts.MissTier` fields (``path``
+            of the sidecar, ``max_gate_weight``, ``behind_seconds``), else None.
     """
 
     model: str
@@ -147,6 +149,7 @@ class GenerateConfig:
     run_timeout: float = 900.0
     seed: int = 0
     notes: list[str] = field(default_factory=list)
+    miss_tier: dict[str, Any] | None = None
 
 
 def _limit_name(limit: Fraction | None) -> str:
@@ -177,6 +180,7 @@ def _run_one(
         "decode": decode,
         "n_ctx": cfg.n_ctx,
         "threads": cfg.threads,
+        "miss_tier": cfg.miss_tier,
     }
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
@@ -304,6 +308,11 @@ def _round_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ours = next((r for r in runs if r["engine"] == "aioexperts"), None)
     llamas = [r for r in runs if r["engine"] in LLAMA_ENGINES and r.get("decode_tok_s")]
     out: dict[str, Any] = {"llama_statuses": {r["engine"]: r["status"] for r in runs if r["engine"] in LLAMA_ENGINES}}
+    tier = next((r for r in runs if r["engine"] == "aioexperts-tier"), None)
+    if ours is not None and tier is not None:  # the miss tier against the full-precision model (issue 36)
+        out["tier_agreement"] = _agreement(ours.get("greedy"), tier.get("greedy"))
+        if ours.get("decode_tok_s") and tier.get("decode_tok_s"):
+            out["tier_decode_ratio"] = tier["decode_tok_s"] / ours["decode_tok_s"]
     if ours is None or not llamas:
         statuses = out["llama_statuses"].values()
         out["baseline_failed"] = bool(statuses) and all(x in ("oom-killed", "killed", "failed") for x in statuses)

@@ -151,6 +151,21 @@ def _distinct_line(results: dict[str, Any]) -> str | None:
     return "distinct experts touched per layer during decode (aioexperts): " + "; ".join(parts)
 
 
+def _tier_line(results: dict[str, Any]) -> str | None:
+    """The miss tier against the full-precision aioexperts, per round (issue 36; random weights)."""
+    rounds = [r for r in results["rounds"] if r.get("tier_agreement") or r.get("tier_decode_ratio")]
+    if not rounds:
+        return None
+    parts = []
+    for r in rounds:
+        agree = r.get("tier_agreement")
+        parts.append(
+            f"{r['limit']} round {r['round'] + 1}: decode {_f(r.get('tier_decode_ratio'), '.2f')}x"
+            + (f", greedy tokens agree {agree['agree']}/{agree['compared']}" if agree else "")
+        )
+    return "the miss tier (aioexperts-tier) against aioexperts (random weights): " + "; ".join(parts)
+
+
 def _split_line(results: dict[str, Any]) -> str | None:
     runs = [
         r for r in results["runs"] if r["engine"] == "aioexperts" and r["limit"] == "none" and r.get("seconds_per_part")
@@ -212,7 +227,7 @@ def text_report(results: dict[str, Any]) -> str:
     if sources:
         body += [*sources, ""]
     body += _round_lines(results)
-    for extra in (_distinct_line(results), _split_line(results)):
+    for extra in (_distinct_line(results), _split_line(results), _tier_line(results)):
         if extra:
             body.append(f"- {extra}")
     body += ["", "Targets (issue 20):", *_target_lines(results)]

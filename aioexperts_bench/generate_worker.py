@@ -30,7 +30,9 @@ __all__ = ("DEFAULT_ENGINES", "ENGINES", "LLAMA_ENGINES", "main", "process_count
 LLAMA_ENGINES = ("llama.cpp", "llama.cpp-norepack")
 #: ``aioexperts-int8``: the same with ``set_precision("int8")`` (activations quantized to 8 bits
 #: before the Q8_0/Q4_K/Q6_K products, as llama.cpp does; not the default: see docs/executor.md)
-ENGINES = ("aioexperts", "aioexperts-int8", *LLAMA_ENGINES)
+#: ``aioexperts-tier``: the same with the low-precision miss tier (``cfg["miss_tier"]``: the sidecar's
+#: path and the MissTier policy; issue 36)
+ENGINES = ("aioexperts", "aioexperts-int8", "aioexperts-tier", *LLAMA_ENGINES)
 DEFAULT_ENGINES = ("aioexperts", *LLAMA_ENGINES)
 
 
@@ -79,7 +81,9 @@ async def _run_aioexperts(cfg: dict[str, Any]) -> None:
     import aioexperts
 
     t0 = time.perf_counter()
-    async with aioexperts.load(cfg["model"], n_ctx=cfg["n_ctx"], record_trace=True) as model:
+    tier = cfg.get("miss_tier") if cfg["engine"] == "aioexperts-tier" else None
+    miss_tier = aioexperts.MissTier(**tier) if tier else None
+    async with aioexperts.load(cfg["model"], n_ctx=cfg["n_ctx"], record_trace=True, miss_tier=miss_tier) as model:
         store = model.store
         budget = model.slab_budget
         st = store.statistics()
@@ -192,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = json.loads(args[0])
     engine = cfg.get("engine")
     _emit("start", engine=engine, pid=os.getpid())
-    if engine in ("aioexperts", "aioexperts-int8"):
+    if engine in ("aioexperts", "aioexperts-int8", "aioexperts-tier"):
         import anyio
 
         if engine == "aioexperts-int8":
