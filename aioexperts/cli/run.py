@@ -131,6 +131,17 @@ def add_model_options(p: argparse.ArgumentParser, *, ctx_help: str) -> None:
         help="expert reads: io_uring where it works (auto), or the preadv thread pool",
     )
     p.add_argument(
+        "--miss-tier",
+        default=None,
+        help="a low-precision miss tier sidecar (aioexperts-tier): misses read smaller experts (opt-in)",
+    )
+    p.add_argument(
+        "--miss-tier-weight",
+        type=float,
+        default=None,
+        help="with --miss-tier: only misses whose gate weight is below this go low (default: every miss)",
+    )
+    p.add_argument(
         "--layers",
         type=_int_at_least(1),
         default=None,
@@ -540,6 +551,9 @@ async def _session(args: argparse.Namespace, path: str, prompt: str | None, repo
         slots=args.slots,
         cache_bytes=args.cache_bytes,
         io=aioexperts.IOOptions(backend=args.io),
+        miss_tier=aioexperts.MissTier(path=args.miss_tier, max_gate_weight=args.miss_tier_weight)
+        if args.miss_tier
+        else None,
     )
     async with model:
         try:

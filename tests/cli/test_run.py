@@ -343,3 +343,16 @@ def test_an_idle_chat_prompt_on_a_terminal_ends_at_once_on_ctrl_c_or_ctrl_d(tiny
     assert status == (130 if key == b"\x03" else 0), text
     assert re.search(r"^prompt: ", text, re.MULTILINE), text  # not "> prompt: ..." nor "> ^Cprompt: ..."
     assert "Traceback" not in text
+
+
+def test_the_miss_tier_serves_misses_and_is_reported(tiny_full_model: Path, tmp_path: Path) -> None:
+    from aioexperts import write_miss_tier
+
+    sidecar = write_miss_tier(tiny_full_model, tmp_path / "tier.gguf", "Q3_K")
+    args = (str(tiny_full_model), "-p", "Once upon a time", "-n", "4", "--temp", "0", "--io", "threads")
+    done = run(*args, "--miss-tier", str(sidecar), "--json")
+    assert done.returncode == 0, done.stderr
+    ex = json.loads(done.stdout)["experts"]
+    assert 0 < ex["low_tier_misses"] <= ex["demand_misses"]
+    stale = run(*args, "--miss-tier", str(tiny_full_model))  # not a sidecar: one clear line, no traceback
+    assert stale.returncode != 0 and "not a miss-tier sidecar" in stale.stderr and "Traceback" not in stale.stderr
