@@ -31,6 +31,7 @@ The RoPE maths is :mod:`aioexperts._compute.rope` (``rope_cos_sin``, ``apply_rop
 """
 
 from aioexperts._model import mla_block  # noqa: F401  (registers the "mla" block of deepseek2)
-from aioexperts._model.model import Generation, Model, ModelSequence, ModelStatistics, load
+from aioexperts._model.model import Model, ModelStatistics, load
+from aioexperts._model.sessions import Generation, ModelSequence
 
 __all__ = ("Generation", "Model", "ModelSequence", "ModelStatistics", "load")
