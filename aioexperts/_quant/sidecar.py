@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from gguf import GGUFValueType, GGUFWriter
 
 from .._errors import ConfigError, FormatError
 from .._format.dequant import dequantize
-from .._format.layout import build_layout
+from .._format.layout import Bank, build_layout
 from .._format.model import GGUFModel, open_model
 from .._format.tier_sidecar import (
     TIER_ARCH,
@@ -41,6 +42,7 @@ def write_miss_tier(
     ggml_type: str = "Q3_K",
     *,
     progress: Progress | None = None,
+    threads: int | None = None,
 ) -> Path:
     """Write the miss-tier sidecar of the model at ``model_path`` to ``out_path``.
 
@@ -52,6 +54,8 @@ def write_miss_tier(
         out_path: the sidecar to write (replaced if it exists).
         ggml_type: ``"Q2_K"``, ``"Q3_K"`` or ``"IQ4_XS"``.
         progress: ``progress(expert bytes written, total)`` after each tensor.
+        threads: experts re-quantized at once (the numba kernels release the GIL); default the
+            CPUs this process may use.
 
     Returns:
         The path written.
@@ -64,6 +68,9 @@ def write_miss_tier(
     low = TIER_TYPES.get(ggml_type)
     if low is None:
         raise ConfigError(f"the miss tier's type must be one of {', '.join(TIER_TYPES)}, got {ggml_type!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"threads must be an int >= 1 or None, got {threads!r}")
+    n_threads = threads or len(os.sched_getaffinity(0))
     model = open_model(model_path)
     layout = build_layout(model)
     plan: list[tuple[str, tuple[int, int, int], int, int, int]] = []  # name, shape, layer, bank, projection
@@ -96,6 +103,7 @@ def write_miss_tier(
     for (name, shape, *_), n_bytes in zip(plan, sizes, strict=True):
         writer.add_tensor_info(name, shape, np.dtype(np.float32), n_bytes, raw_dtype=low)
     total, written = sum(sizes), 0
+    pool = ThreadPoolExecutor(n_threads, thread_name_prefix="aioexperts-tier")
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -104,11 +112,16 @@ def write_miss_tier(
             moe = layout.layers[layer]
             bank = next(b for b in moe.banks if b.index == bank_index)
             data = np.empty((shape[0], n_bytes // shape[0]), dtype=np.uint8)
-            for local in range(bank.n_experts):
+
+            def requantize(
+                local: int, bank: Bank = bank, p: int = p, data: np.ndarray = data, layer: int = layer
+            ) -> None:
                 segment = bank.locate(layer, local).segments[p]
                 raw = np.frombuffer(_read(model, segment.shard, segment.offset, segment.n_bytes), dtype=np.uint8)
                 weights = dequantize(raw, segment.ggml_type, segment.shape)
                 data[local] = quantize(weights, low).reshape(-1)
+
+            list(pool.map(requantize, range(bank.n_experts)))  # re-raises the first failure
             writer.write_tensor_data(data)
             written += n_bytes
             if progress is not None:
@@ -119,6 +132,8 @@ def write_miss_tier(
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        pool.shutdown(cancel_futures=True)
     return out
 
 

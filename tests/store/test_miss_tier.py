@@ -91,6 +91,9 @@ def test_a_stale_or_foreign_sidecar_is_refused(model: Path, sidecar: Path, tmp_p
     with pytest.raises(ConfigError, match="Q2_K, Q3_K, IQ4_XS"):
         write_miss_tier(copy, tmp_path / "x.gguf", "Q4_K")
     assert not (tmp_path / "x.gguf").exists()
+    one = write_miss_tier(copy, tmp_path / "one-thread.gguf", "Q2_K", threads=1)
+    assert one.read_bytes()[-4096:] == own.read_bytes()[-4096:]  # experts in parallel: the same bytes
+    assert one.stat().st_size == own.stat().st_size
 
 
 @pytest.mark.anyio
