@@ -96,6 +96,12 @@ class ModelStatistics:
     batch_window_seconds: float = 0.0
     stall_seconds: float = 0.0
 
+    @property
+    def stall_seconds_per_token(self) -> float | None:
+        """``stall_seconds`` over the tokens run (prefilled and decoded); None before any."""
+        n = self.tokens_prefilled + self.tokens_decoded
+        return self.stall_seconds / n if n else None
+
 
 def _whole_model_hparams(model: GGUFModel) -> ModelHParams:
     """:func:`model_hparams`, with the file named and the two common wrong kinds of file said plainly.

@@ -217,7 +217,7 @@ class _Report:
             "demand_misses": st.demand_misses,
             "low_tier_misses": st.low_tier_misses,
             "stall_seconds": ms.stall_seconds,
-            "stall_seconds_per_token": ms.stall_seconds / run if run else None,
+            "stall_seconds_per_token": ms.stall_seconds_per_token,
             "device_busy_seconds": st.device_busy_seconds,
             "device_bytes_per_second": st.device_rate,
             "backend": st.backend,
