@@ -216,6 +216,7 @@ class _Report:
             "prefetched_late": st.prefetched_late,
             "demand_misses": st.demand_misses,
             "low_tier_misses": st.low_tier_misses,
+            "tier_upgrades": st.tier_upgrades,
             "stall_seconds": ms.stall_seconds,
             "stall_seconds_per_token": ms.stall_seconds_per_token,
             "device_busy_seconds": st.device_busy_seconds,
@@ -310,7 +311,11 @@ def _sources_line(ex: dict[str, Any]) -> str:
     """Where the experts came from and where the pass waited (issue 36's statistics), one line."""
     stall = ex["stall_seconds_per_token"]
     rate = ex["device_bytes_per_second"]
-    low = f", {ex['low_tier_misses']} of them from the low tier" if ex["low_tier_misses"] else ""
+    low = (
+        f", {ex['low_tier_misses']} of them from the low tier ({ex['tier_upgrades']} upgraded since)"
+        if ex["low_tier_misses"]
+        else ""
+    )
     return (
         f"expert sources: {ex['cached_hits']} cached, {ex['prefetched_in_time']} prefetched in time, "
         f"{ex['prefetched_late']} prefetched late, {ex['demand_misses']} demand misses{low}; stalled on reads "

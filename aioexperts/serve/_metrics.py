@@ -147,6 +147,7 @@ class Metrics:
             ],
         )
         add("expert_low_tier_misses_total", "counter", "Demand misses served from the low tier.", st.low_tier_misses)
+        add("expert_tier_upgrades_total", "counter", "Low-tier copies read again at full precision.", st.tier_upgrades)
         add(
             "expert_stall_seconds_total",
             "counter",

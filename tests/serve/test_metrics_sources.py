@@ -21,6 +21,7 @@ def test_the_expert_sources_sum_to_the_requests_and_stalls_are_reported(served: 
     by_source = [m[f'aioexperts_expert_requests_by_source_total{{source="{s}"}}'] for s in SOURCES]
     assert sum(by_source) == m["aioexperts_expert_requests_total"] > 0
     assert m["aioexperts_expert_low_tier_misses_total"] == 0  # the tier is off by default
+    assert m["aioexperts_expert_tier_upgrades_total"] == 0
     assert 0 <= m["aioexperts_expert_stall_seconds_total"]
     assert m["aioexperts_expert_stall_seconds_per_token"] * (
         m["aioexperts_tokens_prefilled_total"] + m["aioexperts_tokens_decoded_total"]
