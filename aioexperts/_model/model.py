@@ -29,9 +29,10 @@ from aioexperts._format.archs import MODEL_RECORDS
 from aioexperts._format.model import GGUFModel, open_model
 from aioexperts._model import memory as _memory
 from aioexperts._model import text as _text
+from aioexperts._model.blocks import RecurrentBlock
 from aioexperts._model.config import DEFAULT_RESIDENT_EMBEDDING_BYTES, LoadOptions
 from aioexperts._model.forward import ForwardCounters, ForwardPass, load_weights
-from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
+from aioexperts._model.kvcache import KVCache, cache_bytes_per_position, state_bytes
 from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_bytes_per_position, kv_reserve_bytes
 from aioexperts._model.sessions import Generation, ModelSequence, Sampler
 from aioexperts._options import CacheOptions, IOOptions, MissTier, PageCacheOptions
@@ -164,6 +165,8 @@ class Model:
         self._n_ctx = 0
         self._kv_per_position = 0
         self._layer_shapes: list[dict[str, tuple[int, ...]]] = []
+        self._layer_states: list[dict[str, tuple[int, ...]]] = []  # recurrent blocks' per-sequence state
+        self._state_bytes = 0
         self._moe_layers: frozenset[int] = frozenset()
         self._live: set[int] = set()
         self._live_bytes = 0
@@ -224,6 +227,11 @@ class Model:
             await run_in_worker(fused.warmup, weights.ggml_types())
             self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
             self._kv_per_position = cache_bytes_per_position(self._layer_shapes)
+            self._layer_states = [
+                dict(layer.block.state_shapes()) if isinstance(layer.block, RecurrentBlock) else {}
+                for layer in weights.layers
+            ]
+            self._state_bytes = state_bytes(self._layer_states)
             self._n_ctx = await run_in_worker(self._choose_n_ctx, hp)
             # the text API's tokenizer and chat template read the file: built here, off the event loop,
             # rather than on the loop by the first generate() / stream() / chat() of a string
@@ -383,15 +391,15 @@ class Model:
             StoreClosedError: the model is not started or closed.
         """
         self._started()
-        seq = ModelSequence(self, KVCache(self._layer_shapes, self._n_ctx))
+        seq = ModelSequence(self, KVCache(self._layer_shapes, self._n_ctx, self._layer_states))
         self._live.add(id(seq))
-        self._live_bytes += self._n_ctx * self._kv_per_position
+        self._live_bytes += self._n_ctx * self._kv_per_position + self._state_bytes
         return seq
 
     def _sequence_closed(self, seq: ModelSequence) -> None:
         if id(seq) in self._live:
             self._live.discard(id(seq))
-            self._live_bytes -= self._n_ctx * self._kv_per_position
+            self._live_bytes -= self._n_ctx * self._kv_per_position + self._state_bytes
 
     async def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits of a fresh sequence at every position of ``token_ids`` (one batch).
@@ -549,12 +557,18 @@ class Model:
         sampler: Sampler | None = None,
         add_special: bool = True,
         parse_special: bool = False,
+        sequence: ModelSequence | None = None,
     ) -> _text.TextStream:
         """Text pieces of the continuation of ``prompt``, as they are decoded.
 
         ``async for piece in model.stream("Hello", max_tokens=16): print(piece, end="")``
 
-        The arguments and errors are :meth:`generate`'s. No piece ends inside a UTF-8 character;
+        The arguments and errors are :meth:`generate`'s. ``sequence``: continue this open sequence
+        (not running) instead of a fresh one: the longest prefix of the prompt's ids it holds is kept
+        (``statistics.reused_tokens``), only the rest is prefilled, and the sequence stays open
+        (a prompt cache across requests; InvalidRequestError when it is closed, of another model,
+        or cannot rewind to that prefix: :attr:`ModelSequence.rewinds`). No piece ends inside a
+        UTF-8 character;
         the pieces join to ``tokenizer.decode`` of the generated ids; a stop string (even split
         across tokens) ends the stream and is not emitted, nor anything after it.
 
@@ -566,7 +580,7 @@ class Model:
         sampling |= {"top_k": top_k, "top_p": top_p, "min_p": min_p}
         stream = _text.open_run(
             self, prompt, options=options, sampler=sampler, add_special=add_special,
-            parse_special=parse_special, sampling=sampling, as_text=True,
+            parse_special=parse_special, sampling=sampling, as_text=True, sequence=sequence,
         )  # fmt: skip
         assert isinstance(stream, _text.TextStream)
         return stream
@@ -690,7 +704,7 @@ def load(
     Args:
         path: a GGUF file (or a shard of a split set) of a supported architecture
             (``qwen3moe``, ``qwen2moe``, ``glm4moe``, ``llama`` with experts, ``olmoe``,
-            ``granitemoe``, ``gpt-oss``, ``deepseek2``; docs/model.md).
+            ``granitemoe``, ``gpt-oss``, ``deepseek2``, ``qwen35moe``; docs/model.md).
         n_ctx: positions of each sequence's KV cache; default the file's ``context_length``,
             capped to what ``memory_budget`` and the memory limit allow (logged once). A given
             ``n_ctx`` whose KV cache is larger than the memory the process may still use (cgroup

@@ -144,12 +144,22 @@ class ModelSequence:
         return self.model.n_ctx
 
     @property
+    def rewinds(self) -> bool:
+        """Whether :meth:`keep` of a shorter prefix reuses the kept positions (False for a model with
+        recurrent blocks, whose state cannot go back: the next call runs the kept tokens again)."""
+        return self._cache is None or not self._cache.recurrent
+
+    @property
     def closed(self) -> bool:
         """True once :meth:`close` ran."""
         return self._cache is None
 
     def keep(self, n: int) -> None:
         """Keep only the first ``n`` positions (``0 <= n <= n_past``); later calls continue from there.
+
+        A model with recurrent blocks (qwen35moe's gated delta net) cannot rewind their state: after
+        ``keep(n)`` with ``n < n_past`` the next :meth:`forward` runs the kept ``n`` tokens again from
+        position 0 before its own (a re-prefill: the same numbers as a fresh sequence, not a reuse).
 
         Raises:
             InvalidRequestError: ``n`` out of range, or the sequence is closed.
@@ -210,18 +220,26 @@ class ModelSequence:
             if self._cache is None:
                 raise InvalidRequestError("the sequence is closed")
             run = self.unrun + ids
-            if self.n_past + len(run) > self.n_ctx:
+            cache, start = self._cache, self.n_past
+            if cache.recurrent and cache.state_positions != start:
+                # a recurrent state holds other positions than the kept ones (keep() of a shorter
+                # prefix, a cancelled or failed call): run the kept tokens again from position 0
+                run, start = self.tokens + run, 0
+            if start + len(run) > self.n_ctx:
                 raise ContextLengthError(
-                    f"{len(run)} new tokens after {self.n_past} would pass n_ctx={self.n_ctx} positions "
-                    "(load the model with a larger n_ctx, or --ctx of aioexperts-run and aioexperts-serve; "
-                    "or keep() a shorter prefix)"
+                    f"{len(run) - self.n_past + start} new tokens after {self.n_past} would pass "
+                    f"n_ctx={self.n_ctx} positions (load the model with a larger n_ctx, or --ctx of "
+                    "aioexperts-run and aioexperts-serve; or keep() a shorter prefix)"
                 )
-            assert self._cache.layers is not None
+            assert cache.layers is not None
             if capture is not None and not isinstance(capture, dict):
                 raise InvalidRequestError(f"capture must be a dict or None, got {type(capture).__name__}")
-            rows = Rows(self._cache.layers, self.n_past, run, all_logits=all_logits or not ids, capture=capture)
+            rows = Rows(cache.layers, start, run, all_logits=all_logits or not ids, capture=capture)
+            cache.state_positions = -1  # unknown until this call finishes
             logits = await self.model.forward_pass(rows, step_of=self)
+            del self.tokens[start:]
             self.tokens.extend(run)
+            cache.state_positions = self.n_past
             self.unrun = []
             self._last_logits = logits[-1].copy()
             if not all_logits:

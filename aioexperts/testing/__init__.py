@@ -25,6 +25,8 @@ with and reads they can steer; both are here, and neither needs a real model or 
   :data:`SKEWED_SPEC` is the full model with skewed routing.
 - :func:`memory_cgroups` lists this process's memory cgroups (the slab budget reads its limit from
   them; the bench makes its memory-limited groups inside them).
+- :class:`ScriptedSampler` makes the model say chosen text (its sampler ignores the logits): for
+  end-to-end tests of what reads replies (the server's tool calls, reasoning).
 - :class:`FakeBackend` is an :class:`~aioexperts.backends.IOBackend` whose completions arrive when
   the test says so, in the order it says, short or failed as it says:
   ``aioexperts.open(path, io=IOOptions(backend=lambda *a: FakeBackend(*a, auto=True)))``.
@@ -56,6 +58,7 @@ from ._full_model import write_full_model as write_full_model
 from ._model_cache import BENCH_NAME as BENCH_NAME
 from ._model_cache import bench_model_path as bench_model_path
 from ._model_cache import ensure_bench_model as ensure_bench_model
+from ._scripted import ScriptedSampler as ScriptedSampler
 from ._synthetic import BENCH_SPEC as BENCH_SPEC
 from ._synthetic import SyntheticSpec as SyntheticSpec
 from ._synthetic import tiny_moe_writer as tiny_moe_writer
@@ -68,6 +71,7 @@ __all__ = (
     "DEFAULT_FULL_LAYERS",
     "FULL_SPEC",
     "SKEWED_SPEC",
+    "ScriptedSampler",
     "TINY_FULL_SPEC",
     "FakeBackend",
     "FullModelSpec",
