@@ -126,3 +126,19 @@ async def test_statistics_reset_zeroes_the_new_counters(model_path: Path, anyio_
         store.reset_statistics()
         st = store.statistics()
         assert categories(st) == (0, 0, 0, 0) and st.device_busy_seconds == 0.0 and st.device_rate is None
+
+
+async def test_the_sources_sum_to_the_requests_with_prefetch_on(model_path: Path, anyio_backend: object) -> None:
+    """Tokens through every layer with the default predictor: prefetches arrive in time or late,
+    and every request still has exactly one source."""
+    holder: dict[str, FakeBackend] = {}
+    async with fake_store(model_path, holder, delay=0.002) as store:
+        runner = aioexperts.MoERunner(store)  # the default prefetch of the layers ahead
+        rng = np.random.default_rng(1)
+        for _ in range(12):
+            await runner.run_moe_layers(rng.standard_normal((1, SMALL.n_embd)).astype(np.float32))
+        st = store.statistics()
+        assert st.requests == sum(categories(st)) == 12 * SMALL.n_layer * SMALL.n_expert_used
+        assert st.prefetch_issued > 0 and st.prefetched_in_time + st.prefetched_late > 0
+        assert st.prefetch_hits == st.prefetched_in_time + st.prefetched_late
+        assert 0 <= runner.statistics().stall_seconds <= runner.statistics().io_wait_seconds
