@@ -238,6 +238,7 @@ class ExpertStore:
             check_map_matches_layout(emap, layout, self._expert_map)
         if self.miss_tier is not None and isinstance(self._source, SlabSource):
             self._source.tier = read_tier_sidecar(self.miss_tier.path, model, layout)
+            self._source.tier_upgrade = self.miss_tier.upgrade
         return model, layout, hparams
 
     async def aclose(self) -> None:

@@ -168,6 +168,7 @@ class ExpertCache:
         counters: statistics to update.
         low_plan_of: ``(layer, expert) -> LoadPlan`` of the expert's low-tier copy (the miss tier),
             else None.
+        upgrade_low: read a low-tier copy that is hit again at full precision once nobody pins it.
     """
 
     def __init__(
@@ -179,10 +180,12 @@ class ExpertCache:
         loop: LoopAdapter,
         counters: Counters,
         low_plan_of: Callable[[int, int], LoadPlan] | None = None,
+        upgrade_low: bool = True,
     ) -> None:
         self.n_slots = n_slots
         self.plan_of = plan_of
         self.low_plan_of = low_plan_of
+        self.upgrade_low = upgrade_low
         self.scheduler = scheduler
         _claim(policy)
         self.policy = policy
@@ -259,7 +262,7 @@ class ExpertCache:
                 c.low_tier_misses += entry.low
             elif entry.prefetched:
                 prefetched += 1
-            elif entry.low:  # a hit on a low-tier copy: served as it is, upgraded after
+            elif entry.low and self.upgrade_low:  # a hit on a low-tier copy: served as it is, upgraded after
                 entry.upgrade = True
             if entry.prefetched:
                 entry.prefetched = False
@@ -456,7 +459,7 @@ class ExpertCache:
                     c.prefetched_in_time += 1
                 else:
                     c.cached_hits += 1
-                    if entry.low:  # a hit on a low-tier copy: served as it is, upgraded after
+                    if entry.low and self.upgrade_low:  # a hit on a low-tier copy: served as it is, upgraded after
                         entry.upgrade = True
             else:
                 c.inflight_joins += 1

@@ -72,6 +72,7 @@ class SlabSource(ExpertSource):
         self._rows_built: RowReader | None = None  # a row reader built, not attached yet
         self._rows_lock = anyio.Lock()
         self.tier: TierSidecar | None = None  # the miss tier's sidecar, set before start
+        self.tier_upgrade = True  # read a low copy hit again at full precision
 
     @property
     def scheduler(self) -> ReadScheduler | None:
@@ -132,7 +133,9 @@ class SlabSource(ExpertSource):
             return low_plans[layer, expert]  # the keys of a request were checked by its full plan
 
         policy = make_policy(cache.policy) if isinstance(cache.policy, str) else cache.policy
-        self.cache = ExpertCache(n_slots, plan, scheduler, policy, loop, self.counters, low_plan if low_plans else None)
+        self.cache = ExpertCache(
+            n_slots, plan, scheduler, policy, loop, self.counters, low_plan if low_plans else None, self.tier_upgrade
+        )
 
     def _n_slots(self, layout: ExpertLayout, slot_bytes: int) -> int:
         total = layout.n_experts_total

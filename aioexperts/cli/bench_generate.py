@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--miss-tier-weight", type=float, default=None, help="MissTier.max_gate_weight (None: no rule)")
     p.add_argument("--miss-tier-behind", type=float, default=None, help="MissTier.behind_seconds (None: no rule)")
+    p.add_argument(
+        "--miss-tier-no-upgrade", action="store_true", help="MissTier(upgrade=False): low copies hit again stay low"
+    )
     p.add_argument("--out", default="bench-generate.json", help="results file to write ('' for none)")
     p.add_argument("--force", action="store_true", help="let --out replace a file of another kind")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -156,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 "path": os.path.abspath(args.miss_tier or _sidecar(model, note)),
                 "max_gate_weight": args.miss_tier_weight,
                 "behind_seconds": args.miss_tier_behind,
+                "upgrade": not args.miss_tier_no_upgrade,
             }
         cfg = GenerateConfig(
             model=model,

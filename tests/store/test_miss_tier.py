@@ -226,3 +226,18 @@ async def test_fixture_logits_with_the_tier_within_the_documented_bound(
     default, low = logits
     rel = float(np.linalg.norm(low - default) / np.linalg.norm(default))
     assert 0 < rel < FIXTURE_LOGITS_REL_L2[max_gate_weight], rel
+
+
+@pytest.mark.anyio
+async def test_without_upgrades_a_low_copy_hit_again_stays_low(
+    model: Path, sidecar: Path, anyio_backend: object
+) -> None:
+    holder: dict[str, FakeBackend] = {}
+    async with fake_store(model, holder, MissTier(path=str(sidecar), upgrade=False)) as store:
+        store.start_loads(0, [2], low_ids=[2])
+        for _ in range(3):
+            async with store.experts(0, [2]) as views:
+                assert views[0] is not None and views[0].gate.ggml_type == T.Q3_K
+            await settle()
+        st = store.statistics()
+        assert st.tier_upgrades == 0 and st.low_tier_misses == 1 and st.cached_hits == 2
