@@ -14,6 +14,9 @@ with and reads they can steer; both are here, and neither needs a real model or 
   ``qwen3moe``), with a small byte-level BPE vocabulary and a ChatML template, random weights
   scaled so the residual stream stays finite; its text is random. (``tokenizers`` trains the
   vocabulary: the ``text`` extra.)
+- :func:`write_dsv4_model` writes a whole ``deepseek4`` model of the geometry a :class:`DSV4Spec`
+  gives (default :data:`DSV4_SPEC`: DeepSeek-V4-Flash's shapes, 4 layers, Q2_K experts, about 8.7 GB):
+  compressed attention, hyper-connections and hash-routed layers, random weights, the same vocabulary.
 - :func:`builtin_model_path` is the path of the built-in full model (:data:`FULL_SPEC`, about
   2.9 GB), written once into the user cache (``$AIOEXPERTS_CACHE``, else ``~/.cache/aioexperts``):
   what the examples of README.md and docs/ open. ``$AIOEXPERTS_BUILTIN_SIZE=tiny`` makes it
@@ -48,6 +51,9 @@ from ._builtin import ensure_full_model as ensure_full_model
 from ._builtin import full_model_path as full_model_path
 from ._cache import cache_dir as cache_dir
 from ._cache import print_progress as print_progress
+from ._dsv4_model import DSV4_SPEC as DSV4_SPEC
+from ._dsv4_model import DSV4Spec as DSV4Spec
+from ._dsv4_model import write_dsv4_model as write_dsv4_model
 from ._fake_backend import FakeBackend as FakeBackend
 from ._full_model import DEFAULT_FULL_LAYERS as DEFAULT_FULL_LAYERS
 from ._full_model import FULL_SPEC as FULL_SPEC
@@ -69,10 +75,12 @@ __all__ = (
     "BENCH_SPEC",
     "BUILTIN_SIZE_ENV",
     "DEFAULT_FULL_LAYERS",
+    "DSV4_SPEC",
     "FULL_SPEC",
     "SKEWED_SPEC",
     "ScriptedSampler",
     "TINY_FULL_SPEC",
+    "DSV4Spec",
     "FakeBackend",
     "FullModelSpec",
     "Progress",
@@ -86,6 +94,7 @@ __all__ = (
     "memory_cgroups",
     "print_progress",
     "tiny_moe_writer",
+    "write_dsv4_model",
     "write_full_model",
     "write_synthetic_model",
 )
