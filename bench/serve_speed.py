@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_results  # noqa: E402
 
 import aioexperts  # noqa: E402
-from aioexperts._model.model import DECODE_BATCH_MAX_CALLS  # noqa: E402
+from aioexperts._model.forward import DECODE_BATCH_MAX_CALLS  # noqa: E402
 from aioexperts._runner import BATCH_MAX_CALLS  # noqa: E402
 from aioexperts.backends import liburing_unusable_reason  # noqa: E402
 from aioexperts.testing import FULL_SPEC, SKEWED_SPEC, ensure_full_model, print_progress  # noqa: E402
