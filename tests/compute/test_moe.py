@@ -325,6 +325,14 @@ def test_down_width_zero_padding(rng) -> None:
 
 
 def test_mixed_types_in_one_call(rng) -> None:
+    fused.set_precision("float")  # against a float64 reference of the float32 activations
+    try:
+        _mixed_types_in_one_call(rng)
+    finally:
+        fused.set_precision(None)
+
+
+def _mixed_types_in_one_call(rng) -> None:
     hp = _hp()
     types = [F32, GGMLQuantizationType.F16, F32, GGMLQuantizationType.F16]
     bank = Bank(rng, 4, 32, 16, types=types)
