@@ -115,7 +115,8 @@ def quantized_round_trip(x: np.ndarray, weight_type: GGMLQuantizationType) -> np
     if target == T.Q8_K:
         return _q8_k(blocks).reshape(n, cols)
     q, _, d16 = _q8_0_codes(blocks)
-    return (d16 * q).astype(_F32).reshape(n, cols)
+    out: np.ndarray = (d16 * q).astype(_F32).reshape(n, cols)
+    return out
 
 
 def q8_1_sum_error(x: np.ndarray) -> np.ndarray:
@@ -128,4 +129,5 @@ def q8_1_sum_error(x: np.ndarray) -> np.ndarray:
     total = q.sum(axis=-1, dtype=np.float64).astype(_F32)  # exact: at most 32 * 128
     with np.errstate(invalid="ignore", over="ignore"):
         s = (d[..., 0] * total).astype(np.float16).astype(_F32)
-        return (s - d16[..., 0] * total).astype(_F32)
+        error: np.ndarray = (s - d16[..., 0] * total).astype(_F32)
+    return error

@@ -80,6 +80,7 @@ __all__ = (
     "WarmupReport",
     "backend",
     "compiled_types",
+    "flash_kernel",
     "int8_batched_types",
     "int8_types",
     "linear",
@@ -735,6 +736,20 @@ def _linear_float(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, x
         weights = _workspace.matrix((raw.shape[0], xs.shape[1]))
         _kernel(ready, qtype, "dequant")(raw, weights)
         np.matmul(xs, weights.T, out=out)
+
+
+def flash_kernel() -> Callable[..., None] | None:
+    """The compiled :func:`aioexperts._compute.kernels.flash.flash_attend_f16` when numba serves,
+    else None (the numpy backend)."""
+    if backend().name != "numba":
+        return None
+    try:
+        module = importlib.import_module(f"{__package__}.kernels.flash")
+    except Exception as exc:  # a broken numba/llvmlite can raise anything at import
+        _fail(exc, "the flash attention kernel")
+        return None
+    fn: Callable[..., None] = module.flash_attend_f16
+    return fn
 
 
 def _dequantize_compiled(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int, out: np.ndarray) -> bool:

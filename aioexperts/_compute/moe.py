@@ -873,10 +873,9 @@ def _shexp_types(
 ) -> tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType] | None:
     if tensor_type is None:
         return None
-    types = [tensor_type(f"{prefix}ffn_{p}_shexp.weight") for p in ("gate", "up", "down")]
-    if any(t is None for t in types):
+    gate, up, down = (tensor_type(f"{prefix}ffn_{p}_shexp.weight") for p in ("gate", "up", "down"))
+    if gate is None or up is None or down is None:
         return None
-    gate, up, down = (GGMLQuantizationType(t) for t in types)
     return gate, up, down
 
 

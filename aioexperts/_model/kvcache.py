@@ -1,41 +1,54 @@
-"""The KV cache of one sequence: per layer, named float32 arrays preallocated for ``n_ctx`` positions.
+"""The KV cache of one sequence: per layer, named arrays preallocated for ``n_ctx`` positions.
 
 Each block says what it caches per position (:meth:`AttentionBlock.cache_shapes`, e.g.
 ``{"k": (n_head_kv, head_k), "v": (n_head_kv, head_v)}``; an MLA block caches its latent instead);
 :class:`KVCache` allocates ``(n_ctx, *shape)`` for each at once, so a sequence never grows memory
-while it runs.
+while it runs. The arrays are float16 by default, as llama.cpp's (``type_k``/``type_v`` F16: the
+values written are rounded to nearest even, and attention reads them as
+:func:`aioexperts._compute.attention.attend` says), or float32 (``load(kv_type="f32")``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ("KVCache", "cache_bytes_per_position")
+__all__ = ("KV_ELEMENT_BYTES", "KV_TYPES", "KVCache", "KVType", "cache_bytes_per_position")
+
+KVType = Literal["f16", "f32"]
+#: the element types of a KV cache, by the name ``load(kv_type=...)`` takes
+KV_TYPES: dict[str, type[np.floating[Any]]] = {"f16": np.float16, "f32": np.float32}
+#: bytes of one element of each KV type
+KV_ELEMENT_BYTES: dict[str, int] = {name: np.dtype(t).itemsize for name, t in KV_TYPES.items()}
 
 
-def cache_bytes_per_position(layer_shapes: Sequence[Mapping[str, tuple[int, ...]]]) -> int:
-    """Bytes one position takes over every layer (float32)."""
-    return 4 * sum(math.prod(shape) for shapes in layer_shapes for shape in shapes.values())
+def cache_bytes_per_position(layer_shapes: Sequence[Mapping[str, tuple[int, ...]]], kv_type: KVType = "f16") -> int:
+    """Bytes one position takes over every layer, with elements of ``kv_type``."""
+    return KV_ELEMENT_BYTES[kv_type] * sum(math.prod(shape) for shapes in layer_shapes for shape in shapes.values())
 
 
 class KVCache:
-    """Preallocated float32 cache arrays, ``layers[L][name]`` of shape ``(n_ctx, *shape)``.
+    """Preallocated cache arrays, ``layers[L][name]`` of shape ``(n_ctx, *shape)``.
 
     Args:
         layer_shapes: per block, ``{name: per-position shape}``.
         n_ctx: positions.
+        kv_type: ``"f16"`` (default, llama.cpp's) or ``"f32"``.
     """
 
-    def __init__(self, layer_shapes: Sequence[Mapping[str, tuple[int, ...]]], n_ctx: int) -> None:
+    def __init__(
+        self, layer_shapes: Sequence[Mapping[str, tuple[int, ...]]], n_ctx: int, kv_type: KVType = "f16"
+    ) -> None:
         self.n_ctx = n_ctx
+        self.kv_type = kv_type
+        dtype = KV_TYPES[kv_type]
         self.layers: list[dict[str, np.ndarray]] | None = [
-            {name: np.zeros((n_ctx, *shape), dtype=np.float32) for name, shape in shapes.items()}
-            for shapes in layer_shapes
+            {name: np.zeros((n_ctx, *shape), dtype=dtype) for name, shape in shapes.items()} for shapes in layer_shapes
         ]
-        self.n_bytes = n_ctx * cache_bytes_per_position(layer_shapes)
+        self.n_bytes = n_ctx * cache_bytes_per_position(layer_shapes, kv_type)
 
     def layer(self, index: int) -> dict[str, np.ndarray]:
         """The arrays of block ``index``."""

@@ -227,17 +227,18 @@ def resident_weight_bytes(model: GGUFModel, hp: ModelHParams, resident_embedding
     return total
 
 
-def kv_bytes_per_position(hp: ModelHParams, model: GGUFModel | None = None) -> int:
-    """KV cache bytes of one position over every layer, before the blocks are built: float32 K and V
-    of ``n_head_kv`` heads per layer, or, for an MLA block with ``model`` given, its latent and
-    rotated key (``kv_lora_rank + rope_dims`` floats, :mod:`aioexperts._model.mla_block`).
+def kv_bytes_per_position(hp: ModelHParams, model: GGUFModel | None = None, element_bytes: int = 2) -> int:
+    """KV cache bytes of one position over every layer, before the blocks are built: K and V of
+    ``n_head_kv`` heads per layer, or, for an MLA block with ``model`` given, its latent and
+    rotated key (``kv_lora_rank + rope_dims`` values, :mod:`aioexperts._model.mla_block`), of
+    ``element_bytes`` each (2: the default F16 cache; 4: ``kv_type="f32"``).
 
     Raises:
         FormatError: an MLA model whose attention keys are missing or malformed.
     """
     if model is not None and hp.record.block == "mla":
-        return max(1, 4 * hp.n_layer * MLAHParams.from_metadata(hp.arch, model.metadata).cache_width)
-    return max(1, 4 * hp.n_layer * hp.n_head_kv * (hp.head_k + hp.head_v))
+        return max(1, element_bytes * hp.n_layer * MLAHParams.from_metadata(hp.arch, model.metadata).cache_width)
+    return max(1, element_bytes * hp.n_layer * hp.n_head_kv * (hp.head_k + hp.head_v))
 
 
 def kv_reserve_bytes(hp: ModelHParams, n_ctx: int | None, memory_budget: int, per_position: int | None = None) -> int:

@@ -29,6 +29,7 @@ import numpy as np
 
 from aioexperts._batch import DEFAULT_BATCH_WAIT
 from aioexperts._compute import fused
+from aioexperts._compute.fused import Precision
 from aioexperts._compute.norms import rms_norm
 from aioexperts._errors import (
     AioExpertsError,
@@ -47,7 +48,7 @@ from aioexperts._model import text as _text
 from aioexperts._model.blocks import BLOCKS, AttentionBlock
 from aioexperts._model.config import DEFAULT_RESIDENT_EMBEDDING_BYTES, LoadOptions
 from aioexperts._model.decode_batch import DecodeRequest, decode_rows
-from aioexperts._model.kvcache import KVCache, cache_bytes_per_position
+from aioexperts._model.kvcache import KV_ELEMENT_BYTES, KVCache, KVType, cache_bytes_per_position
 from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_bytes_per_position, kv_reserve_bytes
 from aioexperts._model.residual import after_attention, block_input, head_input, scale_logits
 from aioexperts._model.steps import StepBatcher
@@ -627,9 +628,11 @@ class Model:
                 if layer.dense
                 for m in (layer.dense.gate, layer.dense.up, layer.dense.down)
             }
+            if self.options.precision is not None:
+                fused.set_precision(self.options.precision)
             await run_in_worker(fused.warmup, types)
             self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
-            self._kv_per_position = cache_bytes_per_position(self._layer_shapes)
+            self._kv_per_position = cache_bytes_per_position(self._layer_shapes, self.options.kv_type)
             self._n_ctx = await run_in_worker(self._choose_n_ctx, hp)
             # the text API's tokenizer and chat template read the file: built here, off the event loop,
             # rather than on the loop by the first generate() / stream() / chat() of a string
@@ -646,7 +649,7 @@ class Model:
         """Before any store work (a worker thread: it reads the memory limit): refuse a KV cache
         that cannot fit, and size the slab from the limit when no size was given. Returns the
         store's options."""
-        per_position = kv_bytes_per_position(hp, gguf)
+        per_position = kv_bytes_per_position(hp, gguf, KV_ELEMENT_BYTES[self.options.kv_type])
         if self.options.n_ctx is not None:  # a KV cache that cannot fit: refused before any store work
             self._check_kv_budget(self.options.n_ctx, per_position)
             _memory.check_kv_fits(self.options.n_ctx, self.options.n_ctx * per_position)
@@ -773,7 +776,7 @@ class Model:
             StoreClosedError: the model is not started or closed.
         """
         self._started()
-        seq = ModelSequence(self, KVCache(self._layer_shapes, self._n_ctx))
+        seq = ModelSequence(self, KVCache(self._layer_shapes, self._n_ctx, self.options.kv_type))
         self._live.add(id(seq))
         self._live_bytes += self._n_ctx * self._kv_per_position
         return seq
@@ -1224,6 +1227,8 @@ def load(
     batch_wait: float | None = DEFAULT_BATCH_WAIT,
     hits_first: bool = True,
     record_trace: bool = False,
+    kv_type: KVType = "f16",
+    precision: Precision | None = None,
 ) -> Model:
     """Prepare the whole model at ``path``; start it with ``async with``.
 
@@ -1272,6 +1277,14 @@ def load(
             (the result does not change).
         record_trace: record every routing decision (:meth:`MoERunner.routing_trace` of
             :attr:`Model.runner`).
+        kv_type: the KV cache's element type: ``"f16"`` (default, llama.cpp's ``type_k``/``type_v``:
+            half the memory, llama.cpp's rounding and flash attention arithmetic) or ``"f32"``.
+        precision: the arithmetic of every matrix product, for the whole process (the kernels'
+            switch, :func:`aioexperts._compute.fused.set_precision`): ``"int8"`` (llama.cpp's:
+            activations rounded to each weight type's ``vec_dot_type``, integer dot products; about
+            2e-2 relative from llama.cpp's logits on the quantized fixtures) or ``"float"`` (float32
+            activations: up to 0.1 from llama.cpp where near-tie routing flips; the int8 kernels are
+            the faster ones per call). None (default): ``$AIOEXPERTS_PRECISION``, else ``"int8"``.
 
     Returns:
         A :class:`Model`, not started.
@@ -1289,6 +1302,8 @@ def load(
         batch_wait=batch_wait,  # type: ignore[arg-type]  # None is 0 (off), checked
         hits_first=hits_first,
         record_trace=record_trace,
+        kv_type=kv_type,
+        precision=precision,
     )
     options: dict[str, Any] = {
         "slots": slots,
