@@ -1,15 +1,15 @@
 """The whole model against llama.cpp: logits, every layer's residual, greedy continuations (forward.npz).
 
-Every shared fixture with a ``<model>.forward.npz`` is checked (the glob picks up new files). Bounds
-(relative L2, per position and per layer): the issue's 1e-2 for BF16 and 8e-2 for quantized files;
-positions where the router chose other experts than llama.cpp did (``topk-L`` of the golden file:
-near-ties that the two implementations' rounding breaks differently) are left out of the
-per-position check, at most two of them, and are still inside the all-positions bound. For F32
-files 3e-3 instead of 1e-4, because llama.cpp ran with its default F16 KV cache and CPU flash attention,
-which rounds q, k and v to F16 and accumulates the values in F16 (ggml-cpu/ops.cpp
-``ggml_compute_forward_flash_attn_ext_f16_one_chunk``): that alone puts 2e-4 into the first
-attention output (``test_f32_gap_is_llama_cpp_f16_attention`` shows it), and the later layers grow
-it to 5e-4..9e-4. This forward pass computes attention in float32.
+Every shared fixture with a ``<model>.forward.npz`` is checked (the glob picks up new files), under
+the defaults, which are llama.cpp's arithmetic: every product's activations rounded to the weight
+type's ``vec_dot_type`` (aioexperts/_compute/activations.py), an F16 KV cache read the way ggml-cpu's
+flash attention reads it (aioexperts/_compute/kernels/flash.py). Bounds (relative L2 over all
+positions, and per layer): 3e-4 for F32 files (what is left is float32 noise that flips some F16
+roundings of the KV cache), 1e-2 for BF16, 5e-2 for quantized files, with the same argmax as
+llama.cpp at 15 of the 16 positions at least. Per position, twice these bounds except at positions
+where the router chose other experts than llama.cpp did (``topk-L`` of the golden file: near-ties
+that the two implementations' float rounding breaks differently), at most two of them, which are
+still inside the all-positions bound.
 """
 
 from __future__ import annotations
@@ -28,23 +28,15 @@ from aioexperts._compute.attention import attend
 
 FORWARD = [p for p in shared_fixture_paths() if p.with_name(p.stem + ".forward.npz").exists()]
 UNSUPPORTED_YET: set[str] = set(WHOLE_MODEL_PENDING)  # architectures the forward pass refuses (issue 34)
-KNOWN_OVER_BOUND = {
-    # llama.cpp rounds the activations of every quantized product to Q8_0/Q8_K; this executor does
-    # not (float32 activations), and through swiglu_oai's clamps the MXFP4 experts of layer 1 turn
-    # that into 6e-2 (measured 8.9e-2 over all positions)
-    "gpt-oss-mxfp4_moe": "float32 activations where llama.cpp uses Q8_0; measured 8.9e-2 > 8e-2",
-    # one position at 8.6e-2 (no routing difference visible in the golden's layers 0-1)
-    "qwen2moe-q4_k_m": "float32 activations where llama.cpp uses Q8_K; one position at 8.6e-2 > 8e-2",
-}
 THREADS = aioexperts.IOOptions(backend="threads")
 
 
 def bound(path: Path) -> float:
     if path.stem.endswith("-f32"):
-        return 3e-3
+        return 3e-4
     if path.stem.endswith("-bf16"):
         return 1e-2
-    return 8e-2
+    return 5e-2
 
 
 def arch_of(path: Path) -> str:
@@ -107,15 +99,14 @@ def test_logits_and_residuals_match_llama_cpp(path: Path) -> None:
     got = run(path)
     want = np.load(path.with_name(path.stem + ".forward.npz"))
     tol = bound(path)
-    if path.stem in KNOWN_OVER_BOUND:
-        pytest.xfail(KNOWN_OVER_BOUND[path.stem])
     n = len(want["tokens"])
     assert got["logits"].shape == want["logits"].shape and got["logits"].dtype == np.float32
     assert rel_l2(got["logits"], want["logits"]) <= tol
+    assert (got["logits"].argmax(axis=1) == want["logits"].argmax(axis=1)).sum() >= n - 1
     differ = routing_differs(path, got["capture"], n)
     assert len(differ) <= 2 and not (differ and path.stem.endswith("-f32"))
-    for t in set(range(n)) - differ:
-        assert rel_l2(got["logits"][t], want["logits"][t]) <= tol, f"logits at position {t}"
+    for t in set(range(n)) - differ:  # one position may take up to twice the whole's error
+        assert rel_l2(got["logits"][t], want["logits"][t]) <= 2 * tol, f"logits at position {t}"
     keys = [k for k in want.files if k.split("-")[0] in ("attn_norm", "ffn_inp", "l_out") or k == "result_norm"]
     assert len(keys) >= 3 * 3 + 1
     for key in keys:

@@ -4,7 +4,8 @@ ggml/src/ggml-cpu/ops.cpp ``ggml_compute_forward_flash_attn_ext_f16_one_chunk`` 
 per query row and head, ``s = dot(fp16(q), k) * scale`` (masked positions skipped), an online
 softmax whose running sum ``S`` and maximum ``M`` are float32 and whose weighted sum of values
 ``VKQ`` is kept in float16 (``ggml_vec_scale_f16`` when the maximum grows, ``ggml_vec_mad_f16``
-per position, each result rounded to float16), then the sink (float32) and ``VKQ / S``.
+per position, each result rounded to float16), then the sink (float32) and ``VKQ / S``; the
+dot products and FMAs in the order and rounding of the x86 AVX2 build (ggml-cpu/vec.cpp, vec.h).
 """
 
 from __future__ import annotations
@@ -37,6 +38,38 @@ def to_half(value):
     return -r if value < 0 else r
 
 
+@kernel(exact=True, inline=True)
+def fma32(a, b, c):
+    """``a * b + c`` rounded once to float32 (``_mm256_fmadd_ps``; through float64, where the
+    product is exact)."""
+    return F32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+@kernel(exact=True, inline=True)
+def dot_f16(qh, k, j, kh, lanes):
+    """x86 AVX2 ``ggml_vec_dot_f16`` of ``qh`` with ``k[j, kh]``: four 8-lane float32 FMA
+    accumulators over steps of 32, reduced as ``GGML_F32x8_REDUCE`` does, leftovers in float64."""
+    n = qh.size
+    np32 = n - n % 32
+    for a in range(32):
+        lanes[a] = F32(0.0)
+    for i in range(0, np32, 32):
+        for a in range(32):
+            lanes[a] = fma32(qh[i + a], k[j, kh, i + a], lanes[a])
+    for a in range(8):  # x[0] += x[2], x[1] += x[3]; then x[0] += x[1]
+        lanes[a] = F32(lanes[a] + lanes[16 + a])
+        lanes[8 + a] = F32(lanes[8 + a] + lanes[24 + a])
+        lanes[a] = F32(lanes[a] + lanes[8 + a])
+    t0 = F32(lanes[0] + lanes[4])
+    t1 = F32(lanes[1] + lanes[5])
+    t2 = F32(lanes[2] + lanes[6])
+    t3 = F32(lanes[3] + lanes[7])
+    total = np.float64(F32(F32(t0 + t1) + F32(t2 + t3)))
+    for i in range(np32, n):
+        total += np.float64(F32(qh[i] * k[j, kh, i]))
+    return F32(total)
+
+
 @kernel(exact=True)
 def flash_attend_f16(q, k, v, start, scale, sinks, window, out):
     """``out[t, h] = softmax(q[t, h] . k) v`` as ggml's one-chunk F16 flash attention computes it.
@@ -52,6 +85,7 @@ def flash_attend_f16(q, k, v, start, scale, sinks, window, out):
     group = H // HKV
     qh = np.empty(DK, dtype=F32)
     acc = np.empty(DV, dtype=F32)
+    lanes = np.empty(32, dtype=F32)
     for t in range(T):
         p1 = start + t
         for h in range(H):
@@ -65,10 +99,7 @@ def flash_attend_f16(q, k, v, start, scale, sinks, window, out):
             for j in range(min(n_kv, p1 + 1)):
                 if window > 0 and p1 - j >= window:
                     continue
-                s = F32(0.0)
-                for d in range(DK):
-                    s += qh[d] * k[j, kh, d]
-                s = F32(s * F32(scale))
+                s = F32(dot_f16(qh, k, j, kh, lanes) * F32(scale))
                 ms = F32(1.0)
                 vs = F32(1.0)
                 if s > M:
@@ -78,7 +109,10 @@ def flash_attend_f16(q, k, v, start, scale, sinks, window, out):
                         acc[d] = to_half(F32(acc[d] * ms))
                 else:
                     vs = F32(np.exp(F32(s - M)))
-                for d in range(DV):
+                dv32 = DV - DV % 32
+                for d in range(dv32):  # ggml_vec_mad_f16: FMA, then float16
+                    acc[d] = to_half(fma32(v[j, kh, d], vs, acc[d]))
+                for d in range(dv32, DV):
                     acc[d] = to_half(F32(acc[d] + F32(v[j, kh, d] * vs)))
                 S = F32(S * ms + vs)
             if sinks.size:
