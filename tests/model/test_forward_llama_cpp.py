@@ -109,8 +109,9 @@ def test_logits_and_residuals_match_llama_cpp(path: Path) -> None:
         assert rel_l2(got["logits"][t], want["logits"][t]) <= 2 * tol, f"logits at position {t}"
     keys = [k for k in want.files if k.split("-")[0] in ("attn_norm", "ffn_inp", "l_out") or k == "result_norm"]
     assert len(keys) >= 3 * 3 + 1
-    for key in keys:
-        assert rel_l2(got["capture"][key], want[key]) <= tol, key
+    same_routing = sorted(set(range(n)) - differ)
+    for key in keys:  # every layer, at the positions routed as llama.cpp routed them
+        assert rel_l2(got["capture"][key][same_routing], want[key][same_routing]) <= tol, key
 
 
 @pytest.mark.parametrize("path", [p for p in params() if p.values[0].stem.endswith("-f32")])
@@ -123,19 +124,20 @@ def test_greedy_continuation_of_f32_files_is_llama_cpp_s(path: Path) -> None:
 def test_prefill_in_one_batch_equals_token_by_token_decode(path: Path) -> None:
     got = run(path)
     errors = [rel_l2(got["stepwise"][t], got["logits"][t]) for t in range(len(got["logits"]))]
-    # a position may route a near-tie of a top-k differently between the batch's kernels and the
-    # one-token ones (seen on AVX-512: 5e-4 at position 12 of qwen3moe-bf16, then 1e-4 at a later
-    # position that attends to it); before the first such position all is float noise
+    # As in llama.cpp, a batch and one token take products that differ by float32 rounding (BLAS
+    # sgemm against sgemv for the F32 routers and shared experts, the float kernels on the 8-bit
+    # round trip against the int8 one-token kernels of the unbatched types); llama.cpp's roundings
+    # amplify that: an F16 rounding of the KV cache flips (F32 files: 1e-4..6e-4 measured on every
+    # position), an 8-bit step of an activation flips and a near-tie of the router goes the other
+    # way (quantized files: up to 1.9e-2 measured, glm4moe-q4_k_m from position 2 on)
     over = [t for t, e in enumerate(errors) if e > 2e-5]
-    if path.stem.endswith("-bf16"):
-        # BF16 weights take llama.cpp's rounding of the activations to BF16 (one ulp: 3.9e-3
-        # relative), so float noise of 1e-7 between the batch and one-token kernels flips some of
-        # those roundings from the second layer's attention on: on an AMD EPYC (AVX-512 BF16) every
-        # position past the first measured 1.4e-3..2.2e-3 at the logits, 1.6e-4 at layer 1's
-        # attention output, with the same experts chosen everywhere
-        assert max(errors) <= 5e-3, f"positions {over}: {[errors[t] for t in over]}"
+    if path.stem.endswith("-f32"):
+        limit = 1e-3
+    elif path.stem.endswith("-bf16"):
+        limit = 5e-3
     else:
-        assert max(errors) <= 2e-3 and len(over) <= 3, f"positions {over}: {[errors[t] for t in over]}"
+        limit = 3e-2
+    assert max(errors) <= limit, f"positions {over}: {[errors[t] for t in over]}"
     stats = got["stats"]
     assert stats.tokens_decoded >= len(got["logits"]) and stats.tokens_prefilled >= len(got["logits"])
     assert stats.live_sequences == 0 and stats.kv_bytes_in_use == 0
@@ -192,3 +194,37 @@ def test_f32_gap_is_llama_cpp_f16_attention(monkeypatch: pytest.MonkeyPatch) -> 
     float32_error, f16_error = anyio.run(main)
     assert float32_error > 1e-4  # the float32 attention is off by llama.cpp's F16 rounding...
     assert f16_error < float32_error / 5  # ...which, reproduced, removes most of the gap
+
+
+def test_flash_kernel_follows_llama_cpp_s_f16_attention() -> None:
+    """An F16 cache takes ggml's one-chunk flash attention (F16 value accumulator), not float32."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((12, 4, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((12, 2, 64)).astype(np.float32) for _ in range(2))
+    want = _llama_cpp_f16_attention(q, k, v, 0.125)
+    got = attend(q, k.astype(np.float16), v.astype(np.float16), 0, 0.125)
+    in_float32 = attend(_f16(q), _f16(k), _f16(v), 0, 0.125)
+    assert rel_l2(in_float32, want) > 1e-4  # the F16 accumulator shows...
+    assert rel_l2(got, want) < 2e-5  # ...and is reproduced (the reference has no FMA)
+
+
+def test_the_kv_cache_is_f16_by_default() -> None:
+    path = next((p for p in FORWARD if p.stem == "qwen3moe-f32"), None)
+    if path is None:
+        pytest.skip("shared fixtures not found")
+
+    async def main(**options: Any) -> tuple[np.dtype[Any], int, np.ndarray]:
+        async with aioexperts.load(path, slots=8, io=THREADS, n_ctx=32, **options) as model:
+            async with model.sequence() as seq:
+                logits = await seq.forward([1, 2, 3])
+                assert seq._cache is not None
+                dtype = seq._cache.layer(0)["k"].dtype
+            return dtype, model.statistics().kv_bytes_per_position, logits
+
+    f16, f16_bytes, f16_logits = anyio.run(main)
+    f32, f32_bytes, f32_logits = anyio.run(functools.partial(main, kv_type="f32"))
+    assert (f16, f32) == (np.float16, np.float32)
+    assert f32_bytes == 2 * f16_bytes
+    assert 0 < rel_l2(f16_logits, f32_logits) < 1e-3
+    with pytest.raises(aioexperts.ConfigError, match="kv_type"):
+        aioexperts.load(path, kv_type="q8_0")  # type: ignore[arg-type]
