@@ -54,11 +54,11 @@ from ._format.model import TensorInfo as TensorInfo
 from ._format.model import open_model as open_model
 from ._format.views import ExpertView as ExpertView
 from ._format.views import ProjectionView as ProjectionView
-from ._model.model import Generation as Generation
 from ._model.model import Model as Model
-from ._model.model import ModelSequence as ModelSequence
 from ._model.model import ModelStatistics as ModelStatistics
 from ._model.model import load as load
+from ._model.sessions import Generation as Generation
+from ._model.sessions import ModelSequence as ModelSequence
 from ._model.text import ChatSession as ChatSession
 from ._model.text import GenerationStatistics as GenerationStatistics
 from ._model.text import TextStream as TextStream

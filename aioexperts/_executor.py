@@ -52,6 +52,9 @@ LayerOutcome = tuple[MoEOutput, float, float] | Exception
 #: ``note(event, layer, n_calls)``: the runner's timeline of layer steps (``read``, ``computed``).
 Note = Callable[[str, int, int], None]
 
+#: ``then(outcomes)``: the caller's work after a layer step, run in the step's last compute job
+Then = Callable[[list[LayerOutcome]], None]
+
 
 @dataclass(slots=True)
 class ExecutorCounters:
@@ -127,7 +130,11 @@ class LayerExecutor(abc.ABC):
 
     @abc.abstractmethod
     async def run(
-        self, layer: int, calls: Sequence[Routing], prefetch: Sequence[Key] | None = None
+        self,
+        layer: int,
+        calls: Sequence[Routing],
+        prefetch: Sequence[Key] | None = None,
+        then: Then | None = None,
     ) -> list[LayerOutcome]:
         """One layer step of ``calls`` (routings of MoE layer ``layer``): each call's outcome.
 
@@ -136,6 +143,10 @@ class LayerExecutor(abc.ABC):
             calls: one or more routings; a call without a plan (more experts than the slab holds)
                 comes alone.
             prefetch: the step's read-ahead; None: worked out from the calls' predictions.
+            then: called once with the outcomes in a compute-pool worker before ``run`` returns,
+                in the job that computed the last experts where the executor can (the caller's
+                next work without a hand-off of its own); it must not raise. Not called when the
+                step fails as a whole.
 
         Returns:
             Per call, ``(MoEOutput, io_wait_seconds, compute_seconds)`` or that call's own error
@@ -181,11 +192,18 @@ class LocalExecutor(LayerExecutor):
         return self._store.prefetch(list(keys)) if keys else 0
 
     async def run(
-        self, layer: int, calls: Sequence[Routing], prefetch: Sequence[Key] | None = None
+        self,
+        layer: int,
+        calls: Sequence[Routing],
+        prefetch: Sequence[Key] | None = None,
+        then: Then | None = None,
     ) -> list[LayerOutcome]:
         if len(calls) == 1 and calls[0].plan is None:
-            return [await self._run_groups(layer, calls[0])]
-        return await self._run_calls(layer, calls, None if prefetch is None else list(prefetch))
+            outcome = await self._run_groups(layer, calls[0])
+            if then is not None:
+                await run_in_worker(then, [outcome])
+            return [outcome]
+        return await self._run_calls(layer, calls, None if prefetch is None else list(prefetch), then)
 
     async def _run_groups(self, layer: int, routing: Routing) -> LayerOutcome:
         """A call choosing more experts than the slab holds: group by group, the groups' sums added."""
@@ -232,7 +250,7 @@ class LocalExecutor(LayerExecutor):
         return out, io_wait, compute_s
 
     async def _run_calls(
-        self, layer: int, calls: Sequence[Routing], prefetch: list[Key] | None = None
+        self, layer: int, calls: Sequence[Routing], prefetch: list[Key] | None = None, then: Then | None = None
     ) -> list[LayerOutcome]:
         """One layer step for ``calls`` (each fits the slab): pin the union of their experts once,
         prefetch (``prefetch``, else :func:`batch_prefetch` of the calls' predictions), compute
@@ -267,9 +285,11 @@ class LocalExecutor(LayerExecutor):
             async with store.experts(layer, experts, prefetch=prefetch) as views:
                 io_wait = time.perf_counter() - t0
                 note("read", layer, len(calls))
-                outcomes, compute_s = await run_in_worker(_outputs_combined, layer, plans, experts, views, io_wait)
+                outcomes, compute_s = await run_in_worker(
+                    _outputs_combined, layer, plans, experts, views, io_wait, then
+                )
         if hits:
-            outcomes = await run_in_worker(_combine_calls, layer, plans, parts, io_wait, compute_s)
+            outcomes = await run_in_worker(_combine_calls, layer, plans, parts, io_wait, compute_s, then)
         note("computed", layer, len(calls))
         c = self.counters
         c.add_step(io_wait, compute_s)
@@ -402,20 +422,32 @@ def _timed_outputs(
 
 
 def _outputs_combined(
-    layer: int, plans: list[MoEPlan], wanted: list[int], views: Sequence[ExpertView | None], io_wait: float
+    layer: int,
+    plans: list[MoEPlan],
+    wanted: list[int],
+    views: Sequence[ExpertView | None],
+    io_wait: float,
+    then: Then | None = None,
 ) -> tuple[list[LayerOutcome], float]:
-    """:func:`_timed_outputs` of every expert (shared ones too), then :func:`_combine_calls`, in one worker job.
+    """:func:`_timed_outputs` of every expert (shared ones too), then :func:`_combine_calls` (and
+    ``then``), in one worker job.
 
     The time returned is the experts' compute alone (as :func:`_timed_outputs`').
     """
     found, compute_s = _timed_outputs(plans, wanted, views, True)
-    return _combine_calls(layer, plans, [[p] for p in found], io_wait, compute_s), compute_s
+    return _combine_calls(layer, plans, [[p] for p in found], io_wait, compute_s, then), compute_s
 
 
 def _combine_calls(
-    layer: int, plans: list[MoEPlan], parts: list[list[ExpertOutputs]], io_wait: float, compute_s: float
+    layer: int,
+    plans: list[MoEPlan],
+    parts: list[list[ExpertOutputs]],
+    io_wait: float,
+    compute_s: float,
+    then: Then | None = None,
 ) -> list[LayerOutcome]:
-    """Each call's slot-order sum, checked finite; a call's overflow is its own outcome (worker thread)."""
+    """Each call's slot-order sum, checked finite; a call's overflow is its own outcome; then
+    ``then(outcomes)`` (worker thread)."""
     outcomes: list[LayerOutcome] = []
     for plan, found in zip(plans, parts, strict=True):
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported below, not warned
@@ -426,4 +458,6 @@ def _combine_calls(
             outcomes.append(exc)
             continue
         outcomes.append((out, io_wait, compute_s))
+    if then is not None:
+        then(outcomes)
     return outcomes

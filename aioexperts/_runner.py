@@ -393,30 +393,58 @@ class MoERunner:
         return out.ffn_out
 
     async def execute_rows(
-        self, layer: int, rows: Sequence[Routing], prefetch: list[Key]
-    ) -> list[np.ndarray | Exception]:
-        """One layer step of several sequences' decode rows, routed by :meth:`route_rows`:
-        ``ffn_out`` ``(1, n_embd)`` per row, or that row's error (a batched decode step of
-        :class:`aioexperts.Model`). ``prefetch``: the step's prefetch (its rows' predictions for the
-        next layer), up to an eighth of the slab, submitted with the first call's reads.
+        self,
+        layer: int,
+        rows: Sequence[Routing],
+        prefetch: list[Key] | None = None,
+        then: Callable[[list[np.ndarray | Exception]], Any] | None = None,
+    ) -> tuple[list[np.ndarray | Exception], Any]:
+        """One layer step of the routings ``rows`` (one per sequence: :meth:`route_in_job` of one
+        sequence's rows, or :meth:`route_rows` of several sequences' decode rows): ``ffn_out``
+        ``(n_rows, n_embd)`` per routing, or that routing's error (the forward pass of
+        :class:`aioexperts.Model`). ``prefetch``: the step's prefetch (several rows' predictions for
+        the next layer), up to an eighth of the slab, submitted with the first call's reads; None:
+        the routings' own predictions.
 
         The rows go in executor steps of at most :data:`BATCH_MAX_CALLS`, run concurrently (one
         step's reads overlap another's compute); a step that fails as a whole is run again row by
         row, so one row's error is never another's. Each row's numbers are those it gets alone.
+
+        ``then(ffn_outs)``, when given, runs once in a compute-pool worker with the per-routing
+        results, inside the executor's last compute job where it can (the caller's next layer
+        without a hand-off of its own): returns ``(ffn_outs, then's result)``; an exception ``then``
+        raises is raised here, after the step. Without ``then`` the second item is None.
         """
         out: list[np.ndarray | Exception | None] = [None] * len(rows)
+        box: dict[str, Any] = {}
+
+        def ffn_outs(outcomes: Sequence[LayerOutcome]) -> list[np.ndarray | Exception]:
+            return [o if isinstance(o, Exception) else o[0].ffn_out for o in outcomes]
+
+        def call_then(outs: list[np.ndarray | Exception]) -> None:
+            assert then is not None
+            try:
+                box["result"] = then(outs)
+            except Exception as exc:
+                box["error"] = exc
+
+        def run_then(outcomes: list[LayerOutcome]) -> None:  # in the executor's last job
+            call_then(ffn_outs(outcomes))
+
         counters = self._batcher.counters
-        ahead = list(dict.fromkeys(prefetch))[: max(self._store.layout.n_expert_used, self._store.n_slots // 8)]
+        ahead: list[Key] | None = None
+        if prefetch is not None:
+            ahead = list(dict.fromkeys(prefetch))[: max(self._store.layout.n_expert_used, self._store.n_slots // 8)]
         executor = self._executor
 
-        async def chunk(members: list[int], ahead: list[Key]) -> None:
+        async def chunk(members: list[int], ahead: list[Key] | None, with_then: bool = False) -> None:
             calls = [rows[i] for i in members]
             if len(calls) > 1:
                 counters.batches += 1
                 counters.batched_calls += len(calls)
             outcomes: list[LayerOutcome]
             try:
-                outcomes = await executor.run(layer, calls, ahead)
+                outcomes = await executor.run(layer, calls, ahead, run_then if with_then else None)
             except Exception as exc:
                 outcomes = [exc]
                 if len(calls) > 1:  # the step failed as a whole: each row alone
@@ -428,16 +456,24 @@ class MoERunner:
                         except Exception as err:
                             one = err
                         outcomes.append(one)
-            for i, outcome in zip(members, outcomes, strict=True):
-                out[i] = outcome if isinstance(outcome, Exception) else outcome[0].ffn_out
+            for i, outcome in zip(members, ffn_outs(outcomes), strict=True):
+                out[i] = outcome
 
         n = len(rows)
         n_chunks = -(-n // BATCH_MAX_CALLS)
-        async with anyio.create_task_group() as tg:
-            for k in range(n_chunks):
-                tg.start_soon(chunk, list(range(n * k // n_chunks, n * (k + 1) // n_chunks)), ahead if k == 0 else [])
+        if n_chunks == 1:  # no task of its own; then in the executor's last job
+            await chunk(list(range(n)), ahead, then is not None)
+        else:
+            async with anyio.create_task_group() as tg:
+                for k in range(n_chunks):
+                    members = list(range(n * k // n_chunks, n * (k + 1) // n_chunks))
+                    tg.start_soon(chunk, members, ahead if k == 0 else [])
         assert all(o is not None for o in out)
-        return out  # type: ignore[return-value]
+        if then is not None and not box:  # several chunks, or the step was run again row by row
+            await run_in_worker(call_then, out)
+        if "error" in box:
+            raise box["error"]
+        return out, box.get("result")  # type: ignore[return-value]
 
     # -- one layer ------------------------------------------------------------------------------
 

@@ -154,7 +154,7 @@ def _run_llama(cfg: dict[str, Any], repack: bool) -> None:
     )
 
     def logits() -> np.ndarray:
-        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,)).copy()
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,)).copy()  # type: ignore[no-untyped-call,unused-ignore]
 
     t1 = time.perf_counter()
     llm.eval(cfg["prompt"])

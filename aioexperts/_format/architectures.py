@@ -307,7 +307,8 @@ def _heads(md: _Meta, n_embd: int) -> tuple[int, int, int, int]:
 
 
 def _rotary_dims(md: _Meta, record: ArchitectureRecord, head_k: int) -> int:
-    """``rope.dimension_count`` (default the head size), checked; M-RoPE sections are refused."""
+    """``rope.dimension_count`` (default the head size), checked; M-RoPE sections are refused (unless
+    the record reads text positions through them, ``text_mrope``)."""
     n_rot = md.int_("rope.dimension_count", default=head_k)
     if record.rot_equals_head and n_rot != head_k:
         raise FormatError(
@@ -316,8 +317,10 @@ def _rotary_dims(md: _Meta, record: ArchitectureRecord, head_k: int) -> int:
     if record.block == "gqa" and not (0 < n_rot <= head_k and n_rot % 2 == 0):
         raise FormatError(f"{md.key('rope.dimension_count')}={n_rot} must be even and in 1..{head_k}")
     sections = md.md.get(md.key("rope.dimension_sections"))
-    if isinstance(sections, list | tuple | SkippedValue) and any(
-        isinstance(s, int) and s > 0 for s in (sections if isinstance(sections, list | tuple) else [1])
+    if (
+        not record.text_mrope
+        and isinstance(sections, list | tuple | SkippedValue)
+        and any(isinstance(s, int) and s > 0 for s in (sections if isinstance(sections, list | tuple) else [1]))
     ):
         raise UnsupportedTypeError(
             f"{md.key('rope.dimension_sections')}: M-RoPE (multimodal positions) is not supported"

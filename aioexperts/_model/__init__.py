@@ -30,7 +30,11 @@ The RoPE maths is :mod:`aioexperts._compute.rope` (``rope_cos_sin``, ``apply_rop
 :mod:`aioexperts._compute.attention` (``attend``), RMSNorm :mod:`aioexperts._compute.norms`.
 """
 
-from aioexperts._model import mla_block  # noqa: F401  (registers the "mla" block of deepseek2)
-from aioexperts._model.model import Generation, Model, ModelSequence, ModelStatistics, load
+from aioexperts._model import (
+    mla_block,  # noqa: F401  (registers the "mla" block of deepseek2)
+    qwen35_blocks,  # noqa: F401  (registers the "qwen35" blocks of qwen35moe)
+)
+from aioexperts._model.model import Model, ModelStatistics, load
+from aioexperts._model.sessions import Generation, ModelSequence
 
 __all__ = ("Generation", "Model", "ModelSequence", "ModelStatistics", "load")

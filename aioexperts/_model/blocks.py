@@ -29,7 +29,15 @@ from aioexperts._errors import UnsupportedTypeError
 from aioexperts._format.architectures import ModelHParams
 from aioexperts._model.weights import TensorReader, invariant_products
 
-__all__ = ("BLOCKS", "AttentionBlock", "BatchedAttentionBlock", "BlockFactory", "GQABlock", "register_block")
+__all__ = (
+    "BLOCKS",
+    "AttentionBlock",
+    "BatchedAttentionBlock",
+    "BlockFactory",
+    "GQABlock",
+    "RecurrentBlock",
+    "register_block",
+)
 
 
 class AttentionBlock(Protocol):
@@ -62,6 +70,22 @@ class BatchedAttentionBlock(AttentionBlock, Protocol):
     def attention_rows(
         self, x: np.ndarray, caches: Sequence[Mapping[str, np.ndarray]], starts: Sequence[int], parts: int
     ) -> np.ndarray: ...
+
+
+@runtime_checkable
+class RecurrentBlock(AttentionBlock, Protocol):
+    """A block that keeps, besides (or instead of) per-position arrays, a per-sequence state that is
+    not per position (a linear-attention layer: Qwen3.5's gated delta net).
+
+    ``state_shapes()`` gives the shape of every such array; the KV cache allocates each once per
+    sequence (float32 zeros) in the same per-layer dict as the ``cache_shapes`` arrays.
+    ``attention(x, cache, start)`` advances the state by the ``n_tokens`` rows of ``x``: the state
+    must hold exactly positions ``0..start-1`` (the model sees to it), and ``start == 0`` starts
+    it afresh. A state cannot be rewound: :meth:`~aioexperts.ModelSequence.keep` of a shorter
+    prefix makes the next call run the kept tokens again.
+    """
+
+    def state_shapes(self) -> Mapping[str, tuple[int, ...]]: ...
 
 
 BlockFactory = Callable[[ModelHParams, TensorReader, int], AttentionBlock]

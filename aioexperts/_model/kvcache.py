@@ -1,4 +1,4 @@
-"""The KV cache of one sequence: per layer, named arrays preallocated for ``n_ctx`` positions.
+"""The KV cache of one sequence: per layer, named float32 arrays preallocated for ``n_ctx`` positions.
 
 Each block says what it caches per position (:meth:`AttentionBlock.cache_shapes`, e.g.
 ``{"k": (n_head_kv, head_k), "v": (n_head_kv, head_v)}``; an MLA block caches its latent instead);
@@ -6,6 +6,8 @@ Each block says what it caches per position (:meth:`AttentionBlock.cache_shapes`
 while it runs. The arrays are float16 by default, as llama.cpp's (``type_k``/``type_v`` F16: the
 values written are rounded to nearest even, and attention reads them as
 :func:`aioexperts._compute.attention.attend` says), or float32 (``load(kv_type="f32")``).
+A recurrent block's per-sequence state (:meth:`RecurrentBlock.state_shapes`) is
+allocated once, without the position axis, in the same per-layer dict.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ("KV_ELEMENT_BYTES", "KV_TYPES", "KVCache", "KVType", "cache_bytes_per_position")
+__all__ = ("KV_ELEMENT_BYTES", "KV_TYPES", "KVCache", "KVType", "cache_bytes_per_position", "state_bytes")
 
 KVType = Literal["f16", "f32"]
 #: the element types of a KV cache, by the name ``load(kv_type=...)`` takes
@@ -30,17 +32,32 @@ def cache_bytes_per_position(layer_shapes: Sequence[Mapping[str, tuple[int, ...]
     return KV_ELEMENT_BYTES[kv_type] * sum(math.prod(shape) for shapes in layer_shapes for shape in shapes.values())
 
 
+def state_bytes(layer_states: Sequence[Mapping[str, tuple[int, ...]]]) -> int:
+    """Bytes of one sequence's recurrent state over every layer (float32)."""
+    return 4 * sum(math.prod(shape) for shapes in layer_states for shape in shapes.values())
+
+
 class KVCache:
-    """Preallocated cache arrays, ``layers[L][name]`` of shape ``(n_ctx, *shape)``.
+    """Preallocated cache arrays, ``layers[L][name]`` of shape ``(n_ctx, *shape)`` (recurrent states: float32).
 
     Args:
         layer_shapes: per block, ``{name: per-position shape}``.
         n_ctx: positions.
+        layer_states: per block, ``{name: shape}`` of its recurrent state (none by default).
         kv_type: ``"f16"`` (default, llama.cpp's) or ``"f32"``.
+
+    Attributes:
+        state_positions: positions the recurrent state holds (0 for a new sequence; -1 while a
+            forward pass runs or after one that did not finish, when it is unknown). Without
+            recurrent blocks it stays 0.
     """
 
     def __init__(
-        self, layer_shapes: Sequence[Mapping[str, tuple[int, ...]]], n_ctx: int, kv_type: KVType = "f16"
+        self,
+        layer_shapes: Sequence[Mapping[str, tuple[int, ...]]],
+        n_ctx: int,
+        layer_states: Sequence[Mapping[str, tuple[int, ...]]] = (),
+        kv_type: KVType = "f16",
     ) -> None:
         self.n_ctx = n_ctx
         self.kv_type = kv_type
@@ -48,7 +65,11 @@ class KVCache:
         self.layers: list[dict[str, np.ndarray]] | None = [
             {name: np.zeros((n_ctx, *shape), dtype=dtype) for name, shape in shapes.items()} for shapes in layer_shapes
         ]
-        self.n_bytes = n_ctx * cache_bytes_per_position(layer_shapes, kv_type)
+        for arrays, states in zip(self.layers, layer_states, strict=False):
+            arrays.update({name: np.zeros(shape, dtype=np.float32) for name, shape in states.items()})
+        self.recurrent = any(layer_states)
+        self.state_positions = 0
+        self.n_bytes = n_ctx * cache_bytes_per_position(layer_shapes, kv_type) + state_bytes(layer_states)
 
     def layer(self, index: int) -> dict[str, np.ndarray]:
         """The arrays of block ``index``."""

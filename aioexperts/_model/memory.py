@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from aioexperts._cgroups import cgroup_mounts, memory_cgroups
 from aioexperts._errors import ConfigError
 from aioexperts._format.architectures import ModelHParams
+from aioexperts._format.delta_net import DeltaNetHParams
 from aioexperts._format.mla import MLAHParams
 from aioexperts._format.model import GGUFModel
 
@@ -231,14 +232,19 @@ def kv_bytes_per_position(hp: ModelHParams, model: GGUFModel | None = None, elem
     """KV cache bytes of one position over every layer, before the blocks are built: K and V of
     ``n_head_kv`` heads per layer, or, for an MLA block with ``model`` given, its latent and
     rotated key (``kv_lora_rank + rope_dims`` values, :mod:`aioexperts._model.mla_block`), of
-    ``element_bytes`` each (2: the default F16 cache; 4: ``kv_type="f32"``).
+    ``element_bytes`` each (2: the default F16 cache; 4: ``kv_type="f32"``); qwen35moe's gated
+    delta net layers (``model`` given) none (their per-sequence state is not per position).
 
     Raises:
-        FormatError: an MLA model whose attention keys are missing or malformed.
+        FormatError: an MLA model whose attention keys are missing or malformed, a qwen35moe one
+            whose ``ssm.*`` keys are.
     """
     if model is not None and hp.record.block == "mla":
         return max(1, element_bytes * hp.n_layer * MLAHParams.from_metadata(hp.arch, model.metadata).cache_width)
-    return max(1, element_bytes * hp.n_layer * hp.n_head_kv * (hp.head_k + hp.head_v))
+    n_layer = hp.n_layer
+    if model is not None and hp.record.block == "qwen35":  # the gated delta net layers keep no K/V
+        n_layer -= sum(DeltaNetHParams.from_metadata(hp.arch, model.metadata, hp.n_layer).recurrent)
+    return max(1, element_bytes * n_layer * hp.n_head_kv * (hp.head_k + hp.head_v))
 
 
 def kv_reserve_bytes(hp: ModelHParams, n_ctx: int | None, memory_budget: int, per_position: int | None = None) -> int:

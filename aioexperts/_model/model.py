@@ -1,27 +1,15 @@
-"""The whole model: embeddings, blocks (attention + MoE or dense FFN), output norm and head.
-
-Per block, as the graphs of llama.cpp's ``src/models/<arch>.cpp`` chain it::
-
-    h       = rms_norm(x, attn_norm)                       # build_norm(LLM_NORM_RMS)
-    ffn_inp = x + attention(h) * residual_scale            # granite.cpp build_layer_ffn scales
-    f       = moe(rms_norm(ffn_inp, ffn_norm))             # MoERunner.moe, or the dense SwiGLU FFN
-    x       = ffn_inp + f * residual_scale                 # of the leading dense blocks
-
-then ``logits = output(rms_norm(x, output_norm)) / logit_scale``. One compute-pool job runs the
-residual add of the previous block, the attention norm, the attention, the FFN norm and the MoE
-layer's routing (with the prediction of the next layers' experts); the rest of the MoE layer goes
-through :class:`~aioexperts.MoERunner` (expert reads, prefetch of the next layers' experts while
-this one computes, the experts' compute and their sum in one more job). A runner whose ``moe`` is
-overridden routes in its own job.
+"""The whole model (:func:`load`, :class:`Model`): the file's checks, the expert store and runner, the
+memory plan (KV cache, slab), and the sequences (:class:`ModelSequence`) whose tokens go through the
+one forward pass of :mod:`aioexperts._model.forward`; text in and out through
+:mod:`aioexperts._model.text`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -30,32 +18,27 @@ import numpy as np
 from aioexperts._batch import DEFAULT_BATCH_WAIT
 from aioexperts._compute import fused
 from aioexperts._compute.fused import Precision
-from aioexperts._compute.norms import rms_norm
 from aioexperts._errors import (
     AioExpertsError,
     ConfigError,
-    ContextLengthError,
     FormatError,
     InvalidRequestError,
     StoreClosedError,
-    UnsupportedTypeError,
 )
 from aioexperts._format.architectures import ModelHParams, model_hparams
 from aioexperts._format.archs import MODEL_RECORDS
 from aioexperts._format.model import GGUFModel, open_model
 from aioexperts._model import memory as _memory
 from aioexperts._model import text as _text
-from aioexperts._model.blocks import BLOCKS, AttentionBlock
+from aioexperts._model.blocks import RecurrentBlock
 from aioexperts._model.config import DEFAULT_RESIDENT_EMBEDDING_BYTES, LoadOptions
-from aioexperts._model.decode_batch import DecodeRequest, decode_rows
-from aioexperts._model.kvcache import KV_ELEMENT_BYTES, KVCache, KVType, cache_bytes_per_position
+from aioexperts._model.forward import ForwardCounters, ForwardPass, load_weights
+from aioexperts._model.kvcache import KV_ELEMENT_BYTES, KVCache, KVType, cache_bytes_per_position, state_bytes
 from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_bytes_per_position, kv_reserve_bytes
-from aioexperts._model.residual import after_attention, block_input, head_input, scale_logits
-from aioexperts._model.steps import StepBatcher
-from aioexperts._model.weights import DenseMatrix, TensorReader
+from aioexperts._model.sessions import Generation, ModelSequence, Sampler
 from aioexperts._options import CacheOptions, IOOptions, PageCacheOptions
 from aioexperts._pipeline import run_in_worker
-from aioexperts._runner import BATCH_MAX_ROWS, MoERunner, PrefetchOptions
+from aioexperts._runner import MoERunner, PrefetchOptions
 from aioexperts._store import ExpertStore
 from aioexperts._store import open as open_store
 
@@ -70,11 +53,6 @@ log = logging.getLogger("aioexperts")
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
 """Bytes one sequence's KV cache may take when ``n_ctx`` is not given (1 GiB)."""
-
-
-#: ``sampler(logits, history) -> token id``: ``logits`` is ``(n_vocab,)`` float32, ``history`` the
-#: sequence's tokens so far (prompt and generated).
-Sampler = Callable[[np.ndarray, Sequence[int]], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +73,7 @@ class ModelStatistics:
         head_seconds: output norm and head.
         sampling_seconds: choosing the next token.
         batched_steps: decode steps that ran several sequences' tokens together (cross-request
-            batching, :mod:`aioexperts._model.decode_batch`).
+            batching, :mod:`aioexperts._model.forward`).
         batched_tokens: the tokens of those steps.
         batch_window_seconds: time decode steps waited for their sequences, summed.
     """
@@ -116,93 +94,6 @@ class ModelStatistics:
     batched_steps: int = 0
     batched_tokens: int = 0
     batch_window_seconds: float = 0.0
-
-
-@dataclass(slots=True)
-class _Counters:
-    tokens_prefilled: int = 0
-    tokens_decoded: int = 0
-    attention_seconds: float = 0.0
-    dense_ffn_seconds: float = 0.0
-    moe_seconds: float = 0.0
-    head_seconds: float = 0.0
-    sampling_seconds: float = 0.0
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _DenseFFN:
-    """A leading dense block's SwiGLU FFN (llama-graph.cpp ``build_ffn``, ``LLM_FFN_SILU, LLM_FFN_PAR``)."""
-
-    gate: DenseMatrix
-    up: DenseMatrix
-    down: DenseMatrix
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        g = self.gate(x)
-        u = self.up(x)
-        with np.errstate(over="ignore"):
-            h = (g / (1.0 + np.exp(-g))) * u  # ggml_swiglu_split: silu(gate) * up
-        return self.down(np.ascontiguousarray(h, dtype=np.float32))
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _Layer:
-    index: int
-    attn_norm: np.ndarray
-    block: AttentionBlock
-    ffn_norm: np.ndarray
-    dense: _DenseFFN | None  # None: a MoE layer (through the runner)
-
-
-@dataclass(slots=True, eq=False)
-class _Weights:
-    embedding: DenseMatrix | None  # None: read through store.read_rows
-    output_norm: np.ndarray
-    output: DenseMatrix
-    layers: list[_Layer] = field(default_factory=list)
-    n_bytes: int = 0
-
-
-def _load_weights(model: GGUFModel, hp: ModelHParams, moe_layers: frozenset[int], resident_embedding: int) -> _Weights:
-    """Read every non-expert tensor (blocking). Raises FormatError / UnsupportedTypeError."""
-    reader = TensorReader(model)
-    n_embd = hp.n_embd
-    output_norm = reader.optional_array("output_norm.weight", (n_embd,))
-    if output_norm is None:
-        raise FormatError(f"{model.path}: tensor 'output_norm.weight' is missing: the model has no output norm")
-    tok_info = model.tensor("token_embd.weight")
-    has_head = reader.has("output.weight")
-    if has_head:
-        output = reader.matrix("output.weight", (hp.n_vocab, n_embd))
-        embedding = reader.matrix("token_embd.weight") if tok_info.n_bytes <= resident_embedding else None
-    else:  # tied: llama.cpp creates output from token_embd (TENSOR_DUPLICATED)
-        if hp.record.name == "gpt-oss":  # openai-moe.cpp: output.weight is required
-            raise FormatError(f"{model.path}: tensor 'output.weight' is missing: gpt-oss has no tied output head")
-        embedding = reader.matrix("token_embd.weight")
-        output = embedding
-    factory = BLOCKS.get(hp.record.block)
-    if factory is None:
-        raise UnsupportedTypeError(
-            f"architecture {hp.arch!r}: its attention block {hp.record.block!r} is not implemented"
-        )
-    layers = []
-    for il in range(hp.n_layer):
-        p = f"blk.{il}."
-        attn_norm = reader.array(p + "attn_norm.weight", (n_embd,))
-        block = factory(hp, reader, il)
-        ffn_norm = reader.array(p + hp.record.ffn_norm + ".weight", (n_embd,))
-        dense = None
-        if il not in moe_layers:
-            if hp.moe.is_moe_layer(il):
-                raise FormatError(f"{model.path}: block {il} should have routed experts but the layout has none")
-            n_ff = hp.moe.n_ff
-            dense = _DenseFFN(
-                reader.matrix(p + "ffn_gate.weight", (n_ff, n_embd) if n_ff else None),
-                reader.matrix(p + "ffn_up.weight", (n_ff, n_embd) if n_ff else None),
-                reader.matrix(p + "ffn_down.weight", (n_embd, n_ff) if n_ff else None),
-            )
-        layers.append(_Layer(il, attn_norm, block, ffn_norm, dense))
-    return _Weights(embedding, output_norm, output, layers, reader.n_bytes)
 
 
 def _whole_model_hparams(model: GGUFModel) -> ModelHParams:
@@ -229,295 +120,6 @@ def _whole_model_hparams(model: GGUFModel) -> ModelHParams:
         if str(model.path) in str(exc):
             raise
         raise type(exc)(f"{model.path}: {exc}") from exc  # UnsupportedTypeError stays one
-
-
-DECODE_BATCH_MAX_CALLS = 16
-"""Sequences one batched decode step takes at most (:mod:`aioexperts._model.decode_batch`); more
-open the next step. Its MoE layers go in calls of ``BATCH_MAX_CALLS`` sequences (``_runner``)."""
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _StepCall:
-    """A sequence's one-token decode step, for the step batcher."""
-
-    cache: KVCache
-    request: DecodeRequest
-
-
-def _plain_moe(runner: MoERunner) -> bool:
-    """Whether ``runner``'s :meth:`~MoERunner.moe` is the base class's (route, then the executor), so the
-    model may route in its own job (a subclass that overrides ``moe`` or its routing keeps them)."""
-    cls = type(runner)
-    return all(getattr(cls, name) is getattr(MoERunner, name) for name in ("moe", "moe_result", "route_in_job"))
-
-
-class ModelSequence:
-    """One sequence with its own preallocated KV cache (from :meth:`Model.sequence`).
-
-    The cache keeps the positions already run (:attr:`n_past`) between calls; :meth:`keep` drops
-    all but a prefix (a chat reusing a shared prefix). Use it as an async context manager or call
-    :meth:`close` to free the cache. Calls on one sequence run one at a time.
-
-    Attributes:
-        model: the model.
-        tokens: the token ids of positions ``0..n_past-1`` (in the KV cache).
-        unrun: tokens a :meth:`generate` yielded last that are not in the cache yet; the next
-            :meth:`forward` or :meth:`generate` runs them first.
-    """
-
-    def __init__(self, model: Model, cache: KVCache) -> None:
-        self.model = model
-        self._cache: KVCache | None = cache
-        self.tokens: list[int] = []
-        self.unrun: list[int] = []
-        self._last_logits: np.ndarray | None = None  # of position n_past - 1
-        self._lock = anyio.Lock()
-
-    @property
-    def n_past(self) -> int:
-        """Positions already in the KV cache."""
-        return len(self.tokens)
-
-    @property
-    def n_ctx(self) -> int:
-        """Positions the KV cache holds."""
-        return self.model.n_ctx
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` ran."""
-        return self._cache is None
-
-    def keep(self, n: int) -> None:
-        """Keep only the first ``n`` positions (``0 <= n <= n_past``); later calls continue from there.
-
-        Raises:
-            InvalidRequestError: ``n`` out of range, or the sequence is closed.
-        """
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.n_past:
-            raise InvalidRequestError(f"keep(n) needs 0 <= n <= n_past={self.n_past}, got {n!r}")
-        if self._cache is None:
-            raise InvalidRequestError("the sequence is closed")
-        if n < self.n_past:
-            self.unrun.clear()
-            self._last_logits = None
-        del self.tokens[n:]
-
-    def close(self) -> None:
-        """Free the KV cache (idempotent)."""
-        if self._cache is not None:
-            self._cache.free()
-            self._cache = None
-            self.model._sequence_closed(self)
-            self.model._steps.forget(self)
-
-    async def __aenter__(self) -> ModelSequence:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.close()
-
-    async def forward(self, token_ids: Sequence[int], *, all_logits: bool = True) -> np.ndarray:
-        """Run ``token_ids`` at the next positions (one batch), add them to the cache, return logits.
-
-        Tokens in :attr:`unrun` run first (their logits are not returned).
-
-        Args:
-            token_ids: ids in ``0..n_vocab-1`` (one at least, unless :attr:`unrun` has some).
-            all_logits: logits of every new position; False: of the last one only.
-
-        Returns:
-            float32 ``(len(token_ids), n_vocab)`` (``(1, n_vocab)`` when not ``all_logits``).
-
-        Raises:
-            InvalidRequestError: empty input, an id out of range or not an int, the sequence closed.
-            ContextLengthError: ``n_past + len(token_ids) > n_ctx``.
-            NonFiniteError: NaN or inf in the residual stream or the logits.
-            StoreClosedError, ExpertReadError, SlabExhaustedError: from the expert store.
-
-        Cancellation handling:
-            The positions of a cancelled call are not added (``n_past`` is unchanged); the
-            sequence stays usable.
-        """
-        ids = self.model._check_ids(token_ids, allow_empty=bool(self.unrun))
-        async with self._lock:
-            if self._cache is None:
-                raise InvalidRequestError("the sequence is closed")
-            run = self.unrun + ids
-            if self.n_past + len(run) > self.n_ctx:
-                raise ContextLengthError(
-                    f"{len(run)} new tokens after {self.n_past} would pass n_ctx={self.n_ctx} positions "
-                    "(load the model with a larger n_ctx, or --ctx of aioexperts-run and aioexperts-serve; "
-                    "or keep() a shorter prefix)"
-                )
-            logits = await self.model._forward(
-                self._cache, self.n_past, run, all_logits=all_logits or not ids, step_of=self
-            )
-            self.tokens.extend(run)
-            self.unrun = []
-            self._last_logits = logits[-1].copy()
-            if not all_logits:
-                return logits[-1:]
-            return logits[len(run) - len(ids) :] if ids else logits[-1:]
-
-    def generate(
-        self,
-        token_ids: Sequence[int],
-        *,
-        max_tokens: int,
-        temperature: float = 0.0,
-        sampler: Sampler | None = None,
-        seed: int | None = None,
-    ) -> Generation:
-        """Feed ``token_ids`` (may be empty when ``n_past > 0``), then yield new tokens one at a time.
-
-        Greedy (the first largest logit) at ``temperature == 0`` without a sampler; at
-        ``temperature > 0`` without a sampler, a draw from ``softmax(logits / temperature)`` with a
-        ``numpy`` generator seeded by ``seed``. Stops after ``max_tokens`` tokens, at an
-        end-of-generation id (``tokenizer.ggml.eos/eot/eom_token_id``), which is not yielded, or
-        when the KV cache is full: the tokens in the cache, in :attr:`unrun` and yielded take at
-        most :attr:`n_ctx` positions (``stop_reason == "length"``). The last yielded token is kept
-        in :attr:`unrun`, not run yet: the next :meth:`forward` or ``generate([])`` runs it first.
-
-        Returns:
-            A :class:`Generation` (``async for token in ...``; also an async context manager).
-
-        Raises:
-            InvalidRequestError: bad arguments or ids (here); a sampler returning something that
-                is not a token id (while iterating).
-            ContextLengthError: while iterating, when the prompt would pass ``n_ctx``.
-            As :meth:`forward`, while iterating.
-        """
-        return Generation(self, token_ids, max_tokens, temperature, sampler, seed, owns_sequence=False)
-
-
-class Generation:
-    """New token ids, one per ``await anext()`` (from :meth:`Model.generate` / :meth:`ModelSequence.generate`).
-
-    An async iterator of ``int``; as an async context manager (or with :meth:`aclose`) it ends
-    early. A generation made by :meth:`Model.generate` owns its sequence and frees the KV cache
-    when it ends: exhausted, failed, cancelled inside a step, closed, or dropped.
-
-    It stops at an end-of-generation id, after ``max_tokens`` tokens, or when every position of
-    the KV cache is taken (prompt plus yielded tokens reach ``n_ctx``, as the server's
-    ``max_tokens = n_ctx - prompt``): the last yielded token still has its position.
-
-    Attributes:
-        stop_reason: ``"eog"`` (an end-of-generation id), ``"length"`` (``max_tokens``, or the KV
-            cache full); None while running or when it ended otherwise (closed, failed).
-    """
-
-    def __init__(
-        self,
-        seq: ModelSequence,
-        token_ids: Sequence[int],
-        max_tokens: int,
-        temperature: float,
-        sampler: Sampler | None,
-        seed: int | None,
-        *,
-        owns_sequence: bool,
-    ) -> None:
-        self._seq: ModelSequence | None = None
-        self._owns = False
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-            raise InvalidRequestError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature < np.inf:
-            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if sampler is not None and not callable(sampler):
-            raise InvalidRequestError(f"sampler must be a callable (logits, history) -> int, got {sampler!r}")
-        pending = seq.model._check_ids(token_ids, allow_empty=True)
-        if not pending and seq.n_past == 0 and not seq.unrun:
-            raise InvalidRequestError("generate needs at least one token id")
-        self._seq = seq
-        self._owns = owns_sequence
-        self._pending = pending
-        self._left = max_tokens
-        self._temperature = float(temperature)
-        self._sampler = sampler
-        self._rng = np.random.default_rng(seed)
-        self.stop_reason: str | None = None
-
-    def __aiter__(self) -> Generation:
-        return self
-
-    async def __anext__(self) -> int:
-        seq = self._seq
-        if seq is None or self._left <= 0:
-            if seq is not None:
-                self.stop_reason = "length"
-            self._finish()
-            raise StopAsyncIteration
-        try:
-            token = await self._step(seq)
-        except BaseException:
-            self._finish()
-            raise
-        if token is None:
-            self._finish()
-            raise StopAsyncIteration
-        return token
-
-    async def _step(self, seq: ModelSequence) -> int | None:
-        model = seq.model
-        if seq.n_past + len(seq.unrun) + len(self._pending) == seq.n_ctx:
-            # every position is taken once these run: a new token would have none (more than
-            # n_ctx: the forward refuses the prompt with ContextLengthError)
-            if not self._owns:  # not run; the sequence's next call runs them first
-                seq.unrun.extend(self._pending)
-            self._pending = []
-            self.stop_reason = "length"
-            return None
-        if not self._pending and not seq.unrun and seq._last_logits is not None:
-            logits = seq._last_logits  # the last forward's, at the last cached position
-            seq._last_logits = None
-        else:
-            if not self._pending and not seq.unrun:  # logits of the last cached position: run it again
-                self._pending = [seq.tokens[-1]]
-                seq.keep(seq.n_past - 1)
-            logits = (await seq.forward(self._pending, all_logits=False))[0]
-        t0 = time.perf_counter()
-        if self._sampler is not None:
-            token = self._sampler(logits, tuple(seq.tokens))
-            if isinstance(token, np.integer):
-                token = int(token)
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < model.n_vocab:
-                raise InvalidRequestError(f"the sampler returned {token!r}, not a token id in 0..{model.n_vocab - 1}")
-        elif self._temperature == 0:
-            token = int(np.argmax(logits))
-        else:
-            z = logits.astype(np.float64) / self._temperature
-            pr = np.exp(z - z.max())
-            token = int(self._rng.choice(len(pr), p=pr / pr.sum()))
-        model._counters.sampling_seconds += time.perf_counter() - t0
-        if token in model.hparams.eog_ids:
-            self.stop_reason = "eog"
-            return None
-        self._left -= 1
-        self._pending = [token]
-        if self._left == 0:  # the last token is not run; the sequence's next call runs it first
-            if not self._owns:
-                seq.unrun.append(token)
-            self._pending = []
-        return token
-
-    def _finish(self) -> None:
-        seq, self._seq = self._seq, None
-        if seq is not None and self._owns:
-            seq.close()
-
-    async def aclose(self) -> None:
-        """End the generation now (frees the KV cache of a generation that owns its sequence)."""
-        self._finish()
-
-    async def __aenter__(self) -> Generation:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._finish()
-
-    def __del__(self) -> None:
-        self._finish()
 
 
 class Model:
@@ -550,24 +152,22 @@ class Model:
         """How the slab was sized from the memory limit (None: sized by the caller, or page-cache mode)."""
         self._store: ExpertStore | None = None
         self._runner: MoERunner | None = None
-        self._weights: _Weights | None = None
+        self._pass: ForwardPass | None = None
         self._hparams: ModelHParams | None = None
         self._n_ctx = 0
         self._kv_per_position = 0
         self._layer_shapes: list[dict[str, tuple[int, ...]]] = []
+        self._layer_states: list[dict[str, tuple[int, ...]]] = []  # recurrent blocks' per-sequence state
+        self._state_bytes = 0
         self._moe_layers: frozenset[int] = frozenset()
         self._live: set[int] = set()
         self._live_bytes = 0
-        self._counters = _Counters()
+        self._counters = ForwardCounters()
         self._closed = False
         self._tokenizer: Tokenizer | None = None
         self._chat_template: ChatTemplate | None = None
         #: what building the tokenizer and the chat template in start() raised (raised again at use)
         self._text_errors: tuple[Exception | None, Exception | None] = (None, None)
-        # cross-request batching: the one-token decode steps of sequences decoding at the same moment
-        self._steps: StepBatcher[_StepCall, np.ndarray] = StepBatcher(
-            self._run_steps, DECODE_BATCH_MAX_CALLS, self.options.batch_wait
-        )
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -614,25 +214,18 @@ class Model:
             self.options.apply_to(runner)  # a factory's runner too: honoured, or refused
             await runner.warmup()
             weights = await run_in_worker(
-                _load_weights, store.model, hp, moe_layers, self.options.resident_embedding_bytes
+                load_weights, store.model, hp, moe_layers, self.options.resident_embedding_bytes
             )
-            types = {weights.output.ggml_type} | {
-                m.ggml_type
-                for layer in weights.layers
-                for m in vars(layer.block).values()
-                if isinstance(m, DenseMatrix)
-            }
-            types |= {
-                m.ggml_type
-                for layer in weights.layers
-                if layer.dense
-                for m in (layer.dense.gate, layer.dense.up, layer.dense.down)
-            }
             if self.options.precision is not None:
                 fused.set_precision(self.options.precision)
-            await run_in_worker(fused.warmup, types)
+            await run_in_worker(fused.warmup, weights.ggml_types())
             self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
             self._kv_per_position = cache_bytes_per_position(self._layer_shapes, self.options.kv_type)
+            self._layer_states = [
+                dict(layer.block.state_shapes()) if isinstance(layer.block, RecurrentBlock) else {}
+                for layer in weights.layers
+            ]
+            self._state_bytes = state_bytes(self._layer_states)
             self._n_ctx = await run_in_worker(self._choose_n_ctx, hp)
             # the text API's tokenizer and chat template read the file: built here, off the event loop,
             # rather than on the loop by the first generate() / stream() / chat() of a string
@@ -642,7 +235,8 @@ class Model:
             with anyio.CancelScope(shield=True):
                 await store.aclose()
             raise
-        self._store, self._runner, self._weights, self._hparams = store, runner, weights, hp
+        self._store, self._runner, self._hparams = store, runner, hp
+        self._pass = ForwardPass(store, runner, weights, hp, self.options.batch_wait, self._counters)
         self._moe_layers = moe_layers
 
     def _plan_memory(self, gguf: GGUFModel, hp: ModelHParams) -> dict[str, Any]:
@@ -712,12 +306,16 @@ class Model:
 
     # -- properties -----------------------------------------------------------------------------
 
-    def _started(self) -> tuple[ExpertStore, MoERunner, _Weights, ModelHParams]:
+    def _started(self) -> tuple[ExpertStore, MoERunner, ForwardPass, ModelHParams]:
         if self._closed:
             raise StoreClosedError("the model is closed")
-        if self._store is None or self._runner is None or self._weights is None or self._hparams is None:
+        if self._store is None or self._runner is None or self._pass is None or self._hparams is None:
             raise StoreClosedError("the model is not started: use `async with aioexperts.load(path) as model:`")
-        return self._store, self._runner, self._weights, self._hparams
+        return self._store, self._runner, self._pass, self._hparams
+
+    def _forget(self, seq: ModelSequence) -> None:
+        if self._pass is not None:
+            self._pass.forget(seq)
 
     @property
     def hparams(self) -> ModelHParams:
@@ -735,6 +333,15 @@ class Model:
         return self._started()[1]
 
     @property
+    def forward_pass(self) -> ForwardPass:
+        """The forward pass (its resident weights, counters and step batcher).
+
+        Raises:
+            StoreClosedError: the model is not started or closed.
+        """
+        return self._started()[2]
+
+    @property
     def n_ctx(self) -> int:
         """Positions of every sequence's KV cache."""
         return self._n_ctx
@@ -747,7 +354,8 @@ class Model:
     def statistics(self) -> ModelStatistics:
         """A frozen snapshot of the model's counters (the store and runner have their own)."""
         c = self._counters
-        w = self._weights
+        w = self._pass.weights if self._pass is not None else None
+        steps = self._pass.steps.counters if self._pass is not None else None
         return ModelStatistics(
             dense_bytes=w.n_bytes if w else 0,
             embedding_resident=bool(w and w.embedding is not None),
@@ -762,9 +370,9 @@ class Model:
             moe_seconds=c.moe_seconds,
             head_seconds=c.head_seconds,
             sampling_seconds=c.sampling_seconds,
-            batched_steps=self._steps.counters.batches,
-            batched_tokens=self._steps.counters.batched_calls,
-            batch_window_seconds=self._steps.counters.window_seconds,
+            batched_steps=steps.batches if steps else 0,
+            batched_tokens=steps.batched_calls if steps else 0,
+            batch_window_seconds=steps.window_seconds if steps else 0.0,
         )
 
     # -- sequences ------------------------------------------------------------------------------
@@ -776,15 +384,15 @@ class Model:
             StoreClosedError: the model is not started or closed.
         """
         self._started()
-        seq = ModelSequence(self, KVCache(self._layer_shapes, self._n_ctx, self.options.kv_type))
+        seq = ModelSequence(self, KVCache(self._layer_shapes, self._n_ctx, self._layer_states, self.options.kv_type))
         self._live.add(id(seq))
-        self._live_bytes += self._n_ctx * self._kv_per_position
+        self._live_bytes += self._n_ctx * self._kv_per_position + self._state_bytes
         return seq
 
     def _sequence_closed(self, seq: ModelSequence) -> None:
         if id(seq) in self._live:
             self._live.discard(id(seq))
-            self._live_bytes -= self._n_ctx * self._kv_per_position
+            self._live_bytes -= self._n_ctx * self._kv_per_position + self._state_bytes
 
     async def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits of a fresh sequence at every position of ``token_ids`` (one batch).
@@ -901,24 +509,12 @@ class Model:
         """
         chain = isinstance(prompt, str) or any(v is not None for v in (top_k, top_p, min_p, stop, options))
         if chain:
+            sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stop": stop}
+            sampling |= {"top_k": top_k, "top_p": top_p, "min_p": min_p}
             run = _text.open_run(
-                self,
-                prompt,
-                options=options,
-                sampler=sampler,
-                add_special=add_special,
-                parse_special=parse_special,
-                sampling={
-                    "max_tokens": max_tokens,
-                    "temperature": temperature,
-                    "top_k": top_k,
-                    "top_p": top_p,
-                    "min_p": min_p,
-                    "seed": seed,
-                    "stop": stop,
-                },
-                as_text=False,
-            )
+                self, prompt, options=options, sampler=sampler, add_special=add_special,
+                parse_special=parse_special, sampling=sampling, as_text=False,
+            )  # fmt: skip
             assert isinstance(run, _text.TokenStream)
             return run
         assert not isinstance(prompt, str)
@@ -967,24 +563,12 @@ class Model:
             A :class:`~aioexperts._model.text.TextStream` (async iterator of str, ``statistics``,
             ``token_ids``).
         """
+        sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stop": stop}
+        sampling |= {"top_k": top_k, "top_p": top_p, "min_p": min_p}
         stream = _text.open_run(
-            self,
-            prompt,
-            options=options,
-            sampler=sampler,
-            add_special=add_special,
-            parse_special=parse_special,
-            sampling={
-                "max_tokens": max_tokens,
-                "temperature": temperature,
-                "top_k": top_k,
-                "top_p": top_p,
-                "min_p": min_p,
-                "seed": seed,
-                "stop": stop,
-            },
-            as_text=True,
-        )
+            self, prompt, options=options, sampler=sampler, add_special=add_special,
+            parse_special=parse_special, sampling=sampling, as_text=True,
+        )  # fmt: skip
         assert isinstance(stream, _text.TextStream)
         return stream
 
@@ -1038,147 +622,6 @@ class Model:
         if not ids and not allow_empty:
             raise InvalidRequestError("token_ids is empty: the forward pass needs at least one token")
         return ids
-
-    async def _embed(self, ids: list[int]) -> np.ndarray:
-        store, _, w, _ = self._started()
-        if w.embedding is not None:
-            return await run_in_worker(w.embedding.rows, ids)
-        return await store.read_rows("token_embd.weight", ids)
-
-    def _pre_block(
-        self,
-        layer: _Layer,
-        resid: np.ndarray,
-        f: np.ndarray | None,
-        cache: dict[str, np.ndarray],
-        start: int,
-        capture: dict[str, np.ndarray] | None,
-        route: Callable[[int, np.ndarray], Any] | None = None,
-    ) -> tuple[np.ndarray, np.ndarray, Any]:
-        """Worker job: finish the previous block, norm, attention, residual, FFN norm, then (with
-        ``route``, the runner's :meth:`MoERunner.route_in_job`) the MoE layer's routing."""
-        t0 = time.perf_counter()
-        hp = self._started()[3]
-        il = layer.index
-        x = block_input(hp, il, resid, f)
-        if capture is not None and f is not None:
-            capture[f"l_out-{il - 1}"] = x
-        h = rms_norm(x, layer.attn_norm, hp.norm_eps)
-        ffn_inp = after_attention(hp, il, x, layer.block.attention(h, cache, start))
-        ffn_in = rms_norm(ffn_inp, layer.ffn_norm, hp.norm_eps)
-        if capture is not None:
-            capture[f"attn_norm-{il}"] = h
-            capture[f"ffn_inp-{il}"] = ffn_inp
-        t1 = time.perf_counter()
-        self._counters.attention_seconds += t1 - t0
-        if route is None:
-            return ffn_inp, ffn_in, None
-        routed = route(il, ffn_in)  # counted with the MoE layer, as when the runner routes
-        self._counters.moe_seconds += time.perf_counter() - t1
-        return ffn_inp, ffn_in, routed
-
-    def _dense_ffn(self, layer: _Layer, x: np.ndarray) -> np.ndarray:
-        t0 = time.perf_counter()
-        assert layer.dense is not None
-        y = layer.dense(x)
-        self._counters.dense_ffn_seconds += time.perf_counter() - t0
-        return y
-
-    def _head(self, resid: np.ndarray, f: np.ndarray, capture: dict[str, np.ndarray] | None) -> np.ndarray:
-        t0 = time.perf_counter()
-        _, _, w, hp = self._started()
-        x, h = head_input(hp, resid, f, w.output_norm)
-        logits = scale_logits(hp, w.output(h))
-        if capture is not None:
-            capture[f"l_out-{hp.n_layer - 1}"] = x
-            capture["result_norm"] = h
-        self._counters.head_seconds += time.perf_counter() - t0
-        return logits
-
-    async def _forward(
-        self,
-        cache: KVCache,
-        start: int,
-        ids: list[int],
-        *,
-        all_logits: bool = True,
-        capture: dict[str, np.ndarray] | None = None,
-        step_of: ModelSequence | None = None,
-    ) -> np.ndarray:
-        """A forward pass of ``ids`` at ``start``; a one-token step of sequence ``step_of`` goes
-        through the step batcher (cross-request batching, on while the runner's ``batch_wait`` is)."""
-        runner = self._started()[1]
-        batched = step_of is not None and runner.batching and len(ids) == 1 and capture is None
-        if not batched or not _plain_moe(runner):
-            return await self._forward_layers(cache, start, ids, all_logits, capture)
-        assert cache.layers is not None, "KV cache freed"
-        self._steps.wait = runner.batch_wait
-        return await self._steps.submit(step_of, _StepCall(cache, DecodeRequest(cache.layers, start, ids[0])))
-
-    async def _run_steps(self, calls: list[_StepCall]) -> list[np.ndarray | Exception]:
-        """The step batcher's run: one call through the one-sequence path, more through
-        :func:`~aioexperts._model.decode_batch.decode_rows` (the step raises as a whole only when
-        every call would: the store closed, a read that failed)."""
-        if len(calls) == 1:
-            call = calls[0]
-            try:
-                logits = await self._forward_layers(call.cache, call.request.start, [call.request.token], True, None)
-            except Exception as exc:
-                return [exc]
-            return [logits]
-        return await decode_rows(self, [c.request for c in calls])
-
-    async def _forward_layers(
-        self,
-        cache: KVCache,
-        start: int,
-        ids: list[int],
-        all_logits: bool,
-        capture: dict[str, np.ndarray] | None,
-    ) -> np.ndarray:
-        """One forward pass of one sequence."""
-        _, runner, w, _ = self._started()
-        resid = await self._embed(ids)
-        f: np.ndarray | None = None
-        # the runner's own moe(): route in the attention's job (one compute-pool hand-off fewer per layer)
-        fused_route = capture is None and _plain_moe(runner)
-        if fused_route:
-            await runner.warmup()  # done at start(); cheap
-            first = next((layer for layer in w.layers if layer.dense is None), None)
-            if first is not None and len(ids) <= BATCH_MAX_ROWS:
-                # the first MoE layer's experts, predicted from the token's embeddings (its FFN norm
-                # of them) before any attention runs: nothing earlier in this step predicts them
-                hp = self._started()[3]
-                x = resid * np.float32(hp.embedding_scale) if hp.embedding_scale else resid
-                runner.prefetch_first(first.index, rms_norm(x, first.ffn_norm, hp.norm_eps))
-        for layer in w.layers:
-            route = runner.route_in_job if fused_route and layer.dense is None else None
-            ffn_inp, ffn_in, routed = await run_in_worker(
-                self._pre_block, layer, resid, f, cache.layer(layer.index), start, capture, route
-            )
-            if layer.dense is None:
-                t0 = time.perf_counter()
-                if routed is not None:
-                    f = await runner.execute(layer.index, routed)
-                elif capture is None:
-                    f = await runner.moe(layer.index, ffn_in)
-                else:
-                    result = await runner.moe_result(layer.index, ffn_in)
-                    f = result.ffn_out
-                    capture[f"topk-{layer.index}"] = result.ids
-                self._counters.moe_seconds += time.perf_counter() - t0
-            else:
-                f = await run_in_worker(self._dense_ffn, layer, ffn_in)
-            resid = ffn_inp
-        assert f is not None
-        if not all_logits and capture is None:
-            resid, f = resid[-1:], f[-1:]
-        logits = await run_in_worker(self._head, resid, f, capture)
-        if len(ids) > 1:
-            self._counters.tokens_prefilled += len(ids)
-        else:
-            self._counters.tokens_decoded += 1
-        return logits if all_logits else logits[-1:]
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("started" if self._store is not None else "not started")
@@ -1249,7 +692,7 @@ def load(
     Args:
         path: a GGUF file (or a shard of a split set) of a supported architecture
             (``qwen3moe``, ``qwen2moe``, ``glm4moe``, ``llama`` with experts, ``olmoe``,
-            ``granitemoe``, ``gpt-oss``, ``deepseek2``; docs/model.md).
+            ``granitemoe``, ``gpt-oss``, ``deepseek2``, ``qwen35moe``; docs/model.md).
         n_ctx: positions of each sequence's KV cache; default the file's ``context_length``,
             capped to what ``memory_budget`` and the memory limit allow (logged once). A given
             ``n_ctx`` whose KV cache is larger than the memory the process may still use (cgroup

@@ -2,7 +2,7 @@
 head's input and the logits' scale, each checked finite.
 
 One place for what the one-sequence forward pass (:class:`~aioexperts.Model`) and the batched decode
-step (:mod:`aioexperts._model.decode_batch`) do to each row, as llama.cpp's graphs chain it
+step (:mod:`aioexperts._model.forward`) do to each row, as llama.cpp's graphs chain it
 (``src/models/<arch>.cpp``; Granite's scales from granite.cpp).
 """
 

@@ -6,8 +6,9 @@ strings of :mod:`aioexperts._text.sampling`, and a chat session that keeps its K
 and prefills only what follows the prefix it already holds (as llama.cpp's server does with
 ``cache_prompt``).
 
-Every generation runs the same loop (:func:`_decode_loop`): prefill the new prompt tokens in batches
-of :data:`PREFILL_BATCH`, then one token at a time; it stops at an end-of-generation id (not
+Every generation runs the one decode loop (:func:`~aioexperts._model.sessions.decode_tokens`):
+prefill the new prompt tokens in batches of :data:`PREFILL_BATCH`, then one token at a time;
+it stops at an end-of-generation id (not
 yielded), after ``max_tokens``, at a stop string (:meth:`Model.stream` only) or when the KV cache is
 full: prompt plus generated tokens reach ``n_ctx`` (``stop_reason == "length"``, as the server's
 ``finish_reason``; the text is never truncated, a prompt that does not fit is refused up front with
@@ -20,16 +21,23 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import anyio
 import numpy as np
 
 from aioexperts._errors import ConfigError, ContextLengthError, InvalidRequestError
+from aioexperts._model.sessions import (
+    PREFILL_BATCH,
+    GenerationStatistics,
+    ModelSequence,
+    Sampler,
+    SequenceModel,
+    decode_tokens,
+)
 
 if TYPE_CHECKING:
-    from aioexperts._model.model import Model, ModelSequence, Sampler
     from aioexperts._text.chat import ChatTemplate
     from aioexperts._text.sampling import SamplingOptions
     from aioexperts._text.tokenizer import Tokenizer
@@ -49,60 +57,21 @@ __all__ = (
 DEFAULT_MAX_TOKENS = 256
 """``max_tokens`` when none is given (``SamplingOptions``' default)."""
 
-PREFILL_BATCH = 512
-"""Prompt tokens run in one forward batch (llama.cpp's default ``n_ubatch``)."""
-
 #: Greedy unless told otherwise (as ``Model.generate`` always was); the other fields are llama.cpp's.
 _GREEDY = {"temperature": 0.0}
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class GenerationStatistics:
-    """What one generation (or chat turn) did, and how fast.
-
-    Attributes:
-        prompt_tokens: tokens of the prompt (for a chat turn: the whole rendered conversation).
-        reused_tokens: prompt tokens already in the KV cache and kept (chat sessions; else 0).
-        prefilled_tokens: prompt tokens run by this call (``prompt_tokens - reused_tokens`` once the
-            prompt has run; a call cancelled or failed during its prefill counts the batches of
-            :data:`PREFILL_BATCH` tokens that ran).
-        generated_tokens: tokens yielded (end-of-generation ids and a stop string's tokens included
-            in the count only when yielded; an EOG id is never yielded).
-        prefill_seconds: wall time from the start of the call to the first sampled token.
-        decode_seconds: wall time of the later tokens (forward pass and sampling).
-        time_to_first_token: seconds from the call to the first token (or text piece) handed out;
-            None when none was.
-        stop_reason: ``"eog"`` (an end-of-generation id), ``"length"`` (``max_tokens``, or the KV
-            cache full: prompt plus generated tokens reach ``n_ctx``), ``"stop"`` (a stop string),
-            ``"cancelled"``, ``"error"``; None while running.
-        stop_string: the stop string that ended it, else None.
-    """
-
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    prefilled_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    time_to_first_token: float | None = None
-    stop_reason: str | None = None
-    stop_string: str | None = None
+class TextModel(SequenceModel, Protocol):
+    """What the text layer needs of its model (:class:`~aioexperts.Model`)."""
 
     @property
-    def prompt_tokens_per_second(self) -> float | None:
-        """Prefilled tokens per second of prefill (None before the first token)."""
-        if self.prefill_seconds <= 0 or self.prefilled_tokens == 0:
-            return None
-        return self.prefilled_tokens / self.prefill_seconds
+    def tokenizer(self) -> Tokenizer: ...
 
-    @property
-    def decode_tokens_per_second(self) -> float | None:
-        """Tokens after the first per second of decode (None with fewer than two tokens)."""
-        if self.decode_seconds <= 0 or self.generated_tokens < 2:
-            return None
-        return (self.generated_tokens - 1) / self.decode_seconds
+    def sequence(self) -> ModelSequence: ...
+
+    def _started(self) -> object: ...
 
 
 class _Run(Generic[T]):
@@ -180,7 +149,7 @@ def _options(
     return SamplingOptions(**{**_GREEDY, **given})
 
 
-def _prompt_ids(model: Model, prompt: str | Sequence[int], *, add_special: bool, parse_special: bool) -> list[int]:
+def _prompt_ids(model: TextModel, prompt: str | Sequence[int], *, add_special: bool, parse_special: bool) -> list[int]:
     """Token ids of ``prompt`` (checked against the model's vocabulary and ``n_ctx``)."""
     if isinstance(prompt, str):
         if not prompt:
@@ -195,7 +164,7 @@ def _prompt_ids(model: Model, prompt: str | Sequence[int], *, add_special: bool,
     return ids
 
 
-def check_fits(model: Model, n_prompt: int) -> None:
+def check_fits(model: TextModel, n_prompt: int) -> None:
     if n_prompt > model.n_ctx:
         raise ContextLengthError(
             f"the prompt is {n_prompt} tokens, more than n_ctx={model.n_ctx} positions: it is not truncated "
@@ -204,7 +173,7 @@ def check_fits(model: Model, n_prompt: int) -> None:
         )
 
 
-def _eog_ids(model: Model, with_tokenizer: bool) -> frozenset[int]:
+def _eog_ids(model: TextModel, with_tokenizer: bool) -> frozenset[int]:
     """The file's EOG ids, plus the tokenizer's (llama.cpp also detects ``<|im_end|>`` & co. by text)."""
     eog = frozenset(model.hparams.eog_ids)
     if with_tokenizer:
@@ -220,57 +189,6 @@ def _make_sampler(options: SamplingOptions, sampler: Sampler | None) -> Any:
             raise ConfigError(f"sampler must be a callable (logits, history) -> int, got {sampler!r}")
         return sampler
     return ChainSampler(options)
-
-
-# -- the decode loop -------------------------------------------------------------------------------
-
-
-async def _decode_loop(
-    model: Model,
-    seq: ModelSequence,
-    new_ids: list[int],
-    sampler: Any,
-    max_tokens: int,
-    eog: frozenset[int],
-    stats: list[GenerationStatistics],
-    started: float,
-) -> AsyncGenerator[int, None]:
-    """Prefill ``new_ids`` at ``seq.n_past``, then yield sampled tokens (see the module docstring)."""
-    n_vocab = model.n_vocab
-    pending = new_ids
-    t_last = started
-    for n in range(max_tokens):
-        if seq.n_past + len(pending) >= seq.n_ctx:  # once these run, no position is left for a new token
-            stats[0] = replace(stats[0], stop_reason="length")
-            return
-        while len(pending) > PREFILL_BATCH:
-            await seq.forward(pending[:PREFILL_BATCH], all_logits=False)
-            pending = pending[PREFILL_BATCH:]
-            stats[0] = replace(stats[0], prefilled_tokens=stats[0].prefilled_tokens + PREFILL_BATCH)
-        logits = (await seq.forward(pending, all_logits=False))[0]
-        if n == 0:  # the prompt's last batch has run
-            stats[0] = replace(stats[0], prefilled_tokens=stats[0].prefilled_tokens + len(pending))
-        t0 = time.perf_counter()
-        token = sampler(logits, tuple(seq.tokens))
-        if isinstance(token, np.integer):
-            token = int(token)
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < n_vocab:
-            raise InvalidRequestError(f"the sampler returned {token!r}, not a token id in 0..{n_vocab - 1}")
-        now = time.perf_counter()
-        model._counters.sampling_seconds += now - t0
-        s = stats[0]
-        if n == 0:
-            s = replace(s, prefill_seconds=now - started)
-        else:
-            s = replace(s, decode_seconds=s.decode_seconds + (now - t_last))
-        t_last = now
-        if token in eog:
-            stats[0] = replace(s, stop_reason="eog")
-            return
-        stats[0] = replace(s, generated_tokens=s.generated_tokens + 1)
-        yield token
-        pending = [token]
-    stats[0] = replace(stats[0], stop_reason="length")
 
 
 def _first_token(stats: list[GenerationStatistics], started: float) -> None:
@@ -290,7 +208,7 @@ def _ended(stats: list[GenerationStatistics], exc: BaseException | None) -> None
 
 
 async def _generate(
-    model: Model,
+    model: TextModel,
     seq: ModelSequence | None,
     reused: int,
     prompt: list[int],
@@ -313,7 +231,7 @@ async def _generate(
     if seq is None:
         seq = model.sequence()
     try:
-        tokens_of = _decode_loop(model, seq, prompt[reused:], sampler, options.max_tokens, eog, stats, started)
+        tokens_of = decode_tokens(seq, prompt[reused:], sampler, options.max_tokens, eog, stats, started, [])
         async with aclosing(tokens_of) as tokens:
             async for token in tokens:
                 if text is None:  # ids: each token as it comes, the stop string's last one too
@@ -355,7 +273,7 @@ async def _generate(
 
 
 def _prepare(
-    model: Model,
+    model: TextModel,
     prompt: str | Sequence[int],
     options: SamplingOptions | None,
     sampler: Sampler | None,
@@ -370,7 +288,7 @@ def _prepare(
 
 
 def open_run(
-    model: Model,
+    model: TextModel,
     prompt: str | Sequence[int],
     *,
     options: SamplingOptions | None,
@@ -433,7 +351,9 @@ class ChatSession:
 
     Each :meth:`send` renders the whole conversation with the chat template (and the generation
     prompt), tokenizes it (:func:`chat_prompt_ids`), keeps the longest prefix the KV cache already
-    holds and prefills only the rest; the reply is added to :attr:`messages` when the turn ends.
+    holds and prefills only the rest (a model with recurrent blocks, qwen35moe, reuses the cache only
+    when the new prompt extends all of it, else prefills the whole prompt again); the reply is added
+    to :attr:`messages` when the turn ends.
     A turn that fails or is cancelled leaves :attr:`messages` as it was before it. One turn runs
     at a time. Close the session (``async with``, or :meth:`close`) to free the KV cache.
 
@@ -444,7 +364,7 @@ class ChatSession:
 
     def __init__(
         self,
-        model: Model,
+        model: TextModel,
         template: ChatTemplate,
         *,
         system: str | None,
@@ -539,6 +459,8 @@ class ChatSession:
         reused = _common_prefix(seq.tokens, ids)
         if reused == len(ids):  # the whole prompt is cached: run its last token again for its logits
             reused -= 1
+        if reused < seq.n_past and not seq.rewinds:  # a recurrent state cannot go back: prefill it all
+            reused = 0
         seq.keep(reused)
         pieces: list[str] = []
         try:

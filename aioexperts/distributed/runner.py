@@ -25,7 +25,7 @@ from .._batch import DEFAULT_BATCH_WAIT
 from .._cache.cache import Key
 from .._compute.moe import MoEOutput, moe_forward
 from .._errors import AioExpertsError, ConfigError, PlacementError, ShardError, ShardTimeoutError
-from .._executor import LayerExecutor, LayerOutcome, check_finite
+from .._executor import LayerExecutor, LayerOutcome, Then, check_finite
 from .._pipeline import run_in_worker
 from .._router import DEFAULT_TRACE_MAX_TOKENS, PrefetchOptions, Routing
 from .._runner import MoERunner
@@ -195,22 +195,31 @@ class ShardExecutor(LayerExecutor):
                 self._shards_checked = True
 
     async def run(
-        self, layer: int, calls: Sequence[Routing], prefetch: Sequence[Key] | None = None
+        self,
+        layer: int,
+        calls: Sequence[Routing],
+        prefetch: Sequence[Key] | None = None,
+        then: Then | None = None,
     ) -> list[LayerOutcome]:
         _check_asyncio()
         calls = list(calls)
         if calls and prefetch:  # the step's read-ahead travels with the first call's shard calls
             calls[0] = dataclasses.replace(calls[0], prefetch=list(dict.fromkeys([*calls[0].prefetch, *prefetch])))
+        outcomes: list[LayerOutcome]
         if len(calls) == 1:
-            return [await self._one(layer, calls[0])]
+            outcomes = [await self._one(layer, calls[0])]
+        else:
 
-        async def one(routing: Routing) -> LayerOutcome:
-            try:
-                return await self._one(layer, routing)
-            except AioExpertsError as exc:  # this call's own failure; the others go on
-                return exc
+            async def one(routing: Routing) -> LayerOutcome:
+                try:
+                    return await self._one(layer, routing)
+                except AioExpertsError as exc:  # this call's own failure; the others go on
+                    return exc
 
-        return list(await asyncio.gather(*(one(c) for c in calls)))
+            outcomes = list(await asyncio.gather(*(one(c) for c in calls)))
+        if then is not None:  # the sum ran in a job of its own; the caller's work in one more
+            await run_in_worker(then, outcomes)
+        return outcomes
 
     async def _one(self, layer: int, routed: Routing) -> tuple[MoEOutput, float, float]:
         """One call: split by owner, one shard call per owner, the shared expert here meanwhile, sum in order."""

@@ -429,7 +429,7 @@ async def test_a_prompt_never_joins_the_decode_steps(
     plain = StepBatcher.submit
 
     async def spy(self, key, request):  # type: ignore[no-untyped-def]
-        rows.append(request.request.start)
+        rows.append(request.start)
         return await plain(self, key, request)
 
     monkeypatch.setattr(StepBatcher, "submit", spy)
@@ -572,12 +572,12 @@ async def test_the_first_moe_layer_is_prefetched_from_the_embeddings_before_any_
     """A decode step starts reading the experts its first MoE layer will likely choose (the router's
     choice for the FFN norm of the token's embeddings) before the first attention job runs."""
     from aioexperts._compute.norms import rms_norm
-    from aioexperts._model import model as model_module
+    from aioexperts._model.forward import ForwardPass
 
     async with aioexperts.load(small_model, slots=64, io=THREADS, batch_wait=0) as model:
         store, runner = model.store, model.runner
         events: list[tuple[str, object]] = []
-        plain_pre = model_module.Model._pre_block
+        plain_pre = ForwardPass._pre_block
 
         def pre_block(self, layer, *args, **kwargs):  # type: ignore[no-untyped-def]
             events.append(("attention", layer.index))
@@ -590,7 +590,7 @@ async def test_the_first_moe_layer_is_prefetched_from_the_embeddings_before_any_
             events.append(("prefetch", keys))
             return plain_prefetch(keys)
 
-        monkeypatch.setattr(model_module.Model, "_pre_block", pre_block)
+        monkeypatch.setattr(ForwardPass, "_pre_block", pre_block)
         monkeypatch.setattr(store, "prefetch", prefetch)
         async with model.sequence() as seq:
             await seq.forward(PROMPTS[0])
@@ -598,8 +598,8 @@ async def test_the_first_moe_layer_is_prefetched_from_the_embeddings_before_any_
             await seq.forward([6])
         layers = list(store.layout.layers)
         first = layers[0]
-        block = next(layer for layer in model._started()[2].layers if layer.index == first)
-        x = rms_norm(await model._embed([6]), block.ffn_norm, model.hparams.norm_eps)
+        block = next(layer for layer in model.forward_pass.weights.layers if layer.index == first)
+        x = rms_norm(await model.forward_pass.embed([6]), block.ffn_norm, model.hparams.norm_eps)
         want = runner.predictor.predict(layers[-1], first, x, SMALL.n_expert_used)
     assert want and events[0] == ("prefetch", [(first, e) for e in want])
     assert events[1] == ("attention", 0)

@@ -12,8 +12,7 @@ from conftest import shared_fixture_paths, whole_model_param
 from test_batching import SMALL, THREADS, _alone, _assert_bit_equal, _decode
 
 import aioexperts
-from aioexperts._model import decode_batch
-from aioexperts._model import model as model_module
+from aioexperts._model.forward import ForwardPass
 from aioexperts.testing._full_model import write_full_model
 
 pytestmark = pytest.mark.anyio
@@ -38,14 +37,15 @@ async def test_every_architecture_decodes_batched_bit_equal_to_alone(path: Path,
     prompts = [tokens[:6], tokens[::-1][:5], tokens[3:7]]
     alone = await _alone(path, prompts, 3, slots=64, io=THREADS)
     steps: list[int] = []
-    plain = decode_batch.decode_rows
+    plain = ForwardPass.run
 
-    async def counted(model, requests):  # type: ignore[no-untyped-def]
-        steps.append(len(requests))
-        return await plain(model, requests)
+    async def counted(self, batch):  # type: ignore[no-untyped-def]
+        if len(batch) > 1:
+            steps.append(len(batch))
+        return await plain(self, batch)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(model_module, "decode_rows", counted)
+        mp.setattr(ForwardPass, "run", counted)
         together = await _prefilled_then_together(path, prompts, 3)
     _assert_bit_equal(alone, together)
     assert steps == [len(prompts)] * 3  # every step ran the sequences together
@@ -94,7 +94,7 @@ async def test_a_sequence_whose_values_turn_non_finite_fails_alone(small_model: 
             for i in range(3):
                 tg.start_soon(one, i)
         assert model.statistics().batched_steps == 1
-        assert model._steps.counters.retried_calls == 0  # failed in the step, not by running it again alone
+        assert model.forward_pass.steps.counters.retried_calls == 0  # failed in the step, not by running it again alone
         assert isinstance(got[1], aioexperts.NonFiniteError) and "block 1" in str(got[1])
         for i in (0, 2):
             assert isinstance(got[i], np.ndarray) and got[i].tobytes() == alone[i][1][1].tobytes()
@@ -110,16 +110,17 @@ async def test_a_sequence_cancelled_in_a_step_and_closed_leaves_the_others_resul
     prompts = [[5, 17, 300], [9, 8, 7], [400, 12, 13]]
     alone = await _alone(small_model, prompts, 2, slots=64, io=THREADS)
     entered, gate = anyio.Event(), anyio.Event()
-    plain = decode_batch.decode_rows
+    plain = ForwardPass.run
 
-    async def held(model, requests):  # type: ignore[no-untyped-def]
-        entered.set()
-        await gate.wait()  # the step started: its sequences' caches are in the requests
-        return await plain(model, requests)
+    async def held(self, batch):  # type: ignore[no-untyped-def]
+        if len(batch) > 1:
+            entered.set()
+            await gate.wait()  # the step started: its sequences' caches are in the batch
+        return await plain(self, batch)
 
     got: dict[int, np.ndarray] = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(model_module, "decode_rows", held)
+        mp.setattr(ForwardPass, "run", held)
         async with aioexperts.load(small_model, slots=64, io=THREADS, batch_wait=1.0) as model:
             seqs = [model.sequence() for _ in prompts]
             first = [(await s.forward(p, all_logits=False))[0] for s, p in zip(seqs, prompts, strict=True)]
@@ -141,7 +142,7 @@ async def test_a_sequence_cancelled_in_a_step_and_closed_leaves_the_others_resul
             assert sorted(got) == [i for i in range(3) if i != victim]
             for i, logits in got.items():
                 assert logits.tobytes() == alone[i][1][1].tobytes()
-            assert model._steps.counters.retried_calls == 0  # the step ran through for the others
+            assert model.forward_pass.steps.counters.retried_calls == 0  # the step ran through for the others
             st = model.statistics()
             assert st.live_sequences == 2 and st.kv_bytes_in_use == 2 * model.n_ctx * st.kv_bytes_per_position
             for s in seqs:

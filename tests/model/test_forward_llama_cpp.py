@@ -68,7 +68,7 @@ def run(path: Path) -> dict[str, Any]:
             capture: dict[str, np.ndarray] = {}
             async with model.sequence() as seq:
                 assert seq._cache is not None
-                logits = await model._forward(seq._cache, 0, tokens, capture=capture)
+                logits = await seq.forward(tokens, capture=capture)
             async with model.sequence() as seq:
                 stepwise = np.concatenate([await seq.forward([t]) for t in tokens])
                 assert seq.n_past == len(tokens)
@@ -179,11 +179,11 @@ def test_f32_gap_is_llama_cpp_f16_attention(monkeypatch: pytest.MonkeyPatch) -> 
 
     async def main() -> tuple[float, float]:
         async with aioexperts.load(path, slots=8, io=THREADS) as model:
-            assert model._weights is not None
-            layer = model._weights.layers[0]
+            assert model.forward_pass.weights is not None
+            layer = model.forward_pass.weights.layers[0]
             x = want["attn_norm-0"]
-            assert model._weights.embedding is not None
-            target = want["ffn_inp-0"] - model._weights.embedding.rows(want["tokens"].tolist())
+            assert model.forward_pass.weights.embedding is not None
+            target = want["ffn_inp-0"] - model.forward_pass.weights.embedding.rows(want["tokens"].tolist())
             errors = []
             for fn in (attend, lambda q, k, v, start, scale, **kw: _llama_cpp_f16_attention(q, k, v, scale)):
                 monkeypatch.setattr("aioexperts._model.blocks.attend", fn)

@@ -207,13 +207,16 @@ async def test_two_concurrent_generations_and_a_cancelled_one(
 @needs_fixture
 async def test_tied_output_head(broken: dict[str, Path], forward: dict[str, np.ndarray], anyio_backend: object) -> None:
     async with load(broken["tied"]) as model:
-        assert model._weights is not None and model._weights.output is model._weights.embedding
+        assert (
+            model.forward_pass.weights is not None
+            and model.forward_pass.weights.output is model.forward_pass.weights.embedding
+        )
         seq = model.sequence()
         capture: dict[str, np.ndarray] = {}
         assert seq._cache is not None
-        logits = await model._forward(seq._cache, 0, forward["tokens"].tolist(), capture=capture)
+        logits = await seq.forward(forward["tokens"].tolist(), capture=capture)
         seq.close()
-        table = model._weights.embedding.rows(list(range(model.n_vocab)))
+        table = model.forward_pass.weights.embedding.rows(list(range(model.n_vocab)))
         np.testing.assert_allclose(logits, capture["result_norm"] @ table.T, rtol=1e-4, atol=1e-5)
 
 

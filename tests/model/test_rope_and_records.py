@@ -84,7 +84,9 @@ FIXTURES = {p.stem: p for p in shared_fixture_paths()}
 
 @pytest.mark.skipif("gpt-oss-f32" not in FIXTURES, reason="shared fixtures not found")
 def test_the_records_read_the_fixtures_as_the_readme_describes_them() -> None:
-    hp = {name: model_hparams(aioexperts.open_model(FIXTURES[f"{name}-f32"])) for name in ARCHITECTURES}
+    # the fixtures of the main README (next-archs/ has its own README and tests: test_qwen35moe.py)
+    main = [name for name in ARCHITECTURES if FIXTURES[f"{name}-f32"].parent.name != "next-archs"]
+    hp = {name: model_hparams(aioexperts.open_model(FIXTURES[f"{name}-f32"])) for name in main}
     assert {a: h.rope.rope_type for a, h in hp.items()} == {
         "qwen3moe": RopeType.NEOX, "qwen2moe": RopeType.NEOX, "glm4moe": RopeType.NEOX, "llama": RopeType.NORM,
         "olmoe": RopeType.NEOX, "granitemoe": RopeType.NORM, "gpt-oss": RopeType.NEOX, "deepseek2": RopeType.NORM,

@@ -397,10 +397,10 @@ async def test_a_prefill_that_stops_midway_counts_only_the_batches_that_ran(
     tiny_full_model: Path, monkeypatch: pytest.MonkeyPatch, anyio_backend: object
 ) -> None:
     """Ctrl-C during a long prompt reported every prompt token as prefilled (fresh-user trial)."""
-    from aioexperts._model import text as text_module
-    from aioexperts._model.model import ModelSequence
+    from aioexperts._model import sessions
+    from aioexperts._model.sessions import ModelSequence
 
-    monkeypatch.setattr(text_module, "PREFILL_BATCH", 4)
+    monkeypatch.setattr(sessions, "PREFILL_BATCH", 4)
     forward = ModelSequence.forward
     calls = [0]
 

@@ -207,6 +207,9 @@ class ArchitectureRecord:
             YaRN magnitude takes it as ``mscale_all_dims`` (deepseek2.cpp ``load_arch_hparams``,
             llama-context.cpp ``[TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]``).
         block: name of the block implementation in :mod:`aioexperts._model.blocks` (``"gqa"``).
+        text_mrope: the graph rotates with ``ggml_rope_multi`` and ``rope.dimension_sections``
+            (qwen35moe.cpp's IMRoPE): for text tokens every section gets the token's position, which
+            is NEOX on the first ``rope.dimension_count`` dims, so the sections are accepted.
         status: ``"golden"`` when checked against a llama.cpp ``forward.npz``.
     """
 
@@ -224,6 +227,7 @@ class ArchitectureRecord:
     rope_freqs: bool = False
     yarn_log_multiplier: bool = False
     block: str = "gqa"
+    text_mrope: bool = False
     status: str = "golden"
 
 

@@ -1,9 +1,12 @@
-"""qwen35moe: llama.cpp src/models/qwen35moe.cpp (``build_layer_ffn``, ``load_arch_hparams``)."""
+"""qwen35moe: llama.cpp src/models/qwen35moe.cpp (``load_arch_hparams``, ``build_layer_ffn``, graph),
+src/llama-model.cpp (RoPE type: IMROPE)."""
 
 from aioexperts._format.archs._base import (
     Architecture,
+    ArchitectureRecord,
     GatingFunc,
     MoERule,
+    RopeType,
     Status,
     one_shared_key_or_ff,
     width_or_ff_over_used,
@@ -30,7 +33,16 @@ ARCHS = (
             ff_exp_array=True,
             expert_scales=True,
         ),
-        whole_model_missing="Qwen3.5-MoE's gated delta net linear attention (ssm_*, attn_qkv/attn_gate) and gated "
-        "full attention are not implemented; its MoE layers run through aioexperts.open() and MoERunner",
+        # qwen35moe.cpp graph: gated delta net and gated full attention blocks (block "qwen35",
+        # aioexperts/_model/qwen35_blocks.py), the FFN on post_attention_norm; IMRoPE, which is NEOX
+        # for text tokens (every section has the token's position)
+        model=ArchitectureRecord(
+            "qwen35moe",
+            RopeType.NEOX,
+            "qwen35moe.cpp",
+            ffn_norm="post_attention_norm",
+            block="qwen35",
+            text_mrope=True,
+        ),
     ),
 )
