@@ -115,7 +115,8 @@ def quantized_round_trip(x: np.ndarray, weight_type: GGMLQuantizationType) -> np
     if target == T.Q8_K:
         return _q8_k(blocks).reshape(n, cols)
     q, _, d16 = _q8_0_codes(blocks)
-    out: np.ndarray = (d16 * q).astype(_F32).reshape(n, cols)
+    with np.errstate(invalid="ignore", over="ignore"):
+        out: np.ndarray = (d16 * q).astype(_F32).reshape(n, cols)
     return out
 
 

@@ -698,7 +698,8 @@ def _by_rows(
 def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
     n = xs.shape[0]
     llama = precision() == "int8"
-    int8 = ready.entry.int8_module is not None and llama
+    # the int8 kernels' quantizers lose NaN/inf (max() skips NaN): such x takes the round trip, which keeps them
+    int8 = ready.entry.int8_module is not None and llama and bool(np.isfinite(xs).all())
     if int8 and ready.entry.int8_batched and 1 < n <= INT8_BATCH_MAX:
         _split_rows(raw, _by_rows(_kernel(ready, qtype, "matmat_int8"), raw, xs, out))
         return

@@ -152,3 +152,16 @@ def test_the_float_option_keeps_float32_activations() -> None:
     assert rel_l2(fused.linear(raw, Q.Q4_K, (rows, cols), x), exact) > 1e-4  # int8: llama.cpp's rounding
     fused.set_precision("float")
     assert rel_l2(fused.linear(raw, Q.Q4_K, (rows, cols), x), exact) <= 1e-5
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_non_finite_activations_stay_non_finite(qtype: GGMLQuantizationType) -> None:
+    """The 8-bit quantizers must not turn NaN or inf into finite codes (a wrong answer)."""
+    rows, cols = 8, 512
+    raw = sane_blocks(qtype, rows, cols, np.random.default_rng(9))
+    for n in (1, 2, 3, 20):
+        x = activations_for(cols, n, 10)
+        x[n - 1, 7] = np.nan if n % 2 else np.inf
+        out = fused.linear(raw, qtype, (rows, cols), x)
+        assert not np.isfinite(out[n - 1]).any(), (qtype.name, n)
+        assert np.isfinite(out[: n - 1]).all()
