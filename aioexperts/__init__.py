@@ -54,6 +54,8 @@ from ._format.model import TensorInfo as TensorInfo
 from ._format.model import open_model as open_model
 from ._format.views import ExpertView as ExpertView
 from ._format.views import ProjectionView as ProjectionView
+from ._model.memory import MemoryLimit as MemoryLimit
+from ._model.memory import read_memory_limit as read_memory_limit
 from ._model.model import Model as Model
 from ._model.model import ModelStatistics as ModelStatistics
 from ._model.model import load as load
@@ -78,12 +80,22 @@ from ._runner import RunnerStatistics as RunnerStatistics
 from ._store import ExpertStore as ExpertStore
 from ._store import open as open  # noqa: A004
 from ._text.chat import ChatTemplate as ChatTemplate
+from ._text.constrain import TokenConstraint as TokenConstraint
 from ._text.sampling import SampledToken as SampledToken
 from ._text.sampling import Sampler as Sampler
 from ._text.sampling import SamplingOptions as SamplingOptions
 from ._text.sampling import StopMatcher as StopMatcher
 from ._text.tokenizer import IncrementalDecoder as IncrementalDecoder
 from ._text.tokenizer import Tokenizer as Tokenizer
+from ._text.toolcalls import REASONING_FORMATS as REASONING_FORMATS
+from ._text.toolcalls import TOOL_CALL_FORMATS as TOOL_CALL_FORMATS
+from ._text.toolcalls import Reply as Reply
+from ._text.toolcalls import ReplyDelta as ReplyDelta
+from ._text.toolcalls import ReplyParser as ReplyParser
+from ._text.toolcalls import ToolCall as ToolCall
+from ._text.toolcalls import call_prefix as call_prefix
+from ._text.toolcalls import thinking_open as thinking_open
+from ._text.toolcalls import tool_call_format as tool_call_format
 
 __version__ = "0.2.0"
 
@@ -140,6 +152,7 @@ __all__ = (
     "InvalidRequestError",
     "LayerStep",
     "LayoutError",
+    "MemoryLimit",
     "MissingShardError",
     "Model",
     "ModelSequence",
@@ -155,6 +168,10 @@ __all__ = (
     "PageCacheStatistics",
     "PlacementError",
     "PrefetchOptions",
+    "REASONING_FORMATS",
+    "Reply",
+    "ReplyDelta",
+    "ReplyParser",
     "ProjectionView",
     "RouteStep",
     "RoutingTrace",
@@ -169,11 +186,14 @@ __all__ = (
     "SlotTimeoutError",
     "StaleMapError",
     "StopMatcher",
+    "TOOL_CALL_FORMATS",
     "TensorInfo",
     "TextStream",
     "TokenStream",
+    "TokenConstraint",
     "Tokenizer",
     "TokenizerError",
+    "ToolCall",
     "UnsupportedTypeError",
     "VocabularyError",
     "WarmupReport",
@@ -183,5 +203,9 @@ __all__ = (
     "open",
     "open_model",
     "read_expert_map",
+    "read_memory_limit",
+    "call_prefix",
+    "thinking_open",
+    "tool_call_format",
     "write_expert_map",
 )

@@ -340,7 +340,9 @@ class Router:
         plan = plan_moe(x, ids, weights, self.residents[layer], self._store.hparams) if len(groups) == 1 else None
         return Routing(x, ids, weights, groups, prefetch, plan)
 
-    def route_rows(self, layer: int, x: np.ndarray) -> tuple[list[Routing | Exception], list[Key]]:
+    def route_rows(
+        self, layer: int, x: np.ndarray, token_ids: object = None
+    ) -> tuple[list[Routing | Exception], list[Key]]:
         """:meth:`route` of ``n`` decode rows of different sequences at once (a compute-pool job).
 
         The router product runs once for all rows through a batch-invariant kernel and the selection
@@ -354,15 +356,16 @@ class Router:
             step's prefetch.
 
         Raises:
-            InvalidRequestError: as :meth:`route` (a hash-routed layer, which needs token ids).
+            InvalidRequestError: as :meth:`route` (a hash-routed layer without ``token_ids``, the
+                rows' ``(n,)`` token ids).
         """
         layer = self._store.layout.layer(layer).index
         n = len(x)
-        self.check_token_ids([layer], None, n)
+        token_ids = self.check_token_ids([layer], token_ids, n)
         check_x(x, self._store.hparams.n_embd)
         resident, hparams = self.residents[layer], self._store.hparams
         with np.errstate(over="ignore", invalid="ignore"):  # finite x, logits out of range: refused below
-            ids, weights = route(x, resident, hparams, None, invariant=True)
+            ids, weights = route(x, resident, hparams, token_ids, invariant=True)
         good = np.isfinite(weights).all(axis=1)
         out: list[Routing | Exception] = []
         for i in range(n):

@@ -351,26 +351,31 @@ class MoERunner:
 
     # -- the seams a model drives ---------------------------------------------------------------
 
-    def route_in_job(self, layer: int, x: np.ndarray) -> Routing:
+    def route_in_job(self, layer: int, x: np.ndarray, *, token_ids: ArrayLike | None = None) -> Routing:
         """:meth:`moe`'s routing of ``x`` (with the prefetch prediction), inside a caller's compute-pool job.
 
         For :class:`aioexperts.Model`, which routes in the job that computes the layer's attention
         and FFN norm (one hand-off per layer fewer); :meth:`warmup` must have run. Pass the result
         to :meth:`execute`.
 
+        ``token_ids``: as :meth:`moe` (required in a hash-routed layer).
+
         Raises:
-            InvalidRequestError: as :meth:`moe` (no such layer, a bad ``x``, a hash-routed layer,
-                which needs token ids).
+            InvalidRequestError: as :meth:`moe` (no such layer, a bad ``x``, a hash-routed layer
+                without token ids).
         """
         router = self._router
         layer = self._store.layout.layer(layer).index
-        ids = router.check_token_ids([layer], None, len(x))
+        ids = router.check_token_ids([layer], token_ids, len(x))
         return router.route(layer, x, token_ids=ids)
 
-    def route_rows(self, layer: int, x: np.ndarray) -> tuple[list[Routing | Exception], list[Key]]:
+    def route_rows(
+        self, layer: int, x: np.ndarray, token_ids: ArrayLike | None = None
+    ) -> tuple[list[Routing | Exception], list[Key]]:
         """The router's :meth:`~aioexperts._router.Router.route_rows` (a compute-pool job): each decode
-        row of ``x`` (one per sequence) routed as it is alone, and the step's prefetch."""
-        return self._router.route_rows(layer, x)
+        row of ``x`` (one per sequence) routed as it is alone, and the step's prefetch. ``token_ids``:
+        each row's token (required in a hash-routed layer)."""
+        return self._router.route_rows(layer, x, token_ids)
 
     def prefetch_first(self, layer: int, x: np.ndarray) -> int:
         """Start loading what MoE layer ``layer`` is predicted to choose for ``x`` (loop thread).

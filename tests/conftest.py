@@ -176,7 +176,7 @@ def direct_tmp_path(tmp_path: Path) -> Path:
 #: Architectures of the shared fixtures whose MoE layers run but whose whole model ``load()``
 #: refuses still (UnsupportedTypeError): the tests of the whole model expect that refusal, strictly,
 #: so the day they run these marks must go.
-WHOLE_MODEL_PENDING = {"deepseek4": "issue 34"}
+WHOLE_MODEL_PENDING: dict[str, str] = {}
 
 
 def whole_model_param(path: Path, *marks: pytest.MarkDecorator) -> object:

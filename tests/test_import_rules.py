@@ -120,7 +120,7 @@ BENCH_PRIVATE = {
 }
 
 #: optional extras the core must not import at module level (one clear line when missing, at use)
-OPTIONAL = ("rich", "matplotlib", "tokenizers", "jinja2", "aiohttp", "ray", "blockbuster")
+OPTIONAL = ("rich", "matplotlib", "tokenizers", "jinja2", "aiohttp", "ray", "blockbuster", "llguidance")
 
 
 def _module_name(path: Path) -> str:

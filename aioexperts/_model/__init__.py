@@ -31,6 +31,7 @@ The RoPE maths is :mod:`aioexperts._compute.rope` (``rope_cos_sin``, ``apply_rop
 """
 
 from aioexperts._model import (
+    dsv4_block,  # noqa: F401  (registers the "dsv4" block of deepseek4)
     mla_block,  # noqa: F401  (registers the "mla" block of deepseek2)
     qwen35_blocks,  # noqa: F401  (registers the "qwen35" blocks of qwen35moe)
 )

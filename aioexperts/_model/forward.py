@@ -43,7 +43,15 @@ from aioexperts._errors import FormatError, NonFiniteError, UnsupportedTypeError
 from aioexperts._format.architectures import ModelHParams
 from aioexperts._format.model import GGUFModel
 from aioexperts._model.blocks import BLOCKS, AttentionBlock, BatchedAttentionBlock
-from aioexperts._model.residual import add_residual, after_attention, block_input, head_input, scale_logits
+from aioexperts._model.hyper_weights import HyperConnections, read_hyper_connections
+from aioexperts._model.residual import (
+    add_residual,
+    after_attention,
+    block_input,
+    head_input,
+    mixed_input,
+    scale_logits,
+)
 from aioexperts._model.steps import StepBatcher
 from aioexperts._model.weights import DenseMatrix, TensorReader, invariant_products
 from aioexperts._pipeline import run_in_worker
@@ -104,6 +112,7 @@ class ModelWeights:
     output: DenseMatrix
     layers: list[LayerWeights] = field(default_factory=list)
     n_bytes: int = 0
+    hyper: HyperConnections | None = None  # deepseek4's hyper-connections (residual.py)
 
     def ggml_types(self) -> set[Any]:
         """The ggml types of the dense matrices (the kernels to warm up)."""
@@ -161,7 +170,8 @@ def load_weights(
                 reader.matrix(p + "ffn_down.weight", (n_embd, n_ff) if n_ff else None),
             )
         layers.append(LayerWeights(il, attn_norm, block, ffn_norm, dense))
-    return ModelWeights(embedding, output_norm, output, layers, reader.n_bytes)
+    hyper = read_hyper_connections(hp, reader) if hp.record.hyper_connections else None
+    return ModelWeights(embedding, output_norm, output, layers, reader.n_bytes, hyper)
 
 
 @dataclass(slots=True)
@@ -360,22 +370,22 @@ class ForwardPass:
         layer) the routing. Per sequence ``(ffn_inp, ffn_in, routing)`` or its error, and the
         step's prefetch (None: the routing's own)."""
         t0 = time.perf_counter()
-        hp = self.hparams
+        hp, hc = self.hparams, self.weights.hyper
         il = layer.index
         n = len(rows)
         route = layer.dense is None
         if n == 1:
             row = rows[0]
-            x = _caught(block_input, hp, il, resids[0], None if fs is None else fs[0])
+            x = _caught(block_input, hp, il, resids[0], None if fs is None else fs[0], hc)
             if isinstance(x, Exception):
                 return [x], None
             if row.capture is not None and fs is not None:
                 row.capture[f"l_out-{il - 1}"] = x
-            h = rms_norm(x, layer.attn_norm, hp.norm_eps)
-            ffn_inp = _caught(after_attention, hp, il, x, layer.block.attention(h, row.layers[il], row.start))
+            h = rms_norm(mixed_input(hc, il, "attn", x), layer.attn_norm, hp.norm_eps)
+            ffn_inp = _caught(after_attention, hp, il, x, layer.block.attention(h, row.layers[il], row.start), hc)
             if isinstance(ffn_inp, Exception):
                 return [ffn_inp], None
-            ffn_in = rms_norm(ffn_inp, layer.ffn_norm, hp.norm_eps)
+            ffn_in = rms_norm(mixed_input(hc, il, "ffn", ffn_inp), layer.ffn_norm, hp.norm_eps)
             if row.capture is not None:
                 row.capture[f"attn_norm-{il}"] = h
                 row.capture[f"ffn_inp-{il}"] = ffn_inp
@@ -383,17 +393,18 @@ class ForwardPass:
             self.counters.attention_seconds += t1 - t0
             if not route:
                 return [(ffn_inp, ffn_in, None)], None
-            routing = self.runner.route_in_job(il, ffn_in)  # counted with the MoE layer
+            # counted with the MoE layer; the token ids route the hash-routed layers (deepseek4)
+            routing = self.runner.route_in_job(il, ffn_in, token_ids=np.asarray(row.ids, dtype=np.int64))
             self.counters.moe_seconds += time.perf_counter() - t1
             return [(ffn_inp, ffn_in, routing)], None
 
         # several sequences, one row each: a row whose input is not finite still goes through the
         # products (its result is dropped)
-        xs = [_caught(block_input, hp, il, resids[i], None if fs is None else fs[i]) for i in range(n)]
+        xs = [_caught(block_input, hp, il, resids[i], None if fs is None else fs[i], hc) for i in range(n)]
         failed = {i: x for i, x in enumerate(xs) if isinstance(x, Exception)}
         for i in failed:
-            xs[i] = add_residual(resids[i], fs[i], hp)  # type: ignore[index]
-        h = np.concatenate([rms_norm(x, layer.attn_norm, hp.norm_eps) for x in xs])
+            xs[i] = add_residual(resids[i], fs[i], hp) if hc is None else np.zeros_like(resids[i])  # type: ignore[index]
+        h = np.concatenate([rms_norm(mixed_input(hc, il, "attn", x), layer.attn_norm, hp.norm_eps) for x in xs])
         pool = compute_pool()
         block = layer.block
         caches = [r.layers[il] for r in rows]
@@ -405,16 +416,18 @@ class ForwardPass:
         t1 = time.perf_counter()
         out: list[_Pre] = []
         for i in range(n):
-            ffn_inp = failed.get(i) or _caught(after_attention, hp, il, xs[i], a[i : i + 1])
+            ffn_inp = failed.get(i) or _caught(after_attention, hp, il, xs[i], a[i : i + 1], hc)
             if isinstance(ffn_inp, Exception):
                 out.append(ffn_inp)
             else:
-                out.append((ffn_inp, rms_norm(ffn_inp, layer.ffn_norm, hp.norm_eps), None))
+                out.append((ffn_inp, rms_norm(mixed_input(hc, il, "ffn", ffn_inp), layer.ffn_norm, hp.norm_eps), None))
         prefetch: list[Any] = []
         ok = [i for i in range(n) if not isinstance(out[i], Exception)]
         if route and ok:
             try:
-                routed, prefetch = self.runner.route_rows(il, np.concatenate([out[i][1] for i in ok]))  # type: ignore[index]
+                ids = np.array([rows[i].ids[0] for i in ok], dtype=np.int64)
+                x_ok = np.concatenate([out[i][1] for i in ok])  # type: ignore[index]
+                routed, prefetch = self.runner.route_rows(il, x_ok, ids)
             except Exception as exc:
                 routed = [exc] * len(ok)
             for i, r in zip(ok, routed, strict=True):
@@ -454,7 +467,7 @@ class ForwardPass:
             row, resid, f = rows[0], resids[0], fs[0]
             if not row.all_logits and row.capture is None:
                 resid, f = resid[-1:], f[-1:]
-            got = _caught(head_input, hp, resid, f, w.output_norm)
+            got = _caught(head_input, hp, resid, f, w.output_norm, w.hyper)
             if isinstance(got, Exception):
                 out[0] = got
             else:
@@ -468,7 +481,7 @@ class ForwardPass:
             hs: list[np.ndarray] = []
             live: list[int] = []
             for i, (resid, f) in enumerate(zip(resids, fs, strict=True)):
-                got = _caught(head_input, hp, resid, f, w.output_norm)
+                got = _caught(head_input, hp, resid, f, w.output_norm, w.hyper)
                 if isinstance(got, Exception):
                     out[i] = got
                     continue

@@ -18,7 +18,15 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ("KV_ELEMENT_BYTES", "KV_TYPES", "KVCache", "KVType", "cache_bytes_per_position", "state_bytes")
+__all__ = (
+    "KV_ELEMENT_BYTES",
+    "KV_TYPES",
+    "KVCache",
+    "KVType",
+    "cache_bytes_per_position",
+    "layer_kv_types",
+    "state_bytes",
+)
 
 KVType = Literal["f16", "f32"]
 #: the element types of a KV cache, by the name ``load(kv_type=...)`` takes
@@ -27,9 +35,20 @@ KV_TYPES: dict[str, type[np.floating[Any]]] = {"f16": np.float16, "f32": np.floa
 KV_ELEMENT_BYTES: dict[str, int] = {name: np.dtype(t).itemsize for name, t in KV_TYPES.items()}
 
 
-def cache_bytes_per_position(layer_shapes: Sequence[Mapping[str, tuple[int, ...]]], kv_type: KVType = "f16") -> int:
-    """Bytes one position takes over every layer, with elements of ``kv_type``."""
-    return KV_ELEMENT_BYTES[kv_type] * sum(math.prod(shape) for shapes in layer_shapes for shape in shapes.values())
+def layer_kv_types(kv_type: KVType | Sequence[KVType], n_layers: int) -> list[KVType]:
+    """``kv_type`` for each of ``n_layers`` layers (one type for all, or one per layer)."""
+    return [kv_type] * n_layers if isinstance(kv_type, str) else list(kv_type)
+
+
+def cache_bytes_per_position(
+    layer_shapes: Sequence[Mapping[str, tuple[int, ...]]], kv_type: KVType | Sequence[KVType] = "f16"
+) -> int:
+    """Bytes one position takes over every layer, with elements of ``kv_type`` (one, or one per layer)."""
+    types = layer_kv_types(kv_type, len(layer_shapes))
+    return sum(
+        KV_ELEMENT_BYTES[t] * sum(math.prod(shape) for shape in shapes.values())
+        for t, shapes in zip(types, layer_shapes, strict=True)
+    )
 
 
 def state_bytes(layer_states: Sequence[Mapping[str, tuple[int, ...]]]) -> int:
@@ -44,7 +63,7 @@ class KVCache:
         layer_shapes: per block, ``{name: per-position shape}``.
         n_ctx: positions.
         layer_states: per block, ``{name: shape}`` of its recurrent state (none by default).
-        kv_type: ``"f16"`` (default, llama.cpp's) or ``"f32"``.
+        kv_type: ``"f16"`` (default, llama.cpp's) or ``"f32"``, or one of them per layer.
 
     Attributes:
         state_positions: positions the recurrent state holds (0 for a new sequence; -1 while a
@@ -57,13 +76,13 @@ class KVCache:
         layer_shapes: Sequence[Mapping[str, tuple[int, ...]]],
         n_ctx: int,
         layer_states: Sequence[Mapping[str, tuple[int, ...]]] = (),
-        kv_type: KVType = "f16",
+        kv_type: KVType | Sequence[KVType] = "f16",
     ) -> None:
         self.n_ctx = n_ctx
-        self.kv_type = kv_type
-        dtype = KV_TYPES[kv_type]
+        self.kv_types = layer_kv_types(kv_type, len(layer_shapes))
         self.layers: list[dict[str, np.ndarray]] | None = [
-            {name: np.zeros((n_ctx, *shape), dtype=dtype) for name, shape in shapes.items()} for shapes in layer_shapes
+            {name: np.zeros((n_ctx, *shape), dtype=KV_TYPES[t]) for name, shape in shapes.items()}
+            for t, shapes in zip(self.kv_types, layer_shapes, strict=True)
         ]
         for arrays, states in zip(self.layers, layer_states, strict=False):
             arrays.update({name: np.zeros(shape, dtype=np.float32) for name, shape in states.items()})

@@ -21,6 +21,7 @@ than the memory left, before anything is allocated for it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import resource
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from aioexperts._format.architectures import ModelHParams
 from aioexperts._format.delta_net import DeltaNetHParams
 from aioexperts._format.mla import MLAHParams
 from aioexperts._format.model import GGUFModel
+from aioexperts._model.dsv4_block import dsv4_cache_shapes
 
 __all__ = (
     "RESERVE_FRACTION",
@@ -232,13 +234,16 @@ def kv_bytes_per_position(hp: ModelHParams, model: GGUFModel | None = None, elem
     """KV cache bytes of one position over every layer, before the blocks are built: K and V of
     ``n_head_kv`` heads per layer, or, for an MLA block with ``model`` given, its latent and
     rotated key (``kv_lora_rank + rope_dims`` values, :mod:`aioexperts._model.mla_block`), of
-    ``element_bytes`` each (2: the default F16 cache; 4: ``kv_type="f32"``); qwen35moe's gated
-    delta net layers (``model`` given) none (their per-sequence state is not per position).
+    ``element_bytes`` each (2: the default F16 cache; 4: ``kv_type="f32"``); deepseek4: what its
+    blocks keep, in float32 whatever the KV type (:func:`~aioexperts._model.dsv4_block.dsv4_cache_shapes`);
+    qwen35moe's gated delta net layers (``model`` given) none (their per-sequence state is not per position).
 
     Raises:
-        FormatError: an MLA model whose attention keys are missing or malformed, a qwen35moe one
-            whose ``ssm.*`` keys are.
+        FormatError: an MLA or deepseek4 model whose attention keys are missing or malformed, a
+            qwen35moe one whose ``ssm.*`` keys are.
     """
+    if hp.record.block == "dsv4":  # window keys, compressor inputs and rows (aioexperts/_model/dsv4_block.py)
+        return max(1, 4 * sum(math.prod(s) for il in range(hp.n_layer) for s in dsv4_cache_shapes(hp, il).values()))
     if model is not None and hp.record.block == "mla":
         return max(1, element_bytes * hp.n_layer * MLAHParams.from_metadata(hp.arch, model.metadata).cache_width)
     n_layer = hp.n_layer

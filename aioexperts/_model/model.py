@@ -157,6 +157,7 @@ class Model:
         self._n_ctx = 0
         self._kv_per_position = 0
         self._layer_shapes: list[dict[str, tuple[int, ...]]] = []
+        self._kv_types: list[KVType] = []
         self._layer_states: list[dict[str, tuple[int, ...]]] = []  # recurrent blocks' per-sequence state
         self._state_bytes = 0
         self._moe_layers: frozenset[int] = frozenset()
@@ -220,7 +221,11 @@ class Model:
                 fused.set_precision(self.options.precision)
             await run_in_worker(fused.warmup, weights.ggml_types())
             self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
-            self._kv_per_position = cache_bytes_per_position(self._layer_shapes, self.options.kv_type)
+            # deepseek4's cache (window keys, compressor state) stays float32 whatever the KV type
+            self._kv_types: list[KVType] = [
+                "f32" if getattr(layer.block, "kv_float32", False) else self.options.kv_type for layer in weights.layers
+            ]
+            self._kv_per_position = cache_bytes_per_position(self._layer_shapes, self._kv_types)
             self._layer_states = [
                 dict(layer.block.state_shapes()) if isinstance(layer.block, RecurrentBlock) else {}
                 for layer in weights.layers
@@ -243,7 +248,8 @@ class Model:
         """Before any store work (a worker thread: it reads the memory limit): refuse a KV cache
         that cannot fit, and size the slab from the limit when no size was given. Returns the
         store's options."""
-        per_position = kv_bytes_per_position(hp, gguf, KV_ELEMENT_BYTES[self.options.kv_type])
+        element = 4 if hp.record.block == "dsv4" else KV_ELEMENT_BYTES[self.options.kv_type]
+        per_position = kv_bytes_per_position(hp, gguf, element)
         if self.options.n_ctx is not None:  # a KV cache that cannot fit: refused before any store work
             self._check_kv_budget(self.options.n_ctx, per_position)
             _memory.check_kv_fits(self.options.n_ctx, self.options.n_ctx * per_position)
@@ -384,7 +390,7 @@ class Model:
             StoreClosedError: the model is not started or closed.
         """
         self._started()
-        seq = ModelSequence(self, KVCache(self._layer_shapes, self._n_ctx, self._layer_states, self.options.kv_type))
+        seq = ModelSequence(self, KVCache(self._layer_shapes, self._n_ctx, self._layer_states, self._kv_types))
         self._live.add(id(seq))
         self._live_bytes += self._n_ctx * self._kv_per_position + self._state_bytes
         return seq
@@ -550,12 +556,18 @@ class Model:
         sampler: Sampler | None = None,
         add_special: bool = True,
         parse_special: bool = False,
+        sequence: ModelSequence | None = None,
     ) -> _text.TextStream:
         """Text pieces of the continuation of ``prompt``, as they are decoded.
 
         ``async for piece in model.stream("Hello", max_tokens=16): print(piece, end="")``
 
-        The arguments and errors are :meth:`generate`'s. No piece ends inside a UTF-8 character;
+        The arguments and errors are :meth:`generate`'s. ``sequence``: continue this open sequence
+        (not running) instead of a fresh one: the longest prefix of the prompt's ids it holds is kept
+        (``statistics.reused_tokens``), only the rest is prefilled, and the sequence stays open
+        (a prompt cache across requests; InvalidRequestError when it is closed, of another model,
+        or cannot rewind to that prefix: :attr:`ModelSequence.rewinds`). No piece ends inside a
+        UTF-8 character;
         the pieces join to ``tokenizer.decode`` of the generated ids; a stop string (even split
         across tokens) ends the stream and is not emitted, nor anything after it.
 
@@ -567,7 +579,7 @@ class Model:
         sampling |= {"top_k": top_k, "top_p": top_p, "min_p": min_p}
         stream = _text.open_run(
             self, prompt, options=options, sampler=sampler, add_special=add_special,
-            parse_special=parse_special, sampling=sampling, as_text=True,
+            parse_special=parse_special, sampling=sampling, as_text=True, sequence=sequence,
         )  # fmt: skip
         assert isinstance(stream, _text.TextStream)
         return stream

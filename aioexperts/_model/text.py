@@ -270,6 +270,8 @@ async def _generate(
         _ended(stats, None)
         if owns_sequence:
             seq.close()
+        else:  # kept (a chat session, a prompt cache): no decode step waits for it to come back
+            model._forget(seq)
 
 
 def _prepare(
@@ -297,18 +299,50 @@ def open_run(
     parse_special: bool,
     sampling: Mapping[str, Any],
     as_text: bool,
+    sequence: ModelSequence | None = None,
 ) -> TokenStream | TextStream:
     """:meth:`Model.generate`'s (token ids) and :meth:`Model.stream`'s (``as_text``: text pieces)
-    body: a generation of ``prompt`` on a fresh sequence, its arguments checked here, before the
-    first ``await``."""
+    body: a generation of ``prompt`` on a fresh sequence, or on ``sequence`` after keeping the
+    longest prefix of ``prompt`` it holds (:func:`keep_prefix`); its arguments checked here, before
+    the first ``await``."""
     opts, ids, smp = _prepare(model, prompt, options, sampler, add_special, parse_special, sampling)
+    reused = 0 if sequence is None else keep_prefix(model, sequence, ids)
     eog = _eog_ids(model, as_text or isinstance(prompt, str) or bool(opts.stop))
     stats = [GenerationStatistics()]
     out: TokenStream | TextStream = TextStream(stats) if as_text else TokenStream(stats)
     model._started()  # StoreClosedError now, not at the first token
     text = out if isinstance(out, TextStream) else None
-    out._agen = _generate(model, None, 0, ids, opts, smp, eog, stats, True, text)
+    out._agen = _generate(model, sequence, reused, ids, opts, smp, eog, stats, sequence is None, text)
     return out
+
+
+def keep_prefix(model: TextModel, seq: ModelSequence, ids: list[int], *, restart: bool = False) -> int:
+    """Keep the longest prefix of ``ids`` that ``seq`` holds (at least one token is left to run, for
+    the logits); returns the tokens kept.
+
+    A sequence that cannot rewind (``seq.rewinds`` False: recurrent state) is only continued when
+    all it holds is a prefix of ``ids``, shorter than ``ids``; otherwise, with ``restart``, it keeps
+    nothing (the whole prompt is prefilled again, as a chat turn does).
+
+    Raises:
+        InvalidRequestError: ``seq`` is closed, of another model, has tokens not run yet
+            (``unrun``), or cannot rewind to the common prefix (without ``restart``).
+    """
+    if seq.closed or seq.model is not model:
+        raise InvalidRequestError("sequence= must be an open sequence of this model")
+    if seq.unrun:
+        raise InvalidRequestError("the sequence has tokens not run yet (unrun): continue it with generate()")
+    reused = min(_common_prefix(seq.tokens, ids), len(ids) - 1)
+    if reused < seq.n_past and not seq.rewinds:
+        if restart:
+            seq.keep(0)
+            return 0
+        raise InvalidRequestError(
+            f"this sequence cannot rewind (recurrent state): it holds {seq.n_past} tokens, "
+            f"of which only {reused} start the prompt"
+        )
+    seq.keep(reused)
+    return reused
 
 
 # -- chat ------------------------------------------------------------------------------------------
@@ -456,12 +490,7 @@ class ChatSession:
         if self._busy:
             raise InvalidRequestError("a turn of this chat session is still running: finish or close its stream first")
         self._busy = True
-        reused = _common_prefix(seq.tokens, ids)
-        if reused == len(ids):  # the whole prompt is cached: run its last token again for its logits
-            reused -= 1
-        if reused < seq.n_past and not seq.rewinds:  # a recurrent state cannot go back: prefill it all
-            reused = 0
-        seq.keep(reused)
+        reused = keep_prefix(self.model, seq, ids, restart=True)
         pieces: list[str] = []
         try:
             eog = _eog_ids(self.model, True)

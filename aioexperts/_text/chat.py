@@ -24,13 +24,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from .._errors import ChatTemplateError, ConfigError, FormatError
 from .._format.header import LossyStr, SkippedValue, read_header
 from .._json import dumps as strict_dumps
 
-__all__ = ("MAX_EXPONENT", "MAX_OUTPUT_CHARS", "MAX_REPEAT", "ChatTemplate")
+__all__ = ("MAX_EXPONENT", "MAX_OUTPUT_CHARS", "MAX_REPEAT", "RESERVED_VARIABLES", "ChatTemplate")
 
 #: Longest rendering accepted, in characters.
 MAX_OUTPUT_CHARS = 16 << 20
@@ -40,6 +40,11 @@ MAX_REPEAT = 1 << 20
 MAX_EXPONENT = 1024
 
 _TEMPLATE_KEY = "tokenizer.chat_template"
+
+RESERVED_VARIABLES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"}
+)
+"""The variables :meth:`ChatTemplate.render` sets itself (``extra`` may not)."""
 
 
 def _tojson(
@@ -137,6 +142,9 @@ class ChatTemplate:
 
     __slots__ = ("_compiled", "bos_token", "eos_token", "source")
 
+    #: The variables :meth:`render` sets itself (``extra`` may not).
+    reserved_variables: ClassVar[frozenset[str]] = RESERVED_VARIABLES
+
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
         for name, value in (("source", source), ("bos_token", bos_token), ("eos_token", eos_token)):
             if not isinstance(value, str):
@@ -202,6 +210,7 @@ class ChatTemplate:
         *,
         add_generation_prompt: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for ``messages``, as transformers' ``render_jinja_template`` gives it.
 
@@ -211,6 +220,9 @@ class ChatTemplate:
             add_generation_prompt: end with the header of an assistant turn.
             tools: JSON schemas of the tools (``{"type": "function", "function": {...}}``), as the
                 template's ``tools``; None gives ``tools = None``.
+            extra: more variables for the template (transformers' ``**kwargs``, the server's
+                ``chat_template_kwargs``: ``enable_thinking``, ``reasoning_effort``...); the names
+                above (:data:`RESERVED_VARIABLES`) are refused.
 
         Returns:
             The rendered text (special tokens as text; tokenize it with special-token parsing on).
@@ -219,9 +231,13 @@ class ChatTemplate:
             ChatTemplateError: the template called ``raise_exception`` (its message), failed while
                 rendering (an undefined value used as a mapping, a type error), tried an unsafe
                 attribute, or gave more than :data:`MAX_OUTPUT_CHARS` characters; or ``messages``
-                or ``tools`` is not a list of mappings.
+                or ``tools`` is not a list of mappings, or ``extra`` names a reserved variable.
         """
         _check_mappings("messages", messages)
+        extra = dict(extra or {})
+        taken = sorted(set(extra) & RESERVED_VARIABLES)
+        if taken:
+            raise ChatTemplateError(f"template variable {taken[0]!r} is set by the renderer, not by extra variables")
         if tools is not None:
             _check_mappings("tools", tools)
         import jinja2
@@ -236,6 +252,7 @@ class ChatTemplate:
                 add_generation_prompt=bool(add_generation_prompt),
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             ):
                 size += len(part)
                 if size > MAX_OUTPUT_CHARS:

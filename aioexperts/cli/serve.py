@@ -72,6 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds running generations may take to finish after SIGTERM before they are cancelled",
     )
     p.add_argument("--alias", default=None, help="the model's id in /v1/models and responses (default: file name)")
+    p.add_argument(
+        "--prompt-cache-bytes",
+        type=_int_at_least(0),
+        default=None,
+        help="KV cache bytes finished sequences may keep for later requests' common prefixes; 0 turns the "
+        "prompt cache off (default: half the memory left after the model and --parallel sequences, "
+        "at most 16 sequences)",
+    )
+    p.add_argument(
+        "--reasoning-format",
+        choices=aioexperts.REASONING_FORMATS,
+        default="auto",
+        help="<think> text: returned apart as reasoning_content (auto, deepseek) or left in the content (none)",
+    )
     add_model_options(p, ctx_help="positions of each sequence's KV cache (n_ctx; default 4096")
     return p
 
@@ -86,6 +100,8 @@ SERVER_FLAGS = {
     "max_body_bytes": "--max-body-bytes",
     "shutdown_timeout": "--shutdown-timeout",
     "model_name": "--alias",
+    "prompt_cache_bytes": "--prompt-cache-bytes",
+    "reasoning_format": "--reasoning-format",
 }
 
 
@@ -204,6 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_body_bytes=args.max_body_bytes,
                 shutdown_timeout=args.shutdown_timeout,
                 model_name=args.alias,
+                prompt_cache_bytes=args.prompt_cache_bytes,
+                reasoning_format=args.reasoning_format,
             )
         except aioexperts.ConfigError as exc:
             raise aioexperts.ConfigError(name_the_options(str(exc), SERVER_FLAGS)) from None

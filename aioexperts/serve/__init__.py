@@ -1,4 +1,5 @@
-"""``aioexperts.serve``: an OpenAI-compatible HTTP server for a whole model (``aioexperts-serve``).
+"""``aioexperts.serve``: an OpenAI-compatible HTTP server for a whole model (``aioexperts-serve``), which
+also speaks Anthropic's Messages API (``/v1/messages``).
 
 Needs the ``server`` extra (``pip install 'aioexperts[server]'``: aiohttp, and the ``text`` extra's
 tokenizer and chat template); importing this package without aiohttp raises
@@ -22,9 +23,11 @@ Example::
     asyncio.run(main())
 
 The package: :mod:`._app` (routes, middlewares, :class:`Server`), :mod:`._validate` (request
-fields), :mod:`._errors` (OpenAI error objects), :mod:`._openai` (response shapes),
-:mod:`._generate` (one generation), :mod:`._scheduler` (slots and the FIFO queue),
-:mod:`._metrics` (Prometheus text). docs/serving.md describes the endpoints and the metrics.
+fields), :mod:`._tools` (the tool-calling fields), :mod:`._errors` (OpenAI error objects),
+:mod:`._openai` (response shapes), :mod:`._prompt` (a chat prompt with tools and template
+variables), :mod:`._replies` (a reply's content, reasoning and tool calls), :mod:`._anthropic`
+(Anthropic's Messages API), :mod:`._generate` (one generation), :mod:`._scheduler` (slots and the
+FIFO queue), :mod:`._metrics` (Prometheus text). docs/serving.md describes the endpoints and the metrics.
 """
 
 from __future__ import annotations

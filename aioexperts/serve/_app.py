@@ -1,8 +1,10 @@
 """The aiohttp application: routes, the API-key and error middlewares, and the :class:`Server`.
 
-Routes (docs/serving.md): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Routes (docs/serving.md): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/messages``
+and ``POST /v1/messages/count_tokens`` (Anthropic's, :mod:`aioexperts.serve._anthropic`), ``GET /v1/models``,
 ``GET /health``, ``GET /props``, ``POST /tokenize``, ``POST /detokenize``, ``POST /apply-template``,
-``GET /metrics``. Every refusal is an OpenAI error object (:mod:`aioexperts.serve._errors`).
+``GET /metrics``. Every refusal is an OpenAI error object (:mod:`aioexperts.serve._errors`), in
+Anthropic's shape on the ``/v1/messages`` paths.
 
 A request is checked and its prompt tokenized (on one text worker thread, off the event loop)
 before it asks the :class:`~aioexperts.serve._scheduler.Scheduler` for a slot, so a bad request is
@@ -28,21 +30,25 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 import aioexperts
-from aioexperts import AioExpertsError, Model
+from aioexperts import AioExpertsError, Model, TokenConstraint
 from aioexperts._json import dumps as strict_dumps
 
+from ._anthropic import AnthropicMessages, is_anthropic_path
 from ._errors import APIError, api_error
-from ._generate import Generation
+from ._generate import Generation, SamplerFactory
 from ._metrics import CONTENT_TYPE, Metrics
 from ._openai import Piece, Shapes
+from ._prompt import ChatPrompt, chat_prompt
+from ._prompt_cache import PromptCache, default_capacity_bytes
+from ._replies import ChatReply
 from ._scheduler import Scheduler
+from ._structured import compile_structured
 from ._validate import (
     GenerationRequest,
     parse_chat,
     parse_completion,
     parse_detokenize,
     parse_json,
-    parse_template_request,
     parse_tokenize,
 )
 
@@ -52,6 +58,8 @@ log = logging.getLogger("aioexperts.serve")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
+DEFAULT_PROMPT_CACHE_SEQUENCES = 16
+"""The default prompt cache holds this many sequences at most."""
 
 #: Paths answered without the API key (a load balancer's probe).
 _OPEN_PATHS = frozenset({"/health"})
@@ -75,6 +83,16 @@ class ServerOptions:
         shutdown_timeout: seconds :meth:`Server.stop` lets running generations finish before
             cancelling them.
         model_name: the model's id in ``/v1/models`` and responses (default: the file name).
+        prompt_cache_bytes: the prompt cache's budget in bytes of KV cache
+            (:mod:`aioexperts.serve._prompt_cache`); 0 turns it off; None: half the memory left
+            once the model started and ``parallel`` sequences have their KV cache, at most
+            :data:`DEFAULT_PROMPT_CACHE_SEQUENCES` sequences.
+        reasoning_format: llama.cpp's ``--reasoning-format``: ``"auto"`` / ``"deepseek"`` return
+            ``<think>`` text apart (``reasoning_content``, Anthropic ``thinking`` blocks); ``"none"``
+            leaves it in the content (:data:`aioexperts.REASONING_FORMATS`).
+        sampler_factory: makes each generation's sampler from its :class:`aioexperts.SamplingOptions`
+            (a callable ``(logits, history) -> token id``), instead of :class:`aioexperts.Sampler`:
+            for tests that script the model's reply (:class:`aioexperts.testing.ScriptedSampler`).
     """
 
     host: str = DEFAULT_HOST
@@ -85,6 +103,9 @@ class ServerOptions:
     max_body_bytes: int = 1 << 20
     shutdown_timeout: float = 30.0
     model_name: str | None = None
+    prompt_cache_bytes: int | None = None
+    reasoning_format: str = "auto"
+    sampler_factory: SamplerFactory | None = None
 
     def __post_init__(self) -> None:
         def integer(name: str, low: int, high: int) -> None:
@@ -96,9 +117,16 @@ class ServerOptions:
         integer("parallel", 1, 4096)
         integer("queue_size", 0, 1 << 20)
         integer("max_body_bytes", 1, 1 << 40)
+        if self.prompt_cache_bytes is not None:
+            integer("prompt_cache_bytes", 0, 1 << 50)
         grace = self.shutdown_timeout
         if isinstance(grace, bool) or not isinstance(grace, int | float) or not grace >= 0:
             raise aioexperts.ConfigError(f"ServerOptions.shutdown_timeout must be seconds >= 0, got {grace!r}")
+        if self.reasoning_format not in aioexperts.REASONING_FORMATS:
+            choices = ", ".join(aioexperts.REASONING_FORMATS)
+            raise aioexperts.ConfigError(
+                f"ServerOptions.reasoning_format must be one of {choices}, got {self.reasoning_format!r}"
+            )
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise aioexperts.ConfigError("ServerOptions.api_key must be a non-empty str (or None for no key)")
 
@@ -149,6 +177,7 @@ class Server:
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
         self._stopping = False
+        self.prompt_cache: PromptCache | None = None  # made by start()
         self.app = self._build_app()
 
     # -- life cycle -----------------------------------------------------------------------------
@@ -176,6 +205,16 @@ class Server:
         self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioexperts-serve-text")
         await self._in_text_worker(lambda: self.model.tokenizer)
         self._created = await self._in_text_worker(lambda: _modified(self.model.path))  # stat: off the loop
+        budget = self.options.prompt_cache_bytes
+        if budget is None:
+            limit = await self._in_text_worker(lambda: aioexperts.read_memory_limit(reclaimable=True))
+            per_sequence = self.model.n_ctx * self.model.statistics().kv_bytes_per_position
+            budget = min(
+                default_capacity_bytes(limit.available, per_sequence, self.options.parallel),
+                DEFAULT_PROMPT_CACHE_SEQUENCES * per_sequence,
+            )
+        if budget > 0:
+            self.prompt_cache = PromptCache(self.model, budget)
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0, handle_signals=False
         )
@@ -210,6 +249,8 @@ class Server:
             await runner.cleanup()
         if self._text_worker is not None:
             self._text_worker.shutdown(wait=False, cancel_futures=True)
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
         return cancelled
 
     def hurry(self) -> None:
@@ -230,6 +271,9 @@ class Server:
         )
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
+        messages = AnthropicMessages(self)
+        app.router.add_post("/v1/messages", messages.create)
+        app.router.add_post("/v1/messages/count_tokens", messages.count_tokens)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/props", self._props)
@@ -277,12 +321,13 @@ class Server:
             elif exc.status == 413:
                 message = f"the request body is larger than the limit of {self.options.max_body_bytes} bytes"
             err = APIError(exc.status, message, type=kind, code=code)
-            return _error_response(err)
         except (APIError, AioExpertsError) as exc:
             err = api_error(exc)
             if err.status >= 500:
                 log.error("%s %s failed: %s", request.method, request.path, exc)
-            return _error_response(err)
+        if is_anthropic_path(request.path):
+            return AnthropicMessages.error_response(err)
+        return _error_response(err)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
@@ -290,6 +335,8 @@ class Server:
         if key is not None and request.path not in _OPEN_PATHS:
             given = request.headers.get("Authorization", "")
             scheme, _, token = given.partition(" ")
+            if "x-api-key" in request.headers and is_anthropic_path(request.path):  # Anthropic's header
+                scheme, token = "bearer", request.headers["x-api-key"]
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
                 raise APIError(
                     401,
@@ -358,25 +405,45 @@ class Server:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, parse_completion(await self._body(request)))
 
+    def _chat_prompt(self, req: GenerationRequest) -> ChatPrompt:
+        """Runs on the text worker: the chat request rendered (tools, ``chat_template_kwargs``) and tokenized."""
+        return chat_prompt(self.model, req.messages, req.tools, req.tool_choice, req.template_kwargs)
+
+    def generation(
+        self, ids: list[int], req: GenerationRequest, max_tokens: int, constraint: TokenConstraint | None = None
+    ) -> Generation:
+        """A :class:`Generation` of ``ids`` for ``req`` (call inside a scheduler slot), on a sequence
+        of the prompt cache when there is one, its tokens constrained by ``constraint`` (structured
+        output) when given."""
+        self.metrics.prompt_tokens += len(ids)
+        top = req.top_logprobs if req.logprobs else None
+        return Generation(
+            self.model, ids, req.options, max_tokens, top, self.metrics.token, self.prompt_cache, constraint,
+            self.options.sampler_factory,
+        )  # fmt: skip
+
     async def _complete(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
-        ids = await self._in_text_worker(lambda: self._prompt_ids(req))
+        prompt = await self._in_text_worker(lambda: self._chat_prompt(req)) if req.chat else None
+        ids = prompt.ids if prompt is not None else await self._in_text_worker(lambda: self._prompt_ids(req))
         max_tokens = self._fit(req, len(ids))
+        spec = req.structured
+        constraint = None
+        if spec is not None:
+            tok, n_vocab = self.model.tokenizer, self.model.n_vocab
+            constraint = await self._in_text_worker(lambda: compile_structured(spec, tok, n_vocab))
         shapes = Shapes(req.chat, self.name, self.model.tokenizer, req.logprobs, req.top_logprobs, self.fingerprint)
+        reply = None
+        if prompt is not None:
+            reply = ChatReply(shapes, prompt, self.options.reasoning_format, req.include_usage)
         async with self.scheduler.slot():
-            self.metrics.prompt_tokens += len(ids)
-            gen = Generation(
-                self.model,
-                ids,
-                req.options,
-                max_tokens,
-                req.top_logprobs if req.logprobs else None,
-                self.metrics.token,
-            )
+            gen = self.generation(ids, req, max_tokens, constraint)
             try:
                 if req.stream:
-                    return await self._stream(request, req, gen, shapes)
+                    return await self._stream(request, req, gen, shapes, reply)
                 async with aclosing(gen.pieces()) as stream:
                     pieces = [piece async for piece in stream]
+                if reply is not None:
+                    return _json_response(reply.whole(pieces, gen.finish_reason, gen.usage))
                 return _json_response(shapes.whole(pieces, gen.finish_reason, gen.usage))
             except ConnectionResetError:
                 self.metrics.cancelled += 1
@@ -389,7 +456,7 @@ class Server:
                 return _error_response(_shutting_down())  # cancelled at the shutdown deadline: told why
 
     async def _stream(
-        self, request: web.Request, req: GenerationRequest, gen: Generation, shapes: Shapes
+        self, request: web.Request, req: GenerationRequest, gen: Generation, shapes: Shapes, reply: ChatReply | None
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -401,9 +468,17 @@ class Server:
                 await resp.write(_sse(shapes.chunk(None, None, usage)))
             async with aclosing(gen.pieces()) as pieces:  # closed at once on a disconnect: the KV cache is freed
                 async for piece in pieces:
-                    await resp.write(_sse(shapes.chunk(piece, None, usage)))
-            final: Piece | None = Piece("", ()) if not req.chat else None
-            await resp.write(_sse(shapes.chunk(final, gen.finish_reason, usage)))
+                    if reply is None:
+                        await resp.write(_sse(shapes.chunk(piece, None, usage)))
+                    else:
+                        for chunk in reply.feed(piece):
+                            await resp.write(_sse(chunk))
+            if reply is not None:
+                for chunk in reply.end(gen.finish_reason):
+                    await resp.write(_sse(chunk))
+            else:
+                final: Piece | None = Piece("", ()) if not req.chat else None
+                await resp.write(_sse(shapes.chunk(final, gen.finish_reason, usage)))
             if usage:
                 await resp.write(_sse(shapes.usage_chunk(gen.usage)))
         except AioExpertsError as exc:  # after the headers went out: an error event ends the stream
@@ -478,6 +553,14 @@ class Server:
                     "backend": st.backend,
                     "direct_io": st.direct_io,
                 },
+                "prompt_cache": None
+                if self.prompt_cache is None
+                else {
+                    "capacity_bytes": self.prompt_cache.capacity_bytes,
+                    "sequence_bytes": self.prompt_cache.sequence_bytes,
+                    "bytes": self.prompt_cache.bytes,
+                    "entries": self.prompt_cache.entries,
+                },
                 "build_info": self.fingerprint,
             }
         )
@@ -507,14 +590,12 @@ class Server:
         return _json_response({"content": await self._in_text_worker(lambda: tok.decode(ids))})
 
     async def _apply_template(self, request: web.Request) -> web.Response:
-        messages = parse_template_request(await self._body(request))
-        prompt = await self._in_text_worker(
-            lambda: self.model.apply_chat_template(list(messages), add_generation_prompt=True)
-        )
-        return _json_response({"prompt": prompt})
+        req = parse_chat(await self._body(request))
+        prompt = await self._in_text_worker(lambda: self._chat_prompt(req))
+        return _json_response({"prompt": prompt.text})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        text = self.metrics.render(self.model, self.scheduler)
+        text = self.metrics.render(self.model, self.scheduler, self.prompt_cache)
         return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 

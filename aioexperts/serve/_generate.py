@@ -1,13 +1,17 @@
 """One generation of the server: a prompt's ids through :meth:`aioexperts.Model.stream`, as :class:`Piece` s.
 
 The sampler is :class:`aioexperts.Sampler` wrapped to keep every :class:`~aioexperts.SampledToken`
-(its log-probabilities), so each piece of text comes with the tokens that made it. The sequence and
-its KV cache belong to the stream: they are freed when the generation ends, fails or is cancelled.
+(its log-probabilities), so each piece of text comes with the tokens that made it; a
+:class:`~aioexperts.TokenConstraint` (structured output) masks the logits first. Without a prompt
+cache the sequence and its KV cache belong to the stream: they are freed when the generation ends,
+fails or is cancelled. With one (:mod:`aioexperts.serve._prompt_cache`) the sequence comes from the
+pool and goes back to it when the generation ends normally; a failed or cancelled one is closed.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -18,20 +22,49 @@ from aioexperts import GenerationStatistics, SampledToken, Sampler, SamplingOpti
 from ._openai import FINISH_REASONS, Piece, Usage
 
 if TYPE_CHECKING:
-    from aioexperts import Model
+    from aioexperts import Model, TextStream, TokenConstraint
 
-__all__ = ("Generation",)
+    from ._prompt_cache import PromptCache
+
+__all__ = ("Generation", "SamplerFactory")
+
+
+SamplerFactory = Callable[[SamplingOptions], Callable[[np.ndarray, Sequence[int]], "int | SampledToken"]]
+"""Makes the sampler of one generation from its options: ``(logits, history) -> token id`` (or a
+:class:`SampledToken`); ``ServerOptions.sampler_factory``."""
 
 
 class _Recorder:
-    """``(logits, history) -> id`` through a :class:`Sampler`, keeping each :class:`SampledToken`."""
+    """``(logits, history) -> id`` through a :class:`Sampler` (or a factory's sampler), keeping each
+    :class:`SampledToken`."""
 
-    def __init__(self, options: SamplingOptions) -> None:
-        self._sampler = Sampler(options)
+    def __init__(
+        self, options: SamplingOptions, constraint: TokenConstraint | None = None, factory: SamplerFactory | None = None
+    ) -> None:
+        self._sampler = Sampler(options) if factory is None else None
+        self._custom = factory(options) if factory is not None else None
+        self._constraint = constraint
         self.sampled: list[SampledToken] = []
 
+    def _sample(self, logits: np.ndarray, history: Sequence[int]) -> SampledToken:
+        if self._custom is not None:
+            got = self._custom(logits, history)
+            return got if isinstance(got, SampledToken) else SampledToken(int(got))
+        assert self._sampler is not None
+        return self._sampler.sample(logits, history)
+
     def __call__(self, logits: np.ndarray, history: Sequence[int]) -> int:
-        chosen = self._sampler.sample(logits, history)
+        if self._constraint is None:
+            chosen = self._sample(logits, history)
+        else:
+            tried: list[SampledToken] = []
+
+            def pick(masked: np.ndarray) -> int:
+                tried.append(self._sample(masked, history))
+                return tried[-1].token
+
+            token = self._constraint.choose(logits, pick)
+            chosen = tried[-1] if tried and tried[-1].token == token else SampledToken(token)
         self.sampled.append(chosen)
         return chosen.token
 
@@ -46,6 +79,9 @@ class Generation:
         max_tokens: tokens to generate at most.
         top_logprobs: ``None``: no log-probabilities; else the alternatives to report per token.
         on_token: called once per generated token (the server's counters).
+        cache: the prompt cache to take the sequence from and give it back to (None: a fresh one).
+        constraint: the grammar the generated tokens must follow (None: free text).
+        sampler_factory: makes the sampler instead of :class:`aioexperts.Sampler` (tests; None: the default).
     """
 
     def __init__(
@@ -56,12 +92,18 @@ class Generation:
         max_tokens: int,
         top_logprobs: int | None,
         on_token: Callable[[], None],
+        cache: PromptCache | None = None,
+        constraint: TokenConstraint | None = None,
+        sampler_factory: SamplerFactory | None = None,
     ) -> None:
         n_logprobs = 0 if top_logprobs is None else max(1, top_logprobs)
         self._options = replace(options, max_tokens=max_tokens, logprobs=n_logprobs)
         self._model = model
         self._prompt_ids = list(prompt_ids)
         self._on_token = on_token
+        self._cache = cache
+        self._constraint = constraint
+        self._sampler_factory = sampler_factory
         self.statistics = GenerationStatistics()
 
     @property
@@ -72,7 +114,8 @@ class Generation:
     @property
     def usage(self) -> Usage:
         """Prompt and generated tokens so far."""
-        return Usage(len(self._prompt_ids), self.statistics.generated_tokens)
+        stats = self.statistics
+        return Usage(len(self._prompt_ids), stats.generated_tokens, stats.reused_tokens)
 
     async def pieces(self) -> AsyncGenerator[Piece, None]:
         """The pieces of text as they are decoded (the first ``await`` starts the prefill).
@@ -80,8 +123,28 @@ class Generation:
         Raises:
             As :meth:`aioexperts.Model.stream` (InvalidRequestError, NonFiniteError, store errors).
         """
-        recorder = _Recorder(self._options)
-        stream = self._model.stream(self._prompt_ids, options=self._options, sampler=recorder)
+        recorder = _Recorder(self._options, self._constraint, self._sampler_factory)
+        if self._cache is None:
+            stream = self._model.stream(self._prompt_ids, options=self._options, sampler=recorder)
+            async with aclosing(self._pieces(stream, recorder)) as pieces:
+                async for piece in pieces:
+                    yield piece
+            return
+        seq, _ = self._cache.take(self._prompt_ids)
+        try:
+            stream = self._model.stream(self._prompt_ids, options=self._options, sampler=recorder, sequence=seq)
+            async with aclosing(self._pieces(stream, recorder)) as pieces:
+                async for piece in pieces:
+                    yield piece
+        except BaseException:
+            self._cache.discard(seq)
+            raise
+        if self.statistics.stop_reason in FINISH_REASONS:  # ended normally: back to the pool
+            self._cache.put(seq)
+        else:
+            self._cache.discard(seq)
+
+    async def _pieces(self, stream: TextStream, recorder: _Recorder) -> AsyncGenerator[Piece, None]:
         seen = 0
         try:
             async with stream:

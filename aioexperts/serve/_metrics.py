@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from aioexperts import Model
 
+    from ._prompt_cache import PromptCache
     from ._scheduler import Scheduler
 
 __all__ = ("CONTENT_TYPE", "RATE_WINDOW_SECONDS", "Metrics")
@@ -79,8 +80,8 @@ class Metrics:
         self._trim(now)
         return len(self._recent) / max(1e-9, min(RATE_WINDOW_SECONDS, now - self._started))
 
-    def render(self, model: Model, scheduler: Scheduler) -> str:
-        """The Prometheus text of every metric."""
+    def render(self, model: Model, scheduler: Scheduler, cache: PromptCache | None = None) -> str:
+        """The Prometheus text of every metric (``cache``: the prompt cache's, when there is one)."""
         ms = model.statistics()
         st = model.store.statistics()
         run = ms.tokens_prefilled + ms.tokens_decoded
@@ -135,4 +136,14 @@ class Metrics:
         )
         add("slab_bytes", "gauge", "Bytes of the slab of expert slots.", st.n_slots * st.slot_bytes)
         add("slab_slots", "gauge", "Slots of the slab (one expert each).", st.n_slots)
+        pc_hits = cache.hits if cache else 0
+        add("prompt_cache_hits_total", "counter", "Requests that continued a cached sequence.", pc_hits)
+        reused = cache.reused_tokens if cache else 0
+        add("prompt_tokens_cached_total", "counter", "Prompt tokens kept from the prompt cache.", reused)
+        add("prompt_cache_entries", "gauge", "Sequences in the prompt cache.", cache.entries if cache else 0)
+        add("prompt_cache_bytes", "gauge", "KV cache bytes of those sequences.", cache.bytes if cache else 0)
+        budget = cache.capacity_bytes if cache else 0
+        add("prompt_cache_capacity_bytes", "gauge", "The prompt cache's budget (--prompt-cache-bytes).", budget)
+        evicted = cache.evictions if cache else 0
+        add("prompt_cache_evictions_total", "counter", "Cached sequences closed to stay in the budget.", evicted)
         return "\n".join(out) + "\n"

@@ -16,12 +16,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from aioexperts import SampledToken, Tokenizer
+    from aioexperts import Reply, SampledToken, Tokenizer, ToolCall
 
-__all__ = ("FINISH_REASONS", "Piece", "Shapes", "Usage")
+__all__ = ("FINISH_REASONS", "Piece", "Shapes", "Usage", "tool_call_json")
 
 #: ``GenerationStatistics.stop_reason`` -> OpenAI's ``finish_reason``.
 FINISH_REASONS = {"eog": "stop", "stop": "stop", "length": "length", "n_ctx": "length"}
+
+
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """OpenAI's ``tool_calls`` item (with ``index`` in a stream delta)."""
+    out: dict[str, Any] = {} if index is None else {"index": index}
+    out.update(id=call.id, type="function", function={"name": call.name, "arguments": call.arguments})
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,16 +41,19 @@ class Piece:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Tokens of the prompt and of the completion."""
+    """Tokens of the prompt and of the completion; ``cached_tokens``: prompt tokens the prompt cache
+    held (not prefilled again), OpenAI's ``usage.prompt_tokens_details.cached_tokens``."""
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
-    def as_json(self) -> dict[str, int]:
+    def as_json(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
@@ -148,6 +158,37 @@ class Shapes:
         """The last chunk of ``stream_options.include_usage``: no choices, the usage."""
         out = self._head("chat.completion.chunk" if self.chat else "text_completion")
         out["choices"] = []
+        out["usage"] = usage.as_json()
+        return out
+
+    def delta_chunk(
+        self, delta: dict[str, Any], tokens: Sequence[SampledToken], finish_reason: str | None, include_usage: bool
+    ) -> dict[str, Any]:
+        """A chat stream chunk with ``delta`` (``content``, ``reasoning_content`` or ``tool_calls``)."""
+        logprobs = self._logprobs(tokens, 0) if tokens else None
+        out = self._head("chat.completion.chunk")
+        out["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    def whole_reply(
+        self, reply: Reply, tokens: Sequence[SampledToken], finish_reason: str, usage: Usage
+    ) -> dict[str, Any]:
+        """The whole chat response of a parsed reply: ``content`` (null when only calls), ``reasoning_content``
+        (when there is reasoning), ``tool_calls`` (when there are calls)."""
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": reply.content if reply.content or not reply.tool_calls else None,
+            "refusal": None,
+        }
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
+        if reply.tool_calls:
+            message["tool_calls"] = [tool_call_json(c) for c in reply.tool_calls]
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(tokens, 0), "finish_reason": finish_reason}
+        out = self._head("chat.completion")
+        out["choices"] = [choice]
         out["usage"] = usage.as_json()
         return out
 

@@ -5,9 +5,11 @@ llama.cpp server's sampling extensions ``top_k``, ``min_p`` and ``repeat_penalty
 JSON ``null`` counts as absent. Sampling fields not given take llama.cpp's defaults
 (:class:`aioexperts.SamplingOptions`: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05).
 Features this server does not have (``n`` other than 1, ``best_of``, ``echo``, ``suffix``,
-``logit_bias``, ``tools``, a ``response_format`` other than text, ...) are refused, never ignored;
-so is a field the endpoint does not know (:data:`CHAT_FIELDS`, :data:`COMPLETION_FIELDS`: 400
-``unknown_parameter`` naming it). Every message needs non-empty text content, and text must be
+``logit_bias``, ...) are refused, never ignored (``response_format`` and ``grammar``:
+:mod:`aioexperts.serve._structured`); so is a field the endpoint does not know (:data:`CHAT_FIELDS`,
+:data:`COMPLETION_FIELDS`: 400 ``unknown_parameter`` naming it). ``tools``, ``tool_choice``, a
+message's ``tool_calls`` and ``chat_template_kwargs`` are read by :mod:`._tools`. Every message
+needs non-empty text content (but an assistant message with ``tool_calls``), and text must be
 valid Unicode (no lone surrogates).
 """
 
@@ -22,6 +24,8 @@ from typing import Any
 from aioexperts import ConfigError, SamplingOptions
 
 from ._errors import APIError
+from ._structured import StructuredOutput, parse_structured
+from ._tools import parse_template_kwargs, parse_tool_call_id, parse_tool_calls, parse_tool_choice, parse_tools
 
 __all__ = (
     "CHAT_FIELDS",
@@ -54,7 +58,7 @@ _MAX_INT = 2**31 - 1
 #: extensions. Each is implemented, accepted and ignored (hints with no effect here: ``user``,
 #: ``metadata``, ...) or refused when it asks for what this server does not do
 #: (:func:`_refuse_unsupported`); a field not listed is refused as unknown (400 naming it).
-_EXTENSIONS = frozenset({"top_k", "min_p", "repeat_penalty"})
+_EXTENSIONS = frozenset({"top_k", "min_p", "repeat_penalty", "grammar"})
 _COMMON_FIELDS = frozenset(
     {
         "model",
@@ -100,19 +104,20 @@ CHAT_FIELDS = (
         "audio",
         "prediction",
         "web_search_options",
+        "chat_template_kwargs",
     }
 )
 """The fields ``POST /v1/chat/completions`` knows."""
-COMPLETION_FIELDS = _COMMON_FIELDS | _EXTENSIONS | {"prompt", "best_of", "echo", "suffix"}
+COMPLETION_FIELDS = _COMMON_FIELDS | _EXTENSIONS | {"prompt", "best_of", "echo", "suffix", "response_format"}
 """The fields ``POST /v1/completions`` knows."""
 TOKENIZE_FIELDS = frozenset({"model", "content", "add_special", "parse_special", "with_pieces"})
 """The fields of llama.cpp server's ``POST /tokenize`` (``model`` ignored)."""
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 """The fields of ``POST /detokenize``."""
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-#: A message's fields (OpenAI's): ``name`` is accepted and ignored; tool calls and audio are refused.
+#: A message's fields (OpenAI's, and llama.cpp's ``reasoning_content``); ``function_call`` and audio are refused.
 _MESSAGE_FIELDS = frozenset(
-    {"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio"}
+    {"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio", "reasoning_content"}
 )
 #: ``stream_options``' fields: ``include_obfuscation`` (padding against side channels) is accepted and ignored.
 _STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
@@ -133,6 +138,10 @@ class GenerationRequest:
         logprobs: log-probabilities of each chosen token (chat ``logprobs``; completions ``logprobs``
             not None).
         top_logprobs: the most likely alternatives reported per token (0 to :data:`MAX_TOP_LOGPROBS`).
+        structured: the grammar the output must follow (``response_format``, ``grammar``), or None.
+        tools: the function tools (chat), for the template and the reply's parser.
+        tool_choice: ``"auto"``, ``"none"``, ``"required"`` or ``"function:NAME"``.
+        template_kwargs: ``chat_template_kwargs``: more variables for the chat template.
     """
 
     chat: bool
@@ -144,6 +153,10 @@ class GenerationRequest:
     include_usage: bool
     logprobs: bool
     top_logprobs: int
+    structured: StructuredOutput | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str = "none"
+    template_kwargs: Mapping[str, Any] | None = None
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -249,18 +262,12 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise _bad("best_of", f"only best_of=1 is supported, got {best_of}")
     if _bool(body, "echo", False):
         raise _bad("echo", "echoing the prompt is not supported")
-    for name in ("suffix", "logit_bias", "tools", "functions", "function_call", "audio", "prediction"):
+    for name in ("suffix", "logit_bias", "functions", "function_call", "audio", "prediction"):
         if body.get(name):
             raise _bad(name, "is not supported by this server")
     for name in ("web_search_options", "reasoning_effort", "verbosity", "moderation"):  # other models only
         if body.get(name) is not None:
             raise _bad(name, "is not supported by this model")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise _bad("response_format", 'only {"type": "text"} is supported')
-    choice = body.get("tool_choice")
-    if choice is not None and choice != "none":
-        raise _bad("tool_choice", 'tools are not supported: only "none" is accepted')
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise _bad("modalities", 'only ["text"] is supported')
@@ -344,14 +351,40 @@ def _content(value: object, where: str) -> str:
                 raise _bad(where, "only text content parts ({'type': 'text', 'text': ...}) are supported")
             texts.append(part["text"])
         value = "".join(texts)
-    if value is None:  # missing or null: only an assistant message with tool_calls may say nothing, and
-        # tools are not supported here
+    if value is None:  # missing or null (an assistant message with tool_calls is read by _message)
         raise _bad(where, "is missing: every message needs text content")
     if not isinstance(value, str):
         raise _bad(where, f"must be a string or an array of text parts, got {_kind(value)}")
     if not value:
         raise _bad(where, "is empty: every message needs text content")
     return _text(value, where)
+
+
+def _message(message: Mapping[str, Any], role: str, i: int) -> dict[str, Any]:
+    """One message for the template: ``role`` and ``content``, an assistant's ``tool_calls``, a tool's
+    ``tool_call_id`` (and ``name``)."""
+    calls = message.get("tool_calls")
+    if calls is not None and role != "assistant":
+        raise _bad(f"messages[{i}].tool_calls", "only an assistant message has tool calls")
+    if calls is not None and not message.get("content"):  # an assistant that only called: no text
+        out: dict[str, Any] = {"role": role, "content": ""}
+    else:
+        out = {"role": role, "content": _content(message.get("content"), f"messages[{i}].content")}
+    if calls is not None:
+        out["tool_calls"] = parse_tool_calls(calls, f"messages[{i}].tool_calls")
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None:  # llama.cpp's field: the reasoning templates print it (Qwen3, DeepSeek)
+        where = f"messages[{i}].reasoning_content"
+        if role != "assistant" or not isinstance(reasoning, str):
+            raise _bad(where, "must be a string, on an assistant message")
+        if reasoning:
+            out["reasoning_content"] = _text(reasoning, where)
+    if role == "tool":
+        if message.get("tool_call_id") is not None:
+            out["tool_call_id"] = parse_tool_call_id(message["tool_call_id"], f"messages[{i}].tool_call_id")
+        if isinstance(message.get("name"), str):
+            out["name"] = message["name"]
+    return out
 
 
 def parse_messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
@@ -374,10 +407,10 @@ def parse_messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
                 param=f"messages[{i}].{unknown[0]}",
                 code="unknown_parameter",
             )
-        for name in ("tool_calls", "function_call", "audio"):
+        for name in ("function_call", "audio"):
             if message.get(name) is not None:
-                raise _bad(f"messages[{i}].{name}", "tool calls are not supported by this server")
-        out.append({"role": role, "content": _content(message.get("content"), f"messages[{i}].content")})
+                raise _bad(f"messages[{i}].{name}", "is not supported by this server (use tool_calls)")
+        out.append(_message(message, role, i))
     return tuple(out)
 
 
@@ -444,6 +477,7 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
     top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise _bad("top_logprobs", "needs 'logprobs': true")
+    tools = parse_tools(body)
     return GenerationRequest(
         chat=True,
         messages=messages,
@@ -454,6 +488,10 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
         include_usage=include_usage,
         logprobs=logprobs,
         top_logprobs=top or 0,
+        structured=parse_structured(body),
+        tools=tools,
+        tool_choice=parse_tool_choice(body, tools),
+        template_kwargs=parse_template_kwargs(body),
     )
 
 
@@ -474,4 +512,5 @@ def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
         include_usage=include_usage,
         logprobs=top is not None,
         top_logprobs=top or 0,
+        structured=parse_structured(body),
     )

@@ -14,6 +14,9 @@ with and reads they can steer; both are here, and neither needs a real model or 
   ``qwen3moe``), with a small byte-level BPE vocabulary and a ChatML template, random weights
   scaled so the residual stream stays finite; its text is random. (``tokenizers`` trains the
   vocabulary: the ``text`` extra.)
+- :func:`write_dsv4_model` writes a whole ``deepseek4`` model of the geometry a :class:`DSV4Spec`
+  gives (default :data:`DSV4_SPEC`: DeepSeek-V4-Flash's shapes, 4 layers, Q2_K experts, about 8.7 GB):
+  compressed attention, hyper-connections and hash-routed layers, random weights, the same vocabulary.
 - :func:`builtin_model_path` is the path of the built-in full model (:data:`FULL_SPEC`, about
   2.9 GB), written once into the user cache (``$AIOEXPERTS_CACHE``, else ``~/.cache/aioexperts``):
   what the examples of README.md and docs/ open. ``$AIOEXPERTS_BUILTIN_SIZE=tiny`` makes it
@@ -25,6 +28,8 @@ with and reads they can steer; both are here, and neither needs a real model or 
   :data:`SKEWED_SPEC` is the full model with skewed routing.
 - :func:`memory_cgroups` lists this process's memory cgroups (the slab budget reads its limit from
   them; the bench makes its memory-limited groups inside them).
+- :class:`ScriptedSampler` makes the model say chosen text (its sampler ignores the logits): for
+  end-to-end tests of what reads replies (the server's tool calls, reasoning).
 - :class:`FakeBackend` is an :class:`~aioexperts.backends.IOBackend` whose completions arrive when
   the test says so, in the order it says, short or failed as it says:
   ``aioexperts.open(path, io=IOOptions(backend=lambda *a: FakeBackend(*a, auto=True)))``.
@@ -46,6 +51,9 @@ from ._builtin import ensure_full_model as ensure_full_model
 from ._builtin import full_model_path as full_model_path
 from ._cache import cache_dir as cache_dir
 from ._cache import print_progress as print_progress
+from ._dsv4_model import DSV4_SPEC as DSV4_SPEC
+from ._dsv4_model import DSV4Spec as DSV4Spec
+from ._dsv4_model import write_dsv4_model as write_dsv4_model
 from ._fake_backend import FakeBackend as FakeBackend
 from ._full_model import DEFAULT_FULL_LAYERS as DEFAULT_FULL_LAYERS
 from ._full_model import FULL_SPEC as FULL_SPEC
@@ -56,6 +64,7 @@ from ._full_model import write_full_model as write_full_model
 from ._model_cache import BENCH_NAME as BENCH_NAME
 from ._model_cache import bench_model_path as bench_model_path
 from ._model_cache import ensure_bench_model as ensure_bench_model
+from ._scripted import ScriptedSampler as ScriptedSampler
 from ._synthetic import BENCH_SPEC as BENCH_SPEC
 from ._synthetic import SyntheticSpec as SyntheticSpec
 from ._synthetic import tiny_moe_writer as tiny_moe_writer
@@ -66,9 +75,12 @@ __all__ = (
     "BENCH_SPEC",
     "BUILTIN_SIZE_ENV",
     "DEFAULT_FULL_LAYERS",
+    "DSV4_SPEC",
     "FULL_SPEC",
     "SKEWED_SPEC",
+    "ScriptedSampler",
     "TINY_FULL_SPEC",
+    "DSV4Spec",
     "FakeBackend",
     "FullModelSpec",
     "Progress",
@@ -82,6 +94,7 @@ __all__ = (
     "memory_cgroups",
     "print_progress",
     "tiny_moe_writer",
+    "write_dsv4_model",
     "write_full_model",
     "write_synthetic_model",
 )

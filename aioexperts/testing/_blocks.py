@@ -34,6 +34,7 @@ _F16_SCALES: dict[GGMLQuantizationType, tuple[int, ...]] = {
     Q.Q5_1: (0, 2),
     Q.Q8_0: (0,),
     Q.Q4_K: (0, 2),
+    Q.Q2_K: (80, 82),  # block_q2_K: scales[16], qs[64], d, dmin
 }
 _MXFP4_EXPONENT = 0  # byte offset of the e8m0 shared exponent of an MXFP4 block
 
@@ -85,6 +86,8 @@ def quantized_pool(ggml_type: GGMLQuantizationType, seed: int = 0) -> np.ndarray
     Returns:
         The pool (read-only), or None for a type this module cannot quantize.
     """
+    if ggml_type == Q.Q2_K:
+        return _q2_k_pool(seed)
     if ggml_type not in _GGUF_QUANTIZABLE and ggml_type != Q.Q4_K:
         return None
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
@@ -94,6 +97,21 @@ def quantized_pool(ggml_type: GGMLQuantizationType, seed: int = 0) -> np.ndarray
     else:
         pool = np.ascontiguousarray(gguf.quants.quantize(data, ggml_type)).view(np.uint8)
     pool = pool.reshape(POOL_BLOCKS, type_size)
+    pool.flags.writeable = False
+    return pool
+
+
+def _q2_k_pool(seed: int) -> np.ndarray:
+    """Q2_K blocks of random scales and 2-bit quants, ``d`` and ``dmin`` set so the weights have mean
+    about 0 and standard deviation about 1 (``x = d * scale * q - dmin * min``)."""
+    _, type_size = GGML_QUANT_SIZES[Q.Q2_K]
+    pool = np.random.default_rng(seed).integers(0, 256, (POOL_BLOCKS, type_size), dtype=np.uint8)
+    # scale * q averages 7.5 * 1.5 and min 7.5: dmin = 1.5 d centres the weights
+    fields = np.array([1.0, 1.5], dtype=np.float16).view(np.uint8)
+    pool[:, 80:84] = fields
+    values = gguf.quants.dequantize(pool, Q.Q2_K)
+    std = float(np.std(values))
+    pool[:, 80:84] = (np.array([1.0, 1.5], dtype=np.float32) / std).astype(np.float16).view(np.uint8)
     pool.flags.writeable = False
     return pool
 

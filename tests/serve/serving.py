@@ -35,9 +35,10 @@ RAISING_TEMPLATE = (
 class ServerThread:
     """:class:`aioexperts.serve.Server` on a loaded model, in a daemon thread."""
 
-    def __init__(self, path: Path, options: ServerOptions) -> None:
+    def __init__(self, path: Path, options: ServerOptions, n_ctx: int | None = None) -> None:
         self.path = path
         self.options = options
+        self.n_ctx = n_ctx
         self.url = ""
         self.server: Server | None = None
         self.cancelled_at_stop: int | None = None
@@ -51,7 +52,8 @@ class ServerThread:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            async with aioexperts.load(self.path, slots=8, io=aioexperts.IOOptions(backend="threads")) as model:
+            io = aioexperts.IOOptions(backend="threads")
+            async with aioexperts.load(self.path, slots=8, io=io, n_ctx=self.n_ctx) as model:
                 self.server = Server(model, self.options)
                 await self.server.start()
                 self.url = self.server.url

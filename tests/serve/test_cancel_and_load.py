@@ -23,12 +23,14 @@ LONG = {"prompt": "Tell me everything.", "max_tokens": 400, "temperature": 0}  #
 
 
 def settled(served: ServerThread) -> dict[str, float]:
-    """The metrics once nothing runs, waits or holds a KV cache."""
+    """The metrics once nothing runs, waits or holds a KV cache (but the prompt cache's sequences)."""
 
     def idle() -> dict[str, float] | None:
         m = metrics(served)
-        quiet = ("requests_running", "queue_depth", "sequences_live", "kv_cache_bytes_in_use")
-        return m if all(m["aioexperts_" + k] == 0 for k in quiet) else None
+        quiet = ("requests_running", "queue_depth")
+        pooled = m["aioexperts_sequences_live"] == m["aioexperts_prompt_cache_entries"]
+        pooled_bytes = m["aioexperts_kv_cache_bytes_in_use"] == m["aioexperts_prompt_cache_bytes"]
+        return m if all(m["aioexperts_" + k] == 0 for k in quiet) and pooled and pooled_bytes else None
 
     return wait_for(idle, timeout=30)
 
@@ -49,7 +51,8 @@ def test_a_client_that_goes_away_stops_its_generation_and_frees_its_kv_cache(
         else:
             wait_for(lambda: generated(served) >= before["aioexperts_completion_tokens_total"] + 4)
         running = metrics(served)
-        assert running["aioexperts_sequences_live"] == 1 and running["aioexperts_kv_cache_bytes_in_use"] > 0
+        assert running["aioexperts_sequences_live"] - running["aioexperts_prompt_cache_entries"] == 1
+        assert running["aioexperts_kv_cache_bytes_in_use"] > running["aioexperts_prompt_cache_bytes"]
         at_close = running["aioexperts_completion_tokens_total"]
     finally:
         client.close()

@@ -207,6 +207,8 @@ class ArchitectureRecord:
             YaRN magnitude takes it as ``mscale_all_dims`` (deepseek2.cpp ``load_arch_hparams``,
             llama-context.cpp ``[TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]``).
         block: name of the block implementation in :mod:`aioexperts._model.blocks` (``"gqa"``).
+        hyper_connections: the residual is ``hyper_connection.count`` streams mixed around every block
+            (deepseek4.cpp ``build_hc_pre`` / ``build_hc_post`` / ``build_hc_head``).
         text_mrope: the graph rotates with ``ggml_rope_multi`` and ``rope.dimension_sections``
             (qwen35moe.cpp's IMRoPE): for text tokens every section gets the token's position, which
             is NEOX on the first ``rope.dimension_count`` dims, so the sections are accepted.
@@ -227,6 +229,7 @@ class ArchitectureRecord:
     rope_freqs: bool = False
     yarn_log_multiplier: bool = False
     block: str = "gqa"
+    hyper_connections: bool = False
     text_mrope: bool = False
     status: str = "golden"
 

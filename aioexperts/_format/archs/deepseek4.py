@@ -2,8 +2,10 @@
 
 from aioexperts._format.archs._base import (
     Architecture,
+    ArchitectureRecord,
     GatingFunc,
     MoERule,
+    RopeType,
     Status,
     shared_count_x_width,
     width_required,
@@ -30,8 +32,8 @@ ARCHS = (
             clamps=True,
             hash_routing=True,
         ),
-        whole_model_missing="DeepSeek-V4's compressed attention (attn_compressor_*, the indexer), its "
-        "hyper-connections (hc_*) and grouped low-rank output projection (attn_output_a/b) are not implemented; "
-        "its MoE layers run through aioexperts.open() and MoERunner",
+        # deepseek4.cpp: hyper-connections around every block (aioexperts/_compute/hyper.py), the compressed
+        # attention block "dsv4" (aioexperts/_model/dsv4_block.py), NORM RoPE on the heads' last dims
+        model=ArchitectureRecord("deepseek4", RopeType.NORM, "deepseek4.cpp", block="dsv4", hyper_connections=True),
     ),
 )

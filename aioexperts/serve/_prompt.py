@@ -1,0 +1,153 @@
+"""A chat request's prompt: the template rendered with its tools and ``chat_template_kwargs``, tokenized,
+and what reading the reply needs (the tool-call format, whether the prompt opened a ``<think>`` block).
+
+``tool_choice`` ``"required"`` or a named function is a prompt-level request: the prompt ends with
+the start of a call in the template's own syntax (``<tool_call>\\n`` for Hermes/Qwen; for a named
+function, up to its arguments: ``<tool_call>\\n{"name": "f", "arguments": ``), so the model
+continues a call; nothing constrains the tokens that follow. The reply is then checked: one with no
+call (or a call of another function) is answered with a 500 ``tool_choice_not_followed``.
+``"none"`` leaves the tools out of the prompt and reads no calls.
+
+A template that never reads ``tools`` gets them in a system message (as llama.cpp's generic
+format does): their JSON schemas and the ``<tool_call>`` syntax to use.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aioexperts import Reply, ReplyParser, call_prefix, thinking_open, tool_call_format
+
+from ._errors import APIError
+
+if TYPE_CHECKING:
+    from aioexperts import Model
+
+__all__ = ("ChatPrompt", "chat_prompt", "render_chat")
+
+_TOOLS_NOTE = (
+    "You may call these functions (JSON schemas):\n{tools}\n"
+    'To call one, answer with <tool_call>\n{{"name": <function name>, "arguments": <arguments object>}}\n'
+    "</tool_call> (one block per call)."
+)
+
+
+def _forced(fmt: str, choice: str, template: str) -> str:
+    """The start of a call the prompt ends with for ``tool_choice`` ``required`` / ``function:NAME``."""
+    if choice == "required":
+        return call_prefix(fmt, None, template)
+    if choice.startswith("function:"):
+        return call_prefix(fmt, choice.removeprefix("function:"), template)
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A rendered chat prompt and how to read its reply.
+
+    Attributes:
+        text: the prompt text (the rendering, then :attr:`forced`).
+        ids: its token ids.
+        format: the template's tool-call format (:func:`aioexperts.tool_call_format`).
+        forced: the start of a call the prompt ends with (``tool_choice`` required or named), else "".
+        thinking_open: the rendering ends inside a ``<think>`` block.
+        tool_choice: the request's ``tool_choice``.
+    """
+
+    text: str
+    ids: list[int]
+    format: str
+    forced: str
+    thinking_open: bool
+    tool_choice: str
+
+    def parser(self, reasoning_format: str) -> ReplyParser:
+        """A :class:`~aioexperts.ReplyParser` for the reply, already past :attr:`forced`."""
+        parser = ReplyParser(
+            self.format,
+            tools=self.tool_choice != "none",
+            reasoning=reasoning_format != "none",
+            thinking_open=self.thinking_open and not self.forced,
+        )
+        parser.feed(self.forced)  # the start of a call: nothing comes out before the call ends
+        return parser
+
+    def check(self, reply: Reply) -> None:
+        """Raise a 500 ``tool_choice_not_followed`` when the reply ignores ``tool_choice`` required / named."""
+        if self.tool_choice == "required" and not reply.tool_calls:
+            missing = "no tool call"
+        elif self.tool_choice.startswith("function:"):
+            name = self.tool_choice.removeprefix("function:")
+            others = [c.name for c in reply.tool_calls if c.name != name]
+            if reply.tool_calls and not others:
+                return
+            missing = f"a call of {others[0]!r}" if others else f"no call of {name!r}"
+        else:
+            return
+        raise APIError(
+            500,
+            f"the model's reply has {missing}, but tool_choice asked for {self.tool_choice!r} (a prompt-level "
+            "request here: the prompt starts the call, nothing constrains the tokens)",
+            type="server_error",
+            code="tool_choice_not_followed",
+        )
+
+
+def render_chat(
+    model: Model,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]],
+    tool_choice: str,
+    template_kwargs: Mapping[str, Any] | None,
+) -> str:
+    """The chat template's rendering (with the generation prompt) of a request's messages and tools.
+
+    Raises:
+        ChatTemplateError: no template, or it fails.
+    """
+    template = model.chat_template
+    shown = list(tools) if tools and tool_choice != "none" else None
+    msgs = list(messages)
+    if shown is not None and "tools" not in template.source:  # the template cannot show them: a system note
+        note = _TOOLS_NOTE.format(tools="\n".join(json.dumps(t["function"], ensure_ascii=False) for t in shown))
+        if msgs and msgs[0].get("role") == "system":
+            msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{note}"}
+        else:
+            msgs.insert(0, {"role": "system", "content": note})
+        shown = None
+    return template.render(msgs, add_generation_prompt=True, tools=shown, extra=template_kwargs)
+
+
+def chat_prompt(
+    model: Model,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]],
+    tool_choice: str,
+    template_kwargs: Mapping[str, Any] | None,
+) -> ChatPrompt:
+    """Render and tokenize a chat request (runs on the server's text worker).
+
+    The ids are llama.cpp's for a chat prompt (``common/chat.cpp``): special tokens parsed, the
+    vocabulary's own BOS/EOS added, and a BOS (EOS) the template wrote itself removed first so it is
+    never doubled.
+
+    Raises:
+        ChatTemplateError: no template, or it fails.
+        TokenizerError: from the tokenizer.
+    """
+    template = model.chat_template
+    rendered = render_chat(model, messages, tools, tool_choice, template_kwargs)
+    fmt = tool_call_format(template.source)
+    forced = _forced(fmt, tool_choice, template.source)
+    text = rendered + forced
+    tok = model.tokenizer
+    body = text
+    if tok.add_bos and template.bos_token and body.startswith(template.bos_token):
+        body = body[len(template.bos_token) :]
+    if tok.add_eos and template.eos_token and body.endswith(template.eos_token):
+        body = body[: -len(template.eos_token)]
+    ids = tok.encode(body, add_special=True, parse_special=True)
+    return ChatPrompt(text, ids, fmt, forced, thinking_open(rendered), tool_choice)
