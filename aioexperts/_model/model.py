@@ -222,7 +222,7 @@ class Model:
             await run_in_worker(fused.warmup, weights.ggml_types())
             self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
             # deepseek4's cache (window keys, compressor state) stays float32 whatever the KV type
-            self._kv_types: list[KVType] = [
+            self._kv_types = [
                 "f32" if getattr(layer.block, "kv_float32", False) else self.options.kv_type for layer in weights.layers
             ]
             self._kv_per_position = cache_bytes_per_position(self._layer_shapes, self._kv_types)
