@@ -67,11 +67,13 @@ from ._model.text import TextStream as TextStream
 from ._model.text import TokenStream as TokenStream
 from ._options import CacheOptions as CacheOptions
 from ._options import IOOptions as IOOptions
+from ._options import MissTier as MissTier
 from ._options import PageCacheOptions as PageCacheOptions
 from ._pipeline import ComputeStep as ComputeStep
 from ._pipeline import LayerStep as LayerStep
 from ._pipeline import MoELayersResult as MoELayersResult
 from ._predict.trace import RoutingTrace as RoutingTrace
+from ._quant.sidecar import write_miss_tier as write_miss_tier
 from ._runner import MoEResult as MoEResult
 from ._runner import MoERunner as MoERunner
 from ._runner import PrefetchOptions as PrefetchOptions
@@ -153,6 +155,7 @@ __all__ = (
     "LayerStep",
     "LayoutError",
     "MemoryLimit",
+    "MissTier",
     "MissingShardError",
     "Model",
     "ModelSequence",
@@ -208,4 +211,5 @@ __all__ = (
     "thinking_open",
     "tool_call_format",
     "write_expert_map",
+    "write_miss_tier",
 )

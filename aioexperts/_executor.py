@@ -29,6 +29,7 @@ from ._format.views import ExpertView
 from ._pipeline import run_in_worker, run_layer_step
 from ._router import Router, Routing, rows_text
 from ._store import ExpertStore
+from ._tier_policy import low_tier_misses
 
 __all__ = (
     "HITS_FIRST_MIN_MISSES",
@@ -69,6 +70,9 @@ class ExecutorCounters:
         experts: distinct experts those steps pinned (one read request each).
         rows: token rows those steps computed.
         hits_first_steps: steps that computed their resident experts while the others were read.
+        stall_seconds: time the forward pass could do nothing but wait for reads, summed: a step's
+            wait for its experts, less the compute of its resident experts that overlapped it
+            (hits first). At most ``io_wait_seconds``.
     """
 
     layer_steps: int = 0
@@ -79,12 +83,14 @@ class ExecutorCounters:
     experts: int = 0
     rows: int = 0
     hits_first_steps: int = 0
+    stall_seconds: float = 0.0
 
-    def add_step(self, io_wait_seconds: float, compute_seconds: float) -> None:
-        """Count one layer step and its waiting and compute seconds."""
+    def add_step(self, io_wait_seconds: float, compute_seconds: float, stall_seconds: float | None = None) -> None:
+        """Count one layer step, its waiting and compute seconds and its stall (default: all the wait)."""
         self.layer_steps += 1
         self.io_wait_seconds += io_wait_seconds
         self.compute_seconds += compute_seconds
+        self.stall_seconds += io_wait_seconds if stall_seconds is None else min(stall_seconds, io_wait_seconds)
 
 
 class LayerExecutor(abc.ABC):
@@ -270,7 +276,9 @@ class LocalExecutor(LayerExecutor):
             # the layer's misses first, then the prefetch of the layers ahead, submitted now as one
             # batch: before any compute job of this step holds the cores (and the GIL) the event
             # loop needs to submit them
-            store.start_loads(layer, experts, prefetch=prefetch)
+            tier = store.miss_tier
+            low = low_tier_misses(tier, misses, calls, store.read_backlog_seconds()) if tier and misses else []
+            store.start_loads(layer, experts, prefetch=prefetch, low_ids=low)
             prefetch = []
         hits: list[int] = []
         if self.hits_first and len(experts) > 1 and misses and len(misses) < len(experts):
@@ -280,10 +288,10 @@ class LocalExecutor(LayerExecutor):
         outcomes: list[LayerOutcome]
         note = self._note
         if hits:
-            parts, io_wait, compute_s = await self._hits_first(layer, plans, hits, experts, prefetch, t0)
+            parts, io_wait, compute_s, stall = await self._hits_first(layer, plans, hits, experts, prefetch, t0)
         else:  # the experts' compute and each call's sum in one compute-pool job (one hand-off, not two)
             async with store.experts(layer, experts, prefetch=prefetch) as views:
-                io_wait = time.perf_counter() - t0
+                io_wait = stall = time.perf_counter() - t0
                 note("read", layer, len(calls))
                 outcomes, compute_s = await run_in_worker(
                     _outputs_combined, layer, plans, experts, views, io_wait, then
@@ -292,7 +300,7 @@ class LocalExecutor(LayerExecutor):
             outcomes = await run_in_worker(_combine_calls, layer, plans, parts, io_wait, compute_s, then)
         note("computed", layer, len(calls))
         c = self.counters
-        c.add_step(io_wait, compute_s)
+        c.add_step(io_wait, compute_s, stall)
         c.executor_steps += 1
         c.calls += len(calls)
         c.experts += len(experts)
@@ -308,8 +316,9 @@ class LocalExecutor(LayerExecutor):
         experts: list[int],
         prefetch: list[Key],
         t0: float,
-    ) -> tuple[list[list[ExpertOutputs]], float, float]:
-        """The resident experts (``hits``) computed while the others are read, in a child task.
+    ) -> tuple[list[list[ExpertOutputs]], float, float, float]:
+        """The resident experts (``hits``) computed while the others are read, in a child task:
+        (parts, io_wait, compute seconds, stall: the wait beyond the hits' compute).
 
         The hits are pinned first (no read: pinning does not wait), so the others' loads cannot
         evict them; they are unpinned as soon as their compute is done, so this task never waits
@@ -341,7 +350,8 @@ class LocalExecutor(LayerExecutor):
             raise done["error"]
         miss_found, miss_s = done["misses"]
         parts = [[h, m] for h, m in zip(found, miss_found, strict=True)]
-        return parts, done["io_wait"], hit_s + miss_s
+        io_wait = done["io_wait"]
+        return parts, io_wait, hit_s + miss_s, max(0.0, io_wait - hit_s)
 
 
 def _plan(routing: Routing) -> MoEPlan:

@@ -29,6 +29,7 @@ __all__ = (
     "MIN_QUEUE_DEPTH",
     "CacheOptions",
     "IOOptions",
+    "MissTier",
     "PageCacheOptions",
 )
 
@@ -207,3 +208,55 @@ class PageCacheOptions:
             raise ConfigError(f"method must be one of {', '.join(WARM_METHODS)}, got {self.method!r}")
         check_int(self, "n_threads", low=1, high=64)
         check_int(self, "max_gap", low=0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MissTier:
+    """The low-precision miss tier (opt-in; issue 36): under a policy, an expert that is not resident
+    is read from a sidecar GGUF holding it in a smaller ggml type (``aioexperts-tier`` writes it).
+
+    A miss goes to the low tier when ``max_gate_weight`` is set and the expert's gate weight (its
+    largest over the rows of the step) is below it, or when ``behind_seconds`` is set and the reads
+    already queued or in flight would take longer than that at the device rate measured so far.
+    With neither set, every miss goes low. Hits always use what is resident; a low-tier expert that
+    is hit again is read again at full precision in the background (the slot keeps serving the
+    low copy until then). Without a ``miss_tier``, nothing of this runs and the numerics are the
+    default path's.
+
+    Attributes:
+        path: the sidecar GGUF (refused if written for another model or an older version of it).
+        max_gate_weight: gate weight (0..1) below which a miss reads the low tier; None: no
+            weight rule.
+        behind_seconds: read backlog (seconds at the measured device rate) beyond which every
+            miss reads the low tier; None: no backlog rule.
+        upgrade: read a low-tier expert again at full precision once it is hit again.
+    """
+
+    path: str
+    max_gate_weight: float | None = None
+    behind_seconds: float | None = None
+    upgrade: bool = True
+
+    def __post_init__(self) -> None:
+        import os
+
+        if not isinstance(self.path, str | os.PathLike):
+            raise ConfigError(f"MissTier.path must be a path, got {self.path!r}")
+        object.__setattr__(self, "path", os.path.expanduser(os.fspath(self.path)))
+        for name in ("max_gate_weight", "behind_seconds"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"MissTier.{name} must be a finite number >= 0 or None, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        check_bool("MissTier.upgrade", self.upgrade)
+
+    def goes_low(self, gate_weight: float, backlog_seconds: float | None) -> bool:
+        """Whether a miss of this gate weight reads the low tier, the reads being ``backlog_seconds``
+        behind (None: not measured yet)."""
+        if self.max_gate_weight is None and self.behind_seconds is None:
+            return True
+        if self.max_gate_weight is not None and gate_weight < self.max_gate_weight:
+            return True
+        return self.behind_seconds is not None and backlog_seconds is not None and backlog_seconds > self.behind_seconds

@@ -110,6 +110,9 @@ class RunnerStatistics:
         retried_calls: calls run alone again after their batch failed as a whole.
         batch_window_seconds: time batches waited for their members, summed.
         hits_first_steps: layer steps that computed their resident experts while the others were read.
+        stall_seconds: time the forward pass waited for reads with nothing to compute, summed (the
+            wait of each step less the resident experts' compute that overlapped it; at most
+            ``io_wait_seconds``).
     """
 
     layer_steps: int
@@ -126,6 +129,7 @@ class RunnerStatistics:
     retried_calls: int = 0
     batch_window_seconds: float = 0.0
     hits_first_steps: int = 0
+    stall_seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -767,6 +771,7 @@ class MoERunner:
             retried_calls=b.retried_calls,
             batch_window_seconds=b.window_seconds,
             hits_first_steps=c.hits_first_steps,
+            stall_seconds=c.stall_seconds,
         )
 
     def __repr__(self) -> str:

@@ -31,9 +31,10 @@ from ._format.expert_map import check_map_matches_layout, read_expert_map
 from ._format.hparams import MoEHParams
 from ._format.layout import ExpertLayout, MoELayer, build_layout
 from ._format.model import GGUFModel, open_model
+from ._format.tier_sidecar import read_tier_sidecar
 from ._format.views import ExpertView
 from ._io.loop import LoopAdapter, current_loop, wait_through_cancellation
-from ._options import CacheOptions, IOOptions, PageCacheOptions
+from ._options import CacheOptions, IOOptions, MissTier, PageCacheOptions
 from ._sources.base import ExpertSource, Pinned, build_and_keep, finish_in_thread
 from ._sources.mapped import MappedSource
 from ._sources.rows import RowStatistics, RowsView
@@ -59,6 +60,7 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
     include_nextn: bool = False,
     mode: str = "slab",
     pagecache: PageCacheOptions | None = None,
+    miss_tier: MissTier | None = None,
 ) -> ExpertStore:
     """Prepare an expert store for the GGUF model at ``path``; start it with ``async with``.
 
@@ -83,6 +85,9 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         cache: the slab and cache options (size, eviction policy, waiting for slots).
         io: the read options (backend, direct I/O, queue depth).
         expert_map: a ``WEEPF001`` map to check against the model (refused if stale).
+        miss_tier: the low-precision miss tier (:class:`~aioexperts.MissTier`; slab mode only):
+            its sidecar is checked against the model when the store starts (refused if stale);
+            :meth:`ExpertStore.start_loads` reads the ``low_ids`` it is given from it.
         include_nextn: also serve the experts of the NextN / multi-token-prediction blocks, which
             llama.cpp (and the runner) leave out (see :func:`aioexperts.build_layout`).
         mode: ``"slab"`` (default: experts are read, ``O_DIRECT`` where possible, into a slab of
@@ -111,6 +116,10 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         raise ConfigError(f"pagecache must be a PageCacheOptions, got {pagecache!r}")
     if pagecache is not None and mode != "pagecache":
         raise ConfigError('pagecache options need mode="pagecache"')
+    if miss_tier is not None and not isinstance(miss_tier, MissTier):
+        raise ConfigError(f"miss_tier must be a MissTier, got {miss_tier!r}")
+    if miss_tier is not None and mode != "slab":
+        raise ConfigError("the miss tier needs the slab mode (the page-cache mode reads no slots)")
     if mode == "pagecache" and (cache is not None or slots is not None or cache_bytes is not None):
         raise ConfigError(
             "the page-cache mode has no slab: slots, cache_bytes and cache do not apply (the page cache is the "
@@ -127,6 +136,7 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         None if expert_map is None else _path_arg("expert_map", expert_map),
         include_nextn,
         pagecache or PageCacheOptions() if mode == "pagecache" else None,
+        miss_tier,
     )
 
 
@@ -147,6 +157,7 @@ class ExpertStore:
         cache_options: the :class:`~aioexperts.CacheOptions` in force.
         io_options: the :class:`~aioexperts.IOOptions` in force.
         pagecache_options: the :class:`~aioexperts.PageCacheOptions` in page-cache mode, else None.
+        miss_tier: the :class:`~aioexperts.MissTier` in force, else None.
     """
 
     def __init__(
@@ -157,8 +168,10 @@ class ExpertStore:
         expert_map: str | None,
         include_nextn: bool = False,
         pagecache: PageCacheOptions | None = None,
+        miss_tier: MissTier | None = None,
     ) -> None:
         self.path = path
+        self.miss_tier = miss_tier
         self._include_nextn = include_nextn
         self.pagecache_options = pagecache
         self.cache_options = cache
@@ -223,6 +236,9 @@ class ExpertStore:
                 raise ConfigError("a WEEPF001 expert map describes one file; this model is a split set")
             emap = read_expert_map(self._expert_map, model.shards[0])
             check_map_matches_layout(emap, layout, self._expert_map)
+        if self.miss_tier is not None and isinstance(self._source, SlabSource):
+            self._source.tier = read_tier_sidecar(self.miss_tier.path, model, layout)
+            self._source.tier_upgrade = self.miss_tier.upgrade
         return model, layout, hparams
 
     async def aclose(self) -> None:
@@ -504,7 +520,9 @@ class ExpertStore:
         """
         return self._running_source().prefetch(_checked_keys(keys, "keys"))
 
-    def start_loads(self, layer: int, ids: Iterable[int], *, prefetch: Iterable[Key] = ()) -> int:
+    def start_loads(
+        self, layer: int, ids: Iterable[int], *, prefetch: Iterable[Key] = (), low_ids: Iterable[int] = ()
+    ) -> int:
         """Start reading experts a request is about to pin, and its prefetch, submitted at once.
 
         For a caller that knows a layer's experts before it can pin them all (the runner starts
@@ -523,6 +541,8 @@ class ExpertStore:
             ids: every expert the request will pin (global ids, ``-1`` = inactive, duplicates
                 allowed); the cached ones are not read.
             prefetch: ``(layer, expert)`` keys to load after them.
+            low_ids: of ``ids``, the experts to read from the miss tier if they are not cached
+                (ignored without a :class:`~aioexperts.MissTier`); a cached one is used as it is.
 
         Returns:
             The number of loads started.
@@ -533,7 +553,18 @@ class ExpertStore:
         """
         source = self._running_source()
         _, keys = self._keys(layer, list(ids))
-        return source.start_loads(keys, _checked_keys(prefetch, "prefetch"))
+        low = list(low_ids)
+        low_keys = self._keys(layer, low)[1] if low and self.miss_tier is not None else []
+        return source.start_loads(keys, _checked_keys(prefetch, "prefetch"), low_keys)
+
+    def read_backlog_seconds(self) -> float | None:
+        """Seconds the reads queued and in flight would take at the device rate measured so far:
+        how far the reads are behind (None before the first read completed, and in page-cache mode).
+
+        Raises:
+            StoreClosedError: the store is closed.
+        """
+        return self._running_source().read_backlog_seconds()
 
     def resident(self, layer: int, ids: Iterable[int]) -> list[bool]:
         """Which of ``ids`` (experts of ``layer``) are in memory now: pinning them waits for no read.

@@ -134,6 +134,8 @@ class GenerateConfig:
         n_ctx: the KV cache positions of both engines.
         run_timeout: seconds before a run is stopped (reported as ``timeout``).
         seed: of the token ids.
+        miss_tier: the ``aioexperts-tier`` engine's :class:`~aioexperts.MissTier` fields (``path``
+            of the sidecar, ``max_gate_weight``, ``behind_seconds``), else None.
     """
 
     model: str
@@ -147,6 +149,7 @@ class GenerateConfig:
     run_timeout: float = 900.0
     seed: int = 0
     notes: list[str] = field(default_factory=list)
+    miss_tier: dict[str, Any] | None = None
 
 
 def _limit_name(limit: Fraction | None) -> str:
@@ -177,6 +180,7 @@ def _run_one(
         "decode": decode,
         "n_ctx": cfg.n_ctx,
         "threads": cfg.threads,
+        "miss_tier": cfg.miss_tier,
     }
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
@@ -280,6 +284,15 @@ def _from_events(events: list[dict[str, Any]], n_prompt: int) -> dict[str, Any]:
         for key in ("hit_rate", "expert_bytes_read", "distinct_experts_per_layer", "seconds_per_part"):
             if key in done:
                 out[key] = done[key]
+        sources = done.get("read_sources")
+        if sources and tokens:
+            n = len(tokens)
+            out["stall_ms_per_token"] = sources["stall_seconds"] / n * 1e3
+            sources_keys = ("requests", "cached_hits", "prefetched_in_time", "prefetched_late", "demand_misses")
+            for key in (*sources_keys, "low_tier_misses"):
+                out[f"{key}_per_token"] = sources[key] / n
+            out["expert_bytes_per_token"] = done.get("expert_bytes_read", 0) / n
+            out["device_bytes_per_second"] = sources["device_bytes_per_second"]
     return out
 
 
@@ -295,6 +308,11 @@ def _round_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ours = next((r for r in runs if r["engine"] == "aioexperts"), None)
     llamas = [r for r in runs if r["engine"] in LLAMA_ENGINES and r.get("decode_tok_s")]
     out: dict[str, Any] = {"llama_statuses": {r["engine"]: r["status"] for r in runs if r["engine"] in LLAMA_ENGINES}}
+    tier = next((r for r in runs if r["engine"] == "aioexperts-tier"), None)
+    if ours is not None and tier is not None:  # the miss tier against the full-precision model (issue 36)
+        out["tier_agreement"] = _agreement(ours.get("greedy"), tier.get("greedy"))
+        if ours.get("decode_tok_s") and tier.get("decode_tok_s"):
+            out["tier_decode_ratio"] = tier["decode_tok_s"] / ours["decode_tok_s"]
     if ours is None or not llamas:
         statuses = out["llama_statuses"].values()
         out["baseline_failed"] = bool(statuses) and all(x in ("oom-killed", "killed", "failed") for x in statuses)
@@ -399,6 +417,20 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+#: issue 36's figures per decode token (runs of this version on; older results files lack them)
+READ_SOURCE_KEYS = (
+    "stall_ms_per_token",
+    "requests_per_token",
+    "cached_hits_per_token",
+    "prefetched_in_time_per_token",
+    "prefetched_late_per_token",
+    "demand_misses_per_token",
+    "low_tier_misses_per_token",
+    "expert_bytes_per_token",
+    "device_bytes_per_second",
+)
+
+
 def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Per (limit, engine): the means over rounds of each figure, and the runs' statuses."""
     rows = []
@@ -415,6 +447,7 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
         "page_cache_bytes",
         "hit_rate",
         "slab_bytes",
+        *READ_SOURCE_KEYS,
     )
     seen: list[tuple[str, str]] = []
     for run in results["runs"]:

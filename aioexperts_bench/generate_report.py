@@ -68,6 +68,32 @@ def _table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _sources_table(results: dict[str, Any]) -> list[str]:
+    """Where aioexperts' decode tokens waited and where their experts came from (issue 36), per
+    decode token; no lines for results files written before these figures existed."""
+    rows = [r for r in results["summary"] if r.get("stall_ms_per_token") is not None]
+    if not rows:
+        return []
+    lines = [
+        "Per decode token (aioexperts): the stall on reads, the experts by source (cached: resident "
+        "before the token asked; prefetched in time; prefetched late: the pass waited; demand "
+        "misses, of them from the low tier), expert bytes read, the device rate while reads were in flight.",
+        "",
+        "| limit | engine | stall ms/token | cached | prefetched in time | prefetched late | demand misses "
+        "(low tier) | expert MB/token | device GB/s while reading |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(  # noqa: PERF401 - one row per line of the table
+            f"| {row['limit']} | {row['engine']} | {_f(row['stall_ms_per_token'], '.0f')} | "
+            f"{_f(row['cached_hits_per_token'], '.0f')} | {_f(row['prefetched_in_time_per_token'], '.0f')} | "
+            f"{_f(row['prefetched_late_per_token'], '.0f')} | {_f(row['demand_misses_per_token'], '.0f')} "
+            f"({_f(row['low_tier_misses_per_token'], '.0f')}) | {_mb(row['expert_bytes_per_token'])} | "
+            f"{_gb(row['device_bytes_per_second'])} |"
+        )
+    return lines
+
+
 def _round_lines(results: dict[str, Any]) -> list[str]:
     lines = []
     by_limit: dict[str, list[dict[str, Any]]] = {}
@@ -123,6 +149,21 @@ def _distinct_line(results: dict[str, Any]) -> str | None:
         for r in rows
     ]
     return "distinct experts touched per layer during decode (aioexperts): " + "; ".join(parts)
+
+
+def _tier_line(results: dict[str, Any]) -> str | None:
+    """The miss tier against the full-precision aioexperts, per round (issue 36; random weights)."""
+    rounds = [r for r in results["rounds"] if r.get("tier_agreement") or r.get("tier_decode_ratio")]
+    if not rounds:
+        return None
+    parts = []
+    for r in rounds:
+        agree = r.get("tier_agreement")
+        parts.append(
+            f"{r['limit']} round {r['round'] + 1}: decode {_f(r.get('tier_decode_ratio'), '.2f')}x"
+            + (f", greedy tokens agree {agree['agree']}/{agree['compared']}" if agree else "")
+        )
+    return "the miss tier (aioexperts-tier) against aioexperts (random weights): " + "; ".join(parts)
 
 
 def _split_line(results: dict[str, Any]) -> str | None:
@@ -182,8 +223,11 @@ def text_report(results: dict[str, Any]) -> str:
         *per_part,
     ]
     body = [*head, *_table(results), ""]
+    sources = _sources_table(results)
+    if sources:
+        body += [*sources, ""]
     body += _round_lines(results)
-    for extra in (_distinct_line(results), _split_line(results)):
+    for extra in (_distinct_line(results), _split_line(results), _tier_line(results)):
         if extra:
             body.append(f"- {extra}")
     body += ["", "Targets (issue 20):", *_target_lines(results)]

@@ -30,7 +30,9 @@ __all__ = ("DEFAULT_ENGINES", "ENGINES", "LLAMA_ENGINES", "main", "process_count
 LLAMA_ENGINES = ("llama.cpp", "llama.cpp-norepack")
 #: ``aioexperts-int8``: the same with ``set_precision("int8")`` (activations quantized to 8 bits
 #: before the Q8_0/Q4_K/Q6_K products, as llama.cpp does; not the default: see docs/executor.md)
-ENGINES = ("aioexperts", "aioexperts-int8", *LLAMA_ENGINES)
+#: ``aioexperts-tier``: the same with the low-precision miss tier (``cfg["miss_tier"]``: the sidecar's
+#: path and the MissTier policy; issue 36)
+ENGINES = ("aioexperts", "aioexperts-int8", "aioexperts-tier", *LLAMA_ENGINES)
 DEFAULT_ENGINES = ("aioexperts", *LLAMA_ENGINES)
 
 
@@ -47,6 +49,19 @@ def process_counters() -> dict[str, int]:
     except OSError:
         pass
     return {"major_faults": usage.ru_majflt, "peak_rss_bytes": usage.ru_maxrss * 1024, "device_read_bytes": read_bytes}
+
+
+def read_sources(before: Any, after: Any, stall0: float, stall1: float) -> dict[str, Any]:
+    """Where the decode tokens' experts came from and where the pass waited, between two store
+    snapshots (``StoreStatistics``) and the model's stall seconds at each (issue 36's statistics)."""
+    busy = after.device_busy_seconds - before.device_busy_seconds
+    read = after.bytes_read - before.bytes_read
+    keys = ("requests", "cached_hits", "prefetched_in_time", "prefetched_late", "demand_misses", "low_tier_misses")
+    out: dict[str, Any] = {key: getattr(after, key) - getattr(before, key) for key in keys}
+    out["stall_seconds"] = stall1 - stall0
+    out["device_busy_seconds"] = busy
+    out["device_bytes_per_second"] = read / busy if busy > 0 else None
+    return out
 
 
 def _emit(phase: str, **fields: Any) -> None:
@@ -66,7 +81,9 @@ async def _run_aioexperts(cfg: dict[str, Any]) -> None:
     import aioexperts
 
     t0 = time.perf_counter()
-    async with aioexperts.load(cfg["model"], n_ctx=cfg["n_ctx"], record_trace=True) as model:
+    tier = cfg.get("miss_tier") if cfg["engine"] == "aioexperts-tier" else None
+    miss_tier = aioexperts.MissTier(**tier) if tier else None
+    async with aioexperts.load(cfg["model"], n_ctx=cfg["n_ctx"], record_trace=True, miss_tier=miss_tier) as model:
         store = model.store
         budget = model.slab_budget
         st = store.statistics()
@@ -111,6 +128,7 @@ async def _run_aioexperts(cfg: dict[str, Any]) -> None:
             "done",
             hit_rate=(after.hits - before.hits) / requests if requests else None,
             expert_bytes_read=after.bytes_read - before.bytes_read,
+            read_sources=read_sources(before, after, split0.stall_seconds, split1.stall_seconds),
             distinct_experts_per_layer=distinct,
             seconds_per_part=parts,
         )
@@ -178,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = json.loads(args[0])
     engine = cfg.get("engine")
     _emit("start", engine=engine, pid=os.getpid())
-    if engine in ("aioexperts", "aioexperts-int8"):
+    if engine in ("aioexperts", "aioexperts-int8", "aioexperts-tier"):
         import anyio
 
         if engine == "aioexperts-int8":

@@ -75,7 +75,7 @@ def outlines_steps(tok: aioexperts.Tokenizer, n_vocab: int) -> Callable[[dict[st
     words = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
 
     def compile_(schema: dict[str, Any]) -> Step:
-        index = outlines_core.Index(build_regex_from_schema(json.dumps(schema)), vocab)
+        index = outlines_core.Index(build_regex_from_schema(json.dumps(schema, allow_nan=False)), vocab)
         guide = outlines_core.Guide(index)
 
         def step(logits: np.ndarray) -> int:

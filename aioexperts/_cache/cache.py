@@ -92,9 +92,25 @@ class Entry:
             (that request counts it as its miss).
         views: what the source built on the first view of this load (reused by every hit until the
             slot is reused), else None.
+        low: the slot holds the expert's low-precision miss-tier copy (``plan`` reads the sidecar).
+        upgrade: a request hit the low copy: read it at full precision once nobody pins it.
     """
 
-    __slots__ = ("demanded", "error", "event", "key", "load", "pins", "plan", "prefetched", "slot", "state", "views")
+    __slots__ = (
+        "demanded",
+        "error",
+        "event",
+        "key",
+        "load",
+        "low",
+        "pins",
+        "plan",
+        "prefetched",
+        "slot",
+        "state",
+        "upgrade",
+        "views",
+    )
 
     def __init__(self, key: Key, slot: int, plan: LoadPlan, event: AsyncEvent) -> None:
         self.key = key
@@ -108,6 +124,8 @@ class Entry:
         self.event = event
         self.load: Load | None = None
         self.views: SlotViews | None = None  # the source's views of this load, built on first view
+        self.low = False
+        self.upgrade = False
 
     def drop_views(self) -> None:
         """Invalidate and forget the source's views of this load (the slot goes to another expert)."""
@@ -148,6 +166,9 @@ class ExpertCache:
         policy: orders READY, unpinned entries for eviction.
         loop: event loop adapter.
         counters: statistics to update.
+        low_plan_of: ``(layer, expert) -> LoadPlan`` of the expert's low-tier copy (the miss tier),
+            else None.
+        upgrade_low: read a low-tier copy that is hit again at full precision once nobody pins it.
     """
 
     def __init__(
@@ -158,9 +179,13 @@ class ExpertCache:
         policy: EvictionPolicy,
         loop: LoopAdapter,
         counters: Counters,
+        low_plan_of: Callable[[int, int], LoadPlan] | None = None,
+        upgrade_low: bool = True,
     ) -> None:
         self.n_slots = n_slots
         self.plan_of = plan_of
+        self.low_plan_of = low_plan_of
+        self.upgrade_low = upgrade_low
         self.scheduler = scheduler
         _claim(policy)
         self.policy = policy
@@ -228,19 +253,27 @@ class ExpertCache:
             untracked.add(key)
             raise self._policy_error("access", exc) from exc
         c = self.counters
-        demanded = 0
+        demanded = prefetched = 0
         for entry in pinned:
             entry.pins += 1
-            if entry.prefetched:
-                entry.prefetched = False
-                c.prefetch_hits += 1
             if entry.demanded:  # read by start_loads for this request: its miss, not a hit
                 entry.demanded = False
                 demanded += 1
+                c.low_tier_misses += entry.low
+            elif entry.prefetched:
+                prefetched += 1
+            elif entry.low and self.upgrade_low:  # a hit on a low-tier copy: served as it is, upgraded after
+                entry.upgrade = True
+            if entry.prefetched:
+                entry.prefetched = False
+                c.prefetch_hits += 1
         n = len(pinned)
         c.requests += n
         c.hits += n - demanded
         c.misses += demanded
+        c.demand_misses += demanded
+        c.prefetched_in_time += prefetched
+        c.cached_hits += n - demanded - prefetched
         task = self.loop.current_task()
         held = self._held
         held[task] = held.get(task, 0) + n
@@ -413,14 +446,27 @@ class ExpertCache:
         c = self.counters
         c.requests += len(keys)
         c.misses += len(missing)
+        c.demand_misses += len(missing)
         for entry in present:
             if entry.demanded:  # read by start_loads for this request: its miss
                 entry.demanded = False
                 c.misses += 1
+                c.demand_misses += 1
+                c.low_tier_misses += entry.low
             elif entry.state is SlotState.READY:
                 c.hits += 1
+                if entry.prefetched:
+                    c.prefetched_in_time += 1
+                else:
+                    c.cached_hits += 1
+                    if entry.low and self.upgrade_low:  # a hit on a low-tier copy: served as it is, upgraded after
+                        entry.upgrade = True
             else:
                 c.inflight_joins += 1
+                if entry.prefetched:
+                    c.prefetched_late += 1
+                else:  # another request's demand read, shared
+                    c.demand_misses += 1
                 if entry.load is not None:
                     self.scheduler.promote(entry.load)
             if entry.prefetched:
@@ -438,12 +484,34 @@ class ExpertCache:
             else:
                 self._held.pop(task, None)
         freed = False
+        upgrades: list[Entry] = []
         for entry in entries:
             if self.entries.get(entry.key) is entry and entry.pins > 0:
                 entry.pins -= 1
                 freed |= entry.pins == 0 and entry.state is SlotState.READY
+                if entry.upgrade and entry.pins == 0:
+                    upgrades.append(entry)
+        if upgrades and not self.closed:
+            self._upgrade(upgrades)
         if freed:
             self._signal_space()
+
+    def _upgrade(self, entries: list[Entry]) -> None:
+        """Read low-tier copies that were hit again at full precision, into the same slots
+        (background prefetch loads; the expert is LOADING until they complete). Never raises."""
+        victims = [e.key for e in entries if e.state is SlotState.READY and not e.pins and e.low]
+        try:
+            self._evict(victims)
+        except EvictionPolicyError:
+            log.exception("the eviction policy failed while a low-tier expert was upgraded")
+        started = 0
+        for key in victims:
+            if key in self.entries or not self.free_slots:
+                continue
+            entry = self._start(key, self.free_slots.pop(), self.plan_of(*key), Priority.PREFETCH)
+            entry.prefetched = True
+            started += 1
+        self.counters.tier_upgrades += started
 
     # -- prefetch -----------------------------------------------------------------------------
 
@@ -477,7 +545,7 @@ class ExpertCache:
         self.counters.prefetch_issued += started
         return started
 
-    def start_loads(self, demand: Sequence[Key], prefetch: Sequence[Key] = ()) -> int:
+    def start_loads(self, demand: Sequence[Key], prefetch: Sequence[Key] = (), low: Sequence[Key] = ()) -> int:
         """Start the loads of a request's missing experts and of its prefetch, and submit them now.
 
         For a request that knows what it needs before it pins (the runner, the moment a layer's
@@ -490,6 +558,8 @@ class ExpertCache:
         none of them is evicted, nor a pinned or loading entry, nor (by the prefetch) an entry of
         a layer in ``prefetch``; the demand loads choose their victims as the request's
         :meth:`acquire` would. The request that pins a key started here counts it as a miss.
+        The missing keys of ``low`` (a subset of ``demand``) are read from the low-precision miss
+        tier (``low_plan_of``; ignored without one).
 
         Returns:
             The number of loads started (demand and prefetch).
@@ -504,7 +574,11 @@ class ExpertCache:
         wanted_set = set(wanted)
         ahead = [k for k in dict.fromkeys(prefetch) if k not in self.entries and k not in wanted_set]
         missing = [k for k in wanted if k not in self.entries]
-        plans = [(k, self.plan_of(*k)) for k in missing]
+        low_set = set(low) if low and self.low_plan_of is not None else set()
+        low_plan_of = self.low_plan_of
+        plans = [
+            (k, low_plan_of(*k) if k in low_set and low_plan_of is not None else self.plan_of(*k)) for k in missing
+        ]
         ahead_plans = [(k, self.plan_of(*k)) for k in ahead]
         # the demand loads evict as the request's acquire would (anything but the request's own keys)
         victims = self._choose_victims(len(missing) - len(self.free_slots), lambda k: k not in wanted_set, partial=True)
@@ -514,6 +588,7 @@ class ExpertCache:
         for key, plan in plans[: len(self.free_slots)]:
             entry = self._start(key, self.free_slots.pop(), plan, Priority.DEMAND)
             entry.demanded = True
+            entry.low = key in low_set
             started += 1
         # the prefetch evicts as prefetch() after the request's pins: not the request's keys, not its layers ahead
         layers = {k[0] for k in ahead}

@@ -136,6 +136,7 @@ class ReadScheduler:
         self._ops_in_flight = 0
         self._bytes_in_flight = 0
         self._flush_scheduled = False
+        self._busy_since_ns = 0  # when the reads in flight last went from none to some
         self._quiet_event: AsyncEvent | None = None
         self._closed = False
         backend.set_sink(self._on_read)
@@ -187,6 +188,15 @@ class ReadScheduler:
     def bytes_in_flight(self) -> int:
         """Bytes requested by the reads in flight."""
         return self._bytes_in_flight
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of the loads queued and not submitted yet (re-reads included)."""
+        return (
+            sum(load.read_bytes for load in self._demand)
+            + sum(load.read_bytes for load in self._prefetch)
+            + sum(op.n_bytes for op in self._retries)
+        )
 
     @property
     def idle(self) -> bool:
@@ -286,8 +296,11 @@ class ReadScheduler:
         batch: list[ReadOp] = []
         accounted = 0  # ops of the batch counted in flight (a load's are counted once all are built)
         current: Load | None = None
+        idle_before = self._ops_in_flight == 0
         try:
             now = time.perf_counter_ns()
+            if idle_before:
+                self._busy_since_ns = now
             while self._retries and self._fits(1, self._retries[0].n_bytes):
                 self._account(self._retries.popleft(), batch, now)
             accounted = len(batch)
@@ -359,6 +372,8 @@ class ReadScheduler:
         for op in ops:
             self._ops_in_flight -= 1
             self._bytes_in_flight -= op.n_bytes
+            if self._ops_in_flight == 0:
+                self._busy_since_ns = 0  # these reads never ran: no device time
             load = op.context[0]
             self._set_error(load, self._read_error(load, cause, op, f"{what} ({cause!r})"))
             self._op_finished(load)
@@ -372,6 +387,9 @@ class ReadScheduler:
         n_bytes = op.n_bytes
         self._ops_in_flight -= 1
         self._bytes_in_flight -= n_bytes
+        if self._ops_in_flight == 0 and self._busy_since_ns:
+            self.counters.device_busy_seconds += (time.perf_counter_ns() - self._busy_since_ns) / 1e9
+            self._busy_since_ns = 0
         load, read = op.context
         try:
             if type(result) is int or isinstance(result, int):

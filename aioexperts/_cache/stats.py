@@ -60,6 +60,13 @@ class Counters:
     payload_bytes: int = 0
     submissions: int = 0
     max_batch: int = 0
+    cached_hits: int = 0
+    prefetched_in_time: int = 0
+    prefetched_late: int = 0
+    demand_misses: int = 0
+    low_tier_misses: int = 0
+    tier_upgrades: int = 0
+    device_busy_seconds: float = 0.0
     expert_latency: LatencyWindow = field(default_factory=LatencyWindow)
 
     def reset(self) -> None:
@@ -69,7 +76,7 @@ class Counters:
             if isinstance(value, LatencyWindow):
                 value.clear()
             else:
-                setattr(self, name, 0)
+                setattr(self, name, type(value)())  # 0 or 0.0
 
 
 def to_ms(seconds: float | None) -> float | None:
@@ -113,6 +120,17 @@ class StoreStatistics:
             there, ``reads`` and ``bytes_read`` count warming calls and the bytes they covered, and
             ``prefetch_issued`` / ``prefetch_dropped`` count merged ranges.
         expert_latency_p50_ms, expert_latency_p99_ms: per expert load, submit to ready (ms).
+        cached_hits: requests served by an expert resident before the request asked that no
+            prefetch brought in since its last request (the cache's own work).
+        prefetched_in_time: requests served by a prefetched expert already READY.
+        prefetched_late: requests that found their prefetched expert still loading (the request waited).
+        demand_misses: requests whose expert was not resident nor prefetched: a new read (or a
+            join of another request's demand read). ``requests == cached_hits + prefetched_in_time
+            + prefetched_late + demand_misses`` in slab mode (page-cache mode leaves all four 0).
+        low_tier_misses: of ``demand_misses``, those served from the low-precision miss tier.
+        tier_upgrades: low-tier copies read again at full precision after a hit.
+        device_busy_seconds: wall time during which at least one read was in flight; the device
+            rate is ``bytes_read / device_busy_seconds`` (:attr:`device_rate`).
     """
 
     backend: str
@@ -144,6 +162,18 @@ class StoreStatistics:
     expert_latency_p50_ms: float | None
     expert_latency_p99_ms: float | None
     pagecache: PageCacheStatistics | None = None
+    cached_hits: int = 0
+    prefetched_in_time: int = 0
+    prefetched_late: int = 0
+    demand_misses: int = 0
+    low_tier_misses: int = 0
+    tier_upgrades: int = 0
+    device_busy_seconds: float = 0.0
+
+    @property
+    def device_rate(self) -> float | None:
+        """Bytes per second the reads returned while at least one was in flight (None before any read)."""
+        return self.bytes_read / self.device_busy_seconds if self.device_busy_seconds > 0 else None
 
     @property
     def hit_rate(self) -> float:
@@ -171,6 +201,13 @@ class StoreStatistics:
             payload_bytes=c.payload_bytes,
             submissions=c.submissions,
             max_batch=c.max_batch,
+            cached_hits=c.cached_hits,
+            prefetched_in_time=c.prefetched_in_time,
+            prefetched_late=c.prefetched_late,
+            demand_misses=c.demand_misses,
+            low_tier_misses=c.low_tier_misses,
+            tier_upgrades=c.tier_upgrades,
+            device_busy_seconds=c.device_busy_seconds,
             expert_latency_p50_ms=to_ms(c.expert_latency.percentile(50)),
             expert_latency_p99_ms=to_ms(c.expert_latency.percentile(99)),
         )

@@ -29,7 +29,8 @@ from aioexperts._errors import FormatError, UnsupportedTypeError
 from aioexperts._format.archs import MODEL_RECORDS, WHOLE_MODEL_MISSING
 from aioexperts._format.archs._base import ArchitectureRecord, RopeType
 from aioexperts._format.header import SkippedValue
-from aioexperts._format.hparams import MoEHParams, _Meta
+from aioexperts._format.hparams import MoEHParams
+from aioexperts._format.keys import ArchKeys
 from aioexperts._format.model import GGUFModel
 
 __all__ = (
@@ -139,7 +140,7 @@ class ModelHParams:
         return self.n_swa if self.swa_layers[layer] else 0
 
 
-def _scaling(md: _Meta) -> RopeScaling:
+def _scaling(md: ArchKeys) -> RopeScaling:
     raw = md.md.get(md.key("rope.scaling.type"))
     if raw is None:
         return RopeScaling.LINEAR
@@ -155,7 +156,7 @@ def _scaling(md: _Meta) -> RopeScaling:
 
 
 def _rope_params(
-    md: _Meta, rope_type: RopeType, n_rot: int, freq_base: float, n_ctx_train: int, yarn_log_mul: float
+    md: ArchKeys, rope_type: RopeType, n_rot: int, freq_base: float, n_ctx_train: int, yarn_log_mul: float
 ) -> RopeParams:
     """llama-model.cpp ``load_hparams`` (scaling keys) + llama-context.cpp constructor (YaRN factors)."""
     scaling = _scaling(md)
@@ -222,7 +223,7 @@ def model_hparams(model: GGUFModel) -> ModelHParams:
     """
     arch = model.architecture
     record = _record_of(arch)
-    md = _Meta(arch, model.metadata)
+    md = ArchKeys(arch, model.metadata)
     moe = MoEHParams.from_metadata(arch, model.metadata)
     n_embd = moe.n_embd
     n_layer = moe.n_layer - moe.n_layer_nextn
@@ -290,7 +291,7 @@ def _record_of(arch: str) -> ArchitectureRecord:
     return record
 
 
-def _heads(md: _Meta, n_embd: int) -> tuple[int, int, int, int]:
+def _heads(md: ArchKeys, n_embd: int) -> tuple[int, int, int, int]:
     """``(n_head, n_head_kv, head_k, head_v)`` as llama-model.cpp ``load_hparams`` reads them."""
     n_head = md.int_("attention.head_count", required=True)
     n_head_kv = md.int_("attention.head_count_kv", default=n_head)
@@ -306,7 +307,7 @@ def _heads(md: _Meta, n_embd: int) -> tuple[int, int, int, int]:
     return n_head, n_head_kv, head_k, head_v
 
 
-def _rotary_dims(md: _Meta, record: ArchitectureRecord, head_k: int) -> int:
+def _rotary_dims(md: ArchKeys, record: ArchitectureRecord, head_k: int) -> int:
     """``rope.dimension_count`` (default the head size), checked; M-RoPE sections are refused (unless
     the record reads text positions through them, ``text_mrope``)."""
     n_rot = md.int_("rope.dimension_count", default=head_k)
@@ -329,7 +330,7 @@ def _rotary_dims(md: _Meta, record: ArchitectureRecord, head_k: int) -> int:
 
 
 def _sliding_window(
-    md: _Meta, record: ArchitectureRecord, rope: RopeParams, n_layer: int
+    md: ArchKeys, record: ArchitectureRecord, rope: RopeParams, n_layer: int
 ) -> tuple[int, tuple[bool, ...], RopeParams]:
     """``(n_swa, per-block sliding window, RoPE of those blocks)`` (llama-hparams.cpp ``set_swa_pattern``)."""
     if not record.sliding_window_pattern:
@@ -343,7 +344,7 @@ def _sliding_window(
     return n_swa, swa_layers, dataclasses.replace(rope, freq_base=base_swa)
 
 
-def _granite_scalars(md: _Meta, record: ArchitectureRecord) -> tuple[float, float, float, float]:
+def _granite_scalars(md: ArchKeys, record: ArchitectureRecord) -> tuple[float, float, float, float]:
     """``(embedding_scale, residual_scale, attention.scale, logit_scale)`` for granite.cpp, else zeros."""
     if not record.granite_scalars:
         return 0.0, 0.0, 0.0, 0.0

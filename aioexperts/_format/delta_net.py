@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aioexperts._errors import FormatError
-from aioexperts._format.hparams import _Meta
+from aioexperts._format.keys import ArchKeys
 
 __all__ = ("DeltaNetHParams",)
 
@@ -61,7 +61,7 @@ class DeltaNetHParams:
                 (``inner_size`` not ``time_step_rank * state_size``, value heads not a multiple of
                 the q/k heads), a malformed ``attention.recurrent_layers`` array.
         """
-        md = _Meta(arch, metadata)
+        md = ArchKeys(arch, metadata)
         sizes = {}
         for name in ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count"):
             value = md.int_(name, required=True)
@@ -84,7 +84,7 @@ class DeltaNetHParams:
         return cls(d_conv, d_inner, head_k, n_k, n_v, _recurrent_blocks(md, n_layer))
 
 
-def _recurrent_blocks(md: _Meta, n_layer: int) -> tuple[bool, ...]:
+def _recurrent_blocks(md: ArchKeys, n_layer: int) -> tuple[bool, ...]:
     """qwen35moe.cpp ``load_arch_hparams``: the ``attention.recurrent_layers`` array, else the interval rule."""
     layers = md.md.get(md.key("attention.recurrent_layers"))
     if layers is not None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aioexperts._errors import FormatError, UnsupportedTypeError
-from aioexperts._format.hparams import _Meta
+from aioexperts._format.keys import ArchKeys
 
 __all__ = ("MLA_ARCHITECTURES", "MLAHParams")
 
@@ -128,7 +128,7 @@ class MLAHParams:
         """
         if arch not in MLA_ARCHITECTURES:
             raise UnsupportedTypeError(f"architecture {arch!r} has no MLA attention (known: deepseek2)")
-        md = _Meta(arch, metadata)
+        md = ArchKeys(arch, metadata)
         n_layer = md.int_("block_count", required=True)
         n_vocab = md.vocab_size()
         is_lite = n_layer in _LITE_LAYER_COUNTS or (n_layer == 48 and n_vocab == _LITE_48_VOCAB)
@@ -167,7 +167,7 @@ class MLAHParams:
         hp._check(md)
         return hp
 
-    def _check(self, md: _Meta) -> None:
+    def _check(self, md: ArchKeys) -> None:
         suffix = "_mla" if self.split_kv_b else ""
         key_key, value_key = f"attention.key_length{suffix}", f"attention.value_length{suffix}"
         positive = {

@@ -36,7 +36,7 @@ from aioexperts._model.forward import ForwardCounters, ForwardPass, load_weights
 from aioexperts._model.kvcache import KV_ELEMENT_BYTES, KVCache, KVType, cache_bytes_per_position, state_bytes
 from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_bytes_per_position, kv_reserve_bytes
 from aioexperts._model.sessions import Generation, ModelSequence, Sampler
-from aioexperts._options import CacheOptions, IOOptions, PageCacheOptions
+from aioexperts._options import CacheOptions, IOOptions, MissTier, PageCacheOptions
 from aioexperts._pipeline import run_in_worker
 from aioexperts._runner import MoERunner, PrefetchOptions
 from aioexperts._store import ExpertStore
@@ -76,6 +76,8 @@ class ModelStatistics:
             batching, :mod:`aioexperts._model.forward`).
         batched_tokens: the tokens of those steps.
         batch_window_seconds: time decode steps waited for their sequences, summed.
+        stall_seconds: time the MoE layers waited for expert reads with nothing to compute
+            (the runner's ``stall_seconds``); per token: divide by the tokens run.
     """
 
     dense_bytes: int
@@ -94,6 +96,13 @@ class ModelStatistics:
     batched_steps: int = 0
     batched_tokens: int = 0
     batch_window_seconds: float = 0.0
+    stall_seconds: float = 0.0
+
+    @property
+    def stall_seconds_per_token(self) -> float | None:
+        """``stall_seconds`` over the tokens run (prefilled and decoded); None before any."""
+        n = self.tokens_prefilled + self.tokens_decoded
+        return self.stall_seconds / n if n else None
 
 
 def _whole_model_hparams(model: GGUFModel) -> ModelHParams:
@@ -379,6 +388,7 @@ class Model:
             batched_steps=steps.batches if steps else 0,
             batched_tokens=steps.batched_calls if steps else 0,
             batch_window_seconds=steps.window_seconds if steps else 0.0,
+            stall_seconds=self._runner.statistics().stall_seconds if self._runner is not None else 0.0,
         )
 
     # -- sequences ------------------------------------------------------------------------------
@@ -684,6 +694,7 @@ def load(
     record_trace: bool = False,
     kv_type: KVType = "f16",
     precision: Precision | None = None,
+    miss_tier: MissTier | None = None,
 ) -> Model:
     """Prepare the whole model at ``path``; start it with ``async with``.
 
@@ -740,6 +751,9 @@ def load(
             2e-2 relative from llama.cpp's logits on the quantized fixtures) or ``"float"`` (float32
             activations: up to 0.1 from llama.cpp where near-tie routing flips; the int8 kernels are
             the faster ones per call). None (default): ``$AIOEXPERTS_PRECISION``, else ``"int8"``.
+        miss_tier: the low-precision miss tier (opt-in, :class:`~aioexperts.MissTier`, as
+            :func:`aioexperts.open`): misses its policy chooses are read from a sidecar of smaller
+            experts (``aioexperts-tier``; docs/miss-tier.md). Default off: the numerics do not change.
 
     Returns:
         A :class:`Model`, not started.
@@ -768,5 +782,6 @@ def load(
         "expert_map": expert_map,
         "mode": mode,
         "pagecache": pagecache,
+        "miss_tier": miss_tier,
     }
     return Model(path, config, store_options=options, runner=runner)

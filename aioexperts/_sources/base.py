@@ -133,10 +133,16 @@ class ExpertSource(ABC):
     def prefetch(self, keys: Sequence[Key]) -> int:
         """Start loading ``keys`` without waiting; the number started."""
 
-    def start_loads(self, demand: Sequence[Key], prefetch: Sequence[Key]) -> int:
-        """Start loading a request's ``demand`` keys ahead of its ``prefetch`` keys, submitted now;
-        the number started. The default prefetches both, in that order."""
+    def start_loads(self, demand: Sequence[Key], prefetch: Sequence[Key], low: Sequence[Key] = ()) -> int:
+        """Start loading a request's ``demand`` keys ahead of its ``prefetch`` keys, submitted now
+        (``low``: demand keys to read from the miss tier, where the source has one); the number
+        started. The default prefetches both, in that order."""
         return self.prefetch([*demand, *prefetch])
+
+    def read_backlog_seconds(self) -> float | None:
+        """Seconds the reads queued and in flight would take at the device rate measured so far
+        (None: no rate measured yet, or a source without a read queue)."""
+        return None
 
     @abstractmethod
     def drop_prefetches(self, keep: Callable[[Key], bool]) -> int:

@@ -22,16 +22,18 @@ from .._cache.stats import Counters, StoreStatistics
 from .._errors import InvalidRequestError
 from .._format.layout import ExpertLayout
 from .._format.model import GGUFModel
+from .._format.tier_sidecar import TierSidecar
 from .._format.views import ExpertView, ProjectionView, warn_exported
 from .._io.files import ShardFiles, open_shards
 from .._io.loop import LoopAdapter
-from .._io.plan import ExpertPlan, plan_all_experts
+from .._io.plan import ExpertPlan, plan_all_experts, plan_expert
 from .._io.slab import exported_view, slot_stride
 from .._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions
 from .base import Build, ExpertSource
 from .rows import RowReader, RowStatistics, RowsView
 from .shared_views import SharedViews
 from .stack import ReadStack
+from .tier_files import add_sidecar
 
 __all__ = ("SlabSource",)
 
@@ -69,6 +71,8 @@ class SlabSource(ExpertSource):
         self._rows: RowReader | None = None
         self._rows_built: RowReader | None = None  # a row reader built, not attached yet
         self._rows_lock = anyio.Lock()
+        self.tier: TierSidecar | None = None  # the miss tier's sidecar, set before start
+        self.tier_upgrade = True  # read a low copy hit again at full precision
 
     @property
     def scheduler(self) -> ReadScheduler | None:
@@ -81,11 +85,27 @@ class SlabSource(ExpertSource):
         files = await build(self, "files", lambda: open_shards(model, io.direct_io))
         if files.buffered_reason is not None and io.direct_io is None:
             log.warning("%s; using buffered reads (the page cache)", files.buffered_reason)
+        paths = tuple(s.path for s in model.shards)
+        tier = self.tier
+        if tier is not None:  # the sidecar is read as one more shard, after the model's
+            files = await build(self, "files", lambda: add_sidecar(files, tier))
+            paths = (*paths, tier.path)
         # every expert's reads, planned once at open (off the loop): nothing is planned per read
         plans = await build(
             self, "_plans", lambda: plan_all_experts(layout, files.alignment, io.split_bytes, io.queue_depth)
         )
-        slot_bytes = max(p.slot_bytes for p in plans.values())
+        low_plans: dict[Key, ExpertPlan] = {}
+        if tier is not None:
+            shard = len(model.shards)
+            low_plans = await build(
+                self,
+                "_low_plans",
+                lambda: {
+                    key: plan_expert(tier.location(p.location, shard), files.alignment, io.split_bytes, io.queue_depth)
+                    for key, p in plans.items()
+                },
+            )
+        slot_bytes = max(p.slot_bytes for p in (*plans.values(), *low_plans.values()))
         n_slots = self._n_slots(layout, slot_bytes)
         stack = self.stack
         await build(
@@ -100,7 +120,7 @@ class SlabSource(ExpertSource):
             "backend",
             lambda: stack.build_backend(io.backend, files, loop, io.queue_depth, io.backend_options(), shapes),
         )
-        scheduler = stack.start(loop, self.counters, files, io.max_bytes_in_flight, tuple(s.path for s in model.shards))
+        scheduler = stack.start(loop, self.counters, files, io.max_bytes_in_flight, paths)
 
         def plan(layer: int, expert: int) -> ExpertPlan:
             found = plans.get((layer, expert))
@@ -109,8 +129,13 @@ class SlabSource(ExpertSource):
                 raise InvalidRequestError(f"no expert {expert} in layer {layer}")
             return found
 
+        def low_plan(layer: int, expert: int) -> ExpertPlan:
+            return low_plans[layer, expert]  # the keys of a request were checked by its full plan
+
         policy = make_policy(cache.policy) if isinstance(cache.policy, str) else cache.policy
-        self.cache = ExpertCache(n_slots, plan, scheduler, policy, loop, self.counters)
+        self.cache = ExpertCache(
+            n_slots, plan, scheduler, policy, loop, self.counters, low_plan if low_plans else None, self.tier_upgrade
+        )
 
     def _n_slots(self, layout: ExpertLayout, slot_bytes: int) -> int:
         total = layout.n_experts_total
@@ -182,8 +207,14 @@ class SlabSource(ExpertSource):
     def prefetch(self, keys: Sequence[Key]) -> int:
         return self._running().prefetch(keys)
 
-    def start_loads(self, demand: Sequence[Key], prefetch: Sequence[Key]) -> int:
-        return self._running().start_loads(demand, prefetch)
+    def start_loads(self, demand: Sequence[Key], prefetch: Sequence[Key], low: Sequence[Key] = ()) -> int:
+        return self._running().start_loads(demand, prefetch, low)
+
+    def read_backlog_seconds(self) -> float | None:
+        scheduler, c = self.stack.scheduler, self.counters
+        if scheduler is None or c.device_busy_seconds <= 0 or c.bytes_read <= 0:
+            return None
+        return (scheduler.bytes_in_flight + scheduler.queued_bytes) / (c.bytes_read / c.device_busy_seconds)
 
     def drop_prefetches(self, keep: Callable[[Key], bool]) -> int:
         return self._running().drop_prefetches(keep)

@@ -109,7 +109,9 @@ class TokenConstraint:
         """JSON valid for ``schema`` (JSON Schema as llguidance supports it; compact, no free whitespace)."""
         ll = _llguidance()
         try:
-            grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), {"whitespace_flexible": False})
+            grammar = ll.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema, allow_nan=False), {"whitespace_flexible": False}
+            )
         except (ValueError, TypeError, RuntimeError, RecursionError) as exc:
             raise InvalidRequestError(f"the JSON schema cannot be compiled: {exc}") from None
         return cls(tokenizer, grammar, n_vocab)

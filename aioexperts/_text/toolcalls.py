@@ -137,7 +137,7 @@ def call_prefix(format: str, name: str | None = None, template_source: str = "")
     """
     if format not in TOOL_CALL_FORMATS:
         raise ConfigError(f"unknown tool-call format {format!r}: one of {', '.join(TOOL_CALL_FORMATS)}")
-    q = json.dumps(name)
+    q = json.dumps(name, allow_nan=False)
     if format == "hermes":
         return '<tool_call>\n{"name": ' + q + ', "arguments": ' if name else "<tool_call>\n"
     if format == "llama3":
@@ -278,12 +278,12 @@ def _arguments(value: Any) -> str | None:
     """A call's arguments as JSON object text (None: not an object)."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = json.loads(value, parse_constant=_no_constant)
         except ValueError:
             return None
     if not isinstance(value, dict):
         return None
-    return json.dumps(value, ensure_ascii=False)
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
 def _json_call(obj: Any, new_id: Callable[[], str], keep_id: bool = False) -> ToolCall | None:
@@ -301,9 +301,14 @@ def _json_call(obj: Any, new_id: Callable[[], str], keep_id: bool = False) -> To
     return ToolCall(name, args, call_id)
 
 
+def _no_constant(name: str) -> Any:
+    """``NaN``, ``Infinity``: not JSON (RFC 8259); a reply holding them is not a call."""
+    raise ValueError(f"{name} is not JSON")
+
+
 def _loads(text: str) -> Any:
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_constant)
     except ValueError:
         return None
 
@@ -322,7 +327,7 @@ def _hermes(body: str, new_id: Callable[[], str]) -> list[ToolCall] | None:
         for name, value in _PARAMETER.findall(match.group(2)):
             parsed = _loads(value)
             args[name] = value if parsed is None else parsed
-        return [ToolCall(match.group(1), json.dumps(args, ensure_ascii=False), new_id())]
+        return [ToolCall(match.group(1), json.dumps(args, ensure_ascii=False, allow_nan=False), new_id())]
     call = _json_call(_loads(text), new_id)
     return None if call is None else [call]
 
@@ -465,7 +470,7 @@ class _Llama3(_Scanner):
 
 def _split_objects(text: str) -> list[Any]:
     """JSON values separated by ``;`` (or whitespace); ``[None]`` when the text is not that."""
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(parse_constant=_no_constant)
     out = []
     pos = 0
     while pos < len(text):

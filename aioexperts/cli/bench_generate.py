@@ -19,9 +19,10 @@ from pathlib import Path
 
 from aioexperts_bench import DEFAULT_ENGINES, ENGINES, GenerateConfig, parse_limit, run_generate_bench, text_report
 
-from .. import AioExpertsError, __version__
+from .. import AioExpertsError, __version__, write_miss_tier
 from .._json import dumps as json_dumps
 from ._common import refuse_to_overwrite
+from .tiertool import default_output
 
 __all__ = ("build_parser", "main")
 
@@ -49,6 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-ctx", type=int, default=None, help="KV cache positions (default prompt + decode + 16)")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds before one run is stopped")
     p.add_argument("--seed", type=int, default=0, help="seed of the token ids")
+    p.add_argument(
+        "--miss-tier",
+        default=None,
+        help="the low-precision miss tier's sidecar (aioexperts-tier writes it): adds the engine aioexperts-tier; "
+        "None: that engine (if asked for in --engines) uses MODEL.miss-tier-Q3_K.gguf, written first if missing",
+    )
+    p.add_argument("--miss-tier-weight", type=float, default=None, help="MissTier.max_gate_weight (None: no rule)")
+    p.add_argument("--miss-tier-behind", type=float, default=None, help="MissTier.behind_seconds (None: no rule)")
+    p.add_argument(
+        "--miss-tier-no-upgrade", action="store_true", help="MissTier(upgrade=False): low copies hit again stay low"
+    )
     p.add_argument("--out", default="bench-generate.json", help="results file to write ('' for none)")
     p.add_argument("--force", action="store_true", help="let --out replace a file of another kind")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -70,6 +82,16 @@ def _model(args: argparse.Namespace, note: Callable[[str], None]) -> str:
         on_wait=lambda: note("another run is writing the built-in model; waiting for it"),
     )
     return os.fspath(built)
+
+
+def _sidecar(model: str, note: Callable[[str], None]) -> str:
+    """The model's Q3_K miss-tier sidecar beside it, written first if it is not there (a stale one
+    is refused by the engine's run: write it again with aioexperts-tier)."""
+    path = default_output(model, "Q3_K")
+    if not os.path.exists(path):
+        note(f"writing the miss tier {path} (Q3_K; minutes per GB of experts)")
+        write_miss_tier(model, path, "Q3_K")
+    return path
 
 
 def _is_ours(path: str) -> bool:
@@ -129,6 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         model = _model(args, note)
         if args.out:
             refuse_to_overwrite(os.path.abspath(args.out), [model], ours=_is_ours, force=args.force, what="--out")
+        miss_tier = None
+        if args.miss_tier is not None and "aioexperts-tier" not in engines:
+            engines.insert(engines.index("aioexperts") + 1 if "aioexperts" in engines else 0, "aioexperts-tier")
+        if "aioexperts-tier" in engines:
+            miss_tier = {
+                "path": os.path.abspath(args.miss_tier or _sidecar(model, note)),
+                "max_gate_weight": args.miss_tier_weight,
+                "behind_seconds": args.miss_tier_behind,
+                "upgrade": not args.miss_tier_no_upgrade,
+            }
         cfg = GenerateConfig(
             model=model,
             limits=limits,
@@ -140,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             n_ctx=args.n_ctx or args.prompt_tokens + args.decode_tokens + 16,
             run_timeout=args.run_timeout,
             seed=args.seed,
+            miss_tier=miss_tier,
         )
         results = run_generate_bench(cfg, note=note, checkpoint=(lambda r: _write(args.out, r)) if args.out else None)
     except KeyboardInterrupt:

@@ -131,6 +131,17 @@ def add_model_options(p: argparse.ArgumentParser, *, ctx_help: str) -> None:
         help="expert reads: io_uring where it works (auto), or the preadv thread pool",
     )
     p.add_argument(
+        "--miss-tier",
+        default=None,
+        help="a low-precision miss tier sidecar (aioexperts-tier): misses read smaller experts (opt-in)",
+    )
+    p.add_argument(
+        "--miss-tier-weight",
+        type=float,
+        default=None,
+        help="with --miss-tier: only misses whose gate weight is below this go low (default: every miss)",
+    )
+    p.add_argument(
         "--layers",
         type=_int_at_least(1),
         default=None,
@@ -200,6 +211,16 @@ class _Report:
             "prefetch_wasted": st.prefetch_wasted,
             "tokens_run": run,
             "bytes_read_per_token": st.bytes_read / run if run else None,
+            "cached_hits": st.cached_hits,
+            "prefetched_in_time": st.prefetched_in_time,
+            "prefetched_late": st.prefetched_late,
+            "demand_misses": st.demand_misses,
+            "low_tier_misses": st.low_tier_misses,
+            "tier_upgrades": st.tier_upgrades,
+            "stall_seconds": ms.stall_seconds,
+            "stall_seconds_per_token": ms.stall_seconds_per_token,
+            "device_busy_seconds": st.device_busy_seconds,
+            "device_bytes_per_second": st.device_rate,
             "backend": st.backend,
             "direct_io": st.direct_io,
         }
@@ -268,6 +289,7 @@ class _Report:
                 + f" ({ex['tokens_run']} tokens run); prefetched {ex['prefetch_issued']} "
                 f"({ex['prefetch_wasted']} wasted); {ex['backend']}{', O_DIRECT' if ex['direct_io'] else ''}"
             )
+            lines.append(_sources_line(ex))
         m = self.memory()
         parts = [f"RSS {_size(m['rss_bytes'])} (peak {_size(m['peak_rss_bytes'])})"]
         if m["slab_bytes"] is not None:
@@ -283,6 +305,24 @@ class _Report:
             lines.append("interrupted (Ctrl-C)")
         for line in lines:
             print(line, file=out)
+
+
+def _sources_line(ex: dict[str, Any]) -> str:
+    """Where the experts came from and where the pass waited (issue 36's statistics), one line."""
+    stall = ex["stall_seconds_per_token"]
+    rate = ex["device_bytes_per_second"]
+    low = (
+        f", {ex['low_tier_misses']} of them from the low tier ({ex['tier_upgrades']} upgraded since)"
+        if ex["low_tier_misses"]
+        else ""
+    )
+    return (
+        f"expert sources: {ex['cached_hits']} cached, {ex['prefetched_in_time']} prefetched in time, "
+        f"{ex['prefetched_late']} prefetched late, {ex['demand_misses']} demand misses{low}; stalled on reads "
+        + (f"{stall * 1e3:.1f} ms per token" if stall is not None else "n/a per token")
+        + f" ({ex['stall_seconds']:.3f} s); device "
+        + (f"{_size(int(rate))}/s while reading" if rate is not None else "idle")
+    )
 
 
 def _size(n: float | None) -> str:
@@ -516,6 +556,9 @@ async def _session(args: argparse.Namespace, path: str, prompt: str | None, repo
         slots=args.slots,
         cache_bytes=args.cache_bytes,
         io=aioexperts.IOOptions(backend=args.io),
+        miss_tier=aioexperts.MissTier(path=args.miss_tier, max_gate_weight=args.miss_tier_weight)
+        if args.miss_tier
+        else None,
     )
     async with model:
         try:

@@ -390,7 +390,11 @@ class _Blocks:
             block = _tool_use(d.tool_call)
             args = block.pop("input")
             out += self._start("tool_use", {**block, "input": {}})
-            out.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(args, ensure_ascii=False)}))
+            out.append(
+                self._delta(
+                    {"type": "input_json_delta", "partial_json": json.dumps(args, ensure_ascii=False, allow_nan=False)}
+                )
+            )
             out += self.close()
             self.n_calls += 1
         elif d.reasoning:

@@ -134,6 +134,41 @@ class Metrics:
             "Expert bytes read per token run (prompt and generated) since the start.",
             st.bytes_read / run if run else 0.0,
         )
+        add(
+            "expert_requests_by_source_total",
+            "counter",
+            "Experts asked of the store, by where they came from (the sources sum to the requests): "
+            "cached (resident before the request), prefetched in time, prefetched late (the request "
+            "waited for the read), demand (a read the request started or joined).",
+            [
+                ({"source": "cached"}, st.cached_hits),
+                ({"source": "prefetched_in_time"}, st.prefetched_in_time),
+                ({"source": "prefetched_late"}, st.prefetched_late),
+                ({"source": "demand"}, st.demand_misses),
+            ],
+        )
+        add("expert_low_tier_misses_total", "counter", "Demand misses served from the low tier.", st.low_tier_misses)
+        add("expert_tier_upgrades_total", "counter", "Low-tier copies read again at full precision.", st.tier_upgrades)
+        add(
+            "expert_stall_seconds_total",
+            "counter",
+            "Seconds the MoE layers waited for expert reads with nothing to compute.",
+            ms.stall_seconds,
+        )
+        add(
+            "expert_stall_seconds_per_token",
+            "gauge",
+            "Stall seconds per token run (prompt and generated) since the start.",
+            ms.stall_seconds / run if run else 0.0,
+        )
+        busy = st.device_busy_seconds
+        add("device_busy_seconds_total", "counter", "Seconds with at least one expert read in flight.", busy)
+        add(
+            "device_read_bytes_per_second",
+            "gauge",
+            "Bytes read per second while reads were in flight, since the start.",
+            st.device_rate or 0.0,
+        )
         add("slab_bytes", "gauge", "Bytes of the slab of expert slots.", st.n_slots * st.slot_bytes)
         add("slab_slots", "gauge", "Slots of the slab (one expert each).", st.n_slots)
         pc_hits = cache.hits if cache else 0

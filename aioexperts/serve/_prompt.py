@@ -112,7 +112,9 @@ def render_chat(
     shown = list(tools) if tools and tool_choice != "none" else None
     msgs = list(messages)
     if shown is not None and "tools" not in template.source:  # the template cannot show them: a system note
-        note = _TOOLS_NOTE.format(tools="\n".join(json.dumps(t["function"], ensure_ascii=False) for t in shown))
+        note = _TOOLS_NOTE.format(
+            tools="\n".join(json.dumps(t["function"], ensure_ascii=False, allow_nan=False) for t in shown)
+        )
         if msgs and msgs[0].get("role") == "system":
             msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{note}"}
         else:

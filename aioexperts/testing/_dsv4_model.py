@@ -117,7 +117,10 @@ class DSV4Spec:
         else:
             values = {f.name: getattr(self, f.name) for f in fields(self)}
             values = {k: (v.name if isinstance(v, GGMLQuantizationType) else v) for k, v in values.items()}
-            dims = "-custom" + hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:10]
+            dims = (
+                "-custom"
+                + hashlib.sha256(json.dumps(values, sort_keys=True, allow_nan=False).encode()).hexdigest()[:10]
+            )
         return f"deepseek-v4-flash-geometry-{t}-{self.n_layer}l{dims}-v1.gguf"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,8 @@ class FakeBackend(IOBackend):
             :meth:`complete` / :meth:`complete_all`.
         order: ``"fifo"``, ``"reverse"`` or ``"shuffle"`` (seeded) for automatic delivery.
         fault: optional per-op override of the result (see :data:`Fault`).
+        delay: with ``auto``, deliver each submission's reads this many seconds after it (a device
+            of known latency, for stall timing; a timer thread hands them to the loop).
 
     Attributes:
         pending: submitted ops not completed yet.
@@ -51,6 +54,7 @@ class FakeBackend(IOBackend):
         order: str = "fifo",
         fault: Fault | None = None,
         seed: int = 0,
+        delay: float = 0.0,
     ) -> None:
         super().__init__(files, slab, loop, depth)
         self.auto = auto
@@ -62,6 +66,9 @@ class FakeBackend(IOBackend):
         self.closed = False
         self._rng = random.Random(seed)
         self._tick_scheduled = False
+        if not delay >= 0.0:
+            raise ValueError(f"delay must be >= 0 seconds, got {delay!r}")
+        self.delay = float(delay)
 
     def features(self) -> dict[str, Any]:
         return {"order": self.order, "auto": self.auto}
@@ -73,13 +80,24 @@ class FakeBackend(IOBackend):
         self.batches.append(len(ops))
         self.pending.extend(ops)
         self._in_flight += len(ops)
-        if self.auto and not self._tick_scheduled:
+        if self.auto and self.delay > 0:
+            batch = list(ops)
+            timer = threading.Timer(self.delay, self.loop.call_soon_threadsafe, (lambda: self._deliver_batch(batch),))
+            timer.daemon = True
+            timer.start()
+        elif self.auto and not self._tick_scheduled:
             self._tick_scheduled = True
             self.loop.call_soon(self._tick)
 
     def _tick(self) -> None:
         self._tick_scheduled = False
         self.complete_all()
+
+    def _deliver_batch(self, ops: list[ReadOp]) -> None:
+        for op in ops:
+            if op in self.pending:
+                self.pending.remove(op)
+                self._complete(op, None)
 
     def complete_all(self) -> None:
         """Deliver every pending op, in :attr:`order`."""

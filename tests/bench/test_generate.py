@@ -46,8 +46,38 @@ def test_generate_smoke_run_writes_results_and_a_report(
     assert run["decode_tok_s"] > 0 and run["prefill_tok_s"] > 0 and 0 <= run["hit_rate"] <= 1
     assert run["slab_budget"].startswith("slab ") and run["slab_bytes"] > 0
     assert len(run["distinct_experts_per_layer"]) == 2 and all(1 <= d <= 4 for d in run["distinct_experts_per_layer"])
-    assert "| none | aioexperts | 1x ok |" in capsys.readouterr().out
+    # issue 36's figures per decode token: every expert of the 3 decode tokens has one source
+    sources = ("cached_hits", "prefetched_in_time", "prefetched_late", "demand_misses")
+    per_token = sum(run[f"{k}_per_token"] for k in sources)
+    assert per_token == run["requests_per_token"] > 0
+    assert run["stall_ms_per_token"] >= 0 and run["low_tier_misses_per_token"] == 0
+    printed = capsys.readouterr().out
+    assert "| none | aioexperts | 1x ok |" in printed
+    assert "| stall ms/token | cached |" in printed
     assert results["targets"][-1]["what"] == "slab chosen automatically"
+
+
+def test_generate_smoke_run_with_the_miss_tier(
+    tiny_full_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from aioexperts import write_miss_tier
+
+    sidecar = write_miss_tier(tiny_full_model, tmp_path / "tier.gguf", "Q2_K")
+    out = tmp_path / "gen-tier.json"
+    args = ["--mode", "generate", "--model", str(tiny_full_model), "--engines", "aioexperts", "--limits", "none"]
+    args += ["--rounds", "1", "--prompt-tokens", "6", "--decode-tokens", "3", "--out", str(out), "--quiet"]
+    assert bench.main([*args, "--miss-tier", str(sidecar)]) == 0
+    results = load_generate_results(out)
+    runs = {r["engine"]: r for r in results["runs"]}
+    assert set(runs) == {"aioexperts", "aioexperts-tier"} and runs["aioexperts-tier"]["status"] == "ok"
+    assert runs["aioexperts"]["low_tier_misses_per_token"] == 0
+    tier = runs["aioexperts-tier"]
+    sources = ("cached_hits", "prefetched_in_time", "prefetched_late", "demand_misses")
+    assert sum(tier[f"{k}_per_token"] for k in sources) == tier["requests_per_token"]
+    (rnd,) = results["rounds"]
+    assert rnd["tier_agreement"]["compared"] == 4 and rnd["tier_decode_ratio"] > 0
+    printed = capsys.readouterr().out
+    assert "| none | aioexperts-tier | 1x ok |" in printed and "the miss tier (aioexperts-tier)" in printed
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -48,6 +48,14 @@ def test_streams_text_to_stdout_and_the_statistics_to_stderr(tiny_full_model: Pa
     assert counts is not None, done.stderr
     hits, joins, misses, requests = (int(g) for g in counts.groups())
     assert hits + joins + misses == requests > 0
+    # and every request has one source (issue 36): the four sources add up to the same requests
+    sources = re.search(
+        r"expert sources: (\d+) cached, (\d+) prefetched in time, (\d+) prefetched late, (\d+) demand misses; "
+        r"stalled on reads [\d.]+ ms per token",
+        done.stderr,
+    )
+    assert sources is not None, done.stderr
+    assert sum(int(g) for g in sources.groups()) == requests
 
 
 def test_json_is_one_parseable_object_with_the_same_text(tiny_full_model: Path) -> None:
@@ -61,7 +69,11 @@ def test_json_is_one_parseable_object_with_the_same_text(tiny_full_model: Path) 
     assert report["generated_tokens"] >= 1 and report["prompt_tokens"] >= 1
     assert report["stop_reason"] in ("length", "eog")
     assert report["time_to_first_token"] > 0 and report["interrupted"] is False
-    assert 0 <= report["experts"]["hit_rate"] <= 1 and report["experts"]["bytes_read_per_token"] > 0
+    ex = report["experts"]
+    assert 0 <= ex["hit_rate"] <= 1 and ex["bytes_read_per_token"] > 0
+    sources = ("cached_hits", "prefetched_in_time", "prefetched_late", "demand_misses")
+    assert sum(ex[k] for k in sources) == ex["requests"] and ex["demand_misses"] > 0
+    assert 0 <= ex["stall_seconds_per_token"] and ex["device_bytes_per_second"] > 0
     memory = report["memory"]
     assert memory["rss_bytes"] > 0 and memory["slab_bytes"] > 0 and memory["resident_weight_bytes"] > 0
     # layers * (K, V) * KV heads * head size * float16 (the default KV type)
@@ -331,3 +343,19 @@ def test_an_idle_chat_prompt_on_a_terminal_ends_at_once_on_ctrl_c_or_ctrl_d(tiny
     assert status == (130 if key == b"\x03" else 0), text
     assert re.search(r"^prompt: ", text, re.MULTILINE), text  # not "> prompt: ..." nor "> ^Cprompt: ..."
     assert "Traceback" not in text
+
+
+def test_the_miss_tier_serves_misses_and_is_reported(tiny_full_model: Path, tmp_path: Path) -> None:
+    from aioexperts import write_miss_tier
+
+    sidecar = write_miss_tier(tiny_full_model, tmp_path / "tier.gguf", "Q3_K")
+    args = (str(tiny_full_model), "-p", "Once upon a time", "-n", "4", "--temp", "0", "--io", "threads")
+    done = run(*args, "--miss-tier", str(sidecar), "--json")
+    assert done.returncode == 0, done.stderr
+    ex = json.loads(done.stdout)["experts"]
+    assert 0 < ex["low_tier_misses"] <= ex["demand_misses"] and ex["tier_upgrades"] >= 0
+    human = run(*args, "--miss-tier", str(sidecar))
+    line = r"\d+ demand misses, \d+ of them from the low tier \(\d+ upgraded since\)"
+    assert re.search(line, human.stderr), human.stderr
+    stale = run(*args, "--miss-tier", str(tiny_full_model))  # not a sidecar: one clear line, no traceback
+    assert stale.returncode != 0 and "not a miss-tier sidecar" in stale.stderr and "Traceback" not in stale.stderr

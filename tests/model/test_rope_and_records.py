@@ -66,9 +66,9 @@ def test_rope_matches_ggml_s_loop(rope_type: RopeType, params: dict[str, float])
 def test_yarn_magnitude_is_llama_cpp_s() -> None:
     """llama-context.cpp cancels rope_yarn's 1 + 0.1 ln(factor) in attn_factor except for get_mscale's."""
     from aioexperts._format.architectures import _rope_params
-    from aioexperts._format.hparams import _Meta
+    from aioexperts._format.keys import ArchKeys
 
-    md = _Meta("qwen3moe", {"qwen3moe.rope.scaling.type": "yarn", "qwen3moe.rope.scaling.factor": 4.0})
+    md = ArchKeys("qwen3moe", {"qwen3moe.rope.scaling.type": "yarn", "qwen3moe.rope.scaling.factor": 4.0})
     p = _rope_params(md, RopeType.NEOX, 64, 1e6, 40960, 0.0)
     assert p.ext_factor == 1.0 and p.freq_scale == 0.25 and p.n_ctx_orig == 40960
     cos, sin = rope_cos_sin(p, np.arange(4))
@@ -76,7 +76,7 @@ def test_yarn_magnitude_is_llama_cpp_s() -> None:
     assert p.attn_factor == pytest.approx(1.0)
     np.testing.assert_allclose(cos**2 + sin**2, (1 + 0.1 * math.log(4)) ** 2, rtol=1e-5)
     with pytest.raises(aioexperts.UnsupportedTypeError, match="longrope"):
-        _rope_params(_Meta("qwen3moe", {"qwen3moe.rope.scaling.type": "longrope"}), RopeType.NEOX, 64, 1e6, 10, 0.0)
+        _rope_params(ArchKeys("qwen3moe", {"qwen3moe.rope.scaling.type": "longrope"}), RopeType.NEOX, 64, 1e6, 10, 0.0)
 
 
 FIXTURES = {p.stem: p for p in shared_fixture_paths()}

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from aioexperts._errors import FormatError
 
 if TYPE_CHECKING:
-    from aioexperts._format.hparams import _Counts, _Meta
+    from aioexperts._format.keys import ArchKeys, ExpertCounts
 
 __all__ = (
     "Activation",
@@ -88,12 +88,12 @@ class RopeType(enum.IntEnum):
 # load_arch_hparams and load_tensors (src/models/<arch>.cpp) and its build_moe_ffn call.
 
 #: ``(keys, counts, expert width key) -> n_ff_exp``: the width of a routed expert (its gate/up rows).
-ExpertWidthRule = Callable[["_Meta", "_Counts", int], int]
+ExpertWidthRule = Callable[["ArchKeys", "ExpertCounts", int], int]
 #: ``(keys, counts, n_ff_exp, shared count key, shared width key) -> (n_shared, n_ff_shexp)``.
-SharedRule = Callable[["_Meta", "_Counts", int, int, int], tuple[int, int]]
+SharedRule = Callable[["ArchKeys", "ExpertCounts", int, int, int], tuple[int, int]]
 
 
-def width_required(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
+def width_required(md: ArchKeys, counts: ExpertCounts, n_ff_exp: int) -> int:
     """deepseek*, glm4moe, gpt-oss, ernie, bailing*, dots1, llama4, minimax-m2: ``load_arch_hparams``
     reads ``expert_feed_forward_length`` with ``get_key_or_arr(..., required)``."""
     if n_ff_exp <= 0:
@@ -101,7 +101,7 @@ def width_required(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
     return n_ff_exp
 
 
-def width_or_ff_over_used(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
+def width_or_ff_over_used(md: ArchKeys, counts: ExpertCounts, n_ff_exp: int) -> int:
     """qwen2moe.cpp / qwen3moe.cpp ``load_tensors``: ``n_ff_exp ? n_ff_exp : n_ff / n_expert_used``."""
     if n_ff_exp > 0:
         return n_ff_exp
@@ -113,7 +113,7 @@ def width_or_ff_over_used(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
     return counts.n_ff // counts.n_expert_used
 
 
-def width_is_ff(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
+def width_is_ff(md: ArchKeys, counts: ExpertCounts, n_ff_exp: int) -> int:
     """llama (Mixtral), olmoe, granite*, dbrx, phimoe, hunyuan-moe ``load_tensors``: the expert tensors
     are created ``n_ff`` wide; ``expert_feed_forward_length`` is not read."""
     if counts.n_ff <= 0:
@@ -121,23 +121,27 @@ def width_is_ff(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
     return counts.n_ff
 
 
-def no_shared(md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
+def no_shared(md: ArchKeys, counts: ExpertCounts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
     """No shared expert in the arch's graph (the keys are ignored, as llama.cpp ignores them)."""
     return 0, 0
 
 
-def one_shared_key_or_ff(md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
+def one_shared_key_or_ff(
+    md: ArchKeys, counts: ExpertCounts, n_ff_exp: int, n_shared: int, n_ff_shexp: int
+) -> tuple[int, int]:
     """qwen2moe.cpp / qwen35moe.cpp / hunyuan-moe.cpp ``load_tensors``: always one shared expert,
     ``n_ff_shexp ? n_ff_shexp : n_ff`` wide."""
     return 1, n_ff_shexp or counts.n_ff
 
 
-def shared_if_key(md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
+def shared_if_key(md: ArchKeys, counts: ExpertCounts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
     """qwen3next, granite*, ernie4_5-moe: one shared expert when ``expert_shared_feed_forward_length > 0``."""
     return (1 if n_ff_shexp > 0 else 0), n_ff_shexp
 
 
-def shared_count_x_width(md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
+def shared_count_x_width(
+    md: ArchKeys, counts: ExpertCounts, n_ff_exp: int, n_shared: int, n_ff_shexp: int
+) -> tuple[int, int]:
     """deepseek*, glm4moe, bailingmoe, dots1 (deepseek2.cpp ``load_tensors``): ``expert_shared_count``
     is required and the shared experts are ``n_ff_exp * n_expert_shared`` wide."""
     if not md.has("expert_shared_count"):

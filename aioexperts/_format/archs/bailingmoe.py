@@ -15,11 +15,11 @@ from aioexperts._format.archs._base import (
 )
 
 if TYPE_CHECKING:
-    from aioexperts._format.hparams import _Counts, _Meta
+    from aioexperts._format.keys import ArchKeys, ExpertCounts
 
 
 def _shared_key_or_width_x_count(
-    md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int
+    md: ArchKeys, counts: ExpertCounts, n_ff_exp: int, n_shared: int, n_ff_shexp: int
 ) -> tuple[int, int]:
     """bailingmoe2.cpp ``load_tensors``: ``(n_ff_shexp ? n_ff_shexp : n_ff_exp) * n_expert_shared``,
     ``expert_shared_count`` required."""

@@ -13,17 +13,19 @@ from aioexperts._errors import FormatError
 from aioexperts._format.archs._base import GatingFunc, MoERule, Status
 
 if TYPE_CHECKING:
-    from aioexperts._format.hparams import _Counts, _Meta
+    from aioexperts._format.keys import ArchKeys, ExpertCounts
 
 
-def _width_optional(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
+def _width_optional(md: ArchKeys, counts: ExpertCounts, n_ff_exp: int) -> int:
     """A name llama.cpp does not know: the key if given (0: taken from the expert views later)."""
     if n_ff_exp < 0:
         raise FormatError(f"{md.key('expert_feed_forward_length')} must be >= 0, got {n_ff_exp}")
     return n_ff_exp
 
 
-def _shared_generic(md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int) -> tuple[int, int]:
+def _shared_generic(
+    md: ArchKeys, counts: ExpertCounts, n_ff_exp: int, n_shared: int, n_ff_shexp: int
+) -> tuple[int, int]:
     """A name llama.cpp does not know: the width key, else ``count * n_ff_exp``; a width means one."""
     width = n_ff_shexp or (n_ff_exp * n_shared)
     return (1 if width and not n_shared else n_shared), width

@@ -8,10 +8,10 @@ from aioexperts._errors import FormatError
 from aioexperts._format.archs._base import Activation, Architecture, GatingFunc, MoERule, Status, no_shared
 
 if TYPE_CHECKING:
-    from aioexperts._format.hparams import _Counts, _Meta
+    from aioexperts._format.keys import ArchKeys, ExpertCounts
 
 
-def _width_or_ff(md: _Meta, counts: _Counts, n_ff_exp: int) -> int:
+def _width_or_ff(md: ArchKeys, counts: ExpertCounts, n_ff_exp: int) -> int:
     """grok.cpp ``load_tensors``: ``n_ff_exp ? n_ff_exp : n_ff``."""
     if n_ff_exp > 0:
         return n_ff_exp

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 from aioexperts._format.archs._base import Architecture, GatingFunc, MoERule, Status, width_required
 
 if TYPE_CHECKING:
-    from aioexperts._format.hparams import _Counts, _Meta
+    from aioexperts._format.keys import ArchKeys, ExpertCounts
 
 
 def _one_shared_as_wide_as_routed(
-    md: _Meta, counts: _Counts, n_ff_exp: int, n_shared: int, n_ff_shexp: int
+    md: ArchKeys, counts: ExpertCounts, n_ff_exp: int, n_shared: int, n_ff_shexp: int
 ) -> tuple[int, int]:
     """llama4.cpp ``load_tensors``: one shared expert ``n_ff_exp`` wide."""
     return 1, n_ff_exp

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..files import ShardFiles
@@ -25,6 +25,9 @@ class ThreadBackend(IOBackend):
     Completions are handed back to the loop in batches (one wake-up for all that finished since
     the last one), so the loop pays one ``call_soon_threadsafe`` per batch, not per read. Whatever
     a read raises (``OSError``, ``ValueError`` from a closed slab, ``MemoryError``) is its result.
+    Submitting is one ``SimpleQueue.put`` per read to the worker threads (started on the first
+    submit): no ``Future`` per read, which cost the loop thread about 15 us a read (a third of an
+    expert's Python on the miss path, ``bench/profile_miss_path.py``).
 
     Args:
         n_threads: worker threads (default: ``min(depth, 8)``); reads queue beyond that.
@@ -37,7 +40,8 @@ class ThreadBackend(IOBackend):
     ) -> None:
         super().__init__(files, slab, loop, depth)
         self.n_threads = n_threads or min(depth, 8)
-        self._pool = ThreadPoolExecutor(self.n_threads, thread_name_prefix="aioexperts-read")
+        self._queue: queue.SimpleQueue[ReadOp | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._done: list[tuple[ReadOp, ReadResult]] = []
         self._wake_pending = False
@@ -49,13 +53,29 @@ class ThreadBackend(IOBackend):
     def submit(self, ops: Sequence[ReadOp]) -> None:
         if self._closed:
             raise SubmitError("submit on a closed thread backend", 0)
-        pool, read = self._pool, self._read
-        for i, op in enumerate(ops):
+        if len(self._threads) < self.n_threads:
             try:
-                pool.submit(read, op)
-            except Exception as exc:  # RuntimeError after shutdown, or no thread could start
-                raise SubmitError(f"the thread pool took {i} of {len(ops)} reads: {exc!r}", i) from exc
-            self._in_flight += 1
+                self._start_threads()
+            except Exception as exc:  # no thread could start: nothing was taken
+                if not self._threads:
+                    raise SubmitError(f"no read thread could start: {exc!r}", 0) from exc
+                log.debug("only %d of %d read threads started", len(self._threads), self.n_threads, exc_info=True)
+        put = self._queue.put
+        for op in ops:
+            put(op)
+        self._in_flight += len(ops)
+
+    def _start_threads(self) -> None:
+        while len(self._threads) < self.n_threads:
+            thread = threading.Thread(target=self._work, name=f"aioexperts-read-{len(self._threads)}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _work(self) -> None:
+        """A worker thread: read ops until the ``None`` that :meth:`close` queues."""
+        get, read = self._queue.get, self._read
+        while (op := get()) is not None:
+            read(op)
 
     def _read(self, op: ReadOp) -> None:
         result: ReadResult
@@ -85,4 +105,5 @@ class ThreadBackend(IOBackend):
             return
         self._check_closable()
         self._closed = True
-        self._pool.shutdown(wait=False)
+        for _ in self._threads:  # nothing is in flight: each worker takes one None and ends
+            self._queue.put(None)

@@ -1,0 +1,166 @@
+"""The miss tier's sidecar GGUF: every routed expert of a model re-quantized to a smaller ggml type.
+
+A GGUF file of its own (``general.architecture = "aioexperts-miss-tier"``) holding, per MoE block
+``L`` and bank ``b`` of the model, three stacked tensors ``blk.L.tier_gate.b``, ``blk.L.tier_up.b``
+and ``blk.L.tier_down.b`` (numpy shape ``(n_experts_in_bank, rows, cols)``, the bank's own
+matrix shapes; a merged ``gate_up`` bank is written as separate gate and up) in one low type
+(Q2_K, Q3_K or IQ4_XS). It is keyed to the model like the ``WEEPF001`` map
+(docs/notes/FORMATS.md section 3): the size, device, inode and mtime of every shard of the model
+it was made from, so a sidecar of another model, or of an older version of this one, is refused.
+Written by :func:`aioexperts.write_miss_tier` (``aioexperts-tier``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from .._errors import FormatError, StaleMapError
+from .layout import Bank, ExpertLayout, ExpertLocation, Segment
+from .model import GGUFModel, ShardInfo, open_model
+
+__all__ = (
+    "TIER_ARCH",
+    "TIER_KEYS",
+    "TIER_VERSION",
+    "TierSidecar",
+    "read_tier_sidecar",
+    "tier_tensor_name",
+)
+
+TIER_ARCH = "aioexperts-miss-tier"
+TIER_VERSION = 1
+#: metadata keys of the sidecar
+TIER_KEYS = {
+    "version": "aioexperts.miss_tier.version",
+    "type": "aioexperts.miss_tier.type",
+    "sizes": "aioexperts.miss_tier.model.sizes",
+    "devs": "aioexperts.miss_tier.model.devs",
+    "inos": "aioexperts.miss_tier.model.inos",
+    "mtimes": "aioexperts.miss_tier.model.mtimes_ns",
+}
+#: the ggml types a sidecar may hold (our quantizers: aioexperts._quant)
+LOW_TYPES = (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.IQ4_XS)
+
+
+def tier_tensor_name(layer: int, projection: str, bank: int) -> str:
+    """``blk.L.tier_{gate,up,down}.b``."""
+    return f"blk.{layer}.tier_{projection}.{bank}"
+
+
+def bank_shapes(bank: Bank) -> dict[str, tuple[int, int]]:
+    """Numpy ``(rows, cols)`` of one expert's gate, up and down in ``bank``."""
+    return {
+        "gate": (bank.n_ff_exp, bank.n_embd),
+        "up": (bank.n_ff_exp, bank.n_embd),
+        "down": (bank.n_embd, bank.n_ff_down),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class TierSidecar:
+    """A sidecar checked against its model.
+
+    Attributes:
+        path: the sidecar file.
+        shard: its identity when it was parsed (a read checks the open descriptor against it).
+        ggml_type: the low type of every expert in it.
+        segments: ``(layer, expert) -> (gate, up, down)`` byte ranges in the sidecar (their
+            ``shard`` field is 0: the reader sets the index it opens the file as).
+    """
+
+    path: str
+    shard: ShardInfo
+    ggml_type: GGMLQuantizationType
+    segments: dict[tuple[int, int], tuple[Segment, Segment, Segment]]
+
+    def location(self, full: ExpertLocation, shard: int) -> ExpertLocation:
+        """The low-tier copy of the expert at ``full``, its bytes in file ``shard`` of the reader."""
+        gate, up, down = (
+            Segment(shard, s.offset, s.n_bytes, s.ggml_type, s.shape) for s in self.segments[full.layer, full.expert]
+        )
+        return ExpertLocation(full.layer, full.expert, full.bank, full.local_id, gate, up, down)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of every expert in the sidecar."""
+        return sum(s.n_bytes for segs in self.segments.values() for s in segs)
+
+
+def model_identity(model: GGUFModel) -> dict[str, list[int]]:
+    """The identity arrays a sidecar of ``model`` records (one entry per shard)."""
+    shards = model.shards
+    return {
+        "sizes": [s.size for s in shards],
+        "devs": [s.dev for s in shards],
+        "inos": [s.ino for s in shards],
+        "mtimes": [s.mtime_ns for s in shards],
+    }
+
+
+def read_tier_sidecar(path: str | os.PathLike[str], model: GGUFModel, layout: ExpertLayout) -> TierSidecar:
+    """Parse the sidecar at ``path`` and check it against ``model`` and its ``layout``.
+
+    Blocking (parses the header): call it from a worker thread under an event loop.
+
+    Raises:
+        StaleMapError: the sidecar was written for another model or an older version of it
+            (a shard's size, device, inode or mtime differ); write it again.
+        FormatError: not a sidecar, another version, a tensor missing or of the wrong type,
+            shape or size.
+        FileNotFoundError: no such file.
+    """
+    side = open_model(path)
+    where = side.path
+    if side.architecture != TIER_ARCH:
+        raise FormatError(f"{where} is not a miss-tier sidecar (general.architecture {side.architecture!r})")
+    if len(side.shards) != 1:
+        raise FormatError(f"{where}: a miss-tier sidecar is one file, not a split set")
+    version = side.metadata.get(TIER_KEYS["version"])
+    if version != TIER_VERSION:
+        raise FormatError(f"{where}: miss-tier sidecar version {version!r}; this aioexperts reads {TIER_VERSION}")
+    raw_type = side.metadata.get(TIER_KEYS["type"])
+    try:
+        ggml_type = GGMLQuantizationType(int(raw_type) if isinstance(raw_type, int) else -1)
+    except ValueError:
+        raise FormatError(f"{where}: unknown ggml type {raw_type!r}") from None
+    if ggml_type not in LOW_TYPES:
+        raise FormatError(f"{where}: type {ggml_type.name} is not a miss-tier type (Q2_K, Q3_K, IQ4_XS)")
+    recorded = {name: side.metadata.get(TIER_KEYS[name]) for name in ("sizes", "devs", "inos", "mtimes")}
+    ours = model_identity(model)
+    if recorded != ours:
+        diff = ", ".join(f"{name} {recorded[name]} != {ours[name]}" for name in ours if recorded[name] != ours[name])
+        raise StaleMapError(
+            f"the miss-tier sidecar {where} does not match the model {model.path} ({diff}); write it again "
+            "(aioexperts-tier)"
+        )
+    block, type_size = GGML_QUANT_SIZES[ggml_type]
+    segments: dict[tuple[int, int], tuple[Segment, Segment, Segment]] = {}
+    for moe in layout.layers.values():
+        for bank in moe.banks:
+            found: dict[str, tuple[int, int]] = {}  # projection -> (data offset, bytes per expert)
+            for projection, (rows, cols) in bank_shapes(bank).items():
+                name = tier_tensor_name(moe.index, projection, bank.index)
+                info = side.tensors.get(name)
+                if info is None:
+                    raise FormatError(f"{where}: tensor {name!r} is missing (layer {moe.index}, bank {bank.index})")
+                want = (cols, rows, bank.n_experts)
+                if info.ggml_type != ggml_type or info.dims != want:
+                    raise FormatError(
+                        f"{where}: {name} is {info.ggml_type.name} {list(info.dims)}, the model needs "
+                        f"{ggml_type.name} {list(want)}"
+                    )
+                per_expert = cols // block * type_size * rows
+                if cols % block or info.n_bytes != per_expert * bank.n_experts:
+                    raise FormatError(f"{where}: {name} holds {info.n_bytes} bytes, not {bank.n_experts} experts")
+                found[projection] = (info.data_offset, per_expert)
+            shapes = bank_shapes(bank)
+            for local in range(bank.n_experts):
+                gate, up, down = (
+                    Segment(0, found[p][0] + local * found[p][1], found[p][1], ggml_type, shapes[p])
+                    for p in ("gate", "up", "down")
+                )
+                segments[moe.index, bank.first_expert + local] = (gate, up, down)
+    return TierSidecar(where, side.shards[0], ggml_type, segments)

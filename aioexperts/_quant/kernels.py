@@ -1,0 +1,402 @@
+"""numba quantizers to Q2_K, Q3_K and IQ4_XS, operation for operation as ggml-quants.c's reference.
+
+Each follows llama.cpp's ``ggml/src/ggml-quants.c`` without an importance matrix:
+``quantize_row_q2_K_ref`` (with ``make_qkx2_quants``), ``quantize_row_q3_K_ref`` (with
+``make_q3_quants``) and ``quantize_iq4_xs`` (``quantize_row_iq4_nl_impl``, ``ntry`` 7). Every value is
+float32 and every operation is in the C source's order (compiled without fastmath: no FMA, no
+reassociation). ``nearest_int`` is round-half-to-even, as ggml's magic-number trick. The fp16
+fields (``GGML_FP32_TO_FP16``, round to nearest even) are written as float32 values already rounded
+to fp16 (:func:`round_half`) into ``halves``; the caller stores their fp16 bits. The blocks' other
+bytes are written into ``out`` (one row of ``type_size`` bytes per block).
+
+Kept in one module (the numba cache key covers only a function's own file: docs/notes/KERNELS.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .._compute.jit import kernel
+
+F32 = np.float32
+QK_K = 256
+GROUP_MAX_EPS = np.float32(1e-15)
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+@kernel(exact=True, inline=True)
+def round_half(f):
+    """The float32 value ``GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(f))`` (round to nearest even, inf past 65504)."""
+    v = float(f)
+    if v == 0.0 or not math.isfinite(v):
+        return np.float32(v)
+    _, e = math.frexp(v)  # v = m * 2**e, 0.5 <= |m| < 1: fp16 keeps 11 significant bits
+    ulp = e - 11
+    if ulp < -24:
+        ulp = -24  # fp16 subnormals: multiples of 2**-24
+    r = np.rint(math.ldexp(v, -ulp)) * math.ldexp(1.0, ulp)  # exact scalings, one RNE rounding
+    if abs(r) > 65504.0:
+        r = math.copysign(math.inf, v)
+    return np.float32(r)
+
+
+@kernel(exact=True, inline=True)
+def nearest_int(f):
+    return int(np.rint(f))
+
+
+@kernel(exact=True, inline=True)
+def make_qkx2_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep):
+    """(scale, the_min) and L, as ggml's make_qkx2_quants with use_mad = true."""
+    fmax = F32(nmax)
+    xmin = x[0]
+    xmax = x[0]
+    sum_w = weights[0]
+    sum_x = sum_w * x[0]
+    for i in range(1, n):
+        if x[i] < xmin:
+            xmin = x[i]
+        if x[i] > xmax:
+            xmax = x[i]
+        w = weights[i]
+        sum_w += w
+        sum_x += w * x[i]
+    if xmin > F32(0.0):
+        xmin = F32(0.0)
+    if xmax == xmin:
+        for i in range(n):
+            L[i] = 0
+        return F32(0.0), -xmin
+    iscale = fmax / (xmax - xmin)
+    scale = F32(1.0) / iscale
+    best_error = F32(0.0)
+    for i in range(n):
+        li = nearest_int(iscale * (x[i] - xmin))
+        L[i] = max(0, min(nmax, li))
+        diff = scale * F32(L[i]) + xmin - x[i]
+        diff = abs(diff)
+        best_error += weights[i] * diff
+    if nstep < 1:
+        return scale, -xmin
+    for step in range(nstep + 1):
+        iscale = (rmin + rdelta * F32(step) + fmax) / (xmax - xmin)
+        sum_l = F32(0.0)
+        sum_l2 = F32(0.0)
+        sum_xl = F32(0.0)
+        for i in range(n):
+            li = nearest_int(iscale * (x[i] - xmin))
+            li = max(0, min(nmax, li))
+            Laux[i] = li
+            w = weights[i]
+            fl = F32(li)
+            sum_l += w * fl
+            sum_l2 += w * fl * fl
+            sum_xl += w * fl * x[i]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        if D > F32(0.0):
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            if this_min > F32(0.0):
+                this_min = F32(0.0)
+                this_scale = sum_xl / sum_l2
+            cur_error = F32(0.0)
+            for i in range(n):
+                diff = this_scale * F32(Laux[i]) + this_min - x[i]
+                diff = abs(diff)
+                cur_error += weights[i] * diff
+            if cur_error < best_error:
+                for i in range(n):
+                    L[i] = Laux[i]
+                best_error = cur_error
+                scale = this_scale
+                xmin = this_min
+    return scale, -xmin
+
+
+@kernel(exact=True)
+def quantize_q2_k(x, out, halves):
+    """Q2_K blocks of ``x`` (float32, a multiple of 256): ``out`` (nb, 84) uint8, ``halves`` (nb, 2) d, dmin."""
+    nb = x.shape[0] // QK_K
+    L = np.zeros(QK_K, dtype=np.int64)
+    Laux = np.zeros(16, dtype=np.int64)
+    weights = np.zeros(16, dtype=np.float32)
+    mins = np.zeros(16, dtype=np.float32)
+    scales = np.zeros(16, dtype=np.float32)
+    q4scale = F32(15.0)
+    for i in range(nb):
+        xb = x[i * QK_K : (i + 1) * QK_K]
+        y = out[i]
+        max_scale = F32(0.0)
+        max_min = F32(0.0)
+        for j in range(16):
+            for l in range(16):
+                weights[l] = abs(xb[16 * j + l])
+            s, m = make_qkx2_quants(
+                16, 3, xb[16 * j : 16 * j + 16], weights, L[16 * j : 16 * j + 16], Laux, F32(-0.5), F32(0.1), 15
+            )
+            scales[j] = s
+            mins[j] = m
+            if s > max_scale:
+                max_scale = s
+            if m > max_min:
+                max_min = m
+        if max_scale > F32(0.0):
+            iscale = q4scale / max_scale
+            for j in range(16):
+                y[j] = nearest_int(iscale * scales[j]) & 0xFF
+            d = round_half(max_scale / q4scale)
+        else:
+            for j in range(16):
+                y[j] = 0
+            d = F32(0.0)
+        if max_min > F32(0.0):
+            iscale = q4scale / max_min
+            for j in range(16):
+                y[j] = (int(y[j]) | (nearest_int(iscale * mins[j]) << 4)) & 0xFF
+            dmin = round_half(max_min / q4scale)
+        else:
+            dmin = F32(0.0)
+        halves[i, 0] = d
+        halves[i, 1] = dmin
+        for j in range(16):
+            dj = d * F32(int(y[j]) & 0xF)
+            if dj == F32(0.0):
+                continue
+            dm = dmin * F32(int(y[j]) >> 4)
+            for ii in range(16):
+                li = nearest_int((xb[16 * j + ii] + dm) / dj)
+                L[16 * j + ii] = max(0, min(3, li))
+        for j in range(0, QK_K, 128):
+            for l in range(32):
+                y[16 + j // 4 + l] = L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6)
+
+
+@kernel(exact=True, inline=True)
+def make_q3_quants(n, nmax, x, L):
+    """ggml's make_q3_quants with do_rmse = true: the scale; L in 0..2*nmax-1."""
+    fmax = F32(nmax)
+    amax = F32(0.0)
+    xmax = F32(0.0)
+    for i in range(n):
+        ax = abs(x[i])
+        if ax > amax:
+            amax = ax
+            xmax = x[i]
+    if amax < GROUP_MAX_EPS:
+        for i in range(n):
+            L[i] = 0
+        return F32(0.0)
+    iscale = -fmax / xmax
+    sumlx = F32(0.0)
+    suml2 = F32(0.0)
+    for i in range(n):
+        li = nearest_int(iscale * x[i])
+        li = max(-nmax, min(nmax - 1, li))
+        L[i] = li
+        w = x[i] * x[i]
+        fl = F32(li)
+        sumlx += w * x[i] * fl
+        suml2 += w * fl * fl
+    for _ in range(5):
+        n_changed = 0
+        for i in range(n):
+            w = x[i] * x[i]
+            fl = F32(L[i])
+            slx = sumlx - w * x[i] * fl
+            if slx > F32(0.0):
+                sl2 = suml2 - w * fl * fl
+                new_l = nearest_int(x[i] * sl2 / slx)
+                new_l = max(-nmax, min(nmax - 1, new_l))
+                if new_l != L[i]:
+                    fn = F32(new_l)
+                    slx += w * x[i] * fn
+                    sl2 += w * fn * fn
+                    if sl2 > F32(0.0) and slx * slx * suml2 > sumlx * sumlx * sl2:
+                        L[i] = new_l
+                        sumlx = slx
+                        suml2 = sl2
+                        n_changed += 1
+        if n_changed == 0:
+            break
+    for i in range(n):
+        L[i] += nmax
+    return sumlx / suml2 if suml2 > F32(0.0) else F32(0.0)
+
+
+@kernel(exact=True)
+def quantize_q3_k(x, out, halves):
+    """Q3_K blocks of ``x``: ``out`` (nb, 110) uint8 (hmask, qs, scales; d left), ``halves`` (nb, 1) d."""
+    nb = x.shape[0] // QK_K
+    L = np.zeros(QK_K, dtype=np.int64)
+    scales = np.zeros(16, dtype=np.float32)
+    for i in range(nb):
+        xb = x[i * QK_K : (i + 1) * QK_K]
+        y = out[i]
+        max_scale = F32(0.0)
+        amax = F32(0.0)
+        for j in range(16):
+            s = make_q3_quants(16, 4, xb[16 * j : 16 * j + 16], L[16 * j : 16 * j + 16])
+            scales[j] = s
+            a = abs(s)
+            if a > amax:
+                amax = a
+                max_scale = s
+        for j in range(12):
+            y[96 + j] = 0
+        if max_scale != F32(0.0):
+            iscale = F32(-32.0) / max_scale
+            for j in range(16):
+                li = nearest_int(iscale * scales[j])
+                li = max(-32, min(31, li)) + 32
+                if j < 8:
+                    y[96 + j] = li & 0xF
+                else:
+                    y[96 + j - 8] = int(y[96 + j - 8]) | ((li & 0xF) << 4)
+                li >>= 4
+                y[96 + j % 4 + 8] = int(y[96 + j % 4 + 8]) | (li << (2 * (j // 4)))
+            d = round_half(F32(1.0) / iscale)
+        else:
+            d = F32(0.0)
+        halves[i, 0] = d
+        for j in range(16):
+            if j < 8:
+                low = np.int64(y[96 + j]) & 0xF
+            else:
+                low = np.int64(y[96 + j - 8]) >> 4
+            high = (np.int64(y[96 + 8 + j % 4]) >> (2 * (j // 4))) & 3
+            sc = (low | (high << 4)) - 32
+            dj = d * F32(sc)
+            if dj == F32(0.0):
+                continue
+            for ii in range(16):
+                li = nearest_int(xb[16 * j + ii] / dj)
+                L[16 * j + ii] = max(-4, min(3, li)) + 4
+        for j in range(32):
+            y[j] = 0
+        m = 0
+        hm = 1
+        for j in range(QK_K):
+            if L[j] > 3:
+                y[m] = int(y[m]) | hm
+                L[j] -= 4
+            m += 1
+            if m == 32:
+                m = 0
+                hm <<= 1
+        for j in range(0, QK_K, 128):
+            for l in range(32):
+                y[32 + j // 4 + l] = L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6)
+
+
+@kernel(exact=True, inline=True)
+def best_index_int8(values, x):
+    n = values.shape[0]
+    if x <= F32(values[0]):
+        return 0
+    if x >= F32(values[n - 1]):
+        return n - 1
+    ml = 0
+    mu = n - 1
+    while mu - ml > 1:
+        mav = (ml + mu) // 2
+        if x < F32(values[mav]):
+            mu = mav
+        else:
+            ml = mav
+    return mu - 1 if x - F32(values[mu - 1]) < F32(values[mu]) - x else mu
+
+
+@kernel(exact=True)
+def quantize_iq4_xs(x, out, halves, values):
+    """IQ4_XS blocks of ``x`` (quantize_row_iq4_nl_impl(QK_K, 32, ..., ntry 7) without quant weights):
+    ``out`` (nb, 136) uint8 (scales_h, scales_l, qs; d left), ``halves`` (nb, 1) d."""
+    nb = x.shape[0] // QK_K
+    L = np.zeros(QK_K, dtype=np.int64)
+    weight = np.zeros(32, dtype=np.float32)
+    scales = np.zeros(8, dtype=np.float32)
+    ntry = 7
+    v0 = F32(values[0])
+    for ibl in range(nb):
+        xs = x[ibl * QK_K : (ibl + 1) * QK_K]
+        y = out[ibl]
+        sigma2 = F32(0.0)
+        for j in range(QK_K):
+            sigma2 += xs[j] * xs[j]
+        sigma2 *= F32(2.0) / F32(QK_K)  # unused without quant weights, kept for the order of the source
+        for j in range(128):
+            y[8 + j] = 0
+        max_scale = F32(0.0)
+        amax_scale = F32(0.0)
+        for ib in range(8):
+            xb = xs[ib * 32 : ib * 32 + 32]
+            for j in range(32):
+                weight[j] = xb[j] * xb[j]
+            amax = F32(0.0)
+            xmax = F32(0.0)
+            for j in range(32):
+                ax = abs(xb[j])
+                if ax > amax:
+                    amax = ax
+                    xmax = xb[j]
+            if amax < GROUP_MAX_EPS:
+                scales[ib] = F32(0.0)
+                continue
+            d = -xmax / v0
+            id_ = F32(1.0) / d
+            sumqx = F32(0.0)
+            sumq2 = F32(0.0)
+            for j in range(32):
+                al = id_ * xb[j]
+                li = best_index_int8(values, al)
+                L[ib * 32 + j] = li
+                q = F32(values[li])
+                w = weight[j]
+                sumqx += w * q * xb[j]
+                sumq2 += w * q * q
+            d = sumqx / sumq2 if sumq2 > F32(0.0) else F32(0.0)
+            best = d * sumqx
+            for itry in range(-ntry, ntry + 1):
+                id_ = F32(itry + int(values[0])) / xmax
+                sumqx = F32(0.0)
+                sumq2 = F32(0.0)
+                for j in range(32):
+                    al = id_ * xb[j]
+                    li = best_index_int8(values, al)
+                    q = F32(values[li])
+                    w = weight[j]
+                    sumqx += w * q * xb[j]
+                    sumq2 += w * q * q
+                if sumq2 > F32(0.0) and sumqx * sumqx > best * sumq2:
+                    d = sumqx / sumq2
+                    best = d * sumqx
+            scales[ib] = d
+            abs_d = abs(d)
+            if abs_d > amax_scale:
+                amax_scale = abs_d
+                max_scale = d
+        scales_h = 0
+        d = -max_scale / F32(32.0)  # the source goes on with the unrounded d; only dh is fp16
+        halves[ibl, 0] = round_half(d)
+        id_ = F32(1.0) / d if d != F32(0.0) else F32(0.0)
+        for ib in range(8):
+            li = nearest_int(id_ * scales[ib])
+            li = max(-32, min(31, li))
+            dl = d * F32(li)
+            idl = F32(1.0) / dl if dl != F32(0.0) else F32(0.0)
+            for j in range(32):
+                L[ib * 32 + j] = best_index_int8(values, idl * xs[ib * 32 + j])
+            li += 32
+            l_l = li & 0xF
+            l_h = li >> 4
+            if ib % 2 == 0:
+                y[4 + ib // 2] = l_l
+            else:
+                y[4 + ib // 2] = int(y[4 + ib // 2]) | (l_l << 4)
+            scales_h |= l_h << (2 * (ib % 8))
+        y[2] = scales_h & 0xFF
+        y[3] = (scales_h >> 8) & 0xFF
+        for i in range(8):
+            for j in range(16):
+                y[8 + 16 * i + j] = L[32 * i + j] | (L[32 * i + 16 + j] << 4)

@@ -1,0 +1,149 @@
+"""Write a model's miss-tier sidecar: every routed expert dequantized and re-quantized to a low type.
+
+The file's layout and its key to the model: :mod:`aioexperts._format.tier_sidecar`. Each expert is
+dequantized exactly (``_format/dequant.py``, ggml's ``dequantize_row_*``) and quantized with our
+quantizers (:mod:`aioexperts._quant`, ggml's reference quantizers without an importance matrix), as
+``llama-quantize`` would requantize it without ``--imatrix``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFValueType, GGUFWriter
+
+from .._errors import ConfigError, FormatError
+from .._format.dequant import dequantize
+from .._format.layout import Bank, build_layout
+from .._format.model import GGUFModel, open_model
+from .._format.tier_sidecar import (
+    TIER_ARCH,
+    TIER_KEYS,
+    TIER_VERSION,
+    bank_shapes,
+    model_identity,
+    tier_tensor_name,
+)
+from . import TIER_TYPES, quantize, quantized_bytes
+
+__all__ = ("write_miss_tier",)
+
+Progress = Callable[[int, int], None]
+_PROJECTIONS = ("gate", "up", "down")
+
+
+def write_miss_tier(
+    model_path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    ggml_type: str = "Q3_K",
+    *,
+    progress: Progress | None = None,
+    threads: int | None = None,
+) -> Path:
+    """Write the miss-tier sidecar of the model at ``model_path`` to ``out_path``.
+
+    Blocking and CPU-bound (each expert is dequantized and quantized again: minutes per GB of
+    experts); the file appears whole or not at all (written beside, then renamed).
+
+    Args:
+        model_path: the model (a GGUF file or any shard of a split set).
+        out_path: the sidecar to write (replaced if it exists).
+        ggml_type: ``"Q2_K"``, ``"Q3_K"`` or ``"IQ4_XS"``.
+        progress: ``progress(expert bytes written, total)`` after each tensor.
+        threads: experts re-quantized at once (the numba kernels release the GIL); default the
+            CPUs this process may use.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ConfigError: an unknown type, or a matrix whose rows are not a multiple of 256 values.
+        FormatError: the model is malformed, or changed while it was read.
+        OSError: reading the model or writing the sidecar failed.
+    """
+    low = TIER_TYPES.get(ggml_type)
+    if low is None:
+        raise ConfigError(f"the miss tier's type must be one of {', '.join(TIER_TYPES)}, got {ggml_type!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"threads must be an int >= 1 or None, got {threads!r}")
+    n_threads = threads or len(os.sched_getaffinity(0))
+    model = open_model(model_path)
+    layout = build_layout(model)
+    plan: list[tuple[str, tuple[int, int, int], int, int, int]] = []  # name, shape, layer, bank, projection
+    for moe in layout.layers.values():
+        for bank in moe.banks:
+            for p, (projection, (rows, cols)) in enumerate(bank_shapes(bank).items()):
+                if cols % 256:
+                    raise ConfigError(
+                        f"layer {moe.index} bank {bank.index}: {projection} rows of {cols} values; the K-quants "
+                        "and IQ4_XS need a multiple of 256"
+                    )
+                plan.append(
+                    (
+                        tier_tensor_name(moe.index, projection, bank.index),
+                        (bank.n_experts, rows, cols),
+                        moe.index,
+                        bank.index,
+                        p,
+                    )
+                )
+    out = Path(out_path)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    writer = GGUFWriter(os.fspath(tmp), TIER_ARCH)
+    writer.add_name(f"aioexperts miss tier ({ggml_type}) of {os.path.basename(model.path)}")
+    writer.add_uint32(TIER_KEYS["version"], TIER_VERSION)
+    writer.add_uint32(TIER_KEYS["type"], int(low))
+    for name, values in model_identity(model).items():
+        writer.add_key_value(TIER_KEYS[name], values, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT64)
+    sizes = [quantized_bytes(low, shape[0] * shape[1] * shape[2]) for _, shape, *_ in plan]
+    for (name, shape, *_), n_bytes in zip(plan, sizes, strict=True):
+        writer.add_tensor_info(name, shape, np.dtype(np.float32), n_bytes, raw_dtype=low)
+    total, written = sum(sizes), 0
+    pool = ThreadPoolExecutor(n_threads, thread_name_prefix="aioexperts-tier")
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for (_, shape, layer, bank_index, p), n_bytes in zip(plan, sizes, strict=True):
+            moe = layout.layers[layer]
+            bank = next(b for b in moe.banks if b.index == bank_index)
+            data = np.empty((shape[0], n_bytes // shape[0]), dtype=np.uint8)
+
+            def requantize(
+                local: int, bank: Bank = bank, p: int = p, data: np.ndarray = data, layer: int = layer
+            ) -> None:
+                segment = bank.locate(layer, local).segments[p]
+                raw = np.frombuffer(_read(model, segment.shard, segment.offset, segment.n_bytes), dtype=np.uint8)
+                weights = dequantize(raw, segment.ggml_type, segment.shape)
+                data[local] = quantize(weights, low).reshape(-1)
+
+            list(pool.map(requantize, range(bank.n_experts)))  # re-raises the first failure
+            writer.write_tensor_data(data)
+            written += n_bytes
+            if progress is not None:
+                progress(written, total)
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        pool.shutdown(cancel_futures=True)
+    return out
+
+
+def _read(model: GGUFModel, shard: int, offset: int, n_bytes: int) -> bytes:
+    """``n_bytes`` at ``offset`` of shard ``shard``, checked to be the file that was parsed."""
+    info = model.shards[shard]
+    with open(info.path, "rb", buffering=0) as f:
+        if not info.matches(os.fstat(f.fileno())):
+            raise FormatError(f"{info.path} changed while the miss tier was written; write it again")
+        data = os.pread(f.fileno(), n_bytes, offset)
+    if len(data) != n_bytes:
+        raise FormatError(f"{info.path}: {n_bytes} bytes at offset {offset} gave {len(data)} (truncated?)")
+    return data

@@ -1,0 +1,79 @@
+"""``aioexperts-tier``: write a model's low-precision miss tier (a sidecar GGUF; issue 36).
+
+``aioexperts-tier MODEL [-o SIDECAR] [--type Q3_K|Q2_K|IQ4_XS] [--force]`` re-quantizes every routed
+expert of ``MODEL`` to the smaller type with ggml's reference quantizers (our own, byte for byte
+llama.cpp's) and writes them, keyed to the model's files, beside it (default
+``MODEL.miss-tier-TYPE.gguf``). Use it with ``aioexperts.load(MODEL, miss_tier=MissTier(path=SIDECAR))``
+or ``aioexperts-run --miss-tier SIDECAR``; a sidecar of another model, or of an older version of
+this one, is refused. It never writes over the model, and replaces an existing file only if it is a
+miss-tier sidecar, or with ``--force``. Progress goes to stderr; errors are one line with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from .. import AioExpertsError, __version__, open_model, write_miss_tier
+from ._common import HelpFormatter, refuse_to_overwrite
+
+__all__ = ("main",)
+
+TYPES = ("Q3_K", "Q2_K", "IQ4_XS")
+TIER_ARCH = "aioexperts-miss-tier"
+
+
+def default_output(model: str, ggml_type: str) -> str:
+    """``MODEL.miss-tier-TYPE.gguf`` beside the model (its ``.gguf`` suffix dropped)."""
+    stem = model[: -len(".gguf")] if model.endswith(".gguf") else model
+    return f"{stem}.miss-tier-{ggml_type}.gguf"
+
+
+def _is_sidecar(path: str) -> bool:
+    try:
+        return open_model(path).architecture == TIER_ARCH
+    except (AioExpertsError, OSError):
+        return False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; 0 on success, 2 on an error (one line on stderr)."""
+    parser = argparse.ArgumentParser(prog="aioexperts-tier", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("model", help="the model (a GGUF file or any shard of a split set)")
+    parser.add_argument("-o", "--out", default=None, help="the sidecar to write (default MODEL.miss-tier-TYPE.gguf)")
+    parser.add_argument("--type", default="Q3_K", choices=TYPES, help="the low ggml type")
+    parser.add_argument("--force", action="store_true", help="replace an existing file that is not a sidecar")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    args = parser.parse_args(argv)
+    out = args.out or default_output(os.path.expanduser(args.model), args.type)
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if not args.quiet and (now - last[0] >= 2.0 or done == total):
+            last[0] = now
+            print(f"aioexperts-tier: {done / 1e6:.0f} of {total / 1e6:.0f} MB written", file=sys.stderr, flush=True)
+
+    try:
+        refuse_to_overwrite(out, [args.model], ours=_is_sidecar, force=args.force, what="the sidecar")
+        t0 = time.monotonic()
+        path = write_miss_tier(os.path.expanduser(args.model), out, args.type, progress=progress)
+    except (AioExpertsError, OSError) as exc:
+        print(f"aioexperts-tier: {exc}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        size = os.path.getsize(path)
+        print(
+            f"aioexperts-tier: wrote {path} ({size / 1e6:.1f} MB, {args.type}) in {time.monotonic() - t0:.1f} s",
+            file=sys.stderr,
+        )
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
