@@ -95,14 +95,18 @@ def bench_matrix(
         return x1 @ quant.dequantize(view, qtype, shape, compiled=False).T
 
     def fused_float() -> object:
-        return fused.linear(view, qtype, shape, x1, out=out1)
+        fused.set_precision("float")
+        try:
+            return fused.linear(view, qtype, shape, x1, out=out1)
+        finally:
+            fused.set_precision(None)
 
     def fused_int8() -> object:
         fused.set_precision("int8")
         try:
             return fused.linear(view, qtype, shape, x1, out=out1)
         finally:
-            fused.set_precision("float")
+            fused.set_precision(None)
 
     def cold() -> object:
         cold_index[0] = (cold_index[0] + 1) % len(pool)

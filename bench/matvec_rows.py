@@ -74,7 +74,7 @@ def case_methods(
             try:
                 return fused.linear(view, qtype, shape, x, out=out)
             finally:
-                fused.set_precision("float")
+                fused.set_precision(None)
 
         return run
 
