@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from aioexperts._compute import fused
 from aioexperts._errors import ConfigError
 
-__all__ = ("SCORE_BYTES", "attend")
+__all__ = ("FLASH_TILE_QUERIES", "SCORE_BYTES", "attend")
 
 SCORE_BYTES = 64 << 20
 """A long prefill runs its queries in chunks whose score matrix stays within this many bytes."""
+FLASH_TILE_QUERIES = 64
+"""ggml-cpu's ``GGML_FA_TILE_Q``: batches of at least this many queries take its tiled flash
+attention (float32 queries and accumulators), smaller ones the one-chunk kernel (float16 queries
+and value accumulator)."""
 
 
 def attend(
@@ -32,11 +37,17 @@ def attend(
 ) -> np.ndarray:
     """Attention of ``n_tokens`` queries at positions ``start..start+n_tokens-1`` over the cache.
 
+    With a float16 cache (llama.cpp's default ``type_k``/``type_v``, flash attention on), fewer than
+    :data:`FLASH_TILE_QUERIES` queries follow ggml-cpu's one-chunk flash attention
+    (:mod:`aioexperts._compute.kernels.flash`: float16 queries and value accumulator); larger
+    batches (ggml's tiled kernel: float32 queries and accumulators) and the numpy backend compute
+    in float32 from the float16 keys and values.
+
     Args:
         q: ``(n_tokens, n_head, head_k)`` float32 (after RoPE).
-        k: ``(n_kv, n_head_kv, head_k)`` float32: cached keys of positions ``0..n_kv-1``
+        k: ``(n_kv, n_head_kv, head_k)`` float32 or float16: cached keys of positions ``0..n_kv-1``
             (``n_kv = start + n_tokens``).
-        v: ``(n_kv, n_head_kv, head_v)`` float32.
+        v: ``(n_kv, n_head_kv, head_v)``, the dtype of ``k``.
         start: position of the first query.
         scale: the score scale (``kq_scale``, e.g. ``1/sqrt(head_k)``).
         sinks: optional ``(n_head,)`` float32 sink logits (gpt-oss ``attn_sinks``).
@@ -52,6 +63,15 @@ def attend(
     n_kv, n_head_kv, _ = k.shape
     if n_kv != start + n_tokens or n_head % n_head_kv or k.shape[2] != head_k or v.shape[:2] != k.shape[:2]:
         raise ConfigError(f"attention: q {q.shape}, k {k.shape}, v {v.shape}, start {start} do not fit")
+    if k.dtype == np.float16 or v.dtype == np.float16:  # llama.cpp's F16 KV cache
+        k, v = k.astype(np.float32), v.astype(np.float32)
+        flash = fused.flash_kernel() if n_tokens < FLASH_TILE_QUERIES else None
+        if flash is not None:
+            out = np.empty((n_tokens, n_head, v.shape[2]), dtype=np.float32)
+            no_sinks = np.empty(0, dtype=np.float32)
+            sink_logits = no_sinks if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
+            flash(np.ascontiguousarray(q, dtype=np.float32), k, v, start, np.float32(scale), sink_logits, window, out)
+            return out.reshape(n_tokens, -1)
     chunk = max(1, SCORE_BYTES // (4 * n_head * n_kv))
     if n_tokens <= chunk:
         return _attend(q, k, v, start, scale, sinks, window)

@@ -26,14 +26,22 @@ bit for bit what it gets alone (cross-request batching uses it). Exact dequantiz
 :func:`aioexperts._format.dequant.dequantize` (the store's row views use it too); importing this module
 plugs the compiled ``dequant_<type>`` kernels into it.
 
-Precision (:func:`set_precision`, ``$AIOEXPERTS_PRECISION``): ``"float"`` (default) as above;
-``"int8"`` quantizes ``x`` per call to 8 bits, as llama.cpp's CPU kernels do (``quantize_row_q8_K``
-/ ``quantize_row_q8_0``), and takes integer dot products (``ggml_vec_dot_*_q8_*``) in the one-token
-kernels of the types listed by :func:`int8_types`; about 5e-3 relative error, like llama.cpp's. For
-the types of :func:`int8_batched_types` (Q8_0, Q4_K, Q6_K: whole-row AVX2 loops, see
-:mod:`aioexperts._compute.kernels.rowdot`) batches of 2 to :data:`INT8_BATCH_MAX` tokens run one
-``matmat_int8_<type>`` call that reads each weight row once for every token; each token's row of the
-result is bit for bit what the one-token kernel gives it.
+Precision (:func:`set_precision`, ``$AIOEXPERTS_PRECISION``, ``load(precision=...)``): ``"int8"``
+(the default) is llama.cpp's arithmetic: every product's ``x`` is converted to the weight type's
+``vec_dot_type`` with ggml's rounding (Q8_K, Q8_0, Q8_1, F16, BF16; F32 unchanged: see
+:mod:`aioexperts._compute.activations`), whatever the number of tokens. The one-token kernels of the
+types of :func:`int8_types` quantize ``x`` themselves and take integer dot products
+(``ggml_vec_dot_*_q8_*``); for the types of :func:`int8_batched_types` (Q8_0, Q4_K, Q6_K: whole-row
+AVX2 loops, see :mod:`aioexperts._compute.kernels.rowdot`) batches of 2 to :data:`INT8_BATCH_MAX`
+tokens run one ``matmat_int8_<type>`` call that reads each weight row once for every token, each
+token's row bit for bit what the one-token kernel gives it. Every other call (larger batches, other
+types, the numpy backend) runs the float kernels on the round trip of ``x`` through its
+vec_dot_type: llama.cpp's integer products to float32 rounding (Q4_1/Q5_1 add the block-sum term of
+Q8_1). The products then differ from a float64 product of the unrounded ``x`` by about 5e-3
+relative, as llama.cpp's do, and agree with llama.cpp's logits to about 1e-2 (the fixtures).
+``"float"`` multiplies the float32 ``x`` as it is (about 1e-6 from float64), which is further
+from llama.cpp: near-tie routing decisions and swiglu_oai's clamps turn the missing rounding into
+up to 0.18 relative at some positions of the llama.cpp-made fixtures.
 
 Backend: ``numba`` when it imports (see :mod:`aioexperts._compute.jit`), else ``numpy``, with one
 log line saying why; a kernel that fails to compile also switches the process to ``numpy`` (one log
@@ -59,6 +67,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from .._errors import ConfigError, FormatError, UnsupportedTypeError
 from .._format import dequant as _quant
+from .activations import q8_1_sum_error, quantized_round_trip
 from .jit import jit_status
 
 __all__ = (
@@ -71,6 +80,7 @@ __all__ = (
     "WarmupReport",
     "backend",
     "compiled_types",
+    "flash_kernel",
     "int8_batched_types",
     "int8_types",
     "linear",
@@ -248,13 +258,13 @@ def set_backend(name: BackendName | None) -> None:
 
 
 def precision() -> Precision:
-    """The precision of the one-token kernels: ``"float"`` (default) or ``"int8"``.
+    """The arithmetic of the products: ``"int8"`` (default: llama.cpp's) or ``"float"`` (module docstring).
 
     Raises:
         ConfigError: ``$AIOEXPERTS_PRECISION`` is set to something else.
     """
     if _state.precision is None:
-        value = os.environ.get(PRECISION_ENV, "float").strip().lower() or "float"
+        value = os.environ.get(PRECISION_ENV, "int8").strip().lower() or "int8"
         if value not in ("float", "int8"):
             raise ConfigError(f"{PRECISION_ENV} must be 'float' or 'int8', got {value!r}")
         _state.precision = value  # type: ignore[assignment]
@@ -263,10 +273,9 @@ def precision() -> Precision:
 
 
 def set_precision(value: Precision | None) -> None:
-    """Choose the precision of the one-token kernels for this process (None: from the environment).
+    """Choose the arithmetic of the products for this process (None: from the environment).
 
-    ``"int8"`` quantizes ``x`` to 8 bits per call, like llama.cpp (module docstring); it changes
-    only the types of :func:`int8_types` with the numba backend.
+    ``"int8"`` rounds ``x`` as llama.cpp does (module docstring); ``"float"`` keeps it float32.
 
     Raises:
         ConfigError: ``value`` is not ``"float"``, ``"int8"`` or None.
@@ -553,8 +562,45 @@ def linear(
                 raise
             _fail(exc, f"the {qtype.name} kernels")
     weights = _quant.dequantize(data, qtype, (rows, cols))
-    np.matmul(xs, weights.T, out=result)
+    _matmul_numpy(data, qtype, rows, weights, xs, result)
     return result
+
+
+def _matmul_numpy(
+    data: memoryview | np.ndarray,
+    qtype: GGMLQuantizationType,
+    rows: int,
+    weights: np.ndarray,
+    xs: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """``out = xs @ weights.T`` (dequantized ``weights``), with llama.cpp's rounding of ``xs`` under
+    the ``"int8"`` precision (:func:`_llama_activations`, :func:`_add_q8_1_sums`)."""
+    if precision() == "int8":
+        ys = _llama_activations(xs, qtype)
+        np.matmul(ys, weights.T, out=out)
+        _add_q8_1_sums(data, qtype, rows, xs, out)
+    else:
+        np.matmul(xs, weights.T, out=out)
+
+
+def _llama_activations(xs: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """``xs`` rounded to ``qtype``'s vec_dot_type and back (:mod:`aioexperts._compute.activations`),
+    read-only C-contiguous float32."""
+    return _readonly(np.ascontiguousarray(quantized_round_trip(xs, qtype), dtype=np.float32))
+
+
+def _add_q8_1_sums(
+    data: memoryview | np.ndarray, qtype: GGMLQuantizationType, rows: int, xs: np.ndarray, out: np.ndarray
+) -> None:
+    """For Q4_1 / Q5_1 weights, add ``m * (s - fp16(d) * sum(q))`` per block: the part of
+    ``ggml_vec_dot_q4_1_q8_1`` (``q5_1``) that a product with the round trip of ``xs`` leaves out."""
+    if qtype not in (T.Q4_1, T.Q5_1):
+        return
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    blocks = _quant.tensor_bytes(data).reshape(rows, -1, block_bytes)
+    mins = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[:, :, 0].astype(np.float32)
+    out += q8_1_sum_error(xs) @ mins.T
 
 
 def _arguments(
@@ -602,7 +648,7 @@ def linear_rows(
     if ready is None:  # numpy serves: dequantize once, then linear()'s numpy path row by row
         weights = _quant.dequantize(data, qtype, (rows, cols))
         for i in range(n):
-            np.matmul(xs[i : i + 1], weights.T, out=result[i : i + 1])
+            _matmul_numpy(data, qtype, rows, weights, xs[i : i + 1], result[i : i + 1])
         return result
     step = _invariant_rows(ready)
     for i in range(0, n, step):
@@ -651,14 +697,34 @@ def _by_rows(
 
 def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
     n = xs.shape[0]
-    int8 = ready.entry.int8_module is not None and precision() == "int8"
+    llama = precision() == "int8"
+    # the int8 kernels' quantizers lose NaN/inf (max() skips NaN): such x takes the round trip, which keeps them
+    int8 = ready.entry.int8_module is not None and llama and bool(np.isfinite(xs).all())
     if int8 and ready.entry.int8_batched and 1 < n <= INT8_BATCH_MAX:
         _split_rows(raw, _by_rows(_kernel(ready, qtype, "matmat_int8"), raw, xs, out))
-    elif not int8 and ready.entry.rows_module is not None and n <= ROWS_MAX_TOKENS:
+        return
+    if int8 and n <= MATVEC_MAX_TOKENS:
+        matvec_int8 = _kernel(ready, qtype, "matvec_int8")
+
+        def tokens_int8(r0: int, r1: int) -> None:
+            for t in range(n):
+                matvec_int8(raw[r0:r1], xs[t], out[t, r0:r1])
+
+        _split_rows(raw, tokens_int8)
+        return
+    if llama:  # the float kernels on llama.cpp's rounding of x: its integer products to float rounding
+        _linear_float(qtype, ready, raw, _llama_activations(xs, qtype), out)
+        _add_q8_1_sums(raw, qtype, raw.shape[0], xs, out)
+    else:
+        _linear_float(qtype, ready, raw, xs, out)
+
+
+def _linear_float(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
+    n = xs.shape[0]
+    if ready.entry.rows_module is not None and n <= ROWS_MAX_TOKENS:
         _split_rows(raw, _by_rows(_kernel(ready, qtype, "matrows"), raw, xs, out))
     elif n <= MATVEC_MAX_TOKENS:
-        kind: KernelKind = "matvec_int8" if int8 else "matvec"
-        matvec = _kernel(ready, qtype, kind)
+        matvec = _kernel(ready, qtype, "matvec")
 
         def tokens(r0: int, r1: int) -> None:
             for t in range(n):
@@ -671,6 +737,20 @@ def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, x
         weights = _workspace.matrix((raw.shape[0], xs.shape[1]))
         _kernel(ready, qtype, "dequant")(raw, weights)
         np.matmul(xs, weights.T, out=out)
+
+
+def flash_kernel() -> Callable[..., None] | None:
+    """The compiled :func:`aioexperts._compute.kernels.flash.flash_attend_f16` when numba serves,
+    else None (the numpy backend)."""
+    if backend().name != "numba":
+        return None
+    try:
+        module = importlib.import_module(f"{__package__}.kernels.flash")
+    except Exception as exc:  # a broken numba/llvmlite can raise anything at import
+        _fail(exc, "the flash attention kernel")
+        return None
+    fn: Callable[..., None] = module.flash_attend_f16
+    return fn
 
 
 def _dequantize_compiled(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int, out: np.ndarray) -> bool:

@@ -28,6 +28,7 @@ from numpy.typing import ArrayLike
 
 from aioexperts._checks import as_int_array, check_activations, describe
 from aioexperts._compute import fused as _fused
+from aioexperts._compute.activations import quantized_round_trip
 from aioexperts._compute.gating import select_experts
 from aioexperts._compute.pool import compute_pool
 from aioexperts._errors import ConfigError, FormatError, InvalidRequestError
@@ -84,6 +85,10 @@ class ResidentLayer:
         gate_exps_scale, up_exps_scale, down_exps_scale: ``blk.L.ffn_{gate,up,down}_exps.scale``,
             ``(n_layer_experts,)`` float32 or None: each expert's projection output is multiplied by
             its factor (qwen35moe; llama-graph.cpp ``build_lora_mm_id``).
+        shexp_types: the ggml types of the shared expert's gate, up and down in the file, or None
+            (float32 weights): under the default precision the shared expert's inputs are rounded
+            as llama.cpp's products with those types round them
+            (:func:`aioexperts._compute.activations.quantized_round_trip`).
         shexp_gate_scale, shexp_up_scale, shexp_down_scale: ``blk.L.ffn_{gate,up,down}_shexp.scale``
             (one value) or None: the shared expert's projections are multiplied by them (qwen35moe;
             ``build_lora_mm``).
@@ -107,6 +112,7 @@ class ResidentLayer:
     shexp_gate_scale: float | None = None
     shexp_up_scale: float | None = None
     shexp_down_scale: float | None = None
+    shexp_types: tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType] | None = None
 
     def __post_init__(self) -> None:
         router = _f32_matrix("router", self.router, None)
@@ -187,6 +193,7 @@ class ResidentLayer:
         tensor: TensorGetter,
         hparams: MoEHParams,
         token_experts: np.ndarray | None = None,
+        tensor_type: Callable[[str], GGMLQuantizationType | None] | None = None,
     ) -> ResidentLayer:
         """Collect a layer's resident weights through ``tensor(name)``.
 
@@ -203,6 +210,8 @@ class ResidentLayer:
             hparams: the model's MoE parameters; used to refuse dense layers and check widths.
             token_experts: ``blk.L.ffn_gate_tid2eid.weight`` as ``(n_vocab, k)`` integers (ggml
                 ``{k, n_vocab}`` I32), required for a hash-routed layer (``hparams.is_hash_layer``).
+            tensor_type: the ggml type of the named tensor in the file (None: unknown, taken as F32):
+                gives :attr:`shexp_types`.
 
         Returns:
             The layer's resident weights.
@@ -250,6 +259,7 @@ class ResidentLayer:
             shexp_gate_scale=one(prefix + "ffn_gate_shexp.scale"),
             shexp_up_scale=one(prefix + "ffn_up_shexp.scale"),
             shexp_down_scale=one(prefix + "ffn_down_shexp.scale"),
+            shexp_types=_shexp_types(prefix, tensor_type),
         )
         width = hparams.expert_width(layer)
         if resident.gate_exps_bias is not None and width and resident.gate_exps_bias.shape[1] != width:
@@ -858,14 +868,35 @@ def _geglu(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> No
     np.multiply(tmp, u, out=out)
 
 
+def _shexp_types(
+    prefix: str, tensor_type: Callable[[str], GGMLQuantizationType | None] | None
+) -> tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType] | None:
+    if tensor_type is None:
+        return None
+    gate, up, down = (tensor_type(f"{prefix}ffn_{p}_shexp.weight") for p in ("gate", "up", "down"))
+    if gate is None or up is None or down is None:
+        return None
+    return gate, up, down
+
+
+def _llama_rounded(x: np.ndarray, weight_type: GGMLQuantizationType | None) -> np.ndarray:
+    """``x`` as llama.cpp's product with ``weight_type`` weights sees it (the default precision), for a
+    product with those weights dequantized to float32; ``x`` itself under ``"float"``."""
+    if weight_type is None or _fused.precision() != "int8":
+        return x
+    return quantized_round_trip(x, weight_type)
+
+
 def _shared_forward(x: np.ndarray, resident: ResidentLayer, limit: float = 0.0) -> np.ndarray:
     """Shared expert: ``build_ffn(x, up_shexp, gate_shexp, down_shexp, LLM_FFN_SILU, LLM_FFN_PAR)``,
     times ``sigmoid(x . ffn_gate_inp_shexp)`` when the layer has that gate; each projection times its
     ``*_shexp.scale`` when the layer has one; ``ggml_swiglu_clamp`` when ``limit`` is set (DeepSeek-V4)."""
     gate_w, up_w, down_w = resident.shexp_gate, resident.shexp_up, resident.shexp_down
     assert gate_w is not None and up_w is not None and down_w is not None  # has_shared
-    g = _dense(gate_w, x)
-    u = _dense(up_w, x)
+    gate_t, up_t, down_t = resident.shexp_types or (None, None, None)
+    xg = _llama_rounded(x, gate_t)
+    g = _dense(gate_w, xg)
+    u = _dense(up_w, xg if up_t == gate_t else _llama_rounded(x, up_t))
     if resident.shexp_up_scale is not None:
         u *= np.float32(resident.shexp_up_scale)
     if resident.shexp_gate_scale is not None:
@@ -875,7 +906,7 @@ def _shared_forward(x: np.ndarray, resident: ResidentLayer, limit: float = 0.0) 
         _swiglu_clamp(g, u, tmp, g, limit)
     else:
         _swiglu(g, u, tmp, g)
-    out = _dense(down_w, g)
+    out = _dense(down_w, _llama_rounded(g, down_t))
     if resident.shexp_down_scale is not None:
         out *= np.float32(resident.shexp_down_scale)
     if resident.shexp_gate_inp is not None:

@@ -21,8 +21,10 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     Returns:
         A new float32 array of ``x``'s shape.
     """
-    mean = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
-    scale = (1.0 / np.sqrt(mean + eps)).astype(np.float32)
+    # ggml: sum += (ggml_float)(x * x); const float mean = sum / n; scale = 1.0f / sqrtf(mean + eps)
+    squares = np.square(x, dtype=np.float32).astype(np.float64)
+    mean = (squares.sum(axis=-1, keepdims=True) / x.shape[-1]).astype(np.float32)
+    scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps))
     y: np.ndarray = x * scale
     if weight is not None:
         y *= weight

@@ -40,6 +40,10 @@ def load_residents(model: GGUFModel, layout: ExpertLayout, hparams: MoEHParams) 
         raw = np.frombuffer(model.read_tensor_bytes(name), dtype=np.uint8)
         return dequantize(raw, info.ggml_type, info.shape)
 
+    def tensor_type(name: str) -> GGMLQuantizationType | None:
+        info = model.tensors.get(name)
+        return None if info is None else info.ggml_type
+
     def token_table(layer: int) -> np.ndarray | None:
         """``blk.L.ffn_gate_tid2eid.weight``: I32 ``{k, n_vocab}`` in ggml order, ``(n_vocab, k)`` here."""
         name = f"blk.{layer}.ffn_gate_tid2eid.weight"
@@ -61,7 +65,9 @@ def load_residents(model: GGUFModel, layout: ExpertLayout, hparams: MoEHParams) 
                 )
 
     return {
-        layer: ResidentLayer.from_tensors(layer, tensor, hparams, token_experts=token_table(layer))
+        layer: ResidentLayer.from_tensors(
+            layer, tensor, hparams, token_experts=token_table(layer), tensor_type=tensor_type
+        )
         for layer in layout.layers
     }
 

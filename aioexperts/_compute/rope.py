@@ -49,22 +49,33 @@ def rope_cos_sin(
         ``(cos, sin)``, each ``(n_tokens, n_rot/2)`` float32, already multiplied by the magnitude
         factor (``attn_factor``, and YaRN's ``1 + 0.1 ln(1/freq_scale)`` when ``ext_factor != 0``).
     """
+    f32 = np.float32
     n_dims = params.n_rot
     half = n_dims // 2
-    i = np.arange(half, dtype=np.float64)
-    inv_freq = params.freq_base ** (-2.0 * i / n_dims)
-    if freq_factors is not None:
-        inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)[:half]
-    theta_extrap = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-    theta = params.freq_scale * theta_extrap  # rope_yarn: theta_interp
-    mscale = params.attn_factor
+    # float32 throughout, as ggml: theta_scale = powf(base, -2.0f / n_dims), theta *= theta_scale per pair
+    theta_scale = f32(np.float64(params.freq_base) ** np.float64(f32(-2.0) / f32(n_dims)))
+    theta_p = np.asarray(positions, dtype=np.float32).copy()
+    factors = None if freq_factors is None else np.asarray(freq_factors, dtype=np.float32)[:half]
+    freq_scale = f32(params.freq_scale)
+    mscale = f32(params.attn_factor)
+    ramp = None
     if params.ext_factor != 0.0:
         low, high = yarn_corr_dims(n_dims, params.n_ctx_orig, params.freq_base, params.beta_fast, params.beta_slow)
-        y = (i - low) / max(0.001, high - low)
-        ramp_mix = (1.0 - np.clip(y, 0.0, 1.0)) * params.ext_factor
-        theta = theta * (1.0 - ramp_mix) + theta_extrap * ramp_mix
-        mscale *= 1.0 + 0.1 * math.log(1.0 / params.freq_scale)
-    return (np.cos(theta) * mscale).astype(np.float32), (np.sin(theta) * mscale).astype(np.float32)
+        y = (np.arange(half, dtype=np.float32) - f32(low)) / max(f32(0.001), f32(high) - f32(low))
+        ramp = (f32(1.0) - np.minimum(f32(1.0), np.maximum(f32(0.0), y))) * f32(params.ext_factor)
+        mscale = f32(mscale * f32(f32(1.0) + f32(0.1) * f32(math.log(1.0 / params.freq_scale))))
+    cos = np.empty((theta_p.size, half), dtype=np.float32)
+    sin = np.empty((theta_p.size, half), dtype=np.float32)
+    for k in range(half):
+        extrap = theta_p if factors is None else theta_p / factors[k]
+        theta = freq_scale * extrap
+        if ramp is not None:
+            theta = theta * (f32(1.0) - ramp[k]) + extrap * ramp[k]
+        # cosf / sinf (correctly rounded in glibc's float32 versions), then times mscale in float32
+        cos[:, k] = np.cos(theta.astype(np.float64)).astype(np.float32) * mscale
+        sin[:, k] = np.sin(theta.astype(np.float64)).astype(np.float32) * mscale
+        theta_p = theta_p * theta_scale
+    return cos, sin
 
 
 class RopeTable:

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aioexperts._batch import DEFAULT_BATCH_WAIT, check_batch_wait
+from aioexperts._compute.fused import Precision
 from aioexperts._errors import ConfigError
+from aioexperts._model.kvcache import KV_TYPES, KVType
 from aioexperts._router import PrefetchOptions
 from aioexperts._runner import MoERunner
 
@@ -35,6 +37,10 @@ class LoadOptions:
         batch_wait: seconds of cross-request batching (0: off).
         hits_first: compute a layer's resident experts while its other experts are read.
         record_trace: record every routing decision.
+        kv_type: the KV cache's element type, ``"f16"`` (llama.cpp's default) or ``"f32"``.
+        precision: the products' arithmetic for this process, ``"int8"`` (llama.cpp's) or
+            ``"float"`` (:func:`aioexperts._compute.fused.set_precision`), or None: as it is
+            (``$AIOEXPERTS_PRECISION``, default ``"int8"``).
 
     Raises:
         ConfigError: an option of the wrong type or out of range.
@@ -47,8 +53,14 @@ class LoadOptions:
     batch_wait: float = DEFAULT_BATCH_WAIT
     hits_first: bool = True
     record_trace: bool = False
+    kv_type: KVType = "f16"
+    precision: Precision | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_type not in KV_TYPES:
+            raise ConfigError(f"kv_type must be one of {sorted(KV_TYPES)}, got {self.kv_type!r}")
+        if self.precision not in (None, "int8", "float"):
+            raise ConfigError(f"precision must be 'int8', 'float' or None, got {self.precision!r}")
         n_ctx = self.n_ctx
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
             raise ConfigError(f"n_ctx must be an int >= 1, got {n_ctx!r}")

@@ -134,6 +134,9 @@ class DSV4Block:
             heads that the output groups do not divide, ``head_count_kv`` other than 1.
     """
 
+    #: the cache stays float32 whatever ``load(kv_type=)`` says (window keys and compressor state)
+    kv_float32 = True
+
     def __init__(self, hp: ModelHParams, reader: TensorReader, layer: int) -> None:
         p = f"blk.{layer}."
         self.hp, self.layer = hp, layer

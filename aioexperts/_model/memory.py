@@ -230,12 +230,13 @@ def resident_weight_bytes(model: GGUFModel, hp: ModelHParams, resident_embedding
     return total
 
 
-def kv_bytes_per_position(hp: ModelHParams, model: GGUFModel | None = None) -> int:
-    """KV cache bytes of one position over every layer, before the blocks are built: float32 K and V
-    (deepseek4: what its blocks keep, :func:`~aioexperts._model.dsv4_block.dsv4_cache_shapes`)
-    of ``n_head_kv`` heads per layer, or, for an MLA block with ``model`` given, its latent and
-    rotated key (``kv_lora_rank + rope_dims`` floats, :mod:`aioexperts._model.mla_block`); qwen35moe's
-    gated delta net layers (``model`` given) none (their per-sequence state is not per position).
+def kv_bytes_per_position(hp: ModelHParams, model: GGUFModel | None = None, element_bytes: int = 2) -> int:
+    """KV cache bytes of one position over every layer, before the blocks are built: K and V of
+    ``n_head_kv`` heads per layer, or, for an MLA block with ``model`` given, its latent and
+    rotated key (``kv_lora_rank + rope_dims`` values, :mod:`aioexperts._model.mla_block`), of
+    ``element_bytes`` each (2: the default F16 cache; 4: ``kv_type="f32"``); deepseek4: what its
+    blocks keep, in float32 whatever the KV type (:func:`~aioexperts._model.dsv4_block.dsv4_cache_shapes`);
+    qwen35moe's gated delta net layers (``model`` given) none (their per-sequence state is not per position).
 
     Raises:
         FormatError: an MLA or deepseek4 model whose attention keys are missing or malformed, a
@@ -244,11 +245,11 @@ def kv_bytes_per_position(hp: ModelHParams, model: GGUFModel | None = None) -> i
     if hp.record.block == "dsv4":  # window keys, compressor inputs and rows (aioexperts/_model/dsv4_block.py)
         return max(1, 4 * sum(math.prod(s) for il in range(hp.n_layer) for s in dsv4_cache_shapes(hp, il).values()))
     if model is not None and hp.record.block == "mla":
-        return max(1, 4 * hp.n_layer * MLAHParams.from_metadata(hp.arch, model.metadata).cache_width)
+        return max(1, element_bytes * hp.n_layer * MLAHParams.from_metadata(hp.arch, model.metadata).cache_width)
     n_layer = hp.n_layer
     if model is not None and hp.record.block == "qwen35":  # the gated delta net layers keep no K/V
         n_layer -= sum(DeltaNetHParams.from_metadata(hp.arch, model.metadata, hp.n_layer).recurrent)
-    return max(1, 4 * n_layer * hp.n_head_kv * (hp.head_k + hp.head_v))
+    return max(1, element_bytes * n_layer * hp.n_head_kv * (hp.head_k + hp.head_v))
 
 
 def kv_reserve_bytes(hp: ModelHParams, n_ctx: int | None, memory_budget: int, per_position: int | None = None) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 
 from aioexperts._batch import DEFAULT_BATCH_WAIT
 from aioexperts._compute import fused
+from aioexperts._compute.fused import Precision
 from aioexperts._errors import (
     AioExpertsError,
     ConfigError,
@@ -32,7 +33,7 @@ from aioexperts._model import text as _text
 from aioexperts._model.blocks import RecurrentBlock
 from aioexperts._model.config import DEFAULT_RESIDENT_EMBEDDING_BYTES, LoadOptions
 from aioexperts._model.forward import ForwardCounters, ForwardPass, load_weights
-from aioexperts._model.kvcache import KVCache, cache_bytes_per_position, state_bytes
+from aioexperts._model.kvcache import KV_ELEMENT_BYTES, KVCache, KVType, cache_bytes_per_position, state_bytes
 from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_bytes_per_position, kv_reserve_bytes
 from aioexperts._model.sessions import Generation, ModelSequence, Sampler
 from aioexperts._options import CacheOptions, IOOptions, MissTier, PageCacheOptions
@@ -165,6 +166,7 @@ class Model:
         self._n_ctx = 0
         self._kv_per_position = 0
         self._layer_shapes: list[dict[str, tuple[int, ...]]] = []
+        self._kv_types: list[KVType] = []
         self._layer_states: list[dict[str, tuple[int, ...]]] = []  # recurrent blocks' per-sequence state
         self._state_bytes = 0
         self._moe_layers: frozenset[int] = frozenset()
@@ -224,9 +226,15 @@ class Model:
             weights = await run_in_worker(
                 load_weights, store.model, hp, moe_layers, self.options.resident_embedding_bytes
             )
+            if self.options.precision is not None:
+                fused.set_precision(self.options.precision)
             await run_in_worker(fused.warmup, weights.ggml_types())
             self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
-            self._kv_per_position = cache_bytes_per_position(self._layer_shapes)
+            # deepseek4's cache (window keys, compressor state) stays float32 whatever the KV type
+            self._kv_types = [
+                "f32" if getattr(layer.block, "kv_float32", False) else self.options.kv_type for layer in weights.layers
+            ]
+            self._kv_per_position = cache_bytes_per_position(self._layer_shapes, self._kv_types)
             self._layer_states = [
                 dict(layer.block.state_shapes()) if isinstance(layer.block, RecurrentBlock) else {}
                 for layer in weights.layers
@@ -249,7 +257,8 @@ class Model:
         """Before any store work (a worker thread: it reads the memory limit): refuse a KV cache
         that cannot fit, and size the slab from the limit when no size was given. Returns the
         store's options."""
-        per_position = kv_bytes_per_position(hp, gguf)
+        element = 4 if hp.record.block == "dsv4" else KV_ELEMENT_BYTES[self.options.kv_type]
+        per_position = kv_bytes_per_position(hp, gguf, element)
         if self.options.n_ctx is not None:  # a KV cache that cannot fit: refused before any store work
             self._check_kv_budget(self.options.n_ctx, per_position)
             _memory.check_kv_fits(self.options.n_ctx, self.options.n_ctx * per_position)
@@ -391,7 +400,7 @@ class Model:
             StoreClosedError: the model is not started or closed.
         """
         self._started()
-        seq = ModelSequence(self, KVCache(self._layer_shapes, self._n_ctx, self._layer_states))
+        seq = ModelSequence(self, KVCache(self._layer_shapes, self._n_ctx, self._layer_states, self._kv_types))
         self._live.add(id(seq))
         self._live_bytes += self._n_ctx * self._kv_per_position + self._state_bytes
         return seq
@@ -683,6 +692,8 @@ def load(
     batch_wait: float | None = DEFAULT_BATCH_WAIT,
     hits_first: bool = True,
     record_trace: bool = False,
+    kv_type: KVType = "f16",
+    precision: Precision | None = None,
     miss_tier: MissTier | None = None,
 ) -> Model:
     """Prepare the whole model at ``path``; start it with ``async with``.
@@ -732,6 +743,14 @@ def load(
             (the result does not change).
         record_trace: record every routing decision (:meth:`MoERunner.routing_trace` of
             :attr:`Model.runner`).
+        kv_type: the KV cache's element type: ``"f16"`` (default, llama.cpp's ``type_k``/``type_v``:
+            half the memory, llama.cpp's rounding and flash attention arithmetic) or ``"f32"``.
+        precision: the arithmetic of every matrix product, for the whole process (the kernels'
+            switch, :func:`aioexperts._compute.fused.set_precision`): ``"int8"`` (llama.cpp's:
+            activations rounded to each weight type's ``vec_dot_type``, integer dot products; about
+            2e-2 relative from llama.cpp's logits on the quantized fixtures) or ``"float"`` (float32
+            activations: up to 0.1 from llama.cpp where near-tie routing flips; the int8 kernels are
+            the faster ones per call). None (default): ``$AIOEXPERTS_PRECISION``, else ``"int8"``.
         miss_tier: the low-precision miss tier (opt-in, :class:`~aioexperts.MissTier`, as
             :func:`aioexperts.open`): misses its policy chooses are read from a sidecar of smaller
             experts (``aioexperts-tier``; docs/miss-tier.md). Default off: the numerics do not change.
@@ -752,6 +771,8 @@ def load(
         batch_wait=batch_wait,  # type: ignore[arg-type]  # None is 0 (off), checked
         hits_first=hits_first,
         record_trace=record_trace,
+        kv_type=kv_type,
+        precision=precision,
     )
     options: dict[str, Any] = {
         "slots": slots,

@@ -54,10 +54,11 @@ class DenseMatrix:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """``x @ W.T``: ``(n_tokens, cols)`` float32 -> new ``(n_tokens, rows)`` float32.
 
-        ``x`` is first rounded as llama.cpp's CPU product rounds it for this type
-        (:func:`aioexperts._compute.activations.round_activations`).
+        ``x`` is rounded as llama.cpp's CPU product rounds it for this type: to its vec_dot_type
+        under the default precision (:func:`aioexperts._compute.fused.linear`), to F16/BF16 for such
+        weights under ``"float"`` (:func:`aioexperts._compute.activations.round_activations`).
         """
-        return fused.linear(self.raw, self.ggml_type, self.shape, round_activations(x, self.ggml_type))
+        return fused.linear(self.raw, self.ggml_type, self.shape, _float_rounding(x, self.ggml_type))
 
     def invariant(self, x: np.ndarray, row_range: tuple[int, int] | None = None) -> np.ndarray:
         """``x @ W.T`` with each row of ``x`` bit for bit its one-row result :meth:`__call__`
@@ -67,7 +68,7 @@ class DenseMatrix:
         """
         r0, r1 = (0, self.shape[0]) if row_range is None else row_range
         raw = self.raw if (r0, r1) == (0, self.shape[0]) else self.raw[r0 * self.row_bytes : r1 * self.row_bytes]
-        x = round_activations(x, self.ggml_type)
+        x = _float_rounding(x, self.ggml_type)
         return fused.linear_rows(raw, self.ggml_type, (r1 - r0, self.shape[1]), x)
 
     def rows(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -75,6 +76,12 @@ class DenseMatrix:
         idx = np.asarray(ids, dtype=np.int64)
         picked = np.ascontiguousarray(self.raw.reshape(self.shape[0], -1)[idx])
         return dequantize(picked, self.ggml_type, (len(idx), self.shape[1]))
+
+
+def _float_rounding(x: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """``x`` rounded to F16/BF16 weights' type under the ``"float"`` precision (the default
+    precision rounds every product's ``x`` inside :func:`aioexperts._compute.fused.linear`)."""
+    return round_activations(x, ggml_type) if fused.precision() == "float" else x
 
 
 #: weight rows of one part of a split product at least (smaller matrices are not split)

@@ -76,8 +76,8 @@ def test_json_is_one_parseable_object_with_the_same_text(tiny_full_model: Path) 
     assert 0 <= ex["stall_seconds_per_token"] and ex["device_bytes_per_second"] > 0
     memory = report["memory"]
     assert memory["rss_bytes"] > 0 and memory["slab_bytes"] > 0 and memory["resident_weight_bytes"] > 0
-    # layers * (K, V) * KV heads * head size * float32
-    assert memory["kv_cache_bytes"] == report["n_ctx"] * 2 * 2 * 2 * 64 * 4
+    # layers * (K, V) * KV heads * head size * float16 (the default KV type)
+    assert memory["kv_cache_bytes"] == report["n_ctx"] * 2 * 2 * 2 * 64 * 2
     assert report["n_ctx"] == 512  # the file's context length, under the default 4096
     assert memory["peak_rss_bytes"] >= memory["rss_bytes"]
 
@@ -228,7 +228,7 @@ def test_a_slab_other_than_asked_for_is_said_on_stderr(tiny_full_model: Path) ->
         (["NOT_GGUF", "-p", "x"], "not a GGUF file"),
         (["MODEL", "-p", "x", "--ctx", "4"], "more than n_ctx=4"),
         # issue 31: a KV cache beyond the memory limit was a numpy MemoryError traceback and exit 1
-        (["MODEL", "-p", "x", "--ctx", "99999999"], "n_ctx=99999999 needs 204799997952 bytes"),
+        (["MODEL", "-p", "x", "--ctx", "99999999"], "n_ctx=99999999 needs 102399998976 bytes"),  # F16 K, V
     ],
 )
 def test_bad_arguments_and_files_exit_2_with_one_line(

@@ -82,6 +82,17 @@ def tensor_getter(path: Path):
     return get
 
 
+def type_getter(path: Path):
+    """``tensor_type(name) -> the tensor's ggml type | None`` (``ResidentLayer.from_tensors``)."""
+    by_name = _tensors(path)
+
+    def get(name: str) -> GGMLQuantizationType | None:
+        t = by_name.get(name)
+        return None if t is None else GGMLQuantizationType(t.tensor_type)
+
+    return get
+
+
 def _row_bytes(ggml_type: GGMLQuantizationType, ne0: int) -> int:
     block, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
     assert ne0 % block == 0, (ggml_type, ne0)

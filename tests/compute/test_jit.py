@@ -110,11 +110,11 @@ def test_an_edited_helper_in_another_module_never_runs_stale_code(tmp_path) -> N
     copy = tmp_path / "src"
     shutil.copytree(PACKAGE, copy / "aioexperts", ignore=shutil.ignore_patterns("__pycache__"))
     cache = tmp_path / "cache"
-    first = run_python(PROBE, cache=cache, pythonpath=copy)
+    first = run_python(PROBE, cache=cache, pythonpath=copy, AIOEXPERTS_PRECISION="float")  # matvec_q4_k
     assert first["backend"] == "numba"
     assert str(first["package"]).startswith(str(copy))
     assert first["compiled"] == 1 and first["loaded"] == 0
-    again = run_python(PROBE, cache=cache, pythonpath=copy)
+    again = run_python(PROBE, cache=cache, pythonpath=copy, AIOEXPERTS_PRECISION="float")
     assert again["loaded"] == 1 and again["compiled"] == 0  # a warm start loads it
     assert again["y"] == first["y"]
 
@@ -123,7 +123,7 @@ def test_an_edited_helper_in_another_module_never_runs_stale_code(tmp_path) -> N
     edited = source.replace("        out[j] = s\n", "        out[j] = s + F32(1.0)\n")
     assert edited != source
     common.write_text(edited)
-    after = run_python(PROBE, cache=cache, pythonpath=copy)
+    after = run_python(PROBE, cache=cache, pythonpath=copy, AIOEXPERTS_PRECISION="float")
     assert after["compiled"] == 1 and after["loaded"] == 0
     assert after["cache"] != first["cache"]
     assert after["y"] != first["y"]  # the edit is in the machine code that ran
@@ -157,7 +157,7 @@ def test_the_numpy_kernels_serve_when_numba_is_missing(tmp_path) -> None:
         "kernels": list(report.kernels),
     }))
     """
-    result = run_python(code, cache=tmp_path)
+    result = run_python(code, cache=tmp_path, AIOEXPERTS_PRECISION="float")  # "close": to float64
     assert result["backend"] == "numpy"
     assert "numba cannot be imported (ModuleNotFoundError" in str(result["reason"])
     assert result["close"] and result["exact"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,14 @@ from aioexperts._compute import fused
 pytestmark = pytest.mark.skipif(fused.backend().name != "numba", reason="the numba backend serves matrows")
 
 SHAPES = [(96, 512), (40, 768)]
+
+
+@pytest.fixture(autouse=True)
+def float_precision() -> Iterator[None]:
+    """matrows_<type> serves the float precision (the int8 one has its own batch kernels)."""
+    fused.set_precision("float")
+    yield
+    fused.set_precision(None)
 
 
 def _q4_k(rows: int, cols: int, seed: int) -> np.ndarray:

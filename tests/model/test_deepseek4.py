@@ -10,6 +10,7 @@ activations), 6.1e-6 at the logits against the F32-KV golden.
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import aioexperts
 from aioexperts._compute.hyper import hc_coefficients, hc_head_weights, hc_post, hc_pre
 from aioexperts._format.architectures import model_hparams
 from aioexperts._format.model import open_model
-from aioexperts._model.dsv4_block import DSV4Block
+from aioexperts._model.dsv4_block import DSV4Block, dsv4_cache_shapes
 from aioexperts._model.kvcache import KVCache
 from aioexperts._model.memory import kv_bytes_per_position
 from aioexperts._model.weights import TensorReader
@@ -50,7 +51,7 @@ def reader_and_hparams(path: Path) -> tuple[TensorReader, Any]:
 
 
 def new_cache(block: DSV4Block, n_ctx: int = 512) -> dict[str, np.ndarray]:
-    return KVCache([block.cache_shapes()], n_ctx).layer(0)
+    return KVCache([block.cache_shapes()], n_ctx, kv_type="f32").layer(0)  # as the model keeps it (kv_float32)
 
 
 # -- hyper-connections ------------------------------------------------------------------------------
@@ -346,3 +347,19 @@ def test_aioexperts_run_generates_from_the_file(with_tokenizer: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() and "Traceback" not in done.stderr
+
+
+def test_the_model_keeps_the_deepseek4_cache_in_float32() -> None:
+    """The default F16 KV type does not apply to deepseek4's window keys and compressor state."""
+
+    async def main() -> tuple[set[np.dtype[Any]], int]:
+        async with aioexperts.load(F32, slots=8, io=THREADS, n_ctx=64) as model:
+            async with model.sequence() as seq:
+                assert seq._cache is not None
+                dtypes = {a.dtype for il in range(model.hparams.n_layer) for a in seq._cache.layer(il).values()}
+            return dtypes, model.statistics().kv_bytes_per_position
+
+    dtypes, per_position = anyio.run(main)
+    assert dtypes == {np.dtype(np.float32)}
+    r, hp = reader_and_hparams(F32)
+    assert per_position == sum(4 * math.prod(s) for il in range(hp.n_layer) for s in dsv4_cache_shapes(hp, il).values())

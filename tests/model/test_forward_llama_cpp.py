@@ -1,15 +1,15 @@
 """The whole model against llama.cpp: logits, every layer's residual, greedy continuations (forward.npz).
 
-Every shared fixture with a ``<model>.forward.npz`` is checked (the glob picks up new files). Bounds
-(relative L2, per position and per layer): the issue's 1e-2 for BF16 and 8e-2 for quantized files;
-positions where the router chose other experts than llama.cpp did (``topk-L`` of the golden file:
-near-ties that the two implementations' rounding breaks differently) are left out of the
-per-position check, at most two of them, and are still inside the all-positions bound. For F32
-files 3e-3 instead of 1e-4, because llama.cpp ran with its default F16 KV cache and CPU flash attention,
-which rounds q, k and v to F16 and accumulates the values in F16 (ggml-cpu/ops.cpp
-``ggml_compute_forward_flash_attn_ext_f16_one_chunk``): that alone puts 2e-4 into the first
-attention output (``test_f32_gap_is_llama_cpp_f16_attention`` shows it), and the later layers grow
-it to 5e-4..9e-4. This forward pass computes attention in float32.
+Every shared fixture with a ``<model>.forward.npz`` is checked (the glob picks up new files), under
+the defaults, which are llama.cpp's arithmetic: every product's activations rounded to the weight
+type's ``vec_dot_type`` (aioexperts/_compute/activations.py), an F16 KV cache read the way ggml-cpu's
+flash attention reads it (aioexperts/_compute/kernels/flash.py). Bounds (relative L2 over all
+positions, and per layer): 3e-4 for F32 files (what is left is float32 noise that flips some F16
+roundings of the KV cache), 1e-2 for BF16, 5e-2 for quantized files, with the same argmax as
+llama.cpp at 15 of the 16 positions at least. Per position, twice these bounds except at positions
+where the router chose other experts than llama.cpp did (``topk-L`` of the golden file: near-ties
+that the two implementations' float rounding breaks differently), at most two of them, which are
+still inside the all-positions bound.
 """
 
 from __future__ import annotations
@@ -28,14 +28,6 @@ from aioexperts._compute.attention import attend
 
 FORWARD = [p for p in shared_fixture_paths() if p.with_name(p.stem + ".forward.npz").exists()]
 UNSUPPORTED_YET: set[str] = set(WHOLE_MODEL_PENDING)  # architectures the forward pass refuses (issue 34)
-KNOWN_OVER_BOUND = {
-    # llama.cpp rounds the activations of every quantized product to Q8_0/Q8_K; this executor does
-    # not (float32 activations), and through swiglu_oai's clamps the MXFP4 experts of layer 1 turn
-    # that into 6e-2 (measured 8.9e-2 over all positions)
-    "gpt-oss-mxfp4_moe": "float32 activations where llama.cpp uses Q8_0; measured 8.9e-2 > 8e-2",
-    # one position at 8.6e-2 (no routing difference visible in the golden's layers 0-1)
-    "qwen2moe-q4_k_m": "float32 activations where llama.cpp uses Q8_K; one position at 8.6e-2 > 8e-2",
-}
 #: per-position bounds above the file's bound, where the fixture README measured an independent float64
 #: recomputation that far off at one position: deepseek4's indexer near-ties (its layer 3 at positions
 #: 82, 207, 248) meet llama.cpp's F16 attention rounding (worst position 8.7e-3, all 250 argmax equal)
@@ -49,12 +41,25 @@ KNOWN_OVER_BOUND_DSV4 = {
 THREADS = aioexperts.IOOptions(backend="threads")
 
 
+#: deepseek4 keeps its cache (window keys, compressor state) in float32 where llama.cpp's is F16, so
+#: its F32 file keeps main's 3e-3 (measured 1.2e-3)
+FILE_BOUND = {"deepseek4-f32": 3e-3}
+#: files whose one-batch prefill and token-by-token decode may differ beyond the bounds below
+PREFILL_DECODE_DIFFER = {
+    # 250 tokens: 8-bit rounding flips between the batch and one-token products move the indexer's
+    # top-k near-ties (the README: llama.cpp's activation rounding moves them against float64 too)
+    "deepseek4-q4_k_m": "the indexer's near-ties follow 8-bit rounding flips (107 of 250 positions over 4e-2)",
+}
+
+
 def bound(path: Path) -> float:
+    if path.stem in FILE_BOUND:
+        return FILE_BOUND[path.stem]
     if path.stem.endswith("-f32"):
-        return 3e-3
+        return 3e-4
     if path.stem.endswith("-bf16"):
         return 1e-2
-    return 8e-2
+    return 5e-2
 
 
 def arch_of(path: Path) -> str:
@@ -117,21 +122,21 @@ def test_logits_and_residuals_match_llama_cpp(path: Path) -> None:
     got = run(path)
     want = np.load(path.with_name(path.stem + ".forward.npz"))
     tol = bound(path)
-    if path.stem in KNOWN_OVER_BOUND:
-        pytest.xfail(KNOWN_OVER_BOUND[path.stem])
     if path.stem in KNOWN_OVER_BOUND_DSV4:
         pytest.xfail(KNOWN_OVER_BOUND_DSV4[path.stem])
     n = len(want["tokens"])
     assert got["logits"].shape == want["logits"].shape and got["logits"].dtype == np.float32
     assert rel_l2(got["logits"], want["logits"]) <= tol
+    assert (got["logits"].argmax(axis=1) == want["logits"].argmax(axis=1)).sum() >= n - 1
     differ = routing_differs(path, got["capture"], n)
     assert len(differ) <= 2 and not (differ and path.stem.endswith("-f32"))
-    for t in set(range(n)) - differ:
-        assert rel_l2(got["logits"][t], want["logits"][t]) <= PER_POSITION_BOUND.get(path.stem, tol), t
+    for t in set(range(n)) - differ:  # one position may take up to twice the whole's error
+        assert rel_l2(got["logits"][t], want["logits"][t]) <= PER_POSITION_BOUND.get(path.stem, 2 * tol), t
     keys = [k for k in want.files if k.split("-")[0] in ("attn_norm", "ffn_inp", "l_out") or k == "result_norm"]
     assert len(keys) >= 3 * 3 + 1
-    for key in keys:
-        assert rel_l2(got["capture"][key], want[key]) <= tol, key
+    same_routing = sorted(set(range(n)) - differ)
+    for key in keys:  # every layer, at the positions routed as llama.cpp routed them
+        assert rel_l2(got["capture"][key][same_routing], want[key][same_routing]) <= tol, key
 
 
 @pytest.mark.parametrize("path", [p for p in params() if p.values[0].stem.endswith("-f32")])
@@ -142,21 +147,27 @@ def test_greedy_continuation_of_f32_files_is_llama_cpp_s(path: Path) -> None:
 
 @pytest.mark.parametrize("path", params())
 def test_prefill_in_one_batch_equals_token_by_token_decode(path: Path) -> None:
+    if path.stem in PREFILL_DECODE_DIFFER:
+        pytest.xfail(PREFILL_DECODE_DIFFER[path.stem])
     got = run(path)
     errors = [rel_l2(got["stepwise"][t], got["logits"][t]) for t in range(len(got["logits"]))]
-    # a position may route a near-tie of a top-k differently between the batch's kernels and the
-    # one-token ones (seen on AVX-512: 5e-4 at position 12 of qwen3moe-bf16, then 1e-4 at a later
-    # position that attends to it); before the first such position all is float noise
+    # As in llama.cpp, a batch and one token take products that differ by float32 rounding (BLAS
+    # sgemm against sgemv for the F32 routers and shared experts, the float kernels on the 8-bit
+    # round trip against the int8 one-token kernels of the unbatched types); llama.cpp's roundings
+    # amplify that: an F16 rounding of the KV cache flips (F32 files: 1e-4..6e-4 measured on every
+    # position), an 8-bit step of an activation flips and a near-tie of the router goes the other
+    # way (quantized files: 1e-2..3.3e-2 measured, glm4moe-q4_k_m from position 2 on; 64 tokens of
+    # qwen35moe take the float32 attention of ggml's tiled kernel in the batch, the F16 one alone)
     over = [t for t, e in enumerate(errors) if e > 2e-5]
-    if path.stem.endswith("-bf16"):
-        # BF16 weights take llama.cpp's rounding of the activations to BF16 (one ulp: 3.9e-3
-        # relative), so float noise of 1e-7 between the batch and one-token kernels flips some of
-        # those roundings from the second layer's attention on: on an AMD EPYC (AVX-512 BF16) every
-        # position past the first measured 1.4e-3..2.2e-3 at the logits, 1.6e-4 at layer 1's
-        # attention output, with the same experts chosen everywhere
-        assert max(errors) <= 5e-3, f"positions {over}: {[errors[t] for t in over]}"
+    if path.stem.endswith("-f32"):
+        limit = 1e-3
+    elif path.stem.endswith("-bf16"):
+        limit = 5e-3
     else:
-        assert max(errors) <= 2e-3 and len(over) <= 3, f"positions {over}: {[errors[t] for t in over]}"
+        limit = 4e-2
+    # and at most two positions beyond (a router near-tie flipped: qwen35moe-q4_k_m's position 32, 9.6e-2)
+    beyond = [t for t, e in enumerate(errors) if e > limit]
+    assert len(beyond) <= 2 and max(errors) <= 5 * limit, f"positions {over}: {[errors[t] for t in over]}"
     stats = got["stats"]
     assert stats.tokens_decoded >= len(got["logits"]) and stats.tokens_prefilled >= len(got["logits"])
     assert stats.live_sequences == 0 and stats.kv_bytes_in_use == 0
@@ -213,3 +224,37 @@ def test_f32_gap_is_llama_cpp_f16_attention(monkeypatch: pytest.MonkeyPatch) -> 
     float32_error, f16_error = anyio.run(main)
     assert float32_error > 1e-4  # the float32 attention is off by llama.cpp's F16 rounding...
     assert f16_error < float32_error / 5  # ...which, reproduced, removes most of the gap
+
+
+def test_flash_kernel_follows_llama_cpp_s_f16_attention() -> None:
+    """An F16 cache takes ggml's one-chunk flash attention (F16 value accumulator), not float32."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((12, 4, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((12, 2, 64)).astype(np.float32) for _ in range(2))
+    want = _llama_cpp_f16_attention(q, k, v, 0.125)
+    got = attend(q, k.astype(np.float16), v.astype(np.float16), 0, 0.125)
+    in_float32 = attend(_f16(q), _f16(k), _f16(v), 0, 0.125)
+    assert rel_l2(in_float32, want) > 1e-4  # the F16 accumulator shows...
+    assert rel_l2(got, want) < 2e-5  # ...and is reproduced (the reference has no FMA)
+
+
+def test_the_kv_cache_is_f16_by_default() -> None:
+    path = next((p for p in FORWARD if p.stem == "qwen3moe-f32"), None)
+    if path is None:
+        pytest.skip("shared fixtures not found")
+
+    async def main(**options: Any) -> tuple[np.dtype[Any], int, np.ndarray]:
+        async with aioexperts.load(path, slots=8, io=THREADS, n_ctx=32, **options) as model:
+            async with model.sequence() as seq:
+                logits = await seq.forward([1, 2, 3])
+                assert seq._cache is not None
+                dtype = seq._cache.layer(0)["k"].dtype
+            return dtype, model.statistics().kv_bytes_per_position, logits
+
+    f16, f16_bytes, f16_logits = anyio.run(main)
+    f32, f32_bytes, f32_logits = anyio.run(functools.partial(main, kv_type="f32"))
+    assert (f16, f32) == (np.float16, np.float32)
+    assert f32_bytes == 2 * f16_bytes
+    assert 0 < rel_l2(f16_logits, f32_logits) < 1e-3
+    with pytest.raises(aioexperts.ConfigError, match="kv_type"):
+        aioexperts.load(path, kv_type="q8_0")  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ from conftest import shared_fixtures_dir
 from gguf_rewrite import rewrite
 
 import aioexperts
-from aioexperts._compute import mla
+from aioexperts._compute import fused, mla
 from aioexperts._compute.rope import apply_rope, rope_cos_sin
 from aioexperts._errors import FormatError, UnsupportedTypeError
 from aioexperts._format.architectures import RopeType, model_hparams
@@ -77,7 +77,16 @@ def test_deepseek2_is_registered() -> None:
 
 @pytest.mark.parametrize("name", ["deepseek2-f32", "deepseek2-q4_k_m"])
 def test_block_with_ggml_matrices_equals_the_float32_maths(name: str) -> None:
-    """The block (matrices in their ggml type, k_b/v_b per head) computes what the float32 weights give."""
+    """The block (matrices in their ggml type, k_b/v_b per head) computes what the float32 weights give
+    (with float32 activations: precision "float")."""
+    fused.set_precision("float")
+    try:
+        _block_equals_the_float32_maths(name)
+    finally:
+        fused.set_precision(None)
+
+
+def _block_equals_the_float32_maths(name: str) -> None:
     model = _open(name)
     hp = model_hparams(model)
     assert hp.rope.n_rot == 32 and hp.rope.attn_factor == 1.0 and hp.rope.freq_scale == 1.0
@@ -214,7 +223,9 @@ def test_old_attn_kv_b_file_runs_like_the_split_one(tmp_path: Path) -> None:
 
     split_logits, _ = anyio.run(main, src)
     logits, greedy = anyio.run(main, legacy)
-    assert np.linalg.norm(logits - split_logits) / np.linalg.norm(split_logits) < 1e-5
+    # the same float32 weights multiplied by other routines (np.matmul per head against BLAS through
+    # fused.linear): float32 noise, which flips a few F16 roundings of the latent KV cache (1.7e-4 measured)
+    assert np.linalg.norm(logits - split_logits) / np.linalg.norm(split_logits) < 1e-3
     assert greedy == want["greedy"].tolist()
 
 

@@ -67,7 +67,7 @@ async def test_logits_generate_and_statistics(forward: dict[str, np.ndarray], an
         assert greedy == forward["greedy"].tolist() and all(type(t) is int for t in greedy)
         assert [t async for t in model.generate(tokens, max_tokens=0)] == []
         st = model.statistics()
-        assert st.dense_bytes > 0 and st.kv_bytes_per_position == 3 * 2 * 2 * 64 * 4
+        assert st.dense_bytes > 0 and st.kv_bytes_per_position == 3 * 2 * 2 * 64 * 2  # F16 K and V
         assert st.n_ctx == 128 and st.live_sequences == 0 and st.kv_bytes_in_use == 0
         assert st.attention_seconds > 0 and st.moe_seconds > 0 and st.head_seconds > 0
 
@@ -82,11 +82,12 @@ async def test_sequence_keeps_its_cache_and_a_prefix(forward: dict[str, np.ndarr
             first = await seq.forward(tokens[:10])
             rest = await seq.forward(tokens[10:])
             assert seq.n_past == 16 and seq.tokens == tokens
-            assert rel_l2(np.concatenate([first, rest]), full) <= 2e-5
+            # other batch sizes: float32 noise that flips a few F16 roundings of the KV cache (2e-4 measured)
+            assert rel_l2(np.concatenate([first, rest]), full) <= 1e-3
             seq.keep(4)
             assert seq.n_past == 4
             again = await seq.forward(tokens[4:], all_logits=False)
-            assert again.shape == (1, model.n_vocab) and rel_l2(again[0], full[-1]) <= 2e-5
+            assert again.shape == (1, model.n_vocab) and rel_l2(again[0], full[-1]) <= 1e-3
             # a chat continuing the same sequence: generation after the cached prompt
             cont = [t async for t in seq.generate([], max_tokens=3)]
             assert cont == forward["greedy"][:3].tolist()
@@ -290,7 +291,7 @@ async def test_embeddings_through_store_rows_and_n_ctx_from_the_budget(
 ) -> None:
     assert QWEN3 is not None
     tokens = forward["tokens"].tolist()
-    per_position = 3 * 2 * 2 * 64 * 4  # layers x (k, v) x KV heads x head size x float32
+    per_position = 3 * 2 * 2 * 64 * 2  # layers x (k, v) x KV heads x head size x float16
     with caplog.at_level("INFO", logger="aioexperts"):
         async with load(QWEN3, resident_embedding_bytes=0, memory_budget=40 * per_position) as model:
             assert model.n_ctx == 40  # the file says 128; the budget allows 40

@@ -15,11 +15,15 @@ from aioexperts._format.archs import MODEL_RECORDS as ARCHITECTURES
 
 
 def reference_rope(x: np.ndarray, pos: int, p: RopeParams) -> np.ndarray:
-    """ops.cpp rope_yarn + rotate_pairs for one head, one element at a time, in float64."""
+    """ops.cpp ggml_rope_cache_init + rope_yarn + rotate_pairs for one head, one element at a time:
+    theta in float32 as ggml iterates it (``theta *= theta_scale`` per pair), the rest in float64."""
     out = x.astype(np.float64).copy()
     low, high = yarn_corr_dims(p.n_rot, p.n_ctx_orig, p.freq_base, p.beta_fast, p.beta_slow)
+    theta_scale = np.float32(p.freq_base ** float(np.float32(-2.0) / np.float32(p.n_rot)))  # powf
+    theta_f32 = np.float32(pos)
     for i0 in range(0, p.n_rot, 2):
-        theta_extrap = pos * p.freq_base ** (-i0 / p.n_rot)
+        theta_extrap = float(theta_f32)
+        theta_f32 = np.float32(theta_f32 * theta_scale)
         theta = p.freq_scale * theta_extrap
         mscale = p.attn_factor
         if p.ext_factor:

@@ -102,20 +102,19 @@ def quantize_q8_k(x, q, d, bsums):
 
 @kernel(inline=True)
 def quantize_q8_0(x, q, d, s):
-    """``quantize_row_q8_0_ref`` / ``quantize_row_q8_1_ref``: per 32 values ``d = amax / 127`` (kept
-    as float16), ``q = roundf(x / d)``; ``s = d * sum(q)`` (float16), used by Q4_1 and Q5_1."""
+    """x86 ``quantize_row_q8_0`` / ``quantize_row_q8_1`` (ggml-cpu/arch/x86/quants.c, AVX2): per 32
+    values ``d = amax / 127`` (kept as float16), ``q = round_half_even(x * (127 / amax))``;
+    ``s = d * sum(q)`` (float16), used by Q4_1 and Q5_1."""
     for b in range(x.size // QK):
         base = b * QK
         amax = F32(0.0)
         for j in range(QK):
             amax = max(amax, abs(x[base + j]))
         scale = amax / Q8_MAX
-        inverse = F32(1.0) / scale if scale != 0 else F32(0.0)
+        inverse = Q8_MAX / amax if amax != 0 else F32(0.0)
         total = I32(0)
         for j in range(QK):
-            v = x[base + j] * inverse
-            r = I32(np.floor(abs(v) + F32(0.5)))  # roundf: half away from zero
-            qv = r if v >= 0 else -r
+            qv = I32(np.rint(x[base + j] * inverse))  # _mm256_round_ps(_MM_ROUND_NEAREST)
             q[base + j] = I8(qv)
             total += I32(qv)
         d[b] = round_to_half(scale)

@@ -1,0 +1,131 @@
+"""ggml-cpu's one-chunk flash attention over an F16 KV cache, with its F16 value accumulator.
+
+ggml/src/ggml-cpu/ops.cpp ``ggml_compute_forward_flash_attn_ext_f16_one_chunk`` with F16 K and V:
+per query row and head, ``s = dot(fp16(q), k) * scale`` (masked positions skipped), an online
+softmax whose running sum ``S`` and maximum ``M`` are float32 and whose weighted sum of values
+``VKQ`` is kept in float16 (``ggml_vec_scale_f16`` when the maximum grows, ``ggml_vec_mad_f16``
+per position, each result rounded to float16), then the sink (float32) and ``VKQ / S``; the
+dot products and FMAs in the order and rounding of the x86 AVX2 build (ggml-cpu/vec.cpp, vec.h).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..jit import kernel
+from .common import F32, U32
+
+# ruff: noqa: N803, N806
+
+HALF_MAX_ROUNDED = F32(65520.0)  # values at or above round to inf in float16
+HALF_MIN_NORMAL = F32(2.0**-14)
+HALF_SUBNORMAL_UNIT = F32(2.0**-24)
+HALF_DROPPED_BITS = U32(13)
+
+
+@kernel(exact=True, inline=True)
+def to_half(value):
+    """``GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(value))``: round half to even to float16, as float32."""
+    a = abs(value)
+    if not a < HALF_MAX_ROUNDED:  # inf, NaN or overflow
+        return value if a != a else (F32(np.inf) if value > 0 else F32(-np.inf))
+    if a < HALF_MIN_NORMAL:
+        r = F32(np.rint(a / HALF_SUBNORMAL_UNIT)) * HALF_SUBNORMAL_UNIT
+    else:
+        bits = F32(a).view(U32)
+        lsb = (bits >> HALF_DROPPED_BITS) & U32(1)
+        r = U32((bits + U32(0x0FFF) + lsb) & U32(0xFFFF_E000)).view(F32)
+    return -r if value < 0 else r
+
+
+@kernel(exact=True, inline=True)
+def fma32(a, b, c):
+    """``a * b + c`` rounded once to float32 (``_mm256_fmadd_ps``; through float64, where the
+    product is exact)."""
+    return F32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+@kernel(exact=True, inline=True)
+def dot_f16(qh, k, j, kh, lanes):
+    """x86 AVX2 ``ggml_vec_dot_f16`` of ``qh`` with ``k[j, kh]``: four 8-lane float32 FMA
+    accumulators over steps of 32, reduced as ``GGML_F32x8_REDUCE`` does, leftovers in float64."""
+    n = qh.size
+    np32 = n - n % 32
+    for a in range(32):
+        lanes[a] = F32(0.0)
+    for i in range(0, np32, 32):
+        for a in range(32):
+            lanes[a] = fma32(qh[i + a], k[j, kh, i + a], lanes[a])
+    for a in range(8):  # x[0] += x[2], x[1] += x[3]; then x[0] += x[1]
+        lanes[a] = F32(lanes[a] + lanes[16 + a])
+        lanes[8 + a] = F32(lanes[8 + a] + lanes[24 + a])
+        lanes[a] = F32(lanes[a] + lanes[8 + a])
+    t0 = F32(lanes[0] + lanes[4])
+    t1 = F32(lanes[1] + lanes[5])
+    t2 = F32(lanes[2] + lanes[6])
+    t3 = F32(lanes[3] + lanes[7])
+    total = np.float64(F32(F32(t0 + t1) + F32(t2 + t3)))
+    for i in range(np32, n):
+        total += np.float64(F32(qh[i] * k[j, kh, i]))
+    return F32(total)
+
+
+@kernel(exact=True)
+def flash_attend_f16(q, k, v, start, scale, sinks, window, out):
+    """``out[t, h] = softmax(q[t, h] . k) v`` as ggml's one-chunk F16 flash attention computes it.
+
+    ``q`` ``(T, H, DK)`` float32 (rounded to float16 here), ``k`` ``(n_kv, HKV, DK)`` and ``v``
+    ``(n_kv, HKV, DV)`` float32 holding float16 values, query ``t`` at position ``start + t`` sees
+    keys ``j <= start + t`` with ``start + t - j < window`` (``window`` 0: all); ``sinks`` ``(H,)``
+    float32 (empty: none); ``out`` ``(T, H, DV)`` float32.
+    """
+    T, H, DK = q.shape
+    n_kv, HKV, _ = k.shape
+    DV = v.shape[2]
+    group = H // HKV
+    qh = np.empty(DK, dtype=F32)
+    acc = np.empty(DV, dtype=F32)
+    lanes = np.empty(32, dtype=F32)
+    for t in range(T):
+        p1 = start + t
+        for h in range(H):
+            kh = h // group
+            for d in range(DK):
+                qh[d] = to_half(q[t, h, d])
+            for d in range(DV):
+                acc[d] = F32(0.0)
+            S = F32(0.0)
+            M = F32(-np.inf)
+            for j in range(min(n_kv, p1 + 1)):
+                if window > 0 and p1 - j >= window:
+                    continue
+                s = F32(dot_f16(qh, k, j, kh, lanes) * F32(scale))
+                ms = F32(1.0)
+                vs = F32(1.0)
+                if s > M:
+                    ms = F32(np.exp(F32(M - s)))
+                    M = s
+                    for d in range(DV):
+                        acc[d] = to_half(F32(acc[d] * ms))
+                else:
+                    vs = F32(np.exp(F32(s - M)))
+                dv32 = DV - DV % 32
+                for d in range(dv32):  # ggml_vec_mad_f16: FMA, then float16
+                    acc[d] = to_half(fma32(v[j, kh, d], vs, acc[d]))
+                for d in range(dv32, DV):
+                    acc[d] = to_half(F32(acc[d] + F32(v[j, kh, d] * vs)))
+                S = F32(S * ms + vs)
+            if sinks.size:
+                sk = sinks[h]
+                ms = F32(1.0)
+                vs = F32(1.0)
+                if sk > M:
+                    ms = F32(np.exp(F32(M - sk)))
+                    for d in range(DV):
+                        acc[d] = F32(acc[d] * ms)
+                else:
+                    vs = F32(np.exp(F32(sk - M)))
+                S = F32(S * ms + vs)
+            inverse = F32(1.0) / S if S != 0 else F32(0.0)
+            for d in range(DV):
+                out[t, h, d] = acc[d] * inverse
