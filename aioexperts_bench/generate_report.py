@@ -230,7 +230,11 @@ def text_report(results: dict[str, Any]) -> str:
     for extra in (_distinct_line(results), _split_line(results), _tier_line(results)):
         if extra:
             body.append(f"- {extra}")
-    body += ["", "Targets (issue 20):", *_target_lines(results)]
+    body += [
+        "",
+        "Targets (issues 20, 33, 36; ratios to llama.cpp's best setting that decoded):",
+        *_target_lines(results),
+    ]
     body += [f"- note: {n}" for n in results.get("notes", [])]
     if results.get("complete") is False:
         body.append(
