@@ -143,6 +143,15 @@ class ModelSequence:
         """Positions the KV cache holds."""
         return self.model.n_ctx
 
+    def shared_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading ``token_ids`` the KV cache already holds (``tokens``' common prefix with them)."""
+        tokens = self.tokens
+        n = min(len(tokens), len(token_ids))
+        i = 0
+        while i < n and tokens[i] == token_ids[i]:
+            i += 1
+        return i
+
     @property
     def rewinds(self) -> bool:
         """Whether :meth:`keep` of a shorter prefix reuses the kept positions (False for a model with

@@ -332,7 +332,7 @@ def keep_prefix(model: TextModel, seq: ModelSequence, ids: list[int], *, restart
         raise InvalidRequestError("sequence= must be an open sequence of this model")
     if seq.unrun:
         raise InvalidRequestError("the sequence has tokens not run yet (unrun): continue it with generate()")
-    reused = min(_common_prefix(seq.tokens, ids), len(ids) - 1)
+    reused = min(seq.shared_prefix(ids), len(ids) - 1)
     if reused < seq.n_past and not seq.rewinds:
         if restart:
             seq.keep(0)
@@ -370,14 +370,6 @@ def _chat_text(tokenizer: Tokenizer, template: ChatTemplate, text: str) -> str:
     if tokenizer.add_eos and template.eos_token and text.endswith(template.eos_token):
         text = text[: -len(template.eos_token)]
     return text
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class ChatSession:

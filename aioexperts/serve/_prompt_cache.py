@@ -51,14 +51,6 @@ def default_capacity_bytes(available: int, sequence_bytes: int, parallel: int) -
     return max(0, (available - parallel * sequence_bytes) // 2)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class PromptCache:
     """Idle sequences with their KV caches, least recently used first.
 
@@ -93,7 +85,7 @@ class PromptCache:
 
     def _usable(self, seq: ModelSequence, ids: Sequence[int]) -> int:
         """Tokens of ``ids`` that ``seq`` would keep (0: not usable)."""
-        shared = min(_common_prefix(seq.tokens, ids), len(ids) - 1)
+        shared = min(seq.shared_prefix(ids), len(ids) - 1)
         if not seq.rewinds and shared < seq.n_past:
             return 0
         return shared if shared >= MIN_SHARED_FRACTION * seq.n_past else 0
