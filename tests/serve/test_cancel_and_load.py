@@ -93,14 +93,20 @@ def test_a_full_queue_is_503_and_the_queue_is_first_come_first_served(one_slot: 
         wait_for(lambda: metrics(one_slot)["aioexperts_queue_depth"] == len(name))
         return t
 
-    first, second = queued("a"), queued("bb")  # queue depth 1, then 2
+    # holds the slot for a while (48 tokens), long enough to look at the queue while it streams
+    first = RawStream(one_slot, TEXT, {**LONG, "prompt": "a says", "max_tokens": 48, "stream": True}, key=None)
+    wait_for(lambda: metrics(one_slot)["aioexperts_queue_depth"] == 1)
+    second = queued("bb")  # queue depth 2
     status, body = post(one_slot, TEXT, {"prompt": "one too many", "max_tokens": 3}, key=None)
     assert status == 503 and body["error"]["code"] == "queue_full" and body["error"]["type"] == "server_error"
     assert "--queue 2" in body["error"]["message"]
     running.close()  # its slot goes to the first in line
-    first.join(60)
+    first.read_until(b"data: ")  # the first in line streams; the second still waits for the one slot
+    assert not finished and metrics(one_slot)["aioexperts_queue_depth"] == 1
+    assert b"[DONE]" in first.read_all()
+    first.close()
     second.join(60)
-    assert finished == ["a", "bb"]
+    assert finished == ["bb"]
     after = settled(one_slot)
     assert after["aioexperts_requests_rejected_total"] == 1
     assert after['aioexperts_requests_total{endpoint="/v1/completions",status="503"}'] == 1
