@@ -629,6 +629,8 @@ def _read_prompt(args: argparse.Namespace) -> str | None:
 def _model_path(args: argparse.Namespace) -> tuple[str, bool]:
     if args.model is not None:
         path = os.path.expanduser(args.model)
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"{args.model}: is a directory, not a model file")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{args.model}: no such model file")
         return path, False
@@ -656,6 +658,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--layers and --rebuild are for the built-in model (no MODEL argument)")
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
+    if args.miss_tier is None and args.miss_tier_weight is not None:
+        parser.error("--miss-tier-weight needs --miss-tier")
+    if args.miss_tier is not None and not os.path.isfile(os.path.expanduser(args.miss_tier)):
+        parser.error(f"--miss-tier {args.miss_tier}: no such file (aioexperts-tier MODEL writes one)")
     if sys.stdout is None or sys.stderr is None:  # started with >&- or 2>&-: nowhere to write the text
         if sys.stderr is not None:
             print(f"{PROG}: error: standard output is closed", file=sys.stderr)

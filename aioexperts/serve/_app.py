@@ -340,7 +340,8 @@ class Server:
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
                 raise APIError(
                     401,
-                    "invalid API key: send 'Authorization: Bearer <key>' with the server's --api-key",
+                    "invalid API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>' on /v1/messages) "
+                    "with the server's --api-key",
                     type="authentication_error",
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},

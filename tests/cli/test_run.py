@@ -225,6 +225,9 @@ def test_a_slab_other_than_asked_for_is_said_on_stderr(tiny_full_model: Path) ->
         (["MODEL", "-p", ""], "prompt is empty"),
         (["MODEL", "-f", "/no/such/prompt.txt"], "-f /no/such/prompt.txt: No such file or directory"),
         (["/no/such/model.gguf", "-p", "x"], "no such model file"),
+        (["/tmp", "-p", "x"], "/tmp: is a directory, not a model file"),
+        (["MODEL", "-p", "x", "--miss-tier", "/no/such/tier.gguf"], "--miss-tier /no/such/tier.gguf: no such file"),
+        (["MODEL", "-p", "x", "--miss-tier-weight", "0.5"], "--miss-tier-weight needs --miss-tier"),
         (["NOT_GGUF", "-p", "x"], "not a GGUF file"),
         (["MODEL", "-p", "x", "--ctx", "4"], "more than n_ctx=4"),
         # issue 31: a KV cache beyond the memory limit was a numpy MemoryError traceback and exit 1
