@@ -106,10 +106,12 @@ SMALL_BATCH_MAX = 64
 #: for bit its one-token result
 INT8_BATCH_MAX = 16
 #: one-token (and int8 small-batch) products of at least this many weight bytes are split by rows
-#: over the compute pool's idle workers, when a pool exists (:func:`_split_rows`); None: never. Off
-#: by default: on the shared 2-core machine (load average 9) the split measured 0.63-0.76x of one
-#: thread (bench/matvec_rows.py --threads2, docs/results/matvec-rows-after.json)
-SPLIT_MIN_BYTES: int | None = None
+#: over the compute pool's idle workers, when a pool exists (:func:`_split_rows`); None: never. On a
+#: quiet 2-vCPU AMD EPYC the 48-layer decode ran 1.121x (1.045-1.121) faster with the split at 1 MiB
+#: (bench/ab_decode.py, docs/results/ab_decode-48l-split.json); a busy pool runs every range inline,
+#: so concurrent sequences do not oversubscribe (on a machine at load average 9 the split measured
+#: 0.63-0.76x of one thread, docs/results/matvec-rows-after.json)
+SPLIT_MIN_BYTES: int | None = 1 << 20
 #: with ``"float"`` precision, batches up to this many tokens of the types of :func:`rows_types` run
 #: ``matrows_<type>`` (one token included): each token's row bit for bit its one-token result
 ROWS_MAX_TOKENS = 16
