@@ -171,7 +171,7 @@ def test_large_products_split_over_an_existing_pool_give_the_same_bits(
     from aioexperts._compute import pool as pool_module
 
     fused.set_precision(precision)  # type: ignore[arg-type]
-    monkeypatch.setattr(fused, "SPLIT_MIN_BYTES", 1 << 20)  # off by default
+    monkeypatch.setattr(fused, "SPLIT_MIN_BYTES", 1 << 20)  # the default, pinned here
     rows, cols = 1031, 1024  # odd rows: uneven parts; 1.1 MB of Q8_0 >= SPLIT_MIN_BYTES
     raw = matrix(Q.Q8_0, rows, cols, seed=41)
     x = activations(n, cols, seed=42)
