@@ -26,11 +26,11 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, TokenType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from .._errors import ConfigError
 from ._blocks import draw_blocks
-from ._full_model import CHATML_TEMPLATE, CONTROL_TOKENS, Progress, train_vocabulary
+from ._full_model import Progress, add_vocabulary, train_vocabulary, write_tensors
 
 __all__ = ("DSV4_SPEC", "DSV4Spec", "write_dsv4_model")
 
@@ -306,32 +306,6 @@ def write_dsv4_model(
     writer = GGUFWriter(os.fspath(path), ARCH)
     writer.add_name("aioexperts built-in DeepSeek-V4-geometry model (random weights)")
     _keys(writer, spec)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([TokenType.CONTROL if t in CONTROL_TOKENS else TokenType.NORMAL for t in tokens])
-    writer.add_token_merges(merges)
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
-    sizes = [_tensor_bytes(t, shape) for _, shape, t, _ in tensors]
-    for (name, shape, ggml_type, _make), n_bytes in zip(tensors, sizes, strict=True):
-        dtype = np.dtype(np.int32) if ggml_type == Q.I32 else np.dtype(np.float32)
-        writer.add_tensor_info(name, shape, dtype, n_bytes, raw_dtype=ggml_type)
-    total, written = sum(sizes), 0
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for (name, _shape, _type, make), n_bytes in zip(tensors, sizes, strict=True):
-            data = make()
-            if data.nbytes != n_bytes:
-                raise AssertionError(f"{name}: {data.nbytes} bytes made, {n_bytes} announced")
-            writer.write_tensor_data(data)
-            written += n_bytes
-            if progress is not None:
-                progress(written, total)
-    finally:
-        writer.close()
+    add_vocabulary(writer, tokens, merges, pad=False)
+    write_tensors(writer, tensors, [_tensor_bytes(t, shape) for _, shape, t, _ in tensors], progress)
     return Path(path)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -485,6 +485,14 @@ def write_full_model(
     writer.add_expert_count(spec.n_expert)
     writer.add_expert_used_count(spec.n_expert_used)
     writer.add_expert_feed_forward_length(spec.n_ff_exp)
+    add_vocabulary(writer, tokens, merges, pad=True)
+    write_tensors(writer, tensors, [_tensor_bytes(t, shape) for _, shape, t, _ in tensors], progress)
+    return Path(path)
+
+
+def add_vocabulary(writer: GGUFWriter, tokens: list[str], merges: list[str], *, pad: bool) -> None:
+    """The built-in models' byte-level BPE vocabulary, its special ids and the ChatML template
+    (``pad``: ``<|endoftext|>`` is the padding id too)."""
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
@@ -492,13 +500,28 @@ def write_full_model(
     writer.add_token_merges(merges)
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
+    if pad:
+        writer.add_pad_token_id(tokens.index("<|endoftext|>"))
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML_TEMPLATE)
 
-    sizes = [_tensor_bytes(t, shape) for _, shape, t, _ in tensors]
+
+def write_tensors(
+    writer: GGUFWriter,
+    tensors: Sequence[tuple[str, tuple[int, ...], GGMLQuantizationType, Callable[[], np.ndarray]]],
+    sizes: Sequence[int],
+    progress: Progress | None,
+) -> None:
+    """Announce ``(name, shape, type, make)`` with their byte ``sizes``, write the header, then each
+    tensor's ``make()`` in order (``progress(bytes written, total)`` after each); closes the writer.
+
+    Raises:
+        AssertionError: a tensor made other than the bytes announced.
+        OSError: the file cannot be written.
+    """
     for (name, shape, ggml_type, _make), n_bytes in zip(tensors, sizes, strict=True):
-        writer.add_tensor_info(name, shape, np.dtype(np.float32), n_bytes, raw_dtype=ggml_type)
+        dtype = np.dtype(np.int32) if ggml_type == Q.I32 else np.dtype(np.float32)
+        writer.add_tensor_info(name, shape, dtype, n_bytes, raw_dtype=ggml_type)
     total, written = sum(sizes), 0
     try:
         writer.write_header_to_file()
@@ -514,4 +537,3 @@ def write_full_model(
                 progress(written, total)
     finally:
         writer.close()
-    return Path(path)
