@@ -67,7 +67,6 @@ class MessagesServer(Protocol):
     metrics: Metrics
     scheduler: Scheduler
     name: str
-    _stopping: bool
 
     @property
     def options(self) -> _Options: ...
@@ -78,8 +77,7 @@ class MessagesServer(Protocol):
 
     def generation(self, ids: list[int], req: GenerationRequest, max_tokens: int) -> Generation: ...
 
-    @staticmethod
-    def _uncancel() -> None: ...
+    def answer_shutdown_cancel(self) -> bool: ...
 
 
 #: The body fields of ``POST /v1/messages`` (Anthropic's API reference, 2025), plus llama.cpp's
@@ -467,10 +465,9 @@ class AnthropicMessages:
                 server.metrics.cancelled += 1
                 raise
             except asyncio.CancelledError:
-                server.metrics.cancelled += 1
-                if not server._stopping or req.stream:
+                if req.stream or not server.answer_shutdown_cancel():
+                    server.metrics.cancelled += 1
                     raise
-                server._uncancel()
                 return self.error_response(_shutting_down())
 
     def _stop(self, gen: Generation, called: bool) -> tuple[str, str | None]:
@@ -526,10 +523,8 @@ class AnthropicMessages:
         except AioExpertsError as exc:  # after the headers went out: an error event ends the stream
             await resp.write(_sse("error", self.error_body(api_error(exc))))
         except asyncio.CancelledError:
-            if not server._stopping:
+            if not server.answer_shutdown_cancel():
                 raise
-            server.metrics.cancelled += 1
-            server._uncancel()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(resp.write(_sse("error", self.error_body(_shutting_down()))), 1.0)
         with contextlib.suppress(ConnectionResetError):

@@ -450,10 +450,9 @@ class Server:
                 self.metrics.cancelled += 1
                 raise
             except asyncio.CancelledError:
-                self.metrics.cancelled += 1
-                if not self._stopping or req.stream:
+                if req.stream or not self.answer_shutdown_cancel():
+                    self.metrics.cancelled += 1
                     raise
-                self._uncancel()
                 return _error_response(_shutting_down())  # cancelled at the shutdown deadline: told why
 
     async def _stream(
@@ -487,12 +486,10 @@ class Server:
             log.error("%s %s failed while streaming: %s", request.method, request.path, exc)
             await resp.write(_sse(err.body()))
         except asyncio.CancelledError:
-            if not self._stopping:
-                raise
             # cancelled at the shutdown deadline: the client is told why, and the response ends
             # properly (its last chunk), not cut off
-            self.metrics.cancelled += 1
-            self._uncancel()
+            if not self.answer_shutdown_cancel():
+                raise
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._end_stream(resp, _sse(_shutting_down().body())), 1.0)
             return resp
@@ -503,6 +500,16 @@ class Server:
     async def _end_stream(resp: web.StreamResponse, last: bytes = b"") -> None:
         await resp.write(last + b"data: [DONE]\n\n")
         await resp.write_eof()  # the terminating chunk
+
+    def answer_shutdown_cancel(self) -> bool:
+        """In a handler cancelled at the shutdown deadline (the server stopping): count the reply as
+        cancelled and take the cancellation back, so the handler can tell the client why (True);
+        any other cancellation goes on (False)."""
+        if not self._stopping:
+            return False
+        self.metrics.cancelled += 1
+        self._uncancel()
+        return True
 
     @staticmethod
     def _uncancel() -> None:
