@@ -332,6 +332,8 @@ class Router:
                 chosen.observe(layer, x, ids)
                 if budget:
                     for nxt in self.upcoming_layers(layer):
+                        if self._store.layer_resident(nxt):  # nothing to read: no prediction
+                            continue
                         known = self.hash_experts(nxt, token_ids) if nxt > layer else None  # same tokens
                         if known is not None:  # a hash-routed layer ahead: its experts are certain
                             prefetch.extend((nxt, e) for e in known)

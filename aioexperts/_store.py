@@ -580,6 +580,19 @@ class ExpertStore:
         moe, _ = self._keys(layer, ids := list(ids))
         return [int(i) != -1 and source.is_ready((moe.index, int(i))) for i in ids]
 
+    def layer_resident(self, layer: int) -> bool:
+        """Whether every expert of MoE layer ``layer`` is in memory at full precision now (a
+        snapshot the router reads from a compute-pool thread: it predicts no experts for such a
+        layer, since no read could help). False before start, after close and in page-cache mode.
+
+        Raises:
+            InvalidRequestError: no such MoE layer.
+        """
+        if self.closed or not self._source.started:
+            return False
+        moe = self.layout.layer(layer)
+        return self._source.layer_ready(moe.index, moe.n_experts)
+
     def drop_prefetches(self, keep: Callable[[Key], bool] = lambda key: False) -> int:
         """Forget prefetches still queued (not submitted) whose key ``keep`` rejects.
 

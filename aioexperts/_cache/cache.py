@@ -201,6 +201,7 @@ class ExpertCache:
         self._untracked: set[Key] = set()
         # keys that left the cache but whose policy.remove raised: removed again before an admit
         self._stale: set[Key] = set()
+        self._full_ready: dict[int, int] = {}  # layer -> READY entries at full precision
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -208,6 +209,11 @@ class ExpertCache:
         """FREE (not cached), LOADING or READY."""
         entry = self.entries.get(key)
         return SlotState.FREE if entry is None else entry.state
+
+    def full_ready(self, layer: int) -> int:
+        """Experts of ``layer`` READY at full precision (not from the low tier): when that is every
+        expert of the layer, no prefetch for it can help. Read from any thread as a hint."""
+        return self._full_ready.get(layer, 0)
 
     @property
     def pinned_slots(self) -> int:
@@ -709,6 +715,8 @@ class ExpertCache:
         error: Exception | None = None
         for key in victims:
             entry = self.entries.pop(key)
+            if entry.state is SlotState.READY and not entry.low:
+                self._full_ready[key[0]] -= 1
             entry.state = SlotState.FREE
             entry.drop_views()  # views of the slot's old bytes: the slot now goes to another expert
             self.free_slots.append(entry.slot)
@@ -766,6 +774,8 @@ class ExpertCache:
                     self._stale.add(key)
         if error is None:
             entry.state = SlotState.READY
+            if not entry.low:
+                self._full_ready[entry.key[0]] = self._full_ready.get(entry.key[0], 0) + 1
             self.counters.payload_bytes += entry.plan.payload_bytes
             if entry.pins == 0:
                 self._signal_space()

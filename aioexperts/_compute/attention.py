@@ -64,14 +64,14 @@ def attend(
     if n_kv != start + n_tokens or n_head % n_head_kv or k.shape[2] != head_k or v.shape[:2] != k.shape[:2]:
         raise ConfigError(f"attention: q {q.shape}, k {k.shape}, v {v.shape}, start {start} do not fit")
     if k.dtype == np.float16 or v.dtype == np.float16:  # llama.cpp's F16 KV cache
-        k, v = k.astype(np.float32), v.astype(np.float32)
-        flash = fused.flash_kernel() if n_tokens < FLASH_TILE_QUERIES else None
+        flash = fused.flash_kernel() if n_tokens < FLASH_TILE_QUERIES and k.dtype == v.dtype else None
         if flash is not None:
             out = np.empty((n_tokens, n_head, v.shape[2]), dtype=np.float32)
             no_sinks = np.empty(0, dtype=np.float32)
             sink_logits = no_sinks if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
             flash(np.ascontiguousarray(q, dtype=np.float32), k, v, start, np.float32(scale), sink_logits, window, out)
             return out.reshape(n_tokens, -1)
+        k, v = k.astype(np.float32), v.astype(np.float32)
     chunk = max(1, SCORE_BYTES // (4 * n_head * n_kv))
     if n_tokens <= chunk:
         return _attend(q, k, v, start, scale, sinks, window)

@@ -742,17 +742,36 @@ def _linear_float(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, x
 
 
 def flash_kernel() -> Callable[..., None] | None:
-    """The compiled :func:`aioexperts._compute.kernels.flash.flash_attend_f16` when numba serves,
-    else None (the numpy backend)."""
+    """ggml-cpu's one-chunk F16 flash attention, compiled, when numba serves; else None (the numpy
+    backend).
+
+    The callable is ``flash(q, k, v, start, scale, sinks, window, out)`` with ``k``/``v`` the
+    float16 cache arrays themselves (C-contiguous, ``(n_kv, n_head_kv, head)``), the rest as
+    :func:`aioexperts._compute.kernels.flash.flash_attend_f16`. It runs the vector kernel
+    (``flash_attend_f16_bits``, on the cache's bits) where the target converts float16 in hardware
+    and both head sizes are multiples of 32, else the scalar kernel on a float32 copy of the cache;
+    the two give the same bits.
+    """
     if backend().name != "numba":
         return None
     try:
         module = importlib.import_module(f"{__package__}.kernels.flash")
+        vector = importlib.import_module(f"{__package__}.kernels.halfvec").hardware_half()
     except Exception as exc:  # a broken numba/llvmlite can raise anything at import
         _fail(exc, "the flash attention kernel")
         return None
-    fn: Callable[..., None] = module.flash_attend_f16
-    return fn
+    scalar_kernel: Callable[..., None] = module.flash_attend_f16
+    bits_kernel: Callable[..., None] = module.flash_attend_f16_bits
+
+    def flash(q: np.ndarray, k: np.ndarray, v: np.ndarray, *rest: Any) -> None:
+        if vector and k.shape[2] % 32 == 0 and v.shape[2] % 32 == 0:
+            k16 = np.ascontiguousarray(k).view(np.uint16)
+            v16 = np.ascontiguousarray(v).view(np.uint16)
+            bits_kernel(q, k16, v16, *rest)
+        else:
+            scalar_kernel(q, k.astype(np.float32), v.astype(np.float32), *rest)
+
+    return flash
 
 
 def _dequantize_compiled(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int, out: np.ndarray) -> bool:

@@ -153,6 +153,11 @@ class ExpertSource(ABC):
         a source that cannot tell says False)."""
         return False
 
+    def layer_ready(self, layer: int, n_experts: int) -> bool:
+        """Whether all ``n_experts`` experts of ``layer`` are in memory at full precision, so no
+        prefetch of that layer can help (a hint: a source that cannot tell says False)."""
+        return False
+
     @abstractmethod
     def rows(self, tensor: str, row_ids: Sequence[object]) -> AbstractAsyncContextManager[RowsView]:
         """Pinned views of rows of a 2-D tensor (:meth:`aioexperts.ExpertStore.rows`)."""

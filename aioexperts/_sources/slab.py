@@ -222,6 +222,9 @@ class SlabSource(ExpertSource):
     def is_ready(self, key: Key) -> bool:
         return self._running().state_of(key) is SlotState.READY
 
+    def layer_ready(self, layer: int, n_experts: int) -> bool:
+        return self._running().full_ready(layer) >= n_experts
+
     # -- rows -----------------------------------------------------------------------------------
 
     async def _row_reader(self) -> RowReader:

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..jit import kernel
 from .common import F32, U32
+from .halfvec import dot_f16_q, mad_f16, scale_f16
 
 # ruff: noqa: N803, N806
 
@@ -114,6 +115,64 @@ def flash_attend_f16(q, k, v, start, scale, sinks, window, out):
                     acc[d] = to_half(fma32(v[j, kh, d], vs, acc[d]))
                 for d in range(dv32, DV):
                     acc[d] = to_half(F32(acc[d] + F32(v[j, kh, d] * vs)))
+                S = F32(S * ms + vs)
+            if sinks.size:
+                sk = sinks[h]
+                ms = F32(1.0)
+                vs = F32(1.0)
+                if sk > M:
+                    ms = F32(np.exp(F32(M - sk)))
+                    for d in range(DV):
+                        acc[d] = F32(acc[d] * ms)
+                else:
+                    vs = F32(np.exp(F32(sk - M)))
+                S = F32(S * ms + vs)
+            inverse = F32(1.0) / S if S != 0 else F32(0.0)
+            for d in range(DV):
+                out[t, h, d] = acc[d] * inverse
+
+
+@kernel(exact=True)
+def flash_attend_f16_bits(q, k, v, start, scale, sinks, window, out):
+    """:func:`flash_attend_f16` on the float16 cache itself, in vector steps (:mod:`.halfvec`).
+
+    ``k`` ``(n_kv, HKV, DK)`` and ``v`` ``(n_kv, HKV, DV)`` uint16 (the float16 bit patterns of the
+    cache, C-contiguous), ``DK`` and ``DV`` multiples of 32; everything else as
+    :func:`flash_attend_f16`, and bit for bit its result (the same operations in the same order,
+    each FMA rounded once).
+    """
+    T, H, DK = q.shape
+    n_kv, HKV, _ = k.shape
+    DV = v.shape[2]
+    group = H // HKV
+    kf = k.reshape(-1)
+    vf = v.reshape(-1)
+    qh = np.empty(DK, dtype=F32)
+    acc = np.empty(DV, dtype=F32)
+    for t in range(T):
+        p1 = start + t
+        for h in range(H):
+            kh = h // group
+            for d in range(DK):
+                qh[d] = to_half(q[t, h, d])
+            for d in range(DV):
+                acc[d] = F32(0.0)
+            S = F32(0.0)
+            M = F32(-np.inf)
+            lo = 0
+            if window > 0 and p1 - window + 1 > 0:
+                lo = p1 - window + 1
+            for j in range(lo, min(n_kv, p1 + 1)):
+                s = F32(dot_f16_q(qh, kf, (j * HKV + kh) * DK, DK) * F32(scale))
+                ms = F32(1.0)
+                vs = F32(1.0)
+                if s > M:
+                    ms = F32(np.exp(F32(M - s)))
+                    M = s
+                    scale_f16(acc, ms, DV)
+                else:
+                    vs = F32(np.exp(F32(s - M)))
+                mad_f16(acc, vf, (j * HKV + kh) * DV, vs, DV)
                 S = F32(S * ms + vs)
             if sinks.size:
                 sk = sinks[h]

@@ -1,0 +1,72 @@
+"""The vector F16 flash attention (kernels/halfvec.py) gives the scalar kernel's bits, and attend() uses it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aioexperts._compute import fused
+from aioexperts._compute.attention import attend
+
+pytestmark = pytest.mark.skipif(fused.flash_kernel() is None, reason="numba kernels unavailable")
+
+
+def _kernels() -> Any:
+    from aioexperts._compute.kernels import flash, halfvec
+
+    return flash, halfvec
+
+
+CASES = [
+    # tokens, heads, kv heads, head size, positions, window, sinks
+    (1, 32, 4, 128, 270, 0, False),
+    (1, 8, 8, 64, 40, 0, False),
+    (3, 8, 2, 64, 50, 16, True),
+    (5, 4, 1, 128, 9, 0, True),
+    (1, 4, 1, 96, 33, 4, False),
+]
+
+
+@pytest.mark.parametrize(("n", "heads", "kv_heads", "dim", "n_kv", "window", "sink"), CASES)
+def test_vector_kernel_equals_the_scalar_kernel_bit_for_bit(
+    n: int, heads: int, kv_heads: int, dim: int, n_kv: int, window: int, sink: bool
+) -> None:
+    flash, _ = _kernels()
+    rng = np.random.default_rng(n * 1000 + n_kv)
+    q = (rng.standard_normal((n, heads, dim)) * 3).astype(np.float32)
+    k = (rng.standard_normal((n_kv, kv_heads, dim)) * 2).astype(np.float16)
+    v = rng.standard_normal((n_kv, kv_heads, dim)).astype(np.float16)
+    sinks = rng.standard_normal(heads).astype(np.float32) if sink else np.empty(0, np.float32)
+    scale = np.float32(1 / np.sqrt(dim))
+    want = np.empty((n, heads, dim), np.float32)
+    got = np.empty((n, heads, dim), np.float32)
+    flash.flash_attend_f16(q, k.astype(np.float32), v.astype(np.float32), n_kv - n, scale, sinks, window, want)
+    flash.flash_attend_f16_bits(q, k.view(np.uint16), v.view(np.uint16), n_kv - n, scale, sinks, window, got)
+    assert np.array_equal(got, want)
+    assert np.isfinite(got).all() and np.abs(got).max() > 0
+
+
+def test_attend_runs_the_vector_kernel_on_an_f16_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    flash, halfvec = _kernels()
+    if not halfvec.hardware_half():
+        pytest.skip("this CPU converts float16 in software: the scalar kernel serves")
+    calls = []
+    real = flash.flash_attend_f16_bits
+
+    def counted(*args: Any) -> None:
+        calls.append(args[1].dtype)
+        real(*args)
+
+    monkeypatch.setattr(flash, "flash_attend_f16_bits", counted)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 8, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((20, 2, 64)).astype(np.float16) for _ in range(2))
+    out = attend(q, k, v, 19, 0.125)
+    assert calls == [np.dtype(np.uint16)]  # the cache's own bits, no float32 copy
+    scalar = np.empty((1, 8, 64), np.float32)
+    flash.flash_attend_f16(
+        q, k.astype(np.float32), v.astype(np.float32), 19, np.float32(0.125), np.empty(0, np.float32), 0, scalar
+    )
+    assert np.array_equal(out, scalar.reshape(1, -1))
