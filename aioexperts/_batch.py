@@ -13,27 +13,26 @@ waited for; streams in step stay in step (they leave a step together and arrive 
 within one attention job of each other); one that is ahead waits for those behind, once, at most
 one step's cost.
 
-The batch runs in the task of the call that opened it (its leader). A call cancelled before the start
-leaves the batch (a leader hands over to the next member); once the batch has started its rows are
-still computed (the slots stay pinned until the kernels are done) but nobody takes the result. A
-batch that fails as a whole (a read error, a slab too small for the union) is retried call by call,
-so one call's bad expert never fails another call's step.
+:class:`LayerBatcher` is this policy on the one batcher of the package (:class:`aioexperts._batcher.Batcher`,
+keyed by layer, batches of a layer pipelined), which owns the mechanics: the batch runs in the task of
+its first call (its leader); a call cancelled before the start leaves the batch (a leader hands over
+to the next call); once the batch has started its rows are still computed (the slots stay pinned
+until the kernels are done) but nobody takes the result; a batch that fails as a whole (a read error,
+a slab too small for the union) is retried call by call, so one call's bad expert never fails
+another call's step.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from collections.abc import Collection, Hashable, Sequence
+from typing import TypeVar
 
-import anyio
-import anyio.lowlevel
-
-from ._checks import check_int
+from ._batcher import Batcher, RunBatch
 from ._errors import ConfigError
 
-__all__ = ("DEFAULT_BATCH_WAIT", "BatchCounters", "DecodeStream", "LayerBatcher", "check_batch_wait")
+__all__ = ("DEFAULT_BATCH_WAIT", "DecodeStream", "LayerBatcher", "check_batch_wait")
 
 DEFAULT_BATCH_WAIT = 0.05
 """Seconds a batch of decode steps stays open for the other streams at most (the window); the
@@ -47,10 +46,6 @@ TRACE_MAX_EVENTS = 1 << 16
 
 R = TypeVar("R")
 T = TypeVar("T")
-
-#: ``run(layer, requests) -> outcomes``: one result (or the exception of that request) per request;
-#: raising fails the batch as a whole.
-RunBatch = Callable[[int, list[R]], Awaitable[list["T | Exception"]]]
 
 
 def check_batch_wait(value: object) -> float:
@@ -109,76 +104,25 @@ class _Forward:
         s._batcher._recheck()
 
 
-@dataclass(slots=True)
-class BatchCounters:
-    """The batcher's counters (read by the runner's statistics).
-
-    Attributes:
-        batches: layer steps that served more than one call.
-        batched_calls: calls served by those steps.
-        retried_calls: calls run alone again after their batch failed as a whole.
-        window_seconds: time batches waited for their members, summed.
-    """
-
-    batches: int = 0
-    batched_calls: int = 0
-    retried_calls: int = 0
-    window_seconds: float = 0.0
-
-
-class _Retry:
-    """The batch failed as a whole: run the call alone."""
-
-
-_RETRY = _Retry()
-
-
-@dataclass(eq=False, slots=True)
-class _Member(Generic[R]):
-    request: R
-    stream: DecodeStream | None
-    wake: anyio.Event = field(default_factory=anyio.Event)
-    outcome: object = None
-    finished: bool = False
-    cancelled: bool = False
-
-
-@dataclass(eq=False, slots=True)
-class _Batch(Generic[R]):
-    layer: int
-    index: int
-    deadline: float
-    bound: float
-    members: list[_Member[R]] = field(default_factory=list)
-    leader: _Member[R] | None = None
-    full: anyio.Event = field(default_factory=anyio.Event)
-    started: bool = False
-
-
-class LayerBatcher(Generic[R, T]):
-    """Gathers concurrent calls of one layer into one step (module docstring).
+class LayerBatcher(Batcher[int, R, T]):
+    """The batcher keyed by MoE layer: concurrent calls of one layer in one step (module docstring).
 
     Args:
         wait: the window in seconds (0: the runner does not batch).
         run: runs a list of requests of one layer (see ``RunBatch``).
         max_calls: calls a batch takes at most (None: no cap); a full batch starts at once and
-            the layer's next call opens a new one.
+            the layer's next calls go in the next one, which gathers while it runs.
 
     Raises:
         ConfigError: ``max_calls`` is not None or an int >= 1.
     """
 
-    def __init__(self, wait: float, run: RunBatch[R, T], max_calls: int | None = None) -> None:
-        self.wait = wait
-        self.max_calls = max_calls
-        check_int(self, "max_calls", low=1, optional=True)
+    def __init__(self, wait: float, run: RunBatch[int, R, T], max_calls: int | None = None) -> None:
+        super().__init__(run, wait=wait, max_calls=max_calls)
         self._index: dict[int, int] = {}
-        self._run = run
-        self._open: dict[int, _Batch[R]] = {}
         self._streams: dict[DecodeStream, None] = {}
         self._made = 0
         self._cost: dict[int, float] = {}  # layer index -> moving average of a step's wall seconds
-        self.counters = BatchCounters()
         self._events: list[tuple[float, str, int, int]] | None = None
 
     def record_timeline(self, on: bool = True) -> None:
@@ -210,7 +154,19 @@ class LayerBatcher(Generic[R, T]):
         self._made += 1
         return DecodeStream(self, self._made)  # type: ignore[arg-type]
 
-    # -- who is on the way ----------------------------------------------------------------------
+    async def submit(self, layer: int, request: R, stream: DecodeStream | None) -> T:
+        """Run ``request`` in the batch of ``layer`` (joining the one gathering, or opening one) and
+        return its result.
+
+        Raises:
+            What running the request raises (alone, if its batch failed as a whole).
+        """
+        if stream is not None:
+            stream._position = self._index[layer]
+        self.note("arrive", layer, -1 if stream is None else stream._number)
+        return await self.join(layer, request, stream)
+
+    # -- who is on the way (the policy's hooks) -----------------------------------------------------
 
     def bound(self, layer: int) -> float:
         """Seconds a batch of ``layer`` waits for its members at most: ``min(wait, cost)``, the cost
@@ -220,130 +176,47 @@ class LayerBatcher(Generic[R, T]):
         cost = self._cost.get(self._index[layer])
         return self.wait if cost is None else min(self.wait, cost)
 
-    def _expected(self, stream: DecodeStream, batch: _Batch[R], now: float) -> bool:
-        if stream._in_forward:  # at most one MoE step away (its attention, or one step and attention)
-            if batch.index == 0 and stream._position >= len(self._index):
-                return True  # past its last MoE layer: the output head, then this token's first layer
-            return batch.index - 2 < stream._position <= batch.index
-        return batch.index == 0 and now - stream._ended < batch.bound  # between two tokens
+    def _window(self, key: int) -> float:
+        return self.bound(key)
 
-    def _complete(self, batch: _Batch[R], now: float) -> bool:
-        inside = {m.stream for m in batch.members}
-        return not any(s not in inside and self._expected(s, batch, now) for s in self._streams)
+    def _expected(self, stream: DecodeStream, index: int, bound: float, now: float) -> bool:
+        if stream._in_forward:  # at most one MoE step away (its attention, or one step and attention)
+            if index == 0 and stream._position >= len(self._index):
+                return True  # past its last MoE layer: the output head, then this token's first layer
+            return index - 2 < stream._position <= index
+        return index == 0 and now - stream._ended < bound  # between two tokens
+
+    def _complete(self, key: int, callers: Collection[Hashable], window: float, now: float) -> bool:
+        index = self._index[key]
+        return not any(s not in callers and self._expected(s, index, window, now) for s in self._streams)
+
+    def _look_again(self, key: int, window: float, now: float) -> float:
+        # a stream between two tokens stops being expected at its own time: look again then
+        until = math.inf
+        if self._index[key] == 0:
+            for s in self._streams:
+                expiry = s._ended + window
+                if not s._in_forward and now < expiry < until:
+                    until = expiry
+        return until
 
     def _recheck(self) -> None:
         now = time.monotonic()
         for s in [s for s in self._streams if not s._in_forward and now - s._ended >= self.wait]:
             del self._streams[s]  # ended a while ago: forgotten until its next forward pass
-        for batch in self._open.values():
-            if not batch.full.is_set() and self._complete(batch, now):
-                batch.full.set()
+        self.look()
 
-    # -- one call -------------------------------------------------------------------------------
+    def _waited(self, key: int, caller: Hashable) -> None:
+        if isinstance(caller, DecodeStream):
+            caller._position = self._index[key] + 1
+            self._recheck()
 
-    async def submit(self, layer: int, request: R, stream: DecodeStream | None) -> T:
-        """Run ``request`` in the batch of ``layer`` (opening one if none is open) and return its result.
+    def _starting(self, key: int, n: int) -> None:
+        self.note("start", key, n)
 
-        Raises:
-            What running the request raises (alone, if its batch failed as a whole).
-        """
-        index = self._index[layer]
-        if stream is not None:
-            stream._position = index
-        now = time.monotonic()
-        batch = self._open.get(layer)
-        me: _Member[R] = _Member(request, stream)
-        self.note("arrive", layer, -1 if stream is None else stream._number)
-        if batch is None:
-            bound = self.bound(layer)
-            batch = self._open[layer] = _Batch(layer, index, now + bound, bound)
-            batch.leader = me
-        batch.members.append(me)
-        if self.max_calls is not None and len(batch.members) >= self.max_calls:
-            del self._open[layer]  # full: the next call of this layer opens a batch of its own
-            batch.full.set()
-        elif self._complete(batch, now):
-            batch.full.set()
-        try:
-            while not me.finished:
-                if batch.leader is me and not batch.started:
-                    await self._lead(batch)
-                else:
-                    await me.wake.wait()
-        except BaseException:
-            self._leave(batch, me)
-            raise
-        finally:
-            if stream is not None:
-                stream._position = index + 1
-                self._recheck()
-        outcome = me.outcome
-        if outcome is _RETRY:
-            self.counters.retried_calls += 1
-            (outcome,) = await self._run(layer, [request])
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome  # type: ignore[return-value]
-
-    def _leave(self, batch: _Batch[R], me: _Member[R]) -> None:
-        """A cancelled (or failed) member: out of a batch not started yet; else its result is dropped."""
-        me.cancelled = True
-        if batch.started:
-            return
-        batch.members.remove(me)
-        if batch.leader is me:
-            batch.leader = batch.members[0] if batch.members else None
-            if batch.leader is None:
-                if self._open.get(batch.layer) is batch:
-                    del self._open[batch.layer]
-            else:
-                batch.leader.wake.set()  # the next member leads (the window keeps its deadline)
-
-    async def _lead(self, batch: _Batch[R]) -> None:
-        t0 = time.monotonic()
-        while not batch.full.is_set():
-            now = time.monotonic()
-            if now >= batch.deadline or self._complete(batch, now):
-                break
-            # a stream between two tokens stops being expected at its own time: look again then
-            until = batch.deadline
-            if batch.index == 0:
-                for s in self._streams:
-                    expiry = s._ended + batch.bound
-                    if not s._in_forward and now < expiry < until:
-                        until = expiry
-            with anyio.move_on_after(until - now):
-                await batch.full.wait()
-        batch.started = True
-        if self._open.get(batch.layer) is batch:
-            del self._open[batch.layer]
-        members = [m for m in batch.members if not m.cancelled]
-        c = self.counters
-        c.window_seconds += time.monotonic() - t0
-        if len(members) > 1:
-            c.batches += 1
-            c.batched_calls += len(members)
-        outcomes: list[object]
-        self.note("start", batch.layer, len(members))
-        try:
-            # the others' step runs here: a cancelled leader finishes it first (one layer step),
-            # then the cancellation is delivered at its next checkpoint
-            with anyio.CancelScope(shield=len(members) > 1):
-                t1 = time.monotonic()
-                try:
-                    outcomes = list(await self._run(batch.layer, [m.request for m in members]))
-                except Exception as exc:
-                    outcomes = [exc] if len(members) == 1 else [_RETRY] * len(members)
-                else:
-                    cost = self._cost.get(batch.index)
-                    took = time.monotonic() - t1
-                    self._cost[batch.index] = took if cost is None else cost + COST_SMOOTHING * (took - cost)
-                self.note("done", batch.layer, len(members))
-            for m, outcome in zip(members, outcomes, strict=True):
-                m.outcome, m.finished = outcome, True
-        finally:
-            for m in batch.members:
-                if not m.finished and m is not batch.leader:  # the leader raised: the others go alone
-                    m.outcome, m.finished = _RETRY, True
-                m.wake.set()
-        await anyio.lowlevel.checkpoint_if_cancelled()  # a leader cancelled during the step: its rows are dropped
+    def _ran(self, key: int, callers: list[Hashable], seconds: float | None) -> None:
+        if seconds is not None:
+            index = self._index[key]
+            cost = self._cost.get(index)
+            self._cost[index] = seconds if cost is None else cost + COST_SMOOTHING * (seconds - cost)
+        self.note("done", key, len(callers))

@@ -7,7 +7,8 @@ of :mod:`aioexperts.distributed` with ``ShardExecutor``). Every route from a tok
 goes through the executor: :meth:`~MoERunner.moe`, :meth:`~MoERunner.moe_result`,
 :meth:`~MoERunner.run_moe_layers`, and the model's seams :meth:`~MoERunner.execute`,
 :meth:`~MoERunner.execute_rows` and :meth:`~MoERunner.prefetch_first`. Concurrent decode streams'
-calls of one layer are batched into one executor step (:mod:`aioexperts._batch`).
+calls of one layer are batched into one executor step (:mod:`aioexperts._batch`: the one batcher,
+:mod:`aioexperts._batcher`, keyed by layer).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ LAYER_OF = {
     "_quant": "compute",
     "_predict": "predict",
     "_batch": "runner",
+    "_batcher": "runner",
     "_pipeline": "runner",
     "_runner": "runner",
     "_router": "runner",

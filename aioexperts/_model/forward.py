@@ -24,7 +24,8 @@ non-finite fails alone (its error is its outcome).
 
 :class:`ForwardPass` also gathers the one-token decode steps of sequences that decode at the same
 moment into one batched step (:class:`~aioexperts._model.steps.StepBatcher`, on while the runner's
-``batch_wait`` is): the one batcher of concurrent sequences.
+``batch_wait`` is): the one batcher of concurrent sequences (:class:`aioexperts._batcher.Batcher`,
+whose keyed-by-layer policy batches the MoE-only API's decode streams).
 """
 
 from __future__ import annotations
