@@ -98,6 +98,7 @@ from ._text.toolcalls import ToolCall as ToolCall
 from ._text.toolcalls import call_prefix as call_prefix
 from ._text.toolcalls import thinking_open as thinking_open
 from ._text.toolcalls import tool_call_format as tool_call_format
+from ._timeline import Timeline as Timeline
 
 __version__ = "0.2.0"
 
@@ -192,6 +193,7 @@ __all__ = (
     "TOOL_CALL_FORMATS",
     "TensorInfo",
     "TextStream",
+    "Timeline",
     "TokenStream",
     "TokenConstraint",
     "Tokenizer",

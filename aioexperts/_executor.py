@@ -30,6 +30,7 @@ from ._pipeline import run_in_worker, run_layer_step
 from ._router import Router, Routing, rows_text
 from ._store import ExpertStore
 from ._tier_policy import low_tier_misses
+from ._timeline import Timeline
 
 __all__ = (
     "HITS_FIRST_MIN_MISSES",
@@ -106,6 +107,8 @@ class LayerExecutor(abc.ABC):
 
     def __init__(self) -> None:
         self.counters = ExecutorCounters()
+        #: the timeline the layer steps are recorded into (None: not recording); local steps only
+        self.timeline: Timeline | None = None
         self._router: Router | None = None
         self._note: Note = _no_note
 
@@ -287,18 +290,23 @@ class LocalExecutor(LayerExecutor):
                 hits = []  # one compute job after the reads
         outcomes: list[LayerOutcome]
         note = self._note
+        jobs: tuple[tuple[int, float, float], ...]
         if hits:
-            parts, io_wait, compute_s, stall = await self._hits_first(layer, plans, hits, experts, prefetch, t0)
+            parts, io_wait, stall, jobs = await self._hits_first(layer, plans, hits, experts, prefetch, t0)
+            compute_s = sum(b - a for _kind, a, b in jobs)
         else:  # the experts' compute and each call's sum in one compute-pool job (one hand-off, not two)
             async with store.experts(layer, experts, prefetch=prefetch) as views:
                 io_wait = stall = time.perf_counter() - t0
                 note("read", layer, len(calls))
-                outcomes, compute_s = await run_in_worker(
-                    _outputs_combined, layer, plans, experts, views, io_wait, then
-                )
+                outcomes, a, b = await run_in_worker(_outputs_combined, layer, plans, experts, views, io_wait, then)
+                compute_s, jobs = b - a, ((0, a, b),)
         if hits:
             outcomes = await run_in_worker(_combine_calls, layer, plans, parts, io_wait, compute_s, then)
         note("computed", layer, len(calls))
+        timeline = self.timeline
+        if timeline is not None:
+            done = time.perf_counter()
+            timeline.add_step(layer, len(calls), len(experts), len(misses), t0, t0 + io_wait, done, stall, jobs)
         c = self.counters
         c.add_step(io_wait, compute_s, stall)
         c.executor_steps += 1
@@ -316,9 +324,10 @@ class LocalExecutor(LayerExecutor):
         experts: list[int],
         prefetch: list[Key],
         t0: float,
-    ) -> tuple[list[list[ExpertOutputs]], float, float, float]:
+    ) -> tuple[list[list[ExpertOutputs]], float, float, tuple[tuple[int, float, float], ...]]:
         """The resident experts (``hits``) computed while the others are read, in a child task:
-        (parts, io_wait, compute seconds, stall: the wait beyond the hits' compute).
+        (parts, io_wait, stall: the wait beyond the hits' compute, the two compute jobs as
+        ``(kind, start, end)`` perf_counter seconds, kind 1 the hits and 2 the misses).
 
         The hits are pinned first (no read: pinning does not wait), so the others' loads cannot
         evict them; they are unpinned as soon as their compute is done, so this task never waits
@@ -342,16 +351,16 @@ class LocalExecutor(LayerExecutor):
             try:
                 async with store.experts(layer, hits) as views:  # resident: pinned without waiting
                     tg.start_soon(read_misses)
-                    found, hit_s = await run_in_worker(_timed_outputs, plans, hits, views, True)
+                    found, hit_a, hit_b = await run_in_worker(_timed_outputs, plans, hits, views, True)
             except Exception as exc:
                 done.setdefault("error", exc)
                 tg.cancel_scope.cancel()
         if "error" in done:
             raise done["error"]
-        miss_found, miss_s = done["misses"]
+        miss_found, miss_a, miss_b = done["misses"]
         parts = [[h, m] for h, m in zip(found, miss_found, strict=True)]
         io_wait = done["io_wait"]
-        return parts, io_wait, hit_s + miss_s, max(0.0, io_wait - hit_s)
+        return parts, io_wait, max(0.0, io_wait - (hit_b - hit_a)), ((1, hit_a, hit_b), (2, miss_a, miss_b))
 
 
 def _plan(routing: Routing) -> MoEPlan:
@@ -423,12 +432,13 @@ def batch_prefetch(wanted: list[list[Key]]) -> list[Key]:
 
 def _timed_outputs(
     plans: list[MoEPlan], wanted: list[int], views: Sequence[ExpertView | None], shared: bool
-) -> tuple[list[ExpertOutputs], float]:
-    """:func:`expert_outputs` of ``wanted`` (pinned as ``views``) in a worker thread, with its time."""
+) -> tuple[list[ExpertOutputs], float, float]:
+    """:func:`expert_outputs` of ``wanted`` (pinned as ``views``) in a worker thread, with its start
+    and end (perf_counter seconds)."""
     t0 = time.perf_counter()
     by_id = {e: v for e, v in zip(wanted, views, strict=True) if v is not None}
     found = expert_outputs(plans, by_id, wanted, shared=shared)
-    return found, time.perf_counter() - t0
+    return found, t0, time.perf_counter()
 
 
 def _outputs_combined(
@@ -438,14 +448,15 @@ def _outputs_combined(
     views: Sequence[ExpertView | None],
     io_wait: float,
     then: Then | None = None,
-) -> tuple[list[LayerOutcome], float]:
+) -> tuple[list[LayerOutcome], float, float]:
     """:func:`_timed_outputs` of every expert (shared ones too), then :func:`_combine_calls` (and
     ``then``), in one worker job.
 
-    The time returned is the experts' compute alone (as :func:`_timed_outputs`').
+    The start and end returned (perf_counter seconds) are the experts' compute alone (as
+    :func:`_timed_outputs`').
     """
-    found, compute_s = _timed_outputs(plans, wanted, views, True)
-    return _combine_calls(layer, plans, [[p] for p in found], io_wait, compute_s, then), compute_s
+    found, t0, t1 = _timed_outputs(plans, wanted, views, True)
+    return _combine_calls(layer, plans, [[p] for p in found], io_wait, t1 - t0, then), t0, t1
 
 
 def _combine_calls(

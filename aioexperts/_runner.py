@@ -40,6 +40,7 @@ from ._predict.predictors import Predictor
 from ._predict.trace import RoutingTrace
 from ._router import DEFAULT_TRACE_MAX_TOKENS, PrefetchOptions, Router, RouteStep, Routing, rows_text
 from ._store import ExpertStore
+from ._timeline import Timeline
 
 __all__ = (
     "BATCH_MAX_CALLS",
@@ -743,6 +744,24 @@ class MoERunner:
         return MoELayersResult(x, tuple(steps), seconds)
 
     # -- records --------------------------------------------------------------------------------
+
+    def record_timeline(self, timeline: Timeline | None) -> None:
+        """Record from now on into ``timeline`` (an :class:`aioexperts.Timeline`; None stops): every
+        layer step of the local executor (when it started, had its experts, computed, ended, and
+        how long it stalled on reads) and every expert load of the store (when it was queued,
+        submitted, completed), whatever I/O backend reads it. Mark the tokens with
+        :meth:`Timeline.begin_token` and :meth:`Timeline.end_token` around each forward pass.
+
+        A layer step of more experts than the slab holds (run group by group), a custom compute
+        step of :meth:`run_moe_layers`, and the shards of ``aioexperts.distributed`` are not recorded;
+        in page-cache mode no load is.
+
+        Raises:
+            ConfigError: ``timeline`` is not a Timeline or None.
+            StoreClosedError: the store is closed or not started.
+        """
+        self._store.record_timeline(timeline)  # checks the argument and the store first
+        self._executor.timeline = timeline
 
     def routing_trace(self) -> RoutingTrace:
         """Every routing decision recorded so far (``record_trace=True``).

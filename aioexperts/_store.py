@@ -39,6 +39,7 @@ from ._sources.base import ExpertSource, Pinned, build_and_keep, finish_in_threa
 from ._sources.mapped import MappedSource
 from ._sources.rows import RowStatistics, RowsView
 from ._sources.slab import SlabSource
+from ._timeline import Timeline
 
 __all__ = ("MODES", "ExpertStore", "open")
 
@@ -396,6 +397,23 @@ class ExpertStore:
     def reset_statistics(self) -> None:
         """Zero the counters (the cache contents stay)."""
         self._source.reset_statistics()
+
+    def record_timeline(self, timeline: Timeline | None) -> bool:
+        """Record every expert load from now on into ``timeline`` (an :class:`aioexperts.Timeline`:
+        the layer and expert, bytes, and when it was queued, submitted to the backend and completed;
+        a load that failed is not recorded); None stops. :meth:`aioexperts.MoERunner.record_timeline`
+        calls this with the runner's layer steps.
+
+        Returns:
+            True when loads will be recorded; False in page-cache mode (it reads into no slot).
+
+        Raises:
+            ConfigError: ``timeline`` is not a Timeline or None.
+            StoreClosedError: the store is closed or not started.
+        """
+        if timeline is not None and not isinstance(timeline, Timeline):
+            raise ConfigError(f"timeline must be an aioexperts.Timeline or None, got {timeline!r}")
+        return self._running_source().record_timeline(timeline)
 
     # -- experts --------------------------------------------------------------------------------
 

@@ -16,6 +16,8 @@ package only; its modules may change between releases. Needs the ``bench`` extra
 - generate (``--mode generate``, aioexperts against llama.cpp under memory limits):
   :func:`run_generate_bench` (:class:`GenerateConfig`, :func:`parse_limit`, :data:`ENGINES`),
   :func:`text_report`, :func:`load_generate_results`, :func:`render_into`;
+- timeline (``--mode timeline``, decode tokens under a memory limit, per layer): :func:`run_timeline_bench`
+  (:class:`TimelineConfig`), :func:`timeline_report`, :func:`render_timeline_svg`;
 - llama.cpp's own kernels as a baseline: :mod:`.ggml_baseline` (as a module: ``load``,
   ``GgmlLibrary``, ``GgmlMatVec``, ``check_agreement``), :class:`BaselineMismatchError`;
 - sweeps and plots: :func:`run_sweeps`, :func:`write_plots`;
@@ -52,6 +54,8 @@ from .report import SECTIONS, markdown, print_sections
 from .results import SCHEMA, UNITS, dump_json, dumps_json, evaluate_targets, json_safe, load_results, write_results
 from .store_adapter import BenchOptions, BenchStore, ModelInfo, cold_pass, model_info, open_bench_store, store_stats
 from .sweep import run_sweeps
+from .timeline import TIMELINE_SCHEMA, TimelineConfig, run_timeline_bench, timeline_report
+from .timeline_svg import render_svg as render_timeline_svg
 from .tokenbench import TARGET_OVERLAP, OraclePredictor, TokenBenchConfig, run_token_bench
 
 __all__ = (
@@ -69,6 +73,7 @@ __all__ = (
     "SCHEMA",
     "SECTIONS",
     "TARGET_OVERLAP",
+    "TIMELINE_SCHEMA",
     "UNITS",
     "BaselineMismatchError",
     "BenchOptions",
@@ -81,6 +86,7 @@ __all__ = (
     "ReadBenchConfig",
     "ReadList",
     "Reporter",
+    "TimelineConfig",
     "TokenBenchConfig",
     "await_cost",
     "cold_pass",
@@ -104,6 +110,7 @@ __all__ = (
     "print_sections",
     "probe_host_cache",
     "render_into",
+    "render_timeline_svg",
     "requests_in_flight",
     "rotated",
     "run_fio_replay",
@@ -112,11 +119,13 @@ __all__ = (
     "run_on_loop",
     "run_read_bench",
     "run_sweeps",
+    "run_timeline_bench",
     "run_token_bench",
     "split_shard_paths",
     "spread",
     "store_stats",
     "text_report",
+    "timeline_report",
     "write_plots",
     "write_results",
 )

@@ -48,6 +48,7 @@ __all__ = (
     "llama_unavailable_reason",
     "page_cache_bytes",
     "parse_limit",
+    "run_engine",
     "run_generate_bench",
     "summarize",
     "token_ids",
@@ -139,6 +140,8 @@ class GenerateConfig:
         seed: of the token ids.
         miss_tier: the ``aioexperts-tier`` engine's :class:`~aioexperts.MissTier` fields (``path``
             of the sidecar, ``max_gate_weight``, ``behind_seconds``), else None.
+        timeline_path: where the aioexperts engines write a timeline of the decode tokens
+            (``--mode timeline``), else None.
     """
 
     model: str
@@ -153,13 +156,14 @@ class GenerateConfig:
     seed: int = 0
     notes: list[str] = field(default_factory=list)
     miss_tier: dict[str, Any] | None = None
+    timeline_path: str | None = None
 
 
 def _limit_name(limit: Fraction | None) -> str:
     return "none" if limit is None else str(limit)
 
 
-def _run_one(
+def run_engine(
     cfg: GenerateConfig,
     engine: str,
     limit: Fraction | None,
@@ -168,7 +172,10 @@ def _run_one(
     decode: list[int],
     tag: str,
 ) -> dict[str, Any]:
-    """One engine run in a child process (inside a fresh cgroup when ``limit``); its events summarised."""
+    """One engine run in a child process (inside a fresh cgroup when ``limit``); its events summarised.
+
+    With ``cfg.timeline_path`` the aioexperts engines record a timeline of the decode tokens and
+    write it there (``--mode timeline``)."""
     drop_page_cache([cfg.model])
     group = None
     run: dict[str, Any] = {"engine": engine, "limit": _limit_name(limit)}
@@ -184,6 +191,7 @@ def _run_one(
         "n_ctx": cfg.n_ctx,
         "threads": cfg.threads,
         "miss_tier": cfg.miss_tier,
+        "timeline": cfg.timeline_path,
     }
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
@@ -394,7 +402,7 @@ def run_generate_bench(
             for engine in engines:
                 note(f"limit {_limit_name(limit)}, round {r + 1}/{cfg.rounds}: {engine}")
                 tag = f"{_limit_name(limit).replace('/', 'of')}-{r}-{engine}"
-                run = _run_one(cfg, engine, limit, model_bytes, prompt, decode, tag)
+                run = run_engine(cfg, engine, limit, model_bytes, prompt, decode, tag)
                 run["round"] = r
                 note(
                     f"  {run['status']}: {run.get('decode_tok_s') or 0:.3f} tok/s over {run['tokens_decoded']} tokens, "

@@ -105,13 +105,21 @@ async def _run_aioexperts(cfg: dict[str, Any]) -> None:
             logits = await seq.forward(cfg["prompt"], all_logits=False)
             first = int(np.argmax(logits[-1]))
             _emit("prefill", seconds=time.perf_counter() - t1, greedy=first, n_tokens=len(cfg["prompt"]))
+            timeline = _start_timeline(model, cfg)
             before, split0 = store.statistics(), model.statistics()
             for i, token in enumerate(cfg["decode"]):
                 t2 = time.perf_counter()
+                if timeline is not None:
+                    timeline.begin_token()
                 out = await seq.forward([token], all_logits=False)
+                if timeline is not None:
+                    timeline.end_token()
                 greedy = int(np.argmax(out[-1]))
                 _emit("token", index=i, seconds=time.perf_counter() - t2, greedy=greedy)
             after, split1 = store.statistics(), model.statistics()
+            if timeline is not None:
+                model.runner.record_timeline(None)
+                _write_timeline(timeline, model, cfg["timeline"])
         n_decode = len(cfg["decode"])
         trace = model.runner.routing_trace().ids[-n_decode:] if n_decode else None
         distinct = (
@@ -132,6 +140,35 @@ async def _run_aioexperts(cfg: dict[str, Any]) -> None:
             distinct_experts_per_layer=distinct,
             seconds_per_part=parts,
         )
+
+
+def _start_timeline(model: Any, cfg: dict[str, Any]) -> Any:
+    """With ``cfg["timeline"]`` (``--mode timeline``): a Timeline recording the decode tokens, else None."""
+    if not cfg.get("timeline"):
+        return None
+    import aioexperts
+
+    n_layers = len(model.store.layout.layers)
+    n = len(cfg["decode"])
+    # reads: every expert of every layer, prefetches included, with room; steps: one per layer and token
+    timeline = aioexperts.Timeline(
+        max_reads=max(1 << 12, 4 * n * n_layers * model.store.layout.n_expert_used),
+        max_steps=max(1 << 8, 2 * n * n_layers),
+        max_tokens=max(1, n),
+    )
+    model.runner.record_timeline(timeline)
+    return timeline
+
+
+def _write_timeline(timeline: Any, model: Any, path: str) -> None:
+    """The recorded decode tokens as JSON columns (``Timeline.as_dict``) with the MoE layers, to ``path``."""
+    from aioexperts._json import dumps
+
+    data = timeline.as_dict()
+    data["layers"] = [int(x) for x in model.store.layout.layers]
+    data["backend"] = model.store.statistics().backend
+    with open(path, "w") as f:
+        f.write(dumps(data) + "\n")
 
 
 def _run_llama(cfg: dict[str, Any], repack: bool) -> None:

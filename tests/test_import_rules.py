@@ -5,7 +5,7 @@ under ``TYPE_CHECKING`` alike. Each module belongs to one layer; a layer may imp
 listed for it. The optional extras are never imported at module level by the core.
 
 The bench package ``aioexperts_bench`` lives beside ``aioexperts``: no module of ``aioexperts`` but the
-bench command's own two imports it; it reaches into ``aioexperts`` through public names but for the
+bench command's own three imports it; it reaches into ``aioexperts`` through public names but for the
 private modules :data:`BENCH_PRIVATE` lists with their reasons; and the bench command and the
 ``bench/`` scripts take it through the names of its ``__init__`` only.
 """
@@ -30,6 +30,7 @@ LAYER_OF = {
     "_checks": "base",
     "_json": "base",
     "_cgroups": "base",
+    "_timeline": "base",
     "_format": "format",
     "_io": "store",
     "_cache": "store",
@@ -92,8 +93,8 @@ EXCEPTIONS = {
     ("serve", "aioexperts._json"),
 }
 
-#: the modules of aioexperts that may import the bench package: the bench command's entry point and its generate mode
-BENCH_ENTRY_POINTS = {"aioexperts/cli/bench.py", "aioexperts/cli/bench_generate.py"}
+#: the modules of aioexperts that may import the bench package: the bench command and its generate and timeline modes
+BENCH_ENTRY_POINTS = {"aioexperts/cli/bench.py", "aioexperts/cli/bench_generate.py", "aioexperts/cli/bench_timeline.py"}
 
 #: the public modules of aioexperts, the bench package's way in
 PUBLIC_MODULES = (

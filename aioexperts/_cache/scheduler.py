@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from .._io.align import align_down
 from .._io.backends.base import IOBackend, ReadOp, ReadResult, SubmitError
 from .._io.loop import AsyncEvent, LoopAdapter
 from .._io.plan import LoadPlan, PlannedRead
+from .._timeline import Timeline
 from .stats import Counters
 
 __all__ = ("Load", "LoadState", "Priority", "ReadScheduler")
@@ -76,7 +78,18 @@ class Load:
             a dropped load. It should not raise (what it raises is logged).
     """
 
-    __slots__ = ("_stalls", "error", "on_done", "ops_left", "plan", "priority", "slot", "started_ns", "state")
+    __slots__ = (
+        "_stalls",
+        "error",
+        "on_done",
+        "ops_left",
+        "plan",
+        "priority",
+        "queued_at",
+        "slot",
+        "started_ns",
+        "state",
+    )
 
     def __init__(self, plan: LoadPlan, slot: int, priority: Priority, on_done: Callable[[Load], None]) -> None:
         self.plan = plan
@@ -87,6 +100,7 @@ class Load:
         self.error: AioExpertsError | None = None
         self.ops_left = 0
         self.started_ns = 0
+        self.queued_at = math.nan  # perf_counter seconds of enqueue, set only while a timeline records
         self._stalls = 0
 
     @property
@@ -139,6 +153,7 @@ class ReadScheduler:
         self._busy_since_ns = 0  # when the reads in flight last went from none to some
         self._quiet_event: AsyncEvent | None = None
         self._closed = False
+        self.timeline: Timeline | None = None  # records each finished load (issue 36's timeline)
         backend.set_sink(self._on_read)
 
     # -- queueing (loop thread) ------------------------------------------------------------
@@ -151,6 +166,8 @@ class ReadScheduler:
         """
         if self._closed:
             raise StoreClosedError("the store is closed")
+        if self.timeline is not None:
+            load.queued_at = time.perf_counter()
         (self._demand if load.priority is Priority.DEMAND else self._prefetch).append(load)
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -490,7 +507,15 @@ class ReadScheduler:
     def _finish(self, load: Load) -> None:
         load.state = LoadState.DONE
         if load.error is None:
-            self.counters.expert_latency.add((time.perf_counter_ns() - load.started_ns) / 1e9)
+            now = time.perf_counter_ns()
+            self.counters.expert_latency.add((now - load.started_ns) / 1e9)
+            timeline = self.timeline
+            if timeline is not None and load.started_ns:
+                layer, expert = load.plan.key
+                kind = load.priority.value
+                timeline.add_read(
+                    layer, expert, load.read_bytes, kind, load.queued_at, load.started_ns / 1e9, now / 1e9
+                )
         try:
             load.on_done(load)
         except Exception:  # the cache's on_done never raises; keep delivering the others

@@ -36,6 +36,7 @@ from .._format.layout import ExpertLayout
 from .._format.model import GGUFModel
 from .._format.views import ExpertView
 from .._io.loop import LoopAdapter, wait_through_cancellation
+from .._timeline import Timeline
 from .rows import RowStatistics, RowsView
 
 __all__ = ("Build", "ExpertSource", "Pinned", "build_and_keep", "finish_in_thread")
@@ -143,6 +144,11 @@ class ExpertSource(ABC):
         """Seconds the reads queued and in flight would take at the device rate measured so far
         (None: no rate measured yet, or a source without a read queue)."""
         return None
+
+    def record_timeline(self, timeline: Timeline | None) -> bool:
+        """Record each expert load into ``timeline`` (None: stop); False for a source that reads
+        nothing it could record (the default)."""
+        return False
 
     @abstractmethod
     def drop_prefetches(self, keep: Callable[[Key], bool]) -> int:

@@ -29,6 +29,7 @@ from .._io.loop import LoopAdapter
 from .._io.plan import ExpertPlan, plan_all_experts, plan_expert
 from .._io.slab import exported_view, slot_stride
 from .._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions
+from .._timeline import Timeline
 from .base import Build, ExpertSource
 from .rows import RowReader, RowStatistics, RowsView
 from .shared_views import SharedViews
@@ -215,6 +216,13 @@ class SlabSource(ExpertSource):
         if scheduler is None or c.device_busy_seconds <= 0 or c.bytes_read <= 0:
             return None
         return (scheduler.bytes_in_flight + scheduler.queued_bytes) / (c.bytes_read / c.device_busy_seconds)
+
+    def record_timeline(self, timeline: Timeline | None) -> bool:
+        scheduler = self.stack.scheduler
+        if scheduler is None:
+            return False
+        scheduler.timeline = timeline
+        return True
 
     def drop_prefetches(self, keep: Callable[[Key], bool]) -> int:
         return self._running().drop_prefetches(keep)

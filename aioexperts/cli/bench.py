@@ -98,10 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rebuild", action="store_true", help="write the built-in model again")
     p.add_argument(
         "--mode",
-        choices=("all", "reads", "tokens", "generate"),
+        choices=("all", "reads", "tokens", "generate", "timeline"),
         default="all",
         help="which benches to run (generate: the whole model against llama.cpp under memory limits; "
-        "`--mode generate --help` lists its options)",
+        "timeline: decode tokens under a memory limit, per layer, with a picture; `--mode generate --help` "
+        "and `--mode timeline --help` list their options)",
     )
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; every figure is a median with its range")
     p.add_argument(
@@ -372,6 +373,21 @@ def _error(text: str) -> None:
     print(f"aioexperts-bench: error: {text}", file=sys.stderr, flush=True)
 
 
+def _own_mode(words: list[str]) -> str | None:
+    """``generate`` or ``timeline`` when ``--mode`` names one of the modes with a command line of its own."""
+    for i, w in enumerate(words):
+        value = (
+            w.partition("=")[2]
+            if w.startswith("--mode=")
+            else words[i + 1]
+            if w == "--mode" and i + 1 < len(words)
+            else None
+        )
+        if value in ("generate", "timeline"):
+            return value
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code.
 
@@ -381,12 +397,15 @@ def main(argv: list[str] | None = None) -> int:
     closed pipe. Errors go to stderr, one line each.
     """
     words = sys.argv[1:] if argv is None else argv
-    if "generate" in words and any(w == "--mode" or w.startswith("--mode=") for w in words):
+    mode = _own_mode(list(words))
+    if mode == "generate":
         from .bench_generate import main as generate_main
 
-        mode_at = [i for i, w in enumerate(words) if w in ("--mode", "--mode=generate")]
-        if any(words[i] == "--mode=generate" or words[i + 1 : i + 2] == ["generate"] for i in mode_at):
-            return generate_main(list(words))
+        return generate_main(list(words))
+    if mode == "timeline":
+        from .bench_timeline import main as timeline_main
+
+        return timeline_main(list(words))
     parser = build_parser()
     args = parser.parse_args(argv)
     args._argv = argv
