@@ -15,6 +15,8 @@ the indexer (``idx_kv``, ``idx_score``, ``idx_rows``); a rows array of ``ceil(d 
 position is read as ``n_ctx // ratio`` rows of ``d``. A row is made once its last position has run
 (the compressor's state across calls is the positions' inputs in the cache), so a sequence cut back
 by ``keep(n)`` makes its unfinished rows again from the same inputs, as a fresh prefill does.
+The arrays are float32; the keys and rows hold F16 values under llama.cpp's default F16 K cache
+(:attr:`DSV4Block.f16_cache`), the compressor's inputs full float32 values (llama.cpp's state is F32).
 """
 
 from __future__ import annotations
@@ -125,16 +127,20 @@ class DSV4Block:
 
     Attributes:
         ratio: the layer's compress ratio (0, 4 or 128).
-        index_rows_f16: keep the indexer's rows as llama.cpp's default F16 cache does (rotated by a
-            Hadamard matrix and rounded to F16; its near-ties then fall as in llama.cpp). False:
-            float32 rows, as llama.cpp with an F32 cache.
+        f16_cache: round what llama.cpp keeps in its K cache type to F16, as its default F16 caches do
+            (llama-kv-cache-dsv4.cpp: the raw window keys, the compressed rows, and the indexer's rows
+            after a Hadamard rotation that its index queries take too); the compressor's state stays
+            float32 (llama.cpp's is F32). The attention block is then llama.cpp's to float noise, and
+            the indexer's near-ties fall as in llama.cpp. False: everything float32, as llama.cpp
+            with F32 caches (``load(kv_type="f32")`` sets it).
 
     Raises (at construction):
         FormatError: a required tensor or key is missing or misshaped, a ratio other than 0, 4 or 128,
             heads that the output groups do not divide, ``head_count_kv`` other than 1.
     """
 
-    #: the cache stays float32 whatever ``load(kv_type=)`` says (window keys and compressor state)
+    #: the cache arrays stay float32 whatever ``load(kv_type=)`` says (the compressor's state must);
+    #: ``load`` sets :attr:`f16_cache` from the KV type instead
     kv_float32 = True
 
     def __init__(self, hp: ModelHParams, reader: TensorReader, layer: int) -> None:
@@ -179,7 +185,7 @@ class DSV4Block:
         self.scale = 1.0 / math.sqrt(d)
         self.comp: _Compressor | None = None
         self.index: _Compressor | None = None
-        self.index_rows_f16 = True
+        self.f16_cache = True
         if self.ratio:
             width = (2 if self.ratio == CSA_RATIO else 1) * d
             self.comp = self._compressor(reader, p + "attn_compressor_", width, d)
@@ -234,7 +240,7 @@ class DSV4Block:
         q = rms_norm(self.wq_b(qr).reshape(n, nh, d), None, eps)
         q = _rope_tail(q, cos, sin, self.n_rot)
         kv = rms_norm(self.wkv(x), self.kv_norm, eps)
-        cache["kv"][start:end] = _rope_tail(kv[:, None], cos, sin, self.n_rot)[:, 0]
+        cache["kv"][start:end] = self._stored(_rope_tail(kv[:, None], cos, sin, self.n_rot)[:, 0])
         rows = np.empty((0, d), dtype=np.float32)
         chosen: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * n
         if self.comp is not None:
@@ -253,6 +259,10 @@ class DSV4Block:
         oa = np.concatenate([self.wo_a[g](np.ascontiguousarray(group[:, g])) for g in range(self.n_groups)], axis=1)
         y: np.ndarray = self.wo_b(oa)
         return y
+
+    def _stored(self, x: np.ndarray) -> np.ndarray:
+        """``x`` as llama.cpp's K cache type keeps it: rounded to F16 (:attr:`f16_cache`) or as it is."""
+        return x.astype(np.float16).astype(np.float32) if self.f16_cache else x
 
     def _update_rows(
         self,
@@ -278,9 +288,9 @@ class DSV4Block:
             new = rms_norm(new, comp.norm, self.hp.norm_eps)
             cos, sin = rope_cos_sin(self.rope, np.asarray(blocks) * r)
             new = _rope_tail(new[:, None], cos, sin, self.n_rot)[:, 0]
-            if rows_name == "idx_rows" and self.index_rows_f16 and self.hadamard is not None:
-                new = (new @ self.hadamard).astype(np.float16).astype(np.float32)
-            rows[blocks.start : blocks.stop] = new
+            if rows_name == "idx_rows" and self.f16_cache and self.hadamard is not None:
+                new = new @ self.hadamard
+            rows[blocks.start : blocks.stop] = self._stored(new)
         return rows
 
     def _indexer(
@@ -299,7 +309,7 @@ class DSV4Block:
         rows = rows[: end // self.ratio]
         cos, sin = self.rope_table.cos_sin(int(positions[0]), n)
         iq = _rope_tail(self.idx_q_b(qr).reshape(n, self.idx_heads, self.idx_dim), cos, sin, self.n_rot)
-        if self.index_rows_f16 and self.hadamard is not None:
+        if self.f16_cache and self.hadamard is not None:
             iq = iq @ self.hadamard
         w = self.idx_proj(x) * np.float32(1.0 / math.sqrt(self.idx_dim * self.idx_heads))
         chosen: list[np.ndarray] = []

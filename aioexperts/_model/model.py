@@ -230,10 +230,14 @@ class Model:
                 fused.set_precision(self.options.precision)
             await run_in_worker(fused.warmup, weights.ggml_types())
             self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
-            # deepseek4's cache (window keys, compressor state) stays float32 whatever the KV type
+            # deepseek4's cache arrays stay float32 whatever the KV type (its compressor state must); the
+            # block rounds what llama.cpp keeps in the KV type to F16 itself (DSV4Block.f16_cache)
             self._kv_types = [
                 "f32" if getattr(layer.block, "kv_float32", False) else self.options.kv_type for layer in weights.layers
             ]
+            for layer in weights.layers:
+                if hasattr(layer.block, "f16_cache"):
+                    layer.block.f16_cache = self.options.kv_type == "f16"
             self._kv_per_position = cache_bytes_per_position(self._layer_shapes, self._kv_types)
             self._layer_states = [
                 dict(layer.block.state_shapes()) if isinstance(layer.block, RecurrentBlock) else {}

@@ -25,30 +25,39 @@ from conftest import WHOLE_MODEL_PENDING, rel_l2, shared_fixture_paths
 
 import aioexperts
 from aioexperts._compute.attention import attend
+from aioexperts._model.kvcache import KVCache
 
 FORWARD = [p for p in shared_fixture_paths() if p.with_name(p.stem + ".forward.npz").exists()]
 UNSUPPORTED_YET: set[str] = set(WHOLE_MODEL_PENDING)  # architectures the forward pass refuses (issue 34)
-#: per-position bounds above the file's bound, where the fixture README measured an independent float64
-#: recomputation that far off at one position: deepseek4's indexer near-ties (its layer 3 at positions
-#: 82, 207, 248) meet llama.cpp's F16 attention rounding (worst position 8.7e-3, all 250 argmax equal)
-PER_POSITION_BOUND = {"deepseek4-f32": 1e-2}
-#: the quantized deepseek4 file: llama.cpp's activation quantization moves its indexer's choices (README)
+#: per-position bounds above twice the file's bound (measured: deepseek4-f32 5.5e-4 at its worst position)
+PER_POSITION_BOUND = {"deepseek4-f32": 1e-3}
+#: The quantized deepseek4 file. With llama.cpp's inputs every block is llama.cpp's to 1.1e-3..2.1e-3 and
+#: the indexer picks llama.cpp's rows at every position (tests/model/test_deepseek4.py), but through the
+#: network the 8-bit activation roundings amplify float32 differences: in the whole run the indexer picks
+#: other rows at 8 + 82 positions of layers 1 and 3, and the logits end 0.106 off with the same argmax at
+#: 227 of 250 positions. llama.cpp 0.3.36 itself, on this 2-vCPU AMD EPYC (AVX2) with the golden's
+#: settings, is 0.097 off its golden (made elsewhere) with the same argmax at 228.
 KNOWN_OVER_BOUND_DSV4 = {
-    "deepseek4-q4_k_m": "float32 activations where llama.cpp uses Q8_K/Q8_0 (README: even with llama.cpp's "
-    "inputs its indexer picks other rows for 24 + 13 of the 250 tokens of layers 1 and 3); measured 0.199 > "
-    "8e-2 (the README's float64 recomputation: 0.20)",
+    "deepseek4-q4_k_m": "llama.cpp's 8-bit activation roundings amplify float32 differences through the "
+    "network (llama.cpp itself on another machine: 0.097, argmax 228/250); measured 0.106 > 8e-2, argmax 227",
 }
 THREADS = aioexperts.IOOptions(backend="threads")
 
 
-#: deepseek4 keeps its cache (window keys, compressor state) in float32 where llama.cpp's is F16, so
-#: its F32 file keeps main's 3e-3 (measured 1.2e-3)
-FILE_BOUND = {"deepseek4-f32": 3e-3}
+#: deepseek4's F32 file at the positions where its indexer picked llama.cpp's rows (measured 2.2e-4)
+FILE_BOUND = {"deepseek4-f32": 5e-4}
+#: positions of a deepseek4 F32 file where the indexer may pick other rows than llama.cpp: the README's
+#: near-ties (gap between the 8th and 9th score below 1e-3 relative at positions 82, 207 and 248 of layer
+#: 3), which float32 differences of the layers before decide (207 here, and in llama.cpp 0.3.36 on this
+#: machine: 4.5e-2 at that position either way)
+INDEXER_NEAR_TIES = 2
 #: files whose one-batch prefill and token-by-token decode may differ beyond the bounds below
 PREFILL_DECODE_DIFFER = {
     # 250 tokens: 8-bit rounding flips between the batch and one-token products move the indexer's
-    # top-k near-ties (the README: llama.cpp's activation rounding moves them against float64 too)
-    "deepseek4-q4_k_m": "the indexer's near-ties follow 8-bit rounding flips (107 of 250 positions over 4e-2)",
+    # top-k near-ties, and the network amplifies them (the README: llama.cpp against itself, batch
+    # against one token at a time, is 0.55 off on its greedy logits)
+    "deepseek4-q4_k_m": "the indexer's near-ties follow 8-bit rounding flips (measured 0.109, 144 of 250 "
+    "positions over 4e-2, argmax equal at 225)",
 }
 
 
@@ -92,14 +101,51 @@ def run(path: Path) -> dict[str, Any]:
             async with model.sequence() as seq:
                 assert seq._cache is not None
                 logits = await seq.forward(tokens, capture=capture)
+            picks = indexer_picks(model, capture, len(tokens))
             async with model.sequence() as seq:
                 stepwise = np.concatenate([await seq.forward([t]) for t in tokens])
                 assert seq.n_past == len(tokens)
             greedy = [t async for t in model.generate(tokens, max_tokens=len(want["greedy"]))]
             stats = model.statistics()
-        return {"logits": logits, "capture": capture, "stepwise": stepwise, "greedy": greedy, "stats": stats}
+        return {
+            "logits": logits,
+            "capture": capture,
+            "picks": picks,
+            "stepwise": stepwise,
+            "greedy": greedy,
+            "stats": stats,
+        }
 
     return anyio.run(main)
+
+
+def indexer_picks(model: aioexperts.Model, capture: dict[str, np.ndarray], n: int) -> dict[int, list[np.ndarray]]:
+    """Per deepseek4 CSA layer, the compressed rows its indexer picked for each position in the run of
+    ``capture`` (the block again on the run's ``attn_norm-L``, from position 0)."""
+    out = {}
+    assert model.forward_pass.weights is not None
+    for layer in model.forward_pass.weights.layers:
+        block: Any = layer.block
+        if getattr(block, "index", None) is not None:
+            cache = KVCache([dict(block.cache_shapes())], n, kv_type="f32").layer(0)
+            scores: dict[str, np.ndarray] = {}
+            block.run(capture[f"attn_norm-{layer.index}"], cache, 0, capture=scores)
+            visible = (np.arange(n) + 1) // block.ratio
+            out[layer.index] = [
+                np.sort(np.argsort(-s[:v], kind="stable")[: block.top_k])
+                for s, v in zip(scores["lid_scores"], visible, strict=True)
+            ]
+    return out
+
+
+def indexer_differs(want: Any, picks: dict[int, list[np.ndarray]]) -> set[int]:
+    """Positions where the indexer picked other rows than llama.cpp (the golden's ``lid_top_k-L``)."""
+    differ = set()
+    for il, ours in picks.items():
+        theirs = want[f"lid_top_k-{il}"]
+        visible = (np.arange(len(ours)) + 1) // 4
+        differ |= {t for t, p in enumerate(ours) if set(p.tolist()) != set(theirs[t][theirs[t] < visible[t]].tolist())}
+    return differ
 
 
 def routing_differs(path: Path, capture: dict[str, np.ndarray], n_tokens: int) -> set[int]:
@@ -126,10 +172,14 @@ def test_logits_and_residuals_match_llama_cpp(path: Path) -> None:
         pytest.xfail(KNOWN_OVER_BOUND_DSV4[path.stem])
     n = len(want["tokens"])
     assert got["logits"].shape == want["logits"].shape and got["logits"].dtype == np.float32
-    assert rel_l2(got["logits"], want["logits"]) <= tol
+    near_ties = indexer_differs(want, got["picks"])
+    assert len(near_ties) <= INDEXER_NEAR_TIES, sorted(near_ties)
+    same_rows = sorted(set(range(n)) - near_ties)
+    assert rel_l2(got["logits"][same_rows], want["logits"][same_rows]) <= tol
     assert (got["logits"].argmax(axis=1) == want["logits"].argmax(axis=1)).sum() >= n - 1
     differ = routing_differs(path, got["capture"], n)
     assert len(differ) <= 2 and not (differ and path.stem.endswith("-f32"))
+    differ |= near_ties
     for t in set(range(n)) - differ:  # one position may take up to twice the whole's error
         assert rel_l2(got["logits"][t], want["logits"][t]) <= PER_POSITION_BOUND.get(path.stem, 2 * tol), t
     keys = [k for k in want.files if k.split("-")[0] in ("attn_norm", "ffn_inp", "l_out") or k == "result_norm"]
