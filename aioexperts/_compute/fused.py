@@ -545,6 +545,10 @@ def linear(
         UnsupportedTypeError: the type can be dequantized neither here nor by gguf-py.
         ConfigError: ``x`` or ``out`` has the wrong dtype, shape or layout.
     """
+    if out is None:
+        fast = _one_token_int8(data, ggml_type, shape, x)
+        if fast is not None:
+            return fast
     qtype, rows, cols, xs, result = _arguments(ggml_type, shape, x, out)
     n = xs.shape[0]
     if n == 0 or rows == 0:
@@ -566,6 +570,33 @@ def linear(
     weights = _quant.dequantize(data, qtype, (rows, cols))
     _matmul_numpy(data, qtype, rows, weights, xs, result)
     return result
+
+
+def _one_token_int8(
+    data: memoryview | np.ndarray, ggml_type: GGMLQuantizationType | int, shape: tuple[int, int], x: np.ndarray
+) -> np.ndarray | None:
+    """:func:`linear` of one finite token by the one-token int8 kernel, unsplit: the call
+    :func:`_linear_numba` makes for it, with only the checks that call needs (the decode step's
+    experts and small products make a thousand of these per token). None: the general path serves
+    (another precision, type, shape or split, a non-finite ``x``, bytes that do not fit: it raises)."""
+    if type(x) is not np.ndarray or x.dtype != _F32 or x.ndim != 2 or x.shape[0] != 1 or not x.flags.c_contiguous:
+        return None
+    qtype = ggml_type if type(ggml_type) is GGMLQuantizationType else None
+    ready = None if qtype is None else _state.ready.get(qtype)
+    if ready is None or ready.matvec_int8 is None or _state.precision != "int8":
+        return None  # not warm yet (or no int8 kernel): the general path compiles and decides
+    rows, cols = shape
+    if type(rows) is not int or type(cols) is not int or x.shape[1] != cols or rows <= 0:
+        return None
+    row_bytes = ready.row_bytes(cols)
+    if cols % GGML_QUANT_SIZES[qtype][0] or rows * row_bytes >= (SPLIT_MIN_BYTES or 1 << 62):
+        return None
+    raw = _quant.tensor_bytes(data)
+    if raw.size != rows * row_bytes or raw.dtype != np.uint8 or not np.isfinite(x).all():
+        return None
+    out = np.empty((1, rows), dtype=np.float32)
+    ready.matvec_int8(raw.reshape(rows, row_bytes), x[0], out[0])
+    return out
 
 
 def _matmul_numpy(
@@ -741,6 +772,11 @@ def _linear_float(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, x
         np.matmul(xs, weights.T, out=out)
 
 
+FLASH_SPLIT_MIN = 4096
+"""Query rows times heads times cached positions from which the flash attention splits its heads
+over the compute pool's idle workers (below it the hand-off costs more than it saves)."""
+
+
 def flash_kernel() -> Callable[..., None] | None:
     """ggml-cpu's one-chunk F16 flash attention, compiled, when numba serves; else None (the numpy
     backend).
@@ -749,8 +785,9 @@ def flash_kernel() -> Callable[..., None] | None:
     float16 cache arrays themselves (C-contiguous, ``(n_kv, n_head_kv, head)``), the rest as
     :func:`aioexperts._compute.kernels.flash.flash_attend_f16`. It runs the vector kernel
     (``flash_attend_f16_bits``, on the cache's bits) where the target converts float16 in hardware
-    and both head sizes are multiples of 32, else the scalar kernel on a float32 copy of the cache;
-    the two give the same bits.
+    and both head sizes are multiples of 32, its heads split over the compute pool's idle workers
+    from :data:`FLASH_SPLIT_MIN` (heads are independent: the same bits however split), else the
+    scalar kernel on a float32 copy of the cache; the two give the same bits.
     """
     if backend().name != "numba":
         return None
@@ -764,12 +801,21 @@ def flash_kernel() -> Callable[..., None] | None:
     bits_kernel: Callable[..., None] = module.flash_attend_f16_bits
 
     def flash(q: np.ndarray, k: np.ndarray, v: np.ndarray, *rest: Any) -> None:
-        if vector and k.shape[2] % 32 == 0 and v.shape[2] % 32 == 0:
-            k16 = np.ascontiguousarray(k).view(np.uint16)
-            v16 = np.ascontiguousarray(v).view(np.uint16)
-            bits_kernel(q, k16, v16, *rest)
-        else:
+        if not (vector and k.shape[2] % 32 == 0 and v.shape[2] % 32 == 0):
             scalar_kernel(q, k.astype(np.float32), v.astype(np.float32), *rest)
+            return
+        k16 = np.ascontiguousarray(k).view(np.uint16)
+        v16 = np.ascontiguousarray(v).view(np.uint16)
+        n_head = q.shape[1]
+        from . import pool as _pool_module
+
+        pool = _pool_module._pool
+        parts = 1 if pool is None else min(pool.n_threads, n_head)
+        if parts <= 1 or q.shape[0] * n_head * k.shape[0] < FLASH_SPLIT_MIN:
+            bits_kernel(q, k16, v16, *rest, 0, n_head)
+            return
+        bounds = [n_head * i // parts for i in range(parts + 1)]
+        pool.map(lambda i: bits_kernel(q, k16, v16, *rest, bounds[i], bounds[i + 1]), range(parts))
 
     return flash
 

@@ -43,7 +43,7 @@ def test_vector_kernel_equals_the_scalar_kernel_bit_for_bit(
     want = np.empty((n, heads, dim), np.float32)
     got = np.empty((n, heads, dim), np.float32)
     flash.flash_attend_f16(q, k.astype(np.float32), v.astype(np.float32), n_kv - n, scale, sinks, window, want)
-    flash.flash_attend_f16_bits(q, k.view(np.uint16), v.view(np.uint16), n_kv - n, scale, sinks, window, got)
+    flash.flash_attend_f16_bits(q, k.view(np.uint16), v.view(np.uint16), n_kv - n, scale, sinks, window, got, 0, heads)
     assert np.array_equal(got, want)
     assert np.isfinite(got).all() and np.abs(got).max() > 0
 
@@ -70,3 +70,25 @@ def test_attend_runs_the_vector_kernel_on_an_f16_cache(monkeypatch: pytest.Monke
         q, k.astype(np.float32), v.astype(np.float32), 19, np.float32(0.125), np.empty(0, np.float32), 0, scalar
     )
     assert np.array_equal(out, scalar.reshape(1, -1))
+
+
+def test_heads_split_over_the_pool_give_the_same_bits() -> None:
+    from aioexperts._compute.pool import compute_pool
+
+    flash, _ = _kernels()
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 16, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((300, 4, 64)).astype(np.float16) for _ in range(2))
+    whole = np.empty((1, 16, 64), np.float32)
+    flash.flash_attend_f16_bits(
+        q, k.view(np.uint16), v.view(np.uint16), 299, np.float32(0.125), np.empty(0, np.float32), 0, whole, 0, 16
+    )
+    parts = np.full((1, 16, 64), np.nan, np.float32)
+    for lo, hi in ((0, 5), (5, 16)):
+        flash.flash_attend_f16_bits(
+            q, k.view(np.uint16), v.view(np.uint16), 299, np.float32(0.125), np.empty(0, np.float32), 0, parts, lo, hi
+        )
+    assert np.array_equal(parts, whole)
+    assert compute_pool().n_threads >= 1  # the pool exists: attend() may split its heads
+    assert 16 * 300 >= fused.FLASH_SPLIT_MIN
+    assert np.array_equal(attend(q, k, v, 299, 0.125), whole.reshape(1, -1))

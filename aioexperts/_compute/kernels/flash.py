@@ -133,8 +133,9 @@ def flash_attend_f16(q, k, v, start, scale, sinks, window, out):
 
 
 @kernel(exact=True)
-def flash_attend_f16_bits(q, k, v, start, scale, sinks, window, out):
-    """:func:`flash_attend_f16` on the float16 cache itself, in vector steps (:mod:`.halfvec`).
+def flash_attend_f16_bits(q, k, v, start, scale, sinks, window, out, h_lo, h_hi):
+    """:func:`flash_attend_f16` on the float16 cache itself, in vector steps (:mod:`.halfvec`),
+    for the query heads ``h_lo..h_hi-1`` (each head is independent: callers split heads over threads).
 
     ``k`` ``(n_kv, HKV, DK)`` and ``v`` ``(n_kv, HKV, DV)`` uint16 (the float16 bit patterns of the
     cache, C-contiguous), ``DK`` and ``DV`` multiples of 32; everything else as
@@ -151,7 +152,7 @@ def flash_attend_f16_bits(q, k, v, start, scale, sinks, window, out):
     acc = np.empty(DV, dtype=F32)
     for t in range(T):
         p1 = start + t
-        for h in range(H):
+        for h in range(h_lo, h_hi):
             kh = h // group
             for d in range(DK):
                 qh[d] = to_half(q[t, h, d])

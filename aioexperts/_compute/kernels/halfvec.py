@@ -19,6 +19,7 @@ scalar kernel.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from llvmlite import ir
@@ -38,8 +39,10 @@ V32H = ir.VectorType(HALF, LANES)
 V32I16 = ir.VectorType(I16, LANES)
 
 
+@functools.cache
 def hardware_half() -> bool:
-    """Whether the compile target converts float16 in hardware (x86 F16C and FMA, AArch64)."""
+    """Whether the compile target converts float16 in hardware (x86 F16C and FMA, AArch64); asked
+    once per process."""
     triple, features = _target_features()
     if triple.startswith(("aarch64", "arm64")):
         return True
