@@ -583,7 +583,7 @@ def _one_token_int8(
         return None
     qtype = ggml_type if type(ggml_type) is GGMLQuantizationType else None
     ready = None if qtype is None else _state.ready.get(qtype)
-    if ready is None or ready.matvec_int8 is None or _state.precision != "int8":
+    if qtype is None or ready is None or ready.matvec_int8 is None or _state.precision != "int8":
         return None  # not warm yet (or no int8 kernel): the general path compiles and decides
     rows, cols = shape
     if type(rows) is not int or type(cols) is not int or x.shape[1] != cols or rows <= 0:
@@ -811,7 +811,7 @@ def flash_kernel() -> Callable[..., None] | None:
 
         pool = _pool_module._pool
         parts = 1 if pool is None else min(pool.n_threads, n_head)
-        if parts <= 1 or q.shape[0] * n_head * k.shape[0] < FLASH_SPLIT_MIN:
+        if pool is None or parts <= 1 or q.shape[0] * n_head * k.shape[0] < FLASH_SPLIT_MIN:
             bits_kernel(q, k16, v16, *rest, 0, n_head)
             return
         bounds = [n_head * i // parts for i in range(parts + 1)]
