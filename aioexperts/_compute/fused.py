@@ -766,10 +766,20 @@ def _linear_float(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, x
         _split_rows(raw, tokens)
     elif n <= SMALL_BATCH_MAX:
         _kernel(ready, qtype, "matmat")(raw, xs, out)
-    else:
+    else:  # a prefill: dequantized by row ranges, each range's BLAS product on its own worker
+        _split_rows(raw, _by_rows(_dequant_matmul(_kernel(ready, qtype, "dequant")), raw, xs, out))
+
+
+def _dequant_matmul(dequant: Callable[..., None]) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
+    """``kernel(raw, xs, out)``: ``raw``'s rows dequantized into the thread's workspace, then
+    ``out = xs @ W.T`` by BLAS (one thread per call: the pool caps it)."""
+
+    def run(raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
         weights = _workspace.matrix((raw.shape[0], xs.shape[1]))
-        _kernel(ready, qtype, "dequant")(raw, weights)
+        dequant(raw, weights)
         np.matmul(xs, weights.T, out=out)
+
+    return run
 
 
 FLASH_SPLIT_MIN = 4096
