@@ -4,9 +4,14 @@ Usage::
 
     python bench/model_speed.py --layers 48 --tokens 8 --rounds 3 --out docs/results/model_speed-48l.json
     python bench/model_speed.py --render docs/results/model_speed-48l.json docs/model.md
+    python bench/model_speed.py --model dsv4-flash --tokens 8 --rounds 3 --out docs/results/model_speed-dsv4-4l.json
+    python bench/model_speed.py --render docs/results/model_speed-dsv4-4l.json docs/model.md
 
 The model is the built-in full model (``aioexperts.testing.ensure_full_model``: Qwen3-30B-A3B geometry,
-Q4_K experts, written once into the user cache). Greedy decoding on 2 cores. Each of ``--rounds``
+Q4_K experts, written once into the user cache; ``--layers``, default 48), or with ``--model dsv4-flash``
+the built-in DeepSeek-V4-Flash-geometry model (``aioexperts.testing.ensure_dsv4_model``: ``deepseek4``,
+256 Q2_K experts per layer, top-6; ``--layers``, default 4, about 9.1 GB), or ``--model FILE``. Greedy
+decoding on 2 cores. Each of ``--rounds``
 interleaved rounds runs, in this order:
 
 1. resident decode: ``--tokens`` greedy tokens after an 8-token prompt, every expert resident (a
@@ -21,6 +26,9 @@ Per round: ``compute_io_ratio`` = decode ms per token / cold I/O ms per token (t
 median (min-max) of the per-round values. Then, once each, decode tokens/s at slabs of 10 %, 25 %
 and 50 % of the experts (page cache dropped, slab empty at the start), with hit rates and bytes
 read per token.
+
+``--render`` replaces the region of the results' architecture: ``<!-- bench:model_speed -->`` for
+``qwen3moe``, ``<!-- bench:model_speed-ARCH -->`` for another (``model_speed-deepseek4``).
 """
 
 from __future__ import annotations
@@ -45,13 +53,14 @@ from _results import write_results  # noqa: E402
 
 import aioexperts  # noqa: E402
 from aioexperts.backends import liburing_unusable_reason  # noqa: E402
-from aioexperts.testing import ensure_full_model, print_progress  # noqa: E402
+from aioexperts.testing import ensure_dsv4_model, ensure_full_model, print_progress  # noqa: E402
 from aioexperts_bench import DROP_METHOD, drop_page_cache, machine_facts, machine_label, probe_host_cache  # noqa: E402
 
 IO = aioexperts.IOOptions(backend="auto")  # io_uring when it runs here, else the thread pool
 SPLIT = ("attention", "dense_ffn", "moe", "head", "sampling")
 TARGETS = {"compute_io_ratio": ("<=", 0.5), "prefill_over_decode": (">=", 5.0)}
 SLAB_FRACTIONS = (0.10, 0.25, 0.50)
+DSV4_NAME = "dsv4-flash"  # --model dsv4-flash: the built-in DeepSeek-V4-geometry model
 
 Routing = list[list[tuple[int, list[int]]]]  # per decoded token: (layer, expert ids) in layer order
 
@@ -164,18 +173,20 @@ def fmt(s: dict[str, float], spec: str = ".2f") -> str:
 async def main(args: argparse.Namespace) -> None:
     started = time.time()
     command = "python bench/model_speed.py " + " ".join(sys.argv[1:])
-    path = ensure_full_model(args.layers, progress=print_progress())
+    path = model_path(args)
     logging.getLogger("aioexperts").setLevel(logging.ERROR)  # the backend fallback is printed once, below
     facts = machine_facts(str(path))
     host_cache = probe_host_cache(str(path))  # is a 'cold' read served by the host's memory?
     rng = np.random.default_rng(0)
     n_ctx = args.prompt + args.tokens + 16
     rounds: list[dict[str, Any]] = []
+    architecture = str(aioexperts.open_model(path).architecture)
     async with aioexperts.open(path, slots=1, io=IO) as probe:
         layers = probe.layout.layers
         k, per_layer = probe.layout.n_expert_used, max(m.n_experts for m in layers.values())
     total = sum(m.n_experts for m in layers.values())
-    print(f"model: {path.name}: {len(layers)} MoE layers, {per_layer} experts, top-{k}; {machine_label(facts)}")
+    shape = f"{len(layers)} MoE layers, {per_layer} experts, top-{k}"
+    print(f"model: {path.name} ({architecture}): {shape}; {machine_label(facts)}")
 
     async with aioexperts.load(path, slots=total, io=IO, n_ctx=n_ctx) as model:
         prompt = rng.integers(0, model.n_vocab, size=args.prompt).tolist()
@@ -276,6 +287,7 @@ async def main(args: argparse.Namespace) -> None:
     parameters = {
         "command": command,
         "model": path.name,
+        "architecture": architecture,
         "layers": len(layers),
         "experts_per_layer": per_layer,
         "expert_used": k,
@@ -290,8 +302,13 @@ async def main(args: argparse.Namespace) -> None:
     print(f"results: {out}")
 
 
+def region(architecture: str) -> str:
+    """The name of the docs' region for results of ``architecture`` (``model_speed`` for qwen3moe)."""
+    return "model_speed" if architecture == "qwen3moe" else f"model_speed-{architecture}"
+
+
 def render(results: Path, doc: Path) -> None:
-    """Replace the text between ``<!-- bench:model_speed -->`` and its end marker in ``doc``."""
+    """Replace the text between ``<!-- bench:REGION -->`` and its end marker in ``doc`` (:func:`region`)."""
     r = json.loads(results.read_text())
     s, p, m = r["summary"], r["parameters"], r["machine"]
     reads = p["reads"]
@@ -340,21 +357,44 @@ def render(results: Path, doc: Path) -> None:
         for row in s["slabs"]
     )
     text = doc.read_text()
-    start, end = "<!-- bench:model_speed -->", "<!-- /bench:model_speed -->"
+    name = region(p.get("architecture", "qwen3moe"))  # results files before the field: the Qwen3 model
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    if start not in text or end not in text:
+        raise SystemExit(f"{doc}: no {start} ... {end} region")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     doc.write_text(head + start + "\n" + "\n".join(lines) + "\n" + end + tail)
 
 
+def model_path(args: argparse.Namespace) -> Path:
+    """The model ``--model`` and ``--layers`` name, a built-in one written first when missing."""
+    if args.model == DSV4_NAME:
+        return ensure_dsv4_model(args.layers or 4, progress=print_progress())
+    if args.model:
+        return Path(args.model).expanduser()
+    return ensure_full_model(args.layers or 48, progress=print_progress())
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=48, help="layers of the built-in full model (48: the real depth)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help=f"a whole-model GGUF file, or {DSV4_NAME!r} (the built-in DeepSeek-V4-Flash-geometry model); "
+        "default: the built-in Qwen3-30B-A3B-geometry full model",
+    )
+    ap.add_argument("--layers", type=int, default=None, help="layers of the built-in model (default 48; dsv4-flash: 4)")
     ap.add_argument("--tokens", type=int, default=8, help="decoded tokens per round and per slab run")
     ap.add_argument("--prompt", type=int, default=256, help="prefill prompt length")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--render", nargs=2, type=Path, metavar=("RESULTS", "DOC"), help="render RESULTS into DOC, no run")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.layers is not None and args.layers < 1:
+        ap.error(f"--layers must be >= 1, got {args.layers}")
+    if args.layers is not None and args.model not in (None, DSV4_NAME):
+        ap.error("--layers chooses a built-in model; a --model file has its own")
+    return args
 
 
 if __name__ == "__main__":

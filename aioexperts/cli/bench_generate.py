@@ -24,7 +24,34 @@ from .._json import dumps as json_dumps
 from ._common import refuse_to_overwrite
 from .tiertool import default_output
 
-__all__ = ("build_parser", "main")
+__all__ = ("DSV4_NAME", "add_model_arguments", "build_parser", "check_model_arguments", "main")
+
+#: ``--model dsv4-flash``: the built-in DeepSeek-V4-Flash-geometry model (aioexperts.testing.ensure_dsv4_model).
+DSV4_NAME = "dsv4-flash"
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """``--model``, ``--layers`` and ``--routing`` (``--mode generate`` and ``--mode timeline``)."""
+    p.add_argument(
+        "--model",
+        help=f"a whole-model GGUF file, or {DSV4_NAME!r}: the built-in DeepSeek-V4-Flash-geometry model "
+        "(deepseek4, 256 experts of Q2_K per layer, top-6; --layers, default 4: about 9.1 GB); "
+        "None: the built-in Qwen3-30B-A3B-geometry full model (--layers, default 48: about 17 GB; --routing)",
+    )
+    p.add_argument("--layers", type=int, default=None, help="layers of the built-in model (None: 48, dsv4-flash 4)")
+    p.add_argument(
+        "--routing", choices=("spread", "skewed"), default=None, help="the built-in Qwen3 model's routers (spread)"
+    )
+
+
+def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit 2 (``parser.error``) on a ``--layers`` below 1, or ``--layers``/``--routing`` that choose nothing."""
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers must be >= 1, got {args.layers}")
+    if args.model and args.model != DSV4_NAME and (args.layers is not None or args.routing is not None):
+        parser.error("--layers and --routing choose a built-in model; a --model file has its own")
+    if args.model == DSV4_NAME and args.routing is not None:
+        parser.error(f"--routing is the built-in Qwen3 model's; --model {DSV4_NAME} has its own routers")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,9 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--mode", choices=("generate",), default="generate", help=argparse.SUPPRESS)
-    p.add_argument("--model", help="a whole-model GGUF file; None: the built-in full model (--layers, --routing)")
-    p.add_argument("--layers", type=int, default=48, help="layers of the built-in full model (48: about 17 GB)")
-    p.add_argument("--routing", choices=("spread", "skewed"), default="spread", help="the built-in model's routers")
+    add_model_arguments(p)
     p.add_argument(
         "--limits", default="none,1/2,1/4", help="memory limits: none, or fractions in (0, 4] of the model file's size"
     )
@@ -69,17 +94,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model(args: argparse.Namespace, note: Callable[[str], None]) -> str:
-    if args.model:
+    if args.model and args.model != DSV4_NAME:
         path: str = os.path.expanduser(args.model)
         return path
-    from ..testing import FULL_SPEC, SKEWED_SPEC, ensure_full_model, print_progress
+    from ..testing import FULL_SPEC, SKEWED_SPEC, ensure_dsv4_model, ensure_full_model, print_progress
 
-    spec = (SKEWED_SPEC if args.routing == "skewed" else FULL_SPEC).with_(n_layer=args.layers)
+    progress = None if args.quiet else print_progress()
+
+    def on_wait() -> None:
+        note("another run is writing the built-in model; waiting for it")
+
+    if args.model == DSV4_NAME:
+        layers = args.layers or 4
+        built = ensure_dsv4_model(
+            layers,
+            progress=progress,
+            on_build=lambda p: note(f"writing the built-in DeepSeek-V4-geometry model ({layers} layers) to {p} (once)"),
+            on_wait=on_wait,
+        )
+        return os.fspath(built)
+    layers = args.layers or 48
+    spec = (SKEWED_SPEC if args.routing == "skewed" else FULL_SPEC).with_(n_layer=layers)
     built = ensure_full_model(
         spec=spec,
-        progress=None if args.quiet else print_progress(),
-        on_build=lambda p: note(f"writing the built-in full model ({args.layers} layers) to {p} (once)"),
-        on_wait=lambda: note("another run is writing the built-in model; waiting for it"),
+        progress=progress,
+        on_build=lambda p: note(f"writing the built-in full model ({layers} layers) to {p} (once)"),
+        on_wait=on_wait,
     )
     return os.fspath(built)
 
@@ -123,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown or not engines:
         parser.error(f"--engines: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(ENGINES)}")
-    for name in ("rounds", "prompt_tokens", "decode_tokens", "threads", "layers"):
+    for name in ("rounds", "prompt_tokens", "decode_tokens", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_model_arguments(parser, args)
     needed = args.prompt_tokens + args.decode_tokens
     if args.n_ctx is not None and args.n_ctx < needed:
         parser.error(

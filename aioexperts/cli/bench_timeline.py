@@ -27,6 +27,7 @@ from .. import AioExpertsError, __version__
 from .._json import dumps as json_dumps
 from ._common import file_starts_with, refuse_to_overwrite
 from .bench_generate import _model as built_in_model
+from .bench_generate import add_model_arguments, check_model_arguments
 
 __all__ = ("build_parser", "main")
 
@@ -42,9 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--mode", choices=("timeline",), default="timeline", help=argparse.SUPPRESS)
-    p.add_argument("--model", help="a whole-model GGUF file; None: the built-in full model (--layers, --routing)")
-    p.add_argument("--layers", type=int, default=48, help="layers of the built-in full model (48: about 17 GB)")
-    p.add_argument("--routing", choices=("spread", "skewed"), default="spread", help="the built-in model's routers")
+    add_model_arguments(p)
     p.add_argument("--limit", default="1/4", help="memory limit: none, or a fraction in (0, 4] of the model's size")
     p.add_argument("--engine", choices=ENGINES, default="aioexperts", help="the aioexperts engine of --mode generate")
     p.add_argument("--miss-tier", default=None, help="the miss tier's sidecar (engine aioexperts-tier)")
@@ -86,9 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         limit = parse_limit(args.limit)
     except (ValueError, ZeroDivisionError) as exc:
         parser.error(f"--limit: {exc}")
-    for name in ("prompt_tokens", "decode_tokens", "picture_tokens", "layers"):
+    for name in ("prompt_tokens", "decode_tokens", "picture_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_model_arguments(parser, args)
     n_ctx = args.n_ctx or args.prompt_tokens + args.decode_tokens + 16
     if n_ctx < args.prompt_tokens + args.decode_tokens:
         parser.error(f"--n-ctx {n_ctx} is less than --prompt-tokens + --decode-tokens")

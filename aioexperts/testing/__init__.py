@@ -15,8 +15,9 @@ with and reads they can steer; both are here, and neither needs a real model or 
   scaled so the residual stream stays finite; its text is random. (``tokenizers`` trains the
   vocabulary: the ``text`` extra.)
 - :func:`write_dsv4_model` writes a whole ``deepseek4`` model of the geometry a :class:`DSV4Spec`
-  gives (default :data:`DSV4_SPEC`: DeepSeek-V4-Flash's shapes, 4 layers, Q2_K experts, about 8.7 GB):
-  compressed attention, hyper-connections and hash-routed layers, random weights, the same vocabulary.
+  gives (default :data:`DSV4_SPEC`: DeepSeek-V4-Flash's shapes, 4 layers, Q2_K experts, about 9.1 GB):
+  compressed attention, hyper-connections and hash-routed layers, random weights, the same vocabulary;
+  :data:`TINY_DSV4_SPEC` is its layout at a test size.
 - :func:`builtin_model_path` is the path of the built-in full model (:data:`FULL_SPEC`, about
   2.9 GB), written once into the user cache (``$AIOEXPERTS_CACHE``, else ``~/.cache/aioexperts``):
   what the examples of README.md and docs/ open. ``$AIOEXPERTS_BUILTIN_SIZE=tiny`` makes it
@@ -25,7 +26,9 @@ with and reads they can steer; both are here, and neither needs a real model or 
   two processes ask at once: :func:`ensure_bench_model` (:data:`BENCH_SPEC`, ``aioexperts-bench``)
   and :func:`ensure_full_model` (:data:`FULL_SPEC` of :data:`DEFAULT_FULL_LAYERS` layers,
   ``aioexperts-run`` and ``aioexperts-serve``); :func:`print_progress` prints a build's progress.
-  :data:`SKEWED_SPEC` is the full model with skewed routing.
+  :data:`SKEWED_SPEC` is the full model with skewed routing. :func:`ensure_dsv4_model` is the
+  DeepSeek-V4-geometry model (:data:`DSV4_SPEC`, 4 layers by default, about 9.1 GB; the benches'
+  ``--model dsv4-flash``), :func:`dsv4_model_path` where it lives.
 - :func:`memory_cgroups` lists this process's memory cgroups (the slab budget reads its limit from
   them; the bench makes its memory-limited groups inside them).
 - :class:`ScriptedSampler` makes the model say chosen text (its sampler ignores the logits): for
@@ -47,11 +50,14 @@ from .._cgroups import memory_cgroups as memory_cgroups
 from ._builtin import BUILTIN_SIZE_ENV as BUILTIN_SIZE_ENV
 from ._builtin import TINY_FULL_SPEC as TINY_FULL_SPEC
 from ._builtin import builtin_model_path as builtin_model_path
+from ._builtin import dsv4_model_path as dsv4_model_path
+from ._builtin import ensure_dsv4_model as ensure_dsv4_model
 from ._builtin import ensure_full_model as ensure_full_model
 from ._builtin import full_model_path as full_model_path
 from ._cache import cache_dir as cache_dir
 from ._cache import print_progress as print_progress
 from ._dsv4_model import DSV4_SPEC as DSV4_SPEC
+from ._dsv4_model import TINY_DSV4_SPEC as TINY_DSV4_SPEC
 from ._dsv4_model import DSV4Spec as DSV4Spec
 from ._dsv4_model import write_dsv4_model as write_dsv4_model
 from ._fake_backend import FakeBackend as FakeBackend
@@ -79,6 +85,7 @@ __all__ = (
     "FULL_SPEC",
     "SKEWED_SPEC",
     "ScriptedSampler",
+    "TINY_DSV4_SPEC",
     "TINY_FULL_SPEC",
     "DSV4Spec",
     "FakeBackend",
@@ -88,7 +95,9 @@ __all__ = (
     "bench_model_path",
     "builtin_model_path",
     "cache_dir",
+    "dsv4_model_path",
     "ensure_bench_model",
+    "ensure_dsv4_model",
     "ensure_full_model",
     "full_model_path",
     "memory_cgroups",

@@ -6,6 +6,10 @@ built-in full model (:func:`~aioexperts.testing.write_full_model` of :data:`FULL
 ``$AIOEXPERTS_BUILTIN_SIZE=tiny`` it is :data:`TINY_FULL_SPEC` instead: the same architecture,
 tokenizer and chat template at a test size (about 2 MB, written in a second or two), which is what
 the docs' examples run against in the tests.
+
+:func:`ensure_dsv4_model` is the built-in DeepSeek-V4-Flash-geometry model
+(:func:`~aioexperts.testing.write_dsv4_model` of :data:`DSV4_SPEC`, 4 layers: about 9.1 GB) in the
+same cache: what the benches run for ``--model dsv4-flash``.
 """
 
 from __future__ import annotations
@@ -16,12 +20,15 @@ from pathlib import Path
 
 from .._errors import ConfigError
 from ._cache import Progress, build_once, cache_dir, print_progress
+from ._dsv4_model import DSV4_SPEC, DSV4Spec, write_dsv4_model
 from ._full_model import DEFAULT_FULL_LAYERS, FULL_SPEC, FullModelSpec, write_full_model
 
 __all__ = (
     "BUILTIN_SIZE_ENV",
     "TINY_FULL_SPEC",
     "builtin_model_path",
+    "dsv4_model_path",
+    "ensure_dsv4_model",
     "ensure_full_model",
     "full_model_path",
 )
@@ -87,6 +94,54 @@ def ensure_full_model(
 
     def write(tmp: Path, report: Progress | None) -> None:
         write_full_model(tmp, chosen, progress=report)
+
+    return build_once(target, write, rebuild=rebuild, on_build=on_build, on_wait=on_wait, progress=progress)
+
+
+def dsv4_model_path(n_layer: int = DSV4_SPEC.n_layer) -> Path:
+    """Where the built-in DeepSeek-V4-geometry model of ``n_layer`` layers lives in the cache (it may not exist yet)."""
+    return cache_dir() / DSV4_SPEC.with_(n_layer=n_layer).file_name()
+
+
+def ensure_dsv4_model(
+    n_layer: int = DSV4_SPEC.n_layer,
+    *,
+    rebuild: bool = False,
+    spec: DSV4Spec | None = None,
+    path: Path | None = None,
+    progress: Progress | None = None,
+    on_build: Callable[[Path], None] | None = None,
+    on_wait: Callable[[], None] | None = None,
+) -> Path:
+    """The built-in DeepSeek-V4-geometry model's path, written first when it is missing (or ``rebuild``).
+
+    The model is :data:`DSV4_SPEC` (DeepSeek-V4-Flash's shapes: 256 routed experts of width 2048 per
+    layer, top-6, Q2_K experts, random weights) with ``n_layer`` layers, about 2.3 GB per layer
+    (4 layers, the default: about 9.1 GB). Two processes that ask at once build it once.
+
+    Args:
+        n_layer: layers (the default 4 has each attention kind: window, window, CSA, HCA; the
+            first 3 are hash-routed, the rest router-routed).
+        rebuild: write it again even if it exists.
+        spec: the whole geometry instead (its ``n_layer`` wins over ``n_layer``).
+        path: where to put it (default :func:`dsv4_model_path`).
+        progress: ``(bytes written, total)`` during a build (e.g. :func:`print_progress`).
+        on_build: called with the path before a build starts.
+        on_wait: called once if another process is building it.
+
+    Returns:
+        The model's path.
+
+    Raises:
+        ConfigError: a bad spec (e.g. ``n_layer`` < 1) or ``tokenizers`` missing.
+        OSError: the cache directory cannot be written.
+    """
+    chosen = spec or DSV4_SPEC.with_(n_layer=n_layer)
+    chosen.check()
+    target = path or cache_dir() / chosen.file_name()
+
+    def write(tmp: Path, report: Progress | None) -> None:
+        write_dsv4_model(tmp, chosen, progress=report)
 
     return build_once(target, write, rebuild=rebuild, on_build=on_build, on_wait=on_wait, progress=progress)
 

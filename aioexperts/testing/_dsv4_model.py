@@ -8,7 +8,7 @@ LoRA 8 groups of 1024, 256 routed experts of width 2048 (top-6) plus one shared 
 compress ratios ``0, 0, 4, 128, 4, 128, ...``, the first 3 layers hash-routed) with fewer layers so
 that it fits a disk. Its text is random.
 
-- matrices are ``dense_type`` (Q8_0), the routed experts ``expert_type`` (Q2_K: about 8.3 MiB per
+- matrices are ``dense_type`` (Q8_0), the routed experts ``expert_type`` (Q2_K: about 8.3 MB per
   expert), norms, sinks, routers, biases, the hyper-connection scales and bases and the compressors'
   position tables F32, the hash tables I32;
 - every matrix has standard deviation ``1 / sqrt(ne0)`` (the projections that add to the residual
@@ -32,7 +32,7 @@ from .._errors import ConfigError
 from ._blocks import draw_blocks
 from ._full_model import Progress, add_vocabulary, train_vocabulary, write_tensors
 
-__all__ = ("DSV4_SPEC", "DSV4Spec", "write_dsv4_model")
+__all__ = ("DSV4_SPEC", "TINY_DSV4_SPEC", "DSV4Spec", "write_dsv4_model")
 
 Q = GGMLQuantizationType
 ARCH = "deepseek4"
@@ -124,8 +124,16 @@ class DSV4Spec:
         return f"deepseek-v4-flash-geometry-{t}-{self.n_layer}l{dims}-v1.gguf"
 
 
-#: DeepSeek-V4-Flash's geometry, 4 layers (window, window, CSA, HCA): about 8.7 GB with Q2_K experts.
+#: DeepSeek-V4-Flash's geometry, 4 layers (window, window, CSA, HCA): about 9.1 GB with Q2_K experts.
 DSV4_SPEC = DSV4Spec()
+
+#: DeepSeek-V4-Flash's layout at a test size (about 3 MB, written in about a second): the window,
+#: CSA and HCA layers, hash-routed and router-routed layers, small dimensions and vocabulary.
+TINY_DSV4_SPEC = DSV4Spec(
+    n_layer=4, n_embd=256, n_head=4, head_dim=128, n_rot=32, q_lora_rank=256, o_groups=2, o_lora_rank=128,
+    n_expert=8, n_expert_used=3, n_ff_exp=256, n_hash_layers=3, idx_heads=8, idx_dim=64, idx_top_k=4,
+    window=16, sinkhorn_iters=5, vocab_size=512, context_length=4096,
+)  # fmt: skip
 
 _Tensor = tuple[str, tuple[int, ...], GGMLQuantizationType, Callable[[], np.ndarray]]
 

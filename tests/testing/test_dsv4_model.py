@@ -10,16 +10,11 @@ import pytest
 
 import aioexperts
 from aioexperts._model.dsv4_block import DSV4Block
-from aioexperts.testing._dsv4_model import DSV4_SPEC, DSV4Spec, write_dsv4_model
+from aioexperts.testing import DSV4_SPEC, TINY_DSV4_SPEC, write_dsv4_model
 
 pytest.importorskip("tokenizers")
 
-#: DeepSeek-V4-Flash's layout at a test size: the window, CSA and HCA layers, hash-routed and routed layers
-TINY = DSV4Spec(
-    n_layer=4, n_embd=256, n_head=4, head_dim=128, n_rot=32, q_lora_rank=256, o_groups=2, o_lora_rank=128,
-    n_expert=8, n_expert_used=3, n_ff_exp=256, n_hash_layers=3, idx_heads=8, idx_dim=64, idx_top_k=4,
-    window=16, sinkhorn_iters=5, vocab_size=512, context_length=4096,
-)  # fmt: skip
+TINY = TINY_DSV4_SPEC  # DeepSeek-V4-Flash's layout at a test size
 
 
 def test_the_default_is_deepseek_v4_flash_s_geometry() -> None:
@@ -64,3 +59,18 @@ def test_a_tiny_one_loads_and_generates(tmp_path: Path) -> None:
     greedy, again, logits = anyio.run(main)
     assert np.isfinite(logits).all() and logits.std() > 0.1
     assert len(greedy) == 6 and greedy == again
+
+
+def test_ensure_writes_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aioexperts.testing import dsv4_model_path, ensure_dsv4_model
+
+    monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "cache"))
+    assert dsv4_model_path(6) == tmp_path / "cache" / DSV4_SPEC.with_(n_layer=6).file_name()
+    built: list[Path] = []
+    first = ensure_dsv4_model(spec=TINY, on_build=built.append)
+    assert first == tmp_path / "cache" / TINY.file_name() and built == [first]
+    stamp = first.stat().st_mtime_ns
+    assert ensure_dsv4_model(spec=TINY, on_build=built.append) == first  # reused, not written again
+    assert built == [first] and first.stat().st_mtime_ns == stamp
+    with pytest.raises(aioexperts.ConfigError, match="n_layer"):
+        ensure_dsv4_model(0)
