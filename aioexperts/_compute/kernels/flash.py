@@ -71,6 +71,26 @@ def dot_f16(qh, k, j, kh, lanes):
     return F32(total)
 
 
+@kernel(exact=True, inline=True)
+def finish_row(acc, S, M, sinks, h, out, t):
+    """The end of one query head: the sink of head ``h`` (float32, joins the maximum and the sum),
+    then ``out[t, h] = VKQ / S``."""
+    if sinks.size:
+        sk = sinks[h]
+        ms = F32(1.0)
+        vs = F32(1.0)
+        if sk > M:
+            ms = F32(np.exp(F32(M - sk)))
+            for d in range(acc.size):
+                acc[d] = F32(acc[d] * ms)
+        else:
+            vs = F32(np.exp(F32(sk - M)))
+        S = F32(S * ms + vs)
+    inverse = F32(1.0) / S if S != 0 else F32(0.0)
+    for d in range(acc.size):
+        out[t, h, d] = acc[d] * inverse
+
+
 @kernel(exact=True)
 def flash_attend_f16(q, k, v, start, scale, sinks, window, out):
     """``out[t, h] = softmax(q[t, h] . k) v`` as ggml's one-chunk F16 flash attention computes it.
@@ -116,20 +136,7 @@ def flash_attend_f16(q, k, v, start, scale, sinks, window, out):
                 for d in range(dv32, DV):
                     acc[d] = to_half(F32(acc[d] + F32(v[j, kh, d] * vs)))
                 S = F32(S * ms + vs)
-            if sinks.size:
-                sk = sinks[h]
-                ms = F32(1.0)
-                vs = F32(1.0)
-                if sk > M:
-                    ms = F32(np.exp(F32(M - sk)))
-                    for d in range(DV):
-                        acc[d] = F32(acc[d] * ms)
-                else:
-                    vs = F32(np.exp(F32(sk - M)))
-                S = F32(S * ms + vs)
-            inverse = F32(1.0) / S if S != 0 else F32(0.0)
-            for d in range(DV):
-                out[t, h, d] = acc[d] * inverse
+            finish_row(acc, S, M, sinks, h, out, t)
 
 
 @kernel(exact=True)
@@ -175,17 +182,4 @@ def flash_attend_f16_bits(q, k, v, start, scale, sinks, window, out, h_lo, h_hi)
                     vs = F32(np.exp(F32(s - M)))
                 mad_f16(acc, vf, (j * HKV + kh) * DV, vs, DV)
                 S = F32(S * ms + vs)
-            if sinks.size:
-                sk = sinks[h]
-                ms = F32(1.0)
-                vs = F32(1.0)
-                if sk > M:
-                    ms = F32(np.exp(F32(M - sk)))
-                    for d in range(DV):
-                        acc[d] = F32(acc[d] * ms)
-                else:
-                    vs = F32(np.exp(F32(sk - M)))
-                S = F32(S * ms + vs)
-            inverse = F32(1.0) / S if S != 0 else F32(0.0)
-            for d in range(DV):
-                out[t, h, d] = acc[d] * inverse
+            finish_row(acc, S, M, sinks, h, out, t)
