@@ -146,7 +146,10 @@ class GQABlock:
         return {"k": (self.hp.n_head_kv, self.hp.head_k), "v": (self.hp.n_head_kv, self.hp.head_v)}
 
     def attention(self, x: np.ndarray, cache: Mapping[str, np.ndarray], start: int) -> np.ndarray:
-        """See :class:`AttentionBlock`."""
+        """See :class:`AttentionBlock`. One position (a decode step) takes :meth:`attention_rows`:
+        q, k and v split over the pool in one hand-off, not one each (the same bits)."""
+        if x.shape[0] == 1:
+            return self.attention_rows(x, [cache], [start], compute_pool().n_threads)
         out = self._attend(self.wq(x), self.wk(x), self.wv(x), cache, start)
         return self._output(self.wo(out))
 
