@@ -208,12 +208,12 @@ class _Ready:
     def __init__(self, entry: _Entry, row_bytes: Callable[[int], int]) -> None:
         self.entry = entry
         self.row_bytes = row_bytes
-        self.matvec: Callable[..., None] | None = None
-        self.matmat: Callable[..., None] | None = None
-        self.dequant: Callable[..., None] | None = None
-        self.matvec_int8: Callable[..., None] | None = None
-        self.matmat_int8: Callable[..., None] | None = None
-        self.matrows: Callable[..., None] | None = None
+        self.matvec: Callable[..., Any] | None = None
+        self.matmat: Callable[..., Any] | None = None
+        self.dequant: Callable[..., Any] | None = None
+        self.matvec_int8: Callable[..., Any] | None = None
+        self.matmat_int8: Callable[..., Any] | None = None
+        self.matrows: Callable[..., Any] | None = None
 
 
 class _State:
@@ -395,7 +395,7 @@ def _dispatcher(entry: _Entry, kind: KernelKind) -> Any:
     return getattr(modules[entry.module], f"{kind}_{entry.suffix}")
 
 
-def _compile(qtype: GGMLQuantizationType, kind: KernelKind) -> tuple[Callable[..., None], int, int]:
+def _compile(qtype: GGMLQuantizationType, kind: KernelKind) -> tuple[Callable[..., Any], int, int]:
     """Compile (or load from the cache) one kernel; ``(dispatcher, loaded, compiled)``."""
     entry = _TABLE[qtype]
     fn = _dispatcher(entry, kind)
@@ -419,8 +419,8 @@ def _ready(qtype: GGMLQuantizationType) -> _Ready | None:
         return _state.ready.setdefault(qtype, record)
 
 
-def _kernel(ready: _Ready, qtype: GGMLQuantizationType, kind: KernelKind) -> Callable[..., None]:
-    fn: Callable[..., None] | None = getattr(ready, kind)
+def _kernel(ready: _Ready, qtype: GGMLQuantizationType, kind: KernelKind) -> Callable[..., Any]:
+    fn: Callable[..., Any] | None = getattr(ready, kind)
     if fn is None:
         fn, _, _ = _compile(qtype, kind)
         setattr(ready, kind, fn)
@@ -700,6 +700,12 @@ def _by_rows(
 def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
     n = xs.shape[0]
     llama = precision() == "int8"
+    limit = SPLIT_MIN_BYTES
+    if llama and n == 1 and ready.entry.int8_module is not None and (limit is None or raw.nbytes < limit):
+        # the decode step's common call: one token, one thread, no split to plan; the kernel checks
+        # that x is finite itself (False: NaN or inf, nothing written; the general path below)
+        if _kernel(ready, qtype, "matvec_int8")(raw, xs[0], out[0]):
+            return
     # the int8 kernels' quantizers lose NaN/inf (max() skips NaN): such x takes the round trip, which keeps them
     int8 = ready.entry.int8_module is not None and llama and bool(np.isfinite(xs).all())
     if int8 and ready.entry.int8_batched and 1 < n <= INT8_BATCH_MAX:

@@ -6,6 +6,9 @@ once per call like ``quantize_row_q8_K`` (256-value blocks, float32 scale, sums 
 ``d * sum(q)``), then each weight block is multiplied in integers (:mod:`.simd`: ``vpdpbusd`` on
 AVX-512 VNNI) and scaled once. The error, about 5e-3 relative, comes from the rounding of ``x``;
 llama.cpp has the same. Selected with ``fused.set_precision("int8")``.
+
+Every kernel returns True, or False when ``x`` holds NaN or inf (those do not quantize: ``out`` is
+then left unwritten, and the caller takes another path).
 """
 
 from __future__ import annotations
@@ -72,13 +75,16 @@ def round_to_half(value):
 def quantize_q8_k(x, q, d, bsums):
     """``quantize_row_q8_K_ref``: per 256 values, ``iscale = -127 / max`` (``max``: the value of
     largest magnitude, sign kept), ``q = min(127, nearest_int(iscale * x))``, ``d = 1 / iscale``;
-    ``bsums``: sums of ``q`` per 16 values."""
+    ``bsums``: sums of ``q`` per 16 values. Returns whether every value of ``x`` is finite (if not,
+    ``q``, ``d``, ``bsums`` are meaningless: NaN and inf do not quantize)."""
+    probe = F32(0.0)  # stays 0 unless some v * 0 is NaN (v inf or NaN)
     for b in range(x.size // QK_K):
         base = b * QK_K
         amax = F32(0.0)
         vmax = F32(0.0)
         for j in range(QK_K):
             v = x[base + j]
+            probe += v * F32(0.0)
             if abs(v) > amax:
                 amax = abs(v)
                 vmax = v
@@ -98,17 +104,21 @@ def quantize_q8_k(x, q, d, bsums):
                 s += I32(q[base + j * SUM16 + i])
             bsums[b * SUM16 + j] = s
         d[b] = F32(1.0) / iscale
+    return probe == F32(0.0)
 
 
 @kernel(inline=True)
 def quantize_q8_0(x, q, d, s):
     """x86 ``quantize_row_q8_0`` / ``quantize_row_q8_1`` (ggml-cpu/arch/x86/quants.c, AVX2): per 32
     values ``d = amax / 127`` (kept as float16), ``q = round_half_even(x * (127 / amax))``;
-    ``s = d * sum(q)`` (float16), used by Q4_1 and Q5_1."""
+    ``s = d * sum(q)`` (float16), used by Q4_1 and Q5_1. Returns whether every value of ``x`` is
+    finite (if not, ``q``, ``d``, ``s`` are meaningless)."""
+    probe = F32(0.0)  # stays 0 unless some x * 0 is NaN (x inf or NaN)
     for b in range(x.size // QK):
         base = b * QK
         amax = F32(0.0)
         for j in range(QK):
+            probe += x[base + j] * F32(0.0)
             amax = max(amax, abs(x[base + j]))
         scale = amax / Q8_MAX
         inverse = Q8_MAX / amax if amax != 0 else F32(0.0)
@@ -119,6 +129,7 @@ def quantize_q8_0(x, q, d, s):
             total += I32(qv)
         d[b] = round_to_half(scale)
         s[b] = round_to_half(abs(F32(total) * scale)) * (F32(1.0) if total >= 0 else F32(-1.0))
+    return probe == F32(0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,7 +143,8 @@ def matvec_int8_q4_0(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
-    quantize_q8_0(x, q, d, s)
+    if not quantize_q8_0(x, q, d, s):
+        return False
     sums = np.empty(n_blocks, dtype=I32)
     for b in range(n_blocks):
         t = I32(0)
@@ -147,6 +159,7 @@ def matvec_int8_q4_0(raw, x, out):
             o = b * Q4_0_BYTES
             acc += f16_at(row, o) * d[b] * F32(nib32_dot_q8(row, o + 2, U32(0), q, b * QK) - I32(8) * sums[b])
         out[r] = acc
+    return True
 
 
 @kernel()
@@ -156,7 +169,8 @@ def matvec_int8_q4_1(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
-    quantize_q8_0(x, q, d, s)
+    if not quantize_q8_0(x, q, d, s):
+        return False
     for r in range(raw.shape[0]):
         prefetch_row(raw, r + PREFETCH_ROWS)
         row = raw[r]
@@ -165,6 +179,7 @@ def matvec_int8_q4_1(raw, x, out):
             o = b * Q4_1_BYTES
             acc += f16_at(row, o) * d[b] * F32(nib32_dot_q8(row, o + 4, U32(0), q, b * QK)) + f16_at(row, o + 2) * s[b]
         out[r] = acc
+    return True
 
 
 @kernel()
@@ -174,7 +189,8 @@ def matvec_int8_q5_0(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
-    quantize_q8_0(x, q, d, s)
+    if not quantize_q8_0(x, q, d, s):
+        return False
     sums = np.empty(n_blocks, dtype=I32)
     for b in range(n_blocks):
         t = I32(0)
@@ -190,6 +206,7 @@ def matvec_int8_q5_0(raw, x, out):
             dot = nib32_dot_q8(row, o + 6, qh_at(row, o + 2), q, b * QK)
             acc += f16_at(row, o) * d[b] * F32(dot - I32(16) * sums[b])
         out[r] = acc
+    return True
 
 
 @kernel()
@@ -199,7 +216,8 @@ def matvec_int8_q5_1(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
-    quantize_q8_0(x, q, d, s)
+    if not quantize_q8_0(x, q, d, s):
+        return False
     for r in range(raw.shape[0]):
         prefetch_row(raw, r + PREFETCH_ROWS)
         row = raw[r]
@@ -209,6 +227,7 @@ def matvec_int8_q5_1(raw, x, out):
             dot = nib32_dot_q8(row, o + 8, qh_at(row, o + 4), q, b * QK)
             acc += f16_at(row, o) * d[b] * F32(dot) + f16_at(row, o + 2) * s[b]
         out[r] = acc
+    return True
 
 
 @kernel(exact=True)
@@ -218,9 +237,11 @@ def matvec_int8_q8_0(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
-    quantize_q8_0(x, q, d, s)
+    if not quantize_q8_0(x, q, d, s):
+        return False
     for r in range(raw.shape[0]):
         out[r] = rowdot_q8_0(raw[r], q, d, n_blocks)
+    return True
 
 
 @kernel(exact=True)
@@ -232,12 +253,16 @@ def matmat_int8_q8_0(raw, xt, out):
     q = np.empty((n, cols), dtype=I8)
     d = np.empty((n, n_blocks), dtype=F32)
     s = np.empty((n, n_blocks), dtype=F32)
+    finite = True
     for t in range(n):
-        quantize_q8_0(xt[t], q[t], d[t], s[t])
+        finite &= quantize_q8_0(xt[t], q[t], d[t], s[t])
+    if not finite:
+        return False
     for r in range(raw.shape[0]):
         row = raw[r]
         for t in range(n):
             out[t, r] = rowdot_q8_0(row, q[t], d[t], n_blocks)
+    return True
 
 
 @kernel(inline=True)
@@ -257,7 +282,8 @@ def matvec_int8_iq4_nl(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
-    quantize_q8_0(x, q, d, s)
+    if not quantize_q8_0(x, q, d, s):
+        return False
     bias = np.empty(n_blocks, dtype=I32)
     block_sums(q, bias)
     for r in range(raw.shape[0]):
@@ -268,6 +294,7 @@ def matvec_int8_iq4_nl(raw, x, out):
             o = b * IQ4_NL_BYTES
             acc += f16_at(row, o) * d[b] * F32(iq4_dot_q8(row, o + 2, q, b * QK) - bias[b])
         out[r] = acc
+    return True
 
 
 @kernel()
@@ -277,7 +304,8 @@ def matvec_int8_mxfp4(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
-    quantize_q8_0(x, q, d, s)
+    if not quantize_q8_0(x, q, d, s):
+        return False
     bias = np.empty(n_blocks, dtype=I32)
     block_sums(q, bias)
     for r in range(raw.shape[0]):
@@ -288,6 +316,7 @@ def matvec_int8_mxfp4(raw, x, out):
             o = b * MXFP4_BYTES
             acc += e8m0_half(row[o]) * d[b] * F32(mxfp4_dot_q8(row, o + 1, q, b * QK) - bias[b])
         out[r] = acc
+    return True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,9 +331,11 @@ def matvec_int8_q4_k(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     bsums = np.empty(n_blocks * SUM16, dtype=I32)
-    quantize_q8_k(x, q, d, bsums)
+    if not quantize_q8_k(x, q, d, bsums):
+        return False
     for r in range(raw.shape[0]):
         out[r] = rowdot_q4_k(raw[r], q, d, bsums, n_blocks)
+    return True
 
 
 @kernel(exact=True)
@@ -316,12 +347,16 @@ def matmat_int8_q4_k(raw, xt, out):
     q = np.empty((n, cols), dtype=I8)
     d = np.empty((n, n_blocks), dtype=F32)
     bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
+    finite = True
     for t in range(n):
-        quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    if not finite:
+        return False
     for r in range(raw.shape[0]):
         row = raw[r]
         for t in range(n):
             out[t, r] = rowdot_q4_k(row, q[t], d[t], bsums[t], n_blocks)
+    return True
 
 
 @kernel()
@@ -331,7 +366,8 @@ def matvec_int8_q5_k(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     bsums = np.empty(n_blocks * SUM16, dtype=I32)
-    quantize_q8_k(x, q, d, bsums)
+    if not quantize_q8_k(x, q, d, bsums):
+        return False
     for r in range(raw.shape[0]):
         prefetch_row(raw, r + PREFETCH_ROWS)
         row = raw[r]
@@ -353,6 +389,7 @@ def matvec_int8_q5_k(raw, x, out):
                 summ += I32(m0) * (bsums[k] + bsums[k + 1]) + I32(m1) * (bsums[k + 2] + bsums[k + 3])
             acc += d[b] * (f16_at(row, o) * F32(sumi) - f16_at(row, o + 2) * F32(summ))
         out[r] = acc
+    return True
 
 
 @kernel(exact=True)
@@ -363,9 +400,11 @@ def matvec_int8_q6_k(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     bsums = np.empty(n_blocks * SUM16, dtype=I32)
-    quantize_q8_k(x, q, d, bsums)
+    if not quantize_q8_k(x, q, d, bsums):
+        return False
     for r in range(raw.shape[0]):
         out[r] = rowdot_q6_k(raw[r], q, d, bsums, n_blocks)
+    return True
 
 
 @kernel(exact=True)
@@ -377,12 +416,16 @@ def matmat_int8_q6_k(raw, xt, out):
     q = np.empty((n, cols), dtype=I8)
     d = np.empty((n, n_blocks), dtype=F32)
     bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
+    finite = True
     for t in range(n):
-        quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    if not finite:
+        return False
     for r in range(raw.shape[0]):
         row = raw[r]
         for t in range(n):
             out[t, r] = rowdot_q6_k(row, q[t], d[t], bsums[t], n_blocks)
+    return True
 
 
 @kernel()
@@ -392,7 +435,8 @@ def matvec_int8_q2_k(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     bsums = np.empty(n_blocks * SUM16, dtype=I32)
-    quantize_q8_k(x, q, d, bsums)
+    if not quantize_q8_k(x, q, d, bsums):
+        return False
     for r in range(raw.shape[0]):
         prefetch_row(raw, r + PREFETCH_ROWS)
         row = raw[r]
@@ -413,6 +457,7 @@ def matvec_int8_q2_k(raw, x, out):
                         summ += I32(scale >> U8(4)) * bsums[b * SUM16 + sb]
             acc += d[b] * (f16_at(row, o + Q2_K_D) * F32(sumi) - f16_at(row, o + Q2_K_D + 2) * F32(summ))
         out[r] = acc
+    return True
 
 
 @kernel()
@@ -422,7 +467,8 @@ def matvec_int8_q3_k(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     bsums = np.empty(n_blocks * SUM16, dtype=I32)
-    quantize_q8_k(x, q, d, bsums)
+    if not quantize_q8_k(x, q, d, bsums):
+        return False
     for r in range(raw.shape[0]):
         prefetch_row(raw, r + PREFETCH_ROWS)
         row = raw[r]
@@ -447,6 +493,7 @@ def matvec_int8_q3_k(raw, x, out):
                         sumi += scale * (dot - I32(4) * bsums[b * SUM16 + 8 * n + sb])
             acc += d[b] * f16_at(row, o + Q3_K_D) * F32(sumi)
         out[r] = acc
+    return True
 
 
 @kernel()
@@ -456,7 +503,8 @@ def matvec_int8_iq4_xs(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     bsums = np.empty(n_blocks * SUM16, dtype=I32)
-    quantize_q8_k(x, q, d, bsums)
+    if not quantize_q8_k(x, q, d, bsums):
+        return False
     for r in range(raw.shape[0]):
         prefetch_row(raw, r + PREFETCH_ROWS)
         row = raw[r]
@@ -472,3 +520,5 @@ def matvec_int8_iq4_xs(raw, x, out):
                 sumi += (I32(low | (high << U8(4))) - I32(32)) * dot
             acc += d[b] * f16_at(row, o) * F32(sumi)
         out[r] = acc
+    return True
+
