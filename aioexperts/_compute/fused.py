@@ -31,7 +31,7 @@ Precision (:func:`set_precision`, ``$AIOEXPERTS_PRECISION``, ``load(precision=..
 ``vec_dot_type`` with ggml's rounding (Q8_K, Q8_0, Q8_1, F16, BF16; F32 unchanged: see
 :mod:`aioexperts._compute.activations`), whatever the number of tokens. The one-token kernels of the
 types of :func:`int8_types` quantize ``x`` themselves and take integer dot products
-(``ggml_vec_dot_*_q8_*``); for the types of :func:`int8_batched_types` (Q8_0, Q4_K, Q6_K: whole-row
+(``ggml_vec_dot_*_q8_*``); for the types of :func:`int8_batched_types` (Q8_0, Q4_K, Q5_K, Q6_K: whole-row
 AVX2 loops, see :mod:`aioexperts._compute.kernels.rowdot`) batches of 2 to :data:`INT8_BATCH_MAX`
 tokens run one ``matmat_int8_<type>`` call that reads each weight row once for every token, each
 token's row bit for bit what the one-token kernel gives it. Every other call (larger batches, other
@@ -150,7 +150,7 @@ _TABLE: dict[GGMLQuantizationType, _Entry] = {
     T.Q2_K: _Entry("kquants", "q2_k", np.uint8, "int8"),
     T.Q3_K: _Entry("kquants", "q3_k", np.uint8, "int8"),
     T.Q4_K: _Entry("kquants", "q4_k", np.uint8, "int8", int8_batched=True, rows_module="rows"),
-    T.Q5_K: _Entry("kquants", "q5_k", np.uint8, "int8"),
+    T.Q5_K: _Entry("kquants", "q5_k", np.uint8, "int8", int8_batched=True),
     T.Q6_K: _Entry("kquants", "q6_k", np.uint8, "int8", int8_batched=True),
     T.IQ4_NL: _Entry("codebook", "iq4_nl", np.uint8, "int8"),
     T.IQ4_XS: _Entry("codebook", "iq4_xs", np.uint8, "int8"),
@@ -658,6 +658,19 @@ def linear_rows(
     return result
 
 
+def _split_pool(raw: np.ndarray) -> Any:
+    """The compute pool that :func:`_split_rows` splits ``raw``'s rows over, or None (one range)."""
+    limit = SPLIT_MIN_BYTES
+    if limit is None or raw.nbytes < limit:
+        return None
+    from . import pool as _pool_module
+
+    pool = _pool_module._pool
+    if pool is None or pool.n_threads <= 1 or raw.shape[0] < 2 * pool.n_threads:
+        return None
+    return pool
+
+
 def _split_rows(raw: np.ndarray, run: Callable[[int, int], None]) -> None:
     """``run(r0, r1)`` over row ranges covering ``raw``: one range, or one per compute-pool thread.
 
@@ -667,12 +680,9 @@ def _split_rows(raw: np.ndarray, run: Callable[[int, int], None]) -> None:
     help, so concurrent callers never run more threads than the pool has (busy pool: all inline).
     Every row's result is the same whatever the split (rows are independent).
     """
-    from . import pool as _pool_module
-
-    pool = _pool_module._pool
     rows = raw.shape[0]
-    limit = SPLIT_MIN_BYTES
-    if limit is None or pool is None or pool.n_threads <= 1 or raw.nbytes < limit or rows < 2 * pool.n_threads:
+    pool = _split_pool(raw)
+    if pool is None:
         run(0, rows)
         return
     parts = pool.n_threads
@@ -700,9 +710,8 @@ def _by_rows(
 def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
     n = xs.shape[0]
     llama = precision() == "int8"
-    limit = SPLIT_MIN_BYTES
-    if llama and n == 1 and ready.entry.int8_module is not None and (limit is None or raw.nbytes < limit):
-        # the decode step's common call: one token, one thread, no split to plan; the kernel checks
+    if llama and n == 1 and ready.entry.int8_module is not None and _split_pool(raw) is None:
+        # the decode step's common call: one token on this thread; the kernel checks
         # that x is finite itself (False: NaN or inf, nothing written; the general path below)
         if _kernel(ready, qtype, "matvec_int8")(raw, xs[0], out[0]):
             return

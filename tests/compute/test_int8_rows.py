@@ -52,7 +52,7 @@ def activations(n: int, cols: int, seed: int) -> np.ndarray:
 
 
 def test_the_batched_types() -> None:
-    assert set(BATCHED) == {Q.Q8_0, Q.Q4_K, Q.Q6_K}
+    assert set(BATCHED) == {Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
     assert fused.INT8_BATCH_MAX == 16
 
 
@@ -94,7 +94,12 @@ def _portable(qtype: GGMLQuantizationType) -> Callable[..., None]:
     """``matvec_int8_<type>`` compiled afresh (no cache) with the AVX2 intrinsics turned off."""
     import numba
 
-    fn = {Q.Q8_0: rowdot.rowdot_q8_0, Q.Q4_K: rowdot.rowdot_q4_k, Q.Q6_K: rowdot.rowdot_q6_k}[qtype]
+    fn = {
+        Q.Q8_0: rowdot.rowdot_q8_0,
+        Q.Q4_K: rowdot.rowdot_q4_k,
+        Q.Q5_K: rowdot.rowdot_q5_k,
+        Q.Q6_K: rowdot.rowdot_q6_k,
+    }[qtype]
 
     if qtype == Q.Q8_0:
 

@@ -26,15 +26,11 @@ from .kquants import (
     Q3_K_D,
     Q3_K_QS,
     Q3_K_SCALES,
-    Q5_K_BYTES,
-    Q5_K_QH,
-    Q5_K_QS,
     q3_k_scale_words,
-    scale_min_k4,
 )
 from .legacy import Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, qh_at
-from .rowdot import rowdot_q4_k, rowdot_q6_k, rowdot_q8_0
-from .simd import dot16_q8, dot32_q8, make_lut_dots, nib32_dot_q8
+from .rowdot import rowdot_q4_k, rowdot_q5_k, rowdot_q6_k, rowdot_q8_0
+from .simd import dot16_q8, make_lut_dots, nib32_dot_q8
 
 # ruff: noqa: N803, N806
 
@@ -359,9 +355,10 @@ def matmat_int8_q4_k(raw, xt, out):
     return True
 
 
-@kernel()
+@kernel(exact=True)
 def matvec_int8_q5_k(raw, x, out):
-    """``ggml_vec_dot_q5_K_q8_K``: as Q4_K with the fifth bit of each code from ``qh``."""
+    """``ggml_vec_dot_q5_K_q8_K``: as Q4_K with the fifth bit of each code from ``qh``
+    (:func:`.rowdot.rowdot_q5_k`)."""
     n_blocks = x.size // QK_K
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
@@ -369,26 +366,28 @@ def matvec_int8_q5_k(raw, x, out):
     if not quantize_q8_k(x, q, d, bsums):
         return False
     for r in range(raw.shape[0]):
-        prefetch_row(raw, r + PREFETCH_ROWS)
+        out[r] = rowdot_q5_k(raw[r], q, d, bsums, n_blocks)
+    return True
+
+
+@kernel(exact=True)
+def matmat_int8_q5_k(raw, xt, out):
+    """``out[t] = W @ xt[t]`` for every token, as :func:`matvec_int8_q5_k` per token, bit for bit;
+    each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK_K
+    q = np.empty((n, cols), dtype=I8)
+    d = np.empty((n, n_blocks), dtype=F32)
+    bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
+    finite = True
+    for t in range(n):
+        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    if not finite:
+        return False
+    for r in range(raw.shape[0]):
         row = raw[r]
-        acc = F32(0.0)
-        for b in range(n_blocks):
-            o = b * Q5_K_BYTES
-            qh = o + Q5_K_QH
-            sumi = I32(0)
-            summ = I32(0)
-            for c in range(4):
-                sc0, m0 = scale_min_k4(row, o, 2 * c)
-                sc1, m1 = scale_min_k4(row, o, 2 * c + 1)
-                qs = o + Q5_K_QS + 32 * c
-                xb = b * QK_K + 64 * c
-                lo = dot32_q8(row, qs, U8(0), U8(15), qh, U8(2 * c), U8(1), U8(4), q, xb)
-                hi = dot32_q8(row, qs, U8(4), U8(15), qh, U8(2 * c + 1), U8(1), U8(4), q, xb + 32)
-                sumi += I32(sc0) * lo + I32(sc1) * hi
-                k = b * SUM16 + 4 * c
-                summ += I32(m0) * (bsums[k] + bsums[k + 1]) + I32(m1) * (bsums[k + 2] + bsums[k + 3])
-            acc += d[b] * (f16_at(row, o) * F32(sumi) - f16_at(row, o + 2) * F32(summ))
-        out[r] = acc
+        for t in range(n):
+            out[t, r] = rowdot_q5_k(row, q[t], d[t], bsums[t], n_blocks)
     return True
 
 
@@ -521,4 +520,3 @@ def matvec_int8_iq4_xs(raw, x, out):
             acc += d[b] * f16_at(row, o) * F32(sumi)
         out[r] = acc
     return True
-

@@ -47,6 +47,7 @@ V8F32 = ir.VectorType(F32, 8)
 
 Q8_0_BYTES = 34
 Q4_K_BYTES = 144
+Q5_K_BYTES = 176
 Q6_K_BYTES = 210
 
 
@@ -240,13 +241,9 @@ def _ok_k(row: Any, q: Any, d: Any, bsums: Any, n_blocks: Any) -> bool:
     )
 
 
-@intrinsic
-def rowdot_q4_k(typingctx, row, q, d, bsums, n_blocks):
-    """``ggml_vec_dot_q4_K_q8_K`` of one Q4_K row with Q8_K ``x``: ``sum_b d_x (d_w sum_j sc_j dot_j
-    - dmin_w sum_j m_j bsum_j)``, float32."""
-    if not _ok_k(row, q, d, bsums, n_blocks):
-        return None
-    sig = types.float32(row, q, d, bsums, n_blocks)
+def _k4_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
+    """Code generator of one Q4_K row (``qh`` None) or Q5_K row (the fifth bits at byte ``qh``) with
+    Q8_K ``x``: ggml's AVX2 loops of both types are the same but for the codes' fifth bit."""
 
     def codegen(context, builder, signature, args):
         avx2 = _avx2()
@@ -258,7 +255,7 @@ def rowdot_q4_k(typingctx, row, q, d, bsums, n_blocks):
         four = _vsplat(V32I8, 4)
 
         def body(b, acc, accs):
-            o = builder.mul(b, _const(I64, Q4_K_BYTES))
+            o = builder.mul(b, _const(I64, block_bytes))
             xo = builder.mul(b, _const(I64, 256))
             ko = builder.mul(b, _const(I64, 16))
             x_scale = dx.load(b, F32, align=4)
@@ -268,10 +265,14 @@ def rowdot_q4_k(typingctx, row, q, d, bsums, n_blocks):
             pairs = _pair_sums(builder, bs.load(ko, V16I32, 4), 16)
             summ = _call(builder, "llvm.vector.reduce.add.v8i32", I32, [builder.mul(builder.zext(mins, V8I32), pairs)])
             scales16 = builder.zext(scales, ir.VectorType(I16, 8))
+            high = None if qh is None else w.load(_offset(builder, o, qh), V32I8)
             sumi = ir.Constant(V8I32, [0] * 8)
             for c in range(4):
-                bits = w.load(_offset(builder, o, 16 + 32 * c), V32I8)
+                bits = w.load(_offset(builder, o, qs + 32 * c), V32I8)
                 for half, codes in enumerate((builder.and_(bits, low_mask), builder.lshr(bits, four))):
+                    if high is not None:  # bit 2c + half of qh[i]: bit 4 of the code
+                        fifth = builder.and_(builder.lshr(high, _vsplat(V32I8, 2 * c + half)), _vsplat(V32I8, 1))
+                        codes = builder.or_(codes, builder.shl(fifth, four))
                     quants = qx.load(_offset(builder, xo, 64 * c + 32 * half), V32I8)
                     scale = builder.shuffle_vector(scales16, scales16, _lanes([2 * c + half] * 16))
                     sumi = builder.add(sumi, _madd(builder, _maddubs(builder, codes, quants, avx2), scale, avx2))
@@ -282,7 +283,25 @@ def rowdot_q4_k(typingctx, row, q, d, bsums, n_blocks):
 
         return _row_loop(context, builder, args[4], body, with_scalar=True)
 
-    return sig, codegen
+    return codegen
+
+
+@intrinsic
+def rowdot_q4_k(typingctx, row, q, d, bsums, n_blocks):
+    """``ggml_vec_dot_q4_K_q8_K`` of one Q4_K row with Q8_K ``x``: ``sum_b d_x (d_w sum_j sc_j dot_j
+    - dmin_w sum_j m_j bsum_j)``, float32."""
+    if not _ok_k(row, q, d, bsums, n_blocks):
+        return None
+    return types.float32(row, q, d, bsums, n_blocks), _k4_codegen(Q4_K_BYTES, 16, None)
+
+
+@intrinsic
+def rowdot_q5_k(typingctx, row, q, d, bsums, n_blocks):
+    """``ggml_vec_dot_q5_K_q8_K`` of one Q5_K row with Q8_K ``x``: as :func:`rowdot_q4_k`, the codes'
+    fifth bit from ``qh`` (``summs`` of ggml is ``-accs`` here: the same float32 values)."""
+    if not _ok_k(row, q, d, bsums, n_blocks):
+        return None
+    return types.float32(row, q, d, bsums, n_blocks), _k4_codegen(Q5_K_BYTES, 48, 16)
 
 
 @intrinsic
