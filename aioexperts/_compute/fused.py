@@ -31,17 +31,17 @@ Precision (:func:`set_precision`, ``$AIOEXPERTS_PRECISION``, ``load(precision=..
 ``vec_dot_type`` with ggml's rounding (Q8_K, Q8_0, Q8_1, F16, BF16; F32 unchanged: see
 :mod:`aioexperts._compute.activations`), whatever the number of tokens. The one-token kernels of the
 types of :func:`int8_types` quantize ``x`` themselves and take integer dot products
-(``ggml_vec_dot_*_q8_*``); for the types of :func:`int8_batched_types` (Q8_0, Q4_K, Q5_K, Q6_K: whole-row
-AVX2 loops, see :mod:`aioexperts._compute.kernels.rowdot`) batches of 2 to :data:`INT8_BATCH_MAX`
-tokens run one ``matmat_int8_<type>`` call that reads each weight row once for every token, each
-token's row bit for bit what the one-token kernel gives it. Every other call (larger batches, other
-types, the numpy backend) runs the float kernels on the round trip of ``x`` through its
-vec_dot_type: llama.cpp's integer products to float32 rounding (Q4_1/Q5_1 add the block-sum term of
-Q8_1). The products then differ from a float64 product of the unrounded ``x`` by about 5e-3
-relative, as llama.cpp's do, and agree with llama.cpp's logits to about 1e-2 (the fixtures).
-``"float"`` multiplies the float32 ``x`` as it is (about 1e-6 from float64), which is further
-from llama.cpp: near-tie routing decisions and swiglu_oai's clamps turn the missing rounding into
-up to 0.18 relative at some positions of the llama.cpp-made fixtures.
+(``ggml_vec_dot_*_q8_*``); for the types of :func:`int8_batched_types` (Q8_0, Q2_K, Q4_K, Q5_K,
+Q6_K, IQ4_XS, MXFP4: whole-row AVX2 loops, see :mod:`aioexperts._compute.kernels.rowdot`) batches of
+2 to :data:`INT8_BATCH_MAX` tokens run one ``matmat_int8_<type>`` call that reads each weight row
+once for every token, each token's row bit for bit what the one-token kernel gives it. Every other
+call (larger batches, other types, the numpy backend) runs the float kernels on the round trip of
+``x`` through its vec_dot_type: llama.cpp's integer products to float32 rounding (Q4_1/Q5_1 add the
+block-sum term of Q8_1). The products then differ from a float64 product of the unrounded ``x`` by
+about 5e-3 relative, as llama.cpp's do, and agree with llama.cpp's logits to about 1e-2 (the
+fixtures). ``"float"`` multiplies the float32 ``x`` as it is (about 1e-6 from float64), which is
+further from llama.cpp: near-tie routing decisions and swiglu_oai's clamps turn the missing rounding
+into up to 0.18 relative at some positions of the llama.cpp-made fixtures.
 
 Backend: ``numba`` when it imports (see :mod:`aioexperts._compute.jit`), else ``numpy``, with one
 log line saying why; a kernel that fails to compile also switches the process to ``numpy`` (one log
@@ -147,14 +147,14 @@ _TABLE: dict[GGMLQuantizationType, _Entry] = {
     T.Q5_0: _Entry("legacy", "q5_0", np.uint8, "int8"),
     T.Q5_1: _Entry("legacy", "q5_1", np.uint8, "int8"),
     T.Q8_0: _Entry("legacy", "q8_0", np.uint8, "int8", int8_batched=True, rows_module="rows"),
-    T.Q2_K: _Entry("kquants", "q2_k", np.uint8, "int8"),
+    T.Q2_K: _Entry("kquants", "q2_k", np.uint8, "int8", int8_batched=True),
     T.Q3_K: _Entry("kquants", "q3_k", np.uint8, "int8"),
     T.Q4_K: _Entry("kquants", "q4_k", np.uint8, "int8", int8_batched=True, rows_module="rows"),
     T.Q5_K: _Entry("kquants", "q5_k", np.uint8, "int8", int8_batched=True),
     T.Q6_K: _Entry("kquants", "q6_k", np.uint8, "int8", int8_batched=True),
     T.IQ4_NL: _Entry("codebook", "iq4_nl", np.uint8, "int8"),
-    T.IQ4_XS: _Entry("codebook", "iq4_xs", np.uint8, "int8"),
-    T.MXFP4: _Entry("codebook", "mxfp4", np.uint8, "int8"),
+    T.IQ4_XS: _Entry("codebook", "iq4_xs", np.uint8, "int8", int8_batched=True),
+    T.MXFP4: _Entry("codebook", "mxfp4", np.uint8, "int8", int8_batched=True),
 }
 
 

@@ -16,12 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..jit import kernel
-from .codebook import IQ4_NL_BYTES, IQ4_XS_BYTES, IQ4_XS_QS, KVALUES_IQ4, KVALUES_MXFP4, MXFP4_BYTES
-from .common import F32, PREFETCH_ROWS, U8, U32, e8m0_half, f16_at, prefetch_row
+from .codebook import IQ4_NL_BYTES, KVALUES_IQ4, KVALUES_MXFP4
+from .common import F32, PREFETCH_ROWS, U8, U32, f16_at, prefetch_row
 from .kquants import (
-    Q2_K_BYTES,
-    Q2_K_D,
-    Q2_K_QS,
     Q3_K_BYTES,
     Q3_K_D,
     Q3_K_QS,
@@ -29,7 +26,7 @@ from .kquants import (
     q3_k_scale_words,
 )
 from .legacy import Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, qh_at
-from .rowdot import rowdot_q4_k, rowdot_q5_k, rowdot_q6_k, rowdot_q8_0
+from .rowdot import rowdot_iq4_xs, rowdot_mxfp4, rowdot_q2_k, rowdot_q4_k, rowdot_q5_k, rowdot_q6_k, rowdot_q8_0
 from .simd import dot16_q8, make_lut_dots, nib32_dot_q8
 
 # ruff: noqa: N803, N806
@@ -293,25 +290,39 @@ def matvec_int8_iq4_nl(raw, x, out):
     return True
 
 
-@kernel()
+@kernel(exact=True)
 def matvec_int8_mxfp4(raw, x, out):
-    """``ggml_vec_dot_mxfp4_q8_0``: ``e8m0_half(e) * d_x * sum(kvalues[q] * q8)`` per block."""
+    """``ggml_vec_dot_mxfp4_q8_0``: ``e8m0_half(e) * d_x * sum(kvalues[q] * q8)`` per block
+    (:func:`.rowdot.rowdot_mxfp4`)."""
     n_blocks = x.size // QK
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
     if not quantize_q8_0(x, q, d, s):
         return False
-    bias = np.empty(n_blocks, dtype=I32)
-    block_sums(q, bias)
     for r in range(raw.shape[0]):
-        prefetch_row(raw, r + PREFETCH_ROWS)
+        out[r] = rowdot_mxfp4(raw[r], q, d, n_blocks)
+    return True
+
+
+@kernel(exact=True)
+def matmat_int8_mxfp4(raw, xt, out):
+    """``out[t] = W @ xt[t]`` for every token, as :func:`matvec_int8_mxfp4` per token, bit for bit;
+    each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK
+    q = np.empty((n, cols), dtype=I8)
+    d = np.empty((n, n_blocks), dtype=F32)
+    s = np.empty((n, n_blocks), dtype=F32)
+    finite = True
+    for t in range(n):
+        finite &= quantize_q8_0(xt[t], q[t], d[t], s[t])
+    if not finite:
+        return False
+    for r in range(raw.shape[0]):
         row = raw[r]
-        acc = F32(0.0)
-        for b in range(n_blocks):
-            o = b * MXFP4_BYTES
-            acc += e8m0_half(row[o]) * d[b] * F32(mxfp4_dot_q8(row, o + 1, q, b * QK) - bias[b])
-        out[r] = acc
+        for t in range(n):
+            out[t, r] = rowdot_mxfp4(row, q[t], d[t], n_blocks)
     return True
 
 
@@ -427,9 +438,10 @@ def matmat_int8_q6_k(raw, xt, out):
     return True
 
 
-@kernel()
+@kernel(exact=True)
 def matvec_int8_q2_k(raw, x, out):
-    """``ggml_vec_dot_q2_K_q8_K``: ``d_w d_x sum_j (sc_j & 15) dot_j - dmin_w d_x sum_j (sc_j >> 4) bsum_j``."""
+    """``ggml_vec_dot_q2_K_q8_K``: ``d_w d_x sum_j (sc_j & 15) dot_j - dmin_w d_x sum_j (sc_j >> 4) bsum_j``
+    (:func:`.rowdot.rowdot_q2_k`)."""
     n_blocks = x.size // QK_K
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
@@ -437,25 +449,28 @@ def matvec_int8_q2_k(raw, x, out):
     if not quantize_q8_k(x, q, d, bsums):
         return False
     for r in range(raw.shape[0]):
-        prefetch_row(raw, r + PREFETCH_ROWS)
+        out[r] = rowdot_q2_k(raw[r], q, d, bsums, n_blocks)
+    return True
+
+
+@kernel(exact=True)
+def matmat_int8_q2_k(raw, xt, out):
+    """``out[t] = W @ xt[t]`` for every token, as :func:`matvec_int8_q2_k` per token, bit for bit;
+    each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK_K
+    q = np.empty((n, cols), dtype=I8)
+    d = np.empty((n, n_blocks), dtype=F32)
+    bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
+    finite = True
+    for t in range(n):
+        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    if not finite:
+        return False
+    for r in range(raw.shape[0]):
         row = raw[r]
-        acc = F32(0.0)
-        for b in range(n_blocks):
-            o = b * Q2_K_BYTES
-            sumi = I32(0)
-            summ = I32(0)
-            for n in range(2):
-                xb = b * QK_K + 128 * n
-                for j in range(4):
-                    for s in range(2):
-                        sb = 8 * n + 2 * j + s
-                        qs = o + Q2_K_QS + 32 * n + 16 * s
-                        dot = dot16_q8(row, qs, U8(2 * j), U8(3), qs, U8(0), U8(0), U8(0), q, xb + 32 * j + 16 * s)
-                        scale = row[o + sb]
-                        sumi += I32(scale & U8(15)) * dot
-                        summ += I32(scale >> U8(4)) * bsums[b * SUM16 + sb]
-            acc += d[b] * (f16_at(row, o + Q2_K_D) * F32(sumi) - f16_at(row, o + Q2_K_D + 2) * F32(summ))
-        out[r] = acc
+        for t in range(n):
+            out[t, r] = rowdot_q2_k(row, q[t], d[t], bsums[t], n_blocks)
     return True
 
 
@@ -495,9 +510,10 @@ def matvec_int8_q3_k(raw, x, out):
     return True
 
 
-@kernel()
+@kernel(exact=True)
 def matvec_int8_iq4_xs(raw, x, out):
-    """``ggml_vec_dot_iq4_xs_q8_K``: ``d_w d_x sum_j (sc_j - 32) sum(kvalues[q] * q8)``."""
+    """``ggml_vec_dot_iq4_xs_q8_K``: ``d_w d_x sum_j (sc_j - 32) sum(kvalues[q] * q8)``
+    (:func:`.rowdot.rowdot_iq4_xs`)."""
     n_blocks = x.size // QK_K
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
@@ -505,18 +521,26 @@ def matvec_int8_iq4_xs(raw, x, out):
     if not quantize_q8_k(x, q, d, bsums):
         return False
     for r in range(raw.shape[0]):
-        prefetch_row(raw, r + PREFETCH_ROWS)
+        out[r] = rowdot_iq4_xs(raw[r], q, d, bsums, n_blocks)
+    return True
+
+
+@kernel(exact=True)
+def matmat_int8_iq4_xs(raw, xt, out):
+    """``out[t] = W @ xt[t]`` for every token, as :func:`matvec_int8_iq4_xs` per token, bit for bit;
+    each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK_K
+    q = np.empty((n, cols), dtype=I8)
+    d = np.empty((n, n_blocks), dtype=F32)
+    bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
+    finite = True
+    for t in range(n):
+        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    if not finite:
+        return False
+    for r in range(raw.shape[0]):
         row = raw[r]
-        acc = F32(0.0)
-        for b in range(n_blocks):
-            o = b * IQ4_XS_BYTES
-            sumi = I32(0)
-            for j in range(8):
-                bias = I32(128) * (bsums[b * SUM16 + 2 * j] + bsums[b * SUM16 + 2 * j + 1])
-                dot = iq4_dot_q8(row, o + IQ4_XS_QS + 16 * j, q, b * QK_K + 32 * j) - bias
-                low = (row[o + 4 + j // 2] >> U8(4 * (j % 2))) & U8(15)
-                high = (row[o + 2 + j // 4] >> U8(2 * (j % 4))) & U8(3)
-                sumi += (I32(low | (high << U8(4))) - I32(32)) * dot
-            acc += d[b] * f16_at(row, o) * F32(sumi)
-        out[r] = acc
+        for t in range(n):
+            out[t, r] = rowdot_iq4_xs(row, q[t], d[t], bsums[t], n_blocks)
     return True
