@@ -31,17 +31,17 @@ Precision (:func:`set_precision`, ``$AIOEXPERTS_PRECISION``, ``load(precision=..
 ``vec_dot_type`` with ggml's rounding (Q8_K, Q8_0, Q8_1, F16, BF16; F32 unchanged: see
 :mod:`aioexperts._compute.activations`), whatever the number of tokens. The one-token kernels of the
 types of :func:`int8_types` quantize ``x`` themselves and take integer dot products
-(``ggml_vec_dot_*_q8_*``); for the types of :func:`int8_batched_types` (Q8_0, Q4_K, Q6_K: whole-row
-AVX2 loops, see :mod:`aioexperts._compute.kernels.rowdot`) batches of 2 to :data:`INT8_BATCH_MAX`
-tokens run one ``matmat_int8_<type>`` call that reads each weight row once for every token, each
-token's row bit for bit what the one-token kernel gives it. Every other call (larger batches, other
-types, the numpy backend) runs the float kernels on the round trip of ``x`` through its
-vec_dot_type: llama.cpp's integer products to float32 rounding (Q4_1/Q5_1 add the block-sum term of
-Q8_1). The products then differ from a float64 product of the unrounded ``x`` by about 5e-3
-relative, as llama.cpp's do, and agree with llama.cpp's logits to about 1e-2 (the fixtures).
-``"float"`` multiplies the float32 ``x`` as it is (about 1e-6 from float64), which is further
-from llama.cpp: near-tie routing decisions and swiglu_oai's clamps turn the missing rounding into
-up to 0.18 relative at some positions of the llama.cpp-made fixtures.
+(``ggml_vec_dot_*_q8_*``); for the types of :func:`int8_batched_types` (Q8_0, Q2_K, Q4_K, Q5_K,
+Q6_K, IQ4_XS, MXFP4: whole-row AVX2 loops, see :mod:`aioexperts._compute.kernels.rowdot`) batches of
+2 to :data:`INT8_BATCH_MAX` tokens run one ``matmat_int8_<type>`` call that reads each weight row
+once for every token, each token's row bit for bit what the one-token kernel gives it. Every other
+call (larger batches, other types, the numpy backend) runs the float kernels on the round trip of
+``x`` through its vec_dot_type: llama.cpp's integer products to float32 rounding (Q4_1/Q5_1 add the
+block-sum term of Q8_1). The products then differ from a float64 product of the unrounded ``x`` by
+about 5e-3 relative, as llama.cpp's do, and agree with llama.cpp's logits to about 1e-2 (the
+fixtures). ``"float"`` multiplies the float32 ``x`` as it is (about 1e-6 from float64), which is
+further from llama.cpp: near-tie routing decisions and swiglu_oai's clamps turn the missing rounding
+into up to 0.18 relative at some positions of the llama.cpp-made fixtures.
 
 Backend: ``numba`` when it imports (see :mod:`aioexperts._compute.jit`), else ``numpy``, with one
 log line saying why; a kernel that fails to compile also switches the process to ``numpy`` (one log
@@ -147,14 +147,14 @@ _TABLE: dict[GGMLQuantizationType, _Entry] = {
     T.Q5_0: _Entry("legacy", "q5_0", np.uint8, "int8"),
     T.Q5_1: _Entry("legacy", "q5_1", np.uint8, "int8"),
     T.Q8_0: _Entry("legacy", "q8_0", np.uint8, "int8", int8_batched=True, rows_module="rows"),
-    T.Q2_K: _Entry("kquants", "q2_k", np.uint8, "int8"),
+    T.Q2_K: _Entry("kquants", "q2_k", np.uint8, "int8", int8_batched=True),
     T.Q3_K: _Entry("kquants", "q3_k", np.uint8, "int8"),
     T.Q4_K: _Entry("kquants", "q4_k", np.uint8, "int8", int8_batched=True, rows_module="rows"),
-    T.Q5_K: _Entry("kquants", "q5_k", np.uint8, "int8"),
+    T.Q5_K: _Entry("kquants", "q5_k", np.uint8, "int8", int8_batched=True),
     T.Q6_K: _Entry("kquants", "q6_k", np.uint8, "int8", int8_batched=True),
     T.IQ4_NL: _Entry("codebook", "iq4_nl", np.uint8, "int8"),
-    T.IQ4_XS: _Entry("codebook", "iq4_xs", np.uint8, "int8"),
-    T.MXFP4: _Entry("codebook", "mxfp4", np.uint8, "int8"),
+    T.IQ4_XS: _Entry("codebook", "iq4_xs", np.uint8, "int8", int8_batched=True),
+    T.MXFP4: _Entry("codebook", "mxfp4", np.uint8, "int8", int8_batched=True),
 }
 
 
@@ -208,12 +208,12 @@ class _Ready:
     def __init__(self, entry: _Entry, row_bytes: Callable[[int], int]) -> None:
         self.entry = entry
         self.row_bytes = row_bytes
-        self.matvec: Callable[..., None] | None = None
-        self.matmat: Callable[..., None] | None = None
-        self.dequant: Callable[..., None] | None = None
-        self.matvec_int8: Callable[..., None] | None = None
-        self.matmat_int8: Callable[..., None] | None = None
-        self.matrows: Callable[..., None] | None = None
+        self.matvec: Callable[..., Any] | None = None
+        self.matmat: Callable[..., Any] | None = None
+        self.dequant: Callable[..., Any] | None = None
+        self.matvec_int8: Callable[..., Any] | None = None
+        self.matmat_int8: Callable[..., Any] | None = None
+        self.matrows: Callable[..., Any] | None = None
 
 
 class _State:
@@ -395,7 +395,7 @@ def _dispatcher(entry: _Entry, kind: KernelKind) -> Any:
     return getattr(modules[entry.module], f"{kind}_{entry.suffix}")
 
 
-def _compile(qtype: GGMLQuantizationType, kind: KernelKind) -> tuple[Callable[..., None], int, int]:
+def _compile(qtype: GGMLQuantizationType, kind: KernelKind) -> tuple[Callable[..., Any], int, int]:
     """Compile (or load from the cache) one kernel; ``(dispatcher, loaded, compiled)``."""
     entry = _TABLE[qtype]
     fn = _dispatcher(entry, kind)
@@ -419,8 +419,8 @@ def _ready(qtype: GGMLQuantizationType) -> _Ready | None:
         return _state.ready.setdefault(qtype, record)
 
 
-def _kernel(ready: _Ready, qtype: GGMLQuantizationType, kind: KernelKind) -> Callable[..., None]:
-    fn: Callable[..., None] | None = getattr(ready, kind)
+def _kernel(ready: _Ready, qtype: GGMLQuantizationType, kind: KernelKind) -> Callable[..., Any]:
+    fn: Callable[..., Any] | None = getattr(ready, kind)
     if fn is None:
         fn, _, _ = _compile(qtype, kind)
         setattr(ready, kind, fn)
@@ -689,6 +689,19 @@ def linear_rows(
     return result
 
 
+def _split_pool(raw: np.ndarray) -> Any:
+    """The compute pool that :func:`_split_rows` splits ``raw``'s rows over, or None (one range)."""
+    limit = SPLIT_MIN_BYTES
+    if limit is None or raw.nbytes < limit:
+        return None
+    from . import pool as _pool_module
+
+    pool = _pool_module._pool
+    if pool is None or pool.n_threads <= 1 or raw.shape[0] < 2 * pool.n_threads:
+        return None
+    return pool
+
+
 def _split_rows(raw: np.ndarray, run: Callable[[int, int], None]) -> None:
     """``run(r0, r1)`` over row ranges covering ``raw``: one range, or one per compute-pool thread.
 
@@ -698,12 +711,9 @@ def _split_rows(raw: np.ndarray, run: Callable[[int, int], None]) -> None:
     help, so concurrent callers never run more threads than the pool has (busy pool: all inline).
     Every row's result is the same whatever the split (rows are independent).
     """
-    from . import pool as _pool_module
-
-    pool = _pool_module._pool
     rows = raw.shape[0]
-    limit = SPLIT_MIN_BYTES
-    if limit is None or pool is None or pool.n_threads <= 1 or raw.nbytes < limit or rows < 2 * pool.n_threads:
+    pool = _split_pool(raw)
+    if pool is None:
         run(0, rows)
         return
     parts = pool.n_threads
@@ -731,6 +741,11 @@ def _by_rows(
 def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
     n = xs.shape[0]
     llama = precision() == "int8"
+    if llama and n == 1 and ready.entry.int8_module is not None and _split_pool(raw) is None:
+        # the decode step's common call: one token on this thread; the kernel checks
+        # that x is finite itself (False: NaN or inf, nothing written; the general path below)
+        if _kernel(ready, qtype, "matvec_int8")(raw, xs[0], out[0]):
+            return
     # the int8 kernels' quantizers lose NaN/inf (max() skips NaN): such x takes the round trip, which keeps them
     int8 = ready.entry.int8_module is not None and llama and bool(np.isfinite(xs).all())
     if int8 and ready.entry.int8_batched and 1 < n <= INT8_BATCH_MAX:

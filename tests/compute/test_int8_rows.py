@@ -25,6 +25,8 @@ from aioexperts._format.dequant import dequantize
 
 Q = GGMLQuantizationType
 BATCHED = sorted(fused.int8_batched_types(), key=lambda t: t.name)
+#: the batched types whose x is quantized to Q8_0 (the others: Q8_K)
+Q8_0_X = (Q.Q8_0, Q.MXFP4)
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +54,7 @@ def activations(n: int, cols: int, seed: int) -> np.ndarray:
 
 
 def test_the_batched_types() -> None:
-    assert set(BATCHED) == {Q.Q8_0, Q.Q4_K, Q.Q6_K}
+    assert set(BATCHED) == {Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4}
     assert fused.INT8_BATCH_MAX == 16
 
 
@@ -94,9 +96,17 @@ def _portable(qtype: GGMLQuantizationType) -> Callable[..., None]:
     """``matvec_int8_<type>`` compiled afresh (no cache) with the AVX2 intrinsics turned off."""
     import numba
 
-    fn = {Q.Q8_0: rowdot.rowdot_q8_0, Q.Q4_K: rowdot.rowdot_q4_k, Q.Q6_K: rowdot.rowdot_q6_k}[qtype]
+    fn = {
+        Q.Q8_0: rowdot.rowdot_q8_0,
+        Q.Q2_K: rowdot.rowdot_q2_k,
+        Q.Q4_K: rowdot.rowdot_q4_k,
+        Q.Q5_K: rowdot.rowdot_q5_k,
+        Q.Q6_K: rowdot.rowdot_q6_k,
+        Q.IQ4_XS: rowdot.rowdot_iq4_xs,
+        Q.MXFP4: rowdot.rowdot_mxfp4,
+    }[qtype]
 
-    if qtype == Q.Q8_0:
+    if qtype in Q8_0_X:
 
         @numba.njit(cache=False)
         def matvec0(raw, q, d, out):  # type: ignore[no-untyped-def]
@@ -123,7 +133,7 @@ def test_portable_ir_gives_the_same_bits_as_avx2(qtype: GGMLQuantizationType, mo
     monkeypatch.setattr(rowdot, "_avx2", lambda: False)
     kernel = _portable(qtype)
     got = np.empty(rows, np.float32)
-    if qtype == Q.Q8_0:
+    if qtype in Q8_0_X:
         q, d, s = np.empty(cols, np.int8), np.empty(cols // 32, np.float32), np.empty(cols // 32, np.float32)
         int8.quantize_q8_0(x, q, d, s)
         kernel(raw, q, d, got)
@@ -141,7 +151,7 @@ def _blockwise_reference(raw: np.ndarray, qtype: GGMLQuantizationType, x: np.nda
 
     rows, cols = raw.shape[0], x.size
     weights = dequantize(raw, qtype, (rows, cols)).astype(np.float64)
-    if qtype == Q.Q8_0:
+    if qtype in Q8_0_X:
         q, d = q8_0_reference(x)
         xq = q.astype(np.float64) * np.repeat(d.astype(np.float64), 32)
     else:

@@ -6,6 +6,9 @@ once per call like ``quantize_row_q8_K`` (256-value blocks, float32 scale, sums 
 ``d * sum(q)``), then each weight block is multiplied in integers (:mod:`.simd`: ``vpdpbusd`` on
 AVX-512 VNNI) and scaled once. The error, about 5e-3 relative, comes from the rounding of ``x``;
 llama.cpp has the same. Selected with ``fused.set_precision("int8")``.
+
+Every kernel returns True, or False when ``x`` holds NaN or inf (those do not quantize: ``out`` is
+then left unwritten, and the caller takes another path).
 """
 
 from __future__ import annotations
@@ -13,25 +16,18 @@ from __future__ import annotations
 import numpy as np
 
 from ..jit import kernel
-from .codebook import IQ4_NL_BYTES, IQ4_XS_BYTES, IQ4_XS_QS, KVALUES_IQ4, KVALUES_MXFP4, MXFP4_BYTES
-from .common import F32, PREFETCH_ROWS, U8, U32, e8m0_half, f16_at, prefetch_row
+from .codebook import IQ4_NL_BYTES, KVALUES_IQ4, KVALUES_MXFP4
+from .common import F32, PREFETCH_ROWS, U8, U32, f16_at, prefetch_row
 from .kquants import (
-    Q2_K_BYTES,
-    Q2_K_D,
-    Q2_K_QS,
     Q3_K_BYTES,
     Q3_K_D,
     Q3_K_QS,
     Q3_K_SCALES,
-    Q5_K_BYTES,
-    Q5_K_QH,
-    Q5_K_QS,
     q3_k_scale_words,
-    scale_min_k4,
 )
 from .legacy import Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, qh_at
-from .rowdot import rowdot_q4_k, rowdot_q6_k, rowdot_q8_0
-from .simd import dot16_q8, dot32_q8, make_lut_dots, nib32_dot_q8
+from .rowdot import rowdot_iq4_xs, rowdot_mxfp4, rowdot_q2_k, rowdot_q4_k, rowdot_q5_k, rowdot_q6_k, rowdot_q8_0
+from .simd import dot16_q8, make_lut_dots, nib32_dot_q8
 
 # ruff: noqa: N803, N806
 
@@ -72,13 +68,16 @@ def round_to_half(value):
 def quantize_q8_k(x, q, d, bsums):
     """``quantize_row_q8_K_ref``: per 256 values, ``iscale = -127 / max`` (``max``: the value of
     largest magnitude, sign kept), ``q = min(127, nearest_int(iscale * x))``, ``d = 1 / iscale``;
-    ``bsums``: sums of ``q`` per 16 values."""
+    ``bsums``: sums of ``q`` per 16 values. Returns whether every value of ``x`` is finite (if not,
+    ``q``, ``d``, ``bsums`` are meaningless: NaN and inf do not quantize)."""
+    probe = F32(0.0)  # stays 0 unless some v * 0 is NaN (v inf or NaN)
     for b in range(x.size // QK_K):
         base = b * QK_K
         amax = F32(0.0)
         vmax = F32(0.0)
         for j in range(QK_K):
             v = x[base + j]
+            probe += v * F32(0.0)
             if abs(v) > amax:
                 amax = abs(v)
                 vmax = v
@@ -98,17 +97,21 @@ def quantize_q8_k(x, q, d, bsums):
                 s += I32(q[base + j * SUM16 + i])
             bsums[b * SUM16 + j] = s
         d[b] = F32(1.0) / iscale
+    return probe == F32(0.0)
 
 
 @kernel(inline=True)
 def quantize_q8_0(x, q, d, s):
     """x86 ``quantize_row_q8_0`` / ``quantize_row_q8_1`` (ggml-cpu/arch/x86/quants.c, AVX2): per 32
     values ``d = amax / 127`` (kept as float16), ``q = round_half_even(x * (127 / amax))``;
-    ``s = d * sum(q)`` (float16), used by Q4_1 and Q5_1."""
+    ``s = d * sum(q)`` (float16), used by Q4_1 and Q5_1. Returns whether every value of ``x`` is
+    finite (if not, ``q``, ``d``, ``s`` are meaningless)."""
+    probe = F32(0.0)  # stays 0 unless some x * 0 is NaN (x inf or NaN)
     for b in range(x.size // QK):
         base = b * QK
         amax = F32(0.0)
         for j in range(QK):
+            probe += x[base + j] * F32(0.0)
             amax = max(amax, abs(x[base + j]))
         scale = amax / Q8_MAX
         inverse = Q8_MAX / amax if amax != 0 else F32(0.0)
@@ -119,6 +122,7 @@ def quantize_q8_0(x, q, d, s):
             total += I32(qv)
         d[b] = round_to_half(scale)
         s[b] = round_to_half(abs(F32(total) * scale)) * (F32(1.0) if total >= 0 else F32(-1.0))
+    return probe == F32(0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,7 +136,8 @@ def matvec_int8_q4_0(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
-    quantize_q8_0(x, q, d, s)
+    if not quantize_q8_0(x, q, d, s):
+        return False
     sums = np.empty(n_blocks, dtype=I32)
     for b in range(n_blocks):
         t = I32(0)
@@ -147,6 +152,7 @@ def matvec_int8_q4_0(raw, x, out):
             o = b * Q4_0_BYTES
             acc += f16_at(row, o) * d[b] * F32(nib32_dot_q8(row, o + 2, U32(0), q, b * QK) - I32(8) * sums[b])
         out[r] = acc
+    return True
 
 
 @kernel()
@@ -156,7 +162,8 @@ def matvec_int8_q4_1(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
-    quantize_q8_0(x, q, d, s)
+    if not quantize_q8_0(x, q, d, s):
+        return False
     for r in range(raw.shape[0]):
         prefetch_row(raw, r + PREFETCH_ROWS)
         row = raw[r]
@@ -165,6 +172,7 @@ def matvec_int8_q4_1(raw, x, out):
             o = b * Q4_1_BYTES
             acc += f16_at(row, o) * d[b] * F32(nib32_dot_q8(row, o + 4, U32(0), q, b * QK)) + f16_at(row, o + 2) * s[b]
         out[r] = acc
+    return True
 
 
 @kernel()
@@ -174,7 +182,8 @@ def matvec_int8_q5_0(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
-    quantize_q8_0(x, q, d, s)
+    if not quantize_q8_0(x, q, d, s):
+        return False
     sums = np.empty(n_blocks, dtype=I32)
     for b in range(n_blocks):
         t = I32(0)
@@ -190,6 +199,7 @@ def matvec_int8_q5_0(raw, x, out):
             dot = nib32_dot_q8(row, o + 6, qh_at(row, o + 2), q, b * QK)
             acc += f16_at(row, o) * d[b] * F32(dot - I32(16) * sums[b])
         out[r] = acc
+    return True
 
 
 @kernel()
@@ -199,7 +209,8 @@ def matvec_int8_q5_1(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
-    quantize_q8_0(x, q, d, s)
+    if not quantize_q8_0(x, q, d, s):
+        return False
     for r in range(raw.shape[0]):
         prefetch_row(raw, r + PREFETCH_ROWS)
         row = raw[r]
@@ -209,6 +220,7 @@ def matvec_int8_q5_1(raw, x, out):
             dot = nib32_dot_q8(row, o + 8, qh_at(row, o + 4), q, b * QK)
             acc += f16_at(row, o) * d[b] * F32(dot) + f16_at(row, o + 2) * s[b]
         out[r] = acc
+    return True
 
 
 @kernel(exact=True)
@@ -218,9 +230,11 @@ def matvec_int8_q8_0(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
-    quantize_q8_0(x, q, d, s)
+    if not quantize_q8_0(x, q, d, s):
+        return False
     for r in range(raw.shape[0]):
         out[r] = rowdot_q8_0(raw[r], q, d, n_blocks)
+    return True
 
 
 @kernel(exact=True)
@@ -232,12 +246,16 @@ def matmat_int8_q8_0(raw, xt, out):
     q = np.empty((n, cols), dtype=I8)
     d = np.empty((n, n_blocks), dtype=F32)
     s = np.empty((n, n_blocks), dtype=F32)
+    finite = True
     for t in range(n):
-        quantize_q8_0(xt[t], q[t], d[t], s[t])
+        finite &= quantize_q8_0(xt[t], q[t], d[t], s[t])
+    if not finite:
+        return False
     for r in range(raw.shape[0]):
         row = raw[r]
         for t in range(n):
             out[t, r] = rowdot_q8_0(row, q[t], d[t], n_blocks)
+    return True
 
 
 @kernel(inline=True)
@@ -257,7 +275,8 @@ def matvec_int8_iq4_nl(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
-    quantize_q8_0(x, q, d, s)
+    if not quantize_q8_0(x, q, d, s):
+        return False
     bias = np.empty(n_blocks, dtype=I32)
     block_sums(q, bias)
     for r in range(raw.shape[0]):
@@ -268,26 +287,43 @@ def matvec_int8_iq4_nl(raw, x, out):
             o = b * IQ4_NL_BYTES
             acc += f16_at(row, o) * d[b] * F32(iq4_dot_q8(row, o + 2, q, b * QK) - bias[b])
         out[r] = acc
+    return True
 
 
-@kernel()
+@kernel(exact=True)
 def matvec_int8_mxfp4(raw, x, out):
-    """``ggml_vec_dot_mxfp4_q8_0``: ``e8m0_half(e) * d_x * sum(kvalues[q] * q8)`` per block."""
+    """``ggml_vec_dot_mxfp4_q8_0``: ``e8m0_half(e) * d_x * sum(kvalues[q] * q8)`` per block
+    (:func:`.rowdot.rowdot_mxfp4`)."""
     n_blocks = x.size // QK
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
-    quantize_q8_0(x, q, d, s)
-    bias = np.empty(n_blocks, dtype=I32)
-    block_sums(q, bias)
+    if not quantize_q8_0(x, q, d, s):
+        return False
     for r in range(raw.shape[0]):
-        prefetch_row(raw, r + PREFETCH_ROWS)
+        out[r] = rowdot_mxfp4(raw[r], q, d, n_blocks)
+    return True
+
+
+@kernel(exact=True)
+def matmat_int8_mxfp4(raw, xt, out):
+    """``out[t] = W @ xt[t]`` for every token, as :func:`matvec_int8_mxfp4` per token, bit for bit;
+    each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK
+    q = np.empty((n, cols), dtype=I8)
+    d = np.empty((n, n_blocks), dtype=F32)
+    s = np.empty((n, n_blocks), dtype=F32)
+    finite = True
+    for t in range(n):
+        finite &= quantize_q8_0(xt[t], q[t], d[t], s[t])
+    if not finite:
+        return False
+    for r in range(raw.shape[0]):
         row = raw[r]
-        acc = F32(0.0)
-        for b in range(n_blocks):
-            o = b * MXFP4_BYTES
-            acc += e8m0_half(row[o]) * d[b] * F32(mxfp4_dot_q8(row, o + 1, q, b * QK) - bias[b])
-        out[r] = acc
+        for t in range(n):
+            out[t, r] = rowdot_mxfp4(row, q[t], d[t], n_blocks)
+    return True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,9 +338,11 @@ def matvec_int8_q4_k(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     bsums = np.empty(n_blocks * SUM16, dtype=I32)
-    quantize_q8_k(x, q, d, bsums)
+    if not quantize_q8_k(x, q, d, bsums):
+        return False
     for r in range(raw.shape[0]):
         out[r] = rowdot_q4_k(raw[r], q, d, bsums, n_blocks)
+    return True
 
 
 @kernel(exact=True)
@@ -316,43 +354,52 @@ def matmat_int8_q4_k(raw, xt, out):
     q = np.empty((n, cols), dtype=I8)
     d = np.empty((n, n_blocks), dtype=F32)
     bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
+    finite = True
     for t in range(n):
-        quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    if not finite:
+        return False
     for r in range(raw.shape[0]):
         row = raw[r]
         for t in range(n):
             out[t, r] = rowdot_q4_k(row, q[t], d[t], bsums[t], n_blocks)
+    return True
 
 
-@kernel()
+@kernel(exact=True)
 def matvec_int8_q5_k(raw, x, out):
-    """``ggml_vec_dot_q5_K_q8_K``: as Q4_K with the fifth bit of each code from ``qh``."""
+    """``ggml_vec_dot_q5_K_q8_K``: as Q4_K with the fifth bit of each code from ``qh``
+    (:func:`.rowdot.rowdot_q5_k`)."""
     n_blocks = x.size // QK_K
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     bsums = np.empty(n_blocks * SUM16, dtype=I32)
-    quantize_q8_k(x, q, d, bsums)
+    if not quantize_q8_k(x, q, d, bsums):
+        return False
     for r in range(raw.shape[0]):
-        prefetch_row(raw, r + PREFETCH_ROWS)
+        out[r] = rowdot_q5_k(raw[r], q, d, bsums, n_blocks)
+    return True
+
+
+@kernel(exact=True)
+def matmat_int8_q5_k(raw, xt, out):
+    """``out[t] = W @ xt[t]`` for every token, as :func:`matvec_int8_q5_k` per token, bit for bit;
+    each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK_K
+    q = np.empty((n, cols), dtype=I8)
+    d = np.empty((n, n_blocks), dtype=F32)
+    bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
+    finite = True
+    for t in range(n):
+        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    if not finite:
+        return False
+    for r in range(raw.shape[0]):
         row = raw[r]
-        acc = F32(0.0)
-        for b in range(n_blocks):
-            o = b * Q5_K_BYTES
-            qh = o + Q5_K_QH
-            sumi = I32(0)
-            summ = I32(0)
-            for c in range(4):
-                sc0, m0 = scale_min_k4(row, o, 2 * c)
-                sc1, m1 = scale_min_k4(row, o, 2 * c + 1)
-                qs = o + Q5_K_QS + 32 * c
-                xb = b * QK_K + 64 * c
-                lo = dot32_q8(row, qs, U8(0), U8(15), qh, U8(2 * c), U8(1), U8(4), q, xb)
-                hi = dot32_q8(row, qs, U8(4), U8(15), qh, U8(2 * c + 1), U8(1), U8(4), q, xb + 32)
-                sumi += I32(sc0) * lo + I32(sc1) * hi
-                k = b * SUM16 + 4 * c
-                summ += I32(m0) * (bsums[k] + bsums[k + 1]) + I32(m1) * (bsums[k + 2] + bsums[k + 3])
-            acc += d[b] * (f16_at(row, o) * F32(sumi) - f16_at(row, o + 2) * F32(summ))
-        out[r] = acc
+        for t in range(n):
+            out[t, r] = rowdot_q5_k(row, q[t], d[t], bsums[t], n_blocks)
+    return True
 
 
 @kernel(exact=True)
@@ -363,9 +410,11 @@ def matvec_int8_q6_k(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     bsums = np.empty(n_blocks * SUM16, dtype=I32)
-    quantize_q8_k(x, q, d, bsums)
+    if not quantize_q8_k(x, q, d, bsums):
+        return False
     for r in range(raw.shape[0]):
         out[r] = rowdot_q6_k(raw[r], q, d, bsums, n_blocks)
+    return True
 
 
 @kernel(exact=True)
@@ -377,42 +426,52 @@ def matmat_int8_q6_k(raw, xt, out):
     q = np.empty((n, cols), dtype=I8)
     d = np.empty((n, n_blocks), dtype=F32)
     bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
+    finite = True
     for t in range(n):
-        quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    if not finite:
+        return False
     for r in range(raw.shape[0]):
         row = raw[r]
         for t in range(n):
             out[t, r] = rowdot_q6_k(row, q[t], d[t], bsums[t], n_blocks)
+    return True
 
 
-@kernel()
+@kernel(exact=True)
 def matvec_int8_q2_k(raw, x, out):
-    """``ggml_vec_dot_q2_K_q8_K``: ``d_w d_x sum_j (sc_j & 15) dot_j - dmin_w d_x sum_j (sc_j >> 4) bsum_j``."""
+    """``ggml_vec_dot_q2_K_q8_K``: ``d_w d_x sum_j (sc_j & 15) dot_j - dmin_w d_x sum_j (sc_j >> 4) bsum_j``
+    (:func:`.rowdot.rowdot_q2_k`)."""
     n_blocks = x.size // QK_K
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     bsums = np.empty(n_blocks * SUM16, dtype=I32)
-    quantize_q8_k(x, q, d, bsums)
+    if not quantize_q8_k(x, q, d, bsums):
+        return False
     for r in range(raw.shape[0]):
-        prefetch_row(raw, r + PREFETCH_ROWS)
+        out[r] = rowdot_q2_k(raw[r], q, d, bsums, n_blocks)
+    return True
+
+
+@kernel(exact=True)
+def matmat_int8_q2_k(raw, xt, out):
+    """``out[t] = W @ xt[t]`` for every token, as :func:`matvec_int8_q2_k` per token, bit for bit;
+    each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK_K
+    q = np.empty((n, cols), dtype=I8)
+    d = np.empty((n, n_blocks), dtype=F32)
+    bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
+    finite = True
+    for t in range(n):
+        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    if not finite:
+        return False
+    for r in range(raw.shape[0]):
         row = raw[r]
-        acc = F32(0.0)
-        for b in range(n_blocks):
-            o = b * Q2_K_BYTES
-            sumi = I32(0)
-            summ = I32(0)
-            for n in range(2):
-                xb = b * QK_K + 128 * n
-                for j in range(4):
-                    for s in range(2):
-                        sb = 8 * n + 2 * j + s
-                        qs = o + Q2_K_QS + 32 * n + 16 * s
-                        dot = dot16_q8(row, qs, U8(2 * j), U8(3), qs, U8(0), U8(0), U8(0), q, xb + 32 * j + 16 * s)
-                        scale = row[o + sb]
-                        sumi += I32(scale & U8(15)) * dot
-                        summ += I32(scale >> U8(4)) * bsums[b * SUM16 + sb]
-            acc += d[b] * (f16_at(row, o + Q2_K_D) * F32(sumi) - f16_at(row, o + Q2_K_D + 2) * F32(summ))
-        out[r] = acc
+        for t in range(n):
+            out[t, r] = rowdot_q2_k(row, q[t], d[t], bsums[t], n_blocks)
+    return True
 
 
 @kernel()
@@ -422,7 +481,8 @@ def matvec_int8_q3_k(raw, x, out):
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     bsums = np.empty(n_blocks * SUM16, dtype=I32)
-    quantize_q8_k(x, q, d, bsums)
+    if not quantize_q8_k(x, q, d, bsums):
+        return False
     for r in range(raw.shape[0]):
         prefetch_row(raw, r + PREFETCH_ROWS)
         row = raw[r]
@@ -447,28 +507,40 @@ def matvec_int8_q3_k(raw, x, out):
                         sumi += scale * (dot - I32(4) * bsums[b * SUM16 + 8 * n + sb])
             acc += d[b] * f16_at(row, o + Q3_K_D) * F32(sumi)
         out[r] = acc
+    return True
 
 
-@kernel()
+@kernel(exact=True)
 def matvec_int8_iq4_xs(raw, x, out):
-    """``ggml_vec_dot_iq4_xs_q8_K``: ``d_w d_x sum_j (sc_j - 32) sum(kvalues[q] * q8)``."""
+    """``ggml_vec_dot_iq4_xs_q8_K``: ``d_w d_x sum_j (sc_j - 32) sum(kvalues[q] * q8)``
+    (:func:`.rowdot.rowdot_iq4_xs`)."""
     n_blocks = x.size // QK_K
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     bsums = np.empty(n_blocks * SUM16, dtype=I32)
-    quantize_q8_k(x, q, d, bsums)
+    if not quantize_q8_k(x, q, d, bsums):
+        return False
     for r in range(raw.shape[0]):
-        prefetch_row(raw, r + PREFETCH_ROWS)
+        out[r] = rowdot_iq4_xs(raw[r], q, d, bsums, n_blocks)
+    return True
+
+
+@kernel(exact=True)
+def matmat_int8_iq4_xs(raw, xt, out):
+    """``out[t] = W @ xt[t]`` for every token, as :func:`matvec_int8_iq4_xs` per token, bit for bit;
+    each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK_K
+    q = np.empty((n, cols), dtype=I8)
+    d = np.empty((n, n_blocks), dtype=F32)
+    bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
+    finite = True
+    for t in range(n):
+        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    if not finite:
+        return False
+    for r in range(raw.shape[0]):
         row = raw[r]
-        acc = F32(0.0)
-        for b in range(n_blocks):
-            o = b * IQ4_XS_BYTES
-            sumi = I32(0)
-            for j in range(8):
-                bias = I32(128) * (bsums[b * SUM16 + 2 * j] + bsums[b * SUM16 + 2 * j + 1])
-                dot = iq4_dot_q8(row, o + IQ4_XS_QS + 16 * j, q, b * QK_K + 32 * j) - bias
-                low = (row[o + 4 + j // 2] >> U8(4 * (j % 2))) & U8(15)
-                high = (row[o + 2 + j // 4] >> U8(2 * (j % 4))) & U8(3)
-                sumi += (I32(low | (high << U8(4))) - I32(32)) * dot
-            acc += d[b] * f16_at(row, o) * F32(sumi)
-        out[r] = acc
+        for t in range(n):
+            out[t, r] = rowdot_iq4_xs(row, q[t], d[t], bsums[t], n_blocks)
+    return True

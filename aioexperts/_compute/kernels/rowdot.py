@@ -31,7 +31,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import _target_features
+from .codebook import IQ4_XS_BYTES, KVALUES_IQ4, KVALUES_MXFP4, MXFP4_BYTES
+from .simd import _lookup, _target_features
 
 I8 = ir.IntType(8)
 I16 = ir.IntType(16)
@@ -47,6 +48,7 @@ V8F32 = ir.VectorType(F32, 8)
 
 Q8_0_BYTES = 34
 Q4_K_BYTES = 144
+Q5_K_BYTES = 176
 Q6_K_BYTES = 210
 
 
@@ -240,13 +242,9 @@ def _ok_k(row: Any, q: Any, d: Any, bsums: Any, n_blocks: Any) -> bool:
     )
 
 
-@intrinsic
-def rowdot_q4_k(typingctx, row, q, d, bsums, n_blocks):
-    """``ggml_vec_dot_q4_K_q8_K`` of one Q4_K row with Q8_K ``x``: ``sum_b d_x (d_w sum_j sc_j dot_j
-    - dmin_w sum_j m_j bsum_j)``, float32."""
-    if not _ok_k(row, q, d, bsums, n_blocks):
-        return None
-    sig = types.float32(row, q, d, bsums, n_blocks)
+def _k4_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
+    """Code generator of one Q4_K row (``qh`` None) or Q5_K row (the fifth bits at byte ``qh``) with
+    Q8_K ``x``: ggml's AVX2 loops of both types are the same but for the codes' fifth bit."""
 
     def codegen(context, builder, signature, args):
         avx2 = _avx2()
@@ -258,7 +256,7 @@ def rowdot_q4_k(typingctx, row, q, d, bsums, n_blocks):
         four = _vsplat(V32I8, 4)
 
         def body(b, acc, accs):
-            o = builder.mul(b, _const(I64, Q4_K_BYTES))
+            o = builder.mul(b, _const(I64, block_bytes))
             xo = builder.mul(b, _const(I64, 256))
             ko = builder.mul(b, _const(I64, 16))
             x_scale = dx.load(b, F32, align=4)
@@ -268,10 +266,14 @@ def rowdot_q4_k(typingctx, row, q, d, bsums, n_blocks):
             pairs = _pair_sums(builder, bs.load(ko, V16I32, 4), 16)
             summ = _call(builder, "llvm.vector.reduce.add.v8i32", I32, [builder.mul(builder.zext(mins, V8I32), pairs)])
             scales16 = builder.zext(scales, ir.VectorType(I16, 8))
+            high = None if qh is None else w.load(_offset(builder, o, qh), V32I8)
             sumi = ir.Constant(V8I32, [0] * 8)
             for c in range(4):
-                bits = w.load(_offset(builder, o, 16 + 32 * c), V32I8)
+                bits = w.load(_offset(builder, o, qs + 32 * c), V32I8)
                 for half, codes in enumerate((builder.and_(bits, low_mask), builder.lshr(bits, four))):
+                    if high is not None:  # bit 2c + half of qh[i]: bit 4 of the code
+                        fifth = builder.and_(builder.lshr(high, _vsplat(V32I8, 2 * c + half)), _vsplat(V32I8, 1))
+                        codes = builder.or_(codes, builder.shl(fifth, four))
                     quants = qx.load(_offset(builder, xo, 64 * c + 32 * half), V32I8)
                     scale = builder.shuffle_vector(scales16, scales16, _lanes([2 * c + half] * 16))
                     sumi = builder.add(sumi, _madd(builder, _maddubs(builder, codes, quants, avx2), scale, avx2))
@@ -282,7 +284,25 @@ def rowdot_q4_k(typingctx, row, q, d, bsums, n_blocks):
 
         return _row_loop(context, builder, args[4], body, with_scalar=True)
 
-    return sig, codegen
+    return codegen
+
+
+@intrinsic
+def rowdot_q4_k(typingctx, row, q, d, bsums, n_blocks):
+    """``ggml_vec_dot_q4_K_q8_K`` of one Q4_K row with Q8_K ``x``: ``sum_b d_x (d_w sum_j sc_j dot_j
+    - dmin_w sum_j m_j bsum_j)``, float32."""
+    if not _ok_k(row, q, d, bsums, n_blocks):
+        return None
+    return types.float32(row, q, d, bsums, n_blocks), _k4_codegen(Q4_K_BYTES, 16, None)
+
+
+@intrinsic
+def rowdot_q5_k(typingctx, row, q, d, bsums, n_blocks):
+    """``ggml_vec_dot_q5_K_q8_K`` of one Q5_K row with Q8_K ``x``: as :func:`rowdot_q4_k`, the codes'
+    fifth bit from ``qh`` (``summs`` of ggml is ``-accs`` here: the same float32 values)."""
+    if not _ok_k(row, q, d, bsums, n_blocks):
+        return None
+    return types.float32(row, q, d, bsums, n_blocks), _k4_codegen(Q5_K_BYTES, 48, 16)
 
 
 @intrinsic
@@ -324,6 +344,177 @@ def rowdot_q6_k(typingctx, row, q, d, bsums, n_blocks):
             first = builder.sub(builder.extract_element(sumi, _const(I32, 0)), builder.mul(offset, _const(I32, 32)))
             sumi = builder.insert_element(sumi, first, _const(I32, 0))
             scale = builder.fmul(dx.load(b, F32, align=4), _half(builder, w.load(_offset(builder, o, 208), I16)))
+            return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
+
+        return _row_loop(context, builder, args[4], body, with_scalar=False)
+
+    return sig, codegen
+
+
+# ----------------------------------------------------------------------------------------------
+# codebook types: 16-entry tables of signed int8 values, ggml's sign trick as for Q8_0
+
+MXFP4_TABLE = tuple(int(v) for v in KVALUES_MXFP4)
+IQ4_TABLE = tuple(int(v) for v in KVALUES_IQ4)
+
+
+def _table_codes(builder: ir.IRBuilder, w: _Ptr, off: Any, table: tuple[int, ...]) -> Any:
+    """``<32 x i8>`` of ``table[nibble]`` for the 16 bytes at ``off``: low nibbles are values 0..15,
+    high nibbles 16..31 (ggml's ``MM256_SET_M128I(lookup(high), lookup(low))``)."""
+    v16i8 = ir.VectorType(I8, 16)
+    raw = w.load(off, v16i8)
+    low = _lookup(builder, table, builder.and_(raw, _vsplat(v16i8, 15)))
+    high = _lookup(builder, table, builder.lshr(raw, _vsplat(v16i8, 4)))
+    return builder.shuffle_vector(low, high, _lanes(list(range(32))))
+
+
+def _signed_dot(builder: ir.IRBuilder, values: Any, quants: Any, avx2: bool) -> Any:
+    """``<16 x i16>`` pair sums of ``values * quants`` (both int8) by ggml's ``mul_add_epi8``:
+    ``|values|`` times ``quants`` with the sign of ``values``."""
+    negative = builder.icmp_signed("<", values, _vsplat(V32I8, 0))
+    magnitude = builder.select(negative, builder.sub(_vsplat(V32I8, 0), values), values)
+    signed = builder.select(negative, builder.sub(_vsplat(V32I8, 0), quants), quants)
+    return _maddubs(builder, magnitude, signed, avx2)
+
+
+def _e8m0_half(builder: ir.IRBuilder, e: Any) -> Any:
+    """``GGML_E8M0_TO_FP32_HALF(e)``: float32 bits ``0x00200000 << e`` for ``e < 2``, else ``(e - 1) << 23``."""
+    wide = builder.zext(e, I32)
+    small = builder.shl(_const(I32, 0x0020_0000), wide)
+    large = builder.shl(builder.sub(wide, _const(I32, 1)), _const(I32, 23))
+    bits = builder.select(builder.icmp_unsigned("<", wide, _const(I32, 2)), small, large)
+    return builder.bitcast(bits, F32)
+
+
+@intrinsic
+def rowdot_mxfp4(typingctx, row, q, d, n_blocks):
+    """``ggml_vec_dot_mxfp4_q8_0`` of one MXFP4 row with Q8_0 ``x``: float32.
+
+    ggml's AVX2 loop: blocks in pairs, even blocks into one accumulator and odd into another,
+    ``hsum(acc_even + acc_odd)``; an odd last block is added after (ggml's scalar tail).
+    """
+    if not _ok(row, q, d, n_blocks):
+        return None
+    sig = types.float32(row, q, d, n_blocks)
+    table = MXFP4_TABLE
+
+    def codegen(context, builder, signature, args):
+        avx2 = _avx2()
+        w = _Ptr(context, builder, signature.args[0], args[0])
+        qx = _Ptr(context, builder, signature.args[1], args[1])
+        dx = _Ptr(context, builder, signature.args[2], args[2])
+        n = _i64(builder, args[3])
+
+        def block(b: Any) -> tuple[Any, Any]:
+            """``(scale, <8 x i32> sums)`` of block ``b``."""
+            o = builder.mul(b, _const(I64, MXFP4_BYTES))
+            values = _table_codes(builder, w, _offset(builder, o, 1), table)
+            quants = qx.load(builder.mul(b, _const(I64, 32)), V32I8)
+            sums = _madd(builder, _signed_dot(builder, values, quants, avx2), _vsplat(V16I16, 1), avx2)
+            scale = builder.fmul(dx.load(b, F32, align=4), _e8m0_half(builder, w.load(o, I8)))
+            return scale, sums
+
+        zero = ir.Constant(V8F32, [0.0] * 8)
+        even_slot = cgutils.alloca_once_value(builder, zero)
+        odd_slot = cgutils.alloca_once_value(builder, zero)
+        with cgutils.for_range(builder, builder.sdiv(n, _const(I64, 2))) as loop:
+            b = builder.mul(loop.index, _const(I64, 2))
+            for slot, blk in ((even_slot, b), (odd_slot, _offset(builder, b, 1))):
+                scale, sums = block(blk)
+                acc = _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sums, V8F32), builder.load(slot))
+                builder.store(acc, slot)
+        total_slot = cgutils.alloca_once_value(
+            builder, _hsum8(builder, builder.fadd(builder.load(even_slot), builder.load(odd_slot)))
+        )
+        is_odd = builder.icmp_signed("!=", builder.srem(n, _const(I64, 2)), _const(I64, 0))
+        with builder.if_then(is_odd):
+            scale, sums = block(builder.sub(n, _const(I64, 1)))
+            sumi = _call(builder, "llvm.vector.reduce.add.v8i32", I32, [sums])
+            tail = builder.fmul(scale, builder.sitofp(sumi, F32))
+            builder.store(builder.fadd(builder.load(total_slot), tail), total_slot)
+        return builder.load(total_slot)
+
+    return sig, codegen
+
+
+@intrinsic
+def rowdot_iq4_xs(typingctx, row, q, d, bsums, n_blocks):
+    """``ggml_vec_dot_iq4_xs_q8_K`` of one IQ4_XS row with Q8_K ``x``: ``sum_b d_w d_x sum_j (sc_j -
+    32) dot_j`` (``bsums`` unused, taken for the common signature), float32."""
+    if not _ok_k(row, q, d, bsums, n_blocks):
+        return None
+    sig = types.float32(row, q, d, bsums, n_blocks)
+    table = IQ4_TABLE
+
+    def codegen(context, builder, signature, args):
+        avx2 = _avx2()
+        w = _Ptr(context, builder, signature.args[0], args[0])
+        qx = _Ptr(context, builder, signature.args[1], args[1])
+        dx = _Ptr(context, builder, signature.args[2], args[2])
+
+        def body(b, acc, accs):
+            o = builder.mul(b, _const(I64, IQ4_XS_BYTES))
+            xo = builder.mul(b, _const(I64, 256))
+            high_bits = builder.zext(w.load(_offset(builder, o, 2), I16), I32)
+            low_bits = w.load(_offset(builder, o, 4), I32)
+            sumi = ir.Constant(V8I32, [0] * 8)
+            for j in range(8):
+                values = _table_codes(builder, w, _offset(builder, o, 8 + 16 * j), table)
+                quants = qx.load(_offset(builder, xo, 32 * j), V32I8)
+                low = builder.and_(builder.lshr(low_bits, _const(I32, 4 * j)), _const(I32, 15))
+                high = builder.and_(builder.lshr(high_bits, _const(I32, 2 * j)), _const(I32, 3))
+                scale = builder.sub(builder.or_(low, builder.shl(high, _const(I32, 4))), _const(I32, 32))
+                scale16 = _splat(builder, builder.trunc(scale, I16), 16)
+                sumi = builder.add(sumi, _madd(builder, _signed_dot(builder, values, quants, avx2), scale16, avx2))
+            scale = builder.fmul(_half(builder, w.load(o, I16)), dx.load(b, F32, align=4))
+            return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
+
+        return _row_loop(context, builder, args[4], body, with_scalar=False)
+
+    return sig, codegen
+
+
+Q2_K_BYTES = 84
+
+
+@intrinsic
+def rowdot_q2_k(typingctx, row, q, d, bsums, n_blocks):
+    """``ggml_vec_dot_q2_K_q8_K`` of one Q2_K row with Q8_K ``x``: per block, ggml's AVX2 order
+    ``acc = fma(-d_x dmin_w, sum_j m_j bsum_j, acc)`` then ``acc = fma(d_x d_w, sum_j sc_j dot_j, acc)``
+    on 8 lanes, float32."""
+    if not _ok_k(row, q, d, bsums, n_blocks):
+        return None
+    sig = types.float32(row, q, d, bsums, n_blocks)
+
+    def codegen(context, builder, signature, args):
+        avx2 = _avx2()
+        w = _Ptr(context, builder, signature.args[0], args[0])
+        qx = _Ptr(context, builder, signature.args[1], args[1])
+        dx = _Ptr(context, builder, signature.args[2], args[2])
+        bs = _Ptr(context, builder, signature.args[3], args[3])
+        v16i8 = ir.VectorType(I8, 16)
+
+        def body(b, acc, accs):
+            o = builder.mul(b, _const(I64, Q2_K_BYTES))
+            xo = builder.mul(b, _const(I64, 256))
+            ko = builder.mul(b, _const(I64, 16))
+            x_scale = dx.load(b, F32, align=4)
+            packed = w.load(o, v16i8)
+            scales16 = builder.zext(builder.and_(packed, _vsplat(v16i8, 15)), ir.VectorType(I16, 16))
+            mins = builder.zext(builder.lshr(packed, _vsplat(v16i8, 4)), V16I32)
+            prod = _pair_sums(builder, builder.mul(mins, bs.load(ko, V16I32, 4)), 16)
+            dmin = builder.fmul(builder.fneg(x_scale), _half(builder, w.load(_offset(builder, o, 82), I16)))
+            acc = _fmuladd(builder, _splat(builder, dmin, 8), builder.sitofp(prod, V8F32), acc)
+            sumi = ir.Constant(V8I32, [0] * 8)
+            for j in range(2):
+                bits = w.load(_offset(builder, o, 16 + 32 * j), V32I8)
+                for k in range(4):
+                    codes = builder.and_(builder.lshr(bits, _vsplat(V32I8, 2 * k)), _vsplat(V32I8, 3))
+                    quants = qx.load(_offset(builder, xo, 128 * j + 32 * k), V32I8)
+                    sb = 8 * j + 2 * k
+                    scale = builder.shuffle_vector(scales16, scales16, _lanes([sb] * 8 + [sb + 1] * 8))
+                    sumi = builder.add(sumi, _madd(builder, _maddubs(builder, codes, quants, avx2), scale, avx2))
+            scale = builder.fmul(x_scale, _half(builder, w.load(_offset(builder, o, 80), I16)))
             return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
 
         return _row_loop(context, builder, args[4], body, with_scalar=False)
