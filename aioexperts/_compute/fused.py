@@ -592,11 +592,11 @@ def _one_token_int8(
     if cols % GGML_QUANT_SIZES[qtype][0] or rows * row_bytes >= (SPLIT_MIN_BYTES or 1 << 62):
         return None
     raw = _quant.tensor_bytes(data)
-    if raw.size != rows * row_bytes or raw.dtype != np.uint8 or not np.isfinite(x).all():
+    if raw.size != rows * row_bytes or raw.dtype != np.uint8:
         return None
     out = np.empty((1, rows), dtype=np.float32)
-    ready.matvec_int8(raw.reshape(rows, row_bytes), x[0], out[0])
-    return out
+    # the kernel checks that x is finite while quantizing it (False: NaN or inf, nothing written)
+    return out if ready.matvec_int8(raw.reshape(rows, row_bytes), x[0], out[0]) else None
 
 
 def _matmul_numpy(
