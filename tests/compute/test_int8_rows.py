@@ -54,7 +54,7 @@ def activations(n: int, cols: int, seed: int) -> np.ndarray:
 
 
 def test_the_batched_types() -> None:
-    assert set(BATCHED) == {Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4}
+    assert set(BATCHED) == {Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4}
     assert fused.INT8_BATCH_MAX == 16
 
 
@@ -99,6 +99,7 @@ def _portable(qtype: GGMLQuantizationType) -> Callable[..., None]:
     fn = {
         Q.Q8_0: rowdot.rowdot_q8_0,
         Q.Q2_K: rowdot.rowdot_q2_k,
+        Q.Q3_K: rowdot.rowdot_q3_k,
         Q.Q4_K: rowdot.rowdot_q4_k,
         Q.Q5_K: rowdot.rowdot_q5_k,
         Q.Q6_K: rowdot.rowdot_q6_k,

@@ -17,17 +17,19 @@ import numpy as np
 
 from ..jit import kernel
 from .codebook import IQ4_NL_BYTES, KVALUES_IQ4, KVALUES_MXFP4
-from .common import F32, PREFETCH_ROWS, U8, U32, f16_at, prefetch_row
-from .kquants import (
-    Q3_K_BYTES,
-    Q3_K_D,
-    Q3_K_QS,
-    Q3_K_SCALES,
-    q3_k_scale_words,
-)
+from .common import F32, PREFETCH_ROWS, U32, f16_at, prefetch_row
 from .legacy import Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, qh_at
-from .rowdot import rowdot_iq4_xs, rowdot_mxfp4, rowdot_q2_k, rowdot_q4_k, rowdot_q5_k, rowdot_q6_k, rowdot_q8_0
-from .simd import dot16_q8, make_lut_dots, nib32_dot_q8
+from .rowdot import (
+    rowdot_iq4_xs,
+    rowdot_mxfp4,
+    rowdot_q2_k,
+    rowdot_q3_k,
+    rowdot_q4_k,
+    rowdot_q5_k,
+    rowdot_q6_k,
+    rowdot_q8_0,
+)
+from .simd import make_lut_dots, nib32_dot_q8
 
 # ruff: noqa: N803, N806
 
@@ -474,9 +476,10 @@ def matmat_int8_q2_k(raw, xt, out):
     return True
 
 
-@kernel()
+@kernel(exact=True)
 def matvec_int8_q3_k(raw, x, out):
-    """``ggml_vec_dot_q3_K_q8_K``: ``d_w d_x sum_j (sc_j - 32) (dot(low | 4 hbit) - 4 bsum_j)``."""
+    """``ggml_vec_dot_q3_K_q8_K``: ``d_w d_x sum_j (sc_j - 32) dot(low | 4 hbit - 4, q8_j)``
+    (:func:`.rowdot.rowdot_q3_k`)."""
     n_blocks = x.size // QK_K
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
@@ -484,29 +487,28 @@ def matvec_int8_q3_k(raw, x, out):
     if not quantize_q8_k(x, q, d, bsums):
         return False
     for r in range(raw.shape[0]):
-        prefetch_row(raw, r + PREFETCH_ROWS)
+        out[r] = rowdot_q3_k(raw[r], q, d, bsums, n_blocks)
+    return True
+
+
+@kernel(exact=True)
+def matmat_int8_q3_k(raw, xt, out):
+    """``out[t] = W @ xt[t]`` for every token, as :func:`matvec_int8_q3_k` per token, bit for bit;
+    each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK_K
+    q = np.empty((n, cols), dtype=I8)
+    d = np.empty((n, n_blocks), dtype=F32)
+    bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
+    finite = True
+    for t in range(n):
+        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    if not finite:
+        return False
+    for r in range(raw.shape[0]):
         row = raw[r]
-        acc = F32(0.0)
-        for b in range(n_blocks):
-            o = b * Q3_K_BYTES
-            w0, w1, w2, w3 = q3_k_scale_words(row, o + Q3_K_SCALES)
-            sumi = I32(0)
-            for n in range(2):
-                xb = b * QK_K + 128 * n
-                word_a = w0 if n == 0 else w2
-                word_b = w1 if n == 0 else w3
-                for j in range(4):
-                    for s in range(2):
-                        sb = 2 * j + s  # within the half: scale byte sb of (word_a, word_b)
-                        word = word_a if sb < 4 else word_b
-                        scale = I32((word >> U32(8 * (sb % 4))) & U32(0xFF)) - I32(32)
-                        qs = o + Q3_K_QS + 32 * n + 16 * s
-                        dot = dot16_q8(
-                            row, qs, U8(2 * j), U8(3), o + 16 * s, U8(4 * n + j), U8(1), U8(2), q, xb + 32 * j + 16 * s
-                        )
-                        sumi += scale * (dot - I32(4) * bsums[b * SUM16 + 8 * n + sb])
-            acc += d[b] * f16_at(row, o + Q3_K_D) * F32(sumi)
-        out[r] = acc
+        for t in range(n):
+            out[t, r] = rowdot_q3_k(row, q[t], d[t], bsums[t], n_blocks)
     return True
 
 

@@ -263,9 +263,12 @@ def _k4_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
             d_w = _half(builder, w.load(o, I16))
             dmin_w = _half(builder, w.load(_offset(builder, o, 2), I16))
             scales, mins = _scales_mins_k4(builder, w, o)
-            pairs = _pair_sums(builder, bs.load(ko, V16I32, 4), 16)
-            summ = _call(builder, "llvm.vector.reduce.add.v8i32", I32, [builder.mul(builder.zext(mins, V8I32), pairs)])
-            scales16 = builder.zext(scales, ir.VectorType(I16, 8))
+            # sum_j m_j (bsum_2j + bsum_2j+1) by pmaddwd (ggml's): |bsum| <= 16 * 127 fits int16
+            sums16 = builder.trunc(bs.load(ko, V16I32, 4), V16I16)
+            mins16 = builder.zext(builder.shuffle_vector(mins, mins, _lanes([i // 2 for i in range(16)])), V16I16)
+            summ = _call(builder, "llvm.vector.reduce.add.v8i32", I32, [_madd(builder, mins16, sums16, avx2)])
+            # the scales in both 128-bit halves: each broadcast below is one in-lane byte shuffle
+            scales16 = builder.zext(builder.shuffle_vector(scales, scales, _lanes(list(range(8)) * 2)), V16I16)
             high = None if qh is None else w.load(_offset(builder, o, qh), V32I8)
             sumi = ir.Constant(V8I32, [0] * 8)
             for c in range(4):
@@ -275,7 +278,9 @@ def _k4_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
                         fifth = builder.and_(builder.lshr(high, _vsplat(V32I8, 2 * c + half)), _vsplat(V32I8, 1))
                         codes = builder.or_(codes, builder.shl(fifth, four))
                     quants = qx.load(_offset(builder, xo, 64 * c + 32 * half), V32I8)
-                    scale = builder.shuffle_vector(scales16, scales16, _lanes([2 * c + half] * 16))
+                    scale = builder.shuffle_vector(
+                        scales16, scales16, _lanes([2 * c + half] * 8 + [8 + 2 * c + half] * 8)
+                    )
                     sumi = builder.add(sumi, _madd(builder, _maddubs(builder, codes, quants, avx2), scale, avx2))
             scale = builder.fmul(x_scale, d_w)
             acc = _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc)
@@ -515,6 +520,70 @@ def rowdot_q2_k(typingctx, row, q, d, bsums, n_blocks):
                     scale = builder.shuffle_vector(scales16, scales16, _lanes([sb] * 8 + [sb + 1] * 8))
                     sumi = builder.add(sumi, _madd(builder, _maddubs(builder, codes, quants, avx2), scale, avx2))
             scale = builder.fmul(x_scale, _half(builder, w.load(_offset(builder, o, 80), I16)))
+            return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
+
+        return _row_loop(context, builder, args[4], body, with_scalar=False)
+
+    return sig, codegen
+
+
+Q3_K_BYTES = 110
+
+
+def _scales_q3_k(builder: ir.IRBuilder, w: _Ptr, o: Any) -> Any:
+    """The 16 scales of the Q3_K block at byte ``o`` minus 32, ``<16 x i16>``: ggml's AVX2 unpacking
+    (``aux``, ``kmask1`` = 0x03030303, ``kmask2`` = 0x0F0F0F0F) of the 12 scale bytes at ``o + 96``."""
+    u0, u1, u2 = (w.load(_offset(builder, o, 96 + 4 * k), I32) for k in range(3))
+    kmask1, kmask2 = _const(I32, 0x03030303), _const(I32, 0x0F0F0F0F)
+
+    def word(low: Any, low_shift: int, high_shift: int) -> Any:
+        low_bits = builder.and_(builder.lshr(low, _const(I32, low_shift)), kmask2)
+        high_bits = builder.and_(builder.lshr(u2, _const(I32, high_shift)), kmask1)
+        return builder.or_(low_bits, builder.shl(high_bits, _const(I32, 4)))
+
+    words = ir.Constant(ir.VectorType(I32, 4), ir.Undefined)
+    for k, t in enumerate((word(u0, 0, 0), word(u1, 0, 2), word(u0, 4, 4), word(u1, 4, 6))):
+        words = builder.insert_element(words, t, _const(I32, k))
+    v16i8 = ir.VectorType(I8, 16)
+    data = builder.sub(builder.bitcast(words, v16i8), _vsplat(v16i8, 32))
+    return builder.sext(data, ir.VectorType(I16, 16))
+
+
+@intrinsic
+def rowdot_q3_k(typingctx, row, q, d, bsums, n_blocks):
+    """``ggml_vec_dot_q3_K_q8_K`` of one Q3_K row with Q8_K ``x``: ``sum_b d_x d_w sum_j (sc_j - 32)
+    dot(low_j - 4 (1 - hbit_j), q8_j)`` on 8 lanes in ggml's AVX2 order (``bsums`` unused, taken for
+    the common signature), float32."""
+    if not _ok_k(row, q, d, bsums, n_blocks):
+        return None
+    sig = types.float32(row, q, d, bsums, n_blocks)
+
+    def codegen(context, builder, signature, args):
+        avx2 = _avx2()
+        w = _Ptr(context, builder, signature.args[0], args[0])
+        qx = _Ptr(context, builder, signature.args[1], args[1])
+        dx = _Ptr(context, builder, signature.args[2], args[2])
+        three = _vsplat(V32I8, 3)
+
+        def body(b, acc, accs):
+            o = builder.mul(b, _const(I64, Q3_K_BYTES))
+            xo = builder.mul(b, _const(I64, 256))
+            scales16 = _scales_q3_k(builder, w, o)
+            hbits = w.load(o, V32I8)
+            missing = builder.xor(hbits, _vsplat(V32I8, -1))  # ggml's andnot: 4 where the high bit is clear
+            sumi = ir.Constant(V8I32, [0] * 8)
+            for j in range(2):
+                bits = w.load(_offset(builder, o, 32 + 32 * j), V32I8)
+                for k in range(4):
+                    low = builder.and_(builder.lshr(bits, _vsplat(V32I8, 2 * k)), three)
+                    high = builder.and_(builder.lshr(missing, _vsplat(V32I8, 4 * j + k)), _vsplat(V32I8, 1))
+                    high = builder.shl(high, _vsplat(V32I8, 2))
+                    quants = qx.load(_offset(builder, xo, 128 * j + 32 * k), V32I8)
+                    p16 = builder.sub(_maddubs(builder, low, quants, avx2), _maddubs(builder, high, quants, avx2))
+                    sb = 8 * j + 2 * k
+                    scale = builder.shuffle_vector(scales16, scales16, _lanes([sb] * 8 + [sb + 1] * 8))
+                    sumi = builder.add(sumi, _madd(builder, p16, scale, avx2))
+            scale = builder.fmul(dx.load(b, F32, align=4), _half(builder, w.load(_offset(builder, o, 108), I16)))
             return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
 
         return _row_loop(context, builder, args[4], body, with_scalar=False)
