@@ -26,6 +26,7 @@ copies under ``docs/results/``).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -178,6 +179,41 @@ def print_table(result: dict[str, Any], label: str) -> None:
             )
 
 
+def render(results: Path, doc: Path) -> None:
+    """Replace the text between ``<!-- bench:matvec_rows -->`` and its end marker in ``doc`` with the
+    table of ``results`` (its machine, date, rounds and per-type targets)."""
+    r = json.loads(results.read_text())
+    m, p = r["machine"], r["parameters"]
+    flags = ", ".join(f.upper() for f in m.get("cpu_flags", []))
+
+    def cell(s: dict[str, float]) -> str:
+        return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
+
+    lines = [
+        f"<!-- rendered by bench/matvec_rows.py --render {results} DOC; do not edit by hand -->",
+        f"`bench/matvec_rows.py` on a {m['cores_available']}-core {m.get('cpu') or '?'} ({flags}; numba CPU "
+        f"`{m.get('llvm_cpu')}`), started {r['started']}, load average {m['load_average_before'][0]:.1f} before; "
+        f"one thread, llama-cpp-python {p['llama_cpp_python']}'s ggml in the same rounds. ggml's time over ours, "
+        f"median (min-max) of {p['rounds']} interleaved rounds (4 tokens: over 4 ggml calls).",
+        "",
+        "| matrix | ggml GB/s | int8, 1 token | int8, 4 tokens | target | float, 1 token |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, e in r["summary"].items():
+        verdict = "met" if e["int8_met"] else "**MISSED**"
+        lines.append(
+            f"| {key} | {e['gbps']['ggml']['median']:.1f} | {cell(e['x_ggml_int8'])} | {cell(e['x_ggml_int8x4'])} "
+            f"| >= {e['int8_target']}: {verdict} | {cell(e['x_ggml_float'])} |"
+        )
+    text = doc.read_text()
+    start, end = "<!-- bench:matvec_rows -->", "<!-- /bench:matvec_rows -->"
+    if start not in text or end not in text:
+        raise SystemExit(f"{doc}: no {start} ... {end} region")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(head + start + "\n" + "\n".join(lines) + "\n" + end + tail)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -186,7 +222,13 @@ def main() -> int:
     parser.add_argument("--label", default="run")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--threads2", action="store_true", help="also time the 2-thread row split")
+    parser.add_argument(
+        "--render", nargs=2, type=Path, metavar=("RESULTS", "DOC"), help="render RESULTS into DOC's region and exit"
+    )
     args = parser.parse_args()
+    if args.render:
+        render(*args.render)
+        return 0
     reason = ggml_baseline.unavailable_reason()
     if reason is not None:
         raise SystemExit(f"ggml baseline unavailable: {reason}")
