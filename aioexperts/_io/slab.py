@@ -15,6 +15,8 @@ import mmap
 import resource
 import weakref
 
+import numpy as np
+
 from .._errors import ConfigError
 from .align import align_up
 
@@ -80,6 +82,9 @@ class Slab:
         # views handed out and still alive (ctypes arrays are unhashable: keyed by a counter)
         self._exporters: weakref.WeakValueDictionary[int, ctypes.Array[ctypes.c_char]] = weakref.WeakValueDictionary()
         self._next_view = itertools.count()
+        self._shared: np.ndarray | None = None  # read-only bytes of the whole slab (shared_view)
+        #: views made by :meth:`shared_view` (a count for tests and statistics)
+        self.shared_views_made = 0
         self.locked = False
         if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
             self._madvise(mmap.MADV_HUGEPAGE)
@@ -132,6 +137,36 @@ class Slab:
         self._exporters[next(self._next_view)] = exporter
         return exporter
 
+    def shared_view(self, slot: int, start: int, n_bytes: int) -> memoryview:
+        """A read-only ``memoryview`` (format ``B``) of ``n_bytes`` bytes at ``start`` in ``slot``,
+        with a managed buffer of its own, cut from one read-only array over the whole slab.
+
+        Cheaper than :meth:`view` (no exporter object per view: about 0.5 us instead of 3.5): the
+        exporting object is shared by every such view, so whether an array made from one view
+        outlives it is told by the view's managed buffer (its one referent), not by the exporter's
+        reference count. While any such view (or anything derived from it) lives, :meth:`close`
+        leaves the mapping to the garbage collector.
+        """
+        shared = self._shared
+        if shared is None:
+            shared = self._shared_bytes()
+        if not 0 <= slot < self.n_slots or start < 0 or n_bytes < 0 or start + n_bytes > self.slot_bytes:
+            raise IndexError(f"slot {slot} [{start}, {start + n_bytes}) is outside the slab")
+        self.shared_views_made += 1
+        begin = slot * self.slot_bytes + start
+        return memoryview(shared)[begin : begin + n_bytes]
+
+    def _shared_bytes(self) -> np.ndarray:
+        if self._mm is None:
+            raise ValueError("the slab is closed")
+        exporter = (ctypes.c_char * self.n_bytes).from_address(self.address)
+        exporter.mapping = self._mm  # type: ignore[attr-defined]  # the mmap lives as long as any view
+        self._exporters[next(self._next_view)] = exporter
+        shared = np.frombuffer(exporter, dtype=np.uint8)
+        shared.flags.writeable = False
+        self._shared = shared
+        return shared
+
     def view(self, slot: int, start: int, n_bytes: int) -> memoryview:
         """A read-only ``memoryview`` (format ``B``) of ``n_bytes`` bytes at ``start`` in ``slot``,
         with an exporter of its own (:meth:`exporter`)."""
@@ -176,6 +211,7 @@ class Slab:
         if self._mm is None:
             return
         mm, self._mm = self._mm, None
+        self._shared = None  # its exporter lives on only through views still held
         if self.locked:
             _libc.munlock(ctypes.c_void_p(self.address), ctypes.c_size_t(self.n_bytes))
         if len(self._exporters):

@@ -27,7 +27,7 @@ from .._format.views import ExpertView, ProjectionView, warn_exported
 from .._io.files import ShardFiles, open_shards
 from .._io.loop import LoopAdapter
 from .._io.plan import ExpertPlan, plan_all_experts, plan_expert
-from .._io.slab import exported_view, slot_stride
+from .._io.slab import slot_stride
 from .._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions
 from .._timeline import Timeline
 from .base import Build, ExpertSource
@@ -183,15 +183,18 @@ class SlabSource(ExpertSource):
         loc = plan.location
         slab = self.stack.slab
         assert slab is not None
-        gate, up, down = (
-            ProjectionView(
-                exported_view(slab.exporter(pinned.slot, off, seg.n_bytes)),
-                seg.ggml_type,
-                seg.shape,
+        view, slot = slab.shared_view, pinned.slot
+        (g_off, u_off, d_off), (g, u, d) = plan.payload_offsets, loc.segments
+        return SharedViews(
+            ExpertView(
+                loc.layer,
+                loc.expert,
+                loc.bank,
+                ProjectionView(view(slot, g_off, g.n_bytes), g.ggml_type, g.shape),
+                ProjectionView(view(slot, u_off, u.n_bytes), u.ggml_type, u.shape),
+                ProjectionView(view(slot, d_off, d.n_bytes), d.ggml_type, d.shape),
             )
-            for off, seg in zip(plan.payload_offsets, loc.segments, strict=True)
         )
-        return SharedViews(ExpertView(loc.layer, loc.expert, loc.bank, gate, up, down))
 
     def end_views(self, pinned: Sequence[Entry], views: Sequence[ExpertView]) -> None:
         for entry in pinned:  # the views stay for the next hit; only the last pin checks what outlives it
