@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from enum import Enum
+from typing import Any
 
 from .._errors import AioExpertsError, ExpertReadError, StoreClosedError
 from .._io.align import align_down
@@ -76,6 +77,7 @@ class Load:
         on_done: called on the loop thread once, after the last read completed (successful or
             not) or when the scheduler was closed before the load was submitted; never called for
             a dropped load. It should not raise (what it raises is logged).
+        owner: whatever the caller attached (the cache's entry), for ``on_done``.
     """
 
     __slots__ = (
@@ -83,6 +85,7 @@ class Load:
         "error",
         "on_done",
         "ops_left",
+        "owner",
         "plan",
         "priority",
         "queued_at",
@@ -91,8 +94,11 @@ class Load:
         "state",
     )
 
-    def __init__(self, plan: LoadPlan, slot: int, priority: Priority, on_done: Callable[[Load], None]) -> None:
+    def __init__(
+        self, plan: LoadPlan, slot: int, priority: Priority, on_done: Callable[[Load], None], owner: Any = None
+    ) -> None:
         self.plan = plan
+        self.owner = owner
         self.slot = slot
         self.priority = priority
         self.on_done = on_done
@@ -328,16 +334,16 @@ class ReadScheduler:
                     load = queue[0]
                     reads = load.plan.reads
                     # _fits, inlined: the in-flight counts are advanced once per load, below
-                    if n_ops + len(reads) > depth or (n_ops and n_bytes + load.read_bytes > max_bytes):
+                    if n_ops + len(reads) > depth or (n_ops and n_bytes + load.plan.read_bytes > max_bytes):
                         break
                     current = queue.popleft()
                     load.state = LoadState.SUBMITTED
                     load.started_ns = now
                     slot = load.slot
                     for read in reads:
-                        op = ReadOp(read.shard, read.file_offset, read.n_bytes, slot, read.slot_offset, (load, read))
-                        op.submitted_ns = now
-                        batch.append(op)
+                        batch.append(
+                            ReadOp(read.shard, read.file_offset, read.n_bytes, slot, read.slot_offset, (load, read), now)
+                        )
                         n_bytes += read.n_bytes
                     n_ops += len(reads)
                     load.ops_left += len(reads)

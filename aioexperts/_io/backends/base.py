@@ -40,7 +40,14 @@ class ReadOp:
     __slots__ = ("context", "file_offset", "n_bytes", "shard", "slot", "slot_offset", "submitted_ns")
 
     def __init__(
-        self, shard: int, file_offset: int, n_bytes: int, slot: int, slot_offset: int, context: Any = None
+        self,
+        shard: int,
+        file_offset: int,
+        n_bytes: int,
+        slot: int,
+        slot_offset: int,
+        context: Any = None,
+        submitted_ns: int = 0,
     ) -> None:
         self.shard = shard
         self.file_offset = file_offset
@@ -48,7 +55,7 @@ class ReadOp:
         self.slot = slot
         self.slot_offset = slot_offset
         self.context = context
-        self.submitted_ns = 0
+        self.submitted_ns = submitted_ns
 
     def __repr__(self) -> str:
         return (
