@@ -63,6 +63,7 @@ class ExpertPlan:
         slot_bytes: bytes of the slot the reads occupy.
         read_bytes: bytes the reads request (payload plus alignment padding); computed once, the
             scheduler reads it for every load.
+        payload_bytes: bytes of the expert itself (gate + up + down); computed once.
     """
 
     location: ExpertLocation
@@ -70,19 +71,16 @@ class ExpertPlan:
     payload_offsets: tuple[int, int, int]
     slot_bytes: int
     read_bytes: int = field(init=False, compare=False)
+    payload_bytes: int = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "read_bytes", sum(r.n_bytes for r in self.reads))
+        object.__setattr__(self, "payload_bytes", self.location.n_bytes)
 
     @property
     def key(self) -> tuple[int, int]:
         """``(layer, expert)``: the cache key of what this plan loads."""
         return self.location.layer, self.location.expert
-
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes of the expert itself (gate + up + down)."""
-        return self.location.n_bytes
 
     @property
     def what(self) -> str:

@@ -82,8 +82,8 @@ class Slab:
         # views handed out and still alive (ctypes arrays are unhashable: keyed by a counter)
         self._exporters: weakref.WeakValueDictionary[int, ctypes.Array[ctypes.c_char]] = weakref.WeakValueDictionary()
         self._next_view = itertools.count()
-        self._shared: np.ndarray | None = None  # read-only bytes of the whole slab (shared_view)
-        #: views made by :meth:`shared_view` (a count for tests and statistics)
+        self._shared: np.ndarray | None = None  # read-only bytes of the whole slab (shared_views)
+        #: views made by :meth:`shared_views` (a count for tests and statistics)
         self.shared_views_made = 0
         self.locked = False
         if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
@@ -137,24 +137,36 @@ class Slab:
         self._exporters[next(self._next_view)] = exporter
         return exporter
 
-    def shared_view(self, slot: int, start: int, n_bytes: int) -> memoryview:
-        """A read-only ``memoryview`` (format ``B``) of ``n_bytes`` bytes at ``start`` in ``slot``,
-        with a managed buffer of its own, cut from one read-only array over the whole slab.
+    def shared_views(self, slot: int, spans: tuple[tuple[int, int], ...]) -> list[memoryview]:
+        """Read-only ``memoryview`` objects (format ``B``), one per ``(start, n_bytes)`` of ``spans``
+        in ``slot``, each with a managed buffer of its own, cut from one read-only array over the
+        whole slab.
 
         Cheaper than :meth:`view` (no exporter object per view: about 0.5 us instead of 3.5): the
         exporting object is shared by every such view, so whether an array made from one view
         outlives it is told by the view's managed buffer (its one referent), not by the exporter's
         reference count. While any such view (or anything derived from it) lives, :meth:`close`
         leaves the mapping to the garbage collector.
+
+        Raises:
+            IndexError: a span outside the slot (nothing is made).
+            ValueError: the slab is closed.
         """
         shared = self._shared
         if shared is None:
             shared = self._shared_bytes()
-        if not 0 <= slot < self.n_slots or start < 0 or n_bytes < 0 or start + n_bytes > self.slot_bytes:
-            raise IndexError(f"slot {slot} [{start}, {start + n_bytes}) is outside the slab")
-        self.shared_views_made += 1
-        begin = slot * self.slot_bytes + start
-        return memoryview(shared)[begin : begin + n_bytes]
+        stride = self.slot_bytes
+        if not 0 <= slot < self.n_slots:
+            raise IndexError(f"slot {slot} is outside the slab of {self.n_slots} slots")
+        base = slot * stride
+        views = []
+        for start, n_bytes in spans:
+            if start < 0 or n_bytes < 0 or start + n_bytes > stride:
+                raise IndexError(f"slot {slot} [{start}, {start + n_bytes}) is outside the slab")
+            begin = base + start
+            views.append(memoryview(shared)[begin : begin + n_bytes])
+        self.shared_views_made += len(views)
+        return views
 
     def _shared_bytes(self) -> np.ndarray:
         if self._mm is None:

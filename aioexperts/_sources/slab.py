@@ -183,16 +183,17 @@ class SlabSource(ExpertSource):
         loc = plan.location
         slab = self.stack.slab
         assert slab is not None
-        view, slot = slab.shared_view, pinned.slot
-        (g_off, u_off, d_off), (g, u, d) = plan.payload_offsets, loc.segments
+        g, u, d = loc.segments
+        (g_off, u_off, d_off) = plan.payload_offsets
+        gv, uv, dv = slab.shared_views(pinned.slot, ((g_off, g.n_bytes), (u_off, u.n_bytes), (d_off, d.n_bytes)))
         return SharedViews(
             ExpertView(
                 loc.layer,
                 loc.expert,
                 loc.bank,
-                ProjectionView(view(slot, g_off, g.n_bytes), g.ggml_type, g.shape),
-                ProjectionView(view(slot, u_off, u.n_bytes), u.ggml_type, u.shape),
-                ProjectionView(view(slot, d_off, d.n_bytes), d.ggml_type, d.shape),
+                ProjectionView(gv, g.ggml_type, g.shape),
+                ProjectionView(uv, u.ggml_type, u.shape),
+                ProjectionView(dv, d.ggml_type, d.shape),
             )
         )
 

@@ -174,3 +174,24 @@ async def test_release_of_a_shared_view_warns_only_for_what_outlives_it(
             assert messages[0].startswith("layer 0 expert 2: the up bytes are still exported")
             assert len(bytes(kept)) == kept.size > 0  # the array keeps its memory readable
             del kept  # before the block ends (it would warn again there)
+
+
+def test_slab_shared_views_are_read_only_bytes_of_their_span_and_checked() -> None:
+    from aioexperts._io.slab import Slab  # the slab itself: the store above builds its views with it
+
+    slab = Slab(3, 8192)
+    try:
+        a, b = slab.shared_views(2, ((0, 16), (4096, 8)))
+        assert (a.format, a.nbytes, a.readonly, b.nbytes) == ("B", 16, True, 8)
+        writer = slab.writable_view(2, 4096, 8)
+        writer[:] = b"abcdefgh"
+        writer.release()
+        assert bytes(b) == b"abcdefgh"  # the slot's bytes, in place
+        for slot, spans in ((3, ((0, 1),)), (-1, ((0, 1),)), (0, ((8190, 4),)), (0, ((-1, 2),))):
+            with pytest.raises(IndexError):
+                slab.shared_views(slot, spans)
+        a.release()
+        b.release()
+    finally:
+        slab.close()
+    assert slab.closed
