@@ -156,11 +156,15 @@ class ReadScheduler:
         self._ops_in_flight = 0
         self._bytes_in_flight = 0
         self._flush_scheduled = False
+        # the backend ends its batches of completions (IOBackend.ends_batches): the reads they make
+        # room for are submitted at the end of the batch, not on the next loop tick
+        self._flush_at_batch_end = backend.ends_batches
+        self._flush_wanted = False  # a completion of the current batch left reads queued
         self._busy_since_ns = 0  # when the reads in flight last went from none to some
         self._quiet_event: AsyncEvent | None = None
         self._closed = False
         self.timeline: Timeline | None = None  # records each finished load (issue 36's timeline)
-        backend.set_sink(self._on_read)
+        backend.set_sink(self._on_read, self._batch_ended)
 
     # -- queueing (loop thread) ------------------------------------------------------------
 
@@ -429,9 +433,21 @@ class ReadScheduler:
         if load.ops_left == 0:
             self._finish(load)
         if self._retries or self._demand or self._prefetch:
-            self._schedule_flush()
+            if self._flush_at_batch_end:
+                self._flush_wanted = True
+            else:
+                self._schedule_flush()
         if self._quiet_event is not None:
             self._notify_quiet()
+
+    def _batch_ended(self) -> None:
+        """The backend delivered a batch of completions: submit what they made room for now."""
+        if self._flush_wanted:
+            self._flush_wanted = False
+            try:
+                self.flush()
+            except Exception:  # flush turns faults into failed loads; this is the last resort
+                log.exception("flushing the read queue failed")
 
     def _short_read(self, load: Load, read: PlannedRead, op: ReadOp, n: int) -> None:
         end = op.file_offset + n
