@@ -346,7 +346,9 @@ class ReadScheduler:
                     slot = load.slot
                     for read in reads:
                         batch.append(
-                            ReadOp(read.shard, read.file_offset, read.n_bytes, slot, read.slot_offset, (load, read), now)
+                            ReadOp(
+                                read.shard, read.file_offset, read.n_bytes, slot, read.slot_offset, (load, read), now
+                            )
                         )
                         n_bytes += read.n_bytes
                     n_ops += len(reads)

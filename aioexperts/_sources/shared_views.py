@@ -41,7 +41,11 @@ class SharedViews:
     def __init__(self, expert: ExpertView) -> None:
         self.expert = expert
         # unrolled (no generator per load): this runs once per slot load, on the miss path
-        gate, up, down = managed_buffer(expert.gate.data), managed_buffer(expert.up.data), managed_buffer(expert.down.data)
+        gate, up, down = (
+            managed_buffer(expert.gate.data),
+            managed_buffer(expert.up.data),
+            managed_buffer(expert.down.data),
+        )
         self._buffers = (gate, up, down)
         self._refs = (sys.getrefcount(gate), sys.getrefcount(up), sys.getrefcount(down))
 

@@ -140,7 +140,9 @@ async def test_copy_of_a_fixture_with_every_backend_on_a_big_slab(tmp_path: Path
 
 
 @pytest.mark.parametrize("backend", ["io_uring", "threads"])
-async def test_reads_queued_beyond_the_depth_go_out_as_completions_make_room(backend: str, anyio_backend: object) -> None:
+async def test_reads_queued_beyond_the_depth_go_out_as_completions_make_room(
+    backend: str, anyio_backend: object
+) -> None:
     """A request of more reads than the queue depth: the rest are submitted at the end of the batch
     of completions that made room for them (the backends that end their batches), none stranded."""
     if not FIXTURES:
