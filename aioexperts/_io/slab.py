@@ -164,7 +164,7 @@ class Slab:
             if start < 0 or n_bytes < 0 or start + n_bytes > stride:
                 raise IndexError(f"slot {slot} [{start}, {start + n_bytes}) is outside the slab")
             begin = base + start
-            views.append(memoryview(shared)[begin : begin + n_bytes])
+            views.append(memoryview(shared)[begin : begin + n_bytes])  # type: ignore[arg-type]
         self.shared_views_made += len(views)
         return views
 
@@ -174,7 +174,7 @@ class Slab:
         exporter = (ctypes.c_char * self.n_bytes).from_address(self.address)
         exporter.mapping = self._mm  # type: ignore[attr-defined]  # the mmap lives as long as any view
         self._exporters[next(self._next_view)] = exporter
-        shared = np.frombuffer(exporter, dtype=np.uint8)
+        shared: np.ndarray = np.frombuffer(exporter, dtype=np.uint8)  # type: ignore[call-overload]
         shared.flags.writeable = False
         self._shared = shared
         return shared

@@ -46,8 +46,8 @@ class SharedViews:
             managed_buffer(expert.up.data),
             managed_buffer(expert.down.data),
         )
-        self._buffers = (gate, up, down)
-        self._refs = (sys.getrefcount(gate), sys.getrefcount(up), sys.getrefcount(down))
+        self._buffers: tuple[object, ...] = (gate, up, down)
+        self._refs: tuple[int, ...] = (sys.getrefcount(gate), sys.getrefcount(up), sys.getrefcount(down))
 
     def exported(self) -> list[str]:
         """The projections whose bytes something besides these views still uses (an array made
