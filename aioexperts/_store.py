@@ -421,9 +421,10 @@ class ExpertStore:
         moe = self.layout.layer(layer)
         keys = []
         for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int | np.integer):
-                raise InvalidRequestError(f"expert ids must be ints, got {i!r}")
-            i = int(i)
+            if type(i) is not int:  # the checks below only for what is not a plain int (a numpy int)
+                if isinstance(i, bool) or not isinstance(i, int | np.integer):
+                    raise InvalidRequestError(f"expert ids must be ints, got {i!r}")
+                i = int(i)
             if i == -1:
                 continue
             if not 0 <= i < moe.n_experts:

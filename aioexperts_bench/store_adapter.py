@@ -202,7 +202,9 @@ class ReadRecorder:
                 finally:
                     submit_spans.append((start, clock(), len(ops)))
 
-            def recording_set_sink(sink: Callable[[Any, Any], None]) -> None:
+            def recording_set_sink(
+                sink: Callable[[Any, Any], None], batch_end: Callable[[], None] | None = None
+            ) -> None:
                 def timed_sink(op: Any, result: Any) -> None:
                     start = clock()
                     index, t0 = submitted.pop(id(op), (-1, 0.0))
@@ -213,7 +215,7 @@ class ReadRecorder:
                     finally:
                         reap_spans.append((start, clock()))
 
-                set_sink(timed_sink)
+                set_sink(timed_sink, batch_end)
 
             backend.set_sink = recording_set_sink  # type: ignore[method-assign]
         backend.submit = recording_submit  # type: ignore[method-assign]

@@ -91,7 +91,7 @@ def _parts(profile: cProfile.Profile, misses: int) -> dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", default="threads", choices=("threads", "fake", "io_uring"))
+    p.add_argument("--backend", default="threads", choices=("threads", "fake", "io_uring", "io_uring_raw", "auto"))
     p.add_argument("--calls", type=int, default=360)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()

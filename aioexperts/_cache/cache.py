@@ -26,7 +26,6 @@ All state changes are decided synchronously on the loop thread; awaiting happens
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from collections import deque
@@ -92,6 +91,7 @@ class Entry:
             (that request counts it as its miss).
         views: what the source built on the first view of this load (reused by every hit until the
             slot is reused), else None.
+        waiters: the requests waiting for this load to finish (:class:`_Waiter`), else None.
         low: the slot holds the expert's low-precision miss-tier copy (``plan`` reads the sidecar).
         upgrade: a request hit the low copy: read it at full precision once nobody pins it.
     """
@@ -99,7 +99,6 @@ class Entry:
     __slots__ = (
         "demanded",
         "error",
-        "event",
         "key",
         "load",
         "low",
@@ -110,9 +109,10 @@ class Entry:
         "state",
         "upgrade",
         "views",
+        "waiters",
     )
 
-    def __init__(self, key: Key, slot: int, plan: LoadPlan, event: AsyncEvent) -> None:
+    def __init__(self, key: Key, slot: int, plan: LoadPlan) -> None:
         self.key = key
         self.slot = slot
         self.plan = plan
@@ -121,7 +121,7 @@ class Entry:
         self.error: AioExpertsError | None = None
         self.prefetched = False
         self.demanded = False
-        self.event = event
+        self.waiters: list[_Waiter] | None = None  # made by the first request that waits for the load
         self.load: Load | None = None
         self.views: SlotViews | None = None  # the source's views of this load, built on first view
         self.low = False
@@ -135,6 +135,16 @@ class Entry:
 
     def __repr__(self) -> str:
         return f"Entry({self.key}, slot={self.slot}, {self.state.name}, pins={self.pins})"
+
+
+class _Waiter:
+    """One request waiting for some loads to finish: one event for all of them, not one per entry."""
+
+    __slots__ = ("event", "left")
+
+    def __init__(self, event: AsyncEvent) -> None:
+        self.event = event
+        self.left = 0  # loads not finished yet
 
 
 #: id(policy) -> the policy, for every policy serving an open cache (one policy, one cache).
@@ -345,9 +355,9 @@ class ExpertCache:
         try:
             if after_pin is not None:
                 after_pin()
-            for entry in pinned:
-                if entry.state is SlotState.LOADING:
-                    await entry.event.wait()
+            waiter = self._waiter(pinned)
+            if waiter is not None:
+                await waiter.event.wait()
         except BaseException:
             self.release(pinned)
             raise
@@ -373,8 +383,9 @@ class ExpertCache:
             e for e in self.entries.values() if e.state is SlotState.LOADING and not e.pins and e.key not in wanted
         ]
         if loading:
-            for entry in loading:  # every one finishes by itself: a submitted read always completes
-                await entry.event.wait()
+            waiter = self._waiter(loading)  # every one finishes by itself: a submitted read always completes
+            if waiter is not None:
+                await waiter.event.wait()
             self._check_open()
             pinned = self._pin_all(unique, plans)
             if pinned is not None:
@@ -735,9 +746,36 @@ class ExpertCache:
             self._signal_space()  # the evicted slots are free for whoever comes next
             raise self._policy_error("remove", error) from error
 
+    def _waiter(self, entries: Sequence[Entry]) -> _Waiter | None:
+        """What to wait on until none of ``entries`` is LOADING (their loads finished or were
+        dropped): one event for the lot, set by the last of their loads to finish (:meth:`_wake`);
+        None when none is loading."""
+        waiter: _Waiter | None = None
+        loading = SlotState.LOADING
+        for entry in entries:
+            if entry.state is loading:
+                if waiter is None:
+                    waiter = _Waiter(self.loop.new_event())
+                waiter.left += 1
+                if entry.waiters is None:
+                    entry.waiters = [waiter]
+                else:
+                    entry.waiters.append(waiter)
+        return waiter
+
+    @staticmethod
+    def _wake(entry: Entry) -> None:
+        """The entry's load finished or was dropped: count it off for every request waiting on it."""
+        waiters, entry.waiters = entry.waiters, None
+        if waiters is not None:
+            for waiter in waiters:
+                waiter.left -= 1
+                if waiter.left == 0:
+                    waiter.event.set()
+
     def _start(self, key: Key, slot: int, plan: LoadPlan, priority: Priority) -> Entry:
-        entry = Entry(key, slot, plan, self.loop.new_event())
-        entry.load = Load(plan, slot, priority, functools.partial(self._loaded, entry))
+        entry = Entry(key, slot, plan)
+        entry.load = Load(plan, slot, priority, self._loaded, entry)
         self.entries[key] = entry
         self.scheduler.enqueue(entry.load)
         return entry
@@ -751,11 +789,13 @@ class ExpertCache:
         entry.state = SlotState.FREE
         entry.load = None
         self.free_slots.append(entry.slot)
-        entry.event.set()  # a request waiting for this slot to free up (wait=False) looks again
+        self._wake(entry)  # a request waiting for this slot to free up (wait=False) looks again
         return True
 
-    def _loaded(self, entry: Entry, load: Load) -> None:
-        """``on_done`` of every load: READY, or FREE with the error for every waiter. Never raises."""
+    def _loaded(self, load: Load) -> None:
+        """``on_done`` of every load (its ``owner`` is the entry): READY, or FREE with the error for
+        every waiter. Never raises."""
+        entry: Entry = load.owner
         entry.load = None
         error = load.error
         if error is None:
@@ -788,7 +828,7 @@ class ExpertCache:
                 del self.entries[entry.key]
             self.free_slots.append(entry.slot)  # the load's reads have all completed
             self._signal_space()
-        entry.event.set()
+        self._wake(entry)
 
     def _signal_space(self) -> None:
         """Slots may have become free or evictable: let the first request in line try again."""

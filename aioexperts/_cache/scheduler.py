@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from enum import Enum
+from typing import Any
 
 from .._errors import AioExpertsError, ExpertReadError, StoreClosedError
 from .._io.align import align_down
@@ -76,6 +77,7 @@ class Load:
         on_done: called on the loop thread once, after the last read completed (successful or
             not) or when the scheduler was closed before the load was submitted; never called for
             a dropped load. It should not raise (what it raises is logged).
+        owner: whatever the caller attached (the cache's entry), for ``on_done``.
     """
 
     __slots__ = (
@@ -83,6 +85,7 @@ class Load:
         "error",
         "on_done",
         "ops_left",
+        "owner",
         "plan",
         "priority",
         "queued_at",
@@ -91,8 +94,11 @@ class Load:
         "state",
     )
 
-    def __init__(self, plan: LoadPlan, slot: int, priority: Priority, on_done: Callable[[Load], None]) -> None:
+    def __init__(
+        self, plan: LoadPlan, slot: int, priority: Priority, on_done: Callable[[Load], None], owner: Any = None
+    ) -> None:
         self.plan = plan
+        self.owner = owner
         self.slot = slot
         self.priority = priority
         self.on_done = on_done
@@ -150,11 +156,15 @@ class ReadScheduler:
         self._ops_in_flight = 0
         self._bytes_in_flight = 0
         self._flush_scheduled = False
+        # the backend ends its batches of completions (IOBackend.ends_batches): the reads they make
+        # room for are submitted at the end of the batch, not on the next loop tick
+        self._flush_at_batch_end = backend.ends_batches
+        self._flush_wanted = False  # a completion of the current batch left reads queued
         self._busy_since_ns = 0  # when the reads in flight last went from none to some
         self._quiet_event: AsyncEvent | None = None
         self._closed = False
         self.timeline: Timeline | None = None  # records each finished load (issue 36's timeline)
-        backend.set_sink(self._on_read)
+        backend.set_sink(self._on_read, self._batch_ended)
 
     # -- queueing (loop thread) ------------------------------------------------------------
 
@@ -328,16 +338,18 @@ class ReadScheduler:
                     load = queue[0]
                     reads = load.plan.reads
                     # _fits, inlined: the in-flight counts are advanced once per load, below
-                    if n_ops + len(reads) > depth or (n_ops and n_bytes + load.read_bytes > max_bytes):
+                    if n_ops + len(reads) > depth or (n_ops and n_bytes + load.plan.read_bytes > max_bytes):
                         break
                     current = queue.popleft()
                     load.state = LoadState.SUBMITTED
                     load.started_ns = now
                     slot = load.slot
                     for read in reads:
-                        op = ReadOp(read.shard, read.file_offset, read.n_bytes, slot, read.slot_offset, (load, read))
-                        op.submitted_ns = now
-                        batch.append(op)
+                        batch.append(
+                            ReadOp(
+                                read.shard, read.file_offset, read.n_bytes, slot, read.slot_offset, (load, read), now
+                            )
+                        )
                         n_bytes += read.n_bytes
                     n_ops += len(reads)
                     load.ops_left += len(reads)
@@ -423,9 +435,21 @@ class ReadScheduler:
         if load.ops_left == 0:
             self._finish(load)
         if self._retries or self._demand or self._prefetch:
-            self._schedule_flush()
+            if self._flush_at_batch_end:
+                self._flush_wanted = True
+            else:
+                self._schedule_flush()
         if self._quiet_event is not None:
             self._notify_quiet()
+
+    def _batch_ended(self) -> None:
+        """The backend delivered a batch of completions: submit what they made room for now."""
+        if self._flush_wanted:
+            self._flush_wanted = False
+            try:
+                self.flush()
+            except Exception:  # flush turns faults into failed loads; this is the last resort
+                log.exception("flushing the read queue failed")
 
     def _short_read(self, load: Load, read: PlannedRead, op: ReadOp, n: int) -> None:
         end = op.file_offset + n

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 import warnings
 from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType
 
-__all__ = ("ExpertView", "ProjectionView", "warn_exported")
+__all__ = ("ExpertView", "ProjectionView", "managed_buffer", "release_view", "warn_exported")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,20 +95,37 @@ def warn_exported(view: ExpertView, projections: list[str], stacklevel: int) -> 
     )
 
 
+def managed_buffer(view: memoryview) -> object:
+    """The managed buffer behind ``view`` (shared by every memoryview and array made from it).
+
+    CPython's memoryview reports it as its one referent; elsewhere the exporter stands in (then
+    what it tells about arrays made from the view is only as good as the exporter's reference count).
+    """
+    referents = gc.get_referents(view)
+    return referents[0] if len(referents) == 1 else view.obj
+
+
 def release_view(view: memoryview) -> bool:
     """Release ``view``; True if something derived from it still uses its memory.
 
     ``np.frombuffer(view)`` holds the view's buffer, not the view itself, so ``view.release()``
     succeeds; when the view's exporting object counts the references it should have (slab
     exporters do: ``held_refs`` kept by their owner, ``live_views`` made from it), that object's
-    reference count tells whether the buffer lives on.
+    reference count tells whether the buffer lives on. Otherwise (an exporter shared by many
+    views, such as the slab's read-only bytes behind the shared views of the slab mode, or a
+    foreign one) the view's managed buffer tells: anything made from the view holds it.
     """
     exporter = view.obj
+    live = getattr(exporter, "live_views", None)
+    buffer = managed_buffer(view) if live is None else None
     try:
         view.release()
     except BufferError:  # exported through the view itself
         return True
-    live = getattr(exporter, "live_views", None)
+    if buffer is not None and buffer is not exporter:
+        # a managed buffer lets go of its exporter once no view or array uses it any more (and
+        # then reports no referent): whoever else holds the buffer object itself does not matter
+        return bool(gc.get_referents(buffer))
     if live is not None:
         live -= 1
         exporter.live_views = live  # type: ignore[attr-defined]

@@ -8,7 +8,7 @@ starts at a multiple of the alignment in page-aligned slot memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from .._format.layout import ExpertLayout, ExpertLocation
@@ -61,27 +61,26 @@ class ExpertPlan:
         reads: the aligned reads, in slot order.
         payload_offsets: slot offsets (bytes) of the gate, up and down payloads.
         slot_bytes: bytes of the slot the reads occupy.
+        read_bytes: bytes the reads request (payload plus alignment padding); computed once, the
+            scheduler reads it for every load.
+        payload_bytes: bytes of the expert itself (gate + up + down); computed once.
     """
 
     location: ExpertLocation
     reads: tuple[PlannedRead, ...]
     payload_offsets: tuple[int, int, int]
     slot_bytes: int
+    read_bytes: int = field(init=False, compare=False)
+    payload_bytes: int = field(init=False, compare=False)
 
-    @property
-    def read_bytes(self) -> int:
-        """Bytes the reads request (payload plus alignment padding)."""
-        return sum(r.n_bytes for r in self.reads)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "read_bytes", sum(r.n_bytes for r in self.reads))
+        object.__setattr__(self, "payload_bytes", self.location.n_bytes)
 
     @property
     def key(self) -> tuple[int, int]:
         """``(layer, expert)``: the cache key of what this plan loads."""
         return self.location.layer, self.location.expert
-
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes of the expert itself (gate + up + down)."""
-        return self.location.n_bytes
 
     @property
     def what(self) -> str:

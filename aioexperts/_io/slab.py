@@ -15,6 +15,8 @@ import mmap
 import resource
 import weakref
 
+import numpy as np
+
 from .._errors import ConfigError
 from .align import align_up
 
@@ -80,6 +82,9 @@ class Slab:
         # views handed out and still alive (ctypes arrays are unhashable: keyed by a counter)
         self._exporters: weakref.WeakValueDictionary[int, ctypes.Array[ctypes.c_char]] = weakref.WeakValueDictionary()
         self._next_view = itertools.count()
+        self._shared: np.ndarray | None = None  # read-only bytes of the whole slab (shared_views)
+        #: views made by :meth:`shared_views` (a count for tests and statistics)
+        self.shared_views_made = 0
         self.locked = False
         if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
             self._madvise(mmap.MADV_HUGEPAGE)
@@ -132,6 +137,48 @@ class Slab:
         self._exporters[next(self._next_view)] = exporter
         return exporter
 
+    def shared_views(self, slot: int, spans: tuple[tuple[int, int], ...]) -> list[memoryview]:
+        """Read-only ``memoryview`` objects (format ``B``), one per ``(start, n_bytes)`` of ``spans``
+        in ``slot``, each with a managed buffer of its own, cut from one read-only array over the
+        whole slab.
+
+        Cheaper than :meth:`view` (no exporter object per view: about 0.5 us instead of 3.5): the
+        exporting object is shared by every such view, so whether an array made from one view
+        outlives it is told by the view's managed buffer (its one referent), not by the exporter's
+        reference count. While any such view (or anything derived from it) lives, :meth:`close`
+        leaves the mapping to the garbage collector.
+
+        Raises:
+            IndexError: a span outside the slot (nothing is made).
+            ValueError: the slab is closed.
+        """
+        shared = self._shared
+        if shared is None:
+            shared = self._shared_bytes()
+        stride = self.slot_bytes
+        if not 0 <= slot < self.n_slots:
+            raise IndexError(f"slot {slot} is outside the slab of {self.n_slots} slots")
+        base = slot * stride
+        views = []
+        for start, n_bytes in spans:
+            if start < 0 or n_bytes < 0 or start + n_bytes > stride:
+                raise IndexError(f"slot {slot} [{start}, {start + n_bytes}) is outside the slab")
+            begin = base + start
+            views.append(memoryview(shared)[begin : begin + n_bytes])  # type: ignore[arg-type]
+        self.shared_views_made += len(views)
+        return views
+
+    def _shared_bytes(self) -> np.ndarray:
+        if self._mm is None:
+            raise ValueError("the slab is closed")
+        exporter = (ctypes.c_char * self.n_bytes).from_address(self.address)
+        exporter.mapping = self._mm  # type: ignore[attr-defined]  # the mmap lives as long as any view
+        self._exporters[next(self._next_view)] = exporter
+        shared: np.ndarray = np.frombuffer(exporter, dtype=np.uint8)  # type: ignore[call-overload]
+        shared.flags.writeable = False
+        self._shared = shared
+        return shared
+
     def view(self, slot: int, start: int, n_bytes: int) -> memoryview:
         """A read-only ``memoryview`` (format ``B``) of ``n_bytes`` bytes at ``start`` in ``slot``,
         with an exporter of its own (:meth:`exporter`)."""
@@ -176,6 +223,7 @@ class Slab:
         if self._mm is None:
             return
         mm, self._mm = self._mm, None
+        self._shared = None  # its exporter lives on only through views still held
         if self.locked:
             _libc.munlock(ctypes.c_void_p(self.address), ctypes.c_size_t(self.n_bytes))
         if len(self._exporters):

@@ -16,28 +16,13 @@ still uses slot memory that may soon hold another expert.
 
 from __future__ import annotations
 
-import gc
 import sys
 
-from .._format.views import ExpertView
+from .._format.views import ExpertView, managed_buffer
 
 __all__ = ("PROJECTIONS", "SharedViews")
 
 PROJECTIONS = ("gate", "up", "down")
-
-
-def _buffer_of(view: memoryview) -> object:
-    """The managed buffer behind ``view`` (shared by every memoryview and array made from it).
-
-    CPython's memoryview reports it as its one referent; elsewhere the exporter stands in (then
-    :meth:`SharedViews.exported` cannot see arrays made from the view and says nothing).
-    """
-    referents = gc.get_referents(view)
-    return referents[0] if len(referents) == 1 else view.obj
-
-
-def _ref_counts(buffers: tuple[object, ...]) -> tuple[int, ...]:
-    return tuple(sys.getrefcount(b) for b in buffers)
 
 
 class SharedViews:
@@ -55,13 +40,22 @@ class SharedViews:
 
     def __init__(self, expert: ExpertView) -> None:
         self.expert = expert
-        self._buffers = tuple(_buffer_of(p.data) for p in (expert.gate, expert.up, expert.down))
-        self._refs = _ref_counts(self._buffers)
+        # unrolled (no generator per load): this runs once per slot load, on the miss path
+        gate, up, down = (
+            managed_buffer(expert.gate.data),
+            managed_buffer(expert.up.data),
+            managed_buffer(expert.down.data),
+        )
+        self._buffers: tuple[object, ...] = (gate, up, down)
+        self._refs: tuple[int, ...] = (sys.getrefcount(gate), sys.getrefcount(up), sys.getrefcount(down))
 
     def exported(self) -> list[str]:
         """The projections whose bytes something besides these views still uses (an array made
         by ``np.frombuffer``, a slice of the memoryview); empty when nothing does."""
-        now = _ref_counts(self._buffers)
+        if not self._buffers:  # invalidated
+            return []
+        gate, up, down = self._buffers
+        now = (sys.getrefcount(gate), sys.getrefcount(up), sys.getrefcount(down))
         if now == self._refs:
             return []
         return [name for name, before, after in zip(PROJECTIONS, self._refs, now, strict=True) if after > before]

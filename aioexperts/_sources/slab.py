@@ -27,7 +27,7 @@ from .._format.views import ExpertView, ProjectionView, warn_exported
 from .._io.files import ShardFiles, open_shards
 from .._io.loop import LoopAdapter
 from .._io.plan import ExpertPlan, plan_all_experts, plan_expert
-from .._io.slab import exported_view, slot_stride
+from .._io.slab import slot_stride
 from .._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions
 from .._timeline import Timeline
 from .base import Build, ExpertSource
@@ -183,15 +183,19 @@ class SlabSource(ExpertSource):
         loc = plan.location
         slab = self.stack.slab
         assert slab is not None
-        gate, up, down = (
-            ProjectionView(
-                exported_view(slab.exporter(pinned.slot, off, seg.n_bytes)),
-                seg.ggml_type,
-                seg.shape,
+        g, u, d = loc.segments
+        (g_off, u_off, d_off) = plan.payload_offsets
+        gv, uv, dv = slab.shared_views(pinned.slot, ((g_off, g.n_bytes), (u_off, u.n_bytes), (d_off, d.n_bytes)))
+        return SharedViews(
+            ExpertView(
+                loc.layer,
+                loc.expert,
+                loc.bank,
+                ProjectionView(gv, g.ggml_type, g.shape),
+                ProjectionView(uv, u.ggml_type, u.shape),
+                ProjectionView(dv, d.ggml_type, d.shape),
             )
-            for off, seg in zip(plan.payload_offsets, loc.segments, strict=True)
         )
-        return SharedViews(ExpertView(loc.layer, loc.expert, loc.bank, gate, up, down))
 
     def end_views(self, pinned: Sequence[Entry], views: Sequence[ExpertView]) -> None:
         for entry in pinned:  # the views stay for the next hit; only the last pin checks what outlives it

@@ -6,6 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
+import anyio
 import pytest
 from conftest import shared_fixture_paths
 from ioutil import pread_segment
@@ -136,3 +137,26 @@ async def test_copy_of_a_fixture_with_every_backend_on_a_big_slab(tmp_path: Path
         st = store.statistics()
         assert (st.misses, st.hits, st.requests) == (len(ids), len(ids), 2 * len(ids))
         assert st.reads == 3 * len(ids)
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threads"])
+async def test_reads_queued_beyond_the_depth_go_out_as_completions_make_room(
+    backend: str, anyio_backend: object
+) -> None:
+    """A request of more reads than the queue depth: the rest are submitted at the end of the batch
+    of completions that made room for them (the backends that end their batches), none stranded."""
+    if not FIXTURES:
+        pytest.skip("shared fixtures not found")
+    path = FIXTURES[0]
+    io = aioexperts.IOOptions(backend=backend, queue_depth=3)
+    async with aioexperts.open(path, slots=8, io=io) as store:
+        model, layout = store.model, store.layout
+        layer, moe = next(iter(layout.layers.items()))
+        ids = list(range(min(4, moe.n_experts)))
+        with anyio.fail_after(20):
+            async with store.experts(layer, ids) as views:
+                for e, view in zip(ids, views, strict=True):
+                    assert view is not None
+                    assert bytes(view.down.data) == pread_segment(model, layout.locate(layer, e).down)
+        st = store.statistics()
+        assert st.reads >= 3 * len(ids) and st.submissions >= st.reads // 3  # at most 3 reads a submission

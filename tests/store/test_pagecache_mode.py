@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import anyio
@@ -267,3 +268,20 @@ async def test_untrusted_residency_warms_everything_and_says_so(
         assert st.pagecache.resident_skipped == 0 and st.pagecache.ranges_issued >= 2
         assert (st.hits, st.misses) == (0, 4) and st.pagecache.bytes_warmed > 0
         assert len(warned) == 1 and str(model_path) in warned[0].getMessage()
+
+
+async def test_an_array_kept_past_the_block_warns_and_only_then(model_path: Path, anyio_backend: object) -> None:
+    """Page-cache views are released on exit; one whose bytes an array still uses warns (its mapping
+    exporter does not count its views: the view's managed buffer tells)."""
+    async with aioexperts.open(model_path, mode="pagecache") as store:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            async with store.experts(0, [1, 2]):
+                pass
+            assert not [w for w in caught if w.category is ResourceWarning]
+            async with store.experts(0, [1, 2]) as views:
+                assert views[1] is not None
+                kept = np.frombuffer(views[1].down.data, dtype=np.uint8)
+        messages = [str(w.message) for w in caught if w.category is ResourceWarning]
+        assert len(messages) == 1 and "expert 2: the down bytes are still exported" in messages[0]
+        assert kept.size > 0

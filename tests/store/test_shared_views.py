@@ -38,23 +38,23 @@ def _mapped(address: int) -> bool:
         return any(line.startswith(f"{address:x}-") for line in maps)
 
 
-def _exporters(store: aioexperts.ExpertStore) -> int:
-    """Slab exporters alive (one per projection view ever built and not yet dropped)."""
+def _views_made(store: aioexperts.ExpertStore) -> int:
+    """Projection views the slab has made so far (one per projection of each slot load)."""
     slab = store._source.stack.slab  # type: ignore[attr-defined]
-    return len(slab._exporters)
+    return int(slab.shared_views_made)
 
 
 async def test_a_hit_gets_the_views_of_the_load_it_pins(model_path: Path, anyio_backend: object) -> None:
     async with aioexperts.open(model_path, slots=4) as store:
-        before = _exporters(store)  # the backend may hold one (the raw io_uring ring does, until its close)
+        before = _views_made(store)
         async with store.experts(0, [1, 2]) as first:
             pass
-        built = _exporters(store)
+        built = _views_made(store)
         assert built - before == 6  # two experts, three projections
         for _ in range(3):
             async with store.experts(0, [2, 1]) as again:
                 assert again[0] is first[1] and again[1] is first[0]
-        assert _exporters(store) == built  # no view was built for the hits
+        assert _views_made(store) == built  # no view was built for the hits
         assert store.statistics().hits == 6
 
 
@@ -154,3 +154,44 @@ async def test_views_of_a_block_still_open_stay_valid_through_close(model_path: 
         assert view is not None
         await store.aclose()
         assert bytes(view.gate.data) == want  # the mapping stays while this block holds the view
+
+
+async def test_release_of_a_shared_view_warns_only_for_what_outlives_it(
+    model_path: Path, anyio_backend: object
+) -> None:
+    """The slab's shared views come from one exporter of the whole slab: ``ExpertView.release()``
+    must still tell an array made from a view (a warning naming its projection) from none at all."""
+    async with aioexperts.open(model_path, slots=4) as store:
+        async with store.experts(0, [1, 2]) as (one, two):
+            assert one is not None and two is not None
+            kept = np.frombuffer(two.up.data, dtype=np.uint8)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                one.release()  # nothing made from it: no warning
+                two.release()
+            messages = [str(w.message) for w in caught if w.category is ResourceWarning]
+            assert len(messages) == 1
+            assert messages[0].startswith("layer 0 expert 2: the up bytes are still exported")
+            assert len(bytes(kept)) == kept.size > 0  # the array keeps its memory readable
+            del kept  # before the block ends (it would warn again there)
+
+
+def test_slab_shared_views_are_read_only_bytes_of_their_span_and_checked() -> None:
+    from aioexperts._io.slab import Slab  # the slab itself: the store above builds its views with it
+
+    slab = Slab(3, 8192)
+    try:
+        a, b = slab.shared_views(2, ((0, 16), (4096, 8)))
+        assert (a.format, a.nbytes, a.readonly, b.nbytes) == ("B", 16, True, 8)
+        writer = slab.writable_view(2, 4096, 8)
+        writer[:] = b"abcdefgh"
+        writer.release()
+        assert bytes(b) == b"abcdefgh"  # the slot's bytes, in place
+        for slot, spans in ((3, ((0, 1),)), (-1, ((0, 1),)), (0, ((8190, 4),)), (0, ((-1, 2),))):
+            with pytest.raises(IndexError):
+                slab.shared_views(slot, spans)
+        a.release()
+        b.release()
+    finally:
+        slab.close()
+    assert slab.closed

@@ -9,6 +9,11 @@ Contract between the scheduler and a backend (every call on the loop thread unle
   the others were not started and never will be.
 - A completion is the number of bytes read (``0 <= n <= n_bytes``) or the exception that failed
   the read (an ``OSError`` from the kernel, or any other exception the backend met while reading).
+- A backend whose :attr:`IOBackend.ends_batches` is True calls the ``batch_end`` callback given to
+  :meth:`IOBackend.set_sink` after each batch of completions it delivered together (one reap of
+  the ring, one wake-up of the thread pool), on the loop thread and outside ``submit``: the
+  scheduler then submits the reads those completions made room for at once, in the same loop
+  tick, rather than one tick later.
 - Set-up (the constructor) touches no event loop and may run in a worker thread; :meth:`attach`
   starts delivering completions (loop thread); :meth:`detach` stops watching the loop (loop
   thread); :meth:`close` releases the rest and may run in a worker thread once detached.
@@ -40,7 +45,14 @@ class ReadOp:
     __slots__ = ("context", "file_offset", "n_bytes", "shard", "slot", "slot_offset", "submitted_ns")
 
     def __init__(
-        self, shard: int, file_offset: int, n_bytes: int, slot: int, slot_offset: int, context: Any = None
+        self,
+        shard: int,
+        file_offset: int,
+        n_bytes: int,
+        slot: int,
+        slot_offset: int,
+        context: Any = None,
+        submitted_ns: int = 0,
     ) -> None:
         self.shard = shard
         self.file_offset = file_offset
@@ -48,7 +60,7 @@ class ReadOp:
         self.slot = slot
         self.slot_offset = slot_offset
         self.context = context
-        self.submitted_ns = 0
+        self.submitted_ns = submitted_ns
 
     def __repr__(self) -> str:
         return (
@@ -92,6 +104,8 @@ class IOBackend(ABC):
 
     #: short name reported in statistics: ``io_uring``, ``threads``, ``fake``.
     name: ClassVar[str]
+    #: True for a backend that calls ``batch_end`` after each batch of completions (module docstring).
+    ends_batches: ClassVar[bool] = False
 
     def __init__(self, files: ShardFiles, slab: Slab, loop: LoopAdapter, depth: int) -> None:
         self.files = files
@@ -99,15 +113,18 @@ class IOBackend(ABC):
         self.loop = loop
         self.depth = depth
         self._sink: CompletionSink | None = None
+        self._batch_end: Callable[[], None] | None = None
         self._in_flight = 0
         self._attached = False
         self._failed: list[tuple[ReadOp, Exception]] = []  # failed reads whose completion is due
         self._failed_scheduled = False
         self._submit_scheduled = False
 
-    def set_sink(self, sink: CompletionSink) -> None:
-        """Where completions go; set once before the first :meth:`submit`."""
+    def set_sink(self, sink: CompletionSink, batch_end: Callable[[], None] | None = None) -> None:
+        """Where completions go, and (for a backend that :attr:`ends_batches`) what to call after
+        each batch of them; set once before the first :meth:`submit`."""
         self._sink = sink
+        self._batch_end = batch_end
 
     @property
     def in_flight(self) -> int:
@@ -207,6 +224,15 @@ class IOBackend(ABC):
 
     def _submit_pending(self) -> None:  # noqa: B027 - only the backends that queue entries override it
         """Submit what :meth:`_schedule_submit` left queued (the backends that keep a queue)."""
+
+    def _end_batch(self) -> None:
+        """Call ``batch_end`` once a batch of completions was delivered (loop thread; never raises)."""
+        batch_end = self._batch_end
+        if batch_end is not None:
+            try:
+                batch_end()
+            except Exception:  # the scheduler's never raises; a custom one must not stop the reaping
+                log.exception("the end of a batch of completions failed")
 
     def _deliver(self, op: ReadOp, result: ReadResult) -> None:
         self._in_flight -= 1

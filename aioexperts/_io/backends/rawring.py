@@ -88,6 +88,7 @@ class RawUringBackend(IOBackend):
     """
 
     name = "io_uring"
+    ends_batches = True
 
     def __init__(
         self,
@@ -355,6 +356,8 @@ class RawUringBackend(IOBackend):
         if self._unconsumed:
             self._stalls = 0
             self._schedule_submit()
+        if users:
+            self._end_batch()
 
     # -- teardown -------------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ class ThreadBackend(IOBackend):
     """
 
     name = "threads"
+    ends_batches = True
 
     def __init__(
         self, files: ShardFiles, slab: Slab, loop: LoopAdapter, depth: int, n_threads: int | None = None
@@ -99,6 +100,8 @@ class ThreadBackend(IOBackend):
             self._wake_pending = False
         for op, result in done:
             self._deliver(op, result)
+        if done:
+            self._end_batch()
 
     def close(self) -> None:
         if self._closed:
