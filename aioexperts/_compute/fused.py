@@ -545,10 +545,6 @@ def linear(
         UnsupportedTypeError: the type can be dequantized neither here nor by gguf-py.
         ConfigError: ``x`` or ``out`` has the wrong dtype, shape or layout.
     """
-    if out is None:
-        fast = _one_token_int8(data, ggml_type, shape, x)
-        if fast is not None:
-            return fast
     qtype, rows, cols, xs, result = _arguments(ggml_type, shape, x, out)
     n = xs.shape[0]
     if n == 0 or rows == 0:
@@ -570,33 +566,6 @@ def linear(
     weights = _quant.dequantize(data, qtype, (rows, cols))
     _matmul_numpy(data, qtype, rows, weights, xs, result)
     return result
-
-
-def _one_token_int8(
-    data: memoryview | np.ndarray, ggml_type: GGMLQuantizationType | int, shape: tuple[int, int], x: np.ndarray
-) -> np.ndarray | None:
-    """:func:`linear` of one finite token by the one-token int8 kernel, unsplit: the call
-    :func:`_linear_numba` makes for it, with only the checks that call needs (the decode step's
-    experts and small products make a thousand of these per token). None: the general path serves
-    (another precision, type, shape or split, a non-finite ``x``, bytes that do not fit: it raises)."""
-    if type(x) is not np.ndarray or x.dtype != _F32 or x.ndim != 2 or x.shape[0] != 1 or not x.flags.c_contiguous:
-        return None
-    qtype = ggml_type if type(ggml_type) is GGMLQuantizationType else None
-    ready = None if qtype is None else _state.ready.get(qtype)
-    if qtype is None or ready is None or ready.matvec_int8 is None or _state.precision != "int8":
-        return None  # not warm yet (or no int8 kernel): the general path compiles and decides
-    rows, cols = shape
-    if type(rows) is not int or type(cols) is not int or x.shape[1] != cols or rows <= 0:
-        return None
-    row_bytes = ready.row_bytes(cols)
-    if cols % GGML_QUANT_SIZES[qtype][0] or rows * row_bytes >= (SPLIT_MIN_BYTES or 1 << 62):
-        return None
-    raw = _quant.tensor_bytes(data)
-    if raw.size != rows * row_bytes or raw.dtype != np.uint8:
-        return None
-    out = np.empty((1, rows), dtype=np.float32)
-    # the kernel checks that x is finite while quantizing it (False: NaN or inf, nothing written)
-    return out if ready.matvec_int8(raw.reshape(rows, row_bytes), x[0], out[0]) else None
 
 
 def _matmul_numpy(
