@@ -1,0 +1,56 @@
+"""A layer whose every expert is resident at full precision: the store says so, and the router
+predicts nothing for it (no read could help), while it still predicts the layers that are not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aioexperts
+from aioexperts.predictors import NextRouterPredictor
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
+
+SPEC = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("resident") / "m.gguf"
+    write_synthetic_model(path, SPEC)
+    return path
+
+
+class _Counting(NextRouterPredictor):
+    """The router's own predictor, recording which layers it was asked about."""
+
+    def __init__(self, inner: Any) -> None:
+        self.asked: list[int] = []
+        self._inner = inner
+
+    def observe(self, layer: int, x: Any, ids: Any) -> None:
+        self._inner.observe(layer, x, ids)
+
+    def predict(self, layer: int, next_layer: int, x: Any, budget: int) -> list[int]:
+        self.asked.append(next_layer)
+        return list(self._inner.predict(layer, next_layer, x, budget))
+
+
+async def test_a_fully_resident_layer_is_not_predicted(model: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model, slots=2 * SPEC.n_expert) as store:
+        first, second = store.layout.layers
+        assert not store.layer_resident(first) and not store.layer_resident(second)
+        async with store.experts(second, range(SPEC.n_expert)):
+            pass  # every expert of the second layer read once: READY, unpinned, never evicted
+        assert store.layer_resident(second) and not store.layer_resident(first)
+        runner = aioexperts.MoERunner(store)
+        await runner.warmup()
+        predictor = _Counting(runner.predictor)
+        x = np.random.default_rng(0).standard_normal((1, SPEC.n_embd)).astype(np.float32)
+        await runner.run_moe_layers(x, predictor=predictor)
+        assert second not in predictor.asked  # resident: nothing to prefetch, no prediction
+        assert first in predictor.asked  # the next token's first layer is not resident: predicted
+        with pytest.raises(aioexperts.InvalidRequestError):
+            store.layer_resident(SPEC.n_layer + 5)
