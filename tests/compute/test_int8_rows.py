@@ -55,7 +55,7 @@ def activations(n: int, cols: int, seed: int) -> np.ndarray:
 
 def test_the_batched_types() -> None:
     assert set(BATCHED) == {Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4}
-    assert fused.INT8_BATCH_MAX == 16
+    assert fused.INT8_BATCH_MAX == fused.SMALL_BATCH_MAX == 64
 
 
 @pytest.mark.parametrize("qtype", BATCHED, ids=lambda t: t.name)
