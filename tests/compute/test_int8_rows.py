@@ -1,7 +1,7 @@
 """The whole-row int8 kernels (``aioexperts._compute.kernels.rowdot``) and their multi-token form.
 
 * ``matmat_int8_<type>``: each token's result is bit for bit the one-token ``matvec_int8_<type>``
-  result, for every batch size 1..16 and any position of the token in the batch (the summation
+  result, for every batch size 1..64 and any position of the token in the batch (the summation
   order of a row never depends on the batch);
 * the AVX2 instructions (``pmaddubsw``/``pmaddwd``) and the portable vector IR compute the same
   integers, so a kernel compiled without them gives bit-equal results;
@@ -20,7 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from test_kernels import INT8_RTOL, rel_l2, sane_blocks
 
 from aioexperts._compute import fused
-from aioexperts._compute.kernels import int8, rowdot
+from aioexperts._compute.kernels import int8, rowdot, rowdots
 from aioexperts._format.dequant import dequantize
 
 Q = GGMLQuantizationType
@@ -59,7 +59,7 @@ def test_the_batched_types() -> None:
 
 
 @pytest.mark.parametrize("qtype", BATCHED, ids=lambda t: t.name)
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8, 15, 16])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8, 15, 16, 33, 64])
 def test_each_token_of_a_batch_is_bit_equal_to_the_token_alone(qtype: GGMLQuantizationType, n: int) -> None:
     rows, cols = 37, 1024
     raw = matrix(qtype, rows, cols, seed=n)
@@ -144,6 +144,37 @@ def test_portable_ir_gives_the_same_bits_as_avx2(qtype: GGMLQuantizationType, mo
         kernel(raw, q, d, b, got)
     assert "pmaddubsw" not in next(iter(kernel.inspect_asm().values()))
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K], ids=lambda t: t.name)
+def test_several_tokens_of_a_row_portable_and_avx2_give_each_token_alone(
+    qtype: GGMLQuantizationType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import numba
+
+    rows, cols, n = 11, 1024, rowdots.TOKENS + 1
+    raw = matrix(qtype, rows, cols, seed=23)
+    x = activations(n, cols, seed=24)
+    alone = np.empty((n, rows), np.float32)
+    for t in range(n):
+        getattr(int8, f"matvec_int8_{qtype.name.lower()}")(raw, x[t], alone[t])
+    q, d, b = np.empty((n, cols), np.int8), np.empty((n, cols // 256), np.float32), np.empty((n, cols // 16), np.int32)
+    for t in range(n):
+        int8.quantize_q8_k(x[t], q[t], d[t], b[t])
+    fn = rowdots.rowdots_q4_k if qtype == Q.Q4_K else rowdots.rowdots_q5_k
+    for avx2 in (True, False):
+        if not avx2:
+            monkeypatch.setattr(rowdot, "_avx2", lambda: False)
+
+        @numba.njit(cache=False)
+        def tokens(raw, q, d, b, t0, out):  # type: ignore[no-untyped-def]
+            for r in range(raw.shape[0]):
+                out[:, r] = np.asarray(fn(raw[r], q, d, b, d.shape[1], t0))
+
+        got = np.empty((rowdots.TOKENS, rows), np.float32)
+        tokens(raw, q, d, b, 1, got)  # tokens 1..TOKENS: not from the first
+        assert ("pmaddubsw" in next(iter(tokens.inspect_asm().values()))) == (avx2 and rowdot._avx2())
+        np.testing.assert_array_equal(got, alone[1:])
 
 
 def _blockwise_reference(raw: np.ndarray, qtype: GGMLQuantizationType, x: np.ndarray) -> np.ndarray:

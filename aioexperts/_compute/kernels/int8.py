@@ -29,6 +29,7 @@ from .rowdot import (
     rowdot_q6_k,
     rowdot_q8_0,
 )
+from .rowdots import TOKENS, rowdots_q4_k, rowdots_q5_k
 from .simd import make_lut_dots, nib32_dot_q8
 
 # ruff: noqa: N803, N806
@@ -361,9 +362,16 @@ def matmat_int8_q4_k(raw, xt, out):
         finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
     if not finite:
         return False
+    full = n - n % TOKENS  # TOKENS tokens at a time share each block's decoding (.rowdots), then one by one
     for r in range(raw.shape[0]):
         row = raw[r]
-        for t in range(n):
+        for t in range(0, full, TOKENS):
+            y0, y1, y2, y3 = rowdots_q4_k(row, q, d, bsums, n_blocks, t)
+            out[t, r] = y0
+            out[t + 1, r] = y1
+            out[t + 2, r] = y2
+            out[t + 3, r] = y3
+        for t in range(full, n):
             out[t, r] = rowdot_q4_k(row, q[t], d[t], bsums[t], n_blocks)
     return True
 
@@ -397,9 +405,16 @@ def matmat_int8_q5_k(raw, xt, out):
         finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
     if not finite:
         return False
+    full = n - n % TOKENS  # TOKENS tokens at a time share each block's decoding (.rowdots), then one by one
     for r in range(raw.shape[0]):
         row = raw[r]
-        for t in range(n):
+        for t in range(0, full, TOKENS):
+            y0, y1, y2, y3 = rowdots_q5_k(row, q, d, bsums, n_blocks, t)
+            out[t, r] = y0
+            out[t + 1, r] = y1
+            out[t + 2, r] = y2
+            out[t + 3, r] = y3
+        for t in range(full, n):
             out[t, r] = rowdot_q5_k(row, q[t], d[t], bsums[t], n_blocks)
     return True
 
