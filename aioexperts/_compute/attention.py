@@ -15,7 +15,7 @@ import numpy as np
 from aioexperts._compute import fused
 from aioexperts._errors import ConfigError
 
-__all__ = ("FLASH_TILE_QUERIES", "SCORE_BYTES", "attend")
+__all__ = ("FLASH_TILE_QUERIES", "SCORE_BYTES", "SPLIT_MIN", "attend")
 
 SCORE_BYTES = 64 << 20
 """A long prefill runs its queries in chunks whose score matrix stays within this many bytes."""
@@ -63,14 +63,35 @@ def attend(
     n_kv, n_head_kv, _ = k.shape
     if n_kv != start + n_tokens or n_head % n_head_kv or k.shape[2] != head_k or v.shape[:2] != k.shape[:2]:
         raise ConfigError(f"attention: q {q.shape}, k {k.shape}, v {v.shape}, start {start} do not fit")
-    if k.dtype == np.float16 or v.dtype == np.float16:  # llama.cpp's F16 KV cache
-        flash = fused.flash_kernel() if n_tokens < FLASH_TILE_QUERIES and k.dtype == v.dtype else None
+    if (k.dtype == np.float16 or v.dtype == np.float16) and n_tokens < FLASH_TILE_QUERIES:  # F16 KV cache
+        flash = fused.flash_kernel() if k.dtype == v.dtype else None
         if flash is not None:
             out = np.empty((n_tokens, n_head, v.shape[2]), dtype=np.float32)
             no_sinks = np.empty(0, dtype=np.float32)
             sink_logits = no_sinks if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
             flash(np.ascontiguousarray(q, dtype=np.float32), k, v, start, np.float32(scale), sink_logits, window, out)
             return out.reshape(n_tokens, -1)
+    group = n_head // n_head_kv
+    if _head_parts(n_tokens, n_head, n_kv, n_head_kv) > 1:  # a prefill: KV heads over the pool (the same bits)
+        out = np.empty((n_tokens, n_head * v.shape[2]), dtype=np.float32)
+        width = group * v.shape[2]
+
+        def heads(h: int) -> None:
+            out[:, h * width : (h + 1) * width] = attend(
+                q[:, h * group : (h + 1) * group],
+                k[:, h : h + 1],
+                v[:, h : h + 1],
+                start,
+                scale,
+                sinks=None if sinks is None else sinks[h * group : (h + 1) * group],
+                window=window,
+            )
+
+        from .pool import compute_pool
+
+        compute_pool().map(heads, range(n_head_kv))
+        return out
+    if k.dtype == np.float16 or v.dtype == np.float16:
         k, v = k.astype(np.float32), v.astype(np.float32)
     chunk = max(1, SCORE_BYTES // (4 * n_head * n_kv))
     if n_tokens <= chunk:
@@ -81,6 +102,25 @@ def attend(
         end = start + c + len(qc)
         parts.append(_attend(qc, k[:end], v[:end], start + c, scale, sinks, window))
     return np.concatenate(parts)
+
+
+SPLIT_MIN = 1 << 18
+"""Query rows times heads times cached positions from which a float32 attention of at least
+:data:`FLASH_TILE_QUERIES` queries (a prefill) splits its KV heads over the compute pool's idle
+workers: each head's numbers are the same however split (a 256-token prefill ran its attention on
+one core while the other waited)."""
+
+
+def _head_parts(n_tokens: int, n_head: int, n_kv: int, n_head_kv: int) -> int:
+    """KV-head groups the float32 path splits into: one per KV head for a batch of at least
+    :data:`FLASH_TILE_QUERIES` queries and :data:`SPLIT_MIN` work where a compute pool of more than
+    one thread exists (this never creates one), else 1."""
+    from . import pool as _pool_module
+
+    pool = _pool_module._pool
+    if pool is None or pool.n_threads <= 1 or n_head_kv <= 1 or n_tokens < FLASH_TILE_QUERIES:
+        return 1
+    return n_head_kv if n_tokens * n_head * n_kv >= SPLIT_MIN else 1
 
 
 def _attend(

@@ -42,3 +42,38 @@ def test_attention_matches_the_reference(
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     monkeypatch.setattr(attention, "SCORE_BYTES", 4 * n_head * (start + n) * 2)  # chunks of 2 queries
     np.testing.assert_allclose(attend(q, k, v, start, 0.3, sinks=sinks, window=window), got, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize(("with_sinks", "window", "start"), [(False, 0, 0), (True, 40, 9)])
+def test_a_prefill_split_over_its_kv_heads_gives_the_same_bits(
+    dtype: type, with_sinks: bool, window: int, start: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from threadpoolctl import threadpool_limits
+
+    from aioexperts._compute import pool as pool_module
+
+    rng = np.random.default_rng(start)
+    n, n_head, n_kv_head, d = attention.FLASH_TILE_QUERIES + 3, 8, 4, 32
+    q = rng.standard_normal((n, n_head, d)).astype(np.float32)
+    k = rng.standard_normal((start + n, n_kv_head, d)).astype(dtype)
+    v = rng.standard_normal((start + n, n_kv_head, d)).astype(dtype)
+    sinks = rng.standard_normal(n_head).astype(np.float32) if with_sinks else None
+    monkeypatch.setattr(attention, "SPLIT_MIN", 1)
+    with threadpool_limits(1):  # as under the pool: BLAS's sums depend on its thread count
+        monkeypatch.setattr(pool_module, "_pool", None)
+        alone = attend(q, k, v, start, 0.3, sinks=sinks, window=window)
+        pool = pool_module.ComputePool(2, limit_native_threads=False)
+        monkeypatch.setattr(pool_module, "_pool", pool)
+        try:
+            maps = pool.statistics().maps
+            split = attend(q, k, v, start, 0.3, sinks=sinks, window=window)
+            assert pool.statistics().maps == maps + 1
+            if dtype is np.float32:  # below FLASH_TILE_QUERIES: not split (F16 takes the flash kernel)
+                attend(q[:-4], k[:-4], v[:-4], start, 0.3, sinks=sinks, window=window)
+                assert pool.statistics().maps == maps + 1
+        finally:
+            pool.close()
+    np.testing.assert_array_equal(split, alone)
+    want = reference(q, k.astype(np.float32), v.astype(np.float32), start, 0.3, sinks, window)
+    np.testing.assert_allclose(split, want, rtol=1e-4, atol=1e-5)
