@@ -635,6 +635,11 @@ def expert_outputs(
     for e, view in zip(chosen, views, strict=True):
         _check_view(view, e, n_embd, width)  # every view, before any work
     jobs: list[tuple[int, ExpertView | None]] = [(e, v) for e, v in zip(chosen, views, strict=True)]
+    if len(plans) == 1 and len(plans[0].x) > 1:
+        # a prefill: the experts with the most tokens first, so the pool's threads end together
+        # (the workers take the jobs in order; each expert's numbers do not depend on it)
+        positions = plans[0].positions
+        jobs.sort(key=lambda job: -len(positions[job[0]]))
     if shared and resident.has_shared:
         jobs.extend((-1 - i, None) for i in range(len(plans)))
 
