@@ -273,8 +273,11 @@ class LocalExecutor(LayerExecutor):
         store.drop_prefetches(keep=lambda key: key in wanted or key[0] in ahead)
         plans = [_plan(c) for c in calls]
         t0 = time.perf_counter()
-        resident = store.resident(layer, experts)
-        misses = [e for e, ready in zip(experts, resident, strict=True) if not ready]
+        # a layer whose every expert is READY at full precision (a hint read on the loop thread, as
+        # the pins below): no expert to look up one by one
+        full = store.layer_resident(layer)
+        resident = [True] * len(experts) if full else store.resident(layer, experts)
+        misses = [] if full else [e for e, ready in zip(experts, resident, strict=True) if not ready]
         if misses or prefetch:
             # the layer's misses first, then the prefetch of the layers ahead, submitted now as one
             # batch: before any compute job of this step holds the cores (and the GIL) the event
@@ -389,6 +392,8 @@ def hits_first_pays(n_hits: int, n_misses: int, n_threads: int, *, batched: bool
 def check_finite(layer: int, y: np.ndarray, x: np.ndarray) -> None:
     """The executor's output is finite, or InvalidRequestError: finite input that overflows float32 inside
     the experts (llama.cpp would return inf/NaN the same way) is refused rather than returned."""
+    if np.isfinite(y).all():  # the common case in two numpy calls; the rows only when some are bad
+        return
     bad = np.logical_not(np.isfinite(y).all(axis=1))
     if bad.any():
         peak = float(np.abs(x[bad]).max())

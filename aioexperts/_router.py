@@ -295,12 +295,13 @@ class Router:
             InvalidRequestError: a bad ``x`` (shape, dtype, NaN or inf), a router output that is not
                 finite, a bad custom routing.
         """
-        check_x(x, self._store.hparams.n_embd)
+        hparams = self._store.hparams
+        check_x(x, hparams.n_embd)
         if route_step is None:
             with np.errstate(over="ignore", invalid="ignore"):  # finite x, logits out of range: refused below
-                ids, weights = route(x, self.residents[layer], self._store.hparams, token_ids)
-            bad = np.logical_not(np.isfinite(weights).all(axis=1))
-            if bad.any():
+                ids, weights = route(x, self.residents[layer], hparams, token_ids)
+            if not _all_finite(weights):
+                bad = np.logical_not(np.isfinite(weights).all(axis=1))
                 raise InvalidRequestError(
                     f"layer {layer}: the router's output is not finite for token rows {rows_text(bad)} "
                     "(x too large for float32 logits?)"
@@ -310,7 +311,7 @@ class Router:
             if not isinstance(got, tuple) or len(got) != 2:
                 raise InvalidRequestError(f"layer {layer}: route_step must return (ids, weights), got {describe(got)}")
             ids, weights = _check_routing(layer, *got, len(x), self._store.layout.layer(layer))
-        unique = list(dict.fromkeys(ids[ids >= 0].tolist()))
+        unique = list(dict.fromkeys(e for e in ids.reshape(-1).tolist() if e >= 0))  # one numpy call
         limit = self._store.n_slots
         if len(unique) <= limit:
             groups = [ExpertGroup(unique, ids)]
@@ -339,7 +340,7 @@ class Router:
                             prefetch.extend((nxt, e) for e in known)
                         else:
                             prefetch.extend((nxt, e) for e in _predicted(chosen, layer, nxt, x, budget))
-        plan = plan_moe(x, ids, weights, self.residents[layer], self._store.hparams) if len(groups) == 1 else None
+        plan = plan_moe(x, ids, weights, self.residents[layer], hparams) if len(groups) == 1 else None
         return Routing(x, ids, weights, groups, prefetch, plan)
 
     def route_rows(
@@ -402,11 +403,13 @@ class Router:
         For the first MoE layer of a decode step, called with the FFN norm of the block's input
         before the block's attention runs (the layers before the token gave no input to predict it
         from). The predictor is asked as at the layer before (``predict(previous MoE layer, layer,
-        x, budget)``). Empty without a predictor, budget or depth.
+        x, budget)``). Empty without a predictor, budget or depth, and for a layer whose every
+        expert is in memory (:meth:`~aioexperts.ExpertStore.layer_resident`: no read could help, as
+        in :meth:`route`).
         """
         predictor = self._predictor
         budget = self._budget()
-        if predictor is None or not budget or not self.prefetch_options.depth:
+        if predictor is None or not budget or not self.prefetch_options.depth or self._store.layer_resident(layer):
             return []
         layers = list(self._store.layout.layers)
         before = layers[layers.index(layer) - 1]  # the last MoE layer for the first
@@ -495,9 +498,14 @@ def _predicted(predictor: Predictor, layer: int, nxt: int, x: np.ndarray, budget
 def check_x(x: object, n_embd: int) -> None:
     """``x`` is a float32 ``(n_tokens, n_embd)`` array of finite values, or InvalidRequestError."""
     x = check_activations(x, n_embd)
-    bad = np.logical_not(np.isfinite(x).all(axis=1))
-    if bad.any():
+    if not _all_finite(x):
+        bad = np.logical_not(np.isfinite(x).all(axis=1))
         raise InvalidRequestError(f"x has NaN or inf values in token rows {rows_text(bad)}")
+
+
+def _all_finite(a: np.ndarray) -> bool:
+    """Whether every value of ``a`` is finite (two numpy calls; the rows are found only when not)."""
+    return bool(np.isfinite(a).all())
 
 
 def _check_routing(
