@@ -318,7 +318,7 @@ def _k4_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
             accs = builder.fadd(accs, builder.fmul(builder.fmul(x_scale, dmin_w), builder.sitofp(summ, F32)))
             return acc, accs
 
-        return _row_loop(context, builder, args[4], body, with_scalar=True)
+        return _row_loop(context, builder, args[4], body, with_scalar=True, prefetch=(w, block_bytes))
 
     return codegen
 
@@ -382,7 +382,7 @@ def rowdot_q6_k(typingctx, row, q, d, bsums, n_blocks):
             scale = builder.fmul(dx.load(b, F32, align=4), _half(builder, w.load(_offset(builder, o, 208), I16)))
             return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
 
-        return _row_loop(context, builder, args[4], body, with_scalar=False)
+        return _row_loop(context, builder, args[4], body, with_scalar=False, prefetch=(w, Q6_K_BYTES))
 
     return sig, codegen
 
@@ -455,6 +455,7 @@ def rowdot_mxfp4(typingctx, row, q, d, n_blocks):
         odd_slot = cgutils.alloca_once_value(builder, zero)
         with cgutils.for_range(builder, builder.sdiv(n, _const(I64, 2))) as loop:
             b = builder.mul(loop.index, _const(I64, 2))
+            _prefetch_ahead(builder, w, builder.mul(b, _const(I64, MXFP4_BYTES)), 2 * MXFP4_BYTES)
             for slot, blk in ((even_slot, b), (odd_slot, _offset(builder, b, 1))):
                 scale, sums = block(blk)
                 acc = _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sums, V8F32), builder.load(slot))
@@ -505,7 +506,7 @@ def rowdot_iq4_xs(typingctx, row, q, d, bsums, n_blocks):
             scale = builder.fmul(_half(builder, w.load(o, I16)), dx.load(b, F32, align=4))
             return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
 
-        return _row_loop(context, builder, args[4], body, with_scalar=False)
+        return _row_loop(context, builder, args[4], body, with_scalar=False, prefetch=(w, IQ4_XS_BYTES))
 
     return sig, codegen
 
@@ -553,7 +554,7 @@ def rowdot_q2_k(typingctx, row, q, d, bsums, n_blocks):
             scale = builder.fmul(x_scale, _half(builder, w.load(_offset(builder, o, 80), I16)))
             return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
 
-        return _row_loop(context, builder, args[4], body, with_scalar=False)
+        return _row_loop(context, builder, args[4], body, with_scalar=False, prefetch=(w, Q2_K_BYTES))
 
     return sig, codegen
 
@@ -617,6 +618,6 @@ def rowdot_q3_k(typingctx, row, q, d, bsums, n_blocks):
             scale = builder.fmul(dx.load(b, F32, align=4), _half(builder, w.load(_offset(builder, o, 108), I16)))
             return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
 
-        return _row_loop(context, builder, args[4], body, with_scalar=False)
+        return _row_loop(context, builder, args[4], body, with_scalar=False, prefetch=(w, Q3_K_BYTES))
 
     return sig, codegen
