@@ -60,9 +60,7 @@ class DenseMatrix:
         """
         return fused.linear(self.raw, self.ggml_type, self.shape, _float_rounding(x, self.ggml_type))
 
-    def invariant(
-        self, x: np.ndarray, row_range: tuple[int, int] | None = None, *, split: bool = True
-    ) -> np.ndarray:
+    def invariant(self, x: np.ndarray, row_range: tuple[int, int] | None = None, *, split: bool = True) -> np.ndarray:
         """``x @ W.T`` with each row of ``x`` bit for bit its one-row result :meth:`__call__`
         (:func:`aioexperts._compute.fused.linear_rows`): cross-request batching stacks the rows of
         several sequences. ``row_range`` ``(r0, r1)``: only the output columns ``r0..r1-1``

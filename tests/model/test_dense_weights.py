@@ -63,9 +63,7 @@ def test_matrices_of_other_types_or_widths_are_not_stacked() -> None:
 
 
 @pytest.mark.parametrize("n_tokens", [1, 3])
-def test_a_split_product_is_one_hand_off_with_the_same_bits(
-    pool2: pool_module.ComputePool, n_tokens: int
-) -> None:
+def test_a_split_product_is_one_hand_off_with_the_same_bits(pool2: pool_module.ComputePool, n_tokens: int) -> None:
     # 1024 rows of 2048 Q8_0 columns: 2.2 MB, each half over fused.SPLIT_MIN_BYTES; its parts must
     # not split again (a nested map would only find the other thread busy)
     w = dense("w", Q.Q8_0, 1024, 2048, seed=3)
