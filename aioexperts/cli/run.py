@@ -217,6 +217,8 @@ class _Report:
             "demand_misses": st.demand_misses,
             "low_tier_misses": st.low_tier_misses,
             "tier_upgrades": st.tier_upgrades,
+            "low_tier_prefetch_hits": st.low_tier_prefetch_hits,
+            "tier_upgrades_deferred": st.tier_upgrades_deferred,
             "stall_seconds": ms.stall_seconds,
             "stall_seconds_per_token": ms.stall_seconds_per_token,
             "device_busy_seconds": st.device_busy_seconds,
@@ -311,14 +313,18 @@ def _sources_line(ex: dict[str, Any]) -> str:
     """Where the experts came from and where the pass waited (issue 36's statistics), one line."""
     stall = ex["stall_seconds_per_token"]
     rate = ex["device_bytes_per_second"]
-    low = (
-        f", {ex['low_tier_misses']} of them from the low tier ({ex['tier_upgrades']} upgraded since)"
-        if ex["low_tier_misses"]
+    tiered = ex["low_tier_misses"] or ex["low_tier_prefetch_hits"]
+    low = f", {ex['low_tier_misses']} of them from the low tier" if tiered else ""
+    low_ahead = f" ({ex['low_tier_prefetch_hits']} of them from the low tier)" if tiered else ""
+    upgraded = (
+        f"; {ex['tier_upgrades']} low copies upgraded since ({ex['tier_upgrades_deferred']} put off while behind)"
+        if tiered
         else ""
     )
     return (
         f"expert sources: {ex['cached_hits']} cached, {ex['prefetched_in_time']} prefetched in time, "
-        f"{ex['prefetched_late']} prefetched late, {ex['demand_misses']} demand misses{low}; stalled on reads "
+        f"{ex['prefetched_late']} prefetched late{low_ahead}, {ex['demand_misses']} demand misses{low}{upgraded}; "
+        "stalled on reads "
         + (f"{stall * 1e3:.1f} ms per token" if stall is not None else "n/a per token")
         + f" ({ex['stall_seconds']:.3f} s); device "
         + (f"{_size(int(rate))}/s while reading" if rate is not None else "idle")
