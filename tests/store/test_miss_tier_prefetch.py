@@ -187,34 +187,40 @@ async def test_an_upgrade_waits_while_the_reads_are_behind(model: Path, sidecar:
     holder: dict[str, FakeBackend] = {}
     async with fake_store(model, holder, MissTier(path=str(sidecar)), auto=False) as store:
         fake = holder["fake"]
-        full = build_layout(open_model(model)).locate(0, 2).gate.ggml_type
+        try:
+            await upgrade_put_off(store, fake, build_layout(open_model(model)).locate(0, 2).gate.ggml_type)
+        finally:
+            fake.complete_all()  # the store's close waits for every read in flight
 
-        async def gate_type() -> T:
+
+async def upgrade_put_off(store: aioexperts.ExpertStore, fake: FakeBackend, full: T) -> None:
+    async def gate_type() -> T:
+        with anyio.fail_after(5):  # an upgrade started while behind would wait for a read not delivered
             async with store.experts(0, [2]) as views:
                 assert views[0] is not None
                 return views[0].gate.ggml_type
 
-        store.start_loads(0, [2], low_ids=[2])
-        await settle()
-        fake.complete_all()
-        assert await gate_type() == T.Q3_K  # the demand miss, low
-        store.prefetch([(1, 6)])  # a read under way: with no backlog rule, the reads are behind
-        await settle()
-        assert fake.pending
-        assert await gate_type() == T.Q3_K  # a hit on the low copy: its upgrade is due, but waits
-        await settle()
-        st = store.statistics()
-        assert st.tier_upgrades == 0 and st.tier_upgrades_deferred == 1
-        assert await gate_type() == T.Q3_K  # still the low copy, put off once only
-        assert store.statistics().tier_upgrades_deferred == 1
-        fake.complete_all()  # the reads caught up
-        await settle()
-        async with store.experts(1, [6]):  # any later release starts the upgrade put off
-            pass
-        st = store.statistics()
-        assert st.tier_upgrades == 1 and st.tier_upgrades_deferred == 1
-        await settle()
-        fake.complete_all()
-        await settle()
-        assert await gate_type() == full
-        assert sources_sum(store.statistics())
+    store.start_loads(0, [2], low_ids=[2])
+    await settle()
+    fake.complete_all()
+    assert await gate_type() == T.Q3_K  # the demand miss, low
+    store.prefetch([(1, 6)])  # a read under way: with no backlog rule, the reads are behind
+    await settle()
+    assert fake.pending
+    assert await gate_type() == T.Q3_K  # a hit on the low copy: its upgrade is due, but waits
+    await settle()
+    st = store.statistics()
+    assert st.tier_upgrades == 0 and st.tier_upgrades_deferred == 1
+    assert await gate_type() == T.Q3_K  # still the low copy, put off once only
+    assert store.statistics().tier_upgrades_deferred == 1
+    fake.complete_all()  # the reads caught up
+    await settle()
+    async with store.experts(1, [6]):  # any later release starts the upgrade put off
+        pass
+    st = store.statistics()
+    assert st.tier_upgrades == 1 and st.tier_upgrades_deferred == 1
+    await settle()
+    fake.complete_all()
+    await settle()
+    assert await gate_type() == full
+    assert sources_sum(store.statistics())
