@@ -391,6 +391,7 @@ def run_generate_bench(
             "n_ctx": cfg.n_ctx,
             "run_timeout": cfg.run_timeout,
             "seed": cfg.seed,
+            "miss_tier": cfg.miss_tier,
         },
         "cold_method": DROP_METHOD,
         "notes": cfg.notes,
