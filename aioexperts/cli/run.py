@@ -313,18 +313,16 @@ def _sources_line(ex: dict[str, Any]) -> str:
     """Where the experts came from and where the pass waited (issue 36's statistics), one line."""
     stall = ex["stall_seconds_per_token"]
     rate = ex["device_bytes_per_second"]
-    tiered = ex["low_tier_misses"] or ex["low_tier_prefetch_hits"]
-    low = f", {ex['low_tier_misses']} of them from the low tier" if tiered else ""
-    low_ahead = f" ({ex['low_tier_prefetch_hits']} of them from the low tier)" if tiered else ""
-    upgraded = (
-        f"; {ex['tier_upgrades']} low copies upgraded since ({ex['tier_upgrades_deferred']} put off while behind)"
-        if tiered
+    low = (
+        f", {ex['low_tier_misses']} of them from the low tier ({ex['tier_upgrades']} upgraded since); "
+        f"{ex['low_tier_prefetch_hits']} prefetched from the low tier, {ex['tier_upgrades_deferred']} upgrades "
+        "put off while the reads were behind"
+        if ex["low_tier_misses"] or ex["low_tier_prefetch_hits"]
         else ""
     )
     return (
         f"expert sources: {ex['cached_hits']} cached, {ex['prefetched_in_time']} prefetched in time, "
-        f"{ex['prefetched_late']} prefetched late{low_ahead}, {ex['demand_misses']} demand misses{low}{upgraded}; "
-        "stalled on reads "
+        f"{ex['prefetched_late']} prefetched late, {ex['demand_misses']} demand misses{low}; stalled on reads "
         + (f"{stall * 1e3:.1f} ms per token" if stall is not None else "n/a per token")
         + f" ({ex['stall_seconds']:.3f} s); device "
         + (f"{_size(int(rate))}/s while reading" if rate is not None else "idle")
