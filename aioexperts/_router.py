@@ -343,9 +343,9 @@ class Router:
                         if known is not None:  # a hash-routed layer ahead: its experts are certain
                             prefetch.extend((nxt, e) for e in known)
                         elif weighted:
-                            got, gate = _predicted_weighted(chosen, layer, nxt, x, budget)
-                            prefetch.extend((nxt, e) for e in got)
-                            prefetch_weights.update(((nxt, e), w) for e, w in gate.items() if e in got)
+                            predicted, gate = _predicted_weighted(chosen, layer, nxt, x, budget)
+                            prefetch.extend((nxt, e) for e in predicted)
+                            prefetch_weights.update(((nxt, e), w) for e, w in gate.items() if e in predicted)
                         else:
                             prefetch.extend((nxt, e) for e in _predicted(chosen, layer, nxt, x, budget))
         plan = plan_moe(x, ids, weights, self.residents[layer], self._store.hparams) if len(groups) == 1 else None
@@ -493,7 +493,7 @@ def _predicted_weighted(
     predictor: Predictor, layer: int, nxt: int, x: np.ndarray, budget: int
 ) -> tuple[list[int], dict[int, float]]:
     """``predictor.predict_weighted`` checked: the ids as :func:`_predicted`, and the finite weights
-    in 0..1 of some of them (anything else a custom predictor gives is left out: unknown)."""
+    of some of them (anything else a custom predictor gives is left out: unknown)."""
     got = predictor.predict_weighted(layer, nxt, x, budget)
     if not isinstance(got, tuple) or len(got) != 2 or not isinstance(got[1], Mapping):
         raise InvalidRequestError(
@@ -502,7 +502,7 @@ def _predicted_weighted(
     ids = _checked_ids(predictor, got[0], budget)
     gate = {}
     for e, w in got[1].items():
-        if isinstance(e, int | np.integer) and isinstance(w, float | np.floating) and 0.0 <= w <= 1.0:
+        if isinstance(e, int | np.integer) and isinstance(w, float | np.floating) and np.isfinite(w):
             gate[int(e)] = float(w)
     return ids, gate
 

@@ -81,7 +81,8 @@ def _sources_table(results: dict[str, Any]) -> list[str]:
     lines = [
         "Per decode token (aioexperts): the stall on reads, the experts by source (cached: resident "
         "before the token asked; prefetched in time; prefetched late: the pass waited; "
-        f"{said}demand misses, of them from the low tier), expert bytes read, the device rate while reads were in flight.",
+        f"{said}demand misses, of them from the low tier), expert bytes read, the device rate while reads were "
+        "in flight.",
         "",
         f"| limit | engine | stall ms/token | cached | prefetched in time | prefetched late |{column} demand misses "
         "(low tier) | expert MB/token | device GB/s while reading |",

@@ -609,7 +609,11 @@ class ExpertCache:
         return started
 
     def start_loads(
-        self, demand: Sequence[Key], prefetch: Sequence[Key] = (), low: Sequence[Key] = (), low_prefetch: Sequence[Key] = ()
+        self,
+        demand: Sequence[Key],
+        prefetch: Sequence[Key] = (),
+        low: Sequence[Key] = (),
+        low_prefetch: Sequence[Key] = (),
     ) -> int:
         """Start the loads of a request's missing experts and of its prefetch, and submit them now.
 

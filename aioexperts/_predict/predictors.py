@@ -116,7 +116,8 @@ class Predictor(ABC):
         low weight at low precision). The default knows none: ``(self.predict(...), {})``.
 
         Returns:
-            The ids as :meth:`predict` returns them, and id -> weight (0..1) for some of them.
+            The ids as :meth:`predict` returns them, and id -> routing weight (a finite float, as
+            ``select_experts`` gives it) for some of them.
 
         Raises:
             As :meth:`predict`.
