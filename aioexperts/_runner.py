@@ -271,6 +271,8 @@ class MoERunner:
             StoreClosedError: the store is closed.
             As the executor's warm-up (a shard of another placement, a shard that does not answer).
         """
+        if self._warmup_report is not None:  # warm: no lock on the per-call path
+            return self._warmup_report
         async with self._warmup_lock:
             if self._warmup_report is not None:
                 return self._warmup_report

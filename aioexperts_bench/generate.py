@@ -15,6 +15,13 @@ expert hit rate, distinct experts touched per layer and the slab size it chose. 
 killer ended is reported as ``oom-killed`` (with what it did before), one over ``--run-timeout`` as
 ``timeout``. Per round: aioexperts' decode tokens/s over the better llama.cpp run that decoded
 (ratios), and how many greedy tokens agree.
+
+With no memory limit every engine is warmed first (``warm_prefill``: one prefill of the prompt
+thrown away, reported apart as the cold start), so the measured prefill and decode are steady
+states. Under a limit, each round ends with fio reading random experts of the model (planned as the
+store plans them, ``O_DIRECT``, depth 64): the device's rate in the same run, against which a
+round's ``pipeline_ratio`` is taken (decode seconds per token over the larger of expert bytes per
+token / fio's rate and the decode seconds per token with every expert resident, the no-limit runs).
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ TARGETS = (
     ("1/2", "decode", ">=", 2.0),
     ("none", "decode", ">=", 0.9),
     ("none", "prefill", ">=", 0.8),
+    ("1/4", "pipeline", "<=", 1.25),
+    ("1/2", "pipeline", "<=", 1.25),
 )
 #: under 1/2, where llama.cpp's working set fits (few major faults per decode token)
 FITS_TARGET = ("1/2", "decode", ">=", 0.7)
@@ -142,6 +151,8 @@ class GenerateConfig:
             of the sidecar, ``max_gate_weight``, ``behind_seconds``), else None.
         timeline_path: where the aioexperts engines write a timeline of the decode tokens
             (``--mode timeline``), else None.
+        warm_prefill: with no limit, warm every engine with one prefill of the prompt first.
+        fio_bytes: under a limit, bytes fio reads after each round for the device's rate (0: none).
     """
 
     model: str
@@ -157,6 +168,8 @@ class GenerateConfig:
     notes: list[str] = field(default_factory=list)
     miss_tier: dict[str, Any] | None = None
     timeline_path: str | None = None
+    warm_prefill: bool = True
+    fio_bytes: int = 1 << 30
 
 
 def _limit_name(limit: Fraction | None) -> str:
@@ -192,6 +205,7 @@ def run_engine(
         "threads": cfg.threads,
         "miss_tier": cfg.miss_tier,
         "timeline": cfg.timeline_path,
+        "warm_prefill": cfg.warm_prefill and limit is None,
     }
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
@@ -271,6 +285,9 @@ def _from_events(events: list[dict[str, Any]], n_prompt: int) -> dict[str, Any]:
         ):
             if key in loaded:
                 out[key] = loaded[key]
+    cold = by.get("cold_prefill")
+    if cold is not None and cold["seconds"] > 0:
+        out["cold_prefill_tok_s"] = n_prompt / cold["seconds"]
     prefill = by.get("prefill")
     if prefill is not None:
         out["prefill_seconds"] = prefill["seconds"]
@@ -391,6 +408,8 @@ def run_generate_bench(
             "n_ctx": cfg.n_ctx,
             "run_timeout": cfg.run_timeout,
             "seed": cfg.seed,
+            "warm_prefill": cfg.warm_prefill,
+            "fio_bytes": cfg.fio_bytes,
             "miss_tier": cfg.miss_tier,
         },
         "cold_method": DROP_METHOD,
@@ -417,12 +436,68 @@ def run_generate_bench(
                     if len(runs) == len(engines):
                         partial["rounds"].append({"limit": _limit_name(limit), "round": r, **_round_summary(runs)})
                     checkpoint(_finish(partial))
-            results["rounds"].append({"limit": _limit_name(limit), "round": r, **_round_summary(runs)})
+            summary = {"limit": _limit_name(limit), "round": r, **_round_summary(runs)}
+            if limit is not None and cfg.fio_bytes > 0:
+                summary["fio"] = fio_rate(cfg.model, cfg.fio_bytes, seed=cfg.seed + r, note=note)
+            results["rounds"].append(summary)
     results["complete"] = True
     return _finish(results)
 
 
+def fio_rate(model: str, n_bytes: int, *, seed: int, note: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """fio's rate on random experts of ``model`` (``n_bytes`` of them, no expert twice, cold, depth 64).
+
+    Returns ``{"gb_s", "bytes", "seconds"}`` (1e9 bytes per second), or ``{"error": why}`` when fio
+    is not installed or fails (the round's ``pipeline_ratio`` is then left out)."""
+    from aioexperts import build_layout, open_model
+
+    from .fio import FioError, fio_path, run_fio_replay
+    from .readlist import expert_read_list
+
+    if fio_path() is None:
+        return {"error": "fio is not installed"}
+    gguf = open_model(model)
+    reads = expert_read_list(gguf, build_layout(gguf), n_bytes, seed=seed)
+    drop_page_cache(list(reads.paths))
+    try:
+        res = run_fio_replay(reads, 64)
+    except (FioError, OSError) as exc:
+        return {"error": str(exc)}
+    rate = res.bytes_read / res.seconds / 1e9 if res.seconds > 0 else None
+    note(f"  fio: {res.bytes_read / 1e9:.2f} GB of random experts at {rate or 0:.2f} GB/s")
+    return {"gb_s": rate, "bytes": res.bytes_read, "seconds": res.seconds}
+
+
+def add_pipeline_ratios(results: dict[str, Any]) -> None:
+    """Each limited round's ``pipeline_ratio``: decode s/token over max(I/O, compute) (issue 36).
+
+    I/O is aioexperts' expert bytes per token over the round's fio rate; compute is the mean decode
+    s/token of aioexperts with no limit in the same results (every expert resident). Left out when
+    either is missing."""
+    resident = [
+        r["decode_tok_s"]
+        for r in results["runs"]
+        if r["engine"] == "aioexperts" and r["limit"] == "none" and r.get("decode_tok_s")
+    ]
+    if not resident:
+        return
+    compute_s = 1.0 / statistics.fmean(resident)
+    for rnd in results["rounds"]:
+        rate = (rnd.get("fio") or {}).get("gb_s")
+        if rnd["limit"] == "none" or not rate:
+            continue
+        for engine, key in (("aioexperts", "pipeline_ratio"), ("aioexperts-tier", "tier_pipeline_ratio")):
+            want = (rnd["limit"], rnd["round"], engine)
+            run = next((x for x in results["runs"] if (x["limit"], x["round"], x["engine"]) == want), None)
+            if run is None or not run.get("decode_tok_s") or run.get("expert_bytes_per_token") is None:
+                continue
+            io_s = run["expert_bytes_per_token"] / (rate * 1e9)
+            rnd[key] = (1.0 / run["decode_tok_s"]) / max(io_s, compute_s)
+            rnd[f"{key}_parts"] = {"io_s": io_s, "compute_s": compute_s, "decode_s": 1.0 / run["decode_tok_s"]}
+
+
 def _finish(results: dict[str, Any]) -> dict[str, Any]:
+    add_pipeline_ratios(results)
     results["summary"] = summarize(results)
     results["targets"] = evaluate_targets(results)
     results["machine"] = {**results["machine"], "load_average_at_end": list(os.getloadavg())}
@@ -463,6 +538,7 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
         "p50_ms",
         "p95_ms",
         "prefill_tok_s",
+        "cold_prefill_tok_s",
         "ttft_seconds",
         "major_faults_per_token",
         "device_bytes_per_token",

@@ -52,7 +52,8 @@ def _statuses(row: dict[str, Any]) -> str:
 
 def _table(results: dict[str, Any]) -> list[str]:
     lines = [
-        "| limit | engine | runs | decode tok/s | p5 / p50 / p95 ms | prefill tok/s | TTFT s | major faults/token "
+        "| limit | engine | runs | decode tok/s | p5 / p50 / p95 ms | prefill tok/s (cold) | TTFT s "
+        "| major faults/token "
         "| device MB/token | peak RSS GB | page cache GB | hit rate (prefetched count) | slab GB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -60,12 +61,18 @@ def _table(results: dict[str, Any]) -> list[str]:
         lines.append(  # noqa: PERF401 - one row per line of the table
             f"| {row['limit']} | {row['engine']} | {_statuses(row)} | {_f(row['decode_tok_s'], '.3f')} | "
             f"{_f(row['p5_ms'], '.0f')} / {_f(row['p50_ms'], '.0f')} / {_f(row['p95_ms'], '.0f')} | "
-            f"{_f(row['prefill_tok_s'], '.1f')} | {_f(row['ttft_seconds'], '.1f')} | "
+            f"{_f(row['prefill_tok_s'], '.1f')}{_cold(row)} | {_f(row['ttft_seconds'], '.1f')} | "
             f"{_f(row['major_faults_per_token'], '.0f')} | {_mb(row['device_bytes_per_token'])} | "
             f"{_gb(row['peak_rss_bytes'])} | {_gb(row['page_cache_bytes'])} | "
             f"{_f(row['hit_rate'], '.2f')} | {_gb(row['slab_bytes'])} |"
         )
     return lines
+
+
+def _cold(row: dict[str, Any]) -> str:
+    """`` (cold X)`` when the engine was warmed first and its cold prefill reported apart."""
+    cold = row.get("cold_prefill_tok_s")
+    return "" if cold is None else f" ({cold:.1f})"
 
 
 def _sources_table(results: dict[str, Any]) -> list[str]:
@@ -121,9 +128,17 @@ def _round_lines(results: dict[str, Any]) -> list[str]:
             agree = ", ".join(
                 f"{a['agree']}/{a['compared']} vs {engine}" for engine, a in (r.get("agreement") or {}).items() if a
             )
+            pipeline = ""
+            if r.get("pipeline_ratio") is not None:
+                p = r["pipeline_ratio_parts"]
+                pipeline = (
+                    f"; decode / max(I/O, compute) {r['pipeline_ratio']:.2f} ({p['decode_s'] * 1e3:.0f} ms against "
+                    f"I/O {p['io_s'] * 1e3:.0f} ms at fio's {r['fio']['gb_s']:.2f} GB/s, "
+                    f"compute {p['compute_s'] * 1e3:.0f} ms)"
+                )
             parts.append(
                 f"round {r['round'] + 1}: decode {r['decode_ratio']:.2f}x, p95 {_f(r.get('p95_ratio'), '.3f')}x "
-                f"of {r['baseline']}; greedy tokens agree {agree}"
+                f"of {r['baseline']}; greedy tokens agree {agree}{pipeline}"
             )
         lines.append(f"- limit {limit}: " + "; ".join(parts))
     return lines

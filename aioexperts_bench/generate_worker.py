@@ -7,6 +7,11 @@ engine), taking the greedy token (argmax of the logits) after the prompt and aft
 Each phase prints one JSON line on stdout as soon as it ends, so a run killed by the OOM killer or
 the timeout still reports what it did; the last line has ``"phase": "done"``.
 
+With ``cfg["warm_prefill"]`` (the bench sets it when there is no memory limit) every engine first
+prefills the prompt once and throws it away (``"phase": "cold_prefill"``: the cold start, with the
+engine's reads of the weights), so that the measured prefill and decode are steady states: the
+slab holds the experts, llama.cpp's mmap is in the page cache.
+
 Engines: ``aioexperts`` (:func:`aioexperts.load`, slab sized from the memory limit),
 ``aioexperts-int8`` (the same with the int8 kernels; only when asked for), ``llama.cpp``
 (llama-cpp-python with its defaults: mmap, CPU repack of the weights) and ``llama.cpp-norepack``
@@ -101,6 +106,11 @@ async def _run_aioexperts(cfg: dict[str, Any]) -> None:
             fallback_reason=st.fallback_reason,
             backend_features=st.backend_features,
         )
+        if cfg.get("warm_prefill"):
+            async with model.sequence() as warm:
+                t1 = time.perf_counter()
+                await warm.forward(cfg["prompt"], all_logits=False)
+                _emit("cold_prefill", seconds=time.perf_counter() - t1, n_tokens=len(cfg["prompt"]))
         async with model.sequence() as seq:
             t1 = time.perf_counter()
             logits = await seq.forward(cfg["prompt"], all_logits=False)
@@ -212,6 +222,12 @@ def _run_llama(cfg: dict[str, Any], repack: bool) -> None:
     def logits() -> np.ndarray:
         return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,)).copy()  # type: ignore[no-untyped-call,unused-ignore]
 
+    if cfg.get("warm_prefill"):
+        t1 = time.perf_counter()
+        llm.eval(cfg["prompt"])
+        _emit("cold_prefill", seconds=time.perf_counter() - t1, n_tokens=len(cfg["prompt"]))
+        # n_tokens = 0: the next eval removes the cached positions (kv_cache_seq_rm) first
+        llm.reset()  # type: ignore[no-untyped-call,unused-ignore]
     t1 = time.perf_counter()
     llm.eval(cfg["prompt"])
     first = int(np.argmax(logits()))

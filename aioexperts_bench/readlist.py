@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ("ReadList",)
+__all__ = ("ReadList", "expert_read_list")
 
 
 @dataclass(frozen=True)
@@ -101,3 +102,25 @@ class ReadList:
     def from_rows(cls, paths: Sequence[str], rows: Sequence[Sequence[int]]) -> ReadList:
         """From ``(shard, offset, length)`` rows."""
         return cls(tuple(paths), np.asarray(rows, dtype=np.int64).reshape(-1, 3))
+
+
+def expert_read_list(model: Any, layout: Any, n_bytes: int, *, seed: int, alignment: int = 4096) -> ReadList:
+    """Aligned reads of random experts of ``model`` (a token's worth per layer at a time), about ``n_bytes``.
+
+    Experts are drawn without replacement over the whole model (no expert twice, so a replay is cold
+    after a page-cache drop), in groups of ``n_expert_used`` of one layer, planned as the store plans
+    them (:func:`aioexperts._io.plan.plan_expert`); stops at ``n_bytes`` or when every expert is used.
+    """
+    from aioexperts._io.plan import plan_expert
+
+    rng = np.random.default_rng(seed)
+    keys = [(layer, e) for layer in layout.layers for e in range(layout.layers[layer].n_experts)]
+    rows: list[tuple[int, int, int]] = []
+    total = 0
+    for i in rng.permutation(len(keys)):
+        if total >= n_bytes:
+            break
+        for r in plan_expert(layout.locate(*keys[i]), alignment).reads:
+            rows.append((r.shard, r.file_offset, r.n_bytes))
+            total += r.n_bytes
+    return ReadList(tuple(s.path for s in model.shards), np.asarray(rows, dtype=np.int64).reshape(-1, 3))

@@ -159,7 +159,19 @@ class SlabSource(ExpertSource):
             return min(slots, total)  # more could never be used
         budget = self.cache_options.bytes or DEFAULT_CACHE_BYTES
         stride = slot_stride(slot_bytes, hugepages=self.cache_options.hugepages)  # what each slot maps
-        return max(min(budget // stride, total), min(2 * layout.n_expert_used, total))
+        least = min(2 * layout.n_expert_used, total)  # a layer step's experts and the next one's
+        if budget // stride < least:
+            log.warning(
+                "cache_bytes=%d holds %d slots of %d bytes; the slab is raised to the minimum of %d slots "
+                "(%d bytes: two layers' top-%d experts)",
+                budget,
+                budget // stride,
+                stride,
+                least,
+                least * stride,
+                layout.n_expert_used,
+            )
+        return max(min(budget // stride, total), least)
 
     @property
     def started(self) -> bool:

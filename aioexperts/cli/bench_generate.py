@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="MissTier(prefetches=False): the rules choose the tier of demand misses only, prefetches read full",
     )
+    p.add_argument(
+        "--no-warm-prefill",
+        action="store_true",
+        help="with no limit, measure the first (cold) prefill instead of warming every engine first",
+    )
+    p.add_argument(
+        "--fio-gb", type=float, default=1.0, help="under a limit, GB of random experts fio reads per round (0: none)"
+    )
     p.add_argument("--out", default="bench-generate.json", help="results file to write ('' for none)")
     p.add_argument("--force", action="store_true", help="let --out replace a file of another kind")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -187,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--n-ctx {args.n_ctx} is less than --prompt-tokens + --decode-tokens "
             f"({args.prompt_tokens} + {args.decode_tokens} = {needed})"
         )
+    if not args.fio_gb >= 0:
+        parser.error(f"--fio-gb must be >= 0, got {args.fio_gb}")
     if not args.run_timeout > 0:
         parser.error(f"--run-timeout must be > 0 seconds, got {args.run_timeout}")
     if not limits:
@@ -231,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             n_ctx=args.n_ctx or args.prompt_tokens + args.decode_tokens + 16,
             run_timeout=args.run_timeout,
             seed=args.seed,
+            warm_prefill=not args.no_warm_prefill,
+            fio_bytes=int(args.fio_gb * 1e9),
             miss_tier=miss_tier,
         )
         results = run_generate_bench(cfg, note=note, checkpoint=(lambda r: _write(args.out, r)) if args.out else None)

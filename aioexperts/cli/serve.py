@@ -191,12 +191,24 @@ async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
             loop.remove_signal_handler(signum)
 
 
-def _check_host(host: str) -> None:
-    """``--host`` resolves to an address to bind, before the model loads (ConfigError naming it)."""
+def _check_host(host: str, port: int = 0) -> None:
+    """``--host`` resolves to an address to bind and ``--port`` is free there, before the model loads
+    (ConfigError naming the option). The port is bound once and released (``SO_REUSEADDR``, as the
+    server binds it), so a port another process holds is said in seconds, not after the load."""
     try:
-        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, UnicodeError) as exc:
         raise aioexperts.ConfigError(f"--host {host!r}: not an address or host name to bind ({exc})") from None
+    if port == 0:
+        return
+    for family, kind, proto, _name, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                why = f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})"
+                raise aioexperts.ConfigError(why) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -225,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         except aioexperts.ConfigError as exc:
             raise aioexperts.ConfigError(name_the_options(str(exc), SERVER_FLAGS)) from None
-        _check_host(args.host)
+        _check_host(args.host, args.port)
         path = _model_path(args)
     except KeyboardInterrupt:
         return 130

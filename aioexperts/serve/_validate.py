@@ -442,8 +442,8 @@ def parse_tokenize(body: Mapping[str, Any]) -> tuple[str, dict[str, bool]]:
     refuse_unknown(body, TOKENIZE_FIELDS, "POST /tokenize")
     _str(body, "model")
     content = body.get("content")
-    if not isinstance(content, str) or not content:
-        raise _bad("content", "must be a non-empty string")
+    if not isinstance(content, str):
+        raise _bad("content", f"must be a string, got {_kind(content)}")
     flags = {
         "add_special": _bool(body, "add_special", False),
         "parse_special": _bool(body, "parse_special", True),

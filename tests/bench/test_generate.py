@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,6 +45,7 @@ def test_generate_smoke_run_writes_results_and_a_report(
     assert run["status"] == "ok" and run["engine"] == "aioexperts" and run["tokens_decoded"] == 3
     assert len(run["greedy"]) == 4 and len(run["token_seconds"]) == 3
     assert run["decode_tok_s"] > 0 and run["prefill_tok_s"] > 0 and 0 <= run["hit_rate"] <= 1
+    assert run["cold_prefill_tok_s"] > 0  # no limit: warmed by one prefill first, reported apart
     assert run["slab_budget"].startswith("slab ") and run["slab_bytes"] > 0
     assert len(run["distinct_experts_per_layer"]) == 2 and all(1 <= d <= 4 for d in run["distinct_experts_per_layer"])
     # issue 36's figures per decode token: every expert of the 3 decode tokens has one source
@@ -188,10 +190,11 @@ def test_figures_from_events_and_ratios_per_round() -> None:
 
 def test_the_half_limit_takes_the_lower_bar_where_llama_cpp_fits() -> None:
     rounds = [{"limit": "1/2", "round": i, "decode_ratio": 0.8, "baseline_faults_per_token": 1.0} for i in range(3)]
-    (target,) = evaluate_targets({"runs": [], "rounds": rounds})
+    (target, pipeline) = evaluate_targets({"runs": [], "rounds": rounds})
     assert target["threshold"] == 0.7 and target["verdict"] == "met" and target["llama_fits"]
+    assert pipeline["what"] == "pipeline" and pipeline["verdict"] == "unmeasured"
     rounds[0]["baseline_faults_per_token"] = 500.0
-    (target,) = evaluate_targets({"runs": [], "rounds": rounds})
+    (target, _) = evaluate_targets({"runs": [], "rounds": rounds})
     assert target["threshold"] == 2.0 and target["verdict"] == "MISSED"
 
 
@@ -210,12 +213,12 @@ def test_render_replaces_only_the_region(tmp_path: Path, tiny_full_model: Path) 
         "notes": ["llama-cpp-python is not installed"],
     }
     doc = tmp_path / "doc.md"
-    doc.write_text("before\n<!-- bench:generate-headline -->\nold\n<!-- /bench:generate-headline -->\nafter\n")
+    doc.write_text("before\n<!-- bench:generate-headline -->\nSTALE REGION\n<!-- /bench:generate-headline -->\nafter\n")
     assert render_into(doc, [results], ["r.json"])
     text = doc.read_text()
     assert text.startswith("before\n<!-- bench:generate-headline -->\n<!-- rendered by bench/generate.py")
     assert "From `r.json`" in text and text.endswith("<!-- /bench:generate-headline -->\nafter\n")
-    assert "old" not in text and "llama-cpp-python is not installed" in text
+    assert "STALE REGION" not in text and "llama-cpp-python is not installed" in text
     assert text_report(results) in text
     (tmp_path / "other.json").write_text(json.dumps({"schema": "x"}))
     with pytest.raises(ValueError, match="not a results file"):
@@ -357,3 +360,62 @@ def test_building_the_built_in_model_is_announced(monkeypatch: pytest.MonkeyPatc
         "another run is writing the built-in model; waiting for it",
         "writing the built-in full model (48 layers) to /cache/m.gguf (once)",
     ]
+
+
+def test_pipeline_ratio_is_decode_over_the_larger_of_io_at_fios_rate_and_resident_compute() -> None:
+    def run(limit: str, rnd: int, tok_s: float, engine: str = "aioexperts", per_token: float = 0.0) -> dict[str, Any]:
+        return {
+            "engine": engine,
+            "limit": limit,
+            "round": rnd,
+            "decode_tok_s": tok_s,
+            **{"expert_bytes_per_token": per_token},
+        }
+
+    results: dict[str, Any] = {
+        "runs": [
+            run("none", 0, 4.0),  # compute: 0.25 s a token with every expert resident
+            run("1/4", 0, 2.0, per_token=0.9e9),  # 0.5 s against I/O 0.9 GB / 2 GB/s = 0.45 s
+            run("1/4", 0, 2.5, "aioexperts-tier", per_token=0.6e9),  # 0.4 s against max(0.3, 0.25)
+            run("1/2", 0, 3.0, per_token=0.2e9),  # 0.333 s against compute 0.25 (I/O 0.1)
+        ],
+        "rounds": [
+            {"limit": "none", "round": 0},
+            {"limit": "1/4", "round": 0, "fio": {"gb_s": 2.0}},
+            {"limit": "1/2", "round": 0, "fio": {"gb_s": 2.0}},
+        ],
+    }
+    generate.add_pipeline_ratios(results)
+    quarter, half = results["rounds"][1], results["rounds"][2]
+    assert quarter["pipeline_ratio"] == pytest.approx(0.5 / 0.45)
+    assert quarter["tier_pipeline_ratio"] == pytest.approx(0.4 / 0.3)
+    assert half["pipeline_ratio"] == pytest.approx((1 / 3) / 0.25)
+    assert "pipeline_ratio" not in results["rounds"][0]
+    targets = {(t["limit"], t["what"]): t for t in evaluate_targets(results)}
+    assert targets["1/4", "pipeline"]["verdict"] == "met" and targets["1/2", "pipeline"]["verdict"] == "MISSED"
+    results["rounds"][1]["fio"] = {"error": "fio is not installed"}
+    del results["rounds"][1]["pipeline_ratio"]
+    generate.add_pipeline_ratios(results)
+    assert "pipeline_ratio" not in results["rounds"][1]
+
+
+def test_fio_reads_random_experts_once_each_planned_like_the_store(tiny_full_model: Path) -> None:
+    from aioexperts import build_layout, open_model
+    from aioexperts_bench.readlist import expert_read_list
+
+    gguf = open_model(str(tiny_full_model))
+    layout = build_layout(gguf)
+    reads = expert_read_list(gguf, layout, 1, seed=3)
+    one = reads.reads
+    assert len(one) >= 1 and (one[:, 1] % 4096 == 0).all() and (one[:, 2] % 4096 == 0).all()
+    every = expert_read_list(gguf, layout, 1 << 40, seed=3).reads
+    n_experts = sum(layout.layers[x].n_experts for x in layout.layers)
+    assert len({tuple(r) for r in every.tolist()}) == len(every)  # no read twice
+    assert len(every) >= n_experts and every[:, 2].sum() >= one[:, 2].sum()
+
+
+def test_fio_missing_leaves_the_rate_out(monkeypatch: pytest.MonkeyPatch, tiny_full_model: Path) -> None:
+    import aioexperts_bench.fio as fio
+
+    monkeypatch.setattr(fio, "fio_path", lambda: None)
+    assert generate.fio_rate(str(tiny_full_model), 1 << 20, seed=0) == {"error": "fio is not installed"}

@@ -40,14 +40,21 @@ class _Ctx:
         return self.buffer
 
 class Llama:
-    def __init__(self, model_path, **kwargs):
+    def __init__(self, model_path, n_ctx=512, **kwargs):
         self.model_params = llama_cpp.llama_model_default_params()
         self._ctx = _Ctx()
+        self.n_ctx, self.n_tokens = n_ctx, 0
 
     def n_vocab(self):
         return N_VOCAB
 
+    def reset(self):
+        self.n_tokens = 0
+
     def eval(self, tokens):
+        if self.n_tokens + len(tokens) > self.n_ctx:
+            raise RuntimeError("llama_decode returned 1: the KV cache is full")
+        self.n_tokens += len(tokens)
         for i in range(N_VOCAB):
             self._ctx.buffer[i] = float((tokens[-1] * 7 + i) % N_VOCAB)
 """
@@ -103,3 +110,17 @@ def test_a_repack_setting_that_did_not_take_stops_the_run(
         generate_worker.main([json.dumps(cfg)])
     assert stopped.value.code == 3
     assert "use_extra_bufts=True" in capsys.readouterr().err
+
+
+def test_the_warm_prefill_is_reported_apart_and_its_positions_are_dropped(
+    stand_in_llama_cpp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # n_ctx holds the prompt and the decode once, not the prompt twice: the warm-up's positions must go
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    cfg = {"engine": "llama.cpp", "model": "m.gguf", "n_ctx": 10, "prompt": prompt, "decode": [4, 5], "threads": 1}
+    assert generate_worker.main([json.dumps({**cfg, "warm_prefill": True})]) == 0
+    events = _events(capsys.readouterr().out)
+    assert events["cold_prefill"]["n_tokens"] == len(prompt) and events["cold_prefill"]["seconds"] >= 0
+    assert events["prefill"]["n_tokens"] == len(prompt) and "done" in events
+    assert generate_worker.main([json.dumps(cfg)]) == 0
+    assert "cold_prefill" not in _events(capsys.readouterr().out)

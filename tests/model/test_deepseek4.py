@@ -102,7 +102,10 @@ def test_hyper_connections_match_llama_cpp() -> None:
 def test_attention_blocks_match_llama_cpp(path: Path, kind: str, bound: float) -> None:
     """``attn_norm-L`` -> ``attn_out-L``; the Q4_K_M file with llama.cpp's indexer choices forced
     (``lid_top_k``). Against the default goldens the keys and rows are F16 values, as in llama.cpp's
-    caches: kept in float32 instead, the blocks are 3.4e-4 (F32) and 7e-3 (Q4_K_M) off (measured)."""
+    caches: kept in float32 instead, the blocks are 3.4e-4 (F32) and 7e-3 (Q4_K_M) off (measured).
+    The Q4_K_M blocks' 1.1e-3..1.9e-3 over all positions is float32 noise that flips an 8-bit
+    activation step at some positions (1e-3..1.5e-2 there); at the others the block is llama.cpp's to
+    float32 noise (measured: median position 4.4e-7..6.1e-7, 214..234 of 250 positions within 1e-5)."""
     r, hp = reader_and_hparams(path)
     want = golden(path, kind)
     ratios = []
@@ -114,6 +117,9 @@ def test_attention_blocks_match_llama_cpp(path: Path, kind: str, bound: float) -
         picks = [np.asarray(p) for p in want[f"lid_top_k-{il}"]] if forced else None
         got = block.run(want[f"attn_norm-{il}"], new_cache(block), 0, picks=picks)
         assert rel_l2(got, want[f"attn_out-{il}"]) <= bound, il
+        if path == Q4:
+            per_position = np.array([rel_l2(g, w) for g, w in zip(got, want[f"attn_out-{il}"], strict=True)])
+            assert np.median(per_position) <= 2e-6 and (per_position <= 1e-5).sum() >= 200, il
     assert ratios == [0, 4, 128, 4]  # window only, CSA, HCA, CSA
 
 

@@ -31,16 +31,23 @@ FORWARD = [p for p in shared_fixture_paths() if p.with_name(p.stem + ".forward.n
 UNSUPPORTED_YET: set[str] = set(WHOLE_MODEL_PENDING)  # architectures the forward pass refuses (issue 34)
 #: per-position bounds above twice the file's bound (measured: deepseek4-f32 5.5e-4 at its worst position)
 PER_POSITION_BOUND = {"deepseek4-f32": 1e-3}
-#: The quantized deepseek4 file. With llama.cpp's inputs every block is llama.cpp's to 1.1e-3..2.1e-3 and
-#: the indexer picks llama.cpp's rows at every position (tests/model/test_deepseek4.py), but through the
-#: network the 8-bit activation roundings amplify float32 differences: in the whole run the indexer picks
-#: other rows at 8 + 82 positions of layers 1 and 3, and the logits end 0.106 off with the same argmax at
-#: 227 of 250 positions. llama.cpp 0.3.36 itself, on this 2-vCPU AMD EPYC (AVX2) with the golden's
-#: settings, is 0.097 off its golden (made elsewhere) with the same argmax at 228.
+#: The quantized deepseek4 file stays at its measured 0.106 (argmax equal at 227 of 250), over the issue's
+#: 8e-2 / 238: that bound is inside the file's chaos. Fed llama.cpp's inputs every block is llama.cpp's to
+#: float32 noise at most positions (tests/model/test_deepseek4.py), but that noise flips 8-bit activation
+#: steps, and the indexer's near-ties and the hyper-connection streams amplify each flip through the
+#: network. llama.cpp 0.3.36 itself, on this 2-vCPU AMD EPYC (AVX2), is 0.097 from this golden (made on
+#: another machine), argmax 228; with its norm weights moved by one ulp (12 random moves) it is
+#: 0.084..0.111 from its own unmoved run and 0.085..0.117 from the golden (argmax 222..235), never inside
+#: the bound. Our logits are 0.110 from llama.cpp run here (argmax 229), inside that spread:
+#: tests/model/test_deepseek4_llama_here.py checks it against llama.cpp run in the test.
 KNOWN_OVER_BOUND_DSV4 = {
-    "deepseek4-q4_k_m": "llama.cpp's 8-bit activation roundings amplify float32 differences through the "
-    "network (llama.cpp itself on another machine: 0.097, argmax 228/250); measured 0.106 > 8e-2, argmax 227",
+    "deepseek4-q4_k_m": "float32 noise flips 8-bit activation steps and the network amplifies them: llama.cpp "
+    "here is 0.097 (argmax 228/250) from this golden made elsewhere and 0.084..0.111 from itself with its norm "
+    "weights one ulp away; measured 0.106 > 8e-2, argmax 227 (test_deepseek4_llama_here holds it to llama.cpp "
+    "run here)",
 }
+#: what the quantized deepseek4 file is held to instead: relative L2 and positions with llama.cpp's argmax
+CHAOS_BOUND_DSV4 = (0.125, 220)
 THREADS = aioexperts.IOOptions(backend="threads")
 
 
@@ -169,6 +176,9 @@ def test_logits_and_residuals_match_llama_cpp(path: Path) -> None:
     want = np.load(path.with_name(path.stem + ".forward.npz"))
     tol = bound(path)
     if path.stem in KNOWN_OVER_BOUND_DSV4:
+        # held inside llama.cpp's own one-ulp spread against this golden (0.085..0.117, argmax 222..234)
+        error, same = rel_l2(got["logits"], want["logits"]), (got["logits"].argmax(1) == want["logits"].argmax(1)).sum()
+        assert error <= CHAOS_BOUND_DSV4[0] and same >= CHAOS_BOUND_DSV4[1], (error, same)
         pytest.xfail(KNOWN_OVER_BOUND_DSV4[path.stem])
     n = len(want["tokens"])
     assert got["logits"].shape == want["logits"].shape and got["logits"].dtype == np.float32

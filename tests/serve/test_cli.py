@@ -11,6 +11,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -189,3 +190,23 @@ def test_without_aiohttp_it_says_which_extra_to_install(tiny_full_model: Path) -
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2, done.stderr
     assert "pip install 'aioexperts[server]'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_port_in_use_is_said_before_the_model_loads(
+    tiny_full_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aioexperts
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded although the port is taken")
+
+    monkeypatch.setattr(aioexperts, "load", no_load)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        status = main([str(tiny_full_model), "--host", "127.0.0.1", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"--port {port}: cannot listen on 127.0.0.1:{port}" in lines[0], err

@@ -151,6 +151,8 @@ def test_tokenize_detokenize_and_apply_template(served: ServerThread) -> None:
     assert len(plain["tokens"]) > len(out["tokens"])  # the control token's text split as plain text
     status, pieces = post(served, "/tokenize", {"content": "Hello", "with_pieces": True})
     assert "".join(p["piece"] for p in pieces["tokens"]) == "Hello"
+    status, empty = post(served, "/tokenize", {"content": ""})  # as llama.cpp's server: no tokens
+    assert status == 200 and empty["tokens"] == []
     status, tmpl = post(served, "/apply-template", {"messages": USER})
     assert status == 200
     assert tmpl["prompt"] == f"<|im_start|>user\n{USER[0]['content']}<|im_end|>\n<|im_start|>assistant\n"

@@ -159,6 +159,24 @@ async def test_the_cache_size_given_either_way(model_path: Path, anyio_backend: 
         assert store.n_slots == 7
 
 
+async def test_a_byte_budget_below_the_minimum_is_raised_and_said(
+    model_path: Path, anyio_backend: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with aioexperts.open(model_path, slots=1) as store:
+        least, slot_bytes = store.n_slots, store.statistics().slot_bytes  # slots= is capped, never raised
+        assert least == 1
+        top_k = store.layout.n_expert_used
+    caplog.set_level("WARNING", logger="aioexperts")
+    async with aioexperts.open(model_path, cache_bytes=slot_bytes) as store:
+        assert store.n_slots == 2 * top_k
+    said = [r.getMessage() for r in caplog.records if "raised to the minimum" in r.getMessage()]
+    assert len(said) == 1 and f"cache_bytes={slot_bytes} holds 1 slots" in said[0], said
+    caplog.clear()
+    async with aioexperts.open(model_path, cache_bytes=2 * top_k * slot_bytes) as store:
+        assert store.n_slots == 2 * top_k
+    assert not [r for r in caplog.records if "raised to the minimum" in r.getMessage()]
+
+
 async def test_a_byte_budget_is_a_ceiling_with_hugepages(model_path: Path, anyio_backend: object) -> None:
     """With hugepages every slot maps 2 MiB: the slot count is the budget over that, not over the
     expert's bytes (16 MiB once mapped 2.6x its budget)."""
