@@ -521,38 +521,45 @@ class ExpertCache:
             self._signal_space()
 
     def _upgrade(self, entries: list[Entry]) -> None:
-        """Read low-tier copies that were hit again at full precision, into the same slots
-        (background prefetch loads; the expert is LOADING until they complete), with those put off
-        before; while the reads are behind (``reads_behind``), put them all off. Never raises."""
+        """Read low-tier copies that were hit again (``entries``, and those put off before) at full
+        precision, into the same slots (background prefetch loads; the expert is LOADING until they
+        complete), one at a time while the reads are not behind (``reads_behind``, asked again
+        before each: an upgrade's own read counts); the others are put off. Never raises."""
         deferred = self._deferred
-        try:
-            behind = self.reads_behind is not None and self.reads_behind()
-        except Exception:
-            log.exception("reads_behind failed; the upgrades wait")
-            behind = True
-        if behind:
-            for entry in entries:
-                if entry.key not in deferred:
-                    self.counters.tier_upgrades_deferred += 1
-                deferred[entry.key] = entry
-            return
-        if deferred:  # the reads caught up: the upgrades put off run now, if their copies are still there
-            entries = [*(e for e in deferred.values() if self.entries.get(e.key) is e), *entries]
-            deferred.clear()
-        victims = [e.key for e in entries if e.state is SlotState.READY and not e.pins and e.low]
-        victims = list(dict.fromkeys(victims))
-        try:
-            self._evict(victims)
-        except EvictionPolicyError:
-            log.exception("the eviction policy failed while a low-tier expert was upgraded")
+        waited = set(deferred)
+        candidates = [*deferred.values(), *entries]
+        deferred.clear()
         started = 0
-        for key in victims:
+        for entry in candidates:
+            key = entry.key
+            if key in deferred or self.entries.get(key) is not entry:
+                continue  # seen already, or its copy left the cache
+            if entry.state is not SlotState.READY or entry.pins or not entry.low:
+                continue  # pinned again: its next release brings it back (entry.upgrade stays set)
+            if self._reads_behind():
+                deferred[key] = entry
+                self.counters.tier_upgrades_deferred += key not in waited
+                continue
+            try:
+                self._evict([key])
+            except EvictionPolicyError:
+                log.exception("the eviction policy failed while a low-tier expert was upgraded")
             if key in self.entries or not self.free_slots:
                 continue
-            entry = self._start(key, self.free_slots.pop(), self.plan_of(*key), Priority.PREFETCH)
-            entry.prefetched = True
+            upgraded = self._start(key, self.free_slots.pop(), self.plan_of(*key), Priority.PREFETCH)
+            upgraded.prefetched = True
             started += 1
         self.counters.tier_upgrades += started
+
+    def _reads_behind(self) -> bool:
+        """``reads_behind()``, False without one; True (upgrades wait) if it raises."""
+        if self.reads_behind is None:
+            return False
+        try:
+            return self.reads_behind()
+        except Exception:
+            log.exception("reads_behind failed; the upgrades wait")
+            return True
 
     # -- prefetch -----------------------------------------------------------------------------
 

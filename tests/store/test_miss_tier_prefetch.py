@@ -224,3 +224,28 @@ async def upgrade_put_off(store: aioexperts.ExpertStore, fake: FakeBackend, full
     await settle()
     assert await gate_type() == full
     assert sources_sum(store.statistics())
+
+
+@pytest.mark.anyio
+async def test_upgrades_do_not_start_in_a_burst(model: Path, sidecar: Path, anyio_backend: object) -> None:
+    """Without a backlog rule, an upgrade's own read makes the reads behind: one at a time."""
+    holder: dict[str, FakeBackend] = {}
+    async with fake_store(model, holder, MissTier(path=str(sidecar)), auto=False) as store:
+        fake = holder["fake"]
+        try:
+            store.start_loads(0, [2, 3], low_ids=[2, 3])
+            await settle()
+            fake.complete_all()
+            for _ in range(2):  # the demand misses, then a hit on both low copies (released together)
+                async with store.experts(0, [2, 3]):
+                    pass
+            st = store.statistics()
+            assert st.tier_upgrades == 1 and st.tier_upgrades_deferred == 1
+            await settle()
+            fake.complete_all()  # the first upgrade's read done: the next release starts the other
+            await settle()
+            async with store.experts(0, [2]):
+                pass
+            assert store.statistics().tier_upgrades == 2
+        finally:
+            fake.complete_all()
