@@ -66,6 +66,9 @@ class Counters:
     demand_misses: int = 0
     low_tier_misses: int = 0
     tier_upgrades: int = 0
+    low_tier_prefetches: int = 0
+    low_tier_prefetch_hits: int = 0
+    tier_upgrades_deferred: int = 0
     device_busy_seconds: float = 0.0
     expert_latency: LatencyWindow = field(default_factory=LatencyWindow)
 
@@ -129,6 +132,11 @@ class StoreStatistics:
             + prefetched_late + demand_misses`` in slab mode (page-cache mode leaves all four 0).
         low_tier_misses: of ``demand_misses``, those served from the low-precision miss tier.
         tier_upgrades: low-tier copies read again at full precision after a hit.
+        low_tier_prefetches: of ``prefetch_issued``, the prefetches read from the low tier.
+        low_tier_prefetch_hits: of ``prefetched_in_time + prefetched_late``, the requests served by
+            a low-tier prefetch.
+        tier_upgrades_deferred: upgrades put off because the reads were behind (each low copy
+            counted once per wait; it is upgraded at a later release once they caught up).
         device_busy_seconds: wall time during which at least one read was in flight; the device
             rate is ``bytes_read / device_busy_seconds`` (:attr:`device_rate`).
     """
@@ -168,6 +176,9 @@ class StoreStatistics:
     demand_misses: int = 0
     low_tier_misses: int = 0
     tier_upgrades: int = 0
+    low_tier_prefetches: int = 0
+    low_tier_prefetch_hits: int = 0
+    tier_upgrades_deferred: int = 0
     device_busy_seconds: float = 0.0
 
     @property
@@ -207,6 +218,9 @@ class StoreStatistics:
             demand_misses=c.demand_misses,
             low_tier_misses=c.low_tier_misses,
             tier_upgrades=c.tier_upgrades,
+            low_tier_prefetches=c.low_tier_prefetches,
+            low_tier_prefetch_hits=c.low_tier_prefetch_hits,
+            tier_upgrades_deferred=c.tier_upgrades_deferred,
             device_busy_seconds=c.device_busy_seconds,
             expert_latency_p50_ms=to_ms(c.expert_latency.percentile(50)),
             expert_latency_p99_ms=to_ms(c.expert_latency.percentile(99)),
