@@ -14,6 +14,9 @@ Contract between the scheduler and a backend (every call on the loop thread unle
   the ring, one wake-up of the thread pool), on the loop thread and outside ``submit``: the
   scheduler then submits the reads those completions made room for at once, in the same loop
   tick, rather than one tick later.
+- A backend that reaps in batches (the raw ring) hands a batch of completions to the handler
+  given to :meth:`IOBackend.set_batch_sink` in one call instead of one sink call per op, while
+  the sink set is the one that handler stands for (the same completions, in the same order).
 - Set-up (the constructor) touches no event loop and may run in a worker thread; :meth:`attach`
   starts delivering completions (loop thread); :meth:`detach` stops watching the loop (loop
   thread); :meth:`close` releases the rest and may run in a worker thread once detached.

@@ -298,8 +298,11 @@ class RawUringBackend(IOBackend):
             ret = ring.enter(before)
             self.submit_calls += 1
             consumed = before - ring.sq_unconsumed()
-            for _ in range(consumed):
-                pending.popleft()
+            if consumed == len(pending):  # the usual case: the kernel took every entry
+                pending.clear()
+            else:
+                for _ in range(consumed):
+                    pending.popleft()
             if consumed > 0:
                 self._stalls = 0
                 continue
