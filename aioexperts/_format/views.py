@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from gguf import GGMLQuantizationType
 
@@ -101,16 +103,16 @@ class ExpertView:
             warn_exported(self, exported, stacklevel=3)
 
 
-# the slot descriptors of the frozen views' fields (set once in __init__, read-only afterwards)
-_set_pv_data = ProjectionView.data.__set__  # type: ignore[attr-defined]
-_set_pv_type = ProjectionView.ggml_type.__set__  # type: ignore[attr-defined]
-_set_pv_shape = ProjectionView.shape.__set__  # type: ignore[attr-defined]
-_set_ev_layer = ExpertView.layer.__set__  # type: ignore[attr-defined]
-_set_ev_expert = ExpertView.expert.__set__  # type: ignore[attr-defined]
-_set_ev_bank = ExpertView.bank.__set__  # type: ignore[attr-defined]
-_set_ev_gate = ExpertView.gate.__set__  # type: ignore[attr-defined]
-_set_ev_up = ExpertView.up.__set__  # type: ignore[attr-defined]
-_set_ev_down = ExpertView.down.__set__  # type: ignore[attr-defined]
+def _slot_setter(cls: type, name: str) -> Callable[[Any, Any], None]:
+    """The ``__set__`` of field ``name``'s slot descriptor (a frozen view's fields are set once, in ``__init__``)."""
+    setter: Callable[[Any, Any], None] = vars(cls)[name].__set__
+    return setter
+
+
+_set_pv_data, _set_pv_type, _set_pv_shape = (_slot_setter(ProjectionView, n) for n in ("data", "ggml_type", "shape"))
+_set_ev_layer, _set_ev_expert, _set_ev_bank, _set_ev_gate, _set_ev_up, _set_ev_down = (
+    _slot_setter(ExpertView, n) for n in ("layer", "expert", "bank", "gate", "up", "down")
+)
 
 
 def warn_exported(view: ExpertView, projections: list[str], stacklevel: int) -> None:

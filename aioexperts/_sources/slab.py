@@ -12,8 +12,8 @@ import gc
 import logging
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TypeVar
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import anyio
 
@@ -123,7 +123,9 @@ class SlabSource(ExpertSource):
         await build(
             stack,
             "backend",
-            lambda: _settled(stack.build_backend(io.backend, files, loop, io.queue_depth, io.backend_options(), shapes)),
+            lambda: _settled(
+                stack.build_backend(io.backend, files, loop, io.queue_depth, io.backend_options(), shapes)
+            ),
         )
         scheduler = stack.start(loop, self.counters, files, io.max_bytes_in_flight, paths)
 

@@ -415,7 +415,9 @@ async def test_a_batch_sink_gets_each_reap_whole_only_while_it_stands_for_the_si
     harness = make_harness()
     backend = harness.backend
     batches: list[list[tuple[int, int | Exception]]] = []
-    backend.set_batch_sink(lambda ops, results: batches.append(list(zip(map(id, ops), results))), harness._sink)
+    backend.set_batch_sink(
+        lambda ops, results: batches.append(list(zip(map(id, ops), results, strict=True))), harness._sink
+    )
     ops = [ReadOp(0, i * ALIGN, ALIGN, i, 0) for i in range(4)]
     harness.submit(ops)
     with anyio.fail_after(10.0):

@@ -136,7 +136,7 @@ class IOBackend(ABC):
     def set_batch_sink(self, batch_sink: BatchSink, stands_for: CompletionSink) -> None:
         """A handler of a whole batch of completions, ``batch_sink(ops, results)``, equivalent to
         calling ``stands_for`` once per op in order; a backend that reaps in batches
-        (:meth:`_deliver_batch`) calls it instead of the per-op sink, but only while the sink set
+        (:meth:`_deliver_reaped`) calls it instead of the per-op sink, but only while the sink set
         by :meth:`set_sink` is still ``stands_for`` (a wrapper set in its place sees every op).
         It must not raise."""
         self._batch_sink = batch_sink
@@ -250,7 +250,7 @@ class IOBackend(ABC):
             except Exception:  # the scheduler's never raises; a custom one must not stop the reaping
                 log.exception("the end of a batch of completions failed")
 
-    def _deliver_batch(self, ops: list[ReadOp], results: list[ReadResult]) -> None:
+    def _deliver_reaped(self, ops: list[ReadOp], results: list[ReadResult]) -> None:
         """Deliver the completions of ``ops`` (one result each): one call of the batch sink when it
         stands for the current sink (:meth:`set_batch_sink`), else :meth:`_deliver` per op."""
         batch_sink = self._batch_sink

@@ -360,7 +360,7 @@ class RawUringBackend(IOBackend):
             ops.append(op)
             outcomes.append(res if res >= 0 else OSError(-res, os.strerror(-res)))
         if ops:
-            self._deliver_batch(ops, outcomes)
+            self._deliver_reaped(ops, outcomes)
         if self._unconsumed:
             self._stalls = 0
             self._schedule_submit()
