@@ -255,15 +255,19 @@ class IOBackend(ABC):
         stands for the current sink (:meth:`set_batch_sink`), else :meth:`_deliver` per op."""
         batch_sink = self._batch_sink
         if batch_sink is not None and self._sink == self._batch_sink_for:
-            self._in_flight -= len(ops)
-            try:
-                batch_sink(ops, results)
-            except Exception:  # the scheduler's never raises
-                log.exception("handling a batch of %d completions failed", len(ops))
+            self._deliver_together(batch_sink, ops, results)
             return
         deliver = self._deliver
         for op, result in zip(ops, results, strict=True):
             deliver(op, result)
+
+    def _deliver_together(self, batch_sink: BatchSink, ops: list[ReadOp], results: list[ReadResult]) -> None:
+        """Hand ``ops`` and their results to ``batch_sink`` in one call (:meth:`_deliver` for a batch)."""
+        self._in_flight -= len(ops)
+        try:
+            batch_sink(ops, results)
+        except Exception:  # the scheduler's never raises
+            log.exception("handling a batch of %d completions failed", len(ops))
 
     def _deliver(self, op: ReadOp, result: ReadResult) -> None:
         self._in_flight -= 1
