@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,13 +17,16 @@ class LatencyWindow:
     """The last ``capacity`` latency samples (seconds), for percentiles without unbounded memory."""
 
     def __init__(self, capacity: int = 1 << 16) -> None:
-        self._samples = np.zeros(capacity, dtype=np.float64)
+        # array.array, not numpy: one store per expert read on the loop thread, ~5x cheaper
+        self._samples = array.array("d", bytes(8 * capacity))
+        self._capacity = capacity
         self._n = 0
 
     def add(self, seconds: float) -> None:
         """Record one sample."""
-        self._samples[self._n % len(self._samples)] = seconds
-        self._n += 1
+        n = self._n
+        self._samples[n % self._capacity] = seconds
+        self._n = n + 1
 
     @property
     def count(self) -> int:
@@ -33,7 +37,8 @@ class LatencyWindow:
         """The ``q``-th percentile (0..100) in seconds of the kept samples, or None if there are none."""
         if self._n == 0:
             return None
-        return float(np.percentile(self._samples[: min(self._n, len(self._samples))], q))
+        kept = np.frombuffer(self._samples, dtype=np.float64)[: min(self._n, self._capacity)]
+        return float(np.percentile(kept, q))
 
     def clear(self) -> None:
         """Forget every sample."""
