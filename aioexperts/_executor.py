@@ -29,7 +29,7 @@ from ._format.views import ExpertView
 from ._pipeline import run_in_worker, run_layer_step
 from ._router import Router, Routing, rows_text
 from ._store import ExpertStore
-from ._tier_policy import low_tier_misses
+from ._tier_policy import low_tier_misses, low_tier_prefetches
 from ._timeline import Timeline
 
 __all__ = (
@@ -198,7 +198,14 @@ class LocalExecutor(LayerExecutor):
         self.hits_first = hits_first
 
     def prefetch(self, keys: Sequence[Key]) -> int:
-        return self._store.prefetch(list(keys)) if keys else 0
+        if not keys:
+            return 0
+        store, keys = self._store, list(keys)
+        tier = store.miss_tier
+        if tier is None:
+            return store.prefetch(keys)
+        # no predicted weights here (the first layer's prediction, hash-routed layers): the backlog rule
+        return store.prefetch(keys, low=low_tier_prefetches(tier, keys, {}, store.read_backlog_seconds()))
 
     async def run(
         self,
@@ -273,15 +280,24 @@ class LocalExecutor(LayerExecutor):
         store.drop_prefetches(keep=lambda key: key in wanted or key[0] in ahead)
         plans = [_plan(c) for c in calls]
         t0 = time.perf_counter()
-        resident = store.resident(layer, experts)
-        misses = [e for e, ready in zip(experts, resident, strict=True) if not ready]
+        # a layer whose every expert is READY at full precision (a hint read on the loop thread, as
+        # the pins below): no expert to look up one by one
+        full = store.layer_resident(layer)
+        resident = [True] * len(experts) if full else store.resident(layer, experts)
+        misses = [] if full else [e for e, ready in zip(experts, resident, strict=True) if not ready]
         if misses or prefetch:
             # the layer's misses first, then the prefetch of the layers ahead, submitted now as one
             # batch: before any compute job of this step holds the cores (and the GIL) the event
             # loop needs to submit them
             tier = store.miss_tier
-            low = low_tier_misses(tier, misses, calls, store.read_backlog_seconds()) if tier and misses else []
-            store.start_loads(layer, experts, prefetch=prefetch, low_ids=low)
+            low: list[int] = []
+            low_ahead: list[Key] = []
+            if tier is not None:  # the same backlog for both: what was queued before this step's reads
+                backlog = store.read_backlog_seconds()
+                low = low_tier_misses(tier, misses, calls, backlog) if misses else []
+                if prefetch:
+                    low_ahead = low_tier_prefetches(tier, prefetch, _prefetch_weights(calls), backlog)
+            store.start_loads(layer, experts, prefetch=prefetch, low_ids=low, low_prefetch=low_ahead)
             prefetch = []
         hits: list[int] = []
         if self.hits_first and len(experts) > 1 and misses and len(misses) < len(experts):
@@ -389,6 +405,8 @@ def hits_first_pays(n_hits: int, n_misses: int, n_threads: int, *, batched: bool
 def check_finite(layer: int, y: np.ndarray, x: np.ndarray) -> None:
     """The executor's output is finite, or InvalidRequestError: finite input that overflows float32 inside
     the experts (llama.cpp would return inf/NaN the same way) is refused rather than returned."""
+    if np.isfinite(y).all():  # the common case in two numpy calls; the rows only when some are bad
+        return
     bad = np.logical_not(np.isfinite(y).all(axis=1))
     if bad.any():
         peak = float(np.abs(x[bad]).max())
@@ -410,6 +428,18 @@ def _sum_groups(outputs: Sequence[MoEOutput]) -> MoEOutput:
     shared_out = outputs[0].shared_out
     ffn_out = moe_out if shared_out is None else moe_out + shared_out
     return MoEOutput(moe_out, shared_out, ffn_out)
+
+
+def _prefetch_weights(calls: Sequence[Routing]) -> dict[Key, float]:
+    """The calls' predicted gate weights of their prefetch keys, the largest where several give one."""
+    if len(calls) == 1:
+        return calls[0].prefetch_weights
+    out: dict[Key, float] = {}
+    for call in calls:
+        for key, w in call.prefetch_weights.items():
+            if w > out.get(key, -1.0):
+                out[key] = w
+    return out
 
 
 def batch_prefetch(wanted: list[list[Key]]) -> list[Key]:

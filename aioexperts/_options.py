@@ -218,10 +218,14 @@ class MissTier:
     A miss goes to the low tier when ``max_gate_weight`` is set and the expert's gate weight (its
     largest over the rows of the step) is below it, or when ``behind_seconds`` is set and the reads
     already queued or in flight would take longer than that at the device rate measured so far.
-    With neither set, every miss goes low. Hits always use what is resident; a low-tier expert that
-    is hit again is read again at full precision in the background (the slot keeps serving the
-    low copy until then). Without a ``miss_tier``, nothing of this runs and the numerics are the
-    default path's.
+    With neither set, every miss goes low. With ``prefetches``, the same rules choose the tier of
+    each prefetch (the experts predicted for the layers ahead): its gate weight is the predicted
+    one where the predictor gives it (the ``"router"`` predictor does), else unknown, and then only
+    the backlog rule (or no rule at all) sends it low. Hits always use what is resident; a
+    low-tier expert that is hit again is read again at full precision in the background, but only
+    while the reads are not behind (see :meth:`reads_behind`; the upgrade waits for a later hit
+    or release otherwise, so it never takes the bandwidth the tier saves). Without a
+    ``miss_tier``, nothing of this runs and the numerics are the default path's.
 
     Attributes:
         path: the sidecar GGUF (refused if written for another model or an older version of it).
@@ -229,13 +233,17 @@ class MissTier:
             weight rule.
         behind_seconds: read backlog (seconds at the measured device rate) beyond which every
             miss reads the low tier; None: no backlog rule.
-        upgrade: read a low-tier expert again at full precision once it is hit again.
+        upgrade: read a low-tier expert again at full precision once it is hit again (and the
+            reads are not behind).
+        prefetches: the rules choose the tier of prefetches too, not only of a step's demand
+            misses.
     """
 
     path: str
     max_gate_weight: float | None = None
     behind_seconds: float | None = None
     upgrade: bool = True
+    prefetches: bool = True
 
     def __post_init__(self) -> None:
         import os
@@ -251,12 +259,25 @@ class MissTier:
                 raise ConfigError(f"MissTier.{name} must be a finite number >= 0 or None, got {value!r}")
             object.__setattr__(self, name, float(value))
         check_bool("MissTier.upgrade", self.upgrade)
+        check_bool("MissTier.prefetches", self.prefetches)
 
-    def goes_low(self, gate_weight: float, backlog_seconds: float | None) -> bool:
-        """Whether a miss of this gate weight reads the low tier, the reads being ``backlog_seconds``
-        behind (None: not measured yet)."""
+    def goes_low(self, gate_weight: float | None, backlog_seconds: float | None) -> bool:
+        """Whether a read of this gate weight (None: unknown, as for a prefetch without a predicted
+        weight) goes to the low tier, the reads being ``backlog_seconds`` behind (None: not
+        measured yet)."""
         if self.max_gate_weight is None and self.behind_seconds is None:
             return True
-        if self.max_gate_weight is not None and gate_weight < self.max_gate_weight:
+        if self.max_gate_weight is not None and gate_weight is not None and gate_weight < self.max_gate_weight:
             return True
         return self.behind_seconds is not None and backlog_seconds is not None and backlog_seconds > self.behind_seconds
+
+    def reads_behind(self, pending_bytes: int, backlog_seconds: float | None) -> bool:
+        """Whether the reads are behind, so that upgrades of low copies wait: ``pending_bytes``
+        queued or in flight would take more than ``behind_seconds`` at the measured device rate
+        (``backlog_seconds``); without a ``behind_seconds`` (or before a rate is measured), as soon
+        as anything is queued or in flight (an upgrade then only uses an idle device)."""
+        if pending_bytes <= 0:
+            return False
+        if self.behind_seconds is None or backlog_seconds is None:
+            return True
+        return backlog_seconds > self.behind_seconds

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -105,6 +105,8 @@ class Routing:
         groups: one group when the chosen experts fit in the slab at once, else several.
         prefetch: ``(layer, expert)`` keys predicted for the layers ahead.
         plan: the executor's plan of the rows (one group only), else None.
+        prefetch_weights: the predicted gate weight of some ``prefetch`` keys (with a miss tier
+            and a predictor that gives them: :meth:`~aioexperts.predictors.Predictor.predict_weighted`).
     """
 
     x: np.ndarray
@@ -113,6 +115,7 @@ class Routing:
     groups: list[ExpertGroup]
     prefetch: list[Key]
     plan: MoEPlan | None = None
+    prefetch_weights: dict[Key, float] = field(default_factory=dict)
 
 
 class Router:
@@ -295,12 +298,13 @@ class Router:
             InvalidRequestError: a bad ``x`` (shape, dtype, NaN or inf), a router output that is not
                 finite, a bad custom routing.
         """
-        check_x(x, self._store.hparams.n_embd)
+        hparams = self._store.hparams
+        check_x(x, hparams.n_embd)
         if route_step is None:
             with np.errstate(over="ignore", invalid="ignore"):  # finite x, logits out of range: refused below
-                ids, weights = route(x, self.residents[layer], self._store.hparams, token_ids)
-            bad = np.logical_not(np.isfinite(weights).all(axis=1))
-            if bad.any():
+                ids, weights = route(x, self.residents[layer], hparams, token_ids)
+            if not _all_finite(weights):
+                bad = np.logical_not(np.isfinite(weights).all(axis=1))
                 raise InvalidRequestError(
                     f"layer {layer}: the router's output is not finite for token rows {rows_text(bad)} "
                     "(x too large for float32 logits?)"
@@ -310,7 +314,7 @@ class Router:
             if not isinstance(got, tuple) or len(got) != 2:
                 raise InvalidRequestError(f"layer {layer}: route_step must return (ids, weights), got {describe(got)}")
             ids, weights = _check_routing(layer, *got, len(x), self._store.layout.layer(layer))
-        unique = list(dict.fromkeys(ids[ids >= 0].tolist()))
+        unique = list(dict.fromkeys(e for e in ids.reshape(-1).tolist() if e >= 0))  # one numpy call
         limit = self._store.n_slots
         if len(unique) <= limit:
             groups = [ExpertGroup(unique, ids)]
@@ -320,6 +324,8 @@ class Router:
                 for part in (unique[i : i + limit] for i in range(0, len(unique), limit))
             ]
         prefetch: list[Key] = []
+        prefetch_weights: dict[Key, float] = {}
+        weighted = self._store.miss_tier is not None  # the tier's policy reads the predicted weights
         budget = self._budget()
         chosen = (predictor or self._predictor) if predict else None
         with self._state_lock:
@@ -337,10 +343,14 @@ class Router:
                         known = self.hash_experts(nxt, token_ids) if nxt > layer else None  # same tokens
                         if known is not None:  # a hash-routed layer ahead: its experts are certain
                             prefetch.extend((nxt, e) for e in known)
+                        elif weighted:
+                            predicted, gate = _predicted_weighted(chosen, layer, nxt, x, budget)
+                            prefetch.extend((nxt, e) for e in predicted)
+                            prefetch_weights.update(((nxt, e), w) for e, w in gate.items() if e in predicted)
                         else:
                             prefetch.extend((nxt, e) for e in _predicted(chosen, layer, nxt, x, budget))
-        plan = plan_moe(x, ids, weights, self.residents[layer], self._store.hparams) if len(groups) == 1 else None
-        return Routing(x, ids, weights, groups, prefetch, plan)
+        plan = plan_moe(x, ids, weights, self.residents[layer], hparams) if len(groups) == 1 else None
+        return Routing(x, ids, weights, groups, prefetch, plan, prefetch_weights)
 
     def route_rows(
         self, layer: int, x: np.ndarray, token_ids: object = None
@@ -402,11 +412,13 @@ class Router:
         For the first MoE layer of a decode step, called with the FFN norm of the block's input
         before the block's attention runs (the layers before the token gave no input to predict it
         from). The predictor is asked as at the layer before (``predict(previous MoE layer, layer,
-        x, budget)``). Empty without a predictor, budget or depth.
+        x, budget)``). Empty without a predictor, budget or depth, and for a layer whose every
+        expert is in memory (:meth:`~aioexperts.ExpertStore.layer_resident`: no read could help, as
+        in :meth:`route`).
         """
         predictor = self._predictor
         budget = self._budget()
-        if predictor is None or not budget or not self.prefetch_options.depth:
+        if predictor is None or not budget or not self.prefetch_options.depth or self._store.layer_resident(layer):
             return []
         layers = list(self._store.layout.layers)
         before = layers[layers.index(layer) - 1]  # the last MoE layer for the first
@@ -480,9 +492,31 @@ def rows_text(mask: np.ndarray, limit: int = 8) -> str:
     return shown + (f" and {len(rows) - limit} more" if len(rows) > limit else "")
 
 
+def _predicted_weighted(
+    predictor: Predictor, layer: int, nxt: int, x: np.ndarray, budget: int
+) -> tuple[list[int], dict[int, float]]:
+    """``predictor.predict_weighted`` checked: the ids as :func:`_predicted`, and the finite weights
+    of some of them (anything else a custom predictor gives is left out: unknown)."""
+    got = predictor.predict_weighted(layer, nxt, x, budget)
+    if not isinstance(got, tuple) or len(got) != 2 or not isinstance(got[1], Mapping):
+        raise InvalidRequestError(
+            f"{type(predictor).__name__}.predict_weighted must return (ids, {{id: weight}}), got {got!r:.80}"
+        )
+    ids = _checked_ids(predictor, got[0], budget)
+    gate = {}
+    for e, w in got[1].items():
+        if isinstance(e, int | np.integer) and isinstance(w, float | np.floating) and np.isfinite(w):
+            gate[int(e)] = float(w)
+    return ids, gate
+
+
 def _predicted(predictor: Predictor, layer: int, nxt: int, x: np.ndarray, budget: int) -> list[int]:
     """``predictor.predict`` checked: ints, at most ``budget`` of them (a custom predictor's mistakes name it)."""
-    got = predictor.predict(layer, nxt, x, budget)
+    return _checked_ids(predictor, predictor.predict(layer, nxt, x, budget), budget)
+
+
+def _checked_ids(predictor: Predictor, got: object, budget: int) -> list[int]:
+    """A predictor's ids: a list or tuple of ints, the first ``budget`` of them, or InvalidRequestError."""
     if not isinstance(got, list | tuple) or any(
         isinstance(e, bool) or not isinstance(e, int | np.integer) for e in got
     ):
@@ -495,9 +529,14 @@ def _predicted(predictor: Predictor, layer: int, nxt: int, x: np.ndarray, budget
 def check_x(x: object, n_embd: int) -> None:
     """``x`` is a float32 ``(n_tokens, n_embd)`` array of finite values, or InvalidRequestError."""
     x = check_activations(x, n_embd)
-    bad = np.logical_not(np.isfinite(x).all(axis=1))
-    if bad.any():
+    if not _all_finite(x):
+        bad = np.logical_not(np.isfinite(x).all(axis=1))
         raise InvalidRequestError(f"x has NaN or inf values in token rows {rows_text(bad)}")
+
+
+def _all_finite(a: np.ndarray) -> bool:
+    """Whether every value of ``a`` is finite (two numpy calls; the rows are found only when not)."""
+    return bool(np.isfinite(a).all())
 
 
 def _check_routing(

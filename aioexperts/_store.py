@@ -239,7 +239,7 @@ class ExpertStore:
             check_map_matches_layout(emap, layout, self._expert_map)
         if self.miss_tier is not None and isinstance(self._source, SlabSource):
             self._source.tier = read_tier_sidecar(self.miss_tier.path, model, layout)
-            self._source.tier_upgrade = self.miss_tier.upgrade
+            self._source.tier_policy = self.miss_tier
         return model, layout, hparams
 
     async def aclose(self) -> None:
@@ -524,11 +524,12 @@ class ExpertStore:
         """
         return _ExpertsBlock(self, layer, ids, wait, prefetch)
 
-    def prefetch(self, keys: Iterable[Key]) -> int:
+    def prefetch(self, keys: Iterable[Key], *, low: Iterable[Key] = ()) -> int:
         """Start loading ``(layer, expert)`` keys that are not cached, without waiting.
 
         Never evicts a pinned or loading expert, nor any expert of a layer it is prefetching
-        for; stops quietly when no slot is left.
+        for; stops quietly when no slot is left. The keys of ``low`` (of ``keys``) that are not
+        cached are read from the miss tier (ignored without a :class:`~aioexperts.MissTier`).
 
         Returns:
             The number of loads started.
@@ -537,10 +538,19 @@ class ExpertStore:
             InvalidRequestError: a key the model does not have (nothing was started).
             StoreClosedError: the store is closed.
         """
-        return self._running_source().prefetch(_checked_keys(keys, "keys"))
+        source = self._running_source()
+        checked = _checked_keys(keys, "keys")
+        low_keys = _checked_keys(low, "low") if self.miss_tier is not None else []
+        return source.prefetch(checked, low_keys) if low_keys else source.prefetch(checked)
 
     def start_loads(
-        self, layer: int, ids: Iterable[int], *, prefetch: Iterable[Key] = (), low_ids: Iterable[int] = ()
+        self,
+        layer: int,
+        ids: Iterable[int],
+        *,
+        prefetch: Iterable[Key] = (),
+        low_ids: Iterable[int] = (),
+        low_prefetch: Iterable[Key] = (),
     ) -> int:
         """Start reading experts a request is about to pin, and its prefetch, submitted at once.
 
@@ -562,6 +572,8 @@ class ExpertStore:
             prefetch: ``(layer, expert)`` keys to load after them.
             low_ids: of ``ids``, the experts to read from the miss tier if they are not cached
                 (ignored without a :class:`~aioexperts.MissTier`); a cached one is used as it is.
+            low_prefetch: of ``prefetch``, the keys to read from the miss tier if they are not
+                cached (ignored without a :class:`~aioexperts.MissTier`).
 
         Returns:
             The number of loads started.
@@ -574,7 +586,8 @@ class ExpertStore:
         _, keys = self._keys(layer, list(ids))
         low = list(low_ids)
         low_keys = self._keys(layer, low)[1] if low and self.miss_tier is not None else []
-        return source.start_loads(keys, _checked_keys(prefetch, "prefetch"), low_keys)
+        low_ahead = _checked_keys(low_prefetch, "low_prefetch") if self.miss_tier is not None else []
+        return source.start_loads(keys, _checked_keys(prefetch, "prefetch"), low_keys, low_ahead)
 
     def read_backlog_seconds(self) -> float | None:
         """Seconds the reads queued and in flight would take at the device rate measured so far:

@@ -1,15 +1,17 @@
-"""Which of a layer step's misses read the low-precision miss tier (:class:`~aioexperts.MissTier`)."""
+"""Which reads of a layer step go to the low-precision miss tier (:class:`~aioexperts.MissTier`):
+its demand misses and the prefetch of the layers ahead."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ._cache.cache import Key
 from ._options import MissTier
 from ._router import Routing
 
-__all__ = ("low_tier_misses",)
+__all__ = ("low_tier_misses", "low_tier_prefetches")
 
 
 def low_tier_misses(
@@ -35,3 +37,24 @@ def low_tier_misses(
             if w > weight.get(e, -1.0):
                 weight[e] = w
     return [e for e in misses if tier.goes_low(weight.get(e, 0.0), backlog_seconds)]
+
+
+def low_tier_prefetches(
+    tier: MissTier, keys: Sequence[Key], weights: Mapping[Key, float], backlog_seconds: float | None
+) -> list[Key]:
+    """The prefetch ``keys`` (``(layer, expert)`` of the layers ahead) that ``tier``'s policy sends
+    to the low tier: none unless ``tier.prefetches``.
+
+    A key's gate weight is its predicted one in ``weights`` (the predictor's largest over the rows,
+    :meth:`~aioexperts.predictors.Predictor.predict_weighted`); a key without one has an unknown
+    weight, and only the backlog rule (or no rule at all: every read low) sends it low.
+
+    Args:
+        tier: the policy.
+        keys: the step's prefetch (keys already cached are not read whatever is chosen).
+        weights: predicted gate weights of some of ``keys``.
+        backlog_seconds: how far the reads are behind (``ExpertStore.read_backlog_seconds``).
+    """
+    if not keys or not tier.prefetches:
+        return []
+    return [k for k in keys if tier.goes_low(weights.get(k), backlog_seconds)]

@@ -317,8 +317,9 @@ def _from_events(events: list[dict[str, Any]], n_prompt: int) -> dict[str, Any]:
             n = len(tokens)
             out["stall_ms_per_token"] = sources["stall_seconds"] / n * 1e3
             sources_keys = ("requests", "cached_hits", "prefetched_in_time", "prefetched_late", "demand_misses")
-            for key in (*sources_keys, "low_tier_misses"):
-                out[f"{key}_per_token"] = sources[key] / n
+            for key in (*sources_keys, "low_tier_misses", *TIER_SOURCE_KEYS):
+                if key in sources:  # the tier's prefetch figures: runs of this version on
+                    out[f"{key}_per_token"] = sources[key] / n
             out["expert_bytes_per_token"] = done.get("expert_bytes_read", 0) / n
             out["device_bytes_per_second"] = sources["device_bytes_per_second"]
     return out
@@ -409,6 +410,7 @@ def run_generate_bench(
             "seed": cfg.seed,
             "warm_prefill": cfg.warm_prefill,
             "fio_bytes": cfg.fio_bytes,
+            "miss_tier": cfg.miss_tier,
         },
         "cold_method": DROP_METHOD,
         "notes": cfg.notes,
@@ -506,6 +508,9 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+#: the miss tier's figures of prefetches and upgrades in a run's read sources (issue 36, item 1)
+TIER_SOURCE_KEYS = ("low_tier_prefetch_hits", "low_tier_prefetches", "tier_upgrades", "tier_upgrades_deferred")
+
 #: issue 36's figures per decode token (runs of this version on; older results files lack them)
 READ_SOURCE_KEYS = (
     "stall_ms_per_token",
@@ -515,6 +520,10 @@ READ_SOURCE_KEYS = (
     "prefetched_late_per_token",
     "demand_misses_per_token",
     "low_tier_misses_per_token",
+    "low_tier_prefetch_hits_per_token",
+    "low_tier_prefetches_per_token",
+    "tier_upgrades_per_token",
+    "tier_upgrades_deferred_per_token",
     "expert_bytes_per_token",
     "device_bytes_per_second",
 )

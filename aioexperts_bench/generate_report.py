@@ -77,24 +77,30 @@ def _cold(row: dict[str, Any]) -> str:
 
 def _sources_table(results: dict[str, Any]) -> list[str]:
     """Where aioexperts' decode tokens waited and where their experts came from (issue 36), per
-    decode token; no lines for results files written before these figures existed."""
+    decode token; no lines for results files written before these figures existed. The column of
+    prefetches read from the low tier only where a row has it (results of runs since it existed)."""
     rows = [r for r in results["summary"] if r.get("stall_ms_per_token") is not None]
     if not rows:
         return []
+    low_prefetch = any(r.get("low_tier_prefetch_hits_per_token") is not None for r in rows)
+    said = "of the prefetched, those read from the low tier; " if low_prefetch else ""
+    column = " prefetched low tier |" if low_prefetch else ""
     lines = [
         "Per decode token (aioexperts): the stall on reads, the experts by source (cached: resident "
-        "before the token asked; prefetched in time; prefetched late: the pass waited; demand "
-        "misses, of them from the low tier), expert bytes read, the device rate while reads were in flight.",
+        "before the token asked; prefetched in time; prefetched late: the pass waited; "
+        f"{said}demand misses, of them from the low tier), expert bytes read, the device rate while reads were "
+        "in flight.",
         "",
-        "| limit | engine | stall ms/token | cached | prefetched in time | prefetched late | demand misses "
+        f"| limit | engine | stall ms/token | cached | prefetched in time | prefetched late |{column} demand misses "
         "(low tier) | expert MB/token | device GB/s while reading |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if low_prefetch else ""),
     ]
     for row in rows:
+        low = f" {_f(row.get('low_tier_prefetch_hits_per_token'), '.0f')} |" if low_prefetch else ""
         lines.append(  # noqa: PERF401 - one row per line of the table
             f"| {row['limit']} | {row['engine']} | {_f(row['stall_ms_per_token'], '.0f')} | "
             f"{_f(row['cached_hits_per_token'], '.0f')} | {_f(row['prefetched_in_time_per_token'], '.0f')} | "
-            f"{_f(row['prefetched_late_per_token'], '.0f')} | {_f(row['demand_misses_per_token'], '.0f')} "
+            f"{_f(row['prefetched_late_per_token'], '.0f')} |{low} {_f(row['demand_misses_per_token'], '.0f')} "
             f"({_f(row['low_tier_misses_per_token'], '.0f')}) | {_mb(row['expert_bytes_per_token'])} | "
             f"{_gb(row['device_bytes_per_second'])} |"
         )

@@ -62,7 +62,8 @@ def read_sources(before: Any, after: Any, stall0: float, stall1: float) -> dict[
     busy = after.device_busy_seconds - before.device_busy_seconds
     read = after.bytes_read - before.bytes_read
     keys = ("requests", "cached_hits", "prefetched_in_time", "prefetched_late", "demand_misses", "low_tier_misses")
-    out: dict[str, Any] = {key: getattr(after, key) - getattr(before, key) for key in keys}
+    tier_keys = ("low_tier_prefetch_hits", "low_tier_prefetches", "tier_upgrades", "tier_upgrades_deferred")
+    out: dict[str, Any] = {key: getattr(after, key) - getattr(before, key) for key in (*keys, *tier_keys)}
     out["stall_seconds"] = stall1 - stall0
     out["device_busy_seconds"] = busy
     out["device_bytes_per_second"] = read / busy if busy > 0 else None

@@ -121,6 +121,8 @@ BENCH_PRIVATE = {
     # which kernels the figures were measured with, and the int8 engine's precision switch
     "aioexperts._compute": "fused.backend(), precision(), set_precision(): the kernels measured",
     "aioexperts._compute.fused": "set_precision('int8'): the aioexperts-int8 engine of --mode generate",
+    # fio's rate in the generate bench reads random experts as the store plans them (its alignment)
+    "aioexperts._io.plan": "plan_expert: the aligned reads of an expert, as the store issues them",
 }
 
 #: optional extras the core must not import at module level (one clear line when missing, at use)

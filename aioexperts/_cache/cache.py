@@ -179,6 +179,8 @@ class ExpertCache:
         low_plan_of: ``(layer, expert) -> LoadPlan`` of the expert's low-tier copy (the miss tier),
             else None.
         upgrade_low: read a low-tier copy that is hit again at full precision once nobody pins it.
+        reads_behind: whether the reads are behind now (the miss tier's rule); while it says so,
+            upgrades wait (they are tried again at each later release). None: never behind.
     """
 
     def __init__(
@@ -191,11 +193,14 @@ class ExpertCache:
         counters: Counters,
         low_plan_of: Callable[[int, int], LoadPlan] | None = None,
         upgrade_low: bool = True,
+        reads_behind: Callable[[], bool] | None = None,
     ) -> None:
         self.n_slots = n_slots
         self.plan_of = plan_of
         self.low_plan_of = low_plan_of
         self.upgrade_low = upgrade_low
+        self.reads_behind = reads_behind
+        self._deferred: dict[Key, Entry] = {}  # low copies hit again whose upgrade waits for the reads
         self.scheduler = scheduler
         _claim(policy)
         self.policy = policy
@@ -283,6 +288,7 @@ class ExpertCache:
             if entry.prefetched:
                 entry.prefetched = False
                 c.prefetch_hits += 1
+                c.low_tier_prefetch_hits += entry.low
         n = len(pinned)
         c.requests += n
         c.hits += n - demanded
@@ -489,6 +495,7 @@ class ExpertCache:
             if entry.prefetched:
                 entry.prefetched = False
                 c.prefetch_hits += 1
+                c.low_tier_prefetch_hits += entry.low
         return [entries[key] for key in keys]
 
     def release(self, entries: Sequence[Entry]) -> None:
@@ -508,36 +515,61 @@ class ExpertCache:
                 freed |= entry.pins == 0 and entry.state is SlotState.READY
                 if entry.upgrade and entry.pins == 0:
                     upgrades.append(entry)
-        if upgrades and not self.closed:
+        if (upgrades or self._deferred) and not self.closed:
             self._upgrade(upgrades)
         if freed:
             self._signal_space()
 
     def _upgrade(self, entries: list[Entry]) -> None:
-        """Read low-tier copies that were hit again at full precision, into the same slots
-        (background prefetch loads; the expert is LOADING until they complete). Never raises."""
-        victims = [e.key for e in entries if e.state is SlotState.READY and not e.pins and e.low]
-        try:
-            self._evict(victims)
-        except EvictionPolicyError:
-            log.exception("the eviction policy failed while a low-tier expert was upgraded")
+        """Read low-tier copies that were hit again (``entries``, and those put off before) at full
+        precision, into the same slots (background prefetch loads; the expert is LOADING until they
+        complete), one at a time while the reads are not behind (``reads_behind``, asked again
+        before each: an upgrade's own read counts); the others are put off. Never raises."""
+        deferred = self._deferred
+        waited = set(deferred)
+        candidates = [*deferred.values(), *entries]
+        deferred.clear()
         started = 0
-        for key in victims:
+        for entry in candidates:
+            key = entry.key
+            if key in deferred or self.entries.get(key) is not entry:
+                continue  # seen already, or its copy left the cache
+            if entry.state is not SlotState.READY or entry.pins or not entry.low:
+                continue  # pinned again: its next release brings it back (entry.upgrade stays set)
+            if self._reads_behind():
+                deferred[key] = entry
+                self.counters.tier_upgrades_deferred += key not in waited
+                continue
+            try:
+                self._evict([key])
+            except EvictionPolicyError:
+                log.exception("the eviction policy failed while a low-tier expert was upgraded")
             if key in self.entries or not self.free_slots:
                 continue
-            entry = self._start(key, self.free_slots.pop(), self.plan_of(*key), Priority.PREFETCH)
-            entry.prefetched = True
+            upgraded = self._start(key, self.free_slots.pop(), self.plan_of(*key), Priority.PREFETCH)
+            upgraded.prefetched = True
             started += 1
         self.counters.tier_upgrades += started
 
+    def _reads_behind(self) -> bool:
+        """``reads_behind()``, False without one; True (upgrades wait) if it raises."""
+        if self.reads_behind is None:
+            return False
+        try:
+            return self.reads_behind()
+        except Exception:
+            log.exception("reads_behind failed; the upgrades wait")
+            return True
+
     # -- prefetch -----------------------------------------------------------------------------
 
-    def prefetch(self, keys: Sequence[Key]) -> int:
+    def prefetch(self, keys: Sequence[Key], low: Sequence[Key] = ()) -> int:
         """Start loads for those of ``keys`` not cached, as far as free or evictable slots allow.
 
         Never waits and never raises for lack of space. A prefetch never evicts a pinned or
         loading entry, nor any entry of a layer it is prefetching for. Invalid keys raise
-        ``InvalidRequestError`` before anything starts.
+        ``InvalidRequestError`` before anything starts. The missing keys of ``low`` (a subset of
+        ``keys``) are read from the low-precision miss tier (``low_plan_of``; ignored without one).
 
         Returns:
             The number of loads started.
@@ -549,20 +581,47 @@ class ExpertCache:
         """
         self._check_open()
         missing = [k for k in dict.fromkeys(keys) if k not in self.entries]
-        plans = [(k, self.plan_of(*k)) for k in missing]
+        plans = self._plans(missing, low)
         layers = {k[0] for k in missing}
         victims = self._choose_victims(len(missing) - len(self.free_slots), lambda k: k[0] not in layers, partial=True)
         assert victims is not None
         self._evict(victims)
-        started = 0
-        for key, plan in plans[: len(self.free_slots)]:
+        return self._start_prefetches(plans)
+
+    def _plans(self, keys: list[Key], low: Sequence[Key]) -> list[tuple[Key, LoadPlan, bool]]:
+        """``(key, plan, low)`` of each of ``keys``: the low tier's plan for those in ``low`` (with
+        a tier), else the full one. Raises InvalidRequestError for a key the model does not have."""
+        low_plan_of = self.low_plan_of
+        low_set = set(low) if low and low_plan_of is not None else set()
+        out = []
+        for k in keys:
+            plan = self.plan_of(*k)  # checks the key, for the low tier too
+            if k in low_set and low_plan_of is not None:
+                out.append((k, low_plan_of(*k), True))
+            else:
+                out.append((k, plan, False))
+        return out
+
+    def _start_prefetches(self, plans: list[tuple[Key, LoadPlan, bool]]) -> int:
+        """Start prefetch loads of ``plans`` in the free slots, in order, while there are any."""
+        started = low = 0
+        for key, plan, is_low in plans[: len(self.free_slots)]:
             entry = self._start(key, self.free_slots.pop(), plan, Priority.PREFETCH)
             entry.prefetched = True
+            entry.low = is_low
+            low += is_low
             started += 1
         self.counters.prefetch_issued += started
+        self.counters.low_tier_prefetches += low
         return started
 
-    def start_loads(self, demand: Sequence[Key], prefetch: Sequence[Key] = (), low: Sequence[Key] = ()) -> int:
+    def start_loads(
+        self,
+        demand: Sequence[Key],
+        prefetch: Sequence[Key] = (),
+        low: Sequence[Key] = (),
+        low_prefetch: Sequence[Key] = (),
+    ) -> int:
         """Start the loads of a request's missing experts and of its prefetch, and submit them now.
 
         For a request that knows what it needs before it pins (the runner, the moment a layer's
@@ -575,8 +634,8 @@ class ExpertCache:
         none of them is evicted, nor a pinned or loading entry, nor (by the prefetch) an entry of
         a layer in ``prefetch``; the demand loads choose their victims as the request's
         :meth:`acquire` would. The request that pins a key started here counts it as a miss.
-        The missing keys of ``low`` (a subset of ``demand``) are read from the low-precision miss
-        tier (``low_plan_of``; ignored without one).
+        The missing keys of ``low`` (a subset of ``demand``) and of ``low_prefetch`` (a subset of
+        ``prefetch``) are read from the low-precision miss tier (``low_plan_of``; ignored without one).
 
         Returns:
             The number of loads started (demand and prefetch).
@@ -591,21 +650,17 @@ class ExpertCache:
         wanted_set = set(wanted)
         ahead = [k for k in dict.fromkeys(prefetch) if k not in self.entries and k not in wanted_set]
         missing = [k for k in wanted if k not in self.entries]
-        low_set = set(low) if low and self.low_plan_of is not None else set()
-        low_plan_of = self.low_plan_of
-        plans = [
-            (k, low_plan_of(*k) if k in low_set and low_plan_of is not None else self.plan_of(*k)) for k in missing
-        ]
-        ahead_plans = [(k, self.plan_of(*k)) for k in ahead]
+        plans = self._plans(missing, low)
+        ahead_plans = self._plans(ahead, low_prefetch)
         # the demand loads evict as the request's acquire would (anything but the request's own keys)
         victims = self._choose_victims(len(missing) - len(self.free_slots), lambda k: k not in wanted_set, partial=True)
         assert victims is not None
         self._evict(victims)
         started = 0
-        for key, plan in plans[: len(self.free_slots)]:
+        for key, plan, is_low in plans[: len(self.free_slots)]:
             entry = self._start(key, self.free_slots.pop(), plan, Priority.DEMAND)
             entry.demanded = True
-            entry.low = key in low_set
+            entry.low = is_low
             started += 1
         # the prefetch evicts as prefetch() after the request's pins: not the request's keys, not its layers ahead
         layers = {k[0] for k in ahead}
@@ -614,12 +669,7 @@ class ExpertCache:
         )
         assert victims is not None
         self._evict(victims)
-        prefetched = 0
-        for key, plan in ahead_plans[: len(self.free_slots)]:
-            entry = self._start(key, self.free_slots.pop(), plan, Priority.PREFETCH)
-            entry.prefetched = True
-            prefetched += 1
-        self.counters.prefetch_issued += prefetched
+        prefetched = self._start_prefetches(ahead_plans)
         if started or prefetched:
             self.scheduler.flush()
         return started + prefetched

@@ -165,6 +165,7 @@ class ReadScheduler:
         self._closed = False
         self.timeline: Timeline | None = None  # records each finished load (issue 36's timeline)
         backend.set_sink(self._on_read, self._batch_ended)
+        backend.set_batch_sink(self._on_reads, self._on_read)
 
     # -- queueing (loop thread) ------------------------------------------------------------
 
@@ -442,6 +443,42 @@ class ReadScheduler:
         if self._quiet_event is not None:
             self._notify_quiet()
 
+    def _on_reads(self, ops: list[ReadOp], results: list[ReadResult]) -> None:
+        """:meth:`_on_read` for a batch of completions (the backend's batch sink): a read that
+        returned its full length is counted here, every other one goes through :meth:`_on_read`;
+        the loads whose last read this was finish after the batch is counted. Never raises."""
+        full = full_bytes = 0
+        finished: list[Load] = []
+        for op, result in zip(ops, results, strict=True):
+            if type(result) is int and result == op.n_bytes:
+                full += 1
+                full_bytes += result
+                load = op.context[0]
+                load.ops_left -= 1
+                if load.ops_left == 0:
+                    finished.append(load)
+            else:
+                self._on_read(op, result)
+        if not full:
+            return
+        self._ops_in_flight -= full
+        self._bytes_in_flight -= full_bytes
+        self.counters.bytes_read += full_bytes
+        if self._ops_in_flight == 0 and self._busy_since_ns:
+            self.counters.device_busy_seconds += (time.perf_counter_ns() - self._busy_since_ns) / 1e9
+            self._busy_since_ns = 0
+        if finished:
+            now = time.perf_counter_ns()
+            for load in finished:
+                self._finish(load, now)
+        if self._retries or self._demand or self._prefetch:
+            if self._flush_at_batch_end:
+                self._flush_wanted = True
+            else:
+                self._schedule_flush()
+        if self._quiet_event is not None:
+            self._notify_quiet()
+
     def _batch_ended(self) -> None:
         """The backend delivered a batch of completions: submit what they made room for now."""
         if self._flush_wanted:
@@ -528,10 +565,12 @@ class ReadScheduler:
         if load.ops_left == 0:
             self._finish(load)
 
-    def _finish(self, load: Load) -> None:
+    def _finish(self, load: Load, now: int = 0) -> None:
+        """``load`` is done: record its latency (to ``now``, perf_counter ns, read here if 0), call ``on_done``."""
         load.state = LoadState.DONE
         if load.error is None:
-            now = time.perf_counter_ns()
+            if not now:
+                now = time.perf_counter_ns()
             self.counters.expert_latency.add((now - load.started_ns) / 1e9)
             timeline = self.timeline
             if timeline is not None and load.started_ns:

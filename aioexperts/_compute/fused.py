@@ -523,6 +523,7 @@ def linear(
     x: np.ndarray,
     *,
     out: np.ndarray | None = None,
+    split: bool = True,
 ) -> np.ndarray:
     """``x @ W.T`` for the matrix ``W`` of ``shape`` stored as raw ggml bytes.
 
@@ -539,6 +540,9 @@ def linear(
         out: optional ``(n_tokens, rows)`` float32 C-contiguous array to write into. It may be
             ``x`` itself (or overlap ``x`` or ``data``): the product is then computed apart and
             copied in.
+        split: whether a product of at least :data:`SPLIT_MIN_BYTES` may split its rows over the
+            compute pool (False: run on the calling thread, for a caller that splits the rows
+            itself; the same numbers either way).
 
     Returns:
         ``(n_tokens, rows)`` float32: ``out`` if given, else a new array.
@@ -554,13 +558,13 @@ def linear(
         return result
     if out is not None and (np.may_share_memory(result, xs) or np.may_share_memory(result, np.asarray(data))):
         # the kernels read x (and W) while they write out: an alias would read rows already written
-        result[...] = linear(data, qtype, (rows, cols), xs)
+        result[...] = linear(data, qtype, (rows, cols), xs, split=split)
         return result
     ready = _ready(qtype)
     if ready is not None:
         raw = _raw_matrix(data, qtype, rows, cols, ready)
         try:
-            _linear_numba(qtype, ready, raw, xs, result)
+            _linear_numba(qtype, ready, raw, xs, result, split)
             return result
         except Exception as exc:
             if not _is_numba_error(exc):
@@ -633,6 +637,7 @@ def linear_rows(
     x: np.ndarray,
     *,
     out: np.ndarray | None = None,
+    split: bool = True,
 ) -> np.ndarray:
     """:func:`linear` with each row of ``x`` bit for bit what it gets alone (batch-invariant).
 
@@ -657,14 +662,14 @@ def linear_rows(
         return result
     step = _invariant_rows(ready)
     for i in range(0, n, step):
-        result[i : i + step] = linear(data, qtype, (rows, cols), xs[i : i + step])
+        result[i : i + step] = linear(data, qtype, (rows, cols), xs[i : i + step], split=split)
     return result
 
 
-def _split_pool(raw: np.ndarray) -> Any:
+def _split_pool(raw: np.ndarray, split: bool) -> Any:
     """The compute pool that :func:`_split_rows` splits ``raw``'s rows over, or None (one range)."""
     limit = SPLIT_MIN_BYTES
-    if limit is None or raw.nbytes < limit:
+    if not split or limit is None or raw.nbytes < limit:
         return None
     from . import pool as _pool_module
 
@@ -674,17 +679,17 @@ def _split_pool(raw: np.ndarray) -> Any:
     return pool
 
 
-def _split_rows(raw: np.ndarray, run: Callable[[int, int], None]) -> None:
+def _split_rows(raw: np.ndarray, run: Callable[[int, int], None], split: bool) -> None:
     """``run(r0, r1)`` over row ranges covering ``raw``: one range, or one per compute-pool thread.
 
-    Split only when the process already has a compute pool (a runner made it; this never creates
+    Split only when ``split`` is true, the process already has a compute pool (a runner made it; this never creates
     one) with more than one thread and ``raw`` holds at least :data:`SPLIT_MIN_BYTES`. The ranges go
     through :meth:`ComputePool.map`: the calling thread runs ranges itself and only idle workers
     help, so concurrent callers never run more threads than the pool has (busy pool: all inline).
     Every row's result is the same whatever the split (rows are independent).
     """
     rows = raw.shape[0]
-    pool = _split_pool(raw)
+    pool = _split_pool(raw, split)
     if pool is None:
         run(0, rows)
         return
@@ -710,10 +715,12 @@ def _by_rows(
     return run
 
 
-def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
+def _linear_numba(
+    qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, xs: np.ndarray, out: np.ndarray, split: bool
+) -> None:
     n = xs.shape[0]
     llama = precision() == "int8"
-    if llama and n == 1 and ready.entry.int8_module is not None and _split_pool(raw) is None:
+    if llama and n == 1 and ready.entry.int8_module is not None and _split_pool(raw, split) is None:
         # the decode step's common call: one token on this thread; the kernel checks
         # that x is finite itself (False: NaN or inf, nothing written; the general path below)
         if _kernel(ready, qtype, "matvec_int8")(raw, xs[0], out[0]):
@@ -721,7 +728,7 @@ def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, x
     # the int8 kernels' quantizers lose NaN/inf (max() skips NaN): such x takes the round trip, which keeps them
     int8 = ready.entry.int8_module is not None and llama and bool(np.isfinite(xs).all())
     if int8 and ready.entry.int8_batched and 1 < n <= INT8_BATCH_MAX:
-        _split_rows(raw, _by_rows(_kernel(ready, qtype, "matmat_int8"), raw, xs, out))
+        _split_rows(raw, _by_rows(_kernel(ready, qtype, "matmat_int8"), raw, xs, out), split)
         return
     if int8 and n <= MATVEC_MAX_TOKENS:
         matvec_int8 = _kernel(ready, qtype, "matvec_int8")
@@ -730,19 +737,21 @@ def _linear_numba(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, x
             for t in range(n):
                 matvec_int8(raw[r0:r1], xs[t], out[t, r0:r1])
 
-        _split_rows(raw, tokens_int8)
+        _split_rows(raw, tokens_int8, split)
         return
     if llama:  # the float kernels on llama.cpp's rounding of x: its integer products to float rounding
-        _linear_float(qtype, ready, raw, _llama_activations(xs, qtype), out)
+        _linear_float(qtype, ready, raw, _llama_activations(xs, qtype), out, split)
         _add_q8_1_sums(raw, qtype, raw.shape[0], xs, out)
     else:
-        _linear_float(qtype, ready, raw, xs, out)
+        _linear_float(qtype, ready, raw, xs, out, split)
 
 
-def _linear_float(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
+def _linear_float(
+    qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, xs: np.ndarray, out: np.ndarray, split: bool
+) -> None:
     n = xs.shape[0]
     if ready.entry.rows_module is not None and n <= ROWS_MAX_TOKENS:
-        _split_rows(raw, _by_rows(_kernel(ready, qtype, "matrows"), raw, xs, out))
+        _split_rows(raw, _by_rows(_kernel(ready, qtype, "matrows"), raw, xs, out), split)
     elif n <= MATVEC_MAX_TOKENS:
         matvec = _kernel(ready, qtype, "matvec")
 
@@ -750,11 +759,11 @@ def _linear_float(qtype: GGMLQuantizationType, ready: _Ready, raw: np.ndarray, x
             for t in range(n):
                 matvec(raw[r0:r1], xs[t], out[t, r0:r1])
 
-        _split_rows(raw, tokens)
+        _split_rows(raw, tokens, split)
     elif n <= SMALL_BATCH_MAX:
         _kernel(ready, qtype, "matmat")(raw, xs, out)
     else:  # a prefill: dequantized by row ranges, each range's BLAS product on its own worker
-        _split_rows(raw, _by_rows(_dequant_matmul(_kernel(ready, qtype, "dequant")), raw, xs, out))
+        _split_rows(raw, _by_rows(_dequant_matmul(_kernel(ready, qtype, "dequant")), raw, xs, out), split)
 
 
 def _dequant_matmul(dequant: Callable[..., None]) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:

@@ -589,6 +589,10 @@ def plan_moe(
     x = check_activations(x, n_embd)
     ids, weights = _check_routing(ids, weights, x.shape[0], resident.n_layer_experts)
     flat = ids.reshape(-1)
+    if ids.shape[0] == 1:  # a decode row: no sort, no unique (the same dict, the same arrays' values)
+        one = _one_row_positions(flat.tolist())
+        if one is not None:
+            return MoEPlan(x, ids, weights, one, resident, hparams)
     positions = np.flatnonzero(flat >= 0)
     by_expert: dict[int, np.ndarray] = {}
     if positions.size:
@@ -601,6 +605,24 @@ def plan_moe(
         for e, lo, hi in zip(uniq.tolist(), starts.tolist(), ends.tolist(), strict=True):
             by_expert[e] = positions[lo:hi]
     return MoEPlan(x, ids, weights, by_expert, resident, hparams)
+
+
+_SLOT_POSITIONS: dict[int, tuple[np.ndarray, ...]] = {}
+
+
+def _one_row_positions(row: list[int]) -> dict[int, np.ndarray] | None:
+    """:func:`plan_moe`'s ``positions`` of a one-token routing whose ``k`` ids are active and
+    distinct (else None): expert id ascending -> its slot, as a read-only one-element intp array
+    shared by every call (built once per ``k``)."""
+    k = len(row)
+    if min(row) < 0 or len(set(row)) != k:
+        return None
+    slots = _SLOT_POSITIONS.get(k)
+    if slots is None:
+        base = np.arange(k, dtype=np.intp)
+        base.flags.writeable = False
+        slots = _SLOT_POSITIONS[k] = tuple(base[i : i + 1] for i in range(k))
+    return {row[i]: slots[i] for i in sorted(range(k), key=row.__getitem__)}
 
 
 def expert_outputs(
@@ -728,6 +750,10 @@ def combine_moe(
     parts = [parts] if isinstance(parts, ExpertOutputs) else list(parts)
     x, ids, weights, hparams = plan.x, plan.ids, plan.weights, plan.hparams
     n_tokens, k = ids.shape
+    if n_tokens == 1 and not expert_out and not hparams.weights_before_experts and len(plan.positions) == k:
+        fast = _combine_one_row(plan, parts)  # a decode row, every slot active and distinct
+        if fast is not None:
+            return fast
     # every slot's expert output, then the weighted sum over the k slots in slot order, as
     # llama.cpp adds them (ffn_moe_weighted, then ggml_add of slot 0, 1, ..., k-1)
     slot_out = np.zeros((n_tokens, k, x.shape[1]), dtype=np.float32)
@@ -754,6 +780,36 @@ def combine_moe(
     return MoEOutput(
         moe_out=moe_out, shared_out=shared_out, ffn_out=ffn_out, expert_out=slot_out if expert_out else None
     )
+
+
+def _combine_one_row(plan: MoEPlan, parts: list[ExpertOutputs]) -> MoEOutput | None:
+    """:func:`combine_moe` of a one-token plan whose ``k`` slots hold ``k`` distinct experts, bit for
+    bit: the slots' rows stacked ``(k, n_embd)`` and multiplied by their weights in one call each,
+    then added in slot order (the same float32 products and sums as the general path, without its
+    zeroed ``(1, k, n_embd)`` slot array and mask; ``np.add.accumulate`` would be slower: it loops
+    over the slots per column); None when an expert's output is missing (the general path raises)."""
+    rows: dict[int, np.ndarray] = parts[0].rows if len(parts) == 1 else {}
+    shared_out = None
+    if len(parts) > 1:
+        for part in parts:
+            rows.update(part.rows)
+    for part in parts:
+        if part.shared_out is not None:
+            shared_out = part.shared_out
+    ids, weights = plan.ids[0].tolist(), plan.weights[0]
+    try:
+        ys = [rows[e] for e in ids]
+    except KeyError:
+        return None
+    weighted = np.concatenate(ys)
+    if weighted.dtype != np.float32 or weighted.shape[0] != len(ys):
+        return None
+    weighted *= weights[:, None]
+    moe_out = weighted[0:1].copy()
+    for i in range(1, len(ys)):
+        moe_out += weighted[i]
+    ffn_out = moe_out if shared_out is None else moe_out + shared_out
+    return MoEOutput(moe_out=moe_out, shared_out=shared_out, ffn_out=ffn_out)
 
 
 # --------------------------------------------------------------------------------------------------

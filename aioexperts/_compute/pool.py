@@ -30,8 +30,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-import anyio
-
 from .._errors import ConfigError, StoreClosedError
 from .._io.loop import current_loop, wait_through_cancellation
 
@@ -196,7 +194,7 @@ class ComputePool:
             propagates; ``fn`` may read memory that the caller frees afterwards (pinned slots).
         """
         loop = current_loop()
-        done = anyio.Event()
+        done = loop.new_event()  # the loop's own event (asyncio.Event, trio.Event): no anyio layer per job
         job: _Job[R] = _Job(fn, args, lambda: loop.call_soon_threadsafe(done.set))
         with self._lock:
             if self._closed:

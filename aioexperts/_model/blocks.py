@@ -27,7 +27,7 @@ from aioexperts._compute.pool import compute_pool
 from aioexperts._compute.rope import apply_rope, rope_table
 from aioexperts._errors import UnsupportedTypeError
 from aioexperts._format.architectures import ModelHParams
-from aioexperts._model.weights import TensorReader, invariant_products
+from aioexperts._model.weights import TensorReader, invariant_products, stack_rows
 
 __all__ = (
     "BLOCKS",
@@ -113,6 +113,11 @@ class GQABlock:
         self.wk = reader.matrix(p + "attn_k.weight", (nkv * dk, n_embd))
         self.wv = reader.matrix(p + "attn_v.weight", (nkv * dv, n_embd))
         self.wo = reader.matrix(p + "attn_output.weight", (n_embd, nh * dv))
+        # q, k and v in one buffer (when one type): a decode step splits them as one product
+        self.wqkv = None
+        stacked = stack_rows(p + "attn_q+k+v", [self.wq, self.wk, self.wv])
+        if stacked is not None:
+            self.wqkv, (self.wq, self.wk, self.wv) = stacked
         # build_qkv adds the biases where the file has them (qwen2moe, gpt-oss)
         self.bq = reader.optional_array(p + "attn_q.bias", (nh * dk,))
         self.bk = reader.optional_array(p + "attn_k.bias", (nkv * dk,))
@@ -159,7 +164,12 @@ class GQABlock:
         """See :class:`BatchedAttentionBlock`: q/k/v and the output projection once for every row
         (batch-invariant, split over ``parts`` workers), the attention of each row on its own cache."""
         n = x.shape[0]
-        q, k, v = invariant_products([(self.wq, x), (self.wk, x), (self.wv, x)], parts)
+        if self.wqkv is not None:
+            (qkv,) = invariant_products([(self.wqkv, x)], parts)
+            nq, nk = self.wq.shape[0], self.wk.shape[0]
+            q, k, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
+        else:
+            q, k, v = invariant_products([(self.wq, x), (self.wk, x), (self.wv, x)], parts)
         outs = compute_pool().map(
             lambda i: self._attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], caches[i], starts[i]), range(n)
         )

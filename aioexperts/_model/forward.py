@@ -394,8 +394,10 @@ class ForwardPass:
             self.counters.attention_seconds += t1 - t0
             if not route:
                 return [(ffn_inp, ffn_in, None)], None
-            # counted with the MoE layer; the token ids route the hash-routed layers (deepseek4)
-            routing = self.runner.route_in_job(il, ffn_in, token_ids=np.asarray(row.ids, dtype=np.int64))
+            # counted with the MoE layer; the token ids route the hash-routed layers (deepseek4), and
+            # only those: a model without any is routed without them (no array to make and check)
+            ids = np.asarray(row.ids, dtype=np.int64) if hp.moe.n_hash_layers else None
+            routing = self.runner.route_in_job(il, ffn_in, token_ids=ids)
             self.counters.moe_seconds += time.perf_counter() - t1
             return [(ffn_inp, ffn_in, routing)], None
 

@@ -22,7 +22,7 @@ from aioexperts._errors import FormatError
 from aioexperts._format.dequant import dequantize
 from aioexperts._format.model import GGUFModel
 
-__all__ = ("DenseMatrix", "TensorReader", "invariant_products")
+__all__ = ("DenseMatrix", "TensorReader", "invariant_products", "stack_rows")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -60,16 +60,17 @@ class DenseMatrix:
         """
         return fused.linear(self.raw, self.ggml_type, self.shape, _float_rounding(x, self.ggml_type))
 
-    def invariant(self, x: np.ndarray, row_range: tuple[int, int] | None = None) -> np.ndarray:
+    def invariant(self, x: np.ndarray, row_range: tuple[int, int] | None = None, *, split: bool = True) -> np.ndarray:
         """``x @ W.T`` with each row of ``x`` bit for bit its one-row result :meth:`__call__`
         (:func:`aioexperts._compute.fused.linear_rows`): cross-request batching stacks the rows of
         several sequences. ``row_range`` ``(r0, r1)``: only the output columns ``r0..r1-1``
         (weight rows), ``(n_tokens, r1 - r0)``, each the same numbers as in the whole product.
+        ``split``: False keeps the product on the calling thread (its caller splits the rows).
         """
         r0, r1 = (0, self.shape[0]) if row_range is None else row_range
         raw = self.raw if (r0, r1) == (0, self.shape[0]) else self.raw[r0 * self.row_bytes : r1 * self.row_bytes]
         x = _float_rounding(x, self.ggml_type)
-        return fused.linear_rows(raw, self.ggml_type, (r1 - r0, self.shape[1]), x)
+        return fused.linear_rows(raw, self.ggml_type, (r1 - r0, self.shape[1]), x, split=split)
 
     def rows(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows ``ids`` dequantized: ``(len(ids), cols)`` float32 (token embeddings)."""
@@ -82,6 +83,29 @@ def _float_rounding(x: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarra
     """``x`` rounded to F16/BF16 weights' type under the ``"float"`` precision (the default
     precision rounds every product's ``x`` inside :func:`aioexperts._compute.fused.linear`)."""
     return round_activations(x, ggml_type) if fused.precision() == "float" else x
+
+
+def stack_rows(name: str, matrices: Sequence[DenseMatrix]) -> tuple[DenseMatrix, list[DenseMatrix]] | None:
+    """``matrices`` (one ggml type, one column count) moved into one buffer, rows after rows.
+
+    Returns the stacked matrix ``name`` and each of ``matrices`` again as a view of its rows in it
+    (the same bytes: no memory is added once the originals are dropped), or None when the types or
+    column counts differ. One product with the stacked matrix gives, column range by column range,
+    bit for bit each matrix's own product (rows are independent): llama.cpp's fused ``attn_qkv``,
+    made at load so that a decode step's q/k/v split over the pool as one product.
+    """
+    if not matrices or len({(m.ggml_type, m.shape[1]) for m in matrices}) != 1:
+        return None
+    raw = np.concatenate([m.raw for m in matrices])
+    raw.flags.writeable = False
+    rows = [m.shape[0] for m in matrices]
+    stacked = DenseMatrix(name, raw, matrices[0].ggml_type, (sum(rows), matrices[0].shape[1]))
+    views: list[DenseMatrix] = []
+    offset = 0
+    for m in matrices:
+        views.append(DenseMatrix(m.name, raw[offset : offset + m.n_bytes], m.ggml_type, m.shape))
+        offset += m.n_bytes
+    return stacked, views
 
 
 #: weight rows of one part of a split product at least (smaller matrices are not split)
@@ -102,7 +126,10 @@ def invariant_products(products: Sequence[tuple[DenseMatrix, np.ndarray]], parts
         rows = w.shape[0]
         n = max(1, min(parts, rows // SPLIT_MIN_ROWS))
         items.extend((k, w, x, (rows * i // n, rows * (i + 1) // n)) for i in range(n))
-    done = compute_pool().map(lambda item: item[1].invariant(item[2], item[3]), items)
+    # a lone product may split itself (fused.SPLIT_MIN_BYTES); the parts of a split one run whole on
+    # their thread (a nested split would only find the other threads busy with the other parts)
+    alone = len(items) == 1
+    done = compute_pool().map(lambda item: item[1].invariant(item[2], item[3], split=alone), items)
     outs: list[np.ndarray] = []
     for k in range(len(products)):
         pieces = [y for item, y in zip(items, done, strict=True) if item[0] == k]

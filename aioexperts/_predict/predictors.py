@@ -108,6 +108,22 @@ class Predictor(ABC):
             ConfigError: ``budget`` is negative or not an int.
         """
 
+    def predict_weighted(
+        self, layer: int, next_layer: int, x: np.ndarray | None, budget: int
+    ) -> tuple[list[int], dict[int, float]]:
+        """:meth:`predict`, with the gate weight each predicted expert is expected to get where the
+        predictor knows it (its largest over the rows of ``x``; the miss tier reads a prefetch of
+        low weight at low precision). The default knows none: ``(self.predict(...), {})``.
+
+        Returns:
+            The ids as :meth:`predict` returns them, and id -> routing weight (a finite float, as
+            ``select_experts`` gives it) for some of them.
+
+        Raises:
+            As :meth:`predict`.
+        """
+        return self.predict(layer, next_layer, x, budget), {}
+
     def reset(self) -> None:  # noqa: B027 - a no-op default, not abstract: stateless predictors keep it
         """Forget everything observed (start of a new sequence). Stateless predictors: no-op."""
 
@@ -239,22 +255,36 @@ class NextRouterPredictor(Predictor):
             InvalidRequestError: ``x`` is not float32 ``(n_tokens, n_embd)`` (a ``(n_embd,)`` row is
                 one token).
         """
+        return self.predict_weighted(layer, next_layer, x, budget)[0]
+
+    def predict_weighted(
+        self, layer: int, next_layer: int, x: np.ndarray | None, budget: int
+    ) -> tuple[list[int], dict[int, float]]:
+        """:meth:`predict` and each predicted expert's routing weight as the next layer's router
+        gives it for ``x`` (the largest over the rows that choose it).
+
+        Raises:
+            As :meth:`predict`.
+        """
         budget = _check_budget(budget)
         resident = self._residents.get(next_layer)
         if resident is None or x is None or budget == 0:
-            return []
+            return [], {}
         if isinstance(x, np.ndarray) and x.ndim == 1:
             x = x[None, :]
         logits = router_logits(x, resident)
         if logits.shape[0] == 0:
-            return []
-        ids, _ = select_experts(logits, self._hparams, resident.selection_bias)
+            return [], {}
+        ids, weights = select_experts(logits, self._hparams, resident.selection_bias)
         chosen = np.zeros(logits.shape, dtype=bool)
         np.put_along_axis(chosen, ids.astype(np.int64), True, axis=1)
         scores = _selection_scores(logits, self._hparams.gating_func, resident.selection_bias)
         votes = chosen.sum(axis=0)
         summed = np.where(chosen, scores, 0.0).sum(axis=0, dtype=np.float64)
-        return _rank(votes, summed, budget)
+        ranked = _rank(votes, summed, budget)
+        gate = np.zeros(logits.shape[1], dtype=np.float64)
+        np.maximum.at(gate, ids.astype(np.int64).ravel(), weights.astype(np.float64).ravel())
+        return ranked, {e: float(gate[e]) for e in ranked}
 
 
 def _selection_scores(logits: np.ndarray, gating: GatingFunc, bias: np.ndarray | None) -> np.ndarray:

@@ -131,13 +131,16 @@ class ExpertSource(ABC):
         """Unpin what :meth:`acquire` returned."""
 
     @abstractmethod
-    def prefetch(self, keys: Sequence[Key]) -> int:
-        """Start loading ``keys`` without waiting; the number started."""
+    def prefetch(self, keys: Sequence[Key], low: Sequence[Key] = ()) -> int:
+        """Start loading ``keys`` without waiting (``low``: those to read from the miss tier, where
+        the source has one); the number started."""
 
-    def start_loads(self, demand: Sequence[Key], prefetch: Sequence[Key], low: Sequence[Key] = ()) -> int:
+    def start_loads(
+        self, demand: Sequence[Key], prefetch: Sequence[Key], low: Sequence[Key] = (), low_prefetch: Sequence[Key] = ()
+    ) -> int:
         """Start loading a request's ``demand`` keys ahead of its ``prefetch`` keys, submitted now
-        (``low``: demand keys to read from the miss tier, where the source has one); the number
-        started. The default prefetches both, in that order."""
+        (``low``, ``low_prefetch``: demand and prefetch keys to read from the miss tier, where the
+        source has one); the number started. The default prefetches both, in that order."""
         return self.prefetch([*demand, *prefetch])
 
     def read_backlog_seconds(self) -> float | None:

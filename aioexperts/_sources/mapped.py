@@ -150,8 +150,8 @@ class MappedSource(ExpertSource):
     def release(self, pinned: Sequence[PinnedExpert]) -> None:
         self._running().release(pinned)
 
-    def prefetch(self, keys: Sequence[Key]) -> int:
-        return self._running().prefetch(keys)
+    def prefetch(self, keys: Sequence[Key], low: Sequence[Key] = ()) -> int:
+        return self._running().prefetch(keys)  # no miss tier in page-cache mode
 
     def drop_prefetches(self, keep: Callable[[Key], bool]) -> int:
         return self._running().drop_prefetches(keep)

@@ -8,10 +8,12 @@ the first :meth:`SlabSource.rows` call (:class:`~aioexperts._sources.rows.RowRea
 
 from __future__ import annotations
 
+import gc
 import logging
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import anyio
 
@@ -28,7 +30,7 @@ from .._io.files import ShardFiles, open_shards
 from .._io.loop import LoopAdapter
 from .._io.plan import ExpertPlan, plan_all_experts, plan_expert
 from .._io.slab import slot_stride
-from .._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions
+from .._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions, MissTier
 from .._timeline import Timeline
 from .base import Build, ExpertSource
 from .rows import RowReader, RowStatistics, RowsView
@@ -37,6 +39,8 @@ from .stack import ReadStack
 from .tier_files import add_sidecar
 
 __all__ = ("SlabSource",)
+
+T = TypeVar("T")
 
 log = logging.getLogger("aioexperts")
 
@@ -73,7 +77,7 @@ class SlabSource(ExpertSource):
         self._rows_built: RowReader | None = None  # a row reader built, not attached yet
         self._rows_lock = anyio.Lock()
         self.tier: TierSidecar | None = None  # the miss tier's sidecar, set before start
-        self.tier_upgrade = True  # read a low copy hit again at full precision
+        self.tier_policy: MissTier | None = None  # the miss tier's rules, set with the sidecar
 
     @property
     def scheduler(self) -> ReadScheduler | None:
@@ -119,7 +123,9 @@ class SlabSource(ExpertSource):
         await build(
             stack,
             "backend",
-            lambda: stack.build_backend(io.backend, files, loop, io.queue_depth, io.backend_options(), shapes),
+            lambda: _settled(
+                stack.build_backend(io.backend, files, loop, io.queue_depth, io.backend_options(), shapes)
+            ),
         )
         scheduler = stack.start(loop, self.counters, files, io.max_bytes_in_flight, paths)
 
@@ -133,9 +139,23 @@ class SlabSource(ExpertSource):
         def low_plan(layer: int, expert: int) -> ExpertPlan:
             return low_plans[layer, expert]  # the keys of a request were checked by its full plan
 
+        tier_policy = self.tier_policy
+
+        def reads_behind() -> bool:  # upgrades of low copies wait while this holds
+            pending = scheduler.bytes_in_flight + scheduler.queued_bytes
+            return tier_policy is not None and tier_policy.reads_behind(pending, self.read_backlog_seconds())
+
         policy = make_policy(cache.policy) if isinstance(cache.policy, str) else cache.policy
         self.cache = ExpertCache(
-            n_slots, plan, scheduler, policy, loop, self.counters, low_plan if low_plans else None, self.tier_upgrade
+            n_slots,
+            plan,
+            scheduler,
+            policy,
+            loop,
+            self.counters,
+            low_plan if low_plans else None,
+            tier_policy is None or tier_policy.upgrade,
+            reads_behind if tier_policy is not None else None,
         )
 
     def _n_slots(self, layout: ExpertLayout, slot_bytes: int) -> int:
@@ -221,11 +241,13 @@ class SlabSource(ExpertSource):
     def release(self, pinned: Sequence[Entry]) -> None:
         self._running().release(pinned)
 
-    def prefetch(self, keys: Sequence[Key]) -> int:
-        return self._running().prefetch(keys)
+    def prefetch(self, keys: Sequence[Key], low: Sequence[Key] = ()) -> int:
+        return self._running().prefetch(keys, low)
 
-    def start_loads(self, demand: Sequence[Key], prefetch: Sequence[Key], low: Sequence[Key] = ()) -> int:
-        return self._running().start_loads(demand, prefetch, low)
+    def start_loads(
+        self, demand: Sequence[Key], prefetch: Sequence[Key], low: Sequence[Key] = (), low_prefetch: Sequence[Key] = ()
+    ) -> int:
+        return self._running().start_loads(demand, prefetch, low, low_prefetch)
 
     def read_backlog_seconds(self) -> float | None:
         scheduler, c = self.stack.scheduler, self.counters
@@ -353,3 +375,16 @@ class SlabSource(ExpertSource):
         if stack.slab is not None:
             parts.append(stack.slab.close)
         return parts
+
+
+def _settled(value: T) -> T:
+    """``value``, after one full garbage collection (in the open's worker thread).
+
+    Opening builds about ten long-lived objects per expert (its location, segments and read plan):
+    tens of thousands that count towards CPython's next full collection, which would otherwise
+    run during the first reads on the loop thread (30-80 ms with a 6144-expert model, measured by
+    bench/read_cpu.py). Collected here, at open, the next full collection waits for the heap to
+    grow by a quarter again.
+    """
+    gc.collect()
+    return value

@@ -22,6 +22,7 @@ from aioexperts_bench import DEFAULT_ENGINES, ENGINES, GenerateConfig, parse_lim
 from .. import AioExpertsError, __version__, write_miss_tier
 from .._json import dumps as json_dumps
 from ._common import refuse_to_overwrite
+from .tiertool import TYPES as TIER_TYPES
 from .tiertool import default_output
 
 __all__ = ("DSV4_NAME", "add_model_arguments", "build_parser", "check_model_arguments", "main")
@@ -79,12 +80,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--miss-tier",
         default=None,
         help="the low-precision miss tier's sidecar (aioexperts-tier writes it): adds the engine aioexperts-tier; "
-        "None: that engine (if asked for in --engines) uses MODEL.miss-tier-Q3_K.gguf, written first if missing",
+        "None: that engine (if asked for in --engines) uses MODEL.miss-tier-TYPE.gguf (--miss-tier-type), written "
+        "first if missing",
+    )
+    p.add_argument(
+        "--miss-tier-type",
+        default=None,
+        choices=TIER_TYPES,
+        help="without --miss-tier: the sidecar MODEL.miss-tier-TYPE.gguf beside the model (default Q3_K); "
+        "adds the engine aioexperts-tier",
     )
     p.add_argument("--miss-tier-weight", type=float, default=None, help="MissTier.max_gate_weight (None: no rule)")
     p.add_argument("--miss-tier-behind", type=float, default=None, help="MissTier.behind_seconds (None: no rule)")
     p.add_argument(
         "--miss-tier-no-upgrade", action="store_true", help="MissTier(upgrade=False): low copies hit again stay low"
+    )
+    p.add_argument(
+        "--miss-tier-demand-only",
+        action="store_true",
+        help="MissTier(prefetches=False): the rules choose the tier of demand misses only, prefetches read full",
     )
     p.add_argument(
         "--no-warm-prefill",
@@ -132,13 +146,13 @@ def _model(args: argparse.Namespace, note: Callable[[str], None]) -> str:
     return os.fspath(built)
 
 
-def _sidecar(model: str, note: Callable[[str], None]) -> str:
-    """The model's Q3_K miss-tier sidecar beside it, written first if it is not there (a stale one
-    is refused by the engine's run: write it again with aioexperts-tier)."""
-    path = default_output(model, "Q3_K")
+def _sidecar(model: str, ggml_type: str, note: Callable[[str], None]) -> str:
+    """The model's miss-tier sidecar of ``ggml_type`` beside it, written first if it is not there (a
+    stale one is refused by the engine's run: write it again with aioexperts-tier)."""
+    path = default_output(model, ggml_type)
     if not os.path.exists(path):
-        note(f"writing the miss tier {path} (Q3_K; minutes per GB of experts)")
-        write_miss_tier(model, path, "Q3_K")
+        note(f"writing the miss tier {path} ({ggml_type}; minutes per GB of experts)")
+        write_miss_tier(model, path, ggml_type)
     return path
 
 
@@ -187,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--run-timeout must be > 0 seconds, got {args.run_timeout}")
     if not limits:
         parser.error("--limits needs at least one limit (none, 1/2, 1/4, ...)")
+    if args.miss_tier is not None and args.miss_tier_type is not None:
+        parser.error("--miss-tier-type chooses the sidecar beside the model; with --miss-tier give only the file")
     if len(set(limits)) != len(limits):
         parser.error("--limits: each limit once (use --rounds for more runs of one limit)")
 
@@ -203,14 +219,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             refuse_to_overwrite(os.path.abspath(args.out), [model], ours=_is_ours, force=args.force, what="--out")
         miss_tier = None
-        if args.miss_tier is not None and "aioexperts-tier" not in engines:
+        wants_tier = args.miss_tier is not None or args.miss_tier_type is not None
+        if wants_tier and "aioexperts-tier" not in engines:
             engines.insert(engines.index("aioexperts") + 1 if "aioexperts" in engines else 0, "aioexperts-tier")
         if "aioexperts-tier" in engines:
             miss_tier = {
-                "path": os.path.abspath(args.miss_tier or _sidecar(model, note)),
+                "path": os.path.abspath(args.miss_tier or _sidecar(model, args.miss_tier_type or "Q3_K", note)),
                 "max_gate_weight": args.miss_tier_weight,
                 "behind_seconds": args.miss_tier_behind,
                 "upgrade": not args.miss_tier_no_upgrade,
+                "prefetches": not args.miss_tier_demand_only,
             }
         cfg = GenerateConfig(
             model=model,

@@ -217,6 +217,8 @@ class _Report:
             "demand_misses": st.demand_misses,
             "low_tier_misses": st.low_tier_misses,
             "tier_upgrades": st.tier_upgrades,
+            "low_tier_prefetch_hits": st.low_tier_prefetch_hits,
+            "tier_upgrades_deferred": st.tier_upgrades_deferred,
             "stall_seconds": ms.stall_seconds,
             "stall_seconds_per_token": ms.stall_seconds_per_token,
             "device_busy_seconds": st.device_busy_seconds,
@@ -312,8 +314,10 @@ def _sources_line(ex: dict[str, Any]) -> str:
     stall = ex["stall_seconds_per_token"]
     rate = ex["device_bytes_per_second"]
     low = (
-        f", {ex['low_tier_misses']} of them from the low tier ({ex['tier_upgrades']} upgraded since)"
-        if ex["low_tier_misses"]
+        f", {ex['low_tier_misses']} of them from the low tier ({ex['tier_upgrades']} upgraded since); "
+        f"{ex['low_tier_prefetch_hits']} prefetched from the low tier, {ex['tier_upgrades_deferred']} upgrades "
+        "put off while the reads were behind"
+        if ex["low_tier_misses"] or ex["low_tier_prefetch_hits"]
         else ""
     )
     return (

@@ -150,6 +150,18 @@ class Metrics:
         add("expert_low_tier_misses_total", "counter", "Demand misses served from the low tier.", st.low_tier_misses)
         add("expert_tier_upgrades_total", "counter", "Low-tier copies read again at full precision.", st.tier_upgrades)
         add(
+            "expert_low_tier_prefetch_hits_total",
+            "counter",
+            "Requests served by a prefetch read from the low tier (in time or late).",
+            st.low_tier_prefetch_hits,
+        )
+        add(
+            "expert_tier_upgrades_deferred_total",
+            "counter",
+            "Upgrades of low-tier copies put off because the reads were behind.",
+            st.tier_upgrades_deferred,
+        )
+        add(
             "expert_stall_seconds_total",
             "counter",
             "Seconds the MoE layers waited for expert reads with nothing to compute.",

@@ -82,6 +82,42 @@ def test_generate_smoke_run_with_the_miss_tier(
     assert "| none | aioexperts-tier | 1x ok |" in printed and "the miss tier (aioexperts-tier)" in printed
 
 
+def test_generate_chooses_the_miss_tier_type_beside_the_model(
+    tiny_full_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    from aioexperts import build_layout, open_model
+    from aioexperts._format.tier_sidecar import read_tier_sidecar
+
+    model = tmp_path / "tiny.gguf"  # the sidecar is written beside the model: a copy of our own
+    shutil.copyfile(tiny_full_model, model)
+    out = tmp_path / "gen-q2k.json"
+    args = ["--mode", "generate", "--model", str(model), "--engines", "aioexperts-tier", "--limits", "none"]
+    args += ["--rounds", "1", "--prompt-tokens", "6", "--decode-tokens", "2", "--out", str(out), "--quiet"]
+    assert bench.main([*args, "--miss-tier-type", "Q2_K", "--miss-tier-behind", "0"]) == 0
+    written = tmp_path / "tiny.miss-tier-Q2_K.gguf"
+    gguf = open_model(model)
+    assert read_tier_sidecar(written, gguf, build_layout(gguf)).ggml_type.name == "Q2_K"
+    results = load_generate_results(out)
+    assert results["parameters"]["miss_tier"] == {
+        "path": str(written),
+        "max_gate_weight": None,
+        "behind_seconds": 0.0,
+        "upgrade": True,
+        "prefetches": True,
+    }
+    (run,) = results["runs"]
+    assert run["status"] == "ok" and run["engine"] == "aioexperts-tier"
+    sources = ("cached_hits", "prefetched_in_time", "prefetched_late", "demand_misses")
+    assert sum(run[f"{k}_per_token"] for k in sources) == run["requests_per_token"]
+    assert "low_tier_prefetch_hits_per_token" in run and "tier_upgrades_deferred_per_token" in run
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        bench.main([*args, "--miss-tier-type", "Q2_K", "--miss-tier", str(written)])
+    assert info.value.code == 2 and "with --miss-tier give only the file" in capsys.readouterr().err
+
+
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         bench.main(["--mode", "generate", "--limits", "1/0"])

@@ -357,8 +357,13 @@ def test_the_miss_tier_serves_misses_and_is_reported(tiny_full_model: Path, tmp_
     assert done.returncode == 0, done.stderr
     ex = json.loads(done.stdout)["experts"]
     assert 0 < ex["low_tier_misses"] <= ex["demand_misses"] and ex["tier_upgrades"] >= 0
+    assert 0 <= ex["low_tier_prefetch_hits"] <= ex["prefetched_in_time"] + ex["prefetched_late"]
+    assert ex["tier_upgrades_deferred"] >= 0
     human = run(*args, "--miss-tier", str(sidecar))
-    line = r"\d+ demand misses, \d+ of them from the low tier \(\d+ upgraded since\)"
+    line = (
+        r"\d+ demand misses, \d+ of them from the low tier \(\d+ upgraded since\); \d+ prefetched from the low "
+        r"tier, \d+ upgrades put off while the reads were behind; stalled on reads"
+    )
     assert re.search(line, human.stderr), human.stderr
     stale = run(*args, "--miss-tier", str(tiny_full_model))  # not a sidecar: one clear line, no traceback
     assert stale.returncode != 0 and "not a miss-tier sidecar" in stale.stderr and "Traceback" not in stale.stderr

@@ -228,6 +228,10 @@ def test_large_products_split_over_an_existing_pool_give_the_same_bits(
         splits = precision == "int8" or n <= fused.MATVEC_MAX_TOKENS or Q.Q8_0 in fused.rows_types()
         assert pool.statistics().maps == maps + splits
         maps = pool.statistics().maps
+        # split=False: a caller that splits the rows itself keeps the product on its thread
+        inline = fused.linear(raw, Q.Q8_0, (rows, cols), x, split=False)
+        assert pool.statistics().maps == maps
+        np.testing.assert_array_equal(inline, alone)
         small = matrix(Q.Q8_0, 64, cols, seed=43)
         fused.linear(small, Q.Q8_0, (64, cols), x)
         assert pool.statistics().maps == maps  # small matrices stay on the calling thread

@@ -105,6 +105,20 @@ class SlotGuard(IOBackend):
         if self.after_deliver is not None:
             self.after_deliver(op, result)
 
+    def _deliver_together(self, batch_sink: Any, ops: list[ReadOp], results: list[ReadResult]) -> None:
+        # a reap handed to the scheduler in one call: every op's completion is delivered by it
+        before = self.before_deliver
+        for op, result in zip(ops, results, strict=True):
+            if before is not None:
+                before(op, result)
+                before = self.before_deliver
+            self._disown(op)
+        super()._deliver_together(batch_sink, ops, results)  # type: ignore[misc]
+        if self.after_deliver is not None:
+            for op, result in zip(ops, results, strict=True):
+                if self.after_deliver is not None:
+                    self.after_deliver(op, result)
+
     def close(self) -> None:
         with self._close_lock:
             self.close_calls += 1

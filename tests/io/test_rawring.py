@@ -404,3 +404,36 @@ async def test_a_batch_of_completions_reaped_at_once_resolves_each_read_into_its
     for b, s in zip(blocks, slots, strict=True):
         got = bytes(harness.slab.view(s, 0, block))
         assert got == data[b * block : (b + 1) * block], f"slot {s} does not hold block {b}"
+
+
+async def test_a_batch_sink_gets_each_reap_whole_only_while_it_stands_for_the_sink_set(
+    make_harness: Any, anyio_backend: object
+) -> None:
+    """IOBackend.set_batch_sink: the reap hands its completions to the batch sink in one call (the
+    backend's count of reads in flight drops by the batch); once another sink is set in place of
+    the one it stands for (a recording wrapper), that sink sees every completion, one call each."""
+    harness = make_harness()
+    backend = harness.backend
+    batches: list[list[tuple[int, int | Exception]]] = []
+    backend.set_batch_sink(
+        lambda ops, results: batches.append(list(zip(map(id, ops), results, strict=True))), harness._sink
+    )
+    ops = [ReadOp(0, i * ALIGN, ALIGN, i, 0) for i in range(4)]
+    harness.submit(ops)
+    with anyio.fail_after(10.0):
+        while sum(map(len, batches)) < len(ops):
+            await anyio.sleep(0.0005)
+    assert sorted(sum(batches, [])) == sorted((id(op), ALIGN) for op in ops)
+    assert harness.results == {} and backend.in_flight == 0  # the per-op sink saw none of them
+
+    wrapped: list[int] = []
+
+    def wrapper(op: ReadOp, result: int | Exception) -> None:
+        wrapped.append(id(op))
+        harness._sink(op, result)
+
+    backend.set_sink(wrapper)  # the batch sink stands for harness._sink, not for this one
+    more = [ReadOp(0, i * ALIGN, ALIGN, i, 0) for i in range(4)]
+    harness.submit(more)
+    assert await harness.wait(more) == [ALIGN] * 4
+    assert sorted(wrapped) == sorted(map(id, more)) and sum(map(len, batches)) == len(ops)

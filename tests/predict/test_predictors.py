@@ -209,10 +209,15 @@ def test_router_predicts_what_route_chooses_on_same_x(case) -> None:
         selection_bias=rng.standard_normal(n_expert, dtype=np.float32) if with_bias else None,
     )
     x = rng.standard_normal((n_tokens, n_embd), dtype=np.float32)
-    ids, _ = route(x, resident, hp)
+    ids, weights = route(x, resident, hp)
 
     p = NextRouterPredictor({5: resident}, hp)
     full = p.predict(4, 5, x, n_expert)
+    # with the weights (the miss tier's gate weight of a prefetch): each the largest the rows give it
+    ranked, gate = p.predict_weighted(4, 5, x, n_expert)
+    assert ranked == full and sorted(gate) == sorted(full)
+    for e in full:
+        assert gate[e] == float(weights[ids == e].max())
     assert sorted(full) == sorted(set(ids.reshape(-1).tolist()))
     votes = [int((ids == e).any(axis=1).sum()) for e in full]
     assert votes == sorted(votes, reverse=True)

@@ -54,3 +54,18 @@ async def test_a_fully_resident_layer_is_not_predicted(model: Path, anyio_backen
         assert first in predictor.asked  # the next token's first layer is not resident: predicted
         with pytest.raises(aioexperts.InvalidRequestError):
             store.layer_resident(SPEC.n_layer + 5)
+
+
+async def test_the_first_layer_of_a_step_is_not_predicted_once_resident(model: Path, anyio_backend: object) -> None:
+    """predict_first (a decode step's first MoE layer, from the embeddings) asks nothing about a
+    resident layer, and still asks about one that is not."""
+    async with aioexperts.open(model, slots=2 * SPEC.n_expert) as store:
+        first, _ = store.layout.layers
+        runner = aioexperts.MoERunner(store)
+        await runner.warmup()
+        x = np.random.default_rng(1).standard_normal((1, SPEC.n_embd)).astype(np.float32)
+        assert runner.router.predict_first(first, x)  # not resident: predicted
+        async with store.experts(first, range(SPEC.n_expert)):
+            pass
+        assert store.layer_resident(first)
+        assert runner.router.predict_first(first, x) == []

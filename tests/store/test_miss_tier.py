@@ -28,8 +28,9 @@ from aioexperts.testing import FakeBackend, SyntheticSpec, write_synthetic_model
 
 SPEC = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
 #: logits rel L2 of the Q3_K tier against the default path on llama.cpp's Q4_K_M qwen3moe fixture
-#: (random weights, 8 tokens, 8 slots), by max_gate_weight (None: every miss low). Measured:
-#: None 0.167 (Q2_K 0.308, IQ4_XS 0.088), 0.3: 0.0067 (3 of 19 misses low); docs/miss-tier.md
+#: (random weights, 8 tokens, 8 slots), by max_gate_weight (None: every read low, prefetches too).
+#: Measured: None 0.185 (Q2_K 0.336, IQ4_XS 0.099), 0.3: 0.016 (3 of 19 misses and 1 of 3
+#: prefetches low); docs/miss-tier.md
 FIXTURE_LOGITS_REL_L2 = {None: 0.25, 0.3: 0.02}
 
 

@@ -47,6 +47,12 @@ V16I32 = ir.VectorType(I32, 16)
 V8F32 = ir.VectorType(F32, 8)
 
 Q8_0_BYTES = 34
+#: bytes ahead of the block being multiplied that a row loop prefetches: the weights stream from
+#: memory once per product, and the hardware prefetcher of an x86 core stops at each 4 KiB page;
+#: one page ahead, the one-token Q8_0 product from DRAM ran at 14.7 GB/s instead of 10.3 (AMD EPYC
+#: Zen 2, one thread, 48 x 11 MB matrices; 8 and 16 KiB ahead within noise of 4)
+PREFETCH_AHEAD = 4096
+CACHE_LINE = 64
 Q4_K_BYTES = 144
 Q5_K_BYTES = 176
 Q6_K_BYTES = 210
@@ -145,11 +151,36 @@ def _offset(builder: ir.IRBuilder, base: Any, extra: int) -> Any:
     return builder.add(base, _const(I64, extra))
 
 
-def _row_loop(context: Any, builder: ir.IRBuilder, n_blocks: Any, body: Any, with_scalar: bool) -> Any:
-    """Run ``body(b, acc, accs) -> (acc, accs)`` for every block, return ``hsum(acc) - accs``."""
+def _prefetch_ahead(builder: ir.IRBuilder, w: _Ptr, o: Any, block_bytes: int) -> None:
+    """Hint the cache lines :data:`PREFETCH_AHEAD` bytes past the block at byte ``o`` of ``w``
+    (``llvm.prefetch``: read, high locality; never faults, so past the end of the matrix too)."""
+    i8p = I8.as_pointer()
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+    for line in range(0, block_bytes, CACHE_LINE):
+        ptr = builder.bitcast(builder.gep(w.data, [_offset(builder, o, PREFETCH_AHEAD + line)]), i8p)
+        builder.call(fn, [ptr, _const(I32, 0), _const(I32, 3), _const(I32, 1)])
+
+
+def _row_loop(
+    context: Any,
+    builder: ir.IRBuilder,
+    n_blocks: Any,
+    body: Any,
+    with_scalar: bool,
+    prefetch: tuple[_Ptr, int] | None = None,
+) -> Any:
+    """Run ``body(b, acc, accs) -> (acc, accs)`` for every block, return ``hsum(acc) - accs``.
+
+    ``prefetch`` ``(w, block_bytes)``: each block first hints the bytes :data:`PREFETCH_AHEAD`
+    past it (:func:`_prefetch_ahead`).
+    """
     acc_slot = cgutils.alloca_once_value(builder, ir.Constant(V8F32, [0.0] * 8))
     scalar_slot = cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
     with cgutils.for_range(builder, _i64(builder, n_blocks)) as loop:
+        if prefetch is not None:
+            w, block_bytes = prefetch
+            _prefetch_ahead(builder, w, builder.mul(loop.index, _const(I64, block_bytes)), block_bytes)
         acc, accs = body(loop.index, builder.load(acc_slot), builder.load(scalar_slot))
         builder.store(acc, acc_slot)
         builder.store(accs, scalar_slot)
@@ -201,7 +232,7 @@ def rowdot_q8_0(typingctx, row, q, d, n_blocks):
             scale = builder.fmul(dx.load(b, F32, align=4), dw)
             return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sums, V8F32), acc), accs
 
-        return _row_loop(context, builder, args[3], body, with_scalar=False)
+        return _row_loop(context, builder, args[3], body, with_scalar=False, prefetch=(w, Q8_0_BYTES))
 
     return sig, codegen
 
@@ -287,7 +318,7 @@ def _k4_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
             accs = builder.fadd(accs, builder.fmul(builder.fmul(x_scale, dmin_w), builder.sitofp(summ, F32)))
             return acc, accs
 
-        return _row_loop(context, builder, args[4], body, with_scalar=True)
+        return _row_loop(context, builder, args[4], body, with_scalar=True, prefetch=(w, block_bytes))
 
     return codegen
 
@@ -351,7 +382,7 @@ def rowdot_q6_k(typingctx, row, q, d, bsums, n_blocks):
             scale = builder.fmul(dx.load(b, F32, align=4), _half(builder, w.load(_offset(builder, o, 208), I16)))
             return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
 
-        return _row_loop(context, builder, args[4], body, with_scalar=False)
+        return _row_loop(context, builder, args[4], body, with_scalar=False, prefetch=(w, Q6_K_BYTES))
 
     return sig, codegen
 
@@ -424,6 +455,7 @@ def rowdot_mxfp4(typingctx, row, q, d, n_blocks):
         odd_slot = cgutils.alloca_once_value(builder, zero)
         with cgutils.for_range(builder, builder.sdiv(n, _const(I64, 2))) as loop:
             b = builder.mul(loop.index, _const(I64, 2))
+            _prefetch_ahead(builder, w, builder.mul(b, _const(I64, MXFP4_BYTES)), 2 * MXFP4_BYTES)
             for slot, blk in ((even_slot, b), (odd_slot, _offset(builder, b, 1))):
                 scale, sums = block(blk)
                 acc = _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sums, V8F32), builder.load(slot))
@@ -474,7 +506,7 @@ def rowdot_iq4_xs(typingctx, row, q, d, bsums, n_blocks):
             scale = builder.fmul(_half(builder, w.load(o, I16)), dx.load(b, F32, align=4))
             return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
 
-        return _row_loop(context, builder, args[4], body, with_scalar=False)
+        return _row_loop(context, builder, args[4], body, with_scalar=False, prefetch=(w, IQ4_XS_BYTES))
 
     return sig, codegen
 
@@ -522,7 +554,7 @@ def rowdot_q2_k(typingctx, row, q, d, bsums, n_blocks):
             scale = builder.fmul(x_scale, _half(builder, w.load(_offset(builder, o, 80), I16)))
             return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
 
-        return _row_loop(context, builder, args[4], body, with_scalar=False)
+        return _row_loop(context, builder, args[4], body, with_scalar=False, prefetch=(w, Q2_K_BYTES))
 
     return sig, codegen
 
@@ -586,6 +618,6 @@ def rowdot_q3_k(typingctx, row, q, d, bsums, n_blocks):
             scale = builder.fmul(dx.load(b, F32, align=4), _half(builder, w.load(_offset(builder, o, 108), I16)))
             return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
 
-        return _row_loop(context, builder, args[4], body, with_scalar=False)
+        return _row_loop(context, builder, args[4], body, with_scalar=False, prefetch=(w, Q3_K_BYTES))
 
     return sig, codegen

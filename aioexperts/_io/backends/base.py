@@ -14,6 +14,9 @@ Contract between the scheduler and a backend (every call on the loop thread unle
   the ring, one wake-up of the thread pool), on the loop thread and outside ``submit``: the
   scheduler then submits the reads those completions made room for at once, in the same loop
   tick, rather than one tick later.
+- A backend that reaps in batches (the raw ring) hands a batch of completions to the handler
+  given to :meth:`IOBackend.set_batch_sink` in one call instead of one sink call per op, while
+  the sink set is the one that handler stands for (the same completions, in the same order).
 - Set-up (the constructor) touches no event loop and may run in a worker thread; :meth:`attach`
   starts delivering completions (loop thread); :meth:`detach` stops watching the loop (loop
   thread); :meth:`close` releases the rest and may run in a worker thread once detached.
@@ -30,7 +33,7 @@ from ..files import ShardFiles
 from ..loop import LoopAdapter
 from ..slab import Slab
 
-__all__ = ("CompletionSink", "IOBackend", "ReadOp", "ReadResult", "SubmitError")
+__all__ = ("BatchSink", "CompletionSink", "IOBackend", "ReadOp", "ReadResult", "SubmitError")
 
 log = logging.getLogger("aioexperts")
 
@@ -74,6 +77,8 @@ ReadResult = int | Exception
 
 #: Called on the loop thread exactly once per taken op.
 CompletionSink = Callable[[ReadOp, ReadResult], None]
+#: Called on the loop thread with a batch of completions: ``(ops, results)``, one result per op.
+BatchSink = Callable[[list[ReadOp], list[ReadResult]], None]
 
 
 class SubmitError(Exception):
@@ -114,6 +119,8 @@ class IOBackend(ABC):
         self.depth = depth
         self._sink: CompletionSink | None = None
         self._batch_end: Callable[[], None] | None = None
+        self._batch_sink: BatchSink | None = None
+        self._batch_sink_for: CompletionSink | None = None
         self._in_flight = 0
         self._attached = False
         self._failed: list[tuple[ReadOp, Exception]] = []  # failed reads whose completion is due
@@ -125,6 +132,15 @@ class IOBackend(ABC):
         each batch of them; set once before the first :meth:`submit`."""
         self._sink = sink
         self._batch_end = batch_end
+
+    def set_batch_sink(self, batch_sink: BatchSink, stands_for: CompletionSink) -> None:
+        """A handler of a whole batch of completions, ``batch_sink(ops, results)``, equivalent to
+        calling ``stands_for`` once per op in order; a backend that reaps in batches
+        (:meth:`_deliver_reaped`) calls it instead of the per-op sink, but only while the sink set
+        by :meth:`set_sink` is still ``stands_for`` (a wrapper set in its place sees every op).
+        It must not raise."""
+        self._batch_sink = batch_sink
+        self._batch_sink_for = stands_for
 
     @property
     def in_flight(self) -> int:
@@ -233,6 +249,25 @@ class IOBackend(ABC):
                 batch_end()
             except Exception:  # the scheduler's never raises; a custom one must not stop the reaping
                 log.exception("the end of a batch of completions failed")
+
+    def _deliver_reaped(self, ops: list[ReadOp], results: list[ReadResult]) -> None:
+        """Deliver the completions of ``ops`` (one result each): one call of the batch sink when it
+        stands for the current sink (:meth:`set_batch_sink`), else :meth:`_deliver` per op."""
+        batch_sink = self._batch_sink
+        if batch_sink is not None and self._sink == self._batch_sink_for:
+            self._deliver_together(batch_sink, ops, results)
+            return
+        deliver = self._deliver
+        for op, result in zip(ops, results, strict=True):
+            deliver(op, result)
+
+    def _deliver_together(self, batch_sink: BatchSink, ops: list[ReadOp], results: list[ReadResult]) -> None:
+        """Hand ``ops`` and their results to ``batch_sink`` in one call (:meth:`_deliver` for a batch)."""
+        self._in_flight -= len(ops)
+        try:
+            batch_sink(ops, results)
+        except Exception:  # the scheduler's never raises
+            log.exception("handling a batch of %d completions failed", len(ops))
 
     def _deliver(self, op: ReadOp, result: ReadResult) -> None:
         self._in_flight -= 1

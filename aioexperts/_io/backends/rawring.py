@@ -298,8 +298,11 @@ class RawUringBackend(IOBackend):
             ret = ring.enter(before)
             self.submit_calls += 1
             consumed = before - ring.sq_unconsumed()
-            for _ in range(consumed):
-                pending.popleft()
+            if consumed == len(pending):  # the usual case: the kernel took every entry
+                pending.clear()
+            else:
+                for _ in range(consumed):
+                    pending.popleft()
             if consumed > 0:
                 self._stalls = 0
                 continue
@@ -346,13 +349,18 @@ class RawUringBackend(IOBackend):
         except Exception:  # an overflow flush failed: what was reaped is lost to this call only
             log.exception("io_uring: reaping the completion queue failed")
             return
-        pop, deliver = self._ops.pop, self._deliver
+        pop = self._ops.pop
+        ops: list[ReadOp] = []
+        outcomes: list[int | Exception] = []
         for user_data, res in zip(users, results, strict=True):
             op = pop(user_data, None)
             if op is None:  # a stranger or a duplicate: its read (if any) was already accounted for
                 self.unexpected_completions += 1
                 continue
-            deliver(op, res if res >= 0 else OSError(-res, os.strerror(-res)))
+            ops.append(op)
+            outcomes.append(res if res >= 0 else OSError(-res, os.strerror(-res)))
+        if ops:
+            self._deliver_reaped(ops, outcomes)
         if self._unconsumed:
             self._stalls = 0
             self._schedule_submit()
