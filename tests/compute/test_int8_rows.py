@@ -172,7 +172,7 @@ def test_several_tokens_of_a_row_portable_and_avx2_give_each_token_alone(
                 out[:, r] = np.asarray(fn(raw[r], q, d, b, d.shape[1], t0))
 
         got = np.empty((rowdots.TOKENS, rows), np.float32)
-        tokens(raw, q, d, b, 1, got)  # tokens 1..TOKENS: not from the first
+        tokens(raw, q, d, int8.bsum_pairs(b), 1, got)  # tokens 1..TOKENS: not from the first
         assert ("pmaddubsw" in next(iter(tokens.inspect_asm().values()))) == (avx2 and rowdot._avx2())
         np.testing.assert_array_equal(got, alone[1:])
 

@@ -333,6 +333,17 @@ def matmat_int8_mxfp4(raw, xt, out):
 # k-quants against Q8_K
 
 
+@kernel(inline=True)
+def bsum_pairs(bsums):
+    """``(n, 8 n_blocks)`` int16 ``bsums[:, 2j] + bsums[:, 2j+1]`` (:mod:`.rowdots`' argument)."""
+    n, m = bsums.shape
+    pairs = np.empty((n, m // 2), dtype=np.int16)
+    for t in range(n):
+        for j in range(m // 2):
+            pairs[t, j] = np.int16(bsums[t, 2 * j] + bsums[t, 2 * j + 1])
+    return pairs
+
+
 @kernel(exact=True)
 def matvec_int8_q4_k(raw, x, out):
     """``ggml_vec_dot_q4_K_q8_K``: ``d_w d_x sum_j sc_j dot_j - dmin_w d_x sum_j m_j bsum_j``
@@ -363,10 +374,11 @@ def matmat_int8_q4_k(raw, xt, out):
     if not finite:
         return False
     full = n - n % TOKENS  # TOKENS tokens at a time share each block's decoding (.rowdots), then one by one
+    pairs = bsum_pairs(bsums)
     for r in range(raw.shape[0]):
         row = raw[r]
         for t in range(0, full, TOKENS):
-            y0, y1, y2, y3 = rowdots_q4_k(row, q, d, bsums, n_blocks, t)
+            y0, y1, y2, y3 = rowdots_q4_k(row, q, d, pairs, n_blocks, t)
             out[t, r] = y0
             out[t + 1, r] = y1
             out[t + 2, r] = y2
@@ -406,10 +418,11 @@ def matmat_int8_q5_k(raw, xt, out):
     if not finite:
         return False
     full = n - n % TOKENS  # TOKENS tokens at a time share each block's decoding (.rowdots), then one by one
+    pairs = bsum_pairs(bsums)
     for r in range(raw.shape[0]):
         row = raw[r]
         for t in range(0, full, TOKENS):
-            y0, y1, y2, y3 = rowdots_q5_k(row, q, d, bsums, n_blocks, t)
+            y0, y1, y2, y3 = rowdots_q5_k(row, q, d, pairs, n_blocks, t)
             out[t, r] = y0
             out[t + 1, r] = y1
             out[t + 2, r] = y2

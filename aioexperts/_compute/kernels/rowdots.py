@@ -9,8 +9,11 @@ its own 8-lane accumulator. Per token the operations are those of :func:`.rowdot
 result is bit for bit that token's one-token result (``tests/compute/test_int8_rows.py``).
 
 Arguments: ``row`` one weight row (uint8, 1-D); ``q`` ``(n, cols)`` int8, ``d`` ``(n, n_blocks)``
-float32 and ``bsums`` ``(n, 16 n_blocks)`` int32: every token's Q8_K quants, C-contiguous; the
-callers size them and keep ``t0 + TOKENS <= n`` (no bounds checks).
+float32: every token's Q8_K quants; ``bsums`` ``(n, 8 n_blocks)`` int16: the sums of the Q8_K
+block sums in pairs (``bsums[2j] + bsums[2j+1]``: the 32 values of one scale and min, at most
+``32 * 128`` in magnitude), so that the mins' term is one 128-bit ``pmaddwd`` (the same integer
+as :mod:`.rowdot`'s 256-bit one); all C-contiguous, sized by the callers, ``t0 + TOKENS <= n`` (no
+bounds checks).
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from .rowdot import (
     V8F32,
     V8I32,
     V16I16,
-    V16I32,
     V32I8,
     _call,
     _const,
@@ -53,6 +55,18 @@ from .rowdot import (
 
 #: tokens one call computes
 TOKENS = 4
+V8I16 = ir.VectorType(I16, 8)
+V4I32 = ir.VectorType(I32, 4)
+
+
+def _madd8(builder: ir.IRBuilder, a: Any, b: Any, avx2: bool) -> Any:
+    """``<4 x i32>``: ``a[2i] * b[2i] + a[2i+1] * b[2i+1]`` (``<8 x i16>`` each; ``pmaddwd`` xmm)."""
+    if avx2:
+        return _call(builder, "llvm.x86.sse2.pmadd.wd", V4I32, [a, b])
+    products = builder.mul(builder.sext(a, V8I32), builder.sext(b, V8I32))
+    even = builder.shuffle_vector(products, products, _lanes([0, 2, 4, 6]))
+    odd = builder.shuffle_vector(products, products, _lanes([1, 3, 5, 7]))
+    return builder.add(even, odd)
 
 
 def _ok(row: Any, q: Any, d: Any, bsums: Any, n_blocks: Any, t0: Any) -> bool:
@@ -65,7 +79,7 @@ def _ok(row: Any, q: Any, d: Any, bsums: Any, n_blocks: Any, t0: Any) -> bool:
         and row.dtype == types.uint8
         and array(q, 2, types.int8)
         and array(d, 2, types.float32)
-        and array(bsums, 2, types.int32)
+        and array(bsums, 2, types.int16)
         and isinstance(n_blocks, types.Integer)
         and isinstance(t0, types.Integer)
     )
@@ -97,7 +111,7 @@ def _k4_tokens_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
             d_w = _half(builder, w.load(o, I16))
             dmin_w = _half(builder, w.load(_offset(builder, o, 2), I16))
             scales, mins = _scales_mins_k4(builder, w, o)
-            mins16 = builder.zext(builder.shuffle_vector(mins, mins, _lanes([i // 2 for i in range(16)])), V16I16)
+            mins8 = builder.zext(mins, V8I16)
             scales16 = builder.zext(builder.shuffle_vector(scales, scales, _lanes(list(range(8)) * 2)), V16I16)
             high = None if qh is None else w.load(_offset(builder, o, qh), V32I8)
             codes: list[Any] = []
@@ -115,8 +129,8 @@ def _k4_tokens_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
             for i, (acc_slot, scalar_slot) in enumerate(slots):
                 tb = builder.add(builder.mul(_offset(builder, t0, i), n_blocks), b)  # token's block index
                 x_scale = dx.load(tb, F32, align=4)
-                sums16 = builder.trunc(bs.load(builder.mul(tb, _const(I64, 16)), V16I32, 4), V16I16)
-                summ = _call(builder, "llvm.vector.reduce.add.v8i32", I32, [_madd(builder, mins16, sums16, avx2)])
+                pairs = bs.load(builder.mul(tb, _const(I64, 8)), V8I16, 2)  # bsum_2j + bsum_2j+1
+                summ = _call(builder, "llvm.vector.reduce.add.v4i32", I32, [_madd8(builder, mins8, pairs, avx2)])
                 xo = builder.mul(tb, _const(I64, 256))
                 sumi = ir.Constant(V8I32, [0] * 8)
                 for k, (code, scale) in enumerate(zip(codes, sub_scales, strict=True)):
