@@ -237,11 +237,8 @@ def _kernels() -> Any:
             if _Kernels.module is None and not _Kernels.failed:
                 try:
                     module = importlib.import_module(f"{__package__}.kernels.routing")
-                    ids = np.zeros((1, 1), dtype=np.int32)
-                    weights = np.zeros((1, 1), dtype=np.float32)
-                    e = np.zeros((1, 2), dtype=np.float32)
-                    module.shift_rows(e, e)  # compiles (or loads from the kernel cache)
-                    module.finish_softmax_top_k(e, True, WEIGHTS_SUM_MIN, False, np.float32(1.0), ids, weights)
+                    e = module.shift_rows(np.zeros((1, 2), dtype=np.float32))  # compiles (or loads)
+                    module.finish_softmax_top_k(e, 1, True, WEIGHTS_SUM_MIN, False, np.float32(1.0))
                     _Kernels.module = module
                 except Exception as exc:  # a broken numba/llvmlite can raise anything
                     _Kernels.failed = True
@@ -252,19 +249,17 @@ def _kernels() -> Any:
 def _softmax_top_k(kernels: Any, logits: np.ndarray, hparams: MoEHParams) -> tuple[np.ndarray, np.ndarray]:
     """:func:`select_experts` of a softmax router without bias, groups or given ids, compiled: bit for
     bit the numpy steps (:mod:`aioexperts._compute.kernels.routing` says how)."""
-    n_tokens = logits.shape[0]
     k = hparams.n_expert_used
-    ids = np.empty((n_tokens, k), dtype=np.int32)
-    weights = np.empty((n_tokens, k), dtype=np.float32)
-    if n_tokens == 0:
-        return ids, weights
-    e = np.empty(logits.shape, dtype=np.float32)
-    kernels.shift_rows(np.ascontiguousarray(logits), e)
+    if logits.shape[0] == 0:
+        return np.empty((0, k), dtype=np.int32), np.empty((0, k), dtype=np.float32)
+    e = kernels.shift_rows(logits)
     np.exp(e, out=e)
     scale = hparams.weights_scale
     scaled = scale != 0.0 and scale != 1.0
-    kernels.finish_softmax_top_k(
-        e, bool(hparams.weights_norm), WEIGHTS_SUM_MIN, scaled, np.float32(scale), ids, weights
+    ids: np.ndarray
+    weights: np.ndarray
+    ids, weights = kernels.finish_softmax_top_k(
+        e, k, bool(hparams.weights_norm), WEIGHTS_SUM_MIN, scaled, np.float32(scale)
     )
     return ids, weights
 

@@ -139,8 +139,9 @@ def _block32(a, lo, n):
 
 
 @kernel(exact=True)
-def shift_rows(logits, out):
+def shift_rows(logits):
     n, m = logits.shape
+    out = np.empty((n, m), dtype=np.float32)
     for t in range(n):
         top = logits[t, 0]
         for j in range(1, m):
@@ -151,12 +152,14 @@ def shift_rows(logits, out):
                 top = v
         for j in range(m):
             out[t, j] = logits[t, j] - top
+    return out
 
 
 @kernel(exact=True)
-def finish_softmax_top_k(e, norm, sum_min, scaled, scale, ids, weights):
+def finish_softmax_top_k(e, k, norm, sum_min, scaled, scale):
     n, m = e.shape
-    k = ids.shape[1]
+    ids = np.empty((n, k), dtype=np.int32)
+    weights = np.empty((n, k), dtype=np.float32)
     taken = np.zeros(m, dtype=np.bool_)
     for t in range(n):
         row = e[t]
@@ -190,3 +193,4 @@ def finish_softmax_top_k(e, norm, sum_min, scaled, scale, ids, weights):
         if scaled:
             for s in range(k):
                 w[s] = w[s] * scale
+    return ids, weights
