@@ -359,6 +359,11 @@ def router_logits(x: np.ndarray, resident: ResidentLayer, *, invariant: bool = F
     x = check_activations(x, resident.n_embd)
     if invariant:
         logits = _fused.linear_rows(resident.router, GGMLQuantizationType.F32, resident.router.shape, x)
+    elif x.shape[0] == 1:
+        # a decode row: the BLAS product fused.linear's F32 path runs (``np.matmul(x, W.T)`` of the
+        # same C-contiguous arrays; x is its own llama.cpp rounding for F32), without its checks and
+        # views: with cold caches each small numpy call costs 10-20 us, several per layer
+        logits = np.matmul(x, resident.router.T)
     else:
         logits = _dense(resident.router, x)
     if resident.router_bias is not None:
