@@ -2,6 +2,11 @@
 
 The reference is ``llm_graph_context::build_moe_ffn`` in llama.cpp's ``src/llama-graph.cpp``; each step
 below names the ggml operation it mirrors. Everything is float32, vectorised over tokens.
+
+A softmax router without selection bias, expert groups or given ids (Qwen3-MoE, Qwen2-MoE, Mixtral)
+runs compiled where the numba backend serves (:mod:`aioexperts._compute.kernels.routing`: two
+loops around numpy's own ``exp``), bit for bit the numpy steps: the decode step's routing is ~20
+small numpy calls fewer per layer, each 10-20 us with cold caches.
 """
 
 from __future__ import annotations
