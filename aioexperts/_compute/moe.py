@@ -359,6 +359,11 @@ def router_logits(x: np.ndarray, resident: ResidentLayer, *, invariant: bool = F
     x = check_activations(x, resident.n_embd)
     if invariant:
         logits = _fused.linear_rows(resident.router, GGMLQuantizationType.F32, resident.router.shape, x)
+    elif x.shape[0] == 1:
+        # a decode row: the BLAS product fused.linear's F32 path runs (``np.matmul(x, W.T)`` of the
+        # same C-contiguous arrays; x is its own llama.cpp rounding for F32), without its checks and
+        # views: with cold caches each small numpy call costs 10-20 us, several per layer
+        logits = np.matmul(x, resident.router.T)
     else:
         logits = _dense(resident.router, x)
     if resident.router_bias is not None:
@@ -1042,7 +1047,7 @@ def _check_routing(
         not isinstance(ids, np.ndarray)
         or ids.ndim != 2
         or ids.shape[0] != n_tokens
-        or not np.issubdtype(ids.dtype, np.integer)
+        or ids.dtype.kind not in "iu"  # np.issubdtype(dtype, np.integer), one attribute
     ):
         raise InvalidRequestError(f"ids must be an integer array of shape ({n_tokens}, k), got {describe(ids)}")
     if not isinstance(weights, np.ndarray) or weights.dtype != np.float32 or weights.shape != ids.shape:
@@ -1052,7 +1057,11 @@ def _check_routing(
     if ids.shape[1] == 0:
         raise InvalidRequestError("ids has no slots (k == 0)")
     if ids.size:
-        lo, hi = int(ids.min()), int(ids.max())
+        if ids.shape[0] == 1:  # a decode row: its k ids as Python ints (two numpy reductions cost more)
+            row = ids[0].tolist()
+            lo, hi = min(row), max(row)
+        else:
+            lo, hi = int(ids.min()), int(ids.max())
         if lo < -1 or hi >= n_layer_experts:
             raise InvalidRequestError(f"expert ids must be in -1..{n_layer_experts - 1} (-1: inactive), got {lo}..{hi}")
     return np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(weights)
