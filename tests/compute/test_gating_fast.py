@@ -29,8 +29,10 @@ def _logit_cases(rng: np.random.Generator, n_expert: int) -> list[np.ndarray]:
     """Rows of router logits: plain, wide, near-ties, exact ties, inf, NaN, huge."""
     cases = []
     for n_tokens in (1, 3):
-        for spread in (0.5, 3.0, 30.0, 300.0):
-            cases.append((rng.standard_normal((n_tokens, n_expert)) * spread).astype(np.float32))
+        cases.extend(
+            (rng.standard_normal((n_tokens, n_expert)) * spread).astype(np.float32)
+            for spread in (0.5, 3.0, 30.0, 300.0)
+        )
         base = rng.standard_normal((n_tokens, n_expert)).astype(np.float32)
         cases.append(np.where(rng.random(base.shape) < 0.5, np.nextafter(base, np.float32(np.inf)), base))
         cases.append(rng.integers(0, 3, (n_tokens, n_expert)).astype(np.float32))  # exact ties
