@@ -43,6 +43,8 @@ __all__ = ("SlabSource",)
 T = TypeVar("T")
 
 log = logging.getLogger("aioexperts")
+#: where a slab other than the one asked for is said (the CLIs say it themselves, with the option's name)
+SLAB_LOGGER = "aioexperts.slab"
 
 
 class SlabSource(ExpertSource):
@@ -167,7 +169,7 @@ class SlabSource(ExpertSource):
         stride = slot_stride(slot_bytes, hugepages=self.cache_options.hugepages)  # what each slot maps
         least = min(2 * layout.n_expert_used, total)  # a layer step's experts and the next one's
         if budget // stride < least:
-            log.warning(
+            logging.getLogger(SLAB_LOGGER).warning(
                 "cache_bytes=%d holds %d slots of %d bytes; the slab is raised to the minimum of %d slots "
                 "(%d bytes: two layers' top-%d experts)",
                 budget,

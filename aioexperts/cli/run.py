@@ -673,6 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.chat and sys.stdin is None:
         parser.error("--chat reads the turns from standard input, which is closed")
     logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(message)s", stream=sys.stderr)
+    logging.getLogger("aioexperts.slab").setLevel(logging.ERROR)  # say_slab says it, naming the option
     try:
         _options(args)  # sampling options out of range: a usage error before anything is loaded
         prompt = _read_prompt(args)

@@ -164,6 +164,9 @@ async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
             io=aioexperts.IOOptions(backend=args.io),
         )
         async with model:
+            if stop.is_set():  # a signal during the load: never open the port
+                _say("stopped before serving")
+                return 0
             say_slab(args, model, _say)
             server = Server(model, options)
             serving.append(server)
@@ -219,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model is not None and (args.layers is not None or args.rebuild):
         parser.error("--layers and --rebuild are for the built-in model (no MODEL argument)")
     logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(message)s", stream=sys.stderr)
+    logging.getLogger("aioexperts.slab").setLevel(logging.ERROR)  # say_slab says it, naming the option
     try:
         from aioexperts.serve import ServerOptions
 

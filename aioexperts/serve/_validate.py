@@ -425,7 +425,10 @@ def parse_detokenize(body: Mapping[str, Any]) -> tuple[int, ...]:
     """A ``POST /detokenize`` body: its ``tokens``."""
     refuse_unknown(body, DETOKENIZE_FIELDS, "POST /detokenize")
     _str(body, "model")
-    return parse_token_ids(body.get("tokens"), "tokens")
+    tokens = body.get("tokens")
+    if isinstance(tokens, list) and not tokens:
+        return ()  # what /tokenize gives for "" (llama.cpp's server answers "" too)
+    return parse_token_ids(tokens, "tokens")
 
 
 def parse_token_ids(value: object, param: str) -> tuple[int, ...]:

@@ -210,3 +210,26 @@ def test_a_port_in_use_is_said_before_the_model_loads(
     assert status == 2, err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and f"--port {port}: cannot listen on 127.0.0.1:{port}" in lines[0], err
+
+
+def test_a_signal_during_the_load_stops_before_the_port_opens(
+    tiny_full_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    import aioexperts
+
+    class LoadInterrupted:  # the load, with SIGTERM arriving while it runs
+        async def __aenter__(self) -> object:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.05)  # the loop runs the signal handler
+            return object()
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+    monkeypatch.setattr(aioexperts, "load", lambda *a, **k: LoadInterrupted())
+    status = main([str(tiny_full_model), "--port", "0"])
+    err = capsys.readouterr().err
+    assert status == 0, err
+    assert "stopped before serving" in err and "listening" not in err, err

@@ -153,6 +153,8 @@ def test_tokenize_detokenize_and_apply_template(served: ServerThread) -> None:
     assert "".join(p["piece"] for p in pieces["tokens"]) == "Hello"
     status, empty = post(served, "/tokenize", {"content": ""})  # as llama.cpp's server: no tokens
     assert status == 200 and empty["tokens"] == []
+    status, back = post(served, "/detokenize", {"tokens": empty["tokens"]})  # and back
+    assert status == 200 and back["content"] == ""
     status, tmpl = post(served, "/apply-template", {"messages": USER})
     assert status == 200
     assert tmpl["prompt"] == f"<|im_start|>user\n{USER[0]['content']}<|im_end|>\n<|im_start|>assistant\n"

@@ -166,7 +166,7 @@ async def test_a_byte_budget_below_the_minimum_is_raised_and_said(
         least, slot_bytes = store.n_slots, store.statistics().slot_bytes  # slots= is capped, never raised
         assert least == 1
         top_k = store.layout.n_expert_used
-    caplog.set_level("WARNING", logger="aioexperts")
+    caplog.set_level("WARNING", logger="aioexperts.slab")
     async with aioexperts.open(model_path, cache_bytes=slot_bytes) as store:
         assert store.n_slots == 2 * top_k
     said = [r.getMessage() for r in caplog.records if "raised to the minimum" in r.getMessage()]
