@@ -126,7 +126,8 @@ class SlabSource(ExpertSource):
             stack,
             "backend",
             lambda: _settled(
-                stack.build_backend(io.backend, files, loop, io.queue_depth, io.backend_options(), shapes)
+                stack.build_backend(io.backend, files, loop, io.queue_depth, io.backend_options(), shapes),
+                len(plans) + len(low_plans),
             ),
         )
         scheduler = stack.start(loop, self.counters, files, io.max_bytes_in_flight, paths)
@@ -379,8 +380,14 @@ class SlabSource(ExpertSource):
         return parts
 
 
-def _settled(value: T) -> T:
-    """``value``, after one full garbage collection (in the open's worker thread).
+#: experts from which an open collects once (below, the objects it made are too few to matter, and
+#: a full collection of a large host heap would cost more: 0.5 s with 3 million objects)
+SETTLE_MIN_EXPERTS = 1024
+
+
+def _settled(value: T, n_experts: int) -> T:
+    """``value``, after one full garbage collection (in the open's worker thread) when the model has
+    at least :data:`SETTLE_MIN_EXPERTS` experts.
 
     Opening builds about ten long-lived objects per expert (its location, segments and read plan):
     tens of thousands that count towards CPython's next full collection, which would otherwise
@@ -388,5 +395,6 @@ def _settled(value: T) -> T:
     bench/read_cpu.py). Collected here, at open, the next full collection waits for the heap to
     grow by a quarter again.
     """
-    gc.collect()
+    if n_experts >= SETTLE_MIN_EXPERTS:
+        gc.collect()
     return value

@@ -921,3 +921,23 @@ def test_task_cancel_while_start_works_in_a_thread_leaks_nothing(
         assert n_fds() == before, "descriptors left open after the cancelled start and aclose()"
     finally:
         gc.enable()
+
+
+async def test_only_a_large_model_is_collected_once_at_open(
+    model_path: Path, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full collection at open only where the open made enough objects to matter (a small model's
+    open must not pay for the host's whole heap)."""
+    import gc
+
+    from aioexperts._sources import slab
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(a) or 0)
+    async with aioexperts.open(model_path, slots=4):
+        pass
+    assert calls == []
+    monkeypatch.setattr(slab, "SETTLE_MIN_EXPERTS", 1)
+    async with aioexperts.open(model_path, slots=4):
+        pass
+    assert len(calls) == 1
