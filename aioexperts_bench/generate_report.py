@@ -280,6 +280,14 @@ def _without_unfinished_round(part: dict[str, Any]) -> dict[str, Any]:
     return {**part, "runs": [r for r in part["runs"] if (r["limit"], r["round"]) != last]}
 
 
+#: a round's figures taken from its own file as they are (they need that file's no-limit runs or fio)
+_KEPT = ("fio", "pipeline_ratio", "pipeline_ratio_parts", "tier_pipeline_ratio", "tier_pipeline_ratio_parts")
+
+
+def _prompt(part: dict[str, Any]) -> int:
+    return int(part.get("parameters", {}).get("prompt_tokens") or 0)
+
+
 def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Several results files of one model (e.g. one per limit, run at different times) as one.
 
@@ -311,16 +319,36 @@ def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged["complete"] = all(p.get("complete", True) for p in parts)
     runs: list[dict[str, Any]] = []
     offset: dict[str, int] = {}  # rounds of a limit numbered on across the files
+    kept: dict[tuple[str, int], dict[str, Any]] = {}  # a round's own figures (fio's rate, pipeline ratios)
+    # the no-limit row compares one prompt length: the longest any part ran with no limit
+    prompts = [_prompt(p) for p in parts if any(r["limit"] == "none" for r in p["runs"])]
+    longest = max(prompts, default=0)
     for p in parts:
         p = _without_unfinished_round(p)
+        if any(r["limit"] == "none" for r in p["runs"]) and _prompt(p) < longest:
+            merged["notes"].append(
+                f"the no-limit runs of a part with a {_prompt(p)}-token prompt are left out of the no-limit "
+                f"row (it compares {longest}-token prompts); that part's limited rounds keep their figures"
+            )
+            p = {**p, "runs": [r for r in p["runs"] if r["limit"] != "none"]}
+        if not p["runs"]:
+            continue
         here = {r["limit"]: offset.get(r["limit"], 0) for r in p["runs"]}
         runs += [{**r, "round": r["round"] + here[r["limit"]]} for r in p["runs"]]
+        for rnd in p.get("rounds", []):
+            if rnd["limit"] in here:
+                kept[rnd["limit"], rnd["round"] + here[rnd["limit"]]] = {k: v for k, v in rnd.items() if k in _KEPT}
         for limit, base in here.items():
             offset[limit] = base + 1 + max(r["round"] for r in p["runs"] if r["limit"] == limit)
     merged["runs"] = runs
     keys = list(dict.fromkeys((r["limit"], r["round"]) for r in runs))
     merged["rounds"] = [
-        {"limit": limit, "round": rnd, **_round_summary([r for r in runs if (r["limit"], r["round"]) == (limit, rnd)])}
+        {
+            "limit": limit,
+            "round": rnd,
+            **_round_summary([r for r in runs if (r["limit"], r["round"]) == (limit, rnd)]),
+            **kept.get((limit, rnd), {}),
+        }
         for limit, rnd in keys
     ]
     merged["summary"] = summarize(merged)

@@ -265,6 +265,16 @@ def test_results_of_one_model_merge_with_rounds_numbered_on() -> None:
     assert [(r["limit"], r["round"]) for r in merged["rounds"]] == [("1/4", 0), ("none", 0), ("1/4", 1)]
     decode = next(t for t in merged["targets"] if (t["limit"], t["what"]) == ("1/4", "decode"))
     assert decode["per_round"] == [12.0, 8.0] and decode["verdict"] == "MISSED"
+    # a part's own fio rate and pipeline ratio stay with its round; a shorter prompt's no-limit runs
+    # stay out of the no-limit row (it compares the longest prompt's)
+    long, short = part(["none"], 0.5), part(["1/4", "none"], 20.0)
+    long["parameters"], short["parameters"] = {"prompt_tokens": 256}, {"prompt_tokens": 16}
+    short["rounds"] = [{"limit": "1/4", "round": 0, "fio": {"gb_s": 2.5}, "pipeline_ratio": 1.1}]
+    merged = merge_results([long, short])
+    assert [(r["limit"], r["round"]) for r in merged["rounds"]] == [("none", 0), ("1/4", 0)]
+    assert merged["rounds"][1]["pipeline_ratio"] == 1.1 and merged["rounds"][1]["fio"] == {"gb_s": 2.5}
+    none = next(t for t in merged["targets"] if (t["limit"], t["what"]) == ("none", "decode"))
+    assert none["per_round"] == [0.5] and any("16-token prompt" in n for n in merged["notes"])
 
 
 def test_a_merged_header_names_each_files_parameters_and_commit() -> None:
