@@ -413,13 +413,29 @@ class ReadScheduler:
 
     # -- completion (loop thread) ------------------------------------------------------------
 
-    def _on_read(self, op: ReadOp, result: ReadResult) -> None:
-        n_bytes = op.n_bytes
-        self._ops_in_flight -= 1
+    def _landed(self, n_ops: int, n_bytes: int) -> None:
+        """``n_ops`` reads of ``n_bytes`` in all are no longer in flight (the device's busy time ends
+        with the last)."""
+        self._ops_in_flight -= n_ops
         self._bytes_in_flight -= n_bytes
         if self._ops_in_flight == 0 and self._busy_since_ns:
             self.counters.device_busy_seconds += (time.perf_counter_ns() - self._busy_since_ns) / 1e9
             self._busy_since_ns = 0
+
+    def _after_completions(self) -> None:
+        """Completions made room: queued reads go out (at the batch's end when the backend says
+        one), and a waiter for quiet is told."""
+        if self._retries or self._demand or self._prefetch:
+            if self._flush_at_batch_end:
+                self._flush_wanted = True
+            else:
+                self._schedule_flush()
+        if self._quiet_event is not None:
+            self._notify_quiet()
+
+    def _on_read(self, op: ReadOp, result: ReadResult) -> None:
+        n_bytes = op.n_bytes
+        self._landed(1, n_bytes)
         load, read = op.context
         try:
             if type(result) is int or isinstance(result, int):
@@ -435,13 +451,7 @@ class ReadScheduler:
         load.ops_left -= 1  # _op_finished, inlined
         if load.ops_left == 0:
             self._finish(load)
-        if self._retries or self._demand or self._prefetch:
-            if self._flush_at_batch_end:
-                self._flush_wanted = True
-            else:
-                self._schedule_flush()
-        if self._quiet_event is not None:
-            self._notify_quiet()
+        self._after_completions()
 
     def _on_reads(self, ops: list[ReadOp], results: list[ReadResult]) -> None:
         """:meth:`_on_read` for a batch of completions (the backend's batch sink): a read that
@@ -461,23 +471,13 @@ class ReadScheduler:
                 self._on_read(op, result)
         if not full:
             return
-        self._ops_in_flight -= full
-        self._bytes_in_flight -= full_bytes
+        self._landed(full, full_bytes)
         self.counters.bytes_read += full_bytes
-        if self._ops_in_flight == 0 and self._busy_since_ns:
-            self.counters.device_busy_seconds += (time.perf_counter_ns() - self._busy_since_ns) / 1e9
-            self._busy_since_ns = 0
         if finished:
             now = time.perf_counter_ns()
             for load in finished:
                 self._finish(load, now)
-        if self._retries or self._demand or self._prefetch:
-            if self._flush_at_batch_end:
-                self._flush_wanted = True
-            else:
-                self._schedule_flush()
-        if self._quiet_event is not None:
-            self._notify_quiet()
+        self._after_completions()
 
     def _batch_ended(self) -> None:
         """The backend delivered a batch of completions: submit what they made room for now."""
