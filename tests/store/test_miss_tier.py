@@ -7,14 +7,12 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
-import anyio
-import anyio.lowlevel
 import numpy as np
 import pytest
 from conftest import shared_fixture_paths
 from gguf import GGMLQuantizationType as T
+from tierkit import fake_store, settle
 
 import aioexperts
 from aioexperts import ConfigError, FormatError, MissTier, StaleMapError, write_miss_tier
@@ -113,19 +111,6 @@ async def test_a_stale_sidecar_is_refused_when_the_store_starts(
 
 
 # -- the policy on a scripted backend ----------------------------------------------------------------
-
-
-def fake_store(path: Path, holder: dict[str, FakeBackend], tier: MissTier, **kwargs: Any) -> aioexperts.ExpertStore:
-    def factory(files, slab, loop, depth):  # type: ignore[no-untyped-def]
-        holder["fake"] = FakeBackend(files, slab, loop, depth, **kwargs)
-        return holder["fake"]
-
-    return aioexperts.open(path, slots=8, io=aioexperts.IOOptions(backend=factory), miss_tier=tier)
-
-
-async def settle(ticks: int = 6) -> None:
-    for _ in range(ticks):
-        await anyio.lowlevel.checkpoint()
 
 
 @pytest.mark.anyio

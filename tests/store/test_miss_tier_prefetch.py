@@ -6,13 +6,13 @@ again waits while the reads are behind; on a scripted backend."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
+from tierkit import fake_store, settle
 
 import aioexperts
 from aioexperts import MissTier, write_miss_tier
@@ -35,19 +35,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def sidecar(model: Path) -> Path:
     return write_miss_tier(model, model.with_suffix(".q3k.gguf"), "Q3_K")
-
-
-def fake_store(path: Path, holder: dict[str, FakeBackend], tier: MissTier, **kwargs: Any) -> aioexperts.ExpertStore:
-    def factory(files, slab, loop, depth):  # type: ignore[no-untyped-def]
-        holder["fake"] = FakeBackend(files, slab, loop, depth, **kwargs)
-        return holder["fake"]
-
-    return aioexperts.open(path, slots=8, io=aioexperts.IOOptions(backend=factory), miss_tier=tier)
-
-
-async def settle(ticks: int = 6) -> None:
-    for _ in range(ticks):
-        await anyio.lowlevel.checkpoint()
 
 
 def sources_sum(st: aioexperts.StoreStatistics) -> bool:
