@@ -154,6 +154,35 @@ def test_ggml_matvec_agrees_with_the_exact_product_and_our_kernels(qtype: Q) -> 
         assert ggml_baseline.relative_error(got, ours_int8) < 1e-5
 
 
+#: the int8 types whose kernels follow ggml's AVX2 loop operation for operation (the integer sums
+#: per 8 lanes, one fused multiply-add per block, ggml's horizontal sum): ggml's bits on AVX2
+GGML_ORDER_TYPES = (Q.IQ4_XS, Q.MXFP4, Q.Q2_K, Q.Q3_K, Q.Q6_K, Q.Q8_0)
+
+
+def _avx2_without_avx512() -> bool:
+    from aioexperts._compute.kernels import rowdot, simd
+
+    return rowdot._avx2() and "+avx512f" not in simd._target_features()[1]
+
+
+@needs_ggml
+@pytest.mark.skipif(not _avx2_without_avx512(), reason="ggml's AVX2 loops are the ones the kernels follow")
+@pytest.mark.parametrize("qtype", GGML_ORDER_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("cols", [512, 2048])
+def test_int8_kernels_in_ggml_order_give_ggml_bits(qtype: Q, cols: int) -> None:
+    shape = (40, cols)
+    raw = matrix(qtype, shape, seed=cols)
+    x = np.random.default_rng(cols + 1).standard_normal((1, cols)).astype(np.float32)
+    with ggml_baseline.GgmlMatVec(raw, qtype, shape) as mv:
+        got = mv(x)
+    fused.set_precision("int8")
+    try:
+        ours = fused.linear(memoryview(raw).toreadonly(), qtype, shape, x)
+    finally:
+        fused.set_precision(None)
+    np.testing.assert_array_equal(ours, got)
+
+
 @needs_ggml
 @pytest.mark.parametrize(("stored", "told"), [(Q.IQ4_NL, Q.Q4_0), (Q.BF16, Q.F16)], ids=lambda q: q.name)
 def test_bytes_read_as_another_type_fail_the_agreement_check(stored: Q, told: Q) -> None:

@@ -341,10 +341,67 @@ def rowdot_q5_k(typingctx, row, q, d, bsums, n_blocks):
     return types.float32(row, q, d, bsums, n_blocks), _k4_codegen(Q5_K_BYTES, 48, 16)
 
 
+def _bsums16(builder: ir.IRBuilder, bs: _Ptr, ko: Any) -> Any:
+    """The 16 int32 Q8_K block sums at element ``ko`` of ``bs`` as ``<16 x i16>``, ggml's
+    ``int16_t bsums`` (``|bsum| <= 16 * 128``). Kept int32 in memory: truncating them here ran 5%
+    faster than loading int16 sums (a Q6_K row loop spilled its accumulator with those)."""
+    return builder.trunc(bs.load(ko, V16I32, 4), V16I16)
+
+
+def q6_k_block(builder: ir.IRBuilder, w: _Ptr, o: Any) -> tuple[list[tuple[Any, Any]], Any, Any]:
+    """The 256 codes of the Q6_K block at byte ``o`` as ggml's AVX2 loop unpacks them.
+
+    Returns ``(parts, scales16, scale_w)``: eight ``(codes, scale)`` pairs (``<32 x i8>`` codes
+    0..63 of values ``32 k .. 32 k + 31``; ``<16 x i16>`` their two sub-blocks' scales, 8 lanes
+    each), the 16 signed scales as ``<16 x i16>``, and ``d_w`` (float32).
+    """
+    scales8 = w.load(_offset(builder, o, 192), ir.VectorType(I8, 16))
+    scales16 = builder.sext(scales8, V16I16)
+    m15 = _vsplat(V32I8, 15)
+    parts = []
+    for n in range(2):
+        bits1 = w.load(_offset(builder, o, 64 * n), V32I8)
+        bits2 = w.load(_offset(builder, o, 64 * n + 32), V32I8)
+        high = w.load(_offset(builder, o, 128 + 32 * n), V32I8)
+        # ggml's q4h_0..3: bits 2j, 2j+1 of qh moved to bits 4, 5 of the code
+        tops = (
+            builder.shl(builder.and_(high, _vsplat(V32I8, 3)), _vsplat(V32I8, 4)),
+            builder.shl(builder.and_(high, _vsplat(V32I8, 12)), _vsplat(V32I8, 2)),
+            builder.and_(high, _vsplat(V32I8, 48)),
+            builder.lshr(builder.and_(high, _vsplat(V32I8, -64)), _vsplat(V32I8, 2)),
+        )
+        lows = (
+            builder.and_(bits1, m15),
+            builder.and_(bits2, m15),
+            builder.lshr(bits1, _vsplat(V32I8, 4)),
+            builder.lshr(bits2, _vsplat(V32I8, 4)),
+        )
+        for j in range(4):
+            sb = 8 * n + 2 * j
+            scale = builder.shuffle_vector(scales16, scales16, _lanes([sb] * 8 + [sb + 1] * 8))
+            parts.append((builder.or_(lows[j], tops[j]), scale))
+    return parts, scales16, _half(builder, w.load(_offset(builder, o, 208), I16))
+
+
+def q6_k_sums(
+    builder: ir.IRBuilder, parts: list[tuple[Any, Any]], scales16: Any, qx: _Ptr, xo: Any, sums16: Any, avx2: bool
+) -> Any:
+    """ggml's ``sumi`` of one Q6_K block with one token's Q8_K block (quants at element ``xo`` of
+    ``qx``, block sums ``sums16``): ``<8 x i32>`` of ``sum sc (code q8)`` minus, lane by lane,
+    ``32 (bsum_2i sc_2i + bsum_2i+1 sc_2i+1)`` (``q8sclsub``: the codes' offset of 32)."""
+    sumi = ir.Constant(V8I32, [0] * 8)
+    for k, (codes, scale) in enumerate(parts):
+        quants = qx.load(_offset(builder, xo, 32 * k), V32I8)
+        sumi = builder.add(sumi, _madd(builder, _maddubs(builder, codes, quants, avx2), scale, avx2))
+    offset = builder.shl(_madd(builder, sums16, scales16, avx2), _vsplat(V8I32, 5))
+    return builder.sub(sumi, offset)
+
+
 @intrinsic
 def rowdot_q6_k(typingctx, row, q, d, bsums, n_blocks):
     """``ggml_vec_dot_q6_K_q8_K`` of one Q6_K row with Q8_K ``x``: ``sum_b d_w d_x sum_j sc_j (dot_j -
-    32 bsum_j)`` over 16-value sub-blocks, float32 (the ``- 32 bsum`` in integers)."""
+    32 bsum_j)`` over 16-value sub-blocks, float32, in ggml's order: the ``- 32 bsum`` in integers,
+    subtracted lane by lane as ggml's AVX2 loop does (so the result is ggml's bit for bit)."""
     if not _ok_k(row, q, d, bsums, n_blocks):
         return None
     sig = types.float32(row, q, d, bsums, n_blocks)
@@ -355,31 +412,13 @@ def rowdot_q6_k(typingctx, row, q, d, bsums, n_blocks):
         qx = _Ptr(context, builder, signature.args[1], args[1])
         dx = _Ptr(context, builder, signature.args[2], args[2])
         bs = _Ptr(context, builder, signature.args[3], args[3])
-        v16i8 = ir.VectorType(I8, 16)
 
         def body(b, acc, accs):
             o = builder.mul(b, _const(I64, Q6_K_BYTES))
-            xo = builder.mul(b, _const(I64, 256))
-            ko = builder.mul(b, _const(I64, 16))
-            scales = builder.sext(w.load(_offset(builder, o, 192), v16i8), V16I32)
-            sums = bs.load(ko, V16I32, 4)
-            offset = _call(builder, "llvm.vector.reduce.add.v16i32", I32, [builder.mul(scales, sums)])
-            scales16 = builder.sext(w.load(_offset(builder, o, 192), v16i8), ir.VectorType(I16, 16))
-            sumi = ir.Constant(V8I32, [0] * 8)
-            for n in range(2):
-                high = w.load(_offset(builder, o, 128 + 32 * n), V32I8)
-                for j in range(4):
-                    low = w.load(_offset(builder, o, 64 * n + 32 * (j % 2)), V32I8)
-                    low = builder.and_(builder.lshr(low, _vsplat(V32I8, 4 * (j // 2))), _vsplat(V32I8, 15))
-                    bits = builder.and_(builder.lshr(high, _vsplat(V32I8, 2 * j)), _vsplat(V32I8, 3))
-                    codes = builder.or_(low, builder.shl(bits, _vsplat(V32I8, 4)))
-                    quants = qx.load(_offset(builder, xo, 128 * n + 32 * j), V32I8)
-                    sb = 8 * n + 2 * j
-                    scale = builder.shuffle_vector(scales16, scales16, _lanes([sb] * 8 + [sb + 1] * 8))
-                    sumi = builder.add(sumi, _madd(builder, _maddubs(builder, codes, quants, avx2), scale, avx2))
-            first = builder.sub(builder.extract_element(sumi, _const(I32, 0)), builder.mul(offset, _const(I32, 32)))
-            sumi = builder.insert_element(sumi, first, _const(I32, 0))
-            scale = builder.fmul(dx.load(b, F32, align=4), _half(builder, w.load(_offset(builder, o, 208), I16)))
+            parts, scales16, d_w = q6_k_block(builder, w, o)
+            sums16 = _bsums16(builder, bs, builder.mul(b, _const(I64, 16)))
+            sumi = q6_k_sums(builder, parts, scales16, qx, builder.mul(b, _const(I64, 256)), sums16, avx2)
+            scale = builder.fmul(dx.load(b, F32, align=4), d_w)
             return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
 
         return _row_loop(context, builder, args[4], body, with_scalar=False, prefetch=(w, Q6_K_BYTES))
