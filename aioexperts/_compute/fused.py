@@ -31,8 +31,9 @@ Precision (:func:`set_precision`, ``$AIOEXPERTS_PRECISION``, ``load(precision=..
 ``vec_dot_type`` with ggml's rounding (Q8_K, Q8_0, Q8_1, F16, BF16; F32 unchanged: see
 :mod:`aioexperts._compute.activations`), whatever the number of tokens. The one-token kernels of the
 types of :func:`int8_types` quantize ``x`` themselves and take integer dot products
-(``ggml_vec_dot_*_q8_*``); for the types of :func:`int8_batched_types` (Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
-Q6_K, IQ4_XS, MXFP4: whole-row AVX2 loops, see :mod:`aioexperts._compute.kernels.rowdot`) batches of
+(``ggml_vec_dot_*_q8_*``); for the types of :func:`int8_batched_types` (Q4_0, Q5_0, Q8_0, Q2_K, Q3_K,
+Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4: whole-row AVX2 loops, see :mod:`aioexperts._compute.kernels.rowdot`
+and :mod:`aioexperts._compute.kernels.rowdot_legacy`) batches of
 2 to :data:`INT8_BATCH_MAX` tokens run one ``matmat_int8_<type>`` call that reads each weight row
 once for every token, each token's row bit for bit what the one-token kernel gives it. Every other
 call (larger batches, other types, the numpy backend) runs the float kernels on the round trip of
@@ -145,9 +146,9 @@ class _Entry:
 _TABLE: dict[GGMLQuantizationType, _Entry] = {
     T.F16: _Entry("floats", "f16", np.uint16),
     T.BF16: _Entry("floats", "bf16", np.uint16),
-    T.Q4_0: _Entry("legacy", "q4_0", np.uint8, "int8"),
+    T.Q4_0: _Entry("legacy", "q4_0", np.uint8, "int8", int8_batched=True),
     T.Q4_1: _Entry("legacy", "q4_1", np.uint8, "int8"),
-    T.Q5_0: _Entry("legacy", "q5_0", np.uint8, "int8"),
+    T.Q5_0: _Entry("legacy", "q5_0", np.uint8, "int8", int8_batched=True),
     T.Q5_1: _Entry("legacy", "q5_1", np.uint8, "int8"),
     T.Q8_0: _Entry("legacy", "q8_0", np.uint8, "int8", int8_batched=True, rows_module="rows"),
     T.Q2_K: _Entry("kquants", "q2_k", np.uint8, "int8", int8_batched=True),

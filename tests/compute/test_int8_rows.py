@@ -20,13 +20,15 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from test_kernels import INT8_RTOL, rel_l2, sane_blocks
 
 from aioexperts._compute import fused
-from aioexperts._compute.kernels import int8, rowdot, rowdots
+from aioexperts._compute.kernels import int8, rowdot, rowdot_legacy, rowdots
 from aioexperts._format.dequant import dequantize
 
 Q = GGMLQuantizationType
 BATCHED = sorted(fused.int8_batched_types(), key=lambda t: t.name)
 #: the batched types whose x is quantized to Q8_0 (the others: Q8_K)
-Q8_0_X = (Q.Q8_0, Q.MXFP4)
+Q8_0_X = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.MXFP4)
+#: the Q8_0 types whose row loop takes per-lane offsets (:func:`int8.lane_offsets` by this)
+LANE_OFFSETS = {Q.Q4_0: 8, Q.Q5_0: 16}
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +56,7 @@ def activations(n: int, cols: int, seed: int) -> np.ndarray:
 
 
 def test_the_batched_types() -> None:
-    assert set(BATCHED) == {Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4}
+    assert set(BATCHED) == {Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4}
     assert fused.INT8_BATCH_MAX == fused.SMALL_BATCH_MAX == 64
 
 
@@ -97,6 +99,8 @@ def _portable(qtype: GGMLQuantizationType) -> Callable[..., None]:
     import numba
 
     fn = {
+        Q.Q4_0: rowdot_legacy.rowdot_q4_0,
+        Q.Q5_0: rowdot_legacy.rowdot_q5_0,
         Q.Q8_0: rowdot.rowdot_q8_0,
         Q.Q2_K: rowdot.rowdot_q2_k,
         Q.Q3_K: rowdot.rowdot_q3_k,
@@ -106,6 +110,15 @@ def _portable(qtype: GGMLQuantizationType) -> Callable[..., None]:
         Q.IQ4_XS: rowdot.rowdot_iq4_xs,
         Q.MXFP4: rowdot.rowdot_mxfp4,
     }[qtype]
+
+    if qtype in LANE_OFFSETS:
+
+        @numba.njit(cache=False)
+        def matvec_lanes(raw, q, d, offsets, out):  # type: ignore[no-untyped-def]
+            for r in range(raw.shape[0]):
+                out[r] = fn(raw[r], q, d, offsets, d.size)
+
+        return matvec_lanes
 
     if qtype in Q8_0_X:
 
@@ -137,7 +150,10 @@ def test_portable_ir_gives_the_same_bits_as_avx2(qtype: GGMLQuantizationType, mo
     if qtype in Q8_0_X:
         q, d, s = np.empty(cols, np.int8), np.empty(cols // 32, np.float32), np.empty(cols // 32, np.float32)
         int8.quantize_q8_0(x, q, d, s)
-        kernel(raw, q, d, got)
+        if qtype in LANE_OFFSETS:
+            kernel(raw, q, d, int8.lane_offsets(q, np.int32(LANE_OFFSETS[qtype])), got)
+        else:
+            kernel(raw, q, d, got)
     else:
         q, d, b = np.empty(cols, np.int8), np.empty(cols // 256, np.float32), np.empty(cols // 16, np.int32)
         int8.quantize_q8_k(x, q, d, b)

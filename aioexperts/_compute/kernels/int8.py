@@ -18,7 +18,7 @@ import numpy as np
 from ..jit import kernel
 from .codebook import IQ4_NL_BYTES, KVALUES_IQ4, KVALUES_MXFP4
 from .common import F32, PREFETCH_ROWS, U32, f16_at, prefetch_row
-from .legacy import Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, qh_at
+from .legacy import Q4_1_BYTES, Q5_1_BYTES, qh_at
 from .rowdot import (
     rowdot_iq4_xs,
     rowdot_mxfp4,
@@ -29,6 +29,7 @@ from .rowdot import (
     rowdot_q6_k,
     rowdot_q8_0,
 )
+from .rowdot_legacy import rowdot_q4_0, rowdot_q5_0
 from .rowdots import TOKENS, rowdots_q4_k, rowdots_q5_k
 from .simd import make_lut_dots, nib32_dot_q8
 
@@ -132,29 +133,53 @@ def quantize_q8_0(x, q, d, s):
 # 32-value block types against Q8_0 / Q8_1
 
 
-@kernel()
+@kernel(inline=True)
+def lane_offsets(q, offset):
+    """int32 ``offset * sum(q[4 k : 4 k + 4])`` for every ``k``: per 32-value block the 8 lanes of
+    ggml's ``mul_sum_i8_pairs_float`` (:mod:`.rowdot_legacy`'s ``offsets``)."""
+    out = np.empty(q.size // 4, dtype=I32)
+    for k in range(out.size):
+        out[k] = offset * (I32(q[4 * k]) + I32(q[4 * k + 1]) + I32(q[4 * k + 2]) + I32(q[4 * k + 3]))
+    return out
+
+
+@kernel(exact=True)
 def matvec_int8_q4_0(raw, x, out):
-    """``ggml_vec_dot_q4_0_q8_0``: ``d_w * d_x * (sum(q4 * q8) - 8 * sum(q8))`` per block."""
+    """``ggml_vec_dot_q4_0_q8_0``: ``d_w * d_x * sum((q4 - 8) * q8)`` per block
+    (:func:`.rowdot_legacy.rowdot_q4_0`)."""
     n_blocks = x.size // QK
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
     if not quantize_q8_0(x, q, d, s):
         return False
-    sums = np.empty(n_blocks, dtype=I32)
-    for b in range(n_blocks):
-        t = I32(0)
-        for j in range(QK):
-            t += I32(q[b * QK + j])
-        sums[b] = t
+    offsets = lane_offsets(q, I32(8))
     for r in range(raw.shape[0]):
-        prefetch_row(raw, r + PREFETCH_ROWS)
+        out[r] = rowdot_q4_0(raw[r], q, d, offsets, n_blocks)
+    return True
+
+
+@kernel(exact=True)
+def matmat_int8_q4_0(raw, xt, out):
+    """``out[t] = W @ xt[t]`` for every token, as :func:`matvec_int8_q4_0` per token, bit for bit;
+    each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK
+    q = np.empty((n, cols), dtype=I8)
+    d = np.empty((n, n_blocks), dtype=F32)
+    s = np.empty((n, n_blocks), dtype=F32)
+    finite = True
+    for t in range(n):
+        finite &= quantize_q8_0(xt[t], q[t], d[t], s[t])
+    if not finite:
+        return False
+    offsets = np.empty((n, cols // 4), dtype=I32)
+    for t in range(n):
+        offsets[t] = lane_offsets(q[t], I32(8))
+    for r in range(raw.shape[0]):
         row = raw[r]
-        acc = F32(0.0)
-        for b in range(n_blocks):
-            o = b * Q4_0_BYTES
-            acc += f16_at(row, o) * d[b] * F32(nib32_dot_q8(row, o + 2, U32(0), q, b * QK) - I32(8) * sums[b])
-        out[r] = acc
+        for t in range(n):
+            out[t, r] = rowdot_q4_0(row, q[t], d[t], offsets[t], n_blocks)
     return True
 
 
@@ -178,30 +203,43 @@ def matvec_int8_q4_1(raw, x, out):
     return True
 
 
-@kernel()
+@kernel(exact=True)
 def matvec_int8_q5_0(raw, x, out):
-    """``ggml_vec_dot_q5_0_q8_0``: ``d_w * d_x * (sum(q5 * q8) - 16 * sum(q8))`` per block."""
+    """``ggml_vec_dot_q5_0_q8_0``: ``d_w * d_x * sum((q5 - 16) * q8)`` per block
+    (:func:`.rowdot_legacy.rowdot_q5_0`)."""
     n_blocks = x.size // QK
     q = np.empty(x.size, dtype=I8)
     d = np.empty(n_blocks, dtype=F32)
     s = np.empty(n_blocks, dtype=F32)
     if not quantize_q8_0(x, q, d, s):
         return False
-    sums = np.empty(n_blocks, dtype=I32)
-    for b in range(n_blocks):
-        t = I32(0)
-        for j in range(QK):
-            t += I32(q[b * QK + j])
-        sums[b] = t
+    offsets = lane_offsets(q, I32(16))
     for r in range(raw.shape[0]):
-        prefetch_row(raw, r + PREFETCH_ROWS)
+        out[r] = rowdot_q5_0(raw[r], q, d, offsets, n_blocks)
+    return True
+
+
+@kernel(exact=True)
+def matmat_int8_q5_0(raw, xt, out):
+    """``out[t] = W @ xt[t]`` for every token, as :func:`matvec_int8_q5_0` per token, bit for bit;
+    each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK
+    q = np.empty((n, cols), dtype=I8)
+    d = np.empty((n, n_blocks), dtype=F32)
+    s = np.empty((n, n_blocks), dtype=F32)
+    finite = True
+    for t in range(n):
+        finite &= quantize_q8_0(xt[t], q[t], d[t], s[t])
+    if not finite:
+        return False
+    offsets = np.empty((n, cols // 4), dtype=I32)
+    for t in range(n):
+        offsets[t] = lane_offsets(q[t], I32(16))
+    for r in range(raw.shape[0]):
         row = raw[r]
-        acc = F32(0.0)
-        for b in range(n_blocks):
-            o = b * Q5_0_BYTES
-            dot = nib32_dot_q8(row, o + 6, qh_at(row, o + 2), q, b * QK)
-            acc += f16_at(row, o) * d[b] * F32(dot - I32(16) * sums[b])
-        out[r] = acc
+        for t in range(n):
+            out[t, r] = rowdot_q5_0(row, q[t], d[t], offsets[t], n_blocks)
     return True
 
 
