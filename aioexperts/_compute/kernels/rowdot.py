@@ -577,8 +577,9 @@ def rowdot_q2_k(typingctx, row, q, d, bsums, n_blocks):
             x_scale = dx.load(b, F32, align=4)
             packed = w.load(o, v16i8)
             scales16 = builder.zext(builder.and_(packed, _vsplat(v16i8, 15)), ir.VectorType(I16, 16))
-            mins = builder.zext(builder.lshr(packed, _vsplat(v16i8, 4)), V16I32)
-            prod = _pair_sums(builder, builder.mul(mins, bs.load(ko, V16I32, 4)), 16)
+            # ggml's madd of the mins and the int16 block sums: one pmaddwd
+            mins = builder.zext(builder.lshr(packed, _vsplat(v16i8, 4)), V16I16)
+            prod = _madd(builder, mins, _bsums16(builder, bs, ko), avx2)
             dmin = builder.fmul(builder.fneg(x_scale), _half(builder, w.load(_offset(builder, o, 82), I16)))
             acc = _fmuladd(builder, _splat(builder, dmin, 8), builder.sitofp(prod, V8F32), acc)
             sumi = ir.Constant(V8I32, [0] * 8)
