@@ -1,11 +1,14 @@
 """Decode mat-vecs at the built-in model's shapes, 1 and 4 tokens, against ggml's own kernel, one thread.
 
-    python bench/matvec_rows.py [--rounds 7] [--calls 30] [--label after] [--out PATH]
+    python bench/matvec_rows.py [--rounds 7] [--calls 30] [--types Q6_K,Q2_K] [--label after] [--out PATH]
 
 The built-in model (Qwen3-30B-A3B geometry) keeps its experts in Q4_K (gate/up ``768 x 2048``, down
 ``2048 x 768``) and its attention/dense weights in Q8_0 (q ``4096 x 2048``, o ``2048 x 4096``, k/v
-``512 x 2048``); Q6_K (the output head's type in many files) runs at ``768 x 2048``. Matrices are
-``bench/dequant.py``'s (``gguf.quants.quantize`` of N(0, 0.02), else random bytes with sane scales).
+``512 x 2048``); Q6_K (the output head's type in many files) and the other types run at
+``768 x 2048`` (Q4_0 and Q5_0 last, so the earlier cases' matrices stay those of runs without
+them). Matrices are ``bench/dequant.py``'s (``gguf.quants.quantize`` of N(0, 0.02), else random
+bytes with sane scales); ``--types`` times only the cases of the named types (their matrices then
+differ from a full run's: one random stream feeds the cases in order).
 Methods, interleaved round by round (median of ``--calls`` calls per round), one thread (BLAS too):
 
 * ``ggml``: ``ggml_mul_mat`` of the same bytes by one token (``aioexperts_bench.ggml_baseline``);
@@ -56,6 +59,8 @@ CASES: tuple[tuple[Q, tuple[int, int]], ...] = (
     (Q.Q2_K, (768, 2048)),
     (Q.IQ4_XS, (768, 2048)),
     (Q.MXFP4, (768, 2048)),
+    (Q.Q4_0, (768, 2048)),
+    (Q.Q5_0, (768, 2048)),
 )
 #: issue 33's per-call targets of the int8 kernels against ggml (1 and 4 tokens), by type
 INT8_TARGETS: dict[Q, float] = {Q.Q4_K: 0.8, Q.Q6_K: 0.8, Q.Q8_0: 0.8}
@@ -130,6 +135,8 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     for qtype, shape in CASES:
         key = f"{qtype.name} {shape[0]}x{shape[1]}"
         mine = [r for r in rounds if r["case"] == key]
+        if not mine:  # left out by --types
+            continue
         by: dict[str, list[float]] = {}
         for r in mine:
             by.setdefault(r["method"], []).append(r["seconds"])
@@ -222,6 +229,7 @@ def main() -> int:
     parser.add_argument("--label", default="run")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--threads2", action="store_true", help="also time the 2-thread row split")
+    parser.add_argument("--types", help="comma-separated ggml type names to time (default: every case)")
     parser.add_argument(
         "--render", nargs=2, type=Path, metavar=("RESULTS", "DOC"), help="render RESULTS into DOC's region and exit"
     )
@@ -229,6 +237,13 @@ def main() -> int:
     if args.render:
         render(*args.render)
         return 0
+    cases_timed = CASES
+    if args.types:
+        names = {name.strip().upper() for name in args.types.split(",") if name.strip()}
+        unknown = names - {qtype.name for qtype, _ in CASES}
+        if unknown:
+            raise SystemExit(f"--types: no case of type {', '.join(sorted(unknown))}")
+        cases_timed = tuple((qtype, shape) for qtype, shape in CASES if qtype.name in names)
     reason = ggml_baseline.unavailable_reason()
     if reason is not None:
         raise SystemExit(f"ggml baseline unavailable: {reason}")
@@ -244,7 +259,7 @@ def main() -> int:
         cases = {}
         agreement = {}
         sizes = {}
-        for qtype, shape in CASES:
+        for qtype, shape in cases_timed:
             key = f"{qtype.name} {shape[0]}x{shape[1]}"
             cases[key], agreement[key], sizes[key] = case_methods(qtype, shape, rng, lib, args.threads2)
         for fns in cases.values():
@@ -268,7 +283,7 @@ def main() -> int:
         args.out,
         "matvec-rows",
         {"rounds": args.rounds, "calls": args.calls, "seed": args.seed, "label": args.label, "batch": BATCH,
-         "threads": 1, "threads2": args.threads2, "llama_cpp_python": lib.version},
+         "threads": 1, "threads2": args.threads2, "types": args.types, "llama_cpp_python": lib.version},
         {"seconds": "s per call (median of calls)", "gbps": "weight GB/s", "x_ggml": "ggml time / ours"},
         rounds,
         result,
