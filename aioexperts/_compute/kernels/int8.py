@@ -45,6 +45,9 @@ Q8_MAX = F32(127.0)
 HALF_DROPPED_BITS = U32(13)
 HALF_MIN_NORMAL = F32(2.0**-14)
 HALF_SUBNORMAL_UNIT = F32(2.0**-24)
+#: float32 bits: all but the sign; the smallest non-finite magnitude (inf; NaN above)
+ABS_BITS = U32(0x7FFF_FFFF)
+INF_BITS = U32(0x7F80_0000)
 
 _, iq4_dot_q8 = make_lut_dots(tuple(int(v) for v in KVALUES_IQ4))
 _, mxfp4_dot_q8 = make_lut_dots(tuple(int(v) for v in KVALUES_MXFP4))
@@ -69,22 +72,29 @@ def round_to_half(value):
 
 
 @kernel(inline=True)
+def abs_max_bits(bits, base, size):
+    """The largest ``|x|`` of ``x[base : base + size]`` as float32 bits (``bits``: ``x`` viewed as
+    uint32, sign bits cleared here): for non-negative floats the integer order is the float order,
+    and an integer maximum vectorizes without fastmath. At least ``0x7F800000`` when some value is
+    inf or NaN."""
+    amax = U32(0)
+    for j in range(size):
+        amax = max(amax, U32(bits[base + j] & ABS_BITS))
+    return amax
+
+
+@kernel(inline=True)
 def quantize_q8_k(x, q, d, bsums):
     """``quantize_row_q8_K_ref``: per 256 values, ``iscale = -127 / max`` (``max``: the value of
-    largest magnitude, sign kept), ``q = min(127, nearest_int(iscale * x))``, ``d = 1 / iscale``;
-    ``bsums``: sums of ``q`` per 16 values. Returns whether every value of ``x`` is finite (if not,
-    ``q``, ``d``, ``bsums`` are meaningless: NaN and inf do not quantize)."""
-    probe = F32(0.0)  # stays 0 unless some v * 0 is NaN (v inf or NaN)
+    largest magnitude, sign kept: the first such value), ``q = min(127, nearest_int(iscale * x))``,
+    ``d = 1 / iscale``; ``bsums``: sums of ``q`` per 16 values. Returns whether every value of ``x``
+    is finite (if not, ``q``, ``d``, ``bsums`` are meaningless: NaN and inf do not quantize)."""
+    bits = x.view(U32)
     for b in range(x.size // QK_K):
         base = b * QK_K
-        amax = F32(0.0)
-        vmax = F32(0.0)
-        for j in range(QK_K):
-            v = x[base + j]
-            probe += v * F32(0.0)
-            if abs(v) > amax:
-                amax = abs(v)
-                vmax = v
+        amax = abs_max_bits(bits, base, QK_K)
+        if amax >= INF_BITS:
+            return False
         if amax == 0:
             d[b] = 0
             for j in range(QK_K):
@@ -92,7 +102,10 @@ def quantize_q8_k(x, q, d, bsums):
             for j in range(QK_K // SUM16):
                 bsums[b * SUM16 + j] = 0
             continue
-        iscale = -Q8_MAX / vmax
+        j = 0
+        while U32(bits[base + j] & ABS_BITS) != amax:
+            j += 1
+        iscale = -Q8_MAX / x[base + j]
         for j in range(QK_K):
             q[base + j] = I8(min(I32(127), I32(np.rint(iscale * x[base + j]))))
         for j in range(QK_K // SUM16):
@@ -101,7 +114,7 @@ def quantize_q8_k(x, q, d, bsums):
                 s += I32(q[base + j * SUM16 + i])
             bsums[b * SUM16 + j] = s
         d[b] = F32(1.0) / iscale
-    return probe == F32(0.0)
+    return True
 
 
 @kernel(inline=True)
@@ -110,13 +123,13 @@ def quantize_q8_0(x, q, d, s):
     values ``d = amax / 127`` (kept as float16), ``q = round_half_even(x * (127 / amax))``;
     ``s = d * sum(q)`` (float16), used by Q4_1 and Q5_1. Returns whether every value of ``x`` is
     finite (if not, ``q``, ``d``, ``s`` are meaningless)."""
-    probe = F32(0.0)  # stays 0 unless some x * 0 is NaN (x inf or NaN)
+    bits = x.view(U32)
     for b in range(x.size // QK):
         base = b * QK
-        amax = F32(0.0)
-        for j in range(QK):
-            probe += x[base + j] * F32(0.0)
-            amax = max(amax, abs(x[base + j]))
+        amax_bits = U32(abs_max_bits(bits, base, QK))
+        if amax_bits >= INF_BITS:
+            return False
+        amax = amax_bits.view(F32)
         scale = amax / Q8_MAX
         inverse = Q8_MAX / amax if amax != 0 else F32(0.0)
         total = I32(0)
@@ -126,7 +139,7 @@ def quantize_q8_0(x, q, d, s):
             total += I32(qv)
         d[b] = round_to_half(scale)
         s[b] = round_to_half(abs(F32(total) * scale)) * (F32(1.0) if total >= 0 else F32(-1.0))
-    return probe == F32(0.0)
+    return True
 
 
 # ----------------------------------------------------------------------------------------------
