@@ -557,13 +557,16 @@ def linear(
     n = xs.shape[0]
     if n == 0 or rows == 0:
         return result
-    if out is not None and (np.may_share_memory(result, xs) or np.may_share_memory(result, np.asarray(data))):
+    ready = _ready(qtype)
+    # the bytes the compiled kernels read (checked; a copy only for misaligned F16/BF16), else all of data
+    raw = _raw_matrix(data, qtype, rows, cols, ready) if ready is not None else None
+    if out is not None and (
+        np.may_share_memory(result, xs) or np.may_share_memory(result, raw if raw is not None else np.asarray(data))
+    ):
         # the kernels read x (and W) while they write out: an alias would read rows already written
         result[...] = linear(data, qtype, (rows, cols), xs, split=split)
         return result
-    ready = _ready(qtype)
-    if ready is not None:
-        raw = _raw_matrix(data, qtype, rows, cols, ready)
+    if ready is not None and raw is not None:
         try:
             _linear_numba(qtype, ready, raw, xs, result, split)
             return result

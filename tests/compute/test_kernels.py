@@ -399,3 +399,22 @@ def test_out_may_be_x_itself(n_tokens: int, backend: str) -> None:
     x, out = buffer[: n_tokens * 256].reshape(n_tokens, 256), buffer[128:].reshape(n_tokens, 256)
     want = fused.linear(raw, Q.Q4_K, (256, 256), x.copy())
     np.testing.assert_array_equal(fused.linear(raw, Q.Q4_K, (256, 256), x, out=out), want)  # overlapping by half a row
+
+
+@pytest.mark.parametrize("precision", ["float", "int8"])
+@pytest.mark.parametrize("n_tokens", [1, 4])
+def test_out_may_overlap_the_weights(n_tokens: int, precision: str) -> None:
+    """``out`` over the last weight rows: the kernels must not read rows they already overwrote."""
+    rng = np.random.default_rng(7 + n_tokens)
+    raw = sane_blocks(Q.Q4_K, 256, 256, rng).reshape(-1)
+    x = rng.standard_normal((n_tokens, 256)).astype(np.float32)
+    fused.set_precision(precision)  # type: ignore[arg-type]
+    try:
+        want = fused.linear(raw, Q.Q4_K, (256, 256), x)
+        buffer = raw.copy()
+        out = buffer[buffer.size - n_tokens * 256 * 4 :].view(np.float32).reshape(n_tokens, 256)
+        got = fused.linear(buffer, Q.Q4_K, (256, 256), x, out=out)
+    finally:
+        fused.set_precision(None)
+    assert got is out
+    np.testing.assert_array_equal(got, want)
