@@ -553,6 +553,19 @@ def rowdot_iq4_xs(typingctx, row, q, d, bsums, n_blocks):
 Q2_K_BYTES = 84
 
 
+def _zext_broadcast(builder: ir.IRBuilder, twice: Any, sb: int) -> Any:
+    """``<32 x i8>`` holding the int16 lanes ``[scale sb] * 8 + [scale sb+1] * 8``, zero-extended,
+    from ``twice``: the 16 unsigned byte scales in both 128-bit halves. Each byte comes from its own
+    half or is zero (ggml's ``get_scale_shuffle_q3k``): one in-lane ``vpshufb``, where a zext then
+    a shuffle of int16 lanes took two instructions."""
+    zero = 32  # an index into the zero vector
+    index = []
+    for lane in range(16):
+        half = 16 * (lane // 8)
+        index += [half + sb + lane // 8, zero]
+    return builder.shuffle_vector(twice, ir.Constant(V32I8, [0] * 32), _lanes(index))
+
+
 @intrinsic
 def rowdot_q2_k(typingctx, row, q, d, bsums, n_blocks):
     """``ggml_vec_dot_q2_K_q8_K`` of one Q2_K row with Q8_K ``x``: per block, ggml's AVX2 order
@@ -576,7 +589,8 @@ def rowdot_q2_k(typingctx, row, q, d, bsums, n_blocks):
             ko = builder.mul(b, _const(I64, 16))
             x_scale = dx.load(b, F32, align=4)
             packed = w.load(o, v16i8)
-            scales16 = builder.zext(builder.and_(packed, _vsplat(v16i8, 15)), ir.VectorType(I16, 16))
+            scales8 = builder.and_(packed, _vsplat(v16i8, 15))
+            twice = builder.shuffle_vector(scales8, scales8, _lanes(list(range(16)) * 2))
             # ggml's madd of the mins and the int16 block sums: one pmaddwd
             mins = builder.zext(builder.lshr(packed, _vsplat(v16i8, 4)), V16I16)
             prod = _madd(builder, mins, _bsums16(builder, bs, ko), avx2)
@@ -589,7 +603,7 @@ def rowdot_q2_k(typingctx, row, q, d, bsums, n_blocks):
                     codes = builder.and_(builder.lshr(bits, _vsplat(V32I8, 2 * k)), _vsplat(V32I8, 3))
                     quants = qx.load(_offset(builder, xo, 128 * j + 32 * k), V32I8)
                     sb = 8 * j + 2 * k
-                    scale = builder.shuffle_vector(scales16, scales16, _lanes([sb] * 8 + [sb + 1] * 8))
+                    scale = builder.bitcast(_zext_broadcast(builder, twice, sb), V16I16)
                     sumi = builder.add(sumi, _madd(builder, _maddubs(builder, codes, quants, avx2), scale, avx2))
             scale = builder.fmul(x_scale, _half(builder, w.load(_offset(builder, o, 80), I16)))
             return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
