@@ -169,14 +169,16 @@ def _row_loop(
     body: Any,
     with_scalar: bool,
     prefetch: tuple[_Ptr, int] | None = None,
+    mins: Any = None,
 ) -> Any:
     """Run ``body(b, acc, accs) -> (acc, accs)`` for every block, return ``hsum(acc) - accs``.
 
     ``prefetch`` ``(w, block_bytes)``: each block first hints the bytes :data:`PREFETCH_AHEAD`
-    past it (:func:`_prefetch_ahead`).
+    past it (:func:`_prefetch_ahead`). ``mins`` ``(accs_zero, finish)``: ``accs`` starts at
+    ``accs_zero`` (any type) and the result is ``finish(hsum(acc), accs)`` instead.
     """
     acc_slot = cgutils.alloca_once_value(builder, ir.Constant(V8F32, [0.0] * 8))
-    scalar_slot = cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
+    scalar_slot = cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0) if mins is None else mins[0])
     with cgutils.for_range(builder, _i64(builder, n_blocks)) as loop:
         if prefetch is not None:
             w, block_bytes = prefetch
@@ -185,6 +187,8 @@ def _row_loop(
         builder.store(acc, acc_slot)
         builder.store(accs, scalar_slot)
     total = _hsum8(builder, builder.load(acc_slot))
+    if mins is not None:
+        return mins[1](total, builder.load(scalar_slot))
     if with_scalar:
         total = builder.fsub(total, builder.load(scalar_slot))
     return total
@@ -273,6 +277,47 @@ def _ok_k(row: Any, q: Any, d: Any, bsums: Any, n_blocks: Any) -> bool:
     )
 
 
+V8I16 = ir.VectorType(I16, 8)
+V4I32 = ir.VectorType(I32, 4)
+V4F32 = ir.VectorType(F32, 4)
+
+
+def _madd4(builder: ir.IRBuilder, a: Any, b: Any, avx2: bool) -> Any:
+    """``<4 x i32>``: ``a[2i] * b[2i] + a[2i+1] * b[2i+1]`` (``<8 x i16>`` each; ``pmaddwd`` xmm)."""
+    if avx2:
+        return _call(builder, "llvm.x86.sse2.pmadd.wd", V4I32, [a, b])
+    return _pair_sums(builder, builder.mul(builder.sext(a, V8I32), builder.sext(b, V8I32)), 8)
+
+
+def _mins_step(builder: ir.IRBuilder, x_scale: Any, dmin_w: Any, prod: Any, accs: Any, lanes: bool) -> Any:
+    """One block's mins term in ggml's order, ``dmin = -d_x * dmin_w`` times ``prod`` (``<4 x i32>``):
+    Q4_K (``lanes``) ``acc_m = fma(dmin, float(prod), acc_m)`` on 4 lanes; Q5_K
+    ``summs += dmin * float(sum(prod))`` (one scalar fused multiply-add, as GCC contracts it)."""
+    dmin = builder.fmul(builder.fneg(x_scale), dmin_w)
+    if lanes:
+        return _call(
+            builder, "llvm.fmuladd.v4f32", V4F32, [_splat(builder, dmin, 4), builder.sitofp(prod, V4F32), accs]
+        )
+    summ = _call(builder, "llvm.vector.reduce.add.v4i32", I32, [prod])
+    return _call(builder, "llvm.fmuladd.f32", F32, [dmin, builder.sitofp(summ, F32), accs])
+
+
+def _mins_k(builder: ir.IRBuilder, lanes: bool) -> tuple[Any, Any]:
+    """:func:`_row_loop`'s ``mins`` for :func:`_mins_step`: the row's ``hsum(acc) + acc_m`` (Q4_K: the
+    4 lanes summed as ggml does, ``(m0 + m2) + (m1 + m3)``) or ``hsum(acc) + summs`` (Q5_K)."""
+    if not lanes:
+        return ir.Constant(F32, 0.0), builder.fadd
+
+    def finish(total: Any, m: Any) -> Any:
+        high = builder.fadd(m, builder.shuffle_vector(m, m, _lanes([2, 3, 2, 3])))  # movehl
+        lane0 = builder.fadd(
+            builder.extract_element(high, _const(I32, 0)), builder.extract_element(high, _const(I32, 1))
+        )
+        return builder.fadd(total, lane0)
+
+    return ir.Constant(V4F32, [0.0] * 4), finish
+
+
 def _k4_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
     """Code generator of one Q4_K row (``qh`` None) or Q5_K row (the fifth bits at byte ``qh``) with
     Q8_K ``x``: ggml's AVX2 loops of both types are the same but for the codes' fifth bit."""
@@ -294,10 +339,9 @@ def _k4_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
             d_w = _half(builder, w.load(o, I16))
             dmin_w = _half(builder, w.load(_offset(builder, o, 2), I16))
             scales, mins = _scales_mins_k4(builder, w, o)
-            # sum_j m_j (bsum_2j + bsum_2j+1) by pmaddwd (ggml's): |bsum| <= 16 * 127 fits int16
-            sums16 = builder.trunc(bs.load(ko, V16I32, 4), V16I16)
-            mins16 = builder.zext(builder.shuffle_vector(mins, mins, _lanes([i // 2 for i in range(16)])), V16I16)
-            summ = _call(builder, "llvm.vector.reduce.add.v8i32", I32, [_madd(builder, mins16, sums16, avx2)])
+            # ggml's prod: 4 lanes of m_j (bsum_2j + bsum_2j+1) pairs (pmaddwd of the int16 pair sums)
+            pairs = _pair_sums(builder, _bsums16(builder, bs, ko), 16)
+            prod = _madd4(builder, builder.zext(mins, V8I16), pairs, avx2)
             # the scales in both 128-bit halves: each broadcast below is one in-lane byte shuffle
             scales16 = builder.zext(builder.shuffle_vector(scales, scales, _lanes(list(range(8)) * 2)), V16I16)
             high = None if qh is None else w.load(_offset(builder, o, qh), V32I8)
@@ -315,10 +359,17 @@ def _k4_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
                     sumi = builder.add(sumi, _madd(builder, _maddubs(builder, codes, quants, avx2), scale, avx2))
             scale = builder.fmul(x_scale, d_w)
             acc = _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc)
-            accs = builder.fadd(accs, builder.fmul(builder.fmul(x_scale, dmin_w), builder.sitofp(summ, F32)))
-            return acc, accs
+            return acc, _mins_step(builder, x_scale, dmin_w, prod, accs, qh is None)
 
-        return _row_loop(context, builder, args[4], body, with_scalar=True, prefetch=(w, block_bytes))
+        return _row_loop(
+            context,
+            builder,
+            args[4],
+            body,
+            with_scalar=True,
+            prefetch=(w, block_bytes),
+            mins=_mins_k(builder, qh is None),
+        )
 
     return codegen
 
@@ -326,7 +377,8 @@ def _k4_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
 @intrinsic
 def rowdot_q4_k(typingctx, row, q, d, bsums, n_blocks):
     """``ggml_vec_dot_q4_K_q8_K`` of one Q4_K row with Q8_K ``x``: ``sum_b d_x (d_w sum_j sc_j dot_j
-    - dmin_w sum_j m_j bsum_j)``, float32."""
+    - dmin_w sum_j m_j bsum_j)``, float32, in ggml's order (the mins' term in its own 4-lane
+    accumulator ``acc_m``, added after the horizontal sum: :func:`_mins_step`)."""
     if not _ok_k(row, q, d, bsums, n_blocks):
         return None
     return types.float32(row, q, d, bsums, n_blocks), _k4_codegen(Q4_K_BYTES, 16, None)
@@ -335,7 +387,7 @@ def rowdot_q4_k(typingctx, row, q, d, bsums, n_blocks):
 @intrinsic
 def rowdot_q5_k(typingctx, row, q, d, bsums, n_blocks):
     """``ggml_vec_dot_q5_K_q8_K`` of one Q5_K row with Q8_K ``x``: as :func:`rowdot_q4_k`, the codes'
-    fifth bit from ``qh`` (``summs`` of ggml is ``-accs`` here: the same float32 values)."""
+    fifth bit from ``qh``; the mins' term is ggml's scalar ``summs`` (:func:`_mins_step`)."""
     if not _ok_k(row, q, d, bsums, n_blocks):
         return None
     return types.float32(row, q, d, bsums, n_blocks), _k4_codegen(Q5_K_BYTES, 48, 16)

@@ -5,14 +5,15 @@
 (nibbles, the 6-bit scales and mins) and then multiplied with each token's quants, each token with
 its own 8-lane accumulator. Per token the operations are those of :func:`.rowdot.rowdot_q4_k`
 (:func:`.rowdot.rowdot_q5_k`), in the same order: the same integer sums, the same
-``fmuladd(d_w * d_x, float(sumi), acc)`` per block and ggml's ``hsum_float_8`` at the end, so each
-result is bit for bit that token's one-token result (``tests/compute/test_int8_rows.py``).
+``fmuladd(d_w * d_x, float(sumi), acc)`` per block, the same mins' term (:func:`.rowdot._mins_step`)
+and ggml's ``hsum_float_8`` at the end, so each result is bit for bit that token's one-token result
+(``tests/compute/test_int8_rows.py``).
 
 Arguments: ``row`` one weight row (uint8, 1-D); ``q`` ``(n, cols)`` int8, ``d`` ``(n, n_blocks)``
 float32: every token's Q8_K quants; ``bsums`` ``(n, 8 n_blocks)`` int16: the sums of the Q8_K
 block sums in pairs (``bsums[2j] + bsums[2j+1]``: the 32 values of one scale and min, at most
-``32 * 128`` in magnitude), so that the mins' term is one 128-bit ``pmaddwd`` (the same integer
-as :mod:`.rowdot`'s 256-bit one); all C-contiguous, sized by the callers, ``t0 + TOKENS <= n`` (no
+``32 * 128`` in magnitude), ggml's ``q8s``, so that the mins' term is one 128-bit ``pmaddwd`` as
+in :mod:`.rowdot` (which pairs them per block); all C-contiguous, sized by the callers, ``t0 + TOKENS <= n`` (no
 bounds checks).
 """
 
@@ -29,15 +30,14 @@ from . import rowdot
 from .rowdot import (
     F32,
     I16,
-    I32,
     I64,
     Q4_K_BYTES,
     Q5_K_BYTES,
     V8F32,
+    V8I16,
     V8I32,
     V16I16,
     V32I8,
-    _call,
     _const,
     _fmuladd,
     _half,
@@ -45,7 +45,10 @@ from .rowdot import (
     _i64,
     _lanes,
     _madd,
+    _madd4,
     _maddubs,
+    _mins_k,
+    _mins_step,
     _offset,
     _Ptr,
     _scales_mins_k4,
@@ -55,18 +58,6 @@ from .rowdot import (
 
 #: tokens one call computes
 TOKENS = 4
-V8I16 = ir.VectorType(I16, 8)
-V4I32 = ir.VectorType(I32, 4)
-
-
-def _madd8(builder: ir.IRBuilder, a: Any, b: Any, avx2: bool) -> Any:
-    """``<4 x i32>``: ``a[2i] * b[2i] + a[2i+1] * b[2i+1]`` (``<8 x i16>`` each; ``pmaddwd`` xmm)."""
-    if avx2:
-        return _call(builder, "llvm.x86.sse2.pmadd.wd", V4I32, [a, b])
-    products = builder.mul(builder.sext(a, V8I32), builder.sext(b, V8I32))
-    even = builder.shuffle_vector(products, products, _lanes([0, 2, 4, 6]))
-    odd = builder.shuffle_vector(products, products, _lanes([1, 3, 5, 7]))
-    return builder.add(even, odd)
 
 
 def _ok(row: Any, q: Any, d: Any, bsums: Any, n_blocks: Any, t0: Any) -> bool:
@@ -98,10 +89,11 @@ def _k4_tokens_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
         t0 = _i64(builder, args[5])
         low_mask = _vsplat(V32I8, 15)
         four = _vsplat(V32I8, 4)
+        accs_zero, finish = _mins_k(builder, qh is None)
         slots = [
             (
                 cgutils.alloca_once_value(builder, ir.Constant(V8F32, [0.0] * 8)),
-                cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)),
+                cgutils.alloca_once_value(builder, accs_zero),
             )
             for _ in range(TOKENS)
         ]
@@ -130,7 +122,7 @@ def _k4_tokens_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
                 tb = builder.add(builder.mul(_offset(builder, t0, i), n_blocks), b)  # token's block index
                 x_scale = dx.load(tb, F32, align=4)
                 pairs = bs.load(builder.mul(tb, _const(I64, 8)), V8I16, 2)  # bsum_2j + bsum_2j+1
-                summ = _call(builder, "llvm.vector.reduce.add.v4i32", I32, [_madd8(builder, mins8, pairs, avx2)])
+                prod = _madd4(builder, mins8, pairs, avx2)
                 xo = builder.mul(tb, _const(I64, 256))
                 sumi = ir.Constant(V8I32, [0] * 8)
                 for k, (code, scale) in enumerate(zip(codes, sub_scales, strict=True)):
@@ -138,11 +130,11 @@ def _k4_tokens_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
                     sumi = builder.add(sumi, _madd(builder, _maddubs(builder, code, quants, avx2), scale, avx2))
                 scale = builder.fmul(x_scale, d_w)
                 acc = _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), builder.load(acc_slot))
-                term = builder.fmul(builder.fmul(x_scale, dmin_w), builder.sitofp(summ, F32))
                 builder.store(acc, acc_slot)
-                builder.store(builder.fadd(builder.load(scalar_slot), term), scalar_slot)
+                accs = _mins_step(builder, x_scale, dmin_w, prod, builder.load(scalar_slot), qh is None)
+                builder.store(accs, scalar_slot)
         values = [
-            builder.fsub(_hsum8(builder, builder.load(acc_slot)), builder.load(scalar_slot))
+            finish(_hsum8(builder, builder.load(acc_slot)), builder.load(scalar_slot))
             for acc_slot, scalar_slot in slots
         ]
         return context.make_tuple(builder, signature.return_type, values)
