@@ -184,12 +184,14 @@ def test_logits_and_residuals_match_llama_cpp(path: Path) -> None:
     assert got["logits"].shape == want["logits"].shape and got["logits"].dtype == np.float32
     near_ties = indexer_differs(want, got["picks"])
     assert len(near_ties) <= INDEXER_NEAR_TIES, sorted(near_ties)
-    same_rows = sorted(set(range(n)) - near_ties)
-    assert rel_l2(got["logits"][same_rows], want["logits"][same_rows]) <= tol
-    assert (got["logits"].argmax(axis=1) == want["logits"].argmax(axis=1)).sum() >= n - 1
     differ = routing_differs(path, got["capture"], n)
     assert len(differ) <= 2 and not (differ and path.stem.endswith("-f32"))
+    # a position whose experts differ from llama.cpp's (a near tie flipped by float order) is no
+    # float-rounding comparison: left out of the whole's bound as of the per-position one below
     differ |= near_ties
+    same_rows = sorted(set(range(n)) - differ)
+    assert rel_l2(got["logits"][same_rows], want["logits"][same_rows]) <= tol
+    assert (got["logits"].argmax(axis=1) == want["logits"].argmax(axis=1)).sum() >= n - 1
     for t in set(range(n)) - differ:  # one position may take up to twice the whole's error
         assert rel_l2(got["logits"][t], want["logits"][t]) <= PER_POSITION_BOUND.get(path.stem, 2 * tol), t
     keys = [k for k in want.files if k.split("-")[0] in ("attn_norm", "ffn_inp", "l_out") or k == "result_norm"]
