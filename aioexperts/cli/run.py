@@ -28,7 +28,15 @@ import anyio
 
 import aioexperts
 from aioexperts._json import dumps as strict_dumps
-from aioexperts.cli._common import BROKEN_PIPE_STATUS, HelpFormatter, name_the_options, slab_note, stdout_closed
+from aioexperts.cli._common import (
+    BROKEN_PIPE_STATUS,
+    USAGE_STATUS,
+    HelpFormatter,
+    model_file,
+    name_the_options,
+    slab_note,
+    stdout_closed,
+)
 
 __all__ = ("INTERRUPTED_STATUS", "build_parser", "for_terminal", "main")
 
@@ -38,7 +46,6 @@ PROG = "aioexperts-run"
 INTERRUPTED_STATUS = 130
 
 #: Exit status for bad arguments, files and models.
-USAGE_STATUS = 2
 
 #: n_ctx when ``--ctx`` is not given (llama.cpp's default), capped to the file's context length.
 DEFAULT_CTX = 4096
@@ -632,12 +639,7 @@ def _read_prompt(args: argparse.Namespace) -> str | None:
 
 def _model_path(args: argparse.Namespace) -> tuple[str, bool]:
     if args.model is not None:
-        path = os.path.expanduser(args.model)
-        if os.path.isdir(path):
-            raise IsADirectoryError(f"{args.model}: is a directory, not a model file")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{args.model}: no such model file")
-        return path, False
+        return model_file(args.model), False
     from aioexperts.testing import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
 
     layers = args.layers or DEFAULT_FULL_LAYERS

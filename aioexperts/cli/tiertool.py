@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 
 from .. import AioExpertsError, __version__, open_model, write_miss_tier
-from ._common import HelpFormatter, refuse_to_overwrite
+from ._common import USAGE_STATUS, HelpFormatter, model_file, refuse_to_overwrite
 
 __all__ = ("main",)
 
@@ -49,7 +49,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     args = parser.parse_args(argv)
-    out = args.out or default_output(os.path.expanduser(args.model), args.type)
+    try:
+        model = model_file(args.model)
+    except AioExpertsError as exc:
+        print(f"aioexperts-tier: error: {exc}", file=sys.stderr)
+        return USAGE_STATUS
+    out = args.out or default_output(model, args.type)
     last = [0.0]
 
     def progress(done: int, total: int) -> None:
@@ -59,12 +64,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"aioexperts-tier: {done / 1e6:.0f} of {total / 1e6:.0f} MB written", file=sys.stderr, flush=True)
 
     try:
-        refuse_to_overwrite(out, [args.model], ours=_is_sidecar, force=args.force, what="the sidecar")
+        refuse_to_overwrite(out, [model], ours=_is_sidecar, force=args.force, what="the sidecar")
         t0 = time.monotonic()
-        path = write_miss_tier(os.path.expanduser(args.model), out, args.type, progress=progress)
+        path = write_miss_tier(model, out, args.type, progress=progress)
     except (AioExpertsError, OSError) as exc:
-        print(f"aioexperts-tier: {exc}", file=sys.stderr)
-        return 2
+        print(f"aioexperts-tier: error: {exc}", file=sys.stderr)
+        return USAGE_STATUS
     if not args.quiet:
         size = os.path.getsize(path)
         print(
