@@ -558,6 +558,35 @@ def _context_length(path: str, requested: int | None) -> int:
     return DEFAULT_CTX
 
 
+def _check_prompt(model: aioexperts.Model, args: argparse.Namespace, prompt: str | None, n_ctx: int) -> None:
+    """Before the weights load (a worker thread; the model is not started): the tokenizer and, with
+    ``--chat``, the chat template are built from the file's metadata, and a prompt of more tokens than
+    ``n_ctx`` is refused, with the ids the first turn would run (``Model.stream``'s tokenization, or
+    the chat template's rendering of ``--system`` and the prompt).
+
+    Raises:
+        ContextLengthError: the prompt does not fit ``n_ctx``.
+        VocabularyError, OptionalDependencyError, ChatTemplateError, TokenizerError: from the
+            tokenizer or the chat template.
+    """
+    tokenizer = model.tokenizer
+    if args.chat:
+        model.chat_template  # noqa: B018 (a missing or broken template is a usage error, before any turn)
+    if prompt is None:
+        return
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        ids = model.apply_chat_template([*system, {"role": "user", "content": prompt}], tokenize=True)
+    else:
+        ids = tokenizer.encode(prompt, add_special=True, parse_special=False)  # as Model.stream
+    if len(ids) > n_ctx:
+        given = f" (--ctx {args.ctx})" if args.ctx is not None else " (the default; --ctx sets it)"
+        raise aioexperts.ContextLengthError(
+            f"the prompt is {len(ids)} tokens, more than n_ctx={n_ctx} positions{given}: it is not truncated "
+            "(give a larger --ctx, or a shorter prompt); the model was not loaded"
+        )
+
+
 async def _session(args: argparse.Namespace, path: str, prompt: str | None, report: _Report) -> None:
     t0 = time.perf_counter()
     n_ctx = await anyio.to_thread.run_sync(_context_length, path, args.ctx)
@@ -571,11 +600,9 @@ async def _session(args: argparse.Namespace, path: str, prompt: str | None, repo
         if args.miss_tier
         else None,
     )
+    await anyio.to_thread.run_sync(_check_prompt, model, args, prompt, n_ctx)  # off the event loop
     async with model:
         try:
-            await anyio.to_thread.run_sync(lambda: model.tokenizer)  # off the event loop
-            if args.chat:
-                model.chat_template  # noqa: B018 (a missing or broken template is a usage error, before any turn)
             report.load_seconds = time.perf_counter() - t0
             report.n_ctx = model.n_ctx
             say_slab(args, model)
