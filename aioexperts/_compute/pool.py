@@ -324,13 +324,14 @@ class ComputePool:
         """Start the workers on first use (lock held)."""
         if self._threads:
             return
-        self._spin = _spinner(self._spin_us) if self._n > 1 else None
         for k in range(self._n):
             thread = threading.Thread(target=self._worker, name=f"aioexperts-compute-{k}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
     def _worker(self) -> None:
+        if self._spin is None and self._n > 1:  # here, not on the caller's thread: it compiles or loads
+            self._spin = _spinner(self._spin_us)
         helped = False  # the last thing done was a fan-out item: more are likely to come soon
         while True:
             with self._lock:

@@ -213,6 +213,12 @@ class Rows:
 _Pre = tuple[np.ndarray, np.ndarray, Routing | None] | Exception
 
 
+HELD_MAX_ROWS = 64
+"""Rows of one sequence up to which a pass whose experts are all resident runs as one compute job
+(the held pass). A longer prompt goes layer by layer: its hand-offs cost little beside its compute,
+and a cancellation or a close then waits for one layer, not for the whole prompt."""
+
+
 def _caught(fn: Any, *args: Any) -> Any:
     """``fn(*args)``, or the NonFiniteError it raised (that row's outcome)."""
     try:
@@ -301,7 +307,7 @@ class ForwardPass:
         outcome: list[np.ndarray | Exception | None] = [None] * n
         live = list(range(n))
         await runner.warmup()  # done at start(); cheap
-        if n == 1 and batch[0].capture is None:
+        if n == 1 and len(batch[0].ids) <= HELD_MAX_ROWS and batch[0].capture is None:
             # every routed expert in memory (a model the slab holds): the whole pass in one compute
             # job, the experts used where they are, with no pin, await or hand-off per layer
             with runner.hold_resident() as held:

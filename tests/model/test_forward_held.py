@@ -76,3 +76,20 @@ async def test_no_held_pass_while_an_expert_is_missing(anyio_backend: object) ->
         await load_every_expert(model)
         _, jobs = await decode(model, [11, 22, 33], 2)
         assert jobs == [2, 2]
+
+
+@needs
+async def test_a_long_prompt_goes_layer_by_layer(anyio_backend: object) -> None:
+    """Up to HELD_MAX_ROWS rows in one job; a longer prompt keeps a hand-off per layer (a
+    cancellation waits for one layer, not the whole prompt)."""
+    from aioexperts._model.forward import HELD_MAX_ROWS
+
+    pool = compute_pool()
+    async with aioexperts.load(FIXTURES["qwen3moe-f32"], slots=4096, batch_wait=0) as model:
+        await load_every_expert(model)
+        for n_rows, held in ((HELD_MAX_ROWS, True), (HELD_MAX_ROWS + 1, False)):
+            async with model.sequence() as seq:
+                n = pool.statistics().jobs
+                await seq.forward([1 + i % 50 for i in range(n_rows)])
+                jobs = pool.statistics().jobs - n
+            assert (jobs == 2) is held, (n_rows, jobs)
