@@ -17,8 +17,8 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import TypeVar
 
 import anyio
@@ -35,7 +35,7 @@ from ._format.tier_sidecar import read_tier_sidecar
 from ._format.views import ExpertView
 from ._io.loop import LoopAdapter, current_loop, wait_through_cancellation
 from ._options import CacheOptions, IOOptions, MissTier, PageCacheOptions
-from ._sources.base import ExpertSource, Pinned, build_and_keep, finish_in_thread
+from ._sources.base import ExpertSource, HeldLayers, Pinned, build_and_keep, finish_in_thread
 from ._sources.mapped import MappedSource
 from ._sources.rows import RowStatistics, RowsView
 from ._sources.slab import SlabSource
@@ -612,6 +612,33 @@ class ExpertStore:
         moe, _ = self._keys(layer, ids := list(ids))
         return [int(i) != -1 and source.is_ready((moe.index, int(i))) for i in ids]
 
+    @contextmanager
+    def hold_resident(self) -> Iterator[ResidentExperts | None]:
+        """Hold every routed expert of the model in memory without pins, if all are resident now.
+
+        ``with store.hold_resident() as held:`` -- ``held`` is a :class:`ResidentExperts` when every
+        expert of every MoE layer is READY at full precision (the slab holds the whole model and it
+        has been read), else None. While the block lasts no expert is evicted and no slot is reused
+        (a request that needs a slot waits, as it waits for pins; low-tier upgrades wait), so a
+        compute thread may use :meth:`ResidentExperts.views` with no pin and no await per layer:
+        the decode pass of a model that fits runs its layers in one compute job this way. Enter and
+        leave it on the event loop; the page-cache mode never holds (None).
+
+        Raises:
+            StoreClosedError: the store is closed.
+        """
+        source = self._running_source()
+        layout = self.layout
+        held = source.hold_resident([(moe.index, moe.n_experts) for moe in layout.layers.values()])
+        if held is None:
+            yield None
+            return
+        resident = ResidentExperts(self, held)
+        try:
+            yield resident
+        finally:
+            held.end(resident.requests)
+
     def layer_resident(self, layer: int) -> bool:
         """Whether every expert of MoE layer ``layer`` is in memory at full precision now (a
         snapshot the router reads from a compute-pool thread: it predicts no experts for such a
@@ -702,6 +729,43 @@ class ExpertStore:
         running = self._source.started
         state = "closed" if self._closed else "running" if running else "not started"
         return f"<aioexperts.ExpertStore {self.path!r} {state}>"
+
+
+class ResidentExperts:
+    """The experts of a model held in memory by :meth:`ExpertStore.hold_resident` (no pins).
+
+    :meth:`views` may be called from a compute thread while the hold lasts; the views are those
+    :meth:`ExpertStore.experts` gives and stay valid until the hold ends.
+
+    Attributes:
+        requests: experts served so far (counted as cached hits in the store's statistics when the
+            hold ends).
+    """
+
+    __slots__ = ("_held", "_store", "requests")
+
+    def __init__(self, store: ExpertStore, held: HeldLayers) -> None:
+        self._store = store
+        self._held = held
+        self.requests = 0
+
+    def views(self, layer: int, ids: Sequence[int]) -> list[ExpertView]:
+        """Views of the experts ``ids`` (distinct, active) of MoE layer ``layer``, in that order.
+
+        Raises:
+            InvalidRequestError: no such layer or expert.
+            RuntimeError: the hold has ended.
+        """
+        table = self._store._layer_keys(layer)
+        n = len(table)
+        view = self._held.view
+        out = []
+        for i in ids:
+            if not 0 <= i < n:
+                raise InvalidRequestError(f"layer {layer} has experts 0..{n - 1}; expert {i} does not exist")
+            out.append(view(table[i]))
+        self.requests += len(out)
+        return out
 
 
 class _ExpertsBlock:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
 from typing import Protocol
 
@@ -217,6 +217,7 @@ class ExpertCache:
         # keys that left the cache but whose policy.remove raised: removed again before an admit
         self._stale: set[Key] = set()
         self._full_ready: dict[int, int] = {}  # layer -> READY entries at full precision
+        self._holds = 0  # hold_resident() calls not yet ended: no entry may leave or change its slot
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -229,6 +230,41 @@ class ExpertCache:
         """Experts of ``layer`` READY at full precision (not from the low tier): when that is every
         expert of the layer, no prefetch for it can help. Read from any thread as a hint."""
         return self._full_ready.get(layer, 0)
+
+    @property
+    def held(self) -> bool:
+        """Whether a :meth:`hold_resident` is in force (no entry may leave or change its slot)."""
+        return self._holds > 0
+
+    def hold_resident(self, layers: Iterable[tuple[int, int]]) -> bool:
+        """Hold every entry in place if each ``(layer, n_experts)`` of ``layers`` has all its experts
+        READY at full precision: until :meth:`end_hold`, nothing is evicted (a request that needs a
+        slot waits as it does for pins) and no low-tier copy is upgraded, so the slots of those
+        experts keep their bytes and a compute thread may use their views without pins.
+
+        Returns:
+            True (end it with :meth:`end_hold`), or False, with nothing held, when some expert of
+            ``layers`` is missing, loading or a low-tier copy.
+
+        Raises:
+            StoreClosedError: the cache is closed.
+        """
+        self._check_open()
+        ready = self._full_ready
+        if any(ready.get(layer, 0) < n for layer, n in layers):
+            return False
+        self._holds += 1
+        return True
+
+    def end_hold(self) -> None:
+        """End one :meth:`hold_resident`; the last lets waiting requests evict and deferred upgrades run."""
+        if self._holds <= 0:
+            raise RuntimeError("end_hold() without hold_resident()")
+        self._holds -= 1
+        if self._holds == 0 and not self.closed:
+            if self._deferred:
+                self._upgrade([])
+            self._signal_space()
 
     @property
     def pinned_slots(self) -> int:
@@ -536,6 +572,9 @@ class ExpertCache:
                 continue  # seen already, or its copy left the cache
             if entry.state is not SlotState.READY or entry.pins or not entry.low:
                 continue  # pinned again: its next release brings it back (entry.upgrade stays set)
+            if self._holds:  # every slot stays as it is: tried again when the hold ends
+                deferred[key] = entry
+                continue
             if self._reads_behind():
                 deferred[key] = entry
                 self.counters.tier_upgrades_deferred += key not in waited
@@ -736,7 +775,8 @@ class ExpertCache:
         def can_evict(key: Key) -> bool:
             entry = self.entries.get(key)
             return (
-                entry is not None
+                not self._holds
+                and entry is not None
                 and entry.pins == 0
                 and entry.state is SlotState.READY
                 and key not in taken

@@ -40,7 +40,7 @@ import numpy as np
 
 from aioexperts._compute.norms import rms_norm
 from aioexperts._compute.pool import compute_pool
-from aioexperts._errors import FormatError, NonFiniteError, UnsupportedTypeError
+from aioexperts._errors import FormatError, InvalidRequestError, NonFiniteError, UnsupportedTypeError
 from aioexperts._format.architectures import ModelHParams
 from aioexperts._format.model import GGUFModel
 from aioexperts._model.blocks import BLOCKS, AttentionBlock, BatchedAttentionBlock
@@ -57,7 +57,7 @@ from aioexperts._model.steps import StepBatcher
 from aioexperts._model.weights import DenseMatrix, TensorReader, invariant_products
 from aioexperts._pipeline import run_in_worker
 from aioexperts._router import Routing
-from aioexperts._runner import BATCH_MAX_ROWS, MoERunner
+from aioexperts._runner import BATCH_MAX_ROWS, MoERunner, ResidentPass
 from aioexperts._store import ExpertStore
 
 __all__ = (
@@ -213,6 +213,12 @@ class Rows:
 _Pre = tuple[np.ndarray, np.ndarray, Routing | None] | Exception
 
 
+HELD_MAX_ROWS = 64
+"""Rows of one sequence up to which a pass whose experts are all resident runs as one compute job
+(the held pass). A longer prompt goes layer by layer: its hand-offs cost little beside its compute,
+and a cancellation or a close then waits for one layer, not for the whole prompt."""
+
+
 def _caught(fn: Any, *args: Any) -> Any:
     """``fn(*args)``, or the NonFiniteError it raised (that row's outcome)."""
     try:
@@ -301,6 +307,14 @@ class ForwardPass:
         outcome: list[np.ndarray | Exception | None] = [None] * n
         live = list(range(n))
         await runner.warmup()  # done at start(); cheap
+        if n == 1 and len(batch[0].ids) <= HELD_MAX_ROWS and batch[0].capture is None:
+            # every routed expert in memory (a model the slab holds): the whole pass in one compute
+            # job, the experts used where they are, with no pin, await or hand-off per layer
+            with runner.hold_resident() as held:
+                if held is not None:
+                    outcome[0] = await run_in_worker(self._held_pass, held, batch[0], resids[0])
+                    self._count_outcomes(batch, outcome)
+                    return outcome  # type: ignore[return-value]
         first = next((layer for layer in w.layers if layer.dense is None), None)
         if first is not None:
             # the first MoE layer's experts, predicted from each sequence's embeddings (their FFN
@@ -354,13 +368,16 @@ class ForwardPass:
             else:
                 for i, logits in zip(live, result, strict=True):
                     outcome[i] = logits
+        self._count_outcomes(batch, outcome)
+        return outcome  # type: ignore[return-value]
+
+    def _count_outcomes(self, batch: Sequence[Rows], outcome: Sequence[np.ndarray | Exception | None]) -> None:
         for r, o in zip(batch, outcome, strict=True):
             if not isinstance(o, Exception):
                 if len(r.ids) > 1:
                     self.counters.tokens_prefilled += len(r.ids)
                 else:
                     self.counters.tokens_decoded += 1
-        return outcome  # type: ignore[return-value]
 
     # -- the worker jobs ------------------------------------------------------------------------
 
@@ -438,6 +455,32 @@ class ForwardPass:
         self.counters.attention_seconds += t1 - t0
         self.counters.moe_seconds += time.perf_counter() - t1
         return out, prefetch
+
+    def _held_pass(self, held: ResidentPass, row: Rows, resid: np.ndarray) -> np.ndarray | Exception:
+        """Worker job: every block of one sequence's rows, then the head, with the routed experts
+        held in memory (:meth:`MoERunner.hold_resident`): :meth:`_pre_block`, the FFN and the head as
+        the layer-by-layer pass runs them, so the numbers are the same. Its logits, or its error."""
+        ffn_inp, f = resid, None
+        counters = self.counters
+        for layer in self.weights.layers:
+            (got,), _ = self._pre_block(layer, [row], [ffn_inp], None if f is None else [f])
+            if isinstance(got, Exception):
+                return got
+            ffn_inp, ffn_in, routing = got
+            t0 = time.perf_counter()
+            if layer.dense is not None:
+                f = layer.dense(ffn_in)
+                counters.dense_ffn_seconds += time.perf_counter() - t0
+                continue
+            assert routing is not None
+            try:
+                f = held.moe(layer.index, routing)
+            except InvalidRequestError as exc:  # not finite: this sequence's error, as execute_rows'
+                return exc
+            finally:
+                counters.moe_seconds += time.perf_counter() - t0
+        assert f is not None
+        return self._heads([row], [ffn_inp], [f])[0]
 
     def _after(
         self, nxt: LayerWeights | None, rows: list[Rows], ffn_inps: list[np.ndarray], fs: list[np.ndarray | Exception]

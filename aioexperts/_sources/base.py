@@ -39,7 +39,7 @@ from .._io.loop import LoopAdapter, wait_through_cancellation
 from .._timeline import Timeline
 from .rows import RowStatistics, RowsView
 
-__all__ = ("Build", "ExpertSource", "Pinned", "build_and_keep", "finish_in_thread")
+__all__ = ("Build", "ExpertSource", "HeldLayers", "Pinned", "build_and_keep", "finish_in_thread")
 
 T = TypeVar("T")
 
@@ -52,6 +52,21 @@ class Build(Protocol):
     its result as ``owner.<attribute>`` in that thread, so that a cancelled start still releases it."""
 
     def __call__(self, owner: object, attribute: str, build: Callable[[], T], /) -> Awaitable[T]: ...
+
+
+class HeldLayers(ABC):
+    """Every expert of some layers held in memory without pins (:meth:`ExpertSource.hold_resident`).
+
+    :meth:`view` may be called from any thread while the hold lasts; :meth:`end` on the event loop.
+    """
+
+    @abstractmethod
+    def view(self, key: Key) -> ExpertView:
+        """The views of ``key``'s expert (one of the held layers'), valid until :meth:`end`."""
+
+    @abstractmethod
+    def end(self, requests: int) -> None:
+        """End the hold; ``requests`` experts were served from it (counted as cached hits)."""
 
 
 class ExpertSource(ABC):
@@ -166,6 +181,12 @@ class ExpertSource(ABC):
         """Whether all ``n_experts`` experts of ``layer`` are in memory at full precision, so no
         prefetch of that layer can help (a hint: a source that cannot tell says False)."""
         return False
+
+    def hold_resident(self, layers: Sequence[tuple[int, int]]) -> HeldLayers | None:
+        """Hold every expert of ``layers`` (``(layer, n_experts)`` pairs) where it is, if all are in
+        memory at full precision: no eviction, no slot reused, until :meth:`HeldLayers.end`. None
+        (nothing held) when one is not, or for a source that cannot hold (the default)."""
+        return None
 
     @abstractmethod
     def rows(self, tensor: str, row_ids: Sequence[object]) -> AbstractAsyncContextManager[RowsView]:

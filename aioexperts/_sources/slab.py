@@ -32,7 +32,7 @@ from .._io.plan import ExpertPlan, plan_all_experts, plan_expert
 from .._io.slab import slot_stride
 from .._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions, MissTier
 from .._timeline import Timeline
-from .base import Build, ExpertSource
+from .base import Build, ExpertSource, HeldLayers
 from .rows import RowReader, RowStatistics, RowsView
 from .shared_views import SharedViews
 from .stack import ReadStack
@@ -244,6 +244,10 @@ class SlabSource(ExpertSource):
     def release(self, pinned: Sequence[Entry]) -> None:
         self._running().release(pinned)
 
+    def hold_resident(self, layers: Sequence[tuple[int, int]]) -> HeldLayers | None:
+        cache = self._running()
+        return _HeldSlots(self, cache) if cache.hold_resident(layers) else None
+
     def prefetch(self, keys: Sequence[Key], low: Sequence[Key] = ()) -> int:
         return self._running().prefetch(keys, low)
 
@@ -361,8 +365,9 @@ class SlabSource(ExpertSource):
 
     def release_parts(self) -> list[Callable[[], None]]:
         if self.cache is not None:  # the source's own shared views must not keep the slab mapped
+            held = self.cache.held  # a held pass uses every entry's views without pins
             for entry in self.cache.entries.values():
-                if entry.pins:  # a block still uses them: they stay valid, and the mapping with them
+                if entry.pins or held:  # a block still uses them: they stay valid, and the mapping with them
                     entry.views = None
                 else:
                     entry.drop_views()
@@ -398,3 +403,31 @@ def _settled(value: T, n_experts: int) -> T:
     if n_experts >= SETTLE_MIN_EXPERTS:
         gc.collect()
     return value
+
+
+class _HeldSlots(HeldLayers):
+    """A :meth:`ExpertCache.hold_resident` of the slab: views of READY entries, no pins."""
+
+    __slots__ = ("_cache", "_ended", "_entries", "_source")
+
+    def __init__(self, source: SlabSource, cache: ExpertCache) -> None:
+        self._source = source
+        self._cache = cache
+        self._entries = cache.entries
+        self._ended = False
+
+    def view(self, key: Key) -> ExpertView:
+        if self._ended:
+            raise RuntimeError("the hold has ended")
+        return self._source.view(self._entries[key])
+
+    def end(self, requests: int) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        cache = self._cache
+        cache.end_hold()
+        c = cache.counters
+        c.requests += requests
+        c.hits += requests
+        c.cached_hits += requests
