@@ -25,7 +25,7 @@ QK_K = 256
 GROUP_MAX_EPS = np.float32(1e-15)
 #: Q2_K sub-blocks quantized at once, one per SIMD lane (4 super-blocks: the scratch stays in L1)
 Q2K_LANES = 64
-_Q2K_STATE = 14  # per-lane float32 state rows of quantize_q2_k
+_Q2K_STATE = 17  # per-lane float32 state rows of quantize_q2_k
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
@@ -132,12 +132,11 @@ def quantize_q2_k(x, out, halves):
     lanes = Q2K_LANES
     xt = np.empty((16, lanes), dtype=np.float32)  # value i of sub-block s at [i, s]
     wt = np.empty((16, lanes), dtype=np.float32)  # its weight |x|
-    lt = np.empty((16, lanes), dtype=np.float32)  # the best levels so far (0..3, as float)
+    lt = np.empty((16, lanes), dtype=np.float32)  # the levels (0..3, as float)
     la = np.empty((16, lanes), dtype=np.float32)  # the levels of the current step
     st = np.empty((_Q2K_STATE, lanes), dtype=np.float32)
-    lo, hi, sum_w, sum_x, best, scale, iscale, sum_l, sum_l2, sum_xl, t_scale, t_min, take, flat = (
-        st[0], st[1], st[2], st[3], st[4], st[5], st[6], st[7], st[8], st[9], st[10], st[11], st[12], st[13]
-    )
+    lo, hi, sum_w, sum_x, best, scale, iscale, sum_l, sum_l2, sum_xl = st[0], st[1], st[2], st[3], st[4], st[5], st[6], st[7], st[8], st[9]
+    t_scale, t_min, take, flat, err, best_iscale, best_lo = st[10], st[11], st[12], st[13], st[14], st[15], st[16]
     L = np.zeros(QK_K, dtype=np.int64)
     fmax = F32(3.0)
     rmin = F32(-0.5)
@@ -180,6 +179,8 @@ def quantize_q2_k(x, out, halves):
             iscale[s] = c
             scale[s] = F32(1.0) / c
             best[s] = F32(0.0)
+            best_iscale[s] = c
+            best_lo[s] = a
         for i in range(16):
             for s in range(ns):
                 v = xt[i, s]
@@ -187,7 +188,6 @@ def quantize_q2_k(x, out, halves):
                 q = np.rint(iscale[s] * (v - a))
                 q = F32(0.0) if q < F32(0.0) else q
                 q = fmax if q > fmax else q
-                lt[i, s] = q
                 diff = abs(scale[s] * q + a - v)
                 best[s] = best[s] + wt[i, s] * diff
         for step in range(16):
@@ -219,28 +219,34 @@ def quantize_q2_k(x, out, halves):
                 t_scale[s] = c / b if clipped else this_scale
                 t_min[s] = F32(0.0) if clipped else this_min
                 take[s] = F32(1.0) if d > F32(0.0) else F32(0.0)  # the source's `if (D > 0)`
-                iscale[s] = F32(0.0)  # now the step's error
+                err[s] = F32(0.0)
             for i in range(16):
                 for s in range(ns):
                     diff = abs(t_scale[s] * la[i, s] + t_min[s] - xt[i, s])
-                    iscale[s] = iscale[s] + wt[i, s] * diff
+                    err[s] = err[s] + wt[i, s] * diff
             for s in range(ns):
-                err = iscale[s]
+                e = err[s]
                 was = best[s]
-                better = (take[s] > F32(0.0)) & (err < was) & (flat[s] == F32(0.0))
-                take[s] = F32(1.0) if better else F32(0.0)
-                best[s] = err if better else was
+                better = (take[s] > F32(0.0)) & (e < was) & (flat[s] == F32(0.0))
+                best[s] = e if better else was
                 a = scale[s]
                 c = t_scale[s]
                 scale[s] = c if better else a
                 a = lo[s]
+                c = best_lo[s]
+                best_lo[s] = a if better else c  # the min this step's levels were taken with
+                c = best_iscale[s]
+                e = iscale[s]
+                best_iscale[s] = e if better else c
                 c = t_min[s]
                 lo[s] = c if better else a
-            for i in range(16):
-                for s in range(ns):
-                    a = lt[i, s]
-                    c = la[i, s]
-                    lt[i, s] = c if take[s] > F32(0.0) else a
+        # the levels of the best step (or of the first guess), computed again as that step did: the
+        # same operations on the same operands, so the same values (cheaper than keeping a copy per step)
+        for i in range(16):
+            for s in range(ns):
+                q = np.rint(best_iscale[s] * (xt[i, s] - best_lo[s]))
+                q = F32(0.0) if q < F32(0.0) else q
+                lt[i, s] = fmax if q > fmax else q
         # per super-block: the sub-block scales and mins to 4 bits, then the levels again
         for k in range(nsb):
             xb = x[base + k * QK_K : base + (k + 1) * QK_K]
