@@ -50,74 +50,6 @@ def nearest_int(f):
     return int(np.rint(f))
 
 
-@kernel(exact=True, inline=True)
-def make_qkx2_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep):
-    """(scale, the_min) and L, as ggml's make_qkx2_quants with use_mad = true."""
-    fmax = F32(nmax)
-    xmin = x[0]
-    xmax = x[0]
-    sum_w = weights[0]
-    sum_x = sum_w * x[0]
-    for i in range(1, n):
-        if x[i] < xmin:
-            xmin = x[i]
-        if x[i] > xmax:
-            xmax = x[i]
-        w = weights[i]
-        sum_w += w
-        sum_x += w * x[i]
-    if xmin > F32(0.0):
-        xmin = F32(0.0)
-    if xmax == xmin:
-        for i in range(n):
-            L[i] = 0
-        return F32(0.0), -xmin
-    iscale = fmax / (xmax - xmin)
-    scale = F32(1.0) / iscale
-    best_error = F32(0.0)
-    for i in range(n):
-        li = nearest_int(iscale * (x[i] - xmin))
-        L[i] = max(0, min(nmax, li))
-        diff = scale * F32(L[i]) + xmin - x[i]
-        diff = abs(diff)
-        best_error += weights[i] * diff
-    if nstep < 1:
-        return scale, -xmin
-    for step in range(nstep + 1):
-        iscale = (rmin + rdelta * F32(step) + fmax) / (xmax - xmin)
-        sum_l = F32(0.0)
-        sum_l2 = F32(0.0)
-        sum_xl = F32(0.0)
-        for i in range(n):
-            li = nearest_int(iscale * (x[i] - xmin))
-            li = max(0, min(nmax, li))
-            Laux[i] = li
-            w = weights[i]
-            fl = F32(li)
-            sum_l += w * fl
-            sum_l2 += w * fl * fl
-            sum_xl += w * fl * x[i]
-        D = sum_w * sum_l2 - sum_l * sum_l
-        if D > F32(0.0):
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-            if this_min > F32(0.0):
-                this_min = F32(0.0)
-                this_scale = sum_xl / sum_l2
-            cur_error = F32(0.0)
-            for i in range(n):
-                diff = this_scale * F32(Laux[i]) + this_min - x[i]
-                diff = abs(diff)
-                cur_error += weights[i] * diff
-            if cur_error < best_error:
-                for i in range(n):
-                    L[i] = Laux[i]
-                best_error = cur_error
-                scale = this_scale
-                xmin = this_min
-    return scale, -xmin
-
-
 @kernel(exact=True)
 def quantize_q2_k(x, out, halves):
     """Q2_K blocks of ``x`` (float32, a multiple of 256): ``out`` (nb, 84) uint8, ``halves`` (nb, 2) d, dmin.
@@ -126,7 +58,9 @@ def quantize_q2_k(x, out, halves):
     :data:`Q2K_LANES` sub-blocks at once, one sub-block per lane: every loop over lanes is element by
     element (LLVM turns it into SIMD), and each lane does the source's operations in the source's
     order, so the bytes are those of the scalar code. Branches become selects: a lane computes what
-    the source would skip (a step with ``D <= 0``, a constant sub-block) and then discards it.
+    the source would skip (a step with ``D <= 0``, a constant sub-block) and then discards it. The
+    levels of the best step are not copied at each step: the lane keeps that step's iscale and min
+    and computes its levels once at the end, with the same operations on the same operands.
     """
     nb = x.shape[0] // QK_K
     lanes = Q2K_LANES
@@ -135,7 +69,8 @@ def quantize_q2_k(x, out, halves):
     lt = np.empty((16, lanes), dtype=np.float32)  # the levels (0..3, as float)
     la = np.empty((16, lanes), dtype=np.float32)  # the levels of the current step
     st = np.empty((_Q2K_STATE, lanes), dtype=np.float32)
-    lo, hi, sum_w, sum_x, best, scale, iscale, sum_l, sum_l2, sum_xl = st[0], st[1], st[2], st[3], st[4], st[5], st[6], st[7], st[8], st[9]
+    lo, hi, sum_w, sum_x, best, scale = st[0], st[1], st[2], st[3], st[4], st[5]
+    iscale, sum_l, sum_l2, sum_xl = st[6], st[7], st[8], st[9]
     t_scale, t_min, take, flat, err, best_iscale, best_lo = st[10], st[11], st[12], st[13], st[14], st[15], st[16]
     L = np.zeros(QK_K, dtype=np.int64)
     fmax = F32(3.0)
