@@ -100,7 +100,7 @@ class SlabSource(ExpertSource):
         )
         tier = self.tier
         if tier is not None:
-            full_slots = self._n_slots(layout, max(p.slot_bytes for p in plans.values()))
+            full_slots = self._n_slots(layout, max(p.slot_bytes for p in plans.values()), quiet=True)
             if full_slots >= layout.n_experts_total:
                 self._tier_off(full_slots, layout.n_experts_total)
                 tier = None
@@ -178,7 +178,7 @@ class SlabSource(ExpertSource):
         self.tier = None
         self.tier_policy = None
 
-    def _n_slots(self, layout: ExpertLayout, slot_bytes: int) -> int:
+    def _n_slots(self, layout: ExpertLayout, slot_bytes: int, *, quiet: bool = False) -> int:
         total = layout.n_experts_total
         slots = self.cache_options.slots
         if slots is not None:
@@ -186,7 +186,7 @@ class SlabSource(ExpertSource):
         budget = self.cache_options.bytes or DEFAULT_CACHE_BYTES
         stride = slot_stride(slot_bytes, hugepages=self.cache_options.hugepages)  # what each slot maps
         least = min(2 * layout.n_expert_used, total)  # a layer step's experts and the next one's
-        if budget // stride < least:
+        if budget // stride < least and not quiet:
             logging.getLogger(SLAB_LOGGER).warning(
                 "cache_bytes=%d holds %d slots of %d bytes; the slab is raised to the minimum of %d slots "
                 "(%d bytes: two layers' top-%d experts)",
