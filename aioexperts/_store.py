@@ -88,7 +88,9 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         expert_map: a ``WEEPF001`` map to check against the model (refused if stale).
         miss_tier: the low-precision miss tier (:class:`~aioexperts.MissTier`; slab mode only):
             its sidecar is checked against the model when the store starts (refused if stale);
-            :meth:`ExpertStore.start_loads` reads the ``low_ids`` it is given from it.
+            :meth:`ExpertStore.start_loads` reads the ``low_ids`` it is given from it. When the
+            slab holds every routed expert at full precision, the tier switches itself off at
+            start (one INFO line on the ``aioexperts`` logger; ``statistics().miss_tier_off_reason``).
         include_nextn: also serve the experts of the NextN / multi-token-prediction blocks, which
             llama.cpp (and the runner) leave out (see :func:`aioexperts.build_layout`).
         mode: ``"slab"`` (default: experts are read, ``O_DIRECT`` where possible, into a slab of
@@ -158,7 +160,9 @@ class ExpertStore:
         cache_options: the :class:`~aioexperts.CacheOptions` in force.
         io_options: the :class:`~aioexperts.IOOptions` in force.
         pagecache_options: the :class:`~aioexperts.PageCacheOptions` in page-cache mode, else None.
-        miss_tier: the :class:`~aioexperts.MissTier` in force, else None.
+        miss_tier: the :class:`~aioexperts.MissTier` in force, else None; None also once
+            :meth:`start` switched it off because the slab holds every routed expert at full
+            precision (``statistics().miss_tier_off_reason`` says so).
     """
 
     def __init__(
@@ -219,6 +223,8 @@ class ExpertStore:
             model, layout, hparams = await finish_in_thread(self._parse)
             self._model, self._layout, self._hparams = model, layout, hparams
             await self._source.start(model, layout, loop, build_and_keep)
+            if isinstance(self._source, SlabSource) and self._source.tier_off_reason is not None:
+                self.miss_tier = None  # nothing below asks which reads go low
         except BaseException:
             self._release_resources()
             self._closed = True

@@ -226,6 +226,7 @@ class _Report:
             "tier_upgrades": st.tier_upgrades,
             "low_tier_prefetch_hits": st.low_tier_prefetch_hits,
             "tier_upgrades_deferred": st.tier_upgrades_deferred,
+            "miss_tier_off_reason": st.miss_tier_off_reason,
             "stall_seconds": ms.stall_seconds,
             "stall_seconds_per_token": ms.stall_seconds_per_token,
             "device_busy_seconds": st.device_busy_seconds,
@@ -327,6 +328,8 @@ def _sources_line(ex: dict[str, Any]) -> str:
         if ex["low_tier_misses"] or ex["low_tier_prefetch_hits"]
         else ""
     )
+    if ex.get("miss_tier_off_reason"):
+        low += f" (miss tier off: {ex['miss_tier_off_reason']})"
     return (
         f"expert sources: {ex['cached_hits']} cached, {ex['prefetched_in_time']} prefetched in time, "
         f"{ex['prefetched_late']} prefetched late, {ex['demand_misses']} demand misses{low}; stalled on reads "

@@ -61,7 +61,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         now = time.monotonic()
         if not args.quiet and (now - last[0] >= 2.0 or done == total):
             last[0] = now
-            print(f"aioexperts-tier: {done / 1e6:.0f} of {total / 1e6:.0f} MB written", file=sys.stderr, flush=True)
+            left = (now - t0) * (total - done) / done if done else None
+            eta = "" if left is None or done == total else f", about {left / 60:.0f} min left"
+            print(
+                f"aioexperts-tier: {done / 1e6:.0f} of {total / 1e6:.0f} MB written ({100 * done / total:.0f} %{eta})",
+                file=sys.stderr,
+                flush=True,
+            )
 
     try:
         refuse_to_overwrite(out, [model], ours=_is_sidecar, force=args.force, what="the sidecar")

@@ -383,10 +383,17 @@ def test_the_miss_tier_serves_misses_and_is_reported(tiny_full_model: Path, tmp_
     from aioexperts import write_miss_tier
 
     sidecar = write_miss_tier(tiny_full_model, tmp_path / "tier.gguf", "Q3_K")
-    args = (str(tiny_full_model), "-p", "Once upon a time", "-n", "4", "--temp", "0", "--io", "threads")
+    base = (str(tiny_full_model), "-p", "Once upon a time", "-n", "4", "--temp", "0", "--io", "threads")
+    fits = run(*base, "--miss-tier", str(sidecar), "--json")  # the default slab holds all 8 experts: tier off
+    assert fits.returncode == 0, fits.stderr
+    ex = json.loads(fits.stdout)["experts"]
+    assert "every routed expert" in ex["miss_tier_off_reason"] and ex["low_tier_misses"] == 0
+    assert "miss tier off: the slab holds every routed expert" in run(*base, "--miss-tier", str(sidecar)).stderr
+    args = (*base, "--slots", "6")  # of 8 experts: the tier serves
     done = run(*args, "--miss-tier", str(sidecar), "--json")
     assert done.returncode == 0, done.stderr
     ex = json.loads(done.stdout)["experts"]
+    assert ex["miss_tier_off_reason"] is None
     assert 0 < ex["low_tier_misses"] <= ex["demand_misses"] and ex["tier_upgrades"] >= 0
     assert 0 <= ex["low_tier_prefetch_hits"] <= ex["prefetched_in_time"] + ex["prefetched_late"]
     assert ex["tier_upgrades_deferred"] >= 0
