@@ -31,7 +31,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from ..files import ShardFiles
 from ..loop import LoopAdapter
@@ -45,7 +45,7 @@ from ..uring_raw import (
     READ_SQE_STRUCT,
     RawRing,
 )
-from .base import IOBackend, ReadOp, SubmitError
+from .base import IOBackend, ReadOp, ReadResult, SubmitError
 
 __all__ = ("RawUringBackend",)
 
@@ -352,11 +352,12 @@ class RawUringBackend(IOBackend):
                 self.unexpected_completions += len(found) - len(kept)
                 found = [op for op, _ in kept]
                 results = [res for _, res in kept]
-            outcomes: list[int | Exception] = results  # type: ignore[assignment]  # (the usual case: no error)
+            ops = cast(list[ReadOp], found)  # no None left
+            outcomes = cast(list[ReadResult], results)  # the usual batch: every read returned its byte count
             if results and min(results) < 0:
                 outcomes = [res if res >= 0 else OSError(-res, os.strerror(-res)) for res in results]
-            if found:
-                self._deliver_reaped(found, outcomes)  # type: ignore[arg-type]  # no None left
+            if ops:
+                self._deliver_reaped(ops, outcomes)
         if self._n_unconsumed:
             self._stalls = 0
             self._schedule_submit()
