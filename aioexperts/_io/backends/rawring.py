@@ -345,9 +345,11 @@ class RawUringBackend(IOBackend):
             log.exception("io_uring: reaping the completion queue failed")
             return
         if users:
-            pop = self._ops.pop
+            in_flight = self._ops
+            known = len(in_flight)
+            pop = in_flight.pop
             found = [pop(user_data, None) for user_data in users]
-            if None in found:  # a stranger or a duplicate: its read (if any) was already accounted for
+            if known - len(in_flight) != len(found):  # a stranger or a duplicate: its read was accounted for
                 kept = [(op, res) for op, res in zip(found, results, strict=True) if op is not None]
                 self.unexpected_completions += len(found) - len(kept)
                 found = [op for op, _ in kept]
