@@ -13,6 +13,7 @@ The store knows nothing about computing: an
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import threading
@@ -449,7 +450,7 @@ class ExpertStore:
         table = self._key_tables.get(layer) if type(layer) is int else None
         if table is None:
             moe = self.layout.layer(layer)
-            table = self._key_tables[moe.index] = tuple((moe.index, e) for e in range(moe.n_experts))
+            table = self._key_tables[moe.index] = _key_table(moe.index, moe.n_experts)
         return table
 
     def _request_keys(self, layer: int, ids: Sequence[object]) -> tuple[list[Key], list[int] | None]:
@@ -849,6 +850,13 @@ class _ExpertsBlock:
             source.end_views(entries, self._views)  # warns when the host still uses the bytes: an error under -W error
         finally:
             source.release(entries)
+
+
+@functools.lru_cache(maxsize=1024)
+def _key_table(layer: int, n_experts: int) -> tuple[Key, ...]:
+    """``((layer, 0), ..., (layer, n_experts - 1))``, shared by every store (keys are immutable):
+    a fresh store does not build 128 tuples per layer on its first request of it."""
+    return tuple(zip(itertools.repeat(layer), range(n_experts)))
 
 
 def _checked_keys(keys: object, name: str) -> list[Key]:
