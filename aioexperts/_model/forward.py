@@ -316,6 +316,16 @@ class ForwardPass:
         outcome: list[np.ndarray | Exception | None] = [None] * n
         live = list(range(n))
         await runner.warmup()  # done at start(); cheap
+        first = next((layer for layer in w.layers if layer.dense is None), None)
+        if first is not None:
+            # the first MoE layer's experts, predicted from each sequence's embeddings (their FFN
+            # norm) before any attention runs: nothing earlier in this step predicts them
+            x = resid_all * np.float32(hp.embedding_scale) if hp.embedding_scale else resid_all
+            for i in range(n):
+                if bounds[i + 1] - bounds[i] <= BATCH_MAX_ROWS:
+                    runner.prefetch_first(
+                        first.index, rms_norm(x[bounds[i] : bounds[i + 1]], first.ffn_norm, hp.norm_eps)
+                    )
         layers = w.layers
         start = 0
         pre: list[_Pre] | None = None
@@ -332,16 +342,6 @@ class ForwardPass:
                         self._count_outcomes(batch, outcome)
                         return outcome  # type: ignore[return-value]
                     start, pre = held_out.layer, [held_out.pre]
-        first = next((layer for layer in w.layers if layer.dense is None), None)
-        if first is not None and pre is None:
-            # the first MoE layer's experts, predicted from each sequence's embeddings (their FFN
-            # norm) before any attention runs: nothing earlier in this step predicts them
-            x = resid_all * np.float32(hp.embedding_scale) if hp.embedding_scale else resid_all
-            for i in range(n):
-                if bounds[i + 1] - bounds[i] <= BATCH_MAX_ROWS:
-                    runner.prefetch_first(
-                        first.index, rms_norm(x[bounds[i] : bounds[i + 1]], first.ffn_norm, hp.norm_eps)
-                    )
         if pre is None:
             pre, prefetch = await run_in_worker(self._pre_block, layers[0], list(batch), resids, None)
         assert pre is not None
