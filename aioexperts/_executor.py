@@ -403,7 +403,8 @@ class LocalExecutor(LayerExecutor):
 
 class ResidentPass:
     """MoE layers computed from experts held in memory (:meth:`LayerExecutor.hold_resident`):
-    no pin, no await and no hand-off per layer, so one compute job can run many layers.
+    no pin, no await and no hand-off per layer, so one compute job can run many layers while the
+    experts they route to are resident.
 
     :meth:`moe` runs in that compute job (one thread at a time); the counts reach the executor's
     counters when the hold ends, on the event loop.
@@ -418,17 +419,21 @@ class ResidentPass:
         self.rows = 0
         self.compute_seconds = 0.0
 
-    def moe(self, layer: int, routing: Routing) -> np.ndarray:
+    def moe(self, layer: int, routing: Routing) -> np.ndarray | None:
         """``ffn_out`` ``(n_rows, n_embd)`` float32 of one routing (:meth:`~aioexperts.MoERunner.route_in_job`),
-        the same numbers as the executor's pinned step: :func:`expert_outputs` then :func:`combine_moe`.
+        the same numbers as the executor's pinned step: :func:`expert_outputs` then :func:`combine_moe`;
+        None when an expert it chose is not resident (the caller goes on through the executor).
 
         Raises:
             InvalidRequestError: the output is not finite (as the pinned step's outcome).
         """
         plan = routing.plan
-        assert plan is not None, "a held model fits the slab: one group"
+        if plan is None:  # more experts than slots: never with a slab that holds the model
+            return None
         wanted = routing.groups[0].experts
         views = self._experts.views(layer, wanted)
+        if views is None:
+            return None
         (outcome,), t0, t1 = _outputs_combined(layer, [plan], wanted, views, 0.0)
         self.steps += 1
         self.experts += len(wanted)

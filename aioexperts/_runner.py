@@ -409,11 +409,12 @@ class MoERunner:
 
     def hold_resident(self) -> AbstractContextManager[ResidentPass | None]:
         """``with runner.hold_resident() as held:`` -- a :class:`~aioexperts._executor.ResidentPass`
-        when the executor computes from the local slab, no timeline is recorded and every routed
-        expert is in memory at full precision (:meth:`aioexperts.ExpertStore.hold_resident`); else
-        None. ``held.moe(layer, routing)`` then computes a layer of :meth:`route_in_job`'s routing
-        inside the caller's compute job, without pins or awaits, the numbers of :meth:`execute_rows`.
-        Enter and leave it on the event loop, around the compute job that uses it.
+        when the executor computes from the local slab, no timeline is recorded and the slab has room
+        for every routed expert (:meth:`aioexperts.ExpertStore.hold_resident`); else None.
+        ``held.moe(layer, routing)`` then computes a layer of :meth:`route_in_job`'s routing inside the
+        caller's compute job, without pins or awaits, the numbers of :meth:`execute_rows`, or says
+        None when an expert it chose is not resident (go on with :meth:`execute_rows`). Enter and
+        leave it on the event loop, around the compute job that uses it.
 
         Raises:
             StoreClosedError: the store is closed.

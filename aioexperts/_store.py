@@ -621,22 +621,22 @@ class ExpertStore:
 
     @contextmanager
     def hold_resident(self) -> Iterator[ResidentExperts | None]:
-        """Hold every routed expert of the model in memory without pins, if all are resident now.
+        """Hold the resident experts in memory without pins, when the slab has room for every routed
+        expert of the model (it never evicts).
 
-        ``with store.hold_resident() as held:`` -- ``held`` is a :class:`ResidentExperts` when every
-        expert of every MoE layer is READY at full precision (the slab holds the whole model and it
-        has been read), else None. While the block lasts no expert is evicted and no slot is reused
-        (a request that needs a slot waits, as it waits for pins; low-tier upgrades wait), so a
-        compute thread may use :meth:`ResidentExperts.views` with no pin and no await per layer:
-        the decode pass of a model that fits runs its layers in one compute job this way. Enter and
-        leave it on the event loop; the page-cache mode never holds (None).
+        ``with store.hold_resident() as held:`` -- ``held`` is a :class:`ResidentExperts`, or None
+        when the slab may have to evict (it is smaller than the model) or in page-cache mode. While
+        the block lasts no expert is evicted and no slot is reused (low-tier upgrades wait; reads
+        into free slots go on), so a compute thread may use :meth:`ResidentExperts.views` with no
+        pin and no await: the decode pass of a model that fits runs its layers in one compute job
+        this way, as long as the experts it routes to are resident. Enter and leave it on the event
+        loop.
 
         Raises:
             StoreClosedError: the store is closed.
         """
         source = self._running_source()
-        layout = self.layout
-        held = source.hold_resident([(moe.index, moe.n_experts) for moe in layout.layers.values()])
+        held = source.hold_resident(self.layout.n_experts_total)
         if held is None:
             yield None
             return
@@ -756,8 +756,9 @@ class ResidentExperts:
         self._held = held
         self.requests = 0
 
-    def views(self, layer: int, ids: Sequence[int]) -> list[ExpertView]:
-        """Views of the experts ``ids`` (distinct, active) of MoE layer ``layer``, in that order.
+    def views(self, layer: int, ids: Sequence[int]) -> list[ExpertView] | None:
+        """Views of the experts ``ids`` (distinct, active) of MoE layer ``layer``, in that order, or
+        None when one of them is not resident at full precision (not read yet, loading, low tier).
 
         Raises:
             InvalidRequestError: no such layer or expert.
@@ -770,7 +771,10 @@ class ResidentExperts:
         for i in ids:
             if not 0 <= i < n:
                 raise InvalidRequestError(f"layer {layer} has experts 0..{n - 1}; expert {i} does not exist")
-            out.append(view(table[i]))
+            v = view(table[i])
+            if v is None:
+                return None
+            out.append(v)
         self.requests += len(out)
         return out
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Protocol
 
@@ -229,7 +229,7 @@ class ExpertCache:
         # keys that left the cache but whose policy.remove raised: removed again before an admit
         self._stale: set[Key] = set()
         self._full_ready: dict[int, int] = {}  # layer -> READY entries at full precision
-        self._holds = 0  # hold_resident() calls not yet ended: no entry may leave or change its slot
+        self._holds = 0  # hold() calls not yet ended: no entry may leave or change its slot
         self._retired: set[Entry] = set()  # low copies replaced while pinned: their slots wait for the release
 
     # -- queries ------------------------------------------------------------------------------
@@ -246,33 +246,33 @@ class ExpertCache:
 
     @property
     def held(self) -> bool:
-        """Whether a :meth:`hold_resident` is in force (no entry may leave or change its slot)."""
+        """Whether a :meth:`hold` is in force (no entry may leave or change its slot)."""
         return self._holds > 0
 
-    def hold_resident(self, layers: Iterable[tuple[int, int]]) -> bool:
-        """Hold every entry in place if each ``(layer, n_experts)`` of ``layers`` has all its experts
-        READY at full precision: until :meth:`end_hold`, nothing is evicted (a request that needs a
-        slot waits as it does for pins) and no low-tier copy is upgraded, so the slots of those
-        experts keep their bytes and a compute thread may use their views without pins.
-
-        Returns:
-            True (end it with :meth:`end_hold`), or False, with nothing held, when some expert of
-            ``layers`` is missing, loading or a low-tier copy.
+    def hold(self) -> None:
+        """Hold every entry in place until :meth:`end_hold`: nothing is evicted (a request that
+        needs a slot waits, as it does for pins) and no low-tier copy is upgraded, so a READY entry
+        stays READY in its slot with its bytes, and a compute thread may use its views without a
+        pin (:meth:`ready_full`). Loads into free slots go on.
 
         Raises:
             StoreClosedError: the cache is closed.
         """
         self._check_open()
-        ready = self._full_ready
-        if any(ready.get(layer, 0) < n for layer, n in layers):
-            return False
         self._holds += 1
-        return True
+
+    def ready_full(self, key: Key) -> Entry | None:
+        """``key``'s entry if it is READY at full precision (not a low-tier copy), else None. Safe
+        from any thread as a snapshot; under :meth:`hold` a READY entry stays so until it ends."""
+        entry = self.entries.get(key)
+        if entry is None or entry.state is not SlotState.READY or entry.low:
+            return None
+        return entry
 
     def end_hold(self) -> None:
-        """End one :meth:`hold_resident`; the last lets waiting requests evict and deferred upgrades run."""
+        """End one :meth:`hold`; the last lets waiting requests evict and deferred upgrades run."""
         if self._holds <= 0:
-            raise RuntimeError("end_hold() without hold_resident()")
+            raise RuntimeError("end_hold() without hold()")
         self._holds -= 1
         if self._holds == 0 and not self.closed:
             if self._deferred:

@@ -213,6 +213,15 @@ class Rows:
 _Pre = tuple[np.ndarray, np.ndarray, Routing | None] | Exception
 
 
+@dataclass(frozen=True, slots=True)
+class _Resume:
+    """Where a held pass stopped: block ``layer`` (an index into the layers) has its attention and
+    routing done (``pre``) and an expert to read."""
+
+    layer: int
+    pre: _Pre
+
+
 HELD_MAX_ROWS = 64
 """Rows of one sequence up to which a pass whose experts are all resident runs as one compute job
 (the held pass). A longer prompt goes layer by layer: its hand-offs cost little beside its compute,
@@ -307,14 +316,6 @@ class ForwardPass:
         outcome: list[np.ndarray | Exception | None] = [None] * n
         live = list(range(n))
         await runner.warmup()  # done at start(); cheap
-        if n == 1 and len(batch[0].ids) <= HELD_MAX_ROWS and batch[0].capture is None:
-            # every routed expert in memory (a model the slab holds): the whole pass in one compute
-            # job, the experts used where they are, with no pin, await or hand-off per layer
-            with runner.hold_resident() as held:
-                if held is not None:
-                    outcome[0] = await run_in_worker(self._held_pass, held, batch[0], resids[0])
-                    self._count_outcomes(batch, outcome)
-                    return outcome  # type: ignore[return-value]
         first = next((layer for layer in w.layers if layer.dense is None), None)
         if first is not None:
             # the first MoE layer's experts, predicted from each sequence's embeddings (their FFN
@@ -326,8 +327,26 @@ class ForwardPass:
                         first.index, rms_norm(x[bounds[i] : bounds[i + 1]], first.ffn_norm, hp.norm_eps)
                     )
         layers = w.layers
-        pre, prefetch = await run_in_worker(self._pre_block, layers[0], list(batch), resids, None)
-        for k, layer in enumerate(layers):
+        start = 0
+        pre: list[_Pre] | None = None
+        prefetch: list[Any] | None = None
+        if n == 1 and len(batch[0].ids) <= HELD_MAX_ROWS and batch[0].capture is None:
+            # a slab with room for the whole model: the pass in one compute job while the experts it
+            # routes to are resident, used where they are (no pin, await or hand-off per layer);
+            # at the first layer with an expert to read, on through the executor from that layer
+            with runner.hold_resident() as held:
+                if held is not None:
+                    held_out = await run_in_worker(self._held_pass, held, batch[0], resids[0])
+                    if not isinstance(held_out, _Resume):
+                        outcome[0] = held_out
+                        self._count_outcomes(batch, outcome)
+                        return outcome  # type: ignore[return-value]
+                    start, pre = held_out.layer, [held_out.pre]
+        if pre is None:
+            pre, prefetch = await run_in_worker(self._pre_block, layers[0], list(batch), resids, None)
+        assert pre is not None
+        for k in range(start, len(layers)):
+            layer = layers[k]
             ready: dict[int, tuple[np.ndarray, np.ndarray, Routing | None]] = {}
             for i, got in zip(live, pre, strict=True):
                 if isinstance(got, Exception):
@@ -456,13 +475,14 @@ class ForwardPass:
         self.counters.moe_seconds += time.perf_counter() - t1
         return out, prefetch
 
-    def _held_pass(self, held: ResidentPass, row: Rows, resid: np.ndarray) -> np.ndarray | Exception:
-        """Worker job: every block of one sequence's rows, then the head, with the routed experts
+    def _held_pass(self, held: ResidentPass, row: Rows, resid: np.ndarray) -> np.ndarray | Exception | _Resume:
+        """Worker job: every block of one sequence's rows, then the head, with the resident experts
         held in memory (:meth:`MoERunner.hold_resident`): :meth:`_pre_block`, the FFN and the head as
-        the layer-by-layer pass runs them, so the numbers are the same. Its logits, or its error."""
+        the layer-by-layer pass runs them, so the numbers are the same. Its logits, or its error, or
+        where to go on through the executor (the first MoE layer that chose an expert to read)."""
         ffn_inp, f = resid, None
         counters = self.counters
-        for layer in self.weights.layers:
+        for k, layer in enumerate(self.weights.layers):
             (got,), _ = self._pre_block(layer, [row], [ffn_inp], None if f is None else [f])
             if isinstance(got, Exception):
                 return got
@@ -479,6 +499,8 @@ class ForwardPass:
                 return exc
             finally:
                 counters.moe_seconds += time.perf_counter() - t0
+            if f is None:
+                return _Resume(k, got)
         assert f is not None
         return self._heads([row], [ffn_inp], [f])[0]
 

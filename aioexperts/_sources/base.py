@@ -55,14 +55,15 @@ class Build(Protocol):
 
 
 class HeldLayers(ABC):
-    """Every expert of some layers held in memory without pins (:meth:`ExpertSource.hold_resident`).
+    """The resident experts of a source held in place without pins (:meth:`ExpertSource.hold_resident`).
 
     :meth:`view` may be called from any thread while the hold lasts; :meth:`end` on the event loop.
     """
 
     @abstractmethod
-    def view(self, key: Key) -> ExpertView:
-        """The views of ``key``'s expert (one of the held layers'), valid until :meth:`end`."""
+    def view(self, key: Key) -> ExpertView | None:
+        """The views of ``key``'s expert if it is resident at full precision (valid until
+        :meth:`end`), else None (not read yet, loading, or a low-tier copy)."""
 
     @abstractmethod
     def end(self, requests: int) -> None:
@@ -182,10 +183,11 @@ class ExpertSource(ABC):
         prefetch of that layer can help (a hint: a source that cannot tell says False)."""
         return False
 
-    def hold_resident(self, layers: Sequence[tuple[int, int]]) -> HeldLayers | None:
-        """Hold every expert of ``layers`` (``(layer, n_experts)`` pairs) where it is, if all are in
-        memory at full precision: no eviction, no slot reused, until :meth:`HeldLayers.end`. None
-        (nothing held) when one is not, or for a source that cannot hold (the default)."""
+    def hold_resident(self, n_experts: int) -> HeldLayers | None:
+        """Hold the resident experts in place, without pins, when the source never needs to evict
+        one (it has room for all ``n_experts`` of the model): until :meth:`HeldLayers.end` no
+        resident expert leaves or changes its slot. None (nothing held) when it may evict, or for a
+        source that cannot hold (the default)."""
         return None
 
     @abstractmethod

@@ -261,9 +261,12 @@ class SlabSource(ExpertSource):
     def release(self, pinned: Sequence[Entry]) -> None:
         self._running().release(pinned)
 
-    def hold_resident(self, layers: Sequence[tuple[int, int]]) -> HeldLayers | None:
+    def hold_resident(self, n_experts: int) -> HeldLayers | None:
         cache = self._running()
-        return _HeldSlots(self, cache) if cache.hold_resident(layers) else None
+        if cache.n_slots < n_experts:  # it may evict: a hold would stall its reads
+            return None
+        cache.hold()
+        return _HeldSlots(self, cache)
 
     def prefetch(self, keys: Sequence[Key], low: Sequence[Key] = ()) -> int:
         return self._running().prefetch(keys, low)
@@ -424,20 +427,20 @@ def _settled(value: T, n_experts: int) -> T:
 
 
 class _HeldSlots(HeldLayers):
-    """A :meth:`ExpertCache.hold_resident` of the slab: views of READY entries, no pins."""
+    """An :meth:`ExpertCache.hold` of a slab with room for every expert: views of READY entries, no pins."""
 
-    __slots__ = ("_cache", "_ended", "_entries", "_source")
+    __slots__ = ("_cache", "_ended", "_source")
 
     def __init__(self, source: SlabSource, cache: ExpertCache) -> None:
         self._source = source
         self._cache = cache
-        self._entries = cache.entries
         self._ended = False
 
-    def view(self, key: Key) -> ExpertView:
+    def view(self, key: Key) -> ExpertView | None:
         if self._ended:
             raise RuntimeError("the hold has ended")
-        return self._source.view(self._entries[key])
+        entry = self._cache.ready_full(key)
+        return None if entry is None else self._source.view(entry)
 
     def end(self, requests: int) -> None:
         if self._ended:

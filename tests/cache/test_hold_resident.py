@@ -43,9 +43,9 @@ async def test_a_request_that_must_evict_waits_for_the_hold_to_end(model_path: P
         await load_layers(store, range(1))
         cache = cache_of(store)
         slots = {key: cache.entries[key].slot for key in cache.entries}
-        assert not cache.hold_resident([(1, SMALL.n_expert)])  # layer 1 is not resident: nothing held
         assert not cache.held
-        assert cache.hold_resident([(0, SMALL.n_expert)])
+        cache.hold()
+        assert cache.held
         done = anyio.Event()
 
         async def want_layer_1() -> None:
@@ -69,29 +69,36 @@ async def test_held_views_are_the_experts_bytes_and_count_as_hits(
     model_path: Path, reference: dict[tuple[int, int], list[bytes]], anyio_backend: object
 ) -> None:
     n_total = SMALL.n_layer * SMALL.n_expert
+    async with aioexperts.open(model_path, slots=n_total - 1) as store:
+        with store.hold_resident() as held:
+            assert held is None  # the slab may have to evict: no hold
     async with aioexperts.open(model_path, slots=n_total) as store:
         with store.hold_resident() as held:
-            assert held is None  # nothing read yet
+            assert held is not None
+            assert held.views(0, [0]) is None  # nothing read yet
         await load_layers(store, range(SMALL.n_layer - 1))
-        with store.hold_resident() as held:
-            assert held is None  # the last layer is missing
-        await load_layers(store, range(SMALL.n_layer - 1, SMALL.n_layer))
         before = store.statistics()
         with store.hold_resident() as held:
             assert held is not None
             assert cache_of(store).held
-            for layer in range(SMALL.n_layer):
+            assert held.views(SMALL.n_layer - 1, [1]) is None  # the last layer is not read
+            assert held.views(0, [1, 2]) is not None
+            for layer in range(SMALL.n_layer - 1):
                 views = held.views(layer, [5, 0, 3])
+                assert views is not None
                 assert [(v.layer, v.expert) for v in views] == [(layer, 5), (layer, 0), (layer, 3)]
                 for v in views:
                     assert [bytes(p.data) for p in (v.gate, v.up, v.down)] == reference[(layer, v.expert)]
             with pytest.raises(aioexperts.InvalidRequestError):
                 held.views(0, [SMALL.n_expert])
+            async with store.experts(SMALL.n_layer - 1, [1]):  # a read into a free slot goes on
+                pass
+            assert held.views(SMALL.n_layer - 1, [1]) is not None
         assert not cache_of(store).held
         after = store.statistics()
-        assert after.requests - before.requests == 3 * SMALL.n_layer
-        assert after.hits - before.hits == 3 * SMALL.n_layer
-        assert after.cached_hits - before.cached_hits == 3 * SMALL.n_layer
+        n_served = 2 + 3 * (SMALL.n_layer - 1) + 1
+        assert after.requests - before.requests == n_served + 1  # the experts() block's own request
+        assert after.cached_hits - before.cached_hits == n_served
     with pytest.raises(aioexperts.StoreClosedError), store.hold_resident():
         pass
 
