@@ -14,7 +14,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ from ._errors import ConfigError, InvalidRequestError
 from ._format.views import ExpertView
 from ._pipeline import run_in_worker, run_layer_step
 from ._router import Router, Routing, rows_text
-from ._store import ExpertStore
+from ._store import ExpertStore, ResidentExperts
 from ._tier_policy import low_tier_misses, low_tier_prefetches
 from ._timeline import Timeline
 
@@ -173,6 +174,12 @@ class LayerExecutor(abc.ABC):
         """Start loading ``keys`` ahead without waiting (loop thread); the number started."""
         return 0
 
+    @contextmanager
+    def hold_resident(self) -> Iterator[ResidentPass | None]:
+        """A :class:`ResidentPass` while every routed expert stays in memory (loop thread; enter
+        and leave it there), or None when this executor cannot compute that way (the default)."""
+        yield None
+
 
 def _no_note(event: str, layer: int, n: int) -> None:
     return None
@@ -206,6 +213,21 @@ class LocalExecutor(LayerExecutor):
             return store.prefetch(keys)
         # no predicted weights here (the first layer's prediction, hash-routed layers): the backlog rule
         return store.prefetch(keys, low=low_tier_prefetches(tier, keys, {}, store.read_backlog_seconds()))
+
+    @contextmanager
+    def hold_resident(self) -> Iterator[ResidentPass | None]:
+        if self.timeline is not None:  # a recorded step goes through the pins, as any other
+            yield None
+            return
+        with self._store.hold_resident() as held:
+            if held is None:
+                yield None
+                return
+            resident = ResidentPass(held)
+            try:
+                yield resident
+            finally:
+                resident.count_into(self.counters)
 
     async def run(
         self,
@@ -377,6 +399,61 @@ class LocalExecutor(LayerExecutor):
         parts = [[h, m] for h, m in zip(found, miss_found, strict=True)]
         io_wait = done["io_wait"]
         return parts, io_wait, max(0.0, io_wait - (hit_b - hit_a)), ((1, hit_a, hit_b), (2, miss_a, miss_b))
+
+
+class ResidentPass:
+    """MoE layers computed from experts held in memory (:meth:`LayerExecutor.hold_resident`):
+    no pin, no await and no hand-off per layer, so one compute job can run many layers while the
+    experts they route to are resident.
+
+    :meth:`moe` runs in that compute job (one thread at a time); the counts reach the executor's
+    counters when the hold ends, on the event loop.
+    """
+
+    __slots__ = ("_experts", "compute_seconds", "experts", "rows", "steps")
+
+    def __init__(self, experts: ResidentExperts) -> None:
+        self._experts = experts
+        self.steps = 0
+        self.experts = 0
+        self.rows = 0
+        self.compute_seconds = 0.0
+
+    def moe(self, layer: int, routing: Routing) -> np.ndarray | None:
+        """``ffn_out`` ``(n_rows, n_embd)`` float32 of one routing (:meth:`~aioexperts.MoERunner.route_in_job`),
+        the same numbers as the executor's pinned step: :func:`expert_outputs` then :func:`combine_moe`;
+        None when an expert it chose is not resident (the caller goes on through the executor).
+
+        Raises:
+            InvalidRequestError: the output is not finite (as the pinned step's outcome).
+        """
+        plan = routing.plan
+        if plan is None:  # more experts than slots: never with a slab that holds the model
+            return None
+        wanted = routing.groups[0].experts
+        views = self._experts.views(layer, wanted)
+        if views is None:
+            return None
+        (outcome,), t0, t1 = _outputs_combined(layer, [plan], wanted, views, 0.0)
+        self.steps += 1
+        self.experts += len(wanted)
+        self.rows += len(plan.x)
+        self.compute_seconds += t1 - t0
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome[0].ffn_out
+
+    def count_into(self, c: ExecutorCounters) -> None:
+        """Add this pass's steps to ``c`` (event loop), as one-call steps with no wait."""
+        for _ in range(self.steps):
+            c.add_step(0.0, 0.0)
+        c.compute_seconds += self.compute_seconds
+        c.executor_steps += self.steps
+        c.calls += self.steps
+        c.experts += self.experts
+        c.rows += self.rows
+        self.steps = self.experts = self.rows = 0
+        self.compute_seconds = 0.0
 
 
 def _plan(routing: Routing) -> MoEPlan:

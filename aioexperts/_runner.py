@@ -17,6 +17,7 @@ import functools
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from ._compute.moe import MoEOutput, ResidentLayer
 from ._compute.resident import warmup_kernels
 from ._errors import ConfigError, InvalidRequestError, SlabExhaustedError
 from ._executor import LayerExecutor, LayerOutcome, LocalExecutor
+from ._executor import ResidentPass as ResidentPass
 from ._executor import hits_first_pays as hits_first_pays
 from ._pipeline import ComputeStep, LayerStep, MoELayersResult, run_in_worker, run_layer_step_then
 from ._predict.predictors import Predictor
@@ -404,6 +406,20 @@ class MoERunner:
             raise InvalidRequestError(f"stream must be a DecodeStream (runner.decode_stream()), got {stream!r}")
         out, _, _ = await self._execute(self._store.layout.layer(layer).index, routing, stream)
         return out.ffn_out
+
+    def hold_resident(self) -> AbstractContextManager[ResidentPass | None]:
+        """``with runner.hold_resident() as held:`` -- a :class:`~aioexperts._executor.ResidentPass`
+        when the executor computes from the local slab, no timeline is recorded and the slab has room
+        for every routed expert (:meth:`aioexperts.ExpertStore.hold_resident`); else None.
+        ``held.moe(layer, routing)`` then computes a layer of :meth:`route_in_job`'s routing inside the
+        caller's compute job, without pins or awaits, the numbers of :meth:`execute_rows`, or says
+        None when an expert it chose is not resident (go on with :meth:`execute_rows`). Enter and
+        leave it on the event loop, around the compute job that uses it.
+
+        Raises:
+            StoreClosedError: the store is closed.
+        """
+        return self._executor.hold_resident()
 
     async def execute_rows(
         self,

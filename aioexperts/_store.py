@@ -13,12 +13,13 @@ The store knows nothing about computing: an
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import threading
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import TypeVar
 
 import anyio
@@ -35,7 +36,7 @@ from ._format.tier_sidecar import read_tier_sidecar
 from ._format.views import ExpertView
 from ._io.loop import LoopAdapter, current_loop, wait_through_cancellation
 from ._options import CacheOptions, IOOptions, MissTier, PageCacheOptions
-from ._sources.base import ExpertSource, Pinned, build_and_keep, finish_in_thread
+from ._sources.base import ExpertSource, HeldLayers, Pinned, build_and_keep, finish_in_thread
 from ._sources.mapped import MappedSource
 from ._sources.rows import RowStatistics, RowsView
 from ._sources.slab import SlabSource
@@ -88,7 +89,9 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: aioexperts.open(path)
         expert_map: a ``WEEPF001`` map to check against the model (refused if stale).
         miss_tier: the low-precision miss tier (:class:`~aioexperts.MissTier`; slab mode only):
             its sidecar is checked against the model when the store starts (refused if stale);
-            :meth:`ExpertStore.start_loads` reads the ``low_ids`` it is given from it.
+            :meth:`ExpertStore.start_loads` reads the ``low_ids`` it is given from it. When the
+            slab holds every routed expert at full precision, the tier switches itself off at
+            start (one INFO line on the ``aioexperts`` logger; ``statistics().miss_tier_off_reason``).
         include_nextn: also serve the experts of the NextN / multi-token-prediction blocks, which
             llama.cpp (and the runner) leave out (see :func:`aioexperts.build_layout`).
         mode: ``"slab"`` (default: experts are read, ``O_DIRECT`` where possible, into a slab of
@@ -158,7 +161,9 @@ class ExpertStore:
         cache_options: the :class:`~aioexperts.CacheOptions` in force.
         io_options: the :class:`~aioexperts.IOOptions` in force.
         pagecache_options: the :class:`~aioexperts.PageCacheOptions` in page-cache mode, else None.
-        miss_tier: the :class:`~aioexperts.MissTier` in force, else None.
+        miss_tier: the :class:`~aioexperts.MissTier` in force, else None; None also once
+            :meth:`start` switched it off because the slab holds every routed expert at full
+            precision (``statistics().miss_tier_off_reason`` says so).
     """
 
     def __init__(
@@ -219,6 +224,8 @@ class ExpertStore:
             model, layout, hparams = await finish_in_thread(self._parse)
             self._model, self._layout, self._hparams = model, layout, hparams
             await self._source.start(model, layout, loop, build_and_keep)
+            if isinstance(self._source, SlabSource) and self._source.tier_off_reason is not None:
+                self.miss_tier = None  # nothing below asks which reads go low
         except BaseException:
             self._release_resources()
             self._closed = True
@@ -443,7 +450,7 @@ class ExpertStore:
         table = self._key_tables.get(layer) if type(layer) is int else None
         if table is None:
             moe = self.layout.layer(layer)
-            table = self._key_tables[moe.index] = tuple((moe.index, e) for e in range(moe.n_experts))
+            table = self._key_tables[moe.index] = _key_table(moe.index, moe.n_experts)
         return table
 
     def _request_keys(self, layer: int, ids: Sequence[object]) -> tuple[list[Key], list[int] | None]:
@@ -612,6 +619,33 @@ class ExpertStore:
         moe, _ = self._keys(layer, ids := list(ids))
         return [int(i) != -1 and source.is_ready((moe.index, int(i))) for i in ids]
 
+    @contextmanager
+    def hold_resident(self) -> Iterator[ResidentExperts | None]:
+        """Hold the resident experts in memory without pins, when the slab has room for every routed
+        expert of the model (it never evicts).
+
+        ``with store.hold_resident() as held:`` -- ``held`` is a :class:`ResidentExperts`, or None
+        when the slab may have to evict (it is smaller than the model) or in page-cache mode. While
+        the block lasts no expert is evicted and no slot is reused (low-tier upgrades wait; reads
+        into free slots go on), so a compute thread may use :meth:`ResidentExperts.views` with no
+        pin and no await: the decode pass of a model that fits runs its layers in one compute job
+        this way, as long as the experts it routes to are resident. Enter and leave it on the event
+        loop.
+
+        Raises:
+            StoreClosedError: the store is closed.
+        """
+        source = self._running_source()
+        held = source.hold_resident(self.layout.n_experts_total)
+        if held is None:
+            yield None
+            return
+        resident = ResidentExperts(self, held)
+        try:
+            yield resident
+        finally:
+            held.end(resident.requests)
+
     def layer_resident(self, layer: int) -> bool:
         """Whether every expert of MoE layer ``layer`` is in memory at full precision now (a
         snapshot the router reads from a compute-pool thread: it predicts no experts for such a
@@ -704,6 +738,47 @@ class ExpertStore:
         return f"<aioexperts.ExpertStore {self.path!r} {state}>"
 
 
+class ResidentExperts:
+    """The experts of a model held in memory by :meth:`ExpertStore.hold_resident` (no pins).
+
+    :meth:`views` may be called from a compute thread while the hold lasts; the views are those
+    :meth:`ExpertStore.experts` gives and stay valid until the hold ends.
+
+    Attributes:
+        requests: experts served so far (counted as cached hits in the store's statistics when the
+            hold ends).
+    """
+
+    __slots__ = ("_held", "_store", "requests")
+
+    def __init__(self, store: ExpertStore, held: HeldLayers) -> None:
+        self._store = store
+        self._held = held
+        self.requests = 0
+
+    def views(self, layer: int, ids: Sequence[int]) -> list[ExpertView] | None:
+        """Views of the experts ``ids`` (distinct, active) of MoE layer ``layer``, in that order, or
+        None when one of them is not resident at full precision (not read yet, loading, low tier).
+
+        Raises:
+            InvalidRequestError: no such layer or expert.
+            RuntimeError: the hold has ended.
+        """
+        table = self._store._layer_keys(layer)
+        n = len(table)
+        view = self._held.view
+        out = []
+        for i in ids:
+            if not 0 <= i < n:
+                raise InvalidRequestError(f"layer {layer} has experts 0..{n - 1}; expert {i} does not exist")
+            v = view(table[i])
+            if v is None:
+                return None
+            out.append(v)
+        self.requests += len(out)
+        return out
+
+
 class _ExpertsBlock:
     """The ``async with`` of :meth:`ExpertStore.experts`: pins on entry, unpins on exit.
 
@@ -779,6 +854,13 @@ class _ExpertsBlock:
             source.end_views(entries, self._views)  # warns when the host still uses the bytes: an error under -W error
         finally:
             source.release(entries)
+
+
+@functools.lru_cache(maxsize=1024)
+def _key_table(layer: int, n_experts: int) -> tuple[Key, ...]:
+    """``((layer, 0), ..., (layer, n_experts - 1))``, shared by every store (keys are immutable):
+    a fresh store does not build 128 tuples per layer on its first request of it."""
+    return tuple(zip(itertools.repeat(layer), range(n_experts)))
 
 
 def _checked_keys(keys: object, name: str) -> list[Key]:

@@ -286,6 +286,8 @@ def warm_numba(reads: ReadList, depth: int) -> None:
 async def through_store(
     path: Path, backend: str, groups: list[Any], depth: int, tasks: int, top_k: int
 ) -> tuple[int, float, float, dict[str, Any]]:
+    """The store's reads of ``groups``: (bytes read, CPU s, wall s, details); the details hold the
+    backend's features and the read window's own user s, system s and wake-ups."""
     io = aioexperts.IOOptions(backend=backend, queue_depth=depth)
     async with aioexperts.open(path, slots=max(4 * top_k * tasks, 64), io=io) as store:
         queue = list(groups)
@@ -296,12 +298,14 @@ async def through_store(
                 async with store.experts(layer, ids):
                     pass
 
-        c0, w0 = cpu_seconds(), time.perf_counter()
+        u0, w0 = usage(), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(tasks)))
-        cpu, wall = cpu_seconds() - c0, time.perf_counter() - w0
+        u1, wall = usage(), time.perf_counter() - w0
+        cpu = (u1[0] - u0[0]) + (u1[1] - u0[1])
         st = store.statistics()
         assert st.direct_io, f"the bench needs O_DIRECT: {st.buffered_reason}"
-        return st.bytes_read, cpu, wall, {"backend": st.backend, **st.backend_features}
+        window = {"window_user_s": u1[0] - u0[0], "window_sys_s": u1[1] - u0[1], "window_wakeups": u1[2] - u0[2]}
+        return st.bytes_read, cpu, wall, {"backend": st.backend, **st.backend_features, **window}
 
 
 # -- one run of one method ------------------------------------------------------------------------
@@ -329,6 +333,7 @@ def run_method(method: str, path: Path, reads: ReadList, groups: list[Any], args
         got, cpu, wall, features = asyncio.run(through_store(path, backend, groups, args.depth, args.tasks, args.top_k))
         row["backend"] = features.get("backend")
         row["ring"] = features.get("ring")
+        row.update({k: v for k, v in features.items() if k.startswith("window_")})
     u1 = usage()
     if method != "fio":  # the read window's share is in cpu_s; these span the whole run (set-up included)
         row.update(user_s=u1[0] - u0[0], sys_s=u1[1] - u0[1], wakeups=u1[2] - u0[2])

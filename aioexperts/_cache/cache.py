@@ -94,6 +94,8 @@ class Entry:
         waiters: the requests waiting for this load to finish (:class:`_Waiter`), else None.
         low: the slot holds the expert's low-precision miss-tier copy (``plan`` reads the sidecar).
         upgrade: a request hit the low copy: read it at full precision once nobody pins it.
+        retired: a low copy replaced by its full copy while pinned: out of the cache, its slot
+            freed by its last release.
     """
 
     __slots__ = (
@@ -105,6 +107,7 @@ class Entry:
         "pins",
         "plan",
         "prefetched",
+        "retired",
         "slot",
         "state",
         "upgrade",
@@ -126,6 +129,7 @@ class Entry:
         self.views: SlotViews | None = None  # the source's views of this load, built on first view
         self.low = False
         self.upgrade = False
+        self.retired = False
 
     def drop_views(self) -> None:
         """Invalidate and forget the source's views of this load (the slot goes to another expert)."""
@@ -135,6 +139,11 @@ class Entry:
 
     def __repr__(self) -> str:
         return f"Entry({self.key}, slot={self.slot}, {self.state.name}, pins={self.pins})"
+
+
+def _other_than(key: Key) -> Callable[[Key], bool]:
+    """A victim filter that spares ``key``."""
+    return lambda k: k != key
 
 
 class _Waiter:
@@ -201,6 +210,9 @@ class ExpertCache:
         self.upgrade_low = upgrade_low
         self.reads_behind = reads_behind
         self._deferred: dict[Key, Entry] = {}  # low copies hit again whose upgrade waits for the reads
+        # full copies being read for low copies that stay in the cache (and serve) until these land:
+        # key -> the full copy's entry, not in ``entries`` yet, its own slot
+        self._upgrading: dict[Key, Entry] = {}
         self.scheduler = scheduler
         _claim(policy)
         self.policy = policy
@@ -217,6 +229,8 @@ class ExpertCache:
         # keys that left the cache but whose policy.remove raised: removed again before an admit
         self._stale: set[Key] = set()
         self._full_ready: dict[int, int] = {}  # layer -> READY entries at full precision
+        self._holds = 0  # hold() calls not yet ended: no entry may leave or change its slot
+        self._retired: set[Entry] = set()  # low copies replaced while pinned: their slots wait for the release
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -231,9 +245,44 @@ class ExpertCache:
         return self._full_ready.get(layer, 0)
 
     @property
+    def held(self) -> bool:
+        """Whether a :meth:`hold` is in force (no entry may leave or change its slot)."""
+        return self._holds > 0
+
+    def hold(self) -> None:
+        """Hold every entry in place until :meth:`end_hold`: nothing is evicted (a request that
+        needs a slot waits, as it does for pins) and no low-tier copy is upgraded, so a READY entry
+        stays READY in its slot with its bytes, and a compute thread may use its views without a
+        pin (:meth:`ready_full`). Loads into free slots go on.
+
+        Raises:
+            StoreClosedError: the cache is closed.
+        """
+        self._check_open()
+        self._holds += 1
+
+    def ready_full(self, key: Key) -> Entry | None:
+        """``key``'s entry if it is READY at full precision (not a low-tier copy), else None. Safe
+        from any thread as a snapshot; under :meth:`hold` a READY entry stays so until it ends."""
+        entry = self.entries.get(key)
+        if entry is None or entry.state is not SlotState.READY or entry.low:
+            return None
+        return entry
+
+    def end_hold(self) -> None:
+        """End one :meth:`hold`; the last lets waiting requests evict and deferred upgrades run."""
+        if self._holds <= 0:
+            raise RuntimeError("end_hold() without hold()")
+        self._holds -= 1
+        if self._holds == 0 and not self.closed:
+            if self._deferred:
+                self._upgrade([])
+            self._signal_space()
+
+    @property
     def pinned_slots(self) -> int:
-        """Entries with at least one pin."""
-        return sum(1 for e in self.entries.values() if e.pins)
+        """Entries with at least one pin (low copies retired while pinned included)."""
+        return sum(1 for e in self.entries.values() if e.pins) + len(self._retired)
 
     # -- acquire / release ----------------------------------------------------------------------
 
@@ -515,6 +564,12 @@ class ExpertCache:
                 freed |= entry.pins == 0 and entry.state is SlotState.READY
                 if entry.upgrade and entry.pins == 0:
                     upgrades.append(entry)
+            elif entry.retired and entry.pins > 0:  # a low copy its full copy replaced while pinned
+                entry.pins -= 1
+                if entry.pins == 0:
+                    self._retired.discard(entry)
+                    self._free_slot_of(entry)
+                    freed = True
         if (upgrades or self._deferred) and not self.closed:
             self._upgrade(upgrades)
         if freed:
@@ -522,9 +577,12 @@ class ExpertCache:
 
     def _upgrade(self, entries: list[Entry]) -> None:
         """Read low-tier copies that were hit again (``entries``, and those put off before) at full
-        precision, into the same slots (background prefetch loads; the expert is LOADING until they
-        complete), one at a time while the reads are not behind (``reads_behind``, asked again
-        before each: an upgrade's own read counts); the others are put off. Never raises."""
+        precision, one at a time while the reads are not behind (``reads_behind``, asked again
+        before each: an upgrade's own read counts); the others are put off. Never raises.
+
+        The full copy is read into another slot (a free one, else the policy's victim, never the
+        low copy) in the background; the low copy stays READY and serves every request until the
+        full copy has landed, then :meth:`_upgraded` swaps them."""
         deferred = self._deferred
         waited = set(deferred)
         candidates = [*deferred.values(), *entries]
@@ -532,24 +590,83 @@ class ExpertCache:
         started = 0
         for entry in candidates:
             key = entry.key
-            if key in deferred or self.entries.get(key) is not entry:
-                continue  # seen already, or its copy left the cache
+            if key in deferred or self.entries.get(key) is not entry or key in self._upgrading:
+                continue  # seen already, its copy left the cache, or its full copy is on the way
             if entry.state is not SlotState.READY or entry.pins or not entry.low:
                 continue  # pinned again: its next release brings it back (entry.upgrade stays set)
+            if self._holds:  # every slot stays as it is: tried again when the hold ends
+                deferred[key] = entry
+                continue
             if self._reads_behind():
                 deferred[key] = entry
                 self.counters.tier_upgrades_deferred += key not in waited
                 continue
-            try:
-                self._evict([key])
-            except EvictionPolicyError:
-                log.exception("the eviction policy failed while a low-tier expert was upgraded")
-            if key in self.entries or not self.free_slots:
-                continue
-            upgraded = self._start(key, self.free_slots.pop(), self.plan_of(*key), Priority.PREFETCH)
-            upgraded.prefetched = True
+            if not self.free_slots:
+                try:
+                    self._evict(self._choose_victims(1, _other_than(key), partial=True) or [])
+                except EvictionPolicyError:
+                    log.exception("the eviction policy failed while a low-tier expert was upgraded")
+                if not self.free_slots:
+                    deferred[key] = entry  # no slot to read it into: tried again at a later release
+                    continue
+            entry.upgrade = False
+            full = Entry(key, self.free_slots.pop(), self.plan_of(*key))
+            full.load = Load(full.plan, full.slot, Priority.PREFETCH, self._loaded, full)
+            self._upgrading[key] = full
+            self.scheduler.enqueue(full.load)
             started += 1
         self.counters.tier_upgrades += started
+
+    def _upgraded(self, full: Entry, error: AioExpertsError | None) -> None:
+        """The full copy of an upgrade finished reading: it replaces the low copy (whose slot is
+        freed now, or by its last release if a request pins it), or takes the key if the low copy
+        left the cache meanwhile; on an error, or if another load of the key started since, its
+        slot is freed and the cache keeps what it has. Never raises."""
+        key = full.key
+        del self._upgrading[key]
+        full.load = None
+        current = self.entries.get(key)
+        if error is not None or (current is not None and not (current.low and current.state is SlotState.READY)):
+            if isinstance(error, ExpertReadError):
+                self.counters.read_errors += 1
+            if error is not None and not isinstance(error, StoreClosedError):
+                log.warning("the full-precision read of low-tier expert %s failed (%s); the low copy stays", key, error)
+            self._free_slot_of(full)
+            self._signal_space()
+            return
+        if current is None:  # the low copy was evicted meanwhile: the full copy comes in as a new load would
+            try:
+                if key in self._stale:
+                    self._stale.discard(key)
+                    self.policy.remove(key)
+                self.policy.admit(key)
+            except Exception:
+                log.exception("the eviction policy failed to admit upgraded expert %s; its full copy is dropped", key)
+                try:
+                    self.policy.remove(key)
+                except Exception:
+                    self._stale.add(key)
+                self._free_slot_of(full)
+                self._signal_space()
+                return
+        # the swap: the key keeps its place in the policy (no admit, no remove), only its slot changes
+        self.entries[key] = full
+        full.state = SlotState.READY
+        self._full_ready[key[0]] = self._full_ready.get(key[0], 0) + 1
+        self.counters.payload_bytes += full.plan.payload_bytes
+        if current is not None:
+            if current.pins:
+                current.retired = True
+                self._retired.add(current)
+            else:
+                self._free_slot_of(current)
+        self._signal_space()
+
+    def _free_slot_of(self, entry: Entry) -> None:
+        """``entry`` (out of ``entries``, no pin, no read in flight) is FREE: its slot goes back to the list."""
+        entry.state = SlotState.FREE
+        entry.drop_views()  # views of the slot's old bytes: the slot now goes to another expert
+        self.free_slots.append(entry.slot)
 
     def _reads_behind(self) -> bool:
         """``reads_behind()``, False without one; True (upgrades wait) if it raises."""
@@ -736,7 +853,8 @@ class ExpertCache:
         def can_evict(key: Key) -> bool:
             entry = self.entries.get(key)
             return (
-                entry is not None
+                not self._holds
+                and entry is not None
                 and entry.pins == 0
                 and entry.state is SlotState.READY
                 and key not in taken
@@ -846,6 +964,9 @@ class ExpertCache:
         """``on_done`` of every load (its ``owner`` is the entry): READY, or FREE with the error for
         every waiter. Never raises."""
         entry: Entry = load.owner
+        if self._upgrading.get(entry.key) is entry:
+            self._upgraded(entry, load.error)
+            return
         entry.load = None
         error = load.error
         if error is None:

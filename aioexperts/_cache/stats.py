@@ -144,6 +144,9 @@ class StoreStatistics:
             counted once per wait; it is upgraded at a later release once they caught up).
         device_busy_seconds: wall time during which at least one read was in flight; the device
             rate is ``bytes_read / device_busy_seconds`` (:attr:`device_rate`).
+        miss_tier_off_reason: why a :class:`~aioexperts.MissTier` given to ``open`` was switched
+            off when the store started (the slab holds every routed expert at full precision),
+            else None (no tier given, or the tier serves).
     """
 
     backend: str
@@ -185,6 +188,7 @@ class StoreStatistics:
     low_tier_prefetch_hits: int = 0
     tier_upgrades_deferred: int = 0
     device_busy_seconds: float = 0.0
+    miss_tier_off_reason: str | None = None
 
     @property
     def device_rate(self) -> float | None:

@@ -43,6 +43,7 @@ __all__ = (
     "IORING_OP_READ",
     "IORING_OP_READ_FIXED",
     "IOSQE_ASYNC",
+    "READ_SQE_STRUCT",
     "SQE_STRUCT",
     "RawRing",
     "raw_ring_unusable_reason",
@@ -82,6 +83,11 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
 _L = ctypes.c_long
+#: ``syscall`` again, typed for ``io_uring_enter`` (six ``long`` arguments after the number): the
+#: hot path passes plain ints instead of building a ``c_long`` per argument.
+_enter_syscall = ctypes.CDLL(None, use_errno=True).syscall
+_enter_syscall.restype = ctypes.c_long
+_enter_syscall.argtypes = [ctypes.c_long] * 7
 
 #: One SQE (64 bytes), as the kernel reads it.
 SQE_DTYPE = np.dtype(
@@ -109,6 +115,12 @@ assert SQE_DTYPE.itemsize == 64 and CQE_DTYPE.itemsize == 16
 SQE_STRUCT = struct.Struct("<BBHiQQIIQHHiQQ")
 _SQE = SQE_STRUCT
 assert _SQE.size == 64
+#: A read's SQE with only the fields a read sets: (opcode, flags, fd, off, addr, len, user_data,
+#: buf_index); ``ioprio``, ``rw_flags``, ``personality``, ``splice_fd_in``, ``addr3`` and the pad are
+#: pad bytes, which ``pack_into`` writes as zeros (the whole 64 bytes are written, nothing of an
+#: earlier use of the entry survives). Half the arguments of :data:`SQE_STRUCT`: cheaper per read.
+READ_SQE_STRUCT = struct.Struct("<BBxxiQQI4xQH22x")
+assert READ_SQE_STRUCT.size == 64
 #: One entry for :meth:`RawRing.queue`: (opcode, flags, fd, file offset, address, length, user_data, buf_index).
 SQEntry = tuple[int, int, int, int, int, int, int, int]
 
@@ -390,8 +402,8 @@ class RawRing:
 
     def enter(self, to_submit: int, min_complete: int = 0, flags: int = 0) -> int:
         """``io_uring_enter``; the kernel's count of entries consumed, or ``-errno``."""
-        ret = _syscall(_L(SYS_IO_URING_ENTER), _L(self.fd), _L(to_submit), _L(min_complete), _L(flags), _L(0), _L(0))
-        return int(ret) if ret >= 0 else -ctypes.get_errno()
+        ret: int = _enter_syscall(SYS_IO_URING_ENTER, self.fd, to_submit, min_complete, flags, 0, 0)
+        return ret if ret >= 0 else -ctypes.get_errno()
 
     # -- completion ---------------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from aioexperts._compute.norms import rms_norm
 from aioexperts._compute.pool import compute_pool
-from aioexperts._errors import FormatError, NonFiniteError, UnsupportedTypeError
+from aioexperts._errors import FormatError, InvalidRequestError, NonFiniteError, UnsupportedTypeError
 from aioexperts._format.architectures import ModelHParams
 from aioexperts._format.model import GGUFModel
 from aioexperts._model.blocks import BLOCKS, AttentionBlock, BatchedAttentionBlock
@@ -57,7 +57,7 @@ from aioexperts._model.steps import StepBatcher
 from aioexperts._model.weights import DenseMatrix, TensorReader, invariant_products
 from aioexperts._pipeline import run_in_worker
 from aioexperts._router import Routing
-from aioexperts._runner import BATCH_MAX_ROWS, MoERunner
+from aioexperts._runner import BATCH_MAX_ROWS, MoERunner, ResidentPass
 from aioexperts._store import ExpertStore
 
 __all__ = (
@@ -213,6 +213,21 @@ class Rows:
 _Pre = tuple[np.ndarray, np.ndarray, Routing | None] | Exception
 
 
+@dataclass(frozen=True, slots=True)
+class _Resume:
+    """Where a held pass stopped: block ``layer`` (an index into the layers) has its attention and
+    routing done (``pre``) and an expert to read."""
+
+    layer: int
+    pre: _Pre
+
+
+HELD_MAX_ROWS = 64
+"""Rows of one sequence up to which a pass whose experts are all resident runs as one compute job
+(the held pass). A longer prompt goes layer by layer: its hand-offs cost little beside its compute,
+and a cancellation or a close then waits for one layer, not for the whole prompt."""
+
+
 def _caught(fn: Any, *args: Any) -> Any:
     """``fn(*args)``, or the NonFiniteError it raised (that row's outcome)."""
     try:
@@ -312,8 +327,26 @@ class ForwardPass:
                         first.index, rms_norm(x[bounds[i] : bounds[i + 1]], first.ffn_norm, hp.norm_eps)
                     )
         layers = w.layers
-        pre, prefetch = await run_in_worker(self._pre_block, layers[0], list(batch), resids, None)
-        for k, layer in enumerate(layers):
+        start = 0
+        pre: list[_Pre] | None = None
+        prefetch: list[Any] | None = None
+        if n == 1 and len(batch[0].ids) <= HELD_MAX_ROWS and batch[0].capture is None:
+            # a slab with room for the whole model: the pass in one compute job while the experts it
+            # routes to are resident, used where they are (no pin, await or hand-off per layer);
+            # at the first layer with an expert to read, on through the executor from that layer
+            with runner.hold_resident() as held:
+                if held is not None:
+                    held_out = await run_in_worker(self._held_pass, held, batch[0], resids[0])
+                    if not isinstance(held_out, _Resume):
+                        outcome[0] = held_out
+                        self._count_outcomes(batch, outcome)
+                        return outcome  # type: ignore[return-value]
+                    start, pre = held_out.layer, [held_out.pre]
+        if pre is None:
+            pre, prefetch = await run_in_worker(self._pre_block, layers[0], list(batch), resids, None)
+        assert pre is not None
+        for k in range(start, len(layers)):
+            layer = layers[k]
             ready: dict[int, tuple[np.ndarray, np.ndarray, Routing | None]] = {}
             for i, got in zip(live, pre, strict=True):
                 if isinstance(got, Exception):
@@ -354,13 +387,16 @@ class ForwardPass:
             else:
                 for i, logits in zip(live, result, strict=True):
                     outcome[i] = logits
+        self._count_outcomes(batch, outcome)
+        return outcome  # type: ignore[return-value]
+
+    def _count_outcomes(self, batch: Sequence[Rows], outcome: Sequence[np.ndarray | Exception | None]) -> None:
         for r, o in zip(batch, outcome, strict=True):
             if not isinstance(o, Exception):
                 if len(r.ids) > 1:
                     self.counters.tokens_prefilled += len(r.ids)
                 else:
                     self.counters.tokens_decoded += 1
-        return outcome  # type: ignore[return-value]
 
     # -- the worker jobs ------------------------------------------------------------------------
 
@@ -438,6 +474,35 @@ class ForwardPass:
         self.counters.attention_seconds += t1 - t0
         self.counters.moe_seconds += time.perf_counter() - t1
         return out, prefetch
+
+    def _held_pass(self, held: ResidentPass, row: Rows, resid: np.ndarray) -> np.ndarray | Exception | _Resume:
+        """Worker job: every block of one sequence's rows, then the head, with the resident experts
+        held in memory (:meth:`MoERunner.hold_resident`): :meth:`_pre_block`, the FFN and the head as
+        the layer-by-layer pass runs them, so the numbers are the same. Its logits, or its error, or
+        where to go on through the executor (the first MoE layer that chose an expert to read)."""
+        ffn_inp, f = resid, None
+        counters = self.counters
+        for k, layer in enumerate(self.weights.layers):
+            (got,), _ = self._pre_block(layer, [row], [ffn_inp], None if f is None else [f])
+            if isinstance(got, Exception):
+                return got
+            ffn_inp, ffn_in, routing = got
+            t0 = time.perf_counter()
+            if layer.dense is not None:
+                f = layer.dense(ffn_in)
+                counters.dense_ffn_seconds += time.perf_counter() - t0
+                continue
+            assert routing is not None
+            try:
+                f = held.moe(layer.index, routing)
+            except InvalidRequestError as exc:  # not finite: this sequence's error, as execute_rows'
+                return exc
+            finally:
+                counters.moe_seconds += time.perf_counter() - t0
+            if f is None:
+                return _Resume(k, got)
+        assert f is not None
+        return self._heads([row], [ffn_inp], [f])[0]
 
     def _after(
         self, nxt: LayerWeights | None, rows: list[Rows], ffn_inps: list[np.ndarray], fs: list[np.ndarray | Exception]

@@ -246,8 +246,9 @@ class Model:
             self._state_bytes = state_bytes(self._layer_states)
             self._n_ctx = await run_in_worker(self._choose_n_ctx, hp)
             # the text API's tokenizer and chat template read the file: built here, off the event loop,
-            # rather than on the loop by the first generate() / stream() / chat() of a string
-            text = await run_in_worker(_text_parts, self.path)
+            # rather than on the loop by the first generate() / stream() / chat() of a string (those
+            # already built before the start, to check a prompt before the load, are kept)
+            text = await run_in_worker(_text_parts, self.path, self._tokenizer, self._chat_template)
             self._tokenizer, self._chat_template, self._text_errors = text
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -266,6 +267,8 @@ class Model:
         if self.options.n_ctx is not None:  # a KV cache that cannot fit: refused before any store work
             self._check_kv_budget(self.options.n_ctx, per_position)
             _memory.check_kv_fits(self.options.n_ctx, self.options.n_ctx * per_position)
+            if self.options.n_ctx > hp.n_ctx_train:  # said before the weights load, as llama.cpp warns
+                log.warning("n_ctx=%d is larger than the file's context length %d", self.options.n_ctx, hp.n_ctx_train)
         options = self._store_options
         if options["mode"] == "slab" and all(options[k] is None for k in ("slots", "cache_bytes", "cache")):
             kv = kv_reserve_bytes(
@@ -292,8 +295,6 @@ class Model:
             n_ctx = self.options.n_ctx
             self._check_kv_budget(n_ctx, per)
             _memory.check_kv_fits(n_ctx, n_ctx * per)
-            if n_ctx > hp.n_ctx_train:
-                log.warning("n_ctx=%d is larger than the file's context length %d", n_ctx, hp.n_ctx_train)
             return n_ctx
         budget = self.options.memory_budget if self.options.memory_budget is not None else DEFAULT_MEMORY_BUDGET
         n_ctx = min(hp.n_ctx_train, max(1, budget // per))
@@ -655,26 +656,26 @@ class Model:
 
 
 def _text_parts(
-    path: str,
+    path: str, tokenizer: Tokenizer | None = None, template: ChatTemplate | None = None
 ) -> tuple[Tokenizer | None, ChatTemplate | None, tuple[Exception | None, Exception | None]]:
-    """Worker job of :meth:`Model.start`: the file's tokenizer and chat template, and what building each
-    raised instead (no vocabulary or template in the file, no ``text`` extra, a malformed vocabulary):
-    the properties :attr:`Model.tokenizer` and :attr:`Model.chat_template` raise that at first use, as
-    they did when they built them there."""
+    """Worker job of :meth:`Model.start`: the file's tokenizer and chat template (those given, already
+    built, are kept), and what building each raised instead (no vocabulary or template in the file, no
+    ``text`` extra, a malformed vocabulary): the properties :attr:`Model.tokenizer` and
+    :attr:`Model.chat_template` raise that at first use, as they did when they built them there."""
     from aioexperts._text.chat import ChatTemplate
     from aioexperts._text.tokenizer import Tokenizer
 
-    tokenizer: Tokenizer | None = None
-    template: ChatTemplate | None = None
     errors: list[Exception | None] = [None, None]
-    try:
-        tokenizer = Tokenizer.from_gguf(path)
-    except (AioExpertsError, OSError) as exc:
-        errors[0] = exc
-    try:
-        template = ChatTemplate.from_gguf(path)
-    except (AioExpertsError, OSError) as exc:
-        errors[1] = exc
+    if tokenizer is None:
+        try:
+            tokenizer = Tokenizer.from_gguf(path)
+        except (AioExpertsError, OSError) as exc:
+            errors[0] = exc
+    if template is None:
+        try:
+            template = ChatTemplate.from_gguf(path)
+        except (AioExpertsError, OSError) as exc:
+            errors[1] = exc
     return tokenizer, template, (errors[0], errors[1])
 
 

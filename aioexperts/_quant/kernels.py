@@ -23,6 +23,9 @@ from .._compute.jit import kernel
 F32 = np.float32
 QK_K = 256
 GROUP_MAX_EPS = np.float32(1e-15)
+#: Q2_K sub-blocks quantized at once, one per SIMD lane (4 super-blocks: the scratch stays in L1)
+Q2K_LANES = 64
+_Q2K_STATE = 17  # per-lane float32 state rows of quantize_q2_k
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
@@ -47,130 +50,186 @@ def nearest_int(f):
     return int(np.rint(f))
 
 
-@kernel(exact=True, inline=True)
-def make_qkx2_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep):
-    """(scale, the_min) and L, as ggml's make_qkx2_quants with use_mad = true."""
-    fmax = F32(nmax)
-    xmin = x[0]
-    xmax = x[0]
-    sum_w = weights[0]
-    sum_x = sum_w * x[0]
-    for i in range(1, n):
-        if x[i] < xmin:
-            xmin = x[i]
-        if x[i] > xmax:
-            xmax = x[i]
-        w = weights[i]
-        sum_w += w
-        sum_x += w * x[i]
-    if xmin > F32(0.0):
-        xmin = F32(0.0)
-    if xmax == xmin:
-        for i in range(n):
-            L[i] = 0
-        return F32(0.0), -xmin
-    iscale = fmax / (xmax - xmin)
-    scale = F32(1.0) / iscale
-    best_error = F32(0.0)
-    for i in range(n):
-        li = nearest_int(iscale * (x[i] - xmin))
-        L[i] = max(0, min(nmax, li))
-        diff = scale * F32(L[i]) + xmin - x[i]
-        diff = abs(diff)
-        best_error += weights[i] * diff
-    if nstep < 1:
-        return scale, -xmin
-    for step in range(nstep + 1):
-        iscale = (rmin + rdelta * F32(step) + fmax) / (xmax - xmin)
-        sum_l = F32(0.0)
-        sum_l2 = F32(0.0)
-        sum_xl = F32(0.0)
-        for i in range(n):
-            li = nearest_int(iscale * (x[i] - xmin))
-            li = max(0, min(nmax, li))
-            Laux[i] = li
-            w = weights[i]
-            fl = F32(li)
-            sum_l += w * fl
-            sum_l2 += w * fl * fl
-            sum_xl += w * fl * x[i]
-        D = sum_w * sum_l2 - sum_l * sum_l
-        if D > F32(0.0):
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-            if this_min > F32(0.0):
-                this_min = F32(0.0)
-                this_scale = sum_xl / sum_l2
-            cur_error = F32(0.0)
-            for i in range(n):
-                diff = this_scale * F32(Laux[i]) + this_min - x[i]
-                diff = abs(diff)
-                cur_error += weights[i] * diff
-            if cur_error < best_error:
-                for i in range(n):
-                    L[i] = Laux[i]
-                best_error = cur_error
-                scale = this_scale
-                xmin = this_min
-    return scale, -xmin
-
-
 @kernel(exact=True)
 def quantize_q2_k(x, out, halves):
-    """Q2_K blocks of ``x`` (float32, a multiple of 256): ``out`` (nb, 84) uint8, ``halves`` (nb, 2) d, dmin."""
+    """Q2_K blocks of ``x`` (float32, a multiple of 256): ``out`` (nb, 84) uint8, ``halves`` (nb, 2) d, dmin.
+
+    ggml's ``make_qkx2_quants`` (nmax 3, rmin -0.5, rdelta 0.1, nstep 15, use_mad) runs on
+    :data:`Q2K_LANES` sub-blocks at once, one sub-block per lane: every loop over lanes is element by
+    element (LLVM turns it into SIMD), and each lane does the source's operations in the source's
+    order, so the bytes are those of the scalar code. Branches become selects: a lane computes what
+    the source would skip (a step with ``D <= 0``, a constant sub-block) and then discards it. The
+    levels of the best step are not copied at each step: the lane keeps that step's iscale and min
+    and computes its levels once at the end, with the same operations on the same operands.
+    """
     nb = x.shape[0] // QK_K
+    lanes = Q2K_LANES
+    xt = np.empty((16, lanes), dtype=np.float32)  # value i of sub-block s at [i, s]
+    wt = np.empty((16, lanes), dtype=np.float32)  # its weight |x|
+    lt = np.empty((16, lanes), dtype=np.float32)  # the levels (0..3, as float)
+    la = np.empty((16, lanes), dtype=np.float32)  # the levels of the current step
+    st = np.empty((_Q2K_STATE, lanes), dtype=np.float32)
+    lo, hi, sum_w, sum_x, best, scale = st[0], st[1], st[2], st[3], st[4], st[5]
+    iscale, sum_l, sum_l2, sum_xl = st[6], st[7], st[8], st[9]
+    t_scale, t_min, take, flat, err, best_iscale, best_lo = st[10], st[11], st[12], st[13], st[14], st[15], st[16]
     L = np.zeros(QK_K, dtype=np.int64)
-    Laux = np.zeros(16, dtype=np.int64)
-    weights = np.zeros(16, dtype=np.float32)
-    mins = np.zeros(16, dtype=np.float32)
-    scales = np.zeros(16, dtype=np.float32)
+    fmax = F32(3.0)
+    rmin = F32(-0.5)
+    rdelta = F32(0.1)
     q4scale = F32(15.0)
-    for i in range(nb):
-        xb = x[i * QK_K : (i + 1) * QK_K]
-        y = out[i]
-        max_scale = F32(0.0)
-        max_min = F32(0.0)
-        for j in range(16):
-            for l in range(16):
-                weights[l] = abs(xb[16 * j + l])
-            s, m = make_qkx2_quants(
-                16, 3, xb[16 * j : 16 * j + 16], weights, L[16 * j : 16 * j + 16], Laux, F32(-0.5), F32(0.1), 15
-            )
-            scales[j] = s
-            mins[j] = m
-            if s > max_scale:
-                max_scale = s
-            if m > max_min:
-                max_min = m
-        if max_scale > F32(0.0):
-            iscale = q4scale / max_scale
+    per_pass = lanes // 16
+    for b0 in range(0, nb, per_pass):
+        nsb = min(per_pass, nb - b0)
+        ns = nsb * 16
+        base = b0 * QK_K
+        for s in range(ns):
+            for i in range(16):
+                v = x[base + 16 * s + i]
+                xt[i, s] = v
+                wt[i, s] = abs(v)
+        # make_qkx2_quants, lane s = sub-block s
+        for s in range(ns):
+            v = xt[0, s]
+            lo[s] = v
+            hi[s] = v
+            w = wt[0, s]
+            sum_w[s] = w
+            sum_x[s] = w * v
+        for i in range(1, 16):
+            for s in range(ns):
+                v = xt[i, s]
+                w = wt[i, s]
+                a = lo[s]
+                lo[s] = v if v < a else a
+                c = hi[s]
+                hi[s] = v if v > c else c
+                sum_w[s] = sum_w[s] + w
+                sum_x[s] = sum_x[s] + w * v
+        for s in range(ns):
+            a = lo[s]
+            a = F32(0.0) if a > F32(0.0) else a
+            lo[s] = a
+            flat[s] = F32(1.0) if hi[s] == a else F32(0.0)  # the source returns here: levels 0, scale 0
+            c = fmax / (hi[s] - a)
+            iscale[s] = c
+            scale[s] = F32(1.0) / c
+            best[s] = F32(0.0)
+            best_iscale[s] = c
+            best_lo[s] = a
+        for i in range(16):
+            for s in range(ns):
+                v = xt[i, s]
+                a = lo[s]
+                q = np.rint(iscale[s] * (v - a))
+                q = F32(0.0) if q < F32(0.0) else q
+                q = fmax if q > fmax else q
+                diff = abs(scale[s] * q + a - v)
+                best[s] = best[s] + wt[i, s] * diff
+        for step in range(16):
+            top = rmin + rdelta * F32(step) + fmax
+            for s in range(ns):
+                iscale[s] = top / (hi[s] - lo[s])
+                sum_l[s] = F32(0.0)
+                sum_l2[s] = F32(0.0)
+                sum_xl[s] = F32(0.0)
+            for i in range(16):
+                for s in range(ns):
+                    v = xt[i, s]
+                    q = np.rint(iscale[s] * (v - lo[s]))
+                    q = F32(0.0) if q < F32(0.0) else q
+                    q = fmax if q > fmax else q
+                    la[i, s] = q
+                    wq = wt[i, s] * q
+                    sum_l[s] = sum_l[s] + wq
+                    sum_l2[s] = sum_l2[s] + wq * q
+                    sum_xl[s] = sum_xl[s] + wq * v
+            for s in range(ns):
+                a = sum_l[s]
+                b = sum_l2[s]
+                c = sum_xl[s]
+                d = sum_w[s] * b - a * a
+                this_scale = (sum_w[s] * c - sum_x[s] * a) / d
+                this_min = (b * sum_x[s] - a * c) / d
+                clipped = this_min > F32(0.0)
+                t_scale[s] = c / b if clipped else this_scale
+                t_min[s] = F32(0.0) if clipped else this_min
+                take[s] = F32(1.0) if d > F32(0.0) else F32(0.0)  # the source's `if (D > 0)`
+                err[s] = F32(0.0)
+            for i in range(16):
+                for s in range(ns):
+                    diff = abs(t_scale[s] * la[i, s] + t_min[s] - xt[i, s])
+                    err[s] = err[s] + wt[i, s] * diff
+            for s in range(ns):
+                e = err[s]
+                was = best[s]
+                better = (take[s] > F32(0.0)) & (e < was) & (flat[s] == F32(0.0))
+                best[s] = e if better else was
+                a = scale[s]
+                c = t_scale[s]
+                scale[s] = c if better else a
+                a = lo[s]
+                c = best_lo[s]
+                best_lo[s] = a if better else c  # the min this step's levels were taken with
+                c = best_iscale[s]
+                e = iscale[s]
+                best_iscale[s] = e if better else c
+                c = t_min[s]
+                lo[s] = c if better else a
+        # the levels of the best step (or of the first guess), computed again as that step did: the
+        # same operations on the same operands, so the same values (cheaper than keeping a copy per step)
+        for i in range(16):
+            for s in range(ns):
+                q = np.rint(best_iscale[s] * (xt[i, s] - best_lo[s]))
+                q = F32(0.0) if q < F32(0.0) else q
+                lt[i, s] = fmax if q > fmax else q
+        # per super-block: the sub-block scales and mins to 4 bits, then the levels again
+        for k in range(nsb):
+            xb = x[base + k * QK_K : base + (k + 1) * QK_K]
+            y = out[b0 + k]
+            max_scale = F32(0.0)
+            max_min = F32(0.0)
             for j in range(16):
-                y[j] = nearest_int(iscale * scales[j]) & 0xFF
-            d = round_half(max_scale / q4scale)
-        else:
+                s = 16 * k + j
+                if flat[s] > F32(0.0):
+                    scale[s] = F32(0.0)
+                    for i in range(16):
+                        lt[i, s] = F32(0.0)
+                lo[s] = -lo[s]  # the_min
+                if scale[s] > max_scale:
+                    max_scale = scale[s]
+                if lo[s] > max_min:
+                    max_min = lo[s]
+                for i in range(16):
+                    L[16 * j + i] = int(lt[i, s])
+            if max_scale > F32(0.0):
+                iscale_b = q4scale / max_scale
+                for j in range(16):
+                    y[j] = nearest_int(iscale_b * scale[16 * k + j]) & 0xFF
+                d = round_half(max_scale / q4scale)
+            else:
+                for j in range(16):
+                    y[j] = 0
+                d = F32(0.0)
+            if max_min > F32(0.0):
+                iscale_b = q4scale / max_min
+                for j in range(16):
+                    y[j] = (int(y[j]) | (nearest_int(iscale_b * lo[16 * k + j]) << 4)) & 0xFF
+                dmin = round_half(max_min / q4scale)
+            else:
+                dmin = F32(0.0)
+            halves[b0 + k, 0] = d
+            halves[b0 + k, 1] = dmin
             for j in range(16):
-                y[j] = 0
-            d = F32(0.0)
-        if max_min > F32(0.0):
-            iscale = q4scale / max_min
-            for j in range(16):
-                y[j] = (int(y[j]) | (nearest_int(iscale * mins[j]) << 4)) & 0xFF
-            dmin = round_half(max_min / q4scale)
-        else:
-            dmin = F32(0.0)
-        halves[i, 0] = d
-        halves[i, 1] = dmin
-        for j in range(16):
-            dj = d * F32(int(y[j]) & 0xF)
-            if dj == F32(0.0):
-                continue
-            dm = dmin * F32(int(y[j]) >> 4)
-            for ii in range(16):
-                li = nearest_int((xb[16 * j + ii] + dm) / dj)
-                L[16 * j + ii] = max(0, min(3, li))
-        for j in range(0, QK_K, 128):
-            for l in range(32):
-                y[16 + j // 4 + l] = L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6)
+                dj = d * F32(int(y[j]) & 0xF)
+                if dj == F32(0.0):
+                    continue
+                dm = dmin * F32(int(y[j]) >> 4)
+                for ii in range(16):
+                    li = nearest_int((xb[16 * j + ii] + dm) / dj)
+                    L[16 * j + ii] = max(0, min(3, li))
+            for j in range(0, QK_K, 128):
+                for l in range(32):
+                    y[16 + j // 4 + l] = L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6)
 
 
 @kernel(exact=True, inline=True)

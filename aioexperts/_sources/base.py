@@ -39,7 +39,7 @@ from .._io.loop import LoopAdapter, wait_through_cancellation
 from .._timeline import Timeline
 from .rows import RowStatistics, RowsView
 
-__all__ = ("Build", "ExpertSource", "Pinned", "build_and_keep", "finish_in_thread")
+__all__ = ("Build", "ExpertSource", "HeldLayers", "Pinned", "build_and_keep", "finish_in_thread")
 
 T = TypeVar("T")
 
@@ -52,6 +52,22 @@ class Build(Protocol):
     its result as ``owner.<attribute>`` in that thread, so that a cancelled start still releases it."""
 
     def __call__(self, owner: object, attribute: str, build: Callable[[], T], /) -> Awaitable[T]: ...
+
+
+class HeldLayers(ABC):
+    """The resident experts of a source held in place without pins (:meth:`ExpertSource.hold_resident`).
+
+    :meth:`view` may be called from any thread while the hold lasts; :meth:`end` on the event loop.
+    """
+
+    @abstractmethod
+    def view(self, key: Key) -> ExpertView | None:
+        """The views of ``key``'s expert if it is resident at full precision (valid until
+        :meth:`end`), else None (not read yet, loading, or a low-tier copy)."""
+
+    @abstractmethod
+    def end(self, requests: int) -> None:
+        """End the hold; ``requests`` experts were served from it (counted as cached hits)."""
 
 
 class ExpertSource(ABC):
@@ -166,6 +182,13 @@ class ExpertSource(ABC):
         """Whether all ``n_experts`` experts of ``layer`` are in memory at full precision, so no
         prefetch of that layer can help (a hint: a source that cannot tell says False)."""
         return False
+
+    def hold_resident(self, n_experts: int) -> HeldLayers | None:
+        """Hold the resident experts in place, without pins, when the source never needs to evict
+        one (it has room for all ``n_experts`` of the model): until :meth:`HeldLayers.end` no
+        resident expert leaves or changes its slot. None (nothing held) when it may evict, or for a
+        source that cannot hold (the default)."""
+        return None
 
     @abstractmethod
     def rows(self, tensor: str, row_ids: Sequence[object]) -> AbstractAsyncContextManager[RowsView]:

@@ -32,7 +32,7 @@ from .._io.plan import ExpertPlan, plan_all_experts, plan_expert
 from .._io.slab import slot_stride
 from .._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions, MissTier
 from .._timeline import Timeline
-from .base import Build, ExpertSource
+from .base import Build, ExpertSource, HeldLayers
 from .rows import RowReader, RowStatistics, RowsView
 from .shared_views import SharedViews
 from .stack import ReadStack
@@ -80,6 +80,7 @@ class SlabSource(ExpertSource):
         self._rows_lock = anyio.Lock()
         self.tier: TierSidecar | None = None  # the miss tier's sidecar, set before start
         self.tier_policy: MissTier | None = None  # the miss tier's rules, set with the sidecar
+        self.tier_off_reason: str | None = None  # why start switched the tier off (None: on, or none given)
 
     @property
     def scheduler(self) -> ReadScheduler | None:
@@ -93,14 +94,19 @@ class SlabSource(ExpertSource):
         if files.buffered_reason is not None and io.direct_io is None:
             log.warning("%s; using buffered reads (the page cache)", files.buffered_reason)
         paths = tuple(s.path for s in model.shards)
-        tier = self.tier
-        if tier is not None:  # the sidecar is read as one more shard, after the model's
-            files = await build(self, "files", lambda: add_sidecar(files, tier))
-            paths = (*paths, tier.path)
         # every expert's reads, planned once at open (off the loop): nothing is planned per read
         plans = await build(
             self, "_plans", lambda: plan_all_experts(layout, files.alignment, io.split_bytes, io.queue_depth)
         )
+        tier = self.tier
+        if tier is not None:
+            full_slots = self._n_slots(layout, max(p.slot_bytes for p in plans.values()), quiet=True)
+            if full_slots >= layout.n_experts_total:
+                self._tier_off(full_slots, layout.n_experts_total)
+                tier = None
+        if tier is not None:  # the sidecar is read as one more shard, after the model's
+            files = await build(self, "files", lambda: add_sidecar(files, tier))
+            paths = (*paths, tier.path)
         low_plans: dict[Key, ExpertPlan] = {}
         if tier is not None:
             shard = len(model.shards)
@@ -161,7 +167,18 @@ class SlabSource(ExpertSource):
             reads_behind if tier_policy is not None else None,
         )
 
-    def _n_slots(self, layout: ExpertLayout, slot_bytes: int) -> int:
+    def _tier_off(self, n_slots: int, n_experts: int) -> None:
+        """Switch the miss tier off: the slab holds every routed expert at full precision, so no
+        expert is ever evicted and a low copy would only be read twice (low, then full on its hit)."""
+        self.tier_off_reason = (
+            f"the slab holds every routed expert of the model at full precision ({n_slots} slots for {n_experts} "
+            "experts): nothing is ever evicted, so the miss tier is off (each low read would be read again in full)"
+        )
+        log.info("miss tier: %s", self.tier_off_reason)
+        self.tier = None
+        self.tier_policy = None
+
+    def _n_slots(self, layout: ExpertLayout, slot_bytes: int, *, quiet: bool = False) -> int:
         total = layout.n_experts_total
         slots = self.cache_options.slots
         if slots is not None:
@@ -169,7 +186,7 @@ class SlabSource(ExpertSource):
         budget = self.cache_options.bytes or DEFAULT_CACHE_BYTES
         stride = slot_stride(slot_bytes, hugepages=self.cache_options.hugepages)  # what each slot maps
         least = min(2 * layout.n_expert_used, total)  # a layer step's experts and the next one's
-        if budget // stride < least:
+        if budget // stride < least and not quiet:
             logging.getLogger(SLAB_LOGGER).warning(
                 "cache_bytes=%d holds %d slots of %d bytes; the slab is raised to the minimum of %d slots "
                 "(%d bytes: two layers' top-%d experts)",
@@ -243,6 +260,13 @@ class SlabSource(ExpertSource):
 
     def release(self, pinned: Sequence[Entry]) -> None:
         self._running().release(pinned)
+
+    def hold_resident(self, n_experts: int) -> HeldLayers | None:
+        cache = self._running()
+        if cache.n_slots < n_experts:  # it may evict: a hold would stall its reads
+            return None
+        cache.hold()
+        return _HeldSlots(self, cache)
 
     def prefetch(self, keys: Sequence[Key], low: Sequence[Key] = ()) -> int:
         return self._running().prefetch(keys, low)
@@ -333,6 +357,7 @@ class SlabSource(ExpertSource):
             alignment=files.alignment,
             in_flight=stack.scheduler.reads_in_flight,
             pinned_slots=cache.pinned_slots,
+            miss_tier_off_reason=self.tier_off_reason,
         )
 
     def reset_statistics(self) -> None:
@@ -361,8 +386,9 @@ class SlabSource(ExpertSource):
 
     def release_parts(self) -> list[Callable[[], None]]:
         if self.cache is not None:  # the source's own shared views must not keep the slab mapped
+            held = self.cache.held  # a held pass uses every entry's views without pins
             for entry in self.cache.entries.values():
-                if entry.pins:  # a block still uses them: they stay valid, and the mapping with them
+                if entry.pins or held:  # a block still uses them: they stay valid, and the mapping with them
                     entry.views = None
                 else:
                     entry.drop_views()
@@ -398,3 +424,31 @@ def _settled(value: T, n_experts: int) -> T:
     if n_experts >= SETTLE_MIN_EXPERTS:
         gc.collect()
     return value
+
+
+class _HeldSlots(HeldLayers):
+    """An :meth:`ExpertCache.hold` of a slab with room for every expert: views of READY entries, no pins."""
+
+    __slots__ = ("_cache", "_ended", "_source")
+
+    def __init__(self, source: SlabSource, cache: ExpertCache) -> None:
+        self._source = source
+        self._cache = cache
+        self._ended = False
+
+    def view(self, key: Key) -> ExpertView | None:
+        if self._ended:
+            raise RuntimeError("the hold has ended")
+        entry = self._cache.ready_full(key)
+        return None if entry is None else self._source.view(entry)
+
+    def end(self, requests: int) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        cache = self._cache
+        cache.end_hold()
+        c = cache.counters
+        c.requests += requests
+        c.hits += requests
+        c.cached_hits += requests

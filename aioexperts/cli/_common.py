@@ -1,5 +1,6 @@
-"""What every command-line tool shares: the ``--help`` formatter, a quiet end on a closed pipe, and
-the check that an output file destroys nothing (:func:`refuse_to_overwrite`)."""
+"""What every command-line tool shares: the ``--help`` formatter, a quiet end on a closed pipe, the
+check of a model file named on the command line (:func:`model_file`) and the check that an output
+file destroys nothing (:func:`refuse_to_overwrite`)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from .. import ConfigError
 __all__ = (
     "BROKEN_PIPE_STATUS",
     "EXTRAS",
+    "USAGE_STATUS",
     "HelpFormatter",
     "file_starts_with",
     "missing_extra",
+    "model_file",
     "name_the_options",
     "refuse_to_overwrite",
     "slab_note",
@@ -27,6 +30,9 @@ __all__ = (
 #: Exit status when the reader of stdout went away (``tool | head``): 128 + SIGPIPE, what a shell
 #: reports for a program the signal ended.
 BROKEN_PIPE_STATUS = 141
+
+#: Exit status of bad arguments or input files, found before any work (argparse's own).
+USAGE_STATUS = 2
 
 
 #: The optional packages a command may need, and the extra of ``pyproject.toml`` that installs each.
@@ -103,6 +109,45 @@ def stdout_closed() -> int:
     except (OSError, ValueError, AttributeError):  # stdout is not a file descriptor (replaced, closed)
         pass
     return BROKEN_PIPE_STATUS
+
+
+def model_file(name: str) -> str:
+    """The model file that the command-line argument ``name`` names (``~`` expanded), checked before
+    anything is loaded, in the same words by every command: the caller prints ``PROG: error: MESSAGE``
+    and exits with :data:`USAGE_STATUS`.
+
+    The file is opened for reading once (and closed) so a file this user may not read is said here,
+    not after a model load. A split set is named by any of its shards, which is a file as well.
+
+    Returns:
+        The path to open (``name`` with ``~`` expanded).
+
+    Raises:
+        ConfigError: ``NAME: no such model file``, ``NAME: is a directory, not a model file``,
+            ``NAME: not a regular file, not a model file`` (a FIFO, a device) or
+            ``NAME: cannot read the model file (REASON)``.
+    """
+    path = os.path.expanduser(name)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"{name}: no such model file") from None
+    except (OSError, ValueError) as exc:  # EACCES on a directory of the path, ENAMETOOLONG, a NUL byte
+        raise ConfigError(f"{name}: cannot read the model file ({_reason(exc)})") from None
+    if stat.S_ISDIR(mode):
+        raise ConfigError(f"{name}: is a directory, not a model file")
+    if not stat.S_ISREG(mode):  # checked before the open: opening a FIFO would wait for a writer
+        raise ConfigError(f"{name}: not a regular file, not a model file")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{name}: cannot read the model file ({_reason(exc)})") from None
+    os.close(fd)
+    return path
+
+
+def _reason(exc: BaseException) -> str:
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
 
 
 def _identity(path: str) -> tuple[int, int] | None:

@@ -23,7 +23,7 @@ from typing import Any
 from .. import AioExpertsError, FormatError, __version__
 from ..backends import io_uring_unusable_reason, liburing_unusable_reason
 from ..testing import bench_model_path, cache_dir, ensure_bench_model
-from ._common import file_starts_with, missing_extra, refuse_to_overwrite, stdout_closed
+from ._common import USAGE_STATUS, file_starts_with, missing_extra, model_file, refuse_to_overwrite, stdout_closed
 
 try:
     from rich.console import Console
@@ -199,6 +199,11 @@ def _preflight(args: argparse.Namespace) -> str | None:
     plot may be the model (compared by device and inode), and an existing file is replaced only if
     it is of the kind written there (a results file, a PNG), or with ``--force``.
     """
+    if args.model:
+        try:
+            model_file(args.model)
+        except AioExpertsError as exc:
+            return str(exc)
     inputs = _inputs(args)
     if args.out:
         out = os.path.abspath(args.out)
@@ -392,8 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code.
 
     0: done; 1: the run failed, or it finished but its results file or plots could not be written
-    (the tables are printed all the same); 2: bad arguments, or an ``--out``/``--plot``/cache
-    directory that cannot be written, found before the run; 130: interrupted; 141: stdout is a
+    (the tables are printed all the same); 2: bad arguments, a ``--model`` file that is missing, a
+    directory or unreadable, or an ``--out``/``--plot``/cache directory that cannot be written, found
+    before the run; 130: interrupted; 141: stdout is a
     closed pipe. Errors go to stderr, one line each.
     """
     words = sys.argv[1:] if argv is None else argv
@@ -413,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = _preflight(args)
     if problem:
         _error(problem)
-        return 2
+        return USAGE_STATUS
     reporter = Reporter(quiet=args.quiet)
     try:
         results = _run(args, methods, reporter)

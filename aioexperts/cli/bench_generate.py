@@ -21,7 +21,7 @@ from aioexperts_bench import DEFAULT_ENGINES, ENGINES, GenerateConfig, parse_lim
 
 from .. import AioExpertsError, __version__, write_miss_tier
 from .._json import dumps as json_dumps
-from ._common import refuse_to_overwrite
+from ._common import USAGE_STATUS, model_file, refuse_to_overwrite
 from .tiertool import TYPES as TIER_TYPES
 from .tiertool import default_output
 
@@ -115,10 +115,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def model_file_error(args: argparse.Namespace) -> int | None:
+    """A ``--model`` file that is missing, a directory or unreadable: its one error line said (as
+    every command says it, :func:`~aioexperts.cli._common.model_file`), and the exit status; None
+    when the file is fine or a built-in model is asked for."""
+    if not args.model or args.model == DSV4_NAME:
+        return None
+    try:
+        model_file(args.model)
+    except AioExpertsError as exc:
+        print(f"aioexperts-bench: error: {exc}", file=sys.stderr)
+        return USAGE_STATUS
+    return None
+
+
 def _model(args: argparse.Namespace, note: Callable[[str], None]) -> str:
     if args.model and args.model != DSV4_NAME:
-        path: str = os.path.expanduser(args.model)
-        return path
+        return model_file(args.model)
     from ..testing import FULL_SPEC, SKEWED_SPEC, ensure_dsv4_model, ensure_full_model, print_progress
 
     progress = None if args.quiet else print_progress()
@@ -174,7 +187,7 @@ def _write(out: str, results: dict[str, object]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; 0 done, 1 the run failed, 2 bad arguments."""
+    """Entry point; 0 done, 1 the run failed, 2 bad arguments or a bad ``--model`` file (before any run)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -205,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--miss-tier-type chooses the sidecar beside the model; with --miss-tier give only the file")
     if len(set(limits)) != len(limits):
         parser.error("--limits: each limit once (use --rounds for more runs of one limit)")
+    if (status := model_file_error(args)) is not None:
+        return status
 
     def note(text: str) -> None:
         if not args.quiet:

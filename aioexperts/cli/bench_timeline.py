@@ -27,7 +27,7 @@ from .. import AioExpertsError, __version__
 from .._json import dumps as json_dumps
 from ._common import file_starts_with, refuse_to_overwrite
 from .bench_generate import _model as built_in_model
-from .bench_generate import add_model_arguments, check_model_arguments
+from .bench_generate import add_model_arguments, check_model_arguments, model_file_error
 
 __all__ = ("build_parser", "main")
 
@@ -78,7 +78,8 @@ def _write(path: str, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; 0 done, 1 the run failed (the files are written all the same), 2 bad arguments."""
+    """Entry point; 0 done, 1 the run failed (the files are written all the same), 2 bad arguments or a bad
+    ``--model`` file (before any run)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--engine aioexperts-tier and --miss-tier go together")
     if not args.out:
         parser.error("--out must name the results file")
+    if (status := model_file_error(args)) is not None:
+        return status
     svg = args.svg or os.path.splitext(args.out)[0] + ".svg"
 
     def note(text: str) -> None:

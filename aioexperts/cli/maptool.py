@@ -37,7 +37,7 @@ from .. import (
 )
 from .. import _json as strict_json  # the one strict JSON writer (an import-rule exception)
 from ..traces import format_bytes
-from ._common import HelpFormatter, file_starts_with, refuse_to_overwrite, stdout_closed
+from ._common import USAGE_STATUS, HelpFormatter, file_starts_with, model_file, refuse_to_overwrite, stdout_closed
 from ._texttable import text_table
 
 __all__ = ("LayoutSummary", "main", "summarize_layout")
@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``aioexperts-map``; returns the exit status (0 ok, 1 stale map, 2 error)."""
     args = _parser().parse_args(argv)
     try:
-        model = open_model(os.path.expanduser(args.model))
+        model = open_model(model_file(args.model))
         layout = build_layout(model)
         if args.command == "layout":
             summary = summarize_layout(model, layout)
@@ -247,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return stdout_closed()
     except (AioExpertsError, OSError) as exc:
         print(f"aioexperts-map: error: {exc}", file=sys.stderr)
-        return 2
+        return USAGE_STATUS
     return 0
 
 

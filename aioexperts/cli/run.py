@@ -28,7 +28,15 @@ import anyio
 
 import aioexperts
 from aioexperts._json import dumps as strict_dumps
-from aioexperts.cli._common import BROKEN_PIPE_STATUS, HelpFormatter, name_the_options, slab_note, stdout_closed
+from aioexperts.cli._common import (
+    BROKEN_PIPE_STATUS,
+    USAGE_STATUS,
+    HelpFormatter,
+    model_file,
+    name_the_options,
+    slab_note,
+    stdout_closed,
+)
 
 __all__ = ("INTERRUPTED_STATUS", "build_parser", "for_terminal", "main")
 
@@ -38,7 +46,6 @@ PROG = "aioexperts-run"
 INTERRUPTED_STATUS = 130
 
 #: Exit status for bad arguments, files and models.
-USAGE_STATUS = 2
 
 #: n_ctx when ``--ctx`` is not given (llama.cpp's default), capped to the file's context length.
 DEFAULT_CTX = 4096
@@ -219,6 +226,7 @@ class _Report:
             "tier_upgrades": st.tier_upgrades,
             "low_tier_prefetch_hits": st.low_tier_prefetch_hits,
             "tier_upgrades_deferred": st.tier_upgrades_deferred,
+            "miss_tier_off_reason": st.miss_tier_off_reason,
             "stall_seconds": ms.stall_seconds,
             "stall_seconds_per_token": ms.stall_seconds_per_token,
             "device_busy_seconds": st.device_busy_seconds,
@@ -320,6 +328,8 @@ def _sources_line(ex: dict[str, Any]) -> str:
         if ex["low_tier_misses"] or ex["low_tier_prefetch_hits"]
         else ""
     )
+    if ex.get("miss_tier_off_reason"):
+        low += f" (miss tier off: {ex['miss_tier_off_reason']})"
     return (
         f"expert sources: {ex['cached_hits']} cached, {ex['prefetched_in_time']} prefetched in time, "
         f"{ex['prefetched_late']} prefetched late, {ex['demand_misses']} demand misses{low}; stalled on reads "
@@ -551,6 +561,35 @@ def _context_length(path: str, requested: int | None) -> int:
     return DEFAULT_CTX
 
 
+def _check_prompt(model: aioexperts.Model, args: argparse.Namespace, prompt: str | None, n_ctx: int) -> None:
+    """Before the weights load (a worker thread; the model is not started): the tokenizer and, with
+    ``--chat``, the chat template are built from the file's metadata, and a prompt of more tokens than
+    ``n_ctx`` is refused, with the ids the first turn would run (``Model.stream``'s tokenization, or
+    the chat template's rendering of ``--system`` and the prompt).
+
+    Raises:
+        ContextLengthError: the prompt does not fit ``n_ctx``.
+        VocabularyError, OptionalDependencyError, ChatTemplateError, TokenizerError: from the
+            tokenizer or the chat template.
+    """
+    tokenizer = model.tokenizer
+    if args.chat:
+        model.chat_template  # noqa: B018 (a missing or broken template is a usage error, before any turn)
+    if prompt is None:
+        return
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        ids = model.apply_chat_template([*system, {"role": "user", "content": prompt}], tokenize=True)
+    else:
+        ids = tokenizer.encode(prompt, add_special=True, parse_special=False)  # as Model.stream
+    if len(ids) > n_ctx:
+        given = f" (--ctx {args.ctx})" if args.ctx is not None else " (the default; --ctx sets it)"
+        raise aioexperts.ContextLengthError(
+            f"the prompt is {len(ids)} tokens, more than n_ctx={n_ctx} positions{given}: it is not truncated "
+            "(give a larger --ctx, or a shorter prompt); the model was not loaded"
+        )
+
+
 async def _session(args: argparse.Namespace, path: str, prompt: str | None, report: _Report) -> None:
     t0 = time.perf_counter()
     n_ctx = await anyio.to_thread.run_sync(_context_length, path, args.ctx)
@@ -564,11 +603,9 @@ async def _session(args: argparse.Namespace, path: str, prompt: str | None, repo
         if args.miss_tier
         else None,
     )
+    await anyio.to_thread.run_sync(_check_prompt, model, args, prompt, n_ctx)  # off the event loop
     async with model:
         try:
-            await anyio.to_thread.run_sync(lambda: model.tokenizer)  # off the event loop
-            if args.chat:
-                model.chat_template  # noqa: B018 (a missing or broken template is a usage error, before any turn)
             report.load_seconds = time.perf_counter() - t0
             report.n_ctx = model.n_ctx
             say_slab(args, model)
@@ -632,12 +669,7 @@ def _read_prompt(args: argparse.Namespace) -> str | None:
 
 def _model_path(args: argparse.Namespace) -> tuple[str, bool]:
     if args.model is not None:
-        path = os.path.expanduser(args.model)
-        if os.path.isdir(path):
-            raise IsADirectoryError(f"{args.model}: is a directory, not a model file")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{args.model}: no such model file")
-        return path, False
+        return model_file(args.model), False
     from aioexperts.testing import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
 
     layers = args.layers or DEFAULT_FULL_LAYERS

@@ -24,8 +24,8 @@ from typing import Any
 import anyio
 
 import aioexperts
-from aioexperts.cli._common import HelpFormatter, name_the_options
-from aioexperts.cli.run import USAGE_STATUS, _context_length, _float, _int_at_least, add_model_options, say_slab
+from aioexperts.cli._common import USAGE_STATUS, HelpFormatter, model_file, name_the_options
+from aioexperts.cli.run import _context_length, _float, _int_at_least, add_model_options, say_slab
 
 __all__ = ("build_parser", "main")
 
@@ -111,10 +111,7 @@ def _say(text: str) -> None:
 
 def _model_path(args: argparse.Namespace) -> str:
     if args.model is not None:
-        path: str = os.path.expanduser(args.model)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{args.model}: no such model file")
-        return path
+        return model_file(args.model)
     from aioexperts.testing import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
 
     layers = args.layers or DEFAULT_FULL_LAYERS

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 
 from .. import AioExpertsError, __version__, open_model, write_miss_tier
-from ._common import HelpFormatter, refuse_to_overwrite
+from ._common import USAGE_STATUS, HelpFormatter, model_file, refuse_to_overwrite
 
 __all__ = ("main",)
 
@@ -49,22 +49,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     args = parser.parse_args(argv)
-    out = args.out or default_output(os.path.expanduser(args.model), args.type)
+    try:
+        model = model_file(args.model)
+    except AioExpertsError as exc:
+        print(f"aioexperts-tier: error: {exc}", file=sys.stderr)
+        return USAGE_STATUS
+    out = args.out or default_output(model, args.type)
     last = [0.0]
 
     def progress(done: int, total: int) -> None:
         now = time.monotonic()
         if not args.quiet and (now - last[0] >= 2.0 or done == total):
             last[0] = now
-            print(f"aioexperts-tier: {done / 1e6:.0f} of {total / 1e6:.0f} MB written", file=sys.stderr, flush=True)
+            left = (now - t0) * (total - done) / done if done else None
+            eta = "" if left is None or done == total else f", about {left / 60:.0f} min left"
+            print(
+                f"aioexperts-tier: {done / 1e6:.0f} of {total / 1e6:.0f} MB written ({100 * done / total:.0f} %{eta})",
+                file=sys.stderr,
+                flush=True,
+            )
 
     try:
-        refuse_to_overwrite(out, [args.model], ours=_is_sidecar, force=args.force, what="the sidecar")
+        refuse_to_overwrite(out, [model], ours=_is_sidecar, force=args.force, what="the sidecar")
         t0 = time.monotonic()
-        path = write_miss_tier(os.path.expanduser(args.model), out, args.type, progress=progress)
+        path = write_miss_tier(model, out, args.type, progress=progress)
     except (AioExpertsError, OSError) as exc:
-        print(f"aioexperts-tier: {exc}", file=sys.stderr)
-        return 2
+        print(f"aioexperts-tier: error: {exc}", file=sys.stderr)
+        return USAGE_STATUS
     if not args.quiet:
         size = os.path.getsize(path)
         print(

@@ -30,7 +30,7 @@ import numpy as np
 from .. import AioExpertsError, FormatError, RoutingTrace, __version__, build_layout, open_model
 from .. import _json as strict_json  # the one strict JSON writer (an import-rule exception)
 from ..traces import BELADY, expert_frequencies, format_bytes, slots_for_hit_rate
-from ._common import HelpFormatter, refuse_to_overwrite, stdout_closed
+from ._common import USAGE_STATUS, HelpFormatter, model_file, refuse_to_overwrite, stdout_closed
 from ._texttable import text_table
 
 __all__ = ("hot_first_order", "main")
@@ -181,11 +181,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``aioexperts-trace``; returns the exit status (0 ok, 2 error)."""
     args = _parser().parse_args(argv)
     try:
+        model = model_file(args.model) if getattr(args, "model", None) else None  # before the trace is read
         trace = RoutingTrace.load(os.path.expanduser(args.trace))
         if args.command == "summary":
             expert_bytes = None
-            if args.model:
-                layout = build_layout(open_model(os.path.expanduser(args.model)))
+            if model is not None:
+                layout = build_layout(open_model(model))
                 model_geometry = (tuple(layout.layers), tuple(m.n_experts for m in layout.layers.values()))
                 if model_geometry != (trace.layers, trace.n_experts):
                     raise FormatError(
@@ -220,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return stdout_closed()
     except (AioExpertsError, OSError) as exc:
         print(f"aioexperts-trace: error: {exc}", file=sys.stderr)
-        return 2
+        return USAGE_STATUS
     return 0
 
 

@@ -503,6 +503,14 @@ class AnthropicMessages:
         parser = prompt.parser(server.options.reasoning_format)
         blocks = _Blocks()
         deltas: list[ReplyDelta] = []
+        held: list[bytes] | None = [] if prompt.demands_call else None  # sent once the reply called the tool
+
+        async def send(events: bytes) -> None:
+            if held is not None:
+                held.append(events)
+            else:
+                await resp.write(events)
+
         try:
             await resp.write(_sse("message_start", {"type": "message_start", "message": start}))
             await resp.write(_sse("ping", {"type": "ping"}))
@@ -510,12 +518,14 @@ class AnthropicMessages:
                 async for piece in pieces:
                     for d in parser.feed(piece.text):
                         deltas.append(d)
-                        await resp.write(b"".join(blocks.events(d)))
+                        await send(b"".join(blocks.events(d)))
             for d in parser.finish():
                 deltas.append(d)
-                await resp.write(b"".join(blocks.events(d)))
-            await resp.write(b"".join(blocks.close()))
-            prompt.check(Reply.join(deltas))
+                await send(b"".join(blocks.events(d)))
+            await send(b"".join(blocks.close()))
+            prompt.check(Reply.join(deltas))  # tool_choice any / tool not followed: nothing held is sent
+            if held:
+                await resp.write(b"".join(held))
             reason, sequence = self._stop(gen, blocks.n_calls > 0)
             delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}}
             delta["usage"] = {"output_tokens": gen.usage.completion_tokens}

@@ -36,6 +36,7 @@ from aioexperts._json import dumps as strict_dumps
 from ._anthropic import AnthropicMessages, is_anthropic_path
 from ._errors import APIError, api_error
 from ._generate import Generation, SamplerFactory
+from ._health import Health
 from ._metrics import CONTENT_TYPE, Metrics
 from ._openai import Piece, Shapes
 from ._prompt import ChatPrompt, chat_prompt
@@ -169,6 +170,7 @@ class Server:
         self.model = model
         self.options = options if options is not None else ServerOptions()
         self.metrics = Metrics()
+        self.health = Health()
         self.scheduler = Scheduler(self.options.parallel, self.options.queue_size)
         self.name = self.options.model_name or os.path.basename(model.path)
         self.fingerprint = f"aioexperts-{aioexperts.__version__}"
@@ -420,7 +422,7 @@ class Server:
         top = req.top_logprobs if req.logprobs else None
         return Generation(
             self.model, ids, req.options, max_tokens, top, self.metrics.token, self.prompt_cache, constraint,
-            self.options.sampler_factory,
+            self.options.sampler_factory, self.health,
         )  # fmt: skip
 
     async def _complete(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
@@ -531,7 +533,8 @@ class Server:
             response = _json_response({"status": "shutting down"}, 503)
             response.force_close()
             return response
-        return _json_response({"status": "ok"})
+        status, body = self.health.response()
+        return _json_response(body, status)
 
     def _template_source(self) -> str | None:
         try:

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from aioexperts import GenerationStatistics, SampledToken, Sampler, SamplingOptions
+from aioexperts import ExpertReadError, GenerationStatistics, SampledToken, Sampler, SamplingOptions
 
 from ._openai import FINISH_REASONS, Piece, Usage
 
 if TYPE_CHECKING:
     from aioexperts import Model, TextStream, TokenConstraint
 
+    from ._health import Health
     from ._prompt_cache import PromptCache
 
 __all__ = ("Generation", "SamplerFactory")
@@ -82,6 +83,8 @@ class Generation:
         cache: the prompt cache to take the sequence from and give it back to (None: a fresh one).
         constraint: the grammar the generated tokens must follow (None: free text).
         sampler_factory: makes the sampler instead of :class:`aioexperts.Sampler` (tests; None: the default).
+        health: told of a generation that failed on an expert read and of one that ended normally
+            (``GET /health``; None: nobody is told).
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class Generation:
         cache: PromptCache | None = None,
         constraint: TokenConstraint | None = None,
         sampler_factory: SamplerFactory | None = None,
+        health: Health | None = None,
     ) -> None:
         n_logprobs = 0 if top_logprobs is None else max(1, top_logprobs)
         self._options = replace(options, max_tokens=max_tokens, logprobs=n_logprobs)
@@ -104,6 +108,7 @@ class Generation:
         self._cache = cache
         self._constraint = constraint
         self._sampler_factory = sampler_factory
+        self._health = health
         self.statistics = GenerationStatistics()
 
     @property
@@ -156,5 +161,12 @@ class Generation:
                     seen = now
                 for _ in range(len(stream.token_ids) - seen):  # tokens of a stop string
                     self._on_token()
+        except ExpertReadError as exc:
+            if self._health is not None:
+                self._health.failed(exc)
+            raise
+        else:
+            if self._health is not None:
+                self._health.succeeded()
         finally:
             self.statistics = stream.statistics

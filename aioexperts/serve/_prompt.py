@@ -4,9 +4,13 @@ and what reading the reply needs (the tool-call format, whether the prompt opene
 ``tool_choice`` ``"required"`` or a named function is a prompt-level request: the prompt ends with
 the start of a call in the template's own syntax (``<tool_call>\\n`` for Hermes/Qwen; for a named
 function, up to its arguments: ``<tool_call>\\n{"name": "f", "arguments": ``), so the model
-continues a call; nothing constrains the tokens that follow. The reply is then checked: one with no
-call (or a call of another function) is answered with a 500 ``tool_choice_not_followed``.
-``"none"`` leaves the tools out of the prompt and reads no calls.
+continues a call; nothing constrains the tokens that follow (the ``structured`` extra's grammar engine
+is used for ``response_format`` and ``grammar`` only). The reply is then checked: one with no call
+(or a call of another function) is answered with a 422 ``tool_choice_not_followed`` error, never as
+a plain message: a streamed reply is held back until it passes the check (:attr:`ChatPrompt.demands_call`).
+422, not 500, as the request cannot be carried out by this model and clients retry a 5xx (OpenAI's
+do, twice by default), where a greedy model says the same again. ``"none"`` leaves the tools out of
+the prompt and reads no calls.
 
 A template that never reads ``tools`` gets them in a system message (as llama.cpp's generic
 format does): their JSON schemas and the ``<tool_call>`` syntax to use.
@@ -75,8 +79,14 @@ class ChatPrompt:
         parser.feed(self.forced)  # the start of a call: nothing comes out before the call ends
         return parser
 
+    @property
+    def demands_call(self) -> bool:
+        """``tool_choice`` is ``required`` or a named function: the reply must call it (:meth:`check`),
+        so a stream sends nothing of it before it ended and passed the check."""
+        return self.tool_choice == "required" or self.tool_choice.startswith("function:")
+
     def check(self, reply: Reply) -> None:
-        """Raise a 500 ``tool_choice_not_followed`` when the reply ignores ``tool_choice`` required / named."""
+        """Raise a 422 ``tool_choice_not_followed`` when the reply ignores ``tool_choice`` required / named."""
         if self.tool_choice == "required" and not reply.tool_calls:
             missing = "no tool call"
         elif self.tool_choice.startswith("function:"):
@@ -88,9 +98,9 @@ class ChatPrompt:
         else:
             return
         raise APIError(
-            500,
+            422,
             f"the model's reply has {missing}, but tool_choice asked for {self.tool_choice!r} (a prompt-level "
-            "request here: the prompt starts the call, nothing constrains the tokens)",
+            "request here: the prompt starts the call, nothing constrains the tokens); the reply is not sent",
             type="server_error",
             code="tool_choice_not_followed",
         )

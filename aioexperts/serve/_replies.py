@@ -4,7 +4,9 @@ when the reply called a tool.
 
 A streamed call is one delta with its ``index``, ``id``, ``type``, ``name`` and whole ``arguments``
 (OpenAI's clients join argument fragments; one fragment is the simplest case). Log-probabilities of
-the tokens whose text is held back (it may start a call) go with the next chunk.
+the tokens whose text is held back (it may start a call) go with the next chunk. Under ``tool_choice``
+``required`` or a named function the whole reply is held back until it ended and called what was
+asked for (:attr:`ChatPrompt.demands_call`): a reply without the call is an error, never content.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class ChatReply:
         self._include_usage = include_usage
         self._deltas: list[ReplyDelta] = []
         self._pending: list[SampledToken] = []
+        self._held: list[dict[str, Any]] = []  # chunks of a reply that must call a tool, until it did
         self._n_calls = 0
 
     def _chunks(self, deltas: list[ReplyDelta]) -> list[dict[str, Any]]:
@@ -57,17 +60,24 @@ class ChatReply:
         return out
 
     def feed(self, piece: Piece) -> list[dict[str, Any]]:
-        """The chunks of the next piece of text (none while it may be the start of a call)."""
+        """The chunks of the next piece of text (none while it may be the start of a call, nor under a
+        ``tool_choice`` that demands a call: those come from :meth:`end`)."""
         self._pending.extend(piece.tokens)
-        return self._chunks(self._parser.feed(piece.text))
+        chunks = self._chunks(self._parser.feed(piece.text))
+        if self._prompt.demands_call:
+            self._held.extend(chunks)
+            return []
+        return chunks
 
     def end(self, finish_reason: str) -> list[dict[str, Any]]:
-        """The last chunks: what the parser held back, then the one with the ``finish_reason``.
+        """The last chunks: what was held back, then the one with the ``finish_reason``.
 
         Raises:
-            APIError: 500 ``tool_choice_not_followed`` (:meth:`ChatPrompt.check`).
+            APIError: 422 ``tool_choice_not_followed`` (:meth:`ChatPrompt.check`); nothing held back
+                is sent then.
         """
-        out = self._chunks(self._parser.finish())
+        out = [*self._held, *self._chunks(self._parser.finish())]
+        self._held = []
         self._prompt.check(Reply.join(self._deltas))
         reason = "tool_calls" if self._n_calls else finish_reason
         out.append(self._shapes.delta_chunk({}, self._pending, reason, self._include_usage))
@@ -78,7 +88,7 @@ class ChatReply:
         """The whole response of a request without ``stream``.
 
         Raises:
-            APIError: 500 ``tool_choice_not_followed``.
+            APIError: 422 ``tool_choice_not_followed``.
         """
         reply = self._parser.parse("".join(p.text for p in pieces))
         self._prompt.check(reply)

@@ -174,9 +174,9 @@ def _one_error_line(captured: pytest.CaptureFixture[str]) -> str:
 
 
 def test_missing_model_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.main(["--model", str(tmp_path / "none.gguf"), "--quiet", "--out", ""]) == 1
+    assert bench.main(["--model", str(tmp_path / "none.gguf"), "--quiet", "--out", ""]) == 2  # before the run
     err = _one_error_line(capsys)
-    assert "none.gguf" in err and "--rebuild" not in err
+    assert f"{tmp_path / 'none.gguf'}: no such model file" in err and "--rebuild" not in err
 
 
 def test_bad_model_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

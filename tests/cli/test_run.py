@@ -195,6 +195,37 @@ def test_json_still_prints_the_progress_of_writing_the_built_in_model(
     assert "random" in err and "loaded " in err, err
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["prompt", "chat"])
+def test_a_prompt_longer_than_ctx_is_refused_before_the_model_loads(
+    tiny_full_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], chat: bool
+) -> None:
+    """The prompt is tokenized with the file's tokenizer (and, with --chat, rendered with its template and
+    --system) before the weights load: a prompt longer than --ctx is refused without a load."""
+    import aioexperts
+    from aioexperts.cli.run import main
+
+    started: list[bool] = []
+
+    async def no_start(self: aioexperts.Model) -> None:
+        started.append(True)
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(aioexperts.Model, "start", no_start)
+    prompt = "the quick brown fox jumps over the lazy dog " * 3
+    tokens = len(aioexperts.Tokenizer.from_gguf(tiny_full_model).encode(prompt))
+    argv = [str(tiny_full_model), "-p", prompt, "--ctx", "16", "--io", "threads"]
+    if chat:
+        argv += ["--chat", "--system", "Be terse."]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert started == [] and out == ""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "more than n_ctx=16 positions (--ctx 16)" in lines[0] and "the model was not loaded" in lines[0]
+    counted = int(re.search(r"the prompt is (\d+) tokens", lines[0]).group(1))  # type: ignore[union-attr]
+    assert counted > tokens if chat else counted == tokens  # the chat turn adds the template's tokens
+
+
 def test_a_slab_other_than_asked_for_is_said_on_stderr(tiny_full_model: Path) -> None:
     """--cache-bytes 10 is raised to the store's minimum (one token's experts twice over), --slots
     past the model's experts is capped: a line says so, also with --json."""
@@ -352,10 +383,17 @@ def test_the_miss_tier_serves_misses_and_is_reported(tiny_full_model: Path, tmp_
     from aioexperts import write_miss_tier
 
     sidecar = write_miss_tier(tiny_full_model, tmp_path / "tier.gguf", "Q3_K")
-    args = (str(tiny_full_model), "-p", "Once upon a time", "-n", "4", "--temp", "0", "--io", "threads")
+    base = (str(tiny_full_model), "-p", "Once upon a time", "-n", "4", "--temp", "0", "--io", "threads")
+    fits = run(*base, "--miss-tier", str(sidecar), "--json")  # the default slab holds all 8 experts: tier off
+    assert fits.returncode == 0, fits.stderr
+    ex = json.loads(fits.stdout)["experts"]
+    assert "every routed expert" in ex["miss_tier_off_reason"] and ex["low_tier_misses"] == 0
+    assert "miss tier off: the slab holds every routed expert" in run(*base, "--miss-tier", str(sidecar)).stderr
+    args = (*base, "--slots", "6")  # of 8 experts: the tier serves
     done = run(*args, "--miss-tier", str(sidecar), "--json")
     assert done.returncode == 0, done.stderr
     ex = json.loads(done.stdout)["experts"]
+    assert ex["miss_tier_off_reason"] is None
     assert 0 < ex["low_tier_misses"] <= ex["demand_misses"] and ex["tier_upgrades"] >= 0
     assert 0 <= ex["low_tier_prefetch_hits"] <= ex["prefetched_in_time"] + ex["prefetched_late"]
     assert ex["tier_upgrades_deferred"] >= 0

@@ -292,3 +292,53 @@ async def test_a_cancellation_at_every_step_ends_once_the_job_has_finished(
     assert finished.is_set()
     assert ended, f"still waiting {stepper.steps} steps after its job had finished"
     assert task[0].cancelled()
+
+
+def test_spin_while_returns_when_the_flag_changes_and_times_out_otherwise() -> None:
+    from aioexperts._compute.kernels.spin import pauses_per_microsecond, spin_while
+
+    rate = pauses_per_microsecond()
+    assert rate > 0
+    flag = np.zeros(1, np.int64)
+    assert spin_while(flag, 0, 1000) == 0  # unchanged: every poll used
+    assert spin_while(flag, 7, 1000) == 1000  # already different: at once
+    timer = threading.Timer(0.01, lambda: flag.__setitem__(0, 1))
+    timer.start()
+    try:
+        assert spin_while(flag, 0, int(5e6 * rate)) > 0  # seen well before its 5 s
+    finally:
+        timer.cancel()
+
+
+def test_a_worker_that_helped_spins_for_a_bounded_time_then_sleeps() -> None:
+    """After a fan-out item a worker burns CPU for about ``spin_us`` (it polls for more), then
+    sleeps; with ``spin_us=0`` it sleeps at once. Results are the same either way."""
+
+    def idle_cpu(pool: ComputePool) -> float:
+        assert pool.map(lambda i: time.sleep(0.005) or i + 1, range(4)) == [1, 2, 3, 4]  # a worker helps
+        t0 = time.thread_time(), time.process_time()
+        time.sleep(0.6)
+        return (time.process_time() - t0[1]) - (time.thread_time() - t0[0])  # the other threads' CPU
+
+    for spin_us, low, high in ((0, -1.0, 0.05), (200_000, 0.1, 0.5)):
+        pool = ComputePool(2, limit_native_threads=False, spin_us=spin_us)
+        try:
+            pool.map(lambda i: i, range(2))  # threads started, spin compiled
+            time.sleep(0.3)
+            assert low < idle_cpu(pool) < high, spin_us
+        finally:
+            pool.close()
+    with pytest.raises(ConfigError, match="spin_us"):
+        ComputePool(2, spin_us=-1)
+
+
+def test_spin_us_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aioexperts._compute.pool import DEFAULT_SPIN_US, default_spin_us
+
+    monkeypatch.delenv("AIOEXPERTS_SPIN_US", raising=False)
+    assert default_spin_us() == DEFAULT_SPIN_US
+    monkeypatch.setenv("AIOEXPERTS_SPIN_US", "0")
+    assert default_spin_us() == 0
+    monkeypatch.setenv("AIOEXPERTS_SPIN_US", "-5")
+    with pytest.raises(ConfigError, match="AIOEXPERTS_SPIN_US"):
+        default_spin_us()

@@ -437,3 +437,68 @@ async def test_a_batch_sink_gets_each_reap_whole_only_while_it_stands_for_the_si
     harness.submit(more)
     assert await harness.wait(more) == [ALIGN] * 4
     assert sorted(wrapped) == sorted(map(id, more)) and sum(map(len, batches)) == len(ops)
+
+
+async def test_one_reap_with_a_full_a_short_a_failed_read_and_a_stranger_delivers_each_its_own(
+    make_harness: Any, data_file: Path, anyio_backend: object
+) -> None:
+    """The reap's bulk path (one pass over the CQEs, errors turned into OSError only when one is
+    there): a full read, a short read at end of file, a read the kernel fails (EBADF) and a CQE
+    the backend never issued, all in one reap: every op gets exactly its own result, in its own
+    type, the stranger is counted and dropped, and nothing is left in flight."""
+    harness = make_harness(depth=8)
+    backend, ring = harness.backend, harness.backend.ring
+    write_only = os.open(data_file, os.O_WRONLY)
+    try:
+        harness.files.fds = (*harness.files.fds, write_only)
+        last_page = align_down(FILE_BYTES, ALIGN)
+        ops = [ReadOp(0, 0, ALIGN, 0, 0), ReadOp(0, last_page, 2 * ALIGN, 1, 0), ReadOp(1, 0, ALIGN, 2, 0)]
+        backend.detach()  # completions pile up: one reap below sees them all
+        harness.submit(ops)
+        ring.queue([(IORING_OP_NOP, 0, -1, 0, 0, 0, 999_999, 0)])  # a CQE no read of the backend's
+        assert ring.enter(1) == 1
+        for _ in range(2000):
+            if ring.cq_ready() == len(ops) + 1:
+                break
+            await anyio.sleep(0.001)
+        assert ring.cq_ready() == len(ops) + 1
+        backend.attach()
+        os.eventfd_write(backend._efd, 1)
+        full, short, failed = await harness.wait(ops)
+    finally:
+        harness.files.fds = harness.files.fds[:1]
+        os.close(write_only)
+    assert type(full) is int and full == ALIGN
+    assert type(short) is int and short == FILE_BYTES - last_page
+    assert isinstance(failed, OSError) and failed.errno == errno.EBADF
+    assert backend.unexpected_completions == 1 and backend.in_flight == 0 and ring.cq_ready() == 0
+
+
+async def test_a_partly_consumed_batch_takes_back_exactly_the_unconsumed_reads(
+    make_harness: Any, monkeypatch: pytest.MonkeyPatch, anyio_backend: object
+) -> None:
+    """An ``io_uring_enter`` that consumes only part of the published entries, then fails hard:
+    the consumed reads complete as usual, the rest are reported not taken (their user_data are the
+    last ones handed out) and never reach the kernel."""
+    harness = make_harness(depth=8)
+    ring = harness.backend.ring
+    real_enter = ring.enter
+    calls: list[tuple[int, ...]] = []
+
+    def two_then_fault(*args: int) -> int:
+        calls.append(args)
+        if len(calls) == 1:
+            return real_enter(2)  # the kernel takes the first two entries only
+        return -errno.EFAULT
+
+    monkeypatch.setattr(ring, "enter", two_then_fault)
+    ops = [ReadOp(0, i * ALIGN, ALIGN, i, 0) for i in range(5)]
+    with pytest.raises(SubmitError) as info:
+        harness.submit(ops)
+    assert info.value.taken == 2 and harness.backend.in_flight == 2 and harness.backend.queued_entries == 0
+    assert ring.sq_unconsumed() == 0
+    monkeypatch.undo()
+    assert await harness.wait(ops[:2]) == [ALIGN, ALIGN]
+    await anyio.sleep(0.01)
+    assert all(id(op) not in harness.results for op in ops[2:])
+    assert harness.backend.unexpected_completions == 0 and ring.counters == (2, 2)

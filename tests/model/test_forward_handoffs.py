@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from conftest import shared_fixture_paths
@@ -10,6 +12,7 @@ import aioexperts
 from aioexperts._compute.pool import compute_pool
 from aioexperts._compute.rope import RopeTable, rope_cos_sin, rope_table
 from aioexperts._format.architectures import RopeParams, RopeType
+from aioexperts._runner import MoERunner
 
 pytestmark = pytest.mark.anyio
 
@@ -39,11 +42,15 @@ def test_rope_table_is_rope_cos_sin_per_position(params: RopeParams) -> None:
 
 @needs_fixture
 @pytest.mark.parametrize("hits_first", [False, True])
-async def test_a_decode_step_takes_one_compute_pool_job_per_layer(hits_first: bool, anyio_backend: object) -> None:
-    """With every expert resident, a decode step hands the compute pool one job per block: a MoE
-    layer's experts, their sum and the next block's attention and routing (or the head) run in one
-    job (plus the embedding rows and the first block's attention)."""
+async def test_a_decode_step_takes_one_compute_pool_job_per_layer(
+    hits_first: bool, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every expert resident, a layer-by-layer decode step hands the compute pool one job per
+    block: a MoE layer's experts, their sum and the next block's attention and routing (or the head)
+    run in one job (plus the embedding rows and the first block's attention). (The held pass, which
+    a slab with room for the model takes, is one job: tests/model/test_forward_held.py.)"""
     assert QWEN3 is not None
+    monkeypatch.setattr(MoERunner, "hold_resident", lambda self: contextlib.nullcontext(None))
     prompt = [11, 22, 33, 44, 55]  # the fixture has 64 tokens
     async with aioexperts.load(
         QWEN3, slots=1024, io=aioexperts.IOOptions(backend="threads"), hits_first=hits_first, batch_wait=0

@@ -213,6 +213,28 @@ async def test_an_n_ctx_whose_kv_cache_cannot_fit_is_refused_before_anything_is_
 
 
 @pytest.mark.anyio
+async def test_an_n_ctx_past_the_files_context_length_is_said_once_before_the_store_opens(
+    tiny_full_model: Path, monkeypatch: pytest.MonkeyPatch, anyio_backend: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As llama.cpp, a larger n_ctx than the file's context length runs, with a warning: said before the
+    store opens and the weights load (it came after them), once."""
+    said = "n_ctx=1024 is larger than the file's context length 512"
+    warned_at_open: list[int] = []
+    real_open = aioexperts._model.model.open_store
+
+    def spy(*args: object, **kwargs: object) -> object:
+        warned_at_open.append(sum(r.getMessage() == said for r in caplog.records))
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(aioexperts._model.model, "open_store", spy)
+    with caplog.at_level(logging.WARNING, logger="aioexperts"):
+        async with aioexperts.load(tiny_full_model, n_ctx=1024, slots=4) as model:
+            assert model.n_ctx == 1024
+    assert warned_at_open == [1]
+    assert [r.getMessage() for r in caplog.records if "context length" in r.getMessage()] == [said]
+
+
+@pytest.mark.anyio
 async def test_the_default_n_ctx_is_capped_to_the_memory_limit(
     tiny_full_model: Path, monkeypatch: pytest.MonkeyPatch, anyio_backend: object, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 from conftest import shared_fixture_paths
@@ -187,6 +188,20 @@ async def test_an_empty_prompt_is_refused(tiny_full_model: Path, prompt: str | l
         with pytest.raises(aioexperts.InvalidRequestError, match="empty"):
             model.generate(prompt, max_tokens=4)
         assert model.statistics().live_sequences == 0
+
+
+async def test_a_tokenizer_and_template_built_before_the_start_are_kept(tiny_full_model: Path) -> None:
+    """``aioexperts-run`` tokenizes the prompt before the load: the start does not build them again."""
+    model = load(tiny_full_model)
+    user = [{"role": "user", "content": "Hi"}]
+
+    def before_the_start() -> tuple[object, object, object]:  # the file's metadata, read in a worker
+        return model.tokenizer, model.chat_template, model.apply_chat_template(user, tokenize=True)
+
+    tokenizer, template, ids = await anyio.to_thread.run_sync(before_the_start)
+    async with model:
+        assert model.tokenizer is tokenizer and model.chat_template is template
+        assert model.apply_chat_template(user, tokenize=True) == ids
 
 
 async def test_a_prompt_longer_than_n_ctx_is_refused_not_truncated(tiny_full_model: Path) -> None:

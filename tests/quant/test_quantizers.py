@@ -113,3 +113,43 @@ def test_llama_cpps_bytes_for_the_same_input(qtype: T) -> None:
     ours = quantize(x, qtype)
     # the same bytes (a ggml build that contracts multiply-adds into FMA could differ by a rounding)
     assert np.array_equal(ours, theirs), f"{int(np.sum(ours != theirs))} bytes differ"
+
+
+def _edge_rows() -> np.ndarray:
+    """Rows (of 2048) whose sub-blocks take each branch of the quantizers: constant (zero, negative,
+    positive, -0.0), all of one sign, one value apart from zeros, wide dynamic range, few levels."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((8, 2048)) * np.float32(0.02)).astype(np.float32)
+    x[0, :256] = 0.0
+    x[0, 256:272] = -0.25
+    x[0, 272:288] = 0.5
+    x[0, 288:304] = -0.0
+    x[0, 304:320] = 0.0
+    x[0, 310] = 1e-3
+    x[1] = np.abs(x[1])
+    x[2] = -np.abs(x[2])
+    x[3] = (rng.standard_normal(2048) * np.exp(rng.uniform(-30, 10, 2048))).astype(np.float32)
+    x[4] = rng.integers(-3, 4, 2048).astype(np.float32) * np.float32(0.5)
+    x[5] = rng.uniform(0, 1, 2048).astype(np.float32)
+    x[6, ::2] = 0.0
+    x[7] = np.repeat(rng.standard_normal(128).astype(np.float32), 16)  # every sub-block constant
+    return x
+
+
+@pytest.mark.parametrize("qtype", list(TIER_TYPES.values()), ids=lambda t: t.name)
+def test_llama_cpps_bytes_on_edge_blocks(qtype: T) -> None:
+    lib = _ggml_library()
+    if lib is None:
+        pytest.skip("llama-cpp-python (its libggml) is not installed: no baseline to compare bytes with")
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = (
+        [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+    )
+    x = _edge_rows()
+    theirs = np.zeros((x.shape[0], quantized_bytes(qtype, x.shape[1])), dtype=np.uint8)
+    lib.ggml_quantize_chunk(int(qtype), x.ctypes.data, theirs.ctypes.data, 0, x.shape[0], x.shape[1], None)
+    ours = quantize(x, qtype)
+    bad = [r for r in range(x.shape[0]) if not np.array_equal(ours[r], theirs[r])]
+    assert not bad, f"rows {bad} differ"
+    part = quantize(x[:3, :768], qtype)  # 9 super-blocks: Q2_K's last pass of 4 has 1 (blocks never straddle)
+    assert np.array_equal(part, theirs[:3, : part.shape[1]])

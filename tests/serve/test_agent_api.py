@@ -166,11 +166,49 @@ def test_a_named_tool_choice_starts_the_call_in_the_prompt(oai: Any, agent_serve
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
 
 
-def test_a_reply_that_ignores_tool_choice_required_is_an_error(oai: Any) -> None:
-    say("I will not call anything.</tool_call>")
-    with pytest.raises(openai.InternalServerError) as err:
-        oai.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice="required")
-    assert err.value.body["code"] == "tool_choice_not_followed"
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+#: (tool_choice, a reply that ignores it): no call, a closed call that does not parse (its text was
+#: content at once, mid-stream), a call of another function than the named one and text after it.
+IGNORING = [
+    *[(choice, "I will not call anything.") for choice in ("required", NAMED)],
+    *[(choice, "I will not call anything.</tool_call> Sunny, I guess.") for choice in ("required", NAMED)],
+    (NAMED, '{"name": "get_time", "arguments": {}}\n</tool_call> It is noon.'),
+]
+
+
+@pytest.mark.parametrize(
+    ("choice", "reply"), IGNORING, ids=[f"{'named' if c is NAMED else c}-{i}" for i, (c, _) in enumerate(IGNORING)]
+)
+def test_a_reply_that_ignores_tool_choice_is_a_422_and_never_content(
+    oai: Any, agent_server: ServerThread, reply: str, choice: Any
+) -> None:
+    say(reply)
+    tools = [*TOOLS, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.UnprocessableEntityError) as err:  # 4xx: not retried by the client
+        oai.chat.completions.create(model="m", messages=USER, tools=tools, tool_choice=choice)
+    assert err.value.status_code == 422 and err.value.body["code"] == "tool_choice_not_followed"
+    assert "the reply is not sent" in err.value.body["message"]
+
+    body = {"messages": USER, "tools": tools, "tool_choice": choice, "stream": True}
+    status, _, data = request(agent_server, "POST", "/v1/chat/completions", body)
+    assert status == 200  # the headers went out before the reply was known
+    lines = [line.removeprefix("data: ") for line in data.decode().split("\n\n") if line.strip()]
+    assert lines[-1] == "[DONE]"
+    events = [json.loads(line) for line in lines[:-1]]
+    chunks, last = events[:-1], events[-1]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas == [{"role": "assistant", "content": ""}], deltas  # nothing of the reply was sent
+    assert last["error"]["code"] == "tool_choice_not_followed"
+
+
+def test_a_streamed_call_under_tool_choice_required_comes_whole_with_the_text_after_it(oai: Any) -> None:
+    say('{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    chunks = list(
+        oai.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice="required", stream=True)
+    )
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Oslo"}]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_tool_messages_and_calls_reach_the_template(agent_server: ServerThread) -> None:
@@ -311,6 +349,19 @@ def test_messages_max_tokens(claude: Any) -> None:
     say("a long reply " * 20)
     msg = claude.messages.create(model="m", max_tokens=3, messages=A_USER)
     assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 3
+
+
+def test_messages_tool_choice_any_ignored_is_a_422_and_no_text_is_streamed(
+    claude: Any, agent_server: ServerThread
+) -> None:
+    say("I will not call anything.</tool_call> Sunny, I guess.")
+    with pytest.raises(anthropic.UnprocessableEntityError) as err:
+        claude.messages.create(model="m", max_tokens=100, messages=A_USER, tools=A_TOOLS, tool_choice={"type": "any"})
+    assert "tool_choice asked for 'required'" in err.value.body["error"]["message"]
+    body = {"model": "m", "max_tokens": 100, "messages": A_USER, "tools": A_TOOLS, "tool_choice": {"type": "any"}}
+    status, _, data = request(agent_server, "POST", "/v1/messages", {**body, "stream": True})
+    names = [block.split("\n", 1)[0].removeprefix("event: ") for block in data.decode().strip().split("\n\n")]
+    assert status == 200 and names == ["message_start", "ping", "error"], names  # no text block was sent
 
 
 def test_messages_errors_have_anthropics_shape(claude: Any, agent_server: ServerThread) -> None:

@@ -30,9 +30,8 @@ import errno
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from ..files import ShardFiles
 from ..loop import LoopAdapter
@@ -43,10 +42,10 @@ from ..uring_raw import (
     IORING_OP_READ,
     IORING_OP_READ_FIXED,
     IOSQE_ASYNC,
-    SQE_STRUCT,
+    READ_SQE_STRUCT,
     RawRing,
 )
-from .base import IOBackend, ReadOp, SubmitError
+from .base import IOBackend, ReadOp, ReadResult, SubmitError
 
 __all__ = ("RawUringBackend",)
 
@@ -106,7 +105,9 @@ class RawUringBackend(IOBackend):
         self.ring_reason = ring_reason
         self.drain_timeout = 30.0
         self._ops: dict[int, ReadOp] = {}
-        self._unconsumed: deque[int] = deque()  # user_data published, not consumed by the kernel, in SQ order
+        # entries published and not consumed by the kernel: always the last ones published, whose
+        # user_data are the last ones handed out (a take-back takes every one of them)
+        self._n_unconsumed = 0
         self._taken_back: list[tuple[int, ReadOp]] = []  # reads unpublished by the last failed enter
         self._next_user_data = 1
         self._stalls = 0
@@ -183,7 +184,7 @@ class RawUringBackend(IOBackend):
     @property
     def queued_entries(self) -> int:
         """Entries published but not consumed by the kernel yet (they go with the next enter)."""
-        return len(self._unconsumed)
+        return self._n_unconsumed
 
     @property
     def nops_in_flight(self) -> int:
@@ -226,10 +227,9 @@ class RawUringBackend(IOBackend):
             self._write_entries(ops, first)
         except Exception as exc:  # nothing was published
             raise SubmitError(f"io_uring took 0 of {n} reads: {exc!r}", 0) from exc
-        user_data = range(first, first + n)
         self._next_user_data = first + n
-        self._ops.update(zip(user_data, ops, strict=True))
-        self._unconsumed.extend(user_data)
+        self._ops.update(zip(range(first, first + n), ops, strict=True))
+        self._n_unconsumed += n
         self._in_flight += n
         cause = self._enter()
         if cause is None:
@@ -247,7 +247,8 @@ class RawUringBackend(IOBackend):
         """Write and publish one SQE per op (user_data from ``first_user_data`` up), each op checked
         against its slot before its entry is written; any failure publishes none of the batch.
 
-        One ``struct.pack_into`` per op straight into the SQE array (no tuple per entry).
+        One ``struct.pack_into`` of the read's eight fields per op straight into the SQE array (no
+        tuple per entry; the other fields are written as zeros).
         """
         slab, fds = self.slab, self.files.fds
         if slab.closed:
@@ -256,8 +257,9 @@ class RawUringBackend(IOBackend):
         chunk, flags = self._chunk_slots, self._sqe_flags
         opcode = IORING_OP_READ_FIXED if chunk else IORING_OP_READ
         sqes, tail, mask = self._ring.reserve(len(ops))
-        pack = SQE_STRUCT.pack_into
-        for i, op in enumerate(ops):
+        pack = READ_SQE_STRUCT.pack_into
+        user_data = first_user_data
+        for op in ops:
             slot, start, n_bytes, shard, file_offset = op.slot, op.slot_offset, op.n_bytes, op.shard, op.file_offset
             if not (
                 0 <= slot < n_slots and 0 <= start and 0 <= n_bytes <= MAX_READ_BYTES and start + n_bytes <= stride
@@ -267,22 +269,18 @@ class RawUringBackend(IOBackend):
                 raise IndexError(f"{op!r} names no open shard or a negative offset")
             pack(
                 sqes,
-                ((tail + i) & mask) << 6,
+                (tail & mask) << 6,
                 opcode,
                 flags,
-                0,
                 fds[shard],
                 file_offset,
                 base + slot * stride + start,
                 n_bytes,
-                0,
-                first_user_data + i,
+                user_data,
                 slot // chunk if chunk else 0,
-                0,
-                0,
-                0,
-                0,
             )
+            tail += 1
+            user_data += 1
         self._ring.publish(len(ops))
 
     def _enter(self) -> Exception | None:
@@ -292,17 +290,13 @@ class RawUringBackend(IOBackend):
         a later tick or completion). On a hard failure, takes back every entry the kernel did not
         consume (their reads go to ``_taken_back``) and returns the error.
         """
-        ring, pending = self._ring, self._unconsumed
-        while pending:
-            before = ring.sq_unconsumed()
+        ring = self._ring
+        while self._n_unconsumed:
+            before = self._n_unconsumed
             ret = ring.enter(before)
             self.submit_calls += 1
-            consumed = before - ring.sq_unconsumed()
-            if consumed == len(pending):  # the usual case: the kernel took every entry
-                pending.clear()
-            else:
-                for _ in range(consumed):
-                    pending.popleft()
+            self._n_unconsumed = left = ring.sq_unconsumed()
+            consumed = before - left
             if consumed > 0:
                 self._stalls = 0
                 continue
@@ -323,12 +317,13 @@ class RawUringBackend(IOBackend):
     def _take_back(self) -> None:
         """Unpublish every entry the kernel has not consumed; those reads never happen."""
         taken_back = self._ring.unpublish()
-        assert taken_back == len(self._unconsumed), (taken_back, len(self._unconsumed))
-        self._taken_back = [(ud, self._ops.pop(ud)) for ud in self._unconsumed]
-        self._unconsumed.clear()
+        assert taken_back == self._n_unconsumed, (taken_back, self._n_unconsumed)
+        last = self._next_user_data
+        self._taken_back = [(ud, self._ops.pop(ud)) for ud in range(last - taken_back, last)]
+        self._n_unconsumed = 0
 
     def _submit_pending(self) -> None:
-        if not self._unconsumed:
+        if not self._n_unconsumed:
             return
         cause = self._enter()
         if cause is not None:
@@ -349,19 +344,23 @@ class RawUringBackend(IOBackend):
         except Exception:  # an overflow flush failed: what was reaped is lost to this call only
             log.exception("io_uring: reaping the completion queue failed")
             return
-        pop = self._ops.pop
-        ops: list[ReadOp] = []
-        outcomes: list[int | Exception] = []
-        for user_data, res in zip(users, results, strict=True):
-            op = pop(user_data, None)
-            if op is None:  # a stranger or a duplicate: its read (if any) was already accounted for
-                self.unexpected_completions += 1
-                continue
-            ops.append(op)
-            outcomes.append(res if res >= 0 else OSError(-res, os.strerror(-res)))
-        if ops:
-            self._deliver_reaped(ops, outcomes)
-        if self._unconsumed:
+        if users:
+            in_flight = self._ops
+            known = len(in_flight)
+            pop = in_flight.pop
+            found = [pop(user_data, None) for user_data in users]
+            if known - len(in_flight) != len(found):  # a stranger or a duplicate: its read was accounted for
+                kept = [(op, res) for op, res in zip(found, results, strict=True) if op is not None]
+                self.unexpected_completions += len(found) - len(kept)
+                found = [op for op, _ in kept]
+                results = [res for _, res in kept]
+            ops = cast(list[ReadOp], found)  # no None left
+            outcomes = cast(list[ReadResult], results)  # the usual batch: every read returned its byte count
+            if results and min(results) < 0:
+                outcomes = [res if res >= 0 else OSError(-res, os.strerror(-res)) for res in results]
+            if ops:
+                self._deliver_reaped(ops, outcomes)
+        if self._n_unconsumed:
             self._stalls = 0
             self._schedule_submit()
         if users:
@@ -393,7 +392,7 @@ class RawUringBackend(IOBackend):
 
     def _drain(self) -> None:
         ring = self._ring
-        if self._unconsumed:  # never reached the kernel: take them back
+        if self._n_unconsumed:  # never reached the kernel: take them back
             self._take_back()
             self._in_flight -= len(self._taken_back)
             self._taken_back = []
@@ -456,4 +455,4 @@ class RawUringBackend(IOBackend):
                     os.close(efd)
             finally:
                 self._slab_pin = None
-                self._unconsumed.clear()
+                self._n_unconsumed = 0

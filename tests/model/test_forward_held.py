@@ -1,0 +1,125 @@
+"""The held pass: a model whose every routed expert is resident decodes in one compute job, with
+the numbers of the layer-by-layer pass."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+from conftest import shared_fixture_paths
+
+import aioexperts
+from aioexperts._compute.pool import compute_pool
+from aioexperts._runner import MoERunner
+
+pytestmark = pytest.mark.anyio
+
+FIXTURES = {p.stem: p for p in shared_fixture_paths()}
+needs = pytest.mark.skipif("qwen3moe-f32" not in FIXTURES, reason="shared fixtures not found")
+
+
+async def load_every_expert(model: aioexperts.Model) -> None:
+    store = model.store
+    for layer, moe in store.layout.layers.items():
+        async with store.experts(layer, range(moe.n_experts)):
+            pass
+
+
+async def decode(model: aioexperts.Model, prompt: list[int], steps: int) -> tuple[list[np.ndarray], list[int]]:
+    """Logits of the prompt's last row and of ``steps`` greedy tokens, and each step's compute-pool jobs."""
+    pool = compute_pool()
+    out, jobs = [], []
+    async with model.sequence() as seq:
+        logits = (await seq.forward(prompt))[-1]
+        out.append(logits)
+        for _ in range(steps):
+            n = pool.statistics().jobs
+            logits = (await seq.forward([int(logits.argmax())]))[-1]
+            jobs.append(pool.statistics().jobs - n)
+            out.append(logits)
+    return out, jobs
+
+
+@needs
+@pytest.mark.parametrize(
+    "name", ["qwen3moe-f32", "deepseek2-q4_k_m", "deepseek4-f32", "qwen35moe-f32", "glm4moe-f32", "gpt-oss-f32"]
+)
+async def test_held_pass_equals_the_layer_by_layer_pass(
+    name: str, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = FIXTURES.get(name)
+    if path is None:
+        pytest.skip(f"{name} not among the fixtures")
+    prompt = [11, 22, 33, 44, 55]
+    got: dict[str, tuple[list[np.ndarray], list[int]]] = {}
+    async with aioexperts.load(path, slots=4096, batch_wait=0) as model:
+        await load_every_expert(model)
+        n_layer = model.hparams.n_layer
+        got["held"] = await decode(model, prompt, 4)
+        runner_stats = model.runner.statistics()
+        with monkeypatch.context() as m:
+            m.setattr(MoERunner, "hold_resident", lambda self: contextlib.nullcontext(None))
+            got["layers"] = await decode(model, prompt, 4)
+    for a, b in zip(got["held"][0], got["layers"][0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert got["held"][1] == [2] * 4  # the embedding rows and the whole pass
+    assert all(n >= 2 + n_layer - 1 for n in got["layers"][1])  # about one per block
+    assert runner_stats.layer_steps > 0 and runner_stats.compute_seconds > 0
+
+
+@needs
+@pytest.mark.parametrize("name", ["qwen3moe-f32", "deepseek4-f32", "glm4moe-f32"])
+async def test_a_held_pass_goes_on_through_the_executor_at_a_missing_expert(
+    name: str, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From a cold slab with room for the model: the held pass stops at the first layer with an
+    expert to read and the executor goes on from there; the numbers are the layer-by-layer pass's,
+    and once every expert it routes to is resident a step is one job."""
+    path = FIXTURES.get(name)
+    if path is None:
+        pytest.skip(f"{name} not among the fixtures")
+    prompt = [11, 22, 33]
+    got = {}
+    for mode in ("held", "layers"):
+        with monkeypatch.context() as m:
+            if mode == "layers":
+                m.setattr(MoERunner, "hold_resident", lambda self: contextlib.nullcontext(None))
+            async with aioexperts.load(path, slots=4096, batch_wait=0) as model:
+                got[mode] = await decode(model, prompt, 6)
+                if mode == "held":
+                    assert any(n > 2 for n in got[mode][1])  # some steps read experts
+                    await load_every_expert(model)
+                    _, jobs = await decode(model, prompt, 2)
+                    assert jobs == [2, 2]
+    for a, b in zip(got["held"][0], got["layers"][0], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@needs
+async def test_no_held_pass_with_a_slab_smaller_than_the_model(anyio_backend: object) -> None:
+    """A slab that may have to evict never holds (a hold would stall its reads)."""
+    path = FIXTURES["qwen3moe-f32"]
+    async with aioexperts.load(path, slots=4096, batch_wait=0) as model:
+        n_total = model.store.layout.n_experts_total
+    async with aioexperts.load(path, slots=n_total - 1, batch_wait=0) as model:
+        await decode(model, [11, 22, 33], 4)
+        _, jobs = await decode(model, [11, 22, 33], 2)
+        assert all(n > 2 for n in jobs)
+
+
+@needs
+async def test_a_long_prompt_goes_layer_by_layer(anyio_backend: object) -> None:
+    """Up to HELD_MAX_ROWS rows in one job; a longer prompt keeps a hand-off per layer (a
+    cancellation waits for one layer, not the whole prompt)."""
+    from aioexperts._model.forward import HELD_MAX_ROWS
+
+    pool = compute_pool()
+    async with aioexperts.load(FIXTURES["qwen3moe-f32"], slots=4096, batch_wait=0) as model:
+        await load_every_expert(model)
+        for n_rows, held in ((HELD_MAX_ROWS, True), (HELD_MAX_ROWS + 1, False)):
+            async with model.sequence() as seq:
+                n = pool.statistics().jobs
+                await seq.forward([1 + i % 50 for i in range(n_rows)])
+                jobs = pool.statistics().jobs - n
+            assert (jobs == 2) is held, (n_rows, jobs)
