@@ -30,19 +30,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-import numpy as np
-
 from .._errors import ConfigError, StoreClosedError
 from .._io.loop import current_loop, wait_through_cancellation
 
-__all__ = ("SPIN_ENV", "THREADS_ENV", "ComputePool", "PoolStatistics", "compute_pool", "configure_compute_pool")
+__all__ = ("THREADS_ENV", "ComputePool", "PoolStatistics", "compute_pool", "configure_compute_pool")
 
 log = logging.getLogger("aioexperts")
 
 THREADS_ENV = "AIOEXPERTS_COMPUTE_THREADS"
-#: microseconds a worker (or a map's caller) spins before it sleeps; 0: never spin
-SPIN_ENV = "AIOEXPERTS_SPIN_US"
-DEFAULT_SPIN_US = 100
 #: threads each native library (BLAS, OpenMP) may use per call while a pool lives
 NATIVE_THREADS_PER_CALL = 1
 
@@ -69,35 +64,6 @@ def default_threads() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def default_spin_us() -> int:
-    """``$AIOEXPERTS_SPIN_US``, else :data:`DEFAULT_SPIN_US`.
-
-    Raises:
-        ConfigError: the variable is set but not an integer >= 0.
-    """
-    value = os.environ.get(SPIN_ENV)
-    if not value:
-        return DEFAULT_SPIN_US
-    try:
-        n = int(value)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ConfigError(f"{SPIN_ENV} must be an integer >= 0 (microseconds), got {value!r}")
-    return n
-
-
-def _spinner(spin_us: int) -> tuple[Callable[[Any, int, int], int], int] | None:
-    """``(spin_while, polls)`` for ``spin_us`` microseconds, or None (no spin: 0, or no numba)."""
-    if spin_us <= 0:
-        return None
-    try:
-        from .kernels.spin import pauses_per_microsecond, spin_while
-    except ImportError:  # numba missing: the pool sleeps at once
-        return None
-    return spin_while, max(1, int(spin_us * pauses_per_microsecond()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +116,7 @@ class _Job(Generic[R]):
 class _Batch(Generic[I, R]):
     """The items of one ``map`` call; any thread may claim the next item (under the pool lock)."""
 
-    __slots__ = ("done", "errors", "finished", "fn", "items", "next", "remaining", "results")
+    __slots__ = ("done", "errors", "fn", "items", "next", "remaining", "results")
 
     def __init__(self, fn: Callable[[I], R], items: Sequence[I]) -> None:
         self.fn = fn
@@ -160,7 +126,6 @@ class _Batch(Generic[I, R]):
         self.results: list[Any] = [None] * len(items)
         self.errors: list[BaseException] = []
         self.done = threading.Event()
-        self.finished = np.zeros(1, np.int64)  # 1 once every item is done: what a caller spins on
 
     def run_item(self, i: int, lock: threading.Lock) -> None:
         try:
@@ -172,42 +137,25 @@ class _Batch(Generic[I, R]):
             self.remaining -= 1
             finished = self.remaining == 0
         if finished:
-            self.finished[0] = 1
             self.done.set()
 
 
 class ComputePool:
     """Worker threads for compute, shared by every runner of the process (see the module docstring).
 
-    A worker that has just run a fan-out item, and a ``map`` caller waiting for the other threads'
-    items, spin for up to ``spin_us`` microseconds (:mod:`.kernels.spin`, GIL released) before
-    sleeping: a sleeping thread takes tens of microseconds to wake on a VM, and a decode step
-    fans out every few hundred. A worker that has just finished a ``run`` job does not spin (the
-    event loop's thread needs the core next).
-
     Args:
         n_threads: workers (>= 1); default :func:`default_threads`.
         limit_native_threads: cap BLAS/OpenMP to one thread per call while the pool lives.
-        spin_us: the spin before sleeping, microseconds (0: none); default ``$AIOEXPERTS_SPIN_US``
-            or :data:`DEFAULT_SPIN_US`.
 
     Raises:
         ConfigError: ``n_threads`` < 1.
     """
 
-    def __init__(
-        self, n_threads: int | None = None, *, limit_native_threads: bool = True, spin_us: int | None = None
-    ) -> None:
+    def __init__(self, n_threads: int | None = None, *, limit_native_threads: bool = True) -> None:
         n = default_threads() if n_threads is None else n_threads
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"n_threads must be an int >= 1, got {n_threads!r}")
-        spin = default_spin_us() if spin_us is None else spin_us
-        if isinstance(spin, bool) or not isinstance(spin, int) or spin < 0:
-            raise ConfigError(f"spin_us must be an int >= 0, got {spin_us!r}")
         self._n = n
-        self._spin_us = spin
-        self._spin: tuple[Callable[[Any, int, int], int], int] | None = None
-        self._epoch = np.zeros(1, np.int64)  # bumped whenever work is queued: what an idle worker spins on
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._jobs: collections.deque[_Job[Any]] = collections.deque()
@@ -253,7 +201,6 @@ class ComputePool:
                 raise StoreClosedError("the compute pool is closed")
             self._start_threads()
             self._jobs.append(job)
-            self._epoch[0] += 1
             self._work.notify()
         try:
             await done.wait()
@@ -290,7 +237,6 @@ class ComputePool:
             self._counts["maps"] += 1
             self._start_threads()
             self._batches.append(batch)
-            self._epoch[0] += 1
             self._work.notify(min(len(seq) - 1, self._n))
         while True:
             with self._lock:
@@ -298,9 +244,6 @@ class ComputePool:
             if i is None:
                 break
             batch.run_item(i, self._lock)
-        spin = self._spin
-        if spin is not None and not batch.done.is_set():
-            spin[0](batch.finished, 0, spin[1])
         batch.done.wait()
         if batch.errors:
             raise batch.errors[0]
@@ -330,22 +273,9 @@ class ComputePool:
             self._threads.append(thread)
 
     def _worker(self) -> None:
-        if self._spin is None and self._n > 1:  # here, not on the caller's thread: it compiles or loads
-            self._spin = _spinner(self._spin_us)
-        helped = False  # the last thing done was a fan-out item: more are likely to come soon
         while True:
             with self._lock:
                 while not self._batches and not self._jobs and not self._closed:
-                    spin = self._spin
-                    if helped and spin is not None:
-                        helped = False
-                        epoch = int(self._epoch[0])
-                        self._lock.release()
-                        try:
-                            spin[0](self._epoch, epoch, spin[1])
-                        finally:
-                            self._lock.acquire()
-                        continue
                     self._work.wait()
                 if self._batches:  # fan-out items first: they belong to a job already running
                     batch = self._batches[0]
@@ -363,10 +293,8 @@ class ComputePool:
                 with self._lock:
                     self._counts["jobs"] += 1
                 job.wake()
-                helped = False
             elif batch is not None and i is not None:
                 batch.run_item(i, self._lock)
-                helped = True
             # an idle worker keeps nothing alive: a job's arguments (slot views) would otherwise pin
             # their memory (and keep a closed store's slab mapped) until the next job arrives
             job = batch = None
