@@ -221,11 +221,14 @@ class MissTier:
     With neither set, every miss goes low. With ``prefetches``, the same rules choose the tier of
     each prefetch (the experts predicted for the layers ahead): its gate weight is the predicted
     one where the predictor gives it (the ``"router"`` predictor does), else unknown, and then only
-    the backlog rule (or no rule at all) sends it low. Hits always use what is resident; a
-    low-tier expert that is hit again is read again at full precision in the background, but only
-    while the reads are not behind (see :meth:`reads_behind`; the upgrade waits for a later hit
-    or release otherwise, so it never takes the bandwidth the tier saves). Without a
-    ``miss_tier``, nothing of this runs and the numerics are the default path's.
+    the backlog rule (or no rule at all) sends it low. Hits always use what is resident. With
+    ``upgrade``, a low-tier expert that is hit again is read again at full precision in the
+    background, but only while the reads are not behind (see :meth:`reads_behind`; the upgrade
+    waits for a later hit or release otherwise). Off by default: on the 48-layer bench model
+    with a Q2_K tier the upgrades' reads cost more than the full copies gave (decode 1.16-1.28x
+    the tier-less rate at 1/4 of the model in memory and 0.82-0.84x at 1/2 with them; 1.25-1.73x
+    and 1.22x without; ``docs/miss-tier.md``). Without a ``miss_tier``, nothing of this runs and
+    the numerics are the default path's.
 
     Attributes:
         path: the sidecar GGUF (refused if written for another model or an older version of it).
@@ -234,7 +237,7 @@ class MissTier:
         behind_seconds: read backlog (seconds at the measured device rate) beyond which every
             miss reads the low tier; None: no backlog rule.
         upgrade: read a low-tier expert again at full precision once it is hit again (and the
-            reads are not behind).
+            reads are not behind); default off.
         prefetches: the rules choose the tier of prefetches too, not only of a step's demand
             misses.
     """
@@ -242,7 +245,7 @@ class MissTier:
     path: str
     max_gate_weight: float | None = None
     behind_seconds: float | None = None
-    upgrade: bool = True
+    upgrade: bool = False
     prefetches: bool = True
 
     def __post_init__(self) -> None:

@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--miss-tier-weight", type=float, default=None, help="MissTier.max_gate_weight (None: no rule)")
     p.add_argument("--miss-tier-behind", type=float, default=None, help="MissTier.behind_seconds (None: no rule)")
     p.add_argument(
-        "--miss-tier-no-upgrade", action="store_true", help="MissTier(upgrade=False): low copies hit again stay low"
+        "--miss-tier-upgrade",
+        action="store_true",
+        help="MissTier(upgrade=True): low copies hit again are read again at full precision (off by default)",
     )
     p.add_argument(
         "--miss-tier-demand-only",
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 "path": os.path.abspath(args.miss_tier or _sidecar(model, args.miss_tier_type or "Q3_K", note)),
                 "max_gate_weight": args.miss_tier_weight,
                 "behind_seconds": args.miss_tier_behind,
-                "upgrade": not args.miss_tier_no_upgrade,
+                "upgrade": args.miss_tier_upgrade,
                 "prefetches": not args.miss_tier_demand_only,
             }
         cfg = GenerateConfig(

@@ -104,7 +104,7 @@ def test_generate_chooses_the_miss_tier_type_beside_the_model(
         "path": str(written),
         "max_gate_weight": None,
         "behind_seconds": 0.0,
-        "upgrade": True,
+        "upgrade": False,
         "prefetches": True,
     }
     (run,) = results["runs"]

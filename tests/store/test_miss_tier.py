@@ -116,7 +116,7 @@ async def test_a_stale_sidecar_is_refused_when_the_store_starts(
 @pytest.mark.anyio
 async def test_low_misses_hits_as_resident_and_upgrades(model: Path, sidecar: Path, anyio_backend: object) -> None:
     holder: dict[str, FakeBackend] = {}
-    async with fake_store(model, holder, MissTier(path=str(sidecar))) as store:
+    async with fake_store(model, holder, MissTier(path=str(sidecar), upgrade=True)) as store:
         fake = holder["fake"]
 
         async def pinned_types(ids: list[int]) -> list[T]:

@@ -172,7 +172,7 @@ async def test_a_late_low_prefetch_counts_as_prefetched_late(model: Path, sideca
 @pytest.mark.anyio
 async def test_an_upgrade_waits_while_the_reads_are_behind(model: Path, sidecar: Path, anyio_backend: object) -> None:
     holder: dict[str, FakeBackend] = {}
-    async with fake_store(model, holder, MissTier(path=str(sidecar)), auto=False) as store:
+    async with fake_store(model, holder, MissTier(path=str(sidecar), upgrade=True), auto=False) as store:
         fake = holder["fake"]
         try:
             await upgrade_put_off(store, fake, build_layout(open_model(model)).locate(0, 2).gate.ggml_type)
@@ -217,7 +217,7 @@ async def upgrade_put_off(store: aioexperts.ExpertStore, fake: FakeBackend, full
 async def test_upgrades_do_not_start_in_a_burst(model: Path, sidecar: Path, anyio_backend: object) -> None:
     """Without a backlog rule, an upgrade's own read makes the reads behind: one at a time."""
     holder: dict[str, FakeBackend] = {}
-    async with fake_store(model, holder, MissTier(path=str(sidecar)), auto=False) as store:
+    async with fake_store(model, holder, MissTier(path=str(sidecar), upgrade=True), auto=False) as store:
         fake = holder["fake"]
         try:
             store.start_loads(0, [2, 3], low_ids=[2, 3])

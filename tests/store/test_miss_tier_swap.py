@@ -37,7 +37,7 @@ def sidecar(model: Path) -> Path:
 
 
 def tier_store(model: Path, sidecar: Path, slots: int) -> aioexperts.ExpertStore:
-    return aioexperts.open(model, slots=slots, miss_tier=MissTier(path=str(sidecar)))
+    return aioexperts.open(model, slots=slots, miss_tier=MissTier(path=str(sidecar), upgrade=True))
 
 
 # -- the tier switches itself off when every expert fits ----------------------------------------------
@@ -108,7 +108,7 @@ async def test_the_low_copy_serves_while_its_full_copy_is_read(
 ) -> None:
     holder: dict[str, FakeBackend] = {}
     full = build_layout(open_model(model)).locate(0, 2).gate.ggml_type
-    async with fake_store(model, holder, MissTier(path=str(sidecar)), auto=False) as store:
+    async with fake_store(model, holder, MissTier(path=str(sidecar), upgrade=True), auto=False) as store:
         fake = holder["fake"]
         try:
             await upgrade_in_flight(store, fake)
@@ -132,7 +132,7 @@ async def test_a_pinned_low_copy_keeps_its_slot_through_the_swap(
 ) -> None:
     holder: dict[str, FakeBackend] = {}
     full = build_layout(open_model(model)).locate(0, 2).gate.ggml_type
-    async with fake_store(model, holder, MissTier(path=str(sidecar)), auto=False) as store:
+    async with fake_store(model, holder, MissTier(path=str(sidecar), upgrade=True), auto=False) as store:
         fake = holder["fake"]
         cache = store._source.cache  # type: ignore[attr-defined]
         try:
