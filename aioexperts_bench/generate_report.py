@@ -288,6 +288,21 @@ def _prompt(part: dict[str, Any]) -> int:
     return int(part.get("parameters", {}).get("prompt_tokens") or 0)
 
 
+TIER_ENGINE = "aioexperts-tier"
+
+
+def _tier_policy(part: dict[str, Any]) -> str:
+    """The miss tier's policy of a results file in a few words (what may differ between files)."""
+    tier = part.get("parameters", {}).get("miss_tier") or {}
+    words = [
+        "upgrades" if tier.get("upgrade") else "no upgrades",
+        "demand misses only" if tier.get("prefetches") is False else "",
+        f"weight < {tier['max_gate_weight']}" if tier.get("max_gate_weight") is not None else "",
+        f"behind > {tier['behind_seconds']} s" if tier.get("behind_seconds") is not None else "",
+    ]
+    return ", ".join(w for w in words if w)
+
+
 def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Several results files of one model (e.g. one per limit, run at different times) as one.
 
@@ -323,8 +338,14 @@ def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     # the no-limit row compares one prompt length: the longest any part ran with no limit
     prompts = [_prompt(p) for p in parts if any(r["limit"] == "none" for r in p["runs"])]
     longest = max(prompts, default=0)
+    policies = {_tier_policy(p) for p in parts if any(r["engine"] == TIER_ENGINE for r in p["runs"])}
     for p in parts:
         p = _without_unfinished_round(p)
+        if len(policies) > 1 and (policy := _tier_policy(p)) != _tier_policy(parts[-1]):
+            # another tier policy than the last part's: its own rows, not averaged with the others
+            label = f"{TIER_ENGINE} ({policy})"
+            p = {**p, "runs": [{**r, "engine": label} if r["engine"] == TIER_ENGINE else r for r in p["runs"]]}
+            merged["notes"].append(f"{label}: the tier runs of a part with another policy than the last part's")
         if any(r["limit"] == "none" for r in p["runs"]) and _prompt(p) < longest:
             merged["notes"].append(
                 f"the no-limit runs of a part with a {_prompt(p)}-token prompt are left out of the no-limit "

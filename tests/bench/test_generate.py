@@ -429,3 +429,30 @@ def test_fio_missing_leaves_the_rate_out(monkeypatch: pytest.MonkeyPatch, tiny_f
 
     monkeypatch.setattr(fio, "fio_path", lambda: None)
     assert generate.fio_rate(str(tiny_full_model), 1 << 20, seed=0) == {"error": "fio is not installed"}
+
+
+def test_tier_runs_of_another_policy_keep_their_own_row() -> None:
+    """Two files whose miss tiers differ (upgrades on in one) are not averaged into one tier row:
+    the earlier file's tier runs are labelled with their policy."""
+    from aioexperts_bench.generate_report import merge_results
+
+    def part(upgrade: bool, tok_s: float) -> dict[str, object]:
+        return {
+            "date": "d",
+            "command": "c",
+            "machine": {},
+            "parameters": {"miss_tier": {"path": "s", "upgrade": upgrade, "prefetches": True}},
+            "runs": [
+                {"engine": engine, "limit": "1/4", "round": 0, "status": "ok", "decode_tok_s": value}
+                for engine, value in (("aioexperts", 1.0), ("aioexperts-tier", tok_s))
+            ],
+        }
+
+    merged = merge_results([part(True, 1.2), part(False, 1.5)])
+    rows = {row["engine"]: row["decode_tok_s"] for row in merged["summary"]}
+    assert rows == {"aioexperts": 1.0, "aioexperts-tier (upgrades)": 1.2, "aioexperts-tier": 1.5}
+    same = merge_results([part(False, 1.2), part(False, 1.6)])
+    assert {row["engine"]: row["decode_tok_s"] for row in same["summary"]} == {
+        "aioexperts": 1.0,
+        "aioexperts-tier": 1.4,
+    }
