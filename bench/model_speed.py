@@ -34,6 +34,7 @@ read per token.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -196,9 +197,11 @@ async def main(args: argparse.Namespace) -> None:
         print(f"reads: backend {store_facts.backend}, O_DIRECT {store_facts.direct_io} {why}")
         t0 = time.perf_counter()
         routing, mark = record_routing(model.store)
+        # layer by layer while recording: the held pass takes resident experts without store.experts()
+        model.runner.hold_resident = lambda: contextlib.nullcontext(None)  # type: ignore[method-assign]
         warm = await resident_decode(model, short, args.tokens, mark)  # loads these tokens' experts, records them
-        del model.store.experts  # the recording wrapper (an instance attribute) goes
-        routing = [token for token in routing if token][-args.tokens :]
+        del model.store.experts, model.runner.hold_resident  # the instance attributes go
+        routing = routing[1:]  # the first list is the prompt's prefill: one per decoded token after it
         for layer, moe in layers.items():  # then every expert, read only (no compute)
             async with model.store.experts(layer, range(moe.n_experts)):
                 pass
