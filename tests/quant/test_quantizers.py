@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -94,22 +95,33 @@ def _ggml_library() -> ctypes.CDLL | None:
     return None
 
 
-@pytest.mark.parametrize("qtype", list(TIER_TYPES.values()), ids=lambda t: t.name)
-def test_llama_cpps_bytes_for_the_same_input(qtype: T) -> None:
+def _quantize_chunk() -> Callable[[T, np.ndarray], np.ndarray]:
+    """``quantize(qtype, x)`` by llama.cpp's ``ggml_quantize_chunk`` (rows of ``x``); skips without it."""
     lib = _ggml_library()
     if lib is None:
         pytest.skip("llama-cpp-python (its libggml) is not installed: no baseline to compare bytes with")
-    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-    lib.ggml_quantize_chunk.argtypes = (
-        [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
-    )
+    fn = lib.ggml_quantize_chunk
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+
+    def run(qtype: T, x: np.ndarray) -> np.ndarray:
+        rows, cols = x.shape
+        out = np.zeros((rows, quantized_bytes(qtype, cols)), dtype=np.uint8)
+        fn(int(qtype), x.ctypes.data, out.ctypes.data, 0, rows, cols, None)
+        return out
+
+    return run
+
+
+@pytest.mark.parametrize("qtype", list(TIER_TYPES.values()), ids=lambda t: t.name)
+def test_llama_cpps_bytes_for_the_same_input(qtype: T) -> None:
+    lib = _quantize_chunk()
     rng = np.random.default_rng(3)
     x = rng.standard_normal((16, 2048)).astype(np.float32) * np.float32(0.03)
     x[3] = ggml_test_data(2048, 0.5)
     x[5, :256] = 0.0  # an all-zero block
     x[7] *= np.float32(1e4)
-    theirs = np.zeros((16, quantized_bytes(qtype, 2048)), dtype=np.uint8)
-    lib.ggml_quantize_chunk(int(qtype), x.ctypes.data, theirs.ctypes.data, 0, 16, 2048, None)
+    theirs = lib(qtype, x)
     ours = quantize(x, qtype)
     # the same bytes (a ggml build that contracts multiply-adds into FMA could differ by a rounding)
     assert np.array_equal(ours, theirs), f"{int(np.sum(ours != theirs))} bytes differ"
@@ -138,16 +150,9 @@ def _edge_rows() -> np.ndarray:
 
 @pytest.mark.parametrize("qtype", list(TIER_TYPES.values()), ids=lambda t: t.name)
 def test_llama_cpps_bytes_on_edge_blocks(qtype: T) -> None:
-    lib = _ggml_library()
-    if lib is None:
-        pytest.skip("llama-cpp-python (its libggml) is not installed: no baseline to compare bytes with")
-    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-    lib.ggml_quantize_chunk.argtypes = (
-        [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
-    )
+    lib = _quantize_chunk()
     x = _edge_rows()
-    theirs = np.zeros((x.shape[0], quantized_bytes(qtype, x.shape[1])), dtype=np.uint8)
-    lib.ggml_quantize_chunk(int(qtype), x.ctypes.data, theirs.ctypes.data, 0, x.shape[0], x.shape[1], None)
+    theirs = lib(qtype, x)
     ours = quantize(x, qtype)
     bad = [r for r in range(x.shape[0]) if not np.array_equal(ours[r], theirs[r])]
     assert not bad, f"rows {bad} differ"
