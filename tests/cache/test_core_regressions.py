@@ -11,15 +11,30 @@ import pytest
 from faults.guard import CheckedFake, checked_factory
 from faults.policy import OnceFaulty
 from faults.script import FaultyFake, ReadFault
-from faults.stack import Key, open_stack
+from faults.stack import Key, open_stack, reference_bytes
 
 import aioexperts
 from aioexperts._cache.cache import SlotState
 from aioexperts._cache.eviction import LRU
 from aioexperts._errors import EvictionPolicyError
 from aioexperts._io.align import align_down, probe_alignment
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
+
+SMALL = SyntheticSpec(n_layer=3, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "small.gguf"
+    write_synthetic_model(path, SMALL)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model_path: Path) -> dict[Key, list[bytes]]:
+    return reference_bytes(model_path)
 
 
 async def settle(ticks: int = 10) -> None:

@@ -7,11 +7,28 @@ from pathlib import Path
 import anyio
 import pytest
 from cacheutil import cache_of, settle
-from faults.conftest import SMALL
+from ioutil import pread_segment
 
 import aioexperts
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
+
+SMALL = SyntheticSpec(n_layer=3, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "small.gguf"
+    write_synthetic_model(path, SMALL)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model_path: Path) -> dict[tuple[int, int], list[bytes]]:
+    model = aioexperts.open_model(model_path)
+    layout = aioexperts.build_layout(model)
+    return {(loc.layer, loc.expert): [pread_segment(model, s) for s in loc.segments] for loc in layout}
 
 
 async def load_layers(store: aioexperts.ExpertStore, layers: range) -> None:
