@@ -626,7 +626,7 @@ class ExpertStore:
 
         ``with store.hold_resident() as held:`` -- ``held`` is a :class:`ResidentExperts`, or None
         when the slab may have to evict (it is smaller than the model) or in page-cache mode. While
-        the block lasts no expert is evicted and no slot is reused (low-tier upgrades wait; reads
+        the block lasts no expert is evicted and no slot is reused (an upgrade of a low-tier copy evicts nothing; reads
         into free slots go on), so a compute thread may use :meth:`ResidentExperts.views` with no
         pin and no await: the decode pass of a model that fits runs its layers in one compute job
         this way, as long as the experts it routes to are resident. Enter and leave it on the event

@@ -251,9 +251,9 @@ class ExpertCache:
 
     def hold(self) -> None:
         """Hold every entry in place until :meth:`end_hold`: nothing is evicted (a request that
-        needs a slot waits, as it does for pins) and no low-tier copy is upgraded, so a READY entry
-        stays READY in its slot with its bytes, and a compute thread may use its views without a
-        pin (:meth:`ready_full`). Loads into free slots go on.
+        needs a slot waits, as it does for pins; an upgrade of a low-tier copy gets no victim), so a
+        READY entry at full precision stays READY in its slot with its bytes, and a compute thread
+        may use its views without a pin (:meth:`ready_full`). Loads into free slots go on.
 
         Raises:
             StoreClosedError: the cache is closed.
@@ -594,9 +594,6 @@ class ExpertCache:
                 continue  # seen already, its copy left the cache, or its full copy is on the way
             if entry.state is not SlotState.READY or entry.pins or not entry.low:
                 continue  # pinned again: its next release brings it back (entry.upgrade stays set)
-            if self._holds:  # every slot stays as it is: tried again when the hold ends
-                deferred[key] = entry
-                continue
             if self._reads_behind():
                 deferred[key] = entry
                 self.counters.tier_upgrades_deferred += key not in waited
@@ -847,14 +844,15 @@ class ExpertCache:
         """
         if n <= 0:
             return []
+        if self._holds:  # nothing may leave its slot until the hold ends
+            return [] if partial else None
         chosen: list[Key] = []
         taken: set[Key] = set()
 
         def can_evict(key: Key) -> bool:
             entry = self.entries.get(key)
             return (
-                not self._holds
-                and entry is not None
+                entry is not None
                 and entry.pins == 0
                 and entry.state is SlotState.READY
                 and key not in taken
