@@ -86,6 +86,7 @@ __all__ = (
     "int8_types",
     "linear",
     "linear_rows",
+    "one_token_int8_kernel",
     "rows_types",
     "precision",
     "ready_kernels",
@@ -429,6 +430,26 @@ def _kernel(ready: _Ready, qtype: GGMLQuantizationType, kind: KernelKind) -> Cal
         fn, _, _ = _compile(qtype, kind)
         setattr(ready, kind, fn)
     return fn
+
+
+def one_token_int8_kernel(
+    ggml_type: GGMLQuantizationType | int,
+) -> tuple[Callable[..., bool], Callable[[int], int]] | None:
+    """The compiled one-token int8 product of ``ggml_type`` that :func:`linear` runs for one token,
+    and the type's bytes per row for a number of columns; None unless the precision is ``"int8"``,
+    numba serves and the type has that kernel.
+
+    The kernel is ``kernel(raw, x, out) -> bool``: ``raw`` the ``(rows, row_bytes)`` uint8 bytes,
+    ``x`` ``(cols,)`` and ``out`` ``(rows,)`` float32; False (nothing meaningful written) when ``x``
+    is not finite.
+    """
+    if precision() != "int8":
+        return None
+    qtype = _qtype(ggml_type)
+    ready = _ready(qtype)
+    if ready is None or ready.entry.int8_module is None:
+        return None
+    return _kernel(ready, qtype, "matvec_int8"), ready.row_bytes
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,10 +29,12 @@ from numpy.typing import ArrayLike
 from aioexperts._checks import as_int_array, check_activations, describe
 from aioexperts._compute import fused as _fused
 from aioexperts._compute.activations import quantized_round_trip
+from aioexperts._compute.decode_experts import expert_group, group_serves, split_groups
 from aioexperts._compute.gating import select_experts
+from aioexperts._compute.glu import expert_activation, swiglu, swiglu_clamp
 from aioexperts._compute.pool import compute_pool
 from aioexperts._errors import ConfigError, FormatError, InvalidRequestError
-from aioexperts._format.hparams import Activation, MoEHParams
+from aioexperts._format.hparams import MoEHParams
 from aioexperts._format.views import ExpertView, ProjectionView
 
 __all__ = (
@@ -661,13 +663,16 @@ def expert_outputs(
     width = hparams.expert_width(resident.layer)
     for e, view in zip(chosen, views, strict=True):
         _check_view(view, e, n_embd, width)  # every view, before any work
+    with_shared = shared and resident.has_shared
+    if len(plans) == 1 and len(plans[0].x) == 1 and _groups_serve(resident, hparams, views):
+        return [_grouped_outputs(plans[0], chosen, views, with_shared)]
     jobs: list[tuple[int, ExpertView | None]] = [(e, v) for e, v in zip(chosen, views, strict=True)]
     if len(plans) == 1 and len(plans[0].x) > 1:
         # a prefill: the experts with the most tokens first, so the pool's threads end together
         # (the workers take the jobs in order; each expert's numbers do not depend on it)
         positions = plans[0].positions
         jobs.sort(key=lambda job: -len(positions[job[0]]))
-    if shared and resident.has_shared:
+    if with_shared:
         jobs.extend((-1 - i, None) for i in range(len(plans)))
 
     def run(job: tuple[int, ExpertView | None]) -> list[np.ndarray]:
@@ -693,6 +698,50 @@ def expert_outputs(
         for i, y in zip(chose, ys, strict=True):
             found[i].rows[e] = y
     return found
+
+
+def _groups_serve(resident: ResidentLayer, hparams: MoEHParams, views: Sequence[ExpertView]) -> bool:
+    """Whether one token's experts take :mod:`aioexperts._compute.decode_experts` (no per-expert
+    scales or biases, no input scaling, and what :func:`~aioexperts._compute.decode_experts.group_serves` asks)."""
+    return (
+        not hparams.weights_before_experts
+        and resident.gate_exps_scale is None
+        and resident.up_exps_scale is None
+        and resident.down_exps_scale is None
+        and resident.gate_exps_bias is None
+        and resident.up_exps_bias is None
+        and resident.down_exps_bias is None
+        and group_serves(views)
+    )
+
+
+def _grouped_outputs(plan: MoEPlan, chosen: list[int], views: list[ExpertView], with_shared: bool) -> ExpertOutputs:
+    """:func:`expert_outputs` of a one-token plan through expert groups, one per worker (and the
+    shared expert as one more item); a group that meets a non-finite value takes the general path."""
+    resident, hparams = plan.resident, plan.hparams
+    x = np.ascontiguousarray(plan.x, dtype=np.float32)
+    activation = expert_activation(hparams, resident.layer)
+    pool = compute_pool()
+    items: list[range | None] = list(split_groups(len(views), pool.n_threads))
+    if with_shared:
+        items.append(None)
+
+    def run(item: range | None) -> np.ndarray:
+        with np.errstate(over="ignore", invalid="ignore"):
+            if item is None:
+                return _shared_forward(x, resident, hparams.shared_clamp(resident.layer))
+            ys = expert_group(x, [views[i] for i in item], activation)
+            if ys is None:
+                return np.concatenate([expert_rows([plan], chosen[i], views[i])[0] for i in item])
+            return ys
+
+    results = pool.map(run, items)
+    rows: dict[int, np.ndarray] = {}
+    for item, ys in zip(items, results, strict=True):
+        if item is not None:
+            for j, i in enumerate(item):
+                rows[chosen[i]] = ys[j : j + 1]
+    return ExpertOutputs(rows, results[-1] if with_shared else None)
 
 
 def expert_rows(plans: Sequence[MoEPlan], expert: int, view: ExpertView) -> list[np.ndarray]:
@@ -862,15 +911,7 @@ def _expert_forward(
     else:
         act = act_view = ws.buf("act", (n, n_ff_exp))
     tmp = ws.buf("tmp", (n, n_ff_exp))
-    limit = hparams.expert_clamp(resident.layer)
-    if limit:
-        _swiglu_clamp(g, u, tmp, act_view, limit)
-    elif hparams.activation is Activation.SWIGLU_OAI:
-        _swiglu_oai(g, u, tmp, act_view, hparams.swiglu_alpha, hparams.swiglu_limit)
-    elif hparams.activation is Activation.GELU:
-        _geglu(g, u, tmp, act_view)
-    else:
-        _swiglu(g, u, tmp, act_view)
+    expert_activation(hparams, resident.layer)(g, u, tmp, act_view)
 
     out = _project(view.down, act, None, invariant)
     if resident.down_exps_scale is not None:
@@ -878,60 +919,6 @@ def _expert_forward(
     if resident.down_exps_bias is not None:
         out += resident.down_exps_bias[expert]
     return out
-
-
-def _swiglu(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> None:
-    """``out = silu(g) * u = g / (1 + exp(-g)) * u`` (``ggml_swiglu_split``); clobbers g and tmp."""
-    np.negative(g, out=tmp)
-    with np.errstate(over="ignore"):
-        np.exp(tmp, out=tmp)
-    tmp += np.float32(1.0)
-    np.divide(g, tmp, out=g)
-    np.multiply(g, u, out=out)
-
-
-def _swiglu_clamp(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray, limit: float) -> None:
-    """``ggml_swiglu_clamp`` (ggml-cpu ops.cpp, DeepSeek-V4): ``gate = min(g, limit)``,
-    ``up = clamp(u, -limit, limit)``, ``out = silu(gate) * up``; clobbers g, u and tmp."""
-    lim = np.float32(limit)
-    np.minimum(g, lim, out=g)
-    np.clip(u, -lim, lim, out=u)
-    _swiglu(g, u, tmp, out)
-
-
-def _swiglu_oai(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray, alpha: float, limit: float) -> None:
-    """gpt-oss ``ggml_swiglu_oai``: ``x = min(g, limit)``, ``y = clamp(u, -limit, limit)``,
-    ``out = x / (1 + exp(-alpha x)) * (y + 1)``; clobbers g, u and tmp."""
-    lim = np.float32(limit)
-    np.minimum(g, lim, out=g)
-    np.clip(u, -lim, lim, out=u)
-    np.multiply(g, np.float32(-alpha), out=tmp)
-    with np.errstate(over="ignore"):
-        np.exp(tmp, out=tmp)
-    tmp += np.float32(1.0)
-    np.divide(g, tmp, out=g)
-    u += np.float32(1.0)
-    np.multiply(g, u, out=out)
-
-
-_SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)  # ggml GELU constants
-_GELU_COEF_A = np.float32(0.044715)
-
-
-def _geglu(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> None:
-    """``ggml_geglu_split``: ``out = gelu(g) * u`` with ggml's tanh GELU
-    ``0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2)))``; clobbers tmp. (ggml's CPU backend looks
-    GELU up in a float16 table, which differs from this float32 formula by up to ~1e-3 relative.)"""
-    np.multiply(g, g, out=tmp)
-    tmp *= _GELU_COEF_A
-    tmp += np.float32(1.0)
-    tmp *= g
-    tmp *= _SQRT_2_OVER_PI
-    np.tanh(tmp, out=tmp)
-    tmp += np.float32(1.0)
-    tmp *= g
-    tmp *= np.float32(0.5)
-    np.multiply(tmp, u, out=out)
 
 
 def _shexp_types(
@@ -969,9 +956,9 @@ def _shared_forward(x: np.ndarray, resident: ResidentLayer, limit: float = 0.0) 
         g *= np.float32(resident.shexp_gate_scale)
     tmp = np.empty_like(g)
     if limit:
-        _swiglu_clamp(g, u, tmp, g, limit)
+        swiglu_clamp(g, u, tmp, g, limit)
     else:
-        _swiglu(g, u, tmp, g)
+        swiglu(g, u, tmp, g)
     out = _dense(down_w, _llama_rounded(g, down_t))
     if resident.shexp_down_scale is not None:
         out *= np.float32(resident.shexp_down_scale)

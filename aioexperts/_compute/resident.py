@@ -11,6 +11,7 @@ from .._format.hparams import MoEHParams
 from .._format.layout import ExpertLayout
 from .._format.model import GGUFModel
 from .fused import WarmupReport, warmup
+from .grouped import group_kernel
 from .moe import ResidentLayer
 
 __all__ = ("kernel_types", "load_residents", "warmup_kernels")
@@ -86,5 +87,10 @@ def kernel_types(layout: ExpertLayout) -> frozenset[GGMLQuantizationType]:
 
 
 def warmup_kernels(layout: ExpertLayout) -> WarmupReport:
-    """Compile or load the kernels of :func:`kernel_types` (blocking; see :func:`fused.warmup`)."""
-    return warmup(kernel_types(layout))
+    """Compile or load the kernels of :func:`kernel_types` (blocking; see :func:`fused.warmup`),
+    and the group calls of a decode step's experts (:func:`aioexperts._compute.grouped.group_kernel`)."""
+    types = kernel_types(layout)
+    report = warmup(types)
+    for t in types:
+        group_kernel(t)
+    return report

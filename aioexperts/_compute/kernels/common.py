@@ -103,6 +103,20 @@ def prefetch(typingctx, arr, index):
 
 
 @intrinsic
+def address_pointer(typingctx, address):
+    """The integer ``address`` (int64) as a ``void*``, for ``numba.carray`` over memory the caller
+    keeps alive and whose size it has checked (slot memory of pinned experts)."""
+    if not isinstance(address, types.Integer):
+        return None
+    sig = types.voidptr(address)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return sig, codegen
+
+
+@intrinsic
 def lshr(typingctx, value, amount):
     """``value >> amount`` in the width of ``value`` (an unsigned integer), ``0 <= amount < width``.
 

@@ -1,0 +1,170 @@
+"""One token's experts in groups (``aioexperts._compute.decode_experts``, ``grouped``): the same bits
+as the general path (``fused.linear`` per product, one pool item per expert), for every int8 type,
+mixed gate/up types, every split; a non-finite value falls back to the general path; what the
+group path does not serve (mixed banks, biases, padding, float precision) takes the general one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from test_kernels import sane_blocks
+
+from aioexperts._compute import decode_experts, fused, grouped
+from aioexperts._compute import moe as moe_module
+from aioexperts._compute.glu import swiglu
+from aioexperts._compute.moe import ResidentLayer, expert_outputs, plan_moe
+from aioexperts._compute.pool import configure_compute_pool
+from aioexperts._errors import ConfigError, FormatError
+from aioexperts._format.hparams import MoEHParams
+from aioexperts._format.views import ExpertView, ProjectionView
+
+Q = GGMLQuantizationType
+N_EMBD, N_FF = 512, 256
+INT8_TYPES = sorted(fused.int8_types(), key=lambda t: t.name)
+
+
+@pytest.fixture(autouse=True)
+def int8_numba() -> Iterator[None]:
+    fused.set_backend(None)
+    fused.set_precision("int8")
+    assert fused.backend().name == "numba", fused.backend().reason
+    configure_compute_pool(2)
+    yield
+    fused.set_precision(None)
+
+
+def _proj(qtype: Q, shape: tuple[int, int], rng: np.random.Generator) -> ProjectionView:
+    raw = sane_blocks(qtype, shape[0], shape[1], rng)
+    return ProjectionView(memoryview(raw.tobytes()).toreadonly(), qtype, shape)
+
+
+def _views(n: int, gate_t: Q, down_t: Q, rng: np.random.Generator, up_t: Q | None = None) -> dict[int, ExpertView]:
+    up_t = up_t or gate_t
+    return {
+        e: ExpertView(
+            0,
+            e,
+            0,
+            _proj(gate_t, (N_FF, N_EMBD), rng),
+            _proj(up_t, (N_FF, N_EMBD), rng),
+            _proj(down_t, (N_EMBD, N_FF), rng),
+        )
+        for e in range(n)
+    }
+
+
+def _general(monkeypatch: pytest.MonkeyPatch, *args, **kw):
+    with monkeypatch.context() as m:
+        m.setattr(moe_module, "_groups_serve", lambda *a: False)
+        return expert_outputs(*args, **kw)
+
+
+def _one_token(rng: np.random.Generator, n_expert: int, k: int, x: np.ndarray | None = None):
+    hp = MoEHParams(arch="test", n_layer=1, n_embd=N_EMBD, n_expert=n_expert, n_expert_used=k, n_ff_exp=N_FF)
+    res = ResidentLayer(layer=0, router=rng.standard_normal((n_expert, N_EMBD), dtype=np.float32))
+    x = rng.standard_normal((1, N_EMBD), dtype=np.float32) if x is None else x
+    ids = rng.permutation(n_expert)[:k][None, :].astype(np.int32)
+    weights = rng.random((1, k), dtype=np.float32)
+    return plan_moe(x, ids, weights, res, hp), ids[0].tolist()
+
+
+def _assert_same(got, want) -> None:
+    assert sorted(got.rows) == sorted(want.rows)
+    for e in want.rows:
+        assert np.array_equal(got.rows[e], want.rows[e]), e
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+def test_groups_give_the_general_paths_bits(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(qtype.value)
+    down_t = Q.Q6_K if qtype != Q.Q6_K else Q.Q4_K
+    views = _views(8, qtype, down_t, rng)
+    plan, ids = _one_token(rng, 8, 6)
+    calls = []
+    real = grouped.matvec_group
+    monkeypatch.setattr(decode_experts, "matvec_group", lambda *a: calls.append(a[0]) or real(*a))
+    (got,) = expert_outputs([plan], views, ids, shared=False)
+    assert sorted(calls) == sorted([qtype, down_t] * 2)  # two groups (2 workers): gate+up, then down
+    (want,) = _general(monkeypatch, [plan], views, ids, shared=False)
+    _assert_same(got, want)
+
+
+def test_gate_and_up_of_other_types_and_every_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(7)
+    views = _views(8, Q.Q4_K, Q.Q8_0, rng, up_t=Q.Q5_K)
+    plan, ids = _one_token(rng, 8, 8)
+    (want,) = _general(monkeypatch, [plan], views, ids, shared=False)
+    for threads in (1, 2, 3, 8):
+        configure_compute_pool(threads)
+        (got,) = expert_outputs([plan], views, ids, shared=False)
+        _assert_same(got, want)
+
+
+def test_a_non_finite_input_takes_the_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(3)
+    views = _views(4, Q.Q4_K, Q.Q4_K, rng)
+    x = rng.standard_normal((1, N_EMBD), dtype=np.float32)
+    x[0, 5] = np.inf
+    plan, ids = _one_token(rng, 4, 2, x)
+    (got,) = expert_outputs([plan], views, ids, shared=False)
+    (want,) = _general(monkeypatch, [plan], views, ids, shared=False)
+    for e in ids:
+        assert np.array_equal(got.rows[e], want.rows[e], equal_nan=True)
+        assert not np.isfinite(got.rows[e]).all()
+
+
+def test_what_groups_do_not_serve() -> None:
+    rng = np.random.default_rng(5)
+    views = list(_views(2, Q.Q4_K, Q.Q4_K, rng).values())
+    assert decode_experts.group_serves(views)
+    other_bank = ExpertView(0, 9, 1, _proj(Q.Q2_K, (N_FF, N_EMBD), rng), views[0].up, views[0].down)
+    assert not decode_experts.group_serves([*views, other_bank])  # a mixed-tier layer's banks
+    padded = ExpertView(0, 9, 0, views[0].gate, views[0].up, _proj(Q.Q4_K, (N_EMBD, 2 * N_FF), rng))
+    assert not decode_experts.group_serves([padded])
+    f16 = ExpertView(0, 9, 0, *(_proj(Q.F16, p.shape, rng) for p in (views[0].gate, views[0].up, views[0].down)))
+    assert not decode_experts.group_serves([f16])  # no int8 kernel
+    fused.set_precision("float")
+    assert not decode_experts.group_serves(views)
+    assert not decode_experts.group_serves([])
+
+
+def test_split_groups() -> None:
+    assert decode_experts.split_groups(8, 2) == [range(0, 4), range(4, 8)]
+    assert decode_experts.split_groups(3, 2) == [range(0, 1), range(1, 3)]
+    assert decode_experts.split_groups(1, 4) == [range(0, 1)]
+    assert [len(r) for r in decode_experts.split_groups(7, 3)] == [2, 2, 3]
+
+
+def test_matvec_group_checks_its_arguments() -> None:
+    rng = np.random.default_rng(9)
+    p = _proj(Q.Q8_0, (N_FF, N_EMBD), rng)
+    x = rng.standard_normal((1, N_EMBD), dtype=np.float32)
+    out = np.empty((1, N_FF), dtype=np.float32)
+    rows0 = np.zeros(1, dtype=np.int64)
+    assert grouped.matvec_group(Q.Q8_0, p.shape, [p.data], x, rows0, out)
+    want = fused.linear(p.data, Q.Q8_0, p.shape, x)
+    assert np.array_equal(out, want)
+    short = memoryview(bytes(p.data)[: -GGML_QUANT_SIZES[Q.Q8_0][1]])
+    with pytest.raises(FormatError, match="needs"):
+        grouped.matvec_group(Q.Q8_0, p.shape, [short], x, rows0, out)
+    with pytest.raises(ConfigError):
+        grouped.matvec_group(Q.Q8_0, p.shape, [p.data], x, np.ones(1, dtype=np.int64), out)  # row 1 of 1
+    with pytest.raises(ConfigError):
+        grouped.matvec_group(Q.Q8_0, p.shape, [p.data], x.astype(np.float64), rows0, out)
+    with pytest.raises(ConfigError):
+        grouped.matvec_group(Q.Q8_0, p.shape, [p.data, p.data], x, rows0, out)
+    assert not grouped.matvec_group(Q.F16, p.shape, [p.data], x, rows0, out)  # no int8 kernel: not served
+
+
+def test_the_group_activation_is_elementwise() -> None:
+    rng = np.random.default_rng(11)
+    g, u = rng.standard_normal((2, 5, 64), dtype=np.float32) * 4
+    whole = np.empty_like(g)
+    swiglu(g.copy(), u.copy(), np.empty_like(g), whole)
+    for i in range(5):
+        row = np.empty((1, 64), dtype=np.float32)
+        swiglu(g[i : i + 1].copy(), u[i : i + 1].copy(), np.empty_like(row), row)
+        assert np.array_equal(row, whole[i : i + 1])
