@@ -19,7 +19,7 @@ from aioexperts._compute.glu import GatedActivation
 from aioexperts._compute.grouped import group_kernel, matvec_group
 from aioexperts._format.views import ExpertView
 
-__all__ = ("expert_group", "group_serves", "split_groups")
+__all__ = ("expert_group", "group_serves")
 
 
 def group_serves(views: Sequence[ExpertView]) -> bool:
@@ -42,13 +42,6 @@ def group_serves(views: Sequence[ExpertView]) -> bool:
         ):
             return False
     return all(group_kernel(t) is not None for t in {gate.ggml_type, up.ggml_type, down.ggml_type})
-
-
-def split_groups(n: int, parts: int) -> list[range]:
-    """``range(n)`` cut into ``min(n, parts)`` contiguous runs whose sizes differ by at most one."""
-    parts = max(1, min(n, parts))
-    bounds = [n * i // parts for i in range(parts + 1)]
-    return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
 def expert_group(x: np.ndarray, views: Sequence[ExpertView], activation: GatedActivation) -> np.ndarray | None:

@@ -29,10 +29,10 @@ from numpy.typing import ArrayLike
 from aioexperts._checks import as_int_array, check_activations, describe
 from aioexperts._compute import fused as _fused
 from aioexperts._compute.activations import quantized_round_trip
-from aioexperts._compute.decode_experts import expert_group, group_serves, split_groups
+from aioexperts._compute.decode_experts import expert_group, group_serves
 from aioexperts._compute.gating import select_experts
 from aioexperts._compute.glu import expert_activation, swiglu, swiglu_clamp
-from aioexperts._compute.pool import compute_pool
+from aioexperts._compute.pool import compute_pool, split_ranges
 from aioexperts._errors import ConfigError, FormatError, InvalidRequestError
 from aioexperts._format.hparams import MoEHParams
 from aioexperts._format.views import ExpertView, ProjectionView
@@ -722,7 +722,7 @@ def _grouped_outputs(plan: MoEPlan, chosen: list[int], views: list[ExpertView], 
     x = np.ascontiguousarray(plan.x, dtype=np.float32)
     activation = expert_activation(hparams, resident.layer)
     pool = compute_pool()
-    items: list[range | None] = list(split_groups(len(views), pool.n_threads))
+    items: list[range | None] = list(split_ranges(len(views), pool.n_threads))
     if with_shared:
         items.append(None)
 

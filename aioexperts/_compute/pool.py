@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 from .._errors import ConfigError, StoreClosedError
 from .._io.loop import current_loop, wait_through_cancellation
 
-__all__ = ("THREADS_ENV", "ComputePool", "PoolStatistics", "compute_pool", "configure_compute_pool")
+__all__ = ("THREADS_ENV", "ComputePool", "PoolStatistics", "compute_pool", "configure_compute_pool", "split_ranges")
 
 log = logging.getLogger("aioexperts")
 
@@ -355,3 +355,11 @@ def configure_compute_pool(n_threads: int | None = None, *, limit_native_threads
     with _pool_lock:
         _pool = new
     return new
+
+
+def split_ranges(n: int, parts: int) -> list[range]:
+    """``range(n)`` cut into ``min(n, parts)`` contiguous runs (at least one) whose sizes differ by
+    at most one, shortest first: the work of one :meth:`ComputePool.map` item each."""
+    parts = max(1, min(n, parts))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(parts)]

@@ -16,7 +16,7 @@ from aioexperts._compute import decode_experts, fused, grouped
 from aioexperts._compute import moe as moe_module
 from aioexperts._compute.glu import swiglu
 from aioexperts._compute.moe import ResidentLayer, expert_outputs, plan_moe
-from aioexperts._compute.pool import configure_compute_pool
+from aioexperts._compute.pool import configure_compute_pool, split_ranges
 from aioexperts._errors import ConfigError, FormatError
 from aioexperts._format.hparams import MoEHParams
 from aioexperts._format.views import ExpertView, ProjectionView
@@ -131,11 +131,12 @@ def test_what_groups_do_not_serve() -> None:
     assert not decode_experts.group_serves([])
 
 
-def test_split_groups() -> None:
-    assert decode_experts.split_groups(8, 2) == [range(0, 4), range(4, 8)]
-    assert decode_experts.split_groups(3, 2) == [range(0, 1), range(1, 3)]
-    assert decode_experts.split_groups(1, 4) == [range(0, 1)]
-    assert [len(r) for r in decode_experts.split_groups(7, 3)] == [2, 2, 3]
+def test_split_ranges() -> None:
+    assert split_ranges(8, 2) == [range(0, 4), range(4, 8)]
+    assert split_ranges(3, 2) == [range(0, 1), range(1, 3)]
+    assert split_ranges(1, 4) == [range(0, 1)]
+    assert split_ranges(0, 2) == [range(0, 0)]
+    assert [len(r) for r in split_ranges(7, 3)] == [2, 2, 3]
 
 
 def test_matvec_group_checks_its_arguments() -> None:
