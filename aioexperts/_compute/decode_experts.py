@@ -14,34 +14,38 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from aioexperts._compute.glu import GatedActivation
 from aioexperts._compute.grouped import group_kernel, matvec_group
 from aioexperts._format.views import ExpertView
 
-__all__ = ("expert_group", "group_serves")
+__all__ = ("expert_group", "group_classes")
+
+Shape = tuple[int, int]
+ClassKey = tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType, Shape, Shape, Shape]
 
 
-def group_serves(views: Sequence[ExpertView]) -> bool:
-    """Whether :func:`expert_group` serves these experts (checked views of one layer): one type and
-    shape per projection across them, a group kernel for each type (int8 precision, numba), and a
-    down width equal to the gate's (no zero padding)."""
-    if not views:
-        return False
-    first = views[0]
-    gate, up, down = first.gate, first.up, first.down
-    if gate.shape != up.shape or down.shape[1] != gate.shape[0]:
-        return False
-    for v in views:
-        if (
-            v.gate.ggml_type != gate.ggml_type
-            or v.up.ggml_type != up.ggml_type
-            or v.down.ggml_type != down.ggml_type
-            or v.gate.shape != gate.shape
-            or v.down.shape != down.shape
-        ):
-            return False
-    return all(group_kernel(t) is not None for t in {gate.ggml_type, up.ggml_type, down.ggml_type})
+def group_classes(views: Sequence[ExpertView]) -> list[list[int]] | None:
+    """The positions in ``views`` (checked views of one layer) cut into classes that
+    :func:`expert_group` serves one at a time: one type and shape per projection in a class (a
+    mixed-tier or miss-tier layer has a class per bank or tier), in order of first appearance;
+    None when a class has no group kernel for a type (float precision, numpy backend, a type
+    without an int8 kernel) or a down width other than its gate's (zero padding), or ``views`` is
+    empty."""
+    classes: dict[
+        tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType, Shape, Shape, Shape], list[int]
+    ]
+    classes = {}
+    for i, v in enumerate(views):
+        key = (v.gate.ggml_type, v.up.ggml_type, v.down.ggml_type, v.gate.shape, v.up.shape, v.down.shape)
+        classes.setdefault(key, []).append(i)
+    for gate_t, up_t, down_t, gate_shape, up_shape, down_shape in classes:
+        if gate_shape != up_shape or down_shape[1] != gate_shape[0]:
+            return None
+        if any(group_kernel(t) is None for t in {gate_t, up_t, down_t}):
+            return None
+    return list(classes.values()) or None
 
 
 def expert_group(x: np.ndarray, views: Sequence[ExpertView], activation: GatedActivation) -> np.ndarray | None:
@@ -49,7 +53,7 @@ def expert_group(x: np.ndarray, views: Sequence[ExpertView], activation: GatedAc
 
     Args:
         x: ``(1, n_embd)`` float32, C-contiguous.
-        views: pinned, checked views that :func:`group_serves` accepts.
+        views: pinned, checked views of one class of :func:`group_classes`.
         activation: the layer's gated activation (:func:`aioexperts._compute.glu.expert_activation`).
 
     Returns:

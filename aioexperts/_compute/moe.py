@@ -29,7 +29,7 @@ from numpy.typing import ArrayLike
 from aioexperts._checks import as_int_array, check_activations, describe
 from aioexperts._compute import fused as _fused
 from aioexperts._compute.activations import quantized_round_trip
-from aioexperts._compute.decode_experts import expert_group, group_serves
+from aioexperts._compute.decode_experts import expert_group, group_classes
 from aioexperts._compute.gating import select_experts
 from aioexperts._compute.glu import expert_activation, swiglu, swiglu_clamp
 from aioexperts._compute.pool import compute_pool, split_ranges
@@ -664,8 +664,9 @@ def expert_outputs(
     for e, view in zip(chosen, views, strict=True):
         _check_view(view, e, n_embd, width)  # every view, before any work
     with_shared = shared and resident.has_shared
-    if len(plans) == 1 and len(plans[0].x) == 1 and _groups_serve(resident, hparams, views):
-        return [_grouped_outputs(plans[0], chosen, views, with_shared)]
+    classes = _group_classes(resident, hparams, views) if len(plans) == 1 and len(plans[0].x) == 1 else None
+    if classes is not None:
+        return [_grouped_outputs(plans[0], chosen, views, classes, with_shared)]
     jobs: list[tuple[int, ExpertView | None]] = [(e, v) for e, v in zip(chosen, views, strict=True)]
     if len(plans) == 1 and len(plans[0].x) > 1:
         # a prefill: the experts with the most tokens first, so the pool's threads end together
@@ -700,33 +701,39 @@ def expert_outputs(
     return found
 
 
-def _groups_serve(resident: ResidentLayer, hparams: MoEHParams, views: Sequence[ExpertView]) -> bool:
-    """Whether one token's experts take :mod:`aioexperts._compute.decode_experts` (no per-expert
-    scales or biases, no input scaling, and what :func:`~aioexperts._compute.decode_experts.group_serves` asks)."""
-    return (
-        not hparams.weights_before_experts
-        and resident.gate_exps_scale is None
-        and resident.up_exps_scale is None
-        and resident.down_exps_scale is None
-        and resident.gate_exps_bias is None
-        and resident.up_exps_bias is None
-        and resident.down_exps_bias is None
-        and group_serves(views)
-    )
+def _group_classes(resident: ResidentLayer, hparams: MoEHParams, views: Sequence[ExpertView]) -> list[list[int]] | None:
+    """:func:`~aioexperts._compute.decode_experts.group_classes` of one token's experts, or None
+    (the per-expert path) where the layer has per-expert scales or biases or scales the input."""
+    if (
+        hparams.weights_before_experts
+        or resident.gate_exps_scale is not None
+        or resident.up_exps_scale is not None
+        or resident.down_exps_scale is not None
+        or resident.gate_exps_bias is not None
+        or resident.up_exps_bias is not None
+        or resident.down_exps_bias is not None
+    ):
+        return None
+    return group_classes(views)
 
 
-def _grouped_outputs(plan: MoEPlan, chosen: list[int], views: list[ExpertView], with_shared: bool) -> ExpertOutputs:
-    """:func:`expert_outputs` of a one-token plan through expert groups, one per worker (and the
-    shared expert as one more item); a group that meets a non-finite value takes the general path."""
+def _grouped_outputs(
+    plan: MoEPlan, chosen: list[int], views: list[ExpertView], classes: list[list[int]], with_shared: bool
+) -> ExpertOutputs:
+    """:func:`expert_outputs` of a one-token plan through expert groups: each class of experts
+    of one type cut into one group per worker (and the shared expert as one more item); a group
+    that meets a non-finite value takes the general path."""
     resident, hparams = plan.resident, plan.hparams
     x = np.ascontiguousarray(plan.x, dtype=np.float32)
     activation = expert_activation(hparams, resident.layer)
     pool = compute_pool()
-    items: list[range | None] = list(split_ranges(len(views), pool.n_threads))
+    items: list[list[int] | None] = [
+        members[r.start : r.stop] for members in classes for r in split_ranges(len(members), pool.n_threads)
+    ]
     if with_shared:
         items.append(None)
 
-    def run(item: range | None) -> np.ndarray:
+    def run(item: list[int] | None) -> np.ndarray:
         with np.errstate(over="ignore", invalid="ignore"):
             if item is None:
                 return _shared_forward(x, resident, hparams.shared_clamp(resident.layer))

@@ -58,7 +58,7 @@ def _views(n: int, gate_t: Q, down_t: Q, rng: np.random.Generator, up_t: Q | Non
 
 def _general(monkeypatch: pytest.MonkeyPatch, *args, **kw):
     with monkeypatch.context() as m:
-        m.setattr(moe_module, "_groups_serve", lambda *a: False)
+        m.setattr(moe_module, "_group_classes", lambda *a: None)
         return expert_outputs(*args, **kw)
 
 
@@ -119,16 +119,30 @@ def test_a_non_finite_input_takes_the_general_path(monkeypatch: pytest.MonkeyPat
 def test_what_groups_do_not_serve() -> None:
     rng = np.random.default_rng(5)
     views = list(_views(2, Q.Q4_K, Q.Q4_K, rng).values())
-    assert decode_experts.group_serves(views)
-    other_bank = ExpertView(0, 9, 1, _proj(Q.Q2_K, (N_FF, N_EMBD), rng), views[0].up, views[0].down)
-    assert not decode_experts.group_serves([*views, other_bank])  # a mixed-tier layer's banks
+    assert decode_experts.group_classes(views) == [[0, 1]]
     padded = ExpertView(0, 9, 0, views[0].gate, views[0].up, _proj(Q.Q4_K, (N_EMBD, 2 * N_FF), rng))
-    assert not decode_experts.group_serves([padded])
+    assert decode_experts.group_classes([padded]) is None
     f16 = ExpertView(0, 9, 0, *(_proj(Q.F16, p.shape, rng) for p in (views[0].gate, views[0].up, views[0].down)))
-    assert not decode_experts.group_serves([f16])  # no int8 kernel
+    assert decode_experts.group_classes([*views, f16]) is None  # no int8 kernel
     fused.set_precision("float")
-    assert not decode_experts.group_serves(views)
-    assert not decode_experts.group_serves([])
+    assert decode_experts.group_classes(views) is None
+    assert decode_experts.group_classes([]) is None
+
+
+def test_banks_and_tiers_of_one_layer_go_in_a_group_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(13)
+    full = _views(8, Q.Q4_K, Q.Q4_K, rng)
+    low = _views(8, Q.Q2_K, Q.Q2_K, rng)
+    views = {e: (full[e] if e % 3 else ExpertView(0, e, 1, low[e].gate, low[e].up, low[e].down)) for e in range(8)}
+    assert decode_experts.group_classes([views[e] for e in range(8)]) == [[0, 3, 6], [1, 2, 4, 5, 7]]
+    plan, ids = _one_token(rng, 8, 8)
+    calls = []
+    real = grouped.matvec_group
+    monkeypatch.setattr(decode_experts, "matvec_group", lambda *a: calls.append(a[0]) or real(*a))
+    (got,) = expert_outputs([plan], views, ids, shared=False)
+    assert sorted(calls) == sorted([Q.Q4_K] * 4 + [Q.Q2_K] * 4)  # two groups per class
+    (want,) = _general(monkeypatch, [plan], views, ids, shared=False)
+    _assert_same(got, want)
 
 
 def test_split_ranges() -> None:
