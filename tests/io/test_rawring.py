@@ -557,3 +557,24 @@ async def test_reads_complete_with_and_without_batched_wakeups_and_close_ends_th
     backend.detach()
     await anyio.to_thread.run_sync(harness.close)  # off the loop, as the store closes: it waits for the waiter
     assert waiter is None or not waiter.is_alive()
+
+
+async def test_a_failed_waiter_thread_hands_the_wakeups_back_to_the_kernel(
+    make_harness: Any, monkeypatch: pytest.MonkeyPatch, anyio_backend: object
+) -> None:
+    """If the waiter thread of batched wake-ups dies, the loop is woken once more and registers
+    the eventfd with the ring: every read still completes (nothing waits for a wake-up that never
+    comes)."""
+    from aioexperts._io.backends import rawring
+
+    def broken(ring_fd: int, min_complete: int, timeout: float) -> int:
+        raise RuntimeError("the waiter breaks")
+
+    monkeypatch.setattr(rawring, "wait_cqes", broken)
+    harness = make_harness(depth=8)
+    backend = harness.backend
+    for _ in range(3):
+        ops = [ReadOp(0, i * ALIGN, ALIGN, i, 0) for i in range(4)]
+        harness.submit(ops)
+        assert await harness.wait(ops) == [ALIGN] * 4
+    assert backend.features()["batch_wakeups"] is False

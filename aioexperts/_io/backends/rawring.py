@@ -139,6 +139,7 @@ class RawUringBackend(IOBackend):
         self._want = 1
         self._waiter: threading.Thread | None = None
         self._waiter_stop: list[bool] = [False]  # the running waiter's own stop flag
+        self._waiter_failed = False  # the waiter thread died: the kernel writes the eventfd again
         self.wakeups = 0  # reaps started by a wake-up (statistics)
         # held until every CQE is reaped: a slab closed meanwhile stays mapped (Slab.close)
         self._slab_pin: Any = slab.exporter(0, 0, 1, held_refs=1)
@@ -279,6 +280,15 @@ class RawUringBackend(IOBackend):
         self._armed = True
         os.eventfd_write(self._go, 1)
 
+    def _unbatch(self) -> None:
+        """The waiter thread died: the kernel writes the eventfd per completion again (loop thread)."""
+        self._batching = False
+        try:
+            self._ring.register_eventfd(self._efd)
+        except OSError:
+            log.exception("io_uring: registering the eventfd again failed")
+            self.loop.call_soon(self._reap)  # at least what is in the CQ now
+
     def _wait_loop(self, stop: list[bool], ring_fd: int, go: int, efd: int) -> None:
         """The waiter thread, on its own duplicates of the ring's, the arming's and the loop's
         descriptors (closed as it ends): for each arming, block until ``_want`` CQEs are ready (or
@@ -301,8 +311,13 @@ class RawUringBackend(IOBackend):
                         time.sleep(WAITER_TIMEOUT)
                         break
                 os.eventfd_write(efd, 1)
-        except Exception:  # not expected (its descriptors are its own): the loop is then woken per submit only
-            log.exception("io_uring: the completion waiter failed")
+        except Exception:  # not expected: the loop goes back to the kernel's eventfd (at its next reap)
+            log.exception("io_uring: the completion waiter failed; waking the loop per completion from now on")
+            self._waiter_failed = True
+            try:
+                os.eventfd_write(efd, 1)
+            except OSError:
+                pass
         finally:
             for fd in (ring_fd, go, efd):
                 os.close(fd)
@@ -438,6 +453,8 @@ class RawUringBackend(IOBackend):
             return
         self._armed = False
         self.wakeups += 1
+        if self._waiter_failed and self._batching:
+            self._unbatch()
         try:
             os.eventfd_read(self._efd)
         except OSError:  # BlockingIOError: nothing new
