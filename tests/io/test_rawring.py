@@ -578,3 +578,19 @@ async def test_a_failed_waiter_thread_hands_the_wakeups_back_to_the_kernel(
         harness.submit(ops)
         assert await harness.wait(ops) == [ALIGN] * 4
     assert backend.features()["batch_wakeups"] is False
+
+
+async def test_reads_complete_across_quick_detach_and_attach_with_batched_wakeups(
+    make_harness: Any, anyio_backend: object
+) -> None:
+    """Each attach starts a waiter thread with an arming eventfd of its own: a waiter stopped by the
+    detach just before cannot take the new waiter's arming (reads would then wait for ever)."""
+    harness = make_harness(depth=8)
+    backend = harness.backend
+    backend.set_wake_hint(lambda: 2)
+    for _ in range(40):
+        ops = [ReadOp(0, i * ALIGN, ALIGN, i, 0) for i in range(2)]
+        harness.submit(ops)
+        backend.detach()
+        backend.attach()
+        assert await harness.wait(ops) == [ALIGN] * 2

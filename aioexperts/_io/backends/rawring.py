@@ -133,7 +133,7 @@ class RawUringBackend(IOBackend):
         self.unexpected_completions = 0
         self.cancelled_at_close = 0
         self._efd = -1
-        self._go = -1  # the waiter thread's eventfd: the loop arms it with a count of completions
+        self._go = -1  # the running waiter thread's eventfd (one per attach): the loop arms it through it
         self._batching = False
         self._armed = False  # the waiter thread waits for ``_want`` completions and will wake the loop
         self._want = 1
@@ -147,7 +147,6 @@ class RawUringBackend(IOBackend):
         try:
             self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             if batch_wakeups and self._ring.can_wait_with_timeout:
-                self._go = os.eventfd(0, os.EFD_CLOEXEC)
                 self._batching = True
             else:
                 self._ring.register_eventfd(self._efd)
@@ -234,8 +233,11 @@ class RawUringBackend(IOBackend):
         self._attached = True
         if self._batching:
             stop = self._waiter_stop = [False]
-            # the waiter's own duplicates of the descriptors: whenever it ends, it never waits on,
-            # reads or writes a descriptor number the backend closed (and the system gave to another file)
+            # an arming eventfd of its own (a waiter stopped by an earlier detach may still read
+            # the one it had), and its own duplicates of the descriptors: whenever it ends, it never
+            # waits on, reads or writes a descriptor number the backend closed (and the system gave
+            # to another file)
+            self._go = os.eventfd(0, os.EFD_CLOEXEC)
             fds = (os.dup(self._ring.fd), os.dup(self._go), os.dup(self._efd))
             self._waiter = threading.Thread(
                 target=self._wait_loop, args=(stop, *fds), name="aioexperts-uring-waiter", daemon=True
@@ -249,9 +251,18 @@ class RawUringBackend(IOBackend):
         self._attached = False
         self.loop.remove_reader(self._efd)
         if self._batching:
-            self._waiter_stop[0] = True
             self._armed = False
-            os.eventfd_write(self._go, 1)
+            self._stop_waiter()
+
+    def _stop_waiter(self) -> None:
+        """Tell the running waiter thread to end, and let go of its arming eventfd (it has its own)."""
+        self._waiter_stop[0] = True
+        if self._go >= 0:
+            go, self._go = self._go, -1
+            try:
+                os.eventfd_write(go, 1)
+            finally:
+                os.close(go)
 
     # -- batched wake-ups (loop thread; the waiter thread only waits and writes the eventfd) -----
 
@@ -522,9 +533,7 @@ class RawUringBackend(IOBackend):
         waiter, self._waiter = self._waiter, None
         if waiter is None:
             return
-        self._waiter_stop[0] = True
-        if self._go >= 0:
-            os.eventfd_write(self._go, 1)
+        self._stop_waiter()
         if not self.loop.is_current() and waiter is not threading.current_thread():
             waiter.join()
 
