@@ -333,6 +333,9 @@ def run_method(method: str, path: Path, reads: ReadList, groups: list[Any], args
         got, cpu, wall, features = asyncio.run(through_store(path, backend, groups, args.depth, args.tasks, args.top_k))
         row["backend"] = features.get("backend")
         row["ring"] = features.get("ring")
+        # the raw ring's reaps (each one a wake-up of the loop by its completions) and whether they are batched
+        row["reaps"] = features.get("wakeups")
+        row["batch_wakeups"] = features.get("batch_wakeups")
         row.update({k: v for k, v in features.items() if k.startswith("window_")})
     u1 = usage()
     if method != "fio":  # the read window's share is in cpu_s; these span the whole run (set-up included)

@@ -47,7 +47,7 @@ from .._errors import (
 from .._io.loop import AsyncEvent, LoopAdapter
 from .._io.plan import LoadPlan
 from .eviction import EvictionPolicy
-from .scheduler import Load, Priority, ReadScheduler
+from .scheduler import Load, LoadState, Priority, ReadScheduler
 from .stats import Counters
 
 __all__ = ("Entry", "ExpertCache", "Key", "SlotState", "SlotViews")
@@ -149,11 +149,12 @@ def _other_than(key: Key) -> Callable[[Key], bool]:
 class _Waiter:
     """One request waiting for some loads to finish: one event for all of them, not one per entry."""
 
-    __slots__ = ("event", "left")
+    __slots__ = ("entries", "event", "left")
 
     def __init__(self, event: AsyncEvent) -> None:
         self.event = event
         self.left = 0  # loads not finished yet
+        self.entries: list[Entry] = []  # the entries it waits for (for the backend's wake hint)
 
 
 #: id(policy) -> the policy, for every policy serving an open cache (one policy, one cache).
@@ -231,6 +232,8 @@ class ExpertCache:
         self._full_ready: dict[int, int] = {}  # layer -> READY entries at full precision
         self._holds = 0  # hold() calls not yet ended: no entry may leave or change its slot
         self._retired: set[Entry] = set()  # low copies replaced while pinned: their slots wait for the release
+        self._waiting: set[_Waiter] = set()  # requests waiting for loads to finish
+        scheduler.waiting_need = self._completions_needed
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -922,22 +925,42 @@ class ExpertCache:
             if entry.state is loading:
                 if waiter is None:
                     waiter = _Waiter(self.loop.new_event())
+                    self._waiting.add(waiter)
                 waiter.left += 1
+                waiter.entries.append(entry)
                 if entry.waiters is None:
                     entry.waiters = [waiter]
                 else:
                     entry.waiters.append(waiter)
         return waiter
 
-    @staticmethod
-    def _wake(entry: Entry) -> None:
+    def _wake(self, entry: Entry) -> None:
         """The entry's load finished or was dropped: count it off for every request waiting on it."""
         waiters, entry.waiters = entry.waiters, None
         if waiters is not None:
             for waiter in waiters:
                 waiter.left -= 1
                 if waiter.left == 0:
+                    self._waiting.discard(waiter)
                     waiter.event.set()
+
+    def _completions_needed(self) -> int | None:
+        """The fewest read completions after which a waiting request can go on (its loads' reads
+        still due, queued ones counted whole), 1 while a request waits for slots (any completion
+        may free one), None when nobody waits (the scheduler's :attr:`~ReadScheduler.waiting_need`)."""
+        if self._turns:
+            return 1
+        best: int | None = None
+        loading, submitted = SlotState.LOADING, LoadState.SUBMITTED
+        for waiter in self._waiting:
+            n = 0
+            for entry in waiter.entries:
+                load = entry.load
+                if load is not None and entry.state is loading:
+                    n += load.ops_left if load.state is submitted else len(load.plan.reads)
+            if best is None or n < best:
+                best = n
+        return best
 
     def _start(self, key: Key, slot: int, plan: LoadPlan, priority: Priority) -> Entry:
         entry = Entry(key, slot, plan)

@@ -164,8 +164,12 @@ class ReadScheduler:
         self._quiet_event: AsyncEvent | None = None
         self._closed = False
         self.timeline: Timeline | None = None  # records each finished load (issue 36's timeline)
+        #: the fewest completions after which a waiting request can go on, None when none waits
+        #: (the cache sets it): the backend's wake hint (:meth:`wake_hint`)
+        self.waiting_need: Callable[[], int | None] | None = None
         backend.set_sink(self._on_read, self._batch_ended)
         backend.set_batch_sink(self._on_reads, self._on_read)
+        backend.set_wake_hint(self.wake_hint)
 
     # -- queueing (loop thread) ------------------------------------------------------------
 
@@ -281,6 +285,28 @@ class ReadScheduler:
         """
         while self._ops_in_flight:
             await self._quiet().wait()
+
+    def wake_hint(self) -> int:
+        """How many completions the backend may wait for before it wakes the loop (at least 1).
+
+        1 when nobody waits for a read (or the need is unknown); else the fewest completions after
+        which a waiting request can go on (:attr:`waiting_need`), and, while reads are queued
+        behind the depth, no more than lets the reads in flight fall to three quarters of it (so
+        the queue is topped up in batches and the device stays busy). Never raises.
+        """
+        need = self.waiting_need
+        if need is None:
+            return 1
+        try:
+            wanted = need()
+        except Exception:
+            log.exception("the cache's count of completions needed failed; waking per completion")
+            return 1
+        if wanted is None or wanted <= 1:
+            return 1
+        if self._retries or self._demand or self._prefetch:
+            wanted = min(wanted, self._ops_in_flight - (3 * self.depth) // 4)
+        return max(1, min(wanted, self._ops_in_flight))
 
     def _quiet(self) -> AsyncEvent:
         if self._quiet_event is None:

@@ -47,6 +47,7 @@ __all__ = (
     "SQE_STRUCT",
     "RawRing",
     "raw_ring_unusable_reason",
+    "wait_cqes",
 )
 
 # x86_64 and every asm-generic architecture share these numbers (Linux 5.1)
@@ -66,6 +67,8 @@ IORING_SETUP_COOP_TASKRUN = 1 << 8
 IORING_FEAT_SINGLE_MMAP = 1 << 0
 IORING_FEAT_NODROP = 1 << 1
 IORING_ENTER_GETEVENTS = 1 << 0
+IORING_ENTER_EXT_ARG = 1 << 3
+IORING_FEAT_EXT_ARG = 1 << 8
 IORING_SQ_CQ_OVERFLOW = 1 << 1
 IORING_OFF_SQ_RING = 0
 IORING_OFF_CQ_RING = 0x8000000
@@ -152,6 +155,21 @@ class _Params(ctypes.Structure):
     ]
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_int64), ("tv_nsec", ctypes.c_int64)]
+
+
+class _GeteventsArg(ctypes.Structure):
+    """``struct io_uring_getevents_arg`` (``IORING_ENTER_EXT_ARG``, Linux 5.11): a timeout for a wait."""
+
+    _fields_ = [
+        ("sigmask", ctypes.c_uint64),
+        ("sigmask_sz", ctypes.c_uint32),
+        ("min_wait_usec", ctypes.c_uint32),
+        ("ts", ctypes.c_uint64),
+    ]
+
+
 class _Iovec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
@@ -185,6 +203,23 @@ def _check(ret: int, what: str) -> int:
     return ret
 
 
+def wait_cqes(ring_fd: int, min_complete: int, timeout: float) -> int:
+    """:meth:`RawRing.wait_cqes` on a ring's descriptor (a duplicate of it works: same ring)."""
+    seconds = max(timeout, 0.0)
+    ts = _Timespec(int(seconds), int((seconds % 1.0) * 1e9))
+    arg = _GeteventsArg(0, 0, 0, ctypes.addressof(ts))
+    ret: int = _enter_syscall(
+        SYS_IO_URING_ENTER,
+        ring_fd,
+        0,
+        min_complete,
+        IORING_ENTER_GETEVENTS | IORING_ENTER_EXT_ARG,
+        ctypes.addressof(arg),
+        ctypes.sizeof(arg),
+    )
+    return ret if ret >= 0 else -ctypes.get_errno()
+
+
 def raw_ring_unusable_reason() -> str | None:
     """Why a raw ring cannot be had on this platform at all (not Linux, unknown syscall numbers), or None."""
     if platform.system() != "Linux":
@@ -208,6 +243,7 @@ class RawRing:
         fd: the ring's descriptor (-1 once closed).
         sq_entries, cq_entries: the sizes the kernel gave.
         submit_all: ``IORING_SETUP_SUBMIT_ALL`` took (an SQE that fails does not stop the batch).
+        features: the kernel's ``IORING_FEAT_*`` bits for this ring.
 
     Raises:
         OSError: ``io_uring_setup`` failed (``EPERM``: disabled by sysctl or seccomp; ``ENOSYS``:
@@ -223,6 +259,7 @@ class RawRing:
         self._maps: list[mmap.mmap] = []
         self.submit_all = True
         params = self._setup(entries, cq_entries, self.preferred_flags)
+        self.features = int(params.features)
         try:
             if not params.features & IORING_FEAT_NODROP:
                 raise OSError(errno.ENOTSUP, "io_uring without IORING_FEAT_NODROP (Linux < 5.5) may drop completions")
@@ -442,6 +479,22 @@ class RawRing:
                 raise OSError(-ret, f"io_uring_enter(GETEVENTS) to flush the CQ overflow: {os.strerror(-ret)}")
             if not n and self.cq_ready() == 0 and self.cq_overflow_pending:
                 time.sleep(0)  # the kernel is flushing: let it
+
+    @property
+    def can_wait_with_timeout(self) -> bool:
+        """The kernel takes a timeout for a wait in ``io_uring_enter`` (``IORING_FEAT_EXT_ARG``, Linux 5.11)."""
+        return bool(self.features & IORING_FEAT_EXT_ARG)
+
+    def wait_cqes(self, min_complete: int, timeout: float) -> int:
+        """Block until at least ``min_complete`` CQEs are ready (not reaped yet, counted from the CQ
+        head) or ``timeout`` seconds pass. Returns ``io_uring_enter``'s result: ``>= 0`` once
+        ``min_complete`` are ready, and also at the timeout when fewer but some are; ``-ETIME`` at
+        the timeout with none; ``-EINTR`` on a signal; another ``-errno`` on failure. Reaps nothing.
+
+        The GIL is released while it waits (a ``ctypes`` call), so another thread may wait here
+        while the owner submits and reaps; needs :attr:`can_wait_with_timeout`.
+        """
+        return wait_cqes(self.fd, min_complete, timeout)
 
     def wait(self, efd: int, timeout: float) -> None:
         """Block up to ``timeout`` seconds until ``efd`` (the ring's eventfd) is readable, and drain it."""

@@ -10,6 +10,7 @@ import asyncio
 import errno
 import gc
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -502,3 +503,94 @@ async def test_a_partly_consumed_batch_takes_back_exactly_the_unconsumed_reads(
     await anyio.sleep(0.01)
     assert all(id(op) not in harness.results for op in ops[2:])
     assert harness.backend.unexpected_completions == 0 and ring.counters == (2, 2)
+
+
+def test_wait_cqes_blocks_until_enough_completions_are_in_the_cq() -> None:
+    """``RawRing.wait_cqes(n, timeout)`` waits the whole timeout while fewer than ``n`` CQEs are ready
+    (then returns 0 if some are, ``-ETIME`` if none: reaped ones do not count), and returns at once
+    once ``n`` are (the batched wake-ups' waiter thread relies on both)."""
+    ring = RawRing(8)
+    try:
+        assert ring.can_wait_with_timeout
+        assert ring.wait_cqes(1, 0.01) == -errno.ETIME
+        ring.queue([(IORING_OP_NOP, 0, -1, 0, 0, 0, i + 1, 0) for i in range(2)])
+        assert ring.enter(2) == 2
+        started = time.perf_counter()
+        assert ring.wait_cqes(3, 0.05) == 0
+        assert time.perf_counter() - started >= 0.04  # two ready are not three: it waited
+        ring.queue([(IORING_OP_NOP, 0, -1, 0, 0, 0, 3, 0)])
+        assert ring.enter(1) == 1
+        started = time.perf_counter()
+        assert ring.wait_cqes(3, 30.0) >= 0
+        assert time.perf_counter() - started < 10.0
+        assert ring.reap()[0] == [1, 2, 3]
+        assert ring.wait_cqes(1, 0.01) == -errno.ETIME  # reaped: nothing is ready any more
+    finally:
+        ring.close()
+
+
+@pytest.mark.parametrize("batch_wakeups", [True, False])
+async def test_reads_complete_with_and_without_batched_wakeups_and_close_ends_the_waiter(
+    make_harness: Any, batch_wakeups: bool, anyio_backend: object
+) -> None:
+    """With batched wake-ups a waiter thread wakes the loop once the hinted number of completions
+    is in the CQ (the kernel does not write the eventfd); without, the kernel wakes it per
+    completion. Both deliver every read; close() off the loop ends the waiter thread before it
+    releases the ring and the eventfds (on the loop it only stops it: the thread waits on
+    duplicates of the descriptors, never on numbers the backend closed)."""
+    harness = make_harness(depth=8, batch_wakeups=batch_wakeups)
+    backend = harness.backend
+    assert backend.features()["batch_wakeups"] is batch_wakeups
+    backend.set_wake_hint(lambda: 4)
+    for _ in range(3):
+        ops = [ReadOp(0, i * ALIGN, ALIGN, i, 0) for i in range(4)]
+        harness.submit(ops)
+        assert await harness.wait(ops) == [ALIGN] * 4
+    assert 1 <= backend.wakeups <= 12
+    waiter = backend._waiter
+    assert (waiter is not None and waiter.is_alive()) is batch_wakeups
+    if batch_wakeups:  # the waiter waits in the ring (as for a read the kernel has, which never comes)
+        backend._in_flight += 1
+        backend._arm()
+        backend._in_flight -= 1
+        await anyio.sleep(0.002)
+    backend.detach()
+    await anyio.to_thread.run_sync(harness.close)  # off the loop, as the store closes: it waits for the waiter
+    assert waiter is None or not waiter.is_alive()
+
+
+async def test_a_failed_waiter_thread_hands_the_wakeups_back_to_the_kernel(
+    make_harness: Any, monkeypatch: pytest.MonkeyPatch, anyio_backend: object
+) -> None:
+    """If the waiter thread of batched wake-ups dies, the loop is woken once more and registers
+    the eventfd with the ring: every read still completes (nothing waits for a wake-up that never
+    comes)."""
+    from aioexperts._io.backends import rawring
+
+    def broken(ring_fd: int, min_complete: int, timeout: float) -> int:
+        raise RuntimeError("the waiter breaks")
+
+    monkeypatch.setattr(rawring, "wait_cqes", broken)
+    harness = make_harness(depth=8)
+    backend = harness.backend
+    for _ in range(3):
+        ops = [ReadOp(0, i * ALIGN, ALIGN, i, 0) for i in range(4)]
+        harness.submit(ops)
+        assert await harness.wait(ops) == [ALIGN] * 4
+    assert backend.features()["batch_wakeups"] is False
+
+
+async def test_reads_complete_across_quick_detach_and_attach_with_batched_wakeups(
+    make_harness: Any, anyio_backend: object
+) -> None:
+    """Each attach starts a waiter thread with an arming eventfd of its own: a waiter stopped by the
+    detach just before cannot take the new waiter's arming (reads would then wait for ever)."""
+    harness = make_harness(depth=8)
+    backend = harness.backend
+    backend.set_wake_hint(lambda: 2)
+    for _ in range(40):
+        ops = [ReadOp(0, i * ALIGN, ALIGN, i, 0) for i in range(2)]
+        harness.submit(ops)
+        backend.detach()
+        backend.attach()
+        assert await harness.wait(ops) == [ALIGN] * 2

@@ -17,6 +17,10 @@ Contract between the scheduler and a backend (every call on the loop thread unle
 - A backend that reaps in batches (the raw ring) hands a batch of completions to the handler
   given to :meth:`IOBackend.set_batch_sink` in one call instead of one sink call per op, while
   the sink set is the one that handler stands for (the same completions, in the same order).
+- A backend that can wake the loop once per batch of completions rather than once per
+  completion asks the hint given to :meth:`IOBackend.set_wake_hint` how many completions it may
+  wait for (the fewest after which a waiting request can go on); any count is correct (it only
+  delays wake-ups), 1 is what a backend without batching does.
 - Set-up (the constructor) touches no event loop and may run in a worker thread; :meth:`attach`
   starts delivering completions (loop thread); :meth:`detach` stops watching the loop (loop
   thread); :meth:`close` releases the rest and may run in a worker thread once detached.
@@ -121,6 +125,7 @@ class IOBackend(ABC):
         self._batch_end: Callable[[], None] | None = None
         self._batch_sink: BatchSink | None = None
         self._batch_sink_for: CompletionSink | None = None
+        self._wake_hint: Callable[[], int] | None = None
         self._in_flight = 0
         self._attached = False
         self._failed: list[tuple[ReadOp, Exception]] = []  # failed reads whose completion is due
@@ -141,6 +146,11 @@ class IOBackend(ABC):
         It must not raise."""
         self._batch_sink = batch_sink
         self._batch_sink_for = stands_for
+
+    def set_wake_hint(self, hint: Callable[[], int]) -> None:
+        """How many completions the loop may wait for before it must be woken (loop thread; at
+        least 1; it must not raise). Backends that wake per completion ignore it."""
+        self._wake_hint = hint
 
     @property
     def in_flight(self) -> int:
