@@ -5,6 +5,7 @@ file destroys nothing (:func:`refuse_to_overwrite`)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import stat
@@ -19,9 +20,11 @@ __all__ = (
     "USAGE_STATUS",
     "HelpFormatter",
     "file_starts_with",
+    "gate_weight",
     "missing_extra",
     "model_file",
     "name_the_options",
+    "plural",
     "refuse_to_overwrite",
     "slab_note",
     "stdout_closed",
@@ -67,6 +70,27 @@ def name_the_options(message: str, flags: Mapping[str, str]) -> str:
         return name + (" " if m.group(2) else "")
 
     return _OPTIONS_FIELD.sub(flag, message)
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``n`` and the noun in the number it takes: ``plural(1, "token")`` is ``"1 token"``,
+    ``plural(2, "token")`` ``"2 tokens"``, ``plural(0, "match", "matches")`` ``"0 matches"``."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
+
+
+def gate_weight(text: str) -> float:
+    """``--miss-tier-weight``: a gate weight, a finite number >= 0 (weights are 0..1; 1 or more sends every
+    miss to the low tier). ``argparse.ArgumentTypeError`` otherwise, which argparse words as
+    ``argument --miss-tier-weight: ...``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(
+            f"must be a gate weight, a finite number >= 0 (weights are 0..1; 1 sends every miss low), got {text!r}"
+        )
+    return value
 
 
 def slab_note(slots: int | None, cache_bytes: int | None, n_slots: int, slot_bytes: int) -> str | None:

@@ -21,7 +21,7 @@ from aioexperts_bench import DEFAULT_ENGINES, ENGINES, GenerateConfig, parse_lim
 
 from .. import AioExpertsError, __version__, write_miss_tier
 from .._json import dumps as json_dumps
-from ._common import USAGE_STATUS, model_file, refuse_to_overwrite
+from ._common import USAGE_STATUS, gate_weight, model_file, refuse_to_overwrite
 from .tiertool import TYPES as TIER_TYPES
 from .tiertool import default_output
 
@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="without --miss-tier: the sidecar MODEL.miss-tier-TYPE.gguf beside the model (default Q3_K); "
         "adds the engine aioexperts-tier",
     )
-    p.add_argument("--miss-tier-weight", type=float, default=None, help="MissTier.max_gate_weight (None: no rule)")
+    p.add_argument(
+        "--miss-tier-weight", type=gate_weight, default=None, help="MissTier.max_gate_weight (None: no rule)"
+    )
     p.add_argument("--miss-tier-behind", type=float, default=None, help="MissTier.behind_seconds (None: no rule)")
     p.add_argument(
         "--miss-tier-upgrade",
