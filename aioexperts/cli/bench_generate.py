@@ -21,7 +21,7 @@ from aioexperts_bench import DEFAULT_ENGINES, ENGINES, GenerateConfig, parse_lim
 
 from .. import AioExpertsError, __version__, write_miss_tier
 from .._json import dumps as json_dumps
-from ._common import USAGE_STATUS, gate_weight, model_file, refuse_to_overwrite
+from ._common import USAGE_STATUS, cache_error, error_text, gate_weight, model_file, refuse_to_overwrite
 from .tiertool import TYPES as TIER_TYPES
 from .tiertool import default_output
 
@@ -136,12 +136,26 @@ def model_file_error(args: argparse.Namespace) -> int | None:
 def _model(args: argparse.Namespace, note: Callable[[str], None]) -> str:
     if args.model and args.model != DSV4_NAME:
         return model_file(args.model)
-    from ..testing import FULL_SPEC, SKEWED_SPEC, ensure_dsv4_model, ensure_full_model, print_progress
+    from ..testing import print_progress
 
     progress = None if args.quiet else print_progress()
 
     def on_wait() -> None:
         note("another run is writing the built-in model; waiting for it")
+
+    try:
+        return _write_builtin(args, note, progress, on_wait)
+    except OSError as exc:
+        raise cache_error(exc) from None
+
+
+def _write_builtin(
+    args: argparse.Namespace,
+    note: Callable[[str], None],
+    progress: Callable[[int, int], None] | None,
+    on_wait: Callable[[], None],
+) -> str:
+    from ..testing import FULL_SPEC, SKEWED_SPEC, ensure_dsv4_model, ensure_full_model
 
     if args.model == DSV4_NAME:
         layers = args.layers or 4
@@ -274,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"aioexperts-bench: interrupted; {done}", file=sys.stderr)
         return 130
     except (AioExpertsError, OSError) as exc:
-        print(f"aioexperts-bench: error: {exc}", file=sys.stderr)
+        print(f"aioexperts-bench: error: {error_text(exc)}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -37,7 +37,15 @@ from .. import (
 )
 from .. import _json as strict_json  # the one strict JSON writer (an import-rule exception)
 from ..traces import format_bytes
-from ._common import USAGE_STATUS, HelpFormatter, file_starts_with, model_file, refuse_to_overwrite, stdout_closed
+from ._common import (
+    USAGE_STATUS,
+    HelpFormatter,
+    error_text,
+    file_starts_with,
+    model_file,
+    refuse_to_overwrite,
+    stdout_closed,
+)
 from ._texttable import text_table
 
 __all__ = ("LayoutSummary", "main", "summarize_layout")
@@ -246,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `aioexperts-... | head`: the reader has what it wanted
         return stdout_closed()
     except (AioExpertsError, OSError) as exc:
-        print(f"aioexperts-map: error: {exc}", file=sys.stderr)
+        print(f"aioexperts-map: error: {error_text(exc)}", file=sys.stderr)
         return USAGE_STATUS
     return 0
 

@@ -32,6 +32,8 @@ from aioexperts.cli._common import (
     BROKEN_PIPE_STATUS,
     USAGE_STATUS,
     HelpFormatter,
+    cache_error,
+    error_text,
     gate_weight,
     model_file,
     name_the_options,
@@ -684,8 +686,8 @@ async def _run(args: argparse.Namespace, path: str, prompt: str | None, report: 
         if report.at_prompt:  # Ctrl-C at the "> " prompt: the statistics start a line of their own
             print(file=sys.stderr, flush=True)
     except (aioexperts.AioExpertsError, OSError) as exc:
-        report.error = str(exc)
-        _say(f"error: {exc}")
+        report.error = error_text(exc)
+        _say(f"error: {error_text(exc)}")
         status = USAGE_STATUS if not report.turns else 1
     finally:
         if not report.interrupted:
@@ -715,13 +717,16 @@ def _model_path(args: argparse.Namespace) -> tuple[str, bool]:
     from aioexperts.testing import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
 
     layers = args.layers or DEFAULT_FULL_LAYERS
-    built = ensure_full_model(
-        layers,
-        rebuild=args.rebuild,
-        progress=print_progress(sys.stderr),
-        on_build=lambda p: _say(f"writing the built-in full model ({layers} layers) to {p} (once)"),
-        on_wait=lambda: _say("another run is writing the built-in model; waiting for it"),
-    )
+    try:
+        built = ensure_full_model(
+            layers,
+            rebuild=args.rebuild,
+            progress=print_progress(sys.stderr),
+            on_build=lambda p: _say(f"writing the built-in full model ({layers} layers) to {p} (once)"),
+            on_wait=lambda: _say("another run is writing the built-in model; waiting for it"),
+        )
+    except OSError as exc:
+        raise cache_error(exc) from None
     return os.fspath(built), True
 
 
@@ -758,7 +763,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say("interrupted")
         return INTERRUPTED_STATUS
     except (aioexperts.AioExpertsError, OSError, UnicodeDecodeError) as exc:
-        _say(f"error: {exc}")
+        _say(f"error: {error_text(exc)}")
         return USAGE_STATUS
     if builtin:  # a note on stderr, as the progress lines: --json changes stdout only
         _say("the built-in model's weights are random, so its text is random")

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 
 from .. import AioExpertsError, __version__, open_model, write_miss_tier
-from ._common import USAGE_STATUS, HelpFormatter, model_file, refuse_to_overwrite
+from ._common import USAGE_STATUS, HelpFormatter, error_text, model_file, refuse_to_overwrite
 
 __all__ = ("main",)
 
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.monotonic()
         path = write_miss_tier(model, out, args.type, progress=progress)
     except (AioExpertsError, OSError) as exc:
-        print(f"aioexperts-tier: error: {exc}", file=sys.stderr)
+        print(f"aioexperts-tier: error: {error_text(exc)}", file=sys.stderr)
         return USAGE_STATUS
     if not args.quiet:
         size = os.path.getsize(path)
