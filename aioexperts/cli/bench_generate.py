@@ -21,7 +21,7 @@ from aioexperts_bench import DEFAULT_ENGINES, ENGINES, GenerateConfig, parse_lim
 
 from .. import AioExpertsError, __version__, write_miss_tier
 from .._json import dumps as json_dumps
-from ._common import USAGE_STATUS, cache_error, error_text, gate_weight, model_file, refuse_to_overwrite
+from ._common import USAGE_STATUS, cache_error, error_text, gate_weight, model_file, plural, refuse_to_overwrite
 from .tiertool import TYPES as TIER_TYPES
 from .tiertool import default_output
 
@@ -162,7 +162,9 @@ def _write_builtin(
         built = ensure_dsv4_model(
             layers,
             progress=progress,
-            on_build=lambda p: note(f"writing the built-in DeepSeek-V4-geometry model ({layers} layers) to {p} (once)"),
+            on_build=lambda p: note(
+                f"writing the built-in DeepSeek-V4-geometry model ({plural(layers, 'layer')}) to {p} (once)"
+            ),
             on_wait=on_wait,
         )
         return os.fspath(built)
@@ -171,7 +173,7 @@ def _write_builtin(
     built = ensure_full_model(
         spec=spec,
         progress=progress,
-        on_build=lambda p: note(f"writing the built-in full model ({layers} layers) to {p} (once)"),
+        on_build=lambda p: note(f"writing the built-in full model ({plural(layers, 'layer')}) to {p} (once)"),
         on_wait=on_wait,
     )
     return os.fspath(built)

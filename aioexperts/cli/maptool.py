@@ -43,6 +43,7 @@ from ._common import (
     error_text,
     file_starts_with,
     model_file,
+    plural,
     refuse_to_overwrite,
     stdout_closed,
 )
@@ -165,7 +166,7 @@ def _print_layout(summary: LayoutSummary) -> None:
     if summary.token_bytes_min != summary.token_bytes_max:
         per_token = f"{format_bytes(summary.token_bytes_min)} to {per_token}"
     print(
-        f"{summary.n_layers} MoE layers, {format_bytes(summary.expert_bytes_total)} of routed experts "
+        f"{plural(summary.n_layers, 'MoE layer')}, {format_bytes(summary.expert_bytes_total)} of routed experts "
         f"({summary.expert_bytes_total} bytes); one token reads {per_token} of experts at top-{summary.n_expert_used}"
     )
 
@@ -240,7 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 what="the map",
             )
             write_expert_map(model, layout, output)
-            print(f"wrote {output}: {len(layout.layers)} MoE layers, {layout.n_experts_total} experts")
+            print(
+                f"wrote {output}: {plural(len(layout.layers), 'MoE layer')}, {plural(layout.n_experts_total, 'expert')}"
+            )
         else:
             if len(model.shards) != 1:
                 raise ConfigError(f"WEEPF001 maps describe one file; {model.path} is a split set")

@@ -722,7 +722,7 @@ def _model_path(args: argparse.Namespace) -> tuple[str, bool]:
             layers,
             rebuild=args.rebuild,
             progress=print_progress(sys.stderr),
-            on_build=lambda p: _say(f"writing the built-in full model ({layers} layers) to {p} (once)"),
+            on_build=lambda p: _say(f"writing the built-in full model ({plural(layers, 'layer')}) to {p} (once)"),
             on_wait=lambda: _say("another run is writing the built-in model; waiting for it"),
         )
     except OSError as exc:

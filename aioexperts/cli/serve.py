@@ -31,6 +31,7 @@ from aioexperts.cli._common import (
     error_text,
     model_file,
     name_the_options,
+    plural,
 )
 from aioexperts.cli.run import _context_length, _float, _int_at_least, add_model_options, say_slab
 
@@ -127,7 +128,7 @@ def _model_path(args: argparse.Namespace) -> str:
             layers,
             rebuild=args.rebuild,
             progress=print_progress(sys.stderr),
-            on_build=lambda p: _say(f"writing the built-in full model ({layers} layers) to {p} (once)"),
+            on_build=lambda p: _say(f"writing the built-in full model ({plural(layers, 'layer')}) to {p} (once)"),
             on_wait=lambda: _say("another run is writing the built-in model; waiting for it"),
         )
     except OSError as exc:
@@ -189,7 +190,7 @@ async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
                     cancelled = await server.stop()
             if cancelled:
                 when = "at the second signal" if hurried else "at the deadline"
-                _say(f"cancelled {cancelled} generation{'s' if cancelled != 1 else ''} still running {when}")
+                _say(f"cancelled {plural(cancelled, 'generation')} still running {when}")
         _say("stopped at once (second signal)" if hurried else "stopped")
         return 1 if hurried else 0
     except asyncio.CancelledError:

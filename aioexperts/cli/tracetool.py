@@ -100,7 +100,10 @@ def _summary(trace: RoutingTrace, targets: Sequence[float], expert_bytes: int | 
 
 
 def _print_summary(path: str, s: dict[str, Any]) -> None:
-    print(f"{path}: {s['n_tokens']} tokens, {s['n_layers']} MoE layers, top-{s['k']}, {s['n_experts_total']} experts")
+    print(
+        f"{path}: {plural(s['n_tokens'], 'token')}, {plural(s['n_layers'], 'MoE layer')}, top-{s['k']}, "
+        f"{plural(s['n_experts_total'], 'expert')}"
+    )
     print(
         text_table(
             ("layer", "experts", "requests", "never chosen", f"hottest {s['hot_fraction']:.0%} serve", "hottest ids"),

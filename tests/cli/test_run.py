@@ -240,6 +240,7 @@ def test_a_slab_other_than_asked_for_is_said_on_stderr(tiny_full_model: Path) ->
         assert needle in done.stderr and done.stderr.count("the slab has") == 1, done.stderr
     done = run(str(tiny_full_model), "-p", "Hi", "-n", "1", "--io", "threads", "--slots", "2")
     assert "the slab has" not in done.stderr, done.stderr
+    assert "generation: 1 token; " in done.stderr and "(0 tokens after the first in" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(
