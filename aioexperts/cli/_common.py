@@ -5,6 +5,7 @@ file destroys nothing (:func:`refuse_to_overwrite`)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import stat
@@ -18,10 +19,15 @@ __all__ = (
     "EXTRAS",
     "USAGE_STATUS",
     "HelpFormatter",
+    "cache_error",
+    "error_text",
     "file_starts_with",
+    "gate_weight",
+    "input_file",
     "missing_extra",
     "model_file",
     "name_the_options",
+    "plural",
     "refuse_to_overwrite",
     "slab_note",
     "stdout_closed",
@@ -67,6 +73,27 @@ def name_the_options(message: str, flags: Mapping[str, str]) -> str:
         return name + (" " if m.group(2) else "")
 
     return _OPTIONS_FIELD.sub(flag, message)
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``n`` and the noun in the number it takes: ``plural(1, "token")`` is ``"1 token"``,
+    ``plural(2, "token")`` ``"2 tokens"``, ``plural(0, "match", "matches")`` ``"0 matches"``."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
+
+
+def gate_weight(text: str) -> float:
+    """``--miss-tier-weight``: a gate weight, a finite number >= 0 (weights are 0..1; 1 or more sends every
+    miss to the low tier). ``argparse.ArgumentTypeError`` otherwise, which argparse words as
+    ``argument --miss-tier-weight: ...``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(
+            f"must be a gate weight, a finite number >= 0 (weights are 0..1; 1 sends every miss low), got {text!r}"
+        )
+    return value
 
 
 def slab_note(slots: int | None, cache_bytes: int | None, n_slots: int, slot_bytes: int) -> str | None:
@@ -127,23 +154,65 @@ def model_file(name: str) -> str:
             ``NAME: not a regular file, not a model file`` (a FIFO, a device) or
             ``NAME: cannot read the model file (REASON)``.
     """
+    return input_file(name, "model file")
+
+
+def input_file(name: str, what: str) -> str:
+    """The input file that the command-line argument ``name`` names (``~`` expanded), checked as
+    :func:`model_file` checks a model (``what`` names the kind: ``"model file"``, ``"trace file"``).
+
+    Returns:
+        The path to open (``name`` with ``~`` expanded).
+
+    Raises:
+        ConfigError: ``NAME: no such WHAT``, ``NAME: is a directory, not a WHAT``,
+            ``NAME: not a regular file, not a WHAT`` or ``NAME: cannot read the WHAT (REASON)``.
+    """
     path = os.path.expanduser(name)
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise ConfigError(f"{name}: no such model file") from None
+        raise ConfigError(f"{name}: no such {what}") from None
     except (OSError, ValueError) as exc:  # EACCES on a directory of the path, ENAMETOOLONG, a NUL byte
-        raise ConfigError(f"{name}: cannot read the model file ({_reason(exc)})") from None
+        raise ConfigError(f"{name}: cannot read the {what} ({_reason(exc)})") from None
     if stat.S_ISDIR(mode):
-        raise ConfigError(f"{name}: is a directory, not a model file")
+        raise ConfigError(f"{name}: is a directory, not a {what}")
     if not stat.S_ISREG(mode):  # checked before the open: opening a FIFO would wait for a writer
-        raise ConfigError(f"{name}: not a regular file, not a model file")
+        raise ConfigError(f"{name}: not a regular file, not a {what}")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
-        raise ConfigError(f"{name}: cannot read the model file ({_reason(exc)})") from None
+        raise ConfigError(f"{name}: cannot read the {what} ({_reason(exc)})") from None
     os.close(fd)
     return path
+
+
+def error_text(exc: BaseException) -> str:
+    """``exc`` as one line for ``PROG: error: ...``: an ``OSError`` as ``FILE: REASON`` (no
+    ``[Errno N]``), anything else as its message."""
+    if isinstance(exc, OSError) and exc.strerror:
+        names = [n for n in (exc.filename, exc.filename2) if n is not None]
+        return ": ".join([*(os.fsdecode(n) for n in names), exc.strerror]) if names else exc.strerror
+    return str(exc)
+
+
+def cache_error(exc: OSError) -> ConfigError:
+    """The one-line error of a built-in model that cannot be written into the user cache
+    (``$AIOEXPERTS_CACHE`` under a regular file, a folder this user may not write, a full disk):
+    the folder, the reason (no errno, no traceback) and what to do. The caller prints
+    ``PROG: error: MESSAGE`` and exits with :data:`USAGE_STATUS`."""
+    from ..testing import cache_dir
+
+    if isinstance(exc, NotADirectoryError | FileExistsError):
+        reason = "a file stands where a folder of that path should be"
+    else:
+        reason = _reason(exc)
+        if isinstance(exc.filename, str) and exc.filename not in reason:
+            reason += f": {exc.filename}"
+    return ConfigError(
+        f"cannot write the built-in model into {cache_dir()} ({reason}); set $AIOEXPERTS_CACHE to a "
+        "writable folder, or give a MODEL file"
+    )
 
 
 def _reason(exc: BaseException) -> str:

@@ -21,7 +21,7 @@ from aioexperts_bench import DEFAULT_ENGINES, ENGINES, GenerateConfig, parse_lim
 
 from .. import AioExpertsError, __version__, write_miss_tier
 from .._json import dumps as json_dumps
-from ._common import USAGE_STATUS, model_file, refuse_to_overwrite
+from ._common import USAGE_STATUS, cache_error, error_text, gate_weight, model_file, plural, refuse_to_overwrite
 from .tiertool import TYPES as TIER_TYPES
 from .tiertool import default_output
 
@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="without --miss-tier: the sidecar MODEL.miss-tier-TYPE.gguf beside the model (default Q3_K); "
         "adds the engine aioexperts-tier",
     )
-    p.add_argument("--miss-tier-weight", type=float, default=None, help="MissTier.max_gate_weight (None: no rule)")
+    p.add_argument(
+        "--miss-tier-weight", type=gate_weight, default=None, help="MissTier.max_gate_weight (None: no rule)"
+    )
     p.add_argument("--miss-tier-behind", type=float, default=None, help="MissTier.behind_seconds (None: no rule)")
     p.add_argument(
         "--miss-tier-upgrade",
@@ -134,19 +136,35 @@ def model_file_error(args: argparse.Namespace) -> int | None:
 def _model(args: argparse.Namespace, note: Callable[[str], None]) -> str:
     if args.model and args.model != DSV4_NAME:
         return model_file(args.model)
-    from ..testing import FULL_SPEC, SKEWED_SPEC, ensure_dsv4_model, ensure_full_model, print_progress
+    from ..testing import print_progress
 
     progress = None if args.quiet else print_progress()
 
     def on_wait() -> None:
         note("another run is writing the built-in model; waiting for it")
 
+    try:
+        return _write_builtin(args, note, progress, on_wait)
+    except OSError as exc:
+        raise cache_error(exc) from None
+
+
+def _write_builtin(
+    args: argparse.Namespace,
+    note: Callable[[str], None],
+    progress: Callable[[int, int], None] | None,
+    on_wait: Callable[[], None],
+) -> str:
+    from ..testing import FULL_SPEC, SKEWED_SPEC, ensure_dsv4_model, ensure_full_model
+
     if args.model == DSV4_NAME:
         layers = args.layers or 4
         built = ensure_dsv4_model(
             layers,
             progress=progress,
-            on_build=lambda p: note(f"writing the built-in DeepSeek-V4-geometry model ({layers} layers) to {p} (once)"),
+            on_build=lambda p: note(
+                f"writing the built-in DeepSeek-V4-geometry model ({plural(layers, 'layer')}) to {p} (once)"
+            ),
             on_wait=on_wait,
         )
         return os.fspath(built)
@@ -155,7 +173,7 @@ def _model(args: argparse.Namespace, note: Callable[[str], None]) -> str:
     built = ensure_full_model(
         spec=spec,
         progress=progress,
-        on_build=lambda p: note(f"writing the built-in full model ({layers} layers) to {p} (once)"),
+        on_build=lambda p: note(f"writing the built-in full model ({plural(layers, 'layer')}) to {p} (once)"),
         on_wait=on_wait,
     )
     return os.fspath(built)
@@ -272,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"aioexperts-bench: interrupted; {done}", file=sys.stderr)
         return 130
     except (AioExpertsError, OSError) as exc:
-        print(f"aioexperts-bench: error: {exc}", file=sys.stderr)
+        print(f"aioexperts-bench: error: {error_text(exc)}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)

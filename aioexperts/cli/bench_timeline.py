@@ -25,7 +25,7 @@ from aioexperts_bench import (
 
 from .. import AioExpertsError, __version__
 from .._json import dumps as json_dumps
-from ._common import file_starts_with, refuse_to_overwrite
+from ._common import error_text, file_starts_with, refuse_to_overwrite
 from .bench_generate import _model as built_in_model
 from .bench_generate import add_model_arguments, check_model_arguments, model_file_error
 
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print("aioexperts-bench: interrupted; nothing was written", file=sys.stderr)
         return 130
     except (AioExpertsError, OSError) as exc:
-        print(f"aioexperts-bench: error: {exc}", file=sys.stderr)
+        print(f"aioexperts-bench: error: {error_text(exc)}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)

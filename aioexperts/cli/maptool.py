@@ -37,7 +37,16 @@ from .. import (
 )
 from .. import _json as strict_json  # the one strict JSON writer (an import-rule exception)
 from ..traces import format_bytes
-from ._common import USAGE_STATUS, HelpFormatter, file_starts_with, model_file, refuse_to_overwrite, stdout_closed
+from ._common import (
+    USAGE_STATUS,
+    HelpFormatter,
+    error_text,
+    file_starts_with,
+    model_file,
+    plural,
+    refuse_to_overwrite,
+    stdout_closed,
+)
 from ._texttable import text_table
 
 __all__ = ("LayoutSummary", "main", "summarize_layout")
@@ -157,7 +166,7 @@ def _print_layout(summary: LayoutSummary) -> None:
     if summary.token_bytes_min != summary.token_bytes_max:
         per_token = f"{format_bytes(summary.token_bytes_min)} to {per_token}"
     print(
-        f"{summary.n_layers} MoE layers, {format_bytes(summary.expert_bytes_total)} of routed experts "
+        f"{plural(summary.n_layers, 'MoE layer')}, {format_bytes(summary.expert_bytes_total)} of routed experts "
         f"({summary.expert_bytes_total} bytes); one token reads {per_token} of experts at top-{summary.n_expert_used}"
     )
 
@@ -232,7 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 what="the map",
             )
             write_expert_map(model, layout, output)
-            print(f"wrote {output}: {len(layout.layers)} MoE layers, {layout.n_experts_total} experts")
+            print(
+                f"wrote {output}: {plural(len(layout.layers), 'MoE layer')}, {plural(layout.n_experts_total, 'expert')}"
+            )
         else:
             if len(model.shards) != 1:
                 raise ConfigError(f"WEEPF001 maps describe one file; {model.path} is a split set")
@@ -246,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `aioexperts-... | head`: the reader has what it wanted
         return stdout_closed()
     except (AioExpertsError, OSError) as exc:
-        print(f"aioexperts-map: error: {exc}", file=sys.stderr)
+        print(f"aioexperts-map: error: {error_text(exc)}", file=sys.stderr)
         return USAGE_STATUS
     return 0
 

@@ -32,8 +32,12 @@ from aioexperts.cli._common import (
     BROKEN_PIPE_STATUS,
     USAGE_STATUS,
     HelpFormatter,
+    cache_error,
+    error_text,
+    gate_weight,
     model_file,
     name_the_options,
+    plural,
     slab_note,
     stdout_closed,
 )
@@ -144,9 +148,9 @@ def add_model_options(p: argparse.ArgumentParser, *, ctx_help: str) -> None:
     )
     p.add_argument(
         "--miss-tier-weight",
-        type=float,
+        type=gate_weight,
         default=None,
-        help="with --miss-tier: only misses whose gate weight is below this go low (default: every miss)",
+        help="with --miss-tier: only misses whose gate weight (0..1) is below this go low (default: every miss)",
     )
     p.add_argument(
         "--layers",
@@ -164,6 +168,7 @@ def add_model_options(p: argparse.ArgumentParser, *, ctx_help: str) -> None:
 class _Turn:
     user: str | None
     text: str = ""
+    error: str | None = None  # a chat turn that was skipped (it did not fit n_ctx): why
     stats: aioexperts.GenerationStatistics = field(default_factory=aioexperts.GenerationStatistics)
 
 
@@ -200,6 +205,7 @@ class _Report:
             "decode_tokens_per_second": decoded / decode if decode > 0 and decoded else None,
             "time_to_first_token": ttft[0] if ttft else None,
             "stop_reason": s[-1].stop_reason if s else None,
+            "stop_string": s[-1].stop_string if s else None,
         }
 
     def experts(self) -> dict[str, Any] | None:
@@ -208,7 +214,7 @@ class _Report:
             return None
         run = ms.tokens_prefilled + ms.tokens_decoded
         return {
-            "hit_rate": st.hit_rate,
+            "hit_rate": st.hit_rate if st.requests else None,  # 0 of 0 is no rate
             "requests": st.requests,
             "hits": st.hits,
             "inflight_joins": st.inflight_joins,
@@ -260,6 +266,7 @@ class _Report:
                 {
                     "user": t.user,
                     "assistant": t.text,
+                    "error": t.error,
                     **asdict(t.stats),
                     "prompt_tokens_per_second": t.stats.prompt_tokens_per_second,
                     "decode_tokens_per_second": t.stats.decode_tokens_per_second,
@@ -282,28 +289,34 @@ class _Report:
         ttft = t["time_to_first_token"]
         reused = f", {t['reused_tokens']} reused from the KV cache" if t["reused_tokens"] else ""
         later = max(0, t["generated_tokens"] - 1)
+        stop = t["stop_reason"] or "n/a"
+        if t["stop_string"] is not None:
+            stop += f" (at {t['stop_string']!r})"
         lines = [
-            f"prompt: {t['prefilled_tokens']} tokens prefilled in {t['prefill_seconds']:.3f} s "
+            f"prompt: {plural(t['prefilled_tokens'], 'token')} prefilled in {t['prefill_seconds']:.3f} s "
             f"({rate(t['prompt_tokens_per_second'])}){reused}; time to first token "
             + (f"{ttft:.3f} s" if ttft is not None else "n/a"),
-            f"generation: {t['generated_tokens']} tokens; decode {rate(t['decode_tokens_per_second'])} "
-            f"({later} tokens after the first in {t['decode_seconds']:.3f} s); stop: {t['stop_reason'] or 'n/a'}",
+            f"generation: {plural(t['generated_tokens'], 'token')}; decode {rate(t['decode_tokens_per_second'])} "
+            f"({plural(later, 'token')} after the first in {t['decode_seconds']:.3f} s); stop: {stop}",
         ]
         ex = self.experts()
         if ex is not None:
             per = ex["bytes_read_per_token"]
             lines.append(
-                f"experts: hit rate {ex['hit_rate']:.1%} ({ex['hits']} hits, {ex['inflight_joins']} joined a read "
-                f"under way, {ex['misses']} misses of {ex['requests']} requests); read {_size(ex['bytes_read'])}, "
+                "experts: hit rate "
+                + (f"{ex['hit_rate']:.1%}" if ex["hit_rate"] is not None else "n/a")
+                + f" ({plural(ex['hits'], 'hit')}, {ex['inflight_joins']} joined a read under way, "
+                f"{plural(ex['misses'], 'miss', 'misses')} of {plural(ex['requests'], 'request')}); "
+                f"read {_size(ex['bytes_read'])}, "
                 + (f"{_size(per)} per token" if per is not None else "n/a per token")
-                + f" ({ex['tokens_run']} tokens run); prefetched {ex['prefetch_issued']} "
+                + f" ({plural(ex['tokens_run'], 'token')} run); prefetched {ex['prefetch_issued']} "
                 f"({ex['prefetch_wasted']} wasted); {ex['backend']}{', O_DIRECT' if ex['direct_io'] else ''}"
             )
             lines.append(_sources_line(ex))
         m = self.memory()
         parts = [f"RSS {_size(m['rss_bytes'])} (peak {_size(m['peak_rss_bytes'])})"]
         if m["slab_bytes"] is not None:
-            parts.append(f"slab {_size(m['slab_bytes'])} ({m['slab_slots']} slots)")
+            parts.append(f"slab {_size(m['slab_bytes'])} ({plural(m['slab_slots'], 'slot')})")
         if m["resident_weight_bytes"] is not None:
             parts.append(f"resident weights {_size(m['resident_weight_bytes'])}")
         if m["kv_cache_bytes"] is not None:
@@ -323,8 +336,8 @@ def _sources_line(ex: dict[str, Any]) -> str:
     rate = ex["device_bytes_per_second"]
     low = (
         f", {ex['low_tier_misses']} of them from the low tier ({ex['tier_upgrades']} upgraded since); "
-        f"{ex['low_tier_prefetch_hits']} prefetched from the low tier, {ex['tier_upgrades_deferred']} upgrades "
-        "put off while the reads were behind"
+        f"{ex['low_tier_prefetch_hits']} prefetched from the low tier, "
+        f"{plural(ex['tier_upgrades_deferred'], 'upgrade')} put off while the reads were behind"
         if ex["low_tier_misses"] or ex["low_tier_prefetch_hits"]
         else ""
     )
@@ -332,7 +345,8 @@ def _sources_line(ex: dict[str, Any]) -> str:
         low += f" (miss tier off: {ex['miss_tier_off_reason']})"
     return (
         f"expert sources: {ex['cached_hits']} cached, {ex['prefetched_in_time']} prefetched in time, "
-        f"{ex['prefetched_late']} prefetched late, {ex['demand_misses']} demand misses{low}; stalled on reads "
+        f"{ex['prefetched_late']} prefetched late, {plural(ex['demand_misses'], 'demand miss', 'demand misses')}"
+        f"{low}; stalled on reads "
         + (f"{stall * 1e3:.1f} ms per token" if stall is not None else "n/a per token")
         + f" ({ex['stall_seconds']:.3f} s); device "
         + (f"{_size(int(rate))}/s while reading" if rate is not None else "idle")
@@ -528,18 +542,38 @@ async def _generate(model: aioexperts.Model, args: argparse.Namespace, prompt: s
                 if not user.strip():
                     continue
             turn = _Turn(user)
-            stream = session.send(user)
+            try:
+                stream = session.send(user)
+            except aioexperts.ContextLengthError:  # this turn only: the conversation so far is kept
+                turn.error = _turn_too_long(model, session.messages, user, args)
+                report.turns.append(turn)
+                _say(f"error: {turn.error}")
+                continue
             report.turns.append(turn)
             async with stream:
                 await _emit(stream, turn, args)
             s = turn.stats
             if not args.json:
                 print(
-                    f"[{s.reused_tokens} prompt tokens reused, {s.prefilled_tokens} prefilled; "
+                    f"[{plural(s.reused_tokens, 'prompt token')} reused, {s.prefilled_tokens} prefilled; "
                     f"{s.generated_tokens} generated; stop: {s.stop_reason}]",
                     file=sys.stderr,
                     flush=True,
                 )
+
+
+def _turn_too_long(model: aioexperts.Model, messages: list[dict[str, Any]], user: str, args: argparse.Namespace) -> str:
+    """What to say when a chat turn makes the conversation longer than n_ctx (the turn is skipped)."""
+    ids = model.apply_chat_template([*messages, {"role": "user", "content": user}], tokenize=True)
+    return (
+        f"with this message the conversation is {plural(len(ids), 'token')}, more than n_ctx={model.n_ctx} "
+        f"positions{_ctx_given(args)}: the message is skipped and the chat goes on (send a shorter one, or start again "
+        "with a larger --ctx)"
+    )
+
+
+def _ctx_given(args: argparse.Namespace) -> str:
+    return f" (--ctx {args.ctx})" if args.ctx is not None else " (the default; --ctx sets it)"
 
 
 def say_slab(args: argparse.Namespace, model: aioexperts.Model, say: Any = None) -> None:
@@ -576,6 +610,16 @@ def _check_prompt(model: aioexperts.Model, args: argparse.Namespace, prompt: str
     if args.chat:
         model.chat_template  # noqa: B018 (a missing or broken template is a usage error, before any turn)
     if prompt is None:
+        if args.chat and args.system:  # the first turn comes from stdin: the system message alone must fit
+            ids = model.apply_chat_template(
+                [{"role": "system", "content": args.system}, {"role": "user", "content": "x"}], tokenize=True
+            )
+            if len(ids) > n_ctx:
+                raise aioexperts.ContextLengthError(
+                    f"--system takes {plural(len(ids), 'token')} in the chat template (with a one-letter message), "
+                    f"more than n_ctx={n_ctx} positions{_ctx_given(args)}: no turn fits (give a larger --ctx, or a "
+                    "shorter --system); the model was not loaded"
+                )
         return
     if args.chat:
         system = [{"role": "system", "content": args.system}] if args.system else []
@@ -583,9 +627,9 @@ def _check_prompt(model: aioexperts.Model, args: argparse.Namespace, prompt: str
     else:
         ids = tokenizer.encode(prompt, add_special=True, parse_special=False)  # as Model.stream
     if len(ids) > n_ctx:
-        given = f" (--ctx {args.ctx})" if args.ctx is not None else " (the default; --ctx sets it)"
         raise aioexperts.ContextLengthError(
-            f"the prompt is {len(ids)} tokens, more than n_ctx={n_ctx} positions{given}: it is not truncated "
+            f"the prompt is {plural(len(ids), 'token')}, more than n_ctx={n_ctx} positions{_ctx_given(args)}: "
+            "it is not truncated "
             "(give a larger --ctx, or a shorter prompt); the model was not loaded"
         )
 
@@ -642,8 +686,8 @@ async def _run(args: argparse.Namespace, path: str, prompt: str | None, report: 
         if report.at_prompt:  # Ctrl-C at the "> " prompt: the statistics start a line of their own
             print(file=sys.stderr, flush=True)
     except (aioexperts.AioExpertsError, OSError) as exc:
-        report.error = str(exc)
-        _say(f"error: {exc}")
+        report.error = error_text(exc)
+        _say(f"error: {error_text(exc)}")
         status = USAGE_STATUS if not report.turns else 1
     finally:
         if not report.interrupted:
@@ -673,13 +717,16 @@ def _model_path(args: argparse.Namespace) -> tuple[str, bool]:
     from aioexperts.testing import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
 
     layers = args.layers or DEFAULT_FULL_LAYERS
-    built = ensure_full_model(
-        layers,
-        rebuild=args.rebuild,
-        progress=print_progress(sys.stderr),
-        on_build=lambda p: _say(f"writing the built-in full model ({layers} layers) to {p} (once)"),
-        on_wait=lambda: _say("another run is writing the built-in model; waiting for it"),
-    )
+    try:
+        built = ensure_full_model(
+            layers,
+            rebuild=args.rebuild,
+            progress=print_progress(sys.stderr),
+            on_build=lambda p: _say(f"writing the built-in full model ({plural(layers, 'layer')}) to {p} (once)"),
+            on_wait=lambda: _say("another run is writing the built-in model; waiting for it"),
+        )
+    except OSError as exc:
+        raise cache_error(exc) from None
     return os.fspath(built), True
 
 
@@ -716,7 +763,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say("interrupted")
         return INTERRUPTED_STATUS
     except (aioexperts.AioExpertsError, OSError, UnicodeDecodeError) as exc:
-        _say(f"error: {exc}")
+        _say(f"error: {error_text(exc)}")
         return USAGE_STATUS
     if builtin:  # a note on stderr, as the progress lines: --json changes stdout only
         _say("the built-in model's weights are random, so its text is random")

@@ -24,7 +24,15 @@ from typing import Any
 import anyio
 
 import aioexperts
-from aioexperts.cli._common import USAGE_STATUS, HelpFormatter, model_file, name_the_options
+from aioexperts.cli._common import (
+    USAGE_STATUS,
+    HelpFormatter,
+    cache_error,
+    error_text,
+    model_file,
+    name_the_options,
+    plural,
+)
 from aioexperts.cli.run import _context_length, _float, _int_at_least, add_model_options, say_slab
 
 __all__ = ("build_parser", "main")
@@ -115,13 +123,16 @@ def _model_path(args: argparse.Namespace) -> str:
     from aioexperts.testing import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
 
     layers = args.layers or DEFAULT_FULL_LAYERS
-    built = ensure_full_model(
-        layers,
-        rebuild=args.rebuild,
-        progress=print_progress(sys.stderr),
-        on_build=lambda p: _say(f"writing the built-in full model ({layers} layers) to {p} (once)"),
-        on_wait=lambda: _say("another run is writing the built-in model; waiting for it"),
-    )
+    try:
+        built = ensure_full_model(
+            layers,
+            rebuild=args.rebuild,
+            progress=print_progress(sys.stderr),
+            on_build=lambda p: _say(f"writing the built-in full model ({plural(layers, 'layer')}) to {p} (once)"),
+            on_wait=lambda: _say("another run is writing the built-in model; waiting for it"),
+        )
+    except OSError as exc:
+        raise cache_error(exc) from None
     _say("the built-in model's weights are random, so its text is random")
     return os.fspath(built)
 
@@ -179,7 +190,7 @@ async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
                     cancelled = await server.stop()
             if cancelled:
                 when = "at the second signal" if hurried else "at the deadline"
-                _say(f"cancelled {cancelled} generation{'s' if cancelled != 1 else ''} still running {when}")
+                _say(f"cancelled {plural(cancelled, 'generation')} still running {when}")
         _say("stopped at once (second signal)" if hurried else "stopped")
         return 1 if hurried else 0
     except asyncio.CancelledError:
@@ -243,12 +254,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except (aioexperts.AioExpertsError, OSError) as exc:
-        _say(f"error: {exc}")
+        _say(f"error: {error_text(exc)}")
         return USAGE_STATUS
     try:
         return asyncio.run(_serve(args, path, options))
     except (aioexperts.AioExpertsError, OSError) as exc:
-        _say(f"error: {exc}")
+        _say(f"error: {error_text(exc)}")
         return USAGE_STATUS
 
 

@@ -18,9 +18,20 @@ import time
 from collections.abc import Sequence
 
 from .. import AioExpertsError, __version__, open_model, write_miss_tier
-from ._common import USAGE_STATUS, HelpFormatter, model_file, refuse_to_overwrite
+from ._common import USAGE_STATUS, HelpFormatter, error_text, model_file, refuse_to_overwrite
 
 __all__ = ("main",)
+
+#: What ``--help`` says (plain text: argparse prints it as it is).
+DESCRIPTION = (
+    "Write a model's low-precision miss tier: every routed expert of MODEL re-quantized to a smaller type "
+    "(Q3_K by default) with llama.cpp's reference quantizers, into a sidecar GGUF beside the model "
+    "(MODEL.miss-tier-TYPE.gguf). Use it with aioexperts-run --miss-tier SIDECAR (or aioexperts-serve "
+    "--miss-tier SIDECAR): expert misses then read the smaller copy. A sidecar of another model, or of an "
+    "older version of this one, is refused when it is used. The model is never written over; an existing "
+    "file is replaced only if it is a miss-tier sidecar, or with --force. Progress goes to stderr, the "
+    "sidecar's path to stdout; an error is one line on stderr with exit status 2."
+)
 
 TYPES = ("Q3_K", "Q2_K", "IQ4_XS")
 TIER_ARCH = "aioexperts-miss-tier"
@@ -41,7 +52,7 @@ def _is_sidecar(path: str) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; 0 on success, 2 on an error (one line on stderr)."""
-    parser = argparse.ArgumentParser(prog="aioexperts-tier", description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(prog="aioexperts-tier", description=DESCRIPTION, formatter_class=HelpFormatter)
     parser.add_argument("model", help="the model (a GGUF file or any shard of a split set)")
     parser.add_argument("-o", "--out", default=None, help="the sidecar to write (default MODEL.miss-tier-TYPE.gguf)")
     parser.add_argument("--type", default="Q3_K", choices=TYPES, help="the low ggml type")
@@ -74,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.monotonic()
         path = write_miss_tier(model, out, args.type, progress=progress)
     except (AioExpertsError, OSError) as exc:
-        print(f"aioexperts-tier: error: {exc}", file=sys.stderr)
+        print(f"aioexperts-tier: error: {error_text(exc)}", file=sys.stderr)
         return USAGE_STATUS
     if not args.quiet:
         size = os.path.getsize(path)

@@ -30,7 +30,16 @@ import numpy as np
 from .. import AioExpertsError, FormatError, RoutingTrace, __version__, build_layout, open_model
 from .. import _json as strict_json  # the one strict JSON writer (an import-rule exception)
 from ..traces import BELADY, expert_frequencies, format_bytes, slots_for_hit_rate
-from ._common import USAGE_STATUS, HelpFormatter, model_file, refuse_to_overwrite, stdout_closed
+from ._common import (
+    USAGE_STATUS,
+    HelpFormatter,
+    error_text,
+    input_file,
+    model_file,
+    plural,
+    refuse_to_overwrite,
+    stdout_closed,
+)
 from ._texttable import text_table
 
 __all__ = ("hot_first_order", "main")
@@ -91,7 +100,10 @@ def _summary(trace: RoutingTrace, targets: Sequence[float], expert_bytes: int | 
 
 
 def _print_summary(path: str, s: dict[str, Any]) -> None:
-    print(f"{path}: {s['n_tokens']} tokens, {s['n_layers']} MoE layers, top-{s['k']}, {s['n_experts_total']} experts")
+    print(
+        f"{path}: {plural(s['n_tokens'], 'token')}, {plural(s['n_layers'], 'MoE layer')}, top-{s['k']}, "
+        f"{plural(s['n_experts_total'], 'expert')}"
+    )
     print(
         text_table(
             ("layer", "experts", "requests", "never chosen", f"hottest {s['hot_fraction']:.0%} serve", "hottest ids"),
@@ -182,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         model = model_file(args.model) if getattr(args, "model", None) else None  # before the trace is read
-        trace = RoutingTrace.load(os.path.expanduser(args.trace))
+        trace = RoutingTrace.load(input_file(args.trace, "trace file"))
         if args.command == "summary":
             expert_bytes = None
             if model is not None:
@@ -215,12 +227,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             with open(output, "w") as f:
                 strict_json.dump(doc, f, indent=1)
-            print(f"wrote {args.output}: {len(order)} layers")
+            print(f"wrote {args.output}: {plural(len(order), 'layer')}")
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
     except BrokenPipeError:  # `aioexperts-... | head`: the reader has what it wanted
         return stdout_closed()
     except (AioExpertsError, OSError) as exc:
-        print(f"aioexperts-trace: error: {exc}", file=sys.stderr)
+        print(f"aioexperts-trace: error: {error_text(exc)}", file=sys.stderr)
         return USAGE_STATUS
     return 0
 

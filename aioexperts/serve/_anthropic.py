@@ -287,7 +287,9 @@ def _options(body: Mapping[str, Any]) -> SamplingOptions:
         fields["top_k"] = top_k
     if fields["top_p"] == 0.0:
         raise _bad("top_p", "must be greater than 0")
-    stop = tuple(_text(s, "stop_sequences") for s in stops if s)
+    if not all(stops):
+        raise _bad("stop_sequences", "a stop sequence must not be empty")
+    stop = tuple(_text(s, "stop_sequences") for s in stops)
     return SamplingOptions(stop=stop, **{k: v for k, v in fields.items() if v is not None})
 
 

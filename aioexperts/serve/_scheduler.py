@@ -72,7 +72,7 @@ class Scheduler:
             if self.queued >= self.queue_size:
                 self.rejected += 1
                 raise _busy(
-                    f"the server is busy: {self.running} requests running and {self.queued} waiting "
+                    f"the server is busy: {self.running} running and {self.queued} waiting "
                     f"(--parallel {self.parallel}, --queue {self.queue_size}); retry later",
                     "queue_full",
                 )

@@ -291,7 +291,9 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
         raise _bad("stop", "must be a string or an array of strings")
     if len(stops) > MAX_STOP_STRINGS:
         raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-    return tuple(_text(s, "stop") for s in stops if s)
+    if not all(stops):  # llama.cpp would stop before the first token; OpenAI refuses it too
+        raise _bad("stop", "a stop string must not be empty")
+    return tuple(_text(s, "stop") for s in stops)
 
 
 def _sampling(body: Mapping[str, Any]) -> SamplingOptions:

@@ -100,3 +100,66 @@ def test_the_home_directory_is_expanded_and_a_fifo_refused_without_waiting(
     assert maptool.main(["layout", str(tmp_path / "pipe.gguf")]) == 2
     err = capsys.readouterr().err
     assert err == f"aioexperts-map: error: {tmp_path / 'pipe.gguf'}: not a regular file, not a model file\n"
+
+
+@pytest.mark.parametrize("command", ["summary", "order"])
+@pytest.mark.parametrize("case", ["missing", "directory"])
+def test_a_bad_trace_file_is_one_line_and_exit_2(
+    command: str, case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``aioexperts-trace summary|order TRACE`` checks TRACE as the model files are checked (it printed
+    ``[Errno 2] No such file or directory: ...``)."""
+    trace = tmp_path / "trace.npz"
+    if case == "directory":
+        trace.mkdir()
+    argv = [command, str(trace)] + (["-o", str(tmp_path / "order.json")] if command == "order" else [])
+    assert tracetool.main(argv) == 2
+    captured = capsys.readouterr()
+    want = "no such trace file" if case == "missing" else "is a directory, not a trace file"
+    assert captured.out == "" and captured.err == f"aioexperts-trace: error: {trace}: {want}\n", captured.err
+
+
+@pytest.mark.parametrize(("prog", "main"), [("aioexperts-run", run.main), ("aioexperts-serve", serve.main)])
+@pytest.mark.parametrize("case", ["under-a-file", "cannot-create"])
+def test_a_bad_cache_folder_is_one_line_and_exit_2(
+    prog: str,
+    main: Main,
+    case: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The built-in model cannot be written into ``$AIOEXPERTS_CACHE``: one line naming the folder, the
+    reason and what to do, exit 2 (it printed ``[Errno 20] ...``; an unwritable folder a traceback)."""
+    if case == "under-a-file":
+        (tmp_path / "a-file").write_text("x")
+        cache, why = tmp_path / "a-file" / "cache", "a file stands where a folder of that path should be"
+    else:  # a folder that cannot be made (root may write anywhere, so a failing mkdir stands for it)
+        cache, why = tmp_path / "cache", f"Permission denied: {tmp_path / 'cache'}"
+
+        def refusing_mkdir(self: Path, *args: object, **kwargs: object) -> None:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(self))
+
+        monkeypatch.setattr(Path, "mkdir", refusing_mkdir)
+    monkeypatch.setenv("AIOEXPERTS_CACHE", str(cache))
+    argv = ["-p", "Hi", "--layers", "1"] if prog == "aioexperts-run" else ["--port", "0", "--layers", "1"]
+    status = _call(main, argv)
+    captured = capsys.readouterr()
+    assert status == 2, captured.err
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert lines == [
+        f"{prog}: error: cannot write the built-in model into {cache} ({why}); set $AIOEXPERTS_CACHE to a "
+        "writable folder, or give a MODEL file"
+    ], captured.err
+
+
+def test_an_os_error_is_one_line_without_its_errno() -> None:
+    from aioexperts.cli._common import error_text
+
+    assert error_text(FileNotFoundError(errno.ENOENT, "No such file or directory", "/x/y")) == (
+        "/x/y: No such file or directory"
+    )
+    assert error_text(OSError(errno.EXDEV, "Invalid cross-device link", "/a", None, "/b")) == (
+        "/a: /b: Invalid cross-device link"
+    )
+    assert error_text(OSError("plain")) == "plain" and error_text(ValueError("v")) == "v"

@@ -44,13 +44,15 @@ def test_streams_text_to_stdout_and_the_statistics_to_stderr(tiny_full_model: Pa
     assert "prompt: " in done.stderr and "generation: 12 tokens" in done.stderr or "stop: eog" in done.stderr
     assert "Traceback" not in done.stderr
     # every expert request is a hit, a join of a read under way or a miss: the line adds up
-    counts = re.search(r"\((\d+) hits, (\d+) joined a read under way, (\d+) misses of (\d+) requests\)", done.stderr)
+    counts = re.search(
+        r"\((\d+) hits?, (\d+) joined a read under way, (\d+) miss(?:es)? of (\d+) requests?\)", done.stderr
+    )
     assert counts is not None, done.stderr
     hits, joins, misses, requests = (int(g) for g in counts.groups())
     assert hits + joins + misses == requests > 0
     # and every request has one source (issue 36): the four sources add up to the same requests
     sources = re.search(
-        r"expert sources: (\d+) cached, (\d+) prefetched in time, (\d+) prefetched late, (\d+) demand misses; "
+        r"expert sources: (\d+) cached, (\d+) prefetched in time, (\d+) prefetched late, (\d+) demand miss(?:es)?; "
         r"stalled on reads [\d.]+ ms per token",
         done.stderr,
     )
@@ -67,7 +69,7 @@ def test_json_is_one_parseable_object_with_the_same_text(tiny_full_model: Path) 
     report = json.loads(as_json.stdout)  # the whole of stdout
     assert report["text"] and report["text"] + "\n" == as_text.stdout  # same seed, same text; nothing interleaved
     assert report["generated_tokens"] >= 1 and report["prompt_tokens"] >= 1
-    assert report["stop_reason"] in ("length", "eog")
+    assert report["stop_reason"] in ("length", "eog") and report["stop_string"] is None
     assert report["time_to_first_token"] > 0 and report["interrupted"] is False
     ex = report["experts"]
     assert 0 <= ex["hit_rate"] <= 1 and ex["bytes_read_per_token"] > 0
@@ -238,6 +240,7 @@ def test_a_slab_other_than_asked_for_is_said_on_stderr(tiny_full_model: Path) ->
         assert needle in done.stderr and done.stderr.count("the slab has") == 1, done.stderr
     done = run(str(tiny_full_model), "-p", "Hi", "-n", "1", "--io", "threads", "--slots", "2")
     assert "the slab has" not in done.stderr, done.stderr
+    assert "generation: 1 token; " in done.stderr and "(0 tokens after the first in" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(
@@ -259,6 +262,8 @@ def test_a_slab_other_than_asked_for_is_said_on_stderr(tiny_full_model: Path) ->
         (["/tmp", "-p", "x"], "/tmp: is a directory, not a model file"),
         (["MODEL", "-p", "x", "--miss-tier", "/no/such/tier.gguf"], "--miss-tier /no/such/tier.gguf: no such file"),
         (["MODEL", "-p", "x", "--miss-tier-weight", "0.5"], "--miss-tier-weight needs --miss-tier"),
+        (["MODEL", "-p", "x", "--miss-tier", "MODEL", "--miss-tier-weight", "-1"], "argument --miss-tier-weight: must"),
+        (["MODEL", "-p", "x", "--miss-tier", "MODEL", "--miss-tier-weight", "nan"], "finite number >= 0"),
         (["NOT_GGUF", "-p", "x"], "not a GGUF file"),
         (["MODEL", "-p", "x", "--ctx", "4"], "more than n_ctx=4"),
         # issue 31: a KV cache beyond the memory limit was a numpy MemoryError traceback and exit 1
@@ -399,9 +404,89 @@ def test_the_miss_tier_serves_misses_and_is_reported(tiny_full_model: Path, tmp_
     assert ex["tier_upgrades_deferred"] >= 0
     human = run(*args, "--miss-tier", str(sidecar))
     line = (
-        r"\d+ demand misses, \d+ of them from the low tier \(\d+ upgraded since\); \d+ prefetched from the low "
-        r"tier, \d+ upgrades put off while the reads were behind; stalled on reads"
+        r"\d+ demand miss(?:es)?, \d+ of them from the low tier \(\d+ upgraded since\); \d+ prefetched from the low "
+        r"tier, \d+ upgrades? put off while the reads were behind; stalled on reads"
     )
     assert re.search(line, human.stderr), human.stderr
     stale = run(*args, "--miss-tier", str(tiny_full_model))  # not a sidecar: one clear line, no traceback
     assert stale.returncode != 0 and "not a miss-tier sidecar" in stale.stderr and "Traceback" not in stale.stderr
+
+
+def test_a_chat_turn_past_ctx_is_skipped_with_one_line_and_the_chat_goes_on(tiny_full_model: Path) -> None:
+    """A later turn that makes the conversation longer than --ctx is refused alone (one error line
+    naming the tokens, the limit and what to do); the turns before and after it run, exit 0."""
+    long = "the quick brown fox jumps over the lazy dog " * 2
+    done = run(
+        *(str(tiny_full_model), "--chat", "-n", "4", "--temp", "0", "--io", "threads", "--ctx", "40", "--json"),
+        stdin=f"Hi\n{long}\nHi\n",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1, done.stderr
+    assert re.search(r"the conversation is \d+ tokens, more than n_ctx=40 positions \(--ctx 40\)", errors[0])
+    assert "skipped" in errors[0] and "larger --ctx" in errors[0]
+    turns = json.loads(done.stdout)["turns"]
+    assert [t["user"] for t in turns] == ["Hi", long, "Hi"]
+    assert turns[0]["error"] is None and turns[0]["generated_tokens"] > 0
+    assert turns[1]["error"] in errors[0] and turns[1]["generated_tokens"] == 0 and turns[1]["assistant"] == ""
+    assert turns[2]["error"] is None and turns[2]["generated_tokens"] > 0
+    assert turns[2]["reused_tokens"] > 0  # the skipped turn left the conversation (and its KV cache) as it was
+
+
+def test_a_system_message_longer_than_ctx_is_refused_before_the_model_loads(
+    tiny_full_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--chat without -p: the first turn comes from stdin, but --system alone must fit --ctx."""
+    import aioexperts
+    from aioexperts.cli.run import main
+
+    async def no_start(self: aioexperts.Model) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(aioexperts.Model, "start", no_start)
+    system = "the quick brown fox jumps over the lazy dog " * 3
+    assert main([str(tiny_full_model), "--chat", "--system", system, "--ctx", "16", "--io", "threads"]) == 2
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert out == "" and len(lines) == 1 and "Traceback" not in err, err
+    assert re.search(r"--system takes \d+ tokens in the chat template", lines[0]), lines[0]
+    assert "more than n_ctx=16 positions (--ctx 16)" in lines[0] and "the model was not loaded" in lines[0]
+
+
+def test_the_stop_string_that_ended_generation_is_reported(tiny_full_model: Path) -> None:
+    base = (str(tiny_full_model), "-p", "Once upon a time", "-n", "8", "--temp", "0", "--io", "threads")
+    free = json.loads(run(*base, "--json").stdout)
+    assert free["stop_string"] is None
+    stop = free["text"][2:4]  # greedy: the same text again, cut where this first occurs
+    assert len(stop) == 2, free["text"]
+    cut = run(*base, "--json", "--stop", stop)
+    report = json.loads(cut.stdout)
+    assert report["stop_reason"] == "stop" and report["stop_string"] == stop, cut.stderr
+    human = run(*base, "--stop", stop)
+    assert f"stop: stop (at {stop!r})" in human.stderr, human.stderr
+
+
+def test_no_expert_requests_is_no_hit_rate(
+    tiny_full_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A chat that ends before its first turn made no expert request: the hit rate is n/a (null), not 0.0%."""
+    import io
+
+    from aioexperts.cli.run import main
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main([str(tiny_full_model), "--chat", "--io", "threads"]) == 0
+    err = capsys.readouterr().err
+    assert "experts: hit rate n/a (0 hits, 0 joined a read under way, 0 misses of 0 requests)" in err, err
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main([str(tiny_full_model), "--chat", "--io", "threads", "--json"]) == 0
+    ex = json.loads(capsys.readouterr().out)["experts"]
+    assert ex["requests"] == 0 and ex["hit_rate"] is None
+
+
+def test_counts_of_one_are_singular() -> None:
+    from aioexperts.cli._common import plural
+
+    assert plural(1, "token") == "1 token" and plural(0, "token") == "0 tokens" and plural(2, "token") == "2 tokens"
+    assert plural(1, "miss", "misses") == "1 miss" and plural(3, "miss", "misses") == "3 misses"

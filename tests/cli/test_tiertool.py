@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,18 @@ def test_refuses_to_write_over_the_model_or_another_file(
     assert other.read_text() == "keep me"
     assert main([str(model), "-o", str(other), "--force", "--quiet"]) == 0
     assert main([str(tmp_path / "missing.gguf"), "-o", str(tmp_path / "x.gguf")]) == 2
+
+
+@pytest.mark.parametrize("command", ["tiertool", "run", "serve", "maptool", "tracetool", "bench"])
+def test_help_is_plain_user_facing_text(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` shows no reST markup (double backticks, ``:func:`` roles) and no issue numbers of the
+    project's tracker (``aioexperts-tier --help`` printed its module docstring)."""
+    import importlib
+
+    main = importlib.import_module(f"aioexperts.cli.{command}").main
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: ")
+    assert "``" not in text and not re.search(r":\w+:`", text) and not re.search(r"\bissue \d", text), text

@@ -345,6 +345,12 @@ def test_messages_stop_sequences(claude: Any) -> None:
     assert msg.content[0].text == "one two "
 
 
+def test_an_empty_stop_sequence_is_400(claude: Any) -> None:
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model="m", max_tokens=10, messages=A_USER, stop_sequences=["STOP", ""])
+    assert "stop_sequences: a stop sequence must not be empty" in err.value.body["error"]["message"]
+
+
 def test_messages_max_tokens(claude: Any) -> None:
     say("a long reply " * 20)
     msg = claude.messages.create(model="m", max_tokens=3, messages=A_USER)

@@ -84,6 +84,9 @@ def test_a_body_over_the_limit_is_413(served: ServerThread) -> None:
         (TEXT, {"prompt": "Hi", "frequency_penalty": "x"}, "frequency_penalty"),
         (TEXT, {"prompt": "Hi", "seed": -1}, "seed"),
         (TEXT, {"prompt": "Hi", "stop": 3}, "stop"),
+        (TEXT, {"prompt": "Hi", "stop": ""}, "stop"),  # an empty stop string would stop before any token
+        (TEXT, {"prompt": "Hi", "stop": ["\n", ""]}, "stop"),
+        (CHAT, {"messages": USER, "stop": [""]}, "stop"),
         (TEXT, {"prompt": "Hi", "logprobs": 21}, "logprobs"),
         (TEXT, {"prompt": "Hi", "stream": "yes"}, "stream"),
         (TEXT, {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
