@@ -81,7 +81,6 @@ __all__ = (
     "WarmupReport",
     "backend",
     "compiled_types",
-    "flash_heads_kernel",
     "flash_kernel",
     "int8_batched_types",
     "int8_types",
@@ -850,28 +849,6 @@ def flash_kernel() -> Callable[..., None] | None:
         pool.map(lambda i: bits_kernel(q, k16, v16, *rest, bounds[i], bounds[i + 1]), range(parts))
 
     return flash
-
-
-def flash_heads_kernel(head_k: int, head_v: int) -> Callable[..., None] | None:
-    """The vector F16 flash attention for a range of query heads, when it serves (numba, float16
-    converted in hardware, both head sizes multiples of 32), else None.
-
-    The callable is ``flash_heads(q, k16, v16, start, scale, sinks, window, out, h_lo, h_hi)``:
-    :func:`aioexperts._compute.kernels.flash.flash_attend_f16_bits` itself (``k16``/``v16`` the
-    cache's uint16 bits, C-contiguous), which writes ``out[:, h_lo:h_hi]`` only and reads ``q`` only
-    there: callers that split the heads themselves (a decode step's attention, one range per
-    worker) get the bits :func:`flash_kernel` gives.
-    """
-    if backend().name != "numba" or head_k % 32 or head_v % 32:
-        return None
-    try:
-        if not importlib.import_module(f"{__package__}.kernels.halfvec").hardware_half():
-            return None
-        kernel: Callable[..., None] = importlib.import_module(f"{__package__}.kernels.flash").flash_attend_f16_bits
-    except Exception as exc:  # a broken numba/llvmlite can raise anything at import
-        _fail(exc, "the flash attention kernel")
-        return None
-    return kernel
 
 
 def _dequantize_compiled(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int, out: np.ndarray) -> bool:

@@ -21,10 +21,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from aioexperts._compute import fused
 from aioexperts._compute.attention import attend
 from aioexperts._compute.norms import rms_norm
-from aioexperts._compute.pool import compute_pool, split_ranges
+from aioexperts._compute.pool import compute_pool
 from aioexperts._compute.rope import apply_rope, rope_table
 from aioexperts._errors import UnsupportedTypeError
 from aioexperts._format.architectures import ModelHParams
@@ -93,9 +92,6 @@ BlockFactory = Callable[[ModelHParams, TensorReader, int], AttentionBlock]
 """``factory(hparams, reader, layer) -> AttentionBlock``: reads the layer's tensors (blocking)."""
 
 
-_NO_SINKS = np.empty(0, dtype=np.float32)
-
-
 class GQABlock:
     """Grouped-query attention with RoPE (llama-graph.cpp ``build_qkv``, ``build_attn``; see module docstring).
 
@@ -158,9 +154,6 @@ class GQABlock:
         """See :class:`AttentionBlock`. One position (a decode step) takes :meth:`attention_rows`:
         q, k and v split over the pool in one hand-off, not one each (the same bits)."""
         if x.shape[0] == 1:
-            by_heads = self._decode_by_heads(x, cache, start)
-            if by_heads is not None:
-                return by_heads
             return self.attention_rows(x, [cache], [start], compute_pool().n_threads)
         out = self._attend(self.wq(x), self.wk(x), self.wv(x), cache, start)
         return self._output(self.wo(out))
@@ -181,61 +174,6 @@ class GQABlock:
             lambda i: self._attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], caches[i], starts[i]), range(n)
         )
         (y,) = invariant_products([(self.wo, np.concatenate(outs))], parts)
-        return self._output(y)
-
-    def _decode_by_heads(self, x: np.ndarray, cache: Mapping[str, np.ndarray], start: int) -> np.ndarray | None:
-        """One position's attention with the KV heads split over the compute pool in one hand-off:
-        each worker projects its heads' q, k and v rows, norms, rotates and caches them and runs
-        the F16 flash attention of its query heads; then the output projection. The same
-        operations on the same rows as :meth:`attention_rows` (rows, heads and norms are
-        independent), so the same bits, with one pool hand-off fewer. None where it does not
-        serve: a pool of one worker, one KV head, a norm over the whole projection, a float32
-        KV cache, no vector flash kernel."""
-        hp = self.hp
-        pool = compute_pool()
-        parts = min(pool.n_threads, hp.n_head_kv)
-        kc, vc = cache["k"], cache["v"]
-        if parts < 2 or hp.record.qk_norm == "whole" or kc.dtype != np.float16 or vc.dtype != np.float16:
-            return None
-        flash = fused.flash_heads_kernel(hp.head_k, hp.head_v)
-        if flash is None or not (kc.flags.c_contiguous and vc.flags.c_contiguous):
-            return None
-        group = hp.n_head // hp.n_head_kv
-        dk, dv = hp.head_k, hp.head_v
-        q3 = np.empty((1, hp.n_head, dk), dtype=np.float32)
-        out = np.empty((1, hp.n_head, dv), dtype=np.float32)
-        cos, sin = self.rope_table.cos_sin(start, 1)
-        k16 = kc[: start + 1].view(np.uint16)
-        v16 = vc[: start + 1].view(np.uint16)
-        sinks = _NO_SINKS if self.sinks is None else self.sinks
-        scale = np.float32(self.scale)
-
-        def heads(kv: range) -> None:
-            a, b = kv.start, kv.stop
-            h0, h1 = a * group, b * group
-            q = self.wq.invariant(x, (h0 * dk, h1 * dk), split=False)
-            k = self.wk.invariant(x, (a * dk, b * dk), split=False)
-            v = self.wv.invariant(x, (a * dv, b * dv), split=False)
-            if self.bq is not None:
-                q += self.bq[h0 * dk : h1 * dk]
-            if self.bk is not None:
-                k += self.bk[a * dk : b * dk]
-            if self.bv is not None:
-                v += self.bv[a * dv : b * dv]
-            qh = q.reshape(1, h1 - h0, dk)
-            kh = k.reshape(1, b - a, dk)
-            if hp.record.qk_norm == "head":
-                if self.q_norm is not None:
-                    qh = rms_norm(qh, self.q_norm, hp.norm_eps)
-                if self.k_norm is not None:
-                    kh = rms_norm(kh, self.k_norm, hp.norm_eps)
-            q3[:, h0:h1] = apply_rope(qh, cos, sin, self.rope.rope_type, self.rope.n_rot)
-            kc[start, a:b] = apply_rope(kh, cos, sin, self.rope.rope_type, self.rope.n_rot)[0]
-            vc[start, a:b] = v.reshape(b - a, dv)
-            flash(q3, k16, v16, start, scale, sinks, self.window, out, h0, h1)
-
-        pool.map(heads, split_ranges(hp.n_head_kv, parts))
-        (y,) = invariant_products([(self.wo, out.reshape(1, -1))], pool.n_threads)
         return self._output(y)
 
     def _attend(
