@@ -187,7 +187,11 @@ def test_logits_and_residuals_match_llama_cpp(path: Path) -> None:
     differ = routing_differs(path, got["capture"], n)
     assert len(differ) <= 2 and not (differ and path.stem.endswith("-f32"))
     # a position whose experts differ from llama.cpp's (a near tie flipped by float order) is no
-    # float-rounding comparison: left out of the whole's bound as of the per-position one below
+    # float-rounding comparison: left out of the whole's bound as of the per-position one below.
+    # deepseek2-q4_k_m: ours is 0.122 from the golden over all 16 positions (0.45 at position 14,
+    # where layer 1 routes otherwise; <= 0.035 elsewhere); llama.cpp 0.3.36 run on this 2-vCPU AMD
+    # EPYC is itself 0.125 from that golden (made elsewhere), flipping positions 6 and 14 (0.47 from
+    # ours there): the whole-file bound is inside this file's chaos, not a graph departure
     differ |= near_ties
     same_rows = sorted(set(range(n)) - differ)
     assert rel_l2(got["logits"][same_rows], want["logits"][same_rows]) <= tol
