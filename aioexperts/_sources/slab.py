@@ -16,7 +16,6 @@ from contextlib import asynccontextmanager
 from typing import TypeVar
 
 import anyio
-from gguf import GGMLQuantizationType
 
 from .._cache.cache import Entry, ExpertCache, Key, SlotState
 from .._cache.eviction import make_policy
@@ -42,17 +41,6 @@ from .tier_files import add_sidecar
 __all__ = ("SlabSource",)
 
 T = TypeVar("T")
-#: what one plan's views need: layer, expert, bank, the three payloads' slot spans (start, end) and
-#: each projection's (ggml type, shape)
-_Recipe = tuple[
-    int,
-    int,
-    int,
-    tuple[int, int, int, int, int, int],
-    tuple[GGMLQuantizationType, tuple[int, int]],
-    tuple[GGMLQuantizationType, tuple[int, int]],
-    tuple[GGMLQuantizationType, tuple[int, int]],
-]
 
 log = logging.getLogger("aioexperts")
 #: where a slab other than the one asked for is said (the CLIs say it themselves, with the option's name)
@@ -93,7 +81,6 @@ class SlabSource(ExpertSource):
         self.tier: TierSidecar | None = None  # the miss tier's sidecar, set before start
         self.tier_policy: MissTier | None = None  # the miss tier's rules, set with the sidecar
         self.tier_off_reason: str | None = None  # why start switched the tier off (None: on, or none given)
-        self._recipes: dict[int, _Recipe] = {}  # id(plan) -> what its views need (_recipe)
 
     @property
     def scheduler(self) -> ReadScheduler | None:
@@ -244,42 +231,22 @@ class SlabSource(ExpertSource):
 
     def _shared_views(self, pinned: Entry) -> SharedViews:
         plan = pinned.plan
-        recipe = self._recipes.get(id(plan))
-        if recipe is None:
-            recipe = self._recipe(plan)
-        slab = self.stack.slab
-        assert slab is not None
-        layer, expert, bank, spans, (g_type, g_shape), (u_type, u_shape), (d_type, d_shape) = recipe
-        gv, uv, dv = slab.projection_views(pinned.slot, spans)
-        return SharedViews(
-            ExpertView(
-                layer,
-                expert,
-                bank,
-                ProjectionView(gv, g_type, g_shape),
-                ProjectionView(uv, u_type, u_shape),
-                ProjectionView(dv, d_type, d_shape),
-            )
-        )
-
-    def _recipe(self, plan: object) -> _Recipe:
-        """What :meth:`_shared_views` needs of ``plan``, worked out once per plan (plans live as long
-        as the source, so their ids stay theirs)."""
         assert isinstance(plan, ExpertPlan)
         loc = plan.location
+        slab = self.stack.slab
+        assert slab is not None
         g, u, d = loc.segments
-        g_off, u_off, d_off = plan.payload_offsets
-        recipe: _Recipe = (
-            loc.layer,
-            loc.expert,
-            loc.bank,
-            (g_off, g_off + g.n_bytes, u_off, u_off + u.n_bytes, d_off, d_off + d.n_bytes),
-            (g.ggml_type, g.shape),
-            (u.ggml_type, u.shape),
-            (d.ggml_type, d.shape),
+        gv, uv, dv = slab.projection_views(pinned.slot, plan.payload_spans)
+        return SharedViews(
+            ExpertView(
+                loc.layer,
+                loc.expert,
+                loc.bank,
+                ProjectionView(gv, g.ggml_type, g.shape),
+                ProjectionView(uv, u.ggml_type, u.shape),
+                ProjectionView(dv, d.ggml_type, d.shape),
+            )
         )
-        self._recipes[id(plan)] = recipe
-        return recipe
 
     def end_views(self, pinned: Sequence[Entry], views: Sequence[ExpertView]) -> None:
         for entry in pinned:  # the views stay for the next hit; only the last pin checks what outlives it
