@@ -390,7 +390,12 @@ class ExpertCache:
             raise SlabExhaustedError(
                 f"{len(unique)} experts requested at once but the slab has {self.n_slots} slots; open with more slots"
             )
-        if not wait:
+        # nobody queued for slots: what _pin_now and _pin_in_turn would both do first, without
+        # their coroutine (or the timeout's cancel scope) when the slots are there
+        pinned_now = None if self._turns else self._pin_all(unique, plans)
+        if pinned_now is not None:
+            pinned = pinned_now
+        elif not wait:
             pinned = await self._pin_now(unique, plans)
         elif slot_timeout is None:
             pinned = await self._pin_in_turn(unique, plans)
