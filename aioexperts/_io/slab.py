@@ -184,7 +184,9 @@ class Slab:
             shared = self._shared_bytes()
         g0, g1, u0, u1, d0, d1 = spans
         stride = self.slot_bytes
-        if not (0 <= slot < self.n_slots and 0 <= g0 <= g1 <= stride and 0 <= u0 <= u1 <= stride and 0 <= d0 <= d1 <= stride):
+        if not (
+            0 <= slot < self.n_slots and 0 <= g0 <= g1 <= stride and 0 <= u0 <= u1 <= stride and 0 <= d0 <= d1 <= stride
+        ):
             raise IndexError(f"slot {slot} spans {spans} are outside the slab")
         base = slot * stride
         self.shared_views_made += 3

@@ -210,7 +210,13 @@ def test_slab_projection_views_are_the_shared_views_of_their_spans_and_checked()
         want = slab.shared_views(1, ((0, 16), (4096, 8), (100, 0)))
         assert [(v.format, v.readonly, bytes(v)) for v in views] == [("B", True, bytes(w)) for w in want]
         assert slab.shared_views_made == 6
-        for slot, bad in ((3, spans), (-1, spans), (0, (0, 8193, 0, 1, 0, 1)), (0, (-1, 2, 0, 1, 0, 1)), (0, (5, 4, 0, 1, 0, 1))):
+        for slot, bad in (
+            (3, spans),
+            (-1, spans),
+            (0, (0, 8193, 0, 1, 0, 1)),
+            (0, (-1, 2, 0, 1, 0, 1)),
+            (0, (5, 4, 0, 1, 0, 1)),
+        ):
             with pytest.raises(IndexError):
                 slab.projection_views(slot, bad)
         assert slab.shared_views_made == 6  # nothing made for a refused span
