@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from enum import Enum
 from typing import Protocol
 
@@ -139,11 +139,6 @@ class Entry:
 
     def __repr__(self) -> str:
         return f"Entry({self.key}, slot={self.slot}, {self.state.name}, pins={self.pins})"
-
-
-def _other_than(key: Key) -> Callable[[Key], bool]:
-    """A victim filter that spares ``key``."""
-    return lambda k: k != key
 
 
 class _Waiter:
@@ -395,7 +390,12 @@ class ExpertCache:
             raise SlabExhaustedError(
                 f"{len(unique)} experts requested at once but the slab has {self.n_slots} slots; open with more slots"
             )
-        if not wait:
+        # nobody queued for slots: what _pin_now and _pin_in_turn would both do first, without
+        # their coroutine (or the timeout's cancel scope) when the slots are there
+        pinned_now = None if self._turns else self._pin_all(unique, plans)
+        if pinned_now is not None:
+            pinned = pinned_now
+        elif not wait:
             pinned = await self._pin_now(unique, plans)
         elif slot_timeout is None:
             pinned = await self._pin_in_turn(unique, plans)
@@ -501,23 +501,32 @@ class ExpertCache:
                 already evicted stay evicted: their slots are free).
         """
         entries = self.entries
-        present = [entries[key] for key in keys if key in entries]
-        missing = [key for key in keys if key not in entries]
+        get = entries.get
+        present: list[Entry] = []
+        missing: list[Key] = []
+        for key in keys:  # one pass: hits and misses
+            found = get(key)
+            if found is None:
+                missing.append(key)
+            else:
+                present.append(found)
         new_plans = [plans.get(key) or self.plan_of(*key) for key in missing]
-        wanted = set(keys)
-        victims = self._choose_victims(len(missing) - len(self.free_slots), lambda k: k not in wanted)
+        victims = self._choose_victims(len(missing) - len(self.free_slots), set(keys) if missing else ())
         if victims is None:
             return None
-        for entry in present:
-            if entry.state is SlotState.READY and entry.key not in self._untracked:
-                self._hook(self.policy.access, entry.key, "access")
+        if present:
+            ready, untracked = SlotState.READY, self._untracked
+            for entry in present:
+                if entry.state is ready and entry.key not in untracked:
+                    self._hook(self.policy.access, entry.key, "access")
         self._evict(victims)
         # mutation: nothing below calls out of the cache
         for entry in present:
             entry.pins += 1
-        for key, plan in zip(missing, new_plans, strict=True):
-            entry = self._start(key, self.free_slots.pop(), plan, Priority.DEMAND)
-            entry.pins = 1
+        if missing:
+            start, free, demand = self._start, self.free_slots.pop, Priority.DEMAND
+            for key, plan in zip(missing, new_plans, strict=True):
+                start(key, free(), plan, demand).pins = 1
         c = self.counters
         c.requests += len(keys)
         c.misses += len(missing)
@@ -548,6 +557,8 @@ class ExpertCache:
                 entry.prefetched = False
                 c.prefetch_hits += 1
                 c.low_tier_prefetch_hits += entry.low
+        if not missing:
+            return present  # every key was cached: these are the entries in the order of keys
         return [entries[key] for key in keys]
 
     def release(self, entries: Sequence[Entry]) -> None:
@@ -603,7 +614,7 @@ class ExpertCache:
                 continue
             if not self.free_slots:
                 try:
-                    self._evict(self._choose_victims(1, _other_than(key), partial=True) or [])
+                    self._evict(self._choose_victims(1, (key,), partial=True) or [])
                 except EvictionPolicyError:
                     log.exception("the eviction policy failed while a low-tier expert was upgraded")
                 if not self.free_slots:
@@ -700,7 +711,7 @@ class ExpertCache:
         missing = [k for k in dict.fromkeys(keys) if k not in self.entries]
         plans = self._plans(missing, low)
         layers = {k[0] for k in missing}
-        victims = self._choose_victims(len(missing) - len(self.free_slots), lambda k: k[0] not in layers, partial=True)
+        victims = self._choose_victims(len(missing) - len(self.free_slots), (), layers, partial=True)
         assert victims is not None
         self._evict(victims)
         return self._start_prefetches(plans)
@@ -770,7 +781,7 @@ class ExpertCache:
         plans = self._plans(missing, low)
         ahead_plans = self._plans(ahead, low_prefetch)
         # the demand loads evict as the request's acquire would (anything but the request's own keys)
-        victims = self._choose_victims(len(missing) - len(self.free_slots), lambda k: k not in wanted_set, partial=True)
+        victims = self._choose_victims(len(missing) - len(self.free_slots), wanted_set, partial=True)
         assert victims is not None
         self._evict(victims)
         started = 0
@@ -781,9 +792,7 @@ class ExpertCache:
             started += 1
         # the prefetch evicts as prefetch() after the request's pins: not the request's keys, not its layers ahead
         layers = {k[0] for k in ahead}
-        victims = self._choose_victims(
-            len(ahead) - len(self.free_slots), lambda k: k not in wanted_set and k[0] not in layers, partial=True
-        )
+        victims = self._choose_victims(len(ahead) - len(self.free_slots), wanted_set, layers, partial=True)
         assert victims is not None
         self._evict(victims)
         prefetched = self._start_prefetches(ahead_plans)
@@ -836,8 +845,11 @@ class ExpertCache:
                 f"entries can be evicted and {n} slots are needed; the request holds no pins"
             )
 
-    def _choose_victims(self, n: int, may_evict: Callable[[Key], bool], *, partial: bool = False) -> list[Key] | None:
-        """Choose ``n`` READY, unpinned entries to evict, without changing anything.
+    def _choose_victims(
+        self, n: int, spare: Container[Key], spare_layers: Container[int] = (), *, partial: bool = False
+    ) -> list[Key] | None:
+        """Choose ``n`` READY, unpinned entries to evict, without changing anything, sparing the keys
+        in ``spare`` and every key of a layer in ``spare_layers``.
 
         Returns:
             The keys, or (unless ``partial``) None when fewer than ``n`` can be evicted.
@@ -851,15 +863,19 @@ class ExpertCache:
             return [] if partial else None
         chosen: list[Key] = []
         taken: set[Key] = set()
+        get = self.entries.get
+        ready = SlotState.READY
 
+        # one test per candidate key of the policy's walk (no predicate call inside it)
         def can_evict(key: Key) -> bool:
-            entry = self.entries.get(key)
+            entry = get(key)
             return (
                 entry is not None
-                and entry.pins == 0
-                and entry.state is SlotState.READY
+                and not entry.pins
+                and entry.state is ready
+                and key not in spare
                 and key not in taken
-                and may_evict(key)
+                and key[0] not in spare_layers
             )
 
         for key in self._untracked:  # the policy may have lost these: the cache evicts them itself
@@ -892,25 +908,37 @@ class ExpertCache:
         Raises:
             EvictionPolicyError: ``remove`` raised; every victim is evicted all the same.
         """
+        if not victims:
+            return
         error: Exception | None = None
+        pop, free, full_ready, untracked = self.entries.pop, self.free_slots.append, self._full_ready, self._untracked
+        remove = self.policy.remove
+        ready, free_state = SlotState.READY, SlotState.FREE
+        wasted = 0
         for key in victims:
-            entry = self.entries.pop(key)
-            if entry.state is SlotState.READY and not entry.low:
-                self._full_ready[key[0]] -= 1
-            entry.state = SlotState.FREE
-            entry.drop_views()  # views of the slot's old bytes: the slot now goes to another expert
-            self.free_slots.append(entry.slot)
-            self.counters.evictions += 1
-            if entry.prefetched:
-                self.counters.prefetch_wasted += 1
-            untracked = key in self._untracked
-            self._untracked.discard(key)
+            entry = pop(key)
+            if entry.state is ready and not entry.low:
+                full_ready[key[0]] -= 1
+            entry.state = free_state
+            views = entry.views
+            if views is not None:  # views of the slot's old bytes: the slot now goes to another expert
+                entry.views = None
+                views.invalidate()
+            free(entry.slot)
+            wasted += entry.prefetched
+            was_untracked = False
+            if untracked and key in untracked:
+                untracked.discard(key)
+                was_untracked = True
             try:
-                self.policy.remove(key)
+                remove(key)
             except Exception as exc:
                 self._stale.add(key)
-                if not untracked and error is None:
+                if not was_untracked and error is None:
                     error = exc
+        c = self.counters
+        c.evictions += len(victims)
+        c.prefetch_wasted += wasted
         if error is not None:
             self._signal_space()  # the evicted slots are free for whoever comes next
             raise self._policy_error("remove", error) from error
@@ -985,15 +1013,15 @@ class ExpertCache:
         """``on_done`` of every load (its ``owner`` is the entry): READY, or FREE with the error for
         every waiter. Never raises."""
         entry: Entry = load.owner
-        if self._upgrading.get(entry.key) is entry:
+        key = entry.key
+        if self._upgrading and self._upgrading.get(key) is entry:
             self._upgraded(entry, load.error)
             return
         entry.load = None
         error = load.error
         if error is None:
-            key = entry.key
             try:
-                if key in self._stale:  # an earlier remove raised: the policy may still track it
+                if self._stale and key in self._stale:  # an earlier remove raised: the policy may still track it
                     self._stale.discard(key)
                     self.policy.remove(key)
                 self.policy.admit(key)
@@ -1007,20 +1035,22 @@ class ExpertCache:
         if error is None:
             entry.state = SlotState.READY
             if not entry.low:
-                self._full_ready[entry.key[0]] = self._full_ready.get(entry.key[0], 0) + 1
+                full_ready = self._full_ready
+                full_ready[key[0]] = full_ready.get(key[0], 0) + 1
             self.counters.payload_bytes += entry.plan.payload_bytes
-            if entry.pins == 0:
-                self._signal_space()
+            if entry.pins == 0 and self._turns:
+                self._turns[0].set()  # _signal_space
         else:
             if isinstance(error, ExpertReadError):
                 self.counters.read_errors += 1
             entry.error = error
             entry.state = SlotState.FREE
-            if self.entries.get(entry.key) is entry:
-                del self.entries[entry.key]
+            if self.entries.get(key) is entry:
+                del self.entries[key]
             self.free_slots.append(entry.slot)  # the load's reads have all completed
             self._signal_space()
-        self._wake(entry)
+        if entry.waiters is not None:
+            self._wake(entry)
 
     def _signal_space(self) -> None:
         """Slots may have become free or evictable: let the first request in line try again."""

@@ -64,6 +64,8 @@ class ExpertPlan:
         read_bytes: bytes the reads request (payload plus alignment padding); computed once, the
             scheduler reads it for every load.
         payload_bytes: bytes of the expert itself (gate + up + down); computed once.
+        payload_spans: ``(start, end)`` slot offsets (bytes) of the gate, up and down payloads,
+            flat: what the slab's views of a load are cut from; computed once.
     """
 
     location: ExpertLocation
@@ -72,10 +74,14 @@ class ExpertPlan:
     slot_bytes: int
     read_bytes: int = field(init=False, compare=False)
     payload_bytes: int = field(init=False, compare=False)
+    payload_spans: tuple[int, int, int, int, int, int] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "read_bytes", sum(r.n_bytes for r in self.reads))
         object.__setattr__(self, "payload_bytes", self.location.n_bytes)
+        g, u, d = self.location.segments
+        g0, u0, d0 = self.payload_offsets
+        object.__setattr__(self, "payload_spans", (g0, g0 + g.n_bytes, u0, u0 + u.n_bytes, d0, d0 + d.n_bytes))
 
     @property
     def key(self) -> tuple[int, int]:

@@ -16,6 +16,7 @@ still uses slot memory that may soon hold another expert.
 
 from __future__ import annotations
 
+import gc
 import sys
 
 from .._format.views import ExpertView, managed_buffer
@@ -41,11 +42,13 @@ class SharedViews:
     def __init__(self, expert: ExpertView) -> None:
         self.expert = expert
         # unrolled (no generator per load): this runs once per slot load, on the miss path
-        gate, up, down = (
-            managed_buffer(expert.gate.data),
-            managed_buffer(expert.up.data),
-            managed_buffer(expert.down.data),
-        )
+        g, u, d = expert.gate.data, expert.up.data, expert.down.data
+        found = gc.get_referents(g, u, d)  # one call: CPython's memoryview has its managed buffer as its one referent
+        if len(found) == 3:
+            gate, up, down = found
+        else:  # elsewhere: as managed_buffer tells
+            gate, up, down = managed_buffer(g), managed_buffer(u), managed_buffer(d)
+        del found  # its references must not count in the baseline below
         self._buffers: tuple[object, ...] = (gate, up, down)
         self._refs: tuple[int, ...] = (sys.getrefcount(gate), sys.getrefcount(up), sys.getrefcount(down))
 

@@ -236,8 +236,7 @@ class SlabSource(ExpertSource):
         slab = self.stack.slab
         assert slab is not None
         g, u, d = loc.segments
-        (g_off, u_off, d_off) = plan.payload_offsets
-        gv, uv, dv = slab.shared_views(pinned.slot, ((g_off, g.n_bytes), (u_off, u.n_bytes), (d_off, d.n_bytes)))
+        gv, uv, dv = slab.projection_views(pinned.slot, plan.payload_spans)
         return SharedViews(
             ExpertView(
                 loc.layer,

@@ -195,3 +195,33 @@ def test_slab_shared_views_are_read_only_bytes_of_their_span_and_checked() -> No
     finally:
         slab.close()
     assert slab.closed
+
+
+def test_slab_projection_views_are_the_shared_views_of_their_spans_and_checked() -> None:
+    from aioexperts._io.slab import Slab
+
+    slab = Slab(3, 8192)
+    try:
+        writer = slab.writable_view(1, 0, 8192)
+        writer[:] = bytes(range(256)) * 32
+        writer.release()
+        spans = (0, 16, 4096, 4104, 100, 100)
+        views = slab.projection_views(1, spans)
+        want = slab.shared_views(1, ((0, 16), (4096, 8), (100, 0)))
+        assert [(v.format, v.readonly, bytes(v)) for v in views] == [("B", True, bytes(w)) for w in want]
+        assert slab.shared_views_made == 6
+        for slot, bad in (
+            (3, spans),
+            (-1, spans),
+            (0, (0, 8193, 0, 1, 0, 1)),
+            (0, (-1, 2, 0, 1, 0, 1)),
+            (0, (5, 4, 0, 1, 0, 1)),
+        ):
+            with pytest.raises(IndexError):
+                slab.projection_views(slot, bad)
+        assert slab.shared_views_made == 6  # nothing made for a refused span
+        for v in (*views, *want):
+            v.release()
+    finally:
+        slab.close()
+    assert slab.closed
