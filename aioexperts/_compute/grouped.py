@@ -59,7 +59,16 @@ def group_kernel(ggml_type: GGMLQuantizationType) -> tuple[Callable[..., bool], 
 def _compile_group(one: Callable[..., bool]) -> Callable[..., bool]:
     from .kernels.group import make_group
 
-    return cast("Callable[..., bool]", make_group(one))  # type: ignore[no-untyped-call]
+    group = cast("Callable[..., bool]", make_group(one))  # type: ignore[no-untyped-call]
+    # numba compiles at the first call: do it here (warm-up), not in a decode step's first token
+    # (0.3 s each), for x writable (activations) and read-only (a plan's row)
+    none = np.empty(0, dtype=np.int64)
+    out = np.empty((0, 1), dtype=np.float32)
+    for writable in (True, False):
+        x = np.zeros((1, 1), dtype=np.float32)
+        x.flags.writeable = writable
+        group(none, 0, 0, x, none, out)
+    return group
 
 
 def matvec_group(

@@ -183,3 +183,9 @@ def test_the_group_activation_is_elementwise() -> None:
         row = np.empty((1, 64), dtype=np.float32)
         swiglu(g[i : i + 1].copy(), u[i : i + 1].copy(), np.empty_like(row), row)
         assert np.array_equal(row, whole[i : i + 1])
+
+
+def test_a_group_kernel_is_compiled_when_made_not_in_the_first_decode_step() -> None:
+    group, _ = grouped.group_kernel(Q.Q4_0)
+    # numba compiles at a dispatcher's first call: warm-up must have made both x layouts' code
+    assert len(group.signatures) >= 2  # type: ignore[attr-defined]
