@@ -196,6 +196,29 @@ def error_text(exc: BaseException) -> str:
     return str(exc)
 
 
+def builtin_full_model(layers: int | None, rebuild: bool, say: Callable[[str], None]) -> str:
+    """The built-in full model of ``layers`` layers (default ``DEFAULT_FULL_LAYERS``), written into
+    the user cache once (progress on stderr; ``say`` tells that it is written or waited for).
+
+    Raises:
+        ConfigError: the cache folder cannot take it (:func:`cache_error`).
+    """
+    from ..testing import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
+
+    n = layers or DEFAULT_FULL_LAYERS
+    try:
+        built = ensure_full_model(
+            n,
+            rebuild=rebuild,
+            progress=print_progress(sys.stderr),
+            on_build=lambda p: say(f"writing the built-in full model ({plural(n, 'layer')}) to {p} (once)"),
+            on_wait=lambda: say("another run is writing the built-in model; waiting for it"),
+        )
+    except OSError as exc:
+        raise cache_error(exc) from None
+    return os.fspath(built)
+
+
 def cache_error(exc: OSError) -> ConfigError:
     """The one-line error of a built-in model that cannot be written into the user cache
     (``$AIOEXPERTS_CACHE`` under a regular file, a folder this user may not write, a full disk):

@@ -32,7 +32,7 @@ from aioexperts.cli._common import (
     BROKEN_PIPE_STATUS,
     USAGE_STATUS,
     HelpFormatter,
-    cache_error,
+    builtin_full_model,
     error_text,
     gate_weight,
     model_file,
@@ -714,20 +714,7 @@ def _read_prompt(args: argparse.Namespace) -> str | None:
 def _model_path(args: argparse.Namespace) -> tuple[str, bool]:
     if args.model is not None:
         return model_file(args.model), False
-    from aioexperts.testing import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
-
-    layers = args.layers or DEFAULT_FULL_LAYERS
-    try:
-        built = ensure_full_model(
-            layers,
-            rebuild=args.rebuild,
-            progress=print_progress(sys.stderr),
-            on_build=lambda p: _say(f"writing the built-in full model ({plural(layers, 'layer')}) to {p} (once)"),
-            on_wait=lambda: _say("another run is writing the built-in model; waiting for it"),
-        )
-    except OSError as exc:
-        raise cache_error(exc) from None
-    return os.fspath(built), True
+    return builtin_full_model(args.layers, args.rebuild, _say), True
 
 
 def main(argv: Sequence[str] | None = None) -> int:

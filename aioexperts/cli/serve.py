@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import socket
 import sys
@@ -27,7 +26,7 @@ import aioexperts
 from aioexperts.cli._common import (
     USAGE_STATUS,
     HelpFormatter,
-    cache_error,
+    builtin_full_model,
     error_text,
     model_file,
     name_the_options,
@@ -120,21 +119,9 @@ def _say(text: str) -> None:
 def _model_path(args: argparse.Namespace) -> str:
     if args.model is not None:
         return model_file(args.model)
-    from aioexperts.testing import DEFAULT_FULL_LAYERS, ensure_full_model, print_progress
-
-    layers = args.layers or DEFAULT_FULL_LAYERS
-    try:
-        built = ensure_full_model(
-            layers,
-            rebuild=args.rebuild,
-            progress=print_progress(sys.stderr),
-            on_build=lambda p: _say(f"writing the built-in full model ({plural(layers, 'layer')}) to {p} (once)"),
-            on_wait=lambda: _say("another run is writing the built-in model; waiting for it"),
-        )
-    except OSError as exc:
-        raise cache_error(exc) from None
+    built = builtin_full_model(args.layers, args.rebuild, _say)
     _say("the built-in model's weights are random, so its text is random")
-    return os.fspath(built)
+    return built
 
 
 async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
