@@ -584,7 +584,11 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             (x["limit"], x["round"]) for x in results["runs"] if x["engine"] == "aioexperts" and x.get("decode_tok_s")
         }
         if rounds and all(r.get("baseline_failed") and (limit, r["round"]) in ours_decoded for r in rounds):
-            verdict = "met: llama.cpp produced no token in any round (OOM-killed), aioexperts decoded"
+            statuses = sorted({s for r in rounds for s in r.get("llama_statuses", {}).values()})
+            if statuses == ["oom-killed"]:
+                verdict = "met: llama.cpp produced no token in any round (OOM-killed), aioexperts decoded"
+            else:  # an assert or a crash says nothing about memory
+                verdict = f"unmeasured: llama.cpp produced no token ({', '.join(statuses) or 'failed'})"
         elif not measured:
             verdict = "unmeasured"
         else:

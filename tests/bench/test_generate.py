@@ -319,6 +319,20 @@ def test_llama_cpp_killed_in_every_round_is_said_so() -> None:
     assert all(t["verdict"] == "unmeasured" for t in targets if t["limit"] == "1/4")
 
 
+def test_llama_cpp_failing_otherwise_is_no_win() -> None:
+    """A crash (an assert of ggml's) says nothing about memory: the target stays unmeasured."""
+    runs = [
+        {"engine": "aioexperts", "limit": "none", "round": 0, "status": "ok", "decode_tok_s": 3.0},
+        {"engine": "llama.cpp", "limit": "none", "round": 0, "status": "failed"},
+        {"engine": "llama.cpp-norepack", "limit": "none", "round": 0, "status": "oom-killed"},
+    ]
+    rnd = _round_summary(runs)
+    assert rnd["baseline_failed"]
+    targets = evaluate_targets({"runs": runs, "rounds": [{"limit": "none", "round": 0, **rnd}]})
+    verdicts = [t["verdict"] for t in targets if t["limit"] == "none"]
+    assert verdicts and all(v == "unmeasured: llama.cpp produced no token (failed, oom-killed)" for v in verdicts)
+
+
 def test_a_stopped_benchs_unfinished_round_is_left_out() -> None:
     from aioexperts_bench.generate_report import merge_results
 

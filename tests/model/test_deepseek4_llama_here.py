@@ -47,6 +47,8 @@ if not DIR.exists():
 F32 = DIR / "deepseek4-f32.gguf"
 Q4 = DIR / "deepseek4-q4_k_m.gguf"
 THREADS = aioexperts.IOOptions(backend="threads")
+#: the README's indexer near-ties of the F32 file (layer 3: the 8th and 9th score within 1e-3 relative)
+INDEXER_NEAR_TIES = (82, 207, 248)
 #: the one-ulp runs of llama.cpp measured against its unmoved run (seeds 0-3 of :func:`one_ulp_away`)
 ONE_ULP_SEEDS = range(4)
 
@@ -122,15 +124,30 @@ def llama_here(path: Path) -> np.ndarray:
 
 
 def test_f32_file_is_llama_cpp_here_s_to_its_f16_roundings() -> None:
-    """What is left (2.2e-4) is float32 noise that flips some F16 roundings of the cached keys; the
-    golden, made elsewhere, is 3.1e-3 from llama.cpp here (its indexer near-tie at 207 falls the
-    other way there)."""
+    """What is left away from the indexer's near-ties (2.2e-4 on an AMD EPYC) is float32 noise that
+    flips some F16 roundings of the cached keys. Which way the near-tie at 207 falls depends on the
+    CPU llama.cpp runs on: on the AMD EPYC its rows are ours and the golden is 3.1e-3 away; on an
+    Intel Xeon with AVX-512 and AMX llama.cpp here is the golden bit for bit and ours are 3.1e-3 away,
+    4.5e-2 at 207 alone."""
     theirs = llama_here(F32)
     ours = our_logits(F32)
-    assert rel_l2(ours, theirs) <= 5e-4
+    keep = np.setdiff1d(np.arange(len(theirs)), INDEXER_NEAR_TIES)
+    assert rel_l2(ours[keep], theirs[keep]) <= 5e-4
     assert argmax_equal(ours, theirs) == len(theirs)
 
 
+def _cpu_has_amx() -> bool:
+    try:
+        return " amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(
+    _cpu_has_amx(),
+    reason="llama.cpp 0.3.36 aborts on this Q4_K_M file where it repacks for AMX "
+    "(GGML_ASSERT(*cur_backend_id != -1) in ggml-backend.cpp), and the test needs its default settings",
+)
 def test_q4_k_m_file_is_as_far_from_llama_cpp_here_as_llama_cpp_one_ulp_away(tmp_path: Path) -> None:
     theirs = llama_here(Q4)
     assert np.array_equal(llama_logits(Q4, tokens_of(Q4)), theirs)  # llama.cpp repeats itself bit for bit

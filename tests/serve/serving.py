@@ -35,8 +35,11 @@ RAISING_TEMPLATE = (
 class ServerThread:
     """:class:`aioexperts.serve.Server` on a loaded model, in a daemon thread."""
 
-    def __init__(self, path: Path, options: ServerOptions, n_ctx: int | None = None) -> None:
+    def __init__(
+        self, path: Path, options: ServerOptions, n_ctx: int | None = None, *, stop_grace: float = 1.0
+    ) -> None:
         self.path = path
+        self.stop_grace = stop_grace  # seconds server.stop() lets running generations finish
         self.options = options
         self.n_ctx = n_ctx
         self.url = ""
@@ -59,7 +62,7 @@ class ServerThread:
                 self.url = self.server.url
                 self._ready.set()
                 await self._stop.wait()
-                self.cancelled_at_stop = await self.server.stop(1.0)
+                self.cancelled_at_stop = await self.server.stop(self.stop_grace)
         except BaseException as exc:
             self._error = exc
             self._ready.set()

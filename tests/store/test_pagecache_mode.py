@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 
@@ -186,6 +187,7 @@ async def test_uring_warming_falls_back_to_reads_without_io_uring(
         raise OSError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(liburing, "io_uring_queue_init", refuse)
+    caplog.set_level(logging.WARNING, logger="aioexperts")  # an earlier test may have raised its level
     options = aioexperts.PageCacheOptions(method="uring")
     async with aioexperts.open(model_path, mode="pagecache", pagecache=options) as store:
         async with store.experts(0, [1, 2]) as views:
