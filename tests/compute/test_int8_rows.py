@@ -254,3 +254,27 @@ def test_large_products_split_over_an_existing_pool_give_the_same_bits(
     finally:
         pool.close()
     np.testing.assert_array_equal(split, alone)
+
+
+@pytest.mark.skipif(not rowdot._avx512bw(), reason="the 512-bit pairs need AVX-512BW")
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_512_bit_pairs_give_the_256_bit_bits(qtype: GGMLQuantizationType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-token k-quant kernels take two 32-value pieces per 512-bit ``pmaddubsw``/``pmaddwd``
+    where the CPU has AVX-512BW (:func:`rowdot.scaled_sums`): the same integers, so the same bits."""
+    import re
+
+    rows, cols = 37, 2048
+    raw = matrix(qtype, rows, cols, seed=31)
+    x = activations(1, cols, seed=32)[0]
+    q, d, b = np.empty(cols, np.int8), np.empty(cols // 256, np.float32), np.empty(cols // 16, np.int32)
+    int8.quantize_q8_k(x, q, d, b)
+    results = {}
+    for wide in (True, False):
+        monkeypatch.setattr(rowdot, "_avx512bw", lambda wide=wide: wide)
+        kernel = _portable(qtype)  # compiled now (no cache), with the flag of this pass
+        got = np.empty(rows, np.float32)
+        kernel(raw, q, d, b, got)
+        asm = next(iter(kernel.inspect_asm().values()))
+        assert bool(re.search(r"vpmaddubsw[^\n]*%zmm", asm)) == wide
+        results[wide] = got
+    np.testing.assert_array_equal(results[True], results[False])

@@ -9,7 +9,11 @@ integer multiplies ggml uses:
   (int16 pairs times int16 scales, summed to int32), called by name on x86 with AVX2; elsewhere the
   same sums in plain vector IR (sign/zero extensions, multiplies, even/odd shuffles), which give the
   same integers: no sum here reaches the int16 saturation of ``pmaddubsw`` (codes <= 63 or
-  ``|w| <= 128``, ``|q8| <= 127``: at most ``2 * 128 * 127 = 32512``);
+  ``|w| <= 128``, ``|q8| <= 127``: at most ``2 * 128 * 127 = 32512``); where the CPU has
+  AVX-512BW the Q4_K, Q5_K and Q6_K rows take two 32-value pieces per 512-bit instruction and add
+  the two 8-lane halves at the end of the block (:func:`scaled_sums`): the same integer per lane,
+  so the same bits (one Q6_K mat-vec 1.3x faster, Q4_K 1.1x on an Intel Xeon; the four-token
+  :mod:`.rowdots` loops stay 256-bit, where 512-bit ran 8% slower);
 * the float accumulation ``acc = fmuladd(d_w * d_x, float(sumi), acc)`` per block on 8 lanes, the
   row's sum by the fixed shuffle tree of ggml's ``hsum_float_8``: no reassociation flag anywhere
   (the kernels that call these are compiled ``exact``, so numba's fastmath adds none either), so a
@@ -63,6 +67,12 @@ def _avx2() -> bool:
     return triple.startswith(("x86_64", "i686", "i386")) and "+avx2" in features
 
 
+def _avx512bw() -> bool:
+    """512-bit byte and word products (AVX-512BW): :func:`scaled_sums` takes two pieces per instruction."""
+    triple, features = _target_features()
+    return _avx2() and "+avx512bw" in features
+
+
 def _const(t: ir.Type, value: int) -> Any:
     return ir.Constant(t, value)
 
@@ -109,6 +119,35 @@ def _madd(builder: ir.IRBuilder, a: Any, b: Any, avx2: bool) -> Any:
         return _call(builder, "llvm.x86.avx2.pmadd.wd", V8I32, [a, b])
     products = builder.mul(builder.sext(a, V16I32), builder.sext(b, V16I32))
     return _pair_sums(builder, products, 16)
+
+
+V64I8 = ir.VectorType(I8, 64)
+
+
+def scaled_sums(builder: ir.IRBuilder, pieces: list[tuple[Any, Any, Any]], avx2: bool, wide: bool) -> Any:
+    """ggml's ``sumi``: ``sum_k madd(maddubs(codes_k, quants_k), scale_k)`` as ``<8 x i32>``.
+
+    ``pieces``: ``(codes <32 x i8>, quants <32 x i8>, scale <16 x i16>)`` per 32 values. With
+    ``wide`` (AVX-512BW, an even number of pieces) two pieces go through one 512-bit ``pmaddubsw``
+    and ``pmaddwd`` and the two 8-lane halves are added at the end: each lane is the same integer
+    sum in another order, so the result is bit for bit the 256-bit loop's (and ggml's).
+    """
+    if wide and avx2 and len(pieces) % 2 == 0:
+        total = ir.Constant(V16I32, [0] * 16)
+        both = _lanes(list(range(64)))
+        for (c0, q0, s0), (c1, q1, s1) in zip(pieces[0::2], pieces[1::2], strict=True):
+            codes = builder.shuffle_vector(c0, c1, both)
+            quants = builder.shuffle_vector(q0, q1, both)
+            scales = builder.shuffle_vector(s0, s1, _lanes(list(range(32))))
+            pairs = _call(builder, "llvm.x86.avx512.pmaddubs.w.512", V32I16, [codes, quants])
+            total = builder.add(total, _call(builder, "llvm.x86.avx512.pmaddw.d.512", V16I32, [pairs, scales]))
+        low = builder.shuffle_vector(total, total, _lanes(list(range(8))))
+        high = builder.shuffle_vector(total, total, _lanes(list(range(8, 16))))
+        return builder.add(low, high)
+    sumi = ir.Constant(V8I32, [0] * 8)
+    for codes, quants, scale in pieces:
+        sumi = builder.add(sumi, _madd(builder, _maddubs(builder, codes, quants, avx2), scale, avx2))
+    return sumi
 
 
 def _hsum8(builder: ir.IRBuilder, v: Any) -> Any:
@@ -324,6 +363,7 @@ def _k4_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
 
     def codegen(context, builder, signature, args):
         avx2 = _avx2()
+        wide = _avx512bw()
         w = _Ptr(context, builder, signature.args[0], args[0])
         qx = _Ptr(context, builder, signature.args[1], args[1])
         dx = _Ptr(context, builder, signature.args[2], args[2])
@@ -345,7 +385,7 @@ def _k4_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
             # the scales in both 128-bit halves: each broadcast below is one in-lane byte shuffle
             scales16 = builder.zext(builder.shuffle_vector(scales, scales, _lanes(list(range(8)) * 2)), V16I16)
             high = None if qh is None else w.load(_offset(builder, o, qh), V32I8)
-            sumi = ir.Constant(V8I32, [0] * 8)
+            pieces = []
             for c in range(4):
                 bits = w.load(_offset(builder, o, qs + 32 * c), V32I8)
                 for half, codes in enumerate((builder.and_(bits, low_mask), builder.lshr(bits, four))):
@@ -356,7 +396,8 @@ def _k4_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
                     scale = builder.shuffle_vector(
                         scales16, scales16, _lanes([2 * c + half] * 8 + [8 + 2 * c + half] * 8)
                     )
-                    sumi = builder.add(sumi, _madd(builder, _maddubs(builder, codes, quants, avx2), scale, avx2))
+                    pieces.append((codes, quants, scale))
+            sumi = scaled_sums(builder, pieces, avx2, wide)
             scale = builder.fmul(x_scale, d_w)
             acc = _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc)
             return acc, _mins_step(builder, x_scale, dmin_w, prod, accs, qh is None)
@@ -436,15 +477,21 @@ def q6_k_block(builder: ir.IRBuilder, w: _Ptr, o: Any) -> tuple[list[tuple[Any, 
 
 
 def q6_k_sums(
-    builder: ir.IRBuilder, parts: list[tuple[Any, Any]], scales16: Any, qx: _Ptr, xo: Any, sums16: Any, avx2: bool
+    builder: ir.IRBuilder,
+    parts: list[tuple[Any, Any]],
+    scales16: Any,
+    qx: _Ptr,
+    xo: Any,
+    sums16: Any,
+    avx2: bool,
+    wide: bool = False,
 ) -> Any:
     """ggml's ``sumi`` of one Q6_K block with one token's Q8_K block (quants at element ``xo`` of
     ``qx``, block sums ``sums16``): ``<8 x i32>`` of ``sum sc (code q8)`` minus, lane by lane,
-    ``32 (bsum_2i sc_2i + bsum_2i+1 sc_2i+1)`` (``q8sclsub``: the codes' offset of 32)."""
-    sumi = ir.Constant(V8I32, [0] * 8)
-    for k, (codes, scale) in enumerate(parts):
-        quants = qx.load(_offset(builder, xo, 32 * k), V32I8)
-        sumi = builder.add(sumi, _madd(builder, _maddubs(builder, codes, quants, avx2), scale, avx2))
+    ``32 (bsum_2i sc_2i + bsum_2i+1 sc_2i+1)`` (``q8sclsub``: the codes' offset of 32); ``wide``:
+    :func:`scaled_sums` in 512-bit pairs (the same integers)."""
+    pieces = [(codes, qx.load(_offset(builder, xo, 32 * k), V32I8), scale) for k, (codes, scale) in enumerate(parts)]
+    sumi = scaled_sums(builder, pieces, avx2, wide)
     offset = builder.shl(_madd(builder, sums16, scales16, avx2), _vsplat(V8I32, 5))
     return builder.sub(sumi, offset)
 
@@ -460,6 +507,7 @@ def rowdot_q6_k(typingctx, row, q, d, bsums, n_blocks):
 
     def codegen(context, builder, signature, args):
         avx2 = _avx2()
+        wide = _avx512bw()
         w = _Ptr(context, builder, signature.args[0], args[0])
         qx = _Ptr(context, builder, signature.args[1], args[1])
         dx = _Ptr(context, builder, signature.args[2], args[2])
@@ -469,7 +517,7 @@ def rowdot_q6_k(typingctx, row, q, d, bsums, n_blocks):
             o = builder.mul(b, _const(I64, Q6_K_BYTES))
             parts, scales16, d_w = q6_k_block(builder, w, o)
             sums16 = _bsums16(builder, bs, builder.mul(b, _const(I64, 16)))
-            sumi = q6_k_sums(builder, parts, scales16, qx, builder.mul(b, _const(I64, 256)), sums16, avx2)
+            sumi = q6_k_sums(builder, parts, scales16, qx, builder.mul(b, _const(I64, 256)), sums16, avx2, wide)
             scale = builder.fmul(dx.load(b, F32, align=4), d_w)
             return _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), acc), accs
 

@@ -35,7 +35,6 @@ from .rowdot import (
     Q5_K_BYTES,
     V8F32,
     V8I16,
-    V8I32,
     V16I16,
     V32I8,
     _const,
@@ -44,9 +43,7 @@ from .rowdot import (
     _hsum8,
     _i64,
     _lanes,
-    _madd,
     _madd4,
-    _maddubs,
     _mins_k,
     _mins_step,
     _offset,
@@ -124,10 +121,12 @@ def _k4_tokens_codegen(block_bytes: int, qs: int, qh: int | None) -> Any:
                 pairs = bs.load(builder.mul(tb, _const(I64, 8)), V8I16, 2)  # bsum_2j + bsum_2j+1
                 prod = _madd4(builder, mins8, pairs, avx2)
                 xo = builder.mul(tb, _const(I64, 256))
-                sumi = ir.Constant(V8I32, [0] * 8)
-                for k, (code, scale) in enumerate(zip(codes, sub_scales, strict=True)):
-                    quants = qx.load(_offset(builder, xo, 32 * k), V32I8)
-                    sumi = builder.add(sumi, _madd(builder, _maddubs(builder, code, quants, avx2), scale, avx2))
+                pieces = [
+                    (code, qx.load(_offset(builder, xo, 32 * k), V32I8), scale)
+                    for k, (code, scale) in enumerate(zip(codes, sub_scales, strict=True))
+                ]
+                # 256-bit: the 512-bit pairs (rowdot.scaled_sums' wide) ran 8% slower for 4 tokens on an AVX-512 Xeon
+                sumi = rowdot.scaled_sums(builder, pieces, avx2, False)
                 scale = builder.fmul(x_scale, d_w)
                 acc = _fmuladd(builder, _splat(builder, scale, 8), builder.sitofp(sumi, V8F32), builder.load(acc_slot))
                 builder.store(acc, acc_slot)
