@@ -378,10 +378,12 @@ def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def render_markdown(all_results: Sequence[dict[str, Any]], sources: Sequence[str]) -> str:
-    """The region's text for several results files: those of one model merged, one section per model."""
-    by_model: dict[str, list[tuple[dict[str, Any], str]]] = {}
+    """The region's text for several results files: those of one model on one kind of CPU merged,
+    one section per model and CPU (runs of two machines are never pooled into one table or target)."""
+    by_model: dict[tuple[str, str], list[tuple[dict[str, Any], str]]] = {}
     for results, source in zip(all_results, sources, strict=True):
-        by_model.setdefault(results["model"]["name"], []).append((results, source))
+        key = (results["model"]["name"], str(results.get("machine", {}).get("cpu_model", "")))
+        by_model.setdefault(key, []).append((results, source))
     out = [f"<!-- rendered by bench/generate.py --render {' '.join(sources)} -- DOCS; do not edit by hand -->"]
     for items in by_model.values():
         names = ", ".join(f"`{source}`" for _, source in items)

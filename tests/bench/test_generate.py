@@ -225,6 +225,32 @@ def test_render_replaces_only_the_region(tmp_path: Path, tiny_full_model: Path) 
         load_generate_results(tmp_path / "other.json")
 
 
+def test_results_of_two_cpus_render_apart() -> None:
+    """One model measured on an AMD EPYC and on an Intel Xeon: two sections, each with its own targets."""
+    from aioexperts_bench.generate_report import render_markdown
+
+    def part(cpu: str, ours: float) -> dict[str, object]:
+        runs = [
+            {"engine": e, "limit": "none", "round": 0, "status": "ok", "decode_tok_s": v, "p95_ms": 1.0}
+            for e, v in (("aioexperts", ours), ("llama.cpp", 1.0))
+        ]
+        return {
+            "schema": generate.SCHEMA,
+            "command": "c",
+            "date": "d",
+            "machine": {"cpu_model": cpu, "load_average_at_start": [1.0], "load_average_at_end": [2.0]},
+            "parameters": {"rounds": 1, "prompt_tokens": 8, "decode_tokens": 4, "threads": 2},
+            "model": {"name": "m.gguf", "bytes": 1},
+            "notes": [],
+            "runs": runs,
+            "rounds": [],
+        }
+
+    text = render_markdown([part("AMD EPYC", 0.5), part("Intel Xeon", 1.2)], ["amd.json", "xeon.json"])
+    assert "From `amd.json`:" in text and "From `xeon.json`:" in text
+    assert "per round 0.5: **MISSED**" in text and "per round 1.2: **met**" in text
+
+
 def test_results_of_one_model_merge_with_rounds_numbered_on() -> None:
     from aioexperts_bench.generate_report import merge_results
 
