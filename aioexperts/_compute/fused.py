@@ -127,8 +127,9 @@ PRECISION_ENV = "AIOEXPERTS_PRECISION"
 #: types of :func:`tiled_types` with the tiled kernels (:mod:`aioexperts._compute.kernels.tiles`):
 #: llama.cpp's integer sums, float32 sums in another order (not bit-equal to each token alone;
 #: :func:`linear_rows` never takes them). At 16 tokens a Q4_K expert's product ran 1.7-1.9x faster
-#: than the 4-token loops (Intel Xeon, AVX-512 VNNI); below about 10 tokens the last tile's padding costs more.
-TILED_MIN_TOKENS = 12
+#: than the 4-token loops (Intel Xeon, AVX-512 VNNI); a tile costs about as much from 1 to 16 tokens,
+#: so fewer than 8 (alone, or left after whole tiles) take the 4-token loops.
+TILED_MIN_TOKENS = 8
 
 BackendName = Literal["numba", "numpy"]
 Precision = Literal["float", "int8"]
@@ -737,12 +738,24 @@ def tiled_types() -> frozenset[GGMLQuantizationType]:
     return frozenset({GGMLQuantizationType.Q4_K}) if tiles.fast() else frozenset()
 
 
-def _tiled_kernel(qtype: GGMLQuantizationType) -> Callable[..., Any]:
-    """``kernel(raw, xs, out)`` of a type of :func:`tiled_types` (x checked finite by the caller)."""
+def _tiled_kernel(ready: _Ready, qtype: GGMLQuantizationType) -> Callable[..., Any]:
+    """``kernel(raw, xs, out)`` of a type of :func:`tiled_types` (x checked finite by the caller):
+    whole tiles through the tiled kernel; a last part of fewer than :data:`TILED_MIN_TOKENS` tokens
+    through the int8 batch kernel (a tile of padding would cost more)."""
     from .kernels import tiles
 
-    kernel: Callable[..., Any] = tiles.matmat_tiled_q4_k
-    return kernel
+    tiled: Callable[..., Any] = tiles.matmat_tiled_q4_k
+    batch = _kernel(ready, qtype, "matmat_int8")
+
+    def run(raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
+        n = xs.shape[0]
+        rest = n % tiles.TILE
+        full = n - rest if rest < TILED_MIN_TOKENS else n
+        tiled(raw, xs[:full], out[:full])
+        if full < n:
+            batch(raw, xs[full:], out[full:])
+
+    return run
 
 
 def _split_rows(raw: np.ndarray, run: Callable[[int, int], None], split: bool) -> None:
@@ -800,7 +813,7 @@ def _linear_numba(
     # the int8 kernels' quantizers lose NaN/inf (max() skips NaN): such x takes the round trip, which keeps them
     int8 = ready.entry.int8_module is not None and llama and bool(np.isfinite(xs).all())
     if int8 and tiled and n >= TILED_MIN_TOKENS and qtype in tiled_types():
-        _split_rows(raw, _by_rows(_tiled_kernel(qtype), raw, xs, out), split)
+        _split_rows(raw, _by_rows(_tiled_kernel(ready, qtype), raw, xs, out), split)
         return
     if int8 and ready.entry.int8_batched and 1 < n <= INT8_BATCH_MAX:
         _split_rows(raw, _by_rows(_kernel(ready, qtype, "matmat_int8"), raw, xs, out), split)

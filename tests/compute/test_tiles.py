@@ -86,3 +86,18 @@ def test_linear_takes_the_tiles_from_the_threshold_and_linear_rows_never() -> No
     np.testing.assert_array_equal(fused.linear_rows(raw, Q.Q4_K, (rows, cols), x), exact)
     below = fused.linear(raw, Q.Q4_K, (rows, cols), x[:-1])
     np.testing.assert_array_equal(below, exact[:-1])  # each token bit for bit alone below the threshold
+
+
+def test_a_short_rest_after_whole_tiles_takes_the_exact_loops() -> None:
+    if Q.Q4_K not in fused.tiled_types():
+        pytest.skip("no AVX-512 VNNI here: the tiles are off")
+    rows, cols, n = 13, 512, tiles.TILE + 3
+    raw = matrix(Q.Q4_K, rows, cols, seed=10)
+    x = activations(n, cols, seed=11)
+    got = fused.linear(raw, Q.Q4_K, (rows, cols), x)
+    whole = np.empty((tiles.TILE, rows), np.float32)
+    assert tiles.matmat_tiled_q4_k(raw, x[: tiles.TILE], whole)
+    exact = np.empty((n, rows), np.float32)
+    assert int8.matmat_int8_q4_k(raw, x, exact)
+    np.testing.assert_array_equal(got[: tiles.TILE], whole)
+    np.testing.assert_array_equal(got[tiles.TILE :], exact[tiles.TILE :])

@@ -18,6 +18,7 @@ accumulator, about 1e-7 relative). ``TILE`` is 16 tokens on x86 with AVX-512BW, 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,7 @@ def _vnni() -> bool:
     return "+avx512vnni" in rowdot._target_features()[1]
 
 
+@functools.cache
 def fast() -> bool:
     """Whether the tiles beat the 4-token loops here: x86 with AVX-512BW and VNNI (:data:`TILE` 16)."""
     return TILE == 16 and rowdot._avx2() and _vnni()
