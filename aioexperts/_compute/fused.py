@@ -26,6 +26,12 @@ bit for bit what it gets alone (cross-request batching uses it). Exact dequantiz
 :func:`aioexperts._format.dequant.dequantize` (the store's row views use it too); importing this module
 plugs the compiled ``dequant_<type>`` kernels into it.
 
+With ``"int8"`` precision, batches of at least :data:`TILED_MIN_TOKENS` tokens of the types of
+:func:`tiled_types` (Q4_K where the CPU has AVX-512 VNNI) take the tiled kernels of
+:mod:`aioexperts._compute.kernels.tiles` (16 tokens per vector, one ``vpdpbusd`` per 4 values of
+each): llama.cpp's integer sums, float32 sums in another order, not bit-equal to each token alone,
+so :func:`linear_rows` never takes them.
+
 Precision (:func:`set_precision`, ``$AIOEXPERTS_PRECISION``, ``load(precision=...)``): ``"int8"``
 (the default) is llama.cpp's arithmetic: every product's ``x`` is converted to the weight type's
 ``vec_dot_type`` with ggml's rounding (Q8_K, Q8_0, Q8_1, F16, BF16; F32 unchanged: see
