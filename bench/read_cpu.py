@@ -52,7 +52,7 @@ from aioexperts._io.uring_raw import (
 from aioexperts.testing import full_model_path
 from aioexperts_bench import GIB, ReadList, drop_page_cache, fio_path, run_fio_replay
 
-METHODS = ("fio", "raw-python", "raw-numba", "store-io_uring", "store-threads")
+METHODS = ("fio", "raw-python", "raw-numba", "store-io_uring", "store-io_uring_raw", "store-threads")
 #: the 48-layer built-in full model, as the generator names it now (aioexperts-bench --mode generate writes it)
 DEFAULT_MODEL = full_model_path(48)
 
