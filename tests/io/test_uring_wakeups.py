@@ -1,8 +1,8 @@
 """The liburing backend's completions: one batch per reap, and batched wake-ups of the loop.
 
 ``UringBackend`` wakes the event loop once per batch of completions through a waiter thread
-(:mod:`aioexperts._io.backends.waiter`, shared with nothing else yet: the raw ring keeps its own
-copy), with the kernel's eventfd writes switched off; every reap's completions go to the
+(:mod:`aioexperts._io.backends.waiter`, the raw ring's too), with the kernel's eventfd writes
+switched off; every reap's completions go to the
 scheduler's batch sink in one call and end the batch. Skipped where the wheel cannot run.
 """
 
