@@ -283,31 +283,35 @@ class UringBackend(BatchedWakeupBackend):
         if self._in_flight + len(ops) > self.depth:
             raise SubmitError(f"{len(ops)} more reads would exceed the ring depth {self.depth}", 0)
         ring, fds, flags, chunk = self._ring, self.files.fds, self._sqe_flags, self._chunk_slots
-        queued, by_user_data = self._queued, self._ops
+        queued, by_user_data, iovecs = self._queued, self._ops, self._iovecs
         first_user_data = self._next_user_data
         taken = 0
         cause: Exception | None = None
+        # the wrapper's functions, looked up once per batch (through ``lu``, which tests may replace)
+        get_sqe, set_data64 = lu.io_uring_get_sqe, lu.io_uring_sqe_set_data64
+        prep_fixed, prep = lu.io_uring_prep_readv_fixed, lu.io_uring_prep_readv
         try:
             for op in ops:
-                iov = self._iovec(op)  # before taking an entry: nothing to undo if it raises
-                sqe = lu.io_uring_get_sqe(ring)
+                found = iovecs.get((op.slot, op.slot_offset, op.n_bytes))
+                iov = found[0] if found is not None else self._iovec(op)  # before taking an entry: nothing to undo
+                sqe = get_sqe(ring)
                 if sqe is None:  # the queue is full of entries not handed over yet: hand them over
                     cause = self._submit_queued()
                     if cause is not None:
                         break
-                    sqe = lu.io_uring_get_sqe(ring)
+                    sqe = get_sqe(ring)
                     if sqe is None:
                         cause = OSError(errno.EBUSY, "the io_uring submission queue is full")
                         break
                 user_data = self._next_user_data
                 try:
                     if chunk:
-                        lu.io_uring_prep_readv_fixed(sqe, fds[op.shard], iov, op.slot // chunk, op.file_offset)
+                        prep_fixed(sqe, fds[op.shard], iov, op.slot // chunk, op.file_offset)
                     else:
-                        lu.io_uring_prep_readv(sqe, fds[op.shard], iov, op.file_offset)
+                        prep(sqe, fds[op.shard], iov, op.file_offset)
                     if flags:
                         lu.io_uring_sqe_set_flags(sqe, flags)
-                    lu.io_uring_sqe_set_data64(sqe, user_data)
+                    set_data64(sqe, user_data)
                 except BaseException:
                     self._queue_nop(sqe)  # the entry may hold a stale read: make it a NOP
                     raise
