@@ -12,9 +12,11 @@ token's), plans their aligned reads once, and runs, in rotated order, the same r
   ``io_uring_enter``, every CQE's ``res`` checked.
 - ``raw-numba``: the same loop compiled with numba (``@njit`` over the numpy views of the SQEs and
   CQEs; ``io_uring_enter`` through libc's ``syscall`` called from the compiled code).
-- ``store-io_uring`` / ``store-threads``: ``aioexperts.open(...)`` on the io_uring backend (the
-  raw ring where the liburing wheel cannot run) or the thread pool; ``--tasks`` tasks ask
-  ``store.experts(layer, ids)`` for the groups; a fresh store per run, so every expert is a miss.
+- ``store-io_uring`` / ``store-io_uring_raw`` / ``store-threads``: ``aioexperts.open(...)`` on the
+  io_uring backend (the liburing wheel where it runs, else the raw ring), on the raw ring forced
+  (``backend="io_uring_raw"``: what AVX2-only machines run) or on the thread pool; ``--tasks``
+  tasks ask ``store.experts(layer, ids)`` for the groups; a fresh store per run, so every expert
+  is a miss.
 
 CPU is this process's (or fio's) user + system time around the reads only (``resource.getrusage``;
 io_uring's kernel workers are threads of the process and count). The page cache is dropped
@@ -52,7 +54,7 @@ from aioexperts._io.uring_raw import (
 from aioexperts.testing import full_model_path
 from aioexperts_bench import GIB, ReadList, drop_page_cache, fio_path, run_fio_replay
 
-METHODS = ("fio", "raw-python", "raw-numba", "store-io_uring", "store-threads")
+METHODS = ("fio", "raw-python", "raw-numba", "store-io_uring", "store-io_uring_raw", "store-threads")
 #: the 48-layer built-in full model, as the generator names it now (aioexperts-bench --mode generate writes it)
 DEFAULT_MODEL = full_model_path(48)
 

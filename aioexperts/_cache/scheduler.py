@@ -360,26 +360,29 @@ class ReadScheduler:
             accounted = len(batch)
             depth, max_bytes = self.depth, self.max_bytes_in_flight
             n_ops, n_bytes = self._ops_in_flight, self._bytes_in_flight
+            append, submitted = batch.append, LoadState.SUBMITTED
             for queue in (self._demand, self._prefetch):
                 while queue:
                     load = queue[0]
-                    reads = load.plan.reads
+                    plan = load.plan
+                    reads = plan.reads
+                    k, read_bytes = len(reads), plan.read_bytes  # read_bytes: the sum of the reads' n_bytes
                     # _fits, inlined: the in-flight counts are advanced once per load, below
-                    if n_ops + len(reads) > depth or (n_ops and n_bytes + load.plan.read_bytes > max_bytes):
+                    if n_ops + k > depth or (n_ops and n_bytes + read_bytes > max_bytes):
                         break
                     current = queue.popleft()
-                    load.state = LoadState.SUBMITTED
+                    load.state = submitted
                     load.started_ns = now
                     slot = load.slot
                     for read in reads:
-                        batch.append(
+                        append(
                             ReadOp(
                                 read.shard, read.file_offset, read.n_bytes, slot, read.slot_offset, (load, read), now
                             )
                         )
-                        n_bytes += read.n_bytes
-                    n_ops += len(reads)
-                    load.ops_left += len(reads)
+                    n_ops += k
+                    n_bytes += read_bytes
+                    load.ops_left += k
                     self._ops_in_flight, self._bytes_in_flight = n_ops, n_bytes
                     accounted = len(batch)
                     current = None

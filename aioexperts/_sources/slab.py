@@ -235,7 +235,7 @@ class SlabSource(ExpertSource):
         loc = plan.location
         slab = self.stack.slab
         assert slab is not None
-        g, u, d = loc.segments
+        g, u, d = loc.gate, loc.up, loc.down  # not loc.segments: a property that builds a tuple
         gv, uv, dv = slab.projection_views(pinned.slot, plan.payload_spans)
         return SharedViews(
             ExpertView(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,15 @@ BOUND = 10.0
 def open_fds() -> int:
     """File descriptors open in this process now."""
     return len(os.listdir("/proc/self/fd"))
+
+
+async def waiter_threads_ended() -> None:
+    """Wait (up to :data:`BOUND`) until no ``aioexperts-uring-waiter`` thread runs: a backend closed on
+    the loop thread only stops its batched wake-ups' waiter, which then ends by itself and closes its
+    duplicates of the descriptors (``open_fds`` counts them until then)."""
+    with anyio.fail_after(BOUND):
+        while any(t.name == "aioexperts-uring-waiter" and t.is_alive() for t in threading.enumerate()):
+            await anyio.sleep(0.001)
 
 
 def reference_bytes(path: Path) -> dict[Key, list[bytes]]:
@@ -161,7 +171,11 @@ class Stack:
         with anyio.CancelScope(shield=True), anyio.fail_after(BOUND):
             await self.scheduler.wait_idle()
         try:
-            self.backend.close()
+            # detached on the loop, closed off it (as the store does): the close then waits for
+            # the batched wake-ups' waiter thread, which holds duplicates of the ring's descriptors
+            self.backend.detach()
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.backend.close)
         finally:
             self.files.close()
             self.slab.close()

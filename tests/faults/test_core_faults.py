@@ -35,7 +35,7 @@ from aioexperts.testing import FakeBackend
 from faults.guard import CheckedFake, CheckedUring
 from faults.ringproxy import RingFaults
 from faults.script import POSITIONS, FaultyFake, position
-from faults.stack import Key, Stack, open_fds, open_stack
+from faults.stack import Key, Stack, open_fds, open_stack, waiter_threads_ended
 
 pytestmark = pytest.mark.anyio
 
@@ -403,6 +403,7 @@ async def test_io_uring_close_can_be_finished_after_an_interrupted_close(
     assert not backend.attached
     stack.files.close()
     stack.slab.close()
+    await waiter_threads_ended()  # closed on the loop thread: the waiter ends by itself
     assert open_fds() == baseline
 
 

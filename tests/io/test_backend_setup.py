@@ -90,7 +90,10 @@ async def test_io_uring_without_probe_or_registration_reads_with_plain_readv(
         assert features["fixed_buffers_reason"] and ("probe" in fault) == ("probe" in features["fixed_buffers_reason"])
         await read_expert(backend, files, slab, model_path)
     finally:
-        backend.close()
+        # as the store closes: detach on the loop, close off it (which waits for the batched
+        # wake-ups' waiter thread to end and close its duplicates of the descriptors)
+        backend.detach()
+        await anyio.to_thread.run_sync(backend.close)
         files.close()
         slab.close()
     assert open_fds() == baseline

@@ -565,12 +565,12 @@ async def test_a_failed_waiter_thread_hands_the_wakeups_back_to_the_kernel(
     """If the waiter thread of batched wake-ups dies, the loop is woken once more and registers
     the eventfd with the ring: every read still completes (nothing waits for a wake-up that never
     comes)."""
-    from aioexperts._io.backends import rawring
+    from aioexperts._io import uring_raw
 
     def broken(ring_fd: int, min_complete: int, timeout: float) -> int:
         raise RuntimeError("the waiter breaks")
 
-    monkeypatch.setattr(rawring, "wait_cqes", broken)
+    monkeypatch.setattr(uring_raw, "wait_cqes", broken)  # what the waiter thread (backends/waiter.py) calls
     harness = make_harness(depth=8)
     backend = harness.backend
     for _ in range(3):

@@ -29,7 +29,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any, cast
@@ -45,9 +44,9 @@ from ..uring_raw import (
     IOSQE_ASYNC,
     READ_SQE_STRUCT,
     RawRing,
-    wait_cqes,
 )
-from .base import IOBackend, ReadOp, ReadResult, SubmitError
+from .base import ReadOp, ReadResult, SubmitError
+from .waiter import BatchedWakeupBackend
 
 __all__ = ("RawUringBackend",)
 
@@ -63,14 +62,11 @@ TRANSIENT_ERRNOS = frozenset((errno.EAGAIN, errno.EBUSY))
 MAX_SUBMIT_STALLS = 64
 #: user_data bit of the ``ASYNC_CANCEL`` entries issued by :meth:`RawUringBackend.close`.
 CANCEL_BIT = 1 << 63
-#: How long the completion waiter blocks in one ``io_uring_enter`` before it looks again (seconds): the
-#: bound on a wake-up delayed by a count of completions that was too high, and on its stop after detach.
-WAITER_TIMEOUT = 0.02
 #: Processes keep what a close that timed out could not release safely (never collected).
 _LEAKED: list[Any] = []
 
 
-class RawUringBackend(IOBackend):
+class RawUringBackend(BatchedWakeupBackend):
     """One raw io_uring of ``depth`` entries; every :meth:`submit` is one ``io_uring_enter``.
 
     The constructor sets up the ring, its eventfd and the registered buffers and touches no event
@@ -115,6 +111,7 @@ class RawUringBackend(IOBackend):
         batch_wakeups: bool = True,
     ) -> None:
         super().__init__(files, slab, loop, depth)
+        self._init_wakeups()
         self.ring_reason = ring_reason
         self.drain_timeout = 30.0
         self._ops: dict[int, ReadOp] = {}
@@ -132,15 +129,6 @@ class RawUringBackend(IOBackend):
         self.submit_calls = 0
         self.unexpected_completions = 0
         self.cancelled_at_close = 0
-        self._efd = -1
-        self._go = -1  # the running waiter thread's eventfd (one per attach): the loop arms it through it
-        self._batching = False
-        self._armed = False  # the waiter thread waits for ``_want`` completions and will wake the loop
-        self._want = 1
-        self._waiter: threading.Thread | None = None
-        self._waiter_stop: list[bool] = [False]  # the running waiter's own stop flag
-        self._waiter_failed = False  # the waiter thread died: the kernel writes the eventfd again
-        self.wakeups = 0  # reaps started by a wake-up (statistics)
         # held until every CQE is reaped: a slab closed meanwhile stays mapped (Slab.close)
         self._slab_pin: Any = slab.exporter(0, 0, 1, held_refs=1)
         self._ring = RawRing(depth, cq_entries=cq_entries)
@@ -232,18 +220,7 @@ class RawUringBackend(IOBackend):
         self.loop.add_reader(self._efd, self._reap)
         self._attached = True
         if self._batching:
-            stop = self._waiter_stop = [False]
-            # an arming eventfd of its own (a waiter stopped by an earlier detach may still read
-            # the one it had), and its own duplicates of the descriptors: whenever it ends, it never
-            # waits on, reads or writes a descriptor number the backend closed (and the system gave
-            # to another file)
-            self._go = os.eventfd(0, os.EFD_CLOEXEC)
-            fds = (os.dup(self._ring.fd), os.dup(self._go), os.dup(self._efd))
-            self._waiter = threading.Thread(
-                target=self._wait_loop, args=(stop, *fds), name="aioexperts-uring-waiter", daemon=True
-            )
-            self._waiter.start()
-            self._arm()
+            self._start_waiter()
 
     def detach(self) -> None:
         if not self._attached:
@@ -251,87 +228,22 @@ class RawUringBackend(IOBackend):
         self._attached = False
         self.loop.remove_reader(self._efd)
         if self._batching:
-            self._armed = False
             self._stop_waiter()
 
-    def _stop_waiter(self) -> None:
-        """Tell the running waiter thread to end, and let go of its arming eventfd (it has its own)."""
-        self._waiter_stop[0] = True
-        if self._go >= 0:
-            go, self._go = self._go, -1
-            try:
-                os.eventfd_write(go, 1)
-            finally:
-                os.close(go)
+    # -- batched wake-ups (loop thread; the waiter thread is BatchedWakeupBackend's) ----------------
 
-    # -- batched wake-ups (loop thread; the waiter thread only waits and writes the eventfd) -----
+    def _waiter_ring_fd(self) -> int:
+        return self._ring.fd
 
-    def _arm(self) -> None:
-        """Have the waiter thread wake the loop after the hinted number of completions (loop thread).
+    def _reads_in_kernel(self) -> int:
+        return self._in_flight - self._n_unconsumed
 
-        Only while attached, not armed already, with reads the kernel has taken: the count is the
-        wake hint, at least 1 and at most the reads in the kernel (counted from the CQ head, so
-        completions already in the CQ count). A request that starts waiting while the thread is
-        armed is served by that arming: at worst once the requests that waited before it can go
-        on (or after :data:`WAITER_TIMEOUT`); its own need counts from the next wake-up."""
-        if self._armed or not self._attached:
-            return
-        in_kernel = self._in_flight - self._n_unconsumed
-        if in_kernel <= 0:
-            return
-        hint = self._wake_hint
-        want = 1
-        if hint is not None:
-            try:
-                want = hint()
-            except Exception:  # a wake-up per completion is always correct
-                log.exception("the wake hint failed; waking per completion")
-                want = 1
-        self._want = max(1, min(want, in_kernel))
-        self._armed = True
-        os.eventfd_write(self._go, 1)
-
-    def _unbatch(self) -> None:
-        """The waiter thread died: the kernel writes the eventfd per completion again (loop thread)."""
-        self._batching = False
+    def _wake_per_completion(self) -> None:
         try:
             self._ring.register_eventfd(self._efd)
         except OSError:
             log.exception("io_uring: registering the eventfd again failed")
             self.loop.call_soon(self._reap)  # at least what is in the CQ now
-
-    def _wait_loop(self, stop: list[bool], ring_fd: int, go: int, efd: int) -> None:
-        """The waiter thread, on its own duplicates of the ring's, the arming's and the loop's
-        descriptors (closed as it ends): for each arming, block until ``_want`` CQEs are ready (or
-        some are at a :data:`WAITER_TIMEOUT`), then write the eventfd the loop watches. Touches no
-        ring memory. Ends once ``stop[0]`` is set (detach), within :data:`WAITER_TIMEOUT`."""
-        try:
-            while True:
-                os.eventfd_read(go)  # blocks (GIL released) until armed or stopped
-                if stop[0]:
-                    return
-                want = self._want
-                while True:
-                    ret = wait_cqes(ring_fd, want, WAITER_TIMEOUT)  # >= 0 at the timeout too once some are ready
-                    if stop[0]:
-                        return
-                    if ret >= 0:
-                        break
-                    if ret not in (-errno.ETIME, -errno.EINTR):
-                        log.error("io_uring: waiting for completions failed (%s); waking the loop", os.strerror(-ret))
-                        time.sleep(WAITER_TIMEOUT)
-                        break
-                os.eventfd_write(efd, 1)
-        except Exception:  # not expected: the loop goes back to the kernel's eventfd (at its next reap)
-            log.exception("io_uring: the completion waiter failed; waking the loop per completion from now on")
-            self._waiter_failed = True
-            try:
-                os.eventfd_write(efd, 1)
-            except OSError:
-                pass
-        finally:
-            for fd in (ring_fd, go, efd):
-                os.close(fd)
 
     # -- submission (loop thread) ---------------------------------------------------------------
 
@@ -462,10 +374,7 @@ class RawUringBackend(IOBackend):
     def _reap(self) -> None:
         if not self._attached:
             return
-        self._armed = False
-        self.wakeups += 1
-        if self._waiter_failed and self._batching:
-            self._unbatch()
+        self._reaping()
         try:
             os.eventfd_read(self._efd)
         except OSError:  # BlockingIOError: nothing new
@@ -525,17 +434,6 @@ class RawUringBackend(IOBackend):
         if self._ops:
             self._drain()
         self._release()
-
-    def _join_waiter(self) -> None:
-        """Stop the waiter thread; off the loop thread, also wait for it to end (within
-        :data:`WAITER_TIMEOUT`). On the loop thread it ends by itself: it uses only its own
-        descriptors, and its duplicate of the ring's keeps the ring until then."""
-        waiter, self._waiter = self._waiter, None
-        if waiter is None:
-            return
-        self._stop_waiter()
-        if not self.loop.is_current() and waiter is not threading.current_thread():
-            waiter.join()
 
     def _drain(self) -> None:
         ring = self._ring

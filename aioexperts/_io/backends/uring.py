@@ -15,9 +15,12 @@ Sharp edges of the wrapper this module is built around (measured, see docs/archi
   ``io_uring_enter``, on this thread), so no read of a failed batch can land later in a slot
   that was given to another expert. If even that fails, the ring is marked broken and never
   entered again (``io_uring_queue_exit`` discards what is left in the queue).
-- ``submit`` holds the GIL while it runs; nothing here ever waits in the kernel: the event loop
-  watches the ring's eventfd and :meth:`UringBackend._reap` walks the ready completions without
-  blocking.
+- ``submit`` holds the GIL while it runs; nothing on the loop thread ever waits in the kernel: the
+  event loop watches the ring's eventfd and :meth:`UringBackend._reap` walks the ready completions
+  without blocking. With batched wake-ups (:mod:`.waiter`) the kernel's writes of that eventfd are
+  switched off (``io_uring_cq_eventfd_toggle``) and a waiter thread writes it once per batch of
+  completions instead; the eventfd is registered all the same, so a dead waiter hands the
+  wake-ups back to the kernel by switching them on again.
 - A cancel never means "done": a slot is free only after its own completion arrived.
 
 Every call into the wrapper goes through the module-level name ``lu``, so tests can replace it
@@ -38,7 +41,8 @@ from ..files import ShardFiles
 from ..loop import LoopAdapter
 from ..slab import Slab
 from ..uring_probe import liburing_unusable_reason
-from .base import IOBackend, ReadOp, SubmitError
+from .base import ReadOp, SubmitError
+from .waiter import BatchedWakeupBackend
 
 __all__ = ("UringBackend",)
 
@@ -56,7 +60,7 @@ TRANSIENT_SUBMIT_ERRNOS = frozenset((errno.EAGAIN, errno.EBUSY, errno.EINTR))
 MAX_SUBMIT_STALLS = 64
 
 
-class UringBackend(IOBackend):
+class UringBackend(BatchedWakeupBackend):
     """One io_uring of ``depth`` entries; every :meth:`submit` is one ``io_uring_submit``.
 
     The constructor sets up the ring, its eventfd and the registered buffers and touches no event
@@ -70,6 +74,10 @@ class UringBackend(IOBackend):
             ``RLIMIT_MEMLOCK`` refuses.
         sqe_async: set ``IOSQE_ASYNC`` so that submit returns at once and kernel workers issue
             the reads (less time on the loop thread, more CPU in total).
+        batch_wakeups: wake the event loop once per batch of completions (the scheduler's wake
+            hint) through a waiter thread, rather than once per completion (:mod:`.waiter`); off
+            where the kernel has no wait timeout (``IORING_FEAT_EXT_ARG``, Linux 5.11) or cannot
+            switch the eventfd off (``IORING_CQ_EVENTFD_DISABLED``, Linux 5.8).
 
     Raises:
         OSError: ``io_uring_queue_init`` failed (``EPERM``: disabled by sysctl or seccomp;
@@ -78,6 +86,7 @@ class UringBackend(IOBackend):
     """
 
     name = "io_uring"
+    ends_batches = True
 
     def __init__(
         self,
@@ -88,8 +97,10 @@ class UringBackend(IOBackend):
         *,
         fixed_buffers: bool = True,
         sqe_async: bool = False,
+        batch_wakeups: bool = True,
     ) -> None:
         super().__init__(files, slab, loop, depth)
+        self._init_wakeups()
         self._iovecs: dict[tuple[int, int, int], tuple[Any, memoryview]] = {}
         self._ops: dict[int, ReadOp] = {}
         self._next_user_data = NOP_USER_DATA + 1
@@ -106,7 +117,6 @@ class UringBackend(IOBackend):
         self.fixed_buffers_reason: str | None = None if fixed_buffers else "fixed_buffers=False"
         self.submit_calls = 0
         self.unexpected_completions = 0
-        self._efd = -1
         self._ring_open = False
         self._sqe_flags = lu.IOSQE_ASYNC if sqe_async else 0
         unusable = liburing_unusable_reason()
@@ -119,6 +129,8 @@ class UringBackend(IOBackend):
         try:
             self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             lu.io_uring_register_eventfd(self._ring, self._efd)
+            if batch_wakeups and self._ring.features & lu.IORING_FEAT_EXT_ARG:
+                self._batching = self._eventfd_writes(False)
             if fixed_buffers:
                 self._chunk_slots = self._register_buffers()
         except BaseException:
@@ -126,6 +138,15 @@ class UringBackend(IOBackend):
             raise
 
     # -- set-up (any thread) --------------------------------------------------------------------
+
+    def _eventfd_writes(self, on: bool) -> bool:
+        """Have the kernel write the eventfd at every CQE (``on``) or not; False if it cannot."""
+        try:
+            ret = lu.io_uring_cq_eventfd_toggle(self._ring, on)
+        except Exception as exc:  # EOPNOTSUPP before Linux 5.8 (the wrapper raises)
+            log.debug("io_uring: the eventfd cannot be switched %s (%r)", "on" if on else "off", exc)
+            return False
+        return not (isinstance(ret, int) and ret < 0)
 
     def _register_buffers(self) -> int:
         """Register the slab; the slots per registered chunk, or 0 (reason kept) when not possible."""
@@ -177,6 +198,8 @@ class UringBackend(IOBackend):
             "fixed_buffers": self._chunk_slots > 0,
             "fixed_buffers_reason": None if self._chunk_slots else self.fixed_buffers_reason,
             "sqe_async": bool(self._sqe_flags),
+            "batch_wakeups": self._batching,
+            "wakeups": self.wakeups,
             "depth": self.depth,
             "submit_calls": self.submit_calls,
         }
@@ -205,12 +228,31 @@ class UringBackend(IOBackend):
             raise RuntimeError("attach on a closed io_uring backend")
         self.loop.add_reader(self._efd, self._reap)
         self._attached = True
+        if self._batching:
+            self._start_waiter()
 
     def detach(self) -> None:
         if not self._attached:
             return
         self._attached = False
         self.loop.remove_reader(self._efd)
+        if self._batching:
+            self._stop_waiter()
+
+    # -- batched wake-ups (loop thread) -------------------------------------------------------------
+
+    def _waiter_ring_fd(self) -> int:
+        return int(self._ring.ring_fd)
+
+    def _reads_in_kernel(self) -> int:
+        # reads and NOPs taken minus the entries still queued (NOPs complete too: they must wake the
+        # loop to be reaped); reads failed by a neutralization count until their failure is delivered
+        return self._in_flight + self._nops - len(self._queued)
+
+    def _wake_per_completion(self) -> None:
+        if not self._eventfd_writes(True):
+            log.error("io_uring: the eventfd could not be switched on again; reaping what the CQ holds now")
+            self.loop.call_soon(self._reap)  # at least what is in the CQ now
 
     # -- submission (loop thread) -----------------------------------------------------------------
 
@@ -241,31 +283,35 @@ class UringBackend(IOBackend):
         if self._in_flight + len(ops) > self.depth:
             raise SubmitError(f"{len(ops)} more reads would exceed the ring depth {self.depth}", 0)
         ring, fds, flags, chunk = self._ring, self.files.fds, self._sqe_flags, self._chunk_slots
-        queued, by_user_data = self._queued, self._ops
+        queued, by_user_data, iovecs = self._queued, self._ops, self._iovecs
         first_user_data = self._next_user_data
         taken = 0
         cause: Exception | None = None
+        # the wrapper's functions, looked up once per batch (through ``lu``, which tests may replace)
+        get_sqe, set_data64 = lu.io_uring_get_sqe, lu.io_uring_sqe_set_data64
+        prep_fixed, prep = lu.io_uring_prep_readv_fixed, lu.io_uring_prep_readv
         try:
             for op in ops:
-                iov = self._iovec(op)  # before taking an entry: nothing to undo if it raises
-                sqe = lu.io_uring_get_sqe(ring)
+                found = iovecs.get((op.slot, op.slot_offset, op.n_bytes))
+                iov = found[0] if found is not None else self._iovec(op)  # before taking an entry: nothing to undo
+                sqe = get_sqe(ring)
                 if sqe is None:  # the queue is full of entries not handed over yet: hand them over
                     cause = self._submit_queued()
                     if cause is not None:
                         break
-                    sqe = lu.io_uring_get_sqe(ring)
+                    sqe = get_sqe(ring)
                     if sqe is None:
                         cause = OSError(errno.EBUSY, "the io_uring submission queue is full")
                         break
                 user_data = self._next_user_data
                 try:
                     if chunk:
-                        lu.io_uring_prep_readv_fixed(sqe, fds[op.shard], iov, op.slot // chunk, op.file_offset)
+                        prep_fixed(sqe, fds[op.shard], iov, op.slot // chunk, op.file_offset)
                     else:
-                        lu.io_uring_prep_readv(sqe, fds[op.shard], iov, op.file_offset)
+                        prep(sqe, fds[op.shard], iov, op.file_offset)
                     if flags:
                         lu.io_uring_sqe_set_flags(sqe, flags)
-                    lu.io_uring_sqe_set_data64(sqe, user_data)
+                    set_data64(sqe, user_data)
                 except BaseException:
                     self._queue_nop(sqe)  # the entry may hold a stale read: make it a NOP
                     raise
@@ -279,12 +325,14 @@ class UringBackend(IOBackend):
         late = self._submit_queued()
         cause = cause or late
         if cause is None:
+            self._arm()
             return
         # reads of this batch the kernel never saw were rewritten as NOPs: they are not taken;
         # earlier batches' reads among them were reported taken, so they fail through the sink
         mine = sum(1 for user_data, _ in self._neutralized if user_data >= first_user_data)
         self._fail_neutralized(cause, first_user_data)
         self._in_flight -= mine
+        self._arm()
         raise SubmitError(f"io_uring took {taken - mine} of {len(ops)} reads: {cause!r}", taken - mine) from cause
 
     def _queue_nop(self, sqe: Any) -> None:
@@ -375,12 +423,14 @@ class UringBackend(IOBackend):
         cause = self._submit_queued()
         if cause is not None:
             self._fail_neutralized(cause)
+        self._arm()
 
     # -- completion (loop thread) -------------------------------------------------------------------
 
     def _reap(self) -> None:
         if not self._attached:
             return
+        self._reaping()
         try:
             os.eventfd_read(self._efd)
         except OSError:  # BlockingIOError: nothing new
@@ -404,17 +454,25 @@ class UringBackend(IOBackend):
             except Exception:  # seen again next time: already delivered, so ignored then
                 log.exception("io_uring: advancing the completion queue failed")
         by_user_data = self._ops
+        ops: list[ReadOp] = []
+        results: list[int | Exception] = []
         for user_data, result in done:
             op = by_user_data.pop(user_data, None)
             if op is not None:
-                self._deliver(op, result)
+                ops.append(op)
+                results.append(result)
             elif user_data == NOP_USER_DATA and self._nops > 0:
                 self._nops -= 1
             else:  # a duplicate or a stranger: its read (if any) was already accounted for
                 self.unexpected_completions += 1
+        if ops:  # one call of the scheduler's batch sink for the lot (IOBackend.set_batch_sink)
+            self._deliver_reaped(ops, results)
         if self._queued:
             self._stalls = 0
             self._schedule_submit()
+        if ops:  # the reads these completions made room for go out now, not one loop tick later
+            self._end_batch()
+        self._arm()
 
     # -- teardown -----------------------------------------------------------------------------------
 
@@ -423,6 +481,7 @@ class UringBackend(IOBackend):
             return
         self._check_closable()
         self._closed = True
+        self._join_waiter()
         self._release()
 
     def _release(self) -> None:
