@@ -186,9 +186,9 @@ def print_table(result: dict[str, Any], label: str) -> None:
             )
 
 
-def render(results: Path, doc: Path) -> None:
-    """Replace the text between ``<!-- bench:matvec_rows -->`` and its end marker in ``doc`` with the
-    table of ``results`` (its machine, date, rounds and per-type targets)."""
+def render(results: Path, doc: Path, region: str = "matvec_rows") -> None:
+    """Replace the text between ``<!-- bench:REGION -->`` and its end marker in ``doc`` with the
+    table of ``results`` (its machine, date, rounds and per-type targets); one region per CPU kind."""
     r = json.loads(results.read_text())
     m, p = r["machine"], r["parameters"]
     flags = ", ".join(f.upper() for f in m.get("cpu_flags", []))
@@ -197,7 +197,9 @@ def render(results: Path, doc: Path) -> None:
         return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
 
     lines = [
-        f"<!-- rendered by bench/matvec_rows.py --render {results} DOC; do not edit by hand -->",
+        f"<!-- rendered by bench/matvec_rows.py --render {results} DOC"
+        + ("" if region == "matvec_rows" else f" --region {region}")
+        + "; do not edit by hand -->",
         f"`bench/matvec_rows.py` on a {m['cores_available']}-core {m.get('cpu') or '?'} ({flags}; numba CPU "
         f"`{m.get('llvm_cpu')}`), started {r['started']}, load average {m['load_average_before'][0]:.1f} before; "
         f"one thread, llama-cpp-python {p['llama_cpp_python']}'s ggml in the same rounds. ggml's time over ours, "
@@ -213,7 +215,7 @@ def render(results: Path, doc: Path) -> None:
             f"| >= {e['int8_target']}: {verdict} | {cell(e['x_ggml_float'])} |"
         )
     text = doc.read_text()
-    start, end = "<!-- bench:matvec_rows -->", "<!-- /bench:matvec_rows -->"
+    start, end = f"<!-- bench:{region} -->", f"<!-- /bench:{region} -->"
     if start not in text or end not in text:
         raise SystemExit(f"{doc}: no {start} ... {end} region")
     head, rest = text.split(start, 1)
@@ -233,9 +235,12 @@ def main() -> int:
     parser.add_argument(
         "--render", nargs=2, type=Path, metavar=("RESULTS", "DOC"), help="render RESULTS into DOC's region and exit"
     )
+    parser.add_argument(
+        "--region", default="matvec_rows", help="the region of DOC (<!-- bench:REGION -->; one per CPU kind)"
+    )
     args = parser.parse_args()
     if args.render:
-        render(*args.render)
+        render(*args.render, region=args.region)
         return 0
     cases_timed = CASES
     if args.types:
