@@ -45,7 +45,7 @@ $(BIN)/.plot-installed: $(BIN)/.installed
 	touch $@
 
 setup: $(BIN)/.installed
-	@echo "ready: $(BIN)/python, $(BIN)/aioexperts-run, $(BIN)/aioexperts-bench, $(BIN)/aioexperts-map, $(BIN)/aioexperts-trace"
+	@echo "ready: $(BIN)/python, $(BIN)/aioexperts-run, $(BIN)/aioexperts-bench, $(BIN)/aioexperts-map, $(BIN)/aioexperts-trace, $(BIN)/aioexperts-serve, $(BIN)/aioexperts-tier"
 
 run: $(BIN)/.text-installed
 	$(BIN)/aioexperts-run $(RUN_ARGS)

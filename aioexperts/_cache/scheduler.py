@@ -442,6 +442,13 @@ class ReadScheduler:
 
     # -- completion (loop thread) ------------------------------------------------------------
 
+    def busy_in_progress(self) -> float:
+        """Seconds since the reads in flight now went from none to some (0.0 when none are in
+        flight): the part of the device's busy time :attr:`Counters.device_busy_seconds` does not
+        hold yet (it adds an interval when its last read lands)."""
+        since = self._busy_since_ns
+        return (time.perf_counter_ns() - since) / 1e9 if since and self._ops_in_flight else 0.0
+
     def _landed(self, n_ops: int, n_bytes: int) -> None:
         """``n_ops`` reads of ``n_bytes`` in all are no longer in flight (the device's busy time ends
         with the last)."""

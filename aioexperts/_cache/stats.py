@@ -201,8 +201,9 @@ class StoreStatistics:
         return self.hits / self.requests if self.requests else 0.0
 
     @classmethod
-    def snapshot(cls, c: Counters, **fixed: Any) -> StoreStatistics:
-        """Build a record from live counters plus the fixed store facts in ``fixed``."""
+    def snapshot(cls, c: Counters, busy_in_progress: float = 0.0, **fixed: Any) -> StoreStatistics:
+        """Build a record from live counters plus the fixed store facts in ``fixed``;
+        ``busy_in_progress``: seconds of the device's busy interval still open (reads in flight now)."""
         return cls(
             **fixed,
             requests=c.requests,
@@ -230,7 +231,7 @@ class StoreStatistics:
             low_tier_prefetches=c.low_tier_prefetches,
             low_tier_prefetch_hits=c.low_tier_prefetch_hits,
             tier_upgrades_deferred=c.tier_upgrades_deferred,
-            device_busy_seconds=c.device_busy_seconds,
+            device_busy_seconds=c.device_busy_seconds + busy_in_progress,
             expert_latency_p50_ms=to_ms(c.expert_latency.percentile(50)),
             expert_latency_p99_ms=to_ms(c.expert_latency.percentile(99)),
         )

@@ -346,6 +346,7 @@ class SlabSource(ExpertSource):
         assert stack.scheduler is not None and cache is not None
         return StoreStatistics.snapshot(
             self.counters,
+            busy_in_progress=stack.scheduler.busy_in_progress(),
             backend=stack.backend.name,
             direct_io=files.direct_io,
             fallback_reason=stack.fallback_reason,

@@ -11,10 +11,12 @@ import re
 import stat
 import sys
 from collections.abc import Callable, Iterable, Mapping
+from typing import NoReturn
 
 from .. import ConfigError
 
 __all__ = (
+    "OneLineParser",
     "BROKEN_PIPE_STATUS",
     "EXTRAS",
     "USAGE_STATUS",
@@ -39,6 +41,14 @@ BROKEN_PIPE_STATUS = 141
 
 #: Exit status of bad arguments or input files, found before any work (argparse's own).
 USAGE_STATUS = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (``PROG: error: MESSAGE (see --help)``, exit
+    :data:`USAGE_STATUS`) without the usage block; its subparsers are of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_STATUS, f"{self.prog}: error: {message} (see --help)\n")
 
 
 #: The optional packages a command may need, and the extra of ``pyproject.toml`` that installs each.

@@ -23,7 +23,15 @@ from typing import Any
 from .. import AioExpertsError, FormatError, __version__
 from ..backends import io_uring_unusable_reason, liburing_unusable_reason
 from ..testing import bench_model_path, cache_dir, ensure_bench_model
-from ._common import USAGE_STATUS, file_starts_with, missing_extra, model_file, refuse_to_overwrite, stdout_closed
+from ._common import (
+    USAGE_STATUS,
+    OneLineParser,
+    file_starts_with,
+    missing_extra,
+    model_file,
+    refuse_to_overwrite,
+    stdout_closed,
+)
 
 try:
     from rich.console import Console
@@ -88,7 +96,7 @@ def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``aioexperts-bench`` (``--help`` shows every default)."""
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="aioexperts-bench",
         description="Cold and warm expert reads of aioexperts against fio, a thread pool, buffered pread and "
         "mmap on the same reads, and per-token overlap and tokens/s, in interleaved rounds.",

@@ -21,7 +21,16 @@ from aioexperts_bench import DEFAULT_ENGINES, ENGINES, GenerateConfig, parse_lim
 
 from .. import AioExpertsError, __version__, write_miss_tier
 from .._json import dumps as json_dumps
-from ._common import USAGE_STATUS, cache_error, error_text, gate_weight, model_file, plural, refuse_to_overwrite
+from ._common import (
+    USAGE_STATUS,
+    OneLineParser,
+    cache_error,
+    error_text,
+    gate_weight,
+    model_file,
+    plural,
+    refuse_to_overwrite,
+)
 from .tiertool import TYPES as TIER_TYPES
 from .tiertool import default_output
 
@@ -57,7 +66,7 @@ def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``aioexperts-bench --mode generate``."""
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="aioexperts-bench --mode generate",
         description="Decode and prefill of aioexperts against llama.cpp (llama-cpp-python) on one whole model, "
         "each engine in its own process inside a memory cgroup, in interleaved rounds.",

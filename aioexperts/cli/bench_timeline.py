@@ -25,7 +25,7 @@ from aioexperts_bench import (
 
 from .. import AioExpertsError, __version__
 from .._json import dumps as json_dumps
-from ._common import error_text, file_starts_with, refuse_to_overwrite
+from ._common import OneLineParser, error_text, file_starts_with, refuse_to_overwrite
 from .bench_generate import _model as built_in_model
 from .bench_generate import add_model_arguments, check_model_arguments, model_file_error
 
@@ -36,7 +36,7 @@ ENGINES = ("aioexperts", "aioexperts-int8", "aioexperts-tier")
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``aioexperts-bench --mode timeline``."""
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="aioexperts-bench --mode timeline",
         description="Decode tokens of aioexperts under a memory limit with a timeline recorded (per MoE layer: "
         "reads submitted and completed, compute, stalls); writes a results JSON and an SVG picture.",

@@ -40,6 +40,7 @@ from ..traces import format_bytes
 from ._common import (
     USAGE_STATUS,
     HelpFormatter,
+    OneLineParser,
     error_text,
     file_starts_with,
     model_file,
@@ -199,7 +200,7 @@ def _layout_json(summary: LayoutSummary) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="aioexperts-map",
         description="Inspect a MoE GGUF's expert layout and write or check its WEEPF001 expert map.",
         formatter_class=HelpFormatter,

@@ -32,6 +32,7 @@ from aioexperts.cli._common import (
     BROKEN_PIPE_STATUS,
     USAGE_STATUS,
     HelpFormatter,
+    OneLineParser,
     builtin_full_model,
     error_text,
     gate_weight,
@@ -53,11 +54,6 @@ INTERRUPTED_STATUS = 130
 
 #: n_ctx when ``--ctx`` is not given (llama.cpp's default), capped to the file's context length.
 DEFAULT_CTX = 4096
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line, no usage block
-        self.exit(USAGE_STATUS, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:
@@ -83,7 +79,7 @@ def _float(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``aioexperts-run``."""
 
-    p = _Parser(
+    p = OneLineParser(
         prog=PROG,
         description=(
             "Generate text with a Mixture-of-Experts GGUF model whose experts stream from SSD. Without MODEL it "

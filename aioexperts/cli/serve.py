@@ -26,6 +26,7 @@ import aioexperts
 from aioexperts.cli._common import (
     USAGE_STATUS,
     HelpFormatter,
+    OneLineParser,
     builtin_full_model,
     error_text,
     model_file,
@@ -39,11 +40,6 @@ __all__ = ("build_parser", "main")
 PROG = "aioexperts-serve"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line, no usage block
-        self.exit(USAGE_STATUS, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def _port(text: str) -> int:
     value = _int_at_least(0)(text)
     if value > 65535:
@@ -54,7 +50,7 @@ def _port(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``aioexperts-serve``."""
 
-    p = _Parser(
+    p = OneLineParser(
         prog=PROG,
         description=(
             "Serve a Mixture-of-Experts GGUF model over an OpenAI-compatible HTTP API (chat and text "
@@ -196,7 +192,8 @@ def _check_host(host: str, port: int = 0) -> None:
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, UnicodeError) as exc:
-        raise aioexperts.ConfigError(f"--host {host!r}: not an address or host name to bind ({exc})") from None
+        why = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)  # no "[Errno -2]"
+        raise aioexperts.ConfigError(f"--host {host!r}: not an address or host name to bind ({why})") from None
     if port == 0:
         return
     for family, kind, proto, _name, address in addresses:

@@ -11,14 +11,13 @@ miss-tier sidecar, or with ``--force``. Progress goes to stderr; errors are one 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from collections.abc import Sequence
 
 from .. import AioExpertsError, __version__, open_model, write_miss_tier
-from ._common import USAGE_STATUS, HelpFormatter, error_text, model_file, refuse_to_overwrite
+from ._common import USAGE_STATUS, HelpFormatter, OneLineParser, error_text, model_file, refuse_to_overwrite
 
 __all__ = ("main",)
 
@@ -52,7 +51,7 @@ def _is_sidecar(path: str) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; 0 on success, 2 on an error (one line on stderr)."""
-    parser = argparse.ArgumentParser(prog="aioexperts-tier", description=DESCRIPTION, formatter_class=HelpFormatter)
+    parser = OneLineParser(prog="aioexperts-tier", description=DESCRIPTION, formatter_class=HelpFormatter)
     parser.add_argument("model", help="the model (a GGUF file or any shard of a split set)")
     parser.add_argument("-o", "--out", default=None, help="the sidecar to write (default MODEL.miss-tier-TYPE.gguf)")
     parser.add_argument("--type", default="Q3_K", choices=TYPES, help="the low ggml type")

@@ -33,6 +33,7 @@ from ..traces import BELADY, expert_frequencies, format_bytes, slots_for_hit_rat
 from ._common import (
     USAGE_STATUS,
     HelpFormatter,
+    OneLineParser,
     error_text,
     input_file,
     model_file,
@@ -170,7 +171,7 @@ def _hit_rates(text: str) -> list[float]:
 
 def _parser() -> argparse.ArgumentParser:
     fmt = HelpFormatter
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="aioexperts-trace",
         description="Read a routing trace: per-layer expert frequency, slab size per target hit rate, hot-first order.",
         formatter_class=fmt,

@@ -156,7 +156,9 @@ def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit) as info:
         bench.main(argv)
     assert info.value.code == 2
-    assert "usage:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "usage:" not in err and err.count("\n") == 1  # one line, as every command's
+    assert err.startswith("aioexperts-bench: error: ") and err.endswith(" (see --help)\n")
 
 
 def test_depth_is_checked_against_its_range_up_front(capsys: pytest.CaptureFixture[str]) -> None:

@@ -157,6 +157,7 @@ def test_a_second_signal_ends_the_streams_with_shutting_down_and_exits_1(tiny_fu
     [
         (["--port", "70000"], "--port: must be a TCP port"),
         (["MODEL", "--host", "not..an..addr"], "--host 'not..an..addr': not an address or host name to bind"),
+        (["MODEL", "--host", "999.1.1.1"], "--host '999.1.1.1': not an address or host name to bind ("),
         (["--parallel", "0"], "--parallel: must be >= 1"),
         (["/no/such/model.gguf"], "no such model file"),
         (["MODEL", "--layers", "2"], "built-in model"),
@@ -180,6 +181,7 @@ def test_bad_arguments_exit_2_with_one_line(
     assert status == 2, err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], err
+    assert "[Errno" not in err, err
 
 
 def test_without_aiohttp_it_says_which_extra_to_install(tiny_full_model: Path) -> None:

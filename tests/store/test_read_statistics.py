@@ -117,6 +117,28 @@ async def test_device_busy_time_and_stalls_follow_a_known_delay(model_path: Path
         assert rs.stall_seconds - stalled < delay / 3
 
 
+async def test_reads_still_in_flight_count_as_busy_time(model_path: Path, anyio_backend: object) -> None:
+    """A snapshot taken while reads are in flight counts the open busy interval (a run whose
+    prefetches never all landed reported no device time, "device idle", after reading 549 MB)."""
+    holder: dict[str, FakeBackend] = {}
+    async with fake_store(model_path, holder, auto=False) as store:
+        assert store.prefetch([(0, 0), (0, 1)]) == 2
+        await settle()
+        fake = holder["fake"]
+        in_flight = bool(fake.pending)
+        await anyio.sleep(0.05)
+        first = store.statistics().device_busy_seconds
+        await anyio.sleep(0.02)
+        second = store.statistics().device_busy_seconds
+        fake.complete_all()  # before any assert: a store closing with reads pending would wait for them
+        await settle()
+        assert in_flight and 0.05 <= first < second
+        landed = store.statistics().device_busy_seconds
+        assert landed >= second
+        await anyio.sleep(0.02)
+        assert store.statistics().device_busy_seconds == landed  # nothing in flight: no time added
+
+
 async def test_statistics_reset_zeroes_the_new_counters(model_path: Path, anyio_backend: object) -> None:
     holder: dict[str, FakeBackend] = {}
     async with fake_store(model_path, holder, delay=0.01) as store:
