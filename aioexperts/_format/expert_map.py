@@ -163,7 +163,10 @@ def write_expert_map(model: GGUFModel, layout: ExpertLayout, path: str | os.Path
         if (target.st_dev, target.st_ino) == (shard.dev, shard.ino):
             raise ConfigError(f"{os.fspath(path)} is the model {shard.path}: a map is never written over its model")
     directory = os.path.dirname(os.path.abspath(path)) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".weepf-", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".weepf-", dir=directory)
+    except OSError as exc:  # name the user's path, not the temporary file's
+        raise OSError(exc.errno, exc.strerror, os.fspath(path)) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(b"".join(parts))

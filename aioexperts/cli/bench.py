@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             else f" (the built-in model may be damaged: run again with --rebuild; it is in {cache_dir()})"
         )
         _error(f"{exc}{hint}")
-        return 1
+        return USAGE_STATUS if args.model else 1  # a file the user named is bad input, as in every command
     except (AioExpertsError, OSError) as exc:
         reporter.stop()
         _error(str(exc))

@@ -184,7 +184,7 @@ def test_missing_model_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFi
 def test_bad_model_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bad.gguf"
     path.write_bytes(b"GGUF" + b"\0" * 100)
-    assert bench.main(["--model", str(path), "--quiet", "--out", ""]) == 1
+    assert bench.main(["--model", str(path), "--quiet", "--out", ""]) == 2  # bad input, as for every command
     assert "--rebuild" not in _one_error_line(capsys)  # the user's own file: no hint about the built-in one
 
 

@@ -85,6 +85,10 @@ def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     write_synthetic_model(model, SPEC)
     assert maptool.main(["check", str(model), str(bad)]) == 2
     assert "magic" in capsys.readouterr().err
+    target = tmp_path / "no-such-dir" / "m.weepf"
+    assert maptool.main(["write", str(model), "-o", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert f"{target}: No such file or directory" in err and ".weepf-" not in err and "[Errno" not in err
 
 
 def test_the_console_scripts_are_installed(model_path: Path) -> None:
