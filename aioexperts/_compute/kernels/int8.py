@@ -118,6 +118,21 @@ def quantize_q8_k(x, q, d, bsums):
 
 
 @kernel(inline=True)
+def quantize_rows_q8_k(xt, n_rows):
+    """:func:`quantize_q8_k` of every row of ``xt`` (``(n, cols)`` float32) into ``n_rows >= n`` rows
+    (the rows past ``n`` zero: a tile's padding): ``(q, d, bsums, finite)``, int8 ``(n_rows, cols)``,
+    float32 ``(n_rows, cols // 256)``, int32 ``(n_rows, cols // 16)``, and whether ``xt`` is finite."""
+    n, cols = xt.shape
+    q = np.zeros((n_rows, cols), dtype=I8)
+    d = np.zeros((n_rows, cols // QK_K), dtype=F32)
+    bsums = np.zeros((n_rows, cols // SUM16), dtype=I32)
+    finite = True
+    for t in range(n):
+        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    return q, d, bsums, finite
+
+
+@kernel(inline=True)
 def quantize_q8_0(x, q, d, s):
     """x86 ``quantize_row_q8_0`` / ``quantize_row_q8_1`` (ggml-cpu/arch/x86/quants.c, AVX2): per 32
     values ``d = amax / 127`` (kept as float16), ``q = round_half_even(x * (127 / amax))``;
@@ -416,12 +431,7 @@ def matmat_int8_q4_k(raw, xt, out):
     each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
     n, cols = xt.shape
     n_blocks = cols // QK_K
-    q = np.empty((n, cols), dtype=I8)
-    d = np.empty((n, n_blocks), dtype=F32)
-    bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
-    finite = True
-    for t in range(n):
-        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    q, d, bsums, finite = quantize_rows_q8_k(xt, n)
     if not finite:
         return False
     full = n - n % TOKENS  # TOKENS tokens at a time share each block's decoding (.rowdots), then one by one
@@ -460,12 +470,7 @@ def matmat_int8_q5_k(raw, xt, out):
     each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
     n, cols = xt.shape
     n_blocks = cols // QK_K
-    q = np.empty((n, cols), dtype=I8)
-    d = np.empty((n, n_blocks), dtype=F32)
-    bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
-    finite = True
-    for t in range(n):
-        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    q, d, bsums, finite = quantize_rows_q8_k(xt, n)
     if not finite:
         return False
     full = n - n % TOKENS  # TOKENS tokens at a time share each block's decoding (.rowdots), then one by one
@@ -504,12 +509,7 @@ def matmat_int8_q6_k(raw, xt, out):
     each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
     n, cols = xt.shape
     n_blocks = cols // QK_K
-    q = np.empty((n, cols), dtype=I8)
-    d = np.empty((n, n_blocks), dtype=F32)
-    bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
-    finite = True
-    for t in range(n):
-        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    q, d, bsums, finite = quantize_rows_q8_k(xt, n)
     if not finite:
         return False
     for r in range(raw.shape[0]):
@@ -540,12 +540,7 @@ def matmat_int8_q2_k(raw, xt, out):
     each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
     n, cols = xt.shape
     n_blocks = cols // QK_K
-    q = np.empty((n, cols), dtype=I8)
-    d = np.empty((n, n_blocks), dtype=F32)
-    bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
-    finite = True
-    for t in range(n):
-        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    q, d, bsums, finite = quantize_rows_q8_k(xt, n)
     if not finite:
         return False
     for r in range(raw.shape[0]):
@@ -576,12 +571,7 @@ def matmat_int8_q3_k(raw, xt, out):
     each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
     n, cols = xt.shape
     n_blocks = cols // QK_K
-    q = np.empty((n, cols), dtype=I8)
-    d = np.empty((n, n_blocks), dtype=F32)
-    bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
-    finite = True
-    for t in range(n):
-        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    q, d, bsums, finite = quantize_rows_q8_k(xt, n)
     if not finite:
         return False
     for r in range(raw.shape[0]):
@@ -612,12 +602,7 @@ def matmat_int8_iq4_xs(raw, xt, out):
     each weight row is read once for all tokens (``xt``: ``(n, cols)``, ``out``: ``(n, rows)``)."""
     n, cols = xt.shape
     n_blocks = cols // QK_K
-    q = np.empty((n, cols), dtype=I8)
-    d = np.empty((n, n_blocks), dtype=F32)
-    bsums = np.empty((n, n_blocks * SUM16), dtype=I32)
-    finite = True
-    for t in range(n):
-        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    q, d, bsums, finite = quantize_rows_q8_k(xt, n)
     if not finite:
         return False
     for r in range(raw.shape[0]):

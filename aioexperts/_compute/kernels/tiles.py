@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..jit import kernel
 from . import rowdot
 from .common import F32
-from .int8 import QK_K, SUM16, quantize_q8_k
+from .int8 import QK_K, bsum_pairs, quantize_rows_q8_k
 from .rowdot import I16, I32, I64, Q4_K_BYTES, _call, _const, _half, _i64, _lanes, _pair_sums, _Ptr, _scales_mins_k4
 
 # ruff: noqa: N803, N806
@@ -64,7 +65,7 @@ def _vectors(tile: int) -> tuple[ir.VectorType, ir.VectorType, ir.VectorType, ir
 def _pair_products(builder: ir.IRBuilder, codes: Any, quants: Any, scale: Any, tile: int, x86: bool) -> Any:
     """``<tile x i32>``: ``scale * sum(codes[4 j + t] * quants[4 j + t], t < 4)`` (codes unsigned,
     quants signed; no int16 saturation: codes <= 15, ``|q| <= 128``)."""
-    vb, vh, vi, _ = _vectors(tile)
+    _, vh, vi, _ = _vectors(tile)
     if x86 and tile == 16:
         pairs = _call(builder, "llvm.x86.avx512.pmaddubs.w.512", vh, [codes, quants])
         return _call(builder, "llvm.x86.avx512.pmaddw.d.512", vi, [pairs, scale])
@@ -117,8 +118,6 @@ def tile_q4_k(typingctx, row, xpack, mpack, dx, n_blocks, out):
     tile = TILE
 
     def codegen(context, builder, signature, args):
-        from numba.core import cgutils
-
         x86 = rowdot._avx2()
         vnni = x86 and tile == 16 and _vnni()
         vb, vh, vi, vf = _vectors(tile)
@@ -185,14 +184,10 @@ def matmat_tiled_q4_k(raw, xt, out):
     rows = raw.shape[0]
     n_blocks = cols // QK_K
     tiles = (n + TILE - 1) // TILE
-    q = np.zeros((tiles * TILE, cols), dtype=np.int8)
-    d = np.zeros((tiles * TILE, n_blocks), dtype=F32)
-    bsums = np.zeros((tiles * TILE, n_blocks * SUM16), dtype=np.int32)
-    finite = True
-    for t in range(n):
-        finite &= quantize_q8_k(xt[t], q[t], d[t], bsums[t])
+    q, d, bsums, finite = quantize_rows_q8_k(xt, tiles * TILE)
     if not finite:
         return False
+    pairs = bsum_pairs(bsums)  # sums per 32 quants
     q32 = q.view(np.int32)  # (tiles * TILE, cols // 4)
     xpack = np.empty((tiles, (cols // 4) * TILE), dtype=np.int32)
     mpack = np.empty((tiles, n_blocks * 8 * TILE), dtype=np.int32)
@@ -203,7 +198,7 @@ def matmat_tiled_q4_k(raw, xt, out):
             for g in range(cols // 4):
                 xpack[k, g * TILE + j] = q32[t, g]
             for s in range(n_blocks * 8):
-                mpack[k, s * TILE + j] = bsums[t, 2 * s] + bsums[t, 2 * s + 1]
+                mpack[k, s * TILE + j] = pairs[t, s]
             for b in range(n_blocks):
                 dpack[k, b * TILE + j] = d[t, b]
     part = np.empty(TILE, dtype=F32)
