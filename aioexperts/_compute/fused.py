@@ -57,6 +57,7 @@ line). :func:`set_backend` forces either (tests, benchmarks).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -739,9 +740,15 @@ def tiled_types() -> frozenset[GGMLQuantizationType]:
     4-token loops of :mod:`aioexperts._compute.kernels.rowdots`)."""
     if backend().name != "numba":
         return frozenset()
+    return frozenset({GGMLQuantizationType.Q4_K}) if _tiles_fast() else frozenset()
+
+
+@functools.cache
+def _tiles_fast() -> bool:
+    """:func:`aioexperts._compute.kernels.tiles.fast`, the module imported once (a prefill asks per product)."""
     from .kernels import tiles
 
-    return frozenset({GGMLQuantizationType.Q4_K}) if tiles.fast() else frozenset()
+    return tiles.fast()
 
 
 def _tiled_kernel(ready: _Ready, qtype: GGMLQuantizationType) -> Callable[..., Any]:
@@ -818,7 +825,8 @@ def _linear_numba(
             return
     # the int8 kernels' quantizers lose NaN/inf (max() skips NaN): such x takes the round trip, which keeps them
     int8 = ready.entry.int8_module is not None and llama and bool(np.isfinite(xs).all())
-    if int8 and tiled and n >= TILED_MIN_TOKENS and qtype in tiled_types():
+    # numba serves here: tiled_types() without its backend check
+    if int8 and tiled and n >= TILED_MIN_TOKENS and qtype == GGMLQuantizationType.Q4_K and _tiles_fast():
         _split_rows(raw, _by_rows(_tiled_kernel(ready, qtype), raw, xs, out), split)
         return
     if int8 and ready.entry.int8_batched and 1 < n <= INT8_BATCH_MAX:

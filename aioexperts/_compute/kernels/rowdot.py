@@ -69,8 +69,7 @@ def _avx2() -> bool:
 
 def _avx512bw() -> bool:
     """512-bit byte and word products (AVX-512BW): :func:`scaled_sums` takes two pieces per instruction."""
-    triple, features = _target_features()
-    return _avx2() and "+avx512bw" in features
+    return _avx2() and "+avx512bw" in _target_features()[1]
 
 
 def _const(t: ir.Type, value: int) -> Any:
