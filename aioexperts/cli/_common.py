@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import NoReturn
 
-from .. import ConfigError
+from .. import ConfigError, __version__
 
 __all__ = (
     "OneLineParser",
@@ -49,6 +49,11 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(USAGE_STATUS, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def add_version(parser: argparse.ArgumentParser, command: str) -> None:
+    """``--version``: prints ``COMMAND VERSION`` (the package's version) and exits 0."""
+    parser.add_argument("--version", action="version", version=f"{command} {__version__}")
 
 
 #: The optional packages a command may need, and the extra of ``pyproject.toml`` that installs each.

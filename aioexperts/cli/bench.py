@@ -26,6 +26,7 @@ from ..testing import bench_model_path, cache_dir, ensure_bench_model
 from ._common import (
     USAGE_STATUS,
     OneLineParser,
+    add_version,
     file_starts_with,
     missing_extra,
     model_file,
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--note", default="", help="a remark stored with the results and shown in the header")
     p.add_argument("--json", action="store_true", help="print the results JSON on stdout instead of tables")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    add_version(p, "aioexperts-bench")
     return p
 
 

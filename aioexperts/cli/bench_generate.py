@@ -19,11 +19,12 @@ from pathlib import Path
 
 from aioexperts_bench import DEFAULT_ENGINES, ENGINES, GenerateConfig, parse_limit, run_generate_bench, text_report
 
-from .. import AioExpertsError, __version__, write_miss_tier
+from .. import AioExpertsError, write_miss_tier
 from .._json import dumps as json_dumps
 from ._common import (
     USAGE_STATUS,
     OneLineParser,
+    add_version,
     cache_error,
     error_text,
     gate_weight,
@@ -124,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-generate.json", help="results file to write ('' for none)")
     p.add_argument("--force", action="store_true", help="let --out replace a file of another kind")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    p.add_argument("--version", action="version", version=f"aioexperts-bench {__version__}")
+    add_version(p, "aioexperts-bench")
     return p
 
 

@@ -23,9 +23,9 @@ from aioexperts_bench import (
     timeline_report,
 )
 
-from .. import AioExpertsError, __version__
+from .. import AioExpertsError
 from .._json import dumps as json_dumps
-from ._common import OneLineParser, error_text, file_starts_with, refuse_to_overwrite
+from ._common import OneLineParser, add_version, error_text, file_starts_with, refuse_to_overwrite
 from .bench_generate import _model as built_in_model
 from .bench_generate import add_model_arguments, check_model_arguments, model_file_error
 
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--svg", default=None, help="the picture (default: --out with .svg)")
     p.add_argument("--force", action="store_true", help="let --out and --svg replace files of another kind")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    p.add_argument("--version", action="version", version=f"aioexperts-bench {__version__}")
+    add_version(p, "aioexperts-bench")
     return p
 
 

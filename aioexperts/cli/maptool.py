@@ -28,7 +28,6 @@ from .. import (
     ExpertLayout,
     GGUFModel,
     StaleMapError,
-    __version__,
     build_layout,
     check_map_matches_layout,
     open_model,
@@ -41,6 +40,7 @@ from ._common import (
     USAGE_STATUS,
     HelpFormatter,
     OneLineParser,
+    add_version,
     error_text,
     file_starts_with,
     model_file,
@@ -205,7 +205,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Inspect a MoE GGUF's expert layout and write or check its WEEPF001 expert map.",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    add_version(parser, "aioexperts-map")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("layout", help="print the expert layout", formatter_class=HelpFormatter)
     p.add_argument("model", help="a .gguf file or any shard of a split set")

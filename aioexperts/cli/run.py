@@ -33,6 +33,7 @@ from aioexperts.cli._common import (
     USAGE_STATUS,
     HelpFormatter,
     OneLineParser,
+    add_version,
     builtin_full_model,
     error_text,
     gate_weight,
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=HelpFormatter,
     )
+    add_version(p, PROG)
     p.add_argument("model", nargs="?", help="a GGUF file (or a shard of a split set); default: the built-in model")
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="the prompt text (with --chat: the first user message)")

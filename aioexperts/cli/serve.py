@@ -27,6 +27,7 @@ from aioexperts.cli._common import (
     USAGE_STATUS,
     HelpFormatter,
     OneLineParser,
+    add_version,
     builtin_full_model,
     error_text,
     model_file,
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=HelpFormatter,
     )
+    add_version(p, PROG)
     p.add_argument("model", nargs="?", help="a GGUF file (or a shard of a split set); default: the built-in model")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=_port, default=8080, help="TCP port; 0 takes a free one")

@@ -16,8 +16,16 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .. import AioExpertsError, __version__, open_model, write_miss_tier
-from ._common import USAGE_STATUS, HelpFormatter, OneLineParser, error_text, model_file, refuse_to_overwrite
+from .. import AioExpertsError, open_model, write_miss_tier
+from ._common import (
+    USAGE_STATUS,
+    HelpFormatter,
+    OneLineParser,
+    add_version,
+    error_text,
+    model_file,
+    refuse_to_overwrite,
+)
 
 __all__ = ("main",)
 
@@ -57,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--type", default="Q3_K", choices=TYPES, help="the low ggml type")
     parser.add_argument("--force", action="store_true", help="replace an existing file that is not a sidecar")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    add_version(parser, "aioexperts-tier")
     args = parser.parse_args(argv)
     try:
         model = model_file(args.model)

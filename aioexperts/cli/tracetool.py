@@ -27,13 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import AioExpertsError, FormatError, RoutingTrace, __version__, build_layout, open_model
+from .. import AioExpertsError, FormatError, RoutingTrace, build_layout, open_model
 from .. import _json as strict_json  # the one strict JSON writer (an import-rule exception)
 from ..traces import BELADY, expert_frequencies, format_bytes, slots_for_hit_rate
 from ._common import (
     USAGE_STATUS,
     HelpFormatter,
     OneLineParser,
+    add_version,
     error_text,
     input_file,
     model_file,
@@ -176,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Read a routing trace: per-layer expert frequency, slab size per target hit rate, hot-first order.",
         formatter_class=fmt,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    add_version(parser, "aioexperts-trace")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("summary", help="expert frequency and slab sizes", formatter_class=fmt)
     p.add_argument("trace", help="a routing trace (.npz)")

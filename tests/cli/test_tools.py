@@ -180,3 +180,16 @@ def test_a_closed_pipe_ends_the_tools_quietly(model_path: Path, tmp_path: Path) 
     ):
         done = _write_to_a_closed_pipe(argv)
         assert (done.returncode, done.stderr) == (141, ""), argv
+
+
+@pytest.mark.parametrize("script", ["run", "serve", "bench", "map", "trace", "tier"])
+def test_every_command_prints_its_version(script: str) -> None:
+    """Each console script of pyproject.toml answers ``--version`` with its name and the package's version."""
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, func = scripts[f"aioexperts-{script}"].partition(":")
+    code = f"import sys, {module} as m; sys.argv[0] = 'x'; sys.exit(m.{func}(['--version']))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"aioexperts-{script} {aioexperts.__version__}"
