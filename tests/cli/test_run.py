@@ -58,6 +58,10 @@ def test_streams_text_to_stdout_and_the_statistics_to_stderr(tiny_full_model: Pa
     )
     assert sources is not None, done.stderr
     assert sum(int(g) for g in sources.groups()) == requests
+    # prefetches are counted as started, of them the evicted unused; the used ones are sources above
+    started = re.search(r"(\d+) prefetch(?:es)? started \((\d+) evicted unused\)", done.stderr)
+    assert started is not None, done.stderr
+    assert int(started.group(2)) <= int(started.group(1))
 
 
 def test_json_is_one_parseable_object_with_the_same_text(tiny_full_model: Path) -> None:
