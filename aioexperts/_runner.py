@@ -280,7 +280,8 @@ class MoERunner:
                 return self._warmup_report
             store = self._store
             store.check_running()  # StoreClosedError / wrong loop, before any work
-            report = await run_in_worker(warmup_kernels, store.layout)
+            low = store.miss_tier_type
+            report = await run_in_worker(warmup_kernels, store.layout, () if low is None else (low,))
             if not self._router.ready:
                 await self._router.warmup()
             self._batcher.set_layers(list(store.layout.layers))

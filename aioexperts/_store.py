@@ -24,6 +24,7 @@ from typing import TypeVar
 
 import anyio
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from ._cache.cache import Key
 from ._cache.stats import StoreStatistics
@@ -336,6 +337,14 @@ class ExpertStore:
         self._check_started()
         assert self._layout is not None
         return self._layout
+
+    @property
+    def miss_tier_type(self) -> GGMLQuantizationType | None:
+        """The ggml type of the miss tier's experts (``Q2_K``, ``Q3_K`` or ``IQ4_XS``) while the tier
+        is on; None without one, or when start switched it off (``statistics().miss_tier_off_reason``)."""
+        self._check_started()
+        tier = self._source.tier if isinstance(self._source, SlabSource) else None
+        return None if tier is None else tier.ggml_type
 
     @property
     def hparams(self) -> MoEHParams:

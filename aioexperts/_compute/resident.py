@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 from gguf import GGMLQuantizationType
 
@@ -86,10 +88,12 @@ def kernel_types(layout: ExpertLayout) -> frozenset[GGMLQuantizationType]:
     return frozenset(types)
 
 
-def warmup_kernels(layout: ExpertLayout) -> WarmupReport:
-    """Compile or load the kernels of :func:`kernel_types` (blocking; see :func:`fused.warmup`),
-    and the group calls of a decode step's experts (:func:`aioexperts._compute.grouped.group_kernel`)."""
-    types = kernel_types(layout)
+def warmup_kernels(layout: ExpertLayout, also: Iterable[GGMLQuantizationType] = ()) -> WarmupReport:
+    """Compile or load the kernels of :func:`kernel_types` and of the types ``also`` (the miss
+    tier's: its first low-tier expert would otherwise load them mid-token), blocking (see
+    :func:`fused.warmup`), and the group calls of a decode step's experts
+    (:func:`aioexperts._compute.grouped.group_kernel`)."""
+    types = kernel_types(layout) | frozenset(also)
     report = warmup(types)
     for t in types:
         group_kernel(t)
