@@ -307,8 +307,9 @@ class _Report:
                 f"{plural(ex['misses'], 'miss', 'misses')} of {plural(ex['requests'], 'request')}); "
                 f"read {_size(ex['bytes_read'])}, "
                 + (f"{_size(per)} per token" if per is not None else "n/a per token")
-                + f" ({plural(ex['tokens_run'], 'token')} run); {plural(ex['prefetch_issued'], 'prefetch', 'prefetches')} "
-                f"started ({ex['prefetch_wasted']} evicted unused); {ex['backend']}{', O_DIRECT' if ex['direct_io'] else ''}"
+                + f" ({plural(ex['tokens_run'], 'token')} run); "
+                f"{plural(ex['prefetch_issued'], 'prefetch', 'prefetches')} started "
+                f"({ex['prefetch_wasted']} evicted unused); {ex['backend']}{', O_DIRECT' if ex['direct_io'] else ''}"
             )
             lines.append(_sources_line(ex))
         m = self.memory()
