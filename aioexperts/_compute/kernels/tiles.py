@@ -1,4 +1,4 @@
-"""Q4_K products of many tokens at once: the weight codes broadcast over a vector of tokens.
+"""K-quant products of many tokens at once: the weight codes broadcast over a vector of tokens.
 
 :mod:`.rowdots` follows ggml's one-token loop (``ggml_vec_dot_q4_K_q8_K``) for a few tokens, so that
 each token's result is bit for bit its one-token result: per 32 values and token it spends a
@@ -6,19 +6,30 @@ each token's result is bit for bit its one-token result: per 32 values and token
 needed, and the products can be laid out the other way round, as ggml's tiled matmul does
 (``ggml-cpu/tiled``): ``x``'s Q8_K quants are packed so that one vector holds 4 consecutive values
 of :data:`TILE` tokens (``xpack[g, j] = q_j[4 g : 4 g + 4]`` as an int32), and 4 codes of one weight
-row are broadcast to every lane. Then one ``pmaddubsw`` and one ``pmaddwd`` (with the sub-block's
-scale) give ``scale * sum(code * q)`` over 4 values for every token of the tile: 4 products per
-lane and instruction instead of 1, the scale included.
+row are broadcast to every lane. With AVX-512 VNNI one ``vpdpbusd`` adds ``sum(code * q)`` over 4
+values to every token's lane, and the sub-block's scale is applied once per sub-block (32 values
+for Q4_K and Q5_K, 16 for Q6_K); without it one ``pmaddubsw`` and one ``pmaddwd`` (with the scale)
+per 4 values. Either way 4 products per lane and instruction instead of 1.
 
-Per block, ``y_j += d_w d_j sum_s sc_s dot_sj - dmin_w d_j sum_s m_s bsum_sj`` for all tokens of the
-tile in float32 lanes: llama.cpp's arithmetic (its Q8_K rounding of ``x``, the same integer sums
-per block) to float rounding (the blocks are added in another order than ggml's 8-lane
-accumulator, about 1e-7 relative). ``TILE`` is 16 tokens on x86 with AVX-512BW, else 8.
+Per block and token of the tile, in int32 lanes, the integer sums of ggml's ``vec_dot`` loops:
+
+* Q4_K, Q5_K (``ggml_vec_dot_q4_K_q8_K``, ``..._q5_K_...``): ``sumi = sum_s sc_s dot_s`` and
+  ``summ = sum_s m_s bsum_s`` over the 8 sub-blocks of 32 values (codes 0..15, Q5_K's fifth bit from
+  ``qh``), then ``y += d_w d_x sumi - dmin_w d_x summ`` in float32;
+* Q6_K (``ggml_vec_dot_q6_K_q8_K``): the codes 0..63 unsigned, as ggml's loops multiply them, and
+  their offset of 32 through the Q8_K block sums: ``sumi = sum_s sc_s (dot_s - 32 bsum_s)`` over the
+  16 sub-blocks of 16 values (ggml's tiled kernel: ``(raw - BIAS * bsums) * scale``; its AVX2 loop
+  subtracts ``32 sum_s sc_s bsum_s`` from the same sum), then ``y += d_w d_x sumi``.
+
+That is llama.cpp's arithmetic (its Q8_K rounding of ``x``, the same integer sums per block) to
+float rounding (the blocks are added in another order than ggml's 8-lane accumulator, about 1e-7
+relative). ``TILE`` is 16 tokens on x86 with AVX-512BW, else 8.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,8 +41,24 @@ from numba.extending import intrinsic
 from ..jit import kernel
 from . import rowdot
 from .common import F32
-from .int8 import QK_K, bsum_pairs, quantize_rows_q8_k
-from .rowdot import I16, I32, I64, Q4_K_BYTES, _call, _const, _half, _i64, _lanes, _pair_sums, _Ptr, _scales_mins_k4
+from .int8 import QK_K, SUM16, bsum_pairs, quantize_rows_q8_k
+from .rowdot import (
+    I16,
+    I32,
+    I64,
+    Q4_K_BYTES,
+    Q5_K_BYTES,
+    Q6_K_BYTES,
+    _call,
+    _const,
+    _half,
+    _i64,
+    _lanes,
+    _pair_sums,
+    _Ptr,
+    _scales_mins_k4,
+    q6_k_block,
+)
 
 # ruff: noqa: N803, N806
 
@@ -40,6 +67,8 @@ I8 = ir.IntType(8)
 TILE = 16 if rowdot._avx512bw() else 8
 #: int32 groups of 4 quants per Q8_K block
 GROUPS = QK_K // 4
+#: Q6_K's code offset: ggml's codes are ``q - 32``
+Q6_K_OFFSET = 32
 
 
 def _vnni() -> bool:
@@ -64,7 +93,7 @@ def _vectors(tile: int) -> tuple[ir.VectorType, ir.VectorType, ir.VectorType, ir
 
 def _pair_products(builder: ir.IRBuilder, codes: Any, quants: Any, scale: Any, tile: int, x86: bool) -> Any:
     """``<tile x i32>``: ``scale * sum(codes[4 j + t] * quants[4 j + t], t < 4)`` (codes unsigned,
-    quants signed; no int16 saturation: codes <= 15, ``|q| <= 128``)."""
+    quants signed; no int16 saturation: codes <= 63, ``|q| <= 128``)."""
     _, vh, vi, _ = _vectors(tile)
     if x86 and tile == 16:
         pairs = _call(builder, "llvm.x86.avx512.pmaddubs.w.512", vh, [codes, quants])
@@ -88,16 +117,80 @@ def _splat_scalar(builder: ir.IRBuilder, value: Any, lanes: int) -> Any:
     return _splat_lane(builder, one, 0, lanes)
 
 
-@intrinsic
-def tile_q4_k(typingctx, row, xpack, mpack, dx, n_blocks, out):
-    """One Q4_K row against one tile of tokens: ``out[j]`` (float32, :data:`TILE` of them).
+class _Tile:
+    """The state one tile kernel's code generator shares: the pointers of its arrays and the form
+    of its products (``vpdpbusd``, x86 ``pmaddubsw``/``pmaddwd``, or plain vector IR)."""
 
-    ``row``: the row's bytes (uint8, 1-D); ``xpack``: int32 ``(n_blocks * GROUPS * TILE,)``, element
-    ``(b GROUPS + g) TILE + j`` = the quants ``4 g .. 4 g + 3`` of block ``b`` of token ``j``;
-    ``mpack``: int32 ``(n_blocks * 8 * TILE,)``, the sums of the quants per 32 values
-    (``(b 8 + s) TILE + j``); ``dx``: float32 ``(n_blocks * TILE,)``, the Q8_K scales. No bounds
-    checks: the caller sizes every array.
-    """
+    def __init__(self, context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> None:
+        self.builder = builder
+        self.tile = TILE
+        self.x86 = rowdot._avx2()
+        self.vnni = self.x86 and self.tile == 16 and _vnni()
+        self.w, self.xp, self.mp, self.dp = (_Ptr(context, builder, signature.args[k], args[k]) for k in range(4))
+
+    def zeros(self) -> Any:
+        return ir.Constant(_vectors(self.tile)[2], [0] * self.tile)
+
+    def packed(self, index: Any) -> Any:
+        """The ``<tile x i32>`` of ``mpack`` at element ``index`` (an i64)."""
+        return self.mp.load(index, _vectors(self.tile)[2], align=4)
+
+    def scaled_dots(self, words: Any, lanes: range, x_index: Any, group: int, scale: Any, bias: Any = None) -> Any:
+        """``<tile x i32>``: ``scale * (bias + sum_k dot_k)`` for every token of the tile, where
+        ``dot_k`` is the 4 codes of int32 lane ``lanes[k]`` of ``words`` (``<8 x i32>``) times
+        the token's quants of group ``group + k`` of the block whose groups start at element
+        ``x_index`` of ``xpack``; ``scale`` an i32, ``bias`` a ``<tile x i32>`` or None (0).
+
+        VNNI: ``bias`` is the first ``vpdpbusd``'s accumulator and ``scale`` one multiply;
+        else the scale goes into each ``pmaddwd`` and ``bias`` is multiplied apart: the same
+        integers."""
+        builder, tile = self.builder, self.tile
+        vb, vh, vi, _ = _vectors(tile)
+        xs = [builder.add(x_index, _const(I64, (group + k) * tile)) for k in range(len(lanes))]
+        if self.vnni:
+            dots = self.zeros() if bias is None else bias
+            for lane, at in zip(lanes, xs, strict=True):
+                wb = _splat_lane(builder, words, lane, tile)
+                dots = _call(builder, "llvm.x86.avx512.vpdpbusd.512", vi, [dots, wb, self.xp.load(at, vi, align=4)])
+            return builder.mul(dots, _splat_scalar(builder, scale, tile))
+        scale_v = _splat_scalar(builder, builder.trunc(scale, I16), 2 * tile)
+        total = self.zeros() if bias is None else builder.mul(bias, _splat_scalar(builder, scale, tile))
+        for lane, at in zip(lanes, xs, strict=True):
+            wb = builder.bitcast(_splat_lane(builder, words, lane, tile), vb)
+            total = builder.add(
+                total, _pair_products(builder, wb, self.xp.load(at, vb, align=4), scale_v, tile, self.x86)
+            )
+        return total
+
+    def scaled(self, sums: Any, x_scale: Any, w_scale: Any) -> Any:
+        """``float(sums) * (d_x * w_scale)`` as ``<tile x float>`` (``x_scale``: the tokens' ``d_x``)."""
+        vf = _vectors(self.tile)[3]
+        builder = self.builder
+        return builder.fmul(builder.sitofp(sums, vf), builder.fmul(x_scale, _splat_scalar(builder, w_scale, self.tile)))
+
+
+def _tile_codegen(block: Callable[[_Tile, Any, Any], Any]) -> Any:
+    """The code generator of a tile kernel: ``acc += block(state, b, d_x)`` (``<tile x float>``, ``d_x``
+    the tokens' Q8_K scales of block ``b``) over the row's blocks, then ``acc`` stored to ``out``."""
+
+    def codegen(context, builder, signature, args):
+        state = _Tile(context, builder, signature, args)
+        vf = _vectors(state.tile)[3]
+        acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * state.tile))
+        with cgutils.for_range(builder, _i64(builder, args[4])) as loop:
+            b = loop.index
+            x_scale = state.dp.load(builder.mul(b, _const(I64, state.tile)), vf, align=4)
+            builder.store(builder.fadd(builder.load(acc_slot), block(state, b, x_scale)), acc_slot)
+        o_ptr = _Ptr(context, builder, signature.args[5], args[5])
+        target = builder.bitcast(builder.gep(o_ptr.data, [_const(I64, 0)]), vf.as_pointer())
+        builder.store(builder.load(acc_slot), target, align=4)
+        return _const(I64, 0)
+
+    return codegen
+
+
+def _tile_signature(row: Any, xpack: Any, mpack: Any, dx: Any, n_blocks: Any, out: Any) -> Any:
+    """The tile kernels' signature, or None for other argument types."""
 
     def one_d(t: Any, dtype: Any) -> bool:
         return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == dtype and t.layout == "C"
@@ -112,100 +205,180 @@ def tile_q4_k(typingctx, row, xpack, mpack, dx, n_blocks, out):
         and out.ndim == 1
         and out.dtype == types.float32
     )
-    if not ok:
-        return None
-    sig = types.int64(row, xpack, mpack, dx, n_blocks, out)
-    tile = TILE
+    return types.int64(row, xpack, mpack, dx, n_blocks, out) if ok else None
 
-    def codegen(context, builder, signature, args):
-        x86 = rowdot._avx2()
-        vnni = x86 and tile == 16 and _vnni()
-        vb, vh, vi, vf = _vectors(tile)
+
+def _k4_block(block_bytes: int, qs: int, qh: int | None) -> Callable[[_Tile, Any, Any], Any]:
+    """One Q4_K block (``qh`` None) or Q5_K block (the codes' fifth bits at byte ``qh``) against the
+    tile: ``d_x (d_w sumi - dmin_w summ)`` (module docstring); ``mpack`` holds the tokens' sums of
+    32 quants (``(b 8 + s) TILE + j``)."""
+
+    def block(state: _Tile, b: Any, x_scale: Any) -> Any:
+        builder, tile = state.builder, state.tile
+        w = state.w
         v32i8 = ir.VectorType(I8, 32)
         v8i32 = ir.VectorType(I32, 8)
-        w = _Ptr(context, builder, signature.args[0], args[0])
-        xp = _Ptr(context, builder, signature.args[1], args[1])
-        mp = _Ptr(context, builder, signature.args[2], args[2])
-        dp = _Ptr(context, builder, signature.args[3], args[3])
-        acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * tile))
-        low_mask = ir.Constant(v32i8, [15] * 32)
+        o = builder.mul(b, _const(I64, block_bytes))
+        d_w = _half(builder, w.load(o, I16))
+        dmin_w = _half(builder, w.load(builder.add(o, _const(I64, 2)), I16))
+        scales, mins = _scales_mins_k4(builder, w, o)
+        high = None if qh is None else w.load(builder.add(o, _const(I64, qh)), v32i8)
         four = ir.Constant(v32i8, [4] * 32)
-        with cgutils.for_range(builder, _i64(builder, args[4])) as loop:
-            b = loop.index
-            o = builder.mul(b, _const(I64, Q4_K_BYTES))
-            d_w = _half(builder, w.load(o, I16))
-            dmin_w = _half(builder, w.load(builder.add(o, _const(I64, 2)), I16))
-            scales, mins = _scales_mins_k4(builder, w, o)
-            sumi = ir.Constant(vi, [0] * tile)
-            xb = builder.mul(b, _const(I64, GROUPS * tile))
-            for c in range(4):
-                bits = w.load(builder.add(o, _const(I64, 16 + 32 * c)), v32i8)
-                for half, codes in enumerate((builder.and_(bits, low_mask), builder.lshr(bits, four))):
-                    s = 2 * c + half
-                    words = builder.bitcast(codes, v8i32)
-                    scale = builder.extract_element(scales, _const(I32, s))
-                    if vnni:  # one vpdpbusd per 4 values of every token, the scale once per 32 values
-                        dots = ir.Constant(vi, [0] * tile)
-                        for g in range(8):
-                            wb = _splat_lane(builder, words, g, tile)
-                            xq = xp.load(builder.add(xb, _const(I64, (8 * s + g) * tile)), vi, align=4)
-                            dots = _call(builder, "llvm.x86.avx512.vpdpbusd.512", vi, [dots, wb, xq])
-                        scale_v = _splat_scalar(builder, builder.zext(scale, I32), tile)
-                        sumi = builder.add(sumi, builder.mul(dots, scale_v))
-                        continue
-                    scale_v = _splat_scalar(builder, builder.zext(scale, I16), 2 * tile)
-                    for g in range(8):
-                        wb = builder.bitcast(_splat_lane(builder, words, g, tile), vb)
-                        xq = xp.load(builder.add(xb, _const(I64, (8 * s + g) * tile)), vb, align=4)
-                        sumi = builder.add(sumi, _pair_products(builder, wb, xq, scale_v, tile, x86))
-            msum = ir.Constant(vi, [0] * tile)
-            mb = builder.mul(b, _const(I64, 8 * tile))
-            for s in range(8):
-                m = _splat_scalar(builder, builder.zext(builder.extract_element(mins, _const(I32, s)), I32), tile)
-                msum = builder.add(msum, builder.mul(m, mp.load(builder.add(mb, _const(I64, s * tile)), vi, align=4)))
-            dxv = dp.load(builder.mul(b, _const(I64, tile)), vf, align=4)
-            main = builder.fmul(builder.sitofp(sumi, vf), builder.fmul(dxv, _splat_scalar(builder, d_w, tile)))
-            mins_term = builder.fmul(builder.sitofp(msum, vf), builder.fmul(dxv, _splat_scalar(builder, dmin_w, tile)))
-            builder.store(builder.fadd(builder.load(acc_slot), builder.fsub(main, mins_term)), acc_slot)
-        o_ptr = _Ptr(context, builder, signature.args[5], args[5])
-        target = builder.bitcast(builder.gep(o_ptr.data, [_const(I64, 0)]), vf.as_pointer())
-        builder.store(builder.load(acc_slot), target, align=4)
-        return _const(I64, 0)
+        sumi = state.zeros()
+        xb = builder.mul(b, _const(I64, GROUPS * tile))
+        for c in range(4):
+            bits = w.load(builder.add(o, _const(I64, qs + 32 * c)), v32i8)
+            for half, codes in enumerate((builder.and_(bits, ir.Constant(v32i8, [15] * 32)), builder.lshr(bits, four))):
+                s = 2 * c + half
+                if high is not None:  # bit 2c + half of qh[i]: bit 4 of the code
+                    fifth = builder.and_(builder.lshr(high, ir.Constant(v32i8, [s] * 32)), ir.Constant(v32i8, [1] * 32))
+                    codes = builder.or_(codes, builder.shl(fifth, four))
+                scale = builder.zext(builder.extract_element(scales, _const(I32, s)), I32)
+                words = builder.bitcast(codes, v8i32)
+                sumi = builder.add(sumi, state.scaled_dots(words, range(8), xb, 8 * s, scale))
+        summ = state.zeros()
+        mb = builder.mul(b, _const(I64, 8 * tile))
+        for s in range(8):
+            m = _splat_scalar(builder, builder.zext(builder.extract_element(mins, _const(I32, s)), I32), tile)
+            summ = builder.add(summ, builder.mul(m, state.packed(builder.add(mb, _const(I64, s * tile)))))
+        return builder.fsub(state.scaled(sumi, x_scale, d_w), state.scaled(summ, x_scale, dmin_w))
 
-    return sig, codegen
+    return block
 
 
-@kernel(exact=True)  # the float operations as written: the same bits on every path
-def matmat_tiled_q4_k(raw, xt, out):
-    """``out[t] = W @ xt[t]`` for every token (``xt``: ``(n, cols)`` float32, ``out``: ``(n, rows)``)
-    in tiles of :data:`TILE` tokens (module docstring). Returns False, leaving ``out`` unwritten,
-    when ``xt`` holds NaN or inf (they do not quantize)."""
-    n, cols = xt.shape
-    rows = raw.shape[0]
+def _q6_k_block(state: _Tile, b: Any, x_scale: Any) -> Any:
+    """One Q6_K block against the tile: ``d_x d_w sum_s sc_s (dot_s - 32 bsum_s)`` (module docstring);
+    ``mpack`` holds the tokens' ``-32 bsum`` per 16 quants (``(b 16 + s) TILE + j``), the first
+    accumulator of each sub-block's dots."""
+    builder, tile = state.builder, state.tile
+    v8i32 = ir.VectorType(I32, 8)
+    parts, scales16, d_w = q6_k_block(builder, state.w, builder.mul(b, _const(I64, Q6_K_BYTES)))
+    sumi = state.zeros()
+    xb = builder.mul(b, _const(I64, GROUPS * tile))
+    mb = builder.mul(b, _const(I64, SUM16 * tile))
+    for k, (codes, _) in enumerate(parts):  # values 32 k .. 32 k + 31: sub-blocks 2 k and 2 k + 1
+        words = builder.bitcast(codes, v8i32)
+        for half in range(2):
+            s = 2 * k + half
+            scale = builder.sext(builder.extract_element(scales16, _const(I32, s)), I32)
+            bias = state.packed(builder.add(mb, _const(I64, s * tile)))
+            lanes = range(4 * half, 4 * half + 4)
+            sumi = builder.add(sumi, state.scaled_dots(words, lanes, xb, 8 * k + 4 * half, scale, bias))
+    return state.scaled(sumi, x_scale, d_w)
+
+
+@intrinsic
+def tile_q4_k(typingctx, row, xpack, mpack, dx, n_blocks, out):
+    """One Q4_K row against one tile of tokens: ``out[j]`` (float32, :data:`TILE` of them).
+
+    ``row``: the row's bytes (uint8, 1-D); ``xpack``: int32 ``(n_blocks * GROUPS * TILE,)``, element
+    ``(b GROUPS + g) TILE + j`` = the quants ``4 g .. 4 g + 3`` of block ``b`` of token ``j``;
+    ``mpack``: int32 ``(n_blocks * 8 * TILE,)``, the sums of the quants per 32 values
+    (``(b 8 + s) TILE + j``); ``dx``: float32 ``(n_blocks * TILE,)``, the Q8_K scales. No bounds
+    checks: the caller sizes every array.
+    """
+    sig = _tile_signature(row, xpack, mpack, dx, n_blocks, out)
+    return None if sig is None else (sig, _tile_codegen(_k4_block(Q4_K_BYTES, 16, None)))
+
+
+@intrinsic
+def tile_q5_k(typingctx, row, xpack, mpack, dx, n_blocks, out):
+    """One Q5_K row against one tile of tokens: the arguments of :func:`tile_q4_k`."""
+    sig = _tile_signature(row, xpack, mpack, dx, n_blocks, out)
+    return None if sig is None else (sig, _tile_codegen(_k4_block(Q5_K_BYTES, 48, 16)))
+
+
+@intrinsic
+def tile_q6_k(typingctx, row, xpack, mpack, dx, n_blocks, out):
+    """One Q6_K row against one tile of tokens: the arguments of :func:`tile_q4_k` but ``mpack``,
+    int32 ``(n_blocks * 16 * TILE,)``: ``-32`` times the sums of the quants per 16 values
+    (``(b 16 + s) TILE + j``)."""
+    sig = _tile_signature(row, xpack, mpack, dx, n_blocks, out)
+    return None if sig is None else (sig, _tile_codegen(_q6_k_block))
+
+
+@kernel(inline=True)
+def pack_tiles(q, d, sums, factor, tiles):
+    """The tile kernels' ``(xpack, mpack, dpack)`` of every tile (one row each) from the Q8_K
+    quants ``q`` (int8 ``(tiles * TILE, cols)``), scales ``d`` and per-token sums ``sums``
+    (``(tiles * TILE, m)``): ``mpack[k, s TILE + j] = factor * sums[k TILE + j, s]``."""
+    rows, cols = q.shape
     n_blocks = cols // QK_K
-    tiles = (n + TILE - 1) // TILE
-    q, d, bsums, finite = quantize_rows_q8_k(xt, tiles * TILE)
-    if not finite:
-        return False
-    pairs = bsum_pairs(bsums)  # sums per 32 quants
+    m = sums.shape[1]
     q32 = q.view(np.int32)  # (tiles * TILE, cols // 4)
     xpack = np.empty((tiles, (cols // 4) * TILE), dtype=np.int32)
-    mpack = np.empty((tiles, n_blocks * 8 * TILE), dtype=np.int32)
+    mpack = np.empty((tiles, m * TILE), dtype=np.int32)
     dpack = np.empty((tiles, n_blocks * TILE), dtype=F32)
     for k in range(tiles):
         for j in range(TILE):
             t = k * TILE + j
             for g in range(cols // 4):
                 xpack[k, g * TILE + j] = q32[t, g]
-            for s in range(n_blocks * 8):
-                mpack[k, s * TILE + j] = pairs[t, s]
+            for s in range(m):
+                mpack[k, s * TILE + j] = factor * np.int32(sums[t, s])
             for b in range(n_blocks):
                 dpack[k, b * TILE + j] = d[t, b]
+    return xpack, mpack, dpack
+
+
+@kernel(inline=True)
+def store_tile(out, part, first, r):
+    """``out[first + j, r] = part[j]`` for the tile's tokens that exist (``first + j < n``)."""
+    for j in range(min(TILE, out.shape[0] - first)):
+        out[first + j, r] = part[j]
+
+
+@kernel(exact=True)  # the float operations as written: the same bits on every path
+def matmat_tiled_q4_k(raw, xt, out):
+    """``out[t] = W @ xt[t]`` for every token of a Q4_K matrix (``xt``: ``(n, cols)`` float32,
+    ``out``: ``(n, rows)``) in tiles of :data:`TILE` tokens (module docstring). Returns False,
+    leaving ``out`` unwritten, when ``xt`` holds NaN or inf (they do not quantize)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK_K
+    tiles = (n + TILE - 1) // TILE
+    q, d, bsums, finite = quantize_rows_q8_k(xt, tiles * TILE)
+    if not finite:
+        return False
+    xpack, mpack, dpack = pack_tiles(q, d, bsum_pairs(bsums), np.int32(1), tiles)
     part = np.empty(TILE, dtype=F32)
     for k in range(tiles):
-        width = min(TILE, n - k * TILE)
-        for r in range(rows):
+        for r in range(raw.shape[0]):
             tile_q4_k(raw[r], xpack[k], mpack[k], dpack[k], n_blocks, part)
-            for j in range(width):
-                out[k * TILE + j, r] = part[j]
+            store_tile(out, part, k * TILE, r)
+    return True
+
+
+@kernel(exact=True)
+def matmat_tiled_q5_k(raw, xt, out):
+    """:func:`matmat_tiled_q4_k` for a Q5_K matrix."""
+    n, cols = xt.shape
+    n_blocks = cols // QK_K
+    tiles = (n + TILE - 1) // TILE
+    q, d, bsums, finite = quantize_rows_q8_k(xt, tiles * TILE)
+    if not finite:
+        return False
+    xpack, mpack, dpack = pack_tiles(q, d, bsum_pairs(bsums), np.int32(1), tiles)
+    part = np.empty(TILE, dtype=F32)
+    for k in range(tiles):
+        for r in range(raw.shape[0]):
+            tile_q5_k(raw[r], xpack[k], mpack[k], dpack[k], n_blocks, part)
+            store_tile(out, part, k * TILE, r)
+    return True
+
+
+@kernel(exact=True)
+def matmat_tiled_q6_k(raw, xt, out):
+    """:func:`matmat_tiled_q4_k` for a Q6_K matrix (its ``mpack``: ``-32`` times the Q8_K block sums)."""
+    n, cols = xt.shape
+    n_blocks = cols // QK_K
+    tiles = (n + TILE - 1) // TILE
+    q, d, bsums, finite = quantize_rows_q8_k(xt, tiles * TILE)
+    if not finite:
+        return False
+    xpack, mpack, dpack = pack_tiles(q, d, bsums, np.int32(-Q6_K_OFFSET), tiles)
+    part = np.empty(TILE, dtype=F32)
+    for k in range(tiles):
+        for r in range(raw.shape[0]):
+            tile_q6_k(raw[r], xpack[k], mpack[k], dpack[k], n_blocks, part)
+            store_tile(out, part, k * TILE, r)
     return True
