@@ -196,3 +196,23 @@ def test_a_short_rest_after_whole_tiles_takes_the_exact_loops(qtype: GGMLQuantiz
     assert exact_kernel(qtype)(raw, x, exact)
     np.testing.assert_array_equal(got[: tiles.TILE], whole)
     np.testing.assert_array_equal(got[tiles.TILE :], exact[tiles.TILE :])
+
+
+@pytest.mark.parametrize("qtype", TILED, ids=lambda t: t.name)
+def test_rows_in_several_chunks_give_each_row_s_bits(qtype: GGMLQuantizationType) -> None:
+    """Past :data:`tiles.CHUNK_BYTES` of decoded rows the matrix goes through the tiles in chunks of
+    rows (each decoded once for every tile): each row's result is the one it gets alone."""
+    cols, n = 2048, 2 * tiles.TILE + 3
+    chunk = tiles.CHUNK_BYTES // (4 * (cols // 256) * (tiles.WORDS + tiles.SCALES))
+    rows = 2 * chunk + 5
+    raw = matrix(qtype, rows, cols, seed=13)
+    x = activations(n, cols, seed=14)
+    got = np.empty((n, rows), np.float32)
+    assert tiled_kernel(qtype)(raw, x, got)
+    for r0 in range(0, rows, 7):
+        alone = np.empty((n, min(rows, r0 + 7) - r0), np.float32)
+        assert tiled_kernel(qtype)(raw[r0 : r0 + 7], x, alone)
+        np.testing.assert_array_equal(got[:, r0 : r0 + 7], alone)
+    exact = np.empty((n, rows), np.float32)
+    assert exact_kernel(qtype)(raw, x, exact)
+    assert rel_l2(got, exact) <= 1e-6

@@ -78,6 +78,8 @@ Q6_K_OFFSET = 32
 #: int32 code words (4 codes each) and scales per block of a row's decoded codes (:class:`_Tile`)
 WORDS = QK_K // 4
 SCALES = 16
+#: decoded codes and scales of the rows that go through all tiles at a time (:func:`tiled_products`)
+CHUNK_BYTES = 256 * 1024
 #: bytes and 4-byte words of a cache line: the packed tiles start at one (:func:`aligned_rows`)
 LINE = 64
 LINE_WORDS = LINE // 4
@@ -129,24 +131,15 @@ def _splat_scalar(builder: ir.IRBuilder, value: Any, lanes: int) -> Any:
     return _splat_lane(builder, one, 0, lanes)
 
 
-class _Tile:
-    """The state one tile kernel's code generator shares: the pointers of its arrays and the form
-    of its products (``vpdpbusd``, x86 ``pmaddubsw``/``pmaddwd``, or plain vector IR)."""
+class _Row:
+    """A row's bytes and its decoded codes and scales (:data:`WORDS`, :data:`SCALES` int32 per
+    block): the pointers of the arrays at arguments ``row``, ``codes``, ``scales``."""
 
-    def __init__(self, context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> None:
+    def __init__(
+        self, context: Any, builder: ir.IRBuilder, signature: Any, args: Any, at: tuple[int, int, int]
+    ) -> None:
         self.builder = builder
-        self.tile = TILE
-        self.x86 = rowdot._avx2()
-        self.vnni = self.x86 and self.tile == 16 and _vnni()
-        self.w, self.xp, self.mp, self.dp = (_Ptr(context, builder, signature.args[k], args[k]) for k in range(4))
-        self.cw, self.sc = (_Ptr(context, builder, signature.args[k], args[k]) for k in (6, 7))
-
-    def zeros(self) -> Any:
-        return ir.Constant(_vectors(self.tile)[2], [0] * self.tile)
-
-    def packed(self, index: Any) -> Any:
-        """The ``<tile x i32>`` of ``mpack`` at element ``index`` (an i64)."""
-        return self.mp.load(index, _vectors(self.tile)[2], align=4)
+        self.w, self.cw, self.sc = (_Ptr(context, builder, signature.args[k], args[k]) for k in at)
 
     def store_codes(self, b: Any, part: int, codes: Any) -> None:
         """Codes ``32 part .. 32 part + 31`` (``<32 x i8>``) of block ``b`` to the row's code words."""
@@ -162,6 +155,25 @@ class _Tile:
     def scale(self, b: Any, index: int) -> Any:
         """Scale ``index`` of block ``b`` (i32)."""
         return self.sc.load(self.builder.add(self.builder.mul(b, _const(I64, SCALES)), _const(I64, index)), I32, 4)
+
+
+class _Tile(_Row):
+    """The state one tile kernel's code generator shares: the pointers of its arrays and the form
+    of its products (``vpdpbusd``, x86 ``pmaddubsw``/``pmaddwd``, or plain vector IR)."""
+
+    def __init__(self, context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> None:
+        super().__init__(context, builder, signature, args, (0, 6, 7))
+        self.tile = TILE
+        self.x86 = rowdot._avx2()
+        self.vnni = self.x86 and self.tile == 16 and _vnni()
+        self.xp, self.mp, self.dp = (_Ptr(context, builder, signature.args[k], args[k]) for k in range(1, 4))
+
+    def zeros(self) -> Any:
+        return ir.Constant(_vectors(self.tile)[2], [0] * self.tile)
+
+    def packed(self, index: Any) -> Any:
+        """The ``<tile x i32>`` of ``mpack`` at element ``index`` (an i64)."""
+        return self.mp.load(index, _vectors(self.tile)[2], align=4)
 
     def scaled_dots(self, b: Any, first: int, count: int, scale: Any, bias: Any = None) -> Any:
         """``<tile x i32>``: ``scale * (bias + sum_k dot_k)`` for every token of the tile, where
@@ -199,22 +211,47 @@ class _Tile:
         return builder.fmul(builder.sitofp(sums, vf), builder.fmul(x_scale, _splat_scalar(builder, w_scale, self.tile)))
 
 
-_Decode = Callable[[_Tile, Any], None]
+_Decode = Callable[[_Row, Any], None]
 _Block = Callable[[_Tile, Any, Any], Any]
 
 
-def _tile_codegen(decode: _Decode, block: _Block) -> Any:
-    """The code generator of a tile kernel: ``decode(state, b)`` of every block of the row into the
-    code words and scales (memory: each word is then broadcast by a load, not a shuffle), then
-    ``acc += block(state, b, d_x)`` (``<tile x float>``, ``d_x`` the tokens' Q8_K scales of block
-    ``b``) over the blocks, and ``acc`` stored to ``out``."""
+def _decode_codegen(decode: _Decode) -> Any:
+    """The code generator of a decoder: ``decode(state, b)`` of every block of the row into its code
+    words and scales (memory: the tile kernel then broadcasts each word by a load, not a shuffle)."""
+
+    def codegen(context, builder, signature, args):
+        state = _Row(context, builder, signature, args, (0, 2, 3))
+        with cgutils.for_range(builder, _i64(builder, args[1])) as loop:
+            decode(state, loop.index)
+        return _const(I64, 0)
+
+    return codegen
+
+
+def _decode_signature(row: Any, n_blocks: Any, codes: Any, scales: Any) -> Any:
+    """The decoders' signature, or None for other argument types."""
+
+    def one_d(t: Any, dtype: Any) -> bool:
+        return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == dtype and t.layout == "C"
+
+    ok = (
+        one_d(row, types.uint8)
+        and isinstance(n_blocks, types.Integer)
+        and one_d(codes, types.int32)
+        and one_d(scales, types.int32)
+    )
+    return types.int64(row, n_blocks, codes, scales) if ok else None
+
+
+def _tile_codegen(block: _Block) -> Any:
+    """The code generator of a tile kernel: ``acc += block(state, b, d_x)`` (``<tile x float>``,
+    ``d_x`` the tokens' Q8_K scales of block ``b``) over the row's blocks, then ``acc`` stored to
+    ``out``."""
 
     def codegen(context, builder, signature, args):
         state = _Tile(context, builder, signature, args)
         vf = _vectors(state.tile)[3]
         n_blocks = _i64(builder, args[4])
-        with cgutils.for_range(builder, n_blocks) as loop:
-            decode(state, loop.index)
         acc_slot = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * state.tile))
         with cgutils.for_range(builder, n_blocks) as loop:
             b = loop.index
@@ -253,7 +290,7 @@ def _k4_decode(block_bytes: int, qs: int, qh: int | None) -> _Decode:
     """The codes, scales (0..7) and mins (8..15) of a Q4_K block (``qh`` None) or Q5_K block (the
     codes' fifth bits at byte ``qh``)."""
 
-    def decode(state: _Tile, b: Any) -> None:
+    def decode(state: _Row, b: Any) -> None:
         builder, w = state.builder, state.w
         v32i8 = ir.VectorType(I8, 32)
         o = builder.mul(b, _const(I64, block_bytes))
@@ -296,7 +333,7 @@ def _k4_block(block_bytes: int) -> _Block:
     return block
 
 
-def _q6_k_decode(state: _Tile, b: Any) -> None:
+def _q6_k_decode(state: _Row, b: Any) -> None:
     """The codes (0..63) and 16 signed scales of a Q6_K block."""
     builder = state.builder
     parts, scales16, _ = q6_k_block(builder, state.w, builder.mul(b, _const(I64, Q6_K_BYTES)))
@@ -320,35 +357,58 @@ def _q6_k_block(state: _Tile, b: Any, x_scale: Any) -> Any:
 
 
 @intrinsic
+def decode_q4_k(typingctx, row, n_blocks, codes, scales):
+    """A Q4_K row's codes and scales for :func:`tile_q4_k`: ``codes`` int32 ``(n_blocks * WORDS,)``,
+    word ``b WORDS + g`` = the codes ``4 g .. 4 g + 3`` of block ``b`` (a byte each); ``scales``
+    int32 ``(n_blocks * SCALES,)``, the 8 scales then the 8 mins of each block."""
+    sig = _decode_signature(row, n_blocks, codes, scales)
+    return None if sig is None else (sig, _decode_codegen(_k4_decode(Q4_K_BYTES, 16, None)))
+
+
+@intrinsic
+def decode_q5_k(typingctx, row, n_blocks, codes, scales):
+    """A Q5_K row's codes (fifth bit included) and scales: as :func:`decode_q4_k`."""
+    sig = _decode_signature(row, n_blocks, codes, scales)
+    return None if sig is None else (sig, _decode_codegen(_k4_decode(Q5_K_BYTES, 48, 16)))
+
+
+@intrinsic
+def decode_q6_k(typingctx, row, n_blocks, codes, scales):
+    """A Q6_K row's codes (0..63) and its 16 signed scales per block: as :func:`decode_q4_k`."""
+    sig = _decode_signature(row, n_blocks, codes, scales)
+    return None if sig is None else (sig, _decode_codegen(_q6_k_decode))
+
+
+@intrinsic
 def tile_q4_k(typingctx, row, xpack, mpack, dx, n_blocks, out, codes, scales):
     """One Q4_K row against one tile of tokens: ``out[j]`` (float32, :data:`TILE` of them).
 
-    ``row``: the row's bytes (uint8, 1-D); ``xpack``: int32 ``(n_blocks * GROUPS * TILE,)``, element
-    ``(b GROUPS + g) TILE + j`` = the quants ``4 g .. 4 g + 3`` of block ``b`` of token ``j``;
-    ``mpack``: int32 ``(n_blocks * 8 * TILE,)``, the sums of the quants per 32 values
-    (``(b 8 + s) TILE + j``); ``dx``: float32 ``(n_blocks * TILE,)``, the Q8_K scales; ``codes``,
-    ``scales``: int32 scratch of ``n_blocks * WORDS`` and ``n_blocks * SCALES`` (the row's codes and
-    scales, decoded first). No bounds checks: the caller sizes every array; ``xpack``, ``mpack`` and
-    ``dx`` start at a cache line (:func:`aligned_rows`).
+    ``row``: the row's bytes (uint8, 1-D: its float16 scales are read here); ``xpack``: int32
+    ``(n_blocks * GROUPS * TILE,)``, element ``(b GROUPS + g) TILE + j`` = the quants ``4 g .. 4 g +
+    3`` of block ``b`` of token ``j``; ``mpack``: int32 ``(n_blocks * 8 * TILE,)``, the sums of the
+    quants per 32 values (``(b 8 + s) TILE + j``); ``dx``: float32 ``(n_blocks * TILE,)``, the Q8_K
+    scales; ``codes``, ``scales``: the row decoded by :func:`decode_q4_k`. No bounds checks: the
+    caller sizes every array; ``xpack``, ``mpack`` and ``dx`` start at a cache line
+    (:func:`aligned_rows`).
     """
     sig = _tile_signature(row, xpack, mpack, dx, n_blocks, out, codes, scales)
-    return None if sig is None else (sig, _tile_codegen(_k4_decode(Q4_K_BYTES, 16, None), _k4_block(Q4_K_BYTES)))
+    return None if sig is None else (sig, _tile_codegen(_k4_block(Q4_K_BYTES)))
 
 
 @intrinsic
 def tile_q5_k(typingctx, row, xpack, mpack, dx, n_blocks, out, codes, scales):
-    """One Q5_K row against one tile of tokens: the arguments of :func:`tile_q4_k`."""
+    """One Q5_K row (decoded by :func:`decode_q5_k`) against one tile of tokens: as :func:`tile_q4_k`."""
     sig = _tile_signature(row, xpack, mpack, dx, n_blocks, out, codes, scales)
-    return None if sig is None else (sig, _tile_codegen(_k4_decode(Q5_K_BYTES, 48, 16), _k4_block(Q5_K_BYTES)))
+    return None if sig is None else (sig, _tile_codegen(_k4_block(Q5_K_BYTES)))
 
 
 @intrinsic
 def tile_q6_k(typingctx, row, xpack, mpack, dx, n_blocks, out, codes, scales):
-    """One Q6_K row against one tile of tokens: the arguments of :func:`tile_q4_k` but ``mpack``,
-    int32 ``(n_blocks * 16 * TILE,)``: ``-32`` times the sums of the quants per 16 values
-    (``(b 16 + s) TILE + j``)."""
+    """One Q6_K row (decoded by :func:`decode_q6_k`) against one tile of tokens: as :func:`tile_q4_k`
+    but ``mpack``, int32 ``(n_blocks * 16 * TILE,)``: ``-32`` times the sums of the quants per 16
+    values (``(b 16 + s) TILE + j``)."""
     sig = _tile_signature(row, xpack, mpack, dx, n_blocks, out, codes, scales)
-    return None if sig is None else (sig, _tile_codegen(_q6_k_decode, _q6_k_block))
+    return None if sig is None else (sig, _tile_codegen(_q6_k_block))
 
 
 @kernel(inline=True)
@@ -392,63 +452,65 @@ def store_tile(out, part, first, r):
         out[first + j, r] = part[j]
 
 
+@kernel(inline=True)
+def tiled_products(raw, xt, out, kind):
+    """``out[t] = W @ xt[t]`` (module docstring) for ``kind`` 4 (Q4_K), 5 (Q5_K) or 6 (Q6_K), a
+    constant of each caller (LLVM drops the other kinds' branches).
+
+    Rows go in chunks of :data:`CHUNK_BYTES` of decoded codes: a chunk's rows are decoded once, then
+    multiplied with every tile (one tile: one row at a time, its codes in the first-level cache)."""
+    n, cols = xt.shape
+    rows = raw.shape[0]
+    n_blocks = cols // QK_K
+    tiles = (n + TILE - 1) // TILE
+    q, d, bsums, finite = quantize_rows_q8_k(xt, tiles * TILE)
+    if not finite:
+        return False
+    if kind == 6:
+        xpack, mpack, dpack = pack_tiles(q, d, bsums, np.int32(-Q6_K_OFFSET), tiles)
+    else:
+        xpack, mpack, dpack = pack_tiles(q, d, bsum_pairs(bsums), np.int32(1), tiles)
+    chunk = 1 if tiles == 1 else max(1, CHUNK_BYTES // (4 * n_blocks * (WORDS + SCALES)))
+    codes = np.empty((min(chunk, rows), n_blocks * WORDS), dtype=np.int32)
+    scales = np.empty((min(chunk, rows), n_blocks * SCALES), dtype=np.int32)
+    part = np.empty(TILE, dtype=F32)
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        for r in range(r0, r1):
+            if kind == 4:
+                decode_q4_k(raw[r], n_blocks, codes[r - r0], scales[r - r0])
+            elif kind == 5:
+                decode_q5_k(raw[r], n_blocks, codes[r - r0], scales[r - r0])
+            else:
+                decode_q6_k(raw[r], n_blocks, codes[r - r0], scales[r - r0])
+        for k in range(tiles):
+            for r in range(r0, r1):
+                c, s = codes[r - r0], scales[r - r0]
+                if kind == 4:
+                    tile_q4_k(raw[r], xpack[k], mpack[k], dpack[k], n_blocks, part, c, s)
+                elif kind == 5:
+                    tile_q5_k(raw[r], xpack[k], mpack[k], dpack[k], n_blocks, part, c, s)
+                else:
+                    tile_q6_k(raw[r], xpack[k], mpack[k], dpack[k], n_blocks, part, c, s)
+                store_tile(out, part, k * TILE, r)
+    return True
+
+
 @kernel(exact=True)  # the float operations as written: the same bits on every path
 def matmat_tiled_q4_k(raw, xt, out):
     """``out[t] = W @ xt[t]`` for every token of a Q4_K matrix (``xt``: ``(n, cols)`` float32,
     ``out``: ``(n, rows)``) in tiles of :data:`TILE` tokens (module docstring). Returns False,
     leaving ``out`` unwritten, when ``xt`` holds NaN or inf (they do not quantize)."""
-    n, cols = xt.shape
-    n_blocks = cols // QK_K
-    tiles = (n + TILE - 1) // TILE
-    q, d, bsums, finite = quantize_rows_q8_k(xt, tiles * TILE)
-    if not finite:
-        return False
-    xpack, mpack, dpack = pack_tiles(q, d, bsum_pairs(bsums), np.int32(1), tiles)
-    part = np.empty(TILE, dtype=F32)
-    codes = np.empty(n_blocks * WORDS, dtype=np.int32)
-    scales = np.empty(n_blocks * SCALES, dtype=np.int32)
-    for k in range(tiles):
-        for r in range(raw.shape[0]):
-            tile_q4_k(raw[r], xpack[k], mpack[k], dpack[k], n_blocks, part, codes, scales)
-            store_tile(out, part, k * TILE, r)
-    return True
+    return tiled_products(raw, xt, out, 4)
 
 
 @kernel(exact=True)
 def matmat_tiled_q5_k(raw, xt, out):
     """:func:`matmat_tiled_q4_k` for a Q5_K matrix."""
-    n, cols = xt.shape
-    n_blocks = cols // QK_K
-    tiles = (n + TILE - 1) // TILE
-    q, d, bsums, finite = quantize_rows_q8_k(xt, tiles * TILE)
-    if not finite:
-        return False
-    xpack, mpack, dpack = pack_tiles(q, d, bsum_pairs(bsums), np.int32(1), tiles)
-    part = np.empty(TILE, dtype=F32)
-    codes = np.empty(n_blocks * WORDS, dtype=np.int32)
-    scales = np.empty(n_blocks * SCALES, dtype=np.int32)
-    for k in range(tiles):
-        for r in range(raw.shape[0]):
-            tile_q5_k(raw[r], xpack[k], mpack[k], dpack[k], n_blocks, part, codes, scales)
-            store_tile(out, part, k * TILE, r)
-    return True
+    return tiled_products(raw, xt, out, 5)
 
 
 @kernel(exact=True)
 def matmat_tiled_q6_k(raw, xt, out):
     """:func:`matmat_tiled_q4_k` for a Q6_K matrix (its ``mpack``: ``-32`` times the Q8_K block sums)."""
-    n, cols = xt.shape
-    n_blocks = cols // QK_K
-    tiles = (n + TILE - 1) // TILE
-    q, d, bsums, finite = quantize_rows_q8_k(xt, tiles * TILE)
-    if not finite:
-        return False
-    xpack, mpack, dpack = pack_tiles(q, d, bsums, np.int32(-Q6_K_OFFSET), tiles)
-    part = np.empty(TILE, dtype=F32)
-    codes = np.empty(n_blocks * WORDS, dtype=np.int32)
-    scales = np.empty(n_blocks * SCALES, dtype=np.int32)
-    for k in range(tiles):
-        for r in range(raw.shape[0]):
-            tile_q6_k(raw[r], xpack[k], mpack[k], dpack[k], n_blocks, part, codes, scales)
-            store_tile(out, part, k * TILE, r)
-    return True
+    return tiled_products(raw, xt, out, 6)
