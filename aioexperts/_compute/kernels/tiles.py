@@ -11,11 +11,13 @@ values to every token's lane, and the sub-block's scale is applied once per sub-
 for Q4_K and Q5_K, 16 for Q6_K); without it one ``pmaddubsw`` and one ``pmaddwd`` (with the scale)
 per 4 values. Either way 4 products per lane and instruction instead of 1.
 
-Each call first decodes the row's codes (and scales) into a small scratch array, then multiplies:
-the 4 codes of a word are then broadcast by a load (``vpbroadcastd`` from memory, a load port),
-where a broadcast from the register that held them took a shuffle (``vpermd``) on the port that
-also runs ``vpdpbusd``. With the packed tiles starting at a cache line (:func:`aligned_rows`), one
-768x2048 expert matrix at 16 tokens ran 1.15-1.2x (Q6_K) and 1.3x (Q4_K) faster (Intel Xeon).
+A row's codes (and scales) are first decoded into a scratch array (``decode_<type>``), then
+multiplied (``tile_<type>``): the 4 codes of a word are broadcast by a load (``vpbroadcastd`` from
+memory, a load port), where a broadcast from the register that held them took a shuffle
+(``vpermd``) on the port that also runs ``vpdpbusd``. With the packed tiles starting at a cache
+line (:func:`aligned_rows`), one 768x2048 expert matrix at 16 tokens ran 1.15-1.2x (Q6_K) and 1.3x
+(Q4_K) faster (Intel Xeon). With several tiles, a chunk of rows is decoded once for all of them
+(:func:`tiled_products`).
 
 Per block and token of the tile, in int32 lanes, the integer sums of ggml's ``vec_dot`` loops:
 
@@ -75,7 +77,7 @@ TILE = 16 if rowdot._avx512bw() else 8
 GROUPS = QK_K // 4
 #: Q6_K's code offset: ggml's codes are ``q - 32``
 Q6_K_OFFSET = 32
-#: int32 code words (4 codes each) and scales per block of a row's decoded codes (:class:`_Tile`)
+#: int32 code words (4 codes each) and scales per block of a decoded row (``decode_<type>``)
 WORDS = QK_K // 4
 SCALES = 16
 #: decoded codes and scales of the rows that go through all tiles at a time (:func:`tiled_products`)
