@@ -165,8 +165,9 @@ def test_the_paths_without_vnni_give_the_same_sums(
 
 @pytest.mark.parametrize("qtype", TILED, ids=lambda t: t.name)
 def test_linear_takes_the_tiles_from_the_threshold_and_linear_rows_never(qtype: GGMLQuantizationType) -> None:
-    if qtype not in fused.tiled_types():
+    if not tiles.fast():
         pytest.skip("no AVX-512 VNNI here: the tiles are off")
+    assert qtype in fused.tiled_types()
     rows, cols = 17, 512
     raw = matrix(qtype, rows, cols, seed=8)
     n = fused.TILED_MIN_TOKENS
@@ -184,8 +185,9 @@ def test_linear_takes_the_tiles_from_the_threshold_and_linear_rows_never(qtype: 
 
 @pytest.mark.parametrize("qtype", TILED, ids=lambda t: t.name)
 def test_a_short_rest_after_whole_tiles_takes_the_exact_loops(qtype: GGMLQuantizationType) -> None:
-    if qtype not in fused.tiled_types():
+    if not tiles.fast():
         pytest.skip("no AVX-512 VNNI here: the tiles are off")
+    assert qtype in fused.tiled_types()
     rows, cols, n = 13, 512, tiles.TILE + 3
     raw = matrix(qtype, rows, cols, seed=10)
     x = activations(n, cols, seed=11)
