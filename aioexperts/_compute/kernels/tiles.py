@@ -206,6 +206,24 @@ class _Tile(_Row):
             )
         return total
 
+    def pair_products(self, acc: Any, word: Any, packed: Any) -> Any:
+        """``acc + lo(word) lo(packed) + hi(word) hi(packed)`` in every lane (``word``: two int16 as an
+        i32, broadcast; ``packed``: ``<tile x i32>`` of int16 pairs): ``vpdpwssd``, else ``pmaddwd``."""
+        builder, tile = self.builder, self.tile
+        _, vh, vi, _ = _vectors(tile)
+        words = _splat_scalar(builder, word, tile)
+        if self.vnni:
+            return _call(builder, "llvm.x86.avx512.vpdpwssd.512", vi, [acc, words, packed])
+        a, b = builder.bitcast(words, vh), builder.bitcast(packed, vh)
+        if self.x86 and tile == 16:
+            return builder.add(acc, _call(builder, "llvm.x86.avx512.pmaddw.d.512", vi, [a, b]))
+        if self.x86 and tile == 8:
+            return builder.add(acc, _call(builder, "llvm.x86.avx2.pmadd.wd", vi, [a, b]))
+        wide = ir.VectorType(I32, 2 * tile)
+        return builder.add(
+            acc, _pair_sums(builder, builder.mul(builder.sext(a, wide), builder.sext(b, wide)), 2 * tile)
+        )
+
     def scaled(self, sums: Any, x_scale: Any, w_scale: Any) -> Any:
         """``float(sums) * (d_x * w_scale)`` as ``<tile x float>`` (``x_scale``: the tokens' ``d_x``)."""
         vf = _vectors(self.tile)[3]
@@ -289,16 +307,19 @@ def _tile_signature(row: Any, xpack: Any, mpack: Any, dx: Any, n_blocks: Any, ou
 
 
 def _k4_decode(block_bytes: int, qs: int, qh: int | None) -> _Decode:
-    """The codes, scales (0..7) and mins (8..15) of a Q4_K block (``qh`` None) or Q5_K block (the
-    codes' fifth bits at byte ``qh``)."""
+    """The codes, scales (words 0..7) and mins (8..11: two int16 each) of a Q4_K block (``qh`` None)
+    or Q5_K block (the codes' fifth bits at byte ``qh``)."""
 
     def decode(state: _Row, b: Any) -> None:
         builder, w = state.builder, state.w
         v32i8 = ir.VectorType(I8, 32)
         o = builder.mul(b, _const(I64, block_bytes))
         scales, mins = _scales_mins_k4(builder, w, o)
-        both = builder.shuffle_vector(scales, mins, _lanes(list(range(16))))
-        state.store_scales(b, builder.zext(both, ir.VectorType(I32, 16)))
+        # words 0..7 the scales, 8..11 the mins in int16 pairs (vpdpwssd's), 12..15 unused
+        pairs = builder.bitcast(builder.zext(mins, ir.VectorType(I16, 8)), ir.VectorType(I32, 4))
+        words = builder.shuffle_vector(pairs, ir.Constant(ir.VectorType(I32, 4), [0] * 4), _lanes(list(range(8))))
+        both = builder.shuffle_vector(builder.zext(scales, ir.VectorType(I32, 8)), words, _lanes(list(range(16))))
+        state.store_scales(b, both)
         high = None if qh is None else w.load(builder.add(o, _const(I64, qh)), v32i8)
         four = ir.Constant(v32i8, [4] * 32)
         for c in range(4):
@@ -315,7 +336,8 @@ def _k4_decode(block_bytes: int, qs: int, qh: int | None) -> _Decode:
 
 def _k4_block(block_bytes: int) -> _Block:
     """One Q4_K or Q5_K block against the tile: ``d_x (d_w sumi - dmin_w summ)`` (module docstring);
-    ``mpack`` holds the tokens' sums of 32 quants (``(b 8 + s) TILE + j``)."""
+    ``mpack`` holds the tokens' sums of 32 quants in int16 pairs (``(b 4 + p) TILE + j``: sub-blocks
+    ``2 p`` and ``2 p + 1``), ``summ`` one ``vpdpwssd`` per pair."""
 
     def block(state: _Tile, b: Any, x_scale: Any) -> Any:
         builder, tile = state.builder, state.tile
@@ -326,10 +348,11 @@ def _k4_block(block_bytes: int) -> _Block:
         for s in range(8):
             sumi = builder.add(sumi, state.scaled_dots(b, 8 * s, 8, state.scale(b, s)))
         summ = state.zeros()
-        mb = builder.mul(b, _const(I64, 8 * tile))
-        for s in range(8):
-            m = _splat_scalar(builder, state.scale(b, 8 + s), tile)
-            summ = builder.add(summ, builder.mul(m, state.packed(builder.add(mb, _const(I64, s * tile)))))
+        mb = builder.mul(b, _const(I64, 4 * tile))
+        for p in range(4):
+            summ = state.pair_products(
+                summ, state.scale(b, 8 + p), state.packed(builder.add(mb, _const(I64, p * tile)))
+            )
         return builder.fsub(state.scaled(sumi, x_scale, d_w), state.scaled(summ, x_scale, dmin_w))
 
     return block
@@ -387,8 +410,9 @@ def tile_q4_k(typingctx, row, xpack, mpack, dx, n_blocks, out, codes, scales):
 
     ``row``: the row's bytes (uint8, 1-D: its float16 scales are read here); ``xpack``: int32
     ``(n_blocks * GROUPS * TILE,)``, element ``(b GROUPS + g) TILE + j`` = the quants ``4 g .. 4 g +
-    3`` of block ``b`` of token ``j``; ``mpack``: int32 ``(n_blocks * 8 * TILE,)``, the sums of the
-    quants per 32 values (``(b 8 + s) TILE + j``); ``dx``: float32 ``(n_blocks * TILE,)``, the Q8_K
+    3`` of block ``b`` of token ``j``; ``mpack``: int32 ``(n_blocks * 4 * TILE,)``, the sums of the
+    quants per 32 values in int16 pairs (``(b 4 + p) TILE + j``: sums ``2 p`` (low half) and ``2 p
+    + 1``); ``dx``: float32 ``(n_blocks * TILE,)``, the Q8_K
     scales; ``codes``, ``scales``: the row decoded by :func:`decode_q4_k`. No bounds checks: the
     caller sizes every array; ``xpack``, ``mpack`` and ``dx`` start at a cache line
     (:func:`aligned_rows`).
@@ -471,7 +495,7 @@ def tiled_products(raw, xt, out, kind):
     if kind == 6:
         xpack, mpack, dpack = pack_tiles(q, d, bsums, np.int32(-Q6_K_OFFSET), tiles)
     else:
-        xpack, mpack, dpack = pack_tiles(q, d, bsum_pairs(bsums), np.int32(1), tiles)
+        xpack, mpack, dpack = pack_tiles(q, d, bsum_pairs(bsums).view(np.int32), np.int32(1), tiles)
     chunk = 1 if tiles == 1 else max(1, CHUNK_BYTES // (4 * n_blocks * (WORDS + SCALES)))
     codes = np.empty((min(chunk, rows), n_blocks * WORDS), dtype=np.int32)
     scales = np.empty((min(chunk, rows), n_blocks * SCALES), dtype=np.int32)
