@@ -134,7 +134,7 @@ PRECISION_ENV = "AIOEXPERTS_PRECISION"
 #: types of :func:`tiled_types` with the tiled kernels (:mod:`aioexperts._compute.kernels.tiles`):
 #: llama.cpp's integer sums, float32 sums in another order (not bit-equal to each token alone;
 #: :func:`linear_rows` never takes them). At 16 tokens an expert's product ran 2.0-2.2x (Q4_K),
-#: 2.1-2.3x (Q5_K) and 2.7-3.0x (Q6_K) faster than the exact loops (Intel Xeon, AVX-512 VNNI); a
+#: 2.1-2.3x (Q5_K) and 2.6-3.0x (Q6_K) faster than the exact loops (Intel Xeon, AVX-512 VNNI); a
 #: tile costs about as much from 1 to 16 tokens, so fewer than 8 (alone, or left after whole tiles)
 #: take the exact loops.
 TILED_MIN_TOKENS = 8
