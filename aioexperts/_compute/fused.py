@@ -27,7 +27,7 @@ bit for bit what it gets alone (cross-request batching uses it). Exact dequantiz
 plugs the compiled ``dequant_<type>`` kernels into it.
 
 With ``"int8"`` precision, batches of at least :data:`TILED_MIN_TOKENS` tokens of the types of
-:func:`tiled_types` (Q4_K where the CPU has AVX-512 VNNI) take the tiled kernels of
+:func:`tiled_types` (Q4_K, Q5_K, Q6_K where the CPU has AVX-512 VNNI) take the tiled kernels of
 :mod:`aioexperts._compute.kernels.tiles` (16 tokens per vector, one ``vpdpbusd`` per 4 values of
 each): llama.cpp's integer sums, float32 sums in another order, not bit-equal to each token alone,
 so :func:`linear_rows` never takes them.
@@ -133,9 +133,10 @@ PRECISION_ENV = "AIOEXPERTS_PRECISION"
 #: with ``"int8"`` precision, :func:`linear` multiplies batches of at least this many tokens of the
 #: types of :func:`tiled_types` with the tiled kernels (:mod:`aioexperts._compute.kernels.tiles`):
 #: llama.cpp's integer sums, float32 sums in another order (not bit-equal to each token alone;
-#: :func:`linear_rows` never takes them). At 16 tokens a Q4_K expert's product ran 1.7-1.9x faster
-#: than the 4-token loops (Intel Xeon, AVX-512 VNNI); a tile costs about as much from 1 to 16 tokens,
-#: so fewer than 8 (alone, or left after whole tiles) take the 4-token loops.
+#: :func:`linear_rows` never takes them). At 16 tokens an expert's product ran 2.0-2.2x (Q4_K),
+#: 2.1-2.3x (Q5_K) and 2.6-3.0x (Q6_K) faster than the exact loops (Intel Xeon, AVX-512 VNNI); a
+#: tile costs about as much from 1 to 16 tokens, so fewer than 8 (alone, or left after whole tiles)
+#: take the exact loops.
 TILED_MIN_TOKENS = 8
 
 BackendName = Literal["numba", "numpy"]
@@ -734,13 +735,17 @@ def _split_pool(raw: np.ndarray, split: bool) -> Any:
     return pool
 
 
+#: the types with a tiled kernel (``matmat_tiled_<type>`` of :mod:`aioexperts._compute.kernels.tiles`)
+_TILED_TYPES = frozenset({T.Q4_K, T.Q5_K, T.Q6_K})
+
+
 def tiled_types() -> frozenset[GGMLQuantizationType]:
-    """The types :func:`linear` multiplies in tiles from :data:`TILED_MIN_TOKENS` tokens: Q4_K where
-    the CPU has AVX-512 VNNI (``vpdpbusd``), else none (without it the tiles ran no faster than the
-    4-token loops of :mod:`aioexperts._compute.kernels.rowdots`)."""
+    """The types :func:`linear` multiplies in tiles from :data:`TILED_MIN_TOKENS` tokens: Q4_K, Q5_K
+    and Q6_K where the CPU has AVX-512 VNNI (``vpdpbusd``), else none (without it the Q4_K tiles ran
+    no faster than the 4-token loops of :mod:`aioexperts._compute.kernels.rowdots`)."""
     if backend().name != "numba":
         return frozenset()
-    return frozenset({GGMLQuantizationType.Q4_K}) if _tiles_fast() else frozenset()
+    return _TILED_TYPES if _tiles_fast() else frozenset()
 
 
 @functools.cache
@@ -757,7 +762,7 @@ def _tiled_kernel(ready: _Ready, qtype: GGMLQuantizationType) -> Callable[..., A
     through the int8 batch kernel (a tile of padding would cost more)."""
     from .kernels import tiles
 
-    tiled: Callable[..., Any] = tiles.matmat_tiled_q4_k
+    tiled: Callable[..., Any] = getattr(tiles, f"matmat_tiled_{qtype.name.lower()}")
     batch = _kernel(ready, qtype, "matmat_int8")
 
     def run(raw: np.ndarray, xs: np.ndarray, out: np.ndarray) -> None:
@@ -826,7 +831,7 @@ def _linear_numba(
     # the int8 kernels' quantizers lose NaN/inf (max() skips NaN): such x takes the round trip, which keeps them
     int8 = ready.entry.int8_module is not None and llama and bool(np.isfinite(xs).all())
     # numba serves here: tiled_types() without its backend check
-    if int8 and tiled and n >= TILED_MIN_TOKENS and qtype == GGMLQuantizationType.Q4_K and _tiles_fast():
+    if int8 and tiled and n >= TILED_MIN_TOKENS and qtype in _TILED_TYPES and _tiles_fast():
         _split_rows(raw, _by_rows(_tiled_kernel(ready, qtype), raw, xs, out), split)
         return
     if int8 and ready.entry.int8_batched and 1 < n <= INT8_BATCH_MAX:
