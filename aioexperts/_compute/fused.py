@@ -748,6 +748,19 @@ def tiled_types() -> frozenset[GGMLQuantizationType]:
     return _TILED_TYPES if _tiles_fast() else frozenset()
 
 
+def _warm_tiles(types: Iterable[GGMLQuantizationType]) -> list[str]:
+    """Compile or load the tiled kernels of ``types`` through :func:`linear` (a one-block matrix of
+    zeros times :data:`TILED_MIN_TOKENS` zero tokens), as a prefill would: a first prefill
+    otherwise loads them while its first token waits. Their names, ``matmat_tiled_<type>``."""
+    names = []
+    for qtype in sorted(types, key=lambda t: t.name):
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        raw = np.zeros((1, type_size), dtype=np.uint8)
+        linear(raw, qtype, (1, block_size), np.zeros((TILED_MIN_TOKENS, block_size), np.float32), split=False)
+        names.append(f"matmat_tiled_{qtype.name.lower()}")
+    return names
+
+
 @functools.cache
 def _tiles_fast() -> bool:
     """:func:`aioexperts._compute.kernels.tiles.fast`, the module imported once (a prefill asks per product)."""
@@ -1016,6 +1029,8 @@ def warmup(types: Iterable[GGMLQuantizationType | int], *, kinds: Iterable[Kerne
                 _fail(exc, name)
                 break
             names.append(name)
+    if kinds is None and precision() == "int8":
+        names.extend(_warm_tiles(set(wanted) & tiled_types()))
     status = backend()
     report = WarmupReport(
         backend=status,

@@ -218,3 +218,25 @@ def test_rows_in_several_chunks_give_each_row_s_bits(qtype: GGMLQuantizationType
     exact = np.empty((n, rows), np.float32)
     assert exact_kernel(qtype)(raw, x, exact)
     assert rel_l2(got, exact) <= 1e-6
+
+
+def test_warmup_readies_the_tiled_kernels_before_the_first_prefill() -> None:
+    """A fresh process: after fused.warmup of the tiled types no tiled kernel compiles or loads at
+    the first product of many tokens (it cost the first prefill's first token)."""
+    import subprocess
+    import sys
+
+    if not tiles.fast():
+        pytest.skip("no AVX-512 VNNI here: the tiles are off")
+    code = (
+        "from gguf import GGMLQuantizationType as T\n"
+        "from aioexperts._compute import fused\n"
+        "from aioexperts._compute.kernels import tiles\n"
+        "report = fused.warmup([T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0])\n"
+        "assert {'matmat_tiled_q4_k', 'matmat_tiled_q5_k', 'matmat_tiled_q6_k'} <= set(report.kernels), report\n"
+        "for k in (tiles.matmat_tiled_q4_k, tiles.matmat_tiled_q5_k, tiles.matmat_tiled_q6_k):\n"
+        "    assert len(k.signatures) == 1, k.signatures\n"
+    )
+    env = {**__import__("os").environ, "AIOEXPERTS_PRECISION": "int8"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr
