@@ -40,9 +40,11 @@ keys and the numbers' scale are those of a real model:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -506,6 +508,30 @@ def add_vocabulary(writer: GGUFWriter, tokens: list[str], merges: list[str], *, 
     writer.add_chat_template(CHATML_TEMPLATE)
 
 
+#: room left free beside a built-in model being written (bytes): the header, and a margin for the rest
+FREE_SPACE_MARGIN = 1 << 30
+
+
+def _check_free_space(writer: GGUFWriter, n_bytes: int) -> None:
+    """Refuse to start a file of ``n_bytes`` tensor bytes where the disk has less room (plus
+    :data:`FREE_SPACE_MARGIN`): a build that fills the disk fails late and hurts everything else on it.
+
+    Raises:
+        OSError: ``ENOSPC``, saying how much is needed and free.
+    """
+    path = getattr(writer, "path", None)
+    if path is None:
+        return
+    folder = Path(path).parent
+    free = shutil.disk_usage(folder).free
+    if free < n_bytes + FREE_SPACE_MARGIN:
+        raise OSError(
+            errno.ENOSPC,
+            f"the model needs {(n_bytes + FREE_SPACE_MARGIN) / 1e9:.1f} GB of free space, "
+            f"{folder} has {free / 1e9:.1f} GB",
+        )
+
+
 def write_tensors(
     writer: GGUFWriter,
     tensors: Sequence[tuple[str, tuple[int, ...], GGMLQuantizationType, Callable[[], np.ndarray]]],
@@ -524,6 +550,7 @@ def write_tensors(
         writer.add_tensor_info(name, shape, dtype, n_bytes, raw_dtype=ggml_type)
     total, written = sum(sizes), 0
     try:
+        _check_free_space(writer, total)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()

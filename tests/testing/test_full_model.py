@@ -195,6 +195,48 @@ def test_ensure_writes_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.M
     assert not list((tmp_path / "cache").glob("*.partial"))
 
 
+def test_a_build_clears_other_sizes_killed_partials_but_not_one_being_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build of a size never asked for again, killed by SIGTERM (no clean-up), left its 17 GB
+    ``.partial``: the next build of any size removes it, unless its lock is held (being written)."""
+    import fcntl
+    import os
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("AIOEXPERTS_CACHE", str(cache))
+    dead = cache / "other-49l.gguf.abc123.partial"
+    dead.write_bytes(b"x" * 100)
+    (cache / "other-49l.gguf.lock").touch()
+    live = cache / "busy-50l.gguf.def456.partial"
+    live.write_bytes(b"y")
+    fd = os.open(cache / "busy-50l.gguf.lock", os.O_RDWR | os.O_CREAT)
+    foreign = cache / "notes.txt.partial"  # no lock file: not the cache's, left alone
+    foreign.write_bytes(b"z")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another build holds it (flock locks are per open file)
+        ensure_full_model(spec=TINY)
+    finally:
+        os.close(fd)
+    assert not dead.exists() and live.exists() and foreign.exists()
+
+
+def test_a_build_that_cannot_fit_on_the_disk_does_not_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model larger than the free space is refused before a byte is written (ENOSPC, needed and free named)."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "cache"))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**12, 10**12 - 10**6, 10**6))
+    with pytest.raises(OSError, match=r"needs \d+\.\d GB of free space, .* has 0\.0 GB") as exc:
+        ensure_full_model(spec=TINY)
+    assert exc.value.errno == errno.ENOSPC
+    assert not list((tmp_path / "cache").glob("*.partial")) and not (tmp_path / "cache" / TINY.file_name()).exists()
+
+
 def test_the_cache_names_differ_by_depth_and_geometry() -> None:
     assert full_model_path(4) != full_model_path(48)
     assert "48l" in full_model_path(48).name
