@@ -625,10 +625,11 @@ def _check_prompt(model: aioexperts.Model, args: argparse.Namespace, prompt: str
         ids = model.apply_chat_template([*system, {"role": "user", "content": prompt}], tokenize=True)
     else:
         ids = tokenizer.encode(prompt, add_special=True, parse_special=False)  # as Model.stream
-    if len(ids) > n_ctx:
+    if len(ids) >= n_ctx:
+        than = "more than" if len(ids) > n_ctx else "all of"
         raise aioexperts.ContextLengthError(
-            f"the prompt is {plural(len(ids), 'token')}, more than n_ctx={n_ctx} positions{_ctx_given(args)}: "
-            "it is not truncated "
+            f"the prompt is {plural(len(ids), 'token')}, {than} n_ctx={n_ctx} positions{_ctx_given(args)}, with "
+            "none left for a generated token: it is not truncated "
             "(give a larger --ctx, or a shorter prompt); the model was not loaded"
         )
 

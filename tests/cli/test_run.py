@@ -494,3 +494,15 @@ def test_counts_of_one_are_singular() -> None:
 
     assert plural(1, "token") == "1 token" and plural(0, "token") == "0 tokens" and plural(2, "token") == "2 tokens"
     assert plural(1, "miss", "misses") == "1 miss" and plural(3, "miss", "misses") == "3 misses"
+
+
+def test_a_prompt_that_fills_n_ctx_exits_2_before_loading(tiny_full_model: Path) -> None:
+    """It ran, prefilled 0 tokens, generated none and exited 0; one position more generates one token."""
+    import aioexperts
+
+    n = len(aioexperts.Tokenizer.from_gguf(tiny_full_model).encode("hi", add_special=True))
+    done = run(str(tiny_full_model), "-p", "hi", "--ctx", str(n), "--io", "threads")
+    assert done.returncode == 2, done.stderr
+    assert f"all of n_ctx={n} positions (--ctx {n}), with none left" in done.stderr and "Traceback" not in done.stderr
+    done = run(str(tiny_full_model), "-p", "hi", "--ctx", str(n + 1), "-n", "4", "--io", "threads")
+    assert done.returncode == 0 and "generation: 1 token" in done.stderr, done.stderr
