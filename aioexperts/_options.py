@@ -60,7 +60,9 @@ class CacheOptions:
 
     Attributes:
         slots: slab slots, each holding one expert (gate, up and down); None to size by ``bytes``.
-        bytes: slab size in bytes (rounded down to whole slots); None for the 1 GiB default.
+        bytes: slab size in bytes (rounded down to whole slots; the memory it takes is then
+            rounded up to a whole 2 MiB huge page, under 2 MiB more, see ``hugepages``); None for
+            the 1 GiB default.
         policy: eviction policy name (``"lru"``, ``"lfu"``, ``"lfuda"``) or an
             :class:`~aioexperts.policies.EvictionPolicy` instance (one per store).
         wait_for_slots: when every slot is pinned, wait for one (as a connection pool does)
