@@ -54,9 +54,10 @@ class Slab:
             memory a read lands in is then physically contiguous in 2 MiB runs: a registered buffer
             over it is a few 2 MiB pieces for the kernel instead of one per 4 KiB page, and a read
             of a slot is a few DMA segments, not one per page, so the block layer neither walks
-            nor splits hundreds of pages per read (issue 36: about a third less CPU per GiB read
-            on a virtio disk). Slots need no 2 MiB alignment for it. A kernel without THP (or with
-            it ``never``, or out of huge pages) ignores the advice and the slab works as before.
+            nor splits hundreds of pages per read (issue 36: a fifth to a third less CPU per GiB
+            read, and more GB/s, on a virtio disk: docs/architecture.md). Slots need no 2 MiB
+            alignment for it. A kernel without THP (or with it ``never``, or out of huge pages)
+            ignores the advice and the slab works as before.
         populate: pre-fault the memory with ``MADV_POPULATE_WRITE`` so that no page fault happens
             inside an ``io_uring_submit`` (7-9 ms for 64 cold reads otherwise).
         lock: ``mlock`` the slab so it is never swapped.
