@@ -60,7 +60,9 @@ class CacheOptions:
 
     Attributes:
         slots: slab slots, each holding one expert (gate, up and down); None to size by ``bytes``.
-        bytes: slab size in bytes (rounded down to whole slots); None for the 1 GiB default.
+        bytes: slab size in bytes (rounded down to whole slots; the memory it takes is then
+            rounded up to a whole 2 MiB huge page, under 2 MiB more, see ``hugepages``); None for
+            the 1 GiB default.
         policy: eviction policy name (``"lru"``, ``"lfu"``, ``"lfuda"``) or an
             :class:`~aioexperts.policies.EvictionPolicy` instance (one per store).
         wait_for_slots: when every slot is pinned, wait for one (as a connection pool does)
@@ -70,8 +72,10 @@ class CacheOptions:
         slot_timeout: seconds (float) to wait for slots before raising
             :class:`~aioexperts.SlotTimeoutError` (a ``SlabExhaustedError`` and a
             ``TimeoutError``); None waits as long as it takes. Needs ``wait_for_slots``.
-        hugepages: advise transparent huge pages (``MADV_HUGEPAGE``) for the slab; slots are then
-            rounded up to 2 MiB, and ``bytes`` counts the rounded slots (the budget stays a ceiling).
+        hugepages: round every slot up to 2 MiB, so that no two slots share a huge page; ``bytes``
+            then counts the rounded slots (the budget stays a ceiling). Rarely needed: a slab of 4 MiB
+            or more is on transparent huge pages either way (2 MiB-aligned, ``MADV_HUGEPAGE``,
+            :class:`aioexperts._io.slab.Slab`), which is what makes its direct reads cheap.
         lock_memory: ``mlock`` the slab (fails with the ``RLIMIT_MEMLOCK`` value in the message).
         row_cache_bytes: the slab of the row cache (:meth:`~aioexperts.ExpertStore.rows`), made on
             the first row read: bytes, at least 16 windows of rows.

@@ -157,8 +157,9 @@ class ReadScheduler:
         self._bytes_in_flight = 0
         self._flush_scheduled = False
         # the backend ends its batches of completions (IOBackend.ends_batches): the reads they make
-        # room for are submitted at the end of the batch, not on the next loop tick
-        self._flush_at_batch_end = backend.ends_batches
+        # room for are submitted at the end of the batch, not on the next loop tick (unless the
+        # backend would rather have them with the woken requests' reads: flush_at_batch_end)
+        self._flush_at_batch_end = backend.ends_batches and backend.flush_at_batch_end
         self._flush_wanted = False  # a completion of the current batch left reads queued
         self._busy_since_ns = 0  # when the reads in flight last went from none to some
         self._quiet_event: AsyncEvent | None = None

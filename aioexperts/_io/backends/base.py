@@ -13,7 +13,9 @@ Contract between the scheduler and a backend (every call on the loop thread unle
   :meth:`IOBackend.set_sink` after each batch of completions it delivered together (one reap of
   the ring, one wake-up of the thread pool), on the loop thread and outside ``submit``: the
   scheduler then submits the reads those completions made room for at once, in the same loop
-  tick, rather than one tick later.
+  tick, rather than one tick later; or, for a backend whose :attr:`IOBackend.flush_at_batch_end`
+  is False, at the end of that loop tick, in one submission with the reads of the requests those
+  completions woke.
 - A backend that reaps in batches (the raw ring) hands a batch of completions to the handler
   given to :meth:`IOBackend.set_batch_sink` in one call instead of one sink call per op, while
   the sink set is the one that handler stands for (the same completions, in the same order).
@@ -115,6 +117,10 @@ class IOBackend(ABC):
     name: ClassVar[str]
     #: True for a backend that calls ``batch_end`` after each batch of completions (module docstring).
     ends_batches: ClassVar[bool] = False
+    #: With :attr:`ends_batches`: the scheduler submits the reads a batch of completions made room
+    #: for at the batch's end (True), or at the end of that loop tick, in one submission with the
+    #: reads the requests it woke ask for (False: one submission per batch instead of two).
+    flush_at_batch_end: ClassVar[bool] = True
 
     def __init__(self, files: ShardFiles, slab: Slab, loop: LoopAdapter, depth: int) -> None:
         self.files = files
