@@ -23,6 +23,7 @@ io_uring's kernel workers are threads of the process and count). The page cache 
 (``POSIX_FADV_DONTNEED``) before every run.
 
     .venv/bin/python bench/read_cpu.py --rounds 3 --json docs/results/read_cpu.json
+    .venv/bin/python bench/read_cpu.py --render docs/results/read_cpu.json docs/architecture.md
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import json
 import mmap
 import os
 import random
@@ -347,7 +349,54 @@ def run_method(method: str, path: Path, reads: ReadList, groups: list[Any], args
     return row
 
 
+def render_lines(results: Path) -> list[str]:
+    """The region's text of a results file: per method CPU ms per GiB (median, min-max of the
+    rounds), GB/s, the median of the per-round ratios to fio, and the target's verdict."""
+    r = json.loads(results.read_text())
+    s, p, m = r["summary"], r["parameters"], r["machine"]
+    load = p.get("load_average_start", [float("nan")])[0], p.get("load_average_end", [float("nan")])[0]
+    commit = (m.get("aioexperts_commit") or "")[:10] or "unknown"
+    lines = [
+        f"<!-- rendered by bench/read_cpu.py --render {results} DOC; do not edit by hand -->",
+        f"`bench/read_cpu.py`, {p['rounds']} rounds of {p['groups']} groups of {p['top_k']} fresh experts, depth "
+        f"{p['depth']}, {p['tasks']} store tasks; {m.get('cpu', '?')} ({m.get('cores_available', '?')} cores), "
+        f"Linux {m.get('kernel', '?')}, started {r['started']}, load average {load[0]:.1f} at the start and "
+        f"{load[1]:.1f} at the end, aioexperts {commit}. CPU is the process's user + system time per GiB read "
+        "(fio: its job's); each figure is the median (min-max) of the rounds, x fio the median of the per-round "
+        "ratios.",
+        "",
+        "| method | CPU ms per GiB | GB/s | x fio |",
+        "|---|---|---|---|",
+    ]
+    for method in p["methods"]:
+        e = s[method]
+        ratio = f"{e['x_fio_median']:.2f} ({e['x_fio_min']:.2f}-{e['x_fio_max']:.2f})" if "x_fio_median" in e else "-"
+        lines.append(
+            f"| {method} | {e['cpu_ms_per_gib_median']:.1f} ({e['cpu_ms_per_gib_min']:.1f}-"
+            f"{e['cpu_ms_per_gib_max']:.1f}) | {e['gb_s_median']:.2f} | {ratio} |"
+        )
+    target = s.get("target")
+    if target:
+        verdict = "met" if target["met"] else "MISSED"
+        lines += ["", f"Target: {target['what']}: {target['value']:.2f}x, **{verdict}**."]
+    return lines
+
+
+def render(results: Path, doc: Path, region: str = "read_cpu") -> None:
+    """Replace the text between ``<!-- bench:REGION -->`` and its end marker in ``doc``."""
+    text = doc.read_text()
+    start, end = f"<!-- bench:{region} -->", f"<!-- /bench:{region} -->"
+    if start not in text or end not in text:
+        raise SystemExit(f"{doc}: no {start} ... {end} region")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(head + start + "\n" + "\n".join(render_lines(results)) + "\n" + end + tail)
+
+
 def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--render":
+        render(Path(sys.argv[2]), Path(sys.argv[3]))
+        return 0
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )

@@ -73,3 +73,25 @@ def test_a_missing_model_names_what_writes_it(tmp_path: Path) -> None:
     cmd += ["--methods", "store-threads"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "aioexperts-bench --mode generate" in done.stderr
+
+
+def test_the_region_of_docs_architecture_is_rendered_from_its_results_file(
+    read_cpu: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails when the read-CPU figures of docs/architecture.md were typed, edited by hand, or not
+    rendered again after a run."""
+    import re
+    import shutil
+
+    repo = BENCH.parent
+    monkeypatch.chdir(repo)  # the results file is named relative to the repository
+    doc = repo / "docs" / "architecture.md"
+    start, end = "<!-- bench:read_cpu -->", "<!-- /bench:read_cpu -->"
+    region = doc.read_text().split(start, 1)[1].split(end, 1)[0]
+    found = re.search(r"rendered by bench/read_cpu.py --render (\S+) DOC;", region)
+    assert found is not None, "docs/architecture.md's read_cpu region names no results file"
+    copy = tmp_path / "architecture.md"
+    shutil.copy(doc, copy)
+    read_cpu.render(Path(found.group(1)), copy)
+    assert copy.read_text().split(start, 1)[1].split(end, 1)[0] == region
+    assert "**MISSED**" in region or "**met**" in region
