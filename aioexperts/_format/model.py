@@ -10,6 +10,7 @@ are all present and agree. Only plain Python values are kept; no file stays open
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -177,9 +178,11 @@ class GGUFModel:
 
 
 def split_shard_paths(path: str | os.PathLike[str]) -> list[str] | None:
-    """The paths of all shards of the split set ``path`` belongs to, or None for a plain name.
+    """The paths of all shards of the split set ``path`` would belong to, or None for a plain name.
 
-    A split set is named ``NAME-0000k-of-0000n.gguf`` (llama.cpp's ``llama_split_path``).
+    A split set is named ``NAME-0000k-of-0000n.gguf`` (llama.cpp's ``llama_split_path``). The name
+    alone does not make a split set: :func:`open_model` follows it only when the file's metadata
+    says ``split.count`` > 1.
 
     Raises:
         FormatError: the name says shard 0 or a shard number above the count.
@@ -198,6 +201,11 @@ def split_shard_paths(path: str | os.PathLike[str]) -> list[str] | None:
 def open_model(path: str | os.PathLike[str]) -> GGUFModel:
     """Parse a GGUF file, or the whole split set that ``path`` belongs to, and check it.
 
+    As llama.cpp does, the metadata decides: a file whose ``split.count`` is absent or 1 is a
+    single file, whatever its name (a complete model copied to ``NAME-00001-of-00002.gguf`` opens
+    alone). A file with ``split.count`` > 1 is a shard of a split set, whose other shards are found
+    by the name (``NAME-0000k-of-0000n.gguf``) and must all be present and agree with it.
+
     Blocking (reads the headers): run it in a worker thread under an event loop.
 
     Args:
@@ -212,26 +220,44 @@ def open_model(path: str | os.PathLike[str]) -> GGUFModel:
         FormatError: not a GGUF file, truncated, an unsupported version or byte order, a count or
             length larger than the file, an empty or duplicate metadata key, an unknown value
             type, arrays nested too deep, bad alignment, a tensor outside its file,
-            ``general.architecture`` missing or not valid UTF-8, shards that disagree. The
-            message names the file, the key or tensor, and the byte offset where it helps.
+            ``general.architecture`` missing or not valid UTF-8, ``split.count`` or ``split.no``
+            not an integer, ``split.count`` > 1 in a file not named as a shard (or named as
+            another set), shards that disagree. The message names the file, the key or tensor,
+            and the byte offset where it helps.
         UnsupportedTypeError: a tensor type unknown to the ``gguf`` package.
         PermissionError: a file, or a directory on its path, may not be read (searched).
         OSError: a file cannot be read.
     """
     path = os.fspath(path)
     os.stat(path)  # FileNotFoundError, or PermissionError where a directory on the way cannot be searched
-    shard_paths = split_shard_paths(path) or [os.path.abspath(path)]
+    given = os.path.abspath(path)
+    _check_regular(given)
+    head = _parse_file(given, 0)
+    count = _split_int(head, "split.count")
+    if count is None or count <= 1:
+        return _combine(path, [given], [head])  # a single file (a count below 1 is refused there)
+    # split.count > 1: a shard, the name finds the other shards
+    shard_paths = split_shard_paths(path)
+    if shard_paths is None:
+        return _combine(path, [given], [head])  # refused there: split metadata, but not a shard's name
     for p in shard_paths:
         try:
-            st = os.stat(p)
+            os.stat(p)
         except FileNotFoundError:
             raise MissingShardError(
-                f"{path}: shard {os.path.basename(p)} of the split set is missing (expected at {p})", p
+                f"{path}: shard {os.path.basename(p)} of the split set is missing (expected at {p}); "
+                f"{os.path.basename(given)} says split.count={count}",
+                p,
             ) from None
-        if not stat.S_ISREG(st.st_mode):
-            raise FormatError(f"{p} is not a regular file")
-    parsed = [_parse_file(p, index) for index, p in enumerate(shard_paths)]
+        _check_regular(p)
+    parsed = [_reindexed(head, k) if p == given else _parse_file(p, k) for k, p in enumerate(shard_paths)]
     return _combine(path, shard_paths, parsed)
+
+
+def _check_regular(path: str) -> None:
+    """Refuse a directory, FIFO or device before anything reads it (a FIFO would block the read)."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise FormatError(f"{path} is not a regular file")
 
 
 @dataclass(slots=True)
@@ -251,6 +277,33 @@ def _parse_file(path: str, index: int) -> _ParsedFile:
     tensors = _tensor_infos(path, index, header, st.st_size)
     shard = ShardInfo(path, index, st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns)
     return _ParsedFile(shard, header.metadata, header.value_types, tensors, header.alignment)
+
+
+def _reindexed(pf: _ParsedFile, index: int) -> _ParsedFile:
+    """``pf`` as shard ``index`` of its set (it was parsed as shard 0 before its set was known)."""
+    if index == pf.shard.index:
+        return pf
+    return _ParsedFile(
+        dataclasses.replace(pf.shard, index=index),
+        pf.metadata,
+        pf.value_types,
+        [dataclasses.replace(t, shard=index) for t in pf.tensors],
+        pf.alignment,
+    )
+
+
+def _split_int(pf: _ParsedFile, key: str) -> int | None:
+    """The integer value of ``split.count`` or ``split.no`` in ``pf``, None when absent.
+
+    Raises:
+        FormatError: the value is not an integer (a bool, string, float or array).
+    """
+    value = pf.metadata.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FormatError(f"{pf.shard.path}: {key} is {value!r}, not an integer")
+    return value
 
 
 def _tensor_infos(path: str, shard: int, header: GGUFHeader, file_size: int) -> list[TensorInfo]:
@@ -300,9 +353,10 @@ def _combine(path: str, shard_paths: list[str], parsed: list[_ParsedFile]) -> GG
     tensors: dict[str, TensorInfo] = {}
     declared_total = first.metadata.get("split.tensors.count")
     for k, pf in enumerate(parsed):
-        count = pf.metadata.get("split.count", 1 if n == 1 else None)
-        no = pf.metadata.get("split.no", 0 if n == 1 else None)
-        if count != n or no != k:
+        count, no = _split_int(pf, "split.count"), _split_int(pf, "split.no")
+        if n == 1:
+            _check_single(pf.shard.path, count, no)
+        elif count != n or no != k:
             raise FormatError(
                 f"{pf.shard.path}: split.count={count}, split.no={no}, but the file name says shard "
                 f"{k + 1} of {n} (split.no is 0-based)"
@@ -329,3 +383,16 @@ def _combine(path: str, shard_paths: list[str], parsed: list[_ParsedFile]) -> GG
         alignment=first.alignment,
         value_types=first.value_types,
     )
+
+
+def _check_single(path: str, count: int | None, no: int | None) -> None:
+    """Refuse split metadata in a file opened alone: ``split.count`` absent or 1, ``split.no`` absent or 0."""
+    if count is not None and count > 1:
+        raise FormatError(
+            f"{path}: split.count={count}, split.no={no}: a shard of a split set, but the file name is not "
+            "a shard's (NAME-0000k-of-0000n.gguf), so the other shards cannot be found"
+        )
+    if count is not None and count < 1:
+        raise FormatError(f"{path}: split.count={count} (a file is split in 1 or more shards)")
+    if no is not None and no != 0:
+        raise FormatError(f"{path}: split.no={no} in a file that is not split (split.count absent or 1)")

@@ -63,7 +63,9 @@ def write_miss_tier(
     Raises:
         ConfigError: an unknown type, or a matrix whose rows are not a multiple of 256 values.
         FormatError: the model is malformed, or changed while it was read.
-        OSError: reading the model or writing the sidecar failed.
+        OSError: reading the model or writing the sidecar failed (a sidecar that cannot be
+            created, in a missing or read-only folder, is named as ``out_path``, never as the
+            temporary file written beside it).
     """
     low = TIER_TYPES.get(ggml_type)
     if low is None:
@@ -105,6 +107,10 @@ def write_miss_tier(
     total, written = sum(sizes), 0
     pool = ThreadPoolExecutor(n_threads, thread_name_prefix="aioexperts-tier")
     try:
+        try:
+            writer.open_output_file()
+        except OSError as exc:  # name the user's path, not the temporary file's
+            raise OSError(exc.errno, exc.strerror, os.fspath(out_path)) from None
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()

@@ -4,7 +4,9 @@ Text goes to stdout as it is decoded; progress, notes and the statistics (prompt
 tokens per second, time to first token, expert hit rate, bytes read per token, memory) go to
 stderr. With ``--json`` nothing is printed on stdout until the end, then one JSON object (the text
 included). Ctrl-C (SIGINT) cancels the generation, still prints the statistics and exits with 130;
-a second Ctrl-C stops at once. Bad arguments or files: one line on stderr, exit status 2.
+a second Ctrl-C stops at once. When the reader of stdout goes (``| head``) the generation stops,
+the statistics still go to stderr (``stop: output_closed``) and the exit status is 141. Bad
+arguments or files: one line on stderr, exit status 2.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TextIO
 
 import anyio
@@ -52,6 +54,10 @@ PROG = "aioexperts-run"
 INTERRUPTED_STATUS = 130
 
 #: Exit status for bad arguments, files and models.
+
+#: The stop reason of a turn whose text could not be written: the reader of stdout has gone
+#: (``aioexperts-run ... | head``). The command then exits with ``BROKEN_PIPE_STATUS`` (141).
+OUTPUT_CLOSED = "output_closed"
 
 #: n_ctx when ``--ctx`` is not given (llama.cpp's default), capped to the file's context length.
 DEFAULT_CTX = 4096
@@ -444,16 +450,28 @@ def for_terminal(text: str) -> str:
 
 
 async def _emit(stream: Any, turn: _Turn, args: argparse.Namespace) -> None:
+    """Write the pieces of ``stream`` to stdout as they come (not with ``--json``), then a newline.
+
+    Raises:
+        BrokenPipeError: the reader of stdout has gone; the turn's ``stop_reason`` is then
+            :data:`OUTPUT_CLOSED` (the stream, still open, stops when the caller leaves it).
+    """
     to_terminal = sys.stdout.isatty()
+    closed = False
     try:
         async for piece in stream:
             turn.text += piece
             if not args.json:
                 sys.stdout.write(for_terminal(piece) if to_terminal else piece)
                 sys.stdout.flush()
+    except BrokenPipeError:
+        closed = True
+        raise
     finally:
         turn.stats = stream.statistics
-        if not args.json and turn.text:
+        if closed:
+            turn.stats = replace(turn.stats, stop_reason=OUTPUT_CLOSED)
+        elif not args.json and turn.text:
             sys.stdout.write("\n")
             sys.stdout.flush()
 
@@ -719,7 +737,7 @@ def _model_path(args: argparse.Namespace) -> tuple[str, bool]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``aioexperts-run``; returns the exit status (0 done, 1 failed while generating, 2 bad
-    arguments/files/models, 130 interrupted)."""
+    arguments/files/models, 130 interrupted, 141 the reader of stdout has gone)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.prompt is None and args.file is None and not args.chat:

@@ -164,6 +164,55 @@ def test_sigint_stops_the_generation_prints_the_statistics_and_exits_130(tiny_fu
     assert "Traceback" not in stderr
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["prompt", "chat"])
+def test_a_reader_of_stdout_that_goes_stops_the_generation_and_exits_141(tiny_full_model: Path, chat: bool) -> None:
+    """``aioexperts-run ... | head -c 5``: no traceback, ``stop: output_closed``, exit 141 (as the other tools)."""
+    args = [str(tiny_full_model), "-p", "Tell me everything.", "-n", "100000", "--temp", "0", "--io", "threads"]
+    proc = subprocess.Popen(
+        # greedy: on this model it runs to n_ctx (about 500 tokens), long after the reader has gone
+        [*COMMAND, *args, *(["--chat"] if chat else [])],
+        stdin=subprocess.DEVNULL,  # --chat: EOF after the first turn
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        deadline = time.monotonic() + 120
+        first = b""
+        while len(first) < 5 and time.monotonic() < deadline:  # as head -c 5: read 5 bytes, then go
+            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            if ready:
+                chunk = os.read(proc.stdout.fileno(), 5 - len(first))
+                if not chunk:
+                    break  # EOF: the process ended before 5 bytes
+                first += chunk
+        assert len(first) == 5, first
+        proc.stdout.close()
+        err = proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    stderr = err.decode()
+    assert proc.returncode == 141, stderr
+    assert "stop: output_closed" in stderr and "Traceback" not in stderr and "Exception ignored" not in stderr
+    generated = re.search(r"generation: (\d+) tokens?", stderr)
+    assert generated is not None and int(generated.group(1)) < 400, stderr  # it stopped, not ran to n_ctx
+
+
+def test_a_complete_model_named_like_a_shard_runs(tiny_full_model: Path, tmp_path: Path) -> None:
+    """``cp tiny.gguf tiny-00001-of-00002.gguf``: no split.count in it, so one file, as llama.cpp opens it."""
+    model = tmp_path / "tiny-00001-of-00002.gguf"
+    shutil.copyfile(tiny_full_model, model)
+    done = run(str(model), "-p", "hi", "-n", "2", "--temp", "0", "--io", "threads")
+    assert done.returncode == 0, done.stderr
+    assert f"loaded {model} in" in done.stderr and "missing" not in done.stderr
+
+
 def test_without_a_model_it_runs_the_built_in_model_from_the_cache(tiny_full_model: Path, tmp_path: Path) -> None:
     """No MODEL argument: the built-in model's cache file is used (here a small one put in its place)."""
     shutil.copy(tiny_full_model, tmp_path / FULL_SPEC.with_(n_layer=2).file_name())

@@ -43,6 +43,17 @@ def test_refuses_to_write_over_the_model_or_another_file(
     assert main([str(tmp_path / "missing.gguf"), "-o", str(tmp_path / "x.gguf")]) == 2
 
 
+def test_an_output_in_a_missing_folder_names_the_users_path(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not the temporary ``.NAME.PID.tmp`` written beside it (as ``aioexperts-map write -o``)."""
+    target = tmp_path / "no-such-dir" / "x.gguf"
+    assert main([str(model), "-o", str(target), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"aioexperts-tier: error: {target}: No such file or directory\n", err
+    assert not (tmp_path / "no-such-dir").exists()
+
+
 @pytest.mark.parametrize("command", ["tiertool", "run", "serve", "maptool", "tracetool", "bench"])
 def test_help_is_plain_user_facing_text(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     """``--help`` shows no reST markup (double backticks, ``:func:`` roles) and no issue numbers of the

@@ -639,11 +639,38 @@ def test_single_file_named_like_a_set_of_one(tmp_path: Path) -> None:
     assert model.shards[0].index == 0
 
 
-def test_standalone_file_named_as_a_shard_of_a_bigger_set(small: Path) -> None:
-    path = small.rename(small.with_name("m-00001-of-00002.gguf"))
-    with pytest.raises(MissingShardError) as info:
+@pytest.mark.parametrize(
+    "name", ["m-00001-of-00002.gguf", "m-00002-of-00002.gguf", "m-00000-of-00003.gguf", "m-00004-of-00003.gguf"]
+)
+def test_complete_file_named_as_a_shard_opens_alone(small: Path, name: str) -> None:
+    """No split.count: a single file, whatever its name (llama.cpp decides from the metadata)."""
+    path = small.rename(small.with_name(name))
+    model = open_model(path)
+    assert [(s.path, s.index) for s in model.shards] == [(os.path.abspath(path), 0)]
+    assert {info.shard for info in model.tensors.values()} == {0}
+    _assert_matches_reader(model, path)
+
+
+def test_file_named_as_a_shard_with_split_count_one_opens_alone(tmp_path: Path) -> None:
+    path = kit.write_gguf(
+        tmp_path / "m-00001-of-00002.gguf",
+        [("a.weight", [32, 4], Q.F32)],
+        kv={"split.no": (0, GGUFValueType.UINT16), "split.count": (1, GGUFValueType.UINT16)},
+    )
+    model = open_model(path)
+    assert len(model.shards) == 1
+    assert model.metadata["split.count"] == 1
+
+
+def test_shard_of_a_bigger_set_copied_alone(split3: tuple[list[Path], Path], tmp_path: Path) -> None:
+    """split.count=3 in the file: a shard, its missing siblings are refused by name."""
+    shards, _ = split3
+    (tmp_path / "alone").mkdir()
+    path = Path(shutil.copyfile(shards[1], tmp_path / "alone" / shards[1].name))
+    with pytest.raises(MissingShardError, match=r"m-00001-of-00003\.gguf of the split set is missing") as info:
         open_model(path)
-    assert info.value.path.endswith("m-00002-of-00002.gguf")
+    assert info.value.path == os.path.abspath(tmp_path / "alone" / shards[0].name)
+    assert "split.count=3" in str(info.value)
 
 
 def test_single_file_claiming_to_be_a_shard(small: Path, tmp_path: Path) -> None:
@@ -653,7 +680,34 @@ def test_single_file_claiming_to_be_a_shard(small: Path, tmp_path: Path) -> None
         [("a.weight", [32, 4], Q.F32)],
         kv={"split.no": (1, GGUFValueType.UINT16), "split.count": (3, GGUFValueType.UINT16)},
     )
-    with pytest.raises(FormatError, match=r"split\.count=3, split\.no=1, but the file name says shard 1 of 1"):
+    with pytest.raises(FormatError, match=r"split\.count=3, split\.no=1: a shard of a split set, but the file name"):
+        open_model(path)
+
+
+@pytest.mark.parametrize("name", ["plain.gguf", "m-00001-of-00002.gguf"])
+@pytest.mark.parametrize(
+    ("kv", "message"),
+    [
+        ({"split.no": (1, GGUFValueType.UINT16)}, r"split\.no=1 in a file that is not split"),
+        (
+            {"split.no": (2, GGUFValueType.UINT16), "split.count": (1, GGUFValueType.UINT16)},
+            r"split\.no=2 in a file that is not split",
+        ),
+        ({"split.count": (0, GGUFValueType.UINT16)}, r"split\.count=0 \(a file is split in 1 or more"),
+        ({"split.count": ("2", GGUFValueType.STRING)}, r"split\.count is '2', not an integer"),
+        ({"split.count": (True, GGUFValueType.BOOL)}, r"split\.count is True, not an integer"),
+        (
+            {"split.count": (1, GGUFValueType.UINT16), "split.no": (0.0, GGUFValueType.FLOAT32)},
+            r"split\.no is 0\.0, not an integer",
+        ),
+    ],
+    ids=["no-without-count", "no-past-count-one", "count-zero", "count-string", "count-bool", "no-float"],
+)
+def test_split_metadata_of_a_single_file_is_checked(
+    tmp_path: Path, name: str, kv: dict[str, tuple[object, GGUFValueType]], message: str
+) -> None:
+    path = kit.write_gguf(tmp_path / name, [("a.weight", [32, 4], Q.F32)], kv=kv)
+    with pytest.raises(FormatError, match=message):
         open_model(path)
 
 
@@ -701,9 +755,12 @@ def test_split_shard_paths_impossible_numbers(tmp_path: Path, name: str) -> None
         split_shard_paths(tmp_path / name)
 
 
-def test_open_model_with_an_impossible_split_name(small: Path) -> None:
-    path = small.rename(small.with_name("m-00004-of-00003.gguf"))
-    with pytest.raises(FormatError, match="split name says shard 4 of 3"):
+@pytest.mark.parametrize("name", ["m-00000-of-00003.gguf", "m-00004-of-00003.gguf"])
+def test_open_model_with_an_impossible_split_name(split3: tuple[list[Path], Path], name: str) -> None:
+    """A shard (split.count=3) renamed to an impossible number; a complete file so named opens alone."""
+    shards, _ = split3
+    path = shards[0].rename(shards[0].with_name(name))
+    with pytest.raises(FormatError, match="split name says shard [04] of 3"):
         open_model(path)
 
 
