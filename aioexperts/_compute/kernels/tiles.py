@@ -248,17 +248,19 @@ def _decode_codegen(decode: _Decode) -> Any:
     return codegen
 
 
+def _c_1d(t: Any, dtype: Any) -> bool:
+    """``t`` is a one-dimensional C-contiguous array of ``dtype`` (a numba type)."""
+    return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == dtype and t.layout == "C"
+
+
 def _decode_signature(row: Any, n_blocks: Any, codes: Any, scales: Any) -> Any:
     """The decoders' signature, or None for other argument types."""
 
-    def one_d(t: Any, dtype: Any) -> bool:
-        return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == dtype and t.layout == "C"
-
     ok = (
-        one_d(row, types.uint8)
+        _c_1d(row, types.uint8)
         and isinstance(n_blocks, types.Integer)
-        and one_d(codes, types.int32)
-        and one_d(scales, types.int32)
+        and _c_1d(codes, types.int32)
+        and _c_1d(scales, types.int32)
     )
     return types.int64(row, n_blocks, codes, scales) if ok else None
 
@@ -288,20 +290,17 @@ def _tile_codegen(block: _Block) -> Any:
 def _tile_signature(row: Any, xpack: Any, mpack: Any, dx: Any, n_blocks: Any, out: Any, codes: Any, scales: Any) -> Any:
     """The tile kernels' signature, or None for other argument types."""
 
-    def one_d(t: Any, dtype: Any) -> bool:
-        return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == dtype and t.layout == "C"
-
     ok = (
-        one_d(row, types.uint8)
-        and one_d(xpack, types.int32)
-        and one_d(mpack, types.int32)
-        and one_d(dx, types.float32)
+        _c_1d(row, types.uint8)
+        and _c_1d(xpack, types.int32)
+        and _c_1d(mpack, types.int32)
+        and _c_1d(dx, types.float32)
         and isinstance(n_blocks, types.Integer)
         and isinstance(out, types.Array)
         and out.ndim == 1
         and out.dtype == types.float32
-        and one_d(codes, types.int32)
-        and one_d(scales, types.int32)
+        and _c_1d(codes, types.int32)
+        and _c_1d(scales, types.int32)
     )
     return types.int64(row, xpack, mpack, dx, n_blocks, out, codes, scales) if ok else None
 
