@@ -127,6 +127,22 @@ def write_results(
     return target
 
 
+def replace_region(doc: Path, region: str, lines: Sequence[str]) -> None:
+    """Replace the text between ``<!-- bench:REGION -->`` and ``<!-- /bench:REGION -->`` in ``doc``
+    with ``lines`` (the markers stay).
+
+    Raises:
+        SystemExit: ``doc`` has no such region.
+    """
+    text = doc.read_text()
+    start, end = f"<!-- bench:{region} -->", f"<!-- /bench:{region} -->"
+    if start not in text or end not in text:
+        raise SystemExit(f"{doc}: no {start} ... {end} region")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(head + start + "\n" + "\n".join(lines) + "\n" + end + tail)
+
+
 def dumps(payload: dict[str, Any]) -> str:
     """The results as JSON text: indented, except one line per round (the files stay small)."""
     rounds = payload.get("rounds", [])

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _results import median_time, summary, write_results
+from _results import median_time, replace_region, summary, write_results
 from dequant import make_tensor
 from gguf import GGMLQuantizationType
 from threadpoolctl import threadpool_limits
@@ -214,13 +214,7 @@ def render(results: Path, doc: Path, region: str = "matvec_rows") -> None:
             f"| {key} | {e['gbps']['ggml']['median']:.1f} | {cell(e['x_ggml_int8'])} | {cell(e['x_ggml_int8x4'])} "
             f"| >= {e['int8_target']}: {verdict} | {cell(e['x_ggml_float'])} |"
         )
-    text = doc.read_text()
-    start, end = f"<!-- bench:{region} -->", f"<!-- /bench:{region} -->"
-    if start not in text or end not in text:
-        raise SystemExit(f"{doc}: no {start} ... {end} region")
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    doc.write_text(head + start + "\n" + "\n".join(lines) + "\n" + end + tail)
+    replace_region(doc, region, lines)
 
 
 def main() -> int:

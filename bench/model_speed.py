@@ -50,7 +50,7 @@ import anyio
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_results  # noqa: E402
+from _results import replace_region, write_results  # noqa: E402
 
 import aioexperts  # noqa: E402
 from aioexperts.backends import liburing_unusable_reason  # noqa: E402
@@ -378,14 +378,8 @@ def render(results: Path, doc: Path, region_name: str | None = None) -> None:
         f"{row['bytes_read_per_token'] / 2**20:.0f} MiB read/token | |"
         for row in s["slabs"]
     )
-    text = doc.read_text()
     name = region_name or region(p.get("architecture", "qwen3moe"))  # files before the field: the Qwen3 model
-    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    if start not in text or end not in text:
-        raise SystemExit(f"{doc}: no {start} ... {end} region")
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    doc.write_text(head + start + "\n" + "\n".join(lines) + "\n" + end + tail)
+    replace_region(doc, name, lines)
 
 
 def model_path(args: argparse.Namespace) -> Path:

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _results import refuse_foreign, write_results  # bench/_results.py, a sibling module
+from _results import refuse_foreign, replace_region, write_results  # bench/_results.py, a sibling module
 
 import aioexperts
 from aioexperts._io.plan import plan_expert
@@ -349,6 +349,22 @@ def run_method(method: str, path: Path, reads: ReadList, groups: list[Any], args
     return row
 
 
+#: the units of a read-CPU results file (also bench/slab_layout.py's)
+UNITS = {"cpu_s_per_gib": "CPU seconds per 2**30 bytes read", "gb_s": "1e9 bytes per second"}
+
+
+def per_gib_summary(rounds: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The rounds' figures of run ``name`` (each round's ``row[name]`` has ``cpu_s_per_gib`` and
+    ``gb_s``): CPU ms per GiB median, min and max, and the median GB/s."""
+    per_gib = [row[name]["cpu_s_per_gib"] * 1e3 for row in rounds]
+    return {
+        "cpu_ms_per_gib_median": statistics.median(per_gib),
+        "cpu_ms_per_gib_min": min(per_gib),
+        "cpu_ms_per_gib_max": max(per_gib),
+        "gb_s_median": statistics.median(row[name]["gb_s"] for row in rounds),
+    }
+
+
 def render_lines(results: Path) -> list[str]:
     """The region's text of a results file: per method CPU ms per GiB (median, min-max of the
     rounds), GB/s, the median of the per-round ratios to fio, and the target's verdict."""
@@ -384,13 +400,7 @@ def render_lines(results: Path) -> list[str]:
 
 def render(results: Path, doc: Path, region: str = "read_cpu") -> None:
     """Replace the text between ``<!-- bench:REGION -->`` and its end marker in ``doc``."""
-    text = doc.read_text()
-    start, end = f"<!-- bench:{region} -->", f"<!-- /bench:{region} -->"
-    if start not in text or end not in text:
-        raise SystemExit(f"{doc}: no {start} ... {end} region")
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    doc.write_text(head + start + "\n" + "\n".join(render_lines(results)) + "\n" + end + tail)
+    replace_region(doc, region, render_lines(results))
 
 
 def main() -> int:
@@ -459,13 +469,7 @@ def main() -> int:
         rounds.append(row)
     summary: dict[str, Any] = {}
     for m in methods:
-        per_gib = [row[m]["cpu_s_per_gib"] * 1e3 for row in rounds]
-        entry: dict[str, Any] = {
-            "cpu_ms_per_gib_median": statistics.median(per_gib),
-            "cpu_ms_per_gib_min": min(per_gib),
-            "cpu_ms_per_gib_max": max(per_gib),
-            "gb_s_median": statistics.median(row[m]["gb_s"] for row in rounds),
-        }
+        entry = per_gib_summary(rounds, m)
         if "fio" in methods and m != "fio":
             x = [row["x_fio"][m] for row in rounds]
             entry.update(x_fio_median=statistics.median(x), x_fio_min=min(x), x_fio_max=max(x))
@@ -494,7 +498,7 @@ def main() -> int:
         args.json,
         "read_cpu",
         params,
-        {"cpu_s_per_gib": "CPU seconds per 2**30 bytes read", "gb_s": "1e9 bytes per second"},
+        UNITS,
         rounds,
         summary,
         started,

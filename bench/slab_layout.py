@@ -20,14 +20,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from _results import refuse_foreign, write_results  # bench/_results.py, a sibling module
-from read_cpu import DEFAULT_MODEL, group_capacity, pick_groups, through_store  # bench/read_cpu.py
+from read_cpu import (  # bench/read_cpu.py
+    DEFAULT_MODEL,
+    UNITS,
+    group_capacity,
+    per_gib_summary,
+    pick_groups,
+    through_store,
+)
 
 import aioexperts
 from aioexperts._io.slab import Slab
@@ -105,21 +111,13 @@ def main() -> int:
                 file=sys.stderr,
             )
         rounds.append(row)
-    summary = {
-        name: {
-            "cpu_ms_per_gib_median": statistics.median(row[name]["cpu_s_per_gib"] * 1e3 for row in rounds),
-            "cpu_ms_per_gib_min": min(row[name]["cpu_s_per_gib"] * 1e3 for row in rounds),
-            "cpu_ms_per_gib_max": max(row[name]["cpu_s_per_gib"] * 1e3 for row in rounds),
-            "gb_s_median": statistics.median(row[name]["gb_s"] for row in rounds),
-        }
-        for name in layouts
-    }
+    summary = {name: per_gib_summary(rounds, name) for name in layouts}
     params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     out = write_results(
         args.json,
         "slab_layout",
         {**params, "layouts": layouts},
-        {"cpu_s_per_gib": "CPU seconds per 2**30 bytes read", "gb_s": "1e9 bytes per second"},
+        UNITS,
         rounds,
         summary,
         started,
