@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import subprocess
 import sys
@@ -10,25 +9,17 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from benchkit import BENCH, load_bench
 
 import aioexperts
 from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 SMALL = SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2)
 
 
 @pytest.fixture(scope="module")
 def read_cpu() -> ModuleType:
-    sys.path.insert(0, str(BENCH))  # its sibling module _results
-    try:
-        spec = importlib.util.spec_from_file_location("read_cpu", BENCH / "read_cpu.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+    return load_bench("read_cpu")
 
 
 @pytest.fixture(scope="module")

@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from benchkit import load_bench
 
 from aioexperts._io.slab import HUGE_PAGE_SIZE
 from aioexperts._sources import stack
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
 def slab_layout() -> ModuleType:
-    sys.path.insert(0, str(BENCH))  # its sibling modules _results and read_cpu
-    try:
-        spec = importlib.util.spec_from_file_location("slab_layout", BENCH / "slab_layout.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+    return load_bench("slab_layout")
 
 
 @pytest.mark.parametrize(
