@@ -23,7 +23,12 @@ io_uring's kernel workers are threads of the process and count). The page cache 
 (``POSIX_FADV_DONTNEED``) before every run.
 
     .venv/bin/python bench/read_cpu.py --rounds 3 --json docs/results/read_cpu.json
-    .venv/bin/python bench/read_cpu.py --render docs/results/read_cpu.json docs/architecture.md
+    .venv/bin/python bench/read_cpu.py --render docs/results/read_cpu.json docs/architecture.md \
+        [--decode docs/results/generate-....json]
+
+``--decode`` adds what the store's read CPU is worth in a decode token under the memory limits of a
+``aioexperts-bench --mode generate`` results file (its bytes read per token times this file's
+store CPU per GiB, against the token's time).
 """
 
 from __future__ import annotations
@@ -365,9 +370,11 @@ def per_gib_summary(rounds: list[dict[str, Any]], name: str) -> dict[str, Any]:
     }
 
 
-def render_lines(results: Path) -> list[str]:
+def render_lines(results: Path, decode: Path | None = None) -> list[str]:
     """The region's text of a results file: per method CPU ms per GiB (median, min-max of the
-    rounds), GB/s, the median of the per-round ratios to fio, and the target's verdict."""
+    rounds), GB/s, the median of the per-round ratios to fio, and the target's verdict; with
+    ``decode`` (a results file of ``aioexperts-bench --mode generate``), what the store's reads
+    cost per decode token under its memory limits (:func:`decode_share_lines`)."""
     r = json.loads(results.read_text())
     s, p, m = r["summary"], r["parameters"], r["machine"]
     load = p.get("load_average_start", [float("nan")])[0], p.get("load_average_end", [float("nan")])[0]
@@ -395,17 +402,77 @@ def render_lines(results: Path) -> list[str]:
     if target:
         verdict = "met" if target["met"] else "MISSED"
         lines += ["", f"Target: {target['what']}: {target['value']:.2f}x, **{verdict}**."]
+    if decode is not None:
+        lines[0] = lines[0].replace(" DOC;", f" DOC --decode {decode};")
+        lines += ["", *decode_share_lines(s["store-io_uring"]["cpu_ms_per_gib_median"], m.get("cpu"), decode)]
     return lines
 
 
-def render(results: Path, doc: Path, region: str = "read_cpu") -> None:
+def decode_share(cpu_ms_per_gib: float, generate: dict[str, Any]) -> list[dict[str, Any]]:
+    """The store's read CPU per decode token under each memory limit of a generate results file.
+
+    Per limit (engine ``aioexperts``, runs with status ok): the median over the rounds of the expert
+    bytes read per token and of the mean decode token time (``1 / decode_tok_s``), and their
+    product with ``cpu_ms_per_gib`` (this file's store-io_uring median): ``{"limit", "rounds",
+    "mib_per_token", "token_ms", "read_cpu_ms", "share"}``, share of the token in [0, 1]; limits
+    without a read (``none``) are left out.
+    """
+    by_limit: dict[str, list[dict[str, Any]]] = {}
+    for run in generate["runs"]:
+        if run.get("engine") == "aioexperts" and run.get("status") == "ok" and run.get("decode_tok_s"):
+            by_limit.setdefault(run["limit"], []).append(run)
+    out = []
+    for limit, runs in by_limit.items():
+        per_token = statistics.median(run.get("expert_bytes_per_token") or 0.0 for run in runs)
+        if limit == "none" or per_token <= 0:
+            continue
+        token_ms = statistics.median(1e3 / run["decode_tok_s"] for run in runs)
+        read_ms = per_token / GIB * cpu_ms_per_gib
+        out.append(
+            {
+                "limit": limit,
+                "rounds": len(runs),
+                "mib_per_token": per_token / 2**20,
+                "token_ms": token_ms,
+                "read_cpu_ms": read_ms,
+                "share": read_ms / token_ms,
+            }
+        )
+    return out
+
+
+def decode_share_lines(cpu_ms_per_gib: float, cpu: str | None, decode: Path) -> list[str]:
+    """The sentence of :func:`decode_share` for ``decode`` (a generate results file)."""
+    generate = json.loads(decode.read_text())
+    rows = decode_share(cpu_ms_per_gib, generate)
+    other_cpu = generate.get("machine", {}).get("cpu")
+    parts = [
+        f"at {row['limit']}, {row['mib_per_token']:.0f} MiB read per token x {cpu_ms_per_gib:.1f} ms/GiB = "
+        f"{row['read_cpu_ms']:.1f} ms of the token's {row['token_ms']:.0f} ms ({100 * row['share']:.1f} %)"
+        for row in rows
+    ]
+    where = "" if other_cpu in (None, cpu) else f" (measured on {other_cpu}, not this file's CPU)"
+    return [
+        f"What the store's read CPU is worth in a decode token under a memory limit (`{decode}`{where}, engine "
+        f"aioexperts, medians of its rounds; the token's time is the decode rate's inverse): "
+        + ("; ".join(parts) if parts else "no run under a limit in that file")
+        + "."
+    ]
+
+
+def render(results: Path, doc: Path, region: str = "read_cpu", decode: Path | None = None) -> None:
     """Replace the text between ``<!-- bench:REGION -->`` and its end marker in ``doc``."""
-    replace_region(doc, region, render_lines(results))
+    replace_region(doc, region, render_lines(results, decode))
 
 
 def main() -> int:
-    if len(sys.argv) == 4 and sys.argv[1] == "--render":
-        render(Path(sys.argv[2]), Path(sys.argv[3]))
+    if len(sys.argv) > 1 and sys.argv[1] == "--render":
+        rp = argparse.ArgumentParser(prog="read_cpu.py --render", description="render a results file into a doc")
+        rp.add_argument("results", type=Path)
+        rp.add_argument("doc", type=Path)
+        rp.add_argument("--decode", type=Path, help="a generate results file: read CPU per decode token")
+        ra = rp.parse_args(sys.argv[2:])
+        render(ra.results, ra.doc, decode=ra.decode)
         return 0
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter

@@ -79,10 +79,37 @@ def test_the_region_of_docs_architecture_is_rendered_from_its_results_file(
     doc = repo / "docs" / "architecture.md"
     start, end = "<!-- bench:read_cpu -->", "<!-- /bench:read_cpu -->"
     region = doc.read_text().split(start, 1)[1].split(end, 1)[0]
-    found = re.search(r"rendered by bench/read_cpu.py --render (\S+) DOC;", region)
+    found = re.search(r"rendered by bench/read_cpu.py --render (\S+) DOC(?: --decode (\S+))?;", region)
     assert found is not None, "docs/architecture.md's read_cpu region names no results file"
     copy = tmp_path / "architecture.md"
     shutil.copy(doc, copy)
-    read_cpu.render(Path(found.group(1)), copy)
+    decode = Path(found.group(2)) if found.group(2) else None
+    read_cpu.render(Path(found.group(1)), copy, decode=decode)
     assert copy.read_text().split(start, 1)[1].split(end, 1)[0] == region
     assert "**MISSED**" in region or "**met**" in region
+
+
+def test_decode_share_is_bytes_per_token_times_cpu_per_gib_over_the_token(read_cpu: ModuleType) -> None:
+    """Per limit: the median bytes per token and token time of the aioexperts runs (other engines,
+    failed runs and the unlimited runs left out)."""
+    gib = 2**30
+
+    def run(engine: str, status: str, limit: str, gib_per_token: float, tok_s: float) -> dict[str, object]:
+        bytes_per_token = gib_per_token * gib
+        return {"engine": engine, "status": status, "limit": limit} | {
+            "expert_bytes_per_token": bytes_per_token,
+            "decode_tok_s": tok_s,
+        }
+
+    runs = [
+        run("aioexperts", "ok", "1/4", 1, 2.0),
+        run("aioexperts", "ok", "1/4", 3, 4.0),
+        run("aioexperts", "ok", "1/4", 2, 1.0),
+        run("aioexperts", "oom", "1/4", 99, 9.0),
+        run("aioexperts-tier", "ok", "1/4", 1, 9.0),
+        run("aioexperts", "ok", "none", 1, 5.0),
+    ]
+    (row,) = read_cpu.decode_share(10.0, {"runs": runs})
+    assert row["limit"] == "1/4" and row["rounds"] == 3
+    assert row["mib_per_token"] == 2048 and row["token_ms"] == 500.0
+    assert row["read_cpu_ms"] == 20.0 and row["share"] == 20.0 / 500.0
