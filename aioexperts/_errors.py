@@ -65,7 +65,26 @@ class UnsupportedTypeError(FormatError):
 
 
 class StaleMapError(FormatError):
-    """A ``WEEPF001`` expert map does not match the model it is used with; regenerate it."""
+    """A ``WEEPF001`` expert map or a miss-tier sidecar does not match the model it is used with;
+    write it again.
+
+    Attributes:
+        recorded: the identity the map or sidecar records, ``{"sizes", "devs", "inos", "mtimes"}``
+            -> one int per shard (bytes, ``st_dev``, ``st_ino``, ``st_mtime_ns``); None when the
+            raiser does not give it.
+        current: the model's identity now, in the same shape; None when not given.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        recorded: dict[str, list[int]] | None = None,
+        current: dict[str, list[int]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.recorded = recorded
+        self.current = current
 
 
 class ConfigError(AioExpertsError, ValueError):

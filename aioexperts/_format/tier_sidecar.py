@@ -13,7 +13,9 @@ Written by :func:`aioexperts.write_miss_tier` (``aioexperts-tier``).
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
+from datetime import datetime
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -100,6 +102,48 @@ def model_identity(model: GGUFModel) -> dict[str, list[int]]:
     }
 
 
+def _when(ns: int, other: int) -> str:
+    """``ns`` (an ``st_mtime_ns``) as a local ISO time, to the microsecond if ``other`` falls in the
+    same second."""
+    spec = "microseconds" if ns // 10**9 == other // 10**9 else "seconds"
+    return datetime.fromtimestamp(ns / 1e9).astimezone().isoformat(timespec=spec)
+
+
+def _identity(recorded: dict[str, object], n: int) -> dict[str, list[int]] | None:
+    """``recorded`` (the sidecar's identity metadata) if it is ``n`` ints per field, else None."""
+    if all(isinstance(v, list) and len(v) == n and all(isinstance(x, int) for x in v) for v in recorded.values()):
+        return {k: list(v) for k, v in recorded.items() if isinstance(v, list)}
+    return None
+
+
+def _stale_reason(rec: dict[str, list[int]], ours: dict[str, list[int]], model: GGUFModel) -> str:
+    """Why a sidecar's recorded identity ``rec`` differs from the model's (``ours``), in words: for
+    each model file whose identity changed, another file or another version of it (mtimes, sizes)."""
+    reasons = []
+    for i, shard in enumerate(model.shards):
+        name = os.path.basename(shard.path)
+        if (rec["devs"][i], rec["inos"][i]) != (ours["devs"][i], ours["inos"][i]):
+            reasons.append(f"the sidecar was written for another file than {name} (a copy, or a file replaced since)")
+            continue
+        then, now = rec["mtimes"][i], ours["mtimes"][i]
+        size = (
+            ""
+            if rec["sizes"][i] == ours["sizes"][i]
+            else f"; it is {ours['sizes'][i]} bytes long, the sidecar recorded {rec['sizes'][i]}"
+        )
+        if now > then:
+            reasons.append(
+                f"the sidecar was written for an earlier version of {name} (modified {_when(now, then)} after the "
+                f"sidecar's record of {_when(then, now)}{size})"
+            )
+        elif now < then or size:
+            reasons.append(
+                f"{name} changed since the sidecar was written (modified {_when(now, then)}, the sidecar "
+                f"recorded {_when(then, now)}{size})"
+            )
+    return "; ".join(reasons)
+
+
 def read_tier_sidecar(path: str | os.PathLike[str], model: GGUFModel, layout: ExpertLayout) -> TierSidecar:
     """Parse the sidecar at ``path`` and check it against ``model`` and its ``layout``.
 
@@ -107,7 +151,9 @@ def read_tier_sidecar(path: str | os.PathLike[str], model: GGUFModel, layout: Ex
 
     Raises:
         StaleMapError: the sidecar was written for another model or an older version of it
-            (a shard's size, device, inode or mtime differ); write it again.
+            (a shard's size, device, inode or mtime differ); the message names the model files
+            that changed and the ``aioexperts-tier`` command that writes it again; the raw
+            identities are its ``recorded`` and ``current``.
         FormatError: not a sidecar, another version, a tensor missing or of the wrong type,
             shape or size.
         FileNotFoundError: no such file.
@@ -128,13 +174,20 @@ def read_tier_sidecar(path: str | os.PathLike[str], model: GGUFModel, layout: Ex
         raise FormatError(f"{where}: unknown ggml type {raw_type!r}") from None
     if ggml_type not in LOW_TYPES:
         raise FormatError(f"{where}: type {ggml_type.name} is not a miss-tier type (Q2_K, Q3_K, IQ4_XS)")
-    recorded = {name: side.metadata.get(TIER_KEYS[name]) for name in ("sizes", "devs", "inos", "mtimes")}
     ours = model_identity(model)
-    if recorded != ours:
-        diff = ", ".join(f"{name} {recorded[name]} != {ours[name]}" for name in ours if recorded[name] != ours[name])
+    rec = _identity({name: side.metadata.get(TIER_KEYS[name]) for name in ours}, len(model.shards))
+    if rec != ours:
+        if rec is None:
+            reason = f"the sidecar was not written for a model of {len(model.shards)} file(s)"
+        else:
+            reason = _stale_reason(rec, ours, model)
+        type_flag = "" if ggml_type == GGMLQuantizationType.Q3_K else f" --type {ggml_type.name}"  # Q3_K: the default
+        again = f"aioexperts-tier {shlex.quote(model.path)} -o {shlex.quote(where)}{type_flag}"
         raise StaleMapError(
-            f"the miss-tier sidecar {where} does not match the model {model.path} ({diff}); write it again "
-            "(aioexperts-tier)"
+            f"the miss-tier sidecar {where} does not match the model {model.path}: {reason}; write it again "
+            f"with {again}",
+            recorded=rec,
+            current=ours,
         )
     block, type_size = GGML_QUANT_SIZES[ggml_type]
     segments: dict[tuple[int, int], tuple[Segment, Segment, Segment]] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -75,16 +76,35 @@ def test_sidecar_holds_every_expert_requantized(model: Path, sidecar: Path) -> N
 def test_a_stale_or_foreign_sidecar_is_refused(model: Path, sidecar: Path, tmp_path: Path) -> None:
     copy = tmp_path / "copy.gguf"
     shutil.copyfile(model, copy)
-    with pytest.raises(StaleMapError, match="does not match the model"):  # another file (inode)
+    with pytest.raises(StaleMapError, match="written for another file than copy.gguf") as info:  # inode
         read_tier_sidecar(sidecar, open_model(copy), build_layout(open_model(copy)))
+    assert "does not match the model" in str(info.value)
+    assert str(info.value).endswith(f"write it again with aioexperts-tier {copy} -o {sidecar}")
     st = os.stat(copy)
     own = write_miss_tier(copy, tmp_path / "copy.tier.gguf", "Q2_K")
     gguf = open_model(copy)
     assert read_tier_sidecar(own, gguf, build_layout(gguf)).ggml_type == T.Q2_K
     os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the model "changed" since
     gguf = open_model(copy)
-    with pytest.raises(StaleMapError, match="mtime"):
+    with pytest.raises(StaleMapError) as info:
         read_tier_sidecar(own, gguf, build_layout(gguf))
+    then = datetime.fromtimestamp(st.st_mtime_ns // 10**9).astimezone().isoformat()
+    now = datetime.fromtimestamp(st.st_mtime_ns // 10**9 + 1).astimezone().isoformat()
+    assert str(info.value).endswith(  # in words and ISO times, with the command that writes it again
+        f"the sidecar was written for an earlier version of copy.gguf (modified {now} after the sidecar's "
+        f"record of {then}); write it again with aioexperts-tier {copy} -o {own} --type Q2_K"
+    )
+    assert "[" not in str(info.value)  # no raw lists of inodes or mtime_ns: those are on the exception
+    assert info.value.recorded is not None and info.value.current is not None
+    assert info.value.current["mtimes"] == [info.value.recorded["mtimes"][0] + 10**9] == [st.st_mtime_ns + 10**9]
+    with open(copy, "ab") as f:  # a longer file of the same inode: its size is named too
+        f.write(b"\0" * 32)
+    gguf = open_model(copy)
+    longer = rf"it is {st.st_size + 32} bytes long, the sidecar recorded {st.st_size}\)"
+    with pytest.raises(StaleMapError, match=longer):
+        read_tier_sidecar(own, gguf, build_layout(gguf))
+    os.truncate(copy, st.st_size)
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
     with pytest.raises(FormatError, match="not a miss-tier sidecar"):
         read_tier_sidecar(copy, gguf, build_layout(gguf))
     with pytest.raises(ConfigError, match="Q2_K, Q3_K, IQ4_XS"):
