@@ -236,8 +236,10 @@ class MissTier:
 
     Attributes:
         path: the sidecar GGUF (refused if written for another model or an older version of it).
-        max_gate_weight: gate weight (0..1) below which a miss reads the low tier; None: no
-            weight rule.
+        max_gate_weight: gate weight below which a miss reads the low tier, a finite number >= 0
+            (a routing weight is 0..1 when a token's weights sum to 1, up to the model's
+            ``expert_weights_scale`` when it scales them; a value above every weight sends every
+            demand miss low); None: no weight rule.
         behind_seconds: read backlog (seconds at the measured device rate) beyond which every
             miss reads the low tier; None: no backlog rule.
         upgrade: read a low-tier expert again at full precision once it is hit again (and the

@@ -97,8 +97,10 @@ def plural(n: int, noun: str, nouns: str | None = None) -> str:
 
 
 def gate_weight(text: str) -> float:
-    """``--miss-tier-weight``: a gate weight, a finite number >= 0 (weights are 0..1; 1 or more sends every
-    miss to the low tier). ``argparse.ArgumentTypeError`` otherwise, which argparse words as
+    """``--miss-tier-weight``: a gate weight, a finite number >= 0, as :class:`~aioexperts.MissTier`
+    accepts (a routing weight is 0..1 when a token's weights sum to 1, up to the model's
+    ``expert_weights_scale`` when it scales them; a value above every weight sends every demand miss
+    to the low tier). ``argparse.ArgumentTypeError`` otherwise, which argparse words as
     ``argument --miss-tier-weight: ...``."""
     try:
         value = float(text)
@@ -106,7 +108,7 @@ def gate_weight(text: str) -> float:
         value = math.nan
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(
-            f"must be a gate weight, a finite number >= 0 (weights are 0..1; 1 sends every miss low), got {text!r}"
+            f"must be a gate weight, a finite number >= 0 (routing weights are 0..1 for most models), got {text!r}"
         )
     return value
 

@@ -154,7 +154,10 @@ def add_model_options(p: argparse.ArgumentParser, *, ctx_help: str) -> None:
         "--miss-tier-weight",
         type=gate_weight,
         default=None,
-        help="with --miss-tier: only misses whose gate weight (0..1) is below this go low (default: every miss)",
+        help="with --miss-tier: only misses whose gate weight (their routing weight: 0..1 when a token's "
+        "weights sum to 1, up to the model's expert_weights_scale when it scales them) is below this go low; "
+        "a value above every weight (1 for most models) sends every demand miss low but keeps prefetches "
+        "without a predicted weight full (default: every read low, prefetches too)",
     )
     p.add_argument(
         "--layers",

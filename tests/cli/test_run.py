@@ -344,6 +344,23 @@ def test_bad_arguments_and_files_exit_2_with_one_line(
     assert "Traceback" not in done.stderr
 
 
+def test_miss_tier_weight_takes_what_the_library_takes_and_its_help_says_what_large_means() -> None:
+    """A weight of 2 is valid (a model that scales its routing weights has weights above 1), in the
+    CLI as in :class:`aioexperts.MissTier`; the help does not promise 0..1 and says what a value
+    above every weight does."""
+    import aioexperts
+    from aioexperts.cli import serve
+    from aioexperts.cli._common import gate_weight
+    from aioexperts.cli.run import build_parser
+
+    assert gate_weight("2") == 2.0 == aioexperts.MissTier(path="x", max_gate_weight=2).max_gate_weight
+    for parser in (build_parser(), serve.build_parser()):
+        (action,) = [a for a in parser._actions if "--miss-tier-weight" in a.option_strings]
+        assert action.help is not None and "(0..1)" not in action.help
+        assert "above every weight (1 for most models) sends every demand miss low" in action.help
+        assert "expert_weights_scale" in action.help
+
+
 def test_sigint_while_a_chat_waits_for_input_exits_130(tiny_full_model: Path) -> None:
     proc = subprocess.Popen(
         [*COMMAND, str(tiny_full_model), "--chat", "-n", "3", "--io", "threads"],
