@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import AioExpertsError, FormatError, __version__
 from ..backends import io_uring_unusable_reason, liburing_unusable_reason
-from ..testing import bench_model_path, cache_dir, ensure_bench_model
+from ..testing import bench_model_path, cache_dir, ensure_bench_model, progress_bytes
 from ._common import (
     USAGE_STATUS,
     OneLineParser,
@@ -272,7 +272,7 @@ def _model(args: argparse.Namespace, reporter: Reporter) -> Path:
         pct = done * 100 // max(total, 1)
         if pct // 10 != last[0]:
             last[0] = pct // 10
-            reporter.note(f"  written {done / 1e9:.2f} of {total / 1e9:.2f} GB")
+            reporter.note(f"  written {progress_bytes(done, total)}")
 
     return ensure_bench_model(rebuild=args.rebuild, on_build=on_build, on_wait=on_wait, progress=progress)
 

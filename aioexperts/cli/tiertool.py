@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 
 from .. import AioExpertsError, open_model, write_miss_tier
+from ..testing import progress_bytes
 from ._common import (
     USAGE_STATUS,
     HelpFormatter,
@@ -82,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             left = (now - t0) * (total - done) / done if done else None
             eta = "" if left is None or done == total else f", about {left / 60:.0f} min left"
             print(
-                f"aioexperts-tier: {done / 1e6:.0f} of {total / 1e6:.0f} MB written ({100 * done / total:.0f} %{eta})",
+                f"aioexperts-tier: {progress_bytes(done, total)} written ({100 * done / total:.0f} %{eta})",
                 file=sys.stderr,
                 flush=True,
             )

@@ -25,7 +25,8 @@ with and reads they can steer; both are here, and neither needs a real model or 
 - The built-in models in the user cache (:func:`cache_dir`), written once and reused, safely when
   two processes ask at once: :func:`ensure_bench_model` (:data:`BENCH_SPEC`, ``aioexperts-bench``)
   and :func:`ensure_full_model` (:data:`FULL_SPEC` of :data:`DEFAULT_FULL_LAYERS` layers,
-  ``aioexperts-run`` and ``aioexperts-serve``); :func:`print_progress` prints a build's progress.
+  ``aioexperts-run`` and ``aioexperts-serve``); :func:`print_progress` prints a build's progress
+  (its sizes by :func:`progress_bytes`, in the unit that fits).
   :data:`SKEWED_SPEC` is the full model with skewed routing. :func:`ensure_dsv4_model` is the
   DeepSeek-V4-geometry model (:data:`DSV4_SPEC`, 4 layers by default, about 9.1 GB; the benches'
   ``--model dsv4-flash``), :func:`dsv4_model_path` where it lives.
@@ -56,6 +57,7 @@ from ._builtin import ensure_full_model as ensure_full_model
 from ._builtin import full_model_path as full_model_path
 from ._cache import cache_dir as cache_dir
 from ._cache import print_progress as print_progress
+from ._cache import progress_bytes as progress_bytes
 from ._dsv4_model import DSV4_SPEC as DSV4_SPEC
 from ._dsv4_model import TINY_DSV4_SPEC as TINY_DSV4_SPEC
 from ._dsv4_model import DSV4Spec as DSV4Spec
@@ -102,6 +104,7 @@ __all__ = (
     "full_model_path",
     "memory_cgroups",
     "print_progress",
+    "progress_bytes",
     "tiny_moe_writer",
     "write_dsv4_model",
     "write_full_model",

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
-__all__ = ("Progress", "build_once", "cache_dir", "print_progress")
+__all__ = ("Progress", "build_once", "cache_dir", "print_progress", "progress_bytes")
 
 #: ``(bytes written so far, total bytes)``.
 Progress = Callable[[int, int], None]
@@ -34,6 +34,16 @@ def cache_dir() -> Path:
     return Path(base) / "aioexperts"
 
 
+def progress_bytes(done: int, total: int) -> str:
+    """``done`` of ``total`` bytes in the decimal unit that fits ``total``: ``"1.23 of 2.90 GB"``,
+    ``"0.52 of 2.10 MB"``, ``"12.29 of 409.60 kB"``, ``"12 of 512 bytes"`` (every progress line of a
+    build or a sidecar says its sizes this way)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if total >= scale:
+            return f"{done / scale:.2f} of {total / scale:.2f} {unit}"
+    return f"{done} of {total} bytes"
+
+
 def print_progress(stream: TextIO | None = None) -> Progress:
     """A ``progress`` callback that prints a line at every tenth of the bytes (stderr by default)."""
     out = stream or sys.stderr
@@ -43,7 +53,7 @@ def print_progress(stream: TextIO | None = None) -> Progress:
         tenth = done * 10 // max(total, 1)
         if tenth != last[0]:
             last[0] = tenth
-            print(f"  written {done / 1e9:.2f} of {total / 1e9:.2f} GB", file=out, flush=True)
+            print(f"  written {progress_bytes(done, total)}", file=out, flush=True)
 
     return progress
 

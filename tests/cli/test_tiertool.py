@@ -24,7 +24,11 @@ def model(tmp_path: Path) -> Path:
 def test_writes_a_sidecar_the_store_accepts(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(model), "--type", "IQ4_XS"]) == 0
     out = default_output(str(model), "IQ4_XS")
-    assert capsys.readouterr().out.strip() == out and out.endswith("m.miss-tier-IQ4_XS.gguf")
+    done = capsys.readouterr()
+    assert done.out.strip() == out and out.endswith("m.miss-tier-IQ4_XS.gguf")
+    # a sidecar under 1 MB: its progress in kB, not "0 of 0 MB written"
+    assert re.search(r"^aioexperts-tier: [\d.]+ of [\d.]+ kB written \(100 %\)$", done.err, re.M), done.err
+    assert " 0 of 0 MB" not in done.err
     gguf = open_model(model)
     assert read_tier_sidecar(out, gguf, build_layout(gguf)).ggml_type.name == "IQ4_XS"
     assert main([str(model), "--type", "IQ4_XS", "--quiet"]) == 0  # its own kind: replaced

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import aioexperts
 from aioexperts import ChatTemplate, ConfigError
 from aioexperts._format.dequant import dequantize
 from aioexperts._format.header import read_header
-from aioexperts.testing import ensure_full_model, full_model_path, print_progress
+from aioexperts.testing import ensure_full_model, full_model_path, print_progress, progress_bytes
 from aioexperts.testing._full_model import CHATML_TEMPLATE, FULL_SPEC, FullModelSpec, write_full_model
 
 TINY = FullModelSpec(
@@ -165,6 +166,13 @@ def test_one_token_through_48_layers_stays_finite_with_sane_logits(tmp_path: Pat
     assert 1.0 < float(head.std()) < 6.0  # about logit_std = 3
 
 
+def test_progress_bytes_says_sizes_in_the_unit_that_fits_the_total() -> None:
+    assert progress_bytes(1_230_000_000, 2_900_000_000) == "1.23 of 2.90 GB"
+    assert progress_bytes(0, 2_100_000) == "0.00 of 2.10 MB"
+    assert progress_bytes(12_290, 409_600) == "12.29 of 409.60 kB"
+    assert progress_bytes(12, 512) == "12 of 512 bytes"
+
+
 def test_ensure_writes_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "cache"))
     lines: list[str] = []
@@ -189,6 +197,10 @@ def test_ensure_writes_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.M
         th.join()
     assert len(builds) == 1 and results[0] == results[1] and results[0].parent == tmp_path / "cache"
     assert any("written" in s for s in lines)
+    assert results[0].stat().st_size < 10**7  # a tiny model: its progress in MB, never "0.00 of 0.00 GB"
+    written = [s for s in lines if "written" in s]
+    assert all(re.fullmatch(r"  written \d+\.\d\d of [1-9]\.\d\d MB", s) for s in written), written
+    assert written[-1].split()[1] == written[-1].split()[3]  # the last line: all of it
     mtime = results[0].stat().st_mtime_ns
     assert ensure_full_model(spec=TINY) == results[0] and results[0].stat().st_mtime_ns == mtime
     assert ensure_full_model(spec=TINY, rebuild=True).stat().st_mtime_ns != mtime
