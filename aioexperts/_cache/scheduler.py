@@ -543,12 +543,22 @@ class ReadScheduler:
             )
             return
         if n == 0:
-            self._set_error(
-                load,
-                self._read_error(load, None, op, f"unexpected end of file at byte {op.file_offset} (file shrank?)"),
-            )
+            self._set_error(load, self._read_error(load, None, None, self._eof_text(op, file_size)))
             return
         self._requeue(load, op, align_down(n, self.alignment), "short reads")
+
+    def _eof_text(self, op: ReadOp, opened_size: int) -> str:
+        """Why ``op`` read 0 bytes before the end of its file (``opened_size`` bytes when the store
+        opened it, as its header says). The file's size now is not asked for: an ``fstat`` on the
+        loop thread can wait on the file system (NFS, FUSE)."""
+        return (
+            f"unexpected end of file: the read of {op.n_bytes} bytes at offset {op.file_offset} of "
+            f"{self._name(op.shard)} returned 0 bytes, before the end of the file ({opened_size} bytes when the "
+            "store opened it, as its header says): the file is shorter now (truncated, or being rewritten?)"
+        )
+
+    def _name(self, shard: int) -> str:
+        return self.shard_names[shard] if shard < len(self.shard_names) else f"shard {shard}"
 
     def _requeue(self, load: Load, op: ReadOp, advance: int, what: str, cause: Exception | None = None) -> None:
         """Queue the rest of ``op`` from ``advance`` bytes on, unless the load stalls or the scheduler closed."""
@@ -586,8 +596,7 @@ class ReadScheduler:
                 what = repr(cause) if cause is not None else "error"
         where = ""
         if op is not None:
-            name = self.shard_names[op.shard] if op.shard < len(self.shard_names) else f"shard {op.shard}"
-            where = f" ({name}, {op.n_bytes} bytes at offset {op.file_offset})"
+            where = f" ({self._name(op.shard)}, {op.n_bytes} bytes at offset {op.file_offset})"
         error = ExpertReadError(f"reading {load.plan.what} failed: {what}{where}")
         error.__cause__ = cause
         return error

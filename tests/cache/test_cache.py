@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 import itertools
+import os
 import random
+import re
 from pathlib import Path
 
 import anyio
@@ -188,6 +190,30 @@ async def test_zero_bytes_before_eof_fails_every_waiter_and_frees_the_slot(
         async with store.experts(0, [3]) as views:  # usable, and the expert can be read again
             assert as_bytes(views[0]) == reference[(0, 3)]
         assert len(cache_of(store).free_slots) + len(cache_of(store).entries) == 4
+
+
+@pytest.mark.parametrize("backend", ["threads", "auto"])
+async def test_a_model_file_cut_short_names_its_size_in_the_read_error(
+    model_path: Path, tmp_path: Path, backend: str, anyio_backend: object
+) -> None:
+    """The file is truncated under an open store (a copy cut short is refused when it is opened): the
+    error names the read, its 0 bytes, the file's size when the store opened it and that it is shorter
+    now (not its size now: an ``fstat`` on the loop thread can block, tests/blocking.py)."""
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(model_path.read_bytes())
+    opened = path.stat().st_size
+    async with aioexperts.open(path, slots=4, io=aioexperts.IOOptions(backend=backend)) as store:
+        os.truncate(path, 1234)
+        with pytest.raises(aioexperts.ExpertReadError) as info:
+            async with store.experts(1, [3]):
+                pass
+    text = str(info.value)
+    found = re.search(r"the read of (\d+) bytes at offset (\d+) of (\S+) returned 0 bytes", text)
+    assert found is not None and found[3] == str(path) and int(found[2]) >= 1234, text
+    assert text.endswith(
+        f"returned 0 bytes, before the end of the file ({opened} bytes when the store opened it, as its header "
+        "says): the file is shorter now (truncated, or being rewritten?)"
+    ), text
 
 
 async def test_os_error_keeps_the_cause(model_path: Path, anyio_backend: object) -> None:
