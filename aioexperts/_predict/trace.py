@@ -285,7 +285,8 @@ class RoutingTrace:
         The file is written to a temporary name in the same directory and renamed over ``path``.
 
         Raises:
-            OSError: if the file cannot be written.
+            OSError: if the file cannot be written (a trace that cannot be created, in a missing or
+                read-only folder, is named as ``path``, never as the temporary file beside it).
         """
         target = os.path.expanduser(os.fspath(path))
         if os.path.isdir(target):
@@ -298,7 +299,10 @@ class RoutingTrace:
             "n_experts": np.array(self.n_experts, dtype=np.int64),
             "metadata": np.array(json.dumps(dict(self.metadata), sort_keys=True, allow_nan=False)),
         }
-        fd, tmp = tempfile.mkstemp(prefix=".trace-", suffix=".npz.tmp", dir=directory)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".trace-", suffix=".npz.tmp", dir=directory)
+        except OSError as exc:  # name the user's path, not the temporary file's
+            raise OSError(exc.errno, exc.strerror, target) from None
         try:
             with os.fdopen(fd, "wb") as f:
                 (np.savez_compressed if compress else np.savez)(f, allow_pickle=False, **arrays)

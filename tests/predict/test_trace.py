@@ -437,6 +437,17 @@ def test_save_expands_the_home_and_refuses_a_directory(tmp_path: Path, monkeypat
         trace.save(tmp_path)
 
 
+def test_save_into_a_missing_folder_names_the_users_path(tmp_path: Path) -> None:
+    """Not the temporary ``.trace-*.npz.tmp`` written beside it (as ``write_miss_tier``)."""
+    trace = RoutingTrace(np.zeros((2, 1, 1), dtype=np.int16), (0,), (4,))
+    target = tmp_path / "no-such-dir" / "t.npz"
+    with pytest.raises(FileNotFoundError) as info:
+        trace.save(target)
+    assert info.value.filename == str(target) and info.value.filename2 is None
+    assert str(info.value) == f"[Errno 2] No such file or directory: '{target}'"
+    assert not (tmp_path / "no-such-dir").exists()
+
+
 # --- what a header may declare (issue 24) ------------------------------------------------------
 
 
