@@ -187,12 +187,17 @@ class Placement:
         ``expert_counts`` (per shard, informative) and ``metadata``.
 
         Raises:
-            OSError: the file cannot be written.
+            OSError: the file cannot be written (one that cannot be created, in a missing or
+                read-only folder, is named as ``path``, never as the temporary file beside it).
         """
         target = os.fspath(path)
         tmp = f"{target}.tmp-{os.getpid()}"
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
+            try:
+                f = open(tmp, "w", encoding="utf-8")
+            except OSError as exc:  # name the user's path, not the temporary file's
+                raise OSError(exc.errno, exc.strerror, target) from None
+            with f:
                 _json.dump(self.to_dict(), f, indent=1)
                 f.write("\n")
             os.replace(tmp, target)

@@ -123,6 +123,14 @@ def test_a_placement_round_trips_through_its_file(layout: aioexperts.ExpertLayou
     again.check_model(layout, 256)
 
 
+def test_saving_into_a_missing_folder_names_the_users_path(layout: aioexperts.ExpertLayout, tmp_path: Path) -> None:
+    """Not the temporary ``PATH.tmp-PID`` written beside it (as ``RoutingTrace.save``)."""
+    target = tmp_path / "no-such-dir" / "placement.json"
+    with pytest.raises(FileNotFoundError) as info:
+        round_robin_placement(layout, 2, n_embd=256).save(target)
+    assert info.value.filename == str(target) and not (tmp_path / "no-such-dir").exists()
+
+
 def test_a_placement_of_another_model_is_refused(layout: aioexperts.ExpertLayout, tmp_path: Path) -> None:
     placement = round_robin_placement(layout, 2, n_embd=256)
     other_path = tmp_path / "other.gguf"
