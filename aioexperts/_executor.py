@@ -295,10 +295,13 @@ class LocalExecutor(LayerExecutor):
         every call's rows (resident experts first), one outcome per call."""
         store = self._store
         experts = list(dict.fromkeys(e for c in calls for e in c.groups[0].experts))
+        further: list[Key] = []
         if prefetch is None:
             prefetch = batch_prefetch([c.prefetch for c in calls])
+            further = batch_prefetch([c.speculative for c in calls])
         wanted = {(layer, e) for e in experts}
-        ahead = set(self.router.upcoming_layers(layer)) - {layer}
+        router = self.router
+        ahead = set(router.upcoming_layers(layer)).union(router.speculative_layers(layer)) - {layer}
         store.drop_prefetches(keep=lambda key: key in wanted or key[0] in ahead)
         plans = [_plan(c) for c in calls]
         t0 = time.perf_counter()
@@ -307,7 +310,7 @@ class LocalExecutor(LayerExecutor):
         full = store.layer_resident(layer)
         resident = [True] * len(experts) if full else store.resident(layer, experts)
         misses = [] if full else [e for e, ready in zip(experts, resident, strict=True) if not ready]
-        if misses or prefetch:
+        if misses or prefetch or further:
             # the layer's misses first, then the prefetch of the layers ahead, submitted now as one
             # batch: before any compute job of this step holds the cores (and the GIL) the event
             # loop needs to submit them
@@ -317,9 +320,11 @@ class LocalExecutor(LayerExecutor):
             if tier is not None:  # the same backlog for both: what was queued before this step's reads
                 backlog = store.read_backlog_seconds()
                 low = low_tier_misses(tier, misses, calls, backlog) if misses else []
-                if prefetch:
-                    low_ahead = low_tier_prefetches(tier, prefetch, _prefetch_weights(calls), backlog)
-            store.start_loads(layer, experts, prefetch=prefetch, low_ids=low, low_prefetch=low_ahead)
+                if prefetch or further:
+                    low_ahead = low_tier_prefetches(tier, [*prefetch, *further], _prefetch_weights(calls), backlog)
+            store.start_loads(
+                layer, experts, prefetch=prefetch, low_ids=low, low_prefetch=low_ahead, speculative=further
+            )
             prefetch = []
         hits: list[int] = []
         if self.hits_first and len(experts) > 1 and misses and len(misses) < len(experts):

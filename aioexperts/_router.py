@@ -60,6 +60,12 @@ class PrefetchOptions:
         budget: experts prefetched per predicted layer; None for the model's ``expert_used_count``.
         depth: MoE layers prefetched ahead (default 2: the device queue never runs dry at a layer
             boundary; 1 synchronises I/O and compute at every layer; 0 turns prefetch off).
+        speculative: MoE layers predicted beyond ``depth`` whose experts are read only while the
+            device would otherwise sit idle (nothing else queued, a few reads in flight), and
+            become prefetches when the pass comes within ``depth`` of them (default 1: the disk
+            idled about a fifth of a decode token under a memory limit, between a layer's
+            prefetch landing and the next layer's routing; 0 turns it off). Decode only: the
+            batched step (:meth:`Router.route_rows`) and prefill do not use it.
 
     Raises:
         ConfigError: a value out of range or of the wrong type.
@@ -68,6 +74,7 @@ class PrefetchOptions:
     predictor: str | Predictor = "router"
     budget: int | None = None
     depth: int = 2
+    speculative: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.predictor, str):
@@ -79,6 +86,7 @@ class PrefetchOptions:
             raise ConfigError(f"predictor must be a predictor name or a Predictor, got {self.predictor!r}")
         check_int(self, "budget", low=0, optional=True)
         check_int(self, "depth", low=0)
+        check_int(self, "speculative", low=0)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -104,6 +112,8 @@ class Routing:
         weights: ``(n_tokens, k)`` float32 routing weights.
         groups: one group when the chosen experts fit in the slab at once, else several.
         prefetch: ``(layer, expert)`` keys predicted for the layers ahead.
+        speculative: ``(layer, expert)`` keys predicted for the layers beyond those
+            (:attr:`PrefetchOptions.speculative`), read only while the device would sit idle.
         plan: the executor's plan of the rows (one group only), else None.
         prefetch_weights: the predicted gate weight of some ``prefetch`` keys (with a miss tier
             and a predictor that gives them: :meth:`~aioexperts.predictors.Predictor.predict_weighted`).
@@ -116,6 +126,7 @@ class Routing:
     prefetch: list[Key]
     plan: MoEPlan | None = None
     prefetch_weights: dict[Key, float] = field(default_factory=dict)
+    speculative: list[Key] = field(default_factory=list)
 
 
 class Router:
@@ -158,6 +169,7 @@ class Router:
         self._predictor: Predictor | None = None
         self._state_lock = threading.Lock()  # predictor and trace: observed from worker threads
         self._upcoming: dict[int, list[int]] = {}  # layer -> upcoming_layers(layer)
+        self._further: dict[int, list[int]] = {}  # layer -> speculative_layers(layer)
 
     # -- start-up -------------------------------------------------------------------------------
 
@@ -263,6 +275,24 @@ class Router:
             found = self._upcoming[layer] = [layers[(i + d) % len(layers)] for d in range(1, depth + 1)]
         return list(found)
 
+    def speculative_layers(self, layer: int) -> list[int]:
+        """The MoE layers after :meth:`upcoming_layers` read speculatively while ``layer``
+        computes (``PrefetchOptions.speculative`` of them, nearest first, wrapping around as
+        those, never ``layer`` itself; empty without prefetch).
+
+        Raises:
+            InvalidRequestError: ``layer`` is not a MoE layer.
+        """
+        found = self._further.get(layer)
+        if found is None:
+            layers = list(self._store.layout.layers)
+            i = layers.index(self._store.layout.layer(layer).index)
+            options = self.prefetch_options
+            depth = min(options.depth, len(layers) - 1)
+            last = min(depth + options.speculative, len(layers) - 1) if depth else 0
+            found = self._further[layer] = [layers[(i + d) % len(layers)] for d in range(depth + 1, last + 1)]
+        return list(found)
+
     def _budget(self) -> int:
         budget = self.prefetch_options.budget
         return self._store.layout.n_expert_used if budget is None else budget
@@ -324,6 +354,7 @@ class Router:
                 for part in (unique[i : i + limit] for i in range(0, len(unique), limit))
             ]
         prefetch: list[Key] = []
+        speculative: list[Key] = []
         prefetch_weights: dict[Key, float] = {}
         weighted = self._store.miss_tier is not None  # the tier's policy reads the predicted weights
         budget = self._budget()
@@ -337,20 +368,22 @@ class Router:
             if chosen is not None:
                 chosen.observe(layer, x, ids)
                 if budget:
-                    for nxt in self.upcoming_layers(layer):
+                    further = self.speculative_layers(layer) if len(x) == 1 else []  # decode only
+                    for nxt in [*self.upcoming_layers(layer), *further]:
                         if self._store.layer_resident(nxt):  # nothing to read: no prediction
                             continue
+                        keys = speculative if nxt in further else prefetch
                         known = self.hash_experts(nxt, token_ids) if nxt > layer else None  # same tokens
                         if known is not None:  # a hash-routed layer ahead: its experts are certain
-                            prefetch.extend((nxt, e) for e in known)
+                            keys.extend((nxt, e) for e in known)
                         elif weighted:
                             predicted, gate = _predicted_weighted(chosen, layer, nxt, x, budget)
-                            prefetch.extend((nxt, e) for e in predicted)
+                            keys.extend((nxt, e) for e in predicted)
                             prefetch_weights.update(((nxt, e), w) for e, w in gate.items() if e in predicted)
                         else:
-                            prefetch.extend((nxt, e) for e in _predicted(chosen, layer, nxt, x, budget))
+                            keys.extend((nxt, e) for e in _predicted(chosen, layer, nxt, x, budget))
         plan = plan_moe(x, ids, weights, self.residents[layer], hparams) if len(groups) == 1 else None
-        return Routing(x, ids, weights, groups, prefetch, plan, prefetch_weights)
+        return Routing(x, ids, weights, groups, prefetch, plan, prefetch_weights, speculative)
 
     def route_rows(
         self, layer: int, x: np.ndarray, token_ids: object = None

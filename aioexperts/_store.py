@@ -567,6 +567,7 @@ class ExpertStore:
         prefetch: Iterable[Key] = (),
         low_ids: Iterable[int] = (),
         low_prefetch: Iterable[Key] = (),
+        speculative: Iterable[Key] = (),
     ) -> int:
         """Start reading experts a request is about to pin, and its prefetch, submitted at once.
 
@@ -588,8 +589,12 @@ class ExpertStore:
             prefetch: ``(layer, expert)`` keys to load after them.
             low_ids: of ``ids``, the experts to read from the miss tier if they are not cached
                 (ignored without a :class:`~aioexperts.MissTier`); a cached one is used as it is.
-            low_prefetch: of ``prefetch``, the keys to read from the miss tier if they are not
-                cached (ignored without a :class:`~aioexperts.MissTier`).
+            low_prefetch: of ``prefetch`` and ``speculative``, the keys to read from the miss
+                tier if they are not cached (ignored without a :class:`~aioexperts.MissTier`).
+            speculative: ``(layer, expert)`` keys predicted further ahead, read only while the
+                device would otherwise sit idle (nothing else queued, a few reads in flight); one
+                asked for later as a prefetch or an expert of ``ids`` moves up to that queue. The
+                page-cache mode ignores them.
 
         Returns:
             The number of loads started.
@@ -603,7 +608,8 @@ class ExpertStore:
         low = list(low_ids)
         low_keys = self._keys(layer, low)[1] if low and self.miss_tier is not None else []
         low_ahead = _checked_keys(low_prefetch, "low_prefetch") if self.miss_tier is not None else []
-        return source.start_loads(keys, _checked_keys(prefetch, "prefetch"), low_keys, low_ahead)
+        further = _checked_keys(speculative, "speculative") if speculative else []
+        return source.start_loads(keys, _checked_keys(prefetch, "prefetch"), low_keys, low_ahead, further)
 
     def read_backlog_seconds(self) -> float | None:
         """Seconds the reads queued and in flight would take at the device rate measured so far:

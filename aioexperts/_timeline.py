@@ -25,7 +25,7 @@ from ._checks import check_int
 __all__ = ("COMPUTE_KINDS", "READ_KINDS", "Timeline", "busy_seconds")
 
 #: read kinds: the load's priority when it completed (a prefetch someone waited for is ``demand``)
-READ_KINDS = ("demand", "prefetch")
+READ_KINDS = ("demand", "prefetch", "speculative")
 #: compute job kinds: every expert of the step in one job after the reads, the resident experts
 #: while the others were read (hits first), the read experts after them
 COMPUTE_KINDS = ("all", "hits", "misses")

@@ -152,6 +152,7 @@ class GenerateConfig:
         timeline_path: where the aioexperts engines write a timeline of the decode tokens
             (``--mode timeline``), else None.
         warm_prefill: with no limit, warm every engine with one prefill of the prompt first.
+        speculative: the aioexperts engines' ``PrefetchOptions.speculative`` (None: the library's default).
         fio_bytes: under a limit, bytes fio reads after each round for the device's rate (0: none).
     """
 
@@ -170,6 +171,7 @@ class GenerateConfig:
     timeline_path: str | None = None
     warm_prefill: bool = True
     fio_bytes: int = 1 << 30
+    speculative: int | None = None
 
 
 def _limit_name(limit: Fraction | None) -> str:
@@ -206,6 +208,7 @@ def run_engine(
         "miss_tier": cfg.miss_tier,
         "timeline": cfg.timeline_path,
         "warm_prefill": cfg.warm_prefill and limit is None,
+        "speculative": cfg.speculative,
     }
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
@@ -411,6 +414,7 @@ def run_generate_bench(
             "warm_prefill": cfg.warm_prefill,
             "fio_bytes": cfg.fio_bytes,
             "miss_tier": cfg.miss_tier,
+            "speculative": cfg.speculative,
         },
         "cold_method": DROP_METHOD,
         "notes": cfg.notes,

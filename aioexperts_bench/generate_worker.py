@@ -89,7 +89,11 @@ async def _run_aioexperts(cfg: dict[str, Any]) -> None:
     t0 = time.perf_counter()
     tier = cfg.get("miss_tier") if cfg["engine"] == "aioexperts-tier" else None
     miss_tier = aioexperts.MissTier(**tier) if tier else None
-    async with aioexperts.load(cfg["model"], n_ctx=cfg["n_ctx"], record_trace=True, miss_tier=miss_tier) as model:
+    spec = cfg.get("speculative")
+    prefetch = None if spec is None else aioexperts.PrefetchOptions(speculative=spec)
+    async with aioexperts.load(
+        cfg["model"], n_ctx=cfg["n_ctx"], record_trace=True, miss_tier=miss_tier, prefetch=prefetch
+    ) as model:
         store = model.store
         budget = model.slab_budget
         st = store.statistics()

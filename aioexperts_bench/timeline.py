@@ -49,6 +49,7 @@ class TimelineConfig:
         run_timeout: seconds before the run is stopped.
         seed: of the token ids.
         miss_tier: the ``aioexperts-tier`` engine's MissTier fields, else None.
+        speculative: ``PrefetchOptions.speculative`` (None: the library's default).
     """
 
     model: str
@@ -60,6 +61,7 @@ class TimelineConfig:
     run_timeout: float = 900.0
     seed: int = 0
     miss_tier: dict[str, Any] | None = None
+    speculative: int | None = None
 
 
 def run_timeline_bench(cfg: TimelineConfig, *, note: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
@@ -97,6 +99,7 @@ def run_timeline_bench(cfg: TimelineConfig, *, note: Callable[[str], None] = lam
             seed=cfg.seed,
             miss_tier=cfg.miss_tier,
             timeline_path=path,
+            speculative=cfg.speculative,
         )
         limit_name = "none" if limit is None else str(limit)
         note(f"{cfg.engine}, limit {limit_name}: {cfg.prompt_tokens} prompt tokens, {cfg.decode_tokens} decode tokens")
@@ -124,6 +127,7 @@ def run_timeline_bench(cfg: TimelineConfig, *, note: Callable[[str], None] = lam
             "decode_tokens": cfg.decode_tokens,
             "n_ctx": cfg.n_ctx,
             "seed": cfg.seed,
+            "speculative": cfg.speculative,
         },
         "cold_method": DROP_METHOD,
         "notes": notes,

@@ -3,7 +3,8 @@
 Time runs left to right over the first decode tokens. At the top: the tokens (alternating bands),
 the device (time with at least one read in flight), and the forward pass (expert compute, stalls).
 Below, two lanes per MoE layer: I/O (each expert load from submission to completion; demand reads
-dark, prefetches light, the time a load was queued before submission as a thin line) and compute
+dark, prefetches light, speculative reads lighter, the time a load was queued before submission as a
+thin line) and compute
 (the layer step from its start to its last compute job's end as an outline, its compute jobs
 filled, its stall in red).
 """
@@ -22,6 +23,7 @@ __all__ = ("COLOURS", "render_svg")
 COLOURS = {
     "demand": "#1f4e9c",
     "prefetch": "#7fb2e5",
+    "speculative": "#b9d3ee",
     "queued": "#9a9a9a",
     "compute": "#f28e2b",
     "stall": "#d62728",
@@ -119,7 +121,7 @@ def render_svg(results: dict[str, Any], tokens: int = 4) -> str:
         for q, a, b, kind in zip(r_q[sel], r_s[sel], r_d[sel], r_kind[sel], strict=True):
             if not np.isnan(q) and a - q > 0:
                 parts.append(_line(x(q), x(a), y + LANE / 2, COLOURS["queued"]))
-            colour = COLOURS["demand"] if kind == 0 else COLOURS["prefetch"]
+            colour = COLOURS[("demand", "prefetch", "speculative")[min(int(kind), 2)]]
             parts.append(_rect(x(a), y, max(x(b) - x(a), 0.5), LANE, colour, opacity=0.45))
         yc = y + LANE + 1
         sel = s_vis & (s_layer == layer)
@@ -149,6 +151,7 @@ def render_svg(results: dict[str, Any], tokens: int = 4) -> str:
     legend = [
         ("demand read", COLOURS["demand"]),
         ("prefetch read", COLOURS["prefetch"]),
+        ("speculative read", COLOURS["speculative"]),
         ("device busy", COLOURS["device"]),
         ("expert compute", COLOURS["compute"]),
         ("stall (waiting for reads)", COLOURS["stall"]),

@@ -730,11 +730,11 @@ class ExpertCache:
                 out.append((k, plan, False))
         return out
 
-    def _start_prefetches(self, plans: list[tuple[Key, LoadPlan, bool]]) -> int:
-        """Start prefetch loads of ``plans`` in the free slots, in order, while there are any."""
+    def _start_prefetches(self, plans: list[tuple[Key, LoadPlan, bool]], priority: Priority = Priority.PREFETCH) -> int:
+        """Start prefetch loads (of ``priority``) of ``plans`` in the free slots, in order, while there are any."""
         started = low = 0
         for key, plan, is_low in plans[: len(self.free_slots)]:
-            entry = self._start(key, self.free_slots.pop(), plan, Priority.PREFETCH)
+            entry = self._start(key, self.free_slots.pop(), plan, priority)
             entry.prefetched = True
             entry.low = is_low
             low += is_low
@@ -749,6 +749,7 @@ class ExpertCache:
         prefetch: Sequence[Key] = (),
         low: Sequence[Key] = (),
         low_prefetch: Sequence[Key] = (),
+        speculative: Sequence[Key] = (),
     ) -> int:
         """Start the loads of a request's missing experts and of its prefetch, and submit them now.
 
@@ -764,9 +765,14 @@ class ExpertCache:
         :meth:`acquire` would. The request that pins a key started here counts it as a miss.
         The missing keys of ``low`` (a subset of ``demand``) and of ``low_prefetch`` (a subset of
         ``prefetch``) are read from the low-precision miss tier (``low_plan_of``; ignored without one).
+        ``speculative`` keys (predictions further ahead) are started last as speculative loads,
+        which the scheduler submits only while nothing else is queued and few reads are in flight
+        (:data:`~aioexperts._cache.scheduler.SPECULATIVE_MAX_OPS`); a queued speculative load among
+        ``prefetch`` becomes a prefetch, among ``demand`` a demand load. ``low_prefetch`` may name
+        speculative keys too.
 
         Returns:
-            The number of loads started (demand and prefetch).
+            The number of loads started (demand, prefetch and speculative).
 
         Raises:
             InvalidRequestError: a key the model does not have (nothing started).
@@ -776,10 +782,24 @@ class ExpertCache:
         self._check_open()
         wanted = list(dict.fromkeys(demand))
         wanted_set = set(wanted)
-        ahead = [k for k in dict.fromkeys(prefetch) if k not in self.entries and k not in wanted_set]
-        missing = [k for k in wanted if k not in self.entries]
+        entries = self.entries
+        ahead = [k for k in dict.fromkeys(prefetch) if k not in entries and k not in wanted_set]
+        taken = wanted_set.union(ahead)
+        further = [k for k in dict.fromkeys(speculative) if k not in entries and k not in taken]
+        missing = [k for k in wanted if k not in entries]
         plans = self._plans(missing, low)
         ahead_plans = self._plans(ahead, low_prefetch)
+        further_plans = self._plans(further, low_prefetch)
+        promoted = 0
+        if self.scheduler.has_speculative:  # the ones asked for now go to their nearer queue
+            promote, speculative_priority = self.scheduler.promote, Priority.SPECULATIVE
+            for keys, to in ((wanted, Priority.DEMAND), (prefetch, Priority.PREFETCH)):
+                for k in keys:
+                    entry = entries.get(k)
+                    load = entry.load if entry is not None else None
+                    if load is not None and load.priority is speculative_priority:
+                        promote(load, to)
+                        promoted += 1
         # the demand loads evict as the request's acquire would (anything but the request's own keys)
         victims = self._choose_victims(len(missing) - len(self.free_slots), wanted_set, partial=True)
         assert victims is not None
@@ -796,7 +816,13 @@ class ExpertCache:
         assert victims is not None
         self._evict(victims)
         prefetched = self._start_prefetches(ahead_plans)
-        if started or prefetched:
+        if further_plans:  # as the prefetch, sparing its layers and their own
+            layers |= {k[0] for k in further}
+            victims = self._choose_victims(len(further) - len(self.free_slots), wanted_set, layers, partial=True)
+            assert victims is not None
+            self._evict(victims)
+            prefetched += self._start_prefetches(further_plans, Priority.SPECULATIVE)
+        if started or prefetched or promoted:
             self.scheduler.flush()
         return started + prefetched
 

@@ -152,11 +152,18 @@ class ExpertSource(ABC):
         the source has one); the number started."""
 
     def start_loads(
-        self, demand: Sequence[Key], prefetch: Sequence[Key], low: Sequence[Key] = (), low_prefetch: Sequence[Key] = ()
+        self,
+        demand: Sequence[Key],
+        prefetch: Sequence[Key],
+        low: Sequence[Key] = (),
+        low_prefetch: Sequence[Key] = (),
+        speculative: Sequence[Key] = (),
     ) -> int:
         """Start loading a request's ``demand`` keys ahead of its ``prefetch`` keys, submitted now
         (``low``, ``low_prefetch``: demand and prefetch keys to read from the miss tier, where the
-        source has one); the number started. The default prefetches both, in that order."""
+        source has one), and ``speculative`` keys only while the device would otherwise be idle,
+        where the source can tell; the number started. The default prefetches the first two, in
+        that order, and ignores ``speculative``."""
         return self.prefetch([*demand, *prefetch])
 
     def read_backlog_seconds(self) -> float | None:

@@ -271,9 +271,14 @@ class SlabSource(ExpertSource):
         return self._running().prefetch(keys, low)
 
     def start_loads(
-        self, demand: Sequence[Key], prefetch: Sequence[Key], low: Sequence[Key] = (), low_prefetch: Sequence[Key] = ()
+        self,
+        demand: Sequence[Key],
+        prefetch: Sequence[Key],
+        low: Sequence[Key] = (),
+        low_prefetch: Sequence[Key] = (),
+        speculative: Sequence[Key] = (),
     ) -> int:
-        return self._running().start_loads(demand, prefetch, low, low_prefetch)
+        return self._running().start_loads(demand, prefetch, low, low_prefetch, speculative)
 
     def read_backlog_seconds(self) -> float | None:
         scheduler, c = self.stack.scheduler, self.counters

@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds before one run is stopped")
     p.add_argument("--seed", type=int, default=0, help="seed of the token ids")
     p.add_argument(
+        "--speculative",
+        type=int,
+        default=None,
+        help="the aioexperts engines' MoE layers read speculatively beyond the prefetch depth "
+        "(PrefetchOptions.speculative; default: the library's)",
+    )
+    p.add_argument(
         "--miss-tier",
         default=None,
         help="the low-precision miss tier's sidecar (aioexperts-tier writes it): adds the engine aioexperts-tier; "
@@ -240,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if not args.fio_gb >= 0:
         parser.error(f"--fio-gb must be >= 0, got {args.fio_gb}")
+    if args.speculative is not None and args.speculative < 0:
+        parser.error(f"--speculative must be >= 0, got {args.speculative}")
     if not args.run_timeout > 0:
         parser.error(f"--run-timeout must be > 0 seconds, got {args.run_timeout}")
     if not limits:
@@ -289,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             warm_prefill=not args.no_warm_prefill,
             fio_bytes=int(args.fio_gb * 1e9),
             miss_tier=miss_tier,
+            speculative=args.speculative,
         )
         results = run_generate_bench(cfg, note=note, checkpoint=(lambda r: _write(args.out, r)) if args.out else None)
     except KeyboardInterrupt:

@@ -53,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-ctx", type=int, default=None, help="KV cache positions (default prompt + decode + 16)")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds before the run is stopped")
     p.add_argument("--seed", type=int, default=0, help="seed of the token ids")
+    p.add_argument(
+        "--speculative",
+        type=int,
+        default=None,
+        help="MoE layers read speculatively beyond the prefetch depth (PrefetchOptions.speculative; default: the "
+        "library's)",
+    )
     p.add_argument("--out", default="bench-timeline.json", help="results file to write")
     p.add_argument("--svg", default=None, help="the picture (default: --out with .svg)")
     p.add_argument("--force", action="store_true", help="let --out and --svg replace files of another kind")
@@ -93,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     n_ctx = args.n_ctx or args.prompt_tokens + args.decode_tokens + 16
     if n_ctx < args.prompt_tokens + args.decode_tokens:
         parser.error(f"--n-ctx {n_ctx} is less than --prompt-tokens + --decode-tokens")
+    if args.speculative is not None and args.speculative < 0:
+        parser.error(f"--speculative must be >= 0, got {args.speculative}")
     if not args.run_timeout > 0:
         parser.error(f"--run-timeout must be > 0 seconds, got {args.run_timeout}")
     if (args.engine == "aioexperts-tier") != (args.miss_tier is not None):
@@ -131,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             run_timeout=args.run_timeout,
             seed=args.seed,
             miss_tier=tier,
+            speculative=args.speculative,
         )
         results = run_timeline_bench(cfg, note=note)
         results["parameters"]["picture_tokens"] = args.picture_tokens

@@ -17,10 +17,12 @@ def test_timeline_run_writes_results_and_a_picture(
 ) -> None:
     out = tmp_path / "tl.json"
     args = ["--mode", "timeline", "--model", str(tiny_full_model), "--limit", "none", "--prompt-tokens", "6"]
+    args += ["--speculative", "2"]
     code = bench.main([*args, "--decode-tokens", "4", "--picture-tokens", "2", "--out", str(out), "--quiet"])
     assert code == 0, capsys.readouterr()
     results = json.loads(out.read_text())
     assert results["schema"] == TIMELINE_SCHEMA and results["run"]["status"] == "ok"
+    assert results["parameters"]["speculative"] == 2
     tl, s = results["timeline"], results["summary"]
     layers = tl["layers"]
     assert len(tl["tokens"]["start_ms"]) == 4 == s["tokens"]
@@ -48,7 +50,7 @@ def test_the_picture_of_a_run_without_a_timeline_says_so() -> None:
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    for bad in (["--limit", "2/0"], ["--decode-tokens", "0"], ["--engine", "aioexperts-tier"]):
+    for bad in (["--limit", "2/0"], ["--decode-tokens", "0"], ["--engine", "aioexperts-tier"], ["--speculative", "-1"]):
         with pytest.raises(SystemExit) as info:
             bench.main(["--mode", "timeline", *bad])
         assert info.value.code == 2
