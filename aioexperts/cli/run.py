@@ -33,6 +33,7 @@ import aioexperts
 from aioexperts._json import dumps as strict_dumps
 from aioexperts.cli._common import (
     BROKEN_PIPE_STATUS,
+    INTERRUPTED_STATUS,
     USAGE_STATUS,
     HelpFormatter,
     OneLineParser,
@@ -50,9 +51,6 @@ from aioexperts.cli._common import (
 __all__ = ("INTERRUPTED_STATUS", "build_parser", "for_terminal", "main")
 
 PROG = "aioexperts-run"
-
-#: Exit status after Ctrl-C: 128 + SIGINT, what a shell reports for a program the signal ended.
-INTERRUPTED_STATUS = 130
 
 #: Exit status for bad arguments, files and models.
 
