@@ -26,6 +26,7 @@ import tempfile
 from dataclasses import dataclass
 
 from .._errors import ConfigError, FormatError, StaleMapError
+from .filemode import new_file_mode
 from .layout import ExpertLayout
 from .model import GGUFModel, ShardInfo
 
@@ -104,20 +105,6 @@ def _layout_ranges(layout: ExpertLayout) -> list[list[ExpertRanges]]:
     return out
 
 
-def _umask() -> int:
-    """The process's umask, from ``/proc/self/status`` (setting and restoring it would race other threads)."""
-    try:
-        with open("/proc/self/status", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def write_expert_map(model: GGUFModel, layout: ExpertLayout, path: str | os.PathLike[str]) -> None:
     """Write the map of ``layout`` for the single-file ``model`` to ``path`` (atomically: temp + rename).
 
@@ -170,7 +157,7 @@ def write_expert_map(model: GGUFModel, layout: ExpertLayout, path: str | os.Path
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(b"".join(parts))
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a map gets the mode of any new file
+        os.chmod(tmp, new_file_mode())  # mkstemp makes 0600; a map gets the mode of any new file
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -245,7 +245,7 @@ class MoEHParams:
         md = ArchKeys(arch, metadata)
         for name in rule.required:
             if not md.has(name):
-                raise FormatError(f"missing required key {md.key(name)}")
+                raise md.missing(name)
         counts = ExpertCounts.read(md, rule)
         gating = _gating(md, rule, counts)
         clamp_exp, clamp_shexp = _swiglu_clamps(md, rule, counts.n_layer)

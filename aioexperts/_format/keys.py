@@ -16,7 +16,20 @@ from typing import Any, Protocol
 from aioexperts._errors import FormatError, UnsupportedTypeError
 from aioexperts._format.header import LossyStr, SkippedValue
 
-__all__ = ("ArchKeys", "CountRule", "ExpertCounts")
+__all__ = ("ArchKeys", "CountRule", "ExpertCounts", "not_an_moe_model")
+
+
+def not_an_moe_model(arch: str, metadata: Mapping[str, Any]) -> str:
+    """What a file without ``{arch}.expert_count`` is, in words that follow its name: a miss-tier
+    sidecar given instead of its model (``is a miss-tier sidecar of MODEL, not a model: pass the
+    model``), else a dense model (``is not a MoE model (no ARCH.expert_count): ...``)."""
+    from .tier_sidecar import TIER_ARCH  # a sidecar is read through layout, above this module
+
+    if arch == TIER_ARCH:
+        name = metadata.get("general.name")  # "aioexperts miss tier (TYPE) of MODEL", as aioexperts-tier writes it
+        of = name.rpartition(" of ")[2] if isinstance(name, str) and " of " in name else ""
+        return f"is a miss-tier sidecar{f' of {of}' if of else ''}, not a model: pass the model"
+    return f"is not a MoE model (no {arch}.expert_count): aioexperts streams the experts of MoE models"
 
 
 class CountRule(Protocol):
@@ -44,10 +57,16 @@ class ArchKeys:
     def has(self, name: str) -> bool:
         return self.md.get(self.key(name)) is not None
 
+    def missing(self, name: str) -> FormatError:
+        """The error of a required key that is absent (``expert_count``: the file is not an MoE model)."""
+        if name == "expert_count":
+            return FormatError(f"the file {not_an_moe_model(self.arch, self.md)}")
+        return FormatError(f"missing required key {self.key(name)}")
+
     def _get(self, name: str, required: bool) -> Any:
         value = self.md.get(self.key(name))
         if value is None and required:
-            raise FormatError(f"missing required key {self.key(name)}")
+            raise self.missing(name)
         if isinstance(value, list | tuple | SkippedValue):
             raise UnsupportedTypeError(
                 f"{self.key(name)} is a per-layer array ({len(value)} values); only a single value is supported"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .._errors import InvalidRequestError, LayoutError
+from .keys import not_an_moe_model
 from .model import GGUFModel, TensorInfo
 
 __all__ = ("Bank", "ExpertLayout", "ExpertLocation", "MoELayer", "Segment", "build_layout")
@@ -364,6 +365,8 @@ def _first_nextn_block(model: GGUFModel) -> int | None:
 
 def _required_int(model: GGUFModel, key: str) -> int:
     value = model.key(key)
+    if value is None and key == "expert_count":
+        raise LayoutError(f"{model.path} {not_an_moe_model(model.architecture, model.metadata)}")
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise LayoutError(f"{model.path}: metadata {model.architecture}.{key} is missing or not a positive int")
     return value

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -157,6 +157,10 @@ def _prompt_ids(model: TextModel, prompt: str | Sequence[int], *, add_special: b
         ids = model.tokenizer.encode(prompt, add_special=add_special, parse_special=parse_special)
     elif isinstance(prompt, bytes):
         raise InvalidRequestError("the prompt must be a str or a sequence of token ids, not bytes")
+    elif not isinstance(prompt, Iterable):  # list(123) would be a bare TypeError
+        raise InvalidRequestError(
+            f"the prompt must be a str or a sequence of token ids (ints), got {type(prompt).__name__} {prompt!r:.50}"
+        )
     else:
         ids = list(prompt) if not isinstance(prompt, np.ndarray) else prompt.tolist()
     ids = model._check_ids(ids)

@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import AioExpertsError, ConfigError, FormatError, InvalidRequestError
+from .._format.filemode import new_file_mode
 
 __all__ = (
     "TRACE_FORMAT_VERSION",
@@ -282,7 +283,8 @@ class RoutingTrace:
         - ``n_experts``: ``(n_layers,)`` int64, each in ``[k, 65536]``, at most ``2**20`` in all;
         - ``metadata``: 0-d unicode string, a JSON object mapping str to str.
 
-        The file is written to a temporary name in the same directory and renamed over ``path``.
+        The file is written to a temporary name in the same directory and renamed over ``path``; it
+        gets the mode of any new file under the process's umask (0644 under umask 022).
 
         Raises:
             OSError: if the file cannot be written (a trace that cannot be created, in a missing or
@@ -306,6 +308,7 @@ class RoutingTrace:
         try:
             with os.fdopen(fd, "wb") as f:
                 (np.savez_compressed if compress else np.savez)(f, allow_pickle=False, **arrays)
+            os.chmod(tmp, new_file_mode())  # mkstemp makes 0600; a trace gets the mode of any new file
             os.replace(tmp, target)
         except BaseException:
             try:

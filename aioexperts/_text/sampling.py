@@ -14,7 +14,10 @@ The chain is llama.cpp's default order (``common/sampling.cpp``; each step in
 - **min-p** (``llama_sampler_min_p_apply``): keep the candidates with ``logit >= max_logit +
   log(p)``, i.e. ``prob >= p * max_prob`` (``p <= 0``: all).
 - **temperature** (``llama_sampler_temp_impl``): divide the logits by ``temperature``;
-  ``temperature == 0`` is greedy: the largest penalized logit, nothing is drawn.
+  ``temperature == 0`` is greedy: the largest penalized logit, nothing is drawn. So is a temperature
+  below :data:`GREEDY_BELOW` (float32's smallest normal number, about ``1.2e-38``), which float32
+  logits cannot be divided by usefully; one above float32's largest number (about ``3.4e38``) is
+  refused.
 - **dist** (``llama_sampler_dist_apply``): softmax over what is left, draw ``u`` uniform in
   ``[0, 1)`` and take the first candidate whose running sum of probabilities reaches ``u * sum``.
   The generator is numpy's PCG64 seeded with ``seed`` (not llama.cpp's mt19937, so the tokens drawn
@@ -44,6 +47,11 @@ __all__ = (
     "stop_reason",
 )
 
+#: A temperature below this (float32's smallest normal number, about 1.2e-38) samples greedily, as 0.
+GREEDY_BELOW = float(np.finfo(np.float32).tiny)
+#: The largest temperature (float32's largest number, about 3.4e38): float32 logits are divided by it.
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)
+
 # llama_sampler_top_p_apply sorts the best 256 first and only sorts everything when they do not reach p;
 # here the set grows 16-fold until it does
 _TOP_P_FIRST_SORT = 256
@@ -54,7 +62,8 @@ class SamplingOptions:
     """How the next token is chosen, and when generation stops (llama.cpp's defaults).
 
     Attributes:
-        temperature: ``>= 0``; 0 is greedy.
+        temperature: ``0 <= temperature <=`` :data:`MAX_TEMPERATURE` (about ``3.4e38``); 0, and
+            anything below :data:`GREEDY_BELOW` (about ``1.2e-38``), is greedy.
         top_k: ``>= 0``; 0 keeps every token.
         top_p: in ``(0, 1]``; 1 keeps every token.
         min_p: in ``[0, 1]``; 0 keeps every token.
@@ -101,7 +110,7 @@ class SamplingOptions:
             if not low <= value <= high:
                 raise ConfigError(f"SamplingOptions.{name}={value} is outside [{low}, {high}]")
 
-        number("temperature", 0.0, math.inf)
+        number("temperature", 0.0, MAX_TEMPERATURE)
         integer("top_k", 0, 2**31 - 1)
         number("top_p", 0.0, 1.0, low_open=True)
         number("min_p", 0.0, 1.0)
@@ -185,7 +194,7 @@ class Sampler:
         raw = _check_logits(logits)
         opts = self.options
         work = _penalized(raw, history, opts)
-        if opts.temperature == 0:
+        if opts.temperature < GREEDY_BELOW:
             token = int(np.argmax(work))
         else:
             token = self._draw(work)
@@ -200,8 +209,11 @@ class Sampler:
         if opts.min_p > 0.0:
             ids = _min_p(work, ids, opts.min_p)
         cand = work if ids is None else work[ids]
-        scaled = cand / np.float32(opts.temperature)
-        probs = np.exp(scaled - scaled.max(), dtype=np.float32)
+        # the largest logit first, then the temperature: a small temperature sends the others to
+        # -inf (probability 0), never the largest to inf (inf - inf is NaN)
+        with np.errstate(over="ignore"):
+            scaled = (cand - cand.max()) / np.float32(opts.temperature)
+        probs = np.exp(scaled, dtype=np.float32)
         cum = np.cumsum(probs, dtype=np.float64)
         target = cum[-1] * self._rng.random()
         pick = min(int(np.searchsorted(cum, target, side="left")), len(cum) - 1)

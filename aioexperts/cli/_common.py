@@ -19,6 +19,7 @@ __all__ = (
     "OneLineParser",
     "BROKEN_PIPE_STATUS",
     "EXTRAS",
+    "INTERRUPTED_STATUS",
     "USAGE_STATUS",
     "HelpFormatter",
     "cache_error",
@@ -41,6 +42,9 @@ BROKEN_PIPE_STATUS = 141
 
 #: Exit status of bad arguments or input files, found before any work (argparse's own).
 USAGE_STATUS = 2
+
+#: Exit status after Ctrl-C: 128 + SIGINT, what a shell reports for a program the signal ended.
+INTERRUPTED_STATUS = 130
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -19,6 +19,7 @@ import logging
 import os
 import resource
 import signal
+import stat
 import sys
 import threading
 import time
@@ -32,6 +33,7 @@ import aioexperts
 from aioexperts._json import dumps as strict_dumps
 from aioexperts.cli._common import (
     BROKEN_PIPE_STATUS,
+    INTERRUPTED_STATUS,
     USAGE_STATUS,
     HelpFormatter,
     OneLineParser,
@@ -50,9 +52,6 @@ __all__ = ("INTERRUPTED_STATUS", "build_parser", "for_terminal", "main")
 
 PROG = "aioexperts-run"
 
-#: Exit status after Ctrl-C: 128 + SIGINT, what a shell reports for a program the signal ended.
-INTERRUPTED_STATUS = 130
-
 #: Exit status for bad arguments, files and models.
 
 #: The stop reason of a turn whose text could not be written: the reader of stdout has gone
@@ -61,6 +60,12 @@ OUTPUT_CLOSED = "output_closed"
 
 #: n_ctx when ``--ctx`` is not given (llama.cpp's default), capped to the file's context length.
 DEFAULT_CTX = 4096
+
+#: ``-f``: a prompt of more UTF-8 bytes than this many per position of n_ctx (``--ctx``, else
+#: :data:`DEFAULT_CTX`, the most the run can have) is refused before it is read or tokenized: no
+#: vocabulary's tokens average this many bytes on text, so it cannot fit, and the bound keeps a
+#: huge file (or ``-f /dev/zero``) out of memory.
+MAX_PROMPT_BYTES_PER_POSITION = 64
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:
@@ -99,7 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="a GGUF file (or a shard of a split set); default: the built-in model")
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="the prompt text (with --chat: the first user message)")
-    src.add_argument("-f", "--file", help="read the prompt from this UTF-8 file")
+    src.add_argument(
+        "-f",
+        "--file",
+        help=f"read the prompt from this UTF-8 file (- for stdin; at most {MAX_PROMPT_BYTES_PER_POSITION} bytes "
+        "per position of n_ctx)",
+    )
     p.add_argument("-n", "--n-predict", type=_int_at_least(1), default=128, help="tokens to generate at most")
     p.add_argument("--chat", action="store_true", help="chat through the model's template; reads turns from stdin")
     p.add_argument("--system", help="a system message (with --chat)")
@@ -717,19 +727,60 @@ async def _run(args: argparse.Namespace, path: str, prompt: str | None, report: 
 
 
 def _read_prompt(args: argparse.Namespace) -> str | None:
-    """``-p``, or the text of ``-f`` (ConfigError naming the file when it cannot be read or is not UTF-8)."""
+    """``-p``, or the text of ``-f`` (a regular file, or ``-`` for stdin), universal newlines as a text file.
+
+    At most :data:`MAX_PROMPT_BYTES_PER_POSITION` bytes per position of n_ctx are read: a larger
+    file is refused from its size, unread.
+
+    Raises:
+        ConfigError: the file cannot be read, is not a regular file or is not UTF-8 (naming it).
+        ContextLengthError: the prompt has more bytes than n_ctx positions can hold.
+    """
     if args.file is None:
         prompt: str | None = args.prompt
         return prompt
+    n_ctx = args.ctx if args.ctx is not None else DEFAULT_CTX
+    limit = MAX_PROMPT_BYTES_PER_POSITION * n_ctx
+
+    def too_long(size: int, more: str = "") -> aioexperts.ContextLengthError:
+        return aioexperts.ContextLengthError(
+            f"-f {args.file}: the prompt is {more}{plural(size, 'byte')}, more than n_ctx={n_ctx} positions"
+            f"{_ctx_given(args)} can hold at {MAX_PROMPT_BYTES_PER_POSITION} bytes a token: it is not truncated "
+            "(give a larger --ctx, or a shorter prompt); it was not read"
+        )
+
     try:
-        with open(os.path.expanduser(args.file), encoding="utf-8") as f:
-            return f.read()
+        if args.file == "-":
+            if sys.stdin is None:
+                raise aioexperts.ConfigError("-f -: standard input is closed")
+            data = sys.stdin.buffer.read(limit + 1)
+        else:
+            # O_NONBLOCK: opening a FIFO does not wait for a writer (the file is refused below)
+            fd = os.open(os.path.expanduser(args.file), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISDIR(st.st_mode):
+                    raise aioexperts.ConfigError(f"-f {args.file}: is a directory, not a prompt file")
+                if not stat.S_ISREG(st.st_mode):
+                    raise aioexperts.ConfigError(
+                        f"-f {args.file}: not a regular file (a device, a FIFO): give a file, or -f - for stdin"
+                    )
+                if st.st_size > limit:
+                    raise too_long(st.st_size)
+                with open(fd, "rb", closefd=False) as f:
+                    data = f.read(limit + 1)  # the file may have grown since the fstat
+            finally:
+                os.close(fd)
+        if len(data) > limit:
+            raise too_long(limit, "more than ")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise aioexperts.ConfigError(
             f"-f {args.file}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
         ) from None
     except OSError as exc:
         raise aioexperts.ConfigError(f"-f {args.file}: {exc.strerror or exc}") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # as open(..., encoding="utf-8").read()
 
 
 def _model_path(args: argparse.Namespace) -> tuple[str, bool]:
@@ -749,6 +800,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--layers and --rebuild are for the built-in model (no MODEL argument)")
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
+    if args.file == "-" and args.chat:
+        parser.error("-f - reads the prompt from stdin, where --chat reads the turns: give -p or a file")
     if args.miss_tier is None and args.miss_tier_weight is not None:
         parser.error("--miss-tier-weight needs --miss-tier")
     if args.miss_tier is not None and not os.path.isfile(os.path.expanduser(args.miss_tier)):

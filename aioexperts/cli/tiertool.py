@@ -6,7 +6,8 @@ llama.cpp's) and writes them, keyed to the model's files, beside it (default
 ``MODEL.miss-tier-TYPE.gguf``). Use it with ``aioexperts.load(MODEL, miss_tier=MissTier(path=SIDECAR))``
 or ``aioexperts-run --miss-tier SIDECAR``; a sidecar of another model, or of an older version of
 this one, is refused. It never writes over the model, and replaces an existing file only if it is a
-miss-tier sidecar, or with ``--force``. Progress goes to stderr; errors are one line with status 2.
+miss-tier sidecar, or with ``--force``. Progress goes to stderr; errors are one line with status 2;
+Ctrl-C removes the partial file and exits 130 after one line (``aioexperts-tier: interrupted``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from .. import AioExpertsError, open_model, write_miss_tier
 from ..testing import progress_bytes
 from ._common import (
+    INTERRUPTED_STATUS,
     USAGE_STATUS,
     HelpFormatter,
     OneLineParser,
@@ -59,7 +61,7 @@ def _is_sidecar(path: str) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command; 0 on success, 2 on an error (one line on stderr)."""
+    """Run the command; 0 on success, 2 on an error (one line on stderr), 130 interrupted (Ctrl-C)."""
     parser = OneLineParser(prog="aioexperts-tier", description=DESCRIPTION, formatter_class=HelpFormatter)
     parser.add_argument("model", help="the model (a GGUF file or any shard of a split set)")
     parser.add_argument("-o", "--out", default=None, help="the sidecar to write (default MODEL.miss-tier-TYPE.gguf)")
@@ -95,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (AioExpertsError, OSError) as exc:
         print(f"aioexperts-tier: error: {error_text(exc)}", file=sys.stderr)
         return USAGE_STATUS
+    except KeyboardInterrupt:  # write_miss_tier has removed its temporary file
+        print("aioexperts-tier: interrupted", file=sys.stderr)
+        return INTERRUPTED_STATUS
     if not args.quiet:
         size = os.path.getsize(path)
         print(

@@ -95,7 +95,15 @@ def ensure_full_model(
     def write(tmp: Path, report: Progress | None) -> None:
         write_full_model(tmp, chosen, progress=report)
 
-    return build_once(target, write, rebuild=rebuild, on_build=on_build, on_wait=on_wait, progress=progress)
+    return build_once(
+        target,
+        write,
+        rebuild=rebuild,
+        on_build=on_build,
+        on_wait=on_wait,
+        progress=progress,
+        needs_bytes=chosen.tensor_bytes(),
+    )
 
 
 def dsv4_model_path(n_layer: int = DSV4_SPEC.n_layer) -> Path:

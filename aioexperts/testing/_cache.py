@@ -10,8 +10,10 @@ temporary file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -19,7 +21,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
-__all__ = ("Progress", "build_once", "cache_dir", "print_progress", "progress_bytes")
+__all__ = (
+    "FREE_SPACE_MARGIN",
+    "Progress",
+    "build_once",
+    "cache_dir",
+    "check_free_space",
+    "print_progress",
+    "progress_bytes",
+)
 
 #: ``(bytes written so far, total bytes)``.
 Progress = Callable[[int, int], None]
@@ -58,16 +68,42 @@ def print_progress(stream: TextIO | None = None) -> Progress:
     return progress
 
 
+#: room left free beside a built-in model being written (bytes): the header, and a margin for the rest
+FREE_SPACE_MARGIN = 1 << 30
+
+
+def check_free_space(folder: Path, n_bytes: int) -> None:
+    """Refuse to start a file of ``n_bytes`` in ``folder`` where the disk has less room (plus
+    :data:`FREE_SPACE_MARGIN`): a build that fills the disk fails late and hurts everything else on it.
+
+    Raises:
+        OSError: ``ENOSPC``, saying how much is needed and free.
+    """
+    free = shutil.disk_usage(folder).free
+    if free < n_bytes + FREE_SPACE_MARGIN:
+        raise OSError(
+            errno.ENOSPC,
+            f"the model needs {(n_bytes + FREE_SPACE_MARGIN) / 1e9:.1f} GB of free space, "
+            f"{folder} has {free / 1e9:.1f} GB",
+        )
+
+
 @contextlib.contextmanager
-def _locked(lock_path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+def _locked(lock_path: Path, on_wait: Callable[[], None]) -> Iterator[bool]:
+    """Hold the ``flock`` of ``lock_path``; yields whether this call created the lock file."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        created = True
+    except FileExistsError:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        created = False
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             on_wait()
             fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield created
     finally:
         os.close(fd)  # closing the last descriptor releases the lock
 
@@ -103,6 +139,7 @@ def build_once(
     on_build: Callable[[Path], None] | None = None,
     on_wait: Callable[[], None] | None = None,
     progress: Progress | None = None,
+    needs_bytes: int | None = None,
 ) -> Path:
     """``target``, written first by ``write(temporary path, progress)`` when missing (or ``rebuild``).
 
@@ -114,6 +151,9 @@ def build_once(
         on_build: called with the path before a build starts.
         on_wait: called once if another process holds the build lock.
         progress: ``(bytes written, total)`` during a build.
+        needs_bytes: the size of the file (at most), if known: a disk without that room (plus
+            :data:`FREE_SPACE_MARGIN`) is refused before ``on_build`` is called or a byte is
+            written, and the lock file this call created is removed again.
 
     Returns:
         ``target``.
@@ -123,7 +163,7 @@ def build_once(
     of other files in the folder whose lock no process holds.
 
     Raises:
-        OSError: the folder cannot be written.
+        OSError: the folder cannot be written; ``ENOSPC``: the disk has not ``needs_bytes`` free.
     """
     if target.exists() and not rebuild:
         return target
@@ -136,7 +176,8 @@ def build_once(
             f"the model cache folder {target.parent} is not a folder (set $AIOEXPERTS_CACHE, or "
             "$XDG_CACHE_HOME, to a folder)",
         ) from None
-    with _locked(target.with_name(target.name + ".lock"), on_wait or (lambda: None)):
+    lock = target.with_name(target.name + ".lock")
+    with _locked(lock, on_wait or (lambda: None)) as created:
         if target.exists() and (not rebuild or target.stat().st_mtime >= started):
             return target  # built by another process while we waited
         # under the lock no other process writes this file: a temporary file left by a build that
@@ -144,6 +185,13 @@ def build_once(
         for stale in target.parent.glob(target.name + ".*.partial"):
             stale.unlink(missing_ok=True)
         _remove_unlocked_partials(target.parent, target.name)
+        if needs_bytes is not None:
+            try:
+                check_free_space(target.parent, needs_bytes)  # after the clean-up, which frees room
+            except OSError:
+                if created:  # a refused build leaves nothing behind (a 0-byte NAME.lock was left)
+                    lock.unlink(missing_ok=True)
+                raise
         if on_build is not None:
             on_build(target)
         fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial", dir=target.parent)

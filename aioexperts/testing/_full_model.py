@@ -40,11 +40,9 @@ keys and the numbers' scale are those of a real model:
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -55,6 +53,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 
 from .._errors import ConfigError
 from ._blocks import draw_blocks
+from ._cache import check_free_space
 
 #: Dense types whose embedding can take the skewed variant's shared direction (quantized again).
 _REQUANTIZABLE = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0})
@@ -274,6 +273,16 @@ class FullModelSpec:
                 )
             if draw_blocks(np.random.default_rng(0), ggml_type, 1, 1.0) is None:
                 raise ConfigError(f"FullModelSpec.{name}={ggml_type.name}: no block pool for this type")
+
+    def tensor_bytes(self) -> int:
+        """The bytes of the file's tensors (at most: the vocabulary counted as ``vocab_size`` ids)."""
+
+        def total(n_layer: int) -> int:
+            tensors = _tensors(self.with_(n_layer=n_layer), self.vocab_size, np.random.default_rng(0))
+            return sum(_tensor_bytes(t, shape) for _, shape, t, _make in tensors)
+
+        one = total(1)  # every block is the same: one, then the others (100000 layers in no time)
+        return one + (self.n_layer - 1) * (total(2) - one)
 
     def file_name(self) -> str:
         """The cache file name; it changes with the geometry and with the generator's version."""
@@ -508,28 +517,15 @@ def add_vocabulary(writer: GGUFWriter, tokens: list[str], merges: list[str], *, 
     writer.add_chat_template(CHATML_TEMPLATE)
 
 
-#: room left free beside a built-in model being written (bytes): the header, and a margin for the rest
-FREE_SPACE_MARGIN = 1 << 30
-
-
 def _check_free_space(writer: GGUFWriter, n_bytes: int) -> None:
-    """Refuse to start a file of ``n_bytes`` tensor bytes where the disk has less room (plus
-    :data:`FREE_SPACE_MARGIN`): a build that fills the disk fails late and hurts everything else on it.
+    """:func:`check_free_space` of the folder ``writer`` writes into (nothing for a writer without a path).
 
     Raises:
         OSError: ``ENOSPC``, saying how much is needed and free.
     """
     path = getattr(writer, "path", None)
-    if path is None:
-        return
-    folder = Path(path).parent
-    free = shutil.disk_usage(folder).free
-    if free < n_bytes + FREE_SPACE_MARGIN:
-        raise OSError(
-            errno.ENOSPC,
-            f"the model needs {(n_bytes + FREE_SPACE_MARGIN) / 1e9:.1f} GB of free space, "
-            f"{folder} has {free / 1e9:.1f} GB",
-        )
+    if path is not None:
+        check_free_space(Path(path).parent, n_bytes)
 
 
 def write_tensors(

@@ -304,7 +304,9 @@ def test_a_slab_other_than_asked_for_is_said_on_stderr(tiny_full_model: Path) ->
         (["MODEL", "-p", "x", "--temp", "hot"], "--temp: must be a number"),
         (["MODEL", "-p", "x", "-n", "0"], "must be >= 1"),
         (["MODEL", "-p", "x", "--top-p", "3"], "--top-p 3.0 is outside (0.0, 1.0]"),
-        (["MODEL", "-p", "x", "--temp", "-1"], "--temp -1.0 is outside [0.0, inf]"),
+        (["MODEL", "-p", "x", "--temp", "-1"], "--temp -1.0 is outside [0.0, 3.4028234663852886e+38]"),
+        (["MODEL", "-p", "x", "--temp", "1e39"], "--temp 1e+39 is outside [0.0, 3.4028234663852886e+38]"),
+        (["MODEL", "-p", "x", "--temp", "inf"], "--temp must be a finite number, got inf"),
         (["MODEL", "-p", "x", "--min-p", "nan"], "--min-p must be a finite number"),
         (["MODEL", "-p", "x", "--stop", ""], "--stop must hold non-empty strings"),
         (["MODEL", "-f", "NOT_UTF8"], "-f NOT_UTF8: not UTF-8 text (byte 0xff at offset 3)"),
@@ -572,3 +574,44 @@ def test_a_prompt_that_fills_n_ctx_exits_2_before_loading(tiny_full_model: Path)
     assert f"all of n_ctx={n} positions (--ctx {n}), with none left" in done.stderr and "Traceback" not in done.stderr
     done = run(str(tiny_full_model), "-p", "hi", "--ctx", str(n + 1), "-n", "4", "--io", "threads")
     assert done.returncode == 0 and "generation: 1 token" in done.stderr, done.stderr
+
+
+def test_a_prompt_file_that_is_not_regular_or_too_large_for_ctx_is_refused_unread(
+    tiny_full_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``-f /dev/zero`` grew without bound, and a large file was read whole and tokenized: a file that
+    is not regular is refused, and one of more than MAX_PROMPT_BYTES_PER_POSITION bytes per position
+    of n_ctx is refused from its size (and stdin, ``-f -``, from its first bytes past the bound)."""
+    import io
+
+    from aioexperts.cli import run as run_cli
+
+    limit = run_cli.MAX_PROMPT_BYTES_PER_POSITION * 16
+    big = tmp_path / "big.txt"
+    big.write_text("a" * (limit + 1))
+
+    class Stdin:
+        buffer = io.BytesIO(b"a" * (limit + 100))
+
+    monkeypatch.setattr(sys, "stdin", Stdin())
+    for args, needle in (
+        (["-f", "/dev/zero"], "-f /dev/zero: not a regular file (a device, a FIFO): give a file, or -f - for stdin"),
+        (["-f", str(tmp_path)], f"-f {tmp_path}: is a directory, not a prompt file"),
+        (["-f", str(big)], f"-f {big}: the prompt is {limit + 1} bytes, more than n_ctx=16 positions (--ctx 16) can"),
+        (["-f", "-"], f"-f -: the prompt is more than {limit} bytes, more than n_ctx=16 positions (--ctx 16) can"),
+    ):
+        assert run_cli.main([str(tiny_full_model), *args, "--ctx", "16", "--io", "threads"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and needle in err, err
+        assert "not truncated" in err or "not a regular" in err or "directory" in err, err
+    assert Stdin.buffer.tell() == limit + 1  # stdin was read up to one byte past the bound, no further
+    with pytest.raises(SystemExit) as exit_:
+        run_cli.main([str(tiny_full_model), "-f", "-", "--chat"])
+    assert exit_.value.code == 2
+    assert "-f - reads the prompt from stdin, where --chat reads the turns" in capsys.readouterr().err
+
+
+def test_a_prompt_from_stdin_with_f_dash(tiny_full_model: Path) -> None:
+    done = run(str(tiny_full_model), "-f", "-", "-n", "1", "--io", "threads", "--json", stdin="Once upon\r\na time")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["prompt_tokens"] > 1

@@ -71,3 +71,24 @@ def test_help_is_plain_user_facing_text(command: str, capsys: pytest.CaptureFixt
     text = capsys.readouterr().out
     assert text.startswith("usage: ")
     assert "``" not in text and not re.search(r":\w+:`", text) and not re.search(r"\bissue \d", text), text
+
+
+def test_ctrl_c_is_one_line_and_status_130_with_no_file_left(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A KeyboardInterrupt in the middle of the write (raised from the first progress line) was a
+    traceback: one line, exit status 130, and neither the sidecar nor its temporary file is left."""
+    from aioexperts.cli import tiertool
+
+    def interrupt(done: int, total: int) -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tiertool, "progress_bytes", interrupt)
+    try:
+        status = main([str(model), "-o", str(tmp_path / "x.gguf"), "--type", "Q2_K"])
+    except KeyboardInterrupt:
+        pytest.fail("the KeyboardInterrupt left main()")  # not the pytest session
+    assert status == 130
+    done = capsys.readouterr()
+    assert done.out == "" and done.err == "aioexperts-tier: interrupted\n", done.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]

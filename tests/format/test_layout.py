@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from aioexperts import write_miss_tier
 from aioexperts._errors import InvalidRequestError, LayoutError
 from aioexperts._format.layout import ExpertLayout, build_layout
 from aioexperts._format.model import open_model
-from aioexperts.testing import write_synthetic_model
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 Q = GGMLQuantizationType
 
@@ -456,7 +457,7 @@ def test_layout_rule_violation(tmp_path: Path, rule: str) -> None:
         build_layout(model)
 
 
-@pytest.mark.parametrize("key", ["expert_count", "expert_used_count", "embedding_length"])
+@pytest.mark.parametrize("key", ["expert_used_count", "embedding_length"])  # expert_count: a dense model, below
 def test_missing_metadata(tmp_path: Path, key: str) -> None:
     kv = kit.moe_kv()
     del kv[f"qwen3moe.{key}"]
@@ -481,6 +482,24 @@ def test_metadata_not_a_positive_int(tmp_path: Path, value: object, vtype: GGUFV
     path = kit.write_gguf(tmp_path / "l.gguf", kit.as_specs(kit.moe_layer(0)), kv=kv)
     with pytest.raises(LayoutError, match=r"qwen3moe\.expert_count is missing or not a positive int"):
         build_layout(open_model(path))
+
+
+def test_a_dense_model_or_a_miss_tier_sidecar_is_said_to_be_one(tmp_path: Path) -> None:
+    """Without ``expert_count`` the file is not an MoE model: a dense llama was "llama.expert_count is
+    missing or not a positive int", a sidecar "aioexperts-miss-tier.expert_count is missing ..."."""
+    kv = {k: v for k, v in kit.moe_kv("llama").items() if not k.endswith(".expert_count")}
+    dense = kit.write_gguf(tmp_path / "dense.gguf", kit.as_specs(kit.moe_layer(0)), arch="llama", kv=kv)
+    with pytest.raises(LayoutError) as dense_error:
+        build_layout(open_model(dense))
+    assert str(dense_error.value) == (
+        f"{dense} is not a MoE model (no llama.expert_count): aioexperts streams the experts of MoE models"
+    )
+    model = tmp_path / "m.gguf"
+    write_synthetic_model(model, SyntheticSpec(n_layer=1, n_embd=256, n_ff_exp=256, n_expert=4, n_expert_used=2))
+    sidecar = write_miss_tier(model, tmp_path / "m.tier.gguf", "Q2_K")
+    with pytest.raises(LayoutError) as sidecar_error:
+        build_layout(open_model(sidecar))
+    assert str(sidecar_error.value) == f"{sidecar} is a miss-tier sidecar of m.gguf, not a model: pass the model"
 
 
 @pytest.mark.parametrize(

@@ -231,6 +231,13 @@ async def test_ids_outside_the_vocabulary_are_refused(tiny_full_model: Path) -> 
             [t async for t in model.generate([1, 2], max_tokens=2, sampler=lambda logits, h: model.n_vocab)]
         with pytest.raises(aioexperts.InvalidRequestError, match="bytes"):
             model.stream(b"hello", max_tokens=2)  # type: ignore[arg-type]
+        # not a str nor a sequence: was list(123)'s bare TypeError
+        for bad_prompt, name in ((123, "int 123"), (None, "NoneType None"), (1.5, "float 1.5")):
+            with pytest.raises(aioexperts.InvalidRequestError) as refused:
+                model.stream(bad_prompt, max_tokens=2)  # type: ignore[arg-type]
+            assert str(refused.value) == f"the prompt must be a str or a sequence of token ids (ints), got {name}"
+            with pytest.raises(aioexperts.InvalidRequestError):  # the ids path says it in its words
+                model.generate(bad_prompt, max_tokens=2)  # type: ignore[arg-type]
 
 
 async def test_special_token_texts_are_plain_text_unless_parsed(tiny_full_model: Path) -> None:

@@ -437,6 +437,20 @@ def test_save_expands_the_home_and_refuses_a_directory(tmp_path: Path, monkeypat
         trace.save(tmp_path)
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_a_saved_trace_has_the_mode_of_a_new_file(tmp_path: Path, umask: int) -> None:
+    """0666 & ~umask like any file the user creates (as a WEEPF001 map), not mkstemp's 0600."""
+    import os
+
+    trace = RoutingTrace(np.zeros((2, 1, 1), dtype=np.int16), (0,), (4,))
+    old = os.umask(umask)
+    try:
+        trace.save(tmp_path / "t.npz")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "t.npz").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
 def test_save_into_a_missing_folder_names_the_users_path(tmp_path: Path) -> None:
     """Not the temporary ``.trace-*.npz.tmp`` written beside it (as ``write_miss_tier``)."""
     trace = RoutingTrace(np.zeros((2, 1, 1), dtype=np.int16), (0,), (4,))

@@ -243,10 +243,20 @@ def test_a_build_that_cannot_fit_on_the_disk_does_not_start(tmp_path: Path, monk
     monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path / "cache"))
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**12, 10**12 - 10**6, 10**6))
+    builds: list[Path] = []
     with pytest.raises(OSError, match=r"needs \d+\.\d GB of free space, .* has 0\.0 GB") as exc:
-        ensure_full_model(spec=TINY)
+        ensure_full_model(spec=TINY, on_build=builds.append)
     assert exc.value.errno == errno.ENOSPC
     assert not list((tmp_path / "cache").glob("*.partial")) and not (tmp_path / "cache" / TINY.file_name()).exists()
+    # refused before "writing the built-in full model ... (once)" is said, and no 0-byte NAME.lock is left
+    assert builds == [] and list((tmp_path / "cache").iterdir()) == []
+
+
+def test_the_size_estimate_is_the_written_tensors_at_most(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOEXPERTS_CACHE", str(tmp_path))
+    path = ensure_full_model(spec=TINY)
+    data_bytes = sum(t.n_bytes for t in aioexperts.open_model(path).tensors.values())
+    assert data_bytes <= TINY.tensor_bytes() < data_bytes + 2 * TINY.vocab_size * TINY.n_embd
 
 
 def test_the_cache_names_differ_by_depth_and_geometry() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -314,3 +315,39 @@ def test_end_of_generation_ids_by_text_as_llama_cpp() -> None:
     assert end_of_generation_ids(meta) == {1, 5}
     assert end_of_generation_ids(meta, texts) == {1, 3, 4, 5}
     assert end_of_generation_ids({"tokenizer.ggml.eos_token_id": True}) == frozenset()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-45, 1e-40, float(np.finfo(np.float32).tiny) / 2])
+def test_a_temperature_below_float32s_smallest_normal_is_greedy_without_warnings(temperature: float) -> None:
+    """``--temp 1e-45`` divided the logits by a denormal: divide-by-zero and invalid warnings, NaN
+    probabilities. Below GREEDY_BELOW the sampler takes the largest logit, as at 0."""
+    logits = np.array([3.0, -1e30, 250.0, 249.0, -np.inf], dtype=np.float32)
+    with np.errstate(divide="raise", over="raise", invalid="raise"):  # numpy warns of these by default
+        for seed in range(20):
+            assert Sampler(SamplingOptions(**{**PLAIN, "temperature": temperature, "seed": seed}))(logits, []) == 2
+
+
+@pytest.mark.parametrize("temperature", [float(np.finfo(np.float32).tiny), 1e-30, 1e-6])
+def test_a_small_temperature_above_the_greedy_bound_draws_without_nan(temperature: float) -> None:
+    """The largest logit is subtracted before the temperature divides: large logits over a small
+    temperature send the others to probability 0 (no overflow warning, no inf - inf = NaN)."""
+    logits = np.array([3.0, -1e30, 250.0, 249.0, -np.inf], dtype=np.float32)
+    with np.errstate(divide="raise", over="raise", invalid="raise"):  # numpy warns of these by default
+        for seed in range(20):
+            assert Sampler(SamplingOptions(**{**PLAIN, "temperature": temperature, "seed": seed}))(logits, []) == 2
+
+
+def test_the_largest_temperature_is_float32s_largest_and_the_message_says_the_range() -> None:
+    """``--temp 1e39`` overflowed in the float32 cast; ``-1`` was said to be outside ``[0.0, inf]``
+    while ``inf`` was refused too. The range said is the range accepted."""
+    top = float(np.finfo(np.float32).max)
+    logits = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    with np.errstate(divide="raise", over="raise", invalid="raise"):  # numpy warns of these by default
+        drawn = {Sampler(SamplingOptions(**{**PLAIN, "temperature": top, "seed": s}))(logits, []) for s in range(60)}
+    assert drawn == {0, 1, 2}  # all but uniform
+    for bad in (-1.0, 1e39, top * (1 + 2**-52)):
+        message = f"SamplingOptions.temperature={bad!r} is outside [0.0, {top!r}]"
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            SamplingOptions(temperature=bad)
+    with pytest.raises(ConfigError, match="SamplingOptions.temperature must be a finite number, got inf"):
+        SamplingOptions(temperature=math.inf)
