@@ -396,14 +396,20 @@ class ReadScheduler:
             depth, max_bytes = self.depth, self.max_bytes_in_flight
             n_ops, n_bytes = self._ops_in_flight, self._bytes_in_flight
             append, submitted = batch.append, LoadState.SUBMITTED
-            for queue in (self._demand, self._prefetch):
+            # speculative loads only once the other queues are empty, and only while few reads are in flight
+            queues = (
+                (self._demand, depth),
+                (self._prefetch, depth),
+                (self._speculative, min(depth, SPECULATIVE_MAX_OPS)),
+            )
+            for queue, cap in queues:
                 while queue:
                     load = queue[0]
                     plan = load.plan
                     reads = plan.reads
                     k, read_bytes = len(reads), plan.read_bytes  # read_bytes: the sum of the reads' n_bytes
                     # _fits, inlined: the in-flight counts are advanced once per load, below
-                    if n_ops + k > depth or (n_ops and n_bytes + read_bytes > max_bytes):
+                    if n_ops + k > cap or (n_ops and n_bytes + read_bytes > max_bytes):
                         break
                     current = queue.popleft()
                     load.state = submitted
@@ -423,28 +429,7 @@ class ReadScheduler:
                     current = None
                 else:
                     continue
-                break  # a demand load that does not fit blocks the prefetches behind it
-            else:  # nothing else queued: speculative loads while few reads are in flight
-                queue, cap = self._speculative, SPECULATIVE_MAX_OPS
-                while queue and n_ops + len(queue[0].plan.reads) <= cap:
-                    current = load = queue.popleft()
-                    plan = load.plan
-                    load.state = submitted
-                    load.started_ns = now
-                    slot = load.slot
-                    for read in plan.reads:
-                        append(
-                            ReadOp(
-                                read.shard, read.file_offset, read.n_bytes, slot, read.slot_offset, (load, read), now
-                            )
-                        )
-                    k = len(plan.reads)
-                    n_ops += k
-                    n_bytes += plan.read_bytes
-                    load.ops_left += k
-                    self._ops_in_flight, self._bytes_in_flight = n_ops, n_bytes
-                    accounted = len(batch)
-                    current = None
+                break  # a load that does not fit blocks the queues behind it
         except Exception as exc:  # nothing of the batch went out: fail it whole
             del batch[accounted:]  # the failing load's ops were never counted: it fails below
             self._reject(batch, exc, "queuing the read failed")

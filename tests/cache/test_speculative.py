@@ -174,3 +174,16 @@ def test_speculative_must_be_a_non_negative_int() -> None:
         aioexperts.PrefetchOptions(speculative=-1)
     with pytest.raises(aioexperts.ConfigError):
         aioexperts.PrefetchOptions(speculative=1.5)  # type: ignore[arg-type]
+
+
+async def test_speculative_loads_keep_the_ring_depth(model_path: Path, anyio_backend: object) -> None:
+    """A ring shallower than SPECULATIVE_MAX_OPS bounds the speculative reads too (one flush loop
+    for the three queues, one set of bounds)."""
+    holder: dict[str, CheckedFake] = {}
+    io = aioexperts.IOOptions(backend=fake_factory(holder, auto=False), queue_depth=4)
+    async with aioexperts.open(model_path, slots=16, io=io) as store:
+        fake = holder["fake"]
+        async with drained(fake):
+            store.start_loads(0, [], speculative=[(2, 0), (2, 1)])
+            assert [op.context[0].plan.key for op in fake.pending] == [(2, 0)] * 3
+            assert load_of(store, (2, 1)).state is LoadState.QUEUED  # type: ignore[attr-defined]
