@@ -269,10 +269,7 @@ class Router:
         """
         found = self._upcoming.get(layer)
         if found is None:  # twice per layer step on the hot path: worked out once per layer
-            layers = list(self._store.layout.layers)
-            i = layers.index(self._store.layout.layer(layer).index)
-            depth = min(self.prefetch_options.depth, len(layers) - 1)
-            found = self._upcoming[layer] = [layers[(i + d) % len(layers)] for d in range(1, depth + 1)]
+            found = self._upcoming[layer] = self._layers_after(layer, 1, self.prefetch_options.depth)
         return list(found)
 
     def speculative_layers(self, layer: int) -> list[int]:
@@ -285,13 +282,18 @@ class Router:
         """
         found = self._further.get(layer)
         if found is None:
-            layers = list(self._store.layout.layers)
-            i = layers.index(self._store.layout.layer(layer).index)
-            options = self.prefetch_options
-            depth = min(options.depth, len(layers) - 1)
-            last = min(depth + options.speculative, len(layers) - 1) if depth else 0
-            found = self._further[layer] = [layers[(i + d) % len(layers)] for d in range(depth + 1, last + 1)]
+            depth, speculative = self.prefetch_options.depth, self.prefetch_options.speculative
+            last = depth + speculative if depth else 0  # no prefetch, no speculation
+            found = self._further[layer] = self._layers_after(layer, depth + 1, last)
         return list(found)
+
+    def _layers_after(self, layer: int, first: int, last: int) -> list[int]:
+        """The MoE layers ``first`` to ``last`` steps after ``layer``, wrapping around after the last
+        MoE layer, never ``layer`` itself (steps past a full turn are left out)."""
+        layers = list(self._store.layout.layers)
+        i = layers.index(self._store.layout.layer(layer).index)
+        last = min(last, len(layers) - 1)
+        return [layers[(i + d) % len(layers)] for d in range(first, last + 1)]
 
     def _budget(self) -> int:
         budget = self.prefetch_options.budget

@@ -810,18 +810,21 @@ class ExpertCache:
             entry.demanded = True
             entry.low = is_low
             started += 1
-        # the prefetch evicts as prefetch() after the request's pins: not the request's keys, not its layers ahead
-        layers = {k[0] for k in ahead}
-        victims = self._choose_victims(len(ahead) - len(self.free_slots), wanted_set, layers, partial=True)
-        assert victims is not None
-        self._evict(victims)
-        prefetched = self._start_prefetches(ahead_plans)
-        if further_plans:  # as the prefetch, sparing its layers and their own
-            layers |= {k[0] for k in further}
-            victims = self._choose_victims(len(further) - len(self.free_slots), wanted_set, layers, partial=True)
+        # the prefetch evicts as prefetch() after the request's pins: not the request's keys, not its layers
+        # ahead; then the speculative loads the same way, sparing the prefetch's layers too
+        layers: set[int] = set()
+        prefetched = 0
+        for keys, key_plans, priority in (
+            (ahead, ahead_plans, Priority.PREFETCH),
+            (further, further_plans, Priority.SPECULATIVE),
+        ):
+            if not keys:
+                continue
+            layers |= {k[0] for k in keys}
+            victims = self._choose_victims(len(keys) - len(self.free_slots), wanted_set, layers, partial=True)
             assert victims is not None
             self._evict(victims)
-            prefetched += self._start_prefetches(further_plans, Priority.SPECULATIVE)
+            prefetched += self._start_prefetches(key_plans, priority)
         if started or prefetched or promoted:
             self.scheduler.flush()
         return started + prefetched
