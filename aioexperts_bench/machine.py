@@ -8,7 +8,7 @@ import subprocess
 from importlib import metadata
 from typing import Any
 
-__all__ = ("kernel_facts", "machine_facts", "machine_label")
+__all__ = ("cpu_vector_isa", "kernel_facts", "machine_facts", "machine_label")
 
 
 def _read(path: str) -> str | None:
@@ -25,6 +25,20 @@ def _cpu_model() -> str | None:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or None
+
+
+def cpu_vector_isa(flags: list[str] | None = None) -> str | None:
+    """The widest x86 vector ISA the kernels can use: ``"AVX-512 VNNI"``, ``"AVX-512"``, ``"AVX2"``, else None.
+
+    ``flags`` default to ``/proc/cpuinfo``'s; VNNI counts only with AVX-512 (``vpdpbusd`` on zmm).
+    """
+    if flags is None:
+        text = _read("/proc/cpuinfo") or ""
+        flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    have = set(flags)
+    if "avx512bw" in have:
+        return "AVX-512 VNNI" if "avx512_vnni" in have else "AVX-512"
+    return "AVX2" if "avx2" in have else None
 
 
 def _mount_of(path: str) -> tuple[str | None, str | None]:
@@ -101,6 +115,7 @@ def machine_facts(model_path: str) -> dict[str, Any]:
         "kernel": platform.release(),
         "os": platform.platform(),
         "cpu_model": _cpu_model(),
+        "cpu_vector_isa": cpu_vector_isa(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)),
         "memory_bytes": pages * os.sysconf("SC_PAGE_SIZE"),
@@ -120,12 +135,17 @@ def machine_facts(model_path: str) -> dict[str, Any]:
 
 
 def machine_label(facts: dict[str, Any]) -> str:
-    """One line naming the machine: ``"2 vCPU AMD EPYC, 24 GiB, ext4 on virtio vda, Linux 6.18"``."""
+    """One line naming the machine: ``"2 vCPU AMD EPYC (AVX2), 24 GiB, ext4 on virtio vda, Linux 6.18"``.
+
+    Results files written before ``cpu_vector_isa`` was recorded name the CPU alone.
+    """
     dev = facts.get("device") or {}
+    isa = facts.get("cpu_vector_isa")
+    cpu = f"{facts.get('cpu_model') or '?'}{f' ({isa})' if isa else ''}"
     disk = f"{'virtio ' if dev.get('virtio') else ''}{dev.get('name') or facts.get('device_source') or '?'}"
     mem = facts.get("memory_bytes") or 0
     return (
-        f"{facts.get('cpu_count')} vCPU {facts.get('cpu_model') or '?'}, {mem / (1 << 30):.0f} GiB, "
+        f"{facts.get('cpu_count')} vCPU {cpu}, {mem / (1 << 30):.0f} GiB, "
         f"{facts.get('filesystem') or '?'} on {disk}, Linux {facts.get('kernel')}"
     )
 

@@ -246,3 +246,27 @@ def test_a_results_file_of_before_the_store_rename_reads_under_the_new_names(tmp
     path.write_text(json.dumps(old))
     reads = load_results(path)["reads"]
     assert reads["warm"] == {"store": {"x": 1}} and reads["parameters"] == {"store_slots": 7}
+
+
+@pytest.mark.parametrize(
+    ("flags", "isa"),
+    [
+        (["avx", "avx2", "fma"], "AVX2"),
+        (["avx2", "avx512f", "avx512bw"], "AVX-512"),
+        (["avx2", "avx512f", "avx512bw", "avx512_vnni"], "AVX-512 VNNI"),
+        (["avx2", "avx_vnni"], "AVX2"),
+        (["sse4_2"], None),
+    ],
+)
+def test_cpu_vector_isa_names_the_widest_isa(flags: list[str], isa: str | None) -> None:
+    from aioexperts_bench.machine import cpu_vector_isa
+
+    assert cpu_vector_isa(flags) == isa
+
+
+def test_machine_label_names_the_vector_isa_when_recorded() -> None:
+    from aioexperts_bench import machine_label
+
+    facts = {"cpu_count": 2, "cpu_model": "AMD EPYC", "memory_bytes": 24 << 30, "filesystem": "ext4", "kernel": "6.18"}
+    assert "AMD EPYC, 24 GiB" in machine_label(facts)
+    assert "AMD EPYC (AVX-512 VNNI), 24 GiB" in machine_label({**facts, "cpu_vector_isa": "AVX-512 VNNI"})
