@@ -79,14 +79,16 @@ class MoELayersResult:
 R = TypeVar("R")
 
 
-async def run_in_worker(fn: Callable[..., R], *args: Any) -> R:
+async def run_in_worker(fn: Callable[..., R], *args: Any, spin: bool = False) -> R:
     """Run ``fn(*args)`` on the compute pool (sized to the cores, BLAS and OpenMP capped) and return its result.
+
+    ``spin``: the pool's idle threads spin before sleeping while it runs (:class:`ComputePool`).
 
     Cancellation handling:
         A job still queued is dropped; one already running is waited for (it may read pinned
         slot memory), and the cancellation is delivered afterwards.
     """
-    return await compute_pool().run(fn, *args)
+    return await compute_pool().run(fn, *args, spin=spin)
 
 
 def _timed(compute: ComputeStep, then: Callable[[Any], Any] | None = None) -> Callable[..., tuple[Any, float, Any]]:

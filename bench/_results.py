@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from aioexperts_bench import dumps_json, source_commit
+from aioexperts_bench.machine import cpu_vector_isa
 
 RESULTS_DIR = Path.cwd()
 
@@ -38,6 +39,7 @@ def machine_facts() -> dict[str, Any]:
         flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
         facts["cpu"] = model
         facts["cpu_flags"] = sorted(f for f in flags if f.startswith(("avx", "f16c", "fma")) or "vnni" in f)
+        facts["cpu_vector_isa"] = cpu_vector_isa(flags)
     except OSError:
         pass
     try:

@@ -18,6 +18,15 @@ its own threads in each worker would oversubscribe the cores (measured before th
 concurrent tokens 6x slower per token than with one BLAS thread, docs/notes/KERNELS.md pitfall 6). The numba
 kernels are single-threaded (``nogil``, no ``parallel=True``): numba's threading layer is never
 started, which also avoids OpenMP's stalls on a shared 2-core machine (pitfall 5).
+
+While a job submitted with ``spin=True`` runs (the resident decode pass: every expert in memory,
+no read in flight), an idle worker spins for a short while (``$AIOEXPERTS_COMPUTE_SPIN_US``,
+default :data:`DEFAULT_SPIN_US` microseconds, 0: never) before it sleeps, and so does a ``map``
+caller waiting for its helpers' items: the job's next fan-out then starts without a futex wake-up
+(about 50 us each on the 2-vCPU machines here, a few hundred per decode token). The spin polls a
+counter in compiled code without the GIL (:mod:`aioexperts._compute.kernels.spin`). Other jobs
+never spin: under a memory limit the event loop needs the cores between compute jobs to read
+(spinning there measured slower), and with numba unavailable the threads sleep at once.
 """
 
 from __future__ import annotations
@@ -26,23 +35,85 @@ import collections
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import numpy as np
+
 from .._errors import ConfigError, StoreClosedError
 from .._io.loop import current_loop, wait_through_cancellation
 
-__all__ = ("THREADS_ENV", "ComputePool", "PoolStatistics", "compute_pool", "configure_compute_pool", "split_ranges")
+__all__ = (
+    "DEFAULT_SPIN_US",
+    "SPIN_ENV",
+    "THREADS_ENV",
+    "ComputePool",
+    "PoolStatistics",
+    "compute_pool",
+    "configure_compute_pool",
+    "split_ranges",
+)
 
 log = logging.getLogger("aioexperts")
 
 THREADS_ENV = "AIOEXPERTS_COMPUTE_THREADS"
+SPIN_ENV = "AIOEXPERTS_COMPUTE_SPIN_US"
+#: microseconds an idle worker or a waiting ``map`` caller spins before it sleeps (while a ``spin`` job runs)
+DEFAULT_SPIN_US = 200
+# the counters the spinning threads poll: work posted (jobs and fan-outs), fan-out items finished
+_POSTED, _FINISHED = 0, 1
 #: threads each native library (BLAS, OpenMP) may use per call while a pool lives
 NATIVE_THREADS_PER_CALL = 1
 
 R = TypeVar("R")
 I = TypeVar("I")  # noqa: E741
+
+
+def default_spin_us() -> int:
+    """``$AIOEXPERTS_COMPUTE_SPIN_US``, else :data:`DEFAULT_SPIN_US`.
+
+    Raises:
+        ConfigError: the variable is set but not an integer >= 0.
+    """
+    value = os.environ.get(SPIN_ENV, "").strip()
+    if not value:
+        return DEFAULT_SPIN_US
+    try:
+        us = int(value)
+    except ValueError:
+        us = -1
+    if us < 0:
+        raise ConfigError(f"{SPIN_ENV} must be an integer >= 0 (microseconds), got {value!r}")
+    return us
+
+
+Spin = Callable[[np.ndarray, int, int], int]
+
+
+def _spinner(us: int) -> tuple[Spin, int] | None:
+    """``(spin, iterations)``: :func:`~aioexperts._compute.kernels.spin.spin_while_equal` and the
+    iterations that last about ``us`` microseconds here; None without compiled kernels or ``us == 0``."""
+    if us <= 0:
+        return None
+    from .jit import jit_status
+
+    if not jit_status().available:
+        return None
+    try:
+        from .kernels.spin import spin_while_equal
+
+        probe = np.zeros(1, dtype=np.int64)
+        spin_while_equal(probe, 0, 0, 1)  # compiled (or loaded from the cache) here, not in a worker
+        n = 20_000
+        t0 = time.perf_counter()
+        spin_while_equal(probe, 0, 0, n)
+        per_iteration = max(time.perf_counter() - t0, 1e-9) / n
+    except Exception as exc:  # numba failing to compile: sleep at once, as without numba
+        log.info("compute pool threads will not spin before they sleep: %s: %s", type(exc).__name__, exc)
+        return None
+    return spin_while_equal, max(1, int(us * 1e-6 / per_iteration))
 
 
 def default_threads() -> int:
@@ -90,12 +161,13 @@ class PoolStatistics:
 class _Job(Generic[R]):
     """One ``run`` call: queued, then run by a worker, then done (result or exception)."""
 
-    __slots__ = ("args", "error", "fn", "notify", "result", "started")
+    __slots__ = ("args", "error", "fn", "notify", "result", "spin", "started")
 
-    def __init__(self, fn: Callable[..., R], args: tuple[Any, ...], notify: Callable[[], None]) -> None:
+    def __init__(self, fn: Callable[..., R], args: tuple[Any, ...], notify: Callable[[], None], spin: bool) -> None:
         self.fn = fn
         self.args = args
         self.notify = notify
+        self.spin = spin
         self.started = False
         self.result: R | None = None
         self.error: BaseException | None = None
@@ -127,7 +199,7 @@ class _Batch(Generic[I, R]):
         self.errors: list[BaseException] = []
         self.done = threading.Event()
 
-    def run_item(self, i: int, lock: threading.Lock) -> None:
+    def run_item(self, i: int, lock: threading.Lock, signal: np.ndarray) -> None:
         try:
             self.results[i] = self.fn(self.items[i])
         except BaseException as exc:  # re-raised by the caller of map
@@ -135,9 +207,9 @@ class _Batch(Generic[I, R]):
                 self.errors.append(exc)
         with lock:
             self.remaining -= 1
-            finished = self.remaining == 0
-        if finished:
-            self.done.set()
+            if self.remaining == 0:
+                self.done.set()  # before the counter moves: a caller that sees it move finds the batch done
+            signal[_FINISHED] += 1
 
 
 class ComputePool:
@@ -146,16 +218,27 @@ class ComputePool:
     Args:
         n_threads: workers (>= 1); default :func:`default_threads`.
         limit_native_threads: cap BLAS/OpenMP to one thread per call while the pool lives.
+        spin_us: microseconds an idle worker, and a ``map`` caller waiting for its helpers, spin
+            before sleeping while a ``spin`` job runs (0: never); default :func:`default_spin_us`.
 
     Raises:
-        ConfigError: ``n_threads`` < 1.
+        ConfigError: ``n_threads`` < 1, ``spin_us`` < 0.
     """
 
-    def __init__(self, n_threads: int | None = None, *, limit_native_threads: bool = True) -> None:
+    def __init__(
+        self, n_threads: int | None = None, *, limit_native_threads: bool = True, spin_us: int | None = None
+    ) -> None:
         n = default_threads() if n_threads is None else n_threads
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"n_threads must be an int >= 1, got {n_threads!r}")
+        us = default_spin_us() if spin_us is None else spin_us
+        if isinstance(us, bool) or not isinstance(us, int) or us < 0:
+            raise ConfigError(f"spin_us must be an int >= 0, got {spin_us!r}")
         self._n = n
+        self._spin_us = us if n > 1 else 0
+        self._spin: tuple[Spin, int] | None = None
+        self._signal = np.zeros(2, dtype=np.int64)
+        self._spin_jobs = 0  # ``spin`` jobs running now (threads spin only while one does)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._jobs: collections.deque[_Job[Any]] = collections.deque()
@@ -172,6 +255,11 @@ class ComputePool:
         """Worker threads."""
         return self._n
 
+    @property
+    def spin_us(self) -> int:
+        """Microseconds a thread spins before it sleeps (0: never; see the module docstring)."""
+        return self._spin_us if self._spin is not None or not self._threads else 0
+
     def statistics(self) -> PoolStatistics:
         """A snapshot of the counters."""
         with self._lock:
@@ -179,10 +267,12 @@ class ComputePool:
 
     # -- async face -----------------------------------------------------------------------------
 
-    async def run(self, fn: Callable[..., R], *args: Any) -> R:
+    async def run(self, fn: Callable[..., R], *args: Any, spin: bool = False) -> R:
         """Run ``fn(*args)`` on a worker and return its result (or raise its exception).
 
-        Jobs start in the order they were submitted, at most ``n_threads`` at a time.
+        Jobs start in the order they were submitted, at most ``n_threads`` at a time. ``spin``:
+        while it runs, idle threads spin before sleeping (module docstring): for a job that fans
+        out many times with no read in flight.
 
         Raises:
             StoreClosedError: the pool is closed.
@@ -195,12 +285,13 @@ class ComputePool:
         """
         loop = current_loop()
         done = loop.new_event()  # the loop's own event (asyncio.Event, trio.Event): no anyio layer per job
-        job: _Job[R] = _Job(fn, args, lambda: loop.call_soon_threadsafe(done.set))
+        job: _Job[R] = _Job(fn, args, lambda: loop.call_soon_threadsafe(done.set), spin)
         with self._lock:
             if self._closed:
                 raise StoreClosedError("the compute pool is closed")
             self._start_threads()
             self._jobs.append(job)
+            self._signal[_POSTED] += 1
             self._work.notify()
         try:
             await done.wait()
@@ -237,13 +328,22 @@ class ComputePool:
             self._counts["maps"] += 1
             self._start_threads()
             self._batches.append(batch)
+            self._signal[_POSTED] += 1
             self._work.notify(min(len(seq) - 1, self._n))
         while True:
             with self._lock:
                 i = self._claim(batch)
             if i is None:
                 break
-            batch.run_item(i, self._lock)
+            batch.run_item(i, self._lock, self._signal)
+        spin = self._spin if self._spin_jobs else None
+        if spin is not None:  # the helpers' items end soon after the caller's: poll before sleeping
+            seen = int(self._signal[_FINISHED])
+            while not batch.done.is_set():
+                moved = spin[0](self._signal, _FINISHED, seen, spin[1])
+                if moved == seen:
+                    break
+                seen = moved
         batch.done.wait()
         if batch.errors:
             raise batch.errors[0]
@@ -267,34 +367,50 @@ class ComputePool:
         """Start the workers on first use (lock held)."""
         if self._threads:
             return
+        self._spin = _spinner(self._spin_us)
         for k in range(self._n):
             thread = threading.Thread(target=self._worker, name=f"aioexperts-compute-{k}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
     def _worker(self) -> None:
+        spun = False  # the last spin saw nothing posted: sleep now
         while True:
+            seen: int | None = None
+            job: _Job[Any] | None = None
+            batch: _Batch[Any, Any] | None = None
+            i: int | None = None
             with self._lock:
-                while not self._batches and not self._jobs and not self._closed:
-                    self._work.wait()
-                if self._batches:  # fan-out items first: they belong to a job already running
-                    batch = self._batches[0]
-                    i = self._claim(batch)
-                    self._counts["items_helped"] += i is not None
-                    job = None
-                elif self._jobs:
-                    job = self._jobs.popleft()
-                    job.started = True
-                    batch, i = None, None
-                else:  # closed and idle
-                    return
+                idle = not self._batches and not self._jobs and not self._closed
+                if idle and not spun and self._spin_jobs and self._spin is not None:
+                    seen = int(self._signal[_POSTED])  # a running job may fan out again soon
+                else:
+                    while not self._batches and not self._jobs and not self._closed:
+                        self._work.wait()
+                    spun = False
+                    if self._batches:  # fan-out items first: they belong to a job already running
+                        batch = self._batches[0]
+                        i = self._claim(batch)
+                        self._counts["items_helped"] += i is not None
+                    elif self._jobs:
+                        job = self._jobs.popleft()
+                        job.started = True
+                        self._spin_jobs += job.spin
+                    else:  # closed and idle
+                        return
+            if seen is not None:  # the lock is free while spinning
+                spin = self._spin
+                assert spin is not None
+                spun = spin[0](self._signal, _POSTED, seen, spin[1]) == seen
+                continue
             if job is not None:
                 job.execute()
                 with self._lock:
                     self._counts["jobs"] += 1
+                    self._spin_jobs -= job.spin
                 job.wake()
             elif batch is not None and i is not None:
-                batch.run_item(i, self._lock)
+                batch.run_item(i, self._lock, self._signal)
             # an idle worker keeps nothing alive: a job's arguments (slot views) would otherwise pin
             # their memory (and keep a closed store's slab mapped) until the next job arrives
             job = batch = None
@@ -338,20 +454,22 @@ def compute_pool() -> ComputePool:
         return _pool
 
 
-def configure_compute_pool(n_threads: int | None = None, *, limit_native_threads: bool = True) -> ComputePool:
-    """Replace the process-wide pool (benchmarks compare 1 and 2 threads; hosts pin a size).
+def configure_compute_pool(
+    n_threads: int | None = None, *, limit_native_threads: bool = True, spin_us: int | None = None
+) -> ComputePool:
+    """Replace the process-wide pool (benchmarks compare 1 and 2 threads, spinning or not; hosts pin a size).
 
     The old pool finishes its queued jobs before its workers stop. Call it while no job runs.
 
     Raises:
-        ConfigError: ``n_threads`` < 1.
+        ConfigError: ``n_threads`` < 1, ``spin_us`` < 0.
     """
     global _pool
     with _pool_lock:
         old, _pool = _pool, None
     if old is not None:
         old.close()  # first: it restores the native thread limits the new pool then sets again
-    new = ComputePool(n_threads, limit_native_threads=limit_native_threads)
+    new = ComputePool(n_threads, limit_native_threads=limit_native_threads, spin_us=spin_us)
     with _pool_lock:
         _pool = new
     return new

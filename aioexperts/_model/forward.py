@@ -336,7 +336,8 @@ class ForwardPass:
             # at the first layer with an expert to read, on through the executor from that layer
             with runner.hold_resident() as held:
                 if held is not None:
-                    held_out = await run_in_worker(self._held_pass, held, batch[0], resids[0])
+                    # no read in flight: the pool's threads spin between the pass's fan-outs
+                    held_out = await run_in_worker(self._held_pass, held, batch[0], resids[0], spin=True)
                     if not isinstance(held_out, _Resume):
                         outcome[0] = held_out
                         self._count_outcomes(batch, outcome)

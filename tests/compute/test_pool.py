@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import time
@@ -292,3 +293,108 @@ async def test_a_cancellation_at_every_step_ends_once_the_job_has_finished(
     assert finished.is_set()
     assert ended, f"still waiting {stepper.steps} steps after its job had finished"
     assert task[0].cancelled()
+
+
+# -- spinning before sleeping ---------------------------------------------------------------------
+
+numba_only = pytest.mark.skipif(
+    not __import__("aioexperts._compute.jit", fromlist=["jit_status"]).jit_status().available,
+    reason="the spin is compiled code: without numba the threads sleep at once",
+)
+
+
+@numba_only
+def test_spin_while_equal_sees_another_threads_write_without_the_gil() -> None:
+    from aioexperts._compute.kernels.spin import spin_while_equal
+
+    signal = np.zeros(2, dtype=np.int64)
+    assert spin_while_equal(signal, 1, 0, 1000) == 0  # unchanged: gives up after max_iters
+
+    def writer() -> None:
+        time.sleep(0.02)  # Python code: runs only if the spinning thread released the GIL
+        signal[1] = 7
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    t0 = time.perf_counter()
+    assert spin_while_equal(signal, 1, 0, 1 << 62) == 7  # a load hoisted out of the loop never returns
+    assert time.perf_counter() - t0 < 5
+    thread.join()
+
+
+def test_spin_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aioexperts._compute.pool import DEFAULT_SPIN_US, SPIN_ENV, default_spin_us
+
+    monkeypatch.delenv(SPIN_ENV, raising=False)
+    assert default_spin_us() == DEFAULT_SPIN_US
+    monkeypatch.setenv(SPIN_ENV, "0")
+    assert default_spin_us() == 0
+    for bad in ("-1", "fast"):
+        monkeypatch.setenv(SPIN_ENV, bad)
+        with pytest.raises(ConfigError, match=SPIN_ENV):
+            default_spin_us()
+        with pytest.raises(ConfigError, match=SPIN_ENV):
+            ComputePool(2)
+    with pytest.raises(ConfigError, match="spin_us"):
+        ComputePool(2, spin_us=-5)
+    assert ComputePool(1, spin_us=100).spin_us == 0  # nobody to hand work to
+
+
+def _helped_without_a_wake_up(pool: ComputePool, spin: bool = True) -> None:
+    """In one job: a first map wakes the other worker; a second map, posted with the condition's
+    notify disabled, can then reach it only if it is spinning."""
+
+    def item(i: int) -> None:
+        time.sleep(0.02)  # releases the GIL: the caller does not finish both items first
+
+    def job() -> None:
+        pool.map(item, [0, 0])
+        notify = pool._work.notify
+        pool._work.notify = lambda n=1: None  # type: ignore[method-assign]
+        try:
+            pool.map(item, [0, 1])
+        finally:
+            pool._work.notify = notify  # type: ignore[method-assign]
+
+    anyio.run(functools.partial(pool.run, job, spin=spin))
+
+
+@numba_only
+def test_a_worker_spinning_while_a_job_runs_takes_its_next_fan_out_without_a_wake_up() -> None:
+    spinning = ComputePool(2, limit_native_threads=False, spin_us=200_000)
+    sleeping = ComputePool(2, limit_native_threads=False, spin_us=0)
+    try:
+        before = spinning.statistics().items_helped
+        _helped_without_a_wake_up(spinning)
+        assert spinning.statistics().items_helped - before == 2  # one item of each map
+        before = spinning.statistics().items_helped
+        _helped_without_a_wake_up(spinning, spin=False)  # a job without spin: the workers sleep
+        assert spinning.statistics().items_helped - before == 1
+        before = sleeping.statistics().items_helped
+        _helped_without_a_wake_up(sleeping)
+        assert sleeping.statistics().items_helped - before == 1  # the second map ran inline
+    finally:
+        spinning.close()
+        sleeping.close()
+
+
+@numba_only
+def test_workers_spin_only_briefly_and_only_while_a_job_runs() -> None:
+    pool = ComputePool(2, limit_native_threads=False, spin_us=2000)
+    try:
+        pool.map(lambda i: time.sleep(0.005), range(2))  # both workers started and once busy
+        t0 = time.process_time()
+        time.sleep(0.3)  # no job runs: the workers sleep
+        assert time.process_time() - t0 < 0.05
+
+        def job() -> None:
+            pool.map(lambda i: time.sleep(0.005), range(2))
+            t1 = time.process_time()
+            time.sleep(0.3)  # the job runs, posts nothing: the idle worker spins 2 ms once, then sleeps
+            job_cpu.append(time.process_time() - t1)
+
+        job_cpu: list[float] = []
+        anyio.run(functools.partial(pool.run, job, spin=True))
+        assert job_cpu[0] < 0.05
+    finally:
+        pool.close()

@@ -1,0 +1,49 @@
+"""bench/spin_ab.py: the per-round ratio and the rendered table come from the runs."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from benchkit import load_bench
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def ab() -> ModuleType:
+    return load_bench("spin_ab")
+
+
+def test_the_ratio_is_taken_within_each_round(ab: ModuleType) -> None:
+    rounds = [
+        {"round": 0, "spin_ms_per_token": 100.0, "sleep_ms_per_token": 110.0, "ratio": 1.1},
+        {"round": 1, "spin_ms_per_token": 150.0, "sleep_ms_per_token": 150.0, "ratio": 1.0},
+        {"round": 2, "spin_ms_per_token": 120.0, "sleep_ms_per_token": 126.0, "ratio": 1.05},
+    ]
+    s = ab.summarize(rounds)
+    assert s["ratio"] == {"median": 1.05, "min": 1.0, "max": 1.1}
+    assert s["spin_ms_per_token"] == {"median": 120.0, "min": 100.0, "max": 150.0}
+
+
+def test_the_region_of_docs_executor_is_rendered_from_its_results_file(
+    ab: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails when the figures of the region were typed, edited by hand, or not rendered again."""
+    repo = BENCH.parent
+    monkeypatch.chdir(repo)
+    doc = repo / "docs" / "executor.md"
+    start, end = "<!-- bench:spin_ab -->", "<!-- /bench:spin_ab -->"
+    region = doc.read_text().split(start, 1)[1].split(end, 1)[0]
+    found = re.search(r"rendered by bench/spin_ab.py --render (\S+) DOC;", region)
+    assert found is not None, "docs/executor.md's spin_ab region names no results file"
+    results = json.loads(Path(found.group(1)).read_text())
+    assert results["benchmark"] == "spin_ab"
+    copy = tmp_path / "executor.md"
+    shutil.copy(doc, copy)
+    ab.render(Path(found.group(1)), copy)
+    assert copy.read_text().split(start, 1)[1].split(end, 1)[0] == region
