@@ -379,10 +379,13 @@ def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def render_markdown(all_results: Sequence[dict[str, Any]], sources: Sequence[str]) -> str:
     """The region's text for several results files: those of one model on one kind of CPU merged,
-    one section per model and CPU (runs of two machines are never pooled into one table or target)."""
-    by_model: dict[tuple[str, str], list[tuple[dict[str, Any], str]]] = {}
+    one section per model and CPU (runs of two machines are never pooled into one table or target);
+    a CPU is its model name and, where recorded, its vector ISA (AMD EPYCs here come with and without
+    AVX-512)."""
+    by_model: dict[tuple[str, str, str], list[tuple[dict[str, Any], str]]] = {}
     for results, source in zip(all_results, sources, strict=True):
-        key = (results["model"]["name"], str(results.get("machine", {}).get("cpu_model", "")))
+        machine = results.get("machine", {})
+        key = (results["model"]["name"], str(machine.get("cpu_model", "")), str(machine.get("cpu_vector_isa") or ""))
         by_model.setdefault(key, []).append((results, source))
     out = [f"<!-- rendered by bench/generate.py --render {' '.join(sources)} -- DOCS; do not edit by hand -->"]
     for items in by_model.values():

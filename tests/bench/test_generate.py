@@ -229,7 +229,7 @@ def test_results_of_two_cpus_render_apart() -> None:
     """One model measured on an AMD EPYC and on an Intel Xeon: two sections, each with its own targets."""
     from aioexperts_bench.generate_report import render_markdown
 
-    def part(cpu: str, ours: float) -> dict[str, object]:
+    def part(cpu: str, ours: float, isa: str | None = None) -> dict[str, object]:
         runs = [
             {"engine": e, "limit": "none", "round": 0, "status": "ok", "decode_tok_s": v, "p95_ms": 1.0}
             for e, v in (("aioexperts", ours), ("llama.cpp", 1.0))
@@ -238,7 +238,12 @@ def test_results_of_two_cpus_render_apart() -> None:
             "schema": generate.SCHEMA,
             "command": "c",
             "date": "d",
-            "machine": {"cpu_model": cpu, "load_average_at_start": [1.0], "load_average_at_end": [2.0]},
+            "machine": {
+                "cpu_model": cpu,
+                "cpu_vector_isa": isa,
+                "load_average_at_start": [1.0],
+                "load_average_at_end": [2.0],
+            },
             "parameters": {"rounds": 1, "prompt_tokens": 8, "decode_tokens": 4, "threads": 2},
             "model": {"name": "m.gguf", "bytes": 1},
             "notes": [],
@@ -249,6 +254,9 @@ def test_results_of_two_cpus_render_apart() -> None:
     text = render_markdown([part("AMD EPYC", 0.5), part("Intel Xeon", 1.2)], ["amd.json", "xeon.json"])
     assert "From `amd.json`:" in text and "From `xeon.json`:" in text
     assert "per round 0.5: **MISSED**" in text and "per round 1.2: **met**" in text
+    # the same model name of CPU with and without AVX-512 (older files record no ISA): two sections
+    text = render_markdown([part("AMD EPYC", 0.5), part("AMD EPYC", 1.2, "AVX-512 VNNI")], ["zen2.json", "zen4.json"])
+    assert "From `zen2.json`:" in text and "From `zen4.json`:" in text
 
 
 def test_results_of_one_model_merge_with_rounds_numbered_on() -> None:
