@@ -89,7 +89,7 @@ def default_spin_us() -> int:
     return us
 
 
-Spin = Callable[[np.ndarray, int, int], int]
+Spin = Callable[[np.ndarray, int, int, int], int]
 
 
 def _spinner(us: int) -> tuple[Spin, int] | None:
@@ -105,7 +105,7 @@ def _spinner(us: int) -> tuple[Spin, int] | None:
         from .kernels.spin import spin_while_equal
 
         probe = np.zeros(1, dtype=np.int64)
-        spin_while_equal(probe, 0, 0, 1)  # compiled (or loaded from the cache) here, not in a worker
+        spin_while_equal(probe, 0, 0, 1)  # compiled (or loaded from the cache) by the calling worker
         n = 20_000
         t0 = time.perf_counter()
         spin_while_equal(probe, 0, 0, n)
@@ -237,6 +237,7 @@ class ComputePool:
         self._n = n
         self._spin_us = us if n > 1 else 0
         self._spin: tuple[Spin, int] | None = None
+        self._spin_known = False  # the first worker has set the spin up (or found it impossible)
         self._signal = np.zeros(2, dtype=np.int64)
         self._spin_jobs = 0  # ``spin`` jobs running now (threads spin only while one does)
         self._lock = threading.Lock()
@@ -257,8 +258,10 @@ class ComputePool:
 
     @property
     def spin_us(self) -> int:
-        """Microseconds a thread spins before it sleeps (0: never; see the module docstring)."""
-        return self._spin_us if self._spin is not None or not self._threads else 0
+        """Microseconds a thread spins before it sleeps (0: never; see the module docstring). The
+        first worker sets the spin up; if it cannot (no numba), 0 from then on."""
+        with self._lock:
+            return 0 if self._spin_known and self._spin is None else self._spin_us
 
     def statistics(self) -> PoolStatistics:
         """A snapshot of the counters."""
@@ -367,11 +370,20 @@ class ComputePool:
         """Start the workers on first use (lock held)."""
         if self._threads:
             return
-        self._spin = _spinner(self._spin_us)
+        if self._spin_us:
+            threading.Thread(target=self._set_up_spin, name="aioexperts-compute-spin-setup", daemon=True).start()
         for k in range(self._n):
             thread = threading.Thread(target=self._worker, name=f"aioexperts-compute-{k}", daemon=True)
             thread.start()
             self._threads.append(thread)
+
+    def _set_up_spin(self) -> None:
+        """Compile (or load) the spin kernel in a thread of its own, started with the workers: not on
+        the event loop's thread, which starts them, and not in a worker, which jobs may be waiting
+        for. Until it is ready the threads sleep at once."""
+        spin = _spinner(self._spin_us)
+        with self._lock:
+            self._spin, self._spin_known = spin, True
 
     def _worker(self) -> None:
         spun = False  # the last spin saw nothing posted: sleep now

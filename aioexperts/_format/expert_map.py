@@ -21,6 +21,7 @@ format has no shard field either, so it describes single-file models only; a spl
 from __future__ import annotations
 
 import os
+import shlex
 import struct
 import tempfile
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from .._errors import ConfigError, FormatError, StaleMapError
 from .filemode import new_file_mode
 from .layout import ExpertLayout
 from .model import GGUFModel, ShardInfo
+from .staleness import file_change
 
 __all__ = ("EXPERT_MAP_MAGIC", "ExpertMap", "check_map_matches_layout", "read_expert_map", "write_expert_map")
 
@@ -66,14 +68,23 @@ class ExpertMap:
         """Refuse a map made for another file or an older version of it.
 
         Raises:
-            StaleMapError: size, device, inode or mtime differ.
+            StaleMapError: size, device, inode or mtime differ; the message says how (local times,
+                not raw numbers), the raw identities are its ``recorded`` and ``current``.
         """
         theirs = (self.model_size, self.dev, self.ino, self.mtime_ns)
         ours = (shard.size, shard.dev, shard.ino, shard.mtime_ns)
         if theirs != ours:
-            names = ("size", "device", "inode", "mtime")
-            diff = ", ".join(f"{n} {a} != {b}" for n, a, b in zip(names, theirs, ours, strict=True) if a != b)
-            raise StaleMapError(f"the map does not match the model {shard.path} ({diff}); regenerate it")
+            reason = file_change(os.path.basename(shard.path), "the map", theirs, ours)
+            raise StaleMapError(
+                f"the map does not match the model {shard.path}: {reason}; write it again "
+                f"(aioexperts-map write {shlex.quote(shard.path)} -o MAP)",
+                recorded={k: [v] for k, v in zip(_FIELDS, theirs, strict=True)},
+                current={k: [v] for k, v in zip(_FIELDS, ours, strict=True)},
+            )
+
+
+#: the identity fields of StaleMapError.recorded / .current, in ExpertMap order
+_FIELDS = ("sizes", "devs", "inos", "mtimes")
 
 
 def _require_blocks_from_zero(layout: ExpertLayout, what: str) -> None:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import os
 import shlex
 from dataclasses import dataclass
-from datetime import datetime
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .._errors import FormatError, StaleMapError
 from .layout import Bank, ExpertLayout, ExpertLocation, Segment
 from .model import GGUFModel, ShardInfo, open_model
+from .staleness import file_change
 
 __all__ = (
     "TIER_ARCH",
@@ -102,13 +102,6 @@ def model_identity(model: GGUFModel) -> dict[str, list[int]]:
     }
 
 
-def _when(ns: int, other: int) -> str:
-    """``ns`` (an ``st_mtime_ns``) as a local ISO time, to the microsecond if ``other`` falls in the
-    same second."""
-    spec = "microseconds" if ns // 10**9 == other // 10**9 else "seconds"
-    return datetime.fromtimestamp(ns / 1e9).astimezone().isoformat(timespec=spec)
-
-
 def _identity(recorded: dict[str, object], n: int) -> dict[str, list[int]] | None:
     """``recorded`` (the sidecar's identity metadata) if it is ``n`` ints per field, else None."""
     if all(isinstance(v, list) and len(v) == n and all(isinstance(x, int) for x in v) for v in recorded.values()):
@@ -119,29 +112,17 @@ def _identity(recorded: dict[str, object], n: int) -> dict[str, list[int]] | Non
 def _stale_reason(rec: dict[str, list[int]], ours: dict[str, list[int]], model: GGUFModel) -> str:
     """Why a sidecar's recorded identity ``rec`` differs from the model's (``ours``), in words: for
     each model file whose identity changed, another file or another version of it (mtimes, sizes)."""
-    reasons = []
-    for i, shard in enumerate(model.shards):
-        name = os.path.basename(shard.path)
-        if (rec["devs"][i], rec["inos"][i]) != (ours["devs"][i], ours["inos"][i]):
-            reasons.append(f"the sidecar was written for another file than {name} (a copy, or a file replaced since)")
-            continue
-        then, now = rec["mtimes"][i], ours["mtimes"][i]
-        size = (
-            ""
-            if rec["sizes"][i] == ours["sizes"][i]
-            else f"; it is {ours['sizes'][i]} bytes long, the sidecar recorded {rec['sizes'][i]}"
+    fields = ("sizes", "devs", "inos", "mtimes")
+    reasons = (
+        file_change(
+            os.path.basename(shard.path),
+            "the sidecar",
+            tuple(rec[f][i] for f in fields),  # type: ignore[arg-type]
+            tuple(ours[f][i] for f in fields),  # type: ignore[arg-type]
         )
-        if now > then:
-            reasons.append(
-                f"the sidecar was written for an earlier version of {name} (modified {_when(now, then)} after the "
-                f"sidecar's record of {_when(then, now)}{size})"
-            )
-        elif now < then or size:
-            reasons.append(
-                f"{name} changed since the sidecar was written (modified {_when(now, then)}, the sidecar "
-                f"recorded {_when(then, now)}{size})"
-            )
-    return "; ".join(reasons)
+        for i, shard in enumerate(model.shards)
+    )
+    return "; ".join(r for r in reasons if r)
 
 
 def read_tier_sidecar(path: str | os.PathLike[str], model: GGUFModel, layout: ExpertLayout) -> TierSidecar:

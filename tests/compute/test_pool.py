@@ -340,6 +340,16 @@ def test_spin_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ComputePool(1, spin_us=100).spin_us == 0  # nobody to hand work to
 
 
+def _spin_ready(pool: ComputePool) -> ComputePool:
+    """``pool`` once its threads started and its spin is set up (a thread of its own compiles it)."""
+    pool.map(str, [1, 2])
+    deadline = time.monotonic() + 60
+    while not pool._spin_known and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool._spin_known
+    return pool
+
+
 def _helped_without_a_wake_up(pool: ComputePool, spin: bool = True) -> None:
     """In one job: a first map wakes the other worker; a second map, posted with the condition's
     notify disabled, can then reach it only if it is spinning."""
@@ -361,7 +371,7 @@ def _helped_without_a_wake_up(pool: ComputePool, spin: bool = True) -> None:
 
 @numba_only
 def test_a_worker_spinning_while_a_job_runs_takes_its_next_fan_out_without_a_wake_up() -> None:
-    spinning = ComputePool(2, limit_native_threads=False, spin_us=200_000)
+    spinning = _spin_ready(ComputePool(2, limit_native_threads=False, spin_us=200_000))
     sleeping = ComputePool(2, limit_native_threads=False, spin_us=0)
     try:
         before = spinning.statistics().items_helped
@@ -380,7 +390,7 @@ def test_a_worker_spinning_while_a_job_runs_takes_its_next_fan_out_without_a_wak
 
 @numba_only
 def test_workers_spin_only_briefly_and_only_while_a_job_runs() -> None:
-    pool = ComputePool(2, limit_native_threads=False, spin_us=2000)
+    pool = _spin_ready(ComputePool(2, limit_native_threads=False, spin_us=2000))
     try:
         pool.map(lambda i: time.sleep(0.005), range(2))  # both workers started and once busy
         t0 = time.process_time()

@@ -323,7 +323,7 @@ async def test_expert_map_is_checked_at_open(tmp_path: Path, anyio_backend: obje
             assert views[0] is not None
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    with pytest.raises(aioexperts.StaleMapError, match="regenerate"):
+    with pytest.raises(aioexperts.StaleMapError, match="write it again"):
         async with aioexperts.open(path, expert_map=tmp_path / "m.weepf"):
             pass
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -59,7 +60,7 @@ def _cpu_relax(typingctx: Any) -> Any:
 
 
 @kernel()
-def spin_while_equal(signal, index, seen, max_iters):  # type: ignore[no-untyped-def]
+def spin_while_equal(signal: np.ndarray, index: int, seen: int, max_iters: int) -> int:
     """Poll ``signal[index]`` (1-D ``int64``) until it differs from ``seen``, at most ``max_iters``
     times; returns the value read last (``seen`` if it never changed). Runs without the GIL."""
     for _ in range(max_iters):
