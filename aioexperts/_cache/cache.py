@@ -237,6 +237,16 @@ class ExpertCache:
         entry = self.entries.get(key)
         return SlotState.FREE if entry is None else entry.state
 
+    def ready(self, keys: Sequence[Key]) -> list[bool]:
+        """Whether each of ``keys`` is READY (its :meth:`state_of`), in one pass."""
+        get = self.entries.get
+        ready = SlotState.READY
+        out = []
+        for key in keys:
+            entry = get(key)
+            out.append(entry is not None and entry.state is ready)
+        return out
+
     def full_ready(self, layer: int) -> int:
         """Experts of ``layer`` READY at full precision (not from the low tier): when that is every
         expert of the layer, no prefetch for it can help. Read from any thread as a hint."""

@@ -185,6 +185,11 @@ class ExpertSource(ABC):
         a source that cannot tell says False)."""
         return False
 
+    def ready(self, keys: Sequence[Key]) -> list[bool]:
+        """:meth:`is_ready` of each of ``keys`` (checked), in one call."""
+        is_ready = self.is_ready
+        return [is_ready(key) for key in keys]
+
     def layer_ready(self, layer: int, n_experts: int) -> bool:
         """Whether all ``n_experts`` experts of ``layer`` are in memory at full precision, so no
         prefetch of that layer can help (a hint: a source that cannot tell says False)."""

@@ -299,6 +299,9 @@ class SlabSource(ExpertSource):
     def is_ready(self, key: Key) -> bool:
         return self._running().state_of(key) is SlotState.READY
 
+    def ready(self, keys: Sequence[Key]) -> list[bool]:
+        return self._running().ready(keys)
+
     def layer_ready(self, layer: int, n_experts: int) -> bool:
         return self._running().full_ready(layer) >= n_experts
 
