@@ -165,6 +165,7 @@ class SlabSource(ExpertSource):
             low_plan if low_plans else None,
             tier_policy is None or tier_policy.upgrade,
             reads_behind if tier_policy is not None else None,
+            plan_table=plans,
         )
 
     def _tier_off(self, n_slots: int, n_experts: int) -> None:
