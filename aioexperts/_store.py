@@ -835,8 +835,7 @@ class _ExpertsBlock:
         try:
             if prefetch_keys:  # every expert was resident: the prefetch starts after the pins, as in acquire
                 source.prefetch(prefetch_keys)
-            view = source.view
-            views = [view(e) for e in entries]
+            views = source.views(entries)
         except BaseException:
             source.release(entries)
             raise

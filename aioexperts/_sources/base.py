@@ -130,6 +130,11 @@ class ExpertSource(ABC):
     def view(self, pinned: Pinned) -> ExpertView:
         """Zero-copy views of one pinned expert's gate, up and down bytes."""
 
+    def views(self, pinned: Sequence[Pinned]) -> list[ExpertView]:
+        """:meth:`view` of each of ``pinned``, in order, in one call."""
+        view = self.view
+        return [view(p) for p in pinned]
+
     def end_views(self, pinned: Sequence[Pinned], views: Sequence[ExpertView]) -> None:
         """A request's block ends (before :meth:`release`): by default its views are released.
 

@@ -230,6 +230,15 @@ class SlabSource(ExpertSource):
         assert isinstance(shared, SharedViews)
         return shared.expert
 
+    def views(self, pinned: Sequence[Entry]) -> list[ExpertView]:
+        out = []
+        for entry in pinned:
+            shared = entry.views
+            if shared is None:  # once per slot load: every later hit gets the same views
+                shared = entry.views = self._shared_views(entry)
+            out.append(shared.expert)  # type: ignore[attr-defined]  # this source's SharedViews (view())
+        return out
+
     def _shared_views(self, pinned: Entry) -> SharedViews:
         plan = pinned.plan
         assert isinstance(plan, ExpertPlan)
