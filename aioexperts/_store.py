@@ -31,7 +31,7 @@ from ._cache.stats import StoreStatistics
 from ._errors import ConfigError, InvalidRequestError, StoreClosedError, UnsupportedTypeError
 from ._format.expert_map import check_map_matches_layout, read_expert_map
 from ._format.hparams import MoEHParams
-from ._format.layout import ExpertLayout, MoELayer, build_layout
+from ._format.layout import ExpertLayout, build_layout
 from ._format.model import GGUFModel, open_model
 from ._format.tier_sidecar import read_tier_sidecar
 from ._format.views import ExpertView
@@ -433,23 +433,6 @@ class ExpertStore:
 
     # -- experts --------------------------------------------------------------------------------
 
-    def _keys(self, layer: int, ids: Sequence[object]) -> tuple[MoELayer, list[Key]]:
-        moe = self.layout.layer(layer)
-        keys = []
-        for i in ids:
-            if type(i) is not int:  # the checks below only for what is not a plain int (a numpy int)
-                if isinstance(i, bool) or not isinstance(i, int | np.integer):
-                    raise InvalidRequestError(f"expert ids must be ints, got {i!r}")
-                i = int(i)
-            if i == -1:
-                continue
-            if not 0 <= i < moe.n_experts:
-                raise InvalidRequestError(
-                    f"layer {moe.index} has experts 0..{moe.n_experts - 1}; expert {i} does not exist"
-                )
-            keys.append((moe.index, i))
-        return moe, keys
-
     def _layer_keys(self, layer: int) -> tuple[Key, ...]:
         """Every key of MoE layer ``layer``, expert by expert (made once per layer: a hit allocates no key).
 
@@ -604,9 +587,9 @@ class ExpertStore:
             StoreClosedError: the store is closed.
         """
         source = self._running_source()
-        _, keys = self._keys(layer, list(ids))
+        keys = self._request_keys(layer, list(ids))[0]  # unique, the layer's shared keys
         low = list(low_ids)
-        low_keys = self._keys(layer, low)[1] if low and self.miss_tier is not None else []
+        low_keys = self._request_keys(layer, low)[0] if low and self.miss_tier is not None else []
         low_ahead = _checked_keys(low_prefetch, "low_prefetch") if self.miss_tier is not None else []
         further = _checked_keys(speculative, "speculative") if speculative else []
         return source.start_loads(keys, _checked_keys(prefetch, "prefetch"), low_keys, low_ahead, further)
@@ -631,8 +614,11 @@ class ExpertStore:
             StoreClosedError: the store is closed.
         """
         source = self._running_source()
-        moe, _ = self._keys(layer, ids := list(ids))
-        return [int(i) != -1 and source.is_ready((moe.index, int(i))) for i in ids]
+        keys, positions = self._request_keys(layer, list(ids))  # the layer's shared keys: none made here
+        ready = source.ready(keys)  # one call for the lot, not one chain of calls per expert
+        if positions is None:
+            return ready
+        return [p >= 0 and ready[p] for p in positions]
 
     @contextmanager
     def hold_resident(self) -> Iterator[ResidentExperts | None]:
@@ -849,8 +835,7 @@ class _ExpertsBlock:
         try:
             if prefetch_keys:  # every expert was resident: the prefetch starts after the pins, as in acquire
                 source.prefetch(prefetch_keys)
-            view = source.view
-            views = [view(e) for e in entries]
+            views = source.views(entries)
         except BaseException:
             source.release(entries)
             raise

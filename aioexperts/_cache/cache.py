@@ -29,8 +29,9 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from enum import Enum
+from itertools import repeat
 from typing import Protocol
 
 import anyio
@@ -115,19 +116,28 @@ class Entry:
         "waiters",
     )
 
-    def __init__(self, key: Key, slot: int, plan: LoadPlan) -> None:
+    def __init__(
+        self,
+        key: Key,
+        slot: int,
+        plan: LoadPlan,
+        pins: int = 0,
+        low: bool = False,
+        demanded: bool = False,
+        prefetched: bool = False,
+    ) -> None:
         self.key = key
         self.slot = slot
         self.plan = plan
         self.state = SlotState.LOADING
-        self.pins = 0
+        self.pins = pins
         self.error: AioExpertsError | None = None
-        self.prefetched = False
-        self.demanded = False
+        self.prefetched = prefetched
+        self.demanded = demanded
         self.waiters: list[_Waiter] | None = None  # made by the first request that waits for the load
         self.load: Load | None = None
         self.views: SlotViews | None = None  # the source's views of this load, built on first view
-        self.low = False
+        self.low = low
         self.upgrade = False
         self.retired = False
 
@@ -151,6 +161,9 @@ class _Waiter:
         self.left = 0  # loads not finished yet
         self.entries: list[Entry] = []  # the entries it waits for (for the backend's wake hint)
 
+
+#: a plan table with no plan in it (a cache given none asks plan_of)
+_NO_PLANS: dict[Key, LoadPlan] = {}
 
 #: id(policy) -> the policy, for every policy serving an open cache (one policy, one cache).
 _POLICY_OWNERS: weakref.WeakValueDictionary[int, EvictionPolicy] = weakref.WeakValueDictionary()
@@ -186,6 +199,9 @@ class ExpertCache:
         upgrade_low: read a low-tier copy that is hit again at full precision once nobody pins it.
         reads_behind: whether the reads are behind now (the miss tier's rule); while it says so,
             upgrades wait (they are tried again at each later release). None: never behind.
+        plan_table: ``{(layer, expert): plan}`` of every key ``plan_of`` answers for without raising
+            (the same plans), looked up directly on the miss path; ``plan_of`` still answers (and
+            raises) for a key not in it. None: ``plan_of`` alone.
     """
 
     def __init__(
@@ -199,9 +215,12 @@ class ExpertCache:
         low_plan_of: Callable[[int, int], LoadPlan] | None = None,
         upgrade_low: bool = True,
         reads_behind: Callable[[], bool] | None = None,
+        plan_table: Mapping[Key, LoadPlan] | None = None,
     ) -> None:
         self.n_slots = n_slots
         self.plan_of = plan_of
+        # a key's plan in one dict lookup (no call, no new tuple), None when plan_of must answer
+        self._plan_get: Callable[[Key], LoadPlan | None] = (_NO_PLANS if plan_table is None else plan_table).get
         self.low_plan_of = low_plan_of
         self.upgrade_low = upgrade_low
         self.reads_behind = reads_behind
@@ -236,6 +255,16 @@ class ExpertCache:
         """FREE (not cached), LOADING or READY."""
         entry = self.entries.get(key)
         return SlotState.FREE if entry is None else entry.state
+
+    def ready(self, keys: Sequence[Key]) -> list[bool]:
+        """Whether each of ``keys`` is READY (its :meth:`state_of`), in one pass."""
+        get = self.entries.get
+        ready = SlotState.READY
+        out = []
+        for key in keys:
+            entry = get(key)
+            out.append(entry is not None and entry.state is ready)
+        return out
 
     def full_ready(self, layer: int) -> int:
         """Experts of ``layer`` READY at full precision (not from the low tier): when that is every
@@ -385,7 +414,8 @@ class ExpertCache:
         """
         self._check_open()
         unique = list(dict.fromkeys(keys))
-        plans = {key: self.plan_of(*key) for key in unique if key not in self.entries}
+        entries, plan_get, plan_of = self.entries, self._plan_get, self.plan_of
+        plans = {key: plan_get(key) or plan_of(*key) for key in unique if key not in entries}
         if len(unique) > self.n_slots:
             raise SlabExhaustedError(
                 f"{len(unique)} experts requested at once but the slab has {self.n_slots} slots; open with more slots"
@@ -510,7 +540,8 @@ class ExpertCache:
                 missing.append(key)
             else:
                 present.append(found)
-        new_plans = [plans.get(key) or self.plan_of(*key) for key in missing]
+        plan_get, plan_of = plans.get, self.plan_of
+        new_plans = [plan_get(key) or plan_of(*key) for key in missing]
         victims = self._choose_victims(len(missing) - len(self.free_slots), set(keys) if missing else ())
         if victims is None:
             return None
@@ -524,9 +555,7 @@ class ExpertCache:
         for entry in present:
             entry.pins += 1
         if missing:
-            start, free, demand = self._start, self.free_slots.pop, Priority.DEMAND
-            for key, plan in zip(missing, new_plans, strict=True):
-                start(key, free(), plan, demand).pins = 1
+            self._start_all(zip(missing, new_plans, repeat(False)), Priority.DEMAND, pins=1)
         c = self.counters
         c.requests += len(keys)
         c.misses += len(missing)
@@ -719,12 +748,14 @@ class ExpertCache:
     def _plans(self, keys: list[Key], low: Sequence[Key]) -> list[tuple[Key, LoadPlan, bool]]:
         """``(key, plan, low)`` of each of ``keys``: the low tier's plan for those in ``low`` (with
         a tier), else the full one. Raises InvalidRequestError for a key the model does not have."""
-        low_plan_of = self.low_plan_of
-        low_set = set(low) if low and low_plan_of is not None else set()
+        plan_get, plan_of, low_plan_of = self._plan_get, self.plan_of, self.low_plan_of
+        if not low or low_plan_of is None:
+            return [(k, plan_get(k) or plan_of(*k), False) for k in keys]
+        low_set = set(low)
         out = []
         for k in keys:
-            plan = self.plan_of(*k)  # checks the key, for the low tier too
-            if k in low_set and low_plan_of is not None:
+            plan = plan_get(k) or plan_of(*k)  # checks the key, for the low tier too
+            if k in low_set:
                 out.append((k, low_plan_of(*k), True))
             else:
                 out.append((k, plan, False))
@@ -732,15 +763,11 @@ class ExpertCache:
 
     def _start_prefetches(self, plans: list[tuple[Key, LoadPlan, bool]], priority: Priority = Priority.PREFETCH) -> int:
         """Start prefetch loads (of ``priority``) of ``plans`` in the free slots, in order, while there are any."""
-        started = low = 0
-        for key, plan, is_low in plans[: len(self.free_slots)]:
-            entry = self._start(key, self.free_slots.pop(), plan, priority)
-            entry.prefetched = True
-            entry.low = is_low
-            low += is_low
-            started += 1
+        todo = plans[: len(self.free_slots)]
+        started = self._start_all(todo, priority, prefetched=True)
         self.counters.prefetch_issued += started
-        self.counters.low_tier_prefetches += low
+        if self.low_plan_of is not None:
+            self.counters.low_tier_prefetches += sum(1 for _, _, is_low in todo if is_low)
         return started
 
     def start_loads(
@@ -804,12 +831,7 @@ class ExpertCache:
         victims = self._choose_victims(len(missing) - len(self.free_slots), wanted_set, partial=True)
         assert victims is not None
         self._evict(victims)
-        started = 0
-        for key, plan, is_low in plans[: len(self.free_slots)]:
-            entry = self._start(key, self.free_slots.pop(), plan, Priority.DEMAND)
-            entry.demanded = True
-            entry.low = is_low
-            started += 1
+        started = self._start_all(plans[: len(self.free_slots)], Priority.DEMAND, demanded=True)
         # the prefetch evicts as prefetch() after the request's pins: not the request's keys, not its layers
         # ahead; then the speculative loads the same way, sparing the prefetch's layers too
         layers: set[int] = set()
@@ -1019,12 +1041,37 @@ class ExpertCache:
                 best = n
         return best
 
-    def _start(self, key: Key, slot: int, plan: LoadPlan, priority: Priority) -> Entry:
-        entry = Entry(key, slot, plan)
-        entry.load = Load(plan, slot, priority, self._loaded, entry)
-        self.entries[key] = entry
-        self.scheduler.enqueue(entry.load)
-        return entry
+    def _start_all(
+        self,
+        items: Iterable[tuple[Key, LoadPlan, bool]],
+        priority: Priority,
+        *,
+        pins: int = 0,
+        demanded: bool = False,
+        prefetched: bool = False,
+    ) -> int:
+        """Start a load of ``priority`` for each ``(key, plan, low)`` of ``items``, each in a slot
+        popped from the free list (the caller made sure there are enough), queued together.
+
+        Returns:
+            The number of loads started.
+
+        Raises:
+            StoreClosedError: the scheduler is closed (nothing was started).
+        """
+        scheduler = self.scheduler
+        if scheduler.closed:  # before any change: no entry is left LOADING without a load queued
+            raise StoreClosedError("the store is closed")
+        entries, pop, loaded = self.entries, self.free_slots.pop, self._loaded
+        loads: list[Load] = []
+        for key, plan, low in items:
+            slot = pop()
+            entry = Entry(key, slot, plan, pins, low, demanded, prefetched)
+            entry.load = load = Load(plan, slot, priority, loaded, entry)
+            entries[key] = entry
+            loads.append(load)
+        scheduler.enqueue_all(loads, priority)
+        return len(loads)
 
     def _undo_start(self, entry: Entry) -> bool:
         """Forget an entry whose load was never submitted; False (and no change) if it was."""

@@ -198,6 +198,25 @@ class ReadScheduler:
             self._flush_scheduled = True
             self.loop.call_soon(self._scheduled_flush)
 
+    def enqueue_all(self, loads: list[Load], priority: Priority) -> None:
+        """:meth:`enqueue` each of ``loads`` (all of ``priority``), in order, with one check and
+        at most one flush scheduled for the lot.
+
+        Raises:
+            StoreClosedError: the scheduler is closed (nothing was queued).
+        """
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        if not loads:
+            return
+        if self.timeline is not None:
+            for load in loads:
+                load.queued_at = time.perf_counter()
+        self._queue_of(priority).extend(loads)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._scheduled_flush)
+
     def _queue_of(self, priority: Priority) -> deque[Load]:
         if priority is Priority.DEMAND:
             return self._demand

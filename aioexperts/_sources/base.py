@@ -130,6 +130,11 @@ class ExpertSource(ABC):
     def view(self, pinned: Pinned) -> ExpertView:
         """Zero-copy views of one pinned expert's gate, up and down bytes."""
 
+    def views(self, pinned: Sequence[Pinned]) -> list[ExpertView]:
+        """:meth:`view` of each of ``pinned``, in order, in one call."""
+        view = self.view
+        return [view(p) for p in pinned]
+
     def end_views(self, pinned: Sequence[Pinned], views: Sequence[ExpertView]) -> None:
         """A request's block ends (before :meth:`release`): by default its views are released.
 
@@ -184,6 +189,11 @@ class ExpertSource(ABC):
         """Whether ``key``'s bytes are in memory now, so pinning it waits for no read (a hint:
         a source that cannot tell says False)."""
         return False
+
+    def ready(self, keys: Sequence[Key]) -> list[bool]:
+        """:meth:`is_ready` of each of ``keys`` (checked), in one call."""
+        is_ready = self.is_ready
+        return [is_ready(key) for key in keys]
 
     def layer_ready(self, layer: int, n_experts: int) -> bool:
         """Whether all ``n_experts`` experts of ``layer`` are in memory at full precision, so no

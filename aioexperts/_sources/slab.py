@@ -165,6 +165,7 @@ class SlabSource(ExpertSource):
             low_plan if low_plans else None,
             tier_policy is None or tier_policy.upgrade,
             reads_behind if tier_policy is not None else None,
+            plan_table=plans,
         )
 
     def _tier_off(self, n_slots: int, n_experts: int) -> None:
@@ -228,6 +229,15 @@ class SlabSource(ExpertSource):
             shared = pinned.views = self._shared_views(pinned)
         assert isinstance(shared, SharedViews)
         return shared.expert
+
+    def views(self, pinned: Sequence[Entry]) -> list[ExpertView]:
+        out = []
+        for entry in pinned:
+            shared = entry.views
+            if shared is None:  # once per slot load: every later hit gets the same views
+                shared = entry.views = self._shared_views(entry)
+            out.append(shared.expert)  # type: ignore[attr-defined]  # this source's SharedViews (view())
+        return out
 
     def _shared_views(self, pinned: Entry) -> SharedViews:
         plan = pinned.plan
@@ -298,6 +308,9 @@ class SlabSource(ExpertSource):
 
     def is_ready(self, key: Key) -> bool:
         return self._running().state_of(key) is SlotState.READY
+
+    def ready(self, keys: Sequence[Key]) -> list[bool]:
+        return self._running().ready(keys)
 
     def layer_ready(self, layer: int, n_experts: int) -> bool:
         return self._running().full_ready(layer) >= n_experts

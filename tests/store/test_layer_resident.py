@@ -69,3 +69,38 @@ async def test_the_first_layer_of_a_step_is_not_predicted_once_resident(model: P
             pass
         assert store.layer_resident(first)
         assert runner.router.predict_first(first, x) == []
+
+
+async def test_resident_answers_per_id_with_duplicates_inactive_ids_and_numpy_ints(
+    model: Path, anyio_backend: object
+) -> None:
+    """``resident`` answers one flag per id, in order: duplicates alike, ``-1`` False, numpy ints as
+    ints, a loading expert False; a bad id or layer raises, as ``experts`` does."""
+    async with aioexperts.open(model, slots=2 * SPEC.n_expert) as store:
+        first, second = store.layout.layers
+        async with store.experts(first, [1, 3]):
+            pass
+        assert store.resident(first, [3, 0, 1, -1, 3, np.int64(1), np.int32(2)]) == [
+            True,
+            False,
+            True,
+            False,
+            True,
+            True,
+            False,
+        ]
+        assert store.resident(first, []) == []
+        assert store.resident(second, [1, 3]) == [False, False]  # another layer's keys
+        assert store.start_loads(second, [4, 4, -1, 5]) == 2  # loading: not resident yet
+        assert store.resident(second, [4, 5]) == [False, False]
+        async with store.experts(second, [4, 5]):
+            pass
+        assert store.resident(second, [5, 4, -1]) == [True, True, False]
+        with pytest.raises(aioexperts.InvalidRequestError, match="expert 99 does not exist"):
+            store.resident(first, [1, 99])
+        with pytest.raises(aioexperts.InvalidRequestError, match="ints"):
+            store.resident(first, [1, 2.0])  # type: ignore[list-item]
+        with pytest.raises(aioexperts.InvalidRequestError, match="ints"):
+            store.resident(first, [True])
+        with pytest.raises(aioexperts.InvalidRequestError):
+            store.resident(SPEC.n_layer + 5, [0])

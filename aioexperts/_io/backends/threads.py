@@ -23,7 +23,8 @@ class ThreadBackend(IOBackend):
     """Each op is one ``preadv`` straight into slot memory on a worker thread.
 
     Completions are handed back to the loop in batches (one wake-up for all that finished since
-    the last one), so the loop pays one ``call_soon_threadsafe`` per batch, not per read. Whatever
+    the last one), so the loop pays one ``call_soon_threadsafe`` per batch, not per read, and the
+    scheduler takes each batch in one call (its batch sink, :meth:`IOBackend.set_batch_sink`). Whatever
     a read raises (``OSError``, ``ValueError`` from a closed slab, ``MemoryError``) is its result.
     Submitting is one ``SimpleQueue.put`` per read to the worker threads (started on the first
     submit): no ``Future`` per read, which cost the loop thread about 15 us a read (a third of an
@@ -44,7 +45,8 @@ class ThreadBackend(IOBackend):
         self._queue: queue.SimpleQueue[ReadOp | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
-        self._done: list[tuple[ReadOp, ReadResult]] = []
+        self._done_ops: list[ReadOp] = []  # completed since the last drain, with their results
+        self._done_results: list[ReadResult] = []
         self._wake_pending = False
         self._closed = False
 
@@ -86,7 +88,8 @@ class ThreadBackend(IOBackend):
         except Exception as exc:  # every failure is the read's result, never lost in the pool
             result = exc
         with self._lock:
-            self._done.append((op, result))
+            self._done_ops.append(op)
+            self._done_results.append(result)
             wake, self._wake_pending = not self._wake_pending, True
         if wake:
             try:
@@ -96,11 +99,11 @@ class ThreadBackend(IOBackend):
 
     def _drain(self) -> None:
         with self._lock:
-            done, self._done = self._done, []
+            ops, results = self._done_ops, self._done_results
+            self._done_ops, self._done_results = [], []
             self._wake_pending = False
-        for op, result in done:
-            self._deliver(op, result)
-        if done:
+        if ops:  # one call of the scheduler's batch sink for the lot, then the batch's end
+            self._deliver_reaped(ops, results)
             self._end_batch()
 
     def close(self) -> None:

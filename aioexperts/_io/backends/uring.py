@@ -443,7 +443,10 @@ class UringBackend(BatchedWakeupBackend):
         except OSError:  # BlockingIOError: nothing new
             pass
         ring, cqe = self._ring, self._cqe
-        done: list[tuple[int, int | Exception]] = []
+        pop = self._ops.pop
+        ops: list[ReadOp] = []
+        results: list[int | Exception] = []
+        seen = 0  # CQEs walked: advanced past below
         try:
             for _ in lu.CqeIter(ring, cqe):
                 entry = cqe[0]
@@ -452,26 +455,22 @@ class UringBackend(BatchedWakeupBackend):
                     result: int | Exception = entry.res
                 except Exception as exc:  # a negative res is raised as OSError
                     result = exc
-                done.append((user_data, result))
+                seen += 1
+                op = pop(user_data, None)  # in the same walk: no list of (user_data, result) pairs first
+                if op is not None:
+                    ops.append(op)
+                    results.append(result)
+                elif user_data == NOP_USER_DATA and self._nops > 0:
+                    self._nops -= 1
+                else:  # a duplicate or a stranger: its read (if any) was already accounted for
+                    self.unexpected_completions += 1
         except Exception:  # deliver what was read; the rest is seen on the next wake-up
             log.exception("io_uring: walking the completion queue failed")
-        if done:
+        if seen:
             try:
-                lu.io_uring_cq_advance(ring, len(done))
+                lu.io_uring_cq_advance(ring, seen)
             except Exception:  # seen again next time: already delivered, so ignored then
                 log.exception("io_uring: advancing the completion queue failed")
-        by_user_data = self._ops
-        ops: list[ReadOp] = []
-        results: list[int | Exception] = []
-        for user_data, result in done:
-            op = by_user_data.pop(user_data, None)
-            if op is not None:
-                ops.append(op)
-                results.append(result)
-            elif user_data == NOP_USER_DATA and self._nops > 0:
-                self._nops -= 1
-            else:  # a duplicate or a stranger: its read (if any) was already accounted for
-                self.unexpected_completions += 1
         if ops:  # one call of the scheduler's batch sink for the lot (IOBackend.set_batch_sink)
             self._deliver_reaped(ops, results)
         if self._queued:
