@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import re
-import shutil
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from benchkit import load_bench
+from benchkit import assert_region_rendered, load_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -47,16 +44,7 @@ def test_the_region_of_docs_executor_is_rendered_from_its_results_file(
     ab: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Fails when the figures of the region were typed, edited by hand, or not rendered again."""
-    repo = BENCH.parent
-    monkeypatch.chdir(repo)
-    doc = repo / "docs" / "executor.md"
-    start, end = "<!-- bench:speculative_ab -->", "<!-- /bench:speculative_ab -->"
-    region = doc.read_text().split(start, 1)[1].split(end, 1)[0]
-    found = re.search(r"rendered by bench/speculative_ab.py --render (\S+) DOC;", region)
-    assert found is not None, "docs/executor.md's speculative_ab region names no results file"
-    results = json.loads(Path(found.group(1)).read_text())
+    monkeypatch.chdir(BENCH.parent)
+    doc = BENCH.parent / "docs" / "executor.md"
+    results = assert_region_rendered(doc, "speculative_ab", "speculative_ab.py", ab.render, tmp_path)
     assert results["benchmark"] == "speculative_ab"
-    copy = tmp_path / "executor.md"
-    shutil.copy(doc, copy)
-    ab.render(Path(found.group(1)), copy)
-    assert copy.read_text().split(start, 1)[1].split(end, 1)[0] == region
