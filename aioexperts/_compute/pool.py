@@ -21,12 +21,13 @@ started, which also avoids OpenMP's stalls on a shared 2-core machine (pitfall 5
 
 While a job submitted with ``spin=True`` runs (the resident decode pass: every expert in memory,
 no read in flight), an idle worker spins for a short while (``$AIOEXPERTS_COMPUTE_SPIN_US``,
-default :data:`DEFAULT_SPIN_US` microseconds, 0: never) before it sleeps, and so does a ``map``
-caller waiting for its helpers' items: the job's next fan-out then starts without a futex wake-up
-(about 50 us each on the 2-vCPU machines here, a few hundred per decode token). The spin polls a
-counter in compiled code without the GIL (:mod:`aioexperts._compute.kernels.spin`). Other jobs
-never spin: under a memory limit the event loop needs the cores between compute jobs to read
-(spinning there measured slower), and with numba unavailable the threads sleep at once.
+default :data:`DEFAULT_SPIN_US` microseconds, 0: never, at most :data:`MAX_SPIN_US`) before it
+sleeps, and so does a ``map`` caller waiting for its helpers' items: the job's next fan-out then
+starts without a futex wake-up (about 50 us each on the 2-vCPU machines here, a few hundred per
+decode token). The spin polls a counter in compiled code without the GIL
+(:mod:`aioexperts._compute.kernels.spin`). Other jobs never spin: under a memory limit the event
+loop needs the cores between compute jobs to read (spinning there measured slower), and with
+numba unavailable the threads sleep at once.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 
@@ -47,6 +48,7 @@ from .._io.loop import current_loop, wait_through_cancellation
 
 __all__ = (
     "DEFAULT_SPIN_US",
+    "MAX_SPIN_US",
     "SPIN_ENV",
     "THREADS_ENV",
     "ComputePool",
@@ -62,6 +64,9 @@ THREADS_ENV = "AIOEXPERTS_COMPUTE_THREADS"
 SPIN_ENV = "AIOEXPERTS_COMPUTE_SPIN_US"
 #: microseconds an idle worker or a waiting ``map`` caller spins before it sleeps (while a ``spin`` job runs)
 DEFAULT_SPIN_US = 200
+#: the longest spin accepted (one second): a spin is meant to bridge the gap between two fan-outs;
+#: a longer one only burns a core, and past about 2**63 iterations it cannot reach the compiled loop
+MAX_SPIN_US = 1_000_000
 # the counters the spinning threads poll: work posted (jobs and fan-outs), fan-out items finished
 _POSTED, _FINISHED = 0, 1
 #: threads each native library (BLAS, OpenMP) may use per call while a pool lives
@@ -72,10 +77,10 @@ I = TypeVar("I")  # noqa: E741
 
 
 def default_spin_us() -> int:
-    """``$AIOEXPERTS_COMPUTE_SPIN_US``, else :data:`DEFAULT_SPIN_US`.
+    """``$AIOEXPERTS_COMPUTE_SPIN_US``, else :data:`DEFAULT_SPIN_US` (microseconds).
 
     Raises:
-        ConfigError: the variable is set but not an integer >= 0.
+        ConfigError: the variable is set but not an integer from 0 to :data:`MAX_SPIN_US`.
     """
     value = os.environ.get(SPIN_ENV, "").strip()
     if not value:
@@ -84,12 +89,13 @@ def default_spin_us() -> int:
         us = int(value)
     except ValueError:
         us = -1
-    if us < 0:
-        raise ConfigError(f"{SPIN_ENV} must be an integer >= 0 (microseconds), got {value!r}")
+    if not 0 <= us <= MAX_SPIN_US:
+        raise ConfigError(f"{SPIN_ENV} must be an integer from 0 to {MAX_SPIN_US} (microseconds), got {value!r}")
     return us
 
 
-Spin = Callable[[np.ndarray, int, int], int]
+#: ``spin(signal, index, seen, max_iters) -> value read last`` (kernels/spin.py)
+Spin = Callable[[np.ndarray, int, int, int], int]
 
 
 def _spinner(us: int) -> tuple[Spin, int] | None:
@@ -102,8 +108,9 @@ def _spinner(us: int) -> tuple[Spin, int] | None:
     if not jit_status().available:
         return None
     try:
-        from .kernels.spin import spin_while_equal
+        from .kernels.spin import spin_while_equal as _spin
 
+        spin_while_equal = cast(Spin, _spin)
         probe = np.zeros(1, dtype=np.int64)
         spin_while_equal(probe, 0, 0, 1)  # compiled (or loaded from the cache) here, not in a worker
         n = 20_000
@@ -113,7 +120,7 @@ def _spinner(us: int) -> tuple[Spin, int] | None:
     except Exception as exc:  # numba failing to compile: sleep at once, as without numba
         log.info("compute pool threads will not spin before they sleep: %s: %s", type(exc).__name__, exc)
         return None
-    return spin_while_equal, max(1, int(us * 1e-6 / per_iteration))
+    return spin_while_equal, min(max(1, int(us * 1e-6 / per_iteration)), 1 << 62)  # the loop counts in int64
 
 
 def default_threads() -> int:
@@ -219,10 +226,11 @@ class ComputePool:
         n_threads: workers (>= 1); default :func:`default_threads`.
         limit_native_threads: cap BLAS/OpenMP to one thread per call while the pool lives.
         spin_us: microseconds an idle worker, and a ``map`` caller waiting for its helpers, spin
-            before sleeping while a ``spin`` job runs (0: never); default :func:`default_spin_us`.
+            before sleeping while a ``spin`` job runs (0: never, at most :data:`MAX_SPIN_US`);
+            default :func:`default_spin_us`.
 
     Raises:
-        ConfigError: ``n_threads`` < 1, ``spin_us`` < 0.
+        ConfigError: ``n_threads`` < 1, ``spin_us`` outside [0, :data:`MAX_SPIN_US`].
     """
 
     def __init__(
@@ -232,8 +240,8 @@ class ComputePool:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"n_threads must be an int >= 1, got {n_threads!r}")
         us = default_spin_us() if spin_us is None else spin_us
-        if isinstance(us, bool) or not isinstance(us, int) or us < 0:
-            raise ConfigError(f"spin_us must be an int >= 0, got {spin_us!r}")
+        if isinstance(us, bool) or not isinstance(us, int) or not 0 <= us <= MAX_SPIN_US:
+            raise ConfigError(f"spin_us must be an int from 0 to {MAX_SPIN_US} (microseconds), got {spin_us!r}")
         self._n = n
         self._spin_us = us if n > 1 else 0
         self._spin: tuple[Spin, int] | None = None
@@ -462,7 +470,7 @@ def configure_compute_pool(
     The old pool finishes its queued jobs before its workers stop. Call it while no job runs.
 
     Raises:
-        ConfigError: ``n_threads`` < 1, ``spin_us`` < 0.
+        ConfigError: ``n_threads`` < 1, ``spin_us`` outside [0, :data:`MAX_SPIN_US`].
     """
     global _pool
     with _pool_lock:

@@ -323,20 +323,25 @@ def test_spin_while_equal_sees_another_threads_write_without_the_gil() -> None:
 
 
 def test_spin_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aioexperts._compute.pool import DEFAULT_SPIN_US, SPIN_ENV, default_spin_us
+    from aioexperts._compute.pool import DEFAULT_SPIN_US, MAX_SPIN_US, SPIN_ENV, default_spin_us
 
     monkeypatch.delenv(SPIN_ENV, raising=False)
     assert default_spin_us() == DEFAULT_SPIN_US
     monkeypatch.setenv(SPIN_ENV, "0")
     assert default_spin_us() == 0
-    for bad in ("-1", "fast"):
+    monkeypatch.setenv(SPIN_ENV, str(MAX_SPIN_US))
+    assert default_spin_us() == MAX_SPIN_US
+    # past the bound: a spin of 1e20 us was accepted, then its iteration count overflowed the
+    # compiled loop's int64 in each worker thread (OverflowError, the thread gone)
+    for bad in ("-1", "fast", str(MAX_SPIN_US + 1), "99999999999999999999"):
         monkeypatch.setenv(SPIN_ENV, bad)
         with pytest.raises(ConfigError, match=SPIN_ENV):
             default_spin_us()
         with pytest.raises(ConfigError, match=SPIN_ENV):
             ComputePool(2)
-    with pytest.raises(ConfigError, match="spin_us"):
-        ComputePool(2, spin_us=-5)
+    for bad_us in (-5, MAX_SPIN_US + 1, 10**20):
+        with pytest.raises(ConfigError, match="spin_us"):
+            ComputePool(2, spin_us=bad_us)
     assert ComputePool(1, spin_us=100).spin_us == 0  # nobody to hand work to
 
 
