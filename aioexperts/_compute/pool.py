@@ -49,6 +49,7 @@ from .._io.loop import current_loop, wait_through_cancellation
 __all__ = (
     "DEFAULT_SPIN_US",
     "MAX_SPIN_US",
+    "MAX_THREADS",
     "SPIN_ENV",
     "THREADS_ENV",
     "ComputePool",
@@ -61,6 +62,9 @@ __all__ = (
 log = logging.getLogger("aioexperts")
 
 THREADS_ENV = "AIOEXPERTS_COMPUTE_THREADS"
+#: the most workers a pool takes: far past any core count this runs on, well below the threads a
+#: process can start (a larger count failed at the first job with a RuntimeError traceback)
+MAX_THREADS = 1024
 SPIN_ENV = "AIOEXPERTS_COMPUTE_SPIN_US"
 #: microseconds an idle worker or a waiting ``map`` caller spins before it sleeps (while a ``spin`` job runs)
 DEFAULT_SPIN_US = 200
@@ -127,7 +131,7 @@ def default_threads() -> int:
     """``$AIOEXPERTS_COMPUTE_THREADS``, else the cores this process may run on.
 
     Raises:
-        ConfigError: the variable is set but not an integer >= 1.
+        ConfigError: the variable is set but not an integer from 1 to :data:`MAX_THREADS`.
     """
     value = os.environ.get(THREADS_ENV)
     if value:
@@ -135,8 +139,8 @@ def default_threads() -> int:
             n = int(value)
         except ValueError:
             n = 0
-        if n < 1:
-            raise ConfigError(f"{THREADS_ENV} must be an integer >= 1, got {value!r}")
+        if not 1 <= n <= MAX_THREADS:
+            raise ConfigError(f"{THREADS_ENV} must be an integer from 1 to {MAX_THREADS}, got {value!r}")
         return n
     try:
         return len(os.sched_getaffinity(0))
@@ -223,22 +227,22 @@ class ComputePool:
     """Worker threads for compute, shared by every runner of the process (see the module docstring).
 
     Args:
-        n_threads: workers (>= 1); default :func:`default_threads`.
+        n_threads: workers (1 to :data:`MAX_THREADS`); default :func:`default_threads`.
         limit_native_threads: cap BLAS/OpenMP to one thread per call while the pool lives.
         spin_us: microseconds an idle worker, and a ``map`` caller waiting for its helpers, spin
             before sleeping while a ``spin`` job runs (0: never, at most :data:`MAX_SPIN_US`);
             default :func:`default_spin_us`.
 
     Raises:
-        ConfigError: ``n_threads`` < 1, ``spin_us`` outside [0, :data:`MAX_SPIN_US`].
+        ConfigError: ``n_threads`` outside [1, :data:`MAX_THREADS`], ``spin_us`` outside [0, :data:`MAX_SPIN_US`].
     """
 
     def __init__(
         self, n_threads: int | None = None, *, limit_native_threads: bool = True, spin_us: int | None = None
     ) -> None:
         n = default_threads() if n_threads is None else n_threads
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigError(f"n_threads must be an int >= 1, got {n_threads!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS:
+            raise ConfigError(f"n_threads must be an int from 1 to {MAX_THREADS}, got {n_threads!r}")
         us = default_spin_us() if spin_us is None else spin_us
         if isinstance(us, bool) or not isinstance(us, int) or not 0 <= us <= MAX_SPIN_US:
             raise ConfigError(f"spin_us must be an int from 0 to {MAX_SPIN_US} (microseconds), got {spin_us!r}")
@@ -470,7 +474,7 @@ def configure_compute_pool(
     The old pool finishes its queued jobs before its workers stop. Call it while no job runs.
 
     Raises:
-        ConfigError: ``n_threads`` < 1, ``spin_us`` outside [0, :data:`MAX_SPIN_US`].
+        ConfigError: ``n_threads`` outside [1, :data:`MAX_THREADS`], ``spin_us`` outside [0, :data:`MAX_SPIN_US`].
     """
     global _pool
     with _pool_lock:
