@@ -44,7 +44,7 @@ from .generate_worker import DEFAULT_ENGINES, ENGINES
 from .ggml_baseline import BaselineMismatchError
 from .loops import LOOPS, await_cost
 from .loops import run as run_on_loop
-from .machine import kernel_facts, machine_facts, machine_label, source_commit
+from .machine import cpu_vector_isa, kernel_facts, machine_facts, machine_label, source_commit
 from .measure import GB, GIB, Clock, rotated, spread
 from .plots import PLOT_NAMES, write_plots
 from .progress import Reporter
@@ -102,6 +102,7 @@ __all__ = (
     "load_results",
     "machine_facts",
     "machine_label",
+    "cpu_vector_isa",
     "make_steps",
     "markdown",
     "model_info",

@@ -266,6 +266,19 @@ def run_engine(
     return run
 
 
+def _run_line(run: dict[str, Any]) -> str:
+    """The progress line of one finished run; a run that did not end ``ok`` adds the last line its
+    process wrote on stderr (why it failed: an error line, a traceback's last line), if any."""
+    line = (
+        f"  {run['status']}: {run.get('decode_tok_s') or 0:.3f} tok/s over {run['tokens_decoded']} tokens, "
+        f"wall {run['wall_seconds']:.0f} s"
+    )
+    tail = [text for text in run.get("stderr_tail") or () if text.strip()]
+    if run["status"] != "ok" and tail:
+        line += f" (stderr: {tail[-1].strip()})"
+    return line
+
+
 def _from_events(events: list[dict[str, Any]], n_prompt: int) -> dict[str, Any]:
     """The run's figures from its worker's event lines."""
     by = {e["phase"]: e for e in events if e["phase"] != "token"}
@@ -429,10 +442,7 @@ def run_generate_bench(
                 tag = f"{_limit_name(limit).replace('/', 'of')}-{r}-{engine}"
                 run = run_engine(cfg, engine, limit, model_bytes, prompt, decode, tag)
                 run["round"] = r
-                note(
-                    f"  {run['status']}: {run.get('decode_tok_s') or 0:.3f} tok/s over {run['tokens_decoded']} tokens, "
-                    f"wall {run['wall_seconds']:.0f} s"
-                )
+                note(_run_line(run))
                 runs.append(run)
                 results["runs"].append(run)
                 if checkpoint is not None:

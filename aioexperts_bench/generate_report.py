@@ -24,8 +24,18 @@ _PATTERN = re.compile(r"(<!-- bench:generate-headline -->\n)(.*?)(<!-- /bench:ge
 
 
 def load_generate_results(path: str | Path) -> dict[str, Any]:
-    """A results file of ``--mode generate`` (ValueError if it is another kind)."""
-    data = json.loads(Path(path).read_text())
+    """A results file of ``--mode generate``.
+
+    Raises:
+        OSError: the file cannot be read (FileNotFoundError: there is none).
+        ValueError: another kind of file (not UTF-8 JSON, not an object, another schema), naming it.
+    """
+    raw = Path(path).read_bytes()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError alike
+        what = "a results file of aioexperts-bench --mode generate"
+        raise ValueError(f"{path} is not {what} (not JSON: {exc})") from None
     if not isinstance(data, dict) or not str(data.get("schema", "")).startswith("aioexperts-bench-generate/"):
         raise ValueError(f"{path} is not a results file of aioexperts-bench --mode generate")
     return data

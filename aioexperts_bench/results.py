@@ -69,11 +69,17 @@ def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
     the new names.
 
     Raises:
-        ValueError: not a results file of a known schema.
+        OSError: the file cannot be read (FileNotFoundError: there is none).
+        ValueError: not a results file of a known schema (not UTF-8 JSON, not an object, another
+            schema), naming the file.
     """
-    with open(path, encoding="utf-8") as f:
-        data: dict[str, Any] = json.load(f)
-    if data.get("schema") != SCHEMA:
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError alike
+        raise ValueError(f"{os.fspath(path)}: not a bench results file (not JSON: {exc})") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ValueError(f"{os.fspath(path)}: not a bench results file of schema {SCHEMA}")
     for parent, old, new in _RENAMED:
         node: Any = data

@@ -16,8 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from aioexperts_bench import dumps_json, source_commit
-from aioexperts_bench.machine import cpu_vector_isa
+from aioexperts_bench import cpu_vector_isa, dumps_json, source_commit
 
 RESULTS_DIR = Path.cwd()
 

@@ -23,11 +23,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", nargs="+", required=True, metavar="RESULTS", help="results files, then -- and the docs")
     ap.add_argument("docs", nargs="*", type=Path, help="documents whose region is replaced")
     args = ap.parse_args(argv)
-    results = [load_generate_results(p) for p in args.render]
-    for doc in args.docs:
-        if not render_into(doc, results, args.render):
-            print(f"{doc}: no <!-- bench:generate-headline --> region", file=sys.stderr)
-            return 1
+    try:
+        results = [load_generate_results(p) for p in args.render]
+        for doc in args.docs:
+            if not render_into(doc, results, args.render):
+                print(f"{doc}: no <!-- bench:generate-headline --> region", file=sys.stderr)
+                return 1
+    except (OSError, ValueError) as exc:  # a results file or doc missing or of another kind: one line
+        if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+            message = f"{exc.filename}: {exc.strerror}"
+        else:
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"{ap.prog}: error: {message}", file=sys.stderr)
+        return 2
     return 0
 
 

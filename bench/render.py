@@ -68,6 +68,21 @@ def main(argv: list[str] | None = None) -> int:
         "--extra", action="store_true", help="also render the satellite benches' regions from docs/results/*.json"
     )
     args = parser.parse_args(argv)
+    try:
+        return _render(args)
+    except (OSError, ValueError) as exc:  # a results file or doc missing or of another kind: one line
+        print(f"{parser.prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc`` as one line: an OSError with its file name, else its message."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _render(args: argparse.Namespace) -> int:
     results = load_results(args.results)
     if args.plots:
         from aioexperts_bench import write_plots

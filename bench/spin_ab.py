@@ -28,7 +28,7 @@ import numpy as np
 from _results import refuse_foreign, replace_region, write_results  # bench/_results.py, a sibling module
 
 import aioexperts
-from aioexperts._compute.pool import DEFAULT_SPIN_US, compute_pool, configure_compute_pool, default_spin_us
+from aioexperts._compute.pool import DEFAULT_SPIN_US, MAX_SPIN_US, compute_pool, configure_compute_pool, default_spin_us
 from aioexperts.testing import ensure_full_model
 
 MODES = ("spin", "sleep")
@@ -126,8 +126,8 @@ def main() -> int:
     if args.rounds < 1 or args.tokens < 1 or args.prompt < 1:
         ap.error("--rounds, --tokens and --prompt must be >= 1")
     spin_us = default_spin_us() if args.spin_us is None else args.spin_us
-    if spin_us <= 0:
-        ap.error("--spin-us must be > 0 (the spinning block's spin)")
+    if not 0 < spin_us <= MAX_SPIN_US:
+        ap.error(f"--spin-us must be in [1, {MAX_SPIN_US}] (the spinning block's spin)")
     if args.json is not None:
         refuse_foreign(args.json)
     started = time.time()

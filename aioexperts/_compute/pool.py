@@ -21,12 +21,13 @@ started, which also avoids OpenMP's stalls on a shared 2-core machine (pitfall 5
 
 While a job submitted with ``spin=True`` runs (the resident decode pass: every expert in memory,
 no read in flight), an idle worker spins for a short while (``$AIOEXPERTS_COMPUTE_SPIN_US``,
-default :data:`DEFAULT_SPIN_US` microseconds, 0: never) before it sleeps, and so does a ``map``
-caller waiting for its helpers' items: the job's next fan-out then starts without a futex wake-up
-(about 50 us each on the 2-vCPU machines here, a few hundred per decode token). The spin polls a
-counter in compiled code without the GIL (:mod:`aioexperts._compute.kernels.spin`). Other jobs
-never spin: under a memory limit the event loop needs the cores between compute jobs to read
-(spinning there measured slower), and with numba unavailable the threads sleep at once.
+default :data:`DEFAULT_SPIN_US` microseconds, 0: never, at most :data:`MAX_SPIN_US`) before it
+sleeps, and so does a ``map`` caller waiting for its helpers' items: the job's next fan-out then
+starts without a futex wake-up (about 50 us each on the 2-vCPU machines here, a few hundred per
+decode token). The spin polls a counter in compiled code without the GIL
+(:mod:`aioexperts._compute.kernels.spin`). Other jobs never spin: under a memory limit the event
+loop needs the cores between compute jobs to read (spinning there measured slower), and with
+numba unavailable the threads sleep at once.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from .._io.loop import current_loop, wait_through_cancellation
 
 __all__ = (
     "DEFAULT_SPIN_US",
+    "MAX_SPIN_US",
+    "MAX_THREADS",
     "SPIN_ENV",
     "THREADS_ENV",
     "ComputePool",
@@ -59,9 +62,15 @@ __all__ = (
 log = logging.getLogger("aioexperts")
 
 THREADS_ENV = "AIOEXPERTS_COMPUTE_THREADS"
+#: the most workers a pool takes: far past any core count this runs on, well below the threads a
+#: process can start (a larger count failed at the first job with a RuntimeError traceback)
+MAX_THREADS = 1024
 SPIN_ENV = "AIOEXPERTS_COMPUTE_SPIN_US"
 #: microseconds an idle worker or a waiting ``map`` caller spins before it sleeps (while a ``spin`` job runs)
 DEFAULT_SPIN_US = 200
+#: the longest spin accepted (one second): a spin is meant to bridge the gap between two fan-outs;
+#: a longer one only burns a core, and past about 2**63 iterations it cannot reach the compiled loop
+MAX_SPIN_US = 1_000_000
 # the counters the spinning threads poll: work posted (jobs and fan-outs), fan-out items finished
 _POSTED, _FINISHED = 0, 1
 #: threads each native library (BLAS, OpenMP) may use per call while a pool lives
@@ -72,10 +81,10 @@ I = TypeVar("I")  # noqa: E741
 
 
 def default_spin_us() -> int:
-    """``$AIOEXPERTS_COMPUTE_SPIN_US``, else :data:`DEFAULT_SPIN_US`.
+    """``$AIOEXPERTS_COMPUTE_SPIN_US``, else :data:`DEFAULT_SPIN_US` (microseconds).
 
     Raises:
-        ConfigError: the variable is set but not an integer >= 0.
+        ConfigError: the variable is set but not an integer from 0 to :data:`MAX_SPIN_US`.
     """
     value = os.environ.get(SPIN_ENV, "").strip()
     if not value:
@@ -84,11 +93,12 @@ def default_spin_us() -> int:
         us = int(value)
     except ValueError:
         us = -1
-    if us < 0:
-        raise ConfigError(f"{SPIN_ENV} must be an integer >= 0 (microseconds), got {value!r}")
+    if not 0 <= us <= MAX_SPIN_US:
+        raise ConfigError(f"{SPIN_ENV} must be an integer from 0 to {MAX_SPIN_US} (microseconds), got {value!r}")
     return us
 
 
+#: ``spin(signal, index, seen, max_iters) -> value read last`` (kernels/spin.py)
 Spin = Callable[[np.ndarray, int, int, int], int]
 
 
@@ -113,14 +123,14 @@ def _spinner(us: int) -> tuple[Spin, int] | None:
     except Exception as exc:  # numba failing to compile: sleep at once, as without numba
         log.info("compute pool threads will not spin before they sleep: %s: %s", type(exc).__name__, exc)
         return None
-    return spin_while_equal, max(1, int(us * 1e-6 / per_iteration))
+    return spin_while_equal, min(max(1, int(us * 1e-6 / per_iteration)), 1 << 62)  # the loop counts in int64
 
 
 def default_threads() -> int:
     """``$AIOEXPERTS_COMPUTE_THREADS``, else the cores this process may run on.
 
     Raises:
-        ConfigError: the variable is set but not an integer >= 1.
+        ConfigError: the variable is set but not an integer from 1 to :data:`MAX_THREADS`.
     """
     value = os.environ.get(THREADS_ENV)
     if value:
@@ -128,8 +138,8 @@ def default_threads() -> int:
             n = int(value)
         except ValueError:
             n = 0
-        if n < 1:
-            raise ConfigError(f"{THREADS_ENV} must be an integer >= 1, got {value!r}")
+        if not 1 <= n <= MAX_THREADS:
+            raise ConfigError(f"{THREADS_ENV} must be an integer from 1 to {MAX_THREADS}, got {value!r}")
         return n
     try:
         return len(os.sched_getaffinity(0))
@@ -216,24 +226,25 @@ class ComputePool:
     """Worker threads for compute, shared by every runner of the process (see the module docstring).
 
     Args:
-        n_threads: workers (>= 1); default :func:`default_threads`.
+        n_threads: workers (1 to :data:`MAX_THREADS`); default :func:`default_threads`.
         limit_native_threads: cap BLAS/OpenMP to one thread per call while the pool lives.
         spin_us: microseconds an idle worker, and a ``map`` caller waiting for its helpers, spin
-            before sleeping while a ``spin`` job runs (0: never); default :func:`default_spin_us`.
+            before sleeping while a ``spin`` job runs (0: never, at most :data:`MAX_SPIN_US`);
+            default :func:`default_spin_us`.
 
     Raises:
-        ConfigError: ``n_threads`` < 1, ``spin_us`` < 0.
+        ConfigError: ``n_threads`` outside [1, :data:`MAX_THREADS`], ``spin_us`` outside [0, :data:`MAX_SPIN_US`].
     """
 
     def __init__(
         self, n_threads: int | None = None, *, limit_native_threads: bool = True, spin_us: int | None = None
     ) -> None:
         n = default_threads() if n_threads is None else n_threads
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigError(f"n_threads must be an int >= 1, got {n_threads!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS:
+            raise ConfigError(f"n_threads must be an int from 1 to {MAX_THREADS}, got {n_threads!r}")
         us = default_spin_us() if spin_us is None else spin_us
-        if isinstance(us, bool) or not isinstance(us, int) or us < 0:
-            raise ConfigError(f"spin_us must be an int >= 0, got {spin_us!r}")
+        if isinstance(us, bool) or not isinstance(us, int) or not 0 <= us <= MAX_SPIN_US:
+            raise ConfigError(f"spin_us must be an int from 0 to {MAX_SPIN_US} (microseconds), got {spin_us!r}")
         self._n = n
         self._spin_us = us if n > 1 else 0
         self._spin: tuple[Spin, int] | None = None
@@ -474,7 +485,7 @@ def configure_compute_pool(
     The old pool finishes its queued jobs before its workers stop. Call it while no job runs.
 
     Raises:
-        ConfigError: ``n_threads`` < 1, ``spin_us`` < 0.
+        ConfigError: ``n_threads`` outside [1, :data:`MAX_THREADS`], ``spin_us`` outside [0, :data:`MAX_SPIN_US`].
     """
     global _pool
     with _pool_lock:

@@ -83,7 +83,8 @@ class ServerOptions:
         max_body_bytes: larger request bodies are refused with 413.
         shutdown_timeout: seconds :meth:`Server.stop` lets running generations finish before
             cancelling them.
-        model_name: the model's id in ``/v1/models`` and responses (default: the file name).
+        model_name: the model's id in ``/v1/models`` and responses, a non-empty str (default: the
+            file name).
         prompt_cache_bytes: the prompt cache's budget in bytes of KV cache
             (:mod:`aioexperts.serve._prompt_cache`); 0 turns it off; None: half the memory left
             once the model started and ``parallel`` sequences have their KV cache, at most
@@ -130,6 +131,10 @@ class ServerOptions:
             )
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise aioexperts.ConfigError("ServerOptions.api_key must be a non-empty str (or None for no key)")
+        if self.model_name is not None and (not isinstance(self.model_name, str) or not self.model_name.strip()):
+            raise aioexperts.ConfigError(
+                f"ServerOptions.model_name must be a non-empty str (or None for the file name), got {self.model_name!r}"
+            )
 
 
 def _json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

@@ -270,3 +270,38 @@ def test_machine_label_names_the_vector_isa_when_recorded() -> None:
     facts = {"cpu_count": 2, "cpu_model": "AMD EPYC", "memory_bytes": 24 << 30, "filesystem": "ext4", "kernel": "6.18"}
     assert "AMD EPYC, 24 GiB" in machine_label(facts)
     assert "AMD EPYC (AVX-512 VNNI), 24 GiB" in machine_label({**facts, "cpu_vector_isa": "AVX-512 VNNI"})
+
+
+@pytest.mark.parametrize("script", ["render.py", "generate.py"])
+def test_render_scripts_refuse_a_bad_results_file_or_doc_in_one_line(
+    script: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README.md's ``bench/generate.py --render`` and docs/bench.md's ``bench/render.py`` (``make
+    render RESULTS=...``) name a results file the user types: a missing, binary, non-JSON or foreign
+    one (or a missing doc) is one ``PROG: error: ...`` line and status 2, never a traceback."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(script[:-3], Path(__file__).parents[2] / "bench" / script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (tmp_path / "garbage.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\xff\xfe")
+    (tmp_path / "text.json").write_text("not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "other.json").write_text('{"schema": "something else"}')
+    doc = tmp_path / "doc.md"
+    doc.write_text("no region\n")
+    for name in ("missing.json", "garbage.gguf", "text.json", "list.json", "other.json"):
+        path = str(tmp_path / name)
+        argv = [path] if script == "render.py" else ["--render", path, "--", str(doc)]
+        assert module.main(argv) == 2, name
+        err = capsys.readouterr().err
+        assert err.endswith("\n") and err.count("\n") == 1 and f": error: {path}" in err, err  # PROG: error: ...
+    # a good results file, a missing doc
+    results = Path(__file__).parents[2] / "docs" / "results"
+    good = results / ("2026-11-30-vm-2vcpu-epyc.json" if script == "render.py" else "generate-dsv4-4l-none.json")
+    missing = str(tmp_path / "missing.md")
+    argv = [str(good), "--write", missing] if script == "render.py" else ["--render", str(good), "--", missing]
+    assert module.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f": error: {missing}: No such file or directory\n") and err.count("\n") == 1, err

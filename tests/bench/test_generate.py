@@ -11,7 +11,15 @@ import pytest
 
 from aioexperts.cli import bench
 from aioexperts_bench import generate, load_generate_results, render_into, text_report
-from aioexperts_bench.generate import _from_events, _round_summary, evaluate_targets, parse_limit, summarize, token_ids
+from aioexperts_bench.generate import (
+    _from_events,
+    _round_summary,
+    _run_line,
+    evaluate_targets,
+    parse_limit,
+    summarize,
+    token_ids,
+)
 
 
 def test_generate_smoke_run_writes_results_and_a_report(
@@ -504,3 +512,16 @@ def test_tier_runs_of_another_policy_keep_their_own_row() -> None:
         "aioexperts": 1.0,
         "aioexperts-tier": 1.4,
     }
+
+
+def test_a_failed_run_says_why_on_its_progress_line() -> None:
+    """A run whose process failed (AIOEXPERTS_COMPUTE_SPIN_US=x in its environment, say) printed only
+    ``failed: 0.000 tok/s over 0 tokens, wall 1 s``: the reason was in the results file alone
+    (and nowhere with ``--out ''``). The line now ends with the process's last stderr line."""
+    base = {"tokens_decoded": 0, "wall_seconds": 1.0, "decode_tok_s": None}
+    why = "aioexperts._errors.ConfigError: AIOEXPERTS_COMPUTE_SPIN_US must be an integer from 0 to 1000000"
+    failed = {**base, "status": "failed", "stderr_tail": ["Traceback (most recent call last):", why, "  "]}
+    assert _run_line(failed) == f"  failed: 0.000 tok/s over 0 tokens, wall 1 s (stderr: {why})"
+    assert _run_line({**base, "status": "oom-killed", "stderr_tail": []}).endswith("wall 1 s")
+    ok = {**base, "status": "ok", "decode_tok_s": 2.5, "tokens_decoded": 8}
+    assert _run_line(ok) == "  ok: 2.500 tok/s over 8 tokens, wall 1 s"

@@ -12,7 +12,7 @@ import anyio
 import numpy as np
 import pytest
 
-from aioexperts._compute.pool import ComputePool, compute_pool, configure_compute_pool, default_threads
+from aioexperts._compute.pool import MAX_THREADS, ComputePool, compute_pool, configure_compute_pool, default_threads
 from aioexperts._errors import ConfigError, StoreClosedError
 
 pytestmark = pytest.mark.anyio
@@ -201,9 +201,19 @@ def test_native_thread_pools_are_capped_while_the_pool_lives() -> None:
 def test_sizes_and_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIOEXPERTS_COMPUTE_THREADS", "3")
     assert default_threads() == 3
-    monkeypatch.setenv("AIOEXPERTS_COMPUTE_THREADS", "zero")
-    with pytest.raises(ConfigError, match="AIOEXPERTS_COMPUTE_THREADS"):
-        default_threads()
+    monkeypatch.setenv("AIOEXPERTS_COMPUTE_THREADS", str(MAX_THREADS))
+    assert default_threads() == MAX_THREADS
+    # past the bound: 99999999999999999999 was taken, and the first job failed with a
+    # "can't start new thread" RuntimeError traceback (aioexperts-run printed it)
+    for bad in ("zero", "0", str(MAX_THREADS + 1), "99999999999999999999"):
+        monkeypatch.setenv("AIOEXPERTS_COMPUTE_THREADS", bad)
+        with pytest.raises(ConfigError, match="AIOEXPERTS_COMPUTE_THREADS"):
+            default_threads()
+        with pytest.raises(ConfigError, match="AIOEXPERTS_COMPUTE_THREADS"):
+            ComputePool()
+    for bad_n in (MAX_THREADS + 1, 10**20):
+        with pytest.raises(ConfigError, match="n_threads"):
+            ComputePool(bad_n)
     monkeypatch.delenv("AIOEXPERTS_COMPUTE_THREADS")
     assert default_threads() >= 1
     with pytest.raises(ConfigError):
@@ -323,20 +333,25 @@ def test_spin_while_equal_sees_another_threads_write_without_the_gil() -> None:
 
 
 def test_spin_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aioexperts._compute.pool import DEFAULT_SPIN_US, SPIN_ENV, default_spin_us
+    from aioexperts._compute.pool import DEFAULT_SPIN_US, MAX_SPIN_US, SPIN_ENV, default_spin_us
 
     monkeypatch.delenv(SPIN_ENV, raising=False)
     assert default_spin_us() == DEFAULT_SPIN_US
     monkeypatch.setenv(SPIN_ENV, "0")
     assert default_spin_us() == 0
-    for bad in ("-1", "fast"):
+    monkeypatch.setenv(SPIN_ENV, str(MAX_SPIN_US))
+    assert default_spin_us() == MAX_SPIN_US
+    # past the bound: a spin of 1e20 us was accepted, then its iteration count overflowed the
+    # compiled loop's int64 in each worker thread (OverflowError, the thread gone)
+    for bad in ("-1", "fast", str(MAX_SPIN_US + 1), "99999999999999999999"):
         monkeypatch.setenv(SPIN_ENV, bad)
         with pytest.raises(ConfigError, match=SPIN_ENV):
             default_spin_us()
         with pytest.raises(ConfigError, match=SPIN_ENV):
             ComputePool(2)
-    with pytest.raises(ConfigError, match="spin_us"):
-        ComputePool(2, spin_us=-5)
+    for bad_us in (-5, MAX_SPIN_US + 1, 10**20):
+        with pytest.raises(ConfigError, match="spin_us"):
+            ComputePool(2, spin_us=bad_us)
     assert ComputePool(1, spin_us=100).spin_us == 0  # nobody to hand work to
 
 

@@ -163,6 +163,9 @@ def test_a_second_signal_ends_the_streams_with_shutting_down_and_exits_1(tiny_fu
         (["MODEL", "--layers", "2"], "built-in model"),
         (["MODEL", "--shutdown-timeout", "-1"], "--shutdown-timeout must be seconds >= 0"),
         (["MODEL", "--api-key", ""], "--api-key must be a non-empty str"),
+        # an empty alias was taken and the file name served under it, without a word
+        (["MODEL", "--alias", ""], "--alias must be a non-empty str"),
+        (["MODEL", "--alias", "  "], "--alias must be a non-empty str"),
         (["MODEL", "--max-body-bytes", str(1 << 41)], "--max-body-bytes must be an int in"),
         (["MODEL", "--prompt-cache-bytes", "-1"], "--prompt-cache-bytes: must be >= 0"),
         (["MODEL", "--prompt-cache-bytes", str(1 << 51)], "--prompt-cache-bytes must be an int in"),
