@@ -248,7 +248,7 @@ class ComputePool:
         self._n = n
         self._spin_us = us if n > 1 else 0
         self._spin: tuple[Spin, int] | None = None
-        self._spin_known = False  # the first worker has set the spin up (or found it impossible)
+        self._spin_known = False  # the set-up thread has set the spin up (or found it impossible)
         self._signal = np.zeros(2, dtype=np.int64)
         self._spin_jobs = 0  # ``spin`` jobs running now (threads spin only while one does)
         self._lock = threading.Lock()
@@ -269,8 +269,9 @@ class ComputePool:
 
     @property
     def spin_us(self) -> int:
-        """Microseconds a thread spins before it sleeps (0: never; see the module docstring). The
-        first worker sets the spin up; if it cannot (no numba), 0 from then on."""
+        """Microseconds a thread spins before it sleeps (0: never; see the module docstring). A
+        thread of its own sets the spin up when the workers start (once, a compile or a cache load);
+        if it cannot (no numba), 0 from then on."""
         with self._lock:
             return 0 if self._spin_known and self._spin is None else self._spin_us
 
