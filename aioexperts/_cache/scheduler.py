@@ -189,14 +189,7 @@ class ReadScheduler:
         Raises:
             StoreClosedError: the scheduler is closed (nothing was queued).
         """
-        if self._closed:
-            raise StoreClosedError("the store is closed")
-        if self.timeline is not None:
-            load.queued_at = time.perf_counter()
-        self._queue_of(load.priority).append(load)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self.loop.call_soon(self._scheduled_flush)
+        self.enqueue_all([load], load.priority)
 
     def enqueue_all(self, loads: list[Load], priority: Priority) -> None:
         """:meth:`enqueue` each of ``loads`` (all of ``priority``), in order, with one check and

@@ -224,11 +224,7 @@ class SlabSource(ExpertSource):
         return self._running().pin_ready(keys)
 
     def view(self, pinned: Entry) -> ExpertView:
-        shared = pinned.views
-        if shared is None:  # once per slot load: every later hit gets the same views
-            shared = pinned.views = self._shared_views(pinned)
-        assert isinstance(shared, SharedViews)
-        return shared.expert
+        return self.views([pinned])[0]
 
     def views(self, pinned: Sequence[Entry]) -> list[ExpertView]:
         out = []
@@ -236,7 +232,8 @@ class SlabSource(ExpertSource):
             shared = entry.views
             if shared is None:  # once per slot load: every later hit gets the same views
                 shared = entry.views = self._shared_views(entry)
-            out.append(shared.expert)  # type: ignore[attr-defined]  # this source's SharedViews (view())
+            assert isinstance(shared, SharedViews)
+            out.append(shared.expert)
         return out
 
     def _shared_views(self, pinned: Entry) -> SharedViews:
