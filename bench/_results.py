@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from aioexperts.cli._common import error_text
 from aioexperts_bench import cpu_vector_isa, dumps_json, source_commit
 
 RESULTS_DIR = Path.cwd()
@@ -150,3 +151,10 @@ def dumps(payload: dict[str, Any]) -> str:
     head = dumps_json({**payload, "rounds": []}, indent=1, default=str)
     lines = ",\n".join("  " + dumps_json(r, default=str) for r in rounds)
     return head.replace('"rounds": []', '"rounds": [\n' + lines + "\n ]", 1) + "\n"
+
+
+def one_line_error(exc: BaseException) -> str:
+    """``exc`` as one line for ``PROG: error: ...`` (:func:`aioexperts.cli._common.error_text`, its
+    first line; the exception's type when it has no message)."""
+    text = error_text(exc)
+    return text.splitlines()[0] if text else type(exc).__name__

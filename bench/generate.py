@@ -17,6 +17,9 @@ from pathlib import Path
 
 from aioexperts_bench import load_generate_results, render_into
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import one_line_error  # noqa: E402  (a sibling module of this script)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
@@ -30,11 +33,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{doc}: no <!-- bench:generate-headline --> region", file=sys.stderr)
                 return 1
     except (OSError, ValueError) as exc:  # a results file or doc missing or of another kind: one line
-        if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
-            message = f"{exc.filename}: {exc.strerror}"
-        else:
-            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"{ap.prog}: error: {message}", file=sys.stderr)
+        print(f"{ap.prog}: error: {one_line_error(exc)}", file=sys.stderr)
         return 2
     return 0
 

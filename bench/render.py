@@ -27,7 +27,8 @@ from pathlib import Path
 from aioexperts_bench import SECTIONS, load_results, markdown
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report_extra import EXTRA  # noqa: E402  (a sibling module of this script)
+from _results import one_line_error  # noqa: E402  (sibling modules of this script)
+from report_extra import EXTRA  # noqa: E402
 
 _REGION = re.compile(r"(<!-- bench:(?P<name>[a-z]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.DOTALL)
 
@@ -71,15 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _render(args)
     except (OSError, ValueError) as exc:  # a results file or doc missing or of another kind: one line
-        print(f"{parser.prog}: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"{parser.prog}: error: {one_line_error(exc)}", file=sys.stderr)
         return 2
-
-
-def _one_line(exc: BaseException) -> str:
-    """``exc`` as one line: an OSError with its file name, else its message."""
-    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
-        return f"{exc.filename}: {exc.strerror}"
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _render(args: argparse.Namespace) -> int:
