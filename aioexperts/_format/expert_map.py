@@ -30,7 +30,7 @@ from .._errors import ConfigError, FormatError, StaleMapError
 from .filemode import new_file_mode
 from .layout import ExpertLayout
 from .model import GGUFModel, ShardInfo
-from .staleness import file_change
+from .staleness import IDENTITY_FIELDS, file_change
 
 __all__ = ("EXPERT_MAP_MAGIC", "ExpertMap", "check_map_matches_layout", "read_expert_map", "write_expert_map")
 
@@ -78,13 +78,9 @@ class ExpertMap:
             raise StaleMapError(
                 f"the map does not match the model {shard.path}: {reason}; write it again "
                 f"(aioexperts-map write {shlex.quote(shard.path)} -o MAP)",
-                recorded={k: [v] for k, v in zip(_FIELDS, theirs, strict=True)},
-                current={k: [v] for k, v in zip(_FIELDS, ours, strict=True)},
+                recorded={k: [v] for k, v in zip(IDENTITY_FIELDS, theirs, strict=True)},
+                current={k: [v] for k, v in zip(IDENTITY_FIELDS, ours, strict=True)},
             )
-
-
-#: the identity fields of StaleMapError.recorded / .current, in ExpertMap order
-_FIELDS = ("sizes", "devs", "inos", "mtimes")
 
 
 def _require_blocks_from_zero(layout: ExpertLayout, what: str) -> None:

@@ -7,9 +7,14 @@ an earlier or a later version, a size change), with local ISO times instead of r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 
-__all__ = ("file_change", "local_time")
+__all__ = ("IDENTITY_FIELDS", "file_change", "local_time")
+
+#: a model's identity as a map or sidecar records it, one list per field with an int per model file
+#: (bytes, ``st_dev``, ``st_ino``, ``st_mtime_ns``): ``StaleMapError.recorded`` / ``.current``
+IDENTITY_FIELDS = ("sizes", "devs", "inos", "mtimes")
 
 
 def local_time(ns: int, other: int) -> str:
@@ -25,10 +30,10 @@ def local_time(ns: int, other: int) -> str:
     return f"{iso[:19]}.{fraction:09d}{iso[19:]}"  # YYYY-MM-DDTHH:MM:SS.fffffffff+HH:MM
 
 
-def file_change(name: str, what: str, recorded: tuple[int, int, int, int], current: tuple[int, int, int, int]) -> str:
+def file_change(name: str, what: str, recorded: Sequence[int], current: Sequence[int]) -> str:
     """Why ``what`` (``"the map"``, ``"the sidecar"``) does not fit model file ``name``: its recorded
     ``(size, st_dev, st_ino, st_mtime_ns)`` against the file's ``current`` one; ``""`` if they agree."""
-    if recorded == current:
+    if tuple(recorded) == tuple(current):
         return ""
     (size_then, dev_then, ino_then, then), (size_now, dev_now, ino_now, now) = recorded, current
     if (dev_then, ino_then) != (dev_now, ino_now):

@@ -21,7 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from .._errors import FormatError, StaleMapError
 from .layout import Bank, ExpertLayout, ExpertLocation, Segment
 from .model import GGUFModel, ShardInfo, open_model
-from .staleness import file_change
+from .staleness import IDENTITY_FIELDS, file_change
 
 __all__ = (
     "TIER_ARCH",
@@ -112,13 +112,12 @@ def _identity(recorded: dict[str, object], n: int) -> dict[str, list[int]] | Non
 def _stale_reason(rec: dict[str, list[int]], ours: dict[str, list[int]], model: GGUFModel) -> str:
     """Why a sidecar's recorded identity ``rec`` differs from the model's (``ours``), in words: for
     each model file whose identity changed, another file or another version of it (mtimes, sizes)."""
-    fields = ("sizes", "devs", "inos", "mtimes")
     reasons = (
         file_change(
             os.path.basename(shard.path),
             "the sidecar",
-            tuple(rec[f][i] for f in fields),  # type: ignore[arg-type]
-            tuple(ours[f][i] for f in fields),  # type: ignore[arg-type]
+            [rec[f][i] for f in IDENTITY_FIELDS],
+            [ours[f][i] for f in IDENTITY_FIELDS],
         )
         for i, shard in enumerate(model.shards)
     )
