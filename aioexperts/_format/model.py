@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .._errors import FormatError, MissingShardError, UnsupportedTypeError
@@ -154,21 +155,42 @@ class GGUFModel:
             FormatError: no such tensor, the file at this path is no longer the parsed one
                 (replaced or modified), or it is shorter than it was at open.
         """
+        data = bytearray(self.tensor(name).n_bytes)
+        self.read_tensor_into(name, data)
+        return bytes(data)
+
+    def read_tensor_into(self, name: str, out: bytearray | np.ndarray) -> None:
+        """Read the raw bytes of tensor ``name`` into ``out`` (a writable buffer of exactly its
+        ``n_bytes``; e.g. memory on huge pages), with ``preadv`` (no copy through a bytes object).
+
+        Blocking: call it from a worker thread when an event loop is running.
+
+        Raises:
+            FormatError: as :meth:`read_tensor_bytes`.
+            ValueError: ``out`` is not a writable buffer of the tensor's size.
+        """
         info = self.tensor(name)
+        view = (out.data if isinstance(out, np.ndarray) else memoryview(out)).cast("B")
+        if view.readonly or view.nbytes != info.n_bytes:
+            raise ValueError(f"tensor {name!r}: needs a writable buffer of {info.n_bytes} bytes, got {view.nbytes}")
         shard = self.shards[info.shard]
+        got = 0
         with open(shard.path, "rb", buffering=0) as f:
             if not shard.matches(os.fstat(f.fileno())):
                 raise FormatError(
                     f"{shard.path} changed since it was parsed (size, inode or mtime): it is not the model "
                     "whose experts are being read; reopen the model"
                 )
-            data = os.pread(f.fileno(), info.n_bytes, info.data_offset)
-        if len(data) != info.n_bytes:
+            while got < info.n_bytes:  # a large read may come back in parts (2 GiB at most per call)
+                n = os.preadv(f.fileno(), [view[got:]], info.data_offset + got)
+                if n <= 0:
+                    break
+                got += n
+        if got != info.n_bytes:
             raise FormatError(
                 f"{shard.path}: tensor {name!r} needs {info.n_bytes} bytes at offset "
-                f"{info.data_offset}, the file gave {len(data)} (truncated since it was opened?)"
+                f"{info.data_offset}, the file gave {got} (truncated since it was opened?)"
             )
-        return data
 
     def __repr__(self) -> str:
         return (

@@ -21,6 +21,7 @@ from aioexperts._compute.pool import compute_pool
 from aioexperts._errors import FormatError
 from aioexperts._format.dequant import dequantize
 from aioexperts._format.model import GGUFModel
+from aioexperts._model.hugepages import huge_empty
 
 __all__ = ("DenseMatrix", "TensorReader", "invariant_products", "stack_rows")
 
@@ -96,7 +97,8 @@ def stack_rows(name: str, matrices: Sequence[DenseMatrix]) -> tuple[DenseMatrix,
     """
     if not matrices or len({(m.ggml_type, m.shape[1]) for m in matrices}) != 1:
         return None
-    raw = np.concatenate([m.raw for m in matrices])
+    raw = huge_empty(sum(m.n_bytes for m in matrices))
+    np.concatenate([m.raw for m in matrices], out=raw)
     raw.flags.writeable = False
     rows = [m.shape[0] for m in matrices]
     stacked = DenseMatrix(name, raw, matrices[0].ggml_type, (sum(rows), matrices[0].shape[1]))
@@ -162,7 +164,9 @@ class TensorReader:
         block, type_size = GGML_QUANT_SIZES[info.ggml_type]
         if info.n_bytes != math.prod(info.dims) // block * type_size:
             raise FormatError(f"{self.model.path}: tensor {name!r} has {info.n_bytes} bytes for dims {info.dims}")
-        raw = np.frombuffer(self.model.read_tensor_bytes(name), dtype=np.uint8)
+        raw = huge_empty(info.n_bytes)  # streamed once per token: on 2 MiB pages
+        self.model.read_tensor_into(name, raw)
+        raw.flags.writeable = False
         return raw, info.ggml_type, info.shape
 
     def matrix(self, name: str, shape: tuple[int, int] | None = None) -> DenseMatrix:
