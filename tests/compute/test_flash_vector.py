@@ -89,6 +89,13 @@ def test_heads_split_over_the_pool_give_the_same_bits() -> None:
             q, k.view(np.uint16), v.view(np.uint16), 299, np.float32(0.125), np.empty(0, np.float32), 0, parts, lo, hi
         )
     assert np.array_equal(parts, whole)
+    # a call writes its own heads only (3..9 cuts two KV heads' groups of 4 in the middle)
+    alone = np.full((1, 16, 64), np.nan, np.float32)
+    flash.flash_attend_f16_bits(
+        q, k.view(np.uint16), v.view(np.uint16), 299, np.float32(0.125), np.empty(0, np.float32), 0, alone, 3, 9
+    )
+    assert np.isnan(alone[:, :3]).all() and np.isnan(alone[:, 9:]).all()
+    assert np.array_equal(alone[:, 3:9], whole[:, 3:9])
     assert compute_pool().n_threads >= 1  # the pool exists: attend() may split its heads
     assert 16 * 300 >= fused.FLASH_SPLIT_MIN
     assert np.array_equal(attend(q, k, v, 299, 0.125), whole.reshape(1, -1))

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..jit import kernel
 from .common import F32, U32
-from .halfvec import dot_f16_q, mad_f16, scale_f16
+from .halfvec import dot_f16_q, mad_f16, scale_f16, widen_f16
 
 # ruff: noqa: N803, N806
 
@@ -148,6 +148,12 @@ def flash_attend_f16_bits(q, k, v, start, scale, sinks, window, out, h_lo, h_hi)
     cache, C-contiguous), ``DK`` and ``DV`` multiples of 32; everything else as
     :func:`flash_attend_f16`, and bit for bit its result (the same operations in the same order,
     each FMA rounded once).
+
+    The query heads that share a KV head (GQA) walk the positions together: each key and value
+    row is widened to float32 once for all of them (:func:`.halfvec.widen_f16`), and their online
+    softmaxes (a chain of dot, compare, ``exp`` and FMA per position, each waiting for the one
+    before) interleave, so the core overlaps several chains instead of waiting on one. Each head's
+    operations and their order are those of the head alone.
     """
     T, H, DK = q.shape
     n_kv, HKV, _ = k.shape
@@ -155,31 +161,42 @@ def flash_attend_f16_bits(q, k, v, start, scale, sinks, window, out, h_lo, h_hi)
     group = H // HKV
     kf = k.reshape(-1)
     vf = v.reshape(-1)
-    qh = np.empty(DK, dtype=F32)
-    acc = np.empty(DV, dtype=F32)
+    qh = np.empty((group, DK), dtype=F32)
+    acc = np.empty((group, DV), dtype=F32)
+    k_row = np.empty(DK, dtype=F32)
+    v_row = np.empty(DV, dtype=F32)
+    S = np.empty(group, dtype=F32)
+    M = np.empty(group, dtype=F32)
     for t in range(T):
         p1 = start + t
-        for h in range(h_lo, h_hi):
-            kh = h // group
-            for d in range(DK):
-                qh[d] = to_half(q[t, h, d])
-            for d in range(DV):
-                acc[d] = F32(0.0)
-            S = F32(0.0)
-            M = F32(-np.inf)
-            lo = 0
-            if window > 0 and p1 - window + 1 > 0:
-                lo = p1 - window + 1
-            for j in range(lo, min(n_kv, p1 + 1)):
-                s = F32(dot_f16_q(qh, kf, (j * HKV + kh) * DK, DK) * F32(scale))
-                ms = F32(1.0)
-                vs = F32(1.0)
-                if s > M:
-                    ms = F32(np.exp(F32(M - s)))
-                    M = s
-                    scale_f16(acc, ms, DV)
-                else:
-                    vs = F32(np.exp(F32(s - M)))
-                mad_f16(acc, vf, (j * HKV + kh) * DV, vs, DV)
-                S = F32(S * ms + vs)
-            finish_row(acc, S, M, sinks, h, out, t)
+        lo = 0
+        if window > 0 and p1 - window + 1 > 0:
+            lo = p1 - window + 1
+        hi = min(n_kv, p1 + 1)
+        for kh in range(h_lo // group, (h_hi + group - 1) // group):
+            g0 = max(h_lo, kh * group)
+            n_g = min(h_hi, (kh + 1) * group) - g0
+            for i in range(n_g):
+                for d in range(DK):
+                    qh[i, d] = to_half(q[t, g0 + i, d])
+                for d in range(DV):
+                    acc[i, d] = F32(0.0)
+                S[i] = F32(0.0)
+                M[i] = F32(-np.inf)
+            for j in range(lo, hi):
+                widen_f16(k_row, kf, (j * HKV + kh) * DK, DK)
+                widen_f16(v_row, vf, (j * HKV + kh) * DV, DV)
+                for i in range(n_g):
+                    s = F32(dot_f16_q(qh[i], k_row, 0, DK) * F32(scale))
+                    ms = F32(1.0)
+                    vs = F32(1.0)
+                    if s > M[i]:
+                        ms = F32(np.exp(F32(M[i] - s)))
+                        M[i] = s
+                        scale_f16(acc[i], ms, DV)
+                    else:
+                        vs = F32(np.exp(F32(s - M[i])))
+                    mad_f16(acc[i], v_row, 0, vs, DV)
+                    S[i] = F32(S[i] * ms + vs)
+            for i in range(n_g):
+                finish_row(acc[i], S[i], M[i], sinks, g0 + i, out, t)

@@ -1,6 +1,6 @@
 """Float16 vector steps of ggml-cpu's F16 flash attention, as LLVM vector IR (x86 AVX2 semantics).
 
-Three intrinsics, each exact operation by operation (``llvm.fma``: one rounding, as
+Four intrinsics, each exact operation by operation (``llvm.fma``: one rounding, as
 ``_mm256_fmadd_ps``; ``fptrunc``/``fpext``: float16 round half to even, as ``vcvtps2ph`` /
 ``vcvtph2ps``), so that LLVM's choice of vector width cannot change a bit:
 
@@ -8,7 +8,9 @@ Three intrinsics, each exact operation by operation (``llvm.fma``: one rounding,
   float32 FMA accumulators over steps of 32, reduced as ``GGML_F32x8_REDUCE``
   (``x0 += x2, x1 += x3; x0 += x1``; the two 128-bit halves added; two ``hadd``);
 * :func:`mad_f16` is ``ggml_vec_mad_f16``: ``y = fp16(fma(x, v, y))`` per element;
-* :func:`scale_f16` is ``ggml_vec_scale_f16``: ``y = fp16(y * v)``.
+* :func:`scale_f16` is ``ggml_vec_scale_f16``: ``y = fp16(y * v)``;
+* :func:`widen_f16` widens a float16 row to float32 once, for the query heads that share it (the
+  first two then take float32 operands: the same numbers, one conversion fewer per head).
 
 The float16 operands are uint16 bit patterns; the running value accumulator is float32 holding
 float16 values (each step rounds it back to float16). Lengths are multiples of 32 (the callers
@@ -58,8 +60,17 @@ def _is_int(t: Any) -> bool:
 
 
 def _load_halves(context: Any, builder: ir.IRBuilder, aryty: Any, ary: Any, index: Any) -> Any:
+    """32 float32 values from ``ary[index:]``: float16 bit patterns (uint16) widened, or float32
+    values (float16 values widened before, :func:`widen_f16`) as they are: the same numbers."""
+    if aryty.dtype == types.float32:
+        return builder.load(_element_pointer(context, builder, aryty, ary, index, V32F), align=4)
     bits = builder.load(_element_pointer(context, builder, aryty, ary, index, V32I16), align=2)
     return builder.fpext(builder.bitcast(bits, V32H), V32F)
+
+
+def _is_halves(t: Any) -> bool:
+    """uint16 float16 bit patterns, or float32 holding float16 values (widened by :func:`widen_f16`)."""
+    return _is_1d(t, types.uint16) or _is_1d(t, types.float32)
 
 
 def _fma(builder: ir.IRBuilder, a: Any, b: Any, c: Any) -> Any:
@@ -95,8 +106,8 @@ def _steps(builder: ir.IRBuilder, n: Any) -> Any:
 @intrinsic
 def dot_f16_q(typingctx, q, k, k_off, n):
     """``ggml_vec_dot_f16(n, k[k_off:], q)``: ``q`` float32 holding float16 values, ``k`` uint16
-    bit patterns; ``n`` a multiple of 32. Returns float32."""
-    if not _is_1d(q, types.float32) or not _is_1d(k, types.uint16) or not _is_int(k_off) or not _is_int(n):
+    bit patterns (or float32 holding float16 values); ``n`` a multiple of 32. Returns float32."""
+    if not _is_1d(q, types.float32) or not _is_halves(k) or not _is_int(k_off) or not _is_int(n):
         return None
     sig = types.float32(q, k, k_off, n)
 
@@ -124,8 +135,9 @@ def dot_f16_q(typingctx, q, k, k_off, n):
 @intrinsic
 def mad_f16(typingctx, y, x, x_off, v, n):
     """``ggml_vec_mad_f16``: ``y[i] = fp16(fma(x[x_off + i], v, y[i]))`` for ``i < n`` (a multiple
-    of 32); ``y`` float32 holding float16 values, ``x`` uint16 bit patterns, ``v`` float32."""
-    if not _is_1d(y, types.float32) or not _is_1d(x, types.uint16) or not _is_int(x_off) or not _is_int(n):
+    of 32); ``y`` float32 holding float16 values, ``x`` uint16 bit patterns (or float32 holding
+    float16 values), ``v`` float32."""
+    if not _is_1d(y, types.float32) or not _is_halves(x) or not _is_int(x_off) or not _is_int(n):
         return None
     if v != types.float32:
         return None
@@ -162,6 +174,27 @@ def scale_f16(typingctx, y, v, n):
             i = builder.mul(loop.index, ir.Constant(loop.index.type, LANES))
             ptr = _element_pointer(context, builder, signature.args[0], ya, i, V32F)
             builder.store(_half_round(builder, builder.fmul(builder.load(ptr, align=4), vv)), ptr, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def widen_f16(typingctx, y, x, x_off, n):
+    """``y[i] = float32(x[x_off + i])`` for ``i < n`` (a multiple of 32): float16 bit patterns
+    (uint16) widened, exactly (``vcvtph2ps``); for a row that several heads read."""
+    if not _is_1d(y, types.float32) or not _is_1d(x, types.uint16) or not _is_int(x_off) or not _is_int(n):
+        return None
+    sig = types.void(y, x, x_off, n)
+
+    def codegen(context, builder, signature, args):
+        ya, xa, off, count = args
+        off = context.cast(builder, off, signature.args[2], types.intp)
+        count = context.cast(builder, count, signature.args[3], types.intp)
+        with cgutils.for_range(builder, _steps(builder, count)) as loop:
+            i = builder.mul(loop.index, ir.Constant(loop.index.type, LANES))
+            ptr = _element_pointer(context, builder, signature.args[0], ya, i, V32F)
+            builder.store(_load_halves(context, builder, signature.args[1], xa, builder.add(off, i)), ptr, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
