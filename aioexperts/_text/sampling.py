@@ -101,7 +101,8 @@ class SamplingOptions:
                 raise ConfigError(f"SamplingOptions.{name} must be a finite number, got {value!r}")
             if value < low or value > high or (low_open and value == low):
                 lo = "(" if low_open else "["
-                raise ConfigError(f"SamplingOptions.{name}={value!r} is outside {lo}{low}, {high}]")
+                top = "float32's largest (3.4e38)" if high == MAX_TEMPERATURE else f"{high}"
+                raise ConfigError(f"SamplingOptions.{name}={value!r} is outside {lo}{low}, {top}]")
 
         def integer(name: str, low: int, high: int) -> None:
             value = getattr(self, name)

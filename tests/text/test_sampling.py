@@ -346,7 +346,8 @@ def test_the_largest_temperature_is_float32s_largest_and_the_message_says_the_ra
         drawn = {Sampler(SamplingOptions(**{**PLAIN, "temperature": top, "seed": s}))(logits, []) for s in range(60)}
     assert drawn == {0, 1, 2}  # all but uniform
     for bad in (-1.0, 1e39, top * (1 + 2**-52)):
-        message = f"SamplingOptions.temperature={bad!r} is outside [0.0, {top!r}]"
+        message = f"SamplingOptions.temperature={bad!r} is outside [0.0, float32's largest (3.4e38)]"
+        assert top == 3.4028234663852886e38  # the number the message names
         with pytest.raises(ConfigError, match=re.escape(message)):
             SamplingOptions(temperature=bad)
     with pytest.raises(ConfigError, match="SamplingOptions.temperature must be a finite number, got inf"):
