@@ -165,6 +165,16 @@ def direct_io_unavailable(directory: Path) -> str | None:
 
 
 @pytest.fixture
+def small_model(tmp_path: Path) -> Path:
+    """A one-layer synthetic MoE GGUF (4 experts of 256x256, top-2) of this test's own, in ``tmp_path``."""
+    from aioexperts.testing import SyntheticSpec, write_synthetic_model
+
+    path = tmp_path / "small.gguf"
+    write_synthetic_model(path, SyntheticSpec(n_layer=1, n_embd=256, n_ff_exp=256, n_expert=4, n_expert_used=2))
+    return path
+
+
+@pytest.fixture
 def direct_tmp_path(tmp_path: Path) -> Path:
     """``tmp_path``, or a skip (with the reason) where its file system cannot do ``O_DIRECT``."""
     reason = direct_io_unavailable(tmp_path)

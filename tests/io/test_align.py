@@ -20,7 +20,6 @@ from aioexperts._io import align, files
 from aioexperts._io.align import align_down, align_up, probe_alignment, widen
 from aioexperts._io.files import open_shards
 from aioexperts._io.plan import plan_expert
-from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 
 @given(
@@ -83,13 +82,6 @@ def _old_kernel_statx(dirfd: int, path: bytes, flags: int, mask: int, buf: ctype
 @pytest.fixture
 def old_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(align, "_STATX", _old_kernel_statx)
-
-
-@pytest.fixture
-def small_model(tmp_path: Path) -> Path:
-    path = tmp_path / "small.gguf"
-    write_synthetic_model(path, SyntheticSpec(n_layer=1, n_embd=256, n_ff_exp=256, n_expert=4, n_expert_used=2))
-    return path
 
 
 def _is_direct(fd: int) -> bool:

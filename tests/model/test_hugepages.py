@@ -65,17 +65,8 @@ def test_the_buffer_outlives_its_mapping_s_other_references() -> None:
     assert again[-1] == 1
 
 
-@pytest.fixture
-def model_file(tmp_path: Path) -> Path:
-    from aioexperts.testing import SyntheticSpec, write_synthetic_model
-
-    path = tmp_path / "m.gguf"
-    write_synthetic_model(path, SyntheticSpec(n_layer=1, n_embd=256, n_ff_exp=256, n_expert=4, n_expert_used=2))
-    return path
-
-
-def test_read_into_gives_the_tensor_s_bytes_and_refuses_a_wrong_buffer(model_file: Path) -> None:
-    model = open_model(model_file)
+def test_read_into_gives_the_tensor_s_bytes_and_refuses_a_wrong_buffer(small_model: Path) -> None:
+    model = open_model(small_model)
     name = next(n for n, t in model.tensors.items() if t.n_bytes >= 1024)
     want = model.read_tensor_bytes(name)
     out = huge_empty(len(want))
@@ -89,19 +80,19 @@ def test_read_into_gives_the_tensor_s_bytes_and_refuses_a_wrong_buffer(model_fil
         model.read_tensor_into(name, frozen)
 
 
-def test_read_into_refuses_a_file_cut_short_after_open(model_file: Path) -> None:
-    model = open_model(model_file)
+def test_read_into_refuses_a_file_cut_short_after_open(small_model: Path) -> None:
+    model = open_model(small_model)
     last = max(model.tensors.values(), key=lambda t: t.data_offset)
-    with open(model_file, "r+b") as f:
+    with open(small_model, "r+b") as f:
         f.truncate(last.data_offset + 1)
     with pytest.raises(FormatError):
         model.read_tensor_into(last.name, np.empty(last.n_bytes, np.uint8))
 
 
-def test_matrices_read_and_stacked_are_read_only_and_on_huge_pages(model_file: Path) -> None:
+def test_matrices_read_and_stacked_are_read_only_and_on_huge_pages(small_model: Path) -> None:
     if not thp_advisable():
         pytest.skip("transparent huge pages are off on this kernel")
-    model = open_model(model_file)
+    model = open_model(small_model)
     reader = TensorReader(model)
     name = next(n for n, t in model.tensors.items() if len(t.shape) == 2)
     m = reader.matrix(name)
