@@ -10,12 +10,13 @@ are all present and agree. Only plain Python values are kept; no file stays open
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,9 +156,11 @@ class GGUFModel:
             FormatError: no such tensor, the file at this path is no longer the parsed one
                 (replaced or modified), or it is shorter than it was at open.
         """
-        data = bytearray(self.tensor(name).n_bytes)
-        self.read_tensor_into(name, data)
-        return bytes(data)
+        info = self.tensor(name)
+        with self._checked_shard(info) as fd:
+            data = os.pread(fd, info.n_bytes, info.data_offset)
+        self._check_read(info, len(data))
+        return data
 
     def read_tensor_into(self, name: str, out: bytearray | np.ndarray) -> None:
         """Read the raw bytes of tensor ``name`` into ``out`` (a writable buffer of exactly its
@@ -173,22 +176,32 @@ class GGUFModel:
         view = (out.data if isinstance(out, np.ndarray) else memoryview(out)).cast("B")
         if view.readonly or view.nbytes != info.n_bytes:
             raise ValueError(f"tensor {name!r}: needs a writable buffer of {info.n_bytes} bytes, got {view.nbytes}")
-        shard = self.shards[info.shard]
         got = 0
+        with self._checked_shard(info) as fd:
+            while got < info.n_bytes:  # a large read may come back in parts (2 GiB at most per call)
+                n = os.preadv(fd, [view[got:]], info.data_offset + got)
+                if n <= 0:
+                    break
+                got += n
+        self._check_read(info, got)
+
+    @contextlib.contextmanager
+    def _checked_shard(self, info: TensorInfo) -> Iterator[int]:
+        """The open file descriptor of ``info``'s shard, checked to be the parsed file (FormatError)."""
+        shard = self.shards[info.shard]
         with open(shard.path, "rb", buffering=0) as f:
             if not shard.matches(os.fstat(f.fileno())):
                 raise FormatError(
                     f"{shard.path} changed since it was parsed (size, inode or mtime): it is not the model "
                     "whose experts are being read; reopen the model"
                 )
-            while got < info.n_bytes:  # a large read may come back in parts (2 GiB at most per call)
-                n = os.preadv(f.fileno(), [view[got:]], info.data_offset + got)
-                if n <= 0:
-                    break
-                got += n
+            yield f.fileno()
+
+    def _check_read(self, info: TensorInfo, got: int) -> None:
+        """FormatError when a read of ``info`` gave ``got`` bytes, not all of them."""
         if got != info.n_bytes:
             raise FormatError(
-                f"{shard.path}: tensor {name!r} needs {info.n_bytes} bytes at offset "
+                f"{self.shards[info.shard].path}: tensor {info.name!r} needs {info.n_bytes} bytes at offset "
                 f"{info.data_offset}, the file gave {got} (truncated since it was opened?)"
             )
 
