@@ -187,7 +187,7 @@ def flash_attend_f16_bits(q, k, v, start, scale, sinks, window, out, h_lo, h_hi)
                 widen_f16(k_row, kf, (j * HKV + kh) * DK, DK)
                 widen_f16(v_row, vf, (j * HKV + kh) * DV, DV)
                 for i in range(n_g):
-                    s = F32(dot_f16_q(qh[i], k_row, 0, DK) * F32(scale))
+                    s = F32(dot_f16_q(qh[i], k_row, DK) * F32(scale))
                     ms = F32(1.0)
                     vs = F32(1.0)
                     if s > M[i]:
@@ -196,7 +196,7 @@ def flash_attend_f16_bits(q, k, v, start, scale, sinks, window, out, h_lo, h_hi)
                         scale_f16(acc[i], ms, DV)
                     else:
                         vs = F32(np.exp(F32(s - M[i])))
-                    mad_f16(acc[i], v_row, 0, vs, DV)
+                    mad_f16(acc[i], v_row, vs, DV)
                     S[i] = F32(S[i] * ms + vs)
             for i in range(n_g):
                 finish_row(acc[i], S[i], M[i], sinks, g0 + i, out, t)

@@ -4,19 +4,20 @@ Four intrinsics, each exact operation by operation (``llvm.fma``: one rounding, 
 ``_mm256_fmadd_ps``; ``fptrunc``/``fpext``: float16 round half to even, as ``vcvtps2ph`` /
 ``vcvtph2ps``), so that LLVM's choice of vector width cannot change a bit:
 
+* :func:`widen_f16` widens a row of float16 bit patterns (uint16) to float32 (``vcvtph2ps``),
+  once for the query heads that share a key or value row;
 * :func:`dot_f16_q` is ggml-cpu/vec.cpp ``ggml_vec_dot_f16`` of the AVX2 build: four 8-lane
   float32 FMA accumulators over steps of 32, reduced as ``GGML_F32x8_REDUCE``
   (``x0 += x2, x1 += x3; x0 += x1``; the two 128-bit halves added; two ``hadd``);
 * :func:`mad_f16` is ``ggml_vec_mad_f16``: ``y = fp16(fma(x, v, y))`` per element;
-* :func:`scale_f16` is ``ggml_vec_scale_f16``: ``y = fp16(y * v)``;
-* :func:`widen_f16` widens a float16 row to float32 once, for the query heads that share it (the
-  first two then take float32 operands: the same numbers, one conversion fewer per head).
+* :func:`scale_f16` is ``ggml_vec_scale_f16``: ``y = fp16(y * v)``.
 
-The float16 operands are uint16 bit patterns; the running value accumulator is float32 holding
-float16 values (each step rounds it back to float16). Lengths are multiples of 32 (the callers
-run the rest in scalar code, as ggml does). They need hardware float16 conversion (x86 F16C,
-AArch64): :func:`hardware_half` says whether the target has it; without it the callers keep the
-scalar kernel.
+The float16 operands of the last three are float32 arrays holding float16 values (widened rows,
+the rounded query; exact, so the same numbers as ggml's conversions in its loops); the running
+value accumulator is float32 holding float16 values (each step rounds it back to float16).
+Lengths are multiples of 32 (the callers run the rest in scalar code, as ggml does). They need
+hardware float16 conversion (x86 F16C, AArch64): :func:`hardware_half` says whether the target
+has it; without it the callers keep the scalar kernel.
 """
 
 from __future__ import annotations
@@ -60,17 +61,8 @@ def _is_int(t: Any) -> bool:
 
 
 def _load_halves(context: Any, builder: ir.IRBuilder, aryty: Any, ary: Any, index: Any) -> Any:
-    """32 float32 values from ``ary[index:]``: float16 bit patterns (uint16) widened, or float32
-    values (float16 values widened before, :func:`widen_f16`) as they are: the same numbers."""
-    if aryty.dtype == types.float32:
-        return builder.load(_element_pointer(context, builder, aryty, ary, index, V32F), align=4)
     bits = builder.load(_element_pointer(context, builder, aryty, ary, index, V32I16), align=2)
     return builder.fpext(builder.bitcast(bits, V32H), V32F)
-
-
-def _is_halves(t: Any) -> bool:
-    """uint16 float16 bit patterns, or float32 holding float16 values (widened by :func:`widen_f16`)."""
-    return _is_1d(t, types.uint16) or _is_1d(t, types.float32)
 
 
 def _fma(builder: ir.IRBuilder, a: Any, b: Any, c: Any) -> Any:
@@ -104,22 +96,21 @@ def _steps(builder: ir.IRBuilder, n: Any) -> Any:
 
 
 @intrinsic
-def dot_f16_q(typingctx, q, k, k_off, n):
-    """``ggml_vec_dot_f16(n, k[k_off:], q)``: ``q`` float32 holding float16 values, ``k`` uint16
-    bit patterns (or float32 holding float16 values); ``n`` a multiple of 32. Returns float32."""
-    if not _is_1d(q, types.float32) or not _is_halves(k) or not _is_int(k_off) or not _is_int(n):
+def dot_f16_q(typingctx, q, k, n):
+    """``ggml_vec_dot_f16(n, k, q)``: ``q`` and ``k`` float32 holding float16 values; ``n`` a
+    multiple of 32. Returns float32."""
+    if not _is_1d(q, types.float32) or not _is_1d(k, types.float32) or not _is_int(n):
         return None
-    sig = types.float32(q, k, k_off, n)
+    sig = types.float32(q, k, n)
 
     def codegen(context, builder, signature, args):
-        qa, ka, off, count = args
-        off = context.cast(builder, off, signature.args[2], types.intp)
-        count = context.cast(builder, count, signature.args[3], types.intp)
+        qa, ka, count = args
+        count = context.cast(builder, count, signature.args[2], types.intp)
         acc = cgutils.alloca_once_value(builder, ir.Constant(V32F, None))
         with cgutils.for_range(builder, _steps(builder, count)) as loop:
             i = builder.mul(loop.index, ir.Constant(loop.index.type, LANES))
             qv = builder.load(_element_pointer(context, builder, signature.args[0], qa, i, V32F), align=4)
-            kv = _load_halves(context, builder, signature.args[1], ka, builder.add(off, i))
+            kv = builder.load(_element_pointer(context, builder, signature.args[1], ka, i, V32F), align=4)
             builder.store(_fma(builder, kv, qv, builder.load(acc)), acc)
         x = builder.load(acc)
         # GGML_F32x8_REDUCE: x0 += x2, x1 += x3 (16 lanes); x0 += x1 (8); halves; hadd; hadd
@@ -133,25 +124,23 @@ def dot_f16_q(typingctx, q, k, k_off, n):
 
 
 @intrinsic
-def mad_f16(typingctx, y, x, x_off, v, n):
-    """``ggml_vec_mad_f16``: ``y[i] = fp16(fma(x[x_off + i], v, y[i]))`` for ``i < n`` (a multiple
-    of 32); ``y`` float32 holding float16 values, ``x`` uint16 bit patterns (or float32 holding
-    float16 values), ``v`` float32."""
-    if not _is_1d(y, types.float32) or not _is_halves(x) or not _is_int(x_off) or not _is_int(n):
+def mad_f16(typingctx, y, x, v, n):
+    """``ggml_vec_mad_f16``: ``y[i] = fp16(fma(x[i], v, y[i]))`` for ``i < n`` (a multiple of 32);
+    ``y`` and ``x`` float32 holding float16 values, ``v`` float32."""
+    if not _is_1d(y, types.float32) or not _is_1d(x, types.float32) or not _is_int(n):
         return None
     if v != types.float32:
         return None
-    sig = types.void(y, x, x_off, v, n)
+    sig = types.void(y, x, v, n)
 
     def codegen(context, builder, signature, args):
-        ya, xa, off, value, count = args
-        off = context.cast(builder, off, signature.args[2], types.intp)
-        count = context.cast(builder, count, signature.args[4], types.intp)
+        ya, xa, value, count = args
+        count = context.cast(builder, count, signature.args[3], types.intp)
         vv = _splat(builder, value)
         with cgutils.for_range(builder, _steps(builder, count)) as loop:
             i = builder.mul(loop.index, ir.Constant(loop.index.type, LANES))
             ptr = _element_pointer(context, builder, signature.args[0], ya, i, V32F)
-            xv = _load_halves(context, builder, signature.args[1], xa, builder.add(off, i))
+            xv = builder.load(_element_pointer(context, builder, signature.args[1], xa, i, V32F), align=4)
             builder.store(_half_round(builder, _fma(builder, xv, vv, builder.load(ptr, align=4))), ptr, align=4)
         return context.get_dummy_value()
 
