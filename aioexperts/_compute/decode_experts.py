@@ -1,12 +1,12 @@
-"""A decode step's routed experts as a few compiled calls per worker (one token of one call).
+"""A decode step's routed experts as two compiled fan-outs (one token of one call).
 
 The general path (:func:`aioexperts._compute.moe.expert_outputs`) makes each expert one
 compute-pool item of three :func:`~aioexperts._compute.fused.linear` products and its activation:
-about 30 us of Python per expert, and 8 items per layer to hand out. For one token, the experts are
-split into one group per worker instead; a group is one :func:`~aioexperts._compute.grouped.matvec_group`
-call for its gate and up products, the gated activation of the group's rows in numpy, and one call
-for its down products. The kernels and numpy operations are the general path's, so every expert's
-output has its bits.
+about 30 us of Python per expert, and 8 items per layer to hand out. For one token, the experts of
+one type are one group instead: one :func:`~aioexperts._compute.grouped.matvec_group` fan-out for
+their gate and up products (every product an item any core claims), the gated activation of the
+group's rows in numpy, and one fan-out for their down products. The kernels and numpy operations
+are the general path's, so every expert's output has its bits.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from aioexperts._compute.glu import GatedActivation
-from aioexperts._compute.grouped import group_kernel, matvec_group
+from aioexperts._compute.grouped import matvec_group, product_task
 from aioexperts._format.views import ExpertView
 
 __all__ = ("expert_group", "group_classes")
@@ -43,7 +43,7 @@ def group_classes(views: Sequence[ExpertView]) -> list[list[int]] | None:
     for gate_t, up_t, down_t, gate_shape, up_shape, down_shape in classes:
         if gate_shape != up_shape or down_shape[1] != gate_shape[0]:
             return None
-        if any(group_kernel(t) is None for t in {gate_t, up_t, down_t}):
+        if any(product_task(t) is None for t in {gate_t, up_t, down_t}):
             return None
     return list(classes.values()) or None
 

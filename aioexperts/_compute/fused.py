@@ -729,7 +729,7 @@ def _split_pool(raw: np.ndarray, split: bool) -> Any:
         return None
     from . import pool as _pool_module
 
-    pool = _pool_module._pool
+    pool = _pool_module._current_pool()
     if pool is None or pool.n_threads <= 1 or raw.shape[0] < 2 * pool.n_threads:
         return None
     return pool
@@ -836,11 +836,18 @@ def _linear_numba(
 ) -> None:
     n = xs.shape[0]
     llama = precision() == "int8"
-    if llama and n == 1 and ready.entry.int8_module is not None and _split_pool(raw, split) is None:
-        # the decode step's common call: one token on this thread; the kernel checks
-        # that x is finite itself (False: NaN or inf, nothing written; the general path below)
-        if _kernel(ready, qtype, "matvec_int8")(raw, xs[0], out[0]):
-            return
+    if llama and n == 1 and ready.entry.int8_module is not None:
+        # the decode step's common call: one token, on this thread or as one fan-out over the pool;
+        # the kernel checks that x is finite itself (False: NaN or inf; the general path below)
+        pool = _split_pool(raw, split)
+        if pool is None:
+            if _kernel(ready, qtype, "matvec_int8")(raw, xs[0], out[0]):
+                return
+        else:
+            from .grouped import matvec_split
+
+            if matvec_split(qtype, [(raw, (raw.shape[0], xs.shape[1]))], xs, [out[0]], 4 * pool.n_threads):
+                return
     # the int8 kernels' quantizers lose NaN/inf (max() skips NaN): such x takes the round trip, which keeps them
     int8 = ready.entry.int8_module is not None and llama and bool(np.isfinite(xs).all())
     # numba serves here: tiled_types() without its backend check
@@ -935,15 +942,50 @@ def flash_kernel() -> Callable[..., None] | None:
         n_head = q.shape[1]
         from . import pool as _pool_module
 
-        pool = _pool_module._pool
-        parts = 1 if pool is None else min(pool.n_threads, n_head)
-        if pool is None or parts <= 1 or q.shape[0] * n_head * k.shape[0] < FLASH_SPLIT_MIN:
+        pool = _pool_module._current_pool()
+        if pool is None or pool.n_threads <= 1 or q.shape[0] * n_head * k.shape[0] < FLASH_SPLIT_MIN:
             bits_kernel(q, k16, v16, *rest, 0, n_head)
             return
-        bounds = [n_head * i // parts for i in range(parts + 1)]
-        pool.map(lambda i: bits_kernel(q, k16, v16, *rest, bounds[i], bounds[i + 1]), range(parts))
+        if not _flash_fan_out(module, pool, q, k16, v16, *rest):
+            bits_kernel(q, k16, v16, *rest, 0, n_head)
 
     return flash
+
+
+_flash_task: Any = None
+
+
+def _flash_fan_out(
+    module: ModuleType,
+    pool: Any,
+    q: np.ndarray,
+    k16: np.ndarray,
+    v16: np.ndarray,
+    start: int,
+    scale: float,
+    sinks: np.ndarray,
+    window: int,
+    out: np.ndarray,
+) -> bool:
+    """The flash attention's query heads as one fan-out over the pool, an item per KV head (the
+    same bits as one call: heads are independent); False when the fan-out is not ready."""
+    global _flash_task
+    if _flash_task is None:
+        with _state.lock:
+            if _flash_task is None:
+                _flash_task = module.make_flash_task()
+    m = module
+    T, H, DK = q.shape
+    n_kv, HKV, DV = v16.shape
+    per = H // HKV
+    desc = np.zeros(m.FLASH_DESC_SIZE, dtype=np.int64)
+    desc[m.F_Q_ADDR], desc[m.F_T], desc[m.F_H], desc[m.F_DK] = q.ctypes.data, T, H, DK
+    desc[m.F_K_ADDR], desc[m.F_N_KV], desc[m.F_HKV] = k16.ctypes.data, n_kv, HKV
+    desc[m.F_V_ADDR], desc[m.F_DV], desc[m.F_START] = v16.ctypes.data, DV, start
+    desc[m.F_SCALE] = np.float64(scale).view(np.int64)
+    desc[m.F_SINKS_ADDR], desc[m.F_N_SINKS] = sinks.ctypes.data, sinks.shape[0]
+    desc[m.F_WINDOW], desc[m.F_OUT_ADDR], desc[m.F_HEADS_PER_ITEM] = window, out.ctypes.data, per
+    return pool.fan_out(_flash_task.address, desc, -(-H // per)) is not None
 
 
 def _dequantize_compiled(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int, out: np.ndarray) -> bool:

@@ -1,13 +1,17 @@
-"""Several one-token products of one ggml type in one compiled call: a decode step's experts.
+"""Several one-token products of one ggml type in one fan-out: a decode step's experts and dense products.
 
 A decode step computes each routed expert's gate, up and down products for one token: 24 products
 per layer at top-8. Through :func:`aioexperts._compute.fused.linear` each pays about 10 us of
-argument handling and dispatch in Python, and an expert's products and its activation are one
-compute-pool item each. :func:`matvec_group` runs a list of products of one type and shape in one
-compiled call of the kernel :func:`~aioexperts._compute.fused.linear` itself runs for one token
+argument handling and dispatch in Python, and spreading them over the cores through
+:meth:`~aioexperts._compute.pool.ComputePool.map` makes the helper thread wait for the GIL.
+:func:`matvec_group` runs a list of products of one type and shape as one compiled fan-out
+(:meth:`~aioexperts._compute.pool.ComputePool.fan_out`, each product an item that the calling
+thread or an idle worker claims without the GIL), with the kernel
+:func:`~aioexperts._compute.fused.linear` itself runs for one token
 (:func:`~aioexperts._compute.fused.one_token_int8_kernel`), so each output has the bits it gets
-alone. The matrices are given by their memory (``memoryview`` of slot memory); their sizes are
-checked here, and the caller keeps them alive (pinned) for the call.
+alone; :func:`matvec_split` does the same for row ranges of a few large matrices (attention). The
+matrices are given by their memory; their sizes are checked here, and the caller keeps them alive
+(pinned) for the call.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -23,52 +28,91 @@ from gguf import GGMLQuantizationType
 from aioexperts._compute import fused as _fused
 from aioexperts._errors import ConfigError, FormatError
 
-__all__ = ("group_kernel", "matvec_group")
+__all__ = ("ProductTask", "matvec_group", "matvec_split", "product_task")
 
 log = logging.getLogger("aioexperts")
 _lock = threading.Lock()
 _UNSEEN: Any = object()
-_groups: dict[Any, Callable[..., bool] | None] = {}
+_tasks: dict[Any, Any] = {}
 
 
-def group_kernel(ggml_type: GGMLQuantizationType) -> tuple[Callable[..., bool], Callable[[int], int]] | None:
-    """The compiled group call of ``ggml_type`` and its bytes per row for a number of columns, or
-    None where :func:`~aioexperts._compute.fused.one_token_int8_kernel` has no kernel (float
-    precision, numpy backend, a type without an int8 kernel). Compiled on first use (about 0.3 s;
-    not cached on disk: it wraps a dispatcher)."""
+@dataclass(frozen=True, slots=True)
+class ProductTask:
+    """The fan-out task of a type's one-token product (:func:`aioexperts._compute.kernels.group.make_group_task`).
+
+    Attributes:
+        address: the compiled C function's address.
+        row_bytes: the type's bytes per row for a number of columns.
+        cfunc: the ``numba.cfunc`` object (keeps the machine code alive).
+    """
+
+    address: int
+    row_bytes: Callable[[int], int]
+    cfunc: Any
+
+
+def product_task(ggml_type: GGMLQuantizationType) -> ProductTask | None:
+    """The fan-out task of ``ggml_type``'s one-token product, or None where
+    :func:`~aioexperts._compute.fused.one_token_int8_kernel` has no kernel (float precision, numpy
+    backend, a type without an int8 kernel). Compiled on first use (about 0.8 s; not cached on
+    disk: it calls a dispatcher); the decode warm-up makes it."""
     served = _fused.one_token_int8_kernel(ggml_type)
     if served is None:
         return None
     one, row_bytes = served
-    group = _groups.get(one, _UNSEEN)
-    if group is _UNSEEN:
+    cfunc = _tasks.get(one, _UNSEEN)
+    if cfunc is _UNSEEN:
         with _lock:
-            group = _groups.get(one, _UNSEEN)
-            if group is _UNSEEN:
+            cfunc = _tasks.get(one, _UNSEEN)
+            if cfunc is _UNSEEN:
                 try:
-                    group = _compile_group(one)
+                    from .kernels.group import make_group_task
+
+                    cfunc = make_group_task(one)  # type: ignore[no-untyped-call]
                 except Exception as exc:  # a broken numba/llvmlite can raise anything: the per-product path serves
                     log.warning("the grouped decode products are off (%s: %s)", type(exc).__name__, exc)
-                    group = None
-                _groups[one] = group
-    if group is None:
+                    cfunc = None
+                _tasks[one] = cfunc
+    if cfunc is None:
         return None
-    return group, row_bytes
+    return ProductTask(int(cfunc.address), row_bytes, cfunc)
 
 
-def _compile_group(one: Callable[..., bool]) -> Callable[..., bool]:
-    from .kernels.group import make_group
+def _address(data: memoryview | np.ndarray) -> int:
+    return int(np.frombuffer(data, dtype=np.uint8).__array_interface__["data"][0])
 
-    group = cast("Callable[..., bool]", make_group(one))  # type: ignore[no-untyped-call]
-    # numba compiles at the first call: do it here (warm-up), not in a decode step's first token
-    # (0.3 s each), for x writable (activations) and read-only (a plan's row)
-    none = np.empty(0, dtype=np.int64)
-    out = np.empty((0, 1), dtype=np.float32)
-    for writable in (True, False):
-        x = np.zeros((1, 1), dtype=np.float32)
-        x.flags.writeable = writable
-        group(none, 0, 0, x, none, out)
-    return group
+
+def _run(
+    task: ProductTask,
+    addresses: np.ndarray,
+    rows: np.ndarray,
+    row_bytes: int,
+    x: np.ndarray,
+    x_rows: np.ndarray,
+    outs: np.ndarray,
+) -> bool:
+    """Item ``i``: the ``(rows[i], row_bytes)`` matrix at ``addresses[i]`` times ``x[x_rows[i]]``
+    into the ``rows[i]`` float32 at ``outs[i]`` (all checked by the caller); True when every item's
+    ``x`` was finite."""
+    from .kernels.group import G_ADDRESSES, G_COLS, G_OUTS, G_ROW_BYTES, G_ROWS, G_X, G_X_ROWS, GROUP_DESC_SIZE
+    from .pool import _current_pool
+
+    desc = np.zeros(GROUP_DESC_SIZE, dtype=np.int64)
+    desc[G_ADDRESSES] = addresses.ctypes.data
+    desc[G_ROWS] = rows.ctypes.data
+    desc[G_X] = x.ctypes.data
+    desc[G_X_ROWS] = x_rows.ctypes.data
+    desc[G_OUTS] = outs.ctypes.data
+    desc[G_ROW_BYTES] = row_bytes
+    desc[G_COLS] = x.shape[1]
+    n = len(addresses)
+    pool = _current_pool()
+    status = None if pool is None else pool.fan_out(task.address, desc, n)
+    if status is None:
+        from .kernels.fanout import run_inline
+
+        status = run_inline(task.address, desc.ctypes.data, n)
+    return status == 0
 
 
 def matvec_group(
@@ -92,17 +136,16 @@ def matvec_group(
         out: ``(len(matrices), rows)`` float32, C-contiguous.
 
     Returns:
-        False, with nothing written that may be used, when no group kernel serves the type (see
-        :func:`group_kernel`) or a row of ``x`` is not finite: the caller takes ``linear``.
+        False, with nothing written that may be used, when no task serves the type (see
+        :func:`product_task`) or a row of ``x`` is not finite: the caller takes ``linear``.
 
     Raises:
         FormatError: a matrix's byte count does not fit ``shape`` and the type.
         ConfigError: ``x``, ``x_rows`` or ``out`` of the wrong dtype, shape or layout.
     """
-    served = group_kernel(ggml_type)
-    if served is None:
+    task = product_task(ggml_type)
+    if task is None:
         return False
-    group, row_bytes_of = served
     rows, cols = shape
     n = len(matrices)
     if (
@@ -121,12 +164,85 @@ def matvec_group(
             f"matvec_group: x {x.dtype}{x.shape}, x_rows {x_rows.dtype}{x_rows.shape}, out {out.dtype}{out.shape} "
             f"do not fit {n} matrices of shape {shape}"
         )
-    row_bytes = row_bytes_of(cols)
+    if n == 0:
+        return True
+    row_bytes = task.row_bytes(cols)
     addresses = np.empty(n, dtype=np.int64)
     for i, data in enumerate(matrices):
         if data.nbytes != rows * row_bytes:
             raise FormatError(
                 f"{ggml_type.name} matrix of shape {shape} needs {rows * row_bytes} bytes, got {data.nbytes}"
             )
-        addresses[i] = np.frombuffer(data, dtype=np.uint8).__array_interface__["data"][0]
-    return bool(group(addresses, rows, row_bytes, x, x_rows, out))
+        addresses[i] = _address(data)
+    outs = out.ctypes.data + 4 * rows * np.arange(n, dtype=np.int64)
+    return _run(task, addresses, np.full(n, rows, dtype=np.int64), row_bytes, x, np.ascontiguousarray(x_rows), outs)
+
+
+#: weight rows of one item of :func:`matvec_split` at least
+SPLIT_ROWS = 128
+
+
+def matvec_split(
+    ggml_type: GGMLQuantizationType,
+    matrices: Sequence[tuple[np.ndarray, tuple[int, int]]],
+    x: np.ndarray,
+    outs: Sequence[np.ndarray],
+    parts: int,
+) -> bool:
+    """``outs[k] = W_k @ x[0]`` for a few large matrices of one type, each cut into about ``parts``
+    ranges of rows (at least :data:`SPLIT_ROWS` each) that are fan-out items: a decode step's
+    attention products over every core. The same bits as :func:`~aioexperts._compute.fused.linear`
+    of each alone (rows are independent).
+
+    Args:
+        ggml_type: the type of every matrix.
+        matrices: ``(raw, (rows, cols))`` each: ``raw`` the C-contiguous uint8 ggml bytes, exactly
+            ``rows * row_bytes`` long; every ``cols`` the width of ``x``.
+        x: ``(1, cols)`` float32, C-contiguous.
+        outs: ``(rows_k,)`` float32 C-contiguous per matrix.
+        parts: items per matrix at most (e.g. the pool's threads times 4).
+
+    Returns:
+        False, with nothing written that may be used, when no task serves the type or ``x`` is not
+        finite: the caller takes ``linear``.
+
+    Raises:
+        FormatError: a matrix's byte count does not fit its shape and the type.
+        ConfigError: ``x`` or an output of the wrong dtype, shape or layout.
+    """
+    task = product_task(ggml_type)
+    if task is None:
+        return False
+    if x.dtype != np.float32 or x.ndim != 2 or x.shape[0] != 1 or not x.flags.c_contiguous:
+        raise ConfigError(f"matvec_split: x must be (1, cols) float32 C-contiguous, got {x.dtype}{x.shape}")
+    addresses: list[int] = []
+    counts: list[int] = []
+    out_addresses: list[int] = []
+    row_bytes = 0
+    for (raw, (rows, cols)), out in zip(matrices, outs, strict=True):
+        row_bytes = task.row_bytes(cols)
+        if cols != x.shape[1]:
+            raise ConfigError(f"matvec_split: a matrix of {cols} columns for x {x.shape}")
+        if raw.dtype != np.uint8 or not raw.flags.c_contiguous or raw.nbytes != rows * row_bytes:
+            raise FormatError(
+                f"{ggml_type.name} matrix of shape {(rows, cols)} needs {rows * row_bytes} bytes, got {raw.nbytes}"
+            )
+        if out.dtype != np.float32 or out.shape != (rows,) or not out.flags.c_contiguous:
+            raise ConfigError(f"matvec_split: output {out.dtype}{out.shape} for {rows} rows")
+        n = max(1, min(parts, rows // SPLIT_ROWS))
+        base, out_base = raw.ctypes.data, out.ctypes.data
+        for i in range(n):
+            r0, r1 = rows * i // n, rows * (i + 1) // n
+            addresses.append(base + r0 * row_bytes)
+            counts.append(r1 - r0)
+            out_addresses.append(out_base + 4 * r0)
+    n_items = len(addresses)
+    return _run(
+        task,
+        np.asarray(addresses, dtype=np.int64),
+        np.asarray(counts, dtype=np.int64),
+        row_bytes,
+        x,
+        np.zeros(n_items, dtype=np.int64),
+        np.asarray(out_addresses, dtype=np.int64),
+    )

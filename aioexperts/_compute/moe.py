@@ -32,7 +32,7 @@ from aioexperts._compute.activations import quantized_round_trip
 from aioexperts._compute.decode_experts import expert_group, group_classes
 from aioexperts._compute.gating import select_experts
 from aioexperts._compute.glu import expert_activation, swiglu, swiglu_clamp
-from aioexperts._compute.pool import compute_pool, split_ranges
+from aioexperts._compute.pool import compute_pool
 from aioexperts._errors import ConfigError, FormatError, InvalidRequestError
 from aioexperts._format.hparams import MoEHParams
 from aioexperts._format.views import ExpertView, ProjectionView
@@ -720,35 +720,23 @@ def _group_classes(resident: ResidentLayer, hparams: MoEHParams, views: Sequence
 def _grouped_outputs(
     plan: MoEPlan, chosen: list[int], views: list[ExpertView], classes: list[list[int]], with_shared: bool
 ) -> ExpertOutputs:
-    """:func:`expert_outputs` of a one-token plan through expert groups: each class of experts
-    of one type cut into one group per worker (and the shared expert as one more item); a group
-    that meets a non-finite value takes the general path."""
+    """:func:`expert_outputs` of a one-token plan through expert groups: each class of experts of
+    one type is one :func:`~aioexperts._compute.decode_experts.expert_group` call, whose products
+    spread over the cores as one fan-out each (no compute-pool item per expert); the shared expert
+    after them. A class that meets a non-finite value takes the general path."""
     resident, hparams = plan.resident, plan.hparams
     x = np.ascontiguousarray(plan.x, dtype=np.float32)
     activation = expert_activation(hparams, resident.layer)
-    pool = compute_pool()
-    items: list[list[int] | None] = [
-        members[r.start : r.stop] for members in classes for r in split_ranges(len(members), pool.n_threads)
-    ]
-    if with_shared:
-        items.append(None)
-
-    def run(item: list[int] | None) -> np.ndarray:
-        with np.errstate(over="ignore", invalid="ignore"):
-            if item is None:
-                return _shared_forward(x, resident, hparams.shared_clamp(resident.layer))
-            ys = expert_group(x, [views[i] for i in item], activation)
-            if ys is None:
-                return np.concatenate([expert_rows([plan], chosen[i], views[i])[0] for i in item])
-            return ys
-
-    results = pool.map(run, items)
     rows: dict[int, np.ndarray] = {}
-    for item, ys in zip(items, results, strict=True):
-        if item is not None:
-            for j, i in enumerate(item):
+    with np.errstate(over="ignore", invalid="ignore"):
+        for members in classes:
+            ys = expert_group(x, [views[i] for i in members], activation)
+            if ys is None:
+                ys = np.concatenate([expert_rows([plan], chosen[i], views[i])[0] for i in members])
+            for j, i in enumerate(members):
                 rows[chosen[i]] = ys[j : j + 1]
-    return ExpertOutputs(rows, results[-1] if with_shared else None)
+        shared = _shared_forward(x, resident, hparams.shared_clamp(resident.layer)) if with_shared else None
+    return ExpertOutputs(rows, shared)
 
 
 def expert_rows(plans: Sequence[MoEPlan], expert: int, view: ExpertView) -> list[np.ndarray]:

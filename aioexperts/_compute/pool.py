@@ -56,7 +56,6 @@ __all__ = (
     "PoolStatistics",
     "compute_pool",
     "configure_compute_pool",
-    "split_ranges",
 )
 
 log = logging.getLogger("aioexperts")
@@ -102,20 +101,35 @@ def default_spin_us() -> int:
 Spin = Callable[[np.ndarray, int, int, int], int]
 
 
-def _spinner(us: int) -> tuple[Spin, int] | None:
-    """``(spin, iterations)``: :func:`~aioexperts._compute.kernels.spin.spin_while_equal` and the
-    iterations that last about ``us`` microseconds here; None without compiled kernels or ``us == 0``."""
-    if us <= 0:
-        return None
+@dataclass(frozen=True, slots=True)
+class _Spinner:
+    """The compiled spin and fan-out kernels of a pool (:mod:`.kernels.spin`, :mod:`.kernels.fanout`)."""
+
+    spin: Spin  # a waiting ``map`` caller
+    serve: Callable[..., int]  # an idle worker: spins and runs fan-out items
+    publish: Callable[..., int]
+    finish: Callable[..., int]
+    run_inline: Callable[..., int]
+    iterations: int  # polls in about ``spin_us``
+
+
+def _spinner(us: int) -> _Spinner | None:
+    """The compiled kernels, and the iterations of a spin that last about ``us`` microseconds here
+    (0 when ``us`` is 0: the threads never spin, fan-outs still run); None without compiled kernels."""
     from .jit import jit_status
 
     if not jit_status().available:
         return None
     try:
+        from .kernels import fanout
         from .kernels.spin import spin_while_equal
 
         probe = np.zeros(1, dtype=np.int64)
         spin_while_equal(probe, 0, 0, 1)  # compiled (or loaded from the cache) by the calling worker
+        ctrl = fanout.new_control()
+        fanout.serve(ctrl, probe, 0, 0, 1)
+        fanout.finish(ctrl, fanout.publish(ctrl, 0, 0, 0), 0)  # no items: returns at once
+        fanout.run_inline(0, 0, 0)
         n = 20_000
         t0 = time.perf_counter()
         spin_while_equal(probe, 0, 0, n)
@@ -123,7 +137,8 @@ def _spinner(us: int) -> tuple[Spin, int] | None:
     except Exception as exc:  # numba failing to compile: sleep at once, as without numba
         log.info("compute pool threads will not spin before they sleep: %s: %s", type(exc).__name__, exc)
         return None
-    return spin_while_equal, min(max(1, int(us * 1e-6 / per_iteration)), 1 << 62)  # the loop counts in int64
+    iterations = 0 if us <= 0 else min(max(1, int(us * 1e-6 / per_iteration)), 1 << 62)  # int64 loop count
+    return _Spinner(spin_while_equal, fanout.serve, fanout.publish, fanout.finish, fanout.run_inline, iterations)
 
 
 def default_threads() -> int:
@@ -158,6 +173,8 @@ class PoolStatistics:
         maps: :meth:`ComputePool.map` calls with more than one item.
         items_helped: map items run by a worker other than the calling thread.
         queued: jobs waiting now.
+        fan_outs: :meth:`ComputePool.fan_out` calls with more than one item.
+        fan_out_items_helped: fan-out items run by a worker other than the calling thread.
     """
 
     n_threads: int
@@ -166,6 +183,8 @@ class PoolStatistics:
     maps: int
     items_helped: int
     queued: int
+    fan_outs: int = 0
+    fan_out_items_helped: int = 0
 
 
 class _Job(Generic[R]):
@@ -247,7 +266,10 @@ class ComputePool:
             raise ConfigError(f"spin_us must be an int from 0 to {MAX_SPIN_US} (microseconds), got {spin_us!r}")
         self._n = n
         self._spin_us = us if n > 1 else 0
-        self._spin: tuple[Spin, int] | None = None
+        self._spin: _Spinner | None = None
+        self._control = np.zeros(16, dtype=np.int64)  # the fan-out control block (kernels/fanout.py)
+        self._fan_lock = threading.Lock()  # one fan-out caller at a time on the control block
+        self._invited = False  # a fan-out has asked a sleeping worker to join (not yet taken)
         self._spin_known = False  # the set-up thread has set the spin up (or found it impossible)
         self._signal = np.zeros(2, dtype=np.int64)
         self._spin_jobs = 0  # ``spin`` jobs running now (threads spin only while one does)
@@ -257,7 +279,7 @@ class ComputePool:
         self._batches: collections.deque[_Batch[Any, Any]] = collections.deque()
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self._counts = {"jobs": 0, "dropped": 0, "maps": 0, "items_helped": 0}
+        self._counts = {"jobs": 0, "dropped": 0, "maps": 0, "items_helped": 0, "fan_outs": 0}
         self._limits: Any = None
         if limit_native_threads:
             self._limits = _limit_native_threads()
@@ -273,12 +295,16 @@ class ComputePool:
         thread of its own sets the spin up when the workers start (once, a compile or a cache load);
         if it cannot (no numba), 0 from then on."""
         with self._lock:
-            return 0 if self._spin_known and self._spin is None else self._spin_us
+            return 0 if self._spin_known and (self._spin is None or not self._spin.iterations) else self._spin_us
 
     def statistics(self) -> PoolStatistics:
         """A snapshot of the counters."""
+        from .kernels.fanout import HELPED
+
         with self._lock:
-            return PoolStatistics(self._n, queued=len(self._jobs), **self._counts)
+            return PoolStatistics(
+                self._n, queued=len(self._jobs), fan_out_items_helped=int(self._control[HELPED]), **self._counts
+            )
 
     # -- async face -----------------------------------------------------------------------------
 
@@ -352,10 +378,10 @@ class ComputePool:
                 break
             batch.run_item(i, self._lock, self._signal)
         spin = self._spin if self._spin_jobs else None
-        if spin is not None:  # the helpers' items end soon after the caller's: poll before sleeping
+        if spin is not None and spin.iterations:  # the helpers' items end soon after the caller's: poll before sleeping
             seen = int(self._signal[_FINISHED])
             while not batch.done.is_set():
-                moved = spin[0](self._signal, _FINISHED, seen, spin[1])
+                moved = spin.spin(self._signal, _FINISHED, seen, spin.iterations)
                 if moved == seen:
                     break
                 seen = moved
@@ -363,6 +389,67 @@ class ComputePool:
         if batch.errors:
             raise batch.errors[0]
         return batch.results
+
+    def fan_out(self, task: int, desc: np.ndarray, n: int) -> int | None:
+        """Run a compiled fan-out task over items ``0..n-1`` on this thread and idle workers, without the GIL.
+
+        ``task`` is the address of a C function ``int64 task(int64 desc, int64 item)`` (a
+        ``numba.cfunc``; :mod:`aioexperts._compute.kernels.fanout`), ``desc`` its ``int64``
+        descriptor, which, with everything it points to, the caller keeps alive and unchanged for
+        the call. Workers spinning between a ``spin`` job's fan-outs claim items at once; a sleeping
+        worker is asked to join (it takes the items left when it wakes). Another thread's fan-out in
+        progress, a pool of one thread or a closed pool: every item on this thread. Never more
+        threads than the pool has.
+
+        Returns:
+            The sum of the items' return values (0: all went right); None when the compiled kernels
+            are not ready (no numba, or still loading): the caller computes another way.
+
+        Raises:
+            ConfigError: ``n`` outside ``0..MAX_ITEMS`` or ``desc`` not a C-contiguous int64 array.
+        """
+        from .kernels.fanout import MAX_ITEMS, SPINNERS
+
+        if not 0 <= n <= MAX_ITEMS or desc.dtype != np.int64 or not desc.flags.c_contiguous:
+            raise ConfigError(f"fan_out: {n} items (0..{MAX_ITEMS}), descriptor {desc.dtype} {desc.shape}")
+        spinner = self._spin
+        if spinner is None or n > 1:
+            with self._lock:
+                if not self._closed:
+                    self._start_threads()  # the set-up thread compiles or loads the kernels
+                self._counts["fan_outs"] += n > 1
+        if spinner is None:
+            return None
+        address = desc.ctypes.data
+        if n <= 1 or self._n <= 1 or self._closed or not self._fan_lock.acquire(blocking=False):
+            return int(spinner.run_inline(task, address, n))
+        try:
+            gen = spinner.publish(self._control, task, address, n)
+            if not self._control[SPINNERS] and not self._invited:
+                self._invite()
+            return int(spinner.finish(self._control, gen, n))
+        finally:
+            self._fan_lock.release()
+
+    def _invite(self) -> None:
+        """Ask one sleeping worker to join the fan-outs (:meth:`_join`)."""
+        with self._lock:
+            if self._closed or self._invited:
+                return
+            self._start_threads()
+            self._invited = True
+            self._batches.append(_Batch(self._join, [None]))
+            self._signal[_POSTED] += 1
+            self._work.notify()
+
+    def _join(self, _: None) -> None:
+        """A woken worker: the items of the current fan-out that are left, then a spin for the next
+        (a quarter of the usual spin outside ``spin`` jobs)."""
+        self._invited = False
+        spinner = self._spin
+        if spinner is not None:
+            iterations = spinner.iterations if self._spin_jobs else spinner.iterations // 4
+            spinner.serve(self._control, self._signal, _POSTED, int(self._signal[_POSTED]), iterations)
 
     def _claim(self, batch: _Batch[Any, Any]) -> int | None:
         """Next unclaimed item of ``batch`` (lock held); the batch leaves the queue when exhausted."""
@@ -382,7 +469,7 @@ class ComputePool:
         """Start the workers on first use (lock held)."""
         if self._threads:
             return
-        if self._spin_us:
+        if self._n > 1:
             threading.Thread(target=self._set_up_spin, name="aioexperts-compute-spin-setup", daemon=True).start()
         for k in range(self._n):
             thread = threading.Thread(target=self._worker, name=f"aioexperts-compute-{k}", daemon=True)
@@ -406,7 +493,7 @@ class ComputePool:
             i: int | None = None
             with self._lock:
                 idle = not self._batches and not self._jobs and not self._closed
-                if idle and not spun and self._spin_jobs and self._spin is not None:
+                if idle and not spun and self._spin_jobs and self._spin is not None and self._spin.iterations:
                     seen = int(self._signal[_POSTED])  # a running job may fan out again soon
                 else:
                     while not self._batches and not self._jobs and not self._closed:
@@ -425,7 +512,7 @@ class ComputePool:
             if seen is not None:  # the lock is free while spinning
                 spin = self._spin
                 assert spin is not None
-                spun = spin[0](self._signal, _POSTED, seen, spin[1]) == seen
+                spun = spin.serve(self._control, self._signal, _POSTED, seen, spin.iterations) == seen
                 continue
             if job is not None:
                 job.execute()
@@ -469,6 +556,11 @@ _pool_lock = threading.Lock()
 _pool: ComputePool | None = None
 
 
+def _current_pool() -> ComputePool | None:
+    """The process-wide pool if one was made (kernels that split their work never create it)."""
+    return _pool
+
+
 def compute_pool() -> ComputePool:
     """The process-wide pool, created on first use with :func:`default_threads` workers."""
     global _pool
@@ -497,11 +589,3 @@ def configure_compute_pool(
     with _pool_lock:
         _pool = new
     return new
-
-
-def split_ranges(n: int, parts: int) -> list[range]:
-    """``range(n)`` cut into ``min(n, parts)`` contiguous runs (at least one) whose sizes differ by
-    at most one, shortest first: the work of one :meth:`ComputePool.map` item each."""
-    parts = max(1, min(n, parts))
-    bounds = [n * i // parts for i in range(parts + 1)]
-    return [range(bounds[i], bounds[i + 1]) for i in range(parts)]

@@ -13,7 +13,7 @@ from .._format.hparams import MoEHParams
 from .._format.layout import ExpertLayout
 from .._format.model import GGUFModel
 from .fused import WarmupReport, warmup
-from .grouped import group_kernel
+from .grouped import product_task
 from .moe import ResidentLayer
 
 __all__ = ("kernel_types", "load_residents", "warmup_kernels")
@@ -92,9 +92,9 @@ def warmup_kernels(layout: ExpertLayout, also: Iterable[GGMLQuantizationType] = 
     """Compile or load the kernels of :func:`kernel_types` and of the types ``also`` (the miss
     tier's: its first low-tier expert would otherwise load them mid-token), blocking (see
     :func:`fused.warmup`), and the group calls of a decode step's experts
-    (:func:`aioexperts._compute.grouped.group_kernel`)."""
+    (:func:`aioexperts._compute.grouped.product_task`)."""
     types = kernel_types(layout) | frozenset(also)
     report = warmup(types)
     for t in types:
-        group_kernel(t)
+        product_task(t)
     return report

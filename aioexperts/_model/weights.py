@@ -17,6 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from aioexperts._compute import fused
 from aioexperts._compute.activations import round_activations
+from aioexperts._compute.grouped import matvec_split
 from aioexperts._compute.pool import compute_pool
 from aioexperts._errors import FormatError
 from aioexperts._format.dequant import dequantize
@@ -123,6 +124,10 @@ def invariant_products(products: Sequence[tuple[DenseMatrix, np.ndarray]], parts
     For a batched decode step (several sequences' rows in one compute job), whose products would
     otherwise run on one core. Returns ``(n_tokens, rows)`` float32 per product, in order.
     """
+    if all(x.shape[0] == 1 for _, x in products):
+        split = [_one_token_split(w, x, parts) for w, x in products]
+        if all(y is not None for y in split):
+            return [y for y in split if y is not None]
     items: list[tuple[int, DenseMatrix, np.ndarray, tuple[int, int]]] = []
     for k, (w, x) in enumerate(products):
         rows = w.shape[0]
@@ -137,6 +142,17 @@ def invariant_products(products: Sequence[tuple[DenseMatrix, np.ndarray]], parts
         pieces = [y for item, y in zip(items, done, strict=True) if item[0] == k]
         outs.append(pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1))
     return outs
+
+
+def _one_token_split(w: DenseMatrix, x: np.ndarray, parts: int) -> np.ndarray | None:
+    """``w.invariant(x)`` of one token as one fan-out of row ranges over the pool
+    (:func:`aioexperts._compute.grouped.matvec_split`: each row its one-token bits); None where no
+    fan-out task serves the type (float precision, numpy backend) or ``x`` is not finite."""
+    out = np.empty((1, w.shape[0]), dtype=np.float32)
+    xs = np.ascontiguousarray(x, dtype=np.float32)
+    if matvec_split(w.ggml_type, [(w.raw, w.shape)], xs, [out[0]], 4 * parts):
+        return out
+    return None
 
 
 class TensorReader:

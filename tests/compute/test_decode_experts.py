@@ -16,7 +16,7 @@ from aioexperts._compute import decode_experts, fused, grouped
 from aioexperts._compute import moe as moe_module
 from aioexperts._compute.glu import swiglu
 from aioexperts._compute.moe import ResidentLayer, expert_outputs, plan_moe
-from aioexperts._compute.pool import configure_compute_pool, split_ranges
+from aioexperts._compute.pool import configure_compute_pool
 from aioexperts._errors import ConfigError, FormatError
 from aioexperts._format.hparams import MoEHParams
 from aioexperts._format.views import ExpertView, ProjectionView
@@ -87,7 +87,7 @@ def test_groups_give_the_general_paths_bits(qtype: Q, monkeypatch: pytest.Monkey
     real = grouped.matvec_group
     monkeypatch.setattr(decode_experts, "matvec_group", lambda *a: calls.append(a[0]) or real(*a))
     (got,) = expert_outputs([plan], views, ids, shared=False)
-    assert sorted(calls) == sorted([qtype, down_t] * 2)  # two groups (2 workers): gate+up, then down
+    assert calls == [qtype, down_t]  # one group, its products fanned out: gate+up, then down
     (want,) = _general(monkeypatch, [plan], views, ids, shared=False)
     _assert_same(got, want)
 
@@ -140,17 +140,9 @@ def test_banks_and_tiers_of_one_layer_go_in_a_group_each(monkeypatch: pytest.Mon
     real = grouped.matvec_group
     monkeypatch.setattr(decode_experts, "matvec_group", lambda *a: calls.append(a[0]) or real(*a))
     (got,) = expert_outputs([plan], views, ids, shared=False)
-    assert sorted(calls) == sorted([Q.Q4_K] * 4 + [Q.Q2_K] * 4)  # two groups per class
+    assert sorted(calls) == sorted([Q.Q4_K, Q.Q4_K, Q.Q2_K, Q.Q2_K])  # one group per class: gate+up, down
     (want,) = _general(monkeypatch, [plan], views, ids, shared=False)
     _assert_same(got, want)
-
-
-def test_split_ranges() -> None:
-    assert split_ranges(8, 2) == [range(0, 4), range(4, 8)]
-    assert split_ranges(3, 2) == [range(0, 1), range(1, 3)]
-    assert split_ranges(1, 4) == [range(0, 1)]
-    assert split_ranges(0, 2) == [range(0, 0)]
-    assert [len(r) for r in split_ranges(7, 3)] == [2, 2, 3]
 
 
 def test_matvec_group_checks_its_arguments() -> None:
@@ -185,7 +177,11 @@ def test_the_group_activation_is_elementwise() -> None:
         assert np.array_equal(row, whole[i : i + 1])
 
 
-def test_a_group_kernel_is_compiled_when_made_not_in_the_first_decode_step() -> None:
-    group, _ = grouped.group_kernel(Q.Q4_0)
-    # numba compiles at a dispatcher's first call: warm-up must have made both x layouts' code
-    assert len(group.signatures) >= 2  # type: ignore[attr-defined]
+def test_a_product_task_is_compiled_once_and_serves_only_int8_types() -> None:
+    task = grouped.product_task(Q.Q4_0)
+    assert task is not None and task.address
+    again = grouped.product_task(Q.Q4_0)
+    assert again is not None and again.address == task.address  # compiled once per kernel
+    assert grouped.product_task(Q.F16) is None
+    fused.set_precision("float")
+    assert grouped.product_task(Q.Q4_0) is None

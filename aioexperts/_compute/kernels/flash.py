@@ -13,11 +13,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..jit import kernel
-from .common import F32, U32
+from .common import CACHE_LINE, F32, U32, prefetch
 from .halfvec import dot_f16_q, mad_f16, scale_f16, widen_f16
 
 # ruff: noqa: N803, N806
 
+#: positions ahead whose key and value rows the vector kernel prefetches
+FLASH_PREFETCH_ROWS = 4
 HALF_MAX_ROUNDED = F32(65520.0)  # values at or above round to inf in float16
 HALF_MIN_NORMAL = F32(2.0**-14)
 HALF_SUBNORMAL_UNIT = F32(2.0**-24)
@@ -184,6 +186,12 @@ def flash_attend_f16_bits(q, k, v, start, scale, sinks, window, out, h_lo, h_hi)
                 S[i] = F32(0.0)
                 M[i] = F32(-np.inf)
             for j in range(lo, hi):
+                if j + FLASH_PREFETCH_ROWS < hi:  # the rows a few positions ahead: each step waits on the one before
+                    ka = (j + FLASH_PREFETCH_ROWS) * HKV + kh
+                    for c in range(0, DK, CACHE_LINE // 2):
+                        prefetch(kf, ka * DK + c)
+                    for c in range(0, DV, CACHE_LINE // 2):
+                        prefetch(vf, ka * DV + c)
                 widen_f16(k_row, kf, (j * HKV + kh) * DK, DK)
                 widen_f16(v_row, vf, (j * HKV + kh) * DV, DV)
                 for i in range(n_g):
@@ -200,3 +208,43 @@ def flash_attend_f16_bits(q, k, v, start, scale, sinks, window, out, h_lo, h_hi)
                     S[i] = F32(S[i] * ms + vs)
             for i in range(n_g):
                 finish_row(acc[i], S[i], M[i], sinks, g0 + i, out, t)
+
+
+#: the descriptor of :func:`make_flash_task`'s task: ``int64[FLASH_DESC_SIZE]``; ``scale`` holds a
+#: float64's bits, the ``*_ADDR`` fields addresses of C-contiguous arrays
+(
+    F_Q_ADDR, F_T, F_H, F_DK, F_K_ADDR, F_N_KV, F_HKV, F_V_ADDR, F_DV, F_START, F_SCALE,
+    F_SINKS_ADDR, F_N_SINKS, F_WINDOW, F_OUT_ADDR, F_HEADS_PER_ITEM,
+) = range(16)  # fmt: skip
+FLASH_DESC_SIZE = 16
+
+
+def make_flash_task():  # untyped: a numba kernel factory (mypy skips this package)
+    """A fan-out task (:mod:`.fanout`): item ``i`` is :func:`flash_attend_f16_bits` for the query
+    heads ``i * per .. min(H, (i + 1) * per) - 1`` (``per`` = ``F_HEADS_PER_ITEM``), every array
+    given by address in the descriptor (the caller checked the shapes and keeps them alive);
+    returns 0. Compiled when made (not cached on disk)."""
+    import numba
+
+    from .common import address_pointer
+
+    sig = numba.types.int64(numba.types.int64, numba.types.int64)
+
+    @numba.cfunc(sig, nopython=True, error_model="numpy", boundscheck=False)
+    def task(desc_address, item):
+        desc = numba.carray(address_pointer(desc_address), (FLASH_DESC_SIZE,), np.int64)
+        T, H, DK = desc[F_T], desc[F_H], desc[F_DK]
+        n_kv, HKV, DV = desc[F_N_KV], desc[F_HKV], desc[F_DV]
+        q = numba.carray(address_pointer(desc[F_Q_ADDR]), (T, H, DK), np.float32)
+        k = numba.carray(address_pointer(desc[F_K_ADDR]), (n_kv, HKV, DK), np.uint16)
+        v = numba.carray(address_pointer(desc[F_V_ADDR]), (n_kv, HKV, DV), np.uint16)
+        sinks = numba.carray(address_pointer(desc[F_SINKS_ADDR]), (desc[F_N_SINKS],), np.float32)
+        out = numba.carray(address_pointer(desc[F_OUT_ADDR]), (T, H, DV), np.float32)
+        scale = np.int64(desc[F_SCALE]).view(np.float64)
+        per = desc[F_HEADS_PER_ITEM]
+        flash_attend_f16_bits(
+            q, k, v, desc[F_START], scale, sinks, desc[F_WINDOW], out, item * per, min(H, (item + 1) * per)
+        )
+        return 0
+
+    return task
