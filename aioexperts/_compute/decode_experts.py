@@ -70,22 +70,20 @@ def expert_group(x: np.ndarray, views: Sequence[ExpertView], activation: GatedAc
     gu = np.empty((2 * n, n_ff), dtype=np.float32)
     g, u = gu[:n], gu[n:]
     if gate.ggml_type == up.ggml_type:
-        mats = [v.gate.data for v in views] + [v.up.data for v in views]
+        mats = [v.gate for v in views] + [v.up for v in views]
         if not matvec_group(gate.ggml_type, gate.shape, mats, x, np.zeros(2 * n, dtype=np.int64), gu):
             return None
     else:
         zeros = np.zeros(n, dtype=np.int64)
         if not (
-            matvec_group(gate.ggml_type, gate.shape, [v.gate.data for v in views], x, zeros, g)
-            and matvec_group(up.ggml_type, up.shape, [v.up.data for v in views], x, zeros, u)
+            matvec_group(gate.ggml_type, gate.shape, [v.gate for v in views], x, zeros, g)
+            and matvec_group(up.ggml_type, up.shape, [v.up for v in views], x, zeros, u)
         ):
             return None
     act = np.empty((n, n_ff), dtype=np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         activation(g, u, np.empty_like(act), act)
     out = np.empty((n, down.shape[0]), dtype=np.float32)
-    if not matvec_group(
-        down.ggml_type, down.shape, [v.down.data for v in views], act, np.arange(n, dtype=np.int64), out
-    ):
+    if not matvec_group(down.ggml_type, down.shape, [v.down for v in views], act, np.arange(n, dtype=np.int64), out):
         return None
     return out

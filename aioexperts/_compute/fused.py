@@ -955,6 +955,25 @@ def flash_kernel() -> Callable[..., None] | None:
 _flash_task: Any = None
 
 
+def warm_flash_task() -> bool:
+    """Make the flash attention's fan-out task now (a compile of about 0.5 s, not in a first decode
+    step) where the vector kernel serves; True when it is ready."""
+    global _flash_task
+    if backend().name != "numba":
+        return False
+    try:
+        module = importlib.import_module(f"{__package__}.kernels.flash")
+        if not importlib.import_module(f"{__package__}.kernels.halfvec").hardware_half():
+            return False
+        with _state.lock:
+            if _flash_task is None:
+                _flash_task = module.make_flash_task()
+    except Exception as exc:  # a broken numba/llvmlite can raise anything
+        _fail(exc, "the flash attention's fan-out task")
+        return False
+    return True
+
+
 def _flash_fan_out(
     module: ModuleType,
     pool: Any,

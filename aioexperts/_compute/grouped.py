@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +27,18 @@ from gguf import GGMLQuantizationType
 
 from aioexperts._compute import fused as _fused
 from aioexperts._errors import ConfigError, FormatError
+from aioexperts._format.architectures import RopeType
+from aioexperts._format.views import ProjectionView
 
-__all__ = ("ProductTask", "matvec_group", "matvec_split", "product_task")
+__all__ = (
+    "ProductTask",
+    "SplitPlan",
+    "matvec_group",
+    "matvec_split",
+    "product_task",
+    "split_plan",
+    "warm_decode_kernels",
+)
 
 log = logging.getLogger("aioexperts")
 _lock = threading.Lock()
@@ -78,10 +88,6 @@ def product_task(ggml_type: GGMLQuantizationType) -> ProductTask | None:
     return ProductTask(int(cfunc.address), row_bytes, cfunc)
 
 
-def _address(data: memoryview | np.ndarray) -> int:
-    return int(np.frombuffer(data, dtype=np.uint8).__array_interface__["data"][0])
-
-
 def _run(
     task: ProductTask,
     addresses: np.ndarray,
@@ -118,7 +124,7 @@ def _run(
 def matvec_group(
     ggml_type: GGMLQuantizationType,
     shape: tuple[int, int],
-    matrices: Sequence[memoryview],
+    matrices: Sequence[ProjectionView],
     x: np.ndarray,
     x_rows: np.ndarray,
     out: np.ndarray,
@@ -129,8 +135,8 @@ def matvec_group(
     Args:
         ggml_type: the type of every matrix.
         shape: ``(rows, cols)`` of every matrix, numpy order.
-        matrices: each matrix's raw ggml bytes (read-only ``memoryview``, e.g. of a pinned slot),
-            exactly ``rows * row_bytes`` long; kept alive by the caller during the call.
+        matrices: each matrix's view (its ``data`` the raw ggml bytes, e.g. of a pinned slot,
+            exactly ``rows * row_bytes`` long); kept alive by the caller during the call.
         x: ``(m, cols)`` float32, C-contiguous.
         x_rows: ``(len(matrices),)`` int64, the row of ``x`` each matrix takes, in ``0..m-1``.
         out: ``(len(matrices), rows)`` float32, C-contiguous.
@@ -167,19 +173,84 @@ def matvec_group(
     if n == 0:
         return True
     row_bytes = task.row_bytes(cols)
-    addresses = np.empty(n, dtype=np.int64)
-    for i, data in enumerate(matrices):
-        if data.nbytes != rows * row_bytes:
+    for m in matrices:
+        if m.data.nbytes != rows * row_bytes:
             raise FormatError(
-                f"{ggml_type.name} matrix of shape {shape} needs {rows * row_bytes} bytes, got {data.nbytes}"
+                f"{ggml_type.name} matrix of shape {shape} needs {rows * row_bytes} bytes, got {m.data.nbytes}"
             )
-        addresses[i] = _address(data)
+    addresses = np.array([m.address for m in matrices], dtype=np.int64)
     outs = out.ctypes.data + 4 * rows * np.arange(n, dtype=np.int64)
     return _run(task, addresses, np.full(n, rows, dtype=np.int64), row_bytes, x, np.ascontiguousarray(x_rows), outs)
 
 
 #: weight rows of one item of :func:`matvec_split` at least
 SPLIT_ROWS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPlan:
+    """A one-token product of one matrix cut into row ranges, prepared once (:func:`split_plan`):
+    the fan-out's weight addresses, row counts and output byte offsets of every item.
+
+    Attributes:
+        task: the type's fan-out task.
+        rows: the matrix's rows (the output's length).
+        cols: its columns (the width of ``x``).
+        row_bytes: bytes per weight row.
+        addresses, counts, out_offsets: int64 per item.
+    """
+
+    task: ProductTask
+    rows: int
+    cols: int
+    row_bytes: int
+    addresses: np.ndarray
+    counts: np.ndarray
+    out_offsets: np.ndarray
+
+    def run(self, x: np.ndarray, out: np.ndarray) -> bool:
+        """``out = W @ x[0]``; ``x`` ``(1, cols)`` and ``out`` ``(rows,)`` float32, C-contiguous (not
+        checked: the caller made them). False when ``x`` is not finite (nothing usable written)."""
+        n = len(self.addresses)
+        return _run(
+            self.task,
+            self.addresses,
+            self.counts,
+            self.row_bytes,
+            x,
+            np.zeros(n, dtype=np.int64),
+            self.out_offsets + out.ctypes.data,
+        )
+
+
+def split_plan(
+    ggml_type: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int], parts: int
+) -> SplitPlan | None:
+    """The :class:`SplitPlan` of the matrix ``raw`` (C-contiguous uint8 ggml bytes of ``shape``) in
+    about ``parts`` ranges of at least :data:`SPLIT_ROWS` rows; None when no task serves the type.
+    The plan holds ``raw``'s address: the caller keeps ``raw`` alive while it uses the plan.
+
+    Raises:
+        FormatError: the byte count does not fit ``shape`` and the type.
+    """
+    task = product_task(ggml_type)
+    if task is None:
+        return None
+    rows, cols = shape
+    row_bytes = task.row_bytes(cols)
+    if raw.dtype != np.uint8 or not raw.flags.c_contiguous or raw.nbytes != rows * row_bytes:
+        raise FormatError(f"{ggml_type.name} matrix of shape {shape} needs {rows * row_bytes} bytes, got {raw.nbytes}")
+    n = max(1, min(parts, rows // SPLIT_ROWS))
+    bounds = np.array([rows * i // n for i in range(n + 1)], dtype=np.int64)
+    return SplitPlan(
+        task,
+        rows,
+        cols,
+        row_bytes,
+        raw.ctypes.data + bounds[:-1] * row_bytes,
+        np.diff(bounds),
+        4 * bounds[:-1],
+    )
 
 
 def matvec_split(
@@ -190,9 +261,9 @@ def matvec_split(
     parts: int,
 ) -> bool:
     """``outs[k] = W_k @ x[0]`` for a few large matrices of one type, each cut into about ``parts``
-    ranges of rows (at least :data:`SPLIT_ROWS` each) that are fan-out items: a decode step's
-    attention products over every core. The same bits as :func:`~aioexperts._compute.fused.linear`
-    of each alone (rows are independent).
+    ranges of rows (at least :data:`SPLIT_ROWS` each) that are fan-out items (:class:`SplitPlan`, a
+    fan-out per matrix): a large one-token product over every core. The same bits as
+    :func:`~aioexperts._compute.fused.linear` of each alone (rows are independent).
 
     Args:
         ggml_type: the type of every matrix.
@@ -210,39 +281,30 @@ def matvec_split(
         FormatError: a matrix's byte count does not fit its shape and the type.
         ConfigError: ``x`` or an output of the wrong dtype, shape or layout.
     """
-    task = product_task(ggml_type)
-    if task is None:
-        return False
     if x.dtype != np.float32 or x.ndim != 2 or x.shape[0] != 1 or not x.flags.c_contiguous:
         raise ConfigError(f"matvec_split: x must be (1, cols) float32 C-contiguous, got {x.dtype}{x.shape}")
-    addresses: list[int] = []
-    counts: list[int] = []
-    out_addresses: list[int] = []
-    row_bytes = 0
     for (raw, (rows, cols)), out in zip(matrices, outs, strict=True):
-        row_bytes = task.row_bytes(cols)
         if cols != x.shape[1]:
             raise ConfigError(f"matvec_split: a matrix of {cols} columns for x {x.shape}")
-        if raw.dtype != np.uint8 or not raw.flags.c_contiguous or raw.nbytes != rows * row_bytes:
-            raise FormatError(
-                f"{ggml_type.name} matrix of shape {(rows, cols)} needs {rows * row_bytes} bytes, got {raw.nbytes}"
-            )
         if out.dtype != np.float32 or out.shape != (rows,) or not out.flags.c_contiguous:
             raise ConfigError(f"matvec_split: output {out.dtype}{out.shape} for {rows} rows")
-        n = max(1, min(parts, rows // SPLIT_ROWS))
-        base, out_base = raw.ctypes.data, out.ctypes.data
-        for i in range(n):
-            r0, r1 = rows * i // n, rows * (i + 1) // n
-            addresses.append(base + r0 * row_bytes)
-            counts.append(r1 - r0)
-            out_addresses.append(out_base + 4 * r0)
-    n_items = len(addresses)
-    return _run(
-        task,
-        np.asarray(addresses, dtype=np.int64),
-        np.asarray(counts, dtype=np.int64),
-        row_bytes,
-        x,
-        np.zeros(n_items, dtype=np.int64),
-        np.asarray(out_addresses, dtype=np.int64),
-    )
+        plan = split_plan(ggml_type, raw, (rows, cols), parts)
+        if plan is None or not plan.run(x, out):
+            return False
+    return True
+
+
+def warm_decode_kernels(types: Iterable[GGMLQuantizationType], f16_cache: bool) -> None:
+    """Make, before a first decode step, what its whole-model pass compiles or loads on first use:
+    the fan-out tasks of ``types`` (:func:`product_task`), the flash attention's task when the KV
+    cache is F16, and the compiled RMSNorm and RoPE kernels. Blocking (a worker thread)."""
+    for t in types:
+        product_task(t)
+    if f16_cache:
+        _fused.warm_flash_task()
+    from .norms import rms_norm
+    from .rope import apply_rope
+
+    rms_norm(np.ones((1, 64), dtype=np.float32), None, 1e-6)
+    ones = np.ones((1, 1), dtype=np.float32)
+    apply_rope(np.ones((1, 1, 2), dtype=np.float32), ones, ones, RopeType.NEOX, 2)

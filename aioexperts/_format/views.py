@@ -6,9 +6,10 @@ import gc
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from gguf import GGMLQuantizationType
 
 __all__ = ("ExpertView", "ProjectionView", "managed_buffer", "release_view", "warn_exported")
@@ -31,6 +32,7 @@ class ProjectionView:
     data: memoryview
     ggml_type: GGMLQuantizationType
     shape: tuple[int, int]
+    _address: int = field(default=0, repr=False, compare=False)
 
     def __init__(self, data: memoryview, ggml_type: GGMLQuantizationType, shape: tuple[int, int]) -> None:
         # the fields' slot setters, not the frozen dataclass's object.__setattr__ per field: three
@@ -38,6 +40,17 @@ class ProjectionView:
         _set_pv_data(self, data)
         _set_pv_type(self, ggml_type)
         _set_pv_shape(self, shape)
+        _set_pv_address(self, 0)
+
+    @property
+    def address(self) -> int:
+        """The address of the first byte of ``data`` (found once, then kept: about 2 us saved per
+        use in a decode step's compiled calls); valid while ``data`` is (the expert is pinned)."""
+        address = self._address
+        if not address:
+            address = int(np.frombuffer(self.data, dtype=np.uint8).ctypes.data)
+            _set_pv_address(self, address)
+        return address
 
     @property
     def n_bytes(self) -> int:
@@ -109,7 +122,9 @@ def _slot_setter(cls: type, name: str) -> Callable[[Any, Any], None]:
     return setter
 
 
-_set_pv_data, _set_pv_type, _set_pv_shape = (_slot_setter(ProjectionView, n) for n in ("data", "ggml_type", "shape"))
+_set_pv_data, _set_pv_type, _set_pv_shape, _set_pv_address = (
+    _slot_setter(ProjectionView, n) for n in ("data", "ggml_type", "shape", "_address")
+)
 _set_ev_layer, _set_ev_expert, _set_ev_bank, _set_ev_gate, _set_ev_up, _set_ev_down = (
     _slot_setter(ExpertView, n) for n in ("layer", "expert", "bank", "gate", "up", "down")
 )

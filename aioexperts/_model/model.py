@@ -18,6 +18,7 @@ import numpy as np
 from aioexperts._batch import DEFAULT_BATCH_WAIT
 from aioexperts._compute import fused
 from aioexperts._compute.fused import Precision
+from aioexperts._compute.grouped import warm_decode_kernels
 from aioexperts._errors import (
     AioExpertsError,
     ConfigError,
@@ -229,6 +230,7 @@ class Model:
             if self.options.precision is not None:
                 fused.set_precision(self.options.precision)
             await run_in_worker(fused.warmup, weights.ggml_types())
+            await run_in_worker(warm_decode_kernels, weights.ggml_types(), self.options.kv_type == "f16")
             self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
             # deepseek4's cache arrays stay float32 whatever the KV type (its compressor state must); the
             # block rounds what llama.cpp keeps in the KV type to F16 itself (DSV4Block.f16_cache)

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from aioexperts._compute import fused
 from aioexperts._compute.activations import round_activations
-from aioexperts._compute.grouped import matvec_split
+from aioexperts._compute.grouped import SplitPlan, product_task, split_plan
 from aioexperts._compute.pool import compute_pool
-from aioexperts._errors import FormatError
+from aioexperts._errors import ConfigError, FormatError
 from aioexperts._format.dequant import dequantize
 from aioexperts._format.model import GGUFModel
 from aioexperts._model.hugepages import huge_empty
@@ -42,6 +42,8 @@ class DenseMatrix:
     raw: np.ndarray
     ggml_type: GGMLQuantizationType
     shape: tuple[int, int]
+    # one-token split plans by (parts, task address): made on a decode step's first use
+    _plans: dict[tuple[int, int], SplitPlan] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def n_bytes(self) -> int:
@@ -145,14 +147,23 @@ def invariant_products(products: Sequence[tuple[DenseMatrix, np.ndarray]], parts
 
 
 def _one_token_split(w: DenseMatrix, x: np.ndarray, parts: int) -> np.ndarray | None:
-    """``w.invariant(x)`` of one token as one fan-out of row ranges over the pool
-    (:func:`aioexperts._compute.grouped.matvec_split`: each row its one-token bits); None where no
-    fan-out task serves the type (float precision, numpy backend) or ``x`` is not finite."""
+    """``w.invariant(x)`` of one token as one fan-out of row ranges over the pool (a
+    :class:`~aioexperts._compute.grouped.SplitPlan` kept on ``w``: each row its one-token bits);
+    None where no fan-out task serves the type (float precision, numpy backend) or ``x`` is not finite."""
+    task = product_task(w.ggml_type)
+    if task is None:
+        return None
+    plan = w._plans.get((parts, task.address))
+    if plan is None:
+        plan = split_plan(w.ggml_type, w.raw, w.shape, 4 * parts)
+        if plan is None:
+            return None
+        w._plans[(parts, task.address)] = plan
+    xs = x if x.dtype == np.float32 and x.flags.c_contiguous else np.ascontiguousarray(x, dtype=np.float32)
+    if xs.shape != (1, w.shape[1]):
+        raise ConfigError(f"{w.name}: x {x.shape} for a matrix of {w.shape[1]} columns")
     out = np.empty((1, w.shape[0]), dtype=np.float32)
-    xs = np.ascontiguousarray(x, dtype=np.float32)
-    if matvec_split(w.ggml_type, [(w.raw, w.shape)], xs, [out[0]], 4 * parts):
-        return out
-    return None
+    return out if plan.run(xs, out[0]) else None
 
 
 class TensorReader:

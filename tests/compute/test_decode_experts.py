@@ -151,19 +151,19 @@ def test_matvec_group_checks_its_arguments() -> None:
     x = rng.standard_normal((1, N_EMBD), dtype=np.float32)
     out = np.empty((1, N_FF), dtype=np.float32)
     rows0 = np.zeros(1, dtype=np.int64)
-    assert grouped.matvec_group(Q.Q8_0, p.shape, [p.data], x, rows0, out)
+    assert grouped.matvec_group(Q.Q8_0, p.shape, [p], x, rows0, out)
     want = fused.linear(p.data, Q.Q8_0, p.shape, x)
     assert np.array_equal(out, want)
     short = memoryview(bytes(p.data)[: -GGML_QUANT_SIZES[Q.Q8_0][1]])
     with pytest.raises(FormatError, match="needs"):
-        grouped.matvec_group(Q.Q8_0, p.shape, [short], x, rows0, out)
+        grouped.matvec_group(Q.Q8_0, p.shape, [ProjectionView(short, p.ggml_type, p.shape)], x, rows0, out)
     with pytest.raises(ConfigError):
-        grouped.matvec_group(Q.Q8_0, p.shape, [p.data], x, np.ones(1, dtype=np.int64), out)  # row 1 of 1
+        grouped.matvec_group(Q.Q8_0, p.shape, [p], x, np.ones(1, dtype=np.int64), out)  # row 1 of 1
     with pytest.raises(ConfigError):
-        grouped.matvec_group(Q.Q8_0, p.shape, [p.data], x.astype(np.float64), rows0, out)
+        grouped.matvec_group(Q.Q8_0, p.shape, [p], x.astype(np.float64), rows0, out)
     with pytest.raises(ConfigError):
-        grouped.matvec_group(Q.Q8_0, p.shape, [p.data, p.data], x, rows0, out)
-    assert not grouped.matvec_group(Q.F16, p.shape, [p.data], x, rows0, out)  # no int8 kernel: not served
+        grouped.matvec_group(Q.Q8_0, p.shape, [p, p], x, rows0, out)
+    assert not grouped.matvec_group(Q.F16, p.shape, [p], x, rows0, out)  # no int8 kernel: not served
 
 
 def test_the_group_activation_is_elementwise() -> None:
