@@ -955,6 +955,20 @@ def flash_kernel() -> Callable[..., None] | None:
 _flash_task: Any = None
 
 
+@functools.cache
+def compiled_kernel(module: str, name: str) -> Callable[..., Any] | None:
+    """The kernel ``name`` of ``aioexperts._compute.kernels.<module>`` where numba serves, else None
+    (the numpy backend, or a numba/llvmlite that fails at import: the caller's numpy code serves)."""
+    if backend().name != "numba":
+        return None
+    try:
+        fn: Callable[..., Any] = getattr(importlib.import_module(f"{__package__}.kernels.{module}"), name)
+    except Exception as exc:  # a broken numba/llvmlite can raise anything at import
+        _fail(exc, f"the {module} kernels")
+        return None
+    return fn
+
+
 def warm_flash_task() -> bool:
     """Make the flash attention's fan-out task now (a compile of about 0.5 s, not in a first decode
     step) where the vector kernel serves; True when it is ready."""

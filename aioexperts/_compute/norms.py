@@ -2,30 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any
-
 import numpy as np
 
 __all__ = ("rms_norm",)
 
 #: elements from which the compiled kernel serves (below, numpy's few calls cost no more)
 COMPILED_MIN = 64
-
-
-@functools.cache
-def _compiled() -> Callable[..., Any] | None:
-    """:func:`aioexperts._compute.kernels.norm.rms_norm_rows` where numba serves, else None."""
-    from .fused import backend
-
-    if backend().name != "numba":
-        return None
-    try:
-        from .kernels.norm import rms_norm_rows
-    except Exception:  # a broken numba/llvmlite can raise anything at import: numpy serves
-        return None
-    return rms_norm_rows
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
@@ -45,7 +27,9 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     # ggml: sum += (ggml_float)(x * x); const float mean = sum / n; scale = 1.0f / sqrtf(mean + eps)
     n = x.shape[-1]
     if x.size >= COMPILED_MIN and x.dtype == np.float32 and n and (weight is None or weight.shape == (n,)):
-        kernel = _compiled()
+        from .fused import compiled_kernel
+
+        kernel = compiled_kernel("norm", "rms_norm_rows")
         if kernel is not None:  # the same bits, one call (a decode step norms ~200 rows per token)
             rows = np.ascontiguousarray(x).reshape(-1, n)
             out = np.empty_like(rows)

@@ -10,11 +10,8 @@ rotates adjacent pairs (``GGML_ROPE_TYPE_NORMAL``) or the two halves of the rota
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -146,20 +143,6 @@ def rope_table(params: RopeParams, freq_factors: np.ndarray | None = None) -> Ro
         return table
 
 
-@functools.cache
-def _compiled() -> Callable[..., Any] | None:
-    """:func:`aioexperts._compute.kernels.rope.rope_heads` where numba serves, else None."""
-    from .fused import backend
-
-    if backend().name != "numba":
-        return None
-    try:
-        from .kernels.rope import rope_heads
-    except Exception:  # a broken numba/llvmlite can raise anything at import: numpy serves
-        return None
-    return rope_heads
-
-
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_type: RopeType, n_rot: int) -> np.ndarray:
     """Rotate the first ``n_rot`` dims of every head (ops.cpp ``rotate_pairs``).
 
@@ -178,7 +161,9 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_type: RopeT
     if x.ndim != 3 or n_rot % 2 or n_rot > x.shape[2] or cos.shape != (x.shape[0], n_rot // 2):
         raise ConfigError(f"RoPE: x {x.shape}, cos {cos.shape}, n_rot {n_rot} do not fit")
     if rope_type in (RopeType.NORM, RopeType.NEOX) and x.dtype == np.float32 and cos.dtype == sin.dtype == np.float32:
-        kernel = _compiled()
+        from .fused import compiled_kernel
+
+        kernel = compiled_kernel("rope", "rope_heads")
         if kernel is not None:  # the same bits in one call (two per layer of a decode step)
             out = np.empty(x.shape, dtype=np.float32)
             kernel(np.ascontiguousarray(x), cos, sin, rope_type == RopeType.NEOX, n_rot, out)

@@ -59,6 +59,12 @@ CLAIM_BITS = 24
 MAX_ITEMS = (1 << CLAIM_BITS) - 1
 
 
+def _slot_and_value(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> tuple[Any, Any]:
+    """The ``int64*`` of ``ary[index]`` and the third argument as an ``int64`` (``(ary, index, value)`` intrinsics)."""
+    ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], I64)
+    return ptr, context.cast(builder, args[2], signature.args[2], types.int64)
+
+
 @intrinsic
 def _atomic_add(typingctx: Any, ary: Any, index: Any, value: Any) -> Any:
     """``ary[index] += value`` atomically (sequentially consistent); the old value."""
@@ -67,9 +73,7 @@ def _atomic_add(typingctx: Any, ary: Any, index: Any, value: Any) -> Any:
     sig = types.int64(ary, index, value)
 
     def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-        ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], I64)
-        value = context.cast(builder, args[2], signature.args[2], types.int64)
-        return builder.atomic_rmw("add", ptr, value, "seq_cst")
+        return builder.atomic_rmw("add", *_slot_and_value(context, builder, signature, args), "seq_cst")
 
     return sig, codegen
 
@@ -99,8 +103,7 @@ def _store_release(typingctx: Any, ary: Any, index: Any, value: Any) -> Any:
     sig = types.void(ary, index, value)
 
     def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-        ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], I64)
-        value = context.cast(builder, args[2], signature.args[2], types.int64)
+        ptr, value = _slot_and_value(context, builder, signature, args)
         builder.store_atomic(value, ptr, "release", 8)
         return context.get_dummy_value()
 
