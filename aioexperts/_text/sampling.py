@@ -68,8 +68,10 @@ class SamplingOptions:
         top_p: in ``(0, 1]``; 1 keeps every token.
         min_p: in ``[0, 1]``; 0 keeps every token.
         repeat_penalty: ``> 0``; 1 is off.
-        presence_penalty: subtracted once from each token of the penalty window (any float; 0 is off).
-        frequency_penalty: subtracted per occurrence in the penalty window (any float; 0 is off).
+        presence_penalty: subtracted once from each token of the penalty window (any finite float; 0
+            is off; a logit it would push past float32's range stops at float32's largest magnitude).
+        frequency_penalty: subtracted per occurrence in the penalty window (any finite float; 0 is
+            off; as ``presence_penalty`` past float32's range).
         penalty_last_n: tokens of the history the penalties look at; ``-1`` all, 0 none.
         seed: seed of the random draws (``0 <= seed < 2**64``); None draws a fresh seed.
         logprobs: report the log-probabilities of the ``logprobs`` most likely tokens with each
@@ -101,8 +103,9 @@ class SamplingOptions:
                 raise ConfigError(f"SamplingOptions.{name} must be a finite number, got {value!r}")
             if value < low or value > high or (low_open and value == low):
                 lo = "(" if low_open else "["
-                top = "float32's largest (3.4e38)" if high == MAX_TEMPERATURE else f"{high}"
-                raise ConfigError(f"SamplingOptions.{name}={value!r} is outside {lo}{low}, {top}]")
+                top = "float32's largest (3.4e38)]" if high == MAX_TEMPERATURE else f"{high}]"
+                top = "inf)" if high == math.inf else top  # finite numbers only
+                raise ConfigError(f"SamplingOptions.{name}={value!r} is outside {lo}{low}, {top}")
 
         def integer(name: str, low: int, high: int) -> None:
             value = getattr(self, name)
@@ -250,9 +253,18 @@ def _penalized(raw: np.ndarray, history: Sequence[int], opts: SamplingOptions) -
         raise InvalidRequestError(f"history holds token ids outside [0, {raw.size})")
     ids, counts = np.unique(seen, return_counts=True)
     out = raw.copy()
-    values = out[ids]
-    values = np.where(values <= 0, values * np.float32(opts.repeat_penalty), values / np.float32(opts.repeat_penalty))
-    values -= counts.astype(np.float32) * np.float32(opts.frequency_penalty) + np.float32(opts.presence_penalty)
+    original = out[ids]
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # huge penalties: mended below
+        repeat = np.float32(opts.repeat_penalty)
+        values = np.where(original <= 0, original * repeat, original / repeat)
+        values -= counts.astype(np.float32) * np.float32(opts.frequency_penalty) + np.float32(opts.presence_penalty)
+    bad = ~np.isfinite(values)
+    if bad.any():  # a penalty past float32's range: the same formula in float64, kept within float32
+        o, c = original[bad].astype(np.float64), counts[bad].astype(np.float64)
+        wide = np.where(o <= 0, o * opts.repeat_penalty, o / opts.repeat_penalty)
+        wide -= c * opts.frequency_penalty + opts.presence_penalty
+        top = float(np.finfo(np.float32).max)
+        values[bad] = np.clip(np.nan_to_num(wide, nan=0.0, posinf=top, neginf=-top), -top, top)
     out[ids] = values
     return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -352,3 +353,20 @@ def test_the_largest_temperature_is_float32s_largest_and_the_message_says_the_ra
             SamplingOptions(temperature=bad)
     with pytest.raises(ConfigError, match="SamplingOptions.temperature must be a finite number, got inf"):
         SamplingOptions(temperature=math.inf)
+
+
+@pytest.mark.parametrize("penalty", [3.0e38, 1e300, -3.0e38, -1e300])
+def test_penalties_past_float32s_range_keep_the_logits_finite(penalty: float) -> None:
+    logits = np.array([5.0, 4.0, 3.0, -1.0], dtype=np.float32)
+    history = [0, 0, 3]
+    for opts in (
+        SamplingOptions(temperature=0, presence_penalty=penalty),
+        SamplingOptions(temperature=0, frequency_penalty=penalty, presence_penalty=penalty),
+        SamplingOptions(temperature=1.0, seed=1, frequency_penalty=penalty),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no overflow warning from numpy
+            token = Sampler(opts)(logits, history)
+        # a huge positive penalty pushes the penalized tokens (0, 3) to the bottom, a negative one to the top
+        assert token in ((1, 2) if penalty > 0 else (0, 3))
+    assert Sampler(SamplingOptions(temperature=0, repeat_penalty=1e-300))(logits, history) == 0  # 5 / tiny: largest
