@@ -918,7 +918,8 @@ def flash_kernel() -> Callable[..., None] | None:
     float16 cache arrays themselves (C-contiguous, ``(n_kv, n_head_kv, head)``), the rest as
     :func:`aioexperts._compute.kernels.flash.flash_attend_f16`. It runs the vector kernel
     (``flash_attend_f16_bits``, on the cache's bits) where the target converts float16 in hardware
-    and both head sizes are multiples of 32, its heads split over the compute pool's idle workers
+    and both head sizes are multiples of 32, its heads fanned out over the compute pool by KV head
+    (:meth:`~aioexperts._compute.pool.ComputePool.fan_out`)
     from :data:`FLASH_SPLIT_MIN` (heads are independent: the same bits however split), else the
     scalar kernel on a float32 copy of the cache; the two give the same bits.
     """

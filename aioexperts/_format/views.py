@@ -32,7 +32,7 @@ class ProjectionView:
     data: memoryview
     ggml_type: GGMLQuantizationType
     shape: tuple[int, int]
-    _address: int = field(default=0, repr=False, compare=False)
+    _address: int = field(default=0, init=False, repr=False, compare=False)  # found on first use
 
     def __init__(self, data: memoryview, ggml_type: GGMLQuantizationType, shape: tuple[int, int]) -> None:
         # the fields' slot setters, not the frozen dataclass's object.__setattr__ per field: three

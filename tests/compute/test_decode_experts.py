@@ -185,3 +185,15 @@ def test_a_product_task_is_compiled_once_and_serves_only_int8_types() -> None:
     assert grouped.product_task(Q.F16) is None
     fused.set_precision("float")
     assert grouped.product_task(Q.Q4_0) is None
+
+
+def test_a_views_address_is_its_own_and_replace_still_works() -> None:
+    import dataclasses
+
+    buf = np.arange(200, dtype=np.uint8)
+    buf.flags.writeable = False
+    view = ProjectionView(memoryview(buf)[10:110], Q.Q8_0, (1, 96))
+    assert view.address == buf.ctypes.data + 10 == view.address  # found once, then kept
+    moved = dataclasses.replace(view, data=memoryview(buf)[50:150])  # the public dataclass API
+    assert moved.address == buf.ctypes.data + 50
+    assert moved == ProjectionView(memoryview(buf)[50:150], Q.Q8_0, (1, 96))  # the address is not compared
