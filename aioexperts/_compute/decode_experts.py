@@ -11,16 +11,18 @@ are the general path's, so every expert's output has its bits.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
 from aioexperts._compute.glu import GatedActivation
-from aioexperts._compute.grouped import matvec_group, product_task
+from aioexperts._compute.grouped import GroupCall, matvec_group, product_task
 from aioexperts._format.views import ExpertView
 
-__all__ = ("expert_group", "group_classes")
+__all__ = ("RowStep", "expert_group", "group_classes", "row_step")
 
 Shape = tuple[int, int]
 ClassKey = tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType, Shape, Shape, Shape]
@@ -87,3 +89,128 @@ def expert_group(x: np.ndarray, views: Sequence[ExpertView], activation: GatedAc
     if not matvec_group(down.ggml_type, down.shape, [v.down for v in views], act, np.arange(n, dtype=np.int64), out):
         return None
     return out
+
+
+class RowStep:
+    """One layer's routed experts for one decode row, prepared once per layer and bank: the gate and
+    up products as one fan-out (:class:`~aioexperts._compute.grouped.GroupCall`), the gated
+    activation in numpy, the down products as a second fan-out, and the slot-order weighted sum
+    compiled (:mod:`aioexperts._compute.kernels.combine`). The kernels, the activation and the sum
+    are :func:`expert_group`'s and :func:`~aioexperts._compute.moe.combine_moe`'s, so the output
+    has their bits; the descriptors, inputs and outputs live here, so a call makes no array but
+    its result and looks up no address but the experts'.
+
+    One thread at a time (:meth:`run` returns None while another thread runs it).
+
+    Args:
+        views: the ``n`` checked views of a first call, all of one class (:func:`group_classes`);
+            they fix the types, shapes and byte counts every later call must have.
+        activation: the layer's gated activation.
+    """
+
+    __slots__ = ("_act", "_activation", "_down", "_gate_up", "_gu", "_key", "_lock", "_tmp", "_x", "_ys", "n")
+
+    def __init__(self, views: Sequence[ExpertView], activation: GatedActivation) -> None:
+        import threading
+
+        first = views[0]
+        self.n = n = len(views)
+        self._key = _view_key(first)
+        gate, down = first.gate, first.down
+        task, down_task = product_task(gate.ggml_type), product_task(down.ggml_type)
+        if task is None or down_task is None or gate.ggml_type != first.up.ggml_type:
+            raise ValueError("RowStep: no group kernel for these types")  # the caller checked
+        n_ff, n_embd = gate.shape
+        self._x = np.zeros((1, n_embd), dtype=np.float32)
+        self._gu = np.zeros((2 * n, n_ff), dtype=np.float32)
+        self._act = np.zeros((n, n_ff), dtype=np.float32)
+        self._tmp = np.zeros((n, n_ff), dtype=np.float32)
+        self._ys = np.zeros((n, down.shape[0]), dtype=np.float32)
+        i64 = np.int64
+        self._gate_up = GroupCall(
+            task,
+            np.zeros(2 * n, dtype=i64),
+            np.full(2 * n, n_ff, dtype=i64),
+            task.row_bytes(n_embd),
+            self._x,
+            np.zeros(2 * n, dtype=i64),
+            self._gu.reshape(-1),
+            4 * n_ff * np.arange(2 * n, dtype=i64),
+        )
+        self._down = GroupCall(
+            down_task,
+            np.zeros(n, dtype=i64),
+            np.full(n, down.shape[0], dtype=i64),
+            down_task.row_bytes(down.shape[1]),
+            self._act,
+            np.arange(n, dtype=i64),
+            self._ys.reshape(-1),
+            4 * down.shape[0] * np.arange(n, dtype=i64),
+        )
+        self._activation = activation
+        self._lock = threading.Lock()
+
+    def fits(self, views: Sequence[ExpertView]) -> bool:
+        """Whether ``views`` have this step's count, types, shapes and byte counts."""
+        key = self._key
+        return len(views) == self.n and all(_view_key(v) == key for v in views)
+
+    def run(self, x: np.ndarray, views: Sequence[ExpertView], weights: np.ndarray) -> np.ndarray | None:
+        """``sum_i weights[i] * down_i(act(gate_i x) * up_i x)`` in slot order.
+
+        Args:
+            x: ``(1, n_embd)`` float32.
+            views: the experts of slots ``0..n-1``, pinned, with :meth:`fits` true.
+            weights: ``(n,)`` float32 routing weights in slot order.
+
+        Returns:
+            ``(1, n_embd)`` float32, a new array; None when another thread runs this step or a
+            product saw a non-finite input (the caller takes the general path).
+        """
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            gate_up, down, n = self._gate_up, self._down, self.n
+            addresses = gate_up.addresses
+            for i, v in enumerate(views):
+                addresses[i] = v.gate.address
+                addresses[n + i] = v.up.address
+                down.addresses[i] = v.down.address
+            np.copyto(self._x, x)
+            if not gate_up.run():
+                return None
+            gu = self._gu
+            with np.errstate(over="ignore", invalid="ignore"):
+                self._activation(gu[:n], gu[n:], self._tmp, self._act)
+            if not down.run():
+                return None
+            out = np.empty((1, self._ys.shape[1]), dtype=np.float32)
+            _weighted_rows_sum()(self._ys, weights, out[0])
+            return out
+        finally:
+            self._lock.release()
+
+
+def _view_key(v: ExpertView) -> tuple[object, ...]:
+    g, u, d = v.gate, v.up, v.down
+    types, shapes = (g.ggml_type, u.ggml_type, d.ggml_type), (g.shape, u.shape, d.shape)
+    return types, shapes, (g.data.nbytes, u.data.nbytes, d.data.nbytes)
+
+
+def row_step(views: Sequence[ExpertView], activation: GatedActivation) -> RowStep | None:
+    """A :class:`RowStep` for ``views`` (checked, one token's distinct experts), or None where one
+    does not serve: more than one class, gate and up of different types, no group kernel, no
+    compiled sum."""
+    classes = group_classes(views)
+    if classes is None or len(classes) != 1 or views[0].gate.ggml_type != views[0].up.ggml_type:
+        return None
+    if _weighted_rows_sum() is None:
+        return None
+    return RowStep(views, activation)
+
+
+@functools.cache
+def _weighted_rows_sum() -> Any:
+    from aioexperts._compute.fused import compiled_kernel
+
+    return compiled_kernel("combine", "weighted_rows_sum")

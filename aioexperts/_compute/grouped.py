@@ -16,6 +16,7 @@ matrices are given by their memory; their sizes are checked here, and the caller
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -26,9 +27,12 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from aioexperts._compute import fused as _fused
+from aioexperts._compute import pool as _pool_module
 from aioexperts._errors import ConfigError, FormatError
 from aioexperts._format.architectures import RopeType
 from aioexperts._format.views import ProjectionView
+
+from .kernels.group import G_ADDRESSES, G_COLS, G_OUT_BASE, G_OUTS, G_ROW_BYTES, G_ROWS, G_X, G_X_ROWS, GROUP_DESC_SIZE
 
 __all__ = (
     "ProductTask",
@@ -95,30 +99,92 @@ def _run(
     row_bytes: int,
     x: np.ndarray,
     x_rows: np.ndarray,
-    outs: np.ndarray,
+    out_offsets: np.ndarray,
+    out_base: int,
 ) -> bool:
     """Item ``i``: the ``(rows[i], row_bytes)`` matrix at ``addresses[i]`` times ``x[x_rows[i]]``
-    into the ``rows[i]`` float32 at ``outs[i]`` (all checked by the caller); True when every item's
-    ``x`` was finite."""
-    from .kernels.group import G_ADDRESSES, G_COLS, G_OUTS, G_ROW_BYTES, G_ROWS, G_X, G_X_ROWS, GROUP_DESC_SIZE
-    from .pool import _current_pool
-
+    into the ``rows[i]`` float32 at ``out_base + out_offsets[i]`` (all checked by the caller); True
+    when every item's ``x`` was finite."""
     desc = np.zeros(GROUP_DESC_SIZE, dtype=np.int64)
     desc[G_ADDRESSES] = addresses.ctypes.data
     desc[G_ROWS] = rows.ctypes.data
     desc[G_X] = x.ctypes.data
     desc[G_X_ROWS] = x_rows.ctypes.data
-    desc[G_OUTS] = outs.ctypes.data
+    desc[G_OUTS] = out_offsets.ctypes.data
     desc[G_ROW_BYTES] = row_bytes
     desc[G_COLS] = x.shape[1]
-    n = len(addresses)
-    pool = _current_pool()
-    status = None if pool is None else pool.fan_out(task.address, desc, n)
-    if status is None:
-        from .kernels.fanout import run_inline
+    desc[G_OUT_BASE] = out_base
+    return _fan_out(task.address, desc, desc.ctypes.data, len(addresses))
 
-        status = run_inline(task.address, desc.ctypes.data, n)
+
+def _fan_out(task: int, desc: np.ndarray, desc_address: int, n: int) -> bool:
+    """The task's ``n`` items on the process pool (:meth:`~aioexperts._compute.pool.ComputePool.fan_out`),
+    or on this thread where there is none; True when every item returned 0."""
+    pool = _pool_module._current_pool()
+    status = None if pool is None else pool.fan_out(task, desc, n, desc_address)
+    if status is None:
+        status = _fanout_module().run_inline(task, desc_address, n)
     return status == 0
+
+
+@functools.cache
+def _fanout_module() -> Any:
+    from .kernels import fanout
+
+    return fanout
+
+
+class GroupCall:
+    """A fan-out of one product task over fixed matrices, rows, inputs and outputs, prepared once:
+    a call costs two stores into the descriptor and the fan-out (no array made, no address looked
+    up). One thread at a time: the caller owns it (the descriptor changes per call).
+
+    Args:
+        task: the type's task (:func:`product_task`).
+        addresses: ``(n,)`` int64 weight addresses, filled by the caller before each call (the
+            array is the one the descriptor points to).
+        rows: ``(n,)`` int64 rows of each matrix.
+        row_bytes: bytes per weight row.
+        x: ``(m, cols)`` float32 C-contiguous, the inputs (the caller writes them before a call).
+        x_rows: ``(n,)`` int64, the row of ``x`` each item takes.
+        out: ``(size,)`` float32 C-contiguous, the outputs.
+        out_offsets: ``(n,)`` int64 byte offsets of each item's output in ``out``.
+
+    The arrays are kept here; the caller checked their sizes (:func:`matvec_group` does).
+    """
+
+    __slots__ = ("_desc", "_desc_address", "_keep", "addresses", "n", "task")
+
+    def __init__(
+        self,
+        task: ProductTask,
+        addresses: np.ndarray,
+        rows: np.ndarray,
+        row_bytes: int,
+        x: np.ndarray,
+        x_rows: np.ndarray,
+        out: np.ndarray,
+        out_offsets: np.ndarray,
+    ) -> None:
+        self.task = task
+        self.n = len(addresses)
+        self.addresses = addresses
+        self._keep = (task, rows, x, x_rows, out, out_offsets)
+        desc = np.zeros(GROUP_DESC_SIZE, dtype=np.int64)
+        desc[G_ADDRESSES] = addresses.ctypes.data
+        desc[G_ROWS] = rows.ctypes.data
+        desc[G_X] = x.ctypes.data
+        desc[G_X_ROWS] = x_rows.ctypes.data
+        desc[G_OUTS] = out_offsets.ctypes.data
+        desc[G_ROW_BYTES] = row_bytes
+        desc[G_COLS] = x.shape[1]
+        desc[G_OUT_BASE] = out.ctypes.data
+        self._desc = desc
+        self._desc_address = desc.ctypes.data
+
+    def run(self) -> bool:
+        """Every item; True when every item's ``x`` was finite (else nothing written may be used)."""
+        return _fan_out(self.task.address, self._desc, self._desc_address, self.n)
 
 
 def matvec_group(
@@ -179,18 +245,19 @@ def matvec_group(
                 f"{ggml_type.name} matrix of shape {shape} needs {rows * row_bytes} bytes, got {m.data.nbytes}"
             )
     addresses = np.array([m.address for m in matrices], dtype=np.int64)
-    outs = out.ctypes.data + 4 * rows * np.arange(n, dtype=np.int64)
-    return _run(task, addresses, np.full(n, rows, dtype=np.int64), row_bytes, x, np.ascontiguousarray(x_rows), outs)
+    offsets = 4 * rows * np.arange(n, dtype=np.int64)
+    rows_each = np.full(n, rows, dtype=np.int64)
+    return _run(task, addresses, rows_each, row_bytes, x, np.ascontiguousarray(x_rows), offsets, out.ctypes.data)
 
 
 #: weight rows of one item of :func:`matvec_split` at least
 SPLIT_ROWS = 128
 
 
-@dataclass(frozen=True, slots=True)
 class SplitPlan:
     """A one-token product of one matrix cut into row ranges, prepared once (:func:`split_plan`):
-    the fan-out's weight addresses, row counts and output byte offsets of every item.
+    the fan-out's weight addresses, row counts and output byte offsets of every item, in a
+    descriptor that each call copies (a plan is shared by the threads that use its matrix).
 
     Attributes:
         task: the type's fan-out task.
@@ -200,27 +267,37 @@ class SplitPlan:
         addresses, counts, out_offsets: int64 per item.
     """
 
-    task: ProductTask
-    rows: int
-    cols: int
-    row_bytes: int
-    addresses: np.ndarray
-    counts: np.ndarray
-    out_offsets: np.ndarray
+    __slots__ = ("_desc", "_x_rows", "addresses", "cols", "counts", "out_offsets", "row_bytes", "rows", "task")
+
+    def __init__(
+        self,
+        task: ProductTask,
+        rows: int,
+        cols: int,
+        row_bytes: int,
+        addresses: np.ndarray,
+        counts: np.ndarray,
+        out_offsets: np.ndarray,
+    ) -> None:
+        self.task, self.rows, self.cols, self.row_bytes = task, rows, cols, row_bytes
+        self.addresses, self.counts, self.out_offsets = addresses, counts, out_offsets
+        self._x_rows = x_rows = np.zeros(len(addresses), dtype=np.int64)  # every item takes x[0]
+        desc = np.zeros(GROUP_DESC_SIZE, dtype=np.int64)
+        desc[G_ADDRESSES] = addresses.ctypes.data
+        desc[G_ROWS] = counts.ctypes.data
+        desc[G_X_ROWS] = x_rows.ctypes.data
+        desc[G_OUTS] = out_offsets.ctypes.data
+        desc[G_ROW_BYTES] = row_bytes
+        desc[G_COLS] = cols
+        self._desc = desc
 
     def run(self, x: np.ndarray, out: np.ndarray) -> bool:
         """``out = W @ x[0]``; ``x`` ``(1, cols)`` and ``out`` ``(rows,)`` float32, C-contiguous (not
         checked: the caller made them). False when ``x`` is not finite (nothing usable written)."""
-        n = len(self.addresses)
-        return _run(
-            self.task,
-            self.addresses,
-            self.counts,
-            self.row_bytes,
-            x,
-            np.zeros(n, dtype=np.int64),
-            self.out_offsets + out.ctypes.data,
-        )
+        desc = self._desc.copy()
+        desc[G_X] = x.ctypes.data
+        desc[G_OUT_BASE] = out.ctypes.data
+        return _fan_out(self.task.address, desc, desc.ctypes.data, len(self.addresses))
 
 
 def split_plan(

@@ -111,6 +111,7 @@ class _Spinner:
     finish: Callable[..., int]
     run_inline: Callable[..., int]
     iterations: int  # polls in about ``spin_us``
+    limits: tuple[int, int]  # :func:`_fan_out_limits`
 
 
 def _spinner(us: int) -> _Spinner | None:
@@ -138,7 +139,16 @@ def _spinner(us: int) -> _Spinner | None:
         log.info("compute pool threads will not spin before they sleep: %s: %s", type(exc).__name__, exc)
         return None
     iterations = 0 if us <= 0 else min(max(1, int(us * 1e-6 / per_iteration)), 1 << 62)  # int64 loop count
-    return _Spinner(spin_while_equal, fanout.serve, fanout.publish, fanout.finish, fanout.run_inline, iterations)
+    return _Spinner(
+        spin_while_equal, fanout.serve, fanout.publish, fanout.finish, fanout.run_inline, iterations, _fan_out_limits()
+    )
+
+
+def _fan_out_limits() -> tuple[int, int]:
+    """``(MAX_ITEMS, SPINNERS)`` of :mod:`.kernels.fanout` (imported here: it needs numba)."""
+    from .kernels.fanout import MAX_ITEMS, SPINNERS
+
+    return MAX_ITEMS, SPINNERS
 
 
 def default_threads() -> int:
@@ -390,16 +400,17 @@ class ComputePool:
             raise batch.errors[0]
         return batch.results
 
-    def fan_out(self, task: int, desc: np.ndarray, n: int) -> int | None:
+    def fan_out(self, task: int, desc: np.ndarray, n: int, desc_address: int = 0) -> int | None:
         """Run a compiled fan-out task over items ``0..n-1`` on this thread and idle workers, without the GIL.
 
         ``task`` is the address of a C function ``int64 task(int64 desc, int64 item)`` (a
         ``numba.cfunc``; :mod:`aioexperts._compute.kernels.fanout`), ``desc`` its ``int64``
         descriptor, which, with everything it points to, the caller keeps alive and unchanged for
-        the call. Workers spinning between a ``spin`` job's fan-outs claim items at once; a sleeping
-        worker is asked to join (it takes the items left when it wakes). Another thread's fan-out in
-        progress, a pool of one thread or a closed pool: every item on this thread. Never more
-        threads than the pool has.
+        the call (``desc_address``, when given, is ``desc.ctypes.data``: a microsecond saved per
+        call by a caller that keeps it). Workers spinning between a ``spin`` job's fan-outs claim
+        items at once; a sleeping worker is asked to join (it takes the items left when it wakes).
+        Another thread's fan-out in progress, a pool of one thread or a closed pool: every item on
+        this thread. Never more threads than the pool has.
 
         Returns:
             The sum of the items' return values (0: all went right); None when the compiled kernels
@@ -408,24 +419,24 @@ class ComputePool:
         Raises:
             ConfigError: ``n`` outside ``0..MAX_ITEMS`` or ``desc`` not a C-contiguous int64 array.
         """
-        from .kernels.fanout import MAX_ITEMS, SPINNERS
-
-        if not 0 <= n <= MAX_ITEMS or desc.dtype != np.int64 or not desc.flags.c_contiguous:
-            raise ConfigError(f"fan_out: {n} items (0..{MAX_ITEMS}), descriptor {desc.dtype} {desc.shape}")
         spinner = self._spin
-        if spinner is None or n > 1:
+        limits = _fan_out_limits() if spinner is None else spinner.limits
+        if not 0 <= n <= limits[0] or desc.dtype != np.int64 or not desc.flags.c_contiguous:
+            raise ConfigError(f"fan_out: {n} items (0..{limits[0]}), descriptor {desc.dtype} {desc.shape}")
+        if spinner is None or not self._threads:
             with self._lock:
                 if not self._closed:
                     self._start_threads()  # the set-up thread compiles or loads the kernels
-                self._counts["fan_outs"] += n > 1
+        if n > 1:
+            self._counts["fan_outs"] += 1  # a statistic: the GIL's word on a lost increment is enough
         if spinner is None:
             return None
-        address = desc.ctypes.data
+        address = desc_address or desc.ctypes.data
         if n <= 1 or self._n <= 1 or self._closed or not self._fan_lock.acquire(blocking=False):
             return int(spinner.run_inline(task, address, n))
         try:
             gen = spinner.publish(self._control, task, address, n)
-            if not self._control[SPINNERS] and not self._invited:
+            if not self._control[limits[1]] and not self._invited:
                 self._invite()
             return int(spinner.finish(self._control, gen, n))
         finally:

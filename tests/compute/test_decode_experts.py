@@ -197,3 +197,64 @@ def test_a_views_address_is_its_own_and_replace_still_works() -> None:
     moved = dataclasses.replace(view, data=memoryview(buf)[50:150])  # the public dataclass API
     assert moved.address == buf.ctypes.data + 50
     assert moved == ProjectionView(memoryview(buf)[50:150], Q.Q8_0, (1, 96))  # the address is not compared
+
+
+def _combined_general(
+    monkeypatch: pytest.MonkeyPatch, plan, views: dict[int, ExpertView], ids: list[int]
+) -> np.ndarray:
+    (found,) = _general(monkeypatch, [plan], views, ids, shared=False)
+    return moe_module.combine_moe(plan, found).ffn_out
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_decode_rows_prepared_step_gives_the_general_bits(
+    qtype: Q, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    configure_compute_pool(threads)
+    rng = np.random.default_rng(qtype.value + threads)
+    views = _views(16, qtype, Q.Q6_K, rng)
+    steps: moe_module.RowSteps = {}
+    for _ in range(3):  # made on the first call, then reused with other experts and inputs
+        plan, ids = _one_token(rng, 16, 8)
+        got = moe_module.row_ffn_out(plan, [views[e] for e in ids], steps)
+        assert got is not None and got.shape == (1, N_EMBD)
+        assert np.array_equal(got, _combined_general(monkeypatch, plan, views, ids))
+    assert isinstance(steps[0], decode_experts.RowStep)
+
+
+def test_a_prepared_step_serves_only_what_it_was_made_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(11)
+    views = _views(8, Q.Q4_K, Q.Q4_K, rng)
+    other = _views(8, Q.Q8_0, Q.Q8_0, rng)
+    steps: moe_module.RowSteps = {}
+    plan, ids = _one_token(rng, 8, 4)
+    assert moe_module.row_ffn_out(plan, [views[e] for e in ids], steps) is not None
+    # another class of experts (a tier, a bank), a busy step: None, the caller takes the general path
+    assert moe_module.row_ffn_out(plan, [other[e] for e in ids], steps) is None
+    step = steps[0]
+    assert step is not None
+    with step._lock:
+        assert moe_module.row_ffn_out(plan, [views[e] for e in ids], steps) is None
+    # a non-finite input: None, nothing returned that may be used
+    x = plan.x.copy()
+    x[0, 3] = np.nan
+    bad = moe_module.plan_moe(x, plan.ids, plan.weights, plan.resident, plan.hparams)
+    assert moe_module.row_ffn_out(bad, [views[e] for e in ids], steps) is None
+    # two tokens, a repeated expert: no step at all
+    two = moe_module.plan_moe(
+        np.vstack([x, x]), np.vstack([plan.ids, plan.ids]), np.vstack([plan.weights] * 2), plan.resident, plan.hparams
+    )
+    assert moe_module.row_ffn_out(two, [views[e] for e in ids], steps) is None
+    # float precision: the layer gets no step
+    fused.set_precision("float")
+    assert moe_module.row_ffn_out(plan, [views[e] for e in ids], {}) is None
+
+
+def test_a_view_that_does_not_fit_the_layer_is_refused_by_the_step() -> None:
+    rng = np.random.default_rng(12)
+    views = _views(4, Q.Q4_K, Q.Q4_K, rng)
+    plan, ids = _one_token(rng, 4, 2)
+    wide = ExpertView(0, ids[0], 0, views[0].gate, views[0].up, _proj(Q.Q4_K, (N_EMBD + 256, N_FF), rng))
+    with pytest.raises(moe_module.InvalidRequestError, match="down"):
+        moe_module.row_ffn_out(plan, [wide, views[ids[1]]], {})
