@@ -7,7 +7,9 @@ fan-outs per token start without a futex wake-up. This bench loads the 48-layer 
 (every expert resident), prefills ``--prompt`` tokens, then decodes ``--rounds`` rounds of two blocks
 of ``--tokens`` tokens each, one with the spin and one without (the process-wide pool replaced
 between blocks: ``configure_compute_pool(spin_us=...)``), in rotated order. The ratio of the
-sleeping block's time per token over the spinning block's is taken within each round.
+sleeping block's time per token over the spinning block's is taken within each round. With
+``--against-us B`` the second block spins ``B`` microseconds instead of sleeping at once (two spin
+lengths compared the same way).
 
     .venv/bin/python bench/spin_ab.py --rounds 8 --json spin_ab.json
     .venv/bin/python bench/spin_ab.py --render spin_ab.json docs/executor.md
@@ -34,8 +36,11 @@ from aioexperts.testing import ensure_full_model
 MODES = ("spin", "sleep")
 
 
-async def measure(model_path: Path, rounds: int, tokens: int, prompt: int, spin_us: int) -> list[dict[str, Any]]:
-    """Per round: ms per decode token of each mode (``spin``: ``spin_us``, ``sleep``: 0)."""
+async def measure(
+    model_path: Path, rounds: int, tokens: int, prompt: int, spin_us: int, against_us: int = 0
+) -> list[dict[str, Any]]:
+    """Per round: ms per decode token of each mode (``spin``: ``spin_us``, ``sleep``: ``against_us``,
+    0 by default)."""
     rng = np.random.default_rng(0)
     ids = [int(t) for t in rng.integers(10, 1000, prompt + 8 + 2 * rounds * tokens)]
     threads = compute_pool().n_threads
@@ -50,7 +55,7 @@ async def measure(model_path: Path, rounds: int, tokens: int, prompt: int, spin_
             for r in range(rounds):
                 row: dict[str, Any] = {"round": r, "order": list(MODES if r % 2 == 0 else reversed(MODES))}
                 for mode in row["order"]:
-                    configure_compute_pool(threads, spin_us=spin_us if mode == "spin" else 0)
+                    configure_compute_pool(threads, spin_us=spin_us if mode == "spin" else against_us)
                     times = []
                     for token in ids[at : at + tokens]:
                         t0 = time.perf_counter()
@@ -59,8 +64,9 @@ async def measure(model_path: Path, rounds: int, tokens: int, prompt: int, spin_
                     at += tokens
                     row[f"{mode}_ms_per_token"] = 1e3 * statistics.median(times)
                 row["ratio"] = row["sleep_ms_per_token"] / row["spin_ms_per_token"]
+                second = f"spin {against_us} us" if against_us else "sleep"
                 print(
-                    f"round {r}: spin {row['spin_ms_per_token']:.1f} ms/token, sleep "
+                    f"round {r}: spin {spin_us} us {row['spin_ms_per_token']:.1f} ms/token, {second} "
                     f"{row['sleep_ms_per_token']:.1f}: {row['ratio']:.3f}x",
                     flush=True,
                 )
@@ -87,6 +93,8 @@ def render_lines(results: Path) -> list[str]:
         v = s[name]
         return f"{v['median']:{spec}} ({v['min']:{spec}}-{v['max']:{spec}})"
 
+    against = p.get("against_us", 0)
+    second = "sleep at once" if not against else f"spin {against} us, then sleep"
     return [
         f"<!-- rendered by bench/spin_ab.py --render {results} DOC; do not edit by hand -->",
         f"`bench/spin_ab.py`, {p['rounds']} rounds of two blocks of {p['tokens']} decode tokens after a "
@@ -95,10 +103,10 @@ def render_lines(results: Path) -> list[str]:
         f"aioexperts {str(m.get('aioexperts_commit'))[:10]}. Median ms per token of each block; each "
         "figure is the median (min-max) of the rounds, the ratio that of the per-round ratios.",
         "",
-        "| threads between fan-outs | ms per decode token | sleeping over spinning |",
+        "| threads between fan-outs | ms per decode token | second row over first |",
         "|---|---|---|",
-        f"| spin, then sleep | {fmt('spin_ms_per_token', '.1f')} | {fmt('ratio', '.3f')}x |",
-        f"| sleep at once | {fmt('sleep_ms_per_token', '.1f')} | - |",
+        f"| spin {p['spin_us']} us, then sleep | {fmt('spin_ms_per_token', '.1f')} | {fmt('ratio', '.3f')}x |",
+        f"| {second} | {fmt('sleep_ms_per_token', '.1f')} | - |",
     ]
 
 
@@ -117,6 +125,12 @@ def main() -> int:
         default=None,
         help=f"microseconds of the spinning block's spin (default $AIOEXPERTS_COMPUTE_SPIN_US, else {DEFAULT_SPIN_US})",
     )
+    ap.add_argument(
+        "--against-us",
+        type=int,
+        default=0,
+        help="microseconds the second block spins (default 0: it sleeps at once)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="results file (default spin_ab-results.json)")
     ap.add_argument("--render", nargs=2, type=Path, metavar=("RESULTS", "DOC"), help="render RESULTS into DOC, no run")
     args = ap.parse_args()
@@ -128,13 +142,15 @@ def main() -> int:
     spin_us = default_spin_us() if args.spin_us is None else args.spin_us
     if not 0 < spin_us <= MAX_SPIN_US:
         ap.error(f"--spin-us must be in [1, {MAX_SPIN_US}] (the spinning block's spin)")
+    if not 0 <= args.against_us <= MAX_SPIN_US:
+        ap.error(f"--against-us must be in [0, {MAX_SPIN_US}] (the second block's spin)")
     if args.json is not None:
         refuse_foreign(args.json)
     started = time.time()
     path = ensure_full_model(48)
-    rounds = asyncio.run(measure(path, args.rounds, args.tokens, args.prompt, spin_us))
+    rounds = asyncio.run(measure(path, args.rounds, args.tokens, args.prompt, spin_us, args.against_us))
     parameters = {"rounds": args.rounds, "tokens": args.tokens, "prompt": args.prompt, "spin_us": spin_us,
-                  "model": path.name, "command": " ".join(sys.argv)}  # fmt: skip
+                  "against_us": args.against_us, "model": path.name, "command": " ".join(sys.argv)}  # fmt: skip
     out = write_results(args.json, "spin_ab", parameters, {"_ms_per_token": "milliseconds"}, rounds,
                         summarize(rounds), started)  # fmt: skip
     print(f"results: {out}")

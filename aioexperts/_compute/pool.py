@@ -66,7 +66,7 @@ THREADS_ENV = "AIOEXPERTS_COMPUTE_THREADS"
 MAX_THREADS = 1024
 SPIN_ENV = "AIOEXPERTS_COMPUTE_SPIN_US"
 #: microseconds an idle worker or a waiting ``map`` caller spins before it sleeps (while a ``spin`` job runs)
-DEFAULT_SPIN_US = 200
+DEFAULT_SPIN_US = 1000
 #: the longest spin accepted (one second): a spin is meant to bridge the gap between two fan-outs;
 #: a longer one only burns a core, and past about 2**63 iterations it cannot reach the compiled loop
 MAX_SPIN_US = 1_000_000

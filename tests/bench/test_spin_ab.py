@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import ModuleType
 
@@ -35,3 +36,19 @@ def test_the_region_of_docs_executor_is_rendered_from_its_results_file(
     doc = BENCH.parent / "docs" / "executor.md"
     results = assert_region_rendered(doc, "spin_ab", "spin_ab.py", ab.render, tmp_path)
     assert results["benchmark"] == "spin_ab"
+
+
+def test_the_table_names_what_each_block_did(ab: ModuleType, tmp_path: Path) -> None:
+    summary = ab.summarize([{"round": 0, "spin_ms_per_token": 90.0, "sleep_ms_per_token": 99.0, "ratio": 1.1}])
+    base = {"rounds": 1, "tokens": 6, "prompt": 256, "spin_us": 1000}
+    for against, second in ((0, "| sleep at once | 99.0"), (200, "| spin 200 us, then sleep | 99.0")):
+        path = tmp_path / f"r{against}.json"
+        params = base if not against else {**base, "against_us": against}  # files before --against-us have none
+        path.write_text(
+            json.dumps(
+                {"benchmark": "spin_ab", "parameters": params, "machine": {}, "summary": summary, "started": "t"}
+            )
+        )
+        lines = ab.render_lines(path)
+        assert any(line.startswith("| spin 1000 us, then sleep | 90.0") for line in lines)
+        assert any(line.startswith(second) for line in lines), lines
