@@ -163,6 +163,12 @@ def _target_lines(results: dict[str, Any]) -> list[str]:
             continue
         values = ", ".join("-" if v is None else f"{v:.3g}" for v in t["per_round"])
         fits = " (llama.cpp's working set fits: the 0.7x bar)" if t.get("llama_fits") else ""
+        if t["what"] == "outside":
+            lines.append(
+                f"- under {t['limit']}: share of a decode token outside the compiled fan-outs (kernels and the "
+                f"wait for their last items) {t['op']} {t['threshold']:g}: per round {values}: **{t['verdict']}**"
+            )
+            continue
         lines.append(
             f"- under {t['limit']}: {t['what']} ratio {t['op']} {t['threshold']:g}{fits}: per round {values}: "
             f"**{t['verdict']}**"
@@ -208,6 +214,15 @@ def _split_line(results: dict[str, Any]) -> str | None:
     parts = {k: sum(r["seconds_per_part"][k] for r in runs) for k in runs[0]["seconds_per_part"]}
     other = total - sum(parts.values())
     shown = ", ".join(f"{k} {v / n * 1e3:.0f}" for k, v in parts.items()) + f", other {other / n * 1e3:.0f}"
+    fanned = [
+        r["fan_out_ms_per_token"] * r["tokens_decoded"] for r in runs if r.get("fan_out_ms_per_token") is not None
+    ]
+    if len(fanned) == len(runs):
+        inside = sum(fanned) / 1e3
+        shown += (
+            f"; in compiled fan-outs {inside / n * 1e3:.0f} ({inside / total:.0%}), outside them "
+            f"{(total - inside) / n * 1e3:.0f} ({1 - inside / total:.0%}: Python, numpy, the router's BLAS product)"
+        )
     return f"where an uncapped aioexperts decode token goes (ms per token): {shown}"
 
 

@@ -121,7 +121,10 @@ async def _run_aioexperts(cfg: dict[str, Any]) -> None:
             first = int(np.argmax(logits[-1]))
             _emit("prefill", seconds=time.perf_counter() - t1, greedy=first, n_tokens=len(cfg["prompt"]))
             timeline = _start_timeline(model, cfg)
-            before, split0 = store.statistics(), model.statistics()
+            from aioexperts._compute.pool import compute_pool
+
+            pool = compute_pool()
+            before, split0, pool0 = store.statistics(), model.statistics(), pool.statistics()
             for i, token in enumerate(cfg["decode"]):
                 t2 = time.perf_counter()
                 if timeline is not None:
@@ -131,7 +134,7 @@ async def _run_aioexperts(cfg: dict[str, Any]) -> None:
                     timeline.end_token()
                 greedy = int(np.argmax(out[-1]))
                 _emit("token", index=i, seconds=time.perf_counter() - t2, greedy=greedy)
-            after, split1 = store.statistics(), model.statistics()
+            after, split1, pool1 = store.statistics(), model.statistics(), pool.statistics()
             if timeline is not None:
                 model.runner.record_timeline(None)
                 _write_timeline(timeline, model, cfg["timeline"])
@@ -154,6 +157,7 @@ async def _run_aioexperts(cfg: dict[str, Any]) -> None:
             read_sources=read_sources(before, after, split0.stall_seconds, split1.stall_seconds),
             distinct_experts_per_layer=distinct,
             seconds_per_part=parts,
+            fan_out_seconds=pool1.fan_out_seconds - pool0.fan_out_seconds,
         )
 
 

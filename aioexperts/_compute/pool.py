@@ -185,6 +185,9 @@ class PoolStatistics:
         queued: jobs waiting now.
         fan_outs: :meth:`ComputePool.fan_out` calls with more than one item.
         fan_out_items_helped: fan-out items run by a worker other than the calling thread.
+        fan_out_seconds: wall seconds callers spent in :meth:`ComputePool.fan_out` calls of more
+            than one item (the compiled kernels, the caller's wait for its helpers' last items; a
+            decode token's products, experts and attention), summed over the callers.
     """
 
     n_threads: int
@@ -195,6 +198,7 @@ class PoolStatistics:
     queued: int
     fan_outs: int = 0
     fan_out_items_helped: int = 0
+    fan_out_seconds: float = 0.0
 
 
 class _Job(Generic[R]):
@@ -290,6 +294,7 @@ class ComputePool:
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._counts = {"jobs": 0, "dropped": 0, "maps": 0, "items_helped": 0, "fan_outs": 0}
+        self._fan_out_seconds = 0.0
         self._limits: Any = None
         if limit_native_threads:
             self._limits = _limit_native_threads()
@@ -313,7 +318,11 @@ class ComputePool:
 
         with self._lock:
             return PoolStatistics(
-                self._n, queued=len(self._jobs), fan_out_items_helped=int(self._control[HELPED]), **self._counts
+                self._n,
+                queued=len(self._jobs),
+                fan_out_items_helped=int(self._control[HELPED]),
+                fan_out_seconds=self._fan_out_seconds,
+                **self._counts,
             )
 
     # -- async face -----------------------------------------------------------------------------
@@ -432,14 +441,21 @@ class ComputePool:
         if spinner is None:
             return None
         address = desc_address or desc.ctypes.data
+        t0 = time.perf_counter()
         if n <= 1 or self._n <= 1 or self._closed or not self._fan_lock.acquire(blocking=False):
-            return int(spinner.run_inline(task, address, n))
+            status = int(spinner.run_inline(task, address, n))
+            if n > 1:
+                with self._lock:  # another thread may hold the fan lock: count under the pool's
+                    self._fan_out_seconds += time.perf_counter() - t0
+            return status
         try:
             gen = spinner.publish(self._control, task, address, n)
             if not self._control[limits[1]] and not self._invited:
                 self._invite()
             return int(spinner.finish(self._control, gen, n))
         finally:
+            with self._lock:
+                self._fan_out_seconds += time.perf_counter() - t0
             self._fan_lock.release()
 
     def _invite(self) -> None:

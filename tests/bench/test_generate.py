@@ -525,3 +525,21 @@ def test_a_failed_run_says_why_on_its_progress_line() -> None:
     assert _run_line({**base, "status": "oom-killed", "stderr_tail": []}).endswith("wall 1 s")
     ok = {**base, "status": "ok", "decode_tok_s": 2.5, "tokens_decoded": 8}
     assert _run_line(ok) == "  ok: 2.500 tok/s over 8 tokens, wall 1 s"
+
+
+def test_the_share_outside_the_fan_outs_is_a_target_of_the_uncapped_runs() -> None:
+    events = _events([0.1, 0.1, 0.2], [0, 0, 0])
+    events.append({**events[-1], "phase": "done", "fan_out_seconds": 0.3})
+    ours = {"engine": "aioexperts", "status": "ok", **_from_events(events, 256)}
+    assert ours["fan_out_ms_per_token"] == pytest.approx(100.0)
+    assert ours["outside_fan_outs_share"] == pytest.approx(0.25)
+    llama = {"engine": "llama.cpp", "status": "ok", **_from_events(_events([0.1, 0.1, 0.1], [0, 0, 0]), 256)}
+    rnd = _round_summary([ours, llama])
+    assert rnd["outside_ratio"] == pytest.approx(0.25)
+    rounds = [{"limit": "none", "round": 0, **rnd}, {"limit": "none", "round": 1, **rnd, "outside_ratio": 0.1}]
+    targets = {(t["limit"], t["what"]): t for t in evaluate_targets({"runs": [], "rounds": rounds})}
+    assert targets["none", "outside"]["verdict"] == "MISSED"
+    assert targets["none", "outside"]["per_round"] == [pytest.approx(0.25), 0.1]
+    rounds[0]["outside_ratio"] = 0.12
+    targets = {(t["limit"], t["what"]): t for t in evaluate_targets({"runs": [], "rounds": rounds})}
+    assert targets["none", "outside"]["verdict"] == "met"

@@ -204,3 +204,24 @@ def test_the_split_flash_attention_has_the_bits_of_one_call(monkeypatch: pytest.
     finally:
         pool.close()
     np.testing.assert_array_equal(got, want)
+
+
+def test_the_seconds_in_fan_outs_are_counted_posted_or_inline() -> None:
+    pool = pool_module.ComputePool(2, limit_native_threads=False)
+    try:
+        _ready(pool)
+        before = pool.statistics().fan_out_seconds
+        desc = _descriptor(np.zeros(16, dtype=np.int64), 200_000)  # about 1 ms per item
+        t0 = time.perf_counter()
+        pool.fan_out(_count_task.address, desc, 16)
+        wall = time.perf_counter() - t0
+        posted = pool.statistics().fan_out_seconds - before
+        assert 0 < posted <= wall
+        with pool._fan_lock:  # another thread's fan-out in progress: this one runs inline, counted too
+            pool.fan_out(_count_task.address, desc, 16)
+        assert pool.statistics().fan_out_seconds - before > posted
+        one = pool.statistics().fan_out_seconds
+        pool.fan_out(_count_task.address, desc, 1)  # one item: not a fan-out
+        assert pool.statistics().fan_out_seconds == one
+    finally:
+        pool.close()
