@@ -92,8 +92,7 @@ def product_task(ggml_type: GGMLQuantizationType) -> ProductTask | None:
     return ProductTask(int(cfunc.address), row_bytes, cfunc)
 
 
-def _run(
-    task: ProductTask,
+def _descriptor(
     addresses: np.ndarray,
     rows: np.ndarray,
     row_bytes: int,
@@ -101,10 +100,9 @@ def _run(
     x_rows: np.ndarray,
     out_offsets: np.ndarray,
     out_base: int,
-) -> bool:
-    """Item ``i``: the ``(rows[i], row_bytes)`` matrix at ``addresses[i]`` times ``x[x_rows[i]]``
-    into the ``rows[i]`` float32 at ``out_base + out_offsets[i]`` (all checked by the caller); True
-    when every item's ``x`` was finite."""
+) -> np.ndarray:
+    """The group task's descriptor (:data:`~aioexperts._compute.kernels.group.G_ADDRESSES` ...) of
+    these arrays, which the caller keeps alive while it is used."""
     desc = np.zeros(GROUP_DESC_SIZE, dtype=np.int64)
     desc[G_ADDRESSES] = addresses.ctypes.data
     desc[G_ROWS] = rows.ctypes.data
@@ -114,7 +112,7 @@ def _run(
     desc[G_ROW_BYTES] = row_bytes
     desc[G_COLS] = x.shape[1]
     desc[G_OUT_BASE] = out_base
-    return _fan_out(task.address, desc, desc.ctypes.data, len(addresses))
+    return desc
 
 
 def _fan_out(task: int, desc: np.ndarray, desc_address: int, n: int) -> bool:
@@ -170,17 +168,8 @@ class GroupCall:
         self.n = len(addresses)
         self.addresses = addresses
         self._keep = (task, rows, x, x_rows, out, out_offsets)
-        desc = np.zeros(GROUP_DESC_SIZE, dtype=np.int64)
-        desc[G_ADDRESSES] = addresses.ctypes.data
-        desc[G_ROWS] = rows.ctypes.data
-        desc[G_X] = x.ctypes.data
-        desc[G_X_ROWS] = x_rows.ctypes.data
-        desc[G_OUTS] = out_offsets.ctypes.data
-        desc[G_ROW_BYTES] = row_bytes
-        desc[G_COLS] = x.shape[1]
-        desc[G_OUT_BASE] = out.ctypes.data
-        self._desc = desc
-        self._desc_address = desc.ctypes.data
+        self._desc = _descriptor(addresses, rows, row_bytes, x, x_rows, out_offsets, out.ctypes.data)
+        self._desc_address = self._desc.ctypes.data
 
     def run(self) -> bool:
         """Every item; True when every item's ``x`` was finite (else nothing written may be used)."""
@@ -247,7 +236,8 @@ def matvec_group(
     addresses = np.array([m.address for m in matrices], dtype=np.int64)
     offsets = 4 * rows * np.arange(n, dtype=np.int64)
     rows_each = np.full(n, rows, dtype=np.int64)
-    return _run(task, addresses, rows_each, row_bytes, x, np.ascontiguousarray(x_rows), offsets, out.ctypes.data)
+    desc = _descriptor(addresses, rows_each, row_bytes, x, np.ascontiguousarray(x_rows), offsets, out.ctypes.data)
+    return _fan_out(task.address, desc, desc.ctypes.data, n)
 
 
 #: weight rows of one item of :func:`matvec_split` at least
