@@ -9,7 +9,9 @@ of ``--tokens`` tokens each, one with the spin and one without (the process-wide
 between blocks: ``configure_compute_pool(spin_us=...)``), in rotated order. The ratio of the
 sleeping block's time per token over the spinning block's is taken within each round. With
 ``--against-us B`` the second block spins ``B`` microseconds instead of sleeping at once (two spin
-lengths compared the same way).
+lengths compared the same way; the results file keeps the keys ``spin_ms_per_token`` for the first
+block and ``sleep_ms_per_token`` for the second, whatever it did, and ``against_us``). A run builds
+(once) or loads the 48-layer built-in model, 17 GB.
 
     .venv/bin/python bench/spin_ab.py --rounds 8 --json spin_ab.json
     .venv/bin/python bench/spin_ab.py --render spin_ab.json docs/executor.md
@@ -27,10 +29,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _results import refuse_foreign, replace_region, write_results  # bench/_results.py, a sibling module
+from _results import one_line_error, refuse_foreign, replace_region, write_results  # bench/_results.py
 
 import aioexperts
-from aioexperts._compute.pool import DEFAULT_SPIN_US, MAX_SPIN_US, compute_pool, configure_compute_pool, default_spin_us
+from aioexperts._compute.pool import (
+    DEFAULT_SPIN_US,
+    MAX_SPIN_US,
+    SPIN_ENV,
+    compute_pool,
+    configure_compute_pool,
+    default_spin_us,
+    default_threads,
+)
+from aioexperts._errors import ConfigError
 from aioexperts.testing import ensure_full_model
 
 MODES = ("spin", "sleep")
@@ -110,13 +121,26 @@ def render_lines(results: Path) -> list[str]:
     ]
 
 
+def refuse_foreign_results(path: Path) -> None:
+    """``path`` is a spin_ab results file, or ValueError (OSError when it cannot be read)."""
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or data.get("benchmark") != "spin_ab":
+        raise ValueError(f"{path} is not a bench/spin_ab.py results file")
+
+
 def render(results: Path, doc: Path, region: str = "spin_ab") -> None:
     replace_region(doc, region, render_lines(results))
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=8, help="rounds of one spinning and one sleeping block")
+    ap = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0],
+        epilog="A run builds (once) or loads the 48-layer built-in model (17 GB). Examples: "
+        "bench/spin_ab.py --rounds 8 --json spin_ab.json; bench/spin_ab.py --spin-us 1000 --against-us 200; "
+        "bench/spin_ab.py --render spin_ab.json docs/executor.md",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--rounds", type=int, default=8, help="rounds of one block of each setting")
     ap.add_argument("--tokens", type=int, default=6, help="decode tokens per block")
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens prefilled first")
     ap.add_argument(
@@ -135,13 +159,24 @@ def main() -> int:
     ap.add_argument("--render", nargs=2, type=Path, metavar=("RESULTS", "DOC"), help="render RESULTS into DOC, no run")
     args = ap.parse_args()
     if args.render:
-        render(*args.render)
+        try:
+            refuse_foreign_results(args.render[0])
+            render(*args.render)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # missing, foreign or broken: one line
+            print(f"{ap.prog}: error: {one_line_error(exc)}", file=sys.stderr)
+            return 2
         return 0
     if args.rounds < 1 or args.tokens < 1 or args.prompt < 1:
         ap.error("--rounds, --tokens and --prompt must be >= 1")
-    spin_us = default_spin_us() if args.spin_us is None else args.spin_us
+    try:  # the environment's values, checked before the model loads
+        default_threads()
+        env_spin_us = default_spin_us()
+    except ConfigError as exc:
+        ap.error(str(exc))
+    spin_us = env_spin_us if args.spin_us is None else args.spin_us
     if not 0 < spin_us <= MAX_SPIN_US:
-        ap.error(f"--spin-us must be in [1, {MAX_SPIN_US}] (the spinning block's spin)")
+        source = "--spin-us" if args.spin_us is not None else f"{SPIN_ENV} (the default of --spin-us)"
+        ap.error(f"{source} must be in [1, {MAX_SPIN_US}] here (the first block's spin), got {spin_us}")
     if not 0 <= args.against_us <= MAX_SPIN_US:
         ap.error(f"--against-us must be in [0, {MAX_SPIN_US}] (the second block's spin)")
     if args.json is not None:

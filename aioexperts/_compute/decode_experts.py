@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType
 
 from aioexperts._compute.glu import GatedActivation
 from aioexperts._compute.grouped import GroupCall, matvec_group, product_task
+from aioexperts._errors import ConfigError
 from aioexperts._format.views import ExpertView
 
 __all__ = ("RowStep", "expert_group", "group_classes", "row_step")
@@ -92,7 +93,8 @@ def expert_group(x: np.ndarray, views: Sequence[ExpertView], activation: GatedAc
 
 
 class RowStep:
-    """One layer's routed experts for one decode row, prepared once per layer and bank: the gate and
+    """One layer's routed experts for one decode row, prepared at the layer's first call (for the
+    class of experts of that call; calls of another class take the general path): the gate and
     up products as one fan-out (:class:`~aioexperts._compute.grouped.GroupCall`), the gated
     activation in numpy, the down products as a second fan-out, and the slot-order weighted sum
     compiled (:mod:`aioexperts._compute.kernels.combine`). The kernels, the activation and the sum
@@ -106,6 +108,10 @@ class RowStep:
         views: the ``n`` checked views of a first call, all of one class (:func:`group_classes`);
             they fix the types, shapes and byte counts every later call must have.
         activation: the layer's gated activation.
+
+    Raises:
+        ValueError: ``views`` is empty, or no group kernel serves their types (:func:`row_step`
+            checks both first).
     """
 
     __slots__ = ("_act", "_activation", "_down", "_gate_up", "_gu", "_key", "_lock", "_tmp", "_x", "_ys", "n")
@@ -113,6 +119,8 @@ class RowStep:
     def __init__(self, views: Sequence[ExpertView], activation: GatedActivation) -> None:
         import threading
 
+        if not views:
+            raise ValueError("RowStep: no views")
         first = views[0]
         self.n = n = len(views)
         self._key = _view_key(first)
@@ -160,17 +168,33 @@ class RowStep:
 
         Args:
             x: ``(1, n_embd)`` float32.
-            views: the experts of slots ``0..n-1``, pinned, with :meth:`fits` true.
+            views: the experts of slots ``0..n-1``, pinned, with :meth:`fits` true (the caller
+                checks it: the step reads the memory the views give, as sized when it was made).
             weights: ``(n,)`` float32 routing weights in slot order.
 
         Returns:
             ``(1, n_embd)`` float32, a new array; None when another thread runs this step or a
             product saw a non-finite input (the caller takes the general path).
+
+        Raises:
+            ConfigError: ``views``, ``weights`` or ``x`` not of this step's count, shape and dtype.
         """
+        n = self.n
+        if (
+            len(views) != n
+            or weights.dtype != np.float32
+            or weights.shape != (n,)
+            or x.dtype != np.float32
+            or x.shape != self._x.shape
+        ):
+            raise ConfigError(
+                f"RowStep of {n} experts: {len(views)} views, weights {weights.dtype}{weights.shape}, "
+                f"x {x.dtype}{x.shape}"
+            )
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            gate_up, down, n = self._gate_up, self._down, self.n
+            gate_up, down = self._gate_up, self._down
             addresses = gate_up.addresses
             for i, v in enumerate(views):
                 addresses[i] = v.gate.address

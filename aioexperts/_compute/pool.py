@@ -186,8 +186,10 @@ class PoolStatistics:
         fan_outs: :meth:`ComputePool.fan_out` calls with more than one item.
         fan_out_items_helped: fan-out items run by a worker other than the calling thread.
         fan_out_seconds: wall seconds callers spent in :meth:`ComputePool.fan_out` calls of more
-            than one item (the compiled kernels, the caller's wait for its helpers' last items; a
-            decode token's products, experts and attention), summed over the callers.
+            than one item, posted or run inline on the caller (another thread's fan-out in
+            progress): the compiled kernels and the caller's wait for its helpers' last items (a
+            decode token's products, experts and attention), summed over the callers. (``fan_outs``
+            also counts calls that returned None, kernels not ready, which add no seconds.)
     """
 
     n_threads: int

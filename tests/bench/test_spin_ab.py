@@ -52,3 +52,32 @@ def test_the_table_names_what_each_block_did(ab: ModuleType, tmp_path: Path) -> 
         lines = ab.render_lines(path)
         assert any(line.startswith("| spin 1000 us, then sleep | 90.0") for line in lines)
         assert any(line.startswith(second) for line in lines), lines
+
+
+def test_bad_files_and_settings_are_one_line_before_any_model_loads(
+    ab: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- bench:spin_ab -->\n<!-- /bench:spin_ab -->\n")
+    foreign = tmp_path / "other.json"
+    foreign.write_text(json.dumps({"benchmark": "other"}))
+    broken = tmp_path / "broken.json"
+    broken.write_text("not json")
+    monkeypatch.setattr(ab, "ensure_full_model", lambda n: pytest.fail("a model was loaded"))
+    for results in (tmp_path / "missing.json", foreign, broken):
+        monkeypatch.setattr("sys.argv", ["spin_ab.py", "--render", str(results), str(doc)])
+        assert ab.main() == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "error:" in err and "Traceback" not in err
+    for name, value in (("AIOEXPERTS_COMPUTE_SPIN_US", "abc"), ("AIOEXPERTS_COMPUTE_THREADS", "0")):
+        monkeypatch.setenv(name, value)
+        monkeypatch.setattr("sys.argv", ["spin_ab.py", "--rounds", "1"])
+        with pytest.raises(SystemExit) as info:
+            ab.main()
+        assert info.value.code == 2 and name in capsys.readouterr().err
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AIOEXPERTS_COMPUTE_SPIN_US", "0")  # a valid setting, but no spin to compare
+    monkeypatch.setattr("sys.argv", ["spin_ab.py"])
+    with pytest.raises(SystemExit):
+        ab.main()
+    assert "AIOEXPERTS_COMPUTE_SPIN_US (the default of --spin-us)" in capsys.readouterr().err

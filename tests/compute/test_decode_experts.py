@@ -258,3 +258,24 @@ def test_a_view_that_does_not_fit_the_layer_is_refused_by_the_step() -> None:
     wide = ExpertView(0, ids[0], 0, views[0].gate, views[0].up, _proj(Q.Q4_K, (N_EMBD + 256, N_FF), rng))
     with pytest.raises(moe_module.InvalidRequestError, match="down"):
         moe_module.row_ffn_out(plan, [wide, views[ids[1]]], {})
+
+
+def test_a_prepared_step_refuses_inputs_that_do_not_fit_it() -> None:
+    rng = np.random.default_rng(14)
+    views = _views(4, Q.Q8_0, Q.Q8_0, rng)
+    plan, ids = _one_token(rng, 4, 4)
+    steps: moe_module.RowSteps = {}
+    assert moe_module.row_ffn_out(plan, [views[e] for e in ids], steps) is not None
+    step = steps[0]
+    assert step is not None
+    chosen, w = [views[e] for e in ids], plan.weights[0]
+    for bad_views, bad_w, bad_x in (
+        (chosen[:3], w, plan.x),  # fewer experts than the step: the last slot's address would be stale
+        (chosen, w[:3], plan.x),  # fewer weights: the compiled sum would read past them
+        (chosen, w.astype(np.float64), plan.x),
+        (chosen, w, np.vstack([plan.x, plan.x])),
+    ):
+        with pytest.raises(ConfigError, match="RowStep of 4 experts"):
+            step.run(bad_x, bad_views, bad_w)
+    with pytest.raises(ValueError, match="no views"):
+        decode_experts.RowStep([], swiglu)
