@@ -925,30 +925,35 @@ def flash_kernel() -> Callable[..., None] | None:
     """
     if backend().name != "numba":
         return None
+    return _flash_callable()
+
+
+@functools.cache
+def _flash_callable() -> Callable[..., None] | None:
+    """:func:`flash_kernel` once numba serves: made once per process (an import and a closure per
+    decode layer cost about 5 us with the caches cold)."""
     try:
         module = importlib.import_module(f"{__package__}.kernels.flash")
         vector = importlib.import_module(f"{__package__}.kernels.halfvec").hardware_half()
     except Exception as exc:  # a broken numba/llvmlite can raise anything at import
         _fail(exc, "the flash attention kernel")
         return None
-    scalar_kernel: Callable[..., None] = module.flash_attend_f16
-    bits_kernel: Callable[..., None] = module.flash_attend_f16_bits
+    from . import pool as _pool_module
 
     def flash(q: np.ndarray, k: np.ndarray, v: np.ndarray, *rest: Any) -> None:
+        # the kernels looked up per call: the module's attributes, as a test may replace them
         if not (vector and k.shape[2] % 32 == 0 and v.shape[2] % 32 == 0):
-            scalar_kernel(q, k.astype(np.float32), v.astype(np.float32), *rest)
+            module.flash_attend_f16(q, k.astype(np.float32), v.astype(np.float32), *rest)
             return
         k16 = np.ascontiguousarray(k).view(np.uint16)
         v16 = np.ascontiguousarray(v).view(np.uint16)
         n_head = q.shape[1]
-        from . import pool as _pool_module
-
         pool = _pool_module._current_pool()
         if pool is None or pool.n_threads <= 1 or q.shape[0] * n_head * k.shape[0] < FLASH_SPLIT_MIN:
-            bits_kernel(q, k16, v16, *rest, 0, n_head)
+            module.flash_attend_f16_bits(q, k16, v16, *rest, 0, n_head)
             return
         if not _flash_fan_out(module, pool, q, k16, v16, *rest):
-            bits_kernel(q, k16, v16, *rest, 0, n_head)
+            module.flash_attend_f16_bits(q, k16, v16, *rest, 0, n_head)
 
     return flash
 

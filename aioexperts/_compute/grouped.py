@@ -74,22 +74,21 @@ def product_task(ggml_type: GGMLQuantizationType) -> ProductTask | None:
     if served is None:
         return None
     one, row_bytes = served
-    cfunc = _tasks.get(one, _UNSEEN)
-    if cfunc is _UNSEEN:
+    task = _tasks.get(one, _UNSEEN)
+    if task is _UNSEEN:
         with _lock:
-            cfunc = _tasks.get(one, _UNSEEN)
-            if cfunc is _UNSEEN:
+            task = _tasks.get(one, _UNSEEN)
+            if task is _UNSEEN:
                 try:
                     from .kernels.group import make_group_task
 
                     cfunc = make_group_task(one)  # type: ignore[no-untyped-call]
+                    task = ProductTask(int(cfunc.address), row_bytes, cfunc)
                 except Exception as exc:  # a broken numba/llvmlite can raise anything: the per-product path serves
                     log.warning("the grouped decode products are off (%s: %s)", type(exc).__name__, exc)
-                    cfunc = None
-                _tasks[one] = cfunc
-    if cfunc is None:
-        return None
-    return ProductTask(int(cfunc.address), row_bytes, cfunc)
+                    task = None
+                _tasks[one] = task
+    return task  # type: ignore[no-any-return]
 
 
 def _descriptor(

@@ -170,9 +170,12 @@ class GQABlock:
             q, k, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
         else:
             q, k, v = invariant_products([(self.wq, x), (self.wk, x), (self.wv, x)], parts)
-        outs = compute_pool().map(
-            lambda i: self._attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], caches[i], starts[i]), range(n)
-        )
+        if n == 1:  # a decode row: its attention on this thread (a one-item map, without the map)
+            outs = [self._attend(q, k, v, caches[0], starts[0])]
+        else:
+            outs = compute_pool().map(
+                lambda i: self._attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], caches[i], starts[i]), range(n)
+            )
         (y,) = invariant_products([(self.wo, np.concatenate(outs))], parts)
         return self._output(y)
 
