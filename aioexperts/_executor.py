@@ -23,6 +23,7 @@ import anyio
 import numpy as np
 
 from ._cache.cache import Key
+from ._compute import fused as _fused
 from ._compute.moe import (
     ExpertOutputs,
     MoEOutput,
@@ -192,9 +193,7 @@ class LayerExecutor(abc.ABC):
 
 
 def _kernels_in_use() -> tuple[str, str]:
-    from ._compute import fused
-
-    return fused.precision(), fused.backend().name
+    return _fused.precision(), _fused.backend().name
 
 
 def _no_note(event: str, layer: int, n: int) -> None:
@@ -458,18 +457,20 @@ class ResidentPass:
         if views is None:
             return None
         t0 = time.perf_counter()
-        y = row_ffn_out(plan, views, self._row_steps)  # a decode row through its prepared step
-        if y is not None:
-            t1 = time.perf_counter()
-            with np.errstate(over="ignore", invalid="ignore"):
-                check_finite(layer, y, plan.x)
-            outcome: LayerOutcome = (MoEOutput(y, None, y), 0.0, t1 - t0)
-        else:
+        ffn_out = row_ffn_out(plan, views, self._row_steps)  # a decode row through its prepared step
+        outcome: LayerOutcome | None = None
+        if ffn_out is None:
             (outcome,), t0, t1 = _outputs_combined(layer, [plan], wanted, views, 0.0)
+        else:
+            t1 = time.perf_counter()
         self.steps += 1
         self.experts += len(wanted)
         self.rows += len(plan.x)
         self.compute_seconds += t1 - t0
+        if outcome is None:
+            assert ffn_out is not None
+            check_finite(layer, ffn_out, plan.x)  # as _combine_calls checks the general path's output
+            return ffn_out
         if isinstance(outcome, Exception):
             raise outcome
         return outcome[0].ffn_out

@@ -11,13 +11,13 @@ are the general path's, so every expert's output has its bits.
 
 from __future__ import annotations
 
-import functools
+import threading
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from aioexperts._compute import fused as _fused
 from aioexperts._compute.glu import GatedActivation
 from aioexperts._compute.grouped import GroupCall, matvec_group, product_task
 from aioexperts._errors import ConfigError
@@ -110,15 +110,13 @@ class RowStep:
         activation: the layer's gated activation.
 
     Raises:
-        ValueError: ``views`` is empty, or no group kernel serves their types (:func:`row_step`
-            checks both first).
+        ValueError: ``views`` is empty, or no group kernel or compiled sum serves them
+            (:func:`row_step` checks first).
     """
 
-    __slots__ = ("_act", "_activation", "_down", "_gate_up", "_gu", "_key", "_lock", "_tmp", "_x", "_ys", "n")
+    __slots__ = ("_act", "_activation", "_down", "_gate_up", "_gu", "_key", "_lock", "_sum", "_tmp", "_x", "_ys", "n")
 
     def __init__(self, views: Sequence[ExpertView], activation: GatedActivation) -> None:
-        import threading
-
         if not views:
             raise ValueError("RowStep: no views")
         first = views[0]
@@ -126,8 +124,10 @@ class RowStep:
         self._key = _view_key(first)
         gate, down = first.gate, first.down
         task, down_task = product_task(gate.ggml_type), product_task(down.ggml_type)
-        if task is None or down_task is None or gate.ggml_type != first.up.ggml_type:
+        weighted_sum = _fused.compiled_kernel("combine", "weighted_rows_sum")
+        if task is None or down_task is None or weighted_sum is None or gate.ggml_type != first.up.ggml_type:
             raise ValueError("RowStep: no group kernel for these types")  # the caller checked
+        self._sum = weighted_sum
         n_ff, n_embd = gate.shape
         self._x = np.zeros((1, n_embd), dtype=np.float32)
         self._gu = np.zeros((2 * n, n_ff), dtype=np.float32)
@@ -209,7 +209,7 @@ class RowStep:
             if not down.run():
                 return None
             out = np.empty((1, self._ys.shape[1]), dtype=np.float32)
-            _weighted_rows_sum()(self._ys, weights, out[0])
+            self._sum(self._ys, weights, out[0])
             return out
         finally:
             self._lock.release()
@@ -228,13 +228,6 @@ def row_step(views: Sequence[ExpertView], activation: GatedActivation) -> RowSte
     classes = group_classes(views)
     if classes is None or len(classes) != 1 or views[0].gate.ggml_type != views[0].up.ggml_type:
         return None
-    if _weighted_rows_sum() is None:
+    if _fused.compiled_kernel("combine", "weighted_rows_sum") is None:
         return None
     return RowStep(views, activation)
-
-
-@functools.cache
-def _weighted_rows_sum() -> Any:
-    from aioexperts._compute.fused import compiled_kernel
-
-    return compiled_kernel("combine", "weighted_rows_sum")

@@ -438,17 +438,15 @@ class ComputePool:
             with self._lock:
                 if not self._closed:
                     self._start_threads()  # the set-up thread compiles or loads the kernels
-        if n > 1:
-            self._counts["fan_outs"] += 1  # a statistic: the GIL's word on a lost increment is enough
-        if spinner is None:
-            return None
+                if spinner is None:
+                    self._counts["fan_outs"] += n > 1
+                    return None
         address = desc_address or desc.ctypes.data
         t0 = time.perf_counter()
         if n <= 1 or self._n <= 1 or self._closed or not self._fan_lock.acquire(blocking=False):
             status = int(spinner.run_inline(task, address, n))
             if n > 1:
-                with self._lock:  # another thread may hold the fan lock: count under the pool's
-                    self._fan_out_seconds += time.perf_counter() - t0
+                self._count_fan_out(t0)
             return status
         try:
             gen = spinner.publish(self._control, task, address, n)
@@ -456,9 +454,14 @@ class ComputePool:
                 self._invite()
             return int(spinner.finish(self._control, gen, n))
         finally:
-            with self._lock:
-                self._fan_out_seconds += time.perf_counter() - t0
+            self._count_fan_out(t0)
             self._fan_lock.release()
+
+    def _count_fan_out(self, t0: float) -> None:
+        """Count a fan-out of more than one item that began at ``t0`` (perf_counter seconds)."""
+        with self._lock:  # callers on several threads: one inline while another posts
+            self._counts["fan_outs"] += 1
+            self._fan_out_seconds += time.perf_counter() - t0
 
     def _invite(self) -> None:
         """Ask one sleeping worker to join the fan-outs (:meth:`_join`)."""

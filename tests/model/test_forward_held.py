@@ -123,3 +123,25 @@ async def test_a_long_prompt_goes_layer_by_layer(anyio_backend: object) -> None:
                 await seq.forward([1 + i % 50 for i in range(n_rows)])
                 jobs = pool.statistics().jobs - n
             assert (jobs == 2) is held, (n_rows, jobs)
+
+
+def test_a_prepared_steps_non_finite_output_is_refused_as_the_general_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ResidentPass.moe checks the prepared step's output as _combine_calls checks the general path's."""
+    from types import SimpleNamespace
+
+    from aioexperts import _executor
+
+    class Experts:
+        def views(self, layer: int, ids: list[int]) -> list[object]:
+            return [object() for _ in ids]
+
+    def overflowed(plan: object, views: object, steps: object) -> np.ndarray:
+        return np.array([[1.0, np.inf, 0.0, 0.0]], dtype=np.float32)
+
+    monkeypatch.setattr(_executor, "row_ffn_out", overflowed)
+    plan = SimpleNamespace(x=np.ones((1, 4), dtype=np.float32))
+    routing = SimpleNamespace(plan=plan, groups=[SimpleNamespace(experts=[1, 2])])
+    held = _executor.ResidentPass(Experts())  # type: ignore[arg-type]
+    with pytest.raises(aioexperts.InvalidRequestError, match="overflowed float32"):
+        held.moe(3, routing)  # type: ignore[arg-type]
+    assert held.steps == 1 and held.experts == 2  # counted before the error, as a failed general step
