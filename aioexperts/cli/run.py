@@ -713,9 +713,6 @@ async def _run(args: argparse.Namespace, path: str, prompt: str | None, report: 
         if not report.interrupted:
             raise
         task.uncancel()
-        status = INTERRUPTED_STATUS
-        if report.at_prompt:  # Ctrl-C at the "> " prompt: the statistics start a line of their own
-            print(file=sys.stderr, flush=True)
     except (aioexperts.AioExpertsError, OSError) as exc:
         report.error = error_text(exc)
         _say(f"error: {error_text(exc)}")
@@ -723,6 +720,12 @@ async def _run(args: argparse.Namespace, path: str, prompt: str | None, report: 
     finally:
         if not report.interrupted:
             loop.remove_signal_handler(signal.SIGINT)
+    if report.interrupted and status != BROKEN_PIPE_STATUS:
+        # Ctrl-C: 130 however the session ended (an async exit on the way out may absorb the
+        # cancellation and return normally)
+        status = INTERRUPTED_STATUS
+        if report.at_prompt:  # Ctrl-C at the "> " prompt: the statistics start a line of their own
+            print(file=sys.stderr, flush=True)
     return status
 
 

@@ -615,3 +615,34 @@ def test_a_prompt_from_stdin_with_f_dash(tiny_full_model: Path) -> None:
     done = run(str(tiny_full_model), "-f", "-", "-n", "1", "--io", "threads", "--json", stdin="Once upon\r\na time")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["prompt_tokens"] > 1
+
+
+@pytest.mark.parametrize("absorbed", [False, True])
+def test_ctrl_c_exits_130_even_when_the_session_absorbs_the_cancellation(
+    absorbed: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A CI run saw Ctrl-C at the chat prompt print "interrupted" and exit 0: the cancellation did
+    not come out of the session. The status follows the Ctrl-C, not how the session ended."""
+    import argparse
+    import asyncio
+
+    from aioexperts.cli import run as run_module
+
+    async def session(args: object, path: object, prompt: object, report: Any) -> None:
+        report.at_prompt = True
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            if not absorbed:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+
+    async def main() -> int:
+        asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), signal.SIGINT)
+        return await run_module._run(argparse.Namespace(), "m.gguf", None, report)
+
+    monkeypatch.setattr(run_module, "_session", session)
+    report = run_module._Report("m.gguf", False)
+    assert asyncio.run(main()) == 130
+    assert report.interrupted
+    assert capsys.readouterr().err == "\n"  # the statistics start a line of their own after "> "
