@@ -35,6 +35,7 @@ from ._compute.moe import (
     moe_forward,
     row_ffn_out,
 )
+from ._compute.norms import all_finite
 from ._compute.pool import compute_pool
 from ._errors import ConfigError, InvalidRequestError
 from ._format.views import ExpertView
@@ -513,7 +514,7 @@ def hits_first_pays(n_hits: int, n_misses: int, n_threads: int, *, batched: bool
 def check_finite(layer: int, y: np.ndarray, x: np.ndarray) -> None:
     """The executor's output is finite, or InvalidRequestError: finite input that overflows float32 inside
     the experts (llama.cpp would return inf/NaN the same way) is refused rather than returned."""
-    if np.isfinite(y).all():  # the common case in two numpy calls; the rows only when some are bad
+    if all_finite(y):  # the common case in one call; the rows only when some are bad
         return
     bad = np.logical_not(np.isfinite(y).all(axis=1))
     if bad.any():

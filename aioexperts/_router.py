@@ -20,6 +20,7 @@ import numpy as np
 from ._cache.cache import Key
 from ._checks import as_int_array, check_activations, check_int, describe
 from ._compute.moe import MoEPlan, ResidentLayer, check_token_ids, plan_moe, route
+from ._compute.norms import all_finite
 from ._compute.resident import load_residents
 from ._errors import ConfigError, InvalidRequestError
 from ._format.layout import MoELayer
@@ -570,8 +571,8 @@ def check_x(x: object, n_embd: int) -> None:
 
 
 def _all_finite(a: np.ndarray) -> bool:
-    """Whether every value of ``a`` is finite (two numpy calls; the rows are found only when not)."""
-    return bool(np.isfinite(a).all())
+    """Whether every value of ``a`` is finite (one call; the rows are found only when not)."""
+    return all_finite(a)
 
 
 def _check_routing(

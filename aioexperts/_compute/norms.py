@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ("rms_norm",)
+__all__ = ("add_rms_norm", "all_finite", "rms_norm")
 
 #: elements from which the compiled kernel serves (below, numpy's few calls cost no more)
 COMPILED_MIN = 64
@@ -46,3 +46,54 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
 
 
 _NO_WEIGHT = np.empty(0, dtype=np.float32)
+
+
+def add_rms_norm(
+    a: np.ndarray, b: np.ndarray, scale: float, weight: np.ndarray | None, eps: float
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``s = a + b * scale`` (``b`` unscaled when ``scale`` is 0: the residual scale's "none") and
+    ``rms_norm(s, weight, eps)`` in one compiled call, the bits of numpy's ``a + b * scale`` and of
+    :func:`rms_norm`: a residual add and the next norm of a decode step.
+
+    Args:
+        a, b: ``(rows, n)`` float32 C-contiguous (the residual stream and what is added to it).
+        scale: ``residual_scale`` (granite), 0 for none.
+        weight: ``(n,)`` float32 or None.
+        eps: the norm's epsilon.
+
+    Returns:
+        ``(s, normed)``, new arrays, or None where no compiled kernel serves, the arrays are not so
+        shaped, or ``s`` is not finite (the caller's numpy path then raises its own error).
+    """
+    if not (
+        a.dtype == b.dtype == np.float32
+        and a.ndim == 2
+        and a.shape == b.shape
+        and a.flags.c_contiguous
+        and b.flags.c_contiguous
+        and (weight is None or (weight.dtype == np.float32 and weight.shape == (a.shape[1],)))
+    ):
+        return None
+    from .fused import compiled_kernel
+
+    kernel = compiled_kernel("norm", "add_rms_norm_rows")
+    if kernel is None:
+        return None
+    total = np.empty_like(a)
+    out = np.empty_like(a)
+    w = _NO_WEIGHT if weight is None else np.ascontiguousarray(weight)
+    if not kernel(a, b, np.float32(scale), w, np.float32(eps), total, out):
+        return None
+    return total, out
+
+
+def all_finite(x: np.ndarray) -> bool:
+    """Whether every value of ``x`` is finite: one compiled call for a C-contiguous float32 array
+    (a decode step checks a few hundred small ones per token), else numpy's."""
+    if x.dtype == np.float32 and x.flags.c_contiguous:
+        from .fused import compiled_kernel
+
+        kernel = compiled_kernel("norm", "all_finite")
+        if kernel is not None:
+            return bool(kernel(x))
+    return bool(np.isfinite(x).all())

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from aioexperts._compute.norms import rms_norm
+from aioexperts._compute.norms import add_rms_norm, rms_norm
 from aioexperts._compute.pool import compute_pool
 from aioexperts._errors import FormatError, InvalidRequestError, NonFiniteError, UnsupportedTypeError
 from aioexperts._format.architectures import ModelHParams
@@ -414,16 +414,30 @@ class ForwardPass:
         route = layer.dense is None
         if n == 1:
             row = rows[0]
-            x = _caught(block_input, hp, il, resids[0], None if fs is None else fs[0], hc)
-            if isinstance(x, Exception):
-                return [x], None
+            scale = hp.residual_scale or 0.0
+            # the residual add, its check and the next norm in one compiled call where it serves
+            # (the same bits); else, or when not finite, the numpy steps (which raise the error)
+            fused = None
+            if fs is not None and hc is None:
+                fused = add_rms_norm(resids[0], fs[0], scale, layer.attn_norm, hp.norm_eps)
+            if fused is not None:
+                x, h = fused
+            else:
+                x = _caught(block_input, hp, il, resids[0], None if fs is None else fs[0], hc)
+                if isinstance(x, Exception):
+                    return [x], None
+                h = rms_norm(mixed_input(hc, il, "attn", x), layer.attn_norm, hp.norm_eps)
             if row.capture is not None and fs is not None:
                 row.capture[f"l_out-{il - 1}"] = x
-            h = rms_norm(mixed_input(hc, il, "attn", x), layer.attn_norm, hp.norm_eps)
-            ffn_inp = _caught(after_attention, hp, il, x, layer.block.attention(h, row.layers[il], row.start), hc)
-            if isinstance(ffn_inp, Exception):
-                return [ffn_inp], None
-            ffn_in = rms_norm(mixed_input(hc, il, "ffn", ffn_inp), layer.ffn_norm, hp.norm_eps)
+            a = layer.block.attention(h, row.layers[il], row.start)
+            fused = None if hc is not None else add_rms_norm(x, a, scale, layer.ffn_norm, hp.norm_eps)
+            if fused is not None:
+                ffn_inp, ffn_in = fused
+            else:
+                ffn_inp = _caught(after_attention, hp, il, x, a, hc)
+                if isinstance(ffn_inp, Exception):
+                    return [ffn_inp], None
+                ffn_in = rms_norm(mixed_input(hc, il, "ffn", ffn_inp), layer.ffn_norm, hp.norm_eps)
             if row.capture is not None:
                 row.capture[f"attn_norm-{il}"] = h
                 row.capture[f"ffn_inp-{il}"] = ffn_inp
@@ -456,11 +470,11 @@ class ForwardPass:
         t1 = time.perf_counter()
         out: list[_Pre] = []
         for i in range(n):
-            ffn_inp = failed.get(i) or _caught(after_attention, hp, il, xs[i], a[i : i + 1], hc)
-            if isinstance(ffn_inp, Exception):
-                out.append(ffn_inp)
+            inp = failed.get(i) or _caught(after_attention, hp, il, xs[i], a[i : i + 1], hc)
+            if isinstance(inp, Exception):
+                out.append(inp)
             else:
-                out.append((ffn_inp, rms_norm(mixed_input(hc, il, "ffn", ffn_inp), layer.ffn_norm, hp.norm_eps), None))
+                out.append((inp, rms_norm(mixed_input(hc, il, "ffn", inp), layer.ffn_norm, hp.norm_eps), None))
         prefetch: list[Any] = []
         ok = [i for i in range(n) if not isinstance(out[i], Exception)]
         if route and ok:

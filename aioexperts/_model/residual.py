@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from aioexperts._compute.hyper import hc_post, hc_pre
-from aioexperts._compute.norms import rms_norm
+from aioexperts._compute.norms import all_finite, rms_norm
 from aioexperts._errors import NonFiniteError
 from aioexperts._format.architectures import ModelHParams
 from aioexperts._model.hyper_weights import HyperConnections
@@ -42,7 +42,7 @@ def add_residual(resid: np.ndarray, f: np.ndarray, hp: ModelHParams) -> np.ndarr
 
 def check_finite(what: str, x: np.ndarray) -> None:
     """Raise NonFiniteError naming ``what`` and the token rows of ``x`` ``(n_tokens, ...)`` that hold NaN or inf."""
-    if not np.isfinite(x).all():
+    if not all_finite(x):
         rows = np.flatnonzero(~np.isfinite(x).reshape(len(x), -1).all(axis=1))
         raise NonFiniteError(
             f"{what} is not finite for token rows {rows[:8].tolist()} (NaN or inf: a broken model file, "

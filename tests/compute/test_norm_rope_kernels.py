@@ -59,3 +59,43 @@ def test_rope_has_the_numpy_bits(t: int, h: int, d: int, n_rot: int, rope_type: 
     got = rope.apply_rope(x, cos, sin, rope_type, n_rot)
     np.testing.assert_array_equal(got, numpy_rope(x, cos, sin, rope_type == RopeType.NEOX, n_rot))
     assert got is not x
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (1, 2048), (3, 100), (2, 7168)], ids=str)
+@pytest.mark.parametrize("scale", [0.0, 0.22], ids=["no-scale", "granite-scale"])
+def test_add_rms_norm_has_the_bits_of_the_add_then_the_norm(shape: tuple[int, int], scale: float) -> None:
+    rng = np.random.default_rng(shape[1])
+    for trial in range(10):
+        a = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-2, 3)).astype(np.float32)
+        b = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-2, 3)).astype(np.float32)
+        w = rng.standard_normal(shape[-1]).astype(np.float32) if trial % 2 else None
+        got = norms.add_rms_norm(a, b, scale, w, 1e-6)
+        assert got is not None
+        total = a + (b * np.float32(scale) if scale else b)  # residual.add_residual's arithmetic
+        np.testing.assert_array_equal(got[0], total)
+        np.testing.assert_array_equal(got[1], numpy_rms_norm(total, w, 1e-6))
+
+
+def test_add_rms_norm_declines_what_it_cannot_serve() -> None:
+    a = np.ones((1, 64), dtype=np.float32)
+    b = a.copy()
+    b[0, 5] = np.inf
+    assert norms.add_rms_norm(a, b, 0.0, None, 1e-6) is None  # not finite: the numpy path raises
+    b[0, 5] = 3e38
+    assert norms.add_rms_norm(np.full_like(a, 3e38), b, 0.0, None, 1e-6) is None  # overflows in the add
+    assert norms.add_rms_norm(a, a.astype(np.float64), 0.0, None, 1e-6) is None  # dtype
+    two = np.ones((2, 64), np.float32)
+    assert norms.add_rms_norm(two, np.ones((2, 65), np.float32)[:, :64], 0.0, None, 1e-6) is None  # strided
+    assert norms.add_rms_norm(a, a, 0.0, np.ones(63, np.float32), 1e-6) is None  # weight shape
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (7,), (1, 2048), (3, 4, 5)], ids=str)
+def test_all_finite_finds_every_nan_and_inf(shape: tuple[int, ...]) -> None:
+    x = np.zeros(shape, dtype=np.float32)
+    assert norms.all_finite(x)
+    for bad in (np.nan, np.inf, -np.inf):
+        for i in range(x.size):
+            y = x.copy()
+            y.reshape(-1)[i] = bad
+            assert not norms.all_finite(y)
+            assert not norms.all_finite(y.astype(np.float64))  # numpy's path for other dtypes

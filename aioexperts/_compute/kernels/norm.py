@@ -76,3 +76,35 @@ def rms_norm_rows(x, weight, eps, out):
         else:
             for i in range(n):
                 out[r, i] = x[r, i] * scale
+
+
+@kernel(exact=True)
+def all_finite(x):
+    """Whether every value of the C-contiguous array ``x`` (any shape, float32) is finite."""
+    flat = x.reshape(-1)
+    for i in range(flat.shape[0]):
+        if not np.isfinite(flat[i]):
+            return False
+    return True
+
+
+@kernel(exact=True)
+def add_rms_norm_rows(a, b, scale, weight, eps, total, out):
+    """``total = a + b`` (``b * scale`` first, float32, when ``scale`` is not 0) and ``out`` its
+    :func:`rms_norm_rows`, for ``(rows, n)`` float32 C-contiguous ``a``, ``b``, ``total`` and ``out``;
+    ``weight`` as there. The bits of numpy's ``a + b * scale`` and then of the norm. Returns whether
+    ``total`` is finite; when not, ``out`` is left unwritten."""
+    rows, n = a.shape
+    finite = True
+    for r in range(rows):
+        for i in range(n):
+            v = b[r, i]
+            if scale != F32(0.0):
+                v = F32(v * scale)
+            s = F32(a[r, i] + v)
+            total[r, i] = s
+            if not np.isfinite(s):
+                finite = False
+    if finite:
+        rms_norm_rows(total, weight, eps, out)
+    return finite
