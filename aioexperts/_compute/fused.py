@@ -251,8 +251,6 @@ class _State:
         self.precision: Precision | None = None
         #: ggml type -> compiled kernels, only while numba serves (cleared on any backend change)
         self.ready: dict[GGMLQuantizationType, _Ready] = {}
-        #: (module, name) -> a kernel :func:`compiled_kernel` found (cleared on any backend change)
-        self.kernels: dict[tuple[str, str], Callable[..., Any]] = {}
 
 
 _state = _State()
@@ -281,7 +279,6 @@ def set_backend(name: BackendName | None) -> None:
         if name is None:
             _state.failure = None
         _state.ready = {}
-        _state.kernels = {}
 
 
 def precision() -> Precision:
@@ -381,7 +378,6 @@ def _fail(exc: BaseException, what: str) -> None:
         if _state.failure is None:
             _state.failure = reason
         _state.ready = {}
-        _state.kernels = {}
     _log_once("failure", logging.WARNING, "numpy kernels serve from now on: %s", reason)
 
 
@@ -968,11 +964,7 @@ _flash_task: Any = None
 @functools.cache
 def compiled_kernel(module: str, name: str) -> Callable[..., Any] | None:
     """The kernel ``name`` of ``aioexperts._compute.kernels.<module>`` where numba serves, else None
-    (the numpy backend, or a numba/llvmlite that fails at import: the caller's numpy code serves).
-    Found once per backend choice: a decode token asks a few hundred times."""
-    found = _state.kernels.get((module, name))
-    if found is not None:
-        return found
+    (the numpy backend, or a numba/llvmlite that fails at import: the caller's numpy code serves)."""
     if backend().name != "numba":
         return None
     try:
@@ -980,9 +972,6 @@ def compiled_kernel(module: str, name: str) -> Callable[..., Any] | None:
     except Exception as exc:  # a broken numba/llvmlite can raise anything at import
         _fail(exc, f"the {module} kernels")
         return None
-    with _state.lock:
-        if _state.failure is None and _state.forced != "numpy":
-            _state.kernels[(module, name)] = fn
     return fn
 
 
