@@ -961,6 +961,14 @@ def _flash_callable() -> Callable[..., None] | None:
 _flash_task: Any = None
 
 
+def flash_task_address() -> int | None:
+    """The address of the flash attention's fan-out task (:func:`aioexperts._compute.kernels.flash.make_flash_task`),
+    made on first call, where the vector kernel serves (numba, hardware float16); else None."""
+    if not warm_flash_task():
+        return None
+    return int(_flash_task.address)
+
+
 @functools.cache
 def compiled_kernel(module: str, name: str) -> Callable[..., Any] | None:
     """The kernel ``name`` of ``aioexperts._compute.kernels.<module>`` where numba serves, else None

@@ -363,7 +363,8 @@ def matvec_split(
 def warm_decode_kernels(types: Iterable[GGMLQuantizationType], f16_cache: bool) -> None:
     """Make, before a first decode step, what its whole-model pass compiles or loads on first use:
     the fan-out tasks of ``types`` (:func:`product_task`), the flash attention's task when the KV
-    cache is F16, and the compiled RMSNorm and RoPE kernels. Blocking (a worker thread)."""
+    cache is F16, and the compiled RMSNorm and RoPE kernels (the prepared attention step's too).
+    Blocking (a worker thread)."""
     for t in types:
         product_task(t)
     if f16_cache:
@@ -374,3 +375,8 @@ def warm_decode_kernels(types: Iterable[GGMLQuantizationType], f16_cache: bool) 
     rms_norm(np.ones((1, 64), dtype=np.float32), None, 1e-6)
     ones = np.ones((1, 1), dtype=np.float32)
     apply_rope(np.ones((1, 1, 2), dtype=np.float32), ones, ones, RopeType.NEOX, 2)
+    norm_rope = _fused.compiled_kernel("rope", "norm_rope_heads")  # a prepared attention step's
+    if norm_rope is not None:
+        x, table = np.ones((1, 1, 2), dtype=np.float32), ones.copy()
+        table.flags.writeable = False  # as RopeTable.cos_sin's views
+        norm_rope(x, True, np.ones(2, np.float32), np.float32(1e-6), table, table, True, 2, x.copy(), x.copy())

@@ -22,11 +22,12 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from aioexperts._compute.attention import attend
+from aioexperts._compute.decode_attention import RowAttention
 from aioexperts._compute.norms import rms_norm
 from aioexperts._compute.pool import compute_pool
 from aioexperts._compute.rope import apply_rope, rope_table
-from aioexperts._errors import UnsupportedTypeError
-from aioexperts._format.architectures import ModelHParams
+from aioexperts._errors import ConfigError, UnsupportedTypeError
+from aioexperts._format.architectures import ModelHParams, RopeType
 from aioexperts._model.weights import TensorReader, invariant_products, stack_rows
 
 __all__ = (
@@ -145,18 +146,65 @@ class GQABlock:
         else:
             self.scale = 1.0 / math.sqrt(self.rope.n_rot if rec.name == "gpt-oss" else dk)
         self.window = hp.window(layer)
+        self._row_steps: dict[int, RowAttention | None] = {}  # pool threads -> one-token step
 
     def cache_shapes(self) -> Mapping[str, tuple[int, ...]]:
         """``{"k": (n_head_kv, head_k), "v": (n_head_kv, head_v)}``."""
         return {"k": (self.hp.n_head_kv, self.hp.head_k), "v": (self.hp.n_head_kv, self.hp.head_v)}
 
     def attention(self, x: np.ndarray, cache: Mapping[str, np.ndarray], start: int) -> np.ndarray:
-        """See :class:`AttentionBlock`. One position (a decode step) takes :meth:`attention_rows`:
-        q, k and v split over the pool in one hand-off, not one each (the same bits)."""
+        """See :class:`AttentionBlock`. One position (a decode step) takes the block's prepared
+        :class:`~aioexperts._compute.decode_attention.RowAttention` where it serves, else
+        :meth:`attention_rows`: q, k and v split over the pool in one hand-off, not one each (the
+        same bits either way)."""
         if x.shape[0] == 1:
-            return self.attention_rows(x, [cache], [start], compute_pool().n_threads)
+            parts = compute_pool().n_threads
+            if parts not in self._row_steps:
+                self._row_steps[parts] = self._row_attention(parts)
+            step = self._row_steps[parts]
+            if step is not None:
+                y = step.run(x, cache["k"], cache["v"], start)
+                if y is not None:
+                    return y
+            return self.attention_rows(x, [cache], [start], parts)
         out = self._attend(self.wq(x), self.wk(x), self.wv(x), cache, start)
         return self._output(self.wo(out))
+
+    def _row_attention(self, parts: int) -> RowAttention | None:
+        """The prepared one-token step of this block for a pool of ``parts`` threads, or None where
+        it does not serve: biases, a whole-projection q/k norm, no stacked q/k/v, float precision or
+        the numpy backend, RoPE other than NORM/NEOX, no vector flash kernel."""
+        hp = self.hp
+        if (
+            self.wqkv is None
+            or any(b is not None for b in (self.bq, self.bk, self.bv, self.bo))
+            or hp.record.qk_norm not in (None, "head")
+            or self.rope.rope_type not in (RopeType.NORM, RopeType.NEOX)
+        ):
+            return None
+        qkv, wo = self.wqkv.split_plan(parts), self.wo.split_plan(parts)
+        if qkv is None or wo is None:
+            return None
+        try:
+            return RowAttention(
+                qkv,
+                wo,
+                n_head=hp.n_head,
+                n_head_kv=hp.n_head_kv,
+                head_k=hp.head_k,
+                head_v=hp.head_v,
+                q_norm=self.q_norm,
+                k_norm=self.k_norm,
+                eps=hp.norm_eps,
+                rope=self.rope_table,
+                neox=self.rope.rope_type == RopeType.NEOX,
+                n_rot=self.rope.n_rot,
+                scale=self.scale,
+                sinks=self.sinks,
+                window=self.window,
+            )
+        except ConfigError:  # no vector flash kernel: the general path serves
+            return None
 
     def attention_rows(
         self, x: np.ndarray, caches: Sequence[Mapping[str, np.ndarray]], starts: Sequence[int], parts: int

@@ -76,6 +76,21 @@ class DenseMatrix:
         x = _float_rounding(x, self.ggml_type)
         return fused.linear_rows(raw, self.ggml_type, (r1 - r0, self.shape[1]), x, split=split)
 
+    def split_plan(self, parts: int) -> SplitPlan | None:
+        """The one-token product's fan-out plan over about ``4 * parts`` row ranges (made on first
+        use, then kept: each output row has its one-token bits however split); None where no
+        fan-out task serves the type (float precision, numpy backend)."""
+        task = product_task(self.ggml_type)
+        if task is None:
+            return None
+        plan = self._plans.get((parts, task.address))
+        if plan is None:
+            plan = split_plan(self.ggml_type, self.raw, self.shape, 4 * parts)
+            if plan is None:
+                return None
+            self._plans[(parts, task.address)] = plan
+        return plan
+
     def rows(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows ``ids`` dequantized: ``(len(ids), cols)`` float32 (token embeddings)."""
         idx = np.asarray(ids, dtype=np.int64)
@@ -150,15 +165,9 @@ def _one_token_split(w: DenseMatrix, x: np.ndarray, parts: int) -> np.ndarray | 
     """``w.invariant(x)`` of one token as one fan-out of row ranges over the pool (a
     :class:`~aioexperts._compute.grouped.SplitPlan` kept on ``w``: each row its one-token bits);
     None where no fan-out task serves the type (float precision, numpy backend) or ``x`` is not finite."""
-    task = product_task(w.ggml_type)
-    if task is None:
-        return None
-    plan = w._plans.get((parts, task.address))
+    plan = w.split_plan(parts)
     if plan is None:
-        plan = split_plan(w.ggml_type, w.raw, w.shape, 4 * parts)
-        if plan is None:
-            return None
-        w._plans[(parts, task.address)] = plan
+        return None
     xs = x if x.dtype == np.float32 and x.flags.c_contiguous else np.ascontiguousarray(x, dtype=np.float32)
     if xs.shape != (1, w.shape[1]):
         raise ConfigError(f"{w.name}: x {x.shape} for a matrix of {w.shape[1]} columns")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..jit import kernel
+from .norm import rms_norm_rows
 
 # ruff: noqa: N803, N806
 
@@ -37,3 +38,17 @@ def rope_heads(x, cos, sin, neox, n_rot, out):
                     b = x[t, h, 2 * i + 1]
                     out[t, h, 2 * i] = F32(a * c) - F32(b * s)
                     out[t, h, 2 * i + 1] = F32(a * s) + F32(b * c)
+
+
+@kernel(exact=True)
+def norm_rope_heads(x, norm, weight, eps, cos, sin, neox, n_rot, tmp, out):
+    """``out`` = RoPE (:func:`rope_heads`) of ``x`` ``(T, H, D)`` float32, each head first RMS-normed
+    (:func:`aioexperts._compute.kernels.norm.rms_norm_rows` with ``weight`` ``(D,)`` or empty) when
+    ``norm``: a decode step's per-head q/k norm and rotation in one call, bit for bit the two.
+    ``tmp`` like ``x`` (the normed heads); every array C-contiguous."""
+    T, H, D = x.shape
+    if norm:
+        rms_norm_rows(x.reshape(T * H, D), weight, eps, tmp.reshape(T * H, D))
+        rope_heads(tmp, cos, sin, neox, n_rot, out)
+    else:
+        rope_heads(x, cos, sin, neox, n_rot, out)
