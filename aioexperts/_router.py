@@ -19,7 +19,7 @@ import numpy as np
 
 from ._cache.cache import Key
 from ._checks import as_int_array, check_activations, check_int, describe
-from ._compute.moe import MoEPlan, ResidentLayer, check_token_ids, plan_moe, route
+from ._compute.moe import MoEPlan, ResidentLayer, check_token_ids, plan_moe, plan_routed_row, route
 from ._compute.norms import all_finite
 from ._compute.resident import load_residents
 from ._errors import ConfigError, InvalidRequestError
@@ -347,7 +347,11 @@ class Router:
             if not isinstance(got, tuple) or len(got) != 2:
                 raise InvalidRequestError(f"layer {layer}: route_step must return (ids, weights), got {describe(got)}")
             ids, weights = _check_routing(layer, *got, len(x), self._store.layout.layer(layer))
-        unique = list(dict.fromkeys(e for e in ids.reshape(-1).tolist() if e >= 0))  # one numpy call
+        flat = ids.reshape(-1).tolist()  # one numpy call
+        if min(flat, default=0) >= 0 and len(set(flat)) == len(flat):
+            unique = flat  # distinct active ids: a decode row's (the common case)
+        else:
+            unique = list(dict.fromkeys(e for e in flat if e >= 0))
         limit = self._store.n_slots
         if len(unique) <= limit:
             groups = [ExpertGroup(unique, ids)]
@@ -385,7 +389,14 @@ class Router:
                             prefetch_weights.update(((nxt, e), w) for e, w in gate.items() if e in predicted)
                         else:
                             keys.extend((nxt, e) for e in _predicted(chosen, layer, nxt, x, budget))
-        plan = plan_moe(x, ids, weights, self.residents[layer], hparams) if len(groups) == 1 else None
+        plan = None
+        if len(groups) == 1:
+            resident = self.residents[layer]
+            # a decode row the router chose: no second check of what route() made
+            routed = route_step is None and len(x) == 1
+            plan = plan_routed_row(x, ids, weights, resident, hparams) if routed else None
+            if plan is None:
+                plan = plan_moe(x, ids, weights, resident, hparams)
         return Routing(x, ids, weights, groups, prefetch, plan, prefetch_weights, speculative)
 
     def route_rows(

@@ -614,6 +614,19 @@ def plan_moe(
     return MoEPlan(x, ids, weights, by_expert, resident, hparams)
 
 
+def plan_routed_row(
+    x: np.ndarray, ids: np.ndarray, weights: np.ndarray, resident: ResidentLayer, hparams: MoEHParams
+) -> MoEPlan | None:
+    """:func:`plan_moe` of one token routed by :func:`route` from ``x`` (checked by the caller; its
+    ``k`` ids distinct and in range, its weights float32 ``(1, k)``), without checking them again:
+    the same plan; None when the ids are not ``k`` distinct active ones (the caller takes
+    :func:`plan_moe`)."""
+    one = _one_row_positions(ids[0].tolist())
+    if one is None:
+        return None
+    return MoEPlan(x, np.ascontiguousarray(ids, dtype=np.int64), weights, one, resident, hparams)
+
+
 _SLOT_POSITIONS: dict[int, tuple[np.ndarray, ...]] = {}
 
 
