@@ -74,3 +74,26 @@ def test_a_decode_rows_sum_is_bit_for_bit_the_general_sum(seed: int, split: bool
     assert fast.shared_out is None and fast.expert_out is None
     with pytest.raises(Exception, match="no output for selected expert"):
         combine_moe(plan, ExpertOutputs({e: rows[e] for e in experts[1:]}))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_routed_rows_plan_is_plan_moes(seed: int) -> None:
+    from aioexperts._compute.moe import plan_routed_row, route
+
+    rng = np.random.default_rng(100 + seed)
+    resident = ResidentLayer(0, router=rng.standard_normal((N_EXPERT, N_EMBD), dtype=np.float32))
+    x = rng.standard_normal((1, N_EMBD), dtype=np.float32)
+    ids, weights = route(x, resident, _hp())
+    got = plan_routed_row(x, ids, weights, resident, _hp())
+    want = plan_moe(x, ids, weights, resident, _hp())
+    assert got is not None
+    assert got.ids.dtype == want.ids.dtype and np.array_equal(got.ids, want.ids)
+    assert got.weights is weights or np.array_equal(got.weights, want.weights)
+    assert list(got.positions) == list(want.positions)  # experts ascending
+    assert all(np.array_equal(got.positions[e], want.positions[e]) for e in want.positions)
+    repeated = ids.copy()
+    repeated[0, 2] = repeated[0, 0]
+    assert plan_routed_row(x, repeated, weights, resident, _hp()) is None  # not distinct: plan_moe serves
+    inactive = ids.copy()
+    inactive[0, 4] = -1
+    assert plan_routed_row(x, inactive, weights, resident, _hp()) is None
