@@ -251,6 +251,8 @@ class _State:
         self.precision: Precision | None = None
         #: ggml type -> compiled kernels, only while numba serves (cleared on any backend change)
         self.ready: dict[GGMLQuantizationType, _Ready] = {}
+        #: (module, name) -> a kernel :func:`compiled_kernel` found (cleared on any backend change)
+        self.kernels: dict[tuple[str, str], Callable[..., Any]] = {}
 
 
 _state = _State()
@@ -279,6 +281,7 @@ def set_backend(name: BackendName | None) -> None:
         if name is None:
             _state.failure = None
         _state.ready = {}
+        _state.kernels = {}
 
 
 def precision() -> Precision:
@@ -378,6 +381,7 @@ def _fail(exc: BaseException, what: str) -> None:
         if _state.failure is None:
             _state.failure = reason
         _state.ready = {}
+        _state.kernels = {}
     _log_once("failure", logging.WARNING, "numpy kernels serve from now on: %s", reason)
 
 
@@ -969,10 +973,14 @@ def flash_task_address() -> int | None:
     return int(_flash_task.address)
 
 
-@functools.cache
 def compiled_kernel(module: str, name: str) -> Callable[..., Any] | None:
     """The kernel ``name`` of ``aioexperts._compute.kernels.<module>`` where numba serves, else None
-    (the numpy backend, or a numba/llvmlite that fails at import: the caller's numpy code serves)."""
+    (the numpy backend, or a numba/llvmlite that fails at import: the caller's numpy code serves).
+    Found once per backend choice (:func:`set_backend` and a failure start afresh): a decode token
+    asks a few hundred times."""
+    found = _state.kernels.get((module, name))
+    if found is not None:
+        return found
     if backend().name != "numba":
         return None
     try:
@@ -980,6 +988,9 @@ def compiled_kernel(module: str, name: str) -> Callable[..., Any] | None:
     except Exception as exc:  # a broken numba/llvmlite can raise anything at import
         _fail(exc, f"the {module} kernels")
         return None
+    with _state.lock:
+        if _state.failure is None and _state.forced != "numpy":
+            _state.kernels[(module, name)] = fn
     return fn
 
 

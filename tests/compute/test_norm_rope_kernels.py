@@ -99,3 +99,23 @@ def test_all_finite_finds_every_nan_and_inf(shape: tuple[int, ...]) -> None:
             y.reshape(-1)[i] = bad
             assert not norms.all_finite(y)
             assert not norms.all_finite(y.astype(np.float64))  # numpy's path for other dtypes
+
+
+def test_a_forced_numpy_backend_sends_the_norm_to_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compiled_kernel is found once per backend choice: set_backend("numpy") after a first use
+    turns the compiled norm off, set_backend(None) on again."""
+    assert fused.compiled_kernel("norm", "rms_norm_rows") is not None
+    calls: list[str] = []
+    numpy_square = np.square
+    monkeypatch.setattr(norms.np, "square", lambda *a, **k: calls.append("numpy") or numpy_square(*a, **k))
+    x = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
+    try:
+        fused.set_backend("numpy")
+        assert fused.compiled_kernel("norm", "rms_norm_rows") is None
+        norms.rms_norm(x, None, 1e-6)
+        assert calls == ["numpy"]
+    finally:
+        fused.set_backend(None)
+    assert fused.compiled_kernel("norm", "rms_norm_rows") is not None
+    norms.rms_norm(x, None, 1e-6)
+    assert calls == ["numpy"]  # compiled again
