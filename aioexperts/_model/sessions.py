@@ -132,6 +132,15 @@ class ModelSequence:
         self.unrun: list[int] = []
         self._last_logits: np.ndarray | None = None  # of position n_past - 1
         self._lock = anyio.Lock()
+        self._paused: Generation | None = None  # suspended after a yield (its token not run yet)
+
+    def _end_paused(self) -> None:
+        """A generation of this sequence left after a yield without being closed (``break`` out of
+        ``async for``): it ends here, its last token going to :attr:`unrun`, so this call continues
+        after what the caller saw."""
+        gen, self._paused = self._paused, None
+        if gen is not None:
+            gen._abandon()
 
     @property
     def n_past(self) -> int:
@@ -177,6 +186,7 @@ class ModelSequence:
             raise InvalidRequestError(f"keep(n) needs 0 <= n <= n_past={self.n_past}, got {n!r}")
         if self._cache is None:
             raise InvalidRequestError("the sequence is closed")
+        self._end_paused()
         if n < self.n_past:
             self.unrun.clear()
             self._last_logits = None
@@ -224,6 +234,7 @@ class ModelSequence:
             The positions of a cancelled call are not added (``n_past`` is unchanged); the
             sequence stays usable.
         """
+        self._end_paused()
         ids = self.model._check_ids(token_ids, allow_empty=bool(self.unrun))
         async with self._lock:
             if self._cache is None:
@@ -283,6 +294,7 @@ class ModelSequence:
             ContextLengthError: while iterating, when the prompt would pass ``n_ctx``.
             As :meth:`forward`, while iterating.
         """
+        self._end_paused()
         return Generation(self, token_ids, max_tokens, temperature, sampler, seed, owns_sequence=False)
 
 
@@ -333,6 +345,7 @@ class Generation:
         self._rng = np.random.default_rng(seed)
         self._stats = [GenerationStatistics()]
         self._leftover: list[int] = []
+        self._last: int | None = None  # the last token yielded
         self._tokens: AsyncGenerator[int, None] | None = None
         self.stop_reason: str | None = None
 
@@ -343,22 +356,53 @@ class Generation:
         seq = self._seq
         if seq is None:
             raise StopAsyncIteration
+        if seq._paused is self:
+            seq._paused = None
         if self._tokens is None:
             eog = frozenset(seq.model.hparams.eog_ids)
             self._tokens = decode_tokens(
                 seq, self._pending, self._choose, self._left, eog, self._stats, time.perf_counter(), self._leftover
             )
         try:
-            return await self._tokens.__anext__()
+            token = await self._tokens.__anext__()
         except StopAsyncIteration:
             self.stop_reason = self._stats[0].stop_reason
             if not self._owns:  # not run yet: the sequence's next call runs them first
                 seq.unrun.extend(self._leftover)
             self._finish()
             raise
-        except BaseException:
+        except BaseException:  # cancelled or failed in a step
+            self._keep_yielded()
             self._finish()
             raise
+        self._last = token
+        if not self._owns:
+            seq._paused = self
+        return token
+
+    def _abandon(self) -> None:
+        """Ended by its sequence's next call while suspended after a yield (never closed)."""
+        self._keep_yielded()
+        tokens, self._tokens = self._tokens, None
+        if tokens is not None:  # suspended at its yield, with nothing to await on the way out
+            closing = tokens.aclose()
+            try:
+                closing.send(None)
+            except StopIteration:
+                pass
+            else:  # pragma: no cover - decode_tokens awaits nothing when closed
+                closing.close()
+        self._finish()
+
+    def _keep_yielded(self) -> None:
+        """On an early end (closed, cancelled, failed): the last yielded token, when it is not in
+        the cache yet, goes to the sequence's :attr:`~ModelSequence.unrun` (a sequence the caller
+        keeps), as at a normal end: the caller has seen it, so the next call must not sample that
+        position again. Tokens of the prompt that did not run are dropped, as before."""
+        seq = self._seq
+        if seq is not None and not self._owns and self._last is not None and self._leftover == [self._last]:
+            seq.unrun.append(self._last)
+        self._leftover.clear()
 
     def _choose(self, logits: np.ndarray, history: Sequence[int]) -> int:
         if self._sampler is not None:
@@ -371,15 +415,20 @@ class Generation:
 
     def _finish(self) -> None:
         seq, self._seq = self._seq, None
+        if seq is not None and seq._paused is self:
+            seq._paused = None
         if seq is not None and self._owns:
             seq.close()
 
     async def aclose(self) -> None:
-        """End the generation now (frees the KV cache of a generation that owns its sequence)."""
-        self._finish()
+        """End the generation now (frees the KV cache of a generation that owns its sequence); on
+        a sequence the caller keeps, the last yielded token is left in its ``unrun``, as at the end
+        of ``max_tokens``."""
         tokens, self._tokens = self._tokens, None
         if tokens is not None:
             await tokens.aclose()
+        self._keep_yielded()
+        self._finish()
 
     async def __aenter__(self) -> Generation:
         return self
@@ -461,6 +510,7 @@ async def decode_tokens(
             stats[0] = replace(s, stop_reason="eog")
             return
         stats[0] = replace(s, generated_tokens=s.generated_tokens + 1)
+        leftover[:] = [token]  # not run: where an early end (close, cancel) finds it
         yield token
         pending = [token]
     leftover[:] = pending if max_tokens else []
