@@ -318,7 +318,9 @@ def parse_messages_request(body: Mapping[str, Any], count_only: bool = False) ->
     kwargs = _template_kwargs(body)
     max_tokens = body.get("max_tokens")
     if not count_only and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise _bad("max_tokens", "is required: an integer >= 1")
+        if max_tokens is None:
+            raise _bad("max_tokens", "is required: an integer >= 1")
+        raise _bad("max_tokens", f"must be an integer >= 1, got {max_tokens!r:.40}")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream", "must be a boolean")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 import aioexperts
 from aioexperts import AioExpertsError, Model, TokenConstraint
@@ -358,7 +359,11 @@ class Server:
         return await handler(request)
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        return parse_json(await request.read())
+        try:
+            body = await request.read()
+        except (web.RequestPayloadError, BadHttpMessage) as exc:  # an undecodable Content-Encoding
+            raise APIError(400, f"the request body could not be read: {exc}", code="invalid_body") from None
+        return parse_json(body)
 
     # -- completions ----------------------------------------------------------------------------
 

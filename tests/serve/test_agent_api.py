@@ -375,6 +375,9 @@ def test_messages_errors_have_anthropics_shape(claude: Any, agent_server: Server
         claude.messages.create(model="m", max_tokens=0, messages=A_USER)
     assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in err.value.body["error"]["message"]
+    assert "must be an integer >= 1, got 0" in err.value.body["error"]["message"]  # given: not "required"
+    status, _, data = request(agent_server, "POST", "/v1/messages", {"messages": A_USER})
+    assert status == 400 and "is required" in json.loads(data)["error"]["message"]
     status, _, data = request(agent_server, "POST", "/v1/messages", {"max_tokens": 5, "messages": A_USER}, key=None)
     body = json.loads(data)
     assert status == 401 and body == {

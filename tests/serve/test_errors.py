@@ -278,3 +278,15 @@ def test_max_completion_tokens_is_max_tokens_in_chat(served: ServerThread) -> No
     for fields in ({"max_completion_tokens": 3}, {"max_completion_tokens": 3, "max_tokens": 3}):
         status, out = post(served, CHAT, {"messages": USER, "temperature": 0, **fields})
         assert status == 200 and out["usage"]["completion_tokens"] <= 3, out
+
+
+@pytest.mark.parametrize(("encoding", "raw"), [("gzip", b"xx"), ("deflate", b"not deflate")])
+def test_a_body_that_cannot_be_decoded_is_a_400_error_object(served: ServerThread, encoding: str, raw: bytes) -> None:
+    """A body its Content-Encoding does not decode is the client's error: 400 in the API's error
+    shape (a new-user trial saw a bare 500 for gzip)."""
+    for path in (TEXT, CHAT):
+        status, _, data = request(served, "POST", path, raw=raw, headers={"Content-Encoding": encoding})
+        out = json.loads(data)
+        assert_error(status, out, 400, code="invalid_body")
+        assert "could not be read" in out["error"]["message"]
+    still_serves(served)
