@@ -330,6 +330,9 @@ def _from_events(events: list[dict[str, Any]], n_prompt: int) -> dict[str, Any]:
         for key in ("hit_rate", "expert_bytes_read", "distinct_experts_per_layer", "seconds_per_part"):
             if key in done:
                 out[key] = done[key]
+        memory = done.get("memory")
+        if isinstance(memory, dict) and memory.get("anon_bytes"):  # how much got 2 MiB pages
+            out["anon_huge_share"] = memory["anon_huge_bytes"] / memory["anon_bytes"]
         if "fan_out_seconds" in done and tokens:  # issue 33: the decode outside the compiled fan-outs
             out["fan_out_ms_per_token"] = done["fan_out_seconds"] / len(tokens) * 1e3
             total = sum(t["seconds"] for t in tokens)

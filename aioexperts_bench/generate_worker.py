@@ -56,6 +56,25 @@ def process_counters() -> dict[str, int]:
     return {"major_faults": usage.ru_majflt, "peak_rss_bytes": usage.ru_maxrss * 1024, "device_read_bytes": read_bytes}
 
 
+def anon_memory(path: str = "/proc/self/smaps_rollup") -> dict[str, int] | None:
+    """This process's anonymous bytes and those on transparent huge pages (``smaps_rollup``'s
+    ``Anonymous`` and ``AnonHugePages``), or None where the file cannot be read: whether the slab
+    and the dense weights got 2 MiB pages in a run (a run after another engine may find memory
+    fragmented)."""
+    found: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("Anonymous", "AnonHugePages"):
+                    found[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    if len(found) != 2:
+        return None
+    return {"anon_bytes": found["Anonymous"], "anon_huge_bytes": found["AnonHugePages"]}
+
+
 def read_sources(before: Any, after: Any, stall0: float, stall1: float) -> dict[str, Any]:
     """Where the decode tokens' experts came from and where the pass waited, between two store
     snapshots (``StoreStatistics``) and the model's stall seconds at each (issue 36's statistics)."""
@@ -158,6 +177,7 @@ async def _run_aioexperts(cfg: dict[str, Any]) -> None:
             distinct_experts_per_layer=distinct,
             seconds_per_part=parts,
             fan_out_seconds=pool1.fan_out_seconds - pool0.fan_out_seconds,
+            memory=anon_memory(),
         )
 
 

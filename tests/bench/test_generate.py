@@ -548,3 +548,21 @@ def test_the_share_outside_the_fan_outs_is_a_target_of_the_uncapped_runs() -> No
     assert ("none", "outside") not in {
         (t["limit"], t["what"]) for t in evaluate_targets({"runs": [], "rounds": rounds})
     }
+
+
+def test_a_runs_share_of_anonymous_memory_on_huge_pages_is_recorded(tmp_path: Path) -> None:
+    from aioexperts_bench.generate_worker import anon_memory
+
+    rollup = tmp_path / "smaps_rollup"
+    rollup.write_text("Rss:  100 kB\nAnonymous:   4000 kB\nAnonHugePages:   3072 kB\nSwap: 0 kB\n")
+    assert anon_memory(str(rollup)) == {"anon_bytes": 4000 * 1024, "anon_huge_bytes": 3072 * 1024}
+    rollup.write_text("Rss:  100 kB\n")  # a kernel without the fields
+    assert anon_memory(str(rollup)) is None
+    assert anon_memory(str(tmp_path / "missing")) is None
+    real = anon_memory()
+    assert real is None or 0 <= real["anon_huge_bytes"] <= real["anon_bytes"]
+    events = _events([0.1, 0.1], [0, 0])
+    events.append({**events[-1], "phase": "done", "memory": {"anon_bytes": 4000, "anon_huge_bytes": 3000}})
+    assert _from_events(events, 256)["anon_huge_share"] == pytest.approx(0.75)
+    events[-1]["memory"] = None  # no smaps_rollup: no figure
+    assert "anon_huge_share" not in _from_events(events, 256)
