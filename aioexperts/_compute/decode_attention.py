@@ -78,7 +78,7 @@ class RowAttention:
         from .kernels import flash as flash_module
         from .kernels.rope import norm_rope_heads
 
-        self._flash = flash_module
+        self._flash: Any = flash_module  # untyped (the kernels package)
         self._flash_task = flash
         self._norm_rope: Callable[..., None] = norm_rope_heads
         self.qkv, self.wo = qkv, wo
@@ -98,15 +98,10 @@ class RowAttention:
         self._q_tmp, self._q3 = np.empty((1, n_head, head_k), f32), np.empty((1, n_head, head_k), f32)
         self._k_tmp, self._k3 = np.empty((1, n_head_kv, head_k), f32), np.empty((1, n_head_kv, head_k), f32)
         self._attn = np.empty((1, n_head, head_v), dtype=f32)
-        m = flash_module
-        desc = np.zeros(m.FLASH_DESC_SIZE, dtype=np.int64)
-        desc[m.F_Q_ADDR], desc[m.F_T], desc[m.F_H], desc[m.F_DK] = self._q3.ctypes.data, 1, n_head, head_k
-        desc[m.F_HKV], desc[m.F_DV] = n_head_kv, head_v
-        desc[m.F_SCALE] = np.float64(self._scale).view(np.int64)  # as the general path's fan-out
-        desc[m.F_SINKS_ADDR], desc[m.F_N_SINKS] = self._sinks.ctypes.data, self._sinks.shape[0]
-        desc[m.F_WINDOW], desc[m.F_OUT_ADDR] = window, self._attn.ctypes.data
-        desc[m.F_HEADS_PER_ITEM] = n_head // n_head_kv
-        self._desc = desc
+        # the general path's fan-out descriptor, the cache's fields set per token
+        self._desc = self._flash.flash_descriptor(
+            self._q3, n_head_kv, head_v, self._scale, self._sinks, window, self._attn
+        )
         self._busy = threading.Lock()
 
     def run(self, x: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start: int) -> np.ndarray | None:
@@ -163,11 +158,9 @@ class RowAttention:
         k16, v16 = k_cache.view(np.uint16), v_cache.view(np.uint16)
         n_kv = start + 1
         pool = compute_pool()
-        if pool.n_threads > 1 and self.n_head * n_kv >= _fused.FLASH_SPLIT_MIN:
-            desc = self._desc
-            desc[m.F_K_ADDR], desc[m.F_V_ADDR] = k16.ctypes.data, v16.ctypes.data
-            desc[m.F_N_KV], desc[m.F_START] = n_kv, start
-            if pool.fan_out(self._flash_task, desc, self.n_head_kv) is not None:
+        if _fused.flash_splits(pool, 1, self.n_head, n_kv):
+            m.set_flash_cache(self._desc, k16, v16, n_kv, start)
+            if pool.fan_out(self._flash_task, self._desc, self.n_head_kv) is not None:
                 return
         args: tuple[Any, ...] = (start, self._scale, self._sinks, self._window, self._attn, 0, self.n_head)
         m.flash_attend_f16_bits(self._q3, k16[:n_kv], v16[:n_kv], *args)

@@ -953,7 +953,7 @@ def _flash_callable() -> Callable[..., None] | None:
         v16 = np.ascontiguousarray(v).view(np.uint16)
         n_head = q.shape[1]
         pool = _pool_module._current_pool()
-        if pool is None or pool.n_threads <= 1 or q.shape[0] * n_head * k.shape[0] < FLASH_SPLIT_MIN:
+        if not flash_splits(pool, q.shape[0], n_head, k.shape[0]):
             module.flash_attend_f16_bits(q, k16, v16, *rest, 0, n_head)
             return
         if not _flash_fan_out(module, pool, q, k16, v16, *rest):
@@ -963,6 +963,13 @@ def _flash_callable() -> Callable[..., None] | None:
 
 
 _flash_task: Any = None
+
+
+def flash_splits(pool: Any, n_tokens: int, n_head: int, n_kv: int) -> bool:
+    """Whether the flash attention of ``n_tokens`` queries of ``n_head`` heads over ``n_kv``
+    positions fans its KV heads out over ``pool`` (a compute pool, or None): more than one thread
+    and at least :data:`FLASH_SPLIT_MIN` query rows times heads times positions."""
+    return pool is not None and pool.n_threads > 1 and n_tokens * n_head * n_kv >= FLASH_SPLIT_MIN
 
 
 def flash_task_address() -> int | None:
@@ -1032,18 +1039,10 @@ def _flash_fan_out(
         with _state.lock:
             if _flash_task is None:
                 _flash_task = module.make_flash_task()
-    m = module
-    T, H, DK = q.shape
-    n_kv, HKV, DV = v16.shape
-    per = H // HKV
-    desc = np.zeros(m.FLASH_DESC_SIZE, dtype=np.int64)
-    desc[m.F_Q_ADDR], desc[m.F_T], desc[m.F_H], desc[m.F_DK] = q.ctypes.data, T, H, DK
-    desc[m.F_K_ADDR], desc[m.F_N_KV], desc[m.F_HKV] = k16.ctypes.data, n_kv, HKV
-    desc[m.F_V_ADDR], desc[m.F_DV], desc[m.F_START] = v16.ctypes.data, DV, start
-    desc[m.F_SCALE] = np.float64(scale).view(np.int64)
-    desc[m.F_SINKS_ADDR], desc[m.F_N_SINKS] = sinks.ctypes.data, sinks.shape[0]
-    desc[m.F_WINDOW], desc[m.F_OUT_ADDR], desc[m.F_HEADS_PER_ITEM] = window, out.ctypes.data, per
-    return pool.fan_out(_flash_task.address, desc, -(-H // per)) is not None
+    n_kv, n_head_kv, head_v = v16.shape
+    desc = module.flash_descriptor(q, n_head_kv, head_v, scale, sinks, window, out)
+    module.set_flash_cache(desc, k16, v16, n_kv, start)
+    return pool.fan_out(_flash_task.address, desc, n_head_kv) is not None
 
 
 def _dequantize_compiled(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int, out: np.ndarray) -> bool:

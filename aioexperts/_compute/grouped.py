@@ -363,16 +363,21 @@ def matvec_split(
 def warm_decode_kernels(types: Iterable[GGMLQuantizationType], f16_cache: bool) -> None:
     """Make, before a first decode step, what its whole-model pass compiles or loads on first use:
     the fan-out tasks of ``types`` (:func:`product_task`), the flash attention's task when the KV
-    cache is F16, and the compiled RMSNorm and RoPE kernels (the prepared attention step's too).
+    cache is F16, and the compiled RMSNorm, RoPE and finite-check kernels (the prepared attention
+    step's and the fused residual-and-norm step's too).
     Blocking (a worker thread)."""
     for t in types:
         product_task(t)
     if f16_cache:
         _fused.warm_flash_task()
-    from .norms import rms_norm
+    from .norms import add_rms_norm, all_finite, rms_norm
     from .rope import apply_rope
 
     rms_norm(np.ones((1, 64), dtype=np.float32), None, 1e-6)
+    row, weight = np.ones((1, 64), dtype=np.float32), np.ones(64, dtype=np.float32)
+    weight.flags.writeable = False  # as the model's norm weights
+    add_rms_norm(row, row, 0.0, weight, 1e-6)
+    all_finite(row)
     ones = np.ones((1, 1), dtype=np.float32)
     apply_rope(np.ones((1, 1, 2), dtype=np.float32), ones, ones, RopeType.NEOX, 2)
     norm_rope = _fused.compiled_kernel("rope", "norm_rope_heads")  # a prepared attention step's

@@ -219,6 +219,29 @@ def flash_attend_f16_bits(q, k, v, start, scale, sinks, window, out, h_lo, h_hi)
 FLASH_DESC_SIZE = 16
 
 
+def flash_descriptor(q, n_head_kv, head_v, scale, sinks, window, out):
+    """A descriptor of :func:`make_flash_task`'s task for the queries ``q`` ``(T, H, DK)`` float32
+    writing ``out`` ``(T, H, DV)`` float32, an item per KV head (``H // n_head_kv`` query heads
+    each); ``scale`` goes in as a float64's bits, ``sinks`` is ``(H,)`` float32 or empty. The
+    cache's fields are set by :func:`set_flash_cache`. The caller keeps every array alive."""
+    T, H, DK = q.shape
+    desc = np.zeros(FLASH_DESC_SIZE, dtype=np.int64)
+    desc[F_Q_ADDR], desc[F_T], desc[F_H], desc[F_DK] = q.ctypes.data, T, H, DK
+    desc[F_HKV], desc[F_DV] = n_head_kv, head_v
+    desc[F_SCALE] = np.float64(scale).view(np.int64)
+    desc[F_SINKS_ADDR], desc[F_N_SINKS] = sinks.ctypes.data, sinks.shape[0]
+    desc[F_WINDOW], desc[F_OUT_ADDR], desc[F_HEADS_PER_ITEM] = window, out.ctypes.data, H // n_head_kv
+    return desc
+
+
+def set_flash_cache(desc, k16, v16, n_kv, start):
+    """The cache's fields of a :func:`flash_descriptor`: the float16 bit patterns ``k16`` and
+    ``v16`` (uint16, C-contiguous, at least ``n_kv`` positions), ``n_kv`` positions read, the
+    first query at position ``start``."""
+    desc[F_K_ADDR], desc[F_V_ADDR] = k16.ctypes.data, v16.ctypes.data
+    desc[F_N_KV], desc[F_START] = n_kv, start
+
+
 def make_flash_task():  # untyped: a numba kernel factory (mypy skips this package)
     """A fan-out task (:mod:`.fanout`): item ``i`` is :func:`flash_attend_f16_bits` for the query
     heads ``i * per .. min(H, (i + 1) * per) - 1`` (``per`` = ``F_HEADS_PER_ITEM``), every array
