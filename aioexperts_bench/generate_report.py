@@ -222,7 +222,7 @@ def _split_line(results: dict[str, Any]) -> str | None:
         inside = sum(fanned) / 1e3
         shown += (
             f"; in compiled fan-outs {inside / n * 1e3:.0f} ({inside / total:.0%}), outside them "
-            f"{(total - inside) / n * 1e3:.0f} ({1 - inside / total:.0%}: Python, numpy, the router's BLAS product, "
+            f"{(total - inside) / n * 1e3:.0f} ({1 - inside / total:.0%}: Python, numpy, BLAS, "
             "the compiled norms and RoPE, one-item products)"
         )
     return f"where an uncapped aioexperts decode token goes (ms per token): {shown}"

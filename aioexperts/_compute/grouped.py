@@ -37,6 +37,8 @@ from .kernels.group import G_ADDRESSES, G_COLS, G_OUT_BASE, G_OUTS, G_ROW_BYTES,
 __all__ = (
     "ProductTask",
     "SplitPlan",
+    "f32_split_plan",
+    "f32_task",
     "matvec_group",
     "matvec_split",
     "product_task",
@@ -89,6 +91,56 @@ def product_task(ggml_type: GGMLQuantizationType) -> ProductTask | None:
                     task = None
                 _tasks[one] = task
     return task  # type: ignore[no-any-return]
+
+
+def f32_task() -> ProductTask | None:
+    """The fan-out task of the one-token F32 product
+    (:func:`aioexperts._compute.kernels.floats.matvec_f32_row`: ggml's ``ggml_vec_dot_f32`` sums of
+    the AVX2 build), or None where numba does not serve. Compiled on first use (not cached on
+    disk); the decode warm-up makes it."""
+    one = _fused.compiled_kernel("floats", "matvec_f32_row")
+    if one is None:
+        return None
+    task = _tasks.get(one, _UNSEEN)
+    if task is _UNSEEN:
+        with _lock:
+            task = _tasks.get(one, _UNSEEN)
+            if task is _UNSEEN:
+                try:
+                    from .kernels.group import make_group_task
+
+                    cfunc = make_group_task(one)  # type: ignore[no-untyped-call]
+                    task = ProductTask(int(cfunc.address), lambda cols: 4 * cols, cfunc)
+                except Exception as exc:  # a broken numba/llvmlite can raise anything: BLAS serves
+                    log.warning("the F32 decode product's fan-out is off (%s: %s)", type(exc).__name__, exc)
+                    task = None
+                _tasks[one] = task
+    return task  # type: ignore[no-any-return]
+
+
+def f32_split_plan(matrix: np.ndarray, parts: int) -> SplitPlan | None:
+    """The :class:`SplitPlan` of a C-contiguous ``(rows, cols)`` float32 ``matrix`` in ``parts``
+    ranges of rows (fewer for fewer rows; a small matrix such as a router is split too), through
+    :func:`f32_task`; None where no task serves. The plan holds ``matrix``'s address: the caller keeps
+    it alive while it uses the plan.
+
+    Raises:
+        ConfigError: ``matrix`` is not a C-contiguous 2-D float32 array, or ``parts < 1``.
+    """
+    if not isinstance(matrix, np.ndarray) or matrix.dtype != np.float32 or matrix.ndim != 2:
+        raise ConfigError(f"an F32 split plan needs a 2-D float32 matrix, got {type(matrix).__name__}")
+    if not matrix.flags.c_contiguous or parts < 1:
+        raise ConfigError(f"an F32 split plan needs a C-contiguous matrix and parts >= 1, got parts={parts}")
+    task = f32_task()
+    if task is None:
+        return None
+    rows, cols = matrix.shape
+    n = max(1, min(parts, rows))
+    bounds = np.array([rows * i // n for i in range(n + 1)], dtype=np.int64)
+    row_bytes = 4 * cols
+    return SplitPlan(
+        task, rows, cols, row_bytes, matrix.ctypes.data + bounds[:-1] * row_bytes, np.diff(bounds), 4 * bounds[:-1]
+    )
 
 
 def _descriptor(
@@ -368,6 +420,7 @@ def warm_decode_kernels(types: Iterable[GGMLQuantizationType], f16_cache: bool) 
     Blocking (a worker thread)."""
     for t in types:
         product_task(t)
+    f32_task()  # the router's
     if f16_cache:
         _fused.warm_flash_task()
     from .norms import add_rms_norm, all_finite, rms_norm

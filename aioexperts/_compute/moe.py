@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import overload
+from dataclasses import dataclass, field
+from typing import Any, overload
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -28,10 +28,12 @@ from numpy.typing import ArrayLike
 
 from aioexperts._checks import as_int_array, check_activations, describe
 from aioexperts._compute import fused as _fused
+from aioexperts._compute import pool as _pool_module
 from aioexperts._compute.activations import quantized_round_trip
 from aioexperts._compute.decode_experts import RowStep, expert_group, group_classes, row_step
 from aioexperts._compute.gating import select_experts
 from aioexperts._compute.glu import expert_activation, swiglu, swiglu_clamp
+from aioexperts._compute.grouped import f32_split_plan, f32_task
 from aioexperts._compute.pool import compute_pool
 from aioexperts._errors import ConfigError, FormatError, InvalidRequestError
 from aioexperts._format.hparams import MoEHParams
@@ -115,6 +117,8 @@ class ResidentLayer:
     shexp_up_scale: float | None = None
     shexp_down_scale: float | None = None
     shexp_types: tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType] | None = None
+    #: the router's one-token fan-out plans by (parts, task address) (:func:`router_row_logits`)
+    _row_plans: dict[tuple[int, int], Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         router = _f32_matrix("router", self.router, None)
@@ -346,11 +350,16 @@ def _one_value(name: str, value: np.ndarray | None) -> float | None:
 def router_logits(x: np.ndarray, resident: ResidentLayer, *, invariant: bool = False) -> np.ndarray:
     """Router logits ``x @ router.T (+ router_bias)`` (``ffn_moe_logits``, ``ffn_moe_logits_biased``).
 
+    Where numba serves, every row's sums are ggml-cpu's ``ggml_vec_dot_f32`` of the AVX2 build
+    (:mod:`aioexperts._compute.kernels.floats`), whatever the batch: a decode row as a fan-out over
+    the cores (:func:`router_row_logits`), several rows in one compiled call; so prefill, a decode
+    row and a batched decode step route a row alike. Otherwise BLAS.
+
     Args:
         x: ``(n_tokens, n_embd)`` float32.
         resident: the layer's resident weights.
-        invariant: each row bit for bit its one-row result (:func:`aioexperts._compute.fused.linear_rows`;
-            rows of several sequences' decode steps).
+        invariant: each row bit for bit its one-row result also where BLAS serves (rows of several
+            sequences' decode steps; always so with numba).
 
     Returns:
         ``(n_tokens, n_layer_experts)`` float32.
@@ -359,18 +368,46 @@ def router_logits(x: np.ndarray, resident: ResidentLayer, *, invariant: bool = F
         InvalidRequestError: ``x`` is not a float32 ``(n_tokens, n_embd)`` array.
     """
     x = check_activations(x, resident.n_embd)
-    if invariant:
-        logits = _fused.linear_rows(resident.router, GGMLQuantizationType.F32, resident.router.shape, x)
-    elif x.shape[0] == 1:
-        # a decode row: the BLAS product fused.linear's F32 path runs (``np.matmul(x, W.T)`` of the
-        # same C-contiguous arrays; x is its own llama.cpp rounding for F32), without its checks and
-        # views: with cold caches each small numpy call costs 10-20 us, several per layer
-        logits = np.matmul(x, resident.router.T)
+    logits = np.empty((x.shape[0], resident.router.shape[0]), dtype=np.float32)
+    if x.shape[0] == 1:  # a decode row: a fan-out over the cores
+        router_row_logits(x, resident, logits[0])
     else:
-        logits = _dense(resident.router, x)
+        rows = _fused.compiled_kernel("floats", "matmat_f32_rows")
+        if rows is None or not rows(resident.router.view(np.uint8), x, logits):
+            logits = _dense(resident.router, x) if not invariant else _router_rows_blas(x, resident)
     if resident.router_bias is not None:
         logits += resident.router_bias
     return logits
+
+
+def router_row_logits(x: np.ndarray, resident: ResidentLayer, out: np.ndarray) -> None:
+    """One decode row's router logits without the bias: ``out = router @ x[0]``.
+
+    Where numba serves, the router's rows are split over the compute pool's threads as one
+    fan-out (:func:`aioexperts._compute.grouped.f32_split_plan`, each sum ggml's
+    ``ggml_vec_dot_f32`` of the AVX2 build); else, or for a row that is not finite, BLAS
+    (``np.matmul``). Either way a row's logits do not depend on the other rows of a call.
+
+    Args:
+        x: ``(1, n_embd)`` float32, C-contiguous (checked by the caller).
+        resident: the layer's resident weights.
+        out: ``(n_layer_experts,)`` float32, C-contiguous, written.
+    """
+    task = f32_task()
+    if task is not None:
+        pool = _pool_module._current_pool()
+        key = (1 if pool is None else pool.n_threads, task.address)
+        plan = resident._row_plans.get(key)
+        if plan is None:
+            plan = resident._row_plans.setdefault(key, f32_split_plan(resident.router, key[0]))
+        if plan is not None and plan.run(x, out):
+            return
+    np.matmul(x[0], resident.router.T, out=out)
+
+
+def _router_rows_blas(x: np.ndarray, resident: ResidentLayer) -> np.ndarray:
+    """Each row's logits as :func:`router_row_logits`' BLAS fallback gives it alone."""
+    return np.stack([np.matmul(row, resident.router.T) for row in x]).astype(np.float32, copy=False)
 
 
 def route(

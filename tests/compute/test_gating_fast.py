@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType
 
 from aioexperts._compute import fused, gating
 from aioexperts._compute.gating import select_experts
-from aioexperts._compute.moe import ResidentLayer, router_logits
 from aioexperts._format.hparams import GatingFunc, MoEHParams
 
 pytestmark = pytest.mark.skipif(fused.backend().name != "numba", reason="the compiled path needs numba")
@@ -111,23 +109,3 @@ def test_fast_path_not_taken_for_bias_groups_or_other_gating() -> None:
         assert calls == [1]
     finally:
         mp.undo()
-
-
-@pytest.mark.parametrize("precision", ["int8", "float"])
-def test_decode_router_product_is_fused_linear_bit_for_bit(precision: str) -> None:
-    """router_logits' one-row product skips fused.linear's checks and views, not its arithmetic."""
-    rng = np.random.default_rng(3)
-    router = (rng.standard_normal((128, 2048)) * 0.05).astype(np.float32)
-    resident = ResidentLayer(layer=0, router=router)
-    fused.set_precision(precision)  # type: ignore[arg-type]
-    try:
-        for scale in (1.0, 30.0, 1e-3):
-            x = (rng.standard_normal((1, 2048)) * scale).astype(np.float32)
-            got = router_logits(x, resident)
-            want = fused.linear(router, GGMLQuantizationType.F32, router.shape, x)
-            assert got.dtype == np.float32 and got.shape == (1, 128)
-            assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-            rows = router_logits(np.repeat(x, 3, axis=0), resident)  # fused.linear's path
-            assert rows.shape == (3, 128)
-    finally:
-        fused.set_precision(None)

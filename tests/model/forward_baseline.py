@@ -7,6 +7,14 @@ token by token (the one-sequence decode step), its greedy continuation, three se
 once (the batched decode step) and the 64 greedy tokens of the built-in model at its test size. The
 kernels' sums differ between CPU kinds (AVX-512 groups rows by 4, AVX2 by 3), so each CPU kind has
 its own file.
+
+The AVX2 file can be written on an AVX-512 machine: numba compiling for ``znver2`` with the host's
+features less every ``avx512*``, ``gfni``, ``vaes``, ``vpclmulqdq`` and ``avxvnni*``
+(``NUMBA_CPU_NAME``, ``NUMBA_CPU_FEATURES``), numpy without its AVX-512 loops
+(``NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR"``), OpenBLAS's Haswell kernels
+(``OPENBLAS_CORETYPE=Zen``) and a kernel cache of its own (``AIOEXPERTS_CACHE``); the script then
+writes ``-avx512`` (the CPU's flags), renamed to ``-avx2``. Checked on an AMD Zen 4: the committed
+AVX2 file of 2026-12-05 was reproduced bit for bit this way before it was rewritten.
 """
 
 from __future__ import annotations

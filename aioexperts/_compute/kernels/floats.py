@@ -1,4 +1,5 @@
-"""Float kernels: F16 and BF16 (``raw`` as uint16 bit patterns, ``(rows, cols)``); F32 goes to BLAS.
+"""Float kernels: F16 and BF16 (``raw`` as uint16 bit patterns, ``(rows, cols)``); F32 goes to BLAS,
+except the one-token F32 product a fan-out runs (:func:`matvec_f32_row`: the decode row's router).
 
 F16 values are converted with integer operations (:func:`half_bits`), exactly as numpy's
 ``float16.astype(float32)``; BF16 (gguf-py ``BF16``) puts its 16 bits in the high half of a float32.
@@ -21,6 +22,7 @@ from .common import (
     block_product,
     prefetch_row,
 )
+from .halfvec import dot_f16_q
 from .simd import dot32_f16, f16_to_f32_32
 
 # ruff: noqa: N803, N806
@@ -154,3 +156,61 @@ def dequant_bf16(raw, out):
     """Exact BF16 to float32."""
     for r in range(raw.shape[0]):
         decode_bf16(raw[r], out[r])
+
+
+# ----------------------------------------------------------------------------------------------
+# F32
+
+#: values per vector step of :func:`matvec_f32_row` (``GGML_F32_STEP`` of the AVX2 build)
+F32_STEP = 32
+
+
+@kernel(exact=True)
+def matvec_f32_row(raw, x, out):
+    """``out = W @ x`` for F32 weights, each row summed as ggml-cpu/vec.cpp ``ggml_vec_dot_f32`` of
+    the AVX2 build (four 8-lane FMA accumulators over steps of 32, ``GGML_F32_VEC_REDUCE``, then the
+    tail in order): the same bits on every x86 CPU, whatever LLVM's vector width.
+
+    ``raw`` ``(rows, 4 * cols)`` uint8 (the float32 rows' bytes, C-contiguous), ``x`` ``(cols,)`` and
+    ``out`` ``(rows,)`` float32. Returns False (nothing written) when ``x`` is not finite, the
+    contract of a fan-out product (:func:`aioexperts._compute.kernels.group.make_group_task`).
+    """
+    cols = x.size
+    for k in range(cols):
+        if not np.isfinite(x[k]):
+            return False
+    w = raw.view(F32)
+    vector_cols = cols - cols % F32_STEP
+    for r in range(raw.shape[0]):
+        row = w[r]
+        s = dot_f16_q(x, row, vector_cols)
+        for k in range(vector_cols, cols):
+            s += row[k] * x[k]
+        out[r] = s
+    return True
+
+
+@kernel(exact=True)
+def matmat_f32_rows(raw, xs, out):
+    """``out = xs @ W.T`` for F32 weights, each ``out[i, r]`` the bits :func:`matvec_f32_row` gives
+    for ``xs[i]`` alone (a weight row is read once for every row of ``xs``, from L1).
+
+    ``raw`` ``(rows, 4 * cols)`` uint8, ``xs`` ``(n, cols)`` and ``out`` ``(n, rows)`` float32,
+    C-contiguous. Returns False (nothing meaningful written) when ``xs`` is not finite.
+    """
+    n, cols = xs.shape
+    for i in range(n):
+        for k in range(cols):
+            if not np.isfinite(xs[i, k]):
+                return False
+    w = raw.view(F32)
+    vector_cols = cols - cols % F32_STEP
+    for r in range(raw.shape[0]):
+        row = w[r]
+        for i in range(n):
+            x = xs[i]
+            s = dot_f16_q(x, row, vector_cols)
+            for k in range(vector_cols, cols):
+                s += row[k] * x[k]
+            out[i, r] = s
+    return True
