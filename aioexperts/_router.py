@@ -373,7 +373,8 @@ class Router:
                 else:  # run_moe_layers(): the rows reserved for this call's tokens
                     self._recorder.record_token(layer, ids, token)
             if chosen is not None:
-                chosen.observe(layer, x, ids)
+                if not chosen.stateless:
+                    chosen.observe(layer, x, ids)
                 if budget:
                     further = self.speculative_layers(layer) if len(x) == 1 else []  # decode only
                     for nxt in [*self.upcoming_layers(layer), *further]:
@@ -446,7 +447,8 @@ class Router:
             if self._recorder is not None and len(kept):
                 self._recorder.record(layer, ids[kept])
             if self._predictor is not None and len(kept):
-                self._predictor.observe(layer, x[kept], ids[kept])
+                if not self._predictor.stateless:
+                    self._predictor.observe(layer, x[kept], ids[kept])
                 if budget:
                     for nxt in self.upcoming_layers(layer)[:1]:
                         got = _predicted(self._predictor, layer, nxt, x[kept], budget * len(kept))

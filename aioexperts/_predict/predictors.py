@@ -70,9 +70,18 @@ class Predictor(ABC):
 
     Attributes:
         name: the registry name (:func:`make_predictor`), also the key of scoring results.
+        stateless: True when :meth:`observe` learns nothing (it only checks its arguments): the
+            router then does not call it (about 15 us a layer). A subclass that defines its own
+            ``observe`` is not stateless unless it sets this itself.
     """
 
     name: ClassVar[str]
+    stateless: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "observe" in cls.__dict__ and "stateless" not in cls.__dict__:
+            cls.stateless = False  # a subclass's own observe may learn: called unless it says otherwise
 
     @abstractmethod
     def observe(self, layer: int, x: np.ndarray | None, ids: np.ndarray) -> None:
@@ -181,6 +190,7 @@ class NullPredictor(Predictor):
     """Never predicts anything: prefetching off (``"none"``), and the zero line of a score table."""
 
     name: ClassVar[str] = "none"
+    stateless: ClassVar[bool] = True
 
     def observe(self, layer: int, x: np.ndarray | None, ids: np.ndarray) -> None:
         _check_ids(ids)
@@ -231,6 +241,7 @@ class NextRouterPredictor(Predictor):
     """
 
     name: ClassVar[str] = "router"
+    stateless: ClassVar[bool] = True
 
     def __init__(self, residents: Mapping[int, ResidentLayer], hparams: MoEHParams) -> None:
         if not isinstance(hparams, MoEHParams):

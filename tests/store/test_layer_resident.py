@@ -104,3 +104,29 @@ async def test_resident_answers_per_id_with_duplicates_inactive_ids_and_numpy_in
             store.resident(first, [True])
         with pytest.raises(aioexperts.InvalidRequestError):
             store.resident(SPEC.n_layer + 5, [0])
+
+
+async def test_the_router_skips_a_stateless_predictors_observe_only(
+    model: Path, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The built-in router predictor's observe only checks its ids: the router does not call it; a
+    subclass with an observe of its own is called once per routed layer."""
+    seen: list[int] = []
+
+    class _Learning(NextRouterPredictor):
+        def observe(self, layer: int, x: Any, ids: Any) -> None:
+            seen.append(layer)
+
+    assert NextRouterPredictor.stateless and not _Learning.stateless
+    base_calls: list[int] = []
+    monkeypatch.setattr(NextRouterPredictor, "observe", lambda self, layer, x, ids: base_calls.append(layer))
+    async with aioexperts.open(model, slots=2 * SPEC.n_expert) as store:
+        runner = aioexperts.MoERunner(store)
+        await runner.warmup()
+        x = np.random.default_rng(0).standard_normal((1, SPEC.n_embd)).astype(np.float32)
+        assert isinstance(runner.predictor, NextRouterPredictor)
+        await runner.run_moe_layers(x)  # the runner's own predictor
+        assert base_calls == []
+        learning = _Learning(runner.predictor._residents, store.hparams)  # type: ignore[attr-defined]
+        await runner.run_moe_layers(x, predictor=learning)
+        assert seen == list(store.layout.layers)
