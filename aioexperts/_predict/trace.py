@@ -469,6 +469,27 @@ class TraceRecorder:
         i = self._index.get(layer)
         if i is None:
             raise InvalidRequestError(f"layer {layer} is not one of the recorded MoE layers {list(self._layers)}")
+        if (
+            token_index is None
+            and isinstance(ids, np.ndarray)
+            and ids.shape == (1, self._k)
+            and ids.dtype.kind in "iu"
+            and (self._max_tokens is None or self._cursor[i] < self._max_tokens)
+        ):  # a decode row appended with room for it (the router's, each layer of a token): fewer numpy calls
+            row = ids[0]
+            values = row.tolist()
+            if min(values) < -1 or max(values) >= self._n_experts[i]:
+                raise InvalidRequestError(
+                    f"ids of layer {layer} must be in [-1, {self._n_experts[i]}), got {min(values)}..{max(values)}"
+                )
+            start = self._cursor[i]
+            if start >= self._buffer.shape[0]:
+                self._make_room(start + 1)
+            self._buffer[start, i] = row
+            self._cursor[i] = start + 1
+            if start >= self._n_tokens:
+                self._n_tokens = start + 1
+            return
         rows = np.asarray(ids)
         if rows.ndim == 1:
             rows = rows[None, :]

@@ -529,3 +529,25 @@ def test_an_npy_header_cannot_make_the_loader_allocate_more_than_the_member_hold
         RoutingTrace.load(path)
     honest = _npz_with_a_lying_npy_header(tmp_path / "ok.npz", (2, 3, 2))
     assert RoutingTrace.load(honest) == small_trace()  # the same writer, telling the truth, is read
+
+
+@pytest.mark.parametrize("max_tokens", [None, 8, 13])
+def test_a_decode_rows_fast_record_equals_the_general_one(max_tokens: int | None) -> None:
+    """One ``(1, k)`` row appended (the router's per-layer record, a fast path) leaves the trace the
+    general path leaves: gaps, growth, a bounded ring's drops, a bad id refused with nothing written."""
+    rng = np.random.default_rng(5)
+    layers, k = [1, 3, 4], 2
+    kw: dict[str, Any] = {"max_tokens": max_tokens, "keep_last": True} if max_tokens else {}
+    fast, general = TraceRecorder(layers, 6, k, **kw), TraceRecorder(layers, 6, k, **kw)
+    for _ in range(200):
+        layer = layers[int(rng.integers(len(layers)))]
+        ids = rng.integers(-1, 6, (1, k)).astype([np.int16, np.int32, np.int64][int(rng.integers(3))])
+        fast.record(layer, ids)
+        general.record(layer, ids.tolist())  # a list: the general path
+        assert len(fast) == len(general) and fast.dropped_tokens == general.dropped_tokens
+    np.testing.assert_array_equal(fast.trace().ids, general.trace().ids)
+    before = fast.trace().ids
+    for bad in (np.array([[0, 6]], np.int32), np.array([[-2, 0]], np.int64)):
+        with pytest.raises(InvalidRequestError):
+            fast.record(1, bad)
+    np.testing.assert_array_equal(fast.trace().ids, before)
