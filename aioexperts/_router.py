@@ -25,7 +25,7 @@ from ._compute.resident import load_residents
 from ._errors import ConfigError, InvalidRequestError
 from ._format.layout import MoELayer
 from ._pipeline import run_in_worker
-from ._predict.predictors import PREDICTORS, Predictor, make_predictor
+from ._predict.predictors import PREDICTORS, Predictor, make_predictor, observe_skipped
 from ._predict.trace import RoutingTrace, TraceRecorder
 from ._store import ExpertStore
 
@@ -373,7 +373,7 @@ class Router:
                 else:  # run_moe_layers(): the rows reserved for this call's tokens
                     self._recorder.record_token(layer, ids, token)
             if chosen is not None:
-                if not chosen.stateless:
+                if not observe_skipped(chosen):
                     chosen.observe(layer, x, ids)
                 if budget:
                     further = self.speculative_layers(layer) if len(x) == 1 else []  # decode only
@@ -447,7 +447,7 @@ class Router:
             if self._recorder is not None and len(kept):
                 self._recorder.record(layer, ids[kept])
             if self._predictor is not None and len(kept):
-                if not self._predictor.stateless:
+                if not observe_skipped(self._predictor):
                     self._predictor.observe(layer, x[kept], ids[kept])
                 if budget:
                     for nxt in self.upcoming_layers(layer)[:1]:

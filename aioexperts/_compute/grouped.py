@@ -127,10 +127,14 @@ def f32_split_plan(matrix: np.ndarray, parts: int) -> SplitPlan | None:
     Raises:
         ConfigError: ``matrix`` is not a C-contiguous 2-D float32 array, or ``parts < 1``.
     """
-    if not isinstance(matrix, np.ndarray) or matrix.dtype != np.float32 or matrix.ndim != 2:
-        raise ConfigError(f"an F32 split plan needs a 2-D float32 matrix, got {type(matrix).__name__}")
-    if not matrix.flags.c_contiguous or parts < 1:
-        raise ConfigError(f"an F32 split plan needs a C-contiguous matrix and parts >= 1, got parts={parts}")
+    if not isinstance(matrix, np.ndarray) or matrix.dtype != np.dtype(np.float32) or matrix.ndim != 2:
+        got = f"{matrix.dtype} {matrix.shape}" if isinstance(matrix, np.ndarray) else type(matrix).__name__
+        raise ConfigError(f"an F32 split plan needs a 2-D native float32 matrix, got {got}")
+    if not matrix.flags.c_contiguous:
+        raise ConfigError("an F32 split plan needs a C-contiguous matrix (rows one after another)")
+    if isinstance(parts, bool) or not isinstance(parts, int | np.integer) or parts < 1:
+        raise ConfigError(f"parts must be an int >= 1, got {parts!r}")
+    parts = int(parts)
     task = f32_task()
     if task is None:
         return None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, overload
 
 import numpy as np
@@ -119,6 +119,14 @@ class ResidentLayer:
     shexp_types: tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType] | None = None
     #: the router's one-token fan-out plans by (parts, task address) (:func:`router_row_logits`)
     _row_plans: dict[tuple[int, int], Any] = field(default_factory=dict, init=False, repr=False)
+
+    def __getstate__(self) -> list[object]:
+        # a copy (pickle, deepcopy) starts without the fan-out plans: they hold this one's addresses
+        return [{} if f.name == "_row_plans" else getattr(self, f.name) for f in fields(self)]
+
+    def __setstate__(self, state: list[object]) -> None:
+        for f, value in zip(fields(self), state, strict=True):
+            object.__setattr__(self, f.name, value)
 
     def __post_init__(self) -> None:
         router = _f32_matrix("router", self.router, None)
@@ -373,8 +381,11 @@ def router_logits(x: np.ndarray, resident: ResidentLayer, *, invariant: bool = F
         router_row_logits(x, resident, logits[0])
     else:
         rows = _fused.compiled_kernel("floats", "matmat_f32_rows")
-        if rows is None or not rows(resident.router.view(np.uint8), x, logits):
+        if rows is None:
             logits = _dense(resident.router, x) if not invariant else _router_rows_blas(x, resident)
+        elif not rows(resident.router.view(np.uint8), x, logits):
+            for i in range(x.shape[0]):  # a row is not finite: each row as it goes alone
+                router_row_logits(x[i : i + 1], resident, logits[i])
     if resident.router_bias is not None:
         logits += resident.router_bias
     return logits
@@ -389,20 +400,40 @@ def router_row_logits(x: np.ndarray, resident: ResidentLayer, out: np.ndarray) -
     (``np.matmul``). Either way a row's logits do not depend on the other rows of a call.
 
     Args:
-        x: ``(1, n_embd)`` float32, C-contiguous (checked by the caller).
+        x: ``(1, n_embd)`` float32, C-contiguous.
         resident: the layer's resident weights.
         out: ``(n_layer_experts,)`` float32, C-contiguous, written.
+
+    Raises:
+        InvalidRequestError: ``x`` is not so shaped (the compiled product reads its memory as such).
+        ConfigError: ``out`` is not.
     """
+    router = resident.router
+    if not (
+        isinstance(x, np.ndarray) and x.dtype == np.float32 and x.shape == (1, router.shape[1]) and x.flags.c_contiguous
+    ):
+        raise InvalidRequestError(
+            f"x must be a C-contiguous float32 array of shape (1, {router.shape[1]}), got {describe(x)}"
+        )
+    if not (
+        isinstance(out, np.ndarray)
+        and out.dtype == np.float32
+        and out.shape == (router.shape[0],)
+        and out.flags.c_contiguous
+    ):
+        raise ConfigError(
+            f"out must be a C-contiguous float32 array of shape ({router.shape[0]},), got {describe(out)}"
+        )
     task = f32_task()
     if task is not None:
         pool = _pool_module._current_pool()
         key = (1 if pool is None else pool.n_threads, task.address)
         plan = resident._row_plans.get(key)
         if plan is None:
-            plan = resident._row_plans.setdefault(key, f32_split_plan(resident.router, key[0]))
+            plan = resident._row_plans.setdefault(key, f32_split_plan(router, key[0]))
         if plan is not None and plan.run(x, out):
             return
-    np.matmul(x[0], resident.router.T, out=out)
+    np.matmul(x[0], router.T, out=out)
 
 
 def _router_rows_blas(x: np.ndarray, resident: ResidentLayer) -> np.ndarray:

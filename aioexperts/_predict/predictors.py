@@ -71,17 +71,21 @@ class Predictor(ABC):
     Attributes:
         name: the registry name (:func:`make_predictor`), also the key of scoring results.
         stateless: True when :meth:`observe` learns nothing (it only checks its arguments): the
-            router then does not call it (about 15 us a layer). A subclass that defines its own
-            ``observe`` is not stateless unless it sets this itself.
+            router then does not call it (about 15 us a layer; :func:`observe_skipped`). It
+            vouches only for the ``observe`` its class had when it was set: a subclass, a mixin
+            or an assignment that brings another ``observe`` is observed unless its class sets
+            ``stateless`` again.
     """
 
     name: ClassVar[str]
     stateless: ClassVar[bool] = False
+    #: the ``observe`` the class that set ``stateless`` had then: the one it vouches for
+    _stateless_observe: ClassVar[Any] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "observe" in cls.__dict__ and "stateless" not in cls.__dict__:
-            cls.stateless = False  # a subclass's own observe may learn: called unless it says otherwise
+        if "stateless" in cls.__dict__:
+            cls._stateless_observe = cls.observe if cls.stateless else None
 
     @abstractmethod
     def observe(self, layer: int, x: np.ndarray | None, ids: np.ndarray) -> None:
@@ -145,6 +149,19 @@ def _check_budget(budget: int) -> int:
     if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
         raise ConfigError(f"budget must be a non-negative int, got {budget!r}")
     return int(budget)
+
+
+def observe_skipped(predictor: Predictor) -> bool:
+    """Whether the router may skip ``predictor.observe``: its class is ``stateless`` for the very
+    ``observe`` it runs (not one a subclass, a mixin, a later assignment or the instance brought)."""
+    cls = type(predictor)
+    vouched = cls._stateless_observe
+    return (
+        vouched is not None
+        and cls.stateless
+        and cls.observe is vouched
+        and "observe" not in getattr(predictor, "__dict__", ())
+    )
 
 
 def _check_ids(ids: np.ndarray) -> np.ndarray:

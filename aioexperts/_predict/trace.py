@@ -471,7 +471,7 @@ class TraceRecorder:
             raise InvalidRequestError(f"layer {layer} is not one of the recorded MoE layers {list(self._layers)}")
         if (
             token_index is None
-            and isinstance(ids, np.ndarray)
+            and type(ids) is np.ndarray  # not a subclass (np.matrix, a masked array)
             and ids.shape == (1, self._k)
             and ids.dtype.kind in "iu"
             and (self._max_tokens is None or self._cursor[i] < self._max_tokens)

@@ -3,6 +3,9 @@ decode row's fan-out split any way, batch rows each their one-row bits."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 
@@ -10,7 +13,7 @@ from aioexperts._compute import fused
 from aioexperts._compute.grouped import f32_split_plan
 from aioexperts._compute.kernels import floats
 from aioexperts._compute.moe import ResidentLayer, router_logits, router_row_logits
-from aioexperts._errors import ConfigError
+from aioexperts._errors import ConfigError, InvalidRequestError
 
 needs_numba = pytest.mark.skipif(fused.backend().name != "numba", reason="the compiled product needs numba")
 
@@ -117,9 +120,58 @@ def test_without_numba_the_logits_are_blas() -> None:
 
 @needs_numba
 def test_a_split_plan_refuses_what_is_not_a_contiguous_float32_matrix() -> None:
-    with pytest.raises(ConfigError, match="float32"):
+    with pytest.raises(ConfigError, match="float64"):
         f32_split_plan(np.zeros((4, 4), dtype=np.float64), 2)
+    with pytest.raises(ConfigError, match="float32"):
+        f32_split_plan(np.zeros((4, 4), dtype=">f4"), 2)
     with pytest.raises(ConfigError, match="C-contiguous"):
         f32_split_plan(np.zeros((4, 8), dtype=np.float32)[:, ::2], 2)
     with pytest.raises(ConfigError, match="parts"):
         f32_split_plan(np.zeros((4, 4), dtype=np.float32), 0)
+
+
+@needs_numba
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_row_that_is_not_finite_leaves_the_other_rows_their_own_bits(invariant: bool) -> None:
+    router = _router(16, 70)
+    resident = ResidentLayer(layer=0, router=router)
+    x = np.random.default_rng(6).standard_normal((4, 70)).astype(np.float32)
+    x[2, 5] = np.nan
+    with np.errstate(invalid="ignore"):
+        batch = router_logits(x, resident, invariant=invariant)
+    for i in (0, 1, 3):
+        one = router_logits(x[i : i + 1], resident)
+        assert np.array_equal(batch[i].view(np.uint32), one[0].view(np.uint32))
+    assert not np.isfinite(batch[2]).any()
+
+
+def test_a_decode_rows_arguments_are_checked_before_the_product() -> None:
+    router = _router(64, 256)
+    resident = ResidentLayer(layer=0, router=router)
+    good_x, good_out = np.ones((1, 256), np.float32), np.zeros(64, np.float32)
+    for x in (np.ones((1, 256), np.float64), np.ones((1, 512), np.float32)[:, ::2], np.ones((1, 200), np.float32)):
+        with pytest.raises(InvalidRequestError):
+            router_row_logits(x, resident, good_out)
+    for out in (np.zeros(2, np.float32), np.zeros(64, np.float64), np.zeros(128, np.float32)[::2]):
+        with pytest.raises(ConfigError):
+            router_row_logits(good_x, resident, out)
+    router_row_logits(good_x, resident, good_out)
+    np.testing.assert_allclose(good_out, router.sum(axis=1), rtol=1e-4, atol=1e-4)
+
+
+def test_a_resident_layer_is_copied_without_its_plans() -> None:
+    router = _router(32, 256)
+    resident = ResidentLayer(layer=3, router=router, router_bias=np.ones(32, np.float32))
+    x = np.random.default_rng(7).standard_normal((1, 256)).astype(np.float32)
+    want = router_logits(x, resident)  # makes and keeps a plan where numba serves
+    for copied in (pickle.loads(pickle.dumps(resident)), copy.deepcopy(resident)):
+        assert copied._row_plans == {} and copied.layer == 3
+        np.testing.assert_array_equal(copied.router, router)
+        assert np.array_equal(router_logits(x, copied).view(np.uint32), want.view(np.uint32))
+
+
+@needs_numba
+@pytest.mark.parametrize("parts", [1.5, "2", None, float("nan"), True])
+def test_a_split_plans_parts_must_be_a_positive_int(parts: object) -> None:
+    with pytest.raises(ConfigError, match="parts"):
+        f32_split_plan(np.zeros((4, 4), dtype=np.float32), parts)  # type: ignore[arg-type]

@@ -551,3 +551,13 @@ def test_a_decode_rows_fast_record_equals_the_general_one(max_tokens: int | None
         with pytest.raises(InvalidRequestError):
             fast.record(1, bad)
     np.testing.assert_array_equal(fast.trace().ids, before)
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix
+def test_array_subclasses_of_one_row_are_recorded_as_the_general_path_records_them() -> None:
+    fast, general = TraceRecorder([0], 8, 2), TraceRecorder([0], 8, 2)
+    fast.record(0, np.matrix([[1, 2]]))
+    general.record(0, [1, 2])
+    fast.record(0, np.ma.masked_array([[3, 4]], mask=[[False, True]]))
+    general.record(0, np.asarray(np.ma.masked_array([[3, 4]], mask=[[False, True]])))
+    np.testing.assert_array_equal(fast.trace().ids, general.trace().ids)

@@ -109,24 +109,56 @@ async def test_resident_answers_per_id_with_duplicates_inactive_ids_and_numpy_in
 async def test_the_router_skips_a_stateless_predictors_observe_only(
     model: Path, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The built-in router predictor's observe only checks its ids: the router does not call it; a
-    subclass with an observe of its own is called once per routed layer."""
+    """The built-in router predictor's observe only checks its ids: the router does not call it. An
+    observe brought by a subclass, a mixin, a later assignment or the instance is called once per
+    routed layer; a class that sets ``stateless`` again for its own observe is skipped."""
+    from aioexperts._predict import predictors as predictors_module
+
+    checks: list[int] = []
+    real_check = predictors_module._check_ids
+    monkeypatch.setattr(predictors_module, "_check_ids", lambda ids: checks.append(1) or real_check(ids))
     seen: list[int] = []
 
-    class _Learning(NextRouterPredictor):
-        def observe(self, layer: int, x: Any, ids: Any) -> None:
-            seen.append(layer)
+    def learn(self: Any, layer: int, x: Any, ids: Any) -> None:
+        seen.append(layer)
 
-    assert NextRouterPredictor.stateless and not _Learning.stateless
-    base_calls: list[int] = []
-    monkeypatch.setattr(NextRouterPredictor, "observe", lambda self, layer, x, ids: base_calls.append(layer))
+    class _Subclass(NextRouterPredictor):
+        observe = learn
+
+    class _Mixin:
+        observe = learn
+
+    class _Mixed(_Mixin, NextRouterPredictor):
+        pass
+
+    class _Assigned(NextRouterPredictor):
+        pass
+
+    _Assigned.observe = learn  # type: ignore[method-assign]
+
+    class _Vouched(NextRouterPredictor):
+        stateless = True
+        observe = learn
+
     async with aioexperts.open(model, slots=2 * SPEC.n_expert) as store:
         runner = aioexperts.MoERunner(store)
         await runner.warmup()
         x = np.random.default_rng(0).standard_normal((1, SPEC.n_embd)).astype(np.float32)
-        assert isinstance(runner.predictor, NextRouterPredictor)
-        await runner.run_moe_layers(x)  # the runner's own predictor
-        assert base_calls == []
-        learning = _Learning(runner.predictor._residents, store.hparams)  # type: ignore[attr-defined]
-        await runner.run_moe_layers(x, predictor=learning)
-        assert seen == list(store.layout.layers)
+        own = runner.predictor
+        assert isinstance(own, NextRouterPredictor)
+        await runner.run_moe_layers(x)  # the runner's own predictor: its observe (the ids check) skipped
+        assert checks == []
+        own.observe(0, None, np.array([[0, 1]]))
+        assert checks == [1]  # the spy sees the built-in observe when it runs
+        residents = own._residents  # type: ignore[attr-defined]
+        layers = list(store.layout.layers)
+        instance = NextRouterPredictor(residents, store.hparams)
+        instance.observe = learn.__get__(instance)  # type: ignore[method-assign]
+        for cls_or_p in (_Subclass, _Mixed, _Assigned, instance):
+            p = cls_or_p if isinstance(cls_or_p, NextRouterPredictor) else cls_or_p(residents, store.hparams)
+            seen.clear()
+            await runner.run_moe_layers(x, predictor=p)
+            assert seen == layers, cls_or_p
+        seen.clear()
+        await runner.run_moe_layers(x, predictor=_Vouched(residents, store.hparams))
+        assert seen == []

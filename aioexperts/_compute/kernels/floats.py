@@ -169,7 +169,9 @@ F32_STEP = 32
 def matvec_f32_row(raw, x, out):
     """``out = W @ x`` for F32 weights, each row summed as ggml-cpu/vec.cpp ``ggml_vec_dot_f32`` of
     the AVX2 build (four 8-lane FMA accumulators over steps of 32, ``GGML_F32_VEC_REDUCE``, then the
-    tail in order): the same bits on every x86 CPU, whatever LLVM's vector width.
+    tail in order, a product then an add as the C source writes it; a compiler may contract or
+    vectorise ggml's tail, so widths that are not a multiple of 32 can differ from a given build in
+    the last bits): the same bits on every x86 CPU, whatever LLVM's vector width.
 
     ``raw`` ``(rows, 4 * cols)`` uint8 (the float32 rows' bytes, C-contiguous), ``x`` ``(cols,)`` and
     ``out`` ``(rows,)`` float32. Returns False (nothing written) when ``x`` is not finite, the
