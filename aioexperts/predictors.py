@@ -12,6 +12,7 @@ from ._predict.predictors import NullPredictor as NullPredictor
 from ._predict.predictors import Predictor as Predictor
 from ._predict.predictors import PreviousTokenPredictor as PreviousTokenPredictor
 from ._predict.predictors import make_predictor as make_predictor
+from ._predict.predictors import observe_skipped as observe_skipped
 
 __all__ = (
     "PREDICTORS",
@@ -21,4 +22,5 @@ __all__ = (
     "PreviousTokenPredictor",
     "Predictor",
     "make_predictor",
+    "observe_skipped",
 )
