@@ -76,21 +76,7 @@ def product_task(ggml_type: GGMLQuantizationType) -> ProductTask | None:
     if served is None:
         return None
     one, row_bytes = served
-    task = _tasks.get(one, _UNSEEN)
-    if task is _UNSEEN:
-        with _lock:
-            task = _tasks.get(one, _UNSEEN)
-            if task is _UNSEEN:
-                try:
-                    from .kernels.group import make_group_task
-
-                    cfunc = make_group_task(one)  # type: ignore[no-untyped-call]
-                    task = ProductTask(int(cfunc.address), row_bytes, cfunc)
-                except Exception as exc:  # a broken numba/llvmlite can raise anything: the per-product path serves
-                    log.warning("the grouped decode products are off (%s: %s)", type(exc).__name__, exc)
-                    task = None
-                _tasks[one] = task
-    return task  # type: ignore[no-any-return]
+    return _group_task(one, row_bytes, "the grouped decode products are off")
 
 
 def f32_task() -> ProductTask | None:
@@ -101,6 +87,16 @@ def f32_task() -> ProductTask | None:
     one = _fused.compiled_kernel("floats", "matvec_f32_row")
     if one is None:
         return None
+    return _group_task(one, _f32_row_bytes, "the F32 decode product's fan-out is off")
+
+
+def _f32_row_bytes(cols: int) -> int:
+    return 4 * cols
+
+
+def _group_task(one: Callable[..., bool], row_bytes: Callable[[int], int], off: str) -> ProductTask | None:
+    """The group task of the one-token kernel ``one`` (:func:`~aioexperts._compute.kernels.group.make_group_task`),
+    made once per kernel; None (logged once, ``off`` saying what) where numba/llvmlite fail to make it."""
     task = _tasks.get(one, _UNSEEN)
     if task is _UNSEEN:
         with _lock:
@@ -110,9 +106,9 @@ def f32_task() -> ProductTask | None:
                     from .kernels.group import make_group_task
 
                     cfunc = make_group_task(one)  # type: ignore[no-untyped-call]
-                    task = ProductTask(int(cfunc.address), lambda cols: 4 * cols, cfunc)
-                except Exception as exc:  # a broken numba/llvmlite can raise anything: BLAS serves
-                    log.warning("the F32 decode product's fan-out is off (%s: %s)", type(exc).__name__, exc)
+                    task = ProductTask(int(cfunc.address), row_bytes, cfunc)
+                except Exception as exc:  # a broken numba/llvmlite can raise anything: the caller's other path serves
+                    log.warning("%s (%s: %s)", off, type(exc).__name__, exc)
                     task = None
                 _tasks[one] = task
     return task  # type: ignore[no-any-return]
@@ -139,12 +135,7 @@ def f32_split_plan(matrix: np.ndarray, parts: int) -> SplitPlan | None:
     if task is None:
         return None
     rows, cols = matrix.shape
-    n = max(1, min(parts, rows))
-    bounds = np.array([rows * i // n for i in range(n + 1)], dtype=np.int64)
-    row_bytes = 4 * cols
-    return SplitPlan(
-        task, rows, cols, row_bytes, matrix.ctypes.data + bounds[:-1] * row_bytes, np.diff(bounds), 4 * bounds[:-1]
-    )
+    return _row_ranges(task, matrix.ctypes.data, rows, cols, max(1, min(parts, rows)))
 
 
 def _descriptor(
@@ -362,17 +353,14 @@ def split_plan(
     row_bytes = task.row_bytes(cols)
     if raw.dtype != np.uint8 or not raw.flags.c_contiguous or raw.nbytes != rows * row_bytes:
         raise FormatError(f"{ggml_type.name} matrix of shape {shape} needs {rows * row_bytes} bytes, got {raw.nbytes}")
-    n = max(1, min(parts, rows // SPLIT_ROWS))
+    return _row_ranges(task, raw.ctypes.data, rows, cols, max(1, min(parts, rows // SPLIT_ROWS)))
+
+
+def _row_ranges(task: ProductTask, address: int, rows: int, cols: int, n: int) -> SplitPlan:
+    """The plan of the matrix at ``address`` in ``n`` ranges of rows as even as they divide."""
+    row_bytes = task.row_bytes(cols)
     bounds = np.array([rows * i // n for i in range(n + 1)], dtype=np.int64)
-    return SplitPlan(
-        task,
-        rows,
-        cols,
-        row_bytes,
-        raw.ctypes.data + bounds[:-1] * row_bytes,
-        np.diff(bounds),
-        4 * bounds[:-1],
-    )
+    return SplitPlan(task, rows, cols, row_bytes, address + bounds[:-1] * row_bytes, np.diff(bounds), 4 * bounds[:-1])
 
 
 def matvec_split(

@@ -377,15 +377,12 @@ def router_logits(x: np.ndarray, resident: ResidentLayer, *, invariant: bool = F
     """
     x = check_activations(x, resident.n_embd)
     logits = np.empty((x.shape[0], resident.router.shape[0]), dtype=np.float32)
-    if x.shape[0] == 1:  # a decode row: a fan-out over the cores
-        router_row_logits(x, resident, logits[0])
-    else:
-        rows = _fused.compiled_kernel("floats", "matmat_f32_rows")
-        if rows is None:
-            logits = _dense(resident.router, x) if not invariant else _router_rows_blas(x, resident)
-        elif not rows(resident.router.view(np.uint8), x, logits):
-            for i in range(x.shape[0]):  # a row is not finite: each row as it goes alone
-                router_row_logits(x[i : i + 1], resident, logits[i])
+    rows = _fused.compiled_kernel("floats", "matmat_f32_rows") if x.shape[0] > 1 else None
+    if x.shape[0] > 1 and rows is None and not invariant:
+        logits = _dense(resident.router, x)
+    elif rows is None or not rows(resident.router.view(np.uint8), x, logits):
+        for i in range(x.shape[0]):  # a decode row, or rows as they go alone (one not finite, or BLAS)
+            _row_logits(x[i : i + 1], resident, logits[i])
     if resident.router_bias is not None:
         logits += resident.router_bias
     return logits
@@ -424,6 +421,12 @@ def router_row_logits(x: np.ndarray, resident: ResidentLayer, out: np.ndarray) -
         raise ConfigError(
             f"out must be a C-contiguous float32 array of shape ({router.shape[0]},), got {describe(out)}"
         )
+    _row_logits(x, resident, out)
+
+
+def _row_logits(x: np.ndarray, resident: ResidentLayer, out: np.ndarray) -> None:
+    """:func:`router_row_logits` of arguments already checked."""
+    router = resident.router
     task = f32_task()
     if task is not None:
         pool = _pool_module._current_pool()
@@ -434,11 +437,6 @@ def router_row_logits(x: np.ndarray, resident: ResidentLayer, out: np.ndarray) -
         if plan is not None and plan.run(x, out):
             return
     np.matmul(x[0], router.T, out=out)
-
-
-def _router_rows_blas(x: np.ndarray, resident: ResidentLayer) -> np.ndarray:
-    """Each row's logits as :func:`router_row_logits`' BLAS fallback gives it alone."""
-    return np.stack([np.matmul(row, resident.router.T) for row in x]).astype(np.float32, copy=False)
 
 
 def route(
