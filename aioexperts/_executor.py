@@ -34,6 +34,7 @@ from ._compute.moe import (
     expert_outputs,
     moe_forward,
     row_ffn_out,
+    row_ffn_out_at,
 )
 from ._compute.norms import all_finite
 from ._compute.pool import compute_pool
@@ -454,13 +455,22 @@ class ResidentPass:
         if plan is None:  # more experts than slots: never with a slab that holds the model
             return None
         wanted = routing.groups[0].experts
-        views = self._experts.views(layer, wanted)
-        if views is None:
-            return None
+        experts = self._experts
+        table = experts.table(layer)  # every expert of the layer in place: no view per expert
         t0 = time.perf_counter()
-        ffn_out = row_ffn_out(plan, views, self._row_steps)  # a decode row through its prepared step
+        ffn_out = None if table is None else row_ffn_out_at(plan, table, self._row_steps)
+        if ffn_out is not None:
+            experts.requests += len(wanted)
+            views: list[ExpertView] | None = None
+        else:
+            views = experts.views(layer, wanted)
+            if views is None:
+                return None
+            t0 = time.perf_counter()
+            ffn_out = row_ffn_out(plan, views, self._row_steps)  # a decode row through its prepared step
         outcome: LayerOutcome | None = None
         if ffn_out is None:
+            assert views is not None
             (outcome,), t0, t1 = _outputs_combined(layer, [plan], wanted, views, 0.0)
         else:
             t1 = time.perf_counter()

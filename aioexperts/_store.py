@@ -34,7 +34,7 @@ from ._format.hparams import MoEHParams
 from ._format.layout import ExpertLayout, build_layout
 from ._format.model import GGUFModel, open_model
 from ._format.tier_sidecar import read_tier_sidecar
-from ._format.views import ExpertView
+from ._format.views import ExpertTable, ExpertView
 from ._io.loop import LoopAdapter, current_loop, wait_through_cancellation
 from ._options import CacheOptions, IOOptions, MissTier, PageCacheOptions
 from ._sources.base import ExpertSource, HeldLayers, Pinned, build_and_keep, finish_in_thread
@@ -778,6 +778,20 @@ class ResidentExperts:
             out.append(v)
         self.requests += len(out)
         return out
+
+    def table(self, layer: int) -> ExpertTable | None:
+        """Where every expert of MoE layer ``layer`` lies (:class:`~aioexperts._format.views.ExpertTable`:
+        ``(3, n_experts)`` int64 addresses of each expert's gate, up and down, valid while the hold
+        lasts) when all are resident at full precision with one layout, else None. Kept by the
+        source until an expert of the model is loaded or leaves its slot, so a decode step looks
+        its experts up with one array index instead of a view each. Experts computed from it are
+        counted by adding them to :attr:`requests`.
+
+        Raises:
+            InvalidRequestError: no such layer.
+            RuntimeError: the hold has ended.
+        """
+        return self._held.table(self._store._layer_keys(layer))
 
 
 class _ExpertsBlock:

@@ -21,7 +21,7 @@ from aioexperts._compute import fused as _fused
 from aioexperts._compute.glu import GatedActivation
 from aioexperts._compute.grouped import GroupCall, matvec_group, product_task
 from aioexperts._errors import ConfigError
-from aioexperts._format.views import ExpertView
+from aioexperts._format.views import ExpertView, LayoutKey, layout_key
 
 __all__ = ("RowStep", "expert_group", "group_classes", "row_step")
 
@@ -114,14 +114,14 @@ class RowStep:
             (:func:`row_step` checks first).
     """
 
-    __slots__ = ("_act", "_activation", "_down", "_gate_up", "_gu", "_key", "_lock", "_sum", "_tmp", "_x", "_ys", "n")
+    __slots__ = ("_act", "_activation", "_down", "_gate_up", "_gu", "_lock", "_sum", "_tmp", "_x", "_ys", "layout", "n")
 
     def __init__(self, views: Sequence[ExpertView], activation: GatedActivation) -> None:
         if not views:
             raise ValueError("RowStep: no views")
         first = views[0]
         self.n = n = len(views)
-        self._key = _view_key(first)
+        self.layout: LayoutKey = layout_key(first)
         gate, down = first.gate, first.down
         task, down_task = product_task(gate.ggml_type), product_task(down.ggml_type)
         weighted_sum = _fused.compiled_kernel("combine", "weighted_rows_sum")
@@ -159,9 +159,9 @@ class RowStep:
         self._lock = threading.Lock()
 
     def fits(self, views: Sequence[ExpertView]) -> bool:
-        """Whether ``views`` have this step's count, types, shapes and byte counts."""
-        key = self._key
-        return len(views) == self.n and all(_view_key(v) == key for v in views)
+        """Whether ``views`` have this step's count and :attr:`layout` (types, shapes, byte counts)."""
+        key = self.layout
+        return len(views) == self.n and all(layout_key(v) == key for v in views)
 
     def run(self, x: np.ndarray, views: Sequence[ExpertView], weights: np.ndarray) -> np.ndarray | None:
         """``sum_i weights[i] * down_i(act(gate_i x) * up_i x)`` in slot order.
@@ -180,13 +180,7 @@ class RowStep:
             ConfigError: ``views``, ``weights`` or ``x`` not of this step's count, shape and dtype.
         """
         n = self.n
-        if (
-            len(views) != n
-            or weights.dtype != np.float32
-            or weights.shape != (n,)
-            or x.dtype != np.float32
-            or x.shape != self._x.shape
-        ):
+        if len(views) != n or not self._fits_call(x, weights):
             raise ConfigError(
                 f"RowStep of {n} experts: {len(views)} views, weights {weights.dtype}{weights.shape}, "
                 f"x {x.dtype}{x.shape}"
@@ -200,25 +194,77 @@ class RowStep:
                 addresses[i] = v.gate.address
                 addresses[n + i] = v.up.address
                 down.addresses[i] = v.down.address
-            np.copyto(self._x, x)
-            if not gate_up.run():
-                return None
-            gu = self._gu
-            with np.errstate(over="ignore", invalid="ignore"):
-                self._activation(gu[:n], gu[n:], self._tmp, self._act)
-            if not down.run():
-                return None
-            out = np.empty((1, self._ys.shape[1]), dtype=np.float32)
-            self._sum(self._ys, weights, out[0])
-            return out
+            return self._compute(x, weights)
         finally:
             self._lock.release()
 
+    def run_at(self, x: np.ndarray, ids: np.ndarray, addresses: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
+        """:meth:`run` of the experts ``ids`` found in a table instead of views.
 
-def _view_key(v: ExpertView) -> tuple[object, ...]:
-    g, u, d = v.gate, v.up, v.down
-    types, shapes = (g.ggml_type, u.ggml_type, d.ggml_type), (g.shape, u.shape, d.shape)
-    return types, shapes, (g.data.nbytes, u.data.nbytes, d.data.nbytes)
+        Args:
+            x: ``(1, n_embd)`` float32.
+            ids: ``(n,)`` int64 expert ids in slot order.
+            addresses: an :class:`~aioexperts._format.views.ExpertTable`'s ``(3, n_experts)`` int64
+                addresses whose layout is this step's :attr:`layout` (the caller checks it), valid
+                for the call (the hold that gave it lasts).
+            weights: ``(n,)`` float32 routing weights in slot order.
+
+        Returns:
+            As :meth:`run`.
+
+        Raises:
+            ConfigError: ``ids``, ``weights`` or ``x`` not of this step's count, shape and dtype,
+                an id outside the table, or ``addresses`` not ``(3, n_experts)`` int64.
+        """
+        n = self.n
+        if (
+            ids.shape != (n,)
+            or ids.dtype != np.int64
+            or addresses.dtype != np.int64
+            or addresses.ndim != 2
+            or addresses.shape[0] != 3
+            or not self._fits_call(x, weights)
+        ):
+            raise ConfigError(
+                f"RowStep of {n} experts: ids {ids.dtype}{ids.shape}, addresses {addresses.dtype}{addresses.shape}, "
+                f"weights {weights.dtype}{weights.shape}, x {x.dtype}{x.shape}"
+            )
+        n_experts = addresses.shape[1]
+        if n and (int(ids.min()) < 0 or int(ids.max()) >= n_experts):
+            raise ConfigError(f"RowStep: expert ids {ids.tolist()} outside the table's 0..{n_experts - 1}")
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            gate_up = self._gate_up.addresses
+            np.take(addresses[0], ids, out=gate_up[:n])
+            np.take(addresses[1], ids, out=gate_up[n:])
+            np.take(addresses[2], ids, out=self._down.addresses)
+            return self._compute(x, weights)
+        finally:
+            self._lock.release()
+
+    def _fits_call(self, x: np.ndarray, weights: np.ndarray) -> bool:
+        return (
+            weights.dtype == np.float32
+            and weights.shape == (self.n,)
+            and x.dtype == np.float32
+            and x.shape == self._x.shape
+        )
+
+    def _compute(self, x: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
+        """The products, activation and sum over the addresses set (the lock held)."""
+        n = self.n
+        np.copyto(self._x, x)
+        if not self._gate_up.run():
+            return None
+        gu = self._gu
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._activation(gu[:n], gu[n:], self._tmp, self._act)
+        if not self._down.run():
+            return None
+        out = np.empty((1, self._ys.shape[1]), dtype=np.float32)
+        self._sum(self._ys, weights, out[0])
+        return out
 
 
 def row_step(views: Sequence[ExpertView], activation: GatedActivation) -> RowStep | None:

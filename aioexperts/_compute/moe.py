@@ -37,7 +37,7 @@ from aioexperts._compute.grouped import f32_split_plan, f32_task
 from aioexperts._compute.pool import compute_pool
 from aioexperts._errors import ConfigError, FormatError, InvalidRequestError
 from aioexperts._format.hparams import MoEHParams
-from aioexperts._format.views import ExpertView, ProjectionView
+from aioexperts._format.views import ExpertTable, ExpertView, ProjectionView
 
 __all__ = (
     "ExpertOutputs",
@@ -844,7 +844,7 @@ def row_ffn_out(plan: MoEPlan, views: Sequence[ExpertView], steps: RowSteps) -> 
     ids = plan.ids
     if ids.shape[0] != 1 or len(plan.positions) != ids.shape[1] or len(views) != ids.shape[1]:
         return None
-    resident, hparams = plan.resident, plan.hparams
+    resident = plan.resident
     layer = resident.layer
     step = steps.get(layer, _NO_STEP)
     if step is _NO_STEP:
@@ -852,11 +852,42 @@ def row_ffn_out(plan: MoEPlan, views: Sequence[ExpertView], steps: RowSteps) -> 
         steps[layer] = step
     if step is None or not step.fits(views):
         return None
-    y = step.run(plan.x, views, plan.weights[0])
+    return _with_shared(plan, step.run(plan.x, views, plan.weights[0]))
+
+
+def row_ffn_out_at(plan: MoEPlan, table: ExpertTable, steps: RowSteps) -> np.ndarray | None:
+    """:func:`row_ffn_out` of a plan whose experts ``table`` locates (every expert of the layer held
+    in place: :meth:`aioexperts.ExpertStore.hold_resident`), through the step :func:`row_ffn_out`
+    prepared: the same bits, without a view per expert.
+
+    Args:
+        plan: the call (:func:`plan_moe`).
+        table: the plan's layer's table, valid for the call.
+        steps: the caller's steps by layer, as given to :func:`row_ffn_out`.
+
+    Returns:
+        As :func:`row_ffn_out`; also None when the layer has no prepared step yet or it serves
+        another layout (the caller goes on with views).
+
+    Raises:
+        ConfigError: an expert id outside the table.
+    """
+    ids = plan.ids
+    if ids.shape[0] != 1 or len(plan.positions) != ids.shape[1] or ids.dtype != np.int64:
+        return None
+    step = steps.get(plan.resident.layer)
+    if step is None or step is _NO_STEP or step.n != ids.shape[1] or step.layout != table.layout:
+        return None
+    return _with_shared(plan, step.run_at(plan.x, ids[0], table.addresses, plan.weights[0]))
+
+
+def _with_shared(plan: MoEPlan, y: np.ndarray | None) -> np.ndarray | None:
+    """A row step's output ``y`` plus the plan's shared expert, if the layer has one."""
+    resident = plan.resident
     if y is None or not resident.has_shared:
         return y
     with np.errstate(over="ignore", invalid="ignore"):
-        out: np.ndarray = y + _shared_forward(plan.x, resident, hparams.shared_clamp(layer))
+        out: np.ndarray = y + _shared_forward(plan.x, resident, plan.hparams.shared_clamp(resident.layer))
     return out
 
 

@@ -12,7 +12,15 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-__all__ = ("ExpertView", "ProjectionView", "managed_buffer", "release_view", "warn_exported")
+__all__ = (
+    "ExpertTable",
+    "ExpertView",
+    "ProjectionView",
+    "layout_key",
+    "managed_buffer",
+    "release_view",
+    "warn_exported",
+)
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -128,6 +136,32 @@ _set_pv_data, _set_pv_type, _set_pv_shape, _set_pv_address = (
 _set_ev_layer, _set_ev_expert, _set_ev_bank, _set_ev_gate, _set_ev_up, _set_ev_down = (
     _slot_setter(ExpertView, n) for n in ("layer", "expert", "bank", "gate", "up", "down")
 )
+
+
+LayoutKey = tuple[tuple[GGMLQuantizationType, ...], tuple[tuple[int, int], ...], tuple[int, int, int]]
+
+
+def layout_key(view: ExpertView) -> LayoutKey:
+    """The ggml types, shapes and byte counts of ``view``'s gate, up and down: experts with equal
+    keys are computed by the same kernels over the same byte counts."""
+    g, u, d = view.gate, view.up, view.down
+    types, shapes = (g.ggml_type, u.ggml_type, d.ggml_type), (g.shape, u.shape, d.shape)
+    return types, shapes, (g.data.nbytes, u.data.nbytes, d.data.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertTable:
+    """Where every expert of one MoE layer lies while a hold keeps them in place, all of one layout.
+
+    Attributes:
+        addresses: ``(3, n_experts)`` int64, read-only: the first byte of expert ``e``'s gate, up
+            and down projections at ``[0, e]``, ``[1, e]``, ``[2, e]``; valid only while the hold
+            that gave the table lasts.
+        layout: the :func:`layout_key` every expert of the layer has.
+    """
+
+    addresses: np.ndarray
+    layout: LayoutKey
 
 
 def warn_exported(view: ExpertView, projections: list[str], stacklevel: int) -> None:

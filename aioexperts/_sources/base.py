@@ -34,7 +34,7 @@ from .._cache.cache import Key
 from .._cache.stats import StoreStatistics
 from .._format.layout import ExpertLayout
 from .._format.model import GGUFModel
-from .._format.views import ExpertView
+from .._format.views import ExpertTable, ExpertView
 from .._io.loop import LoopAdapter, wait_through_cancellation
 from .._timeline import Timeline
 from .rows import RowStatistics, RowsView
@@ -64,6 +64,12 @@ class HeldLayers(ABC):
     def view(self, key: Key) -> ExpertView | None:
         """The views of ``key``'s expert if it is resident at full precision (valid until
         :meth:`end`), else None (not read yet, loading, or a low-tier copy)."""
+
+    def table(self, keys: Sequence[Key]) -> ExpertTable | None:
+        """The :class:`~aioexperts._format.views.ExpertTable` of the experts ``keys`` (every expert
+        of one layer, expert by expert) when all are resident at full precision with one layout;
+        else None (then :meth:`view` serves them one by one). None unless a source keeps tables."""
+        return None
 
     @abstractmethod
     def end(self, requests: int) -> None:

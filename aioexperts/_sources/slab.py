@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from typing import TypeVar
 
 import anyio
+import numpy as np
 
 from .._cache.cache import Entry, ExpertCache, Key, SlotState
 from .._cache.eviction import make_policy
@@ -25,7 +26,7 @@ from .._errors import InvalidRequestError
 from .._format.layout import ExpertLayout
 from .._format.model import GGUFModel
 from .._format.tier_sidecar import TierSidecar
-from .._format.views import ExpertView, ProjectionView, warn_exported
+from .._format.views import ExpertTable, ExpertView, ProjectionView, layout_key, warn_exported
 from .._io.files import ShardFiles, open_shards
 from .._io.loop import LoopAdapter
 from .._io.plan import ExpertPlan, plan_all_experts, plan_expert
@@ -78,6 +79,8 @@ class SlabSource(ExpertSource):
         self._rows: RowReader | None = None
         self._rows_built: RowReader | None = None  # a row reader built, not attached yet
         self._rows_lock = anyio.Lock()
+        # layer -> (the cache's placements when built, its table or None: layouts differ)
+        self._tables: dict[int, tuple[int, ExpertTable | None]] = {}
         self.tier: TierSidecar | None = None  # the miss tier's sidecar, set before start
         self.tier_policy: MissTier | None = None  # the miss tier's rules, set with the sidecar
         self.tier_off_reason: str | None = None  # why start switched the tier off (None: on, or none given)
@@ -456,6 +459,34 @@ class _HeldSlots(HeldLayers):
             raise RuntimeError("the hold has ended")
         entry = self._cache.ready_full(key)
         return None if entry is None else self._source.view(entry)
+
+    def table(self, keys: Sequence[Key]) -> ExpertTable | None:
+        if self._ended:
+            raise RuntimeError("the hold has ended")
+        cache = self._cache
+        placements = cache.placements  # read first: a load landing during the build makes it stale
+        layer = keys[0][0]
+        tables = self._source._tables
+        kept = tables.get(layer)
+        if kept is not None and kept[0] == placements:
+            return kept[1]
+        if cache.full_ready(layer) < len(keys):  # still reading the layer: no table yet, nothing kept
+            return None
+        views = []
+        for key in keys:
+            entry = cache.ready_full(key)
+            if entry is None:
+                return None
+            views.append(self._source.view(entry))
+        layout = layout_key(views[0])
+        table = None
+        if all(layout_key(v) == layout for v in views):
+            addresses = np.array([[v.gate.address, v.up.address, v.down.address] for v in views], dtype=np.int64).T
+            addresses = np.ascontiguousarray(addresses)
+            addresses.flags.writeable = False
+            table = ExpertTable(addresses, layout)
+        tables[layer] = (placements, table)
+        return table
 
     def end(self, requests: int) -> None:
         if self._ended:

@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
+import numpy as np
 import pytest
 from cacheutil import cache_of, settle
+from gguf import GGMLQuantizationType
 from ioutil import pread_segment
 
 import aioexperts
+from aioexperts._format.views import layout_key
 from aioexperts.testing import SyntheticSpec, write_synthetic_model
 
 pytestmark = pytest.mark.anyio
@@ -108,3 +111,71 @@ async def test_the_page_cache_mode_never_holds(model_path: Path, anyio_backend: 
         await load_layers(store, range(SMALL.n_layer))
         with store.hold_resident() as held:
             assert held is None
+
+
+async def test_a_held_layers_table_locates_every_expert_and_is_kept_until_a_placement_changes(
+    model_path: Path, anyio_backend: object
+) -> None:
+    n_total = SMALL.n_layer * SMALL.n_expert
+    async with aioexperts.open(model_path, slots=n_total) as store:
+        cache = cache_of(store)
+        await load_layers(store, range(SMALL.n_layer - 1))
+        async with store.experts(SMALL.n_layer - 1, [0, 1]):  # the last layer half read
+            pass
+        with store.hold_resident() as held:
+            assert held is not None
+            assert held.table(SMALL.n_layer - 1) is None  # not every expert in memory
+            table = held.table(0)
+            assert table is not None
+            assert table.addresses.shape == (3, SMALL.n_expert) and table.addresses.dtype == np.int64
+            assert not table.addresses.flags.writeable
+            views = held.views(0, list(range(SMALL.n_expert)))
+            assert views is not None
+            want = [[v.gate.address for v in views], [v.up.address for v in views], [v.down.address for v in views]]
+            assert table.addresses.tolist() == want
+            assert {layout_key(v) for v in views} == {table.layout}
+            assert held.table(0) is table  # kept: no placement changed
+            with pytest.raises(aioexperts.InvalidRequestError):
+                held.table(SMALL.n_layer)
+        with store.hold_resident() as held:
+            assert held is not None
+            assert held.table(0) is table  # kept across holds
+        before = cache.placements
+        await load_layers(store, range(SMALL.n_layer - 1, SMALL.n_layer))  # loads into free slots
+        assert cache.placements > before
+        with store.hold_resident() as held:
+            assert held is not None
+            again = held.table(0)
+            assert again is not None and again is not table  # made again after the placement changed
+            assert again.addresses.tolist() == table.addresses.tolist()
+            assert held.table(SMALL.n_layer - 1) is not None
+        with pytest.raises(RuntimeError, match="hold has ended"):
+            held.table(0)
+
+
+async def test_an_eviction_changes_the_placements(model_path: Path, anyio_backend: object) -> None:
+    async with aioexperts.open(model_path, slots=SMALL.n_expert) as store:
+        cache = cache_of(store)
+        await load_layers(store, range(1))
+        before = cache.placements
+        cache._evict([(0, 3)])  # a slot made free, no load after it
+        assert cache.placements > before
+        assert (0, 3) not in cache.entries
+        before = cache.placements
+        async with store.experts(1, [0]):  # a load into the free slot
+            pass
+        assert cache.placements > before
+
+
+async def test_a_layer_of_mixed_layouts_has_no_table(tmp_path: Path, anyio_backend: object) -> None:
+    spec = SMALL.with_(tiers=((2, GGMLQuantizationType.Q8_0),))
+    path = tmp_path / "mixed.gguf"
+    write_synthetic_model(path, spec)
+    async with aioexperts.open(path, slots=spec.n_layer * 8) as store:
+        await load_layers(store, range(spec.n_layer))
+        with store.hold_resident() as held:
+            assert held is not None
+            views = held.views(0, list(range(8)))
+            assert views is not None and len({layout_key(v) for v in views}) == 2
+            assert held.table(0) is None
+            assert held.table(0) is None  # kept as None

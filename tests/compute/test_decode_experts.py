@@ -19,7 +19,7 @@ from aioexperts._compute.moe import ResidentLayer, expert_outputs, plan_moe
 from aioexperts._compute.pool import configure_compute_pool
 from aioexperts._errors import ConfigError, FormatError
 from aioexperts._format.hparams import MoEHParams
-from aioexperts._format.views import ExpertView, ProjectionView
+from aioexperts._format.views import ExpertTable, ExpertView, ProjectionView, layout_key
 
 Q = GGMLQuantizationType
 N_EMBD, N_FF = 512, 256
@@ -279,3 +279,60 @@ def test_a_prepared_step_refuses_inputs_that_do_not_fit_it() -> None:
             step.run(bad_x, bad_views, bad_w)
     with pytest.raises(ValueError, match="no views"):
         decode_experts.RowStep([], swiglu)
+
+
+def _table(views: dict[int, ExpertView]) -> ExpertTable:
+    order = [views[e] for e in sorted(views)]
+    addresses = np.array(
+        [[v.gate.address for v in order], [v.up.address for v in order], [v.down.address for v in order]]
+    )
+    return ExpertTable(np.ascontiguousarray(addresses, dtype=np.int64), layout_key(order[0]))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_step_run_from_a_table_gives_the_views_bits(qtype: Q, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    configure_compute_pool(threads)
+    rng = np.random.default_rng(40 + qtype.value + threads)
+    views = _views(16, qtype, Q.Q6_K, rng)
+    table = _table(views)
+    steps: moe_module.RowSteps = {}
+    plan, ids = _one_token(rng, 16, 8)
+    assert moe_module.row_ffn_out_at(plan, table, steps) is None  # no step prepared yet: the views make it
+    assert moe_module.row_ffn_out(plan, [views[e] for e in ids], steps) is not None
+    for _ in range(3):
+        plan, ids = _one_token(rng, 16, 8)
+        got = moe_module.row_ffn_out_at(plan, table, steps)
+        assert got is not None
+        assert np.array_equal(got, moe_module.row_ffn_out(plan, [views[e] for e in ids], steps))
+        assert np.array_equal(got, _combined_general(monkeypatch, plan, views, ids))
+
+
+def test_a_table_of_another_layout_or_bad_ids_is_not_used() -> None:
+    rng = np.random.default_rng(41)
+    views = _views(8, Q.Q4_K, Q.Q4_K, rng)
+    other = _table(_views(8, Q.Q8_0, Q.Q8_0, rng))
+    steps: moe_module.RowSteps = {}
+    plan, ids = _one_token(rng, 8, 4)
+    assert moe_module.row_ffn_out(plan, [views[e] for e in ids], steps) is not None
+    assert moe_module.row_ffn_out_at(plan, other, steps) is None  # the step's kernels are not the table's
+    step = steps[0]
+    assert step is not None
+    table = _table(views)
+    with step._lock:  # busy: None, the caller goes on with views
+        assert moe_module.row_ffn_out_at(plan, table, steps) is None
+    short = ExpertTable(table.addresses[:, :6], table.layout)
+    for bad_ids in ([0, 1, 2, 6], [0, 1, 2, -1]):
+        with pytest.raises(ConfigError, match="outside the table"):
+            step.run_at(plan.x, np.array(bad_ids, dtype=np.int64), short.addresses, plan.weights[0])
+    ids64 = np.array(ids, dtype=np.int64)
+    for bad in (
+        (plan.x, ids64[:3], table.addresses, plan.weights[0]),
+        (plan.x, ids64.astype(np.int32), table.addresses, plan.weights[0]),
+        (plan.x, ids64, table.addresses[:2], plan.weights[0]),
+        (plan.x, ids64, table.addresses.astype(np.float64), plan.weights[0]),
+        (plan.x, ids64, table.addresses, plan.weights[0][:3]),
+        (np.vstack([plan.x, plan.x]), ids64, table.addresses, plan.weights[0]),
+    ):
+        with pytest.raises(ConfigError, match="RowStep of 4 experts"):
+            step.run_at(*bad)

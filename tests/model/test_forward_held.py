@@ -10,6 +10,7 @@ import pytest
 from conftest import shared_fixture_paths
 
 import aioexperts
+from aioexperts import _executor
 from aioexperts._compute.pool import compute_pool
 from aioexperts._runner import MoERunner
 
@@ -53,9 +54,19 @@ async def test_held_pass_equals_the_layer_by_layer_pass(
         pytest.skip(f"{name} not among the fixtures")
     prompt = [11, 22, 33, 44, 55]
     got: dict[str, tuple[list[np.ndarray], list[int]]] = {}
+    from_table = []
+    row_ffn_out_at = _executor.row_ffn_out_at
+
+    def counted(*args: object) -> object:
+        out = row_ffn_out_at(*args)  # type: ignore[arg-type]
+        from_table.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_executor, "row_ffn_out_at", counted)
     async with aioexperts.load(path, slots=4096, batch_wait=0) as model:
         await load_every_expert(model)
         n_layer = model.hparams.n_layer
+        n_moe = len(model.store.layout.layers)
         got["held"] = await decode(model, prompt, 4)
         runner_stats = model.runner.statistics()
         with monkeypatch.context() as m:
@@ -66,6 +77,8 @@ async def test_held_pass_equals_the_layer_by_layer_pass(
     assert got["held"][1] == [2] * 4  # the embedding rows and the whole pass
     assert all(n >= 2 + n_layer - 1 for n in got["layers"][1])  # about one per block
     assert runner_stats.layer_steps > 0 and runner_stats.compute_seconds > 0
+    if name == "deepseek2-q4_k_m":  # int8 experts: a prepared step per layer, found in the layer's table
+        assert sum(from_table) >= 3 * n_moe  # each layer's first call makes the step
 
 
 @needs
@@ -125,23 +138,38 @@ async def test_a_long_prompt_goes_layer_by_layer(anyio_backend: object) -> None:
             assert (jobs == 2) is held, (n_rows, jobs)
 
 
-def test_a_prepared_steps_non_finite_output_is_refused_as_the_general_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ResidentPass.moe checks the prepared step's output as _combine_calls checks the general path's."""
+@pytest.mark.parametrize("found_by", ["views", "table"])
+def test_a_prepared_steps_non_finite_output_is_refused_as_the_general_paths(
+    found_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ResidentPass.moe checks the prepared step's output as _combine_calls checks the general path's,
+    whether the experts were found as views or in the layer's table."""
     from types import SimpleNamespace
 
     from aioexperts import _executor
 
     class Experts:
+        requests = 0
+
         def views(self, layer: int, ids: list[int]) -> list[object]:
             return [object() for _ in ids]
+
+        def table(self, layer: int) -> object:
+            return object() if found_by == "table" else None
 
     def overflowed(plan: object, views: object, steps: object) -> np.ndarray:
         return np.array([[1.0, np.inf, 0.0, 0.0]], dtype=np.float32)
 
-    monkeypatch.setattr(_executor, "row_ffn_out", overflowed)
+    def unused(plan: object, views: object, steps: object) -> np.ndarray:
+        raise AssertionError("the table served")
+
+    monkeypatch.setattr(_executor, "row_ffn_out", overflowed if found_by == "views" else unused)
+    monkeypatch.setattr(_executor, "row_ffn_out_at", overflowed)
     plan = SimpleNamespace(x=np.ones((1, 4), dtype=np.float32))
     routing = SimpleNamespace(plan=plan, groups=[SimpleNamespace(experts=[1, 2])])
-    held = _executor.ResidentPass(Experts())  # type: ignore[arg-type]
+    experts = Experts()
+    held = _executor.ResidentPass(experts)  # type: ignore[arg-type]
     with pytest.raises(aioexperts.InvalidRequestError, match="overflowed float32"):
         held.moe(3, routing)  # type: ignore[arg-type]
     assert held.steps == 1 and held.experts == 2  # counted before the error, as a failed general step
+    assert experts.requests == (2 if found_by == "table" else 0)  # views() counts its own
