@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fused as _fused
+
 __all__ = ("add_rms_norm", "all_finite", "rms_norm")
 
 #: elements from which the compiled kernel serves (below, numpy's few calls cost no more)
@@ -27,9 +29,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     # ggml: sum += (ggml_float)(x * x); const float mean = sum / n; scale = 1.0f / sqrtf(mean + eps)
     n = x.shape[-1]
     if x.size >= COMPILED_MIN and x.dtype == np.float32 and n and (weight is None or weight.shape == (n,)):
-        from .fused import compiled_kernel
-
-        kernel = compiled_kernel("norm", "rms_norm_rows")
+        kernel = _fused.compiled_kernel("norm", "rms_norm_rows")
         if kernel is not None:  # the same bits, one call (a decode step norms ~200 rows per token)
             rows = np.ascontiguousarray(x).reshape(-1, n)
             out = np.empty_like(rows)
@@ -74,9 +74,7 @@ def add_rms_norm(
         and (weight is None or (weight.dtype == np.float32 and weight.shape == (a.shape[1],)))
     ):
         return None
-    from .fused import compiled_kernel
-
-    kernel = compiled_kernel("norm", "add_rms_norm_rows")
+    kernel = _fused.compiled_kernel("norm", "add_rms_norm_rows")
     if kernel is None:
         return None
     total = np.empty_like(a)
@@ -91,9 +89,7 @@ def all_finite(x: np.ndarray) -> bool:
     """Whether every value of ``x`` is finite: one compiled call for a C-contiguous float32 array
     (a decode step checks a few hundred small ones per token), else numpy's."""
     if x.dtype == np.float32 and x.flags.c_contiguous:
-        from .fused import compiled_kernel
-
-        kernel = compiled_kernel("norm", "all_finite")
+        kernel = _fused.compiled_kernel("norm", "all_finite")
         if kernel is not None:
             return bool(kernel(x))
     return bool(np.isfinite(x).all())

@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 
+from aioexperts._compute import fused as _fused
 from aioexperts._errors import ConfigError
 from aioexperts._format.architectures import RopeParams, RopeType
 
@@ -161,9 +162,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_type: RopeT
     if x.ndim != 3 or n_rot % 2 or n_rot > x.shape[2] or cos.shape != (x.shape[0], n_rot // 2):
         raise ConfigError(f"RoPE: x {x.shape}, cos {cos.shape}, n_rot {n_rot} do not fit")
     if rope_type in (RopeType.NORM, RopeType.NEOX) and x.dtype == np.float32 and cos.dtype == sin.dtype == np.float32:
-        from .fused import compiled_kernel
-
-        kernel = compiled_kernel("rope", "rope_heads")
+        kernel = _fused.compiled_kernel("rope", "rope_heads")
         if kernel is not None:  # the same bits in one call (two per layer of a decode step)
             out = np.empty(x.shape, dtype=np.float32)
             kernel(np.ascontiguousarray(x), cos, sin, rope_type == RopeType.NEOX, n_rot, out)
