@@ -244,8 +244,9 @@ class ExpertCache:
         # keys that left the cache but whose policy.remove raised: removed again before an admit
         self._stale: set[Key] = set()
         self._full_ready: dict[int, int] = {}  # layer -> READY entries at full precision
-        # bumped whenever an entry becomes READY or leaves its slot: equal counts, same placement
-        self.placements = 0
+        # layer -> bumped whenever an entry of the layer becomes READY or leaves its slot: an equal
+        # count, the layer's entries where they were (placements())
+        self._placements: dict[int, int] = {}
         self._holds = 0  # hold() calls not yet ended: no entry may leave or change its slot
         self._retired: set[Entry] = set()  # low copies replaced while pinned: their slots wait for the release
         self._waiting: set[_Waiter] = set()  # requests waiting for loads to finish
@@ -297,6 +298,15 @@ class ExpertCache:
         if entry is None or entry.state is not SlotState.READY or entry.low:
             return None
         return entry
+
+    def placements(self, layer: int) -> int:
+        """A count of the changes of ``layer``'s placement so far (an entry of it made READY, or
+        taken out of its slot): while it stays the same, every READY entry of the layer is in the
+        slot it was in. Read from any thread as a hint."""
+        return self._placements.get(layer, 0)
+
+    def _placed(self, layer: int) -> None:
+        self._placements[layer] = self._placements.get(layer, 0) + 1
 
     def end_hold(self) -> None:
         """End one :meth:`hold`; the last lets waiting requests evict and deferred upgrades run."""
@@ -694,7 +704,7 @@ class ExpertCache:
         # the swap: the key keeps its place in the policy (no admit, no remove), only its slot changes
         self.entries[key] = full
         full.state = SlotState.READY
-        self.placements += 1
+        self._placed(key[0])
         self._full_ready[key[0]] = self._full_ready.get(key[0], 0) + 1
         self.counters.payload_bytes += full.plan.payload_bytes
         if current is not None:
@@ -708,7 +718,7 @@ class ExpertCache:
     def _free_slot_of(self, entry: Entry) -> None:
         """``entry`` (out of ``entries``, no pin, no read in flight) is FREE: its slot goes back to the list."""
         entry.state = SlotState.FREE
-        self.placements += 1
+        self._placed(entry.key[0])
         entry.drop_views()  # views of the slot's old bytes: the slot now goes to another expert
         self.free_slots.append(entry.slot)
 
@@ -965,7 +975,8 @@ class ExpertCache:
         """
         if not victims:
             return
-        self.placements += 1
+        for key in victims:
+            self._placed(key[0])
         error: Exception | None = None
         pop, free, full_ready, untracked = self.entries.pop, self.free_slots.append, self._full_ready, self._untracked
         remove = self.policy.remove
@@ -1085,7 +1096,7 @@ class ExpertCache:
             return False
         del self.entries[entry.key]
         entry.state = SlotState.FREE
-        self.placements += 1
+        self._placed(entry.key[0])
         entry.load = None
         self.free_slots.append(entry.slot)
         self._wake(entry)  # a request waiting for this slot to free up (wait=False) looks again
@@ -1101,7 +1112,7 @@ class ExpertCache:
             return
         entry.load = None
         error = load.error
-        self.placements += 1
+        self._placed(key[0])
         if error is None:
             try:
                 if self._stale and key in self._stale:  # an earlier remove raised: the policy may still track it
@@ -1155,7 +1166,6 @@ class ExpertCache:
         if self.closed:
             return
         self.closed = True
-        self.placements += 1
         self.scheduler.close()  # queued loads finish now, through _loaded, with StoreClosedError
         for turn in self._turns:  # every request waiting for slots gets StoreClosedError
             turn.set()

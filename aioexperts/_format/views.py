@@ -17,6 +17,7 @@ __all__ = (
     "ExpertView",
     "ProjectionView",
     "layout_key",
+    "projections_layout",
     "managed_buffer",
     "release_view",
     "warn_exported",
@@ -144,9 +145,14 @@ LayoutKey = tuple[tuple[GGMLQuantizationType, ...], tuple[tuple[int, int], ...],
 def layout_key(view: ExpertView) -> LayoutKey:
     """The ggml types, shapes and byte counts of ``view``'s gate, up and down: experts with equal
     keys are computed by the same kernels over the same byte counts."""
-    g, u, d = view.gate, view.up, view.down
-    types, shapes = (g.ggml_type, u.ggml_type, d.ggml_type), (g.shape, u.shape, d.shape)
-    return types, shapes, (g.data.nbytes, u.data.nbytes, d.data.nbytes)
+    return projections_layout(view.gate, view.up, view.down)
+
+
+def projections_layout(gate: Any, up: Any, down: Any) -> LayoutKey:
+    """:func:`layout_key` of three projections given as anything with ``ggml_type``, ``shape`` and
+    ``n_bytes`` (a :class:`ProjectionView`, or the file ``Segment`` its bytes were read from)."""
+    types = (gate.ggml_type, up.ggml_type, down.ggml_type)
+    return types, (gate.shape, up.shape, down.shape), (gate.n_bytes, up.n_bytes, down.n_bytes)
 
 
 @dataclass(frozen=True, slots=True)

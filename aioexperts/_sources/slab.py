@@ -26,7 +26,7 @@ from .._errors import InvalidRequestError
 from .._format.layout import ExpertLayout
 from .._format.model import GGUFModel
 from .._format.tier_sidecar import TierSidecar
-from .._format.views import ExpertTable, ExpertView, ProjectionView, layout_key, warn_exported
+from .._format.views import ExpertTable, ExpertView, LayoutKey, ProjectionView, projections_layout, warn_exported
 from .._io.files import ShardFiles, open_shards
 from .._io.loop import LoopAdapter
 from .._io.plan import ExpertPlan, plan_all_experts, plan_expert
@@ -79,8 +79,10 @@ class SlabSource(ExpertSource):
         self._rows: RowReader | None = None
         self._rows_built: RowReader | None = None  # a row reader built, not attached yet
         self._rows_lock = anyio.Lock()
-        # layer -> (the cache's placements when built, its table or None: layouts differ)
+        # layer -> (the layer's placements when built, its table or None: layouts differ)
         self._tables: dict[int, tuple[int, ExpertTable | None]] = {}
+        # layer -> (the plans they came from, (3, n) payload offsets and the layout, or None)
+        self._table_shapes: dict[int, tuple[list[ExpertPlan], tuple[np.ndarray, LayoutKey] | None]] = {}
         self.tier: TierSidecar | None = None  # the miss tier's sidecar, set before start
         self.tier_policy: MissTier | None = None  # the miss tier's rules, set with the sidecar
         self.tier_off_reason: str | None = None  # why start switched the tier off (None: on, or none given)
@@ -257,6 +259,21 @@ class SlabSource(ExpertSource):
                 ProjectionView(dv, d.ggml_type, d.shape),
             )
         )
+
+    def _table_shape(self, layer: int, plans: list[ExpertPlan]) -> tuple[np.ndarray, LayoutKey] | None:
+        """The ``(3, n)`` int64 slot offsets of the gate, up and down payloads of ``plans`` (a layer's
+        experts, expert by expert) and their one layout; None when the layouts differ. Kept per
+        layer while the plans are the same objects (a plan never changes)."""
+        kept = self._table_shapes.get(layer)
+        if kept is not None and len(kept[0]) == len(plans) and all(a is b for a, b in zip(kept[0], plans, strict=True)):
+            return kept[1]
+        layouts = {projections_layout(*p.location.segments) for p in plans}
+        shape = None
+        if len(layouts) == 1:
+            offsets = np.array([p.payload_offsets for p in plans], dtype=np.int64).T
+            shape = (np.ascontiguousarray(offsets), layouts.pop())
+        self._table_shapes[layer] = (plans, shape)
+        return shape
 
     def end_views(self, pinned: Sequence[Entry], views: Sequence[ExpertView]) -> None:
         for entry in pinned:  # the views stay for the next hit; only the last pin checks what outlives it
@@ -461,28 +478,35 @@ class _HeldSlots(HeldLayers):
         return None if entry is None else self._source.view(entry)
 
     def table(self, keys: Sequence[Key]) -> ExpertTable | None:
-        if self._ended:
-            raise RuntimeError("the hold has ended")
         cache = self._cache
-        placements = cache.placements  # read first: a load landing during the build makes it stale
+        if self._ended or cache.closed:
+            raise RuntimeError("the hold has ended")
         layer = keys[0][0]
+        placements = cache.placements(layer)  # read first: a load landing during the build makes it stale
         tables = self._source._tables
         kept = tables.get(layer)
         if kept is not None and kept[0] == placements:
             return kept[1]
         if cache.full_ready(layer) < len(keys):  # still reading the layer: no table yet, nothing kept
             return None
-        views = []
-        for key in keys:
+        n = len(keys)
+        slots = np.empty(n, dtype=np.int64)
+        plans: list[ExpertPlan] = []
+        for i, key in enumerate(keys):
             entry = cache.ready_full(key)
             if entry is None:
                 return None
-            views.append(self._source.view(entry))
-        layout = layout_key(views[0])
+            plan = entry.plan
+            assert isinstance(plan, ExpertPlan)
+            slots[i] = entry.slot
+            plans.append(plan)
+        shape = self._source._table_shape(layer, plans)
         table = None
-        if all(layout_key(v) == layout for v in views):
-            addresses = np.array([[v.gate.address, v.up.address, v.down.address] for v in views], dtype=np.int64).T
-            addresses = np.ascontiguousarray(addresses)
+        if shape is not None:  # one layout: slot addresses plus each projection's payload offset
+            offsets, layout = shape
+            slab = self._source.stack.slab
+            assert slab is not None
+            addresses = np.ascontiguousarray((slots * slab.slot_bytes + slab.address)[None, :] + offsets)
             addresses.flags.writeable = False
             table = ExpertTable(addresses, layout)
         tables[layer] = (placements, table)

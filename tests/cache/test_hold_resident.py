@@ -140,15 +140,29 @@ async def test_a_held_layers_table_locates_every_expert_and_is_kept_until_a_plac
         with store.hold_resident() as held:
             assert held is not None
             assert held.table(0) is table  # kept across holds
-        before = cache.placements
-        await load_layers(store, range(SMALL.n_layer - 1, SMALL.n_layer))  # loads into free slots
-        assert cache.placements > before
+        last = SMALL.n_layer - 1
+        before = cache.placements(0), cache.placements(last)
+        await load_layers(store, range(last, SMALL.n_layer))  # loads into free slots of another layer
+        assert cache.placements(0) == before[0] and cache.placements(last) > before[1]
+        with store.hold_resident() as held:
+            assert held is not None
+            assert held.table(0) is table  # a load elsewhere leaves layer 0's table
+            assert held.table(last) is not None
+        cache._evict([(0, 3)])  # layer 0's placement changes: its expert 3 leaves, then is read again
+        async with store.experts(0, [3]):
+            pass
+        assert cache.placements(0) > before[0]
         with store.hold_resident() as held:
             assert held is not None
             again = held.table(0)
-            assert again is not None and again is not table  # made again after the placement changed
-            assert again.addresses.tolist() == table.addresses.tolist()
-            assert held.table(SMALL.n_layer - 1) is not None
+            assert again is not None and again is not table  # made again
+            views = held.views(0, list(range(SMALL.n_expert)))
+            assert views is not None
+            assert again.addresses.tolist() == [
+                [v.gate.address for v in views],
+                [v.up.address for v in views],
+                [v.down.address for v in views],
+            ]
         with pytest.raises(RuntimeError, match="hold has ended"):
             held.table(0)
 
@@ -157,14 +171,14 @@ async def test_an_eviction_changes_the_placements(model_path: Path, anyio_backen
     async with aioexperts.open(model_path, slots=SMALL.n_expert) as store:
         cache = cache_of(store)
         await load_layers(store, range(1))
-        before = cache.placements
+        before = cache.placements(0)
         cache._evict([(0, 3)])  # a slot made free, no load after it
-        assert cache.placements > before
+        assert cache.placements(0) > before
         assert (0, 3) not in cache.entries
-        before = cache.placements
-        async with store.experts(1, [0]):  # a load into the free slot
+        before = cache.placements(0), cache.placements(1)
+        async with store.experts(1, [0]):  # a load into the free slot: layer 1's placement, not layer 0's
             pass
-        assert cache.placements > before
+        assert cache.placements(0) == before[0] and cache.placements(1) > before[1]
 
 
 async def test_a_layer_of_mixed_layouts_has_no_table(tmp_path: Path, anyio_backend: object) -> None:
