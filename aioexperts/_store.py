@@ -764,6 +764,7 @@ class ResidentExperts:
         Raises:
             InvalidRequestError: no such layer or expert.
             RuntimeError: the hold has ended.
+            StoreClosedError: the store closed during the hold.
         """
         table = self._store._layer_keys(layer)
         n = len(table)
@@ -783,13 +784,15 @@ class ResidentExperts:
         """Where every expert of MoE layer ``layer`` lies (:class:`~aioexperts._format.views.ExpertTable`:
         ``(3, n_experts)`` int64 addresses of each expert's gate, up and down, valid while the hold
         lasts) when all are resident at full precision with one layout, else None. Kept by the
-        source until an expert of the model is loaded or leaves its slot, so a decode step looks
-        its experts up with one array index instead of a view each. Experts computed from it are
-        counted by adding them to :attr:`requests`.
+        source until one of the layer's experts is loaded or leaves its slot
+        (``ExpertCache.placements(layer)``), so a decode step looks its experts up with one array
+        index instead of a view each; the table keeps the slab mapped while it lives, as views
+        do. Experts computed from it are counted by adding them to :attr:`requests`.
 
         Raises:
             InvalidRequestError: no such layer.
             RuntimeError: the hold has ended.
+            StoreClosedError: the store closed during the hold.
         """
         return self._held.table(self._store._layer_keys(layer))
 

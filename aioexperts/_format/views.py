@@ -17,8 +17,8 @@ __all__ = (
     "ExpertView",
     "ProjectionView",
     "layout_key",
-    "projections_layout",
     "managed_buffer",
+    "projections_layout",
     "release_view",
     "warn_exported",
 )
@@ -155,19 +155,24 @@ def projections_layout(gate: Any, up: Any, down: Any) -> LayoutKey:
     return types, (gate.shape, up.shape, down.shape), (gate.n_bytes, up.n_bytes, down.n_bytes)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class ExpertTable:
     """Where every expert of one MoE layer lies while a hold keeps them in place, all of one layout.
 
     Attributes:
         addresses: ``(3, n_experts)`` int64, read-only: the first byte of expert ``e``'s gate, up
-            and down projections at ``[0, e]``, ``[1, e]``, ``[2, e]``; valid only while the hold
-            that gave the table lasts.
+            and down projections at ``[0, e]``, ``[1, e]``, ``[2, e]``; the experts are there only
+            while the hold that gave the table lasts (their slots may take other experts after it).
         layout: the :func:`layout_key` every expert of the layer has.
+        keep: what keeps the memory behind ``addresses`` mapped while the table lives (the slab's
+            bytes), so a table in use when its store closes never points at unmapped memory.
+
+    Compared by identity (an array is no key).
     """
 
     addresses: np.ndarray
     layout: LayoutKey
+    keep: object = field(default=None, repr=False)
 
 
 def warn_exported(view: ExpertView, projections: list[str], stacklevel: int) -> None:

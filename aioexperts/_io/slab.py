@@ -220,6 +220,17 @@ class Slab:
             memoryview(shared)[base + d0 : base + d1],  # type: ignore[arg-type]
         )
 
+    def shared_bytes(self) -> np.ndarray:
+        """A read-only uint8 array over the whole slab: while it (or anything made from it) lives,
+        :meth:`close` leaves the mapping to the garbage collector. For raw addresses into the slab
+        used outside any view (a table of slot addresses keeps it).
+
+        Raises:
+            ValueError: the slab is closed.
+        """
+        shared = self._shared
+        return self._shared_bytes() if shared is None else shared
+
     def _shared_bytes(self) -> np.ndarray:
         if self._mm is None:
             raise ValueError("the slab is closed")

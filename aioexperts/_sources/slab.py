@@ -22,7 +22,7 @@ from .._cache.cache import Entry, ExpertCache, Key, SlotState
 from .._cache.eviction import make_policy
 from .._cache.scheduler import ReadScheduler
 from .._cache.stats import Counters, StoreStatistics
-from .._errors import InvalidRequestError
+from .._errors import InvalidRequestError, StoreClosedError
 from .._format.layout import ExpertLayout
 from .._format.model import GGUFModel
 from .._format.tier_sidecar import TierSidecar
@@ -420,6 +420,7 @@ class SlabSource(ExpertSource):
             self._rows.stack.detach()
 
     def release_parts(self) -> list[Callable[[], None]]:
+        self._tables.clear()  # they keep the slab mapped; one a held pass still uses keeps it until dropped
         if self.cache is not None:  # the source's own shared views must not keep the slab mapped
             held = self.cache.held  # a held pass uses every entry's views without pins
             for entry in self.cache.entries.values():
@@ -472,15 +473,25 @@ class _HeldSlots(HeldLayers):
         self._ended = False
 
     def view(self, key: Key) -> ExpertView | None:
+        self._check_open()
+        entry = self._cache.ready_full(key)
+        if entry is None:
+            return None
+        try:
+            return self._source.view(entry)
+        except ValueError:  # the slab closed since the check
+            self._check_open()
+            raise
+
+    def _check_open(self) -> None:
         if self._ended:
             raise RuntimeError("the hold has ended")
-        entry = self._cache.ready_full(key)
-        return None if entry is None else self._source.view(entry)
+        if self._cache.closed:
+            raise StoreClosedError("the store closed during the hold")
 
     def table(self, keys: Sequence[Key]) -> ExpertTable | None:
+        self._check_open()
         cache = self._cache
-        if self._ended or cache.closed:
-            raise RuntimeError("the hold has ended")
         layer = keys[0][0]
         placements = cache.placements(layer)  # read first: a load landing during the build makes it stale
         tables = self._source._tables
@@ -506,9 +517,14 @@ class _HeldSlots(HeldLayers):
             offsets, layout = shape
             slab = self._source.stack.slab
             assert slab is not None
+            try:
+                keep = slab.shared_bytes()  # the table keeps the slab mapped while it lives
+            except ValueError:  # closed since the check
+                self._check_open()
+                raise
             addresses = np.ascontiguousarray((slots * slab.slot_bytes + slab.address)[None, :] + offsets)
             addresses.flags.writeable = False
-            table = ExpertTable(addresses, layout)
+            table = ExpertTable(addresses, layout, keep)
         tables[layer] = (placements, table)
         return table
 

@@ -193,3 +193,20 @@ async def test_a_layer_of_mixed_layouts_has_no_table(tmp_path: Path, anyio_backe
             assert views is not None and len({layout_key(v) for v in views}) == 2
             assert held.table(0) is None
             assert held.table(0) is None  # kept as None
+
+
+async def test_a_store_closed_during_a_hold_says_so(model_path: Path, anyio_backend: object) -> None:
+    n_total = SMALL.n_layer * SMALL.n_expert
+    store = aioexperts.open(model_path, slots=n_total)
+    await store.__aenter__()
+    await load_layers(store, range(SMALL.n_layer))
+    with store.hold_resident() as held:
+        assert held is not None
+        table = held.table(0)
+        assert table is not None
+        await store.aclose()
+        with pytest.raises(aioexperts.StoreClosedError):
+            held.table(0)
+        with pytest.raises(aioexperts.StoreClosedError):
+            held.views(0, [0])
+        assert table.keep is not None  # what keeps its memory mapped (tests/model/test_forward_held.py reads it)

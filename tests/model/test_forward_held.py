@@ -4,6 +4,10 @@ the numbers of the layer-by-layer pass."""
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -173,3 +177,69 @@ def test_a_prepared_steps_non_finite_output_is_refused_as_the_general_paths(
         held.moe(3, routing)  # type: ignore[arg-type]
     assert held.steps == 1 and held.experts == 2  # counted before the error, as a failed general step
     assert experts.requests == (2 if found_by == "table" else 0)  # views() counts its own
+
+
+_CLOSE_DURING_PASS = r"""
+import asyncio, json, sys, time
+import numpy as np
+import aioexperts
+from aioexperts import _executor
+from aioexperts._compute.pool import compute_pool
+from aioexperts.testing import SyntheticSpec, write_synthetic_model
+
+path = sys.argv[1]
+write_synthetic_model(path, SyntheticSpec(n_layer=4, n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2))
+computed = _executor.row_ffn_out_at
+
+def slow(*args):
+    time.sleep(0.3)  # the compute thread is descheduled between finding the experts and computing them
+    return computed(*args)
+
+async def main():
+    store = aioexperts.open(path, slots=32)
+    await store.__aenter__()
+    runner = aioexperts.MoERunner(store, batch_wait=0)
+    await runner.warmup()
+    for layer, moe in store.layout.layers.items():
+        async with store.experts(layer, range(moe.n_experts)):
+            pass
+    x = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
+    with runner.hold_resident() as held:  # a first pass prepares each layer's step (from its views)
+        await compute_pool().run(lambda: [held.moe(l, runner.route_in_job(l, x)) for l in store.layout.layers])
+    _executor.row_ffn_out_at = slow
+    out = []
+    def job():
+        for layer in store.layout.layers:
+            try:
+                y = held.moe(layer, runner.route_in_job(layer, x))
+                out.append("finite" if y is not None and np.isfinite(y).all() else repr(y))
+            except Exception as exc:
+                out.append(type(exc).__name__)
+    async def close():
+        await asyncio.sleep(0.1)
+        await store.aclose()
+    with runner.hold_resident() as held:
+        closing = asyncio.ensure_future(close())
+        await compute_pool().run(job)
+        await closing
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+def test_a_store_closed_during_a_held_pass_never_leaves_it_computing_on_unmapped_memory(tmp_path: Path) -> None:
+    """The store closes while a held pass computes a layer from its table: that layer finishes on
+    memory the table keeps mapped, the next ones raise StoreClosedError; no crash (in a child
+    process, so that a segfault fails the test instead of ending the run)."""
+    run = subprocess.run(
+        [sys.executable, "-c", _CLOSE_DURING_PASS, str(tmp_path / "small.gguf")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, (run.returncode, run.stderr[-3000:])
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out[0] == "finite"
+    assert "StoreClosedError" in out[1:], out
+    assert set(out) <= {"finite", "StoreClosedError"}, out
