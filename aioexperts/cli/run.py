@@ -836,6 +836,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = asyncio.run(_run(args, path, prompt, report))
     except KeyboardInterrupt:
         return INTERRUPTED_STATUS
+    if report.interrupted and status not in (BROKEN_PIPE_STATUS, USAGE_STATUS):
+        # a Ctrl-C handled after the session had ended (stdin's end of file first, the signal
+        # while the loop shut down): the report says "interrupted", so does the status
+        status = INTERRUPTED_STATUS
     if status == USAGE_STATUS and not args.json:
         return status  # the one error line says it all
     try:
