@@ -26,7 +26,7 @@ from .._errors import InvalidRequestError, StoreClosedError
 from .._format.layout import ExpertLayout
 from .._format.model import GGUFModel
 from .._format.tier_sidecar import TierSidecar
-from .._format.views import ExpertTable, ExpertView, LayoutKey, ProjectionView, projections_layout, warn_exported
+from .._format.views import ExpertTable, ExpertView, ProjectionView, projections_layout, warn_exported
 from .._io.files import ShardFiles, open_shards
 from .._io.loop import LoopAdapter
 from .._io.plan import ExpertPlan, plan_all_experts, plan_expert
@@ -81,8 +81,6 @@ class SlabSource(ExpertSource):
         self._rows_lock = anyio.Lock()
         # layer -> (the layer's placements when built, its table or None: layouts differ)
         self._tables: dict[int, tuple[int, ExpertTable | None]] = {}
-        # layer -> (the plans they came from, (3, n) payload offsets and the layout, or None)
-        self._table_shapes: dict[int, tuple[list[ExpertPlan], tuple[np.ndarray, LayoutKey] | None]] = {}
         self.tier: TierSidecar | None = None  # the miss tier's sidecar, set before start
         self.tier_policy: MissTier | None = None  # the miss tier's rules, set with the sidecar
         self.tier_off_reason: str | None = None  # why start switched the tier off (None: on, or none given)
@@ -259,21 +257,6 @@ class SlabSource(ExpertSource):
                 ProjectionView(dv, d.ggml_type, d.shape),
             )
         )
-
-    def _table_shape(self, layer: int, plans: list[ExpertPlan]) -> tuple[np.ndarray, LayoutKey] | None:
-        """The ``(3, n)`` int64 slot offsets of the gate, up and down payloads of ``plans`` (a layer's
-        experts, expert by expert) and their one layout; None when the layouts differ. Kept per
-        layer while the plans are the same objects (a plan never changes)."""
-        kept = self._table_shapes.get(layer)
-        if kept is not None and len(kept[0]) == len(plans) and all(a is b for a, b in zip(kept[0], plans, strict=True)):
-            return kept[1]
-        layouts = {projections_layout(*p.location.segments) for p in plans}
-        shape = None
-        if len(layouts) == 1:
-            offsets = np.array([p.payload_offsets for p in plans], dtype=np.int64).T
-            shape = (np.ascontiguousarray(offsets), layouts.pop())
-        self._table_shapes[layer] = (plans, shape)
-        return shape
 
     def end_views(self, pinned: Sequence[Entry], views: Sequence[ExpertView]) -> None:
         for entry in pinned:  # the views stay for the next hit; only the last pin checks what outlives it
@@ -511,10 +494,10 @@ class _HeldSlots(HeldLayers):
             assert isinstance(plan, ExpertPlan)
             slots[i] = entry.slot
             plans.append(plan)
-        shape = self._source._table_shape(layer, plans)
+        layouts = {projections_layout(*plan.location.segments) for plan in plans}
         table = None
-        if shape is not None:  # one layout: slot addresses plus each projection's payload offset
-            offsets, layout = shape
+        if len(layouts) == 1:  # one layout: slot addresses plus each projection's payload offset
+            offsets = np.array([plan.payload_offsets for plan in plans], dtype=np.int64).T
             slab = self._source.stack.slab
             assert slab is not None
             try:
@@ -524,7 +507,7 @@ class _HeldSlots(HeldLayers):
                 raise
             addresses = np.ascontiguousarray((slots * slab.slot_bytes + slab.address)[None, :] + offsets)
             addresses.flags.writeable = False
-            table = ExpertTable(addresses, layout, keep)
+            table = ExpertTable(addresses, layouts.pop(), keep)
         tables[layer] = (placements, table)
         return table
 
