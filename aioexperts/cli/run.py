@@ -720,13 +720,17 @@ async def _run(args: argparse.Namespace, path: str, prompt: str | None, report: 
     finally:
         if not report.interrupted:
             loop.remove_signal_handler(signal.SIGINT)
-    if report.interrupted and status != BROKEN_PIPE_STATUS:
-        # Ctrl-C: 130 however the session ended (an async exit on the way out may absorb the
-        # cancellation and return normally)
-        status = INTERRUPTED_STATUS
-        if report.at_prompt:  # Ctrl-C at the "> " prompt: the statistics start a line of their own
-            print(file=sys.stderr, flush=True)
+    status = _with_interrupt(report, status)
+    if status == INTERRUPTED_STATUS and report.at_prompt:  # the statistics start a line of their own
+        print(file=sys.stderr, flush=True)
     return status
+
+
+def _with_interrupt(report: _Report, status: int) -> int:
+    """``status``, or 130 when the report says Ctrl-C came, however the session ended (an async
+    exit on the way out may absorb the cancellation; the chat may end on stdin's end of file and the
+    signal be handled as the loop shuts down), unless the reader of stdout has gone (141)."""
+    return INTERRUPTED_STATUS if report.interrupted and status != BROKEN_PIPE_STATUS else status
 
 
 def _read_prompt(args: argparse.Namespace) -> str | None:
@@ -836,10 +840,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = asyncio.run(_run(args, path, prompt, report))
     except KeyboardInterrupt:
         return INTERRUPTED_STATUS
-    if report.interrupted and status not in (BROKEN_PIPE_STATUS, USAGE_STATUS):
-        # a Ctrl-C handled after the session had ended (stdin's end of file first, the signal
-        # while the loop shut down): the report says "interrupted", so does the status
-        status = INTERRUPTED_STATUS
+    status = _with_interrupt(report, status)  # again: the signal may be handled after _run returned
     if status == USAGE_STATUS and not args.json:
         return status  # the one error line says it all
     try:
