@@ -23,6 +23,7 @@ from ._compute.moe import MoEPlan, ResidentLayer, check_token_ids, plan_moe, pla
 from ._compute.norms import all_finite
 from ._compute.resident import load_residents
 from ._errors import ConfigError, InvalidRequestError
+from ._format.hparams import MoEHParams
 from ._format.layout import MoELayer
 from ._pipeline import run_in_worker
 from ._predict.predictors import PREDICTORS, Predictor, make_predictor, observe_skipped
@@ -169,6 +170,7 @@ class Router:
         self._residents: dict[int, ResidentLayer] | None = None
         self._predictor: Predictor | None = None
         self._state_lock = threading.Lock()  # predictor and trace: observed from worker threads
+        self._hparams: MoEHParams | None = None  # the store's, from warmup on (it never changes)
         self._upcoming: dict[int, list[int]] = {}  # layer -> upcoming_layers(layer)
         self._further: dict[int, list[int]] = {}  # layer -> speculative_layers(layer)
 
@@ -208,6 +210,7 @@ class Router:
                 keep_last=True,
             )
         self._predictor = self._make_predictor(residents)
+        self._hparams = hparams
         self._residents = residents
 
     def _make_predictor(self, residents: Mapping[int, ResidentLayer]) -> Predictor:
@@ -331,7 +334,7 @@ class Router:
             InvalidRequestError: a bad ``x`` (shape, dtype, NaN or inf), a router output that is not
                 finite, a bad custom routing.
         """
-        hparams = self._store.hparams
+        hparams = self._hparams or self._store.hparams
         check_x(x, hparams.n_embd)
         if route_step is None:
             with np.errstate(over="ignore", invalid="ignore"):  # finite x, logits out of range: refused below
@@ -375,7 +378,7 @@ class Router:
             if chosen is not None:
                 if not observe_skipped(chosen):
                     chosen.observe(layer, x, ids)
-                if budget:
+                if budget and not self._store.model_resident():  # all resident: nothing to predict
                     further = self.speculative_layers(layer) if len(x) == 1 else []  # decode only
                     for nxt in [*self.upcoming_layers(layer), *further]:
                         if self._store.layer_resident(nxt):  # nothing to read: no prediction
@@ -497,7 +500,7 @@ class Router:
             InvalidRequestError: ids missing in a hash-routed layer, not ``(n_tokens,)`` integers,
                 or an id outside the vocabulary of the token tables.
         """
-        hparams = self._store.hparams
+        hparams = self._hparams or self._store.hparams
         for layer in layers:
             table = self.residents[layer].token_experts if hparams.is_hash_layer(layer) else None
             if table is not None:

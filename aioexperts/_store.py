@@ -189,6 +189,7 @@ class ExpertStore:
         self._released = False
         self._model: GGUFModel | None = None
         self._layout: ExpertLayout | None = None
+        self._experts_total = 0  # layout.n_experts_total, once known (model_resident asks per layer step)
         self._hparams: MoEHParams | UnsupportedTypeError | None = None
         self._loop: LoopAdapter | None = None
         self._source: ExpertSource = (
@@ -659,6 +660,17 @@ class ExpertStore:
             return False
         moe = self.layout.layer(layer)
         return self._source.layer_ready(moe.index, moe.n_experts)
+
+    def model_resident(self) -> bool:
+        """Whether every routed expert of the model is in memory at full precision now (every
+        :meth:`layer_resident`, in one call: the router asks once per layer step). False before
+        start, after close and in page-cache mode."""
+        if self.closed or not self._source.started:
+            return False
+        total = self._experts_total
+        if not total:
+            total = self._experts_total = self.layout.n_experts_total
+        return self._source.model_ready(total)
 
     def drop_prefetches(self, keep: Callable[[Key], bool] = lambda key: False) -> int:
         """Forget prefetches still queued (not submitted) whose key ``keep`` rejects.

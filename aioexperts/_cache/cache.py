@@ -244,6 +244,7 @@ class ExpertCache:
         # keys that left the cache but whose policy.remove raised: removed again before an admit
         self._stale: set[Key] = set()
         self._full_ready: dict[int, int] = {}  # layer -> READY entries at full precision
+        self._full_ready_total = 0  # the sum of _full_ready's values
         # layer -> bumped whenever an entry of the layer becomes READY or leaves its slot: an equal
         # count, the layer's entries where they were (placements())
         self._placements: dict[int, int] = {}
@@ -273,6 +274,11 @@ class ExpertCache:
         """Experts of ``layer`` READY at full precision (not from the low tier): when that is every
         expert of the layer, no prefetch for it can help. Read from any thread as a hint."""
         return self._full_ready.get(layer, 0)
+
+    def full_ready_total(self) -> int:
+        """Experts READY at full precision in every layer (:meth:`full_ready` summed): when that is
+        every routed expert of the model, no prefetch can help. Read from any thread as a hint."""
+        return self._full_ready_total
 
     @property
     def held(self) -> bool:
@@ -706,6 +712,7 @@ class ExpertCache:
         full.state = SlotState.READY
         self._placed(key[0])
         self._full_ready[key[0]] = self._full_ready.get(key[0], 0) + 1
+        self._full_ready_total += 1
         self.counters.payload_bytes += full.plan.payload_bytes
         if current is not None:
             if current.pins:
@@ -986,6 +993,7 @@ class ExpertCache:
             entry = pop(key)
             if entry.state is ready and not entry.low:
                 full_ready[key[0]] -= 1
+                self._full_ready_total -= 1
             entry.state = free_state
             views = entry.views
             if views is not None:  # views of the slot's old bytes: the slot now goes to another expert
@@ -1131,6 +1139,7 @@ class ExpertCache:
             if not entry.low:
                 full_ready = self._full_ready
                 full_ready[key[0]] = full_ready.get(key[0], 0) + 1
+                self._full_ready_total += 1
             self.counters.payload_bytes += entry.plan.payload_bytes
             if entry.pins == 0 and self._turns:
                 self._turns[0].set()  # _signal_space

@@ -102,6 +102,7 @@ class RowAttention:
         self._desc = self._flash.flash_descriptor(
             self._q3, n_head_kv, head_v, self._scale, self._sinks, window, self._attn
         )
+        self._desc_address = self._desc.ctypes.data
         self._busy = threading.Lock()
 
     def run(self, x: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start: int) -> np.ndarray | None:
@@ -160,7 +161,7 @@ class RowAttention:
         pool = compute_pool()
         if _fused.flash_splits(pool, 1, self.n_head, n_kv):
             m.set_flash_cache(self._desc, k16, v16, n_kv, start)
-            if pool.fan_out(self._flash_task, self._desc, self.n_head_kv) is not None:
+            if pool.fan_out(self._flash_task, self._desc, self.n_head_kv, self._desc_address) is not None:
                 return
         args: tuple[Any, ...] = (start, self._scale, self._sinks, self._window, self._attn, 0, self.n_head)
         m.flash_attend_f16_bits(self._q3, k16[:n_kv], v16[:n_kv], *args)

@@ -18,7 +18,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from aioexperts._compute import fused as _fused
-from aioexperts._compute.glu import GatedActivation
+from aioexperts._compute.glu import GatedActivation, swiglu
 from aioexperts._compute.grouped import GroupCall, matvec_group, product_task
 from aioexperts._errors import ConfigError
 from aioexperts._format.views import ExpertView, LayoutKey, layout_key
@@ -114,7 +114,23 @@ class RowStep:
             (:func:`row_step` checks first).
     """
 
-    __slots__ = ("_act", "_activation", "_down", "_gate_up", "_gu", "_lock", "_sum", "_tmp", "_x", "_ys", "layout", "n")
+    __slots__ = (
+        "_act",
+        "_activation",
+        "_down",
+        "_gate_up",
+        "_gather",
+        "_gu",
+        "_gu_halves",
+        "_quiet_activation",
+        "_lock",
+        "_sum",
+        "_tmp",
+        "_x",
+        "_ys",
+        "layout",
+        "n",
+    )
 
     def __init__(self, views: Sequence[ExpertView], activation: GatedActivation) -> None:
         if not views:
@@ -125,9 +141,17 @@ class RowStep:
         gate, down = first.gate, first.down
         task, down_task = product_task(gate.ggml_type), product_task(down.ggml_type)
         weighted_sum = _fused.compiled_kernel("combine", "weighted_rows_sum")
-        if task is None or down_task is None or weighted_sum is None or gate.ggml_type != first.up.ggml_type:
+        gather = _fused.compiled_kernel("combine", "gather_addresses")
+        if (
+            task is None
+            or down_task is None
+            or weighted_sum is None
+            or gather is None
+            or gate.ggml_type != first.up.ggml_type
+        ):
             raise ValueError("RowStep: no group kernel for these types")  # the caller checked
         self._sum = weighted_sum
+        self._gather = gather
         n_ff, n_embd = gate.shape
         self._x = np.zeros((1, n_embd), dtype=np.float32)
         self._gu = np.zeros((2 * n, n_ff), dtype=np.float32)
@@ -156,6 +180,10 @@ class RowStep:
             4 * down.shape[0] * np.arange(n, dtype=i64),
         )
         self._activation = activation
+        self._gu_halves = (self._gu[:n], self._gu[n:])
+        # the plain SwiGLU with its compiled tail warns of nothing (its exp's overflow it silences
+        # itself): no np.errstate around it, 10 us a layer with the caches cold
+        self._quiet_activation = activation is swiglu and _fused.compiled_kernel("glu", "silu_mul_tail") is not None
         self._lock = threading.Lock()
 
     def fits(self, views: Sequence[ExpertView]) -> bool:
@@ -229,16 +257,12 @@ class RowStep:
                 f"RowStep of {n} experts: ids {ids.dtype}{ids.shape}, addresses {addresses.dtype}{addresses.shape}, "
                 f"weights {weights.dtype}{weights.shape}, x {x.dtype}{x.shape}"
             )
-        n_experts = addresses.shape[1]
-        if n and (int(ids.min()) < 0 or int(ids.max()) >= n_experts):
-            raise ConfigError(f"RowStep: expert ids {ids.tolist()} outside the table's 0..{n_experts - 1}")
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            gate_up = self._gate_up.addresses
-            np.take(addresses[0], ids, out=gate_up[:n])
-            np.take(addresses[1], ids, out=gate_up[n:])
-            np.take(addresses[2], ids, out=self._down.addresses)
+            # one compiled call looks the ids up and checks them (an id out of range writes nothing)
+            if not self._gather(addresses, ids, self._gate_up.addresses, self._down.addresses):
+                raise ConfigError(f"RowStep: expert ids {ids.tolist()} outside the table's 0..{addresses.shape[1] - 1}")
             return self._compute(x, weights)
         finally:
             self._lock.release()
@@ -253,13 +277,15 @@ class RowStep:
 
     def _compute(self, x: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
         """The products, activation and sum over the addresses set (the lock held)."""
-        n = self.n
         np.copyto(self._x, x)
         if not self._gate_up.run():
             return None
-        gu = self._gu
-        with np.errstate(over="ignore", invalid="ignore"):
-            self._activation(gu[:n], gu[n:], self._tmp, self._act)
+        g, u = self._gu_halves
+        if self._quiet_activation:
+            swiglu(g, u, self._tmp, self._act)
+        else:
+            with np.errstate(over="ignore", invalid="ignore"):
+                self._activation(g, u, self._tmp, self._act)
         if not self._down.run():
             return None
         out = np.empty((1, self._ys.shape[1]), dtype=np.float32)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from aioexperts._compute import fused as _fused
 from aioexperts._format.hparams import Activation, MoEHParams
 
 __all__ = ("GatedActivation", "expert_activation", "geglu", "swiglu", "swiglu_clamp", "swiglu_oai")
@@ -34,10 +35,26 @@ def expert_activation(hparams: MoEHParams, layer: int) -> GatedActivation:
 
 
 def swiglu(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> None:
-    """``out = silu(g) * u = g / (1 + exp(-g)) * u`` (``ggml_swiglu_split``); clobbers g and tmp."""
+    """``out = silu(g) * u = g / (1 + exp(-g)) * u`` (``ggml_swiglu_split``); clobbers g and tmp.
+
+    After numpy's ``exp`` the rest is one compiled call where it serves (2-D float32 arrays of one
+    shape, C-contiguous), with the bits of numpy's three steps: a decode layer's Python runs with
+    the caches its weights flushed, where each numpy call costs several microseconds."""
     np.negative(g, out=tmp)
     with np.errstate(over="ignore"):
         np.exp(tmp, out=tmp)
+    tail = _fused.compiled_kernel("glu", "silu_mul_tail") if g.ndim == 2 else None
+    if (
+        tail is not None
+        and g.dtype == tmp.dtype == u.dtype == out.dtype == np.float32
+        and g.shape == tmp.shape == u.shape == out.shape
+        and g.flags.c_contiguous
+        and tmp.flags.c_contiguous
+        and u.flags.c_contiguous
+        and out.flags.c_contiguous
+    ):
+        tail(g, tmp, u, out)
+        return
     tmp += np.float32(1.0)
     np.divide(g, tmp, out=g)
     np.multiply(g, u, out=out)

@@ -109,6 +109,7 @@ class _Spinner:
     serve: Callable[..., int]  # an idle worker: spins and runs fan-out items
     publish: Callable[..., int]
     finish: Callable[..., int]
+    fan_out: Callable[..., int]  # publish then finish in one call
     run_inline: Callable[..., int]
     iterations: int  # polls in about ``spin_us``
     limits: tuple[int, int]  # :func:`_fan_out_limits`
@@ -130,6 +131,7 @@ def _spinner(us: int) -> _Spinner | None:
         ctrl = fanout.new_control()
         fanout.serve(ctrl, probe, 0, 0, 1)
         fanout.finish(ctrl, fanout.publish(ctrl, 0, 0, 0), 0)  # no items: returns at once
+        fanout.fan_out(ctrl, 0, 0, 0)
         fanout.run_inline(0, 0, 0)
         n = 20_000
         t0 = time.perf_counter()
@@ -140,7 +142,14 @@ def _spinner(us: int) -> _Spinner | None:
         return None
     iterations = 0 if us <= 0 else min(max(1, int(us * 1e-6 / per_iteration)), 1 << 62)  # int64 loop count
     return _Spinner(
-        spin_while_equal, fanout.serve, fanout.publish, fanout.finish, fanout.run_inline, iterations, _fan_out_limits()
+        spin_while_equal,
+        fanout.serve,
+        fanout.publish,
+        fanout.finish,
+        fanout.fan_out,
+        fanout.run_inline,
+        iterations,
+        _fan_out_limits(),
     )
 
 
@@ -449,10 +458,13 @@ class ComputePool:
                 self._count_fan_out(t0)
             return status
         try:
-            gen = spinner.publish(self._control, task, address, n)
-            if not self._control[limits[1]] and not self._invited:
+            control = self._control
+            if control[limits[1]] or self._invited:  # a worker spins or comes: post and run in one call
+                return int(spinner.fan_out(control, task, address, n))
+            gen = spinner.publish(control, task, address, n)
+            if not control[limits[1]] and not self._invited:
                 self._invite()
-            return int(spinner.finish(self._control, gen, n))
+            return int(spinner.finish(control, gen, n))
         finally:
             self._count_fan_out(t0)
             self._fan_lock.release()

@@ -206,6 +206,11 @@ class ExpertSource(ABC):
         prefetch of that layer can help (a hint: a source that cannot tell says False)."""
         return False
 
+    def model_ready(self, n_experts: int) -> bool:
+        """Whether all ``n_experts`` routed experts of the model are in memory at full precision
+        (every :meth:`layer_ready`; a hint: a source that cannot tell says False)."""
+        return False
+
     def hold_resident(self, n_experts: int) -> HeldLayers | None:
         """Hold the resident experts in place, without pins, when the source never needs to evict
         one (it has room for all ``n_experts`` of the model): until :meth:`HeldLayers.end` no

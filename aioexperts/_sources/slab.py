@@ -315,6 +315,9 @@ class SlabSource(ExpertSource):
     def layer_ready(self, layer: int, n_experts: int) -> bool:
         return self._running().full_ready(layer) >= n_experts
 
+    def model_ready(self, n_experts: int) -> bool:
+        return self._running().full_ready_total() >= n_experts
+
     # -- rows -----------------------------------------------------------------------------------
 
     async def _row_reader(self) -> RowReader:

@@ -322,9 +322,12 @@ def test_a_table_of_another_layout_or_bad_ids_is_not_used() -> None:
     with step._lock:  # busy: None, the caller goes on with views
         assert moe_module.row_ffn_out_at(plan, table, steps) is None
     short = ExpertTable(table.addresses[:, :6], table.layout)
-    for bad_ids in ([0, 1, 2, 6], [0, 1, 2, -1]):
+    before = step._gate_up.addresses.copy(), step._down.addresses.copy()
+    for bad_ids in ([0, 1, 2, 6], [0, 1, 2, -1], [6, 0, 1, 2]):
         with pytest.raises(ConfigError, match="outside the table"):
             step.run_at(plan.x, np.array(bad_ids, dtype=np.int64), short.addresses, plan.weights[0])
+        # nothing written: no address of a good id before the bad one either
+        assert np.array_equal(step._gate_up.addresses, before[0]) and np.array_equal(step._down.addresses, before[1])
     ids64 = np.array(ids, dtype=np.int64)
     for bad in (
         (plan.x, ids64[:3], table.addresses, plan.weights[0]),

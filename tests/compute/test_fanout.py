@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -158,6 +159,57 @@ def test_a_spin_job_keeps_a_worker_claiming_items() -> None:
         _ready(pool)
         before, after = asyncio.run(run())
         assert after > before  # the spinning worker took items (how many depends on the machine's load)
+    finally:
+        pool.close()
+
+
+def test_bind_two_writes_both_addresses_and_returns_the_descriptors() -> None:
+    desc = np.zeros(8, dtype=np.int64)
+    x = np.zeros((1, 64), dtype=np.float32)
+    out = np.zeros(32, dtype=np.float32)[::2]  # any layout: only the data pointer is taken
+    got = fanout.bind_two(desc, 5, x, 2, out)
+    assert got == desc.ctypes.data
+    assert desc[5] == x.ctypes.data and desc[2] == out.ctypes.data
+    assert desc[[0, 1, 3, 4, 6, 7]].tolist() == [0] * 6
+
+
+def test_a_worker_already_spinning_gets_the_post_and_run_in_one_call() -> None:
+    """With a worker spinning, a fan-out posts and runs in one compiled call (not publish, then
+    finish); every item still runs exactly once and the statuses are summed."""
+    pool = pool_module.ComputePool(2, limit_native_threads=False, spin_us=20_000)
+
+    def job() -> tuple[int, int]:
+        counts = np.zeros(9, dtype=np.int64)
+        desc = _descriptor(counts, 2_000)
+        status = int(pool.fan_out(_count_task.address, desc, 9) or 0)  # invites a worker, which then spins
+        deadline = time.monotonic() + 5
+        while not pool._control[fanout.SPINNERS] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert pool._control[fanout.SPINNERS]
+        spinner = pool._spin
+        assert spinner is not None
+        posted: list[int] = []
+
+        def publish(*args: object) -> int:
+            posted.append(1)
+            return int(spinner.publish(*args))
+
+        pool._spin = dataclasses.replace(spinner, publish=publish)
+        try:
+            status += sum(int(pool.fan_out(_count_task.address, desc, 9) or 0) for _ in range(50))
+        finally:
+            pool._spin = spinner
+        assert (counts == 51).all()
+        return status, len(posted)
+
+    async def run() -> tuple[int, int]:
+        return await pool.run(job, spin=True)
+
+    try:
+        _ready(pool)
+        status, posted = asyncio.run(run())
+        assert status == 51 * 3  # items 0, 3, 6 return 1
+        assert posted <= 5  # the spinning worker was there for (nearly) every post: one call each
     finally:
         pool.close()
 

@@ -56,6 +56,45 @@ async def test_a_fully_resident_layer_is_not_predicted(model: Path, anyio_backen
             store.layer_resident(SPEC.n_layer + 5)
 
 
+async def test_the_model_is_resident_once_every_layer_is_and_no_longer_after_an_eviction(
+    model: Path, anyio_backend: object
+) -> None:
+    """``model_resident`` is every ``layer_resident`` in one call: False while a layer has an expert
+    left to read, True once all are READY, False again when an eviction takes one out; the cache's
+    total of full-precision READY experts follows every load and eviction."""
+    async with aioexperts.open(model, slots=2 * SPEC.n_expert) as store:
+        first, second = store.layout.layers
+        cache = store._source.cache  # type: ignore[attr-defined]
+        assert not store.model_resident()
+        async with store.experts(second, range(SPEC.n_expert)):
+            pass
+        assert store.layer_resident(second) and not store.model_resident()
+        async with store.experts(first, range(SPEC.n_expert - 1)):
+            pass
+        assert not store.model_resident()  # one expert of the first layer not read yet
+        async with store.experts(first, [SPEC.n_expert - 1]):
+            pass
+        assert store.model_resident() and all(store.layer_resident(layer) for layer in (first, second))
+        assert cache.full_ready_total() == sum(cache.full_ready(layer) for layer in (first, second))
+        runner = aioexperts.MoERunner(store)
+        await runner.warmup()
+        predictor = _Counting(runner.predictor)
+        x = np.random.default_rng(2).standard_normal((1, SPEC.n_embd)).astype(np.float32)
+        await runner.run_moe_layers(x, predictor=predictor)
+        assert predictor.asked == []  # every layer resident: nothing predicted
+    async with aioexperts.open(model, slots=SPEC.n_expert + 1) as store:  # room for one layer and one more
+        first, second = store.layout.layers
+        cache = store._source.cache  # type: ignore[attr-defined]
+        async with store.experts(first, range(SPEC.n_expert)):
+            pass
+        async with store.experts(second, [0, 1]):  # evicts one of the first layer's
+            pass
+        assert not store.layer_resident(first) and not store.model_resident()
+        total = sum(cache.full_ready(layer) for layer in (first, second))
+        assert cache.full_ready_total() == total == SPEC.n_expert + 1
+    assert not store.model_resident()  # closed
+
+
 async def test_the_first_layer_of_a_step_is_not_predicted_once_resident(model: Path, anyio_backend: object) -> None:
     """predict_first (a decode step's first MoE layer, from the embeddings) asks nothing about a
     resident layer, and still asks about one that is not."""

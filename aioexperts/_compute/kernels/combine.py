@@ -1,4 +1,5 @@
-"""The weighted sum of a decode row's expert outputs, bit for bit numpy's slot-order sum."""
+"""The weighted sum of a decode row's expert outputs, bit for bit numpy's slot-order sum; the
+lookup of the row's experts in a layer's address table."""
 
 from __future__ import annotations
 
@@ -21,3 +22,24 @@ def weighted_rows_sum(ys, w, out):
         wi = w[i]
         for j in range(d):
             out[j] += ys[i, j] * wi
+
+
+@kernel()
+def gather_addresses(table, ids, gate_up, down):
+    """A decode row's expert addresses from a layer's table (``ExpertTable.addresses``):
+    ``gate_up[i] = table[0, ids[i]]``, ``gate_up[n + i] = table[1, ids[i]]``, ``down[i] =
+    table[2, ids[i]]`` for the ``n`` ids. ``table`` ``(3, m)``, ``ids`` ``(n,)``, ``gate_up``
+    ``(2n,)``, ``down`` ``(n,)``, all int64. False, with nothing written, when an id is outside
+    ``0..m-1``."""
+    n = ids.shape[0]
+    m = table.shape[1]
+    for i in range(n):
+        e = ids[i]
+        if e < 0 or e >= m:
+            return False
+    for i in range(n):
+        e = ids[i]
+        gate_up[i] = table[0, e]
+        gate_up[n + i] = table[1, e]
+        down[i] = table[2, e]
+    return True
