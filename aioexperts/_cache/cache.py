@@ -305,6 +305,20 @@ class ExpertCache:
             return None
         return entry
 
+    def ready_full_all(self, keys: Sequence[Key]) -> list[Entry] | None:
+        """Every entry of ``keys`` if each is READY at full precision (:meth:`ready_full` of each,
+        in one loop: a layer's table asks for 128 at once), else None. A snapshot, as
+        :meth:`ready_full`."""
+        get, ready = self.entries.get, SlotState.READY
+        out: list[Entry] = []
+        append = out.append
+        for key in keys:
+            entry = get(key)
+            if entry is None or entry.state is not ready or entry.low:
+                return None
+            append(entry)
+        return out
+
     def placements(self, layer: int) -> int:
         """A count of the changes of ``layer``'s placement so far (an entry of it made READY, or
         taken out of its slot): while it stays the same, every READY entry of the layer is in the

@@ -98,6 +98,15 @@ class RowAttention:
         self._q_tmp, self._q3 = np.empty((1, n_head, head_k), f32), np.empty((1, n_head, head_k), f32)
         self._k_tmp, self._k3 = np.empty((1, n_head_kv, head_k), f32), np.empty((1, n_head_kv, head_k), f32)
         self._attn = np.empty((1, n_head, head_v), dtype=f32)
+        # the views a token's step reads and writes, made once (each a few microseconds per layer
+        # with the caches cold after the weights)
+        out = self._qkv_out
+        self._qkv_row = out[0]
+        self._q_heads = out[:, :nq].reshape(1, n_head, head_k)
+        self._k_heads = out[:, nq : nq + nk].reshape(1, n_head_kv, head_k)
+        self._v_heads = out[0, nq + nk :].reshape(n_head_kv, head_v)
+        self._k_row = self._k3[0]
+        self._attn_row = self._attn.reshape(1, -1)
         # the general path's fan-out descriptor, the cache's fields set per token
         self._desc = self._flash.flash_descriptor(
             self._q3, n_head_kv, head_v, self._scale, self._sinks, window, self._attn
@@ -132,22 +141,18 @@ class RowAttention:
             self._busy.release()
 
     def _run(self, x: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start: int) -> np.ndarray | None:
-        qkv = self._qkv_out
-        if not self.qkv.run(x, qkv[0]):
+        if not self.qkv.run(x, self._qkv_row):
             return None
-        nq, nk = self._nq, self._nk
-        q = qkv[:, :nq].reshape(1, self.n_head, self.head_k)
-        k = qkv[:, nq : nq + nk].reshape(1, self.n_head_kv, self.head_k)
         cos, sin = self._rope.cos_sin(start, 1)
         norm_q, norm_k = self._norms
         eps, neox, n_rot = self._eps, self._neox, self._n_rot
-        self._norm_rope(q, norm_q, self._q_norm, eps, cos, sin, neox, n_rot, self._q_tmp, self._q3)
-        self._norm_rope(k, norm_k, self._k_norm, eps, cos, sin, neox, n_rot, self._k_tmp, self._k3)
-        k_cache[start] = self._k3[0]
-        v_cache[start] = qkv[0, nq + nk :].reshape(self.n_head_kv, self.head_v)
+        self._norm_rope(self._q_heads, norm_q, self._q_norm, eps, cos, sin, neox, n_rot, self._q_tmp, self._q3)
+        self._norm_rope(self._k_heads, norm_k, self._k_norm, eps, cos, sin, neox, n_rot, self._k_tmp, self._k3)
+        k_cache[start] = self._k_row
+        v_cache[start] = self._v_heads
         self._attend(k_cache, v_cache, start)
         y = np.empty((1, self.wo.rows), dtype=np.float32)
-        if not self.wo.run(self._attn.reshape(1, -1), y[0]):
+        if not self.wo.run(self._attn_row, y[0]):
             return None
         return y
 

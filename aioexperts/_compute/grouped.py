@@ -442,3 +442,30 @@ def warm_decode_kernels(types: Iterable[GGMLQuantizationType], f16_cache: bool) 
         x, table = np.ones((1, 1, 2), dtype=np.float32), ones.copy()
         table.flags.writeable = False  # as RopeTable.cos_sin's views
         norm_rope(x, True, np.ones(2, np.float32), np.float32(1e-6), table, table, True, 2, x.copy(), x.copy())
+    if _fused.backend().name != "numba":
+        return
+    # the prepared steps' small compiled calls, with the argument types a decode step gives them
+    # (each a load from the kernel cache, several milliseconds, on its first call)
+    desc = np.zeros(GROUP_DESC_SIZE, dtype=np.int64)
+    bind_two = _fanout_module().bind_two  # SplitPlan.run, on a writable input and on a read-only one
+    bind_two(desc, G_X, row, G_OUT_BASE, weight.copy())
+    frozen = row.copy()
+    frozen.flags.writeable = False
+    bind_two(desc, G_X, frozen, G_OUT_BASE, weight.copy())
+    weighted_sum = _fused.compiled_kernel("combine", "weighted_rows_sum")  # a RowStep's
+    if weighted_sum is not None:
+        weighted_sum(row.copy(), np.ones(1, dtype=np.float32), np.zeros(64, dtype=np.float32))
+    table = np.zeros((3, 2), dtype=np.int64)
+    table.flags.writeable = False  # as ExpertTable.addresses
+    gather = _fused.compiled_kernel("combine", "gather_addresses")
+    if gather is not None:
+        gather(table, np.zeros(1, dtype=np.int64), np.zeros(2, dtype=np.int64), np.zeros(1, dtype=np.int64))
+    tail = _fused.compiled_kernel("glu", "silu_mul_tail")
+    if tail is not None:
+        tail(row.copy(), row.copy(), row.copy(), row.copy())
+    if f16_cache and _fused.flash_task_address() is not None:
+        from .kernels import flash
+
+        set_cache: Any = flash.set_flash_cache  # untyped (the kernels package)
+        cache16 = np.zeros((2, 1, 32), dtype=np.float16).view(np.uint16)  # as a KV cache's bit view
+        set_cache(np.zeros(flash.FLASH_DESC_SIZE, dtype=np.int64), cache16, cache16, 1, 0)

@@ -424,6 +424,17 @@ def router_row_logits(x: np.ndarray, resident: ResidentLayer, out: np.ndarray) -
     _row_logits(x, resident, out)
 
 
+def prepare_router_row(resident: ResidentLayer) -> None:
+    """Make the plan of :func:`router_row_logits` for the current compute pool now (at load), not
+    in the first decode step. Nothing where numba does not serve."""
+    task = f32_task()
+    if task is not None:
+        pool = _pool_module._current_pool()
+        key = (1 if pool is None else pool.n_threads, task.address)
+        if key not in resident._row_plans:
+            resident._row_plans.setdefault(key, f32_split_plan(resident.router, key[0]))
+
+
 def _row_logits(x: np.ndarray, resident: ResidentLayer, out: np.ndarray) -> None:
     """:func:`router_row_logits` of arguments already checked."""
     router = resident.router

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .._format.layout import ExpertLayout, ExpertLocation
+from .._format.views import LayoutKey, projections_layout
 from .align import align_up, widen
 
 __all__ = ("ExpertPlan", "LoadPlan", "PlannedRead", "max_plan_bytes", "plan_all_experts", "plan_expert")
@@ -52,6 +53,10 @@ class LoadPlan(Protocol):
     def what(self) -> str: ...
 
 
+#: every distinct layout of the plans made, to itself (a few per model): equal layouts, one object
+_LAYOUTS: dict[LayoutKey, LayoutKey] = {}
+
+
 @dataclass(frozen=True, slots=True)
 class ExpertPlan:
     """The reads of one expert and where its payloads sit in the slot.
@@ -66,6 +71,9 @@ class ExpertPlan:
         payload_bytes: bytes of the expert itself (gate + up + down); computed once.
         payload_spans: ``(start, end)`` slot offsets (bytes) of the gate, up and down payloads,
             flat: what the slab's views of a load are cut from; computed once.
+        layout: the :func:`~aioexperts._format.views.projections_layout` of the expert's
+            projections, one shared object per distinct layout (equal layouts are the same
+            object, so a layer's table tells one layout by identity); computed once.
     """
 
     location: ExpertLocation
@@ -75,6 +83,7 @@ class ExpertPlan:
     read_bytes: int = field(init=False, compare=False)
     payload_bytes: int = field(init=False, compare=False)
     payload_spans: tuple[int, int, int, int, int, int] = field(init=False, compare=False, repr=False)
+    layout: LayoutKey = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "read_bytes", sum(r.n_bytes for r in self.reads))
@@ -82,6 +91,8 @@ class ExpertPlan:
         g, u, d = self.location.segments
         g0, u0, d0 = self.payload_offsets
         object.__setattr__(self, "payload_spans", (g0, g0 + g.n_bytes, u0, u0 + u.n_bytes, d0, d0 + d.n_bytes))
+        layout = projections_layout(g, u, d)
+        object.__setattr__(self, "layout", _LAYOUTS.setdefault(layout, layout))
 
     @property
     def key(self) -> tuple[int, int]:

@@ -19,6 +19,8 @@ from aioexperts._batch import DEFAULT_BATCH_WAIT
 from aioexperts._compute import fused
 from aioexperts._compute.fused import Precision
 from aioexperts._compute.grouped import warm_decode_kernels
+from aioexperts._compute.moe import prepare_router_row
+from aioexperts._compute.pool import compute_pool
 from aioexperts._errors import (
     AioExpertsError,
     ConfigError,
@@ -31,9 +33,9 @@ from aioexperts._format.archs import MODEL_RECORDS
 from aioexperts._format.model import GGUFModel, open_model
 from aioexperts._model import memory as _memory
 from aioexperts._model import text as _text
-from aioexperts._model.blocks import RecurrentBlock
+from aioexperts._model.blocks import GQABlock, RecurrentBlock
 from aioexperts._model.config import DEFAULT_RESIDENT_EMBEDDING_BYTES, LoadOptions
-from aioexperts._model.forward import ForwardCounters, ForwardPass, load_weights
+from aioexperts._model.forward import ForwardCounters, ForwardPass, ModelWeights, load_weights
 from aioexperts._model.kvcache import KV_ELEMENT_BYTES, KVCache, KVType, cache_bytes_per_position, state_bytes
 from aioexperts._model.memory import SlabBudget, choose_slab_bytes, kv_bytes_per_position, kv_reserve_bytes
 from aioexperts._model.sessions import Generation, ModelSequence, Sampler
@@ -231,6 +233,7 @@ class Model:
                 fused.set_precision(self.options.precision)
             await run_in_worker(fused.warmup, weights.ggml_types())
             await run_in_worker(warm_decode_kernels, weights.ggml_types(), self.options.kv_type == "f16")
+            await run_in_worker(_prepare_decode_steps, weights, runner)
             self._layer_shapes = [dict(layer.block.cache_shapes()) for layer in weights.layers]
             # deepseek4's cache arrays stay float32 whatever the KV type (its compressor state must); the
             # block rounds what llama.cpp keeps in the KV type to F16 itself (DSV4Block.f16_cache)
@@ -792,3 +795,16 @@ def load(
         "miss_tier": miss_tier,
     }
     return Model(path, config, store_options=options, runner=runner)
+
+
+def _prepare_decode_steps(weights: ModelWeights, runner: MoERunner) -> None:
+    """What a first decode step would make per layer, made at load: each GQA block's prepared
+    one-token attention step and each router's one-row product plan, for the compute pool's
+    threads (about 0.3 ms a layer). Blocking (a worker thread)."""
+    parts = compute_pool().n_threads
+    for layer in weights.layers:
+        if isinstance(layer.block, GQABlock):
+            layer.block.prepare_decode(parts)
+    if runner.router.ready:
+        for resident in runner.router.residents.values():
+            prepare_router_row(resident)

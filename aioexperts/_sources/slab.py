@@ -13,7 +13,7 @@ import logging
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import anyio
 import numpy as np
@@ -26,7 +26,7 @@ from .._errors import InvalidRequestError, StoreClosedError
 from .._format.layout import ExpertLayout
 from .._format.model import GGUFModel
 from .._format.tier_sidecar import TierSidecar
-from .._format.views import ExpertTable, ExpertView, ProjectionView, projections_layout, warn_exported
+from .._format.views import ExpertTable, ExpertView, ProjectionView, warn_exported
 from .._io.files import ShardFiles, open_shards
 from .._io.loop import LoopAdapter
 from .._io.plan import ExpertPlan, plan_all_experts, plan_expert
@@ -486,20 +486,14 @@ class _HeldSlots(HeldLayers):
             return kept[1]
         if cache.full_ready(layer) < len(keys):  # still reading the layer: no table yet, nothing kept
             return None
-        n = len(keys)
-        slots = np.empty(n, dtype=np.int64)
-        plans: list[ExpertPlan] = []
-        for i, key in enumerate(keys):
-            entry = cache.ready_full(key)
-            if entry is None:
-                return None
-            plan = entry.plan
-            assert isinstance(plan, ExpertPlan)
-            slots[i] = entry.slot
-            plans.append(plan)
-        layouts = {projections_layout(*plan.location.segments) for plan in plans}
+        entries = cache.ready_full_all(keys)
+        if entries is None:
+            return None
+        slots = np.array([entry.slot for entry in entries], dtype=np.int64)
+        plans = cast("list[ExpertPlan]", [entry.plan for entry in entries])  # a full entry's plan is one
+        layout = plans[0].layout  # equal layouts are one object (ExpertPlan.layout)
         table = None
-        if len(layouts) == 1:  # one layout: slot addresses plus each projection's payload offset
+        if all(plan.layout is layout for plan in plans):  # one layout: slot addresses plus payload offsets
             offsets = np.array([plan.payload_offsets for plan in plans], dtype=np.int64).T
             slab = self._source.stack.slab
             assert slab is not None
@@ -510,7 +504,7 @@ class _HeldSlots(HeldLayers):
                 raise
             addresses = np.ascontiguousarray((slots * slab.slot_bytes + slab.address)[None, :] + offsets)
             addresses.flags.writeable = False
-            table = ExpertTable(addresses, layouts.pop(), keep)
+            table = ExpertTable(addresses, layout, keep)
         tables[layer] = (placements, table)
         return table
 

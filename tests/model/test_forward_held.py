@@ -243,3 +243,42 @@ def test_a_store_closed_during_a_held_pass_never_leaves_it_computing_on_unmapped
     assert out[0] == "finite"
     assert "StoreClosedError" in out[1:], out
     assert set(out) <= {"finite", "StoreClosedError"}, out
+
+
+@needs
+async def test_a_first_decode_step_after_load_makes_no_step_and_compiles_nothing(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a first decode step would make per layer is made at load (each GQA block's prepared
+    attention step, each router's one-row plan), and every kernel the held pass calls was compiled
+    or loaded then: the first decode token makes no attention step and compiles nothing (a
+    kernel's first call, loaded from the cache, costs several milliseconds there)."""
+    import numba.core.dispatcher as dispatcher
+
+    from aioexperts._model.blocks import GQABlock
+
+    async with aioexperts.load(FIXTURES["qwen3moe-q4_k_m"], n_ctx=64) as model:
+        parts = compute_pool().n_threads
+        blocks = [layer.block for layer in model.forward_pass.weights.layers]
+        assert blocks and all(isinstance(b, GQABlock) for b in blocks)
+        assert all(parts in b._row_steps for b in blocks)  # made (None where no prepared step serves)
+        residents = model.runner.router.residents.values()
+        assert all(r._row_plans for r in residents)
+        await load_every_expert(model)
+        async with model.sequence() as seq:
+            logits = (await seq.forward([11, 22, 33, 44, 55]))[-1]
+            compiled: list[str] = []
+            plain = dispatcher._DispatcherBase._compile_for_args
+
+            def spy(self: object, *args: object, **kw: object) -> object:
+                compiled.append(getattr(self, "py_func", self).__name__)  # type: ignore[attr-defined]
+                return plain(self, *args, **kw)  # type: ignore[arg-type]
+
+            made: list[int] = []
+            prepare = GQABlock.prepare_decode
+            monkeypatch.setattr(dispatcher._DispatcherBase, "_compile_for_args", spy)
+            monkeypatch.setattr(GQABlock, "prepare_decode", lambda self, n: made.append(n) or prepare(self, n))
+            jobs = compute_pool().statistics().jobs
+            await seq.forward([int(logits.argmax())])
+            assert compute_pool().statistics().jobs - jobs == 2  # the embedding, then the held pass
+            assert compiled == [] and made == []
