@@ -135,29 +135,41 @@ class RowStep:
     def __init__(self, views: Sequence[ExpertView], activation: GatedActivation) -> None:
         if not views:
             raise ValueError("RowStep: no views")
-        first = views[0]
-        self.n = n = len(views)
-        self.layout: LayoutKey = layout_key(first)
-        gate, down = first.gate, first.down
-        task, down_task = product_task(gate.ggml_type), product_task(down.ggml_type)
+        self._make(layout_key(views[0]), len(views), activation)
+
+    @classmethod
+    def for_layout(cls, layout: LayoutKey, n: int, activation: GatedActivation) -> RowStep:
+        """The step of ``n`` experts of ``layout`` (:func:`~aioexperts._format.views.layout_key`:
+        what :class:`RowStep` takes from its first call's views), made without views: from a
+        layer's :class:`~aioexperts._format.views.ExpertTable`.
+
+        Raises:
+            ValueError: ``n < 1``, or no group kernel or compiled sum serves the layout's types
+                (:func:`row_step_for_layout` checks first).
+        """
+        if n < 1:
+            raise ValueError("RowStep: no experts")
+        step = cls.__new__(cls)
+        step._make(layout, n, activation)
+        return step
+
+    def _make(self, layout: LayoutKey, n: int, activation: GatedActivation) -> None:
+        (gate_t, up_t, down_t), (gate_shape, _, down_shape), _ = layout
+        self.n = n
+        self.layout: LayoutKey = layout
+        task, down_task = product_task(gate_t), product_task(down_t)
         weighted_sum = _fused.compiled_kernel("combine", "weighted_rows_sum")
         gather = _fused.compiled_kernel("combine", "gather_addresses")
-        if (
-            task is None
-            or down_task is None
-            or weighted_sum is None
-            or gather is None
-            or gate.ggml_type != first.up.ggml_type
-        ):
+        if task is None or down_task is None or weighted_sum is None or gather is None or gate_t != up_t:
             raise ValueError("RowStep: no group kernel for these types")  # the caller checked
         self._sum = weighted_sum
         self._gather = gather
-        n_ff, n_embd = gate.shape
+        n_ff, n_embd = gate_shape
         self._x = np.zeros((1, n_embd), dtype=np.float32)
         self._gu = np.zeros((2 * n, n_ff), dtype=np.float32)
         self._act = np.zeros((n, n_ff), dtype=np.float32)
         self._tmp = np.zeros((n, n_ff), dtype=np.float32)
-        self._ys = np.zeros((n, down.shape[0]), dtype=np.float32)
+        self._ys = np.zeros((n, down_shape[0]), dtype=np.float32)
         i64 = np.int64
         self._gate_up = GroupCall(
             task,
@@ -172,12 +184,12 @@ class RowStep:
         self._down = GroupCall(
             down_task,
             np.zeros(n, dtype=i64),
-            np.full(n, down.shape[0], dtype=i64),
-            down_task.row_bytes(down.shape[1]),
+            np.full(n, down_shape[0], dtype=i64),
+            down_task.row_bytes(down_shape[1]),
             self._act,
             np.arange(n, dtype=i64),
             self._ys.reshape(-1),
-            4 * down.shape[0] * np.arange(n, dtype=i64),
+            4 * down_shape[0] * np.arange(n, dtype=i64),
         )
         self._activation = activation
         self._gu_halves = (self._gu[:n], self._gu[n:])
@@ -303,3 +315,18 @@ def row_step(views: Sequence[ExpertView], activation: GatedActivation) -> RowSte
     if _fused.compiled_kernel("combine", "weighted_rows_sum") is None:
         return None
     return RowStep(views, activation)
+
+
+def row_step_for_layout(layout: LayoutKey, n: int, activation: GatedActivation) -> RowStep | None:
+    """:func:`row_step` of ``n`` experts that all have ``layout`` (a layer's
+    :class:`~aioexperts._format.views.ExpertTable`), or None where :func:`row_step` would give none
+    for such views: gate and up not of one type and shape, a down width other than the gate's, no
+    group kernel for a type, no compiled sum. The caller checked the shapes against the model."""
+    (gate_t, up_t, down_t), (gate_shape, up_shape, down_shape), _ = layout
+    if n < 1 or gate_t != up_t or gate_shape != up_shape or len(down_shape) != 2 or down_shape[1] != gate_shape[0]:
+        return None
+    if any(product_task(t) is None for t in {gate_t, down_t}):
+        return None
+    if _fused.compiled_kernel("combine", "weighted_rows_sum") is None:
+        return None
+    return RowStep.for_layout(layout, n, activation)

@@ -167,7 +167,21 @@ def select_experts(
     ):
         kernels = _kernels()
         if kernels is not None and n_expert <= kernels.MAX_EXPERTS and k <= kernels.MAX_USED:
-            return _softmax_top_k(kernels, logits, hparams)
+            return _softmax_top_k(kernels, logits, hparams)  # compiled, no warning (exp of values <= 0)
+    with np.errstate(over="ignore", invalid="ignore"):  # logits out of range: the caller refuses the weights
+        return _select_numpy(logits, hparams, selection_bias, selected)
+
+
+def _select_numpy(
+    logits: np.ndarray,
+    hparams: MoEHParams,
+    selection_bias: np.ndarray | None,
+    selected: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`select_experts`'s numpy steps (its arguments' types checked)."""
+    n_tokens, n_expert = logits.shape
+    k = hparams.n_expert_used
+    gating = hparams.gating_func
     if gating == GatingFunc.SOFTMAX:
         probs = softmax(logits)
     elif gating == GatingFunc.SIGMOID:

@@ -30,14 +30,14 @@ from aioexperts._checks import as_int_array, check_activations, describe
 from aioexperts._compute import fused as _fused
 from aioexperts._compute import pool as _pool_module
 from aioexperts._compute.activations import quantized_round_trip
-from aioexperts._compute.decode_experts import RowStep, expert_group, group_classes, row_step
+from aioexperts._compute.decode_experts import RowStep, expert_group, group_classes, row_step, row_step_for_layout
 from aioexperts._compute.gating import select_experts
 from aioexperts._compute.glu import expert_activation, swiglu, swiglu_clamp
 from aioexperts._compute.grouped import f32_split_plan, f32_task
 from aioexperts._compute.pool import compute_pool
 from aioexperts._errors import ConfigError, FormatError, InvalidRequestError
 from aioexperts._format.hparams import MoEHParams
-from aioexperts._format.views import ExpertTable, ExpertView, ProjectionView
+from aioexperts._format.views import ExpertTable, ExpertView, LayoutKey, ProjectionView
 
 __all__ = (
     "ExpertOutputs",
@@ -379,12 +379,14 @@ def router_logits(x: np.ndarray, resident: ResidentLayer, *, invariant: bool = F
     logits = np.empty((x.shape[0], resident.router.shape[0]), dtype=np.float32)
     rows = _fused.compiled_kernel("floats", "matmat_f32_rows") if x.shape[0] > 1 else None
     if x.shape[0] > 1 and rows is None and not invariant:
-        logits = _dense(resident.router, x)
+        with np.errstate(over="ignore", invalid="ignore"):  # finite x, logits out of range: the caller refuses
+            logits = _dense(resident.router, x)
     elif rows is None or not rows(resident.router.view(np.uint8), x, logits):
         for i in range(x.shape[0]):  # a decode row, or rows as they go alone (one not finite, or BLAS)
             _row_logits(x[i : i + 1], resident, logits[i])
     if resident.router_bias is not None:
-        logits += resident.router_bias
+        with np.errstate(over="ignore", invalid="ignore"):
+            logits += resident.router_bias
     return logits
 
 
@@ -447,7 +449,8 @@ def _row_logits(x: np.ndarray, resident: ResidentLayer, out: np.ndarray) -> None
             plan = resident._row_plans.setdefault(key, f32_split_plan(router, key[0]))
         if plan is not None and plan.run(x, out):
             return
-    np.matmul(x[0], router.T, out=out)
+    with np.errstate(over="ignore", invalid="ignore"):  # the compiled product warns of nothing either
+        np.matmul(x[0], router.T, out=out)
 
 
 def route(
@@ -886,7 +889,12 @@ def row_ffn_out_at(plan: MoEPlan, table: ExpertTable, steps: RowSteps) -> np.nda
     ids = plan.ids
     if ids.shape[0] != 1 or len(plan.positions) != ids.shape[1] or ids.dtype != np.int64:
         return None
-    step = steps.get(plan.resident.layer)
+    layer = plan.resident.layer
+    step = steps.get(layer)
+    if step is None and layer not in steps:  # no step yet: made from the table's layout, no views
+        step = _row_step_for_layout(plan, table.layout)
+        if step is not None:
+            steps[layer] = step
     if step is None or step is _NO_STEP or step.n != ids.shape[1] or step.layout != table.layout:
         return None
     return _with_shared(plan, step.run_at(plan.x, ids[0], table.addresses, plan.weights[0]))
@@ -903,6 +911,31 @@ def _with_shared(plan: MoEPlan, y: np.ndarray | None) -> np.ndarray | None:
 
 
 _NO_STEP: RowStep | None = object()  # type: ignore[assignment]
+
+
+def _row_step_for_layout(plan: MoEPlan, layout: LayoutKey) -> RowStep | None:
+    """:func:`_new_row_step` for experts of ``layout`` (a layer's table), or None (not kept: the
+    views path then makes the step, or raises what a view that does not fit raises) where it would
+    not give one, or where the layout's shapes do not fit the layer as :func:`_check_view` wants."""
+    resident, hparams = plan.resident, plan.hparams
+    if (
+        hparams.weights_before_experts
+        or resident.gate_exps_scale is not None
+        or resident.up_exps_scale is not None
+        or resident.down_exps_scale is not None
+        or resident.gate_exps_bias is not None
+        or resident.up_exps_bias is not None
+        or resident.down_exps_bias is not None
+    ):
+        return None
+    _, (gate_shape, up_shape, down_shape), _ = layout
+    n_embd, width = hparams.n_embd, hparams.expert_width(resident.layer)
+    rows = gate_shape[0]
+    if gate_shape != (rows, n_embd) or up_shape != gate_shape or (width and rows != width):
+        return None
+    if len(down_shape) != 2 or down_shape[0] != n_embd or down_shape[1] < rows:
+        return None
+    return row_step_for_layout(layout, plan.ids.shape[1], expert_activation(hparams, resident.layer))
 
 
 def _new_row_step(plan: MoEPlan, views: Sequence[ExpertView]) -> RowStep | None:

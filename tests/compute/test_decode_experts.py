@@ -298,8 +298,10 @@ def test_a_step_run_from_a_table_gives_the_views_bits(qtype: Q, threads: int, mo
     table = _table(views)
     steps: moe_module.RowSteps = {}
     plan, ids = _one_token(rng, 16, 8)
-    assert moe_module.row_ffn_out_at(plan, table, steps) is None  # no step prepared yet: the views make it
-    assert moe_module.row_ffn_out(plan, [views[e] for e in ids], steps) is not None
+    first = moe_module.row_ffn_out_at(plan, table, steps)  # no step yet: made from the table's layout
+    assert first is not None and steps[0] is not None and steps[0].layout is table.layout
+    assert np.array_equal(first, _combined_general(monkeypatch, plan, views, ids))
+    assert np.array_equal(moe_module.row_ffn_out(plan, [views[e] for e in ids], steps), first)
     for _ in range(3):
         plan, ids = _one_token(rng, 16, 8)
         got = moe_module.row_ffn_out_at(plan, table, steps)
@@ -339,3 +341,21 @@ def test_a_table_of_another_layout_or_bad_ids_is_not_used() -> None:
     ):
         with pytest.raises(ConfigError, match="RowStep of 4 experts"):
             step.run_at(*bad)
+
+
+def test_a_table_whose_layout_does_not_fit_the_layer_makes_no_step() -> None:
+    """A table's layout whose shapes the layer does not have (or without a group kernel) makes no
+    step and keeps none: the views path then decides (and raises for a view that does not fit)."""
+    rng = np.random.default_rng(42)
+    views = _views(8, Q.Q4_K, Q.Q4_K, rng)
+    plan, _ = _one_token(rng, 8, 4)
+    table = _table(views)
+    (types, (gate, up, down), n_bytes) = table.layout
+    for bad in (
+        (types, ((gate[0], gate[1] + 32), (up[0], up[1] + 32), down), n_bytes),  # not n_embd wide
+        (types, (gate, up, (down[0], gate[0] - 32)), n_bytes),  # a down narrower than the gate
+        ((types[0], Q.Q8_0, types[2]), (gate, up, down), n_bytes),  # gate and up of two types
+    ):
+        steps: moe_module.RowSteps = {}
+        assert moe_module.row_ffn_out_at(plan, ExpertTable(table.addresses, bad), steps) is None
+        assert steps == {}
