@@ -433,10 +433,14 @@ def warm_decode_kernels(types: Iterable[GGMLQuantizationType], f16_cache: bool) 
     rms_norm(np.ones((1, 64), dtype=np.float32), None, 1e-6)
     row, weight = np.ones((1, 64), dtype=np.float32), np.ones(64, dtype=np.float32)
     weight.flags.writeable = False  # as the model's norm weights
+    rms_norm(row, weight, 1e-6)  # a decode step's first-layer prediction, on the event loop: loaded here
     add_rms_norm(row, row, 0.0, weight, 1e-6)
     all_finite(row)
     ones = np.ones((1, 1), dtype=np.float32)
     apply_rope(np.ones((1, 1, 2), dtype=np.float32), ones, ones, RopeType.NEOX, 2)
+    frozen_table = ones.copy()
+    frozen_table.flags.writeable = False  # as RopeTable.cos_sin's views
+    apply_rope(np.ones((1, 1, 2), dtype=np.float32), frozen_table, frozen_table, RopeType.NEOX, 2)
     norm_rope = _fused.compiled_kernel("rope", "norm_rope_heads")  # a prepared attention step's
     if norm_rope is not None:
         x, table = np.ones((1, 1, 2), dtype=np.float32), ones.copy()

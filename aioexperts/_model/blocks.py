@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from aioexperts._compute import fused as _fused
 from aioexperts._compute.attention import attend
 from aioexperts._compute.decode_attention import RowAttention
 from aioexperts._compute.norms import rms_norm
@@ -93,6 +94,10 @@ BlockFactory = Callable[[ModelHParams, TensorReader, int], AttentionBlock]
 """``factory(hparams, reader, layer) -> AttentionBlock``: reads the layer's tensors (blocking)."""
 
 
+#: a key of GQABlock._row_steps with no step made yet (None: made, and none serves)
+_UNMADE: RowAttention | None = object()  # type: ignore[assignment]
+
+
 class GQABlock:
     """Grouped-query attention with RoPE (llama-graph.cpp ``build_qkv``, ``build_attn``; see module docstring).
 
@@ -146,7 +151,9 @@ class GQABlock:
         else:
             self.scale = 1.0 / math.sqrt(self.rope.n_rot if rec.name == "gpt-oss" else dk)
         self.window = hp.window(layer)
-        self._row_steps: dict[int, RowAttention | None] = {}  # pool threads -> one-token step
+        # (pool threads, precision, kernel backend) -> one-token step: a switch of the arithmetic
+        # or of the kernels after load takes another step (or none), as the executor's row steps do
+        self._row_steps: dict[tuple[int, str, str], RowAttention | None] = {}
 
     def cache_shapes(self) -> Mapping[str, tuple[int, ...]]:
         """``{"k": (n_head_kv, head_k), "v": (n_head_kv, head_v)}``."""
@@ -159,9 +166,11 @@ class GQABlock:
         same bits either way)."""
         if x.shape[0] == 1:
             parts = compute_pool().n_threads
-            if parts not in self._row_steps:
+            key = (parts, _fused.precision(), _fused.backend().name)
+            step = self._row_steps.get(key, _UNMADE)
+            if step is _UNMADE:
                 self.prepare_decode(parts)
-            step = self._row_steps[parts]
+                step = self._row_steps[key]
             if step is not None:
                 y = step.run(x, cache["k"], cache["v"], start)
                 if y is not None:
@@ -171,10 +180,12 @@ class GQABlock:
         return self._output(self.wo(out))
 
     def prepare_decode(self, parts: int) -> None:
-        """Make the prepared one-token step for a pool of ``parts`` threads now (at load), not in
-        the first decode step (about 0.2 ms a block). Blocking (a worker thread)."""
-        if parts not in self._row_steps:
-            self._row_steps[parts] = self._row_attention(parts)
+        """Make the prepared one-token step for a pool of ``parts`` threads and the current
+        precision and kernel backend now (at load), not in the first decode step (about 0.2 ms a
+        block). Blocking (a worker thread)."""
+        key = (parts, _fused.precision(), _fused.backend().name)
+        if key not in self._row_steps:
+            self._row_steps[key] = self._row_attention(parts)
 
     def _row_attention(self, parts: int) -> RowAttention | None:
         """The prepared one-token step of this block for a pool of ``parts`` threads, or None where

@@ -261,7 +261,10 @@ async def test_a_first_decode_step_after_load_makes_no_step_and_compiles_nothing
         parts = compute_pool().n_threads
         blocks = [layer.block for layer in model.forward_pass.weights.layers]
         assert blocks and all(isinstance(b, GQABlock) for b in blocks)
-        assert all(parts in b._row_steps for b in blocks)  # made (None where no prepared step serves)
+        from aioexperts._compute import fused
+
+        key = (parts, fused.precision(), fused.backend().name)
+        assert all(key in b._row_steps for b in blocks)  # made (None where no prepared step serves)
         residents = model.runner.router.residents.values()
         assert all(r._row_plans for r in residents)
         await load_every_expert(model)
@@ -282,3 +285,46 @@ async def test_a_first_decode_step_after_load_makes_no_step_and_compiles_nothing
             await seq.forward([int(logits.argmax())])
             assert compute_pool().statistics().jobs - jobs == 2  # the embedding, then the held pass
             assert compiled == [] and made == []
+
+
+@needs
+@pytest.mark.parametrize("switch", ["backend", "precision"])
+async def test_a_switch_of_kernels_or_precision_after_load_is_what_decodes(
+    switch: str, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attention steps made at load serve the kernels and precision of load: after
+    ``set_backend("numpy")`` or ``set_precision("float")`` a decode computes as a model loaded
+    after the switch does (bit for bit), not with the prepared int8 step (qwen3moe-q8_0's Q8_0
+    attention has one)."""
+    from aioexperts._compute import fused
+
+    path = FIXTURES.get("qwen3moe-q8_0")
+    if path is None:
+        pytest.skip("qwen3moe-q8_0 not among the fixtures")
+    tokens = [11, 22, 33, 44, 55, 6]
+
+    def switch_on() -> None:
+        if switch == "backend":
+            fused.set_backend("numpy")
+        else:
+            fused.set_precision("float")
+
+    async def decode_logits(model: aioexperts.Model) -> np.ndarray:
+        async with model.sequence() as seq:
+            return np.concatenate([await seq.forward([t]) for t in tokens])
+
+    try:
+        switch_on()
+        async with aioexperts.load(path, n_ctx=64) as model:
+            want = await decode_logits(model)
+        fused.set_backend(None)
+        fused.set_precision(None)
+        async with aioexperts.load(path, n_ctx=64) as model:
+            before = await decode_logits(model)
+            switch_on()
+            got = await decode_logits(model)
+    finally:
+        fused.set_backend(None)
+        fused.set_precision(None)
+    assert not np.array_equal(before, want)  # the switch changes the numbers: the test can tell
+    assert np.array_equal(got, want)
