@@ -797,7 +797,15 @@ def expert_outputs(
 def _group_classes(resident: ResidentLayer, hparams: MoEHParams, views: Sequence[ExpertView]) -> list[list[int]] | None:
     """:func:`~aioexperts._compute.decode_experts.group_classes` of one token's experts, or None
     (the per-expert path) where the layer has per-expert scales or biases or scales the input."""
-    if (
+    if not _groups_serve(resident, hparams):
+        return None
+    return group_classes(views)
+
+
+def _groups_serve(resident: ResidentLayer, hparams: MoEHParams) -> bool:
+    """Whether a layer's experts may go as groups (:func:`expert_group`, a :class:`RowStep`): no
+    per-expert scales or biases, no weights applied to the input."""
+    return not (
         hparams.weights_before_experts
         or resident.gate_exps_scale is not None
         or resident.up_exps_scale is not None
@@ -805,9 +813,7 @@ def _group_classes(resident: ResidentLayer, hparams: MoEHParams, views: Sequence
         or resident.gate_exps_bias is not None
         or resident.up_exps_bias is not None
         or resident.down_exps_bias is not None
-    ):
-        return None
-    return group_classes(views)
+    )
 
 
 def _grouped_outputs(
@@ -918,15 +924,7 @@ def _row_step_for_layout(plan: MoEPlan, layout: LayoutKey) -> RowStep | None:
     views path then makes the step, or raises what a view that does not fit raises) where it would
     not give one, or where the layout's shapes do not fit the layer as :func:`_check_view` wants."""
     resident, hparams = plan.resident, plan.hparams
-    if (
-        hparams.weights_before_experts
-        or resident.gate_exps_scale is not None
-        or resident.up_exps_scale is not None
-        or resident.down_exps_scale is not None
-        or resident.gate_exps_bias is not None
-        or resident.up_exps_bias is not None
-        or resident.down_exps_bias is not None
-    ):
+    if not _groups_serve(resident, hparams):
         return None
     _, (gate_shape, up_shape, down_shape), _ = layout
     n_embd, width = hparams.n_embd, hparams.expert_width(resident.layer)
