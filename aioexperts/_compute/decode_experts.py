@@ -43,12 +43,24 @@ def group_classes(views: Sequence[ExpertView]) -> list[list[int]] | None:
     for i, v in enumerate(views):
         key = (v.gate.ggml_type, v.up.ggml_type, v.down.ggml_type, v.gate.shape, v.up.shape, v.down.shape)
         classes.setdefault(key, []).append(i)
-    for gate_t, up_t, down_t, gate_shape, up_shape, down_shape in classes:
-        if gate_shape != up_shape or down_shape[1] != gate_shape[0]:
-            return None
-        if any(product_task(t) is None for t in {gate_t, up_t, down_t}):
-            return None
+    if not all(_class_served(*key) for key in classes):
+        return None
     return list(classes.values()) or None
+
+
+def _class_served(
+    gate_t: GGMLQuantizationType,
+    up_t: GGMLQuantizationType,
+    down_t: GGMLQuantizationType,
+    gate_shape: Shape,
+    up_shape: Shape,
+    down_shape: Shape,
+) -> bool:
+    """Whether :func:`expert_group` serves experts of these types and shapes: gate and up of one
+    shape, a down as wide as the gate's rows (no zero padding), a group kernel for every type."""
+    if gate_shape != up_shape or down_shape[1] != gate_shape[0]:
+        return False
+    return all(product_task(t) is not None for t in {gate_t, up_t, down_t})
 
 
 def expert_group(x: np.ndarray, views: Sequence[ExpertView], activation: GatedActivation) -> np.ndarray | None:
@@ -323,9 +335,9 @@ def row_step_for_layout(layout: LayoutKey, n: int, activation: GatedActivation) 
     for such views: gate and up not of one type and shape, a down width other than the gate's, no
     group kernel for a type, no compiled sum. The caller checked the shapes against the model."""
     (gate_t, up_t, down_t), (gate_shape, up_shape, down_shape), _ = layout
-    if n < 1 or gate_t != up_t or gate_shape != up_shape or len(down_shape) != 2 or down_shape[1] != gate_shape[0]:
+    if n < 1 or gate_t != up_t or len(down_shape) != 2:
         return None
-    if any(product_task(t) is None for t in {gate_t, down_t}):
+    if not _class_served(gate_t, up_t, down_t, gate_shape, up_shape, down_shape):
         return None
     if _fused.compiled_kernel("combine", "weighted_rows_sum") is None:
         return None

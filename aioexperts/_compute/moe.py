@@ -429,28 +429,30 @@ def router_row_logits(x: np.ndarray, resident: ResidentLayer, out: np.ndarray) -
 def prepare_router_row(resident: ResidentLayer) -> None:
     """Make the plan of :func:`router_row_logits` for the current compute pool now (at load), not
     in the first decode step. Nothing where numba does not serve."""
+    _router_row_plan(resident)
+
+
+def _router_row_plan(resident: ResidentLayer) -> Any:
+    """The router's one-row split plan for the current compute pool (made once per pool size and
+    kept on ``resident``), or None where numba does not serve."""
     task = f32_task()
-    if task is not None:
-        pool = _pool_module._current_pool()
-        key = (1 if pool is None else pool.n_threads, task.address)
-        if key not in resident._row_plans:
-            resident._row_plans.setdefault(key, f32_split_plan(resident.router, key[0]))
+    if task is None:
+        return None
+    pool = _pool_module._current_pool()
+    key = (1 if pool is None else pool.n_threads, task.address)
+    plan = resident._row_plans.get(key)
+    if plan is None:
+        plan = resident._row_plans.setdefault(key, f32_split_plan(resident.router, key[0]))
+    return plan
 
 
 def _row_logits(x: np.ndarray, resident: ResidentLayer, out: np.ndarray) -> None:
     """:func:`router_row_logits` of arguments already checked."""
-    router = resident.router
-    task = f32_task()
-    if task is not None:
-        pool = _pool_module._current_pool()
-        key = (1 if pool is None else pool.n_threads, task.address)
-        plan = resident._row_plans.get(key)
-        if plan is None:
-            plan = resident._row_plans.setdefault(key, f32_split_plan(router, key[0]))
-        if plan is not None and plan.run(x, out):
-            return
+    plan = _router_row_plan(resident)
+    if plan is not None and plan.run(x, out):
+        return
     with np.errstate(over="ignore", invalid="ignore"):  # the compiled product warns of nothing either
-        np.matmul(x[0], router.T, out=out)
+        np.matmul(x[0], resident.router.T, out=out)
 
 
 def route(

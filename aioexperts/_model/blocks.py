@@ -166,11 +166,7 @@ class GQABlock:
         same bits either way)."""
         if x.shape[0] == 1:
             parts = compute_pool().n_threads
-            key = (parts, _fused.precision(), _fused.backend().name)
-            step = self._row_steps.get(key, _UNMADE)
-            if step is _UNMADE:
-                self.prepare_decode(parts)
-                step = self._row_steps[key]
+            step = self._row_step(parts)
             if step is not None:
                 y = step.run(x, cache["k"], cache["v"], start)
                 if y is not None:
@@ -183,9 +179,16 @@ class GQABlock:
         """Make the prepared one-token step for a pool of ``parts`` threads and the current
         precision and kernel backend now (at load), not in the first decode step (about 0.2 ms a
         block). Blocking (a worker thread)."""
+        self._row_step(parts)
+
+    def _row_step(self, parts: int) -> RowAttention | None:
+        """The prepared one-token step for ``parts`` threads, the current precision and kernel
+        backend (made on first use), or None where none serves."""
         key = (parts, _fused.precision(), _fused.backend().name)
-        if key not in self._row_steps:
-            self._row_steps[key] = self._row_attention(parts)
+        step = self._row_steps.get(key, _UNMADE)
+        if step is _UNMADE:
+            step = self._row_steps[key] = self._row_attention(parts)
+        return step
 
     def _row_attention(self, parts: int) -> RowAttention | None:
         """The prepared one-token step of this block for a pool of ``parts`` threads, or None where
