@@ -50,6 +50,7 @@ __all__ = (
     "expert_rows",
     "moe_forward",
     "plan_moe",
+    "prepare_row_step",
     "route",
     "router_logits",
 )
@@ -897,15 +898,29 @@ def row_ffn_out_at(plan: MoEPlan, table: ExpertTable, steps: RowSteps) -> np.nda
     ids = plan.ids
     if ids.shape[0] != 1 or len(plan.positions) != ids.shape[1] or ids.dtype != np.int64:
         return None
-    layer = plan.resident.layer
-    step = steps.get(layer)
-    if step is None and layer not in steps:  # no step yet: made from the table's layout, no views
-        step = _row_step_for_layout(plan, table.layout)
-        if step is not None:
-            steps[layer] = step
-    if step is None or step is _NO_STEP or step.n != ids.shape[1] or step.layout != table.layout:
+    step = prepare_row_step(plan.resident, plan.hparams, ids.shape[1], table, steps)
+    if step is None or step.n != ids.shape[1] or step.layout != table.layout:
         return None
     return _with_shared(plan, step.run_at(plan.x, ids[0], table.addresses, plan.weights[0]))
+
+
+def prepare_row_step(
+    resident: ResidentLayer, hparams: MoEHParams, k: int, table: ExpertTable, steps: RowSteps
+) -> RowStep | None:
+    """The decode step :func:`row_ffn_out_at` runs for ``k`` experts of ``resident``'s layer located
+    by ``table``: the one in ``steps``, or one made now from the table's layout (no views) and kept
+    there; None where the layer has no such step (the views path serves it).
+
+    A prefill of a model held whole calls this for every layer (:meth:`aioexperts._executor.ResidentPass.prepare`)
+    so that the first decode token makes none.
+    """
+    layer = resident.layer
+    step = steps.get(layer)
+    if step is None and layer not in steps:  # no step yet: made from the table's layout, no views
+        step = _row_step_for_layout(resident, hparams, k, table.layout)
+        if step is not None:
+            steps[layer] = step
+    return None if step is _NO_STEP else step
 
 
 def _with_shared(plan: MoEPlan, y: np.ndarray | None) -> np.ndarray | None:
@@ -921,11 +936,10 @@ def _with_shared(plan: MoEPlan, y: np.ndarray | None) -> np.ndarray | None:
 _NO_STEP: RowStep | None = object()  # type: ignore[assignment]
 
 
-def _row_step_for_layout(plan: MoEPlan, layout: LayoutKey) -> RowStep | None:
-    """:func:`_new_row_step` for experts of ``layout`` (a layer's table), or None (not kept: the
+def _row_step_for_layout(resident: ResidentLayer, hparams: MoEHParams, k: int, layout: LayoutKey) -> RowStep | None:
+    """:func:`_new_row_step` for ``k`` experts of ``layout`` (a layer's table), or None (not kept: the
     views path then makes the step, or raises what a view that does not fit raises) where it would
     not give one, or where the layout's shapes do not fit the layer as :func:`_check_view` wants."""
-    resident, hparams = plan.resident, plan.hparams
     if not _groups_serve(resident, hparams):
         return None
     _, (gate_shape, up_shape, down_shape), _ = layout
@@ -935,7 +949,7 @@ def _row_step_for_layout(plan: MoEPlan, layout: LayoutKey) -> RowStep | None:
         return None
     if len(down_shape) != 2 or down_shape[0] != n_embd or down_shape[1] < rows:
         return None
-    return row_step_for_layout(layout, plan.ids.shape[1], expert_activation(hparams, resident.layer))
+    return row_step_for_layout(layout, k, expert_activation(hparams, resident.layer))
 
 
 def _new_row_step(plan: MoEPlan, views: Sequence[ExpertView]) -> RowStep | None:

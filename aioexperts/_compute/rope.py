@@ -84,7 +84,8 @@ class RopeTable:
 
     Each position's values are :func:`rope_cos_sin`'s for that position (the formula is per
     position), so a slice of the table replaces a call per token and layer. Thread-safe: a call
-    that needs more positions builds a larger table (at least twice the size) and swaps it in.
+    that needs more positions builds a larger table (twice the positions asked, at least twice
+    its size) and swaps it in.
 
     Args:
         params: the RoPE parameters.
@@ -122,7 +123,8 @@ class RopeTable:
             with self._lock:
                 cos, sin = self._table
                 if end > cos.shape[0]:
-                    size = max(end, 2 * cos.shape[0], self.MIN_POSITIONS)
+                    # twice what is asked: a prefill's table has room for the decode tokens after it
+                    size = max(2 * end, 2 * cos.shape[0], self.MIN_POSITIONS)
                     cos, sin = rope_cos_sin(self.params, np.arange(size), self.freq_factors)
                     cos.flags.writeable = sin.flags.writeable = False
                     self._table = (cos, sin)

@@ -37,6 +37,9 @@ def test_rope_table_is_rope_cos_sin_per_position(params: RopeParams) -> None:
         np.testing.assert_array_equal(sin, want_sin)
     assert table.size >= 2000
     assert rope_table(params, factors) is rope_table(params, factors.copy())
+    fresh = RopeTable(params, factors)
+    fresh.cos_sin(0, 300)  # a prefill of 300 positions: room for as many decode tokens after it
+    assert fresh.size == 600
     assert rope_table(params) is not rope_table(params, factors)
 
 

@@ -127,8 +127,9 @@ async def test_no_held_pass_with_a_slab_smaller_than_the_model(anyio_backend: ob
 
 @needs
 async def test_a_long_prompt_goes_layer_by_layer(anyio_backend: object) -> None:
-    """Up to HELD_MAX_ROWS rows in one job; a longer prompt keeps a hand-off per layer (a
-    cancellation waits for one layer, not the whole prompt)."""
+    """Up to HELD_MAX_ROWS rows in one job (the embedding's job before it, the decode preparation's
+    after it: 3); a longer prompt keeps a hand-off per layer (a cancellation waits for one layer,
+    not the whole prompt)."""
     from aioexperts._model.forward import HELD_MAX_ROWS
 
     pool = compute_pool()
@@ -139,7 +140,7 @@ async def test_a_long_prompt_goes_layer_by_layer(anyio_backend: object) -> None:
                 n = pool.statistics().jobs
                 await seq.forward([1 + i % 50 for i in range(n_rows)])
                 jobs = pool.statistics().jobs - n
-            assert (jobs == 2) is held, (n_rows, jobs)
+            assert (jobs == 3) is held, (n_rows, jobs)
 
 
 @pytest.mark.parametrize("found_by", ["views", "table"])
@@ -250,11 +251,14 @@ async def test_a_first_decode_step_after_load_makes_no_step_and_compiles_nothing
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What a first decode step would make per layer is made at load (each GQA block's prepared
-    attention step, each router's one-row plan), and every kernel the held pass calls was compiled
-    or loaded then: the first decode token makes no attention step and compiles nothing (a
-    kernel's first call, loaded from the cache, costs several milliseconds there)."""
+    attention step, each router's one-row plan) or after the prefill (each layer's expert table and
+    expert step), and every kernel the held pass calls was compiled or loaded then: the first
+    decode token makes no step or table and compiles nothing (a kernel's first call, loaded from
+    the cache, costs several milliseconds there)."""
     import numba.core.dispatcher as dispatcher
 
+    from aioexperts._cache.cache import ExpertCache
+    from aioexperts._compute import moe
     from aioexperts._model.blocks import GQABlock
 
     async with aioexperts.load(FIXTURES["qwen3moe-q4_k_m"], n_ctx=64) as model:
@@ -277,14 +281,22 @@ async def test_a_first_decode_step_after_load_makes_no_step_and_compiles_nothing
                 compiled.append(getattr(self, "py_func", self).__name__)  # type: ignore[attr-defined]
                 return plain(self, *args, **kw)  # type: ignore[arg-type]
 
-            made: list[int] = []
+            made: list[object] = []
             prepare = GQABlock.prepare_decode
+            for_layout = moe._row_step_for_layout
+            ready_all = ExpertCache.ready_full_all
             monkeypatch.setattr(dispatcher._DispatcherBase, "_compile_for_args", spy)
             monkeypatch.setattr(GQABlock, "prepare_decode", lambda self, n: made.append(n) or prepare(self, n))
+            monkeypatch.setattr(moe, "_row_step_for_layout", lambda *a: made.append("step") or for_layout(*a))
+            monkeypatch.setattr(
+                ExpertCache, "ready_full_all", lambda self, keys: made.append("table") or ready_all(self, keys)
+            )
             jobs = compute_pool().statistics().jobs
             await seq.forward([int(logits.argmax())])
             assert compute_pool().statistics().jobs - jobs == 2  # the embedding, then the held pass
             assert compiled == [] and made == []
+            steps = model.runner._executor._row_steps[(fused.precision(), fused.backend().name)]
+            assert sorted(steps) == sorted(model.runner.router.residents)  # a step for every layer
 
 
 @needs
