@@ -898,8 +898,10 @@ def row_ffn_out_at(plan: MoEPlan, table: ExpertTable, steps: RowSteps) -> np.nda
     ids = plan.ids
     if ids.shape[0] != 1 or len(plan.positions) != ids.shape[1] or ids.dtype != np.int64:
         return None
-    step = prepare_row_step(plan.resident, plan.hparams, ids.shape[1], table, steps)
-    if step is None or step.n != ids.shape[1] or step.layout != table.layout:
+    step = steps.get(plan.resident.layer)
+    if step is None:  # made after a prefill (ResidentPass.prepare), else here
+        step = prepare_row_step(plan.resident, plan.hparams, ids.shape[1], table, steps)
+    if step is None or step is _NO_STEP or step.n != ids.shape[1] or step.layout != table.layout:
         return None
     return _with_shared(plan, step.run_at(plan.x, ids[0], table.addresses, plan.weights[0]))
 
