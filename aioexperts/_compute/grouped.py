@@ -467,6 +467,9 @@ def warm_decode_kernels(types: Iterable[GGMLQuantizationType], f16_cache: bool) 
     tail = _fused.compiled_kernel("glu", "silu_mul_tail")
     if tail is not None:
         tail(row.copy(), row.copy(), row.copy(), row.copy())
+    negate = _fused.compiled_kernel("glu", "negate_rows")
+    if negate is not None:
+        negate(row.copy(), row.copy())
     if f16_cache and _fused.flash_task_address() is not None:
         from .kernels import flash
 

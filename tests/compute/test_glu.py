@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -54,3 +56,29 @@ def test_arrays_the_tail_does_not_take_go_through_numpy() -> None:
     with np.errstate(invalid="ignore"):
         glu.swiglu(one, u[0].copy(), tmp1, out1)
     assert np.array_equal(out1.view(np.uint32), want[0].view(np.uint32))
+
+
+@pytest.mark.parametrize("low", [-80.0, -87.9, -88.0, -88.1, -89.0, -104.0])
+def test_the_compiled_negation_says_when_exp_may_overflow_and_keeps_numpys_bits(low: float) -> None:
+    """``negate_rows`` is ``np.negative`` bit for bit (NaN signs too) and says True exactly when a
+    ``-g`` exceeds 88 (numpy's ``exp`` overflows from 88.72); the SwiGLU then gives numpy's bits
+    with warnings as errors, whichever way it went."""
+    from aioexperts._compute.kernels.glu import EXP_OVERFLOW_FROM
+
+    negate = fused.compiled_kernel("glu", "negate_rows")
+    assert negate is not None
+    rng = np.random.default_rng(7)
+    g = rng.uniform(low, 20.0, size=(8, 768)).astype(np.float32)
+    g[0, :4] = [np.nan, -np.nan, 0.0, -0.0]
+    g[1, 0] = np.float32(low)
+    tmp = np.empty_like(g)
+    said = negate(g, tmp)
+    assert np.array_equal(tmp.view(np.uint32), np.negative(g).view(np.uint32))
+    assert said == bool(np.nanmax(-g) > EXP_OVERFLOW_FROM)
+    u = rng.standard_normal(g.shape).astype(np.float32)
+    want = _numpy_swiglu(g, u)
+    gg, tmp2, out = g.copy(), np.empty_like(g), np.empty_like(g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        glu.swiglu(gg, u.copy(), tmp2, out)
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
