@@ -451,7 +451,9 @@ def warm_decode_kernels(types: Iterable[GGMLQuantizationType], f16_cache: bool) 
     # the prepared steps' small compiled calls, with the argument types a decode step gives them
     # (each a load from the kernel cache, several milliseconds, on its first call)
     desc = np.zeros(GROUP_DESC_SIZE, dtype=np.int64)
-    bind_two = _fanout_module().bind_two  # SplitPlan.run, on a writable input and on a read-only one
+    fanout = _fanout_module()
+    fanout.run_inline(0, int(desc.ctypes.data), 0)  # a pool of one thread runs every fan-out so (no item here)
+    bind_two = fanout.bind_two  # SplitPlan.run, on a writable input and on a read-only one
     bind_two(desc, G_X, row, G_OUT_BASE, weight.copy())
     frozen = row.copy()
     frozen.flags.writeable = False
@@ -476,3 +478,9 @@ def warm_decode_kernels(types: Iterable[GGMLQuantizationType], f16_cache: bool) 
         set_cache: Any = flash.set_flash_cache  # untyped (the kernels package)
         cache16 = np.zeros((2, 1, 32), dtype=np.float16).view(np.uint16)  # as a KV cache's bit view
         set_cache(np.zeros(flash.FLASH_DESC_SIZE, dtype=np.int64), cache16, cache16, 1, 0)
+        # the one-call flash attention, which a decode takes where its heads do not fan out
+        # (fused.flash_splits) even after a prefill whose attention did: a decode step's types
+        q = np.zeros((1, 1, 32), dtype=np.float32)
+        sinks = np.zeros(0, dtype=np.float32)
+        attend: Any = flash.flash_attend_f16_bits
+        attend(q, cache16[:1], cache16[:1], 0, np.float32(1.0), sinks, 0, q.copy(), 0, 1)

@@ -84,8 +84,8 @@ class RopeTable:
 
     Each position's values are :func:`rope_cos_sin`'s for that position (the formula is per
     position), so a slice of the table replaces a call per token and layer. Thread-safe: a call
-    that needs more positions builds a larger table (twice the positions asked, at least twice
-    its size) and swaps it in.
+    that needs more positions builds a larger table (the positions asked plus as many again, at
+    most :attr:`GROW_AHEAD` more, and at least twice its size) and swaps it in.
 
     Args:
         params: the RoPE parameters.
@@ -93,6 +93,8 @@ class RopeTable:
     """
 
     MIN_POSITIONS = 256
+    #: positions a growth adds past the ones asked for, at most (a long prompt's table is not doubled)
+    GROW_AHEAD = 4096
 
     def __init__(self, params: RopeParams, freq_factors: np.ndarray | None = None) -> None:
         self.params = params
@@ -123,8 +125,10 @@ class RopeTable:
             with self._lock:
                 cos, sin = self._table
                 if end > cos.shape[0]:
-                    # twice what is asked: a prefill's table has room for the decode tokens after it
-                    size = max(2 * end, 2 * cos.shape[0], self.MIN_POSITIONS)
+                    # room past what is asked (up to GROW_AHEAD): a prefill's table has room for
+                    # the decode tokens after it
+                    ahead = min(end, self.GROW_AHEAD)
+                    size = max(end + ahead, 2 * cos.shape[0], self.MIN_POSITIONS)
                     cos, sin = rope_cos_sin(self.params, np.arange(size), self.freq_factors)
                     cos.flags.writeable = sin.flags.writeable = False
                     self._table = (cos, sin)

@@ -40,6 +40,9 @@ def test_rope_table_is_rope_cos_sin_per_position(params: RopeParams) -> None:
     fresh = RopeTable(params, factors)
     fresh.cos_sin(0, 300)  # a prefill of 300 positions: room for as many decode tokens after it
     assert fresh.size == 600
+    long = RopeTable(params, factors)
+    long.cos_sin(0, 10_000)  # a long prompt's table gets GROW_AHEAD positions more, not twice
+    assert long.size == 10_000 + RopeTable.GROW_AHEAD
     assert rope_table(params) is not rope_table(params, factors)
 
 

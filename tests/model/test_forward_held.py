@@ -246,6 +246,60 @@ def test_a_store_closed_during_a_held_pass_never_leaves_it_computing_on_unmapped
     assert set(out) <= {"finite", "StoreClosedError"}, out
 
 
+_FIRST_DECODE_COMPILES = r"""
+import json, sys
+import anyio
+import numba.core.dispatcher as dispatcher
+import aioexperts
+from aioexperts._compute.pool import configure_compute_pool
+
+path, threads, n_prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+configure_compute_pool(threads)
+
+async def main():
+    async with aioexperts.load(path, n_ctx=64) as model:
+        store = model.store
+        for layer, moe in store.layout.layers.items():
+            async with store.experts(layer, range(moe.n_experts)):
+                pass
+        async with model.sequence() as seq:
+            logits = (await seq.forward([(11 * i) % 64 for i in range(n_prompt)]))[-1]
+            compiled = []
+            plain = dispatcher._DispatcherBase._compile_for_args
+
+            def spy(self, *args, **kw):
+                compiled.append(getattr(self, "py_func", self).__name__)
+                return plain(self, *args, **kw)
+
+            dispatcher._DispatcherBase._compile_for_args = spy
+            await seq.forward([int(logits.argmax())])
+            dispatcher._DispatcherBase._compile_for_args = plain
+    print(json.dumps(compiled))
+
+anyio.run(main)
+"""
+
+
+@needs
+@pytest.mark.parametrize(("threads", "n_prompt"), [(2, 40), (1, 5)])
+def test_a_first_decode_token_in_a_fresh_process_compiles_nothing(threads: int, n_prompt: int) -> None:
+    """In a fresh process (numba's compiled signatures are per process): after a prompt whose flash
+    attention fanned out while the decode's does not (40 positions, 4 heads), and on a pool of one
+    thread (every fan-out inline), the first decode token loads no kernel: `warm_decode_kernels`
+    loaded the one-call flash attention and `run_inline` at load."""
+    path = FIXTURES.get("qwen3moe-q4_k_m")
+    if path is None:
+        pytest.skip("qwen3moe-q4_k_m not among the fixtures")
+    run = subprocess.run(
+        [sys.executable, "-c", _FIRST_DECODE_COMPILES, str(path), str(threads), str(n_prompt)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, (run.returncode, run.stderr[-3000:])
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == []
+
+
 @needs
 async def test_a_first_decode_step_after_load_makes_no_step_and_compiles_nothing(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
