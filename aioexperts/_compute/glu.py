@@ -43,7 +43,7 @@ def swiglu(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> No
     the caches cold), and the tail. A decode layer's Python runs with the caches its weights
     flushed, where each numpy call costs several microseconds."""
     tail = _fused.compiled_kernel("glu", "silu_mul_tail") if g.ndim == 2 else None
-    if (
+    compiled = (
         tail is not None
         and g.dtype == tmp.dtype == u.dtype == out.dtype == np.float32
         and g.shape == tmp.shape == u.shape == out.shape
@@ -51,19 +51,21 @@ def swiglu(g: np.ndarray, u: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> No
         and tmp.flags.c_contiguous
         and u.flags.c_contiguous
         and out.flags.c_contiguous
-    ):
-        negate = _fused.compiled_kernel("glu", "negate_rows")
-        if negate is not None and not negate(g, tmp):
-            np.exp(tmp, out=tmp)  # nothing above 88: no overflow to silence
-        else:
-            np.negative(g, out=tmp)
-            with np.errstate(over="ignore"):
-                np.exp(tmp, out=tmp)
+    )
+    negate = _fused.compiled_kernel("glu", "negate_rows") if compiled else None
+    if negate is None:
+        np.negative(g, out=tmp)
+        may_overflow = True
+    else:
+        may_overflow = negate(g, tmp)
+    if may_overflow:
+        with np.errstate(over="ignore"):
+            np.exp(tmp, out=tmp)
+    else:
+        np.exp(tmp, out=tmp)  # nothing above 88: no overflow to silence
+    if compiled and tail is not None:
         tail(g, tmp, u, out)
         return
-    np.negative(g, out=tmp)
-    with np.errstate(over="ignore"):
-        np.exp(tmp, out=tmp)
     tmp += np.float32(1.0)
     np.divide(g, tmp, out=g)
     np.multiply(g, u, out=out)
