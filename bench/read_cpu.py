@@ -17,6 +17,10 @@ token's), plans their aligned reads once, and runs, in rotated order, the same r
   (``backend="io_uring_raw"``: what AVX2-only machines run) or on the thread pool; ``--tasks``
   tasks ask ``store.experts(layer, ids)`` for the groups; a fresh store per run, so every expert
   is a miss.
+- ``store-null``: the same store calls over :class:`aioexperts.testing.FakeBackend` with
+  ``read=False`` (every read delivered as complete on the next loop tick, nothing read): the CPU
+  of the store's own bookkeeping (cache, scheduler, views, the tasks) with no backend, no system
+  call and no wake-up, a floor under the store's figures. Its bytes are the bytes requested.
 
 CPU is this process's (or fio's) user + system time around the reads only (``resource.getrusage``;
 io_uring's kernel workers are threads of the process and count). The page cache is dropped
@@ -58,10 +62,10 @@ from aioexperts._io.uring_raw import (
     SYS_IO_URING_ENTER,
     RawRing,
 )
-from aioexperts.testing import full_model_path
+from aioexperts.testing import FakeBackend, full_model_path
 from aioexperts_bench import GIB, ReadList, drop_page_cache, fio_path, run_fio_replay
 
-METHODS = ("fio", "raw-python", "raw-numba", "store-io_uring", "store-io_uring_raw", "store-threads")
+METHODS = ("fio", "raw-python", "raw-numba", "store-io_uring", "store-io_uring_raw", "store-threads", "store-null")
 #: the 48-layer built-in full model, as the generator names it now (aioexperts-bench --mode generate writes it)
 DEFAULT_MODEL = full_model_path(48)
 
@@ -297,7 +301,13 @@ async def through_store(
 ) -> tuple[int, float, float, dict[str, Any]]:
     """The store's reads of ``groups``: (bytes read, CPU s, wall s, details); the details hold the
     backend's features and the read window's own user s, system s and wake-ups."""
-    io = aioexperts.IOOptions(backend=backend, queue_depth=depth)
+    chosen: Any = backend
+    if backend == "null":  # the bookkeeping alone: every read "completes" at once, nothing is read
+
+        def chosen(*a: Any) -> FakeBackend:
+            return FakeBackend(*a, auto=True, read=False)
+
+    io = aioexperts.IOOptions(backend=chosen, queue_depth=depth)
     async with aioexperts.open(path, slots=max(4 * top_k * tasks, 64), io=io) as store:
         queue = list(groups)
 
@@ -312,7 +322,7 @@ async def through_store(
         u1, wall = usage(), time.perf_counter() - w0
         cpu = (u1[0] - u0[0]) + (u1[1] - u0[1])
         st = store.statistics()
-        assert st.direct_io, f"the bench needs O_DIRECT: {st.buffered_reason}"
+        assert st.direct_io or backend == "null", f"the bench needs O_DIRECT: {st.buffered_reason}"
         window = {"window_user_s": u1[0] - u0[0], "window_sys_s": u1[1] - u0[1], "window_wakeups": u1[2] - u0[2]}
         return st.bytes_read, cpu, wall, {"backend": st.backend, **st.backend_features, **window}
 

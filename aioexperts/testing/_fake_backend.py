@@ -34,6 +34,9 @@ class FakeBackend(IOBackend):
         fault: optional per-op override of the result (see :data:`Fault`).
         delay: with ``auto``, deliver each submission's reads this many seconds after it (a device
             of known latency, for stall timing; a timer thread hands them to the loop).
+        read: False to deliver every read as complete without reading anything (the slot keeps
+            whatever it held): the store's own CPU per read with no I/O, for ``bench/read_cpu.py``.
+            A ``fault`` still sets the result.
 
     Attributes:
         pending: submitted ops not completed yet.
@@ -55,6 +58,7 @@ class FakeBackend(IOBackend):
         fault: Fault | None = None,
         seed: int = 0,
         delay: float = 0.0,
+        read: bool = True,
     ) -> None:
         super().__init__(files, slab, loop, depth)
         self.auto = auto
@@ -69,9 +73,10 @@ class FakeBackend(IOBackend):
         if not delay >= 0.0:
             raise ValueError(f"delay must be >= 0 seconds, got {delay!r}")
         self.delay = float(delay)
+        self.read = read
 
     def features(self) -> dict[str, Any]:
-        return {"order": self.order, "auto": self.auto}
+        return {"order": self.order, "auto": self.auto, "read": self.read}
 
     def submit(self, ops: Sequence[ReadOp]) -> None:
         if self.closed:
@@ -117,7 +122,9 @@ class FakeBackend(IOBackend):
     def _complete(self, op: ReadOp, result: int | Exception | None) -> None:
         if result is None and self.fault is not None:
             result = self.fault(op)
-        if not isinstance(result, Exception):
+        if not self.read:
+            result = op.n_bytes if result is None else result
+        elif not isinstance(result, Exception):
             with self.slab.writable_view(op.slot, op.slot_offset, op.n_bytes) as view:
                 n = os.preadv(self.files.fds[op.shard], [view], op.file_offset)
                 if result is not None and result < n:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -113,3 +114,18 @@ def test_decode_share_is_bytes_per_token_times_cpu_per_gib_over_the_token(read_c
     assert row["limit"] == "1/4" and row["rounds"] == 3
     assert row["mib_per_token"] == 2048 and row["token_ms"] == 500.0
     assert row["read_cpu_ms"] == 20.0 and row["share"] == 20.0 / 500.0
+
+
+def test_store_null_counts_the_same_bytes_as_the_store_that_reads(model: Path, tmp_path: Path) -> None:
+    """``store-null`` (the store's bookkeeping over a backend that reads nothing) runs the same
+    groups as the reading store: the same bytes, a row per round, no O_DIRECT needed."""
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, str(BENCH / "read_cpu.py"), "--model", str(model), "--groups", "2", "--rounds", "2"]
+    cmd += ["--top-k", "2", "--methods", "store-threads,store-null", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    for row in result["rounds"]:
+        assert row["store-null"]["bytes"] == row["store-threads"]["bytes"] > 0
+        assert row["store-null"]["backend"] == "fake" and row["store-null"]["cpu_s_per_gib"] > 0
+    assert "store-null" in result["summary"]

@@ -161,3 +161,34 @@ async def test_reads_queued_beyond_the_depth_go_out_as_completions_make_room(
                     assert bytes(view.down.data) == pread_segment(model, layout.locate(layer, e).down)
         st = store.statistics()
         assert st.reads >= 3 * len(ids) and st.submissions >= st.reads // 3  # at most 3 reads a submission
+
+
+async def test_a_fake_backend_that_does_not_read_delivers_full_reads_and_leaves_slots(anyio_backend: object) -> None:
+    """``FakeBackend(read=False)`` (``bench/read_cpu.py``'s ``store-null``): every read is counted as
+    complete, nothing of the file reaches the slab, a ``fault`` still sets the result."""
+    if not FIXTURES:
+        pytest.skip("shared fixtures not found")
+    path = FIXTURES[0]
+    async with aioexperts.open(path, slots=4, io=aioexperts.IOOptions(backend=fake(read=False))) as store:
+        model, layout = store.model, store.layout
+        layer, moe = next(iter(layout.layers.items()))
+        ids = list(range(min(2, moe.n_experts)))
+        with anyio.fail_after(20):
+            async with store.experts(layer, ids) as views:
+                for e, view in zip(ids, views, strict=True):
+                    seg = layout.locate(layer, e).gate
+                    assert any(pread_segment(model, seg))  # the file holds bytes the slab does not
+                    assert not any(bytes(view.gate.data)), "a fake backend with read=False read the file"
+        st = store.statistics()
+        assert st.misses == len(ids) and st.bytes_read >= st.payload_bytes > 0  # the aligned reads, all "read"
+        assert st.backend_features["read"] is False
+
+    def short(op: object) -> int:
+        return 0  # every read returns nothing: the load fails, as with a real backend
+
+    backend = fake(read=False, fault=short)
+    async with aioexperts.open(path, slots=4, io=aioexperts.IOOptions(backend=backend)) as store:
+        layer = next(iter(store.layout.layers))
+        with anyio.fail_after(20), pytest.raises(aioexperts.ExpertReadError):
+            async with store.experts(layer, [0]):
+                pass
