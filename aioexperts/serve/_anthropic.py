@@ -456,7 +456,7 @@ class AnthropicMessages:
                     text = "".join([piece.text async for piece in stream])
                 parser = prompt.parser(server.options.reasoning_format)
                 reply = parser.parse(text)
-                prompt.check(reply)
+                prompt.check(reply, truncated=self._truncated(gen))
                 content: list[dict[str, Any]] = []
                 if reply.reasoning:
                     content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
@@ -473,6 +473,11 @@ class AnthropicMessages:
                     server.metrics.cancelled += 1
                     raise
                 return self.error_response(_shutting_down())
+
+    @staticmethod
+    def _truncated(gen: Generation) -> bool:
+        """The reply stopped at its token limit (``max_tokens``) or the context's end."""
+        return _STOP_REASONS.get(gen.statistics.stop_reason or "") == "max_tokens"
 
     def _stop(self, gen: Generation, called: bool) -> tuple[str, str | None]:
         if called:
@@ -527,7 +532,8 @@ class AnthropicMessages:
                 deltas.append(d)
                 await send(b"".join(blocks.events(d)))
             await send(b"".join(blocks.close()))
-            prompt.check(Reply.join(deltas))  # tool_choice any / tool not followed: nothing held is sent
+            # tool_choice any / tool not followed: nothing held is sent (unless the reply was cut off)
+            prompt.check(Reply.join(deltas), truncated=self._truncated(gen))
             if held:
                 await resp.write(b"".join(held))
             reason, sequence = self._stop(gen, blocks.n_calls > 0)

@@ -283,6 +283,7 @@ class Server:
         app.router.add_post("/v1/messages", messages.create)
         app.router.add_post("/v1/messages/count_tokens", messages.count_tokens)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model:.+}", self._model)
         app.router.add_get("/health", self._health)
         app.router.add_get("/props", self._props)
         app.router.add_post("/tokenize", self._tokenize)
@@ -532,11 +533,24 @@ class Server:
 
     # -- the other endpoints --------------------------------------------------------------------
 
-    async def _models(self, request: web.Request) -> web.Response:
-        created = self._created
+    def _model_entry(self) -> dict[str, Any]:
         meta = {"n_ctx": self.model.n_ctx, "n_vocab": self.model.n_vocab, "architecture": self.model.hparams.arch}
-        entry = {"id": self.name, "object": "model", "created": created, "owned_by": "aioexperts", "meta": meta}
-        return _json_response({"object": "list", "data": [entry]})
+        return {"id": self.name, "object": "model", "created": self._created, "owned_by": "aioexperts", "meta": meta}
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return _json_response({"object": "list", "data": [self._model_entry()]})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}``: the model's entry, or 404 ``model_not_found`` for another id."""
+        name = request.match_info["model"]
+        if name != self.name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist here: this server serves {self.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return _json_response(self._model_entry())
 
     async def _health(self, request: web.Request) -> web.Response:
         if self._stopping:

@@ -7,13 +7,16 @@ function, up to its arguments: ``<tool_call>\\n{"name": "f", "arguments": ``), s
 continues a call; nothing constrains the tokens that follow (the ``structured`` extra's grammar engine
 is used for ``response_format`` and ``grammar`` only). The reply is then checked: one with no call
 (or a call of another function) is answered with a 422 ``tool_choice_not_followed`` error, never as
-a plain message: a streamed reply is held back until it passes the check (:attr:`ChatPrompt.demands_call`).
+a plain message, unless it stopped at its token limit (then it comes back as it is, ``finish_reason``
+``"length"``: the call may be what did not fit): a streamed reply is held back until it passes the check (:attr:`ChatPrompt.demands_call`).
 422, not 500, as the request cannot be carried out by this model and clients retry a 5xx (OpenAI's
 do, twice by default), where a greedy model says the same again. ``"none"`` leaves the tools out of
 the prompt and reads no calls.
 
 A template that never reads ``tools`` gets them in a system message (as llama.cpp's generic
-format does): their JSON schemas and the ``<tool_call>`` syntax to use.
+format does): their JSON schemas and the ``<tool_call>`` syntax to use. One that never reads
+``tool_calls`` gets an assistant's earlier calls in that syntax in its content, and each tool
+result inside ``<tool_response>`` (it would otherwise show an empty assistant turn and bare results).
 """
 
 from __future__ import annotations
@@ -85,8 +88,15 @@ class ChatPrompt:
         so a stream sends nothing of it before it ended and passed the check."""
         return self.tool_choice == "required" or self.tool_choice.startswith("function:")
 
-    def check(self, reply: Reply) -> None:
-        """Raise a 422 ``tool_choice_not_followed`` when the reply ignores ``tool_choice`` required / named."""
+    def check(self, reply: Reply, *, truncated: bool = False) -> None:
+        """Raise a 422 ``tool_choice_not_followed`` when the reply ignores ``tool_choice`` required / named.
+
+        A reply cut off by its token limit (``truncated``: ``finish_reason`` ``"length"``) is never
+        refused: the call may be the part that did not fit, and the client sees the cut in the
+        finish reason (as OpenAI's API reports a forced call cut by ``max_tokens``).
+        """
+        if truncated:
+            return
         if self.tool_choice == "required" and not reply.tool_calls:
             missing = "no tool call"
         elif self.tool_choice.startswith("function:"):
@@ -106,6 +116,28 @@ class ChatPrompt:
         )
 
 
+def _in_note_syntax(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A message for a template that never reads ``tool_calls``: an assistant's calls appended to its
+    content as ``<tool_call>`` blocks (the syntax of the tools note), a tool's result wrapped in
+    ``<tool_response>`` (as Hermes/Qwen templates write it), so the model sees what it called and
+    what came back; other messages as they are."""
+    calls = message.get("tool_calls")
+    if calls:
+        blocks = "\n".join(
+            "<tool_call>\n"
+            + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False)
+            + "\n</tool_call>"
+            for c in calls
+        )
+        text = message.get("content") or ""
+        out = {k: v for k, v in message.items() if k != "tool_calls"}
+        out["content"] = f"{text}\n{blocks}" if text else blocks
+        return out
+    if message.get("role") == "tool":
+        return {**message, "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"}
+    return message
+
+
 def render_chat(
     model: Model,
     messages: Sequence[Mapping[str, Any]],
@@ -121,6 +153,8 @@ def render_chat(
     template = model.chat_template
     shown = list(tools) if tools and tool_choice != "none" else None
     msgs = list(messages)
+    if "tool_calls" not in template.source:  # it would drop earlier calls: written in the note's syntax
+        msgs = [_in_note_syntax(m) for m in msgs]
     if shown is not None and "tools" not in template.source:  # the template cannot show them: a system note
         note = _TOOLS_NOTE.format(
             tools="\n".join(json.dumps(t["function"], ensure_ascii=False, allow_nan=False) for t in shown)

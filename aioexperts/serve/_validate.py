@@ -345,7 +345,12 @@ def _max_tokens(body: Mapping[str, Any], chat: bool) -> int | None:
     return value
 
 
-def _content(value: object, where: str) -> str:
+#: roles whose content may be empty: a reply cut at its start (a stop string, an immediate end of
+#: generation) and a tool's empty output come back in an agent's history, as OpenAI accepts them
+_MAY_BE_EMPTY = frozenset(("assistant", "tool"))
+
+
+def _content(value: object, where: str, may_be_empty: bool = False) -> str:
     if isinstance(value, list):  # content parts: only text ones
         texts = []
         for part in value:
@@ -358,7 +363,9 @@ def _content(value: object, where: str) -> str:
     if not isinstance(value, str):
         raise _bad(where, f"must be a string or an array of text parts, got {_kind(value)}")
     if not value:
-        raise _bad(where, "is empty: every message needs text content")
+        if may_be_empty:
+            return ""
+        raise _bad(where, "is empty: a user or system message needs text content")
     return _text(value, where)
 
 
@@ -371,7 +378,8 @@ def _message(message: Mapping[str, Any], role: str, i: int) -> dict[str, Any]:
     if calls is not None and not message.get("content"):  # an assistant that only called: no text
         out: dict[str, Any] = {"role": role, "content": ""}
     else:
-        out = {"role": role, "content": _content(message.get("content"), f"messages[{i}].content")}
+        content = _content(message.get("content"), f"messages[{i}].content", role in _MAY_BE_EMPTY)
+        out = {"role": role, "content": content}
     if calls is not None:
         out["tool_calls"] = parse_tool_calls(calls, f"messages[{i}].tool_calls")
     reasoning = message.get("reasoning_content")

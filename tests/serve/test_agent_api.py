@@ -258,6 +258,89 @@ def test_a_template_without_tools_gets_them_in_a_system_message(tiny_full_model:
         thread.stop()
 
 
+def test_a_template_without_tool_calls_shows_earlier_calls_and_results_in_the_note_syntax(
+    tiny_full_model: Path, agent_server: ServerThread
+) -> None:
+    """ChatML never reads ``tool_calls``: an assistant's call was an empty turn and the result a bare
+    ``tool`` turn; they are written as ``<tool_call>`` / ``<tool_response>`` blocks now. Qwen3's
+    template, which reads them, renders them itself (once)."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        *USER,
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [call, call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+        {"role": "tool", "tool_call_id": "call_1", "content": ""},
+    ]
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    thread = start(tiny_full_model)
+    try:
+        for tools in (TOOLS, None):  # with the tools note, and a turn without tools
+            body: dict[str, Any] = {"messages": messages} if tools is None else {"messages": messages, "tools": tools}
+            status, out = post(thread, "/apply-template", body)
+            assert status == 200, out
+            prompt = out["prompt"]
+            assert f"<|im_start|>assistant\nLet me look.\n{block}\n{block}<|im_end|>" in prompt, prompt
+            assert "<|im_start|>tool\n<tool_response>\nsunny, 21 C\n</tool_response><|im_end|>" in prompt
+            assert "<|im_start|>tool\n<tool_response>\n\n</tool_response><|im_end|>" in prompt
+    finally:
+        thread.stop()
+    status, out = post(agent_server, "/apply-template", {"messages": messages, "tools": TOOLS})
+    assert status == 200 and out["prompt"].count(block) == 2, out
+
+
+def test_an_empty_reply_and_an_empty_tool_result_go_back_as_history(oai: Any) -> None:
+    """A reply a stop string cut at its start is empty; an agent sends it back, and a tool's empty
+    output (OpenAI accepts both). A user message still needs text."""
+    say("Hello.")
+    first = oai.chat.completions.create(model="m", messages=USER, stop=["Hel"], max_tokens=4)
+    assert first.choices[0].message.content == "" and first.choices[0].finish_reason == "stop"
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    history = [
+        *USER,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And now?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": ""},
+    ]
+    again = oai.chat.completions.create(model="m", messages=history, max_tokens=4)
+    assert again.choices[0].message.content == "Hello."
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model="m", messages=[{"role": "user", "content": ""}], max_tokens=4)
+    assert err.value.body["param"] == "messages[0].content"
+
+
+def test_a_forced_call_cut_by_max_tokens_is_length_not_a_422(oai: Any, claude: Any) -> None:
+    """The model continues the call the prompt started and runs out of tokens: the reply comes back as
+    it is with ``finish_reason`` ``length`` (Anthropic: ``max_tokens``), not as "no tool call"."""
+    say('{"name": "get_weather", "arguments": {"city": "a very long city name that does not fit"}}\n</tool_call>')
+    for stream in (False, True):
+        if stream:
+            chunks = list(
+                oai.chat.completions.create(
+                    model="m", messages=USER, tools=TOOLS, tool_choice="required", max_tokens=6, stream=True
+                )
+            )
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            out = oai.chat.completions.create(
+                model="m", messages=USER, tools=TOOLS, tool_choice="required", max_tokens=6
+            )
+            reason = out.choices[0].finish_reason
+            assert not out.choices[0].message.tool_calls
+        assert reason == "length", stream
+    tools = [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    got = claude.messages.create(model="m", max_tokens=6, messages=USER, tools=tools, tool_choice={"type": "any"})
+    assert got.stop_reason == "max_tokens"
+
+
+def test_a_model_is_retrieved_by_its_id_and_another_id_is_404(oai: Any) -> None:
+    listed = oai.models.list().data
+    assert [m.id for m in listed] == [oai.models.retrieve(listed[0].id).id]
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.models.retrieve("gpt-nonexistent")
+    assert err.value.body["code"] == "model_not_found"
+
+
 def test_chat_template_kwargs_reach_the_template(agent_server: ServerThread) -> None:
     off = {"messages": USER, "chat_template_kwargs": {"enable_thinking": False}}
     status, out = post(agent_server, "/apply-template", off)
