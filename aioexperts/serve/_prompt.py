@@ -8,7 +8,8 @@ continues a call; nothing constrains the tokens that follow (the ``structured`` 
 is used for ``response_format`` and ``grammar`` only). The reply is then checked: one with no call
 (or a call of another function) is answered with a 422 ``tool_choice_not_followed`` error, never as
 a plain message, unless it stopped at its token limit (then it comes back as it is, ``finish_reason``
-``"length"``: the call may be what did not fit): a streamed reply is held back until it passes the check (:attr:`ChatPrompt.demands_call`).
+``"length"``: the call may be what did not fit). A streamed reply is held back until it passes the
+check (:attr:`ChatPrompt.demands_call`).
 422, not 500, as the request cannot be carried out by this model and clients retry a 5xx (OpenAI's
 do, twice by default), where a greedy model says the same again. ``"none"`` leaves the tools out of
 the prompt and reads no calls.
