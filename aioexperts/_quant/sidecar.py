@@ -9,6 +9,7 @@ quantizers (:mod:`aioexperts._quant`, ggml's reference quantizers without an imp
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +19,7 @@ from gguf import GGUFValueType, GGUFWriter
 
 from .._errors import ConfigError, FormatError
 from .._format.dequant import dequantize
+from .._format.filemode import new_file_mode
 from .._format.layout import Bank, build_layout
 from .._format.model import GGUFModel, open_model
 from .._format.tier_sidecar import (
@@ -94,8 +96,7 @@ def write_miss_tier(
                     )
                 )
     out = Path(out_path)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    writer = GGUFWriter(os.fspath(tmp), TIER_ARCH)
+    writer = GGUFWriter(None, TIER_ARCH)  # its file is made below, once nothing else can fail first
     writer.add_name(f"aioexperts miss tier ({ggml_type}) of {os.path.basename(model.path)}")
     writer.add_uint32(TIER_KEYS["version"], TIER_VERSION)
     writer.add_uint32(TIER_KEYS["type"], int(low))
@@ -105,12 +106,15 @@ def write_miss_tier(
     for (name, shape, *_), n_bytes in zip(plan, sizes, strict=True):
         writer.add_tensor_info(name, shape, np.dtype(np.float32), n_bytes, raw_dtype=low)
     total, written = sum(sizes), 0
+    try:  # a fresh file of its own (O_EXCL), never one planted at a name another process can guess
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    except OSError as exc:  # name the user's path, not the temporary file's
+        raise OSError(exc.errno, exc.strerror, os.fspath(out_path)) from None
+    tmp = Path(tmp_name)
     pool = ThreadPoolExecutor(n_threads, thread_name_prefix="aioexperts-tier")
     try:
-        try:
-            writer.open_output_file()
-        except OSError as exc:  # name the user's path, not the temporary file's
-            raise OSError(exc.errno, exc.strerror, os.fspath(out_path)) from None
+        os.close(fd)
+        writer.open_output_file(tmp)  # by name: the file made just now
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -133,6 +137,7 @@ def write_miss_tier(
             if progress is not None:
                 progress(written, total)
         writer.close()
+        os.chmod(tmp, new_file_mode())  # mkstemp makes 0600; a sidecar gets the mode of any new file
         os.replace(tmp, out)
     except BaseException:
         writer.close()

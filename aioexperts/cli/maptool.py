@@ -37,12 +37,14 @@ from .. import (
 from .. import _json as strict_json  # the one strict JSON writer (an import-rule exception)
 from ..traces import format_bytes
 from ._common import (
+    INTERRUPTED_STATUS,
     USAGE_STATUS,
     HelpFormatter,
     OneLineParser,
     add_version,
     error_text,
     file_starts_with,
+    input_file,
     model_file,
     plural,
     refuse_to_overwrite,
@@ -248,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             if len(model.shards) != 1:
                 raise ConfigError(f"WEEPF001 maps describe one file; {model.path} is a split set")
-            emap = read_expert_map(args.map, model.shards[0])
+            emap = read_expert_map(input_file(args.map, "map file"), model.shards[0])
             check_map_matches_layout(emap, layout, args.map)
             print(f"{args.map}: up to date for {model.path}")
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
@@ -260,6 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (AioExpertsError, OSError) as exc:
         print(f"aioexperts-map: error: {error_text(exc)}", file=sys.stderr)
         return USAGE_STATUS
+    except KeyboardInterrupt:
+        print("aioexperts-map: interrupted", file=sys.stderr)
+        return INTERRUPTED_STATUS
     return 0
 
 

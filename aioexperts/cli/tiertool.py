@@ -6,16 +6,22 @@ llama.cpp's) and writes them, keyed to the model's files, beside it (default
 ``MODEL.miss-tier-TYPE.gguf``). Use it with ``aioexperts.load(MODEL, miss_tier=MissTier(path=SIDECAR))``
 or ``aioexperts-run --miss-tier SIDECAR``; a sidecar of another model, or of an older version of
 this one, is refused. It never writes over the model, and replaces an existing file only if it is a
-miss-tier sidecar, or with ``--force``. Progress goes to stderr; errors are one line with status 2;
-Ctrl-C removes the partial file and exits 130 after one line (``aioexperts-tier: interrupted``).
+miss-tier sidecar, or with ``--force`` (never over any shard of a split model). Progress goes to
+stderr; errors are one line with status 2; Ctrl-C removes the partial file and exits 130 after one
+line (``aioexperts-tier: interrupted``), SIGTERM likewise with 143 (``terminated``); a closed stdout
+exits 141 with nothing printed.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 from .. import AioExpertsError, open_model, write_miss_tier
 from ..testing import progress_bytes
@@ -28,6 +34,7 @@ from ._common import (
     error_text,
     model_file,
     refuse_to_overwrite,
+    stdout_closed,
 )
 
 __all__ = ("main",)
@@ -60,8 +67,32 @@ def _is_sidecar(path: str) -> bool:
         return False
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived (raised by the handler :func:`_sigterm_raises` installs)."""
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While the sidecar is written, SIGTERM raises :class:`_Terminated` in the main thread, so the
+    writer removes its temporary file as it does for Ctrl-C (the default action killed the process
+    and left a file of the sidecar's size behind)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command; 0 on success, 2 on an error (one line on stderr), 130 interrupted (Ctrl-C)."""
+    """Run the command; 0 on success, 2 on an error (one line on stderr), 130 interrupted (Ctrl-C),
+    143 terminated (SIGTERM), 141 when stdout's reader has gone."""
     parser = OneLineParser(prog="aioexperts-tier", description=DESCRIPTION, formatter_class=HelpFormatter)
     parser.add_argument("model", help="the model (a GGUF file or any shard of a split set)")
     parser.add_argument("-o", "--out", default=None, help="the sidecar to write (default MODEL.miss-tier-TYPE.gguf)")
@@ -91,22 +122,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
 
     try:
-        refuse_to_overwrite(out, [model], ours=_is_sidecar, force=args.force, what="the sidecar")
-        t0 = time.monotonic()
-        path = write_miss_tier(model, out, args.type, progress=progress)
+        with _sigterm_raises():
+            shards = [s.path for s in open_model(model).shards]  # every file of a split set is the model
+            refuse_to_overwrite(out, shards, ours=_is_sidecar, force=args.force, what="the sidecar")
+            t0 = time.monotonic()
+            path = write_miss_tier(model, out, args.type, progress=progress)
     except (AioExpertsError, OSError) as exc:
         print(f"aioexperts-tier: error: {error_text(exc)}", file=sys.stderr)
         return USAGE_STATUS
     except KeyboardInterrupt:  # write_miss_tier has removed its temporary file
         print("aioexperts-tier: interrupted", file=sys.stderr)
         return INTERRUPTED_STATUS
+    except _Terminated:  # as for Ctrl-C
+        print("aioexperts-tier: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     if not args.quiet:
         size = os.path.getsize(path)
         print(
             f"aioexperts-tier: wrote {path} ({size / 1e6:.1f} MB, {args.type}) in {time.monotonic() - t0:.1f} s",
             file=sys.stderr,
         )
-    print(path)
+    try:
+        print(path, flush=True)
+    except BrokenPipeError:  # `aioexperts-tier ... | true`: the sidecar is written, the reader has gone
+        return stdout_closed()
     return 0
 
 

@@ -31,6 +31,7 @@ from .. import AioExpertsError, FormatError, RoutingTrace, build_layout, open_mo
 from .. import _json as strict_json  # the one strict JSON writer (an import-rule exception)
 from ..traces import BELADY, expert_frequencies, format_bytes, slots_for_hit_rate
 from ._common import (
+    INTERRUPTED_STATUS,
     USAGE_STATUS,
     HelpFormatter,
     OneLineParser,
@@ -236,6 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (AioExpertsError, OSError) as exc:
         print(f"aioexperts-trace: error: {error_text(exc)}", file=sys.stderr)
         return USAGE_STATUS
+    except KeyboardInterrupt:
+        print("aioexperts-trace: interrupted", file=sys.stderr)
+        return INTERRUPTED_STATUS
     return 0
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,3 +95,76 @@ def test_ctrl_c_is_one_line_and_status_130_with_no_file_left(
     done = capsys.readouterr()
     assert done.out == "" and done.err == "aioexperts-tier: interrupted\n", done.err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_never_writes_over_another_shard_of_a_split_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--force`` replaced shard 2 of the split set it read (the model then no longer opened)."""
+    write_synthetic_model(
+        tmp_path / "s.gguf", SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=4, n_expert_used=2), shards=3
+    )
+    first, second = tmp_path / "s-00001-of-00003.gguf", tmp_path / "s-00002-of-00003.gguf"
+    before = second.read_bytes()
+    assert main([str(first), "-o", str(second), "--force", "--quiet"]) == 2
+    assert "is the input" in capsys.readouterr().err
+    assert second.read_bytes() == before
+    assert len(open_model(first).shards) == 3
+
+
+def test_a_file_planted_at_a_guessable_temporary_name_is_not_written(model: Path, tmp_path: Path) -> None:
+    """The temporary file was ``.OUT.PID.tmp``, opened through a symlink planted there: the file it
+    pointed to was overwritten. It is a fresh file of its own now (``mkstemp``)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "x.gguf"
+    (tmp_path / f".{out.name}.{os.getpid()}.tmp").symlink_to(victim)
+    assert main([str(model), "-o", str(out), "--type", "Q2_K", "--quiet"]) == 0
+    assert victim.read_text() == "keep me"
+    assert not out.is_symlink() and out.stat().st_mode & 0o777 == 0o666 & ~_umask()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f".{out.name}.{os.getpid()}.tmp", "m.gguf", "victim.txt", "x.gguf"]
+    )
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+TIER_IN_A_CHILD = """
+import os, signal, sys
+from aioexperts.cli import tiertool
+def progress(done, total):
+    if sys.argv[1] == "term":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return "?"
+tiertool.progress_bytes = progress
+raise SystemExit(tiertool.main([sys.argv[2], "-o", sys.argv[3], "--type", "Q2_K"]))
+"""
+
+
+def test_sigterm_removes_the_partial_file_and_exits_143(model: Path, tmp_path: Path) -> None:
+    """SIGTERM's default action killed the writer and left a hidden file of the sidecar's size."""
+    out = tmp_path / "x.gguf"
+    done = subprocess.run(
+        [sys.executable, "-c", TIER_IN_A_CHILD, "term", str(model), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 143 and done.stderr.endswith("aioexperts-tier: terminated\n"), done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_a_closed_stdout_exits_141_quietly_with_the_sidecar_written(model: Path, tmp_path: Path) -> None:
+    """``aioexperts-tier ... | true`` ended with a BrokenPipeError traceback and status 1."""
+    out = tmp_path / "x.gguf"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        cmd = [str(Path(sys.executable).parent / "aioexperts-tier"), str(model), "-o", str(out), "--quiet"]
+        done = subprocess.run(cmd, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, ""), done.stderr
+    assert out.is_file()

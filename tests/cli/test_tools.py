@@ -193,3 +193,41 @@ def test_every_command_prints_its_version(script: str) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"aioexperts-{script} {aioexperts.__version__}"
+
+
+def test_a_fifo_as_the_map_is_refused_not_waited_on(model_path: Path, tmp_path: Path) -> None:
+    """``aioexperts-map check MODEL FIFO`` waited for a writer for ever."""
+    fifo = tmp_path / "m.weepf"
+    os.mkfifo(fifo)
+    cmd = [str(Path(sys.executable).parent / "aioexperts-map"), "check", str(model_path), str(fifo)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("aioexperts-map check waited on a FIFO")
+    assert done.returncode == 2 and "not a regular file" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("tool", ["map", "trace"])
+def test_ctrl_c_is_one_line_and_status_130(
+    tool: str, model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A KeyboardInterrupt printed a traceback (as ``aioexperts-tier``'s once did)."""
+
+    def interrupt(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    if tool == "map":
+        monkeypatch.setattr(maptool, "build_layout", interrupt)
+        argv = ["layout", str(model_path)]
+    else:
+        trace = tmp_path / "t.npz"
+        skewed_random_trace(50, [1, 2], 8, 2, seed=3, zipf_exponent=1.5, locality=0.2).save(trace)
+        monkeypatch.setattr(tracetool, "_summary", interrupt)
+        argv = ["summary", str(trace)]
+    main = maptool.main if tool == "map" else tracetool.main
+    try:
+        status = main(argv)
+    except KeyboardInterrupt:
+        pytest.fail("the KeyboardInterrupt left main()")
+    assert status == 130
+    assert capsys.readouterr().err == f"aioexperts-{tool}: interrupted\n"
