@@ -349,6 +349,7 @@ def _tensor_infos(path: str, shard: int, header: GGUFHeader, file_size: int) -> 
         raise FormatError(f"{path}: tensor data would start at byte {data_start}, past the end ({file_size})")
     infos: list[TensorInfo] = []
     seen: set[str] = set()
+    expected = 0  # llama.cpp's rule: each tensor's data follows the previous one's, padded (gguf.cpp)
     for raw in header.tensors:
         name, dims = raw.name, raw.dims
         if name in seen:
@@ -378,6 +379,12 @@ def _tensor_infos(path: str, shard: int, header: GGUFHeader, file_size: int) -> 
                 f"{path}: tensor {name!r} needs bytes [{start}, {start + n_bytes}) but the file has "
                 f"{file_size} bytes (truncated or corrupt)"
             )
+        if rel != expected:  # overlapping, aliased or out-of-order data: llama.cpp refuses the file
+            raise FormatError(
+                f"{path}: tensor {name!r} has data offset {rel}, expected {expected} (each tensor's data "
+                f"follows the previous one's, padded to general.alignment={alignment}, as llama.cpp requires)"
+            )
+        expected = rel + -(-n_bytes // alignment) * alignment
         infos.append(TensorInfo(name, shard, start, n_bytes, ggml_type, dims))
     return infos
 

@@ -305,6 +305,20 @@ def test_tensor_offset_out_of_the_file(small: Path, label: str, rel_from_end: in
     assert type(info.value) is FormatError
 
 
+@pytest.mark.parametrize("target", ["blk.0.ffn_gate_exps.weight", "blk.1.ffn_down_exps.weight"])
+def test_tensor_data_aliasing_another_tensors_is_refused_as_llama_cpp_does(small: Path, target: str) -> None:
+    """An expert tensor pointing at another tensor's bytes (inside the file, aligned) loaded and
+    computed with them; llama.cpp's reader requires each offset to be the running padded sum of the
+    tensors before it (``gguf.cpp``: "has offset X, expected Y")."""
+    name = "blk.0.ffn_up_exps.weight"
+    offsets = kit.tensor_info_offsets(small, name)
+    other = next(t for t in GGUFReader(small).tensors if t.name == target)
+    rel = int(other.data_offset) - GGUFReader(small).data_offset
+    kit.patch_u64(small, offsets["offset"], rel)
+    with pytest.raises(FormatError, match=rf"tensor '{re.escape(name)}' has data offset {rel}, expected \d+"):
+        open_model(small)
+
+
 def test_tensor_bigger_than_its_file(small: Path) -> None:
     """A dim patched so that the last tensor's size passes the end of the file."""
     reader = GGUFReader(small)
