@@ -299,8 +299,9 @@ def build_layout(model: GGUFModel, *, include_nextn: bool = False) -> ExpertLayo
 
     Raises:
         LayoutError: a rule is broken (missing projection, mismatched dims or counts, a bank gap,
-            router size out of range, a tensor size that is not ``n_experts * B``), or
-            ``nextn_predict_layers`` is not an integer in ``0..block_count-1``.
+            router size out of range, a tensor size that is not ``n_experts * B``, expert or
+            router tensors of a block at or past ``block_count``), or ``nextn_predict_layers`` is
+            not an integer in ``0..block_count-1``.
         FormatError: a required metadata key (``expert_count``, ``expert_used_count``,
             ``embedding_length``) is missing.
     """
@@ -329,6 +330,14 @@ def build_layout(model: GGUFModel, *, include_nextn: bool = False) -> ExpertLayo
     routers = {int(m[1]): info for name, info in model.tensors.items() if (m := _ROUTER_RE.match(name))}
     layers: dict[int, MoELayer] = {}
     nextn: list[int] = []
+    n_blocks = model.key("block_count")
+    if isinstance(n_blocks, int) and not isinstance(n_blocks, bool) and n_blocks > 0:
+        beyond = sorted(i for i in set(by_layer) | set(routers) if i >= n_blocks)
+        if beyond:  # llama.cpp refuses the file too ("wrong number of tensors")
+            raise LayoutError(
+                f"{model.path}: expert or router tensors of block {beyond[0]}, but "
+                f"{model.architecture}.block_count={n_blocks} (blocks 0..{n_blocks - 1})"
+            )
     for index in sorted(set(by_layer) | set(routers)):
         if first_nextn is not None and index >= first_nextn:
             nextn.append(index)

@@ -529,3 +529,17 @@ def test_non_canonical_layer_number_does_not_shadow_a_tensor(tmp_path: Path) -> 
     except LayoutError:
         return  # refusing the ambiguity is fine
     assert layout.layer(1).banks[0].down.name == "blk.1.ffn_down_exps.weight"
+
+
+def test_expert_tensors_past_block_count_are_a_layout_error(tmp_path: Path) -> None:
+    """A ``block_count`` below the blocks the tensors use was a ``ConfigError`` at load ("layer 1 has
+    no routed experts") naming neither the file nor the key."""
+    path = write_synthetic_model(
+        tmp_path / "m.gguf", SyntheticSpec(n_layer=2, n_embd=256, n_ff_exp=256, n_expert=4, n_expert_used=2)
+    )[0]
+    model = open_model(path)
+    key = f"{model.architecture}.block_count"
+    assert model.metadata[key] == 2 and len(build_layout(model).layers) == 2
+    kit.patch_u32(path, kit.kv_value_offset(path, key), 1)
+    with pytest.raises(LayoutError, match=rf"tensors of block 1, but {re.escape(key)}=1 \(blocks 0\.\.0\)"):
+        build_layout(open_model(path))
