@@ -404,9 +404,10 @@ def render_lines(results: Path, decode: Path | None = None) -> list[str]:
     for method in p["methods"]:
         e = s[method]
         ratio = f"{e['x_fio_median']:.2f} ({e['x_fio_min']:.2f}-{e['x_fio_max']:.2f})" if "x_fio_median" in e else "-"
+        rate = "- (nothing read)" if method == "store-null" else f"{e['gb_s_median']:.2f}"
         lines.append(
             f"| {method} | {e['cpu_ms_per_gib_median']:.1f} ({e['cpu_ms_per_gib_min']:.1f}-"
-            f"{e['cpu_ms_per_gib_max']:.1f}) | {e['gb_s_median']:.2f} | {ratio} |"
+            f"{e['cpu_ms_per_gib_max']:.1f}) | {rate} | {ratio} |"
         )
     target = s.get("target")
     if target:
