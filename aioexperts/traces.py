@@ -14,7 +14,9 @@ from ._predict.simulate import format_bytes as format_bytes
 from ._predict.simulate import format_replay_table as format_replay_table
 from ._predict.simulate import replay as replay
 from ._predict.simulate import replay_fractions as replay_fractions
+from ._predict.simulate import slot_table as slot_table
 from ._predict.simulate import slots_for_hit_rate as slots_for_hit_rate
+from ._predict.simulate import slots_for_hit_rates as slots_for_hit_rates
 from ._predict.trace import RoutingTrace as RoutingTrace
 from ._predict.trace import skewed_random_trace as skewed_random_trace
 from ._predict.trace import uniform_random_trace as uniform_random_trace
@@ -30,6 +32,8 @@ __all__ = (
     "replay",
     "replay_fractions",
     "skewed_random_trace",
+    "slot_table",
     "slots_for_hit_rate",
+    "slots_for_hit_rates",
     "uniform_random_trace",
 )

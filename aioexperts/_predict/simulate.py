@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +33,8 @@ __all__ = (
     "replay",
     "replay_fractions",
     "slots_for_hit_rate",
+    "slot_table",
+    "slots_for_hit_rates",
 )
 
 BELADY = "belady"
@@ -84,11 +86,11 @@ class ReplayResult:
 
 @dataclass(frozen=True, slots=True)
 class _Steps:
-    """A trace flattened to integer keys: ``keys[bounds[s]:bounds[s + 1]]`` is step ``s``."""
+    """A trace flattened to dense integer keys: ``keys[bounds[s]:bounds[s + 1]]`` is step ``s``."""
 
-    keys: list[int]
-    bounds: list[int]
-    key_tuples: dict[int, Key]  # integer key -> (layer, expert), for the keys the trace uses
+    keys: np.ndarray  # int64, each in 0..len(key_tuples)-1, ordered as the (layer, expert) keys are
+    bounds: np.ndarray  # int64, one more than the steps
+    key_tuples: list[Key]  # dense key -> (layer, expert), for the keys the trace uses
 
 
 def _flatten(trace: RoutingTrace) -> _Steps:
@@ -98,12 +100,20 @@ def _flatten(trace: RoutingTrace) -> _Steps:
     offsets = np.concatenate(([0], np.cumsum(trace.n_experts)[:-1])).astype(np.int64)
     keys = (ids + offsets[None, :, None])[active]  # row-major: token, then layer, then id
     counts = active.sum(axis=2).reshape(-1)
-    bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
-    # only the keys the trace uses: memory grows with the trace, not with its declared expert counts
-    used = np.unique(keys)
-    layer_of = np.searchsorted(offsets, used, side="right") - 1
-    key_tuples = {int(key): (trace.layers[i], int(key - offsets[i])) for key, i in zip(used, layer_of, strict=True)}
-    return _Steps(keys.tolist(), bounds, key_tuples)
+    bounds = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    # dense keys of the experts the trace uses (order kept): memory grows with the trace, not with
+    # its declared expert counts
+    total = int(trace.n_experts_total)
+    if total <= max(4 * keys.size, 1 << 16):  # a table of every key: O(N), no sort of the requests
+        present = np.zeros(total, dtype=np.bool_)
+        present[keys] = True
+        used = np.flatnonzero(present).astype(np.int64)
+        dense = (np.cumsum(present, dtype=np.int64) - 1)[keys]
+    else:
+        used, dense = np.unique(keys, return_inverse=True)
+    layer_of = np.asarray(np.searchsorted(offsets, used, side="right"), dtype=np.int64) - 1
+    key_tuples = [(trace.layers[int(layer_of[j])], int(used[j] - offsets[layer_of[j]])) for j in range(len(used))]
+    return _Steps(dense.astype(np.int64).reshape(-1), bounds, key_tuples)
 
 
 def _check_capacity(trace: RoutingTrace, steps: _Steps, capacity: int) -> None:
@@ -124,7 +134,7 @@ def _replay_policy(name: str, steps: _Steps, capacity: int) -> tuple[int, int, i
     """Hits, misses, compulsory misses, evictions of an online policy."""
     policy = make_policy(name)
     key_tuples = steps.key_tuples
-    keys, bounds = steps.keys, steps.bounds
+    keys, bounds = steps.keys.tolist(), steps.bounds.tolist()
     resident: set[Key] = set()
     seen: set[Key] = set()
     pinned: set[Key] = set()
@@ -172,7 +182,7 @@ def _replay_belady(steps: _Steps, capacity: int) -> tuple[int, int, int, int]:
     increases per key). O(N log N) for N requests. Keys of the current step are the only pinned
     ones; they are popped and pushed back, at most ``k`` per eviction.
     """
-    keys, bounds = steps.keys, steps.bounds
+    keys, bounds = steps.keys.tolist(), steps.bounds.tolist()
     n = len(keys)
     never = n  # beyond every position
     next_use = [never] * n
@@ -222,6 +232,27 @@ def _replay_belady(steps: _Steps, capacity: int) -> tuple[int, int, int, int]:
     return hits, misses, compulsory, evictions
 
 
+#: the compiled replays (:mod:`aioexperts._compute.kernels.replay`), the same counts as the Python ones
+_COMPILED = {"lru": "replay_lru", BELADY: "replay_belady"}
+
+
+def _replay(name: str, steps: _Steps, capacity: int) -> tuple[int, int, int, int]:
+    """Hits, misses, compulsory misses, evictions of policy ``name`` (capacity checked): LRU and
+    Belady compiled where numba serves, the Python replays otherwise and for LFU and LFUDA."""
+    kernel = _COMPILED.get(name)
+    if kernel is not None:
+        from .._compute.fused import compiled_kernel
+
+        fn = compiled_kernel("replay", kernel)
+        if fn is not None:
+            got = fn(steps.keys, steps.bounds, len(steps.key_tuples), capacity)
+            if got[0] >= 0:  # -1: a step wider than the capacity (excluded by _check_capacity)
+                return int(got[0]), int(got[1]), int(got[2]), int(got[3])
+    if name == BELADY:
+        return _replay_belady(steps, capacity)
+    return _replay_policy(name, steps, capacity)
+
+
 def replay(
     trace: RoutingTrace,
     capacity: int,
@@ -232,7 +263,9 @@ def replay(
     """Replay ``trace`` through a cache of ``capacity`` slots, once per policy.
 
     Each run starts from an empty cache. Cost: O(N) for LRU, O(N log N) for the others, N being the
-    number of requests; tens of thousands of requests take well under a second per policy.
+    number of requests; LRU and Belady run compiled (:mod:`aioexperts._compute.kernels.replay`, the
+    same counts) where numba serves: tens of millions of requests take about a second (LRU) and a
+    few seconds (Belady) per capacity, in a few int64 arrays of N.
 
     Args:
         trace: the routing trace.
@@ -262,10 +295,7 @@ def replay(
     capacity = int(capacity)
     results: dict[str, ReplayResult] = {}
     for name in dict.fromkeys(policies):
-        if name == BELADY:
-            hits, misses, compulsory, evictions = _replay_belady(steps, capacity)
-        else:
-            hits, misses, compulsory, evictions = _replay_policy(name, steps, capacity)
+        hits, misses, compulsory, evictions = _replay(name, steps, capacity)
         results[name] = ReplayResult(
             policy=name,
             capacity=capacity,
@@ -390,27 +420,69 @@ def slots_for_hit_rate(trace: RoutingTrace, hit_rate: float, policy: str = BELAD
     Raises:
         ConfigError: ``hit_rate`` outside ``(0, 1]``, an unknown policy, or an empty trace.
     """
-    if isinstance(hit_rate, bool) or not isinstance(hit_rate, int | float) or not 0 < hit_rate <= 1:
-        raise ConfigError(f"hit_rate must be a number in (0, 1], got {hit_rate!r}")
+    return slots_for_hit_rates(trace, [hit_rate], policy)[0]
+
+
+def slots_for_hit_rates(trace: RoutingTrace, hit_rates: Sequence[float], policy: str = BELADY) -> list[int | None]:
+    """:func:`slot_table` of one policy: :func:`slots_for_hit_rate` of each of ``hit_rates``.
+
+    Raises:
+        ConfigError: as :func:`slots_for_hit_rate`.
+    """
+    return slot_table(trace, hit_rates, (policy,))[policy]
+
+
+def slot_table(
+    trace: RoutingTrace,
+    hit_rates: Sequence[float],
+    policies: Sequence[str] = ("lru", BELADY),
+    progress: Callable[[str, int, float], None] | None = None,
+) -> dict[str, list[int | None]]:
+    """Per policy, :func:`slots_for_hit_rate` of each of ``hit_rates`` (``aioexperts-trace summary``):
+    the trace flattened once, each capacity replayed at most once per policy for all the targets.
+    ``progress(policy, capacity, hit_rate)`` is called after each replay (a large trace takes
+    seconds per Belady replay: tens of millions of requests).
+
+    Raises:
+        ConfigError: as :func:`slots_for_hit_rate`.
+    """
+    for hit_rate in hit_rates:
+        if isinstance(hit_rate, bool) or not isinstance(hit_rate, int | float) or not 0 < hit_rate <= 1:
+            raise ConfigError(f"hit_rate must be a number in (0, 1], got {hit_rate!r}")
+    for policy in policies:
+        if policy not in REPLAY_POLICY_NAMES:
+            raise ConfigError(f"unknown replay policy {policy!r}; valid names: {', '.join(REPLAY_POLICY_NAMES)}")
     steps = _flatten(trace)
-    if not steps.keys:
+    if not len(steps.keys):
         raise ConfigError("the trace has no expert requests")
-    bounds = np.asarray(steps.bounds)
-    low = max(1, int(np.diff(bounds).max()))  # the widest step must fit
-    high = trace.n_experts_total
+    widest = max(1, int(np.diff(steps.bounds).max()))  # the widest step must fit
+    requests = len(steps.keys)
+    table: dict[str, list[int | None]] = {}
+    for policy in dict.fromkeys(policies):
+        rates: dict[int, float] = {}
 
-    def reaches(capacity: int) -> bool:
-        return replay(trace, capacity, (policy,))[policy].hit_rate >= hit_rate
+        def rate(capacity: int, policy: str = policy, rates: dict[int, float] = rates) -> float:
+            if capacity not in rates:
+                rates[capacity] = _replay(policy, steps, capacity)[0] / requests
+                if progress is not None:
+                    progress(policy, capacity, rates[capacity])
+            return rates[capacity]
 
-    if not reaches(high):
-        return None
-    while low < high:
-        mid = (low + high) // 2
-        if reaches(mid):
-            high = mid
-        else:
-            low = mid + 1
-    return low
+        out: list[int | None] = []
+        for hit_rate in hit_rates:
+            low, high = widest, max(widest, trace.n_experts_total)
+            if rate(high) < hit_rate:
+                out.append(None)
+                continue
+            while low < high:
+                mid = (low + high) // 2
+                if rate(mid) >= hit_rate:
+                    high = mid
+                else:
+                    low = mid + 1
+            out.append(low)
+        table[policy] = out
+    return table
 
 
 def expert_frequencies(trace: RoutingTrace) -> dict[int, np.ndarray]:

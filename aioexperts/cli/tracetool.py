@@ -22,6 +22,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from .. import AioExpertsError, FormatError, RoutingTrace, build_layout, open_model
 from .. import _json as strict_json  # the one strict JSON writer (an import-rule exception)
-from ..traces import BELADY, expert_frequencies, format_bytes, slots_for_hit_rate
+from ..traces import BELADY, expert_frequencies, format_bytes, slot_table
 from ._common import (
     INTERRUPTED_STATUS,
     USAGE_STATUS,
@@ -83,10 +84,27 @@ def _summary(trace: RoutingTrace, targets: Sequence[float], expert_bytes: int | 
         for layer, counts in freq.items()
     ]
     sizes = []
-    for target in targets:
+    t0 = last = time.monotonic()
+    replays = [0]
+
+    def progress(policy: str, slots: int, hit_rate: float) -> None:  # a long trace: say where it is
+        nonlocal last
+        replays[0] += 1
+        now = time.monotonic()
+        if now - last >= 2.0:
+            last = now
+            print(
+                f"aioexperts-trace: {policy} at {slots} slots hits {100 * hit_rate:.1f} % "
+                f"({replays[0]} replays, {now - t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    found = slot_table(trace, targets, ("lru", BELADY), progress)
+    for i, target in enumerate(targets):
         row: dict[str, Any] = {"hit_rate": target}
         for policy in ("lru", BELADY):
-            slots = slots_for_hit_rate(trace, target, policy)
+            slots = found[policy][i]
             row[policy] = slots
             row[f"{policy}_bytes"] = None if slots is None or expert_bytes is None else slots * expert_bytes
         sizes.append(row)

@@ -221,3 +221,59 @@ def test_belady_equals_brute_force_on_a_tricky_multi_key_trace() -> None:
     trace = RoutingTrace(ids, [0], 4)
     for capacity in (2, 3, 4):
         assert replay(trace, capacity, ["belady"])["belady"].misses == brute_force_min_misses(trace, capacity)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_lru_and_belady_replays_count_as_the_python_ones(seed: int) -> None:
+    """LRU and Belady run compiled (``kernels/replay.py``) where numba serves: the same hits, misses,
+    compulsory misses and evictions as the Python replays, at every capacity from the widest step to
+    all experts, on uniform and skewed traces of several layers (ties of Belady's farthest next use,
+    broken by the key, included: keys never used again tie)."""
+    from aioexperts._compute.fused import compiled_kernel
+    from aioexperts._predict import simulate
+
+    if compiled_kernel("replay", "replay_lru") is None:
+        pytest.skip("numba does not serve")
+    rng = np.random.default_rng(seed)
+    n_experts = [int(x) for x in rng.integers(4, 24, 3)]
+    k = int(rng.integers(1, 4))
+    if seed % 2:
+        trace = uniform_random_trace(300, [0, 2, 5], n_experts, k, seed=seed)
+    else:
+        trace = skewed_random_trace(300, [0, 2, 5], n_experts, k, seed=seed, zipf_exponent=1.2, locality=0.3)
+    steps = simulate._flatten(trace)
+    widest = int(np.diff(steps.bounds).max())
+    for capacity in range(widest, trace.n_experts_total + 1):
+        got = simulate._replay("lru", steps, capacity), simulate._replay(simulate.BELADY, steps, capacity)
+        want = simulate._replay_policy("lru", steps, capacity), simulate._replay_belady(steps, capacity)
+        assert got == want, capacity
+
+
+def test_slots_for_hit_rates_are_the_fewest_slots_that_reach_each_target() -> None:
+    """``aioexperts-trace summary`` asks for several targets at once (the trace flattened once, a
+    capacity replayed once for all): each answer is the smallest capacity whose replay reaches the
+    target (a linear scan; LRU and Belady are stack algorithms), None where none does."""
+    from aioexperts._predict.simulate import slots_for_hit_rate, slots_for_hit_rates
+
+    trace = skewed_random_trace(400, [0, 1], [16, 16], 2, seed=7, zipf_exponent=1.1, locality=0.2)
+    for policy in ("lru", "belady"):
+        curve = {c: replay(trace, c, (policy,))[policy].hit_rate for c in range(2, trace.n_experts_total + 1)}
+        targets = [0.3, curve[6], 0.5, 0.8, curve[20], 0.99, 1.0]  # two reached exactly at a capacity
+        want = [next((c for c, r in curve.items() if r >= t), None) for t in targets]
+        assert slots_for_hit_rates(trace, targets, policy) == want, policy
+        assert [slots_for_hit_rate(trace, t, policy) for t in targets] == want
+    assert want[-1] is None  # compulsory misses: 100 % is out of reach
+    with pytest.raises(ConfigError, match="unknown replay policy"):
+        slots_for_hit_rates(trace, [0.5], "fifo")
+
+
+def test_slot_table_reports_each_replay_once_with_its_hit_rate() -> None:
+    from aioexperts._predict.simulate import slot_table
+
+    trace = skewed_random_trace(300, [0, 1], [16, 16], 2, seed=3, zipf_exponent=1.1, locality=0.2)
+    seen: list[tuple[str, int, float]] = []
+    table = slot_table(trace, [0.4, 0.6, 0.7], ("lru", "belady"), lambda p, c, r: seen.append((p, c, r)))
+    assert set(table) == {"lru", "belady"} and len(seen) == len({(p, c) for p, c, _ in seen})
+    for policy, capacity, rate in seen:
+        assert rate == replay(trace, capacity, (policy,))[policy].hit_rate
+    assert {p for p, _, _ in seen} == {"lru", "belady"}
