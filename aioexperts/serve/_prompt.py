@@ -126,7 +126,11 @@ def _in_note_syntax(message: Mapping[str, Any]) -> Mapping[str, Any]:
     if calls:
         blocks = "\n".join(
             "<tool_call>\n"
-            + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False)
+            + json.dumps(
+                {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                ensure_ascii=False,
+                allow_nan=False,
+            )
             + "\n</tool_call>"
             for c in calls
         )

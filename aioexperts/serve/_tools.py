@@ -96,15 +96,19 @@ def parse_tool_choice(body: Mapping[str, Any], tools: tuple[dict[str, Any], ...]
     raise _bad("tool_choice", 'must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _arguments_for_template(value: object, where: str) -> Any:
     if isinstance(value, dict):
         return value
     if not isinstance(value, str):
         raise _bad(where, "must be a string of JSON")
     try:
-        parsed = json.loads(value)
+        parsed = json.loads(value, parse_constant=_no_constant)
     except ValueError:
-        return value  # not JSON: the template gets the text
+        return value  # not JSON (or NaN / Infinity, which JSON has not): the template gets the text
     return parsed if isinstance(parsed, dict) else value
 
 

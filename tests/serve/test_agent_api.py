@@ -282,6 +282,10 @@ def test_a_template_without_tool_calls_shows_earlier_calls_and_results_in_the_no
             assert f"<|im_start|>assistant\nLet me look.\n{block}\n{block}<|im_end|>" in prompt, prompt
             assert "<|im_start|>tool\n<tool_response>\nsunny, 21 C\n</tool_response><|im_end|>" in prompt
             assert "<|im_start|>tool\n<tool_response>\n\n</tool_response><|im_end|>" in prompt
+        nan_call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": NaN}'}}
+        body = {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [nan_call]}]}
+        status, out = post(thread, "/apply-template", body)  # NaN is not JSON: the arguments stay text
+        assert status == 200 and '{"name": "f", "arguments": "{\\"x\\": NaN}"}' in out["prompt"], out
     finally:
         thread.stop()
     status, out = post(agent_server, "/apply-template", {"messages": messages, "tools": TOOLS})

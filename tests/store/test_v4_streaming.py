@@ -39,6 +39,7 @@ def big_expert_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rng = np.random.default_rng(4)
     path = tmp_path_factory.mktemp("v4") / "deepseek4-big-expert.gguf"
     f = gb.GGUFBytes(alignment=4096).add("general.architecture", T.STRING, "deepseek4")
+    f.add("general.alignment", T.UINT32, 4096)  # the data is laid out so: say it (llama.cpp's offset rule)
     for key, value in {"block_count": 1, "embedding_length": N_EMBD, "expert_count": N_EXPERT,
                        "expert_used_count": 1, "expert_feed_forward_length": N_FF, "expert_shared_count": 1,
                        "expert_gating_func": 4, "hash_layer_count": 0}.items():  # fmt: skip
