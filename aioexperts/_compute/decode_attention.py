@@ -6,16 +6,16 @@ the per-head q/k norms and RoPE as four calls, and the flash attention's descrip
 Python per layer with the caches cold from the weights. A :class:`RowAttention` keeps what does
 not change between tokens (the products' :class:`~aioexperts._compute.grouped.SplitPlan`, the
 buffers of q/k/v, the normed and rotated heads and the attention's output, the flash descriptor)
-and runs: the q/k/v fan-out, one compiled norm-and-RoPE call per q and k
-(:func:`aioexperts._compute.kernels.rope.norm_rope_heads`), the cache writes, the flash fan-out by
-KV head, the output fan-out. The kernels and numpy operations are the general path's, so the
-output has its bits.
+and runs: the q/k/v fan-out, one compiled call for the q and k norms and RoPE and the two cache
+writes (:func:`aioexperts._compute.kernels.flash.norm_rope_store_kv`: the general path's
+:func:`~aioexperts._compute.kernels.rope.norm_rope_heads` and numpy's float16 rounding), the flash
+fan-out by KV head, the output fan-out. The kernels are the general path's, so the output has its
+bits.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -76,11 +76,9 @@ class RowAttention:
         if flash is None or head_k % 32 or head_v % 32:
             raise ConfigError("RowAttention: no vector flash kernel serves")
         from .kernels import flash as flash_module
-        from .kernels.rope import norm_rope_heads
 
         self._flash: Any = flash_module  # untyped (the kernels package)
         self._flash_task = flash
-        self._norm_rope: Callable[..., None] = norm_rope_heads
         self.qkv, self.wo = qkv, wo
         self.n_head, self.n_head_kv, self.head_k, self.head_v = n_head, n_head_kv, head_k, head_v
         self._nq, self._nk = nq, nk
@@ -105,7 +103,6 @@ class RowAttention:
         self._q_heads = out[:, :nq].reshape(1, n_head, head_k)
         self._k_heads = out[:, nq : nq + nk].reshape(1, n_head_kv, head_k)
         self._v_heads = out[0, nq + nk :].reshape(n_head_kv, head_v)
-        self._k_row = self._k3[0]
         self._attn_row = self._attn.reshape(1, -1)
         # the general path's fan-out descriptor, the cache's fields set per token
         self._desc = self._flash.flash_descriptor(
@@ -145,23 +142,40 @@ class RowAttention:
             return None
         cos, sin = self._rope.cos_sin(start, 1)
         norm_q, norm_k = self._norms
-        eps, neox, n_rot = self._eps, self._neox, self._n_rot
-        self._norm_rope(self._q_heads, norm_q, self._q_norm, eps, cos, sin, neox, n_rot, self._q_tmp, self._q3)
-        self._norm_rope(self._k_heads, norm_k, self._k_norm, eps, cos, sin, neox, n_rot, self._k_tmp, self._k3)
-        k_cache[start] = self._k_row
-        v_cache[start] = self._v_heads
-        self._attend(k_cache, v_cache, start)
+        k16, v16 = k_cache.view(np.uint16), v_cache.view(np.uint16)
+        # the q and k norms and RoPE and the two cache writes: one compiled call
+        self._flash.norm_rope_store_kv(
+            self._q_heads,
+            norm_q,
+            self._q_norm,
+            self._q_tmp,
+            self._q3,
+            self._k_heads,
+            norm_k,
+            self._k_norm,
+            self._k_tmp,
+            self._k3,
+            self._v_heads,
+            self._eps,
+            cos,
+            sin,
+            self._neox,
+            self._n_rot,
+            k16,
+            v16,
+            start,
+        )
+        self._attend(k16, v16, start)
         y = np.empty((1, self.wo.rows), dtype=np.float32)
         if not self.wo.run(self._attn_row, y[0]):
             return None
         return y
 
-    def _attend(self, k_cache: np.ndarray, v_cache: np.ndarray, start: int) -> None:
-        """The flash attention of the token's heads over positions ``0..start`` (the general
-        path's :func:`aioexperts._compute.fused.flash_kernel`: a fan-out by KV head from
-        ``FLASH_SPLIT_MIN``, else one call)."""
+    def _attend(self, k16: np.ndarray, v16: np.ndarray, start: int) -> None:
+        """The flash attention of the token's heads over positions ``0..start`` of the float16
+        caches' bits ``k16``/``v16`` (the general path's :func:`aioexperts._compute.fused.flash_kernel`:
+        a fan-out by KV head from ``FLASH_SPLIT_MIN``, else one call)."""
         m = self._flash
-        k16, v16 = k_cache.view(np.uint16), v_cache.view(np.uint16)
         n_kv = start + 1
         pool = compute_pool()
         if _fused.flash_splits(pool, 1, self.n_head, n_kv):

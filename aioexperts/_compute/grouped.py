@@ -484,3 +484,29 @@ def warm_decode_kernels(types: Iterable[GGMLQuantizationType], f16_cache: bool) 
         sinks = np.zeros(0, dtype=np.float32)
         attend: Any = flash.flash_attend_f16_bits
         attend(q, cache16[:1], cache16[:1], 0, np.float32(1.0), sinks, 0, q.copy(), 0, 1)
+        # RowAttention's q/k norms, RoPE and cache writes, with a decode step's types
+        weight32, v_heads = np.ones(32, dtype=np.float32), np.zeros((1, 32), dtype=np.float32)
+        cos = np.ones((1, 16), dtype=np.float32)
+        cos.flags.writeable = False  # as RopeTable.cos_sin's views
+        store: Any = flash.norm_rope_store_kv
+        store(
+            q,
+            True,
+            weight32,
+            q.copy(),
+            q.copy(),
+            q.copy(),
+            True,
+            weight32,
+            q.copy(),
+            q.copy(),
+            v_heads,
+            np.float32(1e-6),
+            cos,
+            cos,
+            True,
+            32,
+            cache16,
+            cache16,
+            0,
+        )

@@ -99,3 +99,48 @@ def test_heads_split_over_the_pool_give_the_same_bits() -> None:
     assert compute_pool().n_threads >= 1  # the pool exists: attend() may split its heads
     assert 16 * 300 >= fused.FLASH_SPLIT_MIN
     assert np.array_equal(attend(q, k, v, 299, 0.125), whole.reshape(1, -1))
+
+
+def test_norm_rope_store_kv_is_the_two_norm_rope_calls_and_numpys_float16_cache_writes() -> None:
+    """RowAttention's one call (``kernels/flash.py: norm_rope_store_kv``): q and k as
+    ``norm_rope_heads`` makes them, and the key and value rows written at ``start`` with the bits of
+    ``cache[start] = row`` (numpy's float16 rounding: halfway cases to even, overflow to inf,
+    subnormals, signed zeros, infinities, quiet NaNs); no other row of the caches touched. (All 2**32
+    float32 patterns but the signaling NaNs were checked against numpy once, outside the suite.)"""
+    flash, _ = _kernels()
+    from aioexperts._compute.kernels.rope import norm_rope_heads
+
+    rng = np.random.default_rng(11)
+    n_head, n_kv, dim, n_ctx, start = 4, 2, 64, 5, 3
+    q = rng.standard_normal((1, n_head, dim)).astype(np.float32)
+    k = rng.standard_normal((1, n_kv, dim)).astype(np.float32) * np.float32(300.0)
+    v = rng.standard_normal((n_kv, dim)).astype(np.float32)
+    special = np.array(
+        [65504.0, 65520.0, 65519.99, 1e6, -1e6, 6e-8, 2.98e-8, 2.99e-8, -0.0, 0.0, np.inf, -np.inf, np.nan,
+         -np.nan, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 6.1e-5, -6.0e-5],
+        dtype=np.float32,
+    )  # fmt: skip
+    v.reshape(-1)[: special.size] = special
+    wq, wk = rng.standard_normal(dim).astype(np.float32), rng.standard_normal(dim).astype(np.float32)
+    cos = rng.standard_normal((1, dim // 2)).astype(np.float32)
+    sin = rng.standard_normal((1, dim // 2)).astype(np.float32)
+    eps = np.float32(1e-6)
+    for norm in (True, False):
+        want_q, want_k = np.empty_like(q), np.empty_like(k)
+        norm_rope_heads(q, norm, wq, eps, cos, sin, True, dim, np.empty_like(q), want_q)
+        norm_rope_heads(k, norm, wk, eps, cos, sin, True, dim, np.empty_like(k), want_k)
+        k_cache = rng.standard_normal((n_ctx, n_kv, dim)).astype(np.float16)
+        v_cache = rng.standard_normal((n_ctx, n_kv, dim)).astype(np.float16)
+        want_kc, want_vc = k_cache.copy(), v_cache.copy()
+        want_kc[start] = want_k[0]
+        with np.errstate(over="ignore"):
+            want_vc[start] = v
+        got_q, got_k = np.empty_like(q), np.empty_like(k)
+        flash.norm_rope_store_kv(
+            q, norm, wq, np.empty_like(q), got_q, k, norm, wk, np.empty_like(k), got_k, v, eps, cos, sin,
+            True, dim, k_cache.view(np.uint16), v_cache.view(np.uint16), start,
+        )  # fmt: skip
+        assert np.array_equal(got_q.view(np.uint32), want_q.view(np.uint32))
+        assert np.array_equal(got_k.view(np.uint32), want_k.view(np.uint32))
+        assert np.array_equal(k_cache.view(np.uint16), want_kc.view(np.uint16)), norm
+        assert np.array_equal(v_cache.view(np.uint16), want_vc.view(np.uint16)), norm

@@ -14,7 +14,8 @@ import numpy as np
 
 from ..jit import kernel
 from .common import CACHE_LINE, F32, U32, prefetch
-from .halfvec import dot_f16_q, mad_f16, scale_f16, widen_f16
+from .halfvec import dot_f16_q, mad_f16, narrow_f16, scale_f16, widen_f16
+from .rope import norm_rope_heads
 
 # ruff: noqa: N803, N806
 
@@ -232,6 +233,24 @@ def flash_descriptor(q, n_head_kv, head_v, scale, sinks, window, out):
     desc[F_SINKS_ADDR], desc[F_N_SINKS] = sinks.ctypes.data, sinks.shape[0]
     desc[F_WINDOW], desc[F_OUT_ADDR], desc[F_HEADS_PER_ITEM] = window, out.ctypes.data, H // n_head_kv
     return desc
+
+
+@kernel(exact=True)
+def norm_rope_store_kv(
+    q, norm_q, wq, q_tmp, q_out, k, norm_k, wk, k_tmp, k_out, v, eps, cos, sin, neox, n_rot, k16, v16, start
+):
+    """A decode token's q and k heads normed and rotated (:func:`.rope.norm_rope_heads` of each, the
+    same bits) and its key and value rows written at ``start`` of the float16 caches ``k16``/``v16``
+    (uint16 ``(n_ctx, n_head_kv, head)``, C-contiguous) rounded as numpy's ``astype(float16)``
+    (:func:`.halfvec.narrow_f16`): one call for the two calls and two cache writes of
+    :class:`aioexperts._compute.decode_attention.RowAttention`. ``k_out`` ``(1, n_head_kv, head_k)``
+    and ``v`` ``(n_head_kv, head_v)`` C-contiguous float32, heads multiples of 32."""
+    norm_rope_heads(q, norm_q, wq, eps, cos, sin, neox, n_rot, q_tmp, q_out)
+    norm_rope_heads(k, norm_k, wk, eps, cos, sin, neox, n_rot, k_tmp, k_out)
+    nk = k16.shape[1] * k16.shape[2]
+    nv = v16.shape[1] * v16.shape[2]
+    narrow_f16(k16[start].reshape(nk), k_out.reshape(nk), nk)
+    narrow_f16(v16[start].reshape(nv), v.reshape(nv), nv)
 
 
 @kernel()

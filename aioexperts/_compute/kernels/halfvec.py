@@ -1,6 +1,6 @@
 """Float16 vector steps of ggml-cpu's F16 flash attention, as LLVM vector IR (x86 AVX2 semantics).
 
-Four intrinsics, each exact operation by operation (``llvm.fma``: one rounding, as
+Five intrinsics, each exact operation by operation (``llvm.fma``: one rounding, as
 ``_mm256_fmadd_ps``; ``fptrunc``/``fpext``: float16 round half to even, as ``vcvtps2ph`` /
 ``vcvtph2ps``), so that LLVM's choice of vector width cannot change a bit:
 
@@ -10,7 +10,10 @@ Four intrinsics, each exact operation by operation (``llvm.fma``: one rounding, 
   float32 FMA accumulators over steps of 32, reduced as ``GGML_F32x8_REDUCE``
   (``x0 += x2, x1 += x3; x0 += x1``; the two 128-bit halves added; two ``hadd``);
 * :func:`mad_f16` is ``ggml_vec_mad_f16``: ``y = fp16(fma(x, v, y))`` per element;
-* :func:`scale_f16` is ``ggml_vec_scale_f16``: ``y = fp16(y * v)``.
+* :func:`scale_f16` is ``ggml_vec_scale_f16``: ``y = fp16(y * v)``;
+* :func:`narrow_f16` rounds a float32 row to float16 bit patterns (``vcvtps2ph``, round half to
+  even: numpy's ``astype(float16)`` for every value but a signaling NaN, which arithmetic never
+  makes), a key or value row written to the cache.
 
 The float16 operands of the last three are float32 arrays holding float16 values (widened rows,
 the rounded query; exact, so the same numbers as ggml's conversions in its loops); the running
@@ -184,6 +187,27 @@ def widen_f16(typingctx, y, x, x_off, n):
             i = builder.mul(loop.index, ir.Constant(loop.index.type, LANES))
             ptr = _element_pointer(context, builder, signature.args[0], ya, i, V32F)
             builder.store(_load_halves(context, builder, signature.args[1], xa, builder.add(off, i)), ptr, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def narrow_f16(typingctx, y, x, n):
+    """``y[i] = bits(float16(x[i]))`` for ``i < n`` (a multiple of 32): ``x`` float32 rounded half
+    to even (``vcvtps2ph``), ``y`` uint16."""
+    if not _is_1d(y, types.uint16) or not _is_1d(x, types.float32) or not _is_int(n):
+        return None
+    sig = types.void(y, x, n)
+
+    def codegen(context, builder, signature, args):
+        ya, xa, count = args
+        count = context.cast(builder, count, signature.args[2], types.intp)
+        with cgutils.for_range(builder, _steps(builder, count)) as loop:
+            i = builder.mul(loop.index, ir.Constant(loop.index.type, LANES))
+            xv = builder.load(_element_pointer(context, builder, signature.args[1], xa, i, V32F), align=4)
+            bits = builder.bitcast(builder.fptrunc(xv, V32H), V32I16)
+            builder.store(bits, _element_pointer(context, builder, signature.args[0], ya, i, V32I16), align=2)
         return context.get_dummy_value()
 
     return sig, codegen
