@@ -14,7 +14,9 @@ kernels are compiled afresh. Stale folders are left for the user to delete (they
 
 numba reads its cache folder from ``numba.config.CACHE_DIR`` when a function is decorated; the
 :func:`kernel` decorator sets it for the duration of the decoration only, so the user's own numba
-functions keep their configuration. If the folder cannot be written, kernels are compiled without
+functions keep their configuration, under a lock: two threads decorating at once (kernel modules
+imported by compute-pool threads) left numba reading the other thread's restored ``""``, a cache
+folder relative to the working directory. If the folder cannot be written, kernels are compiled without
 a disk cache (numba would otherwise fall back to ``__pycache__`` inside the package).
 
 Environment:
@@ -32,6 +34,7 @@ import logging
 import os
 import platform
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +63,7 @@ CACHE_ENV = "AIOEXPERTS_CACHE"
 FASTMATH_FLAGS = frozenset({"reassoc", "contract", "nsz", "arcp"})
 
 _KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+_CACHE_DIR_LOCK = threading.RLock()
 _HASH_CHARS = 16
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -223,12 +227,13 @@ def kernel(*, exact: bool = False, cache: bool = True, inline: bool = False) -> 
             compiled: F = numba.njit(**options)(fn)
             return compiled
         config: Any = numba.config
-        saved = config.CACHE_DIR
-        config.CACHE_DIR = os.fspath(folder)
-        try:
-            compiled = numba.njit(cache=True, **options)(fn)
-        finally:
-            config.CACHE_DIR = saved
+        with _CACHE_DIR_LOCK:  # kernel modules imported in two threads at once must not interleave here
+            saved = config.CACHE_DIR
+            config.CACHE_DIR = os.fspath(folder)
+            try:
+                compiled = numba.njit(cache=True, **options)(fn)
+            finally:
+                config.CACHE_DIR = saved
         return compiled
 
     return decorate

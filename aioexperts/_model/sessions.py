@@ -180,12 +180,19 @@ class ModelSequence:
         position 0 before its own (a re-prefill: the same numbers as a fresh sequence, not a reuse).
 
         Raises:
-            InvalidRequestError: ``n`` out of range, or the sequence is closed.
+            InvalidRequestError: ``n`` out of range, the sequence is closed, or a call on it is
+                running (a :meth:`forward`, a step of a generation: await it first; cutting the
+                tokens under it would leave them unlike what its cache holds).
         """
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.n_past:
             raise InvalidRequestError(f"keep(n) needs 0 <= n <= n_past={self.n_past}, got {n!r}")
         if self._cache is None:
             raise InvalidRequestError("the sequence is closed")
+        if self._lock.locked():
+            raise InvalidRequestError(
+                "keep() while a call on this sequence is running: calls on one sequence run one at a time, "
+                "await it first"
+            )
         self._end_paused()
         if n < self.n_past:
             self.unrun.clear()

@@ -265,3 +265,37 @@ def test_numba_disable_jit_gives_the_numpy_kernels_with_one_log_line(tmp_path) -
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     logs = [line for line in disabled["logs"] if "numpy kernels serve" in line]  # type: ignore[union-attr]
     assert len(logs) == 1 and "NUMBA_DISABLE_JIT" in logs[0], disabled["logs"]
+
+
+def test_two_threads_decorating_at_once_each_see_the_kernel_cache_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kernel()`` sets numba's process-wide ``CACHE_DIR`` around each decoration: two threads at once
+    (kernel modules imported by compute-pool threads) made numba read the other's restored ``""`` and
+    create a cache folder relative to the working directory."""
+    import threading
+    import time
+
+    import numba
+
+    folder = jit.jit_status().cache_dir
+    if folder is None:
+        pytest.skip("no kernel cache folder here")
+    seen: list[str] = []
+    real_njit = numba.njit
+
+    def slow_njit(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        def decorate(fn):  # type: ignore[no-untyped-def]
+            seen.append(numba.config.CACHE_DIR)  # numba reads it more than once while it decorates
+            time.sleep(0.01)
+            seen.append(numba.config.CACHE_DIR)
+            return fn
+
+        return decorate
+
+    monkeypatch.setattr(numba, "njit", slow_njit)
+    threads = [threading.Thread(target=lambda: jit.kernel()(lambda x: x)) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.setattr(numba, "njit", real_njit)
+    assert len(seen) == 12 and set(seen) == {os.fspath(folder)}, set(seen)

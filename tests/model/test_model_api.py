@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import gguf
 import numpy as np
 import pytest
@@ -303,3 +304,29 @@ async def test_embeddings_through_store_rows_and_n_ctx_from_the_budget(
     with pytest.raises(aioexperts.ConfigError, match="memory_budget"):
         async with load(QWEN3, n_ctx=64, memory_budget=40 * per_position):
             pass
+
+
+@needs_fixture
+async def test_keep_while_a_forward_runs_is_refused_and_the_sequence_stays_whole(
+    forward: dict[str, np.ndarray], anyio_backend: object
+) -> None:
+    """``keep(4)`` during a running ``forward`` was accepted: the tokens said P[:4] + the run while the
+    cache held P[:n], and later logits were another context's (0.64 rel L2), silently."""
+    assert QWEN3 is not None
+    tokens = forward["tokens"].tolist()
+    async with load(QWEN3) as model, model.sequence() as seq:
+        await seq.forward(tokens[:8])
+        refused: list[Exception] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(seq.forward, tokens[8:])
+            with anyio.fail_after(30):
+                while not seq._lock.locked():  # the forward has started
+                    await anyio.lowlevel.checkpoint()
+            try:
+                seq.keep(4)
+            except aioexperts.InvalidRequestError as exc:
+                refused.append(exc)
+        assert refused and "one at a time" in str(refused[0])
+        assert seq.tokens == tokens and seq.n_past == len(tokens)
+        seq.keep(4)  # once it has returned
+        assert seq.n_past == 4
