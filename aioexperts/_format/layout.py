@@ -331,12 +331,13 @@ def build_layout(model: GGUFModel, *, include_nextn: bool = False) -> ExpertLayo
     layers: dict[int, MoELayer] = {}
     nextn: list[int] = []
     n_blocks = model.key("block_count")
-    if isinstance(n_blocks, int) and not isinstance(n_blocks, bool) and n_blocks > 0:
+    if isinstance(n_blocks, int) and not isinstance(n_blocks, bool) and n_blocks >= 0:  # absent: unknown
         beyond = sorted(i for i in set(by_layer) | set(routers) if i >= n_blocks)
         if beyond:  # llama.cpp refuses the file too ("wrong number of tensors")
             raise LayoutError(
                 f"{model.path}: expert or router tensors of block {beyond[0]}, but "
-                f"{model.architecture}.block_count={n_blocks} (blocks 0..{n_blocks - 1})"
+                f"{model.architecture}.block_count={n_blocks}"
+                + (f" (blocks 0..{n_blocks - 1})" if n_blocks else " (no blocks)")
             )
     for index in sorted(set(by_layer) | set(routers)):
         if first_nextn is not None and index >= first_nextn:

@@ -245,7 +245,8 @@ def _replay(name: str, steps: _Steps, capacity: int) -> tuple[int, int, int, int
 
         fn = compiled_kernel("replay", kernel)
         if fn is not None:
-            got = fn(steps.keys, steps.bounds, len(steps.key_tuples), capacity)
+            # slots beyond the keys the trace uses are never filled: the same counts (and an int64)
+            got = fn(steps.keys, steps.bounds, len(steps.key_tuples), min(int(capacity), len(steps.key_tuples)))
             if got[0] >= 0:  # -1: a step wider than the capacity (excluded by _check_capacity)
                 return int(got[0]), int(got[1]), int(got[2]), int(got[3])
     if name == BELADY:

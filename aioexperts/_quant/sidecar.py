@@ -8,6 +8,7 @@ quantizers (:mod:`aioexperts._quant`, ggml's reference quantizers without an imp
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Callable
@@ -113,8 +114,12 @@ def write_miss_tier(
     tmp = Path(tmp_name)
     pool = ThreadPoolExecutor(n_threads, thread_name_prefix="aioexperts-tier")
     try:
-        os.close(fd)
-        writer.open_output_file(tmp)  # by name: the file made just now
+        made = os.fstat(fd)
+        _open_on(writer, fd, tmp)
+        files = writer.fout or []
+        opened = os.fstat(files[0].fileno()) if files else None
+        if opened is None or (opened.st_dev, opened.st_ino) != (made.st_dev, made.st_ino):
+            raise OSError(errno.EEXIST, "the temporary file was replaced before it was opened", os.fspath(tmp))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -137,15 +142,46 @@ def write_miss_tier(
             if progress is not None:
                 progress(written, total)
         writer.close()
-        os.chmod(tmp, new_file_mode())  # mkstemp makes 0600; a sidecar gets the mode of any new file
+        os.fchmod(fd, new_file_mode())  # mkstemp makes 0600; a sidecar gets the mode of any new file
+        now = os.lstat(tmp)
+        if (now.st_dev, now.st_ino) != (made.st_dev, made.st_ino):
+            raise OSError(errno.EEXIST, "the temporary file was replaced while it was written", os.fspath(tmp))
         os.replace(tmp, out)
     except BaseException:
         writer.close()
-        tmp.unlink(missing_ok=True)
+        _unlink_if_ours(tmp, fd)
         raise
     finally:
+        os.close(fd)
         pool.shutdown(cancel_futures=True)
     return out
+
+
+def _open_on(writer: GGUFWriter, fd: int, tmp: Path) -> None:
+    """Have ``writer`` write one file through a duplicate of ``fd`` (the ``mkstemp`` file), not by
+    opening ``tmp`` by name (which follows whatever the name is by then). Done as ``gguf``'s
+    ``open_output_file`` does for one file; a ``gguf`` whose writer differs opens by name instead
+    (the caller then checks that the file opened is the one made)."""
+    try:
+        from gguf.gguf_writer import WriterState
+
+        if writer.state is not WriterState.NO_FILE or len(writer.tensors) != 1:
+            raise AttributeError("not one file to open")
+        writer.path = tmp
+        writer.fout = [os.fdopen(os.dup(fd), "wb")]
+        writer.state = WriterState.EMPTY
+    except (ImportError, AttributeError, TypeError):
+        writer.open_output_file(tmp)
+
+
+def _unlink_if_ours(tmp: Path, fd: int) -> None:
+    """Remove the temporary file ``fd`` made, by name, unless that name is another file now."""
+    try:
+        made, now = os.fstat(fd), os.lstat(tmp)
+    except OSError:
+        return
+    if (now.st_dev, now.st_ino) == (made.st_dev, made.st_ino):
+        tmp.unlink(missing_ok=True)
 
 
 def _read(model: GGUFModel, shard: int, offset: int, n_bytes: int) -> bytes:

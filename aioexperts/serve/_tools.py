@@ -12,6 +12,7 @@ DeepSeek print it with ``tojson``; llama.cpp does the same).
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -96,6 +97,15 @@ def parse_tool_choice(body: Mapping[str, Any], tools: tuple[dict[str, Any], ...]
     raise _bad("tool_choice", 'must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
 
 
+def finite_float(text: str) -> float:
+    """A JSON number's float, refused (``ValueError``) beyond the float range (``1e400`` would be
+    ``inf``, which no JSON writer of the server may write back)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is beyond the float range")
+    return value
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
@@ -106,9 +116,9 @@ def _arguments_for_template(value: object, where: str) -> Any:
     if not isinstance(value, str):
         raise _bad(where, "must be a string of JSON")
     try:
-        parsed = json.loads(value, parse_constant=_no_constant)
+        parsed = json.loads(value, parse_constant=_no_constant, parse_float=finite_float)
     except ValueError:
-        return value  # not JSON (or NaN / Infinity, which JSON has not): the template gets the text
+        return value  # not JSON (or NaN, Infinity, 1e400: no float): the template gets the text
     return parsed if isinstance(parsed, dict) else value
 
 

@@ -168,3 +168,31 @@ def test_a_closed_stdout_exits_141_quietly_with_the_sidecar_written(model: Path,
         os.close(write_end)
     assert (done.returncode, done.stderr) == (141, ""), done.stderr
     assert out.is_file()
+
+
+def test_a_temporary_name_swapped_for_a_symlink_never_writes_its_target(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sidecar is written through the ``mkstemp`` descriptor: a name swapped for a symlink right
+    after it was made (someone with write access to the folder) leaves the link's target as it was,
+    and the write fails instead of renaming the link into place."""
+    import tempfile
+
+    from aioexperts import write_miss_tier
+    from aioexperts._quant import sidecar
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    real = tempfile.mkstemp
+
+    def swapped(*args: object, **kwargs: object) -> tuple[int, str]:
+        fd, name = real(*args, **kwargs)  # type: ignore[call-overload]
+        os.unlink(name)
+        os.symlink(victim, name)
+        return fd, name
+
+    monkeypatch.setattr(sidecar.tempfile, "mkstemp", swapped)
+    out = tmp_path / "x.gguf"
+    with pytest.raises(OSError, match="replaced"):
+        write_miss_tier(model, out, "Q2_K")
+    assert victim.read_text() == "keep me" and not out.exists()

@@ -543,3 +543,6 @@ def test_expert_tensors_past_block_count_are_a_layout_error(tmp_path: Path) -> N
     kit.patch_u32(path, kit.kv_value_offset(path, key), 1)
     with pytest.raises(LayoutError, match=rf"tensors of block 1, but {re.escape(key)}=1 \(blocks 0\.\.0\)"):
         build_layout(open_model(path))
+    kit.patch_u32(path, kit.kv_value_offset(path, key), 0)  # zero: no blocks at all, not "unknown"
+    with pytest.raises(LayoutError, match=rf"tensors of block 0, but {re.escape(key)}=0 \(no blocks\)"):
+        build_layout(open_model(path))

@@ -277,3 +277,12 @@ def test_slot_table_reports_each_replay_once_with_its_hit_rate() -> None:
     for policy, capacity, rate in seen:
         assert rate == replay(trace, capacity, (policy,))[policy].hit_rate
     assert {p for p, _, _ in seen} == {"lru", "belady"}
+
+
+def test_a_capacity_beyond_every_key_replays_as_every_key() -> None:
+    """The compiled replays take an int64: ``10**30`` slots raised a bare OverflowError."""
+    trace = skewed_random_trace(100, [0, 1], [8, 8], 2, seed=1, zipf_exponent=1.1, locality=0.2)
+    for policy in ("lru", "belady"):
+        big = replay(trace, 10**30, (policy,))[policy]
+        full = replay(trace, 16, (policy,))[policy]
+        assert (big.hits, big.misses, big.evictions, big.capacity) == (full.hits, full.misses, 0, 10**30)

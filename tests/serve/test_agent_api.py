@@ -286,6 +286,12 @@ def test_a_template_without_tool_calls_shows_earlier_calls_and_results_in_the_no
         body = {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [nan_call]}]}
         status, out = post(thread, "/apply-template", body)  # NaN is not JSON: the arguments stay text
         assert status == 200 and '{"name": "f", "arguments": "{\\"x\\": NaN}"}' in out["prompt"], out
+        big = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1e400}'}}
+        body = {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [big]}]}
+        status, out = post(thread, "/apply-template", body)  # beyond float: text too (was a 500)
+        assert status == 200 and '"arguments": "{\\"x\\": 1e400}"' in out["prompt"], out
+        status, _, data = request(thread, "POST", "/apply-template", raw=b'{"messages": [], "x": 1e400}')
+        assert status == 400 and json.loads(data)["error"]["code"] == "invalid_json"
     finally:
         thread.stop()
     status, out = post(agent_server, "/apply-template", {"messages": messages, "tools": TOOLS})
