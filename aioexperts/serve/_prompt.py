@@ -124,16 +124,24 @@ def _in_note_syntax(message: Mapping[str, Any]) -> Mapping[str, Any]:
     what came back; other messages as they are."""
     calls = message.get("tool_calls")
     if calls:
-        blocks = "\n".join(
-            "<tool_call>\n"
-            + json.dumps(
-                {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                ensure_ascii=False,
-                allow_nan=False,
+        try:
+            blocks = "\n".join(
+                "<tool_call>\n"
+                + json.dumps(
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                    ensure_ascii=False,
+                    allow_nan=False,
+                )
+                + "\n</tool_call>"
+                for c in calls
             )
-            + "\n</tool_call>"
-            for c in calls
-        )
+        except ValueError:  # an arguments object with a number beyond float (1e400 read as inf)
+            raise APIError(
+                400,
+                "an earlier tool call's arguments hold a number beyond the float range, which this "
+                "template's tool-call syntax cannot write",
+                code="invalid_value",
+            ) from None
         text = message.get("content") or ""
         out = {k: v for k, v in message.items() if k != "tool_calls"}
         out["content"] = f"{text}\n{blocks}" if text else blocks

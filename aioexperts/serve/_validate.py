@@ -26,7 +26,6 @@ from aioexperts import ConfigError, SamplingOptions
 from ._errors import APIError
 from ._structured import StructuredOutput, parse_structured
 from ._tools import (
-    finite_float,
     parse_template_kwargs,
     parse_tool_call_id,
     parse_tool_calls,
@@ -167,14 +166,13 @@ class GenerationRequest:
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
-    """The JSON object of a request body (400 unless it is one; NaN and Infinity are not JSON, nor
-    is a number beyond the float range here)."""
+    """The JSON object of a request body (400 unless it is one; NaN and Infinity are not JSON)."""
 
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not a JSON number")
 
     try:
-        value = json.loads(body, parse_constant=no_constants, parse_float=finite_float)
+        value = json.loads(body, parse_constant=no_constants)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:  # arrays or objects nested deeper than the parser's recursion allows

@@ -290,8 +290,11 @@ def test_a_template_without_tool_calls_shows_earlier_calls_and_results_in_the_no
         body = {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [big]}]}
         status, out = post(thread, "/apply-template", body)  # beyond float: text too (was a 500)
         assert status == 200 and '"arguments": "{\\"x\\": 1e400}"' in out["prompt"], out
-        status, _, data = request(thread, "POST", "/apply-template", raw=b'{"messages": [], "x": 1e400}')
-        assert status == 400 and json.loads(data)["error"]["code"] == "invalid_json"
+        as_object = {**big, "function": {"name": "f", "arguments": {"x": 1.0}}}
+        raw = json.dumps({"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [as_object]}]})
+        raw = raw.replace('{"x": 1.0}', '{"x": 1e400}')  # an object holding a number Python reads as inf
+        status, _, data = request(thread, "POST", "/apply-template", raw=raw.encode())
+        assert status == 400 and "beyond the float range" in json.loads(data)["error"]["message"], data
     finally:
         thread.stop()
     status, out = post(agent_server, "/apply-template", {"messages": messages, "tools": TOOLS})
