@@ -30,10 +30,7 @@ def replay_lru(keys, bounds, n_keys, capacity):
     resident = np.zeros(n_keys, np.bool_)
     seen = np.zeros(n_keys, np.bool_)
     pinned = np.full(n_keys, -1, np.int64)  # the step that pins the key
-    width = 0
-    for s in range(bounds.shape[0] - 1):
-        width = max(width, bounds[s + 1] - bounds[s])
-    missing = np.empty(max(width, 1), np.int64)
+    missing = np.empty(_widest(bounds), np.int64)
     head = -1  # the oldest key
     tail = -1  # the newest key
     n_res = 0
@@ -102,6 +99,15 @@ def replay_lru(keys, bounds, n_keys, capacity):
     return hits, misses, compulsory, evictions
 
 
+@kernel(cache=False)
+def _widest(bounds):
+    """The most keys of one step (at least 1)."""
+    width = 1
+    for s in range(bounds.shape[0] - 1):
+        width = max(width, bounds[s + 1] - bounds[s])
+    return width
+
+
 @kernel(cache=False, inline=True)
 def _before(n1, k1, n2, k2):
     """``(n1, k1) < (n2, k2)``: the heap's order (``n`` the negated next use)."""
@@ -149,6 +155,19 @@ def _pop(hn, hk, size):
     return size
 
 
+@kernel(cache=False)
+def _push_grown(hn, hk, size, n, k):
+    """:func:`_push`, the heap's arrays doubled first when full; ``(hn, hk, size)`` after it."""
+    if size == hn.shape[0]:
+        hn2 = np.empty(2 * size, np.int64)
+        hk2 = np.empty(2 * size, np.int64)
+        hn2[:size] = hn[:size]
+        hk2[:size] = hk[:size]
+        hn = hn2
+        hk = hk2
+    return hn, hk, _push(hn, hk, size, n, k)
+
+
 @kernel(cache=True)
 def replay_belady(keys, bounds, n_keys, capacity):
     n = keys.shape[0]
@@ -162,14 +181,10 @@ def replay_belady(keys, bounds, n_keys, capacity):
     res = np.full(n_keys, -1, np.int64)  # a resident key's next use; -1: not resident
     seen = np.zeros(n_keys, np.bool_)
     step_of = np.full(n_keys, -1, np.int64)
-    width = 0
-    for s in range(bounds.shape[0] - 1):
-        width = max(width, bounds[s + 1] - bounds[s])
-    skipped_n = np.empty(max(width, 1), np.int64)
-    skipped_k = np.empty(max(width, 1), np.int64)
-    room = 2 * n + 16
-    hn = np.empty(room, np.int64)
-    hk = np.empty(room, np.int64)
+    skipped_n = np.empty(_widest(bounds), np.int64)
+    skipped_k = np.empty(_widest(bounds), np.int64)
+    hn = np.empty(2 * n + 16, np.int64)
+    hk = np.empty(2 * n + 16, np.int64)
     size = 0
     n_res = 0
     hits = 0
@@ -186,15 +201,7 @@ def replay_belady(keys, bounds, n_keys, capacity):
             if res[k] >= 0:
                 hits += 1
                 res[k] = next_use[p]
-                if size == room:
-                    room *= 2
-                    hn2 = np.empty(room, np.int64)
-                    hk2 = np.empty(room, np.int64)
-                    hn2[:size] = hn[:size]
-                    hk2[:size] = hk[:size]
-                    hn = hn2
-                    hk = hk2
-                size = _push(hn, hk, size, -next_use[p], k)
+                hn, hk, size = _push_grown(hn, hk, size, -next_use[p], k)
         for p in range(a, b):
             k = keys[p]
             if res[k] >= 0:
@@ -226,13 +233,5 @@ def replay_belady(keys, bounds, n_keys, capacity):
                     size = _push(hn, hk, size, skipped_n[i], skipped_k[i])
             res[k] = next_use[p]
             n_res += 1
-            if size == room:
-                room *= 2
-                hn2 = np.empty(room, np.int64)
-                hk2 = np.empty(room, np.int64)
-                hn2[:size] = hn[:size]
-                hk2[:size] = hk[:size]
-                hn = hn2
-                hk = hk2
-            size = _push(hn, hk, size, -next_use[p], k)
+            hn, hk, size = _push_grown(hn, hk, size, -next_use[p], k)
     return hits, misses, compulsory, evictions
