@@ -119,8 +119,7 @@ def _flatten(trace: RoutingTrace) -> _Steps:
 def _check_capacity(trace: RoutingTrace, steps: _Steps, capacity: int) -> None:
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
         raise ConfigError(f"capacity must be a positive int, got {capacity!r}")
-    bounds = np.asarray(steps.bounds)
-    sizes = np.diff(bounds)
+    sizes = np.diff(steps.bounds)
     if sizes.size and int(sizes.max()) > capacity:
         step = int(np.argmax(sizes))
         token, i = divmod(step, trace.n_layers)

@@ -85,17 +85,17 @@ def _summary(trace: RoutingTrace, targets: Sequence[float], expert_bytes: int | 
     ]
     sizes = []
     t0 = last = time.monotonic()
-    replays = [0]
+    replays = 0
 
     def progress(policy: str, slots: int, hit_rate: float) -> None:  # a long trace: say where it is
-        nonlocal last
-        replays[0] += 1
+        nonlocal last, replays
+        replays += 1
         now = time.monotonic()
         if now - last >= 2.0:
             last = now
             print(
                 f"aioexperts-trace: {policy} at {slots} slots hits {100 * hit_rate:.1f} % "
-                f"({replays[0]} replays, {now - t0:.0f} s)",
+                f"({replays} replays, {now - t0:.0f} s)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -456,7 +456,7 @@ class AnthropicMessages:
                     text = "".join([piece.text async for piece in stream])
                 parser = prompt.parser(server.options.reasoning_format)
                 reply = parser.parse(text)
-                prompt.check(reply, truncated=self._truncated(gen))
+                prompt.check(reply, gen.finish_reason)
                 content: list[dict[str, Any]] = []
                 if reply.reasoning:
                     content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
@@ -473,11 +473,6 @@ class AnthropicMessages:
                     server.metrics.cancelled += 1
                     raise
                 return self.error_response(_shutting_down())
-
-    @staticmethod
-    def _truncated(gen: Generation) -> bool:
-        """The reply stopped at its token limit (``max_tokens``) or the context's end."""
-        return _STOP_REASONS.get(gen.statistics.stop_reason or "") == "max_tokens"
 
     def _stop(self, gen: Generation, called: bool) -> tuple[str, str | None]:
         if called:
@@ -533,7 +528,7 @@ class AnthropicMessages:
                 await send(b"".join(blocks.events(d)))
             await send(b"".join(blocks.close()))
             # tool_choice any / tool not followed: nothing held is sent (unless the reply was cut off)
-            prompt.check(Reply.join(deltas), truncated=self._truncated(gen))
+            prompt.check(Reply.join(deltas), gen.finish_reason)
             if held:
                 await resp.write(b"".join(held))
             reason, sequence = self._stop(gen, blocks.n_calls > 0)

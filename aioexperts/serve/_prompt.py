@@ -89,14 +89,15 @@ class ChatPrompt:
         so a stream sends nothing of it before it ended and passed the check."""
         return self.tool_choice == "required" or self.tool_choice.startswith("function:")
 
-    def check(self, reply: Reply, *, truncated: bool = False) -> None:
+    def check(self, reply: Reply, finish_reason: str) -> None:
         """Raise a 422 ``tool_choice_not_followed`` when the reply ignores ``tool_choice`` required / named.
 
-        A reply cut off by its token limit (``truncated``: ``finish_reason`` ``"length"``) is never
-        refused: the call may be the part that did not fit, and the client sees the cut in the
-        finish reason (as OpenAI's API reports a forced call cut by ``max_tokens``).
+        A reply cut off by its token limit (``finish_reason`` ``"length"``,
+        :attr:`aioexperts.serve._generate.Generation.finish_reason`) is never refused: the call may
+        be the part that did not fit, and the client sees the cut in the finish reason (as OpenAI's
+        API reports a forced call cut by ``max_tokens``).
         """
-        if truncated:
+        if finish_reason == "length":
             return
         if self.tool_choice == "required" and not reply.tool_calls:
             missing = "no tool call"

@@ -78,7 +78,7 @@ class ChatReply:
         """
         out = [*self._held, *self._chunks(self._parser.finish())]
         self._held = []
-        self._prompt.check(Reply.join(self._deltas), truncated=finish_reason == "length")
+        self._prompt.check(Reply.join(self._deltas), finish_reason)
         reason = "tool_calls" if self._n_calls else finish_reason
         out.append(self._shapes.delta_chunk({}, self._pending, reason, self._include_usage))
         self._pending = []
@@ -91,7 +91,7 @@ class ChatReply:
             APIError: 422 ``tool_choice_not_followed``.
         """
         reply = self._parser.parse("".join(p.text for p in pieces))
-        self._prompt.check(reply, truncated=finish_reason == "length")
+        self._prompt.check(reply, finish_reason)
         reason = "tool_calls" if reply.tool_calls else finish_reason
         tokens = [t for p in pieces for t in p.tokens]
         return self._shapes.whole_reply(reply, tokens, reason, usage)

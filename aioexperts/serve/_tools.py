@@ -97,7 +97,7 @@ def parse_tool_choice(body: Mapping[str, Any], tools: tuple[dict[str, Any], ...]
     raise _bad("tool_choice", 'must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
 
 
-def finite_float(text: str) -> float:
+def _finite_float(text: str) -> float:
     """A JSON number's float, refused (``ValueError``) beyond the float range (``1e400`` would be
     ``inf``, which no JSON writer of the server may write back)."""
     value = float(text)
@@ -106,8 +106,10 @@ def finite_float(text: str) -> float:
     return value
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+def no_json_constant(name: str) -> Any:
+    """``json.loads``'s ``parse_constant``: ``NaN``, ``Infinity`` and ``-Infinity`` are not JSON
+    (``ValueError``)."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _arguments_for_template(value: object, where: str) -> Any:
@@ -116,7 +118,7 @@ def _arguments_for_template(value: object, where: str) -> Any:
     if not isinstance(value, str):
         raise _bad(where, "must be a string of JSON")
     try:
-        parsed = json.loads(value, parse_constant=_no_constant, parse_float=finite_float)
+        parsed = json.loads(value, parse_constant=no_json_constant, parse_float=_finite_float)
     except ValueError:
         return value  # not JSON (or NaN, Infinity, 1e400: no float): the template gets the text
     return parsed if isinstance(parsed, dict) else value

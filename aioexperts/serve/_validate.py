@@ -26,6 +26,7 @@ from aioexperts import ConfigError, SamplingOptions
 from ._errors import APIError
 from ._structured import StructuredOutput, parse_structured
 from ._tools import (
+    no_json_constant,
     parse_template_kwargs,
     parse_tool_call_id,
     parse_tool_calls,
@@ -167,12 +168,8 @@ class GenerationRequest:
 
 def parse_json(body: bytes) -> dict[str, Any]:
     """The JSON object of a request body (400 unless it is one; NaN and Infinity are not JSON)."""
-
-    def no_constants(name: str) -> Any:
-        raise ValueError(f"{name} is not a JSON number")
-
     try:
-        value = json.loads(body, parse_constant=no_constants)
+        value = json.loads(body, parse_constant=no_json_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:  # arrays or objects nested deeper than the parser's recursion allows
