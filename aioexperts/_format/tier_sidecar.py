@@ -1,10 +1,14 @@
 """The miss tier's sidecar GGUF: every routed expert of a model re-quantized to a smaller ggml type.
 
-A GGUF file of its own (``general.architecture = "aioexperts-miss-tier"``) holding, per MoE block
-``L`` and bank ``b`` of the model, three stacked tensors ``blk.L.tier_gate.b``, ``blk.L.tier_up.b``
-and ``blk.L.tier_down.b`` (numpy shape ``(n_experts_in_bank, rows, cols)``, the bank's own
-matrix shapes; a merged ``gate_up`` bank is written as separate gate and up) in one low type
-(Q2_K, Q3_K or IQ4_XS). It is keyed to the model like the ``WEEPF001`` map
+A GGUF file of its own (``general.architecture = "aioexperts-miss-tier"``) holding every routed
+expert of a model in one low type (Q2_K, Q3_K or IQ4_XS). Version 2 (written now): per MoE block
+``L``, bank ``b`` and expert ``e`` of the bank, one ``I8`` tensor ``blk.L.tier_expert.b.e`` of
+the expert's gate, up and down bytes one after another (the bank's own matrix shapes, each
+quantized to the low type; a merged ``gate_up`` bank is written as separate gate and up), so an
+expert is one contiguous range and one read (three reads of a third the size run a disk at a
+lower rate: docs/miss-tier.md). Version 1 (still read): per block and bank, three
+stacked tensors ``blk.L.tier_gate.b``, ``blk.L.tier_up.b`` and ``blk.L.tier_down.b`` (numpy shape
+``(n_experts_in_bank, rows, cols)``) in the low type. It is keyed to the model like the ``WEEPF001`` map
 (docs/notes/FORMATS.md section 3): the size, device, inode and mtime of every shard of the model
 it was made from, so a sidecar of another model, or of an older version of this one, is refused.
 Written by :func:`aioexperts.write_miss_tier` (``aioexperts-tier``).
@@ -29,11 +33,14 @@ __all__ = (
     "TIER_VERSION",
     "TierSidecar",
     "read_tier_sidecar",
+    "tier_expert_name",
     "tier_tensor_name",
 )
 
 TIER_ARCH = "aioexperts-miss-tier"
-TIER_VERSION = 1
+TIER_VERSION = 2
+#: the versions this module reads (1: three stacked tensors per bank; 2: one tensor per expert)
+READ_VERSIONS = (1, 2)
 #: metadata keys of the sidecar
 TIER_KEYS = {
     "version": "aioexperts.miss_tier.version",
@@ -48,8 +55,19 @@ LOW_TYPES = (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizat
 
 
 def tier_tensor_name(layer: int, projection: str, bank: int) -> str:
-    """``blk.L.tier_{gate,up,down}.b``."""
+    """``blk.L.tier_{gate,up,down}.b`` (version 1)."""
     return f"blk.{layer}.tier_{projection}.{bank}"
+
+
+def tier_expert_name(layer: int, bank: int, local: int) -> str:
+    """``blk.L.tier_expert.b.e``: expert ``local`` of bank ``bank`` (version 2)."""
+    return f"blk.{layer}.tier_expert.{bank}.{local}"
+
+
+def expert_bytes(bank: Bank, ggml_type: GGMLQuantizationType) -> dict[str, int]:
+    """Bytes of one expert's gate, up and down of ``bank`` in ``ggml_type`` (rows of whole blocks)."""
+    block, type_size = GGML_QUANT_SIZES[ggml_type]
+    return {p: cols // block * type_size * rows for p, (rows, cols) in bank_shapes(bank).items()}
 
 
 def bank_shapes(bank: Bank) -> dict[str, tuple[int, int]]:
@@ -145,8 +163,11 @@ def read_tier_sidecar(path: str | os.PathLike[str], model: GGUFModel, layout: Ex
     if len(side.shards) != 1:
         raise FormatError(f"{where}: a miss-tier sidecar is one file, not a split set")
     version = side.metadata.get(TIER_KEYS["version"])
-    if version != TIER_VERSION:
-        raise FormatError(f"{where}: miss-tier sidecar version {version!r}; this aioexperts reads {TIER_VERSION}")
+    if isinstance(version, bool) or not isinstance(version, int) or version not in READ_VERSIONS:
+        raise FormatError(
+            f"{where}: miss-tier sidecar version {version!r}; this aioexperts reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))}"
+        )
     raw_type = side.metadata.get(TIER_KEYS["type"])
     try:
         ggml_type = GGMLQuantizationType(int(raw_type) if isinstance(raw_type, int) else -1)
@@ -169,11 +190,57 @@ def read_tier_sidecar(path: str | os.PathLike[str], model: GGUFModel, layout: Ex
             recorded=rec,
             current=ours,
         )
-    block, type_size = GGML_QUANT_SIZES[ggml_type]
-    segments: dict[tuple[int, int], tuple[Segment, Segment, Segment]] = {}
+    if any(
+        cols % GGML_QUANT_SIZES[ggml_type][0]
+        for moe in layout.layers.values()
+        for b in moe.banks
+        for _, cols in bank_shapes(b).values()
+    ):
+        raise FormatError(f"{where}: the model's expert rows are not whole {ggml_type.name} blocks")
+    read = _segments_v1 if version == 1 else _segments_v2
+    segments = read(side, where, layout, ggml_type)
+    return TierSidecar(where, side.shards[0], ggml_type, segments)
+
+
+Segments = dict[tuple[int, int], tuple[Segment, Segment, Segment]]
+
+
+def _segments_v2(side: GGUFModel, where: str, layout: ExpertLayout, ggml_type: GGMLQuantizationType) -> Segments:
+    """Version 2: each expert's tensor, checked, cut into its gate, up and down."""
+    segments: Segments = {}
     for moe in layout.layers.values():
         for bank in moe.banks:
-            found: dict[str, tuple[int, int]] = {}  # projection -> (data offset, bytes per expert)
+            sizes = expert_bytes(bank, ggml_type)
+            shapes = bank_shapes(bank)
+            total = sum(sizes.values())
+            for local in range(bank.n_experts):
+                name = tier_expert_name(moe.index, bank.index, local)
+                info = side.tensors.get(name)
+                if info is None:
+                    raise FormatError(
+                        f"{where}: tensor {name!r} is missing (layer {moe.index}, bank {bank.index}, expert {local})"
+                    )
+                if info.ggml_type != GGMLQuantizationType.I8 or info.dims != (total,) or info.n_bytes != total:
+                    raise FormatError(
+                        f"{where}: {name} is {info.ggml_type.name} {list(info.dims)}, the model needs I8 [{total}] "
+                        f"({ggml_type.name} gate, up and down)"
+                    )
+                offset = info.data_offset
+                parts = []
+                for p in ("gate", "up", "down"):
+                    parts.append(Segment(0, offset, sizes[p], ggml_type, shapes[p]))
+                    offset += sizes[p]
+                segments[moe.index, bank.first_expert + local] = (parts[0], parts[1], parts[2])
+    return segments
+
+
+def _segments_v1(side: GGUFModel, where: str, layout: ExpertLayout, ggml_type: GGMLQuantizationType) -> Segments:
+    """Version 1: three stacked tensors per bank, checked, cut into experts."""
+    segments: Segments = {}
+    for moe in layout.layers.values():
+        for bank in moe.banks:
+            sizes = expert_bytes(bank, ggml_type)
+            found: dict[str, int] = {}  # projection -> data offset
             for projection, (rows, cols) in bank_shapes(bank).items():
                 name = tier_tensor_name(moe.index, projection, bank.index)
                 info = side.tensors.get(name)
@@ -185,15 +252,14 @@ def read_tier_sidecar(path: str | os.PathLike[str], model: GGUFModel, layout: Ex
                         f"{where}: {name} is {info.ggml_type.name} {list(info.dims)}, the model needs "
                         f"{ggml_type.name} {list(want)}"
                     )
-                per_expert = cols // block * type_size * rows
-                if cols % block or info.n_bytes != per_expert * bank.n_experts:
+                if info.n_bytes != sizes[projection] * bank.n_experts:
                     raise FormatError(f"{where}: {name} holds {info.n_bytes} bytes, not {bank.n_experts} experts")
-                found[projection] = (info.data_offset, per_expert)
+                found[projection] = info.data_offset
             shapes = bank_shapes(bank)
             for local in range(bank.n_experts):
                 gate, up, down = (
-                    Segment(0, found[p][0] + local * found[p][1], found[p][1], ggml_type, shapes[p])
+                    Segment(0, found[p] + local * sizes[p], sizes[p], ggml_type, shapes[p])
                     for p in ("gate", "up", "down")
                 )
                 segments[moe.index, bank.first_expert + local] = (gate, up, down)
-    return TierSidecar(where, side.shards[0], ggml_type, segments)
+    return segments

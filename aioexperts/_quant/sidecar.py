@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from .._errors import ConfigError, FormatError
 from .._format.dequant import dequantize
@@ -28,15 +28,17 @@ from .._format.tier_sidecar import (
     TIER_KEYS,
     TIER_VERSION,
     bank_shapes,
+    expert_bytes,
     model_identity,
-    tier_tensor_name,
+    tier_expert_name,
 )
-from . import TIER_TYPES, quantize, quantized_bytes
+from . import TIER_TYPES, quantize
 
 __all__ = ("write_miss_tier",)
 
 Progress = Callable[[int, int], None]
-_PROJECTIONS = ("gate", "up", "down")
+#: experts re-quantized at once before they are written (bounds the memory held)
+_CHUNK = 32
 
 
 def write_miss_tier(
@@ -56,7 +58,7 @@ def write_miss_tier(
         model_path: the model (a GGUF file or any shard of a split set).
         out_path: the sidecar to write (replaced if it exists).
         ggml_type: ``"Q2_K"``, ``"Q3_K"`` or ``"IQ4_XS"``.
-        progress: ``progress(expert bytes written, total)`` after each tensor.
+        progress: ``progress(expert bytes written, total)`` after each few experts.
         threads: experts re-quantized at once (the numba kernels release the GIL); default the
             CPUs this process may use.
 
@@ -78,24 +80,16 @@ def write_miss_tier(
     n_threads = threads or len(os.sched_getaffinity(0))
     model = open_model(model_path)
     layout = build_layout(model)
-    plan: list[tuple[str, tuple[int, int, int], int, int, int]] = []  # name, shape, layer, bank, projection
+    plan: list[tuple[int, Bank, int]] = []  # layer, bank, bytes of one expert
     for moe in layout.layers.values():
         for bank in moe.banks:
-            for p, (projection, (rows, cols)) in enumerate(bank_shapes(bank).items()):
+            for projection, (_rows, cols) in bank_shapes(bank).items():
                 if cols % 256:
                     raise ConfigError(
                         f"layer {moe.index} bank {bank.index}: {projection} rows of {cols} values; the K-quants "
                         "and IQ4_XS need a multiple of 256"
                     )
-                plan.append(
-                    (
-                        tier_tensor_name(moe.index, projection, bank.index),
-                        (bank.n_experts, rows, cols),
-                        moe.index,
-                        bank.index,
-                        p,
-                    )
-                )
+            plan.append((moe.index, bank, sum(expert_bytes(bank, low).values())))
     out = Path(out_path)
     writer = GGUFWriter(None, TIER_ARCH)  # its file is made below, once nothing else can fail first
     writer.add_name(f"aioexperts miss tier ({ggml_type}) of {os.path.basename(model.path)}")
@@ -103,10 +97,11 @@ def write_miss_tier(
     writer.add_uint32(TIER_KEYS["type"], int(low))
     for name, values in model_identity(model).items():
         writer.add_key_value(TIER_KEYS[name], values, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT64)
-    sizes = [quantized_bytes(low, shape[0] * shape[1] * shape[2]) for _, shape, *_ in plan]
-    for (name, shape, *_), n_bytes in zip(plan, sizes, strict=True):
-        writer.add_tensor_info(name, shape, np.dtype(np.float32), n_bytes, raw_dtype=low)
-    total, written = sum(sizes), 0
+    for layer, bank, n_bytes in plan:
+        for local in range(bank.n_experts):
+            name = tier_expert_name(layer, bank.index, local)
+            writer.add_tensor_info(name, (n_bytes,), np.dtype(np.int8), n_bytes, raw_dtype=GGMLQuantizationType.I8)
+    total, written = sum(n_bytes * bank.n_experts for _, bank, n_bytes in plan), 0
     try:  # a fresh file of its own (O_EXCL), never one planted at a name another process can guess
         fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     except OSError as exc:  # name the user's path, not the temporary file's
@@ -123,24 +118,27 @@ def write_miss_tier(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for (_, shape, layer, bank_index, p), n_bytes in zip(plan, sizes, strict=True):
-            moe = layout.layers[layer]
-            bank = next(b for b in moe.banks if b.index == bank_index)
-            data = np.empty((shape[0], n_bytes // shape[0]), dtype=np.uint8)
+        for layer, bank, n_bytes in plan:
 
-            def requantize(
-                local: int, bank: Bank = bank, p: int = p, data: np.ndarray = data, layer: int = layer
-            ) -> None:
-                segment = bank.locate(layer, local).segments[p]
-                raw = np.frombuffer(_read(model, segment.shard, segment.offset, segment.n_bytes), dtype=np.uint8)
-                weights = dequantize(raw, segment.ggml_type, segment.shape)
-                data[local] = quantize(weights, low).reshape(-1)
+            def requantize(local: int, bank: Bank = bank, layer: int = layer, n_bytes: int = n_bytes) -> np.ndarray:
+                data = np.empty(n_bytes, dtype=np.uint8)
+                at = 0
+                for segment in bank.locate(layer, local).segments:  # gate, up, down: one after another
+                    raw = np.frombuffer(_read(model, segment.shard, segment.offset, segment.n_bytes), dtype=np.uint8)
+                    low_bytes = quantize(dequantize(raw, segment.ggml_type, segment.shape), low).reshape(-1)
+                    data[at : at + low_bytes.size] = low_bytes
+                    at += low_bytes.size
+                if at != n_bytes:  # bank_shapes and the segments disagree: never written short
+                    raise FormatError(f"layer {layer} expert {local}: {at} low-tier bytes, expected {n_bytes}")
+                return data
 
-            list(pool.map(requantize, range(bank.n_experts)))  # re-raises the first failure
-            writer.write_tensor_data(data)
-            written += n_bytes
-            if progress is not None:
-                progress(written, total)
+            for first in range(0, bank.n_experts, _CHUNK):  # in order; at most _CHUNK experts held
+                chunk = range(first, min(first + _CHUNK, bank.n_experts))
+                for data in pool.map(requantize, chunk):  # re-raises the first failure
+                    writer.write_tensor_data(data.view(np.int8))
+                    written += n_bytes
+                if progress is not None:
+                    progress(written, total)
         writer.close()
         os.fchmod(fd, new_file_mode())  # mkstemp makes 0600; a sidecar gets the mode of any new file
         now = os.lstat(tmp)

@@ -5,6 +5,7 @@ downgraded; the tier's numbers against the default path's (a synthetic model and
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from datetime import datetime
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import shared_fixture_paths
 from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType, GGUFWriter
 from tierkit import fake_store, settle
 
 import aioexperts
@@ -20,7 +22,14 @@ from aioexperts import ConfigError, FormatError, MissTier, StaleMapError, write_
 from aioexperts._format.dequant import dequantize
 from aioexperts._format.layout import build_layout
 from aioexperts._format.model import open_model
-from aioexperts._format.tier_sidecar import read_tier_sidecar
+from aioexperts._format.tier_sidecar import (
+    TIER_ARCH,
+    TIER_KEYS,
+    read_tier_sidecar,
+    tier_expert_name,
+    tier_tensor_name,
+)
+from aioexperts._io.plan import plan_expert
 from aioexperts._router import Routing
 from aioexperts._tier_policy import low_tier_misses
 from aioexperts.testing import FakeBackend, SyntheticSpec, write_synthetic_model
@@ -71,6 +80,101 @@ def test_sidecar_holds_every_expert_requantized(model: Path, sidecar: Path) -> N
                 np.frombuffer(pread(str(sidecar), low_seg.offset, low_seg.n_bytes), np.uint8), T.Q3_K, low_seg.shape
             )
             assert np.linalg.norm(back - full) / np.linalg.norm(full) < 0.2  # Q3_K of Gaussian-like weights
+
+
+def test_each_expert_of_the_sidecar_is_one_contiguous_read(model: Path, sidecar: Path) -> None:
+    gguf = open_model(model)
+    layout = build_layout(gguf)
+    tier = read_tier_sidecar(sidecar, gguf, layout)
+    ends = []
+    for loc in layout:
+        gate, up, down = tier.location(loc, 1).segments
+        assert gate.offset + gate.n_bytes == up.offset and up.offset + up.n_bytes == down.offset
+        assert len(plan_expert(tier.location(loc, 1), 4096).reads) == 1
+        ends.append((gate.offset, down.offset + down.n_bytes))
+    ends.sort()
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:], strict=False))  # no expert overlaps another
+
+
+def _as_version_1(sidecar: Path, gguf_model: Path, out: Path) -> Path:
+    """The version-1 file of the same experts: three stacked tensors per bank (what older releases wrote)."""
+    side = open_model(sidecar)
+    gguf = open_model(gguf_model)
+    layout = build_layout(gguf)
+    tier = read_tier_sidecar(sidecar, gguf, layout)
+    writer = GGUFWriter(out, TIER_ARCH)
+    writer.add_uint32(TIER_KEYS["version"], 1)
+    for key, value in side.metadata.items():
+        if key.startswith("aioexperts.miss_tier.model."):
+            writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT64)
+    writer.add_uint32(TIER_KEYS["type"], int(tier.ggml_type))
+    for moe in layout.layers.values():
+        for bank in moe.banks:
+            for p, projection in enumerate(("gate", "up", "down")):
+                rows = [
+                    np.frombuffer(pread(str(sidecar), seg.offset, seg.n_bytes), np.uint8)
+                    for seg in (tier.segments[moe.index, bank.first_expert + e][p] for e in range(bank.n_experts))
+                ]
+                n_rows = tier.segments[moe.index, bank.first_expert][p].shape[0]
+                data = np.stack(rows).reshape(bank.n_experts, n_rows, -1)  # bytes per row: gguf infers the shape
+                writer.add_tensor(tier_tensor_name(moe.index, projection, bank.index), data, raw_dtype=tier.ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_a_version_1_sidecar_is_still_read_as_the_same_experts(model: Path, sidecar: Path, tmp_path: Path) -> None:
+    old = _as_version_1(sidecar, model, tmp_path / "v1.gguf")
+    gguf = open_model(model)
+    layout = build_layout(gguf)
+    new_tier, old_tier = read_tier_sidecar(sidecar, gguf, layout), read_tier_sidecar(old, gguf, layout)
+    assert old_tier.ggml_type == new_tier.ggml_type and old_tier.segments.keys() == new_tier.segments.keys()
+    for key, segs in new_tier.segments.items():
+        for new, was in zip(segs, old_tier.segments[key], strict=True):
+            assert new.shape == was.shape and new.n_bytes == was.n_bytes
+            assert pread(str(sidecar), new.offset, new.n_bytes) == pread(str(old), was.offset, was.n_bytes)
+    assert len(plan_expert(old_tier.location(layout.locate(0, 0), 1), 4096).reads) == 3  # apart in version 1
+
+
+def test_a_malformed_version_2_sidecar_is_a_format_error(model: Path, sidecar: Path, tmp_path: Path) -> None:
+    gguf = open_model(model)
+    layout = build_layout(gguf)
+    side = open_model(sidecar)
+    n_bytes = side.tensors[tier_expert_name(0, 0, 0)].n_bytes
+
+    def rewrite(name: str, version: int = 2, drop: str | None = None, short: str | None = None) -> Path:
+        writer = GGUFWriter(tmp_path / name, TIER_ARCH)
+        writer.add_uint32(TIER_KEYS["version"], version)
+        for key, value in side.metadata.items():
+            if key.startswith("aioexperts.miss_tier.model."):
+                writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT64)
+        writer.add_uint32(TIER_KEYS["type"], int(T.Q3_K))
+        for tname, info in side.tensors.items():
+            if tname == drop:
+                continue
+            size = info.n_bytes - 32 if tname == short else info.n_bytes
+            data = np.frombuffer(pread(str(sidecar), info.data_offset, size), np.int8)
+            writer.add_tensor(tname, data, raw_dtype=T.I8)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return tmp_path / name
+
+    assert read_tier_sidecar(rewrite("same.gguf"), gguf, layout).segments.keys() == {
+        (moe, e) for moe in range(SPEC.n_layer) for e in range(SPEC.n_expert)
+    }
+    name = tier_expert_name(1, 0, 7)
+    with pytest.raises(FormatError, match=rf"tensor '{re.escape(name)}' is missing \(layer 1, bank 0, expert 7\)"):
+        read_tier_sidecar(rewrite("missing.gguf", drop=name), gguf, layout)
+    with pytest.raises(
+        FormatError, match=rf"{re.escape(name)} is I8 \[{n_bytes - 32}\], the model needs I8 \[{n_bytes}\]"
+    ):
+        read_tier_sidecar(rewrite("short.gguf", short=name), gguf, layout)
+    with pytest.raises(FormatError, match="version 3; this aioexperts reads versions 1, 2"):
+        read_tier_sidecar(rewrite("v3.gguf", version=3), gguf, layout)
 
 
 def test_a_stale_or_foreign_sidecar_is_refused(model: Path, sidecar: Path, tmp_path: Path) -> None:
@@ -149,7 +253,8 @@ async def test_low_misses_hits_as_resident_and_upgrades(model: Path, sidecar: Pa
         st = store.statistics()
         assert st.demand_misses == 2 and st.low_tier_misses == 1 and st.tier_upgrades == 0
         shards = [op.shard for op, _ in fake.completed]
-        assert shards.count(1) == 3 and shards.count(0) == 3  # gate, up, down of each from its file
+        assert shards.count(0) == 3  # the full copy: gate, up and down from their stacked tensors
+        assert shards.count(1) == 1  # the low copy: one read, its gate, up and down adjacent
 
         # a hit is served by what is resident: expert 0 stays full although the step asks low for it
         store.start_loads(0, [0, 1], low_ids=[0, 1])
