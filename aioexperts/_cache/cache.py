@@ -195,6 +195,7 @@ class ExpertCache:
         loop: event loop adapter.
         counters: statistics to update.
         low_plan_of: ``(layer, expert) -> LoadPlan`` of the expert's low-tier copy (the miss tier),
+            or None for an expert without one (read at full precision),
             else None.
         upgrade_low: read a low-tier copy that is hit again at full precision once nobody pins it.
         reads_behind: whether the reads are behind now (the miss tier's rule); while it says so,
@@ -212,7 +213,7 @@ class ExpertCache:
         policy: EvictionPolicy,
         loop: LoopAdapter,
         counters: Counters,
-        low_plan_of: Callable[[int, int], LoadPlan] | None = None,
+        low_plan_of: Callable[[int, int], LoadPlan | None] | None = None,
         upgrade_low: bool = True,
         reads_behind: Callable[[], bool] | None = None,
         plan_table: Mapping[Key, LoadPlan] | None = None,
@@ -790,8 +791,9 @@ class ExpertCache:
         out = []
         for k in keys:
             plan = plan_get(k) or plan_of(*k)  # checks the key, for the low tier too
-            if k in low_set:
-                out.append((k, low_plan_of(*k), True))
+            low_plan = low_plan_of(*k) if k in low_set else None  # None: no low copy (a NextN block's)
+            if low_plan is not None:
+                out.append((k, low_plan, True))
             else:
                 out.append((k, plan, False))
         return out

@@ -135,8 +135,10 @@ class StoreStatistics:
         demand_misses: requests whose expert was not resident nor prefetched: a new read (or a
             join of another request's demand read). ``requests == cached_hits + prefetched_in_time
             + prefetched_late + demand_misses`` in slab mode (page-cache mode leaves all four 0).
-        low_tier_misses: of ``demand_misses``, those served from the low-precision miss tier.
-        tier_upgrades: low-tier copies read again at full precision after a hit.
+        low_tier_misses: of ``demand_misses``, those whose read went to the low-precision miss tier
+            (a read that failed counts: its request got the read's error).
+        tier_upgrades: reads of low-tier copies again at full precision after a hit, started (one
+            that fails keeps the low copy, which a later hit may upgrade again).
         low_tier_prefetches: of ``prefetch_issued``, the prefetches read from the low tier.
         low_tier_prefetch_hits: of ``prefetched_in_time + prefetched_late``, the requests served by
             a low-tier prefetch.

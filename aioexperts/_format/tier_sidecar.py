@@ -198,8 +198,17 @@ def read_tier_sidecar(path: str | os.PathLike[str], model: GGUFModel, layout: Ex
     ):
         raise FormatError(f"{where}: the model's expert rows are not whole {ggml_type.name} blocks")
     read = _segments_v1 if version == 1 else _segments_v2
-    segments = read(side, where, layout, ggml_type)
+    # the NextN blocks are left out of a sidecar (as of the default layout): their experts, when a
+    # layout keeps them, have no low copy and are read in full
+    main = layout if not layout.include_nextn else _without_nextn(layout)
+    segments = read(side, where, main, ggml_type)
     return TierSidecar(where, side.shards[0], ggml_type, segments)
+
+
+def _without_nextn(layout: ExpertLayout) -> ExpertLayout:
+    """``layout`` without its NextN blocks (the layers a sidecar holds)."""
+    kept = {i: m for i, m in layout.layers.items() if i not in layout.nextn_layers}
+    return ExpertLayout(kept, layout.n_expert_used, layout.n_embd, layout.nextn_layers, include_nextn=False)
 
 
 Segments = dict[tuple[int, int], tuple[Segment, Segment, Segment]]

@@ -66,7 +66,9 @@ def write_miss_tier(
         The path written.
 
     Raises:
-        ConfigError: an unknown type, or a matrix whose rows are not a multiple of 256 values.
+        ConfigError: an unknown type, a matrix whose rows are not a multiple of 256 values, or an
+            ``out_path`` that is empty, names a directory or is a file of the model (any shard,
+            through any link).
         FormatError: the model is malformed, or changed while it was read.
         OSError: reading the model or writing the sidecar failed (a sidecar that cannot be
             created, in a missing or read-only folder, is named as ``out_path``, never as the
@@ -79,6 +81,7 @@ def write_miss_tier(
         raise ConfigError(f"threads must be an int >= 1 or None, got {threads!r}")
     n_threads = threads or len(os.sched_getaffinity(0))
     model = open_model(model_path)
+    _check_output(out_path, model)
     layout = build_layout(model)
     plan: list[tuple[int, Bank, int]] = []  # layer, bank, bytes of one expert
     for moe in layout.layers.values():
@@ -153,6 +156,23 @@ def write_miss_tier(
         os.close(fd)
         pool.shutdown(cancel_futures=True)
     return out
+
+
+def _check_output(out_path: str | os.PathLike[str], model: GGUFModel) -> None:
+    """Refuse an output path that would lose something: empty, naming a directory, or any file of
+    the model (by device and inode: a symlink, a hard link or ``dir/../MODEL`` is the model)."""
+    name = os.fspath(out_path)
+    if not name:
+        raise ConfigError("the sidecar's path is empty")
+    if name.endswith(os.sep) or os.path.isdir(name):
+        raise ConfigError(f"the sidecar's path {name} names a directory, not a file")
+    try:
+        st = os.stat(name)
+    except FileNotFoundError:
+        return
+    for shard in model.shards:
+        if (st.st_dev, st.st_ino) == (shard.dev, shard.ino):
+            raise ConfigError(f"the sidecar's path {name} is the model file {shard.path}: refusing to write over it")
 
 
 def _open_on(writer: GGUFWriter, fd: int, tmp: Path) -> None:

@@ -119,6 +119,7 @@ class SlabSource(ExpertSource):
                 lambda: {
                     key: plan_expert(tier.location(p.location, shard), files.alignment, io.split_bytes, io.queue_depth)
                     for key, p in plans.items()
+                    if key in tier.segments  # a NextN block's experts have no low copy: read in full
                 },
             )
         slot_bytes = max(p.slot_bytes for p in (*plans.values(), *low_plans.values()))
@@ -148,8 +149,8 @@ class SlabSource(ExpertSource):
                 raise InvalidRequestError(f"no expert {expert} in layer {layer}")
             return found
 
-        def low_plan(layer: int, expert: int) -> ExpertPlan:
-            return low_plans[layer, expert]  # the keys of a request were checked by its full plan
+        def low_plan(layer: int, expert: int) -> ExpertPlan | None:
+            return low_plans.get((layer, expert))  # the keys of a request were checked by its full plan
 
         tier_policy = self.tier_policy
 

@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType
 
-from .._errors import VocabularyError
+from .._errors import FormatError, VocabularyError
 from .._format.header import GGUFHeader, SkippedValue, read_header
+from .._format.keys import not_an_moe_model
+from .._format.tier_sidecar import TIER_ARCH
 
 __all__ = ("TokenAttr", "TokenType", "Vocabulary", "read_vocabulary")
 
@@ -124,7 +126,8 @@ def read_vocabulary(path: str | os.PathLike[str]) -> Vocabulary:
         The vocabulary keys.
 
     Raises:
-        FormatError: the file is not a readable GGUF (from the header reader).
+        FormatError: the file is not a readable GGUF (from the header reader), or is a miss-tier
+            sidecar (``is a miss-tier sidecar of MODEL, not a model: pass the model``).
         VocabularyError: ``tokenizer.ggml.model`` or ``tokenizer.ggml.tokens`` is missing; a key has the
             wrong type; ``scores`` or ``token_type`` is not as long as ``tokens``; a token is not UTF-8 or
             appears twice; a special-token id is out of range.
@@ -133,6 +136,9 @@ def read_vocabulary(path: str | os.PathLike[str]) -> Vocabulary:
     path = os.fspath(path)
     header = read_header(path)
     md = header.metadata
+    arch = md.get("general.architecture")
+    if arch == TIER_ARCH and "tokenizer.ggml.model" not in md:  # a sidecar given for its model
+        raise FormatError(f"{path} {not_an_moe_model(arch, md)}")
 
     model = _string_key(path, header, "tokenizer.ggml.model", required=True)
     assert model is not None

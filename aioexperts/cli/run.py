@@ -130,6 +130,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_miss_tier(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The ``--miss-tier`` options of :func:`add_model_options`, checked before the model loads (a
+    usage error, status 2): ``--miss-tier-weight`` needs ``--miss-tier``, whose file must exist and be
+    a regular file (the sidecar itself is checked against the model when the model loads)."""
+    if args.miss_tier is None:
+        if args.miss_tier_weight is not None:
+            parser.error("--miss-tier-weight needs --miss-tier")
+        return
+    path = os.path.expanduser(args.miss_tier)
+    if not os.path.exists(path):
+        parser.error(f"--miss-tier {args.miss_tier}: no such file (aioexperts-tier MODEL writes one)")
+    if os.path.isdir(path):
+        parser.error(f"--miss-tier {args.miss_tier}: is a directory, not a sidecar (aioexperts-tier MODEL writes one)")
+    if not os.path.isfile(path):
+        parser.error(f"--miss-tier {args.miss_tier}: not a regular file (aioexperts-tier MODEL writes one)")
+
+
+def miss_tier_option(args: argparse.Namespace) -> aioexperts.MissTier | None:
+    """The :class:`aioexperts.MissTier` of the ``--miss-tier`` options, or None."""
+    if not args.miss_tier:
+        return None
+    return aioexperts.MissTier(path=args.miss_tier, max_gate_weight=args.miss_tier_weight)
+
+
 def add_model_options(p: argparse.ArgumentParser, *, ctx_help: str) -> None:
     """The options of the model a command loads: ``--ctx``, ``--slots``/``--cache-bytes``, ``--io``,
     ``--layers`` and ``--rebuild`` (``aioexperts-run`` and ``aioexperts-serve``)."""
@@ -247,6 +271,7 @@ class _Report:
             "demand_misses": st.demand_misses,
             "low_tier_misses": st.low_tier_misses,
             "tier_upgrades": st.tier_upgrades,
+            "low_tier_prefetches": st.low_tier_prefetches,
             "low_tier_prefetch_hits": st.low_tier_prefetch_hits,
             "tier_upgrades_deferred": st.tier_upgrades_deferred,
             "miss_tier_off_reason": st.miss_tier_off_reason,
@@ -353,7 +378,7 @@ def _sources_line(ex: dict[str, Any]) -> str:
     stall = ex["stall_seconds_per_token"]
     rate = ex["device_bytes_per_second"]
     low = (
-        f", {ex['low_tier_misses']} of them from the low tier ({ex['tier_upgrades']} upgraded since); "
+        f", {ex['low_tier_misses']} of them from the low tier ({plural(ex['tier_upgrades'], 'upgrade')} started); "
         f"{ex['low_tier_prefetch_hits']} prefetched from the low tier, "
         f"{plural(ex['tier_upgrades_deferred'], 'upgrade')} put off while the reads were behind"
         if ex["low_tier_misses"] or ex["low_tier_prefetch_hits"]
@@ -674,9 +699,7 @@ async def _session(args: argparse.Namespace, path: str, prompt: str | None, repo
         slots=args.slots,
         cache_bytes=args.cache_bytes,
         io=aioexperts.IOOptions(backend=args.io),
-        miss_tier=aioexperts.MissTier(path=args.miss_tier, max_gate_weight=args.miss_tier_weight)
-        if args.miss_tier
-        else None,
+        miss_tier=miss_tier_option(args),
     )
     await anyio.to_thread.run_sync(_check_prompt, model, args, prompt, n_ctx)  # off the event loop
     async with model:
@@ -809,10 +832,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--system needs --chat")
     if args.file == "-" and args.chat:
         parser.error("-f - reads the prompt from stdin, where --chat reads the turns: give -p or a file")
-    if args.miss_tier is None and args.miss_tier_weight is not None:
-        parser.error("--miss-tier-weight needs --miss-tier")
-    if args.miss_tier is not None and not os.path.isfile(os.path.expanduser(args.miss_tier)):
-        parser.error(f"--miss-tier {args.miss_tier}: no such file (aioexperts-tier MODEL writes one)")
+    check_miss_tier(parser, args)
     if sys.stdout is None or sys.stderr is None:  # started with >&- or 2>&-: nowhere to write the text
         if sys.stderr is not None:
             print(f"{PROG}: error: standard output is closed", file=sys.stderr)

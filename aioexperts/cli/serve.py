@@ -34,7 +34,15 @@ from aioexperts.cli._common import (
     name_the_options,
     plural,
 )
-from aioexperts.cli.run import _context_length, _float, _int_at_least, add_model_options, say_slab
+from aioexperts.cli.run import (
+    _context_length,
+    _float,
+    _int_at_least,
+    add_model_options,
+    check_miss_tier,
+    miss_tier_option,
+    say_slab,
+)
 
 __all__ = ("build_parser", "main")
 
@@ -155,6 +163,7 @@ async def _serve(args: argparse.Namespace, path: str, options: Any) -> int:
             slots=args.slots,
             cache_bytes=args.cache_bytes,
             io=aioexperts.IOOptions(backend=args.io),
+            miss_tier=miss_tier_option(args),
         )
         async with model:
             if stop.is_set():  # a signal during the load: never open the port
@@ -215,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.model is not None and (args.layers is not None or args.rebuild):
         parser.error("--layers and --rebuild are for the built-in model (no MODEL argument)")
+    check_miss_tier(parser, args)
     logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(message)s", stream=sys.stderr)
     logging.getLogger("aioexperts.slab").setLevel(logging.ERROR)  # say_slab says it, naming the option
     try:

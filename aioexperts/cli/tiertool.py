@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AioExpertsError as exc:
         print(f"aioexperts-tier: error: {exc}", file=sys.stderr)
         return USAGE_STATUS
-    out = args.out or default_output(model, args.type)
+    out = default_output(model, args.type) if args.out is None else os.path.expanduser(args.out)
     last = [0.0]
 
     def progress(done: int, total: int) -> None:

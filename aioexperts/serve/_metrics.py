@@ -147,8 +147,24 @@ class Metrics:
                 ({"source": "demand"}, st.demand_misses),
             ],
         )
-        add("expert_low_tier_misses_total", "counter", "Demand misses served from the low tier.", st.low_tier_misses)
-        add("expert_tier_upgrades_total", "counter", "Low-tier copies read again at full precision.", st.tier_upgrades)
+        add(
+            "expert_low_tier_misses_total",
+            "counter",
+            "Demand misses whose read went to the low tier.",
+            st.low_tier_misses,
+        )
+        add(
+            "expert_tier_upgrades_total",
+            "counter",
+            "Reads of low-tier copies again at full precision, started (a failed one keeps the low copy).",
+            st.tier_upgrades,
+        )
+        add(
+            "expert_low_tier_prefetches_total",
+            "counter",
+            "Prefetches read from the low tier.",
+            st.low_tier_prefetches,
+        )
         add(
             "expert_low_tier_prefetch_hits_total",
             "counter",

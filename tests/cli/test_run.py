@@ -479,10 +479,11 @@ def test_the_miss_tier_serves_misses_and_is_reported(tiny_full_model: Path, tmp_
     assert ex["miss_tier_off_reason"] is None
     assert 0 < ex["low_tier_misses"] <= ex["demand_misses"] and ex["tier_upgrades"] >= 0
     assert 0 <= ex["low_tier_prefetch_hits"] <= ex["prefetched_in_time"] + ex["prefetched_late"]
+    assert 0 <= ex["low_tier_prefetches"] <= ex["prefetch_issued"]
     assert ex["tier_upgrades_deferred"] >= 0
     human = run(*args, "--miss-tier", str(sidecar))
     line = (
-        r"\d+ demand miss(?:es)?, \d+ of them from the low tier \(\d+ upgraded since\); \d+ prefetched from the low "
+        r"\d+ demand miss(?:es)?, \d+ of them from the low tier \(\d+ upgrades? started\); \d+ prefetched from the low "
         r"tier, \d+ upgrades? put off while the reads were behind; stalled on reads"
     )
     assert re.search(line, human.stderr), human.stderr

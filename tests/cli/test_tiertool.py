@@ -196,3 +196,21 @@ def test_a_temporary_name_swapped_for_a_symlink_never_writes_its_target(
     with pytest.raises(OSError, match="replaced"):
         write_miss_tier(model, out, "Q2_K")
     assert victim.read_text() == "keep me" and not out.exists()
+
+
+def test_an_output_naming_a_directory_or_nothing_is_refused_and_tilde_is_home(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``-o DIR/`` wrote a file named DIR, ``-o ''`` the default path, ``-o ~/x`` a folder named ``~``."""
+    assert main([str(model), "-o", f"{tmp_path}/newdir/", "--quiet"]) == 2
+    assert "names a directory, not a file" in capsys.readouterr().err
+    assert not (tmp_path / "newdir").exists()
+    assert main([str(model), "-o", "", "--quiet"]) == 2
+    assert "the sidecar's path is empty" in capsys.readouterr().err
+    assert not os.path.exists(default_output(str(model), "Q3_K"))
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    assert main([str(model), "-o", "~/x.gguf", "--quiet"]) == 0
+    assert (home / "x.gguf").is_file() and not (tmp_path / "~").exists()

@@ -172,6 +172,11 @@ def test_a_second_signal_ends_the_streams_with_shutting_down_and_exits_1(tiny_fu
         (["MODEL", "--prompt-cache-bytes", "-1"], "--prompt-cache-bytes: must be >= 0"),
         (["MODEL", "--prompt-cache-bytes", str(1 << 51)], "--prompt-cache-bytes must be an int in"),
         (["MODEL", "--reasoning-format", "xml"], "--reasoning-format: invalid choice: 'xml'"),
+        # the miss tier's options were accepted and ignored
+        (["MODEL", "--miss-tier", "/no/such/tier.gguf"], "--miss-tier /no/such/tier.gguf: no such file"),
+        (["MODEL", "--miss-tier", "."], "--miss-tier .: is a directory, not a sidecar"),
+        (["MODEL", "--miss-tier", "/dev/null"], "--miss-tier /dev/null: not a regular file"),
+        (["MODEL", "--miss-tier-weight", "0.1"], "--miss-tier-weight needs --miss-tier"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(
@@ -187,6 +192,36 @@ def test_bad_arguments_exit_2_with_one_line(
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], err
     assert "[Errno" not in err, err
+
+
+def test_the_miss_tier_option_is_what_the_server_reads_with(tiny_full_model: Path, tmp_path: Path) -> None:
+    """``--miss-tier`` was accepted and ignored: every miss read in full (0 low in /metrics)."""
+    from aioexperts import write_miss_tier
+
+    sidecar = write_miss_tier(tiny_full_model, tmp_path / "tier.gguf", "Q2_K")
+    proc = subprocess.Popen(
+        [*COMMAND, str(tiny_full_model), "--port", "0", "--io", "threads", "--miss-tier", str(sidecar), "--slots", "6"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        address = ("127.0.0.1", int(read_stderr_until(proc, r"listening on http://127\.0\.0\.1:(\d+)").group(1)))
+        stream = RawStream(address, "/v1/completions", {"prompt": "Hello there", "max_tokens": 4}, key=None)
+        done = stream.read_all()
+        stream.close()
+        assert b"HTTP/1.1 200" in done, done[:300]
+        metrics = http.client.HTTPConnection(*address, timeout=60)
+        metrics.request("GET", "/metrics")
+        text = metrics.getresponse().read().decode()
+        metrics.close()
+        counts = {
+            name: float(value)
+            for name, value in re.findall(r"^aioexperts_(expert_low_tier_\w+_total) (\S+)$", text, re.MULTILINE)
+        }
+        assert counts["expert_low_tier_misses_total"] + counts["expert_low_tier_prefetches_total"] > 0, text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
 
 
 def test_without_aiohttp_it_says_which_extra_to_install(tiny_full_model: Path) -> None:

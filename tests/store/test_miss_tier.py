@@ -10,6 +10,8 @@ import shutil
 from datetime import datetime
 from pathlib import Path
 
+import anyio
+import gguf_bytes as gb
 import numpy as np
 import pytest
 from conftest import shared_fixture_paths
@@ -366,3 +368,84 @@ async def test_without_upgrades_a_low_copy_hit_again_stays_low(
             await settle()
         st = store.statistics()
         assert st.tier_upgrades == 0 and st.low_tier_misses == 1 and st.cached_hits == 2
+
+
+# -- outputs, misplaced files, NextN blocks (a new-user trial) ---------------------------------------
+
+
+def test_writing_over_any_file_of_the_model_is_refused(model: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "m.gguf"
+    shutil.copyfile(model, copy)
+    before = copy.read_bytes()
+    (tmp_path / "link.gguf").symlink_to(copy)
+    os.link(copy, tmp_path / "hard.gguf")
+    for out in (copy, tmp_path / "link.gguf", tmp_path / "hard.gguf", tmp_path / "sub" / ".." / "m.gguf"):
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        with pytest.raises(ConfigError, match="is the model file .*m.gguf: refusing to write over it"):
+            write_miss_tier(copy, out, "Q2_K")
+    assert copy.read_bytes() == before
+    with pytest.raises(ConfigError, match="the sidecar's path is empty"):
+        write_miss_tier(copy, "", "Q2_K")
+    for out in (f"{tmp_path}/newdir/", tmp_path / "sub"):
+        with pytest.raises(ConfigError, match="names a directory, not a file"):
+            write_miss_tier(copy, out, "Q2_K")
+    assert not (tmp_path / "newdir").exists() and not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_sidecar_given_as_the_model_is_named_as_such(tiny_full_model: Path, tmp_path: Path) -> None:
+    from aioexperts._format.architectures import model_hparams
+    from aioexperts._text.vocab import read_vocabulary as read_vocab
+
+    sidecar = write_miss_tier(tiny_full_model, tmp_path / "tiny.tier.gguf", "Q2_K")
+    want = rf"tiny.tier.gguf is a miss-tier sidecar of {re.escape(tiny_full_model.name)}, not a model: pass the model"
+    with pytest.raises(FormatError, match=want):
+        model_hparams(open_model(sidecar))  # aioexperts.load's first look at the file
+    with pytest.raises(FormatError, match=want):
+        read_vocab(sidecar)  # aioexperts-run's first look at it
+
+
+def _with_nextn(path: Path) -> Path:
+    """A 3-block qwen3moe-like file whose last block is a NextN block (F32 experts, 256 wide)."""
+    rng = np.random.default_rng(0)
+    f = gb.GGUFBytes()
+    f.add("general.architecture", GGUFValueType.STRING, "glm4moe")
+    for key, value in (
+        ("block_count", 3),
+        ("embedding_length", 256),
+        ("expert_count", 4),
+        ("expert_used_count", 2),
+        ("expert_feed_forward_length", 256),
+        ("expert_shared_count", 0),
+        ("nextn_predict_layers", 1),
+    ):
+        f.add(f"glm4moe.{key}", GGUFValueType.UINT32, value)
+    for b in range(3):
+        f.tensors.append(gb.Tensor(f"blk.{b}.ffn_gate_inp.weight", [256, 4]))
+        for proj in ("gate", "up", "down"):
+            data = rng.standard_normal(256 * 256 * 4).astype(np.float32).tobytes()
+            f.tensors.append(gb.Tensor(f"blk.{b}.ffn_{proj}_exps.weight", [256, 256, 4], data=data))
+    path.write_bytes(f.build())
+    return path
+
+
+@pytest.mark.anyio
+async def test_a_nextn_block_kept_by_the_layout_is_read_in_full(tmp_path: Path, anyio_backend: object) -> None:
+    def prepare() -> Path:  # blocking: off the event loop
+        path = _with_nextn(tmp_path / "n.gguf")
+        sidecar = write_miss_tier(path, tmp_path / "n.tier.gguf", "Q2_K")
+        assert len(read_tier_sidecar(sidecar, open_model(path), build_layout(open_model(path))).segments) == 2 * 4
+        return sidecar
+
+    sidecar = await anyio.to_thread.run_sync(prepare)
+    path = tmp_path / "n.gguf"
+    tier = MissTier(path=sidecar)
+    async with aioexperts.open(path, slots=2, include_nextn=True, miss_tier=tier) as store:
+        assert list(store.layout.layers) == [0, 1, 2]
+        got = []
+        for layer in (0, 2):
+            store.start_loads(layer, [0], low_ids=[0])
+            async with store.experts(layer, [0]) as (view,):
+                got.append(view.gate.ggml_type)
+        assert got == [T.Q2_K, T.F32]  # block 2 (NextN) has no low copy: read in full
+        st = store.statistics()
+        assert st.low_tier_misses == 1 and st.demand_misses == 2
