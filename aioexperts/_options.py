@@ -41,6 +41,8 @@ DEFAULT_QUEUE_DEPTH = 64
 MIN_QUEUE_DEPTH = 3
 """Gate, up and down of one expert are submitted together."""
 MAX_QUEUE_DEPTH = 4096
+#: most worker threads of the thread backend (each a thread of the process; more only queue)
+MAX_READ_THREADS = 256
 DEFAULT_MAX_BYTES_IN_FLIGHT = 256 << 20
 DEFAULT_SPLIT_BYTES: int | None = None
 """Reads of one expert are cut into chunks of this many bytes (None: not cut). Not cut by default:
@@ -139,7 +141,8 @@ class IOOptions:
             ``RLIMIT_MEMLOCK`` allow.
         sqe_async: io_uring ``IOSQE_ASYNC``: submit returns at once and kernel workers issue the
             reads (less time on the loop thread, more CPU in total).
-        n_threads: worker threads of the thread backend (default ``min(queue_depth, 8)``).
+        n_threads: worker threads of the thread backend, 1 to :data:`MAX_READ_THREADS` (default
+            ``min(queue_depth, 8)``).
         split_bytes: cut an expert's reads longer than this many bytes into chunks submitted
             together, so that even a single large expert (DeepSeek-class ``Q2_K`` experts are about
             12 MiB) keeps several reads in the device's queue; None reads each contiguous run
@@ -172,7 +175,7 @@ class IOOptions:
         check_int(self, "max_bytes_in_flight", low=1)
         check_bool("fixed_buffers", self.fixed_buffers)
         check_bool("sqe_async", self.sqe_async)
-        check_int(self, "n_threads", low=1, optional=True)
+        check_int(self, "n_threads", low=1, high=MAX_READ_THREADS, optional=True)
         check_int(self, "split_bytes", low=4096, optional=True)
 
     def backend_options(self) -> dict[str, Any]:

@@ -20,9 +20,10 @@ import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 from gguf import GGMLQuantizationType
 
@@ -187,6 +188,7 @@ class ExpertStore:
         self._started = False
         self._closed = False
         self._released = False
+        self._start_done: anyio.Event | None = None  # set when a running start() has ended
         self._model: GGUFModel | None = None
         self._layout: ExpertLayout | None = None
         self._experts_total = 0  # layout.n_experts_total, once known (model_resident asks per layer step)
@@ -216,22 +218,31 @@ class ExpertStore:
             FileNotFoundError: no such model file.
             FormatError: the model (or ``expert_map``) is malformed or stale.
             ConfigError: the store was started before, or a custom policy or backend is unusable.
+            StoreClosedError: :meth:`aclose` was called before or during the start (everything the
+                start made is released).
             BackendUnavailableError: a forced backend or ``direct_io=True`` cannot work here.
         """
         if self._started:
             raise ConfigError("the store was already started")
+        if self._closed:
+            raise StoreClosedError("the store was closed before it started: open a new one")
         self._started = True
         self._loop = loop = current_loop()
+        done = self._start_done = anyio.Event()
         try:
             model, layout, hparams = await finish_in_thread(self._parse)
             self._model, self._layout, self._hparams = model, layout, hparams
             await self._source.start(model, layout, loop, build_and_keep)
             if isinstance(self._source, SlabSource) and self._source.tier_off_reason is not None:
                 self.miss_tier = None  # nothing below asks which reads go low
+            if self._closed:  # aclose() ran meanwhile (another task): it waits for this release
+                raise StoreClosedError("the store was closed while it started")
         except BaseException:
             self._release_resources()
             self._closed = True
             raise
+        finally:
+            done.set()
 
     def _parse(self) -> tuple[GGUFModel, ExpertLayout, MoEHParams | UnsupportedTypeError]:
         model = open_model(self.path)
@@ -279,8 +290,16 @@ class ExpertStore:
                 "close the store from its own loop"
             )
         self._closed = True
-        self._source.close()  # nothing queued is submitted any more
         held: BaseException | None = None
+        starting = self._start_done
+        if starting is not None and not starting.is_set():  # start() runs in another task: it sees the
+            # close when its set-up ends and releases what it built; wait for that (never under it)
+            held = await wait_through_cancellation(starting.wait, starting.is_set)
+            if self._released:
+                if held is not None:
+                    raise held
+                return
+        self._source.close()  # nothing queued is submitted any more
         for wait_idle in self._source.idle_waits():
             held = await wait_through_cancellation(wait_idle) or held
         self._source.detach()
@@ -588,8 +607,8 @@ class ExpertStore:
             StoreClosedError: the store is closed.
         """
         source = self._running_source()
-        keys = self._request_keys(layer, list(ids))[0]  # unique, the layer's shared keys
-        low = list(low_ids)
+        keys = self._request_keys(layer, _id_list(ids, "ids"))[0]  # unique, the layer's shared keys
+        low = _id_list(low_ids, "low_ids")
         low_keys = self._request_keys(layer, low)[0] if low and self.miss_tier is not None else []
         low_ahead = _checked_keys(low_prefetch, "low_prefetch") if self.miss_tier is not None else []
         further = _checked_keys(speculative, "speculative") if speculative else []
@@ -615,7 +634,7 @@ class ExpertStore:
             StoreClosedError: the store is closed.
         """
         source = self._running_source()
-        keys, positions = self._request_keys(layer, list(ids))  # the layer's shared keys: none made here
+        keys, positions = self._request_keys(layer, _id_list(ids, "ids"))  # the layer's shared keys: none made here
         ready = source.ready(keys)  # one call for the lot, not one chain of calls per expert
         if positions is None:
             return ready
@@ -812,8 +831,9 @@ class ResidentExperts:
 class _ExpertsBlock:
     """The ``async with`` of :meth:`ExpertStore.experts`: pins on entry, unpins on exit.
 
-    A class rather than an async generator: a warm hit then costs no generator, no asyncgen hooks
-    of the loop and no await (every expert resident: pinned at once, :meth:`ExpertSource.pin_ready`).
+    A class rather than an async generator: a warm hit then costs no generator and no asyncgen
+    hooks of the loop, one checkpoint (a cancelled task stops there; other tasks run) and a pin of
+    every expert at once (:meth:`ExpertSource.pin_ready`).
     """
 
     __slots__ = ("_entered", "_entries", "_ids", "_layer", "_prefetch", "_source", "_store", "_views", "_wait")
@@ -846,7 +866,17 @@ class _ExpertsBlock:
         if wait is not None and not isinstance(wait, bool):
             raise InvalidRequestError(f"wait must be True, False or None, got {wait!r}")
         entries = source.pin_ready(keys)
-        if entries is None:
+        if entries is not None:
+            # every expert resident: still a checkpoint (a cancelled task stops here, a loop of warm
+            # hits lets the other tasks run), after the pins (what the caller queued before, such
+            # as prefetches, is not submitted ahead of these requests)
+            try:
+                await anyio.lowlevel.checkpoint()
+                store._running_source()  # StoreClosedError if the store closed meanwhile
+            except BaseException:
+                source.release(entries)
+                raise
+        else:
             if wait is None:
                 wait = store.cache_options.wait_for_slots
 
@@ -890,6 +920,16 @@ def _key_table(layer: int, n_experts: int) -> tuple[Key, ...]:
     """``((layer, 0), ..., (layer, n_experts - 1))``, shared by every store (keys are immutable):
     a fresh store does not build 128 tuples per layer on its first request of it."""
     return tuple(zip(itertools.repeat(layer), range(n_experts)))
+
+
+def _id_list(ids: Iterable[Any], name: str) -> list[Any]:
+    """``ids`` as a list (its items checked by ``_request_keys``), or InvalidRequestError."""
+    if isinstance(ids, str | bytes):
+        raise InvalidRequestError(f"{name} must be an iterable of expert ids, got {ids!r}")
+    try:
+        return list(ids)
+    except TypeError:
+        raise InvalidRequestError(f"{name} must be an iterable of expert ids, got {ids!r}") from None
 
 
 def _checked_keys(keys: object, name: str) -> list[Key]:

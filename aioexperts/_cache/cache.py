@@ -26,6 +26,7 @@ All state changes are decided synchronously on the loop thread; awaiting happens
 
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
 from collections import deque
@@ -486,7 +487,7 @@ class ExpertCache:
         if failed is not None or self.closed:
             self.release(pinned)
             if failed is not None and failed.error is not None:
-                raise failed.error
+                raise _for_this_waiter(failed.error)
             raise StoreClosedError("the store was closed while waiting for experts")
         return pinned
 
@@ -1194,3 +1195,18 @@ class ExpertCache:
         self.scheduler.close()  # queued loads finish now, through _loaded, with StoreClosedError
         for turn in self._turns:  # every request waiting for slots gets StoreClosedError
             turn.set()
+
+
+def _for_this_waiter(error: BaseException) -> BaseException:
+    """A copy of a load's ``error`` for one of the requests that waited for it (same type, message
+    and cause): raising the one object in every waiting task grew its traceback by each task's
+    frames and kept them alive. The load's own object when it cannot be copied."""
+    try:
+        fresh = copy.copy(error)
+    except Exception:
+        return error
+    if type(fresh) is not type(error) or fresh is error:
+        return error
+    fresh.__cause__ = error.__cause__
+    fresh.__traceback__ = None
+    return fresh

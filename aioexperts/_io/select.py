@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .._errors import BackendUnavailableError, ConfigError
+from .._errors import AioExpertsError, BackendUnavailableError, ConfigError
 from .backends.base import IOBackend
 from .backends.threads import ThreadBackend
 from .files import ShardFiles
@@ -104,7 +104,15 @@ def _build(
     options: dict[str, Any],
 ) -> tuple[IOBackend, str | None]:
     if callable(backend):
-        return backend(files, slab, loop, depth), None
+        try:
+            made: object = backend(files, slab, loop, depth)
+        except AioExpertsError:
+            raise
+        except Exception as exc:  # a custom factory's own failure: named as the store's option
+            raise ConfigError(f"the backend factory {backend!r} failed: {exc!r}") from exc
+        if not isinstance(made, IOBackend):
+            raise ConfigError(f"the backend factory {backend!r} returned {made!r}, not an IOBackend")
+        return made, None
     if backend not in BACKEND_NAMES:
         raise ConfigError(f"backend must be one of {', '.join(BACKEND_NAMES)} or a factory, got {backend!r}")
     reason: str | None = None

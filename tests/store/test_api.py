@@ -92,8 +92,8 @@ def test_text_names_are_exported() -> None:
         (lambda: aioexperts.CacheOptions(wait_for_slots="yes"), "wait_for_slots must be True or False"),
         (lambda: aioexperts.IOOptions(queue_depth=0), "queue_depth must be in 3..4096"),
         (lambda: aioexperts.IOOptions(queue_depth="64"), "queue_depth must be an int"),
-        (lambda: aioexperts.IOOptions(n_threads=0), "n_threads must be >= 1"),
-        (lambda: aioexperts.IOOptions(n_threads=-1), "n_threads must be >= 1"),
+        (lambda: aioexperts.IOOptions(n_threads=0), "n_threads must be in 1..256"),
+        (lambda: aioexperts.IOOptions(n_threads=-1), "n_threads must be in 1..256"),
         (lambda: aioexperts.IOOptions(backend=7), "backend must be a name or a factory"),
         (lambda: aioexperts.IOOptions(backend="spdk"), "backend must be one of auto, io_uring, threads"),
         (lambda: aioexperts.IOOptions(direct_io="yes"), "direct_io must be True or False or None"),
@@ -941,3 +941,144 @@ async def test_only_a_large_model_is_collected_once_at_open(
     async with aioexperts.open(model_path, slots=4):
         pass
     assert len(calls) == 1
+
+
+def _open_descriptors() -> set[str]:
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add(f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:
+            pass
+    return out
+
+
+async def test_a_store_closed_before_or_while_it_starts_releases_everything(
+    model_path: Path, anyio_backend: object
+) -> None:
+    """A close before start() made start() open everything for a closed store (never released); a
+    close from another task while start() ran released the slab under it and left its ring,
+    eventfds and file open."""
+    before = _open_descriptors()
+    store = aioexperts.open(model_path, slots=4)
+    await store.aclose()
+    with pytest.raises(aioexperts.StoreClosedError, match="closed before it started"):
+        await store.start()
+    outcomes = []
+    for delay in (0.0, 0.001, 0.005, 0.02):
+        store = aioexperts.open(model_path, slots=4)
+
+        async def start(store: aioexperts.ExpertStore = store) -> None:
+            try:
+                await store.start()
+                outcomes.append("started")
+            except aioexperts.StoreClosedError:
+                outcomes.append("refused")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(start)
+            await anyio.sleep(delay)
+            await store.aclose()
+        assert store.closed
+        with pytest.raises(aioexperts.StoreClosedError):
+            async with store.experts(1, [0]):
+                pass
+    assert "refused" in outcomes, outcomes  # a close during the start was met at least once
+    assert _open_descriptors() - before == set()
+
+
+async def test_a_warm_hit_is_a_checkpoint(model_path: Path, anyio_backend: object) -> None:
+    """Every expert resident: the block was entered with no await, so a cancelled scope was entered
+    anyway and a loop of warm hits never let a deadline (or any other task) in."""
+    import time
+
+    async with aioexperts.open(model_path, slots=4) as store:
+        async with store.experts(1, [0]):
+            pass  # resident from now on
+        entered = False
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            async with store.experts(1, [0]):
+                entered = True
+        assert not entered and scope.cancelled_caught
+        t0 = time.monotonic()
+        with anyio.move_on_after(0.05) as deadline:
+            while time.monotonic() - t0 < 2:
+                async with store.experts(1, [0]):
+                    pass
+        assert deadline.cancelled_caught and time.monotonic() - t0 < 1
+        assert store.statistics().pinned_slots == 0
+
+
+async def test_bad_id_lists_of_start_loads_and_resident_are_request_errors(
+    model_path: Path, anyio_backend: object
+) -> None:
+    """They were bare TypeErrors (``list(None)``), and a string was taken as its characters."""
+    async with aioexperts.open(model_path, slots=4) as store:
+        calls: list[Callable[[], object]] = [
+            lambda: store.start_loads(1, None),  # type: ignore[arg-type]
+            lambda: store.start_loads(1, 5),  # type: ignore[arg-type]
+            lambda: store.start_loads(1, [1], low_ids=None),  # type: ignore[arg-type]
+            lambda: store.resident(1, None),  # type: ignore[arg-type]
+            lambda: store.resident(1, "12"),
+        ]
+        for call in calls:
+            with pytest.raises(aioexperts.InvalidRequestError, match="must be an iterable of expert ids"):
+                call()
+        assert store.resident(1, [1, 2]) == [False, False]  # still usable
+
+
+def test_read_threads_are_bounded() -> None:
+    """100,000 was accepted: a request of 8 experts started about 22,000 threads and the store
+    could not be closed (``can't start new thread``)."""
+    with pytest.raises(aioexperts.ConfigError, match=r"n_threads must be in 1\.\.256, got 100000"):
+        aioexperts.IOOptions(n_threads=100_000)
+    assert aioexperts.IOOptions(n_threads=256).n_threads == 256
+
+
+async def test_each_request_waiting_for_a_failed_read_gets_its_own_error(
+    model_path: Path, tmp_path: Path, anyio_backend: object
+) -> None:
+    """One exception object was raised in all of them: its traceback grew by every task's frames."""
+    import shutil
+    import traceback
+
+    path = tmp_path / "trunc.gguf"
+    shutil.copyfile(model_path, path)
+    async with aioexperts.open(path, slots=4) as store:
+        os.truncate(path, 4096 * 4)  # every expert now lies past the end of the file
+        errors: list[BaseException] = []
+
+        async def one() -> None:
+            try:
+                async with store.experts(1, [7]):
+                    pass
+            except aioexperts.ExpertReadError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(50):
+                tg.start_soon(one)
+        assert len(errors) == 50 and len({id(e) for e in errors}) == 50
+        assert len({str(e) for e in errors}) == 1 and "layer 1 expert 7" in str(errors[0])
+        assert all(len(traceback.extract_tb(e.__traceback__)) < 10 for e in errors)
+
+
+@pytest.mark.parametrize("made", ["raises", None, "object"])
+async def test_a_backend_factory_that_fails_is_a_config_error_and_releases_the_store(
+    model_path: Path, anyio_backend: object, made: object
+) -> None:
+    """Its own exception (or an AttributeError for None) came out, and a non-backend leaked the
+    model's descriptor and made every later aclose() raise."""
+
+    def factory(*args: object) -> object:
+        if made == "raises":
+            raise RuntimeError("factory failed")
+        return object() if made == "object" else None
+
+    before = _open_descriptors()
+    store = aioexperts.open(model_path, slots=4, io=aioexperts.IOOptions(backend=factory))  # type: ignore[arg-type]
+    with pytest.raises(aioexperts.ConfigError, match="the backend factory .* (failed: RuntimeError|returned)"):
+        await store.start()
+    await store.aclose()
+    assert store.closed and _open_descriptors() - before == set()
