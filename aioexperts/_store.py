@@ -836,7 +836,18 @@ class _ExpertsBlock:
     every expert at once (:meth:`ExpertSource.pin_ready`).
     """
 
-    __slots__ = ("_entered", "_entries", "_ids", "_layer", "_prefetch", "_source", "_store", "_views", "_wait")
+    __slots__ = (
+        "_entered",
+        "_entries",
+        "_ids",
+        "_layer",
+        "_owner",
+        "_prefetch",
+        "_source",
+        "_store",
+        "_views",
+        "_wait",
+    )
 
     def __init__(self, store: ExpertStore, layer: int, ids: Iterable[int], wait: bool | None, prefetch: object) -> None:
         self._store = store
@@ -848,6 +859,7 @@ class _ExpertsBlock:
         self._source: ExpertSource | None = None
         self._entries: Sequence[Pinned] = ()
         self._views: list[ExpertView] = []
+        self._owner: object = None  # the task that pinned (the exit may run in another one)
 
     async def __aenter__(self) -> list[ExpertView | None]:
         if self._entered:
@@ -899,6 +911,8 @@ class _ExpertsBlock:
             source.release(entries)
             raise
         self._source, self._entries, self._views = source, entries, views
+        loop = store._loop
+        self._owner = loop.current_task() if loop is not None else None
         if positions is None:
             return views  # type: ignore[return-value]
         return [None if p < 0 else views[p] for p in positions]
@@ -912,7 +926,7 @@ class _ExpertsBlock:
         try:
             source.end_views(entries, self._views)  # warns when the host still uses the bytes: an error under -W error
         finally:
-            source.release(entries)
+            source.release(entries, self._owner)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -624,10 +624,11 @@ class ExpertCache:
             return present  # every key was cached: these are the entries in the order of keys
         return [entries[key] for key in keys]
 
-    def release(self, entries: Sequence[Entry]) -> None:
-        """Unpin entries from :meth:`acquire` (synchronous, safe in cleanup code; the task that acquired)."""
+    def release(self, entries: Sequence[Entry], owner: object | None = None) -> None:
+        """Unpin entries from :meth:`acquire` (synchronous, safe in cleanup code). ``owner``: the
+        task that pinned them, whose count of pinned experts goes down (default the current task)."""
         if entries:
-            task = self.loop.current_task()
+            task = self.loop.current_task() if owner is None else owner
             left = self._held.get(task, 0) - len(entries)
             if left > 0:
                 self._held[task] = left

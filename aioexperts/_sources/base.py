@@ -154,8 +154,9 @@ class ExpertSource(ABC):
             view.release()
 
     @abstractmethod
-    def release(self, pinned: Sequence[Pinned]) -> None:
-        """Unpin what :meth:`acquire` returned."""
+    def release(self, pinned: Sequence[Pinned], owner: object | None = None) -> None:
+        """Unpin what :meth:`acquire` returned; ``owner``: the task that pinned them (default the
+        current one: an ``experts()`` block's exit may run in another task)."""
 
     @abstractmethod
     def prefetch(self, keys: Sequence[Key], low: Sequence[Key] = ()) -> int:

@@ -147,8 +147,8 @@ class MappedSource(ExpertSource):
         ]
         return ExpertView(loc.layer, loc.expert, loc.bank, *views)
 
-    def release(self, pinned: Sequence[PinnedExpert]) -> None:
-        self._running().release(pinned)
+    def release(self, pinned: Sequence[PinnedExpert], owner: object | None = None) -> None:
+        self._running().release(pinned)  # no per-task count in page-cache mode
 
     def prefetch(self, keys: Sequence[Key], low: Sequence[Key] = ()) -> int:
         return self._running().prefetch(keys)  # no miss tier in page-cache mode

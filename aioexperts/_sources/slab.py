@@ -268,8 +268,8 @@ class SlabSource(ExpertSource):
                     if exported:
                         warn_exported(shared.expert, exported, stacklevel=3)
 
-    def release(self, pinned: Sequence[Entry]) -> None:
-        self._running().release(pinned)
+    def release(self, pinned: Sequence[Entry], owner: object | None = None) -> None:
+        self._running().release(pinned, owner)
 
     def hold_resident(self, n_experts: int) -> HeldLayers | None:
         cache = self._running()

@@ -1082,3 +1082,39 @@ async def test_a_backend_factory_that_fails_is_a_config_error_and_releases_the_s
         await store.start()
     await store.aclose()
     assert store.closed and _open_descriptors() - before == set()
+
+
+async def test_a_block_closed_in_another_task_unpins_for_the_task_that_pinned(
+    model_path: Path, anyio_backend: tuple[str, dict[str, object]]
+) -> None:
+    """An abandoned async generator's block is closed by the loop in a task of its own: the pins
+    stayed counted on the first task, which then got SlabExhaustedError ("this task holds 2
+    pinned experts") whenever it had to wait for a slot, holding nothing."""
+    if anyio_backend[0] != "asyncio":
+        pytest.skip("asyncio's asyncgen finalizer closes a generator in a task of its own; trio's does not")
+    import asyncio
+    import gc
+
+    async with aioexperts.open(model_path, slots=4) as store:
+
+        async def layer_views() -> Any:
+            async with store.experts(1, [0, 1]) as views:
+                yield views
+
+        async for _ in layer_views():
+            break  # abandoned inside its block
+        gc.collect()
+        await asyncio.sleep(0.05)  # the loop's finalizer closes it
+        assert store.statistics().pinned_slots == 0
+        filled = asyncio.Event()
+
+        async def hog() -> None:
+            async with store.experts(1, [4, 5, 6, 7]):
+                filled.set()
+                await asyncio.sleep(0.1)
+
+        other = asyncio.create_task(hog())
+        await filled.wait()
+        async with store.experts(1, [3]) as (view,):  # waits for a slot: this task holds nothing
+            assert view is not None
+        await other
