@@ -867,10 +867,7 @@ class _ExpertsBlock:
         self._entered = True
         store = self._store
         source = store._running_source()
-        try:
-            ids = list(self._ids)  # iterated twice below: accept generators and other one-shot iterables
-        except TypeError:
-            raise InvalidRequestError(f"ids must be an iterable of expert ids, got {self._ids!r}") from None
+        ids = _id_list(self._ids, "ids")  # iterated twice below: accept generators and other one-shot iterables
         keys, positions = store._request_keys(self._layer, ids)
         prefetch = self._prefetch
         prefetch_keys = [] if type(prefetch) in (tuple, list) and not prefetch else _checked_keys(prefetch, "prefetch")

@@ -12,7 +12,9 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 T = GGUFValueType
@@ -126,3 +128,30 @@ class GGUFBytes:
         blob = b"".join(head)
         blob += bytes(-len(blob) % self.alignment)
         return blob + b"".join(datas)
+
+
+def glm4moe_experts(
+    path: Path, moe_blocks: Sequence[int], block_count: int, *, nextn: int = 0, width: int = 32
+) -> Path:
+    """A ``glm4moe`` file of routed experts only (4 per block, top-2, F32 ``width x width``
+    matrices of Gaussian values, seed 0) in ``moe_blocks``; its last ``nextn`` blocks are NextN."""
+    rng = np.random.default_rng(0)
+    f = GGUFBytes()
+    f.add("general.architecture", GGUFValueType.STRING, "glm4moe")
+    for key, value in (
+        ("block_count", block_count),
+        ("embedding_length", width),
+        ("expert_count", 4),
+        ("expert_used_count", 2),
+        ("expert_feed_forward_length", width),
+        ("expert_shared_count", 0),
+        ("nextn_predict_layers", nextn),
+    ):
+        f.add(f"glm4moe.{key}", GGUFValueType.UINT32, value)
+    for b in moe_blocks:
+        f.tensors.append(Tensor(f"blk.{b}.ffn_gate_inp.weight", [width, 4]))
+        for proj in ("gate", "up", "down"):
+            data = rng.standard_normal(width * width * 4).astype(np.float32).tobytes()
+            f.tensors.append(Tensor(f"blk.{b}.ffn_{proj}_exps.weight", [width, width, 4], data=data))
+    path.write_bytes(f.build())
+    return path

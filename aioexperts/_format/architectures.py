@@ -30,7 +30,7 @@ from aioexperts._format.archs import MODEL_RECORDS, WHOLE_MODEL_MISSING
 from aioexperts._format.archs._base import ArchitectureRecord, RopeType
 from aioexperts._format.header import SkippedValue
 from aioexperts._format.hparams import MoEHParams
-from aioexperts._format.keys import ArchKeys, not_an_moe_model
+from aioexperts._format.keys import ArchKeys, refuse_a_sidecar
 from aioexperts._format.model import GGUFModel
 
 __all__ = (
@@ -223,10 +223,7 @@ def model_hparams(model: GGUFModel) -> ModelHParams:
     """
     arch = model.architecture
     if arch not in MODEL_RECORDS:  # a sidecar given for its model: say so, not "not implemented"
-        from aioexperts._format.tier_sidecar import TIER_ARCH  # above this module (it reads layouts)
-
-        if arch == TIER_ARCH:
-            raise FormatError(f"{model.path} {not_an_moe_model(arch, model.metadata)}")
+        refuse_a_sidecar(model.path, arch, model.metadata)
     record = _record_of(arch)
     md = ArchKeys(arch, model.metadata)
     moe = MoEHParams.from_metadata(arch, model.metadata)

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from aioexperts._errors import FormatError, UnsupportedTypeError
 from aioexperts._format.header import LossyStr, SkippedValue
 
-__all__ = ("ArchKeys", "CountRule", "ExpertCounts", "not_an_moe_model")
+__all__ = ("ArchKeys", "CountRule", "ExpertCounts", "not_an_moe_model", "refuse_a_sidecar")
 
 
 def not_an_moe_model(arch: str, metadata: Mapping[str, Any]) -> str:
@@ -30,6 +30,15 @@ def not_an_moe_model(arch: str, metadata: Mapping[str, Any]) -> str:
         of = name.rpartition(" of ")[2] if isinstance(name, str) and " of " in name else ""
         return f"is a miss-tier sidecar{f' of {of}' if of else ''}, not a model: pass the model"
     return f"is not a MoE model (no {arch}.expert_count): aioexperts streams the experts of MoE models"
+
+
+def refuse_a_sidecar(path: str, arch: object, metadata: Mapping[str, Any]) -> None:
+    """Raise FormatError ``PATH is a miss-tier sidecar of MODEL, not a model: pass the model`` when
+    ``arch`` (the file's ``general.architecture``) is the miss-tier sidecar's; else nothing."""
+    from .tier_sidecar import TIER_ARCH  # a sidecar is read through layout, above this module
+
+    if arch == TIER_ARCH:
+        raise FormatError(f"{path} {not_an_moe_model(TIER_ARCH, metadata)}")
 
 
 class CountRule(Protocol):

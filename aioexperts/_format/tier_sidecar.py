@@ -190,13 +190,6 @@ def read_tier_sidecar(path: str | os.PathLike[str], model: GGUFModel, layout: Ex
             recorded=rec,
             current=ours,
         )
-    if any(
-        cols % GGML_QUANT_SIZES[ggml_type][0]
-        for moe in layout.layers.values()
-        for b in moe.banks
-        for _, cols in bank_shapes(b).values()
-    ):
-        raise FormatError(f"{where}: the model's expert rows are not whole {ggml_type.name} blocks")
     read = _segments_v1 if version == 1 else _segments_v2
     # the NextN blocks are left out of a sidecar (as of the default layout): their experts, when a
     # layout keeps them, have no low copy and are read in full
@@ -214,12 +207,19 @@ def _without_nextn(layout: ExpertLayout) -> ExpertLayout:
 Segments = dict[tuple[int, int], tuple[Segment, Segment, Segment]]
 
 
+def _checked_sizes(bank: Bank, ggml_type: GGMLQuantizationType, where: str) -> dict[str, int]:
+    """:func:`expert_bytes`, or FormatError when a row of ``bank`` is not whole blocks of the type."""
+    if any(cols % GGML_QUANT_SIZES[ggml_type][0] for _, cols in bank_shapes(bank).values()):
+        raise FormatError(f"{where}: the model's expert rows are not whole {ggml_type.name} blocks")
+    return expert_bytes(bank, ggml_type)
+
+
 def _segments_v2(side: GGUFModel, where: str, layout: ExpertLayout, ggml_type: GGMLQuantizationType) -> Segments:
     """Version 2: each expert's tensor, checked, cut into its gate, up and down."""
     segments: Segments = {}
     for moe in layout.layers.values():
         for bank in moe.banks:
-            sizes = expert_bytes(bank, ggml_type)
+            sizes = _checked_sizes(bank, ggml_type, where)
             shapes = bank_shapes(bank)
             total = sum(sizes.values())
             for local in range(bank.n_experts):
@@ -248,7 +248,7 @@ def _segments_v1(side: GGUFModel, where: str, layout: ExpertLayout, ggml_type: G
     segments: Segments = {}
     for moe in layout.layers.values():
         for bank in moe.banks:
-            sizes = expert_bytes(bank, ggml_type)
+            sizes = _checked_sizes(bank, ggml_type, where)
             found: dict[str, int] = {}  # projection -> data offset
             for projection, (rows, cols) in bank_shapes(bank).items():
                 name = tier_tensor_name(moe.index, projection, bank.index)

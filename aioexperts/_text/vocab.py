@@ -18,10 +18,9 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType
 
-from .._errors import FormatError, VocabularyError
+from .._errors import VocabularyError
 from .._format.header import GGUFHeader, SkippedValue, read_header
-from .._format.keys import not_an_moe_model
-from .._format.tier_sidecar import TIER_ARCH
+from .._format.keys import refuse_a_sidecar
 
 __all__ = ("TokenAttr", "TokenType", "Vocabulary", "read_vocabulary")
 
@@ -136,9 +135,8 @@ def read_vocabulary(path: str | os.PathLike[str]) -> Vocabulary:
     path = os.fspath(path)
     header = read_header(path)
     md = header.metadata
-    arch = md.get("general.architecture")
-    if arch == TIER_ARCH and "tokenizer.ggml.model" not in md:  # a sidecar given for its model
-        raise FormatError(f"{path} {not_an_moe_model(arch, md)}")
+    if "tokenizer.ggml.model" not in md:  # a sidecar given for its model: say so, not "no tokenizer"
+        refuse_a_sidecar(path, md.get("general.architecture"), md)
 
     model = _string_key(path, header, "tokenizer.ggml.model", required=True)
     assert model is not None

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import format_testkit as kit
 import gguf_bytes as gb
-import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType
 from moe_session import moe_session
@@ -88,26 +87,7 @@ def test_record_i_is_block_i_on_a_synthetic_model(tmp_path: Path) -> None:
 
 
 def _model(path: Path, moe_blocks: tuple[int, ...], block_count: int, nextn: int = 0) -> Path:
-    rng = np.random.default_rng(0)
-    f = gb.GGUFBytes()
-    f.add("general.architecture", T.STRING, "glm4moe")
-    for key, value in (
-        ("block_count", block_count),
-        ("embedding_length", 32),
-        ("expert_count", 4),
-        ("expert_used_count", 2),
-        ("expert_feed_forward_length", 32),
-        ("expert_shared_count", 0),
-        ("nextn_predict_layers", nextn),
-    ):
-        f.add(f"glm4moe.{key}", T.UINT32, value)
-    for b in moe_blocks:
-        f.tensors.append(gb.Tensor(f"blk.{b}.ffn_gate_inp.weight", [32, 4]))
-        for proj in ("gate", "up", "down"):
-            data = rng.standard_normal(32 * 32 * 4).astype(np.float32).tobytes()
-            f.tensors.append(gb.Tensor(f"blk.{b}.ffn_{proj}_exps.weight", [32, 32, 4], data=data))
-    path.write_bytes(f.build())
-    return path
+    return gb.glm4moe_experts(path, moe_blocks, block_count, nextn=nextn)
 
 
 def test_nextn_block_at_the_end_gets_no_record(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ import aioexperts
 from aioexperts import ConfigError, FormatError, MissTier, StaleMapError, write_miss_tier
 from aioexperts._format.dequant import dequantize
 from aioexperts._format.layout import build_layout
-from aioexperts._format.model import open_model
+from aioexperts._format.model import GGUFModel, open_model
 from aioexperts._format.tier_sidecar import (
     TIER_ARCH,
     TIER_KEYS,
@@ -98,18 +98,33 @@ def test_each_expert_of_the_sidecar_is_one_contiguous_read(model: Path, sidecar:
     assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:], strict=False))  # no expert overlaps another
 
 
+def _write_sidecar(
+    out: Path, model_of: GGUFModel, version: int, ggml_type: T, tensors: list[tuple[str, np.ndarray, T]]
+) -> Path:
+    """A sidecar file of ``version`` keyed to the model ``model_of``'s sidecar was (its identity
+    arrays copied) holding ``tensors`` (name, bytes, ggml type: gguf infers the shape)."""
+    writer = GGUFWriter(out, TIER_ARCH)
+    writer.add_uint32(TIER_KEYS["version"], version)
+    for key, value in model_of.metadata.items():
+        if key.startswith("aioexperts.miss_tier.model."):
+            writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT64)
+    writer.add_uint32(TIER_KEYS["type"], int(ggml_type))
+    for name, data, raw_type in tensors:
+        writer.add_tensor(name, data, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def _as_version_1(sidecar: Path, gguf_model: Path, out: Path) -> Path:
     """The version-1 file of the same experts: three stacked tensors per bank (what older releases wrote)."""
     side = open_model(sidecar)
     gguf = open_model(gguf_model)
     layout = build_layout(gguf)
     tier = read_tier_sidecar(sidecar, gguf, layout)
-    writer = GGUFWriter(out, TIER_ARCH)
-    writer.add_uint32(TIER_KEYS["version"], 1)
-    for key, value in side.metadata.items():
-        if key.startswith("aioexperts.miss_tier.model."):
-            writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT64)
-    writer.add_uint32(TIER_KEYS["type"], int(tier.ggml_type))
+    tensors = []
     for moe in layout.layers.values():
         for bank in moe.banks:
             for p, projection in enumerate(("gate", "up", "down")):
@@ -119,12 +134,8 @@ def _as_version_1(sidecar: Path, gguf_model: Path, out: Path) -> Path:
                 ]
                 n_rows = tier.segments[moe.index, bank.first_expert][p].shape[0]
                 data = np.stack(rows).reshape(bank.n_experts, n_rows, -1)  # bytes per row: gguf infers the shape
-                writer.add_tensor(tier_tensor_name(moe.index, projection, bank.index), data, raw_dtype=tier.ggml_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+                tensors.append((tier_tensor_name(moe.index, projection, bank.index), data, tier.ggml_type))
+    return _write_sidecar(out, side, 1, tier.ggml_type, tensors)
 
 
 def test_a_version_1_sidecar_is_still_read_as_the_same_experts(model: Path, sidecar: Path, tmp_path: Path) -> None:
@@ -147,23 +158,16 @@ def test_a_malformed_version_2_sidecar_is_a_format_error(model: Path, sidecar: P
     n_bytes = side.tensors[tier_expert_name(0, 0, 0)].n_bytes
 
     def rewrite(name: str, version: int = 2, drop: str | None = None, short: str | None = None) -> Path:
-        writer = GGUFWriter(tmp_path / name, TIER_ARCH)
-        writer.add_uint32(TIER_KEYS["version"], version)
-        for key, value in side.metadata.items():
-            if key.startswith("aioexperts.miss_tier.model."):
-                writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT64)
-        writer.add_uint32(TIER_KEYS["type"], int(T.Q3_K))
-        for tname, info in side.tensors.items():
-            if tname == drop:
-                continue
-            size = info.n_bytes - 32 if tname == short else info.n_bytes
-            data = np.frombuffer(pread(str(sidecar), info.data_offset, size), np.int8)
-            writer.add_tensor(tname, data, raw_dtype=T.I8)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        return tmp_path / name
+        tensors = [
+            (
+                tname,
+                np.frombuffer(pread(str(sidecar), info.data_offset, info.n_bytes - 32 * (tname == short)), np.int8),
+                T.I8,
+            )
+            for tname, info in side.tensors.items()
+            if tname != drop
+        ]
+        return _write_sidecar(tmp_path / name, side, version, T.Q3_K, tensors)
 
     assert read_tier_sidecar(rewrite("same.gguf"), gguf, layout).segments.keys() == {
         (moe, e) for moe in range(SPEC.n_layer) for e in range(SPEC.n_expert)
@@ -404,34 +408,10 @@ def test_a_sidecar_given_as_the_model_is_named_as_such(tiny_full_model: Path, tm
         read_vocab(sidecar)  # aioexperts-run's first look at it
 
 
-def _with_nextn(path: Path) -> Path:
-    """A 3-block qwen3moe-like file whose last block is a NextN block (F32 experts, 256 wide)."""
-    rng = np.random.default_rng(0)
-    f = gb.GGUFBytes()
-    f.add("general.architecture", GGUFValueType.STRING, "glm4moe")
-    for key, value in (
-        ("block_count", 3),
-        ("embedding_length", 256),
-        ("expert_count", 4),
-        ("expert_used_count", 2),
-        ("expert_feed_forward_length", 256),
-        ("expert_shared_count", 0),
-        ("nextn_predict_layers", 1),
-    ):
-        f.add(f"glm4moe.{key}", GGUFValueType.UINT32, value)
-    for b in range(3):
-        f.tensors.append(gb.Tensor(f"blk.{b}.ffn_gate_inp.weight", [256, 4]))
-        for proj in ("gate", "up", "down"):
-            data = rng.standard_normal(256 * 256 * 4).astype(np.float32).tobytes()
-            f.tensors.append(gb.Tensor(f"blk.{b}.ffn_{proj}_exps.weight", [256, 256, 4], data=data))
-    path.write_bytes(f.build())
-    return path
-
-
 @pytest.mark.anyio
 async def test_a_nextn_block_kept_by_the_layout_is_read_in_full(tmp_path: Path, anyio_backend: object) -> None:
     def prepare() -> Path:  # blocking: off the event loop
-        path = _with_nextn(tmp_path / "n.gguf")
+        path = gb.glm4moe_experts(tmp_path / "n.gguf", range(3), 3, nextn=1, width=256)  # block 2: NextN
         sidecar = write_miss_tier(path, tmp_path / "n.tier.gguf", "Q2_K")
         assert len(read_tier_sidecar(sidecar, open_model(path), build_layout(open_model(path))).segments) == 2 * 4
         return sidecar
