@@ -408,11 +408,13 @@ def render_markdown(all_results: Sequence[dict[str, Any]], sources: Sequence[str
     """The region's text for several results files: those of one model on one kind of CPU merged,
     one section per model and CPU (runs of two machines are never pooled into one table or target);
     a CPU is its model name and, where recorded, its vector ISA (AMD EPYCs here come with and without
-    AVX-512)."""
+    AVX-512) and the ISA the engines were limited to (an AVX2 run on an AVX-512 CPU is its own section)."""
     by_model: dict[tuple[str, str, str], list[tuple[dict[str, Any], str]]] = {}
     for results, source in zip(all_results, sources, strict=True):
         machine = results.get("machine", {})
-        key = (results["model"]["name"], str(machine.get("cpu_model", "")), str(machine.get("cpu_vector_isa") or ""))
+        limits = machine.get("isa_limits") or {}
+        isa = " ".join(str(part) for part in (machine.get("cpu_vector_isa"), *limits.values()) if part)
+        key = (results["model"]["name"], str(machine.get("cpu_model", "")), isa)
         by_model.setdefault(key, []).append((results, source))
     out = [f"<!-- rendered by bench/generate.py --render {' '.join(sources)} -- DOCS; do not edit by hand -->"]
     for items in by_model.values():

@@ -8,7 +8,7 @@ import subprocess
 from importlib import metadata
 from typing import Any
 
-__all__ = ("cpu_vector_isa", "kernel_facts", "machine_facts", "machine_label")
+__all__ = ("cpu_vector_isa", "isa_limits", "kernel_facts", "machine_facts", "machine_label")
 
 
 def _read(path: str) -> str | None:
@@ -39,6 +39,47 @@ def cpu_vector_isa(flags: list[str] | None = None) -> str | None:
     if "avx512bw" in have:
         return "AVX-512 VNNI" if "avx512_vnni" in have else "AVX-512"
     return "AVX2" if "avx2" in have else None
+
+
+def _llama_cpp_system_info() -> str | None:
+    """llama.cpp's ``llama_print_system_info()`` (the ISA it was built for), from a child process
+    (this process does not load the library); None without ``llama-cpp-python``."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    code = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def isa_limits(llama_cpp_info: str | None) -> dict[str, str | None]:
+    """The vector ISA each engine was limited to below the CPU's (None: the CPU's own).
+
+    ``kernels``: what ``NUMBA_CPU_FEATURES`` lets numba compile for (``+avx512bw`` and so on, as
+    LLVM names them); ``llama.cpp``: what its build uses, from its system info (``AVX512 = 1``,
+    ``AVX512_VNNI = 1``, ``AVX2 = 1``). An AVX2-only run on an AVX-512 machine (README's "AVX2
+    proxy") sets both.
+    """
+    cpu = cpu_vector_isa()
+    out: dict[str, str | None] = {"kernels": None, "llama.cpp": None}
+    features = os.environ.get("NUMBA_CPU_FEATURES")
+    if features:
+        flags = [f[1:].replace("avx512vnni", "avx512_vnni") for f in features.split(",") if f.startswith("+")]
+        ours = cpu_vector_isa(flags)
+        out["kernels"] = ours if ours != cpu else None
+    if llama_cpp_info:
+        have = {
+            part.split("=")[0].strip().lower() for part in llama_cpp_info.split("|") if part.strip().endswith("= 1")
+        }
+        flags = ["avx512bw" if "avx512" in have else "", "avx512_vnni" if "avx512_vnni" in have else ""]
+        theirs = cpu_vector_isa([*flags, "avx2" if "avx2" in have else ""])
+        out["llama.cpp"] = theirs if theirs != cpu else None
+    return out
 
 
 def _mount_of(path: str) -> tuple[str | None, str | None]:
@@ -110,12 +151,15 @@ def machine_facts(model_path: str) -> dict[str, Any]:
     """Kernel, CPU, memory, the filesystem and device holding ``model_path``, library versions."""
     source, fstype = _mount_of(os.path.dirname(os.path.abspath(model_path)))
     pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    llama_info = _llama_cpp_system_info()
     return {
         "hostname": platform.node(),
         "kernel": platform.release(),
         "os": platform.platform(),
         "cpu_model": _cpu_model(),
         "cpu_vector_isa": cpu_vector_isa(),
+        "isa_limits": isa_limits(llama_info),
+        "llama_cpp_system_info": llama_info,
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)),
         "memory_bytes": pages * os.sysconf("SC_PAGE_SIZE"),
@@ -131,6 +175,8 @@ def machine_facts(model_path: str) -> dict[str, Any]:
         "aioexperts_commit": source_commit(),
         "load_average_at_start": list(os.getloadavg()),
         "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+        "numpy_disabled_cpu_features": os.environ.get("NPY_DISABLE_CPU_FEATURES"),
+        "numba_cpu": os.environ.get("NUMBA_CPU_NAME"),
     }
 
 
@@ -141,7 +187,10 @@ def machine_label(facts: dict[str, Any]) -> str:
     """
     dev = facts.get("device") or {}
     isa = facts.get("cpu_vector_isa")
-    cpu = f"{facts.get('cpu_model') or '?'}{f' ({isa})' if isa else ''}"
+    limits = facts.get("isa_limits") or {}
+    limited = "; ".join(f"{who} limited to {to}" for who, to in limits.items() if to)
+    isa_text = "; ".join(part for part in (isa, limited) if part)
+    cpu = f"{facts.get('cpu_model') or '?'}{f' ({isa_text})' if isa_text else ''}"
     disk = f"{'virtio ' if dev.get('virtio') else ''}{dev.get('name') or facts.get('device_source') or '?'}"
     mem = facts.get("memory_bytes") or 0
     return (

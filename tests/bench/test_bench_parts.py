@@ -270,6 +270,55 @@ def test_machine_label_names_the_vector_isa_when_recorded() -> None:
     facts = {"cpu_count": 2, "cpu_model": "AMD EPYC", "memory_bytes": 24 << 30, "filesystem": "ext4", "kernel": "6.18"}
     assert "AMD EPYC, 24 GiB" in machine_label(facts)
     assert "AMD EPYC (AVX-512 VNNI), 24 GiB" in machine_label({**facts, "cpu_vector_isa": "AVX-512 VNNI"})
+    limited = {**facts, "cpu_vector_isa": "AVX-512 VNNI", "isa_limits": {"kernels": "AVX2", "llama.cpp": None}}
+    assert "AMD EPYC (AVX-512 VNNI; kernels limited to AVX2), 24 GiB" in machine_label(limited)
+
+
+AVX2_ONLY_LLAMA = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | OPENMP = 1 | REPACK = 1 |"
+AVX512_LLAMA = "CPU : AVX = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | REPACK = 1 |"
+
+
+@pytest.mark.parametrize(
+    ("numba_features", "llama_info", "cpu", "expected"),
+    [
+        (None, None, "AVX-512 VNNI", {"kernels": None, "llama.cpp": None}),
+        (
+            "+avx2,+fma,-avx512f,-avx512bw,-avx512vnni",
+            AVX2_ONLY_LLAMA,
+            "AVX-512 VNNI",
+            {"kernels": "AVX2", "llama.cpp": "AVX2"},
+        ),
+        ("+avx2,+avx512f,+avx512bw,+avx512vnni", AVX512_LLAMA, "AVX-512 VNNI", {"kernels": None, "llama.cpp": None}),
+        (
+            "+avx2,+avx512f,+avx512bw,-avx512vnni",
+            AVX512_LLAMA,
+            "AVX-512 VNNI",
+            {"kernels": "AVX-512", "llama.cpp": None},
+        ),
+        (None, AVX2_ONLY_LLAMA, "AVX2", {"kernels": None, "llama.cpp": None}),
+    ],
+)
+def test_isa_limits_say_what_each_engine_was_held_to(
+    numba_features: str | None,
+    llama_info: str | None,
+    cpu: str,
+    expected: dict[str, str | None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An AVX2 run on an AVX-512 CPU (NUMBA_CPU_FEATURES and an AVX2 build of llama.cpp) is named
+    as such in the results, so it never passes for the CPU's own ISA."""
+    from aioexperts_bench import machine
+
+    monkeypatch.setattr(
+        machine,
+        "cpu_vector_isa",
+        lambda flags=None, _real=machine.cpu_vector_isa: _real(flags) if flags is not None else cpu,
+    )
+    if numba_features is None:
+        monkeypatch.delenv("NUMBA_CPU_FEATURES", raising=False)
+    else:
+        monkeypatch.setenv("NUMBA_CPU_FEATURES", numba_features)
+    assert machine.isa_limits(llama_info) == expected
 
 
 @pytest.mark.parametrize("script", ["render.py", "generate.py"])
