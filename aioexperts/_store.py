@@ -793,7 +793,8 @@ class ResidentExperts:
         None when one of them is not resident at full precision (not read yet, loading, low tier).
 
         Raises:
-            InvalidRequestError: no such layer or expert.
+            InvalidRequestError: no such layer or expert, or an id that is not an int (a bool, a
+                float, a string).
             RuntimeError: the hold has ended.
             StoreClosedError: the store closed during the hold.
         """
@@ -801,7 +802,9 @@ class ResidentExperts:
         n = len(table)
         view = self._held.view
         out = []
-        for i in ids:
+        for i in _id_list(ids, "ids"):
+            if isinstance(i, bool) or not isinstance(i, int | np.integer):
+                raise InvalidRequestError(f"expert ids must be ints, got {i!r}")
             if not 0 <= i < n:
                 raise InvalidRequestError(f"layer {layer} has experts 0..{n - 1}; expert {i} does not exist")
             v = view(table[i])

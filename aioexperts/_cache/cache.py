@@ -975,12 +975,16 @@ class ExpertCache:
                 chosen.append(key)
                 taken.add(key)
         if len(chosen) < n:
-            try:
-                found = self.policy.victims(n - len(chosen), can_evict)
+            try:  # None, an int, a generator that raises: the policy's error, not the cache's
+                found = list(self.policy.victims(n - len(chosen), can_evict))
             except Exception as exc:
                 raise self._policy_error("victim", exc) from exc
             for victim in found:
-                if not can_evict(victim):
+                try:
+                    evictable = can_evict(victim)
+                except TypeError:  # unhashable: not a key
+                    evictable = False
+                if not evictable:
                     raise EvictionPolicyError(
                         f"the eviction policy {type(self.policy).__name__} chose {victim!r}, which is not an "
                         "evictable entry (pinned, loading, not cached or already chosen); the request holds no pins"

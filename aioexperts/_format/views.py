@@ -114,7 +114,7 @@ class ExpertView:
         memory is slot memory that may be overwritten once the expert is unpinned, so this warns
         (``ResourceWarning``) and leaves it readable. Keep bytes past the pin with :meth:`copy`.
         The slab mode's views are shared by every request pinning the expert and released by the
-        store when its slot is reused: a host does not release those itself.
+        store when its slot is reused: their ``release()`` does nothing.
         """
         exported = [
             name

@@ -21,9 +21,20 @@ import sys
 
 from .._format.views import ExpertView, managed_buffer
 
-__all__ = ("PROJECTIONS", "SharedViews")
+__all__ = ("PROJECTIONS", "SharedExpertView", "SharedViews")
 
 PROJECTIONS = ("gate", "up", "down")
+
+
+class SharedExpertView(ExpertView):
+    """An :class:`ExpertView` shared by every request pinning one slot load: its :meth:`release`
+    does nothing, since the store releases the memoryviews when the slot is reused (a host
+    releasing them would break the expert for every later hit until its eviction)."""
+
+    __slots__ = ()
+
+    def release(self) -> None:
+        """Nothing: the store releases these views when the slot is reused; :meth:`copy` keeps bytes."""
 
 
 class SharedViews:

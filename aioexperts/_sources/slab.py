@@ -35,7 +35,7 @@ from .._options import DEFAULT_CACHE_BYTES, CacheOptions, IOOptions, MissTier
 from .._timeline import Timeline
 from .base import Build, ExpertSource, HeldLayers
 from .rows import RowReader, RowStatistics, RowsView
-from .shared_views import SharedViews
+from .shared_views import SharedExpertView, SharedViews
 from .stack import ReadStack
 from .tier_files import add_sidecar
 
@@ -249,7 +249,7 @@ class SlabSource(ExpertSource):
         g, u, d = loc.gate, loc.up, loc.down  # not loc.segments: a property that builds a tuple
         gv, uv, dv = slab.projection_views(pinned.slot, plan.payload_spans)
         return SharedViews(
-            ExpertView(
+            SharedExpertView(
                 loc.layer,
                 loc.expert,
                 loc.bank,

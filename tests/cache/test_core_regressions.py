@@ -66,6 +66,32 @@ async def test_a_policy_hook_that_raises_leaves_no_pin_and_no_lost_slot(
     await stack.aclose()
 
 
+@pytest.mark.parametrize("answer", [None, 3, [[0, 0]], ["0"], "00"], ids=["none", "int", "list-key", "str-key", "str"])
+async def test_victims_that_are_not_keys_are_the_policys_error(
+    model_path: Path, reference: dict[Key, list[bytes]], answer: object, anyio_backend: object
+) -> None:
+    """A custom policy whose ``victims()`` returns no list of keys gets an EvictionPolicyError
+    naming it (never a bare TypeError from inside the cache), and the store stays usable."""
+
+    class Broken(LRU):
+        broken = True
+
+        def victims(self, n: int, can_evict: Any) -> Any:
+            return answer if self.broken else super().victims(n, can_evict)
+
+    policy = Broken()
+    stack = open_stack(model_path, CheckedFake, reference=reference, slots=4, policy=policy)
+    assert await stack.request([(0, 0), (0, 1), (0, 2), (0, 3)]) == "ok"
+    assert await stack.request([(1, 0)]) == "EvictionPolicyError"
+    assert "Broken" in str(stack.errors[-1])
+    policy.broken = False
+    assert await stack.request([(1, 0)]) == "ok"
+    await stack.quiesce()
+    assert stack.problems() == []
+    assert await stack.verify_all() == []
+    await stack.aclose()
+
+
 async def test_a_key_the_policy_lost_is_evicted_by_the_cache(
     model_path: Path, reference: dict[Key, list[bytes]], anyio_backend: object
 ) -> None:

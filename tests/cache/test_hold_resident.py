@@ -94,12 +94,16 @@ async def test_held_views_are_the_experts_bytes_and_count_as_hits(
                     assert [bytes(p.data) for p in (v.gate, v.up, v.down)] == reference[(layer, v.expert)]
             with pytest.raises(aioexperts.InvalidRequestError):
                 held.views(0, [SMALL.n_expert])
+            for bad in ([True], [1.0], ["1"], "1", None):  # never served as some other expert
+                with pytest.raises(aioexperts.InvalidRequestError):
+                    held.views(0, bad)  # type: ignore[arg-type]
+            assert [v.expert for v in held.views(0, [np.int64(2)]) or []] == [2]
             async with store.experts(SMALL.n_layer - 1, [1]):  # a read into a free slot goes on
                 pass
             assert held.views(SMALL.n_layer - 1, [1]) is not None
         assert not cache_of(store).held
         after = store.statistics()
-        n_served = 2 + 3 * (SMALL.n_layer - 1) + 1
+        n_served = 2 + 3 * (SMALL.n_layer - 1) + 1 + 1  # the np.int64 id's too
         assert after.requests - before.requests == n_served + 1  # the experts() block's own request
         assert after.cached_hits - before.cached_hits == n_served
     with pytest.raises(aioexperts.StoreClosedError), store.hold_resident():

@@ -1118,3 +1118,19 @@ async def test_a_block_closed_in_another_task_unpins_for_the_task_that_pinned(
         async with store.experts(1, [3]) as (view,):  # waits for a slot: this task holds nothing
             assert view is not None
         await other
+
+
+async def test_releasing_a_store_view_leaves_the_expert_readable_for_later_requests(
+    model_path: Path, anyio_backend: object
+) -> None:
+    """The slab mode's views are shared by every request of one slot load: a host's ``release()``
+    of one must not break that expert for every later hit (it did, until its eviction)."""
+    model = aioexperts.open_model(model_path)
+    loc = aioexperts.build_layout(model).locate(1, 3)
+    want = [pread_segment(model, s) for s in loc.segments]
+    async with aioexperts.open(model_path) as store:
+        async with store.experts(1, [3]) as (view,):
+            view.release()
+            assert [bytes(p.data) for p in (view.gate, view.up, view.down)] == want
+        async with store.experts(1, [3]) as (again,):
+            assert [bytes(p.data) for p in (again.gate, again.up, again.down)] == want
