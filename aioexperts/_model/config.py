@@ -33,7 +33,7 @@ class LoadOptions:
             by ``memory_budget`` and the memory limit, when the model starts).
         memory_budget: bytes one sequence's KV cache may take, or None.
         prefetch: the runner's prefetch options, or None (the runner's default).
-        resident_embedding_bytes: the largest token embedding table kept in memory.
+        resident_embedding_bytes: the largest token embedding table kept in memory (bytes, >= 0).
         batch_wait: seconds of cross-request batching (0: off).
         hits_first: compute a layer's resident experts while its other experts are read.
         record_trace: record every routing decision.
@@ -70,8 +70,8 @@ class LoadOptions:
         if self.prefetch is not None and not isinstance(self.prefetch, PrefetchOptions):
             raise ConfigError(f"prefetch must be a PrefetchOptions, got {self.prefetch!r}")
         embedding = self.resident_embedding_bytes
-        if isinstance(embedding, bool) or not isinstance(embedding, int):
-            raise ConfigError(f"resident_embedding_bytes must be an int, got {embedding!r}")
+        if isinstance(embedding, bool) or not isinstance(embedding, int) or embedding < 0:
+            raise ConfigError(f"resident_embedding_bytes must be an int >= 0, got {embedding!r}")
         object.__setattr__(self, "batch_wait", check_batch_wait(self.batch_wait))  # None -> 0
         for name in ("hits_first", "record_trace"):
             if not isinstance(getattr(self, name), bool):

@@ -302,7 +302,11 @@ class Model:
             _memory.check_kv_fits(n_ctx, n_ctx * per)
             return n_ctx
         budget = self.options.memory_budget if self.options.memory_budget is not None else DEFAULT_MEMORY_BUDGET
-        n_ctx = min(hp.n_ctx_train, max(1, budget // per))
+        if budget < per:  # not one position: never start over the budget
+            raise ConfigError(
+                f"memory_budget={budget} bytes holds no position of the KV cache ({per} bytes per position)"
+            )
+        n_ctx = min(hp.n_ctx_train, budget // per)
         limit = _memory.read_memory_limit(reclaimable=True)
         if n_ctx * per > limit.available:  # the default must fit the memory left too
             n_ctx = max(1, limit.available // per)
@@ -624,6 +628,9 @@ class Model:
 
         Raises:
             ChatTemplateError: the file has no chat template (and none is given).
+            ConfigError: ``template`` not a :class:`~aioexperts._text.chat.ChatTemplate` (a source
+                string too: compile it with ``ChatTemplate(source)``), ``options`` not a
+                :class:`SamplingOptions`, ``system`` not a str.
             StoreClosedError: the model is not started or closed.
         """
         from aioexperts._text.sampling import SamplingOptions

@@ -172,6 +172,11 @@ class ModelSequence:
         """True once :meth:`close` ran."""
         return self._cache is None
 
+    @property
+    def busy(self) -> bool:
+        """True while a call on this sequence runs (a :meth:`forward`, a generation's step)."""
+        return self._lock.locked()
+
     def keep(self, n: int) -> None:
         """Keep only the first ``n`` positions (``0 <= n <= n_past``); later calls continue from there.
 
@@ -296,8 +301,9 @@ class ModelSequence:
             A :class:`Generation` (``async for token in ...``; also an async context manager).
 
         Raises:
-            InvalidRequestError: bad arguments or ids (here); a sampler returning something that
-                is not a token id (while iterating).
+            InvalidRequestError: bad arguments or ids, a ``seed`` outside ``[0, 2**64 - 1]``, the
+                sequence closed (here); a sampler returning something that is not a token id
+                (while iterating).
             ContextLengthError: while iterating, when the prompt would pass ``n_ctx``.
             As :meth:`forward`, while iterating.
         """
@@ -340,6 +346,10 @@ class Generation:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {temperature!r}")
         if sampler is not None and not callable(sampler):
             raise InvalidRequestError(f"sampler must be a callable (logits, history) -> int, got {sampler!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+            raise InvalidRequestError(f"seed must be an int in [0, 2**64 - 1] or None, got {seed!r}")
+        if seq.closed:  # before anything is yielded (the old logits would give a token)
+            raise InvalidRequestError("the sequence is closed")
         pending = seq.model._check_ids(token_ids, allow_empty=True)
         if not pending and seq.n_past == 0 and not seq.unrun:
             raise InvalidRequestError("generate needs at least one token id")
@@ -354,12 +364,22 @@ class Generation:
         self._leftover: list[int] = []
         self._last: int | None = None  # the last token yielded
         self._tokens: AsyncGenerator[int, None] | None = None
+        self._stepping = False  # an __anext__ is running
         self.stop_reason: str | None = None
 
     def __aiter__(self) -> Generation:
         return self
 
     async def __anext__(self) -> int:
+        if self._stepping:  # a second consumer: its error must not end the first one's step
+            raise InvalidRequestError("this generation is being iterated by another task: one consumer at a time")
+        self._stepping = True
+        try:
+            return await self._next()
+        finally:
+            self._stepping = False
+
+    async def _next(self) -> int:
         seq = self._seq
         if seq is None:
             raise StopAsyncIteration

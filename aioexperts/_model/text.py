@@ -91,6 +91,8 @@ class _Run(Generic[T]):
 
     async def __anext__(self) -> T:
         assert self._agen is not None
+        if getattr(self._agen, "ag_running", False):  # asend's own RuntimeError names no cause
+            raise InvalidRequestError("this generation is being iterated by another task: one consumer at a time")
         return await self._agen.__anext__()
 
     async def aclose(self) -> None:
@@ -145,6 +147,8 @@ def _options(
         return options
     if "stop" in given:
         stop = given["stop"]
+        if not isinstance(stop, str) and not (isinstance(stop, Iterable) and not isinstance(stop, bytes)):
+            raise ConfigError(f"stop must be a string or a sequence of strings, got {stop!r:.80}")
         given["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
     return SamplingOptions(**{**_GREEDY, **given})
 
@@ -329,13 +333,15 @@ def keep_prefix(model: TextModel, seq: ModelSequence, ids: list[int], *, restart
     nothing (the whole prompt is prefilled again, as a chat turn does).
 
     Raises:
-        InvalidRequestError: ``seq`` is closed, of another model, has tokens not run yet
-            (``unrun``), or cannot rewind to the common prefix (without ``restart``).
+        InvalidRequestError: ``seq`` is closed, of another model, busy (a call on it running),
+            has tokens not run yet (``unrun``), or cannot rewind to the common prefix (without ``restart``).
     """
-    if seq.closed or seq.model is not model:
-        raise InvalidRequestError("sequence= must be an open sequence of this model")
+    if not isinstance(seq, ModelSequence) or seq.closed or seq.model is not model:
+        raise InvalidRequestError(f"sequence= must be an open sequence of this model, got {seq!r:.80}")
     if seq.unrun:
         raise InvalidRequestError("the sequence has tokens not run yet (unrun): continue it with generate()")
+    if seq.busy:
+        raise InvalidRequestError("a call on this sequence is running (a forward, a generation's step): await it first")
     reused = min(seq.shared_prefix(ids), len(ids) - 1)
     if reused < seq.n_past and not seq.rewinds:
         if restart:
@@ -401,8 +407,16 @@ class ChatSession:
         options: SamplingOptions,
         tools: Sequence[Mapping[str, Any]] | None,
     ) -> None:
+        from aioexperts._text.chat import ChatTemplate
+        from aioexperts._text.sampling import SamplingOptions
+
         if system is not None and not isinstance(system, str):
             raise ConfigError(f"system must be a str, got {type(system).__name__}")
+        if not isinstance(template, ChatTemplate):
+            hint = " (compile a template's source with ChatTemplate(source))" if isinstance(template, str) else ""
+            raise ConfigError(f"template must be a ChatTemplate, got {type(template).__name__}{hint}")
+        if not isinstance(options, SamplingOptions):
+            raise ConfigError(f"options must be a SamplingOptions, got {type(options).__name__}")
         self.model = model
         self.template = template
         self.options = options

@@ -311,7 +311,8 @@ class NextRouterPredictor(Predictor):
         summed = np.where(chosen, scores, 0.0).sum(axis=0, dtype=np.float64)
         ranked = _rank(votes, summed, budget)
         gate = np.zeros(logits.shape[1], dtype=np.float64)
-        np.maximum.at(gate, ids.astype(np.int64).ravel(), weights.astype(np.float64).ravel())
+        with np.errstate(invalid="ignore"):  # a non-finite row is the forward pass's error, not a warning here
+            np.maximum.at(gate, ids.astype(np.int64).ravel(), weights.astype(np.float64).ravel())
         return ranked, {e: float(gate[e]) for e in ranked}
 
 

@@ -635,8 +635,11 @@ class Tokenizer:
             The text.
 
         Raises:
-            TokenizerError: an id is not in the vocabulary.
+            TokenizerError: ``ids`` is not an iterable of ids (None, a string), or an id is not in
+                the vocabulary.
         """
+        if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+            raise TokenizerError(f"decode() takes an iterable of token ids, got {ids!r:.80}")
         raw = self._raw_bytes(ids, skip_special, first=True)
         text = raw.decode("utf-8", errors="replace")
         return _clean_spaces(text) if self._clean_spaces else text
