@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _results import one_line_error  # bench/_results.py, a sibling module
 
 import aioexperts
 from aioexperts.distributed import (
@@ -319,7 +320,8 @@ def render(results_path: Path, doc: Path) -> None:
         raise SystemExit(f"{doc}: no {START} ... {END} region")
     before, rest = text.split(START, 1)
     after = rest.split(END, 1)[1]
-    doc.write_text(before + render_region(_load(results_path), str(results_path)) + after)
+    data = json.loads(results_path.read_text())  # a missing file is an error here, not {}
+    doc.write_text(before + render_region(data, str(results_path)) + after)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,7 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render", nargs=2, type=Path, metavar=("RESULTS", "DOC"))
     args = parser.parse_args(argv)
     if args.render:
-        render(*args.render)
+        try:
+            render(*args.render)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # missing, foreign or broken
+            print(f"{parser.prog}: error: {one_line_error(exc)}", file=sys.stderr)
+            return 2
         return 0
     unknown = [s for s in args.steps if s not in ("trace", "simulate", "calls")]
     if unknown or not args.steps:

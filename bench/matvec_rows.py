@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _results import median_time, replace_region, summary, write_results
+from _results import median_time, one_line_error, replace_region, summary, write_results
 from dequant import make_tensor
 from gguf import GGMLQuantizationType
 from threadpoolctl import threadpool_limits
@@ -234,7 +234,11 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.render:
-        render(*args.render, region=args.region)
+        try:
+            render(*args.render, region=args.region)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # missing, foreign or broken
+            print(f"{parser.prog}: error: {one_line_error(exc)}", file=sys.stderr)
+            return 2
         return 0
     cases_timed = CASES
     if args.types:

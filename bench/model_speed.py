@@ -50,7 +50,7 @@ import anyio
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import replace_region, write_results  # noqa: E402
+from _results import one_line_error, replace_region, write_results  # noqa: E402
 
 import aioexperts  # noqa: E402
 from aioexperts.backends import liburing_unusable_reason  # noqa: E402
@@ -329,7 +329,8 @@ def render(results: Path, doc: Path, region_name: str | None = None) -> None:
     r = json.loads(results.read_text())
     s, p, m = r["summary"], r["parameters"], r["machine"]
     reads = p["reads"]
-    why = f" because {reads['liburing_unusable_reason']}" if reads.get("liburing_unusable_reason") else ""
+    unusable = reads.get("liburing_unusable_reason")
+    why = f" (on the raw-syscall ring: {unusable})" if unusable else ""
     t = s["targets"]
     for name in t:  # how many rounds met the target on their own
         t[name]["verdict"] += (
@@ -419,6 +420,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     arguments = parse()
     if arguments.render:
-        render(*arguments.render, region_name=arguments.region)
+        try:
+            render(*arguments.render, region_name=arguments.region)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # missing, foreign or broken
+            print(f"model_speed.py: error: {one_line_error(exc)}", file=sys.stderr)
+            sys.exit(2)
     else:
         anyio.run(main, arguments)

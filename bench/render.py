@@ -50,7 +50,11 @@ def render_file(text: str, results: dict, source: str, extra: bool = False) -> t
             data["_source"] = path
             body, src = render(data), path
         elif name in SECTIONS:
-            body, src = markdown(results, name), source
+            try:
+                body, src = markdown(results, name), source
+            except KeyError:  # a file of --mode reads has no tokens or executor section: left as it is
+                print(f"{name}: not in {source} (left as it is)", file=sys.stderr)
+                return m.group(0)
         else:
             raise SystemExit(f"unknown bench section {name!r}; known: {', '.join([*SECTIONS, *EXTRA])}")
         names.append(name)
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _render(args)
-    except (OSError, ValueError) as exc:  # a results file or doc missing or of another kind: one line
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # a results file or doc missing or of another kind
         print(f"{parser.prog}: error: {one_line_error(exc)}", file=sys.stderr)
         return 2
 

@@ -10,6 +10,7 @@ import os
 import re
 import stat
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from typing import NoReturn
 
@@ -306,19 +307,76 @@ def refuse_to_overwrite(
         what: how the messages name the output (``"--out"``, ``"the map"``).
 
     Raises:
-        ConfigError: ``output`` is one of ``inputs``, is not a regular file, or exists, is not
-            ``ours`` and ``force`` is off.
+        ConfigError: ``output`` is one of ``inputs``, a symbolic link (``force`` or not), not a
+            regular file, or exists, is not ``ours`` and ``force`` is off.
     """
     name = os.fspath(output)
+    link = ConfigError(f"{what} {name} is a symbolic link: refusing to replace it (name the file itself)")
     target = _identity(name)
     if target is None:
+        if os.path.islink(name):  # a dangling link: the file it names may be made later
+            raise link
         return  # nothing there to lose
     for path in inputs:
         if _identity(os.fspath(path)) == target:
             raise ConfigError(f"{what} {name} is the input {os.fspath(path)}: refusing to write over it")
+    if os.path.islink(name):  # --force would replace the link itself (/dev/stdout as root)
+        raise link
     if not stat.S_ISREG(os.stat(name).st_mode):
         raise ConfigError(f"{what} {name} exists and is not a regular file")
     if not force and not ours(name):
         raise ConfigError(
             f"{what} {name} exists and is not a file this tool writes: refusing to replace it (--force replaces it)"
         )
+
+
+def writable_dir(directory: str) -> str | None:
+    """None if a file can be created in ``directory`` (tried: a temporary file, removed at once), else why not."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".aioexperts-", dir=directory)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    os.unlink(tmp)
+    return None
+
+
+def check_output_path(output: str, what: str) -> None:
+    """Before a long run: ``output`` (named as given) can be created, or ConfigError saying why not
+    (a directory, no such folder, a folder where no file can be made)."""
+    path = os.path.abspath(os.path.expanduser(output))
+    if os.path.isdir(path):
+        raise ConfigError(f"{what} {output} is a directory")
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{what} {output}: no such directory {os.path.dirname(output) or '.'}")
+    why = writable_dir(folder)
+    if why is not None:
+        raise ConfigError(f"{what} {output}: no file can be created in {folder} ({why})")
+
+
+def write_text_atomically(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a private temporary file beside it (``mkstemp``: never a
+    fixed ``PATH.tmp`` a user's file or symlink may hold), then rename it over ``path``.
+
+    Raises:
+        OSError: naming ``path`` (the temporary file is removed).
+    """
+    from .._format.filemode import new_file_mode
+
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{path}: {exc.strerror}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, new_file_mode())  # mkstemp makes 0600
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

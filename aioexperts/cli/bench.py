@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import AioExpertsError, FormatError, __version__
+from .._options import MAX_READ_THREADS
 from ..backends import io_uring_unusable_reason, liburing_unusable_reason
 from ..testing import bench_model_path, cache_dir, ensure_bench_model, progress_bytes
 from ._common import (
@@ -32,6 +33,7 @@ from ._common import (
     model_file,
     refuse_to_overwrite,
     stdout_closed,
+    writable_dir,
 )
 
 try:
@@ -78,6 +80,8 @@ __all__ = ("build_parser", "main")
 
 #: Below this size a model fits in caches and the figures mean little.
 SMALL_MODEL_BYTES = 1 << 30
+#: --rounds at most (a typo of many digits would start an endless run)
+MAX_ROUNDS = 1000
 
 
 def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
@@ -156,28 +160,21 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
         methods = [m for m in methods if m not in dropped]
     if not methods:
         parser.error(f"--methods needs at least one of {', '.join(METHODS)}")
-    if args.rounds < 1:
-        parser.error("--rounds must be >= 1")
+    if not 1 <= args.rounds <= MAX_ROUNDS:
+        parser.error(f"--rounds must be from 1 to {MAX_ROUNDS}, got {args.rounds}")
     if args.tokens is not None and args.tokens < 1 or args.token_count < 1 or args.threads < 1:
         parser.error("--tokens, --token-count and --threads must be >= 1")
+    if args.threads > MAX_READ_THREADS:
+        parser.error(f"--threads must be at most {MAX_READ_THREADS}, got {args.threads}")
     if args.executor_tokens < 0 or args.seed < 0:
         parser.error("--executor-tokens and --seed must be >= 0")
     if not 0 < args.slab_fraction <= 1:
         parser.error("--slab-fraction must be in (0, 1]")
+    if args.rebuild and args.model:
+        parser.error("--rebuild writes the built-in model again: it does not go with --model")
     if args.loop == "trio" and importlib.util.find_spec("trio") is None:
         parser.error("--loop trio needs trio: pip install trio")
     return methods
-
-
-def _writable_dir(directory: str) -> str | None:
-    """None if a file can be created in ``directory`` (tried: a temporary file, removed at once), else why not."""
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".aioexperts-bench-", dir=directory)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    os.close(fd)
-    os.unlink(tmp)
-    return None
 
 
 def _inputs(args: argparse.Namespace) -> list[str]:
@@ -218,7 +215,7 @@ def _preflight(args: argparse.Namespace) -> str | None:
         out = os.path.abspath(args.out)
         if os.path.isdir(out):
             return f"--out {args.out} is a directory; name the results file"
-        why = _writable_dir(os.path.dirname(out))
+        why = writable_dir(os.path.dirname(out))
         if why:
             return f"--out {args.out}: cannot create a file in {os.path.dirname(out)}: {why}"
         try:
@@ -238,14 +235,14 @@ def _preflight(args: argparse.Namespace) -> str | None:
             os.makedirs(args.plot, exist_ok=True)
         except OSError as exc:
             return f"--plot {args.plot}: cannot create the directory: {exc.strerror or exc}"
-        why = _writable_dir(args.plot)
+        why = writable_dir(args.plot)
         if why:
             return f"--plot {args.plot}: cannot create a file in it: {why}"
     if not args.model and (args.rebuild or not bench_model_path().exists()):
         where = cache_dir()
         try:
             where.mkdir(parents=True, exist_ok=True)
-            why = _writable_dir(os.fspath(where))
+            why = writable_dir(os.fspath(where))
         except OSError as exc:
             why = exc.strerror or str(exc)
         if why:

@@ -15,22 +15,25 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from pathlib import Path
+from fractions import Fraction
 
 from aioexperts_bench import DEFAULT_ENGINES, ENGINES, GenerateConfig, parse_limit, run_generate_bench, text_report
 
-from .. import AioExpertsError, write_miss_tier
+from .. import AioExpertsError, ConfigError, write_miss_tier
+from .._format.header import read_header
 from .._json import dumps as json_dumps
 from ._common import (
     USAGE_STATUS,
     OneLineParser,
     add_version,
     cache_error,
+    check_output_path,
     error_text,
     gate_weight,
     model_file,
     plural,
     refuse_to_overwrite,
+    write_text_atomically,
 )
 from .tiertool import TYPES as TIER_TYPES
 from .tiertool import default_output
@@ -39,6 +42,10 @@ __all__ = ("DSV4_NAME", "add_model_arguments", "build_parser", "check_model_argu
 
 #: ``--model dsv4-flash``: the built-in DeepSeek-V4-Flash-geometry model (aioexperts.testing.ensure_dsv4_model).
 DSV4_NAME = "dsv4-flash"
+#: the smallest memory limit a run is made under (the interpreter, numpy and numba alone take more)
+MIN_LIMIT_BYTES = 256 << 20
+#: --rounds at most (each round runs every engine under every limit: minutes each)
+MAX_ROUNDS = 1000
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,15 +144,69 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def model_file_error(args: argparse.Namespace) -> int | None:
-    """A ``--model`` file that is missing, a directory or unreadable: its one error line said (as
-    every command says it, :func:`~aioexperts.cli._common.model_file`), and the exit status; None
-    when the file is fine or a built-in model is asked for."""
+    """A ``--model`` file that is missing, a directory, unreadable, or not a whole model (no
+    vocabulary: these modes run the model on token ids): its one error line said (as every command
+    says it, :func:`~aioexperts.cli._common.model_file`), and the exit status; None when the file is
+    fine or a built-in model is asked for."""
     if not args.model or args.model == DSV4_NAME:
         return None
     try:
-        model_file(args.model)
-    except AioExpertsError as exc:
+        path = model_file(args.model)
+        if "tokenizer.ggml.tokens" not in read_header(path).metadata:
+            raise ConfigError(
+                f"{args.model} carries no tokenizer: this mode runs a whole model (aioexperts-bench "
+                "--mode reads measures expert-only files)"
+            )
+    except (AioExpertsError, OSError) as exc:
+        print(f"aioexperts-bench: error: {error_text(exc)}", file=sys.stderr)
+        return USAGE_STATUS
+    return None
+
+
+def output_error(outputs: list[tuple[str, str]]) -> int | None:
+    """Each ``(path, what)`` output can be created (checked before the run): its one error line and
+    the usage status, or None."""
+    try:
+        for path, what in outputs:
+            check_output_path(path, what)
+    except ConfigError as exc:
         print(f"aioexperts-bench: error: {exc}", file=sys.stderr)
+        return USAGE_STATUS
+    return None
+
+
+def limit_error(limits: list[Fraction | None], model: str) -> int | None:
+    """A memory limit below :data:`MIN_LIMIT_BYTES` (a fraction of a small model: no engine's process
+    starts there, so every run would be "oom-killed"): its one error line and the usage status, or None."""
+    size = os.path.getsize(model)
+    for limit in limits:
+        if limit is not None and size * limit < MIN_LIMIT_BYTES:
+            print(
+                f"aioexperts-bench: error: a limit of {limit} of this {size / 2**20:.1f} MiB model is "
+                f"{float(size * limit) / 2**20:.1f} MiB, less than the {MIN_LIMIT_BYTES >> 20} MiB an engine's process "
+                "needs to start (use a larger model, or --limits none)",
+                file=sys.stderr,
+            )
+            return USAGE_STATUS
+    return None
+
+
+def sidecar_error(sidecar: str | None, model: str) -> int | None:
+    """A ``--miss-tier`` sidecar that is missing, not a regular file, or not of ``model`` (stale,
+    mismatched; checked before the run): its one error line and the usage status, or None."""
+    if sidecar is None:
+        return None
+    path = os.path.expanduser(sidecar)
+    try:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--miss-tier {sidecar}: no such sidecar file (aioexperts-tier MODEL writes one)")
+        from .. import build_layout, open_model
+        from .._format.tier_sidecar import read_tier_sidecar
+
+        gguf = open_model(model)
+        read_tier_sidecar(path, gguf, build_layout(gguf))
+    except (AioExpertsError, OSError) as exc:
+        print(f"aioexperts-bench: error: --miss-tier {sidecar}: {error_text(exc)}", file=sys.stderr)
         return USAGE_STATUS
     return None
 
@@ -218,9 +279,7 @@ def _is_ours(path: str) -> bool:
 
 def _write(out: str, results: dict[str, object]) -> None:
     """Write ``results`` atomically (a partial file after each run, the whole one at the end)."""
-    tmp = Path(out + ".tmp")
-    tmp.write_text(json_dumps(results, indent=1) + "\n")
-    os.replace(tmp, out)
+    write_text_atomically(out, json_dumps(results, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,7 +316,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--miss-tier-type chooses the sidecar beside the model; with --miss-tier give only the file")
     if len(set(limits)) != len(limits):
         parser.error("--limits: each limit once (use --rounds for more runs of one limit)")
+    tier_rules = {
+        "--miss-tier-weight": args.miss_tier_weight is not None,
+        "--miss-tier-behind": args.miss_tier_behind is not None,
+        "--miss-tier-upgrade": args.miss_tier_upgrade,
+        "--miss-tier-demand-only": args.miss_tier_demand_only,
+    }
+    wants_tier = args.miss_tier is not None or args.miss_tier_type is not None or "aioexperts-tier" in engines
+    for flag, given in tier_rules.items():
+        if given and not wants_tier:
+            parser.error(f"{flag} needs the aioexperts-tier engine (--miss-tier, --miss-tier-type or --engines)")
+    if args.rounds > MAX_ROUNDS:
+        parser.error(f"--rounds must be at most {MAX_ROUNDS}, got {args.rounds}")
     if (status := model_file_error(args)) is not None:
+        return status
+    if args.out and (status := output_error([(args.out, "--out")])) is not None:
         return status
 
     def note(text: str) -> None:
@@ -270,10 +343,17 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         model = _model(args, note)
+        if (status := sidecar_error(args.miss_tier, model)) is not None:
+            return status
+        if (status := limit_error(limits, model)) is not None:
+            return status
         if args.out:
-            refuse_to_overwrite(os.path.abspath(args.out), [model], ours=_is_ours, force=args.force, what="--out")
+            try:
+                refuse_to_overwrite(os.path.abspath(args.out), [model], ours=_is_ours, force=args.force, what="--out")
+            except ConfigError as exc:
+                print(f"aioexperts-bench: error: {exc}", file=sys.stderr)
+                return USAGE_STATUS
         miss_tier = None
-        wants_tier = args.miss_tier is not None or args.miss_tier_type is not None
         if wants_tier and "aioexperts-tier" not in engines:
             engines.insert(engines.index("aioexperts") + 1 if "aioexperts" in engines else 0, "aioexperts-tier")
         if "aioexperts-tier" in engines:

@@ -12,7 +12,6 @@ import argparse
 import os
 import signal
 import sys
-from pathlib import Path
 
 from aioexperts_bench import (
     TIMELINE_SCHEMA,
@@ -23,11 +22,26 @@ from aioexperts_bench import (
     timeline_report,
 )
 
-from .. import AioExpertsError
+from .. import AioExpertsError, ConfigError
 from .._json import dumps as json_dumps
-from ._common import OneLineParser, add_version, error_text, file_starts_with, refuse_to_overwrite
+from ._common import (
+    USAGE_STATUS,
+    OneLineParser,
+    add_version,
+    error_text,
+    file_starts_with,
+    refuse_to_overwrite,
+    write_text_atomically,
+)
 from .bench_generate import _model as built_in_model
-from .bench_generate import add_model_arguments, check_model_arguments, model_file_error
+from .bench_generate import (
+    add_model_arguments,
+    check_model_arguments,
+    limit_error,
+    model_file_error,
+    output_error,
+    sidecar_error,
+)
 
 __all__ = ("build_parser", "main")
 
@@ -78,12 +92,6 @@ def _is_results(path: str) -> bool:
         return False
 
 
-def _write(path: str, text: str) -> None:
-    tmp = Path(path + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point; 0 done, 1 the run failed (the files are written all the same), 2 bad arguments or a bad
     ``--model`` file (before any run)."""
@@ -108,9 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--engine aioexperts-tier and --miss-tier go together")
     if not args.out:
         parser.error("--out must name the results file")
+    if args.picture_tokens > args.decode_tokens:
+        parser.error(f"--picture-tokens {args.picture_tokens} is more than --decode-tokens {args.decode_tokens}")
     if (status := model_file_error(args)) is not None:
         return status
     svg = args.svg or os.path.splitext(args.out)[0] + ".svg"
+    if (status := output_error([(args.out, "--out"), (svg, "--svg")])) is not None:
+        return status
 
     def note(text: str) -> None:
         if not args.quiet:
@@ -123,10 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = built_in_model(args, note)
         out = os.path.abspath(args.out)
-        refuse_to_overwrite(out, [model], ours=_is_results, force=args.force, what="--out")
-        refuse_to_overwrite(
-            os.path.abspath(svg), [model], ours=file_starts_with(b"<svg"), force=args.force, what="--svg"
-        )
+        try:
+            refuse_to_overwrite(out, [model], ours=_is_results, force=args.force, what="--out")
+            refuse_to_overwrite(
+                os.path.abspath(svg), [model], ours=file_starts_with(b"<svg"), force=args.force, what="--svg"
+            )
+        except ConfigError as exc:
+            print(f"aioexperts-bench: error: {exc}", file=sys.stderr)
+            return USAGE_STATUS
+        if (status := sidecar_error(args.miss_tier, model)) is not None:
+            return status
+        if (status := limit_error([limit], model)) is not None:
+            return status
         tier = None
         if args.miss_tier is not None:
             tier = {"path": os.path.abspath(args.miss_tier), "max_gate_weight": None, "behind_seconds": None}
@@ -152,8 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    _write(out, json_dumps(results, indent=1) + "\n")
-    _write(svg, render_timeline_svg(results, tokens=args.picture_tokens))
+    try:
+        write_text_atomically(out, json_dumps(results, indent=1) + "\n")
+        write_text_atomically(svg, render_timeline_svg(results, tokens=args.picture_tokens))
+    except OSError as exc:
+        print(f"aioexperts-bench: error: {error_text(exc)}", file=sys.stderr)
+        return 1
     print(timeline_report(results))
     print(f"results: {args.out}; picture: {svg}")
     if results["run"]["status"] != "ok" or not results.get("summary"):

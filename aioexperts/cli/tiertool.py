@@ -114,7 +114,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.quiet and (now - last[0] >= 2.0 or done == total):
             last[0] = now
             left = (now - t0) * (total - done) / done if done else None
-            eta = "" if left is None or done == total else f", about {left / 60:.0f} min left"
+            if left is None or done == total:
+                eta = ""
+            elif left < 90:  # "about 0 min left" at half way of a short run said nothing
+                eta = f", about {left:.0f} s left"
+            else:
+                eta = f", about {left / 60:.0f} min left"
             print(
                 f"aioexperts-tier: {progress_bytes(done, total)} written ({100 * done / total:.0f} %{eta})",
                 file=sys.stderr,
