@@ -100,11 +100,13 @@ def _summary(trace: RoutingTrace, targets: Sequence[float], expert_bytes: int | 
                 flush=True,
             )
 
-    found = slot_table(trace, targets, ("lru", BELADY), progress)
+    requested = any(layer["requests"] for layer in layers)
+    # an empty trace (0 tokens, or only -1 ids) is valid: it asks for no slot at any hit rate
+    found = slot_table(trace, targets, ("lru", BELADY), progress) if requested else {}
     for i, target in enumerate(targets):
         row: dict[str, Any] = {"hit_rate": target}
         for policy in ("lru", BELADY):
-            slots = found[policy][i]
+            slots = found[policy][i] if requested else 0
             row[policy] = slots
             row[f"{policy}_bytes"] = None if slots is None or expert_bytes is None else slots * expert_bytes
         sizes.append(row)

@@ -137,6 +137,18 @@ def test_trace_summary_and_order(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert tracetool.main(["summary", str(tmp_path / "missing.npz")]) == 2
 
 
+def test_trace_summary_of_an_empty_trace_asks_for_no_slot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/trace-format.md: ``n_tokens`` may be 0 (and ids -1 are no request): a valid trace whose
+    summary is zero slots at every hit rate, not a refusal."""
+    path = tmp_path / "empty.npz"
+    uniform_random_trace(0, [0, 1], 8, 2, seed=0).save(path)
+    assert tracetool.main(["summary", str(path), "--hit-rate", "0.5,0.9", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["n_tokens"] == 0
+    assert [(r["lru"], r["belady"]) for r in doc["slab_sizes"]] == [(0, 0), (0, 0)]
+    assert all(layer["requests"] == 0 for layer in doc["layers"])
+
+
 def test_trace_summary_refuses_a_model_it_was_not_recorded_on(
     model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
