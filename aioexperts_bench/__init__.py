@@ -38,7 +38,7 @@ from aioexperts._options import MAX_QUEUE_DEPTH, MIN_QUEUE_DEPTH
 from . import ggml_baseline
 from .cachestate import DROP_METHOD, drop_page_cache, probe_host_cache
 from .fio import FioError, fio_path, run_fio_replay
-from .generate import GenerateConfig, parse_limit, run_generate_bench
+from .generate import GenerateConfig, check_sidecar, parse_limit, run_generate_bench
 from .generate_report import load_generate_results, render_into, text_report
 from .generate_worker import DEFAULT_ENGINES, ENGINES
 from .ggml_baseline import BaselineMismatchError
@@ -108,6 +108,7 @@ __all__ = (
     "model_info",
     "open_bench_store",
     "parse_limit",
+    "check_sidecar",
     "print_sections",
     "probe_host_cache",
     "render_into",

@@ -107,6 +107,20 @@ def parse_limit(text: str) -> Fraction | None:
     return value
 
 
+def check_sidecar(sidecar: str, model: str) -> None:
+    """The miss-tier ``sidecar`` is one of ``model`` (read as the store reads it), before a run.
+
+    Raises:
+        StaleMapError, FormatError: a stale, mismatched or malformed sidecar (as the store's start).
+        OSError: it cannot be read.
+    """
+    from aioexperts import build_layout, open_model
+    from aioexperts._format.tier_sidecar import read_tier_sidecar
+
+    gguf = open_model(model)
+    read_tier_sidecar(sidecar, gguf, build_layout(gguf))
+
+
 def token_ids(n_vocab: int, n: int, seed: int) -> list[int]:
     """``n`` varied token ids (no byte tokens, no control tokens at the end), fixed by ``seed``."""
     low, high = (256, n_vocab - 3) if n_vocab > 300 else (0, n_vocab)

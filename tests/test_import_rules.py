@@ -123,6 +123,8 @@ BENCH_PRIVATE = {
     "aioexperts._compute.fused": "set_precision('int8'): the aioexperts-int8 engine of --mode generate",
     # fio's rate in the generate bench reads random experts as the store plans them (its alignment)
     "aioexperts._io.plan": "plan_expert: the aligned reads of an expert, as the store issues them",
+    # --miss-tier checked against the model before a generate or timeline run (the store's own reader)
+    "aioexperts._format.tier_sidecar": "read_tier_sidecar: a stale or mismatched --miss-tier refused before a run",
 }
 
 #: optional extras the core must not import at module level (one clear line when missing, at use)

@@ -8,6 +8,7 @@ import argparse
 import math
 import os
 import re
+import secrets
 import stat
 import sys
 import tempfile
@@ -356,23 +357,25 @@ def check_output_path(output: str, what: str) -> None:
 
 
 def write_text_atomically(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a private temporary file beside it (``mkstemp``: never a
-    fixed ``PATH.tmp`` a user's file or symlink may hold), then rename it over ``path``.
+    """Write ``text`` to ``path`` through a private temporary file beside it (a random name made with
+    ``O_EXCL``: never a fixed ``PATH.tmp`` a user's file or symlink may hold), then rename it over ``path``.
 
     Raises:
         OSError: naming ``path`` (the temporary file is removed).
     """
-    from .._format.filemode import new_file_mode
-
     folder = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-    except OSError as exc:
-        raise OSError(exc.errno, f"{path}: {exc.strerror}") from None
+    while True:  # O_EXCL: never an existing file or symlink; mode 0666 less the umask, as any new file
+        tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            break
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise OSError(exc.errno, f"{path}: {exc.strerror}") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.chmod(tmp, new_file_mode())  # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -20,8 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import AioExpertsError, FormatError, __version__
-from .._options import MAX_READ_THREADS
+from .. import AioExpertsError, ConfigError, FormatError, IOOptions, __version__
 from ..backends import io_uring_unusable_reason, liburing_unusable_reason
 from ..testing import bench_model_path, cache_dir, ensure_bench_model, progress_bytes
 from ._common import (
@@ -164,8 +163,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
         parser.error(f"--rounds must be from 1 to {MAX_ROUNDS}, got {args.rounds}")
     if args.tokens is not None and args.tokens < 1 or args.token_count < 1 or args.threads < 1:
         parser.error("--tokens, --token-count and --threads must be >= 1")
-    if args.threads > MAX_READ_THREADS:
-        parser.error(f"--threads must be at most {MAX_READ_THREADS}, got {args.threads}")
+    try:  # the store's own bound on its thread pool
+        IOOptions(n_threads=args.threads)
+    except ConfigError as exc:
+        parser.error(f"--threads: {exc}")
     if args.executor_tokens < 0 or args.seed < 0:
         parser.error("--executor-tokens and --seed must be >= 0")
     if not 0 < args.slab_fraction <= 1:

@@ -17,10 +17,17 @@ import sys
 from collections.abc import Callable
 from fractions import Fraction
 
-from aioexperts_bench import DEFAULT_ENGINES, ENGINES, GenerateConfig, parse_limit, run_generate_bench, text_report
+from aioexperts_bench import (
+    DEFAULT_ENGINES,
+    ENGINES,
+    GenerateConfig,
+    check_sidecar,
+    parse_limit,
+    run_generate_bench,
+    text_report,
+)
 
-from .. import AioExpertsError, ConfigError, write_miss_tier
-from .._format.header import read_header
+from .. import AioExpertsError, ConfigError, open_model, write_miss_tier
 from .._json import dumps as json_dumps
 from ._common import (
     USAGE_STATUS,
@@ -152,7 +159,7 @@ def model_file_error(args: argparse.Namespace) -> int | None:
         return None
     try:
         path = model_file(args.model)
-        if "tokenizer.ggml.tokens" not in read_header(path).metadata:
+        if "tokenizer.ggml.tokens" not in open_model(path).metadata:
             raise ConfigError(
                 f"{args.model} carries no tokenizer: this mode runs a whole model (aioexperts-bench "
                 "--mode reads measures expert-only files)"
@@ -200,11 +207,7 @@ def sidecar_error(sidecar: str | None, model: str) -> int | None:
     try:
         if not os.path.isfile(path):
             raise ConfigError(f"--miss-tier {sidecar}: no such sidecar file (aioexperts-tier MODEL writes one)")
-        from .. import build_layout, open_model
-        from .._format.tier_sidecar import read_tier_sidecar
-
-        gguf = open_model(model)
-        read_tier_sidecar(path, gguf, build_layout(gguf))
+        check_sidecar(path, model)
     except (AioExpertsError, OSError) as exc:
         print(f"aioexperts-bench: error: --miss-tier {sidecar}: {error_text(exc)}", file=sys.stderr)
         return USAGE_STATUS
