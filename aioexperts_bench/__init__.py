@@ -21,7 +21,7 @@ package only; its modules may change between releases. Needs the ``bench`` extra
 - llama.cpp's own kernels as a baseline: :mod:`.ggml_baseline` (as a module: ``load``,
   ``GgmlLibrary``, ``GgmlMatVec``, ``check_agreement``), :class:`BaselineMismatchError`;
 - sweeps and plots: :func:`run_sweeps`, :func:`write_plots`;
-- results and tables: :func:`write_results`, :func:`load_results`, :func:`evaluate_targets`,
+- results and tables: :func:`write_results` (:func:`write_text`), :func:`load_results`, :func:`evaluate_targets`,
   :func:`print_sections`, :func:`markdown`, :data:`SECTIONS`, the strict JSON writer
   (:func:`dump_json`, :func:`dumps_json`: NaN and inf become null);
 - the loops and the clock: :func:`run_on_loop`, :func:`await_cost`, :class:`Clock`, :func:`spread`,
@@ -51,7 +51,17 @@ from .progress import Reporter
 from .readbench import DEFAULT_METHODS, METHODS, ReadBenchConfig, make_steps, requests_in_flight, run_read_bench
 from .readlist import ReadList
 from .report import SECTIONS, markdown, print_sections
-from .results import SCHEMA, UNITS, dump_json, dumps_json, evaluate_targets, json_safe, load_results, write_results
+from .results import (
+    SCHEMA,
+    UNITS,
+    dump_json,
+    dumps_json,
+    evaluate_targets,
+    json_safe,
+    load_results,
+    write_results,
+    write_text,
+)
 from .store_adapter import BenchOptions, BenchStore, ModelInfo, cold_pass, model_info, open_bench_store, store_stats
 from .sweep import run_sweeps
 from .timeline import TIMELINE_SCHEMA, TimelineConfig, run_timeline_bench, timeline_report
@@ -130,4 +140,5 @@ __all__ = (
     "timeline_report",
     "write_plots",
     "write_results",
+    "write_text",
 )

@@ -29,6 +29,7 @@ __all__ = (
     "json_safe",
     "load_results",
     "write_results",
+    "write_text",
 )
 
 SCHEMA = 1
@@ -45,14 +46,23 @@ UNITS = {
 
 
 def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> None:
-    """Write ``results`` as indented JSON to ``path`` atomically."""
+    """Write ``results`` as indented JSON to ``path`` atomically (:func:`write_text`)."""
+    write_text(path, dumps_json(results, indent=1, sort_keys=False) + "\n")  # strict: NaN and inf become null
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a private temporary file beside it (``mkstemp``, never a
+    fixed ``PATH.tmp`` that a user's file or symlink may hold), mode 0644, renamed over ``path``.
+
+    Raises:
+        OSError: the file cannot be written (the temporary file is removed).
+    """
     target = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(target))
-    fd, tmp = tempfile.mkstemp(prefix=".bench-results-", suffix=".partial", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".partial", dir=directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            dump_json(results, f, indent=1, sort_keys=False)  # strict: NaN and inf become null
-            f.write("\n")
+            f.write(text)
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:

@@ -8,7 +8,6 @@ import argparse
 import math
 import os
 import re
-import secrets
 import stat
 import sys
 import tempfile
@@ -22,9 +21,11 @@ __all__ = (
     "BROKEN_PIPE_STATUS",
     "EXTRAS",
     "INTERRUPTED_STATUS",
+    "MAX_ROUNDS",
     "USAGE_STATUS",
     "HelpFormatter",
     "cache_error",
+    "check_output_path",
     "error_text",
     "file_starts_with",
     "gate_weight",
@@ -34,8 +35,10 @@ __all__ = (
     "name_the_options",
     "plural",
     "refuse_to_overwrite",
+    "sidecar_file_problem",
     "slab_note",
     "stdout_closed",
+    "writable_dir",
 )
 
 #: Exit status when the reader of stdout went away (``tool | head``): 128 + SIGPIPE, what a shell
@@ -331,6 +334,10 @@ def refuse_to_overwrite(
         )
 
 
+#: a bench's ``--rounds`` at most (a typo of many digits would start an endless run)
+MAX_ROUNDS = 1000
+
+
 def writable_dir(directory: str) -> str | None:
     """None if a file can be created in ``directory`` (tried: a temporary file, removed at once), else why not."""
     try:
@@ -344,42 +351,23 @@ def writable_dir(directory: str) -> str | None:
 
 def check_output_path(output: str, what: str) -> None:
     """Before a long run: ``output`` (named as given) can be created, or ConfigError saying why not
-    (a directory, no such folder, a folder where no file can be made)."""
-    path = os.path.abspath(os.path.expanduser(output))
+    (a directory; a folder that is missing or where no file can be made: :func:`writable_dir`)."""
+    path = os.path.abspath(output)
     if os.path.isdir(path):
-        raise ConfigError(f"{what} {output} is a directory")
-    folder = os.path.dirname(path)
-    if not os.path.isdir(folder):
-        raise ConfigError(f"{what} {output}: no such directory {os.path.dirname(output) or '.'}")
-    why = writable_dir(folder)
+        raise ConfigError(f"{what} {output} is a directory; name the file to write")
+    why = writable_dir(os.path.dirname(path))
     if why is not None:
-        raise ConfigError(f"{what} {output}: no file can be created in {folder} ({why})")
+        raise ConfigError(f"{what} {output}: cannot create a file in {os.path.dirname(path)}: {why}")
 
 
-def write_text_atomically(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a private temporary file beside it (a random name made with
-    ``O_EXCL``: never a fixed ``PATH.tmp`` a user's file or symlink may hold), then rename it over ``path``.
-
-    Raises:
-        OSError: naming ``path`` (the temporary file is removed).
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    while True:  # O_EXCL: never an existing file or symlink; mode 0666 less the umask, as any new file
-        tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-            break
-        except FileExistsError:
-            continue
-        except OSError as exc:
-            raise OSError(exc.errno, f"{path}: {exc.strerror}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+def sidecar_file_problem(value: str) -> str | None:
+    """Why the ``--miss-tier`` file ``value`` cannot be a sidecar (missing, a directory, not a
+    regular file), named as given; None when it is a regular file (checked against the model later)."""
+    path = os.path.expanduser(value)
+    if not os.path.exists(path):
+        return f"--miss-tier {value}: no such file (aioexperts-tier MODEL writes one)"
+    if os.path.isdir(path):
+        return f"--miss-tier {value}: is a directory, not a sidecar (aioexperts-tier MODEL writes one)"
+    if not os.path.isfile(path):
+        return f"--miss-tier {value}: not a regular file (aioexperts-tier MODEL writes one)"
+    return None

@@ -24,9 +24,11 @@ from .. import AioExpertsError, ConfigError, FormatError, IOOptions, __version__
 from ..backends import io_uring_unusable_reason, liburing_unusable_reason
 from ..testing import bench_model_path, cache_dir, ensure_bench_model, progress_bytes
 from ._common import (
+    MAX_ROUNDS,
     USAGE_STATUS,
     OneLineParser,
     add_version,
+    check_output_path,
     file_starts_with,
     missing_extra,
     model_file,
@@ -79,8 +81,6 @@ __all__ = ("build_parser", "main")
 
 #: Below this size a model fits in caches and the figures mean little.
 SMALL_MODEL_BYTES = 1 << 30
-#: --rounds at most (a typo of many digits would start an endless run)
-MAX_ROUNDS = 1000
 
 
 def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
@@ -214,12 +214,8 @@ def _preflight(args: argparse.Namespace) -> str | None:
     inputs = _inputs(args)
     if args.out:
         out = os.path.abspath(args.out)
-        if os.path.isdir(out):
-            return f"--out {args.out} is a directory; name the results file"
-        why = writable_dir(os.path.dirname(out))
-        if why:
-            return f"--out {args.out}: cannot create a file in {os.path.dirname(out)}: {why}"
         try:
+            check_output_path(args.out, "--out")
             refuse_to_overwrite(out, inputs, ours=_is_results_file, force=args.force, what="--out")
         except AioExpertsError as exc:
             return str(exc)

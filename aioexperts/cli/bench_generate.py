@@ -25,11 +25,13 @@ from aioexperts_bench import (
     parse_limit,
     run_generate_bench,
     text_report,
+    write_text,
 )
 
 from .. import AioExpertsError, ConfigError, open_model, write_miss_tier
 from .._json import dumps as json_dumps
 from ._common import (
+    MAX_ROUNDS,
     USAGE_STATUS,
     OneLineParser,
     add_version,
@@ -40,7 +42,7 @@ from ._common import (
     model_file,
     plural,
     refuse_to_overwrite,
-    write_text_atomically,
+    sidecar_file_problem,
 )
 from .tiertool import TYPES as TIER_TYPES
 from .tiertool import default_output
@@ -51,8 +53,6 @@ __all__ = ("DSV4_NAME", "add_model_arguments", "build_parser", "check_model_argu
 DSV4_NAME = "dsv4-flash"
 #: the smallest memory limit a run is made under (the interpreter, numpy and numba alone take more)
 MIN_LIMIT_BYTES = 256 << 20
-#: --rounds at most (each round runs every engine under every limit: minutes each)
-MAX_ROUNDS = 1000
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -150,68 +150,60 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_file_error(args: argparse.Namespace) -> int | None:
-    """A ``--model`` file that is missing, a directory, unreadable, or not a whole model (no
-    vocabulary: these modes run the model on token ids): its one error line said (as every command
-    says it, :func:`~aioexperts.cli._common.model_file`), and the exit status; None when the file is
-    fine or a built-in model is asked for."""
-    if not args.model or args.model == DSV4_NAME:
-        return None
+def usage_error(check: Callable[[], object]) -> int | None:
+    """``check()`` (a test of the arguments, before or between the runs): None when it passes; its
+    error (the library's, or an ``OSError``) as one line and the usage status when not."""
     try:
-        path = model_file(args.model)
-        if "tokenizer.ggml.tokens" not in open_model(path).metadata:
-            raise ConfigError(
-                f"{args.model} carries no tokenizer: this mode runs a whole model (aioexperts-bench "
-                "--mode reads measures expert-only files)"
-            )
+        check()
     except (AioExpertsError, OSError) as exc:
         print(f"aioexperts-bench: error: {error_text(exc)}", file=sys.stderr)
         return USAGE_STATUS
     return None
 
 
-def output_error(outputs: list[tuple[str, str]]) -> int | None:
-    """Each ``(path, what)`` output can be created (checked before the run): its one error line and
-    the usage status, or None."""
-    try:
-        for path, what in outputs:
-            check_output_path(path, what)
-    except ConfigError as exc:
-        print(f"aioexperts-bench: error: {exc}", file=sys.stderr)
-        return USAGE_STATUS
-    return None
+def model_file_error(args: argparse.Namespace) -> int | None:
+    """A ``--model`` file that is missing, a directory, unreadable, or not a whole model (no
+    vocabulary: these modes run the model on token ids): :func:`usage_error` (as every command says
+    it, :func:`~aioexperts.cli._common.model_file`); None when the file is fine or a built-in model
+    is asked for."""
+    if not args.model or args.model == DSV4_NAME:
+        return None
+
+    def check() -> None:
+        if "tokenizer.ggml.tokens" not in open_model(model_file(args.model)).metadata:
+            raise ConfigError(
+                f"{args.model} carries no tokenizer: this mode runs a whole model (aioexperts-bench "
+                "--mode reads measures expert-only files)"
+            )
+
+    return usage_error(check)
 
 
-def limit_error(limits: list[Fraction | None], model: str) -> int | None:
-    """A memory limit below :data:`MIN_LIMIT_BYTES` (a fraction of a small model: no engine's process
-    starts there, so every run would be "oom-killed"): its one error line and the usage status, or None."""
+def check_limits(limits: list[Fraction | None], model: str) -> None:
+    """ConfigError for a memory limit below :data:`MIN_LIMIT_BYTES` (a fraction of a small model: no
+    engine's process starts there, so every run would be "oom-killed")."""
     size = os.path.getsize(model)
     for limit in limits:
         if limit is not None and size * limit < MIN_LIMIT_BYTES:
-            print(
-                f"aioexperts-bench: error: a limit of {limit} of this {size / 2**20:.1f} MiB model is "
-                f"{float(size * limit) / 2**20:.1f} MiB, less than the {MIN_LIMIT_BYTES >> 20} MiB an engine's process "
-                "needs to start (use a larger model, or --limits none)",
-                file=sys.stderr,
+            raise ConfigError(
+                f"a limit of {limit} of this {size / 2**20:.1f} MiB model is {float(size * limit) / 2**20:.1f} MiB, "
+                f"less than the {MIN_LIMIT_BYTES >> 20} MiB an engine's process needs to start (use a larger "
+                "model, or --limits none)"
             )
-            return USAGE_STATUS
-    return None
 
 
-def sidecar_error(sidecar: str | None, model: str) -> int | None:
-    """A ``--miss-tier`` sidecar that is missing, not a regular file, or not of ``model`` (stale,
-    mismatched; checked before the run): its one error line and the usage status, or None."""
+def check_miss_tier_file(sidecar: str | None, model: str) -> None:
+    """ConfigError for a ``--miss-tier`` sidecar that is not a regular file
+    (:func:`~aioexperts.cli._common.sidecar_file_problem`) or not of ``model`` (stale, mismatched)."""
     if sidecar is None:
-        return None
-    path = os.path.expanduser(sidecar)
+        return
+    problem = sidecar_file_problem(sidecar)
+    if problem is not None:
+        raise ConfigError(problem)
     try:
-        if not os.path.isfile(path):
-            raise ConfigError(f"--miss-tier {sidecar}: no such sidecar file (aioexperts-tier MODEL writes one)")
-        check_sidecar(path, model)
+        check_sidecar(os.path.expanduser(sidecar), model)
     except (AioExpertsError, OSError) as exc:
-        print(f"aioexperts-bench: error: --miss-tier {sidecar}: {error_text(exc)}", file=sys.stderr)
-        return USAGE_STATUS
-    return None
+        raise ConfigError(f"--miss-tier {sidecar}: {error_text(exc)}") from exc
 
 
 def _model(args: argparse.Namespace, note: Callable[[str], None]) -> str:
@@ -282,7 +274,7 @@ def _is_ours(path: str) -> bool:
 
 def _write(out: str, results: dict[str, object]) -> None:
     """Write ``results`` atomically (a partial file after each run, the whole one at the end)."""
-    write_text_atomically(out, json_dumps(results, indent=1) + "\n")
+    write_text(out, json_dumps(results, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds must be at most {MAX_ROUNDS}, got {args.rounds}")
     if (status := model_file_error(args)) is not None:
         return status
-    if args.out and (status := output_error([(args.out, "--out")])) is not None:
+    if args.out and (status := usage_error(lambda: check_output_path(args.out, "--out"))) is not None:
         return status
 
     def note(text: str) -> None:
@@ -346,16 +338,15 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         model = _model(args, note)
-        if (status := sidecar_error(args.miss_tier, model)) is not None:
-            return status
-        if (status := limit_error(limits, model)) is not None:
-            return status
-        if args.out:
-            try:
+
+        def check_against_the_model() -> None:
+            check_miss_tier_file(args.miss_tier, model)
+            check_limits(limits, model)
+            if args.out:
                 refuse_to_overwrite(os.path.abspath(args.out), [model], ours=_is_ours, force=args.force, what="--out")
-            except ConfigError as exc:
-                print(f"aioexperts-bench: error: {exc}", file=sys.stderr)
-                return USAGE_STATUS
+
+        if (status := usage_error(check_against_the_model)) is not None:
+            return status
         miss_tier = None
         if wants_tier and "aioexperts-tier" not in engines:
             engines.insert(engines.index("aioexperts") + 1 if "aioexperts" in engines else 0, "aioexperts-tier")

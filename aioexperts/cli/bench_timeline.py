@@ -20,27 +20,27 @@ from aioexperts_bench import (
     render_timeline_svg,
     run_timeline_bench,
     timeline_report,
+    write_text,
 )
 
-from .. import AioExpertsError, ConfigError
+from .. import AioExpertsError
 from .._json import dumps as json_dumps
 from ._common import (
-    USAGE_STATUS,
     OneLineParser,
     add_version,
+    check_output_path,
     error_text,
     file_starts_with,
     refuse_to_overwrite,
-    write_text_atomically,
 )
 from .bench_generate import _model as built_in_model
 from .bench_generate import (
     add_model_arguments,
+    check_limits,
+    check_miss_tier_file,
     check_model_arguments,
-    limit_error,
     model_file_error,
-    output_error,
-    sidecar_error,
+    usage_error,
 )
 
 __all__ = ("build_parser", "main")
@@ -121,7 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     if (status := model_file_error(args)) is not None:
         return status
     svg = args.svg or os.path.splitext(args.out)[0] + ".svg"
-    if (status := output_error([(args.out, "--out"), (svg, "--svg")])) is not None:
+
+    def check_outputs() -> None:
+        check_output_path(args.out, "--out")
+        check_output_path(svg, "--svg")
+
+    if (status := usage_error(check_outputs)) is not None:
         return status
 
     def note(text: str) -> None:
@@ -135,17 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = built_in_model(args, note)
         out = os.path.abspath(args.out)
-        try:
+
+        def check_against_the_model() -> None:
             refuse_to_overwrite(out, [model], ours=_is_results, force=args.force, what="--out")
             refuse_to_overwrite(
                 os.path.abspath(svg), [model], ours=file_starts_with(b"<svg"), force=args.force, what="--svg"
             )
-        except ConfigError as exc:
-            print(f"aioexperts-bench: error: {exc}", file=sys.stderr)
-            return USAGE_STATUS
-        if (status := sidecar_error(args.miss_tier, model)) is not None:
-            return status
-        if (status := limit_error([limit], model)) is not None:
+            check_miss_tier_file(args.miss_tier, model)
+            check_limits([limit], model)
+
+        if (status := usage_error(check_against_the_model)) is not None:
             return status
         tier = None
         if args.miss_tier is not None:
@@ -173,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     try:
-        write_text_atomically(out, json_dumps(results, indent=1) + "\n")
-        write_text_atomically(svg, render_timeline_svg(results, tokens=args.picture_tokens))
+        write_text(out, json_dumps(results, indent=1) + "\n")
+        write_text(svg, render_timeline_svg(results, tokens=args.picture_tokens))
     except OSError as exc:
         print(f"aioexperts-bench: error: {error_text(exc)}", file=sys.stderr)
         return 1

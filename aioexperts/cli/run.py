@@ -44,6 +44,7 @@ from aioexperts.cli._common import (
     model_file,
     name_the_options,
     plural,
+    sidecar_file_problem,
     slab_note,
     stdout_closed,
 )
@@ -138,13 +139,9 @@ def check_miss_tier(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         if args.miss_tier_weight is not None:
             parser.error("--miss-tier-weight needs --miss-tier")
         return
-    path = os.path.expanduser(args.miss_tier)
-    if not os.path.exists(path):
-        parser.error(f"--miss-tier {args.miss_tier}: no such file (aioexperts-tier MODEL writes one)")
-    if os.path.isdir(path):
-        parser.error(f"--miss-tier {args.miss_tier}: is a directory, not a sidecar (aioexperts-tier MODEL writes one)")
-    if not os.path.isfile(path):
-        parser.error(f"--miss-tier {args.miss_tier}: not a regular file (aioexperts-tier MODEL writes one)")
+    problem = sidecar_file_problem(args.miss_tier)
+    if problem is not None:
+        parser.error(problem)
 
 
 def miss_tier_option(args: argparse.Namespace) -> aioexperts.MissTier | None:

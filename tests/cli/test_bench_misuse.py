@@ -77,7 +77,7 @@ def test_results_go_through_a_private_temporary_file_never_out_tmp(
     assert (tmp_path / "tl.json.tmp").read_text() == "also mine"
     assert json.loads(out.read_text())["runs"] and not out.is_symlink()
     assert tl.exists() and (tmp_path / "tl.svg").read_text().startswith("<svg")
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp")]
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
     assert leftovers == []
 
 
