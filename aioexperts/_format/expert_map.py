@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from .._errors import ConfigError, FormatError, StaleMapError
 from .filemode import new_file_mode
 from .layout import ExpertLayout
-from .model import GGUFModel, ShardInfo
+from .model import GGUFModel, ShardInfo, check_regular_file
 from .staleness import IDENTITY_FIELDS, file_change
 
 __all__ = ("EXPERT_MAP_MAGIC", "ExpertMap", "check_map_matches_layout", "read_expert_map", "write_expert_map")
@@ -175,10 +175,13 @@ def read_expert_map(path: str | os.PathLike[str], model: ShardInfo | None = None
     """Read and validate a map; with ``model``, also refuse one made for another file.
 
     Raises:
-        FormatError: wrong magic, truncated, trailing bytes, a count, offset or length out of range.
+        FormatError: not a regular file (a directory, a FIFO or a device: checked before it is
+            opened), wrong magic, truncated, trailing bytes, a count, offset or length out of range.
         StaleMapError: ``model`` differs in size, device, inode or mtime.
+        OSError: ``path`` cannot be read (``FileNotFoundError``, a symlink loop's ``ELOOP``).
     """
     path = os.fspath(path)
+    check_regular_file(path, "a WEEPF001 expert map")
     with open(path, "rb") as f:
         blob = f.read(_MAX_FILE + 1)
     if len(blob) > _MAX_FILE:

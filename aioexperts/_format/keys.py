@@ -16,7 +16,11 @@ from typing import Any, Protocol
 from aioexperts._errors import FormatError, UnsupportedTypeError
 from aioexperts._format.header import LossyStr, SkippedValue
 
-__all__ = ("ArchKeys", "CountRule", "ExpertCounts", "not_an_moe_model", "refuse_a_sidecar")
+__all__ = ("LLAMA_MAX_LAYERS", "ArchKeys", "CountRule", "ExpertCounts", "not_an_moe_model", "refuse_a_sidecar")
+
+#: llama.cpp's most blocks (``llama-hparams.h``; its per-block arrays have this size and
+#: ``get_key_or_arr`` refuses a larger ``block_count``).
+LLAMA_MAX_LAYERS = 512
 
 
 def not_an_moe_model(arch: str, metadata: Mapping[str, Any]) -> str:
@@ -209,6 +213,11 @@ class ExpertCounts:
         if n_layer and self.n_nextn >= n_layer:  # llama.cpp: GGML_ASSERT(n_layer_nextn < n_layer_all)
             raise FormatError(
                 f"{md.key('nextn_predict_layers')}={self.n_nextn} must be below {md.key('block_count')}={n_layer}"
+            )
+        if n_layer > LLAMA_MAX_LAYERS:  # checked before anything sized by it is made
+            raise FormatError(
+                f"{md.key('block_count')}={n_layer} is more than llama.cpp's {LLAMA_MAX_LAYERS} blocks "
+                "(LLAMA_MAX_LAYERS): a corrupt file"
             )
         if n_layer < 0 or self.n_dense < 0 or self.n_nextn < 0 or self.n_ff < 0:
             raise FormatError(

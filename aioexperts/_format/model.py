@@ -266,7 +266,7 @@ def open_model(path: str | os.PathLike[str]) -> GGUFModel:
     path = os.fspath(path)
     os.stat(path)  # FileNotFoundError, or PermissionError where a directory on the way cannot be searched
     given = os.path.abspath(path)
-    _check_regular(given)
+    check_regular_file(given)
     head = _parse_file(given, 0)
     count = _split_int(head, "split.count")
     if count is None or count <= 1:
@@ -284,15 +284,20 @@ def open_model(path: str | os.PathLike[str]) -> GGUFModel:
                 f"{os.path.basename(given)} says split.count={count}",
                 p,
             ) from None
-        _check_regular(p)
+        check_regular_file(p)
     parsed = [_reindexed(head, k) if p == given else _parse_file(p, k) for k, p in enumerate(shard_paths)]
     return _combine(path, shard_paths, parsed)
 
 
-def _check_regular(path: str) -> None:
-    """Refuse a directory, FIFO or device before anything reads it (a FIFO would block the read)."""
+def check_regular_file(path: str, what: str = "") -> None:
+    """Refuse a directory, FIFO or device before anything reads it (a FIFO would block the read).
+
+    Raises:
+        FormatError: ``path`` is not a regular file (``what`` names the kind of file expected).
+        OSError: ``path`` cannot be looked up (``FileNotFoundError``, ``ELOOP`` of a symlink loop).
+    """
     if not stat.S_ISREG(os.stat(path).st_mode):
-        raise FormatError(f"{path} is not a regular file")
+        raise FormatError(f"{path} is not a regular file{what and ', not ' + what}")
 
 
 @dataclass(slots=True)

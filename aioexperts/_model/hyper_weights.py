@@ -58,10 +58,18 @@ class HyperConnections:
         return hc_head_weights(x, self.head.fn, self.head.scale, self.head.base, self.eps, self.norm_eps)
 
 
-def _int_key(hp: ModelHParams, name: str) -> int:
+#: The most Sinkhorn iterations a file may ask for. DeepSeek-V4 uses 20; each iteration is a few
+#: graph nodes per mixer and block in llama.cpp, whose graph holds about 8 nodes per tensor, so a
+#: count far above this is a corrupt file, and running it would spin for hours per token.
+MAX_SINKHORN_ITERATIONS = 1024
+
+
+def _int_key(hp: ModelHParams, name: str, high: int | None = None) -> int:
     value = hp.metadata.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise FormatError(f"{hp.arch}.{name} must be an int > 0, got {value!r} (deepseek4.cpp reads it)")
+    if high is not None and value > high:
+        raise FormatError(f"{hp.arch}.{name} is {value}, more than {high}: a corrupt file")
     return value
 
 
@@ -69,10 +77,11 @@ def read_hyper_connections(hp: ModelHParams, reader: TensorReader) -> HyperConne
     """Read the hyper-connection keys and tensors (blocking).
 
     Raises:
-        FormatError: a missing or malformed ``hyper_connection.*`` key, a tensor missing or misshaped.
+        FormatError: a missing or malformed ``hyper_connection.*`` key (``sinkhorn_iterations``
+            above :data:`MAX_SINKHORN_ITERATIONS`), a tensor missing or misshaped.
     """
     n_hc = _int_key(hp, "hyper_connection.count")
-    iterations = _int_key(hp, "hyper_connection.sinkhorn_iterations")
+    iterations = _int_key(hp, "hyper_connection.sinkhorn_iterations", MAX_SINKHORN_ITERATIONS)
     eps = hp.metadata.get("hyper_connection.epsilon")
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 <= eps < 1:
         raise FormatError(f"{hp.arch}.hyper_connection.epsilon must be a number in [0, 1), got {eps!r}")

@@ -284,6 +284,19 @@ def test_empty_file(tmp_path: Path) -> None:
         read_expert_map(_write(tmp_path, b""))
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_not_a_regular_file_is_refused_before_it_is_opened(tmp_path: Path, kind: str) -> None:
+    # opening a FIFO waits for a writer: the read must be refused before the open
+    p = tmp_path / "not-a-map"
+    if kind == "fifo":
+        os.mkfifo(p)
+    else:
+        p.mkdir()
+    with pytest.raises(FormatError, match="is not a regular file, not a WEEPF001 expert map"):
+        read_expert_map(p)
+
+
 # --------------------------------------------------------------------------------------------------
 # stale maps
 

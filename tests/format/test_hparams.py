@@ -255,6 +255,8 @@ def test_missing_required_key(arch: str, key: str) -> None:
         ({"expert_group_count": 4, "expert_group_used_count": 0}, r"group_used_count must be in 1\.\.4"),
         ({"expert_group_count": 4, "expert_group_used_count": 1, "expert_used_count": 3}, r"top-3 cannot"),
         ({"leading_dense_block_count": 5}, r"leading_dense_block_count=5 exceeds"),
+        ({"block_count": 513}, r"block_count=513 is more than llama\.cpp's 512 blocks"),
+        ({"block_count": 2**32 - 1}, r"block_count=4294967295 is more than"),
     ],
 )
 def test_bad_values(keys: dict[str, object], message: str) -> None:

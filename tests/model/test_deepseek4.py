@@ -28,6 +28,7 @@ from aioexperts._compute.hyper import hc_coefficients, hc_head_weights, hc_post,
 from aioexperts._format.architectures import model_hparams
 from aioexperts._format.model import open_model
 from aioexperts._model.dsv4_block import DSV4Block, dsv4_cache_shapes
+from aioexperts._model.hyper_weights import MAX_SINKHORN_ITERATIONS
 from aioexperts._model.kvcache import KVCache
 from aioexperts._model.memory import kv_bytes_per_position
 from aioexperts._model.weights import TensorReader
@@ -286,6 +287,21 @@ def test_a_compress_ratio_other_than_0_4_128_is_refused(tmp_path: Path) -> None:
             pass
 
     with pytest.raises(aioexperts.FormatError, match="compress ratio 64 of block 2"):
+        anyio.run(main)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("iterations", [MAX_SINKHORN_ITERATIONS + 1, 2**32 - 1])
+def test_a_sinkhorn_iteration_count_past_the_bound_is_refused_at_load(tmp_path: Path, iterations: int) -> None:
+    # a corrupt count would otherwise run one Python step per iteration, per block and token
+    key = "deepseek4.hyper_connection.sinkhorn_iterations"
+    bad = rewrite(F32, tmp_path / "bad.gguf", metadata={key: (iterations, gguf.GGUFValueType.UINT32)})
+
+    async def main() -> None:
+        async with aioexperts.load(bad, slots=8, io=THREADS):
+            pass
+
+    with pytest.raises(aioexperts.FormatError, match=f"sinkhorn_iterations is {iterations}, more than"):
         anyio.run(main)
 
 
