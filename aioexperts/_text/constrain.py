@@ -74,6 +74,41 @@ def _ll_tokenizer(tokenizer: Tokenizer, n_vocab: int) -> Any:
     return ll.LLTokenizer(ll.TokenizerWrapper(_Vocab()), n_vocab=n_vocab, eos_token=eog)
 
 
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _plain_unicode_escapes(source: str) -> str:
+    """GBNF's ``\\uXXXX`` and ``\\UXXXXXXXX`` escapes (llama.cpp ``parse_char``) in the forms
+    llguidance's converter reads right: ``\\xHH`` below U+0080, the character itself above
+    (never special in GBNF). Its own reading drops leading zeros (``\\u00e9`` becomes ``\\ue9``,
+    a lexer error) and does not know ``\\U``. Other escapes, ``\\\\`` included, stay as written;
+    a surrogate or a code point past U+10FFFF stays escaped (the converter refuses it)."""
+    out: list[str] = []
+    i, n = 0, len(source)
+    while i < n:
+        c = source[i]
+        if c != "\\" or i + 1 >= n:
+            out.append(c)
+            i += 1
+            continue
+        kind = source[i + 1]
+        width = 4 if kind == "u" else 8 if kind == "U" else 0
+        digits = source[i + 2 : i + 2 + width]
+        if width and len(digits) == width and set(digits) <= _HEX:
+            cp = int(digits, 16)
+            if cp < 0x80:
+                out.append(f"\\x{cp:02x}")
+                i += 2 + width
+                continue
+            if cp <= 0x10FFFF and not 0xD800 <= cp <= 0xDFFF:
+                out.append(chr(cp))
+                i += 2 + width
+                continue
+        out.append(source[i : i + 2])  # this escape (or an escaped backslash) as it is
+        i += 2
+    return "".join(out)
+
+
 class TokenConstraint:
     """One generation's grammar state: which tokens may come next, advanced by each chosen token.
 
@@ -87,7 +122,8 @@ class TokenConstraint:
         n_vocab: the logits' size (default the tokenizer's).
 
     Raises:
-        InvalidRequestError: the grammar cannot be compiled (the message says why).
+        InvalidRequestError: the grammar cannot be compiled, or fails or allows no token at its
+            start (the message says why).
         OptionalDependencyError: llguidance (the ``structured`` extra) is not installed.
     """
 
@@ -101,6 +137,11 @@ class TokenConstraint:
         self._matcher = ll.LLMatcher(self._tokenizer, grammar, log_level=0)
         self._check()
         self._words = np.zeros((self.n_vocab + 31) // 32, dtype=np.int32)
+        # the first mask now: a grammar that fails at its first token is refused here, before the
+        # generation starts (a server answers 400 instead of a failed stream)
+        self._first: np.ndarray | None = self._mask()
+        if not self._first.any():
+            raise InvalidRequestError("the grammar allows no token of this vocabulary at its start")
 
     @classmethod
     def json_schema(
@@ -128,7 +169,7 @@ class TokenConstraint:
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
         try:
-            lark = gbnf_to_lark(source)
+            lark = gbnf_to_lark(_plain_unicode_escapes(source))
         except Exception as exc:  # noqa: BLE001 (the converter raises plain Exception / AssertionError)
             raise InvalidRequestError(f"the GBNF grammar cannot be read: {exc}") from None
         return cls.lark(tokenizer, lark, n_vocab)
@@ -145,7 +186,9 @@ class TokenConstraint:
 
     def _check(self) -> None:
         if self._matcher.is_error():
-            raise InvalidRequestError(f"the grammar failed: {self._matcher.get_error()}")
+            # llguidance's message is one line of cause, then a dump of its parser state
+            cause = str(self._matcher.get_error()).strip().split("\n", 1)[0][:300]
+            raise InvalidRequestError(f"the grammar failed: {cause}")
 
     @property
     def done(self) -> bool:
@@ -158,6 +201,10 @@ class TokenConstraint:
         Raises:
             InvalidRequestError: the grammar is in an error state.
         """
+        first, self._first = self._first, None
+        return first if first is not None else self._mask()
+
+    def _mask(self) -> np.ndarray:
         self._matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
         self._check()
         bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")

@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-body-bytes", type=_int_at_least(1), default=1 << 20, help="larger request bodies are refused (413)"
     )
     p.add_argument(
+        "--body-timeout",
+        type=_float,
+        default=30.0,
+        help="seconds a request body may take to arrive; slower ones get 408 and their connection closed",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=_float,
         default=30.0,
@@ -111,6 +117,7 @@ SERVER_FLAGS = {
     "queue_size": "--queue",
     "api_key": "--api-key",
     "max_body_bytes": "--max-body-bytes",
+    "body_timeout": "--body-timeout",
     "shutdown_timeout": "--shutdown-timeout",
     "model_name": "--alias",
     "prompt_cache_bytes": "--prompt-cache-bytes",
@@ -238,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 queue_size=args.queue,
                 api_key=args.api_key,
                 max_body_bytes=args.max_body_bytes,
+                body_timeout=args.body_timeout,
                 shutdown_timeout=args.shutdown_timeout,
                 model_name=args.alias,
                 prompt_cache_bytes=args.prompt_cache_bytes,

@@ -79,6 +79,10 @@ class MessagesServer(Protocol):
 
     def answer_shutdown_cancel(self) -> bool: ...
 
+    def client_gone(self, request: web.Request, resp: web.StreamResponse) -> web.StreamResponse: ...
+
+    async def read_body(self, request: web.Request) -> bytes: ...
+
 
 #: The body fields of ``POST /v1/messages`` (Anthropic's API reference, 2025), plus llama.cpp's
 #: ``chat_template_kwargs``; ``metadata``, ``service_tier`` and ``model`` are accepted and ignored.
@@ -436,14 +440,14 @@ class AnthropicMessages:
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """``POST /v1/messages/count_tokens``: ``{"input_tokens": n}`` of the rendered prompt."""
-        req = parse_messages_request(parse_json(await request.read()), count_only=True)
+        req = parse_messages_request(parse_json(await self.server.read_body(request)), count_only=True)
         prompt = await self.server._in_text_worker(lambda: self._prompt(req))
         return web.json_response({"input_tokens": len(prompt.ids)})
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/messages``."""
         server = self.server
-        req = parse_messages_request(parse_json(await request.read()))
+        req = parse_messages_request(parse_json(await self.server.read_body(request)))
         prompt = await server._in_text_worker(lambda: self._prompt(req))
         max_tokens = server._fit(req, len(prompt.ids))
         msg_id = "msg_" + secrets.token_hex(12)
@@ -475,10 +479,11 @@ class AnthropicMessages:
                 return self.error_response(_shutting_down())
 
     def _stop(self, gen: Generation, called: bool) -> tuple[str, str | None]:
-        if called:
-            return "tool_use", None
         st = gen.statistics
-        return _STOP_REASONS.get(st.stop_reason or "", "end_turn"), st.stop_string
+        reason = _STOP_REASONS.get(st.stop_reason or "", "end_turn")
+        if called and reason != "max_tokens":  # a reply its token limit ended says so, call or not
+            return "tool_use", None
+        return reason, st.stop_string
 
     def _message(self, msg_id: str, content: list[dict[str, Any]], gen: Generation, called: bool) -> dict[str, Any]:
         reason, sequence = self._stop(gen, called)
@@ -504,6 +509,16 @@ class AnthropicMessages:
         await resp.prepare(request)
         start = {**self._message(msg_id, [], gen, False), "stop_reason": None, "stop_sequence": None}
         start["usage"] = {"input_tokens": len(prompt.ids), "output_tokens": 0}
+        try:
+            await self._stream_events(resp, prompt, gen, start)
+        except ConnectionResetError:  # any write, the error event's and the last one's included
+            return server.client_gone(request, resp)
+        return resp
+
+    async def _stream_events(
+        self, resp: web.StreamResponse, prompt: ChatPrompt, gen: Generation, start: dict[str, Any]
+    ) -> None:
+        server = self.server
         parser = prompt.parser(server.options.reasoning_format)
         blocks = _Blocks()
         deltas: list[ReplyDelta] = []
@@ -542,9 +557,7 @@ class AnthropicMessages:
                 raise
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(resp.write(_sse("error", self.error_body(_shutting_down()))), 1.0)
-        with contextlib.suppress(ConnectionResetError):
-            await resp.write_eof()
-        return resp
+        await resp.write_eof()
 
 
 def _shutting_down() -> APIError:

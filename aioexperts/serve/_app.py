@@ -65,6 +65,10 @@ DEFAULT_PROMPT_CACHE_SEQUENCES = 16
 
 #: Paths answered without the API key (a load balancer's probe).
 _OPEN_PATHS = frozenset({"/health"})
+#: request key: set once a streamed reply's client left (the reply counts as 499)
+CLIENT_GONE = web.RequestKey("aioexperts.client_gone", bool)
+#: request key: the connection closes after this request's response (its body was not read whole)
+CLOSE_AFTER = web.RequestKey("aioexperts.close_after", bool)
 
 T = TypeVar("T")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -81,7 +85,11 @@ class ServerOptions:
         queue_size: requests that may wait for a slot, first come first served (``>= 0``); more are
             refused with 503.
         api_key: when set, every request but ``GET /health`` needs ``Authorization: Bearer <key>``.
-        max_body_bytes: larger request bodies are refused with 413.
+        max_body_bytes: larger request bodies are refused with 413 (a larger ``Content-Length`` at
+            once, before any of the body is read).
+        body_timeout: seconds a request's body may take to arrive once its headers are in; a
+            slower one is refused with 408 and its connection closed (a client that declares a
+            body and stalls no longer holds a connection for ever).
         shutdown_timeout: seconds :meth:`Server.stop` lets running generations finish before
             cancelling them.
         model_name: the model's id in ``/v1/models`` and responses, a non-empty str (default: the
@@ -104,6 +112,7 @@ class ServerOptions:
     queue_size: int = 16
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    body_timeout: float = 30.0
     shutdown_timeout: float = 30.0
     model_name: str | None = None
     prompt_cache_bytes: int | None = None
@@ -125,6 +134,9 @@ class ServerOptions:
         grace = self.shutdown_timeout
         if isinstance(grace, bool) or not isinstance(grace, int | float) or not grace >= 0:
             raise aioexperts.ConfigError(f"ServerOptions.shutdown_timeout must be seconds >= 0, got {grace!r}")
+        wait = self.body_timeout
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 < wait <= 3600:
+            raise aioexperts.ConfigError(f"ServerOptions.body_timeout must be seconds in (0, 3600], got {wait!r}")
         if self.reasoning_format not in aioexperts.REASONING_FORMATS:
             choices = ", ".join(aioexperts.REASONING_FORMATS)
             raise aioexperts.ConfigError(
@@ -303,7 +315,7 @@ class Server:
         status = 500
         try:
             response = await handler(request)
-            status = response.status
+            status = 499 if request.get(CLIENT_GONE) else response.status
             return response
         except (asyncio.CancelledError, ConnectionResetError):
             status = 499  # nginx's "client closed request" (or a shutdown past its deadline)
@@ -334,9 +346,10 @@ class Server:
             err = api_error(exc)
             if err.status >= 500:
                 log.error("%s %s failed: %s", request.method, request.path, exc)
-        if is_anthropic_path(request.path):
-            return AnthropicMessages.error_response(err)
-        return _error_response(err)
+        response = AnthropicMessages.error_response(err) if is_anthropic_path(request.path) else _error_response(err)
+        if request.get(CLOSE_AFTER):
+            response.force_close()
+        return response
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
@@ -360,11 +373,30 @@ class Server:
         return await handler(request)
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
+        return parse_json(await self.read_body(request))
+
+    async def read_body(self, request: web.Request) -> bytes:
+        """The request's body: 413 at once for a ``Content-Length`` above the limit, 408 (and the
+        connection closed) when it takes longer than ``body_timeout``, 400 when it cannot be decoded.
+
+        Raises:
+            web.HTTPRequestEntityTooLarge: the declared or read length is over ``max_body_bytes``.
+            APIError: 408 ``request_timeout``; 400 ``invalid_body``.
+        """
+        limit = self.options.max_body_bytes
+        declared = request.content_length
+        if declared is not None and declared > limit:
+            request[CLOSE_AFTER] = True  # the body is never read: no keep-alive
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
         try:
-            body = await request.read()
+            async with asyncio.timeout(self.options.body_timeout):
+                return await request.read()
+        except TimeoutError:
+            request[CLOSE_AFTER] = True  # the rest of the body is never read: no keep-alive
+            wait = self.options.body_timeout
+            raise APIError(408, f"the request body did not arrive within {wait:g} s", code="request_timeout") from None
         except (web.RequestPayloadError, BadHttpMessage) as exc:  # an undecodable Content-Encoding
             raise APIError(400, f"the request body could not be read: {exc}", code="invalid_body") from None
-        return parse_json(body)
 
     # -- completions ----------------------------------------------------------------------------
 
@@ -431,9 +463,10 @@ class Server:
         output) when given."""
         self.metrics.prompt_tokens += len(ids)
         top = req.top_logprobs if req.logprobs else None
+        param = req.structured.param if req.structured is not None else "grammar"
         return Generation(
             self.model, ids, req.options, max_tokens, top, self.metrics.token, self.prompt_cache, constraint,
-            self.options.sampler_factory, self.health,
+            self.options.sampler_factory, self.health, param,
         )  # fmt: skip
 
     async def _complete(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
@@ -475,6 +508,21 @@ class Server:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         await resp.prepare(request)
+        try:
+            await self._stream_events(request, req, gen, shapes, reply, resp)
+        except ConnectionResetError:  # any write, the error event's and the last one's included
+            return self.client_gone(request, resp)
+        return resp
+
+    async def _stream_events(
+        self,
+        request: web.Request,
+        req: GenerationRequest,
+        gen: Generation,
+        shapes: Shapes,
+        reply: ChatReply | None,
+        resp: web.StreamResponse,
+    ) -> None:
         usage = req.include_usage
         try:
             if req.chat:
@@ -505,8 +553,15 @@ class Server:
                 raise
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._end_stream(resp, _sse(_shutting_down().body())), 1.0)
-            return resp
+            return
         await self._end_stream(resp)
+
+    def client_gone(self, request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+        """A streamed reply whose client left (a write found the connection reset): counted as
+        cancelled and as status 499, and ended quietly (no traceback in the log)."""
+        self.metrics.cancelled += 1
+        request[CLIENT_GONE] = True
+        log.debug("%s %s: the client left during the stream", request.method, request.path)
         return resp
 
     @staticmethod

@@ -17,8 +17,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from aioexperts import ExpertReadError, GenerationStatistics, SampledToken, Sampler, SamplingOptions
+from aioexperts import (
+    ExpertReadError,
+    GenerationStatistics,
+    InvalidRequestError,
+    SampledToken,
+    Sampler,
+    SamplingOptions,
+)
 
+from ._errors import APIError
 from ._openai import FINISH_REASONS, Piece, Usage
 
 if TYPE_CHECKING:
@@ -40,11 +48,16 @@ class _Recorder:
     :class:`SampledToken`."""
 
     def __init__(
-        self, options: SamplingOptions, constraint: TokenConstraint | None = None, factory: SamplerFactory | None = None
+        self,
+        options: SamplingOptions,
+        constraint: TokenConstraint | None = None,
+        factory: SamplerFactory | None = None,
+        constraint_param: str = "grammar",
     ) -> None:
         self._sampler = Sampler(options) if factory is None else None
         self._custom = factory(options) if factory is not None else None
         self._constraint = constraint
+        self._constraint_param = constraint_param
         self.sampled: list[SampledToken] = []
 
     def _sample(self, logits: np.ndarray, history: Sequence[int]) -> SampledToken:
@@ -64,7 +77,11 @@ class _Recorder:
                 tried.append(self._sample(masked, history))
                 return tried[-1].token
 
-            token = self._constraint.choose(logits, pick)
+            try:
+                token = self._constraint.choose(logits, pick)
+            except InvalidRequestError as exc:  # the grammar failed (an llguidance limit) or allows nothing
+                param = self._constraint_param
+                raise APIError(400, f"'{param}': {exc}", param=param, code="invalid_schema") from None
             chosen = tried[-1] if tried and tried[-1].token == token else SampledToken(token)
         self.sampled.append(chosen)
         return chosen.token
@@ -82,6 +99,8 @@ class Generation:
         on_token: called once per generated token (the server's counters).
         cache: the prompt cache to take the sequence from and give it back to (None: a fresh one).
         constraint: the grammar the generated tokens must follow (None: free text).
+        constraint_param: the request field the grammar came from (named when it fails: 400
+            ``invalid_schema``).
         sampler_factory: makes the sampler instead of :class:`aioexperts.Sampler` (tests; None: the default).
         health: told of a generation that failed on an expert read and of one that ended normally
             (``GET /health``; None: nobody is told).
@@ -99,6 +118,7 @@ class Generation:
         constraint: TokenConstraint | None = None,
         sampler_factory: SamplerFactory | None = None,
         health: Health | None = None,
+        constraint_param: str = "grammar",
     ) -> None:
         n_logprobs = 0 if top_logprobs is None else max(1, top_logprobs)
         self._options = replace(options, max_tokens=max_tokens, logprobs=n_logprobs)
@@ -107,6 +127,7 @@ class Generation:
         self._on_token = on_token
         self._cache = cache
         self._constraint = constraint
+        self._constraint_param = constraint_param
         self._sampler_factory = sampler_factory
         self._health = health
         self.statistics = GenerationStatistics()
@@ -128,7 +149,7 @@ class Generation:
         Raises:
             As :meth:`aioexperts.Model.stream` (InvalidRequestError, NonFiniteError, store errors).
         """
-        recorder = _Recorder(self._options, self._constraint, self._sampler_factory)
+        recorder = _Recorder(self._options, self._constraint, self._sampler_factory, self._constraint_param)
         if self._cache is None:
             stream = self._model.stream(self._prompt_ids, options=self._options, sampler=recorder)
             async with aclosing(self._pieces(stream, recorder)) as pieces:

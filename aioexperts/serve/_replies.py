@@ -79,7 +79,7 @@ class ChatReply:
         out = [*self._held, *self._chunks(self._parser.finish())]
         self._held = []
         self._prompt.check(Reply.join(self._deltas), finish_reason)
-        reason = "tool_calls" if self._n_calls else finish_reason
+        reason = _finish_reason(bool(self._n_calls), finish_reason)
         out.append(self._shapes.delta_chunk({}, self._pending, reason, self._include_usage))
         self._pending = []
         return out
@@ -92,6 +92,12 @@ class ChatReply:
         """
         reply = self._parser.parse("".join(p.text for p in pieces))
         self._prompt.check(reply, finish_reason)
-        reason = "tool_calls" if reply.tool_calls else finish_reason
+        reason = _finish_reason(bool(reply.tool_calls), finish_reason)
         tokens = [t for p in pieces for t in p.tokens]
         return self._shapes.whole_reply(reply, tokens, reason, usage)
+
+
+def _finish_reason(called: bool, finish_reason: str) -> str:
+    """``tool_calls`` for a reply that called a tool, unless its token limit ended it: then
+    ``length``, since a call may be what did not fit (OpenAI's order)."""
+    return "tool_calls" if called and finish_reason != "length" else finish_reason

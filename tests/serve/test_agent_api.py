@@ -346,6 +346,27 @@ def test_a_forced_call_cut_by_max_tokens_is_length_not_a_422(oai: Any, claude: A
     assert got.stop_reason == "max_tokens"
 
 
+def test_a_second_call_cut_by_max_tokens_is_length_not_tool_calls(oai: Any, claude: Any) -> None:
+    """One call whole, the next cut by the token limit: ``length`` (Anthropic: ``max_tokens``), so an
+    agent knows a call may be missing, never ``tool_calls`` / ``tool_use``."""
+    assert SCRIPT.tokenizer is not None
+    say(CALL + "\n" + CALL)
+    limit = len(SCRIPT.tokenizer.encode(CALL + "\n<tool_call>\n", add_special=False)) + 2
+    out = oai.chat.completions.create(model="m", messages=USER, tools=TOOLS, max_tokens=limit)
+    assert out.choices[0].finish_reason == "length"
+    assert [c.function.name for c in out.choices[0].message.tool_calls] == ["get_weather"]
+    chunks = list(oai.chat.completions.create(model="m", messages=USER, tools=TOOLS, max_tokens=limit, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert len([tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]) == 1
+    got = claude.messages.create(model="m", max_tokens=limit, messages=USER, tools=A_TOOLS)
+    assert got.stop_reason == "max_tokens" and [b.type for b in got.content if b.type == "tool_use"] == ["tool_use"]
+
+    say(CALL + "\n" + CALL)  # both fit: tool_calls / tool_use as before
+    out = oai.chat.completions.create(model="m", messages=USER, tools=TOOLS, max_tokens=200)
+    assert out.choices[0].finish_reason == "tool_calls" and len(out.choices[0].message.tool_calls) == 2
+    assert claude.messages.create(model="m", max_tokens=200, messages=USER, tools=A_TOOLS).stop_reason == "tool_use"
+
+
 def test_a_model_is_retrieved_by_its_id_and_another_id_is_404(oai: Any) -> None:
     listed = oai.models.list().data
     assert [m.id for m in listed] == [oai.models.retrieve(listed[0].id).id]

@@ -5,6 +5,7 @@ a bounded load on loopback ends with no error and no leaked descriptor, sequence
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -202,3 +203,33 @@ def test_a_whole_request_cut_at_the_shutdown_deadline_gets_503_shutting_down(ser
     assert status == 503 and headers.get("connection") == "close", (status, headers, data)
     assert json.loads(data)["error"]["code"] == "shutting_down"
     assert thread.cancelled_at_stop == 1
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/messages"])
+def test_a_client_that_resets_the_connection_mid_stream_is_a_quiet_499(
+    served: ServerThread, path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Agents cancel replies: a reset at any point of a stream (the last events included) is counted
+    as cancelled and 499, with no traceback in the log, and the next request is served."""
+    import socket
+    import struct
+
+    caplog.set_level(logging.ERROR)
+    before = settled(served)
+    n = 12
+    for i in range(n):
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": f"go {i}"}], "stream": True}
+        body["max_tokens"] = 1 + i % 3  # short: the reset often lands on the last writes
+        client = RawStream(served, path, body)
+        client.read_until(b"data: ", 1 + i % 2)
+        client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends RST
+        client.close()
+    after = settled(served)
+    gone = f'aioexperts_requests_total{{endpoint="{path}",status="499"}}'
+    ok = f'aioexperts_requests_total{{endpoint="{path}",status="200"}}'
+    assert after.get(gone, 0) - before.get(gone, 0) + after.get(ok, 0) - before.get(ok, 0) == n
+    cancelled = after["aioexperts_requests_cancelled_total"] - before["aioexperts_requests_cancelled_total"]
+    assert cancelled == after.get(gone, 0) - before.get(gone, 0)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    status, out = post(served, CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert status == 200 and out["usage"]["completion_tokens"] >= 1

@@ -8,11 +8,15 @@ The full queue is in test_cancel_and_load.py.
 from __future__ import annotations
 
 import json
+import socket
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from serve.serving import ServerThread, metrics, post, request
+from aioexperts.serve import ServerOptions
+from serve.serving import API_KEY, ServerThread, metrics, post, request
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
@@ -69,6 +73,57 @@ def test_a_body_over_the_limit_is_413(served: ServerThread) -> None:
     assert_error(status, json.loads(data), 413, code="request_too_large")
     assert str(64 << 10) in json.loads(data)["error"]["message"]
     still_serves(served)
+
+
+def _raw_head(served: ServerThread, length: int, body: bytes) -> socket.socket:
+    host, port = served.host_port
+    sock = socket.create_connection((host, port), timeout=10)
+    head = (
+        f"POST {TEXT} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: {length}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+def _read_response(sock: socket.socket) -> tuple[int, dict[str, Any], bytes]:
+    """Status, JSON body and the raw head of one response."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)  # socket.timeout (10 s) if the server does not answer
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return int(head.split()[1]), json.loads(rest[:length]), head
+
+
+def test_a_declared_length_over_the_limit_is_413_before_any_body_is_read(served: ServerThread) -> None:
+    sock = _raw_head(served, 10 << 30, b"{")  # 10 GiB declared, one byte sent
+    try:
+        status, body, head = _read_response(sock)
+    finally:
+        sock.close()
+    assert_error(status, body, 413, code="request_too_large")
+    assert b"Connection: close" in head  # the unread body is not taken for the next request
+    still_serves(served)
+
+
+def test_a_body_that_stalls_is_408_and_its_connection_closed(serve_model: Path) -> None:
+    served = ServerThread(serve_model, ServerOptions(port=0, api_key=API_KEY, body_timeout=1.0)).start()
+    try:
+        sock = _raw_head(served, 100, b"{")  # 100 bytes declared, one sent, then nothing
+        try:
+            start = time.monotonic()
+            status, body, head = _read_response(sock)
+            took = time.monotonic() - start
+        finally:
+            sock.close()
+        assert_error(status, body, 408, code="request_timeout")
+        assert "within 1 s" in body["error"]["message"] and b"Connection: close" in head and 0.9 < took < 8
+        still_serves(served)
+    finally:
+        served.stop()
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from serve.serving import ServerThread, post  # noqa: E402
+from serve.serving import ServerThread, post, request  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
@@ -90,6 +90,35 @@ def test_a_schema_that_cannot_be_compiled_is_a_400(served: ServerThread, field: 
     assert status == 400, out
     assert out["error"]["param"] == param and out["error"]["code"] == "invalid_schema", out
     assert "compiled" in out["error"]["message"] or "GBNF" in out["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}),
+        ("grammar", 'root ::= "x"{50000}'),
+    ],
+    ids=["self-reference", "huge-repeat"],
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_grammar_that_fails_at_its_start_is_invalid_schema_naming_the_field(
+    served: ServerThread, field: str, value: Any, stream: bool
+) -> None:
+    """Compiles, but llguidance fails at its first mask (``$ref: #``: refused before the reply starts,
+    400 even when streamed) or at its first token (an item limit: 400, or once streaming, the error
+    event): either way ``invalid_schema`` naming the field, with a one-line reason."""
+    status, _, data = request(served, "POST", CHAT, {"messages": USER, field: value, "max_tokens": 4, "stream": stream})
+    if stream and field == "grammar":  # it fails only once the first token is consumed: the headers went out
+        assert status == 200
+        errors = [json.loads(line[6:]) for line in data.decode().splitlines() if line.startswith('data: {"error"')]
+        assert len(errors) == 1, data
+        out = errors[0]
+    else:
+        out = json.loads(data)
+        assert status == 400, out
+    assert out["error"]["param"] == field and out["error"]["code"] == "invalid_schema", out
+    message = out["error"]["message"]
+    assert "\n" not in message and len(message) < 400, message
 
 
 def test_malformed_response_formats_are_400(served: ServerThread) -> None:

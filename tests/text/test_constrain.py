@@ -87,6 +87,33 @@ def test_json_object_and_a_gbnf_grammar(tokenizer: aioexperts.Tokenizer) -> None
 
 
 @pytest.mark.parametrize(
+    ("grammar", "want"),
+    [
+        (r'root ::= "caf\u00e9"', "café"),
+        (r'root ::= "\U0001F600 \u4e2d"', "😀 中"),
+        (r'root ::= "\u0022\u0041"', '"A'),
+        (r'root ::= "\\u00e9"', "\\u00e9"),  # an escaped backslash, then plain text
+    ],
+    ids=["latin-1", "astral-and-cjk", "ascii", "escaped-backslash"],
+)
+def test_gbnf_unicode_escapes_mean_what_llama_cpp_reads(
+    tokenizer: aioexperts.Tokenizer, grammar: str, want: str
+) -> None:
+    def pick(masked: np.ndarray, _logits: np.ndarray, _step: int) -> int:
+        return int(np.argmax(masked))
+
+    assert _run(TokenConstraint.gbnf(tokenizer, grammar), tokenizer, pick) == want
+
+
+def test_a_gbnf_character_range_by_escapes(tokenizer: aioexperts.Tokenizer) -> None:
+    def pick(masked: np.ndarray, _logits: np.ndarray, _step: int) -> int:
+        return int(np.argmax(masked))
+
+    text = _run(TokenConstraint.gbnf(tokenizer, r"root ::= [\u00e0-\u00ff] [\u00e0-\u00ff]"), tokenizer, pick)
+    assert len(text) == 2 and all("\u00e0" <= c <= "\u00ff" for c in text), text
+
+
+@pytest.mark.parametrize(
     "schema",
     [{"type": "frobnicate"}, {"$ref": "#/definitions/missing"}, {"type": "string", "pattern": "(["}],
     ids=["unknown-type", "dangling-ref", "bad-pattern"],
