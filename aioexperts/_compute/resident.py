@@ -18,6 +18,10 @@ from .moe import ResidentLayer
 
 __all__ = ("kernel_types", "load_residents", "warmup_kernels")
 
+#: resident MoE tensors refused at load when not finite: the router, its bias, the selection bias,
+#: the per-expert scales (small; the shared expert's matrices are not scanned)
+_CHECKED_FINITE = ("ffn_gate_inp.weight", "ffn_gate_inp.bias", "exp_probs_b.bias", "_exps.scale")
+
 
 def load_residents(model: GGUFModel, layout: ExpertLayout, hparams: MoEHParams) -> dict[int, ResidentLayer]:
     """Read and dequantize (once) the resident tensors of every MoE layer of ``layout``.
@@ -28,7 +32,9 @@ def load_residents(model: GGUFModel, layout: ExpertLayout, hparams: MoEHParams) 
         block index -> :class:`ResidentLayer` (float32 arrays).
 
     Raises:
-        FormatError: a tensor is truncated.
+        FormatError: a tensor is truncated; the router, its bias, the selection bias or an
+            expert scale holds NaN or inf; a token-to-expert table (``ffn_gate_tid2eid``) has
+            not one row per token of the vocabulary.
         ConfigError: a tensor has the wrong shape for the layer.
         UnsupportedTypeError: a tensor changes the MoE block in a way the executor does not compute
             (:meth:`MoEHParams.check_tensors`).
@@ -41,7 +47,11 @@ def load_residents(model: GGUFModel, layout: ExpertLayout, hparams: MoEHParams) 
         if info is None:
             return None
         raw = np.frombuffer(model.read_tensor_bytes(name), dtype=np.uint8)
-        return dequantize(raw, info.ggml_type, info.shape)
+        values = dequantize(raw, info.ggml_type, info.shape)
+        if name.endswith(_CHECKED_FINITE) and not np.isfinite(values).all():
+            # a NaN in the router or its biases makes the choice of experts arbitrary
+            raise FormatError(f"{model.path}: tensor {name!r} holds NaN or inf")
+        return values
 
     def tensor_type(name: str) -> GGMLQuantizationType | None:
         info = model.tensors.get(name)
@@ -55,6 +65,11 @@ def load_residents(model: GGUFModel, layout: ExpertLayout, hparams: MoEHParams) 
             return None
         if info.ggml_type != GGMLQuantizationType.I32 or len(info.shape) != 2:
             raise FormatError(f"tensor {name!r} must be a 2-D I32 table, got {info.ggml_type.name} {info.shape}")
+        embd = model.tensors.get("token_embd.weight")
+        if embd is not None and info.shape[0] != embd.shape[0]:  # ggml_get_rows by any token id of the vocabulary
+            raise FormatError(
+                f"tensor {name!r} has {info.shape[0]} rows, the vocabulary (token_embd.weight) {embd.shape[0]}"
+            )
         raw = model.read_tensor_bytes(name)
         return np.frombuffer(raw, dtype="<i4").reshape(info.shape)
 

@@ -176,9 +176,10 @@ def read_expert_map(path: str | os.PathLike[str], model: ShardInfo | None = None
 
     Raises:
         FormatError: not a regular file (a directory, a FIFO or a device: checked before it is
-            opened), wrong magic, truncated, trailing bytes, a count, offset or length out of range.
+            opened) or a loop of symbolic links, wrong magic, truncated, trailing bytes, a count,
+            offset or length out of range.
         StaleMapError: ``model`` differs in size, device, inode or mtime.
-        OSError: ``path`` cannot be read (``FileNotFoundError``, a symlink loop's ``ELOOP``).
+        OSError: ``path`` cannot be read (``FileNotFoundError``, ``PermissionError``).
     """
     path = os.fspath(path)
     check_regular_file(path, "a WEEPF001 expert map")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import math
 import os
 import re
@@ -264,7 +265,7 @@ def open_model(path: str | os.PathLike[str]) -> GGUFModel:
         OSError: a file cannot be read.
     """
     path = os.fspath(path)
-    os.stat(path)  # FileNotFoundError, or PermissionError where a directory on the way cannot be searched
+    _stat(path)  # FileNotFoundError, or PermissionError where a directory on the way cannot be searched
     given = os.path.abspath(path)
     check_regular_file(given)
     head = _parse_file(given, 0)
@@ -277,7 +278,7 @@ def open_model(path: str | os.PathLike[str]) -> GGUFModel:
         return _combine(path, [given], [head])  # refused there: split metadata, but not a shard's name
     for p in shard_paths:
         try:
-            os.stat(p)
+            _stat(p)
         except FileNotFoundError:
             raise MissingShardError(
                 f"{path}: shard {os.path.basename(p)} of the split set is missing (expected at {p}); "
@@ -289,14 +290,25 @@ def open_model(path: str | os.PathLike[str]) -> GGUFModel:
     return _combine(path, shard_paths, parsed)
 
 
+def _stat(path: str) -> os.stat_result:
+    """``os.stat``, with a symbolic link loop (``ELOOP``) as the malformed input it is."""
+    try:
+        return os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise FormatError(f"{path}: a loop of symbolic links, not a file") from None
+        raise
+
+
 def check_regular_file(path: str, what: str = "") -> None:
     """Refuse a directory, FIFO or device before anything reads it (a FIFO would block the read).
 
     Raises:
-        FormatError: ``path`` is not a regular file (``what`` names the kind of file expected).
-        OSError: ``path`` cannot be looked up (``FileNotFoundError``, ``ELOOP`` of a symlink loop).
+        FormatError: ``path`` is not a regular file (``what`` names the kind of file expected), or
+            a loop of symbolic links.
+        OSError: ``path`` cannot be looked up (``FileNotFoundError``, ``PermissionError``).
     """
-    if not stat.S_ISREG(os.stat(path).st_mode):
+    if not stat.S_ISREG(_stat(path).st_mode):
         raise FormatError(f"{path} is not a regular file{what and ', not ' + what}")
 
 

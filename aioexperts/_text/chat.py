@@ -13,7 +13,11 @@ and ``eos_token``.
 Where this module is stricter than transformers it says so: reaching an unsafe attribute
 (``''.__class__``, ``messages.append``) raises at once instead of giving an undefined value;
 ``*`` and ``**`` refuse results beyond :data:`MAX_REPEAT` items or exponents beyond
-:data:`MAX_EXPONENT`; and a rendering longer than :data:`MAX_OUTPUT_CHARS` stops. Every failure
+:data:`MAX_EXPONENT`; and a rendering longer than :data:`MAX_OUTPUT_CHARS` stops. A template comes
+from the model file, so its work is bounded too (:data:`MAX_STEPS`, :data:`MAX_SECONDS`): every
+``range`` counts its items and every attribute, item or call one step; strings and lists built by
+``+``, ``%``, ``center``, ``indent``, ``format`` or ``replace`` stay within :data:`MAX_OUTPUT_CHARS`,
+and integers built by ``*`` and ``**`` within :data:`MAX_INT_BITS` bits. Every failure
 reaches the caller as :class:`~aioexperts._errors.ChatTemplateError` with the template's own
 message. jinja2 is an optional dependency (``pip install 'aioexperts[text]'``); it is imported
 when the first template is compiled.
@@ -21,8 +25,11 @@ when the first template is compiled.
 
 from __future__ import annotations
 
+import contextvars
 import os
-from collections.abc import Mapping, Sequence
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, ClassVar
 
@@ -30,7 +37,16 @@ from .._errors import ChatTemplateError, ConfigError, FormatError
 from .._format.header import LossyStr, SkippedValue, read_header
 from .._json import dumps as strict_dumps
 
-__all__ = ("MAX_EXPONENT", "MAX_OUTPUT_CHARS", "MAX_REPEAT", "RESERVED_VARIABLES", "ChatTemplate")
+__all__ = (
+    "MAX_EXPONENT",
+    "MAX_INT_BITS",
+    "MAX_OUTPUT_CHARS",
+    "MAX_REPEAT",
+    "MAX_SECONDS",
+    "MAX_STEPS",
+    "RESERVED_VARIABLES",
+    "ChatTemplate",
+)
 
 #: Longest rendering accepted, in characters.
 MAX_OUTPUT_CHARS = 16 << 20
@@ -38,6 +54,12 @@ MAX_OUTPUT_CHARS = 16 << 20
 MAX_REPEAT = 1 << 20
 #: Largest integer exponent ``**`` accepts inside a template.
 MAX_EXPONENT = 1024
+#: Largest integer (in bits) ``*`` and ``**`` may build inside a template.
+MAX_INT_BITS = 1 << 16
+#: Work of one rendering: items of every ``range`` plus attribute, item and call steps.
+MAX_STEPS = 20_000_000
+#: Wall time of one rendering, checked at each step.
+MAX_SECONDS = 10.0
 
 _TEMPLATE_KEY = "tokenizer.chat_template"
 
@@ -62,33 +84,138 @@ def _strftime_now(format: str) -> str:  # noqa: A002 (the template calls it with
     return datetime.now().strftime(format)
 
 
+class _Budget:
+    """What is left of one rendering's work (:data:`MAX_STEPS`, :data:`MAX_SECONDS`)."""
+
+    __slots__ = ("deadline", "steps")
+
+    def __init__(self) -> None:
+        self.steps = MAX_STEPS
+        self.deadline = time.monotonic() + MAX_SECONDS
+
+
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("aioexperts_template_budget", default=None)
+_FORMAT_WIDTHS = re.compile(r"%[-#0 +]*(\d+)(?:\.(\d+))?|%[-#0 +]*\.(\d+)")
+
+
 def _environment() -> Any:
     try:
         import jinja2
         import jinja2.ext
+        import jinja2.filters
         from jinja2.exceptions import SecurityError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
     except ImportError:
         raise ConfigError("chat templates need jinja2: pip install 'aioexperts[text]'") from None
 
     def raise_exception(message: object) -> None:
         raise jinja2.TemplateError(str(message))
 
+    def charge(n: int) -> None:
+        budget = _BUDGET.get()
+        if budget is None:
+            return
+        budget.steps -= n
+        if budget.steps < 0:
+            raise SecurityError(f"the template did more than {MAX_STEPS} steps (range items, attributes, calls)")
+        if time.monotonic() > budget.deadline:
+            raise SecurityError(f"the template ran longer than {MAX_SECONDS:g} s")
+
+    def sized(value: Any) -> Any:
+        if isinstance(value, str | list | tuple) and len(value) > MAX_OUTPUT_CHARS:
+            raise SecurityError(f"the template built a value of {len(value)} items (at most {MAX_OUTPUT_CHARS})")
+        if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+            raise SecurityError(f"the template built an integer of {value.bit_length()} bits (at most {MAX_INT_BITS})")
+        return value
+
+    def width(value: Any, what: str) -> None:
+        if isinstance(value, int | str) and str(value).strip().lstrip("-").isdigit():
+            if abs(int(value)) > MAX_OUTPUT_CHARS:
+                raise SecurityError(f"{what} of {value} (at most {MAX_OUTPUT_CHARS})")
+
+    def format_widths(fmt: Any) -> None:
+        if isinstance(fmt, str):
+            for m in _FORMAT_WIDTHS.finditer(fmt):
+                for digits in m.groups():
+                    if digits is not None:
+                        width(digits, "a '%' format width")
+
+    def budget_range(*args: Any) -> range:
+        r = range(*args)
+        if len(r) > MAX_RANGE:
+            raise OverflowError(f"range too big, at most {MAX_RANGE} items")
+        charge(len(r))
+        return r
+
+    def checked_filter(name: str, check: Callable[..., None]) -> Callable[..., Any]:
+        inner = jinja2.filters.FILTERS[name]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            check(*args, **kwargs)
+            return sized(inner(*args, **kwargs))
+
+        run.__dict__.update(inner.__dict__)  # jinja's pass_eval_context / pass_environment marks
+        return run
+
+    def check_center(value: Any, width_: Any = 80) -> None:
+        width(width_, "center width")
+
+    def check_indent(s: Any, width_: Any = 4, *args: Any, **kwargs: Any) -> None:
+        width(width_, "indent width")
+        if isinstance(width_, str) and len(width_) * (str(s).count("\n") + 1) > MAX_OUTPUT_CHARS:
+            raise SecurityError("indent would build more than the output limit")
+
+    def check_format(value: Any, *args: Any, **kwargs: Any) -> None:
+        format_widths(value)
+
+    def check_replace(ctx: Any, s: Any, old: Any, new: Any, count: Any = None) -> None:
+        if isinstance(s, str) and isinstance(old, str) and isinstance(new, str):
+            n = len(s) + 1 if not old else s.count(old)
+            if isinstance(count, int) and count >= 0:
+                n = min(n, count)
+            if len(s) + n * (len(new) - len(old)) > MAX_OUTPUT_CHARS:
+                raise SecurityError("replace would build more than the output limit")
+
     class _Sandbox(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset(("*", "**"))
+        intercepted_binops = frozenset(("*", "**", "+", "%"))
 
         def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
             raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
 
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            charge(1)
+            return sized(super().getattr(obj, attribute))
+
+        def getitem(self, obj: Any, argument: Any) -> Any:
+            charge(1)
+            return sized(super().getitem(obj, argument))
+
+        def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+            charge(1)
+            return sized(super().call(__context, __obj, *args, **kwargs))
+
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            charge(1)
             if operator == "*":
                 for seq, count in ((left, right), (right, left)):
                     if isinstance(seq, str | list | tuple) and isinstance(count, int):
                         if len(seq) * max(count, 0) > MAX_REPEAT:
                             raise SecurityError(f"'*' would build {len(seq) * count} items (at most {MAX_REPEAT})")
-            elif isinstance(right, int) and abs(right) > MAX_EXPONENT:
-                raise SecurityError(f"'**' with exponent {right} (at most {MAX_EXPONENT})")
-            return super().call_binop(context, operator, left, right)
+                if isinstance(left, int) and isinstance(right, int):
+                    if left.bit_length() + right.bit_length() > MAX_INT_BITS:
+                        raise SecurityError(f"'*' would build an integer of more than {MAX_INT_BITS} bits")
+            elif operator == "**":
+                if isinstance(right, int) and abs(right) > MAX_EXPONENT:
+                    raise SecurityError(f"'**' with exponent {right} (at most {MAX_EXPONENT})")
+                if isinstance(left, int) and isinstance(right, int) and left.bit_length() * right > MAX_INT_BITS:
+                    raise SecurityError(f"'**' would build an integer of more than {MAX_INT_BITS} bits")
+            elif operator == "+":
+                if isinstance(left, str | list | tuple) and isinstance(right, str | list | tuple):
+                    if len(left) + len(right) > MAX_OUTPUT_CHARS:
+                        raise SecurityError(f"'+' would build more than {MAX_OUTPUT_CHARS} items")
+            elif operator == "%":
+                format_widths(left)
+            return sized(super().call_binop(context, operator, left, right))
 
     class _Generation(jinja2.ext.Extension):
         """``{% generation %}body{% endgeneration %}`` renders ``body`` (transformers' ``AssistantTracker``
@@ -103,6 +230,11 @@ def _environment() -> Any:
 
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Generation])
     env.filters["tojson"] = _tojson
+    env.filters["center"] = checked_filter("center", check_center)
+    env.filters["indent"] = checked_filter("indent", check_indent)
+    env.filters["format"] = checked_filter("format", check_format)
+    env.filters["replace"] = checked_filter("replace", check_replace)
+    env.globals["range"] = budget_range
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -244,6 +376,7 @@ class ChatTemplate:
 
         parts: list[str] = []
         size = 0
+        token = _BUDGET.set(_Budget())
         try:
             for part in self._compiled.generate(
                 messages=messages,
@@ -264,6 +397,10 @@ class ChatTemplate:
             raise _template_error(exc) from exc
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, RecursionError) as exc:
             raise _template_error(exc) from exc
+        except MemoryError:
+            raise ChatTemplateError("chat template ran out of memory") from None
+        finally:
+            _BUDGET.reset(token)
         return "".join(parts)
 
     def __repr__(self) -> str:

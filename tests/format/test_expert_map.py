@@ -285,15 +285,20 @@ def test_empty_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("kind", ["fifo", "directory"])
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink-loop"])
 def test_not_a_regular_file_is_refused_before_it_is_opened(tmp_path: Path, kind: str) -> None:
     # opening a FIFO waits for a writer: the read must be refused before the open
     p = tmp_path / "not-a-map"
     if kind == "fifo":
         os.mkfifo(p)
-    else:
+    elif kind == "directory":
         p.mkdir()
-    with pytest.raises(FormatError, match="is not a regular file, not a WEEPF001 expert map"):
+    else:
+        os.symlink(p.name, p)
+    message = (
+        "a loop of symbolic links" if kind == "symlink-loop" else "is not a regular file, not a WEEPF001 expert map"
+    )
+    with pytest.raises(FormatError, match=message):
         read_expert_map(p)
 
 

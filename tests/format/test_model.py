@@ -703,6 +703,24 @@ def test_shard_of_a_bigger_set_copied_alone(split3: tuple[list[Path], Path], tmp
     assert "split.count=3" in str(info.value)
 
 
+@pytest.mark.parametrize("which", ["the model", "a shard"])
+def test_a_symbolic_link_loop_is_a_format_error(split3: tuple[list[Path], Path], tmp_path: Path, which: str) -> None:
+    shards, _ = split3
+    folder = tmp_path / "loops"
+    folder.mkdir()
+    for k, shard in enumerate(shards):
+        if which == "a shard" and k == 2:
+            os.symlink(shard.name, folder / shard.name)  # a link to itself
+        else:
+            shutil.copyfile(shard, folder / shard.name)
+    given = folder / shards[0].name
+    if which == "the model":
+        given = folder / "loop.gguf"
+        os.symlink("loop.gguf", given)
+    with pytest.raises(FormatError, match="a loop of symbolic links, not a file"):
+        open_model(given)
+
+
 def test_single_file_claiming_to_be_a_shard(small: Path, tmp_path: Path) -> None:
     """A plain name, but split metadata saying shard 2 of 3."""
     path = kit.write_gguf(

@@ -22,7 +22,9 @@ def rewrite(
     add: Mapping[str, np.ndarray] | None = None,
     drop_keys: Iterable[str] = (),
 ) -> Path:
-    """Copy ``src`` to ``dst`` without the tensors in ``drop``, with ``patch[name](data)`` for others.
+    """Copy ``src`` to ``dst`` without the tensors in ``drop``, with ``patch[name](data)`` for others
+    (each tensor gets its data's shape: a patch may reshape it; a quantized tensor's data are its
+    rows of bytes).
 
     ``metadata`` adds or replaces keys ``{key: (value, type)}``; ``arch`` renames the architecture
     (and its key prefix); ``keep_tensors=False`` writes the metadata alone; ``add`` appends float32
@@ -50,12 +52,10 @@ def rewrite(
         for t in reader.tensors:
             if t.name in dropped:
                 continue
-            data = np.array(t.data)
+            data = np.array(t.data)  # numpy order; a quantized tensor's rows of bytes
             if patch and t.name in patch:
                 data = patch[t.name](data)
-            writer.add_tensor(
-                t.name, data, raw_shape=list(reversed([int(d) for d in t.shape])), raw_dtype=t.tensor_type
-            )
+            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)  # the shape is the data's
         for name, array in (add or {}).items():
             writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()

@@ -180,6 +180,40 @@ def test_sandbox_escapes_and_bombs_are_library_errors(source: str) -> None:
     assert messages == [{"role": "user", "content": "hi"}]
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("source", "needle"),
+    [
+        (
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}x",
+            "more than 20000000 steps",
+        ),
+        ("{% set ns = namespace(n=7) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}x", "bits"),
+        ("{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n ** 9 %}{% endfor %}x", "bits"),
+        ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "build"),
+        ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}x", "built"),
+        ("{{ messages[0].content|center(3000000000) }}", "center width"),
+        ("{{ messages[0].content|indent(3000000000) }}", "indent width"),
+        ("{{ '%3000000000d' % 1 }}", "format width"),
+        ("{{ '%.3000000000f'|format(1.5) }}", "format width"),
+        ("{{ ('a' * 1000000)|replace('a', 'aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa') }}", "replace"),
+    ],
+    ids=["nested-ranges", "int-squaring", "int-power", "plus-doubling", "tilde-doubling", "center", "indent",
+         "percent-width", "format-filter", "replace-growth"],
+)  # fmt: skip
+def test_a_template_s_work_and_sizes_are_bounded(source: str, needle: str) -> None:
+    """The template comes from the model file: a loop, an integer or a string that would run for ever
+    or take gigabytes is a ChatTemplateError at once."""
+    with pytest.raises(ChatTemplateError, match=needle):
+        ChatTemplate(source).render([{"role": "user", "content": "hi"}])
+
+
+def test_the_work_bound_is_per_rendering() -> None:
+    # 1.5 M range items per rendering: ten renderings stay within their own bounds
+    template = ChatTemplate("{% for a in range(15) %}{% for b in range(100000) %}{% endfor %}{% endfor %}ok")
+    assert [template.render([]) for _ in range(10)] == ["ok"] * 10
+
+
 @pytest.mark.parametrize(
     ("source", "needle"),
     [
