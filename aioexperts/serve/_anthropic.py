@@ -447,7 +447,7 @@ class AnthropicMessages:
     async def create(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/messages``."""
         server = self.server
-        req = parse_messages_request(parse_json(await self.server.read_body(request)))
+        req = parse_messages_request(parse_json(await server.read_body(request)))
         prompt = await server._in_text_worker(lambda: self._prompt(req))
         max_tokens = server._fit(req, len(prompt.ids))
         msg_id = "msg_" + secrets.token_hex(12)
